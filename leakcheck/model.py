@@ -1,0 +1,264 @@
+"""Plain data shared by every layer: identities, samples, epochs, findings.
+
+Everything here is a frozen dataclass with units in its field names. The lower layers
+(``nvml``, ``procs``) produce ``GpuProcess``/``DeviceState``/``ProcInfo``; ``tracker`` folds
+them into a ``Timeline`` of ``EpochRecord``; ``verdict`` turns a ``Timeline`` into
+``Finding``; ``report`` renders both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
+"""Where a process stands relative to the watched job (see DESIGN.md, attribution model)."""
+
+ROLES: tuple[Role, ...] = ("parent", "worker", "descendant", "orphan", "foreign")
+
+Rule = Literal[
+    "survivor",
+    "orphan",
+    "growth",
+    "residual",
+    "blind",
+    "descriptor-holder",
+    "context-kept",
+    "high-clocks",
+    "tracker-failure",
+]
+Severity = Literal["leak", "info"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, order=True)
+class ProcessKey:
+    """A process identity that survives PID reuse.
+
+    Attributes:
+        pid: The process ID in this PID namespace.
+        create_time: Start time in seconds since the Unix epoch, computed like
+            ``psutil.Process.create_time()`` so both sources compare equal.
+    """
+
+    pid: int
+    create_time: float
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One process as read from /proc at one moment."""
+
+    key: ProcessKey
+    ppid: int
+    name: str
+    cmdline: str
+    tagged: bool = False
+    """True when its environment carries this session's ``LEAKCHECK_SESSION`` tag."""
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process on one device as NVML reports it.
+
+    ``used_gpu_bytes`` is None when the driver does not say (MIG, some vGPUs, permissions),
+    never 0 or the 2**64-1 sentinel.
+    """
+
+    pid: int
+    device_index: int
+    used_gpu_bytes: int | None
+    kind: Literal["compute", "graphics", "both"] = "compute"
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """Memory and thermal state of one device at one moment. Telemetry fields are None
+    when the device does not report them or when only memory was read."""
+
+    index: int
+    name: str
+    uuid: str
+    used_bytes: int
+    total_bytes: int
+    temperature_c: int | None = None
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    power_w: float | None = None
+    performance_state: int | None = None
+    throttle_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AccountedProcess:
+    """NVML accounting record: kept by the driver even after the process exited."""
+
+    pid: int
+    device_index: int
+    max_memory_bytes: int | None
+    time_ms: int | None
+    is_running: bool
+
+
+@dataclass(frozen=True)
+class ProcessEpoch:
+    """What one process did during one epoch.
+
+    Attributes:
+        key: Identity.
+        role: Role at the end of the epoch.
+        ppid: Parent PID at the last observation.
+        cmdline: Command line, shortened for display.
+        born_in_epoch: First seen after this epoch started.
+        persistent: Expected to outlive the epoch (the parent, persistent workers).
+        alive_at_end: Still running when the epoch ended.
+        exited_after_s: Seconds after the epoch end at which it was seen gone; None while
+            it has not been seen gone (or if it was gone before the end).
+        last_seen_after_s: Seconds after the epoch end of the last observation alive.
+        gpu_bytes_end: Used GPU bytes per device index at the end of the epoch.
+        gpu_bytes_peak: Peak used GPU bytes per device index during the epoch.
+        gpu_bytes_unknown: NVML listed it on a device without a byte count.
+        nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
+    """
+
+    key: ProcessKey
+    role: Role
+    ppid: int
+    cmdline: str
+    born_in_epoch: bool
+    persistent: bool
+    alive_at_end: bool
+    exited_after_s: float | None = None
+    last_seen_after_s: float | None = None
+    gpu_bytes_end: Mapping[int, int] = field(default_factory=dict)
+    gpu_bytes_peak: Mapping[int, int] = field(default_factory=dict)
+    gpu_bytes_unknown: bool = False
+    nvidia_fds: int | None = None
+
+    @property
+    def total_gpu_bytes_end(self) -> int:
+        """Sum over devices at the end of the epoch."""
+        return sum(self.gpu_bytes_end.values())
+
+    @property
+    def total_gpu_bytes_peak(self) -> int:
+        """Sum over devices of the per-device peaks."""
+        return sum(self.gpu_bytes_peak.values())
+
+
+EndReason = Literal["completed", "break", "exception", "interrupt", "collected", "closed"]
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One epoch: every process of the job, and the devices at its end."""
+
+    index: int
+    label: str
+    start_s: float
+    end_s: float
+    end_reason: EndReason
+    processes: tuple[ProcessEpoch, ...]
+    devices: tuple[DeviceState, ...]
+    device_peak_used_bytes: Mapping[int, int] = field(default_factory=dict)
+    samples: int = 0
+    error: str | None = None
+    """Text of the exception that ended the epoch, if one did."""
+
+    @property
+    def duration_s(self) -> float:
+        """Wall seconds from start to end."""
+        return self.end_s - self.start_s
+
+
+Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """The job after the watched work ended (``Tracker`` closed): who is still there."""
+
+    time_s: float
+    devices: tuple[DeviceState, ...]
+    processes: tuple[ProcessEpoch, ...]
+    parent_allocated_gpu_bytes: int | None = None
+    """Bytes the parent's torch allocator still holds; None when CUDA was never
+    initialised in the parent (leakcheck never initialises it)."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """All that a tracker observed; the only input of the leak rules."""
+
+    session_id: str
+    root: ProcessKey
+    started_unix_s: float
+    attribution: Attribution
+    attribution_reason: str
+    baseline_devices: tuple[DeviceState, ...]
+    baseline_gpu_bytes: Mapping[int, int]
+    """The root's own used GPU bytes per device when tracking started."""
+    epochs: tuple[EpochRecord, ...]
+    final: FinalState | None = None
+    failures: tuple[str, ...] = ()
+    """Leakcheck's own failures while sampling: reported, never raised."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One judged fact: a leak, or information worth acting on.
+
+    Attributes:
+        rule: Which rule fired (DESIGN.md, leak rules).
+        severity: ``leak`` fails a check; ``info`` is advice.
+        message: One line that names the culprit and what it holds.
+        remedy: One line on what to do about it.
+        pid: Culprit PID, if the finding is about one process.
+        create_time: With ``pid``, the identity of the culprit.
+        role: Culprit role.
+        cmdline: Culprit command line.
+        gpu_bytes: GPU bytes involved (held, leaked, or unexplained).
+        epoch: Epoch index where it was judged, if any.
+        device_index: Device involved, if one.
+        bytes_per_epoch: For growth: fitted slope.
+        nvidia_fds: Open ``/dev/nvidia*`` descriptors of the culprit, if known.
+    """
+
+    rule: Rule
+    severity: Severity
+    message: str
+    remedy: str
+    pid: int | None = None
+    create_time: float | None = None
+    role: Role | None = None
+    cmdline: str | None = None
+    gpu_bytes: int | None = None
+    epoch: int | None = None
+    device_index: int | None = None
+    bytes_per_epoch: float | None = None
+    nvidia_fds: int | None = None
+
+    @property
+    def bytes(self) -> int | None:
+        """Alias of ``gpu_bytes`` (the name in DESIGN.md's public interface)."""
+        return self.gpu_bytes
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    """Thresholds of the leak rules.
+
+    Attributes:
+        tolerance_bytes: Growth or residual below this is noise.
+        warmup_epochs: Epochs ignored by the growth rule (allocator warm-up).
+        grace_s: How long a process born in an epoch may outlive the epoch end.
+        high_clock_fraction: SM clock at or above this fraction of its max after work
+            counts as "high clocks".
+    """
+
+    tolerance_bytes: int = 16 * MIB
+    warmup_epochs: int = 1
+    grace_s: float = 2.0
+    high_clock_fraction: float = 0.8

@@ -173,6 +173,37 @@ class EpochRecord:
         return self.end_s - self.start_s
 
 
+@dataclass(frozen=True)
+class TeardownRecord:
+    """What the teardown policy freed in one worker before it exited.
+
+    Attributes:
+        key: The worker's identity.
+        worker_id: The loader's worker index, if known.
+        cuda_initialized: CUDA was initialised in the worker (else nothing to free).
+        streams_joined: Registered side streams joined into the current stream.
+        resources_released: Registered streams, events and callables dropped or called.
+        freed_cache_bytes: Allocator bytes reserved before emptying the cache.
+        context_released: The context was released (device reset) before exit.
+        gpu_bytes_before: NVML's used bytes for this PID before teardown (None: unknown).
+        left_nvml: NVML no longer listed the PID after teardown (None: could not check).
+        duration_s: Seconds the teardown took.
+        error: One line if a step failed (the worker still exits normally).
+    """
+
+    key: ProcessKey
+    worker_id: int | None
+    cuda_initialized: bool
+    streams_joined: int = 0
+    resources_released: int = 0
+    freed_cache_bytes: int = 0
+    context_released: bool = False
+    gpu_bytes_before: int | None = None
+    left_nvml: bool | None = None
+    duration_s: float = 0.0
+    error: str | None = None
+
+
 Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
 
 
@@ -204,6 +235,8 @@ class Timeline:
     final: FinalState | None = None
     failures: tuple[str, ...] = ()
     """Leakcheck's own failures while sampling: reported, never raised."""
+    teardowns: tuple[TeardownRecord, ...] = ()
+    """Worker teardowns reported through the mailbox, in arrival order."""
 
 
 @dataclass(frozen=True)

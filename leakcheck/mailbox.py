@@ -1,0 +1,76 @@
+"""A per-session folder through which worker processes tell the tracker who they are.
+
+NOTE [worker mailbox]: the tracker must know its workers exactly, not guess them from a diff
+of children, and it must hear what the teardown policy freed in each worker. Workers may be
+started by fork, spawn or forkserver, so no in-memory channel is shared by all of them. A
+folder is: the tracker creates it and exports its path as ``LEAKCHECK_MAILBOX`` (spawned and
+forked children alike inherit the variable); a worker writes one small JSON file per record,
+atomically (write to a temporary name, then rename), and the tracker's sampler lists the
+folder each tick. A reader never sees half a record; a worker that cannot write (no
+variable, read-only folder) loses nothing but the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+MAILBOX_ENV = "LEAKCHECK_MAILBOX"
+
+
+def create() -> str:
+    """Create a private mailbox folder and return its path."""
+    return tempfile.mkdtemp(prefix="leakcheck-mailbox-")
+
+
+def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> bool:
+    """Write one record atomically. Returns False (never raises) when no mailbox is set
+    or the write fails: a worker must not die for leakcheck's sake."""
+    folder = directory or os.environ.get(MAILBOX_ENV)
+    if not folder:
+        return False
+    name = f"{kind}-{os.getpid()}-{record.get('create_time', 0)}.json"
+    final_path = os.path.join(folder, name)
+    temp_path = os.path.join(folder, f".{name}.tmp")
+    try:
+        with open(temp_path, "w", encoding="utf-8") as handle:
+            json.dump({"kind": kind, **record}, handle)
+        os.replace(temp_path, final_path)
+    except OSError:
+        return False
+    return True
+
+
+def read_new(directory: str, seen: set[str]) -> Iterator[dict[str, Any]]:
+    """Yield records not yet in ``seen`` (file names), adding them to it."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in sorted(names):
+        if name in seen or name.startswith(".") or not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as handle:
+                record = json.load(handle)
+        except (OSError, ValueError):
+            continue
+        seen.add(name)
+        if isinstance(record, dict):
+            yield record
+
+
+def remove(directory: str) -> None:
+    """Delete the mailbox folder and its records; errors are ignored."""
+    try:
+        for name in os.listdir(directory):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        os.rmdir(directory)
+    except OSError:
+        pass

@@ -1,0 +1,141 @@
+"""leakcheck.nvml on a real GPU: devices, telemetry, per-PID memory, and no CUDA in the caller."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+from leakcheck import nvml
+from leakcheck.model import GpuProcess
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.gpu
+
+MIB = 2**20
+ALLOC_MIB = 256
+
+# Allocates on cuda:0, says so, then holds the memory until stdin closes.
+_HOLDER = f"""
+import sys, torch
+x = torch.empty({ALLOC_MIB} * 2**20, dtype=torch.uint8, device="cuda:0")
+torch.cuda.synchronize()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _wait_for(predicate: Callable[[], T], what: str, deadline_s: float = 60.0) -> T:
+    # A wait, not a timing assertion: NVML lists a context a moment after it is created.
+    end = time.monotonic() + deadline_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_devices_memory_and_telemetry_are_reported() -> None:
+    handle = nvml.get()
+    assert handle.device_count() > 0
+    assert handle.device_indices() == tuple(range(handle.device_count()))
+    for state in handle.memory():
+        assert state.total_bytes > 0
+        assert 0 <= state.used_bytes <= state.total_bytes
+        assert state.name
+        assert state.uuid.startswith(("GPU-", "MIG-"))
+    for state in handle.devices():
+        assert state.temperature_c is not None
+        assert state.sm_clock_mhz is not None
+        assert state.sm_clock_max_mhz is not None and state.sm_clock_max_mhz > 0
+        assert state.power_w is not None and state.power_w > 0
+        assert state.performance_state is not None
+        known = {name for _, name in nvml.THROTTLE_REASON_NAMES}
+        assert set(state.throttle_reasons) <= known
+
+
+def test_child_allocation_appears_under_its_own_pid() -> None:
+    handle = nvml.get()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+
+        def entry() -> GpuProcess | None:
+            found = [p for p in handle.processes(devices=[0]) if p.pid == child.pid]
+            return found[0] if found else None
+
+        seen = _wait_for(entry, f"pid {child.pid} in NVML")
+        assert seen.device_index == 0
+        assert seen.kind in ("compute", "both")
+        assert seen.used_gpu_bytes is not None
+        assert seen.used_gpu_bytes >= ALLOC_MIB * MIB
+
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+        _wait_for(lambda: entry() is None, f"pid {child.pid} to leave NVML")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_nvml_use_does_not_initialise_cuda_in_the_caller() -> None:
+    # In a fresh interpreter, so that no other test's CUDA use can hide or fake the result.
+    code = """
+import os, torch
+from leakcheck import nvml
+handle = nvml.get()
+pids = {p.pid for p in handle.processes()}
+handle.memory()
+handle.devices()
+handle.accounting(0)
+assert not torch.cuda.is_initialized(), "CUDA was initialised"
+assert os.getpid() not in pids, "this process holds a context"
+assert os.getpid() not in {p.pid for p in handle.processes()}, "this process holds a context"
+print("clean")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "clean"
+
+    import torch  # and in this process: NVML use leaves CUDA's state as it was
+
+    before = torch.cuda.is_initialized()
+    nvml.get().processes()
+    nvml.get().devices()
+    assert torch.cuda.is_initialized() is before
+
+
+def test_forked_child_can_use_nvml() -> None:
+    handle = nvml.get()
+    expected = handle.device_count()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            child = nvml.get()
+            child.processes()
+            if child.device_count() == expected and child.memory()[0].total_bytes > 0:
+                status = 0
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert handle.memory()[0].total_bytes > 0  # the parent's session still works

@@ -1,0 +1,447 @@
+"""leakcheck.nvml against a fake pynvml (CPU), plus one check against the real binding."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from leakcheck import nvml
+from leakcheck.errors import LeakCheckError, NVMLUnavailable, UsageError
+from leakcheck.model import AccountedProcess, GpuProcess
+from tests.fake_pynvml import (
+    NOT_AVAILABLE,
+    NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_NO_PERMISSION,
+    FakeDevice,
+    FakeProcess,
+    FakePynvml,
+)
+
+MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _fresh_singleton() -> Iterator[None]:
+    nvml._reset_for_tests()
+    yield
+    nvml._reset_for_tests()
+
+
+UseFake = Callable[..., FakePynvml]
+
+
+@pytest.fixture
+def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
+    """Install a FakePynvml built by the test as ``sys.modules['pynvml']``."""
+
+    def install(*args: Any, **kwargs: Any) -> FakePynvml:
+        fake = FakePynvml(*args, **kwargs)
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        nvml._reset_for_tests()
+        return fake
+
+    return install
+
+
+def two_devices() -> list[FakeDevice]:
+    return [
+        FakeDevice(
+            uuid="GPU-aaaa",
+            compute=[FakeProcess(100, 600 * MIB), FakeProcess(200, 300 * MIB)],
+            graphics=[FakeProcess(200, 300 * MIB), FakeProcess(300, 50 * MIB)],
+        ),
+        FakeDevice(
+            uuid="GPU-bbbb",
+            used_bytes=5 * MIB,
+            compute=[FakeProcess(100, 520 * MIB)],
+        ),
+    ]
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def test_processes_merges_compute_and_graphics_per_pid_and_device(use_fake: UseFake) -> None:
+    use_fake(two_devices())
+    procs = nvml.get().processes()
+    assert procs == (
+        GpuProcess(pid=100, device_index=0, used_gpu_bytes=600 * MIB, kind="compute"),
+        GpuProcess(pid=200, device_index=0, used_gpu_bytes=300 * MIB, kind="both"),
+        GpuProcess(pid=300, device_index=0, used_gpu_bytes=50 * MIB, kind="graphics"),
+        GpuProcess(pid=100, device_index=1, used_gpu_bytes=520 * MIB, kind="compute"),
+    )
+
+
+def test_processes_device_filter_reads_only_those_devices(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
+    procs = nvml.get().processes(devices=[1])
+    assert [(p.pid, p.device_index) for p in procs] == [(100, 1)]
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 1
+
+
+def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake) -> None:
+    use_fake(
+        [
+            FakeDevice(
+                compute=[
+                    FakeProcess(10, NOT_AVAILABLE),  # raw NVML sentinel
+                    FakeProcess(11, None),  # what the binding turns it into
+                    FakeProcess(12, 0),  # a real zero stays zero
+                ],
+                graphics=[FakeProcess(10, NOT_AVAILABLE)],
+            )
+        ]
+    )
+    by_pid = {p.pid: p for p in nvml.get().processes()}
+    assert by_pid[10].used_gpu_bytes is None
+    assert by_pid[10].kind == "both"
+    assert by_pid[11].used_gpu_bytes is None
+    assert by_pid[12].used_gpu_bytes == 0
+
+
+def test_known_bytes_win_over_unknown_when_merging_lists(use_fake: UseFake) -> None:
+    use_fake([FakeDevice(compute=[FakeProcess(7, 64 * MIB)], graphics=[FakeProcess(7, None)])])
+    (proc,) = nvml.get().processes()
+    assert (proc.used_gpu_bytes, proc.kind) == (64 * MIB, "both")
+
+
+def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake) -> None:
+    use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)])
+    assert nvml.get().processes() == (
+        GpuProcess(pid=5, device_index=0, used_gpu_bytes=MIB, kind="compute"),
+    )
+
+
+# -- memory and telemetry --------------------------------------------------------------------
+
+
+def test_memory_reads_used_total_and_caches_name_uuid_and_handles(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
+    handle = nvml.get()
+    first = handle.memory()
+    second = handle.memory()
+    assert first == second
+    assert [(d.index, d.uuid, d.used_bytes, d.total_bytes) for d in first] == [
+        (0, "GPU-aaaa", 2**30, 140 * 2**30),
+        (1, "GPU-bbbb", 5 * MIB, 140 * 2**30),
+    ]
+    assert first[0].name == "NVIDIA Fake H200"
+    assert first[0].temperature_c is None  # memory() reads no telemetry
+    assert fake.calls["nvmlDeviceGetMemoryInfo"] == 4
+    assert fake.calls["nvmlDeviceGetHandleByIndex"] == 2
+    assert fake.calls["nvmlDeviceGetName"] == 2
+    assert fake.calls["nvmlDeviceGetUUID"] == 2
+    assert fake.calls["nvmlDeviceGetTemperature"] == 0
+
+
+def test_devices_reads_and_decodes_telemetry(use_fake: UseFake) -> None:
+    use_fake([FakeDevice(clock_event_reasons=0x1 | 0x4 | 0x40, power_mw=123_456)])
+    (state,) = nvml.get().devices()
+    assert state.temperature_c == 35
+    assert (state.sm_clock_mhz, state.sm_clock_max_mhz) == (345, 1980)
+    assert state.power_w == pytest.approx(123.456)
+    assert state.performance_state == 0
+    assert state.throttle_reasons == ("gpu_idle", "sw_power_cap", "hw_thermal")
+    assert state.used_bytes == 2**30
+
+
+def test_unsupported_telemetry_leaves_only_that_field_none(use_fake: UseFake) -> None:
+    use_fake(
+        [
+            FakeDevice(temperature_c=None, power_mw=None, clock_event_reasons=None),
+            FakeDevice(sm_clock_mhz=None, sm_clock_max_mhz=None, performance_state=None),
+        ]
+    )
+    first, second = nvml.get().devices()
+    assert (first.temperature_c, first.power_w, first.throttle_reasons) == (None, None, ())
+    assert (first.sm_clock_mhz, first.sm_clock_max_mhz, first.performance_state) == (345, 1980, 0)
+    assert (second.sm_clock_mhz, second.sm_clock_max_mhz, second.performance_state) == (
+        None,
+        None,
+        None,
+    )
+    assert (second.temperature_c, second.power_w) == (35, 75.5)
+
+
+def test_unknown_pstate_is_none(use_fake: UseFake) -> None:
+    use_fake([FakeDevice(performance_state=32)])  # NVML_PSTATE_UNKNOWN
+    assert nvml.get().devices()[0].performance_state is None
+
+
+def test_throttle_reasons_fall_back_to_the_deprecated_call(use_fake: UseFake) -> None:
+    fake = use_fake([FakeDevice(clock_event_reasons=0x8 | 0x100)], has_event_reasons=False)
+    (state,) = nvml.get().devices()
+    assert state.throttle_reasons == ("hw_slowdown", "display_clocks")
+    assert fake.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 1
+
+
+def test_throttle_reason_names_decodes_every_named_bit() -> None:
+    names = nvml.throttle_reason_names(0x1FF | 0x10000)
+    assert names == (
+        "gpu_idle",
+        "applications_clocks",
+        "sw_power_cap",
+        "hw_slowdown",
+        "sync_boost",
+        "sw_thermal",
+        "hw_thermal",
+        "hw_power_brake",
+        "display_clocks",
+    )
+    assert nvml.throttle_reason_names(0) == ()
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "hint"),
+    [
+        (NVML_ERROR_LIBRARY_NOT_FOUND, "libnvidia-ml.so.1 not found"),
+        (NVML_ERROR_DRIVER_NOT_LOADED, "driver is not loaded"),
+        (NVML_ERROR_NO_PERMISSION, "no permission"),
+        (NVML_ERROR_LIB_RM_VERSION_MISMATCH, "versions differ"),
+        (999, "nvmlInit failed"),
+    ],
+)
+def test_init_failure_raises_nvml_unavailable_with_a_hint(
+    use_fake: UseFake, code: int, hint: str
+) -> None:
+    use_fake(init_error=code)
+    with pytest.raises(NVMLUnavailable) as info:
+        nvml.get()
+    message = str(info.value)
+    assert message.startswith("NVML unavailable: ")
+    assert hint in message
+    assert "\n" not in message
+
+
+def test_availability_reports_reason_without_raising(use_fake: UseFake) -> None:
+    use_fake(init_error=NVML_ERROR_LIBRARY_NOT_FOUND)
+    ok, reason = nvml.availability()
+    assert ok is False
+    assert "libnvidia-ml.so.1 not found" in reason
+    assert "GPU columns are skipped" in reason
+    assert "\n" not in reason
+
+
+def test_availability_true_when_nvml_works(use_fake: UseFake) -> None:
+    use_fake()
+    assert nvml.availability() == (True, "")
+
+
+def test_init_failure_is_remembered_for_the_process(use_fake: UseFake) -> None:
+    fake = use_fake(init_error=NVML_ERROR_DRIVER_NOT_LOADED)
+    for _ in range(3):
+        with pytest.raises(NVMLUnavailable):
+            nvml.get()
+    assert fake.calls["nvmlInit"] == 1
+
+
+def test_no_gpu_is_unavailable(use_fake: UseFake) -> None:
+    fake = use_fake([])
+    ok, reason = nvml.availability()
+    assert not ok
+    assert "no NVIDIA GPU" in reason
+    assert fake.shutdown_calls == 1  # the half-open session was closed again
+
+
+def test_missing_package_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
+    ok, reason = nvml.availability()
+    assert not ok
+    assert "nvidia-ml-py" in reason
+
+
+def test_device_error_names_call_and_device(use_fake: UseFake) -> None:
+    devices = two_devices()
+    use_fake(devices)
+    handle = nvml.get()
+    handle.memory()
+    devices[1].lost = True
+    with pytest.raises(LeakCheckError) as info:
+        handle.processes()
+    assert not isinstance(info.value, NVMLUnavailable)
+    message = str(info.value)
+    assert "nvmlDeviceGetComputeRunningProcesses" in message
+    assert "device 1" in message
+    assert "GPU is lost" in message
+    assert handle.memory(devices=[0])[0].index == 0  # the healthy device still reads
+
+
+def test_bad_device_index_is_a_usage_error(use_fake: UseFake) -> None:
+    use_fake(two_devices())
+    with pytest.raises(UsageError, match="out of range"):
+        nvml.get().memory(devices=[2])
+
+
+# -- process safety --------------------------------------------------------------------------
+
+
+def test_using_nvml_does_not_initialise_cuda(use_fake: UseFake) -> None:
+    torch = pytest.importorskip("torch")
+    use_fake(two_devices())
+    handle = nvml.get()
+    handle.processes()
+    handle.memory()
+    handle.devices()
+    handle.accounting(0)
+    assert torch.cuda.is_initialized() is False
+
+
+def test_nvml_module_never_imports_torch() -> None:
+    code = (
+        "import sys; from leakcheck import nvml; nvml.availability()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_many_threads_calling_get_initialise_once(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices(), init_delay_s=0.02)
+    start = threading.Barrier(16)
+    results: list[nvml.Nvml] = []
+
+    def worker() -> None:
+        start.wait()
+        results.append(nvml.get())
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 16
+    assert len({id(r) for r in results}) == 1
+    assert fake.init_calls == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_reinitialises_and_drops_cached_handles(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
+    handle = nvml.get()
+    handle.memory()  # caches handles of generation 1
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report, then leave without running pytest's teardown
+        status = 1
+        try:
+            os.close(read_fd)
+            child = nvml.get()
+            used = child.memory()[1].used_bytes
+            line = f"{child is handle} {fake.init_calls} {used}\n"
+            os.write(write_fd, line.encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # Same object, re-initialised in the child (2nd init), stale handles not reused.
+    assert report.split() == ["True", "2", str(5 * MIB)]
+    assert fake.init_calls == 1  # the parent's session is untouched
+
+
+def test_shutdown_closes_and_get_starts_a_new_session(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
+    first = nvml.get()
+    first.shutdown()
+    first.shutdown()  # idempotent
+    assert fake.shutdown_calls == 1
+    with pytest.raises(NVMLUnavailable, match="shut down"):
+        first.memory()
+    second = nvml.get()
+    assert second is not first
+    assert second.device_count() == 2
+    assert fake.init_calls == 2
+
+
+# -- accounting ------------------------------------------------------------------------------
+
+
+def test_accounting_off_returns_empty_and_never_switches_it_on(use_fake: UseFake) -> None:
+    devices = two_devices()
+    devices[0].accounting = {100: (600 * MIB, 1500, False)}
+    fake = use_fake(devices, root=True)
+    handle = nvml.get()
+    assert handle.accounting_enabled(0) is False
+    assert handle.accounting(0) == ()
+    assert fake.calls["nvmlDeviceSetAccountingMode"] == 0
+    assert devices[0].accounting_mode is False
+
+
+def test_accounting_unsupported_counts_as_off(use_fake: UseFake) -> None:
+    use_fake([FakeDevice(accounting_supported=False)])
+    assert nvml.get().accounting_enabled(0) is False
+    assert nvml.get().accounting(0) == ()
+
+
+def test_accounting_on_lists_records_including_exited(use_fake: UseFake) -> None:
+    devices = [
+        FakeDevice(
+            accounting_mode=True,
+            accounting={100: (600 * MIB, 1500, False), 101: (NOT_AVAILABLE, 20, True)},
+            accounting_vanishing_pids=(102,),
+        )
+    ]
+    use_fake(devices)
+    assert nvml.get().accounting(0) == (
+        AccountedProcess(
+            pid=100, device_index=0, max_memory_bytes=600 * MIB, time_ms=1500, is_running=False
+        ),
+        AccountedProcess(
+            pid=101, device_index=0, max_memory_bytes=None, time_ms=20, is_running=True
+        ),
+    )
+
+
+def test_enable_accounting_is_explicit_and_needs_root(use_fake: UseFake) -> None:
+    devices = two_devices()
+    use_fake(devices, root=False)
+    with pytest.raises(LeakCheckError, match="needs root"):
+        nvml.get().enable_accounting(0)
+    assert devices[0].accounting_mode is False
+
+    devices = two_devices()
+    use_fake(devices, root=True)
+    nvml.get().enable_accounting(1)
+    assert nvml.get().accounting_enabled(1) is True
+    assert devices[0].accounting_mode is False
+
+
+# -- the real binding on this machine ---------------------------------------------------------
+
+
+def _driver_library_present() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_driver_library_present(), reason="a driver is present: tests/gpu covers it")
+def test_real_pynvml_without_driver_is_unavailable_with_one_line_reason() -> None:
+    pytest.importorskip("pynvml")
+    ok, reason = nvml.availability()
+    assert ok is False
+    assert reason.startswith("NVML unavailable: ")
+    assert "libnvidia-ml.so.1 not found" in reason
+    assert "\n" not in reason
+    with pytest.raises(NVMLUnavailable):
+        nvml.get()

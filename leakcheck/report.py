@@ -1,0 +1,570 @@
+"""Report: a judged timeline, rendered as text or as JSON-able data.
+
+``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
+holds the timeline, the findings and the thresholds used, and renders them:
+``format()`` for people (quiet when all is well), ``to_dict()`` for tools
+(``schema_version`` 1; ``report_from_dict`` reads it back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from leakcheck.errors import UsageError
+from leakcheck.model import (
+    MIB,
+    DeviceState,
+    EpochRecord,
+    Finding,
+    ProcessEpoch,
+    ProcessKey,
+    RuleConfig,
+    Timeline,
+)
+from leakcheck.units import format_mib
+from leakcheck.verdict import LINEAGE_ROLES, judge, shorten_cmdline
+
+__all__ = ["SCHEMA_VERSION", "Report", "Verdict", "build_report", "report_from_dict"]
+
+SCHEMA_VERSION = 1
+"""Version of the ``to_dict`` layout; bumped on any incompatible change."""
+
+Verdict = Literal["clean", "leak", "blind"]
+
+_GIB = 1024 * MIB
+_LABEL_WIDTH = 16
+_VERDICT_LEAKS_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Report:
+    """The findings of the leak rules over one timeline.
+
+    Attributes:
+        timeline: Everything the tracker observed.
+        findings: Leaks first, then by epoch, then PID (as ``verdict.judge`` orders them).
+        config: The thresholds the findings were judged with.
+
+    """
+
+    timeline: Timeline
+    findings: tuple[Finding, ...]
+    config: RuleConfig
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def leaks(self) -> list[Finding]:
+        """Findings of severity ``leak``."""
+        return [f for f in self.findings if f.severity == "leak"]
+
+    @property
+    def infos(self) -> list[Finding]:
+        """Findings of severity ``info`` (advice; never fail a check)."""
+        return [f for f in self.findings if f.severity == "info"]
+
+    @property
+    def epochs(self) -> tuple[EpochRecord, ...]:
+        """The observed epochs, in order."""
+        return self.timeline.epochs
+
+    @property
+    def verdict(self) -> Verdict:
+        """Return ``leak``, ``blind`` or ``clean``.
+
+        ``leak`` when any leak was found; ``blind`` when none was but processes could not
+        be attributed (never ``clean`` then); otherwise ``clean``.
+        """
+        if self.leaks:
+            return "leak"
+        if self.timeline.attribution == "blind-namespace":
+            return "blind"
+        return "clean"
+
+    @property
+    def clean(self) -> bool:
+        """True only when the verdict is ``clean``."""
+        return self.verdict == "clean"
+
+    # ------------------------------------------------------------------ data
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as plain data that ``json.dumps`` accepts.
+
+        Mapping keys (device indices) become strings, tuples become lists. Besides every
+        field of the timeline, the layout carries ``schema_version``, ``verdict`` and a
+        ``summary``; ``report_from_dict`` reads it back.
+        """
+        tl = self.timeline
+        extra = {
+            f.name: _to_jsonable(getattr(tl, f.name))
+            for f in dataclasses.fields(tl)
+            if f.name not in _TIMELINE_KEYS.values()
+        }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "session": tl.session_id,
+            "root": _to_jsonable(tl.root),
+            "started_unix_s": tl.started_unix_s,
+            "attribution": tl.attribution,
+            "attribution_reason": tl.attribution_reason,
+            "verdict": self.verdict,
+            "summary": {
+                "leaks": len(self.leaks),
+                "infos": len(self.infos),
+                "epochs": len(tl.epochs),
+                "processes": len(_lineage_keys(tl)),
+            },
+            "config": _to_jsonable(self.config),
+            "baseline": {
+                "devices": _to_jsonable(tl.baseline_devices),
+                "gpu_bytes": _to_jsonable(tl.baseline_gpu_bytes),
+            },
+            "epochs": [_epoch_to_dict(rec) for rec in tl.epochs],
+            "final": _to_jsonable(tl.final),
+            "findings": _to_jsonable(self.findings),
+            "failures": list(tl.failures),
+            **extra,
+        }
+
+    # ------------------------------------------------------------------ text
+
+    def summary(self) -> str:
+        """Return the one-line verdict that ends ``format()``."""
+        tl = self.timeline
+        n_epochs = _plural(len(tl.epochs), "epoch")
+        leaks = self.leaks
+        if leaks:
+            shown = "; ".join(_leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
+            more = len(leaks) - _VERDICT_LEAKS_SHOWN
+            tail = f"; and {more} more" if more > 0 else ""
+            return f"leakcheck: {_plural(len(leaks), 'leak')} found: {shown}{tail}"
+        if self.verdict == "blind":
+            return (
+                f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
+                "attributed to processes (PID namespace); device totals show no leak"
+            )
+        processes = _plural(len(_lineage_keys(tl)), "process", "processes")
+        if tl.attribution in ("nvml-unavailable", "no-gpu"):
+            return (
+                f"leakcheck: no leaks in {n_epochs} ({processes}; GPU memory not checked: "
+                f"{'NVML unavailable' if tl.attribution == 'nvml-unavailable' else 'no GPU'})"
+            )
+        peak = _device_peak(tl)
+        peak_text = f", peak {_human_bytes(peak[1])} on GPU{peak[0]}" if peak else ""
+        return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
+
+    def format(self, *, verbose: bool = False) -> str:
+        """Render the report as text.
+
+        A clean report is short: its advice, if any, and the verdict line. Otherwise (or
+        with ``verbose``): a header, why attribution is limited (if it is), a table with
+        one row per epoch, the findings with their fixes, and the verdict line. ``verbose``
+        adds every process of every epoch, the thresholds and worker teardowns.
+        """
+        lines: list[str] = []
+        if self.clean and not verbose:
+            lines.extend(_findings_lines(self.infos))
+            lines.append(self.summary())
+            return "\n".join(lines)
+        lines.append(_header(self.timeline))
+        attribution = _attribution_line(self.timeline)
+        if attribution:
+            lines.append(attribution)
+        if verbose:
+            lines.append(_config_line(self.config))
+        if self.timeline.epochs:
+            lines.append("")
+            lines.extend(_epoch_table(self.timeline, self.config))
+        if verbose:
+            lines.extend(_process_lines(self.timeline))
+            lines.extend(_teardown_lines(self.timeline))
+        if self.findings:
+            lines.append("")
+            lines.extend(_findings_lines(self.findings))
+        lines.append("")
+        lines.append(self.summary())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def build_report(timeline: Timeline, config: RuleConfig) -> Report:
+    """Judge ``timeline`` with every leak rule and wrap the result in a ``Report``."""
+    return Report(timeline=timeline, findings=judge(timeline, config), config=config)
+
+
+# --------------------------------------------------------------------------- to_dict
+
+
+def _to_jsonable(value: Any) -> Any:
+    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    raise TypeError(f"cannot put {type(value).__name__} into a report dict")
+
+
+def _process_to_dict(proc: ProcessEpoch) -> dict[str, Any]:
+    data: dict[str, Any] = _to_jsonable(proc)
+    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end
+    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak
+    return data
+
+
+def _epoch_to_dict(rec: EpochRecord) -> dict[str, Any]:
+    data: dict[str, Any] = _to_jsonable(rec)
+    data["processes"] = [_process_to_dict(p) for p in rec.processes]
+    data["duration_s"] = rec.duration_s
+    return data
+
+
+# Timeline fields stored under another name or place in the dict; the rest keep their name.
+_TIMELINE_KEYS: dict[str, str] = {
+    "session": "session_id",
+    "root": "root",
+    "started_unix_s": "started_unix_s",
+    "attribution": "attribution",
+    "attribution_reason": "attribution_reason",
+    "epochs": "epochs",
+    "final": "final",
+    "failures": "failures",
+    "baseline_devices": "baseline_devices",
+    "baseline_gpu_bytes": "baseline_gpu_bytes",
+}
+
+
+# --------------------------------------------------------------------------- from dict
+
+
+def _from_jsonable(hint: Any, value: Any) -> Any:
+    """Inverse of ``_to_jsonable`` for one value of type ``hint``."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _from_jsonable(args[0], value) if len(args) == 1 else value
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _dataclass_from_dict(hint, value)
+    if origin is tuple:
+        return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
+    if origin in (Mapping, dict):
+        key_hint, value_hint = typing.get_args(hint)
+        return {
+            _from_jsonable(key_hint, k): _from_jsonable(value_hint, v) for k, v in value.items()
+        }
+    if hint is int:
+        return int(value)
+    if hint is float:
+        return float(value)
+    return value
+
+
+def _dataclass_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        f.name: _from_jsonable(hints[f.name], data[f.name])
+        for f in dataclasses.fields(cls)
+        if f.init and f.name in data
+    }
+    return cls(**kwargs)
+
+
+def report_from_dict(data: Mapping[str, Any]) -> Report:
+    """Read back a report written by ``Report.to_dict`` (after a JSON round trip).
+
+    Raises:
+        UsageError: The data is not a leakcheck report of this schema version.
+
+    """
+    version = data.get("schema_version") if isinstance(data, Mapping) else None
+    if version != SCHEMA_VERSION:
+        raise UsageError(f"report data: expected schema_version {SCHEMA_VERSION}, got {version!r}")
+    baseline = data.get("baseline") or {}
+    fields: dict[str, Any] = {
+        name: data[key] for key, name in _TIMELINE_KEYS.items() if key in data
+    }
+    fields["baseline_devices"] = baseline.get("devices", [])
+    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
+    for f in dataclasses.fields(Timeline):
+        if f.name not in fields and f.name in data:
+            fields[f.name] = data[f.name]
+    try:
+        timeline: Timeline = _dataclass_from_dict(Timeline, fields)
+        config: RuleConfig = _dataclass_from_dict(RuleConfig, data.get("config") or {})
+        findings = tuple(_dataclass_from_dict(Finding, f) for f in data.get("findings") or ())
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
+    return Report(timeline=timeline, findings=findings, config=config)
+
+
+# --------------------------------------------------------------------------- text helpers
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    return f"{count} {word if count == 1 else (plural or word + 's')}"
+
+
+def _human_bytes(num_bytes: int) -> str:
+    if abs(num_bytes) >= _GIB:
+        return f"{num_bytes / _GIB:.1f} GiB"
+    return f"{format_mib(num_bytes)} MiB"
+
+
+def _bytes_known(timeline: Timeline) -> bool:
+    return timeline.attribution == "ok"
+
+
+def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
+    keys = {p.key for rec in timeline.epochs for p in rec.processes if p.role in LINEAGE_ROLES}
+    if timeline.final is not None:
+        keys.update(p.key for p in timeline.final.processes if p.role in LINEAGE_ROLES)
+    return keys
+
+
+def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
+    """(device index, bytes) of the highest device use seen in any epoch."""
+    best: tuple[int, int] | None = None
+    for rec in timeline.epochs:
+        peaks = dict(rec.device_peak_used_bytes)
+        for dev in rec.devices:
+            peaks[dev.index] = max(peaks.get(dev.index, 0), dev.used_bytes)
+        for index, used in sorted(peaks.items()):
+            if best is None or used > best[1]:
+                best = (index, used)
+    return best
+
+
+def _leak_short(finding: Finding) -> str:
+    if finding.pid is not None:
+        who = f"{finding.role or 'process'} PID {finding.pid}"
+    elif finding.device_index is not None:
+        who = f"GPU{finding.device_index}"
+    else:
+        who = "job"
+    if finding.bytes_per_epoch is not None:
+        amount = f" ({format_mib(finding.bytes_per_epoch, signed=True)} MiB/epoch)"
+    elif finding.gpu_bytes:
+        amount = f" ({format_mib(finding.gpu_bytes)} MiB)"
+    else:
+        amount = ""
+    return f"{finding.rule} {who}{amount}"
+
+
+def _header(timeline: Timeline) -> str:
+    devices = timeline.baseline_devices or (timeline.epochs[0].devices if timeline.epochs else ())
+    device_text = ", ".join(f"GPU{d.index} {d.name}" for d in devices)
+    parts = [
+        f"session {timeline.session_id}",
+        f"root PID {timeline.root.pid}",
+        _plural(len(timeline.epochs), "epoch"),
+    ]
+    if device_text:
+        parts.append(device_text)
+    return "leakcheck report: " + ", ".join(parts)
+
+
+def _attribution_line(timeline: Timeline) -> str | None:
+    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
+    if timeline.attribution == "blind-namespace":
+        return (
+            f"attribution blind: NVML's PIDs are from another PID namespace{reason}; "
+            "only device totals are judged"
+        )
+    if timeline.attribution == "nvml-unavailable":
+        return f"attribution off: NVML unavailable{reason}; only processes were checked"
+    if timeline.attribution == "no-gpu":
+        return f"attribution off: no GPU{reason}; only processes were checked"
+    return None
+
+
+def _config_line(config: RuleConfig) -> str:
+    return (
+        f"thresholds: tolerance {format_mib(config.tolerance_bytes)} MiB, "
+        f"warm-up {_plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
+        f"high clocks >= {config.high_clock_fraction:.0%} of max"
+    )
+
+
+def _alive_after(proc: ProcessEpoch, config: RuleConfig) -> bool:
+    """Born in the epoch, not persistent, and not seen gone within the grace period."""
+    if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
+        return False
+    if proc.role not in ("worker", "descendant", "orphan"):
+        return False
+    return proc.exited_after_s is None or proc.exited_after_s > config.grace_s
+
+
+def _or_dash(value: object | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+_TABLE_HEAD = (
+    "epoch",
+    "label",
+    "time s",
+    "parent MiB",
+    "workers n/sum/max MiB",
+    "alive after",
+    "orphans",
+    "GPU",
+    "used/total MiB",
+    "temp C",
+    "SM MHz",
+    "power W",
+)
+_LEFT_ALIGNED = frozenset((1, 7))
+
+
+def _device_cells(dev: DeviceState | None) -> list[str]:
+    if dev is None:
+        return ["-", "-", "-", "-", "-"]
+    return [
+        f"GPU{dev.index}",
+        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
+        _or_dash(dev.temperature_c),
+        _or_dash(dev.sm_clock_mhz),
+        _or_dash(dev.power_w, ".0f"),
+    ]
+
+
+def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> list[list[str]]:
+    known = _bytes_known(timeline)
+    parents = [p for p in rec.processes if p.role == "parent"]
+    workers = [p for p in rec.processes if p.role == "worker"]
+    worker_bytes = [p.total_gpu_bytes_end for p in workers]
+    if not workers:
+        worker_text = "0"
+    elif known:
+        worker_text = (
+            f"{len(workers)}/{format_mib(sum(worker_bytes))}/{format_mib(max(worker_bytes))}"
+        )
+    else:
+        worker_text = f"{len(workers)}/-/-"
+    label = rec.label if len(rec.label) <= _LABEL_WIDTH else rec.label[: _LABEL_WIDTH - 3] + "..."
+    cells = [
+        str(rec.index),
+        label,
+        f"{rec.duration_s:.1f}",
+        format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
+        worker_text,
+        str(sum(_alive_after(p, config) for p in rec.processes)),
+        str(sum(p.role == "orphan" and p.alive_at_end for p in rec.processes)),
+    ]
+    devices = sorted(rec.devices, key=lambda d: d.index)
+    rows = [cells + _device_cells(devices[0] if devices else None)]
+    rows.extend([""] * len(cells) + _device_cells(dev) for dev in devices[1:])
+    return rows
+
+
+def _align(rows: Sequence[Sequence[str]], left: frozenset[int] | set[int]) -> list[str]:
+    """Lay out rows as columns two spaces apart; ``left`` columns are left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [
+            cell.ljust(widths[i]) if i in left else cell.rjust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
+    rows: list[list[str]] = [list(_TABLE_HEAD)]
+    for rec in timeline.epochs:
+        rows.extend(_epoch_rows(rec, timeline, config))
+    return _align(rows, _LEFT_ALIGNED)
+
+
+def _process_lines(timeline: Timeline) -> list[str]:
+    known = _bytes_known(timeline)
+    lines: list[str] = []
+    groups: list[tuple[str, Sequence[ProcessEpoch]]] = [
+        (f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs
+    ]
+    if timeline.final is not None:
+        groups.append(("after the work", timeline.final.processes))
+    for title, procs in groups:
+        lines.append("")
+        lines.append(f"{title}:")
+        if not procs:
+            continue
+        rows = [["role", "PID", "GPU MiB", "fds", "flags", "command"]]
+        for proc in procs:
+            flags = [
+                name
+                for name, on in (
+                    ("born", proc.born_in_epoch),
+                    ("persistent", proc.persistent),
+                    ("gone-at-end", not proc.alive_at_end),
+                )
+                if on
+            ]
+            if proc.exited_after_s is not None:
+                flags.append(f"exited+{proc.exited_after_s:.1f}s")
+            if proc.last_seen_after_s is not None:
+                flags.append(f"seen+{proc.last_seen_after_s:.1f}s")
+            if not known:
+                held = "-"
+            elif proc.gpu_bytes_unknown:
+                held = "?"
+            else:
+                held = (
+                    ",".join(
+                        f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())
+                    )
+                    or "0"
+                )
+            rows.append(
+                [
+                    proc.role,
+                    str(proc.key.pid),
+                    held,
+                    _or_dash(proc.nvidia_fds),
+                    " ".join(flags) or "-",
+                    shorten_cmdline(proc.cmdline),
+                ]
+            )
+        lines.extend("  " + line for line in _align(rows, left={0, 4, 5}))
+    return lines
+
+
+def _teardown_lines(timeline: Timeline) -> list[str]:
+    records = getattr(timeline, "teardowns", ())
+    if not records:
+        return []
+    lines = ["", "worker teardowns:"]
+    for rec in records:
+        steps = [
+            f"freed cache {format_mib(rec.freed_cache_bytes)} MiB",
+            "context released" if rec.context_released else "context kept",
+        ]
+        if rec.left_nvml is not None:
+            steps.append("left NVML" if rec.left_nvml else "still in NVML")
+        if rec.error:
+            steps.append(f"error: {rec.error}")
+        worker = f" (worker {rec.worker_id})" if rec.worker_id is not None else ""
+        lines.append(f"  PID {rec.key.pid}{worker}: {', '.join(steps)}")
+    return lines
+
+
+def _findings_lines(findings: Sequence[Finding]) -> list[str]:
+    lines: list[str] = []
+    for finding in findings:
+        tag = "LEAK" if finding.severity == "leak" else "info"
+        lines.append(f"{tag} {finding.rule}: {finding.message}")
+        lines.append(f"  fix: {finding.remedy}")
+    return lines

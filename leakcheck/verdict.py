@@ -1,0 +1,722 @@
+"""Leak rules: pure functions from a ``Timeline`` to ``Finding`` values.
+
+Every rule is a public function ``rule(timeline, config) -> tuple[Finding, ...]`` with no I/O
+and no clock: the tracker observes, the rules only judge what was observed, so each rule can
+be unit-tested with made-up series. ``judge`` runs them all and orders the findings.
+
+Rules that read per-process or per-device GPU memory need NVML and return nothing when the
+timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``survivor``,
+``orphan``) always run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from leakcheck.model import (
+    DeviceState,
+    EpochRecord,
+    Finding,
+    ProcessEpoch,
+    ProcessKey,
+    Role,
+    Rule,
+    RuleConfig,
+    Timeline,
+)
+from leakcheck.units import format_mib
+
+__all__ = [
+    "LINEAGE_ROLES",
+    "RULES",
+    "blind",
+    "context_kept",
+    "descriptor_holder",
+    "growth",
+    "growth_slope",
+    "high_clocks",
+    "judge",
+    "orphan",
+    "residual",
+    "shorten_cmdline",
+    "survivor",
+    "tracker_failure",
+]
+
+LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
+"""Roles of processes that belong to the watched job (everything but ``foreign``)."""
+
+_CMD_WIDTH = 48
+
+# NOTE [late rise]: a leak keeps growing; allocator warm-up grows and then plateaus. The
+# growth rule asks that at least this share of the total rise happens in the second half
+# of the series, so a cache that filled early and then stayed flat is not called a leak.
+_LATE_RISE_SHARE = 0.25
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def shorten_cmdline(cmdline: str, width: int = _CMD_WIDTH) -> str:
+    """Collapse whitespace and cut a command line to ``width`` characters for display."""
+    text = " ".join(cmdline.split())
+    if not text:
+        return "?"
+    if len(text) <= width:
+        return text
+    return text[: max(width - 3, 1)] + "..."
+
+
+def _per_pid_bytes_known(timeline: Timeline) -> bool:
+    """Tell whether NVML's per-process bytes match this namespace's PIDs."""
+    return timeline.attribution == "ok"
+
+
+def _has_nvml(timeline: Timeline) -> bool:
+    """Tell whether device-level NVML data exists (rules on device totals may run)."""
+    return timeline.attribution not in ("nvml-unavailable", "no-gpu")
+
+
+def _culprit(proc: ProcessEpoch) -> str:
+    return f"{proc.role} PID {proc.key.pid} ({shorten_cmdline(proc.cmdline)})"
+
+
+def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
+    """``GPU0 612 MiB, GPU1 2.0 MiB`` for the devices holding memory."""
+    parts = [f"GPU{d} {format_mib(b)} MiB" for d, b in sorted(gpu_bytes.items()) if b > 0]
+    return ", ".join(parts)
+
+
+def _holding_text(
+    gpu_bytes: Mapping[int, int], nvidia_fds: int | None, *, bytes_known: bool
+) -> str:
+    """Describe what a process holds: GPU bytes per device and /dev/nvidia* fds."""
+    parts: list[str] = []
+    if bytes_known:
+        devices = _devices_text(gpu_bytes)
+        if devices:
+            parts.append(f"holds {devices}")
+    if nvidia_fds:
+        parts.append(f"{nvidia_fds} /dev/nvidia* fds")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def _max_per_device(procs: Iterable[ProcessEpoch]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for proc in procs:
+        for device, held in proc.gpu_bytes_end.items():
+            out[device] = max(out.get(device, 0), held)
+    return out
+
+
+def _max_fds(procs: Iterable[ProcessEpoch]) -> int | None:
+    known = [p.nvidia_fds for p in procs if p.nvidia_fds is not None]
+    return max(known) if known else None
+
+
+def _sorted_epochs(timeline: Timeline) -> list[EpochRecord]:
+    return sorted(timeline.epochs, key=lambda rec: rec.index)
+
+
+def _observations(
+    timeline: Timeline,
+) -> dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]]:
+    """Every observation of every identity: epochs in index order, then the final state."""
+    seen: dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]] = {}
+    for rec in _sorted_epochs(timeline):
+        for proc in rec.processes:
+            seen.setdefault(proc.key, []).append((rec, proc))
+    if timeline.final is not None:
+        for proc in timeline.final.processes:
+            seen.setdefault(proc.key, []).append((None, proc))
+    return seen
+
+
+# --------------------------------------------------------------------------- survivor
+
+
+def _alive_after_s(
+    timeline: Timeline,
+    birth: EpochRecord,
+    observations: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
+) -> float | None:
+    """Longest time after ``birth`` ended at which the process was seen alive.
+
+    Evidence comes from the birth record (``last_seen_after_s``), from later epochs that
+    still list it alive, and from the final state (the tracker's clock is shared by
+    ``EpochRecord.end_s`` and ``FinalState.time_s``).
+    """
+    best: float | None = None
+
+    def take(value: float | None) -> None:
+        nonlocal best
+        if value is not None and (best is None or value > best):
+            best = value
+
+    for rec, proc in observations:
+        if rec is None:
+            if timeline.final is not None and timeline.final.time_s >= birth.end_s:
+                take(timeline.final.time_s - birth.end_s)
+        elif rec.index == birth.index:
+            take(proc.last_seen_after_s)
+        elif rec.index > birth.index and proc.alive_at_end:
+            take(rec.end_s - birth.end_s + (proc.last_seen_after_s or 0.0))
+    return best
+
+
+def _survivor_remedy(role: Role) -> str:
+    if role == "worker":
+        return (
+            "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
+            "the workers); keep no reference to the iterator past the epoch, or set "
+            "persistent_workers=True if one set of workers should live on"
+        )
+    return (
+        "join or terminate the subprocesses and pools started during the epoch "
+        "(`with Pool(...)`, proc.join(), proc.terminate()) before the epoch ends"
+    )
+
+
+def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes started in an epoch and still alive past its end plus the grace.
+
+    Only non-persistent workers and descendants born in the epoch are judged; one finding
+    per identity, in its birth epoch.
+    """
+    observations = _observations(timeline)
+    bytes_known = _per_pid_bytes_known(timeline)
+    found: list[Finding] = []
+    judged: set[ProcessKey] = set()
+    for rec in _sorted_epochs(timeline):
+        for proc in rec.processes:
+            if (
+                proc.key in judged
+                or not proc.born_in_epoch
+                or proc.persistent
+                or proc.role not in ("worker", "descendant")
+                or not proc.alive_at_end
+            ):
+                continue
+            obs = observations[proc.key]
+            alive_after = _alive_after_s(timeline, rec, obs)
+            exited_late = proc.exited_after_s is not None and proc.exited_after_s > config.grace_s
+            if not exited_late and (alive_after is None or alive_after < config.grace_s):
+                continue
+            judged.add(proc.key)
+            later = [p for r, p in obs if r is None or r.index >= rec.index]
+            gpu_bytes = _max_per_device(later) if bytes_known else {}
+            fds = _max_fds(later)
+            if alive_after is not None and alive_after >= config.grace_s:
+                when = f"still alive {alive_after:.1f} s after it ended"
+            else:
+                when = f"alive until {proc.exited_after_s:.1f} s after it ended"
+            found.append(
+                Finding(
+                    rule="survivor",
+                    severity="leak",
+                    message=(
+                        f"{_culprit(proc)} born in epoch {rec.index} {when} "
+                        f"(grace {config.grace_s:.1f} s)"
+                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
+                    ),
+                    remedy=_survivor_remedy(proc.role),
+                    pid=proc.key.pid,
+                    create_time=proc.key.create_time,
+                    role=proc.role,
+                    cmdline=proc.cmdline,
+                    gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
+                    epoch=rec.index,
+                    nvidia_fds=fds,
+                )
+            )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- orphan
+
+
+def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find lineage processes reparented away from the job and still alive.
+
+    One finding per identity, with the most GPU memory and descriptors it was seen with.
+    """
+    del config  # same signature as every rule; no threshold applies
+    bytes_known = _per_pid_bytes_known(timeline)
+    found: list[Finding] = []
+    for key, obs in _observations(timeline).items():
+        orphaned = [
+            (rec, proc)
+            for rec, proc in obs
+            if proc.role == "orphan" and (rec is None or proc.alive_at_end)
+        ]
+        if not orphaned:
+            continue
+        first_rec = orphaned[0][0]
+        last = orphaned[-1][1]
+        procs = [proc for _, proc in orphaned]
+        gpu_bytes = _max_per_device(procs) if bytes_known else {}
+        fds = _max_fds(procs)
+        since = f"since epoch {first_rec.index}" if first_rec is not None else "after the job"
+        still = ", still alive after the job ended" if orphaned[-1][0] is None else ""
+        found.append(
+            Finding(
+                rule="orphan",
+                severity="leak",
+                message=(
+                    f"{_culprit(last)} left the job's process tree (now child of PID "
+                    f"{last.ppid}) {since}{still}"
+                    f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
+                ),
+                remedy=(
+                    "a worker exited without reaping its child: make workers wait for or "
+                    "terminate their children before exiting, and use leakcheck.worker_init_fn "
+                    f"(PR_SET_PDEATHSIG) so children die with them; `kill {key.pid}` frees it now"
+                ),
+                pid=key.pid,
+                create_time=key.create_time,
+                role="orphan",
+                cmdline=last.cmdline,
+                gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
+                epoch=first_rec.index if first_rec is not None else None,
+                nvidia_fds=fds,
+            )
+        )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- growth
+
+
+def _least_squares_slope(series: Sequence[int]) -> float:
+    n = len(series)
+    mean_x = (n - 1) / 2
+    mean_y = sum(series) / n
+    sxx = sum((x - mean_x) ** 2 for x in range(n))
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(series))
+    return sxy / sxx if sxx else 0.0
+
+
+def growth_slope(series: Sequence[int], config: RuleConfig) -> float | None:
+    """Judge a per-epoch series of end-of-epoch bytes, warm-up epochs already removed.
+
+    A leak needs at least 3 points, a total rise ``series[-1] - series[0]`` above
+    ``config.tolerance_bytes``, and a rise that continues late: the second half of the
+    series must add at least a quarter of the total rise (see NOTE [late rise]).
+
+    Returns:
+        The least-squares slope in bytes per epoch when the series leaks, else None.
+
+    """
+    n = len(series)
+    if n < 3:
+        return None
+    rise = series[-1] - series[0]
+    if rise <= config.tolerance_bytes:
+        return None
+    late_rise = series[-1] - series[(n - 1) // 2]
+    if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
+        return None
+    slope = _least_squares_slope(series)
+    return slope if slope > 0 else None
+
+
+def _growth_remedy(role: Role) -> str:
+    if role == "parent":
+        return (
+            "tensors outlive their epoch in the main process: accumulate loss.item() not "
+            "loss, clear lists of outputs and caches each epoch, and compare "
+            "torch.cuda.memory_summary() between epochs"
+        )
+    return (
+        "the persistent worker keeps CUDA tensors across epochs: keep worker-side caches "
+        "on the CPU (move batches to the GPU in the main process) or bound their size"
+    )
+
+
+def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
+    found: list[Finding] = []
+    for key, obs in _observations(timeline).items():
+        points = [
+            (rec, proc)
+            for rec, proc in obs
+            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
+        ]
+        points = points[config.warmup_epochs :]
+        series = [proc.total_gpu_bytes_end for _, proc in points]
+        slope = growth_slope(series, config)
+        if slope is None:
+            continue
+        (first_rec, first), (last_rec, last) = points[0], points[-1]
+        assert first_rec is not None and last_rec is not None  # filtered above
+        devices = sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
+        deltas = {d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0) for d in devices}
+        per_device = ", ".join(
+            f"GPU{d} {format_mib(delta, signed=True)} MiB" for d, delta in deltas.items() if delta
+        )
+        found.append(
+            Finding(
+                rule="growth",
+                severity="leak",
+                message=(
+                    f"{_culprit(last)} grows {format_mib(slope)} MiB/epoch over epochs "
+                    f"{first_rec.index}-{last_rec.index}: {format_mib(series[0])} -> "
+                    f"{format_mib(series[-1])} MiB ({per_device})"
+                ),
+                remedy=_growth_remedy(last.role),
+                pid=key.pid,
+                create_time=key.create_time,
+                role=last.role,
+                cmdline=last.cmdline,
+                gpu_bytes=series[-1] - series[0],
+                epoch=last_rec.index,
+                bytes_per_epoch=slope,
+                nvidia_fds=last.nvidia_fds,
+            )
+        )
+    return found
+
+
+def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
+    """Device totals per epoch: the fallback when PIDs cannot be attributed (blind)."""
+    per_device: dict[int, list[tuple[int, int]]] = {}
+    for rec in _sorted_epochs(timeline):
+        for dev in rec.devices:
+            per_device.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
+    found: list[Finding] = []
+    for device, points in sorted(per_device.items()):
+        points = points[config.warmup_epochs :]
+        series = [used for _, used in points]
+        slope = growth_slope(series, config)
+        if slope is None:
+            continue
+        found.append(
+            Finding(
+                rule="growth",
+                severity="leak",
+                message=(
+                    f"GPU{device} used memory grows {format_mib(slope)} MiB/epoch over epochs "
+                    f"{points[0][0]}-{points[-1][0]}: {format_mib(series[0])} -> "
+                    f"{format_mib(series[-1])} MiB (device total; processes cannot be named)"
+                ),
+                remedy=(
+                    "run with --pid=host or in the job's PID namespace to see which process "
+                    "grows; meanwhile look for tensors or caches kept across epochs"
+                ),
+                gpu_bytes=series[-1] - series[0],
+                epoch=points[-1][0],
+                device_index=device,
+                bytes_per_epoch=slope,
+            )
+        )
+    return found
+
+
+def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes that live across epochs and end each one holding more GPU memory.
+
+    Per identity with ``persistent=True``: the end-of-epoch totals after its first
+    ``config.warmup_epochs`` epochs are judged by ``growth_slope``. When attribution is
+    blind, each device's used bytes at epoch ends are judged instead.
+    """
+    if not _has_nvml(timeline):
+        return ()
+    found = _process_growth(timeline, config)
+    if timeline.attribution == "blind-namespace":
+        found.extend(_device_growth(timeline, config))
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- residual
+
+
+def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find device memory above the baseline after the work that the job does not explain.
+
+    For each device: ``rise = final used - baseline used``; ``explained = the job's
+    processes' bytes now - the root's own bytes at the baseline``; a leak when
+    ``rise - explained`` exceeds the tolerance. Foreign processes holding memory on the
+    device are named.
+    """
+    final = timeline.final
+    if final is None or not _has_nvml(timeline):
+        return ()
+    baseline = {dev.index: dev for dev in timeline.baseline_devices}
+    lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
+    foreign = [p for p in final.processes if p.role == "foreign"]
+    unknown_lineage = [p for p in lineage if p.gpu_bytes_unknown]
+    found: list[Finding] = []
+    for dev in sorted(final.devices, key=lambda d: d.index):
+        base = baseline.get(dev.index)
+        if base is None:
+            continue
+        rise = dev.used_bytes - base.used_bytes
+        explained = sum(p.gpu_bytes_end.get(dev.index, 0) for p in lineage)
+        explained -= timeline.baseline_gpu_bytes.get(dev.index, 0)
+        unexplained = rise - explained
+        if unexplained <= config.tolerance_bytes:
+            continue
+        holders = [
+            p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
+        ]
+        if holders:
+            who = "; held by foreign " + ", ".join(
+                f"PID {p.key.pid} ({shorten_cmdline(p.cmdline)}) "
+                + (
+                    f"{format_mib(p.gpu_bytes_end[dev.index])} MiB"
+                    if dev.index in p.gpu_bytes_end
+                    else "? MiB"
+                )
+                for p in holders
+            )
+            remedy = (
+                "a process outside the job holds it: if it is yours (a child that escaped "
+                "the lineage, another run), stop it; otherwise run on an idle GPU "
+                "(CUDA_VISIBLE_DEVICES) or raise the tolerance"
+            )
+        elif timeline.attribution == "blind-namespace":
+            who = "; processes cannot be named (PIDs from another PID namespace)"
+            remedy = (
+                "run with --pid=host or in the job's PID namespace to name the holder; "
+                "`leakcheck snapshot` there shows who holds it"
+            )
+        else:
+            who = "; no visible process holds it"
+            remedy = (
+                "a process in another PID namespace or a context still being torn down: "
+                "re-check with `leakcheck snapshot` after a few seconds"
+            )
+        # NOTE: without per-process byte counts (MIG, vGPU) the job's share cannot be
+        # subtracted, so the rise is reported as advice, not as a leak.
+        if unknown_lineage:
+            who += "; per-process bytes unknown for the job's processes (MIG/vGPU)"
+        found.append(
+            Finding(
+                rule="residual",
+                severity="info" if unknown_lineage else "leak",
+                message=(
+                    f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start after "
+                    f"the work ended, {format_mib(unexplained)} MiB of it not held by the "
+                    f"job's processes{who}"
+                ),
+                remedy=remedy,
+                pid=holders[0].key.pid if len(holders) == 1 else None,
+                create_time=holders[0].key.create_time if len(holders) == 1 else None,
+                role="foreign" if len(holders) == 1 else None,
+                cmdline=holders[0].cmdline if len(holders) == 1 else None,
+                gpu_bytes=unexplained,
+                device_index=dev.index,
+            )
+        )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- infos
+
+
+def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Say plainly when NVML's PIDs belong to another PID namespace."""
+    del config
+    if timeline.attribution != "blind-namespace":
+        return ()
+    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
+    return (
+        Finding(
+            rule="blind",
+            severity="info",
+            message=(
+                f"NVML reports PIDs from another PID namespace{reason}: GPU memory cannot "
+                "be attributed to processes, only device totals are judged"
+            ),
+            remedy=(
+                "run with --pid=host (docker) or inside the job's PID namespace so "
+                "processes can be named"
+            ),
+        ),
+    )
+
+
+def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note job processes holding ``/dev/nvidia*`` descriptors but no GPU memory.
+
+    Typical of workers forked from a parent that used CUDA: the inherited descriptors can
+    keep the parent's context pinned. One finding per identity, where first seen.
+    """
+    del config
+    if not _per_pid_bytes_known(timeline):
+        # Without per-PID bytes every process looks memory-free; the rule would guess.
+        return ()
+    found: list[Finding] = []
+    for key, obs in _observations(timeline).items():
+        for rec, proc in obs:
+            if (
+                proc.role not in ("worker", "descendant", "orphan")
+                or (rec is not None and not proc.alive_at_end)
+                or not proc.nvidia_fds
+                or proc.gpu_bytes_unknown
+                or any(b > 0 for b in proc.gpu_bytes_end.values())
+            ):
+                continue
+            where = f"in epoch {rec.index}" if rec is not None else "after the job"
+            found.append(
+                Finding(
+                    rule="descriptor-holder",
+                    severity="info",
+                    message=(
+                        f"{_culprit(proc)} holds {proc.nvidia_fds} /dev/nvidia* descriptors "
+                        f"but no GPU memory {where}: inherited from its parent by fork, they "
+                        "can keep the parent's CUDA context pinned"
+                    ),
+                    remedy=(
+                        "start workers with multiprocessing_context='spawn' or 'forkserver', "
+                        "or do not initialise CUDA in the parent before workers fork"
+                    ),
+                    pid=key.pid,
+                    create_time=key.create_time,
+                    role=proc.role,
+                    cmdline=proc.cmdline,
+                    gpu_bytes=0,
+                    epoch=rec.index if rec is not None else None,
+                    nvidia_fds=proc.nvidia_fds,
+                )
+            )
+            break
+    return tuple(found)
+
+
+def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note a parent that keeps its CUDA context, with no tensors, after the work ended."""
+    del config
+    final = timeline.final
+    if final is None or not _per_pid_bytes_known(timeline) or final.parent_allocated_gpu_bytes != 0:
+        return ()
+    found: list[Finding] = []
+    for proc in final.processes:
+        if proc.role != "parent" or proc.total_gpu_bytes_end <= 0:
+            continue
+        found.append(
+            Finding(
+                rule="context-kept",
+                severity="info",
+                message=(
+                    f"{_culprit(proc)} keeps its CUDA context "
+                    f"({_devices_text(proc.gpu_bytes_end)}) after the work ended, "
+                    "with no tensors allocated"
+                ),
+                remedy=(
+                    "harmless, the CUDA runtime frees it at exit; if the GPU must be free "
+                    "before then, call leakcheck.release_device()"
+                ),
+                pid=proc.key.pid,
+                create_time=proc.key.create_time,
+                role="parent",
+                cmdline=proc.cmdline,
+                gpu_bytes=proc.total_gpu_bytes_end,
+                nvidia_fds=proc.nvidia_fds,
+            )
+        )
+    return tuple(found)
+
+
+def _telemetry_text(dev: DeviceState) -> str:
+    parts: list[str] = []
+    if dev.temperature_c is not None:
+        parts.append(f"{dev.temperature_c} C")
+    if dev.power_w is not None:
+        parts.append(f"{dev.power_w:.0f} W")
+    return ", " + ", ".join(parts) if parts else ""
+
+
+def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note a device left at high SM clocks after the work ended, with no job memory."""
+    final = timeline.final
+    if final is None or not _has_nvml(timeline):
+        return ()
+    lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
+    found: list[Finding] = []
+    for dev in sorted(final.devices, key=lambda d: d.index):
+        clock, clock_max = dev.sm_clock_mhz, dev.sm_clock_max_mhz
+        if clock is None or not clock_max or clock < config.high_clock_fraction * clock_max:
+            continue
+        if any(p.gpu_bytes_end.get(dev.index, 0) > 0 for p in lineage):
+            continue
+        found.append(
+            Finding(
+                rule="high-clocks",
+                severity="info",
+                message=(
+                    f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work "
+                    f"ended{_telemetry_text(dev)}"
+                ),
+                remedy=(
+                    "the driver lowers clocks after some idle seconds: wait before timing the "
+                    "next run (leakcheck sweep --cooldown-temp C waits for it); "
+                    "leakcheck.release_device() frees a context that keeps the GPU busy"
+                ),
+                device_index=dev.index,
+            )
+        )
+    return tuple(found)
+
+
+def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Report each failure leakcheck recorded while sampling, one finding each."""
+    del config
+    return tuple(
+        Finding(
+            rule="tracker-failure",
+            severity="info",
+            message=f"leakcheck's own sampling failed: {' '.join(failure.split())}",
+            remedy=(
+                "the timeline may miss samples; rerun with strict=True to see the "
+                "traceback and report it as a leakcheck bug"
+            ),
+        )
+        for failure in timeline.failures
+    )
+
+
+# --------------------------------------------------------------------------- judge
+
+RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
+
+RULES: Mapping[Rule, RuleFunction] = {
+    "survivor": survivor,
+    "orphan": orphan,
+    "growth": growth,
+    "residual": residual,
+    "blind": blind,
+    "descriptor-holder": descriptor_holder,
+    "context-kept": context_kept,
+    "high-clocks": high_clocks,
+    "tracker-failure": tracker_failure,
+}
+"""Every rule by name, in report order for ties."""
+
+_RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
+
+
+def _sort_key(finding: Finding) -> tuple[int, bool, int, bool, int, int]:
+    return (
+        0 if finding.severity == "leak" else 1,
+        finding.epoch is None,
+        finding.epoch if finding.epoch is not None else 0,
+        finding.pid is None,
+        finding.pid if finding.pid is not None else 0,
+        _RULE_ORDER[finding.rule],
+    )
+
+
+def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Run every rule and return the findings, leaks first, then by epoch, then PID.
+
+    A process judged an orphan is not also reported as a survivor: the orphan finding is
+    the more specific one (nobody will reap it).
+    """
+    findings: list[Finding] = []
+    for rule in RULES.values():
+        findings.extend(rule(timeline, config))
+    orphans = {(f.pid, f.create_time) for f in findings if f.rule == "orphan"}
+    findings = [
+        f for f in findings if not (f.rule == "survivor" and (f.pid, f.create_time) in orphans)
+    ]
+    return tuple(sorted(findings, key=_sort_key))

@@ -1,0 +1,271 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from timelines import (
+    ROOT_PID,
+    clean_timeline,
+    device,
+    epoch,
+    final_state,
+    parent,
+    proc,
+    timeline,
+)
+
+import leakcheck
+from leakcheck.errors import UsageError
+from leakcheck.model import ProcessEpoch, RuleConfig, TeardownRecord, Timeline
+from leakcheck.report import SCHEMA_VERSION, Report, build_report, report_from_dict
+
+CONFIG = RuleConfig()
+
+
+def survivor_report(attribution: str = "ok") -> Report:
+    """Worker 1234 outlives epoch 1 holding 612 MiB; a foreign job holds 700 MiB at the end."""
+    epochs = [
+        epoch(
+            0,
+            [parent(600), proc(1201, born=True, gpu_mib=0, exited_after_s=0.1)],
+            [device(0, 650, temp_c=41, sm_mhz=1980, power_w=310.4)],
+        ),
+        epoch(
+            1,
+            [parent(600), proc(1234, born=True, gpu_mib=612, fds=31, last_seen_after_s=3.0)],
+            [device(0, 1262)],
+        ),
+        epoch(2, [parent(600)], [device(0, 1262)]),
+    ]
+    final = final_state(
+        [parent(600), proc(1234, gpu_mib=612), proc(999, "foreign", gpu_mib=700)],
+        [device(0, 1962)],
+        after_last_epoch=epochs,
+        parent_allocated_gpu_bytes=1024,
+    )
+    tl = timeline(epochs, final=final, attribution=attribution, baseline=[device(0, 50)])  # type: ignore[arg-type]
+    return build_report(tl, CONFIG)
+
+
+def blind_report() -> Report:
+    epochs = [
+        epoch(i, [proc(ROOT_PID, "parent", persistent=True)], [device(0, 650)]) for i in range(3)
+    ]
+    final = final_state(
+        [proc(ROOT_PID, "parent", persistent=True)], [device(0, 650)], after_last_epoch=epochs
+    )
+    tl = timeline(
+        epochs,
+        final=final,
+        attribution="blind-namespace",
+        reason="NVML PIDs not found in /proc",
+        baseline=[device(0, 640)],
+    )
+    return build_report(tl, CONFIG)
+
+
+# --------------------------------------------------------------------------- views
+
+
+def test_build_report_judges_the_timeline() -> None:
+    report = survivor_report()
+    assert [f.rule for f in report.leaks] == ["survivor", "residual"]
+    assert all(f.severity == "info" for f in report.infos)
+    assert report.epochs == report.timeline.epochs
+    assert report.verdict == "leak"
+    assert not report.clean
+
+
+def test_clean_report() -> None:
+    report = build_report(clean_timeline(), CONFIG)
+    assert report.verdict == "clean"
+    assert report.clean
+    assert report.leaks == [] and report.infos == []
+
+
+def test_blind_report_is_never_clean() -> None:
+    report = blind_report()
+    assert report.leaks == []
+    assert [f.rule for f in report.infos] == ["blind"]
+    assert report.verdict == "blind"
+    assert not report.clean
+
+
+# --------------------------------------------------------------------------- to_dict
+
+
+def test_to_dict_round_trips_through_json() -> None:
+    report = survivor_report()
+    data = report.to_dict()
+    again = json.loads(json.dumps(data))
+    assert again == data
+    assert again["schema_version"] == SCHEMA_VERSION == 1
+    assert again["session"] == "test-session"
+    assert again["root"]["pid"] == ROOT_PID
+    assert again["attribution"] == "ok"
+    assert again["verdict"] == "leak"
+    assert again["summary"]["leaks"] == 2
+    assert again["config"]["tolerance_bytes"] == CONFIG.tolerance_bytes
+    assert [f["rule"] for f in again["findings"]] == [f.rule for f in report.findings]
+    assert len(again["epochs"]) == 3
+    assert again["final"]["devices"][0]["used_bytes"] == report.timeline.final.devices[0].used_bytes  # type: ignore[union-attr]
+
+
+def test_to_dict_has_every_process_field_per_epoch() -> None:
+    data = json.loads(json.dumps(survivor_report().to_dict()))
+    worker = next(p for p in data["epochs"][1]["processes"] if p["key"]["pid"] == 1234)
+    for field in dataclasses.fields(ProcessEpoch):
+        assert field.name in worker
+    assert worker["gpu_bytes_end"] == {"0": 612 * 1024 * 1024}
+    assert worker["nvidia_fds"] == 31
+    assert worker["total_gpu_bytes_end"] == 612 * 1024 * 1024
+    first = data["epochs"][0]
+    assert first["devices"][0]["temperature_c"] == 41
+    assert first["duration_s"] == pytest.approx(1.0)
+
+
+def test_report_from_dict_reads_back_the_same_report() -> None:
+    report = survivor_report()
+    teardown = TeardownRecord(key=report.timeline.root, worker_id=0, cuda_initialized=True)
+    tl = dataclasses.replace(report.timeline, teardowns=(teardown,))
+    report = build_report(tl, CONFIG)
+    again = report_from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again == report
+    assert again.timeline.epochs[1].processes[1].gpu_bytes_end == {0: 612 * 1024 * 1024}
+
+
+@pytest.mark.parametrize(
+    "data", [{}, {"schema_version": 99}, {"schema_version": 1, "epochs": [{}]}]
+)
+def test_report_from_dict_rejects_foreign_data(data: dict[str, object]) -> None:
+    with pytest.raises(UsageError, match="report data"):
+        report_from_dict(data)
+
+
+# --------------------------------------------------------------------------- text
+
+
+def test_text_names_the_culprit_with_pid_and_mib() -> None:
+    text = survivor_report().format()
+    assert "LEAK survivor: worker PID 1234" in text
+    assert "612 MiB" in text
+    assert "  fix: " in text
+    assert "LEAK residual" in text and "PID 999" in text
+    lines = text.splitlines()
+    assert lines[0].startswith("leakcheck report: session test-session, root PID 100")
+    assert lines[-1].startswith("leakcheck: 2 leaks found: survivor worker PID 1234 (612 MiB)")
+
+
+def test_text_table_has_one_row_per_epoch_and_dashes_for_unknowns() -> None:
+    lines = survivor_report().format().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("epoch  label"))
+    rows = lines[head + 1 : head + 4]
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"]
+    assert rows[0].split() == [
+        *("0", "epoch", "0", "1.0", "600", "1/0/0", "0", "0"),
+        *("GPU0", "650/81559", "41", "1980", "310"),
+    ]
+    # epoch 1: parent 600 MiB, one worker holding 612 MiB and alive after the epoch;
+    # temperature, SM clock and power unknown.
+    assert rows[1].split() == [
+        *("1", "epoch", "1", "1.0", "600", "1/612/612", "1", "0"),
+        *("GPU0", "1262/81559", "-", "-", "-"),
+    ]
+
+
+def test_text_table_has_a_row_per_extra_device() -> None:
+    epochs = [epoch(0, [parent({0: 600, 1: 10})], [device(0, 650), device(1, 60)])]
+    report = build_report(timeline(epochs, attribution="blind-namespace"), CONFIG)
+    text = report.format()
+    assert "GPU0" in text and "GPU1" in text
+    assert any(line.split()[:2] == ["GPU1", "60/81559"] for line in text.splitlines())
+
+
+def test_clean_report_is_short_and_says_no_leaks() -> None:
+    report = build_report(clean_timeline(), CONFIG)
+    text = report.format()
+    assert text == "leakcheck: no leaks in 5 epochs (11 processes, peak 650 MiB on GPU0)"
+    assert str(report) == text
+    verbose = report.format(verbose=True)
+    assert len(verbose.splitlines()) > 10
+    assert "epoch  label" in verbose
+    assert "thresholds: tolerance 16 MiB" in verbose
+    assert verbose.splitlines()[-1] == text
+
+
+def test_clean_report_keeps_its_advice() -> None:
+    epochs = [epoch(0, [parent(600)])]
+    final = final_state(
+        [parent(612)], [device(0, 662)], after_last_epoch=epochs, parent_allocated_gpu_bytes=0
+    )
+    report = build_report(timeline(epochs, final=final, baseline=[device(0, 50)]), CONFIG)
+    assert report.clean
+    lines = report.format().splitlines()
+    assert lines[0].startswith("info context-kept: parent PID 100")
+    assert lines[1].startswith("  fix: ")
+    assert lines[-1].startswith("leakcheck: no leaks in 1 epoch (")
+    assert len(lines) == 3
+
+
+def test_blind_report_text_never_says_clean() -> None:
+    text = blind_report().format()
+    lines = text.splitlines()
+    assert any(
+        line.startswith("attribution blind: NVML's PIDs are from another PID namespace")
+        for line in lines
+    )
+    assert "NVML PIDs not found in /proc" in text
+    assert "info blind:" in text
+    assert lines[-1].startswith("leakcheck: cannot confirm no leaks in 3 epochs")
+
+
+def test_nvml_unavailable_text_says_why_and_shows_dashes() -> None:
+    report = survivor_report("nvml-unavailable")
+    assert [f.rule for f in report.leaks] == ["survivor"]
+    text = report.format()
+    assert "attribution off: NVML unavailable" in text
+    row = next(line for line in text.splitlines() if line.split()[:3] == ["1", "epoch", "1"])
+    assert row.split()[4] == "-"  # parent MiB unknown without NVML
+    assert "1/-/-" in row.split()
+
+
+def test_nvml_unavailable_clean_summary() -> None:
+    tl = dataclasses.replace(clean_timeline(), attribution="nvml-unavailable")
+    report = build_report(tl, CONFIG)
+    assert report.clean
+    assert report.format() == (
+        "leakcheck: no leaks in 5 epochs (11 processes; GPU memory not checked: NVML unavailable)"
+    )
+
+
+def test_many_leaks_are_summarised() -> None:
+    workers = [proc(2000 + i, born=True, gpu_mib=100, last_seen_after_s=5.0) for i in range(5)]
+    report = build_report(timeline([epoch(0, [parent(600), *workers])]), CONFIG)
+    assert len(report.leaks) == 5
+    last = report.format().splitlines()[-1]
+    assert last.startswith("leakcheck: 5 leaks found: survivor worker PID 2000 (100 MiB)")
+    assert last.endswith("; and 2 more")
+
+
+def test_verbose_lists_processes_and_teardowns() -> None:
+    report = survivor_report()
+    teardown = TeardownRecord(
+        key=report.timeline.root,
+        worker_id=3,
+        cuda_initialized=True,
+        context_released=True,
+        left_nvml=True,
+    )
+    tl: Timeline = dataclasses.replace(report.timeline, teardowns=(teardown,))
+    text = build_report(tl, CONFIG).format(verbose=True)
+    assert "epoch 1 (completed):" in text
+    assert "after the work:" in text
+    assert any(
+        "1234" in line and "GPU0:612" in line and "seen+3.0s" in line for line in text.splitlines()
+    )
+    assert "(worker 3): freed cache 0 MiB, context released, left NVML" in text
+
+
+def test_report_is_the_public_name() -> None:
+    assert leakcheck.Report is Report

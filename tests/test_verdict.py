@@ -1,0 +1,524 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from timelines import (
+    ROOT_PID,
+    clean_timeline,
+    device,
+    epoch,
+    final_state,
+    key,
+    mib,
+    parent,
+    proc,
+    series_timeline,
+    timeline,
+)
+
+from leakcheck import verdict
+from leakcheck.model import MIB, Finding, RuleConfig, Timeline
+
+CONFIG = RuleConfig()  # 16 MiB tolerance, 1 warm-up epoch, 2 s grace
+
+
+def rules_of(findings: tuple[Finding, ...]) -> list[str]:
+    return [f.rule for f in findings]
+
+
+def one(findings: tuple[Finding, ...]) -> Finding:
+    assert len(findings) == 1, findings
+    return findings[0]
+
+
+# --------------------------------------------------------------------------- survivor
+
+
+def survivor_timeline(**worker: object) -> Timeline:
+    w = proc(1234, born=True, gpu_mib=612, fds=31, **worker)  # type: ignore[arg-type]
+    return timeline([epoch(0, [parent(600), w]), epoch(1, [parent(600)])])
+
+
+def test_survivor_found_after_grace() -> None:
+    found = one(verdict.survivor(survivor_timeline(last_seen_after_s=3.0), CONFIG))
+    assert (found.rule, found.severity, found.pid, found.role) == (
+        "survivor",
+        "leak",
+        1234,
+        "worker",
+    )
+    assert found.epoch == 0
+    assert found.gpu_bytes == mib(612)
+    assert found.nvidia_fds == 31
+    assert found.create_time == key(1234).create_time
+    for part in ("worker PID 1234", "python worker_1234.py", "epoch 0", "GPU0 612 MiB", "31 /dev"):
+        assert part in found.message
+    assert "iterator" in found.remedy
+
+
+def test_survivor_found_when_it_exited_after_grace() -> None:
+    found = one(verdict.survivor(survivor_timeline(exited_after_s=2.5), CONFIG))
+    assert found.pid == 1234
+    assert "2.5 s" in found.message
+
+
+def test_survivor_within_grace_not_found() -> None:
+    tl = survivor_timeline(last_seen_after_s=1.0, exited_after_s=1.2)
+    assert verdict.survivor(tl, CONFIG) == ()
+
+
+def test_worker_gone_before_epoch_end_not_a_survivor() -> None:
+    tl = survivor_timeline(alive=False, exited_after_s=None)
+    assert verdict.survivor(tl, CONFIG) == ()
+
+
+def test_persistent_worker_alive_across_epochs_not_a_survivor() -> None:
+    epochs = [
+        epoch(
+            i,
+            [
+                parent(600),
+                proc(2000, born=i == 0, persistent=True, gpu_mib=300, last_seen_after_s=5.0),
+            ],
+        )
+        for i in range(4)
+    ]
+    assert verdict.survivor(timeline(epochs), CONFIG) == ()
+
+
+def test_parent_never_a_survivor() -> None:
+    p = proc(ROOT_PID, "parent", born=True, last_seen_after_s=9.0)
+    assert verdict.survivor(timeline([epoch(0, [p])]), CONFIG) == ()
+
+
+def test_survivor_seen_alive_in_a_later_epoch_reported_once_in_birth_epoch() -> None:
+    w0 = proc(1234, born=True, gpu_mib=500)  # no after-end observation in its own epoch
+    w_later = proc(1234, born=False, gpu_mib=500)
+    epochs = [
+        epoch(0, [parent(), w0]),
+        epoch(1, [parent(), w_later]),
+        epoch(2, [parent(), w_later]),
+    ]
+    found = one(verdict.survivor(timeline(epochs), CONFIG))
+    assert (found.pid, found.epoch) == (1234, 0)
+    assert "still alive 2.0 s" in found.message
+
+
+def test_survivor_seen_in_final_state() -> None:
+    epochs = [epoch(0, [parent(), proc(1234, born=True, last_seen_after_s=0.5)])]
+    final = final_state([parent(), proc(1234)], after_last_epoch=epochs, wait_s=2.5)
+    found = one(verdict.survivor(timeline(epochs, final=final), CONFIG))
+    assert found.pid == 1234
+
+
+def test_descendant_survivor_has_its_own_remedy() -> None:
+    d = proc(1300, "descendant", born=True, last_seen_after_s=3.0)
+    found = one(verdict.survivor(timeline([epoch(0, [parent(), d])]), CONFIG))
+    assert found.role == "descendant"
+    assert "join or terminate" in found.remedy
+
+
+# --------------------------------------------------------------------------- orphan
+
+
+def test_orphan_found_with_max_bytes_and_fds() -> None:
+    epochs = [
+        epoch(0, [parent(), proc(4321, "descendant", born=True, gpu_mib=200, fds=10)]),
+        epoch(1, [parent(), proc(4321, "orphan", gpu_mib=600, fds=31)]),
+        epoch(2, [parent(), proc(4321, "orphan", gpu_mib=550, fds=31)]),
+    ]
+    final = final_state([parent(), proc(4321, "orphan", gpu_mib=550)], after_last_epoch=epochs)
+    found = one(verdict.orphan(timeline(epochs, final=final), CONFIG))
+    assert (found.rule, found.severity, found.pid, found.role) == ("orphan", "leak", 4321, "orphan")
+    assert found.gpu_bytes == mib(600)
+    assert found.nvidia_fds == 31
+    assert found.epoch == 1
+    assert "orphan PID 4321" in found.message
+    assert "GPU0 600 MiB" in found.message
+    assert "still alive after the job ended" in found.message
+    assert "PR_SET_PDEATHSIG" in found.remedy
+    assert "worker_init_fn" in found.remedy
+
+
+def test_orphan_gone_before_epoch_end_not_found() -> None:
+    epochs = [epoch(0, [parent(), proc(4321, "orphan", alive=False, gpu_mib=600)])]
+    assert verdict.orphan(timeline(epochs), CONFIG) == ()
+
+
+def test_orphan_only_in_final_state() -> None:
+    epochs = [epoch(0, [parent()])]
+    final = final_state([parent(), proc(4321, "orphan", gpu_mib=600)], after_last_epoch=epochs)
+    found = one(verdict.orphan(timeline(epochs, final=final), CONFIG))
+    assert found.epoch is None
+    assert found.gpu_bytes == mib(600)
+
+
+def test_judge_reports_an_orphaned_survivor_once_as_orphan() -> None:
+    epochs = [
+        epoch(0, [parent(), proc(4321, "descendant", born=True, gpu_mib=600, last_seen_after_s=4)])
+    ]
+    final = final_state([parent(), proc(4321, "orphan", gpu_mib=600)], after_last_epoch=epochs)
+    tl = timeline(epochs, final=final)
+    assert rules_of(verdict.survivor(tl, CONFIG)) == ["survivor"]
+    leaks = [f for f in verdict.judge(tl, CONFIG) if f.severity == "leak"]
+    assert rules_of(tuple(leaks)) == ["orphan"]
+
+
+# --------------------------------------------------------------------------- growth
+
+
+def test_slow_steady_leak_found() -> None:
+    series = [100 + i for i in range(60)]  # 1 MiB/epoch, well under the 16 MiB tolerance each
+    found = one(verdict.growth(series_timeline(series), CONFIG))
+    assert (found.rule, found.severity, found.pid, found.role) == (
+        "growth",
+        "leak",
+        ROOT_PID,
+        "parent",
+    )
+    assert found.bytes_per_epoch == pytest.approx(MIB)
+    assert found.gpu_bytes == mib(58)  # epochs 1..59 after one warm-up epoch
+    assert found.epoch == 59
+    assert "1.0 MiB/epoch" in found.message
+    assert "GPU0 +58 MiB" in found.message
+
+
+def test_stair_step_leak_found() -> None:
+    series = [100 + 20 * (i // 20) for i in range(60)]  # allocator grabs 20 MiB every 20 epochs
+    found = one(verdict.growth(series_timeline(series), CONFIG))
+    assert found.gpu_bytes == mib(40)
+    assert found.bytes_per_epoch is not None and found.bytes_per_epoch > 0
+
+
+def test_rise_then_plateau_not_found() -> None:
+    series = [100, 200, 300, 400, 450, 480, 490] + [490] * 10  # allocator warm-up, then flat
+    assert verdict.growth(series_timeline(series), CONFIG) == ()
+
+
+def test_plateau_with_small_noise_not_found() -> None:
+    series = [100, 300, 500, 600, 600, 601, 600, 602, 601, 600, 603]
+    assert verdict.growth(series_timeline(series), CONFIG) == ()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_jitter_around_flat_line_not_found(seed: int) -> None:
+    rng = random.Random(seed)
+    half = CONFIG.tolerance_bytes / 2 / MIB
+    series = [500 + rng.uniform(-half, half) for _ in range(40)]
+    assert verdict.growth(series_timeline(series), CONFIG) == ()
+
+
+def test_alternating_jitter_at_full_amplitude_not_found() -> None:
+    half = CONFIG.tolerance_bytes / 2 / MIB
+    series = [500 + (half if i % 2 else -half) for i in range(30)]
+    assert verdict.growth(series_timeline(series), CONFIG) == ()
+
+
+def test_persistent_worker_growth_found_with_worker_remedy() -> None:
+    series = [600 + 256 * i for i in range(5)]
+    found = one(verdict.growth(series_timeline(series, role="worker", pid=2000), CONFIG))
+    assert (found.pid, found.role) == (2000, "worker")
+    assert found.bytes_per_epoch == pytest.approx(256 * MIB)
+    assert "256 MiB/epoch" in found.message
+    assert "CPU" in found.remedy
+
+
+def test_growth_drops_warmup_epochs() -> None:
+    series = [0, 100, 200]
+    assert verdict.growth(series_timeline(series), CONFIG) == ()  # 2 points after warm-up
+    found = one(verdict.growth(series_timeline(series), RuleConfig(warmup_epochs=0)))
+    assert found.bytes_per_epoch == pytest.approx(100 * MIB)
+
+
+def test_growth_ignores_non_persistent_processes() -> None:
+    epochs = [epoch(i, [proc(3000, gpu_mib=100 * i)]) for i in range(6)]
+    assert verdict.growth(timeline(epochs), CONFIG) == ()
+
+
+def test_growth_slope_helper() -> None:
+    tol = CONFIG.tolerance_bytes
+    assert verdict.growth_slope([0, 10 * tol], CONFIG) is None  # too few points
+    assert verdict.growth_slope([0, tol // 2, tol], CONFIG) is None  # rise == tolerance
+    assert verdict.growth_slope([0, 2 * tol, 2 * tol, 2 * tol, 2 * tol], CONFIG) is None
+    assert verdict.growth_slope([0, tol, 2 * tol], CONFIG) == pytest.approx(tol)
+    assert verdict.growth_slope([2 * tol, tol, 0], CONFIG) is None  # shrinking
+
+
+def test_growth_on_device_totals_when_blind() -> None:
+    # In a foreign PID namespace NVML's PIDs match nothing: per-process bytes are all 0.
+    epochs = [
+        epoch(i, [proc(ROOT_PID, "parent", persistent=True)], [device(0, 1000 + 64 * i)])
+        for i in range(6)
+    ]
+    tl = timeline(epochs, attribution="blind-namespace")
+    found = one(verdict.growth(tl, CONFIG))
+    assert found.pid is None
+    assert found.device_index == 0
+    assert found.bytes_per_epoch == pytest.approx(64 * MIB)
+    assert "GPU0" in found.message
+
+
+# --------------------------------------------------------------------------- residual
+
+
+def residual_timeline(final_used_mib: float, final_procs: list, **kwargs: object) -> Timeline:
+    epochs = [epoch(0, [parent(600)], [device(0, 650)])]
+    final = final_state(final_procs, [device(0, final_used_mib)], after_last_epoch=epochs)
+    return timeline(epochs, final=final, baseline=[device(0, 50)], **kwargs)  # type: ignore[arg-type]
+
+
+def test_residual_found_and_foreign_process_named() -> None:
+    foreign = proc(999, "foreign", gpu_mib=700, cmdline="python other_job.py")
+    tl = residual_timeline(1350, [parent(600), foreign])
+    found = one(verdict.residual(tl, CONFIG))
+    assert (found.rule, found.severity, found.device_index) == ("residual", "leak", 0)
+    assert found.gpu_bytes == mib(700)
+    assert found.pid == 999
+    assert found.role == "foreign"
+    assert "PID 999" in found.message
+    assert "python other_job.py" in found.message
+    assert "700 MiB" in found.message
+    assert "GPU0" in found.message
+
+
+def test_residual_explained_by_the_job_not_found() -> None:
+    tl = residual_timeline(660, [parent(600)])  # 10 MiB unexplained: under the tolerance
+    assert verdict.residual(tl, CONFIG) == ()
+
+
+def test_residual_memory_of_an_orphan_is_explained() -> None:
+    tl = residual_timeline(1250, [parent(600), proc(4321, "orphan", gpu_mib=600)])
+    assert verdict.residual(tl, CONFIG) == ()
+    assert rules_of(verdict.judge(tl, CONFIG))[0] == "orphan"
+
+
+def test_residual_subtracts_the_roots_own_baseline() -> None:
+    # The root already held 600 MiB when tracking started; it still does.
+    epochs = [epoch(0, [parent(600)], [device(0, 650)])]
+    final = final_state([parent(600)], [device(0, 650)], after_last_epoch=epochs)
+    tl = timeline(epochs, final=final, baseline=[device(0, 650)], baseline_gpu_mib={0: 600})
+    assert verdict.residual(tl, CONFIG) == ()
+
+
+def test_residual_roots_baseline_does_not_explain_new_memory() -> None:
+    # The root's 600 MiB were there before tracking: they cannot explain 300 new MiB.
+    epochs = [epoch(0, [parent(600)], [device(0, 650)])]
+    foreign = proc(999, "foreign", gpu_mib=300)
+    final = final_state([parent(600), foreign], [device(0, 950)], after_last_epoch=epochs)
+    tl = timeline(epochs, final=final, baseline=[device(0, 650)], baseline_gpu_mib={0: 600})
+    found = one(verdict.residual(tl, CONFIG))
+    assert found.gpu_bytes == mib(300)
+
+
+def test_residual_with_no_visible_holder() -> None:
+    found = one(verdict.residual(residual_timeline(1000, [parent(600)]), CONFIG))
+    assert found.gpu_bytes == mib(350)
+    assert found.pid is None
+    assert "no visible process" in found.message
+
+
+def test_residual_when_blind_judges_device_totals() -> None:
+    tl = residual_timeline(700, [parent(None)], attribution="blind-namespace")
+    found = one(verdict.residual(tl, CONFIG))
+    assert found.severity == "leak"
+    assert "PID namespace" in found.message
+
+
+def test_residual_with_unknown_process_bytes_is_only_advice() -> None:
+    p = proc(ROOT_PID, "parent", persistent=True, unknown=True)
+    found = one(verdict.residual(residual_timeline(700, [p]), CONFIG))
+    assert found.severity == "info"
+    assert "unknown" in found.message
+
+
+def test_residual_needs_a_final_state() -> None:
+    tl = timeline([epoch(0, [parent(600)], [device(0, 9000)])])
+    assert verdict.residual(tl, CONFIG) == ()
+
+
+# --------------------------------------------------------------------------- blind
+
+
+def test_blind_finding_and_never_clean() -> None:
+    tl = timeline([epoch(0, [parent(None)])], attribution="blind-namespace", reason="pid ns 4026")
+    found = one(verdict.blind(tl, CONFIG))
+    assert (found.rule, found.severity) == ("blind", "info")
+    assert "another PID namespace" in found.message
+    assert "pid ns 4026" in found.message
+    assert "--pid=host" in found.remedy
+    assert verdict.blind(clean_timeline(), CONFIG) == ()
+
+
+# --------------------------------------------------------------------------- descriptor-holder
+
+
+def test_descriptor_holder_found_once_per_identity() -> None:
+    holder = proc(1500, gpu_mib=0, fds=31, persistent=True)
+    epochs = [epoch(i, [parent(600), holder]) for i in range(3)]
+    found = one(verdict.descriptor_holder(timeline(epochs), CONFIG))
+    assert (found.rule, found.severity, found.pid, found.nvidia_fds) == (
+        "descriptor-holder",
+        "info",
+        1500,
+        31,
+    )
+    assert found.epoch == 0
+    assert "31 /dev/nvidia*" in found.message
+    assert "spawn" in found.remedy
+
+
+@pytest.mark.parametrize(
+    "worker",
+    [
+        proc(1500, gpu_mib=500, fds=31),  # has its own context: fds are its own
+        proc(1500, gpu_mib=0, fds=31, alive=False),  # gone
+        proc(1500, gpu_mib=0, fds=0),  # no descriptors
+        proc(1500, gpu_mib=None, fds=31, unknown=True),  # bytes unknown: cannot tell
+    ],
+)
+def test_descriptor_holder_near_misses(worker: object) -> None:
+    tl = timeline([epoch(0, [parent(600), worker])])  # type: ignore[list-item]
+    assert verdict.descriptor_holder(tl, CONFIG) == ()
+
+
+# --------------------------------------------------------------------------- context-kept
+
+
+def context_timeline(allocated: int | None, parent_mib: float = 612) -> Timeline:
+    epochs = [epoch(0, [parent(600)])]
+    final = final_state(
+        [parent(parent_mib)],
+        [device(0, 662)],
+        after_last_epoch=epochs,
+        parent_allocated_gpu_bytes=allocated,
+    )
+    return timeline(epochs, final=final, baseline=[device(0, 50)])
+
+
+def test_context_kept_found() -> None:
+    found = one(verdict.context_kept(context_timeline(0), CONFIG))
+    assert (found.rule, found.severity, found.pid) == ("context-kept", "info", ROOT_PID)
+    assert found.gpu_bytes == mib(612)
+    assert "612 MiB" in found.message
+    assert "release_device" in found.remedy
+
+
+@pytest.mark.parametrize(("allocated", "parent_mib"), [(None, 612), (mib(100), 612), (0, 0)])
+def test_context_kept_near_misses(allocated: int | None, parent_mib: float) -> None:
+    assert verdict.context_kept(context_timeline(allocated, parent_mib), CONFIG) == ()
+
+
+# --------------------------------------------------------------------------- high-clocks
+
+
+def clocks_timeline(sm_mhz: int | None, sm_max_mhz: int | None, parent_mib: float) -> Timeline:
+    epochs = [epoch(0, [parent(600)])]
+    dev = device(0, 50 + parent_mib, sm_mhz=sm_mhz, sm_max_mhz=sm_max_mhz, temp_c=64, power_w=120)
+    final = final_state([parent(parent_mib)], [dev], after_last_epoch=epochs)
+    return timeline(epochs, final=final, baseline=[device(0, 50)])
+
+
+def test_high_clocks_found() -> None:
+    found = one(verdict.high_clocks(clocks_timeline(1980, 1980, 0), CONFIG))
+    assert (found.rule, found.severity, found.device_index) == ("high-clocks", "info", 0)
+    assert "GPU0 SM clock stays at 1980 of 1980 MHz after work ended" in found.message
+    assert "--cooldown-temp" in found.remedy
+
+
+@pytest.mark.parametrize(
+    ("sm_mhz", "sm_max_mhz", "parent_mib"),
+    [(1980, 1980, 600), (345, 1980, 0), (1980, None, 0), (None, 1980, 0)],
+)
+def test_high_clocks_near_misses(
+    sm_mhz: int | None, sm_max_mhz: int | None, parent_mib: float
+) -> None:
+    assert verdict.high_clocks(clocks_timeline(sm_mhz, sm_max_mhz, parent_mib), CONFIG) == ()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_tracker_failures_reported_one_each() -> None:
+    tl = timeline(
+        [epoch(0, [parent()])], failures=["NVMLError: Unknown", "psutil: AccessDenied\n(pid 7)"]
+    )
+    found = verdict.tracker_failure(tl, CONFIG)
+    assert rules_of(found) == ["tracker-failure", "tracker-failure"]
+    assert "NVMLError: Unknown" in found[0].message
+    assert all(f.severity == "info" for f in found)
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def leaky_timeline(attribution: str = "ok") -> Timeline:
+    """A survivor, a growing parent, unexplained device memory and high clocks."""
+    epochs = [
+        epoch(
+            i,
+            [parent(600 + 64 * i), proc(1234 + i, born=True, gpu_mib=500, last_seen_after_s=3.0)],
+            [device(0, 2000)],
+        )
+        for i in range(5)
+    ]
+    final = final_state(
+        [parent(0)],  # the parent released its context; something else holds the device
+        [device(0, 5000, sm_mhz=1980, sm_max_mhz=1980)],
+        after_last_epoch=epochs,
+    )
+    return timeline(
+        epochs,
+        final=final,
+        attribution=attribution,  # type: ignore[arg-type]
+        failures=["sampler hiccup"],
+    )
+
+
+def test_clean_timeline_has_no_findings() -> None:
+    assert verdict.judge(clean_timeline(), CONFIG) == ()
+
+
+def test_judge_orders_leaks_first_then_epoch_then_pid() -> None:
+    findings = verdict.judge(leaky_timeline(), CONFIG)
+    severities = [f.severity for f in findings]
+    assert severities == sorted(severities, key=lambda s: s != "leak")
+    assert {"survivor", "growth", "residual", "high-clocks", "tracker-failure"} <= set(
+        rules_of(findings)
+    )
+    survivors = [f for f in findings if f.rule == "survivor"]
+    assert [f.epoch for f in survivors] == [0, 1, 2, 3, 4]
+    leaks = [f for f in findings if f.severity == "leak"]
+    epochs = [f.epoch if f.epoch is not None else 10**9 for f in leaks]
+    assert epochs == sorted(epochs)
+
+
+def test_every_finding_is_one_line() -> None:
+    findings = verdict.judge(leaky_timeline(), CONFIG)
+    assert findings
+    for f in findings:
+        assert f.message and "\n" not in f.message
+        assert f.remedy and "\n" not in f.remedy
+
+
+def test_nvml_unavailable_skips_gpu_rules_but_survivor_still_works() -> None:
+    for attribution in ("nvml-unavailable", "no-gpu"):
+        findings = verdict.judge(leaky_timeline(attribution), CONFIG)
+        assert set(rules_of(findings)) == {"survivor", "tracker-failure"}
+        survivor = findings[0]
+        assert survivor.gpu_bytes is None
+        assert "MiB" not in survivor.message
+
+
+def test_rules_registry_names_every_rule() -> None:
+    assert set(verdict.RULES) == {
+        "survivor",
+        "orphan",
+        "growth",
+        "residual",
+        "blind",
+        "descriptor-holder",
+        "context-kept",
+        "high-clocks",
+        "tracker-failure",
+    }

@@ -28,6 +28,7 @@ class GPULeakError(LeakCheckError, AssertionError):
 
     Attributes:
         report: The report that holds the findings.
+
     """
 
     def __init__(self, message: str, report: Report | None = None) -> None:

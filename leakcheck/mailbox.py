@@ -12,6 +12,7 @@ variable, read-only folder) loses nothing but the record.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -27,8 +28,11 @@ def create() -> str:
 
 
 def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> bool:
-    """Write one record atomically. Returns False (never raises) when no mailbox is set
-    or the write fails: a worker must not die for leakcheck's sake."""
+    """Write one record atomically.
+
+    Returns False (never raises) when no mailbox is set or the write fails: a worker must
+    not die for leakcheck's sake.
+    """
     folder = directory or os.environ.get(MAILBOX_ENV)
     if not folder:
         return False
@@ -65,12 +69,8 @@ def read_new(directory: str, seen: set[str]) -> Iterator[dict[str, Any]]:
 
 def remove(directory: str) -> None:
     """Delete the mailbox folder and its records; errors are ignored."""
-    try:
+    with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
         os.rmdir(directory)
-    except OSError:
-        pass

@@ -41,6 +41,7 @@ class ProcessKey:
         pid: The process ID in this PID namespace.
         create_time: Start time in seconds since the Unix epoch, computed like
             ``psutil.Process.create_time()`` so both sources compare equal.
+
     """
 
     pid: int
@@ -75,8 +76,11 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class DeviceState:
-    """Memory and thermal state of one device at one moment. Telemetry fields are None
-    when the device does not report them or when only memory was read."""
+    """Memory and thermal state of one device at one moment.
+
+    Telemetry fields are None when the device does not report them or when only memory
+    was read.
+    """
 
     index: int
     name: str
@@ -121,6 +125,7 @@ class ProcessEpoch:
         gpu_bytes_peak: Peak used GPU bytes per device index during the epoch.
         gpu_bytes_unknown: NVML listed it on a device without a byte count.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
+
     """
 
     key: ProcessKey
@@ -189,6 +194,7 @@ class TeardownRecord:
         left_nvml: NVML no longer listed the PID after teardown (None: could not check).
         duration_s: Seconds the teardown took.
         error: One line if a step failed (the worker still exits normally).
+
     """
 
     key: ProcessKey
@@ -257,6 +263,7 @@ class Finding:
         device_index: Device involved, if one.
         bytes_per_epoch: For growth: fitted slope.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors of the culprit, if known.
+
     """
 
     rule: Rule
@@ -289,6 +296,7 @@ class RuleConfig:
         grace_s: How long a process born in an epoch may outlive the epoch end.
         high_clock_fraction: SM clock at or above this fraction of its max after work
             counts as "high clocks".
+
     """
 
     tolerance_bytes: int = 16 * MIB

@@ -1,20 +1,103 @@
 """Tracker: samples the job's processes and devices in the background, per epoch.
 
-(skeleton: the public surface is final, the body is being written)
+NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes,
+processes already below the root: those are pre-existing and never judged as survivors),
+exports ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them,
+and starts one daemon sampler thread. Each tick (``interval``) reads the root's descendants
+from /proc, checks the identities seen before (alive here? still below the root? if not,
+reparented: an orphan), reads NVML's per-PID memory once, and reads the mailbox (exact
+worker identities, teardown records; NOTE [worker mailbox] in mailbox.py). An epoch end is
+one synchronous sample with the costly extras (``/dev/nvidia*`` descriptor counts,
+telemetry, a tag scan of all of /proc for tagged processes that were reparented between
+ticks). Survivors are judged later, from how long after the epoch end each process was still
+seen: so the sampler keeps running between epochs, and ``close()`` waits out the grace
+period (never longer) for processes born in the last epoch. Every failure of leakcheck's own
+is caught in the tick and recorded, never raised into the user's loop (``strict=True``
+re-raises it at the next call instead).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from leakcheck.model import EndReason, EpochRecord, ProcessKey, RuleConfig, Timeline
+from leakcheck import mailbox, nvml, procs
+from leakcheck.errors import LeakCheckError, UsageError
+from leakcheck.model import (
+    Attribution,
+    DeviceState,
+    EndReason,
+    EpochRecord,
+    FinalState,
+    GpuProcess,
+    ProcessEpoch,
+    ProcessKey,
+    ProcInfo,
+    Role,
+    RuleConfig,
+    TeardownRecord,
+    Timeline,
+)
+from leakcheck.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
     from leakcheck.snapshot import Snapshot
+
+# Processes the Python runtime starts for itself: they live as long as the parent, by design.
+_RUNTIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_MAX_FAILURES = 50
+_CMDLINE_CHARS = 160
+
+
+@dataclass
+class _Proc:
+    """Mutable record of one identity, owned by the tracker under its lock."""
+
+    key: ProcessKey
+    ppid: int
+    name: str
+    cmdline: str
+    first_seen_s: float
+    last_seen_s: float
+    born_epoch: int | None
+    pre_existing: bool
+    exited_s: float | None = None
+    in_lineage: bool = True
+    was_in_lineage: bool = True
+    registered_worker: bool = False
+    persistent: bool | None = None
+    foreign: bool = False
+    gpu_bytes: dict[int, int] = field(default_factory=dict)
+    gpu_unknown: bool = False
+    nvidia_fds: int | None = None
+
+
+@dataclass
+class _Epoch:
+    """Mutable accumulator of the open (or a closed) epoch."""
+
+    index: int
+    label: str
+    start_s: float
+    end_s: float | None = None
+    reason: EndReason = "completed"
+    error: str | None = None
+    peak: dict[ProcessKey, dict[int, int]] = field(default_factory=dict)
+    device_peak: dict[int, int] = field(default_factory=dict)
+    samples: int = 0
+    seen: set[ProcessKey] = field(default_factory=set)
+    end_state: dict[ProcessKey, tuple[Role, int, bool, dict[int, int], bool, int | None]] = field(
+        default_factory=dict
+    )
+    devices: tuple[DeviceState, ...] = ()
 
 
 class Tracker:
@@ -38,41 +121,154 @@ class Tracker:
         persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
         use_nvml: Read NVML (False: host-side checks only).
+
     """
 
     def __init__(
         self,
         *,
         root_pid: int | None = None,
-        interval: float = 0.05,
+        interval: float | str = 0.05,
         devices: list[int] | None = None,
         tolerance: str | int = "16MiB",
         warmup_epochs: int = 1,
-        grace: float = 2.0,
+        grace: float | str = 2.0,
         persistent_workers: bool = False,
         strict: bool = False,
         use_nvml: bool = True,
     ) -> None:
-        raise NotImplementedError
+        interval_s = parse_duration(interval, source="interval")
+        if interval_s <= 0:
+            raise UsageError(f"interval: expected seconds above 0 such as 0.05, got {interval!r}")
+        if (
+            isinstance(warmup_epochs, bool)
+            or not isinstance(warmup_epochs, int)
+            or (warmup_epochs < 0)
+        ):
+            raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
+        if devices is not None and any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices
+        ):
+            raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
+        self._config = RuleConfig(
+            tolerance_bytes=parse_size(tolerance, source="tolerance"),
+            warmup_epochs=warmup_epochs,
+            grace_s=parse_duration(grace, source="grace"),
+        )
+        self._root_pid = os.getpid() if root_pid is None else root_pid
+        self._interval_s = interval_s
+        self._devices = list(devices) if devices is not None else None
+        self._persistent_workers = persistent_workers
+        self._strict = strict
+        self._use_nvml = use_nvml
+
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._closed = False
+        self._t0 = 0.0
+        self._started_unix_s = 0.0
+        self._session_id = ""
+        self._mailbox_dir: str | None = None
+        self._mailbox_seen: set[str] = set()
+        self._saved_env: dict[str, str | None] = {}
+        self._root_key = ProcessKey(self._root_pid, 0.0)
+        self._nvml: nvml.Nvml | None = None
+        self._attribution: Attribution = "nvml-unavailable"
+        self._attribution_reason = "tracking has not started"
+        self._baseline_devices: tuple[DeviceState, ...] = ()
+        self._baseline_gpu_bytes: dict[int, int] = {}
+        self._procs: dict[ProcessKey, _Proc] = {}
+        self._by_pid: dict[int, ProcessKey] = {}
+        self._workers: dict[ProcessKey, bool | None] = {}
+        self._worker_pids: dict[int, bool | None] = {}
+        self._teardowns: list[TeardownRecord] = []
+        self._epochs: list[_Epoch] = []
+        self._open: _Epoch | None = None
+        self._failures: list[str] = []
+        self._failure_counts: dict[str, int] = {}
+        self._pending_error: BaseException | None = None
+        self._final: FinalState | None = None
+        self._device_used: dict[int, int] = {}
+
+    # ----------------------------------------------------------------- properties
 
     @property
     def session_id(self) -> str:
-        """The tag every child inherits as ``LEAKCHECK_SESSION``."""
-        raise NotImplementedError
+        """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
+        return self._session_id
 
     @property
     def config(self) -> RuleConfig:
         """Rule thresholds resolved from the constructor's options."""
-        raise NotImplementedError
+        return self._config
+
+    @property
+    def root_pid(self) -> int:
+        """The job's root process."""
+        return self._root_pid
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
+
+    # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Tracker:
         """Take the baseline and start the sampler thread. Idempotent."""
-        raise NotImplementedError
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+            self._t0 = time.monotonic()
+            self._started_unix_s = time.time()
+            from leakcheck.snapshot import new_session_id
+
+            root_key = procs.process_key(self._root_pid)
+            if root_key is None:
+                raise UsageError(f"root_pid: no running process with PID {self._root_pid}")
+            self._root_key = root_key
+            self._session_id = new_session_id(self._root_pid)
+            self._mailbox_dir = self._guard(mailbox.create, "mailbox")
+            if self._root_pid == os.getpid():
+                self._export_env()
+            self._open_nvml()
+            self._register_root()
+            for info in self._guard(lambda: procs.descendants(self._root_pid), "lineage") or []:
+                self._add_proc(info, now=0.0, pre_existing=True)
+            self._sample_locked(epoch_end=False)
+            self._baseline_devices = self._read_devices(telemetry=True)
+            root = self._procs[self._root_key]
+            self._baseline_gpu_bytes = dict(root.gpu_bytes)
+        self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
+        self._thread.start()
+        return self
 
     def close(self) -> None:
-        """Stop sampling: wait out the grace period of processes born in the last epoch
-        (at most ``grace`` seconds), take the final state. Idempotent."""
-        raise NotImplementedError
+        """Stop sampling and take the final state. Idempotent.
+
+        Closes an open epoch (reason ``closed``), then waits, at most ``grace`` seconds after
+        the last epoch ended, for the processes born in it to exit, so survivors are judged
+        on evidence (NOTE [tracker lifecycle]).
+        """
+        if not self._started or self._closed:
+            self._closed = True
+            return
+        self.end_epoch("closed")
+        self._wait_for_grace()
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 10 * self._interval_s))
+        with self._lock:
+            self._sample_locked(epoch_end=True)
+            self._final = self._final_state()
+            self._closed = True
+            self._restore_env()
+            if self._mailbox_dir:
+                mailbox.remove(self._mailbox_dir)
+        self._raise_pending()
 
     def __enter__(self) -> Tracker:
         return self.start()
@@ -83,44 +279,608 @@ class Tracker:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._open is not None:
+            self.end_epoch(*(_reason_for(exc) if exc is not None else ("closed", None)))
         self.close()
+
+    # --------------------------------------------------------------------- epochs
 
     def begin_epoch(self, label: str | None = None) -> int:
         """Open an epoch (closing any open one as ``closed``); returns its index."""
-        raise NotImplementedError
+        if not self._started:
+            self.start()
+        if self._closed:
+            raise LeakCheckError("this Tracker is closed; create a new one to track more epochs")
+        self.end_epoch("closed")
+        with self._lock:
+            index = len(self._epochs)
+            self._open = _Epoch(
+                index=index,
+                label=label if label is not None else f"epoch {index}",
+                start_s=self._now(),
+            )
+            self._epochs.append(self._open)
+            return index
 
     def end_epoch(self, reason: EndReason = "completed", error: str | None = None) -> None:
         """Close the open epoch; a no-op when none is open."""
-        raise NotImplementedError
+        with self._lock:
+            current = self._open
+            if current is None:
+                return
+            self._sample_locked(epoch_end=True)
+            current.end_s = self._now()
+            current.reason = reason
+            current.error = error
+            current.devices = self._read_devices(telemetry=True)
+            for key, proc in self._procs.items():
+                if proc.foreign or (key not in current.seen and proc.exited_s is not None):
+                    continue
+                alive = proc.exited_s is None
+                current.end_state[key] = (
+                    self._role(proc),
+                    proc.ppid,
+                    alive,
+                    dict(proc.gpu_bytes) if alive else {},
+                    proc.gpu_unknown and alive,
+                    proc.nvidia_fds if alive else None,
+                )
+                current.seen.add(key)
+            self._open = None
+        self._raise_pending()
 
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:
         """Context manager around one epoch; the end reason follows how the block ended."""
-        raise NotImplementedError
-        yield 0
+        index = self.begin_epoch(label)
+        try:
+            yield index
+        except BaseException as error:
+            self.end_epoch(*_reason_for(error))
+            raise
+        else:
+            self.end_epoch("completed")
+
+    # -------------------------------------------------------------------- workers
 
     def register_worker(
         self, pid: int, create_time: float | None = None, *, persistent: bool | None = None
     ) -> None:
-        """Declare a process as a worker of the job (exact identities, not a guess)."""
-        raise NotImplementedError
+        """Declare a process as a worker of the job (exact identities, not a guess).
+
+        Args:
+            pid: Worker PID.
+            create_time: Its start time (as ``psutil``); read from /proc when None.
+            persistent: Whether it is meant to live across epochs (None: the tracker's
+                ``persistent_workers`` setting).
+
+        """
+        with self._lock:
+            if create_time is None:
+                key = procs.process_key(pid)
+                if key is None:
+                    return
+            else:
+                key = ProcessKey(pid, create_time)
+            self._workers[key] = persistent
+            self._worker_pids[pid] = persistent
+            proc = self._procs.get(key)
+            if proc is not None:
+                proc.registered_worker = True
+                proc.persistent = persistent
 
     def worker_keys(self) -> list[ProcessKey]:
         """Workers registered so far."""
-        raise NotImplementedError
+        with self._lock:
+            return sorted(self._workers)
+
+    # ------------------------------------------------------------------- results
 
     def epochs(self) -> tuple[EpochRecord, ...]:
         """Closed epochs so far."""
-        raise NotImplementedError
+        return self.timeline().epochs
 
     def snapshot(self) -> Snapshot:
-        """Who in the job holds what, right now."""
-        raise NotImplementedError
+        """Who in the job holds what, right now (a fresh read, not the last sample)."""
+        from leakcheck.snapshot import take_snapshot
+
+        return take_snapshot(root_pid=self._root_pid, devices=self._devices)
+
+    def teardowns(self) -> tuple[TeardownRecord, ...]:
+        """Teardown records the workers posted so far."""
+        with self._lock:
+            return tuple(self._teardowns)
 
     def timeline(self) -> Timeline:
         """All observations so far, frozen."""
-        raise NotImplementedError
+        with self._lock:
+            epochs = tuple(
+                self._freeze_epoch(epoch) for epoch in self._epochs if epoch.end_s is not None
+            )
+            return Timeline(
+                session_id=self._session_id,
+                root=self._root_key,
+                started_unix_s=self._started_unix_s,
+                attribution=self._attribution,
+                attribution_reason=self._attribution_reason,
+                baseline_devices=self._baseline_devices,
+                baseline_gpu_bytes=dict(self._baseline_gpu_bytes),
+                epochs=epochs,
+                final=self._final,
+                failures=tuple(
+                    msg
+                    if self._failure_counts.get(msg, 1) == 1
+                    else f"{msg} (x{self._failure_counts[msg]})"
+                    for msg in self._failures
+                ),
+                teardowns=tuple(self._teardowns),
+            )
 
     def report(self) -> Report:
         """Judge the timeline (closed epochs, and the final state once closed)."""
-        raise NotImplementedError
+        from leakcheck.report import build_report
+
+        return build_report(self.timeline(), self._config)
+
+    # ------------------------------------------------------------------ internals
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            with self._lock:
+                if self._closed:
+                    return
+                self._sample_locked(epoch_end=False)
+
+    def _guard(self, call: Any, what: str) -> Any:
+        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
+        try:
+            return call()
+        except Exception as error:
+            self._record_failure(f"{what}: {type(error).__name__}: {error}", error)
+            return None
+
+    def _record_failure(self, message: str, error: BaseException | None = None) -> None:
+        line = message.splitlines()[0] if message else "unknown failure"
+        if line in self._failure_counts:
+            self._failure_counts[line] += 1
+        elif len(self._failures) < _MAX_FAILURES:
+            self._failures.append(line)
+            self._failure_counts[line] = 1
+        if self._strict and self._pending_error is None:
+            self._pending_error = error or LeakCheckError(line)
+
+    def _raise_pending(self) -> None:
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            if isinstance(error, LeakCheckError):
+                raise error
+            raise LeakCheckError(f"leakcheck failed (strict mode): {error}") from error
+
+    def _export_env(self) -> None:
+        values = {procs.SESSION_ENV: self._session_id}
+        if self._mailbox_dir:
+            values[mailbox.MAILBOX_ENV] = self._mailbox_dir
+        for name, value in values.items():
+            self._saved_env[name] = os.environ.get(name)
+            os.environ[name] = value
+
+    def _restore_env(self) -> None:
+        for name, value in self._saved_env.items():
+            if os.environ.get(name) != self._env_value(name):
+                continue  # someone else changed it since: leave theirs
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved_env.clear()
+
+    def _env_value(self, name: str) -> str | None:
+        if name == procs.SESSION_ENV:
+            return self._session_id
+        return self._mailbox_dir
+
+    def _open_nvml(self) -> None:
+        if not self._use_nvml:
+            self._attribution, self._attribution_reason = (
+                "nvml-unavailable",
+                "NVML reading is off (use_nvml=False): host-side checks only",
+            )
+            return
+        available, reason = nvml.availability()
+        if not available:
+            self._attribution, self._attribution_reason = "nvml-unavailable", reason
+            return
+        handle = self._guard(nvml.get, "nvml")
+        if handle is None:
+            self._attribution, self._attribution_reason = (
+                "nvml-unavailable",
+                self._failures[-1] if self._failures else "NVML failed to start",
+            )
+            return
+        self._nvml = handle
+        count = self._guard(handle.device_count, "nvml") or 0
+        if count == 0:
+            self._attribution, self._attribution_reason = (
+                "no-gpu",
+                "NVML sees no NVIDIA GPU: host-side checks only",
+            )
+            self._nvml = None
+            return
+        self._attribution, self._attribution_reason = "ok", ""
+
+    def _register_root(self) -> None:
+        info = procs.read_proc(self._root_pid)
+        self._procs[self._root_key] = _Proc(
+            key=self._root_key,
+            ppid=info.ppid if info else 0,
+            name=info.name if info else "",
+            cmdline=_short(info.cmdline if info else ""),
+            first_seen_s=0.0,
+            last_seen_s=0.0,
+            born_epoch=None,
+            pre_existing=True,
+            persistent=True,
+        )
+        self._by_pid[self._root_pid] = self._root_key
+
+    def _add_proc(self, info: ProcInfo, *, now: float, pre_existing: bool = False) -> _Proc:
+        persistent = self._worker_pids.get(info.key.pid)
+        registered = info.key in self._workers
+        if registered:
+            persistent = self._workers[info.key]
+        proc = _Proc(
+            key=info.key,
+            ppid=info.ppid,
+            name=info.name,
+            cmdline=_short(info.cmdline or info.name),
+            first_seen_s=now,
+            last_seen_s=now,
+            born_epoch=self._open.index if self._open is not None else None,
+            pre_existing=pre_existing,
+            registered_worker=registered,
+            persistent=persistent,
+        )
+        self._procs[info.key] = proc
+        self._by_pid[info.key.pid] = info.key
+        return proc
+
+    def _sample_locked(self, *, epoch_end: bool) -> None:
+        """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
+        if self._closed:
+            return
+        now = self._now()
+        if self._mailbox_dir:
+            self._guard(self._read_mailbox, "mailbox")
+        lineage = self._guard(lambda: procs.descendants(self._root_pid, session_id=None), "lineage")
+        if lineage is None:
+            return
+        current: set[ProcessKey] = {self._root_key}
+        for info in lineage:
+            proc = self._procs.get(info.key)
+            if proc is None:
+                proc = self._add_proc(info, now=now)
+            proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            proc.was_in_lineage = True
+            current.add(info.key)
+        root = self._procs.get(self._root_key)
+        if root is not None:
+            root.last_seen_s = now
+        if epoch_end:
+            self._guard(lambda: self._scan_tagged(now, current), "tag scan")
+        for key, proc in self._procs.items():
+            if key in current or proc.exited_s is not None:
+                continue
+            if procs.is_alive(key):
+                proc.last_seen_s = now
+                if not proc.foreign:
+                    proc.in_lineage = False  # alive but no longer below the root: reparented
+                    info = procs.read_proc(key.pid, with_cmdline=False)
+                    if info is not None:
+                        proc.ppid = info.ppid
+            else:
+                proc.exited_s = now
+                proc.gpu_bytes = {}
+        if self._nvml is not None:
+            gpu = self._guard(lambda: self._nvml.processes(self._devices), "nvml processes")
+            if gpu is not None:
+                self._attribute_gpu(gpu, now)
+            memory = self._guard(lambda: self._nvml.memory(self._devices), "nvml memory")
+            if memory is not None:
+                self._device_used = {state.index: state.used_bytes for state in memory}
+        if epoch_end:
+            for key, proc in self._procs.items():
+                if proc.exited_s is None and not proc.foreign:
+                    proc.nvidia_fds = procs.nvidia_fd_count(key.pid)
+                    # A child first seen between fork and exec showed its parent's command.
+                    info = procs.read_proc(key.pid)
+                    if info is not None and info.key == key:
+                        proc.cmdline = _short(info.cmdline or info.name)
+        epoch = self._open
+        if epoch is not None:
+            epoch.samples += 1
+            for key, proc in self._procs.items():
+                if proc.exited_s is not None or proc.foreign:
+                    continue
+                epoch.seen.add(key)
+                if proc.gpu_bytes:
+                    peak = epoch.peak.setdefault(key, {})
+                    for index, used in proc.gpu_bytes.items():
+                        if used > peak.get(index, 0):
+                            peak[index] = used
+            for index, used in self._device_used.items():
+                if used > epoch.device_peak.get(index, 0):
+                    epoch.device_peak[index] = used
+
+    def _attribute_gpu(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
+        by_pid: dict[int, dict[int, int]] = {}
+        unknown: set[int] = set()
+        for entry in gpu:
+            per_device = by_pid.setdefault(entry.pid, {})
+            if entry.used_gpu_bytes is None:
+                unknown.add(entry.pid)
+            else:
+                per_device[entry.device_index] = (
+                    per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
+                )
+        for proc in self._procs.values():
+            if proc.exited_s is None:
+                proc.gpu_bytes, proc.gpu_unknown = {}, False
+        missing: list[int] = []
+        for pid, per_device in by_pid.items():
+            key = self._by_pid.get(pid)
+            known = self._procs.get(key) if key is not None else None
+            target = (
+                known
+                if known is not None and known.exited_s is None
+                else self._adopt_gpu_pid(pid, now)
+            )
+            if target is None:
+                missing.append(pid)
+                continue
+            target.gpu_bytes = per_device
+            target.gpu_unknown = pid in unknown
+        if missing and self._attribution == "ok" and procs.pid_namespace_nested():
+            self._attribution = "blind-namespace"
+            self._attribution_reason = (
+                f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
+                "namespace (a container without --pid=host?): only device totals are judged"
+            )
+
+    def _adopt_gpu_pid(self, pid: int, now: float) -> _Proc | None:
+        """Adopt a GPU PID that the lineage walk did not see.
+
+        It is a tagged (reparented) process of this session, or a foreign one.
+        """
+        info = procs.read_proc(pid, session_id=self._session_id)
+        if info is None:
+            return None
+        proc = self._procs.get(info.key)
+        if proc is not None and proc.exited_s is None:
+            return proc
+        proc = self._add_proc(info, now=now)
+        if not info.tagged:
+            proc.foreign, proc.in_lineage, proc.was_in_lineage = True, False, False
+        else:
+            proc.in_lineage = procs.is_ancestor(self._root_pid, pid)
+        return proc
+
+    def _scan_tagged(self, now: float, current: set[ProcessKey]) -> None:
+        for info in procs.scan_all(session_id=self._session_id, with_cmdline=True):
+            if not info.tagged or info.key in current or info.key == self._root_key:
+                continue
+            if info.key not in self._procs:
+                proc = self._add_proc(info, now=now)
+                proc.in_lineage = False
+
+    def _read_mailbox(self) -> None:
+        assert self._mailbox_dir is not None
+        for record in mailbox.read_new(self._mailbox_dir, self._mailbox_seen):
+            kind = record.get("kind")
+            pid, create_time = record.get("pid"), record.get("create_time")
+            if not isinstance(pid, int) or not isinstance(create_time, (int, float)):
+                continue
+            if kind == "worker":
+                persistent = record.get("persistent")
+                self.register_worker(
+                    pid,
+                    float(create_time),
+                    persistent=persistent if isinstance(persistent, bool) else None,
+                )
+            elif kind == "teardown":
+                self._teardowns.append(_teardown_from(record, ProcessKey(pid, create_time)))
+
+    def _read_devices(self, *, telemetry: bool) -> tuple[DeviceState, ...]:
+        if self._nvml is None:
+            return ()
+        handle = self._nvml
+        reader = handle.devices if telemetry else handle.memory
+        states = self._guard(lambda: reader(self._devices), "nvml devices")
+        return tuple(states) if states else ()
+
+    def _role(self, proc: _Proc) -> Role:
+        if proc.key == self._root_key:
+            return "parent"
+        if proc.foreign:
+            return "foreign"
+        if not proc.in_lineage:
+            return "orphan"
+        if proc.registered_worker or proc.key in self._workers:
+            return "worker"
+        if proc.ppid == self._root_pid and not _is_runtime_helper(proc.cmdline):
+            return "worker"
+        return "descendant"
+
+    def _persistent(self, proc: _Proc) -> bool:
+        if proc.key == self._root_key or proc.pre_existing or _is_runtime_helper(proc.cmdline):
+            return True
+        if self._role(proc) != "worker":
+            return False
+        registered = self._workers.get(proc.key, proc.persistent)
+        return self._persistent_workers if registered is None else registered
+
+    def _freeze_epoch(self, epoch: _Epoch) -> EpochRecord:
+        end_s = epoch.end_s if epoch.end_s is not None else self._now()
+        processes: list[ProcessEpoch] = []
+        for key in sorted(epoch.end_state):
+            proc = self._procs[key]
+            role, ppid, alive, gpu_end, unknown, fds = epoch.end_state[key]
+            exited_after = (
+                proc.exited_s - end_s
+                if proc.exited_s is not None and proc.exited_s >= end_s
+                else None
+            )
+            processes.append(
+                ProcessEpoch(
+                    key=key,
+                    role=role,
+                    ppid=ppid,
+                    cmdline=proc.cmdline,
+                    born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
+                    persistent=self._persistent(proc),
+                    alive_at_end=alive,
+                    exited_after_s=exited_after,
+                    last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
+                    gpu_bytes_end=gpu_end,
+                    gpu_bytes_peak=dict(epoch.peak.get(key, {})),
+                    gpu_bytes_unknown=unknown,
+                    nvidia_fds=fds,
+                )
+            )
+        return EpochRecord(
+            index=epoch.index,
+            label=epoch.label,
+            start_s=epoch.start_s,
+            end_s=end_s,
+            end_reason=epoch.reason,
+            processes=tuple(processes),
+            devices=epoch.devices,
+            device_peak_used_bytes=dict(epoch.device_peak),
+            samples=epoch.samples,
+            error=epoch.error,
+        )
+
+    def _wait_for_grace(self) -> None:
+        """Give processes born in the last epoch up to ``grace`` seconds after its end."""
+        with self._lock:
+            last = self._epochs[-1] if self._epochs else None
+            if last is None or last.end_s is None:
+                return
+            deadline = last.end_s + self._config.grace_s
+            pending = [
+                proc
+                for proc in self._procs.values()
+                if proc.born_epoch == last.index
+                and proc.exited_s is None
+                and not proc.foreign
+                and not self._persistent(proc)
+            ]
+        while pending and self._now() < deadline and not self._stop.is_set():
+            time.sleep(min(self._interval_s, max(0.0, deadline - self._now())))
+            with self._lock:
+                pending = [proc for proc in pending if proc.exited_s is None]
+        # One more sample right at the deadline, so "alive after grace" is an observation.
+        with self._lock:
+            self._sample_locked(epoch_end=False)
+
+    def _final_state(self) -> FinalState:
+        processes: list[ProcessEpoch] = []
+        now = self._now()
+        last_end = self._epochs[-1].end_s if self._epochs else None
+        for key, proc in sorted(self._procs.items()):
+            if proc.exited_s is not None:
+                continue
+            if proc.foreign and not proc.gpu_bytes:
+                continue
+            processes.append(
+                ProcessEpoch(
+                    key=key,
+                    role=self._role(proc),
+                    ppid=proc.ppid,
+                    cmdline=proc.cmdline,
+                    born_in_epoch=False,
+                    persistent=self._persistent(proc),
+                    alive_at_end=True,
+                    last_seen_after_s=(proc.last_seen_s - last_end) if last_end else None,
+                    gpu_bytes_end=dict(proc.gpu_bytes),
+                    gpu_bytes_peak=dict(proc.gpu_bytes),
+                    gpu_bytes_unknown=proc.gpu_unknown,
+                    nvidia_fds=proc.nvidia_fds,
+                )
+            )
+        return FinalState(
+            time_s=now,
+            devices=self._read_devices(telemetry=True),
+            processes=tuple(processes),
+            parent_allocated_gpu_bytes=(
+                _torch_allocated_bytes() if self._root_pid == os.getpid() else None
+            ),
+        )
+
+
+def _reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
+    if error is None:
+        return "completed", None
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupt", "KeyboardInterrupt"
+    if isinstance(error, GeneratorExit):
+        return "break", None
+    return "exception", f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _short(cmdline: str) -> str:
+    text = " ".join(cmdline.split())
+    return text if len(text) <= _CMDLINE_CHARS else text[: _CMDLINE_CHARS - 3] + "..."
+
+
+def _is_runtime_helper(cmdline: str) -> bool:
+    return any(marker in cmdline for marker in _RUNTIME_HELPERS)
+
+
+def _torch_allocated_bytes() -> int | None:
+    """Bytes the torch allocator holds in this process.
+
+    Read only where CUDA is already initialised here: leakcheck never initialises CUDA.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return int(
+            sum(torch.cuda.memory_allocated(index) for index in range(torch.cuda.device_count()))
+        )
+    except Exception:
+        return None
+
+
+def _teardown_from(record: dict[str, Any], key: ProcessKey) -> TeardownRecord:
+    def number(name: str, default: float = 0.0) -> float:
+        value = record.get(name, default)
+        return float(value) if isinstance(value, (int, float)) else default
+
+    def optional_int(name: str) -> int | None:
+        value = record.get(name)
+        return int(value) if isinstance(value, (int, float)) else None
+
+    def optional_bool(name: str) -> bool | None:
+        value = record.get(name)
+        return value if isinstance(value, bool) else None
+
+    error = record.get("error")
+    return TeardownRecord(
+        key=key,
+        worker_id=optional_int("worker_id"),
+        cuda_initialized=bool(record.get("cuda_initialized", False)),
+        streams_joined=int(number("streams_joined")),
+        resources_released=int(number("resources_released")),
+        freed_cache_bytes=int(number("freed_cache_bytes")),
+        context_released=bool(record.get("context_released", False)),
+        gpu_bytes_before=optional_int("gpu_bytes_before"),
+        left_nvml=optional_bool("left_nvml"),
+        duration_s=number("duration_s"),
+        error=str(error) if error else None,
+    )

@@ -38,6 +38,7 @@ def parse_size(value: str | int | float, *, source: str = "value") -> int:
 
     Raises:
         UsageError: The value is negative, not a number, or has an unknown unit.
+
     """
     if isinstance(value, bool):
         raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
@@ -70,6 +71,7 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
 
     Raises:
         UsageError: Negative, not a number, or an unknown unit.
+
     """
     if isinstance(value, bool):
         raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
@@ -86,9 +88,7 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
     try:
         seconds = float(text) * scale
     except ValueError:
-        raise UsageError(
-            f"{source}: expected seconds such as 2 or 500ms, got {value!r}"
-        ) from None
+        raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}") from None
     if seconds < 0 or seconds != seconds:
         raise UsageError(f"{source}: expected 0 seconds or more, got {value!r}")
     return seconds

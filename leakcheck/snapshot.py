@@ -1,0 +1,362 @@
+"""Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
+
+One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` prints and what
+``Tracker.snapshot()`` returns for one job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from leakcheck import nvml, procs
+from leakcheck.errors import LeakCheckError, NVMLUnavailable
+from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcInfo, Role
+from leakcheck.units import format_mib
+
+SNAPSHOT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProcessSnapshot:
+    """One process in a snapshot.
+
+    Attributes:
+        info: Identity, parent, command line.
+        role: Role relative to the job root, or None when no root was given.
+        gpu_bytes: Used GPU bytes per device index (devices where NVML listed it).
+        gpu_bytes_unknown: NVML listed it without a byte count on some device.
+        nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read or unreadable).
+        flags: ``orphan`` (its session's root is gone or no longer its ancestor),
+            ``descriptor-holder`` (descriptors open, absent from NVML).
+        session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
+
+    """
+
+    info: ProcInfo
+    role: Role | None
+    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
+    gpu_bytes_unknown: bool = False
+    nvidia_fds: int | None = None
+    flags: tuple[str, ...] = ()
+    session: str | None = None
+
+    @property
+    def total_gpu_bytes(self) -> int:
+        """Sum over devices."""
+        return sum(self.gpu_bytes.values())
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Processes that hold GPU memory or descriptors, with their ancestors for context."""
+
+    taken_unix_s: float
+    attribution: Attribution
+    attribution_reason: str
+    devices: tuple[DeviceState, ...]
+    processes: tuple[ProcessSnapshot, ...]
+    root_pid: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form with a schema version."""
+        return {
+            "schema_version": SNAPSHOT_SCHEMA_VERSION,
+            "taken_unix_s": self.taken_unix_s,
+            "attribution": self.attribution,
+            "attribution_reason": self.attribution_reason,
+            "root_pid": self.root_pid,
+            "devices": [_device_dict(device) for device in self.devices],
+            "processes": [
+                {
+                    "pid": entry.info.key.pid,
+                    "create_time": entry.info.key.create_time,
+                    "ppid": entry.info.ppid,
+                    "name": entry.info.name,
+                    "cmdline": entry.info.cmdline,
+                    "role": entry.role,
+                    "gpu_bytes": {str(index): value for index, value in entry.gpu_bytes.items()},
+                    "gpu_bytes_unknown": entry.gpu_bytes_unknown,
+                    "nvidia_fds": entry.nvidia_fds,
+                    "flags": list(entry.flags),
+                    "session": entry.session,
+                }
+                for entry in self.processes
+            ],
+        }
+
+    def format(self) -> str:
+        """Process trees as indented text, one line per process."""
+        lines: list[str] = []
+        if self.attribution != "ok":
+            lines.append(f"leakcheck snapshot: {self.attribution_reason}")
+        for device in self.devices:
+            lines.append(_device_line(device))
+        by_pid = {entry.info.key.pid: entry for entry in self.processes}
+        children: dict[int, list[ProcessSnapshot]] = {}
+        roots: list[ProcessSnapshot] = []
+        for entry in self.processes:
+            if entry.info.ppid in by_pid and entry.info.ppid != entry.info.key.pid:
+                children.setdefault(entry.info.ppid, []).append(entry)
+            else:
+                roots.append(entry)
+
+        def walk(entry: ProcessSnapshot, prefix: str, last: bool, top: bool) -> None:
+            branch = "" if top else ("└─ " if last else "├─ ")
+            lines.append(prefix + branch + _process_line(entry))
+            kids = sorted(children.get(entry.info.key.pid, []), key=lambda e: e.info.key.pid)
+            next_prefix = prefix + ("" if top else ("   " if last else "│  "))
+            for position, kid in enumerate(kids):
+                walk(kid, next_prefix, position == len(kids) - 1, False)
+
+        for entry in sorted(roots, key=lambda e: e.info.key.pid):
+            walk(entry, "  ", True, True)
+        if not self.processes:
+            lines.append("  no process holds GPU memory or /dev/nvidia* descriptors")
+        flagged = [entry for entry in self.processes if entry.flags]
+        if flagged:
+            lines.append(
+                f"{len(flagged)} flagged: "
+                + ", ".join(f"PID {e.info.key.pid} ({'/'.join(e.flags)})" for e in flagged)
+            )
+        return "\n".join(lines)
+
+
+def _device_dict(device: DeviceState) -> dict[str, Any]:
+    return {
+        "index": device.index,
+        "name": device.name,
+        "uuid": device.uuid,
+        "used_bytes": device.used_bytes,
+        "total_bytes": device.total_bytes,
+        "temperature_c": device.temperature_c,
+        "sm_clock_mhz": device.sm_clock_mhz,
+        "sm_clock_max_mhz": device.sm_clock_max_mhz,
+        "power_w": device.power_w,
+        "performance_state": device.performance_state,
+        "throttle_reasons": list(device.throttle_reasons),
+    }
+
+
+def _device_line(device: DeviceState) -> str:
+    parts = [
+        f"GPU{device.index} {device.name}: {format_mib(device.used_bytes)} / "
+        f"{format_mib(device.total_bytes)} MiB used"
+    ]
+    if device.temperature_c is not None:
+        parts.append(f"{device.temperature_c} C")
+    if device.sm_clock_mhz is not None:
+        clock = f"SM {device.sm_clock_mhz}"
+        if device.sm_clock_max_mhz:
+            clock += f"/{device.sm_clock_max_mhz}"
+        parts.append(clock + " MHz")
+    if device.power_w is not None:
+        parts.append(f"{device.power_w:.0f} W")
+    return ", ".join(parts)
+
+
+def _process_line(entry: ProcessSnapshot) -> str:
+    memory = ", ".join(
+        f"GPU{index} {format_mib(value)} MiB" for index, value in sorted(entry.gpu_bytes.items())
+    )
+    if entry.gpu_bytes_unknown:
+        memory = (memory + ", " if memory else "") + "size unknown"
+    text = f"PID {entry.info.key.pid}"
+    if entry.role:
+        text += f" [{entry.role}]"
+    text += f" {entry.info.cmdline or entry.info.name}"
+    if len(text) > 90:
+        text = text[:87] + "..."
+    details = [memory] if memory else []
+    if entry.nvidia_fds:
+        details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
+    details.extend(entry.flags)
+    return text + ("  — " + "; ".join(details) if details else "")
+
+
+def session_root_pid(session_id: str) -> tuple[int, float] | None:
+    """The root identity encoded in a session tag (``<pid>-<create_time_cs>-<random>``)."""
+    parts = session_id.split("-")
+    if len(parts) < 3:
+        return None
+    try:
+        return int(parts[0]), int(parts[1]) / 100.0
+    except ValueError:
+        return None
+
+
+def read_gpu_processes(
+    devices: Iterable[int] | None = None,
+) -> tuple[Attribution, str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]:
+    """Read NVML once: attribution status, device states with telemetry, GPU processes.
+
+    Never raises: NVML failures come back as the status and its one-line reason.
+    """
+    available, reason = nvml.availability()
+    if not available:
+        return "nvml-unavailable", reason, (), ()
+    try:
+        handle = nvml.get()
+        wanted = list(devices) if devices is not None else None
+        device_states = handle.devices(wanted)
+        gpu_processes = handle.processes(wanted)
+    except (NVMLUnavailable, LeakCheckError) as error:
+        return "nvml-unavailable", str(error), (), ()
+    if not device_states:
+        return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
+    missing = [p.pid for p in gpu_processes if not procs.pid_exists_here(p.pid)]
+    if missing and procs.pid_namespace_nested():
+        return (
+            "blind-namespace",
+            f"NVML reports PIDs {sorted(set(missing))[:5]} that do not exist in this PID "
+            "namespace (a container without --pid=host?): only device totals are reliable",
+            device_states,
+            gpu_processes,
+        )
+    return "ok", "", device_states, gpu_processes
+
+
+def take_snapshot(
+    *,
+    root_pid: int | None = None,
+    devices: Iterable[int] | None = None,
+    with_fds: bool = True,
+) -> Snapshot:
+    """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
+
+    Args:
+        root_pid: A job root: its descendants are listed with roles, and every process is
+            judged relative to it. None lists every GPU process on the machine.
+        devices: Device indices to read (default all).
+        with_fds: Also scan every process's descriptors for ``/dev/nvidia*`` (finds
+            descriptor holders; costs a pass over /proc/*/fd).
+
+    Returns:
+        The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
+
+    """
+    attribution, reason, device_states, gpu_processes = read_gpu_processes(devices)
+    gpu_by_pid: dict[int, dict[int, int]] = {}
+    unknown_pids: set[int] = set()
+    for gpu_process in gpu_processes:
+        per_device = gpu_by_pid.setdefault(gpu_process.pid, {})
+        if gpu_process.used_gpu_bytes is None:
+            unknown_pids.add(gpu_process.pid)
+        else:
+            per_device[gpu_process.device_index] = (
+                per_device.get(gpu_process.device_index, 0) + gpu_process.used_gpu_bytes
+            )
+
+    every = {info.key.pid: info for info in procs.scan_all(with_cmdline=True)}
+    lineage: set[int] = set()
+    if root_pid is not None:
+        lineage = {info.key.pid for info in procs.descendants(root_pid)} | {root_pid}
+
+    fds: dict[int, int] = {}
+    if with_fds:
+        for pid in every:
+            count = procs.nvidia_fd_count(pid)
+            if count:
+                fds[pid] = count
+
+    interesting = set(gpu_by_pid) | set(fds) | lineage
+    sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
+    if root_pid is not None:
+        # Processes of this job that were reparented away still carry its tag.
+        root_key = procs.process_key(root_pid)
+        for pid in every:
+            if pid in interesting:
+                continue
+            tag = procs.tagged_session(pid)
+            if tag is not None and root_key is not None and _tag_matches(tag, root_key.pid):
+                interesting.add(pid)
+                sessions[pid] = tag
+    # Ancestors give the trees their shape.
+    shown = set(interesting)
+    for pid in list(interesting):
+        info = every.get(pid)
+        depth = 0
+        while info is not None and info.ppid > 1 and depth < 64:
+            if root_pid is not None and info.key.pid == root_pid:
+                break
+            shown.add(info.ppid)
+            info = every.get(info.ppid)
+            depth += 1
+
+    entries: list[ProcessSnapshot] = []
+    for pid in sorted(shown):
+        info = every.get(pid)
+        if info is None:
+            info = procs.read_proc(pid)
+        if info is None:
+            continue
+        flags: list[str] = []
+        tag = sessions.get(pid)
+        if tag is not None and pid not in lineage and _is_orphaned(tag, pid):
+            flags.append("orphan")
+        if fds.get(pid) and pid not in gpu_by_pid:
+            flags.append("descriptor-holder")
+        entries.append(
+            ProcessSnapshot(
+                info=info,
+                role=_role(pid, root_pid, lineage, info, "orphan" in flags),
+                gpu_bytes=gpu_by_pid.get(pid, {}),
+                gpu_bytes_unknown=pid in unknown_pids,
+                nvidia_fds=fds.get(pid) if with_fds else None,
+                flags=tuple(flags),
+                session=tag,
+            )
+        )
+    return Snapshot(
+        taken_unix_s=time.time(),
+        attribution=attribution,
+        attribution_reason=reason,
+        devices=device_states,
+        processes=tuple(entries),
+        root_pid=root_pid,
+    )
+
+
+def _tag_matches(tag: str, root_pid: int) -> bool:
+    root = session_root_pid(tag)
+    return root is not None and root[0] == root_pid
+
+
+def _is_orphaned(tag: str, pid: int) -> bool:
+    root = session_root_pid(tag)
+    if root is None:
+        return False
+    root_pid, _ = root
+    root_key = procs.process_key(root_pid)
+    if root_key is None or abs(root_key.create_time - root[1]) > 0.02:
+        return True
+    return not procs.is_ancestor(root_pid, pid)
+
+
+def _role(
+    pid: int, root_pid: int | None, lineage: set[int], info: ProcInfo, orphan: bool
+) -> Role | None:
+    if orphan:
+        return "orphan"
+    if root_pid is None:
+        return None
+    if pid == root_pid:
+        return "parent"
+    if pid in lineage:
+        return "worker" if info.ppid == root_pid else "descendant"
+    return "foreign"
+
+
+def new_session_id(root_pid: int | None = None) -> str:
+    """Make a session tag that encodes the root's identity.
+
+    The form ``<pid>-<create_time in centiseconds>-<random>`` lets an orphan tell that its
+    root is gone.
+    """
+    pid = root_pid if root_pid is not None else os.getpid()
+    key = procs.process_key(pid)
+    created_cs = round(key.create_time * 100) if key else 0
+    return f"{pid}-{created_cs}-{os.urandom(4).hex()}"

@@ -1,0 +1,262 @@
+"""Tracker on real processes (CPU): lineage per epoch, survivors, orphans, mailbox, failures.
+
+NVML is absent here, so GPU attribution is exercised through the fake at the pynvml
+boundary (tests/fake_pynvml.py) with the PIDs of real child processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from leakcheck import mailbox, nvml, procs
+from leakcheck.errors import LeakCheckError, UsageError
+from leakcheck.model import MIB, ProcessKey
+from leakcheck.tracker import Tracker
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+
+CTX = multiprocessing.get_context("fork")
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _spawn_orphan_and_exit(pid_file: str) -> None:
+    # A worker that starts a grandchild and exits without waiting for it.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        start_new_session=False,
+    )
+    with open(pid_file, "w") as handle:
+        handle.write(str(child.pid))
+
+
+def _post_worker_record(persistent: bool) -> None:
+    key = procs.process_key(os.getpid())
+    assert key is not None
+    mailbox.post(
+        "worker",
+        {"pid": key.pid, "create_time": key.create_time, "worker_id": 0, "persistent": persistent},
+    )
+    time.sleep(0.3)
+
+
+@pytest.fixture
+def kill_after() -> Iterator[list[ProcessKey]]:
+    started: list[ProcessKey] = []
+    yield started
+    for key in started:
+        if procs.is_alive(key):
+            os.kill(key.pid, signal.SIGKILL)
+
+
+def test_clean_epochs_record_workers_and_find_nothing() -> None:
+    with Tracker(grace=0.5, interval=0.02) as tracker:
+        for epoch in range(3):
+            with tracker.epoch(f"e{epoch}"):
+                workers = [CTX.Process(target=_sleep, args=(0.2,)) for _ in range(2)]
+                for worker in workers:
+                    worker.start()
+                for worker in workers:
+                    worker.join()
+    report = tracker.report()
+    assert [epoch.label for epoch in report.epochs] == ["e0", "e1", "e2"]
+    for record in report.epochs:
+        born = [p for p in record.processes if p.born_in_epoch]
+        assert len(born) == 2, record
+        assert all(p.role == "worker" and not p.persistent for p in born)
+        assert all(p.alive_at_end is False for p in born)
+    assert report.leaks == []
+    assert report.timeline.attribution == "nvml-unavailable"
+
+
+def test_child_alive_after_grace_is_a_survivor(kill_after: list[ProcessKey]) -> None:
+    with Tracker(grace=0.3, interval=0.02) as tracker, tracker.epoch():
+        straggler = CTX.Process(target=_sleep, args=(5,))
+        straggler.start()
+        key = procs.process_key(straggler.pid or 0)
+        assert key is not None
+        kill_after.append(key)
+    report = tracker.report()
+    survivors = [f for f in report.leaks if f.rule == "survivor"]
+    assert [f.pid for f in survivors] == [straggler.pid]
+    assert survivors[0].epoch == 0
+    straggler.kill()
+    straggler.join()
+
+
+def test_child_that_exits_within_grace_is_not_a_survivor() -> None:
+    with Tracker(grace=1.5, interval=0.02) as tracker, tracker.epoch():
+        late = CTX.Process(target=_sleep, args=(0.5,))
+        late.start()
+    late.join()
+    assert [f for f in tracker.report().leaks if f.rule == "survivor"] == []
+
+
+def test_reparented_grandchild_is_an_orphan(tmp_path: object, kill_after: list[ProcessKey]) -> None:
+    pid_file = os.path.join(str(tmp_path), "grandchild.pid")
+    with Tracker(grace=0.3, interval=0.02) as tracker, tracker.epoch():
+        worker = CTX.Process(target=_spawn_orphan_and_exit, args=(pid_file,))
+        worker.start()
+        worker.join()
+    with open(pid_file) as handle:
+        grandchild_pid = int(handle.read())
+    key = procs.process_key(grandchild_pid)
+    assert key is not None
+    kill_after.append(key)
+    report = tracker.report()
+    orphans = [f for f in report.leaks if f.rule == "orphan"]
+    assert [f.pid for f in orphans] == [grandchild_pid]
+    assert "sleep(30)" in (orphans[0].cmdline or "")
+
+
+def test_mailbox_registers_exact_workers_and_persistence() -> None:
+    with Tracker(grace=0.2, interval=0.02) as tracker:
+        assert os.environ[mailbox.MAILBOX_ENV]
+        assert os.environ[procs.SESSION_ENV] == tracker.session_id
+        with tracker.epoch():
+            worker = CTX.Process(target=_post_worker_record, args=(True,))
+            worker.start()
+            worker.join()
+    assert [key.pid for key in tracker.worker_keys()] == [worker.pid]
+    record = tracker.report().epochs[0]
+    entry = next(p for p in record.processes if p.key.pid == worker.pid)
+    assert entry.role == "worker" and entry.persistent
+    # The session's variables are gone again once the tracker closed.
+    assert mailbox.MAILBOX_ENV not in os.environ
+    assert procs.SESSION_ENV not in os.environ
+
+
+def test_pre_existing_children_are_never_survivors(kill_after: list[ProcessKey]) -> None:
+    before = CTX.Process(target=_sleep, args=(5,))
+    before.start()
+    key = procs.process_key(before.pid or 0)
+    assert key is not None
+    kill_after.append(key)
+    with Tracker(grace=0.1, interval=0.02) as tracker, tracker.epoch():
+        time.sleep(0.1)
+    assert tracker.report().leaks == []
+    before.kill()
+    before.join()
+
+
+def test_own_failures_are_recorded_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> object:
+        raise OSError("simulated /proc failure")
+
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        monkeypatch.setattr(procs, "descendants", broken)
+        with tracker.epoch():
+            time.sleep(0.05)
+    timeline = tracker.timeline()
+    assert any("simulated /proc failure" in line for line in timeline.failures)
+    assert any(f.rule == "tracker-failure" for f in tracker.report().findings)
+
+
+def test_strict_mode_raises_own_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracker = Tracker(grace=0.0, interval=0.01, strict=True).start()
+    monkeypatch.setattr(procs, "descendants", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    tracker.begin_epoch()
+    with pytest.raises(LeakCheckError):
+        tracker.end_epoch()
+    monkeypatch.undo()
+    tracker.close()
+
+
+def test_epoch_end_reasons_follow_the_block() -> None:
+    with Tracker(grace=0.0) as tracker:
+        with pytest.raises(ValueError), tracker.epoch("boom"):
+            raise ValueError("bad batch")
+        with pytest.raises(KeyboardInterrupt), tracker.epoch("stop"):
+            raise KeyboardInterrupt
+        tracker.begin_epoch("left open")
+    reasons = [(e.label, e.end_reason) for e in tracker.report().epochs]
+    assert reasons == [("boom", "exception"), ("stop", "interrupt"), ("left open", "closed")]
+    assert tracker.report().epochs[0].error == "ValueError: bad batch"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"interval": 0}, "interval"),
+        ({"tolerance": "lots"}, "tolerance"),
+        ({"warmup_epochs": -1}, "warmup_epochs"),
+        ({"grace": "soon"}, "grace"),
+        ({"devices": [-1]}, "devices"),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(UsageError) as info:
+        Tracker(**kwargs)  # type: ignore[arg-type]
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- fake NVML, real PIDs
+
+
+def _hold(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
+    fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml._reset_for_tests()
+    yield fake
+    nvml._reset_for_tests()
+
+
+def _set_process(device: FakeDevice, pid: int, used_bytes: int | None) -> None:
+    device.compute = [p for p in device.compute if p.pid != pid]
+    if used_bytes is not None:
+        device.compute.append(FakeProcess(pid=pid, usedGpuMemory=used_bytes))
+
+
+def test_gpu_bytes_attributed_to_real_pids_and_growth_found(fake_nvml: FakePynvml) -> None:
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    with Tracker(grace=0.2, interval=0.02, persistent_workers=True) as tracker:
+        assert tracker.timeline().attribution == "ok"
+        for epoch in range(5):
+            with tracker.epoch():
+                if epoch == 0:
+                    holder.start()
+                # A persistent worker whose cache grows 64 MiB per epoch.
+                _set_process(device, holder.pid or 0, (600 + 64 * epoch) * MIB)
+                _set_process(device, os.getpid(), 500 * MIB)
+                time.sleep(0.06)
+        report_before_exit = tracker.report()
+        holder.kill()
+        holder.join()
+        _set_process(device, holder.pid or 0, None)
+    growth = [f for f in report_before_exit.leaks if f.rule == "growth"]
+    assert [f.pid for f in growth] == [holder.pid]
+    assert growth[0].bytes_per_epoch == pytest.approx(64 * MIB, rel=0.05)
+    last = report_before_exit.epochs[-1]
+    parent = next(p for p in last.processes if p.role == "parent")
+    assert parent.gpu_bytes_end == {0: 500 * MIB}
+    worker = next(p for p in last.processes if p.key.pid == holder.pid)
+    assert worker.role == "worker"
+    assert worker.gpu_bytes_end == {0: (600 + 64 * 4) * MIB}
+
+
+def test_foreign_gpu_process_is_foreign(fake_nvml: FakePynvml) -> None:
+    device = fake_nvml.devices[0]
+    # PID 1 exists here and is not in this job's lineage.
+    _set_process(device, 1, 300 * MIB)
+    with Tracker(grace=0.0, interval=0.02) as tracker, tracker.epoch():
+        time.sleep(0.05)
+    final = tracker.timeline().final
+    assert final is not None
+    foreign = [p for p in final.processes if p.role == "foreign"]
+    assert [p.key.pid for p in foreign] == [1]
+    assert foreign[0].gpu_bytes_end == {0: 300 * MIB}

@@ -374,6 +374,12 @@ class Tracker:
         with self._lock:
             return sorted(self._workers)
 
+    def sample(self) -> None:
+        """Take one sample now, as the sampler thread does every ``interval``."""
+        with self._lock:
+            self._sample_locked(epoch_end=False)
+        self._raise_pending()
+
     # ------------------------------------------------------------------- results
 
     def epochs(self) -> tuple[EpochRecord, ...]:
@@ -554,14 +560,17 @@ class Tracker:
         now = self._now()
         if self._mailbox_dir:
             self._guard(self._read_mailbox, "mailbox")
-        lineage = self._guard(lambda: procs.descendants(self._root_pid, session_id=None), "lineage")
+        # Command lines are read once per new process, not per tick (NOTE [tracker lifecycle]).
+        lineage = self._guard(
+            lambda: procs.descendants(self._root_pid, with_cmdline=False), "lineage"
+        )
         if lineage is None:
             return
         current: set[ProcessKey] = {self._root_key}
         for info in lineage:
             proc = self._procs.get(info.key)
             if proc is None:
-                proc = self._add_proc(info, now=now)
+                proc = self._add_proc(procs.read_proc(info.key.pid) or info, now=now)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
             proc.was_in_lineage = True
             current.add(info.key)

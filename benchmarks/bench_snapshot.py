@@ -28,9 +28,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from leakcheck import nvml  # noqa: E402
-from leakcheck.snapshot import take_snapshot  # noqa: E402
-from leakcheck.tracker import Tracker  # noqa: E402
+from leakcheck import nvml
+from leakcheck.snapshot import take_snapshot
+from leakcheck.tracker import Tracker
 
 
 def _idle(stop: Any) -> None:
@@ -71,7 +71,8 @@ def _torch_list_ms(rounds: int) -> list[float]:
         "torch.cuda.list_gpu_processes()\n"
         "s=[]\n"
         f"for _ in range({rounds}):\n"
-        "    t=time.perf_counter(); torch.cuda.list_gpu_processes(); s.append((time.perf_counter()-t)*1000)\n"
+        "    t=time.perf_counter(); torch.cuda.list_gpu_processes()\n"
+        "    s.append((time.perf_counter()-t)*1000)\n"
         "print(json.dumps(s))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -151,7 +152,7 @@ def main() -> int:
             import pynvml
 
             meta["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             meta["driver"] = f"unknown ({error})"
         try:
             import torch
@@ -170,9 +171,7 @@ def main() -> int:
         "| --- | ---: | ---: | ---: |",
     ]
     for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {ratios[name]:.1f} |"
-        )
+        lines.append(f"| {name} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {ratios[name]:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.write:

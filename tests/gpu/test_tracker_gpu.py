@@ -87,7 +87,10 @@ def test_parent_and_four_children_attributed_to_their_pids() -> None:
             parent_tensor = torch.empty(128 * MIB, dtype=torch.uint8, device="cuda")
             with leakcheck.Tracker(grace=1.0) as tracker:
                 with tracker.epoch("hold"):
-                    kids = [ctx.Process(target=hold, args=(m, r, stop)) for m, r in zip(amounts, ready)]
+                    kids = [
+                        ctx.Process(target=hold, args=(m, r, stop))
+                        for m, r in zip(amounts, ready)
+                    ]
                     for kid in kids: kid.start()
                     for r in ready: assert r.wait(120)
                     time.sleep(0.5)
@@ -101,7 +104,7 @@ def test_parent_and_four_children_attributed_to_their_pids() -> None:
     peaks = {pid: sum(p["gpu_bytes_peak"].values()) for pid, p in by_pid.items()}
     context_bytes = peaks[result["pids"][0]]
     assert 200 * MIB < context_bytes < 1200 * MIB, context_bytes
-    for pid, mib in zip(result["pids"][1:], result["amounts"][1:]):
+    for pid, mib in zip(result["pids"][1:], result["amounts"][1:], strict=True):
         assert by_pid[pid]["role"] == "worker"
         held = peaks[pid]
         assert mib * MIB <= held <= mib * MIB + context_bytes + 2 * MIB, (pid, mib, held)

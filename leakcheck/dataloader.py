@@ -1,0 +1,331 @@
+"""``leakcheck.watch(loader)``: a DataLoader that reports, per epoch, who leaked what.
+
+NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
+request and closed however the loop ends, so the report always keeps it:
+
+* the loader is exhausted: ``completed``; the leak rules are applied right away and a
+  ``GPULeakError`` (``on_leak="raise"``) surfaces from the ``for`` statement;
+* the loop is left early (``break``, ``return``, the iterator dropped): ``break``. Python
+  tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
+  loop body also reads as ``break``;
+* an exception while fetching a batch, a worker's included: ``exception``, then re-raised;
+* ``KeyboardInterrupt`` while fetching a batch: ``interrupt``, then re-raised;
+* the iterator was reclaimed by the garbage collector or at interpreter exit (not by the
+  loop): ``collected``.
+
+After an early end, non-persistent workers are shut down at once (the exception's
+traceback would otherwise keep them alive as false survivors), and judging waits for the
+next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
+epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
+the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
+that waits for it. Nothing is done per batch beyond one generator step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any, Generic, Literal, TypeVar
+
+from leakcheck import mailbox
+from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.model import EndReason, Finding
+from leakcheck.report import Report
+from leakcheck.teardown import WorkerInit
+from leakcheck.tracker import Tracker, _reason_for
+
+__all__ = ["WatchedLoader", "watch"]
+
+T = TypeVar("T")
+OnLeak = Literal["warn", "raise", "ignore"]
+_ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
+
+# True while the cyclic garbage collector runs: a generator closed then was collected,
+# not left by its loop (NOTE [epoch ends]).
+_collecting = False
+_gc_hook_lock = threading.Lock()
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+def _install_gc_hook() -> None:
+    with _gc_hook_lock:
+        if _gc_phase not in gc.callbacks:
+            gc.callbacks.append(_gc_phase)
+
+
+def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
+    if isinstance(error, GeneratorExit):
+        return ("collected" if _collecting or sys.is_finalizing() else "break"), None
+    return _reason_for(error)
+
+
+def _finding_id(finding: Finding) -> tuple[object, ...]:
+    # Without the epoch: a process that grows every epoch is announced once.
+    return (finding.rule, finding.pid, finding.create_time, finding.device_index)
+
+
+class _Session:
+    """What the wrapper's finalizer needs, without a reference to the wrapper."""
+
+    def __init__(self, loader: Any, tracker: Tracker) -> None:
+        self.loader = loader
+        self.tracker = tracker
+        self.installed: WorkerInit | None = None
+        self.original_init: Any = None
+
+    def restore_init(self) -> None:
+        if self.installed is not None and getattr(self.loader, "worker_init_fn", None) is (
+            self.installed
+        ):
+            self.loader.worker_init_fn = self.original_init
+        self.installed = None
+
+    def finalize(self) -> None:
+        """Run when the wrapper is collected without ``close()``: stop the sampler."""
+        self.tracker.end_epoch("collected")
+        self.restore_init()
+        self.tracker.close()
+
+
+class WatchedLoader(Generic[T]):
+    """An iterable that behaves like the wrapped loader; each ``iter()`` is one epoch.
+
+    Build it with :func:`watch`. ``len()``, iteration and every attribute of the loader
+    (``batch_size``, ``dataset``, ``num_workers``, ...) behave as on the loader itself.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[T],
+        *,
+        tracker: Tracker,
+        on_leak: OnLeak,
+        teardown: bool,
+    ) -> None:
+        self._loader = loader
+        self._tracker = tracker
+        self._on_leak = on_leak
+        self._teardown = teardown
+        self._session = _Session(loader, tracker)
+        self._announced: set[tuple[object, ...]] = set()
+        self._unjudged_end: float | None = None
+        """Monotonic time of the last epoch end whose survivors were not judged yet."""
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _Session.finalize, self._session)
+        _install_gc_hook()
+
+    # --- the loader's face -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the wrapper lacks. Guard against lookups before __init__
+        # ran (copy, pickle), which would otherwise recurse.
+        if name.startswith("__") or "_loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __repr__(self) -> str:
+        return f"leakcheck.watch({self._loader!r})"
+
+    def __iter__(self) -> Iterator[T]:
+        return self._epoch()
+
+    # --- leakcheck's face --------------------------------------------------------------
+
+    @property
+    def tracker(self) -> Tracker:
+        """The :class:`~leakcheck.tracker.Tracker` behind the wrapper."""
+        return self._tracker
+
+    @property
+    def loader(self) -> Iterable[T]:
+        """The wrapped loader."""
+        return self._loader
+
+    def report(self) -> Report:
+        """Judge what was observed so far (closed epochs; the final state once closed)."""
+        return self._tracker.report()
+
+    def close(self) -> None:
+        """Close the open epoch, wait out the grace period, judge the last epochs.
+
+        Restores the loader's own ``worker_init_fn``. Idempotent.
+
+        Raises:
+            GPULeakError: ``on_leak="raise"`` and a leak not raised before was found.
+
+        """
+        self._close(may_raise=True)
+
+    def __enter__(self) -> WatchedLoader[T]:
+        self._start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # With an exception on its way out, a leak is warned about instead of replacing it.
+        self._close(may_raise=exc is None)
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _close(self, *, may_raise: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._session.restore_init()
+        self._tracker.close()
+        self._judge(may_raise=may_raise)
+
+    def _start(self) -> None:
+        """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
+        if self._closed:
+            raise UsageError("this watched loader is closed; wrap the loader again")
+        tracker = self._tracker
+        if tracker.session_id:
+            return
+        tracker.start()
+        loader: Any = self._loader
+        if not hasattr(loader, "worker_init_fn"):
+            return  # not a DataLoader: epochs and lineage only
+        original = loader.worker_init_fn
+        if isinstance(original, WorkerInit):  # the user installed the policy already
+            original = original.user_fn
+        installed = WorkerInit(
+            original,
+            release=self._teardown,
+            persistent=bool(getattr(loader, "persistent_workers", False)),
+            mailbox_dir=os.environ.get(mailbox.MAILBOX_ENV),
+            session_id=tracker.session_id,
+        )
+        self._session.original_init = loader.worker_init_fn
+        loader.worker_init_fn = installed
+        self._session.installed = installed
+
+    def _epoch(self) -> Iterator[T]:
+        self._start()
+        if (
+            self._unjudged_end is not None
+            and time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
+        ):
+            self._judge(may_raise=True)
+        tracker = self._tracker
+        tracker.begin_epoch()
+        batches: Any = None
+        try:
+            batches = iter(self._loader)
+            yield from batches
+        except BaseException as error:
+            reason, text = _end_reason(error)
+            if not getattr(self._loader, "persistent_workers", False):
+                # Private, but what the iterator's own __del__ calls; idempotent.
+                shutdown = getattr(batches, "_shutdown_workers", None)
+                if shutdown is not None:
+                    with contextlib.suppress(Exception):
+                        shutdown()
+            batches = None
+            tracker.end_epoch(reason, text)
+            self._unjudged_end = time.monotonic()
+            raise
+        batches = None
+        tracker.end_epoch("completed")
+        self._unjudged_end = time.monotonic()
+        self._judge(may_raise=True)
+
+    def _judge(self, *, may_raise: bool) -> None:
+        """Announce leaks not announced before: warn, raise or nothing (``on_leak``)."""
+        if self._unjudged_end is not None and (
+            self._tracker.closed
+            or time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
+        ):
+            self._unjudged_end = None
+        if self._on_leak == "ignore":
+            return
+        report = self._tracker.report()
+        new = [f for f in report.leaks if _finding_id(f) not in self._announced]
+        if not new:
+            return
+        self._announced.update(_finding_id(f) for f in new)
+        epochs = report.epochs
+        where = f" after {epochs[-1].label}" if epochs else ""
+        message = f"leakcheck: {len(new)} GPU leak(s){where}: " + "; ".join(f.message for f in new)
+        if self._on_leak == "raise" and may_raise:
+            raise GPULeakError(message, report)
+        warnings.warn(GPULeakWarning(message), stacklevel=3)
+
+
+def watch(
+    loader: Iterable[T],
+    *,
+    tolerance: str | int = "16MiB",
+    warmup_epochs: int = 1,
+    grace: float | str = 2.0,
+    on_leak: OnLeak = "warn",
+    teardown: bool = True,
+    interval: float | str = 0.05,
+) -> WatchedLoader[T]:
+    """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
+
+    ::
+
+        loader = leakcheck.watch(DataLoader(ds, num_workers=8, persistent_workers=True))
+        for epoch in range(10):
+            for batch in loader:
+                train_step(batch)
+        loader.close()  # waits out the grace period, warns about the last epoch
+        print(loader.report().format())
+
+    Worker identities come from a chained ``worker_init_fn`` (your own still runs), which
+    also installs the teardown policy (NOTE [teardown policy] in teardown.py). How each
+    kind of epoch end is recorded and when leaks are judged: NOTE [epoch ends].
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` (any start method, persistent workers or
+            not); any other iterable is tracked by epochs and process lineage only.
+        tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
+        warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
+        grace: Seconds a worker may outlive its epoch before it is a survivor.
+        on_leak: ``"warn"`` (a ``GPULeakWarning`` naming the culprits), ``"raise"`` (a
+            ``GPULeakError`` after the epoch) or ``"ignore"`` (only the report).
+        teardown: Workers release their CUDA resources before they exit.
+        interval: Seconds between background samples.
+
+    Returns:
+        A :class:`WatchedLoader`; also a context manager that calls ``close()``.
+
+    Raises:
+        UsageError: A bad argument; the message names it and what was expected.
+
+    """
+    if on_leak not in _ON_LEAK:
+        raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
+    if not isinstance(teardown, bool):
+        raise UsageError(f"teardown: expected True or False, got {teardown!r}")
+    if not isinstance(loader, Iterable):
+        raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
+    tracker = Tracker(
+        interval=interval,
+        tolerance=tolerance,
+        warmup_epochs=warmup_epochs,
+        grace=grace,
+        persistent_workers=bool(getattr(loader, "persistent_workers", False)),
+    )
+    return WatchedLoader(loader, tracker=tracker, on_leak=on_leak, teardown=teardown)

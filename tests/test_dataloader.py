@@ -1,0 +1,279 @@
+"""leakcheck.watch on CPU: real DataLoaders with real workers (NOTE [epoch ends])."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+import leakcheck
+from leakcheck.dataloader import WatchedLoader
+from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.teardown import WorkerInit
+
+
+class Squares(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, index * index])
+
+
+class FailsAt(Squares):
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 5:
+            raise ValueError("bad sample 5")
+        return super().__getitem__(index)
+
+
+class StartsGrandchild(Squares):
+    """Each worker starts one sleeper that outlives it; items carry the sleeper's PID."""
+
+    def __init__(self) -> None:
+        self.sleepers: dict[int, int] = {}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        me = os.getpid()
+        if me not in self.sleepers:
+            code = "import time; time.sleep(60)  # leakcheck-test-grandchild"
+            self.sleepers[me] = subprocess.Popen([sys.executable, "-c", code]).pid
+        return torch.tensor([self.sleepers[me]])
+
+
+class InterruptAfter(Sampler[int]):
+    """Index stream of the parent that is interrupted, as by Ctrl-C, after ``count``."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.count)
+        raise KeyboardInterrupt
+
+    def __len__(self) -> int:
+        return 12
+
+
+def touch(folder: str, worker_id: int) -> None:
+    Path(folder, f"init-{worker_id}").write_text(str(os.getpid()))
+
+
+def make(dataset: Any = None, *, workers: int = 2, context: str = "fork", **kw: Any) -> Any:
+    return DataLoader(
+        dataset if dataset is not None else Squares(),
+        batch_size=3,
+        num_workers=workers,
+        multiprocessing_context=context if workers else None,
+        **kw,
+    )
+
+
+def run_epochs(watched: WatchedLoader[Any], epochs: int) -> list[list[torch.Tensor]]:
+    return [list(watched) for _ in range(epochs)]
+
+
+@pytest.fixture
+def no_leak_warnings() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GPULeakWarning)
+        yield
+
+
+@pytest.mark.parametrize(
+    ("context", "persistent"), [("fork", False), ("fork", True), ("spawn", True)]
+)
+def test_clean_loader_has_no_findings_over_5_epochs(
+    context: str, persistent: bool, no_leak_warnings: None
+) -> None:
+    with leakcheck.watch(make(context=context, persistent_workers=persistent)) as watched:
+        batches = run_epochs(watched, 5)
+    report = watched.report()
+    assert report.leaks == []
+    assert [e.end_reason for e in report.epochs] == ["completed"] * 5
+    assert all(len(epoch) == 4 for epoch in batches)
+    workers = watched.tracker.worker_keys()
+    assert len(workers) == (2 if persistent else 10)
+    assert {t.key for t in report.timeline.teardowns} <= set(workers)
+
+
+def test_batches_are_those_of_the_raw_loader() -> None:
+    raw = [batch.clone() for batch in make(workers=2)]
+    with leakcheck.watch(make(workers=2)) as watched:
+        seen = list(watched)
+    assert len(seen) == len(raw) == 4
+    assert all(torch.equal(a, b) for a, b in zip(raw, seen))
+
+
+def test_the_wrapper_looks_like_the_loader() -> None:
+    loader = make(workers=2, persistent_workers=True)
+    watched = leakcheck.watch(loader)
+    assert len(watched) == len(loader) == 4
+    assert watched.batch_size == 3 and watched.num_workers == 2
+    assert watched.dataset is loader.dataset and watched.persistent_workers is True
+    with pytest.raises(AttributeError):
+        watched.no_such_attribute  # noqa: B018
+    watched.close()
+
+
+def test_user_worker_init_fn_runs_and_is_restored(tmp_path: Path) -> None:
+    user_fn = functools.partial(touch, str(tmp_path))
+    loader = make(workers=2, worker_init_fn=user_fn)
+    watched = leakcheck.watch(loader)
+    list(watched)
+    assert isinstance(loader.worker_init_fn, WorkerInit)
+    assert loader.worker_init_fn.user_fn is user_fn
+    watched.close()
+    assert loader.worker_init_fn is user_fn
+    pids = {int(p.read_text()) for p in tmp_path.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init-0", "init-1"]
+    assert {key.pid for key in watched.tracker.worker_keys()} == pids
+
+
+def test_break_closes_the_epoch_and_the_next_one_runs(no_leak_warnings: None) -> None:
+    with leakcheck.watch(make(workers=2), grace=0.3) as watched:
+        for _ in watched:
+            break
+        assert len(list(watched)) == 4
+    report = watched.report()
+    assert [e.end_reason for e in report.epochs] == ["break", "completed"]
+    assert report.leaks == []  # the abandoned epoch's workers were shut down
+
+
+def test_worker_exception_closes_the_epoch_and_is_reraised(no_leak_warnings: None) -> None:
+    watched = leakcheck.watch(make(FailsAt(), workers=2), grace=0.3)
+    with pytest.raises(ValueError, match="bad sample 5"):
+        list(watched)
+    watched.close()
+    report = watched.report()
+    (epoch,) = report.epochs
+    assert epoch.end_reason == "exception"
+    assert epoch.error is not None and "ValueError" in epoch.error and "\n" not in epoch.error
+    assert report.leaks == []
+
+
+def test_keyboard_interrupt_closes_the_epoch(no_leak_warnings: None) -> None:
+    watched = leakcheck.watch(make(workers=2, sampler=InterruptAfter(4)), grace=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        list(watched)
+    watched.close()
+    report = watched.report()
+    assert [e.end_reason for e in report.epochs] == ["interrupt"]
+    assert report.leaks == []
+
+
+def test_iterator_collected_by_gc_closes_the_epoch() -> None:
+    watched = leakcheck.watch(make(workers=0), grace=0.3)
+    iterator = iter(watched)
+    next(iterator)
+    cycle: list[Any] = [iterator]
+    cycle.append(cycle)
+    del iterator, cycle
+    gc.collect()
+    watched.close()
+    assert [e.end_reason for e in watched.report().epochs] == ["collected"]
+
+
+def test_dropped_wrapper_stops_its_tracker() -> None:
+    loader = make(workers=2)
+    watched = leakcheck.watch(loader, grace=0.3)
+    list(watched)
+    tracker = watched.tracker
+    del watched
+    gc.collect()
+    assert tracker.closed
+    assert not isinstance(loader.worker_init_fn, WorkerInit)
+
+
+def kill_sleepers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if "leakcheck-test-grandchild" in " ".join(proc.cmdline()):
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
+def sleeper_pids(batches: list[torch.Tensor]) -> list[int]:
+    return sorted({int(pid) for batch in batches for pid in batch.flatten()})
+
+
+def test_grandchild_outliving_its_worker_is_named() -> None:
+    watched = leakcheck.watch(make(StartsGrandchild(), workers=2), grace=0.3, on_leak="ignore")
+    sleepers = sleeper_pids(list(watched))
+    try:
+        watched.close()
+        report = watched.report()
+        named = {f.pid: f for f in report.leaks if f.rule in ("orphan", "survivor")}
+        assert sorted(named) == sleepers
+        for finding in named.values():
+            assert finding.cmdline is not None and "leakcheck-test-grandchild" in finding.cmdline
+            assert str(finding.pid) in finding.message
+    finally:
+        kill_sleepers(sleepers)
+
+
+def test_on_leak_warn_names_the_culprit() -> None:
+    watched = leakcheck.watch(make(StartsGrandchild(), workers=1), grace=0.3)
+    with pytest.warns(GPULeakWarning) as caught:
+        sleepers = sleeper_pids(list(watched))
+        try:
+            watched.close()
+        finally:
+            kill_sleepers(sleepers)
+    text = " ".join(str(w.message) for w in caught)
+    assert str(sleepers[0]) in text
+
+
+def test_on_leak_raise_carries_the_report() -> None:
+    watched = leakcheck.watch(make(StartsGrandchild(), workers=1), grace=0.3, on_leak="raise")
+    sleepers: list[int] = []
+    try:
+        with pytest.raises(GPULeakError) as caught:
+            for batch in watched:
+                sleepers = sleeper_pids([batch])
+            watched.close()
+    finally:
+        kill_sleepers(sleepers)
+    assert caught.value.report is not None
+    assert [f.pid for f in caught.value.report.leaks] == sleepers
+    watched.close()  # idempotent, nothing left to raise
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"tolerance": "lots"}, ("tolerance", "'lots'")),
+        ({"on_leak": "explode"}, ("on_leak", "'explode'")),
+        ({"warmup_epochs": -1}, ("warmup_epochs", "-1")),
+        ({"warmup_epochs": 1.5}, ("warmup_epochs", "1.5")),
+        ({"grace": -1}, ("grace", "-1")),
+        ({"interval": 0}, ("interval", "0")),
+        ({"teardown": "yes"}, ("teardown", "'yes'")),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(
+    kwargs: dict[str, Any], names: tuple[str, str]
+) -> None:
+    with pytest.raises(UsageError) as caught:
+        leakcheck.watch(make(workers=0), **kwargs)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert all(name in message for name in names)
+
+
+def test_a_non_iterable_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="loader: expected an iterable"):
+        leakcheck.watch(42)  # type: ignore[call-overload]

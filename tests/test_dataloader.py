@@ -113,7 +113,7 @@ def test_batches_are_those_of_the_raw_loader() -> None:
     with leakcheck.watch(make(workers=2)) as watched:
         seen = list(watched)
     assert len(seen) == len(raw) == 4
-    assert all(torch.equal(a, b) for a, b in zip(raw, seen))
+    assert all(torch.equal(a, b) for a, b in zip(raw, seen, strict=True))
 
 
 def test_the_wrapper_looks_like_the_loader() -> None:

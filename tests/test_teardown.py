@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -138,10 +139,8 @@ def grandchildren(*, terminate: bool) -> list[psutil.Process]:
     )
     found = []
     for pid in {int(pid) for batch in loader for pid in batch}:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             found.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
     return found
 
 

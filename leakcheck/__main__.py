@@ -1,0 +1,11 @@
+"""``python -m leakcheck``: the same as the ``leakcheck`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from leakcheck.cli import main
+
+# The guard matters: spawned DataLoader workers re-import the parent's main module.
+if __name__ == "__main__":
+    sys.exit(main())

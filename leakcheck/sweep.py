@@ -1,0 +1,937 @@
+"""The sweep engine: worker counts x epochs, one ``Tracker`` per configuration.
+
+``leakcheck sweep`` is the classic leak-hunting script done right: for each number of
+workers it builds a fresh loader (``FACTORY(num_workers)``), iterates it for a number of
+epochs under a ``Tracker``, and keeps what each epoch showed per process and per device.
+The result is a frozen ``SweepResult`` that renders as a text table (``format``) and as
+JSON (``to_dict``, with a schema version); ``leakcheck.plot`` draws it.
+
+NOTE [one tracker per configuration]: each configuration gets its own tracker, so its own
+session tag: a process left over by one configuration can never be counted as part of the
+next one, and the cleanup after a configuration touches only processes carrying that
+configuration's tag.
+
+NOTE [cleanup]: after a configuration is judged, the sweep terminates the processes it
+created that were reparented away and are still alive (the orphans): it finds them by the
+configuration's session tag, checks each identity ``(pid, create_time)`` again right before
+signalling it, and says what it did. Nothing without the tag is ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from leakcheck import nvml, procs
+from leakcheck.errors import LeakCheckError
+from leakcheck.model import MIB, DeviceState, EpochRecord, ProcessEpoch, TeardownRecord
+from leakcheck.progress import Progress
+from leakcheck.units import format_mib
+
+if TYPE_CHECKING:
+    from leakcheck.report import Report
+
+__all__ = [
+    "SWEEP_SCHEMA_VERSION",
+    "CleanedProcess",
+    "ConfigResult",
+    "Cooldown",
+    "EpochRow",
+    "LoaderError",
+    "LoaderFactory",
+    "SweepOptions",
+    "SweepResult",
+    "run_sweep",
+    "write_json",
+]
+
+SWEEP_SCHEMA_VERSION = 1
+"""Version of ``SweepResult.to_dict``'s layout; bumped on any incompatible change."""
+
+LoaderFactory = Callable[[int], Iterable[Any]]
+"""``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
+
+_CLEANUP_WAIT_S = 3.0
+_COOLDOWN_POLL_S = 1.0
+_UNAVAILABLE = "n/a"
+
+
+class LoaderError(LeakCheckError):
+    """The loader could not be built or iterated; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """What to sweep and how to judge it.
+
+    Attributes:
+        workers: Worker counts, one configuration each, in this order.
+        epochs: Epochs per configuration.
+        persistent: Workers live across epochs (tells the tracker what to expect).
+        device_index: The device to watch and to report on (None: all watched, the first
+            shown).
+        cooldown_temp_c: Before each configuration, wait until the GPU is at or below this.
+        cooldown_timeout_s: Give up waiting for the cooldown after this long.
+        interval_s: Tracker sampling interval.
+        tolerance_bytes: Growth or residual below this is noise.
+        grace_s: How long a process born in an epoch may outlive it.
+        warmup_epochs: Epochs the growth rule ignores.
+        cleanup: Terminate the sweep's own orphans after each configuration.
+
+    """
+
+    workers: tuple[int, ...] = (0, 4, 8)
+    epochs: int = 5
+    persistent: bool = False
+    device_index: int | None = None
+    cooldown_temp_c: float | None = None
+    cooldown_timeout_s: float = 600.0
+    interval_s: float = 0.05
+    tolerance_bytes: int = 16 * MIB
+    grace_s: float = 2.0
+    warmup_epochs: int = 1
+    cleanup: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "workers": list(self.workers),
+            "epochs": self.epochs,
+            "persistent": self.persistent,
+            "device_index": self.device_index,
+            "cooldown_temp_c": self.cooldown_temp_c,
+            "cooldown_timeout_s": self.cooldown_timeout_s,
+            "interval_s": self.interval_s,
+            "tolerance_bytes": self.tolerance_bytes,
+            "grace_s": self.grace_s,
+            "warmup_epochs": self.warmup_epochs,
+            "cleanup": self.cleanup,
+        }
+
+
+@dataclass(frozen=True)
+class EpochRow:
+    """One row of the sweep table: one epoch of one configuration.
+
+    GPU byte counts are summed over the watched devices; device and telemetry fields are
+    for the reported device. Every GPU field is None when no GPU can be read (no NVML,
+    or NVML's PIDs are not in this PID namespace, for the per-process ones).
+
+    Attributes:
+        num_workers: The configuration.
+        epoch: Epoch index (0-based).
+        label: The tracker's epoch label.
+        duration_s: Wall seconds of the epoch.
+        end_reason: How the epoch ended (``completed``, ``exception``...).
+        parent_gpu_bytes: The parent's GPU bytes at the end of the epoch.
+        worker_count: Worker processes seen during the epoch.
+        workers_gpu_bytes: Sum of the workers' GPU bytes at the end of the epoch.
+        worker_gpu_bytes_max: The largest single worker at the end of the epoch.
+        workers_gpu_bytes_peak: Sum of the workers' peaks during the epoch.
+        alive_after: Processes born in the epoch (not persistent) still alive after it
+            and its grace period.
+        orphans: Processes of the job reparented away, alive at the end of the epoch.
+        other_gpu_bytes: GPU bytes of the job's other processes (descendants, orphans).
+        device_used_bytes: Device memory used at the end of the epoch.
+        device_total_bytes: Device memory size.
+        temperature_c: GPU temperature at the end of the epoch.
+        sm_clock_mhz: SM clock at the end of the epoch.
+        power_w: Board power at the end of the epoch.
+        error: The exception that ended the epoch, if one did.
+
+    """
+
+    num_workers: int
+    epoch: int
+    label: str
+    duration_s: float
+    end_reason: str
+    parent_gpu_bytes: int | None
+    worker_count: int
+    workers_gpu_bytes: int | None
+    worker_gpu_bytes_max: int | None
+    workers_gpu_bytes_peak: int | None
+    alive_after: int
+    orphans: int
+    other_gpu_bytes: int | None
+    device_used_bytes: int | None = None
+    device_total_bytes: int | None = None
+    temperature_c: int | None = None
+    sm_clock_mhz: int | None = None
+    power_w: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (bytes, seconds, degrees Celsius, MHz, watts)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Cooldown:
+    """The wait for the GPU to cool down before one configuration.
+
+    Attributes:
+        target_c: The temperature asked for.
+        start_c: Temperature when the wait began (None: unknown).
+        end_c: Temperature when it ended (None: unknown).
+        waited_s: Seconds waited.
+        reached: The target was reached before the timeout.
+        note: Why there was no wait or it failed, if so.
+
+    """
+
+    target_c: float
+    start_c: int | None
+    end_c: int | None
+    waited_s: float
+    reached: bool
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    def describe(self) -> str:
+        """One line for the text report."""
+        if self.note:
+            return f"cooldown to {self.target_c:g} °C: {self.note}"
+        outcome = "reached" if self.reached else "NOT reached (timeout)"
+        return (
+            f"cooldown to {self.target_c:g} °C {outcome}: {_or(self.start_c)} -> "
+            f"{_or(self.end_c)} °C in {self.waited_s:.1f} s"
+        )
+
+
+@dataclass(frozen=True)
+class CleanedProcess:
+    """A leftover process of the sweep and what the cleanup did to it.
+
+    Attributes:
+        pid: Process ID.
+        create_time: With ``pid``, its identity.
+        cmdline: Its command line, shortened.
+        outcome: ``terminated``, ``killed``, ``gone`` (exited before the signal), or
+            ``failed: <reason>``.
+
+    """
+
+    pid: int
+    create_time: float
+    cmdline: str
+    outcome: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    """One configuration of the sweep: its rows, its judged report, its cleanup.
+
+    Attributes:
+        num_workers: Worker count.
+        persistent_workers: Whether workers were expected to live across epochs.
+        rows: One per epoch.
+        report: The tracker's judged report (findings, verdict, the full timeline).
+        cooldown: The wait before the configuration, if one was asked for.
+        cleaned: Leftover processes the sweep terminated after judging.
+        wall_s: Seconds the configuration took (loader, epochs, tracker close).
+
+    """
+
+    num_workers: int
+    persistent_workers: bool
+    rows: tuple[EpochRow, ...]
+    report: Report
+    cooldown: Cooldown | None = None
+    cleaned: tuple[CleanedProcess, ...] = ()
+    wall_s: float = 0.0
+
+    @property
+    def teardowns(self) -> tuple[TeardownRecord, ...]:
+        """What the teardown policy freed in each worker (empty when it was off)."""
+        return self.report.timeline.teardowns
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, with the configuration's full ``Report.to_dict()``."""
+        return {
+            "num_workers": self.num_workers,
+            "persistent_workers": self.persistent_workers,
+            "wall_s": self.wall_s,
+            "verdict": self.report.verdict,
+            "leak_count": len(self.report.leaks),
+            "info_count": len(self.report.infos),
+            "summary": self.report.summary(),
+            "cooldown": None if self.cooldown is None else self.cooldown.to_dict(),
+            "rows": [row.to_dict() for row in self.rows],
+            "teardown": teardown_summary(self.teardowns),
+            "cleanup": [cleaned.to_dict() for cleaned in self.cleaned],
+            "report": self.report.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """Everything a sweep observed and judged.
+
+    Attributes:
+        options: What was swept.
+        loader: One line describing the loader (built-in workload or ``MODULE:FACTORY``).
+        configs: One result per worker count, in sweep order.
+        gpu_available: NVML could be read.
+        gpu_reason: Why not, in one line (empty when available).
+        devices: The devices at the start of the sweep (empty without a GPU).
+        started_unix_s: When the sweep began.
+        wall_s: How long it took.
+        environment: Versions and machine, for the record.
+
+    """
+
+    options: SweepOptions
+    loader: str
+    configs: tuple[ConfigResult, ...]
+    gpu_available: bool
+    gpu_reason: str
+    devices: tuple[DeviceState, ...] = ()
+    started_unix_s: float = 0.0
+    wall_s: float = 0.0
+    environment: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def leak_count(self) -> int:
+        """Leaks over all configurations."""
+        return sum(len(config.report.leaks) for config in self.configs)
+
+    @property
+    def verdict(self) -> str:
+        """``leak`` if any configuration leaked, ``blind`` if any was blind, else ``clean``."""
+        verdicts = {config.report.verdict for config in self.configs}
+        for verdict in ("leak", "blind"):
+            if verdict in verdicts:
+                return verdict
+        return "clean"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
+        from leakcheck.report import SCHEMA_VERSION
+
+        return {
+            "schema": "leakcheck.sweep",
+            "schema_version": SWEEP_SCHEMA_VERSION,
+            "report_schema_version": SCHEMA_VERSION,
+            "started_unix_s": self.started_unix_s,
+            "wall_s": self.wall_s,
+            "loader": self.loader,
+            "options": self.options.to_dict(),
+            "environment": dict(self.environment),
+            "gpu": {
+                "available": self.gpu_available,
+                "reason": self.gpu_reason,
+                "reported_device": reported_device_index(self),
+                "devices": [_device_dict(device) for device in self.devices],
+            },
+            "verdict": self.verdict,
+            "leak_count": self.leak_count,
+            "configurations": [config.to_dict() for config in self.configs],
+        }
+
+    def format(self) -> str:
+        """The text report: header, the table, then per configuration its verdict."""
+        return format_sweep(self)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_sweep(
+    options: SweepOptions,
+    factory: LoaderFactory,
+    *,
+    loader: str,
+    progress: Progress | None = None,
+    gpu: tuple[bool, str] | None = None,
+) -> SweepResult:
+    """Run every configuration of the sweep and judge each.
+
+    Args:
+        options: What to sweep.
+        factory: ``FACTORY(num_workers)`` returning an iterable loader.
+        loader: One line describing the loader, for the report.
+        progress: Where progress goes (default: none).
+        gpu: ``nvml.availability()`` when the caller already asked.
+
+    Returns:
+        The frozen result.
+
+    Raises:
+        LoaderError: Calling the factory or iterating its loader failed (one line).
+
+    """
+    started_unix_s = time.time()
+    started_s = time.monotonic()
+    gpu_available, gpu_reason = gpu if gpu is not None else nvml.availability()
+    devices: tuple[DeviceState, ...] = ()
+    if gpu_available:
+        try:
+            selected = None if options.device_index is None else [options.device_index]
+            devices = nvml.get().devices(selected)
+        except LeakCheckError as exc:
+            gpu_available, gpu_reason = False, str(exc)
+    report_progress = progress or Progress(0, enabled=False)
+    configs = []
+    for position, num_workers in enumerate(options.workers):
+        configs.append(
+            _run_config(
+                options,
+                factory,
+                num_workers,
+                position,
+                gpu_available=gpu_available,
+                progress=report_progress,
+            )
+        )
+    report_progress.close()
+    return SweepResult(
+        options=options,
+        loader=loader,
+        configs=tuple(configs),
+        gpu_available=gpu_available,
+        gpu_reason=gpu_reason,
+        devices=devices,
+        started_unix_s=started_unix_s,
+        wall_s=time.monotonic() - started_s,
+        environment=environment(devices),
+    )
+
+
+def _run_config(
+    options: SweepOptions,
+    factory: LoaderFactory,
+    num_workers: int,
+    position: int,
+    *,
+    gpu_available: bool,
+    progress: Progress,
+) -> ConfigResult:
+    from leakcheck.tracker import Tracker
+
+    cooldown = None
+    if options.cooldown_temp_c is not None:
+        cooldown = wait_for_cooldown(
+            options.cooldown_temp_c,
+            options.cooldown_timeout_s,
+            device_index=options.device_index or 0,
+            gpu_available=gpu_available,
+        )
+        progress.note(f"workers={num_workers}: {cooldown.describe()}")
+    persistent = options.persistent and num_workers > 0
+    started_s = time.monotonic()
+    tracker = Tracker(
+        interval=options.interval_s,
+        devices=None if options.device_index is None else [options.device_index],
+        tolerance=options.tolerance_bytes,
+        warmup_epochs=options.warmup_epochs,
+        grace=options.grace_s,
+        persistent_workers=persistent,
+        use_nvml=gpu_available,
+    )
+    failure: LoaderError | None = None
+    cleaned: tuple[CleanedProcess, ...] = ()
+    tracker.start()
+    try:
+        failure = _run_epochs(tracker, options, factory, num_workers, position, progress)
+    finally:
+        # Even on Ctrl-C: stop sampling, then remove what this configuration left behind.
+        tracker.close()
+        report = tracker.report()
+        if options.cleanup:
+            cleaned = cleanup_orphans(tracker.session_id)
+            for item in cleaned:
+                progress.note(
+                    f"workers={num_workers}: cleanup: {item.outcome} leftover PID {item.pid} "
+                    f"of this sweep ({item.cmdline})"
+                )
+    if failure is not None:
+        raise failure
+    rows = tuple(
+        epoch_row(record, num_workers, report, options.device_index) for record in report.epochs
+    )
+    return ConfigResult(
+        num_workers=num_workers,
+        persistent_workers=persistent,
+        rows=rows,
+        report=report,
+        cooldown=cooldown,
+        cleaned=cleaned,
+        wall_s=time.monotonic() - started_s,
+    )
+
+
+def _run_epochs(
+    tracker: Any,
+    options: SweepOptions,
+    factory: LoaderFactory,
+    num_workers: int,
+    position: int,
+    progress: Progress,
+) -> LoaderError | None:
+    """Build the loader and iterate it for every epoch.
+
+    A loader failure is returned, not raised, so that the caller closes the tracker and
+    cleans up first.
+    """
+    name = getattr(factory, "__qualname__", "FACTORY")
+    try:
+        loader: Iterable[Any] | None = factory(num_workers)
+    except Exception as exc:
+        return LoaderError(f"calling {name}({num_workers}) failed: {_one_line(exc)}")
+    if loader is None or not isinstance(loader, Iterable):
+        return LoaderError(
+            f"{name}({num_workers}) returned {type(loader).__name__}, "
+            "expected an iterable loader (such as a DataLoader)"
+        )
+    total = _length(loader)
+    config_label = f"workers={num_workers}"
+    try:
+        for epoch in range(options.epochs):
+            progress.begin(
+                f"config {position + 1}/{len(options.workers)} {config_label} "
+                f"epoch {epoch + 1}/{options.epochs}"
+            )
+            batches = 0
+            try:
+                with tracker.epoch(f"epoch {epoch}"):
+                    for _batch in loader:
+                        batches += 1
+                        progress.batch(batches, total)
+            except Exception as exc:
+                return LoaderError(
+                    f"iterating the loader ({config_label}, epoch {epoch}) failed: {_one_line(exc)}"
+                )
+            progress.end(_epoch_summary(tracker, batches))
+    finally:
+        # Drop the loader before the tracker closes: persistent workers shut down when
+        # their iterator is collected, and their exit belongs to this configuration.
+        loader = None
+        gc.collect()
+    return None
+
+
+def _epoch_summary(tracker: Any, batches: int) -> str:
+    epochs = tracker.epochs()
+    if not epochs:
+        return f"{batches} batches"
+    record: EpochRecord = epochs[-1]
+    workers = [p for p in record.processes if p.role == "worker"]
+    parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
+    return (
+        f"{batches} batches in {record.duration_s:.1f} s, parent {format_mib(parent)} MiB, "
+        f"{len(workers)} workers {format_mib(sum(p.total_gpu_bytes_end for p in workers))} MiB"
+    )
+
+
+def _length(loader: Iterable[Any]) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except Exception:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _alive_after(proc: ProcessEpoch, grace_s: float) -> bool:
+    """Born in the epoch, not persistent, and not seen gone within the grace period."""
+    if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
+        return False
+    if proc.role not in ("worker", "descendant", "orphan"):
+        return False
+    return proc.exited_after_s is None or proc.exited_after_s > grace_s
+
+
+def _pick_device(devices: Iterable[DeviceState], index: int | None) -> DeviceState | None:
+    devices = tuple(devices)
+    for device in devices:
+        if index is None or device.index == index:
+            return device
+    return None
+
+
+def epoch_row(
+    record: EpochRecord, num_workers: int, report: Report, device_index: int | None
+) -> EpochRow:
+    """Fold one epoch record into a table row (see ``EpochRow``)."""
+    processes = record.processes
+    workers = [p for p in processes if p.role == "worker"]
+    others = [p for p in processes if p.role in ("descendant", "orphan")]
+    worker_end = [p.total_gpu_bytes_end for p in workers]
+    device = _pick_device(record.devices, device_index)
+    per_process = report.timeline.attribution == "ok"
+
+    def known(value: int) -> int | None:
+        return value if per_process else None
+
+    return EpochRow(
+        num_workers=num_workers,
+        epoch=record.index,
+        label=record.label,
+        duration_s=record.duration_s,
+        end_reason=record.end_reason,
+        parent_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in processes if p.role == "parent")),
+        worker_count=len(workers),
+        workers_gpu_bytes=known(sum(worker_end)),
+        worker_gpu_bytes_max=known(max(worker_end, default=0)),
+        workers_gpu_bytes_peak=known(sum(p.total_gpu_bytes_peak for p in workers)),
+        alive_after=sum(1 for p in processes if _alive_after(p, report.config.grace_s)),
+        orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
+        other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),
+        device_used_bytes=None if device is None else device.used_bytes,
+        device_total_bytes=None if device is None else device.total_bytes,
+        temperature_c=None if device is None else device.temperature_c,
+        sm_clock_mhz=None if device is None else device.sm_clock_mhz,
+        power_w=None if device is None else device.power_w,
+        error=record.error,
+    )
+
+
+# --------------------------------------------------------------------------- cooldown
+
+
+def wait_for_cooldown(
+    target_c: float,
+    timeout_s: float,
+    *,
+    device_index: int = 0,
+    gpu_available: bool = True,
+    poll_s: float = _COOLDOWN_POLL_S,
+) -> Cooldown:
+    """Wait until the GPU is at or below ``target_c`` degrees, at most ``timeout_s``.
+
+    Temperature changes timings by about 10% on long runs, so configurations compared
+    side by side should start equally cool.
+    """
+    if not gpu_available:
+        return Cooldown(target_c, None, None, 0.0, False, note="skipped: no GPU to read")
+    started_s = time.monotonic()
+
+    def read() -> int | None:
+        try:
+            states = nvml.get().devices([device_index])
+        except LeakCheckError:
+            return None
+        return states[0].temperature_c if states else None
+
+    first = current = read()
+    if first is None:
+        return Cooldown(target_c, None, None, 0.0, False, note="skipped: temperature unknown")
+    while current is not None and current > target_c:
+        if time.monotonic() - started_s >= timeout_s:
+            break
+        time.sleep(poll_s)
+        current = read()
+    reached = current is not None and current <= target_c
+    return Cooldown(target_c, first, current, time.monotonic() - started_s, reached)
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def cleanup_orphans(
+    session_id: str, *, wait_s: float = _CLEANUP_WAIT_S
+) -> tuple[CleanedProcess, ...]:
+    """Terminate live processes tagged with ``session_id`` that left this process's tree.
+
+    Only processes whose environment carries this session's tag and that are no longer
+    below this process are signalled: the orphans this sweep created (see NOTE
+    [cleanup]). Each identity is checked again right before the signal.
+
+    Returns:
+        One entry per process found, with what happened to it.
+
+    """
+    import psutil
+
+    me = os.getpid()
+    tagged = [info for info in procs.scan_all(session_id=session_id) if info.tagged]
+    own = {info.key.pid for info in procs.descendants(me, with_cmdline=False)} | {me}
+    leftovers = [info for info in tagged if info.key.pid not in own]
+    cleaned: list[CleanedProcess] = []
+    victims: list[tuple[Any, Any]] = []
+    for info in leftovers:
+        cmdline = _shorten(info.cmdline)
+        try:
+            process = psutil.Process(info.key.pid)
+            same = math.isclose(process.create_time(), info.key.create_time, abs_tol=0.05)
+            if not same or procs.tagged_session(info.key.pid) != session_id:
+                continue  # the PID now belongs to someone else: never touch it
+            process.terminate()
+        except psutil.NoSuchProcess:
+            cleaned.append(CleanedProcess(info.key.pid, info.key.create_time, cmdline, "gone"))
+            continue
+        except psutil.Error as exc:
+            cleaned.append(
+                CleanedProcess(info.key.pid, info.key.create_time, cmdline, f"failed: {exc}")
+            )
+            continue
+        victims.append((info, process))
+    _gone, alive = psutil.wait_procs([process for _, process in victims], timeout=wait_s)
+    alive_pids = {process.pid for process in alive}
+    for info, process in victims:
+        outcome = "terminated"
+        if process.pid in alive_pids:
+            with contextlib.suppress(psutil.Error):
+                process.kill()  # psutil refuses if the PID was reused meanwhile
+            outcome = "killed"
+        cleaned.append(
+            CleanedProcess(info.key.pid, info.key.create_time, _shorten(info.cmdline), outcome)
+        )
+    return tuple(cleaned)
+
+
+def _shorten(cmdline: str, width: int = 60) -> str:
+    text = " ".join(cmdline.split()) or "?"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# --------------------------------------------------------------------------- text
+
+
+def teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
+    """Totals of the worker teardowns: how many workers, contexts released, bytes freed."""
+    records = tuple(records)
+    before = [r.gpu_bytes_before for r in records if r.gpu_bytes_before is not None]
+    return {
+        "workers": len(records),
+        "cuda_initialized": sum(1 for r in records if r.cuda_initialized),
+        "contexts_released": sum(1 for r in records if r.context_released),
+        "left_nvml": sum(1 for r in records if r.left_nvml),
+        "freed_cache_bytes": sum(r.freed_cache_bytes for r in records),
+        "gpu_bytes_before": sum(before) if before else None,
+        "gpu_bytes_before_per_worker": (sum(before) // len(before)) if before else None,
+        "errors": [r.error for r in records if r.error],
+    }
+
+
+def reported_device_index(result: SweepResult) -> int | None:
+    """The device whose memory and telemetry the rows show."""
+    if result.options.device_index is not None:
+        return result.options.device_index
+    return result.devices[0].index if result.devices else None
+
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("workers", "configuration: DataLoader workers"),
+    ("epoch", "epoch index"),
+    ("time s", "epoch wall time"),
+    ("parent MiB", "GPU memory of the parent process at the end of the epoch"),
+    ("wk n", "worker processes seen in the epoch"),
+    ("wk sum MiB", "GPU memory of all workers at the end of the epoch"),
+    ("wk max MiB", "GPU memory of the largest worker at the end of the epoch"),
+    ("wk peak MiB", "sum of the workers' peaks during the epoch"),
+    ("alive after", "processes born in the epoch still alive after it and its grace period"),
+    ("orphans", "processes of the job reparented away, alive at the end"),
+    ("dev used/total MiB", "device memory at the end of the epoch"),
+    ("temp °C", "GPU temperature at the end of the epoch"),
+    ("SM MHz", "SM clock at the end of the epoch"),
+    ("power W", "board power at the end of the epoch"),
+)
+COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
+_GPU_COLUMNS = frozenset(
+    (
+        "parent MiB",
+        "wk sum MiB",
+        "wk max MiB",
+        "wk peak MiB",
+        "dev used/total MiB",
+        "temp °C",
+        "SM MHz",
+        "power W",
+    )
+)
+
+
+def _or(value: object | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
+    """The text cells of one row, in ``COLUMN_NAMES`` order."""
+    device = "-"
+    if row.device_used_bytes is not None and row.device_total_bytes is not None:
+        device = f"{format_mib(row.device_used_bytes)}/{format_mib(row.device_total_bytes)}"
+    cells = {
+        "workers": str(row.num_workers),
+        "epoch": str(row.epoch),
+        "time s": f"{row.duration_s:.2f}",
+        "parent MiB": format_mib(row.parent_gpu_bytes),
+        "wk n": str(row.worker_count),
+        "wk sum MiB": format_mib(row.workers_gpu_bytes),
+        "wk max MiB": format_mib(row.worker_gpu_bytes_max),
+        "wk peak MiB": format_mib(row.workers_gpu_bytes_peak),
+        "alive after": str(row.alive_after),
+        "orphans": str(row.orphans),
+        "dev used/total MiB": device,
+        "temp °C": _or(row.temperature_c),
+        "SM MHz": _or(row.sm_clock_mhz),
+        "power W": _or(row.power_w, ".0f"),
+    }
+    if not gpu_available:
+        for name in _GPU_COLUMNS:
+            cells[name] = _UNAVAILABLE
+    return [cells[name] for name in COLUMN_NAMES]
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+        for row in rows
+    ]
+
+
+def format_table(result: SweepResult) -> list[str]:
+    """The per-epoch table, one line per (workers, epoch), header first."""
+    rows = [list(COLUMN_NAMES)]
+    for config in result.configs:
+        rows.extend(row_cells(row, gpu_available=result.gpu_available) for row in config.rows)
+    return _align(rows)
+
+
+def _device_line(device: DeviceState) -> str:
+    parts = [f"GPU {device.index}: {device.name}", f"{format_mib(device.total_bytes)} MiB"]
+    if device.sm_clock_max_mhz is not None:
+        parts.append(f"SM clock max {device.sm_clock_max_mhz} MHz")
+    return ", ".join(parts)
+
+
+def _config_lines(config: ConfigResult, options: SweepOptions) -> list[str]:
+    report = config.report
+    mode = "persistent workers" if config.persistent_workers else "workers per epoch"
+    head = (
+        f"workers={config.num_workers} ({mode if config.num_workers else 'no workers'}, "
+        f"{config.wall_s:.1f} s): verdict {report.verdict.upper()}"
+    )
+    lines = [head]
+    if config.cooldown is not None:
+        lines.append(f"  {config.cooldown.describe()}")
+    for finding in report.findings:
+        tag = "LEAK" if finding.severity == "leak" else "info"
+        lines.append(f"  {tag} {finding.rule}: {finding.message}")
+        lines.append(f"       fix: {finding.remedy}")
+    teardown = teardown_summary(config.teardowns)
+    if teardown["workers"]:
+        per_worker = teardown["gpu_bytes_before_per_worker"]
+        freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
+        lines.append(
+            f"  teardown: {teardown['workers']} workers, {teardown['contexts_released']} "
+            f"released their CUDA context{freed}"
+        )
+    for cleaned in config.cleaned:
+        lines.append(
+            f"  cleanup: {cleaned.outcome} PID {cleaned.pid} (left over by this sweep: "
+            f"{cleaned.cmdline})"
+        )
+    lines.append(f"  {report.summary()}")
+    return lines
+
+
+def format_sweep(result: SweepResult) -> str:
+    """Render a whole sweep as text (see ``SweepResult.format``)."""
+    options = result.options
+    lines = [
+        f"leakcheck sweep: {result.loader}",
+        f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
+        f"tolerance {format_mib(options.tolerance_bytes)} MiB, grace {options.grace_s:g} s, "
+        f"sampling every {options.interval_s * 1000:g} ms",
+    ]
+    if result.gpu_available:
+        lines.extend(f"  {_device_line(device)}" for device in result.devices)
+    else:
+        lines.append(
+            f"  GPU columns: {_UNAVAILABLE}: {result.gpu_reason or 'no GPU'} "
+            "(host-side checks only)"
+        )
+    lines.append("")
+    lines.extend(format_table(result))
+    for config in result.configs:
+        lines.append("")
+        lines.extend(_config_lines(config, options))
+    lines.append("")
+    configs = len(result.configs)
+    lines.append(
+        f"leakcheck sweep: {configs} configuration{'s' if configs != 1 else ''}, "
+        f"verdict {result.verdict}, {result.leak_count} "
+        f"leak{'s' if result.leak_count != 1 else ''}"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _device_dict(device: DeviceState) -> dict[str, Any]:
+    return {name: getattr(device, name) for name in device.__dataclass_fields__} | {
+        "throttle_reasons": list(device.throttle_reasons)
+    }
+
+
+def environment(devices: Iterable[DeviceState] = ()) -> dict[str, Any]:
+    """Versions and machine, for the record (torch only if already imported)."""
+    import leakcheck
+
+    torch = sys.modules.get("torch")
+    return {
+        "leakcheck": leakcheck.__version__,
+        "python": platform.python_version(),
+        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "gpus": [device.name for device in devices],
+    }
+
+
+def write_json(path: str, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as JSON atomically: a reader never sees half a file.
+
+    Raises:
+        OSError: The folder does not exist or is not writable.
+
+    """
+    _write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+def _write_atomic(path: str, payload: bytes) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+        os.replace(temp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp_path)
+        raise
+
+
+def iter_rows(result: SweepResult) -> Iterator[EpochRow]:
+    """Every row of every configuration, in sweep order."""
+    for config in result.configs:
+        yield from config.rows

@@ -1,0 +1,468 @@
+"""pytest plugin: ``pytest --gpu-leak-check`` fails the test that leaked.
+
+A test fails (or warns, in warn mode) when, after its teardown, it left a process it started
+still running, a ``/dev/shm`` segment it created, or GPU memory held by the test process
+beyond the tolerance. The failure is the test's own: its teardown report fails (shown as
+``LEAKED``), carries a ``gpu-leak-check`` section naming each culprit with a one-line
+remedy, and the session ends with a ``GPU LEAK REPORT``. Under pytest-xdist each worker
+judges its own tests and the findings travel to the controller on the reports.
+
+Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables
+it. With the check off, importing and loading the plugin costs options parsing and nothing
+else: no NVML, no /proc reads, no threads, no torch.
+
+NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
+for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
+report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
+all attribute the leak to that test. ``pytest_report_teststatus`` counts it as a failure
+(``LEAKED``), not as a teardown error, unless the test had failed already.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.options import (
+    ENABLED,
+    GRACE,
+    MODE,
+    SPECS,
+    TOLERANCE,
+    CheckOptions,
+    apply_marker,
+    resolve_check_options,
+)
+
+if TYPE_CHECKING:
+    from leakcheck.plugin_checks import Checker, Culprit, Window
+    from leakcheck.tracker import Tracker
+
+__all__ = ["MARKER", "SECTION", "LeakCheckPlugin", "gpu_leak_tracker"]
+
+MARKER = "gpu_leak_check"
+"""Name of the marker that enables, disables or tunes the check per test."""
+
+SECTION = "gpu-leak-check"
+"""Name of the report section that lists a test's culprits."""
+
+CHECKER_NAME = "leakcheck-checker"
+"""Name under which the active part of the plugin is registered."""
+
+REPORT_ATTR = "leakcheck"
+"""Attribute of teardown reports that carries the JSON verdict (to xdist's controller)."""
+
+STATUS_ATTR = "leakcheck_status"
+
+_DESTS = {
+    "enabled": "gpu_leak_check",
+    "tolerance": "gpu_leak_tolerance",
+    "mode": "gpu_leak_mode",
+    "grace": "gpu_leak_grace",
+}
+
+OPTIONS_KEY = pytest.StashKey[CheckOptions]()
+ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
+WINDOW_KEY = pytest.StashKey["Window"]()
+FAILED_BEFORE_KEY = pytest.StashKey[bool]()
+
+
+# --- options ------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the ``leakcheck`` option group and ini keys."""
+    group = parser.getgroup("leakcheck", "leakcheck: processes, /dev/shm and GPU memory leaks")
+    group.addoption(
+        ENABLED.cli_flag or "--gpu-leak-check",
+        action="store_true",
+        dest=_DESTS["enabled"],
+        default=None,
+        help=f"{ENABLED.help} (env {ENABLED.env_var}=1, ini {ENABLED.ini_key})",
+    )
+    group.addoption(
+        "--no-gpu-leak-check",
+        action="store_false",
+        dest=_DESTS["enabled"],
+        help="do not check, whatever the environment or the ini file say",
+    )
+    group.addoption(
+        TOLERANCE.cli_flag or "--gpu-leak-tolerance",
+        metavar="SIZE",
+        dest=_DESTS["tolerance"],
+        default=None,
+        help=f"{TOLERANCE.help} (env {TOLERANCE.env_var}, ini {TOLERANCE.ini_key})",
+    )
+    group.addoption(
+        "--gpu-leak-warn",
+        action="store_const",
+        const="warn",
+        dest=_DESTS["mode"],
+        help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
+    )
+    group.addoption(
+        MODE.cli_flag or "--gpu-leak-mode",
+        metavar="fail|warn",
+        dest=_DESTS["mode"],
+        default=None,
+        help=f"{MODE.help} (env {MODE.env_var}, ini {MODE.ini_key})",
+    )
+    group.addoption(
+        GRACE.cli_flag or "--gpu-leak-grace",
+        metavar="SECONDS",
+        dest=_DESTS["grace"],
+        default=None,
+        help=f"{GRACE.help} (env {GRACE.env_var}, ini {GRACE.ini_key})",
+    )
+    for spec in SPECS:
+        if spec.ini_key is not None:
+            parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
+
+
+def resolve_options(config: pytest.Config) -> CheckOptions:
+    """Resolve the options of this session (command line > environment > ini > default).
+
+    Raises:
+        pytest.UsageError: A bad value; the message names it and where it came from.
+
+    """
+    cli = {name: config.getoption(dest, None) for name, dest in _DESTS.items()}
+    ini: dict[str, object] = {}
+    for spec in SPECS:
+        if spec.ini_key is not None:
+            ini[spec.name] = config.getini(spec.ini_key)
+    ini_path = str(config.inipath) if config.inipath else None
+    try:
+        return resolve_check_options(cli, os.environ, ini, ini_path=ini_path)
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+def _activate(config: pytest.Config, options: CheckOptions) -> None:
+    if config.pluginmanager.get_plugin(CHECKER_NAME) is None:
+        config.pluginmanager.register(LeakCheckPlugin(config, options), CHECKER_NAME)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker, resolve the options, and activate the check if asked."""
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(enabled=True, tolerance='16MiB', mode='fail', grace=1.0): check this test "
+        "for processes, /dev/shm segments and GPU memory it leaves behind, or not "
+        "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
+    )
+    try:
+        options = resolve_options(config)
+    except pytest.UsageError:
+        if config.option.help:
+            return  # --help must work even with a bad LEAKCHECK_* value around
+        raise
+    config.stash[OPTIONS_KEY] = options
+    # The controller of xdist runs no test; it gathers the workers' verdicts.
+    if options.enabled or _is_xdist_controller(config):
+        _activate(config, options)
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Validate markers and resolve per-test options; a marker may enable a single test."""
+    base = config.stash.get(OPTIONS_KEY, None)
+    if base is None:
+        return
+    any_enabled = base.enabled
+    for item in items:
+        markers = list(item.iter_markers(MARKER))
+        if not markers:
+            continue
+        options = base
+        for marker in reversed(markers):  # farthest (module) first, closest (function) last
+            try:
+                options = apply_marker(
+                    options, marker.args, marker.kwargs, where=f"{MARKER} marker on {item.nodeid}"
+                )
+            except UsageError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        item.stash[ITEM_OPTIONS_KEY] = options
+        any_enabled = any_enabled or options.enabled
+    if any_enabled:
+        _activate(config, base)
+
+
+def _options_for(item: pytest.Item) -> CheckOptions:
+    base = item.config.stash.get(OPTIONS_KEY, CheckOptions())
+    return item.stash.get(ITEM_OPTIONS_KEY, base)
+
+
+# --- the fixture --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
+    """A started ``leakcheck.Tracker`` bound to this test; use ``.epoch()`` inside it.
+
+    Its findings are judged with the test: where the check is on, they join the test's
+    culprits; elsewhere the fixture's teardown fails (or warns) on a leak, unless a
+    ``gpu_leak_check(enabled=False)`` marker turns it off.
+    """
+    from leakcheck.tracker import Tracker
+
+    item = request.node
+    options = _options_for(item)
+    tracker = Tracker(tolerance=options.tolerance_bytes, grace=options.grace_s)
+    tracker.start()
+    window = item.stash.get(WINDOW_KEY, None)
+    if window is not None:
+        window.tags.add(tracker.session_id)
+    try:
+        yield tracker
+    finally:
+        tracker.close()
+    report = tracker.report()
+    if window is not None:
+        from leakcheck.plugin_checks import Culprit
+
+        window.extra.extend(Culprit.from_finding(finding) for finding in report.findings)
+        return
+    disabled_by_marker = not options.enabled and options.sources.get("enabled", "").startswith(
+        "enabled="
+    )
+    if disabled_by_marker or not report.leaks:
+        return
+    text = report.format()
+    if options.mode == "warn":
+        warnings.warn(GPULeakWarning(text), stacklevel=1)
+    else:
+        raise GPULeakError(text, report)
+
+
+# --- the active part ----------------------------------------------------------------------
+
+
+class LeakCheckPlugin:
+    """Hooks that check each enabled test and gather the verdicts for the summary.
+
+    Registered only when some test is checked (or on an xdist controller, to gather).
+    """
+
+    def __init__(self, config: pytest.Config, options: CheckOptions) -> None:
+        self.config = config
+        self.options = options
+        self._checker: Checker | None = None
+        self._window: Window | None = None
+        self._checked = 0
+        self._results: dict[str, tuple[list[Culprit], str]] = {}
+        self._gpu_notes: set[str] = set()
+
+    def _get_checker(self) -> Checker:
+        if self._checker is None:
+            from leakcheck.plugin_checks import Checker
+
+            # Under xdist, a segment nobody holds may be a sibling worker's.
+            self._checker = Checker(
+                attribute_unheld_shm=os.environ.get("PYTEST_XDIST_WORKER") is None
+            )
+        return self._checker
+
+    # -- per test ------------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Snapshot before any fixture of the test is set up."""
+        if _options_for(item).enabled:
+            window = self._get_checker().begin(item.nodeid)
+            item.stash[WINDOW_KEY] = window
+            self._window = window
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> Generator[None, object, object]:
+        """Record what a class/module/package/session fixture starts as that fixture's own."""
+        window = self._window
+        if window is None or fixturedef.scope == "function" or self._checker is None:
+            return (yield)
+        checker = self._checker
+        probe = checker.fixture_begin()
+        try:
+            return (yield)
+        finally:
+            label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
+            checker.fixture_end(fixturedef, probe, label, window)
+
+    def pytest_fixture_post_finalizer(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> None:
+        """A wide-scope fixture ended: what it owned is judged with the current test."""
+        if self._checker is not None and fixturedef.scope != "function":
+            self._checker.fixture_finished(fixturedef)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """After the teardown phase: judge the test and fail (or warn) its teardown report."""
+        report = yield
+        if call.when != "teardown":
+            if report.failed:
+                item.stash[FAILED_BEFORE_KEY] = True
+            return report
+        window = item.stash.get(WINDOW_KEY, None)
+        if window is None:
+            return report
+        del item.stash[WINDOW_KEY]
+        self._window = None
+        options = _options_for(item)
+        checker = self._get_checker()
+        try:
+            culprits = checker.judge(
+                window, tolerance_bytes=options.tolerance_bytes, grace_s=options.grace_s
+            )
+        except Exception as exc:  # leakcheck's own failure must never break a test run
+            from leakcheck.plugin_checks import Culprit
+
+            culprits = [
+                Culprit(
+                    kind="error",
+                    rule="tracker-failure",
+                    severity="info",
+                    message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
+                    remedy="report it to leakcheck with the message above",
+                )
+            ]
+        finally:
+            checker.end_environment(window)
+        self._apply(item, report, culprits, options, checker.gpu_note)
+        return report
+
+    def _apply(
+        self,
+        item: pytest.Item,
+        report: pytest.TestReport,
+        culprits: list[Culprit],
+        options: CheckOptions,
+        gpu_note: str,
+    ) -> None:
+        from leakcheck.plugin_checks import culprit_line, format_section, headline
+
+        leaks = [c for c in culprits if c.severity == "leak"]
+        status = ""
+        pid = os.getpid()
+        if culprits:
+            report.sections.append((SECTION, format_section(culprits, test_pid=pid)))
+        if leaks:
+            lines = [culprit_line(c, test_pid=pid) for c in leaks]
+            text = "\n".join(
+                [f"leakcheck: the test left {headline(leaks)}", *(f"  {line}" for line in lines)]
+            )
+            report.user_properties.append(("gpu_leak_check", "; ".join(lines)))
+            if options.mode == "warn":
+                try:
+                    warnings.warn(GPULeakWarning(text), stacklevel=1)
+                    status = "warned"
+                except GPULeakWarning:  # -W error: the user asked for warnings to fail
+                    status = self._fail(item, report, text)
+            else:
+                status = self._fail(item, report, text)
+        payload = {
+            "status": status,
+            "mode": options.mode,
+            "gpu": gpu_note,
+            "culprits": [c.to_dict() for c in culprits],
+        }
+        setattr(report, REPORT_ATTR, json.dumps(payload))
+        if status == "leaked":
+            setattr(report, STATUS_ATTR, status)
+
+    @staticmethod
+    def _fail(item: pytest.Item, report: pytest.TestReport, text: str) -> str:
+        if report.failed:
+            return "error"  # a fixture's teardown failed already: keep its error, add ours
+        # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
+        # a short message (no plugin traceback) that xdist and JUnit carry as usual.
+        failure = pytest.TestReport.from_item_and_call(
+            item,
+            pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown"),
+        )
+        report.outcome = "failed"
+        report.longrepr = failure.longrepr
+        return "error" if item.stash.get(FAILED_BEFORE_KEY, False) else "leaked"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(
+        self, report: pytest.TestReport | pytest.CollectReport, config: pytest.Config
+    ) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
+        """Count a leak found after a passing test as that test's failure: ``LEAKED``."""
+        if (
+            report.when == "teardown"
+            and report.failed
+            and getattr(report, STATUS_ATTR, None) == "leaked"
+        ):
+            return "failed", "L", ("LEAKED", {"red": True})
+        return None
+
+    # -- the summary ---------------------------------------------------------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Gather verdicts (here, or from xdist workers on the controller)."""
+        payload = getattr(report, REPORT_ATTR, None)
+        if report.when != "teardown" or not isinstance(payload, str):
+            return
+        from leakcheck.plugin_checks import Culprit
+
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return
+        self._checked += 1
+        if data.get("gpu"):
+            self._gpu_notes.add(str(data["gpu"]))
+        culprits = [Culprit.from_dict(entry) for entry in data.get("culprits", [])]
+        if culprits:
+            self._results[report.nodeid] = (culprits, str(data.get("status") or ""))
+
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+    ) -> None:
+        """Print the ``GPU LEAK REPORT``: per test, worst first; one line when all is clean."""
+        if hasattr(config, "workerinput") or (not self._checked and not self.options.enabled):
+            return
+        from leakcheck.plugin_checks import culprit_line, headline, summary_sort_key
+
+        tr = terminalreporter
+        gpu = "; ".join(sorted(self._gpu_notes)) or "no test checked"
+        leaky = {
+            nodeid: entry
+            for nodeid, entry in self._results.items()
+            if any(c.severity == "leak" for c in entry[0])
+        }
+        if not self._results:
+            tr.write_sep(
+                "=",
+                f"GPU LEAK REPORT: no leaks in {self._checked} checked tests (GPU: {gpu})",
+                green=True,
+            )
+            return
+        tr.write_sep("=", "GPU LEAK REPORT", red=bool(leaky), yellow=not leaky)
+        tr.write_line(
+            f"{len(leaky)} of {self._checked} checked tests left something behind "
+            f"(GPU memory via: {gpu})"
+        )
+        ordered = sorted(self._results.items(), key=lambda kv: (summary_sort_key(kv[1][0]), kv[0]))
+        for nodeid, (culprits, status) in ordered:
+            word = {"leaked": "LEAKED", "error": "LEAKED", "warned": "WARNED"}.get(status, "INFO")
+            leaks = [c for c in culprits if c.severity == "leak"]
+            tr.write_line(f"{word} {nodeid}: {headline(leaks or culprits)}", bold=True)
+            for culprit in culprits:
+                tr.write_line(f"    {culprit_line(culprit)}")

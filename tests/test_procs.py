@@ -1,0 +1,593 @@
+"""leakcheck.procs against real processes: identities, lineage, tags, descriptors, /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from leakcheck import procs
+from leakcheck.model import ProcessKey, ProcInfo
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+HELPER = str(Path(__file__).with_name("helpers_procs.py"))
+PYTHON = [sys.executable, "-I", "-S"]
+WAIT_STDIN = "import sys; sys.stdin.buffer.read()"
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Start real processes (stdin is a pipe: closing it ends every helper here), and
+    always stop and reap them, only them, when the test ends."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        kwargs.setdefault("stdin", subprocess.PIPE)
+        proc = subprocess.Popen(argv, **kwargs)
+        started.append(proc)
+        # Popen returns once exec began; /proc shows the new command line and environment
+        # only when the kernel has set up the new image. Wait for that.
+        assert wait_for(lambda: exec_done(proc.pid, argv[0]))
+        return proc
+
+    yield start
+    for proc in reversed(started):
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # only a process this test started, by its own handle
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def start_helper(
+    spawn: Spawn, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    proc = spawn([*PYTHON, HELPER, *args], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+def exec_done(pid: int, argv0: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == argv0.encode()
+    except OSError:
+        return False
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def reaped_pid() -> int:
+    """The PID of a process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def pids_of(infos: list[ProcInfo]) -> list[int]:
+    return [info.key.pid for info in infos]
+
+
+def tree_pids(record: dict[str, Any]) -> set[int]:
+    """Every process below a `tree` helper, from what it reported."""
+    pids = set(record["sleepers"]) | set(record["thread_sleepers"])
+    for sub in record["subtrees"]:
+        pids |= {sub["pid"]} | tree_pids(sub)
+    return pids
+
+
+# --- identities -----------------------------------------------------------------------------
+
+
+def test_clock_ticks_and_boot_time_match_their_sources() -> None:
+    assert procs.clock_ticks() == os.sysconf("SC_CLK_TCK")
+    assert procs.boot_time_s() == psutil.boot_time()
+
+
+def test_process_key_equals_psutil_create_time(spawn: Spawn) -> None:
+    child = spawn(["sh", "-c", "read x"])
+    for pid in (os.getpid(), child.pid):
+        key = procs.process_key(pid)
+        assert key == ProcessKey(pid, psutil.Process(pid).create_time())
+    compared = 0
+    for info in procs.scan_all(with_cmdline=False):
+        try:
+            expected = psutil.Process(info.key.pid).create_time()
+        except psutil.NoSuchProcess:
+            continue
+        assert info.key.create_time == expected, info
+        compared += 1
+    assert compared >= 3
+
+
+def test_gone_pid_gives_none_and_empty_answers() -> None:
+    pid = reaped_pid()
+    assert procs.process_key(pid) is None
+    assert procs.read_proc(pid, session_id="s") is None
+    assert procs.tagged_session(pid) is None
+    assert procs.nvidia_fd_count(pid) is None
+    assert procs.child_pids(pid) == []
+    assert procs.descendants(pid) == []
+    assert procs.is_zombie(pid) is False
+    assert procs.pid_exists_here(pid) is False
+    assert procs.is_ancestor(os.getpid(), pid) is False
+    assert procs.shm_open_by([pid]) == {}
+
+
+def test_is_alive_false_after_exit_for_zombie_and_for_reused_pid(spawn: Spawn) -> None:
+    child = spawn(["sh", "-c", "read x"])
+    key = procs.process_key(child.pid)
+    assert key is not None
+    assert procs.is_alive(key)
+    # Same PID, another create time: what a reused PID looks like.
+    assert not procs.is_alive(ProcessKey(key.pid, key.create_time + 1.0))
+    assert not procs.is_alive(ProcessKey(key.pid, key.create_time - 1 / procs.clock_ticks()))
+
+    assert child.stdin is not None
+    child.stdin.close()  # it exits; not reaped yet: a zombie
+    assert wait_for(lambda: procs.is_zombie(child.pid))
+    assert not procs.is_alive(key)
+    assert procs.read_proc(child.pid) is not None  # it still exists ...
+    assert child.pid not in pids_of(procs.descendants(os.getpid()))  # ... but is not live
+    assert child.pid not in pids_of(procs.scan_all())
+
+    child.wait()
+    assert not procs.is_zombie(child.pid)
+    assert not procs.is_alive(key)
+
+
+# --- one process --------------------------------------------------------------------------
+
+
+def test_read_proc_fields_and_shortened_cmdline(spawn: Spawn) -> None:
+    long_arg = "x" * 400
+    child = spawn(["sh", "-c", "read x", "sh", long_arg])
+    info = procs.read_proc(child.pid)
+    assert info is not None
+    assert info.key == procs.process_key(child.pid)
+    assert info.ppid == os.getpid()
+    assert info.name == "sh"
+    assert info.cmdline.startswith("sh -c read x sh xxx")
+    assert len(info.cmdline) == procs.CMDLINE_MAX_CHARS
+    assert info.tagged is False
+    bare = procs.read_proc(child.pid, with_cmdline=False)
+    assert bare is not None and bare.cmdline == "" and bare.key == info.key
+
+
+def test_name_with_spaces_and_parentheses(spawn: Spawn, tmp_path: Path) -> None:
+    odd = tmp_path / "a b) (c"
+    odd.symlink_to(sys.executable)
+    child = spawn([str(odd), "-I", "-S", "-c", WAIT_STDIN])
+    info = procs.read_proc(child.pid)
+    assert info is not None
+    assert info.name == "a b) (c"
+    assert info.ppid == os.getpid()  # fields after the name were not shifted
+    assert info.key.create_time == psutil.Process(child.pid).create_time()
+
+
+def test_session_tag_from_exec_environment(spawn: Spawn) -> None:
+    sid = uuid.uuid4().hex
+    tagged = spawn(["sh", "-c", "read x"], env={**os.environ, procs.SESSION_ENV: sid})
+    plain_env = {k: v for k, v in os.environ.items() if k != procs.SESSION_ENV}
+    plain = spawn(["sh", "-c", "read x"], env=plain_env)
+
+    assert procs.tagged_session(tagged.pid) == sid
+    assert procs.tagged_session(plain.pid) is None
+    info = procs.read_proc(tagged.pid, session_id=sid)
+    assert info is not None and info.tagged
+    other = procs.read_proc(tagged.pid, session_id=sid + "0")
+    assert other is not None and not other.tagged
+    untold = procs.read_proc(tagged.pid)
+    assert untold is not None and not untold.tagged
+    plain_info = procs.read_proc(plain.pid, session_id=sid)
+    assert plain_info is not None and not plain_info.tagged
+
+
+def test_exec_in_place_changes_cmdline_and_tag(spawn: Spawn) -> None:
+    # Same PID and create time, new image: nothing read before the exec may be reused.
+    sid = uuid.uuid4().hex
+    script = f"read x; exec env {procs.SESSION_ENV}={sid} sh -c 'read y'"
+    child = spawn(["sh", "-c", script])
+    before = procs.read_proc(child.pid, session_id=sid)
+    assert before is not None and not before.tagged
+    assert before.cmdline == f"sh -c {script}"
+    again = procs.read_proc(child.pid, session_id=sid)  # served from the image cache
+    assert again == before
+
+    assert child.stdin is not None
+    child.stdin.write(b"go\n")
+    child.stdin.flush()
+    assert wait_for(lambda: getattr(procs.read_proc(child.pid), "cmdline", "") == "sh -c read y")
+    after = procs.read_proc(child.pid, session_id=sid)
+    assert after is not None
+    assert after.key == before.key
+    assert after.tagged
+    assert [i for i in procs.descendants(os.getpid(), session_id=sid) if i.key == after.key] == [
+        after
+    ]
+
+
+def test_parse_session_tag() -> None:
+    assert procs.parse_session_tag(b"LEAKCHECK_SESSION=abc\0PATH=/bin\0") == "abc"
+    assert procs.parse_session_tag(b"PATH=/bin\0LEAKCHECK_SESSION=abc\0") == "abc"
+    assert procs.parse_session_tag(b"PATH=/bin\0LEAKCHECK_SESSION=abc") == "abc"
+    assert procs.parse_session_tag(b"PATH=/bin\0XLEAKCHECK_SESSION=abc\0") is None
+    assert procs.parse_session_tag(b"PATH=/bin\0") is None
+    assert procs.parse_session_tag(b"") is None
+
+
+def _wait_event(event: Any) -> None:
+    event.wait(10)
+
+
+def test_forked_child_shows_initial_environment_not_later_setenv(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE [session tag]: a variable set after start reaches exec'd children only.
+    sid = uuid.uuid4().hex
+    monkeypatch.setenv(procs.SESSION_ENV, sid)
+    context = multiprocessing.get_context("fork")
+    event = context.Event()
+    forked = context.Process(target=_wait_event, args=(event,))
+    forked.start()
+    try:
+        exec_child = spawn(["sh", "-c", "read x"])
+        assert forked.pid is not None
+        assert procs.tagged_session(exec_child.pid) == sid
+        assert procs.tagged_session(forked.pid) != sid
+        # Lineage still finds the forked child while its parent lives.
+        assert forked.pid in pids_of(procs.descendants(os.getpid()))
+    finally:
+        event.set()
+        forked.join(5)
+    assert forked.exitcode == 0
+
+
+# --- lineage ------------------------------------------------------------------------------
+
+
+def test_descendants_find_children_grandchildren_and_thread_children(spawn: Spawn) -> None:
+    helper, record = start_helper(
+        spawn,
+        "tree",
+        "--sleepers=2",
+        "--thread-sleepers=2",
+        "--subtrees=1",
+        "--subtree-sleepers=2",
+    )
+    expected = tree_pids(record)
+    assert len(expected) == 7
+    # The thread's children are in its own task's file, not the main thread's.
+    main_file = Path(f"/proc/{helper.pid}/task/{helper.pid}/children").read_text().split()
+    thread_file = Path(f"/proc/{helper.pid}/task/{record['thread_id']}/children").read_text()
+    assert set(record["thread_sleepers"]) == {int(p) for p in thread_file.split()}
+    assert not set(record["thread_sleepers"]) & {int(p) for p in main_file}
+
+    found = procs.descendants(helper.pid)
+    assert set(pids_of(found)) == expected
+    assert len(found) == len(expected)  # each once
+    subtree = record["subtrees"][0]
+    order = pids_of(found)
+    assert all(order.index(subtree["pid"]) < order.index(p) for p in subtree["sleepers"])
+    by_pid = {info.key.pid: info for info in found}
+    assert {by_pid[p].ppid for p in subtree["sleepers"]} == {subtree["pid"]}
+
+    direct = set(record["sleepers"]) | set(record["thread_sleepers"]) | {subtree["pid"]}
+    assert set(procs.child_pids(helper.pid)) == direct
+    assert expected | {helper.pid} <= set(pids_of(procs.descendants(os.getpid())))
+
+
+def test_lineage_fallback_full_scan_matches_children_files(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper, record = start_helper(
+        spawn, "tree", "--sleepers=1", "--thread-sleepers=1", "--subtrees=1"
+    )
+    with_files = set(pids_of(procs.descendants(helper.pid)))
+    direct = set(procs.child_pids(helper.pid))
+    monkeypatch.setattr(procs, "_children_supported", False)
+    assert set(pids_of(procs.descendants(helper.pid))) == with_files == tree_pids(record)
+    assert set(procs.child_pids(helper.pid)) == direct
+    assert set(procs._child_pids_by_scan(helper.pid)) == direct
+
+
+def test_is_ancestor(spawn: Spawn) -> None:
+    helper, record = start_helper(spawn, "tree", "--subtrees=1", "--subtree-sleepers=1")
+    grandchild = record["subtrees"][0]["sleepers"][0]
+    assert procs.is_ancestor(helper.pid, grandchild)
+    assert procs.is_ancestor(os.getpid(), grandchild)
+    assert not procs.is_ancestor(grandchild, helper.pid)
+    assert not procs.is_ancestor(helper.pid, helper.pid)
+    assert not procs.is_ancestor(helper.pid, grandchild, max_depth=1)
+    assert procs.is_ancestor(helper.pid, grandchild, max_depth=2)
+
+
+def test_orphan_leaves_lineage_but_scan_all_finds_it_by_tag(spawn: Spawn) -> None:
+    sid = uuid.uuid4().hex
+    # subreaper -> root -> middle (sh) -> orphan (sleep), all exec'd with the tag.
+    helper, record = start_helper(spawn, "reaper", env={**os.environ, procs.SESSION_ENV: sid})
+    root, middle, orphan = record["root"], record["middle"], record["orphan"]
+    before = {info.key.pid: info for info in procs.descendants(root, session_id=sid)}
+    assert set(before) == {middle, orphan}
+    assert before[orphan].tagged and before[orphan].ppid == middle
+    orphan_key = before[orphan].key
+
+    assert helper.stdin is not None and helper.stdout is not None
+    helper.stdin.write(b"release\n")  # the middle exits: its child is reparented
+    helper.stdin.flush()
+    assert json.loads(helper.stdout.readline()) == {"released": True}
+    assert wait_for(lambda: getattr(procs.read_proc(orphan), "ppid", None) == record["reaper"])
+
+    assert procs.descendants(root, session_id=sid) == []
+    assert not procs.is_ancestor(root, orphan)
+    assert procs.is_alive(orphan_key)
+    everyone = {info.key.pid: info for info in procs.scan_all(session_id=sid)}
+    assert everyone[orphan].tagged and everyone[orphan].key == orphan_key
+    assert everyone[root].tagged
+    assert not everyone[os.getpid()].tagged
+    assert {p for p, info in everyone.items() if info.tagged} >= {root, orphan}
+
+
+def test_vanishing_processes_mid_scan_do_not_raise(spawn: Spawn) -> None:
+    helper, record = start_helper(spawn, "churn")
+    sleeper = record["sleeper"]
+    walks = 0
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        below = procs.descendants(helper.pid, session_id="s")
+        assert sleeper in pids_of(below)
+        assert all(info.ppid == helper.pid for info in below)
+        for info in below:
+            procs.is_alive(info.key)
+            procs.read_proc(info.key.pid, session_id="s")
+            procs.nvidia_fd_count(info.key.pid)
+            procs.tagged_session(info.key.pid)
+            procs.is_zombie(info.key.pid)
+            procs.child_pids(info.key.pid)
+        procs.shm_open_by(pids_of(below))
+        procs.child_pids(helper.pid)
+        if walks % 10 == 0:
+            assert sleeper in pids_of(procs.scan_all(session_id="s"))
+        walks += 1
+    assert helper.stdin is not None and helper.stdout is not None
+    helper.stdin.close()
+    spawned = json.loads(helper.stdout.readline())["spawned"]
+    assert walks > 5
+    assert spawned > 20  # processes really came and went during the walks
+
+
+def test_scan_all_includes_self_and_children(spawn: Spawn) -> None:
+    child = spawn(["sh", "-c", "read x"])
+    everyone = {info.key.pid: info for info in procs.scan_all()}
+    assert everyone[child.pid].ppid == os.getpid()
+    assert everyone[child.pid].cmdline == "sh -c read x"
+    assert everyone[os.getpid()].key == procs.process_key(os.getpid())
+    bare = {info.key.pid: info for info in procs.scan_all(with_cmdline=False)}
+    assert bare[child.pid].cmdline == ""
+
+
+# --- descriptors and namespaces -----------------------------------------------------------
+
+
+def test_nvidia_target_classifier() -> None:
+    nvidia = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-caps/nvidia-cap1"]
+    other = ["/dev/null", "pipe:[1234]", "socket:[5]", "/tmp/dev/nvidia0", "anon_inode:[eventfd]"]
+    assert all(procs.is_nvidia_device_target(t) for t in nvidia)
+    assert not any(procs.is_nvidia_device_target(t) for t in other)
+    assert procs.count_nvidia_targets(nvidia + other + nvidia[:1]) == 5
+    assert procs.count_nvidia_targets([]) == 0
+
+
+def test_nvidia_fd_count_zero_for_normal_processes(spawn: Spawn) -> None:
+    child = spawn(["sh", "-c", "read x"])
+    assert procs.nvidia_fd_count(child.pid) == 0
+    assert procs.nvidia_fd_count(os.getpid()) == 0
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) > 0  # there were fds to classify
+
+
+def test_pid_namespace_nested_matches_proc_self_status() -> None:
+    nspid = [
+        line
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("NSpid:")
+    ]
+    expected = bool(nspid) and len(nspid[0].split()) > 2
+    assert procs.pid_namespace_nested() is expected
+
+
+def test_pid_exists_here_for_processes_not_threads() -> None:
+    assert procs.pid_exists_here(os.getpid())
+    assert not procs.pid_exists_here(reaped_pid())
+    assert not procs.pid_exists_here(0)
+    assert not procs.pid_exists_here(-1)
+    tids: list[int] = []
+    release = threading.Event()
+
+    def park() -> None:
+        tids.append(threading.get_native_id())
+        release.wait(5)
+
+    thread = threading.Thread(target=park)
+    thread.start()
+    try:
+        assert wait_for(lambda: bool(tids))
+        assert os.path.exists(f"/proc/{tids[0]}")  # /proc/TID exists, yet it is no process
+        assert not procs.pid_exists_here(tids[0])
+    finally:
+        release.set()
+        thread.join()
+
+
+# --- /dev/shm -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shm_file() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"leakcheck-test-{uuid.uuid4().hex}"
+    if not path.parent.is_dir():
+        pytest.skip("no /dev/shm")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_shm_segments_see_a_file_until_removed(shm_file: Path) -> None:
+    shm_file.write_bytes(b"\0" * 1234)
+    segment = procs.shm_segments()[shm_file.name]
+    st = shm_file.stat()
+    assert segment == procs.ShmSegment(1234, st.st_mtime, st.st_ino)
+    shm_file.unlink()
+    assert shm_file.name not in procs.shm_segments()
+
+
+def test_shm_segments_other_directory(tmp_path: Path) -> None:
+    (tmp_path / "seg").write_bytes(b"12")
+    (tmp_path / "subdir").mkdir()
+    assert set(procs.shm_segments(str(tmp_path))) == {"seg"}
+    assert procs.shm_segments(str(tmp_path / "missing")) == {}
+
+
+def test_shm_open_by_sees_open_and_mapped_files(shm_file: Path, spawn: Spawn) -> None:
+    shm_file.write_bytes(b"\0" * mmap.PAGESIZE)
+    other = spawn(["sh", "-c", "read x"])
+    me = os.getpid()
+
+    def mine(pid: int) -> list[str]:
+        # Only this test's file: the test process may hold other segments (semaphores).
+        held = procs.shm_open_by([pid, other.pid])
+        assert other.pid not in held
+        return [name for name in held.get(pid, []) if name.startswith(shm_file.name)]
+
+    with open(shm_file, "r+b") as handle:
+        assert mine(me) == [shm_file.name]
+        mapped = mmap.mmap(handle.fileno(), mmap.PAGESIZE)
+    try:
+        # Descriptor closed: only the mapping holds it now.
+        assert mine(me) == [shm_file.name]
+        shm_file.unlink()
+        assert mine(me) == [f"{shm_file.name} (deleted)"]
+    finally:
+        mapped.close()
+    assert mine(me) == []
+
+
+def test_shm_name_from_path() -> None:
+    assert procs.shm_name_from_path("/dev/shm/torch_1_2") == "torch_1_2"
+    assert procs.shm_name_from_path("/dev/shm/x (deleted)") == "x (deleted)"
+    assert procs.shm_name_from_path("/dev/shm/") is None
+    assert procs.shm_name_from_path("/dev/shmx") is None
+    assert procs.shm_name_from_path("/tmp/x") is None
+    assert procs.shm_name_from_path("/run/shm/a", "/run/shm/") == "a"
+
+
+# --- descriptor cache (NOTE [descriptor cache]) ---------------------------------------------
+
+
+def cached_proc_fds() -> dict[int, str]:
+    """This process's open descriptors on other processes' /proc files."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        parts = target.split("/")
+        if target.startswith("/proc/") and len(parts) > 2 and parts[2].isdigit():
+            found[int(name)] = target
+    return found
+
+
+@pytest.fixture
+def fresh_cache() -> Iterator[None]:
+    procs._forget_handles_after_fork()  # closes every cached descriptor
+    yield
+    procs._forget_handles_after_fork()
+
+
+def test_cache_bounded_and_released_when_processes_go(
+    spawn: Spawn, fresh_cache: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper, record = start_helper(spawn, "tree", "--sleepers=3", "--subtrees=1")
+    expected = tree_pids(record)
+    monkeypatch.setattr(procs, "_fd_limit", 4)
+    for _ in range(3):
+        assert set(pids_of(procs.descendants(helper.pid))) == expected
+        assert 0 < len(cached_proc_fds()) <= 4
+    monkeypatch.setattr(procs, "_fd_limit", 64)
+    assert set(pids_of(procs.descendants(helper.pid))) == expected
+    held = {int(t.split("/")[2]) for t in cached_proc_fds().values()}
+    assert held == expected | {helper.pid}
+
+    assert helper.stdin is not None
+    helper.stdin.close()
+    helper.wait()
+    for _ in range(3):  # entries unused for two walks are closed; dead ones at once
+        procs.descendants(os.getpid())
+    held = {int(t.split("/")[2]) for t in cached_proc_fds().values()}
+    assert not held & (expected | {helper.pid})
+
+
+def test_cached_stat_of_reaped_process_is_dropped(spawn: Spawn, fresh_cache: None) -> None:
+    child = spawn(["sh", "-c", "read x"])
+    key = procs.process_key(child.pid)
+    assert key is not None and procs.is_alive(key)
+    assert child.pid in procs._handles
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait()
+    assert not procs.is_alive(key)
+    assert child.pid not in procs._handles
+    assert not any(t.startswith(f"/proc/{child.pid}/") for t in cached_proc_fds().values())
+
+
+def _report_inherited(fds: list[int], queue: Any) -> None:
+    still_open = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/proc/") and not target.startswith(f"/proc/{os.getpid()}/"):
+            still_open.append(fd)
+    queue.put((still_open, len(procs._handles)))
+
+
+def test_forked_child_closes_inherited_cache(spawn: Spawn, fresh_cache: None) -> None:
+    spawn(["sh", "-c", "read x"])
+    assert procs.descendants(os.getpid())
+    fds = list(cached_proc_fds())
+    assert fds
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    child = context.Process(target=_report_inherited, args=(fds, queue))
+    child.start()
+    try:
+        still_open, handles = queue.get()
+    finally:
+        child.join(5)
+    assert (still_open, handles) == ([], 0)
+    assert child.exitcode == 0

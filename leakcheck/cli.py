@@ -477,9 +477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if extra:
+        # Named by the subcommand that got them, not by the top-level parser.
+        prog = f"{_PROG} {args.command}" if args.command else _PROG
+        sys.stderr.write(f"{prog}: unrecognized arguments: {' '.join(extra)}\n")
+        return EXIT_USAGE
     if args.command == "sweep":
         return run_sweep_command(args, sys.stdout, sys.stderr)
     if args.command == "snapshot":

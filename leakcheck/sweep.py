@@ -513,9 +513,12 @@ def _run_epochs(
             batches = 0
             try:
                 with tracker.epoch(f"epoch {epoch}"):
-                    for _batch in loader:
+                    iterator = iter(loader)
+                    _register_workers(tracker, iterator)
+                    for _batch in iterator:
                         batches += 1
                         progress.batch(batches, total)
+                    iterator = None
             except Exception as exc:
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {_one_line(exc)}"
@@ -527,6 +530,24 @@ def _run_epochs(
         loader = None
         gc.collect()
     return None
+
+
+def _register_workers(tracker: Any, iterator: Any) -> None:
+    """Tell the tracker about a DataLoader iterator's workers right after they started.
+
+    NOTE [short-lived workers]: forked workers of a small loader can start, work and exit
+    between two samples; the tracker would never see them. A DataLoader iterator keeps its
+    worker processes in ``_workers`` (private, so read defensively): registering them and
+    sampling once makes the worker count exact for any DataLoader, mailbox or not.
+    """
+    workers = getattr(iterator, "_workers", None)
+    if not isinstance(workers, list) or not workers:
+        return
+    for worker in workers:
+        pid = getattr(worker, "pid", None)
+        if isinstance(pid, int):
+            tracker.register_worker(pid)
+    tracker.sample()
 
 
 def _epoch_summary(tracker: Any, batches: int) -> str:

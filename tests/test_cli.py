@@ -1,0 +1,349 @@
+"""The ``leakcheck`` command: real sweeps with real worker processes, usage errors, snapshot.
+
+The slow parts (spawned workers import torch: 1-2 s each here) run once per module: the
+default sweep is shared by the tests that read its text, JSON and PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from leakcheck.cli import main
+from leakcheck.units import format_mib
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def leakcheck(*args: str, cwd: Path | None = None, timeout: float = 180) -> Run:
+    """Run ``python -m leakcheck ARGS`` in a fresh interpreter, as a user would."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "leakcheck", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of the sweep table (header excluded), split on runs of 2+ spaces."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("workers  epoch"))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+# --------------------------------------------------------------------------- default sweep
+
+
+@pytest.fixture(scope="module")
+def default_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, dict[str, Any], Path]:
+    folder = tmp_path_factory.mktemp("sweep")
+    json_path, png_path = folder / "sweep.json", folder / "sweep.png"
+    run = leakcheck(
+        "sweep",
+        "--workers",
+        "0,2",
+        "--epochs",
+        "2",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(png_path),
+    )
+    assert run.returncode == 0, run.stderr
+    return run, json.loads(json_path.read_text()), png_path
+
+
+def test_default_sweep_completes_clean(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
+    run, data, _ = default_sweep
+    assert data["verdict"] == "clean" and data["leak_count"] == 0
+    assert [c["num_workers"] for c in data["configurations"]] == [0, 2]
+    assert run.stdout.count("verdict CLEAN") == 2
+    # Two workers per epoch were seen (exact identities from the mailbox).
+    assert [row["worker_count"] for row in data["configurations"][1]["rows"]] == [2, 2]
+    # Without a GPU: said once, plainly; GPU columns unavailable.
+    if not data["gpu"]["available"]:
+        assert f"GPU columns: n/a: {data['gpu']['reason']}" in run.stdout
+
+
+def test_default_sweep_json_matches_text(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
+    run, data, _ = default_sweep
+    rows = [row for config in data["configurations"] for row in config["rows"]]
+    cells = table_rows(run.stdout)
+    assert len(cells) == len(rows) == 4
+
+    def gpu(value: int | None) -> str:
+        if not data["gpu"]["available"]:
+            return "n/a"
+        return format_mib(value)
+
+    for text, row in zip(cells, rows, strict=True):
+        assert text[0] == str(row["num_workers"])
+        assert text[1] == str(row["epoch"])
+        assert text[2] == f"{row['duration_s']:.2f}"
+        assert text[3] == gpu(row["parent_gpu_bytes"])
+        assert text[4] == str(row["worker_count"])
+        assert text[5:8] == [
+            gpu(row["workers_gpu_bytes"]),
+            gpu(row["worker_gpu_bytes_max"]),
+            gpu(row["workers_gpu_bytes_peak"]),
+        ]
+        assert text[8] == str(row["alive_after"])
+        assert text[9] == str(row["orphans"])
+    for config in data["configurations"]:
+        assert config["summary"] in run.stdout
+        assert config["report"]["verdict"] == config["verdict"]
+
+
+def test_progress_is_plain_lines_off_a_terminal(
+    default_sweep: tuple[Run, dict[str, Any], Path],
+) -> None:
+    run, _, _ = default_sweep
+    assert "\r" not in run.stderr
+    progress = [line for line in run.stderr.splitlines() if line.startswith("leakcheck sweep:")]
+    assert len(progress) == 4
+    assert progress[-1].startswith("leakcheck sweep: config 2/2 workers=2 epoch 2/2: 16 batches")
+
+
+def test_plot_is_a_png(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
+    _, _, png_path = default_sweep
+    data = png_path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def test_orphan_scenario_found_and_cleaned_up(tmp_path: Path) -> None:
+    json_path = tmp_path / "orphan.json"
+    run = leakcheck(
+        "sweep",
+        "--scenario",
+        "orphan",
+        "--workers",
+        "1",
+        "--epochs",
+        "1",
+        "--grace",
+        "0.5",
+        "--fail-on-leak",
+        "--json",
+        str(json_path),
+    )
+    assert run.returncode == 1, run.stderr
+    data = json.loads(json_path.read_text())
+    for config in data["configurations"]:
+        orphans = [f for f in config["report"]["findings"] if f["rule"] == "orphan"]
+        assert len(orphans) == 1, config["report"]["findings"]
+        finding = orphans[0]
+        assert "leakcheck sweep --scenario orphan" in finding["cmdline"]
+        # The sweep terminated its own orphan after judging, and said so.
+        assert [(c["pid"], c["outcome"]) for c in config["cleanup"]] == [
+            (finding["pid"], "terminated")
+        ]
+        assert f"cleanup: terminated PID {finding['pid']}" in run.stdout
+        try:
+            process = psutil.Process(finding["pid"])
+            assert process.create_time() != pytest.approx(finding["create_time"], abs=0.05)
+        except psutil.NoSuchProcess:
+            pass
+    assert len(data["configurations"]) == 1
+    assert "verdict LEAK" in run.stdout
+
+
+# --------------------------------------------------------------------------- --loader
+
+_LOADER_FILE = """
+from torch.utils.data import DataLoader
+
+def make(num_workers):
+    context = "fork" if num_workers else None
+    return DataLoader(list(range(12)), batch_size=3, num_workers=num_workers,
+                      multiprocessing_context=context)
+"""
+
+
+def test_loader_from_a_file(tmp_path: Path) -> None:
+    (tmp_path / "my_loader.py").write_text(_LOADER_FILE)
+    json_path = tmp_path / "out.json"
+    run = leakcheck(
+        "sweep",
+        "--loader",
+        str(tmp_path / "my_loader.py") + ":make",
+        "--workers",
+        "0,1",
+        "--epochs",
+        "2",
+        "--json",
+        str(json_path),
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr
+    data = json.loads(json_path.read_text())
+    assert data["loader"].endswith("my_loader.py:make")
+    counts = [[row["worker_count"] for row in c["rows"]] for c in data["configurations"]]
+    assert counts == [[0, 0], [1, 1]]
+    assert "leakcheck sweep: loader " in run.stdout
+
+
+def test_loader_from_a_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = f"sweep_module_loader_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(
+        "def make(num_workers):\n    return [[num_workers, i] for i in range(4)]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    json_path = tmp_path / "out.json"
+    status = main(
+        ["sweep", "--loader", f"{name}:make", "--workers", "0", "--epochs", "2",
+         "--grace", "0.1", "--json", str(json_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    data = json.loads(json_path.read_text())
+    assert data["loader"] == f"loader {name}:make"
+    assert len(data["configurations"][0]["rows"]) == 2
+    assert "verdict CLEAN" in out
+
+
+# --------------------------------------------------------------------------- usage errors
+
+
+@pytest.fixture
+def broken_loaders(tmp_path: Path) -> Path:
+    (tmp_path / "raises_on_call.py").write_text(
+        "def make(num_workers):\n    raise RuntimeError('dataset missing')\n"
+    )
+    (tmp_path / "raises_on_import.py").write_text("import no_such_module_for_leakcheck\n")
+    (tmp_path / "not_callable.py").write_text("make = 3\n")
+    return tmp_path
+
+
+BAD_VALUES = [
+    (["--workers", "4,x"], "--workers: expected comma-separated integers >= 0 such as 0,4,8, "
+     "got '4,x'"),
+    (["--workers", ""], "--workers: expected comma-separated integers >= 0"),
+    (["--workers", "-1"], "got '-1'"),
+    (["--epochs", "0"], "--epochs: expected an integer >= 1 such as 5, got '0'"),
+    (["--epochs", "five"], "--epochs: expected an integer >= 1 such as 5, got 'five'"),
+    (["--loader", "no_colon"], "--loader: expected MODULE:FACTORY or path/to/file.py:FACTORY, "
+     "got 'no_colon'"),
+    (["--loader", "no_such_module_for_leakcheck:make"],
+     "--loader: cannot import 'no_such_module_for_leakcheck': ModuleNotFoundError"),
+    (["--loader", "{dir}/missing.py:make"], "--loader: expected an existing file.py"),
+    (["--loader", "{dir}/raises_on_import.py:make"], "--loader: cannot import"),
+    (["--loader", "{dir}/not_callable.py:make"], "is a int, expected a callable FACTORY"),
+    (["--loader", "{dir}/not_callable.py:other"], "has no attribute 'other'"),
+    (["--loader", "{dir}/raises_on_call.py:make"],
+     "--loader {dir}/raises_on_call.py:make: calling make(0) failed: RuntimeError: dataset "
+     "missing"),
+    (["--loader", "x:make", "--scenario", "orphan"], "--scenario: applies to the built-in"),
+    (["--scenario", "bogus"], "--scenario: expected one of clean, persistent-cache, orphan"),
+    (["--start-method", "thread"], "--start-method: expected one of spawn, fork, forkserver"),
+    (["--tolerance", "5 parsecs"], "--tolerance: expected a size"),
+    (["--grace", "soon"], "--grace: expected seconds"),
+    (["--device", "gpu0"], "--device: expected an integer >= 0"),
+    (["--cooldown-temp", "hot"], "--cooldown-temp: expected degrees Celsius"),
+    (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
+    (["--json", "{dir}/no/such/folder/out.json"], "--json: expected a path in an existing folder"),
+    (["--bogus-option"], "unrecognized arguments: --bogus-option"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_VALUES)
+def test_bad_values_exit_2_with_one_line(
+    args: list[str],
+    expected: str,
+    broken_loaders: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    args = [arg.replace("{dir}", str(broken_loaders)) for arg in args]
+    expected = expected.replace("{dir}", str(broken_loaders))
+    json_path = broken_loaders / "out.json"
+    if "--json" not in args:
+        args += ["--json", str(json_path)]
+    status = main(["sweep", "--workers", "0", "--epochs", "1", *args])
+    captured = capsys.readouterr()
+    assert status == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("leakcheck sweep: ")
+    assert expected in lines[0]
+    assert not json_path.exists()
+    assert captured.out == ""
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def test_python_m_leakcheck_help() -> None:
+    run = leakcheck("--help")
+    assert run.returncode == 0
+    assert "sweep" in run.stdout and "snapshot" in run.stdout
+    run = leakcheck("sweep", "--help")
+    assert run.returncode == 0
+    for option in ("--workers", "--epochs", "--loader", "--fail-on-leak", "--cooldown-temp"):
+        assert option in run.stdout
+
+
+def test_no_command_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "expected a command: sweep or snapshot" in capsys.readouterr().err
+
+
+def test_snapshot_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from leakcheck import nvml
+
+    assert main(["snapshot"]) == 0
+    text = capsys.readouterr().out
+    assert main(["snapshot", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema_version"] == 1
+    available, reason = nvml.availability()
+    if not available:
+        assert data["attribution"] != "ok"
+        assert reason.split(";")[0] in text
+        assert data["devices"] == []
+
+
+def test_snapshot_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["snapshot", "--pid"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["leakcheck snapshot: unrecognized arguments: --pid"]
+
+
+def test_main_module_runs_main() -> None:
+    source = (REPO / "leakcheck" / "__main__.py").read_text()
+    assert 'if __name__ == "__main__":' in textwrap.dedent(source)

@@ -1,0 +1,256 @@
+"""The sweep engine in this process: rows, JSON, text, loader failures, cleanup, plot.
+
+Loaders here are plain lists or DataLoaders without workers, so each test takes well under a
+second; the CLI tests run real worker processes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from leakcheck import procs
+from leakcheck.model import ProcessKey
+from leakcheck.progress import Progress
+from leakcheck.sweep import (
+    COLUMN_NAMES,
+    LoaderError,
+    SweepOptions,
+    SweepResult,
+    cleanup_orphans,
+    run_sweep,
+    write_json,
+)
+
+NO_GPU = (False, "NVML unavailable: test without a GPU")
+FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
+
+
+def _list_factory(num_workers: int) -> list[int]:
+    return list(range(5))
+
+
+def _sweep(options: SweepOptions = FAST, factory=_list_factory) -> SweepResult:
+    return run_sweep(options, factory, loader="test loader", gpu=NO_GPU)
+
+
+def test_rows_per_configuration_and_epoch() -> None:
+    result = _sweep()
+    assert [config.num_workers for config in result.configs] == [0, 0]
+    assert [[row.epoch for row in config.rows] for config in result.configs] == [[0, 1, 2]] * 2
+    for config in result.configs:
+        assert config.report.verdict == "clean"
+        assert all(row.end_reason == "completed" for row in config.rows)
+        # Without a GPU the GPU fields are unknown, not zero.
+        assert all(row.parent_gpu_bytes is None for row in config.rows)
+        assert all(row.device_used_bytes is None for row in config.rows)
+    assert result.leak_count == 0
+    assert result.verdict == "clean"
+
+
+def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
+    result = _sweep()
+    path = tmp_path / "sweep.json"
+    write_json(str(path), result.to_dict())
+    data = json.loads(path.read_text())
+    assert data["schema"] == "leakcheck.sweep"
+    assert data["schema_version"] == 1
+    assert data["gpu"] == {
+        "available": False,
+        "reason": NO_GPU[1],
+        "reported_device": None,
+        "devices": [],
+    }
+    assert data["options"]["workers"] == [0, 0]
+    assert len(data["configurations"]) == 2
+    config = data["configurations"][0]
+    assert config["report"]["schema_version"] == 1
+    assert len(config["report"]["epochs"]) == 3
+    assert [row["epoch"] for row in config["rows"]] == [0, 1, 2]
+    # Atomic write: no temporary file left beside it.
+    assert os.listdir(tmp_path) == ["sweep.json"]
+
+
+def test_text_has_table_verdicts_and_unavailable_gpu_columns() -> None:
+    text = _sweep().format()
+    lines = text.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("workers  epoch"))
+    for name in COLUMN_NAMES:
+        assert name in header
+    assert "GPU columns: n/a: NVML unavailable: test without a GPU" in text
+    table = lines[lines.index(header) + 1 : lines.index(header) + 7]
+    assert len(table) == 6 and all(" n/a " in line for line in table)
+    assert text.count("verdict CLEAN") == 2
+    assert text.rstrip().endswith("verdict clean, 0 leaks")
+
+
+def test_factory_failure_is_one_line_loader_error() -> None:
+    def broken(num_workers: int) -> list[int]:
+        raise FileNotFoundError("no data in /nowhere\nsecond line")
+
+    with pytest.raises(LoaderError) as caught:
+        _sweep(factory=broken)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "broken(0) failed: FileNotFoundError: no data in /nowhere second line" in message
+
+
+def test_factory_returning_non_iterable_is_refused() -> None:
+    with pytest.raises(LoaderError, match=r"returned int, expected an iterable loader"):
+        _sweep(factory=lambda num_workers: 42)
+
+
+def test_iteration_failure_names_configuration_and_epoch() -> None:
+    def failing(num_workers: int):  # type: ignore[no-untyped-def]
+        def batches():  # type: ignore[no-untyped-def]
+            yield 1
+            raise RuntimeError("worker died")
+
+        class Loader:
+            calls = 0
+
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                Loader.calls += 1
+                return iter([1, 2]) if Loader.calls == 1 else batches()
+
+        return Loader()
+
+    with pytest.raises(LoaderError, match=r"workers=0, epoch 1\) failed: RuntimeError: worker"):
+        _sweep(factory=failing)
+
+
+def test_persistent_workers_flag_only_with_workers() -> None:
+    options = SweepOptions(workers=(0,), epochs=1, persistent=True, grace_s=0.1)
+    result = _sweep(options)
+    assert result.configs[0].persistent_workers is False
+
+
+def test_plain_progress_lines_without_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress(2, stream=stream)
+    progress.begin("workers=0 epoch 1/2")
+    progress.batch(1, 5)
+    progress.end("5 batches")
+    progress.close()
+    assert stream.getvalue() == "leakcheck sweep: workers=0 epoch 1/2: 5 batches\n"
+
+
+def test_bar_on_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress(4, stream=stream, tty=True)
+    progress.begin("workers=4 epoch 1/2")
+    progress.end("done")
+    progress.note("cooldown skipped")
+    progress.close()
+    text = stream.getvalue()
+    assert "\r[" in text and "25%" in text and "workers=4 epoch 1/2" in text
+    assert "leakcheck sweep: cooldown skipped\n" in text
+    assert text.endswith("\r")  # the bar is erased, the terminal left clean
+
+
+# --------------------------------------------------------------------------- cleanup
+
+_LAUNCH = (
+    "import subprocess, sys; "
+    "p = subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); "
+    "time.sleep(60)'], stdout=sys.stdout); print(p.pid, flush=True)"
+)
+
+
+def _reparented_sleeper(session: str | None) -> psutil.Process:
+    """A sleeper whose parent exited (so it is reparented away), tagged with ``session``."""
+    env = {k: v for k, v in os.environ.items() if k != "LEAKCHECK_SESSION"}
+    if session is not None:
+        env["LEAKCHECK_SESSION"] = session
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCH], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert launcher.stdout is not None
+    pid = int(launcher.stdout.readline())
+    launcher.stdout.readline()  # the sleeper runs
+    launcher.wait()
+    launcher.stdout.close()
+    return psutil.Process(pid)
+
+
+def test_cleanup_terminates_only_this_sessions_orphans() -> None:
+    session = f"sweep-test-{os.getpid()}-{time.time_ns()}"
+    ours = _reparented_sleeper(session)
+    other = _reparented_sleeper(session + "-other")
+    untagged = _reparented_sleeper(None)
+    try:
+        assert procs.tagged_session(ours.pid) == session
+        cleaned = cleanup_orphans(session)
+        assert [(c.pid, c.outcome) for c in cleaned] == [(ours.pid, "terminated")]
+        assert cleaned[0].create_time == pytest.approx(ours.create_time(), abs=0.05)
+        assert not ours.is_running() or ours.status() == psutil.STATUS_ZOMBIE
+        assert other.is_running() and untagged.is_running()
+    finally:
+        for process in (ours, other, untagged):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def test_cleanup_leaves_own_children_alone() -> None:
+    session = f"sweep-child-{os.getpid()}-{time.time_ns()}"
+    env = {**os.environ, "LEAKCHECK_SESSION": session}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        time.sleep(0.1)
+        assert cleanup_orphans(session) == ()
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
+    """0 workers: the parent's own grandchild (through a launcher) is the orphan."""
+    from leakcheck.workload import WorkloadSpec, builtin_factory
+
+    spec = WorkloadSpec(scenario="orphan", batches=2, orphan_lifetime_s=30)
+    options = SweepOptions(workers=(0,), epochs=2, grace_s=0.3, interval_s=0.02)
+    result = run_sweep(options, builtin_factory(spec), loader="built-in", gpu=NO_GPU)
+    config = result.configs[0]
+    orphans = [f for f in config.report.leaks if f.rule == "orphan"]
+    assert len(orphans) == 1  # one per process that ran the dataset, not one per epoch
+    assert orphans[0].cmdline is not None
+    assert "leakcheck sweep --scenario orphan" in orphans[0].cmdline
+    assert [(c.pid, c.outcome) for c in config.cleaned] == [(orphans[0].pid, "terminated")]
+    assert not procs.is_alive(ProcessKey(orphans[0].pid, orphans[0].create_time or 0.0))
+    assert "cleanup: terminated PID" in result.format()
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_png_without_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from leakcheck.plot import plot_sweep
+
+    path = tmp_path / "sweep.png"
+    plot_sweep(_sweep(), str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert os.listdir(tmp_path) == ["sweep.png"]
+
+
+def test_plot_does_not_touch_pyplot_backend() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    from leakcheck.plot import render
+
+    render(_sweep(SweepOptions(workers=(0,), epochs=1, grace_s=0.1)))
+    assert matplotlib.get_backend() == before

@@ -518,7 +518,7 @@ def _run_epochs(
                     for _batch in iterator:
                         batches += 1
                         progress.batch(batches, total)
-                    iterator = None
+                    del iterator  # a finished iterator holds nothing the next epoch needs
             except Exception as exc:
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {_one_line(exc)}"

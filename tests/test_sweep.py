@@ -6,6 +6,7 @@ second; the CLI tests run real worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -195,10 +196,8 @@ def test_cleanup_terminates_only_this_sessions_orphans() -> None:
         assert other.is_running() and untagged.is_running()
     finally:
         for process in (ours, other, untagged):
-            try:
+            with contextlib.suppress(psutil.Error):
                 process.kill()
-            except psutil.Error:
-                pass
 
 
 def test_cleanup_leaves_own_children_alone() -> None:

@@ -67,7 +67,10 @@ executor, torch's shared-memory manager and compile workers). Like the first CUD
 they are a baseline, not a leak, unless they hold GPU memory or ``/dev/nvidia*``
 descriptors."""
 
-_PID_TOKEN = re.compile(r"(?<![0-9])([0-9]{2,9})(?![0-9])")
+_NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")
+_TOKEN_SPLIT = re.compile(r"[^0-9A-Za-z]+")
+_CREATOR_PID = re.compile(r"^torch_([0-9]+)_")
+"""Segment names that start with their creator's PID (torch's file_system sharing)."""
 
 REMEDY_SURVIVOR = (
     "stop what the test starts before it returns (proc.wait()/kill(), Process.join(), "
@@ -575,10 +578,7 @@ class Checker:
 
         # Session helpers are a baseline unless they pin the GPU (checked below, cheaply,
         # only for the rare helper that just appeared).
-        helpers = [(i, o) for i, o in candidates if _is_session_helper(i.cmdline)]
-        candidates = [(i, o) for i, o in candidates if not _is_session_helper(i.cmdline)]
-
-        survivors = _wait_for_exit(candidates, grace_s)
+        survivors, helpers = _wait_for_exit(candidates, grace_s)
         gpu_by_pid = self._nvml_by_pid() if (survivors or helpers) else {}
         for info, owner in helpers:
             fds = procs.nvidia_fd_count(info.key.pid)
@@ -675,12 +675,12 @@ class Checker:
                 continue  # removed meanwhile, or not a plain file (a folder)
             owner = from_fixtures.get(name)
             holder = held_by.get(name)
-            embedded = _embedded_pids(name)
+            creator = _creator_pid(name)
             if owner is None and holder is None:
-                if embedded & lineage_pids:
+                if _embedded_pids(name) & lineage_pids:
                     pass
-                elif any(_foreign_alive(pid, lineage_pids) for pid in embedded):
-                    continue  # named after a live process that is not ours
+                elif creator is not None and _foreign_alive(creator, lineage_pids):
+                    continue  # created by a live process that is not ours
                 elif not self.attribute_unheld_shm:
                     culprits.append(
                         Culprit(
@@ -854,7 +854,14 @@ def _is_session_helper(cmdline: str) -> bool:
 
 
 def _embedded_pids(name: str) -> set[int]:
-    return {int(token) for token in _PID_TOKEN.findall(name)}
+    """Whole numeric tokens of a segment name (``x_1234_y`` -> {1234}): PIDs, maybe."""
+    return {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
+
+
+def _creator_pid(name: str) -> int | None:
+    """The creator PID of a segment whose naming scheme says so, else None."""
+    match = _CREATOR_PID.match(name)
+    return int(match.group(1)) if match else None
 
 
 def _foreign_alive(pid: int, ours: set[int]) -> bool:
@@ -863,21 +870,38 @@ def _foreign_alive(pid: int, ours: set[int]) -> bool:
 
 def _wait_for_exit(
     candidates: list[tuple[ProcInfo, ScopeOwner | None]], grace_s: float
-) -> list[tuple[ProcInfo, ScopeOwner | None]]:
-    """Poll until every candidate exited or ``grace_s`` passed since the check began.
+) -> tuple[list[tuple[ProcInfo, ScopeOwner | None]], list[tuple[ProcInfo, ScopeOwner | None]]]:
+    """Poll until every candidate exited or ``grace_s`` passed; split off session helpers.
 
-    Cheap when there is nothing to wait for: one liveness read per candidate.
+    Returns ``(survivors, helpers)``. The command line is read again at each poll: a child
+    caught between fork and exec shows its parent's (or an empty) command line for a moment,
+    and a session helper must be recognised before it costs a grace period. Cheap when
+    there is nothing to wait for: one liveness read per candidate.
     """
     from leakcheck import procs
 
     deadline = time.monotonic() + grace_s
-    pending = [(i, o) for i, o in candidates if procs.is_alive(i.key)]
+    pending = candidates
+    helpers: list[tuple[ProcInfo, ScopeOwner | None]] = []
     delay = 0.005
-    while pending and time.monotonic() < deadline:
-        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+    while True:
+        still: list[tuple[ProcInfo, ScopeOwner | None]] = []
+        for info, owner in pending:
+            if not procs.is_alive(info.key):
+                continue
+            current = procs.read_proc(info.key.pid)
+            if current is not None and current.cmdline:
+                info = ProcInfo(info.key, current.ppid, current.name, current.cmdline, info.tagged)
+            if _is_session_helper(info.cmdline):
+                helpers.append((info, owner))
+            else:
+                still.append((info, owner))
+        pending = still
+        remaining = deadline - time.monotonic()
+        if not pending or remaining <= 0:
+            return pending, helpers
+        time.sleep(min(delay, remaining))
         delay = min(delay * 2, 0.1)
-        pending = [(i, o) for i, o in pending if procs.is_alive(i.key)]
-    return pending
 
 
 def _excess(

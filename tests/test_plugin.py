@@ -1,0 +1,713 @@
+"""The pytest plugin, end to end: inner pytest sessions in subprocesses (pytester).
+
+Each inner session loads the plugin through a ``pytest11`` entry point, as an installed
+leakcheck would: a small ``.dist-info`` on ``PYTHONPATH`` declares ``leakcheck =
+leakcheck.plugin``, so ``-p no:leakcheck`` works even before the package is installed.
+Processes an inner test leaves behind on purpose are the outer test's to kill: their PIDs
+travel through files, and each is killed only after its command line was checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import textwrap
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+NO_CACHE = ("-p", "no:cacheprovider")
+FAST = ("--gpu-leak-grace=0.2", *NO_CACHE)
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A pytester whose subprocess sessions find leakcheck and its entry point."""
+    site = pytester.path.parent / f"{pytester.path.name}-site"
+    dist = site / "leakcheck_plugin_under_test-0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: leakcheck-plugin-under-test\nVersion: 0.0\n"
+    )
+    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.plugin\n")
+    path = [str(site), str(REPO), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
+    for name in list(os.environ):
+        if name.startswith("LEAKCHECK_") or name.startswith("PYTEST_XDIST"):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    return pytester
+
+
+@pytest.fixture
+def leftovers(tmp_path: Path) -> Iterator[Path]:
+    """A folder where inner tests note what they leak; all of it is killed at the end.
+
+    A file's name (or its second field) is a token found in the leaked process's command
+    line: a unique `sleep` argument, or the inner session's unique folder. Every process
+    whose command line holds a token is killed, so a reused PID never is.
+    """
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    yield folder
+    tokens = set()
+    for pid_file in folder.iterdir():
+        fields = pid_file.read_text().split(maxsplit=1)
+        tokens.add(fields[1] if len(fields) > 1 else pid_file.name)
+    _kill_matching(tokens)
+
+
+def _kill_matching(tokens: set[str]) -> None:
+    if not tokens:
+        return
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(token in cmdline for token in tokens):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _sleep_arg() -> str:
+    """A unique, long `sleep` argument: names the process for ``leftovers``."""
+    return f"{600 + uuid.uuid4().int % 10_000}.{uuid.uuid4().int % 10**6:06d}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+LEAKY_SUITE = """
+import os, subprocess
+from multiprocessing import shared_memory, resource_tracker
+import pytest
+
+PIDS = {pids!r}
+KEEP = []
+
+def test_clean():
+    assert 1 + 1 == 2
+
+def test_leaves_child():
+    proc = subprocess.Popen(["sleep", "{sleep}"])
+    KEEP.append(proc)
+    with open(os.path.join(PIDS, "{sleep}"), "w") as handle:
+        handle.write(str(proc.pid))
+
+def test_leaves_shm():
+    segment = shared_memory.SharedMemory(create=True, size=8192, name="{shm}")
+    KEEP.append(segment)  # held open and never unlinked
+
+def test_clean_after():
+    subprocess.run(["true"], check=True)
+"""
+
+
+def _write_leaky_suite(inner: pytest.Pytester, leftovers: Path) -> tuple[str, str]:
+    sleep = _sleep_arg()
+    shm = f"lc_test_{uuid.uuid4().hex[:12]}"
+    inner.makepyfile(test_leaky=LEAKY_SUITE.format(pids=str(leftovers), sleep=sleep, shm=shm))
+    return sleep, shm
+
+
+@pytest.fixture
+def shm_names() -> Iterator[list[str]]:
+    """Names of /dev/shm segments inner tests leak; removed at the end."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def _leaked_pid(leftovers: Path, name: str) -> int:
+    return int((leftovers / name).read_text().split()[0])
+
+
+# --- options, help, registration ----------------------------------------------------------
+
+
+def test_help_lists_the_options_and_ini_keys(inner: pytest.Pytester) -> None:
+    result = inner.runpytest_subprocess("--help")
+    assert result.ret == 0
+    out = result.stdout.str()
+    assert "leakcheck:" in out
+    for flag in (
+        "--gpu-leak-check",
+        "--no-gpu-leak-check",
+        "--gpu-leak-tolerance=SIZE",
+        "--gpu-leak-warn",
+        "--gpu-leak-mode=fail|warn",
+        "--gpu-leak-grace=SECONDS",
+    ):
+        assert flag in out
+    for key in ("gpu_leak_check", "gpu_leak_tolerance", "gpu_leak_mode", "gpu_leak_grace"):
+        assert key in out
+
+
+def test_marker_is_registered_with_a_help_line(inner: pytest.Pytester) -> None:
+    result = inner.runpytest_subprocess("--markers")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["@pytest.mark.gpu_leak_check(enabled=True, tolerance=*"])
+
+
+def test_p_no_leakcheck_disables_the_plugin(inner: pytest.Pytester, leftovers: Path) -> None:
+    sleep, _ = _write_leaky_suite(inner, leftovers)
+    inner.makeini("[pytest]\ngpu_leak_check = 1\n")
+    result = inner.runpytest_subprocess("-p", "no:leakcheck", "-k", "child", *NO_CACHE)
+    result.assert_outcomes(passed=1, deselected=3)
+    assert "GPU LEAK REPORT" not in result.stdout.str()
+    bad = inner.runpytest_subprocess("-p", "no:leakcheck", "--gpu-leak-check")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert _alive(_leaked_pid(leftovers, sleep))  # nobody checked, nobody killed it
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "env", "expected"),
+    [
+        (["--gpu-leak-tolerance=lots"], "", {}, "--gpu-leak-tolerance (command line)"),
+        (["--gpu-leak-grace=-1"], "", {}, "--gpu-leak-grace (command line)"),
+        (["--gpu-leak-mode=explode"], "", {}, "--gpu-leak-mode (command line)"),
+        ([], "gpu_leak_tolerance = 12 parsecs\n", {}, "gpu_leak_tolerance (ini file "),
+        ([], "gpu_leak_check = maybe\n", {}, "gpu_leak_check (ini file "),
+        ([], "", {"LEAKCHECK_TOLERANCE": "-5"}, "LEAKCHECK_TOLERANCE (environment)"),
+        ([], "", {"LEAKCHECK_GPU_LEAK_CHECK": "sure"}, "LEAKCHECK_GPU_LEAK_CHECK (environment)"),
+    ],
+)
+def test_bad_values_are_usage_errors_naming_their_source(
+    inner: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    ini: str,
+    env: dict[str, str],
+    expected: str,
+) -> None:
+    inner.makepyfile(test_ok="def test_ok():\n    pass\n")
+    if ini:
+        inner.makeini("[pytest]\n" + ini)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = inner.runpytest_subprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert expected in result.stderr.str()
+    assert "got " in result.stderr.str()
+
+
+def test_bad_marker_argument_is_a_usage_error(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_marked="""
+        import pytest
+
+        @pytest.mark.gpu_leak_check(tolerance="a lot")
+        def test_one():
+            pass
+        """
+    )
+    result = inner.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "tolerance= of gpu_leak_check marker on test_marked.py::test_one" in (
+        result.stderr.str()
+    )
+
+
+# --- verdicts -----------------------------------------------------------------------------
+
+
+def test_child_left_alive_fails_its_test_and_is_named(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    sleep, shm = _write_leaky_suite(inner, leftovers)
+    shm_names.append(shm)
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-rA", *FAST)
+    pid = _leaked_pid(leftovers, sleep)
+    out = result.stdout.str()
+    # Four tests pass their call phase; two of them fail their teardown as LEAKED.
+    result.assert_outcomes(passed=4, failed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "LEAKED test_leaky.py::test_leaves_child - Failed: leakcheck*",
+            "LEAKED test_leaky.py::test_leaves_shm - Failed: leakcheck*",
+        ]
+    )
+    assert f"[survivor] PID {pid}  descendant  `sleep {sleep}`" in out
+    assert f"[shm] /dev/shm/{shm}  8 KiB  held by the test process" in out
+    # The report section, with a remedy per culprit.
+    assert "- gpu-leak-check -" in out
+    assert "remedy: stop what the test starts before it returns" in out
+    assert "remedy: unlink the shared memory the test creates" in out
+    # The session summary names both tests.
+    summary = out[out.index("GPU LEAK REPORT") : out.index("short test summary info")]
+    assert "2 of 4 checked tests left something behind" in summary
+    assert "LEAKED test_leaky.py::test_leaves_child: 1 process" in summary
+    assert "LEAKED test_leaky.py::test_leaves_shm: 1 /dev/shm segment" in summary
+    assert "test_clean" not in summary
+
+
+def test_clean_suite_passes_with_one_summary_line(inner: pytest.Pytester) -> None:
+    inner.makepyfile(
+        test_clean="""
+        import multiprocessing, subprocess
+        from multiprocessing import shared_memory
+
+        def square(x):
+            return x * x
+
+        def test_waits_for_its_child():
+            subprocess.run(["true"], check=True)
+
+        def test_unlinks_its_segment():
+            segment = shared_memory.SharedMemory(create=True, size=4096)
+            segment.close()
+            segment.unlink()
+
+        def test_pool_in_a_with_block():
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                assert pool.map(square, [1, 2, 3]) == [1, 4, 9]
+                pool.close()
+                pool.join()
+
+        def test_spawned_process_joined():
+            ctx = multiprocessing.get_context("spawn")
+            proc = ctx.Process(target=print, args=("hello",))
+            proc.start()
+            proc.join()
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*= GPU LEAK REPORT: no leaks in 4 checked tests (GPU: *) =*"])
+
+
+def test_orphaned_grandchild_fails_as_orphan(inner: pytest.Pytester, leftovers: Path) -> None:
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_orphan=f"""
+        import os, subprocess
+
+        def test_shell_leaves_background_job():
+            out = subprocess.run(
+                ["sh", "-c", "sleep {sleep} >/dev/null 2>&1 & echo $!"],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                handle.write(out.strip())
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    pid = _leaked_pid(leftovers, sleep)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"[orphan] PID {pid}  orphan  `sleep {sleep}`" in out
+    assert "tagged by the test, reparented to PID" in out
+    assert "remedy: the process outlived its parent" in out
+
+
+def test_forked_grandchild_of_an_exited_worker_is_found(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    # A fork-only grandchild never exec'd: it carries no tag, and its parent is gone.
+    token = f"lc_fork_{uuid.uuid4().hex[:10]}"
+    inner.makepyfile(
+        **{
+            f"test_{token}": f"""
+            import multiprocessing, os, time
+
+            def grandchild():
+                time.sleep(600)
+
+            def worker(path):
+                ctx = multiprocessing.get_context("fork")
+                proc = ctx.Process(target=grandchild, daemon=False)
+                proc.start()
+                with open(path, "w") as handle:
+                    handle.write(f"{{proc.pid}} {{os.getcwd()}}")
+                os._exit(0)  # the worker dies; its child is reparented
+
+            def test_worker_leaves_forked_grandchild():
+                ctx = multiprocessing.get_context("fork")
+                proc = ctx.Process(target=worker, args=(os.path.join({str(leftovers)!r},
+                                   "{token}"),))
+                proc.start()
+                proc.join()
+            """
+        }
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    pid = _leaked_pid(leftovers, token)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"[orphan] PID {pid}  orphan" in out
+    assert "forked by the test, reparented to PID" in out
+
+
+def test_segment_closed_but_not_unlinked_fails(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    inner.makepyfile(
+        test_shm=f"""
+        from multiprocessing import resource_tracker, shared_memory
+
+        def test_forgets_unlink():
+            segment = shared_memory.SharedMemory(create=True, size=1 << 20, name="{name}")
+            segment.close()
+            # Keep the interpreter's tracker from removing it at exit: a real leak.
+            resource_tracker.unregister(segment._name, "shared_memory")
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"[shm] /dev/shm/{name}  1.0 MiB" in out
+    assert "created during the test and not removed" in out
+
+
+# --- markers, modes, sources --------------------------------------------------------------
+
+
+def test_marker_disables_a_test_and_enables_another(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    first, second = _sleep_arg(), _sleep_arg()
+    inner.makepyfile(
+        test_marked=f"""
+        import os, subprocess
+        import pytest
+
+        KEEP = []
+
+        def leak(arg):
+            proc = subprocess.Popen(["sleep", arg])
+            KEEP.append(proc)
+            with open(os.path.join({str(leftovers)!r}, arg), "w") as handle:
+                handle.write(str(proc.pid))
+
+        @pytest.mark.gpu_leak_check(enabled=False)
+        def test_opted_out():
+            leak("{first}")
+
+        @pytest.mark.gpu_leak_check(enabled=True)
+        def test_opted_in():
+            leak("{second}")
+        """
+    )
+    on = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    on.assert_outcomes(passed=2, failed=1)
+    on.stdout.fnmatch_lines(["LEAKED test_marked.py::test_opted_in*"])
+    assert "test_opted_out" not in on.stdout.str().split("GPU LEAK REPORT")[1]
+    _kill_matching({first, second})
+    # Without the flag, the marker alone checks its test.
+    off = inner.runpytest_subprocess(*FAST)
+    off.assert_outcomes(passed=2, failed=1)
+    assert "1 of 1 checked tests left something behind" in off.stdout.str()
+
+
+def test_tolerance_and_grace_resolve_marker_cli_env_ini(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The gpu_leak_tracker fixture is built from the test's resolved options.
+    inner.makeini("[pytest]\ngpu_leak_tolerance = 2GB\ngpu_leak_grace = 3\n")
+    inner.makepyfile(
+        test_sources="""
+        import pytest
+
+        def test_session_options(gpu_leak_tracker):
+            assert gpu_leak_tracker.config.tolerance_bytes == 1_000_000_000
+            assert gpu_leak_tracker.config.grace_s == 3.0
+
+        @pytest.mark.gpu_leak_check(tolerance="64MiB", grace="250ms")
+        def test_marker_wins(gpu_leak_tracker):
+            assert gpu_leak_tracker.config.tolerance_bytes == 64 * 1024 * 1024
+            assert gpu_leak_tracker.config.grace_s == 0.25
+            with gpu_leak_tracker.epoch("one"):
+                pass
+        """
+    )
+    monkeypatch.setenv("LEAKCHECK_TOLERANCE", "5GB")  # command line beats environment
+    result = inner.runpytest_subprocess("--gpu-leak-check", "--gpu-leak-tolerance=1GB")
+    result.assert_outcomes(passed=2)
+    monkeypatch.setenv("LEAKCHECK_TOLERANCE", "1000000000")  # environment beats ini
+    result = inner.runpytest_subprocess("--gpu-leak-check")
+    result.assert_outcomes(passed=2)
+
+
+def test_ini_and_environment_enable_the_check(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, leftovers: Path
+) -> None:
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_one=f"""
+        import os, subprocess
+        KEEP = []
+
+        def test_leaks():
+            proc = subprocess.Popen(["sleep", "{sleep}"])
+            KEEP.append(proc)
+            with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                handle.write(str(proc.pid))
+        """
+    )
+    inner.makeini("[pytest]\ngpu_leak_check = true\ngpu_leak_grace = 0.2\n")
+    inner.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
+    # The command line turns off what the ini turned on.
+    inner.runpytest_subprocess("--no-gpu-leak-check").assert_outcomes(passed=1)
+    inner.makeini("[pytest]\ngpu_leak_grace = 0.2\n")
+    monkeypatch.setenv("LEAKCHECK_GPU_LEAK_CHECK", "1")
+    inner.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
+    monkeypatch.setenv("LEAKCHECK_GPU_LEAK_CHECK", "0")
+    inner.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_warn_mode_warns_and_passes(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    _sleep, shm = _write_leaky_suite(inner, leftovers)
+    shm_names.append(shm)
+    result = inner.runpytest_subprocess("--gpu-leak-check", "--gpu-leak-warn", *FAST)
+    result.assert_outcomes(passed=4, warnings=2)
+    out = result.stdout.str()
+    assert "GPULeakWarning: leakcheck: the test left 1 process" in out
+    assert "WARNED test_leaky.py::test_leaves_child: 1 process" in out
+    # -W error turns the warning back into a failure.
+    again = inner.runpytest_subprocess(
+        "--gpu-leak-check",
+        "--gpu-leak-mode=warn",
+        "-W",
+        "error::leakcheck.GPULeakWarning",
+        "-k",
+        "shm",
+        *FAST,
+    )
+    again.assert_outcomes(passed=1, failed=1, deselected=3)
+
+
+# --- scopes -------------------------------------------------------------------------------
+
+SCOPED = """
+import os, subprocess
+import pytest
+
+PIDS = {pids!r}
+
+def start(arg):
+    proc = subprocess.Popen(["sleep", arg])
+    with open(os.path.join(PIDS, arg), "w") as handle:
+        handle.write(str(proc.pid))
+    return proc
+
+@pytest.fixture(scope="module")
+def pool():
+    proc = start("{good}")
+    yield proc
+    proc.kill()
+    proc.wait()
+
+@pytest.fixture(scope="module")
+def forgetful_pool():
+    proc = start("{bad}")
+    yield proc  # never stopped
+
+def test_first(pool):
+    assert pool.poll() is None
+
+def test_second(pool):
+    assert pool.poll() is None
+
+def test_forgetful_first(forgetful_pool):
+    assert forgetful_pool.poll() is None
+
+def test_forgetful_last(forgetful_pool):
+    assert forgetful_pool.poll() is None
+"""
+
+
+def test_module_fixture_process_is_judged_when_its_scope_ends(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    good, bad = _sleep_arg(), _sleep_arg()
+    inner.makepyfile(test_scoped=SCOPED.format(pids=str(leftovers), good=good, bad=bad))
+    inner.makepyfile(test_zlater="def test_after_the_module():\n    pass\n")
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-v", *FAST)
+    bad_pid = _leaked_pid(leftovers, bad)
+    # The pool that is stopped by its finalizer is no leak; the one that outlives its module
+    # fails the test whose teardown ended the module, not a test of another module.
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "test_scoped.py::test_first PASSED*",
+            "test_scoped.py::test_second PASSED*",
+            "test_scoped.py::test_forgetful_first PASSED*",
+            "test_scoped.py::test_forgetful_last PASSED*",
+            "test_scoped.py::test_forgetful_last LEAKED*",
+            "test_zlater.py::test_after_the_module PASSED*",
+        ]
+    )
+    out = result.stdout.str()
+    assert f"PID {bad_pid} started by module-scoped fixture 'forgetful_pool'" in out
+    assert "remedy: stop it in the fixture's finalizer" in out
+    assert "1 of 5 checked tests left something behind" in out
+
+
+def test_session_fixture_process_is_not_a_leak_of_the_first_test(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    arg = _sleep_arg()
+    inner.makeconftest(
+        f"""
+        import os, subprocess
+        import pytest
+
+        @pytest.fixture(scope="session", autouse=True)
+        def server():
+            proc = subprocess.Popen(["sleep", "{arg}"])
+            with open(os.path.join({str(leftovers)!r}, "{arg}"), "w") as handle:
+                handle.write(str(proc.pid))
+            yield proc
+            proc.terminate()
+            proc.wait()
+        """
+    )
+    inner.makepyfile(test_a="def test_a():\n    pass\n", test_b="def test_b():\n    pass\n")
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=2)
+    assert "no leaks in 2 checked tests" in result.stdout.str()
+
+
+# --- integration: xdist, JUnit, flag off --------------------------------------------------
+
+
+def test_xdist_gives_the_same_verdicts(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    sleep, shm = _write_leaky_suite(inner, leftovers)
+    shm_names.append(shm)
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", "-rA", *FAST)
+    pid = _leaked_pid(leftovers, sleep)
+    result.assert_outcomes(passed=4, failed=2)
+    out = result.stdout.str()
+    summary = out[out.index("GPU LEAK REPORT") :]
+    assert "2 of 4 checked tests left something behind" in summary
+    assert f"[survivor] PID {pid}  descendant  `sleep {sleep}`" in summary
+    assert f"/dev/shm/{shm}" in summary
+    result.stdout.fnmatch_lines(["LEAKED test_leaky.py::test_leaves_child*"])
+
+
+def test_junitxml_records_the_leak_on_its_testcase(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    sleep, shm = _write_leaky_suite(inner, leftovers)
+    shm_names.append(shm)
+    xml_path = inner.path / "junit.xml"
+    result = inner.runpytest_subprocess("--gpu-leak-check", f"--junitxml={xml_path}", *FAST)
+    result.assert_outcomes(passed=4, failed=2)
+    root = ET.parse(xml_path).getroot()
+    cases = {case.get("name"): case for case in root.iter("testcase")}
+    assert set(cases) == {"test_clean", "test_leaves_child", "test_leaves_shm", "test_clean_after"}
+    child = cases["test_leaves_child"]
+    problem = child.find("error")
+    assert problem is not None
+    assert "leakcheck: the test left 1 process" in (problem.get("message") or "")
+    props = {p.get("name"): p.get("value") for p in child.iter("property")}
+    assert f"sleep {sleep}" in (props.get("gpu_leak_check") or "")
+    assert cases["test_clean"].find("error") is None
+
+
+FLAG_PROBE = """
+import os, subprocess, sys, threading
+
+def test_probe():
+    subprocess.Popen(["sleep", "{sleep}"])  # a leak nobody looks for when the flag is off
+    with open(os.path.join({pids!r}, "{sleep}"), "w") as handle:
+        handle.write("0")
+    loaded = sorted(name for name in sys.modules if name.startswith(("leakcheck", "pynvml")))
+    print()
+    print("LOADED", loaded)
+    print("THREADS", threading.active_count())
+    print("TAG", os.environ.get("LEAKCHECK_SESSION"))
+    print("TORCH", "torch" in sys.modules)
+"""
+
+
+def _probe_lines(result: pytest.RunResult) -> dict[str, str]:
+    lines = {}
+    for line in result.stdout.lines:
+        match = re.match(r"^(LOADED|THREADS|TAG|TORCH) (.*)$", line)
+        if match:
+            lines[match.group(1)] = match.group(2)
+    return lines
+
+
+def test_flag_off_loads_nothing_and_starts_nothing(inner: pytest.Pytester, leftovers: Path) -> None:
+    inner.makepyfile(test_probe=FLAG_PROBE.format(sleep=_sleep_arg(), pids=str(leftovers)))
+    result = inner.runpytest_subprocess("-s", *NO_CACHE)
+    result.assert_outcomes(passed=1)
+    probe = _probe_lines(result)
+    # The plugin is loaded, but neither NVML, /proc code nor the checker are.
+    assert "'leakcheck.plugin'" in probe["LOADED"]
+    for module in (
+        "pynvml",
+        "leakcheck.nvml",
+        "leakcheck.procs",
+        "leakcheck.plugin_checks",
+        "leakcheck.tracker",
+    ):
+        assert f"'{module}'" not in probe["LOADED"]
+    assert probe["THREADS"] == "1"
+    assert probe["TAG"] == "None"
+    assert probe["TORCH"] == "False"
+    assert "GPU LEAK REPORT" not in result.stdout.str()
+
+
+def test_flag_on_imports_no_torch_and_starts_no_thread(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    inner.makepyfile(test_probe=FLAG_PROBE.format(sleep=_sleep_arg(), pids=str(leftovers)))
+    result = inner.runpytest_subprocess("-s", "--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=1, failed=1)  # the probe's own sleeper
+    probe = _probe_lines(result)
+    assert probe["THREADS"] == "1"
+    assert probe["TORCH"] == "False"
+    assert probe["TAG"].startswith("pytest-")
+
+
+def test_failing_test_that_also_leaks_is_one_failure_and_one_error(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_both=textwrap.dedent(
+            f"""
+            import os, subprocess
+            KEEP = []
+
+            def test_fails_and_leaks():
+                proc = subprocess.Popen(["sleep", "{sleep}"])
+                KEEP.append(proc)
+                with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                    handle.write(str(proc.pid))
+                assert False, "the test's own failure"
+            """
+        )
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=1, errors=1)
+    assert "the test's own failure" in result.stdout.str()
+    assert "leakcheck: the test left 1 process" in result.stdout.str()

@@ -207,10 +207,13 @@ class WatchedLoader(Generic[T]):
         if not hasattr(loader, "worker_init_fn"):
             return  # not a DataLoader: epochs and lineage only
         original = loader.worker_init_fn
+        terminate_children = False
         if isinstance(original, WorkerInit):  # the user installed the policy already
+            terminate_children = original.terminate_children
             original = original.user_fn
         installed = WorkerInit(
             original,
+            terminate_children=terminate_children,
             release=self._teardown,
             persistent=bool(getattr(loader, "persistent_workers", False)),
             mailbox_dir=os.environ.get(mailbox.MAILBOX_ENV),

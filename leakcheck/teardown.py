@@ -426,9 +426,8 @@ def _set_parent_death_signal() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    # The parent may have died before prctl: then nobody will signal us, so leave now.
-    if os.getppid() == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
+    # A parent that died before prctl sends nothing; DataLoader workers also watch their
+    # parent's PID themselves, so that window is covered without guessing who it was.
 
 
 def _terminate_descendants() -> None:

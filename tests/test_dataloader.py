@@ -277,3 +277,18 @@ def test_bad_arguments_are_one_line_usage_errors(
 def test_a_non_iterable_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="loader: expected an iterable"):
         leakcheck.watch(42)  # type: ignore[call-overload]
+
+
+def test_watch_keeps_the_users_terminate_children(no_leak_warnings: None) -> None:
+    policy = leakcheck.worker_init_fn(terminate_children=True)
+    loader = make(StartsGrandchild(), workers=2, worker_init_fn=policy)
+    with leakcheck.watch(loader, grace=0.3) as watched:
+        sleepers = sleeper_pids(list(watched))
+    try:
+        assert watched.report().leaks == []
+        assert loader.worker_init_fn is policy
+        assert not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in sleepers
+        )
+    finally:
+        kill_sleepers(sleepers)

@@ -193,7 +193,7 @@ class WatchedLoader(Generic[T]):
         self._finalizer.detach()
         self._session.restore_init()
         self._tracker.close()
-        self._judge(may_raise=may_raise)
+        self._judge(may_raise=may_raise, stacklevel=4)
 
     def _start(self) -> None:
         """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
@@ -253,8 +253,12 @@ class WatchedLoader(Generic[T]):
         self._unjudged_end = time.monotonic()
         self._judge(may_raise=True)
 
-    def _judge(self, *, may_raise: bool) -> None:
-        """Announce leaks not announced before: warn, raise or nothing (``on_leak``)."""
+    def _judge(self, *, may_raise: bool, stacklevel: int = 3) -> None:
+        """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
+
+        ``stacklevel`` points the warning at the user's line: the ``for`` statement (from
+        the epoch generator), or the ``close()`` / ``with`` line.
+        """
         if self._unjudged_end is not None and (
             self._tracker.closed
             or time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
@@ -272,7 +276,7 @@ class WatchedLoader(Generic[T]):
         message = f"leakcheck: {len(new)} GPU leak(s){where}: " + "; ".join(f.message for f in new)
         if self._on_leak == "raise" and may_raise:
             raise GPULeakError(message, report)
-        warnings.warn(GPULeakWarning(message), stacklevel=3)
+        warnings.warn(GPULeakWarning(message), stacklevel=stacklevel)
 
 
 def watch(

@@ -560,7 +560,7 @@ class Checker:
         """
         from leakcheck import procs
 
-        culprits: list[Culprit] = list(window.extra)
+        culprits: list[Culprit] = []
         finished = self._finished
         self._finished = []
         active = self.active_owners()
@@ -593,6 +593,9 @@ class Checker:
         # GPU memory of the test process itself.
         culprits.extend(self._memory_culprits(window, active, finished, tolerance_bytes))
 
+        # A tracker's finding about a process already named here says nothing new.
+        named = {(c.pid, c.rule) for c in culprits if c.kind == "process"}
+        culprits.extend(c for c in window.extra if (c.pid, c.rule) not in named)
         culprits.sort(key=_culprit_sort_key)
         return culprits
 

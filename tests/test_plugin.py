@@ -10,16 +10,26 @@ travel through files, and each is killed only after its command line was checked
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import textwrap
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from leakcheck import nvml
+from leakcheck.plugin_checks import Checker, Culprit, Window, culprit_line, headline
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+
+MIB = 1024 * 1024
 
 pytest_plugins = ["pytester"]
 
@@ -711,3 +721,140 @@ def test_failing_test_that_also_leaks_is_one_failure_and_one_error(
     result.assert_outcomes(failed=1, errors=1)
     assert "the test's own failure" in result.stdout.str()
     assert "leakcheck: the test left 1 process" in result.stdout.str()
+
+
+# --- the checker in-process, with the pynvml fake -----------------------------------------
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
+    """One fake GPU in ``sys.modules['pynvml']``; the NVML singleton is reset around it."""
+    fake = FakePynvml([FakeDevice()])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml._reset_for_tests()
+    yield fake
+    nvml._reset_for_tests()
+
+
+@pytest.fixture
+def child() -> Iterator[Any]:
+    """A child of this process that names itself a multiprocessing helper when asked."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*, helper: bool = False) -> subprocess.Popen[bytes]:
+        tag = "multiprocessing.resource_tracker" if helper else "plain child"
+        proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {tag}"])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _judge(checker: Checker, window: Window, tolerance_bytes: int = 16 * MIB) -> list[Culprit]:
+    try:
+        return checker.judge(window, tolerance_bytes=tolerance_bytes, grace_s=0.05)
+    finally:
+        checker.end_environment(window)
+
+
+def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: FakePynvml) -> None:
+    device = fake_nvml.devices[0]
+    checker = Checker()
+    window = checker.begin("t::first")
+    device.compute.append(FakeProcess(os.getpid(), 600 * MIB))  # the test creates a context
+    assert _judge(checker, window) == []
+
+    window = checker.begin("t::grows")
+    device.compute[0].usedGpuMemory = 856 * MIB
+    (culprit,) = _judge(checker, window)
+    assert (culprit.kind, culprit.rule, culprit.severity) == ("memory", "residual", "leak")
+    assert culprit.gpu_bytes_by_device == {0: 256 * MIB}
+    assert culprit.pid == os.getpid()
+    assert "256 MiB on GPU 0" in culprit.message
+
+    window = checker.begin("t::within-tolerance")
+    device.compute[0].usedGpuMemory = 860 * MIB
+    assert _judge(checker, window) == []
+    assert checker.gpu_note == "NVML"
+
+
+def test_leftover_child_is_reported_with_its_gpu_memory(fake_nvml: FakePynvml, child: Any) -> None:
+    checker = Checker()
+    window = checker.begin("t::child")
+    proc = child()
+    fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 512 * MIB))
+    (culprit,) = _judge(checker, window)
+    assert (culprit.kind, culprit.rule, culprit.role) == ("process", "survivor", "descendant")
+    assert culprit.pid == proc.pid
+    assert culprit.gpu_bytes_by_device == {0: 512 * MIB}
+    assert "holding 512 MiB on GPU 0" in culprit.message
+    assert "GPU0 512 MiB" in culprit_line(culprit)
+
+
+def test_session_helper_is_a_baseline_unless_it_holds_gpu_memory(
+    fake_nvml: FakePynvml, child: Any
+) -> None:
+    checker = Checker()
+    window = checker.begin("t::helper")
+    child(helper=True)
+    assert _judge(checker, window) == []
+
+    window = checker.begin("t::gpu-helper")
+    proc = child(helper=True)
+    fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 300 * MIB))
+    (culprit,) = _judge(checker, window)
+    assert culprit.pid == proc.pid
+    assert "multiprocessing.resource_tracker" in (culprit.cmdline or "")
+
+
+def test_culprits_survive_the_trip_to_the_xdist_controller() -> None:
+    culprit = Culprit(
+        kind="process",
+        rule="orphan",
+        severity="leak",
+        message="m",
+        remedy="r",
+        pid=12,
+        create_time=1.5,
+        role="orphan",
+        cmdline="sleep 1",
+        gpu_bytes_by_device={0: 5, 3: 7},
+        nvidia_fds=31,
+        owner="module-scoped fixture 'x'",
+    )
+    data = json.loads(json.dumps(culprit.to_dict()))
+    assert Culprit.from_dict(data) == culprit
+    assert culprit.gpu_bytes == 12
+    assert headline([culprit]) == "1 process (0.0 MiB GPU)"
+
+
+def test_tracker_fixture_findings_are_judged_with_the_test(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_tracked=f"""
+        import os, subprocess
+        KEEP = []
+
+        def test_epoch_leaves_a_process(gpu_leak_tracker):
+            with gpu_leak_tracker.epoch("one"):
+                proc = subprocess.Popen(["sleep", "{sleep}"])
+                KEEP.append(proc)
+                with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                    handle.write(str(proc.pid))
+        """
+    )
+    # Flag on: the tracker's finding joins the test's own culprits.
+    on = inner.runpytest_subprocess("--gpu-leak-check", "--gpu-leak-grace=0.3", *NO_CACHE)
+    on.assert_outcomes(passed=1, failed=1)
+    out = on.stdout.str()
+    assert out.count("[survivor] PID") == 3  # failure, its section, the summary
+    assert "tracker finding" not in out  # the tracker saw the same process: no duplicate
+    # Flag off: the fixture's own teardown fails on the leak.
+    off = inner.runpytest_subprocess("--gpu-leak-grace=0.3", *NO_CACHE)
+    off.assert_outcomes(passed=1, errors=1)
+    assert "GPULeakError" in off.stdout.str()

@@ -1,0 +1,169 @@
+"""Option resolution: command line > environment > ini > default, errors naming the source."""
+
+from __future__ import annotations
+
+import pytest
+
+from leakcheck.errors import UsageError
+from leakcheck.options import (
+    ENABLED,
+    GRACE,
+    MODE,
+    SPECS,
+    TOLERANCE,
+    CheckOptions,
+    OptionSpec,
+    apply_marker,
+    parse_bool,
+    parse_mode,
+    resolve,
+    resolve_check_options,
+)
+
+MIB = 1024 * 1024
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    options = resolve_check_options({}, {}, {})
+    assert options == CheckOptions(
+        enabled=False,
+        tolerance_bytes=16 * MIB,
+        mode="fail",
+        grace_s=1.0,
+        sources=dict.fromkeys(("enabled", "tolerance", "mode", "grace"), "default"),
+    )
+
+
+def test_command_line_beats_environment_beats_ini() -> None:
+    environ = {"LEAKCHECK_TOLERANCE": "2GB", "LEAKCHECK_MODE": "warn"}
+    ini = {"tolerance": "3GB", "mode": "fail", "grace": "250ms", "enabled": "true"}
+    options = resolve_check_options({"tolerance": "1GB"}, environ, ini, ini_path="/x/tox.ini")
+    assert options.tolerance_bytes == 1_000_000_000
+    assert options.sources["tolerance"] == "--gpu-leak-tolerance (command line)"
+    assert options.mode == "warn"
+    assert options.sources["mode"] == "LEAKCHECK_MODE (environment)"
+    assert options.grace_s == 0.25
+    assert options.sources["grace"] == "gpu_leak_grace (ini file /x/tox.ini)"
+    assert options.enabled is True
+    assert options.sources["enabled"] == "gpu_leak_check (ini file /x/tox.ini)"
+
+
+def test_unset_values_fall_through() -> None:
+    # An absent ini key reads as "", an unset flag as None, an exported-empty variable as "".
+    options = resolve_check_options(
+        {"tolerance": None}, {"LEAKCHECK_TOLERANCE": "  "}, {"tolerance": ""}
+    )
+    assert options.tolerance_bytes == TOLERANCE.default
+    assert options.sources["tolerance"] == "default"
+
+
+def test_flag_false_overrides_environment() -> None:
+    options = resolve_check_options({"enabled": False}, {"LEAKCHECK_GPU_LEAK_CHECK": "1"}, {})
+    assert options.enabled is False
+    assert options.sources["enabled"] == "--gpu-leak-check (command line)"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16MiB", 16 * MIB), ("1GB", 10**9), ("4096", 4096), ("0.5GiB", 512 * MIB), ("0", 0)],
+)
+def test_sizes(text: str, expected: int) -> None:
+    assert resolve(TOLERANCE, cli=text).value == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1", True), ("TRUE", True), ("on", True), ("no", False), ("0", False)]
+)
+def test_switches(text: str, expected: bool) -> None:
+    assert parse_bool(text, "here") is expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "where", "raw", "source"),
+    [
+        (TOLERANCE, "cli", "lots", "--gpu-leak-tolerance (command line)"),
+        (TOLERANCE, "env", "-1MiB", "LEAKCHECK_TOLERANCE (environment)"),
+        (TOLERANCE, "ini", "7 furlongs", "gpu_leak_tolerance (ini file pytest.ini)"),
+        (GRACE, "cli", "soon", "--gpu-leak-grace (command line)"),
+        (GRACE, "env", "-3", "LEAKCHECK_GRACE (environment)"),
+        (MODE, "ini", "explode", "gpu_leak_mode (ini file pytest.ini)"),
+        (ENABLED, "env", "perhaps", "LEAKCHECK_GPU_LEAK_CHECK (environment)"),
+    ],
+)
+def test_bad_values_name_value_and_source(
+    spec: OptionSpec[object], where: str, raw: str, source: str
+) -> None:
+    kwargs: dict[str, object] = {"ini_path": "pytest.ini"}
+    if where == "cli":
+        kwargs["cli"] = raw
+    elif where == "env":
+        kwargs["environ"] = {spec.env_var or "": raw}
+    else:
+        kwargs["ini"] = raw
+    with pytest.raises(UsageError) as info:
+        resolve(spec, **kwargs)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith(source + ":")
+    assert repr(raw) in message
+
+
+def test_lower_sources_are_not_validated_when_a_higher_one_wins() -> None:
+    # A stale bad ini value must not break a run whose command line sets the option.
+    options = resolve_check_options({"tolerance": "1MiB"}, {}, {"tolerance": "junk"})
+    assert options.tolerance_bytes == MIB
+
+
+def test_ini_list_value_of_one_item_is_accepted() -> None:
+    assert resolve(TOLERANCE, ini=["32MiB"]).value == 32 * MIB
+
+
+def test_mode_accepts_only_fail_and_warn() -> None:
+    assert parse_mode(" Warn ", "x") == "warn"
+    with pytest.raises(UsageError, match="expected one of fail, warn"):
+        parse_mode("ignore", "x")
+
+
+def test_every_spec_has_all_three_sources() -> None:
+    names = [spec.name for spec in SPECS]
+    assert names == ["enabled", "tolerance", "mode", "grace"]
+    for spec in SPECS:
+        assert spec.cli_flag is not None and spec.cli_flag.startswith("--gpu-leak-")
+        assert spec.env_var is not None and spec.env_var.startswith("LEAKCHECK_")
+        assert spec.ini_key is not None and spec.ini_key.startswith("gpu_leak_")
+        assert spec.help
+
+
+# --- markers ------------------------------------------------------------------------------
+
+WHERE = "gpu_leak_check marker on t.py::t"
+
+
+def test_marker_overrides_and_records_its_source() -> None:
+    base = resolve_check_options({"enabled": True}, {}, {})
+    options = apply_marker(base, (), {"tolerance": "1GiB", "grace": 0}, where=WHERE)
+    assert options.tolerance_bytes == 1024 * MIB
+    assert options.grace_s == 0.0
+    assert options.enabled is True
+    assert options.sources["tolerance"] == f"tolerance= of {WHERE}"
+    assert options.sources["enabled"] == "--gpu-leak-check (command line)"
+
+
+def test_marker_positional_is_enabled() -> None:
+    base = resolve_check_options({"enabled": True}, {}, {})
+    assert apply_marker(base, (False,), {}, where=WHERE).enabled is False
+    assert apply_marker(CheckOptions(), (), {"enabled": True}, where=WHERE).enabled is True
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((), {"tolerence": "1GB"}, "unknown argument"),
+        ((True, False), {}, "at most one positional"),
+        ((True,), {"enabled": True}, "enabled given twice"),
+        ((), {"tolerance": "big"}, "tolerance= of gpu_leak_check marker on t.py::t"),
+        ((), {"enabled": "sometimes"}, "enabled= of gpu_leak_check marker"),
+    ],
+)
+def test_bad_markers(args: tuple[object, ...], kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        apply_marker(CheckOptions(), args, kwargs, where=WHERE)

@@ -215,12 +215,20 @@ class Culprit:
 # --- snapshots ----------------------------------------------------------------------------
 
 
-def list_pids() -> frozenset[int]:
-    """PIDs of this namespace: one ``listdir('/proc')``, nothing read (empty without /proc)."""
+def list_pids() -> frozenset[str]:
+    """Entries of /proc: one ``listdir``, nothing read, nothing parsed (empty without /proc).
+
+    Kept as names: only the few that are new after a test are turned into PIDs (the
+    non-numeric entries are the same in every snapshot and drop out of the difference).
+    """
     try:
-        return frozenset(int(name) for name in os.listdir("/proc") if name.isdigit())
+        return frozenset(os.listdir("/proc"))
     except OSError:
         return frozenset()
+
+
+def _new_pids(after: frozenset[str], before: frozenset[str]) -> list[int]:
+    return sorted(int(name) for name in after - before if name.isdigit())
 
 
 def list_shm(directory: str = SHM_DIR) -> frozenset[str]:
@@ -305,7 +313,7 @@ class ScopeOwner:
 class FixtureProbe:
     """Snapshot taken before a wide-scope fixture's setup (see ``Checker.fixture_begin``)."""
 
-    pids: frozenset[int]
+    pids: frozenset[str]
     shm: frozenset[str]
     allocated_bytes: Mapping[int, int] | None
 
@@ -319,7 +327,7 @@ class Window:
         serial: Increasing number of the window in this process.
         tag: ``LEAKCHECK_SESSION`` value children of this test inherit.
         tags: Every tag in use during the test (trackers add theirs).
-        pids: PIDs before the setup.
+        pids: /proc entries before the setup (see ``list_pids``).
         shm: /dev/shm names before the setup.
         gpu: GPU memory of the test process before the setup.
         started_s: ``time.monotonic()`` at the start.
@@ -332,7 +340,7 @@ class Window:
     serial: int
     tag: str
     tags: set[str]
-    pids: frozenset[int]
+    pids: frozenset[str]
     shm: frozenset[str]
     gpu: GpuState
     started_s: float
@@ -370,6 +378,7 @@ class Checker:
         self._owners: dict[object, ScopeOwner] = {}
         self._finished: list[ScopeOwner] = []
         self._self_environ: bytes | None = None
+        self._create_time: float | None = None
         self._self_cmdline: bytes | None = None
 
     # -- GPU -----------------------------------------------------------------------------
@@ -477,7 +486,7 @@ class Checker:
         claimed: set[int] = set()
         for owner in self._owners.values():
             claimed.update(info.key.pid for info in owner.processes)
-        new_pids = sorted(list_pids() - probe.pids - claimed)
+        new_pids = [pid for pid in _new_pids(list_pids(), probe.pids) if pid not in claimed]
         processes = tuple(self._ours(new_pids, window))
         claimed_shm: set[str] = set()
         for owner in self._owners.values():
@@ -522,9 +531,9 @@ class Checker:
         found: list[ProcInfo] = []
         for pid in pids:
             info = procs.read_proc(pid)
-            if info is None or procs.is_zombie(pid):
+            if info is None:
                 continue
-            if procs.is_ancestor(self.pid, pid):
+            if self._descends_from_here(info):
                 found.append(info)
                 continue
             tag = procs.tagged_session(pid)
@@ -534,6 +543,30 @@ class Checker:
             if tag is None and self._forked_from_here(pid):
                 found.append(info)
         return found
+
+    def _descends_from_here(self, info: ProcInfo) -> bool:
+        """Whether the test process is an ancestor of ``info`` now.
+
+        The walk stops at the first ancestor older than the test process: no descendant of
+        it can be. A stranger's process (another job's, a sibling xdist worker's) costs a
+        read or two, not a walk to PID 1.
+        """
+        from leakcheck import procs
+
+        if self._create_time is None:
+            key = procs.process_key(self.pid)
+            self._create_time = key.create_time if key is not None else 0.0
+        ppid = info.ppid
+        for _ in range(64):
+            if ppid == self.pid:
+                return True
+            if ppid <= 1:
+                return False
+            parent = procs.read_proc(ppid, with_cmdline=False)
+            if parent is None or parent.key.create_time < self._create_time:
+                return False
+            ppid = parent.ppid
+        return False
 
     def _forked_from_here(self, pid: int) -> bool:
         environ, cmdline = self._self_identity()
@@ -567,8 +600,7 @@ class Checker:
 
         # Processes: new ones that are ours, plus those of wide-scope fixtures that ended.
         owned_now = {info.key.pid for owner in active for info in owner.processes}
-        after_pids = list_pids()
-        new_pids = sorted(after_pids - window.pids - owned_now)
+        new_pids = [pid for pid in _new_pids(list_pids(), window.pids) if pid not in owned_now]
         candidates: list[tuple[ProcInfo, ScopeOwner | None]] = [
             (info, None) for info in self._ours(new_pids, window)
         ]
@@ -610,7 +642,7 @@ class Checker:
 
         pid = info.key.pid
         current = procs.read_proc(pid) or info
-        lineage = procs.is_ancestor(self.pid, pid)
+        lineage = self._descends_from_here(current)
         role = "descendant" if lineage else "orphan"
         gpu = dict(gpu_by_pid.get(pid, {}))
         fds = procs.nvidia_fd_count(pid)

@@ -25,9 +25,12 @@ child, calls ``nvmlInit`` again and drops every cached device handle before goin
 module and instance locks are replaced in the child (``os.register_at_fork``), so a lock held
 by another thread at fork time cannot deadlock the child.
 
-NOTE [descriptors]: ``nvmlInit`` opens ``/dev/nvidiactl`` and ``/dev/nvidia<N>`` in this
-process. Children forked after it inherit those descriptors, just as they inherit a CUDA
-parent's; they pin no CUDA context.
+NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidiactl``,
+``/dev/nvidia<N>``, ``/dev/nvidia-uvm`` and capability nodes in this process (8 descriptors on
+an H200 with driver 580; a CUDA context adds 23 more, 31 in all). Children forked after it
+inherit those descriptors, just as they inherit a CUDA parent's, but NVML's pin no CUDA
+context. ``get()`` records the numbers NVML opened (``own_descriptors()``), so the tracker
+can leave them out when it counts what a forked child inherited from the job.
 """
 
 from __future__ import annotations
@@ -393,7 +396,10 @@ class Nvml:
             for pid in sorted(merged):
                 used, in_compute, in_graphics = merged[pid]
                 kind: Literal["compute", "graphics", "both"] = (
-                    "both" if in_compute and in_graphics else "graphics" if in_graphics
+                    "both"
+                    if in_compute and in_graphics
+                    else "graphics"
+                    if in_graphics
                     else "compute"
                 )
                 found.append(
@@ -485,9 +491,7 @@ class Nvml:
         try:
             mode = self._lib.nvmlDeviceGetAccountingMode(handle)
         except self._nvml_errors as exc:
-            if _err_code(exc) == getattr(
-                self._lib, "NVML_ERROR_NOT_SUPPORTED", _ERR_NOT_SUPPORTED
-            ):
+            if _err_code(exc) == getattr(self._lib, "NVML_ERROR_NOT_SUPPORTED", _ERR_NOT_SUPPORTED):
                 return False
             raise LeakCheckError(
                 f"NVML nvmlDeviceGetAccountingMode failed on device {device}: {_one_line(exc)}"
@@ -556,6 +560,7 @@ class Nvml:
 
 _lock = threading.Lock()
 _instance: Nvml | None = None
+_own_fds: frozenset[int] = frozenset()
 _failure: tuple[int, str] | None = None
 """(pid, message) of a failed init: not retried in the same process (a driver does not
 appear mid-run, and a failing dlopen on every sample would cost time)."""
@@ -572,7 +577,7 @@ def get() -> Nvml:
             for this process.
 
     """
-    global _instance, _failure
+    global _instance, _failure, _own_fds
     instance = _instance
     if instance is not None and instance._pid == os.getpid():
         return instance
@@ -581,14 +586,44 @@ def get() -> Nvml:
         if _failure is not None and _failure[0] == pid:
             raise NVMLUnavailable(_failure[1])
         if _instance is None:
+            before = _nvidia_fd_numbers()
             try:
                 _instance = Nvml(_import_pynvml())
+                # Open every device handle now, so all of NVML's descriptors exist by the
+                # time they are told apart from the job's (NOTE [descriptors]).
+                with contextlib.suppress(LeakCheckError):
+                    _instance.processes()
             except NVMLUnavailable as exc:
                 _failure = (pid, str(exc))
                 raise
+            _own_fds = frozenset(_nvidia_fd_numbers() - before)
         else:
             _instance._ensure()
         return _instance
+
+
+def own_descriptors() -> frozenset[int]:
+    """Descriptor numbers of ``/dev/nvidia*`` that NVML itself opened in this process.
+
+    Children forked after NVML started inherit these numbers; they are leakcheck's, not the
+    job's, and pin no CUDA context (NOTE [descriptors]). Empty before NVML started.
+    """
+    return _own_fds
+
+
+def _nvidia_fd_numbers() -> set[int]:
+    numbers: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return numbers
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/dev/nvidia"):
+                numbers.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return numbers
 
 
 def availability() -> tuple[bool, str]:

@@ -826,6 +826,31 @@ def _fd_targets(pid: int) -> list[str] | None:
     return targets
 
 
+def nvidia_fds(pid: int) -> dict[int, str] | None:
+    """Descriptor number -> target of every ``/dev/nvidia*`` descriptor of a process.
+
+    Returns:
+        The mapping (empty when none), or None when the table cannot be read.
+
+    """
+    if not _HAS_PROC:
+        return None
+    fd_dir = f"{_PROC}/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except _GONE:
+        return None
+    found: dict[int, str] = {}
+    for name in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except _GONE:
+            continue  # closed between listdir and readlink
+        if is_nvidia_device_target(target):
+            found[int(name)] = target
+    return found
+
+
 def nvidia_fd_count(pid: int) -> int | None:
     """Open descriptors of a process that point at ``/dev/nvidia*``.
 

@@ -602,7 +602,7 @@ class Tracker:
         if epoch_end:
             for key, proc in self._procs.items():
                 if proc.exited_s is None and not proc.foreign:
-                    proc.nvidia_fds = procs.nvidia_fd_count(key.pid)
+                    proc.nvidia_fds = self._job_nvidia_fds(proc)
                     # A child first seen between fork and exec showed its parent's command.
                     info = procs.read_proc(key.pid)
                     if info is not None and info.key == key:
@@ -683,6 +683,22 @@ class Tracker:
             if info.key not in self._procs:
                 proc = self._add_proc(info, now=now)
                 proc.in_lineage = False
+
+    def _job_nvidia_fds(self, proc: _Proc) -> int | None:
+        """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.
+
+        Leaves out those NVML opened for leakcheck in the root, which a forked child merely
+        inherited (NOTE [descriptors] in nvml.py).
+        """
+        found = procs.nvidia_fds(proc.key.pid)
+        if found is None:
+            return None
+        own = nvml.own_descriptors() if self._root_pid == os.getpid() else frozenset()
+        if proc.key == self._root_key:
+            return len(set(found) - own)
+        root = self._procs.get(self._root_key)
+        forked = root is not None and proc.cmdline == root.cmdline
+        return len(set(found) - own) if forked else len(found)
 
     def _read_mailbox(self) -> None:
         assert self._mailbox_dir is not None

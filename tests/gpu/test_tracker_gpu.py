@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import Any
 
@@ -47,17 +48,32 @@ PRELUDE = textwrap.dedent(
             done.set()
         stop.wait(120)
 
+    def wait_all(events, kids, timeout_s=90):
+        deadline = time.monotonic() + timeout_s
+        for event in events:
+            while not event.wait(0.2):
+                dead = [k.pid for k in kids if k.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    raise SystemExit(f"children {dead} died or timed out before they were ready")
+
     def emit(report, **extra):
         print("RESULT " + json.dumps({"report": report.to_dict(), **extra}))
     """
 )
 
 
-def run_scenario(body: str, timeout_s: float = 240) -> dict[str, Any]:
-    script = PRELUDE + textwrap.dedent(body)
+def run_scenario(body: str, timeout_s: float = 120) -> dict[str, Any]:
+    # A file, not `python -c`: spawned children re-import __main__ by path to find targets.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="leakcheck-scenario-") as handle:
+        handle.write(PRELUDE + textwrap.dedent(body))
+        handle.flush()
+        return _run_file(handle.name, timeout_s)
+
+
+def _run_file(path: str, timeout_s: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, path],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -92,7 +108,7 @@ def test_parent_and_four_children_attributed_to_their_pids() -> None:
                         for m, r in zip(amounts, ready)
                     ]
                     for kid in kids: kid.start()
-                    for r in ready: assert r.wait(120)
+                    wait_all(ready, kids)
                     time.sleep(0.5)
                     stop.set()
                     for kid in kids: kid.join(60)
@@ -166,7 +182,7 @@ def test_persistent_child_growing_64_mib_per_epoch_is_growth() -> None:
                         if kid is None:
                             kid = ctx.Process(target=grow, args=(64, 5, go, done, stop))
                             kid.start()
-                        go.set(); assert done.wait(120); done.clear()
+                        go.set(); wait_all([done], [kid]); done.clear()
                         time.sleep(0.2)
                 report = tracker.report()
                 stop.set(); kid.join(60)
@@ -189,7 +205,7 @@ def test_clean_five_epochs_have_no_findings() -> None:
                         ready, stop = [ctx.Event() for _ in range(2)], ctx.Event()
                         kids = [ctx.Process(target=hold, args=(64, r, stop)) for r in ready]
                         for kid in kids: kid.start()
-                        for r in ready: assert r.wait(120)
+                        wait_all(ready, kids)
                         stop.set()
                         for kid in kids: kid.join(60)
             emit(tracker.report())

@@ -83,7 +83,9 @@ def test_processes_merges_compute_and_graphics_per_pid_and_device(use_fake: UseF
 
 def test_processes_device_filter_reads_only_those_devices(use_fake: UseFake) -> None:
     fake = use_fake(two_devices())
-    procs = nvml.get().processes(devices=[1])
+    handle = nvml.get()
+    fake.calls.clear()  # get() reads every device once to open NVML's descriptors
+    procs = handle.processes(devices=[1])
     assert [(p.pid, p.device_index) for p in procs] == [(100, 1)]
     assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 1
 

@@ -6,10 +6,12 @@ cheap snapshot before the setup phase (``begin``) and judges after the teardown 
 (``fixture_begin``/``fixture_end``/``fixture_finished``).
 
 NOTE [cheap snapshots]: a clean test must cost well under a millisecond, so the snapshot is
-only ``listdir('/proc')`` and ``listdir('/dev/shm')`` (plus, where CUDA or NVML is already in
-use, the allocator counters and one NVML process list). PIDs that are new after the teardown
-are the only candidates; only those are read, and only the few that turn out to be ours are
-waited on. A PID reused between the snapshots is missed: rare, and never a false positive.
+the last PID handed out (one small read of ``/proc/loadavg``) and ``listdir('/dev/shm')``
+(plus, where CUDA or NVML is already in use, the allocator counters and one NVML process
+list). PIDs are handed out in increasing order, so when the last PID did not move, no process
+was started at all and nothing else is read; when it moved, one ``listdir('/proc')`` gives
+the PIDs in between, the only candidates. Only those are read, and only the few that turn
+out to be ours are waited on. Where /proc/loadavg cannot be read, two listings are compared.
 
 NOTE [whose process]: a new process belongs to the test when the test process is its
 ancestor now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag
@@ -66,6 +68,9 @@ the process, by design (multiprocessing's resource tracker and fork server, jobl
 executor, torch's shared-memory manager and compile workers). Like the first CUDA context,
 they are a baseline, not a leak, unless they hold GPU memory or ``/dev/nvidia*``
 descriptors."""
+
+_CREATE_TIME_SLACK_S = 2.0
+"""Create times have clock-tick resolution, and the boot time they add to is whole seconds."""
 
 _NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")
 _TOKEN_SPLIT = re.compile(r"[^0-9A-Za-z]+")
@@ -215,20 +220,78 @@ class Culprit:
 # --- snapshots ----------------------------------------------------------------------------
 
 
-def list_pids() -> frozenset[str]:
-    """Entries of /proc: one ``listdir``, nothing read, nothing parsed (empty without /proc).
+def last_pid() -> int | None:
+    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg).
 
-    Kept as names: only the few that are new after a test are turned into PIDs (the
-    non-numeric entries are the same in every snapshot and drop out of the difference).
+    None where the file is missing or unreadable.
     """
+    try:
+        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 256).split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def list_pids() -> frozenset[str]:
+    """Entries of /proc: one ``listdir``, nothing read, nothing parsed (empty without /proc)."""
     try:
         return frozenset(os.listdir("/proc"))
     except OSError:
         return frozenset()
 
 
-def _new_pids(after: frozenset[str], before: frozenset[str]) -> list[int]:
-    return sorted(int(name) for name in after - before if name.isdigit())
+@dataclass(frozen=True)
+class PidMark:
+    """Where PID allocation stood at one moment (see NOTE [cheap snapshots]).
+
+    Attributes:
+        last_pid: The last PID handed out; None where unknown (then ``names`` is used).
+        names: /proc entries, only when ``last_pid`` is None.
+        unix_s: Wall-clock time of the mark.
+
+    """
+
+    last_pid: int | None
+    names: frozenset[str]
+    unix_s: float
+
+
+def pid_mark() -> PidMark:
+    """Mark the moment: one small read of /proc/loadavg (or one listdir where it fails)."""
+    last = last_pid()
+    return PidMark(last, frozenset() if last is not None else list_pids(), time.time())
+
+
+def pids_since(mark: PidMark) -> list[int]:
+    """PIDs of processes that may have started since ``mark``, oldest allocation first.
+
+    PIDs are handed out in increasing order, wrapping at ``pid_max``: the new ones are those
+    between the two marks. When nothing was handed out meanwhile, nothing is read at all.
+    After a wrap-around an older process may fall in the range too: callers compare create
+    times with ``mark.unix_s``.
+    """
+    now = last_pid()
+    if mark.last_pid is None or now is None:
+        after = list_pids()
+        return sorted(int(name) for name in after - mark.names if name.isdigit())
+    if now == mark.last_pid:
+        return []
+    start = mark.last_pid
+    found: list[int] = []
+    for name in list_pids():
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if (start < pid <= now) if now > start else (pid > start or pid <= now):
+            found.append(pid)
+    # Allocation order, so that a parent is seen before its children.
+    found.sort(key=lambda pid: (pid <= start, pid))
+    return found
 
 
 def list_shm(directory: str = SHM_DIR) -> frozenset[str]:
@@ -313,7 +376,7 @@ class ScopeOwner:
 class FixtureProbe:
     """Snapshot taken before a wide-scope fixture's setup (see ``Checker.fixture_begin``)."""
 
-    pids: frozenset[str]
+    pids: PidMark
     shm: frozenset[str]
     allocated_bytes: Mapping[int, int] | None
 
@@ -327,7 +390,7 @@ class Window:
         serial: Increasing number of the window in this process.
         tag: ``LEAKCHECK_SESSION`` value children of this test inherit.
         tags: Every tag in use during the test (trackers add theirs).
-        pids: /proc entries before the setup (see ``list_pids``).
+        pids: PID allocation before the setup.
         shm: /dev/shm names before the setup.
         gpu: GPU memory of the test process before the setup.
         started_s: ``time.monotonic()`` at the start.
@@ -340,7 +403,7 @@ class Window:
     serial: int
     tag: str
     tags: set[str]
-    pids: frozenset[str]
+    pids: PidMark
     shm: frozenset[str]
     gpu: GpuState
     started_s: float
@@ -450,7 +513,7 @@ class Checker:
             serial=self._serial,
             tag=tag,
             tags={tag},
-            pids=list_pids(),
+            pids=pid_mark(),
             shm=list_shm(self.shm_dir),
             gpu=self.gpu_state(),
             started_s=time.monotonic(),
@@ -474,7 +537,7 @@ class Checker:
         """Snapshot before a wide-scope fixture's setup."""
         state = self.gpu_state() if _torch_cuda() is not None else None
         return FixtureProbe(
-            pids=list_pids(),
+            pids=pid_mark(),
             shm=list_shm(self.shm_dir),
             allocated_bytes=None if state is None else state.allocated_bytes,
         )
@@ -486,8 +549,8 @@ class Checker:
         claimed: set[int] = set()
         for owner in self._owners.values():
             claimed.update(info.key.pid for info in owner.processes)
-        new_pids = [pid for pid in _new_pids(list_pids(), probe.pids) if pid not in claimed]
-        processes = tuple(self._ours(new_pids, window))
+        new_pids = [pid for pid in pids_since(probe.pids) if pid not in claimed]
+        processes = tuple(self._ours(new_pids, window, since_unix_s=probe.pids.unix_s))
         claimed_shm: set[str] = set()
         for owner in self._owners.values():
             claimed_shm.update(owner.shm)
@@ -524,14 +587,18 @@ class Checker:
             self._self_cmdline = _read_bytes(f"/proc/{self.pid}/cmdline")
         return self._self_environ, self._self_cmdline
 
-    def _ours(self, pids: Iterable[int], window: Window) -> list[ProcInfo]:
-        """The processes among ``pids`` that belong to this test (NOTE [whose process])."""
+    def _ours(self, pids: Iterable[int], window: Window, *, since_unix_s: float) -> list[ProcInfo]:
+        """The processes among ``pids`` that belong to this test (NOTE [whose process]).
+
+        Processes started before ``since_unix_s`` (with a tick of slack) are not new: an
+        older PID can fall in the new range after PID numbers wrapped around.
+        """
         from leakcheck import procs
 
         found: list[ProcInfo] = []
         for pid in pids:
             info = procs.read_proc(pid)
-            if info is None:
+            if info is None or info.key.create_time < since_unix_s - _CREATE_TIME_SLACK_S:
                 continue
             if self._descends_from_here(info):
                 found.append(info)
@@ -600,9 +667,9 @@ class Checker:
 
         # Processes: new ones that are ours, plus those of wide-scope fixtures that ended.
         owned_now = {info.key.pid for owner in active for info in owner.processes}
-        new_pids = [pid for pid in _new_pids(list_pids(), window.pids) if pid not in owned_now]
+        new_pids = [pid for pid in pids_since(window.pids) if pid not in owned_now]
         candidates: list[tuple[ProcInfo, ScopeOwner | None]] = [
-            (info, None) for info in self._ours(new_pids, window)
+            (info, None) for info in self._ours(new_pids, window, since_unix_s=window.pids.unix_s)
         ]
         for ended in finished:
             candidates.extend((info, ended) for info in ended.processes if procs.is_alive(info.key))
@@ -1066,13 +1133,17 @@ __all__ = [
     "Culprit",
     "FixtureProbe",
     "GpuState",
+    "PidMark",
     "ScopeOwner",
     "Window",
     "culprit_line",
     "format_section",
     "headline",
+    "last_pid",
     "list_pids",
     "list_shm",
+    "pid_mark",
+    "pids_since",
     "size_text",
     "summary_sort_key",
 ]

@@ -529,7 +529,23 @@ def _run_epochs(
         # their iterator is collected, and their exit belongs to this configuration.
         loader = None
         gc.collect()
+        _empty_parent_cache()
     return None
+
+
+def _empty_parent_cache() -> None:
+    """Give the parent's cached CUDA blocks back between configurations.
+
+    Only where torch already initialised CUDA in this process (never initialise it here):
+    the allocator's cache of one configuration would otherwise count in the next one's
+    baseline. The context itself stays (the ``context-kept`` advice says so).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def _register_workers(tracker: Any, iterator: Any) -> None:

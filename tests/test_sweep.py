@@ -7,19 +7,23 @@ second; the CLI tests run real worker processes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from leakcheck import procs
-from leakcheck.model import ProcessKey
+from leakcheck.model import MIB, ProcessKey
 from leakcheck.progress import Progress
 from leakcheck.sweep import (
     COLUMN_NAMES,
@@ -28,6 +32,7 @@ from leakcheck.sweep import (
     SweepResult,
     cleanup_orphans,
     run_sweep,
+    wait_for_cooldown,
     write_json,
 )
 
@@ -228,6 +233,87 @@ def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
     assert [(c.pid, c.outcome) for c in config.cleaned] == [(orphans[0].pid, "terminated")]
     assert not procs.is_alive(ProcessKey(orphans[0].pid, orphans[0].create_time or 0.0))
     assert "cleanup: terminated PID" in result.format()
+
+
+# --------------------------------------------------------------------------- fake GPU
+# NVML faked at the pynvml boundary only: the GPU columns, telemetry and cooldown paths.
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from leakcheck import nvml
+    from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+
+    device = FakeDevice(
+        used_bytes=2000 * MIB,
+        total_bytes=80 * 1024 * MIB,
+        compute=[FakeProcess(os.getpid(), 600 * MIB)],
+        temperature_c=52,
+        sm_clock_mhz=1410,
+        power_mw=123_000,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", FakePynvml([device]))
+    nvml._reset_for_tests()
+    yield device
+    nvml._reset_for_tests()
+
+
+def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
+    from leakcheck import nvml
+
+    options = SweepOptions(workers=(0,), epochs=2, grace_s=0.1, interval_s=0.02)
+    result = run_sweep(options, _list_factory, loader="test loader", gpu=nvml.availability())
+    assert result.gpu_available
+    row = result.configs[0].rows[-1]
+    assert row.parent_gpu_bytes == 600 * MIB
+    assert (row.device_used_bytes, row.device_total_bytes) == (2000 * MIB, 80 * 1024 * MIB)
+    assert (row.temperature_c, row.sm_clock_mhz, row.power_w) == (52, 1410, 123.0)
+    text = result.format()
+    assert "GPU 0: NVIDIA Fake H200, 81920 MiB" in text
+    # The table row of workers=0, epoch 1.
+    (line,) = [
+        ln for ln in text.splitlines() if ln.split()[:3] == ["0", "1", f"{row.duration_s:.2f}"]
+    ]
+    assert line.split()[3] == "600"
+    assert line.split()[10:] == ["2000/81920", "52", "1410", "123"]
+    assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
+    if importlib.util.find_spec("matplotlib") is not None:
+        from leakcheck.plot import plot_sweep
+
+        plot_sweep(result, str(tmp_path / "gpu.png"))
+        assert (tmp_path / "gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cooldown_waits_until_cool(fake_gpu: Any) -> None:
+    fake_gpu.temperature_c = 60
+
+    def cool_down() -> None:
+        time.sleep(0.15)
+        fake_gpu.temperature_c = 40
+
+    thread = threading.Thread(target=cool_down)
+    thread.start()
+    cooldown = wait_for_cooldown(45, 5.0, poll_s=0.02)
+    thread.join()
+    assert cooldown.reached and (cooldown.start_c, cooldown.end_c) == (60, 40)
+    assert 0.1 < cooldown.waited_s < 5.0
+    assert "cooldown to 45 °C reached: 60 -> 40 °C" in cooldown.describe()
+
+
+def test_cooldown_gives_up_after_timeout(fake_gpu: Any) -> None:
+    fake_gpu.temperature_c = 80
+    cooldown = wait_for_cooldown(45, 0.1, poll_s=0.02)
+    assert not cooldown.reached and cooldown.end_c == 80
+    assert "NOT reached (timeout)" in cooldown.describe()
+
+
+def test_cooldown_recorded_without_gpu() -> None:
+    options = SweepOptions(workers=(0,), epochs=1, grace_s=0.1, cooldown_temp_c=45)
+    result = _sweep(options)
+    cooldown = result.configs[0].cooldown
+    assert cooldown is not None and cooldown.note == "skipped: no GPU to read"
+    assert result.to_dict()["configurations"][0]["cooldown"]["note"] == cooldown.note
+    assert "cooldown to 45 °C: skipped: no GPU to read" in result.format()
 
 
 # --------------------------------------------------------------------------- plot

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.model import MIB
+from leakcheck.sweep import chmod_like_open
 
 if TYPE_CHECKING:
     from leakcheck.sweep import ConfigResult, SweepResult
@@ -290,6 +291,7 @@ def plot_sweep(result: SweepResult, path: str, *, dpi: int = 110) -> str:
     try:
         with os.fdopen(handle, "wb") as stream:
             figure.savefig(stream, format="png", dpi=dpi)
+        chmod_like_open(temp_path)
         os.replace(temp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):

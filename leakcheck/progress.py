@@ -83,7 +83,7 @@ class Progress:
         fraction = min(self.done_epochs / self.total_epochs, 1.0)
         elapsed_s = time.monotonic() - self._started_s
         text = f" {fraction:4.0%} {self._label}{suffix}  {elapsed_s:.0f} s"
-        bar_cells = max(10, min(30, width - len(text) - 3))
+        bar_cells = 24  # fixed: a bar that changes width with its label jitters
         filled = round(fraction * bar_cells)
         line = f"[{'#' * filled}{'.' * (bar_cells - filled)}]{text}"
         self.stream.write("\r" + line[: width - 1].ljust(width - 1))

@@ -961,11 +961,32 @@ def _write_atomic(path: str, payload: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(payload)
+        chmod_like_open(temp_path)
         os.replace(temp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp_path)
         raise
+
+
+def chmod_like_open(path: str) -> None:
+    """Give a ``mkstemp`` file (mode 0600) the mode ``open()`` would have given it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # /proc tells without changing it; os.umask() must set it to read it, which is racy
+    # while other threads create files.
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def iter_rows(result: SweepResult) -> Iterator[EpochRow]:

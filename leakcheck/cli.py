@@ -11,6 +11,7 @@ atomically).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -20,8 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
-from leakcheck.units import parse_duration, parse_size
+from leakcheck.units import parse_duration
 
 if TYPE_CHECKING:
     from leakcheck.sweep import SweepOptions
@@ -32,6 +34,7 @@ EXIT_LEAK = 1
 EXIT_USAGE = 2
 
 _PROG = "leakcheck"
+_SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,13 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
     judge.add_argument(
-        "--tolerance", default="16MiB", metavar="SIZE", help="growth below this is noise (16MiB)"
+        "--tolerance",
+        default=None,
+        metavar="SIZE",
+        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
     )
     judge.add_argument(
         "--grace",
-        default="2",
+        default=None,
         metavar="SECONDS",
-        help="how long a process born in an epoch may outlive it (2)",
+        help="how long a process born in an epoch may outlive it "
+        "(default: $LEAKCHECK_GRACE, else 2)",
     )
     judge.add_argument(
         "--interval", default="50ms", metavar="SECONDS", help="sampling interval (50ms)"
@@ -222,8 +229,17 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     device = None
     if args.device is not None:
         device = _int_value(args.device, "--device", minimum=0, example="0")
-    tolerance_bytes = parse_size(args.tolerance, source="--tolerance")
-    grace_s = parse_duration(args.grace, source="--grace")
+    # Shared with the other adapters: command line, then environment, then default.
+    tolerance_bytes = option_specs.resolve(
+        dataclasses.replace(option_specs.TOLERANCE, cli_flag="--tolerance"),
+        cli=args.tolerance,
+        environ=os.environ,
+    ).value
+    grace_s = option_specs.resolve(
+        dataclasses.replace(option_specs.GRACE, cli_flag="--grace", default=_SWEEP_GRACE_S),
+        cli=args.grace,
+        environ=os.environ,
+    ).value
     interval_s = parse_duration(args.interval, source="--interval")
     if interval_s <= 0:
         raise UsageError(

@@ -270,8 +270,8 @@ BAD_VALUES = [
     (["--loader", "x:make", "--scenario", "orphan"], "--scenario: applies to the built-in"),
     (["--scenario", "bogus"], "--scenario: expected one of clean, persistent-cache, orphan"),
     (["--start-method", "thread"], "--start-method: expected one of spawn, fork, forkserver"),
-    (["--tolerance", "5 parsecs"], "--tolerance: expected a size"),
-    (["--grace", "soon"], "--grace: expected seconds"),
+    (["--tolerance", "5 parsecs"], "--tolerance (command line): expected a size"),
+    (["--grace", "soon"], "--grace (command line): expected seconds"),
     (["--device", "gpu0"], "--device: expected an integer >= 0"),
     (["--cooldown-temp", "hot"], "--cooldown-temp: expected degrees Celsius"),
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
@@ -303,6 +303,30 @@ def test_bad_values_exit_2_with_one_line(
     assert expected in lines[0]
     assert not json_path.exists()
     assert captured.out == ""
+
+
+def test_tolerance_and_grace_from_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "env_loader.py").write_text("def make(n):\n    return [1, 2]\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("LEAKCHECK_TOLERANCE", "32MiB")
+    monkeypatch.setenv("LEAKCHECK_GRACE", "0.1")
+    json_path = tmp_path / "out.json"
+    args = ["sweep", "--loader", f"{tmp_path}/env_loader.py:make", "--workers", "0"]
+    assert main([*args, "--epochs", "1", "--json", str(json_path)]) == 0
+    resolved = json.loads(json_path.read_text())["options"]
+    assert (resolved["tolerance_bytes"], resolved["grace_s"]) == (32 * 2**20, 0.1)
+    # The command line wins over the environment; a bad environment value is named.
+    json_path.unlink()
+    assert main([*args, "--epochs", "1", "--tolerance", "1MiB", "--json", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["options"]["tolerance_bytes"] == 2**20
+    monkeypatch.setenv("LEAKCHECK_TOLERANCE", "lots")
+    capsys.readouterr()
+    assert main([*args, "--epochs", "1"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "leakcheck sweep: LEAKCHECK_TOLERANCE (environment): expected a size"
+    )
 
 
 # --------------------------------------------------------------------------- entry points

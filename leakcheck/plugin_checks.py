@@ -43,7 +43,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from leakcheck import nvml, procs
+from leakcheck.errors import LeakCheckError
 from leakcheck.model import ProcInfo, Severity
+from leakcheck.procs import SESSION_ENV
 from leakcheck.units import format_mib
 
 if TYPE_CHECKING:
@@ -350,6 +353,9 @@ class GpuState:
     reserved_bytes: Mapping[int, int] | None = None
 
 
+_NO_GPU_STATE = GpuState()
+
+
 @dataclass
 class ScopeOwner:
     """What one wide-scope fixture instance started while it was set up.
@@ -452,8 +458,6 @@ class Checker:
             if not self._use_nvml:
                 self.gpu_note = "NVML disabled"
                 return None
-            from leakcheck import nvml, procs
-
             ok, reason = nvml.availability()
             if not ok:
                 self.gpu_note = reason or "NVML unavailable"
@@ -472,8 +476,6 @@ class Checker:
         handle = self._nvml_handle()
         if handle is None:
             return {}
-        from leakcheck.errors import LeakCheckError
-
         try:
             entries = handle.processes()
         except LeakCheckError as exc:
@@ -492,7 +494,7 @@ class Checker:
             nvml_bytes = self._nvml_by_pid().get(self.pid, {})
         cuda = _torch_cuda()
         if cuda is None:
-            return GpuState(nvml_bytes=nvml_bytes)
+            return _NO_GPU_STATE if nvml_bytes is None else GpuState(nvml_bytes=nvml_bytes)
         try:
             allocated, reserved = _allocator_bytes(cuda, collect=collect)
         except Exception:
@@ -503,8 +505,6 @@ class Checker:
 
     def begin(self, nodeid: str) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
-        from leakcheck.procs import SESSION_ENV
-
         self._serial += 1
         tag = f"pytest-{self.pid}-{self._serial}"
         saved = os.environ.get(SESSION_ENV)
@@ -524,8 +524,6 @@ class Checker:
 
     def end_environment(self, window: Window) -> None:
         """Give the tag variable back its value from before the test."""
-        from leakcheck.procs import SESSION_ENV
-
         if window.saved_env is None:
             os.environ.pop(SESSION_ENV, None)
         else:
@@ -593,8 +591,6 @@ class Checker:
         Processes started before ``since_unix_s`` (with a tick of slack) are not new: an
         older PID can fall in the new range after PID numbers wrapped around.
         """
-        from leakcheck import procs
-
         found: list[ProcInfo] = []
         for pid in pids:
             info = procs.read_proc(pid)
@@ -618,8 +614,6 @@ class Checker:
         it can be. A stranger's process (another job's, a sibling xdist worker's) costs a
         read or two, not a walk to PID 1.
         """
-        from leakcheck import procs
-
         if self._create_time is None:
             key = procs.process_key(self.pid)
             self._create_time = key.create_time if key is not None else 0.0
@@ -658,8 +652,6 @@ class Checker:
             Culprits (leaks and infos); empty for a clean test.
 
         """
-        from leakcheck import procs
-
         culprits: list[Culprit] = []
         finished = self._finished
         self._finished = []
@@ -705,8 +697,6 @@ class Checker:
         gpu_by_pid: Mapping[int, Mapping[int, int]],
         grace_s: float,
     ) -> Culprit:
-        from leakcheck import procs
-
         pid = info.key.pid
         current = procs.read_proc(pid) or info
         lineage = self._descends_from_here(current)
@@ -756,8 +746,6 @@ class Checker:
         finished: Sequence[ScopeOwner],
         survivors: Sequence[tuple[ProcInfo, ScopeOwner | None]],
     ) -> list[Culprit]:
-        from leakcheck import procs
-
         now = list_shm(self.shm_dir)
         owned_active = {name for owner in active for name in owner.shm}
         fresh = now - window.shm - owned_active
@@ -980,8 +968,6 @@ def _wait_for_exit(
     and a session helper must be recognised before it costs a grace period. Cheap when
     there is nothing to wait for: one liveness read per candidate.
     """
-    from leakcheck import procs
-
     deadline = time.monotonic() + grace_s
     pending = candidates
     helpers: list[tuple[ProcInfo, ScopeOwner | None]] = []

@@ -80,8 +80,8 @@ def test_persistent_cache_growth_per_worker(tmp_path: Path) -> None:
     )  # fmt: skip
     assert status == 1, text
     parent_run, worker_run = data["configurations"]
-    growth = findings(parent_run, "growth")
-    assert [f["role"] for f in growth] == ["parent"], growth
+    growth = [f for f in findings(parent_run, "growth") if f["role"] == "parent"]
+    assert len(growth) == 1, findings(parent_run)
     assert growth[0]["bytes_per_epoch"] / MIB == pytest.approx(CACHE_MIB_PER_EPOCH, abs=4)
     growth = [f for f in findings(worker_run, "growth") if f["role"] == "worker"]
     assert len(growth) == 2, findings(worker_run)

@@ -225,10 +225,7 @@ class WatchedLoader(Generic[T]):
 
     def _epoch(self) -> Iterator[T]:
         self._start()
-        if (
-            self._unjudged_end is not None
-            and time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
-        ):
+        if self._grace_passed():
             self._judge(may_raise=True)
         tracker = self._tracker
         tracker.begin_epoch()
@@ -253,16 +250,20 @@ class WatchedLoader(Generic[T]):
         self._unjudged_end = time.monotonic()
         self._judge(may_raise=True)
 
+    def _grace_passed(self) -> bool:
+        """An epoch's survivors are not judged yet, and now they can be."""
+        return self._unjudged_end is not None and (
+            self._tracker.closed
+            or time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
+        )
+
     def _judge(self, *, may_raise: bool, stacklevel: int = 3) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
 
         ``stacklevel`` points the warning at the user's line: the ``for`` statement (from
         the epoch generator), or the ``close()`` / ``with`` line.
         """
-        if self._unjudged_end is not None and (
-            self._tracker.closed
-            or time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
-        ):
+        if self._grace_passed():
             self._unjudged_end = None
         if self._on_leak == "ignore":
             return

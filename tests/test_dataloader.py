@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,3 +293,36 @@ def test_watch_keeps_the_users_terminate_children(no_leak_warnings: None) -> Non
         )
     finally:
         kill_sleepers(sleepers)
+
+
+class StartsChildOnce(Squares):
+    """The first item starts a sleeper in the loading process (num_workers=0)."""
+
+    def __init__(self) -> None:
+        self.sleeper: subprocess.Popen[bytes] | None = None
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.sleeper is None:
+            code = "import time; time.sleep(60)  # leakcheck-test-grandchild"
+            self.sleeper = subprocess.Popen([sys.executable, "-c", code])
+        return super().__getitem__(index)
+
+
+def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts() -> None:
+    dataset = StartsChildOnce()
+    watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")
+    try:
+        list(watched)  # the survivor cannot be judged yet: no error, no wait
+        time.sleep(0.5)  # the grace period passes between epochs
+        with pytest.raises(GPULeakError) as caught:
+            list(watched)
+        assert dataset.sleeper is not None
+        assert [(f.rule, f.pid) for f in caught.value.report.leaks] == [
+            ("survivor", dataset.sleeper.pid)
+        ]
+        assert len(watched.report().epochs) == 1  # raised before epoch 1 began
+    finally:
+        if dataset.sleeper is not None:
+            dataset.sleeper.kill()
+            dataset.sleeper.wait()
+    watched.close()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.model import MIB
-from leakcheck.sweep import chmod_like_open
+from leakcheck.sweep import chmod_like_open, short_reason
 
 if TYPE_CHECKING:
     from leakcheck.sweep import ConfigResult, SweepResult
@@ -80,8 +80,7 @@ def _memory_panel(axes: Any, config: ConfigResult, gpu_available: bool, reason: 
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
             axes.set_yticks([])
-            reason = (reason or "no GPU").split("; GPU columns")[0]
-            _note(axes, "GPU memory not measured: " + reason)
+            _note(axes, "GPU memory not measured: " + short_reason(reason))
         return
     parent = _mib([row.parent_gpu_bytes for row in rows])
     workers = _mib([row.workers_gpu_bytes for row in rows])
@@ -265,9 +264,9 @@ def render(result: SweepResult) -> Any:
         *textwrap.wrap(result.loader, 40 * columns + 30),
     ]
     if not gpu:
-        reason = (result.gpu_reason or "no GPU").split("; GPU columns")[0]
         lines += textwrap.wrap(
-            f"GPU memory, temperature and clock not measured: {reason}", 40 * columns + 30
+            "GPU memory, temperature and clock not measured: " + short_reason(result.gpu_reason),
+            40 * columns + 30,
         )
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure

@@ -766,6 +766,11 @@ def teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
     }
 
 
+def short_reason(reason: str) -> str:
+    """The GPU-unavailable reason without its generic tail (the caller says what it skips)."""
+    return (reason or "no GPU").split("; GPU columns")[0]
+
+
 def reported_device_index(result: SweepResult) -> int | None:
     """The device whose memory and telemetry the rows show."""
     if result.options.device_index is not None:
@@ -873,12 +878,17 @@ def _config_lines(config: ConfigResult, options: SweepOptions) -> list[str]:
         lines.append(f"  {tag} {finding.rule}: {finding.message}")
         lines.append(f"       fix: {finding.remedy}")
     teardown = teardown_summary(config.teardowns)
-    if teardown["workers"]:
+    if teardown["workers"] and not teardown["cuda_initialized"]:
+        lines.append(
+            f"  teardown: {teardown['workers']} workers exited through the teardown policy "
+            "(CUDA never initialised in them: nothing to release)"
+        )
+    elif teardown["workers"]:
         per_worker = teardown["gpu_bytes_before_per_worker"]
         freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
         lines.append(
             f"  teardown: {teardown['workers']} workers, {teardown['contexts_released']} "
-            f"released their CUDA context{freed}"
+            f"released their CUDA context before exiting{freed}"
         )
     for cleaned in config.cleaned:
         lines.append(
@@ -902,7 +912,7 @@ def format_sweep(result: SweepResult) -> str:
         lines.extend(f"  {_device_line(device)}" for device in result.devices)
     else:
         lines.append(
-            f"  GPU columns: {_UNAVAILABLE}: {result.gpu_reason or 'no GPU'} "
+            f"  GPU columns: {_UNAVAILABLE}: {short_reason(result.gpu_reason)} "
             "(host-side checks only)"
         )
     lines.append("")

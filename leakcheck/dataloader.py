@@ -40,7 +40,7 @@ from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.model import EndReason, Finding
 from leakcheck.report import Report
 from leakcheck.teardown import WorkerInit
-from leakcheck.tracker import Tracker, _reason_for
+from leakcheck.tracker import Tracker, end_reason_for
 
 __all__ = ["WatchedLoader", "watch"]
 
@@ -68,7 +68,7 @@ def _install_gc_hook() -> None:
 def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     if isinstance(error, GeneratorExit):
         return ("collected" if _collecting or sys.is_finalizing() else "break"), None
-    return _reason_for(error)
+    return end_reason_for(error)
 
 
 def _finding_id(finding: Finding) -> tuple[object, ...]:

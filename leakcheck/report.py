@@ -349,7 +349,8 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
 
 def _leak_short(finding: Finding) -> str:
     if finding.pid is not None:
-        who = f"{finding.role or 'process'} PID {finding.pid}"
+        role = finding.role if finding.role and finding.role != finding.rule else None
+        who = f"{role or 'process'} PID {finding.pid}"
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:
@@ -548,15 +549,22 @@ def _teardown_lines(timeline: Timeline) -> list[str]:
         return []
     lines = ["", "worker teardowns:"]
     for rec in records:
-        steps = [
-            f"freed cache {format_mib(rec.freed_cache_bytes)} MiB",
-            "context released" if rec.context_released else "context kept",
-        ]
+        steps = []
+        if rec.gpu_bytes_before is not None:
+            steps.append(f"held {format_mib(rec.gpu_bytes_before)} MiB")
+        if not rec.cuda_initialized:
+            steps.append("no CUDA in this worker")
+        else:
+            steps.append(f"freed cache {format_mib(rec.freed_cache_bytes)} MiB")
+            steps.append("context released" if rec.context_released else "context kept")
+        if rec.streams_joined:
+            steps.append(f"{rec.streams_joined} side streams joined")
         if rec.left_nvml is not None:
             steps.append("left NVML" if rec.left_nvml else "still in NVML")
         if rec.error:
             steps.append(f"error: {rec.error}")
         worker = f" (worker {rec.worker_id})" if rec.worker_id is not None else ""
+        steps.append(f"in {rec.duration_s * 1000:.0f} ms")
         lines.append(f"  PID {rec.key.pid}{worker}: {', '.join(steps)}")
     return lines
 

@@ -280,7 +280,7 @@ class Tracker:
         tb: TracebackType | None,
     ) -> None:
         if self._open is not None:
-            self.end_epoch(*(_reason_for(exc) if exc is not None else ("closed", None)))
+            self.end_epoch(*(end_reason_for(exc) if exc is not None else ("closed", None)))
         self.close()
 
     # --------------------------------------------------------------------- epochs
@@ -336,7 +336,7 @@ class Tracker:
         try:
             yield index
         except BaseException as error:
-            self.end_epoch(*_reason_for(error))
+            self.end_epoch(*end_reason_for(error))
             raise
         else:
             self.end_epoch("completed")
@@ -365,6 +365,20 @@ class Tracker:
             self._workers[key] = persistent
             self._worker_pids[pid] = persistent
             proc = self._procs.get(key)
+            if proc is None and self._started and not self._closed:
+                # A worker that lived and died between two ticks is known from its record
+                # alone: keep it, born and gone in the open epoch.
+                info = procs.read_proc(pid)
+                if info is not None and info.key == key:
+                    proc = self._add_proc(info, now=self._now())
+                else:
+                    proc = self._add_proc(
+                        ProcInfo(key=key, ppid=self._root_pid, name="", cmdline=""),
+                        now=self._now(),
+                    )
+                    proc.exited_s = proc.first_seen_s
+                if self._open is not None:
+                    self._open.seen.add(key)
             if proc is not None:
                 proc.registered_worker = True
                 proc.persistent = persistent
@@ -734,7 +748,13 @@ class Tracker:
             return "orphan"
         if proc.registered_worker or proc.key in self._workers:
             return "worker"
-        if proc.ppid == self._root_pid and not _is_runtime_helper(proc.cmdline):
+        # Without exact identities (no worker registered itself), a direct child is taken for
+        # a pool worker; once workers register, every other process is a descendant.
+        if (
+            not self._workers
+            and proc.ppid == self._root_pid
+            and not _is_runtime_helper(proc.cmdline)
+        ):
             return "worker"
         return "descendant"
 
@@ -845,7 +865,8 @@ class Tracker:
         )
 
 
-def _reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
+def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
+    """Map how an epoch ended (the exception, or None) to its end reason and error line."""
     if error is None:
         return "completed", None
     if isinstance(error, KeyboardInterrupt):

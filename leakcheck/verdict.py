@@ -269,8 +269,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 ),
                 remedy=(
                     "a worker exited without reaping its child: make workers wait for or "
-                    "terminate their children before exiting, and use leakcheck.worker_init_fn "
-                    f"(PR_SET_PDEATHSIG) so children die with them; `kill {key.pid}` frees it now"
+                    "terminate their children before exiting (leakcheck.worker_init_fn("
+                    f"terminate_children=True) does it at worker exit); `kill {key.pid}` frees "
+                    "it now"
                 ),
                 pid=key.pid,
                 create_time=key.create_time,

@@ -137,7 +137,7 @@ def test_orphan_found_with_max_bytes_and_fds() -> None:
     assert "orphan PID 4321" in found.message
     assert "GPU0 600 MiB" in found.message
     assert "still alive after the job ended" in found.message
-    assert "PR_SET_PDEATHSIG" in found.remedy
+    assert "terminate_children=True" in found.remedy
     assert "worker_init_fn" in found.remedy
 
 

@@ -603,7 +603,7 @@ class Checker:
             if tag is not None and tag in window.tags:
                 found.append(ProcInfo(info.key, info.ppid, info.name, info.cmdline, True))
                 continue
-            if tag is None and self._forked_from_here(pid):
+            if tag is None and self._forked_from_here(info):
                 found.append(info)
         return found
 
@@ -629,7 +629,7 @@ class Checker:
             ppid = parent.ppid
         return False
 
-    def _forked_from_here(self, pid: int) -> bool:
+    def _looks_like_here(self, pid: int) -> bool:
         environ, cmdline = self._self_identity()
         if not environ or not cmdline:
             return False
@@ -637,6 +637,19 @@ class Checker:
             _read_bytes(f"/proc/{pid}/cmdline") == cmdline
             and _read_bytes(f"/proc/{pid}/environ") == environ
         )
+
+    def _forked_from_here(self, info: ProcInfo) -> bool:
+        """A reparented fork of this process: same command line and initial environment.
+
+        Twins started alike (xdist workers, exec'd by one controller with one environment)
+        look the same, and so do their forks, for a moment before they exec: a process
+        whose live parent looks like this process too is a twin's, not ours (a fork of
+        ours whose parent died has PID 1 or a subreaper for parent, which looks different).
+        """
+        if not self._looks_like_here(info.key.pid):
+            return False
+        parent = info.ppid
+        return parent <= 1 or parent == self.pid or not self._looks_like_here(parent)
 
     # -- the verdict ---------------------------------------------------------------------
 
@@ -758,55 +771,75 @@ class Checker:
             for name in names:
                 held_by.setdefault(name, pid)
         segments = procs.shm_segments(self.shm_dir)
+        uid = os.getuid()
         culprits: list[Culprit] = []
+        unresolved: list[str] = []
+        blamed: list[str] = []
         for name in sorted(fresh | set(from_fixtures)):
-            segment = segments.get(name)
-            if segment is None:
-                continue  # removed meanwhile, or not a plain file (a folder)
+            if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
+                continue  # removed meanwhile, not a plain file, or another user's
+            if name in from_fixtures or name in held_by or _embedded_pids(name) & lineage_pids:
+                blamed.append(name)
+                continue
+            creator = _creator_pid(name)
+            if creator is not None and _foreign_alive(creator, lineage_pids):
+                continue  # created by a live process that is not ours
+            unresolved.append(name)
+        if unresolved:
+            # Nobody of ours holds these. Held by a stranger (another job's semaphore, a
+            # sibling worker's buffer): not ours. Held by nobody: created during the test
+            # and abandoned, ours unless other tests ran at the same time. One scan of every
+            # process, paid only when such a segment appeared.
+            strangers = [int(n) for n in list_pids() if n.isdigit() and int(n) not in lineage_pids]
+            held_elsewhere = {
+                name
+                for names in procs.shm_open_by(strangers, self.shm_dir).values()
+                for name in names
+            }
+            for name in unresolved:
+                if name in held_elsewhere:
+                    continue
+                if self.attribute_unheld_shm:
+                    blamed.append(name)
+                    continue
+                size = segments[name].size_bytes
+                culprits.append(
+                    Culprit(
+                        kind="shm",
+                        rule="shm",
+                        severity="info",
+                        message=(
+                            f"/dev/shm/{name} ({size_text(size)}) appeared during the test "
+                            "and nobody holds it; other workers ran at the same time, so it "
+                            "is not blamed on this test"
+                        ),
+                        remedy=REMEDY_SHM,
+                        shm_name=name,
+                        size_bytes=size,
+                    )
+                )
+        for name in blamed:
             owner = from_fixtures.get(name)
             holder = held_by.get(name)
-            creator = _creator_pid(name)
-            if owner is None and holder is None:
-                if _embedded_pids(name) & lineage_pids:
-                    pass
-                elif creator is not None and _foreign_alive(creator, lineage_pids):
-                    continue  # created by a live process that is not ours
-                elif not self.attribute_unheld_shm:
-                    culprits.append(
-                        Culprit(
-                            kind="shm",
-                            rule="shm",
-                            severity="info",
-                            message=(
-                                f"/dev/shm/{name} ({size_text(segment.size_bytes)}) "
-                                "appeared during the test and was not removed; no process "
-                                "of the test holds it and other workers ran at the same "
-                                "time, so it is not blamed on this test"
-                            ),
-                            remedy=REMEDY_SHM,
-                            shm_name=name,
-                            size_bytes=segment.size_bytes,
-                        )
-                    )
-                    continue
+            size = segments[name].size_bytes
             if owner is not None:
                 where = f"created while {owner.label} was set up, still there after its teardown"
             elif holder is not None:
                 who = "the test process" if holder == self.pid else f"PID {holder}"
                 where = f"created during the test and not removed; {who} still holds it"
             else:
-                where = "created during the test and not removed"
+                where = "created during the test and not removed; nobody holds it"
             culprits.append(
                 Culprit(
                     kind="shm",
                     rule="shm",
                     severity="leak",
-                    message=f"/dev/shm/{name} ({size_text(segment.size_bytes)}) {where}",
+                    message=f"/dev/shm/{name} ({size_text(size)}) {where}",
                     remedy=REMEDY_SHM if owner is None else REMEDY_SCOPE,
                     pid=holder,
                     role=_holder_role(holder, self.pid),
                     shm_name=name,
-                    size_bytes=segment.size_bytes,
+                    size_bytes=size,
                     owner=None if owner is None else owner.label,
                 )
             )
@@ -929,6 +962,13 @@ def _read_bytes(path: str) -> bytes | None:
     try:
         with open(path, "rb") as handle:
             return handle.read()
+    except OSError:
+        return None
+
+
+def _owner_uid(directory: str, name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
     except OSError:
         return None
 

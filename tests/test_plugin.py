@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -858,3 +859,48 @@ def test_tracker_fixture_findings_are_judged_with_the_test(
     off = inner.runpytest_subprocess("--gpu-leak-grace=0.3", *NO_CACHE)
     off.assert_outcomes(passed=1, errors=1)
     assert "GPULeakError" in off.stdout.str()
+
+
+STRANGER = """
+import os, sys, time
+fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+open(sys.argv[2], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_segment_held_by_a_stranger_is_not_blamed(tmp_path: Path, shm_names: list[str]) -> None:
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    pid_file = tmp_path / "stranger.pid"
+    checker = Checker()
+    window = checker.begin("t::stranger")
+    # Detached, untagged and exec'd: by every rule a process of someone else.
+    env = {k: v for k, v in os.environ.items() if k != "LEAKCHECK_SESSION"}
+    subprocess.run(
+        ["setsid", "sh", "-c", f"\"{sys.executable}\" -c '{STRANGER}' {name} {pid_file} &"],
+        env=env,
+        check=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert Path(f"/dev/shm/{name}").exists()
+        assert _judge(checker, window) == []
+    finally:
+        _kill_matching({pid_file.name})
+
+
+def test_unheld_segment_under_concurrent_workers_is_only_information(
+    shm_names: list[str],
+) -> None:
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    checker = Checker(attribute_unheld_shm=False)
+    window = checker.begin("t::unheld")
+    Path(f"/dev/shm/{name}").write_bytes(b"x" * 100)
+    (culprit,) = _judge(checker, window)
+    assert (culprit.kind, culprit.severity, culprit.shm_name) == ("shm", "info", name)
+    assert "not blamed on this test" in culprit.message

@@ -280,9 +280,13 @@ class LeakCheckPlugin:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         """Snapshot before any fixture of the test is set up."""
         if _options_for(item).enabled:
-            window = self._get_checker().begin(item.nodeid)
-            item.stash[WINDOW_KEY] = window
-            self._window = window
+            try:
+                window = self._get_checker().begin(item.nodeid)
+            except Exception as exc:  # never break a run for leakcheck's sake
+                self._gpu_notes.add(f"a test went unchecked: {type(exc).__name__}: {exc}")
+            else:
+                item.stash[WINDOW_KEY] = window
+                self._window = window
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -306,7 +310,8 @@ class LeakCheckPlugin:
     ) -> None:
         """A wide-scope fixture ended: what it owned is judged with the current test."""
         if self._checker is not None and fixturedef.scope != "function":
-            self._checker.fixture_finished(fixturedef)
+            # Outside a checked test (its last user was not checked) nobody is judged.
+            self._checker.fixture_finished(fixturedef, judge=self._window is not None)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(

@@ -566,10 +566,13 @@ class Checker:
         self._owners[key] = owner
         return owner
 
-    def fixture_finished(self, key: object) -> None:
-        """A wide-scope fixture's finalizer ran: judge what it owned in this test."""
+    def fixture_finished(self, key: object, *, judge: bool = True) -> None:
+        """A wide-scope fixture's finalizer ran: judge what it owned with the current test.
+
+        With ``judge=False`` (no test is being checked) what it owned is forgotten.
+        """
         owner = self._owners.pop(key, None)
-        if owner is not None:
+        if owner is not None and judge:
             owner.finished = True
             self._finished.append(owner)
 

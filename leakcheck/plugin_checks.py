@@ -800,10 +800,14 @@ class Checker:
                 for name in names
             }
             for name in unresolved:
-                if name in held_elsewhere:
-                    continue
+                if name in held_elsewhere or not os.path.exists(os.path.join(self.shm_dir, name)):
+                    continue  # a stranger's, or one that was on its way out
                 if self.attribute_unheld_shm:
                     blamed.append(name)
+                    continue
+                if name.startswith("sem."):
+                    # A named semaphore's holders map it under a temporary name: "nobody
+                    # holds it" means nothing here, and another worker's are everywhere.
                     continue
                 size = segments[name].size_bytes
                 culprits.append(

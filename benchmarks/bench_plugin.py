@@ -2,7 +2,7 @@
 
 Generates a suite of small tests (500 by default: plain, parametrized, class-based, with
 function and module fixtures) in a temporary folder, then runs pytest on it in subprocesses,
-configurations interleaved round by round:
+configurations interleaved round by round (the order rotates from round to round):
 
 - ``baseline``: the plugin not loaded (``-p no:leakcheck``);
 - ``flag off``: the plugin loaded, check off (what every user of the package pays);
@@ -166,6 +166,7 @@ def _machine() -> dict[str, Any]:
     ok, reason = nvml.availability()
     gpus = [d.name for d in nvml.get().memory()] if ok else []
     return {
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "host": platform.node(),
         "platform": platform.platform(),
         "cpu": cpu,
@@ -193,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         for config_args in CONFIGS.values():  # warm the file cache and .pyc files
             run_once(folder, config_args, env, tests)
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
-        for _ in range(args.rounds):
-            for name, config_args in CONFIGS.items():
-                samples[name].append(run_once(folder, config_args, env, tests))
+        names = list(CONFIGS)
+        for round_index in range(args.rounds):
+            # Rotate the order: no configuration always runs right after the heavy one.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name].append(run_once(folder, CONFIGS[name], env, tests))
 
     rows: dict[str, dict[str, float]] = {}
     base_loop = statistics.median(s["loop_s"] for s in samples["baseline"])
@@ -248,7 +252,9 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"{result['tests']} small tests, median of {result['rounds']} interleaved runs per "
         f"configuration. Machine: {machine['cpu']}, {machine['cores']} cores, "
-        f"GPUs: {', '.join(machine['gpus']) or 'none'} ({machine['nvml']}).",
+        f"GPUs: {', '.join(machine['gpus']) or 'none'} ({machine['nvml']}). "
+        f"Load average at the end: {machine['load_average_1m']} (differences of a few "
+        "hundredths of a ms per test are noise on a busy machine).",
         f"Versions: {versions}.",
         "",
         "| configuration | arguments | test loop (s) | per test (ms) | overhead per test (ms) "

@@ -20,6 +20,7 @@ all attribute the leak to that test. ``pytest_report_teststatus`` counts it as a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -302,12 +303,16 @@ class LeakCheckPlugin:
         if window is None or fixturedef.scope == "function" or self._checker is None:
             return (yield)
         checker = self._checker
-        probe = checker.fixture_begin()
+        try:
+            probe = checker.fixture_begin()
+        except Exception:  # unattributed then: its processes count as the test's
+            return (yield)
         try:
             return (yield)
         finally:
             label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
-            checker.fixture_end(fixturedef, probe, label, window)
+            with contextlib.suppress(Exception):
+                checker.fixture_end(fixturedef, probe, label, window)
 
     def pytest_fixture_post_finalizer(
         self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest

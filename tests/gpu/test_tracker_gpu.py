@@ -118,6 +118,13 @@ def test_parent_and_four_children_attributed_to_their_pids() -> None:
     epoch = result["report"]["epochs"][0]
     by_pid = {p["key"]["pid"]: p for p in epoch["processes"]}
     peaks = {pid: sum(p["gpu_bytes_peak"].values()) for pid, p in by_pid.items()}
+    seen = {pid: (p["role"], peaks[pid], p["cmdline"][:60]) for pid, p in by_pid.items()}
+    assert set(result["pids"]) <= set(by_pid), (
+        result["pids"],
+        seen,
+        epoch["samples"],
+        result["report"]["failures"],
+    )
     context_bytes = peaks[result["pids"][0]]
     assert 200 * MIB < context_bytes < 1200 * MIB, context_bytes
     for pid, mib in zip(result["pids"][1:], result["amounts"][1:], strict=True):

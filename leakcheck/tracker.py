@@ -655,6 +655,8 @@ class Tracker:
         for pid, per_device in by_pid.items():
             key = self._by_pid.get(pid)
             known = self._procs.get(key) if key is not None else None
+            if known is not None and known.exited_s is not None and procs.process_key(pid) == key:
+                continue  # ours, exiting: NVML lists it until its context is gone
             target = (
                 known
                 if known is not None and known.exited_s is None
@@ -681,8 +683,9 @@ class Tracker:
         if info is None:
             return None
         proc = self._procs.get(info.key)
-        if proc is not None and proc.exited_s is None:
-            return proc
+        if proc is not None:
+            # Never replace what is known of a process: an exiting one is still ours.
+            return proc if proc.exited_s is None else None
         proc = self._add_proc(info, now=now)
         if not info.tagged:
             proc.foreign, proc.in_lineage, proc.was_in_lineage = True, False, False

@@ -82,7 +82,7 @@ THROTTLE_REASON_NAMES: tuple[tuple[int, str], ...] = (
 """Clock-event (throttle) reason bits of ``nvmlDeviceGetCurrentClocksEventReasons`` and
 their short names, in bit order."""
 
-_SUFFIX = "GPU columns are skipped"
+_SUFFIX = "GPU memory is not checked, process checks still run"
 _PACKAGE_MISSING = (
     "NVML unavailable: the nvidia-ml-py package is not installed "
     f"(pip install nvidia-ml-py); {_SUFFIX}"

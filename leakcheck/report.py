@@ -385,7 +385,7 @@ def _attribution_line(timeline: Timeline) -> str | None:
             "only device totals are judged"
         )
     if timeline.attribution == "nvml-unavailable":
-        return f"attribution off: NVML unavailable{reason}; only processes were checked"
+        return f"GPU memory not checked: {timeline.attribution_reason or 'NVML unavailable'}"
     if timeline.attribution == "no-gpu":
         return f"attribution off: no GPU{reason}; only processes were checked"
     return None

@@ -232,7 +232,7 @@ def test_availability_reports_reason_without_raising(use_fake: UseFake) -> None:
     ok, reason = nvml.availability()
     assert ok is False
     assert "libnvidia-ml.so.1 not found" in reason
-    assert "GPU columns are skipped" in reason
+    assert "GPU memory is not checked" in reason
     assert "\n" not in reason
 
 

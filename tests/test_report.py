@@ -224,7 +224,7 @@ def test_nvml_unavailable_text_says_why_and_shows_dashes() -> None:
     report = survivor_report("nvml-unavailable")
     assert [f.rule for f in report.leaks] == ["survivor"]
     text = report.format()
-    assert "attribution off: NVML unavailable" in text
+    assert "GPU memory not checked: " in text
     row = next(line for line in text.splitlines() if line.split()[:3] == ["1", "epoch", "1"])
     assert row.split()[4] == "-"  # parent MiB unknown without NVML
     assert "1/-/-" in row.split()

@@ -55,6 +55,10 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
         if name.startswith("LEAKCHECK_") or name.startswith("PYTEST_XDIST"):
             monkeypatch.delenv(name)
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    # pytest prints whole failure messages in its short summary under CI: the inner
+    # sessions' output must read the same here and in CI.
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
     return pytester
 
 

@@ -14,15 +14,13 @@ used: drawing a sweep never changes the backend of the caller's ``pyplot``.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
+import io
 import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.model import MIB
-from leakcheck.sweep import chmod_like_open, short_reason
+from leakcheck.sweep import short_reason, write_atomic
 
 if TYPE_CHECKING:
     from leakcheck.sweep import ConfigResult, SweepResult
@@ -285,15 +283,7 @@ def plot_sweep(result: SweepResult, path: str, *, dpi: int = 110) -> str:
 
     """
     figure = render(result)
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".png", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            figure.savefig(stream, format="png", dpi=dpi)
-        chmod_like_open(temp_path)
-        os.replace(temp_path, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp_path)
-        raise
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    write_atomic(path, buffer.getvalue())
     return path

@@ -962,10 +962,11 @@ def write_json(path: str, data: Mapping[str, Any]) -> None:
         OSError: The folder does not exist or is not writable.
 
     """
-    _write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
-def _write_atomic(path: str, payload: bytes) -> None:
+def write_atomic(path: str, payload: bytes) -> None:
+    """Write a file so that a reader never sees half of it (temporary name, then rename)."""
     folder = os.path.dirname(os.path.abspath(path))
     handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
     try:

@@ -180,6 +180,9 @@ class Tracker:
         self._baseline_devices: tuple[DeviceState, ...] = ()
         self._baseline_gpu_bytes: dict[int, int] = {}
         self._procs: dict[ProcessKey, _Proc] = {}
+        # The live subset: each tick walks it, not every process ever seen (a long run with
+        # per-epoch workers sees thousands).
+        self._live: dict[ProcessKey, _Proc] = {}
         self._by_pid: dict[int, ProcessKey] = {}
         self._workers: dict[ProcessKey, bool | None] = {}
         self._worker_pids: dict[int, bool | None] = {}
@@ -313,8 +316,9 @@ class Tracker:
             current.reason = reason
             current.error = error
             current.devices = self._read_devices(telemetry=True)
-            for key, proc in self._procs.items():
-                if proc.foreign or (key not in current.seen and proc.exited_s is not None):
+            for key in current.seen | set(self._live):
+                proc = self._procs[key]
+                if proc.foreign:
                     continue
                 alive = proc.exited_s is None
                 current.end_state[key] = (
@@ -376,7 +380,7 @@ class Tracker:
                         ProcInfo(key=key, ppid=self._root_pid, name="", cmdline=""),
                         now=self._now(),
                     )
-                    proc.exited_s = proc.first_seen_s
+                    self._mark_exited(proc, proc.first_seen_s)
                 if self._open is not None:
                     self._open.seen.add(key)
             if proc is not None:
@@ -544,6 +548,7 @@ class Tracker:
             pre_existing=True,
             persistent=True,
         )
+        self._live[self._root_key] = self._procs[self._root_key]
         self._by_pid[self._root_pid] = self._root_key
 
     def _add_proc(self, info: ProcInfo, *, now: float, pre_existing: bool = False) -> _Proc:
@@ -564,6 +569,7 @@ class Tracker:
             persistent=persistent,
         )
         self._procs[info.key] = proc
+        self._live[info.key] = proc
         self._by_pid[info.key.pid] = info.key
         return proc
 
@@ -593,8 +599,8 @@ class Tracker:
             root.last_seen_s = now
         if epoch_end:
             self._guard(lambda: self._scan_tagged(now, current), "tag scan")
-        for key, proc in self._procs.items():
-            if key in current or proc.exited_s is not None:
+        for key, proc in list(self._live.items()):
+            if key in current:
                 continue
             if procs.is_alive(key):
                 proc.last_seen_s = now
@@ -604,8 +610,7 @@ class Tracker:
                     if info is not None:
                         proc.ppid = info.ppid
             else:
-                proc.exited_s = now
-                proc.gpu_bytes = {}
+                self._mark_exited(proc, now)
         if self._nvml is not None:
             gpu = self._guard(lambda: self._nvml.processes(self._devices), "nvml processes")
             if gpu is not None:
@@ -614,8 +619,8 @@ class Tracker:
             if memory is not None:
                 self._device_used = {state.index: state.used_bytes for state in memory}
         if epoch_end:
-            for key, proc in self._procs.items():
-                if proc.exited_s is None and not proc.foreign:
+            for key, proc in self._live.items():
+                if not proc.foreign:
                     proc.nvidia_fds = self._job_nvidia_fds(proc)
                     # A child first seen between fork and exec showed its parent's command.
                     info = procs.read_proc(key.pid)
@@ -624,8 +629,8 @@ class Tracker:
         epoch = self._open
         if epoch is not None:
             epoch.samples += 1
-            for key, proc in self._procs.items():
-                if proc.exited_s is not None or proc.foreign:
+            for key, proc in self._live.items():
+                if proc.foreign:
                     continue
                 epoch.seen.add(key)
                 if proc.gpu_bytes:
@@ -648,9 +653,8 @@ class Tracker:
                 per_device[entry.device_index] = (
                     per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
                 )
-        for proc in self._procs.values():
-            if proc.exited_s is None:
-                proc.gpu_bytes, proc.gpu_unknown = {}, False
+        for proc in self._live.values():
+            proc.gpu_bytes, proc.gpu_unknown = {}, False
         missing: list[int] = []
         for pid, per_device in by_pid.items():
             key = self._by_pid.get(pid)
@@ -716,6 +720,11 @@ class Tracker:
         root = self._procs.get(self._root_key)
         forked = root is not None and proc.cmdline == root.cmdline
         return len(set(found) - own) if forked else len(found)
+
+    def _mark_exited(self, proc: _Proc, now: float) -> None:
+        proc.exited_s = now
+        proc.gpu_bytes = {}
+        self._live.pop(proc.key, None)
 
     def _read_mailbox(self) -> None:
         assert self._mailbox_dir is not None
@@ -819,11 +828,8 @@ class Tracker:
             deadline = last.end_s + self._config.grace_s
             pending = [
                 proc
-                for proc in self._procs.values()
-                if proc.born_epoch == last.index
-                and proc.exited_s is None
-                and not proc.foreign
-                and not self._persistent(proc)
+                for proc in self._live.values()
+                if proc.born_epoch == last.index and not proc.foreign and not self._persistent(proc)
             ]
         while pending and self._now() < deadline and not self._stop.is_set():
             time.sleep(min(self._interval_s, max(0.0, deadline - self._now())))
@@ -837,9 +843,7 @@ class Tracker:
         processes: list[ProcessEpoch] = []
         now = self._now()
         last_end = self._epochs[-1].end_s if self._epochs else None
-        for key, proc in sorted(self._procs.items()):
-            if proc.exited_s is not None:
-                continue
+        for key, proc in sorted(self._live.items()):
             if proc.foreign and not proc.gpu_bytes:
                 continue
             processes.append(

@@ -5,12 +5,13 @@ Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-le
 value, or a loader that cannot be imported, called or iterated. A usage error is one line
 on standard error that names the option, what was expected and what was given, and
 nothing is written to ``--json`` or ``--plot`` paths (they are written only at the end,
-atomically).
+atomically). Ctrl-C exits 130 and writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -23,7 +24,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
-from leakcheck.units import parse_duration
 
 if TYPE_CHECKING:
     from leakcheck.sweep import SweepOptions
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 EXIT_CLEAN = 0
 EXIT_LEAK = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 _PROG = "leakcheck"
 _SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
@@ -77,19 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
     what.add_argument(
-        "--start-method",
-        default="spawn",
-        metavar="{" + ",".join(START_METHODS) + "}",
-        help="how the built-in workload starts workers (spawn: CUDA in forked workers fails "
-        "once the parent used CUDA)",
-    )
-    what.add_argument(
         "--persistent", action="store_true", help="workers live across epochs (persistent_workers)"
     )
     what.add_argument(
         "--device", default=None, metavar="N", help="GPU index to watch and use (default: all/0)"
     )
     builtin = sweep.add_argument_group("built-in workload (not with --loader)")
+    builtin.add_argument(
+        "--start-method",
+        default=None,
+        metavar="{" + ",".join(START_METHODS) + "}",
+        help="how the workers start (default spawn: CUDA in forked workers fails once the "
+        "parent used CUDA)",
+    )
     builtin.add_argument(
         "--scenario",
         default=None,
@@ -187,7 +188,8 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
     """
     parts = [part.strip() for part in text.split(",")]
-    if not parts or any(not part.isdigit() for part in parts):
+    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+    if any(not (part.isascii() and part.isdigit()) for part in parts):
         raise UsageError(
             f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
         )
@@ -222,7 +224,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
 
     workers = parse_workers(args.workers)
     epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
-    if args.start_method not in START_METHODS:
+    start_method = args.start_method or "spawn"
+    if start_method not in START_METHODS:
         raise UsageError(
             f"--start-method: expected one of {', '.join(START_METHODS)}, got {args.start_method!r}"
         )
@@ -240,7 +243,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         cli=args.grace,
         environ=os.environ,
     ).value
-    interval_s = parse_duration(args.interval, source="--interval")
+    interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
     if interval_s <= 0:
         raise UsageError(
             f"--interval: expected more than 0 seconds such as 50ms, got {args.interval!r}"
@@ -256,7 +259,9 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
                 f"got {args.cooldown_temp!r}"
             )
-    cooldown_timeout_s = parse_duration(args.cooldown_timeout, source="--cooldown-timeout")
+    cooldown_timeout_s = option_specs.parse_seconds_option(
+        args.cooldown_timeout, "--cooldown-timeout"
+    )
     json_path = _output_path(args.json, "--json")
     plot_path = _output_path(args.plot, "--plot", ".png")
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
@@ -269,6 +274,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     if loader is not None:
         for option, value in (
             ("--scenario", args.scenario),
+            ("--start-method", args.start_method),
             ("--no-teardown", args.no_teardown),
             ("--batches", args.batches),
         ):
@@ -289,7 +295,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         workload = WorkloadSpec(
             scenario=scenario,
             batches=batches,
-            start_method=args.start_method,
+            start_method=start_method,
             persistent=args.persistent,
             teardown=not args.no_teardown,
             device_index=device or 0,
@@ -353,7 +359,9 @@ def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
     except BaseException as exc:  # SyntaxError, SystemExit in an import... all one line
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise UsageError(f"--loader: cannot import {module_name!r}: {_one_line(exc)}") from None
+        from leakcheck.sweep import one_line
+
+        raise UsageError(f"--loader: cannot import {module_name!r}: {one_line(exc)}") from None
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise UsageError(f"--loader: {module_name!r} has no attribute {factory_name!r}")
@@ -399,27 +407,26 @@ def _same_file(a: str | None, b: str) -> bool:
         return False
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 # --------------------------------------------------------------------------- commands
 
 
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck import nvml
+    from leakcheck.errors import LeakCheckError
     from leakcheck.progress import Progress
-    from leakcheck.sweep import LoaderError, run_sweep, write_json
+    from leakcheck.sweep import LoaderError, one_line, run_sweep, write_json
 
     prog = f"{_PROG} sweep"
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
+        count = None
         if gpu[0] and plan.options.device_index is not None:
-            count = nvml.get().device_count()
-            if plan.options.device_index >= count:
+            # NVML answered a moment ago; if it fails now the sweep says so in its header.
+            with contextlib.suppress(LeakCheckError):
+                count = nvml.get().device_count()
+            if count is not None and plan.options.device_index >= count:
                 raise UsageError(
                     f"--device: expected a GPU index below {count}, got {plan.options.device_index}"
                 )
@@ -436,6 +443,9 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     except UsageError as exc:
         err.write(f"{prog}: {exc}\n")
         return EXIT_USAGE
+    except KeyboardInterrupt:  # importing a --loader module can take a while
+        err.write(f"{prog}: interrupted; nothing written\n")
+        return EXIT_INTERRUPTED
 
     progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
     try:
@@ -448,7 +458,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     except KeyboardInterrupt:
         progress.close()
         err.write(f"{prog}: interrupted; nothing written\n")
-        return 130
+        return EXIT_INTERRUPTED
 
     out.write(result.format() + "\n")
     out.flush()
@@ -465,7 +475,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
 
             plot_sweep(result, plan.plot_path)
         except Exception as exc:
-            err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {_one_line(exc)}\n")
+            err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {one_line(exc)}\n")
             status = EXIT_USAGE
     if status == EXIT_CLEAN and plan.fail_on_leak and result.leak_count:
         status = EXIT_LEAK
@@ -505,6 +515,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_sweep_command(args, sys.stdout, sys.stderr)
     if args.command == "snapshot":
         return run_snapshot_command(args, sys.stdout)
-    parser.print_usage(sys.stderr)
-    sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot\n")
+    sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
     return EXIT_USAGE

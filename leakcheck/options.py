@@ -13,6 +13,8 @@ on or off.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
@@ -68,9 +70,18 @@ def parse_size_option(value: object, source: str) -> int:
 
 
 def parse_seconds_option(value: object, source: str) -> float:
-    """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``."""
+    """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``.
+
+    Raises:
+        UsageError: Not a duration, negative, or not finite (``inf`` would make a wait or a
+            sampling interval never end, and the clock calls reject it).
+
+    """
     if isinstance(value, (str, int, float)):
-        return parse_duration(value, source=source)
+        seconds = parse_duration(value, source=source)
+        if math.isfinite(seconds) and seconds <= threading.TIMEOUT_MAX:
+            return seconds
+        raise UsageError(f"{source}: expected a finite number of seconds such as 2, got {value!r}")
     raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
 
 

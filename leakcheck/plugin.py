@@ -357,7 +357,10 @@ class LeakCheckPlugin:
             ]
         finally:
             checker.end_environment(window)
-        self._apply(item, report, culprits, options, checker.gpu_note)
+        try:
+            self._apply(item, report, culprits, options, checker.gpu_note)
+        except Exception as exc:  # an exception here would be pytest's INTERNALERROR
+            self._gpu_notes.add(f"a test went unreported: {type(exc).__name__}: {exc}")
         return report
 
     def _apply(

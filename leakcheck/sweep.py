@@ -29,7 +29,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,7 @@ __all__ = [
     "LoaderFactory",
     "SweepOptions",
     "SweepResult",
+    "one_line",
     "run_sweep",
     "write_json",
 ]
@@ -496,7 +497,7 @@ def _run_epochs(
     try:
         loader: Iterable[Any] | None = factory(num_workers)
     except Exception as exc:
-        return LoaderError(f"calling {name}({num_workers}) failed: {_one_line(exc)}")
+        return LoaderError(f"calling {name}({num_workers}) failed: {one_line(exc)}")
     if loader is None or not isinstance(loader, Iterable):
         return LoaderError(
             f"{name}({num_workers}) returned {type(loader).__name__}, "
@@ -514,14 +515,17 @@ def _run_epochs(
             try:
                 with tracker.epoch(f"epoch {epoch}"):
                     iterator = iter(loader)
-                    _register_workers(tracker, iterator)
+                    # Best effort: a miss only makes the worker count less exact, and
+                    # leakcheck's own failure must not read as the loader's.
+                    with contextlib.suppress(Exception):
+                        _register_workers(tracker, iterator)
                     for _batch in iterator:
                         batches += 1
                         progress.batch(batches, total)
                     del iterator  # a finished iterator holds nothing the next epoch needs
             except Exception as exc:
                 return LoaderError(
-                    f"iterating the loader ({config_label}, epoch {epoch}) failed: {_one_line(exc)}"
+                    f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
             progress.end(_epoch_summary(tracker, batches))
     finally:
@@ -586,7 +590,8 @@ def _length(loader: Iterable[Any]) -> int | None:
         return None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -733,9 +738,13 @@ def cleanup_orphans(
     for info, process in victims:
         outcome = "terminated"
         if process.pid in alive_pids:
-            with contextlib.suppress(psutil.Error):
+            try:
                 process.kill()  # psutil refuses if the PID was reused meanwhile
-            outcome = "killed"
+                outcome = "killed"
+            except psutil.NoSuchProcess:
+                pass  # it exited after all: the SIGTERM did it
+            except psutil.Error as exc:
+                outcome = f"failed: {exc}"
         cleaned.append(
             CleanedProcess(info.key.pid, info.key.create_time, _shorten(info.cmdline), outcome)
         )
@@ -863,7 +872,7 @@ def _device_line(device: DeviceState) -> str:
     return ", ".join(parts)
 
 
-def _config_lines(config: ConfigResult, options: SweepOptions) -> list[str]:
+def _config_lines(config: ConfigResult) -> list[str]:
     report = config.report
     mode = "persistent workers" if config.persistent_workers else "workers per epoch"
     head = (
@@ -919,7 +928,7 @@ def format_sweep(result: SweepResult) -> str:
     lines.extend(format_table(result))
     for config in result.configs:
         lines.append("")
-        lines.extend(_config_lines(config, options))
+        lines.extend(_config_lines(config))
     lines.append("")
     configs = len(result.configs)
     lines.append(
@@ -998,9 +1007,3 @@ def _umask() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
-
-
-def iter_rows(result: SweepResult) -> Iterator[EpochRow]:
-    """Every row of every configuration, in sweep order."""
-    for config in result.configs:
-        yield from config.rows

@@ -273,6 +273,12 @@ BAD_VALUES = [
     (["--start-method", "thread"], "--start-method: expected one of spawn, fork, forkserver"),
     (["--tolerance", "5 parsecs"], "--tolerance (command line): expected a size"),
     (["--grace", "soon"], "--grace (command line): expected seconds"),
+    (["--grace", "inf"], "--grace (command line): expected a finite number of seconds"),
+    (["--interval", "inf"], "--interval: expected a finite number of seconds"),
+    (["--cooldown-timeout", "1e400"], "--cooldown-timeout: expected a finite number"),
+    (["--workers", "0,\u00b2"], "--workers: expected comma-separated integers >= 0"),
+    (["--loader", "x:make", "--start-method", "fork"],
+     "--start-method: applies to the built-in workload only"),
     (["--device", "gpu0"], "--device: expected an integer >= 0"),
     (["--cooldown-temp", "hot"], "--cooldown-temp: expected degrees Celsius"),
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
@@ -345,7 +351,9 @@ def test_python_m_leakcheck_help() -> None:
 
 def test_no_command_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
-    assert "expected a command: sweep or snapshot" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "expected a command: sweep or snapshot" in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_snapshot_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -86,6 +86,8 @@ def test_switches(text: str, expected: bool) -> None:
         (TOLERANCE, "ini", "7 furlongs", "gpu_leak_tolerance (ini file pytest.ini)"),
         (GRACE, "cli", "soon", "--gpu-leak-grace (command line)"),
         (GRACE, "env", "-3", "LEAKCHECK_GRACE (environment)"),
+        (GRACE, "cli", "inf", "--gpu-leak-grace (command line)"),
+        (GRACE, "ini", "1e300", "gpu_leak_grace (ini file pytest.ini)"),
         (MODE, "ini", "explode", "gpu_leak_mode (ini file pytest.ini)"),
         (ENABLED, "env", "perhaps", "LEAKCHECK_GPU_LEAK_CHECK (environment)"),
     ],

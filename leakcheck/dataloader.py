@@ -227,14 +227,18 @@ class WatchedLoader(Generic[T]):
         self._start()
         if self._grace_passed():
             self._judge(may_raise=True)
-        tracker = self._tracker
-        tracker.begin_epoch()
+        self._tracker.begin_epoch()
+        installed = self._session.installed
+        if installed is not None:
+            # Workers start in this thread, and the kernel sends PR_SET_PDEATHSIG when the
+            # thread that started a worker exits: from a short-lived thread, persistent
+            # workers would be killed under the loader (NOTE [teardown policy]).
+            installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
         try:
             batches = iter(self._loader)
             yield from batches
         except BaseException as error:
-            reason, text = _end_reason(error)
             if not getattr(self._loader, "persistent_workers", False):
                 # Private, but what the iterator's own __del__ calls; idempotent.
                 shutdown = getattr(batches, "_shutdown_workers", None)
@@ -242,13 +246,15 @@ class WatchedLoader(Generic[T]):
                     with contextlib.suppress(Exception):
                         shutdown()
             batches = None
-            tracker.end_epoch(reason, text)
-            self._unjudged_end = time.monotonic()
+            self._end_epoch(*_end_reason(error))
             raise
         batches = None
-        tracker.end_epoch("completed")
-        self._unjudged_end = time.monotonic()
+        self._end_epoch("completed", None)
         self._judge(may_raise=True)
+
+    def _end_epoch(self, reason: EndReason, error: str | None) -> None:
+        self._tracker.end_epoch(reason, error)
+        self._unjudged_end = time.monotonic()
 
     def _grace_passed(self) -> bool:
         """An epoch's survivors are not judged yet, and now they can be."""

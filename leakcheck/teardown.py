@@ -22,8 +22,12 @@ The policy, installed in each worker by :class:`WorkerInit` (the chained ``worke
    deliberately leaked and left to the CUDA runtime: destroying a stream or an event after
    the runtime has torn the context down is how processes segfault at exit.
 
-The kernel sends the death signal when the *thread* that started the worker exits: start
-persistent workers from a thread that lives as long as the loader (the main thread does).
+The kernel sends the death signal when the *thread* that started the worker exits, not the
+process: a persistent worker started from a short-lived thread would be killed under the
+loader. :func:`leakcheck.watch` therefore asks for it only for workers started from the main
+thread (``WorkerInit.death_signal``); with :func:`worker_init_fn` alone, start persistent
+workers from a thread that lives as long as the loader (the main thread does). Without the
+signal a worker still exits when its parent dies: DataLoader workers watch the parent's PID.
 
 After ``cudaDeviceReset`` the process must not use CUDA again: torch still holds handles
 (cuBLAS, cuDNN, streams) tied to the old context. A worker is exiting anyway; a parent that
@@ -235,14 +239,14 @@ def _release_registered(entries: list[_Registered], devices: set[int], freed: _F
             torch.cuda.synchronize(index)
         except Exception as exc:
             freed.fail(f"synchronize cuda:{index}", exc)
-    for entry in entries:
-        if entry.kind == "callable":
-            try:
-                entry.resource()
-            except Exception as exc:
-                freed.fail("callable", exc)
-        freed.resources_released += 1
-    entries.clear()  # the last references to streams and events
+    callables = [entry.resource for entry in entries if entry.kind == "callable"]
+    freed.resources_released += len(entries)
+    entries.clear()  # the last references to streams and events: dropped once synchronised
+    for release in callables:
+        try:
+            release()
+        except Exception as exc:
+            freed.fail("callable", exc)
 
 
 def _empty_cache(devices: set[int], freed: _Freed) -> None:
@@ -303,7 +307,9 @@ def _device_reset_fn() -> _DeviceReset:
 
         def via_torch(index: int, switch: bool) -> int:
             if switch:
-                cudart.cudaSetDevice(index)
+                code = int(cudart.cudaSetDevice(index) or 0)
+                if code:
+                    return code
             return int(cudart.cudaDeviceReset() or 0)
 
         _reset_fn = via_torch
@@ -340,7 +346,10 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
     """Release the primary context of each device, the current device last.
 
     Switching to a device whose context is already gone would create a new one (CUDA 12
-    ``cudaSetDevice`` initialises the context), hence the order and no switch back.
+    ``cudaSetDevice`` initialises the context), hence the order and no switch back. The
+    runtime's reset acts on the thread's current device, so once another device was reset
+    (and made current), the current device is switched back to (its context still exists)
+    before its own reset.
     """
     try:
         reset = _device_reset_fn()
@@ -349,9 +358,11 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
         return
     ok = True
     order = sorted(devices - {current}) + ([current] if current in devices else [])
+    switched = False
     for index in order:
         try:
-            code = reset(index, index != current)
+            code = reset(index, switched or index != current)
+            switched = switched or index != current
         except Exception as exc:
             freed.fail(f"reset cuda:{index}", exc)
             ok = False
@@ -539,6 +550,9 @@ class WorkerInit:
         self.persistent = persistent
         self.mailbox_dir = mailbox_dir
         self.session_id = session_id
+        self.death_signal = True
+        """Set ``PR_SET_PDEATHSIG`` (with ``release``); ``watch`` clears it for workers
+        started from a thread other than the main thread (NOTE [teardown policy])."""
 
     def __repr__(self) -> str:
         return (
@@ -555,7 +569,7 @@ class WorkerInit:
             os.environ[procs.SESSION_ENV] = self.session_id
         if self.mailbox_dir:
             os.environ[mailbox.MAILBOX_ENV] = self.mailbox_dir
-        if self.release:
+        if self.release and self.death_signal:
             _set_parent_death_signal()
         pid = os.getpid()
         key = procs.process_key(pid)
@@ -757,6 +771,7 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
 
     index = _device_index(device)
     if not force:
+        gc.collect()  # tensors kept only by garbage cycles are not the caller's
         allocated = int(torch.cuda.memory_allocated(index))
         if allocated > 0:
             raise LeakCheckError(

@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -140,6 +141,19 @@ def test_user_worker_init_fn_runs_and_is_restored(tmp_path: Path) -> None:
     pids = {int(p.read_text()) for p in tmp_path.iterdir()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["init-0", "init-1"]
     assert {key.pid for key in watched.tracker.worker_keys()} == pids
+
+
+def test_persistent_workers_started_from_a_thread_outlive_it(no_leak_warnings: None) -> None:
+    # The kernel sends PR_SET_PDEATHSIG when the thread that started a worker exits.
+    lengths: list[int] = []
+    with leakcheck.watch(make(workers=2, persistent_workers=True), grace=0.3) as watched:
+        thread = threading.Thread(target=lambda: lengths.append(len(list(watched))))
+        thread.start()
+        thread.join()
+        lengths.append(len(list(watched)))  # the same workers, their starter thread gone
+    assert lengths == [4, 4]
+    assert len(watched.tracker.worker_keys()) == 2
+    assert [e.end_reason for e in watched.report().epochs] == ["completed"] * 2
 
 
 def test_break_closes_the_epoch_and_the_next_one_runs(no_leak_warnings: None) -> None:

@@ -123,6 +123,14 @@ def test_release_off_reports_identity_only(box: str, tmp_path: Path) -> None:
     assert {int(p.read_text()) for p in tmp_path.iterdir()} == {0}  # no death signal
 
 
+def test_death_signal_off_keeps_the_rest_of_the_policy(box: str, tmp_path: Path) -> None:
+    init = teardown.worker_init_fn(functools.partial(write_marker, str(tmp_path)))
+    init.death_signal = False  # what watch() does for workers started off the main thread
+    pids = set(run_loader(init, workers=2))
+    assert {r["pid"] for r in records(box, "teardown")} == pids
+    assert {int(p.read_text()) for p in tmp_path.iterdir()} == {0}
+
+
 def test_without_mailbox_workers_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(mailbox.MAILBOX_ENV, raising=False)
     pids = run_loader(teardown.worker_init_fn(), workers=2)

@@ -183,6 +183,7 @@ class Tracker:
         # The live subset: each tick walks it, not every process ever seen (a long run with
         # per-epoch workers sees thousands).
         self._live: dict[ProcessKey, _Proc] = {}
+        self._sampling = False
         self._by_pid: dict[int, ProcessKey] = {}
         self._workers: dict[ProcessKey, bool | None] = {}
         self._worker_pids: dict[int, bool | None] = {}
@@ -575,8 +576,22 @@ class Tracker:
 
     def _sample_locked(self, *, epoch_end: bool) -> None:
         """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
-        if self._closed:
+        if self._closed or self._sampling:
+            # Re-entered from the same thread (the lock is re-entrant): a loader iterator
+            # collected by the garbage collector mid-sample closes its epoch from inside
+            # this one. That epoch end uses the sample in progress.
             return
+        self._sampling = True
+        try:
+            self._sample_body(epoch_end=epoch_end)
+        except Exception as error:
+            # Anything unforeseen is recorded, never raised into the caller's loop (and a
+            # dead sampler thread would silently stop tracking); the next sample retries.
+            self._record_failure(f"sample: {type(error).__name__}: {error}", error)
+        finally:
+            self._sampling = False
+
+    def _sample_body(self, *, epoch_end: bool) -> None:
         now = self._now()
         if self._mailbox_dir:
             self._guard(self._read_mailbox, "mailbox")

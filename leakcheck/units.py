@@ -7,6 +7,8 @@ import re
 from leakcheck.errors import UsageError
 from leakcheck.model import MIB
 
+# Beyond this a wait would overflow the OS timers (threading.TIMEOUT_MAX is ~2**32 s).
+_MAX_SECONDS = 1e9
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -76,8 +78,10 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
     if isinstance(value, bool):
         raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise UsageError(f"{source}: expected 0 seconds or more, got {value!r}")
+        if not 0 <= value < _MAX_SECONDS:  # also rejects NaN and inf
+            raise UsageError(
+                f"{source}: expected a finite number of seconds from 0 such as 2, got {value!r}"
+            )
         return float(value)
     text = value.strip().lower()
     scale = 1.0
@@ -89,6 +93,9 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
         seconds = float(text) * scale
     except ValueError:
         raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}") from None
-    if seconds < 0 or seconds != seconds:
-        raise UsageError(f"{source}: expected 0 seconds or more, got {value!r}")
+    if not 0 <= seconds < _MAX_SECONDS:  # also rejects NaN and inf
+        raise UsageError(
+            f"{source}: expected a finite number of seconds from 0 such as 2 or 500ms, "
+            f"got {value!r}"
+        )
     return seconds

@@ -261,3 +261,27 @@ def test_foreign_gpu_process_is_foreign(fake_nvml: FakePynvml) -> None:
     foreign = [p for p in final.processes if p.role == "foreign"]
     assert [p.key.pid for p in foreign] == [1]
     assert foreign[0].gpu_bytes_end == {0: 300 * MIB}
+
+
+def test_unforeseen_failure_in_a_sample_is_recorded_and_sampling_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = {"n": 0}
+    real = procs.nvidia_fds
+
+    def flaky(pid: int) -> dict[int, str] | None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("unforeseen")
+        return real(pid)
+
+    monkeypatch.setattr(procs, "nvidia_fds", flaky)
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        with tracker.epoch("first"):  # its end reads descriptors: the failure happens here
+            time.sleep(0.03)
+        with tracker.epoch("second"):
+            time.sleep(0.05)
+    timeline = tracker.timeline()
+    assert any("RuntimeError: unforeseen" in line for line in timeline.failures)
+    assert [e.label for e in timeline.epochs] == ["first", "second"]
+    assert timeline.epochs[1].samples >= 2

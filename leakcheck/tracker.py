@@ -7,13 +7,16 @@ and starts one daemon sampler thread. Each tick (``interval``) reads the root's 
 from /proc, checks the identities seen before (alive here? still below the root? if not,
 reparented: an orphan), reads NVML's per-PID memory once, and reads the mailbox (exact
 worker identities, teardown records; NOTE [worker mailbox] in mailbox.py). An epoch end is
-one synchronous sample with the costly extras (``/dev/nvidia*`` descriptor counts,
-telemetry, a tag scan of all of /proc for tagged processes that were reparented between
-ticks). Survivors are judged later, from how long after the epoch end each process was still
-seen: so the sampler keeps running between epochs, and ``close()`` waits out the grace
-period (never longer) for processes born in the last epoch. Every failure of leakcheck's own
-is caught in the tick and recorded, never raised into the user's loop (``strict=True``
-re-raises it at the next call instead).
+one synchronous sample with the costlier extras (``/dev/nvidia*`` descriptor counts,
+telemetry); the costliest, a tag scan of all of /proc for tagged processes that were
+reparented between ticks, runs on the sampler's next tick instead, off the caller's thread,
+and once more in ``close()``: what it finds joins the next epoch and the final state.
+Survivors are judged later, from how long after the epoch end each process was still seen:
+so the sampler keeps running between epochs, and ``close()`` waits out the grace period
+(never longer) for processes born in the last epoch. Every failure of leakcheck's own is
+caught in the sample and recorded, never raised into the user's loop (``strict=True``
+re-raises it at the next call instead). A process is only ever walked while alive
+(``_live``), so a tick costs what the job is now, not everything it ever started.
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ class Tracker:
         # per-epoch workers sees thousands).
         self._live: dict[ProcessKey, _Proc] = {}
         self._sampling = False
+        self._tag_scan_due = False
         self._by_pid: dict[int, ProcessKey] = {}
         self._workers: dict[ProcessKey, bool | None] = {}
         self._worker_pids: dict[int, bool | None] = {}
@@ -266,7 +270,7 @@ class Tracker:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 10 * self._interval_s))
         with self._lock:
-            self._sample_locked(epoch_end=True)
+            self._sample_locked(epoch_end=True, scan_tags=True)
             self._final = self._final_state()
             self._closed = True
             self._restore_env()
@@ -313,6 +317,7 @@ class Tracker:
             if current is None:
                 return
             self._sample_locked(epoch_end=True)
+            self._tag_scan_due = True
             current.end_s = self._now()
             current.reason = reason
             current.error = error
@@ -457,7 +462,8 @@ class Tracker:
             with self._lock:
                 if self._closed:
                     return
-                self._sample_locked(epoch_end=False)
+                scan_tags, self._tag_scan_due = self._tag_scan_due, False
+                self._sample_locked(epoch_end=False, scan_tags=scan_tags)
 
     def _guard(self, call: Any, what: str) -> Any:
         """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
@@ -574,7 +580,7 @@ class Tracker:
         self._by_pid[info.key.pid] = info.key
         return proc
 
-    def _sample_locked(self, *, epoch_end: bool) -> None:
+    def _sample_locked(self, *, epoch_end: bool, scan_tags: bool = False) -> None:
         """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
         if self._closed or self._sampling:
             # Re-entered from the same thread (the lock is re-entrant): a loader iterator
@@ -583,7 +589,7 @@ class Tracker:
             return
         self._sampling = True
         try:
-            self._sample_body(epoch_end=epoch_end)
+            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags)
         except Exception as error:
             # Anything unforeseen is recorded, never raised into the caller's loop (and a
             # dead sampler thread would silently stop tracking); the next sample retries.
@@ -591,7 +597,7 @@ class Tracker:
         finally:
             self._sampling = False
 
-    def _sample_body(self, *, epoch_end: bool) -> None:
+    def _sample_body(self, *, epoch_end: bool, scan_tags: bool) -> None:
         now = self._now()
         if self._mailbox_dir:
             self._guard(self._read_mailbox, "mailbox")
@@ -612,7 +618,7 @@ class Tracker:
         root = self._procs.get(self._root_key)
         if root is not None:
             root.last_seen_s = now
-        if epoch_end:
+        if scan_tags:
             self._guard(lambda: self._scan_tagged(now, current), "tag scan")
         for key, proc in list(self._live.items()):
             if key in current:

@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a GPU (it says so); 2 on bad arguments.",
     )
     snapshot.add_argument("--json", action="store_true", help="print JSON instead of text")
+    snapshot.add_argument(
+        "--pid",
+        default=None,
+        metavar="PID",
+        help="a job's root process: also list its descendants with their roles (parent, "
+        "worker, descendant) and its tagged orphans, GPU or not",
+    )
     return parser
 
 
@@ -483,10 +490,23 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
 
 
 def run_snapshot_command(args: argparse.Namespace, out: TextIO) -> int:
-    """``leakcheck snapshot``: print who holds GPU memory now."""
+    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
+    from leakcheck import procs
     from leakcheck.snapshot import take_snapshot
 
-    snapshot = take_snapshot()
+    root_pid: int | None = None
+    if args.pid is not None:
+        text = str(args.pid).strip()
+        if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+            sys.stderr.write(f"{_PROG} snapshot: --pid: expected a process ID > 0, got {text!r}\n")
+            return EXIT_USAGE
+        root_pid = int(text)
+        if procs.process_key(root_pid) is None:
+            sys.stderr.write(
+                f"{_PROG} snapshot: --pid: no running process with PID {root_pid} here\n"
+            )
+            return EXIT_USAGE
+    snapshot = take_snapshot(root_pid=root_pid)
     if args.json:
         out.write(json.dumps(snapshot.to_dict(), indent=2) + "\n")
     else:

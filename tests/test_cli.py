@@ -6,11 +6,13 @@ default sweep is shared by the tests that read its text, JSON and PNG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -372,9 +374,71 @@ def test_snapshot_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_snapshot_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["snapshot", "--pid"]) == 2
+    assert main(["snapshot", "--bogus"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["leakcheck snapshot: unrecognized arguments: --pid"]
+    assert err == ["leakcheck snapshot: unrecognized arguments: --bogus"]
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("x", "expected a process ID > 0, got 'x'"),
+        ("0", "expected a process ID > 0"),
+        ("999999999", "no running process with PID 999999999"),
+    ],
+)
+def test_snapshot_bad_pid_is_one_line(
+    capsys: pytest.CaptureFixture[str], value: str, needle: str
+) -> None:
+    assert main(["snapshot", "--pid", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from leakcheck.snapshot import new_session_id
+
+    tag = new_session_id(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # A middle process starts a tagged sleeper and exits: the sleeper is reparented away.
+    middle = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "print(p.pid)",
+        ],
+        env={**os.environ, "LEAKCHECK_SESSION": tag},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan_pid = int(middle.stdout.strip())
+    orphan = psutil.Process(orphan_pid)
+    try:
+        # Wait until the orphan runs its own program (its tag is read from its environment).
+        for _ in range(100):
+            if "time.sleep(30)" in " ".join(orphan.cmdline()):
+                break
+            time.sleep(0.02)
+        assert main(["snapshot", "--pid", str(os.getpid()), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        by_pid = {entry["pid"]: entry for entry in data["processes"]}
+        assert data["root_pid"] == os.getpid()
+        assert by_pid[os.getpid()]["role"] == "parent"
+        assert by_pid[child.pid]["role"] == "worker"
+        assert by_pid[orphan_pid]["role"] == "orphan"
+        assert "orphan" in by_pid[orphan_pid]["flags"]
+        assert by_pid[orphan_pid]["session"] == tag
+    finally:
+        child.kill()
+        child.wait()
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
 
 
 def test_main_module_runs_main() -> None:

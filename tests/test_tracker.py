@@ -285,3 +285,12 @@ def test_unforeseen_failure_in_a_sample_is_recorded_and_sampling_goes_on(
     assert any("RuntimeError: unforeseen" in line for line in timeline.failures)
     assert [e.label for e in timeline.epochs] == ["first", "second"]
     assert timeline.epochs[1].samples >= 2
+
+
+def test_importing_leakcheck_and_its_core_loads_neither_torch_nor_pynvml() -> None:
+    code = (
+        "import sys, leakcheck; leakcheck.Tracker; leakcheck.watch; leakcheck.Report; "
+        "print('torch' in sys.modules, 'pynvml' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "False"]

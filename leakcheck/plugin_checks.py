@@ -47,7 +47,7 @@ from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
 from leakcheck.model import ProcInfo, Severity
 from leakcheck.procs import SESSION_ENV
-from leakcheck.units import format_mib
+from leakcheck.units import format_mib, shorten_cmdline
 
 if TYPE_CHECKING:
     from leakcheck.model import Finding
@@ -1075,8 +1075,7 @@ def _holding_text(gpu: Mapping[int, int], fds: int | None) -> str:
 
 
 def _short(cmdline: str, width: int = 160) -> str:
-    text = " ".join(cmdline.split()) or "?"
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return shorten_cmdline(cmdline, width)
 
 
 def _culprit_sort_key(culprit: Culprit) -> tuple[int, int, int, str]:

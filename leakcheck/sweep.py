@@ -37,7 +37,7 @@ from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
 from leakcheck.model import MIB, DeviceState, EpochRecord, ProcessEpoch, TeardownRecord
 from leakcheck.progress import Progress
-from leakcheck.units import format_mib
+from leakcheck.units import format_mib, shorten_cmdline
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
@@ -752,8 +752,7 @@ def cleanup_orphans(
 
 
 def _shorten(cmdline: str, width: int = 60) -> str:
-    text = " ".join(cmdline.split()) or "?"
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return shorten_cmdline(cmdline, width)
 
 
 # --------------------------------------------------------------------------- text

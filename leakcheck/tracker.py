@@ -48,7 +48,7 @@ from leakcheck.model import (
     TeardownRecord,
     Timeline,
 )
-from leakcheck.units import parse_duration, parse_size
+from leakcheck.units import parse_duration, parse_size, shorten_cmdline
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
@@ -905,8 +905,7 @@ def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
 
 
 def _short(cmdline: str) -> str:
-    text = " ".join(cmdline.split())
-    return text if len(text) <= _CMDLINE_CHARS else text[: _CMDLINE_CHARS - 3] + "..."
+    return shorten_cmdline(cmdline, _CMDLINE_CHARS, empty="")
 
 
 def _is_runtime_helper(cmdline: str) -> bool:

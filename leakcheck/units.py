@@ -99,3 +99,18 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
             f"got {value!r}"
         )
     return seconds
+
+
+def shorten_cmdline(cmdline: str, width: int = 60, *, empty: str = "?") -> str:
+    """Collapse whitespace and cut a command line to ``width`` characters for display.
+
+    Args:
+        cmdline: The command line.
+        width: At most this many characters, ``...`` included.
+        empty: What an empty command line shows as.
+
+    """
+    text = " ".join(cmdline.split())
+    if not text:
+        return empty
+    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."

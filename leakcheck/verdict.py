@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from leakcheck import units
 from leakcheck.model import (
     MIB,
     DeviceState,
@@ -60,12 +61,7 @@ _LATE_RISE_SHARE = 0.25
 
 def shorten_cmdline(cmdline: str, width: int = _CMD_WIDTH) -> str:
     """Collapse whitespace and cut a command line to ``width`` characters for display."""
-    text = " ".join(cmdline.split())
-    if not text:
-        return "?"
-    if len(text) <= width:
-        return text
-    return text[: max(width - 3, 1)] + "..."
+    return units.shorten_cmdline(cmdline, width)
 
 
 def _per_pid_bytes_known(timeline: Timeline) -> bool:

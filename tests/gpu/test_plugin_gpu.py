@@ -22,27 +22,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 pytest_plugins = ["pytester"]
 
-REPO = Path(__file__).resolve().parents[2]
 ARGS = ("--gpu-leak-check", "--gpu-leak-grace=1", "-p", "no:cacheprovider", "-rA")
-
-
-@pytest.fixture
-def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """A pytester whose subprocess sessions find leakcheck and its entry point."""
-    site = pytester.path.parent / f"{pytester.path.name}-site"
-    dist = site / "leakcheck_plugin_under_test-0.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: leakcheck-plugin-under-test\nVersion: 0.0\n"
-    )
-    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.plugin\n")
-    path = [str(site), str(REPO), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
-    for name in list(os.environ):
-        if name.startswith("LEAKCHECK_") or name.startswith("PYTEST_XDIST"):
-            monkeypatch.delenv(name)
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    return pytester
 
 
 @pytest.fixture

@@ -7,20 +7,17 @@ module cannot be imported by spawn children).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.gpu.scenario import leaks, run_job
+
 pytestmark = pytest.mark.gpu
 
 MIB = 2**20
-REPO = str(Path(__file__).resolve().parents[2])
 
 PRELUDE = textwrap.dedent(
     """
@@ -43,24 +40,7 @@ PRELUDE = textwrap.dedent(
 def run_scenario(tmp_path: Path, body: str, timeout_s: float = 300) -> dict[str, Any]:
     script = tmp_path / "scenario.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result; stdout: {done.stdout[-2000:]} stderr: {done.stderr[-2000:]}"
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
-
-
-def leaks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in report["findings"] if f["severity"] == "leak"]
+    return run_job(str(script), timeout_s)
 
 
 @pytest.mark.parametrize("persistent", [False, True])

@@ -6,20 +6,17 @@ the pytest process (forked tests elsewhere would break) and each job's lineage i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 from typing import Any
 
 import pytest
 
+from tests.gpu.scenario import leaks, run_job
+
 pytestmark = pytest.mark.gpu
 
 MIB = 2**20
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Shared by every scenario: children that allocate a known amount and wait to be told to go.
 PRELUDE = textwrap.dedent(
@@ -67,28 +64,7 @@ def run_scenario(body: str, timeout_s: float = 120) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".py", prefix="leakcheck-scenario-") as handle:
         handle.write(PRELUDE + textwrap.dedent(body))
         handle.flush()
-        return _run_file(handle.name, timeout_s)
-
-
-def _run_file(path: str, timeout_s: float) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run(
-        [sys.executable, path],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result; stdout: {done.stdout[-2000:]} stderr: {done.stderr[-2000:]}"
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
-
-
-def leaks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in report["findings"] if f["severity"] == "leak"]
+        return run_job(handle.name, timeout_s)
 
 
 def test_parent_and_four_children_attributed_to_their_pids() -> None:

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results_io import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS: dict[str, list[str]] = {
@@ -239,12 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result)
     print(text)
     if args.write:
-        out_dir = REPO / "benchmarks" / "results"
-        out_dir.mkdir(parents=True, exist_ok=True)
         device = "gpu" if result["machine"]["gpus"] else "cpu"
-        stem = out_dir / f"plugin-{device}-{time.strftime('%Y%m%d')}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(text + "\n")
+        stem = write_result(f"plugin-{device}-{time.strftime('%Y%m%d')}", result, text)
         print(f"wrote {stem}.json and {stem}.md")
     return 0
 

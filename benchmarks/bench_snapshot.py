@@ -28,6 +28,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from results_io import write_result
+
 from leakcheck import nvml
 from leakcheck.snapshot import take_snapshot
 from leakcheck.tracker import Tracker
@@ -175,13 +177,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, f"snapshot-{time.strftime('%Y%m%d-%H%M%S')}")
-        with open(stem + ".json", "w") as handle:
-            json.dump(payload, handle, indent=2)
-        with open(stem + ".md", "w") as handle:
-            handle.write(text + "\n")
+        write_result(f"snapshot-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
     return 0
 
 

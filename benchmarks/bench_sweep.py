@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results_io import write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -186,13 +187,9 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-        with open(stem + ".json", "w") as handle:
-            json.dump({"meta": meta, "results": results}, handle, indent=2)
-        with open(stem + ".md", "w") as handle:
-            handle.write(text + "\n")
+        stem = write_result(
+            f"sweep-{time.strftime('%Y%m%d-%H%M%S')}", {"meta": meta, "results": results}, text
+        )
         print(f"wrote {stem}.md and .json", file=sys.stderr)
     return 0
 

@@ -15,7 +15,6 @@ Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from results_io import write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -194,13 +194,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, f"watch-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}")
-        with open(stem + ".json", "w") as handle:
-            json.dump(payload, handle, indent=2)
-        with open(stem + ".md", "w") as handle:
-            handle.write(text + "\n")
+        write_result(f"watch-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
     return 0
 
 

@@ -1,0 +1,21 @@
+"""Where benchmark results go: ``benchmarks/results/<stem>.json`` and ``.md``, side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def write_result(stem: str, payload: Any, text: str) -> str:
+    """Write the run's data as JSON and its table as Markdown; return the path stem."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, stem)
+    with open(path + ".json", "w") as handle:
+        json.dump(payload, handle, indent=2)
+        handle.write("\n")
+    with open(path + ".md", "w") as handle:
+        handle.write(text + "\n")
+    return path

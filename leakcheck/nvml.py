@@ -39,7 +39,7 @@ import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -600,6 +600,29 @@ def get() -> Nvml:
         else:
             _instance._ensure()
         return _instance
+
+
+def gpu_bytes_by_pid(
+    processes: Iterable[GpuProcess],
+) -> tuple[dict[int, dict[int, int]], set[int]]:
+    """Group NVML's process list by PID.
+
+    Returns:
+        Used bytes per device index for each PID (the devices where its bytes are known), and
+        the PIDs listed somewhere without a byte count.
+
+    """
+    by_pid: dict[int, dict[int, int]] = {}
+    unknown: set[int] = set()
+    for entry in processes:
+        per_device = by_pid.setdefault(entry.pid, {})
+        if entry.used_gpu_bytes is None:
+            unknown.add(entry.pid)
+        else:
+            per_device[entry.device_index] = (
+                per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
+            )
+    return by_pid, unknown
 
 
 def own_descriptors() -> frozenset[int]:

@@ -239,16 +239,7 @@ def take_snapshot(
 
     """
     attribution, reason, device_states, gpu_processes = read_gpu_processes(devices)
-    gpu_by_pid: dict[int, dict[int, int]] = {}
-    unknown_pids: set[int] = set()
-    for gpu_process in gpu_processes:
-        per_device = gpu_by_pid.setdefault(gpu_process.pid, {})
-        if gpu_process.used_gpu_bytes is None:
-            unknown_pids.add(gpu_process.pid)
-        else:
-            per_device[gpu_process.device_index] = (
-                per_device.get(gpu_process.device_index, 0) + gpu_process.used_gpu_bytes
-            )
+    gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
     every = {info.key.pid: info for info in procs.scan_all(with_cmdline=True)}
     lineage: set[int] = set()

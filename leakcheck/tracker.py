@@ -664,16 +664,7 @@ class Tracker:
                     epoch.device_peak[index] = used
 
     def _attribute_gpu(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
-        by_pid: dict[int, dict[int, int]] = {}
-        unknown: set[int] = set()
-        for entry in gpu:
-            per_device = by_pid.setdefault(entry.pid, {})
-            if entry.used_gpu_bytes is None:
-                unknown.add(entry.pid)
-            else:
-                per_device[entry.device_index] = (
-                    per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
-                )
+        by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)
         for proc in self._live.values():
             proc.gpu_bytes, proc.gpu_unknown = {}, False
         missing: list[int] = []

@@ -447,3 +447,16 @@ def test_real_pynvml_without_driver_is_unavailable_with_one_line_reason() -> Non
     assert "\n" not in reason
     with pytest.raises(NVMLUnavailable):
         nvml.get()
+
+
+def test_gpu_bytes_by_pid_sums_per_device_and_keeps_unknowns_apart() -> None:
+    grouped, unknown = nvml.gpu_bytes_by_pid(
+        [
+            GpuProcess(pid=7, device_index=0, used_gpu_bytes=100),
+            GpuProcess(pid=7, device_index=1, used_gpu_bytes=50),
+            GpuProcess(pid=7, device_index=1, used_gpu_bytes=25),
+            GpuProcess(pid=9, device_index=0, used_gpu_bytes=None),
+        ]
+    )
+    assert grouped == {7: {0: 100, 1: 75}, 9: {}}
+    assert unknown == {9}

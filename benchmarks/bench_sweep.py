@@ -4,17 +4,34 @@ For each worker count, one round builds the built-in workload's DataLoader and i
 for E epochs twice: bare, and under a ``Tracker`` exactly as ``leakcheck sweep`` does (one
 tracker per configuration, ``tracker.epoch`` around each epoch, workers registered at
 ``iter()``, sampling every 50 ms). Rounds alternate the order (bare first, then tracked
-first) so that drift (clocks, temperature, page cache) falls on both alike. Reported: median
-wall seconds of the epochs (what a training loop pays) and of the whole configuration
-(loader, epochs, tracker start and close), the ratio tracked/bare, and the median cost of one
-``Tracker.sample()`` while the workers run. Goal: under 2% on the epochs.
+first) so that drift (clocks, temperature, page cache) falls on both alike. Goal: the
+tracker under 2% of the epochs' wall time. Two measures of it, per configuration, side by
+side (``benchmarks/stats.py`` explains both):
+
+* A/B: per repeat, the two adjacent runs give a speed ratio bare s / tracked s, of the
+  epochs (what a training loop pays) and of the whole configuration (loader, epochs, tracker
+  start, close and report); the median slowdown ``1 - ratio`` in % over repeats, with its
+  95% bootstrap interval (with 3 repeats the interval is about their range: the honest
+  answer that 3 repeats resolve little).
+* Accounted cost: what the tracker itself spent, from ``tracker.cost()``:
+  ``(caller_wall_s + sampler_cpu_s) / tracked epochs wall s``, the counters read just before
+  the first epoch and just after the last; and over the whole configuration, adding the
+  caller's own timing of the tracker's construction, start and report. The caller's time in
+  tracker calls is paid in full; the sampler thread delays the loop at most by its CPU time
+  (the GIL) where there are spare cores; so this bounds the slowdown from above and does not
+  drown in run-to-run noise.
+
+With persistent workers, the tracked run also times ``Tracker.sample()`` 20 times while the
+workers are alive (the sampler's per-tick path); that probe is the benchmark's own, so its
+wall time and its cost are left out of the total and of the accounted cost.
 
 The loaders are identical in both arms: the teardown policy is off in both by default
 (``--teardown`` turns it on in both), so only the measuring is compared.
 
 Usage: python benchmarks/bench_sweep.py [--workers 0,4,8] [--epochs 3] [--repeats 5]
        [--batches 128] [--features 1024] [--start-method spawn] [--teardown] [--write]
-       (--write: benchmarks/results/sweep-<date>.{json,md})
+       (--write: benchmarks/results/sweep-<date>.{json,md}, rewritten after each
+       configuration, so a run stopped at a time limit keeps what it finished)
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import stats
 from results_io import write_result
 
 import leakcheck
@@ -37,6 +55,29 @@ from leakcheck import nvml
 from leakcheck.sweep import _register_workers
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
+
+GOAL_PCT = 2.0
+COST_FIELDS = ("samples", "sample_wall_s", "sampler_cpu_s", "caller_wall_s")
+PROBE_SAMPLES = 20
+
+
+def _require_cost_api() -> None:
+    """Stop at once, before the long run, if the tracker cannot account for its cost."""
+    if not hasattr(Tracker, "cost"):
+        raise SystemExit(
+            "bench_sweep: this leakcheck's Tracker has no cost() (needed for the accounted "
+            "cost); update leakcheck"
+        )
+
+
+def _cost(tracker: Any) -> dict[str, float]:
+    """The tracker's cost counters so far (``TrackerCost``), as plain numbers."""
+    cost = tracker.cost()
+    return {name: float(getattr(cost, name)) for name in COST_FIELDS}
+
+
+def _cost_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in COST_FIELDS}
 
 
 def _iterate(loader: Any, tracker: Tracker | None, epoch: int) -> int:
@@ -53,114 +94,126 @@ def _iterate(loader: Any, tracker: Tracker | None, epoch: int) -> int:
     return batches
 
 
-def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[str, float]:
-    """One configuration, bare or tracked: wall seconds of the epochs and of everything."""
+def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[str, Any]:
+    """One configuration, bare or tracked: wall seconds of the epochs and of everything.
+
+    Tracked, also what the tracker spent: over the epochs (``epochs_cost``) and over the
+    whole configuration (``total_cost``, with ``own_s``: construction, start and report,
+    timed here), the probe of ``Tracker.sample()`` left out of both and of ``total_s``.
+    """
     started = time.perf_counter()
     tracker = None
+    own_s = 0.0
     if tracked:
         tracker = Tracker(interval=0.05, grace=2.0, use_nvml=spec.gpu).start()
+        own_s += time.perf_counter() - started
+        after_start = _cost(tracker)
     loader = make_loader(spec, workers)
     epochs_s = 0.0
-    sample_ms: list[float] = []
+    if tracker is not None:
+        before_epochs = _cost(tracker)
     for epoch in range(epochs):
         epoch_start = time.perf_counter()
         _iterate(loader, tracker, epoch)
         epochs_s += time.perf_counter() - epoch_start
-    if tracker is not None and spec.persistent_workers and workers:
-        # Workers are alive between epochs: time the sampler's per-tick path on them.
-        for _ in range(20):
-            tick = time.perf_counter()
-            tracker.sample()
-            sample_ms.append((time.perf_counter() - tick) * 1000)
+    result: dict[str, Any] = {"epochs_s": epochs_s}
+    probe_s = 0.0
+    probe = dict.fromkeys(COST_FIELDS, 0.0)
+    if tracker is not None:
+        result["epochs_cost"] = _cost_delta(before_epochs, _cost(tracker))
+        if spec.persistent_workers and workers:
+            # Workers are alive between epochs: time the sampler's per-tick path on them.
+            probe_start = time.perf_counter()
+            before_probe = _cost(tracker)
+            sample_ms: list[float] = []
+            for _ in range(PROBE_SAMPLES):
+                tick = time.perf_counter()
+                tracker.sample()
+                sample_ms.append((time.perf_counter() - tick) * 1000)
+            probe = _cost_delta(before_probe, _cost(tracker))
+            probe_s = time.perf_counter() - probe_start
+            result["sample_ms"] = statistics.median(sample_ms)
     del loader
     gc.collect()
     if tracker is not None:
         tracker.close()
+        closed = _cost(tracker)
+        report_start = time.perf_counter()
         tracker.report()
-    total_s = time.perf_counter() - started
-    result = {"epochs_s": epochs_s, "total_s": total_s}
-    if sample_ms:
-        result["sample_ms"] = statistics.median(sample_ms)
+        own_s += time.perf_counter() - report_start
+        # The sampler's CPU from its start; the caller's counter from after start(), whose
+        # time is in own_s (whether or not the counter includes it).
+        total_cost = _cost_delta(after_start, closed)
+        total_cost["sampler_cpu_s"] = closed["sampler_cpu_s"]
+        result["total_cost"] = _cost_delta(probe, total_cost)
+        result["own_s"] = own_s
+    result["total_s"] = time.perf_counter() - started - probe_s
     return result
+
+
+def _spent_s(cost: dict[str, float]) -> float:
+    return cost["caller_wall_s"] + cost["sampler_cpu_s"]
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", default=None, help="default 0,4,8 with a GPU, 0,2 without")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batches", type=int, default=128)
-    parser.add_argument("--features", type=int, default=1024)
-    parser.add_argument("--start-method", default="spawn")
-    parser.add_argument("--teardown", action="store_true")
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args()
+def _configuration(
+    runs: dict[str, list[dict[str, Any]]],
+) -> tuple[dict[str, Any], dict[str, stats.Summary]]:
+    """Medians per arm, per-repeat pairs, A/B and accounted summaries with verdicts.
 
-    gpu, gpu_reason = nvml.availability()
-    workers_text = args.workers or ("0,4,8" if gpu else "0,2")
-    worker_counts = [int(part) for part in workers_text.split(",")]
-    base = WorkloadSpec(
-        batches=args.batches,
-        features=args.features,
-        start_method=args.start_method,
-        teardown=args.teardown,
-        gpu=gpu,
-    )
-    results: dict[str, Any] = {}
-    for workers in worker_counts:
-        # Persistent workers too, so the sampler's cost with live workers is measured.
-        for persistent in (False, True) if workers else (False,):
-            spec = WorkloadSpec(**{**base.__dict__, "persistent": persistent})
-            name = f"{workers} workers" + (" persistent" if persistent else "")
-            runs: dict[str, list[dict[str, float]]] = {"bare": [], "tracked": []}
-            _run(spec, workers, 1, tracked=False)  # warm-up: imports, page cache, CUDA
-            for repeat in range(args.repeats):
-                order = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
-                for arm in order:
-                    runs[arm].append(_run(spec, workers, args.epochs, tracked=arm == "tracked"))
-            entry: dict[str, Any] = {"raw": runs}
-            for key in ("epochs_s", "total_s"):
-                bare = _median([r[key] for r in runs["bare"]])
-                tracked = _median([r[key] for r in runs["tracked"]])
-                entry[key] = {"bare": bare, "tracked": tracked, "ratio": tracked / bare}
-            samples = [r["sample_ms"] for r in runs["tracked"] if "sample_ms" in r]
-            entry["sample_ms"] = _median(samples) if samples else None
-            results[name] = entry
-            print(
-                f"{name}: epochs {entry['epochs_s']['bare']:.3f} s bare, "
-                f"{entry['epochs_s']['tracked']:.3f} s tracked "
-                f"({(entry['epochs_s']['ratio'] - 1) * 100:+.1f}%)",
-                file=sys.stderr,
-            )
-
-    meta: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "leakcheck": leakcheck.__version__,
-        "torch": sys.modules["torch"].__version__ if "torch" in sys.modules else None,
-        "gpu": gpu_reason or "available",
-        "workers": worker_counts,
-        "epochs": args.epochs,
-        "repeats": args.repeats,
-        "batches": args.batches,
-        "features": args.features,
-        "start_method": args.start_method,
-        "teardown": args.teardown,
+    Returns the JSON-able entry and the summaries themselves (for the Markdown).
+    """
+    entry: dict[str, Any] = {"raw": runs}
+    for key in ("epochs_s", "total_s"):
+        bare = _median([r[key] for r in runs["bare"]])
+        tracked = _median([r[key] for r in runs["tracked"]])
+        entry[key] = {"bare": bare, "tracked": tracked, "ratio": tracked / bare}
+    samples = [r["sample_ms"] for r in runs["tracked"] if "sample_ms" in r]
+    entry["sample_ms"] = _median(samples) if samples else None
+    repeats: list[dict[str, Any]] = []
+    for bare, tracked in zip(runs["bare"], runs["tracked"], strict=True):
+        repeats.append(
+            {
+                "epochs_speed_ratio": bare["epochs_s"] / tracked["epochs_s"],
+                "total_speed_ratio": bare["total_s"] / tracked["total_s"],
+                "accounted_epochs_pct": _spent_s(tracked["epochs_cost"])
+                / tracked["epochs_s"]
+                * 100,
+                "accounted_total_pct": (_spent_s(tracked["total_cost"]) + tracked["own_s"])
+                / tracked["total_s"]
+                * 100,
+            }
+        )
+    entry["repeats"] = repeats
+    measures = {
+        "ab_epochs": stats.slowdown_summary([r["epochs_speed_ratio"] for r in repeats]),
+        "ab_total": stats.slowdown_summary([r["total_speed_ratio"] for r in repeats]),
+        "accounted_epochs": stats.summarize([r["accounted_epochs_pct"] for r in repeats]),
+        "accounted_total": stats.summarize([r["accounted_total_pct"] for r in repeats]),
     }
-    if gpu:
-        meta["gpu"] = nvml.get().memory()[0].name
-        try:
-            import pynvml
+    for name, summary in measures.items():
+        judge = stats.bound_verdict if name.startswith("accounted") else stats.verdict
+        entry[name] = {**summary.to_dict(), "verdict": judge(summary, GOAL_PCT)}
+    return entry, measures
 
-            meta["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception as error:
-            meta["driver"] = f"unknown ({error})"
+
+MEASURES = (
+    ("ab_epochs", "A/B slowdown, epochs", True),
+    ("accounted_epochs", "accounted cost, epochs (upper bound)", False),
+    ("ab_total", "A/B slowdown, whole configuration", True),
+    ("accounted_total", "accounted cost, whole configuration (upper bound)", False),
+)
+
+
+def _render(
+    meta: dict[str, Any],
+    results: dict[str, Any],
+    summaries: dict[str, dict[str, stats.Summary]],
+    args: argparse.Namespace,
+) -> str:
     lines = [
         "# Sweep overhead: the same loaders with and without leakcheck's Tracker",
         "",
@@ -170,7 +223,12 @@ def main() -> int:
         "",
         f"{args.batches} batches of 64x{args.features} per epoch, {args.epochs} epochs, "
         f"{args.repeats} alternating repeats, start method {args.start_method}, teardown "
-        f"{'on' if args.teardown else 'off'} in both arms; medians. Goal: epochs under +2%.",
+        f"{'on' if args.teardown else 'off'} in both arms; medians. Goal: tracker under "
+        f"{GOAL_PCT:g}% of the epochs' wall time.",
+    ]
+    if not meta["complete"]:
+        lines += ["", "**Partial: the run has not finished (or stopped) after these rows.**"]
+    lines += [
         "",
         "| configuration | epochs bare s | epochs tracked s | epochs overhead | "
         "total bare s | total tracked s | total overhead | Tracker.sample() ms |",
@@ -184,13 +242,151 @@ def main() -> int:
             f"{(epochs['ratio'] - 1) * 100:+.1f}% | {total['bare']:.3f} | "
             f"{total['tracked']:.3f} | {(total['ratio'] - 1) * 100:+.1f}% | {sample} |"
         )
-    text = "\n".join(lines)
+    lines += [
+        "",
+        "Per repeat (bare and tracked adjacent; slowdown = 1 - bare s / tracked s; accounted "
+        "= tracker caller wall + sampler CPU over the tracked wall time):",
+        "",
+        "| configuration | repeat | order | epochs slowdown | total slowdown | "
+        "caller ms | sampler CPU ms | samples | accounted epochs | accounted total |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, entry in results.items():
+        for index, (pair, tracked) in enumerate(
+            zip(entry["repeats"], entry["raw"]["tracked"], strict=True)
+        ):
+            cost = tracked["epochs_cost"]
+            order = "bare/tracked" if index % 2 == 0 else "tracked/bare"
+            lines.append(
+                f"| {name} | {index} | {order} | "
+                f"{stats.slowdown_pct(pair['epochs_speed_ratio']):+.2f}% | "
+                f"{stats.slowdown_pct(pair['total_speed_ratio']):+.2f}% | "
+                f"{cost['caller_wall_s'] * 1000:.1f} | {cost['sampler_cpu_s'] * 1000:.1f} | "
+                f"{cost['samples']:.0f} | {pair['accounted_epochs_pct']:.3f}% | "
+                f"{pair['accounted_total_pct']:.3f}% |"
+            )
+    lines += [
+        "",
+        f"## Summary (goal: the tracker under {GOAL_PCT:g}% of the wall time)",
+        "",
+        "| configuration | measure | median | 95% CI of the median | over repeats | verdict |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for name, entry in results.items():
+        for key, label, signed in MEASURES:
+            summary = summaries[name][key]
+            spread = (
+                f"{summary.minimum:+.2f}% .. {summary.maximum:+.2f}%"
+                if signed
+                else f"max {summary.maximum:.3f}%"
+            )
+            lines.append(
+                f"| {name} | {label} | {stats.format_pct(summary.median, signed=signed)} | "
+                f"{stats.format_ci(summary, signed=signed)} | {spread} | "
+                f"{entry[key]['verdict']} |"
+            )
+    lines += [
+        "",
+        "A/B: median over repeats of the paired slowdown, percentile bootstrap of the median "
+        f"({stats.RESAMPLES} resamples, seed {stats.SEED}). Accounted: read from "
+        "tracker.cost(); an upper bound of the slowdown where the sampler thread has a spare "
+        "core. The goal applies to the epochs; the whole configuration's rows add the "
+        "tracker's start, close (its grace wait) and report.",
+    ]
+    return "\n".join(lines)
+
+
+def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "leakcheck": leakcheck.__version__,
+        "torch": None,
+        "gpu": gpu_reason or "available",
+        "workers": args.workers,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "batches": args.batches,
+        "features": args.features,
+        "start_method": args.start_method,
+        "teardown": args.teardown,
+        "goal_pct": GOAL_PCT,
+        "complete": False,
+    }
+    if gpu:
+        meta["gpu"] = nvml.get().memory()[0].name
+        try:
+            import pynvml
+
+            meta["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as error:
+            meta["driver"] = f"unknown ({error})"
+    return meta
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--workers", default=None, help="default 0,4,8 with a GPU, 0,2 without")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=128)
+    parser.add_argument("--features", type=int, default=1024)
+    parser.add_argument("--start-method", default="spawn")
+    parser.add_argument("--teardown", action="store_true")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    _require_cost_api()
+
+    gpu, gpu_reason = nvml.availability()
+    workers_text = args.workers or ("0,4,8" if gpu else "0,2")
+    worker_counts = [int(part) for part in workers_text.split(",")]
+    args.workers = worker_counts
+    base = WorkloadSpec(
+        batches=args.batches,
+        features=args.features,
+        start_method=args.start_method,
+        teardown=args.teardown,
+        gpu=gpu,
+    )
+    meta = _meta(args, gpu, gpu_reason)
+    stem = f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    results: dict[str, Any] = {}
+    summaries: dict[str, dict[str, stats.Summary]] = {}
+    for workers in worker_counts:
+        # Persistent workers too, so the sampler's cost with live workers is measured.
+        for persistent in (False, True) if workers else (False,):
+            spec = WorkloadSpec(**{**base.__dict__, "persistent": persistent})
+            name = f"{workers} workers" + (" persistent" if persistent else "")
+            runs: dict[str, list[dict[str, Any]]] = {"bare": [], "tracked": []}
+            _run(spec, workers, 1, tracked=False)  # warm-up: imports, page cache, CUDA
+            for repeat in range(args.repeats):
+                order = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
+                for arm in order:
+                    runs[arm].append(_run(spec, workers, args.epochs, tracked=arm == "tracked"))
+            results[name], summaries[name] = _configuration(runs)
+            ab, accounted = summaries[name]["ab_epochs"], summaries[name]["accounted_epochs"]
+            print(
+                f"{name}: epochs {results[name]['epochs_s']['bare']:.3f} s bare, "
+                f"{results[name]['epochs_s']['tracked']:.3f} s tracked; A/B slowdown "
+                f"{stats.format_pct(ab.median)} {stats.format_ci(ab)}, accounted "
+                f"{stats.format_pct(accounted.median, signed=False)} "
+                f"(max {accounted.maximum:.3f}%)",
+                file=sys.stderr,
+            )
+            meta["torch"] = sys.modules["torch"].__version__ if "torch" in sys.modules else None
+            if args.write:
+                # After each configuration: a run stopped at a time limit keeps these.
+                text = _render(meta, results, summaries, args)
+                write_result(stem, {"meta": meta, "results": results}, text)
+
+    meta["complete"] = True
+    text = _render(meta, results, summaries, args)
     print(text)
     if args.write:
-        stem = write_result(
-            f"sweep-{time.strftime('%Y%m%d-%H%M%S')}", {"meta": meta, "results": results}, text
-        )
-        print(f"wrote {stem}.md and .json", file=sys.stderr)
+        path = write_result(stem, {"meta": meta, "results": results}, text)
+        print(f"wrote {path}.md and .json", file=sys.stderr)
     return 0
 
 

@@ -350,24 +350,29 @@ def _child_pids_by_scan(pid: int) -> list[int]:
 # reuse: an open /proc file is bound to the process it was opened for, not to the number;
 # once that process is gone and reaped, reading the stat file fails (ESRCH), the cached
 # descriptors are closed and the PID is opened afresh, maybe finding a new process. A
-# children file of a vanished thread reads as empty, so the task list is taken again
-# (listdir) whenever a process has more than one thread. Bounded: at most 256 descriptors
-# and an eighth of RLIMIT_NOFILE (data loaders need descriptors too); entries not used in
-# the last two ``descendants`` calls are closed; forked children close their inherited
-# copies at once (``os.register_at_fork``). Other functions read afresh.
+# children file of a vanished thread reads as empty, so the task list of a process with
+# more than one thread is taken again (listdir) whenever its thread count changes, and at
+# least every ``_RELIST_EVERY`` walks: a thread that replaced another between two walks (same
+# count) is seen within that many walks (under a second at the tracker's default interval),
+# and the epoch-end tag scan finds a tagged child it forked meanwhile. Bounded: at most 256
+# descriptors and an eighth of RLIMIT_NOFILE (data loaders need descriptors too); entries
+# not used in the last two ``descendants`` calls are closed; forked children close their
+# inherited copies at once (``os.register_at_fork``). Other functions read afresh.
 
 _MAX_CACHED_FDS = 256
+_RELIST_EVERY = 16
 
 
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("stat_fd", "task_fds", "used")
+    __slots__ = ("listed", "stat_fd", "task_fds", "used")
 
     def __init__(self, stat_fd: int, used: int) -> None:
         self.stat_fd = stat_fd
         self.task_fds: dict[str, int] = {}
         self.used = used
+        self.listed = -_RELIST_EVERY  # the walk that last took the task list
 
 
 _fd_lock = threading.Lock()
@@ -482,11 +487,14 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
                     data = b""
                 return [int(child) for child in data.split()] if data else []
         tids = [str(pid)]
+    elif len(task_fds) == num_threads and _generation - handles.listed < _RELIST_EVERY:
+        tids = list(task_fds)  # same thread count, listed lately (NOTE [descriptor cache])
     else:
         try:
             tids = os.listdir(f"{_PROC}/{pid}/task")
         except _GONE:
             return []
+        handles.listed = _generation
     if len(task_fds) != len(tids) or any(tid not in task_fds for tid in tids):
         live = set(tids)
         for tid in [tid for tid in task_fds if tid not in live]:

@@ -591,3 +591,57 @@ def test_forked_child_closes_inherited_cache(spawn: Spawn, fresh_cache: None) ->
         child.join(5)
     assert (still_open, handles) == ([], 0)
     assert child.exitcode == 0
+
+
+def _child_from_new_thread(started: list[subprocess.Popen[bytes]]) -> threading.Event:
+    """Start a thread that starts a child (in that thread's children file) and parks."""
+    release = threading.Event()
+    before = len(started)
+
+    def run() -> None:
+        started.append(subprocess.Popen([*PYTHON, "-c", WAIT_STDIN], stdin=subprocess.PIPE))
+        release.wait(10)
+
+    threading.Thread(target=run, daemon=True).start()
+    assert wait_for(lambda: len(started) > before)
+    return release
+
+
+def test_a_child_of_a_thread_that_replaced_another_is_found_within_the_relist_bound() -> None:
+    """The cached task list is reused while the thread count holds (NOTE [descriptor cache]):
+    a new thread's child is found at once when the count changed, and within the relist
+    bound when a thread replaced another between two walks."""
+    me = os.getpid()
+    started: list[subprocess.Popen[bytes]] = []
+    releases: list[threading.Event] = []
+    try:
+        procs.descendants(me, with_cmdline=False)  # cache this process's task list
+        releases.append(_child_from_new_thread(started))  # one thread more
+        found = {info.key.pid for info in procs.descendants(me, with_cmdline=False)}
+        assert started[0].pid in found
+
+        # Same count: a parked thread ends, and another one starts a child.
+        gone = threading.Event()
+
+        def short_lived() -> None:
+            gone.wait(10)
+
+        spare = threading.Thread(target=short_lived, daemon=True)
+        spare.start()
+        procs.descendants(me, with_cmdline=False)  # cached with the spare thread
+        gone.set()
+        spare.join()
+        releases.append(_child_from_new_thread(started))
+        walks = 0
+        while started[1].pid not in {
+            info.key.pid for info in procs.descendants(me, with_cmdline=False)
+        }:
+            walks += 1
+            assert walks <= procs._RELIST_EVERY, "the new thread's child was never found"
+    finally:
+        for release in releases:
+            release.set()
+        for child in started:
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(10)

@@ -210,6 +210,28 @@ class TeardownRecord:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class TrackerCost:
+    """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
+
+    Attributes:
+        samples: Samples taken (sampler ticks, epoch ends, explicit ``sample()`` calls).
+        sample_wall_s: Wall seconds spent inside samples, whichever thread took them.
+        sampler_cpu_s: CPU seconds the background sampler thread used. On a machine with a
+            spare core this is the most it can delay the training thread (it competes for
+            the interpreter lock at most while it runs).
+        caller_wall_s: Wall seconds the calling threads spent inside the tracker's methods
+            (epoch begin and end, worker registration, samples, reports, ``close()`` with
+            its grace wait): time the user's loop pays in full.
+
+    """
+
+    samples: int
+    sample_wall_s: float
+    sampler_cpu_s: float
+    caller_wall_s: float
+
+
 Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
 
 

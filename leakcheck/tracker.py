@@ -21,15 +21,16 @@ re-raises it at the next call instead). A process is only ever walked while aliv
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from leakcheck import mailbox, nvml, procs
 from leakcheck.errors import LeakCheckError, UsageError
@@ -47,6 +48,7 @@ from leakcheck.model import (
     RuleConfig,
     TeardownRecord,
     Timeline,
+    TrackerCost,
 )
 from leakcheck.units import parse_duration, parse_size, shorten_cmdline
 
@@ -57,6 +59,8 @@ if TYPE_CHECKING:
 # Processes the Python runtime starts for itself: they live as long as the parent, by design.
 _RUNTIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _MAX_FAILURES = 50
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 _CMDLINE_CHARS = 160
 
 
@@ -101,6 +105,29 @@ class _Epoch:
         default_factory=dict
     )
     devices: tuple[DeviceState, ...] = ()
+
+
+def _caller_timed(
+    method: Callable[Concatenate[Tracker, _P], _R],
+) -> Callable[Concatenate[Tracker, _P], _R]:
+    """Add the wall time of a public call to the tracker's caller cost (outermost call only)."""
+
+    @functools.wraps(method)
+    def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        calls = tracker._calls
+        if getattr(calls, "depth", 0):
+            return method(tracker, *args, **kwargs)
+        calls.depth = 1
+        started = time.perf_counter()
+        try:
+            return method(tracker, *args, **kwargs)
+        finally:
+            calls.depth = 0
+            elapsed_s = time.perf_counter() - started
+            with tracker._cost_lock:
+                tracker._caller_wall_s += elapsed_s
+
+    return timed
 
 
 class Tracker:
@@ -199,6 +226,13 @@ class Tracker:
         self._pending_error: BaseException | None = None
         self._final: FinalState | None = None
         self._device_used: dict[int, int] = {}
+        # Own cost (``cost()``): what the user's loop and the machine pay for tracking.
+        self._cost_lock = threading.Lock()
+        self._calls = threading.local()
+        self._samples_taken = 0
+        self._sample_wall_s = 0.0
+        self._sampler_cpu_s = 0.0
+        self._caller_wall_s = 0.0
 
     # ----------------------------------------------------------------- properties
 
@@ -224,6 +258,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @_caller_timed
     def start(self) -> Tracker:
         """Take the baseline and start the sampler thread. Idempotent."""
         with self._lock:
@@ -254,6 +289,7 @@ class Tracker:
         self._thread.start()
         return self
 
+    @_caller_timed
     def close(self) -> None:
         """Stop sampling and take the final state. Idempotent.
 
@@ -293,6 +329,7 @@ class Tracker:
 
     # --------------------------------------------------------------------- epochs
 
+    @_caller_timed
     def begin_epoch(self, label: str | None = None) -> int:
         """Open an epoch (closing any open one as ``closed``); returns its index."""
         if not self._started:
@@ -310,6 +347,7 @@ class Tracker:
             self._epochs.append(self._open)
             return index
 
+    @_caller_timed
     def end_epoch(self, reason: EndReason = "completed", error: str | None = None) -> None:
         """Close the open epoch; a no-op when none is open."""
         with self._lock:
@@ -353,6 +391,7 @@ class Tracker:
 
     # -------------------------------------------------------------------- workers
 
+    @_caller_timed
     def register_worker(
         self, pid: int, create_time: float | None = None, *, persistent: bool | None = None
     ) -> None:
@@ -393,11 +432,22 @@ class Tracker:
                 proc.registered_worker = True
                 proc.persistent = persistent
 
+    def cost(self) -> TrackerCost:
+        """What tracking has cost so far (own time of the sampler and of the calling threads)."""
+        with self._cost_lock:
+            return TrackerCost(
+                samples=self._samples_taken,
+                sample_wall_s=self._sample_wall_s,
+                sampler_cpu_s=self._sampler_cpu_s,
+                caller_wall_s=self._caller_wall_s,
+            )
+
     def worker_keys(self) -> list[ProcessKey]:
         """Workers registered so far."""
         with self._lock:
             return sorted(self._workers)
 
+    @_caller_timed
     def sample(self) -> None:
         """Take one sample now, as the sampler thread does every ``interval``."""
         with self._lock:
@@ -410,6 +460,7 @@ class Tracker:
         """Closed epochs so far."""
         return self.timeline().epochs
 
+    @_caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
         from leakcheck.snapshot import take_snapshot
@@ -421,6 +472,7 @@ class Tracker:
         with self._lock:
             return tuple(self._teardowns)
 
+    @_caller_timed
     def timeline(self) -> Timeline:
         """All observations so far, frozen."""
         with self._lock:
@@ -446,6 +498,7 @@ class Tracker:
                 teardowns=tuple(self._teardowns),
             )
 
+    @_caller_timed
     def report(self) -> Report:
         """Judge the timeline (closed epochs, and the final state once closed)."""
         from leakcheck.report import build_report
@@ -459,11 +512,15 @@ class Tracker:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
+            cpu_start_s = time.thread_time()
             with self._lock:
                 if self._closed:
                     return
                 scan_tags, self._tag_scan_due = self._tag_scan_due, False
                 self._sample_locked(epoch_end=False, scan_tags=scan_tags)
+            cpu_s = time.thread_time() - cpu_start_s
+            with self._cost_lock:
+                self._sampler_cpu_s += cpu_s
 
     def _guard(self, call: Any, what: str) -> Any:
         """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
@@ -588,6 +645,7 @@ class Tracker:
             # this one. That epoch end uses the sample in progress.
             return
         self._sampling = True
+        started = time.perf_counter()
         try:
             self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags)
         except Exception as error:
@@ -596,6 +654,10 @@ class Tracker:
             self._record_failure(f"sample: {type(error).__name__}: {error}", error)
         finally:
             self._sampling = False
+            elapsed_s = time.perf_counter() - started
+            with self._cost_lock:
+                self._samples_taken += 1
+                self._sample_wall_s += elapsed_s
 
     def _sample_body(self, *, epoch_end: bool, scan_tags: bool) -> None:
         now = self._now()

@@ -294,3 +294,27 @@ def test_importing_leakcheck_and_its_core_loads_neither_torch_nor_pynvml() -> No
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_cost_counts_sampler_and_caller_time_apart_and_nested_calls_once() -> None:
+    tracker = Tracker(interval=0.01, grace=0.1).start()
+    try:
+        with tracker.epoch():
+            pass
+        after_epoch = tracker.cost()
+        assert after_epoch.samples >= 2  # the baseline and the epoch end at least
+        assert after_epoch.caller_wall_s > 0
+        time.sleep(0.3)  # only the sampler works meanwhile
+        idle = tracker.cost()
+        assert idle.samples > after_epoch.samples
+        assert idle.sampler_cpu_s > after_epoch.sampler_cpu_s
+        assert idle.sample_wall_s > after_epoch.sample_wall_s
+        assert idle.caller_wall_s == after_epoch.caller_wall_s  # the caller did nothing
+        # report() builds the timeline through another timed method: counted once.
+        started = time.perf_counter()
+        tracker.report()
+        outside_s = time.perf_counter() - started
+        added_s = tracker.cost().caller_wall_s - idle.caller_wall_s
+        assert 0 < added_s <= outside_s
+    finally:
+        tracker.close()

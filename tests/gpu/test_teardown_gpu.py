@@ -188,3 +188,63 @@ def test_release_device_refuses_with_live_tensors_then_frees(tmp_path: Path) -> 
     assert result["gpu_bytes_before"] >= 256 * MIB
     assert result["gpu_bytes_after"] == 0
     assert result["listed"] is False
+
+
+TWO_DEVICE_SCENARIO = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    import leakcheck
+    from leakcheck import nvml
+    MIB = 2**20
+
+    class TwoDevices(Dataset):
+        # Each worker holds memory on cuda:0 and cuda:1 and leaves cuda:1 current, so the
+        # teardown must release a context that is not the current one, then the current one.
+        def __len__(self):
+            return 4
+        def __getitem__(self, index):
+            if not hasattr(self, "held"):
+                first = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")
+                torch.cuda.set_device(1)
+                second = torch.empty(96 * MIB, dtype=torch.uint8, device="cuda:1")
+                torch.cuda.synchronize(1)
+                self.held = [first, second]
+            return index
+
+    if __name__ == "__main__":
+        devices = nvml.get().device_count()
+        if devices < 2:
+            print("RESULT " + json.dumps({"devices": devices}))
+            sys.exit(0)
+        loader = DataLoader(TwoDevices(), batch_size=1, num_workers=2,
+                            multiprocessing_context="spawn")
+        watched = leakcheck.watch(loader, on_leak="ignore", grace=1.0)
+        for epoch in range(2):
+            list(watched)
+        watched.close()
+        report = watched.report()
+        workers = [k.pid for k in watched.tracker.worker_keys()]
+        listed = sorted({p.pid for p in nvml.get().processes()} & set(workers))
+        print("RESULT " + json.dumps({"devices": devices, "report": report.to_dict(),
+                                      "workers": workers, "still_listed": listed}))
+    """
+)
+
+
+def test_teardown_releases_every_device_a_worker_used(tmp_path: Path) -> None:
+    result = result_of(run_script(tmp_path, TWO_DEVICE_SCENARIO))
+    if result["devices"] < 2:
+        pytest.skip(f"needs 2 GPUs; this machine has {result['devices']}")
+    records = result["report"]["teardowns"]
+    assert sorted(r["key"]["pid"] for r in records) == sorted(result["workers"])
+    assert len(records) == 4  # 2 workers x 2 epochs
+    for record in records:
+        assert record["error"] is None
+        assert record["cuda_initialized"] is True
+        assert record["context_released"] is True
+        assert record["gpu_bytes_before"] and record["gpu_bytes_before"] > 160 * MIB
+        assert record["left_nvml"] is True  # gone from every device, not only the current
+    assert result["still_listed"] == []
+    assert [f for f in result["report"]["findings"] if f["severity"] == "leak"] == []

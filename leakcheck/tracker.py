@@ -3,10 +3,14 @@
 NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes,
 processes already below the root: those are pre-existing and never judged as survivors),
 exports ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them,
-and starts one daemon sampler thread. Each tick (``interval``) reads the root's descendants
-from /proc, checks the identities seen before (alive here? still below the root? if not,
-reparented: an orphan), reads NVML's per-PID memory once, and reads the mailbox (exact
-worker identities, teardown records; NOTE [worker mailbox] in mailbox.py). An epoch end is
+and starts one daemon sampler thread. Each tick (``interval``) reads NVML's per-PID memory
+once (the peaks are GPU memory, so this runs at the full rate) and the mailbox (exact worker
+identities, teardown records; NOTE [worker mailbox] in mailbox.py). Every ``_WALK_EVERY``-th
+tick, and at once when NVML lists a PID the tracker has not placed yet, it also walks the
+root's descendants from /proc and checks the identities seen before (alive here? still
+below the root? if not, reparented: an orphan): the walk is most of a tick's cost, and a
+process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
+late, while every epoch end, ``sample()`` and ``close()`` walk at once. An epoch end is
 one synchronous sample with the costlier extras (``/dev/nvidia*`` descriptor counts,
 telemetry); the costliest, a tag scan of all of /proc for tagged processes that were
 reparented between ticks, runs on the sampler's next tick instead, off the caller's thread,
@@ -59,6 +63,8 @@ if TYPE_CHECKING:
 # Processes the Python runtime starts for itself: they live as long as the parent, by design.
 _RUNTIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _MAX_FAILURES = 50
+# The sampler walks the process tree on every _WALK_EVERY-th tick (NOTE [tracker lifecycle]).
+_WALK_EVERY = 4
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _CMDLINE_CHARS = 160
@@ -215,6 +221,7 @@ class Tracker:
         self._live: dict[ProcessKey, _Proc] = {}
         self._sampling = False
         self._tag_scan_due = False
+        self._ticks_since_walk = 0
         self._by_pid: dict[int, ProcessKey] = {}
         self._workers: dict[ProcessKey, bool | None] = {}
         self._worker_pids: dict[int, bool | None] = {}
@@ -517,7 +524,9 @@ class Tracker:
                 if self._closed:
                     return
                 scan_tags, self._tag_scan_due = self._tag_scan_due, False
-                self._sample_locked(epoch_end=False, scan_tags=scan_tags)
+                self._ticks_since_walk += 1
+                walk = scan_tags or self._ticks_since_walk >= _WALK_EVERY
+                self._sample_locked(epoch_end=False, scan_tags=scan_tags, walk=walk)
             cpu_s = time.thread_time() - cpu_start_s
             with self._cost_lock:
                 self._sampler_cpu_s += cpu_s
@@ -637,7 +646,9 @@ class Tracker:
         self._by_pid[info.key.pid] = info.key
         return proc
 
-    def _sample_locked(self, *, epoch_end: bool, scan_tags: bool = False) -> None:
+    def _sample_locked(
+        self, *, epoch_end: bool, scan_tags: bool = False, walk: bool = True
+    ) -> None:
         """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
         if self._closed or self._sampling:
             # Re-entered from the same thread (the lock is re-entrant): a loader iterator
@@ -647,7 +658,7 @@ class Tracker:
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags)
+            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags, walk=walk)
         except Exception as error:
             # Anything unforeseen is recorded, never raised into the caller's loop (and a
             # dead sampler thread would silently stop tracking); the next sample retries.
@@ -659,45 +670,25 @@ class Tracker:
                 self._samples_taken += 1
                 self._sample_wall_s += elapsed_s
 
-    def _sample_body(self, *, epoch_end: bool, scan_tags: bool) -> None:
+    def _sample_body(self, *, epoch_end: bool, scan_tags: bool, walk: bool) -> None:
         now = self._now()
         if self._mailbox_dir:
             self._guard(self._read_mailbox, "mailbox")
-        # Command lines are read once per new process, not per tick (NOTE [tracker lifecycle]).
-        lineage = self._guard(
-            lambda: procs.descendants(self._root_pid, with_cmdline=False), "lineage"
-        )
-        if lineage is None:
-            return
-        current: set[ProcessKey] = {self._root_key}
-        for info in lineage:
-            proc = self._procs.get(info.key)
-            if proc is None:
-                proc = self._add_proc(procs.read_proc(info.key.pid) or info, now=now)
-            proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
-            proc.was_in_lineage = True
-            current.add(info.key)
-        root = self._procs.get(self._root_key)
-        if root is not None:
-            root.last_seen_s = now
-        if scan_tags:
-            self._guard(lambda: self._scan_tagged(now, current), "tag scan")
-        for key, proc in list(self._live.items()):
-            if key in current:
-                continue
-            if procs.is_alive(key):
-                proc.last_seen_s = now
-                if not proc.foreign:
-                    proc.in_lineage = False  # alive but no longer below the root: reparented
-                    info = procs.read_proc(key.pid, with_cmdline=False)
-                    if info is not None:
-                        proc.ppid = info.ppid
-            else:
-                self._mark_exited(proc, now)
+        gpu: tuple[GpuProcess, ...] | None = None
+        if not walk and self._nvml is not None:
+            gpu = self._read_gpu_processes()
+            if gpu is not None and any(entry.pid not in self._by_pid for entry in gpu):
+                # A process new on the GPU: place it in the tree before attributing it, and
+                # read NVML after the walk, as a walking tick does.
+                walk = True
+        if walk:
+            if not self._walk(now, scan_tags=scan_tags):
+                return
+            if self._nvml is not None:
+                gpu = self._read_gpu_processes()
+        if gpu is not None:
+            self._attribute_gpu(gpu, now)
         if self._nvml is not None:
-            gpu = self._guard(lambda: self._nvml.processes(self._devices), "nvml processes")
-            if gpu is not None:
-                self._attribute_gpu(gpu, now)
             memory = self._guard(lambda: self._nvml.memory(self._devices), "nvml memory")
             if memory is not None:
                 self._device_used = {state.index: state.used_bytes for state in memory}
@@ -724,6 +715,54 @@ class Tracker:
             for index, used in self._device_used.items():
                 if used > epoch.device_peak.get(index, 0):
                     epoch.device_peak[index] = used
+
+    def _read_gpu_processes(self) -> tuple[GpuProcess, ...] | None:
+        nvml_handle = self._nvml
+        if nvml_handle is None:
+            return None
+        result: tuple[GpuProcess, ...] | None = self._guard(
+            lambda: nvml_handle.processes(self._devices), "nvml processes"
+        )
+        return result
+
+    def _walk(self, now: float, *, scan_tags: bool) -> bool:
+        """Walk the root's descendants: new, reparented and exited processes.
+
+        Returns False when the lineage could not be read (recorded as a failure).
+        """
+        self._ticks_since_walk = 0
+        # Command lines are read once per new process, not per tick (NOTE [tracker lifecycle]).
+        lineage = self._guard(
+            lambda: procs.descendants(self._root_pid, with_cmdline=False), "lineage"
+        )
+        if lineage is None:
+            return False
+        current: set[ProcessKey] = {self._root_key}
+        for info in lineage:
+            proc = self._procs.get(info.key)
+            if proc is None:
+                proc = self._add_proc(procs.read_proc(info.key.pid) or info, now=now)
+            proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            proc.was_in_lineage = True
+            current.add(info.key)
+        root = self._procs.get(self._root_key)
+        if root is not None:
+            root.last_seen_s = now
+        if scan_tags:
+            self._guard(lambda: self._scan_tagged(now, current), "tag scan")
+        for key, proc in list(self._live.items()):
+            if key in current:
+                continue
+            if procs.is_alive(key):
+                proc.last_seen_s = now
+                if not proc.foreign:
+                    proc.in_lineage = False  # alive but no longer below the root: reparented
+                    info = procs.read_proc(key.pid, with_cmdline=False)
+                    if info is not None:
+                        proc.ppid = info.ppid
+            else:
+                self._mark_exited(proc, now)
+        return True
 
     def _attribute_gpu(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
         by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)

@@ -318,3 +318,40 @@ def test_cost_counts_sampler_and_caller_time_apart_and_nested_calls_once() -> No
         assert 0 < added_s <= outside_s
     finally:
         tracker.close()
+
+
+def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [tracker lifecycle]: ticks that do not walk /proc still read NVML; a PID new on
+    the GPU is placed in the tree at once, never taken for a foreign process."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
+    device = fake_nvml.devices[0]
+    known = CTX.Process(target=_hold, args=(30,))
+    # Started without this session's tag: only the walk can tell it is the job's.
+    env = {k: v for k, v in os.environ.items() if k != procs.SESSION_ENV}
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        with tracker.epoch():
+            known.start()
+            tracker.sample()  # one walk: the worker is known from here on
+            _set_process(device, known.pid or 0, 900 * MIB)
+            time.sleep(0.1)  # sampler ticks only
+            _set_process(device, known.pid or 0, 300 * MIB)
+            untagged = subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(30)"], env=env
+            )
+            _set_process(device, untagged.pid, 200 * MIB)
+            time.sleep(0.1)
+        record = tracker.epochs()[-1]
+        known.kill()
+        known.join()
+        untagged.kill()
+        untagged.wait()
+        _set_process(device, known.pid or 0, None)
+        _set_process(device, untagged.pid, None)
+    by_pid = {p.key.pid: p for p in record.processes}
+    assert by_pid[known.pid or 0].gpu_bytes_peak == {0: 900 * MIB}  # seen between walks
+    assert by_pid[untagged.pid].role != "foreign"
+    assert by_pid[untagged.pid].gpu_bytes_peak == {0: 200 * MIB}

@@ -1,7 +1,10 @@
 """Cost of one sample of a job with 64 child processes, side by side with the alternatives.
 
 Measured in one run, same job, interleaved rounds:
-- ``Tracker.sample()``: leakcheck's per-tick path (lineage from /proc + NVML per-PID memory);
+- ``Tracker.sample()``: leakcheck's per-tick path with a walk (lineage from /proc, a quick walk
+  as the sampler's: NOTE [quick walk] in leakcheck/procs.py, + NVML per-PID memory);
+- ``tracker_sample_full``: the same sample with every process read in full, as at an epoch end
+  (without the epoch end's descriptor counts and telemetry);
 - ``take_snapshot(with_fds=False)``: the full snapshot (all of /proc, trees, tags);
 - ``nvidia-smi --query-compute-apps``: the usual shell-out (GPU machine only);
 - ``torch.cuda.list_gpu_processes()``: torch's helper (GPU machine only; it initialises CUDA
@@ -61,6 +64,7 @@ def _summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
         "median_ms": statistics.median(ordered),
+        "mean_ms": statistics.fmean(ordered),
         "p90_ms": ordered[int(0.9 * (len(ordered) - 1))],
         "min_ms": ordered[0],
         "n": len(ordered),
@@ -108,13 +112,23 @@ def main() -> int:
     results: dict[str, Any] = {}
     tracker = Tracker(interval=3600.0).start()  # sampler idle: we drive samples by hand
     try:
-        samples: dict[str, list[float]] = {"tracker_sample": [], "take_snapshot": []}
+        samples: dict[str, list[float]] = {
+            "tracker_sample": [],
+            "tracker_sample_full": [],
+            "take_snapshot": [],
+        }
+
+        def full_sample() -> None:
+            with tracker._lock:
+                tracker._sample_locked(epoch_end=False)
+
         smi = shutil.which("nvidia-smi") if gpu_ok else None
         if smi:
             samples["nvidia_smi"] = []
         per_round = max(1, args.rounds // 20)
         for _ in range(20):  # interleave, so drift hits every method alike
             samples["tracker_sample"] += _time_ms(tracker.sample, per_round)
+            samples["tracker_sample_full"] += _time_ms(full_sample, per_round)
             samples["take_snapshot"] += _time_ms(
                 lambda: take_snapshot(root_pid=os.getpid(), with_fds=False), per_round
             )
@@ -169,11 +183,14 @@ def main() -> int:
         f"{meta['date']} on {meta['host']}, {meta.get('gpu')}, driver {meta.get('driver', '-')}, "
         f"torch {meta.get('torch', '-')}, python {meta['python']}",
         "",
-        "| method | median ms | p90 ms | x tracker sample |",
-        "| --- | ---: | ---: | ---: |",
+        "| method | median ms | mean ms | p90 ms | x tracker sample (medians) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | {ratios[name]:.1f} |")
+        lines.append(
+            f"| {name} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | {r['p90_ms']:.3f} | "
+            f"{ratios[name]:.1f} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.write:

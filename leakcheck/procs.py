@@ -361,18 +361,23 @@ def _child_pids_by_scan(pid: int) -> list[int]:
 
 _MAX_CACHED_FDS = 256
 _RELIST_EVERY = 16
+_RECHECK_EVERY = 4
 
 
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("listed", "stat_fd", "task_fds", "used")
+    __slots__ = ("info", "listed", "stat_fd", "task_fds", "used")
 
     def __init__(self, stat_fd: int, used: int) -> None:
         self.stat_fd = stat_fd
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
+        # What the last full read of this process found (its info, thread count, and the
+        # tag and with_cmdline it was read for): served again by a quick walk
+        # (NOTE [quick walk]).
+        self.info: tuple[ProcInfo, int, bytes | None, bool] | None = None
 
 
 _fd_lock = threading.Lock()
@@ -523,6 +528,31 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
     return children
 
 
+# NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A process still
+# listed under the same parent as at its last full read is then served from that read, with
+# no stat read: only its threads' children files are read again (the task list as in NOTE
+# [descriptor cache], with the thread count of that read). Once every ``_RECHECK_EVERY``
+# walks (spread by PID, so no walk pays for all at once) it is read in full again. What a
+# quick walk can see late, by at most that many walks: a zombie still listed under its
+# parent (it counts as alive a little longer), a child forked by a thread started since the
+# last full read, and the reuse of a PID under the same parent (that takes the whole PID
+# space to wrap). The tracker's epoch ends, ``close()`` and snapshots never walk quickly.
+
+
+def _quick_children(
+    pid: int, parent: int, tag: bytes | None, with_cmdline: bool
+) -> tuple[ProcInfo, list[int]] | None:
+    """A known process and its children, without a stat read; None: read it in full."""
+    handles = _handles.get(pid)
+    if handles is None or handles.info is None or (_generation + pid) % _RECHECK_EVERY == 0:
+        return None
+    info, num_threads, info_tag, info_with_cmdline = handles.info
+    if info.ppid != parent or info_tag != tag or info_with_cmdline != with_cmdline:
+        return None
+    handles.used = _generation
+    return info, _hot_children(pid, num_threads)
+
+
 def _forget_handles_after_fork() -> None:
     # The child got copies of the parent's descriptors (fork does not close them) and a
     # lock that another thread may have held at fork time: drop both.
@@ -648,7 +678,11 @@ def child_pids(pid: int) -> list[int]:
 
 
 def descendants(
-    root_pid: int, *, session_id: str | None = None, with_cmdline: bool = True
+    root_pid: int,
+    *,
+    session_id: str | None = None,
+    with_cmdline: bool = True,
+    quick: bool = False,
 ) -> list[ProcInfo]:
     """Every live process below ``root_pid``, parents before their children.
 
@@ -662,6 +696,8 @@ def descendants(
         root_pid: Root of the tree (not included in the result).
         session_id: Also check each process's session tag (see ``read_proc``).
         with_cmdline: Read command lines (see ``read_proc``).
+        quick: Re-read each known process's stat and its other threads' children only
+            every few walks (NOTE [quick walk]): the tracker's periodic ticks.
 
     Returns:
         One ``ProcInfo`` per live descendant.
@@ -686,10 +722,21 @@ def descendants(
             if pid in seen:
                 continue
             seen.add(pid)
+            if quick:
+                children_of_known = _quick_children(pid, parent, tag, with_cmdline)
+                if children_of_known is not None:
+                    info, children = children_of_known
+                    found.append(info)
+                    stack.extend((pid, child) for child in reversed(children))
+                    continue
             stat = _hot_stat(pid)
             if stat is None or stat.ppid != parent or stat.state in _DEAD_STATES:
                 continue
-            found.append(_info(pid, stat, tag, with_cmdline))
+            info = _info(pid, stat, tag, with_cmdline)
+            found.append(info)
+            handles = _handles.get(pid)
+            if handles is not None:
+                handles.info = (info, stat.num_threads, tag, with_cmdline)
             children = _hot_children(pid, stat.num_threads)
             stack.extend((pid, child) for child in reversed(children))
         _evict(_generation - 1)  # not used by this walk nor since the previous one

@@ -10,7 +10,9 @@ tick, and at once when NVML lists a PID the tracker has not placed yet, it also 
 root's descendants from /proc and checks the identities seen before (alive here? still
 below the root? if not, reparented: an orphan): the walk is most of a tick's cost, and a
 process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
-late, while every epoch end, ``sample()`` and ``close()`` walk at once. An epoch end is
+late, while every epoch end, ``sample()`` and ``close()`` walk at once. The sampler's walks
+(and ``sample()``'s) are quick ones (NOTE [quick walk] in procs.py); epoch ends, the grace
+deadline and ``close()`` read every process in full. An epoch end is
 one synchronous sample with the costlier extras (``/dev/nvidia*`` descriptor counts,
 telemetry); the costliest, a tag scan of all of /proc for tagged processes that were
 reparented between ticks, runs on the sampler's next tick instead, off the caller's thread,
@@ -456,9 +458,9 @@ class Tracker:
 
     @_caller_timed
     def sample(self) -> None:
-        """Take one sample now, as the sampler thread does every ``interval``."""
+        """Take one sample now, as the sampler thread does every ``interval`` (with a walk)."""
         with self._lock:
-            self._sample_locked(epoch_end=False)
+            self._sample_locked(epoch_end=False, quick=True)
         self._raise_pending()
 
     # ------------------------------------------------------------------- results
@@ -526,7 +528,7 @@ class Tracker:
                 scan_tags, self._tag_scan_due = self._tag_scan_due, False
                 self._ticks_since_walk += 1
                 walk = scan_tags or self._ticks_since_walk >= _WALK_EVERY
-                self._sample_locked(epoch_end=False, scan_tags=scan_tags, walk=walk)
+                self._sample_locked(epoch_end=False, scan_tags=scan_tags, walk=walk, quick=True)
             cpu_s = time.thread_time() - cpu_start_s
             with self._cost_lock:
                 self._sampler_cpu_s += cpu_s
@@ -647,7 +649,7 @@ class Tracker:
         return proc
 
     def _sample_locked(
-        self, *, epoch_end: bool, scan_tags: bool = False, walk: bool = True
+        self, *, epoch_end: bool, scan_tags: bool = False, walk: bool = True, quick: bool = False
     ) -> None:
         """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
         if self._closed or self._sampling:
@@ -658,7 +660,7 @@ class Tracker:
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags, walk=walk)
+            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags, walk=walk, quick=quick)
         except Exception as error:
             # Anything unforeseen is recorded, never raised into the caller's loop (and a
             # dead sampler thread would silently stop tracking); the next sample retries.
@@ -670,7 +672,7 @@ class Tracker:
                 self._samples_taken += 1
                 self._sample_wall_s += elapsed_s
 
-    def _sample_body(self, *, epoch_end: bool, scan_tags: bool, walk: bool) -> None:
+    def _sample_body(self, *, epoch_end: bool, scan_tags: bool, walk: bool, quick: bool) -> None:
         now = self._now()
         if self._mailbox_dir:
             self._guard(self._read_mailbox, "mailbox")
@@ -682,7 +684,7 @@ class Tracker:
                 # read NVML after the walk, as a walking tick does.
                 walk = True
         if walk:
-            if not self._walk(now, scan_tags=scan_tags):
+            if not self._walk(now, scan_tags=scan_tags, quick=quick):
                 return
             if self._nvml is not None:
                 gpu = self._read_gpu_processes()
@@ -725,15 +727,17 @@ class Tracker:
         )
         return result
 
-    def _walk(self, now: float, *, scan_tags: bool) -> bool:
+    def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
         """Walk the root's descendants: new, reparented and exited processes.
 
+        ``quick`` (the sampler's ticks): NOTE [quick walk] in procs.py; a process missing
+        from a quick walk is only judged reparented by the next full one.
         Returns False when the lineage could not be read (recorded as a failure).
         """
         self._ticks_since_walk = 0
         # Command lines are read once per new process, not per tick (NOTE [tracker lifecycle]).
         lineage = self._guard(
-            lambda: procs.descendants(self._root_pid, with_cmdline=False), "lineage"
+            lambda: procs.descendants(self._root_pid, with_cmdline=False, quick=quick), "lineage"
         )
         if lineage is None:
             return False
@@ -755,7 +759,7 @@ class Tracker:
                 continue
             if procs.is_alive(key):
                 proc.last_seen_s = now
-                if not proc.foreign:
+                if not proc.foreign and not quick:
                     proc.in_lineage = False  # alive but no longer below the root: reparented
                     info = procs.read_proc(key.pid, with_cmdline=False)
                     if info is not None:

@@ -645,3 +645,46 @@ def test_a_child_of_a_thread_that_replaced_another_is_found_within_the_relist_bo
             if child.stdin is not None:
                 child.stdin.close()
             child.wait(10)
+
+
+# --- quick walks (NOTE [quick walk]) -------------------------------------------------------
+
+
+def _quick(pid: int) -> list[ProcInfo]:
+    return procs.descendants(pid, with_cmdline=False, quick=True)
+
+
+def test_quick_walks_find_what_full_walks_find(spawn: Spawn) -> None:
+    helper, record = start_helper(
+        spawn,
+        "tree",
+        "--sleepers=2",
+        "--thread-sleepers=2",
+        "--subtrees=1",
+        "--subtree-sleepers=2",
+    )
+    full = procs.descendants(helper.pid, with_cmdline=False)
+    assert set(pids_of(full)) == tree_pids(record)
+    for _ in range(2 * procs._RECHECK_EVERY):  # every mix of served and re-read processes
+        quick = _quick(helper.pid)
+        assert {(i.key, i.ppid) for i in quick} == {(i.key, i.ppid) for i in full}
+
+
+def test_quick_walks_see_new_and_reaped_children_at_once_and_zombies_within_the_bound(
+    spawn: Spawn,
+) -> None:
+    me = os.getpid()
+    _quick(me)
+    child = spawn([*PYTHON, "-c", WAIT_STDIN])
+    assert child.pid in pids_of(_quick(me))  # new: read in full at once
+    for _ in range(procs._RECHECK_EVERY):
+        _quick(me)  # known now, served from its last full read
+    assert child.stdin is not None
+    child.stdin.close()  # it exits; not reaped yet: a zombie, still listed under us
+    assert wait_for(lambda: procs.is_zombie(child.pid))
+    walks = 0
+    while child.pid in pids_of(_quick(me)):
+        walks += 1
+        assert walks <= procs._RECHECK_EVERY, "a zombie stayed alive past the re-read bound"
+    child.wait()  # reaped: no longer listed at all
+    assert child.pid not in pids_of(_quick(me))

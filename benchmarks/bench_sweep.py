@@ -335,6 +335,12 @@ def main() -> int:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--start-method", default="spawn")
     parser.add_argument("--teardown", action="store_true")
+    parser.add_argument(
+        "--persistent",
+        choices=["both", "on", "off"],
+        default="both",
+        help="configurations with workers: persistent, per-epoch workers, or both",
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     _require_cost_api()
@@ -343,6 +349,7 @@ def main() -> int:
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")
     worker_counts = [int(part) for part in workers_text.split(",")]
     args.workers = worker_counts
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.persistent]
     base = WorkloadSpec(
         batches=args.batches,
         features=args.features,
@@ -356,7 +363,7 @@ def main() -> int:
     summaries: dict[str, dict[str, stats.Summary]] = {}
     for workers in worker_counts:
         # Persistent workers too, so the sampler's cost with live workers is measured.
-        for persistent in (False, True) if workers else (False,):
+        for persistent in modes if workers else (False,):
             spec = WorkloadSpec(**{**base.__dict__, "persistent": persistent})
             name = f"{workers} workers" + (" persistent" if persistent else "")
             runs: dict[str, list[dict[str, Any]]] = {"bare": [], "tracked": []}

@@ -9,7 +9,7 @@ run 50 python3 benchmarks/bench_snapshot.py --children 8 --rounds 200 --write
 # Epochs of ~3 s (2000 batches), so that the per-epoch cost weighs as in real training.
 run 150 python3 benchmarks/bench_watch.py --device cuda --workers 8 --batches 2000 --rounds 10 --write
 # 6 pairs: the fewest for a 95% interval of the median (benchmarks/stats.py).
-run 240 python3 benchmarks/bench_sweep.py --workers 4 --repeats 6 --epochs 2 --write
+run 240 python3 benchmarks/bench_sweep.py --workers 4 --persistent off --repeats 6 --epochs 2 --write
 if [ "${WITH_PLUGIN:-0}" = 1 ]; then
   run 90 python3 benchmarks/bench_plugin.py --tests 500 --rounds 3 --write
 fi

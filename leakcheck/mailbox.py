@@ -7,7 +7,9 @@ folder is: the tracker creates it and exports its path as ``LEAKCHECK_MAILBOX`` 
 forked children alike inherit the variable); a worker writes one small JSON file per record,
 atomically (write to a temporary name, then rename), and the tracker's sampler lists the
 folder each tick. A reader never sees half a record; a worker that cannot write (no
-variable, read-only folder) loses nothing but the record.
+variable, read-only folder) loses nothing but the record. The tracker deletes each record
+once read (``consume``), so the folder stays small and a tick's listing costs the same in
+the hundredth epoch as in the first.
 """
 
 from __future__ import annotations
@@ -48,21 +50,37 @@ def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> 
     return True
 
 
-def read_new(directory: str, seen: set[str]) -> Iterator[dict[str, Any]]:
-    """Yield records not yet in ``seen`` (file names), adding them to it."""
+def read_new(directory: str, seen: set[str], *, consume: bool = False) -> Iterator[dict[str, Any]]:
+    """Yield records not yet in ``seen`` (file names), adding them to it.
+
+    Args:
+        directory: The mailbox folder.
+        seen: Names already read; a record posted again under a read name is skipped.
+        consume: Delete each record file once read (the tracker, its only reader, does).
+
+    """
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in sorted(names):
-        if name in seen or name.startswith(".") or not name.endswith(".json"):
+        if name.startswith(".") or not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        if name in seen:
+            if consume:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             continue
         try:
-            with open(os.path.join(directory, name), encoding="utf-8") as handle:
+            with open(path, encoding="utf-8") as handle:
                 record = json.load(handle)
         except (OSError, ValueError):
             continue
         seen.add(name)
+        if consume:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if isinstance(record, dict):
             yield record
 

@@ -374,10 +374,9 @@ class _Handles:
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # What the last full read of this process found (its info, thread count, and the
-        # tag and with_cmdline it was read for): served again by a quick walk
-        # (NOTE [quick walk]).
-        self.info: tuple[ProcInfo, int, bytes | None, bool] | None = None
+        # What the last full read of this process found, with the tag and with_cmdline it
+        # was read for: served again by a quick walk (NOTE [quick walk]).
+        self.info: tuple[ProcInfo, bytes | None, bool] | None = None
 
 
 _fd_lock = threading.Lock()
@@ -530,12 +529,14 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
 
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A process still
 # listed under the same parent as at its last full read is then served from that read, with
-# no stat read: only its threads' children files are read again (the task list as in NOTE
-# [descriptor cache], with the thread count of that read). Once every ``_RECHECK_EVERY``
-# walks (spread by PID, so no walk pays for all at once) it is read in full again. What a
-# quick walk can see late, by at most that many walks: a zombie still listed under its
-# parent (it counts as alive a little longer), a child forked by a thread started since the
-# last full read, and the reuse of a PID under the same parent (that takes the whole PID
+# no stat read, and only its main thread's children file is read again (a CUDA process has
+# a dozen threads or more, and processes are nearly always started from the main thread).
+# Once every ``_RECHECK_EVERY`` walks (spread by PID, so no walk pays for all at once) it is
+# read in full again: stat, and every thread's children file. What a quick walk can miss,
+# for at most that many walks: a zombie still listed under its parent (it counts as alive a
+# little longer), the children of threads other than the main one (a known one is not
+# walked through, so the tracker checks it by its identity and does not take its absence
+# for a reparenting), and the reuse of a PID under the same parent (that takes the whole PID
 # space to wrap). The tracker's epoch ends, ``close()`` and snapshots never walk quickly.
 
 
@@ -546,11 +547,18 @@ def _quick_children(
     handles = _handles.get(pid)
     if handles is None or handles.info is None or (_generation + pid) % _RECHECK_EVERY == 0:
         return None
-    info, num_threads, info_tag, info_with_cmdline = handles.info
+    info, info_tag, info_with_cmdline = handles.info
     if info.ppid != parent or info_tag != tag or info_with_cmdline != with_cmdline:
         return None
+    fd = handles.task_fds.get(str(pid))
+    if fd is None:
+        return None
+    try:
+        data = _pread_all(fd)
+    except OSError:
+        return None
     handles.used = _generation
-    return info, _hot_children(pid, num_threads)
+    return info, [int(child) for child in data.split()] if data else []
 
 
 def _forget_handles_after_fork() -> None:
@@ -736,7 +744,7 @@ def descendants(
             found.append(info)
             handles = _handles.get(pid)
             if handles is not None:
-                handles.info = (info, stat.num_threads, tag, with_cmdline)
+                handles.info = (info, tag, with_cmdline)
             children = _hot_children(pid, stat.num_threads)
             stack.extend((pid, child) for child in reversed(children))
         _evict(_generation - 1)  # not used by this walk nor since the previous one

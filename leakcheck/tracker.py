@@ -123,7 +123,9 @@ def _caller_timed(
     @functools.wraps(method)
     def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         calls = tracker._calls
-        if getattr(calls, "depth", 0):
+        if getattr(calls, "depth", 0) or threading.current_thread() is tracker._thread:
+            # Nested, or the sampler's own (a worker registered from the mailbox): not the
+            # caller's time.
             return method(tracker, *args, **kwargs)
         calls.depth = 1
         started = time.perf_counter()
@@ -845,7 +847,7 @@ class Tracker:
 
     def _read_mailbox(self) -> None:
         assert self._mailbox_dir is not None
-        for record in mailbox.read_new(self._mailbox_dir, self._mailbox_seen):
+        for record in mailbox.read_new(self._mailbox_dir, self._mailbox_seen, consume=True):
             kind = record.get("kind")
             pid, create_time = record.get("pid"), record.get("create_time")
             if not isinstance(pid, int) or not isinstance(create_time, (int, float)):

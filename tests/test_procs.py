@@ -688,3 +688,17 @@ def test_quick_walks_see_new_and_reaped_children_at_once_and_zombies_within_the_
         assert walks <= procs._RECHECK_EVERY, "a zombie stayed alive past the re-read bound"
     child.wait()  # reaped: no longer listed at all
     assert child.pid not in pids_of(_quick(me))
+
+
+def test_quick_walks_read_other_threads_children_within_the_bound(spawn: Spawn) -> None:
+    helper, record = start_helper(spawn, "tree", "--sleepers=1", "--thread-sleepers=2")
+    me = os.getpid()
+    main_thread_side = {helper.pid, *record["sleepers"]}
+    thread_side = set(record["thread_sleepers"])
+    assert main_thread_side | thread_side <= set(pids_of(procs.descendants(me)))
+    seen_thread_side: set[int] = set()
+    for _ in range(procs._RECHECK_EVERY):
+        found = set(pids_of(_quick(me)))
+        assert main_thread_side <= found  # every quick walk
+        seen_thread_side |= found & thread_side
+    assert seen_thread_side == thread_side  # within the re-read bound

@@ -355,3 +355,17 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     assert by_pid[known.pid or 0].gpu_bytes_peak == {0: 900 * MIB}  # seen between walks
     assert by_pid[untagged.pid].role != "foreign"
     assert by_pid[untagged.pid].gpu_bytes_peak == {0: 200 * MIB}
+
+
+def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:
+    folder = str(tmp_path)
+    assert mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
+    assert mailbox.post("teardown", {"pid": 1, "create_time": 1.0}, directory=folder)
+    seen: set[str] = set()
+    kinds = sorted(r["kind"] for r in mailbox.read_new(folder, seen, consume=True))
+    assert kinds == ["teardown", "worker"]
+    assert os.listdir(folder) == []  # the folder stays small over a long run
+    # Posted again under a name already read: skipped, and removed too.
+    assert mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
+    assert list(mailbox.read_new(folder, seen, consume=True)) == []
+    assert os.listdir(folder) == []

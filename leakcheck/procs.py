@@ -367,20 +367,21 @@ _RECHECK_EVERY = 4
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("info", "listed", "stat_fd", "task_fds", "used")
+    __slots__ = ("listed", "stat_fd", "task_fds", "used")
 
     def __init__(self, stat_fd: int, used: int) -> None:
         self.stat_fd = stat_fd
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # What the last full read of this process found, with the tag and with_cmdline it
-        # was read for: served again by a quick walk (NOTE [quick walk]).
-        self.info: tuple[ProcInfo, bytes | None, bool] | None = None
 
 
 _fd_lock = threading.Lock()
 _handles: dict[int, _Handles] = {}
+# Per PID: what its last full read found, the tag and with_cmdline it was read for, and the
+# walk that last saw it; served again by a quick walk (NOTE [quick walk]). No descriptor
+# is held for it, so it covers processes past the descriptor budget too.
+_last_read: dict[int, tuple[ProcInfo, bytes | None, bool, int]] = {}
 _cached_fd_count = 0
 _generation = 0
 _fd_limit: int | None = None
@@ -426,7 +427,11 @@ def _reserve(count: int) -> bool:
     global _cached_fd_count
     limit = _cached_fd_limit()
     if _cached_fd_count + count > limit:
-        _evict(_generation)  # anything not used in the current walk
+        # Only what neither this walk nor the previous one used: evicting what the previous
+        # walk used would close descriptors this walk is about to read, and a job larger
+        # than the budget would reopen all of them on every walk. Past the budget, the
+        # newest processes are read without caching instead.
+        _evict(_generation - 1)
         if _cached_fd_count + count > limit:
             return False
     _cached_fd_count += count
@@ -513,7 +518,10 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
                 fd = os.open(f"{_PROC}/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
             except _GONE:
                 continue  # the thread exited
-            keep = _reserve(1)
+            # Other threads' files are read at full reads only (NOTE [quick walk]): under a
+            # tight descriptor budget they go uncached, so that the budget covers each
+            # process's stat and main-thread files first.
+            keep = (tid == str(pid) or _cached_fd_limit() >= _MAX_CACHED_FDS) and _reserve(1)
             if keep:
                 task_fds[tid] = fd
         try:
@@ -544,20 +552,24 @@ def _quick_children(
     pid: int, parent: int, tag: bytes | None, with_cmdline: bool
 ) -> tuple[ProcInfo, list[int]] | None:
     """A known process and its children, without a stat read; None: read it in full."""
-    handles = _handles.get(pid)
-    if handles is None or handles.info is None or (_generation + pid) % _RECHECK_EVERY == 0:
+    last = _last_read.get(pid)
+    if last is None or (_generation + pid) % _RECHECK_EVERY == 0:
         return None
-    info, info_tag, info_with_cmdline = handles.info
+    info, info_tag, info_with_cmdline, _seen = last
     if info.ppid != parent or info_tag != tag or info_with_cmdline != with_cmdline:
         return None
-    fd = handles.task_fds.get(str(pid))
-    if fd is None:
-        return None
+    handles = _handles.get(pid)
+    fd = handles.task_fds.get(str(pid)) if handles is not None else None
     try:
-        data = _pread_all(fd)
+        if fd is not None:
+            data = _pread_all(fd)
+        else:  # past the descriptor budget: read the one file afresh
+            data = _read_all(f"{_PROC}/{pid}/task/{pid}/children", 4096) or b""
     except OSError:
         return None
-    handles.used = _generation
+    if handles is not None:
+        handles.used = _generation
+    _last_read[pid] = (info, tag, with_cmdline, _generation)
     return info, [int(child) for child in data.split()] if data else []
 
 
@@ -571,6 +583,7 @@ def _forget_handles_after_fork() -> None:
         for fd in handles.task_fds.values():
             _close_quietly(fd)
     _handles.clear()
+    _last_read.clear()
     _cached_fd_count = 0
 
 
@@ -742,12 +755,12 @@ def descendants(
                 continue
             info = _info(pid, stat, tag, with_cmdline)
             found.append(info)
-            handles = _handles.get(pid)
-            if handles is not None:
-                handles.info = (info, tag, with_cmdline)
+            _last_read[pid] = (info, tag, with_cmdline, _generation)
             children = _hot_children(pid, stat.num_threads)
             stack.extend((pid, child) for child in reversed(children))
         _evict(_generation - 1)  # not used by this walk nor since the previous one
+        for pid in [pid for pid, last in _last_read.items() if last[3] < _generation - 1]:
+            del _last_read[pid]
     return found
 
 

@@ -702,3 +702,22 @@ def test_quick_walks_read_other_threads_children_within_the_bound(spawn: Spawn) 
         assert main_thread_side <= found  # every quick walk
         seen_thread_side |= found & thread_side
     assert seen_thread_side == thread_side  # within the re-read bound
+
+
+def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper, record = start_helper(spawn, "tree", "--sleepers=6", "--thread-sleepers=2")
+    main_thread_side = {helper.pid, *record["sleepers"]}
+    thread_side = set(record["thread_sleepers"])
+    procs._forget_handles_after_fork()  # start from an empty cache (closes its descriptors)
+    monkeypatch.setattr(procs, "_fd_limit", 6)  # fewer than two per process
+    me = os.getpid()
+    assert main_thread_side | thread_side <= set(pids_of(procs.descendants(me)))
+    seen_thread_side: set[int] = set()
+    for _ in range(2 * procs._RECHECK_EVERY):
+        found = set(pids_of(_quick(me)))
+        assert main_thread_side <= found
+        seen_thread_side |= found & thread_side
+        assert procs._cached_fd_count <= 6
+    assert seen_thread_side == thread_side

@@ -57,27 +57,7 @@ from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
-COST_FIELDS = ("samples", "sample_wall_s", "sampler_cpu_s", "caller_wall_s")
 PROBE_SAMPLES = 20
-
-
-def _require_cost_api() -> None:
-    """Stop at once, before the long run, if the tracker cannot account for its cost."""
-    if not hasattr(Tracker, "cost"):
-        raise SystemExit(
-            "bench_sweep: this leakcheck's Tracker has no cost() (needed for the accounted "
-            "cost); update leakcheck"
-        )
-
-
-def _cost(tracker: Any) -> dict[str, float]:
-    """The tracker's cost counters so far (``TrackerCost``), as plain numbers."""
-    cost = tracker.cost()
-    return {name: float(getattr(cost, name)) for name in COST_FIELDS}
-
-
-def _cost_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {name: after[name] - before[name] for name in COST_FIELDS}
 
 
 def _iterate(loader: Any, tracker: Tracker | None, epoch: int) -> int:
@@ -107,45 +87,45 @@ def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[s
     if tracked:
         tracker = Tracker(interval=0.05, grace=2.0, use_nvml=spec.gpu).start()
         own_s += time.perf_counter() - started
-        after_start = _cost(tracker)
+        after_start = stats.cost_counters(tracker)
     loader = make_loader(spec, workers)
     epochs_s = 0.0
     if tracker is not None:
-        before_epochs = _cost(tracker)
+        before_epochs = stats.cost_counters(tracker)
     for epoch in range(epochs):
         epoch_start = time.perf_counter()
         _iterate(loader, tracker, epoch)
         epochs_s += time.perf_counter() - epoch_start
     result: dict[str, Any] = {"epochs_s": epochs_s}
     probe_s = 0.0
-    probe = dict.fromkeys(COST_FIELDS, 0.0)
+    probe = dict.fromkeys(stats.COST_FIELDS, 0.0)
     if tracker is not None:
-        result["epochs_cost"] = _cost_delta(before_epochs, _cost(tracker))
+        result["epochs_cost"] = stats.cost_delta(before_epochs, stats.cost_counters(tracker))
         if spec.persistent_workers and workers:
             # Workers are alive between epochs: time the sampler's per-tick path on them.
             probe_start = time.perf_counter()
-            before_probe = _cost(tracker)
+            before_probe = stats.cost_counters(tracker)
             sample_ms: list[float] = []
             for _ in range(PROBE_SAMPLES):
                 tick = time.perf_counter()
                 tracker.sample()
                 sample_ms.append((time.perf_counter() - tick) * 1000)
-            probe = _cost_delta(before_probe, _cost(tracker))
+            probe = stats.cost_delta(before_probe, stats.cost_counters(tracker))
             probe_s = time.perf_counter() - probe_start
             result["sample_ms"] = statistics.median(sample_ms)
     del loader
     gc.collect()
     if tracker is not None:
         tracker.close()
-        closed = _cost(tracker)
+        closed = stats.cost_counters(tracker)
         report_start = time.perf_counter()
         tracker.report()
         own_s += time.perf_counter() - report_start
         # The sampler's CPU from its start; the caller's counter from after start(), whose
         # time is in own_s (whether or not the counter includes it).
-        total_cost = _cost_delta(after_start, closed)
+        total_cost = stats.cost_delta(after_start, closed)
         total_cost["sampler_cpu_s"] = closed["sampler_cpu_s"]
-        result["total_cost"] = _cost_delta(probe, total_cost)
+        result["total_cost"] = stats.cost_delta(probe, total_cost)
         result["own_s"] = own_s
     result["total_s"] = time.perf_counter() - started - probe_s
     return result
@@ -343,7 +323,6 @@ def main() -> int:
     )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    _require_cost_api()
 
     gpu, gpu_reason = nvml.availability()
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")

@@ -79,7 +79,6 @@ def _epoch_s(loader: Any, device: torch.device, weight: torch.Tensor) -> tuple[f
 
 
 GOAL_PCT = 1.0
-COST_FIELDS = ("samples", "sample_wall_s", "sampler_cpu_s", "caller_wall_s")
 
 
 def _block(
@@ -93,25 +92,6 @@ def _block(
         seconds += took
         batches += count
     return seconds, batches
-
-
-def _require_cost_api() -> None:
-    """Stop at once, before the long run, if the tracker cannot account for its cost."""
-    if not hasattr(leakcheck.Tracker, "cost"):
-        raise SystemExit(
-            "bench_watch: this leakcheck's Tracker has no cost() (needed for the accounted "
-            "cost); update leakcheck"
-        )
-
-
-def _cost(tracker: Any) -> dict[str, float]:
-    """The tracker's cost counters so far (``TrackerCost``), as plain numbers."""
-    cost = tracker.cost()
-    return {name: float(getattr(cost, name)) for name in COST_FIELDS}
-
-
-def _cost_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {name: after[name] - before[name] for name in COST_FIELDS}
 
 
 def _accounted_pct(
@@ -170,7 +150,6 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.05, help="watch() sampling, s")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    _require_cost_api()
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -198,11 +177,11 @@ def main() -> int:
             with leakcheck.watch(loader, interval=args.interval) as wrapped:
                 # Read before and after the timed block only: start() and close() are
                 # outside the clock, and outside the accounted cost too.
-                before = _cost(wrapped.tracker)
+                before = stats.cost_counters(wrapped.tracker)
                 row["watched_s"], row["watched_batches"] = _block(
                     wrapped, args.epochs, device, weight
                 )
-                row["cost"] = _cost_delta(before, _cost(wrapped.tracker))
+                row["cost"] = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
         row["raw_batches_per_s"] = row["raw_batches"] / row["raw_s"]
         row["watched_batches_per_s"] = row["watched_batches"] / row["watched_s"]
         row["ratio"] = row["watched_batches_per_s"] / row["raw_batches_per_s"]

@@ -266,3 +266,17 @@ def format_ci(summary: Summary, *, signed: bool = True) -> str:
     low = format_pct(summary.ci_low, signed=signed)
     high = format_pct(summary.ci_high, signed=signed)
     return f"[{low}, {high}]"
+
+
+COST_FIELDS = ("samples", "sample_wall_s", "sampler_cpu_s", "caller_wall_s")
+
+
+def cost_counters(tracker: Any) -> dict[str, float]:
+    """A tracker's cost counters so far (``Tracker.cost()``), as plain numbers."""
+    cost = tracker.cost()
+    return {name: float(getattr(cost, name)) for name in COST_FIELDS}
+
+
+def cost_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the counters grew by between two reads."""
+    return {name: after[name] - before[name] for name in COST_FIELDS}

@@ -80,4 +80,7 @@ if __name__ == "__main__":
     tracker.close()
     stop.set()
     for kid in kids:
-        kid.join(30)
+        kid.join(5)
+        if kid.is_alive():  # our own child, still waiting on the event
+            kid.terminate()
+            kid.join(5)

@@ -808,12 +808,13 @@ class Checker:
             for name in unresolved:
                 if name in held_elsewhere or not os.path.exists(os.path.join(self.shm_dir, name)):
                     continue  # a stranger's, or one that was on its way out
-                if self.attribute_unheld_shm:
-                    blamed.append(name)
-                    continue
                 if name.startswith("sem."):
                     # A named semaphore's holders map it under a temporary name: "nobody
-                    # holds it" means nothing here, and another worker's are everywhere.
+                    # holds it" means nothing here, and any process using multiprocessing
+                    # (another pytest run, another job) makes them by the dozen.
+                    continue
+                if self.attribute_unheld_shm:
+                    blamed.append(name)
                     continue
                 size = segments[name].size_bytes
                 culprits.append(

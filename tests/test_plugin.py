@@ -884,3 +884,24 @@ def test_unheld_segment_under_concurrent_workers_is_only_information(
     (culprit,) = _judge(checker, window)
     assert (culprit.kind, culprit.severity, culprit.shm_name) == ("shm", "info", name)
     assert "not blamed on this test" in culprit.message
+
+
+def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
+    # Any process using multiprocessing makes these; while they exist nobody of ours holds
+    # them by that name, so the absence of a holder says nothing about who made one.
+    name = f"sem.lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    for attribute_unheld_shm in (True, False):
+        checker = Checker(attribute_unheld_shm=attribute_unheld_shm)
+        window = checker.begin("t::semaphore")
+        Path(f"/dev/shm/{name}").write_bytes(b"x" * 32)
+        assert _judge(checker, window) == []
+        os.unlink(f"/dev/shm/{name}")
+    # The same file under another name is still blamed when no other test runs alongside.
+    plain = name.removeprefix("sem.")
+    shm_names.append(plain)
+    checker = Checker()
+    window = checker.begin("t::plain")
+    Path(f"/dev/shm/{plain}").write_bytes(b"x" * 32)
+    (culprit,) = _judge(checker, window)
+    assert (culprit.kind, culprit.shm_name) == ("shm", plain)

@@ -887,16 +887,17 @@ def count_nvidia_targets(targets: Iterable[str]) -> int:
     return sum(1 for target in targets if is_nvidia_device_target(target))
 
 
-def _fd_targets(pid: int) -> list[str] | None:
+def _fd_targets(pid: int) -> dict[int, str] | None:
+    """Descriptor number -> link target of every open descriptor; None if unreadable."""
     fd_dir = f"{_PROC}/{pid}/fd"
     try:
         names = os.listdir(fd_dir)
     except _GONE:
         return None
-    targets: list[str] = []
+    targets: dict[int, str] = {}
     for name in names:
         try:
-            targets.append(os.readlink(f"{fd_dir}/{name}"))
+            targets[int(name)] = os.readlink(f"{fd_dir}/{name}")
         except _GONE:
             continue  # closed between listdir and readlink
     return targets
@@ -911,20 +912,10 @@ def nvidia_fds(pid: int) -> dict[int, str] | None:
     """
     if not _HAS_PROC:
         return None
-    fd_dir = f"{_PROC}/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except _GONE:
+    targets = _fd_targets(pid)
+    if targets is None:
         return None
-    found: dict[int, str] = {}
-    for name in names:
-        try:
-            target = os.readlink(f"{fd_dir}/{name}")
-        except _GONE:
-            continue  # closed between listdir and readlink
-        if is_nvidia_device_target(target):
-            found[int(name)] = target
-    return found
+    return {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
 
 
 def nvidia_fd_count(pid: int) -> int | None:
@@ -944,7 +935,7 @@ def nvidia_fd_count(pid: int) -> int | None:
     if not _HAS_PROC:
         return None
     targets = _fd_targets(pid)
-    return None if targets is None else count_nvidia_targets(targets)
+    return None if targets is None else count_nvidia_targets(targets.values())
 
 
 def is_ancestor(ancestor_pid: int, pid: int, *, max_depth: int = 64) -> bool:
@@ -1109,7 +1100,7 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
     needle = (directory.rstrip("/") + "/").encode()
     for pid in pids:
         names: set[str] = set()
-        for target in _fd_targets(pid) or ():
+        for target in (_fd_targets(pid) or {}).values():
             name = shm_name_from_path(target, directory)
             if name is not None:
                 names.add(name)

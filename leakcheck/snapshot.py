@@ -244,7 +244,9 @@ def take_snapshot(
     every = {info.key.pid: info for info in procs.scan_all(with_cmdline=True)}
     lineage: set[int] = set()
     if root_pid is not None:
-        lineage = {info.key.pid for info in procs.descendants(root_pid)} | {root_pid}
+        lineage = {info.key.pid for info in procs.descendants(root_pid, with_cmdline=False)} | {
+            root_pid
+        }
 
     fds: dict[int, int] = {}
     if with_fds:
@@ -255,14 +257,13 @@ def take_snapshot(
 
     interesting = set(gpu_by_pid) | set(fds) | lineage
     sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
-    if root_pid is not None:
+    if root_pid is not None and procs.process_key(root_pid) is not None:
         # Processes of this job that were reparented away still carry its tag.
-        root_key = procs.process_key(root_pid)
         for pid in every:
             if pid in interesting:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and root_key is not None and _tag_matches(tag, root_key.pid):
+            if tag is not None and _tag_matches(tag, root_pid):
                 interesting.add(pid)
                 sessions[pid] = tag
     # Ancestors give the trees their shape.

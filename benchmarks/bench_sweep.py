@@ -37,6 +37,7 @@ Usage: python benchmarks/bench_sweep.py [--workers 0,4,8] [--epochs 3] [--repeat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import platform
@@ -85,7 +86,12 @@ def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[s
     tracker = None
     own_s = 0.0
     if tracked:
-        tracker = Tracker(interval=0.05, grace=2.0, use_nvml=spec.gpu).start()
+        tracker = Tracker(
+            interval=0.05,
+            grace=2.0,
+            persistent_workers=spec.persistent_workers and workers > 0,
+            use_nvml=spec.gpu,
+        ).start()
         own_s += time.perf_counter() - started
         after_start = stats.cost_counters(tracker)
     loader = make_loader(spec, workers)
@@ -343,7 +349,7 @@ def main() -> int:
     for workers in worker_counts:
         # Persistent workers too, so the sampler's cost with live workers is measured.
         for persistent in modes if workers else (False,):
-            spec = WorkloadSpec(**{**base.__dict__, "persistent": persistent})
+            spec = dataclasses.replace(base, persistent=persistent)
             name = f"{workers} workers" + (" persistent" if persistent else "")
             runs: dict[str, list[dict[str, Any]]] = {"bare": [], "tracked": []}
             _run(spec, workers, 1, tracked=False)  # warm-up: imports, page cache, CUDA

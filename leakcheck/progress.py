@@ -61,6 +61,11 @@ class Progress:
             suffix = f" batch {count}/{total}" if total else f" batch {count}"
             self._draw(suffix)
 
+    @property
+    def wants_summary(self) -> bool:
+        """Whether ``end()`` prints its summary (plain lines, not the terminal's bar)."""
+        return self.enabled and not self.tty
+
     def end(self, summary: str) -> None:
         """The running epoch ended; ``summary`` says what it measured."""
         self.done_epochs += 1

@@ -456,7 +456,6 @@ def _run_config(
     finally:
         # Even on Ctrl-C: stop sampling, then remove what this configuration left behind.
         tracker.close()
-        report = tracker.report()
         if options.cleanup:
             cleaned = cleanup_orphans(tracker.session_id)
             for item in cleaned:
@@ -466,6 +465,7 @@ def _run_config(
                 )
     if failure is not None:
         raise failure
+    report = tracker.report()
     rows = tuple(
         epoch_row(record, num_workers, report, options.device_index) for record in report.epochs
     )
@@ -527,7 +527,8 @@ def _run_epochs(
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
-            progress.end(_epoch_summary(tracker, batches))
+            # The summary reads the tracker's epochs: only when it is printed.
+            progress.end(_epoch_summary(tracker, batches) if progress.wants_summary else "")
     finally:
         # Drop the loader before the tracker closes: persistent workers shut down when
         # their iterator is collected, and their exit belongs to this configuration.
@@ -715,9 +716,9 @@ def cleanup_orphans(
     own = {info.key.pid for info in procs.descendants(me, with_cmdline=False)} | {me}
     leftovers = [info for info in tagged if info.key.pid not in own]
     cleaned: list[CleanedProcess] = []
-    victims: list[tuple[Any, Any]] = []
+    victims: list[tuple[Any, str, Any]] = []
     for info in leftovers:
-        cmdline = _shorten(info.cmdline)
+        cmdline = shorten_cmdline(info.cmdline)
         try:
             process = psutil.Process(info.key.pid)
             same = math.isclose(process.create_time(), info.key.create_time, abs_tol=0.05)
@@ -732,10 +733,10 @@ def cleanup_orphans(
                 CleanedProcess(info.key.pid, info.key.create_time, cmdline, f"failed: {exc}")
             )
             continue
-        victims.append((info, process))
-    _gone, alive = psutil.wait_procs([process for _, process in victims], timeout=wait_s)
+        victims.append((info, cmdline, process))
+    _gone, alive = psutil.wait_procs([process for _, _, process in victims], timeout=wait_s)
     alive_pids = {process.pid for process in alive}
-    for info, process in victims:
+    for info, cmdline, process in victims:
         outcome = "terminated"
         if process.pid in alive_pids:
             try:
@@ -745,14 +746,8 @@ def cleanup_orphans(
                 pass  # it exited after all: the SIGTERM did it
             except psutil.Error as exc:
                 outcome = f"failed: {exc}"
-        cleaned.append(
-            CleanedProcess(info.key.pid, info.key.create_time, _shorten(info.cmdline), outcome)
-        )
+        cleaned.append(CleanedProcess(info.key.pid, info.key.create_time, cmdline, outcome))
     return tuple(cleaned)
-
-
-def _shorten(cmdline: str, width: int = 60) -> str:
-    return shorten_cmdline(cmdline, width)
 
 
 # --------------------------------------------------------------------------- text

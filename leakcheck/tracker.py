@@ -78,7 +78,6 @@ class _Proc:
 
     key: ProcessKey
     ppid: int
-    name: str
     cmdline: str
     first_seen_s: float
     last_seen_s: float
@@ -86,9 +85,6 @@ class _Proc:
     pre_existing: bool
     exited_s: float | None = None
     in_lineage: bool = True
-    was_in_lineage: bool = True
-    registered_worker: bool = False
-    persistent: bool | None = None
     foreign: bool = False
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     gpu_unknown: bool = False
@@ -228,11 +224,10 @@ class Tracker:
         self._ticks_since_walk = 0
         self._by_pid: dict[int, ProcessKey] = {}
         self._workers: dict[ProcessKey, bool | None] = {}
-        self._worker_pids: dict[int, bool | None] = {}
         self._teardowns: list[TeardownRecord] = []
         self._epochs: list[_Epoch] = []
         self._open: _Epoch | None = None
-        self._failures: list[str] = []
+        # Failure line -> how often (insertion order kept, at most _MAX_FAILURES lines).
         self._failure_counts: dict[str, int] = {}
         self._pending_error: BaseException | None = None
         self._final: FinalState | None = None
@@ -293,7 +288,7 @@ class Tracker:
             for info in self._guard(lambda: procs.descendants(self._root_pid), "lineage") or []:
                 self._add_proc(info, now=0.0, pre_existing=True)
             self._sample_locked(epoch_end=False)
-            self._baseline_devices = self._read_devices(telemetry=True)
+            self._baseline_devices = self._read_devices()
             root = self._procs[self._root_key]
             self._baseline_gpu_bytes = dict(root.gpu_bytes)
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
@@ -370,7 +365,7 @@ class Tracker:
             current.end_s = self._now()
             current.reason = reason
             current.error = error
-            current.devices = self._read_devices(telemetry=True)
+            current.devices = self._read_devices()
             for key in current.seen | set(self._live):
                 proc = self._procs[key]
                 if proc.foreign:
@@ -423,7 +418,6 @@ class Tracker:
             else:
                 key = ProcessKey(pid, create_time)
             self._workers[key] = persistent
-            self._worker_pids[pid] = persistent
             proc = self._procs.get(key)
             if proc is None and self._started and not self._closed:
                 # A worker that lived and died between two ticks is known from its record
@@ -439,9 +433,6 @@ class Tracker:
                     self._mark_exited(proc, proc.first_seen_s)
                 if self._open is not None:
                     self._open.seen.add(key)
-            if proc is not None:
-                proc.registered_worker = True
-                proc.persistent = persistent
 
     def cost(self) -> TrackerCost:
         """What tracking has cost so far (own time of the sampler and of the calling threads)."""
@@ -501,10 +492,8 @@ class Tracker:
                 epochs=epochs,
                 final=self._final,
                 failures=tuple(
-                    msg
-                    if self._failure_counts.get(msg, 1) == 1
-                    else f"{msg} (x{self._failure_counts[msg]})"
-                    for msg in self._failures
+                    msg if count == 1 else f"{msg} (x{count})"
+                    for msg, count in self._failure_counts.items()
                 ),
                 teardowns=tuple(self._teardowns),
             )
@@ -547,8 +536,7 @@ class Tracker:
         line = message.splitlines()[0] if message else "unknown failure"
         if line in self._failure_counts:
             self._failure_counts[line] += 1
-        elif len(self._failures) < _MAX_FAILURES:
-            self._failures.append(line)
+        elif len(self._failure_counts) < _MAX_FAILURES:
             self._failure_counts[line] = 1
         if self._strict and self._pending_error is None:
             self._pending_error = error or LeakCheckError(line)
@@ -598,7 +586,7 @@ class Tracker:
         if handle is None:
             self._attribution, self._attribution_reason = (
                 "nvml-unavailable",
-                self._failures[-1] if self._failures else "NVML failed to start",
+                next(reversed(self._failure_counts), "NVML failed to start"),
             )
             return
         self._nvml = handle
@@ -617,33 +605,24 @@ class Tracker:
         self._procs[self._root_key] = _Proc(
             key=self._root_key,
             ppid=info.ppid if info else 0,
-            name=info.name if info else "",
             cmdline=_short(info.cmdline if info else ""),
             first_seen_s=0.0,
             last_seen_s=0.0,
             born_epoch=None,
             pre_existing=True,
-            persistent=True,
         )
         self._live[self._root_key] = self._procs[self._root_key]
         self._by_pid[self._root_pid] = self._root_key
 
     def _add_proc(self, info: ProcInfo, *, now: float, pre_existing: bool = False) -> _Proc:
-        persistent = self._worker_pids.get(info.key.pid)
-        registered = info.key in self._workers
-        if registered:
-            persistent = self._workers[info.key]
         proc = _Proc(
             key=info.key,
             ppid=info.ppid,
-            name=info.name,
             cmdline=_short(info.cmdline or info.name),
             first_seen_s=now,
             last_seen_s=now,
             born_epoch=self._open.index if self._open is not None else None,
             pre_existing=pre_existing,
-            registered_worker=registered,
-            persistent=persistent,
         )
         self._procs[info.key] = proc
         self._live[info.key] = proc
@@ -749,7 +728,6 @@ class Tracker:
             if proc is None:
                 proc = self._add_proc(procs.read_proc(info.key.pid) or info, now=now)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
-            proc.was_in_lineage = True
             current.add(info.key)
         root = self._procs.get(self._root_key)
         if root is not None:
@@ -811,7 +789,7 @@ class Tracker:
             return proc if proc.exited_s is None else None
         proc = self._add_proc(info, now=now)
         if not info.tagged:
-            proc.foreign, proc.in_lineage, proc.was_in_lineage = True, False, False
+            proc.foreign, proc.in_lineage = True, False
         else:
             proc.in_lineage = procs.is_ancestor(self._root_pid, pid)
         return proc
@@ -862,12 +840,12 @@ class Tracker:
             elif kind == "teardown":
                 self._teardowns.append(_teardown_from(record, ProcessKey(pid, create_time)))
 
-    def _read_devices(self, *, telemetry: bool) -> tuple[DeviceState, ...]:
-        if self._nvml is None:
-            return ()
+    def _read_devices(self) -> tuple[DeviceState, ...]:
+        """Memory and telemetry of the watched devices (epoch ends, baseline, final state)."""
         handle = self._nvml
-        reader = handle.devices if telemetry else handle.memory
-        states = self._guard(lambda: reader(self._devices), "nvml devices")
+        if handle is None:
+            return ()
+        states = self._guard(lambda: handle.devices(self._devices), "nvml devices")
         return tuple(states) if states else ()
 
     def _role(self, proc: _Proc) -> Role:
@@ -877,7 +855,7 @@ class Tracker:
             return "foreign"
         if not proc.in_lineage:
             return "orphan"
-        if proc.registered_worker or proc.key in self._workers:
+        if proc.key in self._workers:
             return "worker"
         # Without exact identities (no worker registered itself), a direct child is taken for
         # a pool worker; once workers register, every other process is a descendant.
@@ -894,7 +872,7 @@ class Tracker:
             return True
         if self._role(proc) != "worker":
             return False
-        registered = self._workers.get(proc.key, proc.persistent)
+        registered = self._workers.get(proc.key)
         return self._persistent_workers if registered is None else registered
 
     def _freeze_epoch(self, epoch: _Epoch) -> EpochRecord:
@@ -983,7 +961,7 @@ class Tracker:
             )
         return FinalState(
             time_s=now,
-            devices=self._read_devices(telemetry=True),
+            devices=self._read_devices(),
             processes=tuple(processes),
             parent_allocated_gpu_bytes=(
                 _torch_allocated_bytes() if self._root_pid == os.getpid() else None

@@ -32,7 +32,7 @@ if __name__ == "__main__":
         with tracker._lock:
             mine = [
                 (k.pid, round(k.create_time, 2), p.exited_s is not None, p.foreign, p.in_lineage,
-                 p.registered_worker, dict(p.gpu_bytes))
+                 k in tracker._workers, dict(p.gpu_bytes))
                 for k, p in tracker._procs.items() if k.pid == kid.pid
             ]
             seen = [k.pid for k in (tracker._open.seen if tracker._open else ())]

@@ -15,8 +15,6 @@ from typing import Literal
 Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
 """Where a process stands relative to the watched job (see DESIGN.md, attribution model)."""
 
-ROLES: tuple[Role, ...] = ("parent", "worker", "descendant", "orphan", "foreign")
-
 Rule = Literal[
     "survivor",
     "orphan",

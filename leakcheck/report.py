@@ -27,7 +27,7 @@ from leakcheck.model import (
     Timeline,
 )
 from leakcheck.units import format_mib
-from leakcheck.verdict import LINEAGE_ROLES, judge, shorten_cmdline
+from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known, shorten_cmdline
 
 __all__ = ["SCHEMA_VERSION", "Report", "Verdict", "build_report", "report_from_dict"]
 
@@ -224,8 +224,15 @@ def _process_to_dict(proc: ProcessEpoch) -> dict[str, Any]:
 
 
 def _epoch_to_dict(rec: EpochRecord) -> dict[str, Any]:
-    data: dict[str, Any] = _to_jsonable(rec)
-    data["processes"] = [_process_to_dict(p) for p in rec.processes]
+    # Field by field, so that each process is converted once (with its totals).
+    data: dict[str, Any] = {
+        f.name: (
+            [_process_to_dict(p) for p in rec.processes]
+            if f.name == "processes"
+            else _to_jsonable(getattr(rec, f.name))
+        )
+        for f in dataclasses.fields(rec)
+    }
     data["duration_s"] = rec.duration_s
     return data
 
@@ -323,10 +330,6 @@ def _human_bytes(num_bytes: int) -> str:
     return f"{format_mib(num_bytes)} MiB"
 
 
-def _bytes_known(timeline: Timeline) -> bool:
-    return timeline.attribution == "ok"
-
-
 def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
     keys = {p.key for rec in timeline.epochs for p in rec.processes if p.role in LINEAGE_ROLES}
     if timeline.final is not None:
@@ -399,16 +402,17 @@ def _config_line(config: RuleConfig) -> str:
     )
 
 
-def _alive_after(proc: ProcessEpoch, config: RuleConfig) -> bool:
+def alive_after_grace(proc: ProcessEpoch, grace_s: float) -> bool:
     """Born in the epoch, not persistent, and not seen gone within the grace period."""
     if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
         return False
     if proc.role not in ("worker", "descendant", "orphan"):
         return False
-    return proc.exited_after_s is None or proc.exited_after_s > config.grace_s
+    return proc.exited_after_s is None or proc.exited_after_s > grace_s
 
 
-def _or_dash(value: object | None, spec: str = "") -> str:
+def or_dash(value: object | None, spec: str = "") -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is unknown."""
     return "-" if value is None else format(value, spec)
 
 
@@ -435,14 +439,14 @@ def _device_cells(dev: DeviceState | None) -> list[str]:
     return [
         f"GPU{dev.index}",
         f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
-        _or_dash(dev.temperature_c),
-        _or_dash(dev.sm_clock_mhz),
-        _or_dash(dev.power_w, ".0f"),
+        or_dash(dev.temperature_c),
+        or_dash(dev.sm_clock_mhz),
+        or_dash(dev.power_w, ".0f"),
     ]
 
 
 def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> list[list[str]]:
-    known = _bytes_known(timeline)
+    known = per_pid_bytes_known(timeline)
     parents = [p for p in rec.processes if p.role == "parent"]
     workers = [p for p in rec.processes if p.role == "worker"]
     worker_bytes = [p.total_gpu_bytes_end for p in workers]
@@ -461,7 +465,7 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> lis
         f"{rec.duration_s:.1f}",
         format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
         worker_text,
-        str(sum(_alive_after(p, config) for p in rec.processes)),
+        str(sum(alive_after_grace(p, config.grace_s) for p in rec.processes)),
         str(sum(p.role == "orphan" and p.alive_at_end for p in rec.processes)),
     ]
     devices = sorted(rec.devices, key=lambda d: d.index)
@@ -470,7 +474,9 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> lis
     return rows
 
 
-def _align(rows: Sequence[Sequence[str]], left: frozenset[int] | set[int]) -> list[str]:
+def align_columns(
+    rows: Sequence[Sequence[str]], left: frozenset[int] | set[int] = frozenset()
+) -> list[str]:
     """Lay out rows as columns two spaces apart; ``left`` columns are left-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = []
@@ -487,11 +493,11 @@ def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
     rows: list[list[str]] = [list(_TABLE_HEAD)]
     for rec in timeline.epochs:
         rows.extend(_epoch_rows(rec, timeline, config))
-    return _align(rows, _LEFT_ALIGNED)
+    return align_columns(rows, _LEFT_ALIGNED)
 
 
 def _process_lines(timeline: Timeline) -> list[str]:
-    known = _bytes_known(timeline)
+    known = per_pid_bytes_known(timeline)
     lines: list[str] = []
     groups: list[tuple[str, Sequence[ProcessEpoch]]] = [
         (f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs
@@ -534,17 +540,17 @@ def _process_lines(timeline: Timeline) -> list[str]:
                     proc.role,
                     str(proc.key.pid),
                     held,
-                    _or_dash(proc.nvidia_fds),
+                    or_dash(proc.nvidia_fds),
                     " ".join(flags) or "-",
                     shorten_cmdline(proc.cmdline),
                 ]
             )
-        lines.extend("  " + line for line in _align(rows, left={0, 4, 5}))
+        lines.extend("  " + line for line in align_columns(rows, left={0, 4, 5}))
     return lines
 
 
 def _teardown_lines(timeline: Timeline) -> list[str]:
-    records = getattr(timeline, "teardowns", ())
+    records = timeline.teardowns
     if not records:
         return []
     lines = ["", "worker teardowns:"]

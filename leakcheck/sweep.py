@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
-from leakcheck.model import MIB, DeviceState, EpochRecord, ProcessEpoch, TeardownRecord
+from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
 from leakcheck.progress import Progress
+from leakcheck.report import align_columns, alive_after_grace, or_dash
 from leakcheck.units import format_mib, shorten_cmdline
+from leakcheck.verdict import per_pid_bytes_known
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
@@ -209,8 +211,8 @@ class Cooldown:
             return f"cooldown to {self.target_c:g} °C: {self.note}"
         outcome = "reached" if self.reached else "NOT reached (timeout)"
         return (
-            f"cooldown to {self.target_c:g} °C {outcome}: {_or(self.start_c)} -> "
-            f"{_or(self.end_c)} °C in {self.waited_s:.1f} s"
+            f"cooldown to {self.target_c:g} °C {outcome}: {or_dash(self.start_c)} -> "
+            f"{or_dash(self.end_c)} °C in {self.waited_s:.1f} s"
         )
 
 
@@ -600,15 +602,6 @@ def one_line(exc: BaseException) -> str:
 # --------------------------------------------------------------------------- rows
 
 
-def _alive_after(proc: ProcessEpoch, grace_s: float) -> bool:
-    """Born in the epoch, not persistent, and not seen gone within the grace period."""
-    if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
-        return False
-    if proc.role not in ("worker", "descendant", "orphan"):
-        return False
-    return proc.exited_after_s is None or proc.exited_after_s > grace_s
-
-
 def _pick_device(devices: Iterable[DeviceState], index: int | None) -> DeviceState | None:
     devices = tuple(devices)
     for device in devices:
@@ -626,7 +619,7 @@ def epoch_row(
     others = [p for p in processes if p.role in ("descendant", "orphan")]
     worker_end = [p.total_gpu_bytes_end for p in workers]
     device = _pick_device(record.devices, device_index)
-    per_process = report.timeline.attribution == "ok"
+    per_process = per_pid_bytes_known(report.timeline)
 
     def known(value: int) -> int | None:
         return value if per_process else None
@@ -642,7 +635,7 @@ def epoch_row(
         workers_gpu_bytes=known(sum(worker_end)),
         worker_gpu_bytes_max=known(max(worker_end, default=0)),
         workers_gpu_bytes_peak=known(sum(p.total_gpu_bytes_peak for p in workers)),
-        alive_after=sum(1 for p in processes if _alive_after(p, report.config.grace_s)),
+        alive_after=sum(1 for p in processes if alive_after_grace(p, report.config.grace_s)),
         orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
         other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),
         device_used_bytes=None if device is None else device.used_bytes,
@@ -812,10 +805,6 @@ _GPU_COLUMNS = frozenset(
 )
 
 
-def _or(value: object | None, spec: str = "") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
     """The text cells of one row, in ``COLUMN_NAMES`` order."""
     device = "-"
@@ -833,9 +822,9 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         "alive after": str(row.alive_after),
         "orphans": str(row.orphans),
         "dev used/total MiB": device,
-        "temp °C": _or(row.temperature_c),
-        "SM MHz": _or(row.sm_clock_mhz),
-        "power W": _or(row.power_w, ".0f"),
+        "temp °C": or_dash(row.temperature_c),
+        "SM MHz": or_dash(row.sm_clock_mhz),
+        "power W": or_dash(row.power_w, ".0f"),
     }
     if not gpu_available:
         for name in _GPU_COLUMNS:
@@ -843,20 +832,12 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
     return [cells[name] for name in COLUMN_NAMES]
 
 
-def _align(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
-        for row in rows
-    ]
-
-
 def format_table(result: SweepResult) -> list[str]:
     """The per-epoch table, one line per (workers, epoch), header first."""
     rows = [list(COLUMN_NAMES)]
     for config in result.configs:
         rows.extend(row_cells(row, gpu_available=result.gpu_available) for row in config.rows)
-    return _align(rows)
+    return align_columns(rows)
 
 
 def _device_line(device: DeviceState) -> str:

@@ -64,7 +64,7 @@ def shorten_cmdline(cmdline: str, width: int = _CMD_WIDTH) -> str:
     return units.shorten_cmdline(cmdline, width)
 
 
-def _per_pid_bytes_known(timeline: Timeline) -> bool:
+def per_pid_bytes_known(timeline: Timeline) -> bool:
     """Tell whether NVML's per-process bytes match this namespace's PIDs."""
     return timeline.attribution == "ok"
 
@@ -181,7 +181,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     per identity, in its birth epoch.
     """
     observations = _observations(timeline)
-    bytes_known = _per_pid_bytes_known(timeline)
+    bytes_known = per_pid_bytes_known(timeline)
     found: list[Finding] = []
     judged: set[ProcessKey] = set()
     for rec in _sorted_epochs(timeline):
@@ -238,7 +238,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     One finding per identity, with the most GPU memory and descriptors it was seen with.
     """
     del config  # same signature as every rule; no threshold applies
-    bytes_known = _per_pid_bytes_known(timeline)
+    bytes_known = per_pid_bytes_known(timeline)
     found: list[Finding] = []
     for key, obs in _observations(timeline).items():
         orphaned = [
@@ -549,7 +549,7 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
     keep the parent's context pinned. One finding per identity, where first seen.
     """
     del config
-    if not _per_pid_bytes_known(timeline):
+    if not per_pid_bytes_known(timeline):
         # Without per-PID bytes every process looks memory-free; the rule would guess.
         return ()
     found: list[Finding] = []
@@ -594,7 +594,7 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Note a parent that keeps its CUDA context, with no tensors, after the work ended."""
     del config
     final = timeline.final
-    if final is None or not _per_pid_bytes_known(timeline) or final.parent_allocated_gpu_bytes != 0:
+    if final is None or not per_pid_bytes_known(timeline) or final.parent_allocated_gpu_bytes != 0:
         return ()
     found: list[Finding] = []
     for proc in final.processes:

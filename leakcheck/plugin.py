@@ -286,7 +286,7 @@ class LeakCheckPlugin:
         """Snapshot before any fixture of the test is set up."""
         if _options_for(item).enabled:
             try:
-                window = self._get_checker().begin(item.nodeid)
+                window = self._get_checker().begin()
             except Exception as exc:  # never break a run for leakcheck's sake
                 self._gpu_notes.add(f"a test went unchecked: {type(exc).__name__}: {exc}")
             else:

@@ -322,6 +322,17 @@ def _torch_cuda() -> Any | None:
     return cuda
 
 
+def _allocated_now() -> dict[int, int] | None:
+    """Allocated bytes per device of this process's torch allocator; None: not known."""
+    cuda = _torch_cuda()
+    if cuda is None:
+        return None
+    try:
+        return _allocator_bytes(cuda, collect=False)[0]
+    except Exception:
+        return None
+
+
 def _allocator_bytes(cuda: Any, *, collect: bool) -> tuple[dict[int, int], dict[int, int]]:
     """(allocated, reserved) bytes per device of the torch allocator in this process."""
     if collect:
@@ -372,7 +383,6 @@ class ScopeOwner:
         processes: Our processes that appeared during its setup.
         shm: /dev/shm names that appeared during its setup.
         allocated_bytes: Allocator bytes per device it added during its setup.
-        finished: Its finalizer ran.
 
     """
 
@@ -381,7 +391,6 @@ class ScopeOwner:
     processes: tuple[ProcInfo, ...] = ()
     shm: frozenset[str] = frozenset()
     allocated_bytes: Mapping[int, int] = field(default_factory=dict)
-    finished: bool = False
 
 
 @dataclass
@@ -398,27 +407,22 @@ class Window:
     """One checked test, from before its setup to after its teardown.
 
     Attributes:
-        nodeid: The test.
         serial: Increasing number of the window in this process.
-        tag: ``LEAKCHECK_SESSION`` value children of this test inherit.
-        tags: Every tag in use during the test (trackers add theirs).
+        tags: Every tag in use during the test: the window's own, which the test's children
+            inherit as ``LEAKCHECK_SESSION``, and those of trackers it ran.
         pids: PID allocation before the setup.
         shm: /dev/shm names before the setup.
         gpu: GPU memory of the test process before the setup.
-        started_s: ``time.monotonic()`` at the start.
         saved_env: The tag variable's previous value (None: unset).
         extra: Culprits added during the test (tracker findings).
 
     """
 
-    nodeid: str
     serial: int
-    tag: str
     tags: set[str]
     pids: PidMark
     shm: frozenset[str]
     gpu: GpuState
-    started_s: float
     saved_env: str | None
     extra: list[Culprit] = field(default_factory=list)
 
@@ -427,7 +431,6 @@ class Checker:
     """Per-process state of the plugin's leak check.
 
     Args:
-        use_nvml: Ask NVML who holds GPU memory (only once a test is checked).
         shm_dir: The shared-memory directory.
         attribute_unheld_shm: Blame a new, unheld /dev/shm segment on the test that ran while
             it appeared. True when no other test runs concurrently (no xdist): under xdist a
@@ -438,14 +441,12 @@ class Checker:
     def __init__(
         self,
         *,
-        use_nvml: bool = True,
         shm_dir: str = SHM_DIR,
         attribute_unheld_shm: bool = True,
     ) -> None:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
-        self._use_nvml = use_nvml
         self._nvml: Nvml | None = None
         self._nvml_checked = False
         self.gpu_note = "NVML not consulted"
@@ -461,9 +462,6 @@ class Checker:
     def _nvml_handle(self) -> Nvml | None:
         if not self._nvml_checked:
             self._nvml_checked = True
-            if not self._use_nvml:
-                self.gpu_note = "NVML disabled"
-                return None
             ok, reason = nvml.availability()
             if not ok:
                 self.gpu_note = reason or "NVML unavailable"
@@ -509,20 +507,17 @@ class Checker:
 
     # -- windows -------------------------------------------------------------------------
 
-    def begin(self, nodeid: str) -> Window:
+    def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
         tag = f"pytest-{self.pid}-{self._serial}"
         saved = os.environ.get(SESSION_ENV)
         window = Window(
-            nodeid=nodeid,
             serial=self._serial,
-            tag=tag,
             tags={tag},
             pids=pid_mark(),
             shm=list_shm(self.shm_dir),
             gpu=self.gpu_state(),
-            started_s=time.monotonic(),
             saved_env=saved,
         )
         os.environ[SESSION_ENV] = tag
@@ -539,11 +534,10 @@ class Checker:
 
     def fixture_begin(self) -> FixtureProbe:
         """Snapshot before a wide-scope fixture's setup."""
-        state = self.gpu_state() if _torch_cuda() is not None else None
         return FixtureProbe(
             pids=pid_mark(),
             shm=list_shm(self.shm_dir),
-            allocated_bytes=None if state is None else state.allocated_bytes,
+            allocated_bytes=_allocated_now(),
         )
 
     def fixture_end(
@@ -559,15 +553,9 @@ class Checker:
         for owner in self._owners.values():
             claimed_shm.update(owner.shm)
         shm = list_shm(self.shm_dir) - probe.shm - claimed_shm
-        added: dict[int, int] = {}
-        cuda = _torch_cuda()
-        if cuda is not None:
-            try:
-                now, _ = _allocator_bytes(cuda, collect=False)
-            except Exception:
-                now = {}
-            before = probe.allocated_bytes or {}
-            added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
+        now = _allocated_now() or {}
+        before = probe.allocated_bytes or {}
+        added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
         owner = ScopeOwner(label, window.serial, processes, frozenset(shm), added)
         self._owners[key] = owner
         return owner
@@ -579,7 +567,6 @@ class Checker:
         """
         owner = self._owners.pop(key, None)
         if owner is not None and judge:
-            owner.finished = True
             self._finished.append(owner)
 
     def active_owners(self) -> list[ScopeOwner]:
@@ -686,7 +673,8 @@ class Checker:
             (info, None) for info in self._ours(new_pids, window, since_unix_s=window.pids.unix_s)
         ]
         for ended in finished:
-            candidates.extend((info, ended) for info in ended.processes if procs.is_alive(info.key))
+            # Dead ones drop out in _wait_for_exit's first pass.
+            candidates.extend((info, ended) for info in ended.processes)
         candidates = [(info, owner) for info, owner in candidates if info.key.pid != self.pid]
 
         # Session helpers are a baseline unless they pin the GPU (checked below, cheaply,

@@ -408,11 +408,11 @@ def _nvml_bytes(pid: int, device: int | None = None) -> tuple[bool, int | None] 
         entries = nvml.get().processes(None if device is None else [device])
     except LeakCheckError:
         return None
-    mine = [entry for entry in entries if entry.pid == pid]
-    if not mine:
+    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
+    per_device = by_pid.get(pid)
+    if per_device is None:
         return False, None
-    known = [entry.used_gpu_bytes for entry in mine if entry.used_gpu_bytes is not None]
-    return True, (sum(known) if known else None)
+    return True, (sum(per_device.values()) if per_device else None)
 
 
 def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:

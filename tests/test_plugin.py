@@ -744,11 +744,11 @@ def _judge(checker: Checker, window: Window, tolerance_bytes: int = 16 * MIB) ->
 def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: FakePynvml) -> None:
     device = fake_nvml.devices[0]
     checker = Checker()
-    window = checker.begin("t::first")
+    window = checker.begin()
     device.compute.append(FakeProcess(os.getpid(), 600 * MIB))  # the test creates a context
     assert _judge(checker, window) == []
 
-    window = checker.begin("t::grows")
+    window = checker.begin()
     device.compute[0].usedGpuMemory = 856 * MIB
     (culprit,) = _judge(checker, window)
     assert (culprit.kind, culprit.rule, culprit.severity) == ("memory", "residual", "leak")
@@ -756,7 +756,7 @@ def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: Fake
     assert culprit.pid == os.getpid()
     assert "256 MiB on GPU 0" in culprit.message
 
-    window = checker.begin("t::within-tolerance")
+    window = checker.begin()
     device.compute[0].usedGpuMemory = 860 * MIB
     assert _judge(checker, window) == []
     assert checker.gpu_note == "NVML"
@@ -764,7 +764,7 @@ def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: Fake
 
 def test_leftover_child_is_reported_with_its_gpu_memory(fake_nvml: FakePynvml, child: Any) -> None:
     checker = Checker()
-    window = checker.begin("t::child")
+    window = checker.begin()
     proc = child()
     fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 512 * MIB))
     (culprit,) = _judge(checker, window)
@@ -779,11 +779,11 @@ def test_session_helper_is_a_baseline_unless_it_holds_gpu_memory(
     fake_nvml: FakePynvml, child: Any
 ) -> None:
     checker = Checker()
-    window = checker.begin("t::helper")
+    window = checker.begin()
     child(helper=True)
     assert _judge(checker, window) == []
 
-    window = checker.begin("t::gpu-helper")
+    window = checker.begin()
     proc = child(helper=True)
     fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 300 * MIB))
     (culprit,) = _judge(checker, window)
@@ -855,7 +855,7 @@ def test_segment_held_by_a_stranger_is_not_blamed(tmp_path: Path, shm_names: lis
     shm_names.append(name)
     pid_file = tmp_path / "stranger.pid"
     checker = Checker()
-    window = checker.begin("t::stranger")
+    window = checker.begin()
     # Detached, untagged and exec'd: by every rule a process of someone else.
     env = {k: v for k, v in os.environ.items() if k != "LEAKCHECK_SESSION"}
     subprocess.run(
@@ -879,7 +879,7 @@ def test_unheld_segment_under_concurrent_workers_is_only_information(
     name = f"lc_test_{uuid.uuid4().hex[:12]}"
     shm_names.append(name)
     checker = Checker(attribute_unheld_shm=False)
-    window = checker.begin("t::unheld")
+    window = checker.begin()
     Path(f"/dev/shm/{name}").write_bytes(b"x" * 100)
     (culprit,) = _judge(checker, window)
     assert (culprit.kind, culprit.severity, culprit.shm_name) == ("shm", "info", name)
@@ -893,7 +893,7 @@ def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
     shm_names.append(name)
     for attribute_unheld_shm in (True, False):
         checker = Checker(attribute_unheld_shm=attribute_unheld_shm)
-        window = checker.begin("t::semaphore")
+        window = checker.begin()
         Path(f"/dev/shm/{name}").write_bytes(b"x" * 32)
         assert _judge(checker, window) == []
         os.unlink(f"/dev/shm/{name}")
@@ -901,7 +901,7 @@ def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
     plain = name.removeprefix("sem.")
     shm_names.append(plain)
     checker = Checker()
-    window = checker.begin("t::plain")
+    window = checker.begin()
     Path(f"/dev/shm/{plain}").write_bytes(b"x" * 32)
     (culprit,) = _judge(checker, window)
     assert (culprit.kind, culprit.shm_name) == ("shm", plain)

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from results_io import write_result
+from results_io import gpu_meta, write_result
 
 from leakcheck import nvml
 from leakcheck.snapshot import take_snapshot
@@ -162,14 +162,7 @@ def main() -> int:
         "gpu": gpu_reason or "available",
     }
     if gpu_ok:
-        handle = nvml.get()
-        meta["gpu"] = handle.memory()[0].name
-        try:
-            import pynvml
-
-            meta["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception as error:
-            meta["driver"] = f"unknown ({error})"
+        meta.update(gpu_meta())
         try:
             import torch
 

@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
-from results_io import write_result
+from results_io import gpu_meta, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -302,13 +302,7 @@ def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[s
         "complete": False,
     }
     if gpu:
-        meta["gpu"] = nvml.get().memory()[0].name
-        try:
-            import pynvml
-
-            meta["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        except Exception as error:
-            meta["driver"] = f"unknown ({error})"
+        meta.update(gpu_meta())
     return meta
 
 

@@ -9,6 +9,17 @@ from typing import Any
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def gpu_meta() -> dict[str, str]:
+    """Name of GPU 0 and the driver version, as the results record them (NVML must work)."""
+    from leakcheck import nvml
+
+    handle = nvml.get()
+    return {
+        "gpu": handle.memory()[0].name,
+        "driver": handle.driver_version() or "unknown",
+    }
+
+
 def write_result(stem: str, payload: Any, text: str) -> str:
     """Write the run's data as JSON and its table as Markdown; return the path stem."""
     os.makedirs(RESULTS_DIR, exist_ok=True)

@@ -345,6 +345,12 @@ class Nvml:
         self._ensure()
         return self._count
 
+    def driver_version(self) -> str | None:
+        """Return the driver's version string, or None when NVML does not say."""
+        self._ensure()
+        version = self._optional("nvmlSystemGetDriverVersion")
+        return None if version is None else _text(version)
+
     def device_indices(self) -> tuple[int, ...]:
         """Return ``(0, ..., device_count() - 1)``."""
         self._ensure()

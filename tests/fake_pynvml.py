@@ -213,6 +213,9 @@ class FakePynvml(types.ModuleType):
         self._count("nvmlShutdown")
         self.shutdown_calls += 1
 
+    def nvmlSystemGetDriverVersion(self) -> bytes:
+        return b"580.159.04"  # old bindings return bytes
+
     def nvmlDeviceGetCount(self) -> int:
         self._count("nvmlDeviceGetCount")
         return len(self.devices)

@@ -145,6 +145,13 @@ def test_memory_reads_used_total_and_caches_name_uuid_and_handles(use_fake: UseF
     assert fake.calls["nvmlDeviceGetTemperature"] == 0
 
 
+def test_driver_version_is_text_even_from_a_binding_that_returns_bytes(
+    use_fake: UseFake,
+) -> None:
+    use_fake(two_devices())
+    assert nvml.get().driver_version() == "580.159.04"
+
+
 def test_devices_reads_and_decodes_telemetry(use_fake: UseFake) -> None:
     use_fake([FakeDevice(clock_event_reasons=0x1 | 0x4 | 0x40, power_mw=123_456)])
     (state,) = nvml.get().devices()

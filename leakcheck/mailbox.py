@@ -67,17 +67,14 @@ def read_new(directory: str, seen: set[str], *, consume: bool = False) -> Iterat
         if name.startswith(".") or not name.endswith(".json"):
             continue
         path = os.path.join(directory, name)
-        if name in seen:
-            if consume:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            continue
-        try:
-            with open(path, encoding="utf-8") as handle:
-                record = json.load(handle)
-        except (OSError, ValueError):
-            continue
-        seen.add(name)
+        record: object = None
+        if name not in seen:
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    record = json.load(handle)
+            except (OSError, ValueError):
+                continue  # not there any more, or not readable yet: the next call retries
+            seen.add(name)
         if consume:
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -166,16 +166,7 @@ def _read_all(path: str, chunk: int = 65536) -> bytes | None:
     except _GONE:
         return None
     try:
-        data = os.read(fd, chunk)
-        if len(data) < chunk:
-            # /proc files fill the caller's buffer as far as they can: short means done.
-            return data
-        parts = [data]
-        while True:
-            data = os.read(fd, chunk)
-            if not data:
-                return b"".join(parts)
-            parts.append(data)
+        return _pread_all(fd, chunk)
     except _GONE:
         return None
     finally:
@@ -439,12 +430,16 @@ def _reserve(count: int) -> bool:
 
 
 def _pread_all(fd: int, chunk: int = 65536) -> bytes:
+    """The whole file from offset 0 (environ, children, maps can exceed one read)."""
     data = os.pread(fd, chunk, 0)
     if len(data) < chunk:
+        # /proc files fill the caller's buffer as far as they can: short means done.
         return data
     parts = [data]
+    offset = len(data)
     while data:
-        data = os.pread(fd, chunk, sum(map(len, parts)))
+        data = os.pread(fd, chunk, offset)
+        offset += len(data)
         parts.append(data)
     return b"".join(parts)
 

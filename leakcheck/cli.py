@@ -225,7 +225,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    from leakcheck.model import MIB
     from leakcheck.sweep import SweepOptions
     from leakcheck.workload import SCENARIOS, START_METHODS, WorkloadSpec
 
@@ -296,7 +295,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
             raise UsageError(
                 f"--scenario: expected one of {', '.join(SCENARIOS)}, got {args.scenario!r}"
             )
-        batches = 16
+        batches = WorkloadSpec.batches
         if args.batches is not None:
             batches = _int_value(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
@@ -306,7 +305,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
             persistent=args.persistent,
             teardown=not args.no_teardown,
             device_index=device or 0,
-            cache_bytes_per_epoch=64 * MIB,
         )
     persistent = args.persistent or (workload is not None and workload.persistent_workers)
     options = SweepOptions(

@@ -763,8 +763,8 @@ def teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
 
 
 def short_reason(reason: str) -> str:
-    """The GPU-unavailable reason without its generic tail (the caller says what it skips)."""
-    return (reason or "no GPU").split("; GPU columns")[0]
+    """The GPU-unavailable reason, or ``no GPU`` when none was given."""
+    return reason or "no GPU"
 
 
 def reported_device_index(result: SweepResult) -> int | None:

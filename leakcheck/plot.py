@@ -66,13 +66,13 @@ def _note(axes: Any, text: str) -> None:
     )
 
 
-def _memory_panel(axes: Any, config: ConfigResult, gpu_available: bool, reason: str) -> None:
+def _memory_panel(axes: Any, config: ConfigResult, reason: str) -> None:
     rows = config.rows
     epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU memory (MiB)")
     per_process = any(row.parent_gpu_bytes is not None for row in rows)
-    if not gpu_available or not rows or not per_process:
-        if gpu_available and rows:
+    if not rows or not per_process:
+        if rows:
             used = _mib([row.device_used_bytes for row in rows])
             axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
@@ -145,7 +145,7 @@ def _process_panel(axes: Any, config: ConfigResult) -> None:
     axes.yaxis.get_major_locator().set_params(integer=True)
 
 
-def _thermal_panel(axes: Any, config: ConfigResult, gpu_available: bool) -> Any:
+def _thermal_panel(axes: Any, config: ConfigResult) -> Any:
     rows = config.rows
     epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU temperature (°C)", color=_TEMPERATURE)
@@ -153,7 +153,7 @@ def _thermal_panel(axes: Any, config: ConfigResult, gpu_available: bool) -> Any:
     clocks = [row.sm_clock_mhz for row in rows]
     clock_axes = axes.twinx()
     clock_axes.set_ylabel("SM clock (MHz)", color=_CLOCK)
-    if not gpu_available or all(value is None for value in temperatures + clocks):
+    if all(value is None for value in temperatures + clocks):
         axes.set_yticks([])
         clock_axes.set_yticks([])
         _note(axes, "temperature and clock not measured (no GPU)")
@@ -179,7 +179,7 @@ def _thermal_panel(axes: Any, config: ConfigResult, gpu_available: bool) -> Any:
     return clock_axes
 
 
-def _row_legend(figure: Any, axes_list: Sequence[Any], title: str) -> None:
+def _row_legend(axes_list: Sequence[Any], title: str) -> None:
     handles: dict[str, Any] = {}
     for axes in axes_list:
         for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
@@ -236,8 +236,8 @@ def render(result: SweepResult) -> Any:
         panels = [process_row[column]]
         _process_panel(process_row[column], config)
         if gpu:
-            _memory_panel(memory_row[column], config, gpu, result.gpu_reason)
-            clock_row.append(_thermal_panel(thermal_row[column], config, gpu))
+            _memory_panel(memory_row[column], config, result.gpu_reason)
+            clock_row.append(_thermal_panel(thermal_row[column], config))
             panels += [memory_row[column], thermal_row[column], clock_row[-1]]
         bottom = thermal_row[column] if gpu else process_row[column]
         bottom.set_xlabel("epoch")
@@ -251,9 +251,9 @@ def render(result: SweepResult) -> Any:
             axes.set_ylim(0, max(tops) * 1.08)
     last = columns - 1
     if gpu:
-        _row_legend(figure, [memory_row[last]], "GPU memory")
-        _row_legend(figure, [thermal_row[last], clock_row[last]], "GPU thermal state")
-    _row_legend(figure, [process_row[last]], "processes")
+        _row_legend([memory_row[last]], "GPU memory")
+        _row_legend([thermal_row[last], clock_row[last]], "GPU thermal state")
+    _row_legend([process_row[last]], "processes")
     options = result.options
     what = "GPU memory per epoch by process role" if gpu else "processes per epoch"
     lines = [

@@ -20,6 +20,7 @@ signalling it, and says what it did. Nothing without the tag is ever signalled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -74,6 +75,11 @@ class LoaderError(LeakCheckError):
     """The loader could not be built or iterated; the message is one line."""
 
 
+def _fields(obj: Any) -> dict[str, Any]:
+    """A flat dataclass's fields by name, in declaration order (its JSON-able form)."""
+    return {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
+
+
 @dataclass(frozen=True)
 class SweepOptions:
     """What to sweep and how to judge it.
@@ -108,19 +114,7 @@ class SweepOptions:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        return {
-            "workers": list(self.workers),
-            "epochs": self.epochs,
-            "persistent": self.persistent,
-            "device_index": self.device_index,
-            "cooldown_temp_c": self.cooldown_temp_c,
-            "cooldown_timeout_s": self.cooldown_timeout_s,
-            "interval_s": self.interval_s,
-            "tolerance_bytes": self.tolerance_bytes,
-            "grace_s": self.grace_s,
-            "warmup_epochs": self.warmup_epochs,
-            "cleanup": self.cleanup,
-        }
+        return {**_fields(self), "workers": list(self.workers)}
 
 
 @dataclass(frozen=True)
@@ -177,7 +171,7 @@ class EpochRow:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (bytes, seconds, degrees Celsius, MHz, watts)."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return _fields(self)
 
 
 @dataclass(frozen=True)
@@ -203,7 +197,7 @@ class Cooldown:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return _fields(self)
 
     def describe(self) -> str:
         """One line for the text report."""
@@ -236,7 +230,7 @@ class CleanedProcess:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return _fields(self)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ atomically (write to a temporary name, then rename), and the tracker's sampler l
 folder each tick. A reader never sees half a record; a worker that cannot write (no
 variable, read-only folder) loses nothing but the record. The tracker deletes each record
 once read (``consume``), so the folder stays small and a tick's listing costs the same in
-the hundredth epoch as in the first.
+the hundredth epoch as in the first. Most ticks skip the listing: an unchanged folder time
+says no record came or went (``Inbox``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
+
+# A folder's modification time moves in the kernel's coarse clock steps (a few ms), so a
+# record added in the same step as a listing can leave the time unchanged. A time is trusted
+# to mean "nothing new" only once it is this much older than the listing that saw it.
+_CLOCK_STEP_MARGIN_NS = 100_000_000
 
 
 def create() -> str:
@@ -80,6 +87,40 @@ def read_new(directory: str, seen: set[str], *, consume: bool = False) -> Iterat
                 os.unlink(path)
         if isinstance(record, dict):
             yield record
+
+
+class Inbox:
+    """The tracker's side of a mailbox: new records, each once, deleted once read.
+
+    ``read(quick=True)`` skips the listing while the folder's modification time is one
+    already listed and known to be settled (see ``_CLOCK_STEP_MARGIN_NS``).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._seen: set[str] = set()
+        self._settled_mtime_ns: int | None = None
+
+    def read(self, *, quick: bool = False) -> list[dict[str, Any]]:
+        """Return the records posted since the last read.
+
+        Args:
+            quick: Skip the listing when the folder is unchanged since a settled listing.
+
+        """
+        try:
+            mtime_ns = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            return []
+        if quick and mtime_ns == self._settled_mtime_ns:
+            return []
+        listed_ns = time.time_ns()
+        records = list(read_new(self.directory, self._seen, consume=True))
+        # Deleting what was read changes the time again: the next read lists once more and
+        # settles then.
+        settled = not records and listed_ns - mtime_ns > _CLOCK_STEP_MARGIN_NS
+        self._settled_mtime_ns = mtime_ns if settled else None
+        return records
 
 
 def remove(directory: str) -> None:

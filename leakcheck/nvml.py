@@ -36,6 +36,7 @@ can leave them out when it counts what a forked child inherited from the job.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import threading
@@ -56,9 +57,11 @@ _NOT_AVAILABLE_U32 = 2**32 - 1
 _PSTATE_UNKNOWN = 32  # NVML_PSTATE_UNKNOWN
 
 # Error codes (nvmlReturn_t), a stable C ABI. Read from the module when it has them.
+_SUCCESS = 0
 _ERR_NOT_SUPPORTED = 3
 _ERR_NO_PERMISSION = 4
 _ERR_NOT_FOUND = 6
+_ERR_INSUFFICIENT_SIZE = 7
 _ERR_DRIVER_NOT_LOADED = 9
 _ERR_LIBRARY_NOT_FOUND = 12
 _ERR_FUNCTION_NOT_FOUND = 13
@@ -163,6 +166,75 @@ def _init_failure(lib: Any, exc: BaseException) -> NVMLUnavailable:
     return NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
 
 
+# NOTE [process lists]: the binding's ``nvmlDevice*RunningProcesses`` asks the driver twice
+# per call (once for the count with no buffer, once to fill a new array) and builds a Python
+# object per entry. The sampler reads the lists on every tick, so where the binding exposes
+# the C function and the v3 entry layout, leakcheck calls it once with a buffer kept from the
+# last call, sized with room to spare; the driver says when the buffer is short (it fills in
+# the count it needs) and the call is repeated once with a larger one. Entries are read
+# straight from the C structures. The results are the same as the binding's (a GPU test
+# compares the two); a binding without these names is used through its public calls.
+_RAW_ENTRY_BYTES = 24  # nvmlProcessInfo_v2/v3_t: pid, used bytes, GPU and compute instance
+_RAW_FIRST_CAPACITY = 32
+_RAW_TRIES = 3
+
+
+class _RawProcessList:
+    """A running-process list of one device read through a reused buffer.
+
+    NOTE [process lists].
+    """
+
+    def __init__(self, function: Any, entry_type: Any, error_type: type[BaseException]) -> None:
+        self._function = function
+        self._entry_type = entry_type
+        self._error_type = error_type
+        self._buffer: Any = (entry_type * _RAW_FIRST_CAPACITY)()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, lib: Any, name: str) -> _RawProcessList | None:
+        """The reader for ``name`` (e.g. ``nvmlDeviceGetComputeRunningProcesses``), or None.
+
+        None when the binding lacks the C-level names, the entry layout is not the one
+        expected, or the driver lacks the ``_v3`` function: the public call is used then.
+        """
+        get_pointer = getattr(lib, "_nvmlGetFunctionPointer", None)
+        entry_type = getattr(lib, "c_nvmlProcessInfo_v3_t", None)
+        error_type = getattr(lib, "NVMLError", None)
+        if get_pointer is None or entry_type is None or not isinstance(error_type, type):
+            return None
+        try:
+            if ctypes.sizeof(entry_type) != _RAW_ENTRY_BYTES:
+                return None
+            function = get_pointer(f"{name}_v3")
+        except Exception:  # Any failure here means: use the public call.
+            return None
+        return cls(function, entry_type, error_type)
+
+    def read(self, handle: Any) -> list[tuple[int, int | None]]:
+        """Return (pid, used bytes or None) per entry.
+
+        Raises:
+            NVMLError: The driver's error, as the binding would raise it.
+
+        """
+        with self._lock:
+            for _ in range(_RAW_TRIES):
+                count = ctypes.c_uint(len(self._buffer))
+                code = self._function(handle, ctypes.byref(count), self._buffer)
+                if code == _SUCCESS:
+                    return [
+                        (int(entry.pid), _known(entry.usedGpuMemory))
+                        for entry in self._buffer[: count.value]
+                    ]
+                if code != _ERR_INSUFFICIENT_SIZE:
+                    break
+                # Room for processes that start before the next call, as the binding does.
+                self._buffer = (self._entry_type * (count.value * 2 + 8))()
+            raise self._error_type(code)
+
+
 class Nvml:
     """One process's NVML session: device handles, names and UUIDs cached after first use.
 
@@ -187,6 +259,8 @@ class Nvml:
         self._handles: dict[int, Any] = {}
         self._meta: dict[int, tuple[str, str]] = {}
         self._max_sm_clock: dict[int, int | None] = {}
+        self._raw_readers: dict[tuple[int, str], _RawProcessList | None] = {}
+        self._unsupported: set[tuple[int, str]] = set()
         nvml_error = getattr(lib, "NVMLError", None)
         soft: list[type[BaseException]] = []
         if isinstance(nvml_error, type) and issubclass(nvml_error, BaseException):
@@ -204,6 +278,8 @@ class Nvml:
         self._handles.clear()
         self._meta.clear()
         self._max_sm_clock.clear()
+        self._raw_readers.clear()
+        self._unsupported.clear()
         try:
             self._lib.nvmlInit()
         except self._nvml_errors as exc:
@@ -321,22 +397,50 @@ class Nvml:
                 self._meta[index] = meta  # Only cache what was really read.
         return meta
 
-    def _running(self, index: int, handle: Any, name: str, *, optional: bool) -> list[Any]:
-        """Running-process list; falls back to the ``_v2`` call on an older driver."""
-        mismatch = getattr(self._lib, "NVMLLibraryMismatchError", None)
+    def _running(
+        self, index: int, handle: Any, name: str, *, optional: bool
+    ) -> list[tuple[int, int | None]]:
+        """One running-process list as (pid, used bytes or None) pairs.
+
+        Read through a reused buffer where the binding allows it (NOTE [process lists]);
+        otherwise through the binding, falling back to the ``_v2`` call on an older driver.
+        A graphics list the device does not support is empty, and not asked for again.
+        """
+        if (index, name) in self._unsupported:
+            return []
+        reader = self._raw_reader(index, name)
         try:
-            return list(getattr(self._lib, name)(handle) or ())
+            if reader is not None:
+                return reader.read(handle)
+            return self._bound_running(index, handle, name)
         except self._nvml_errors as exc:
-            if mismatch is not None and isinstance(exc, mismatch):
-                # The binding's default (v3) is newer than the driver; v2 carries the same
-                # pid and used-memory fields.
-                return list(self._call(f"{name}_v2", index, handle) or ())
             not_supported = getattr(self._lib, "NVML_ERROR_NOT_SUPPORTED", _ERR_NOT_SUPPORTED)
             if optional and _err_code(exc) == not_supported:
+                self._unsupported.add((index, name))
                 return []
             raise LeakCheckError(
                 f"NVML {name} failed on device {index}: {_one_line(exc) or type(exc).__name__}"
             ) from exc
+
+    def _bound_running(self, index: int, handle: Any, name: str) -> list[tuple[int, int | None]]:
+        mismatch = getattr(self._lib, "NVMLLibraryMismatchError", None)
+        try:
+            entries = getattr(self._lib, name)(handle) or ()
+        except self._nvml_errors as exc:
+            if mismatch is None or not isinstance(exc, mismatch):
+                raise
+            # The binding's default (v3) is newer than the driver; v2 carries the same
+            # pid and used-memory fields.
+            entries = self._call(f"{name}_v2", index, handle) or ()
+        return [(int(info.pid), _known(getattr(info, "usedGpuMemory", None))) for info in entries]
+
+    def _raw_reader(self, index: int, name: str) -> _RawProcessList | None:
+        key = (index, name)
+        if key not in self._raw_readers:
+            with self._lock:
+                if key not in self._raw_readers:
+                    self._raw_readers[key] = _RawProcessList.open(self._lib, name)
+        return self._raw_readers[key]
 
     # -- public API ------------------------------------------------------------------------
 
@@ -384,9 +488,7 @@ class Nvml:
             )
             for call, is_graphics in lists:
                 per_list: dict[int, int | None] = {}
-                for info in self._running(index, handle, call, optional=is_graphics):
-                    pid = int(info.pid)
-                    used = _known(getattr(info, "usedGpuMemory", None))
+                for pid, used in self._running(index, handle, call, optional=is_graphics):
                     if pid in per_list:
                         before = per_list[pid]
                         used = None if before is None or used is None else before + used

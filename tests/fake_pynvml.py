@@ -10,11 +10,15 @@ What it models:
 - init failures (library not found, driver not loaded, ...), optionally slow init;
 - handles that go stale after a re-init (as after fork), so reuse of a cached handle fails;
 - a lost GPU (every device call raises ``NVMLError_GpuIsLost``);
-- accounting mode and records; only ``nvmlDeviceSetAccountingMode`` switches it on.
+- accounting mode and records; only ``nvmlDeviceSetAccountingMode`` switches it on;
+- optionally (``raw_lists=True``), the C-level running-process functions and entry layout
+  that leakcheck reads through a reused buffer: the count-and-fill protocol of NVML, with
+  ``NVML_ERROR_INSUFFICIENT_SIZE`` when the caller's buffer is short.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 import types
@@ -30,6 +34,7 @@ NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
@@ -42,6 +47,7 @@ _TEXT = {
     NVML_ERROR_NOT_SUPPORTED: "Not Supported",
     NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
     NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
     NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
     NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
     NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
@@ -110,6 +116,17 @@ class FakeProcess:
     computeInstanceId: int = NOT_AVAILABLE & 0xFFFFFFFF
 
 
+class FakeProcessInfo(ctypes.Structure):
+    """The C layout of ``nvmlProcessInfo_v3_t``."""
+
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
+
+
 @dataclass
 class FakeDevice:
     """One fake GPU. Telemetry fields set to None raise NVMLError_NotSupported."""
@@ -153,6 +170,7 @@ class FakePynvml(types.ModuleType):
         init_delay_s: float = 0.0,
         has_event_reasons: bool = True,
         root: bool = False,
+        raw_lists: bool = False,
     ) -> None:
         super().__init__("pynvml")
         self.devices = devices if devices is not None else [FakeDevice()]
@@ -172,8 +190,42 @@ class FakePynvml(types.ModuleType):
         self.NVML_FEATURE_DISABLED = 0
         self.NVML_FEATURE_ENABLED = 1
         self.has_event_reasons = has_event_reasons
+        if raw_lists:
+            self._nvmlGetFunctionPointer = self._function_pointer
+            self.c_nvmlProcessInfo_v3_t = FakeProcessInfo
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def _function_pointer(self, name: str) -> Any:
+        """The C function ``name`` (only the two ``_v3`` process lists exist)."""
+        lists = {
+            "nvmlDeviceGetComputeRunningProcesses_v3": False,
+            "nvmlDeviceGetGraphicsRunningProcesses_v3": True,
+        }
+        if name not in lists:
+            raise error(NVML_ERROR_FUNCTION_NOT_FOUND)
+        graphics = lists[name]
+
+        def call(handle: Any, count_ref: Any, buffer: Any) -> int:
+            try:
+                device = self._device(handle, name)
+            except NVMLError as exc:
+                return exc.value
+            entries = device.graphics if graphics else device.compute
+            if entries is None:
+                return NVML_ERROR_NOT_SUPPORTED
+            count = count_ref._obj  # what ctypes.byref() wraps
+            if count.value < len(entries):
+                count.value = len(entries)
+                return NVML_ERROR_INSUFFICIENT_SIZE
+            for slot, entry in zip(buffer, entries, strict=False):
+                slot.pid = entry.pid
+                used = entry.usedGpuMemory
+                slot.usedGpuMemory = NOT_AVAILABLE if used is None else used
+            count.value = len(entries)
+            return NVML_SUCCESS
+
+        return call
 
     def _count(self, name: str) -> None:
         with self._counter_lock:

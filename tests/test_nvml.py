@@ -70,8 +70,11 @@ def two_devices() -> list[FakeDevice]:
 # -- processes -------------------------------------------------------------------------------
 
 
-def test_processes_merges_compute_and_graphics_per_pid_and_device(use_fake: UseFake) -> None:
-    use_fake(two_devices())
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_processes_merges_compute_and_graphics_per_pid_and_device(
+    use_fake: UseFake, raw_lists: bool
+) -> None:
+    use_fake(two_devices(), raw_lists=raw_lists)
     procs = nvml.get().processes()
     assert procs == (
         GpuProcess(pid=100, device_index=0, used_gpu_bytes=600 * MIB, kind="compute"),
@@ -81,16 +84,24 @@ def test_processes_merges_compute_and_graphics_per_pid_and_device(use_fake: UseF
     )
 
 
-def test_processes_device_filter_reads_only_those_devices(use_fake: UseFake) -> None:
-    fake = use_fake(two_devices())
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_processes_device_filter_reads_only_those_devices(
+    use_fake: UseFake, raw_lists: bool
+) -> None:
+    fake = use_fake(two_devices(), raw_lists=raw_lists)
     handle = nvml.get()
     fake.calls.clear()  # get() reads every device once to open NVML's descriptors
     procs = handle.processes(devices=[1])
     assert [(p.pid, p.device_index) for p in procs] == [(100, 1)]
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 1
+    suffix = "_v3" if raw_lists else ""
+    assert fake.calls == {
+        f"nvmlDeviceGetComputeRunningProcesses{suffix}": 1,
+        f"nvmlDeviceGetGraphicsRunningProcesses{suffix}": 1,
+    }
 
 
-def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake) -> None:
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists: bool) -> None:
     use_fake(
         [
             FakeDevice(
@@ -101,7 +112,8 @@ def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake) -> None:
                 ],
                 graphics=[FakeProcess(10, NOT_AVAILABLE)],
             )
-        ]
+        ],
+        raw_lists=raw_lists,
     )
     by_pid = {p.pid: p for p in nvml.get().processes()}
     assert by_pid[10].used_gpu_bytes is None
@@ -110,17 +122,65 @@ def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake) -> None:
     assert by_pid[12].used_gpu_bytes == 0
 
 
-def test_known_bytes_win_over_unknown_when_merging_lists(use_fake: UseFake) -> None:
-    use_fake([FakeDevice(compute=[FakeProcess(7, 64 * MIB)], graphics=[FakeProcess(7, None)])])
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_known_bytes_win_over_unknown_when_merging_lists(
+    use_fake: UseFake, raw_lists: bool
+) -> None:
+    use_fake(
+        [FakeDevice(compute=[FakeProcess(7, 64 * MIB)], graphics=[FakeProcess(7, None)])],
+        raw_lists=raw_lists,
+    )
     (proc,) = nvml.get().processes()
     assert (proc.used_gpu_bytes, proc.kind) == (64 * MIB, "both")
 
 
-def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake) -> None:
-    use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)])
-    assert nvml.get().processes() == (
-        GpuProcess(pid=5, device_index=0, used_gpu_bytes=MIB, kind="compute"),
-    )
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake, raw_lists: bool) -> None:
+    fake = use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)], raw_lists=raw_lists)
+    handle = nvml.get()  # reads each list once, to open NVML's descriptors
+    for _ in range(3):
+        assert handle.processes() == (
+            GpuProcess(pid=5, device_index=0, used_gpu_bytes=MIB, kind="compute"),
+        )
+    # An unsupported list is not asked for again.
+    suffix = "_v3" if raw_lists else ""
+    assert fake.calls[f"nvmlDeviceGetGraphicsRunningProcesses{suffix}"] == 1
+    assert fake.calls[f"nvmlDeviceGetComputeRunningProcesses{suffix}"] == 4
+
+
+def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: UseFake) -> None:
+    """NOTE [process lists]: a short buffer costs one more call, once."""
+    many = [FakeProcess(1000 + i, (i + 1) * MIB) for i in range(100)]
+    fake = use_fake([FakeDevice(compute=many[:1], graphics=[])], raw_lists=True)
+    handle = nvml.get()
+    fake.devices[0].compute = many
+    fake.calls.clear()
+    first = handle.processes()
+    assert [(p.pid, p.used_gpu_bytes) for p in first] == [
+        (1000 + i, (i + 1) * MIB) for i in range(100)
+    ]
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2  # short, then grown
+    fake.calls.clear()
+    assert handle.processes() == first
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
+    # Fewer processes later: the larger buffer is reused and only live entries are read.
+    fake.devices[0].compute = many[:3]
+    assert [p.pid for p in handle.processes()] == [1000, 1001, 1002]
+
+
+def test_a_binding_with_another_entry_layout_is_used_through_its_public_calls(
+    use_fake: UseFake,
+) -> None:
+    class OtherLayout(ctypes.Structure):
+        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+    fake = use_fake(two_devices(), raw_lists=True)
+    fake.c_nvmlProcessInfo_v3_t = OtherLayout
+    handle = nvml.get()
+    fake.calls.clear()
+    assert len(handle.processes()) == 4
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 2
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 0
 
 
 # -- memory and telemetry --------------------------------------------------------------------
@@ -271,9 +331,10 @@ def test_missing_package_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None
     assert "nvidia-ml-py" in reason
 
 
-def test_device_error_names_call_and_device(use_fake: UseFake) -> None:
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_device_error_names_call_and_device(use_fake: UseFake, raw_lists: bool) -> None:
     devices = two_devices()
-    use_fake(devices)
+    use_fake(devices, raw_lists=raw_lists)
     handle = nvml.get()
     handle.memory()
     devices[1].lost = True

@@ -217,9 +217,12 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
 
 
 def _set_process(device: FakeDevice, pid: int, used_bytes: int | None) -> None:
+    """Set what one process holds; the device's used bytes move with it, as on a GPU."""
+    before = sum(p.usedGpuMemory or 0 for p in device.compute if p.pid == pid)
     device.compute = [p for p in device.compute if p.pid != pid]
     if used_bytes is not None:
         device.compute.append(FakeProcess(pid=pid, usedGpuMemory=used_bytes))
+    device.used_bytes += (used_bytes or 0) - before
 
 
 def test_gpu_bytes_attributed_to_real_pids_and_growth_found(fake_nvml: FakePynvml) -> None:
@@ -355,6 +358,101 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     assert by_pid[known.pid or 0].gpu_bytes_peak == {0: 900 * MIB}  # seen between walks
     assert by_pid[untagged.pid].role != "foreign"
     assert by_pid[untagged.pid].gpu_bytes_peak == {0: 200 * MIB}
+
+
+def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [list gating]: steady device memory, no list reads; a change, read at once."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    lists, memory = "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMemoryInfo"
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        with tracker.epoch():
+            holder.start()
+            tracker.sample()
+            _set_process(device, holder.pid or 0, 100 * MIB)
+            time.sleep(0.1)
+            lists_before, memory_before = fake_nvml.calls[lists], fake_nvml.calls[memory]
+            time.sleep(0.3)
+            assert fake_nvml.calls[memory] >= memory_before + 5  # the ticks went on
+            assert fake_nvml.calls[lists] == lists_before  # and skipped the lists
+            _set_process(device, holder.pid or 0, 500 * MIB)
+            time.sleep(0.1)
+            assert fake_nvml.calls[lists] > lists_before
+            _set_process(device, holder.pid or 0, 200 * MIB)
+        record = tracker.epochs()[-1]
+        holder.kill()
+        holder.join()
+        _set_process(device, holder.pid or 0, None)
+    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+    assert proc.gpu_bytes_peak == {0: 500 * MIB}
+    assert proc.gpu_bytes_end == {0: 200 * MIB}
+
+
+def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [list gating]: what the device total cannot show, a walking tick reads."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 3)
+    device = fake_nvml.devices[0]
+    first, second = (CTX.Process(target=_hold, args=(30,)) for _ in range(2))
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        with tracker.epoch():
+            first.start()
+            second.start()
+            tracker.sample()
+            _set_process(device, first.pid or 0, 300 * MIB)
+            _set_process(device, second.pid or 0, 100 * MIB)
+            time.sleep(0.1)
+            used = device.used_bytes
+            # 200 MiB move from the first to the second: the device total stays put.
+            device.compute = [
+                FakeProcess(first.pid or 0, 100 * MIB),
+                FakeProcess(second.pid or 0, 300 * MIB),
+            ]
+            time.sleep(0.2)
+            device.compute = [
+                FakeProcess(first.pid or 0, 300 * MIB),
+                FakeProcess(second.pid or 0, 100 * MIB),
+            ]
+            assert device.used_bytes == used
+        record = tracker.epochs()[-1]
+        for child in (first, second):
+            child.kill()
+            child.join()
+        device.compute = []
+    peaks = {p.key.pid: p.gpu_bytes_peak for p in record.processes}
+    assert peaks[second.pid or 0] == {0: 300 * MIB}
+
+
+def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: object) -> None:
+    """NOTE [worker mailbox]: a quick read trusts an unchanged folder time once it is old."""
+    folder = str(tmp_path)
+    inbox = mailbox.Inbox(folder)
+
+    def post_keeping_folder_time(pid: int) -> None:
+        # A record added within the same clock step as the last change: same folder time.
+        stat = os.stat(folder)
+        assert mailbox.post("worker", {"pid": pid, "create_time": pid}, directory=folder)
+        os.utime(folder, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    assert mailbox.post("worker", {"pid": 1, "create_time": 1}, directory=folder)
+    assert [r["pid"] for r in inbox.read(quick=True)] == [1]
+    assert inbox.read(quick=True) == []  # lists: the deletion just moved the folder time
+    # That time was fresh when listed, so it is not trusted: a same-step record is found.
+    post_keeping_folder_time(2)
+    assert [r["pid"] for r in inbox.read(quick=True)] == [2]
+    time.sleep(0.15)  # past the clock-step margin
+    assert inbox.read(quick=True) == []  # settles the folder
+    post_keeping_folder_time(3)
+    assert inbox.read(quick=True) == []  # settled and unchanged: the listing is skipped
+    assert [r["pid"] for r in inbox.read()] == [3]  # a full read always lists
 
 
 def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:

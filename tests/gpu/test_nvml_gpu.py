@@ -84,6 +84,20 @@ def test_child_allocation_appears_under_its_own_pid() -> None:
         assert seen.used_gpu_bytes is not None
         assert seen.used_gpu_bytes >= ALLOC_MIB * MIB
 
+        # NOTE [process lists]: leakcheck reads the lists through a reused buffer here; the
+        # binding's own calls must say the same.
+        import pynvml
+
+        raw = nvml._RawProcessList.open(pynvml, "nvmlDeviceGetComputeRunningProcesses")
+        assert raw is not None, "this binding and driver should allow the buffer path"
+        device = pynvml.nvmlDeviceGetHandleByIndex(0)
+        by_binding = sorted(
+            (int(p.pid), p.usedGpuMemory)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(device)
+        )
+        assert (child.pid, seen.used_gpu_bytes) in by_binding
+        assert sorted(raw.read(device)) == by_binding
+
         child.stdin.close()
         assert child.wait(timeout=60) == 0
         _wait_for(lambda: entry() is None, f"pid {child.pid} to leave NVML")

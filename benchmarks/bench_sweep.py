@@ -3,12 +3,14 @@
 For each worker count, one round builds the built-in workload's DataLoader and iterates it
 for E epochs twice: bare, and under a ``Tracker`` exactly as ``leakcheck sweep`` does (one
 tracker per configuration, ``tracker.epoch`` around each epoch, workers registered at
-``iter()``, sampling every 50 ms). Rounds alternate the order (bare first, then tracked
-first) so that drift (clocks, temperature, page cache) falls on both alike. Goal: the
+``iter()``, sampling every 50 ms). Each repeat runs four times, bare, tracked, tracked,
+bare (the next repeat: tracked, bare, bare, tracked), so that a steady drift (clocks,
+temperature, page cache) falls on both arms alike. Goal: the
 tracker under 2% of the epochs' wall time. Two measures of it, per configuration, side by
 side (``benchmarks/stats.py`` explains both):
 
-* A/B: per repeat, the two adjacent runs give a speed ratio bare s / tracked s, of the
+* A/B: per repeat, its two bare and two tracked runs give a speed ratio bare s / tracked s
+  (each arm's two runs summed), of the
   epochs (what a training loop pays) and of the whole configuration (loader, epochs, tracker
   start, close and report); the median slowdown ``1 - ratio`` in % over repeats, with its
   95% bootstrap interval (with 3 repeats the interval is about their range: the honest
@@ -141,6 +143,20 @@ def _spent_s(cost: dict[str, float]) -> float:
     return cost["caller_wall_s"] + cost["sampler_cpu_s"]
 
 
+def _by_repeat(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One arm's runs, two per repeat, summed per repeat (times and costs)."""
+    merged: list[dict[str, Any]] = []
+    for first, second in zip(runs[::2], runs[1::2], strict=True):
+        both: dict[str, Any] = {}
+        for key, value in first.items():
+            if isinstance(value, dict):
+                both[key] = {name: value[name] + second[key][name] for name in value}
+            elif key != "sample_ms":
+                both[key] = value + second[key]
+        merged.append(both)
+    return merged
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -160,9 +176,10 @@ def _configuration(
     samples = [r["sample_ms"] for r in runs["tracked"] if "sample_ms" in r]
     entry["sample_ms"] = _median(samples) if samples else None
     repeats: list[dict[str, Any]] = []
-    for bare, tracked in zip(runs["bare"], runs["tracked"], strict=True):
+    for bare, tracked in zip(_by_repeat(runs["bare"]), _by_repeat(runs["tracked"]), strict=True):
         repeats.append(
             {
+                "epochs_cost": tracked["epochs_cost"],
                 "epochs_speed_ratio": bare["epochs_s"] / tracked["epochs_s"],
                 "total_speed_ratio": bare["total_s"] / tracked["total_s"],
                 "accounted_epochs_pct": _spent_s(tracked["epochs_cost"])
@@ -230,7 +247,8 @@ def _render(
         )
     lines += [
         "",
-        "Per repeat (bare and tracked adjacent; slowdown = 1 - bare s / tracked s; accounted "
+        "Per repeat (four adjacent runs, b = bare, t = tracked; slowdown = 1 - bare s / "
+        "tracked s, each arm's two runs summed; accounted "
         "= tracker caller wall + sampler CPU over the tracked wall time):",
         "",
         "| configuration | repeat | order | epochs slowdown | total slowdown | "
@@ -238,11 +256,9 @@ def _render(
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, entry in results.items():
-        for index, (pair, tracked) in enumerate(
-            zip(entry["repeats"], entry["raw"]["tracked"], strict=True)
-        ):
-            cost = tracked["epochs_cost"]
-            order = "bare/tracked" if index % 2 == 0 else "tracked/bare"
+        for index, pair in enumerate(entry["repeats"]):
+            cost = pair["epochs_cost"]
+            order = "b/t/t/b" if index % 2 == 0 else "t/b/b/t"
             lines.append(
                 f"| {name} | {index} | {order} | "
                 f"{stats.slowdown_pct(pair['epochs_speed_ratio']):+.2f}% | "
@@ -348,8 +364,8 @@ def main() -> int:
             runs: dict[str, list[dict[str, Any]]] = {"bare": [], "tracked": []}
             _run(spec, workers, 1, tracked=False)  # warm-up: imports, page cache, CUDA
             for repeat in range(args.repeats):
-                order = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
-                for arm in order:
+                pair = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
+                for arm in (*pair, *reversed(pair)):
                     runs[arm].append(_run(spec, workers, args.epochs, tracked=arm == "tracked"))
             results[name], summaries[name] = _configuration(runs)
             ab, accounted = summaries[name]["ab_epochs"], summaries[name]["accounted_epochs"]

@@ -1,17 +1,21 @@
 """Iteration throughput of ``leakcheck.watch(loader)`` against the raw loader, in one run.
 
 One DataLoader (8 workers by default, persistent, so both sides iterate the very same worker
-processes) is iterated in alternating blocks: a block of raw epochs, then a block of epochs
-through a fresh ``watch(loader)`` (tracker started before the clock, closed after it), then
-the other order in the next round. Each epoch runs a small training step per batch (a
-matmul on the GPU with ``--device cuda``). Goal: watch(loader) under 1% slower. Two measures
-of it, side by side (``benchmarks/stats.py`` explains both):
+processes) is iterated in blocks: raw epochs, or epochs through a fresh ``watch(loader)``
+(tracker started before the clock, closed after it). Each round runs four blocks in the
+order raw, watched, watched, raw (the next round: watched, raw, raw, watched), so a speed
+that drifts steadily through the run (seen on the H200: +6% per round) weighs the same on
+both sides of a round. ``--warmup`` rounds run first and are not counted. Each epoch runs
+a small training step per batch (a matmul on the GPU with ``--device cuda``). Goal:
+watch(loader) under 1% slower. Two measures of it, side by side (``benchmarks/stats.py``
+explains both):
 
-* A/B: per round, the ratio watched/raw of the two adjacent blocks' batches per second; the
-  median over rounds, its 95% bootstrap interval, and the slowdown ``1 - ratio`` in %.
+* A/B: per round, the ratio watched/raw of the batches per second of its two watched and
+  its two raw blocks together; the median over rounds, its 95% bootstrap interval, and the
+  slowdown ``1 - ratio`` in %.
 * Accounted cost: what leakcheck itself spent during the watched block, read from
-  ``tracker.cost()`` just before and just after it (start and ``close()`` lie outside the
-  timed block and outside this difference), over the block's wall time::
+  ``tracker.cost()`` just before and just after each watched block (start and ``close()``
+  lie outside the timed block and outside this difference), over the blocks' wall time::
 
       (caller_wall_s + sampler_cpu_s + batches * per_batch_ns * 1e-9) / block wall s
 
@@ -25,10 +29,10 @@ of it, side by side (``benchmarks/stats.py`` explains both):
 Also measured alone in the same run: one sampler tick, one epoch boundary, one batch step.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
-       [--batches 200] [--epochs 1] [--rounds 20] [--interval 0.05] [--write]
+       [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05] [--write]
        (--write: benchmarks/results/watch-<device>-<date>.{json,md})
-The GPU run, ``--device cuda --workers 8 --batches 2000 --rounds 10``, has epochs of ~3 s:
-20 blocks, about 1.5 minutes with start-up.
+The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~2 s:
+28 blocks, about 1.5 minutes with start-up.
 """
 
 from __future__ import annotations
@@ -146,7 +150,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=200, help="batches per epoch")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per block")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--interval", type=float, default=0.05, help="watch() sampling, s")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
@@ -167,24 +172,31 @@ def main() -> int:
     _block(loader, 1, device, weight)  # start the workers, warm the caches
 
     rounds: list[dict[str, Any]] = []
-    for round_index in range(args.rounds):
-        order = ("raw", "watched") if round_index % 2 == 0 else ("watched", "raw")
+    for round_index in range(-args.warmup, args.rounds):
+        pair = ("raw", "watched") if round_index % 2 == 0 else ("watched", "raw")
+        order = (*pair, *reversed(pair))
         row: dict[str, Any] = {"round": round_index, "order": "/".join(order)}
+        row.update(raw_s=0.0, raw_batches=0, watched_s=0.0, watched_batches=0, cost={})
         for mode in order:
             if mode == "raw":
-                row["raw_s"], row["raw_batches"] = _block(loader, args.epochs, device, weight)
+                took_s, batches = _block(loader, args.epochs, device, weight)
+                row["raw_s"] += took_s
+                row["raw_batches"] += batches
                 continue
             with leakcheck.watch(loader, interval=args.interval) as wrapped:
                 # Read before and after the timed block only: start() and close() are
                 # outside the clock, and outside the accounted cost too.
                 before = stats.cost_counters(wrapped.tracker)
-                row["watched_s"], row["watched_batches"] = _block(
-                    wrapped, args.epochs, device, weight
-                )
-                row["cost"] = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
+                took_s, batches = _block(wrapped, args.epochs, device, weight)
+                spent = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
+            row["watched_s"] += took_s
+            row["watched_batches"] += batches
+            row["cost"] = {k: row["cost"].get(k, 0.0) + v for k, v in spent.items()}
         row["raw_batches_per_s"] = row["raw_batches"] / row["raw_s"]
         row["watched_batches_per_s"] = row["watched_batches"] / row["watched_s"]
         row["ratio"] = row["watched_batches_per_s"] / row["raw_batches_per_s"]
+        if round_index < 0:
+            continue  # a warm-up round
         rounds.append(row)
         print(
             f"round {round_index} ({row['order']}): watched/raw {row['ratio']:.4f}, "
@@ -278,8 +290,9 @@ def main() -> int:
         f"{stats.format_ci(accounted, signed=False)} | max {accounted.maximum:.3f}% | "
         f"{accounted_verdict} |",
         "",
-        f"- A/B: median watched/raw {ratio:.4f} over {len(ratios)} rounds of adjacent blocks "
-        f"(order alternating); bootstrap of the median, {ab.resamples} resamples, seed "
+        f"- A/B: median watched/raw {ratio:.4f} over {len(ratios)} rounds of four adjacent "
+        f"blocks (raw/watched/watched/raw, then the mirror order; {args.warmup} warm-up "
+        f"round(s) not counted); bootstrap of the median, {ab.resamples} resamples, seed "
         f"{ab.seed}.",
         "- accounted: (caller wall s in tracker calls + sampler thread CPU s + batches x "
         "per-batch step) / watched block wall s, read from tracker.cost() around the block; "

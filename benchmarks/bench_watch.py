@@ -286,7 +286,8 @@ def main() -> int:
         "| --- | ---: | ---: | ---: | --- |",
         f"| A/B slowdown, 1 - watched/raw | {stats.format_pct(ab.median)} | "
         f"{stats.format_ci(ab)} | {ab.minimum:+.2f}% .. {ab.maximum:+.2f}% | {ab_verdict} |",
-        f"| accounted cost (upper bound) | {stats.format_pct(accounted.median, signed=False)} | "
+        "| accounted cost (GIL and CPU bound) | "
+        f"{stats.format_pct(accounted.median, signed=False)} | "
         f"{stats.format_ci(accounted, signed=False)} | max {accounted.maximum:.3f}% | "
         f"{accounted_verdict} |",
         "",
@@ -296,7 +297,8 @@ def main() -> int:
         f"{ab.seed}.",
         "- accounted: (caller wall s in tracker calls + sampler thread CPU s + batches x "
         "per-batch step) / watched block wall s, read from tracker.cost() around the block; "
-        "an upper bound of each round's slowdown, so its verdict asks the worst round.",
+        "a bound of what each round's loop paid through the GIL and the CPU (not driver "
+        "waits: benchmarks/stats.py), so its verdict asks the worst round.",
     ]
     if spare_cores < 0:
         lines.append(

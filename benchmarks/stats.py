@@ -16,8 +16,12 @@ spare cores the sampler can delay the training thread only while it holds the GI
 is at most its CPU time (its /proc reads and NVML calls release the GIL), so this sum bounds
 the slowdown from above, and unlike the A/B ratio it does not drown in round-to-round noise.
 What it leaves out: cache and memory-bandwidth interference, the latency of handing the GIL
-back, and core contention where there are no spare cores (a 2-core machine running workers
-is not one); with spare cores these are small next to the terms it counts.
+back, core contention where there are no spare cores (a 2-core machine running workers is
+not one), and waits that leakcheck's NVML calls cause in other processes inside the driver.
+The last is not small where workers create CUDA contexts and compute: on an H200 the sweep's
+A/B (+7.4%) was far above its accounted cost (1.4%), and a tracker without NVML showed no
+such gap (docs/gpu-test-log.md, runs 16-17). So the accounted cost is a bound on what the
+training thread pays through the GIL and the CPU; the A/B is the only measure of the rest.
 
 Everything here is a pure function of its arguments; the bootstrap uses its own seeded
 ``random.Random``, so a run's intervals are reproducible from its raw numbers.

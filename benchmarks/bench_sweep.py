@@ -256,7 +256,8 @@ def _render(
         "= tracker caller wall + sampler CPU over the tracked wall time):",
         "",
         "| configuration | repeat | order | epochs slowdown | total slowdown | "
-        "caller ms | sampler CPU ms | samples | accounted epochs | accounted total |",
+        "caller ms (2 runs) | sampler CPU ms (2 runs) | samples (2 runs) | accounted epochs | "
+        "accounted total |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, entry in results.items():

@@ -266,7 +266,7 @@ def main() -> int:
         f"{args.batches} batches of {args.batch_size}",
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "
-        "leakcheck caller ms | sampler CPU ms | samples | accounted |",
+        "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | samples | accounted |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rounds:
@@ -312,8 +312,10 @@ def main() -> int:
         f"- per batch: {costs['per_batch_ns']:.0f} ns (one generator step)",
         f"- per epoch: {costs['epoch_boundary_ms']:.2f} ms at the epoch boundaries "
         f"({costs['epoch_boundary_pct_of_epoch']:.2f}% of a {epoch_ms:.0f} ms epoch)",
-        f"- sampler thread: {costs['sampler_tick_ms']:.3f} ms per tick every "
-        f"{args.interval * 1000:.0f} ms ({costs['sampler_cpu_pct_of_one_core']:.2f}% of one core)",
+        f"- one Tracker.sample(): {costs['sampler_tick_ms']:.3f} ms, the cost of a walking "
+        f"tick (every 4th of the sampler's ticks, every {args.interval * 1000:.0f} ms; the "
+        "others skip the walk, and the NVML lists while device memory holds still): "
+        f"{costs['sampler_cpu_pct_of_one_core']:.2f}% of one core if every tick cost that",
     ]
     text = "\n".join(lines)
     print(text)

@@ -5,7 +5,7 @@ of children, and it must hear what the teardown policy freed in each worker. Wor
 started by fork, spawn or forkserver, so no in-memory channel is shared by all of them. A
 folder is: the tracker creates it and exports its path as ``LEAKCHECK_MAILBOX`` (spawned and
 forked children alike inherit the variable); a worker writes one small JSON file per record,
-atomically (write to a temporary name, then rename), and the tracker's sampler lists the
+atomically (write to a temporary name, then rename), and the tracker's sampler reads the
 folder each tick. A reader never sees half a record; a worker that cannot write (no
 variable, read-only folder) loses nothing but the record. The tracker deletes each record
 once read (``consume``), so the folder stays small and a tick's listing costs the same in
@@ -116,9 +116,14 @@ class Inbox:
             return []
         listed_ns = time.time_ns()
         records = list(read_new(self.directory, self._seen, consume=True))
-        # Deleting what was read changes the time again: the next read lists once more and
-        # settles then.
-        settled = not records and listed_ns - mtime_ns > _CLOCK_STEP_MARGIN_NS
+        # Deleting what was read changes the time again: reads list until that change is
+        # older than the margin (two or three ticks), then settle. A time in whole seconds
+        # says the filesystem keeps no finer one, and then a step is too coarse to trust.
+        settled = (
+            not records
+            and listed_ns - mtime_ns > _CLOCK_STEP_MARGIN_NS
+            and mtime_ns % 1_000_000_000 != 0
+        )
         self._settled_mtime_ns = mtime_ns if settled else None
         return records
 

@@ -168,10 +168,11 @@ def _init_failure(lib: Any, exc: BaseException) -> NVMLUnavailable:
 
 # NOTE [process lists]: the binding's ``nvmlDevice*RunningProcesses`` asks the driver twice
 # per call (once for the count with no buffer, once to fill a new array) and builds a Python
-# object per entry. The sampler reads the lists on every tick, so where the binding exposes
-# the C function and the v3 entry layout, leakcheck calls it once with a buffer kept from the
-# last call, sized with room to spare; the driver says when the buffer is short (it fills in
-# the count it needs) and the call is repeated once with a larger one. Entries are read
+# object per entry. The sampler reads the lists many times a second, so where the binding
+# exposes the C function and the v3 entry layout, leakcheck calls it once with a buffer kept
+# from the last call, sized with room to spare; the driver says when the buffer is short (it
+# fills in the count it needs) and the call is repeated with a larger one (at most twice:
+# processes may start in between). Entries are read
 # straight from the C structures. The results are the same as the binding's (a GPU test
 # compares the two); a binding without these names is used through its public calls.
 _RAW_ENTRY_BYTES = 24  # nvmlProcessInfo_v2/v3_t: pid, used bytes, GPU and compute instance

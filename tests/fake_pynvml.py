@@ -151,6 +151,8 @@ class FakeDevice:
     accounting_vanishing_pids: tuple[int, ...] = ()
     """Listed by nvmlDeviceGetAccountingPids, then NotFound in nvmlDeviceGetAccountingStats."""
     lost: bool = False
+    list_failures: int = 0
+    """The next this-many running-process list calls raise ``NVMLError_GpuIsLost``."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,9 @@ class FakePynvml(types.ModuleType):
             raise error(NVML_ERROR_INVALID_ARGUMENT)
         device = self.devices[handle.index]
         if device.lost:
+            raise error(NVML_ERROR_GPU_IS_LOST)
+        if device.list_failures and "RunningProcesses" in name:
+            device.list_failures -= 1
             raise error(NVML_ERROR_GPU_IS_LOST)
         return device
 

@@ -168,6 +168,46 @@ def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: Use
     assert [p.pid for p in handle.processes()] == [1000, 1001, 1002]
 
 
+def test_buffer_reader_through_real_ctypes_with_the_bindings_error_class() -> None:
+    """NOTE [process lists]: a real C-callable function and pynvml's own NVMLError."""
+    import pynvml
+
+    from tests.fake_pynvml import FakeProcessInfo
+
+    prototype = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(FakeProcessInfo),
+    )
+    state: dict[str, Any] = {"entries": [(11, 5 * MIB), (12, NOT_AVAILABLE)], "code": 0}
+
+    def c_function(handle: Any, count: Any, buffer: Any) -> int:
+        if state["code"]:
+            return int(state["code"])
+        entries = state["entries"]
+        if count[0] < len(entries):
+            count[0] = len(entries)
+            return 7  # NVML_ERROR_INSUFFICIENT_SIZE
+        for index, (pid, used) in enumerate(entries):
+            buffer[index].pid = pid
+            buffer[index].usedGpuMemory = used
+        count[0] = len(entries)
+        return 0
+
+    function = prototype(c_function)
+    reader = nvml._RawProcessList(function, FakeProcessInfo, pynvml.NVMLError)
+    assert reader.read(None) == [(11, 5 * MIB), (12, None)]
+    state["entries"] = [(100 + i, i * MIB) for i in range(40)]  # more than the first buffer
+    assert reader.read(None) == [(100 + i, i * MIB) for i in range(40)]
+    state["code"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    with pytest.raises(pynvml.NVMLError_NotSupported) as info:
+        reader.read(None)
+    assert info.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+    # Without a loaded library the binding has no function to give: the public calls serve.
+    assert nvml._RawProcessList.open(pynvml, "nvmlDeviceGetComputeRunningProcesses") is None
+
+
 def test_a_binding_with_another_entry_layout_is_used_through_its_public_calls(
     use_fake: UseFake,
 ) -> None:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -326,8 +326,9 @@ def test_cost_counts_sampler_and_caller_time_apart_and_nested_calls_once() -> No
 def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NOTE [tracker lifecycle]: ticks that do not walk /proc still read NVML; a PID new on
-    the GPU is placed in the tree at once, never taken for a foreign process."""
+    """NOTE [tracker lifecycle]: ticks that do not walk /proc still read NVML where device
+    memory moved; a PID new on the GPU is placed in the tree at once, never taken for a
+    foreign process."""
     from leakcheck import tracker as tracker_module
 
     monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
@@ -360,6 +361,20 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     assert by_pid[untagged.pid].gpu_bytes_peak == {0: 200 * MIB}
 
 
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until true or the deadline (generous: CI has 2 busy cores)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+_LISTS = "nvmlDeviceGetComputeRunningProcesses"
+_MEMORY = "nvmlDeviceGetMemoryInfo"
+
+
 def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,28 +384,58 @@ def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
     monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
     device = fake_nvml.devices[0]
     holder = CTX.Process(target=_hold, args=(30,))
-    lists, memory = "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMemoryInfo"
+    calls = fake_nvml.calls
     with Tracker(grace=0.0, interval=0.01) as tracker:
         with tracker.epoch():
             holder.start()
             tracker.sample()
             _set_process(device, holder.pid or 0, 100 * MIB)
-            time.sleep(0.1)
-            lists_before, memory_before = fake_nvml.calls[lists], fake_nvml.calls[memory]
-            time.sleep(0.3)
-            assert fake_nvml.calls[memory] >= memory_before + 5  # the ticks went on
-            assert fake_nvml.calls[lists] == lists_before  # and skipped the lists
+            lists_at_change = calls[_LISTS]
+            assert _wait_until(lambda: calls[_LISTS] > lists_at_change)
+            lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
+            # Twenty ticks with the device's memory steady: no list read among them.
+            assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
+            assert calls[_LISTS] == lists_before
             _set_process(device, holder.pid or 0, 500 * MIB)
-            time.sleep(0.1)
-            assert fake_nvml.calls[lists] > lists_before
+            assert _wait_until(lambda: calls[_LISTS] > lists_before)
             _set_process(device, holder.pid or 0, 200 * MIB)
         record = tracker.epochs()[-1]
         holder.kill()
         holder.join()
         _set_process(device, holder.pid or 0, None)
     (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
-    assert proc.gpu_bytes_peak == {0: 500 * MIB}
+    assert proc.gpu_bytes_peak == {0: 500 * MIB}  # read between walks, kept as the peak
     assert proc.gpu_bytes_end == {0: 200 * MIB}
+
+
+def test_a_failed_list_read_is_retried_at_the_next_tick(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [list gating]: a failure must not make the unchanged memory skip the retry."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    calls = fake_nvml.calls
+    with Tracker(grace=0.0, interval=0.01) as tracker:
+        with tracker.epoch():
+            holder.start()
+            tracker.sample()
+            lists_before = calls[_LISTS]
+            device.list_failures = 1
+            _set_process(device, holder.pid or 0, 700 * MIB)
+            # The failed read and its retry (the fake counts failed calls too).
+            _wait_until(lambda: calls[_LISTS] >= lists_before + 2)
+            assert device.list_failures == 0
+            _set_process(device, holder.pid or 0, 100 * MIB)
+        record = tracker.epochs()[-1]
+        holder.kill()
+        holder.join()
+        _set_process(device, holder.pid or 0, None)
+    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+    assert proc.gpu_bytes_peak == {0: 700 * MIB}
+    assert any("nvml processes" in failure for failure in tracker.timeline().failures)
 
 
 def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
@@ -402,6 +447,7 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
     monkeypatch.setattr(tracker_module, "_WALK_EVERY", 3)
     device = fake_nvml.devices[0]
     first, second = (CTX.Process(target=_hold, args=(30,)) for _ in range(2))
+    calls = fake_nvml.calls
     with Tracker(grace=0.0, interval=0.01) as tracker:
         with tracker.epoch():
             first.start()
@@ -409,14 +455,15 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
             tracker.sample()
             _set_process(device, first.pid or 0, 300 * MIB)
             _set_process(device, second.pid or 0, 100 * MIB)
-            time.sleep(0.1)
             used = device.used_bytes
             # 200 MiB move from the first to the second: the device total stays put.
             device.compute = [
                 FakeProcess(first.pid or 0, 100 * MIB),
                 FakeProcess(second.pid or 0, 300 * MIB),
             ]
-            time.sleep(0.2)
+            lists_at_move = calls[_LISTS]
+            # Only a walking tick reads the lists now: the device total did not move.
+            assert _wait_until(lambda: calls[_LISTS] > lists_at_move)
             device.compute = [
                 FakeProcess(first.pid or 0, 300 * MIB),
                 FakeProcess(second.pid or 0, 100 * MIB),
@@ -453,6 +500,13 @@ def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: obje
     post_keeping_folder_time(3)
     assert inbox.read(quick=True) == []  # settled and unchanged: the listing is skipped
     assert [r["pid"] for r in inbox.read()] == [3]  # a full read always lists
+    # A filesystem that keeps whole seconds only: its time is never trusted.
+    stat = os.stat(folder)
+    whole_s_ns = (stat.st_mtime_ns // 10**9 - 10) * 10**9
+    os.utime(folder, ns=(stat.st_atime_ns, whole_s_ns))
+    assert inbox.read(quick=True) == []
+    post_keeping_folder_time(4)
+    assert [r["pid"] for r in inbox.read(quick=True)] == [4]
 
 
 def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:

@@ -62,11 +62,19 @@ def main() -> None:
             ready.wait(120)
         handle_api = nvml.get()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        print("pynvml", getattr(pynvml, "__version__", "?"), "driver",
-              handle_api.driver_version(), "children", args.children)
+        print(
+            "pynvml",
+            getattr(pynvml, "__version__", "?"),
+            "driver",
+            handle_api.driver_version(),
+            "children",
+            args.children,
+        )
         calls = {}
-        for short, name in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
-                            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+        for short, name in (
+            ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+            ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+        ):
             bound = getattr(pynvml, name)
             raw = nvml._RawProcessList.open(pynvml, name)
             try:
@@ -75,8 +83,10 @@ def main() -> None:
                 print(f"{short}: binding raises {exc}")
                 continue
             raw_pairs = sorted(raw.read(handle)) if raw is not None else None
-            print(f"{short}: {len(bound_pairs)} entries; buffer path "
-                  f"{'unavailable' if raw is None else 'same' if raw_pairs == bound_pairs else f'DIFFERS {raw_pairs} vs {bound_pairs}'}")
+            print(
+                f"{short}: {len(bound_pairs)} entries; buffer path "
+                f"{'unavailable' if raw is None else 'same' if raw_pairs == bound_pairs else f'DIFFERS {raw_pairs} vs {bound_pairs}'}"
+            )
             calls[f"binding {short}"] = lambda bound=bound: bound(handle)
             if raw is not None:
                 calls[f"buffer {short}"] = lambda raw=raw: raw.read(handle)

@@ -73,8 +73,10 @@ if __name__ == "__main__":
                                     optional=True)), 3))
         print("  memory info         ", round(_median_ms(
             lambda: lib.nvmlDeviceGetMemoryInfo(dev)), 3))
-    if tracker._mailbox_dir:
-        print("mailbox read          ", round(_median_ms(lambda: tracker._read_mailbox(tracker._inbox, quick=True)), 3))
+    inbox = tracker._inbox
+    if inbox is not None:
+        print("mailbox read (full)   ", round(_median_ms(
+            lambda: tracker._read_mailbox(inbox, quick=False)), 3))
     cProfile.run("for _ in range(300): tracker.sample()", "/tmp/tick.prof")
     pstats.Stats("/tmp/tick.prof").sort_stats("tottime").print_stats(18)
     tracker.close()

@@ -24,8 +24,10 @@ side (``benchmarks/stats.py`` explains both):
   not drown in run-to-run noise. It does not see the workers waiting on the driver while
   the sampler's NVML calls run (``benchmarks/stats.py``).
 
-``LEAKCHECK_BENCH_NO_NVML=1`` runs the tracked arm with ``use_nvml=False`` (host-side
-tracking only): a diagnostic that separates NVML's share of the A/B from the rest.
+``--tracker-nvml`` is a diagnostic that separates NVML's share of the A/B from the rest:
+``full`` (the default, as users run it), ``memory`` (the tracker reads the devices' used
+memory but never the per-process lists: every list comes back empty), ``off`` (a tracker
+with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as shipped.
 
 With persistent workers, the tracked run also times ``Tracker.sample()`` 20 times while the
 workers are alive (the sampler's per-tick path); that probe is the benchmark's own, so its
@@ -64,6 +66,7 @@ from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
+TRACKER_NVML = {"mode": "full"}  # --tracker-nvml, set once in main()
 PROBE_SAMPLES = 20
 
 
@@ -96,7 +99,7 @@ def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[s
             interval=0.05,
             grace=2.0,
             persistent_workers=spec.persistent_workers and workers > 0,
-            use_nvml=spec.gpu and not os.environ.get("LEAKCHECK_BENCH_NO_NVML"),
+            use_nvml=spec.gpu and TRACKER_NVML["mode"] != "off",
         ).start()
         own_s += time.perf_counter() - started
         after_start = stats.cost_counters(tracker)
@@ -229,10 +232,16 @@ def _render(
         f"leakcheck {meta['leakcheck']}",
         "",
         f"{args.batches} batches of 64x{args.features} per epoch, {args.epochs} epochs, "
-        f"{args.repeats} alternating repeats, start method {args.start_method}, teardown "
+        f"{args.repeats} repeats of four runs, start method {args.start_method}, teardown "
         f"{'on' if args.teardown else 'off'} in both arms; medians. Goal: tracker under "
         f"{GOAL_PCT:g}% of the epochs' wall time.",
     ]
+    if args.tracker_nvml != "full":
+        lines += [
+            "",
+            f"**Diagnostic: the tracked arm's NVML use is `{args.tracker_nvml}`, not what "
+            "leakcheck does (`--tracker-nvml`).**",
+        ]
     if not meta["complete"]:
         lines += ["", "**Partial: the run has not finished (or stopped) after these rows.**"]
     lines += [
@@ -320,6 +329,7 @@ def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[s
         "features": args.features,
         "start_method": args.start_method,
         "teardown": args.teardown,
+        "tracker_nvml": args.tracker_nvml,
         "goal_pct": GOAL_PCT,
         "complete": False,
     }
@@ -338,6 +348,12 @@ def main() -> int:
     parser.add_argument("--start-method", default="spawn")
     parser.add_argument("--teardown", action="store_true")
     parser.add_argument(
+        "--tracker-nvml",
+        choices=["full", "memory", "off"],
+        default="full",
+        help="diagnostic: what of NVML the tracked arm reads (see the module docstring)",
+    )
+    parser.add_argument(
         "--persistent",
         choices=["both", "on", "off"],
         default="both",
@@ -345,6 +361,10 @@ def main() -> int:
     )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    TRACKER_NVML["mode"] = args.tracker_nvml
+    if args.tracker_nvml == "memory":
+        # Diagnostic only: every per-process list comes back empty in this process.
+        nvml.Nvml.processes = lambda self, devices=None: ()  # type: ignore[method-assign]
 
     gpu, gpu_reason = nvml.availability()
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")

@@ -1,20 +1,19 @@
 """The sweep's own cost: the same loaders iterated with and without leakcheck, in one run.
 
-For each worker count, one round builds the built-in workload's DataLoader and iterates it
-for E epochs twice: bare, and under a ``Tracker`` exactly as ``leakcheck sweep`` does (one
-tracker per configuration, ``tracker.epoch`` around each epoch, workers registered at
-``iter()``, sampling every 50 ms). Each repeat runs four times, bare, tracked, tracked,
+For each worker count, a run builds the built-in workload's DataLoader and iterates it for
+E epochs, bare or under a ``Tracker`` exactly as ``leakcheck sweep`` does (one tracker per
+configuration, ``tracker.epoch`` around each epoch, workers registered at ``iter()``,
+sampling every 50 ms or ``--interval``). Each repeat is four runs, bare, tracked, tracked,
 bare (the next repeat: tracked, bare, bare, tracked), so that a steady drift (clocks,
-temperature, page cache) falls on both arms alike. Goal: the
-tracker under 2% of the epochs' wall time. Two measures of it, per configuration, side by
-side (``benchmarks/stats.py`` explains both):
+temperature, page cache) falls on both arms alike. Goal: the tracker under 2% of the
+epochs' wall time. Two measures of it, per configuration, side by side
+(``benchmarks/stats.py`` explains both):
 
 * A/B: per repeat, its two bare and two tracked runs give a speed ratio bare s / tracked s
-  (each arm's two runs summed), of the
-  epochs (what a training loop pays) and of the whole configuration (loader, epochs, tracker
-  start, close and report); the median slowdown ``1 - ratio`` in % over repeats, with its
-  95% bootstrap interval (with 3 repeats the interval is about their range: the honest
-  answer that 3 repeats resolve little).
+  (each arm's two runs summed), of the epochs (what a training loop pays) and of the whole
+  configuration (loader, epochs, tracker start, close and report); the median slowdown
+  ``1 - ratio`` in % over repeats, with its 95% bootstrap interval (with 3 repeats the
+  interval is about their range: the honest answer that 3 repeats resolve little).
 * Accounted cost: what the tracker itself spent, from ``tracker.cost()``:
   ``(caller_wall_s + sampler_cpu_s) / tracked epochs wall s``, the counters read just before
   the first epoch and just after the last; and over the whole configuration, adding the
@@ -66,7 +65,8 @@ from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
-TRACKER_NVML = {"mode": "full"}  # --tracker-nvml, set once in main()
+# --tracker-nvml and --interval, set once in main().
+TRACKER_NVML: dict[str, Any] = {"mode": "full", "interval_s": 0.05}
 PROBE_SAMPLES = 20
 
 
@@ -96,7 +96,7 @@ def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[s
     own_s = 0.0
     if tracked:
         tracker = Tracker(
-            interval=0.05,
+            interval=TRACKER_NVML["interval_s"],
             grace=2.0,
             persistent_workers=spec.persistent_workers and workers > 0,
             use_nvml=spec.gpu and TRACKER_NVML["mode"] != "off",
@@ -232,7 +232,8 @@ def _render(
         f"leakcheck {meta['leakcheck']}",
         "",
         f"{args.batches} batches of 64x{args.features} per epoch, {args.epochs} epochs, "
-        f"{args.repeats} repeats of four runs, start method {args.start_method}, teardown "
+        f"{args.repeats} repeats of four runs, sampling every {args.interval * 1000:g} ms, "
+        f"start method {args.start_method}, teardown "
         f"{'on' if args.teardown else 'off'} in both arms; medians. Goal: tracker under "
         f"{GOAL_PCT:g}% of the epochs' wall time.",
     ]
@@ -330,6 +331,7 @@ def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[s
         "start_method": args.start_method,
         "teardown": args.teardown,
         "tracker_nvml": args.tracker_nvml,
+        "interval_s": args.interval,
         "goal_pct": GOAL_PCT,
         "complete": False,
     }
@@ -348,6 +350,9 @@ def main() -> int:
     parser.add_argument("--start-method", default="spawn")
     parser.add_argument("--teardown", action="store_true")
     parser.add_argument(
+        "--interval", type=float, default=0.05, help="the tracker's sampling interval, s"
+    )
+    parser.add_argument(
         "--tracker-nvml",
         choices=["full", "memory", "off"],
         default="full",
@@ -362,6 +367,7 @@ def main() -> int:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     TRACKER_NVML["mode"] = args.tracker_nvml
+    TRACKER_NVML["interval_s"] = args.interval
     if args.tracker_nvml == "memory":
         # Diagnostic only: every per-process list comes back empty in this process.
         nvml.Nvml.processes = lambda self, devices=None: ()  # type: ignore[method-assign]

@@ -172,9 +172,9 @@ def _init_failure(lib: Any, exc: BaseException) -> NVMLUnavailable:
 # exposes the C function and the v3 entry layout, leakcheck calls it once with a buffer kept
 # from the last call, sized with room to spare; the driver says when the buffer is short (it
 # fills in the count it needs) and the call is repeated with a larger one (at most twice:
-# processes may start in between). Entries are read
-# straight from the C structures. The results are the same as the binding's (a GPU test
-# compares the two); a binding without these names is used through its public calls.
+# processes may start in between). Entries are read straight from the C structures. The
+# results are the same as the binding's (a GPU test compares the two); a binding without
+# these names is used through its public calls.
 _RAW_ENTRY_BYTES = 24  # nvmlProcessInfo_v2/v3_t: pid, used bytes, GPU and compute instance
 _RAW_FIRST_CAPACITY = 32
 _RAW_TRIES = 3

@@ -4,7 +4,7 @@ One DataLoader (8 workers by default, persistent, so both sides iterate the very
 processes) is iterated in blocks: raw epochs, or epochs through a fresh ``watch(loader)``
 (tracker started before the clock, closed after it). Each round runs four blocks in the
 order raw, watched, watched, raw (the next round: watched, raw, raw, watched), so a speed
-that drifts steadily through the run (seen on the H200: +6% per round) weighs the same on
+that drifts steadily through the run (seen on the H200: +6% per 7 s) weighs the same on
 both sides of a round. ``--warmup`` rounds run first and are not counted. Each epoch runs
 a small training step per batch (a matmul on the GPU with ``--device cuda``). Goal:
 watch(loader) under 1% slower. Two measures of it, side by side (``benchmarks/stats.py``
@@ -26,12 +26,13 @@ explains both):
   The watched blocks use watch()'s defaults (``on_leak="warn"``: a report is judged at each
   epoch end), as a user gets them.
 
-Also measured alone in the same run: one sampler tick, one epoch boundary, one batch step.
+Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
+step.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05] [--write]
        (--write: benchmarks/results/watch-<device>-<date>.{json,md})
-The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~2 s:
+The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~1.5 s:
 28 blocks, about 1.5 minutes with start-up.
 """
 

@@ -14,7 +14,8 @@ block: the calling thread's wall time inside tracker calls, paid in full, plus t
 background sampler thread's CPU time, plus a per-batch generator step. On a machine with
 spare cores the sampler can delay the training thread only while it holds the GIL, which
 is at most its CPU time (its /proc reads and NVML calls release the GIL), so this sum bounds
-the slowdown from above, and unlike the A/B ratio it does not drown in round-to-round noise.
+what the training thread itself pays, and unlike the A/B ratio it does not drown in
+round-to-round noise.
 What it leaves out: cache and memory-bandwidth interference, the latency of handing the GIL
 back, core contention where there are no spare cores (a 2-core machine running workers is
 not one), and waits that leakcheck's NVML calls cause in other processes inside the driver.
@@ -241,10 +242,12 @@ def verdict(summary: Summary, goal: float) -> str:
 def bound_verdict(summary: Summary, goal: float) -> str:
     """Whether per-round upper bounds of a cost stay under ``goal`` in every round.
 
-    For the accounted cost: each round's value bounds that round's slowdown from above and
-    is measured directly, not estimated from a difference of noisy timings, so no interval
-    is needed; the verdict asks the worst round. ``"not met"`` then says the bound does not
-    show the goal, not that the slowdown exceeds it (the A/B ratio decides that).
+    For the accounted cost: each round's value bounds what that round's training thread
+    paid through the GIL and the CPU (not driver waits: see the module docstring) and is
+    measured directly, not estimated from a difference of noisy timings, so no interval is
+    needed; the verdict asks the worst round. ``"not met"`` then says the bound does not
+    show the goal, not that the slowdown exceeds it; ``"met"`` does not rule out the costs
+    it leaves out (the A/B ratio measures those).
 
     Args:
         summary: the per-round bounds' summary, in the goal's units.

@@ -225,6 +225,18 @@ def _environ_tag(pid: int) -> bytes | None:
     return None if data is None else _tag_bytes(data)
 
 
+def _image_tag(pid: int, image: _Image | None) -> bytes | None:
+    """The session tag of one exec image, read once (NOTE [exec image cache])."""
+    if image is None:  # cannot tell one exec image from the next: read, do not cache
+        return _environ_tag(pid)
+    key = (pid, image)
+    if key in _tag_cache:
+        return _tag_cache[key]
+    tag = _environ_tag(pid)
+    _remember(_tag_cache, key, tag)
+    return tag
+
+
 def _tag_bytes(environ: bytes) -> bytes | None:
     if environ.startswith(_TAG_PREFIX):
         start = len(_TAG_PREFIX)
@@ -245,7 +257,7 @@ def _info(pid: int, stat: _Stat, session_tag: bytes | None, with_cmdline: bool) 
         if with_cmdline:
             cmdline = _cmdline(pid)
         if session_tag is not None:
-            tagged = _environ_tag(pid) == session_tag
+            tagged = _image_tag(pid, None) == session_tag
     else:
         info_key = (pid, image, session_tag, with_cmdline)
         info = _info_cache.get(info_key)
@@ -259,12 +271,7 @@ def _info(pid: int, stat: _Stat, session_tag: bytes | None, with_cmdline: bool) 
                 _remember(_cmdline_cache, cache_key, cached_cmdline)
             cmdline = cached_cmdline
         if session_tag is not None:
-            if cache_key in _tag_cache:
-                tag = _tag_cache[cache_key]
-            else:
-                tag = _environ_tag(pid)
-                _remember(_tag_cache, cache_key, tag)
-            tagged = tag == session_tag
+            tagged = _image_tag(pid, image) == session_tag
     info = ProcInfo(
         key=ProcessKey(pid, _create_time(stat.starttime_ticks)),
         ppid=stat.ppid,

@@ -14,10 +14,13 @@ from typing import Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
-from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcInfo, Role
+from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.units import format_mib
 
 SNAPSHOT_SCHEMA_VERSION = 1
+# A session tag carries its root's start time in hundredths of a second (``new_session_id``);
+# it matches the root's create time within that rounding and a clock tick.
+_TAG_TIME_TOLERANCE_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -257,13 +260,16 @@ def take_snapshot(
 
     interesting = set(gpu_by_pid) | set(fds) | lineage
     sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
-    if root_pid is not None and procs.process_key(root_pid) is not None:
-        # Processes of this job that were reparented away still carry its tag.
-        for pid in every:
-            if pid in interesting:
+    root_key = procs.process_key(root_pid) if root_pid is not None else None
+    if root_key is not None:
+        # Processes of this job that were reparented away still carry its tag. Every one
+        # was born after the root, so older processes' environments are not read: most of
+        # a machine's processes, and the costliest part of a snapshot.
+        for pid, candidate in every.items():
+            if pid in interesting or candidate.key.create_time < root_key.create_time:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and _tag_matches(tag, root_pid):
+            if tag is not None and _tag_matches(tag, root_key):
                 interesting.add(pid)
                 sessions[pid] = tag
     # Ancestors give the trees their shape.
@@ -312,9 +318,14 @@ def take_snapshot(
     )
 
 
-def _tag_matches(tag: str, root_pid: int) -> bool:
+def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
+    """Whether a session tag names this root (its PID and start time, not a reused PID)."""
     root = session_root_pid(tag)
-    return root is not None and root[0] == root_pid
+    return (
+        root is not None
+        and root[0] == root_key.pid
+        and abs(root[1] - root_key.create_time) <= _TAG_TIME_TOLERANCE_S
+    )
 
 
 def _is_orphaned(tag: str, pid: int) -> bool:
@@ -323,7 +334,7 @@ def _is_orphaned(tag: str, pid: int) -> bool:
         return False
     root_pid, _ = root
     root_key = procs.process_key(root_pid)
-    if root_key is None or abs(root_key.create_time - root[1]) > 0.02:
+    if root_key is None or abs(root_key.create_time - root[1]) > _TAG_TIME_TOLERANCE_S:
         return True
     return not procs.is_ancestor(root_pid, pid)
 

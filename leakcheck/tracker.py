@@ -491,12 +491,29 @@ class Tracker:
             return tuple(self._teardowns)
 
     @_caller_timed
-    def timeline(self) -> Timeline:
-        """All observations so far, frozen."""
+    def timeline(self, *, last_epochs: int | None = None) -> Timeline:
+        """All observations so far, frozen.
+
+        Args:
+            last_epochs: Only the latest this-many closed epochs: a cost that does not grow
+                with the length of the run (NOTE [judged window] in dataloader.py). None:
+                every closed epoch.
+
+        Raises:
+            UsageError: ``last_epochs`` is not a positive int.
+
+        """
+        if last_epochs is not None and (
+            not isinstance(last_epochs, int) or isinstance(last_epochs, bool) or last_epochs < 1
+        ):
+            raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
         with self._lock:
-            epochs = tuple(
-                self._freeze_epoch(epoch) for epoch in self._epochs if epoch.end_s is not None
-            )
+            # Only the last epoch can still be open.
+            candidates = self._epochs if last_epochs is None else self._epochs[-last_epochs - 1 :]
+            closed = [epoch for epoch in candidates if epoch.end_s is not None]
+            if last_epochs is not None:
+                closed = closed[-last_epochs:]
+            epochs = tuple(self._freeze_epoch(epoch) for epoch in closed)
             return Timeline(
                 session_id=self._session_id,
                 root=self._root_key,
@@ -515,11 +532,19 @@ class Tracker:
             )
 
     @_caller_timed
-    def report(self) -> Report:
-        """Judge the timeline (closed epochs, and the final state once closed)."""
+    def report(self, *, last_epochs: int | None = None) -> Report:
+        """Judge the timeline (closed epochs, and the final state once closed).
+
+        Args:
+            last_epochs: Judge only the latest this-many closed epochs (see ``timeline``).
+
+        Raises:
+            UsageError: ``last_epochs`` is not a positive int.
+
+        """
         from leakcheck.report import build_report
 
-        return build_report(self.timeline(), self._config)
+        return build_report(self.timeline(last_epochs=last_epochs), self._config)
 
     # ------------------------------------------------------------------ internals
 

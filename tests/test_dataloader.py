@@ -340,3 +340,31 @@ def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts() -> None:
             dataset.sleeper.kill()
             dataset.sleeper.wait()
     watched.close()
+
+
+def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [judged window]: an epoch end judges the latest epochs only; close() all."""
+    from leakcheck import dataloader
+
+    monkeypatch.setattr(dataloader, "_JUDGED_EPOCHS", 1)
+    dataset = StartsChildOnce()
+    watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")
+    try:
+        list(watched)  # epoch 0 starts the survivor
+        list(watched)  # epoch 1, then the grace period passes
+        time.sleep(0.5)
+        list(watched)  # judged at its start and end: only epoch 1, then epoch 2
+        assert len(watched.report().epochs) == 3  # report() judges everything
+        assert [f.rule for f in watched.report().leaks] == ["survivor"]
+        with pytest.raises(GPULeakError) as caught:
+            watched.close()  # the whole run: epoch 0's survivor
+        assert dataset.sleeper is not None
+        assert [(f.rule, f.pid, f.epoch) for f in caught.value.report.leaks] == [
+            ("survivor", dataset.sleeper.pid, 0)
+        ]
+    finally:
+        if dataset.sleeper is not None:
+            dataset.sleeper.kill()
+            dataset.sleeper.wait()

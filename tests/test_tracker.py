@@ -521,3 +521,18 @@ def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:
     assert mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
     assert list(mailbox.read_new(folder, seen, consume=True)) == []
     assert os.listdir(folder) == []
+
+
+def test_timeline_of_the_last_epochs_leaves_the_open_one_and_older_ones_out() -> None:
+    with Tracker(grace=0.0, interval=0.05) as tracker:
+        for _ in range(4):
+            with tracker.epoch():
+                pass
+        tracker.begin_epoch("open")
+        assert [rec.index for rec in tracker.timeline(last_epochs=2).epochs] == [2, 3]
+        assert [rec.index for rec in tracker.timeline(last_epochs=9).epochs] == [0, 1, 2, 3]
+        assert [rec.index for rec in tracker.timeline().epochs] == [0, 1, 2, 3]
+        assert [rec.index for rec in tracker.report(last_epochs=1).epochs] == [3]
+        for bad in (0, -1, True, 1.5, "2"):
+            with pytest.raises(UsageError, match="last_epochs: expected a positive int"):
+                tracker.timeline(last_epochs=bad)  # type: ignore[arg-type]

@@ -14,12 +14,12 @@ from typing import Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
-from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcInfo, Role
 from leakcheck.units import format_mib
 
 SNAPSHOT_SCHEMA_VERSION = 1
 # A session tag carries its root's start time in hundredths of a second (``new_session_id``);
-# it matches the root's create time within that rounding and a clock tick.
+# within one process it matches the root's create time within that rounding and a tick.
 _TAG_TIME_TOLERANCE_S = 0.02
 
 
@@ -264,12 +264,13 @@ def take_snapshot(
     if root_key is not None:
         # Processes of this job that were reparented away still carry its tag. Every one
         # was born after the root, so older processes' environments are not read: most of
-        # a machine's processes, and the costliest part of a snapshot.
+        # a machine's processes, and the costliest part of a snapshot. That also leaves out
+        # what an earlier process with the root's PID left behind: it is older still.
         for pid, candidate in every.items():
             if pid in interesting or candidate.key.create_time < root_key.create_time:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and _tag_matches(tag, root_key):
+            if tag is not None and _tag_matches(tag, root_key.pid):
                 interesting.add(pid)
                 sessions[pid] = tag
     # Ancestors give the trees their shape.
@@ -318,14 +319,12 @@ def take_snapshot(
     )
 
 
-def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
-    """Whether a session tag names this root (its PID and start time, not a reused PID)."""
+def _tag_matches(tag: str, root_pid: int) -> bool:
+    # By PID only: the start time in the tag was computed in another process, from a boot
+    # time that moves when the wall clock is stepped. A tag left by an earlier process with
+    # the same PID is ruled out by age instead (see ``take_snapshot``).
     root = session_root_pid(tag)
-    return (
-        root is not None
-        and root[0] == root_key.pid
-        and abs(root[1] - root_key.create_time) <= _TAG_TIME_TOLERANCE_S
-    )
+    return root is not None and root[0] == root_pid
 
 
 def _is_orphaned(tag: str, pid: int) -> bool:

@@ -29,13 +29,13 @@ busy (about 1.2 ms of CPU each on an H200 under a DataLoader's load, against 0.0
 device's used memory). Every process's memory is part of its device's used bytes, so a tick
 that finds every device's used bytes exactly where they were at the last list read skips the
 lists and keeps the last attribution. Walking ticks, epoch ends, ``sample()`` and ``close()``
-always read them, and a failed list read is retried at the next tick. What this can miss: a
-change in one process that the device total does not show (one process freeing exactly
-what another allocates on the same device between two ticks; a change made and undone
-between a tick's memory read and its list read). It is seen at the next walking tick, at
-most ``_WALK_EVERY`` ticks late. An epoch end reads the lists, except one closed from
-inside a tick in progress (a loader collected mid-sample): that one uses the tick's
-attribution, at most ``_WALK_EVERY`` ticks old.
+always read them, and a failed list read is retried at the next tick. What this can miss:
+a change in one process that the device total does not show (one process freeing exactly
+what another allocates on the same device between two ticks), seen at the next walking
+tick, at most ``_WALK_EVERY`` ticks late; and, as without gating, what rises and falls
+back between two reads. An epoch end reads the lists, except one closed from inside a tick
+in progress (a loader collected mid-sample): that one uses the tick's attribution, at most
+``_WALK_EVERY`` ticks old.
 """
 
 from __future__ import annotations

@@ -168,7 +168,9 @@ def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: Use
     assert [p.pid for p in handle.processes()] == [1000, 1001, 1002]
 
 
-def test_buffer_reader_through_real_ctypes_with_the_bindings_error_class() -> None:
+def test_buffer_reader_through_real_ctypes_with_the_bindings_error_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """NOTE [process lists]: a real C-callable function and pynvml's own NVMLError."""
     import pynvml
 
@@ -205,6 +207,9 @@ def test_buffer_reader_through_real_ctypes_with_the_bindings_error_class() -> No
         reader.read(None)
     assert info.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
     # Without a loaded library the binding has no function to give: the public calls serve.
+    # (On a GPU machine an earlier test may have loaded it: unload it here.)
+    monkeypatch.setattr(pynvml, "nvmlLib", None)
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
     assert nvml._RawProcessList.open(pynvml, "nvmlDeviceGetComputeRunningProcesses") is None
 
 

@@ -389,15 +389,19 @@ def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
         with tracker.epoch():
             holder.start()
             tracker.sample()
-            _set_process(device, holder.pid or 0, 100 * MIB)
             lists_at_change = calls[_LISTS]
+            _set_process(device, holder.pid or 0, 100 * MIB)
             assert _wait_until(lambda: calls[_LISTS] > lists_at_change)
+            memory_after_read = calls[_MEMORY]
+            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)  # that read is over
             lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
             # Twenty ticks with the device's memory steady: no list read among them.
             assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
             assert calls[_LISTS] == lists_before
             _set_process(device, holder.pid or 0, 500 * MIB)
             assert _wait_until(lambda: calls[_LISTS] > lists_before)
+            memory_after_read = calls[_MEMORY]
+            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)
             _set_process(device, holder.pid or 0, 200 * MIB)
         record = tracker.epochs()[-1]
         holder.kill()
@@ -426,7 +430,9 @@ def test_a_failed_list_read_is_retried_at_the_next_tick(
             device.list_failures = 1
             _set_process(device, holder.pid or 0, 700 * MIB)
             # The failed read and its retry (the fake counts failed calls too).
-            _wait_until(lambda: calls[_LISTS] >= lists_before + 2)
+            assert _wait_until(lambda: calls[_LISTS] >= lists_before + 2)
+            memory_after_read = calls[_MEMORY]
+            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)
             assert device.list_failures == 0
             _set_process(device, holder.pid or 0, 100 * MIB)
         record = tracker.epochs()[-1]

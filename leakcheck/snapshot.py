@@ -14,13 +14,10 @@ from typing import Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
-from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcInfo, Role
+from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.units import format_mib
 
 SNAPSHOT_SCHEMA_VERSION = 1
-# A session tag carries its root's start time in hundredths of a second (``new_session_id``);
-# within one process it matches the root's create time within that rounding and a tick.
-_TAG_TIME_TOLERANCE_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -294,7 +291,7 @@ def take_snapshot(
             continue
         flags: list[str] = []
         tag = sessions.get(pid)
-        if tag is not None and pid not in lineage and _is_orphaned(tag, pid):
+        if tag is not None and pid not in lineage and _is_orphaned(tag, info.key):
             flags.append("orphan")
         if fds.get(pid) and pid not in gpu_by_pid:
             flags.append("descriptor-holder")
@@ -327,15 +324,20 @@ def _tag_matches(tag: str, root_pid: int) -> bool:
     return root is not None and root[0] == root_pid
 
 
-def _is_orphaned(tag: str, pid: int) -> bool:
+def _is_orphaned(tag: str, key: ProcessKey) -> bool:
+    """Whether a tagged process has lost its session's root (gone, or not its ancestor).
+
+    The root is judged gone when its PID is free or now names a process younger than the
+    tagged one (a reused PID): ages, not the tag's start time, which was computed in
+    another process from a boot time that moves when the wall clock is stepped.
+    """
     root = session_root_pid(tag)
     if root is None:
         return False
-    root_pid, _ = root
-    root_key = procs.process_key(root_pid)
-    if root_key is None or abs(root_key.create_time - root[1]) > _TAG_TIME_TOLERANCE_S:
+    root_key = procs.process_key(root[0])
+    if root_key is None or root_key.create_time > key.create_time:
         return True
-    return not procs.is_ancestor(root_pid, pid)
+    return not procs.is_ancestor(root_key.pid, key.pid)
 
 
 def _role(

@@ -477,6 +477,29 @@ def test_snapshot_reads_no_environment_older_than_the_root(
     assert len(procs.scan_all(with_cmdline=False)) > len(read_tags_of)  # most were skipped
 
 
+def test_orphan_judgement_goes_by_ages_not_by_the_tags_clock() -> None:
+    """A tag's start time may be off (the wall clock was stepped): a live ancestor is still
+    the root; a root PID now naming a younger process is a reused PID, so the root is gone."""
+    from leakcheck import procs, snapshot
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    time.sleep(0.05)  # a start time some clock ticks later
+    younger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sleeper_key = procs.process_key(sleeper.pid)
+        assert sleeper_key is not None
+        # The tag names this process (its parent) with a start time 50 s off.
+        drifted = f"{os.getpid()}-{round(sleeper_key.create_time * 100) - 5000}-0000beef"
+        assert not snapshot._is_orphaned(drifted, sleeper_key)
+        # The tag names a PID that now belongs to a process started after the sleeper.
+        reused = f"{younger.pid}-{round(sleeper_key.create_time * 100) - 5000}-0000beef"
+        assert snapshot._is_orphaned(reused, sleeper_key)
+    finally:
+        for child in (sleeper, younger):
+            child.kill()
+            child.wait()
+
+
 def test_main_module_runs_main() -> None:
     source = (REPO / "leakcheck" / "__main__.py").read_text()
     assert 'if __name__ == "__main__":' in textwrap.dedent(source)

@@ -370,7 +370,7 @@ def main() -> int:
     TRACKER_NVML["interval_s"] = args.interval
     if args.tracker_nvml == "memory":
         # Diagnostic only: every per-process list comes back empty in this process.
-        nvml.Nvml.processes = lambda self, devices=None: ()  # type: ignore[method-assign]
+        nvml.Nvml.processes = lambda self, devices=None, graphics=True: ()  # type: ignore[method-assign]
 
     gpu, gpu_reason = nvml.availability()
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")

@@ -461,7 +461,9 @@ class Nvml:
         self._ensure()
         return tuple(range(self._count))
 
-    def processes(self, devices: Sequence[int] | None = None) -> tuple[GpuProcess, ...]:
+    def processes(
+        self, devices: Sequence[int] | None = None, *, graphics: bool = True
+    ) -> tuple[GpuProcess, ...]:
         """List processes with a context on the devices, one entry per (pid, device).
 
         Compute and graphics lists are merged: ``kind`` is ``"compute"``, ``"graphics"`` or
@@ -472,6 +474,9 @@ class Nvml:
 
         Args:
             devices: NVML indices to read; None for all.
+            graphics: Also read the graphics list. Each list holds the driver's global lock
+                while it is read, which stalls other processes' driver calls: a caller that
+                knows no process has a graphics context can leave it out.
 
         Returns:
             Entries sorted by (device, pid). PIDs are as NVML reports them: in a container
@@ -483,10 +488,9 @@ class Nvml:
         for index in self._select(devices):
             handle = self._handle(index)
             merged: dict[int, tuple[int | None, bool, bool]] = {}
-            lists = (
-                ("nvmlDeviceGetComputeRunningProcesses", False),
-                ("nvmlDeviceGetGraphicsRunningProcesses", True),
-            )
+            lists = [("nvmlDeviceGetComputeRunningProcesses", False)]
+            if graphics:
+                lists.append(("nvmlDeviceGetGraphicsRunningProcesses", True))
             for call, is_graphics in lists:
                 per_list: dict[int, int | None] = {}
                 for pid, used in self._running(index, handle, call, optional=is_graphics):

@@ -29,13 +29,19 @@ busy (about 1.2 ms of CPU each on an H200 under a DataLoader's load, against 0.0
 device's used memory). Every process's memory is part of its device's used bytes, so a tick
 that finds every device's used bytes exactly where they were at the last list read skips the
 lists and keeps the last attribution. Walking ticks, epoch ends, ``sample()`` and ``close()``
-always read them, and a failed list read is retried at the next tick. What this can miss:
-a change in one process that the device total does not show (one process freeing exactly
-what another allocates on the same device between two ticks), seen at the next walking
-tick, at most ``_WALK_EVERY`` ticks late; and, as without gating, what rises and falls
-back between two reads. An epoch end reads the lists, except one closed from inside a tick
-in progress (a loader collected mid-sample): that one uses the tick's attribution, at most
-``_WALK_EVERY`` ticks old.
+always read them, and a failed list read is retried at the next tick. Reading a list holds a
+driver lock that the workers' own driver calls wait for (on an H200 a sweep ran 7% slower
+tracked, and no slower under a tracker without NVML: docs/gpu-test-log.md, runs 16-17), so
+a tick that reads the lists without walking leaves out the graphics list while the last
+full read found no graphics context (a CUDA job has none), and when the lists show a
+process new on the GPU, the walk that places it reuses them (every PID in them existed
+before the walk began). What this can miss: a change in one process that the device total
+does not show (one process freeing exactly what another allocates on the same device
+between two ticks), and a process whose only context is a graphics one while the job had
+none; both are seen at the next walking tick, at most ``_WALK_EVERY`` ticks late. And, as
+without gating, what rises and falls back between two reads. An epoch end reads the lists,
+except one closed from inside a tick in progress (a loader collected mid-sample): that one
+uses the tick's attribution, at most ``_WALK_EVERY`` ticks old.
 """
 
 from __future__ import annotations
@@ -246,6 +252,7 @@ class Tracker:
         self._final: FinalState | None = None
         self._device_used: dict[int, int] = {}
         self._used_at_lists: dict[int, int] = {}  # device used bytes at the last list read
+        self._graphics_seen = True  # the last full list read found a graphics context
         # Own cost (``cost()``): what the user's loop and the machine pay for tracking.
         self._cost_lock = threading.Lock()
         self._calls = threading.local()
@@ -705,16 +712,17 @@ class Tracker:
                 {state.index: state.used_bytes for state in memory} if memory is not None else {}
             )
         gpu: tuple[GpuProcess, ...] | None = None
+        new_on_gpu = False
         if not walk and self._lists_due(quick=quick):
-            gpu = self._read_gpu_processes()
-            if gpu is not None and any(entry.pid not in self._by_pid for entry in gpu):
-                # A process new on the GPU: place it in the tree before attributing it, and
-                # read NVML after the walk, as a walking tick does.
-                walk = True
-        if walk:
+            gpu = self._read_gpu_processes(graphics=not quick or self._graphics_seen)
+            # A process new on the GPU: place it in the tree before attributing it. The list
+            # read before the walk serves: every PID in it existed before the walk began.
+            new_on_gpu = gpu is not None and any(entry.pid not in self._by_pid for entry in gpu)
+        if walk or new_on_gpu:
             if not self._walk(now, scan_tags=scan_tags, quick=quick):
                 return
-            gpu = self._read_gpu_processes()
+            if not new_on_gpu:
+                gpu = self._read_gpu_processes(graphics=True)
         if gpu is not None:
             self._attribute_gpu(gpu, now)
         if epoch_end:
@@ -747,16 +755,18 @@ class Tracker:
             return False
         return not quick or not self._device_used or self._device_used != self._used_at_lists
 
-    def _read_gpu_processes(self) -> tuple[GpuProcess, ...] | None:
+    def _read_gpu_processes(self, *, graphics: bool) -> tuple[GpuProcess, ...] | None:
         nvml_handle = self._nvml
         if nvml_handle is None:
             return None
         used = dict(self._device_used)  # read before the lists: a change in between shows
         result: tuple[GpuProcess, ...] | None = self._guard(
-            lambda: nvml_handle.processes(self._devices), "nvml processes"
+            lambda: nvml_handle.processes(self._devices, graphics=graphics), "nvml processes"
         )
         # After a failed read nothing matches, so the next tick reads again.
         self._used_at_lists = used if result is not None else {}
+        if result is not None and graphics:
+            self._graphics_seen = any(entry.kind != "compute" for entry in result)
         return result
 
     def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:

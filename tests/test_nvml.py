@@ -148,6 +148,19 @@ def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake, raw_l
     assert fake.calls[f"nvmlDeviceGetComputeRunningProcesses{suffix}"] == 4
 
 
+@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
+def test_processes_without_the_graphics_list_reads_compute_only(
+    use_fake: UseFake, raw_lists: bool
+) -> None:
+    fake = use_fake(two_devices(), raw_lists=raw_lists)
+    handle = nvml.get()
+    fake.calls.clear()
+    procs = handle.processes(devices=[0], graphics=False)
+    assert [(p.pid, p.kind) for p in procs] == [(100, "compute"), (200, "compute")]
+    suffix = "_v3" if raw_lists else ""
+    assert fake.calls == {f"nvmlDeviceGetComputeRunningProcesses{suffix}": 1}
+
+
 def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: UseFake) -> None:
     """NOTE [process lists]: a short buffer costs one more call, once."""
     many = [FakeProcess(1000 + i, (i + 1) * MIB) for i in range(100)]

@@ -484,6 +484,68 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
     assert peaks[second.pid or 0] == {0: 300 * MIB}
 
 
+_GRAPHICS = "nvmlDeviceGetGraphicsRunningProcesses"
+
+
+def _quick_tick(tracker: Tracker) -> None:
+    """One sampler tick without a walk, run here (the tracker's own sampler is idle)."""
+    with tracker._lock:
+        tracker._sample_locked(epoch_end=False, walk=False, quick=True)
+
+
+def test_ticks_leave_the_graphics_list_out_until_a_graphics_context_is_seen(
+    fake_nvml: FakePynvml,
+) -> None:
+    """NOTE [list gating]: a CUDA job's gated ticks read the compute list only."""
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    calls = fake_nvml.calls
+    with Tracker(grace=0.0, interval=3600.0) as tracker:
+        holder.start()
+        tracker.sample()  # walks and reads both lists: no graphics context anywhere
+        _set_process(device, holder.pid or 0, 100 * MIB)
+        compute, graphics = calls[_LISTS], calls[_GRAPHICS]
+        _quick_tick(tracker)
+        assert (calls[_LISTS], calls[_GRAPHICS]) == (compute + 1, graphics)
+        # The same process opens a graphics context: the next walking read sees it, and
+        # from then on gated ticks read the graphics list too.
+        device.graphics = [FakeProcess(holder.pid or 0, 300 * MIB)]
+        device.used_bytes += 300 * MIB
+        tracker.sample()
+        device.graphics = [FakeProcess(holder.pid or 0, 400 * MIB)]
+        device.used_bytes += 100 * MIB
+        compute, graphics = calls[_LISTS], calls[_GRAPHICS]
+        _quick_tick(tracker)
+        assert (calls[_LISTS], calls[_GRAPHICS]) == (compute + 1, graphics + 1)
+        holder.kill()
+        holder.join()
+        device.compute, device.graphics = [], []
+
+
+def test_a_process_new_on_the_gpu_is_placed_with_one_list_read(
+    fake_nvml: FakePynvml,
+) -> None:
+    """NOTE [list gating]: the walk that places a new GPU process reuses the tick's lists."""
+    device = fake_nvml.devices[0]
+    env = {k: v for k, v in os.environ.items() if k != procs.SESSION_ENV}
+    calls = fake_nvml.calls
+    with Tracker(grace=0.0, interval=3600.0) as tracker:
+        with tracker.epoch():
+            # Untagged: only the walk can tell that it is the job's, not a foreign process.
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+            _set_process(device, child.pid, 250 * MIB)
+            compute = calls[_LISTS]
+            _quick_tick(tracker)
+            assert calls[_LISTS] == compute + 1
+        record = tracker.epochs()[-1]
+        child.kill()
+        child.wait()
+        _set_process(device, child.pid, None)
+    (proc,) = [p for p in record.processes if p.key.pid == child.pid]
+    assert proc.role != "foreign"
+    assert proc.gpu_bytes_peak == {0: 250 * MIB}
+
+
 def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: object) -> None:
     """NOTE [worker mailbox]: a quick read trusts an unchanged folder time once it is old."""
     folder = str(tmp_path)

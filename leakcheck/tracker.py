@@ -235,7 +235,7 @@ class Tracker:
         self._baseline_devices: tuple[DeviceState, ...] = ()
         self._baseline_gpu_bytes: dict[int, int] = {}
         self._procs: dict[ProcessKey, _Proc] = {}
-        # The live subset: each tick walks it, not every process ever seen (a long run with
+        # The live subset: each walk checks it, not every process ever seen (a long run with
         # per-epoch workers sees thousands).
         self._live: dict[ProcessKey, _Proc] = {}
         self._sampling = False

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -375,6 +376,13 @@ _LISTS = "nvmlDeviceGetComputeRunningProcesses"
 _MEMORY = "nvmlDeviceGetMemoryInfo"
 
 
+def _wait_for_list_reads(calls: Counter[str], at_least: int) -> None:
+    """Wait until the lists were read ``at_least`` times and the tick that did it is over."""
+    assert _wait_until(lambda: calls[_LISTS] >= at_least)
+    memory_reads = calls[_MEMORY]
+    assert _wait_until(lambda: calls[_MEMORY] > memory_reads)  # the next tick has begun
+
+
 def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -391,17 +399,13 @@ def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
             tracker.sample()
             lists_at_change = calls[_LISTS]
             _set_process(device, holder.pid or 0, 100 * MIB)
-            assert _wait_until(lambda: calls[_LISTS] > lists_at_change)
-            memory_after_read = calls[_MEMORY]
-            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)  # that read is over
+            _wait_for_list_reads(calls, lists_at_change + 1)
             lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
             # Twenty ticks with the device's memory steady: no list read among them.
             assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
             assert calls[_LISTS] == lists_before
             _set_process(device, holder.pid or 0, 500 * MIB)
-            assert _wait_until(lambda: calls[_LISTS] > lists_before)
-            memory_after_read = calls[_MEMORY]
-            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)
+            _wait_for_list_reads(calls, lists_before + 1)
             _set_process(device, holder.pid or 0, 200 * MIB)
         record = tracker.epochs()[-1]
         holder.kill()
@@ -430,9 +434,7 @@ def test_a_failed_list_read_is_retried_at_the_next_tick(
             device.list_failures = 1
             _set_process(device, holder.pid or 0, 700 * MIB)
             # The failed read and its retry (the fake counts failed calls too).
-            assert _wait_until(lambda: calls[_LISTS] >= lists_before + 2)
-            memory_after_read = calls[_MEMORY]
-            assert _wait_until(lambda: calls[_MEMORY] > memory_after_read)
+            _wait_for_list_reads(calls, lists_before + 2)
             assert device.list_failures == 0
             _set_process(device, holder.pid or 0, 100 * MIB)
         record = tracker.epochs()[-1]

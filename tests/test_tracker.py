@@ -19,7 +19,7 @@ import pytest
 
 from leakcheck import mailbox, nvml, procs
 from leakcheck.errors import LeakCheckError, UsageError
-from leakcheck.model import MIB, ProcessKey
+from leakcheck.model import MIB, ProcessEpoch, ProcessKey
 from leakcheck.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 
@@ -383,35 +383,54 @@ def _wait_for_list_reads(calls: Counter[str], at_least: int) -> None:
     assert _wait_until(lambda: calls[_MEMORY] > memory_reads)  # the next tick has begun
 
 
+def _epoch_with_a_holder(
+    fake_nvml: FakePynvml,
+    monkeypatch: pytest.MonkeyPatch,
+    body: Callable[[FakeDevice, int], None],
+) -> tuple[Tracker, ProcessEpoch]:
+    """One epoch of a tracker whose sampler never walks, around a live child: ``body`` sets
+    what the child holds on the fake device. Returns the closed tracker and the child's
+    record of the epoch."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    try:
+        with Tracker(grace=0.0, interval=0.01) as tracker:
+            with tracker.epoch():
+                holder.start()
+                tracker.sample()  # one walk: the child is known from here on
+                body(device, holder.pid or 0)
+            record = tracker.epochs()[-1]
+    finally:
+        if holder.pid is not None:
+            holder.kill()
+            holder.join()
+            _set_process(device, holder.pid, None)
+    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+    return tracker, proc
+
+
 def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [list gating]: steady device memory, no list reads; a change, read at once."""
-    from leakcheck import tracker as tracker_module
-
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
-    device = fake_nvml.devices[0]
-    holder = CTX.Process(target=_hold, args=(30,))
     calls = fake_nvml.calls
-    with Tracker(grace=0.0, interval=0.01) as tracker:
-        with tracker.epoch():
-            holder.start()
-            tracker.sample()
-            lists_at_change = calls[_LISTS]
-            _set_process(device, holder.pid or 0, 100 * MIB)
-            _wait_for_list_reads(calls, lists_at_change + 1)
-            lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
-            # Twenty ticks with the device's memory steady: no list read among them.
-            assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
-            assert calls[_LISTS] == lists_before
-            _set_process(device, holder.pid or 0, 500 * MIB)
-            _wait_for_list_reads(calls, lists_before + 1)
-            _set_process(device, holder.pid or 0, 200 * MIB)
-        record = tracker.epochs()[-1]
-        holder.kill()
-        holder.join()
-        _set_process(device, holder.pid or 0, None)
-    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+
+    def body(device: FakeDevice, pid: int) -> None:
+        lists_at_change = calls[_LISTS]
+        _set_process(device, pid, 100 * MIB)
+        _wait_for_list_reads(calls, lists_at_change + 1)
+        lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
+        # Twenty ticks with the device's memory steady: no list read among them.
+        assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
+        assert calls[_LISTS] == lists_before
+        _set_process(device, pid, 500 * MIB)
+        _wait_for_list_reads(calls, lists_before + 1)
+        _set_process(device, pid, 200 * MIB)
+
+    _tracker, proc = _epoch_with_a_holder(fake_nvml, monkeypatch, body)
     assert proc.gpu_bytes_peak == {0: 500 * MIB}  # read between walks, kept as the peak
     assert proc.gpu_bytes_end == {0: 200 * MIB}
 
@@ -420,28 +439,18 @@ def test_a_failed_list_read_is_retried_at_the_next_tick(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [list gating]: a failure must not make the unchanged memory skip the retry."""
-    from leakcheck import tracker as tracker_module
-
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
-    device = fake_nvml.devices[0]
-    holder = CTX.Process(target=_hold, args=(30,))
     calls = fake_nvml.calls
-    with Tracker(grace=0.0, interval=0.01) as tracker:
-        with tracker.epoch():
-            holder.start()
-            tracker.sample()
-            lists_before = calls[_LISTS]
-            device.list_failures = 1
-            _set_process(device, holder.pid or 0, 700 * MIB)
-            # The failed read and its retry (the fake counts failed calls too).
-            _wait_for_list_reads(calls, lists_before + 2)
-            assert device.list_failures == 0
-            _set_process(device, holder.pid or 0, 100 * MIB)
-        record = tracker.epochs()[-1]
-        holder.kill()
-        holder.join()
-        _set_process(device, holder.pid or 0, None)
-    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+
+    def body(device: FakeDevice, pid: int) -> None:
+        lists_before = calls[_LISTS]
+        device.list_failures = 1
+        _set_process(device, pid, 700 * MIB)
+        # The failed read and its retry (the fake counts failed calls too).
+        _wait_for_list_reads(calls, lists_before + 2)
+        assert device.list_failures == 0
+        _set_process(device, pid, 100 * MIB)
+
+    tracker, proc = _epoch_with_a_holder(fake_nvml, monkeypatch, body)
     assert proc.gpu_bytes_peak == {0: 700 * MIB}
     assert any("nvml processes" in failure for failure in tracker.timeline().failures)
 

@@ -268,18 +268,21 @@ def test_forked_child_shows_initial_environment_not_later_setenv(
     assert forked.exitcode == 0
 
 
+# A tree with every kind of child: sleepers, a thread's sleepers, a subtree (7 processes).
+_FULL_TREE = (
+    "tree",
+    "--sleepers=2",
+    "--thread-sleepers=2",
+    "--subtrees=1",
+    "--subtree-sleepers=2",
+)
+
+
 # --- lineage ------------------------------------------------------------------------------
 
 
 def test_descendants_find_children_grandchildren_and_thread_children(spawn: Spawn) -> None:
-    helper, record = start_helper(
-        spawn,
-        "tree",
-        "--sleepers=2",
-        "--thread-sleepers=2",
-        "--subtrees=1",
-        "--subtree-sleepers=2",
-    )
+    helper, record = start_helper(spawn, *_FULL_TREE)
     expected = tree_pids(record)
     assert len(expected) == 7
     # The thread's children are in its own task's file, not the main thread's.
@@ -655,14 +658,7 @@ def _quick(pid: int) -> list[ProcInfo]:
 
 
 def test_quick_walks_find_what_full_walks_find(spawn: Spawn) -> None:
-    helper, record = start_helper(
-        spawn,
-        "tree",
-        "--sleepers=2",
-        "--thread-sleepers=2",
-        "--subtrees=1",
-        "--subtree-sleepers=2",
-    )
+    helper, record = start_helper(spawn, *_FULL_TREE)
     full = procs.descendants(helper.pid, with_cmdline=False)
     assert set(pids_of(full)) == tree_pids(record)
     for _ in range(2 * procs._RECHECK_EVERY):  # every mix of served and re-read processes

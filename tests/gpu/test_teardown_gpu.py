@@ -94,20 +94,29 @@ TEARDOWN_SCENARIO = SIDE_STREAM_DATASET + textwrap.dedent(
 )
 
 
-def test_teardown_on_every_worker_leaves_nvml_before_it_exits(tmp_path: Path) -> None:
-    result = result_of(run_script(tmp_path, TEARDOWN_SCENARIO.replace("TEARDOWN", "True")))
-    records = result["report"]["teardowns"]
+def _released_by_every_worker(
+    result: dict[str, Any], *, gpu_bytes_above: int
+) -> list[dict[str, Any]]:
+    """Check that each of the 2 workers x 2 epochs tore down: CUDA was up, the context was
+    released, and the PID left NVML before the worker exited. Returns the records."""
+    records: list[dict[str, Any]] = result["report"]["teardowns"]
     assert sorted(r["key"]["pid"] for r in records) == sorted(result["workers"])
     assert len(records) == 4  # 2 workers x 2 epochs
     for record in records:
         assert record["error"] is None
         assert record["cuda_initialized"] is True
+        assert record["context_released"] is True
+        assert record["gpu_bytes_before"] and record["gpu_bytes_before"] > gpu_bytes_above
+        assert record["left_nvml"] is True
+    return records
+
+
+def test_teardown_on_every_worker_leaves_nvml_before_it_exits(tmp_path: Path) -> None:
+    result = result_of(run_script(tmp_path, TEARDOWN_SCENARIO.replace("TEARDOWN", "True")))
+    for record in _released_by_every_worker(result, gpu_bytes_above=100 * MIB):
         assert record["streams_joined"] == 1
         assert record["resources_released"] == 3
         assert record["freed_cache_bytes"] >= 8 * 16 * MIB
-        assert record["context_released"] is True
-        assert record["gpu_bytes_before"] and record["gpu_bytes_before"] > 100 * MIB
-        assert record["left_nvml"] is True
     assert "context released" in result["text"]
 
 
@@ -237,14 +246,7 @@ def test_teardown_releases_every_device_a_worker_used(tmp_path: Path) -> None:
     result = result_of(run_script(tmp_path, TWO_DEVICE_SCENARIO))
     if result["devices"] < 2:
         pytest.skip(f"needs 2 GPUs; this machine has {result['devices']}")
-    records = result["report"]["teardowns"]
-    assert sorted(r["key"]["pid"] for r in records) == sorted(result["workers"])
-    assert len(records) == 4  # 2 workers x 2 epochs
-    for record in records:
-        assert record["error"] is None
-        assert record["cuda_initialized"] is True
-        assert record["context_released"] is True
-        assert record["gpu_bytes_before"] and record["gpu_bytes_before"] > 160 * MIB
-        assert record["left_nvml"] is True  # gone from every device, not only the current
+    # left_nvml: gone from every device, not only the current one.
+    _released_by_every_worker(result, gpu_bytes_above=160 * MIB)
     assert result["still_listed"] == []
     assert [f for f in result["report"]["findings"] if f["severity"] == "leak"] == []

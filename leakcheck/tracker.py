@@ -12,11 +12,11 @@ below the root? if not, reparented: an orphan): the walk is most of a tick's cos
 process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
 late, while every epoch end, ``sample()`` and ``close()`` walk at once. The sampler's walks
 (and ``sample()``'s) are quick ones (NOTE [quick walk] in procs.py); epoch ends, the grace
-deadline and ``close()`` read every process in full. An epoch end is
-one synchronous sample with the costlier extras (``/dev/nvidia*`` descriptor counts,
-telemetry); the costliest, a tag scan of all of /proc for tagged processes that were
-reparented between ticks, runs on the sampler's next tick instead, off the caller's thread,
-and once more in ``close()``: what it finds joins the next epoch and the final state.
+deadline and ``close()`` read every process in full. An epoch end is one synchronous sample
+with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a
+tag scan of all of /proc for tagged processes that were reparented between ticks, runs on
+the sampler's next tick instead, off the caller's thread, and once more in ``close()``:
+what it finds joins the next epoch and the final state.
 Survivors are judged later, from how long after the epoch end each process was still seen:
 so the sampler keeps running between epochs, and ``close()`` waits out the grace period
 (never longer) for processes born in the last epoch. Every failure of leakcheck's own is

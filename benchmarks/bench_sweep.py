@@ -65,8 +65,6 @@ from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
-# --tracker-nvml and --interval, set once in main().
-TRACKER_NVML: dict[str, Any] = {"mode": "full", "interval_s": 0.05}
 PROBE_SAMPLES = 20
 
 
@@ -84,8 +82,18 @@ def _iterate(loader: Any, tracker: Tracker | None, epoch: int) -> int:
     return batches
 
 
-def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[str, Any]:
+def _run(
+    spec: WorkloadSpec,
+    workers: int,
+    epochs: int,
+    tracked: bool,
+    *,
+    interval_s: float = 0.05,
+    use_nvml: bool = True,
+) -> dict[str, Any]:
     """One configuration, bare or tracked: wall seconds of the epochs and of everything.
+
+    ``interval_s`` and ``use_nvml`` (with ``spec.gpu``) configure the tracked arm's tracker.
 
     Tracked, also what the tracker spent: over the epochs (``epochs_cost``) and over the
     whole configuration (``total_cost``, with ``own_s``: construction, start and report,
@@ -96,10 +104,10 @@ def _run(spec: WorkloadSpec, workers: int, epochs: int, tracked: bool) -> dict[s
     own_s = 0.0
     if tracked:
         tracker = Tracker(
-            interval=TRACKER_NVML["interval_s"],
+            interval=interval_s,
             grace=2.0,
             persistent_workers=spec.persistent_workers and workers > 0,
-            use_nvml=spec.gpu and TRACKER_NVML["mode"] != "off",
+            use_nvml=spec.gpu and use_nvml,
         ).start()
         own_s += time.perf_counter() - started
         after_start = stats.cost_counters(tracker)
@@ -366,8 +374,6 @@ def main() -> int:
     )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    TRACKER_NVML["mode"] = args.tracker_nvml
-    TRACKER_NVML["interval_s"] = args.interval
     if args.tracker_nvml == "memory":
         # Diagnostic only: every per-process list comes back empty in this process.
         nvml.Nvml.processes = lambda self, devices=None, graphics=True: ()  # type: ignore[method-assign]
@@ -398,7 +404,16 @@ def main() -> int:
             for repeat in range(args.repeats):
                 pair = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
                 for arm in (*pair, *reversed(pair)):
-                    runs[arm].append(_run(spec, workers, args.epochs, tracked=arm == "tracked"))
+                    runs[arm].append(
+                        _run(
+                            spec,
+                            workers,
+                            args.epochs,
+                            tracked=arm == "tracked",
+                            interval_s=args.interval,
+                            use_nvml=args.tracker_nvml != "off",
+                        )
+                    )
             results[name], summaries[name] = _configuration(runs)
             ab, accounted = summaries[name]["ab_epochs"], summaries[name]["accounted_epochs"]
             print(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from results_io import write_result
+from results_io import host_meta, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -91,10 +90,7 @@ def main() -> int:
             {"epochs": f"{start + 1}-{end}", "window_ms": w, "whole_run_ms": a, "ratio": a / w}
         )
     meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **host_meta(),
         "torch": torch.__version__,
         "leakcheck": leakcheck.__version__,
         "epochs": args.epochs,

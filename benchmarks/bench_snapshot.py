@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from results_io import gpu_meta, write_result
+from results_io import gpu_meta, host_meta, write_result
 
 from leakcheck import nvml
 from leakcheck.snapshot import take_snapshot
@@ -153,10 +152,7 @@ def main() -> int:
     base = results["tracker_sample"]["median_ms"]
     ratios = {name: r["median_ms"] / base for name, r in results.items()}
     meta: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **host_meta(),
         "children": args.children,
         "gpu_children": args.gpu_children if gpu_ok else 0,
         "gpu": gpu_reason or "available",

@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -56,7 +55,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
-from results_io import gpu_meta, write_result
+from results_io import gpu_meta, host_meta, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -324,10 +323,7 @@ def _render(
 
 def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **host_meta(),
         "leakcheck": leakcheck.__version__,
         "torch": None,
         "gpu": gpu_reason or "available",

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
 import torch
-from results_io import write_result
+from results_io import host_meta, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -229,10 +228,7 @@ def main() -> int:
     spare_cores = cpu_count - args.workers - 2 - (1 if use_cuda else 0)
 
     meta: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **host_meta(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "workers": args.workers,

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import time
 from typing import Any
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def host_meta() -> dict[str, Any]:
+    """When and where a benchmark ran: date, host, CPU count and Python version."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def gpu_meta() -> dict[str, str]:

@@ -25,11 +25,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import stats
 from results_io import gpu_meta, host_meta, write_result
 
 from leakcheck import nvml
@@ -48,15 +48,6 @@ def _gpu_holder(ready: Any, stop: Any) -> None:
     torch.cuda.synchronize()
     ready.set()
     stop.wait(600)
-
-
-def _time_ms(call: Callable[[], object], rounds: int) -> list[float]:
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) * 1000)
-    return samples
 
 
 def _summary(samples: list[float]) -> dict[str, float]:
@@ -126,13 +117,13 @@ def main() -> int:
             samples["nvidia_smi"] = []
         per_round = max(1, args.rounds // 20)
         for _ in range(20):  # interleave, so drift hits every method alike
-            samples["tracker_sample"] += _time_ms(tracker.sample, per_round)
-            samples["tracker_sample_full"] += _time_ms(full_sample, per_round)
-            samples["take_snapshot"] += _time_ms(
+            samples["tracker_sample"] += stats.time_ms(tracker.sample, per_round)
+            samples["tracker_sample_full"] += stats.time_ms(full_sample, per_round)
+            samples["take_snapshot"] += stats.time_ms(
                 lambda: take_snapshot(root_pid=os.getpid(), with_fds=False), per_round
             )
             if smi:
-                samples["nvidia_smi"] += _time_ms(
+                samples["nvidia_smi"] += stats.time_ms(
                     lambda: subprocess.run(
                         [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
                         capture_output=True,

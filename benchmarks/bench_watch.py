@@ -109,13 +109,8 @@ def _accounted_pct(
     return spent_s / wall_s * 100
 
 
-def _median_ms(call: Any, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
+def _median_ms(call: Any, rounds: int) -> float:
+    return statistics.median(stats.time_ms(call, rounds))
 
 
 def _costs(loader: Any, interval_s: float) -> dict[str, float]:

@@ -24,8 +24,9 @@ A/B (+7.4%) was far above its accounted cost (1.4%), and a tracker without NVML 
 such gap (docs/gpu-test-log.md, runs 16-17). So the accounted cost is a bound on what the
 training thread pays through the GIL and the CPU; the A/B is the only measure of the rest.
 
-Everything here is a pure function of its arguments; the bootstrap uses its own seeded
-``random.Random``, so a run's intervals are reproducible from its raw numbers.
+Everything here but ``time_ms`` (a timing loop) is a pure function of its arguments; the
+bootstrap uses its own seeded ``random.Random``, so a run's intervals are reproducible from
+its raw numbers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,6 +81,16 @@ class Summary:
             key: None if isinstance(value, float) and math.isnan(value) else value
             for key, value in asdict(self).items()
         }
+
+
+def time_ms(call: Callable[[], object], rounds: int) -> list[float]:
+    """Wall milliseconds of ``rounds`` calls of ``call``, one by one."""
+    samples: list[float] = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - start) * 1000)
+    return samples
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:

@@ -27,6 +27,10 @@ epochs' wall time. Two measures of it, per configuration, side by side
 ``full`` (the default, as users run it), ``memory`` (the tracker reads the devices' used
 memory but never the per-process lists: every list comes back empty), ``off`` (a tracker
 with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as shipped.
+``--nvml-share`` is another: the share of the wall time the sampler's NVML reads may take
+(NOTE [nvml pacing] in leakcheck/tracker.py), 1 for reads on every tick whatever they cost.
+Each repeat also shows the tracker's time inside NVML (``TrackerCost.nvml_wall_s``): while
+the workers start and compute, that time holds a driver lock they may wait for.
 
 With persistent workers, the tracked run also times ``Tracker.sample()`` 20 times while the
 workers are alive (the sampler's per-tick path); that probe is the benchmark's own, so its
@@ -60,10 +64,12 @@ from results_io import gpu_meta, host_meta, write_result
 import leakcheck
 from leakcheck import nvml
 from leakcheck.sweep import _register_workers
+from leakcheck import tracker as tracker_module
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
+_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
 PROBE_SAMPLES = 20
 
 
@@ -202,6 +208,9 @@ def _configuration(
                 "accounted_total_pct": (_spent_s(tracked["total_cost"]) + tracked["own_s"])
                 / tracked["total_s"]
                 * 100,
+                "nvml_epochs_pct": tracked["epochs_cost"]["nvml_wall_s"]
+                / tracked["epochs_s"]
+                * 100,
             }
         )
     entry["repeats"] = repeats
@@ -210,8 +219,12 @@ def _configuration(
         "ab_total": stats.slowdown_summary([r["total_speed_ratio"] for r in repeats]),
         "accounted_epochs": stats.summarize([r["accounted_epochs_pct"] for r in repeats]),
         "accounted_total": stats.summarize([r["accounted_total_pct"] for r in repeats]),
+        "nvml_epochs": stats.summarize([r["nvml_epochs_pct"] for r in repeats]),
     }
     for name, summary in measures.items():
+        if name == "nvml_epochs":
+            entry[name] = summary.to_dict()  # a diagnostic, not judged against the goal
+            continue
         judge = stats.bound_verdict if name.startswith("accounted") else stats.verdict
         entry[name] = {**summary.to_dict(), "verdict": judge(summary, GOAL_PCT)}
     return entry, measures
@@ -250,6 +263,12 @@ def _render(
             f"**Diagnostic: the tracked arm's NVML use is `{args.tracker_nvml}`, not what "
             "leakcheck does (`--tracker-nvml`).**",
         ]
+    if args.nvml_share is not None:
+        lines += [
+            "",
+            f"**Diagnostic: the sampler's NVML reads may take {args.nvml_share:g} of the wall "
+            f"time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
+        ]
     if not meta["complete"]:
         lines += ["", "**Partial: the run has not finished (or stopped) after these rows.**"]
     lines += [
@@ -273,9 +292,9 @@ def _render(
         "= tracker caller wall + sampler CPU over the tracked wall time):",
         "",
         "| configuration | repeat | order | epochs slowdown | total slowdown | "
-        "caller ms (2 runs) | sampler CPU ms (2 runs) | samples (2 runs) | accounted epochs | "
-        "accounted total |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "caller ms (2 runs) | sampler CPU ms (2 runs) | NVML ms (2 runs) | samples (2 runs) | "
+        "accounted epochs | accounted total | NVML share of the epochs |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, entry in results.items():
         for index, pair in enumerate(entry["repeats"]):
@@ -286,8 +305,9 @@ def _render(
                 f"{stats.slowdown_pct(pair['epochs_speed_ratio']):+.2f}% | "
                 f"{stats.slowdown_pct(pair['total_speed_ratio']):+.2f}% | "
                 f"{cost['caller_wall_s'] * 1000:.1f} | {cost['sampler_cpu_s'] * 1000:.1f} | "
+                f"{cost['nvml_wall_s'] * 1000:.1f} | "
                 f"{cost['samples']:.0f} | {pair['accounted_epochs_pct']:.3f}% | "
-                f"{pair['accounted_total_pct']:.3f}% |"
+                f"{pair['accounted_total_pct']:.3f}% | {pair['nvml_epochs_pct']:.3f}% |"
             )
     lines += [
         "",
@@ -335,6 +355,7 @@ def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[s
         "start_method": args.start_method,
         "teardown": args.teardown,
         "tracker_nvml": args.tracker_nvml,
+        "nvml_share": args.nvml_share if args.nvml_share is not None else _SHIPPED_NVML_SHARE,
         "interval_s": args.interval,
         "goal_pct": GOAL_PCT,
         "complete": False,
@@ -363,6 +384,12 @@ def main() -> int:
         help="diagnostic: what of NVML the tracked arm reads (see the module docstring)",
     )
     parser.add_argument(
+        "--nvml-share",
+        type=float,
+        default=None,
+        help="diagnostic: the share of the wall time the sampler's NVML reads may take",
+    )
+    parser.add_argument(
         "--persistent",
         choices=["both", "on", "off"],
         default="both",
@@ -374,6 +401,10 @@ def main() -> int:
         # Diagnostic only: every per-process list comes back empty in this process.
         nvml.Nvml.processes = lambda self, devices=None, graphics=True: ()  # type: ignore[method-assign]
 
+    if args.nvml_share is not None:
+        if not 0 < args.nvml_share <= 1:
+            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
+        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
     gpu, gpu_reason = nvml.availability()
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")
     worker_counts = [int(part) for part in workers_text.split(",")]
@@ -417,7 +448,9 @@ def main() -> int:
                 f"{results[name]['epochs_s']['tracked']:.3f} s tracked; A/B slowdown "
                 f"{stats.format_pct(ab.median)} {stats.format_ci(ab)}, accounted "
                 f"{stats.format_pct(accounted.median, signed=False)} "
-                f"(max {accounted.maximum:.3f}%)",
+                f"(max {accounted.maximum:.3f}%), NVML "
+                f"{stats.format_pct(summaries[name]['nvml_epochs'].median, signed=False)} "
+                "of the epochs",
                 file=sys.stderr,
             )
             meta["torch"] = sys.modules["torch"].__version__ if "torch" in sys.modules else None

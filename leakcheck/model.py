@@ -221,6 +221,10 @@ class TrackerCost:
         caller_wall_s: Wall seconds the calling threads spent inside the tracker's methods
             (epoch begin and end, worker registration, samples, reports, ``close()`` with
             its grace wait): time the user's loop pays in full.
+        nvml_wall_s: Wall seconds inside NVML's memory and process-list reads of samples,
+            whichever thread took them. While the GPU is busy these reads hold a driver
+            lock that the job's own driver calls may wait for, a cost the other fields do
+            not see; the sampler keeps its share small (NOTE [nvml pacing] in tracker.py).
 
     """
 
@@ -228,6 +232,7 @@ class TrackerCost:
     sample_wall_s: float
     sampler_cpu_s: float
     caller_wall_s: float
+    nvml_wall_s: float
 
 
 Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]

@@ -42,6 +42,20 @@ none; both are seen at the next walking tick, at most ``_WALK_EVERY`` ticks late
 without gating, what rises and falls back between two reads. An epoch end reads the lists,
 except one closed from inside a tick in progress (a loader collected mid-sample): that one
 uses the tick's attribution, at most ``_WALK_EVERY`` ticks old.
+
+NOTE [nvml pacing]: the sampler's NVML reads are paced by what they cost. While the GPU is
+idle a read takes microseconds; while workers create contexts and compute, a list read takes
+1-2 ms, and the driver lock it holds is one the workers' own driver calls wait for. So the
+sampler times each kind of read (device memory, process lists) and, after a read that took
+``w`` seconds, leaves that kind out of its ticks for the next ``w / _NVML_SHARE`` seconds:
+its reads hold the driver for at most about ``_NVML_SHARE`` of the wall time, whatever the
+load. Idle, that is every tick; under load, a list read every few hundred milliseconds. A
+tick without a memory read sees no change and reads no lists (NOTE [list gating]); a walking
+tick whose lists are not due walks without them. What pacing costs: under load, peaks within
+an epoch are sampled less often, and a process new on the GPU is placed up to one paced gap
+later. Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced: what the
+rules judge is read when it is asked for. ``TrackerCost.nvml_wall_s`` counts the time spent
+inside NVML.
 """
 
 from __future__ import annotations
@@ -86,6 +100,8 @@ _RUNTIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkser
 _MAX_FAILURES = 50
 # The sampler walks the process tree on every _WALK_EVERY-th tick (NOTE [tracker lifecycle]).
 _WALK_EVERY = 4
+# The most of the wall time the sampler's NVML reads may take (NOTE [nvml pacing]).
+_NVML_SHARE = 0.005
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _CMDLINE_CHARS = 160
@@ -253,6 +269,9 @@ class Tracker:
         self._device_used: dict[int, int] = {}
         self._used_at_lists: dict[int, int] = {}  # device used bytes at the last list read
         self._graphics_seen = True  # the last full list read found a graphics context
+        # perf_counter seconds before which the sampler skips a kind of read (NOTE [nvml pacing]).
+        self._memory_due_s = 0.0
+        self._lists_due_s = 0.0
         # Own cost (``cost()``): what the user's loop and the machine pay for tracking.
         self._cost_lock = threading.Lock()
         self._calls = threading.local()
@@ -260,6 +279,7 @@ class Tracker:
         self._sample_wall_s = 0.0
         self._sampler_cpu_s = 0.0
         self._caller_wall_s = 0.0
+        self._nvml_wall_s = 0.0
 
     # ----------------------------------------------------------------- properties
 
@@ -465,6 +485,7 @@ class Tracker:
                 sample_wall_s=self._sample_wall_s,
                 sampler_cpu_s=self._sampler_cpu_s,
                 caller_wall_s=self._caller_wall_s,
+                nvml_wall_s=self._nvml_wall_s,
             )
 
     def worker_keys(self) -> list[ProcessKey]:
@@ -567,7 +588,9 @@ class Tracker:
                 scan_tags, self._tag_scan_due = self._tag_scan_due, False
                 self._ticks_since_walk += 1
                 walk = scan_tags or self._ticks_since_walk >= _WALK_EVERY
-                self._sample_locked(epoch_end=False, scan_tags=scan_tags, walk=walk, quick=True)
+                self._sample_locked(
+                    epoch_end=False, scan_tags=scan_tags, walk=walk, quick=True, paced=True
+                )
             cpu_s = time.thread_time() - cpu_start_s
             with self._cost_lock:
                 self._sampler_cpu_s += cpu_s
@@ -678,9 +701,18 @@ class Tracker:
         return proc
 
     def _sample_locked(
-        self, *, epoch_end: bool, scan_tags: bool = False, walk: bool = True, quick: bool = False
+        self,
+        *,
+        epoch_end: bool,
+        scan_tags: bool = False,
+        walk: bool = True,
+        quick: bool = False,
+        paced: bool = False,
     ) -> None:
-        """One sample (NOTE [tracker lifecycle]); the caller holds the lock."""
+        """One sample (NOTE [tracker lifecycle]); the caller holds the lock.
+
+        ``paced``: the sampler's ticks, whose NVML reads are paced (NOTE [nvml pacing]).
+        """
         if self._closed or self._sampling:
             # Re-entered from the same thread (the lock is re-entrant): a loader iterator
             # collected by the garbage collector mid-sample closes its epoch from inside
@@ -689,7 +721,9 @@ class Tracker:
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._sample_body(epoch_end=epoch_end, scan_tags=scan_tags, walk=walk, quick=quick)
+            self._sample_body(
+                epoch_end=epoch_end, scan_tags=scan_tags, walk=walk, quick=quick, paced=paced
+            )
         except Exception as error:
             # Anything unforeseen is recorded, never raised into the caller's loop (and a
             # dead sampler thread would silently stop tracking); the next sample retries.
@@ -701,19 +735,25 @@ class Tracker:
                 self._samples_taken += 1
                 self._sample_wall_s += elapsed_s
 
-    def _sample_body(self, *, epoch_end: bool, scan_tags: bool, walk: bool, quick: bool) -> None:
+    def _sample_body(
+        self, *, epoch_end: bool, scan_tags: bool, walk: bool, quick: bool, paced: bool
+    ) -> None:
         now = self._now()
         if self._inbox is not None:
             inbox = self._inbox
             self._guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
-        if self._nvml is not None:
-            memory = self._guard(lambda: self._nvml.memory(self._devices), "nvml memory")
+        nvml_handle = self._nvml
+        if nvml_handle is not None and (not paced or time.perf_counter() >= self._memory_due_s):
+            read_start_s = time.perf_counter()
+            memory = self._guard(lambda: nvml_handle.memory(self._devices), "nvml memory")
+            self._memory_due_s = self._nvml_read_done(read_start_s)
             self._device_used = (
                 {state.index: state.used_bytes for state in memory} if memory is not None else {}
             )
+        lists_paced_out = paced and time.perf_counter() < self._lists_due_s
         gpu: tuple[GpuProcess, ...] | None = None
         new_on_gpu = False
-        if not walk and self._lists_due(quick=quick):
+        if not walk and not lists_paced_out and self._lists_due(quick=quick):
             gpu = self._read_gpu_processes(graphics=not quick or self._graphics_seen)
             # A process new on the GPU: place it in the tree before attributing it. The list
             # read before the walk serves: every PID in it existed before the walk began.
@@ -721,7 +761,7 @@ class Tracker:
         if walk or new_on_gpu:
             if not self._walk(now, scan_tags=scan_tags, quick=quick):
                 return
-            if not new_on_gpu:
+            if not new_on_gpu and not lists_paced_out:
                 gpu = self._read_gpu_processes(graphics=True)
         if gpu is not None:
             self._attribute_gpu(gpu, now)
@@ -760,14 +800,27 @@ class Tracker:
         if nvml_handle is None:
             return None
         used = dict(self._device_used)  # read before the lists: a change in between shows
+        read_start_s = time.perf_counter()
         result: tuple[GpuProcess, ...] | None = self._guard(
             lambda: nvml_handle.processes(self._devices, graphics=graphics), "nvml processes"
         )
+        self._lists_due_s = self._nvml_read_done(read_start_s)
         # After a failed read nothing matches, so the next tick reads again.
         self._used_at_lists = used if result is not None else {}
         if result is not None and graphics:
             self._graphics_seen = any(entry.kind != "compute" for entry in result)
         return result
+
+    def _nvml_read_done(self, read_start_s: float) -> float:
+        """Count an NVML read's wall time; return when the sampler may read that kind again.
+
+        NOTE [nvml pacing]. ``read_start_s`` is the read's start (``time.perf_counter()``).
+        """
+        read_end_s = time.perf_counter()
+        read_wall_s = read_end_s - read_start_s
+        with self._cost_lock:
+            self._nvml_wall_s += read_wall_s
+        return read_end_s + read_wall_s / _NVML_SHARE
 
     def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
         """Walk the root's descendants: new, reparented and exited processes.

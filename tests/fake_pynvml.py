@@ -153,6 +153,8 @@ class FakeDevice:
     lost: bool = False
     list_failures: int = 0
     """The next this-many running-process list calls raise ``NVMLError_GpuIsLost``."""
+    list_delay_s: float = 0.0
+    """How long each running-process list call takes (a busy GPU's lists are slow)."""
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,12 @@ class FakePynvml(types.ModuleType):
         device = self.devices[handle.index]
         if device.lost:
             raise error(NVML_ERROR_GPU_IS_LOST)
-        if device.list_failures and "RunningProcesses" in name:
-            device.list_failures -= 1
-            raise error(NVML_ERROR_GPU_IS_LOST)
+        if "RunningProcesses" in name:
+            if device.list_delay_s:
+                time.sleep(device.list_delay_s)
+            if device.list_failures:
+                device.list_failures -= 1
+                raise error(NVML_ERROR_GPU_IS_LOST)
         return device
 
     @staticmethod

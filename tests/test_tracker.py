@@ -386,10 +386,11 @@ def _wait_for_list_reads(calls: Counter[str], at_least: int) -> None:
 def _epoch_with_a_holder(
     fake_nvml: FakePynvml,
     monkeypatch: pytest.MonkeyPatch,
-    body: Callable[[FakeDevice, int], None],
+    body: Callable[[FakeDevice, int, Tracker], None],
 ) -> tuple[Tracker, ProcessEpoch]:
     """One epoch of a tracker whose sampler never walks, around a live child: ``body`` sets
-    what the child holds on the fake device. Returns the closed tracker and the child's
+    what the child holds on the fake device (given the device, the child's PID and the
+    tracker). Returns the closed tracker and the child's
     record of the epoch."""
     from leakcheck import tracker as tracker_module
 
@@ -401,7 +402,7 @@ def _epoch_with_a_holder(
             with tracker.epoch():
                 holder.start()
                 tracker.sample()  # one walk: the child is known from here on
-                body(device, holder.pid or 0)
+                body(device, holder.pid or 0, tracker)
             record = tracker.epochs()[-1]
     finally:
         if holder.pid is not None:
@@ -418,7 +419,7 @@ def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
     """NOTE [list gating]: steady device memory, no list reads; a change, read at once."""
     calls = fake_nvml.calls
 
-    def body(device: FakeDevice, pid: int) -> None:
+    def body(device: FakeDevice, pid: int, _tracker: Tracker) -> None:
         lists_at_change = calls[_LISTS]
         _set_process(device, pid, 100 * MIB)
         _wait_for_list_reads(calls, lists_at_change + 1)
@@ -441,7 +442,7 @@ def test_a_failed_list_read_is_retried_at_the_next_tick(
     """NOTE [list gating]: a failure must not make the unchanged memory skip the retry."""
     calls = fake_nvml.calls
 
-    def body(device: FakeDevice, pid: int) -> None:
+    def body(device: FakeDevice, pid: int, _tracker: Tracker) -> None:
         lists_before = calls[_LISTS]
         device.list_failures = 1
         _set_process(device, pid, 700 * MIB)
@@ -453,6 +454,46 @@ def test_a_failed_list_read_is_retried_at_the_next_tick(
     tracker, proc = _epoch_with_a_holder(fake_nvml, monkeypatch, body)
     assert proc.gpu_bytes_peak == {0: 700 * MIB}
     assert any("nvml processes" in failure for failure in tracker.timeline().failures)
+
+
+def test_slow_list_reads_are_paced_to_their_share_of_the_wall_time(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [nvml pacing]: lists that take 5 ms are read at most every 0.5 s by the sampler
+    (a 1% share), though device memory moves on every tick; ``sample()`` is not paced."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_NVML_SHARE", 0.01)
+    calls = fake_nvml.calls
+    window_s = 1.5
+    counted: dict[str, float] = {}
+
+    def body(device: FakeDevice, pid: int, tracker: Tracker) -> None:
+        device.list_delay_s = 0.005
+        before = calls[_LISTS], calls[_MEMORY], tracker.cost().nvml_wall_s
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < window_s:
+            step += 1
+            _set_process(device, pid, (100 + step % 50) * MIB)  # moves every tick
+            time.sleep(0.005)
+        elapsed_s = time.monotonic() - started
+        counted["lists"] = calls[_LISTS] - before[0]
+        counted["memory"] = calls[_MEMORY] - before[1]
+        counted["nvml_s"] = tracker.cost().nvml_wall_s - before[2]
+        counted["elapsed_s"] = elapsed_s
+        lists_before_sample = calls[_LISTS]
+        tracker.sample()
+        counted["sample_lists"] = calls[_LISTS] - lists_before_sample
+        device.list_delay_s = 0.0
+
+    _epoch_with_a_holder(fake_nvml, monkeypatch, body)
+    # Each read takes >= 5 ms, so the next is >= 0.5 s later: at most one read more than
+    # the window holds gaps, plus one begun as the window opened.
+    assert 1 <= counted["lists"] <= counted["elapsed_s"] / 0.5 + 2, counted
+    assert counted["memory"] >= 20, counted  # cheap reads stay on every tick
+    assert counted["nvml_s"] >= 0.005 * counted["lists"], counted
+    assert counted["sample_lists"] >= 1, counted
 
 
 def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(

@@ -63,8 +63,8 @@ from results_io import gpu_meta, host_meta, write_result
 
 import leakcheck
 from leakcheck import nvml
-from leakcheck.sweep import _register_workers
 from leakcheck import tracker as tracker_module
+from leakcheck.sweep import _register_workers
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 

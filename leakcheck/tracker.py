@@ -44,18 +44,22 @@ except one closed from inside a tick in progress (a loader collected mid-sample)
 uses the tick's attribution, at most ``_WALK_EVERY`` ticks old.
 
 NOTE [nvml pacing]: the sampler's NVML reads are paced by what they cost. While the GPU is
-idle a read takes microseconds; while workers create contexts and compute, a list read takes
-1-2 ms, and the driver lock it holds is one the workers' own driver calls wait for. So the
-sampler times each kind of read (device memory, process lists) and, after a read that took
-``w`` seconds, leaves that kind out of its ticks for the next ``w / _NVML_SHARE`` seconds:
-its reads hold the driver for at most about ``_NVML_SHARE`` of the wall time, whatever the
-load. Idle, that is every tick; under load, a list read every few hundred milliseconds. A
-tick without a memory read sees no change and reads no lists (NOTE [list gating]); a walking
-tick whose lists are not due walks without them. What pacing costs: under load, peaks within
-an epoch are sampled less often, and a process new on the GPU is placed up to one paced gap
-later. Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced: what the
-rules judge is read when it is asked for. ``TrackerCost.nvml_wall_s`` counts the time spent
-inside NVML.
+idle a read takes microseconds of CPU; while workers create contexts and compute, a list read
+takes 1-2 ms of it, inside the driver and under a lock that the workers' own driver calls wait
+for. So the sampler times each kind of read (device memory, process lists) and, after a read
+that used ``c`` seconds of its thread's CPU, leaves that kind out of its ticks for the next
+``c / _NVML_SHARE`` seconds, never more than ``_NVML_MAX_GAP_S``: its reads work in the driver
+at most about ``_NVML_SHARE`` of the time, whatever the load. Idle, that is every tick; under
+load, a list read every few hundred milliseconds. CPU time, not wall time: a read that waits
+for the lock while a worker holds it (tens of milliseconds while contexts are created or torn
+down) costs the workers nothing, and pacing by its wall time left whole epochs unread on an
+H200 (docs/gpu-test-log.md, run 19). A tick without a memory read sees no change and reads no
+lists (NOTE [list gating]); a walking tick whose lists are not due walks without them. What
+pacing costs: under load, peaks within an epoch are sampled less often (a context that lives
+less than a gap may be missed), and a process new on the GPU is placed up to one gap later.
+Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced: what the rules judge
+is read when it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time spent inside
+NVML, waits included.
 """
 
 from __future__ import annotations
@@ -100,8 +104,10 @@ _RUNTIME_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkser
 _MAX_FAILURES = 50
 # The sampler walks the process tree on every _WALK_EVERY-th tick (NOTE [tracker lifecycle]).
 _WALK_EVERY = 4
-# The most of the wall time the sampler's NVML reads may take (NOTE [nvml pacing]).
+# The share of the time the sampler's NVML reads may work in the driver, and the longest
+# a kind of read may be left out (NOTE [nvml pacing]).
 _NVML_SHARE = 0.005
+_NVML_MAX_GAP_S = 1.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _CMDLINE_CHARS = 160
@@ -744,9 +750,9 @@ class Tracker:
             self._guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
         nvml_handle = self._nvml
         if nvml_handle is not None and (not paced or time.perf_counter() >= self._memory_due_s):
-            read_start_s = time.perf_counter()
+            read_start = time.perf_counter(), time.thread_time()
             memory = self._guard(lambda: nvml_handle.memory(self._devices), "nvml memory")
-            self._memory_due_s = self._nvml_read_done(read_start_s)
+            self._memory_due_s = self._nvml_read_done(*read_start)
             self._device_used = (
                 {state.index: state.used_bytes for state in memory} if memory is not None else {}
             )
@@ -800,27 +806,28 @@ class Tracker:
         if nvml_handle is None:
             return None
         used = dict(self._device_used)  # read before the lists: a change in between shows
-        read_start_s = time.perf_counter()
+        read_start = time.perf_counter(), time.thread_time()
         result: tuple[GpuProcess, ...] | None = self._guard(
             lambda: nvml_handle.processes(self._devices, graphics=graphics), "nvml processes"
         )
-        self._lists_due_s = self._nvml_read_done(read_start_s)
+        self._lists_due_s = self._nvml_read_done(*read_start)
         # After a failed read nothing matches, so the next tick reads again.
         self._used_at_lists = used if result is not None else {}
         if result is not None and graphics:
             self._graphics_seen = any(entry.kind != "compute" for entry in result)
         return result
 
-    def _nvml_read_done(self, read_start_s: float) -> float:
+    def _nvml_read_done(self, start_s: float, start_cpu_s: float) -> float:
         """Count an NVML read's wall time; return when the sampler may read that kind again.
 
-        NOTE [nvml pacing]. ``read_start_s`` is the read's start (``time.perf_counter()``).
+        NOTE [nvml pacing]. ``start_s`` and ``start_cpu_s``: ``time.perf_counter()`` and
+        ``time.thread_time()`` when the read began, in this thread.
         """
-        read_end_s = time.perf_counter()
-        read_wall_s = read_end_s - read_start_s
+        end_s = time.perf_counter()
+        read_cpu_s = time.thread_time() - start_cpu_s
         with self._cost_lock:
-            self._nvml_wall_s += read_wall_s
-        return read_end_s + read_wall_s / _NVML_SHARE
+            self._nvml_wall_s += end_s - start_s
+        return end_s + min(read_cpu_s / _NVML_SHARE, _NVML_MAX_GAP_S)
 
     def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
         """Walk the root's descendants: new, reparented and exited processes.

@@ -153,8 +153,10 @@ class FakeDevice:
     lost: bool = False
     list_failures: int = 0
     """The next this-many running-process list calls raise ``NVMLError_GpuIsLost``."""
-    list_delay_s: float = 0.0
-    """How long each running-process list call takes (a busy GPU's lists are slow)."""
+    list_cpu_s: float = 0.0
+    """CPU seconds each running-process list call works (a busy GPU's lists are costly)."""
+    list_wait_s: float = 0.0
+    """Seconds each running-process list call waits, idle (a lock another process holds)."""
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,11 @@ class FakePynvml(types.ModuleType):
         if device.lost:
             raise error(NVML_ERROR_GPU_IS_LOST)
         if "RunningProcesses" in name:
-            if device.list_delay_s:
-                time.sleep(device.list_delay_s)
+            if device.list_wait_s:
+                time.sleep(device.list_wait_s)
+            spin_until_s = time.thread_time() + device.list_cpu_s
+            while time.thread_time() < spin_until_s:
+                pass
             if device.list_failures:
                 device.list_failures -= 1
                 raise error(NVML_ERROR_GPU_IS_LOST)

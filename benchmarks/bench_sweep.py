@@ -27,8 +27,9 @@ epochs' wall time. Two measures of it, per configuration, side by side
 ``full`` (the default, as users run it), ``memory`` (the tracker reads the devices' used
 memory but never the per-process lists: every list comes back empty), ``off`` (a tracker
 with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as shipped.
-``--nvml-share`` is another: the share of the wall time the sampler's NVML reads may take
-(NOTE [nvml pacing] in leakcheck/tracker.py), 1 for reads on every tick whatever they cost.
+``--nvml-share`` is another: the share of the time the sampler's NVML reads may work in the
+driver, by their CPU time (NOTE [nvml pacing] in leakcheck/tracker.py); 1 reads on nearly
+every tick whatever the reads cost.
 Each repeat also shows the tracker's time inside NVML (``TrackerCost.nvml_wall_s``): while
 the workers start and compute, that time holds a driver lock they may wait for.
 
@@ -266,8 +267,8 @@ def _render(
     if args.nvml_share is not None:
         lines += [
             "",
-            f"**Diagnostic: the sampler's NVML reads may take {args.nvml_share:g} of the wall "
-            f"time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
+            f"**Diagnostic: the sampler's NVML reads may work in the driver {args.nvml_share:g} "
+            f"of the time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
         ]
     if not meta["complete"]:
         lines += ["", "**Partial: the run has not finished (or stopped) after these rows.**"]
@@ -387,7 +388,7 @@ def main() -> int:
         "--nvml-share",
         type=float,
         default=None,
-        help="diagnostic: the share of the wall time the sampler's NVML reads may take",
+        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
     )
     parser.add_argument(
         "--persistent",

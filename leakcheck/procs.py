@@ -36,7 +36,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -351,7 +351,7 @@ def _child_pids_by_scan(pid: int) -> list[int]:
 # children file of a vanished thread reads as empty, so the task list of a process with
 # more than one thread is taken again (listdir) whenever its thread count changes, and at
 # least every ``_RELIST_EVERY`` walks: a thread that replaced another between two walks (same
-# count) is seen within that many walks (under a second at the tracker's default interval),
+# count) is seen within that many walks (seconds at the tracker's default interval),
 # and the epoch-end tag scan finds a tagged child it forked meanwhile. Bounded: at most 256
 # descriptors and an eighth of RLIMIT_NOFILE (data loaders need descriptors too); entries
 # not used in the last two ``descendants`` calls are closed; forked children close their
@@ -840,6 +840,48 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
         if stat is None or stat.state in _DEAD_STATES:
             continue
         found.append(_info(pid, stat, tag, with_cmdline))
+    return found
+
+
+def tagged_since(
+    session_id: str, *, born_after: ProcessKey, known: Collection[ProcessKey] = ()
+) -> list[ProcInfo]:
+    """Live processes carrying ``session_id``'s tag, born no earlier than ``born_after``.
+
+    A job's processes are all younger than its root, so the processes born before it (most
+    of a machine's) are left out from their stat line alone, and so are ``known`` ones:
+    their environments and command lines, the costly reads (they wait on a process's
+    memory map while it starts or exits), are read only for what is left.
+
+    Args:
+        session_id: The session whose tag to look for (NOTE [session tag]).
+        born_after: The root's identity; the root itself is left out.
+        known: Identities not to read (the tracker placed them already).
+
+    Returns:
+        The tagged processes, with command lines, in PID order.
+
+    """
+    tag = session_id.encode()
+    if not _HAS_PROC:
+        return [
+            info
+            for info in scan_all(session_id=session_id, with_cmdline=True)
+            if info.tagged
+            and info.key != born_after
+            and info.key not in known
+            and info.key.create_time >= born_after.create_time
+        ]
+    found: list[ProcInfo] = []
+    for pid in sorted(_all_pids()):
+        stat = _stat(pid)
+        if stat is None or stat.state in _DEAD_STATES:
+            continue
+        key = ProcessKey(pid, _create_time(stat.starttime_ticks))
+        if key.create_time < born_after.create_time or key == born_after or key in known:
+            continue
+        if _image_tag(pid, stat.image) == tag:
+            found.append(_info(pid, stat, tag, with_cmdline=True))
     return found
 
 

@@ -854,7 +854,7 @@ class Tracker:
         if root is not None:
             root.last_seen_s = now
         if scan_tags:
-            self._guard(lambda: self._scan_tagged(now, current), "tag scan")
+            self._guard(lambda: self._scan_tagged(now), "tag scan")
         for key, proc in list(self._live.items()):
             if key in current:
                 continue
@@ -915,13 +915,12 @@ class Tracker:
             proc.in_lineage = procs.is_ancestor(self._root_pid, pid)
         return proc
 
-    def _scan_tagged(self, now: float, current: set[ProcessKey]) -> None:
-        for info in procs.scan_all(session_id=self._session_id, with_cmdline=True):
-            if not info.tagged or info.key in current or info.key == self._root_key:
-                continue
-            if info.key not in self._procs:
-                proc = self._add_proc(info, now=now)
-                proc.in_lineage = False
+    def _scan_tagged(self, now: float) -> None:
+        """Add the tagged processes the walks have not seen: reparented out of the lineage."""
+        found = procs.tagged_since(self._session_id, born_after=self._root_key, known=self._procs)
+        for info in found:
+            proc = self._add_proc(info, now=now)
+            proc.in_lineage = False
 
     def _job_nvidia_fds(self, proc: _Proc) -> int | None:
         """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.

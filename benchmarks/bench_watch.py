@@ -27,7 +27,9 @@ explains both):
   epoch end), as a user gets them.
 
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
-step.
+step. Each round also shows the tracker's wall time inside NVML (``TrackerCost.nvml_wall_s``),
+and ``--nvml-share`` (a diagnostic) sets the share of the time the sampler's NVML reads may
+work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py) instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05] [--write]
@@ -53,6 +55,7 @@ from results_io import host_meta, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
+from leakcheck import tracker as tracker_module
 
 
 class Images(Dataset[torch.Tensor]):
@@ -83,6 +86,7 @@ def _epoch_s(loader: Any, device: torch.device, weight: torch.Tensor) -> tuple[f
 
 
 GOAL_PCT = 1.0
+_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
 
 
 def _block(
@@ -148,8 +152,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--interval", type=float, default=0.05, help="watch() sampling, s")
+    parser.add_argument(
+        "--nvml-share",
+        type=float,
+        default=None,
+        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    if args.nvml_share is not None:
+        if not 0 < args.nvml_share <= 1:
+            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
+        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -232,6 +246,7 @@ def main() -> int:
         "epochs_per_block": args.epochs,
         "rounds": args.rounds,
         "interval_s": args.interval,
+        "nvml_share": tracker_module._NVML_SHARE,
         "goal_slowdown_pct": GOAL_PCT,
         "spare_cores": spare_cores,
     }
@@ -256,10 +271,19 @@ def main() -> int:
         f"{meta['date']} on {meta['host']} ({meta['cpu_count']} CPUs), torch {meta['torch']}, "
         f"python {meta['python']}; {args.rounds} rounds x {args.epochs} epochs x "
         f"{args.batches} batches of {args.batch_size}",
+    ]
+    if args.nvml_share is not None:
+        lines += [
+            "",
+            f"**Diagnostic: the sampler's NVML reads may work in the driver {args.nvml_share:g} "
+            f"of the time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
+        ]
+    lines += [
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "
-        "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | samples | accounted |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | NVML ms (2 blocks) | "
+        "samples | accounted |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rounds:
         cost = row["cost"]
@@ -267,7 +291,8 @@ def main() -> int:
             f"| {row['round']} | {row['order']} | {row['raw_batches_per_s']:.1f} | "
             f"{row['watched_batches_per_s']:.1f} | {row['ratio']:.4f} | "
             f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['caller_wall_s'] * 1000:.2f} | "
-            f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['samples']:.0f} | "
+            f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['nvml_wall_s'] * 1000:.2f} | "
+            f"{cost['samples']:.0f} | "
             f"{row['accounted_pct']:.3f}% |"
         )
     lines += [

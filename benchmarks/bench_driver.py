@@ -1,0 +1,260 @@
+"""Does leakcheck's NVML reading slow the job's own driver calls? Measured directly.
+
+The loader benchmarks (``bench_sweep.py``, ``bench_watch.py``) time whole epochs, whose
+run-to-run noise (worker start-up: 10-24 points on an H200, docs/gpu-test-log.md run 18)
+drowns a 2% goal; and their accounted cost cannot see the workers waiting in the driver
+while the sampler's NVML reads hold its lock. This benchmark isolates that wait, in its worst
+case: ``--workers`` child processes do nothing but driver calls, counting them, while the
+parent alternates blocks with a ``Tracker`` sampling them (as ``leakcheck sweep`` does) and
+blocks without one. ``--op``:
+
+* ``context`` (the default): create and destroy the device's primary context
+  (``cuDevicePrimaryCtxRetain`` then ``cuDevicePrimaryCtxRelease``), the driver work of a
+  DataLoader worker that starts, uses CUDA and exits with leakcheck's teardown; the device's
+  used memory moves on every call, so the sampler reads the process lists as often as its
+  pacing allows (NOTE [nvml pacing] in leakcheck/tracker.py);
+* ``malloc``: with a context held, allocate and free 64 MiB (``cuMemAlloc``/``cuMemFree``),
+  many short calls that each take the driver's locks.
+
+The workers run throughout; a block is the counts' growth over ``--block`` seconds. Rounds of
+four blocks, bare, tracked, tracked, bare (the next: tracked, bare, bare, tracked), as in the
+other benchmarks; per round the ratio tracked/bare of the calls per second, its median over
+rounds with a 95% bootstrap interval (``benchmarks/stats.py``), and the slowdown ``1 -
+ratio``. The tracker starts before the block's clock and closes after it. Each round also
+shows the tracker's cost counters over its blocks: the sampler's CPU and its wall time inside
+NVML. Goal: under 2%, the sweep's goal: what the workers of a sweep lose to the sampler
+inside the driver can be no more than what workers doing nothing but driver calls lose.
+
+Needs an NVIDIA driver (``libcuda.so.1``) and NVML; torch is not used.
+
+Usage: python benchmarks/bench_driver.py [--op context|malloc] [--workers 4] [--block 3]
+       [--rounds 6] [--warmup 1] [--interval 0.05] [--nvml-share S] [--write]
+       (--write: benchmarks/results/driver-<op>-<date>.{json,md})
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stats
+from results_io import gpu_meta, host_meta, write_result
+
+import leakcheck
+from leakcheck import nvml
+from leakcheck import tracker as tracker_module
+from leakcheck.tracker import Tracker
+
+GOAL_PCT = 2.0
+_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
+_MALLOC_BYTES = 64 * 2**20
+_START_TIMEOUT_S = 60.0
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{call} failed with CUresult {result}")
+
+
+def _driver_loop(op: str, counter: Any, ready: Any, stop: Any) -> None:
+    """One worker: driver calls until ``stop``, counting them in ``counter`` (its only writer)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    _check(cuda.cuInit(0), "cuInit")
+    device = ctypes.c_int()
+    _check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    context = ctypes.c_void_p()
+    pointer = ctypes.c_uint64()
+    size = ctypes.c_size_t(_MALLOC_BYTES)
+    if op == "malloc":
+        _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
+        _check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    ready.set()
+    while not stop.is_set():
+        if op == "context":
+            _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
+            _check(cuda.cuDevicePrimaryCtxRelease_v2(device), "release")
+        else:
+            _check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), size), "alloc")
+            _check(cuda.cuMemFree_v2(pointer), "free")
+        counter.value += 1
+    if op == "malloc":
+        cuda.cuDevicePrimaryCtxRelease_v2(device)
+
+
+def _calls(counters: list[Any]) -> int:
+    return sum(counter.value for counter in counters)
+
+
+def _block(arm: str, seconds: float, counters: list[Any], interval_s: float) -> dict[str, Any]:
+    """One block: the workers' calls per second, and the tracker's cost when tracked."""
+    tracker = Tracker(interval=interval_s, grace=0.0).start() if arm == "tracked" else None
+    before_cost = stats.cost_counters(tracker) if tracker is not None else None
+    before_calls, started = _calls(counters), time.perf_counter()
+    time.sleep(seconds)
+    calls, took_s = _calls(counters) - before_calls, time.perf_counter() - started
+    row: dict[str, Any] = {"calls": calls, "seconds": took_s}
+    if tracker is not None and before_cost is not None:
+        row["cost"] = stats.cost_delta(before_cost, stats.cost_counters(tracker))
+        tracker.close()
+    return row
+
+
+def _render(meta: dict[str, Any], rounds: list[dict[str, Any]], ab: stats.Summary) -> str:
+    lines = [
+        f"# Driver calls with and without leakcheck's sampler: `{meta['op']}`, "
+        f"{meta['workers']} workers",
+        "",
+        f"{meta['date']} on {meta['host']} ({meta['cpu_count']} CPUs), GPU: {meta['gpu']}, "
+        f"driver {meta['driver']}, python {meta['python']}, leakcheck {meta['leakcheck']}; "
+        f"{len(rounds)} rounds of four {meta['block_s']:g} s blocks, sampling every "
+        f"{meta['interval_s'] * 1000:g} ms.",
+    ]
+    if meta["nvml_share"] != _SHIPPED_NVML_SHARE:
+        lines += [
+            "",
+            f"**Diagnostic: the sampler's NVML reads may work in the driver "
+            f"{meta['nvml_share']:g} of the time (`--nvml-share`), not leakcheck's "
+            f"{_SHIPPED_NVML_SHARE:g}.**",
+        ]
+    lines += [
+        "",
+        "| round | order | bare calls/s | tracked calls/s | tracked/bare | slowdown | "
+        "sampler CPU ms (2 blocks) | NVML ms (2 blocks) | samples |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rounds:
+        cost = row["cost"]
+        lines.append(
+            f"| {row['round']} | {row['order']} | {row['bare_rate']:.1f} | "
+            f"{row['tracked_rate']:.1f} | {row['ratio']:.4f} | "
+            f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['sampler_cpu_s'] * 1000:.1f} | "
+            f"{cost['nvml_wall_s'] * 1000:.1f} | {cost['samples']:.0f} |"
+        )
+    lines += [
+        "",
+        f"## Summary (goal: the workers' driver calls under {GOAL_PCT:g}% slower tracked)",
+        "",
+        "| measure | median | 95% CI of the median | over rounds | verdict |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| A/B slowdown, 1 - tracked/bare | {stats.format_pct(ab.median)} | "
+        f"{stats.format_ci(ab)} | {ab.minimum:+.2f}% .. {ab.maximum:+.2f}% | "
+        f"{stats.verdict(ab, GOAL_PCT)} |",
+        "",
+        f"A/B: median over rounds of the paired ratio, percentile bootstrap of the median "
+        f"({ab.resamples} resamples, seed {ab.seed}).",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--op", choices=["context", "malloc"], default="context")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--block", type=float, default=3.0, help="seconds per block")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
+    parser.add_argument("--interval", type=float, default=0.05, help="the sampling interval, s")
+    parser.add_argument(
+        "--nvml-share",
+        type=float,
+        default=None,
+        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
+    )
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.workers < 1 or args.rounds < 1 or args.block <= 0 or args.warmup < 0:
+        parser.error("--workers, --rounds and --block must be positive, --warmup at least 0")
+    if args.nvml_share is not None:
+        if not 0 < args.nvml_share <= 1:
+            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
+        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
+    available, reason = nvml.availability()
+    if not available:
+        print(f"bench_driver: needs an NVIDIA GPU: {reason}", file=sys.stderr)
+        return 2
+
+    context = multiprocessing.get_context("spawn")
+    counters = [context.Value("q", 0, lock=False) for _ in range(args.workers)]
+    readies = [context.Event() for _ in range(args.workers)]
+    stop = context.Event()
+    workers = [
+        context.Process(target=_driver_loop, args=(args.op, counter, ready, stop), daemon=True)
+        for counter, ready in zip(counters, readies, strict=True)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for ready, worker in zip(readies, workers, strict=True):
+            while not ready.wait(0.1):
+                if not worker.is_alive() or time.monotonic() > deadline:
+                    print(
+                        f"bench_driver: worker PID {worker.pid} did not start its driver "
+                        f"calls (exit code {worker.exitcode})",
+                        file=sys.stderr,
+                    )
+                    return 1
+        rounds: list[dict[str, Any]] = []
+        for round_index in range(-args.warmup, args.rounds):
+            pair = ("bare", "tracked") if round_index % 2 == 0 else ("tracked", "bare")
+            order = (*pair, *reversed(pair))
+            blocks = [_block(arm, args.block, counters, args.interval) for arm in order]
+            if not all(worker.is_alive() for worker in workers):
+                print("bench_driver: a worker stopped during the run", file=sys.stderr)
+                return 1
+            row: dict[str, Any] = {"round": round_index, "order": "/".join(order)}
+            for arm in ("bare", "tracked"):
+                mine = [block for name, block in zip(order, blocks, strict=True) if name == arm]
+                row[f"{arm}_rate"] = sum(b["calls"] for b in mine) / sum(b["seconds"] for b in mine)
+            tracked = [block["cost"] for block in blocks if "cost" in block]
+            row["cost"] = {name: sum(cost[name] for cost in tracked) for name in tracked[0]}
+            row["ratio"] = row["tracked_rate"] / row["bare_rate"]
+            if round_index < 0:
+                continue  # a warm-up round
+            rounds.append(row)
+            print(
+                f"round {round_index} ({row['order']}): tracked/bare {row['ratio']:.4f}, "
+                f"{row['bare_rate']:.1f} calls/s bare, sampler CPU "
+                f"{row['cost']['sampler_cpu_s'] * 1000:.1f} ms, NVML "
+                f"{row['cost']['nvml_wall_s'] * 1000:.1f} ms",
+                file=sys.stderr,
+            )
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+
+    ab = stats.slowdown_summary([row["ratio"] for row in rounds])
+    meta: dict[str, Any] = {
+        **host_meta(),
+        **gpu_meta(),
+        "leakcheck": leakcheck.__version__,
+        "op": args.op,
+        "workers": args.workers,
+        "block_s": args.block,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "interval_s": args.interval,
+        "nvml_share": tracker_module._NVML_SHARE,
+        "goal_pct": GOAL_PCT,
+    }
+    text = _render(meta, rounds, ab)
+    print(text)
+    if args.write:
+        payload = {"meta": meta, "rounds": rounds, "ab_slowdown_pct": ab.to_dict()}
+        path = write_result(f"driver-{args.op}-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
+        print(f"wrote {path}.md and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

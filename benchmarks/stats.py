@@ -19,10 +19,12 @@ round-to-round noise.
 What it leaves out: cache and memory-bandwidth interference, the latency of handing the GIL
 back, core contention where there are no spare cores (a 2-core machine running workers is
 not one), and waits that leakcheck's NVML calls cause in other processes inside the driver.
-The last is not small where workers create CUDA contexts and compute: on an H200 the sweep's
-A/B (+7.4%) was far above its accounted cost (1.4%), and a tracker without NVML showed no
-such gap (docs/gpu-test-log.md, runs 16-17). So the accounted cost is a bound on what the
-training thread pays through the GIL and the CPU; the A/B is the only measure of the rest.
+Those waits could matter where workers create CUDA contexts: there an NVML read holds a
+driver lock for 1-2 ms. A sweep's A/B cannot show them (its 1-epoch runs vary by 10-24 points
+on an H200, with or without NVML: docs/gpu-test-log.md, run 18), so ``bench_driver.py``
+measures them directly, on workers that make nothing but driver calls. So the accounted cost
+is a bound on what the training thread pays through the GIL and the CPU; the A/B and
+bench_driver measure the rest.
 
 Everything here but ``time_ms`` (a timing loop) is a pure function of its arguments; the
 bootstrap uses its own seeded ``random.Random``, so a run's intervals are reproducible from

@@ -24,24 +24,24 @@ caught in the sample and recorded, never raised into the user's loop (``strict=T
 re-raises it at the next call instead). A process is only ever walked while alive
 (``_live``), so a tick costs what the job is now, not everything it ever started.
 
-NOTE [list gating]: NVML's per-PID lists are the costliest call of a tick while the GPU is
-busy (about 1.2 ms of CPU each on an H200 under a DataLoader's load, against 0.07 ms for the
+NOTE [list gating]: NVML's per-PID lists are the costliest call of a tick while the GPU is busy
+(about 1.2 ms of CPU each on an H200 under a DataLoader's load, against 0.07 ms for the
 device's used memory). Every process's memory is part of its device's used bytes, so a tick
 that finds every device's used bytes exactly where they were at the last list read skips the
-lists and keeps the last attribution. Walking ticks, epoch ends, ``sample()`` and ``close()``
-always read them, and a failed list read is retried at the next tick. Reading a list holds a
-driver lock that the workers' own driver calls wait for (on an H200 a sweep ran 7% slower
-tracked, and no slower under a tracker without NVML: docs/gpu-test-log.md, runs 16-17), so
-a tick that reads the lists without walking leaves out the graphics list while the last
-full read found no graphics context (a CUDA job has none), and when the lists show a
-process new on the GPU, the walk that places it reuses them (every PID in them existed
-before the walk began). What this can miss: a change in one process that the device total
-does not show (one process freeing exactly what another allocates on the same device
-between two ticks), and a process whose only context is a graphics one while the job had
-none; both are seen at the next walking tick, at most ``_WALK_EVERY`` ticks late. And, as
-without gating, what rises and falls back between two reads. An epoch end reads the lists,
-except one closed from inside a tick in progress (a loader collected mid-sample): that one
-uses the tick's attribution, at most ``_WALK_EVERY`` ticks old.
+lists and keeps the last attribution. Epoch ends, ``sample()`` and ``close()`` always read
+them, walking ticks do unless paced out (NOTE [nvml pacing]), and a failed list read is retried
+at the next tick. Reading a list holds a driver lock that the workers' own driver calls wait
+for (public reports of NVML monitors stalling other processes' driver calls; on an H200 the
+sweep's own timings were too noisy to show it: docs/gpu-test-log.md, runs 16-18), so a tick
+that reads the lists without walking leaves out the graphics list while the last full read
+found no graphics context (a CUDA job has none), and when the lists show a process new on the
+GPU, the walk that places it reuses them (every PID in them existed before the walk began).
+What this can miss: a change in one process that the device total does not show (one process
+freeing exactly what another allocates on the same device between two ticks), and a process
+whose only context is a graphics one while the job had none; both are seen at the next walking
+tick that reads the lists. And, as without gating, what rises and falls back between two reads.
+An epoch end reads the lists, except one closed from inside a tick in progress (a loader
+collected mid-sample): that one uses the last list read's attribution.
 
 NOTE [nvml pacing]: the sampler's NVML reads are paced by what they cost. While the GPU is
 idle a read takes microseconds of CPU; while workers create contexts and compute, a list read

@@ -16,7 +16,11 @@ blocks without one. ``--op``:
 * ``malloc``: with a context held, allocate and free 64 MiB (``cuMemAlloc``/``cuMemFree``),
   many short calls that each take the driver's locks.
 
-The workers run throughout; a block is the counts' growth over ``--block`` seconds. Rounds of
+The workers run throughout. Each publishes its count of completed calls and the time of the
+last one (a sequence-locked triple in shared memory), so a block's rate per worker is the
+calls completed between its first and last completion in the block over the time between
+them: a call in progress at either edge of the block (a context takes tens of milliseconds)
+adds no error. Rounds of
 four blocks, bare, tracked, tracked, bare (the next: tracked, bare, bare, tracked), as in the
 other benchmarks; per round the ratio tracked/bare of the calls per second, its median over
 rounds with a 95% bootstrap interval (``benchmarks/stats.py``), and the slowdown ``1 -
@@ -38,6 +42,7 @@ import argparse
 import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -63,8 +68,33 @@ def _check(result: int, call: str) -> None:
         raise RuntimeError(f"{call} failed with CUresult {result}")
 
 
-def _driver_loop(op: str, counter: Any, ready: Any, stop: Any) -> None:
-    """One worker: driver calls until ``stop``, counting them in ``counter`` (its only writer)."""
+# A worker's shared state: [sequence, calls completed, monotonic ns of the last completion].
+# The sequence is odd while the worker writes, so a reader never pairs a count with the time
+# of another call (x86 keeps the worker's stores in order).
+_SEQ, _CALLS, _LAST_NS = 0, 1, 2
+
+
+def _publish(state: Any) -> None:
+    state[_SEQ] += 1
+    state[_CALLS] += 1
+    state[_LAST_NS] = time.monotonic_ns()
+    state[_SEQ] += 1
+
+
+def _read_state(state: Any) -> tuple[int, int]:
+    """A worker's (calls completed, ns of the last completion), read consistently."""
+    while True:
+        sequence = state[_SEQ]
+        if sequence % 2:
+            continue
+        calls, last_ns = state[_CALLS], state[_LAST_NS]
+        if state[_SEQ] == sequence:
+            return calls, last_ns
+
+
+def _driver_loop(op: str, state: Any, ready: Any, stop: Any) -> None:
+    """One worker: driver calls until ``stop`` (or its parent is gone), published in ``state``."""
+    parent_pid = os.getppid()
     cuda = ctypes.CDLL("libcuda.so.1")
     _check(cuda.cuInit(0), "cuInit")
     device = ctypes.c_int()
@@ -76,30 +106,37 @@ def _driver_loop(op: str, counter: Any, ready: Any, stop: Any) -> None:
         _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
         _check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     ready.set()
-    while not stop.is_set():
+    # A parent killed before it could set ``stop`` must not leave workers loading the GPU.
+    while not stop.is_set() and os.getppid() == parent_pid:
         if op == "context":
             _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "retain")
             _check(cuda.cuDevicePrimaryCtxRelease_v2(device), "release")
         else:
             _check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), size), "alloc")
             _check(cuda.cuMemFree_v2(pointer), "free")
-        counter.value += 1
+        _publish(state)
     if op == "malloc":
         cuda.cuDevicePrimaryCtxRelease_v2(device)
 
 
-def _calls(counters: list[Any]) -> int:
-    return sum(counter.value for counter in counters)
+def _rate(before: tuple[int, int], after: tuple[int, int], block_s: float) -> float:
+    """One worker's calls per second in a block, from its completions (see the docstring)."""
+    calls, span_ns = after[0] - before[0], after[1] - before[1]
+    if calls < 2 or span_ns <= 0:
+        return calls / block_s  # too few completions to time: the plain count
+    return calls / (span_ns / 1e9)
 
 
-def _block(arm: str, seconds: float, counters: list[Any], interval_s: float) -> dict[str, Any]:
+def _block(arm: str, seconds: float, states: list[Any], interval_s: float) -> dict[str, Any]:
     """One block: the workers' calls per second, and the tracker's cost when tracked."""
     tracker = Tracker(interval=interval_s, grace=0.0).start() if arm == "tracked" else None
     before_cost = stats.cost_counters(tracker) if tracker is not None else None
-    before_calls, started = _calls(counters), time.perf_counter()
+    before = [_read_state(state) for state in states]
     time.sleep(seconds)
-    calls, took_s = _calls(counters) - before_calls, time.perf_counter() - started
-    row: dict[str, Any] = {"calls": calls, "seconds": took_s}
+    after = [_read_state(state) for state in states]
+    rate = sum(_rate(b, a, seconds) for b, a in zip(before, after, strict=True))
+    calls = sum(a[0] - b[0] for b, a in zip(before, after, strict=True))
+    row: dict[str, Any] = {"rate": rate, "calls": calls}
     if tracker is not None and before_cost is not None:
         row["cost"] = stats.cost_delta(before_cost, stats.cost_counters(tracker))
         tracker.close()
@@ -180,13 +217,15 @@ def main() -> int:
         print(f"bench_driver: needs an NVIDIA GPU: {reason}", file=sys.stderr)
         return 2
 
+    # A time limit's SIGTERM runs the ``finally`` below, which stops the workers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     context = multiprocessing.get_context("spawn")
-    counters = [context.Value("q", 0, lock=False) for _ in range(args.workers)]
+    states = [context.Array("q", 3, lock=False) for _ in range(args.workers)]
     readies = [context.Event() for _ in range(args.workers)]
     stop = context.Event()
     workers = [
-        context.Process(target=_driver_loop, args=(args.op, counter, ready, stop), daemon=True)
-        for counter, ready in zip(counters, readies, strict=True)
+        context.Process(target=_driver_loop, args=(args.op, state, ready, stop), daemon=True)
+        for state, ready in zip(states, readies, strict=True)
     ]
     for worker in workers:
         worker.start()
@@ -205,14 +244,14 @@ def main() -> int:
         for round_index in range(-args.warmup, args.rounds):
             pair = ("bare", "tracked") if round_index % 2 == 0 else ("tracked", "bare")
             order = (*pair, *reversed(pair))
-            blocks = [_block(arm, args.block, counters, args.interval) for arm in order]
+            blocks = [_block(arm, args.block, states, args.interval) for arm in order]
             if not all(worker.is_alive() for worker in workers):
                 print("bench_driver: a worker stopped during the run", file=sys.stderr)
                 return 1
             row: dict[str, Any] = {"round": round_index, "order": "/".join(order)}
             for arm in ("bare", "tracked"):
                 mine = [block for name, block in zip(order, blocks, strict=True) if name == arm]
-                row[f"{arm}_rate"] = sum(b["calls"] for b in mine) / sum(b["seconds"] for b in mine)
+                row[f"{arm}_rate"] = sum(block["rate"] for block in mine) / len(mine)
             tracked = [block["cost"] for block in blocks if "cost" in block]
             row["cost"] = {name: sum(cost[name] for cost in tracked) for name in tracked[0]}
             row["ratio"] = row["tracked_rate"] / row["bare_rate"]

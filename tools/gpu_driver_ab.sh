@@ -11,7 +11,7 @@ for op in context malloc; do
     echo "+ --op $op ${arm:-(as shipped)}"
     # shellcheck disable=SC2086  # the arm is two words
     timeout 140 python3 benchmarks/bench_driver.py --op "$op" --workers 4 --rounds 6 $arm \
-      --write 2>&1 | grep -E "^round|^\| A/B"
+      --write 2>&1 | grep -E "^round|^\| A/B|^bench_driver:|Error"
   done
 done
 tar czf "$OUT/bench.tgz" benchmarks/results

@@ -30,8 +30,9 @@ with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as sh
 ``--nvml-share`` is another: the share of the time the sampler's NVML reads may work in the
 driver, by their CPU time (NOTE [nvml pacing] in leakcheck/tracker.py); 1 reads on nearly
 every tick whatever the reads cost.
-Each repeat also shows the tracker's time inside NVML (``TrackerCost.nvml_wall_s``): while
-the workers start and compute, that time holds a driver lock they may wait for.
+Each repeat also shows the wall time of the tracker's NVML reads (``TrackerCost.nvml_wall_s``,
+waits included): while the workers start and compute, those reads hold a driver lock the
+workers may wait for.
 
 With persistent workers, the tracked run also times ``Tracker.sample()`` 20 times while the
 workers are alive (the sampler's per-tick path); that probe is the benchmark's own, so its

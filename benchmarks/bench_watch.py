@@ -27,7 +27,7 @@ explains both):
   epoch end), as a user gets them.
 
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
-step. Each round also shows the tracker's wall time inside NVML (``TrackerCost.nvml_wall_s``),
+step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``),
 and ``--nvml-share`` (a diagnostic) sets the share of the time the sampler's NVML reads may
 work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py) instead of leakcheck's own.
 

@@ -221,10 +221,11 @@ class TrackerCost:
         caller_wall_s: Wall seconds the calling threads spent inside the tracker's methods
             (epoch begin and end, worker registration, samples, reports, ``close()`` with
             its grace wait): time the user's loop pays in full.
-        nvml_wall_s: Wall seconds inside NVML's memory and process-list reads of samples,
-            whichever thread took them. While the GPU is busy these reads hold a driver
-            lock that the job's own driver calls may wait for, a cost the other fields do
-            not see; the sampler keeps its share small (NOTE [nvml pacing] in tracker.py).
+        nvml_wall_s: Wall seconds of the samples' NVML memory and process-list reads,
+            whichever thread took them, waits for locks included (not the telemetry read at
+            epoch ends). While the GPU is busy these reads hold a driver lock that the job's
+            own driver calls may wait for, a cost the other fields do not see; the sampler
+            keeps its share small (NOTE [nvml pacing] in tracker.py).
 
     """
 

@@ -844,9 +844,9 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
 
 
 def tagged_since(
-    session_id: str, *, born_after: ProcessKey, known: Collection[ProcessKey] = ()
+    session_id: str, *, born_since: ProcessKey, known: Collection[ProcessKey] = ()
 ) -> list[ProcInfo]:
-    """Live processes carrying ``session_id``'s tag, born no earlier than ``born_after``.
+    """Live processes carrying ``session_id``'s tag, born no earlier than ``born_since``.
 
     A job's processes are all younger than its root, so the processes born before it (most
     of a machine's) are left out from their stat line alone, and so are ``known`` ones:
@@ -855,7 +855,7 @@ def tagged_since(
 
     Args:
         session_id: The session whose tag to look for (NOTE [session tag]).
-        born_after: The root's identity; the root itself is left out.
+        born_since: The root's identity; the root itself is left out.
         known: Identities not to read (the tracker placed them already).
 
     Returns:
@@ -868,9 +868,9 @@ def tagged_since(
             info
             for info in scan_all(session_id=session_id, with_cmdline=True)
             if info.tagged
-            and info.key != born_after
+            and info.key != born_since
             and info.key not in known
-            and info.key.create_time >= born_after.create_time
+            and info.key.create_time >= born_since.create_time
         ]
     found: list[ProcInfo] = []
     for pid in sorted(_all_pids()):
@@ -878,7 +878,7 @@ def tagged_since(
         if stat is None or stat.state in _DEAD_STATES:
             continue
         key = ProcessKey(pid, _create_time(stat.starttime_ticks))
-        if key.create_time < born_after.create_time or key == born_after or key in known:
+        if key.create_time < born_since.create_time or key == born_since or key in known:
             continue
         if _image_tag(pid, stat.image) == tag:
             found.append(_info(pid, stat, tag, with_cmdline=True))

@@ -43,23 +43,27 @@ tick that reads the lists. And, as without gating, what rises and falls back bet
 An epoch end reads the lists, except one closed from inside a tick in progress (a loader
 collected mid-sample): that one uses the last list read's attribution.
 
-NOTE [nvml pacing]: the sampler's NVML reads are paced by what they cost. While the GPU is
-idle a read takes microseconds of CPU; while workers create contexts and compute, a list read
-takes 1-2 ms of it, inside the driver and under a lock that the workers' own driver calls wait
-for. So the sampler times each kind of read (device memory, process lists) and, after a read
-that used ``c`` seconds of its thread's CPU, leaves that kind out of its ticks for the next
-``c / _NVML_SHARE`` seconds, never more than ``_NVML_MAX_GAP_S``: its reads work in the driver
-at most about ``_NVML_SHARE`` of the time, whatever the load. Idle, that is every tick; under
-load, a list read every few hundred milliseconds. CPU time, not wall time: a read that waits
-for the lock while a worker holds it (tens of milliseconds while contexts are created or torn
-down) costs the workers nothing, and pacing by its wall time left whole epochs unread on an
-H200 (docs/gpu-test-log.md, run 19). A tick without a memory read sees no change and reads no
-lists (NOTE [list gating]); a walking tick whose lists are not due walks without them. What
-pacing costs: under load, peaks within an epoch are sampled less often (a context that lives
-less than a gap may be missed), and a process new on the GPU is placed up to one gap later.
-Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced: what the rules judge
-is read when it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time spent inside
-NVML, waits included.
+NOTE [nvml pacing]: the sampler's NVML reads are paced by what they cost. While the GPU is idle
+a read takes microseconds of CPU; while workers create contexts and compute, a list read takes
+1-2 ms of it, inside the driver and under a lock that the workers' own driver calls wait for.
+So the sampler times each kind of read (device memory, process lists) and, after a read that
+used ``c`` seconds of its thread's CPU, leaves that kind out of its ticks for the next
+``c / _NVML_SHARE`` seconds, never more than ``_NVML_MAX_GAP_S``: each kind works in the driver
+at most about ``_NVML_SHARE`` of the time, or ``c / _NVML_MAX_GAP_S`` where one read costs more
+than the longest gap allows (one list read covers every device: on a host of many GPUs under
+load, tens of milliseconds). Idle, that is every tick; under load on one GPU, a list read every
+few hundred milliseconds. CPU time, not wall time: a read that waits for the lock while a
+worker holds it (tens of milliseconds while contexts are created or torn down) costs the
+workers nothing, and pacing by its wall time left whole epochs unread on an H200
+(docs/gpu-test-log.md, run 19). A tick whose memory read is paced out keeps the last value
+read, and its lists are due if that value differs from the one at the last list read
+(NOTE [list gating]); a walking tick whose lists are paced out walks without them. What pacing
+costs: under load, peaks within an epoch are sampled less often (a context that lives less than
+a gap may be missed), and a process new on the GPU is placed up to one gap later. Epoch ends,
+``sample()``, the grace wait and ``close()`` are never paced: what the rules judge is read when
+it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time of the samples' memory and
+list reads, waits for the driver's lock and for the interpreter lock included; the telemetry
+read at epoch ends is not in it.
 """
 
 from __future__ import annotations
@@ -917,7 +921,7 @@ class Tracker:
 
     def _scan_tagged(self, now: float) -> None:
         """Add the tagged processes the walks have not seen: reparented out of the lineage."""
-        found = procs.tagged_since(self._session_id, born_after=self._root_key, known=self._procs)
+        found = procs.tagged_since(self._session_id, born_since=self._root_key, known=self._procs)
         for info in found:
             proc = self._add_proc(info, now=now)
             proc.in_lineage = False

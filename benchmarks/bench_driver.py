@@ -49,16 +49,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import nvml_share
 import stats
 from results_io import gpu_meta, host_meta, write_result
 
 import leakcheck
 from leakcheck import nvml
-from leakcheck import tracker as tracker_module
 from leakcheck.tracker import Tracker
 
 GOAL_PCT = 2.0
-_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
 _MALLOC_BYTES = 64 * 2**20
 _START_TIMEOUT_S = 60.0
 
@@ -153,13 +152,7 @@ def _render(meta: dict[str, Any], rounds: list[dict[str, Any]], ab: stats.Summar
         f"{len(rounds)} rounds of four {meta['block_s']:g} s blocks, sampling every "
         f"{meta['interval_s'] * 1000:g} ms.",
     ]
-    if meta["nvml_share"] != _SHIPPED_NVML_SHARE:
-        lines += [
-            "",
-            f"**Diagnostic: the sampler's NVML reads may work in the driver "
-            f"{meta['nvml_share']:g} of the time (`--nvml-share`), not leakcheck's "
-            f"{_SHIPPED_NVML_SHARE:g}.**",
-        ]
+    lines += nvml_share.banner(meta["nvml_share"])
     lines += [
         "",
         "| round | order | bare calls/s | tracked calls/s | tracked/bare | slowdown | "
@@ -198,20 +191,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--interval", type=float, default=0.05, help="the sampling interval, s")
-    parser.add_argument(
-        "--nvml-share",
-        type=float,
-        default=None,
-        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
-    )
+    nvml_share.add_argument(parser)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.workers < 1 or args.rounds < 1 or args.block <= 0 or args.warmup < 0:
         parser.error("--workers, --rounds and --block must be positive, --warmup at least 0")
-    if args.nvml_share is not None:
-        if not 0 < args.nvml_share <= 1:
-            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
-        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
+    share = nvml_share.apply(parser, args)
     available, reason = nvml.availability()
     if not available:
         print(f"bench_driver: needs an NVIDIA GPU: {reason}", file=sys.stderr)
@@ -283,7 +268,7 @@ def main() -> int:
         "rounds": args.rounds,
         "warmup": args.warmup,
         "interval_s": args.interval,
-        "nvml_share": tracker_module._NVML_SHARE,
+        "nvml_share": share,
         "goal_pct": GOAL_PCT,
     }
     text = _render(meta, rounds, ab)

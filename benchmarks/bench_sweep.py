@@ -60,18 +60,17 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import nvml_share
 import stats
 from results_io import gpu_meta, host_meta, write_result
 
 import leakcheck
 from leakcheck import nvml
-from leakcheck import tracker as tracker_module
 from leakcheck.sweep import _register_workers
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
 GOAL_PCT = 2.0
-_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
 PROBE_SAMPLES = 20
 
 
@@ -265,12 +264,7 @@ def _render(
             f"**Diagnostic: the tracked arm's NVML use is `{args.tracker_nvml}`, not what "
             "leakcheck does (`--tracker-nvml`).**",
         ]
-    if args.nvml_share is not None:
-        lines += [
-            "",
-            f"**Diagnostic: the sampler's NVML reads may work in the driver {args.nvml_share:g} "
-            f"of the time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
-        ]
+    lines += nvml_share.banner(meta["nvml_share"])
     if not meta["complete"]:
         lines += ["", "**Partial: the run has not finished (or stopped) after these rows.**"]
     lines += [
@@ -357,7 +351,7 @@ def _meta(args: argparse.Namespace, gpu: bool, gpu_reason: str | None) -> dict[s
         "start_method": args.start_method,
         "teardown": args.teardown,
         "tracker_nvml": args.tracker_nvml,
-        "nvml_share": args.nvml_share if args.nvml_share is not None else _SHIPPED_NVML_SHARE,
+        "nvml_share": args.nvml_share_used,
         "interval_s": args.interval,
         "goal_pct": GOAL_PCT,
         "complete": False,
@@ -385,12 +379,7 @@ def main() -> int:
         default="full",
         help="diagnostic: what of NVML the tracked arm reads (see the module docstring)",
     )
-    parser.add_argument(
-        "--nvml-share",
-        type=float,
-        default=None,
-        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
-    )
+    nvml_share.add_argument(parser)
     parser.add_argument(
         "--persistent",
         choices=["both", "on", "off"],
@@ -403,10 +392,7 @@ def main() -> int:
         # Diagnostic only: every per-process list comes back empty in this process.
         nvml.Nvml.processes = lambda self, devices=None, graphics=True: ()  # type: ignore[method-assign]
 
-    if args.nvml_share is not None:
-        if not 0 < args.nvml_share <= 1:
-            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
-        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
+    args.nvml_share_used = nvml_share.apply(parser, args)
     gpu, gpu_reason = nvml.availability()
     workers_text = args.workers or ("0,4,8" if gpu else "0,2")
     worker_counts = [int(part) for part in workers_text.split(",")]

@@ -49,13 +49,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import nvml_share
 import stats
 import torch
 from results_io import host_meta, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
-from leakcheck import tracker as tracker_module
 
 
 class Images(Dataset[torch.Tensor]):
@@ -86,7 +86,6 @@ def _epoch_s(loader: Any, device: torch.device, weight: torch.Tensor) -> tuple[f
 
 
 GOAL_PCT = 1.0
-_SHIPPED_NVML_SHARE = tracker_module._NVML_SHARE
 
 
 def _block(
@@ -152,18 +151,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--interval", type=float, default=0.05, help="watch() sampling, s")
-    parser.add_argument(
-        "--nvml-share",
-        type=float,
-        default=None,
-        help="diagnostic: the share of the time the sampler's NVML reads may work in the driver",
-    )
+    nvml_share.add_argument(parser)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    if args.nvml_share is not None:
-        if not 0 < args.nvml_share <= 1:
-            parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
-        tracker_module._NVML_SHARE = args.nvml_share  # diagnostic only, this process
+    share = nvml_share.apply(parser, args)
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -246,7 +237,7 @@ def main() -> int:
         "epochs_per_block": args.epochs,
         "rounds": args.rounds,
         "interval_s": args.interval,
-        "nvml_share": tracker_module._NVML_SHARE,
+        "nvml_share": share,
         "goal_slowdown_pct": GOAL_PCT,
         "spare_cores": spare_cores,
     }
@@ -272,12 +263,7 @@ def main() -> int:
         f"python {meta['python']}; {args.rounds} rounds x {args.epochs} epochs x "
         f"{args.batches} batches of {args.batch_size}",
     ]
-    if args.nvml_share is not None:
-        lines += [
-            "",
-            f"**Diagnostic: the sampler's NVML reads may work in the driver {args.nvml_share:g} "
-            f"of the time (`--nvml-share`), not leakcheck's {_SHIPPED_NVML_SHARE:g}.**",
-        ]
+    lines += nvml_share.banner(share)
     lines += [
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "

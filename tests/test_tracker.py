@@ -390,8 +390,7 @@ def _epoch_with_a_holder(
 ) -> tuple[Tracker, ProcessEpoch]:
     """One epoch of a tracker whose sampler never walks, around a live child: ``body`` sets
     what the child holds on the fake device (given the device, the child's PID and the
-    tracker). Returns the closed tracker and the child's
-    record of the epoch."""
+    tracker). Returns the closed tracker and the child's record of the epoch."""
     from leakcheck import tracker as tracker_module
 
     monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)

@@ -5,7 +5,11 @@ Runs the built-in workload (4 workers per epoch, spawn, 3 epochs) under a Tracke
 and wall time by phase: lineage walk, NVML process lists, NVML memory, mailbox, tag scan,
 GPU attribution. Only the sampler thread's calls are counted.
 
+``--host-workers``: the workers compute on the CPU only and the main thread multiplies each
+batch on the GPU, as in benchmarks/bench_watch.py (whose sampler cost this splits up).
+
 Usage: PYTHONPATH=. python3 tools/diag_sampler.py [--workers 4] [--epochs 3] [--persistent]
+       [--host-workers] [--batches 16]
 """
 
 import argparse
@@ -46,6 +50,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--persistent", action="store_true")
+    parser.add_argument("--host-workers", action="store_true")
+    parser.add_argument("--batches", type=int, default=16)
     args = parser.parse_args()
     tracker_module.procs.descendants = _timed("lineage walk", procs.descendants)
     tracker_module.procs.is_alive = _timed("is_alive", procs.is_alive)
@@ -58,7 +64,17 @@ def main() -> None:
     T._attribute_gpu = _timed("attribute gpu", T._attribute_gpu)
     T._sample_locked = _timed("whole sample", T._sample_locked)
     gpu = nvml.availability()[0]
-    spec = WorkloadSpec(gpu=gpu, persistent=args.persistent)
+    spec = WorkloadSpec(
+        gpu=gpu and not args.host_workers, persistent=args.persistent, batches=args.batches
+    )
+    step = None
+    if args.host_workers and gpu:
+        import torch
+
+        weight = torch.randn(spec.features, spec.features, device="cuda")
+
+        def step(batch):
+            (batch.to("cuda", non_blocking=True) @ weight).sum().item()
     tracker = T(interval=0.05, grace=2.0, use_nvml=gpu).start()
     loader = make_loader(spec, args.workers)
     started = time.perf_counter()
@@ -66,8 +82,9 @@ def main() -> None:
         with tracker.epoch(f"epoch {epoch}"):
             iterator = iter(loader)
             _register_workers(tracker, iterator)
-            for _ in iterator:
-                pass
+            for batch in iterator:
+                if step is not None:
+                    step(batch)
     epochs_s = time.perf_counter() - started
     cost = tracker.cost()
     del loader

@@ -403,12 +403,18 @@ def _config_line(config: RuleConfig) -> str:
 
 
 def alive_after_grace(proc: ProcessEpoch, grace_s: float) -> bool:
-    """Born in the epoch, not persistent, and not seen gone within the grace period."""
+    """Born in the epoch, not persistent, and alive after the grace period.
+
+    That is: never seen gone, or seen alive once the grace had passed (the survivor rule's
+    evidence).
+    """
     if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
         return False
     if proc.role not in ("worker", "descendant", "orphan"):
         return False
-    return proc.exited_after_s is None or proc.exited_after_s > grace_s
+    if proc.exited_after_s is None:
+        return True
+    return proc.last_seen_after_s is not None and proc.last_seen_after_s >= grace_s
 
 
 def or_dash(value: object | None, spec: str = "") -> str:

@@ -195,18 +195,16 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             ):
                 continue
             obs = observations[proc.key]
+            # Evidence only: seen alive once the grace had passed. A process last seen within
+            # the grace and found gone after it exited somewhere in between, unknown where.
             alive_after = _alive_after_s(timeline, rec, obs)
-            exited_late = proc.exited_after_s is not None and proc.exited_after_s > config.grace_s
-            if not exited_late and (alive_after is None or alive_after < config.grace_s):
+            if alive_after is None or alive_after < config.grace_s:
                 continue
             judged.add(proc.key)
             later = [p for r, p in obs if r is None or r.index >= rec.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
-            if alive_after is not None and alive_after >= config.grace_s:
-                when = f"still alive {alive_after:.1f} s after it ended"
-            else:
-                when = f"alive until {proc.exited_after_s:.1f} s after it ended"
+            when = f"still alive {alive_after:.1f} s after it ended"
             found.append(
                 Finding(
                     rule="survivor",

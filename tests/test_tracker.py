@@ -102,6 +102,32 @@ def test_child_that_exits_within_grace_is_not_a_survivor() -> None:
     assert [f for f in tracker.report().leaks if f.rule == "survivor"] == []
 
 
+@pytest.mark.parametrize("lives_s", [0.2, 1.5])
+def test_a_survivor_needs_a_sighting_after_the_grace(
+    monkeypatch: pytest.MonkeyPatch, kill_after: list[ProcessKey], lives_s: float
+) -> None:
+    """Walks only when asked: a child that exits 0.2 s after the epoch is found gone long
+    after the 0.5 s grace, and is no survivor; one seen alive 1 s after the epoch is one."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
+    tracker = Tracker(grace=0.5, interval=0.02, use_nvml=False).start()
+    with tracker.epoch():
+        child = CTX.Process(target=_sleep, args=(lives_s,))
+        child.start()
+        key = procs.process_key(child.pid or 0)
+        assert key is not None
+        kill_after.append(key)
+    ended = time.monotonic()
+    time.sleep(max(0.0, ended + 1.0 - time.monotonic()))
+    child.is_alive()  # reaps it if it exited: a quick walk may take a zombie for alive
+    tracker.sample()  # one walk, 1 s after the epoch: gone, or still there
+    tracker.close()
+    child.join()
+    survivors = [f.pid for f in tracker.report().leaks if f.rule == "survivor"]
+    assert survivors == ([child.pid] if lives_s > 1.0 else [])
+
+
 def test_reparented_grandchild_is_an_orphan(tmp_path: object, kill_after: list[ProcessKey]) -> None:
     pid_file = os.path.join(str(tmp_path), "grandchild.pid")
     with Tracker(grace=0.3, interval=0.02) as tracker, tracker.epoch():

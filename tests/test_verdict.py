@@ -57,10 +57,18 @@ def test_survivor_found_after_grace() -> None:
     assert "iterator" in found.remedy
 
 
-def test_survivor_found_when_it_exited_after_grace() -> None:
-    found = one(verdict.survivor(survivor_timeline(exited_after_s=2.5), CONFIG))
+def test_survivor_seen_alive_after_grace_then_gone_is_found() -> None:
+    found = one(
+        verdict.survivor(survivor_timeline(last_seen_after_s=2.4, exited_after_s=2.5), CONFIG)
+    )
     assert found.pid == 1234
-    assert "2.5 s" in found.message
+    assert "still alive 2.4 s after it ended" in found.message
+
+
+def test_exit_noticed_after_grace_without_a_sighting_after_it_is_not_a_survivor() -> None:
+    """Last seen alive within the grace, found gone after it: it may have exited in time."""
+    tl = survivor_timeline(last_seen_after_s=1.9, exited_after_s=2.1)
+    assert verdict.survivor(tl, CONFIG) == ()
 
 
 def test_survivor_within_grace_not_found() -> None:

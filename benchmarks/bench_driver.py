@@ -20,14 +20,14 @@ The workers run throughout. Each publishes its count of completed calls and the 
 last one (a sequence-locked triple in shared memory), so a block's rate per worker is the
 calls completed between its first and last completion in the block over the time between
 them: a call in progress at either edge of the block (a context takes tens of milliseconds)
-adds no error. Rounds of
-four blocks, bare, tracked, tracked, bare (the next: tracked, bare, bare, tracked), as in the
-other benchmarks; per round the ratio tracked/bare of the calls per second, its median over
-rounds with a 95% bootstrap interval (``benchmarks/stats.py``), and the slowdown ``1 -
-ratio``. The tracker starts before the block's clock and closes after it. Each round also
-shows the tracker's cost counters over its blocks: the sampler's CPU and its wall time inside
-NVML. Goal: under 2%, the sweep's goal: what the workers of a sweep lose to the sampler
-inside the driver can be no more than what workers doing nothing but driver calls lose.
+adds no error. Rounds of four blocks, bare, tracked, tracked, bare (the next: tracked, bare,
+bare, tracked), as in the other benchmarks; per round the ratio tracked/bare of the calls per
+second, its median over rounds with a 95% bootstrap interval (``benchmarks/stats.py``), and
+the slowdown ``1 - ratio``. The tracker starts before the block's clock and closes after it.
+Each round also shows the tracker's cost counters over its blocks: the sampler's CPU and the
+wall time of its NVML reads. Goal: under 2%, the sweep's goal: what the workers of a sweep
+lose to the sampler inside the driver can be no more than what workers doing nothing but
+driver calls lose.
 
 Needs an NVIDIA driver (``libcuda.so.1``) and NVML; torch is not used.
 

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvml_share
 import stats
-from results_io import gpu_meta, host_meta, write_result
+from results_io import gpu_meta, host_meta, stamped, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -278,7 +278,7 @@ def main() -> int:
     print(text)
     if args.write:
         payload = {"meta": meta, "rounds": rounds, "ab_slowdown_pct": ab.to_dict()}
-        path = write_result(f"driver-{args.op}-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
+        path = write_result(stamped(f"driver-{args.op}"), payload, text)
         print(f"wrote {path}.md and .json", file=sys.stderr)
     return 0
 

@@ -24,13 +24,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from results_io import host_meta, write_result
+from results_io import host_meta, stamped, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -115,7 +114,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        stem = f"epochs-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem = stamped("epochs")
         path = write_result(stem, {"meta": meta, "blocks": blocks, "raw_ms": arms}, text)
         print(f"wrote {path}.md and .json", file=sys.stderr)
     return 0

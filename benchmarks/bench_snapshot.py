@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
-from results_io import gpu_meta, host_meta, write_result
+from results_io import gpu_meta, host_meta, stamped, write_result
 
 from leakcheck import nvml
 from leakcheck.snapshot import take_snapshot
@@ -174,7 +174,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_result(f"snapshot-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
+        write_result(stamped("snapshot"), payload, text)
     return 0
 
 

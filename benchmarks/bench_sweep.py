@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvml_share
 import stats
-from results_io import gpu_meta, host_meta, write_result
+from results_io import gpu_meta, host_meta, stamped, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -406,7 +406,7 @@ def main() -> int:
         gpu=gpu,
     )
     meta = _meta(args, gpu, gpu_reason)
-    stem = f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = stamped("sweep")
     results: dict[str, Any] = {}
     summaries: dict[str, dict[str, stats.Summary]] = {}
     for workers in worker_counts:

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvml_share
 import stats
 import torch
-from results_io import host_meta, write_result
+from results_io import host_meta, stamped, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -323,7 +323,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_result(f"watch-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}", payload, text)
+        write_result(stamped(f"watch-{device.type}"), payload, text)
     return 0
 
 

@@ -32,6 +32,11 @@ def gpu_meta() -> dict[str, str]:
     }
 
 
+def stamped(kind: str) -> str:
+    """A result file's stem: its kind, then the local date and time (``sweep-20261130-012215``)."""
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def write_result(stem: str, payload: Any, text: str) -> str:
     """Write the run's data as JSON and its table as Markdown; return the path stem."""
     os.makedirs(RESULTS_DIR, exist_ok=True)

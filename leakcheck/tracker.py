@@ -221,15 +221,9 @@ class Tracker:
         interval_s = parse_duration(interval, source="interval")
         if interval_s <= 0:
             raise UsageError(f"interval: expected seconds above 0 such as 0.05, got {interval!r}")
-        if (
-            isinstance(warmup_epochs, bool)
-            or not isinstance(warmup_epochs, int)
-            or (warmup_epochs < 0)
-        ):
+        if not _is_int_at_least(warmup_epochs, 0):
             raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
-        if devices is not None and any(
-            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices
-        ):
+        if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
             raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
         self._config = RuleConfig(
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
@@ -541,9 +535,7 @@ class Tracker:
             UsageError: ``last_epochs`` is not a positive int.
 
         """
-        if last_epochs is not None and (
-            not isinstance(last_epochs, int) or isinstance(last_epochs, bool) or last_epochs < 1
-        ):
+        if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
         with self._lock:
             # Only the last epoch can still be open.
@@ -1090,6 +1082,11 @@ class Tracker:
                 _torch_allocated_bytes() if self._root_pid == os.getpid() else None
             ),
         )
+
+
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    """An int (a bool is not one here) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:

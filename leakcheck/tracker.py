@@ -14,9 +14,10 @@ late, while every epoch end, ``sample()`` and ``close()`` walk at once. The samp
 (and ``sample()``'s) are quick ones (NOTE [quick walk] in procs.py); epoch ends, the grace
 deadline and ``close()`` read every process in full. An epoch end is one synchronous sample
 with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a
-tag scan of all of /proc for tagged processes that were reparented between ticks, runs on
-the sampler's next tick instead, off the caller's thread, and once more in ``close()``:
-what it finds joins the next epoch and the final state.
+scan of /proc for tagged processes that were reparented between ticks (``procs.tagged_since``:
+it reads the tags of unknown processes younger than the root only), runs on the sampler's
+next tick instead, off the caller's thread, and once more in ``close()``: what it finds
+joins the next epoch and the final state.
 Survivors are judged later, from how long after the epoch end each process was still seen:
 so the sampler keeps running between epochs, and ``close()`` waits out the grace period
 (never longer) for processes born in the last epoch. Every failure of leakcheck's own is

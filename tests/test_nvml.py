@@ -52,6 +52,13 @@ def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
     return install
 
 
+@pytest.fixture(params=[False, True], ids=["binding", "buffer"])
+def raw_lists(request: pytest.FixtureRequest) -> bool:
+    """Each process-list test twice: through the binding's calls, and the reused buffer
+    (NOTE [process lists] in nvml.py)."""
+    return bool(request.param)
+
+
 def two_devices() -> list[FakeDevice]:
     return [
         FakeDevice(
@@ -70,7 +77,6 @@ def two_devices() -> list[FakeDevice]:
 # -- processes -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_processes_merges_compute_and_graphics_per_pid_and_device(
     use_fake: UseFake, raw_lists: bool
 ) -> None:
@@ -84,7 +90,6 @@ def test_processes_merges_compute_and_graphics_per_pid_and_device(
     )
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_processes_device_filter_reads_only_those_devices(
     use_fake: UseFake, raw_lists: bool
 ) -> None:
@@ -100,7 +105,6 @@ def test_processes_device_filter_reads_only_those_devices(
     }
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists: bool) -> None:
     use_fake(
         [
@@ -122,7 +126,6 @@ def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists:
     assert by_pid[12].used_gpu_bytes == 0
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_known_bytes_win_over_unknown_when_merging_lists(
     use_fake: UseFake, raw_lists: bool
 ) -> None:
@@ -134,7 +137,6 @@ def test_known_bytes_win_over_unknown_when_merging_lists(
     assert (proc.used_gpu_bytes, proc.kind) == (64 * MIB, "both")
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake, raw_lists: bool) -> None:
     fake = use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)], raw_lists=raw_lists)
     handle = nvml.get()  # reads each list once, to open NVML's descriptors
@@ -148,7 +150,6 @@ def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake, raw_l
     assert fake.calls[f"nvmlDeviceGetComputeRunningProcesses{suffix}"] == 4
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_processes_without_the_graphics_list_reads_compute_only(
     use_fake: UseFake, raw_lists: bool
 ) -> None:
@@ -389,7 +390,6 @@ def test_missing_package_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None
     assert "nvidia-ml-py" in reason
 
 
-@pytest.mark.parametrize("raw_lists", [False, True], ids=["binding", "buffer"])
 def test_device_error_names_call_and_device(use_fake: UseFake, raw_lists: bool) -> None:
     devices = two_devices()
     use_fake(devices, raw_lists=raw_lists)

@@ -20,6 +20,7 @@ import pytest
 
 from leakcheck import procs
 from leakcheck.model import ProcessKey, ProcInfo
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -71,15 +72,6 @@ def exec_done(pid: int, argv0: str) -> bool:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == argv0.encode()
     except OSError:
         return False
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
 
 
 def reaped_pid() -> int:

@@ -22,6 +22,7 @@ from leakcheck.errors import LeakCheckError, UsageError
 from leakcheck.model import MIB, ProcessEpoch, ProcessKey
 from leakcheck.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+from tests.polling import wait_for
 
 CTX = multiprocessing.get_context("fork")
 
@@ -388,14 +389,8 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     assert by_pid[untagged.pid].gpu_bytes_peak == {0: 200 * MIB}
 
 
-def _wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll ``predicate`` until true or the deadline (generous: CI has 2 busy cores)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+# Generous: CI has 2 busy cores.
+_WAIT_S = 10.0
 
 
 _LISTS = "nvmlDeviceGetComputeRunningProcesses"
@@ -404,9 +399,9 @@ _MEMORY = "nvmlDeviceGetMemoryInfo"
 
 def _wait_for_list_reads(calls: Counter[str], at_least: int) -> None:
     """Wait until the lists were read ``at_least`` times and the tick that did it is over."""
-    assert _wait_until(lambda: calls[_LISTS] >= at_least)
+    assert wait_for(lambda: calls[_LISTS] >= at_least, _WAIT_S)
     memory_reads = calls[_MEMORY]
-    assert _wait_until(lambda: calls[_MEMORY] > memory_reads)  # the next tick has begun
+    assert wait_for(lambda: calls[_MEMORY] > memory_reads, _WAIT_S)  # the next tick has begun
 
 
 def _epoch_with_a_holder(
@@ -450,7 +445,7 @@ def test_ticks_skip_process_lists_while_device_memory_is_unchanged(
         _wait_for_list_reads(calls, lists_at_change + 1)
         lists_before, memory_before = calls[_LISTS], calls[_MEMORY]
         # Twenty ticks with the device's memory steady: no list read among them.
-        assert _wait_until(lambda: calls[_MEMORY] >= memory_before + 20)
+        assert wait_for(lambda: calls[_MEMORY] >= memory_before + 20, _WAIT_S)
         assert calls[_LISTS] == lists_before
         _set_process(device, pid, 500 * MIB)
         _wait_for_list_reads(calls, lists_before + 1)
@@ -566,7 +561,7 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
             ]
             lists_at_move = calls[_LISTS]
             # Only a walking tick reads the lists now: the device total did not move.
-            assert _wait_until(lambda: calls[_LISTS] > lists_at_move)
+            assert wait_for(lambda: calls[_LISTS] > lists_at_move, _WAIT_S)
             device.compute = [
                 FakeProcess(first.pid or 0, 300 * MIB),
                 FakeProcess(second.pid or 0, 100 * MIB),

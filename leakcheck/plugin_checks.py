@@ -47,6 +47,7 @@ from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
 from leakcheck.model import ProcInfo, Severity
 from leakcheck.procs import SESSION_ENV
+from leakcheck.torch_state import initialized_cuda
 from leakcheck.units import format_mib, shorten_cmdline
 
 if TYPE_CHECKING:
@@ -305,26 +306,9 @@ def list_shm(directory: str = SHM_DIR) -> frozenset[str]:
         return frozenset()
 
 
-def _torch_cuda() -> Any | None:
-    """``torch.cuda`` where torch is imported *and* CUDA already initialised; else None.
-
-    Never imports torch and never initialises CUDA.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    cuda = getattr(torch, "cuda", None)
-    try:
-        if cuda is None or not cuda.is_initialized():
-            return None
-    except Exception:
-        return None
-    return cuda
-
-
 def _allocated_now() -> dict[int, int] | None:
     """Allocated bytes per device of this process's torch allocator; None: not known."""
-    cuda = _torch_cuda()
+    cuda = initialized_cuda()
     if cuda is None:
         return None
     try:
@@ -496,7 +480,7 @@ class Checker:
         nvml_bytes: dict[int, int] | None = None
         if self._nvml_handle() is not None:
             nvml_bytes = self._nvml_by_pid().get(self.pid, {})
-        cuda = _torch_cuda()
+        cuda = initialized_cuda()
         if cuda is None:
             return _NO_GPU_STATE if nvml_bytes is None else GpuState(nvml_bytes=nvml_bytes)
         try:

@@ -39,6 +39,7 @@ from leakcheck.errors import LeakCheckError
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
 from leakcheck.progress import Progress
 from leakcheck.report import align_columns, alive_after_grace, or_dash
+from leakcheck.torch_state import initialized_cuda
 from leakcheck.units import format_mib, shorten_cmdline
 from leakcheck.verdict import per_pid_bytes_known
 
@@ -541,12 +542,10 @@ def _empty_parent_cache() -> None:
     the allocator's cache of one configuration would otherwise count in the next one's
     baseline. The context itself stays (the ``context-kept`` advice says so).
     """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    with contextlib.suppress(Exception):
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+    cuda = initialized_cuda()
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            cuda.empty_cache()
 
 
 def _register_workers(tracker: Any, iterator: Any) -> None:

@@ -52,6 +52,7 @@ from typing import Any, Literal
 from leakcheck import mailbox, procs
 from leakcheck.errors import LeakCheckError, UsageError
 from leakcheck.model import MIB, ProcessKey, TeardownRecord
+from leakcheck.torch_state import initialized_cuda
 
 __all__ = [
     "ReleaseResult",
@@ -186,19 +187,6 @@ def _take_registered() -> list[_Registered]:
 
 
 # --- CUDA steps -------------------------------------------------------------------------
-
-
-def _torch_cuda_initialized() -> bool:
-    """CUDA is initialised in this process; never imports torch nor initialises CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    try:
-        cuda = torch.cuda
-        # A forked child of a CUDA parent reports not initialised (and must not touch CUDA).
-        return bool(cuda.is_initialized()) and not bool(cuda._is_in_bad_fork())
-    except Exception:
-        return False
 
 
 @dataclass
@@ -487,7 +475,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
                 _terminate_descendants()
             except Exception as exc:
                 freed.fail("terminate children", exc)
-        cuda = state.release and _torch_cuda_initialized()
+        cuda = state.release and initialized_cuda() is not None
         if cuda:
             before = _nvml_bytes(state.pid)
             listed_before = before is not None and before[0]
@@ -757,7 +745,7 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
         return ReleaseResult(
             None, 0, False, None, None, 0.0, note="interpreter is exiting: left to the runtime"
         )
-    if not _torch_cuda_initialized():
+    if initialized_cuda() is None:
         return ReleaseResult(
             None,
             0,

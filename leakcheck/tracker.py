@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -98,6 +97,7 @@ from leakcheck.model import (
     Timeline,
     TrackerCost,
 )
+from leakcheck.torch_state import initialized_cuda
 from leakcheck.units import parse_duration, parse_size, shorten_cmdline
 
 if TYPE_CHECKING:
@@ -1114,15 +1114,11 @@ def _torch_allocated_bytes() -> int | None:
 
     Read only where CUDA is already initialised here: leakcheck never initialises CUDA.
     """
-    torch = sys.modules.get("torch")
-    if torch is None:
+    cuda = initialized_cuda()
+    if cuda is None:
         return None
     try:
-        if not torch.cuda.is_initialized():
-            return None
-        return int(
-            sum(torch.cuda.memory_allocated(index) for index in range(torch.cuda.device_count()))
-        )
+        return int(sum(cuda.memory_allocated(index) for index in range(cuda.device_count())))
     except Exception:
         return None
 

@@ -156,3 +156,27 @@ def test_forked_child_can_use_nvml() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert handle.memory()[0].total_bytes > 0  # the parent's session still works
+
+
+def test_torch_state_sees_a_context_and_not_a_forked_childs_inherited_one() -> None:
+    # The check every teardown, allocator read and cache flush of leakcheck's asks first.
+    code = """
+import os, torch
+from leakcheck.torch_state import initialized_cuda
+assert initialized_cuda() is None, "no context yet"
+torch.empty(1, device="cuda:0")
+assert initialized_cuda() is torch.cuda, "a context now"
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(write, b"none" if initialized_cuda() is None else b"cuda")
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 8).decode())
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "none"

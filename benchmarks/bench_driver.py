@@ -159,7 +159,7 @@ def _render(meta: dict[str, Any], rounds: list[dict[str, Any]], ab: stats.Summar
     lines += [
         "",
         "| round | order | bare calls/s | tracked calls/s | tracked/bare | slowdown | "
-        "sampler CPU ms (2 blocks) | NVML ms (2 blocks) | samples |",
+        "sampler CPU ms (2 blocks) | NVML wall / CPU ms (2 blocks) | samples |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rounds:
@@ -168,7 +168,8 @@ def _render(meta: dict[str, Any], rounds: list[dict[str, Any]], ab: stats.Summar
             f"| {row['round']} | {row['order']} | {row['bare_rate']:.1f} | "
             f"{row['tracked_rate']:.1f} | {row['ratio']:.4f} | "
             f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['sampler_cpu_s'] * 1000:.1f} | "
-            f"{cost['nvml_wall_s'] * 1000:.1f} | {cost['samples']:.0f} |"
+            f"{cost['nvml_wall_s'] * 1000:.1f} / {cost['nvml_cpu_s'] * 1000:.1f} | "
+            f"{cost['samples']:.0f} |"
         )
     lines += [
         "",

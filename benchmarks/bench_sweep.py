@@ -31,8 +31,8 @@ with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as sh
 driver, by their CPU time (NOTE [nvml pacing] in leakcheck/tracker.py); 1 reads on nearly
 every tick whatever the reads cost.
 Each repeat also shows the wall time of the tracker's NVML reads (``TrackerCost.nvml_wall_s``,
-waits included): while the workers start and compute, those reads hold a driver lock the
-workers may wait for.
+waits included: while the workers start and compute, those reads hold a driver lock the
+workers may wait for) and their CPU time (``nvml_cpu_s``).
 
 With persistent workers, the tracked run also times ``Tracker.sample()`` 20 times while the
 workers are alive (the sampler's per-tick path); that probe is the benchmark's own, so its
@@ -288,7 +288,8 @@ def _render(
         "= tracker caller wall + sampler CPU over the tracked wall time):",
         "",
         "| configuration | repeat | order | epochs slowdown | total slowdown | "
-        "caller ms (2 runs) | sampler CPU ms (2 runs) | NVML ms (2 runs) | samples (2 runs) | "
+        "caller ms (2 runs) | sampler CPU ms (2 runs) | NVML wall / CPU ms (2 runs) | "
+        "samples (2 runs) | "
         "accounted epochs | accounted total | NVML share of the epochs |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -301,7 +302,7 @@ def _render(
                 f"{stats.slowdown_pct(pair['epochs_speed_ratio']):+.2f}% | "
                 f"{stats.slowdown_pct(pair['total_speed_ratio']):+.2f}% | "
                 f"{cost['caller_wall_s'] * 1000:.1f} | {cost['sampler_cpu_s'] * 1000:.1f} | "
-                f"{cost['nvml_wall_s'] * 1000:.1f} | "
+                f"{cost['nvml_wall_s'] * 1000:.1f} / {cost['nvml_cpu_s'] * 1000:.1f} | "
                 f"{cost['samples']:.0f} | {pair['accounted_epochs_pct']:.3f}% | "
                 f"{pair['accounted_total_pct']:.3f}% | {pair['nvml_epochs_pct']:.3f}% |"
             )

@@ -27,9 +27,11 @@ explains both):
   epoch end), as a user gets them.
 
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
-step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``),
-and ``--nvml-share`` (a diagnostic) sets the share of the time the sampler's NVML reads may
-work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py) instead of leakcheck's own.
+step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``) and
+their CPU time (``nvml_cpu_s``: part of the sampler's CPU, spent mostly in the driver with the
+interpreter lock released), and ``--nvml-share`` (a diagnostic) sets the share of the time
+the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py)
+instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05] [--write]
@@ -267,7 +269,8 @@ def main() -> int:
     lines += [
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "
-        "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | NVML ms (2 blocks) | "
+        "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | "
+        "NVML wall / CPU ms (2 blocks) | "
         "samples | accounted |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -277,7 +280,8 @@ def main() -> int:
             f"| {row['round']} | {row['order']} | {row['raw_batches_per_s']:.1f} | "
             f"{row['watched_batches_per_s']:.1f} | {row['ratio']:.4f} | "
             f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['caller_wall_s'] * 1000:.2f} | "
-            f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['nvml_wall_s'] * 1000:.2f} | "
+            f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['nvml_wall_s'] * 1000:.2f} / "
+            f"{cost['nvml_cpu_s'] * 1000:.2f} | "
             f"{cost['samples']:.0f} | "
             f"{row['accounted_pct']:.3f}% |"
         )

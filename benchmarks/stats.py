@@ -289,7 +289,14 @@ def format_ci(summary: Summary, *, signed: bool = True) -> str:
     return f"[{low}, {high}]"
 
 
-COST_FIELDS = ("samples", "sample_wall_s", "sampler_cpu_s", "caller_wall_s", "nvml_wall_s")
+COST_FIELDS = (
+    "samples",
+    "sample_wall_s",
+    "sampler_cpu_s",
+    "caller_wall_s",
+    "nvml_wall_s",
+    "nvml_cpu_s",
+)
 
 
 def cost_counters(tracker: Any) -> dict[str, float]:

@@ -226,6 +226,11 @@ class TrackerCost:
             epoch ends). While the GPU is busy these reads hold a driver lock that the job's
             own driver calls may wait for, a cost the other fields do not see; the sampler
             keeps its share small (NOTE [nvml pacing] in tracker.py).
+        nvml_cpu_s: CPU seconds of the same reads, in the threads that made them: mostly the
+            driver's work, during which the NVML binding (ctypes) releases the interpreter
+            lock, so it delays no Python thread where a core is spare. Part of
+            ``sampler_cpu_s`` for the sampler's reads; it shows how much of that is spent
+            in NVML rather than in leakcheck's own Python.
 
     """
 
@@ -234,6 +239,7 @@ class TrackerCost:
     sampler_cpu_s: float
     caller_wall_s: float
     nvml_wall_s: float
+    nvml_cpu_s: float
 
 
 Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]

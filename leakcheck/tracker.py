@@ -63,8 +63,8 @@ costs: under load, peaks within an epoch are sampled less often (a context that 
 a gap may be missed), and a process new on the GPU is placed up to one gap later. Epoch ends,
 ``sample()``, the grace wait and ``close()`` are never paced: what the rules judge is read when
 it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time of the samples' memory and
-list reads, waits for the driver's lock and for the interpreter lock included; the telemetry
-read at epoch ends is not in it.
+list reads, waits for the driver's lock and for the interpreter lock included, and
+``nvml_cpu_s`` their CPU time; the telemetry read at epoch ends is in neither.
 """
 
 from __future__ import annotations
@@ -285,6 +285,7 @@ class Tracker:
         self._sampler_cpu_s = 0.0
         self._caller_wall_s = 0.0
         self._nvml_wall_s = 0.0
+        self._nvml_cpu_s = 0.0
 
     # ----------------------------------------------------------------- properties
 
@@ -491,6 +492,7 @@ class Tracker:
                 sampler_cpu_s=self._sampler_cpu_s,
                 caller_wall_s=self._caller_wall_s,
                 nvml_wall_s=self._nvml_wall_s,
+                nvml_cpu_s=self._nvml_cpu_s,
             )
 
     def worker_keys(self) -> list[ProcessKey]:
@@ -815,7 +817,7 @@ class Tracker:
         return result
 
     def _nvml_read_done(self, start_s: float, start_cpu_s: float) -> float:
-        """Count an NVML read's wall time; return when the sampler may read that kind again.
+        """Count an NVML read's wall and CPU time; return when that kind may be read again.
 
         NOTE [nvml pacing]. ``start_s`` and ``start_cpu_s``: ``time.perf_counter()`` and
         ``time.thread_time()`` when the read began, in this thread.
@@ -824,6 +826,7 @@ class Tracker:
         read_cpu_s = time.thread_time() - start_cpu_s
         with self._cost_lock:
             self._nvml_wall_s += end_s - start_s
+            self._nvml_cpu_s += read_cpu_s
         return end_s + min(read_cpu_s / _NVML_SHARE, _NVML_MAX_GAP_S)
 
     def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:

@@ -511,7 +511,8 @@ def test_list_reads_are_paced_by_their_cpu_time(
 
     def body(device: FakeDevice, pid: int, tracker: Tracker) -> None:
         device.list_cpu_s, device.list_wait_s = list_cpu_s, list_wait_s
-        before = calls[_LISTS], calls[_MEMORY], tracker.cost().nvml_wall_s
+        cost = tracker.cost()
+        before = calls[_LISTS], calls[_MEMORY], cost.nvml_wall_s, cost.nvml_cpu_s
         started = time.monotonic()
         step = 0
         while time.monotonic() - started < 1.5:
@@ -520,7 +521,9 @@ def test_list_reads_are_paced_by_their_cpu_time(
             time.sleep(0.005)
         counted["lists"] = calls[_LISTS] - before[0]
         counted["memory"] = calls[_MEMORY] - before[1]
-        counted["nvml_s"] = tracker.cost().nvml_wall_s - before[2]
+        cost = tracker.cost()
+        counted["nvml_s"] = cost.nvml_wall_s - before[2]
+        counted["nvml_cpu_s"] = cost.nvml_cpu_s - before[3]
         lists_before_sample = calls[_LISTS]
         tracker.sample()
         counted["sample_lists"] = calls[_LISTS] - lists_before_sample
@@ -533,6 +536,10 @@ def test_list_reads_are_paced_by_their_cpu_time(
     assert counted["memory"] >= 20, counted  # cheap reads stay on (nearly) every tick
     # Wall time inside NVML is counted, waits included (the last read may be in progress).
     assert counted["nvml_s"] >= (list_cpu_s + list_wait_s) * (counted["lists"] - 1), counted
+    # CPU time inside NVML is counted, and a wait is not CPU time.
+    assert counted["nvml_cpu_s"] >= 0.9 * list_cpu_s * (counted["lists"] - 1), counted
+    if list_wait_s:
+        assert counted["nvml_cpu_s"] < 0.5 * counted["nvml_s"], counted
     assert counted["sample_lists"] >= 1, counted
 
 

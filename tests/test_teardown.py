@@ -10,7 +10,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from leakcheck import mailbox, teardown
 from leakcheck.errors import UsageError
+from tests.pyrun import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PR_GET_PDEATHSIG = 2
@@ -184,17 +184,6 @@ def test_unregister_resource() -> None:
     teardown.register_resource(release)
     assert teardown.unregister_resource(release) is True
     assert teardown.unregister_resource(release) is False
-
-
-def run_python(code: str, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=120,
-    )
 
 
 EXIT_SCRIPT = """

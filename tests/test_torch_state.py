@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from tests.pyrun import run_python
 
 
 def _run(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

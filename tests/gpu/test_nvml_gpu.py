@@ -13,6 +13,7 @@ import pytest
 
 from leakcheck import nvml
 from leakcheck.model import GpuProcess
+from tests.pyrun import run_python
 
 T = TypeVar("T")
 
@@ -125,10 +126,7 @@ assert os.getpid() not in pids, "this process holds a context"
 assert os.getpid() not in {p.pid for p in handle.processes()}, "this process holds a context"
 print("clean")
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_python(code, timeout_s=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "clean"
 
@@ -174,9 +172,6 @@ if pid == 0:
 os.waitpid(pid, 0)
 print(os.read(read, 8).decode())
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_python(code, timeout_s=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "none"

@@ -270,8 +270,7 @@ def main() -> int:
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "
         "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | "
-        "NVML wall / CPU ms (2 blocks) | "
-        "samples | accounted |",
+        "NVML wall / CPU ms (2 blocks) | samples | accounted |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rounds:
@@ -281,8 +280,7 @@ def main() -> int:
             f"{row['watched_batches_per_s']:.1f} | {row['ratio']:.4f} | "
             f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['caller_wall_s'] * 1000:.2f} | "
             f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['nvml_wall_s'] * 1000:.2f} / "
-            f"{cost['nvml_cpu_s'] * 1000:.2f} | "
-            f"{cost['samples']:.0f} | "
+            f"{cost['nvml_cpu_s'] * 1000:.2f} | {cost['samples']:.0f} | "
             f"{row['accounted_pct']:.3f}% |"
         )
     lines += [

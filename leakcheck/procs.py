@@ -365,13 +365,16 @@ _RECHECK_EVERY = 4
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("listed", "stat_fd", "task_fds", "used")
+    __slots__ = ("listed", "parent_tids", "stat_fd", "task_fds", "used")
 
     def __init__(self, stat_fd: int, used: int) -> None:
         self.stat_fd = stat_fd
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
+        # The main thread and the threads whose children files listed children at the
+        # last full read: what a quick walk reads of the root (NOTE [quick walk]).
+        self.parent_tids: tuple[str, ...] = ()
 
 
 _fd_lock = threading.Lock()
@@ -512,6 +515,7 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
             _close_quietly(task_fds.pop(tid))
             _cached_fd_count -= 1
     children: list[int] = []
+    parent_tids = [str(pid)]
     for tid in tids:
         fd = task_fds.get(tid)
         keep = fd is not None
@@ -534,6 +538,27 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
             os.close(fd)
         if data:
             children.extend(int(child) for child in data.split())
+            if keep and tid != str(pid):
+                parent_tids.append(tid)
+    handles.parent_tids = tuple(parent_tids)
+    return children
+
+
+def _quick_root_children(pid: int) -> list[int] | None:
+    """The root's children, for a quick walk; None: read them in full (NOTE [quick walk])."""
+    handles = _handles.get(pid)
+    if handles is None or not handles.parent_tids or (_generation + pid) % _RECHECK_EVERY == 0:
+        return None
+    children: list[int] = []
+    for tid in handles.parent_tids:
+        fd = handles.task_fds.get(tid)
+        if fd is None:
+            return None
+        try:
+            data = _pread_all(fd)
+        except OSError:
+            return None
+        children.extend(int(child) for child in data.split())
     return children
 
 
@@ -541,13 +566,16 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
 # listed under the same parent as at its last full read is then served from that read, with
 # no stat read, and only its main thread's children file is read again (a CUDA process has
 # a dozen threads or more, and processes are nearly always started from the main thread).
-# Once every ``_RECHECK_EVERY`` walks (spread by PID, so no walk pays for all at once) it is
-# read in full again: stat, and every thread's children file. What a quick walk can miss,
-# for at most that many walks: a zombie still listed under its parent (it counts as alive a
-# little longer), the children of threads other than the main one (a known one is not
-# walked through, so the tracker checks it by its identity and does not take its absence
-# for a reparenting), and the reuse of a PID under the same parent (that takes the whole PID
-# space to wrap). The tracker's epoch ends, ``close()`` and snapshots never walk quickly.
+# The root, read afresh, has its stat read and the children files of its main thread and of
+# the threads that had children at its last full read (a training process has dozens of
+# threads, a DataLoader starts its workers from one). Once every ``_RECHECK_EVERY`` walks
+# (spread by PID, so no walk pays for all at once) each is read in full again: stat, and
+# every thread's children file. What a quick walk can miss, for at most that many walks: a
+# zombie still listed under its parent (it counts as alive a little longer), the children
+# of threads that had none at the last full read (a known one is not walked through, so the
+# tracker checks it by its identity and does not take its absence for a reparenting), and
+# the reuse of a PID under the same parent (that takes the whole PID space to wrap). The
+# tracker's epoch ends, ``close()`` and snapshots never walk quickly.
 
 
 def _quick_children(
@@ -739,7 +767,10 @@ def descendants(
         if root is None:
             return found
         seen = {root_pid}
-        stack = [(root_pid, child) for child in reversed(_hot_children(root_pid, root.num_threads))]
+        root_children = _quick_root_children(root_pid) if quick else None
+        if root_children is None:
+            root_children = _hot_children(root_pid, root.num_threads)
+        stack = [(root_pid, child) for child in reversed(root_children)]
         while stack:
             parent, pid = stack.pop()
             if pid in seen:

@@ -4,15 +4,20 @@ NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own 
 processes already below the root: those are pre-existing and never judged as survivors),
 exports ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them,
 and starts one daemon sampler thread. Each tick (``interval``) reads the devices' used memory
-and, where it moved, NVML's per-PID memory (NOTE [list gating]), and the mailbox (exact worker
-identities, teardown records; NOTE [worker mailbox] in mailbox.py). Every ``_WALK_EVERY``-th
-tick, and at once when NVML lists a PID the tracker has not placed yet, it also walks the
-root's descendants from /proc and checks the identities seen before (alive here? still
-below the root? if not, reparented: an orphan): the walk is most of a tick's cost, and a
-process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
-late, while every epoch end, ``sample()`` and ``close()`` walk at once. The sampler's walks
-(and ``sample()``'s) are quick ones (NOTE [quick walk] in procs.py); epoch ends, the grace
-deadline and ``close()`` read every process in full. An epoch end is one synchronous sample
+and, where it moved, NVML's per-PID memory (NOTE [list gating]). Every ``_WALK_EVERY``-th
+tick, and at once when NVML lists a PID the tracker has not placed yet, it also reads the
+mailbox (exact worker identities, teardown records; NOTE [worker mailbox] in mailbox.py) and
+walks the root's descendants from /proc and checks the identities seen before (alive here?
+still below the root? if not, reparented: an orphan): the walk is most of a tick's cost, and
+a process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
+late, while every epoch end, ``sample()`` and ``close()`` walk at once. A tick that neither
+walked nor read the lists leaves the epoch's record as it was (nothing in it can have moved
+but the device's used memory). Each tick costs its thread a wake-up as well (60-150 us of CPU
+on the machines measured, more than a quiet tick's own work: ``tools/diag_wake.py``), so the
+sampler waits between ticks on a timed lock acquire, the cheapest way measured that
+``close()`` can still interrupt. The sampler's walks (and ``sample()``'s) are quick ones
+(NOTE [quick walk] in procs.py); epoch ends, the grace deadline and ``close()`` read every
+process in full. An epoch end is one synchronous sample
 with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a
 scan of /proc for tagged processes that were reparented between ticks (``procs.tagged_since``:
 it reads the tags of unknown processes younger than the root only), runs on the sampler's
@@ -58,7 +63,11 @@ worker holds it (tens of milliseconds while contexts are created or torn down) c
 workers nothing, and pacing by its wall time left whole epochs unread on an H200
 (docs/gpu-test-log.md, run 19). A tick whose memory read is paced out keeps the last value
 read, and its lists are due if that value differs from the one at the last list read
-(NOTE [list gating]); a walking tick whose lists are paced out walks without them. What pacing
+(NOTE [list gating]); a walking tick whose lists are paced out walks without them. While the
+lists are paced out, a memory read can only raise the device's peak (no change it finds can be
+acted on before the lists are due), so memory reads then take half the share
+(``_MEMORY_SHARE_IN_LIST_GAPS``): under load on an H200 (0.14-0.17 ms each), every other tick
+instead of every tick, and every tick again once the lists are due. What pacing
 costs: under load, peaks within an epoch are sampled less often (a context that lives less than
 a gap may be missed), and a process new on the GPU is placed up to one gap later. Epoch ends,
 ``sample()``, the grace wait and ``close()`` are never paced: what the rules judge is read when
@@ -69,6 +78,7 @@ list reads, waits for the driver's lock and for the interpreter lock included, a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -112,6 +122,8 @@ _WALK_EVERY = 4
 # The share of the time the sampler's NVML reads may work in the driver, and the longest
 # a kind of read may be left out (NOTE [nvml pacing]).
 _NVML_SHARE = 0.005
+# While the lists are paced out, memory reads take this fraction of that share.
+_MEMORY_SHARE_IN_LIST_GAPS = 0.5
 _NVML_MAX_GAP_S = 1.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -239,7 +251,13 @@ class Tracker:
         self._use_nvml = use_nvml
 
         self._lock = threading.RLock()
-        self._stop = threading.Event()
+        # Held until ``close()`` releases it: the sampler waits on it between ticks, so a
+        # close wakes it at once. A timed acquire of a plain lock, not ``Event.wait`` (a
+        # Condition with a fresh lock per call): on the H200 host a wake costs 80 us of CPU
+        # this way against 88-99 (tools/diag_wake.py), and the sampler wakes 20 times a second.
+        self._stop_gate = threading.Lock()
+        self._stop_gate.acquire()
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._started = False
         self._closed = False
@@ -276,7 +294,10 @@ class Tracker:
         self._graphics_seen = True  # the last full list read found a graphics context
         # perf_counter seconds before which the sampler skips a kind of read (NOTE [nvml pacing]).
         self._memory_due_s = 0.0
+        self._memory_gap_due_s = 0.0  # the same, while the lists are paced out
         self._lists_due_s = 0.0
+        # The open epoch's seen set and peaks lag the processes (``_sample_body``).
+        self._peaks_stale = True
         # Own cost (``cost()``): what the user's loop and the machine pay for tracking.
         self._cost_lock = threading.Lock()
         self._calls = threading.local()
@@ -357,7 +378,10 @@ class Tracker:
             return
         self.end_epoch("closed")
         self._wait_for_grace()
-        self._stop.set()
+        if not self._stopping:
+            self._stopping = True
+            with contextlib.suppress(RuntimeError):  # a concurrent close() released it
+                self._stop_gate.release()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 10 * self._interval_s))
         with self._lock:
@@ -400,6 +424,7 @@ class Tracker:
                 start_s=self._now(),
             )
             self._epochs.append(self._open)
+            self._peaks_stale = True
             return index
 
     @_caller_timed
@@ -585,7 +610,7 @@ class Tracker:
         return time.monotonic() - self._t0
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop_gate.acquire(timeout=self._interval_s):
             cpu_start_s = time.thread_time()
             with self._lock:
                 if self._closed:
@@ -703,6 +728,7 @@ class Tracker:
         self._procs[info.key] = proc
         self._live[info.key] = proc
         self._by_pid[info.key.pid] = info.key
+        self._peaks_stale = True
         return proc
 
     def _sample_locked(
@@ -744,18 +770,30 @@ class Tracker:
         self, *, epoch_end: bool, scan_tags: bool, walk: bool, quick: bool, paced: bool
     ) -> None:
         now = self._now()
-        if self._inbox is not None:
+        if self._inbox is not None and (walk or not paced):
+            # The sampler reads the mailbox on its walking ticks only: its records name
+            # processes that the walk then places (NOTE [tracker lifecycle]).
             inbox = self._inbox
             self._guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
         nvml_handle = self._nvml
-        if nvml_handle is not None and (not paced or time.perf_counter() >= self._memory_due_s):
+        lists_paced_out = paced and time.perf_counter() < self._lists_due_s
+        memory_read = False
+        if nvml_handle is not None and (
+            not paced
+            or time.perf_counter()
+            >= (self._memory_gap_due_s if lists_paced_out else self._memory_due_s)
+        ):
             read_start = time.perf_counter(), time.thread_time()
             memory = self._guard(lambda: nvml_handle.memory(self._devices), "nvml memory")
-            self._memory_due_s = self._nvml_read_done(*read_start)
+            end_s, read_cpu_s = self._nvml_read_done(*read_start)
+            self._memory_due_s = end_s + _nvml_gap_s(read_cpu_s, _NVML_SHARE)
+            self._memory_gap_due_s = end_s + _nvml_gap_s(
+                read_cpu_s, _NVML_SHARE * _MEMORY_SHARE_IN_LIST_GAPS
+            )
             self._device_used = (
                 {state.index: state.used_bytes for state in memory} if memory is not None else {}
             )
-        lists_paced_out = paced and time.perf_counter() < self._lists_due_s
+            memory_read = True
         gpu: tuple[GpuProcess, ...] | None = None
         new_on_gpu = False
         if not walk and not lists_paced_out and self._lists_due(quick=quick):
@@ -779,8 +817,15 @@ class Tracker:
                     if info is not None and info.key == key:
                         proc.cmdline = _short(info.cmdline or info.name)
         epoch = self._open
-        if epoch is not None:
-            epoch.samples += 1
+        if epoch is None:
+            return
+        epoch.samples += 1
+        # What the epoch has seen and its peaks change only when processes or their GPU
+        # bytes did (a walk, a list read, an adoption, a registration: each marks the peaks
+        # stale), and the device peak only with a memory read: a tick that did neither
+        # leaves them as they are.
+        if self._peaks_stale:
+            self._peaks_stale = False
             for key, proc in self._live.items():
                 if proc.foreign:
                     continue
@@ -790,6 +835,8 @@ class Tracker:
                     for index, used in proc.gpu_bytes.items():
                         if used > peak.get(index, 0):
                             peak[index] = used
+            memory_read = True
+        if memory_read:
             for index, used in self._device_used.items():
                 if used > epoch.device_peak.get(index, 0):
                     epoch.device_peak[index] = used
@@ -809,15 +856,16 @@ class Tracker:
         result: tuple[GpuProcess, ...] | None = self._guard(
             lambda: nvml_handle.processes(self._devices, graphics=graphics), "nvml processes"
         )
-        self._lists_due_s = self._nvml_read_done(*read_start)
+        end_s, read_cpu_s = self._nvml_read_done(*read_start)
+        self._lists_due_s = end_s + _nvml_gap_s(read_cpu_s, _NVML_SHARE)
         # After a failed read nothing matches, so the next tick reads again.
         self._used_at_lists = used if result is not None else {}
         if result is not None and graphics:
             self._graphics_seen = any(entry.kind != "compute" for entry in result)
         return result
 
-    def _nvml_read_done(self, start_s: float, start_cpu_s: float) -> float:
-        """Count an NVML read's wall and CPU time; return when that kind may be read again.
+    def _nvml_read_done(self, start_s: float, start_cpu_s: float) -> tuple[float, float]:
+        """Count an NVML read's wall and CPU time; return when it ended and its CPU seconds.
 
         NOTE [nvml pacing]. ``start_s`` and ``start_cpu_s``: ``time.perf_counter()`` and
         ``time.thread_time()`` when the read began, in this thread.
@@ -827,7 +875,7 @@ class Tracker:
         with self._cost_lock:
             self._nvml_wall_s += end_s - start_s
             self._nvml_cpu_s += read_cpu_s
-        return end_s + min(read_cpu_s / _NVML_SHARE, _NVML_MAX_GAP_S)
+        return end_s, read_cpu_s
 
     def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
         """Walk the root's descendants: new, reparented and exited processes.
@@ -871,6 +919,7 @@ class Tracker:
 
     def _attribute_gpu(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
         by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)
+        self._peaks_stale = True
         for proc in self._live.values():
             proc.gpu_bytes, proc.gpu_unknown = {}, False
         missing: list[int] = []
@@ -1047,7 +1096,7 @@ class Tracker:
                 for proc in self._live.values()
                 if proc.born_epoch == last.index and not proc.foreign and not self._persistent(proc)
             ]
-        while pending and self._now() < deadline and not self._stop.is_set():
+        while pending and self._now() < deadline and not self._stopping:
             time.sleep(min(self._interval_s, max(0.0, deadline - self._now())))
             with self._lock:
                 pending = [proc for proc in pending if proc.exited_s is None]
@@ -1086,6 +1135,11 @@ class Tracker:
                 _torch_allocated_bytes() if self._root_pid == os.getpid() else None
             ),
         )
+
+
+def _nvml_gap_s(read_cpu_s: float, share: float) -> float:
+    """How long a kind of NVML read is left out after one that used ``read_cpu_s``."""
+    return min(read_cpu_s / share, _NVML_MAX_GAP_S)
 
 
 def _is_int_at_least(value: object, minimum: int) -> bool:

@@ -127,6 +127,13 @@ class FakeProcessInfo(ctypes.Structure):
     ]
 
 
+def _spin(cpu_s: float) -> None:
+    """Work ``cpu_s`` seconds of this thread's CPU time."""
+    spin_until_s = time.thread_time() + cpu_s
+    while time.thread_time() < spin_until_s:
+        pass
+
+
 @dataclass
 class FakeDevice:
     """One fake GPU. Telemetry fields set to None raise NVMLError_NotSupported."""
@@ -157,6 +164,8 @@ class FakeDevice:
     """CPU seconds each running-process list call works (a busy GPU's lists are costly)."""
     list_wait_s: float = 0.0
     """Seconds each running-process list call waits, idle (a lock another process holds)."""
+    memory_cpu_s: float = 0.0
+    """CPU seconds each memory info call works."""
 
 
 @dataclass(frozen=True)
@@ -250,12 +259,12 @@ class FakePynvml(types.ModuleType):
         if "RunningProcesses" in name:
             if device.list_wait_s:
                 time.sleep(device.list_wait_s)
-            spin_until_s = time.thread_time() + device.list_cpu_s
-            while time.thread_time() < spin_until_s:
-                pass
+            _spin(device.list_cpu_s)
             if device.list_failures:
                 device.list_failures -= 1
                 raise error(NVML_ERROR_GPU_IS_LOST)
+        elif name == "nvmlDeviceGetMemoryInfo":
+            _spin(device.memory_cpu_s)
         return device
 
     @staticmethod

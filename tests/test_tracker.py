@@ -543,6 +543,50 @@ def test_list_reads_are_paced_by_their_cpu_time(
     assert counted["sample_lists"] >= 1, counted
 
 
+def test_memory_reads_take_half_the_share_while_the_lists_are_paced_out(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [nvml pacing]: a memory read that used 4 ms of CPU keeps the next away 40 ms at a
+    10% share; while a 50 ms list read keeps the lists away (0.5 s), 80 ms. Ticks 50 ms
+    apart therefore read memory on every tick, then on every other one."""
+    from leakcheck import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_NVML_SHARE", 0.1)
+    monkeypatch.setattr(tracker_module, "_NVML_MAX_GAP_S", 10.0)
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    calls = fake_nvml.calls
+
+    def memory_reads_in_six_ticks(tracker: Tracker) -> int:
+        before = calls[_MEMORY]
+        for _ in range(6):
+            time.sleep(0.05)
+            with tracker._lock:
+                tracker._sample_locked(epoch_end=False, walk=False, quick=True, paced=True)
+        return calls[_MEMORY] - before
+
+    with Tracker(grace=0.0, interval=3600.0) as tracker, tracker.epoch():
+        holder.start()
+        tracker.sample()
+        device.memory_cpu_s = 0.004
+        # Memory holds still, so no tick reads the lists, and none is paced out.
+        lists_due = memory_reads_in_six_ticks(tracker)
+        device.list_cpu_s = 0.05
+        lists_before = calls[_LISTS]
+        _set_process(device, holder.pid or 0, 100 * MIB)
+        time.sleep(0.05)
+        with tracker._lock:  # memory moved: this tick reads the lists, paced out for 0.5 s
+            tracker._sample_locked(epoch_end=False, walk=False, quick=True, paced=True)
+        assert calls[_LISTS] == lists_before + 1
+        lists_paced_out = memory_reads_in_six_ticks(tracker)
+        assert calls[_LISTS] == lists_before + 1
+        device.memory_cpu_s = device.list_cpu_s = 0.0
+        holder.kill()
+        holder.join()
+    assert lists_due == 6
+    assert 2 <= lists_paced_out <= 4
+
+
 def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:

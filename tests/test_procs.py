@@ -706,6 +706,38 @@ def test_quick_walks_read_other_threads_children_within_the_bound(spawn: Spawn) 
     assert seen_thread_side == thread_side  # within the re-read bound
 
 
+def test_quick_walks_read_the_roots_parent_threads_and_its_other_threads_within_the_bound(
+    spawn: Spawn,
+) -> None:
+    """A quick walk reads the root's main thread and the threads that had children at its
+    last full read; a thread that starts its first child is read within the bound."""
+    me = os.getpid()
+    _quick(me)
+    started, release = threading.Event(), threading.Event()
+    children: list[subprocess.Popen[bytes]] = []
+
+    def start_a_child() -> None:
+        # The thread stays alive: the children of an exited thread move to another thread.
+        children.append(spawn([*PYTHON, "-c", WAIT_STDIN]))
+        started.set()
+        release.wait(60)
+
+    thread = threading.Thread(target=start_a_child, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        child = children[0].pid
+        walks = 1
+        while child not in pids_of(_quick(me)):
+            walks += 1
+            assert walks <= procs._RECHECK_EVERY, "a new parent thread was not read in time"
+        for _ in range(2 * procs._RECHECK_EVERY):
+            assert child in pids_of(_quick(me))  # a parent thread now: every quick walk
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
     spawn: Spawn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

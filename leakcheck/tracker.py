@@ -19,8 +19,9 @@ sampler waits between ticks on a timed lock acquire, the cheapest way measured t
 (NOTE [quick walk] in procs.py); epoch ends, the grace deadline and ``close()`` read every
 process in full. An epoch end is one synchronous sample
 with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a
-scan of /proc for tagged processes that were reparented between ticks (``procs.tagged_since``:
-it reads the tags of unknown processes younger than the root only), runs on the sampler's
+scan of /proc for tagged processes that were reparented between ticks (``procs.TagScan``: it
+reads the tags of unknown processes younger than the root only, and only of processes new in
+/proc since its last scan: NOTE [incremental tag scan] in procs.py), runs on the sampler's
 next tick instead, off the caller's thread, and once more in ``close()``: what it finds
 joins the next epoch and the final state.
 Survivors are judged later, from how long after the epoch end each process was still seen:
@@ -268,6 +269,7 @@ class Tracker:
         self._inbox: mailbox.Inbox | None = None
         self._saved_env: dict[str, str | None] = {}
         self._root_key = ProcessKey(self._root_pid, 0.0)
+        self._tag_scan: procs.TagScan | None = None
         self._nvml: nvml.Nvml | None = None
         self._attribution: Attribution = "nvml-unavailable"
         self._attribution_reason = "tracking has not started"
@@ -348,6 +350,7 @@ class Tracker:
                 raise UsageError(f"root_pid: no running process with PID {self._root_pid}")
             self._root_key = root_key
             self._session_id = new_session_id(self._root_pid)
+            self._tag_scan = procs.TagScan(self._session_id, born_since=root_key)
             self._mailbox_dir = self._guard(mailbox.create, "mailbox")
             if self._mailbox_dir:
                 self._inbox = mailbox.Inbox(self._mailbox_dir)
@@ -966,8 +969,9 @@ class Tracker:
 
     def _scan_tagged(self, now: float) -> None:
         """Add the tagged processes the walks have not seen: reparented out of the lineage."""
-        found = procs.tagged_since(self._session_id, born_since=self._root_key, known=self._procs)
-        for info in found:
+        if self._tag_scan is None:
+            return
+        for info in self._tag_scan.scan(self._procs):
             proc = self._add_proc(info, now=now)
             proc.in_lineage = False
 

@@ -362,6 +362,44 @@ def test_orphan_leaves_lineage_but_scan_all_finds_it_by_tag(spawn: Spawn) -> Non
     assert procs.tagged_since(sid, born_since=later) == []
 
 
+def test_tag_scans_read_what_is_new_in_proc_and_report_each_process_once(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [incremental tag scan]."""
+    sid = uuid.uuid4().hex
+    tagged_env = {**os.environ, procs.SESSION_ENV: sid}
+    root = spawn([*PYTHON, "-c", WAIT_STDIN], env=tagged_env)
+    root_key = procs.process_key(root.pid)
+    assert root_key is not None
+    scan = procs.TagScan(sid, born_since=root_key)
+    stat_reads: list[int] = []
+    read_stat = procs._stat
+
+    def counted_stat(pid: int) -> Any:
+        stat_reads.append(pid)
+        return read_stat(pid)
+
+    monkeypatch.setattr(procs, "_stat", counted_stat)
+    assert scan.scan() == []  # the root is the only tagged process, and it is left out
+    first_reads = len(stat_reads)
+    assert first_reads >= 5 and root.pid in stat_reads and os.getpid() in stat_reads
+    stat_reads.clear()
+
+    later = spawn([*PYTHON, "-c", WAIT_STDIN], env=tagged_env)
+    found = scan.scan()
+    assert [info.key.pid for info in found] == [later.pid]
+    assert found[0].tagged and "python" in found[0].cmdline
+    # Only what /proc did not list at the first scan was read: the new process, and what
+    # else started meanwhile on this machine.
+    assert later.pid in stat_reads and os.getpid() not in stat_reads
+    assert len(stat_reads) < first_reads / 2
+    stat_reads.clear()
+    assert scan.scan() == []  # judged once: not reported again, not read again
+    assert later.pid not in stat_reads
+    # A fresh scan (``tagged_since``) judges everything again.
+    assert [info.key.pid for info in procs.tagged_since(sid, born_since=root_key)] == [later.pid]
+
+
 def test_vanishing_processes_mid_scan_do_not_raise(spawn: Spawn) -> None:
     helper, record = start_helper(spawn, "churn")
     sleeper = record["sleeper"]

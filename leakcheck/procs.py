@@ -38,6 +38,7 @@ import sys
 import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from stat import S_ISCHR
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from leakcheck.model import ProcessKey, ProcInfo
@@ -1041,16 +1042,59 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
 def nvidia_fds(pid: int) -> dict[int, str] | None:
     """Descriptor number -> target of every ``/dev/nvidia*`` descriptor of a process.
 
+    This process's own descriptors are told apart by their device numbers (NOTE [own
+    descriptors]); another's by their link targets.
+
     Returns:
         The mapping (empty when none), or None when the table cannot be read.
 
     """
     if not _HAS_PROC:
         return None
+    if pid == os.getpid():
+        return _own_nvidia_fds()
     targets = _fd_targets(pid)
     if targets is None:
         return None
     return {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
+
+
+# NOTE [own descriptors]: a CUDA process holds hundreds of descriptors (263 in a training
+# process on an H200, 31 of them /dev/nvidia*), and reading each one's link through procfs
+# cost 1.2 ms at every epoch end there. In this process ``fstat`` is a far cheaper call: a
+# descriptor that is not a character device is not an NVIDIA device node, and a character
+# device is one if its link, read once per device number and remembered, names one. So a
+# link is read only for a device number not met before. One device reached through two paths
+# (a node bind-mounted elsewhere) counts under the path met first.
+_device_targets: dict[int, str] = {}
+
+
+def _own_nvidia_fds() -> dict[int, str] | None:
+    """``nvidia_fds`` of this process (NOTE [own descriptors])."""
+    fd_dir = f"{_PROC}/self/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return None
+    found: dict[int, str] = {}
+    for name in names:
+        fd = int(name)
+        try:
+            device = os.fstat(fd)
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor is)
+        if not S_ISCHR(device.st_mode):
+            continue
+        target = _device_targets.get(device.st_rdev)
+        if target is None:
+            try:
+                target = os.readlink(f"{fd_dir}/{name}")
+            except OSError:
+                continue
+            _remember(_device_targets, device.st_rdev, target)
+        if is_nvidia_device_target(target):
+            found[fd] = target
+    return found
 
 
 def nvidia_fd_count(pid: int) -> int | None:

@@ -906,7 +906,7 @@ def tagged_since(
 # tagged (the tag is in the environment it was started with). So ``TagScan`` remembers the
 # /proc entries it judged and reads only the others. An entry is a PID with the inode number
 # of its /proc directory: a new process that took the number of an exited one gets a new
-# inode (checked on Linux 6.x), so it is read though its PID was judged before. An entry is
+# inode (checked on Linux 6.18), so it is read though its PID was judged before. An entry is
 # forgotten once it leaves /proc, and one whose stat could not be read is read again.
 
 
@@ -1060,8 +1060,9 @@ def nvidia_fds(pid: int) -> dict[int, str] | None:
 
 
 # NOTE [own descriptors]: a CUDA process holds hundreds of descriptors (263 in a training
-# process on an H200, 31 of them /dev/nvidia*), and reading each one's link through procfs
-# cost 1.2 ms at every epoch end there. In this process ``fstat`` is a far cheaper call: a
+# process on an H200, 31 of them /dev/nvidia*), and reading each one's link through procfs is
+# most of what counting a job's descriptors costs at an epoch end (1.37 ms there with 8
+# workers, 1.03 ms with this). In this process ``fstat`` is a far cheaper call: a
 # descriptor that is not a character device is not an NVIDIA device node, and a character
 # device is one if its link, read once per device number and remembered, names one. So a
 # link is read only for a device number not met before. One device reached through two paths

@@ -2,28 +2,28 @@
 
 NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes,
 processes already below the root: those are pre-existing and never judged as survivors),
-exports ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them,
-and starts one daemon sampler thread. Each tick (``interval``) reads the devices' used memory
-and, where it moved, NVML's per-PID memory (NOTE [list gating]). Every ``_WALK_EVERY``-th
-tick, and at once when NVML lists a PID the tracker has not placed yet, it also reads the
-mailbox (exact worker identities, teardown records; NOTE [worker mailbox] in mailbox.py) and
-walks the root's descendants from /proc and checks the identities seen before (alive here?
-still below the root? if not, reparented: an orphan): the walk is most of a tick's cost, and
-a process that appears or exits between two walks is placed at most ``_WALK_EVERY`` ticks
-late, while every epoch end, ``sample()`` and ``close()`` walk at once. A tick that neither
-walked nor read the lists leaves the epoch's record as it was (nothing in it can have moved
-but the device's used memory). Each tick costs its thread a wake-up as well (60-150 us of CPU
-on the machines measured, more than a quiet tick's own work: ``tools/diag_wake.py``), so the
-sampler waits between ticks on a timed lock acquire, the cheapest way measured that
-``close()`` can still interrupt. The sampler's walks (and ``sample()``'s) are quick ones
-(NOTE [quick walk] in procs.py); epoch ends, the grace deadline and ``close()`` read every
-process in full. An epoch end is one synchronous sample
-with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a
-scan of /proc for tagged processes that were reparented between ticks (``procs.TagScan``: it
-reads the tags of unknown processes younger than the root only, and only of processes new in
-/proc since its last scan: NOTE [incremental tag scan] in procs.py), runs on the sampler's
-next tick instead, off the caller's thread, and once more in ``close()``: what it finds
-joins the next epoch and the final state.
+exports ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them, and
+starts one daemon sampler thread. Each tick (``interval``) reads the devices' used memory and,
+where it moved, NVML's per-PID memory (NOTE [list gating]), as far as pacing allows (NOTE [nvml
+pacing]). Every ``_WALK_EVERY``-th tick it also reads the mailbox (exact worker identities,
+teardown records; NOTE [worker mailbox] in mailbox.py) and walks the root's descendants from
+/proc, checking the identities seen before (alive here? still below the root? if not,
+reparented: an orphan); a tick whose NVML lists show a PID the tracker has not placed yet walks
+at once. The walk is most of a tick's cost, and a process that appears or exits between two
+walks is placed at most ``_WALK_EVERY`` ticks late, while every epoch end, ``sample()`` and
+``close()`` walk at once. A tick that neither walked nor read the lists leaves the epoch's
+record as it was (nothing in it can have moved but the device's used memory). Each tick costs
+its thread a wake-up as well (60-150 us of CPU on the machines measured, more than a quiet
+tick's own work: ``tools/diag_wake.py``), so the sampler waits between ticks on a timed lock
+acquire, the cheapest way measured that ``close()`` can still interrupt. The sampler's walks
+(and ``sample()``'s) are quick ones (NOTE [quick walk] in procs.py); epoch ends, the grace
+deadline and ``close()`` read every process in full. An epoch end is one synchronous sample
+with the costlier extras (``/dev/nvidia*`` descriptor counts, telemetry); the costliest, a scan
+of /proc for tagged processes that were reparented between ticks (``procs.TagScan``: it reads
+the tags of unknown processes younger than the root only, and only of processes new in /proc
+since its last scan: NOTE [incremental tag scan] in procs.py), runs on the sampler's next tick
+instead, off the caller's thread, and once more in ``close()``: what it finds joins the next
+epoch and the final state.
 Survivors are judged later, from how long after the epoch end each process was still seen:
 so the sampler keeps running between epochs, and ``close()`` waits out the grace period
 (never longer) for processes born in the last epoch. Every failure of leakcheck's own is

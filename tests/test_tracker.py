@@ -543,12 +543,13 @@ def test_list_reads_are_paced_by_their_cpu_time(
     assert counted["sample_lists"] >= 1, counted
 
 
-def test_memory_reads_take_half_the_share_while_the_lists_are_paced_out(
+def test_memory_reads_take_a_smaller_share_while_the_lists_are_paced_out(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [nvml pacing]: a memory read that used 4 ms of CPU keeps the next away 40 ms at a
-    10% share; while a 50 ms list read keeps the lists away (0.5 s), at half that share, 80
-    ms. Ticks 50 ms apart therefore read memory on every tick, then on every other one."""
+    10% share; while a 50 ms list read keeps the lists away (0.5 s), at half that share (the
+    test's fraction; leakcheck's is a quarter), 80 ms. Ticks 50 ms apart therefore read memory
+    on every tick, then on every other one."""
     from leakcheck import tracker as tracker_module
 
     monkeypatch.setattr(tracker_module, "_NVML_SHARE", 0.1)

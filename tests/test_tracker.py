@@ -327,6 +327,74 @@ def test_importing_leakcheck_and_its_core_loads_neither_torch_nor_pynvml() -> No
     assert done.stdout.split() == ["False", "False"]
 
 
+def test_without_nvml_the_sampler_wakes_for_walking_ticks_only() -> None:
+    """NOTE [idle ticks]: with nothing to read between walks, three ticks in four are not
+    taken; walks keep their pace, and a new child is still found within a walk."""
+    from leakcheck import tracker as tracker_module
+
+    child = CTX.Process(target=_hold, args=(30,))
+    with Tracker(grace=0.0, interval=0.01, use_nvml=False) as tracker, tracker.epoch():
+        time.sleep(0.1)
+        before, started = tracker.cost().samples, time.monotonic()
+        time.sleep(0.8)
+        taken = tracker.cost().samples - before
+        ticks = (time.monotonic() - started) / 0.01
+        child.start()
+        found = wait_for(lambda: any(key.pid == child.pid for key in tracker._live), _WAIT_S)
+        child.kill()
+        child.join()
+    assert found
+    # One tick in _WALK_EVERY, give or take the wait's own overshoot; all of them before.
+    assert (
+        0.5 * ticks / tracker_module._WALK_EVERY
+        <= taken
+        <= 1.5 * ticks / tracker_module._WALK_EVERY
+    )
+
+
+@pytest.mark.parametrize(
+    ("since_walk", "memory_s", "memory_gap_s", "lists_s", "memory_moved", "ticks"),
+    [
+        # Lists paced out for 0.5 s: the next memory read, after its longer gap, in 25 ms.
+        (0, 0.005, 0.025, 0.5, False, 3),
+        # The next walk comes first.
+        (2, 0.005, 0.025, 0.5, False, 2),
+        (3, 0.005, 0.025, 0.5, False, 1),
+        # Lists due again: memory after its own gap, in 25 ms...
+        (0, 0.025, 0.1, -0.1, False, 3),
+        # ... unless memory moved since the lists were read: they are due at once.
+        (0, 0.025, 0.1, -0.1, True, 1),
+        # The lists' gap ends (25 ms) before the memory's longer one: memory then, at once.
+        (0, 0.015, 0.2, 0.025, False, 3),
+        # A memory read already due, even while the lists are paced out.
+        (0, -0.002, -0.001, 0.5, False, 1),
+        # Past its short gap but not its long one, while the lists are paced out: not due.
+        (0, -0.001, 0.05, 0.5, False, 4),
+    ],
+)
+def test_the_sampler_sleeps_through_ticks_up_to_the_next_due_read_or_walk(
+    fake_nvml: FakePynvml,
+    since_walk: int,
+    memory_s: float,
+    memory_gap_s: float,
+    lists_s: float,
+    memory_moved: bool,
+    ticks: int,
+) -> None:
+    """NOTE [idle ticks], at 10 ms ticks; times are from now."""
+    del fake_nvml
+    with Tracker(grace=0.0, interval=3600.0) as tracker, tracker._lock:
+        tracker._interval_s = 0.01  # the sampler waits out its hour; this only sets the unit
+        now_s = time.perf_counter()
+        tracker._ticks_since_walk = since_walk
+        tracker._memory_due_s = now_s + memory_s
+        tracker._memory_gap_due_s = now_s + memory_gap_s
+        tracker._lists_due_s = now_s + lists_s
+        tracker._device_used = {0: 2 * MIB if memory_moved else MIB}
+        tracker._used_at_lists = {0: MIB}
+        assert tracker._ticks_until_work() == ticks
+
+
 def test_cost_counts_sampler_and_caller_time_apart_and_nested_calls_once() -> None:
     tracker = Tracker(interval=0.01, grace=0.1).start()
     try:

@@ -84,7 +84,8 @@ sampler 60-100 us of CPU. So after each tick the sampler works out how many tick
 through: up to the next walking tick, and no further than the first tick at which a memory or
 list read will be due (NOTE [nvml pacing], NOTE [list gating]). Every read and walk still
 happens at the first tick at which it is due; only empty ticks are left out: without NVML,
-three in four; under load on an H200, about every other one. What it delays: a tag scan asked
+three in four; under load on an H200, where memory reads come every other tick, about half
+(expected; not yet measured there). What it delays: a tag scan asked
 for by an epoch end runs at the sampler's next wake, at most ``_WALK_EVERY`` ticks later, where
 it ran within one tick before. ``TrackerCost.samples`` and an epoch's ``samples`` count the
 ticks taken.

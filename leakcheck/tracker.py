@@ -79,16 +79,15 @@ list reads, waits for the driver's lock and for the interpreter lock included, a
 ``nvml_cpu_s`` their CPU time; the telemetry read at epoch ends is in neither.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out (or that
-has no NVML to read) reads nothing and changes nothing, yet its wake-up alone costs the
-sampler 60-100 us of CPU. So after each tick the sampler works out how many ticks it may sleep
-through: up to the next walking tick, and no further than the first tick at which a memory or
-list read will be due (NOTE [nvml pacing], NOTE [list gating]). Every read and walk still
-happens at the first tick at which it is due; only empty ticks are left out: without NVML,
-three in four; under load on an H200, where memory reads come every other tick, about half
-(expected; not yet measured there). What it delays: a tag scan asked
-for by an epoch end runs at the sampler's next wake, at most ``_WALK_EVERY`` ticks later, where
-it ran within one tick before. ``TrackerCost.samples`` and an epoch's ``samples`` count the
-ticks taken.
+has no NVML to read) reads nothing and changes nothing, yet its wake-up alone costs the sampler
+60-100 us of CPU. So after each tick the sampler works out how many ticks it may sleep through:
+up to the next walking tick, and no further than the first tick at which a memory or list read
+will be due (NOTE [nvml pacing], NOTE [list gating]). Every read and walk still happens at the
+first tick at which it is due; only empty ticks are left out: without NVML, three in four;
+under load on an H200, where memory reads come every other tick, about half (expected; not yet
+measured there). What it delays: a tag scan asked for by an epoch end runs at the sampler's
+next wake, at most ``_WALK_EVERY`` ticks later, where it ran within one tick before.
+``TrackerCost.samples`` and an epoch's ``samples`` count the ticks taken.
 """
 
 from __future__ import annotations

@@ -1112,10 +1112,8 @@ def nvidia_fd_count(pid: int) -> int | None:
         /proc).
 
     """
-    if not _HAS_PROC:
-        return None
-    targets = _fd_targets(pid)
-    return None if targets is None else count_nvidia_targets(targets.values())
+    found = nvidia_fds(pid)
+    return None if found is None else len(found)
 
 
 def is_ancestor(ancestor_pid: int, pid: int, *, max_depth: int = 64) -> bool:

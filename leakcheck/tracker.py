@@ -650,19 +650,28 @@ class Tracker:
         to_walk = max(1, _WALK_EVERY - self._ticks_since_walk)
         if self._nvml is None or to_walk == 1:
             return to_walk
-        # A memory read is due once past its gap, the longer one while the lists are paced
-        # out (NOTE [nvml pacing]); the lists, at the end of their gap if memory has moved
-        # since they were read (NOTE [list gating]), else after a memory read that finds so.
-        if self._memory_gap_due_s < self._lists_due_s:
-            due_s = self._memory_gap_due_s
-        else:
-            due_s = max(self._memory_due_s, self._lists_due_s)
+        # The lists are due at the end of their gap if memory has moved since they were read
+        # (NOTE [list gating]), else after a memory read that finds so.
+        due_s = self._memory_read_due_s()
         if self._lists_due(quick=True):
             due_s = min(due_s, self._lists_due_s)
         ahead_s = due_s - time.perf_counter()
         if ahead_s <= self._interval_s:
             return 1
         return min(to_walk, math.ceil(ahead_s / self._interval_s))
+
+    def _memory_read_due_s(self) -> float:
+        """The earliest time the sampler may read memory (NOTE [nvml pacing]).
+
+        Once past its gap; while the lists are paced out, past the longer gap. The longer
+        gap ends no earlier than the shorter (both start at the same read), so this is the
+        longer gap's end if that comes while the lists are still paced out, else the later
+        of the shorter gap's end and the lists' (the sampler's check and its sleep, NOTE
+        [idle ticks], both ask this).
+        """
+        if self._memory_gap_due_s < self._lists_due_s:
+            return self._memory_gap_due_s
+        return max(self._memory_due_s, self._lists_due_s)
 
     def _guard(self, call: Any, what: str) -> Any:
         """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
@@ -818,9 +827,7 @@ class Tracker:
         lists_paced_out = paced and time.perf_counter() < self._lists_due_s
         memory_read = False
         if nvml_handle is not None and (
-            not paced
-            or time.perf_counter()
-            >= (self._memory_gap_due_s if lists_paced_out else self._memory_due_s)
+            not paced or time.perf_counter() >= self._memory_read_due_s()
         ):
             read_start = time.perf_counter(), time.thread_time()
             memory = self._guard(lambda: nvml_handle.memory(self._devices), "nvml memory")

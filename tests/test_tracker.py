@@ -627,15 +627,11 @@ def test_memory_reads_take_a_smaller_share_while_the_lists_are_paced_out(
     holder = CTX.Process(target=_hold, args=(30,))
     calls = fake_nvml.calls
 
-    def paced_tick(tracker: Tracker) -> None:
-        with tracker._lock:
-            tracker._sample_locked(epoch_end=False, walk=False, quick=True, paced=True)
-
     def memory_reads_in_six_ticks(tracker: Tracker) -> int:
         before = calls[_MEMORY]
         for _ in range(6):
             time.sleep(0.05)
-            paced_tick(tracker)
+            _quick_tick(tracker, paced=True)
         return calls[_MEMORY] - before
 
     with Tracker(grace=0.0, interval=3600.0) as tracker, tracker.epoch():
@@ -648,7 +644,8 @@ def test_memory_reads_take_a_smaller_share_while_the_lists_are_paced_out(
         lists_before = calls[_LISTS]
         _set_process(device, holder.pid or 0, 100 * MIB)
         time.sleep(0.05)
-        paced_tick(tracker)  # memory moved: this tick reads the lists, paced out for 1 s
+        # Memory moved: this tick reads the lists, then paced out for 1 s.
+        _quick_tick(tracker, paced=True)
         assert calls[_LISTS] == lists_before + 1
         lists_paced_out = memory_reads_in_six_ticks(tracker)
         assert calls[_LISTS] == lists_before + 1
@@ -702,10 +699,11 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
 _GRAPHICS = "nvmlDeviceGetGraphicsRunningProcesses"
 
 
-def _quick_tick(tracker: Tracker) -> None:
-    """One sampler tick without a walk, run here (the tracker's own sampler is idle)."""
+def _quick_tick(tracker: Tracker, *, paced: bool = False) -> None:
+    """One sampler tick without a walk, run here (the tracker's own sampler is idle);
+    ``paced``: its NVML reads paced, as the sampler's are."""
     with tracker._lock:
-        tracker._sample_locked(epoch_end=False, walk=False, quick=True)
+        tracker._sample_locked(epoch_end=False, walk=False, quick=True, paced=paced)
 
 
 def test_ticks_leave_the_graphics_list_out_until_a_graphics_context_is_seen(

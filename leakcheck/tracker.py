@@ -163,6 +163,9 @@ class _Proc:
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
+    # Whether the command line was read at an epoch end after the process had exec'd (it
+    # differs from its parent's): see _confirm_cmdlines.
+    cmdline_confirmed: bool = False
 
 
 @dataclass
@@ -855,13 +858,10 @@ class Tracker:
         if gpu is not None:
             self._attribute_gpu(gpu, now)
         if epoch_end:
-            for key, proc in self._live.items():
+            for proc in self._live.values():
                 if not proc.foreign:
                     proc.nvidia_fds = self._job_nvidia_fds(proc)
-                    # A child first seen between fork and exec showed its parent's command.
-                    info = procs.read_proc(key.pid)
-                    if info is not None and info.key == key:
-                        proc.cmdline = _short(info.cmdline or info.name)
+            self._confirm_cmdlines()
         epoch = self._open
         if epoch is None:
             return
@@ -1017,6 +1017,26 @@ class Tracker:
         for info in self._tag_scan.scan(self._procs):
             proc = self._add_proc(info, now=now)
             proc.in_lineage = False
+
+    def _confirm_cmdlines(self) -> None:
+        """Re-read at an epoch end the command lines that may still be a parent's.
+
+        A child first seen between fork and exec showed its parent's command line. One that
+        differs from its parent's has exec'd, and is not read again: a process that execs a
+        second time keeps the first program's command line in the report. A forked child
+        that never execs matches its parent at every epoch end and is read at each (one
+        ``/proc`` read per process; a cost the epoch end no longer pays for the others).
+        """
+        for key, proc in self._live.items():
+            if proc.foreign or proc.cmdline_confirmed or key == self._root_key:
+                continue
+            info = procs.read_proc(key.pid)
+            if info is None or info.key != key:
+                continue
+            proc.cmdline = _short(info.cmdline or info.name)
+            parent_key = self._by_pid.get(proc.ppid)
+            parent = self._procs.get(parent_key) if parent_key is not None else None
+            proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
 
     def _job_nvidia_fds(self, proc: _Proc) -> int | None:
         """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.

@@ -95,6 +95,64 @@ def test_child_alive_after_grace_is_a_survivor(kill_after: list[ProcessKey]) -> 
     straggler.join()
 
 
+def _exec_when_told(go: object) -> None:
+    go.wait()  # type: ignore[attr-defined]
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)  # execd"])
+
+
+def _has_execd(pid: int) -> bool:
+    info = procs.read_proc(pid)
+    return info is not None and "# execd" in info.cmdline
+
+
+def _cmdline_in(tracker: Tracker, epoch: int, pid: int) -> str:
+    records = [p for p in tracker.epochs()[epoch].processes if p.key.pid == pid]
+    assert len(records) == 1, records
+    return records[0].cmdline
+
+
+def test_a_command_line_is_read_again_until_the_child_has_execd_then_never(
+    monkeypatch: pytest.MonkeyPatch, kill_after: list[ProcessKey]
+) -> None:
+    go = CTX.Event()
+    child = CTX.Process(target=_exec_when_told, args=(go,))
+    reads: Counter[int] = Counter()
+    read_proc = procs.read_proc
+
+    def counted(pid: int, **kwargs: object) -> object:
+        reads[pid] += 1
+        return read_proc(pid, **kwargs)  # type: ignore[arg-type]
+
+    with Tracker(grace=0.2, interval=5.0) as tracker:
+        tracker.begin_epoch()
+        child.start()
+        assert child.pid is not None
+        key = procs.process_key(child.pid)
+        assert key is not None
+        kill_after.append(key)
+        tracker.end_epoch()
+        root_cmdline = _cmdline_in(tracker, 0, os.getpid())
+        assert _cmdline_in(tracker, 0, child.pid) == root_cmdline  # forked, not exec'd yet
+        monkeypatch.setattr(procs, "read_proc", counted)
+        tracker.begin_epoch()
+        tracker.end_epoch()  # still the parent's program: read again
+        assert reads[child.pid] == 1
+        go.set()
+        assert wait_for(lambda: _has_execd(child.pid or 0))
+        reads.clear()
+        tracker.begin_epoch()
+        tracker.end_epoch()
+        assert reads[child.pid] == 1
+        assert "# execd" in _cmdline_in(tracker, 2, child.pid)
+        reads.clear()
+        tracker.begin_epoch()
+        tracker.end_epoch()
+        assert reads[child.pid] == 0, "a command line that differs from its parent's is final"
+        assert "# execd" in _cmdline_in(tracker, 3, child.pid)
+    child.kill()
+    child.join()
+
+
 def test_child_that_exits_within_grace_is_not_a_survivor() -> None:
     with Tracker(grace=1.5, interval=0.02) as tracker, tracker.epoch():
         late = CTX.Process(target=_sleep, args=(0.5,))

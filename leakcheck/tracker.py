@@ -65,14 +65,15 @@ worker holds it (tens of milliseconds while contexts are created or torn down) c
 workers nothing, and pacing by its wall time left whole epochs unread on an H200
 (docs/gpu-test-log.md, run 19). A tick whose memory read is paced out keeps the last value
 read, and its lists are due if that value differs from the one at the last list read
-(NOTE [list gating]); a walking tick whose lists are paced out walks without them. While the
-lists are paced out, a memory read can only raise the device's peak (no change it finds can be
-acted on before the lists are due), so memory reads then take a quarter of the share
-(``_MEMORY_SHARE_IN_LIST_GAPS``; at half of it, reads of 0.12 ms on an H200 under load still
-came every tick): every other tick instead of every tick, and every tick again once the lists
-are due. What pacing
+(NOTE [list gating]); a walking tick whose lists are paced out walks without them. Memory
+reads are the one read that most ticks make, so they take a quarter of the share
+(``_MEMORY_SHARE``): idle, a read of microseconds still comes every tick; under load on an H200
+a read costs 0.12-0.17 ms of CPU, and at the lists' share that was every tick, a third of the
+sampler's CPU (docs/gpu-test-log.md, run 32); at a quarter, one tick in two or three, and the
+ticks left with nothing to do are not taken (NOTE [idle ticks]). What pacing
 costs: under load, peaks within an epoch are sampled less often (a context that lives less than
-a gap may be missed), and a process new on the GPU is placed up to one gap later. Epoch ends,
+a gap may be missed), and a process new on the GPU is placed up to one gap later (a memory
+gap, or the next walk, whichever comes first). Epoch ends,
 ``sample()``, the grace wait and ``close()`` are never paced: what the rules judge is read when
 it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time of the samples' memory and
 list reads, waits for the driver's lock and for the interpreter lock included, and
@@ -84,8 +85,8 @@ has no NVML to read) reads nothing and changes nothing, yet its wake-up alone co
 up to the next walking tick, and no further than the first tick at which a memory or list read
 will be due (NOTE [nvml pacing], NOTE [list gating]). Every read and walk still happens at the
 first tick at which it is due; only empty ticks are left out: without NVML, three in four;
-under load on an H200, where memory reads come every other tick, about half (expected; not yet
-measured there). What it delays: a tag scan asked for by an epoch end runs at the sampler's
+under load on an H200, where memory reads come every second or third tick, about half.
+What it delays: a tag scan asked for by an epoch end runs at the sampler's
 next wake, at most ``_WALK_EVERY`` ticks later, where it ran within one tick before.
 ``TrackerCost.samples`` and an epoch's ``samples`` count the ticks taken.
 """
@@ -137,9 +138,9 @@ _WALK_EVERY = 4
 # The share of the time the sampler's NVML reads may work in the driver, and the longest
 # a kind of read may be left out (NOTE [nvml pacing]).
 _NVML_SHARE = 0.005
-# While the lists are paced out, memory reads take this fraction of that share: a read of
-# 0.12-0.17 ms (an H200 under load) then comes every other tick at the default interval.
-_MEMORY_SHARE_IN_LIST_GAPS = 0.25
+# Memory reads take a quarter of it: a read of 0.12-0.17 ms (an H200 under load) then comes
+# every second or third tick at the default interval, a read of microseconds every tick.
+_MEMORY_SHARE = _NVML_SHARE / 4
 _NVML_MAX_GAP_S = 1.0
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -314,7 +315,6 @@ class Tracker:
         self._graphics_seen = True  # the last full list read found a graphics context
         # perf_counter seconds before which the sampler skips a kind of read (NOTE [nvml pacing]).
         self._memory_due_s = 0.0
-        self._memory_gap_due_s = 0.0  # the same, while the lists are paced out
         self._lists_due_s = 0.0
         # The open epoch's seen set and peaks lag the processes (``_sample_body``).
         self._peaks_stale = True
@@ -655,26 +655,13 @@ class Tracker:
             return to_walk
         # The lists are due at the end of their gap if memory has moved since they were read
         # (NOTE [list gating]), else after a memory read that finds so.
-        due_s = self._memory_read_due_s()
+        due_s = self._memory_due_s
         if self._lists_due(quick=True):
             due_s = min(due_s, self._lists_due_s)
         ahead_s = due_s - time.perf_counter()
         if ahead_s <= self._interval_s:
             return 1
         return min(to_walk, math.ceil(ahead_s / self._interval_s))
-
-    def _memory_read_due_s(self) -> float:
-        """The earliest time the sampler may read memory (NOTE [nvml pacing]).
-
-        Once past its gap; while the lists are paced out, past the longer gap. The longer
-        gap ends no earlier than the shorter (both start at the same read), so this is the
-        longer gap's end if that comes while the lists are still paced out, else the later
-        of the shorter gap's end and the lists' (the sampler's check and its sleep, NOTE
-        [idle ticks], both ask this).
-        """
-        if self._memory_gap_due_s < self._lists_due_s:
-            return self._memory_gap_due_s
-        return max(self._memory_due_s, self._lists_due_s)
 
     def _guard(self, call: Any, what: str) -> Any:
         """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
@@ -829,16 +816,11 @@ class Tracker:
         nvml_handle = self._nvml
         lists_paced_out = paced and time.perf_counter() < self._lists_due_s
         memory_read = False
-        if nvml_handle is not None and (
-            not paced or time.perf_counter() >= self._memory_read_due_s()
-        ):
+        if nvml_handle is not None and (not paced or time.perf_counter() >= self._memory_due_s):
             read_start = time.perf_counter(), time.thread_time()
             memory = self._guard(lambda: nvml_handle.memory(self._devices), "nvml memory")
             end_s, read_cpu_s = self._nvml_read_done(*read_start)
-            self._memory_due_s = end_s + _nvml_gap_s(read_cpu_s, _NVML_SHARE)
-            self._memory_gap_due_s = end_s + _nvml_gap_s(
-                read_cpu_s, _NVML_SHARE * _MEMORY_SHARE_IN_LIST_GAPS
-            )
+            self._memory_due_s = end_s + _nvml_gap_s(read_cpu_s, _MEMORY_SHARE)
             self._device_used = (
                 {state.index: state.used_bytes for state in memory} if memory is not None else {}
             )

@@ -26,6 +26,11 @@ explains both):
   The watched blocks use watch()'s defaults (``on_leak="warn"``: a report is judged at each
   epoch end), as a user gets them.
 
+``--variant`` splits the A/B (diagnostics; the watched blocks as users get them are
+``watch``, the default): ``no-sampler`` watches with an interval of an hour, so that only the
+epoch boundaries and the wrapper remain; ``control`` runs the second arm through a plain
+generator and no leakcheck at all (an A/A check of the design: its A/B should centre on 0).
+
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
 step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``) and
 their CPU time (``nvml_cpu_s``: part of the sampler's CPU, spent mostly in the driver with the
@@ -34,7 +39,8 @@ the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in leakcheck
 instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
-       [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05] [--write]
+       [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
+       [--variant watch|no-sampler|control] [--write]
        (--write: benchmarks/results/watch-<device>-<date>.{json,md})
 The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~1.5 s:
 28 blocks, about 1.5 minutes with start-up.
@@ -47,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,6 +95,25 @@ def _epoch_s(loader: Any, device: torch.device, weight: torch.Tensor) -> tuple[f
 
 
 GOAL_PCT = 1.0
+VARIANT_NOTES = {
+    "watch": "watch() as users get it",
+    "no-sampler": "watch() whose sampler never ticks: epoch boundaries and the wrapper only",
+    "control": "the second arm is the raw loader through a generator: an A/A check",
+}
+VARIANTS = tuple(VARIANT_NOTES)
+# An interval that no block lasts: the sampler thread never ticks (``--variant no-sampler``).
+_NO_SAMPLER_INTERVAL_S = 3600.0
+
+
+class _Plain:
+    """The loader through a generator per epoch, as watch() wraps it, and nothing else
+    (``--variant control``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.loader
 
 
 def _block(
@@ -153,6 +179,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     parser.add_argument("--interval", type=float, default=0.05, help="watch() sampling, s")
+    parser.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="watch",
+        help="diagnostic: what the second arm runs (see the module's docstring)",
+    )
     nvml_share.add_argument(parser)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
@@ -185,12 +217,19 @@ def main() -> int:
                 row["raw_s"] += took_s
                 row["raw_batches"] += batches
                 continue
-            with leakcheck.watch(loader, interval=args.interval) as wrapped:
-                # Read before and after the timed block only: start() and close() are
-                # outside the clock, and outside the accounted cost too.
-                before = stats.cost_counters(wrapped.tracker)
-                took_s, batches = _block(wrapped, args.epochs, device, weight)
-                spent = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
+            if args.variant == "control":
+                took_s, batches = _block(_Plain(loader), args.epochs, device, weight)
+                spent = dict.fromkeys(stats.COST_FIELDS, 0.0)
+            else:
+                interval_s = (
+                    _NO_SAMPLER_INTERVAL_S if args.variant == "no-sampler" else args.interval
+                )
+                with leakcheck.watch(loader, interval=interval_s) as wrapped:
+                    # Read before and after the timed block only: start() and close() are
+                    # outside the clock, and outside the accounted cost too.
+                    before = stats.cost_counters(wrapped.tracker)
+                    took_s, batches = _block(wrapped, args.epochs, device, weight)
+                    spent = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
             row["watched_s"] += took_s
             row["watched_batches"] += batches
             row["cost"] = {k: row["cost"].get(k, 0.0) + v for k, v in spent.items()}
@@ -214,9 +253,11 @@ def main() -> int:
     costs = _costs(loader, args.interval)
     epoch_ms = args.batches / statistics.median(raw) * 1000
     costs["epoch_boundary_pct_of_epoch"] = costs["epoch_boundary_ms"] / epoch_ms * 100
+    # The control's generator is no cost of leakcheck's: its arm has nothing to account.
+    step_ns = 0.0 if args.variant == "control" else costs["per_batch_ns"]
     for row in rounds:
         row["accounted_pct"] = _accounted_pct(
-            row["cost"], row["watched_batches"], costs["per_batch_ns"], row["watched_s"]
+            row["cost"], row["watched_batches"], step_ns, row["watched_s"]
         )
     ab = stats.slowdown_summary(ratios)
     ratio_summary = stats.summarize(ratios)
@@ -240,6 +281,7 @@ def main() -> int:
         "rounds": args.rounds,
         "interval_s": args.interval,
         "nvml_share": share,
+        "variant": args.variant,
         "goal_slowdown_pct": GOAL_PCT,
         "spare_cores": spare_cores,
     }
@@ -266,6 +308,9 @@ def main() -> int:
         f"{args.batches} batches of {args.batch_size}",
     ]
     lines += nvml_share.banner(share)
+    if args.variant != "watch":
+        note = VARIANT_NOTES[args.variant]
+        lines += ["", f"**Diagnostic: `--variant {args.variant}` ({note}).**"]
     lines += [
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "

@@ -26,6 +26,8 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
     if args.nvml_share is not None:
         if not 0 < args.nvml_share <= 1:
             parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
+        # Memory reads keep their fraction of the share (NOTE [nvml pacing]).
+        tracker_module._MEMORY_SHARE *= args.nvml_share / tracker_module._NVML_SHARE
         tracker_module._NVML_SHARE = args.nvml_share
     return float(tracker_module._NVML_SHARE)
 

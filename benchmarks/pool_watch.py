@@ -1,0 +1,138 @@
+"""Pool the rounds of several ``bench_watch.py`` results: one A/B over all of them.
+
+One run of ``bench_watch.py`` has 6-10 rounds, and on an H200 host a round's A/B varies by
+5-20%, so a single run cannot tell a 1% slowdown from none. Rounds of runs on the same loader
+are alike (each compares adjacent blocks), so this pools them: the median slowdown over every
+round of the chosen runs, its 95% bootstrap interval, and the accounted bound's median and
+worst round. Runs are chosen by file, or by device, batches per epoch, variant and the first
+result stem to count (``--since``).
+
+Usage: python benchmarks/pool_watch.py [FILE.json ...] [--device cuda] [--batches 1000]
+       [--variant watch] [--since watch-cuda-20261130-050644] [--write NAME]
+       (--write: benchmarks/results/NAME.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stats
+from bench_watch import GOAL_PCT, VARIANTS
+from results_io import RESULTS_DIR
+
+
+def _variant(result: dict[str, Any]) -> str:
+    # Results written before --variant existed ran watch() as users get it.
+    return str(result["meta"].get("variant", "watch"))
+
+
+def _load(path: str) -> dict[str, Any]:
+    with open(path) as handle:
+        result: dict[str, Any] = json.load(handle)
+    if "ratio_per_round" not in result or "meta" not in result:
+        raise ValueError(f"{path}: not a bench_watch.py result (no ratio_per_round)")
+    return result
+
+
+def _chosen(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    pattern = os.path.join(RESULTS_DIR, f"watch-{args.device}-*.json")
+    paths = args.files or sorted(glob.glob(pattern))
+    chosen = []
+    for path in paths:
+        stem = os.path.basename(path).removesuffix(".json")
+        if args.since is not None and stem < args.since:
+            continue
+        result = _load(path)
+        if args.batches is not None and result["meta"].get("batches_per_epoch") != args.batches:
+            continue
+        if _variant(result) != args.variant:
+            continue
+        chosen.append((stem, result))
+    return chosen
+
+
+def _table(chosen: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| result | batches | rounds | A/B slowdown [95% CI] | accounted median, worst |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    ratios: list[float] = []
+    accounted: list[float] = []
+    for stem, result in chosen:
+        ab = stats.slowdown_summary(result["ratio_per_round"])
+        run_accounted = [row["accounted_pct"] for row in result.get("rounds_detail", [])]
+        ratios += result["ratio_per_round"]
+        accounted += run_accounted
+        bound = (
+            f"{stats.format_pct(stats.summarize(run_accounted).median, signed=False)}, "
+            f"{max(run_accounted):.3f}%"
+            if run_accounted
+            else "-"
+        )
+        lines.append(
+            f"| {stem} | {result['meta'].get('batches_per_epoch')} | {ab.n} | "
+            f"{stats.format_pct(ab.median)} {stats.format_ci(ab)} | {bound} |"
+        )
+    pooled = stats.slowdown_summary(ratios)
+    lines.append(
+        f"| **pooled** | | **{pooled.n}** | **{stats.format_pct(pooled.median)}** "
+        f"{stats.format_ci(pooled)} | "
+        + (
+            f"{stats.format_pct(stats.summarize(accounted).median, signed=False)}, "
+            f"{max(accounted):.3f}%"
+            if accounted
+            else "-"
+        )
+        + " |"
+    )
+    lines += [
+        "",
+        f"- pooled A/B verdict against the {GOAL_PCT:g}% goal: {stats.verdict(pooled, GOAL_PCT)}",
+    ]
+    if accounted:
+        bound = stats.bound_verdict(stats.summarize(accounted), GOAL_PCT)
+        lines.append(f"- accounted bound over all {len(accounted)} rounds: {bound}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("files", nargs="*", help="result files (default: all of --device)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--batches", type=int, default=None, help="only runs of this epoch")
+    parser.add_argument("--variant", choices=VARIANTS, default="watch")
+    parser.add_argument("--since", default=None, help="first result stem to count")
+    parser.add_argument("--write", default=None, metavar="NAME", help="results/NAME.md")
+    args = parser.parse_args()
+    try:
+        chosen = _chosen(args)
+    except (OSError, ValueError) as error:
+        parser.error(str(error).splitlines()[0])
+    if not chosen:
+        parser.error("no bench_watch.py result matches the filters given")
+    text = "\n".join(
+        [
+            f"# watch(loader) vs raw loader, pooled: {len(chosen)} runs, variant {args.variant}",
+            "",
+            "Command: `python benchmarks/pool_watch.py " + " ".join(sys.argv[1:]) + "`",
+            "",
+            *_table(chosen),
+        ]
+    )
+    print(text)
+    if args.write is not None:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        with open(os.path.join(RESULTS_DIR, args.write + ".md"), "w") as handle:
+            handle.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,14 +70,14 @@ reads are the one read that most ticks make, so they take a quarter of the share
 (``_MEMORY_SHARE``): idle, a read of microseconds still comes every tick; under load on an H200
 a read costs 0.12-0.17 ms of CPU, and at the lists' share that was every tick, a third of the
 sampler's CPU (docs/gpu-test-log.md, run 32); at a quarter, one tick in two or three, and the
-ticks left with nothing to do are not taken (NOTE [idle ticks]). What pacing
-costs: under load, peaks within an epoch are sampled less often (a context that lives less than
-a gap may be missed), and a process new on the GPU is placed up to one gap later (a memory
-gap, or the next walk, whichever comes first). Epoch ends,
-``sample()``, the grace wait and ``close()`` are never paced: what the rules judge is read when
-it is asked for. ``TrackerCost.nvml_wall_s`` counts the wall time of the samples' memory and
-list reads, waits for the driver's lock and for the interpreter lock included, and
-``nvml_cpu_s`` their CPU time; the telemetry read at epoch ends is in neither.
+ticks left with nothing to do are not taken (NOTE [idle ticks]). What pacing costs: under
+load, peaks within an epoch are sampled less often (a context that lives less than a gap may
+be missed), and a process new on the GPU is placed up to one gap later (a memory gap, or the
+next walk, whichever comes first). Epoch ends, ``sample()``, the grace wait and ``close()``
+are never paced: what the rules judge is read when it is asked for. ``TrackerCost.nvml_wall_s``
+counts the wall time of the samples' memory and list reads, waits for the driver's lock and
+for the interpreter lock included, and ``nvml_cpu_s`` their CPU time; the telemetry read at
+epoch ends is in neither.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out (or that
 has no NVML to read) reads nothing and changes nothing, yet its wake-up alone costs the sampler
@@ -85,9 +85,11 @@ has no NVML to read) reads nothing and changes nothing, yet its wake-up alone co
 up to the next walking tick, and no further than the first tick at which a memory or list read
 will be due (NOTE [nvml pacing], NOTE [list gating]). Every read and walk still happens at the
 first tick at which it is due; only empty ticks are left out: without NVML, three in four;
-under load on an H200, where memory reads come every second or third tick, about half.
-What it delays: a tag scan asked for by an epoch end runs at the sampler's
-next wake, at most ``_WALK_EVERY`` ticks later, where it ran within one tick before.
+under load on an H200, where memory reads come every second or third tick, about half (in
+the diagnostic of docs/gpu-test-log.md, run 33: 72 ticks taken in 7.2 s; run 32, before
+memory reads took a quarter share: 146 in 7.6 s).
+What it delays: a tag scan asked for by an epoch end runs at the sampler's next wake, at most
+``_WALK_EVERY`` ticks later, where it ran within one tick before.
 ``TrackerCost.samples`` and an epoch's ``samples`` count the ticks taken.
 """
 

@@ -169,6 +169,35 @@ def _costs(loader: Any, interval_s: float) -> dict[str, float]:
     }
 
 
+def setup(
+    device_choice: str, workers: int, batches: int, batch_size: int = 32
+) -> tuple[torch.device, torch.Tensor, DataLoader[torch.Tensor]]:
+    """The benchmark's device, model weight and loader, its workers started and warm.
+
+    Args:
+        device_choice: ``"auto"`` (CUDA where available), ``"cpu"`` or ``"cuda"``.
+        workers: Worker processes (persistent where there are any).
+        batches: Batches per epoch.
+        batch_size: Items per batch.
+
+    """
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if not use_cuda:
+        torch.set_num_threads(1)  # the workers need the cores; one thread steps the model
+    weight = torch.randn(3 * 64 * 64, 512, device=device)
+    loader = DataLoader(
+        Images(batches * batch_size),
+        batch_size=batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=use_cuda,
+        multiprocessing_context="spawn" if use_cuda else "fork",
+    )
+    _block(loader, 1, device, weight)  # start the workers, warm the caches
+    return device, weight, loader
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -190,20 +219,8 @@ def main() -> int:
     args = parser.parse_args()
     share = nvml_share.apply(parser, args)
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if use_cuda else "cpu")
-    if not use_cuda:
-        torch.set_num_threads(1)  # the workers need the cores; one thread steps the model
-    weight = torch.randn(3 * 64 * 64, 512, device=device)
-    loader = DataLoader(
-        Images(args.batches * args.batch_size),
-        batch_size=args.batch_size,
-        num_workers=args.workers,
-        persistent_workers=args.workers > 0,
-        pin_memory=use_cuda,
-        multiprocessing_context="spawn" if use_cuda else "fork",
-    )
-    _block(loader, 1, device, weight)  # start the workers, warm the caches
+    device, weight, loader = setup(args.device, args.workers, args.batches, args.batch_size)
+    use_cuda = device.type == "cuda"
 
     rounds: list[dict[str, Any]] = []
     for round_index in range(-args.warmup, args.rounds):

@@ -20,9 +20,7 @@ from collections import defaultdict
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 
-import torch
-from bench_watch import Images, _epoch_s
-from torch.utils.data import DataLoader
+from bench_watch import _epoch_s, setup
 
 import leakcheck
 from leakcheck import procs
@@ -56,18 +54,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--epochs", type=int, default=12)
     args = parser.parse_args()
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if use_cuda else "cpu")
-    weight = torch.randn(3 * 64 * 64, 512, device=device)
-    loader = DataLoader(
-        Images(args.batches * 32),
-        batch_size=32,
-        num_workers=args.workers,
-        persistent_workers=True,
-        pin_memory=use_cuda,
-        multiprocessing_context="spawn" if use_cuda else "fork",
-    )
-    _epoch_s(loader, device, weight)  # start the workers
+    device, weight, loader = setup(args.device, args.workers, args.batches)
     T = tracker_module.Tracker
     for owner, name, label in [
         (T, "begin_epoch", "begin_epoch (all)"),

@@ -106,8 +106,7 @@ _NO_SAMPLER_INTERVAL_S = 3600.0
 
 
 class _Plain:
-    """The loader through a generator per epoch, as watch() wraps it, and nothing else
-    (``--variant control``)."""
+    """The loader through a generator per epoch, as watch() wraps it (``--variant control``)."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader

@@ -547,10 +547,18 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
     return children
 
 
+def _full_read_due(pid: int) -> bool:
+    """Whether a quick walk reads ``pid`` in full this time (NOTE [quick walk]).
+
+    Once every ``_RECHECK_EVERY`` walks, spread by PID so that no walk pays for all at once.
+    """
+    return (_generation + pid) % _RECHECK_EVERY == 0
+
+
 def _quick_root_children(pid: int) -> list[int] | None:
     """The root's children, for a quick walk; None: read them in full (NOTE [quick walk])."""
     handles = _handles.get(pid)
-    if handles is None or not handles.parent_tids or (_generation + pid) % _RECHECK_EVERY == 0:
+    if handles is None or not handles.parent_tids or _full_read_due(pid):
         return None
     children: list[int] = []
     for tid in handles.parent_tids:
@@ -586,7 +594,7 @@ def _quick_children(
 ) -> tuple[ProcInfo, list[int]] | None:
     """A known process and its children, without a stat read; None: read it in full."""
     last = _last_read.get(pid)
-    if last is None or (_generation + pid) % _RECHECK_EVERY == 0:
+    if last is None or _full_read_due(pid):
         return None
     info, info_tag, info_with_cmdline, _seen = last
     if info.ppid != parent or info_tag != tag or info_with_cmdline != with_cmdline:

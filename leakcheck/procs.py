@@ -54,7 +54,6 @@ __all__ = [
     "boot_time_s",
     "child_pids",
     "clock_ticks",
-    "count_nvidia_targets",
     "descendants",
     "is_alive",
     "is_ancestor",
@@ -1018,11 +1017,6 @@ def is_nvidia_device_target(target: str) -> bool:
 
     """
     return target.startswith(_NVIDIA_PREFIX)
-
-
-def count_nvidia_targets(targets: Iterable[str]) -> int:
-    """How many descriptor link targets are NVIDIA device nodes."""
-    return sum(1 for target in targets if is_nvidia_device_target(target))
 
 
 def _fd_targets(pid: int) -> dict[int, str] | None:

@@ -70,7 +70,6 @@ __all__ = [
     "shm_open_by",
     "shm_segments",
     "tagged_session",
-    "tagged_since",
 ]
 
 SESSION_ENV = "LEAKCHECK_SESSION"
@@ -884,29 +883,6 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
     return found
 
 
-def tagged_since(
-    session_id: str, *, born_since: ProcessKey, known: Collection[ProcessKey] = ()
-) -> list[ProcInfo]:
-    """Live processes carrying ``session_id``'s tag, born no earlier than ``born_since``.
-
-    A job's processes are all younger than its root, so the processes born before it (most
-    of a machine's) are left out from their stat line alone, and so are ``known`` ones:
-    their environments and command lines, the costly reads (they wait on a process's
-    memory map while it starts or exits), are read only for what is left. ``TagScan``
-    repeats this scan, reading each process once.
-
-    Args:
-        session_id: The session whose tag to look for (NOTE [session tag]).
-        born_since: The root's identity; the root itself is left out.
-        known: Identities not to read (the tracker placed them already).
-
-    Returns:
-        The tagged processes, with command lines, in PID order.
-
-    """
-    return TagScan(session_id, born_since=born_since).scan(known)
-
-
 # NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc (2.5
 # ms on an H200 host of 184 processes), though a process that was there at the previous scan
 # was judged then, and that judgement stands: born before the root, the root, known, not
@@ -918,13 +894,24 @@ def tagged_since(
 
 
 class TagScan:
-    """Repeated ``tagged_since`` scans of one session; each reads only what is new in /proc.
+    """Repeated scans for the live processes of one session born since its root.
 
-    NOTE [incremental tag scan]. Not thread-safe: one owner (the tracker, under its lock).
+    A job's processes are all younger than its root, so the processes born before it (most
+    of a machine's) are left out from their stat line alone, and so are known ones: their
+    environments and command lines, the costly reads (they wait on a process's memory map
+    while it starts or exits), are read only for what is left. Each scan reads only what is
+    new in /proc since the last (NOTE [incremental tag scan]). Not thread-safe: one owner
+    (the tracker, under its lock).
     """
 
     def __init__(self, session_id: str, *, born_since: ProcessKey) -> None:
-        """Prepare scans for ``session_id``'s tag among processes born since ``born_since``."""
+        """Prepare scans for ``session_id``'s tag among processes born since ``born_since``.
+
+        Args:
+            session_id: The session whose tag to look for (NOTE [session tag]).
+            born_since: The root's identity; the root itself is left out.
+
+        """
         self._session_id = session_id
         self._tag = session_id.encode()
         self._born_since = born_since

@@ -350,16 +350,16 @@ def test_orphan_leaves_lineage_but_scan_all_finds_it_by_tag(spawn: Spawn) -> Non
     # What a tracker rooted at ``root`` scans for: the orphan, with its command line; not the
     # root itself, nor what it already knows, nor anything born before the root.
     root_key = everyone[root].key
-    found = procs.tagged_since(sid, born_since=root_key)
+    found = procs.TagScan(sid, born_since=root_key).scan()
     assert [info.key for info in found if info.key.pid == orphan] == [orphan_key]
     assert root not in {info.key.pid for info in found}
     assert all(info.tagged and info.key.create_time >= root_key.create_time for info in found)
     assert {info.key.pid: info.cmdline for info in found}[orphan] == everyone[orphan].cmdline != ""
     assert orphan not in {
-        info.key.pid for info in procs.tagged_since(sid, born_since=root_key, known={orphan_key})
+        info.key.pid for info in procs.TagScan(sid, born_since=root_key).scan(known={orphan_key})
     }
     later = ProcessKey(root, orphan_key.create_time + 1.0)  # born after the orphan
-    assert procs.tagged_since(sid, born_since=later) == []
+    assert procs.TagScan(sid, born_since=later).scan() == []
 
 
 def test_tag_scans_read_what_is_new_in_proc_and_report_each_process_once(
@@ -395,8 +395,8 @@ def test_tag_scans_read_what_is_new_in_proc_and_report_each_process_once(
     stat_reads.clear()
     assert scan.scan() == []  # judged once: not reported again, not read again
     assert later.pid not in stat_reads
-    # A fresh scan (``tagged_since``) judges everything again.
-    assert [info.key.pid for info in procs.tagged_since(sid, born_since=root_key)] == [later.pid]
+    # A fresh TagScan judges everything again.
+    assert [info.key.pid for info in procs.TagScan(sid, born_since=root_key).scan()] == [later.pid]
 
 
 def test_vanishing_processes_mid_scan_do_not_raise(spawn: Spawn) -> None:

@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     tracker_module.procs.descendants = _timed("lineage walk", procs.descendants)
     tracker_module.procs.is_alive = _timed("is_alive", procs.is_alive)
-    tracker_module.procs.tagged_since = _timed("tag scan", procs.tagged_since)
+    procs.TagScan.scan = _timed("tag scan", procs.TagScan.scan)
     tracker_module.procs.read_proc = _timed("read_proc", procs.read_proc)
     nvml.Nvml.processes = _timed("nvml processes", nvml.Nvml.processes)
     nvml.Nvml.memory = _timed("nvml memory", nvml.Nvml.memory)

@@ -12,7 +12,7 @@ blocks without one. ``--op``:
   (``cuDevicePrimaryCtxRetain`` then ``cuDevicePrimaryCtxRelease``), the driver work of a
   DataLoader worker that starts, uses CUDA and exits with leakcheck's teardown; the device's
   used memory moves on every call, so the sampler reads the process lists as often as its
-  pacing allows (NOTE [nvml pacing] in leakcheck/tracker.py);
+  pacing allows (NOTE [nvml pacing] in leakcheck/sampling/pacing.py);
 * ``malloc``: with a context held, allocate and free 64 MiB (``cuMemAlloc``/``cuMemFree``),
   many short calls that each take the driver's locks.
 

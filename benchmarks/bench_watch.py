@@ -35,7 +35,7 @@ Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundar
 step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``) and
 their CPU time (``nvml_cpu_s``: part of the sampler's CPU, spent mostly in the driver with the
 interpreter lock released), and ``--nvml-share`` (a diagnostic) sets the share of the time
-the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py)
+the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in leakcheck/sampling/pacing.py)
 instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]

@@ -1,14 +1,14 @@
 """The benchmarks' ``--nvml-share`` diagnostic: how much of the time the sampler's NVML reads
-may work in the driver (NOTE [nvml pacing] in leakcheck/tracker.py), instead of leakcheck's
+may work in the driver (NOTE [nvml pacing] in leakcheck/sampling/pacing.py), instead of leakcheck's
 own share. Only this benchmark process's trackers are affected."""
 
 from __future__ import annotations
 
 import argparse
 
-from leakcheck import tracker as tracker_module
+from leakcheck.sampling import pacing
 
-SHIPPED = tracker_module._NVML_SHARE
+SHIPPED = pacing.LIST_SHARE
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -27,9 +27,9 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
         if not 0 < args.nvml_share <= 1:
             parser.error(f"--nvml-share: expected a share in (0, 1], got {args.nvml_share}")
         # Memory reads keep their fraction of the share (NOTE [nvml pacing]).
-        tracker_module._MEMORY_SHARE *= args.nvml_share / tracker_module._NVML_SHARE
-        tracker_module._NVML_SHARE = args.nvml_share
-    return float(tracker_module._NVML_SHARE)
+        pacing.MEMORY_SHARE *= args.nvml_share / pacing.LIST_SHARE
+        pacing.LIST_SHARE = args.nvml_share
+    return float(pacing.LIST_SHARE)
 
 
 def banner(share: float) -> list[str]:

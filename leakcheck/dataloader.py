@@ -138,6 +138,8 @@ class WatchedLoader(Generic[T]):
         self._unjudged_end: float | None = None
         """Monotonic time of the last epoch end whose survivors were not judged yet."""
         self._closed = False
+        self._epochs_run = 0
+        self._batches_seen = False
         self._finalizer = weakref.finalize(self, _Session.finalize, self._session)
         _install_gc_hook()
 
@@ -172,7 +174,11 @@ class WatchedLoader(Generic[T]):
         return self._loader
 
     def report(self) -> Report:
-        """Judge what was observed so far (closed epochs; the final state once closed)."""
+        """Judge what was observed so far, with a fresh read of what is alive now.
+
+        Before ``close()`` the report reads now who is alive (the parent, survivors,
+        orphans) and what each holds; after it, the final state ``close()`` took.
+        """
         return self._tracker.report()
 
     def close(self) -> None:
@@ -250,9 +256,12 @@ class WatchedLoader(Generic[T]):
             # workers would be killed under the loader (NOTE [teardown policy]).
             installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
+        count = 0
         try:
             batches = iter(self._loader)
-            yield from batches
+            for batch in batches:
+                count += 1
+                yield batch
         except BaseException as error:
             if not getattr(self._loader, "persistent_workers", False):
                 # Private, but what the iterator's own __del__ calls; idempotent.
@@ -261,14 +270,26 @@ class WatchedLoader(Generic[T]):
                     with contextlib.suppress(Exception):
                         shutdown()
             batches = None
-            self._end_epoch(*_end_reason(error))
+            self._end_epoch(*_end_reason(error), count)
             raise
         batches = None
-        self._end_epoch("completed", None)
+        self._end_epoch("completed", None, count)
+        if count == 0 and self._batches_seen:
+            warnings.warn(
+                GPULeakWarning(
+                    f"leakcheck: epoch {self._epochs_run - 1} of the watched loader yielded no "
+                    "batches, where earlier epochs did: the wrapped iterable is exhausted (a "
+                    "generator or iterator can be iterated once); wrap a loader that can be "
+                    "iterated again, such as a DataLoader"
+                ),
+                stacklevel=2,
+            )
+        self._batches_seen = self._batches_seen or count > 0
         self._judge(may_raise=True)
 
-    def _end_epoch(self, reason: EndReason, error: str | None) -> None:
-        self._tracker.end_epoch(reason, error)
+    def _end_epoch(self, reason: EndReason, error: str | None, batches: int) -> None:
+        self._tracker.end_epoch(reason, error, batches)
+        self._epochs_run += 1
         self._unjudged_end = time.monotonic()
 
     def _grace_passed(self) -> bool:
@@ -290,7 +311,7 @@ class WatchedLoader(Generic[T]):
             return
         # NOTE [judged window]: the whole run only once it is over.
         window = None if self._tracker.closed else _JUDGED_EPOCHS
-        report = self._tracker.report(last_epochs=window)
+        report = self._tracker.report(last_epochs=window, fresh=False)
         new = [f for f in report.leaks if _finding_id(f) not in self._announced]
         if not new:
             return

@@ -21,8 +21,10 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from leakcheck.model import ProcessKey, TeardownRecord
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
 
@@ -136,3 +138,60 @@ def remove(directory: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
         os.rmdir(directory)
+
+
+def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
+    """The identity a record is about; None when its ``pid``/``create_time`` are malformed."""
+    pid, create_time = record.get("pid"), record.get("create_time")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    if not isinstance(create_time, (int, float)) or isinstance(create_time, bool):
+        return None
+    return ProcessKey(pid, float(create_time))
+
+
+def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecord:
+    """Read a worker's ``teardown`` record; a malformed field reads as unknown."""
+
+    def number(name: str, default: float = 0.0) -> float:
+        value = record.get(name, default)
+        return float(value) if isinstance(value, (int, float)) else default
+
+    def optional_int(name: str) -> int | None:
+        value = record.get(name)
+        return int(value) if isinstance(value, (int, float)) else None
+
+    def optional_float(name: str) -> float | None:
+        value = record.get(name)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def optional_bool(name: str) -> bool | None:
+        value = record.get(name)
+        return value if isinstance(value, bool) else None
+
+    by_device: dict[int, int] | None = None
+    raw = record.get("gpu_bytes_by_device")
+    if isinstance(raw, dict):
+        try:
+            by_device = {int(index): int(num) for index, num in raw.items()}
+        except (TypeError, ValueError):
+            by_device = None
+    error = record.get("error")
+    released = record.get("released")
+    return TeardownRecord(
+        key=key,
+        worker_id=optional_int("worker_id"),
+        cuda_initialized=bool(record.get("cuda_initialized", False)),
+        streams_joined=int(number("streams_joined")),
+        resources_released=int(number("resources_released")),
+        freed_cache_bytes=int(number("freed_cache_bytes")),
+        context_released=bool(record.get("context_released", False)),
+        gpu_bytes_before=optional_int("gpu_bytes_before"),
+        left_nvml=optional_bool("left_nvml"),
+        duration_s=number("duration_s"),
+        error=str(error) if error else None,
+        gpu_bytes_by_device=by_device,
+        peak_reserved_bytes=optional_int("peak_reserved_bytes"),
+        monotonic_s=optional_float("monotonic_s"),
+        released=released if isinstance(released, bool) else True,
+    )

@@ -25,6 +25,7 @@ Rule = Literal[
     "context-kept",
     "high-clocks",
     "tracker-failure",
+    "shm",
 ]
 Severity = Literal["leak", "info"]
 
@@ -104,6 +105,9 @@ class AccountedProcess:
     is_running: bool
 
 
+PeakSource = Literal["reported", "sampled", "unknown"]
+
+
 @dataclass(frozen=True)
 class ProcessEpoch:
     """What one process did during one epoch.
@@ -120,9 +124,17 @@ class ProcessEpoch:
             it has not been seen gone (or if it was gone before the end).
         last_seen_after_s: Seconds after the epoch end of the last observation alive.
         gpu_bytes_end: Used GPU bytes per device index at the end of the epoch.
-        gpu_bytes_peak: Peak used GPU bytes per device index during the epoch.
+        gpu_bytes_peak: Peak used GPU bytes per device index during the epoch: the larger
+            of what was sampled and what the process reported itself; never below
+            ``gpu_bytes_end``. Empty when ``gpu_peak_source`` is ``unknown``.
+        gpu_peak_source: Where the peak comes from: ``reported`` (the process's own report
+            at teardown, or the driver's accounting of an exited PID), ``sampled`` (NVML
+            reads while it lived, a lower bound) or ``unknown`` (it exited before any read
+            could see it and reported nothing: its peak is not known, not 0).
         gpu_bytes_unknown: NVML listed it on a device without a byte count.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
+        scope: What started it, when that is not the watched work itself (the pytest
+            plugin: ``module-scoped fixture 'pool'``); None otherwise.
 
     """
 
@@ -137,8 +149,10 @@ class ProcessEpoch:
     last_seen_after_s: float | None = None
     gpu_bytes_end: Mapping[int, int] = field(default_factory=dict)
     gpu_bytes_peak: Mapping[int, int] = field(default_factory=dict)
+    gpu_peak_source: PeakSource = "sampled"
     gpu_bytes_unknown: bool = False
     nvidia_fds: int | None = None
+    scope: str | None = None
 
     @property
     def total_gpu_bytes_end(self) -> int:
@@ -146,8 +160,10 @@ class ProcessEpoch:
         return sum(self.gpu_bytes_end.values())
 
     @property
-    def total_gpu_bytes_peak(self) -> int:
-        """Sum over devices of the per-device peaks."""
+    def total_gpu_bytes_peak(self) -> int | None:
+        """Sum over devices of the per-device peaks; None when the peak is unknown."""
+        if self.gpu_peak_source == "unknown":
+            return None
         return sum(self.gpu_bytes_peak.values())
 
 
@@ -169,6 +185,8 @@ class EpochRecord:
     samples: int = 0
     error: str | None = None
     """Text of the exception that ended the epoch, if one did."""
+    batches: int | None = None
+    """Batches the epoch yielded, where the adapter counts them (``watch``)."""
 
     @property
     def duration_s(self) -> float:
@@ -188,10 +206,19 @@ class TeardownRecord:
         resources_released: Registered streams, events and callables dropped or called.
         freed_cache_bytes: Allocator bytes reserved before emptying the cache.
         context_released: The context was released (device reset) before exit.
-        gpu_bytes_before: NVML's used bytes for this PID before teardown (None: unknown).
+        gpu_bytes_before: NVML's used bytes for this PID before teardown, summed over
+            devices (None: unknown).
         left_nvml: NVML no longer listed the PID after teardown (None: could not check).
         duration_s: Seconds the teardown took.
         error: One line if a step failed (the worker still exits normally).
+        gpu_bytes_by_device: NVML's used bytes per device index just before the release
+            (the worker's own report of what it held; None: unknown, empty: nothing).
+        peak_reserved_bytes: torch's peak reserved bytes over the worker's life, summed
+            over devices (None: CUDA never initialised, or unknown).
+        monotonic_s: ``time.monotonic()`` when the worker read what it held (the clock is
+            shared by the processes of one host); None: unknown.
+        released: The teardown policy released resources (False: the worker only
+            reported what it held).
 
     """
 
@@ -206,6 +233,10 @@ class TeardownRecord:
     left_nvml: bool | None = None
     duration_s: float = 0.0
     error: str | None = None
+    gpu_bytes_by_device: Mapping[int, int] | None = None
+    peak_reserved_bytes: int | None = None
+    monotonic_s: float | None = None
+    released: bool = True
 
 
 @dataclass(frozen=True)
@@ -247,7 +278,11 @@ Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
 
 @dataclass(frozen=True)
 class FinalState:
-    """The job after the watched work ended (``Tracker`` closed): who is still there."""
+    """The job after the watched work, read fresh: who is still there and what they hold.
+
+    Taken when the tracker closes, and by every ``report()`` before that (then ``closed``
+    is False: the work may go on).
+    """
 
     time_s: float
     devices: tuple[DeviceState, ...]
@@ -255,6 +290,59 @@ class FinalState:
     parent_allocated_gpu_bytes: int | None = None
     """Bytes the parent's torch allocator still holds; None when CUDA was never
     initialised in the parent (leakcheck never initialises it)."""
+    others_gpu_bytes: Mapping[int, int] = field(default_factory=dict)
+    """GPU bytes per device of the job's processes that another tracker in this process
+    owns (another loader's workers): they explain device memory, and are never judged
+    here."""
+    closed: bool = True
+    """The tracker was closed (False: a report asked for while the work goes on)."""
+
+
+@dataclass(frozen=True)
+class ShmFile:
+    """A file the watched work left in the shared-memory directory (``/dev/shm``).
+
+    Attributes:
+        name: File name inside the directory.
+        size_bytes: Its size.
+        holder_pid: A process of the job that still holds it open or mapped, if any.
+        holder_role: That process's role.
+        scope: What created it when not the work itself (a pytest fixture scope).
+        attributable: False when nobody holds it and other jobs ran beside the work
+            (pytest-xdist workers): then it is reported, not blamed.
+
+    """
+
+    name: str
+    size_bytes: int
+    holder_pid: int | None = None
+    holder_role: Role | None = None
+    scope: str | None = None
+    attributable: bool = True
+
+
+@dataclass(frozen=True)
+class ParentMemory:
+    """GPU memory the parent (the test process) keeps after the work, beyond its start.
+
+    The pytest plugin fills it, net of what still-active fixture scopes hold; watched
+    training loops do not (their parent keeps its model on purpose).
+
+    Attributes:
+        kept_tensor_bytes: torch allocator bytes above the start, per device, after a
+            garbage collection and an emptied cache.
+        driver_bytes: NVML bytes above the start beyond the allocator's growth, per device
+            that already had a context at the start (a first context is a baseline).
+        torch_in_use: torch's CUDA is initialised here: the driver's growth may be libraries
+            loading kernels on first use, not a leak.
+        scopes: Fixture scopes that ended now and owned allocations (for the wording).
+
+    """
+
+    kept_tensor_bytes: Mapping[int, int] = field(default_factory=dict)
+    driver_bytes: Mapping[int, int] = field(default_factory=dict)
+    torch_in_use: bool = False
+    scopes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -275,6 +363,10 @@ class Timeline:
     """Leakcheck's own failures while sampling: reported, never raised."""
     teardowns: tuple[TeardownRecord, ...] = ()
     """Worker teardowns reported through the mailbox, in arrival order."""
+    shm_files: tuple[ShmFile, ...] = ()
+    """Files the work left in ``/dev/shm``."""
+    parent_memory: ParentMemory | None = None
+    """The parent's own GPU memory after the work (pytest plugin only)."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +387,9 @@ class Finding:
         device_index: Device involved, if one.
         bytes_per_epoch: For growth: fitted slope.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors of the culprit, if known.
+        scope: What started the culprit when not the work itself (a fixture scope).
+        shm_name: For shm: the file name in ``/dev/shm``.
+        size_bytes: For shm: the file's size.
 
     """
 
@@ -311,6 +406,9 @@ class Finding:
     device_index: int | None = None
     bytes_per_epoch: float | None = None
     nvidia_fds: int | None = None
+    scope: str | None = None
+    shm_name: str | None = None
+    size_bytes: int | None = None
 
     @property
     def bytes(self) -> int | None:

@@ -59,6 +59,7 @@ __all__ = [
     "is_ancestor",
     "is_nvidia_device_target",
     "is_zombie",
+    "new_session_id",
     "nvidia_fd_count",
     "parse_session_tag",
     "pid_exists_here",
@@ -66,6 +67,7 @@ __all__ = [
     "process_key",
     "read_proc",
     "scan_all",
+    "session_root_pid",
     "shm_name_from_path",
     "shm_open_by",
     "shm_segments",
@@ -979,6 +981,29 @@ def tagged_session(pid: int) -> str | None:
         return None
     value = _environ_tag(pid)
     return None if value is None else value.decode("utf-8", "replace")
+
+
+def new_session_id(root_pid: int | None = None) -> str:
+    """Make a session tag that encodes the root's identity (NOTE [session tag]).
+
+    The form ``<pid>-<create_time in centiseconds>-<random>`` lets an orphan tell that its
+    root is gone.
+    """
+    pid = root_pid if root_pid is not None else os.getpid()
+    key = process_key(pid)
+    created_cs = round(key.create_time * 100) if key else 0
+    return f"{pid}-{created_cs}-{os.urandom(4).hex()}"
+
+
+def session_root_pid(session_id: str) -> tuple[int, float] | None:
+    """The root identity encoded in a session tag (``<pid>-<create_time_cs>-<random>``)."""
+    parts = session_id.split("-")
+    if len(parts) < 3:
+        return None
+    try:
+        return int(parts[0]), int(parts[1]) / 100.0
+    except ValueError:
+        return None
 
 
 def parse_session_tag(environ: bytes) -> str | None:

@@ -26,10 +26,17 @@ from leakcheck.model import (
     RuleConfig,
     Timeline,
 )
-from leakcheck.units import format_mib
-from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known, shorten_cmdline
+from leakcheck.units import format_mib, shorten_cmdline
+from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
 
-__all__ = ["SCHEMA_VERSION", "Report", "Verdict", "build_report", "report_from_dict"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Report",
+    "Verdict",
+    "build_report",
+    "finding_lines",
+    "report_from_dict",
+]
 
 SCHEMA_VERSION = 1
 """Version of the ``to_dict`` layout; bumped on any incompatible change."""
@@ -169,7 +176,7 @@ class Report:
         """
         lines: list[str] = []
         if self.clean and not verbose:
-            lines.extend(_findings_lines(self.infos))
+            lines.extend(finding_lines(self.infos))
             lines.append(self.summary())
             return "\n".join(lines)
         lines.append(_header(self.timeline))
@@ -186,7 +193,7 @@ class Report:
             lines.extend(_teardown_lines(self.timeline))
         if self.findings:
             lines.append("")
-            lines.extend(_findings_lines(self.findings))
+            lines.extend(finding_lines(self.findings))
         lines.append("")
         lines.append(self.summary())
         return "\n".join(lines)
@@ -427,7 +434,9 @@ _TABLE_HEAD = (
     "label",
     "time s",
     "parent MiB",
-    "workers n/sum/max MiB",
+    "workers",
+    "wk end MiB",
+    "wk peak MiB",
     "alive after",
     "orphans",
     "GPU",
@@ -436,7 +445,7 @@ _TABLE_HEAD = (
     "SM MHz",
     "power W",
 )
-_LEFT_ALIGNED = frozenset((1, 7))
+_LEFT_ALIGNED = frozenset((1, 9))
 
 
 def _device_cells(dev: DeviceState | None) -> list[str]:
@@ -451,26 +460,32 @@ def _device_cells(dev: DeviceState | None) -> list[str]:
     ]
 
 
+def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
+    """The workers' peaks summed; None when any worker's peak is unknown (never 0 for it)."""
+    peaks = [p.total_gpu_bytes_peak for p in workers]
+    if any(peak is None for peak in peaks):
+        return None
+    return sum(peak for peak in peaks if peak is not None)
+
+
 def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> list[list[str]]:
     known = per_pid_bytes_known(timeline)
     parents = [p for p in rec.processes if p.role == "parent"]
     workers = [p for p in rec.processes if p.role == "worker"]
-    worker_bytes = [p.total_gpu_bytes_end for p in workers]
-    if not workers:
-        worker_text = "0"
-    elif known:
-        worker_text = (
-            f"{len(workers)}/{format_mib(sum(worker_bytes))}/{format_mib(max(worker_bytes))}"
-        )
-    else:
-        worker_text = f"{len(workers)}/-/-"
+    end_text = peak_text = "-"
+    if known:
+        end_text = format_mib(sum(p.total_gpu_bytes_end for p in workers))
+        peak = workers_peak_bytes(workers)
+        peak_text = "?" if peak is None else format_mib(peak)
     label = rec.label if len(rec.label) <= _LABEL_WIDTH else rec.label[: _LABEL_WIDTH - 3] + "..."
     cells = [
         str(rec.index),
         label,
         f"{rec.duration_s:.1f}",
         format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
-        worker_text,
+        str(len(workers)),
+        end_text,
+        peak_text,
         str(sum(alive_after_grace(p, config.grace_s) for p in rec.processes)),
         str(sum(p.role == "orphan" and p.alive_at_end for p in rec.processes)),
     ]
@@ -515,7 +530,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
         lines.append(f"{title}:")
         if not procs:
             continue
-        rows = [["role", "PID", "GPU MiB", "fds", "flags", "command"]]
+        rows = [["role", "PID", "GPU MiB", "peak MiB", "fds", "flags", "command"]]
         for proc in procs:
             flags = [
                 name
@@ -541,17 +556,25 @@ def _process_lines(timeline: Timeline) -> list[str]:
                     )
                     or "0"
                 )
+            peak = proc.total_gpu_bytes_peak
+            if not known:
+                peak_cell = "-"
+            elif peak is None:
+                peak_cell = "?"
+            else:
+                peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
             rows.append(
                 [
                     proc.role,
                     str(proc.key.pid),
                     held,
+                    peak_cell,
                     or_dash(proc.nvidia_fds),
                     " ".join(flags) or "-",
                     shorten_cmdline(proc.cmdline),
                 ]
             )
-        lines.extend("  " + line for line in align_columns(rows, left={0, 4, 5}))
+        lines.extend("  " + line for line in align_columns(rows, left={0, 5, 6}))
     return lines
 
 
@@ -581,10 +604,16 @@ def _teardown_lines(timeline: Timeline) -> list[str]:
     return lines
 
 
-def _findings_lines(findings: Sequence[Finding]) -> list[str]:
+def finding_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
+    """Two lines per finding, the same words wherever leakcheck reports it.
+
+    ``LEAK survivor: <who, what, since when>`` (or ``info <rule>: ...``), then
+    ``  fix: <remedy>``: ``Report.format()``, the sweep's configurations and the pytest
+    plugin's report section all print findings through this.
+    """
     lines: list[str] = []
     for finding in findings:
         tag = "LEAK" if finding.severity == "leak" else "info"
-        lines.append(f"{tag} {finding.rule}: {finding.message}")
-        lines.append(f"  fix: {finding.remedy}")
+        lines.append(f"{indent}{tag} {finding.rule}: {finding.message}")
+        lines.append(f"{indent}  fix: {finding.remedy}")
     return lines

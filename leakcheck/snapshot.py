@@ -6,7 +6,6 @@ One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` print
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,7 +14,18 @@ from typing import Any
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
 from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck.procs import new_session_id, session_root_pid
 from leakcheck.units import format_mib
+
+__all__ = [
+    "SNAPSHOT_SCHEMA_VERSION",
+    "ProcessSnapshot",
+    "Snapshot",
+    "new_session_id",
+    "read_gpu_processes",
+    "session_root_pid",
+    "take_snapshot",
+]
 
 SNAPSHOT_SCHEMA_VERSION = 1
 
@@ -175,17 +185,6 @@ def _process_line(entry: ProcessSnapshot) -> str:
         details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
     details.extend(entry.flags)
     return text + ("  — " + "; ".join(details) if details else "")
-
-
-def session_root_pid(session_id: str) -> tuple[int, float] | None:
-    """The root identity encoded in a session tag (``<pid>-<create_time_cs>-<random>``)."""
-    parts = session_id.split("-")
-    if len(parts) < 3:
-        return None
-    try:
-        return int(parts[0]), int(parts[1]) / 100.0
-    except ValueError:
-        return None
 
 
 def read_gpu_processes(
@@ -352,15 +351,3 @@ def _role(
     if pid in lineage:
         return "worker" if info.ppid == root_pid else "descendant"
     return "foreign"
-
-
-def new_session_id(root_pid: int | None = None) -> str:
-    """Make a session tag that encodes the root's identity.
-
-    The form ``<pid>-<create_time in centiseconds>-<random>`` lets an orphan tell that its
-    root is gone.
-    """
-    pid = root_pid if root_pid is not None else os.getpid()
-    key = procs.process_key(pid)
-    created_cs = round(key.create_time * 100) if key else 0
-    return f"{pid}-{created_cs}-{os.urandom(4).hex()}"

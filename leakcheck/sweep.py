@@ -38,7 +38,7 @@ from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
 from leakcheck.progress import Progress
-from leakcheck.report import align_columns, alive_after_grace, or_dash
+from leakcheck.report import align_columns, alive_after_grace, or_dash, workers_peak_bytes
 from leakcheck.torch_state import initialized_cuda
 from leakcheck.units import format_mib, shorten_cmdline
 from leakcheck.verdict import per_pid_bytes_known
@@ -627,7 +627,7 @@ def epoch_row(
         worker_count=len(workers),
         workers_gpu_bytes=known(sum(worker_end)),
         worker_gpu_bytes_max=known(max(worker_end, default=0)),
-        workers_gpu_bytes_peak=known(sum(p.total_gpu_bytes_peak for p in workers)),
+        workers_gpu_bytes_peak=workers_peak_bytes(workers) if per_process else None,
         alive_after=sum(1 for p in processes if alive_after_grace(p, report.config.grace_s)),
         orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
         other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),

@@ -403,6 +403,29 @@ def _nvml_bytes(pid: int, device: int | None = None) -> tuple[bool, int | None] 
     return True, (sum(per_device.values()) if per_device else None)
 
 
+def _nvml_bytes_by_device(pid: int) -> dict[int, int] | None:
+    """NVML's used bytes of a PID per device index (empty: not listed); None: unreadable."""
+    from leakcheck import nvml
+
+    try:
+        entries = nvml.get().processes()
+    except LeakCheckError:
+        return None
+    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
+    return dict(by_pid.get(pid, {}))
+
+
+def _peak_reserved_bytes() -> int | None:
+    """Torch's peak reserved bytes over this process's life, summed over devices."""
+    cuda = initialized_cuda()
+    if cuda is None:
+        return None
+    try:
+        return sum(int(cuda.max_memory_reserved(i)) for i in range(int(cuda.device_count())))
+    except Exception:
+        return None
+
+
 def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:
     """Poll NVML until the PID is gone (or ``_NVML_POLL_S`` passed)."""
     deadline = time.monotonic() + _NVML_POLL_S
@@ -461,13 +484,19 @@ class _WorkerExit:
 
 
 def _worker_teardown(state: _WorkerExit) -> None:
-    """Run at worker exit (NOTE [teardown policy], point 3); never raises."""
+    """Run at worker exit (NOTE [teardown policy], point 3); never raises.
+
+    First the worker's own report of what it holds (NOTE [worker reports] in
+    sampling/book.py), then, with ``release``, the release itself.
+    """
     if os.getpid() != state.pid:
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
     freed = _Freed()
-    cuda = listed_before = False
-    gpu_bytes_before: int | None = None
+    cuda = False
+    held: dict[int, int] | None = None
+    peak_reserved: int | None = None
+    measured_s: float | None = None
     left_nvml: bool | None = None
     try:
         if state.terminate_children:
@@ -475,24 +504,25 @@ def _worker_teardown(state: _WorkerExit) -> None:
                 _terminate_descendants()
             except Exception as exc:
                 freed.fail("terminate children", exc)
-        cuda = state.release and initialized_cuda() is not None
+        cuda = initialized_cuda() is not None
+        measured_s = time.monotonic()
         if cuda:
-            before = _nvml_bytes(state.pid)
-            listed_before = before is not None and before[0]
-            gpu_bytes_before = before[1] if before is not None else None
+            held = _nvml_bytes_by_device(state.pid)
+            peak_reserved = _peak_reserved_bytes()
+        else:
+            held = {}  # no context here: nothing on any device
+        if cuda and state.release:
             current, devices = _used_devices()
             _release_registered(_take_registered(), devices, freed)
             _empty_cache(devices, freed)
             _reset_devices(devices, current, freed)
         duration_s = time.perf_counter() - started
-        if cuda and listed_before:
+        if cuda and state.release and held:
             after = _wait_left_nvml(state.pid)
             left_nvml = None if after is None else not after[0]
     except BaseException as exc:  # a teardown must let the worker exit
         freed.fail("teardown", exc)
         duration_s = time.perf_counter() - started
-    if not state.release:
-        return
     record = TeardownRecord(
         key=ProcessKey(state.pid, state.create_time),
         worker_id=state.worker_id,
@@ -501,13 +531,19 @@ def _worker_teardown(state: _WorkerExit) -> None:
         resources_released=freed.resources_released,
         freed_cache_bytes=freed.freed_cache_bytes,
         context_released=freed.context_released,
-        gpu_bytes_before=gpu_bytes_before,
+        gpu_bytes_before=sum(held.values()) if held else None,
         left_nvml=left_nvml,
         duration_s=duration_s,
         error=freed.error,
+        gpu_bytes_by_device=held,
+        peak_reserved_bytes=peak_reserved,
+        monotonic_s=measured_s,
+        released=state.release,
     )
     fields = asdict(record)
     del fields["key"]
+    if held is not None:
+        fields["gpu_bytes_by_device"] = {str(index): num for index, num in held.items()}
     mailbox.post(
         "teardown",
         {"pid": state.pid, "create_time": state.create_time, **fields},
@@ -573,7 +609,9 @@ class WorkerInit:
                 },
                 directory=self.mailbox_dir,
             )
-            if self.release or self.terminate_children:
+            if self.release or self.terminate_children or self.mailbox_dir:
+                # Reported even without the release: what the worker held is its epoch's
+                # truth (NOTE [worker reports] in sampling/book.py).
                 import multiprocessing.util
 
                 multiprocessing.util.Finalize(

@@ -101,7 +101,7 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
     return seconds
 
 
-def shorten_cmdline(cmdline: str, width: int = 60, *, empty: str = "?") -> str:
+def shorten_cmdline(cmdline: str, width: int = 48, *, empty: str = "?") -> str:
     """Collapse whitespace and cut a command line to ``width`` characters for display.
 
     Args:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from leakcheck import units
 from leakcheck.model import (
     MIB,
     DeviceState,
@@ -24,9 +23,10 @@ from leakcheck.model import (
     Role,
     Rule,
     RuleConfig,
+    ShmFile,
     Timeline,
 )
-from leakcheck.units import format_mib
+from leakcheck.units import format_mib, shorten_cmdline
 
 __all__ = [
     "LINEAGE_ROLES",
@@ -40,15 +40,13 @@ __all__ = [
     "judge",
     "orphan",
     "residual",
-    "shorten_cmdline",
+    "shm",
     "survivor",
     "tracker_failure",
 ]
 
 LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
 """Roles of processes that belong to the watched job (everything but ``foreign``)."""
-
-_CMD_WIDTH = 48
 
 # NOTE [late rise]: a leak keeps growing; allocator warm-up grows and then plateaus. The
 # growth rule asks that at least this share of the total rise happens in the second half
@@ -57,11 +55,6 @@ _LATE_RISE_SHARE = 0.25
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def shorten_cmdline(cmdline: str, width: int = _CMD_WIDTH) -> str:
-    """Collapse whitespace and cut a command line to ``width`` characters for display."""
-    return units.shorten_cmdline(cmdline, width)
 
 
 def per_pid_bytes_known(timeline: Timeline) -> bool:
@@ -161,8 +154,21 @@ def _alive_after_s(
     return best
 
 
-def _survivor_remedy(role: Role) -> str:
-    if role == "worker":
+REMEDY_SCOPE = (
+    "stop it in the fixture's finalizer (after its `yield`, or request.addfinalizer), or "
+    "give the fixture a narrower scope"
+)
+REMEDY_ORPHAN = (
+    "a process of the job outlived its parent: make workers wait for or terminate their "
+    "children before exiting (leakcheck.worker_init_fn(terminate_children=True) does it at "
+    "worker exit), or stop the process group"
+)
+
+
+def _survivor_remedy(proc: ProcessEpoch) -> str:
+    if proc.scope is not None:
+        return REMEDY_SCOPE
+    if proc.role == "worker":
         return (
             "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
             "the workers); keep no reference to the iterator past the epoch, or set "
@@ -172,6 +178,10 @@ def _survivor_remedy(role: Role) -> str:
         "join or terminate the subprocesses and pools started during the epoch "
         "(`with Pool(...)`, proc.join(), proc.terminate()) before the epoch ends"
     )
+
+
+def _started_in(proc: ProcessEpoch, rec: EpochRecord) -> str:
+    return f"started by {proc.scope}" if proc.scope is not None else f"started in {rec.label}"
 
 
 def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -204,17 +214,17 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             later = [p for r, p in obs if r is None or r.index >= rec.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
-            when = f"still alive {alive_after:.1f} s after it ended"
             found.append(
                 Finding(
                     rule="survivor",
                     severity="leak",
                     message=(
-                        f"{_culprit(proc)} born in epoch {rec.index} {when} "
-                        f"(grace {config.grace_s:.1f} s)"
+                        f"{_culprit(proc)} {_started_in(proc, rec)} is still alive "
+                        f"{alive_after:.1f} s after {rec.label} ended (grace "
+                        f"{config.grace_s:g} s)"
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
                     ),
-                    remedy=_survivor_remedy(proc.role),
+                    remedy=_survivor_remedy(proc),
                     pid=proc.key.pid,
                     create_time=proc.key.create_time,
                     role=proc.role,
@@ -222,6 +232,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                     epoch=rec.index,
                     nvidia_fds=fds,
+                    scope=proc.scope,
                 )
             )
     return tuple(found)
@@ -237,6 +248,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """
     del config  # same signature as every rule; no threshold applies
     bytes_known = per_pid_bytes_known(timeline)
+    epochs = {rec.index: rec for rec in timeline.epochs}
     found: list[Finding] = []
     for key, obs in _observations(timeline).items():
         orphaned = [
@@ -251,23 +263,35 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         procs = [proc for _, proc in orphaned]
         gpu_bytes = _max_per_device(procs) if bytes_known else {}
         fds = _max_fds(procs)
-        since = f"since epoch {first_rec.index}" if first_rec is not None else "after the job"
-        still = ", still alive after the job ended" if orphaned[-1][0] is None else ""
+        born = next((rec for rec, proc in obs if rec is not None and proc.born_in_epoch), None)
+        origin = ""
+        if last.scope is not None:
+            origin = f", started by {last.scope},"
+        elif born is not None:
+            origin = f", started in {epochs[born.index].label},"
+        if first_rec is not None:
+            since = f"since {first_rec.label}"
+        else:
+            final = timeline.final
+            since = "after the job" if final is None or final.closed else "now"
+        still = ""
+        if orphaned[-1][0] is None:
+            final = timeline.final
+            still = (
+                ", still alive after the job ended"
+                if final is None or final.closed
+                else ", alive now"
+            )
         found.append(
             Finding(
                 rule="orphan",
                 severity="leak",
                 message=(
-                    f"{_culprit(last)} left the job's process tree (now child of PID "
-                    f"{last.ppid}) {since}{still}"
+                    f"{_culprit(last)}{origin} left the job's process tree (now child of "
+                    f"PID {last.ppid}) {since}{still}"
                     f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
                 ),
-                remedy=(
-                    "a worker exited without reaping its child: make workers wait for or "
-                    "terminate their children before exiting (leakcheck.worker_init_fn("
-                    f"terminate_children=True) does it at worker exit); `kill {key.pid}` frees "
-                    "it now"
-                ),
+                remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
                 pid=key.pid,
                 create_time=key.create_time,
                 role="orphan",
@@ -275,6 +299,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                 epoch=first_rec.index if first_rec is not None else None,
                 nvidia_fds=fds,
+                scope=last.scope,
             )
         )
     return tuple(found)
@@ -433,7 +458,7 @@ unattributed, about 6.5 MiB each; the residual rule allows this much per holder.
 """
 
 
-def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find device memory above the baseline after the work that the job does not explain.
 
     For each device: ``rise = final used - baseline used``; ``explained = the job's
@@ -455,6 +480,7 @@ def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             continue
         rise = dev.used_bytes - base.used_bytes
         explained = sum(p.gpu_bytes_end.get(dev.index, 0) for p in lineage)
+        explained += final.others_gpu_bytes.get(dev.index, 0)
         explained -= timeline.baseline_gpu_bytes.get(dev.index, 0)
         unexplained = rise - explained
         holders_here = sum(1 for p in (*lineage, *foreign) if p.gpu_bytes_end.get(dev.index, 0) > 0)
@@ -515,6 +541,159 @@ def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     return tuple(found)
 
 
+REMEDY_KEPT_TENSORS = (
+    "drop references to CUDA tensors the work creates (module-level lists, caches, globals, "
+    "stored exceptions and tracebacks), or free them in a fixture finalizer"
+)
+REMEDY_DRIVER_MEMORY = (
+    "free what the work allocates on the GPU outside torch (library memory pools, raw "
+    "allocations); one-time library loading counts here too: raise the tolerance"
+)
+
+
+def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Judge the parent's own GPU memory after the work (``Timeline.parent_memory``)."""
+    memory = timeline.parent_memory
+    if memory is None:
+        return ()
+    root = timeline.root
+    cmdline = next(
+        (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
+    )
+    scopes = f" (after the teardown of {', '.join(memory.scopes)})" if memory.scopes else ""
+    found: list[Finding] = []
+    kept = {d: b for d, b in memory.kept_tensor_bytes.items() if b > config.tolerance_bytes}
+    if kept:
+        found.append(
+            Finding(
+                rule="residual",
+                severity="leak",
+                message=(
+                    f"parent PID {root.pid} still holds {_devices_text(kept)} of CUDA tensors "
+                    f"more than at the start{scopes}, beyond the tolerance of "
+                    f"{format_mib(config.tolerance_bytes)} MiB (torch allocator, after "
+                    "gc.collect() and empty_cache())"
+                ),
+                remedy=REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
+                pid=root.pid,
+                create_time=root.create_time,
+                role="parent",
+                cmdline=cmdline,
+                gpu_bytes=sum(kept.values()),
+                device_index=min(kept) if len(kept) == 1 else None,
+                scope=", ".join(memory.scopes) or None,
+            )
+        )
+    grown = {d: b for d, b in memory.driver_bytes.items() if b > config.tolerance_bytes}
+    if grown:
+        first_use = (
+            " (libraries loading kernels on first use look like this)"
+            if memory.torch_in_use
+            else ""
+        )
+        found.append(
+            Finding(
+                rule="residual",
+                severity="info" if memory.torch_in_use else "leak",
+                message=(
+                    f"parent PID {root.pid} holds {_devices_text(grown)} more than at the "
+                    f"start outside torch's allocator (NVML){first_use}"
+                ),
+                remedy=REMEDY_DRIVER_MEMORY,
+                pid=root.pid,
+                create_time=root.create_time,
+                role="parent",
+                cmdline=cmdline,
+                gpu_bytes=sum(grown.values()),
+                device_index=min(grown) if len(grown) == 1 else None,
+            )
+        )
+    return tuple(found)
+
+
+def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find GPU memory left after the work that nothing of the job should still hold.
+
+    Two views: the device's used memory above the baseline that the job's processes do
+    not explain, and, where the adapter measured it (the pytest plugin), the parent's own
+    tensors and driver memory above its start (``Timeline.parent_memory``).
+    """
+    return _device_residual(timeline, config) + _parent_residual(timeline, config)
+
+
+# --------------------------------------------------------------------------- shm
+
+_SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
+    (
+        "cuda.shm.",
+        "a CUDA IPC file: workers returned CUDA tensors through the loader's queues",
+        "return CPU tensors from workers and move or pin them in the main process "
+        "(pin_memory=True); delete the file once no process uses it",
+    ),
+    (
+        "torch_",
+        "a torch shared-memory segment: tensors shared between processes (the loader's "
+        "batches under the file_system sharing strategy)",
+        "let the loader's iterators finish or `del` them so their workers exit and free "
+        "their segments; prefer the default file_descriptor sharing strategy",
+    ),
+)
+_SHM_OWN_REMEDY = (
+    "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink), or "
+    "create it in a fixture that removes it"
+)
+
+
+def _shm_cause(name: str) -> tuple[str, str]:
+    """Why a /dev/shm file exists, from its name, and what to do about it."""
+    for prefix, cause, remedy in _SHM_CAUSES:
+        if name.startswith(prefix):
+            return cause, remedy
+    return "shared memory the work created itself", _SHM_OWN_REMEDY
+
+
+def _size_text(num_bytes: int) -> str:
+    if num_bytes >= MIB:
+        return f"{format_mib(num_bytes)} MiB"
+    if num_bytes >= 1024:
+        return f"{num_bytes / 1024:.0f} KiB"
+    return f"{num_bytes} B"
+
+
+def _shm_finding(item: ShmFile) -> Finding:
+    cause, remedy = _shm_cause(item.name)
+    if item.scope is not None:
+        where = f"created while {item.scope} was set up, still there after its teardown"
+        remedy = REMEDY_SCOPE
+    elif item.holder_pid is not None:
+        who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
+        where = f"left by the work; {who} still holds it"
+    elif item.attributable:
+        where = "left by the work; nobody holds it"
+    else:
+        where = (
+            "appeared during the work and nobody holds it; other jobs ran at the same time, "
+            "so it is not blamed on this one"
+        )
+    return Finding(
+        rule="shm",
+        severity="leak" if item.attributable else "info",
+        message=f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
+        remedy=remedy,
+        pid=item.holder_pid,
+        role=item.holder_role,
+        scope=item.scope,
+        shm_name=item.name,
+        size_bytes=item.size_bytes,
+    )
+
+
+def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Report the files the work left in ``/dev/shm``, each with its cause and remedy."""
+    del config
+    return tuple(_shm_finding(item) for item in timeline.shm_files)
+
+
 # --------------------------------------------------------------------------- infos
 
 
@@ -561,7 +740,7 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
                 or any(b > 0 for b in proc.gpu_bytes_end.values())
             ):
                 continue
-            where = f"in epoch {rec.index}" if rec is not None else "after the job"
+            where = f"in {rec.label}" if rec is not None else "after the job"
             found.append(
                 Finding(
                     rule="descriptor-holder",
@@ -592,7 +771,12 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Note a parent that keeps its CUDA context, with no tensors, after the work ended."""
     del config
     final = timeline.final
-    if final is None or not per_pid_bytes_known(timeline) or final.parent_allocated_gpu_bytes != 0:
+    if (
+        final is None
+        or not final.closed
+        or not per_pid_bytes_known(timeline)
+        or final.parent_allocated_gpu_bytes != 0
+    ):
         return ()
     found: list[Finding] = []
     for proc in final.processes:
@@ -634,7 +818,7 @@ def _telemetry_text(dev: DeviceState) -> str:
 def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Note a device left at high SM clocks after the work ended, with no job memory."""
     final = timeline.final
-    if final is None or not _has_nvml(timeline):
+    if final is None or not final.closed or not _has_nvml(timeline):
         return ()
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
     found: list[Finding] = []
@@ -694,6 +878,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "context-kept": context_kept,
     "high-clocks": high_clocks,
     "tracker-failure": tracker_failure,
+    "shm": shm,
 }
 """Every rule by name, in report order for ties."""
 

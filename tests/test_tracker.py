@@ -167,9 +167,9 @@ def test_a_survivor_needs_a_sighting_after_the_grace(
 ) -> None:
     """Walks only when asked: a child that exits 0.2 s after the epoch is found gone long
     after the 0.5 s grace, and is no survivor; one seen alive 1 s after the epoch is one."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
+    monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)
     tracker = Tracker(grace=0.5, interval=0.02, use_nvml=False).start()
     with tracker.epoch():
         child = CTX.Process(target=_sleep, args=(lives_s,))
@@ -295,12 +295,12 @@ def _hold(seconds: float) -> None:
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
     # A read of the fake costs this busy machine tens of microseconds of CPU, which the
     # memory share would pace out to every second or third tick: the tests that count
     # memory reads want them on every tick. The test of memory pacing sets its own share.
-    monkeypatch.setattr(tracker_module, "_MEMORY_SHARE", 1.0)
+    monkeypatch.setattr(pacing_module, "MEMORY_SHARE", 1.0)
     fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     nvml._reset_for_tests()
@@ -394,7 +394,7 @@ def test_importing_leakcheck_and_its_core_loads_neither_torch_nor_pynvml() -> No
 def test_without_nvml_the_sampler_wakes_for_walking_ticks_only() -> None:
     """NOTE [idle ticks]: with nothing to read between walks, three ticks in four are not
     taken; walks keep their pace, and a new child is still found within a walk."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
     child = CTX.Process(target=_hold, args=(30,))
     with Tracker(grace=0.0, interval=0.01, use_nvml=False) as tracker, tracker.epoch():
@@ -404,57 +404,14 @@ def test_without_nvml_the_sampler_wakes_for_walking_ticks_only() -> None:
         taken = tracker.cost().samples - before
         ticks = (time.monotonic() - started) / 0.01
         child.start()
-        found = wait_for(lambda: any(key.pid == child.pid for key in tracker._live), _WAIT_S)
+        table = tracker._sampler.table
+        assert table is not None
+        found = wait_for(lambda: any(key.pid == child.pid for key in table.live), _WAIT_S)
         child.kill()
         child.join()
     assert found
     # One tick in _WALK_EVERY, give or take the wait's own overshoot; all of them before.
-    assert (
-        0.5 * ticks / tracker_module._WALK_EVERY
-        <= taken
-        <= 1.5 * ticks / tracker_module._WALK_EVERY
-    )
-
-
-@pytest.mark.parametrize(
-    ("since_walk", "memory_s", "lists_s", "memory_moved", "ticks"),
-    [
-        # Lists paced out for 0.5 s: the next memory read, in 25 ms.
-        (0, 0.025, 0.5, False, 3),
-        # The next walk comes first.
-        (2, 0.025, 0.5, False, 2),
-        (3, 0.025, 0.5, False, 1),
-        # Lists due again, but memory has not moved since they were read: the memory read.
-        (0, 0.025, -0.1, False, 3),
-        # Memory moved since the lists were read: they are due at once...
-        (0, 0.025, -0.1, True, 1),
-        # ... or when their gap ends (25 ms), before the next memory read.
-        (0, 0.2, 0.025, True, 3),
-        # A memory read already due.
-        (0, -0.002, 0.5, False, 1),
-        # Nothing due before the next walk.
-        (0, 0.2, 0.5, False, 4),
-    ],
-)
-def test_the_sampler_sleeps_through_ticks_up_to_the_next_due_read_or_walk(
-    fake_nvml: FakePynvml,
-    since_walk: int,
-    memory_s: float,
-    lists_s: float,
-    memory_moved: bool,
-    ticks: int,
-) -> None:
-    """NOTE [idle ticks], at 10 ms ticks; times are from now."""
-    del fake_nvml
-    with Tracker(grace=0.0, interval=3600.0) as tracker, tracker._lock:
-        tracker._interval_s = 0.01  # the sampler waits out its hour; this only sets the unit
-        now_s = time.perf_counter()
-        tracker._ticks_since_walk = since_walk
-        tracker._memory_due_s = now_s + memory_s
-        tracker._lists_due_s = now_s + lists_s
-        tracker._device_used = {0: 2 * MIB if memory_moved else MIB}
-        tracker._used_at_lists = {0: MIB}
-        assert tracker._ticks_until_work() == ticks
+    assert 0.5 * ticks / pacing_module.WALK_EVERY <= taken <= 1.5 * ticks / pacing_module.WALK_EVERY
 
 
 def test_cost_counts_sampler_and_caller_time_apart_and_nested_calls_once() -> None:
@@ -487,9 +444,9 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     """NOTE [tracker lifecycle]: ticks that do not walk /proc still read NVML where device
     memory moved; a PID new on the GPU is placed in the tree at once, never taken for a
     foreign process."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)  # the sampler never walks
+    monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)  # the sampler never walks
     device = fake_nvml.devices[0]
     known = CTX.Process(target=_hold, args=(30,))
     # Started without this session's tag: only the walk can tell it is the job's.
@@ -542,9 +499,9 @@ def _epoch_with_a_holder(
     """One epoch of a tracker whose sampler never walks, around a live child: ``body`` sets
     what the child holds on the fake device (given the device, the child's PID and the
     tracker). Returns the closed tracker and the child's record of the epoch."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 10**9)
+    monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)
     device = fake_nvml.devices[0]
     holder = CTX.Process(target=_hold, args=(30,))
     try:
@@ -632,10 +589,10 @@ def test_list_reads_are_paced_by_their_cpu_time(
     """NOTE [nvml pacing]: device memory moves on every tick of a 1.5 s window; the sampler
     reads the lists as often as their CPU time and the longest gap allow (``fewest`` to
     ``most`` times), and ``sample()`` is not paced."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_NVML_SHARE", share)
-    monkeypatch.setattr(tracker_module, "_NVML_MAX_GAP_S", max_gap_s)
+    monkeypatch.setattr(pacing_module, "LIST_SHARE", share)
+    monkeypatch.setattr(pacing_module, "MAX_GAP_S", max_gap_s)
     calls = fake_nvml.calls
     counted: dict[str, float] = {}
 
@@ -680,11 +637,11 @@ def test_memory_reads_take_a_quarter_of_the_nvml_share(
     used 4 ms of CPU keeps the next away 160 ms, so ticks 50 ms apart read memory on one in
     three or four (a late tick only makes reads more frequent, never less); reads of no cost
     come on every tick. Memory holds still, so no tick reads the lists."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_NVML_SHARE", 0.1)
-    monkeypatch.setattr(tracker_module, "_MEMORY_SHARE", 0.1 / 4)
-    monkeypatch.setattr(tracker_module, "_NVML_MAX_GAP_S", 10.0)
+    monkeypatch.setattr(pacing_module, "LIST_SHARE", 0.1)
+    monkeypatch.setattr(pacing_module, "MEMORY_SHARE", 0.1 / 4)
+    monkeypatch.setattr(pacing_module, "MAX_GAP_S", 10.0)
     device = fake_nvml.devices[0]
     holder = CTX.Process(target=_hold, args=(30,))
     calls = fake_nvml.calls
@@ -716,9 +673,9 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [list gating]: what the device total cannot show, a walking tick reads."""
-    from leakcheck import tracker as tracker_module
+    from leakcheck.sampling import pacing as pacing_module
 
-    monkeypatch.setattr(tracker_module, "_WALK_EVERY", 3)
+    monkeypatch.setattr(pacing_module, "WALK_EVERY", 3)
     device = fake_nvml.devices[0]
     first, second = (CTX.Process(target=_hold, args=(30,)) for _ in range(2))
     calls = fake_nvml.calls
@@ -758,8 +715,16 @@ _GRAPHICS = "nvmlDeviceGetGraphicsRunningProcesses"
 def _quick_tick(tracker: Tracker, *, paced: bool = False) -> None:
     """One sampler tick without a walk, run here (the tracker's own sampler is idle);
     ``paced``: its NVML reads paced, as the sampler's are."""
-    with tracker._lock:
-        tracker._sample_locked(epoch_end=False, walk=False, quick=True, paced=paced)
+    sampler = tracker._sampler
+    with sampler.lock:
+        plan = sampler.pacing.plan(time.perf_counter(), 0)
+        sampler.sample(
+            epoch_end=False,
+            walk=False,
+            quick=True,
+            read_memory=plan.read_memory if paced else True,
+            lists_paced_out=plan.lists_paced_out if paced else False,
+        )
 
 
 def test_ticks_leave_the_graphics_list_out_until_a_graphics_context_is_seen(

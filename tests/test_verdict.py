@@ -62,7 +62,7 @@ def test_survivor_seen_alive_after_grace_then_gone_is_found() -> None:
         verdict.survivor(survivor_timeline(last_seen_after_s=2.4, exited_after_s=2.5), CONFIG)
     )
     assert found.pid == 1234
-    assert "still alive 2.4 s after it ended" in found.message
+    assert "still alive 2.4 s after epoch 0 ended" in found.message
 
 
 def test_exit_noticed_after_grace_without_a_sighting_after_it_is_not_a_survivor() -> None:
@@ -520,6 +520,7 @@ def test_nvml_unavailable_skips_gpu_rules_but_survivor_still_works() -> None:
 
 def test_rules_registry_names_every_rule() -> None:
     assert set(verdict.RULES) == {
+        "shm",
         "survivor",
         "orphan",
         "growth",

@@ -1,0 +1,607 @@
+"""The sampler: one background thread that reads the job's processes and devices, per epoch.
+
+NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes,
+the processes already below the root: pre-existing, never judged as survivors), exports
+``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them, and starts
+one daemon thread. Each tick reads what ``Pacing`` allows: the devices' used memory, NVML's
+per-PID lists where memory moved, and on every fourth tick the mailbox (exact worker
+identities, their own reports: NOTE [worker mailbox] in mailbox.py) and a quick walk of the
+root's descendants in /proc; a tick whose lists show a PID not placed yet walks at once. An
+epoch end is one synchronous, full sample with the costlier extras (``/dev/nvidia*``
+descriptors, command lines, telemetry); the costliest, a scan of /proc for tagged processes
+reparented between walks (``procs.TagScan``), runs on the sampler's next wake instead, off
+the caller's thread, and in every fresh read (``current_state``) and ``close()``. Survivors
+are judged later, from how long after its epoch's end each process was still seen: so the
+sampler keeps running between epochs, and ``close()`` waits, at most ``grace`` after the
+epoch each was born in, for every process whose survival is not decided yet, whichever
+epoch it came from; then it reads everything once more. Every failure of leakcheck's own is
+caught and recorded, never raised into the user's loop (``strict=True`` re-raises it at the
+next call instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from leakcheck import mailbox, nvml, procs
+from leakcheck.errors import LeakCheckError, UsageError
+from leakcheck.model import (
+    Attribution,
+    DeviceState,
+    EndReason,
+    FinalState,
+    GpuProcess,
+    ProcessEpoch,
+    ProcessKey,
+    TeardownRecord,
+    Timeline,
+)
+from leakcheck.sampling import claims
+from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.cost import CostMeter
+from leakcheck.sampling.pacing import Pacing
+from leakcheck.sampling.table import ProcessTable
+from leakcheck.torch_state import initialized_cuda
+
+__all__ = ["Sampler"]
+
+_MAX_FAILURES = 50
+_T = TypeVar("_T")
+
+
+class _Failures:
+    """leakcheck's own failures: counted per line, kept for the report, raised if strict."""
+
+    def __init__(self, *, strict: bool) -> None:
+        self.strict = strict
+        self.counts: dict[str, int] = {}
+        self.pending: BaseException | None = None
+
+    def record(self, message: str, error: BaseException | None = None) -> None:
+        line = message.splitlines()[0] if message else "unknown failure"
+        if line in self.counts:
+            self.counts[line] += 1
+        elif len(self.counts) < _MAX_FAILURES:
+            self.counts[line] = 1
+        if self.strict and self.pending is None:
+            self.pending = error or LeakCheckError(line)
+
+    def lines(self) -> tuple[str, ...]:
+        return tuple(m if n == 1 else f"{m} (x{n})" for m, n in self.counts.items())
+
+    def raise_pending(self) -> None:
+        if self.pending is not None:
+            error, self.pending = self.pending, None
+            if isinstance(error, LeakCheckError):
+                raise error
+            raise LeakCheckError(f"leakcheck failed (strict mode): {error}") from error
+
+
+class Sampler:
+    """Reads one job's processes and devices in the background; see NOTE [tracker lifecycle].
+
+    Args:
+        root_pid: The job's root process.
+        interval_s: Seconds between ticks.
+        devices: NVML device indices to read (None: all).
+        grace_s: How long a process born in an epoch may outlive it.
+        persistent_workers: Workers that do not say otherwise live across epochs.
+        strict: Keep leakcheck's own failures to raise at the next call.
+        use_nvml: Read NVML at all.
+
+    """
+
+    def __init__(
+        self,
+        *,
+        root_pid: int,
+        interval_s: float,
+        devices: list[int] | None,
+        grace_s: float,
+        persistent_workers: bool,
+        strict: bool,
+        use_nvml: bool,
+    ) -> None:
+        self.root_pid = root_pid
+        self.interval_s = interval_s
+        self.devices = devices
+        self.grace_s = grace_s
+        self.persistent_workers = persistent_workers
+        self.use_nvml = use_nvml
+        self.meter = CostMeter()
+        self.failures = _Failures(strict=strict)
+        self.lock = threading.RLock()
+        # Held until close() releases it: the sampler waits on it between ticks, so a close
+        # wakes it at once (a timed acquire of a plain lock is the cheapest wake measured).
+        self._stop_gate = threading.Lock()
+        self._stop_gate.acquire()
+        self._thread: threading.Thread | None = None
+        self.started = self.closed = self._stopping = self._sampling = False
+        self._t0 = 0.0
+        self.started_unix_s = 0.0
+        self.session_id = ""
+        self.root_key = ProcessKey(root_pid, 0.0)
+        self._mailbox_dir: str | None = None
+        self._inbox: mailbox.Inbox | None = None
+        self._saved_env: dict[str, str | None] = {}
+        self._tag_scan: procs.TagScan | None = None
+        self._tag_scan_due = False
+        self._nvml: nvml.Nvml | None = None
+        self._accounting_devices: tuple[int, ...] = ()
+        self.attribution: Attribution = "nvml-unavailable"
+        self.attribution_reason = "tracking has not started"
+        self.baseline_devices: tuple[DeviceState, ...] = ()
+        self.baseline_gpu_bytes: dict[int, int] = {}
+        self.table: ProcessTable | None = None
+        self.book = EpochBook(grace_s=grace_s)
+        self.pacing = Pacing(interval_s, has_nvml=False)
+        self.teardowns: list[TeardownRecord] = []
+        self.final: FinalState | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def now(self) -> float:
+        """Seconds since the start, on the clock of every record."""
+        return time.monotonic() - self._t0
+
+    def start(self) -> None:
+        """Take the baseline and start the thread (NOTE [tracker lifecycle])."""
+        with self.lock:
+            if self.started:
+                return
+            root_key = procs.process_key(self.root_pid)
+            if root_key is None:
+                raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
+            self.started = True
+            self._t0 = time.monotonic()
+            self.started_unix_s = time.time()
+            self.root_key = root_key
+            self.session_id = procs.new_session_id(self.root_pid)
+            self._tag_scan = procs.TagScan(self.session_id, born_since=root_key)
+            self._mailbox_dir = self.guard(mailbox.create, "mailbox")
+            if self._mailbox_dir:
+                self._inbox = mailbox.Inbox(self._mailbox_dir)
+            if self.root_pid == os.getpid():
+                self._export_env()
+            self._open_nvml()
+            self.table = ProcessTable(
+                root_key,
+                procs.read_proc(self.root_pid),
+                session=self.session_id,
+                persistent_workers=self.persistent_workers,
+            )
+            for info in self.guard(lambda: procs.descendants(self.root_pid), "lineage") or []:
+                self.table.add(info, now=0.0, born_epoch=None, pre_existing=True)
+            self.sample(epoch_end=False)
+            self.baseline_devices = self._read_devices()
+            self.baseline_gpu_bytes = dict(self.table.procs[root_key].gpu_bytes)
+        self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
+        self.meter.sampler_thread = self._thread
+        self._thread.start()
+
+    def close(self) -> None:
+        """Close an open epoch, wait out pending survivors, stop, take the final state."""
+        if not self.started or self.closed:
+            self.closed = True
+            return
+        self.end_epoch("closed", None)
+        self._wait_for_grace()
+        if not self._stopping:
+            self._stopping = True
+            with contextlib.suppress(RuntimeError):  # a concurrent close() released it
+                self._stop_gate.release()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 10 * self.interval_s))
+        with self.lock:
+            self.final = self.current_state(closed=True)
+            self.closed = True
+            self._restore_env()
+            if self._mailbox_dir:
+                mailbox.remove(self._mailbox_dir)
+
+    def _run(self) -> None:
+        ticks = 1  # how many ticks the next wait spans (NOTE [idle ticks])
+        while not self._stop_gate.acquire(timeout=ticks * self.interval_s):
+            cpu_start_s = time.thread_time()
+            with self.lock:
+                if self.closed:
+                    return
+                scan_tags, self._tag_scan_due = self._tag_scan_due, False
+                plan = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
+                self.sample(
+                    epoch_end=False,
+                    scan_tags=scan_tags,
+                    walk=plan.walk,
+                    quick=True,
+                    read_memory=plan.read_memory,
+                    lists_paced_out=plan.lists_paced_out,
+                )
+                ticks = self.pacing.ticks_until_work(time.perf_counter())
+            self.meter.sampler_ran(time.thread_time() - cpu_start_s)
+
+    def _wait_for_grace(self) -> None:
+        """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
+        assert self.table is not None
+        with self.lock:
+            pending, deadline = self.book.pending_survivors(self.table)
+        while pending and self.now() < deadline and not self._stopping:
+            time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
+            with self.lock:
+                pending = [proc for proc in pending if proc.exited_s is None]
+        # One more sample at the deadline, so "alive after the grace" is an observation.
+        with self.lock:
+            self.sample(epoch_end=False)
+
+    # -- epochs and workers --------------------------------------------------------------
+
+    def begin_epoch(self, label: str | None) -> int:
+        """Open an epoch (closing an open one as ``closed``)."""
+        self.end_epoch("closed", None)
+        with self.lock:
+            index = self.book.begin(label, self.now())
+            claims.epoch_opened(self.session_id)
+            assert self.table is not None
+            self.table.changed = True
+            return index
+
+    def end_epoch(self, reason: EndReason, error: str | None, batches: int | None = None) -> None:
+        """Close the open epoch with a full sample; a no-op when none is open."""
+        with self.lock:
+            if self.book.open is None or self.table is None:
+                return
+            self.sample(epoch_end=True)
+            self._tag_scan_due = True
+            self.book.end(
+                self.table,
+                now=self.now(),
+                reason=reason,
+                error=error,
+                devices=self._read_devices(),
+                batches=batches,
+            )
+            claims.epoch_closed(self.session_id)
+
+    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
+        """Declare ``key`` a worker of this job (exact identity, not a guess)."""
+        with self.lock:
+            if self.table is None or self.closed:
+                return
+            self.table.register_worker(
+                key, persistent, now=self.now(), born_epoch=self.book.open_index
+            )
+            self.book.see(key)
+
+    # -- one sample ----------------------------------------------------------------------
+
+    def guard(self, call: Callable[[], _T], what: str) -> _T | None:
+        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
+        try:
+            return call()
+        except Exception as error:
+            self.failures.record(f"{what}: {type(error).__name__}: {error}", error)
+            return None
+
+    def sample(
+        self,
+        *,
+        epoch_end: bool,
+        scan_tags: bool = False,
+        walk: bool = True,
+        quick: bool = False,
+        read_memory: bool = True,
+        lists_paced_out: bool = False,
+    ) -> None:
+        """One sample; the caller holds the lock. Unpaced unless the sampler's tick says so."""
+        if self.closed or self._sampling or self.table is None:
+            # Re-entered from the same thread (the lock is re-entrant): a loader iterator
+            # collected by the garbage collector mid-sample closes its epoch from inside
+            # this one. That epoch end uses the sample in progress.
+            return
+        self._sampling = True
+        started = time.perf_counter()
+        try:
+            self._sample(epoch_end, scan_tags, walk, quick, read_memory, lists_paced_out)
+        except Exception as error:
+            # Anything unforeseen is recorded, never raised into the caller's loop (and a
+            # dead sampler thread would silently stop tracking); the next sample retries.
+            self.failures.record(f"sample: {type(error).__name__}: {error}", error)
+        finally:
+            self._sampling = False
+            self.meter.sample_taken(time.perf_counter() - started)
+
+    def _sample(
+        self,
+        epoch_end: bool,
+        scan_tags: bool,
+        walk: bool,
+        quick: bool,
+        read_memory: bool,
+        lists_paced_out: bool,
+    ) -> None:
+        table = self.table
+        assert table is not None
+        now = self.now()
+        if self._inbox is not None and walk:
+            inbox = self._inbox
+            self.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+        device_used: dict[int, int] | None = None
+        if self._nvml is not None and read_memory:
+            device_used = self._read_memory()
+        gpu: tuple[GpuProcess, ...] | None = None
+        new_on_gpu = False
+        if not walk and not lists_paced_out and self.pacing.lists_due(quick=quick):
+            gpu = self._read_lists(graphics=self.pacing.list_graphics(quick=quick))
+            # A process new on the GPU: place it in the tree before attributing it. The list
+            # read before the walk serves: every PID in it existed before the walk began.
+            new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
+        if walk or new_on_gpu:
+            if not self._walk(now, scan_tags=scan_tags, quick=quick):
+                return
+            if not new_on_gpu and not lists_paced_out and self._nvml is not None:
+                gpu = self._read_lists(graphics=True)
+        if gpu is not None:
+            self._attribute(gpu, now)
+        if epoch_end:
+            table.count_nvidia_fds()
+            table.confirm_cmdlines()
+        self.book.note_sample(table, device_used)
+
+    def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
+        table = self.table
+        assert table is not None
+        self.pacing.walked()
+        lineage = self.guard(
+            lambda: procs.descendants(self.root_pid, with_cmdline=False, quick=quick), "lineage"
+        )
+        if lineage is None:
+            return False
+        born = self.book.open_index
+        table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
+        scan = self._tag_scan
+        if scan_tags and scan is not None:
+            found = self.guard(lambda: scan.scan(table.procs), "tag scan")
+            table.add_reparented(found or [], now=now, born_epoch=born)
+        return True
+
+    def _attribute(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
+        assert self.table is not None
+        missing = self.table.attribute_gpu(gpu, now=now)
+        if missing and self.attribution == "ok" and procs.pid_namespace_nested():
+            self.attribution = "blind-namespace"
+            self.attribution_reason = (
+                f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
+                "namespace (a container without --pid=host?): only device totals are judged"
+            )
+
+    def _read_memory(self) -> dict[int, int] | None:
+        handle = self._nvml
+        assert handle is not None
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        memory = self.guard(lambda: handle.memory(self.devices), "nvml memory")
+        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
+        self.meter.nvml_read(end_s - started, cpu_s)
+        used = {state.index: state.used_bytes for state in memory} if memory is not None else None
+        self.pacing.memory_read(end_s, cpu_s, used)
+        return used
+
+    def _read_lists(self, *, graphics: bool) -> tuple[GpuProcess, ...] | None:
+        handle = self._nvml
+        if handle is None:
+            return None
+        used_before = dict(self.pacing.device_used)
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        result = self.guard(
+            lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
+        )
+        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
+        self.meter.nvml_read(end_s - started, cpu_s)
+        graphics_seen = None
+        if result is not None and graphics:
+            graphics_seen = any(entry.kind != "compute" for entry in result)
+        self.pacing.lists_read(
+            end_s,
+            cpu_s,
+            used_before=used_before,
+            ok=result is not None,
+            graphics_seen=graphics_seen,
+        )
+        return result
+
+    def _read_devices(self) -> tuple[DeviceState, ...]:
+        """Memory and telemetry of the watched devices (epoch ends, baseline, final state)."""
+        handle = self._nvml
+        if handle is None:
+            return ()
+        states = self.guard(lambda: handle.devices(self.devices), "nvml devices")
+        return tuple(states) if states else ()
+
+    # -- the mailbox: exact identities and the workers' own reports ----------------------
+
+    def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
+        for record in inbox.read(quick=quick):
+            key = mailbox.record_key(record)
+            if key is None:
+                continue
+            if record.get("kind") == "worker":
+                persistent = record.get("persistent")
+                self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+            elif record.get("kind") == "teardown":
+                teardown = mailbox.teardown_record(record, key)
+                self.teardowns.append(teardown)
+                self._apply_report(teardown)
+
+    def _apply_report(self, teardown: TeardownRecord) -> None:
+        """Give a worker's own report of what it held to its epoch's peak.
+
+        NOTE [worker reports] in book.py; a worker that never used CUDA held nothing.
+        """
+        held = teardown.gpu_bytes_by_device
+        if not teardown.cuda_initialized:
+            held = {}
+        if held is None or teardown.monotonic_s is None:
+            return
+        self.book.apply_report(teardown.key, teardown.monotonic_s - self._t0, held)
+
+    def _apply_accounting(self) -> None:
+        """The driver's maxima of exited PIDs, where its accounting mode is already on."""
+        handle, table = self._nvml, self.table
+        if handle is None or table is None or not self._accounting_devices:
+            return
+        for device in self._accounting_devices:
+            try:
+                records = handle.accounting(device)
+            except LeakCheckError as error:
+                self.failures.record(f"nvml accounting: {error}", error)
+                continue
+            for record in records:
+                key = table.by_pid.get(record.pid)
+                proc = table.procs.get(key) if key is not None else None
+                if (
+                    proc is None
+                    or record.is_running
+                    or proc.exited_s is None
+                    or record.max_memory_bytes is None
+                ):
+                    continue
+                self.book.apply_report(
+                    proc.key, proc.exited_s - 1e-3, {device: record.max_memory_bytes}
+                )
+
+    # -- results -------------------------------------------------------------------------
+
+    def current_state(self, *, closed: bool = False) -> FinalState:
+        """A fresh, full read of who is alive now and what each holds (caller holds the lock)."""
+        self.sample(epoch_end=True, scan_tags=True)
+        self._apply_accounting()
+        table = self.table
+        assert table is not None
+        last_end = next((e.end_s for e in reversed(self.book.epochs) if e.end_s), None)
+        processes: list[ProcessEpoch] = []
+        for key, proc in sorted(table.live.items()):
+            if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
+                continue
+            processes.append(
+                ProcessEpoch(
+                    key=key,
+                    role=table.role(proc),
+                    ppid=proc.ppid,
+                    cmdline=proc.cmdline,
+                    born_in_epoch=False,
+                    persistent=table.persistent(proc),
+                    alive_at_end=True,
+                    last_seen_after_s=(proc.last_seen_s - last_end) if last_end else None,
+                    gpu_bytes_end=dict(proc.gpu_bytes),
+                    gpu_bytes_peak=dict(proc.gpu_bytes),
+                    gpu_bytes_unknown=proc.gpu_unknown,
+                    nvidia_fds=proc.nvidia_fds,
+                )
+            )
+        return FinalState(
+            time_s=self.now(),
+            devices=self._read_devices(),
+            processes=tuple(processes),
+            parent_allocated_gpu_bytes=(
+                _torch_allocated_bytes() if self.root_pid == os.getpid() else None
+            ),
+            others_gpu_bytes=table.others_gpu_bytes(),
+            closed=closed,
+        )
+
+    def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:
+        """All observations so far, frozen (the caller holds the lock)."""
+        assert self.table is not None or not self.started
+        records = (
+            self.book.records(self.table, now=self.now(), last=last_epochs)
+            if self.table is not None
+            else ()
+        )
+        return Timeline(
+            session_id=self.session_id,
+            root=self.root_key,
+            started_unix_s=self.started_unix_s,
+            attribution=self.attribution,
+            attribution_reason=self.attribution_reason,
+            baseline_devices=self.baseline_devices,
+            baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
+            epochs=records,
+            final=final,
+            failures=self.failures.lines(),
+            teardowns=tuple(self.teardowns),
+        )
+
+    # -- environment and NVML ------------------------------------------------------------
+
+    def _export_env(self) -> None:
+        values = {procs.SESSION_ENV: self.session_id}
+        if self._mailbox_dir:
+            values[mailbox.MAILBOX_ENV] = self._mailbox_dir
+        for name, value in values.items():
+            self._saved_env[name] = os.environ.get(name)
+            os.environ[name] = value
+
+    def _restore_env(self) -> None:
+        exported = {procs.SESSION_ENV: self.session_id, mailbox.MAILBOX_ENV: self._mailbox_dir}
+        for name, value in self._saved_env.items():
+            if os.environ.get(name) != exported.get(name):
+                continue  # someone else changed it since: leave theirs
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved_env.clear()
+
+    def _open_nvml(self) -> None:
+        self.pacing = Pacing(self.interval_s, has_nvml=False)
+        if not self.use_nvml:
+            self.attribution_reason = "NVML reading is off (use_nvml=False): host-side checks only"
+            return
+        available, reason = nvml.availability()
+        if not available:
+            self.attribution_reason = reason
+            return
+        handle = self.guard(nvml.get, "nvml")
+        if handle is None:
+            self.attribution_reason = next(reversed(self.failures.counts), "NVML failed to start")
+            return
+        if not (self.guard(handle.device_count, "nvml") or 0):
+            self.attribution = "no-gpu"
+            self.attribution_reason = "NVML sees no NVIDIA GPU: host-side checks only"
+            return
+        self._nvml = handle
+        self.attribution, self.attribution_reason = "ok", ""
+        self.pacing = Pacing(self.interval_s, has_nvml=True)
+        # Accounting is read where an administrator switched it on; never switched on here.
+        indices = self.devices if self.devices is not None else handle.device_indices()
+        enabled: list[int] = []
+        for index in indices:
+            with contextlib.suppress(LeakCheckError):
+                if handle.accounting_enabled(index):
+                    enabled.append(index)
+        self._accounting_devices = tuple(enabled)
+
+
+def _torch_allocated_bytes() -> int | None:
+    """Bytes the torch allocator holds in this process, where CUDA is initialised already."""
+    cuda = initialized_cuda()
+    if cuda is None:
+        return None
+    try:
+        return int(sum(cuda.memory_allocated(index) for index in range(cuda.device_count())))
+    except Exception:
+        return None
+
+
+def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
+    """Map how an epoch ended (the exception, or None) to its end reason and error line."""
+    if error is None:
+        return "completed", None
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupt", "KeyboardInterrupt"
+    if isinstance(error, GeneratorExit):
+        return "break", None
+    return "exception", f"{type(error).__name__}: {error}".splitlines()[0]

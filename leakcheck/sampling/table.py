@@ -1,0 +1,344 @@
+"""The process table of one tracker: every process of the job it placed, and what it holds.
+
+A process is an identity ``(pid, create_time)`` with a mutable record: its parent, command
+line, when it was first and last seen alive, when it was seen gone, the GPU bytes NVML
+last listed for it, and whether it is this tracker's own (NOTE [claims] in claims.py). The
+sampler feeds it what a walk of /proc and a read of NVML's lists found; roles and
+persistence are answered here, once, for the epoch book and the final state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from leakcheck import nvml, procs
+from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck.roles import is_runtime_helper
+from leakcheck.sampling import claims
+from leakcheck.units import shorten_cmdline
+
+__all__ = ["CMDLINE_CHARS", "Proc", "ProcessTable"]
+
+CMDLINE_CHARS = 160
+"""Command lines are kept this long (reports shorten them further for display)."""
+
+
+@dataclass
+class Proc:
+    """Mutable record of one identity, owned by the table (under the sampler's lock)."""
+
+    key: ProcessKey
+    ppid: int
+    cmdline: str
+    first_seen_s: float
+    last_seen_s: float
+    born_epoch: int | None
+    pre_existing: bool
+    exited_s: float | None = None
+    in_lineage: bool = True
+    foreign: bool = False
+    own: bool = True
+    """This tracker's (NOTE [claims]); another tracker's processes are counted, not judged."""
+    gpu_bytes: dict[int, int] = field(default_factory=dict)
+    gpu_unknown: bool = False
+    nvidia_fds: int | None = None
+    cmdline_confirmed: bool = False
+    """The command line was read after the process exec'd (it differs from its parent's)."""
+
+
+def _stored(cmdline: str) -> str:
+    return shorten_cmdline(cmdline, CMDLINE_CHARS, empty="")
+
+
+class ProcessTable:
+    """Every process one tracker placed: its lineage, orphans, foreign GPU holders.
+
+    Args:
+        root: The job's root.
+        root_info: What /proc says of the root (None: unreadable).
+        session: The tracker's session id (its claims, its tag).
+        persistent_workers: Workers that did not say otherwise live across epochs.
+
+    """
+
+    def __init__(
+        self,
+        root: ProcessKey,
+        root_info: ProcInfo | None,
+        *,
+        session: str,
+        persistent_workers: bool,
+    ) -> None:
+        self.root = root
+        self.session = session
+        self.persistent_workers = persistent_workers
+        self.procs: dict[ProcessKey, Proc] = {}
+        # The live subset: each walk checks it, not every process ever seen (a long run with
+        # per-epoch workers sees thousands).
+        self.live: dict[ProcessKey, Proc] = {}
+        self.by_pid: dict[int, ProcessKey] = {}
+        self.workers: dict[ProcessKey, bool | None] = {}
+        """Workers that reported themselves: identity -> persistent (None: unknown)."""
+        self.changed = True
+        """Set when processes or their bytes changed: the open epoch's peaks are stale."""
+        root_proc = Proc(
+            key=root,
+            ppid=root_info.ppid if root_info else 0,
+            cmdline=_stored(root_info.cmdline if root_info else ""),
+            first_seen_s=0.0,
+            last_seen_s=0.0,
+            born_epoch=None,
+            pre_existing=True,
+        )
+        self.procs[root] = self.live[root] = root_proc
+        self.by_pid[root.pid] = root
+
+    # -- placing processes ---------------------------------------------------------------
+
+    def add(
+        self, info: ProcInfo, *, now: float, born_epoch: int | None, pre_existing: bool = False
+    ) -> Proc:
+        """Place a process seen for the first time, claimed as NOTE [claims] says."""
+        parent = self.by_pid.get(info.ppid)
+        owner = claims.claim(info.key, parent, self.session)
+        proc = Proc(
+            key=info.key,
+            ppid=info.ppid,
+            cmdline=_stored(info.cmdline or info.name),
+            first_seen_s=now,
+            last_seen_s=now,
+            born_epoch=born_epoch,
+            pre_existing=pre_existing,
+            own=owner == self.session,
+        )
+        self.procs[info.key] = self.live[info.key] = proc
+        self.by_pid[info.key.pid] = info.key
+        self.changed = True
+        return proc
+
+    def apply_walk(
+        self,
+        lineage: list[ProcInfo],
+        *,
+        now: float,
+        quick: bool,
+        born_epoch: int | None,
+    ) -> None:
+        """Fold one walk of the root's descendants in: new, reparented, exited processes.
+
+        ``quick`` (the sampler's ticks): NOTE [quick walk] in procs.py; a process missing
+        from a quick walk is only judged reparented by the next full one.
+        """
+        current: set[ProcessKey] = {self.root}
+        for info in lineage:
+            proc = self.procs.get(info.key)
+            if proc is None:
+                # Walks read no command lines; a process new to the table is read once.
+                full = procs.read_proc(info.key.pid) or info
+                proc = self.add(full, now=now, born_epoch=born_epoch)
+            proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            current.add(info.key)
+        self.procs[self.root].last_seen_s = now
+        gone: list[ProcessKey] = []
+        for key, proc in list(self.live.items()):
+            if key not in current:
+                if procs.is_alive(key):
+                    proc.last_seen_s = now
+                    if not proc.foreign and not quick:
+                        proc.in_lineage = False  # alive but no longer below the root
+                        moved = procs.read_proc(key.pid, with_cmdline=False)
+                        if moved is not None:
+                            proc.ppid = moved.ppid
+                else:
+                    self.mark_exited(proc, now)
+                    gone.append(key)
+            if key != self.root:
+                owner = claims.owner_of(key)
+                proc.own = owner is None or owner == self.session
+        claims.forget(gone)
+
+    def add_reparented(self, found: list[ProcInfo], *, now: float, born_epoch: int | None) -> None:
+        """Place tagged processes a tag scan found outside the lineage (reparented away)."""
+        for info in found:
+            proc = self.add(info, now=now, born_epoch=born_epoch)
+            proc.in_lineage = False
+
+    def mark_exited(self, proc: Proc, now: float) -> None:
+        """Record that ``proc`` was seen gone at ``now``."""
+        proc.exited_s = now
+        proc.gpu_bytes = {}
+        self.live.pop(proc.key, None)
+        self.changed = True
+
+    def register_worker(
+        self, key: ProcessKey, persistent: bool | None, *, now: float, born_epoch: int | None
+    ) -> Proc:
+        """Declare ``key`` a worker of this tracker (exact identity from the mailbox).
+
+        A worker that lived and died between two walks is known from its record alone:
+        it is kept, born and gone now.
+        """
+        self.workers[key] = persistent
+        claims.claim_worker(key, self.session)
+        proc = self.procs.get(key)
+        if proc is None:
+            info = procs.read_proc(key.pid)
+            if info is not None and info.key == key:
+                proc = self.add(info, now=now, born_epoch=born_epoch)
+            else:
+                proc = self.add(
+                    ProcInfo(key=key, ppid=self.root.pid, name="", cmdline=""),
+                    now=now,
+                    born_epoch=born_epoch,
+                )
+                self.mark_exited(proc, now)
+        proc.own = True
+        self.changed = True
+        return proc
+
+    # -- GPU memory ----------------------------------------------------------------------
+
+    def attribute_gpu(self, gpu: tuple[GpuProcess, ...], *, now: float) -> list[int]:
+        """Give every live process the bytes NVML lists for it now.
+
+        Returns:
+            PIDs NVML lists that do not exist here (another PID namespace, or exited).
+
+        """
+        by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)
+        self.changed = True
+        for proc in self.live.values():
+            proc.gpu_bytes, proc.gpu_unknown = {}, False
+        missing: list[int] = []
+        for pid, per_device in by_pid.items():
+            key = self.by_pid.get(pid)
+            known = self.procs.get(key) if key is not None else None
+            if known is not None and known.exited_s is not None and procs.process_key(pid) == key:
+                continue  # exiting: NVML lists it until its context is gone
+            target = (
+                known
+                if known is not None and known.exited_s is None
+                else self._adopt_gpu_pid(pid, now)
+            )
+            if target is None:
+                missing.append(pid)
+                continue
+            target.gpu_bytes = per_device
+            target.gpu_unknown = pid in unknown
+        return missing
+
+    def _adopt_gpu_pid(self, pid: int, now: float) -> Proc | None:
+        """Place a GPU PID the walks did not see: a tagged orphan of this session, or foreign."""
+        info = procs.read_proc(pid, session_id=self.session)
+        if info is None:
+            return None
+        proc = self.procs.get(info.key)
+        if proc is not None:
+            # Never replace what is known of a process: an exiting one is still ours.
+            return proc if proc.exited_s is None else None
+        if not info.tagged and claims.owner_of(info.key) is None:
+            proc = Proc(
+                key=info.key,
+                ppid=info.ppid,
+                cmdline=_stored(info.cmdline or info.name),
+                first_seen_s=now,
+                last_seen_s=now,
+                born_epoch=None,
+                pre_existing=False,
+                foreign=True,
+                in_lineage=False,
+            )
+            self.procs[info.key] = self.live[info.key] = proc
+            self.by_pid[pid] = info.key
+            return proc
+        proc = self.add(info, now=now, born_epoch=None)
+        proc.in_lineage = procs.is_ancestor(self.root.pid, pid)
+        return proc
+
+    def others_gpu_bytes(self) -> dict[int, int]:
+        """GPU bytes per device of the live processes another tracker owns."""
+        total: dict[int, int] = {}
+        for proc in self.live.values():
+            if proc.own or proc.foreign:
+                continue
+            for device, used in proc.gpu_bytes.items():
+                total[device] = total.get(device, 0) + used
+        return total
+
+    # -- epoch-end extras ----------------------------------------------------------------
+
+    def count_nvidia_fds(self) -> None:
+        """Count each own live process's ``/dev/nvidia*`` descriptors (epoch ends)."""
+        for proc in self.live.values():
+            if proc.own and not proc.foreign:
+                proc.nvidia_fds = self._job_nvidia_fds(proc)
+
+    def _job_nvidia_fds(self, proc: Proc) -> int | None:
+        """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.
+
+        Leaves out those NVML opened for leakcheck in the root, which a forked child merely
+        inherited (NOTE [descriptors] in nvml.py).
+        """
+        found = procs.nvidia_fds(proc.key.pid)
+        if found is None:
+            return None
+        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
+        if proc.key == self.root:
+            return len(set(found) - own)
+        forked = proc.cmdline == self.procs[self.root].cmdline
+        return len(set(found) - own) if forked else len(found)
+
+    def confirm_cmdlines(self) -> None:
+        """Re-read at an epoch end the command lines that may still be a parent's.
+
+        A child first seen between fork and exec showed its parent's command line. One that
+        differs from its parent's has exec'd and is not read again; a forked child that
+        never execs matches its parent and is read at each epoch end (one small read).
+        """
+        for key, proc in self.live.items():
+            if proc.foreign or proc.cmdline_confirmed or key == self.root or not proc.own:
+                continue
+            info = procs.read_proc(key.pid)
+            if info is None or info.key != key:
+                continue
+            proc.cmdline = _stored(info.cmdline or info.name)
+            parent_key = self.by_pid.get(proc.ppid)
+            parent = self.procs.get(parent_key) if parent_key is not None else None
+            proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
+
+    # -- what a process is ---------------------------------------------------------------
+
+    def role(self, proc: Proc) -> Role:
+        """Where ``proc`` stands relative to the job (DESIGN.md, attribution model)."""
+        if proc.key == self.root:
+            return "parent"
+        if proc.foreign:
+            return "foreign"
+        if not proc.in_lineage:
+            return "orphan"
+        if proc.key in self.workers:
+            return "worker"
+        # Without exact identities (no worker reported itself), a direct child is taken for
+        # a pool worker; once workers report, every other process is a descendant.
+        if not self.workers and proc.ppid == self.root.pid and not is_runtime_helper(proc.cmdline):
+            return "worker"
+        return "descendant"
+
+    @staticmethod
+    def _baseline_helper(proc: Proc) -> bool:
+        """A runtime helper that pins nothing on the GPU: a baseline, never a survivor."""
+        return (
+            is_runtime_helper(proc.cmdline)
+            and not any(proc.gpu_bytes.values())
+            and not proc.nvidia_fds
+        )
+
+    def persistent(self, proc: Proc) -> bool:
+        """Whether ``proc`` is expected to outlive the epoch it was born in."""
+        if proc.key == self.root or proc.pre_existing or self._baseline_helper(proc):
+            return True
+        if self.role(proc) != "worker":
+            return False
+        registered = self.workers.get(proc.key)
+        return self.persistent_workers if registered is None else registered

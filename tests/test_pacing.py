@@ -1,0 +1,124 @@
+"""The sampler's pacing policy, driven with made-up times: no thread, no clock, no NVML."""
+
+from __future__ import annotations
+
+import pytest
+
+from leakcheck.model import MIB
+from leakcheck.sampling.pacing import Pacing
+
+_TICK_S = 0.01
+
+
+def _pacing(**kwargs: float | int) -> Pacing:
+    return Pacing(_TICK_S, has_nvml=True, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("since_walk", "memory_s", "lists_s", "memory_moved", "ticks"),
+    [
+        # Lists paced out for 0.5 s: the next memory read, in 25 ms.
+        (0, 0.025, 0.5, False, 3),
+        # The next walk comes first.
+        (2, 0.025, 0.5, False, 2),
+        (3, 0.025, 0.5, False, 1),
+        # Lists due again, but memory has not moved since they were read: the memory read.
+        (0, 0.025, -0.1, False, 3),
+        # Memory moved since the lists were read: they are due at once...
+        (0, 0.025, -0.1, True, 1),
+        # ... or when their gap ends (25 ms), before the next memory read.
+        (0, 0.2, 0.025, True, 3),
+        # A memory read already due.
+        (0, -0.002, 0.5, False, 1),
+        # Nothing due before the next walk.
+        (0, 0.2, 0.5, False, 4),
+    ],
+)
+def test_the_sampler_sleeps_through_ticks_up_to_the_next_due_read_or_walk(
+    since_walk: int, memory_s: float, lists_s: float, memory_moved: bool, ticks: int
+) -> None:
+    """NOTE [idle ticks], at 10 ms ticks; times are from ``now``."""
+    now = 100.0
+    pacing = _pacing()
+    pacing.ticks_since_walk = since_walk
+    pacing.memory_due_s = now + memory_s
+    pacing.lists_due_s = now + lists_s
+    pacing.device_used = {0: 2 * MIB if memory_moved else MIB}
+    pacing.used_at_lists = {0: MIB}
+    assert pacing.ticks_until_work(now) == ticks
+
+
+def test_without_nvml_only_walking_ticks_are_taken() -> None:
+    pacing = Pacing(_TICK_S, has_nvml=False)
+    taken = []
+    now, ticks = 0.0, 1
+    for _ in range(5):
+        now += ticks * _TICK_S
+        plan = pacing.plan(now, ticks)
+        assert not plan.read_memory
+        if plan.walk:
+            pacing.walked()
+        taken.append(plan.walk)
+        ticks = pacing.ticks_until_work(now)
+    assert taken == [False, True, True, True, True]  # after the first, each wake walks
+    assert not pacing.lists_due(quick=True)
+
+
+def test_a_read_keeps_its_kind_away_for_its_cpu_time_over_the_share() -> None:
+    """NOTE [nvml pacing]: memory reads take a quarter of the lists' share."""
+    pacing = _pacing(list_share=0.1, memory_share=0.025, max_gap_s=10.0)
+    pacing.memory_read(end_s=1.0, cpu_s=0.004, used={0: MIB})
+    assert pacing.memory_due_s == pytest.approx(1.0 + 0.004 / 0.025)  # 160 ms
+    assert not pacing.plan(1.1, 1).read_memory
+    assert pacing.plan(1.17, 1).read_memory
+    pacing.lists_read(1.0, 0.004, used_before={0: MIB}, ok=True, graphics_seen=False)
+    assert pacing.lists_due_s == pytest.approx(1.04)
+    assert pacing.plan(1.03, 1).lists_paced_out
+    assert not pacing.plan(1.05, 1).lists_paced_out
+
+
+def test_a_costly_read_is_left_out_no_longer_than_the_longest_gap() -> None:
+    pacing = _pacing(max_gap_s=1.0)
+    pacing.lists_read(5.0, 3.0, used_before={}, ok=True, graphics_seen=None)
+    assert pacing.lists_due_s == pytest.approx(6.0)
+
+
+def test_free_reads_come_on_every_tick() -> None:
+    pacing = _pacing()
+    now = 0.0
+    for _ in range(20):
+        now += _TICK_S
+        assert pacing.plan(now, 1).read_memory
+        pacing.memory_read(now, 0.0, {0: MIB})
+
+
+def test_lists_are_gated_by_device_memory_and_retried_after_a_failure() -> None:
+    """NOTE [list gating]."""
+    pacing = _pacing()
+    assert pacing.lists_due(quick=True)  # nothing read yet
+    pacing.memory_read(0.0, 0.0, {0: MIB})
+    pacing.lists_read(0.0, 0.0, used_before={0: MIB}, ok=True, graphics_seen=False)
+    assert not pacing.lists_due(quick=True)  # memory where it was at the list read
+    assert pacing.lists_due(quick=False)  # unpaced samples always read them
+    pacing.memory_read(0.1, 0.0, {0: 2 * MIB})
+    assert pacing.lists_due(quick=True)
+    pacing.lists_read(0.1, 0.0, used_before={0: 2 * MIB}, ok=False, graphics_seen=None)
+    assert pacing.lists_due(quick=True)  # a failed read matches nothing: read again
+
+
+def test_quick_list_reads_leave_the_graphics_list_out_until_one_is_seen() -> None:
+    pacing = _pacing()
+    assert pacing.list_graphics(quick=True)  # not known yet: read it
+    pacing.lists_read(0.0, 0.0, used_before={}, ok=True, graphics_seen=False)
+    assert not pacing.list_graphics(quick=True)
+    assert pacing.list_graphics(quick=False)
+    pacing.lists_read(0.0, 0.0, used_before={}, ok=True, graphics_seen=None)  # left out
+    assert not pacing.list_graphics(quick=True)
+    pacing.lists_read(0.0, 0.0, used_before={}, ok=True, graphics_seen=True)
+    assert pacing.list_graphics(quick=True)
+
+
+def test_a_due_tag_scan_walks_at_once() -> None:
+    pacing = _pacing()
+    assert not pacing.plan(0.0, 1).walk
+    assert pacing.plan(0.0, 1, walk_now=True).walk

@@ -41,7 +41,7 @@ instead of leakcheck's own.
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
        [--variant watch|no-sampler|control] [--write]
-       (--write: benchmarks/results/watch-<device>-<date>.{json,md})
+       (--write: benchmarks/results/watch-<machine>[-<variant>].{json,md}, see results_io.py)
 The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~1.5 s:
 28 blocks, about 1.5 minutes with start-up.
 """
@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvml_share
 import stats
 import torch
-from results_io import host_meta, stamped, write_result
+from results_io import host_meta, machine, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -386,7 +386,15 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_result(stamped(f"watch-{device.type}"), payload, text)
+        # The loader on the CPU of a GPU machine is not that machine's GPU result.
+        cpu_loader = not use_cuda and machine() != "cpu"
+        stem = result_stem(
+            "watch",
+            "" if args.variant == "watch" else args.variant,
+            nvml_share.variant(share),
+            "cpu-loader" if cpu_loader else "",
+        )
+        write_result(stem, payload, text)
     return 0
 
 

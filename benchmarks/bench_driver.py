@@ -1,12 +1,11 @@
 """Does leakcheck's NVML reading slow the job's own driver calls? Measured directly.
 
 The loader benchmarks (``bench_sweep.py``, ``bench_watch.py``) time whole epochs, whose
-run-to-run noise (worker start-up: 10-24 points on an H200, docs/gpu-test-log.md run 18)
-drowns a 2% goal; and their accounted cost cannot see the workers waiting in the driver
-while the sampler's NVML reads hold its lock. This benchmark isolates that wait, in its worst
-case: ``--workers`` child processes do nothing but driver calls, counting them, while the
-parent alternates blocks with a ``Tracker`` sampling them (as ``leakcheck sweep`` does) and
-blocks without one. ``--op``:
+run-to-run noise (mostly worker start-up) drowns a 2% goal; and their accounted cost cannot
+see the workers waiting in the driver while the sampler's NVML reads hold its lock. This
+benchmark isolates that wait, in its worst case: ``--workers`` child processes do nothing
+but driver calls, counting them, while the parent alternates blocks with a ``Tracker``
+sampling them (as ``leakcheck sweep`` does) and blocks without one. ``--op``:
 
 * ``context`` (the default): create and destroy the device's primary context
   (``cuDevicePrimaryCtxRetain`` then ``cuDevicePrimaryCtxRelease``), the driver work of a

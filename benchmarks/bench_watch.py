@@ -4,11 +4,10 @@ One DataLoader (8 workers by default, persistent, so both sides iterate the very
 processes) is iterated in blocks: raw epochs, or epochs through a fresh ``watch(loader)``
 (tracker started before the clock, closed after it). Each round runs four blocks in the
 order raw, watched, watched, raw (the next round: watched, raw, raw, watched), so a speed
-that drifts steadily through the run (seen on the H200: +6% per 7 s) weighs the same on
-both sides of a round. ``--warmup`` rounds run first and are not counted. Each epoch runs
-a small training step per batch (a matmul on the GPU with ``--device cuda``). Goal:
-watch(loader) under 1% slower. Two measures of it, side by side (``benchmarks/stats.py``
-explains both):
+that drifts steadily through the run weighs the same on both sides of a round. ``--warmup``
+rounds run first and are not counted. Each epoch runs a small training step per batch (a
+matmul on the GPU with ``--device cuda``). Goal: watch(loader) under 1% slower. Two measures
+of it, side by side (``benchmarks/stats.py`` explains both):
 
 * A/B: per round, the ratio watched/raw of the batches per second of its two watched and
   its two raw blocks together; the median over rounds, its 95% bootstrap interval, and the

@@ -1,12 +1,11 @@
 """Does leakcheck's NVML reading slow the job's own driver calls? Measured directly.
 
 The loader benchmarks (``bench_sweep.py``, ``bench_watch.py``) time whole epochs, whose
-run-to-run noise (worker start-up: 10-24 points on an H200, docs/gpu-test-log.md run 18)
-drowns a 2% goal; and their accounted cost cannot see the workers waiting in the driver
-while the sampler's NVML reads hold its lock. This benchmark isolates that wait, in its worst
-case: ``--workers`` child processes do nothing but driver calls, counting them, while the
-parent alternates blocks with a ``Tracker`` sampling them (as ``leakcheck sweep`` does) and
-blocks without one. ``--op``:
+run-to-run noise (mostly worker start-up) drowns a 2% goal; and their accounted cost cannot
+see the workers waiting in the driver while the sampler's NVML reads hold its lock. This
+benchmark isolates that wait, in its worst case: ``--workers`` child processes do nothing
+but driver calls, counting them, while the parent alternates blocks with a ``Tracker``
+sampling them (as ``leakcheck sweep`` does) and blocks without one. ``--op``:
 
 * ``context`` (the default): create and destroy the device's primary context
   (``cuDevicePrimaryCtxRetain`` then ``cuDevicePrimaryCtxRelease``), the driver work of a
@@ -33,7 +32,7 @@ Needs an NVIDIA driver (``libcuda.so.1``) and NVML; torch is not used.
 
 Usage: python benchmarks/bench_driver.py [--op context|malloc] [--workers 4] [--block 3]
        [--rounds 6] [--warmup 1] [--interval 0.05] [--nvml-share S] [--write]
-       (--write: benchmarks/results/driver-<op>-<date>.{json,md})
+       (--write: benchmarks/results/driver-<op>-<machine>.{json,md}, see results_io.py)
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvml_share
 import stats
-from results_io import gpu_meta, host_meta, stamped, write_result
+from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -279,7 +278,8 @@ def main() -> int:
     print(text)
     if args.write:
         payload = {"meta": meta, "rounds": rounds, "ab_slowdown_pct": ab.to_dict()}
-        path = write_result(stamped(f"driver-{args.op}"), payload, text)
+        stem = result_stem(f"driver-{args.op}", nvml_share.variant(share))
+        path = write_result(stem, payload, text)
         print(f"wrote {path}.md and .json", file=sys.stderr)
     return 0
 

@@ -15,7 +15,7 @@ Reported: the median caller ms per epoch end over blocks of epochs (1-10, 91-100
 for the window and for the whole run, and their ratio.
 
 Usage: python benchmarks/bench_epochs.py [--epochs 400] [--workers 4] [--write]
-       (--write: benchmarks/results/epochs-<date>.{json,md})
+       (--write: benchmarks/results/epochs-<machine>.{json,md}, see results_io.py)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from results_io import host_meta, stamped, write_result
+from results_io import host_meta, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -114,7 +114,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        stem = stamped("epochs")
+        stem = result_stem("epochs")
         path = write_result(stem, {"meta": meta, "blocks": blocks, "raw_ms": arms}, text)
         print(f"wrote {path}.md and .json", file=sys.stderr)
     return 0

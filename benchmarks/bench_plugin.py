@@ -14,7 +14,7 @@ Two clocks per run: the whole process (wall, startup included) and the test loop
 ``(median loop time - median baseline loop time) / tests``.
 
 Usage: python benchmarks/bench_plugin.py [--tests 500] [--rounds 5] [--write]
-       (--write: benchmarks/results/plugin-<device>-<date>.{json,md})
+       (--write: benchmarks/results/plugin-<machine>.{json,md}, see results_io.py)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from results_io import write_result
+from results_io import result_stem, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result)
     print(text)
     if args.write:
-        device = "gpu" if result["machine"]["gpus"] else "cpu"
-        stem = write_result(f"plugin-{device}-{time.strftime('%Y%m%d')}", result, text)
+        stem = write_result(result_stem("plugin"), result, text)
         print(f"wrote {stem}.json and {stem}.md")
     return 0
 

@@ -11,7 +11,8 @@ Measured in one run, same job, interleaved rounds:
   in the caller, so it runs last, in a child process).
 
 Usage: python benchmarks/bench_snapshot.py [--children 64] [--gpu-children 4] [--rounds 200]
-       [--write]  (writes benchmarks/results/snapshot-<date>.{json,md})
+       [--write]  (writes benchmarks/results/snapshot-<machine>-<N>children.{json,md},
+       see results_io.py)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
-from results_io import gpu_meta, host_meta, stamped, write_result
+from results_io import gpu_meta, host_meta, result_stem, write_result
 
 from leakcheck import nvml
 from leakcheck.snapshot import take_snapshot
@@ -174,7 +175,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_result(stamped("snapshot"), payload, text)
+        write_result(result_stem("snapshot", f"{args.children}children"), payload, text)
     return 0
 
 

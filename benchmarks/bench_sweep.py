@@ -43,8 +43,8 @@ The loaders are identical in both arms: the teardown policy is off in both by de
 
 Usage: python benchmarks/bench_sweep.py [--workers 0,4,8] [--epochs 3] [--repeats 5]
        [--batches 128] [--features 1024] [--start-method spawn] [--teardown] [--write]
-       (--write: benchmarks/results/sweep-<date>.{json,md}, rewritten after each
-       configuration, so a run stopped at a time limit keeps what it finished)
+       (--write: benchmarks/results/sweep-<machine>.{json,md}, see results_io.py; rewritten
+       after each configuration, so a run stopped at a time limit keeps what it finished)
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nvml_share
 import stats
-from results_io import gpu_meta, host_meta, stamped, write_result
+from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
 from leakcheck import nvml
@@ -407,7 +407,11 @@ def main() -> int:
         gpu=gpu,
     )
     meta = _meta(args, gpu, gpu_reason)
-    stem = stamped("sweep")
+    stem = result_stem(
+        "sweep",
+        nvml_share.variant(args.nvml_share_used),
+        "" if args.tracker_nvml == "full" else f"nvml-{args.tracker_nvml}",
+    )
     results: dict[str, Any] = {}
     summaries: dict[str, dict[str, stats.Summary]] = {}
     for workers in worker_counts:

@@ -4,11 +4,10 @@ One DataLoader (8 workers by default, persistent, so both sides iterate the very
 processes) is iterated in blocks: raw epochs, or epochs through a fresh ``watch(loader)``
 (tracker started before the clock, closed after it). Each round runs four blocks in the
 order raw, watched, watched, raw (the next round: watched, raw, raw, watched), so a speed
-that drifts steadily through the run (seen on the H200: +6% per 7 s) weighs the same on
-both sides of a round. ``--warmup`` rounds run first and are not counted. Each epoch runs
-a small training step per batch (a matmul on the GPU with ``--device cuda``). Goal:
-watch(loader) under 1% slower. Two measures of it, side by side (``benchmarks/stats.py``
-explains both):
+that drifts steadily through the run weighs the same on both sides of a round. ``--warmup``
+rounds run first and are not counted. Each epoch runs a small training step per batch (a
+matmul on the GPU with ``--device cuda``). Goal: watch(loader) under 1% slower. Two measures
+of it, side by side (``benchmarks/stats.py`` explains both):
 
 * A/B: per round, the ratio watched/raw of the batches per second of its two watched and
   its two raw blocks together; the median over rounds, its 95% bootstrap interval, and the
@@ -41,7 +40,7 @@ instead of leakcheck's own.
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
        [--variant watch|no-sampler|control] [--write]
-       (--write: benchmarks/results/watch-<device>-<date>.{json,md})
+       (--write: benchmarks/results/watch-<machine>[-<variant>].{json,md}, see results_io.py)
 The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~1.5 s:
 28 blocks, about 1.5 minutes with start-up.
 """
@@ -61,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvml_share
 import stats
 import torch
-from results_io import host_meta, stamped, write_result
+from results_io import host_meta, machine, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
@@ -386,7 +385,15 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        write_result(stamped(f"watch-{device.type}"), payload, text)
+        # The loader on the CPU of a GPU machine is not that machine's GPU result.
+        cpu_loader = not use_cuda and machine() != "cpu"
+        stem = result_stem(
+            "watch",
+            "" if args.variant == "watch" else args.variant,
+            nvml_share.variant(share),
+            "cpu-loader" if cpu_loader else "",
+        )
+        write_result(stem, payload, text)
     return 0
 
 

@@ -32,6 +32,11 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
     return float(pacing.LIST_SHARE)
 
 
+def variant(share: float) -> str:
+    """The part of a result's name that marks a diagnostic share (empty at leakcheck's own)."""
+    return "" if share == SHIPPED else f"nvml-share-{share:g}"
+
+
 def banner(share: float) -> list[str]:
     """Markdown lines that mark a result as a diagnostic run (none at leakcheck's share)."""
     if share == SHIPPED:

@@ -1,21 +1,26 @@
 """Pool the rounds of several ``bench_watch.py`` results: one A/B over all of them.
 
-One run of ``bench_watch.py`` has 6-10 rounds, and on an H200 host a round's A/B varies by
-5-20%, so a single run cannot tell a 1% slowdown from none. Rounds of runs on the same loader
+One run of ``bench_watch.py`` has few rounds, and a round's A/B varies by several times the
+goal, so a single run cannot tell a 1% slowdown from none. Rounds of runs on the same loader
 are alike (each compares adjacent blocks), so this pools them: the median slowdown over every
-round of the chosen runs, its 95% bootstrap interval, and the accounted bound's median and
-worst round. Runs are chosen by file, or by device, batches per epoch, variant and the first
-result stem to count (``--since``).
+round of the given runs, its 95% bootstrap interval, and the accounted bound's median and
+worst round. Runs of another variant than ``--variant``, or of other batches per epoch than
+``--batches`` where given, are left out.
 
-Usage: python benchmarks/pool_watch.py [FILE.json ...] [--device cuda] [--batches 1000]
-       [--variant watch] [--since watch-cuda-20261130-050644] [--write NAME]
-       (--write: benchmarks/results/NAME.md)
+``benchmarks/results/`` holds only the current run per machine; earlier runs are its earlier
+versions in git, taken out one file per run, e.g.::
+
+    git log --format=%h -- benchmarks/results/watch-h200.json
+    git show REV:benchmarks/results/watch-h200.json > /tmp/watch-h200-REV.json
+
+Usage: python benchmarks/pool_watch.py FILE.json [FILE.json ...] [--batches 1000]
+       [--variant watch] [--write NAME]
+       (--write: benchmarks/results/NAME.md, e.g. watch-pooled-h200)
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -42,13 +47,9 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _chosen(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    pattern = os.path.join(RESULTS_DIR, f"watch-{args.device}-*.json")
-    paths = args.files or sorted(glob.glob(pattern))
     chosen = []
-    for path in paths:
+    for path in args.files:
         stem = os.path.basename(path).removesuffix(".json")
-        if args.since is not None and stem < args.since:
-            continue
         result = _load(path)
         if args.batches is not None and result["meta"].get("batches_per_epoch") != args.batches:
             continue
@@ -104,11 +105,9 @@ def _table(chosen: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("files", nargs="*", help="result files (default: all of --device)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("files", nargs="+", help="bench_watch.py result files (.json)")
     parser.add_argument("--batches", type=int, default=None, help="only runs of this epoch")
     parser.add_argument("--variant", choices=VARIANTS, default="watch")
-    parser.add_argument("--since", default=None, help="first result stem to count")
     parser.add_argument("--write", default=None, metavar="NAME", help="results/NAME.md")
     args = parser.parse_args()
     try:

@@ -1,10 +1,16 @@
-"""Where benchmark results go: ``benchmarks/results/<stem>.json`` and ``.md``, side by side."""
+"""Where benchmark results go: ``benchmarks/results/<stem>.json`` and ``.md``, side by side.
+
+A stem names the benchmark, the machine and the variant, never a date
+(``watch-h200``, ``snapshot-cpu-64children``, ``watch-h200-control``): each run overwrites the
+current result of its benchmark on its machine, and git keeps the ones before it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import time
 from typing import Any
 
@@ -32,9 +38,28 @@ def gpu_meta() -> dict[str, str]:
     }
 
 
-def stamped(kind: str) -> str:
-    """A result file's stem: its kind, then the local date and time (``sweep-20261130-012215``)."""
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+def machine() -> str:
+    """The machine a result belongs to: GPU 0's model where NVML sees one (``h200``), or ``cpu``."""
+    from leakcheck import nvml
+
+    ok, _reason = nvml.availability()
+    devices = nvml.get().memory() if ok else ()
+    if not devices:
+        return "cpu"
+    model = devices[0].name.lower().removeprefix("nvidia").strip()
+    return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "gpu"
+
+
+def result_stem(benchmark: str, *variants: str) -> str:
+    """A result file's stem: ``<benchmark>-<machine>``, then each non-empty variant.
+
+    Args:
+        benchmark: The benchmark, with its operation where it has one (``driver-context``).
+        variants: What sets this result apart from the benchmark's default run on the machine
+            (``64children``, ``control``); empty strings are left out.
+
+    """
+    return "-".join([benchmark, machine(), *(variant for variant in variants if variant)])
 
 
 def write_result(stem: str, payload: Any, text: str) -> str:

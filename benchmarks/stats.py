@@ -6,8 +6,8 @@ Two ways to measure what leakcheck costs a loop, reported side by side by
 A/B ratio. Per round, one block with leakcheck and one without, adjacent in time (the order
 alternates per round), give a speed ratio (with / without). Its median over rounds, with a
 95% bootstrap interval of that median, is the slowdown. It measures everything, but on a
-noisy machine its round-to-round spread (+-15% seen on a shared GPU host) can be far wider
-than a 1% goal: then the interval says so, and the verdict is "not resolved".
+noisy machine its round-to-round spread can be many times wider than a 1% goal: then the
+interval says so, and the verdict is "not resolved".
 
 Accounted cost. What leakcheck itself spent, measured directly, over the wall time of the
 block: the calling thread's wall time inside tracker calls, paid in full, plus the
@@ -20,8 +20,8 @@ What it leaves out: cache and memory-bandwidth interference, the latency of hand
 back, core contention where there are no spare cores (a 2-core machine running workers is
 not one), and waits that leakcheck's NVML calls cause in other processes inside the driver.
 Those waits could matter where workers create CUDA contexts: there an NVML read holds a
-driver lock for 1-2 ms. A sweep's A/B cannot show them (its 1-epoch runs vary by 10-24 points
-on an H200, with or without NVML: docs/gpu-test-log.md, run 18), so ``bench_driver.py``
+driver lock for milliseconds. A sweep's A/B cannot show them (worker start-up makes its
+1-epoch runs vary far more than the goal, with or without NVML), so ``bench_driver.py``
 measures them directly, on workers that make nothing but driver calls. So the accounted cost
 is a bound on what the training thread pays through the GIL and the CPU; the A/B and
 bench_driver measure the rest.

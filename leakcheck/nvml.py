@@ -26,11 +26,11 @@ module and instance locks are replaced in the child (``os.register_at_fork``), s
 by another thread at fork time cannot deadlock the child.
 
 NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidiactl``,
-``/dev/nvidia<N>``, ``/dev/nvidia-uvm`` and capability nodes in this process (8 descriptors on
-an H200 with driver 580; a CUDA context adds 23 more, 31 in all). Children forked after it
-inherit those descriptors, just as they inherit a CUDA parent's, but NVML's pin no CUDA
-context. ``get()`` records the numbers NVML opened (``own_descriptors()``), so the tracker
-can leave them out when it counts what a forked child inherited from the job.
+``/dev/nvidia<N>``, ``/dev/nvidia-uvm`` and capability nodes in this process: nodes a CUDA
+context opens too, so they alone cannot tell CUDA from NVML. Children forked after it inherit
+those descriptors, just as they inherit a CUDA parent's, but NVML's pin no CUDA context.
+``get()`` records the numbers NVML opened (``own_descriptors()``), so the tracker can leave
+them out when it counts what a forked child inherited from the job.
 """
 
 from __future__ import annotations

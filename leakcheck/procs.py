@@ -97,15 +97,15 @@ _ImageKey = tuple[int, _Image]
 _K = TypeVar("_K")
 _T = TypeVar("_T")
 
-# NOTE [exec image cache]: the command line and the initial environment of a process change
-# only when it execs (setproctitle aside, which only rewrites what is shown). Re-reading them
-# every 50 ms would triple the cost of a sample, so they are cached per *exec image*: the
-# PID, its start time, its name (comm), and the addresses of its argument and environment
+# NOTE [exec image cache]: the command line and the initial environment of a process change only
+# when it execs (setproctitle aside, which only rewrites what is shown). Re-reading them on
+# every tick would cost more than all the rest of a sample, so they are cached per *exec image*:
+# the PID, its start time, its name (comm), and the addresses of its argument and environment
 # blocks, which /proc/PID/stat shows (fields 48-51) and which a new exec moves (fresh stack,
 # ASLR) or resizes. A forked child that has not exec'd yet shares its parent's addresses but has
-# its own PID. Where the kernel hides the addresses (a process we may not ptrace), nothing
-# is cached. The whole ``ProcInfo`` is kept too (it is immutable) and served again while the
-# image and the parent are unchanged. Bounded: cleared when full.
+# its own PID. Where the kernel hides the addresses (a process we may not ptrace), nothing is
+# cached. The whole ``ProcInfo`` is kept too (it is immutable) and served again while the image
+# and the parent are unchanged. Bounded: cleared when full.
 _CACHE_MAX_ENTRIES = 4096
 _cmdline_cache: dict[_ImageKey, str] = {}
 _tag_cache: dict[_ImageKey, bytes | None] = {}
@@ -344,9 +344,9 @@ def _child_pids_by_scan(pid: int) -> list[int]:
 
 # --- descriptor cache (the per-sample hot path) ---------------------------------------------
 
-# NOTE [descriptor cache]: opening a /proc file costs far more than reading it (a path walk
-# through procfs: ~3x here), and the tracker reads the same few files of the same processes
-# every 50 ms. ``descendants`` and ``is_alive`` therefore keep /proc/PID/stat and the
+# NOTE [descriptor cache]: opening a /proc file (a path walk through procfs) costs several
+# times more than reading it, and the tracker reads the same few files of the same processes
+# on every walk. ``descendants`` and ``is_alive`` therefore keep /proc/PID/stat and the
 # per-task children files open and re-read them with ``pread``. That is safe against PID
 # reuse: an open /proc file is bound to the process it was opened for, not to the number;
 # once that process is gone and reaped, reading the stat file fails (ESRCH), the cached
@@ -634,7 +634,7 @@ if hasattr(os, "register_at_fork"):
 
 @functools.cache
 def _psutil() -> ModuleType:
-    # Only the non-Linux fallback needs it; importing it costs ~10 ms.
+    # Only the non-Linux fallback needs it, and importing it is slow: not at module import.
     import psutil
 
     return psutil
@@ -885,14 +885,14 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
     return found
 
 
-# NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc (2.5
-# ms on an H200 host of 184 processes), though a process that was there at the previous scan
-# was judged then, and that judgement stands: born before the root, the root, known, not
-# tagged (the tag is in the environment it was started with). So ``TagScan`` remembers the
-# /proc entries it judged and reads only the others. An entry is a PID with the inode number
-# of its /proc directory: a new process that took the number of an exited one gets a new
-# inode (checked on Linux 6.18), so it is read though its PID was judged before. An entry is
-# forgotten once it leaves /proc, and one whose stat could not be read is read again.
+# NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc, so its
+# cost grows with the machine's processes, not the job's; yet a process that was there at the
+# previous scan was judged then, and that judgement stands: born before the root, the root,
+# known, not tagged (the tag is in the environment it was started with). So ``TagScan``
+# remembers the /proc entries it judged and reads only the others. An entry is a PID with the
+# inode number of its /proc directory: a new process that took the number of an exited one gets
+# a new inode (checked on Linux 6.18), so it is read though its PID was judged before. An entry
+# is forgotten once it leaves /proc, and one whose stat could not be read is read again.
 
 
 class TagScan:
@@ -1033,8 +1033,8 @@ def is_nvidia_device_target(target: str) -> bool:
 
 def _fd_targets(pid: int) -> dict[int, str] | None:
     """Descriptor number -> link target of every open descriptor; None if unreadable."""
-    # Links are read relative to the open directory: a path walk through procfs per link
-    # cost a quarter more (84 descriptors: 350 us against 280).
+    # Links are read relative to the open directory, which spares a path walk through procfs
+    # per link.
     try:
         dir_fd = os.open(f"{_PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except _GONE:
@@ -1073,14 +1073,14 @@ def nvidia_fds(pid: int) -> dict[int, str] | None:
     return {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
 
 
-# NOTE [own descriptors]: a CUDA process holds hundreds of descriptors (263 in a training
-# process on an H200, 31 of them /dev/nvidia*), and reading each one's link through procfs is
-# most of what counting a job's descriptors costs at an epoch end (1.37 ms there with 8
-# workers, 1.03 ms with this). In this process ``fstat`` is a far cheaper call: a
-# descriptor that is not a character device is not an NVIDIA device node, and a character
-# device is one if its link, read once per device number and remembered, names one. So a
-# link is read only for a device number not met before. One device reached through two paths
-# (a node bind-mounted elsewhere) counts under the path met first.
+# NOTE [own descriptors]: a CUDA process holds hundreds of descriptors, a few dozen of them
+# /dev/nvidia*, and reading each one's link through procfs is most of what counting a job's
+# descriptors costs at an epoch end, and the training process, where leakcheck runs, holds the
+# most. In this process ``fstat`` is a far cheaper call: a descriptor that is not a character
+# device is not an NVIDIA device node, and a character device is one if its link, read once per
+# device number and remembered, names one. So a link is read only for a device number not met
+# before. One device reached through two paths (a node bind-mounted elsewhere) counts under the
+# path met first.
 _device_targets: dict[int, str] = {}
 
 

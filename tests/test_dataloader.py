@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -368,3 +370,81 @@ def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
         if dataset.sleeper is not None:
             dataset.sleeper.kill()
             dataset.sleeper.wait()
+
+
+class WorkerPids(Dataset[torch.Tensor]):
+    """Items carry the PID of the process that made them."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([os.getpid()])
+
+
+def _pids(batches: list[torch.Tensor]) -> set[int]:
+    return {int(pid) for batch in batches for pid in batch.flatten().tolist()}
+
+
+@pytest.mark.parametrize(
+    ("context", "val_persistent", "val_inside"),
+    [
+        ("fork", False, True),
+        ("fork", True, True),
+        ("fork", False, False),
+        ("fork", True, False),
+        ("spawn", True, True),
+    ],
+)
+def test_train_and_val_loaders_judge_only_their_own_workers(
+    context: str, val_persistent: bool, val_inside: bool, no_leak_warnings: None
+) -> None:
+    """NOTE [claims]: a validation loader run inside (or after) the training epoch; each
+    tracker sees its own workers, none calls the other's healthy workers survivors."""
+    train = leakcheck.watch(
+        make(WorkerPids(), workers=2, context=context), on_leak="raise", grace=0.5
+    )
+    val = leakcheck.watch(
+        make(WorkerPids(), workers=1, context=context, persistent_workers=val_persistent),
+        on_leak="raise",
+        grace=0.5,
+    )
+    train_pids: set[int] = set()
+    val_pids: set[int] = set()
+    with train, val:
+        for _ in range(2):
+            for index, batch in enumerate(train):
+                train_pids |= _pids([batch])
+                if val_inside and index == 0:
+                    val_pids |= _pids(list(val))
+            if not val_inside:
+                val_pids |= _pids(list(val))
+    assert train_pids and val_pids and not train_pids & val_pids
+    for watched, own, other in ((train, train_pids, val_pids), (val, val_pids, train_pids)):
+        report = watched.report()
+        assert report.leaks == [], report.format()
+        seen = {p.key.pid for e in report.epochs for p in e.processes if p.role != "parent"}
+        assert seen & own == own
+        assert not seen & other, (seen, other)
+
+
+def test_an_orphan_is_reported_by_its_own_loader_only() -> None:
+    leaky = leakcheck.watch(make(StartsGrandchild(), workers=1), on_leak="ignore", grace=0.5)
+    clean = leakcheck.watch(make(Squares(), workers=1), on_leak="ignore", grace=0.5)
+    sleepers: set[int] = set()
+    try:
+        with leaky, clean:
+            for batch in leaky:
+                sleepers |= _pids([batch])
+                list(clean)
+            assert sleepers
+            # The worker exits at the epoch end; its sleeper is reparented away.
+            time.sleep(0.3)
+        leaky_report, clean_report = leaky.report(), clean.report()
+    finally:
+        for pid in sleepers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    orphans = {f.pid for f in leaky_report.leaks if f.rule == "orphan"}
+    assert orphans == sleepers, leaky_report.format()
+    assert not any(f.pid in sleepers for f in clean_report.findings), clean_report.format()

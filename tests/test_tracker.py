@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -838,3 +839,125 @@ def test_timeline_of_the_last_epochs_leaves_the_open_one_and_older_ones_out() ->
         for bad in (0, -1, True, 1.5, "2"):
             with pytest.raises(UsageError, match="last_epochs: expected a positive int"):
                 tracker.timeline(last_epochs=bad)  # type: ignore[arg-type]
+
+
+# --- truth from the source (NOTE [worker reports]) and reports about now -----------------
+
+
+def _report_and_exit(held: dict[int, int] | None, cuda: bool) -> None:
+    """A worker that registers itself, then reports what it held at exit (or nothing)."""
+    key = procs.process_key(os.getpid())
+    assert key is not None
+    mailbox.post("worker", {"pid": key.pid, "create_time": key.create_time, "persistent": False})
+    if held is not None:
+        mailbox.post(
+            "teardown",
+            {
+                "pid": key.pid,
+                "create_time": key.create_time,
+                "cuda_initialized": cuda,
+                "gpu_bytes_by_device": {str(d): b for d, b in held.items()},
+                "monotonic_s": time.monotonic(),
+            },
+        )
+
+
+def test_a_workers_own_report_fills_the_peak_no_sample_saw(fake_nvml: FakePynvml) -> None:
+    """Three workers live and die between the sampler's walks; NVML never lists them. One
+    reports 700 MiB, one reports it never used CUDA, one reports nothing: 700 MiB reported,
+    0 reported, unknown (never 0)."""
+    del fake_nvml
+    with Tracker(grace=0.2, interval=3600.0) as tracker:
+        with tracker.epoch():
+            children = [
+                CTX.Process(target=_report_and_exit, args=({0: 700 * MIB}, True)),
+                CTX.Process(target=_report_and_exit, args=({}, False)),
+                CTX.Process(target=_report_and_exit, args=(None, False)),
+            ]
+            for child in children:
+                child.start()
+            for child in children:
+                child.join()
+        (record,) = tracker.epochs()
+    by_pid = {p.key.pid: p for p in record.processes}
+    reported, no_cuda, silent = (by_pid[c.pid or 0] for c in children)
+    assert (reported.gpu_peak_source, reported.total_gpu_bytes_peak) == ("reported", 700 * MIB)
+    assert reported.gpu_bytes_end == {}  # gone at the end: holds nothing
+    assert (no_cuda.gpu_peak_source, no_cuda.total_gpu_bytes_peak) == ("reported", 0)
+    assert (silent.gpu_peak_source, silent.total_gpu_bytes_peak) == ("unknown", None)
+    assert all(p.role == "worker" for p in (reported, no_cuda, silent))
+
+
+def test_peak_is_never_below_the_end(fake_nvml: FakePynvml) -> None:
+    """Memory that rises after the last tick is read at the epoch end: the peak has it."""
+    device = fake_nvml.devices[0]
+    holder = CTX.Process(target=_hold, args=(30,))
+    try:
+        with Tracker(grace=0.0, interval=3600.0, persistent_workers=True) as tracker:
+            with tracker.epoch():
+                holder.start()
+                tracker.sample()
+                _set_process(device, holder.pid or 0, 100 * MIB)
+                tracker.sample()
+                _set_process(device, holder.pid or 0, 300 * MIB)  # no sample after this
+            (record,) = tracker.epochs()
+    finally:
+        holder.kill()
+        holder.join()
+        _set_process(device, holder.pid or 0, None)
+    (proc,) = [p for p in record.processes if p.key.pid == holder.pid]
+    assert proc.gpu_bytes_end == {0: 300 * MIB}
+    assert proc.gpu_bytes_peak == {0: 300 * MIB}
+
+
+def _start_grandchild_and_exit(pid_file: str) -> None:
+    _spawn_orphan_and_exit(pid_file)
+
+
+def test_report_before_close_reads_the_orphan_and_its_memory_now(
+    fake_nvml: FakePynvml, tmp_path: object
+) -> None:
+    """A grandchild that takes GPU memory after the last epoch ended is reported by a
+    report() taken before close(), with that memory (not as an orphan holding nothing)."""
+    device = fake_nvml.devices[0]
+    pid_file = os.path.join(str(tmp_path), "grandchild")
+    grandchild = 0
+    try:
+        with Tracker(grace=0.2, interval=3600.0) as tracker:
+            with tracker.epoch():
+                worker = CTX.Process(target=_start_grandchild_and_exit, args=(pid_file,))
+                worker.start()
+                worker.join()
+            grandchild = int(Path(pid_file).read_text())
+            _set_process(device, grandchild, 256 * MIB)
+            report = tracker.report()
+            assert report.timeline.final is not None and not report.timeline.final.closed
+            (orphan,) = [f for f in report.leaks if f.rule == "orphan"]
+            assert orphan.pid == grandchild
+            assert orphan.gpu_bytes == 256 * MIB
+            assert "holds GPU0 256 MiB" in orphan.message
+    finally:
+        if grandchild:
+            os.kill(grandchild, signal.SIGKILL)
+            _set_process(device, grandchild, None)
+
+
+def test_a_survivor_of_an_early_epoch_is_found_by_a_quick_close(
+    kill_after: list[ProcessKey],
+) -> None:
+    """Three short epochs; a helper started in epoch 0 still runs. close() right after the
+    last epoch waits for epoch 0's grace too, and judges the helper a survivor."""
+    with Tracker(grace=0.5, interval=0.02) as tracker:
+        with tracker.epoch():
+            helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+            key = procs.process_key(helper.pid)
+            assert key is not None
+            kill_after.append(key)
+        for _ in range(2):
+            with tracker.epoch():
+                pass
+    report = tracker.report()
+    (survivor,) = [f for f in report.leaks if f.rule == "survivor"]
+    assert (survivor.pid, survivor.epoch) == (helper.pid, 0)
+    helper.kill()
+    helper.wait()

@@ -11,10 +11,12 @@ the session that owns it:
    claim is exact and replaces any other;
 2. a process whose parent is claimed belongs to the parent's owner (a worker's children are
    its loader's);
-3. otherwise the innermost tracker with an open epoch claims it: a loader's epoch is open
-   when its workers start (a validation loader run inside the training epoch opens its epoch
-   inside the training one);
-4. with no epoch open anywhere, the tracker that places it first.
+3. otherwise the tracker whose epoch was the innermost one open when the process was born
+   (its create time) claims it: a loader's epoch is open when its workers start, and a
+   validation loader run inside the training epoch opens its epoch inside the training
+   one. Birth time, not the time a walk first sees it: the other tracker's sampler may
+   walk first;
+4. with no epoch open anywhere at its birth, the tracker that places it first.
 
 A tracker judges only what it owns; what another owns it counts as the job's memory (so a
 sibling's workers never look like unexplained device memory) and never judges. Claims stay
@@ -26,15 +28,24 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
+from leakcheck import procs
 from leakcheck.model import ProcessKey
 
 __all__ = ["claim", "claim_worker", "epoch_closed", "epoch_opened", "forget", "owner_of"]
 
 _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
-_open_epochs: list[str] = []
-"""Sessions with an open epoch, innermost (most recently opened) last."""
+_epochs: list[tuple[str, float, float | None]] = []
+"""(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
+(the clock of a process's start time in /proc, exact where the Unix time of a create time
+is not: its boot time has whole seconds), in the order they opened; closed ones are kept
+for a while, for processes seen late."""
+_KEPT_EPOCHS = 256
+# Create times have clock-tick resolution (10 ms): a worker started right after its epoch
+# opened may read as born a tick before it.
+_BIRTH_SLACK_S = 0.02
 
 
 def owner_of(key: ProcessKey) -> str | None:
@@ -65,9 +76,24 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
         if owner is None:
             owner = _owners.get(parent) if parent is not None else None
         if owner is None:
-            owner = _open_epochs[-1] if _open_epochs else session
+            owner = _epoch_at(key.create_time - procs.boot_time_s()) or session
         _owners[key] = owner
         return owner
+
+
+def _since_boot_s() -> float:
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux: the Unix clock against the boot time
+        return time.time() - procs.boot_time_s()
+
+
+def _epoch_at(born_s: float) -> str | None:
+    """The session of the innermost epoch open when a process was born (rule 3)."""
+    for session, opened, closed in reversed(_epochs):
+        if opened - _BIRTH_SLACK_S <= born_s and (closed is None or born_s <= closed):
+            return session
+    return None
 
 
 def forget(keys: list[ProcessKey]) -> None:
@@ -78,18 +104,24 @@ def forget(keys: list[ProcessKey]) -> None:
 
 
 def epoch_opened(session: str) -> None:
-    """``session`` opened an epoch: it claims what starts now (rule 3)."""
+    """``session`` opened an epoch: it claims what is born from now on (rule 3)."""
     with _lock:
-        if session in _open_epochs:
-            _open_epochs.remove(session)
-        _open_epochs.append(session)
+        _close_open(session)
+        _epochs.append((session, _since_boot_s(), None))
+        del _epochs[:-_KEPT_EPOCHS]
 
 
 def epoch_closed(session: str) -> None:
     """``session``'s epoch ended."""
     with _lock:
-        if session in _open_epochs:
-            _open_epochs.remove(session)
+        _close_open(session)
+
+
+def _close_open(session: str) -> None:
+    now = _since_boot_s()
+    for index, (owner, opened, closed) in enumerate(_epochs):
+        if owner == session and closed is None:
+            _epochs[index] = (owner, opened, now)
 
 
 def _reset_after_fork() -> None:
@@ -98,7 +130,7 @@ def _reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _owners.clear()
-    _open_epochs.clear()
+    _epochs.clear()
 
 
 if hasattr(os, "register_at_fork"):

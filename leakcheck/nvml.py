@@ -614,8 +614,9 @@ class Nvml:
     def accounting(self, device: int) -> tuple[AccountedProcess, ...]:
         """List the per-PID records the driver keeps in accounting mode, exited processes included.
 
-        Returns ``()`` when accounting mode is off; this never switches it on (see
-        :meth:`enable_accounting`). The driver's buffer is circular: old PIDs drop out.
+        Returns ``()`` when accounting mode is off; leakcheck never switches it on (a
+        device-wide setting that needs root). The driver's buffer is circular: old PIDs drop
+        out.
         """
         if not self.accounting_enabled(device):
             return ()
@@ -642,31 +643,6 @@ class Nvml:
                 )
             )
         return tuple(records)
-
-    def enable_accounting(self, device: int) -> None:
-        """Switch the driver's accounting mode on for ``device``: an explicit opt-in.
-
-        Nothing in leakcheck calls this on its own. It changes a device-wide setting that
-        persists until the driver unloads (or ``nvidia-smi -am 0``) and needs root.
-
-        Raises:
-            LeakCheckError: Not permitted (not root) or not supported by the device.
-
-        """
-        self._ensure()
-        handle = self._handle(device)
-        enabled = getattr(self._lib, "NVML_FEATURE_ENABLED", _FEATURE_ENABLED)
-        try:
-            self._lib.nvmlDeviceSetAccountingMode(handle, enabled)
-        except self._nvml_errors as exc:
-            hint = ""
-            no_permission = getattr(self._lib, "NVML_ERROR_NO_PERMISSION", _ERR_NO_PERMISSION)
-            if _err_code(exc) == no_permission:
-                hint = " (needs root, e.g. `sudo nvidia-smi -i N -am 1`)"
-            raise LeakCheckError(
-                f"NVML nvmlDeviceSetAccountingMode failed on device {device}: "
-                f"{_one_line(exc)}{hint}"
-            ) from exc
 
 
 # -- process-wide singleton ----------------------------------------------------------------

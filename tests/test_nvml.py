@@ -538,20 +538,6 @@ def test_accounting_on_lists_records_including_exited(use_fake: UseFake) -> None
     )
 
 
-def test_enable_accounting_is_explicit_and_needs_root(use_fake: UseFake) -> None:
-    devices = two_devices()
-    use_fake(devices, root=False)
-    with pytest.raises(LeakCheckError, match="needs root"):
-        nvml.get().enable_accounting(0)
-    assert devices[0].accounting_mode is False
-
-    devices = two_devices()
-    use_fake(devices, root=True)
-    nvml.get().enable_accounting(1)
-    assert nvml.get().accounting_enabled(1) is True
-    assert devices[0].accounting_mode is False
-
-
 # -- the real binding on this machine ---------------------------------------------------------
 
 

@@ -961,3 +961,37 @@ def test_a_survivor_of_an_early_epoch_is_found_by_a_quick_close(
     assert (survivor.pid, survivor.epoch) == (helper.pid, 0)
     helper.kill()
     helper.wait()
+
+
+def _register_and_exit() -> None:
+    _report_and_exit(None, False)
+
+
+def test_the_drivers_accounting_gives_an_exited_workers_peak_where_it_is_on(
+    fake_nvml: FakePynvml,
+) -> None:
+    """Accounting mode switched on by an administrator: the driver's maximum for a worker
+    that exited unseen and unreported is its peak; a tracker never switches the mode on."""
+    device = fake_nvml.devices[0]
+    worker = CTX.Process(target=_register_and_exit)
+    with Tracker(grace=0.2, interval=3600.0) as tracker:
+        with tracker.epoch():
+            worker.start()
+            worker.join()
+            assert device.accounting_mode is False
+            device.accounting_mode = True  # what `nvidia-smi -am 1` does, by someone else
+        (record,) = tracker.epochs()
+    (proc,) = [p for p in record.processes if p.key.pid == worker.pid]
+    assert (proc.gpu_peak_source, proc.total_gpu_bytes_peak) == ("unknown", None)
+
+    device.accounting_mode = True
+    worker = CTX.Process(target=_register_and_exit)
+    with Tracker(grace=0.2, interval=3600.0) as tracker:
+        with tracker.epoch():
+            worker.start()
+            worker.join()
+            device.accounting[worker.pid or 0] = (900 * MIB, 10, False)
+        (record,) = tracker.epochs()
+    (proc,) = [p for p in record.processes if p.key.pid == worker.pid]
+    assert (proc.gpu_peak_source, proc.total_gpu_bytes_peak) == ("reported", 900 * MIB)
+    assert fake_nvml.calls["nvmlDeviceSetAccountingMode"] == 0

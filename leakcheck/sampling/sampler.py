@@ -25,13 +25,10 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
-from leakcheck import mailbox, nvml, procs
-from leakcheck.errors import LeakCheckError, UsageError
+from leakcheck import mailbox, procs
+from leakcheck.errors import UsageError
 from leakcheck.model import (
-    Attribution,
     DeviceState,
     EndReason,
     FinalState,
@@ -45,41 +42,11 @@ from leakcheck.sampling import claims
 from leakcheck.sampling.book import EpochBook
 from leakcheck.sampling.cost import CostMeter
 from leakcheck.sampling.pacing import Pacing
+from leakcheck.sampling.reads import Failures, NvmlReads
 from leakcheck.sampling.table import ProcessTable
 from leakcheck.torch_state import initialized_cuda
 
-__all__ = ["Sampler"]
-
-_MAX_FAILURES = 50
-_T = TypeVar("_T")
-
-
-class _Failures:
-    """leakcheck's own failures: counted per line, kept for the report, raised if strict."""
-
-    def __init__(self, *, strict: bool) -> None:
-        self.strict = strict
-        self.counts: dict[str, int] = {}
-        self.pending: BaseException | None = None
-
-    def record(self, message: str, error: BaseException | None = None) -> None:
-        line = message.splitlines()[0] if message else "unknown failure"
-        if line in self.counts:
-            self.counts[line] += 1
-        elif len(self.counts) < _MAX_FAILURES:
-            self.counts[line] = 1
-        if self.strict and self.pending is None:
-            self.pending = error or LeakCheckError(line)
-
-    def lines(self) -> tuple[str, ...]:
-        return tuple(m if n == 1 else f"{m} (x{n})" for m, n in self.counts.items())
-
-    def raise_pending(self) -> None:
-        if self.pending is not None:
-            error, self.pending = self.pending, None
-            if isinstance(error, LeakCheckError):
-                raise error
-            raise LeakCheckError(f"leakcheck failed (strict mode): {error}") from error
+__all__ = ["Sampler", "end_reason_for"]
 
 
 class Sampler:
@@ -114,7 +81,8 @@ class Sampler:
         self.persistent_workers = persistent_workers
         self.use_nvml = use_nvml
         self.meter = CostMeter()
-        self.failures = _Failures(strict=strict)
+        self.failures = Failures(strict=strict)
+        self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
         self.lock = threading.RLock()
         # Held until close() releases it: the sampler waits on it between ticks, so a close
         # wakes it at once (a timed acquire of a plain lock is the cheapest wake measured).
@@ -131,10 +99,6 @@ class Sampler:
         self._saved_env: dict[str, str | None] = {}
         self._tag_scan: procs.TagScan | None = None
         self._tag_scan_due = False
-        self._nvml: nvml.Nvml | None = None
-        self._accounting_devices: tuple[int, ...] = ()
-        self.attribution: Attribution = "nvml-unavailable"
-        self.attribution_reason = "tracking has not started"
         self.baseline_devices: tuple[DeviceState, ...] = ()
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
@@ -163,22 +127,24 @@ class Sampler:
             self.root_key = root_key
             self.session_id = procs.new_session_id(self.root_pid)
             self._tag_scan = procs.TagScan(self.session_id, born_since=root_key)
-            self._mailbox_dir = self.guard(mailbox.create, "mailbox")
+            self._mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
             if self._mailbox_dir:
                 self._inbox = mailbox.Inbox(self._mailbox_dir)
             if self.root_pid == os.getpid():
                 self._export_env()
-            self._open_nvml()
+            self.nvml.open(use_nvml=self.use_nvml)
+            self.pacing = Pacing(self.interval_s, has_nvml=self.nvml.handle is not None)
             self.table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
                 session=self.session_id,
                 persistent_workers=self.persistent_workers,
             )
-            for info in self.guard(lambda: procs.descendants(self.root_pid), "lineage") or []:
+            lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
+            for info in lineage or []:
                 self.table.add(info, now=0.0, born_epoch=None, pre_existing=True)
             self.sample(epoch_end=False)
-            self.baseline_devices = self._read_devices()
+            self.baseline_devices = self.nvml.device_states()
             self.baseline_gpu_bytes = dict(self.table.procs[root_key].gpu_bytes)
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
         self.meter.sampler_thread = self._thread
@@ -255,13 +221,14 @@ class Sampler:
             if self.book.open is None or self.table is None:
                 return
             self.sample(epoch_end=True)
+            self._apply_accounting()
             self._tag_scan_due = True
             self.book.end(
                 self.table,
                 now=self.now(),
                 reason=reason,
                 error=error,
-                devices=self._read_devices(),
+                devices=self.nvml.device_states(),
                 batches=batches,
             )
             claims.epoch_closed(self.session_id)
@@ -277,14 +244,6 @@ class Sampler:
             self.book.see(key)
 
     # -- one sample ----------------------------------------------------------------------
-
-    def guard(self, call: Callable[[], _T], what: str) -> _T | None:
-        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
-        try:
-            return call()
-        except Exception as error:
-            self.failures.record(f"{what}: {type(error).__name__}: {error}", error)
-            return None
 
     def sample(
         self,
@@ -328,22 +287,22 @@ class Sampler:
         now = self.now()
         if self._inbox is not None and walk:
             inbox = self._inbox
-            self.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+            self.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
         device_used: dict[int, int] | None = None
-        if self._nvml is not None and read_memory:
-            device_used = self._read_memory()
+        if read_memory:
+            device_used = self.nvml.memory(self.pacing)
         gpu: tuple[GpuProcess, ...] | None = None
         new_on_gpu = False
         if not walk and not lists_paced_out and self.pacing.lists_due(quick=quick):
-            gpu = self._read_lists(graphics=self.pacing.list_graphics(quick=quick))
+            gpu = self.nvml.lists(self.pacing, graphics=self.pacing.list_graphics(quick=quick))
             # A process new on the GPU: place it in the tree before attributing it. The list
             # read before the walk serves: every PID in it existed before the walk began.
             new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
         if walk or new_on_gpu:
             if not self._walk(now, scan_tags=scan_tags, quick=quick):
                 return
-            if not new_on_gpu and not lists_paced_out and self._nvml is not None:
-                gpu = self._read_lists(graphics=True)
+            if not new_on_gpu and not lists_paced_out:
+                gpu = self.nvml.lists(self.pacing, graphics=True)
         if gpu is not None:
             self._attribute(gpu, now)
         if epoch_end:
@@ -355,7 +314,7 @@ class Sampler:
         table = self.table
         assert table is not None
         self.pacing.walked()
-        lineage = self.guard(
+        lineage = self.failures.guard(
             lambda: procs.descendants(self.root_pid, with_cmdline=False, quick=quick), "lineage"
         )
         if lineage is None:
@@ -364,61 +323,18 @@ class Sampler:
         table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
         scan = self._tag_scan
         if scan_tags and scan is not None:
-            found = self.guard(lambda: scan.scan(table.procs), "tag scan")
+            found = self.failures.guard(lambda: scan.scan(table.procs), "tag scan")
             table.add_reparented(found or [], now=now, born_epoch=born)
         return True
 
     def _attribute(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
         assert self.table is not None
         missing = self.table.attribute_gpu(gpu, now=now)
-        if missing and self.attribution == "ok" and procs.pid_namespace_nested():
-            self.attribution = "blind-namespace"
-            self.attribution_reason = (
+        if missing and procs.pid_namespace_nested():
+            self.nvml.blind(
                 f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
                 "namespace (a container without --pid=host?): only device totals are judged"
             )
-
-    def _read_memory(self) -> dict[int, int] | None:
-        handle = self._nvml
-        assert handle is not None
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        memory = self.guard(lambda: handle.memory(self.devices), "nvml memory")
-        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
-        self.meter.nvml_read(end_s - started, cpu_s)
-        used = {state.index: state.used_bytes for state in memory} if memory is not None else None
-        self.pacing.memory_read(end_s, cpu_s, used)
-        return used
-
-    def _read_lists(self, *, graphics: bool) -> tuple[GpuProcess, ...] | None:
-        handle = self._nvml
-        if handle is None:
-            return None
-        used_before = dict(self.pacing.device_used)
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        result = self.guard(
-            lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
-        )
-        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
-        self.meter.nvml_read(end_s - started, cpu_s)
-        graphics_seen = None
-        if result is not None and graphics:
-            graphics_seen = any(entry.kind != "compute" for entry in result)
-        self.pacing.lists_read(
-            end_s,
-            cpu_s,
-            used_before=used_before,
-            ok=result is not None,
-            graphics_seen=graphics_seen,
-        )
-        return result
-
-    def _read_devices(self) -> tuple[DeviceState, ...]:
-        """Memory and telemetry of the watched devices (epoch ends, baseline, final state)."""
-        handle = self._nvml
-        if handle is None:
-            return ()
-        states = self.guard(lambda: handle.devices(self.devices), "nvml devices")
-        return tuple(states) if states else ()
 
     # -- the mailbox: exact identities and the workers' own reports ----------------------
 
@@ -449,27 +365,17 @@ class Sampler:
 
     def _apply_accounting(self) -> None:
         """The driver's maxima of exited PIDs, where its accounting mode is already on."""
-        handle, table = self._nvml, self.table
-        if handle is None or table is None or not self._accounting_devices:
-            return
-        for device in self._accounting_devices:
-            try:
-                records = handle.accounting(device)
-            except LeakCheckError as error:
-                self.failures.record(f"nvml accounting: {error}", error)
+        table = self.table
+        assert table is not None
+        for record in self.nvml.accounting():
+            key = table.by_pid.get(record.pid)
+            proc = table.procs.get(key) if key is not None else None
+            if proc is None or record.is_running or proc.exited_s is None:
                 continue
-            for record in records:
-                key = table.by_pid.get(record.pid)
-                proc = table.procs.get(key) if key is not None else None
-                if (
-                    proc is None
-                    or record.is_running
-                    or proc.exited_s is None
-                    or record.max_memory_bytes is None
-                ):
-                    continue
+            if record.max_memory_bytes is not None:
+                # The driver saw it last just before it was seen gone.
                 self.book.apply_report(
-                    proc.key, proc.exited_s - 1e-3, {device: record.max_memory_bytes}
+                    proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
                 )
 
     # -- results -------------------------------------------------------------------------
@@ -503,7 +409,7 @@ class Sampler:
             )
         return FinalState(
             time_s=self.now(),
-            devices=self._read_devices(),
+            devices=self.nvml.device_states(),
             processes=tuple(processes),
             parent_allocated_gpu_bytes=(
                 _torch_allocated_bytes() if self.root_pid == os.getpid() else None
@@ -524,8 +430,8 @@ class Sampler:
             session_id=self.session_id,
             root=self.root_key,
             started_unix_s=self.started_unix_s,
-            attribution=self.attribution,
-            attribution_reason=self.attribution_reason,
+            attribution=self.nvml.attribution,
+            attribution_reason=self.nvml.attribution_reason,
             baseline_devices=self.baseline_devices,
             baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
             epochs=records,
@@ -554,35 +460,6 @@ class Sampler:
             else:
                 os.environ[name] = value
         self._saved_env.clear()
-
-    def _open_nvml(self) -> None:
-        self.pacing = Pacing(self.interval_s, has_nvml=False)
-        if not self.use_nvml:
-            self.attribution_reason = "NVML reading is off (use_nvml=False): host-side checks only"
-            return
-        available, reason = nvml.availability()
-        if not available:
-            self.attribution_reason = reason
-            return
-        handle = self.guard(nvml.get, "nvml")
-        if handle is None:
-            self.attribution_reason = next(reversed(self.failures.counts), "NVML failed to start")
-            return
-        if not (self.guard(handle.device_count, "nvml") or 0):
-            self.attribution = "no-gpu"
-            self.attribution_reason = "NVML sees no NVIDIA GPU: host-side checks only"
-            return
-        self._nvml = handle
-        self.attribution, self.attribution_reason = "ok", ""
-        self.pacing = Pacing(self.interval_s, has_nvml=True)
-        # Accounting is read where an administrator switched it on; never switched on here.
-        indices = self.devices if self.devices is not None else handle.device_indices()
-        enabled: list[int] = []
-        for index in indices:
-            with contextlib.suppress(LeakCheckError):
-                if handle.accounting_enabled(index):
-                    enabled.append(index)
-        self._accounting_devices = tuple(enabled)
 
 
 def _torch_allocated_bytes() -> int | None:

@@ -585,10 +585,17 @@ def _teardown_lines(timeline: Timeline) -> list[str]:
     lines = ["", "worker teardowns:"]
     for rec in records:
         steps = []
-        if rec.gpu_bytes_before is not None:
-            steps.append(f"held {format_mib(rec.gpu_bytes_before)} MiB")
+        if rec.gpu_bytes_by_device:
+            held = ", ".join(
+                f"GPU{d} {format_mib(b)} MiB" for d, b in sorted(rec.gpu_bytes_by_device.items())
+            )
+            steps.append(f"held {held}")
+        if rec.peak_reserved_bytes is not None:
+            steps.append(f"torch peak reserved {format_mib(rec.peak_reserved_bytes)} MiB")
         if not rec.cuda_initialized:
             steps.append("no CUDA in this worker")
+        elif not rec.released:
+            steps.append("reported only (teardown policy off)")
         else:
             steps.append(f"freed cache {format_mib(rec.freed_cache_bytes)} MiB")
             steps.append("context released" if rec.context_released else "context kept")

@@ -609,7 +609,8 @@ class WorkerInit:
                 },
                 directory=self.mailbox_dir,
             )
-            if self.release or self.terminate_children or self.mailbox_dir:
+            reporting = bool(self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV))
+            if self.release or self.terminate_children or reporting:
                 # Reported even without the release: what the worker held is its epoch's
                 # truth (NOTE [worker reports] in sampling/book.py).
                 import multiprocessing.util

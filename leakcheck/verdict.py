@@ -451,11 +451,9 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 CONTEXT_OVERHEAD_BYTES = 8 * MIB
-"""Device memory a live CUDA context uses beyond what NVML lists under its PID.
-
-Seen on an H200 (driver 580): four live contexts left 26 MiB of the device's used memory
-unattributed, about 6.5 MiB each; the residual rule allows this much per holder.
-"""
+"""Device memory a live CUDA context uses beyond what NVML lists under its PID: the
+residual rule allows this much per holder (the figure behind it is in
+benchmarks/results/README.md)."""
 
 
 def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:

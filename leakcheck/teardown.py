@@ -724,14 +724,61 @@ def _device_index(device: object) -> int:
     return index
 
 
+# Threads that cannot use a device, whatever they are: multiprocessing's queue feeders only
+# write to pipes. A DataLoader's pin-memory thread uses CUDA only while its loader is being
+# iterated: one left by a finished loader waits on an empty queue (after a release the
+# process must not use CUDA again anyway, that loader included).
+_DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
+
+
 def _other_threads() -> list[str]:
-    """Names of live threads that might use the device: all but this one and leakcheck's."""
+    """Names of live threads that might use the device.
+
+    All but this one, leakcheck's, and those that cannot touch it (``_DEVICE_FREE_THREADS``).
+    """
     current = threading.current_thread()
     return [
         thread.name
         for thread in threading.enumerate()
-        if thread is not current and not (thread.daemon and thread.name.startswith("leakcheck"))
+        if thread is not current
+        and not (thread.daemon and thread.name.startswith("leakcheck"))
+        and not any(marker in thread.name for marker in _DEVICE_FREE_THREADS)
     ]
+
+
+def _clear_library_workspaces() -> None:
+    """Give back what torch's libraries keep in the allocator (cuBLAS workspaces).
+
+    They count as allocated bytes after the first matrix product, though no tensor of the
+    caller's holds them: a release judged before clearing them refuses for nothing.
+    """
+    torch_c = getattr(sys.modules.get("torch"), "_C", None)
+    clear = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
+    if callable(clear):
+        with contextlib.suppress(Exception):
+            clear()
+
+
+def _live_tensors_text(index: int) -> str:
+    """The largest live CUDA tensors on ``cuda:index``, for a refusal's message."""
+    import torch
+
+    sizes: dict[str, list[int]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+                continue
+            if obj.device.index != index:
+                continue
+            shape = "x".join(str(d) for d in obj.shape) or "scalar"
+            key = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
+            sizes.setdefault(key, []).append(obj.untyped_storage().nbytes())
+        except Exception:
+            continue
+    largest = sorted(sizes.items(), key=lambda kv: -sum(kv[1]))[:3]
+    return ", ".join(
+        f"{len(found)} x {name} ({sum(found) / MIB:.1f} MiB)" for name, found in largest
+    )
 
 
 def _nvml_index(cuda_index: int) -> int | None:
@@ -799,11 +846,14 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
     index = _device_index(device)
     if not force:
         gc.collect()  # tensors kept only by garbage cycles are not the caller's
+        _clear_library_workspaces()
         allocated = int(torch.cuda.memory_allocated(index))
         if allocated > 0:
+            tensors = _live_tensors_text(index)
+            which = f" (largest: {tensors})" if tensors else ""
             raise LeakCheckError(
                 f"release_device: this process still holds {allocated / MIB:.1f} MiB of "
-                f"tensors on cuda:{index}; delete them first, or pass force=True"
+                f"tensors on cuda:{index}{which}; delete them first, or pass force=True"
             )
         others = _other_threads()
         if others:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import multiprocessing
+import multiprocessing.queues
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -259,3 +262,31 @@ def test_release_device_is_a_no_op_at_interpreter_exit() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "interpreter is exiting: left to the runtime"
+
+
+def _pin_memory_loop(stop: threading.Event) -> None:
+    """Named as torch's pin-memory thread target: the thread's name carries it."""
+    stop.wait(10)
+
+
+def test_release_device_ignores_threads_that_cannot_touch_the_device() -> None:
+    """A finished pin-memory loader's thread and multiprocessing's queue feeder do not block
+    a release; any other thread does, by name."""
+    stop = threading.Event()
+    queue: multiprocessing.queues.Queue[int] = multiprocessing.get_context("fork").Queue()
+    queue.put(1)  # starts the queue's feeder thread
+    pin = threading.Thread(target=_pin_memory_loop, args=(stop,), daemon=True)
+    other = threading.Thread(target=stop.wait, args=(10,), name="user-thread")
+    pin.start()
+    other.start()
+    try:
+        names = teardown._other_threads()
+    finally:
+        stop.set()
+        pin.join()
+        other.join()
+        queue.get()
+        queue.close()
+        queue.join_thread()
+    assert "user-thread" in names
+    assert not any("QueueFeederThread" in n or "_pin_memory_loop" in n for n in names), names

@@ -257,3 +257,50 @@ def test_teardown_releases_every_device_a_worker_used(tmp_path: Path) -> None:
     _released_by_every_worker(result, gpu_bytes_above=160 * MIB)
     assert result["still_listed"] == []
     assert [f for f in result["report"]["findings"] if f["severity"] == "leak"] == []
+
+
+def test_release_device_after_model_inference_leaves_nvml_and_the_clock_falls(
+    tmp_path: Path,
+) -> None:
+    """A torchvision model's inference (conv + matmul, cuBLAS workspaces), a finished
+    pin-memory loader, everything deleted: release_device() releases, the PID leaves NVML.
+    How long the SM clock takes to fall afterwards is recorded (printed), not asserted."""
+    result = result_of(
+        run_script(
+            tmp_path,
+            """
+            import json, os, time, torch, torchvision
+            from torch.utils.data import DataLoader, TensorDataset
+            from leakcheck import nvml, release_device
+            model = torchvision.models.resnet18(weights=None).cuda().eval()
+            data = TensorDataset(torch.randn(64, 3, 224, 224))
+            loader = DataLoader(data, batch_size=16, pin_memory=True)
+            with torch.no_grad():
+                for (batch,) in loader:
+                    out = model(batch.cuda(non_blocking=True))
+                    (out @ out.T).sum().item()
+            del model, out, batch
+            torch.cuda.synchronize()
+            result = release_device()
+            handle = nvml.get()
+            listed = any(p.pid == os.getpid() for p in handle.processes())
+            (device,) = handle.devices([0])
+            started, clocks = time.monotonic(), []
+            while time.monotonic() - started < 30:
+                (state,) = handle.devices([0])
+                clocks.append((round(time.monotonic() - started, 2), state.sm_clock_mhz))
+                if state.sm_clock_mhz is not None and state.sm_clock_max_mhz and (
+                    state.sm_clock_mhz < 0.5 * state.sm_clock_max_mhz
+                ):
+                    break
+                time.sleep(0.5)
+            print("RESULT " + json.dumps({"listed": listed, "clocks": clocks,
+                                          **result.__dict__}))
+            """,
+        )
+    )
+    print(f"SM clock after release_device(), (seconds, MHz): {result['clocks']}")
+    assert result["context_released"] is True, result
+    assert result["error"] is None
+    assert result["gpu_bytes_after"] == 0
+    assert result["listed"] is False

@@ -274,13 +274,18 @@ def test_release_device_after_model_inference_leaves_nvml_and_the_clock_falls(
             from leakcheck import nvml, release_device
             model = torchvision.models.resnet18(weights=None).cuda().eval()
             data = TensorDataset(torch.randn(64, 3, 224, 224))
-            loader = DataLoader(data, batch_size=16, pin_memory=True)
+            # Persistent workers: the loader's pin-memory thread and queue feeders stay alive
+            # after the epoch, idle.
+            loader = DataLoader(data, batch_size=16, pin_memory=True, num_workers=2,
+                                persistent_workers=True, multiprocessing_context="fork")
             with torch.no_grad():
                 for (batch,) in loader:
                     out = model(batch.cuda(non_blocking=True))
                     (out @ out.T).sum().item()
             del model, out, batch
             torch.cuda.synchronize()
+            import threading
+            threads = [t.name for t in threading.enumerate()]
             result = release_device()
             handle = nvml.get()
             listed = any(p.pid == os.getpid() for p in handle.processes())
@@ -295,11 +300,12 @@ def test_release_device_after_model_inference_leaves_nvml_and_the_clock_falls(
                     break
                 time.sleep(0.5)
             print("RESULT " + json.dumps({"listed": listed, "clocks": clocks,
-                                          **result.__dict__}))
+                                          "threads": threads, **result.__dict__}))
             """,
         )
     )
     print(f"SM clock after release_device(), (seconds, MHz): {result['clocks']}")
+    assert any("_pin_memory_loop" in name for name in result["threads"]), result["threads"]
     assert result["context_released"] is True, result
     assert result["error"] is None
     assert result["gpu_bytes_after"] == 0

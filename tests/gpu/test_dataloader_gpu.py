@@ -135,12 +135,68 @@ def test_grandchild_holding_a_context_after_the_loader_is_gone_is_an_orphan(
             (batch,) = list(watched)
             grandchild = int(batch[0])
             time.sleep(0.5)  # the loader is gone; the grandchild is not
+            before_close = watched.report()  # the README's order: a report about now
             watched.close()
             report = watched.report()
             os.kill(grandchild, 9)
-            emit(report, grandchild=grandchild)
+            emit(report, grandchild=grandchild, before_close=before_close.to_dict())
         """,
     )
-    orphans = [f for f in leaks(result["report"]) if f["rule"] == "orphan"]
-    assert [f["pid"] for f in orphans] == [result["grandchild"]]
-    assert orphans[0]["gpu_bytes"] >= 300 * MIB
+    for report in (result["before_close"], result["report"]):
+        orphans = [f for f in leaks(report) if f["rule"] == "orphan"]
+        assert [f["pid"] for f in orphans] == [result["grandchild"]]
+        assert orphans[0]["gpu_bytes"] >= 300 * MIB
+        assert "holds GPU" in orphans[0]["message"]
+    assert result["before_close"]["final"]["closed"] is False
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_watched_training_loop_has_no_false_finding_and_exact_worker_peaks(
+    tmp_path: Path, persistent: bool
+) -> None:
+    """A real training loop: a torchvision model on the GPU, fork workers (which never touch
+    CUDA), pin_memory=True. No leak; every worker's peak is what it reported at exit."""
+    result = run_scenario(
+        tmp_path,
+        f"""
+        import torchvision
+        from torch.utils.data import TensorDataset
+
+        if __name__ == "__main__":
+            model = torchvision.models.resnet18(weights=None, num_classes=10).cuda()
+            optimiser = torch.optim.SGD(model.parameters(), lr=0.01)
+            data = TensorDataset(torch.randn(96, 3, 64, 64), torch.randint(0, 10, (96,)))
+            train = DataLoader(data, batch_size=16, num_workers=4, pin_memory=True,
+                               persistent_workers={persistent}, multiprocessing_context="fork")
+            with leakcheck.watch(train, grace=1.0, on_leak="ignore") as watched:
+                for epoch in range(4):
+                    for images, labels in watched:
+                        loss = torch.nn.functional.cross_entropy(
+                            model(images.cuda(non_blocking=True)), labels.cuda())
+                        optimiser.zero_grad(); loss.backward(); optimiser.step()
+                    torch.cuda.synchronize()
+            emit(watched.report())
+        """,
+    )
+    report = result["report"]
+    assert report["attribution"] == "ok"
+    assert leaks(report) == [], [f["message"] for f in leaks(report)]
+    reported = {
+        (t["key"]["pid"], t["key"]["create_time"]): t["gpu_bytes_by_device"]
+        for t in report["teardowns"]
+    }
+    workers = [
+        (epoch["index"], p)
+        for epoch in report["epochs"]
+        for p in epoch["processes"]
+        if p["role"] == "worker"
+    ]
+    assert len(workers) == 16
+    for _index, proc in workers:
+        # Fork workers of a CUDA parent never use CUDA: each reported 0 on every device.
+        assert proc["gpu_peak_source"] in ("reported", "sampled"), proc
+        assert proc["total_gpu_bytes_peak"] == 0, proc
+    # Workers per epoch report at exit; persistent ones outlive the tracker (the loader keeps
+    # them) and are read in full at every epoch end instead.
+    assert len(reported) == (0 if persistent else 16)
+    assert all(held == {} for held in reported.values()), reported

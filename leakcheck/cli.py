@@ -249,11 +249,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         cli=args.grace,
         environ=os.environ,
     ).value
-    interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
-    if interval_s <= 0:
-        raise UsageError(
-            f"--interval: expected more than 0 seconds such as 50ms, got {args.interval!r}"
-        )
+    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
         try:
@@ -325,6 +321,36 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         json_path=json_path,
         plot_path=plot_path,
         fail_on_leak=args.fail_on_leak,
+    )
+
+
+def _check_device(index: int, gpu: tuple[bool, str]) -> None:
+    """Refuse ``--device`` naming a GPU that NVML does not list.
+
+    Without any GPU too: the sweep would run and print "n/a" where the user asked for one
+    device's memory; a CPU run is asked for by leaving ``--device`` out.
+    """
+    from leakcheck import nvml
+    from leakcheck.errors import LeakCheckError
+
+    available, reason = gpu
+    count = None
+    if available:
+        # NVML answered a moment ago; if it fails now the sweep says so in its header.
+        with contextlib.suppress(LeakCheckError):
+            count = nvml.get().device_count()
+        if count is None:
+            return
+        reason = "NVML lists no device"
+    if count:
+        if index >= count:
+            raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
+        return
+    # The reason's tail says that process checks still run: true, but not with --device.
+    reason = reason.split("; GPU memory is not checked")[0]
+    raise UsageError(
+        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
+        "leave out --device to run the host-side checks only"
     )
 
 
@@ -418,7 +444,6 @@ def _same_file(a: str | None, b: str) -> bool:
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck import nvml
-    from leakcheck.errors import LeakCheckError
     from leakcheck.progress import Progress
     from leakcheck.sweep import LoaderError, one_line, run_sweep, write_json
 
@@ -426,15 +451,8 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
-        count = None
-        if gpu[0] and plan.options.device_index is not None:
-            # NVML answered a moment ago; if it fails now the sweep says so in its header.
-            with contextlib.suppress(LeakCheckError):
-                count = nvml.get().device_count()
-            if count is not None and plan.options.device_index >= count:
-                raise UsageError(
-                    f"--device: expected a GPU index below {count}, got {plan.options.device_index}"
-                )
+        if plan.options.device_index is not None:
+            _check_device(plan.options.device_index, gpu)
         if plan.loader is not None:
             factory = load_factory(plan.loader)
             description = f"loader {plan.loader}"
@@ -495,7 +513,9 @@ def run_snapshot_command(args: argparse.Namespace, out: TextIO) -> int:
     root_pid: int | None = None
     if args.pid is not None:
         text = str(args.pid).strip()
-        if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
+        # digits int() raises instead of converting).
+        if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
             sys.stderr.write(f"{_PROG} snapshot: --pid: expected a process ID > 0, got {text!r}\n")
             return EXIT_USAGE
         root_pid = int(text)

@@ -286,6 +286,18 @@ BAD_VALUES = [
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
     (["--json", "{dir}/no/such/folder/out.json"], "--json: expected a path in an existing folder"),
     (["--bogus-option"], "unrecognized arguments: --bogus-option"),
+    # Values that used to be taken silently, or to fail only after the whole sweep ran.
+    (["--tolerance", "1.5"], "--tolerance (command line): expected a whole number of bytes such "
+     "as 4096, got '1.5'"),
+    (["--tolerance", ""], "--tolerance (command line): expected a size such as 16MiB, 1GB or "
+     "4096 (bytes), got ''"),
+    (["--grace", ""], "--grace (command line): expected seconds such as 2 or 500ms, got ''"),
+    (["--interval", ""], "--interval: expected seconds such as 2 or 500ms, got ''"),
+    (["--interval", "1e-9"], "--interval: expected 1ms or more (a shorter interval makes the "
+     "sampler spin"),
+    (["--interval", "0"], "--interval: expected 1ms or more"),
+    (["--grace", "1e9"], "--grace (command line): expected a finite number of seconds below 1e9"),
+    (["--device", "99"], "--device: expected a GPU index"),
 ]  # fmt: skip
 
 
@@ -312,6 +324,25 @@ def test_bad_values_exit_2_with_one_line(
     assert expected in lines[0]
     assert not json_path.exists()
     assert captured.out == ""
+
+
+def test_device_without_a_gpu_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leakcheck import nvml
+
+    reason = "NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver on this machine)"
+    monkeypatch.setattr(
+        nvml,
+        "availability",
+        lambda: (False, f"{reason}; GPU memory is not checked, process checks still run"),
+    )
+    assert main(["sweep", "--workers", "0", "--epochs", "1", "--device", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"leakcheck sweep: --device: expected a GPU index, but NVML sees no GPU here ({reason}), "
+        "got 0; leave out --device to run the host-side checks only"
+    ]
 
 
 def test_tolerance_and_grace_from_environment(
@@ -384,6 +415,8 @@ def test_snapshot_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ("x", "expected a process ID > 0, got 'x'"),
         ("0", "expected a process ID > 0"),
+        # Past 4300 digits int() raised ValueError: a traceback, not a usage error.
+        ("9" * 5000, "expected a process ID > 0"),
         ("999999999", "no running process with PID 999999999"),
     ],
 )

@@ -37,6 +37,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 _PROG = "leakcheck"
 _SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
 
+WORKERS_PER_CPU = 8
+"""Worker counts up to this many per usable CPU are allowed without ``--max-workers``.
+
+torch's DataLoader already warns above one worker per CPU (more only oversubscribe the
+cores). A sweep may go further on purpose, since what it measures per worker is a CUDA
+context and a process, not throughput; but each worker is a Python process that imports
+torch (a few hundred MiB of host memory) and, on a GPU, holds a ~0.6 GiB context, so far
+beyond this the machine runs out of memory before the sweep says anything."""
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, ``<prog>: <message>``, exit 2."""
@@ -75,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument(
         "--workers", default="0,4,8", metavar="N,N,...", help="worker counts (default 0,4,8)"
+    )
+    what.add_argument(
+        "--max-workers",
+        default=None,
+        metavar="N",
+        help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
+        "use, and no more than the user's process limit RLIMIT_NPROC leaves room for)",
     )
     what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
     what.add_argument(
@@ -195,12 +211,118 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
     """
     parts = [part.strip() for part in text.split(",")]
-    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
-    if any(not (part.isascii() and part.isdigit()) for part in parts):
+    try:
+        # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+        if all(part.isascii() and part.isdigit() for part in parts):
+            return tuple(int(part) for part in parts)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        pass
+    raise UsageError(
+        f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
+    )
+
+
+@dataclass(frozen=True)
+class WorkerBound:
+    """The largest worker count a sweep starts without ``--max-workers``, and why.
+
+    Attributes:
+        max_workers: The bound.
+        why: What sets it, for the error message (``16 CPUs x 8``).
+
+    """
+
+    max_workers: int
+    why: str
+
+
+def worker_bound() -> WorkerBound:
+    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
+
+    RLIMIT_NPROC caps the processes and threads of the real user ID; what this user runs
+    already counts against it, so the room is the soft limit minus that count. Where the
+    limit does not apply (root, no limit) or cannot be read, only the CPU bound holds.
+    """
+    cpus = _usable_cpus()
+    bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
+    room = _process_room()
+    if room is not None and room.max_workers < bound.max_workers:
+        return room
+    return bound
+
+
+def _usable_cpus() -> int:
+    # The CPUs this process may run on (taskset, cpusets), as torch's DataLoader counts them
+    # for its own warning; os.cpu_count() counts the machine's.
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _process_room() -> WorkerBound | None:
+    try:
+        import resource
+
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+    # The kernel does not apply RLIMIT_NPROC to real user ID 0.
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
+        return None
+    running = _tasks_of_user(os.getuid())
+    if running is None:
+        return None
+    return WorkerBound(
+        max(soft_limit - running, 0),
+        f"RLIMIT_NPROC {soft_limit} minus {running} processes and threads this user runs",
+    )
+
+
+def _tasks_of_user(uid: int) -> int | None:
+    """Threads (what RLIMIT_NPROC counts) of processes whose real user ID is ``uid``.
+
+    None when /proc cannot be listed; processes that exit during the count are skipped.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    count = 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as status:
+                text = status.read()
+        except OSError:
+            continue
+        real_uid = threads = None
+        for line in text.splitlines():
+            if line.startswith(b"Uid:"):
+                real_uid = int(line.split()[1])
+            elif line.startswith(b"Threads:"):
+                threads = int(line.split()[1])
+        if real_uid == uid:
+            count += threads or 1
+    return count
+
+
+def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -> None:
+    most = max(workers)
+    if max_workers_text is not None:
+        allowed = _int_value(max_workers_text, "--max-workers", minimum=0, example="64")
+        if most > allowed:
+            raise UsageError(
+                f"--workers: {most} workers is more than --max-workers {allowed} allows"
+            )
+        return
+    bound = worker_bound()
+    if most > bound.max_workers:
         raise UsageError(
-            f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
+            f"--workers: {most} workers is more than this machine should start (at most "
+            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
         )
-    return tuple(int(part) for part in parts)
 
 
 def _output_path(text: str | None, option: str, suffix: str | None = None) -> str | None:
@@ -229,6 +351,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     from leakcheck.workload import SCENARIOS, START_METHODS, WorkloadSpec
 
     workers = parse_workers(args.workers)
+    _check_worker_counts(workers, args.max_workers)
     epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
     start_method = args.start_method or "spawn"
     if start_method not in START_METHODS:

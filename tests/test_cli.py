@@ -20,7 +20,9 @@ from typing import Any
 import psutil
 import pytest
 
+from leakcheck import cli
 from leakcheck.cli import main
+from leakcheck.errors import UsageError
 from leakcheck.units import format_mib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,6 +289,12 @@ BAD_VALUES = [
     (["--json", "{dir}/no/such/folder/out.json"], "--json: expected a path in an existing folder"),
     (["--bogus-option"], "unrecognized arguments: --bogus-option"),
     # Values that used to be taken silently, or to fail only after the whole sweep ran.
+    (["--workers", "100000"], "--workers: 100000 workers is more than this machine should "
+     "start (at most "),
+    (["--workers", "0,64", "--max-workers", "32"],
+     "--workers: 64 workers is more than --max-workers 32 allows"),
+    (["--max-workers", "lots"], "--max-workers: expected an integer >= 0 such as 64, got 'lots'"),
+    (["--workers", "9" * 5000], "--workers: expected comma-separated integers >= 0"),
     (["--tolerance", "1.5"], "--tolerance (command line): expected a whole number of bytes such "
      "as 4096, got '1.5'"),
     (["--tolerance", ""], "--tolerance (command line): expected a size such as 16MiB, 1GB or "
@@ -343,6 +351,74 @@ def test_device_without_a_gpu_is_refused(
         f"leakcheck sweep: --device: expected a GPU index, but NVML sees no GPU here ({reason}), "
         "got 0; leave out --device to run the host-side checks only"
     ]
+
+
+# --------------------------------------------------------------------------- worker bound
+
+
+def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
+    monkeypatch.setattr(cli, "_process_room", lambda: None)
+    assert cli.worker_bound() == cli.WorkerBound(128, "16 CPUs x 8")
+    args = cli.build_parser().parse_args(["sweep", "--workers", "0,129", "--loader", "m:f"])
+    with pytest.raises(UsageError) as info:
+        cli.resolve_sweep(args)
+    assert str(info.value) == (
+        "--workers: 129 workers is more than this machine should start (at most 128: "
+        "16 CPUs x 8); pass --max-workers N to allow more"
+    )
+    args = cli.build_parser().parse_args(["sweep", "--workers", "0,128", "--loader", "m:f"])
+    assert cli.resolve_sweep(args).options.workers == (0, 128)
+    args = cli.build_parser().parse_args(
+        ["sweep", "--workers", "4,1000", "--max-workers", "1000", "--loader", "m:f"]
+    )
+    assert cli.resolve_sweep(args).options.workers == (4, 1000)
+
+
+def test_worker_bound_by_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, 8192))
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4059 if uid == 1000 else 0)
+    assert cli.worker_bound() == cli.WorkerBound(
+        37, "RLIMIT_NPROC 4096 minus 4059 processes and threads this user runs"
+    )
+    # A roomy limit leaves the CPU bound.
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 10)
+    assert cli.worker_bound().max_workers == 128
+    # Root, or no limit: the process limit does not apply.
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4096)
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    assert cli.worker_bound().max_workers == 128
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert cli.worker_bound().max_workers == 128
+
+
+def test_tasks_of_user_counts_this_process_threads() -> None:
+    import threading
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        count = cli._tasks_of_user(os.getuid())
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert count is not None and count >= 4
+    assert cli._tasks_of_user(2**31 - 7) == 0
+
+
+def test_max_workers_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-workers N allow worker counts up to N (default: 8 per CPU" in text
+    assert "RLIMIT_NPROC" in text
 
 
 def test_tolerance_and_grace_from_environment(

@@ -2,10 +2,14 @@
 
 Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-leak``),
 1 when leaks were found and ``--fail-on-leak`` was given, 2 on bad usage: a bad option
-value, or a loader that cannot be imported, called or iterated. A usage error is one line
-on standard error that names the option, what was expected and what was given, and
-nothing is written to ``--json`` or ``--plot`` paths (they are written only at the end,
-atomically). Ctrl-C exits 130 and writes nothing.
+value, or a loader that cannot be imported, called or iterated, or an output that could
+not be written where asked. A usage error is one line on standard error that names the
+option, what was expected and what was given, and nothing is written to ``--json`` or
+``--plot`` paths (they are written only at the end, atomically). Those paths are checked
+before the sweep starts (a probe file in the folder, created and removed); an output that
+still fails at the end is written next to it, to the current folder or to the temporary
+folder instead, and the path is printed: a run's results are never lost for a path.
+Ctrl-C exits 130 and writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import importlib
 import importlib.util
 import json
 import os
+import stat
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -151,7 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop waiting for the cooldown after this long (600)",
     )
     judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
-    output = sweep.add_argument_group("output")
+    output = sweep.add_argument_group(
+        "output",
+        "Both are checked before the sweep starts: the folder exists and takes new files, and "
+        "a file already there is a writable regular file. If a write still fails at the end, "
+        "the output goes next to it, to the current folder or to the temporary folder, and "
+        "the path written is printed.",
+    )
     output.add_argument("--json", default=None, metavar="PATH", help="write everything as JSON")
     output.add_argument(
         "--plot", default=None, metavar="PATH.png", help="draw memory per epoch (matplotlib)"
@@ -326,6 +338,12 @@ def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -
 
 
 def _output_path(text: str | None, option: str, suffix: str | None = None) -> str | None:
+    """Check an output path before the sweep runs, so that a run's results are not lost.
+
+    The folder must exist and take a new file (a probe file is created and removed: what
+    the final atomic write does first), and a file already there must be a regular file
+    that may be written (not a folder, a device, an immutable or append-only file).
+    """
     if text is None:
         return None
     if not text.strip():
@@ -335,9 +353,84 @@ def _output_path(text: str | None, option: str, suffix: str | None = None) -> st
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
-    if os.path.isdir(text):
-        raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+    try:
+        existing = os.stat(text)
+    except FileNotFoundError:
+        existing = None  # a dangling link too: the write replaces the link
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot check {text!r}: {exc.strerror}") from None
+    if existing is not None:
+        if stat.S_ISDIR(existing.st_mode):
+            raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+        if not stat.S_ISREG(existing.st_mode):
+            raise UsageError(
+                f"{option}: expected a regular file to write, got {text!r} (not a regular file)"
+            )
+        # Opening for writing, without truncating, changes nothing, and is refused where
+        # os.access() says yes to root: immutable and append-only files, read-only mounts.
+        try:
+            os.close(os.open(text, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY))
+        except OSError as exc:
+            raise UsageError(
+                f"{option}: expected a writable file, got {text!r} ({exc.strerror})"
+            ) from None
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".leakcheck-probe-", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise UsageError(
+            f"{option}: expected a path in a folder that takes new files, got {text!r} "
+            f"(cannot create a file in {folder}: {exc.strerror})"
+        ) from None
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return text
+
+
+def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
+    """Write an output that could not be written at ``intended`` to a new file elsewhere.
+
+    Tried in order: next to it, the current folder, the temporary folder; each under a new
+    name (``sweep.leakcheck-x1y2.json``), never replacing a file.
+
+    Returns:
+        The path written, or None when no place took it.
+
+    """
+    stem, extension = os.path.splitext(os.path.basename(intended))
+    folders: list[str] = [os.path.dirname(os.path.abspath(intended))]
+    with contextlib.suppress(OSError):  # the current folder may have been removed
+        folders.append(os.getcwd())
+    folders.append(tempfile.gettempdir())
+    tried: set[str] = set()
+    for folder in folders:
+        if folder in tried:
+            continue
+        tried.add(folder)
+        try:
+            handle, path = tempfile.mkstemp(
+                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
+            )
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            write(path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            continue
+        return path
+    return None
+
+
+def _lost_output_line(prog: str, option: str, path: str, error: str, saved: str | None) -> str:
+    where = (
+        f"wrote it to {saved!r} instead"
+        if saved is not None
+        else "no other place (next to it, the current folder, the temporary folder) took it"
+    )
+    return f"{prog}: {option}: cannot write {path!r}: {error}; {where}\n"
 
 
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
@@ -609,17 +702,25 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     out.write(result.format() + "\n")
     out.flush()
     status = EXIT_CLEAN
+    # The outputs were checked before the run; if a write fails now anyway (the folder was
+    # removed, a disk filled up), the results still go somewhere, and the path is printed.
     if plan.json_path is not None:
+        data = result.to_dict()
         try:
-            write_json(plan.json_path, result.to_dict())
+            write_json(plan.json_path, data)
         except OSError as exc:
-            err.write(f"{prog}: --json: cannot write {plan.json_path!r}: {exc}\n")
+            saved = _write_elsewhere(plan.json_path, lambda path: write_json(path, data))
+            err.write(_lost_output_line(prog, "--json", plan.json_path, str(exc), saved))
             status = EXIT_USAGE
     if plan.plot_path is not None:
-        try:
-            from leakcheck.plot import plot_sweep
+        from leakcheck.plot import plot_sweep
 
+        try:
             plot_sweep(result, plan.plot_path)
+        except OSError as exc:
+            saved = _write_elsewhere(plan.plot_path, lambda path: plot_sweep(result, path))
+            err.write(_lost_output_line(prog, "--plot", plan.plot_path, str(exc), saved))
+            status = EXIT_USAGE
         except Exception as exc:
             err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {one_line(exc)}\n")
             status = EXIT_USAGE

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -306,6 +307,11 @@ BAD_VALUES = [
     (["--interval", "0"], "--interval: expected 1ms or more"),
     (["--grace", "1e9"], "--grace (command line): expected a finite number of seconds below 1e9"),
     (["--device", "99"], "--device: expected a GPU index"),
+    (["--json", "/proc/leakcheck.json"], "--json: expected a path in a folder that takes new "
+     "files, got '/proc/leakcheck.json' (cannot create a file in /proc: "),
+    (["--plot", "/proc/leakcheck.png"], "--plot: expected a path in a folder that takes new files"),
+    (["--json", "/dev/null"], "--json: expected a regular file to write, got '/dev/null'"),
+    (["--json", "{dir}"], "--json: expected a file path, got the folder"),
 ]  # fmt: skip
 
 
@@ -332,6 +338,124 @@ def test_bad_values_exit_2_with_one_line(
     assert expected in lines[0]
     assert not json_path.exists()
     assert captured.out == ""
+
+
+def test_bad_values_leave_no_probe_file(broken_loaders: Path) -> None:
+    """The output check creates a probe file and removes it: nothing is left in the folder."""
+    before = sorted(os.listdir(broken_loaders))
+    assert main(["sweep", "--workers", "0", "--epochs", "0", "--json",
+                 str(broken_loaders / "out.json")]) == 2  # fmt: skip
+    assert sorted(os.listdir(broken_loaders)) == before
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    try:
+        done = subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False)
+    except FileNotFoundError:
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("flag", ["+i", "+a"])
+def test_immutable_or_append_only_output_is_refused_before_the_run(
+    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Root may write any file by its mode, but not an immutable or append-only one: the
+    sweep ran to its end and then lost its results."""
+    ran = tmp_path / "ran"
+    (tmp_path / "marker_loader.py").write_text(
+        f"def make(n):\n    open({str(ran)!r}, 'w').close()\n    return [1]\n"
+    )
+    target = tmp_path / "old.json"
+    target.write_text("{}")
+    if not _chattr(flag, target):
+        pytest.skip(f"chattr {flag} is not possible here (not root, or the filesystem)")
+    try:
+        status = main(["sweep", "--loader", f"{tmp_path}/marker_loader.py:make", "--workers",
+                       "0", "--epochs", "1", "--json", str(target)])  # fmt: skip
+    finally:
+        _chattr(flag.replace("+", "-"), target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err == [
+        f"leakcheck sweep: --json: expected a writable file, got {str(target)!r} "
+        "(Operation not permitted)"
+    ]
+    assert not ran.exists()  # refused before the loader was called
+    assert target.read_text() == "{}"
+
+
+_SABOTAGE = """
+import os, shutil
+
+def make(num_workers):
+    # Runs after the outputs were checked: the place they were checked for goes away.
+    {action}
+    return [1, 2]
+"""
+
+
+def _sabotaged_sweep(tmp_path: Path, action: str, json_path: Path, name: str) -> int:
+    loader = tmp_path / f"{name}.py"
+    loader.write_text(_SABOTAGE.format(action=action))
+    return main(["sweep", "--loader", f"{loader}:make", "--workers", "0", "--epochs", "1",
+                 "--grace", "0", "--json", str(json_path)])  # fmt: skip
+
+
+def test_json_that_cannot_be_written_at_the_end_goes_next_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "out"
+    out.mkdir()
+    json_path = out / "sweep.json"
+    # A folder now stands where the file was to go: the final rename onto it fails.
+    action = f"os.mkdir({str(json_path)!r})"
+    status = _sabotaged_sweep(tmp_path, action, json_path, "folder_in_the_way")
+    captured = capsys.readouterr()
+    assert status == 2
+    assert "verdict CLEAN" in captured.out  # the text report was printed
+    lines = [line for line in captured.err.splitlines() if "--json" in line]
+    assert len(lines) == 1, captured.err
+    written = [name for name in os.listdir(out) if name != "sweep.json"]
+    assert len(written) == 1 and written[0].startswith("sweep.leakcheck-"), written
+    assert written[0].endswith(".json")
+    saved = out / written[0]
+    assert lines[0].startswith(
+        f"leakcheck sweep: --json: cannot write {str(json_path)!r}: [Errno 21] Is a directory"
+    )
+    assert lines[0].endswith(f"; wrote it to {str(saved)!r} instead")
+    data = json.loads(saved.read_text())
+    assert data["configurations"][0]["verdict"] == "clean"
+
+
+def test_json_falls_back_to_the_current_folder_then_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out, cwd, temp = tmp_path / "out", tmp_path / "cwd", tmp_path / "temp"
+    for folder in (out, cwd, temp):
+        folder.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    json_path = out / "sweep.json"
+    # The folder is removed during the run: the current folder takes the file.
+    action = f"shutil.rmtree({str(out)!r})"
+    assert _sabotaged_sweep(tmp_path, action, json_path, "folder_removed") == 2
+    err = capsys.readouterr().err
+    (saved,) = cwd.iterdir()
+    assert saved.name.startswith("sweep.leakcheck-") and saved.suffix == ".json"
+    assert err.splitlines()[-1].endswith(f"; wrote it to {str(saved)!r} instead")
+    assert json.loads(saved.read_text())["leak_count"] == 0
+
+    # The current folder is removed with it: the temporary folder takes the file.
+    out.mkdir()
+    monkeypatch.chdir(out)
+    assert _sabotaged_sweep(tmp_path, action, json_path, "folder_and_cwd_removed") == 2
+    err = capsys.readouterr().err
+    (saved,) = temp.iterdir()
+    assert err.splitlines()[-1].endswith(f"; wrote it to {str(saved)!r} instead")
+    assert json.loads(saved.read_text())["leak_count"] == 0
 
 
 def test_device_without_a_gpu_is_refused(

@@ -181,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pid",
         default=None,
         metavar="PID",
-        help="a job's root process: also list its descendants with their roles (parent, "
-        "worker, descendant) and its tagged orphans, GPU or not",
+        help="a job's root process: also list its descendants with their roles (parent; "
+        "descendant: from outside no child can be known to be a loader worker; runtime "
+        "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
+        "orphans, GPU or not",
     )
     return parser
 

@@ -186,7 +186,8 @@ def _process_line(entry: ProcessSnapshot) -> str:
     text = f"PID {entry.info.key.pid}"
     if entry.role:
         text += f" [{entry.role}]"
-    text += f" {entry.info.cmdline or entry.info.name}"
+    # One line per process: a `python -c` script's newlines must not break the tree.
+    text += f" {' '.join(entry.info.cmdline.split()) or entry.info.name}"
     if len(text) > 90:
         text = text[:87] + "..."
     details = [memory] if memory else []

@@ -115,3 +115,15 @@ def test_snapshot_pid_text_and_json(job: Job, capsys: pytest.CaptureFixture[str]
     assert "[descendant] sleep 60" in sleeper_line
     # A helper is no cause for concern: it is not listed among the flagged processes.
     assert f"PID {job.tracker} (" not in text
+
+
+def test_a_multiline_command_line_stays_on_its_process_line(
+    job: Job, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job's `python -c` script has newlines: the parent's line was broken in three."""
+    assert main(["snapshot", "--pid", str(job.root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    script_lines = [line.strip() for line in _JOB.strip().splitlines()]
+    assert not [line for line in lines if line.strip() in script_lines]
+    root_line = next(line for line in lines if f"PID {job.root} " in line)
+    assert "[parent]" in root_line and "-c import subprocess, sys, time" in root_line

@@ -2,10 +2,14 @@
 
 Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-leak``),
 1 when leaks were found and ``--fail-on-leak`` was given, 2 on bad usage: a bad option
-value, or a loader that cannot be imported, called or iterated. A usage error is one line
-on standard error that names the option, what was expected and what was given, and
-nothing is written to ``--json`` or ``--plot`` paths (they are written only at the end,
-atomically). Ctrl-C exits 130 and writes nothing.
+value, or a loader that cannot be imported, called or iterated, or an output that could
+not be written where asked. A usage error is one line on standard error that names the
+option, what was expected and what was given, and nothing is written to ``--json`` or
+``--plot`` paths (they are written only at the end, atomically). Those paths are checked
+before the sweep starts (a probe file in the folder, created and removed); an output that
+still fails at the end is written next to it, to the current folder or to the temporary
+folder instead, and the path is printed: a run's results are never lost for a path.
+Ctrl-C exits 130 and writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import importlib
 import importlib.util
 import json
 import os
+import stat
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -36,6 +42,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 _PROG = "leakcheck"
 _SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
+
+WORKERS_PER_CPU = 8
+"""Worker counts up to this many per usable CPU are allowed without ``--max-workers``.
+
+torch's DataLoader already warns above one worker per CPU (more only oversubscribe the
+cores). A sweep may go further on purpose, since what it measures per worker is a CUDA
+context and a process, not throughput; but each worker is a Python process that imports
+torch (a few hundred MiB of host memory) and, on a GPU, holds a ~0.6 GiB context, so far
+beyond this the machine runs out of memory before the sweep says anything."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument(
         "--workers", default="0,4,8", metavar="N,N,...", help="worker counts (default 0,4,8)"
+    )
+    what.add_argument(
+        "--max-workers",
+        default=None,
+        metavar="N",
+        help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
+        "use, and no more than the user's process limit RLIMIT_NPROC leaves room for)",
     )
     what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
     what.add_argument(
@@ -135,7 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop waiting for the cooldown after this long (600)",
     )
     judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
-    output = sweep.add_argument_group("output")
+    output = sweep.add_argument_group(
+        "output",
+        "Both are checked before the sweep starts: the folder exists and takes new files, and "
+        "a file already there is a writable regular file. If a write still fails at the end, "
+        "the output goes next to it, to the current folder or to the temporary folder, and "
+        "the path written is printed.",
+    )
     output.add_argument("--json", default=None, metavar="PATH", help="write everything as JSON")
     output.add_argument(
         "--plot", default=None, metavar="PATH.png", help="draw memory per epoch (matplotlib)"
@@ -153,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pid",
         default=None,
         metavar="PID",
-        help="a job's root process: also list its descendants with their roles (parent, "
-        "worker, descendant) and its tagged orphans, GPU or not",
+        help="a job's root process: also list its descendants with their roles (parent; "
+        "descendant: from outside no child can be known to be a loader worker; runtime "
+        "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
+        "orphans, GPU or not",
     )
     return parser
 
@@ -195,15 +225,127 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
     """
     parts = [part.strip() for part in text.split(",")]
-    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
-    if any(not (part.isascii() and part.isdigit()) for part in parts):
+    try:
+        # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+        if all(part.isascii() and part.isdigit() for part in parts):
+            return tuple(int(part) for part in parts)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        pass
+    raise UsageError(
+        f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
+    )
+
+
+@dataclass(frozen=True)
+class WorkerBound:
+    """The largest worker count a sweep starts without ``--max-workers``, and why.
+
+    Attributes:
+        max_workers: The bound.
+        why: What sets it, for the error message (``16 CPUs x 8``).
+
+    """
+
+    max_workers: int
+    why: str
+
+
+def worker_bound() -> WorkerBound:
+    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
+
+    RLIMIT_NPROC caps the processes and threads of the real user ID; what this user runs
+    already counts against it, so the room is the soft limit minus that count. Where the
+    limit does not apply (root, no limit) or cannot be read, only the CPU bound holds.
+    """
+    cpus = _usable_cpus()
+    bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
+    room = _process_room()
+    if room is not None and room.max_workers < bound.max_workers:
+        return room
+    return bound
+
+
+def _usable_cpus() -> int:
+    # The CPUs this process may run on (taskset, cpusets), as torch's DataLoader counts them
+    # for its own warning; os.cpu_count() counts the machine's.
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _process_room() -> WorkerBound | None:
+    try:
+        import resource
+
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+    # The kernel does not apply RLIMIT_NPROC to real user ID 0.
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
+        return None
+    running = _tasks_of_user(os.getuid())
+    if running is None:
+        return None
+    return WorkerBound(
+        max(soft_limit - running, 0),
+        f"RLIMIT_NPROC {soft_limit} minus {running} processes and threads this user runs",
+    )
+
+
+def _tasks_of_user(uid: int) -> int | None:
+    """Threads (what RLIMIT_NPROC counts) of processes whose real user ID is ``uid``.
+
+    None when /proc cannot be listed; processes that exit during the count are skipped.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    count = 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as status:
+                text = status.read()
+        except OSError:
+            continue
+        real_uid = threads = None
+        for line in text.splitlines():
+            if line.startswith(b"Uid:"):
+                real_uid = int(line.split()[1])
+            elif line.startswith(b"Threads:"):
+                threads = int(line.split()[1])
+        if real_uid == uid:
+            count += threads or 1
+    return count
+
+
+def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -> None:
+    most = max(workers)
+    if max_workers_text is not None:
+        allowed = _int_value(max_workers_text, "--max-workers", minimum=0, example="64")
+        if most > allowed:
+            raise UsageError(
+                f"--workers: {most} workers is more than --max-workers {allowed} allows"
+            )
+        return
+    bound = worker_bound()
+    if most > bound.max_workers:
         raise UsageError(
-            f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
+            f"--workers: {most} workers is more than this machine should start (at most "
+            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
         )
-    return tuple(int(part) for part in parts)
 
 
 def _output_path(text: str | None, option: str, suffix: str | None = None) -> str | None:
+    """Check an output path before the sweep runs, so that a run's results are not lost.
+
+    The folder must exist and take a new file (a probe file is created and removed: what
+    the final atomic write does first), and a file already there must be a regular file
+    that may be written (not a folder, a device, an immutable or append-only file).
+    """
     if text is None:
         return None
     if not text.strip():
@@ -213,9 +355,84 @@ def _output_path(text: str | None, option: str, suffix: str | None = None) -> st
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
-    if os.path.isdir(text):
-        raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+    try:
+        existing = os.stat(text)
+    except FileNotFoundError:
+        existing = None  # a dangling link too: the write replaces the link
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot check {text!r}: {exc.strerror}") from None
+    if existing is not None:
+        if stat.S_ISDIR(existing.st_mode):
+            raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+        if not stat.S_ISREG(existing.st_mode):
+            raise UsageError(
+                f"{option}: expected a regular file to write, got {text!r} (not a regular file)"
+            )
+        # Opening for writing, without truncating, changes nothing, and is refused where
+        # os.access() says yes to root: immutable and append-only files, read-only mounts.
+        try:
+            os.close(os.open(text, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY))
+        except OSError as exc:
+            raise UsageError(
+                f"{option}: expected a writable file, got {text!r} ({exc.strerror})"
+            ) from None
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".leakcheck-probe-", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise UsageError(
+            f"{option}: expected a path in a folder that takes new files, got {text!r} "
+            f"(cannot create a file in {folder}: {exc.strerror})"
+        ) from None
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return text
+
+
+def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
+    """Write an output that could not be written at ``intended`` to a new file elsewhere.
+
+    Tried in order: next to it, the current folder, the temporary folder; each under a new
+    name (``sweep.leakcheck-x1y2.json``), never replacing a file.
+
+    Returns:
+        The path written, or None when no place took it.
+
+    """
+    stem, extension = os.path.splitext(os.path.basename(intended))
+    folders: list[str] = [os.path.dirname(os.path.abspath(intended))]
+    with contextlib.suppress(OSError):  # the current folder may have been removed
+        folders.append(os.getcwd())
+    folders.append(tempfile.gettempdir())
+    tried: set[str] = set()
+    for folder in folders:
+        if folder in tried:
+            continue
+        tried.add(folder)
+        try:
+            handle, path = tempfile.mkstemp(
+                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
+            )
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            write(path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            continue
+        return path
+    return None
+
+
+def _lost_output_line(prog: str, option: str, path: str, error: str, saved: str | None) -> str:
+    where = (
+        f"wrote it to {saved!r} instead"
+        if saved is not None
+        else "no other place (next to it, the current folder, the temporary folder) took it"
+    )
+    return f"{prog}: {option}: cannot write {path!r}: {error}; {where}\n"
 
 
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
@@ -229,6 +446,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     from leakcheck.workload import SCENARIOS, START_METHODS, WorkloadSpec
 
     workers = parse_workers(args.workers)
+    _check_worker_counts(workers, args.max_workers)
     epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
     start_method = args.start_method or "spawn"
     if start_method not in START_METHODS:
@@ -249,11 +467,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         cli=args.grace,
         environ=os.environ,
     ).value
-    interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
-    if interval_s <= 0:
-        raise UsageError(
-            f"--interval: expected more than 0 seconds such as 50ms, got {args.interval!r}"
-        )
+    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
         try:
@@ -325,6 +539,36 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         json_path=json_path,
         plot_path=plot_path,
         fail_on_leak=args.fail_on_leak,
+    )
+
+
+def _check_device(index: int, gpu: tuple[bool, str]) -> None:
+    """Refuse ``--device`` naming a GPU that NVML does not list.
+
+    Without any GPU too: the sweep would run and print "n/a" where the user asked for one
+    device's memory; a CPU run is asked for by leaving ``--device`` out.
+    """
+    from leakcheck import nvml
+    from leakcheck.errors import LeakCheckError
+
+    available, reason = gpu
+    count = None
+    if available:
+        # NVML answered a moment ago; if it fails now the sweep says so in its header.
+        with contextlib.suppress(LeakCheckError):
+            count = nvml.get().device_count()
+        if count is None:
+            return
+        reason = "NVML lists no device"
+    if count:
+        if index >= count:
+            raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
+        return
+    # The reason's tail says that process checks still run: true, but not with --device.
+    reason = reason.split("; GPU memory is not checked")[0]
+    raise UsageError(
+        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
+        "leave out --device to run the host-side checks only"
     )
 
 
@@ -418,7 +662,6 @@ def _same_file(a: str | None, b: str) -> bool:
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck import nvml
-    from leakcheck.errors import LeakCheckError
     from leakcheck.progress import Progress
     from leakcheck.sweep import LoaderError, one_line, run_sweep, write_json
 
@@ -426,15 +669,8 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
-        count = None
-        if gpu[0] and plan.options.device_index is not None:
-            # NVML answered a moment ago; if it fails now the sweep says so in its header.
-            with contextlib.suppress(LeakCheckError):
-                count = nvml.get().device_count()
-            if count is not None and plan.options.device_index >= count:
-                raise UsageError(
-                    f"--device: expected a GPU index below {count}, got {plan.options.device_index}"
-                )
+        if plan.options.device_index is not None:
+            _check_device(plan.options.device_index, gpu)
         if plan.loader is not None:
             factory = load_factory(plan.loader)
             description = f"loader {plan.loader}"
@@ -468,17 +704,25 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     out.write(result.format() + "\n")
     out.flush()
     status = EXIT_CLEAN
+    # The outputs were checked before the run; if a write fails now anyway (the folder was
+    # removed, a disk filled up), the results still go somewhere, and the path is printed.
     if plan.json_path is not None:
+        data = result.to_dict()
         try:
-            write_json(plan.json_path, result.to_dict())
+            write_json(plan.json_path, data)
         except OSError as exc:
-            err.write(f"{prog}: --json: cannot write {plan.json_path!r}: {exc}\n")
+            saved = _write_elsewhere(plan.json_path, lambda path: write_json(path, data))
+            err.write(_lost_output_line(prog, "--json", plan.json_path, str(exc), saved))
             status = EXIT_USAGE
     if plan.plot_path is not None:
-        try:
-            from leakcheck.plot import plot_sweep
+        from leakcheck.plot import plot_sweep
 
+        try:
             plot_sweep(result, plan.plot_path)
+        except OSError as exc:
+            saved = _write_elsewhere(plan.plot_path, lambda path: plot_sweep(result, path))
+            err.write(_lost_output_line(prog, "--plot", plan.plot_path, str(exc), saved))
+            status = EXIT_USAGE
         except Exception as exc:
             err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {one_line(exc)}\n")
             status = EXIT_USAGE
@@ -495,7 +739,9 @@ def run_snapshot_command(args: argparse.Namespace, out: TextIO) -> int:
     root_pid: int | None = None
     if args.pid is not None:
         text = str(args.pid).strip()
-        if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
+        # digits int() raises instead of converting).
+        if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
             sys.stderr.write(f"{_PROG} snapshot: --pid: expected a process ID > 0, got {text!r}\n")
             return EXIT_USAGE
         root_pid = int(text)

@@ -12,6 +12,15 @@ variable, read-only folder) loses nothing but the record. The tracker deletes ea
 once read (``consume``), so the folder stays small and a read's listing costs the same in
 the hundredth epoch as in the first. Most reads skip the listing: an unchanged folder time
 says no record came or went (``Inbox``).
+
+NOTE [stale mailboxes]: a tracker whose process is killed (SIGKILL, OOM killer, a crash)
+never removes its folder. Each folder's name says who owns it,
+``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every ``create``
+first removes the folders whose owner is gone (``remove_stale``). The start time is the
+process's start in clock ticks since boot, as /proc/PID/stat gives it: unlike a wall-clock
+create time it does not move when the clock is stepped, so a live owner never looks gone.
+The PID namespace is in the name because a temporary folder may be shared by containers:
+a PID from another namespace names some other process here, or none, and says nothing.
 """
 
 from __future__ import annotations
@@ -19,14 +28,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from leakcheck import procs
 from leakcheck.model import ProcessKey, TeardownRecord
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
+MAILBOX_PREFIX = "leakcheck-mailbox-"
+"""Every mailbox folder's name starts so, in the temporary folder."""
+
+# <pid>-<start ticks>-<pid namespace>-<mkdtemp's random part: [a-z0-9_]>. Digit counts are
+# bounded so that int() never meets a number too long to convert.
+_OWNED_NAME = re.compile(
+    r"^" + re.escape(MAILBOX_PREFIX) + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-[a-z0-9_]+$"
+)
 
 # A folder's modification time moves in the kernel's coarse clock steps (a few ms), so a
 # record added in the same step as a listing can leave the time unchanged. A time is trusted
@@ -35,8 +55,115 @@ _CLOCK_STEP_MARGIN_NS = 100_000_000
 
 
 def create() -> str:
-    """Create a private mailbox folder and return its path."""
-    return tempfile.mkdtemp(prefix="leakcheck-mailbox-")
+    """Create a private mailbox folder named after its owner, and return its path.
+
+    Stale mailboxes (NOTE [stale mailboxes]) are removed first; that never raises.
+    """
+    # Cleanup is a courtesy to earlier, crashed runs: it must never cost this one its
+    # mailbox, whatever goes wrong in it.
+    with contextlib.suppress(Exception):
+        remove_stale()
+    owner = _owner_tag(os.getpid())
+    prefix = f"{MAILBOX_PREFIX}{owner}-" if owner is not None else MAILBOX_PREFIX
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def remove_stale(directory: str | None = None) -> list[str]:
+    """Remove the mailbox folders whose owner process is gone, and only those.
+
+    A folder is removed when its name is one ``create`` makes (with its owner's identity),
+    it is a real folder (not a link) of this user, its owner was in this PID namespace, and
+    no process with the owner's PID and start time exists. Anything else is left alone:
+    folders of live owners (a zombie too), of other users, of other namespaces, of older
+    leakcheck versions (no identity in the name), and other names. Costs one listing of
+    the folder, and one /proc read per mailbox found. Never raises.
+
+    Args:
+        directory: Where to look (default: the temporary folder, where ``create`` makes
+            them).
+
+    Returns:
+        The folders removed.
+
+    """
+    try:
+        folder = directory if directory is not None else tempfile.gettempdir()
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed: list[str] = []
+    namespace: int | None = None
+    for name in names:
+        match = _OWNED_NAME.match(name)
+        if match is None:
+            continue
+        pid, ticks, owner_namespace = (int(group) for group in match.groups())
+        if namespace is None:
+            namespace = _pid_namespace()
+        if owner_namespace != namespace or _owner_alive(pid, ticks):
+            continue
+        path = os.path.join(folder, name)
+        if _remove_own_folder(path):
+            removed.append(path)
+    return removed
+
+
+def _owner_tag(pid: int) -> str | None:
+    try:
+        key = procs.process_key(pid)
+    except (OSError, ValueError):
+        key = None
+    if key is None:
+        return None  # an unnamed folder: never judged, never removed by remove_stale
+    return f"{pid}-{_start_ticks(key)}-{_pid_namespace()}"
+
+
+def _start_ticks(key: ProcessKey) -> int:
+    # process_key adds this process's boot time to the start ticks; taking it off again
+    # gives the kernel's own number, the same in every process whatever its clock said.
+    return round((key.create_time - procs.boot_time_s()) * procs.clock_ticks())
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's PID namespace; 0 where it cannot be read."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return 0
+    match = re.fullmatch(r"pid:\[(\d{1,20})\]", link)
+    return int(match.group(1)) if match else 0
+
+
+def _owner_alive(pid: int, ticks: int) -> bool:
+    try:
+        key = procs.process_key(pid)
+    except (OSError, ValueError):
+        return True  # cannot tell: keep the folder
+    return key is not None and _start_ticks(key) == ticks
+
+
+def _remove_own_folder(path: str) -> bool:
+    """Delete a mailbox folder of this user through a descriptor that cannot follow links."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # a link, a file, gone, or unreadable
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            return False
+        for entry in os.listdir(handle):
+            with contextlib.suppress(OSError):
+                os.unlink(entry, dir_fd=handle)
+    except OSError:
+        return False
+    finally:
+        os.close(handle)
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
 
 
 def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> bool:

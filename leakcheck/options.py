@@ -67,6 +67,28 @@ def parse_size_option(value: object, source: str) -> int:
     raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
 
 
+MIN_INTERVAL_S = 0.001
+"""The shortest sampling interval: one sample reads /proc and NVML and takes up to about a
+millisecond (0.81 ms with 64 workers on an H200 host), so a shorter interval only makes the
+sampler thread spin, taking a core and the GIL from the loop it watches."""
+
+
+def parse_interval_option(value: object, source: str) -> float:
+    """Parse a sampling interval in seconds, at least ``MIN_INTERVAL_S`` (``50ms``, ``0.05``).
+
+    Raises:
+        UsageError: Not a duration, or shorter than ``MIN_INTERVAL_S``.
+
+    """
+    interval_s = parse_seconds_option(value, source)
+    if interval_s < MIN_INTERVAL_S:
+        raise UsageError(
+            f"{source}: expected 1ms or more (a shorter interval makes the sampler spin: one "
+            f"sample takes about 1 ms), got {value!r}"
+        )
+    return interval_s
+
+
 def parse_seconds_option(value: object, source: str) -> float:
     """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``.
 
@@ -114,7 +136,9 @@ class Resolved(Generic[T]):
 
 def _is_unset(value: object) -> bool:
     # An ini key that is absent reads as "" (or None, or an empty list); so does an
-    # environment variable exported empty. Both mean "not set here".
+    # environment variable exported empty. Both mean "not set here". Not so on the command
+    # line: a flag given empty (``--gpu-leak-tolerance=``) was typed, so it is parsed, and
+    # refused, rather than silently replaced by a lower source or the default.
     if value is None:
         return True
     if isinstance(value, str):
@@ -136,7 +160,8 @@ def resolve(
 
     Args:
         spec: The option.
-        cli: The command line value, or None when the flag was not given.
+        cli: The command line value, or None when the flag was not given; an empty value
+            given on the command line is parsed (and refused), not taken as unset.
         environ: The environment to read ``spec.env_var`` from (None: no environment).
         ini: The ini value, or None/empty when the key is absent.
         ini_path: The ini file, named in errors.
@@ -148,7 +173,7 @@ def resolve(
         UsageError: The winning source holds a bad value; the message names the source.
 
     """
-    if spec.cli_flag is not None and not _is_unset(cli):
+    if spec.cli_flag is not None and cli is not None:
         source = f"{spec.cli_flag} (command line)"
         return Resolved(spec.parse(cli, source), source)
     if spec.env_var is not None and environ is not None:
@@ -201,6 +226,41 @@ GRACE = OptionSpec[float](
     ini_key="gpu_leak_grace",
 )
 
+WARN_FLAG = "--gpu-leak-warn"
+"""The pytest switch that means ``--gpu-leak-mode=warn``."""
+
+
+def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
+    """Combine ``--gpu-leak-mode`` and ``--gpu-leak-warn`` from the command line.
+
+    ``--gpu-leak-warn`` with ``--gpu-leak-mode=fail`` contradict each other; neither may
+    silently win by coming last. The plugin gives ``--gpu-leak-warn`` a destination of its
+    own and passes both values here (``resolve_check_options`` does, with ``cli["warn"]``).
+
+    Args:
+        mode: The ``--gpu-leak-mode`` value, None when not given.
+        warn: True when ``--gpu-leak-warn`` was given (None or False when not).
+
+    Returns:
+        The command line's mode and the flag it came from; None when neither flag was given
+        (the environment, the ini file or the default decide).
+
+    Raises:
+        UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
+
+    """
+    warned = parse_bool(warn, f"{WARN_FLAG} (command line)") if warn is not None else False
+    if mode is None:
+        return Resolved("warn", f"{WARN_FLAG} (command line)") if warned else None
+    source = f"{MODE.cli_flag} (command line)"
+    value = MODE.parse(mode, source)
+    if warned and value != "warn":
+        raise UsageError(
+            f"{WARN_FLAG} (command line): contradicts {MODE.cli_flag} {mode!r}; pass one of them"
+        )
+    return Resolved(value, source)
+
+
 SPECS: tuple[OptionSpec[bool], OptionSpec[int], OptionSpec[Mode], OptionSpec[float]] = (
     ENABLED,
     TOLERANCE,
@@ -241,7 +301,8 @@ def resolve_check_options(
 
     Args:
         cli: Command line values by option name (``enabled``, ``tolerance``, ``mode``,
-            ``grace``); None or absent means not given.
+            ``grace``, and ``warn``: True when ``--gpu-leak-warn`` was given); None or absent
+            means not given, an empty string is a bad value.
         environ: Environment (usually ``os.environ``).
         ini: Ini values by option name; None, absent or empty means not set.
         ini_path: The ini file, named in errors.
@@ -264,7 +325,9 @@ def resolve_check_options(
 
     enabled = one(ENABLED)
     tolerance = one(TOLERANCE)
-    mode = one(MODE)
+    mode = resolve_mode_flags(cli.get("mode"), cli.get("warn"))
+    if mode is None:
+        mode = resolve(MODE, environ=environ, ini=ini.get(MODE.name), ini_path=ini_path)
     grace = one(GRACE)
     return CheckOptions(
         enabled=enabled.value,

@@ -7,11 +7,11 @@ One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` print
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from leakcheck import nvml, procs
+from leakcheck import nvml, procs, roles
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
 from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.procs import new_session_id, session_root_pid
@@ -36,12 +36,16 @@ class ProcessSnapshot:
 
     Attributes:
         info: Identity, parent, command line.
-        role: Role relative to the job root, or None when no root was given.
+        role: Role relative to the job root, or None when no root was given. A direct
+            child of the root is a ``worker`` only when it is a known loader worker (NOTE
+            [roles from outside] in roles.py), else a ``descendant``.
         gpu_bytes: Used GPU bytes per device index (devices where NVML listed it).
         gpu_bytes_unknown: NVML listed it without a byte count on some device.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read or unreadable).
         flags: ``orphan`` (its session's root is gone or no longer its ancestor),
-            ``descriptor-holder`` (descriptors open, absent from NVML).
+            ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a
+            runtime helper of the job, such as multiprocessing's resource tracker: kept by
+            design, not a leak; see ``roles.RUNTIME_HELPERS``).
         session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
 
     """
@@ -126,11 +130,16 @@ class Snapshot:
             walk(entry, "  ", True, True)
         if not self.processes:
             lines.append("  no process holds GPU memory or /dev/nvidia* descriptors")
-        flagged = [entry for entry in self.processes if entry.flags]
+        # A helper is said on its own line, and is no cause for concern: not "flagged".
+        flagged = [
+            (entry, [flag for flag in entry.flags if flag != roles.HELPER_FLAG])
+            for entry in self.processes
+        ]
+        flagged = [(entry, flags) for entry, flags in flagged if flags]
         if flagged:
             lines.append(
                 f"{len(flagged)} flagged: "
-                + ", ".join(f"PID {e.info.key.pid} ({'/'.join(e.flags)})" for e in flagged)
+                + ", ".join(f"PID {e.info.key.pid} ({'/'.join(flags)})" for e, flags in flagged)
             )
         return "\n".join(lines)
 
@@ -177,7 +186,8 @@ def _process_line(entry: ProcessSnapshot) -> str:
     text = f"PID {entry.info.key.pid}"
     if entry.role:
         text += f" [{entry.role}]"
-    text += f" {entry.info.cmdline or entry.info.name}"
+    # One line per process: a `python -c` script's newlines must not break the tree.
+    text += f" {' '.join(entry.info.cmdline.split()) or entry.info.name}"
     if len(text) > 90:
         text = text[:87] + "..."
     details = [memory] if memory else []
@@ -223,6 +233,7 @@ def take_snapshot(
     root_pid: int | None = None,
     devices: Iterable[int] | None = None,
     with_fds: bool = True,
+    known_workers: Collection[ProcessKey] = (),
 ) -> Snapshot:
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
 
@@ -232,6 +243,10 @@ def take_snapshot(
         devices: Device indices to read (default all).
         with_fds: Also scan every process's descriptors for ``/dev/nvidia*`` (finds
             descriptor holders; costs a pass over /proc/*/fd).
+        known_workers: Identities of the job's loader workers, where the caller knows them
+            (a tracker's mailbox): only these direct children are labelled ``worker``. From
+            outside (``leakcheck snapshot --pid``) none is known, and every process below
+            the root is a ``descendant``.
 
     Returns:
         The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
@@ -294,10 +309,12 @@ def take_snapshot(
             flags.append("orphan")
         if fds.get(pid) and pid not in gpu_by_pid:
             flags.append("descriptor-holder")
+        if pid in lineage and pid != root_pid and roles.is_runtime_helper(info.cmdline):
+            flags.append(roles.HELPER_FLAG)
         entries.append(
             ProcessSnapshot(
                 info=info,
-                role=_role(pid, root_pid, lineage, info, "orphan" in flags),
+                role=_role(pid, root_pid, lineage, info, "orphan" in flags, known_workers),
                 gpu_bytes=gpu_by_pid.get(pid, {}),
                 gpu_bytes_unknown=pid in unknown_pids,
                 nvidia_fds=fds.get(pid) if with_fds else None,
@@ -340,7 +357,12 @@ def _is_orphaned(tag: str, key: ProcessKey) -> bool:
 
 
 def _role(
-    pid: int, root_pid: int | None, lineage: set[int], info: ProcInfo, orphan: bool
+    pid: int,
+    root_pid: int | None,
+    lineage: set[int],
+    info: ProcInfo,
+    orphan: bool,
+    known_workers: Collection[ProcessKey],
 ) -> Role | None:
     if orphan:
         return "orphan"
@@ -349,5 +371,7 @@ def _role(
     if pid == root_pid:
         return "parent"
     if pid in lineage:
-        return "worker" if info.ppid == root_pid else "descendant"
+        if info.ppid == root_pid:
+            return roles.direct_child_role(info.key, known_workers)
+        return "descendant"
     return "foreign"

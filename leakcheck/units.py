@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 from leakcheck.errors import UsageError
 from leakcheck.model import MIB
 
-# Beyond this a wait would overflow the OS timers (threading.TIMEOUT_MAX is ~2**32 s).
-_MAX_SECONDS = 1e9
+# A bound well inside what the waits accept (threading.TIMEOUT_MAX is ~9.2e9 s on 64-bit
+# Linux; Event.wait() raises OverflowError past it), and longer than any job runs.
+MAX_SECONDS = 1e9
+"""Durations must be below this many seconds (about 31 years)."""
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -26,35 +30,54 @@ _SIZE_UNITS: dict[str, int] = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+_SIZE_EXAMPLE = "such as 16MiB, 1GB or 4096 (bytes)"
+_SECONDS_EXAMPLE = "such as 2 or 500ms"
 
 
 def parse_size(value: str | int | float, *, source: str = "value") -> int:
     """Parse a size such as ``16MiB``, ``1GB``, ``0.5GiB`` or ``4096`` into bytes.
+
+    A count of bytes must be whole (``1.5`` is refused, not truncated to 1); with a unit a
+    fraction is fine and the result is rounded down to whole bytes (``0.5GiB``, ``1.5kB``).
+    Text is converted exactly, never through a float.
 
     Args:
         value: The text (or a number of bytes).
         source: Where the value came from, named in the error (``--gpu-leak-tolerance``).
 
     Returns:
-        The size in bytes, rounded down.
+        The size in bytes.
 
     Raises:
-        UsageError: The value is negative, not a number, or has an unknown unit.
+        UsageError: The value is not a size (None, another type, an unknown unit), negative,
+            not finite, or a fractional number of bytes.
 
     """
-    if isinstance(value, bool):
-        raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UsageError(f"{source}: expected a finite size {_SIZE_EXAMPLE}, got {value!r}")
+        if value >= 0 and not value.is_integer():
+            raise UsageError(
+                f"{source}: expected a whole number of bytes such as 4096, got {value!r}"
+            )
     if isinstance(value, (int, float)):
         if value < 0:
             raise UsageError(f"{source}: expected a size of 0 or more, got {value!r}")
         return int(value)
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise UsageError(
-            f"{source}: expected a size such as 16MiB, 1GB or 4096 (bytes), got {value!r}"
-        )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if match is None or unit is None or unit not in _SIZE_UNITS:
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    try:
+        number = Fraction(match.group(1))
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}") from None
+    size = number * _SIZE_UNITS[unit]
+    if _SIZE_UNITS[unit] == 1 and size.denominator != 1:
+        raise UsageError(f"{source}: expected a whole number of bytes such as 4096, got {value!r}")
+    return math.floor(size)
 
 
 def format_mib(num_bytes: int | float | None, *, signed: bool = False) -> str:
@@ -72,31 +95,40 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
     """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
 
     Raises:
-        UsageError: Negative, not a number, or an unknown unit.
+        UsageError: Not a duration (None, another type, an unknown unit), negative, NaN,
+            or not below ``MAX_SECONDS`` (infinity included).
 
     """
-    if isinstance(value, bool):
-        raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
-    if isinstance(value, (int, float)):
-        if not 0 <= value < _MAX_SECONDS:  # also rejects NaN and inf
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        scale = 1.0
+        if text.endswith("ms"):
+            text, scale = text[:-2], 0.001
+        elif text.endswith("s"):
+            text = text[:-1]
+        try:
+            seconds = float(text) * scale
+        except ValueError:
             raise UsageError(
-                f"{source}: expected a finite number of seconds from 0 such as 2, got {value!r}"
-            )
-        return float(value)
-    text = value.strip().lower()
-    scale = 1.0
-    if text.endswith("ms"):
-        text, scale = text[:-2], 0.001
-    elif text.endswith("s"):
-        text = text[:-1]
-    try:
-        seconds = float(text) * scale
-    except ValueError:
-        raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}") from None
-    if not 0 <= seconds < _MAX_SECONDS:  # also rejects NaN and inf
+                f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}"
+            ) from None
+    else:
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past the float range
+            seconds = math.inf
+    if math.isnan(seconds):
         raise UsageError(
-            f"{source}: expected a finite number of seconds from 0 such as 2 or 500ms, "
-            f"got {value!r}"
+            f"{source}: expected a number of seconds {_SECONDS_EXAMPLE}, got {value!r}"
+        )
+    if seconds < 0:
+        raise UsageError(f"{source}: expected 0 seconds or more {_SECONDS_EXAMPLE}, got {value!r}")
+    if seconds >= MAX_SECONDS:  # also infinity
+        raise UsageError(
+            f"{source}: expected a finite number of seconds below 1e9 (about 31 years) "
+            f"{_SECONDS_EXAMPLE}, got {value!r}"
         )
     return seconds
 

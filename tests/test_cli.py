@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from typing import Any
 import psutil
 import pytest
 
+from leakcheck import cli
 from leakcheck.cli import main
+from leakcheck.errors import UsageError
 from leakcheck.units import format_mib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,6 +289,29 @@ BAD_VALUES = [
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
     (["--json", "{dir}/no/such/folder/out.json"], "--json: expected a path in an existing folder"),
     (["--bogus-option"], "unrecognized arguments: --bogus-option"),
+    # Values that used to be taken silently, or to fail only after the whole sweep ran.
+    (["--workers", "100000"], "--workers: 100000 workers is more than this machine should "
+     "start (at most "),
+    (["--workers", "0,64", "--max-workers", "32"],
+     "--workers: 64 workers is more than --max-workers 32 allows"),
+    (["--max-workers", "lots"], "--max-workers: expected an integer >= 0 such as 64, got 'lots'"),
+    (["--workers", "9" * 5000], "--workers: expected comma-separated integers >= 0"),
+    (["--tolerance", "1.5"], "--tolerance (command line): expected a whole number of bytes such "
+     "as 4096, got '1.5'"),
+    (["--tolerance", ""], "--tolerance (command line): expected a size such as 16MiB, 1GB or "
+     "4096 (bytes), got ''"),
+    (["--grace", ""], "--grace (command line): expected seconds such as 2 or 500ms, got ''"),
+    (["--interval", ""], "--interval: expected seconds such as 2 or 500ms, got ''"),
+    (["--interval", "1e-9"], "--interval: expected 1ms or more (a shorter interval makes the "
+     "sampler spin"),
+    (["--interval", "0"], "--interval: expected 1ms or more"),
+    (["--grace", "1e9"], "--grace (command line): expected a finite number of seconds below 1e9"),
+    (["--device", "99"], "--device: expected a GPU index"),
+    (["--json", "/proc/leakcheck.json"], "--json: expected a path in a folder that takes new "
+     "files, got '/proc/leakcheck.json' (cannot create a file in /proc: "),
+    (["--plot", "/proc/leakcheck.png"], "--plot: expected a path in a folder that takes new files"),
+    (["--json", "/dev/null"], "--json: expected a regular file to write, got '/dev/null'"),
+    (["--json", "{dir}"], "--json: expected a file path, got the folder"),
 ]  # fmt: skip
 
 
@@ -312,6 +338,211 @@ def test_bad_values_exit_2_with_one_line(
     assert expected in lines[0]
     assert not json_path.exists()
     assert captured.out == ""
+
+
+def test_bad_values_leave_no_probe_file(broken_loaders: Path) -> None:
+    """The output check creates a probe file and removes it: nothing is left in the folder."""
+    before = sorted(os.listdir(broken_loaders))
+    assert main(["sweep", "--workers", "0", "--epochs", "0", "--json",
+                 str(broken_loaders / "out.json")]) == 2  # fmt: skip
+    assert sorted(os.listdir(broken_loaders)) == before
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    try:
+        done = subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False)
+    except FileNotFoundError:
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("flag", ["+i", "+a"])
+def test_immutable_or_append_only_output_is_refused_before_the_run(
+    tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Root may write any file by its mode, but not an immutable or append-only one: the
+    sweep ran to its end and then lost its results."""
+    ran = tmp_path / "ran"
+    (tmp_path / "marker_loader.py").write_text(
+        f"def make(n):\n    open({str(ran)!r}, 'w').close()\n    return [1]\n"
+    )
+    target = tmp_path / "old.json"
+    target.write_text("{}")
+    if not _chattr(flag, target):
+        pytest.skip(f"chattr {flag} is not possible here (not root, or the filesystem)")
+    try:
+        status = main(["sweep", "--loader", f"{tmp_path}/marker_loader.py:make", "--workers",
+                       "0", "--epochs", "1", "--json", str(target)])  # fmt: skip
+    finally:
+        _chattr(flag.replace("+", "-"), target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err == [
+        f"leakcheck sweep: --json: expected a writable file, got {str(target)!r} "
+        "(Operation not permitted)"
+    ]
+    assert not ran.exists()  # refused before the loader was called
+    assert target.read_text() == "{}"
+
+
+_SABOTAGE = """
+import os, shutil
+
+def make(num_workers):
+    # Runs after the outputs were checked: the place they were checked for goes away.
+    {action}
+    return [1, 2]
+"""
+
+
+def _sabotaged_sweep(tmp_path: Path, action: str, json_path: Path, name: str) -> int:
+    loader = tmp_path / f"{name}.py"
+    loader.write_text(_SABOTAGE.format(action=action))
+    return main(["sweep", "--loader", f"{loader}:make", "--workers", "0", "--epochs", "1",
+                 "--grace", "0", "--json", str(json_path)])  # fmt: skip
+
+
+def test_json_that_cannot_be_written_at_the_end_goes_next_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "out"
+    out.mkdir()
+    json_path = out / "sweep.json"
+    # A folder now stands where the file was to go: the final rename onto it fails.
+    action = f"os.mkdir({str(json_path)!r})"
+    status = _sabotaged_sweep(tmp_path, action, json_path, "folder_in_the_way")
+    captured = capsys.readouterr()
+    assert status == 2
+    assert "verdict CLEAN" in captured.out  # the text report was printed
+    lines = [line for line in captured.err.splitlines() if "--json" in line]
+    assert len(lines) == 1, captured.err
+    written = [name for name in os.listdir(out) if name != "sweep.json"]
+    assert len(written) == 1 and written[0].startswith("sweep.leakcheck-"), written
+    assert written[0].endswith(".json")
+    saved = out / written[0]
+    assert lines[0].startswith(
+        f"leakcheck sweep: --json: cannot write {str(json_path)!r}: [Errno 21] Is a directory"
+    )
+    assert lines[0].endswith(f"; wrote it to {str(saved)!r} instead")
+    data = json.loads(saved.read_text())
+    assert data["configurations"][0]["verdict"] == "clean"
+
+
+def test_json_falls_back_to_the_current_folder_then_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out, cwd, temp = tmp_path / "out", tmp_path / "cwd", tmp_path / "temp"
+    for folder in (out, cwd, temp):
+        folder.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    json_path = out / "sweep.json"
+    # The folder is removed during the run: the current folder takes the file.
+    action = f"shutil.rmtree({str(out)!r})"
+    assert _sabotaged_sweep(tmp_path, action, json_path, "folder_removed") == 2
+    err = capsys.readouterr().err
+    (saved,) = cwd.iterdir()
+    assert saved.name.startswith("sweep.leakcheck-") and saved.suffix == ".json"
+    assert err.splitlines()[-1].endswith(f"; wrote it to {str(saved)!r} instead")
+    assert json.loads(saved.read_text())["leak_count"] == 0
+
+    # The current folder is removed with it: the temporary folder takes the file.
+    out.mkdir()
+    monkeypatch.chdir(out)
+    assert _sabotaged_sweep(tmp_path, action, json_path, "folder_and_cwd_removed") == 2
+    err = capsys.readouterr().err
+    (saved,) = temp.iterdir()
+    assert err.splitlines()[-1].endswith(f"; wrote it to {str(saved)!r} instead")
+    assert json.loads(saved.read_text())["leak_count"] == 0
+
+
+def test_device_without_a_gpu_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leakcheck import nvml
+
+    reason = "NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver on this machine)"
+    monkeypatch.setattr(
+        nvml,
+        "availability",
+        lambda: (False, f"{reason}; GPU memory is not checked, process checks still run"),
+    )
+    assert main(["sweep", "--workers", "0", "--epochs", "1", "--device", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"leakcheck sweep: --device: expected a GPU index, but NVML sees no GPU here ({reason}), "
+        "got 0; leave out --device to run the host-side checks only"
+    ]
+
+
+# --------------------------------------------------------------------------- worker bound
+
+
+def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
+    monkeypatch.setattr(cli, "_process_room", lambda: None)
+    assert cli.worker_bound() == cli.WorkerBound(128, "16 CPUs x 8")
+    args = cli.build_parser().parse_args(["sweep", "--workers", "0,129", "--loader", "m:f"])
+    with pytest.raises(UsageError) as info:
+        cli.resolve_sweep(args)
+    assert str(info.value) == (
+        "--workers: 129 workers is more than this machine should start (at most 128: "
+        "16 CPUs x 8); pass --max-workers N to allow more"
+    )
+    args = cli.build_parser().parse_args(["sweep", "--workers", "0,128", "--loader", "m:f"])
+    assert cli.resolve_sweep(args).options.workers == (0, 128)
+    args = cli.build_parser().parse_args(
+        ["sweep", "--workers", "4,1000", "--max-workers", "1000", "--loader", "m:f"]
+    )
+    assert cli.resolve_sweep(args).options.workers == (4, 1000)
+
+
+def test_worker_bound_by_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, 8192))
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4059 if uid == 1000 else 0)
+    assert cli.worker_bound() == cli.WorkerBound(
+        37, "RLIMIT_NPROC 4096 minus 4059 processes and threads this user runs"
+    )
+    # A roomy limit leaves the CPU bound.
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 10)
+    assert cli.worker_bound().max_workers == 128
+    # Root, or no limit: the process limit does not apply.
+    monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4096)
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    assert cli.worker_bound().max_workers == 128
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert cli.worker_bound().max_workers == 128
+
+
+def test_tasks_of_user_counts_this_process_threads() -> None:
+    import threading
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        count = cli._tasks_of_user(os.getuid())
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert count is not None and count >= 4
+    assert cli._tasks_of_user(2**31 - 7) == 0
+
+
+def test_max_workers_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-workers N allow worker counts up to N (default: 8 per CPU" in text
+    assert "RLIMIT_NPROC" in text
 
 
 def test_tolerance_and_grace_from_environment(
@@ -384,6 +615,8 @@ def test_snapshot_bad_argument(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ("x", "expected a process ID > 0, got 'x'"),
         ("0", "expected a process ID > 0"),
+        # Past 4300 digits int() raised ValueError: a traceback, not a usage error.
+        ("9" * 5000, "expected a process ID > 0"),
         ("999999999", "no running process with PID 999999999"),
     ],
 )
@@ -430,7 +663,8 @@ def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
         by_pid = {entry["pid"]: entry for entry in data["processes"]}
         assert data["root_pid"] == os.getpid()
         assert by_pid[os.getpid()]["role"] == "parent"
-        assert by_pid[child.pid]["role"] == "worker"
+        # A direct child, but nothing says it is a loader worker (NOTE [roles from outside]).
+        assert by_pid[child.pid]["role"] == "descendant"
         assert by_pid[orphan_pid]["role"] == "orphan"
         assert "orphan" in by_pid[orphan_pid]["flags"]
         assert by_pid[orphan_pid]["session"] == tag

@@ -8,16 +8,20 @@ from leakcheck.errors import UsageError
 from leakcheck.options import (
     ENABLED,
     GRACE,
+    MIN_INTERVAL_S,
     MODE,
     SPECS,
     TOLERANCE,
     CheckOptions,
     OptionSpec,
+    Resolved,
     apply_marker,
     parse_bool,
+    parse_interval_option,
     parse_mode,
     resolve,
     resolve_check_options,
+    resolve_mode_flags,
 )
 
 MIB = 1024 * 1024
@@ -169,3 +173,89 @@ def test_marker_positional_is_enabled() -> None:
 def test_bad_markers(args: tuple[object, ...], kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(UsageError, match=match):
         apply_marker(CheckOptions(), args, kwargs, where=WHERE)
+
+
+# --- values given empty on the command line ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "raw", "needle"),
+    [
+        (TOLERANCE, "", "--gpu-leak-tolerance (command line): expected a size"),
+        (TOLERANCE, "  ", "--gpu-leak-tolerance (command line): expected a size"),
+        (GRACE, "", "--gpu-leak-grace (command line): expected seconds"),
+        (MODE, "", "--gpu-leak-mode (command line): expected one of fail, warn, got ''"),
+    ],
+)
+def test_empty_command_line_value_is_an_error(
+    spec: OptionSpec[object], raw: str, needle: str
+) -> None:
+    """``--gpu-leak-tolerance=`` was taken as "not given": the default won, silently."""
+    with pytest.raises(UsageError) as info:
+        resolve(spec, cli=raw, environ={spec.env_var or "": "1"}, ini="1")
+    assert needle in str(info.value)
+    assert repr(raw) in str(info.value)
+    with pytest.raises(UsageError):
+        resolve_check_options({spec.name: raw}, {}, {})
+
+
+def test_empty_environment_and_ini_still_mean_unset() -> None:
+    options = resolve_check_options(
+        {"tolerance": None, "grace": None, "mode": None},
+        {"LEAKCHECK_TOLERANCE": "", "LEAKCHECK_GRACE": " ", "LEAKCHECK_MODE": ""},
+        {"tolerance": "", "grace": [], "mode": None},
+    )
+    assert (options.tolerance_bytes, options.grace_s, options.mode) == (
+        TOLERANCE.default,
+        GRACE.default,
+        MODE.default,
+    )
+
+
+# --- the sampling interval's floor --------------------------------------------------------
+
+
+def test_interval_floor() -> None:
+    assert MIN_INTERVAL_S == 0.001
+    assert parse_interval_option("1ms", "--interval") == 0.001
+    assert parse_interval_option(0.05, "interval") == 0.05
+    for raw in ("1e-9", "0", 0.0005, "999us"):
+        with pytest.raises(UsageError) as info:
+            parse_interval_option(raw, "--interval")
+        message = str(info.value)
+        assert message.startswith("--interval: expected")
+        assert repr(raw) in message
+    with pytest.raises(UsageError, match=r"^--interval: expected 1ms or more .*spin.*got '1e-9'$"):
+        parse_interval_option("1e-9", "--interval")
+
+
+# --- --gpu-leak-warn with --gpu-leak-mode -------------------------------------------------
+
+
+def test_warn_flag_alone_sets_warn_and_names_itself() -> None:
+    options = resolve_check_options({"warn": True, "mode": None}, {"LEAKCHECK_MODE": "fail"}, {})
+    assert options.mode == "warn"
+    assert options.sources["mode"] == "--gpu-leak-warn (command line)"
+    assert resolve_mode_flags(None, True) == Resolved("warn", "--gpu-leak-warn (command line)")
+    assert resolve_mode_flags(None, None) is None
+    assert resolve_mode_flags(None, False) is None
+
+
+def test_warn_flag_agrees_with_mode_warn() -> None:
+    options = resolve_check_options({"warn": True, "mode": "warn"}, {}, {})
+    assert options.mode == "warn"
+    assert options.sources["mode"] == "--gpu-leak-mode (command line)"
+
+
+def test_warn_flag_contradicts_mode_fail() -> None:
+    with pytest.raises(UsageError) as info:
+        resolve_check_options({"warn": True, "mode": "fail"}, {}, {})
+    message = str(info.value)
+    assert message == (
+        "--gpu-leak-warn (command line): contradicts --gpu-leak-mode 'fail'; pass one of them"
+    )
+    with pytest.raises(UsageError, match="contradicts --gpu-leak-mode 'FAIL'"):
+        resolve_mode_flags("FAIL", True)
+    # A bad mode is named as such first.
+    with pytest.raises(UsageError, match="--gpu-leak-mode \\(command line\\): expected one of"):
+        resolve_mode_flags("explode", True)

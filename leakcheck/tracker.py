@@ -22,6 +22,7 @@ from leakcheck.model import (
     Timeline,
     TrackerCost,
 )
+from leakcheck.options import parse_interval_option
 from leakcheck.procs import process_key
 from leakcheck.report import Report, build_report
 from leakcheck.sampling.cost import CostMeter, caller_timed
@@ -74,9 +75,7 @@ class Tracker:
         strict: bool = False,
         use_nvml: bool = True,
     ) -> None:
-        interval_s = parse_duration(interval, source="interval")
-        if interval_s <= 0:
-            raise UsageError(f"interval: expected seconds above 0 such as 0.05, got {interval!r}")
+        interval_s = parse_interval_option(interval, "interval")
         if not _is_int_at_least(warmup_epochs, 0):
             raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
         if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
@@ -244,7 +243,11 @@ class Tracker:
     @caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
-        return take_snapshot(root_pid=self._sampler.root_pid, devices=self._sampler.devices)
+        return take_snapshot(
+            root_pid=self._sampler.root_pid,
+            devices=self._sampler.devices,
+            known_workers=self.worker_keys(),
+        )
 
     @caller_timed
     def timeline(self, *, last_epochs: int | None = None, fresh: bool = False) -> Timeline:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from leakcheck import nvml, procs
 from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, Role
-from leakcheck.roles import is_runtime_helper
+from leakcheck.roles import direct_child_role, is_runtime_helper
 from leakcheck.sampling import claims
 from leakcheck.units import shorten_cmdline
 
@@ -317,13 +317,9 @@ class ProcessTable:
             return "foreign"
         if not proc.in_lineage:
             return "orphan"
-        if proc.key in self.workers:
-            return "worker"
-        # Without exact identities (no worker reported itself), a direct child is taken for
-        # a pool worker; once workers report, every other process is a descendant.
-        if not self.workers and proc.ppid == self.root.pid and not is_runtime_helper(proc.cmdline):
-            return "worker"
-        return "descendant"
+        # A worker only when it is known to be one (it reported itself, or the caller
+        # registered it): NOTE [roles from outside] in roles.py.
+        return direct_child_role(proc.key, self.workers)
 
     @staticmethod
     def _baseline_helper(proc: Proc) -> bool:

@@ -176,8 +176,10 @@ class EpochBook:
             if epoch.start_s > at_s:
                 continue
             ended = epoch.end_s
-            within = ended is None or at_s <= ended or (
-                key in epoch.seen and at_s <= ended + self.grace_s
+            within = (
+                ended is None
+                or at_s <= ended
+                or (key in epoch.seen and at_s <= ended + self.grace_s)
             )
             if not within:
                 return False

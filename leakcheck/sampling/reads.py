@@ -75,9 +75,7 @@ class NvmlReads:
 
     """
 
-    def __init__(
-        self, *, devices: list[int] | None, meter: CostMeter, failures: Failures
-    ) -> None:
+    def __init__(self, *, devices: list[int] | None, meter: CostMeter, failures: Failures) -> None:
         self.devices = devices
         self.meter = meter
         self.failures = failures

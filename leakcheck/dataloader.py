@@ -275,12 +275,11 @@ class WatchedLoader(Generic[T]):
         self._end_epoch("completed", None, count)
         if count == 0 and self._batches_seen:
             warnings.warn(
-                GPULeakWarning(
-                    f"leakcheck: epoch {self._epochs_run - 1} of the watched loader yielded no "
-                    "batches, where earlier epochs did: the wrapped iterable is exhausted (a "
-                    "generator or iterator can be iterated once); wrap a loader that can be "
-                    "iterated again, such as a DataLoader"
-                ),
+                f"leakcheck: epoch {self._epochs_run - 1} of the watched loader yielded no "
+                "batches, where earlier epochs did: the wrapped iterable is exhausted (a "
+                "generator or iterator can be iterated once); wrap a loader that can be "
+                "iterated again, such as a DataLoader",
+                UserWarning,
                 stacklevel=2,
             )
         self._batches_seen = self._batches_seen or count > 0

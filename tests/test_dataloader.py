@@ -448,3 +448,13 @@ def test_an_orphan_is_reported_by_its_own_loader_only() -> None:
     orphans = {f.pid for f in leaky_report.leaks if f.rule == "orphan"}
     assert orphans == sleepers, leaky_report.format()
     assert not any(f.pid in sleepers for f in clean_report.findings), clean_report.format()
+
+
+def test_an_exhausted_iterable_says_so_instead_of_recording_empty_epochs() -> None:
+    """A generator can be iterated once: watch() says so when a later epoch yields nothing."""
+    watched = leakcheck.watch((torch.tensor([i]) for i in range(3)), on_leak="ignore")
+    with watched:
+        assert len(list(watched)) == 3
+        with pytest.warns(UserWarning, match="yielded no batches.*exhausted"):
+            assert list(watched) == []
+    assert [e.batches for e in watched.report().epochs] == [3, 0]

@@ -440,3 +440,17 @@ def test_shm_capacity_without_a_limit(monkeypatch: pytest.MonkeyPatch, tmp_path:
     capacity = hostmem.shm_capacity(str(tmp_path))
     assert capacity == hostmem.ShmCapacity(str(tmp_path), None, 0, 0)
     assert capacity is not None and capacity.used_fraction is None
+
+
+def test_psutil_answers_where_there_is_no_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostmem, "_HAS_PROC", False)  # the path taken off Linux
+    memory = hostmem.read_host_memory(os.getpid())
+    assert memory is not None and memory.source == "psutil"
+    assert memory.uss_bytes is not None and memory.rss_bytes is not None
+    status = hostmem.read_host_memory(os.getpid(), rollup=False)
+    assert status is not None and status.source == "psutil" and status.uss_bytes is None
+    key = procs.process_key(os.getpid())
+    assert key is not None
+    assert hostmem.read_host_memory(key) is not None
+    assert hostmem.read_host_memory(ProcessKey(key.pid, key.create_time + 1.0)) is None
+    assert hostmem.read_host_memory(reaped_pid()) is None

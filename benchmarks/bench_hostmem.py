@@ -1,0 +1,222 @@
+"""Epoch-end cost of reading the host memory of N worker processes: smaps_rollup vs status.
+
+Each configuration runs in its own process (the parent), which first makes itself look like a
+training process, then forks N children as DataLoader workers are forked, and times, in
+interleaved rounds, one read of all N children by each method:
+- ``rollup``: ``hostmem.read_host_memories(pids)``: /proc/PID/smaps_rollup (USS, PSS, RSS);
+- ``rollup_keys``: the same through ``ProcessKey`` identities (a /proc/PID directory open and
+  a stat read more per process: the PID-reuse check);
+- ``status``: ``read_host_memories(pids, rollup=False)``: /proc/PID/status (RSS only);
+- ``status_pread``: /proc/PID/status kept open and read again with ``pread``, as procs'
+  descriptor cache reads stat files (not leakcheck's code path: what a per-tick RSS read
+  through that cache would cost);
+- ``shm``: ``hostmem.read_job_shm(before, pids)``: the /dev/shm listing, each child's
+  descriptor table and maps, and statvfs.
+
+What the parent holds when it forks: ``plain`` (a bare interpreter), ``data<N>`` (N MiB of
+bytes, whose pages every child shares: the kernel walks them in each child's page tables)
+or ``torch`` (torch imported, and one small tensor operation in each child). The children's
+mean RSS is recorded with each configuration: smaps_rollup's cost follows it (NOTE [rollup
+cost] in leakcheck/hostmem.py).
+
+Reported per configuration and method: the median (and p90) ms of one read of all children,
+and the median us per process.
+
+Usage: python benchmarks/bench_hostmem.py [--children 8,64] [--parents plain,data256,torch]
+       [--rounds 100] [--write]  (writes benchmarks/results/hostmem-<machine>.{json,md}, see
+       results_io.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results_io import host_meta, result_stem, write_result
+
+from leakcheck import hostmem, procs
+
+METHODS = ("rollup", "rollup_keys", "status", "status_pread", "shm")
+MIB = 2**20
+
+
+def _fork_children(count: int, parent: str) -> tuple[list[int], int]:
+    """Fork ``count`` idle children; return their PIDs and the pipe end that keeps them."""
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    pids: list[int] = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            os.close(hold_w)
+            os.close(ready_r)
+            if parent == "torch":
+                import torch
+
+                torch.ones(1000).sum()  # fault in what a worker's first batch does
+            os.write(ready_w, b"k")
+            os.read(hold_r, 1)  # returns at EOF: the parent closed its end
+            os._exit(0)
+        pids.append(pid)
+    os.close(hold_r)
+    os.close(ready_w)
+    for _ in range(count):
+        os.read(ready_r, 1)
+    os.close(ready_r)
+    return pids, hold_w
+
+
+def _status_preader(pids: list[int]) -> tuple[Callable[[], int], Callable[[], None]]:
+    fds = [os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC) for pid in pids]
+
+    def read() -> int:
+        return sum(len(os.pread(fd, 8192, 0)) for fd in fds)
+
+    def close() -> None:
+        for fd in fds:
+            os.close(fd)
+
+    return read, close
+
+
+def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
+    """Measure one configuration in this process (the parent of the children)."""
+    data: Any = None
+    if parent.startswith("data"):
+        data = b"\x01" * (int(parent[4:]) * MIB)  # noqa: F841 (held while the children live)
+    elif parent == "torch":
+        import torch  # noqa: F401
+    pids, hold_w = _fork_children(children, parent)
+    preader, close_preader = _status_preader(pids)
+    keys = [key for key in map(procs.process_key, pids) if key is not None]
+    before = procs.shm_segments()
+    calls: dict[str, Callable[[], object]] = {
+        "rollup": lambda: hostmem.read_host_memories(pids),
+        "rollup_keys": lambda: hostmem.read_host_memories(keys),
+        "status": lambda: hostmem.read_host_memories(pids, rollup=False),
+        "status_pread": preader,
+        "shm": lambda: hostmem.read_job_shm(before, pids),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in METHODS}
+    try:
+        memories = hostmem.read_host_memories(pids)
+        assert len(memories) == children and all(
+            m.source == "smaps_rollup" for m in memories.values()
+        )
+        warmup = 3
+        for index in range(rounds + warmup):
+            order = METHODS[index % len(METHODS) :] + METHODS[: index % len(METHODS)]
+            for name in order:  # rotated: a drift through the run weighs on every method
+                start = time.perf_counter()
+                calls[name]()
+                elapsed_ms = (time.perf_counter() - start) * 1000
+                if index >= warmup:
+                    samples[name].append(elapsed_ms)
+        memories = hostmem.read_host_memories(pids)
+    finally:
+        close_preader()
+        os.close(hold_w)
+        for pid in pids:
+            os.waitpid(pid, 0)
+    rss = [m.rss_bytes or 0 for m in memories.values()]
+    uss = [m.uss_bytes or 0 for m in memories.values()]
+    results = {}
+    for name, values in samples.items():
+        ordered = sorted(values)
+        median = statistics.median(ordered)
+        results[name] = {
+            "median_ms": median,
+            "p90_ms": ordered[int(0.9 * (len(ordered) - 1))],
+            "min_ms": ordered[0],
+            "us_per_process": median * 1000 / children,
+            "n": len(ordered),
+        }
+    mean_rss_mib = statistics.fmean(rss) / MIB
+    results["rollup"]["us_per_rss_mib"] = results["rollup"]["us_per_process"] / mean_rss_mib
+    return {
+        "children": children,
+        "parent": parent,
+        "child_mean_rss_mib": mean_rss_mib,
+        "child_mean_uss_mib": statistics.fmean(uss) / MIB,
+        "results": results,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--children", default="8,64")
+    parser.add_argument("--parents", default="plain,data256,torch")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: CHILDREN:PARENT
+    args = parser.parse_args()
+
+    if args.one:
+        count, parent = args.one.split(":")
+        print(json.dumps(run_config(int(count), parent, args.rounds)))
+        return 0
+
+    load_start = os.getloadavg()
+    configs = []
+    for parent in args.parents.split(","):
+        for count in args.children.split(","):
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", f"{count}:{parent}", f"--rounds={args.rounds}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            configs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "-"
+    meta: dict[str, Any] = {**host_meta(), "rounds": args.rounds, "torch": torch_version}
+    meta["kernel"] = os.uname().release
+    # The machine may be shared: its load says how far to trust a run.
+    meta["loadavg_1min_start_end"] = [load_start[0], os.getloadavg()[0]]
+    payload = {"meta": meta, "configs": configs}
+    lines = [
+        "# Host memory reads: one read of N forked children",
+        "",
+        f"{meta['date']} on {meta['host']}, {meta['cpu_count']} CPUs, kernel {meta['kernel']}, "
+        f"python {meta['python']}, torch {torch_version}, {args.rounds} rounds, "
+        f"load average {load_start[0]:.2f} -> {meta['loadavg_1min_start_end'][1]:.2f}",
+        "",
+        "| children | parent | child RSS MiB | method | median ms | p90 ms | us/process |",
+        "| ---: | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for config in configs:
+        for name in METHODS:
+            r = config["results"][name]
+            lines.append(
+                f"| {config['children']} | {config['parent']} | "
+                f"{config['child_mean_rss_mib']:.0f} | {name} | {r['median_ms']:.3f} | "
+                f"{r['p90_ms']:.3f} | {r['us_per_process']:.1f} |"
+            )
+    lines += ["", "smaps_rollup, us per MiB of a child's RSS:"]
+    lines += [
+        f"- {c['children']} children, {c['parent']}: {c['results']['rollup']['us_per_rss_mib']:.2f}"
+        for c in configs
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_result(result_stem("hostmem"), payload, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

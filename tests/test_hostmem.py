@@ -1,0 +1,456 @@
+"""leakcheck.hostmem against real processes: USS/PSS/RSS, copy-on-read, /dev/shm files."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leakcheck import hostmem, procs
+from leakcheck.hostmem import HostMemory, JobShmFile
+from leakcheck.model import ProcessKey
+from leakcheck.procs import ShmSegment
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+MIB = 2**20
+PYTHON = [sys.executable, "-I", "-S"]
+
+# A process that builds some data, forks a child sharing it, and has the child act on it on
+# command. stdin lines: "a" (the child allocates and touches ARG MiB of its own), "r" (it
+# reads the data without writing to it), "w" (it walks the data as Python objects, so every
+# object's reference count is written). Each command is answered by one line "done". At
+# stdin EOF the parent closes the command pipe: the child exits, and the parent reaps it.
+FORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    mode, arg = sys.argv[1], int(sys.argv[2])
+    if mode == "bytes":
+        data = b"\\x01" * (arg << 20)
+    elif mode == "floats":
+        data = [float(i) for i in range(arg)]
+    else:
+        data = None
+    cmd_r, cmd_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(cmd_w)
+        os.close(ack_r)
+        own = []
+        while True:
+            cmd = os.read(cmd_r, 1)
+            if not cmd:
+                os._exit(0)
+            if cmd == b"a":
+                own.append(b"\\x02" * (arg << 20))
+            elif cmd == b"r":
+                if mode == "bytes":
+                    data.count(b"\\x02")
+                else:
+                    len(data)
+            elif cmd == b"w":
+                for item in data:
+                    pass
+            os.write(ack_w, b"k")
+    os.close(cmd_r)
+    os.close(ack_w)
+    print(json.dumps({"child": pid}), flush=True)
+    for line in sys.stdin:
+        os.write(cmd_w, line[:1].encode())
+        os.read(ack_r, 1)
+        print("done", flush=True)
+    os.close(cmd_w)
+    os.waitpid(pid, 0)
+    """
+)
+
+# Holds a file open (mode "fd") or only mapped, its descriptor closed (mode "map"), until
+# stdin reaches EOF.
+HOLDER = textwrap.dedent(
+    """
+    import mmap, sys
+    mode, path = sys.argv[1], sys.argv[2]
+    handle = open(path, "r+b")
+    if mode == "map":
+        mapped = mmap.mmap(handle.fileno(), 0)
+        handle.close()
+    print("ready", flush=True)
+    sys.stdin.read()
+    """
+)
+
+Spawn = Callable[..., subprocess.Popen[str]]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """Start Python helpers with piped stdin/stdout; close, wait for and reap them at the end
+    (killing only a helper this test started, by its own handle, if it does not exit)."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(code: str, *args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*PYTHON, "-c", code, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in reversed(started):
+        assert proc.stdin is not None and proc.stdout is not None
+        if not proc.stdin.closed:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+class Forker:
+    """A FORKER helper: its child's PID, and commands to the child."""
+
+    def __init__(self, spawn: Spawn, mode: str, arg: int) -> None:
+        self.proc = spawn(FORKER, mode, str(arg))
+        assert self.proc.stdout is not None
+        self.child: int = json.loads(self.proc.stdout.readline())["child"]
+
+    def command(self, cmd: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "done"
+
+    def memory(self) -> HostMemory:
+        memory = hostmem.read_host_memory(self.child)
+        assert memory is not None and memory.source == "smaps_rollup"
+        assert memory.uss_bytes is not None and memory.rss_bytes is not None
+        return memory
+
+
+def uss(memory: HostMemory) -> int:
+    assert memory.uss_bytes is not None
+    return memory.uss_bytes
+
+
+def rss(memory: HostMemory) -> int:
+    assert memory.rss_bytes is not None
+    return memory.rss_bytes
+
+
+def reaped_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# --- memory of real processes ----------------------------------------------------------------
+
+
+def test_own_process_figures_are_consistent() -> None:
+    memory = hostmem.read_host_memory(os.getpid())
+    assert memory is not None and memory.source == "smaps_rollup"
+    assert 0 < uss(memory) <= rss(memory)
+    assert memory.pss_bytes is not None and uss(memory) <= memory.pss_bytes <= rss(memory)
+    assert memory.swap_bytes is not None and memory.anon_bytes is not None
+    assert memory.private_or_rss_bytes == memory.uss_bytes
+    # status's figures come with it: the split, and the peak (never below the end).
+    assert memory.file_bytes is not None and memory.shmem_bytes is not None
+    assert memory.rss_peak_bytes is not None and memory.rss_peak_bytes >= rss(memory)
+
+
+def test_private_allocation_grows_uss_by_its_size(spawn: Spawn) -> None:
+    size_mib = 64
+    forker = Forker(spawn, "none", size_mib)
+    before = forker.memory()
+    forker.command("a")  # the child allocates and fills 64 MiB of its own
+    after = forker.memory()
+    grown = uss(after) - uss(before)
+    # Deterministic: the bytes are the child's alone whatever the machine's load; the slack
+    # is the interpreter's own small allocations around it.
+    assert size_mib * MIB * 0.95 <= grown <= (size_mib + 8) * MIB
+    assert rss(after) - rss(before) >= size_mib * MIB * 0.95
+
+
+def test_forked_reader_shares_pages_and_rss_counts_them(spawn: Spawn) -> None:
+    size_mib = 64
+    forker = Forker(spawn, "bytes", size_mib)
+    forker.command("r")  # the child reads every byte of the parent's data, writes none
+    memory = forker.memory()
+    assert rss(memory) >= size_mib * MIB  # RSS counts the shared pages ...
+    assert uss(memory) < size_mib * MIB / 4  # ... USS does not: they are not its own
+    assert memory.pss_bytes is not None and memory.pss_bytes < rss(memory)
+
+
+def test_walking_python_objects_copies_them_into_the_worker(spawn: Spawn) -> None:
+    count = 1_500_000  # floats of 24 bytes: about 34 MiB of objects, + 11 MiB of list
+    objects_bytes = count * 24
+    forker = Forker(spawn, "floats", count)
+    forker.command("r")  # len(): touches the list object only
+    read_only = forker.memory()
+    assert uss(read_only) < objects_bytes / 4
+    forker.command("w")  # iterating writes every float's reference count: copy-on-read
+    walked = forker.memory()
+    assert uss(walked) - uss(read_only) >= objects_bytes * 0.75
+    # The pages moved from shared to private: RSS barely changed.
+    assert abs(rss(walked) - rss(read_only)) < objects_bytes / 4
+
+
+def test_gone_pid_zombie_and_reused_pid(spawn: Spawn) -> None:
+    assert hostmem.read_host_memory(reaped_pid()) is None
+    assert hostmem.read_host_memory(reaped_pid(), rollup=False) is None
+
+    proc = spawn("import sys; sys.stdin.read()")
+    key = procs.process_key(proc.pid)
+    assert key is not None
+    memory = hostmem.read_host_memory(key)
+    assert memory is not None and memory.source == "smaps_rollup"
+    # The same PID with another start time: what a reused PID looks like.
+    assert hostmem.read_host_memory(ProcessKey(key.pid, key.create_time + 1.0)) is None
+
+    assert proc.stdin is not None
+    proc.stdin.close()  # it exits; not reaped yet: a zombie has no memory to read
+    assert wait_for(lambda: procs.is_zombie(proc.pid), timeout_s=10.0)
+    zombie = hostmem.read_host_memory(proc.pid)
+    assert zombie == HostMemory(None, None, None, None, "unknown")
+    assert zombie.private_or_rss_bytes is None
+    proc.wait()
+    assert hostmem.read_host_memory(proc.pid) is None
+    assert hostmem.read_host_memory(key) is None
+
+
+def test_read_host_memories_skips_gone_and_keys_as_given() -> None:
+    gone = reaped_pid()
+    by_pid = hostmem.read_host_memories([os.getpid(), gone])
+    assert set(by_pid) == {os.getpid()}
+    key = procs.process_key(os.getpid())
+    assert key is not None
+    by_key = hostmem.read_host_memories([key, ProcessKey(gone, 1.0)], rollup=False)
+    assert set(by_key) == {key}
+    assert by_key[key].source == "status"
+
+
+def test_status_only_read() -> None:
+    memory = hostmem.read_host_memory(os.getpid(), rollup=False)
+    assert memory is not None and memory.source == "status"
+    assert memory.uss_bytes is None and memory.pss_bytes is None
+    assert memory.rss_bytes is not None and memory.rss_peak_bytes is not None
+    assert memory.rss_peak_bytes >= memory.rss_bytes
+    assert memory.anon_bytes is not None and memory.file_bytes is not None
+    assert memory.shmem_bytes is not None
+    assert memory.private_or_rss_bytes == memory.rss_bytes
+
+
+@pytest.mark.parametrize("failure", ["missing", "denied"])
+def test_status_fallback_when_smaps_rollup_is_unreadable(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    size_mib = 32
+    forker = Forker(spawn, "bytes", size_mib)
+    rollup = forker.memory()
+    if failure == "missing":  # a kernel before 4.14 has no such file
+        monkeypatch.setattr(hostmem, "_ROLLUP_FILE", "smaps_rollup_missing")
+    else:  # another user's process: smaps needs ptrace access, status does not
+        real_read = hostmem._read_at
+
+        def denied(name: str, base: str, dir_fd: int | None) -> bytes:
+            if name == "smaps_rollup":
+                raise PermissionError(13, "Permission denied", name)
+            return real_read(name, base, dir_fd)
+
+        monkeypatch.setattr(hostmem, "_read_at", denied)
+    memory = hostmem.read_host_memory(forker.child)
+    assert memory is not None and memory.source == "status"
+    assert memory.uss_bytes is None and memory.pss_bytes is None
+    # RSS from status: the shared pages included, as in smaps_rollup's Rss.
+    assert rss(memory) >= size_mib * MIB
+    assert abs(rss(memory) - rss(rollup)) < 4 * MIB
+    key = procs.process_key(forker.child)
+    assert key is not None
+    by_key = hostmem.read_host_memory(key)
+    assert by_key is not None and by_key.source == "status"
+    assert hostmem.read_host_memory(reaped_pid()) is None  # gone is still gone
+
+
+def test_parsers_on_fixed_text() -> None:
+    rollup = (
+        b"00400000-7ffd0000 ---p 00000000 00:00 0        [rollup]\n"
+        b"Rss:                1000 kB\nPss:                 600 kB\n"
+        b"Pss_Anon:            100 kB\nShared_Clean:        500 kB\n"
+        b"Private_Clean:        50 kB\nPrivate_Dirty:       150 kB\n"
+        b"Anonymous:           170 kB\nPrivate_Hugetlb:     2048 kB\n"
+        b"Swap:                 30 kB\nSwapPss:               7 kB\n"
+    )
+    assert hostmem._parse_rollup(rollup) == HostMemory(
+        uss_bytes=(50 + 150 + 2048) * 1024,
+        pss_bytes=600 * 1024,
+        rss_bytes=1000 * 1024,
+        swap_bytes=30 * 1024,
+        source="smaps_rollup",
+        anon_bytes=170 * 1024,
+    )
+    assert hostmem._parse_rollup(b"") is None
+    status = (
+        b"Name:\tpython\nState:\tS (sleeping)\nVmPeak:\t  9000 kB\nVmHWM:\t  5000 kB\n"
+        b"VmRSS:\t  4000 kB\nRssAnon:\t  1000 kB\nRssFile:\t  2500 kB\nRssShmem:\t  500 kB\n"
+        b"VmSwap:\t     0 kB\nCpus_allowed:\tff\n"
+    )
+    assert hostmem._parse_status(status) == HostMemory(
+        uss_bytes=None,
+        pss_bytes=None,
+        rss_bytes=4000 * 1024,
+        swap_bytes=0,
+        source="status",
+        anon_bytes=1000 * 1024,
+        file_bytes=2500 * 1024,
+        shmem_bytes=500 * 1024,
+        rss_peak_bytes=5000 * 1024,
+    )
+    assert hostmem._parse_status(b"Name:\tkthreadd\nState:\tS (sleeping)\n").source == "unknown"
+
+
+# --- /dev/shm -----------------------------------------------------------------------------------
+
+
+def test_job_shm_files_new_recreated_and_held() -> None:
+    before = {
+        "old": ShmSegment(10, 1.0, 100),
+        "again": ShmSegment(20, 1.0, 101),
+        "gone": ShmSegment(30, 1.0, 102),
+    }
+    now = {
+        "old": ShmSegment(11, 2.0, 100),  # same file, grown: not the job's
+        "again": ShmSegment(20, 2.0, 201),  # removed and created again: new
+        "torch_1": ShmSegment(4096, 2.0, 202),
+        "cuda.shm.7": ShmSegment(81920, 2.0, 203),
+    }
+    holders = {7: ["cuda.shm.7", "old"], 5: ["cuda.shm.7", "gone (deleted)"], 9: ["torch_1"]}
+    assert hostmem.job_shm_files(before, now, holders) == [
+        JobShmFile("again", 20, 201),
+        JobShmFile("cuda.shm.7", 81920, 203, (5, 7)),
+        JobShmFile("torch_1", 4096, 202, (9,)),
+    ]
+    assert hostmem.job_shm_files(now, now, holders) == []
+
+
+def start_holder(spawn: Spawn, mode: str, path: Path) -> int:
+    proc = spawn(HOLDER, mode, str(path))
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc.pid
+
+
+def test_read_job_shm_in_a_stand_in_directory(spawn: Spawn, tmp_path: Path) -> None:
+    directory = Path(os.path.realpath(tmp_path))  # /proc shows resolved paths
+    (directory / "before").write_bytes(b"x" * 100)
+    (directory / "replaced").write_bytes(b"x" * 200)
+    before = procs.shm_segments(str(directory))
+
+    (directory / "by_fd").write_bytes(b"\0" * mmap.PAGESIZE)
+    (directory / "by_map").write_bytes(b"\0" * 2 * mmap.PAGESIZE)
+    (directory / "left").write_bytes(b"\0" * 3)
+    # Replaced: a new file under the old name (made before the old one is gone, so the
+    # inode cannot be reused).
+    (directory / "replaced.new").write_bytes(b"y" * 300)
+    os.replace(directory / "replaced.new", directory / "replaced")
+    by_fd = start_holder(spawn, "fd", directory / "by_fd")
+    by_map = start_holder(spawn, "map", directory / "by_map")
+
+    found = hostmem.read_job_shm(before, [by_fd, by_map, reaped_pid()], str(directory))
+    files = {item.name: item for item in found.files}
+    assert set(files) == {"by_fd", "by_map", "left", "replaced"}
+    assert files["by_fd"].holder_pids == (by_fd,)
+    assert files["by_map"].holder_pids == (by_map,)
+    assert files["by_map"].size_bytes == 2 * mmap.PAGESIZE
+    assert files["left"].holder_pids == ()
+    assert files["replaced"].size_bytes == 300
+    assert files["replaced"].inode == (directory / "replaced").stat().st_ino
+    assert found.total_bytes == 3 * mmap.PAGESIZE + 3 + 300
+    assert found.deleted_held == {}
+    assert found.capacity is not None and found.capacity.directory == str(directory)
+
+    (directory / "by_map").unlink()  # still mapped: its memory is held, not visible
+    found = hostmem.read_job_shm(before, [by_fd, by_map], str(directory))
+    assert "by_map" not in {item.name for item in found.files}
+    assert found.deleted_held == {by_map: ("by_map",)}
+
+
+@pytest.fixture
+def dev_shm_file() -> Iterator[Path]:
+    """A unique path in the real /dev/shm, removed at the end whatever happens."""
+    path = Path("/dev/shm") / f"leakcheck-hostmem-test-{uuid.uuid4().hex}"
+    if not path.parent.is_dir():
+        pytest.skip("no /dev/shm")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_read_job_shm_real_dev_shm(spawn: Spawn, dev_shm_file: Path) -> None:
+    before = procs.shm_segments()
+    dev_shm_file.write_bytes(b"\0" * 64 * 1024)
+    holder = start_holder(spawn, "map", dev_shm_file)
+    found = hostmem.read_job_shm(before, [holder])
+    mine = [item for item in found.files if item.name == dev_shm_file.name]
+    # Other processes may create files there meanwhile: look at this test's file only.
+    assert mine == [JobShmFile(dev_shm_file.name, 64 * 1024, dev_shm_file.stat().st_ino, (holder,))]
+    memory = hostmem.read_host_memory(holder, rollup=False)
+    assert memory is not None and memory.shmem_bytes is not None
+    dev_shm_file.unlink()
+    found = hostmem.read_job_shm(before, [holder])
+    assert dev_shm_file.name not in {item.name for item in found.files}
+    assert found.deleted_held[holder] == (dev_shm_file.name,)
+
+
+def test_shm_capacity_from_statvfs(tmp_path: Path) -> None:
+    capacity = hostmem.shm_capacity(str(tmp_path))
+    st = os.statvfs(tmp_path)
+    assert capacity is not None
+    assert capacity.total_bytes == st.f_blocks * st.f_frsize
+    assert capacity.free_bytes == st.f_bavail * st.f_frsize
+    assert capacity.used_bytes == (st.f_blocks - st.f_bfree) * st.f_frsize
+    fraction: Any = capacity.used_fraction
+    assert 0.0 <= fraction <= 1.0
+    assert hostmem.shm_capacity(str(tmp_path / "missing")) is None
+    if Path("/dev/shm").is_dir():
+        dev_shm = hostmem.shm_capacity()
+        assert dev_shm is not None and dev_shm.directory == "/dev/shm"
+        assert dev_shm.total_bytes is not None and dev_shm.total_bytes > 0
+
+
+def test_shm_capacity_without_a_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = os.statvfs(tmp_path)
+    # A tmpfs mounted with size=0 reports no blocks at all.
+    fake = os.statvfs_result((4096, 4096, 0, 0, 0, *real[5:]))
+    monkeypatch.setattr(os, "statvfs", lambda path: fake)
+    capacity = hostmem.shm_capacity(str(tmp_path))
+    assert capacity == hostmem.ShmCapacity(str(tmp_path), None, 0, 0)
+    assert capacity is not None and capacity.used_fraction is None
+
+
+def test_psutil_answers_where_there_is_no_proc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostmem, "_HAS_PROC", False)  # the path taken off Linux
+    memory = hostmem.read_host_memory(os.getpid())
+    assert memory is not None and memory.source == "psutil"
+    assert memory.uss_bytes is not None and memory.rss_bytes is not None
+    status = hostmem.read_host_memory(os.getpid(), rollup=False)
+    assert status is not None and status.source == "psutil" and status.uss_bytes is None
+    key = procs.process_key(os.getpid())
+    assert key is not None
+    assert hostmem.read_host_memory(key) is not None
+    assert hostmem.read_host_memory(ProcessKey(key.pid, key.create_time + 1.0)) is None
+    assert hostmem.read_host_memory(reaped_pid()) is None

@@ -234,10 +234,15 @@ def test_the_users_policy_keeps_its_terminate_children(
     assert callback.report("train").leaks == []
 
 
-def test_lists_and_dicts_of_loaders_are_all_adopted(tmp_path: Path, no_leak_warnings: None) -> None:
+def test_combined_loaders_and_lists_of_loaders_are_all_adopted(
+    tmp_path: Path, no_leak_warnings: None
+) -> None:
+    from lightning.pytorch.utilities import CombinedLoader
+
     class Many(Tiny):
         def train_dataloader(self) -> Any:
-            return {"a": self.loader(Pairs()), "b": self.loader(Pairs())}
+            loaders = {"a": self.loader(Pairs()), "b": self.loader(Pairs())}
+            return CombinedLoader(loaders, mode="min_size")
 
         def val_dataloader(self) -> Any:
             return [self.loader(Pairs()), self.loader(Pairs())]

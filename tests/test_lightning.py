@@ -1,0 +1,435 @@
+"""LeakCheckCallback on CPU: a real Lightning Trainer, a tiny model, real workers.
+
+NOTE [lightning epochs] in leakcheck/integrations/lightning.py says what is asserted here:
+train and validation epochs tracked apart, exact worker identities from the first epoch on,
+epoch ends however the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.report import Report
+from leakcheck.teardown import WorkerInit
+from tests.pyrun import run_python
+
+pl = pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e '.[dev]'")
+
+from leakcheck.integrations.lightning import LeakCheckCallback  # noqa: E402
+
+EPOCHS = 3
+TRAIN_BATCHES = 4  # below the loader's 16: Lightning leaves the iterator unfinished
+VAL_BATCHES = 2
+
+
+class Pairs(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """Random (x, y) pairs; each item also carries the PID of the process that made it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        x, y = torch.randn(4, generator=generator), torch.randn(1, generator=generator)
+        return x, y, torch.tensor(self.pid())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class StartsGrandchild(Pairs):
+    """Each worker starts one sleeper that outlives it; items carry the sleeper's PID."""
+
+    def __init__(self) -> None:
+        self.sleepers: dict[int, int] = {}
+
+    def pid(self) -> int:
+        me = os.getpid()
+        if me not in self.sleepers:
+            code = "import time; time.sleep(60)  # leakcheck-test-grandchild"
+            self.sleepers[me] = subprocess.Popen([sys.executable, "-c", code]).pid
+        return self.sleepers[me]
+
+
+class Fails(Exception):
+    pass
+
+
+class Tiny(pl.LightningModule):
+    """A linear layer on random data; remembers the PIDs its batches carry."""
+
+    def __init__(
+        self,
+        train: Any = None,
+        val: Any = None,
+        *,
+        persistent: bool = False,
+        fail_in: str | None = None,
+        fail_with: type[BaseException] = Fails,
+        worker_init_fn: Any = None,
+    ) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.train_set = train if train is not None else Pairs()
+        self.val_set = val if val is not None else Pairs()
+        self.persistent = persistent
+        self.fail_in = fail_in
+        self.fail_with = fail_with
+        self.worker_init_fn = worker_init_fn
+        self.pids: dict[str, set[int]] = {"train": set(), "val": set()}
+
+    def loader(self, dataset: Any) -> DataLoader[Any]:
+        return DataLoader(
+            dataset,
+            batch_size=4,
+            num_workers=2,
+            multiprocessing_context="fork",
+            persistent_workers=self.persistent,
+            worker_init_fn=self.worker_init_fn,
+        )
+
+    def train_dataloader(self) -> Any:
+        return self.loader(self.train_set)
+
+    def val_dataloader(self) -> Any:
+        return self.loader(self.val_set)
+
+    def step(self, stage: str, batch: Any) -> torch.Tensor:
+        x, y, pid = batch
+        self.pids[stage] |= {int(p) for p in pid}
+        if self.fail_in == stage and self.current_epoch == 1 and not self.trainer.sanity_checking:
+            raise self.fail_with(f"failed in {stage}")
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.step("train", batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.step("val", batch)
+
+    def test_dataloader(self) -> Any:
+        return self.loader(self.val_set)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def trainer(callback: LeakCheckCallback, tmp_path: Path, package: Any = None, **kw: Any) -> Any:
+    options: dict[str, Any] = {
+        "max_epochs": EPOCHS,
+        "limit_train_batches": TRAIN_BATCHES,
+        "limit_val_batches": VAL_BATCHES,
+        "num_sanity_val_steps": VAL_BATCHES,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+        "devices": 1,
+        "default_root_dir": str(tmp_path),
+        "callbacks": [callback],
+    }
+    options.update(kw)
+    return (package or pl).Trainer(**options)
+
+
+@pytest.fixture
+def no_leak_warnings() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GPULeakWarning)
+        yield
+
+
+def labels(report: Report) -> list[str]:
+    return [e.label for e in report.epochs]
+
+
+def seen_pids(report: Report) -> set[int]:
+    return {p.key.pid for e in report.epochs for p in e.processes if p.role != "parent"}
+
+
+def kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_clean_fit_tracks_train_and_val_epochs_apart(
+    persistent: bool, tmp_path: Path, no_leak_warnings: None
+) -> None:
+    callback = LeakCheckCallback(grace=0.5)
+    model = Tiny(persistent=persistent)
+    trainer(callback, tmp_path).fit(model)
+
+    train, val = callback.report("train"), callback.report("val")
+    assert set(callback.reports) == {"train", "val"}
+    assert train.leaks == [] and val.leaks == [], train.format() + val.format()
+    assert labels(train) == [f"train epoch {n}" for n in range(EPOCHS)]
+    assert labels(val) == ["val sanity check"] + [f"val epoch {n}" for n in range(EPOCHS)]
+    assert [e.batches for e in train.epochs] == [TRAIN_BATCHES] * EPOCHS
+    assert [e.batches for e in val.epochs] == [VAL_BATCHES] * (EPOCHS + 1)
+    assert {e.end_reason for e in train.epochs + val.epochs} == {"completed"}
+
+    # Exact identities, from the first epoch on: every worker reported itself.
+    train_workers = callback.trackers["train"].worker_keys()
+    val_workers = callback.trackers["val"].worker_keys()
+    assert len(train_workers) == (2 if persistent else 2 * EPOCHS)
+    assert len(val_workers) == (2 if persistent else 2 * (EPOCHS + 1))
+    assert {k.pid for k in train_workers} == model.pids["train"]
+    assert {k.pid for k in val_workers} == model.pids["val"]
+    for report, workers in ((train, train_workers), (val, val_workers)):
+        roles = {p.role for e in report.epochs for p in e.processes if p.role != "parent"}
+        assert roles == {"worker"}, report.format(verbose=True)
+        assert seen_pids(report) == {k.pid for k in workers}
+        assert {t.key for t in report.timeline.teardowns} <= set(workers)
+    assert train.epochs[0].processes and all(
+        p.born_in_epoch for p in train.epochs[0].processes if p.role == "worker"
+    )
+
+
+def test_loaders_and_strategy_get_their_own_back(tmp_path: Path) -> None:
+    def user_init(worker_id: int) -> None:
+        Path(tmp_path, f"init-{os.getpid()}").write_text(str(worker_id))
+
+    callback = LeakCheckCallback(grace=0.5)
+    train_loader = Tiny(worker_init_fn=user_init).train_dataloader()
+    fit = trainer(callback, tmp_path, max_epochs=2, limit_val_batches=0)
+    fit.fit(Tiny(), train_dataloaders=train_loader)
+
+    assert train_loader.worker_init_fn is user_init
+    assert "_get_iterator" not in vars(train_loader)
+    assert "process_dataloader" not in vars(fit.strategy)
+    # The user's own worker_init_fn ran in every worker the tracker knows.
+    ran = {int(p.name.split("-")[1]) for p in tmp_path.glob("init-*")}
+    assert ran == {k.pid for k in callback.trackers["train"].worker_keys()}
+    assert set(callback.reports) == {"train"}
+
+
+def test_the_users_policy_keeps_its_terminate_children(
+    tmp_path: Path, no_leak_warnings: None
+) -> None:
+    policy = WorkerInit(terminate_children=True)
+    callback = LeakCheckCallback(grace=0.5)
+    model = Tiny(StartsGrandchild(), worker_init_fn=policy)
+    trainer(callback, tmp_path, max_epochs=2, limit_val_batches=0).fit(model)
+    kill(model.pids["train"])  # none should be left; a failed assertion must not leak
+    assert callback.report("train").leaks == []
+
+
+def test_combined_loaders_and_lists_of_loaders_are_all_adopted(
+    tmp_path: Path, no_leak_warnings: None
+) -> None:
+    from lightning.pytorch.utilities import CombinedLoader
+
+    class Many(Tiny):
+        def train_dataloader(self) -> Any:
+            loaders = {"a": self.loader(Pairs()), "b": self.loader(Pairs())}
+            return CombinedLoader(loaders, mode="min_size")
+
+        def val_dataloader(self) -> Any:
+            return [self.loader(Pairs()), self.loader(Pairs())]
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return sum(self.step("train", part) for part in batch.values())
+
+        def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            self.step("val", batch)
+
+    callback = LeakCheckCallback(grace=0.5)
+    model = Many()
+    trainer(callback, tmp_path, max_epochs=2, num_sanity_val_steps=0).fit(model)
+    train, val = callback.report("train"), callback.report("val")
+    assert train.leaks == [] and val.leaks == []
+    assert labels(val) == ["val epoch 0", "val epoch 1"]
+    assert [e.batches for e in val.epochs] == [2 * VAL_BATCHES] * 2
+    assert {k.pid for k in callback.trackers["train"].worker_keys()} == model.pids["train"]
+    assert len(model.pids["train"]) == 2 * 2 * 2  # 2 loaders x 2 workers x 2 epochs
+    assert {k.pid for k in callback.trackers["val"].worker_keys()} == model.pids["val"]
+    assert len(model.pids["val"]) == 2 * 2 * 2
+
+
+def test_an_orphan_of_a_train_worker_is_reported_by_the_train_report_only(
+    tmp_path: Path,
+) -> None:
+    callback = LeakCheckCallback(grace=0.5)
+    model = Tiny(StartsGrandchild())
+    try:
+        with pytest.warns(GPULeakWarning) as caught:
+            trainer(callback, tmp_path).fit(model)
+    finally:
+        kill(model.pids["train"])
+    sleepers = model.pids["train"]
+    assert len(sleepers) == 2 * EPOCHS
+    train, val = callback.report("train"), callback.report("val")
+    orphans = {f.pid for f in train.leaks if f.rule == "orphan"}
+    assert orphans == sleepers, train.format()
+    assert {f.rule for f in train.leaks} == {"orphan"}
+    assert not any(f.pid in sleepers for f in val.findings), val.format()
+    assert val.leaks == []
+    warned = " ".join(str(w.message) for w in caught)
+    assert all(str(pid) in warned for pid in sleepers)
+    assert "LEAK orphan" in train.format()
+
+
+def test_on_leak_raise_makes_fit_raise(tmp_path: Path) -> None:
+    callback = LeakCheckCallback(grace=0.3, on_leak="raise")
+    model = Tiny(StartsGrandchild())
+    try:
+        with pytest.raises(GPULeakError) as caught:
+            trainer(callback, tmp_path).fit(model)
+    finally:
+        kill(model.pids["train"])
+    assert caught.value.report is not None
+    assert {f.pid for f in caught.value.report.leaks} <= model.pids["train"]
+    assert caught.value.report.leaks
+    # The run's trackers were closed on the way out; the reports were kept.
+    assert callback.trackers["train"].closed and callback.trackers["val"].closed
+    assert callback.report("train").leaks
+
+
+@pytest.mark.parametrize("where", ["train", "val"])
+def test_an_exception_closes_the_open_epochs(
+    where: str, tmp_path: Path, no_leak_warnings: None
+) -> None:
+    callback = LeakCheckCallback(grace=0.5)
+    with pytest.raises(Fails, match=f"failed in {where}"):
+        trainer(callback, tmp_path).fit(Tiny(fail_in=where))
+    train, val = callback.report("train"), callback.report("val")
+    assert train.leaks == [] and val.leaks == [], train.format() + val.format()
+    # Validation runs inside the train epoch: an exception there ends both.
+    assert [e.end_reason for e in train.epochs] == ["completed", "exception"]
+    assert train.epochs[-1].error == f"Fails: failed in {where}"
+    last_val = val.epochs[-1]
+    assert last_val.label == ("val epoch 1" if where == "val" else "val epoch 0")
+    assert last_val.end_reason == ("exception" if where == "val" else "completed")
+    assert train.epochs[-1].batches == (TRAIN_BATCHES if where == "val" else 1)
+
+
+def test_keyboard_interrupt_in_fit_closes_the_epoch_as_interrupted(tmp_path: Path) -> None:
+    callback = LeakCheckCallback(grace=0.5)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        # Lightning shuts down gracefully and then exits: SystemExit(1).
+        with pytest.raises(SystemExit):
+            trainer(callback, tmp_path).fit(Tiny(fail_in="train", fail_with=KeyboardInterrupt))
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT from then on
+    train = callback.report("train")
+    assert [e.end_reason for e in train.epochs] == ["completed", "interrupt"]
+    assert train.epochs[-1].error == "KeyboardInterrupt"
+    assert train.leaks == [], train.format()
+    assert callback.trackers["train"].closed
+
+
+def test_validate_and_test_after_fit_get_their_own_reports(
+    tmp_path: Path, no_leak_warnings: None
+) -> None:
+    callback = LeakCheckCallback(grace=0.5)
+    model = Tiny()
+    run = trainer(callback, tmp_path, max_epochs=1)
+    run.fit(model)
+    fit_val = callback.report("val")
+    run.validate(model, verbose=False)
+    run.test(model, verbose=False)
+    assert set(callback.reports) == {"train", "val", "test"}
+    assert labels(callback.report("val")) == ["val epoch 0"]  # the validate run replaced fit's
+    assert callback.report("val") is not fit_val
+    assert labels(callback.report("test")) == ["test epoch 0"]
+    assert len(callback.trackers["test"].worker_keys()) == 2
+    assert all(r.leaks == [] for r in callback.reports.values())
+
+
+def test_pytorch_lightning_trainer_works_too(tmp_path: Path, no_leak_warnings: None) -> None:
+    legacy = pytest.importorskip("pytorch_lightning")
+
+    class Legacy(legacy.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, _ = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def train_dataloader(self) -> Any:
+            return Tiny().loader(Pairs())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = LeakCheckCallback(grace=0.5)
+    trainer(callback, tmp_path, package=legacy, max_epochs=2).fit(Legacy())
+    report = callback.report("train")
+    assert labels(report) == ["train epoch 0", "train epoch 1"]
+    assert len(callback.trackers["train"].worker_keys()) == 4
+    assert report.leaks == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"tolerance": "lots"}, ("tolerance", "'lots'")),
+        ({"on_leak": "explode"}, ("on_leak", "'explode'")),
+        ({"warmup_epochs": -1}, ("warmup_epochs", "-1")),
+        ({"warmup_epochs": 1.5}, ("warmup_epochs", "1.5")),
+        ({"grace": -1}, ("grace", "-1")),
+        ({"interval": 0}, ("interval", "0")),
+        ({"teardown": "yes"}, ("teardown", "'yes'")),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(
+    kwargs: dict[str, Any], names: tuple[str, str]
+) -> None:
+    with pytest.raises(UsageError) as caught:
+        LeakCheckCallback(**kwargs)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert all(name in message for name in names)
+
+
+def test_report_of_a_stage_not_tracked_is_a_usage_error() -> None:
+    callback = LeakCheckCallback()
+    with pytest.raises(UsageError, match=r"stage: .*tracked: none yet.*'val'"):
+        callback.report("val")
+    with pytest.raises(UsageError, match="'training'"):
+        callback.report("training")
+
+
+def test_the_callback_pickles_for_spawned_ranks(tmp_path: Path) -> None:
+    callback = LeakCheckCallback(grace=0.5, on_leak="raise", tolerance="1MiB")
+    trainer(callback, tmp_path, max_epochs=1, limit_val_batches=0).fit(Tiny())
+    copy = pickle.loads(pickle.dumps(callback))
+    assert repr(copy) == repr(callback)
+    assert copy.trackers == {} and set(callback.trackers) == {"train"}
+
+
+def test_importing_leakcheck_imports_no_lightning() -> None:
+    done = run_python(
+        """
+        import sys
+        import leakcheck, leakcheck.integrations
+        from leakcheck import Tracker, watch
+        import leakcheck.plugin, leakcheck.cli
+        print(sorted(m for m in sys.modules if "lightning" in m))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

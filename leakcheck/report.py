@@ -34,7 +34,9 @@ __all__ = [
     "Report",
     "Verdict",
     "build_report",
+    "finding_from_dict",
     "finding_lines",
+    "finding_to_dict",
     "report_from_dict",
 ]
 
@@ -294,6 +296,26 @@ def _dataclass_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
         if f.init and f.name in data
     }
     return cls(**kwargs)
+
+
+def finding_to_dict(finding: Finding) -> dict[str, Any]:
+    """Return one finding as plain data that ``json.dumps`` accepts (as in ``to_dict``)."""
+    data: dict[str, Any] = _to_jsonable(finding)
+    return data
+
+
+def finding_from_dict(data: Mapping[str, Any]) -> Finding:
+    """Read back a finding written by ``finding_to_dict`` (after a JSON round trip).
+
+    Raises:
+        UsageError: The data is not a finding.
+
+    """
+    try:
+        finding: Finding = _dataclass_from_dict(Finding, data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
+    return finding
 
 
 def report_from_dict(data: Mapping[str, Any]) -> Report:

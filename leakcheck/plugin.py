@@ -1,11 +1,13 @@
 """pytest plugin: ``pytest --gpu-leak-check`` fails the test that leaked.
 
 A test fails (or warns, in warn mode) when, after its teardown, it left a process it started
-still running, a ``/dev/shm`` segment it created, or GPU memory held by the test process
-beyond the tolerance. The failure is the test's own: its teardown report fails (shown as
-``LEAKED``), carries a ``gpu-leak-check`` section naming each culprit with a one-line
-remedy, and the session ends with a ``GPU LEAK REPORT``. Under pytest-xdist each worker
-judges its own tests and the findings travel to the controller on the reports.
+still running, a ``/dev/shm`` file it created, or GPU memory held by the test process beyond
+the tolerance. The plugin observes (``plugin_observe.Checker``: one short epoch per test,
+fixture scopes as owners) and ``verdict.judge`` decides, with the same rules and words as
+``watch()`` and ``leakcheck sweep``. The failure is the test's own: it carries a
+``gpu-leak-check`` section (``report.finding_lines``: each finding and its fix), and the
+session ends with a ``GPU LEAK REPORT``. Under pytest-xdist each worker judges its own tests
+and the findings travel to the controller on the reports.
 
 Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables
 it. With the check off, importing and loading the plugin costs options parsing and nothing
@@ -23,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -42,16 +45,17 @@ from leakcheck.options import (
 )
 
 if TYPE_CHECKING:
-    from leakcheck.plugin_checks import Checker, Culprit, Window
+    from leakcheck.model import Finding
+    from leakcheck.plugin_observe import Checker, Window
     from leakcheck.tracker import Tracker
 
-__all__ = ["MARKER", "SECTION", "LeakCheckPlugin", "gpu_leak_tracker"]
+__all__ = ["MARKER", "SECTION", "LeakCheckPlugin", "gpu_leak_tracker", "headline"]
 
 MARKER = "gpu_leak_check"
 """Name of the marker that enables, disables or tunes the check per test."""
 
 SECTION = "gpu-leak-check"
-"""Name of the report section that lists a test's culprits."""
+"""Name of the report section that lists a test's findings."""
 
 CHECKER_NAME = "leakcheck-checker"
 """Name under which the active part of the plugin is registered."""
@@ -60,6 +64,7 @@ REPORT_ATTR = "leakcheck"
 """Attribute of teardown reports that carries the JSON verdict (to xdist's controller)."""
 
 STATUS_ATTR = "leakcheck_status"
+"""Attribute of teardown reports: ``leaked`` when the leak failed that report."""
 
 _DESTS = {
     "enabled": "gpu_leak_check",
@@ -159,7 +164,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(enabled=True, tolerance='16MiB', mode='fail', grace=1.0): check this test "
-        "for processes, /dev/shm segments and GPU memory it leaves behind, or not "
+        "for processes, /dev/shm files and GPU memory it leaves behind, or not "
         "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
     )
     try:
@@ -213,7 +218,7 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
     """A started ``leakcheck.Tracker`` bound to this test; use ``.epoch()`` inside it.
 
     Its findings are judged with the test: where the check is on, they join the test's
-    culprits; elsewhere the fixture's teardown fails (or warns) on a leak, unless a
+    findings; elsewhere the fixture's teardown fails (or warns) on a leak, unless a
     ``gpu_leak_check(enabled=False)`` marker turns it off.
     """
     from leakcheck.tracker import Tracker
@@ -231,9 +236,7 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
         tracker.close()
     report = tracker.report()
     if window is not None:
-        from leakcheck.plugin_checks import Culprit
-
-        window.extra.extend(Culprit.from_finding(finding) for finding in report.findings)
+        window.extra.extend(report.findings)
         return
     disabled_by_marker = not options.enabled and options.sources.get("enabled", "").startswith(
         "enabled="
@@ -247,8 +250,111 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
         raise GPULeakError(text, report)
 
 
-def _unattributed(culprit: Culprit) -> bool:
-    return culprit.kind == "shm" and culprit.severity == "info" and culprit.pid is None
+# --- words --------------------------------------------------------------------------------
+
+_PROCESS_RULES = ("survivor", "orphan")
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    return f"{count} {word if count == 1 else (plural or word + 's')}"
+
+
+def headline(findings: Sequence[Finding]) -> str:
+    """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``.
+
+    Processes for ``survivor``/``orphan``, /dev/shm files for ``shm``, GPU memory for
+    ``residual``; any other rule is counted as findings of that rule.
+    """
+    from leakcheck.units import format_mib
+
+    processes = [f for f in findings if f.rule in _PROCESS_RULES]
+    shm = [f for f in findings if f.rule == "shm"]
+    memory = [f for f in findings if f.rule == "residual"]
+    parts: list[str] = []
+    if processes:
+        held = sum(f.gpu_bytes or 0 for f in processes)
+        gpu = f" ({format_mib(held)} MiB GPU)" if held else ""
+        parts.append(_plural(len(processes), "process", "processes") + gpu)
+    if shm:
+        parts.append(_plural(len(shm), "/dev/shm file"))
+    if memory:
+        parts.append(f"{format_mib(sum(f.gpu_bytes or 0 for f in memory))} MiB of GPU memory")
+    others: dict[str, int] = {}
+    for finding in findings:
+        if finding.rule not in (*_PROCESS_RULES, "shm", "residual"):
+            others[finding.rule] = others.get(finding.rule, 0) + 1
+    parts.extend(_plural(num, f"{rule} finding") for rule, num in others.items())
+    return ", ".join(parts) or "nothing"
+
+
+def _header(findings: Sequence[Finding]) -> str:
+    leaks = [f for f in findings if f.severity == "leak"]
+    if leaks:
+        return f"leakcheck: the test left {headline(leaks)}"
+    return f"leakcheck: no leak; for information: {headline(findings)}"
+
+
+def first_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
+    """The first line of each finding as ``report.finding_lines`` words it (no fix)."""
+    from leakcheck.report import finding_lines
+
+    return finding_lines(findings, indent)[::2]  # two lines per finding: what, then fix
+
+
+def section_text(findings: Sequence[Finding]) -> str:
+    """The ``gpu-leak-check`` section: a headline, then each finding with its fix."""
+    from leakcheck.report import finding_lines
+
+    return "\n".join([_header(findings), *finding_lines(findings)])
+
+
+def failure_text(leaks: Sequence[Finding]) -> str:
+    """The failure's message: a headline, then the first line of each leak."""
+    return "\n".join([_header(leaks), *first_lines(leaks, "  ")])
+
+
+def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
+    """Worst first: more GPU memory, then more leaks, then more infos."""
+    leaks = [f for f in findings if f.severity == "leak"]
+    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(findings))
+
+
+def _unattributed(finding: Finding) -> bool:
+    return finding.rule == "shm" and finding.severity == "info" and finding.pid is None
+
+
+def _process_key(finding: Finding) -> tuple[int | None, str]:
+    # The tracker and the plugin may see one process at different moments: still in the
+    # tree for one (survivor), reparented for the other (orphan). Either names it.
+    return finding.pid, "process" if finding.rule in _PROCESS_RULES else finding.rule
+
+
+def judge_test(
+    checker: Checker, window: Window, label: str, options: CheckOptions, end_s: float
+) -> list[Finding]:
+    """Observe the test as a timeline and judge it with ``verdict.judge``.
+
+    The ``gpu_leak_tracker`` fixture's findings join those of the test, but for those
+    about a process and rule already found.
+    """
+    from leakcheck.model import RuleConfig
+    from leakcheck.verdict import judge
+
+    timeline = checker.observe(
+        window,
+        label=label,
+        end_s=end_s,
+        grace_s=options.grace_s,
+        tolerance_bytes=options.tolerance_bytes,
+    )
+    config = RuleConfig(
+        tolerance_bytes=options.tolerance_bytes, grace_s=options.grace_s, warmup_epochs=0
+    )
+    # "Attribution is blind" is said once, in the session summary, not for every test.
+    findings = [f for f in judge(timeline, config) if f.rule != "blind"]
+    named = {_process_key(f) for f in findings if f.pid is not None}
+    findings.extend(f for f in window.extra if f.rule != "blind" and _process_key(f) not in named)
+    return sorted(findings, key=lambda f: f.severity != "leak")
 
 
 # --- the active part ----------------------------------------------------------------------
@@ -266,12 +372,12 @@ class LeakCheckPlugin:
         self._checker: Checker | None = None
         self._window: Window | None = None
         self._checked = 0
-        self._results: dict[str, tuple[list[Culprit], str]] = {}
+        self._results: dict[str, tuple[list[Finding], str]] = {}
         self._gpu_notes: set[str] = set()
 
     def _get_checker(self) -> Checker:
         if self._checker is None:
-            from leakcheck.plugin_checks import Checker
+            from leakcheck.plugin_observe import Checker
 
             # Under xdist, a segment nobody holds may be a sibling worker's.
             self._checker = Checker(
@@ -335,30 +441,19 @@ class LeakCheckPlugin:
         window = item.stash.get(WINDOW_KEY, None)
         if window is None:
             return report
+        end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
         self._window = None
         options = _options_for(item)
         checker = self._get_checker()
         try:
-            culprits = checker.judge(
-                window, tolerance_bytes=options.tolerance_bytes, grace_s=options.grace_s
-            )
+            findings = judge_test(checker, window, item.nodeid, options, end_s)
         except Exception as exc:  # leakcheck's own failure must never break a test run
-            from leakcheck.plugin_checks import Culprit
-
-            culprits = [
-                Culprit(
-                    kind="error",
-                    rule="tracker-failure",
-                    severity="info",
-                    message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
-                    remedy="report it to leakcheck with the message above",
-                )
-            ]
+            findings = [_could_not_check(exc)]
         finally:
             checker.end_environment(window)
         try:
-            self._apply(item, report, culprits, options, checker.gpu_note)
+            self._apply(item, report, findings, options, checker.gpu_note)
         except Exception as exc:  # an exception here would be pytest's INTERNALERROR
             self._gpu_notes.add(f"a test went unreported: {type(exc).__name__}: {exc}")
         return report
@@ -367,23 +462,19 @@ class LeakCheckPlugin:
         self,
         item: pytest.Item,
         report: pytest.TestReport,
-        culprits: list[Culprit],
+        findings: list[Finding],
         options: CheckOptions,
         gpu_note: str,
     ) -> None:
-        from leakcheck.plugin_checks import culprit_line, format_section, headline
+        from leakcheck.report import finding_to_dict
 
-        leaks = [c for c in culprits if c.severity == "leak"]
+        leaks = [f for f in findings if f.severity == "leak"]
         status = ""
-        pid = os.getpid()
-        if culprits:
-            report.sections.append((SECTION, format_section(culprits, test_pid=pid)))
+        if findings:
+            report.sections.append((SECTION, section_text(findings)))
         if leaks:
-            lines = [culprit_line(c, test_pid=pid) for c in leaks]
-            text = "\n".join(
-                [f"leakcheck: the test left {headline(leaks)}", *(f"  {line}" for line in lines)]
-            )
-            report.user_properties.append(("gpu_leak_check", "; ".join(lines)))
+            text = failure_text(leaks)
+            report.user_properties.append(("gpu_leak_check", "; ".join(first_lines(leaks))))
             if options.mode == "warn":
                 try:
                     warnings.warn(GPULeakWarning(text), stacklevel=1)
@@ -396,7 +487,7 @@ class LeakCheckPlugin:
             "status": status,
             "mode": options.mode,
             "gpu": gpu_note,
-            "culprits": [c.to_dict() for c in culprits],
+            "findings": [finding_to_dict(f) for f in findings],
         }
         setattr(report, REPORT_ATTR, json.dumps(payload))
         if status == "leaked":
@@ -436,18 +527,18 @@ class LeakCheckPlugin:
         payload = getattr(report, REPORT_ATTR, None)
         if report.when != "teardown" or not isinstance(payload, str):
             return
-        from leakcheck.plugin_checks import Culprit
+        from leakcheck.report import finding_from_dict
 
         try:
             data = json.loads(payload)
-        except ValueError:
+            findings = [finding_from_dict(entry) for entry in data.get("findings", [])]
+        except (ValueError, TypeError, AttributeError):
             return
         self._checked += 1
         if data.get("gpu"):
             self._gpu_notes.add(str(data["gpu"]))
-        culprits = [Culprit.from_dict(entry) for entry in data.get("culprits", [])]
-        if culprits:
-            self._results[report.nodeid] = (culprits, str(data.get("status") or ""))
+        if findings:
+            self._results[report.nodeid] = (findings, str(data.get("status") or ""))
 
     def pytest_terminal_summary(
         self, terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
@@ -455,23 +546,21 @@ class LeakCheckPlugin:
         """Print the ``GPU LEAK REPORT``: per test, worst first; one line when all is clean."""
         if hasattr(config, "workerinput") or (not self._checked and not self.options.enabled):
             return
-        from leakcheck.plugin_checks import culprit_line, headline, summary_sort_key
-
         tr = terminalreporter
         gpu = "; ".join(sorted(self._gpu_notes)) or "no test checked"
-        # Segments nobody held that appeared while other workers ran are nobody's to blame:
+        # Files nobody held that appeared while other workers ran are nobody's to blame:
         # one line for all of them, not one entry per test.
         unattributed = 0
-        results: dict[str, tuple[list[Culprit], str]] = {}
-        for nodeid, (culprits, status) in self._results.items():
-            kept = [c for c in culprits if not _unattributed(c)]
-            unattributed += len(culprits) - len(kept)
+        results: dict[str, tuple[list[Finding], str]] = {}
+        for nodeid, (findings, status) in self._results.items():
+            kept = [f for f in findings if not _unattributed(f)]
+            unattributed += len(findings) - len(kept)
             if kept:
                 results[nodeid] = (kept, status)
         leaky = {
             nodeid: entry
             for nodeid, entry in results.items()
-            if any(c.severity == "leak" for c in entry[0])
+            if any(f.severity == "leak" for f in entry[0])
         }
         if not results:
             tr.write_sep(
@@ -485,17 +574,27 @@ class LeakCheckPlugin:
                 f"{len(leaky)} of {self._checked} checked tests left something behind "
                 f"(GPU memory via: {gpu})"
             )
-            ordered = sorted(results.items(), key=lambda kv: (summary_sort_key(kv[1][0]), kv[0]))
-            for nodeid, (culprits, status) in ordered:
-                word = {"leaked": "LEAKED", "error": "LEAKED", "warned": "WARNED"}.get(
-                    status, "INFO"
-                )
-                leaks = [c for c in culprits if c.severity == "leak"]
-                tr.write_line(f"{word} {nodeid}: {headline(leaks or culprits)}", bold=True)
-                for culprit in culprits:
-                    tr.write_line(f"    {culprit_line(culprit)}")
+            ordered = sorted(results.items(), key=lambda kv: (_summary_sort_key(kv[1][0]), kv[0]))
+            for nodeid, (findings, status) in ordered:
+                leaks = [f for f in findings if f.severity == "leak"]
+                word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
+                tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
+                for line in first_lines(findings, "    "):
+                    tr.write_line(line)
         if unattributed:
             tr.write_line(
-                f"{unattributed} /dev/shm segments appeared while tests ran on several workers "
+                f"{unattributed} /dev/shm files appeared while tests ran on several workers "
                 "and nobody held them: not attributed (run without -n to attribute them)"
             )
+
+
+def _could_not_check(exc: Exception) -> Finding:
+    """Say that leakcheck itself failed on one test: never a reason to fail the test."""
+    from leakcheck.model import Finding
+
+    return Finding(
+        rule="tracker-failure",
+        severity="info",
+        message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
+        remedy="report it to leakcheck with the message above",
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -27,8 +28,15 @@ from typing import Any
 import pytest
 
 from leakcheck import nvml
-from leakcheck.plugin_checks import Checker, Culprit, Window, culprit_line, headline
+from leakcheck.model import Finding
+from leakcheck.options import CheckOptions
+from leakcheck.plugin import headline, judge_test
+from leakcheck.plugin_observe import Checker, Window
+from leakcheck.report import finding_from_dict, finding_lines, finding_to_dict
+from leakcheck.roles import is_runtime_helper
+from leakcheck.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+from tests.polling import wait_for
 
 MIB = 1024 * 1024
 
@@ -237,17 +245,20 @@ def test_child_left_alive_fails_its_test_and_is_named(
             "LEAKED test_leaky.py::test_leaves_shm - Failed: leakcheck*",
         ]
     )
-    assert f"[survivor] PID {pid}  descendant  `sleep {sleep}`" in out
-    assert f"[shm] /dev/shm/{shm}  8 KiB  held by the test process" in out
-    # The report section, with a remedy per culprit.
+    assert (
+        f"LEAK survivor: descendant PID {pid} (sleep {sleep}) started in "
+        "test_leaky.py::test_leaves_child is still alive" in out
+    )
+    assert f"LEAK shm: /dev/shm/{shm} (8 KiB) left by the work; the parent still holds it" in out
+    # The report section, with a fix per finding.
     assert "- gpu-leak-check -" in out
-    assert "remedy: stop what the test starts before it returns" in out
-    assert "remedy: unlink the shared memory the test creates" in out
+    assert "  fix: join or terminate the subprocesses and pools started" in out
+    assert "  fix: unlink the shared memory the work creates" in out
     # The session summary names both tests.
     summary = out[out.index("GPU LEAK REPORT") : out.index("short test summary info")]
     assert "2 of 4 checked tests left something behind" in summary
     assert "LEAKED test_leaky.py::test_leaves_child: 1 process" in summary
-    assert "LEAKED test_leaky.py::test_leaves_shm: 1 /dev/shm segment" in summary
+    assert "LEAKED test_leaky.py::test_leaves_shm: 1 /dev/shm file" in summary
     assert "test_clean" not in summary
 
 
@@ -305,9 +316,12 @@ def test_orphaned_grandchild_fails_as_orphan(inner: pytest.Pytester, leftovers: 
     pid = _leaked_pid(leftovers, sleep)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert f"[orphan] PID {pid}  orphan  `sleep {sleep}`" in out
-    assert "tagged by the test, reparented to PID" in out
-    assert "remedy: the process outlived its parent" in out
+    assert (
+        f"LEAK orphan: orphan PID {pid} (sleep {sleep}), started in "
+        "test_orphan.py::test_shell_leaves_background_job, left the job's process tree "
+        "(now child of PID" in out
+    )
+    assert "  fix: a process of the job outlived its parent" in out
 
 
 def test_forked_grandchild_of_an_exited_worker_is_found(
@@ -344,8 +358,8 @@ def test_forked_grandchild_of_an_exited_worker_is_found(
     pid = _leaked_pid(leftovers, token)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert f"[orphan] PID {pid}  orphan" in out
-    assert "forked by the test, reparented to PID" in out
+    assert f"LEAK orphan: orphan PID {pid} (" in out
+    assert "left the job's process tree (now child of PID" in out
 
 
 def test_segment_closed_but_not_unlinked_fails(
@@ -367,8 +381,7 @@ def test_segment_closed_but_not_unlinked_fails(
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert f"[shm] /dev/shm/{name}  1.0 MiB" in out
-    assert "created during the test and not removed" in out
+    assert f"LEAK shm: /dev/shm/{name} (1.0 MiB) left by the work; nobody holds it" in out
 
 
 # --- markers, modes, sources --------------------------------------------------------------
@@ -552,8 +565,11 @@ def test_module_fixture_process_is_judged_when_its_scope_ends(
         ]
     )
     out = result.stdout.str()
-    assert f"PID {bad_pid} started by module-scoped fixture 'forgetful_pool'" in out
-    assert "remedy: stop it in the fixture's finalizer" in out
+    assert (
+        f"LEAK survivor: descendant PID {bad_pid} (sleep {bad}) started by module-scoped "
+        "fixture 'forgetful_pool' is still alive" in out
+    )
+    assert "  fix: stop it in the fixture's finalizer" in out
     assert "1 of 5 checked tests left something behind" in out
 
 
@@ -596,7 +612,7 @@ def test_xdist_gives_the_same_verdicts(
     out = result.stdout.str()
     summary = out[out.index("GPU LEAK REPORT") :]
     assert "2 of 4 checked tests left something behind" in summary
-    assert f"[survivor] PID {pid}  descendant  `sleep {sleep}`" in summary
+    assert f"    LEAK survivor: descendant PID {pid} (sleep {sleep}) started in" in summary
     assert f"/dev/shm/{shm}" in summary
     result.stdout.fnmatch_lines(["LEAKED test_leaky.py::test_leaves_child*"])
 
@@ -610,15 +626,22 @@ def test_junitxml_records_the_leak_on_its_testcase(
     result = inner.runpytest_subprocess("--gpu-leak-check", f"--junitxml={xml_path}", *FAST)
     result.assert_outcomes(passed=4, failed=2)
     root = ET.parse(xml_path).getroot()
+    # One testcase per test, and one failure or error per leaked test.
+    names = [case.get("name") for case in root.iter("testcase")]
+    assert sorted(names) == sorted(
+        ["test_clean", "test_leaves_child", "test_leaves_shm", "test_clean_after"]
+    )
     cases = {case.get("name"): case for case in root.iter("testcase")}
-    assert set(cases) == {"test_clean", "test_leaves_child", "test_leaves_shm", "test_clean_after"}
     child = cases["test_leaves_child"]
     problem = child.find("error")
     assert problem is not None
+    assert len(child.findall("error")) + len(child.findall("failure")) == 1
     assert "leakcheck: the test left 1 process" in (problem.get("message") or "")
     props = {p.get("name"): p.get("value") for p in child.iter("property")}
     assert f"sleep {sleep}" in (props.get("gpu_leak_check") or "")
     assert cases["test_clean"].find("error") is None
+    suite = next(root.iter("testsuite"))
+    assert (suite.get("tests"), suite.get("errors"), suite.get("failures")) == ("4", "2", "0")
 
 
 FLAG_PROBE = """
@@ -657,7 +680,9 @@ def test_flag_off_loads_nothing_and_starts_nothing(inner: pytest.Pytester, lefto
         "pynvml",
         "leakcheck.nvml",
         "leakcheck.procs",
-        "leakcheck.plugin_checks",
+        "leakcheck.plugin_observe",
+        "leakcheck.verdict",
+        "leakcheck.report",
         "leakcheck.tracker",
     ):
         assert f"'{module}'" not in probe["LOADED"]
@@ -719,12 +744,17 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
 
 @pytest.fixture
 def child() -> Iterator[Any]:
-    """A child of this process that names itself a multiprocessing helper when asked."""
+    """A child of this process that names itself a runtime helper when asked.
+
+    ``helper=True`` names it multiprocessing's resource tracker; ``helper="..."`` puts that
+    module name on its command line.
+    """
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(*, helper: bool = False) -> subprocess.Popen[bytes]:
-        tag = "multiprocessing.resource_tracker" if helper else "plain child"
-        proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {tag}"])
+    def start(*, helper: bool | str = False) -> subprocess.Popen[bytes]:
+        name = helper if isinstance(helper, str) else "multiprocessing.resource_tracker"
+        code = "import time; time.sleep(60)"
+        proc = subprocess.Popen([sys.executable, "-c", code, name if helper else "plain"])
         procs.append(proc)
         return proc
 
@@ -734,9 +764,14 @@ def child() -> Iterator[Any]:
         proc.wait()
 
 
-def _judge(checker: Checker, window: Window, tolerance_bytes: int = 16 * MIB) -> list[Culprit]:
+LABEL = "test_x.py::test_y"
+
+
+def _judge(checker: Checker, window: Window, tolerance_bytes: int = 16 * MIB) -> list[Finding]:
+    """The plugin's own path: observe the test as a timeline, judge it with the core."""
+    options = CheckOptions(enabled=True, tolerance_bytes=tolerance_bytes, grace_s=0.05)
     try:
-        return checker.judge(window, tolerance_bytes=tolerance_bytes, grace_s=0.05)
+        return judge_test(checker, window, LABEL, options, time.monotonic())
     finally:
         checker.end_environment(window)
 
@@ -750,11 +785,11 @@ def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: Fake
 
     window = checker.begin()
     device.compute[0].usedGpuMemory = 856 * MIB
-    (culprit,) = _judge(checker, window)
-    assert (culprit.kind, culprit.rule, culprit.severity) == ("memory", "residual", "leak")
-    assert culprit.gpu_bytes_by_device == {0: 256 * MIB}
-    assert culprit.pid == os.getpid()
-    assert "256 MiB on GPU 0" in culprit.message
+    (finding,) = _judge(checker, window)
+    assert (finding.rule, finding.severity, finding.role) == ("residual", "leak", "parent")
+    assert (finding.gpu_bytes, finding.device_index) == (256 * MIB, 0)
+    assert finding.pid == os.getpid()
+    assert f"parent PID {os.getpid()} holds GPU0 256 MiB more than at the start" in finding.message
 
     window = checker.begin()
     device.compute[0].usedGpuMemory = 860 * MIB
@@ -767,12 +802,13 @@ def test_leftover_child_is_reported_with_its_gpu_memory(fake_nvml: FakePynvml, c
     window = checker.begin()
     proc = child()
     fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 512 * MIB))
-    (culprit,) = _judge(checker, window)
-    assert (culprit.kind, culprit.rule, culprit.role) == ("process", "survivor", "descendant")
-    assert culprit.pid == proc.pid
-    assert culprit.gpu_bytes_by_device == {0: 512 * MIB}
-    assert "holding 512 MiB on GPU 0" in culprit.message
-    assert "GPU0 512 MiB" in culprit_line(culprit)
+    (finding,) = _judge(checker, window)
+    assert (finding.rule, finding.role, finding.pid) == ("survivor", "descendant", proc.pid)
+    assert finding.gpu_bytes == 512 * MIB
+    assert f"descendant PID {proc.pid} (" in finding.message
+    assert f"started in {LABEL} is still alive" in finding.message
+    assert "holds GPU0 512 MiB" in finding.message
+    assert finding_lines([finding])[0] == f"LEAK survivor: {finding.message}"
 
 
 def test_session_helper_is_a_baseline_unless_it_holds_gpu_memory(
@@ -786,14 +822,13 @@ def test_session_helper_is_a_baseline_unless_it_holds_gpu_memory(
     window = checker.begin()
     proc = child(helper=True)
     fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 300 * MIB))
-    (culprit,) = _judge(checker, window)
-    assert culprit.pid == proc.pid
-    assert "multiprocessing.resource_tracker" in (culprit.cmdline or "")
+    (finding,) = _judge(checker, window)
+    assert (finding.rule, finding.pid) == ("survivor", proc.pid)
+    assert "multiprocessing.resource_tracker" in (finding.cmdline or "")
 
 
-def test_culprits_survive_the_trip_to_the_xdist_controller() -> None:
-    culprit = Culprit(
-        kind="process",
+def test_findings_survive_the_trip_to_the_xdist_controller() -> None:
+    finding = Finding(
         rule="orphan",
         severity="leak",
         message="m",
@@ -802,14 +837,19 @@ def test_culprits_survive_the_trip_to_the_xdist_controller() -> None:
         create_time=1.5,
         role="orphan",
         cmdline="sleep 1",
-        gpu_bytes_by_device={0: 5, 3: 7},
+        gpu_bytes=12,
+        device_index=3,
         nvidia_fds=31,
-        owner="module-scoped fixture 'x'",
+        scope="module-scoped fixture 'x'",
+        shm_name=None,
+        size_bytes=None,
     )
-    data = json.loads(json.dumps(culprit.to_dict()))
-    assert Culprit.from_dict(data) == culprit
-    assert culprit.gpu_bytes == 12
-    assert headline([culprit]) == "1 process (0.0 MiB GPU)"
+    data = json.loads(json.dumps(finding_to_dict(finding)))
+    assert finding_from_dict(data) == finding
+    assert headline([finding]) == "1 process (0.0 MiB GPU)"
+    shm = Finding(rule="shm", severity="info", message="m", remedy="r", shm_name="x", size_bytes=9)
+    assert finding_from_dict(json.loads(json.dumps(finding_to_dict(shm)))) == shm
+    assert headline([finding, shm, shm]) == "1 process (0.0 MiB GPU), 2 /dev/shm files"
 
 
 def test_tracker_fixture_findings_are_judged_with_the_test(
@@ -829,12 +869,13 @@ def test_tracker_fixture_findings_are_judged_with_the_test(
                     handle.write(str(proc.pid))
         """
     )
-    # Flag on: the tracker's finding joins the test's own culprits.
+    # Flag on: the tracker's findings join the test's own.
     on = inner.runpytest_subprocess("--gpu-leak-check", "--gpu-leak-grace=0.3", *NO_CACHE)
     on.assert_outcomes(passed=1, failed=1)
     out = on.stdout.str()
-    assert out.count("[survivor] PID") == 3  # failure, its section, the summary
-    assert "tracker finding" not in out  # the tracker saw the same process: no duplicate
+    assert out.count("LEAK survivor: ") == 3  # failure, its section, the summary
+    # The tracker saw the same process: one finding, not two.
+    assert "LEAKED test_tracked.py::test_epoch_leaves_a_process: 1 process" in out
     # Flag off: the fixture's own teardown fails on the leak.
     off = inner.runpytest_subprocess("--gpu-leak-grace=0.3", *NO_CACHE)
     off.assert_outcomes(passed=1, errors=1)
@@ -881,9 +922,9 @@ def test_unheld_segment_under_concurrent_workers_is_only_information(
     checker = Checker(attribute_unheld_shm=False)
     window = checker.begin()
     Path(f"/dev/shm/{name}").write_bytes(b"x" * 100)
-    (culprit,) = _judge(checker, window)
-    assert (culprit.kind, culprit.severity, culprit.shm_name) == ("shm", "info", name)
-    assert "not blamed on this test" in culprit.message
+    (finding,) = _judge(checker, window)
+    assert (finding.rule, finding.severity, finding.shm_name) == ("shm", "info", name)
+    assert "other jobs ran at the same time, so it is not blamed on this one" in finding.message
 
 
 def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
@@ -903,5 +944,116 @@ def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
     checker = Checker()
     window = checker.begin()
     Path(f"/dev/shm/{plain}").write_bytes(b"x" * 32)
-    (culprit,) = _judge(checker, window)
-    assert (culprit.kind, culprit.shm_name) == ("shm", plain)
+    (finding,) = _judge(checker, window)
+    assert (finding.rule, finding.severity, finding.shm_name) == ("shm", "leak", plain)
+
+
+# --- one core: the plugin and the tracker give the same words -----------------------------
+
+
+SAMPLES_AT_EPOCH_ENDS = 30.0
+"""A tracker interval that leaves sampling to epoch ends and explicit ``sample()`` calls.
+
+A background sample may catch a child in the middle of its exec, whose command line is then
+empty for a moment; the tracker keeps the name it read then (a tracker issue, reported), and
+the words of its finding differ by that alone. The comparisons below are about the words
+of the rules, so they sample only once each process has exec'd.
+"""
+
+
+def _normalised(lines: list[str]) -> list[str]:
+    """Finding lines with every number (PIDs, seconds, sizes) replaced by N."""
+    return [re.sub(r"[0-9]+(?:\.[0-9]+)?", "N", line) for line in lines]
+
+
+def _section_findings(out: str, rule: str) -> list[str]:
+    """The first finding of ``rule`` in a gpu-leak-check section: its line and its fix."""
+    lines = out.splitlines()
+    for index, line in enumerate(lines[:-1]):
+        if line.startswith(f"LEAK {rule}: ") and lines[index + 1].startswith("  fix: "):
+            return lines[index : index + 2]
+    raise AssertionError(f"no {rule} finding in:\n{out}")
+
+
+def _orphan_maker(pid_file: str, code: str, leave: Any) -> None:
+    """A worker that starts a grandchild, waits to be told, and exits without waiting."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with open(pid_file, "w") as handle:
+        handle.write(f"{proc.pid} {code.rsplit('# ', 1)[1]}")
+    leave.wait(10)
+
+
+ORPHAN_TEST = """
+import multiprocessing, os, subprocess, sys
+
+def worker(pid_file, code):
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with open(pid_file, "w") as handle:
+        handle.write(f"{{proc.pid}} {{code.rsplit('# ', 1)[1]}}")
+
+def test_worker_leaves_grandchild():
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=worker, args=({pid_file!r}, {code!r}))
+    proc.start()
+    proc.join()
+"""
+
+
+def test_plugin_and_tracker_word_an_orphaned_grandchild_identically(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    label = "test_same.py::test_worker_leaves_grandchild"
+    code = f"import time; time.sleep(60)  # lc-orphan-{uuid.uuid4().int % 10**9}"
+    inner.makepyfile(test_same=ORPHAN_TEST.format(pid_file=str(leftovers / "plugin"), code=code))
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    from_plugin = _section_findings(result.stdout.str(), "orphan")
+
+    # The same process through the tracker: the test's epoch is the tracker's. The tracker
+    # takes one sample while the grandchild's parent lives, as its sampler would have: the
+    # plugin saw it start within the test's window too.
+    pid_file = leftovers / "tracker"
+    other = f"import time; time.sleep(60)  # lc-orphan-{uuid.uuid4().int % 10**9}"
+    ctx = multiprocessing.get_context("fork")
+    leave = ctx.Event()
+    with Tracker(grace=0.2, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(label):
+        worker = ctx.Process(target=_orphan_maker, args=(str(pid_file), other, leave))
+        worker.start()
+        assert wait_for(lambda: pid_file.exists() and pid_file.read_text().endswith(other[-8:]))
+        tracker.sample()
+        leave.set()
+        worker.join()
+    (finding,) = [f for f in tracker.report().findings if f.rule == "orphan"]
+    assert finding.role == "orphan"
+    assert finding.pid == _leaked_pid(leftovers, "tracker")
+    from_tracker = finding_lines([finding])
+    assert from_plugin[0].startswith("LEAK orphan: orphan PID ")
+    assert _normalised(from_plugin) == _normalised(from_tracker)
+
+
+def test_runtime_helper_is_a_baseline_in_the_plugin_as_in_the_tracker(
+    fake_nvml: FakePynvml, child: Any
+) -> None:
+    helper = "torch._inductor.compile_worker"
+    assert is_runtime_helper(f"python -c code {helper}")
+    # Holding nothing on the GPU, it is a baseline for both.
+    checker = Checker()
+    window = checker.begin()
+    child(helper=helper)
+    assert _judge(checker, window) == []
+    with Tracker(grace=0.05, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(LABEL):
+        proc = child(helper=helper)
+    assert [f for f in tracker.report().findings if f.pid == proc.pid] == []
+
+    # Holding GPU memory, it is a survivor for both, in the same words.
+    window = checker.begin()
+    proc = child(helper=helper)
+    fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 300 * MIB))
+    (from_plugin,) = _judge(checker, window)
+    with Tracker(grace=0.05, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(LABEL):
+        other = child(helper=helper)
+        fake_nvml.devices[0].compute.append(FakeProcess(other.pid, 300 * MIB))
+    (from_tracker,) = [f for f in tracker.report().leaks if f.pid == other.pid]
+    assert (from_plugin.rule, from_plugin.role) == ("survivor", "descendant")
+    assert (from_tracker.rule, from_tracker.role) == ("survivor", "descendant")
+    assert _normalised(finding_lines([from_plugin])) == _normalised(finding_lines([from_tracker]))

@@ -70,8 +70,8 @@ def test_tensor_kept_in_a_module_list_fails_with_its_mib(inner: pytest.Pytester)
     result.assert_outcomes(passed=4, failed=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines(["LEAKED test_tensors.py::test_keeps_a_tensor*"])
-    assert "[residual] PID" in out
-    assert "the test process still holds 256 MiB on GPU 0 of CUDA tensors" in out
+    assert "LEAK residual: parent PID" in out
+    assert "still holds GPU0 256 MiB of CUDA tensors more than at the start" in out
     # The first CUDA test of the session is not blamed for creating the context.
     assert "LEAKED test_tensors.py::test_first_cuda_use_creates_the_context" not in out
     assert "1 of 4 checked tests left something behind" in out
@@ -151,7 +151,7 @@ def test_grandchild_holding_a_context_fails_naming_the_orphan(
     pid = int(pid_file.read_text().split()[0])
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    match = re.search(rf"\[orphan\] PID {pid}  orphan  GPU0 (\d+) MiB", out)
+    match = re.search(rf"LEAK orphan: orphan PID {pid} \(.*; holds GPU0 (\d+) MiB", out)
     assert match is not None, out
     assert int(match.group(1)) > 100  # a CUDA context is hundreds of MiB
-    assert "reparented to PID" in out
+    assert "left the job's process tree (now child of PID" in out

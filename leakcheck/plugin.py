@@ -13,6 +13,13 @@ Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck
 it. With the check off, importing and loading the plugin costs options parsing and nothing
 else: no NVML, no /proc reads, no threads, no torch.
 
+NOTE [off means off]: the environment and the ini file reach every pytest run of a machine
+or project, so their tolerance, mode and grace are read and validated only when some test is
+checked (the flag, the environment or ini switch, a marker that enables a test, or the
+``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its source. The
+switch itself is always read, and so is what the command line gives: it was typed for this
+run, and a value given empty there is refused, not taken for the default.
+
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
 for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
 report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
@@ -39,9 +46,12 @@ from leakcheck.options import (
     MODE,
     SPECS,
     TOLERANCE,
+    WARN_FLAG,
     CheckOptions,
     apply_marker,
+    resolve,
     resolve_check_options,
+    resolve_mode_flags,
 )
 
 if TYPE_CHECKING:
@@ -72,8 +82,10 @@ _DESTS = {
     "mode": "gpu_leak_mode",
     "grace": "gpu_leak_grace",
 }
+_WARN_DEST = "gpu_leak_warn"
 
 OPTIONS_KEY = pytest.StashKey[CheckOptions]()
+VALIDATED_KEY = pytest.StashKey[bool]()
 ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
 WINDOW_KEY = pytest.StashKey["Window"]()
 FAILED_BEFORE_KEY = pytest.StashKey[bool]()
@@ -106,10 +118,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"{TOLERANCE.help} (env {TOLERANCE.env_var}, ini {TOLERANCE.ini_key})",
     )
     group.addoption(
-        "--gpu-leak-warn",
-        action="store_const",
-        const="warn",
-        dest=_DESTS["mode"],
+        WARN_FLAG,
+        action="store_true",
+        dest=_WARN_DEST,
+        default=False,
         help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
     )
     group.addoption(
@@ -131,23 +143,47 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
 
 
-def resolve_options(config: pytest.Config) -> CheckOptions:
+def _command_line(config: pytest.Config) -> dict[str, object]:
+    """The command line's values by option name (``warn``: True for ``--gpu-leak-warn``)."""
+    cli: dict[str, object] = {name: config.getoption(dest, None) for name, dest in _DESTS.items()}
+    cli["warn"] = True if config.getoption(_WARN_DEST, False) else None
+    return cli
+
+
+def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[CheckOptions, bool]:
     """Resolve the options of this session (command line > environment > ini > default).
+
+    Args:
+        config: The session's config.
+        full: Resolve every option even when the check is off (a marker enables a test).
+
+    Returns:
+        The options, and whether every source was read and validated: with the check off
+        (and not ``full``) the environment's and the ini file's tolerance, mode and grace
+        are not read (NOTE [off means off]).
 
     Raises:
         pytest.UsageError: A bad value; the message names it and where it came from.
 
     """
-    cli = {name: config.getoption(dest, None) for name, dest in _DESTS.items()}
     ini: dict[str, object] = {}
     for spec in SPECS:
         if spec.ini_key is not None:
             ini[spec.name] = config.getini(spec.ini_key)
     ini_path = str(config.inipath) if config.inipath else None
     try:
-        return resolve_check_options(cli, os.environ, ini, ini_path=ini_path)
+        cli = _command_line(config)
+        enabled = resolve(
+            ENABLED, cli=cli["enabled"], environ=os.environ, ini=ini["enabled"], ini_path=ini_path
+        )
+        if enabled.value or full:
+            return resolve_check_options(cli, os.environ, ini, ini_path=ini_path), True
+        resolve(TOLERANCE, cli=cli["tolerance"])
+        resolve_mode_flags(cli["mode"], cli["warn"])
+        resolve(GRACE, cli=cli["grace"])
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
+    return CheckOptions(enabled=False, sources={"enabled": enabled.source}), False
 
 
 def _is_xdist_controller(config: pytest.Config) -> bool:
@@ -155,8 +191,11 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 
 def _activate(config: pytest.Config, options: CheckOptions) -> None:
-    if config.pluginmanager.get_plugin(CHECKER_NAME) is None:
+    plugin = config.pluginmanager.get_plugin(CHECKER_NAME)
+    if plugin is None:
         config.pluginmanager.register(LeakCheckPlugin(config, options), CHECKER_NAME)
+    elif isinstance(plugin, LeakCheckPlugin):
+        plugin.options = options
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -168,15 +207,31 @@ def pytest_configure(config: pytest.Config) -> None:
         "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
     )
     try:
-        options = resolve_options(config)
+        options, validated = resolve_options(config)
     except pytest.UsageError:
         if config.option.help:
             return  # --help must work even with a bad LEAKCHECK_* value around
         raise
     config.stash[OPTIONS_KEY] = options
+    config.stash[VALIDATED_KEY] = validated
     # The controller of xdist runs no test; it gathers the workers' verdicts.
     if options.enabled or _is_xdist_controller(config):
         _activate(config, options)
+
+
+def _marked_options(base: CheckOptions, item: pytest.Item) -> CheckOptions | None:
+    markers = list(item.iter_markers(MARKER))
+    if not markers:
+        return None
+    options = base
+    for marker in reversed(markers):  # farthest (module) first, closest (function) last
+        try:
+            options = apply_marker(
+                options, marker.args, marker.kwargs, where=f"{MARKER} marker on {item.nodeid}"
+            )
+        except UsageError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    return options
 
 
 def pytest_collection_modifyitems(
@@ -186,21 +241,22 @@ def pytest_collection_modifyitems(
     base = config.stash.get(OPTIONS_KEY, None)
     if base is None:
         return
+    marked = {item: _marked_options(base, item) for item in items}
+    if not config.stash.get(VALIDATED_KEY, False) and any(
+        (options is not None and options.enabled)
+        or "gpu_leak_tracker" in getattr(item, "fixturenames", ())
+        for item, options in marked.items()
+    ):
+        # Some test is checked after all: every source counts now (NOTE [off means off]).
+        base, _ = resolve_options(config, full=True)
+        config.stash[OPTIONS_KEY] = base
+        config.stash[VALIDATED_KEY] = True
+        marked = {item: _marked_options(base, item) for item in items}
     any_enabled = base.enabled
-    for item in items:
-        markers = list(item.iter_markers(MARKER))
-        if not markers:
-            continue
-        options = base
-        for marker in reversed(markers):  # farthest (module) first, closest (function) last
-            try:
-                options = apply_marker(
-                    options, marker.args, marker.kwargs, where=f"{MARKER} marker on {item.nodeid}"
-                )
-            except UsageError as exc:
-                raise pytest.UsageError(str(exc)) from None
-        item.stash[ITEM_OPTIONS_KEY] = options
-        any_enabled = any_enabled or options.enabled
+    for item, options in marked.items():
+        if options is not None:
+            item.stash[ITEM_OPTIONS_KEY] = options
+            any_enabled = any_enabled or options.enabled
     if any_enabled:
         _activate(config, base)
 

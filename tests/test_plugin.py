@@ -183,9 +183,28 @@ def test_p_no_leakcheck_disables_the_plugin(inner: pytest.Pytester, leftovers: P
         (["--gpu-leak-tolerance=lots"], "", {}, "--gpu-leak-tolerance (command line)"),
         (["--gpu-leak-grace=-1"], "", {}, "--gpu-leak-grace (command line)"),
         (["--gpu-leak-mode=explode"], "", {}, "--gpu-leak-mode (command line)"),
-        ([], "gpu_leak_tolerance = 12 parsecs\n", {}, "gpu_leak_tolerance (ini file "),
+        (["--gpu-leak-tolerance="], "", {}, "--gpu-leak-tolerance (command line)"),
+        (["--gpu-leak-grace="], "", {}, "--gpu-leak-grace (command line)"),
+        (["--gpu-leak-mode="], "", {}, "--gpu-leak-mode (command line)"),
+        (
+            ["--gpu-leak-check"],
+            "gpu_leak_tolerance = 12 parsecs\n",
+            {},
+            "gpu_leak_tolerance (ini file ",
+        ),
         ([], "gpu_leak_check = maybe\n", {}, "gpu_leak_check (ini file "),
-        ([], "", {"LEAKCHECK_TOLERANCE": "-5"}, "LEAKCHECK_TOLERANCE (environment)"),
+        (
+            ["--gpu-leak-check"],
+            "",
+            {"LEAKCHECK_TOLERANCE": "-5"},
+            "LEAKCHECK_TOLERANCE (environment)",
+        ),
+        (
+            [],
+            "",
+            {"LEAKCHECK_GPU_LEAK_CHECK": "1", "LEAKCHECK_GRACE": "x"},
+            "LEAKCHECK_GRACE (environment)",
+        ),
         ([], "", {"LEAKCHECK_GPU_LEAK_CHECK": "sure"}, "LEAKCHECK_GPU_LEAK_CHECK (environment)"),
     ],
 )
@@ -223,6 +242,69 @@ def test_bad_marker_argument_is_a_usage_error(inner: pytest.Pytester) -> None:
     assert "tolerance= of gpu_leak_check marker on test_marked.py::test_one" in (
         result.stderr.str()
     )
+
+
+BAD_SOURCES = {"LEAKCHECK_TOLERANCE": "lots", "LEAKCHECK_GRACE": "-1", "LEAKCHECK_MODE": "boom"}
+
+
+def test_bad_environment_and_ini_values_stay_silent_while_the_check_is_off(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A machine's environment and a project's ini file reach every run: with the check off
+    # they must not break one (NOTE [off means off]).
+    inner.makepyfile(test_ok="def test_ok():\n    pass\n")
+    inner.makeini("[pytest]\ngpu_leak_grace = soon\n")
+    for name, value in BAD_SOURCES.items():
+        monkeypatch.setenv(name, value)
+    off = inner.runpytest_subprocess(*NO_CACHE)
+    assert off.ret == pytest.ExitCode.OK
+    off.assert_outcomes(passed=1)
+    assert "GPU LEAK REPORT" not in off.stdout.str()
+    # With the check on, the same values are usage errors naming where they came from.
+    on = inner.runpytest_subprocess("--gpu-leak-check", *NO_CACHE)
+    assert on.ret == pytest.ExitCode.USAGE_ERROR
+    assert "LEAKCHECK_TOLERANCE (environment)" in on.stderr.str()
+    for name in BAD_SOURCES:
+        monkeypatch.delenv(name)
+    ini = inner.runpytest_subprocess("--gpu-leak-check", *NO_CACHE)
+    assert ini.ret == pytest.ExitCode.USAGE_ERROR
+    assert "gpu_leak_grace (ini file " in ini.stderr.str()
+
+
+@pytest.mark.parametrize(
+    "test_code",
+    [
+        "import pytest\n\n@pytest.mark.gpu_leak_check(True)\ndef test_marked():\n    pass\n",
+        "def test_tracked(gpu_leak_tracker):\n    pass\n",
+    ],
+    ids=["marker", "fixture"],
+)
+def test_a_marker_or_the_tracker_fixture_turns_validation_on(
+    inner: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, test_code: str
+) -> None:
+    inner.makepyfile(test_one=test_code)
+    monkeypatch.setenv("LEAKCHECK_TOLERANCE", "lots")
+    result = inner.runpytest_subprocess(*NO_CACHE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "LEAKCHECK_TOLERANCE (environment): expected a size" in result.stderr.str()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpu-leak-warn", "--gpu-leak-mode=fail"],
+        ["--gpu-leak-mode=fail", "--gpu-leak-warn"],
+    ],
+)
+def test_warn_flag_with_mode_fail_is_a_usage_error(inner: pytest.Pytester, args: list[str]) -> None:
+    inner.makepyfile(test_ok="def test_ok():\n    pass\n")
+    result = inner.runpytest_subprocess("--gpu-leak-check", *args, *NO_CACHE)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--gpu-leak-warn (command line): contradicts --gpu-leak-mode" in result.stderr.str()
+    agree = inner.runpytest_subprocess(
+        "--gpu-leak-check", "--gpu-leak-warn", "--gpu-leak-mode=warn", *NO_CACHE
+    )
+    agree.assert_outcomes(passed=1)
 
 
 # --- verdicts -----------------------------------------------------------------------------

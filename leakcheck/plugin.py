@@ -23,8 +23,15 @@ run, and a value given empty there is refused, not taken for the default.
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
 for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
 report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
-all attribute the leak to that test. ``pytest_report_teststatus`` counts it as a failure
-(``LEAKED``), not as a teardown error, unless the test had failed already.
+all attribute the leak to that test.
+
+NOTE [counted once]: a checked test that passed its call is counted when its teardown is
+judged, not before: ``pytest_report_teststatus`` gives the passing call report of a checked
+test no category (a report attribute marks it, and travels through xdist) and counts the
+teardown report instead, ``passed`` or ``failed`` (``LEAKED``). A session of N tests with one
+leak reads "1 failed, N-1 passed", and JUnit holds one testcase with one error. A test that
+failed (or errored) before its teardown stays that one failure: the leak adds its section to
+that failure and a line to the summary, and does not fail the teardown as well.
 """
 
 from __future__ import annotations
@@ -76,6 +83,10 @@ REPORT_ATTR = "leakcheck"
 STATUS_ATTR = "leakcheck_status"
 """Attribute of teardown reports: ``leaked`` when the leak failed that report."""
 
+DEFERRED_ATTR = "leakcheck_deferred"
+"""Attribute of a checked test's passing call report and of its teardown report: the test
+is counted at its teardown (NOTE [counted once])."""
+
 _DESTS = {
     "enabled": "gpu_leak_check",
     "tolerance": "gpu_leak_tolerance",
@@ -89,6 +100,7 @@ VALIDATED_KEY = pytest.StashKey[bool]()
 ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
 WINDOW_KEY = pytest.StashKey["Window"]()
 FAILED_BEFORE_KEY = pytest.StashKey[bool]()
+DEFERRED_KEY = pytest.StashKey[bool]()
 
 
 # --- options ------------------------------------------------------------------------------
@@ -493,7 +505,17 @@ class LeakCheckPlugin:
         if call.when != "teardown":
             if report.failed:
                 item.stash[FAILED_BEFORE_KEY] = True
+            elif (
+                call.when == "call"
+                and WINDOW_KEY in item.stash
+                and report.passed
+                and not hasattr(report, "wasxfail")
+            ):
+                setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
+                item.stash[DEFERRED_KEY] = True
             return report
+        if item.stash.get(DEFERRED_KEY, False):
+            setattr(report, DEFERRED_ATTR, True)
         window = item.stash.get(WINDOW_KEY, None)
         if window is None:
             return report
@@ -543,14 +565,17 @@ class LeakCheckPlugin:
             "status": status,
             "mode": options.mode,
             "gpu": gpu_note,
+            "failed_before": item.stash.get(FAILED_BEFORE_KEY, False),
             "findings": [finding_to_dict(f) for f in findings],
         }
         setattr(report, REPORT_ATTR, json.dumps(payload))
-        if status == "leaked":
+        if status:
             setattr(report, STATUS_ATTR, status)
 
     @staticmethod
     def _fail(item: pytest.Item, report: pytest.TestReport, text: str) -> str:
+        if item.stash.get(FAILED_BEFORE_KEY, False):
+            return "reported"  # the test failed already: one failure, plus our section
         if report.failed:
             return "error"  # a fixture's teardown failed already: keep its error, add ours
         # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
@@ -561,20 +586,24 @@ class LeakCheckPlugin:
         )
         report.outcome = "failed"
         report.longrepr = failure.longrepr
-        return "error" if item.stash.get(FAILED_BEFORE_KEY, False) else "leaked"
+        return "leaked"
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(
         self, report: pytest.TestReport | pytest.CollectReport, config: pytest.Config
-    ) -> tuple[str, str, tuple[str, dict[str, bool]]] | None:
-        """Count a leak found after a passing test as that test's failure: ``LEAKED``."""
-        if (
-            report.when == "teardown"
-            and report.failed
-            and getattr(report, STATUS_ATTR, None) == "leaked"
-        ):
+    ) -> tuple[str, str, str | tuple[str, dict[str, bool]]] | None:
+        """Count a checked test once, at its teardown (NOTE [counted once])."""
+        when = getattr(report, "when", None)
+        leaked = getattr(report, STATUS_ATTR, None) == "leaked" and report.failed
+        if when == "teardown" and leaked:
             return "failed", "L", ("LEAKED", {"red": True})
-        return None
+        if not getattr(report, DEFERRED_ATTR, False):
+            return None
+        if when == "call":
+            return "", "", ""
+        if when == "teardown" and report.passed:
+            return "passed", ".", ("PASSED", {"green": True})
+        return None  # a fixture's teardown failed: pytest counts the error
 
     # -- the summary ---------------------------------------------------------------------
 
@@ -595,6 +624,25 @@ class LeakCheckPlugin:
             self._gpu_notes.add(str(data["gpu"]))
         if findings:
             self._results[report.nodeid] = (findings, str(data.get("status") or ""))
+            if data.get("failed_before"):
+                self._attach_to_failure(report)
+
+    def _attach_to_failure(self, report: pytest.TestReport) -> None:
+        """Show the section of a test that failed before its teardown with that failure."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        stats = getattr(reporter, "stats", None)
+        if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
+            return
+        sections = [(name, text) for name, text in report.sections if name == SECTION]
+        for category in ("failed", "error"):
+            for earlier in stats.get(category, []):
+                if (
+                    getattr(earlier, "nodeid", None) == report.nodeid
+                    and getattr(earlier, "when", None) in ("setup", "call")
+                    and sections
+                ):
+                    earlier.sections.extend(sections)
+                    return
 
     def pytest_terminal_summary(
         self, terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config

@@ -318,8 +318,8 @@ def test_child_left_alive_fails_its_test_and_is_named(
     result = inner.runpytest_subprocess("--gpu-leak-check", "-rA", *FAST)
     pid = _leaked_pid(leftovers, sleep)
     out = result.stdout.str()
-    # Four tests pass their call phase; two of them fail their teardown as LEAKED.
-    result.assert_outcomes(passed=4, failed=2)
+    # Each test is counted once: two pass, two fail as LEAKED.
+    result.assert_outcomes(passed=2, failed=2)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
         [
@@ -396,7 +396,7 @@ def test_orphaned_grandchild_fails_as_orphan(inner: pytest.Pytester, leftovers: 
     )
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     pid = _leaked_pid(leftovers, sleep)
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert (
         f"LEAK orphan: orphan PID {pid} (sleep {sleep}), started in "
@@ -438,7 +438,7 @@ def test_forked_grandchild_of_an_exited_worker_is_found(
     )
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     pid = _leaked_pid(leftovers, token)
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert f"LEAK orphan: orphan PID {pid} (" in out
     assert "left the job's process tree (now child of PID" in out
@@ -461,7 +461,7 @@ def test_segment_closed_but_not_unlinked_fails(
         """
     )
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert f"LEAK shm: /dev/shm/{name} (1.0 MiB) left by the work; nobody holds it" in out
 
@@ -496,13 +496,13 @@ def test_marker_disables_a_test_and_enables_another(
         """
     )
     on = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
-    on.assert_outcomes(passed=2, failed=1)
+    on.assert_outcomes(passed=1, failed=1)
     on.stdout.fnmatch_lines(["LEAKED test_marked.py::test_opted_in*"])
     assert "test_opted_out" not in on.stdout.str().split("GPU LEAK REPORT")[1]
     _kill_matching({first, second})
     # Without the flag, the marker alone checks its test.
     off = inner.runpytest_subprocess(*FAST)
-    off.assert_outcomes(passed=2, failed=1)
+    off.assert_outcomes(passed=1, failed=1)
     assert "1 of 1 checked tests left something behind" in off.stdout.str()
 
 
@@ -552,12 +552,12 @@ def test_ini_and_environment_enable_the_check(
         """
     )
     inner.makeini("[pytest]\ngpu_leak_check = true\ngpu_leak_grace = 0.2\n")
-    inner.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
+    inner.runpytest_subprocess().assert_outcomes(failed=1)
     # The command line turns off what the ini turned on.
     inner.runpytest_subprocess("--no-gpu-leak-check").assert_outcomes(passed=1)
     inner.makeini("[pytest]\ngpu_leak_grace = 0.2\n")
     monkeypatch.setenv("LEAKCHECK_GPU_LEAK_CHECK", "1")
-    inner.runpytest_subprocess().assert_outcomes(passed=1, failed=1)
+    inner.runpytest_subprocess().assert_outcomes(failed=1)
     monkeypatch.setenv("LEAKCHECK_GPU_LEAK_CHECK", "0")
     inner.runpytest_subprocess().assert_outcomes(passed=1)
 
@@ -582,7 +582,7 @@ def test_warn_mode_warns_and_passes(
         "shm",
         *FAST,
     )
-    again.assert_outcomes(passed=1, failed=1, deselected=3)
+    again.assert_outcomes(failed=1, deselected=3)
 
 
 # --- scopes -------------------------------------------------------------------------------
@@ -635,18 +635,18 @@ def test_module_fixture_process_is_judged_when_its_scope_ends(
     bad_pid = _leaked_pid(leftovers, bad)
     # The pool that is stopped by its finalizer is no leak; the one that outlives its module
     # fails the test whose teardown ended the module, not a test of another module.
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=4, failed=1)
     result.stdout.fnmatch_lines(
         [
             "test_scoped.py::test_first PASSED*",
             "test_scoped.py::test_second PASSED*",
             "test_scoped.py::test_forgetful_first PASSED*",
-            "test_scoped.py::test_forgetful_last PASSED*",
             "test_scoped.py::test_forgetful_last LEAKED*",
             "test_zlater.py::test_after_the_module PASSED*",
         ]
     )
     out = result.stdout.str()
+    assert "test_forgetful_last PASSED" not in out  # one outcome per test
     assert (
         f"LEAK survivor: descendant PID {bad_pid} (sleep {bad}) started by module-scoped "
         "fixture 'forgetful_pool' is still alive" in out
@@ -690,7 +690,7 @@ def test_xdist_gives_the_same_verdicts(
     shm_names.append(shm)
     result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", "-rA", *FAST)
     pid = _leaked_pid(leftovers, sleep)
-    result.assert_outcomes(passed=4, failed=2)
+    result.assert_outcomes(passed=2, failed=2)
     out = result.stdout.str()
     summary = out[out.index("GPU LEAK REPORT") :]
     assert "2 of 4 checked tests left something behind" in summary
@@ -706,7 +706,7 @@ def test_junitxml_records_the_leak_on_its_testcase(
     shm_names.append(shm)
     xml_path = inner.path / "junit.xml"
     result = inner.runpytest_subprocess("--gpu-leak-check", f"--junitxml={xml_path}", *FAST)
-    result.assert_outcomes(passed=4, failed=2)
+    result.assert_outcomes(passed=2, failed=2)
     root = ET.parse(xml_path).getroot()
     # One testcase per test, and one failure or error per leaked test.
     names = [case.get("name") for case in root.iter("testcase")]
@@ -779,14 +779,14 @@ def test_flag_on_imports_no_torch_and_starts_no_thread(
 ) -> None:
     inner.makepyfile(test_probe=FLAG_PROBE.format(sleep=_sleep_arg(), pids=str(leftovers)))
     result = inner.runpytest_subprocess("-s", "--gpu-leak-check", *FAST)
-    result.assert_outcomes(passed=1, failed=1)  # the probe's own sleeper
+    result.assert_outcomes(failed=1)  # the probe's own sleeper
     probe = _probe_lines(result)
     assert probe["THREADS"] == "1"
     assert probe["TORCH"] == "False"
     assert probe["TAG"].startswith("pytest-")
 
 
-def test_failing_test_that_also_leaks_is_one_failure_and_one_error(
+def test_failing_test_that_also_leaks_is_one_failure_with_our_section(
     inner: pytest.Pytester, leftovers: Path
 ) -> None:
     sleep = _sleep_arg()
@@ -805,10 +805,52 @@ def test_failing_test_that_also_leaks_is_one_failure_and_one_error(
             """
         )
     )
-    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
-    result.assert_outcomes(failed=1, errors=1)
-    assert "the test's own failure" in result.stdout.str()
-    assert "leakcheck: the test left 1 process" in result.stdout.str()
+    xml_path = inner.path / "junit.xml"
+    result = inner.runpytest_subprocess("--gpu-leak-check", f"--junitxml={xml_path}", *FAST)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "the test's own failure" in out
+    # The failure shows our section; the summary names the leak.
+    failure = out[out.index("_ test_fails_and_leaks _") : out.index("GPU LEAK REPORT")]
+    assert "- gpu-leak-check -" in failure
+    assert "leakcheck: the test left 1 process" in failure
+    assert "LEAKED test_both.py::test_fails_and_leaks: 1 process" in out
+    (case,) = ET.parse(xml_path).getroot().iter("testcase")
+    assert [child.tag for child in case if child.tag in ("failure", "error")] == ["failure"]
+
+
+COUNTED = """
+import os, subprocess
+import pytest
+
+KEEP = []
+
+@pytest.mark.parametrize("n", range({clean}))
+def test_clean(n):
+    pass
+
+def test_leaks():
+    proc = subprocess.Popen(["sleep", "{sleep}"])
+    KEEP.append(proc)
+    with open(os.path.join({pids!r}, "{sleep}"), "w") as handle:
+        handle.write(str(proc.pid))
+"""
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "2")], ids=["serial", "xdist"])
+def test_a_leaked_test_is_counted_once(
+    inner: pytest.Pytester, leftovers: Path, xdist: tuple[str, ...]
+) -> None:
+    suite = COUNTED.format(clean=19, sleep=_sleep_arg(), pids=str(leftovers))
+    inner.makepyfile(test_counted=suite)
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-rA", *xdist, *FAST)
+    # 20 tests, one leak: "1 failed, 19 passed", as the user reads it.
+    result.assert_outcomes(passed=19, failed=1)
+    result.stdout.fnmatch_lines(["*= 1 failed, 19 passed in *"])
+    out = result.stdout.str()
+    assert "PASSED test_counted.py::test_leaks" not in out
+    assert out.count("LEAKED test_counted.py::test_leaks - Failed: leakcheck") == 1
+    assert out.count("PASSED test_counted.py::test_clean[") == 19
 
 
 # --- the checker in-process, with the pynvml fake -----------------------------------------
@@ -953,7 +995,7 @@ def test_tracker_fixture_findings_are_judged_with_the_test(
     )
     # Flag on: the tracker's findings join the test's own.
     on = inner.runpytest_subprocess("--gpu-leak-check", "--gpu-leak-grace=0.3", *NO_CACHE)
-    on.assert_outcomes(passed=1, failed=1)
+    on.assert_outcomes(failed=1)
     out = on.stdout.str()
     assert out.count("LEAK survivor: ") == 3  # failure, its section, the summary
     # The tracker saw the same process: one finding, not two.
@@ -1088,7 +1130,7 @@ def test_plugin_and_tracker_word_an_orphaned_grandchild_identically(
     code = f"import time; time.sleep(60)  # lc-orphan-{uuid.uuid4().int % 10**9}"
     inner.makepyfile(test_same=ORPHAN_TEST.format(pid_file=str(leftovers / "plugin"), code=code))
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(failed=1)
     from_plugin = _section_findings(result.stdout.str(), "orphan")
 
     # The same process through the tracker: the test's epoch is the tracker's. The tracker

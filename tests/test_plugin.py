@@ -21,7 +21,7 @@ import textwrap
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from leakcheck.plugin_observe import Checker, Window
 from leakcheck.report import finding_from_dict, finding_lines, finding_to_dict
 from leakcheck.roles import is_runtime_helper
 from leakcheck.tracker import Tracker
+from leakcheck.units import shorten_cmdline
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 from tests.polling import wait_for
 
@@ -1075,18 +1076,10 @@ def test_unheld_named_semaphore_is_never_blamed(shm_names: list[str]) -> None:
 # --- one core: the plugin and the tracker give the same words -----------------------------
 
 
-SAMPLES_AT_EPOCH_ENDS = 30.0
-"""A tracker interval that leaves sampling to epoch ends and explicit ``sample()`` calls.
-
-A background sample may catch a child in the middle of its exec, whose command line is then
-empty for a moment; the tracker keeps the name it read then (a tracker issue, reported), and
-the words of its finding differ by that alone. The comparisons below are about the words
-of the rules, so they sample only once each process has exec'd.
-"""
-
-
-def _normalised(lines: list[str]) -> list[str]:
-    """Finding lines with every number (PIDs, seconds, sizes) replaced by N."""
+def _normalised(lines: list[str], cmdline: str | None) -> list[str]:
+    """Finding lines with the culprit's command line as CMD and every number as N."""
+    if cmdline is not None:
+        lines = [line.replace(f"({shorten_cmdline(cmdline)})", "(CMD)") for line in lines]
     return [re.sub(r"[0-9]+(?:\.[0-9]+)?", "N", line) for line in lines]
 
 
@@ -1132,6 +1125,7 @@ def test_plugin_and_tracker_word_an_orphaned_grandchild_identically(
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(failed=1)
     from_plugin = _section_findings(result.stdout.str(), "orphan")
+    assert from_plugin[0].startswith("LEAK orphan: orphan PID ")
 
     # The same process through the tracker: the test's epoch is the tracker's. The tracker
     # takes one sample while the grandchild's parent lives, as its sampler would have: the
@@ -1140,7 +1134,7 @@ def test_plugin_and_tracker_word_an_orphaned_grandchild_identically(
     other = f"import time; time.sleep(60)  # lc-orphan-{uuid.uuid4().int % 10**9}"
     ctx = multiprocessing.get_context("fork")
     leave = ctx.Event()
-    with Tracker(grace=0.2, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(label):
+    with Tracker(grace=0.2, interval=0.02) as tracker, tracker.epoch(label):
         worker = ctx.Process(target=_orphan_maker, args=(str(pid_file), other, leave))
         worker.start()
         assert wait_for(lambda: pid_file.exists() and pid_file.read_text().endswith(other[-8:]))
@@ -1148,36 +1142,102 @@ def test_plugin_and_tracker_word_an_orphaned_grandchild_identically(
         leave.set()
         worker.join()
     (finding,) = [f for f in tracker.report().findings if f.rule == "orphan"]
-    assert finding.role == "orphan"
-    assert finding.pid == _leaked_pid(leftovers, "tracker")
-    from_tracker = finding_lines([finding])
-    assert from_plugin[0].startswith("LEAK orphan: orphan PID ")
-    assert _normalised(from_plugin) == _normalised(from_tracker)
+    assert (finding.role, finding.pid) == ("orphan", _leaked_pid(leftovers, "tracker"))
+    # Command lines are compared apart: a sample that catches a child in the middle of its
+    # exec reads an empty one, and the tracker keeps the process name it read then.
+    plugin_cmdline = f"{sys.executable} -c {code}"
+    assert _normalised(from_plugin, plugin_cmdline) == _normalised(
+        finding_lines([finding]), finding.cmdline
+    )
+
+
+LAUNCHER = """# torch._inductor.compile_worker
+import os, sys, time
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(pid, flush=True)
+"""
+
+
+@pytest.fixture
+def helper_launcher() -> Iterator[Any]:
+    """Start launchers of runtime helpers whose command line is a helper's from birth.
+
+    ``helper_launcher()`` starts a launcher whose command line names
+    ``torch._inductor.compile_worker`` (early: the tracker keeps the first 160 characters)
+    and returns ``spawn``: each call forks a sleeping child of it and returns its PID. A
+    fork that never execs shows its parent's command line from its first instant, where a
+    child that execs shows an empty one for a moment, which is all a sample may see. A
+    tracker owns for good the processes it placed first, their later children too (NOTE
+    [claims] in sampling/claims.py), so each tracker needs a launcher of its own.
+    """
+    launchers: list[subprocess.Popen[str]] = []
+    started: list[int] = []
+
+    def new_launcher() -> Callable[[], int]:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        launchers.append(launcher)
+
+        def spawn() -> int:
+            assert launcher.stdin is not None and launcher.stdout is not None
+            launcher.stdin.write("\n")
+            launcher.stdin.flush()
+            started.append(int(launcher.stdout.readline()))
+            return started[-1]
+
+        return spawn
+
+    yield new_launcher
+    for pid in started:
+        with contextlib.suppress(OSError):
+            if "compile_worker" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+    for launcher in launchers:
+        launcher.kill()
+        launcher.wait()
+        for stream in (launcher.stdin, launcher.stdout):
+            if stream is not None:
+                stream.close()
 
 
 def test_runtime_helper_is_a_baseline_in_the_plugin_as_in_the_tracker(
-    fake_nvml: FakePynvml, child: Any
+    fake_nvml: FakePynvml, helper_launcher: Any
 ) -> None:
-    helper = "torch._inductor.compile_worker"
-    assert is_runtime_helper(f"python -c code {helper}")
+    assert is_runtime_helper(f"python -c {LAUNCHER}")
     # Holding nothing on the GPU, it is a baseline for both.
+    spawn = helper_launcher()
     checker = Checker()
     window = checker.begin()
-    child(helper=helper)
+    spawn()
     assert _judge(checker, window) == []
-    with Tracker(grace=0.05, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(LABEL):
-        proc = child(helper=helper)
-    assert [f for f in tracker.report().findings if f.pid == proc.pid] == []
+    spawn_for_tracker = helper_launcher()
+    with Tracker(grace=0.05, interval=0.02) as tracker, tracker.epoch(LABEL):
+        pid = spawn_for_tracker()
+    record = tracker.report().epochs[0]
+    assert [p.persistent for p in record.processes if p.key.pid == pid] == [True]
+    assert [f for f in tracker.report().findings if f.pid == pid] == []
 
     # Holding GPU memory, it is a survivor for both, in the same words.
     window = checker.begin()
-    proc = child(helper=helper)
-    fake_nvml.devices[0].compute.append(FakeProcess(proc.pid, 300 * MIB))
+    pid = spawn()
+    fake_nvml.devices[0].compute.append(FakeProcess(pid, 300 * MIB))
     (from_plugin,) = _judge(checker, window)
-    with Tracker(grace=0.05, interval=SAMPLES_AT_EPOCH_ENDS) as tracker, tracker.epoch(LABEL):
-        other = child(helper=helper)
-        fake_nvml.devices[0].compute.append(FakeProcess(other.pid, 300 * MIB))
-    (from_tracker,) = [f for f in tracker.report().leaks if f.pid == other.pid]
+    spawn_for_tracker = helper_launcher()
+    with Tracker(grace=0.05, interval=0.02) as tracker, tracker.epoch(LABEL):
+        other = spawn_for_tracker()
+        fake_nvml.devices[0].compute.append(FakeProcess(other, 300 * MIB))
+    (from_tracker,) = [f for f in tracker.report().leaks if f.pid == other]
     assert (from_plugin.rule, from_plugin.role) == ("survivor", "descendant")
     assert (from_tracker.rule, from_tracker.role) == ("survivor", "descendant")
-    assert _normalised(finding_lines([from_plugin])) == _normalised(finding_lines([from_tracker]))
+    assert shorten_cmdline(from_plugin.cmdline or "") == shorten_cmdline(from_tracker.cmdline or "")
+    assert _normalised(finding_lines([from_plugin]), None) == _normalised(
+        finding_lines([from_tracker]), None
+    )

@@ -356,7 +356,8 @@ def apply_marker(
 ) -> CheckOptions:
     """Override options with a marker's arguments (``enabled``, ``tolerance``, ...).
 
-    A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``).
+    A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
+    bare marker enables the check for its test.
 
     Args:
         options: The session's options.
@@ -377,6 +378,8 @@ def apply_marker(
             f"expected {', '.join(MARKER_KWARGS)}"
         )
     values: dict[str, object] = dict(kwargs)
+    if not args and not kwargs:
+        values["enabled"] = True  # a bare @pytest.mark.gpu_leak_check checks its test
     if args:
         if "enabled" in values:
             raise UsageError(f"{where}: enabled given twice")

@@ -175,8 +175,8 @@ def _survivor_remedy(proc: ProcessEpoch) -> str:
             "persistent_workers=True if one set of workers should live on"
         )
     return (
-        "join or terminate the subprocesses and pools started during the epoch "
-        "(`with Pool(...)`, proc.join(), proc.terminate()) before the epoch ends"
+        "join or terminate the subprocesses and pools the work starts (`with Pool(...)`, "
+        "proc.join(), proc.terminate()) before the epoch or test that started them ends"
     )
 
 
@@ -244,9 +244,10 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find lineage processes reparented away from the job and still alive.
 
-    One finding per identity, with the most GPU memory and descriptors it was seen with.
+    On evidence, as survivors are: alive now (the final state), or seen orphaned across at
+    least the grace period; one that exits within the grace is not judged. One finding per
+    identity, with the most GPU memory and descriptors it was seen with.
     """
-    del config  # same signature as every rule; no threshold applies
     bytes_known = per_pid_bytes_known(timeline)
     epochs = {rec.index: rec for rec in timeline.epochs}
     found: list[Finding] = []
@@ -259,6 +260,14 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if not orphaned:
             continue
         first_rec = orphaned[0][0]
+        if first_rec is not None and all(rec is not None for rec, _ in orphaned):
+            latest = max(
+                rec.end_s + (proc.last_seen_after_s or 0.0)
+                for rec, proc in orphaned
+                if rec is not None
+            )
+            if latest - first_rec.end_s < config.grace_s:
+                continue  # not seen alive long enough to tell: judged later, or at close
         last = orphaned[-1][1]
         procs = [proc for _, proc in orphaned]
         gpu_bytes = _max_per_device(procs) if bytes_known else {}
@@ -665,9 +674,9 @@ def _shm_finding(item: ShmFile) -> Finding:
         remedy = REMEDY_SCOPE
     elif item.holder_pid is not None:
         who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
-        where = f"left by the work; {who} still holds it"
+        where = f"left behind; {who} still holds it"
     elif item.attributable:
-        where = "left by the work; nobody holds it"
+        where = "left behind; nobody holds it"
     else:
         where = (
             "appeared during the work and nobody holds it; other jobs ran at the same time, "

@@ -259,3 +259,9 @@ def test_warn_flag_contradicts_mode_fail() -> None:
     # A bad mode is named as such first.
     with pytest.raises(UsageError, match="--gpu-leak-mode \\(command line\\): expected one of"):
         resolve_mode_flags("explode", True)
+
+
+def test_a_bare_marker_enables_its_test() -> None:
+    options = apply_marker(CheckOptions(), (), {}, where="gpu_leak_check marker on t.py::t")
+    assert options.enabled is True
+    assert options.sources["enabled"].startswith("enabled= of gpu_leak_check marker")

@@ -332,7 +332,7 @@ def test_child_left_alive_fails_its_test_and_is_named(
         f"LEAK survivor: descendant PID {pid} (sleep {sleep}) started in "
         "test_leaky.py::test_leaves_child is still alive" in out
     )
-    assert f"LEAK shm: /dev/shm/{shm} (8 KiB) left by the work; the parent still holds it" in out
+    assert f"LEAK shm: /dev/shm/{shm} (8 KiB) left behind; the parent still holds it" in out
     # The report section, with a fix per finding.
     assert "- gpu-leak-check -" in out
     assert "  fix: join or terminate the subprocesses and pools started" in out
@@ -464,7 +464,7 @@ def test_segment_closed_but_not_unlinked_fails(
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert f"LEAK shm: /dev/shm/{name} (1.0 MiB) left by the work; nobody holds it" in out
+    assert f"LEAK shm: /dev/shm/{name} (1.0 MiB) left behind; nobody holds it" in out
 
 
 # --- markers, modes, sources --------------------------------------------------------------

@@ -20,7 +20,7 @@ from leakcheck.units import shorten_cmdline
 
 __all__ = ["CMDLINE_CHARS", "Proc", "ProcessTable"]
 
-CMDLINE_CHARS = 160
+CMDLINE_CHARS = 300
 """Command lines are kept this long (reports shorten them further for display)."""
 
 
@@ -300,9 +300,9 @@ class ProcessTable:
             if proc.foreign or proc.cmdline_confirmed or key == self.root or not proc.own:
                 continue
             info = procs.read_proc(key.pid)
-            if info is None or info.key != key:
-                continue
-            proc.cmdline = _stored(info.cmdline or info.name)
+            if info is None or info.key != key or not info.cmdline:
+                continue  # gone, or caught mid-exec with no command line: read it next time
+            proc.cmdline = _stored(info.cmdline)
             parent_key = self.by_pid.get(proc.ppid)
             parent = self.procs.get(parent_key) if parent_key is not None else None
             proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline

@@ -335,7 +335,7 @@ def test_child_left_alive_fails_its_test_and_is_named(
     assert f"LEAK shm: /dev/shm/{shm} (8 KiB) left behind; the parent still holds it" in out
     # The report section, with a fix per finding.
     assert "- gpu-leak-check -" in out
-    assert "  fix: join or terminate the subprocesses and pools started" in out
+    assert "  fix: join or terminate the subprocesses and pools the work starts" in out
     assert "  fix: unlink the shared memory the work creates" in out
     # The session summary names both tests.
     summary = out[out.index("GPU LEAK REPORT") : out.index("short test summary info")]

@@ -19,8 +19,9 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from leakcheck.files import write_atomic
 from leakcheck.model import MIB
-from leakcheck.sweep import short_reason, write_atomic
+from leakcheck.sweep import short_reason
 
 if TYPE_CHECKING:
     from leakcheck.sweep import ConfigResult, SweepResult

@@ -22,13 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
+from leakcheck.files import write_json
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
 from leakcheck.progress import Progress
 from leakcheck.report import align_columns, alive_after_grace, or_dash, workers_peak_bytes
@@ -930,48 +929,3 @@ def environment(devices: Iterable[DeviceState] = ()) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "gpus": [device.name for device in devices],
     }
-
-
-def write_json(path: str, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as JSON atomically: a reader never sees half a file.
-
-    Raises:
-        OSError: The folder does not exist or is not writable.
-
-    """
-    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
-
-
-def write_atomic(path: str, payload: bytes) -> None:
-    """Write a file so that a reader never sees half of it (temporary name, then rename)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(payload)
-        chmod_like_open(temp_path)
-        os.replace(temp_path, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp_path)
-        raise
-
-
-def chmod_like_open(path: str) -> None:
-    """Give a ``mkstemp`` file (mode 0600) the mode ``open()`` would have given it."""
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    # /proc tells without changing it; os.umask() must set it to read it, which is racy
-    # while other threads create files.
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask

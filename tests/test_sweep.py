@@ -339,3 +339,44 @@ def test_plot_does_not_touch_pyplot_backend() -> None:
 
     render(_sweep(SweepOptions(workers=(0,), epochs=1, grace_s=0.1)))
     assert matplotlib.get_backend() == before
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def test_output_never_replaces_a_fifo_or_a_socket(tmp_path: Path) -> None:
+    import socket
+    import stat
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match=r"it is a FIFO \(named pipe\), not a regular file"):
+        write_json(str(fifo), {"a": 1})
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(tmp_path / "sock.png"))
+        pytest.importorskip("matplotlib")
+        from leakcheck.plot import plot_sweep
+
+        with pytest.raises(OSError, match=r"it is a socket, not a regular file"):
+            plot_sweep(_sweep(SweepOptions(workers=(0,), epochs=1, grace_s=0.1)),
+                       str(tmp_path / "sock.png"))  # fmt: skip
+        assert stat.S_ISSOCK(os.stat(tmp_path / "sock.png").st_mode)
+    finally:
+        listener.close()
+    assert sorted(os.listdir(tmp_path)) == ["out.json", "sock.png"]  # no temporary left
+
+
+def test_output_through_a_link_and_onto_a_folder(tmp_path: Path) -> None:
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_json(str(link), {"a": 1})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"a": 1}
+    # A folder in the way: the error a rename onto it gives, nothing left behind.
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"\[Errno 21\] Is a directory"):
+        write_json(str(tmp_path / "folder.json"), {"a": 1})
+    assert sorted(os.listdir(tmp_path)) == ["folder.json", "link.json", "real.json"]

@@ -1,0 +1,101 @@
+"""Output files of the command line: whole or not at all, and only ever regular files.
+
+NOTE [output targets]: ``write_atomic`` writes a temporary file beside the target and renames
+it over the target, so that a reader never sees half a file. A rename replaces whatever the
+name stood for: run as root, ``--json /dev/null`` once turned ``/dev/null`` into a regular
+file. So the target is looked at first. A missing name or a regular file is replaced
+atomically (a symbolic link is followed: its target is replaced and the link stays, as
+``open(path, "w")`` would). Anything else is refused: a folder with the error a rename onto
+it gives (``IsADirectoryError``), a FIFO, a socket or a device with an ``OSError`` that says
+what it is. Writing into a device in place is no way out: opening some devices has effects
+of its own (a watchdog arms itself), and a FIFO without a reader blocks the writer for ever.
+The command line refuses such paths before the sweep runs (``cli._output_path``); this is
+the last guard, for a path that changed while the sweep ran. The look and the rename are
+not one atomic step: a name swapped in between is not caught.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["chmod_like_open", "write_atomic", "write_json"]
+
+
+def write_json(path: str, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as indented JSON with ``write_atomic``.
+
+    Raises:
+        OSError: The folder does not exist or is not writable, or the target exists and is
+            not a regular file (NOTE [output targets]).
+
+    """
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_atomic(path: str, payload: bytes) -> None:
+    """Write a file so that a reader never sees half of it (temporary name, then rename).
+
+    Raises:
+        OSError: The target exists and is not a regular file (NOTE [output targets]), or the
+            write failed.
+
+    """
+    _refuse_non_regular(path)
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
+    handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+        chmod_like_open(temp_path)
+        os.replace(temp_path, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp_path)
+        raise
+
+
+def _refuse_non_regular(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # a new file (or a dangling link, whose target is created)
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise OSError(f"it is {kind}, not a regular file: leakcheck replaces regular files only")
+
+
+def chmod_like_open(path: str) -> None:
+    """Give a ``mkstemp`` file (mode 0600) the mode ``open()`` would have given it."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # /proc tells without changing it; os.umask() must set it to read it, which is racy
+    # while other threads create files.
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask

@@ -137,6 +137,7 @@ class WatchedLoader(Generic[T]):
         self._unjudged_end: float | None = None
         """Monotonic time of the last epoch end whose survivors were not judged yet."""
         self._closed = False
+        self._dropped = False
         self._epochs_run = 0
         self._batches_seen = False
         self._finalizer = weakref.finalize(self, _Session.finalize, self._session)
@@ -191,6 +192,21 @@ class WatchedLoader(Generic[T]):
         """
         self._close(may_raise=True)
 
+    def drop_loader(self) -> None:
+        """Let go of the wrapped loader, so that it can be collected while tracking goes on.
+
+        Persistent workers stop only when their loader is collected (a DataLoader's iterator
+        shuts its workers down then). Called before ``close()`` and followed by
+        ``gc.collect()``, this makes their exit, and what each reported at teardown, part of
+        the tracked run; ``leakcheck sweep`` does it at the end of each configuration. The
+        loader's own ``worker_init_fn`` is restored first; the wrapper cannot be iterated
+        again, but ``report()`` and ``close()`` work as before.
+        """
+        self._session.restore_init()
+        self._session.loader = None
+        self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive
+        self._dropped = True
+
     def __enter__(self) -> WatchedLoader[T]:
         self._start()
         return self
@@ -244,6 +260,8 @@ class WatchedLoader(Generic[T]):
         self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:
+        if self._dropped:
+            raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
         if self._grace_passed():
             self._judge(may_raise=True)

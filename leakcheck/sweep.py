@@ -2,9 +2,15 @@
 
 ``leakcheck sweep`` is the classic leak-hunting script done right: for each number of
 workers it builds a fresh loader (``FACTORY(num_workers)``), iterates it for a number of
-epochs under a ``Tracker``, and keeps what each epoch showed per process and per device.
-The result is a frozen ``SweepResult`` that renders as a text table (``format``) and as
-JSON (``to_dict``, with a schema version); ``leakcheck.plot`` draws it.
+epochs through ``watch()``'s own wrapper (NOTE [the watch() code path] in ``_run_config``),
+and keeps what each epoch showed per process and per device. The result is a frozen
+``SweepResult`` that renders as a text table (``format``) and as JSON (``to_dict``, with a
+schema version); ``leakcheck.plot`` draws it.
+
+Layers: this module is the command line's engine, part of the ``cli`` adapter; it drives
+the epoch driver of ``leakcheck.dataloader`` (``WatchedLoader``), which sits below the
+command line as the one place that iterates a watched loader. Nothing below imports it;
+``leakcheck.plot`` reads its result by shape (protocols), never by import.
 
 NOTE [one tracker per configuration]: each configuration gets its own tracker, so its own
 session tag: a process left over by one configuration can never be counted as part of the
@@ -33,12 +39,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
+from leakcheck.dataloader import WatchedLoader
 from leakcheck.errors import LeakCheckError
 from leakcheck.files import write_json
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
 from leakcheck.progress import Progress
 from leakcheck.report import align_columns, alive_after_grace, or_dash, workers_peak_bytes
 from leakcheck.torch_state import initialized_cuda
+from leakcheck.tracker import Tracker
 from leakcheck.units import format_mib, shorten_cmdline
 from leakcheck.verdict import per_pid_bytes_known
 
@@ -97,6 +105,9 @@ class SweepOptions:
         grace_s: How long a process born in an epoch may outlive it.
         warmup_epochs: Epochs the growth rule ignores.
         cleanup: Terminate the sweep's own orphans after each configuration.
+        teardown: Install the teardown policy in the workers of any DataLoader, built-in or
+            ``--loader`` (False: workers still report who they are and what they held at
+            exit, and release nothing).
 
     """
 
@@ -111,6 +122,7 @@ class SweepOptions:
     grace_s: float = 2.0
     warmup_epochs: int = 1
     cleanup: bool = True
+    teardown: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -140,6 +152,7 @@ class EpochRow:
             and its grace period.
         orphans: Processes of the job reparented away, alive at the end of the epoch.
         other_gpu_bytes: GPU bytes of the job's other processes (descendants, orphans).
+        batches: Batches the epoch yielded.
         device_used_bytes: Device memory used at the end of the epoch.
         device_total_bytes: Device memory size.
         temperature_c: GPU temperature at the end of the epoch.
@@ -162,6 +175,7 @@ class EpochRow:
     alive_after: int
     orphans: int
     other_gpu_bytes: int | None
+    batches: int | None = None
     device_used_bytes: int | None = None
     device_total_bytes: int | None = None
     temperature_c: int | None = None
@@ -422,8 +436,15 @@ def _run_config(
     gpu_available: bool,
     progress: Progress,
 ) -> ConfigResult:
-    from leakcheck.tracker import Tracker
+    """One configuration: build the loader, watch it for every epoch, judge, clean up.
 
+    NOTE [the watch() code path]: the loader is iterated through ``WatchedLoader``, built as
+    ``watch()`` builds it, so every DataLoader (the built-in one or a ``--loader``) gets the
+    chained ``worker_init_fn``: exact worker identities through the mailbox, each worker's
+    own report of what it held at exit, and the teardown policy (``SweepOptions.teardown``).
+    The loader is built before the tracker starts, as ``watch(DataLoader(...))`` does;
+    a DataLoader starts no worker before it is iterated.
+    """
     cooldown = None
     if options.cooldown_temp_c is not None:
         cooldown = wait_for_cooldown(
@@ -433,8 +454,12 @@ def _run_config(
             gpu_available=gpu_available,
         )
         progress.note(f"workers={num_workers}: {cooldown.describe()}")
-    persistent = options.persistent and num_workers > 0
     started_s = time.monotonic()
+    loader = _build_loader(factory, num_workers)
+    # The loader's own setting counts too: its workers say so through the mailbox anyway.
+    persistent = num_workers > 0 and (
+        options.persistent or bool(getattr(loader, "persistent_workers", False))
+    )
     tracker = Tracker(
         interval=options.interval_s,
         devices=None if options.device_index is None else [options.device_index],
@@ -444,15 +469,17 @@ def _run_config(
         persistent_workers=persistent,
         use_nvml=gpu_available,
     )
+    watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
+    del loader  # the wrapper holds the only reference: dropping it stops persistent workers
     failure: LoaderError | None = None
     cleaned: tuple[CleanedProcess, ...] = ()
-    tracker.start()
     try:
-        failure = _run_epochs(tracker, options, factory, num_workers, position, progress)
+        # Even on Ctrl-C, leaving the block stops sampling (after the workers are gone).
+        with watched:
+            failure = _run_epochs(watched, options, num_workers, position, progress)
     finally:
-        # Even on Ctrl-C: stop sampling, then remove what this configuration left behind.
-        tracker.close()
-        if options.cleanup:
+        # Then remove what this configuration left behind (NOTE [cleanup]).
+        if options.cleanup and tracker.session_id:
             cleaned = cleanup_orphans(tracker.session_id)
             for item in cleaned:
                 progress.note(
@@ -461,7 +488,7 @@ def _run_config(
                 )
     if failure is not None:
         raise failure
-    report = tracker.report()
+    report = watched.report()
     rows = tuple(
         epoch_row(record, num_workers, report, options.device_index) for record in report.epochs
     )
@@ -476,30 +503,34 @@ def _run_config(
     )
 
 
+def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
+    """``FACTORY(num_workers)``, or a one-line ``LoaderError`` saying why there is none."""
+    name = getattr(factory, "__qualname__", "FACTORY")
+    try:
+        loader: object = factory(num_workers)
+    except Exception as exc:
+        raise LoaderError(f"calling {name}({num_workers}) failed: {one_line(exc)}") from None
+    if loader is None or not isinstance(loader, Iterable):
+        raise LoaderError(
+            f"{name}({num_workers}) returned {type(loader).__name__}, "
+            "expected an iterable loader (such as a DataLoader)"
+        )
+    return loader
+
+
 def _run_epochs(
-    tracker: Any,
+    watched: WatchedLoader[Any],
     options: SweepOptions,
-    factory: LoaderFactory,
     num_workers: int,
     position: int,
     progress: Progress,
 ) -> LoaderError | None:
-    """Build the loader and iterate it for every epoch.
+    """Iterate the watched loader for every epoch, with progress per batch.
 
     A loader failure is returned, not raised, so that the caller closes the tracker and
     cleans up first.
     """
-    name = getattr(factory, "__qualname__", "FACTORY")
-    try:
-        loader: Iterable[Any] | None = factory(num_workers)
-    except Exception as exc:
-        return LoaderError(f"calling {name}({num_workers}) failed: {one_line(exc)}")
-    if loader is None or not isinstance(loader, Iterable):
-        return LoaderError(
-            f"{name}({num_workers}) returned {type(loader).__name__}, "
-            "expected an iterable loader (such as a DataLoader)"
-        )
-    total = _length(loader)
+    total = _length(watched)
     config_label = f"workers={num_workers}"
     try:
         for epoch in range(options.epochs):
@@ -509,26 +540,20 @@ def _run_epochs(
             )
             batches = 0
             try:
-                with tracker.epoch(f"epoch {epoch}"):
-                    iterator = iter(loader)
-                    # Best effort: a miss only makes the worker count less exact, and
-                    # leakcheck's own failure must not read as the loader's.
-                    with contextlib.suppress(Exception):
-                        _register_workers(tracker, iterator)
-                    for _batch in iterator:
-                        batches += 1
-                        progress.batch(batches, total)
-                    del iterator  # a finished iterator holds nothing the next epoch needs
+                for _batch in watched:  # one iter() is one epoch (NOTE [epoch ends])
+                    batches += 1
+                    progress.batch(batches, total)
             except Exception as exc:
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
             # The summary reads the tracker's epochs: only when it is printed.
-            progress.end(_epoch_summary(tracker, batches) if progress.wants_summary else "")
+            progress.end(_epoch_summary(watched.tracker, batches) if progress.wants_summary else "")
     finally:
         # Drop the loader before the tracker closes: persistent workers shut down when
-        # their iterator is collected, and their exit belongs to this configuration.
-        loader = None
+        # their iterator is collected, and their exit (and teardown reports) belong to
+        # this configuration.
+        watched.drop_loader()
         gc.collect()
         _empty_parent_cache()
     return None
@@ -547,33 +572,16 @@ def _empty_parent_cache() -> None:
             cuda.empty_cache()
 
 
-def _register_workers(tracker: Any, iterator: Any) -> None:
-    """Tell the tracker about a DataLoader iterator's workers right after they started.
-
-    NOTE [short-lived workers]: forked workers of a small loader can start, work and exit
-    between two samples; the tracker would never see them. A DataLoader iterator keeps its
-    worker processes in ``_workers`` (private, so read defensively): registering them and
-    sampling once makes the worker count exact for any DataLoader, mailbox or not.
-    """
-    workers = getattr(iterator, "_workers", None)
-    if not isinstance(workers, list) or not workers:
-        return
-    for worker in workers:
-        pid = getattr(worker, "pid", None)
-        if isinstance(pid, int):
-            tracker.register_worker(pid)
-    tracker.sample()
-
-
-def _epoch_summary(tracker: Any, batches: int) -> str:
+def _epoch_summary(tracker: Tracker, batches: int) -> str:
     epochs = tracker.epochs()
     if not epochs:
         return f"{batches} batches"
     record: EpochRecord = epochs[-1]
+    counted = record.batches if record.batches is not None else batches
     workers = [p for p in record.processes if p.role == "worker"]
     parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
     return (
-        f"{batches} batches in {record.duration_s:.1f} s, parent {format_mib(parent)} MiB, "
+        f"{counted} batches in {record.duration_s:.1f} s, parent {format_mib(parent)} MiB, "
         f"{len(workers)} workers {format_mib(sum(p.total_gpu_bytes_end for p in workers))} MiB"
     )
 
@@ -630,6 +638,7 @@ def epoch_row(
         alive_after=sum(1 for p in processes if alive_after_grace(p, report.config.grace_s)),
         orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
         other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),
+        batches=record.batches,
         device_used_bytes=None if device is None else device.used_bytes,
         device_total_bytes=None if device is None else device.total_bytes,
         temperature_c=None if device is None else device.temperature_c,
@@ -739,18 +748,25 @@ def cleanup_orphans(
 
 
 def teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
-    """Totals of the worker teardowns: how many workers, contexts released, bytes freed."""
-    records = tuple(records)
+    """Totals of the worker teardowns: how many workers, contexts released, bytes freed.
+
+    ``workers`` and the totals after it count the workers in which the teardown policy ran
+    (it released what they held); ``reported`` counts every worker that reported at exit,
+    those with the policy off (``teardown=False``: they only say what they held) included.
+    """
+    reported = tuple(records)
+    records = tuple(r for r in reported if r.released)
     before = [r.gpu_bytes_before for r in records if r.gpu_bytes_before is not None]
     return {
         "workers": len(records),
+        "reported": len(reported),
         "cuda_initialized": sum(1 for r in records if r.cuda_initialized),
         "contexts_released": sum(1 for r in records if r.context_released),
         "left_nvml": sum(1 for r in records if r.left_nvml),
         "freed_cache_bytes": sum(r.freed_cache_bytes for r in records),
         "gpu_bytes_before": sum(before) if before else None,
         "gpu_bytes_before_per_worker": (sum(before) // len(before)) if before else None,
-        "errors": [r.error for r in records if r.error],
+        "errors": [r.error for r in reported if r.error],
     }
 
 
@@ -866,6 +882,12 @@ def _config_lines(config: ConfigResult) -> list[str]:
             f"  teardown: {teardown['workers']} workers, {teardown['contexts_released']} "
             f"released their CUDA context before exiting{freed}"
         )
+    elif teardown["reported"]:
+        count = teardown["reported"]
+        lines.append(
+            f"  teardown: policy off; {count} worker{'s' if count != 1 else ''} reported what "
+            "they held at exit and released nothing"
+        )
     for cleaned in config.cleaned:
         lines.append(
             f"  cleanup: {cleaned.outcome} PID {cleaned.pid} (left over by this sweep: "
@@ -882,7 +904,8 @@ def format_sweep(result: SweepResult) -> str:
         f"leakcheck sweep: {result.loader}",
         f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
         f"tolerance {format_mib(options.tolerance_bytes)} MiB, grace {options.grace_s:g} s, "
-        f"sampling every {options.interval_s * 1000:g} ms",
+        f"sampling every {options.interval_s * 1000:g} ms; "
+        f"teardown policy {'on' if options.teardown else 'off'}",
     ]
     if result.gpu_available:
         lines.extend(f"  {_device_line(device)}" for device in result.devices)

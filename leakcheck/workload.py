@@ -86,7 +86,9 @@ class WorkloadSpec:
         features: Columns per row (the matrix multiplied is features x features).
         start_method: Multiprocessing start method of the workers.
         persistent: Keep workers alive across epochs (always on for ``persistent-cache``).
-        teardown: Install the teardown policy in each worker.
+        teardown: Not used by the loader: the sweep chains the teardown policy into every
+            DataLoader's ``worker_init_fn`` itself, as ``watch()`` does
+            (``SweepOptions.teardown`` decides). Kept so that callers passing it still work.
         device_index: The CUDA device the work runs on, when there is a GPU.
         gpu: NVML found a GPU (decided in the parent without initialising CUDA).
         cache_bytes_per_epoch: What a ``persistent-cache`` process keeps per epoch.
@@ -257,10 +259,8 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
     if num_workers > 0:
         options["multiprocessing_context"] = spec.start_method
         options["persistent_workers"] = spec.persistent_workers
-        if spec.teardown:
-            from leakcheck.teardown import worker_init_fn
-
-            options["worker_init_fn"] = worker_init_fn()
+    # No worker_init_fn: the sweep chains leakcheck's into every DataLoader, this one too
+    # (NOTE [the watch() code path] in sweep.py).
     return DataLoader(
         SyntheticDataset(spec),  # type: ignore[arg-type]  # torch stays a lazy import
         batch_size=None,
@@ -293,6 +293,5 @@ def describe(spec: WorkloadSpec) -> str:
         f"{spec.batches} batches of {spec.batch_size}x{spec.features} per epoch on {where}",
         f"start method {spec.start_method}",
         "persistent workers" if spec.persistent_workers else "workers per epoch",
-        "teardown policy on" if spec.teardown else "teardown policy off",
     ]
     return ", ".join(parts)

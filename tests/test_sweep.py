@@ -341,6 +341,114 @@ def test_plot_does_not_touch_pyplot_backend() -> None:
     assert matplotlib.get_backend() == before
 
 
+# --------------------------------------------------------------------------- --loader
+# A user's DataLoader goes through watch()'s code path: the chained worker_init_fn gives
+# exact identities through the mailbox, the workers' reports at exit, the teardown policy.
+
+_USER_LOADER = """
+import os
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+
+def _mark(worker_id):
+    Path(os.environ["SWEEP_TEST_MARKS"], str(os.getpid())).write_text(str(worker_id))
+
+
+def make(num_workers):
+    return DataLoader(list(range(8)), batch_size=2, num_workers=num_workers,
+                      multiprocessing_context="fork" if num_workers else None,
+                      worker_init_fn=_mark)
+
+
+def make_persistent(num_workers):
+    return DataLoader(list(range(8)), batch_size=2, num_workers=num_workers,
+                      multiprocessing_context="fork" if num_workers else None,
+                      persistent_workers=num_workers > 0)
+"""
+
+
+@pytest.fixture
+def user_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Path]]:
+    """A ``--loader`` file (unique module name) and the folder its workers mark."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = tmp_path / f"sweep_user_loader_{os.getpid()}_{time.monotonic_ns()}.py"
+    path.write_text(_USER_LOADER)
+    monkeypatch.setenv("SWEEP_TEST_MARKS", str(marks))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield path, marks
+
+
+def _worker_keys(config: Any) -> list[ProcessKey]:
+    return sorted(
+        p.key for rec in config.report.epochs for p in rec.processes if p.role == "worker"
+    )
+
+
+def test_user_dataloader_gets_identities_and_the_teardown_policy(
+    user_loader: tuple[Path, Path],
+) -> None:
+    from leakcheck.cli import load_factory
+
+    path, marks = user_loader
+    options = SweepOptions(workers=(2,), epochs=2, grace_s=0.3, interval_s=0.02)
+    result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
+    (config,) = result.configs
+    assert config.report.verdict == "clean", config.report.format()
+    assert [row.worker_count for row in config.rows] == [2, 2]
+    assert [row.batches for row in config.rows] == [4, 4]
+    # Every worker reported at exit, and the policy ran in each (teardown on by default).
+    teardowns = config.teardowns
+    assert len(teardowns) == 4 and all(t.released for t in teardowns)
+    assert sorted(t.worker_id for t in teardowns) == [0, 0, 1, 1]
+    # The workers of the report are exactly those that reported through the mailbox...
+    assert _worker_keys(config) == sorted(t.key for t in teardowns)
+    # ... and exactly the processes that ran the user's own worker_init_fn (still chained).
+    assert {key.pid for key in _worker_keys(config)} == {int(n) for n in os.listdir(marks)}
+    summary = config.to_dict()["teardown"]
+    assert (summary["workers"], summary["reported"]) == (4, 4)
+    assert "teardown: 4 workers exited through the teardown policy" in result.format()
+
+
+def test_user_dataloader_without_teardown_still_reports(user_loader: tuple[Path, Path]) -> None:
+    from leakcheck.cli import load_factory
+
+    path, _ = user_loader
+    options = SweepOptions(workers=(1,), epochs=2, grace_s=0.3, interval_s=0.02, teardown=False)
+    result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
+    (config,) = result.configs
+    assert len(config.teardowns) == 2 and not any(t.released for t in config.teardowns)
+    assert _worker_keys(config) == sorted(t.key for t in config.teardowns)
+    summary = config.to_dict()["teardown"]
+    assert (summary["workers"], summary["reported"]) == (0, 2)
+    text = result.format()
+    assert "teardown policy off" in text
+    assert "teardown: policy off; 2 workers reported what they held at exit" in text
+
+
+def test_user_persistent_workers_exit_within_their_configuration(
+    user_loader: tuple[Path, Path],
+) -> None:
+    """The loader's own persistent_workers counts; its workers stop before the tracker does."""
+    from leakcheck.cli import load_factory
+
+    path, _ = user_loader
+    options = SweepOptions(workers=(2,), epochs=3, grace_s=0.3, interval_s=0.02)
+    factory = load_factory(f"{path}:make_persistent")
+    result = run_sweep(options, factory, loader="--loader", gpu=NO_GPU)
+    (config,) = result.configs
+    assert config.persistent_workers is True
+    assert config.report.verdict == "clean", config.report.format()
+    assert [row.worker_count for row in config.rows] == [2, 2, 2]
+    keys = set(_worker_keys(config))
+    assert len(keys) == 2  # the same two workers in every epoch
+    # They were shut down while this configuration was tracked: their reports are in it.
+    assert {t.key for t in config.teardowns} == keys
+    assert not any(procs.is_alive(key) for key in keys)
+
+
 # --------------------------------------------------------------------------- output files
 
 

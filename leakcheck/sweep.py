@@ -68,8 +68,13 @@ __all__ = [
     "write_json",
 ]
 
-SWEEP_SCHEMA_VERSION = 1
-"""Version of ``SweepResult.to_dict``'s layout; bumped on any incompatible change."""
+SWEEP_SCHEMA_VERSION = 2
+"""Version of ``SweepResult.to_dict``'s layout; bumped on any incompatible change.
+
+2: a row's ``workers_gpu_bytes_peak`` includes what the workers reported at exit and is
+null when any worker's peak is unknown (``workers_peak_unknown``, new, with
+``workers_peak_reported`` and ``batches``); ``teardown.workers`` counts the workers the
+policy released (``teardown.reported``, new: every worker that reported at exit)."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -77,6 +82,7 @@ LoaderFactory = Callable[[int], Iterable[Any]]
 _CLEANUP_WAIT_S = 3.0
 _COOLDOWN_POLL_S = 1.0
 _UNAVAILABLE = "n/a"
+_UNKNOWN = "?"
 
 
 class LoaderError(LeakCheckError):
@@ -147,11 +153,16 @@ class EpochRow:
         worker_count: Worker processes seen during the epoch.
         workers_gpu_bytes: Sum of the workers' GPU bytes at the end of the epoch.
         worker_gpu_bytes_max: The largest single worker at the end of the epoch.
-        workers_gpu_bytes_peak: Sum of the workers' peaks during the epoch.
+        workers_gpu_bytes_peak: Sum of the workers' peaks during the epoch (each the larger
+            of what was sampled and what the worker reported at exit; never below
+            ``workers_gpu_bytes``); None also when any worker's peak is unknown.
         alive_after: Processes born in the epoch (not persistent) still alive after it
             and its grace period.
         orphans: Processes of the job reparented away, alive at the end of the epoch.
         other_gpu_bytes: GPU bytes of the job's other processes (descendants, orphans).
+        workers_peak_reported: Workers whose peak includes their own report at exit.
+        workers_peak_unknown: Workers whose peak is unknown: they exited before any read
+            saw them on a GPU and reported nothing (shown as ``?``, never 0).
         batches: Batches the epoch yielded.
         device_used_bytes: Device memory used at the end of the epoch.
         device_total_bytes: Device memory size.
@@ -175,6 +186,8 @@ class EpochRow:
     alive_after: int
     orphans: int
     other_gpu_bytes: int | None
+    workers_peak_reported: int | None = None
+    workers_peak_unknown: int | None = None
     batches: int | None = None
     device_used_bytes: int | None = None
     device_total_bytes: int | None = None
@@ -624,6 +637,9 @@ def epoch_row(
     def known(value: int) -> int | None:
         return value if per_process else None
 
+    peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
+    if peak is not None:
+        peak = max(peak, sum(worker_end))  # peak >= end per process, so the sums keep it
     return EpochRow(
         num_workers=num_workers,
         epoch=record.index,
@@ -634,10 +650,12 @@ def epoch_row(
         worker_count=len(workers),
         workers_gpu_bytes=known(sum(worker_end)),
         worker_gpu_bytes_max=known(max(worker_end, default=0)),
-        workers_gpu_bytes_peak=workers_peak_bytes(workers) if per_process else None,
+        workers_gpu_bytes_peak=peak if per_process else None,
         alive_after=sum(1 for p in processes if alive_after_grace(p, report.config.grace_s)),
         orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
         other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),
+        workers_peak_reported=known(sum(1 for p in workers if p.gpu_peak_source == "reported")),
+        workers_peak_unknown=known(sum(1 for p in workers if p.gpu_peak_source == "unknown")),
         batches=record.batches,
         device_used_bytes=None if device is None else device.used_bytes,
         device_total_bytes=None if device is None else device.total_bytes,
@@ -790,7 +808,9 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("wk n", "worker processes seen in the epoch"),
     ("wk sum MiB", "GPU memory of all workers at the end of the epoch"),
     ("wk max MiB", "GPU memory of the largest worker at the end of the epoch"),
-    ("wk peak MiB", "sum of the workers' peaks during the epoch"),
+    ("wk peak MiB", "sum of the workers' peaks during the epoch (? when one is unknown)"),
+    ("wk rep", "workers whose peak includes their own report at exit"),
+    ("wk ?", "workers whose peak is unknown (exited unseen, reported nothing)"),
     ("alive after", "processes born in the epoch still alive after it and its grace period"),
     ("orphans", "processes of the job reparented away, alive at the end"),
     ("dev used/total MiB", "device memory at the end of the epoch"),
@@ -805,6 +825,8 @@ _GPU_COLUMNS = frozenset(
         "wk sum MiB",
         "wk max MiB",
         "wk peak MiB",
+        "wk rep",
+        "wk ?",
         "dev used/total MiB",
         "temp °C",
         "SM MHz",
@@ -826,7 +848,9 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         "wk n": str(row.worker_count),
         "wk sum MiB": format_mib(row.workers_gpu_bytes),
         "wk max MiB": format_mib(row.worker_gpu_bytes_max),
-        "wk peak MiB": format_mib(row.workers_gpu_bytes_peak),
+        "wk peak MiB": _peak_cell(row),
+        "wk rep": or_dash(row.workers_peak_reported),
+        "wk ?": or_dash(row.workers_peak_unknown),
         "alive after": str(row.alive_after),
         "orphans": str(row.orphans),
         "dev used/total MiB": device,
@@ -838,6 +862,28 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         for name in _GPU_COLUMNS:
             cells[name] = _UNAVAILABLE
     return [cells[name] for name in COLUMN_NAMES]
+
+
+def _peak_cell(row: EpochRow) -> str:
+    """The workers' peak, ``?`` (never 0) when one of them is unknown."""
+    if row.workers_peak_unknown:
+        return _UNKNOWN
+    return format_mib(row.workers_gpu_bytes_peak)
+
+
+def unknown_peak_note(result: SweepResult) -> str | None:
+    """The line under the table that says what ``?`` means, when one appears."""
+    rows = [row for config in result.configs for row in config.rows]
+    unknown = sum(row.workers_peak_unknown or 0 for row in rows)
+    if not result.gpu_available or not unknown:
+        return None
+    epochs = sum(1 for row in rows if row.workers_peak_unknown)
+    return (
+        f"{_UNKNOWN} = not known, not 0: {unknown} worker{'s' if unknown != 1 else ''} in "
+        f"{epochs} epoch{'s' if epochs != 1 else ''} exited before any read saw them on a GPU "
+        "and reported nothing at exit (column wk ?), so the workers' peak of those epochs is "
+        "unknown"
+    )
 
 
 def format_table(result: SweepResult) -> list[str]:
@@ -916,6 +962,9 @@ def format_sweep(result: SweepResult) -> str:
         )
     lines.append("")
     lines.extend(format_table(result))
+    note = unknown_peak_note(result)
+    if note is not None:
+        lines.extend(["", note])
     for config in result.configs:
         lines.append("")
         lines.extend(_config_lines(config))

@@ -119,10 +119,15 @@ def test_default_sweep_json_matches_text(default_sweep: tuple[Run, dict[str, Any
         assert text[5:8] == [
             gpu(row["workers_gpu_bytes"]),
             gpu(row["worker_gpu_bytes_max"]),
-            gpu(row["workers_gpu_bytes_peak"]),
+            "?" if row["workers_peak_unknown"] else gpu(row["workers_gpu_bytes_peak"]),
         ]
-        assert text[8] == str(row["alive_after"])
-        assert text[9] == str(row["orphans"])
+        counts = [row["workers_peak_reported"], row["workers_peak_unknown"]]
+        if data["gpu"]["available"]:
+            assert text[8:10] == [str(count) for count in counts]
+        else:
+            assert text[8:10] == ["n/a", "n/a"] and counts == [None, None]
+        assert text[10] == str(row["alive_after"])
+        assert text[11] == str(row["orphans"])
     for config in data["configurations"]:
         assert config["summary"] in run.stdout
         assert config["report"]["verdict"] == config["verdict"]

@@ -68,7 +68,7 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     write_json(str(path), result.to_dict())
     data = json.loads(path.read_text())
     assert data["schema"] == "leakcheck.sweep"
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     assert data["gpu"] == {
         "available": False,
         "reason": NO_GPU[1],
@@ -275,7 +275,8 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
         ln for ln in text.splitlines() if ln.split()[:3] == ["0", "1", f"{row.duration_s:.2f}"]
     ]
     assert line.split()[3] == "600"
-    assert line.split()[10:] == ["2000/81920", "52", "1410", "123"]
+    assert line.split()[7:10] == ["0", "0", "0"]  # no workers: peak 0, none reported/unknown
+    assert line.split()[12:] == ["2000/81920", "52", "1410", "123"]
     assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
     if importlib.util.find_spec("matplotlib") is not None:
         from leakcheck.plot import plot_sweep
@@ -447,6 +448,92 @@ def test_user_persistent_workers_exit_within_their_configuration(
     # They were shut down while this configuration was tracked: their reports are in it.
     assert {t.key for t in config.teardowns} == keys
     assert not any(procs.is_alive(key) for key in keys)
+
+
+# --------------------------------------------------------------------------- unknown peaks
+
+
+def _synthetic_result() -> SweepResult:
+    """Three epochs of 2 workers on a GPU, built directly (no tracker, no processes).
+
+    Epoch 0: both workers exited and reported 710 MiB each. Epoch 1: one reported, one
+    exited unseen and reported nothing (unknown). Epoch 2: a parent of 3000 MiB and one
+    worker alive at the end, sampled (100 MiB at the end, 1000 MiB peak).
+    """
+    from dataclasses import replace
+
+    from leakcheck.model import RuleConfig
+    from leakcheck.report import build_report
+    from leakcheck.sweep import ConfigResult, epoch_row
+    from tests import timelines as tl
+
+    def reported(pid: int) -> Any:
+        gone = tl.proc(pid, born=True, alive=False, gpu_mib=0, peak_mib=710)
+        return replace(gone, gpu_bytes_end={}, gpu_peak_source="reported")
+
+    unseen = replace(
+        tl.proc(1004, born=True, alive=False), gpu_bytes_end={}, gpu_bytes_peak={},
+        gpu_peak_source="unknown",
+    )  # fmt: skip
+    sampled = tl.proc(1005, born=True, alive=True, gpu_mib=100, peak_mib=1000)
+    gpu = [tl.device(0, 4000, temp_c=40, sm_mhz=1980, power_w=120.0)]
+    epochs = [
+        tl.epoch(0, [tl.parent(700), reported(1001), reported(1002)], gpu),
+        tl.epoch(1, [tl.parent(700), reported(1003), unseen], gpu),
+        tl.epoch(2, [tl.parent(3000), sampled], gpu),
+    ]
+    final = tl.final_state([tl.parent(700)], gpu, after_last_epoch=epochs)
+    report = build_report(tl.timeline(epochs, final=final), RuleConfig())
+    rows = tuple(epoch_row(rec, 2, report, None) for rec in report.epochs)
+    config = ConfigResult(num_workers=2, persistent_workers=False, rows=rows, report=report)
+    return SweepResult(
+        options=SweepOptions(workers=(2,), epochs=3),
+        loader="synthetic",
+        configs=(config,),
+        gpu_available=True,
+        gpu_reason="",
+        devices=tuple(gpu),
+    )
+
+
+def test_unknown_worker_peak_is_question_mark_and_null_never_zero() -> None:
+    result = _synthetic_result()
+    rows = result.configs[0].rows
+    assert [row.workers_gpu_bytes_peak for row in rows] == [1420 * MIB, None, 1000 * MIB]
+    assert [row.workers_peak_reported for row in rows] == [2, 1, 0]
+    assert [row.workers_peak_unknown for row in rows] == [0, 1, 0]
+    for row in rows:  # peak >= end, wherever the peak is known
+        assert row.workers_gpu_bytes is not None
+        if row.workers_gpu_bytes_peak is not None:
+            assert row.workers_gpu_bytes_peak >= row.workers_gpu_bytes
+    text = result.format()
+    lines = text.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("workers  epoch"))
+    names = [name for name in COLUMN_NAMES if name in header]
+    assert names == list(COLUMN_NAMES)
+    table = [line.split() for line in lines[lines.index(header) + 1 :][:3]]
+    # workers, epoch, time, parent, wk n, wk sum, wk max, wk peak, wk rep, wk ?
+    assert [cells[7:10] for cells in table] == [["1420", "2", "0"], ["?", "1", "1"],
+                                                ["1000", "0", "0"]]  # fmt: skip
+    assert "? = not known, not 0: 1 worker in 1 epoch exited before any read saw them" in text
+    data = json.loads(json.dumps(result.to_dict()))
+    row = data["configurations"][0]["rows"][1]
+    assert row["workers_gpu_bytes_peak"] is None
+    assert (row["workers_peak_reported"], row["workers_peak_unknown"]) == (1, 1)
+
+
+def test_known_peaks_need_no_question_mark_note(fake_gpu: Any) -> None:
+    from leakcheck import nvml
+
+    options = SweepOptions(workers=(0,), epochs=2, grace_s=0.1, interval_s=0.02)
+    result = run_sweep(options, _list_factory, loader="test loader", gpu=nvml.availability())
+    assert [row.workers_peak_unknown for row in result.configs[0].rows] == [0, 0]
+    text = result.format()
+    assert "? = not known" not in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("workers  epoch"))
+    table = lines[lines.index(header) + 1 :][:2]
+    assert not any("?" in line.split() for line in table)
 
 
 # --------------------------------------------------------------------------- output files

@@ -3,7 +3,10 @@
 One column per configuration (worker count), three panels each, sharing the epoch axis:
 
 1. GPU memory at the end of each epoch, stacked by role (parent, workers, descendants and
-   orphans), with the device's used memory as a line: a leak is a staircase.
+   orphans), with the device's used memory as a line: a leak is a staircase. The workers'
+   peak during the epoch is a line stacked on the parent like the workers' bar, so it never
+   runs below that bar; where it is unknown (a worker exited unseen and reported nothing)
+   the line has a gap and the bar a "?", never a 0.
 2. Processes: workers seen, processes still alive after the epoch, orphans (host side, so
    this panel is drawn without a GPU too).
 3. Thermal state: GPU temperature (left axis) and SM clock (right axis).
@@ -15,16 +18,90 @@ used: drawing a sweep never changes the backend of the caller's ``pyplot``.
 from __future__ import annotations
 
 import io
+import math
 import textwrap
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from leakcheck.files import write_atomic
 from leakcheck.model import MIB
-from leakcheck.sweep import short_reason
 
 if TYPE_CHECKING:
-    from leakcheck.sweep import ConfigResult, SweepResult
+    from leakcheck.report import Report
+
+__all__ = ["memory_series", "plot_sweep", "render"]
+
+
+# What the picture reads of a sweep. The sweep engine sits above this module (it is the
+# command line's), so its result is described here by shape, never imported
+# (``leakcheck.sweep.SweepResult`` fits).
+
+
+class _Row(Protocol):
+    """One epoch of one configuration (``leakcheck.sweep.EpochRow``)."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def parent_gpu_bytes(self) -> int | None: ...
+    @property
+    def workers_gpu_bytes(self) -> int | None: ...
+    @property
+    def workers_gpu_bytes_peak(self) -> int | None: ...
+    @property
+    def workers_peak_unknown(self) -> int | None: ...
+    @property
+    def other_gpu_bytes(self) -> int | None: ...
+    @property
+    def device_used_bytes(self) -> int | None: ...
+    @property
+    def worker_count(self) -> int: ...
+    @property
+    def alive_after(self) -> int: ...
+    @property
+    def orphans(self) -> int: ...
+    @property
+    def temperature_c(self) -> int | None: ...
+    @property
+    def sm_clock_mhz(self) -> int | None: ...
+
+
+class _Config(Protocol):
+    """One configuration (``leakcheck.sweep.ConfigResult``)."""
+
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def persistent_workers(self) -> bool: ...
+    @property
+    def rows(self) -> Sequence[_Row]: ...
+    @property
+    def report(self) -> Report: ...
+
+
+class _Options(Protocol):
+    """What was swept (``leakcheck.sweep.SweepOptions``)."""
+
+    @property
+    def workers(self) -> Sequence[int]: ...
+    @property
+    def epochs(self) -> int: ...
+
+
+class _Sweep(Protocol):
+    """A whole sweep (``leakcheck.sweep.SweepResult``)."""
+
+    @property
+    def options(self) -> _Options: ...
+    @property
+    def loader(self) -> str: ...
+    @property
+    def configs(self) -> Sequence[_Config]: ...
+    @property
+    def gpu_available(self) -> bool: ...
+    @property
+    def gpu_reason(self) -> str: ...
+
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
 _PARENT = "#0072B2"
@@ -39,10 +116,51 @@ _VERDICT_COLOURS = {"clean": "#009E73", "leak": "#D55E00", "blind": "#E69F00"}
 
 
 def _mib(values: Sequence[int | None]) -> list[float]:
-    return [0.0 if value is None else value / MIB for value in values]
+    """MiB for plotting; an unknown value is NaN (a gap in a line), never 0."""
+    return [math.nan if value is None else value / MIB for value in values]
 
 
-def _config_title(config: ConfigResult) -> str:
+def _why(reason: str) -> str:
+    return reason or "no GPU"
+
+
+def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
+    """The memory panel's data, in MiB, one value per row (epoch).
+
+    ``parent``, ``workers`` and ``others`` are the stacked bars at the epoch end (0 where not
+    known: a bar is drawn or not, a gap in a stack would misplace the bars above it);
+    ``workers_top`` is the top of the workers' bar (parent + workers). ``workers_peak_top``
+    is the workers' peak on the same basis as their bar, stacked on the parent, and never
+    below ``workers_top`` (peak >= end); NaN where the peak is unknown (a worker exited
+    unseen and reported nothing), so that the line has a gap there, never a 0. ``unknown``
+    is 1.0 for those epochs, else 0.0.
+    """
+    parent = [0.0 if r.parent_gpu_bytes is None else r.parent_gpu_bytes / MIB for r in rows]
+    workers = [0.0 if r.workers_gpu_bytes is None else r.workers_gpu_bytes / MIB for r in rows]
+    others = [0.0 if r.other_gpu_bytes is None else r.other_gpu_bytes / MIB for r in rows]
+    workers_top = [p + w for p, w in zip(parent, workers, strict=True)]
+    peak_top: list[float] = []
+    unknown: list[float] = []
+    for row, base, top in zip(rows, parent, workers_top, strict=True):
+        peak = row.workers_gpu_bytes_peak
+        if peak is None or row.workers_peak_unknown:
+            peak_top.append(math.nan)
+            unknown.append(1.0)
+        else:
+            peak_top.append(max(base + peak / MIB, top))
+            unknown.append(0.0)
+    return {
+        "epochs": [float(row.epoch) for row in rows],
+        "parent": parent,
+        "workers": workers,
+        "others": others,
+        "workers_top": workers_top,
+        "workers_peak_top": peak_top,
+        "unknown": unknown,
+    }
+
+
+def _config_title(config: _Config) -> str:
     if config.num_workers == 0:
         head = "0 workers (parent does the work)"
     else:
@@ -67,7 +185,7 @@ def _note(axes: Any, text: str) -> None:
     )
 
 
-def _memory_panel(axes: Any, config: ConfigResult, reason: str) -> None:
+def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
     rows = config.rows
     epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU memory (MiB)")
@@ -79,33 +197,43 @@ def _memory_panel(axes: Any, config: ConfigResult, reason: str) -> None:
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
             axes.set_yticks([])
-            _note(axes, "GPU memory not measured: " + short_reason(reason))
+            _note(axes, "GPU memory not measured: " + _why(reason))
         return
-    parent = _mib([row.parent_gpu_bytes for row in rows])
-    workers = _mib([row.workers_gpu_bytes for row in rows])
-    others = _mib([row.other_gpu_bytes for row in rows])
+    series = memory_series(rows)
+    parent, workers = series["parent"], series["workers"]
     axes.bar(epochs, parent, color=_PARENT, label="parent, at epoch end")
     axes.bar(epochs, workers, bottom=parent, color=_WORKERS, label="workers (sum), at epoch end")
-    bottom = [a + b for a, b in zip(parent, workers, strict=True)]
     axes.bar(
         epochs,
-        others,
-        bottom=bottom,
+        series["others"],
+        bottom=series["workers_top"],
         color=_OTHERS,
         hatch="//",
         label="descendants + orphans,\nat epoch end",
     )
-    # Workers started per epoch are gone at its end: their peak shows what they held.
-    peaks = [row.workers_gpu_bytes_peak for row in rows]
-    if any(peaks):
+    # Workers started per epoch are gone at its end: their peak shows what they held. It is
+    # stacked on the parent like the workers' bar, so it never runs below that bar's top.
+    if any(row.worker_count for row in rows):
         axes.plot(
             epochs,
-            _mib(peaks),
+            series["workers_peak_top"],
             color=_WORKERS,
             marker="D",
             linestyle="--",
             linewidth=1.0,
-            label="workers' peak during epoch",
+            label="parent + workers' peak\nduring epoch",
+        )
+    unknown = [i for i, flag in enumerate(series["unknown"]) if flag]
+    if unknown:
+        # Not 0 and not left out silently: a "?" on the workers' bar.
+        axes.plot(
+            [epochs[i] for i in unknown],
+            [series["workers_top"][i] for i in unknown],
+            linestyle="none",
+            marker="$?$",
+            markersize=11,
+            color=_DEVICE,
+            label="workers' peak unknown (a worker\nexited unseen, reported nothing)",
         )
     device_used = [row.device_used_bytes for row in rows]
     if any(value is not None for value in device_used):
@@ -120,7 +248,7 @@ def _memory_panel(axes: Any, config: ConfigResult, reason: str) -> None:
     axes.set_ylim(bottom=0)
 
 
-def _process_panel(axes: Any, config: ConfigResult) -> None:
+def _process_panel(axes: Any, config: _Config) -> None:
     rows = config.rows
     axes.set_ylabel("processes")
     # Grouped bars, not lines: the three counts are often equal and lines would hide
@@ -146,7 +274,7 @@ def _process_panel(axes: Any, config: ConfigResult) -> None:
     axes.yaxis.get_major_locator().set_params(integer=True)
 
 
-def _thermal_panel(axes: Any, config: ConfigResult) -> Any:
+def _thermal_panel(axes: Any, config: _Config) -> Any:
     rows = config.rows
     epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU temperature (°C)", color=_TEMPERATURE)
@@ -204,7 +332,7 @@ def _row_legend(axes_list: Sequence[Any], title: str) -> None:
     )
 
 
-def render(result: SweepResult) -> Any:
+def render(result: _Sweep) -> Any:
     """Draw the sweep; returns a ``matplotlib.figure.Figure`` (Agg canvas attached).
 
     Without a GPU only the process panel carries data: it is drawn alone, and the title
@@ -264,14 +392,14 @@ def render(result: SweepResult) -> Any:
     ]
     if not gpu:
         lines += textwrap.wrap(
-            "GPU memory, temperature and clock not measured: " + short_reason(result.gpu_reason),
+            "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason),
             40 * columns + 30,
         )
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure
 
 
-def plot_sweep(result: SweepResult, path: str, *, dpi: int = 110) -> str:
+def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
     """Write the sweep's picture as a PNG, atomically (a reader never sees half a file).
 
     Args:

@@ -536,6 +536,65 @@ def test_known_peaks_need_no_question_mark_note(fake_gpu: Any) -> None:
     assert not any("?" in line.split() for line in table)
 
 
+def _memory_axes(figure: Any) -> Any:
+    (axes,) = [a for a in figure.axes if a.get_ylabel() == "GPU memory (MiB)"]
+    return axes
+
+
+def _line(axes: Any, prefix: str) -> Any:
+    (line,) = [ln for ln in axes.get_lines() if ln.get_label().startswith(prefix)]
+    return line
+
+
+def test_plot_worker_peak_is_stacked_on_its_bar_and_unknown_is_a_gap() -> None:
+    pytest.importorskip("matplotlib")
+    import math
+
+    from leakcheck.plot import render
+
+    result = _synthetic_result()
+    axes = _memory_axes(render(result))
+    parent_bars, worker_bars, _others = axes.containers
+    bar_tops = [patch.get_y() + patch.get_height() for patch in worker_bars.patches]
+    assert bar_tops == pytest.approx([700, 700, 3100])
+    assert [patch.get_y() for patch in worker_bars.patches] == pytest.approx(
+        [patch.get_height() for patch in parent_bars.patches]
+    )
+    peak = _line(axes, "parent + workers' peak")
+    x, y = list(peak.get_xdata()), [float(v) for v in peak.get_ydata()]
+    assert x == [0, 1, 2]
+    # Stacked on the parent, like the bar: never below the bar's top (3000 + 1000 here,
+    # where the workers' peak alone, 1000, would run below the 3100 MiB bar).
+    assert y[0] == pytest.approx(700 + 1420) and y[2] == pytest.approx(3000 + 1000)
+    for value, top in zip(y, bar_tops, strict=True):
+        assert math.isnan(value) or value >= top
+    # The unknown peak is a gap in the line and a "?" on its bar, never a 0.
+    assert math.isnan(y[1])
+    marker = _line(axes, "workers' peak unknown")
+    assert list(marker.get_xdata()) == [1]
+    assert [float(v) for v in marker.get_ydata()] == pytest.approx([bar_tops[1]])
+    assert marker.get_marker() == "$?$"
+    for line in axes.get_lines():
+        assert 0.0 not in [float(v) for v in line.get_ydata()], line.get_label()
+
+
+def test_plot_module_never_imports_the_sweep() -> None:
+    import ast
+
+    import leakcheck.plot
+
+    tree = ast.parse(Path(leakcheck.plot.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            imported.add(module)
+            imported.update(f"{module}.{alias.name}" for alias in node.names)
+    assert not [name for name in imported if name.split(".")[:2] == ["leakcheck", "sweep"]]
+
+
 # --------------------------------------------------------------------------- output files
 
 

@@ -1,8 +1,9 @@
 """``leakcheck sweep`` on a real GPU: the built-in workload's scenarios, as a user runs them.
 
 Every sweep runs as ``python -m leakcheck sweep`` in its own interpreter, so CUDA is never
-initialised in the pytest process. Each test prints the sweep's text output (``-s`` shows
-it) for the GPU test log.
+initialised in the pytest process. The sweep drives ``watch()``'s code path, so every worker
+reports who it is and, at exit, what it held (``--no-teardown``: it only reports). Each test
+prints the sweep's text output (``-s`` shows it) for the GPU test log.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def test_default_sweep_has_no_leaks(tmp_path: Path) -> None:
     assert status == 0, text
     assert data["gpu"]["available"] is True
     assert data["leak_count"] == 0
+    attributed = 0
     for config in data["configurations"]:
         # Advice only (the parent keeps its context after the 0-worker run; clocks stay high).
         assert {f["severity"] for f in findings(config)} <= {"info"}, findings(config)
@@ -68,9 +70,45 @@ def test_default_sweep_has_no_leaks(tmp_path: Path) -> None:
             # Workers really used the GPU: each held a context during the epoch.
             for row in config["rows"]:
                 assert row["worker_count"] == config["num_workers"]
+                assert row["workers_peak_unknown"] == 0, row
+                assert row["workers_peak_reported"] == config["num_workers"], row
                 assert row["workers_gpu_bytes_peak"] >= config["num_workers"] * 200 * MIB
                 assert row["alive_after"] == 0 and row["orphans"] == 0
+            attributed += assert_peaks_are_what_workers_reported(config)
     assert (tmp_path / "default.png").read_bytes()[:4] == b"\x89PNG"
+    print(f"every worker of every epoch attributed within 2 MiB of what it reported: {attributed}")
+
+
+def assert_peaks_are_what_workers_reported(config: dict[str, Any]) -> int:
+    """Each worker's epoch peak is within 2 MiB of what it reported at exit, per device.
+
+    The report's ``teardowns`` (what each worker read of its own NVML entry just before the
+    release) against the epoch's ``ProcessEpoch.gpu_bytes_peak`` of that worker. Returns
+    how many workers were checked.
+    """
+    teardowns: dict[int, list[dict[str, Any]]] = {}
+    for record in config["report"]["teardowns"]:
+        teardowns.setdefault(record["key"]["pid"], []).append(record)
+    checked = 0
+    for epoch in config["report"]["epochs"]:
+        workers = [p for p in epoch["processes"] if p["role"] == "worker"]
+        assert len(workers) == config["num_workers"], epoch["processes"]
+        for proc in workers:
+            key = proc["key"]
+            (teardown,) = [
+                t
+                for t in teardowns.get(key["pid"], [])
+                if abs(t["key"]["create_time"] - key["create_time"]) < 0.05
+            ]
+            held = teardown["gpu_bytes_by_device"]
+            assert held is not None, teardown
+            assert proc["gpu_peak_source"] == "reported", proc
+            peak = proc["gpu_bytes_peak"]
+            for device in set(held) | set(peak):
+                difference = abs(peak.get(device, 0) - held.get(device, 0))
+                assert difference <= 2 * MIB, (epoch["index"], proc, teardown)
+            checked += 1
+    return checked
 
 
 def test_persistent_cache_growth_per_worker(tmp_path: Path) -> None:
@@ -119,7 +157,8 @@ def test_teardown_frees_each_workers_context(tmp_path: Path) -> None:
     off = without["configurations"][0]["teardown"]
     assert on["workers"] == 4 and on["contexts_released"] == 4
     assert on["gpu_bytes_before_per_worker"] >= 200 * MIB  # about one CUDA context each
-    assert off["workers"] == 0
+    assert off["workers"] == 0  # the policy released nothing...
+    assert off["reported"] == 4  # ... and each worker still said what it held at exit
     print(
         f"teardown freed {on['gpu_bytes_before_per_worker'] / MIB:.0f} MiB per worker "
         f"({on['left_nvml']} of {on['workers']} left NVML before exiting)"

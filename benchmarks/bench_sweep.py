@@ -1,12 +1,12 @@
 """The sweep's own cost: the same loaders iterated with and without leakcheck, in one run.
 
 For each worker count, a run builds the built-in workload's DataLoader and iterates it for
-E epochs, bare or under a ``Tracker`` exactly as ``leakcheck sweep`` does (one tracker per
-configuration, ``tracker.epoch`` around each epoch, workers registered at ``iter()``,
-sampling every 50 ms or ``--interval``). Each repeat is four runs, bare, tracked, tracked,
-bare (the next repeat: tracked, bare, bare, tracked), so that a steady drift (clocks,
-temperature, page cache) falls on both arms alike. Goal: the tracker under 2% of the
-epochs' wall time. Two measures of it, per configuration, side by side
+E epochs, bare or through ``WatchedLoader`` exactly as ``leakcheck sweep`` does (one tracker
+per configuration, each ``iter()`` one epoch, workers known from the mailbox of the chained
+``worker_init_fn``, sampling every 50 ms or ``--interval``). Each repeat is four runs,
+bare, tracked, tracked, bare (the next repeat: tracked, bare, bare, tracked), so that a
+steady drift (clocks, temperature, page cache) falls on both arms alike. Goal: the tracker
+under 2% of the epochs' wall time. Two measures of it, per configuration, side by side
 (``benchmarks/stats.py`` explains both):
 
 * A/B: per repeat, its two bare and two tracked runs give a speed ratio bare s / tracked s
@@ -39,7 +39,9 @@ workers are alive (the sampler's per-tick path); that probe is the benchmark's o
 wall time and its cost are left out of the total and of the accounted cost.
 
 The loaders are identical in both arms: the teardown policy is off in both by default
-(``--teardown`` turns it on in both), so only the measuring is compared.
+(``--teardown`` turns it on in both: the bare arm installs ``leakcheck.worker_init_fn()``
+itself), so only the measuring is compared; tracked workers still post their identity and
+what they held at exit to the mailbox, which is part of what leakcheck costs.
 
 Usage: python benchmarks/bench_sweep.py [--workers 0,4,8] [--epochs 3] [--repeats 5]
        [--batches 128] [--features 1024] [--start-method spawn] [--teardown] [--write]
@@ -66,7 +68,7 @@ from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
 from leakcheck import nvml
-from leakcheck.sweep import _register_workers
+from leakcheck.dataloader import WatchedLoader
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
@@ -74,17 +76,11 @@ GOAL_PCT = 2.0
 PROBE_SAMPLES = 20
 
 
-def _iterate(loader: Any, tracker: Tracker | None, epoch: int) -> int:
+def _iterate(loader: Any) -> int:
+    """One epoch: bare, or through ``WatchedLoader`` (each ``iter()`` is one epoch)."""
     batches = 0
-    if tracker is None:
-        for _ in loader:
-            batches += 1
-        return batches
-    with tracker.epoch(f"epoch {epoch}"):
-        iterator = iter(loader)
-        _register_workers(tracker, iterator)
-        for _ in iterator:
-            batches += 1
+    for _ in loader:
+        batches += 1
     return batches
 
 
@@ -108,22 +104,27 @@ def _run(
     started = time.perf_counter()
     tracker = None
     own_s = 0.0
+    loader: Any = make_loader(spec, workers)
     if tracked:
         tracker = Tracker(
             interval=interval_s,
             grace=2.0,
             persistent_workers=spec.persistent_workers and workers > 0,
             use_nvml=spec.gpu and use_nvml,
-        ).start()
+        )
+        # As the sweep: the wrapper starts the tracker and chains the worker_init_fn.
+        loader = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=spec.teardown)
+        loader.__enter__()
         own_s += time.perf_counter() - started
         after_start = stats.cost_counters(tracker)
-    loader = make_loader(spec, workers)
+    elif spec.teardown and workers > 0:
+        loader.worker_init_fn = leakcheck.worker_init_fn()
     epochs_s = 0.0
     if tracker is not None:
         before_epochs = stats.cost_counters(tracker)
-    for epoch in range(epochs):
+    for _ in range(epochs):
         epoch_start = time.perf_counter()
-        _iterate(loader, tracker, epoch)
+        _iterate(loader)
         epochs_s += time.perf_counter() - epoch_start
     result: dict[str, Any] = {"epochs_s": epochs_s}
     probe_s = 0.0
@@ -142,6 +143,8 @@ def _run(
             probe = stats.cost_delta(before_probe, stats.cost_counters(tracker))
             probe_s = time.perf_counter() - probe_start
             result["sample_ms"] = statistics.median(sample_ms)
+    if tracker is not None:
+        loader.drop_loader()  # persistent workers stop while tracked, as in the sweep
     del loader
     gc.collect()
     if tracker is not None:

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument(
         "--device", default=None, metavar="N", help="GPU index to watch and use (default: all/0)"
     )
+    what.add_argument(
+        "--no-teardown",
+        action="store_true",
+        help="do not install leakcheck's teardown policy in the workers of any DataLoader "
+        "(they still report who they are and what they held at exit)",
+    )
     builtin = sweep.add_argument_group("built-in workload (not with --loader)")
     builtin.add_argument(
         "--start-method",
@@ -119,12 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{" + ",".join(SCENARIOS) + "}",
         help="clean (default); persistent-cache: persistent workers keep 64 MiB per epoch alive; "
         "orphan: each worker starts a grandchild that outlives the loader",
-    )
-    builtin.add_argument(
-        "--no-teardown",
-        action="store_true",
-        default=None,
-        help="do not install leakcheck's teardown policy in the workers",
     )
     builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
@@ -495,7 +495,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         for option, value in (
             ("--scenario", args.scenario),
             ("--start-method", args.start_method),
-            ("--no-teardown", args.no_teardown),
             ("--batches", args.batches),
         ):
             if value is not None:
@@ -517,7 +516,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
             batches=batches,
             start_method=start_method,
             persistent=args.persistent,
-            teardown=not args.no_teardown,
             device_index=device or 0,
         )
     persistent = args.persistent or (workload is not None and workload.persistent_workers)
@@ -531,6 +529,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         interval_s=interval_s,
         tolerance_bytes=tolerance_bytes,
         grace_s=grace_s,
+        teardown=not args.no_teardown,
     )
     return SweepPlan(
         options=options,

@@ -86,9 +86,6 @@ class WorkloadSpec:
         features: Columns per row (the matrix multiplied is features x features).
         start_method: Multiprocessing start method of the workers.
         persistent: Keep workers alive across epochs (always on for ``persistent-cache``).
-        teardown: Not used by the loader: the sweep chains the teardown policy into every
-            DataLoader's ``worker_init_fn`` itself, as ``watch()`` does
-            (``SweepOptions.teardown`` decides). Kept so that callers passing it still work.
         device_index: The CUDA device the work runs on, when there is a GPU.
         gpu: NVML found a GPU (decided in the parent without initialising CUDA).
         cache_bytes_per_epoch: What a ``persistent-cache`` process keeps per epoch.
@@ -103,7 +100,6 @@ class WorkloadSpec:
     features: int = 256
     start_method: str = "spawn"
     persistent: bool = False
-    teardown: bool = True
     device_index: int = 0
     gpu: bool = False
     cache_bytes_per_epoch: int = 64 * MIB

@@ -402,12 +402,12 @@ def test_train_and_val_loaders_judge_only_their_own_workers(
     """NOTE [claims]: a validation loader run inside (or after) the training epoch; each
     tracker sees its own workers, none calls the other's healthy workers survivors."""
     train = leakcheck.watch(
-        make(WorkerPids(), workers=2, context=context), on_leak="raise", grace=0.5
+        make(WorkerPids(), workers=2, context=context), on_leak="raise", grace=2.0
     )
     val = leakcheck.watch(
         make(WorkerPids(), workers=1, context=context, persistent_workers=val_persistent),
         on_leak="raise",
-        grace=0.5,
+        grace=2.0,
     )
     train_pids: set[int] = set()
     val_pids: set[int] = set()

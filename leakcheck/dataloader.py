@@ -35,28 +35,31 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
-from leakcheck import mailbox
-from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
-from leakcheck.model import EndReason, Finding
+from leakcheck.errors import UsageError
+from leakcheck.model import EndReason
 from leakcheck.report import Report
 from leakcheck.teardown import WorkerInit
 from leakcheck.tracker import Tracker, end_reason_for
+from leakcheck.watching import (
+    EpochJudge,
+    OnLeak,
+    chained_worker_init,
+    check_on_leak,
+    check_teardown,
+    started_mailbox,
+)
 
 __all__ = ["WatchedLoader", "watch"]
 
 T = TypeVar("T")
-OnLeak = Literal["warn", "raise", "ignore"]
-_ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
 
 # True while the cyclic garbage collector runs: a generator closed then was collected,
 # not left by its loop (NOTE [epoch ends]).
@@ -79,15 +82,6 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     if isinstance(error, GeneratorExit):
         return ("collected" if _collecting or sys.is_finalizing() else "break"), None
     return end_reason_for(error)
-
-
-# Closed epochs judged at each epoch end (NOTE [judged window]).
-_JUDGED_EPOCHS = 32
-
-
-def _finding_id(finding: Finding) -> tuple[object, ...]:
-    # Without the epoch: a process that grows every epoch is announced once.
-    return (finding.rule, finding.pid, finding.create_time, finding.device_index)
 
 
 class _Session:
@@ -130,12 +124,9 @@ class WatchedLoader(Generic[T]):
     ) -> None:
         self._loader = loader
         self._tracker = tracker
-        self._on_leak = on_leak
-        self._teardown = teardown
+        self._teardown = check_teardown(teardown)
         self._session = _Session(loader, tracker)
-        self._announced: set[tuple[object, ...]] = set()
-        self._unjudged_end: float | None = None
-        """Monotonic time of the last epoch end whose survivors were not judged yet."""
+        self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
         self._dropped = False
         self._epochs_run = 0
@@ -229,7 +220,7 @@ class WatchedLoader(Generic[T]):
         self._finalizer.detach()
         self._session.restore_init()
         self._tracker.close()
-        self._judge(may_raise=may_raise, stacklevel=4)
+        self._judge.judge(may_raise=may_raise, stacklevel=3)
 
     def _start(self) -> None:
         """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
@@ -238,22 +229,16 @@ class WatchedLoader(Generic[T]):
         tracker = self._tracker
         if tracker.session_id:
             return
-        tracker.start()
+        mailbox_dir = started_mailbox(tracker)
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn"):
             return  # not a DataLoader: epochs and lineage only
-        original = loader.worker_init_fn
-        terminate_children = False
-        if isinstance(original, WorkerInit):  # the user installed the policy already
-            terminate_children = original.terminate_children
-            original = original.user_fn
-        installed = WorkerInit(
-            original,
-            terminate_children=terminate_children,
+        installed = chained_worker_init(
+            loader.worker_init_fn,
+            tracker=tracker,
+            mailbox_dir=mailbox_dir,
             release=self._teardown,
             persistent=bool(getattr(loader, "persistent_workers", False)),
-            mailbox_dir=os.environ.get(mailbox.MAILBOX_ENV),
-            session_id=tracker.session_id,
         )
         self._session.original_init = loader.worker_init_fn
         loader.worker_init_fn = installed
@@ -263,8 +248,8 @@ class WatchedLoader(Generic[T]):
         if self._dropped:
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
-        if self._grace_passed():
-            self._judge(may_raise=True)
+        if self._judge.due():
+            self._judge.judge(may_raise=True, stacklevel=2)
         self._tracker.begin_epoch()
         installed = self._session.installed
         if installed is not None:
@@ -301,43 +286,12 @@ class WatchedLoader(Generic[T]):
                 stacklevel=2,
             )
         self._batches_seen = self._batches_seen or count > 0
-        self._judge(may_raise=True)
+        self._judge.judge(may_raise=True, stacklevel=2)
 
     def _end_epoch(self, reason: EndReason, error: str | None, batches: int) -> None:
         self._tracker.end_epoch(reason, error, batches)
         self._epochs_run += 1
-        self._unjudged_end = time.monotonic()
-
-    def _grace_passed(self) -> bool:
-        """An epoch's survivors are not judged yet, and now they can be."""
-        return self._unjudged_end is not None and (
-            self._tracker.closed
-            or time.monotonic() - self._unjudged_end >= self._tracker.config.grace_s
-        )
-
-    def _judge(self, *, may_raise: bool, stacklevel: int = 3) -> None:
-        """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
-
-        ``stacklevel`` points the warning at the user's line: the ``for`` statement (from
-        the epoch generator), or the ``close()`` / ``with`` line.
-        """
-        if self._grace_passed():
-            self._unjudged_end = None
-        if self._on_leak == "ignore":
-            return
-        # NOTE [judged window]: the whole run only once it is over.
-        window = None if self._tracker.closed else _JUDGED_EPOCHS
-        report = self._tracker.report(last_epochs=window, fresh=False)
-        new = [f for f in report.leaks if _finding_id(f) not in self._announced]
-        if not new:
-            return
-        self._announced.update(_finding_id(f) for f in new)
-        epochs = report.epochs
-        where = f" after {epochs[-1].label}" if epochs else ""
-        message = f"leakcheck: {len(new)} GPU leak(s){where}: " + "; ".join(f.message for f in new)
-        if self._on_leak == "raise" and may_raise:
-            raise GPULeakError(message, report)
-        warnings.warn(GPULeakWarning(message), stacklevel=stacklevel)
+        self._judge.epoch_ended()
 
 
 def watch(
@@ -383,10 +337,8 @@ def watch(
         UsageError: A bad argument; the message names it and what was expected.
 
     """
-    if on_leak not in _ON_LEAK:
-        raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
-    if not isinstance(teardown, bool):
-        raise UsageError(f"teardown: expected True or False, got {teardown!r}")
+    check_on_leak(on_leak)
+    check_teardown(teardown)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
     tracker = Tracker(

@@ -348,9 +348,9 @@ def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NOTE [judged window]: an epoch end judges the latest epochs only; close() all."""
-    from leakcheck import dataloader
+    from leakcheck import watching
 
-    monkeypatch.setattr(dataloader, "_JUDGED_EPOCHS", 1)
+    monkeypatch.setattr(watching, "JUDGED_EPOCHS", 1)
     dataset = StartsChildOnce()
     watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")
     try:

@@ -42,7 +42,7 @@ from leakcheck import nvml, procs
 from leakcheck.dataloader import WatchedLoader
 from leakcheck.errors import LeakCheckError
 from leakcheck.files import write_json
-from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord
+from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord, TrackerCost
 from leakcheck.progress import Progress
 from leakcheck.report import align_columns, alive_after_grace, or_dash, workers_peak_bytes
 from leakcheck.torch_state import initialized_cuda
@@ -272,6 +272,7 @@ class ConfigResult:
         cooldown: The wait before the configuration, if one was asked for.
         cleaned: Leftover processes the sweep terminated after judging.
         wall_s: Seconds the configuration took (loader, epochs, tracker close).
+        cost: What tracking cost up to the end of the last epoch (``Tracker.cost()``).
 
     """
 
@@ -282,6 +283,15 @@ class ConfigResult:
     cooldown: Cooldown | None = None
     cleaned: tuple[CleanedProcess, ...] = ()
     wall_s: float = 0.0
+    cost: TrackerCost | None = None
+
+    @property
+    def accounted_cost_fraction(self) -> float | None:
+        """The tracker's own time (sampler CPU + the loop's time inside it) over the epochs'."""
+        epochs_s = sum(record.duration_s for record in self.report.epochs)
+        if self.cost is None or epochs_s <= 0:
+            return None
+        return (self.cost.sampler_cpu_s + self.cost.caller_wall_s) / epochs_s
 
     @property
     def teardowns(self) -> tuple[TeardownRecord, ...]:
@@ -301,6 +311,8 @@ class ConfigResult:
             "cooldown": None if self.cooldown is None else self.cooldown.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "teardown": teardown_summary(self.teardowns),
+            "tracker_cost": None if self.cost is None else dataclasses.asdict(self.cost),
+            "accounted_cost_fraction": self.accounted_cost_fraction,
             "cleanup": [cleaned.to_dict() for cleaned in self.cleaned],
             "report": self.report.to_dict(),
         }
@@ -486,10 +498,13 @@ def _run_config(
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
     failure: LoaderError | None = None
     cleaned: tuple[CleanedProcess, ...] = ()
+    cost: TrackerCost | None = None
     try:
         # Even on Ctrl-C, leaving the block stops sampling (after the workers are gone).
         with watched:
             failure = _run_epochs(watched, options, num_workers, position, progress)
+            # What tracking cost the epochs, before close() waits out the grace period.
+            cost = tracker.cost()
     finally:
         # Then remove what this configuration left behind (NOTE [cleanup]).
         if options.cleanup and tracker.session_id:
@@ -513,6 +528,7 @@ def _run_config(
         cooldown=cooldown,
         cleaned=cleaned,
         wall_s=time.monotonic() - started_s,
+        cost=cost,
     )
 
 
@@ -938,6 +954,14 @@ def _config_lines(config: ConfigResult) -> list[str]:
         lines.append(
             f"  cleanup: {cleaned.outcome} PID {cleaned.pid} (left over by this sweep: "
             f"{cleaned.cmdline})"
+        )
+    fraction = config.accounted_cost_fraction
+    if fraction is not None and config.cost is not None:
+        lines.append(
+            f"  tracker cost: {fraction:.2%} of the epochs' time (sampler CPU "
+            f"{config.cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
+            f"{config.cost.caller_wall_s * 1000:.0f} ms: "
+            f"{config.cost.caller_wall_s * 1000 / max(1, len(report.epochs)):.1f} ms per epoch)"
         )
     lines.append(f"  {report.summary()}")
     return lines

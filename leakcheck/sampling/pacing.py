@@ -43,8 +43,11 @@ __all__ = ["LIST_SHARE", "MAX_GAP_S", "MEMORY_SHARE", "WALK_EVERY", "Pacing", "T
 
 WALK_EVERY = 4
 """The sampler walks /proc (and reads the mailbox) on every fourth tick."""
-LIST_SHARE = 0.005
-"""Share of the time NVML's process lists may work in the driver (NOTE [nvml pacing])."""
+LIST_SHARE = 0.0025
+"""Share of the time NVML's process lists may work in the driver (NOTE [nvml pacing]).
+
+Small, since the truth about a worker's peak comes from the worker itself (NOTE [worker
+reports] in book.py): reads between epoch ends only add resolution."""
 MEMORY_SHARE = LIST_SHARE / 4
 """Share of the time NVML's memory reads may work in the driver."""
 MAX_GAP_S = 1.0

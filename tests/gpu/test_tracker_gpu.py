@@ -83,7 +83,9 @@ def test_parent_and_four_children_attributed_to_their_pids() -> None:
                         ctx.Process(target=hold, args=(m, r, stop))
                         for m, r in zip(amounts, ready)
                     ]
-                    for kid in kids: kid.start()
+                    for kid in kids:
+                        kid.start()
+                        tracker.register_worker(kid.pid)  # known workers (no mailbox here)
                     wait_all(ready, kids)
                     time.sleep(0.5)
                     stop.set()
@@ -165,6 +167,7 @@ def test_persistent_child_growing_64_mib_per_epoch_is_growth() -> None:
                         if kid is None:
                             kid = ctx.Process(target=grow, args=(64, 5, go, done, stop))
                             kid.start()
+                            tracker.register_worker(kid.pid)
                         go.set(); wait_all([done], [kid]); done.clear()
                         time.sleep(0.2)
                 report = tracker.report()

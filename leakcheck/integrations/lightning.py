@@ -92,7 +92,7 @@ else:
         except ImportError as error:
             raise ImportError(
                 "leakcheck.integrations.lightning needs PyTorch Lightning: "
-                'pip install "leakcheck[lightning]" (or lightning / pytorch_lightning)'
+                'pip install "dataloader-leakcheck[lightning]" (or lightning / pytorch_lightning)'
             ) from error
 
 __all__ = ["STAGES", "LeakCheckCallback"]

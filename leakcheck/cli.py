@@ -486,7 +486,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     plot_path = _output_path(args.plot, "--plot", ".png")
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError(
-            "--plot: needs matplotlib, which is not installed (pip install 'dataloader-leakcheck[plot]')"
+            "--plot: needs matplotlib, which is not installed "
+            "(pip install 'dataloader-leakcheck[plot]')"
         )
 
     workload = None

@@ -2,6 +2,6 @@
 
 Every module here is imported only by its user (``import leakcheck`` imports none of them, and
 none imports its framework before that): ``leakcheck.integrations.lightning`` needs
-``pip install "dataloader-leakcheck[lightning]"``. Like ``watch()`` and the pytest plugin, an adapter
-never imports another adapter and never judges on its own (DESIGN.md, layers).
+``pip install "dataloader-leakcheck[lightning]"``. Like ``watch()`` and the pytest plugin, an
+adapter never imports another adapter and never judges on its own (DESIGN.md, layers).
 """

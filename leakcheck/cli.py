@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a job's root process: also list its descendants with their roles (parent, "
         "worker, descendant) and its tagged orphans, GPU or not",
     )
+
+    from leakcheck.run_cli import add_run_parser
+
+    add_run_parser(commands)
     return parser
 
 
@@ -533,5 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_sweep_command(args, sys.stdout, sys.stderr)
     if args.command == "snapshot":
         return run_snapshot_command(args, sys.stdout)
+    if args.command == "run":
+        from leakcheck.run_cli import run_command
+
+        return run_command(args, sys.stdout, sys.stderr)
     sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
     return EXIT_USAGE

@@ -349,8 +349,8 @@ def _loader_lines(loader: LoaderResult) -> list[str]:
 
 def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
     tree = result.tree
-    head = f"process tree of PID {result.pid} (watched from outside until the program ended"
-    head += f" and {result.options.grace_s:g} s more)"
+    head = f"process tree of PID {result.pid}, watched from outside (what outlived the "
+    head += f"program had {result.options.grace_s:g} s to exit)"
     if tree is None:
         return [f"{head}: not tracked"]
     lines = [f"{head}: verdict {tree.verdict.upper()}"]

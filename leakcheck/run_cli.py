@@ -6,10 +6,12 @@ value is one line on standard error naming the option, what was expected and wha
 given, exit 2, and the command is not started.
 
 Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
-``--fail-on-leak`` when a leak was found; 130 when ``leakcheck run`` was interrupted
-(SIGINT, forwarded to the program, which still gets its report); 2 on bad usage, or when
-``--json`` cannot be written after a successful program; 127 (126) when the command is not
-found (cannot be executed). The report goes to standard error, so that the program's own
+``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
+written after a successful program; 127 (126) when the command is not found (cannot be
+executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the program once (NOTE [run
+signals] in launcher.py): a program that dies of it (Python's default) exits 130 and still
+gets its report; one that handles it and exits on its own keeps its own status (the report
+says it was interrupted). The report goes to standard error, so that the program's own
 standard output stays its own.
 """
 
@@ -30,7 +32,6 @@ __all__ = ["add_run_parser", "resolve_run", "run_command"]
 
 EXIT_LEAK = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 _PROG = "leakcheck run"
 
 
@@ -46,8 +47,8 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "it; the whole process tree is watched from outside too (orphans, survivors after "
         "the program ended, GPU memory of every process). The report goes to standard error "
         "when the program ends, also when it fails, calls sys.exit or is interrupted. "
-        "Exit status: the program's; 1 with --fail-on-leak when a leak was found and the "
-        "program succeeded; 130 when interrupted; 2 bad usage; 127/126 command not found / "
+        "Exit status: the program's (130 when Ctrl-C ends it); 1 with --fail-on-leak when a "
+        "leak was found and the program succeeded; 2 bad usage; 127/126 command not found / "
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
@@ -237,8 +238,6 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
             if status == 0:
                 status = EXIT_USAGE
-    if result.interrupted:
-        return EXIT_INTERRUPTED
     if status == 0 and plan.fail_on_leak and result.leak_count:
         return EXIT_LEAK
     return status

@@ -436,6 +436,42 @@ def test_an_interrupted_run_forwards_sigint_reports_and_exits_130(
     assert leakcheck_files(private_tmp) == []
 
 
+def test_a_program_that_handles_the_interrupt_keeps_its_own_status(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "handles.py").write_text(
+        "import time\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('saved', flush=True)\n"
+    )
+    json_path = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [*RUN, "--json", str(json_path), "--", sys.executable, "handles.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(private_tmp),
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert stdout.strip() == "saved"
+    data = json.loads(json_path.read_text())
+    assert data["program"]["interrupted"] is True and data["program"]["exit_status"] == 0
+    assert "exited with status 0 (interrupted)" in stderr
+
+
 def test_fail_on_leak_turns_a_successful_leaking_run_into_1(
     private_tmp: Path, leftovers: list[dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
         "orphans, GPU or not",
     )
+
+    from leakcheck.run_cli import add_run_parser
+
+    add_run_parser(commands)
     return parser
 
 
@@ -779,5 +783,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_sweep_command(args, sys.stdout, sys.stderr)
     if args.command == "snapshot":
         return run_snapshot_command(args, sys.stdout)
+    if args.command == "run":
+        from leakcheck.run_cli import run_command
+
+        return run_command(args, sys.stdout, sys.stderr)
     sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
     return EXIT_USAGE

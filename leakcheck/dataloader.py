@@ -39,7 +39,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -54,7 +54,6 @@ from leakcheck.watching import (
     chained_worker_init,
     check_on_leak,
     check_teardown,
-    started_mailbox,
 )
 
 __all__ = ["WatchedLoader", "watch"]
@@ -100,11 +99,16 @@ class _Session:
             self.loader.worker_init_fn = self.original_init
         self.installed = None
 
-    def finalize(self) -> None:
-        """Run when the wrapper is collected without ``close()``: stop the sampler."""
-        self.tracker.end_epoch("collected")
+    def finalize(self, owns_tracker: bool = True) -> None:
+        """Run when the wrapper is collected without ``close()``: stop the sampler.
+
+        A shared tracker (``owns_tracker=False``) is left alone: an epoch of the wrapper's
+        own was ended by its generator, which no longer exists.
+        """
         self.restore_init()
-        self.tracker.close()
+        if owns_tracker:
+            self.tracker.end_epoch("collected")
+            self.tracker.close()
 
 
 class WatchedLoader(Generic[T]):
@@ -112,6 +116,17 @@ class WatchedLoader(Generic[T]):
 
     Build it with :func:`watch`. ``len()``, iteration and every attribute of the loader
     (``batch_size``, ``dataset``, ``num_workers``, ...) behave as on the loader itself.
+
+    Two arguments exist for ``leakcheck run``, which patches ``DataLoader.__iter__`` itself
+    and tracks each loader through a new wrapper per epoch (NOTE [run instrumentation] in
+    instrument.py); ``watch()`` leaves both at their defaults:
+
+    * ``iterate`` makes each epoch's iterator from the loader instead of ``iter(loader)``
+      (the patched ``__iter__`` would recurse into the wrapper; it passes the original);
+    * ``owns_tracker=False``: the tracker is shared with other wrappers, so this one never
+      closes it (``close()`` ends the wrapper's own epoch if one is open, and both
+      ``close()`` and collection restore the loader's ``worker_init_fn``); whoever made
+      the tracker closes it.
     """
 
     def __init__(
@@ -121,17 +136,23 @@ class WatchedLoader(Generic[T]):
         tracker: Tracker,
         on_leak: OnLeak,
         teardown: bool,
+        iterate: Callable[[Any], Iterator[T]] | None = None,
+        owns_tracker: bool = True,
     ) -> None:
         self._loader = loader
         self._tracker = tracker
         self._teardown = check_teardown(teardown)
+        self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
+        self._owns_tracker = owns_tracker
+        self._started = False
+        self._epoch_open = False
         self._session = _Session(loader, tracker)
         self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
         self._dropped = False
         self._epochs_run = 0
         self._batches_seen = False
-        self._finalizer = weakref.finalize(self, _Session.finalize, self._session)
+        self._finalizer = weakref.finalize(self, _Session.finalize, self._session, owns_tracker)
         _install_gc_hook()
 
     # --- the loader's face -------------------------------------------------------------
@@ -219,6 +240,11 @@ class WatchedLoader(Generic[T]):
         self._closed = True
         self._finalizer.detach()
         self._session.restore_init()
+        if not self._owns_tracker:
+            if self._epoch_open:  # its own epoch, not another wrapper's
+                self._epoch_open = False
+                self._tracker.end_epoch("closed")
+            return
         self._tracker.close()
         self._judge.judge(may_raise=may_raise, stacklevel=3)
 
@@ -227,9 +253,13 @@ class WatchedLoader(Generic[T]):
         if self._closed:
             raise UsageError("this watched loader is closed; wrap the loader again")
         tracker = self._tracker
-        if tracker.session_id:
+        if self._started:
             return
-        mailbox_dir = started_mailbox(tracker)
+        self._started = True
+        tracker.start()
+        # The tracker's own mailbox: with several trackers in one process, the exported
+        # variable names the one started last.
+        mailbox_dir = tracker.mailbox_dir
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn"):
             return  # not a DataLoader: epochs and lineage only
@@ -251,6 +281,7 @@ class WatchedLoader(Generic[T]):
         if self._judge.due():
             self._judge.judge(may_raise=True, stacklevel=2)
         self._tracker.begin_epoch()
+        self._epoch_open = True
         installed = self._session.installed
         if installed is not None:
             # Workers start in this thread, and the kernel sends PR_SET_PDEATHSIG when the
@@ -260,7 +291,7 @@ class WatchedLoader(Generic[T]):
         batches: Any = None
         count = 0
         try:
-            batches = iter(self._loader)
+            batches = self._iterate(self._loader)
             for batch in batches:
                 count += 1
                 yield batch
@@ -289,7 +320,10 @@ class WatchedLoader(Generic[T]):
         self._judge.judge(may_raise=True, stacklevel=2)
 
     def _end_epoch(self, reason: EndReason, error: str | None, batches: int) -> None:
-        self._tracker.end_epoch(reason, error, batches)
+        # A shared tracker's open epoch may be another wrapper's once this one's ended.
+        if self._epoch_open or self._owns_tracker:
+            self._tracker.end_epoch(reason, error, batches)
+        self._epoch_open = False
         self._epochs_run += 1
         self._judge.epoch_ended()
 

@@ -108,8 +108,8 @@ _T = TypeVar("_T")
 # and the parent are unchanged. Bounded: cleared when full.
 _CACHE_MAX_ENTRIES = 4096
 _cmdline_cache: dict[_ImageKey, str] = {}
-_tag_cache: dict[_ImageKey, bytes | None] = {}
-_info_cache: dict[tuple[int, _Image, bytes | None, bool], ProcInfo] = {}
+_tag_cache: dict[tuple[_ImageKey, bytes], bytes | None] = {}
+_info_cache: dict[tuple[int, _Image, bytes | None, bool, bytes], ProcInfo] = {}
 
 # Whether /proc/PID/task/TID/children exists (CONFIG_PROC_CHILDREN); None until probed.
 # Module-level so tests can force the full-scan fallback.
@@ -223,36 +223,53 @@ def _cmdline(pid: int) -> str:
     return _shorten(data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"))
 
 
-def _environ_tag(pid: int) -> bytes | None:
+def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     data = _read_all(f"{_PROC}/{pid}/environ")
-    return None if data is None else _tag_bytes(data)
+    return None if data is None else _tag_bytes(data, prefix)
 
 
-def _image_tag(pid: int, image: _Image | None) -> bytes | None:
-    """The session tag of one exec image, read once (NOTE [exec image cache])."""
+def _image_tag(pid: int, image: _Image | None, prefix: bytes = _TAG_PREFIX) -> bytes | None:
+    """The session tag of one exec image, read once (NOTE [exec image cache]).
+
+    ``prefix`` (``NAME=``) names the variable that carries the tag: ``LEAKCHECK_SESSION``
+    unless a tracker was given another (``session_tag``, NOTE [run tag] in launcher.py).
+    """
     if image is None:  # cannot tell one exec image from the next: read, do not cache
-        return _environ_tag(pid)
-    key = (pid, image)
+        return _environ_tag(pid, prefix)
+    key = ((pid, image), prefix)
     if key in _tag_cache:
         return _tag_cache[key]
-    tag = _environ_tag(pid)
+    tag = _environ_tag(pid, prefix)
     _remember(_tag_cache, key, tag)
     return tag
 
 
-def _tag_bytes(environ: bytes) -> bytes | None:
-    if environ.startswith(_TAG_PREFIX):
-        start = len(_TAG_PREFIX)
+def _tag_bytes(environ: bytes, prefix: bytes = _TAG_PREFIX) -> bytes | None:
+    if environ.startswith(prefix):
+        start = len(prefix)
     else:
-        at = environ.find(b"\0" + _TAG_PREFIX)
+        at = environ.find(b"\0" + prefix)
         if at < 0:
             return None
-        start = at + 1 + len(_TAG_PREFIX)
+        start = at + 1 + len(prefix)
     end = environ.find(b"\0", start)
     return environ[start:] if end < 0 else environ[start:end]
 
 
-def _info(pid: int, stat: _Stat, session_tag: bytes | None, with_cmdline: bool) -> ProcInfo:
+def _tag_prefix(variable: str) -> bytes:
+    """``NAME=`` of the environment variable that carries a tag."""
+    if not variable or "=" in variable or "\0" in variable:
+        raise ValueError(f"not an environment variable name: {variable!r}")
+    return variable.encode() + b"="
+
+
+def _info(
+    pid: int,
+    stat: _Stat,
+    session_tag: bytes | None,
+    with_cmdline: bool,
+    prefix: bytes = _TAG_PREFIX,
+) -> ProcInfo:
     cmdline = ""
     tagged = False
     image = stat.image
@@ -260,9 +277,9 @@ def _info(pid: int, stat: _Stat, session_tag: bytes | None, with_cmdline: bool) 
         if with_cmdline:
             cmdline = _cmdline(pid)
         if session_tag is not None:
-            tagged = _image_tag(pid, None) == session_tag
+            tagged = _image_tag(pid, None, prefix) == session_tag
     else:
-        info_key = (pid, image, session_tag, with_cmdline)
+        info_key = (pid, image, session_tag, with_cmdline, prefix)
         info = _info_cache.get(info_key)
         if info is not None and info.ppid == stat.ppid:
             return info
@@ -274,7 +291,7 @@ def _info(pid: int, stat: _Stat, session_tag: bytes | None, with_cmdline: bool) 
                 _remember(_cmdline_cache, cache_key, cached_cmdline)
             cmdline = cached_cmdline
         if session_tag is not None:
-            tagged = _image_tag(pid, image) == session_tag
+            tagged = _image_tag(pid, image, prefix) == session_tag
     info = ProcInfo(
         key=ProcessKey(pid, _create_time(stat.starttime_ticks)),
         ppid=stat.ppid,
@@ -692,7 +709,11 @@ def process_key(pid: int) -> ProcessKey | None:
 
 
 def read_proc(
-    pid: int, *, session_id: str | None = None, with_cmdline: bool = True
+    pid: int,
+    *,
+    session_id: str | None = None,
+    with_cmdline: bool = True,
+    tag_variable: str = SESSION_ENV,
 ) -> ProcInfo | None:
     """Read one process: identity, parent, name and (shortened) command line.
 
@@ -703,6 +724,7 @@ def read_proc(
             environment we may not read counts as untagged.
         with_cmdline: Read the command line (joined by spaces, at most 300 characters);
             False leaves it empty and saves one read.
+        tag_variable: The variable that carries the tag (default ``LEAKCHECK_SESSION``).
 
     Returns:
         The process, zombies included; None when it does not exist or cannot be read.
@@ -714,7 +736,7 @@ def read_proc(
     if stat is None:
         return None
     tag = None if session_id is None else session_id.encode()
-    return _info(pid, stat, tag, with_cmdline)
+    return _info(pid, stat, tag, with_cmdline, _tag_prefix(tag_variable))
 
 
 def child_pids(pid: int) -> list[int]:
@@ -906,16 +928,23 @@ class TagScan:
     (the tracker, under its lock).
     """
 
-    def __init__(self, session_id: str, *, born_since: ProcessKey) -> None:
+    def __init__(
+        self, session_id: str, *, born_since: ProcessKey, variable: str = SESSION_ENV
+    ) -> None:
         """Prepare scans for ``session_id``'s tag among processes born since ``born_since``.
 
         Args:
             session_id: The session whose tag to look for (NOTE [session tag]).
             born_since: The root's identity; the root itself is left out.
+            variable: The environment variable that carries the tag: ``LEAKCHECK_SESSION``,
+                or one the caller set for a root it started (NOTE [run tag] in
+                launcher.py).
 
         """
         self._session_id = session_id
         self._tag = session_id.encode()
+        self._variable = variable
+        self._prefix = _tag_prefix(variable)
         self._born_since = born_since
         self._judged: set[tuple[int, int]] = set()
 
@@ -931,6 +960,8 @@ class TagScan:
         """
         born_since = self._born_since
         if not _HAS_PROC:
+            if self._variable != SESSION_ENV:
+                return []  # environments are unreadable without /proc (psutil reads none)
             return [
                 info
                 for info in scan_all(session_id=self._session_id, with_cmdline=True)
@@ -961,8 +992,8 @@ class TagScan:
             key = ProcessKey(pid, _create_time(stat.starttime_ticks))
             if key.create_time < born_since.create_time or key == born_since or key in known:
                 continue
-            if _image_tag(pid, stat.image) == self._tag:
-                found.append(_info(pid, stat, self._tag, with_cmdline=True))
+            if _image_tag(pid, stat.image, self._prefix) == self._tag:
+                found.append(_info(pid, stat, self._tag, True, self._prefix))
         self._judged = judged
         return found
 

@@ -59,6 +59,11 @@ class Tracker:
         persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
         use_nvml: Read NVML (False: host-side checks only).
+        session_tag: ``(NAME, VALUE)``, for a root another process started: an environment
+            variable the starter set for the root, which every process of the job inherits.
+            Processes reparented away are then found by it instead of by the tracker's own
+            ``LEAKCHECK_SESSION`` (exported only when the root is this process).
+            ``leakcheck run`` uses it (NOTE [run tag] in launcher.py).
 
     """
 
@@ -74,6 +79,7 @@ class Tracker:
         persistent_workers: bool = False,
         strict: bool = False,
         use_nvml: bool = True,
+        session_tag: tuple[str, str] | None = None,
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
         if not _is_int_at_least(warmup_epochs, 0):
@@ -82,6 +88,16 @@ class Tracker:
             raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
         if root_pid is not None and not _is_int_at_least(root_pid, 1):
             raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
+        if session_tag is not None and not (
+            isinstance(session_tag, tuple)
+            and len(session_tag) == 2
+            and all(isinstance(part, str) and part and "\0" not in part for part in session_tag)
+            and "=" not in session_tag[0]
+        ):
+            raise UsageError(
+                f"session_tag: expected (NAME, VALUE) of an environment variable, got "
+                f"{session_tag!r}"
+            )
         self._config = RuleConfig(
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
             warmup_epochs=warmup_epochs,
@@ -95,6 +111,7 @@ class Tracker:
             persistent_workers=persistent_workers,
             strict=strict,
             use_nvml=use_nvml,
+            session_tag=session_tag,
         )
 
     @property
@@ -106,6 +123,15 @@ class Tracker:
     def session_id(self) -> str:
         """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
         return self._sampler.session_id
+
+    @property
+    def mailbox_dir(self) -> str | None:
+        """The folder this tracker's workers report to (NOTE [worker mailbox] in mailbox.py).
+
+        Made by ``start()`` (None before, or where it could not be made), removed by
+        ``close()``.
+        """
+        return self._sampler.mailbox_dir
 
     @property
     def config(self) -> RuleConfig:

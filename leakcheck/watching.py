@@ -20,13 +20,11 @@ ended, so an adapter judges again at the start of a later epoch once the grace h
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Callable
 from typing import Literal
 
-from leakcheck import mailbox
 from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.model import Finding
 from leakcheck.teardown import WorkerInit
@@ -78,11 +76,11 @@ def check_teardown(value: object) -> bool:
 def started_mailbox(tracker: Tracker) -> str | None:
     """Start ``tracker`` and return its mailbox folder (None: it has none).
 
-    A tracker rooted at this process exports its mailbox as ``LEAKCHECK_MAILBOX`` when it
-    starts; read right then, before another tracker exports its own.
+    The tracker's own, not the exported variable: with several trackers in one process, that
+    names the one started last.
     """
     tracker.start()
-    return os.environ.get(mailbox.MAILBOX_ENV)
+    return tracker.mailbox_dir
 
 
 def chained_worker_init(

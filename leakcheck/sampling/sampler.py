@@ -60,6 +60,9 @@ class Sampler:
         persistent_workers: Workers that do not say otherwise live across epochs.
         strict: Keep leakcheck's own failures to raise at the next call.
         use_nvml: Read NVML at all.
+        session_tag: ``(NAME, VALUE)``: the environment variable, set by the caller for a
+            root it started, by which reparented processes of the job are found, instead of
+            this tracker's own ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
 
     """
 
@@ -73,8 +76,10 @@ class Sampler:
         persistent_workers: bool,
         strict: bool,
         use_nvml: bool,
+        session_tag: tuple[str, str] | None = None,
     ) -> None:
         self.root_pid = root_pid
+        self.session_tag = session_tag
         self.interval_s = interval_s
         self.devices = devices
         self.grace_s = grace_s
@@ -109,6 +114,11 @@ class Sampler:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    @property
+    def mailbox_dir(self) -> str | None:
+        """The workers' mailbox folder (None before ``start()`` or if it could not be made)."""
+        return self._mailbox_dir
+
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""
         return time.monotonic() - self._t0
@@ -126,7 +136,8 @@ class Sampler:
             self.started_unix_s = time.time()
             self.root_key = root_key
             self.session_id = procs.new_session_id(self.root_pid)
-            self._tag_scan = procs.TagScan(self.session_id, born_since=root_key)
+            tag = self.session_tag or (procs.SESSION_ENV, self.session_id)
+            self._tag_scan = procs.TagScan(tag[1], born_since=root_key, variable=tag[0])
             self._mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
             if self._mailbox_dir:
                 self._inbox = mailbox.Inbox(self._mailbox_dir)
@@ -139,6 +150,7 @@ class Sampler:
                 procs.read_proc(self.root_pid),
                 session=self.session_id,
                 persistent_workers=self.persistent_workers,
+                tag=tag,
             )
             lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
             for info in lineage or []:

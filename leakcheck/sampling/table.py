@@ -57,8 +57,10 @@ class ProcessTable:
     Args:
         root: The job's root.
         root_info: What /proc says of the root (None: unreadable).
-        session: The tracker's session id (its claims, its tag).
+        session: The tracker's session id (its claims, and its tag unless ``tag`` is given).
         persistent_workers: Workers that did not say otherwise live across epochs.
+        tag: ``(NAME, VALUE)`` of the environment variable that marks the job's processes
+            (default: ``LEAKCHECK_SESSION`` with ``session``).
 
     """
 
@@ -69,9 +71,11 @@ class ProcessTable:
         *,
         session: str,
         persistent_workers: bool,
+        tag: tuple[str, str] | None = None,
     ) -> None:
         self.root = root
         self.session = session
+        self.tag = tag or (procs.SESSION_ENV, session)
         self.persistent_workers = persistent_workers
         self.procs: dict[ProcessKey, Proc] = {}
         # The live subset: each walk checks it, not every process ever seen (a long run with
@@ -230,7 +234,7 @@ class ProcessTable:
 
     def _adopt_gpu_pid(self, pid: int, now: float) -> Proc | None:
         """Place a GPU PID the walks did not see: a tagged orphan of this session, or foreign."""
-        info = procs.read_proc(pid, session_id=self.session)
+        info = procs.read_proc(pid, session_id=self.tag[1], tag_variable=self.tag[0])
         if info is None:
             return None
         proc = self.procs.get(info.key)

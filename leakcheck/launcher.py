@@ -1,0 +1,616 @@
+"""The engine of ``leakcheck run``: an unmodified program, tracked inside and out.
+
+``run_program(command, options)`` starts the command with the run shim on its
+``PYTHONPATH`` (NOTE [run shim] in ``_shim/sitecustomize.py``), so that each DataLoader the
+program's Python processes iterate is tracked per epoch by a tracker in that process (NOTE
+[run instrumentation] in instrument.py); and it watches the program's whole process tree
+from outside with a ``Tracker`` of its own whose root is the program. The outside view sees
+what no tracker inside can: processes that outlive the program (orphans, survivors), the
+GPU memory of every process of the tree, non-Python children. When the program has ended it
+reads the loaders' reports from the run folder and returns one ``RunResult``.
+
+NOTE [run tag]: the outside tracker must find the program's descendants after they were
+reparented away (a worker's child, once the worker exited; everything, once the program
+exited), and the session tag is how trackers do it (NOTE [session tag] in procs.py). But the
+outside tracker cannot export ``LEAKCHECK_SESSION`` to a process it did not start itself
+after its own start, and the trackers inside the program export their own
+``LEAKCHECK_SESSION`` to the workers they start (each loader judges its own workers by it),
+so that variable cannot carry the run's tag. The run folder's variable can:
+``LEAKCHECK_RUN=<run folder>`` is set in the program's initial environment by the launcher,
+is inherited by every process the program starts (exec'd ones in their initial
+environment, forked ones by sharing the program's), and nothing inside ever changes it. The
+outside tracker is given it as its ``session_tag`` (``Tracker(session_tag=(NAME, VALUE))``):
+its tag scans and its adoption of unknown GPU processes look for that variable and value
+instead of its own session id. A process started with an environment of its own (``env=``
+without the variable) is found only through the lineage, as under any tracker.
+
+NOTE [run signals]: Ctrl-C in a terminal reaches every process of the foreground process
+group, the program included; ``kill -INT <leakcheck>`` reaches only the launcher. The
+launcher forwards what the program would otherwise miss, and only that: it blocks SIGINT,
+SIGTERM, SIGHUP and SIGCHLD in its own thread (the program gets its mask back before it
+execs), waits for them with ``sigtimedwait``, and forwards a signal that a process sent
+(``si_code`` <= 0) but not one the kernel sent on the terminal's behalf: a second SIGINT
+could break the program's own cleanup, its loaders' reports included. SIGCHLD ends the wait
+when the program exits; ``waitid(WNOWAIT)`` leaves it a zombie until the outside tracker is
+closed, so its PID cannot be reused by another process while the tree is still read. Where
+this cannot be done (not the main thread; no ``sigtimedwait``), the launcher just waits
+and a Ctrl-C forwarded by the terminal still reaches the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from leakcheck import procs
+from leakcheck.errors import LeakCheckError
+from leakcheck.instrument import RUN_ENV, ShimOptions, read_records, write_options
+from leakcheck.model import MIB, EndReason, Finding
+from leakcheck.report import SCHEMA_VERSION, Report, finding_lines, report_from_dict
+from leakcheck.tracker import Tracker
+from leakcheck.units import format_mib
+
+__all__ = [
+    "RUN_SCHEMA_VERSION",
+    "LaunchError",
+    "LoaderResult",
+    "RunOptions",
+    "RunResult",
+    "child_environment",
+    "run_program",
+    "shim_folder",
+]
+
+RUN_SCHEMA_VERSION = 1
+"""Version of ``RunResult.to_dict``'s layout; bumped on any incompatible change."""
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_WAIT_TICK_S = 0.5
+_MAILBOX_PREFIX = "leakcheck-mailbox-"
+
+
+class LaunchError(LeakCheckError):
+    """The command could not be started; ``exit_status`` is the shell's (126 or 127)."""
+
+    def __init__(self, message: str, exit_status: int) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to track the program.
+
+    Attributes:
+        tolerance_bytes: Growth or residual below this is noise.
+        grace_s: How long a process born in an epoch may outlive it (the program's run is
+            the outside tracker's one epoch).
+        interval_s: Sampling interval, inside and outside.
+        teardown: Install the teardown policy in the loaders' workers.
+        device_index: The one device to watch (None: all).
+
+    """
+
+    tolerance_bytes: int = 16 * MIB
+    grace_s: float = 2.0
+    interval_s: float = 0.05
+    teardown: bool = False
+    device_index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return asdict(self)
+
+    def shim(self) -> ShimOptions:
+        """What the trackers inside the program use."""
+        return ShimOptions(
+            tolerance_bytes=self.tolerance_bytes,
+            grace_s=self.grace_s,
+            interval_s=self.interval_s,
+            teardown=self.teardown,
+            devices=None if self.device_index is None else (self.device_index,),
+        )
+
+
+@dataclass(frozen=True)
+class LoaderResult:
+    """One loader of the run: its label, its process, its report.
+
+    Attributes:
+        label: Where the program made it (``file:line``, ``#2`` for a second one alive at
+            once from the same line).
+        pid: The process that iterated it.
+        argv: That process's ``sys.argv``.
+        report: Its judged report (None when it never came).
+        cost: What its tracker cost until the program's exit began (``TrackerCost``).
+        exit_s: Seconds its tracker took at exit (close, report, write).
+        missing: Why there is no report.
+
+    """
+
+    label: str
+    pid: int
+    argv: tuple[str, ...] = ()
+    report: Report | None = None
+    cost: Mapping[str, Any] | None = None
+    exit_s: float | None = None
+    missing: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "label": self.label,
+            "pid": self.pid,
+            "argv": list(self.argv),
+            "report": self.report.to_dict() if self.report is not None else None,
+            "cost": dict(self.cost) if self.cost is not None else None,
+            "exit_s": self.exit_s,
+            "missing": self.missing,
+        }
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Everything ``leakcheck run`` observed and judged.
+
+    Attributes:
+        command: The command as given.
+        options: How it was tracked.
+        pid: The program's PID.
+        exit_code: Its exit code (None when a signal ended it).
+        signal_number: The signal that ended it, if one did.
+        interrupted: ``leakcheck run`` got SIGINT while the program ran.
+        wall_s: From the start to the program's end.
+        tree: The outside tracker's judged report (None if it failed).
+        tree_cost: What the outside tracker cost (``TrackerCost``).
+        loaders: Each loader's result, in the order their trackers started.
+        failures: Lines about what leakcheck itself could not do.
+        started_unix_s: When the program started.
+        gpu_reason: Why GPU memory was not checked (empty when it was).
+        environment: Versions and machine, for the record.
+
+    """
+
+    command: tuple[str, ...]
+    options: RunOptions
+    pid: int
+    exit_code: int | None
+    signal_number: int | None
+    interrupted: bool
+    wall_s: float
+    tree: Report | None
+    tree_cost: Mapping[str, Any] | None
+    loaders: tuple[LoaderResult, ...]
+    failures: tuple[str, ...] = ()
+    started_unix_s: float = 0.0
+    gpu_reason: str = ""
+    environment: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def program_status(self) -> int:
+        """The program's exit status as a shell gives it (128 + N for signal N)."""
+        if self.signal_number is not None:
+            return 128 + self.signal_number
+        return self.exit_code if self.exit_code is not None else 1
+
+    @property
+    def leaks(self) -> list[Finding]:
+        """Every leak, each leaking process once (a loader's before the tree's)."""
+        found: list[Finding] = []
+        seen: set[tuple[object, ...]] = set()
+        for report in self._reports():
+            for finding in report.leaks:
+                key = _identity(finding)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(finding)
+        return found
+
+    @property
+    def leak_count(self) -> int:
+        """Leaks over the loaders and the tree, each leaking process counted once."""
+        return len(self.leaks)
+
+    @property
+    def verdict(self) -> str:
+        """``leak``, ``blind`` (a report could not attribute) or ``clean``."""
+        verdicts = {report.verdict for report in self._reports()}
+        for verdict in ("leak", "blind"):
+            if verdict in verdicts:
+                return verdict
+        return "clean"
+
+    def _reports(self) -> list[Report]:
+        reports = [loader.report for loader in self.loaders if loader.report is not None]
+        return reports + ([self.tree] if self.tree is not None else [])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
+        return {
+            "schema": "leakcheck.run",
+            "schema_version": RUN_SCHEMA_VERSION,
+            "report_schema_version": SCHEMA_VERSION,
+            "command": list(self.command),
+            "options": self.options.to_dict(),
+            "started_unix_s": self.started_unix_s,
+            "wall_s": self.wall_s,
+            "program": {
+                "pid": self.pid,
+                "exit_code": self.exit_code,
+                "signal": self.signal_number,
+                "exit_status": self.program_status,
+                "interrupted": self.interrupted,
+            },
+            "environment": dict(self.environment),
+            "gpu": {"checked": not self.gpu_reason, "reason": self.gpu_reason},
+            "verdict": self.verdict,
+            "leak_count": self.leak_count,
+            "loaders": [loader.to_dict() for loader in self.loaders],
+            "tree": {
+                "report": self.tree.to_dict() if self.tree is not None else None,
+                "cost": dict(self.tree_cost) if self.tree_cost is not None else None,
+            },
+            "failures": list(self.failures),
+        }
+
+    def format(self) -> str:
+        """The text report: the program, each loader's findings, then the tree's."""
+        return format_run(self)
+
+
+def _identity(finding: Finding) -> tuple[object, ...]:
+    """One leaking thing: a process (by identity), else the finding itself."""
+    if finding.pid is not None:
+        return ("pid", finding.pid, finding.create_time)
+    return (finding.rule, finding.device_index, finding.shm_name, finding.message)
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _program_line(result: RunResult) -> str:
+    if result.signal_number is not None:
+        try:
+            name = signal.Signals(result.signal_number).name
+        except ValueError:
+            name = f"signal {result.signal_number}"
+        how = f"was ended by {name}"
+    else:
+        how = f"exited with status {result.exit_code}"
+    interrupted = " (interrupted)" if result.interrupted else ""
+    return f"program PID {result.pid} {how}{interrupted} after {result.wall_s:.1f} s"
+
+
+def format_run(result: RunResult) -> str:
+    """Render a run as text (see ``RunResult.format``)."""
+    options = result.options
+    teardown = "on" if options.teardown else "off"
+    lines = [
+        f"leakcheck run: {' '.join(result.command)}",
+        f"  {_program_line(result)}; tolerance {format_mib(options.tolerance_bytes)} MiB, "
+        f"grace {options.grace_s:g} s, sampling every {options.interval_s * 1000:g} ms, "
+        f"teardown {teardown}",
+    ]
+    if result.gpu_reason:
+        lines.append(f"  GPU memory not checked: {result.gpu_reason}")
+    shown: set[tuple[object, ...]] = set()
+    for loader in result.loaders:
+        lines.append("")
+        lines.extend(_loader_lines(loader))
+        if loader.report is not None:
+            shown.update(_identity(f) for f in loader.report.leaks)
+    if not result.loaders:
+        lines.append("")
+        lines.append(
+            "loaders: no DataLoader was iterated in a Python process of the run (or its "
+            "Python ignored PYTHONPATH: python -E, -I or -S)"
+        )
+    lines.append("")
+    lines.extend(_tree_lines(result, shown))
+    for failure in result.failures:
+        lines.append(f"  leakcheck itself: {failure}")
+    lines.append("")
+    count = result.leak_count
+    loaders = len(result.loaders)
+    lines.append(
+        f"leakcheck run: verdict {result.verdict}, {count} leak{'s' if count != 1 else ''} "
+        f"({loaders} loader{'s' if loaders != 1 else ''} and the process tree); "
+        f"program exit status {result.program_status}"
+    )
+    return "\n".join(lines)
+
+
+def _loader_lines(loader: LoaderResult) -> list[str]:
+    report = loader.report
+    if report is None:
+        return [f"loader {loader.label} (PID {loader.pid}): no report: {loader.missing}"]
+    epochs = report.epochs
+    reasons = sorted({epoch.end_reason for epoch in epochs} - {"completed"})
+    ended = f", not completed: {', '.join(reasons)}" if reasons else ""
+    lines = [
+        f"loader {loader.label} (PID {loader.pid}): {len(epochs)} "
+        f"epoch{'s' if len(epochs) != 1 else ''}{ended}; verdict {report.verdict.upper()}"
+    ]
+    lines.extend(finding_lines(report.findings, indent="  "))
+    lines.append(f"  {report.summary()}")
+    return lines
+
+
+def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
+    tree = result.tree
+    head = f"process tree of PID {result.pid}, watched from outside (what outlived the "
+    head += f"program had {result.options.grace_s:g} s to exit)"
+    if tree is None:
+        return [f"{head}: not tracked"]
+    lines = [f"{head}: verdict {tree.verdict.upper()}"]
+    repeated = [f for f in tree.leaks if _identity(f) in shown]
+    lines.extend(finding_lines([f for f in tree.findings if f not in repeated], indent="  "))
+    if repeated:
+        lines.append(
+            f"  ({len(repeated)} leak{'s' if len(repeated) != 1 else ''} of processes a "
+            "loader reported above, not repeated)"
+        )
+    lines.append(f"  {tree.summary()}")
+    return lines
+
+
+# --------------------------------------------------------------------------- running
+
+
+def shim_folder() -> str:
+    """The folder put first on the program's ``PYTHONPATH`` (the run shim)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
+
+
+def child_environment(environ: Mapping[str, str], folder: str) -> dict[str, str]:
+    """The program's environment: the caller's, with the shim and the run's tag.
+
+    ``PYTHONPATH`` gets the shim first and the caller's entries after it; ``LEAKCHECK_RUN``
+    names the run folder (NOTE [run tag]). The caller's own environment is not changed.
+    """
+    env = dict(environ)
+    paths = [shim_folder()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env[RUN_ENV] = folder
+    return env
+
+
+class _Waiter:
+    """Waits for the program and forwards signals to it (NOTE [run signals])."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.forwarded: list[int] = []
+        self._mask = {*_FORWARDED, signal.SIGCHLD}
+        self._held = (
+            threading.current_thread() is threading.main_thread()
+            and hasattr(signal, "sigtimedwait")
+            and hasattr(os, "waitid")
+        )
+        self._old_mask: set[int | signal.Signals] | None = None
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[_Waiter]:
+        """Hold the signals while the program runs; drain and restore them after."""
+        if self._held:
+            self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._mask)
+        try:
+            yield self
+        finally:
+            if self._held and self._old_mask is not None:
+                while signal.sigtimedwait(self._mask, 0) is not None:
+                    pass
+                signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+
+    def restore_in_child(self) -> None:
+        """Run in the program between fork and exec: its signal mask as it was."""
+        if self._old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+
+    def wait(self, proc: subprocess.Popen[bytes]) -> tuple[int | None, int | None]:
+        """Wait until the program exits; it stays a zombie. Returns (code, signal)."""
+        if not self._held:
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                self.interrupted = True
+                code = proc.wait()
+            return (code, None) if code >= 0 else (None, -code)
+        while True:
+            state = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if state is not None and state.si_pid == proc.pid:
+                if state.si_code == os.CLD_EXITED:
+                    return state.si_status, None
+                return None, state.si_status
+            info = signal.sigtimedwait(self._mask, _WAIT_TICK_S)
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            if info.si_signo == signal.SIGINT:
+                self.interrupted = True
+            if info.si_code <= 0:  # sent by a process (kill), not the terminal's kernel
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, info.si_signo)
+                self.forwarded.append(info.si_signo)
+
+
+def _start(command: Sequence[str], env: dict[str, str], waiter: _Waiter) -> subprocess.Popen[bytes]:
+    try:
+        return subprocess.Popen(list(command), env=env, preexec_fn=waiter.restore_in_child)
+    except FileNotFoundError:
+        raise LaunchError(f"cannot run {command[0]!r}: no such command", 127) from None
+    except PermissionError:
+        raise LaunchError(f"cannot run {command[0]!r}: permission denied", 126) from None
+    except OSError as error:
+        raise LaunchError(f"cannot run {command[0]!r}: {error.strerror or error}", 126) from None
+
+
+def _end_reason(
+    code: int | None, signal_number: int | None, interrupted: bool
+) -> tuple[EndReason, str | None]:
+    if interrupted or signal_number == signal.SIGINT:
+        return "interrupt", "KeyboardInterrupt"
+    if signal_number is not None:
+        return "exception", f"ended by signal {signal_number}"
+    if code:
+        return "exception", f"exit status {code}"
+    return "completed", None
+
+
+def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
+    """Run ``command`` with the tracker around its process tree; see the module docstring.
+
+    Args:
+        command: The program and its arguments.
+        options: How to track it.
+
+    Returns:
+        What was observed and judged, once the program ended and the grace period passed.
+
+    Raises:
+        LaunchError: The command could not be started.
+
+    """
+    failures: list[str] = []
+    folder = tempfile.mkdtemp(prefix="leakcheck-run-")
+    try:
+        write_options(folder, options.shim())
+        env = child_environment(os.environ, folder)
+        waiter = _Waiter()
+        tracker: Tracker | None = None
+        with waiter.holding():
+            proc = _start(command, env, waiter)
+            started_unix_s = time.time()
+            started = time.monotonic()
+            try:
+                tracker = Tracker(
+                    root_pid=proc.pid,
+                    interval=options.interval_s,
+                    tolerance=options.tolerance_bytes,
+                    grace=options.grace_s,
+                    devices=None if options.device_index is None else [options.device_index],
+                    session_tag=(RUN_ENV, folder),
+                )
+                tracker.begin_epoch("program")
+            except LeakCheckError as error:
+                failures.append(f"the process tree is not tracked: {error}")
+                tracker = None
+            code, signal_number = waiter.wait(proc)
+            wall_s = time.monotonic() - started
+            tree = tree_cost = None
+            if tracker is not None:
+                tracker.end_epoch(*_end_reason(code, signal_number, waiter.interrupted))
+                tracker.close()
+                tree = tracker.report()
+                tree_cost = asdict(tracker.cost())
+            proc.wait()  # reap it only now (NOTE [run signals])
+        records = read_records(folder)
+        failures.extend(records.failures)
+        loaders = _loader_results(records.started, records.reports)
+        _remove_mailboxes(records.started)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    gpu_reason = ""
+    if tree is not None and tree.timeline.attribution in ("nvml-unavailable", "no-gpu"):
+        gpu_reason = tree.timeline.attribution_reason or "no GPU"
+    return RunResult(
+        command=tuple(command),
+        options=options,
+        pid=proc.pid,
+        exit_code=code,
+        signal_number=signal_number,
+        interrupted=waiter.interrupted,
+        wall_s=wall_s,
+        tree=tree,
+        tree_cost=tree_cost,
+        loaders=loaders,
+        failures=tuple(failures),
+        started_unix_s=started_unix_s,
+        gpu_reason=gpu_reason,
+        environment=_environment(),
+    )
+
+
+def _loader_results(
+    started: Sequence[Mapping[str, Any]], reports: Sequence[Mapping[str, Any]]
+) -> tuple[LoaderResult, ...]:
+    by_key = {(r.get("pid"), r.get("index")): r for r in reports}
+    results: list[LoaderResult] = []
+    for record in started:
+        key = (record.get("pid"), record.get("index"))
+        report_record = by_key.pop(key, None)
+        results.append(_loader_result(record, report_record))
+    results.extend(_loader_result(record, record) for record in by_key.values())
+    return tuple(results)
+
+
+def _loader_result(
+    record: Mapping[str, Any], report_record: Mapping[str, Any] | None
+) -> LoaderResult:
+    label = str(record.get("label", "?"))
+    pid = record.get("pid")
+    argv = record.get("argv")
+    common: dict[str, Any] = {
+        "label": label,
+        "pid": pid if isinstance(pid, int) else 0,
+        "argv": tuple(str(a) for a in argv) if isinstance(argv, list) else (),
+    }
+    if report_record is None:
+        return LoaderResult(
+            **common,
+            missing="its process ended without running its exit handlers (os._exit, a "
+            "signal) or was still running when the run ended",
+        )
+    try:
+        report = report_from_dict(report_record["report"])
+    except (LeakCheckError, KeyError, TypeError, ValueError) as error:
+        return LoaderResult(**common, missing=f"its report cannot be read: {error}")
+    cost = report_record.get("cost")
+    exit_s = report_record.get("exit_s")
+    return LoaderResult(
+        **common,
+        report=report,
+        cost=cost if isinstance(cost, dict) else None,
+        exit_s=float(exit_s) if isinstance(exit_s, (int, float)) else None,
+    )
+
+
+def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
+    """Remove the mailboxes of loader trackers whose process is gone without closing them.
+
+    A tracker removes its mailbox when it closes; a process killed before its exit handlers
+    ran leaves it behind. Only folders named as leakcheck names them, of processes that are
+    gone (by identity), are removed.
+    """
+    for record in started:
+        folder, pid = record.get("mailbox"), record.get("pid")
+        create_time = record.get("create_time")
+        if not isinstance(folder, str) or not os.path.basename(folder).startswith(_MAILBOX_PREFIX):
+            continue
+        if isinstance(pid, int) and isinstance(create_time, (int, float)):
+            key = procs.process_key(pid)
+            if key is not None and abs(key.create_time - create_time) < 1e-3:
+                continue  # still running: its tracker may still use it
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _environment() -> dict[str, Any]:
+    import leakcheck
+
+    return {
+        "leakcheck": leakcheck.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "executable": sys.executable,
+        "cpu_count": os.cpu_count(),
+    }

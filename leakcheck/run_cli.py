@@ -1,0 +1,243 @@
+"""``leakcheck run [options] -- CMD ...``: the command line of the run engine (launcher.py).
+
+``cli.py`` adds this parser to its subcommands and hands the parsed arguments to
+``run_command``. Options are validated here, in one place, before anything starts: a bad
+value is one line on standard error naming the option, what was expected and what was
+given, exit 2, and the command is not started.
+
+Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
+``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
+written after a successful program; 127 (126) when the command is not found (cannot be
+executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the program once (NOTE [run
+signals] in launcher.py): a program that dies of it (Python's default) exits 130 and still
+gets its report; one that handles it and exits on its own keeps its own status (the report
+says it was interrupted). The report goes to standard error, so that the program's own
+standard output stays its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any, TextIO
+
+from leakcheck import options as option_specs
+from leakcheck.errors import UsageError
+
+__all__ = ["add_run_parser", "resolve_run", "run_command"]
+
+EXIT_LEAK = 1
+EXIT_USAGE = 2
+_PROG = "leakcheck run"
+
+
+def add_run_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add ``run`` to ``cli.py``'s subcommands (``commands`` is its subparsers action)."""
+    run: argparse.ArgumentParser = commands.add_parser(
+        "run",
+        help="run an unmodified program with the tracker around its process tree; each "
+        "DataLoader iteration is an epoch of its loader",
+        description="Run CMD (a Python script, python -m module, or any command whose Python "
+        "processes make DataLoaders) unmodified. Each DataLoader iteration in a Python "
+        "process of the run is an epoch of that loader, labelled by the file:line that made "
+        "it; the whole process tree is watched from outside too (orphans, survivors after "
+        "the program ended, GPU memory of every process). The report goes to standard error "
+        "when the program ends, also when it fails, calls sys.exit or is interrupted. "
+        "Exit status: the program's (130 when Ctrl-C ends it); 1 with --fail-on-leak when a "
+        "leak was found and the program succeeded; 2 bad usage; 127/126 command not found / "
+        "not executable.",
+        usage="leakcheck run [options] -- CMD [ARG ...]",
+    )
+    run.add_argument(
+        "--tolerance",
+        default=None,
+        metavar="SIZE",
+        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
+    )
+    run.add_argument(
+        "--grace",
+        default=None,
+        metavar="SECONDS",
+        help="how long a process may outlive its epoch, and the program (default: "
+        "$LEAKCHECK_GRACE, else 2)",
+    )
+    run.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
+    run.add_argument(
+        "--teardown",
+        action="store_true",
+        help="install leakcheck's teardown policy in the workers (they release their CUDA "
+        "context at exit and die with their parent); off by default",
+    )
+    run.add_argument(
+        "--device", default=None, metavar="N", help="GPU index to watch (default: all)"
+    )
+    run.add_argument(
+        "--fail-on-leak",
+        action="store_true",
+        help="exit 1 when a leak was found and the program exited 0",
+    )
+    run.add_argument(
+        "--json", default=None, metavar="PATH", help="write everything as JSON (schema-versioned)"
+    )
+    run.add_argument(
+        "--plot", default=None, metavar="PATH.png", help="not supported by run yet (exit 2)"
+    )
+    run.add_argument(
+        "program",  # not "command": cli.py's subcommand is args.command
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the program and its arguments, after --",
+    )
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Validated ``run`` arguments."""
+
+    command: tuple[str, ...]
+    options: Any  # launcher.RunOptions (imported lazily)
+    json_path: str | None
+    fail_on_leak: bool
+
+
+def _output_path(text: str | None, option: str) -> str | None:
+    if text is None:
+        return None
+    if not text.strip():
+        raise UsageError(f"{option}: expected a file path, got {text!r}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+        raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
+    if os.path.isdir(text):
+        raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+    return text
+
+
+def resolve_run(args: argparse.Namespace) -> RunPlan:
+    """Validate every ``run`` option in one place.
+
+    Raises:
+        UsageError: One line naming the option, what was expected, and the value.
+
+    """
+    from leakcheck.launcher import RunOptions
+
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
+    if args.plot is not None:
+        raise UsageError(
+            f"--plot: not supported by leakcheck run yet, got {args.plot!r} (use --json PATH; "
+            "leakcheck sweep --plot draws a sweep)"
+        )
+    tolerance_bytes = option_specs.resolve(
+        dataclasses.replace(option_specs.TOLERANCE, cli_flag="--tolerance"),
+        cli=args.tolerance,
+        environ=os.environ,
+    ).value
+    grace_s = option_specs.resolve(
+        dataclasses.replace(option_specs.GRACE, cli_flag="--grace", default=2.0),
+        cli=args.grace,
+        environ=os.environ,
+    ).value
+    interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
+    if interval_s <= 0:
+        raise UsageError(
+            f"--interval: expected more than 0 seconds such as 50ms, got {args.interval!r}"
+        )
+    device = None
+    if args.device is not None:
+        text = str(args.device).strip()
+        if not (text.isascii() and text.isdigit()):
+            raise UsageError(f"--device: expected a GPU index >= 0 such as 0, got {args.device!r}")
+        device = int(text)
+        _check_device(device)
+    return RunPlan(
+        command=tuple(command),
+        options=RunOptions(
+            tolerance_bytes=tolerance_bytes,
+            grace_s=grace_s,
+            interval_s=interval_s,
+            teardown=bool(args.teardown),
+            device_index=device,
+        ),
+        json_path=_output_path(args.json, "--json"),
+        fail_on_leak=bool(args.fail_on_leak),
+    )
+
+
+def _check_device(device: int) -> None:
+    from leakcheck import nvml
+    from leakcheck.errors import LeakCheckError
+
+    if not nvml.availability()[0]:
+        return  # no GPU to check against: the report says GPU memory was not checked
+    try:
+        count = nvml.get().device_count()
+    except LeakCheckError:
+        return
+    if device >= count:
+        raise UsageError(f"--device: expected a GPU index below {count}, got {device}")
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write atomically: a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, temp = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(data, stream, indent=2)
+            stream.write("\n")
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``leakcheck run``: run the program, print the report, write ``--json``, pick the status.
+
+    Args:
+        args: ``cli.py``'s parsed arguments.
+        out: Unused (the program's standard output is its own); kept for symmetry.
+        err: Where the report and usage errors go.
+
+    Returns:
+        The exit status (see the module docstring).
+
+    """
+    from leakcheck.launcher import LaunchError, run_program
+
+    try:
+        plan = resolve_run(args)
+    except UsageError as error:
+        err.write(f"{_PROG}: {error}\n")
+        return EXIT_USAGE
+    try:
+        result = run_program(plan.command, plan.options)
+    except LaunchError as error:
+        err.write(f"{_PROG}: {error}\n")
+        return error.exit_status
+    err.write(result.format() + "\n")
+    err.flush()
+    status = result.program_status
+    if plan.json_path is not None:
+        try:
+            _write_json(plan.json_path, result.to_dict())
+        except OSError as error:
+            err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
+            if status == 0:
+                status = EXIT_USAGE
+    if status == 0 and plan.fail_on_leak and result.leak_count:
+        return EXIT_LEAK
+    return status

@@ -1,0 +1,737 @@
+"""``leakcheck run -- CMD``: unmodified programs, tracked inside (per loader) and outside.
+
+Every test runs ``leakcheck run`` as a real command in a fresh process, with a private
+TMPDIR (so that what a run leaves behind is visible), and stops the processes a leaking
+program left, by (pid, create_time) from the run's own JSON report.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from torch.utils.data import DataLoader
+
+from leakcheck import procs
+from leakcheck.dataloader import WatchedLoader
+from leakcheck.instrument import RUN_ENV
+from leakcheck.launcher import child_environment, shim_folder
+from leakcheck.tracker import Tracker
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 240
+RUN = [sys.executable, "-m", "leakcheck", "run"]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    data: dict[str, Any] | None
+
+
+@pytest.fixture
+def private_tmp() -> Iterator[Path]:
+    """A TMPDIR of the test's own, with a short path: multiprocessing makes AF_UNIX sockets
+    there (torch shares tensors through them), and their paths must stay below 108 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="lcrun-"))
+    (folder / "tmp").mkdir()
+    yield folder / "tmp"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def leftovers() -> Iterator[list[dict[str, Any]]]:
+    """JSON reports whose leaked processes the test stops afterwards."""
+    reports: list[dict[str, Any]] = []
+    yield reports
+    for data in reports:
+        for report in _reports(data):
+            for finding in report["findings"]:
+                if finding["severity"] == "leak" and finding["role"] != "parent":
+                    _stop(finding.get("pid"), finding.get("create_time"))
+
+
+def _reports(data: dict[str, Any]) -> list[dict[str, Any]]:
+    found = [loader["report"] for loader in data["loaders"] if loader["report"]]
+    return found + ([data["tree"]["report"]] if data["tree"]["report"] else [])
+
+
+def _stop(pid: object, create_time: object) -> None:
+    if not isinstance(pid, int) or not isinstance(create_time, float):
+        return
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) < 0.05:
+            proc.kill()
+            proc.wait(5)
+
+
+def _env(private_tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEAKCHECK_")}
+    env.update({"PYTHONPATH": str(ROOT), "TMPDIR": str(private_tmp), **extra})
+    return env
+
+
+def leakcheck_run(
+    *args: str,
+    private_tmp: Path,
+    cwd: Path = ROOT,
+    leftovers: list[dict[str, Any]] | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """``python -m leakcheck run --json ... ARGS``; the JSON is read back and removed."""
+    json_path = private_tmp.parent / "run.json"
+    # Files, not pipes: a leaked process inherits them, and would hold a pipe open.
+    out_path, err_path = private_tmp.parent / "run.out", private_tmp.parent / "run.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "leakcheck", "run", "--json", str(json_path), *args],
+            stdout=out,
+            stderr=err,
+            env=env or _env(private_tmp),
+            cwd=cwd,
+            timeout=TIMEOUT_S,
+        )
+    data = None
+    if json_path.exists():
+        data = json.loads(json_path.read_text())
+        json_path.unlink()
+        if leftovers is not None:
+            leftovers.append(data)
+    return Run(proc.returncode, out_path.read_text(), err_path.read_text(), data)
+
+
+def leakcheck_files(folder: Path) -> list[str]:
+    """What leakcheck made in a TMPDIR and left there (the run folder, mailboxes).
+
+    Only leakcheck's own: multiprocessing leaves its ``pymp-*`` folders there when its
+    workers are killed at exit, with or without leakcheck.
+    """
+    return sorted(path.name for path in folder.iterdir() if "leakcheck" in path.name)
+
+
+def findings(report: dict[str, Any], severity: str = "leak") -> collections.Counter[Any]:
+    return collections.Counter(
+        (f["rule"], f["role"]) for f in report["findings"] if f["severity"] == severity
+    )
+
+
+def loader(data: dict[str, Any], label: str) -> dict[str, Any]:
+    matches = [item for item in data["loaders"] if item["label"] == label]
+    assert len(matches) == 1, [item["label"] for item in data["loaders"]]
+    return matches[0]
+
+
+def line_of(path: Path, text: str) -> int:
+    lines = path.read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
+
+
+WATCH_HARNESS = """
+import collections, json, runpy, sys
+import leakcheck
+made = []
+original = leakcheck.watch
+def recording(*args, **kwargs):
+    made.append(original(*args, **kwargs))
+    return made[-1]
+leakcheck.watch = recording
+sys.path.insert(0, sys.argv[1])
+sys.argv = [sys.argv[2]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+print("FINDINGS" + json.dumps([
+    [[f.rule, f.role, f.severity, f.pid, f.create_time] for f in w.report().findings]
+    for w in made
+]))
+"""
+
+
+def watch_findings(script: str, private_tmp: Path) -> list[list[list[Any]]]:
+    """The findings of each ``watch()`` wrapper the example makes, as it runs them."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WATCH_HARNESS, str(EXAMPLES), str(EXAMPLES / script)],
+        capture_output=True,
+        text=True,
+        env=_env(private_tmp),
+        cwd=ROOT,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("FINDINGS"))
+    found: list[list[list[Any]]] = json.loads(line[len("FINDINGS") :])
+    for wrapper in found:
+        for _rule, role, severity, pid, create_time in wrapper:
+            if severity == "leak" and role != "parent":
+                _stop(pid, create_time)
+    return found
+
+
+def counted(wrapper: list[list[Any]], severity: str = "leak") -> collections.Counter[Any]:
+    return collections.Counter((rule, role) for rule, role, sev, _, _ in wrapper if sev == severity)
+
+
+# --------------------------------------------------------------------------- same as watch()
+
+
+@pytest.mark.parametrize(
+    ("watched", "plain", "expected"),
+    [
+        ("grandchild_leak.py", "plain_grandchild_leak.py", {("orphan", "orphan"): 2}),
+        ("grandchild_fixed.py", "plain_grandchild_fixed.py", {}),
+        ("persistent_cache_leak.py", "plain_persistent_cache_leak.py", None),
+        ("persistent_cache_fixed.py", "plain_persistent_cache_fixed.py", None),
+    ],
+)
+def test_unmodified_script_gets_the_findings_of_its_watch_version(
+    watched: str,
+    plain: str,
+    expected: dict[Any, int] | None,
+    private_tmp: Path,
+    leftovers: list[dict[str, Any]],
+) -> None:
+    (by_watch,) = watch_findings(watched, private_tmp)
+    run = leakcheck_run(
+        "--", sys.executable, f"examples/{plain}", private_tmp=private_tmp, leftovers=leftovers
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None
+    (item,) = run.data["loaders"]
+    assert item["label"].startswith("examples/plain_")
+    for severity in ("leak", "info"):
+        assert findings(item["report"], severity) == counted(by_watch, severity), run.stderr
+    if expected is not None:  # on a GPU the persistent-cache leak is growth, on a CPU clean
+        assert dict(findings(item["report"])) == expected
+    # The tree's view holds the same leaking processes (and no others on these scripts).
+    assert findings(run.data["tree"]["report"]) == findings(item["report"])
+    assert run.data["leak_count"] == sum(findings(item["report"]).values())
+    verdict = "leak" if findings(item["report"]) else "clean"
+    assert f"leakcheck run: verdict {verdict}" in run.stderr
+    assert run.stdout.strip().splitlines()[-1] in ("done", "epoch 4 done")
+    assert leakcheck_files(private_tmp) == [], "the run left files in TMPDIR"
+
+
+def test_teardown_on_request_keeps_the_findings(
+    private_tmp: Path, leftovers: list[dict[str, Any]]
+) -> None:
+    run = leakcheck_run(
+        "--teardown",
+        "--",
+        sys.executable,
+        "examples/plain_grandchild_leak.py",
+        private_tmp=private_tmp,
+        leftovers=leftovers,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None and run.data["options"]["teardown"] is True
+    (item,) = run.data["loaders"]
+    assert dict(findings(item["report"])) == {("orphan", "orphan"): 2}
+    assert "teardown on" in run.stderr
+    # The policy ran in each worker: they reported their teardown.
+    assert len(item["report"]["teardowns"]) == 2
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+TRAIN_VAL = """\
+import sys
+from torch.utils.data import DataLoader
+
+
+def make(n):
+    return DataLoader(list(range(n)), batch_size=2, num_workers=1)  # HELPER
+
+
+train = DataLoader(list(range(8)), batch_size=2, num_workers=2)  # TRAIN
+val = DataLoader(list(range(4)), batch_size=2, num_workers=1)  # VAL
+a, b = make(4), make(6)
+for epoch in range(3):
+    for batch in train:
+        pass
+    for batch in val:
+        pass
+    fresh = DataLoader(list(range(4)), batch_size=2, num_workers=1)  # FRESH
+    for batch in fresh:
+        pass
+    for batch in a:
+        pass
+    for batch in b:
+        pass
+batches = iter(train)
+print("len", len(batches), type(batches).__name__, "done")
+"""
+
+
+def test_loaders_are_reported_apart_by_where_they_were_made(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_VAL)
+    run = leakcheck_run("--", sys.executable, "train.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "len 4 " in run.stdout and run.stdout.strip().endswith("done")
+    assert run.data is not None
+    labels = [item["label"] for item in run.data["loaders"]]
+    train, val, fresh, helper = (
+        f"train.py:{line_of(script, marker)}" for marker in ("TRAIN", "VAL", "FRESH", "HELPER")
+    )
+    # Two loaders of one line alive together are two; one made anew each epoch is one.
+    assert sorted(labels) == sorted([train, val, fresh, helper, f"{helper} #2"])
+    for label, workers in ((train, 2), (val, 1), (fresh, 1), (helper, 1), (f"{helper} #2", 1)):
+        report = loader(run.data, label)["report"]
+        epochs = report["epochs"]
+        assert len(epochs) == 3, label
+        assert all(epoch["end_reason"] == "completed" for epoch in epochs), label
+        assert report["findings"] == [], label
+        # Each loader's tracker judged only its own workers.
+        assert report["summary"]["processes"] == 1 + 3 * workers, label
+    for label in labels:
+        assert f"loader {label} (PID {run.data['program']['pid']}): 3 epochs" in run.stderr
+
+
+def test_a_python_child_with_its_own_loader_is_tracked(tmp_path: Path, private_tmp: Path) -> None:
+    (tmp_path / "child.py").write_text(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(list(range(6)), batch_size=2, num_workers=2)\n"
+        "for epoch in range(2):\n"
+        "    for batch in loader:\n"
+        "        pass\n"
+    )
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        "subprocess.run([sys.executable, 'child.py'], check=True)\n"
+        "print('parent done')\n"
+    )
+    run = leakcheck_run("--", sys.executable, "parent.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None
+    item = loader(run.data, "child.py:2")
+    assert item["pid"] != run.data["program"]["pid"]
+    assert item["argv"] == ["child.py"]
+    assert len(item["report"]["epochs"]) == 2
+    assert item["report"]["findings"] == []
+
+
+def test_a_loader_the_program_watches_itself_is_left_to_watch(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "watched.py").write_text(
+        "import leakcheck\n"
+        "from torch.utils.data import DataLoader\n"
+        "loader = leakcheck.watch(DataLoader(list(range(6)), batch_size=2, num_workers=1))\n"
+        "for epoch in range(2):\n"
+        "    assert len(list(loader)) == 3\n"
+        "loader.close()\n"
+        "print(len(loader.report().epochs), 'epochs')\n"
+    )
+    run = leakcheck_run("--", sys.executable, "watched.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "2 epochs" in run.stdout
+    assert run.data is not None and run.data["loaders"] == []
+
+
+# --------------------------------------------------------------------------- exits
+
+
+FAILING = """\
+import sys
+from torch.utils.data import DataLoader
+loader = DataLoader(list(range(8)), batch_size=2, num_workers=2)
+for epoch in range(2):
+    for index, batch in enumerate(loader):
+        if epoch == 1 and index == 1:
+            {action}
+"""
+
+
+@pytest.mark.parametrize(
+    ("action", "status", "tree_reason"),
+    [
+        ("raise RuntimeError('bad batch')", 1, "exception"),
+        ("sys.exit(3)", 3, "exception"),
+        ("sys.exit(0)", 0, "completed"),
+    ],
+)
+def test_a_program_that_fails_or_exits_keeps_its_status_and_gets_its_report(
+    action: str, status: int, tree_reason: str, tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "fails.py").write_text(FAILING.format(action=action))
+    run = leakcheck_run("--", sys.executable, "fails.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == status, run.stderr
+    if "raise" in action:
+        assert "RuntimeError: bad batch" in run.stderr  # the program's own traceback
+    assert run.data is not None
+    assert run.data["program"]["exit_status"] == status
+    report = loader(run.data, "fails.py:3")["report"]
+    assert [epoch["end_reason"] for epoch in report["epochs"]] == ["completed", "break"]
+    assert report["findings"] == []  # the second epoch's workers were stopped, not left
+    assert run.data["tree"]["report"]["epochs"][0]["end_reason"] == tree_reason
+    assert f"program exit status {status}" in run.stderr
+    assert "loader fails.py:3" in run.stderr
+    assert leakcheck_files(private_tmp) == []
+
+
+def test_an_interrupted_run_forwards_sigint_reports_and_exits_130(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "slow.py").write_text(
+        "import time\n"
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(list(range(10000)), batch_size=1, num_workers=2)\n"
+        "for index, batch in enumerate(loader):\n"
+        "    if index == 0:\n"
+        "        print('ready', flush=True)\n"
+        "    time.sleep(0.01)\n"
+    )
+    json_path = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [*RUN, "--json", str(json_path), "--", sys.executable, "slow.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(private_tmp),
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "KeyboardInterrupt" in stderr  # the program got it, once
+    assert stderr.count("KeyboardInterrupt\n") == 1, stderr
+    data = json.loads(json_path.read_text())
+    assert data["program"]["interrupted"] is True
+    assert data["program"]["signal"] == signal.SIGINT
+    (item,) = data["loaders"]
+    assert item["label"] == "slow.py:3"
+    # A KeyboardInterrupt in the loop body reads as "break" (NOTE [epoch ends]), one while
+    # fetching a batch as "interrupt"; the workers were stopped either way.
+    assert item["report"]["epochs"][0]["end_reason"] in ("break", "interrupt")
+    assert item["report"]["findings"] == []
+    assert data["tree"]["report"]["epochs"][0]["end_reason"] == "interrupt"
+    assert "interrupted" in stderr and "loader slow.py:3" in stderr
+    assert leakcheck_files(private_tmp) == []
+
+
+def test_a_program_that_handles_the_interrupt_keeps_its_own_status(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "handles.py").write_text(
+        "import time\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('saved', flush=True)\n"
+    )
+    json_path = tmp_path / "run.json"
+    proc = subprocess.Popen(
+        [*RUN, "--json", str(json_path), "--", sys.executable, "handles.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(private_tmp),
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert stdout.strip() == "saved"
+    data = json.loads(json_path.read_text())
+    assert data["program"]["interrupted"] is True and data["program"]["exit_status"] == 0
+    assert "exited with status 0 (interrupted)" in stderr
+
+
+def test_fail_on_leak_turns_a_successful_leaking_run_into_1(
+    private_tmp: Path, leftovers: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    run = leakcheck_run(
+        "--fail-on-leak",
+        "--grace",
+        "1",
+        "--",
+        sys.executable,
+        "examples/plain_grandchild_leak.py",
+        private_tmp=private_tmp,
+        leftovers=leftovers,
+    )
+    assert run.returncode == 1, run.stderr
+    assert run.data is not None and run.data["leak_count"] == 2
+    clean = leakcheck_run(
+        "--fail-on-leak", "--", sys.executable, "-c", "pass", private_tmp=private_tmp
+    )
+    assert clean.returncode == 0, clean.stderr
+    assert "no DataLoader was iterated" in clean.stderr
+    # A failing program keeps its own status, leak or not.
+    failing = leakcheck_run(
+        "--fail-on-leak",
+        "--",
+        sys.executable,
+        "-c",
+        "import subprocess, sys; subprocess.Popen(['sleep', '30']); sys.exit(5)",
+        private_tmp=private_tmp,
+        leftovers=leftovers,
+    )
+    assert failing.returncode == 5, failing.stderr
+    assert failing.data is not None
+    assert dict(findings(failing.data["tree"]["report"])) == {("orphan", "orphan"): 1}
+
+
+def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None:
+    run = leakcheck_run("--", "sh", "-c", "sleep 0.2; exit 4", private_tmp=private_tmp)
+    assert run.returncode == 4
+    assert run.data is not None
+    assert run.data["loaders"] == [] and run.data["tree"]["report"]["findings"] == []
+    assert run.data["tree"]["report"]["root"]["pid"] == run.data["program"]["pid"]
+
+
+# --------------------------------------------------------------------------- usage
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "expected a command after --"),
+        (["--"], "expected a command after --"),
+        (["--tolerance", "lots", "--", "MARK"], "--tolerance"),
+        (["--grace", "-1", "--", "MARK"], "--grace"),
+        (["--interval", "0", "--", "MARK"], "--interval: expected more than 0 seconds"),
+        (["--device", "x", "--", "MARK"], "--device: expected a GPU index"),
+        (["--plot", "run.png", "--", "MARK"], "--plot: not supported by leakcheck run yet"),
+        (["--json", "/no/such/folder/run.json", "--", "MARK"], "--json: expected a path in"),
+        (["--bogus", "--", "MARK"], "unrecognized arguments: --bogus"),
+        (["--tolerance"], "expected one argument"),
+    ],
+)
+def test_bad_usage_exits_2_with_one_line_and_starts_nothing(
+    args: list[str], message: str, tmp_path: Path, private_tmp: Path
+) -> None:
+    marker = tmp_path / "started"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    argv = [part for arg in args for part in (command if arg == "MARK" else [arg])]
+    proc = subprocess.run(
+        [sys.executable, "-m", "leakcheck", "run", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(private_tmp),
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("leakcheck run: ") and message in proc.stderr
+    assert not marker.exists()
+    assert leakcheck_files(private_tmp) == []
+
+
+@pytest.mark.parametrize(("command", "status"), [("no-such-command", 127), ("not-executable", 126)])
+def test_a_command_that_cannot_start_is_one_line(
+    command: str, status: int, tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "not-executable").write_text("#!/bin/sh\n")
+    run = leakcheck_run("--", str(tmp_path / command), private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == status
+    assert run.stderr.strip().splitlines() == [run.stderr.strip()]
+    assert "cannot run" in run.stderr
+    assert run.data is None
+    assert leakcheck_files(private_tmp) == []
+
+
+def test_help_documents_the_options() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "leakcheck", "run", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    for option in ("--tolerance", "--grace", "--interval", "--teardown", "--json", "--plot"):
+        assert option in proc.stdout
+    assert "--fail-on-leak" in proc.stdout and "--device" in proc.stdout
+    assert "leakcheck run [options] -- CMD" in proc.stdout
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def test_the_users_sitecustomize_still_runs(tmp_path: Path, private_tmp: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    code = (
+        "import os, sys, sitecustomize\n"
+        "print(os.environ.get('USER_SITE_RAN'), sitecustomize.__file__)\n"
+        "print(any(p.endswith('_shim') for p in sys.path))\n"
+    )
+    env = _env(private_tmp, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    run = leakcheck_run("--", sys.executable, "-c", code, private_tmp=private_tmp, env=env)
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.splitlines()
+    assert first == f"yes {site / 'sitecustomize.py'}"
+    assert second == "False"  # the shim's folder is off sys.path again
+
+
+def test_nothing_is_left_in_the_callers_environment(tmp_path: Path, private_tmp: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from leakcheck.cli import main
+        before = dict(os.environ)
+        probe = "import os; print(sorted(k for k in os.environ if k.startswith('LEAKCHECK_')))"
+        status = main(["run", "--", sys.executable, "-c", probe])
+        assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+        print("status", status)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(private_tmp),
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    program, status = proc.stdout.strip().splitlines()
+    assert program == "['LEAKCHECK_RUN']"  # what the program sees; the caller keeps nothing
+    assert status == "status 0"
+    assert leakcheck_files(private_tmp) == []
+
+
+SHIM_PROBE = """
+import multiprocessing, sys
+import torch.utils.data as data
+
+def patched():
+    return bool(data.DataLoader.__dict__.get("_leakcheck_patched"))
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        in_spawned = pool.apply(patched)
+    print(patched(), in_spawned, type(iter(data.DataLoader([1, 2]))).__name__)
+"""
+
+
+@pytest.mark.parametrize("folder", ["missing", "unset", "present"])
+def test_the_shim_is_inert_without_a_run_and_in_multiprocessing_children(
+    folder: str, tmp_path: Path, private_tmp: Path
+) -> None:
+    env = _env(private_tmp)
+    if folder != "unset":
+        run_folder = tmp_path / "run"
+        if folder == "present":
+            run_folder.mkdir()
+        env = child_environment(env, str(run_folder))
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([shim_folder(), env["PYTHONPATH"]])
+    script = tmp_path / "probe.py"
+    script.write_text(SHIM_PROBE)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    active = folder == "present"
+    expected_iter = "_EpochIterator" if active else "_SingleProcessDataLoaderIter"
+    assert proc.stdout.split() == [str(active), "False", expected_iter]
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def test_a_tag_scan_finds_processes_by_another_variable(tmp_path: Path) -> None:
+    root = procs.process_key(os.getpid())
+    assert root is not None
+    value = str(tmp_path)
+    env = {**os.environ, RUN_ENV: value}
+    sleeper = subprocess.Popen(["sleep", "30"], env=env)
+    other = subprocess.Popen(["sleep", "30"], env={**os.environ, RUN_ENV: value + "-other"})
+    try:
+        deadline = time.monotonic() + 5
+        found: list[int] = []
+        scan = procs.TagScan(value, born_since=root, variable=RUN_ENV)
+        while not found and time.monotonic() < deadline:
+            found = [info.key.pid for info in scan.scan()]
+        assert found == [sleeper.pid]
+        info = procs.read_proc(sleeper.pid, session_id=value, tag_variable=RUN_ENV)
+        assert info is not None and info.tagged
+        info = procs.read_proc(sleeper.pid, session_id=value)  # LEAKCHECK_SESSION: no
+        assert info is not None and not info.tagged
+    finally:
+        for proc in (sleeper, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_session_tag_is_validated() -> None:
+    from leakcheck.errors import UsageError
+
+    for bad in (("", "x"), ("A=B", "x"), ("NAME",), "NAME=x"):
+        with pytest.raises(UsageError, match="session_tag"):
+            Tracker(session_tag=bad)  # type: ignore[arg-type]
+
+
+def test_wrappers_sharing_a_tracker_iterate_through_the_given_callable() -> None:
+    loader = DataLoader(list(range(6)), batch_size=2, num_workers=0)
+    calls: list[int] = []
+
+    def iterate(target: Any) -> Iterator[Any]:
+        calls.append(1)
+        return DataLoader.__iter__(target)
+
+    tracker = Tracker(interval=0.05, grace=0.2)
+    try:
+        for _ in range(2):
+            wrapper = WatchedLoader(
+                loader,
+                tracker=tracker,
+                on_leak="ignore",
+                teardown=False,
+                iterate=iterate,
+                owns_tracker=False,
+            )
+            assert [batch.tolist() for batch in wrapper] == [[0, 1], [2, 3], [4, 5]]
+            wrapper.close()
+            del wrapper
+        assert calls == [1, 1]
+        assert not tracker.closed  # never closed by the wrappers
+        assert [epoch.end_reason for epoch in tracker.epochs()] == ["completed", "completed"]
+    finally:
+        tracker.close()

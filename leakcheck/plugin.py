@@ -388,7 +388,13 @@ def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
 
 
 def _unattributed(finding: Finding) -> bool:
-    return finding.rule == "shm" and finding.severity == "info" and finding.pid is None
+    """A /dev/shm file nobody held that others may have made (not capacity pressure)."""
+    return (
+        finding.rule == "shm"
+        and finding.severity == "info"
+        and finding.pid is None
+        and finding.shm_name is not None
+    )
 
 
 def _process_key(finding: Finding) -> tuple[int | None, str]:

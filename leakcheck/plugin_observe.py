@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
+from leakcheck.hostmem import shm_creator_pid, shm_name_pids
 from leakcheck.model import (
     Attribution,
     DeviceState,
@@ -97,11 +97,6 @@ SHM_DIR = "/dev/shm"
 
 _CREATE_TIME_SLACK_S = 2.0
 """Create times have clock-tick resolution, and the boot time they add to is whole seconds."""
-
-_NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")
-_TOKEN_SPLIT = re.compile(r"[^0-9A-Za-z]+")
-_CREATOR_PID = re.compile(r"^torch_([0-9]+)_")
-"""Segment names that start with their creator's PID (torch's file_system sharing)."""
 
 
 # --- snapshots ----------------------------------------------------------------------------
@@ -686,10 +681,10 @@ class Checker:
         for name in sorted(fresh | set(from_fixtures)):
             if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
                 continue  # removed meanwhile, not a plain file, or another user's
-            if name in from_fixtures or name in held_by or _embedded_pids(name) & lineage_pids:
+            if name in from_fixtures or name in held_by or shm_name_pids(name) & lineage_pids:
                 blamed.append(name)
                 continue
-            creator = _creator_pid(name)
+            creator = shm_creator_pid(name)
             if creator is not None and _foreign_alive(creator, lineage_pids):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
@@ -996,17 +991,6 @@ def _owner_uid(directory: str, name: str) -> int | None:
         return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
     except OSError:
         return None
-
-
-def _embedded_pids(name: str) -> set[int]:
-    """Whole numeric tokens of a segment name (``x_1234_y`` -> {1234}): PIDs, maybe."""
-    return {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
-
-
-def _creator_pid(name: str) -> int | None:
-    """The creator PID of a segment whose naming scheme says so, else None."""
-    match = _CREATOR_PID.match(name)
-    return int(match.group(1)) if match else None
 
 
 def _foreign_alive(pid: int, ours: set[int]) -> bool:

@@ -35,6 +35,7 @@ from leakcheck.sweep import (
     wait_for_cooldown,
     write_json,
 )
+from leakcheck.units import format_mib
 
 NO_GPU = (False, "NVML unavailable: test without a GPU")
 FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
@@ -68,7 +69,7 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     write_json(str(path), result.to_dict())
     data = json.loads(path.read_text())
     assert data["schema"] == "leakcheck.sweep"
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     assert data["gpu"] == {
         "available": False,
         "reason": NO_GPU[1],
@@ -276,7 +277,9 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
     ]
     assert line.split()[3] == "600"
     assert line.split()[7:10] == ["0", "0", "0"]  # no workers: peak 0, none reported/unknown
-    assert line.split()[12:] == ["2000/81920", "52", "1410", "123"]
+    # Host memory: the parent's, no workers, and what it is.
+    assert line.split()[12:15] == [format_mib(row.parent_host_bytes), "0", row.host_source]
+    assert line.split()[15:] == ["2000/81920", "52", "1410", "123"]
     assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
     if importlib.util.find_spec("matplotlib") is not None:
         from leakcheck.plot import plot_sweep

@@ -603,6 +603,10 @@ def _run_epochs(
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
+            # A sweep's epochs can be shorter than the USS reads the sampler thread makes after
+            # each end: waiting for them here keeps every row's host memory a USS of that
+            # epoch's end (the wait counts as the loop's time inside leakcheck).
+            watched.tracker.finish_reads()
             # The summary reads the tracker's epochs: only when it is printed.
             progress.end(_epoch_summary(watched.tracker, batches) if progress.wants_summary else "")
     finally:

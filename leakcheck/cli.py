@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a job's root process: also list its descendants with their roles (parent; "
         "descendant: from outside no child can be known to be a loader worker; runtime "
         "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
-        "orphans, GPU or not",
+        "orphans, GPU or not, each with its host memory (USS, else RSS)",
     )
     return parser
 

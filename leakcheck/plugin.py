@@ -693,8 +693,10 @@ class LeakCheckPlugin:
                     tr.write_line(line)
         if unattributed:
             tr.write_line(
-                f"{unattributed} /dev/shm files appeared while tests ran on several workers "
-                "and nobody held them: not attributed (run without -n to attribute them)"
+                f"{unattributed} /dev/shm files appeared while tests ran on several workers, "
+                "and nothing tied them to one test (no process of a test held them, and their "
+                "names carry none of a test's PIDs): not attributed (run without -n to "
+                "attribute them)"
             )
 
 

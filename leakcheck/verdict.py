@@ -167,7 +167,18 @@ REMEDY_ORPHAN = (
 )
 
 
+REMEDY_CYCLE = (
+    "a reference cycle kept the loader's iterator (or whatever owned the process) alive past "
+    "the end, and persistent workers stop only when their iterator is collected: break the "
+    "cycle (an exception or traceback kept in a variable or attribute, an object that refers "
+    "back to itself through a callback or bound method), or `del` the iterator and call "
+    "gc.collect() where the work ends"
+)
+
+
 def _survivor_remedy(proc: ProcessEpoch) -> str:
+    if proc.freed_by_gc:
+        return REMEDY_CYCLE
     if proc.scope is not None:
         return REMEDY_SCOPE
     if proc.role == "worker":
@@ -216,6 +227,12 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             later = [p for r, p in obs if r is None or r.index >= rec.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
+            cycle = (
+                "; it exited only when leakcheck collected garbage: a reference cycle kept it "
+                "alive"
+                if proc.freed_by_gc
+                else ""
+            )
             found.append(
                 Finding(
                     rule="survivor",
@@ -224,7 +241,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                         f"{_culprit(proc)} {_started_in(proc, rec)} is still alive "
                         f"{alive_after:.1f} s after {rec.label} ended (grace "
                         f"{config.grace_s:g} s)"
-                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
+                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
                     remedy=_survivor_remedy(proc),
                     pid=proc.key.pid,

@@ -265,3 +265,25 @@ def test_clean_loaders_over_ten_epochs_have_no_host_finding(
     # Host memory was read: USS for the parent at every epoch end.
     parents = [_by_role(e.processes, "parent")[0] for e in report.epochs]
     assert all(p.host_source == "uss" for p in parents)
+
+
+@pytest.mark.parametrize(
+    ("script", "leaks"), [("copy_on_read_leak.py", 2), ("copy_on_read_fixed.py", 0)]
+)
+def test_the_copy_on_read_examples(script: str, leaks: int) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    done = subprocess.run(
+        [sys.executable, str(repo / "examples" / script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    found = [line for line in done.stdout.splitlines() if line.startswith("LEAK host-growth")]
+    assert len(found) == leaks, done.stdout
+    assert all("worker PID" in line and "MiB/epoch" in line for line in found)
+    if not leaks:
+        assert "no leaks in 8 epochs" in done.stdout

@@ -720,3 +720,17 @@ def test_shm_capacity_pressure_is_information_about_the_worst_epoch() -> None:
     # Below the fraction: nothing; no size known: nothing.
     assert shm_of(timeline(epochs), shm_pressure_fraction=0.95) == []
     assert shm_of(timeline([epoch(0, [parent()])])) == []
+
+
+def test_survivor_freed_by_garbage_collection_names_the_reference_cycle() -> None:
+    from dataclasses import replace as set_fields
+
+    worker = set_fields(
+        proc(1234, "descendant", born=True, last_seen_after_s=3.0, exited_after_s=3.1),
+        freed_by_gc=True,
+    )
+    found = one(verdict.survivor(timeline([epoch(0, [parent(), worker])]), CONFIG))
+    assert found.message.endswith(
+        "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
+    )
+    assert found.remedy.startswith("a reference cycle kept the loader's iterator")

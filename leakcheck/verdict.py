@@ -228,8 +228,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
             cycle = (
-                "; it exited only when leakcheck collected garbage: a reference cycle kept it "
-                "alive"
+                "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
                 if proc.freed_by_gc
                 else ""
             )

@@ -150,6 +150,9 @@ class ProcessEpoch:
             over as if read.
         pss_bytes_end: Proportional set size at the end (or exit), where USS was read.
         rss_bytes_end: Resident set size at the end (or exit): read at every epoch end.
+        anon_bytes_end: The anonymous part of it (``RssAnon``: the heap, where Python objects
+            and new allocations live; libraries paged in from files are not): what grows
+            when a process allocates memory and keeps it.
         rss_bytes_peak: Highest RSS of the process's life up to the end of the epoch (or its
             exit): the kernel's ``VmHWM``. For a worker that lives one epoch, that epoch's
             peak; for a longer-lived process, an upper bound of it.
@@ -178,6 +181,7 @@ class ProcessEpoch:
     host_source: HostSource | None = None
     pss_bytes_end: int | None = None
     rss_bytes_end: int | None = None
+    anon_bytes_end: int | None = None
     rss_bytes_peak: int | None = None
     freed_by_gc: bool = False
 

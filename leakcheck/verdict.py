@@ -498,8 +498,11 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # worker's: its USS grows while its RSS, which counted the shared page all along, stays flat.
 # In the parent the same page becomes private again, since nobody shares it any more: the
 # parent's USS fell when the workers forked and climbs back, epoch after epoch, towards where
-# it was, without a byte of new memory. So a parent's USS rise counts only where its RSS
-# rises beyond the tolerance too (new memory is resident memory); a worker's counts alone.
+# it was, without a byte of new memory. So a parent's USS rise counts only where its resident
+# memory rises beyond the tolerance too (new memory is resident memory); a worker's counts
+# alone. Resident memory is judged by its anonymous part (``RssAnon``) where every point has
+# it: libraries paged in from their files on first use (CUDA's, torch's kernels) raise RSS
+# for epochs without anything being kept, and they are file-backed, not anonymous.
 
 HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
 """Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
@@ -514,6 +517,17 @@ def _judge_host(points: _HostPoints, config: RuleConfig) -> float | None:
         epochs=[rec.index for rec, _ in points],
         tolerance_bytes=config.host_tolerance_bytes,
     )
+
+
+def _resident_points(
+    points: Sequence[tuple[EpochRecord, ProcessEpoch]],
+) -> tuple[_HostPoints, str]:
+    """Resident memory per epoch: ``RssAnon`` where every point has it, else RSS."""
+    anon = [(rec, proc.anon_bytes_end) for rec, proc in points if proc.anon_bytes_end is not None]
+    if anon and len(anon) == len(points):
+        return [(rec, value) for rec, value in anon if value is not None], "RssAnon"
+    rss = [(rec, proc.rss_bytes_end) for rec, proc in points if proc.rss_bytes_end is not None]
+    return [(rec, value) for rec, value in rss if value is not None], "RSS"
 
 
 def _host_growth_remedy(role: Role | None) -> str:
@@ -569,9 +583,10 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     The parent and persistent workers, alive at each epoch end, after their first
     ``config.warmup_epochs`` epochs: judged like GPU growth (``growth_slope``) with
     ``config.host_tolerance_bytes``, on USS where it was read in at least 3 of those epochs
-    (the slope is per epoch, missing epochs skipped), else on RSS, which the message says:
-    RSS counts pages shared with other processes and does not show copy-on-read. A parent's
-    USS rise needs an RSS rise as well (NOTE [return of shared pages]). Needs no GPU.
+    (the slope is per epoch, missing epochs skipped), else on resident memory (``RssAnon``,
+    or RSS), which the message says: it counts pages shared with other processes and does
+    not show copy-on-read. A parent's USS rise needs a resident rise as well (NOTE [return
+    of shared pages]). Needs no GPU.
     """
     found: list[Finding] = []
     for key, obs in _observations(timeline).items():
@@ -588,9 +603,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             for rec, proc in points
             if proc.host_source == "uss" and proc.host_bytes_end is not None
         ]
-        rss: _HostPoints = [
-            (rec, proc.rss_bytes_end) for rec, proc in points if proc.rss_bytes_end is not None
-        ]
+        rss, resident = _resident_points(points)
         last = points[-1][1]
         if len(uss) >= 3:
             slope = _judge_host(uss, config)
@@ -604,17 +617,17 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 if rss_slope is None:
                     continue
                 slope = min(slope, rss_slope)
-                note = f" (RSS {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+                note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
             found.append(_host_growth_finding(key, uss, "USS", slope, last, note))
             continue
         slope = _judge_host(rss, config)
         if slope is None:
             continue
         note = (
-            f" (USS was read at {len(uss)} of these epoch ends: RSS counts the pages it shares "
-            "with other processes and does not show copy-on-read)"
+            f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
+            "pages it shares with other processes and does not show copy-on-read)"
         )
-        found.append(_host_growth_finding(key, rss, "RSS", slope, last, note))
+        found.append(_host_growth_finding(key, rss, resident, slope, last, note))
     return tuple(found)
 
 

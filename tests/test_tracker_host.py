@@ -91,6 +91,7 @@ def test_epoch_ends_read_rss_of_every_process_and_uss_of_the_long_lived(
                 assert proc.host_bytes_end and proc.pss_bytes_end and proc.rss_bytes_end
                 assert proc.host_bytes_end <= proc.rss_bytes_end
                 assert proc.rss_bytes_peak and proc.rss_bytes_peak >= proc.rss_bytes_end
+                assert proc.anon_bytes_end and proc.anon_bytes_end <= proc.rss_bytes_end
             # ... RSS for the others (status only: cheap).
             assert descendant.host_source == "rss" and descendant.pss_bytes_end is None
             assert descendant.host_bytes_end == descendant.rss_bytes_end

@@ -734,3 +734,22 @@ def test_survivor_freed_by_garbage_collection_names_the_reference_cycle() -> Non
         "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
     )
     assert found.remedy.startswith("a reference cycle kept the loader's iterator")
+
+
+def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
+    def worker_epochs(rss: list[float], anon: list[float]) -> Timeline:
+        return timeline(
+            [
+                epoch(i, [parent(), proc(2001, persistent=True, rss_mib=r, anon_mib=a)])
+                for i, (r, a) in enumerate(zip(rss, anon, strict=True))
+            ]
+        )
+
+    # Libraries paged in from their files raise RSS, not RssAnon: nothing kept.
+    assert host_findings(worker_epochs([300 + 40 * i for i in range(6)], [200] * 6)) == []
+    # What the process allocates and keeps is anonymous.
+    (found,) = host_findings(
+        worker_epochs([300 + 40 * i for i in range(6)], [200 + 40 * i for i in range(6)])
+    )
+    assert "host memory (RssAnon) grows 40 MiB/epoch" in found.message
+    assert "resident memory counts the pages it shares" in found.message

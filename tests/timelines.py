@@ -60,6 +60,7 @@ def proc(
     cmdline: str | None = None,
     uss_mib: float | None = None,
     rss_mib: float | None = None,
+    anon_mib: float | None = None,
 ) -> ProcessEpoch:
     """One process in one epoch; ``gpu_mib`` is a number (GPU0) or ``{device: MiB}``.
 
@@ -85,6 +86,7 @@ def proc(
         host_bytes_end=mib(host) if host is not None else None,
         host_source="uss" if uss_mib is not None else ("rss" if rss_mib is not None else None),
         rss_bytes_end=mib(rss_mib) if rss_mib is not None else None,
+        anon_bytes_end=mib(anon_mib) if anon_mib is not None else None,
         rss_bytes_peak=mib(rss_mib) if rss_mib is not None else None,
     )
 

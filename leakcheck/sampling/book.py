@@ -58,13 +58,14 @@ def host_fields(
 
     Returns:
         ``host_bytes_end`` (USS where read, else RSS), ``host_source``, ``pss_bytes_end``,
-        ``rss_bytes_end``, ``rss_bytes_peak``; None where unknown.
+        ``rss_bytes_end``, ``anon_bytes_end``, ``rss_bytes_peak``; None where unknown.
 
     """
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
     pss = next((m.pss_bytes for m in reads if m.pss_bytes is not None), None)
+    anon = next((m.anon_bytes for m in reads if m.anon_bytes is not None), None)
     peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
     if rss is not None:
         peaks.append(rss)
@@ -73,6 +74,7 @@ def host_fields(
         "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
         "pss_bytes_end": pss,
         "rss_bytes_end": rss,
+        "anon_bytes_end": anon,
         "rss_bytes_peak": max(peaks) if peaks else None,
     }
 

@@ -27,6 +27,8 @@ from leakcheck.sampling.table import ProcessTable
 __all__ = ["HostReads", "RollupPlan", "reported_memory"]
 
 _LONG_LIVED = ("parent", "worker")
+_READING_WAIT_S = 2.0
+"""The longest a caller waits for reads under way on another thread (see ``HostReads``)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,11 @@ class HostReads:
         self.pacing = pacing
         self.failures = failures
         self.pending: RollupPlan | None = None
-        self._reading = threading.Lock()
-        """Held while planned reads are made (by the sampler thread, or ``finish``)."""
+        # Held while planned reads are made (by the sampler thread, or a caller finishing
+        # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
+        # garbage collector inside a read, or while the sampler's lock is held, must not
+        # hang (the reads are then unknown, never wrong).
+        self._reading = threading.RLock()
         self.rollup_cpu_s = 0.0
         """CPU seconds of every smaps_rollup read so far (part of the sampler's CPU)."""
         self.rollup_reads = 0
@@ -102,7 +107,9 @@ class HostReads:
         or more per process. One caller at a time: a second waits for the first's reads to
         end, so that once it returns, nothing planned is left unread.
         """
-        with self._reading:
+        if not self._reading.acquire(timeout=_READING_WAIT_S):
+            return
+        try:
             with lock:
                 plan, self.pending = self.pending, None
             if plan is None:
@@ -110,6 +117,8 @@ class HostReads:
             found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory")
             if found:
                 give(plan.epoch_index, found)
+        finally:
+            self._reading.release()
 
     def end_status(self, table: ProcessTable) -> dict[ProcessKey, HostMemory] | None:
         """The status read of the job's live processes at an epoch end."""

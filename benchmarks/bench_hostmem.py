@@ -1,4 +1,4 @@
-"""Epoch-end cost of reading the host memory of N worker processes: smaps_rollup vs status.
+"""Epoch-end cost of reading the host memory of N worker processes, and of the tracker doing it.
 
 Each configuration runs in its own process (the parent), which first makes itself look like a
 training process, then forks N children as DataLoader workers are forked, and times, in
@@ -7,6 +7,8 @@ interleaved rounds, one read of all N children by each method:
 - ``rollup_keys``: the same through ``ProcessKey`` identities (a /proc/PID directory open and
   a stat read more per process: the PID-reuse check);
 - ``status``: ``read_host_memories(pids, rollup=False)``: /proc/PID/status (RSS only);
+- ``status_keys``: the same through ``ProcessKey`` identities: what the tracker reads for
+  every process of the job at each epoch end, on the caller's thread;
 - ``status_pread``: /proc/PID/status kept open and read again with ``pread``, as procs'
   descriptor cache reads stat files (not leakcheck's code path: what a per-tick RSS read
   through that cache would cost);
@@ -22,9 +24,19 @@ cost] in leakcheck/hostmem.py).
 Reported per configuration and method: the median (and p90) ms of one read of all children,
 and the median us per process.
 
+Then the tracker with them (``--tracker-epochs``, 0 to skip): a torch parent forks N children
+(8, 64), registers them as persistent workers of a ``Tracker`` and runs epochs of
+``--epoch-s`` seconds (1.4 s: the H200 loop of bench_watch.py), with the host reads as shipped
+(``paced``: status at every epoch end, smaps_rollup paced to 0.25% of the time on the sampler
+thread), at every epoch end (``every``: ``rollup_share=1.0``, what the sweep uses) and
+``off`` (the host and /dev/shm reads switched off: the tracker as before them). Reported: the
+accounted cost (the sampler's CPU and the caller's time in the tracker, over the epochs'
+time), the caller's time per epoch end, the smaps_rollup CPU per read, and at how many epoch
+ends the USS was read.
+
 Usage: python benchmarks/bench_hostmem.py [--children 8,64] [--parents plain,data256,torch]
-       [--rounds 100] [--write]  (writes benchmarks/results/hostmem-<machine>.{json,md}, see
-       results_io.py)
+       [--rounds 100] [--tracker-epochs 8] [--epoch-s 1.4] [--write]  (writes
+       benchmarks/results/hostmem-<machine>.{json,md}, see results_io.py)
 """
 
 from __future__ import annotations
@@ -45,7 +57,8 @@ from results_io import host_meta, result_stem, write_result
 
 from leakcheck import hostmem, procs
 
-METHODS = ("rollup", "rollup_keys", "status", "status_pread", "shm")
+METHODS = ("rollup", "rollup_keys", "status", "status_keys", "status_pread", "shm")
+ARMS = ("off", "paced", "every")
 MIB = 2**20
 
 
@@ -103,6 +116,7 @@ def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
         "rollup": lambda: hostmem.read_host_memories(pids),
         "rollup_keys": lambda: hostmem.read_host_memories(keys),
         "status": lambda: hostmem.read_host_memories(pids, rollup=False),
+        "status_keys": lambda: hostmem.read_host_memories(keys, rollup=False),
         "status_pread": preader,
         "shm": lambda: hostmem.read_job_shm(before, pids),
     }
@@ -151,18 +165,90 @@ def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
     }
 
 
+def _switch_off_host_reads() -> None:
+    """The tracker without its host-memory and /dev/shm reads (the ``off`` arm)."""
+    from leakcheck.sampling import host, shm
+
+    host.HostReads.end_status = lambda self, table: None  # type: ignore[method-assign]
+    host.HostReads.plan = lambda self, index, table: False  # type: ignore[method-assign]
+    host.HostReads.final_reads = lambda self, table, closed: ({}, {})  # type: ignore[method-assign]
+    shm.ShmWatch.note_usage = lambda self: None  # type: ignore[method-assign]
+    shm.ShmWatch.epoch_end = lambda self, table: None  # type: ignore[method-assign]
+    shm.ShmWatch.left_behind = lambda self, table: ()  # type: ignore[method-assign]
+
+
+def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[str, Any]:
+    """One tracker over ``children`` persistent workers of a torch parent (in this process)."""
+    import torch  # noqa: F401  (the parent of a training job has it)
+
+    from leakcheck.tracker import Tracker
+
+    pids, hold_w = _fork_children(children, "torch")
+    if arm == "off":
+        _switch_off_host_reads()
+    tracker = Tracker(
+        rollup_share=1.0 if arm == "every" else None, persistent_workers=True, grace=0.1
+    )
+    ends_ms: list[float] = []
+    try:
+        tracker.start()
+        for pid in pids:
+            tracker.register_worker(pid, persistent=True)
+        for _ in range(epochs):
+            tracker.begin_epoch()
+            time.sleep(epoch_s)
+            started = time.perf_counter()
+            tracker.end_epoch()
+            ends_ms.append((time.perf_counter() - started) * 1000)
+        time.sleep(0.5)  # the sampler's reads of the last end, on its thread
+        cost = tracker.cost()
+        records = tracker.epochs()
+        host = tracker._sampler.host
+        rollup_reads, rollup_cpu_s = host.rollup_reads, host.rollup_cpu_s
+    finally:
+        tracker.close()
+        os.close(hold_w)
+        for pid in pids:
+            os.waitpid(pid, 0)
+    epochs_s = sum(record.duration_s for record in records)
+    parents = [p for r in records for p in r.processes if p.role == "parent"]
+    return {
+        "children": children,
+        "arm": arm,
+        "epochs": epochs,
+        "epoch_s": epoch_s,
+        "accounted_fraction": (cost.sampler_cpu_s + cost.caller_wall_s) / epochs_s,
+        "sampler_cpu_s": cost.sampler_cpu_s,
+        "caller_wall_s": cost.caller_wall_s,
+        "end_epoch_ms_median": statistics.median(ends_ms),
+        "rollup_reads": rollup_reads,
+        "rollup_cpu_ms_per_read": rollup_cpu_s * 1000 / rollup_reads if rollup_reads else None,
+        "rollup_us_per_process": (
+            rollup_cpu_s * 1e6 / rollup_reads / (children + 1) if rollup_reads else None
+        ),
+        "uss_epochs": sum(1 for p in parents if p.host_source == "uss"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--children", default="8,64")
     parser.add_argument("--parents", default="plain,data256,torch")
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--tracker-epochs", type=int, default=8)
+    parser.add_argument("--epoch-s", type=float, default=1.4)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: CHILDREN:PARENT
+    parser.add_argument("--one-tracker", help=argparse.SUPPRESS)  # internal: CHILDREN:ARM
     args = parser.parse_args()
 
     if args.one:
         count, parent = args.one.split(":")
         print(json.dumps(run_config(int(count), parent, args.rounds)))
+        return 0
+    if args.one_tracker:
+        count, arm = args.one_tracker.split(":")
+        print(json.dumps(run_tracker(int(count), arm, args.tracker_epochs, args.epoch_s)))
         return 0
 
     load_start = os.getloadavg()
@@ -176,6 +262,24 @@ def main() -> int:
                 check=True,
             )
             configs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    trackers = []
+    if args.tracker_epochs > 0:
+        for count in args.children.split(","):
+            for arm in ARMS:  # each in its own process: "off" patches the tracker
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one-tracker",
+                        f"{count}:{arm}",
+                        f"--tracker-epochs={args.tracker_epochs}",
+                        f"--epoch-s={args.epoch_s}",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                trackers.append(json.loads(out.stdout.strip().splitlines()[-1]))
 
     try:
         import torch
@@ -187,7 +291,7 @@ def main() -> int:
     meta["kernel"] = os.uname().release
     # The machine may be shared: its load says how far to trust a run.
     meta["loadavg_1min_start_end"] = [load_start[0], os.getloadavg()[0]]
-    payload = {"meta": meta, "configs": configs}
+    payload = {"meta": meta, "configs": configs, "trackers": trackers}
     lines = [
         "# Host memory reads: one read of N forked children",
         "",
@@ -211,6 +315,29 @@ def main() -> int:
         f"- {c['children']} children, {c['parent']}: {c['results']['rollup']['us_per_rss_mib']:.2f}"
         for c in configs
     ]
+    if trackers:
+        off = {t["children"]: t["accounted_fraction"] for t in trackers if t["arm"] == "off"}
+        lines += [
+            "",
+            f"Tracker over N persistent workers of a torch parent, {args.tracker_epochs} epochs "
+            f"of {args.epoch_s:g} s; arms: off (no host or /dev/shm reads), paced (as shipped), "
+            "every (USS at every epoch end):",
+            "",
+            "| children | arm | accounted % | added % | end_epoch ms | rollup ms/read | "
+            "rollup us/process | USS at epoch ends |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for t in trackers:
+            per_read = t["rollup_cpu_ms_per_read"]
+            per_process = t["rollup_us_per_process"]
+            lines.append(
+                f"| {t['children']} | {t['arm']} | {t['accounted_fraction'] * 100:.3f} | "
+                f"{(t['accounted_fraction'] - off[t['children']]) * 100:+.3f} | "
+                f"{t['end_epoch_ms_median']:.2f} | "
+                f"{'-' if per_read is None else f'{per_read:.1f}'} | "
+                f"{'-' if per_process is None else f'{per_process:.0f}'} | "
+                f"{t['uss_epochs']} of {t['epochs']} |"
+            )
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="{" + ",".join(SCENARIOS) + "}",
         help="clean (default); persistent-cache: persistent workers keep 64 MiB per epoch alive; "
-        "orphan: each worker starts a grandchild that outlives the loader",
+        "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
+        "persistent forked workers read a dataset of Python objects, and each copies 40 MiB "
+        "more of it into its own host memory per epoch",
     )
     builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
@@ -184,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a job's root process: also list its descendants with their roles (parent; "
         "descendant: from outside no child can be known to be a loader worker; runtime "
         "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
-        "orphans, GPU or not",
+        "orphans, GPU or not, each with its host memory (USS, else RSS)",
     )
 
     from leakcheck.run_cli import add_run_parser

@@ -212,8 +212,10 @@ class WatchedLoader(Generic[T]):
         ``gc.collect()``, this makes their exit, and what each reported at teardown, part of
         the tracked run; ``leakcheck sweep`` does it at the end of each configuration. The
         loader's own ``worker_init_fn`` is restored first; the wrapper cannot be iterated
-        again, but ``report()`` and ``close()`` work as before.
+        again, but ``report()`` and ``close()`` work as before. The host-memory reads of the
+        last epoch end are made first, while its workers still run.
         """
+        self._tracker.finish_reads()
         self._session.restore_init()
         self._session.loader = None
         self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive

@@ -28,6 +28,7 @@ A sampler that wants RSS per tick reads status alone (``rollup=False``).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,8 @@ __all__ = [
     "read_host_memory",
     "read_job_shm",
     "shm_capacity",
+    "shm_creator_pid",
+    "shm_name_pids",
 ]
 
 MemorySource = Literal["smaps_rollup", "status", "psutil", "unknown"]
@@ -368,6 +371,41 @@ def shm_capacity(directory: str = "/dev/shm") -> ShmCapacity | None:
         used_bytes=(st.f_blocks - st.f_bfree) * block,
         free_bytes=st.f_bavail * block,
     )
+
+
+_NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")
+_TOKEN_SPLIT = re.compile(r"[^0-9A-Za-z]+")
+_TORCH_CREATOR = re.compile(r"^torch_([0-9]+)_")
+_CUDA_IPC = re.compile(r"^cuda\.shm\.[0-9A-Za-z]+\.([0-9a-fA-F]+)\.[0-9A-Za-z]+$")
+
+
+def shm_creator_pid(name: str) -> int | None:
+    """The PID of the process that made a shared-memory file, where its naming scheme says.
+
+    torch's file_system sharing names its segments ``torch_<pid>_...``; torch's CUDA IPC
+    reference-count files are ``cuda.shm.<id>.<pid in hex>.<n>``, made by the process that
+    sent CUDA tensors (a DataLoader worker that returned them). None for other names.
+    """
+    match = _TORCH_CREATOR.match(name)
+    if match:
+        return int(match.group(1))
+    match = _CUDA_IPC.match(name)
+    if match:
+        return int(match.group(1), 16)
+    return None
+
+
+def shm_name_pids(name: str) -> set[int]:
+    """PIDs a shared-memory file's name may carry: its creator's, and whole numbers in it.
+
+    ``x_1234_y`` -> {1234}: many schemes put a PID in the name, so a number that is the PID
+    of a process of the job ties the file to the job (a guess, where no holder says more).
+    """
+    found = {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
+    creator = shm_creator_pid(name)
+    if creator is not None:
+        found.add(creator)
+    return found
 
 
 @dataclass(frozen=True)

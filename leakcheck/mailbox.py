@@ -321,4 +321,8 @@ def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecor
         peak_reserved_bytes=optional_int("peak_reserved_bytes"),
         monotonic_s=optional_float("monotonic_s"),
         released=released if isinstance(released, bool) else True,
+        host_uss_bytes=optional_int("host_uss_bytes"),
+        host_pss_bytes=optional_int("host_pss_bytes"),
+        host_rss_bytes=optional_int("host_rss_bytes"),
+        host_rss_peak_bytes=optional_int("host_rss_peak_bytes"),
     )

@@ -26,6 +26,7 @@ Rule = Literal[
     "high-clocks",
     "tracker-failure",
     "shm",
+    "host-growth",
 ]
 Severity = Literal["leak", "info"]
 
@@ -107,6 +108,11 @@ class AccountedProcess:
 
 PeakSource = Literal["reported", "sampled", "unknown"]
 
+HostSource = Literal["uss", "rss"]
+"""Which figure a process's host memory is: ``uss`` (private pages, from
+``/proc/PID/smaps_rollup``: what copy-on-read grows) or ``rss`` (resident pages, shared ones
+included, from ``/proc/PID/status``: where USS was not read, or could not be)."""
+
 
 @dataclass(frozen=True)
 class ProcessEpoch:
@@ -135,6 +141,24 @@ class ProcessEpoch:
         nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
         scope: What started it, when that is not the watched work itself (the pytest
             plugin: ``module-scoped fixture 'pool'``); None otherwise.
+        host_bytes_end: Host memory at the end of the epoch: USS where it was read, else
+            RSS (``host_source`` says which). For a process that exited during the epoch
+            (``alive_at_end`` False): what it reported of itself at its exit (a worker's
+            teardown record). None: not known (gone unreported, or unreadable).
+        host_source: ``uss`` or ``rss``: what ``host_bytes_end`` is; None when unknown. An
+            epoch whose USS read was paced out says ``rss``: an older USS is never carried
+            over as if read.
+        pss_bytes_end: Proportional set size at the end (or exit), where USS was read.
+        rss_bytes_end: Resident set size at the end (or exit): read at every epoch end.
+        anon_bytes_end: The anonymous part of it (``RssAnon``: the heap, where Python objects
+            and new allocations live; libraries paged in from files are not): what grows
+            when a process allocates memory and keeps it.
+        rss_bytes_peak: Highest RSS of the process's life up to the end of the epoch (or its
+            exit): the kernel's ``VmHWM``. For a worker that lives one epoch, that epoch's
+            peak; for a longer-lived process, an upper bound of it.
+        freed_by_gc: It exited only once leakcheck collected garbage: a reference cycle
+            kept what owned it (a DataLoader iterator with its workers) alive (the pytest
+            plugin says so).
 
     """
 
@@ -153,6 +177,13 @@ class ProcessEpoch:
     gpu_bytes_unknown: bool = False
     nvidia_fds: int | None = None
     scope: str | None = None
+    host_bytes_end: int | None = None
+    host_source: HostSource | None = None
+    pss_bytes_end: int | None = None
+    rss_bytes_end: int | None = None
+    anon_bytes_end: int | None = None
+    rss_bytes_peak: int | None = None
+    freed_by_gc: bool = False
 
     @property
     def total_gpu_bytes_end(self) -> int:
@@ -172,7 +203,11 @@ EndReason = Literal["completed", "break", "exception", "interrupt", "collected",
 
 @dataclass(frozen=True)
 class EpochRecord:
-    """One epoch: every process of the job, and the devices at its end."""
+    """One epoch: every process of the job, the devices and ``/dev/shm`` at its end.
+
+    The shared-memory fields are None where the directory was not read (an adapter that
+    does not, or no such directory).
+    """
 
     index: int
     label: str
@@ -187,6 +222,17 @@ class EpochRecord:
     """Text of the exception that ended the epoch, if one did."""
     batches: int | None = None
     """Batches the epoch yielded, where the adapter counts them (``watch``)."""
+    shm_files: tuple[ShmFile, ...] = ()
+    """The job's files in ``/dev/shm`` at the end: created since tracking started and held
+    by one of its processes (or named after one), with the holder."""
+    shm_bytes: int | None = None
+    """Apparent size of ``shm_files``, summed."""
+    shm_total_bytes: int | None = None
+    """Size of the filesystem behind ``/dev/shm`` (None: no limit, or not read)."""
+    shm_used_peak_bytes: int | None = None
+    """Highest use of that filesystem seen during the epoch (every process's files, those
+    already removed but still held included): what runs out when a loader's workers die of
+    a bus error."""
 
     @property
     def duration_s(self) -> float:
@@ -219,6 +265,11 @@ class TeardownRecord:
             shared by the processes of one host); None: unknown.
         released: The teardown policy released resources (False: the worker only
             reported what it held).
+        host_uss_bytes: The worker's own USS as it exited (``/proc/self/smaps_rollup``):
+            its private host memory, what copy-on-read grows. None: unknown.
+        host_pss_bytes: Its PSS then; None: unknown.
+        host_rss_bytes: Its RSS then; None: unknown.
+        host_rss_peak_bytes: Its highest RSS over its life (``VmHWM``); None: unknown.
 
     """
 
@@ -237,6 +288,10 @@ class TeardownRecord:
     peak_reserved_bytes: int | None = None
     monotonic_s: float | None = None
     released: bool = True
+    host_uss_bytes: int | None = None
+    host_pss_bytes: int | None = None
+    host_rss_bytes: int | None = None
+    host_rss_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -308,8 +363,11 @@ class ShmFile:
         holder_pid: A process of the job that still holds it open or mapped, if any.
         holder_role: That process's role.
         scope: What created it when not the work itself (a pytest fixture scope).
-        attributable: False when nobody holds it and other jobs ran beside the work
-            (pytest-xdist workers): then it is reported, not blamed.
+        attributable: False when nothing ties it to the work (nobody of the work holds it
+            and its name does not say who made it) and others may have made it (other
+            jobs, pytest-xdist workers): then it is reported, not blamed.
+        in_use: Its holder is a process of the job whose work goes on (a tracker closed
+            before its job ended): it may still be in use, so it is reported, not blamed.
 
     """
 
@@ -319,6 +377,7 @@ class ShmFile:
     holder_role: Role | None = None
     scope: str | None = None
     attributable: bool = True
+    in_use: bool = False
 
 
 @dataclass(frozen=True)
@@ -389,7 +448,8 @@ class Finding:
         nvidia_fds: Open ``/dev/nvidia*`` descriptors of the culprit, if known.
         scope: What started the culprit when not the work itself (a fixture scope).
         shm_name: For shm: the file name in ``/dev/shm``.
-        size_bytes: For shm: the file's size.
+        size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
+        host_bytes: For host-growth: the rise of host memory over the judged epochs.
 
     """
 
@@ -409,6 +469,7 @@ class Finding:
     scope: str | None = None
     shm_name: str | None = None
     size_bytes: int | None = None
+    host_bytes: int | None = None
 
     @property
     def bytes(self) -> int | None:
@@ -426,6 +487,15 @@ class RuleConfig:
         grace_s: How long a process born in an epoch may outlive the epoch end.
         high_clock_fraction: SM clock at or above this fraction of its max after work
             counts as "high clocks".
+        host_tolerance_bytes: Host memory growth below this is noise (the host-growth
+            rule). Higher than the GPU's: a Python process's heap moves by more than the
+            CUDA allocator does without leaking (pymalloc and glibc arenas kept after a
+            peak, modules imported on first use, torch's pinned-memory cache, batches in
+            flight), while copy-on-read copies tens to hundreds of MiB per worker and epoch,
+            far above it within a few epochs.
+        shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size during
+            an epoch is capacity pressure (the shm rule): workers die of a bus error when
+            it is full, and a peak sampled a few times a second undershoots the true one.
 
     """
 
@@ -433,3 +503,5 @@ class RuleConfig:
     warmup_epochs: int = 1
     grace_s: float = 2.0
     high_clock_fraction: float = 0.8
+    host_tolerance_bytes: int = 64 * MIB
+    shm_pressure_fraction: float = 0.8

@@ -1,15 +1,18 @@
 """A picture of a sweep: memory per epoch by process role, processes, thermal state.
 
-One column per configuration (worker count), three panels each, sharing the epoch axis:
+One column per configuration (worker count), up to four panels each, sharing the epoch axis:
 
 1. GPU memory at the end of each epoch, stacked by role (parent, workers, descendants and
    orphans), with the device's used memory as a line: a leak is a staircase. The workers'
    peak during the epoch is a line stacked on the parent like the workers' bar, so it never
    runs below that bar; where it is unknown (a worker exited unseen and reported nothing)
    the line has a gap and the bar a "?", never a 0.
-2. Processes: workers seen, processes still alive after the epoch, orphans (host side, so
-   this panel is drawn without a GPU too).
-3. Thermal state: GPU temperature (left axis) and SM clock (right axis).
+2. Host memory at the end of each epoch, stacked: the parent, then the workers (each at the
+   epoch end, or as it reported at its exit). USS where it was read, RSS where not: the
+   label says which, since RSS counts pages shared with other processes and USS does not.
+   Drawn without a GPU too: the CPU-only picture has memory to show.
+3. Processes: workers seen, processes still alive after the epoch, orphans.
+4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
 
 matplotlib is imported only here, and only its object-oriented API with the Agg canvas is
 used: drawing a sweep never changes the backend of the caller's ``pyplot``.
@@ -29,7 +32,7 @@ from leakcheck.model import MIB
 if TYPE_CHECKING:
     from leakcheck.report import Report
 
-__all__ = ["memory_series", "plot_sweep", "render"]
+__all__ = ["host_series", "memory_series", "plot_sweep", "render"]
 
 
 # What the picture reads of a sweep. The sweep engine sits above this module (it is the
@@ -64,6 +67,12 @@ class _Row(Protocol):
     def temperature_c(self) -> int | None: ...
     @property
     def sm_clock_mhz(self) -> int | None: ...
+    @property
+    def parent_host_bytes(self) -> int | None: ...
+    @property
+    def workers_host_bytes(self) -> int | None: ...
+    @property
+    def host_source(self) -> str | None: ...
 
 
 class _Config(Protocol):
@@ -160,6 +169,38 @@ def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
     }
 
 
+def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
+    """The host-memory panel's data, in MiB, one value per row (epoch).
+
+    ``parent`` and ``workers`` are the stacked bars (0 where not known: see
+    ``memory_series``); ``unknown`` is 1.0 where some worker's host memory is unknown (the
+    bar gets a "?"), else 0.0.
+    """
+    parent = [0.0 if r.parent_host_bytes is None else r.parent_host_bytes / MIB for r in rows]
+    workers = [0.0 if r.workers_host_bytes is None else r.workers_host_bytes / MIB for r in rows]
+    unknown = [
+        1.0 if r.workers_host_bytes is None and r.worker_count and r.host_source else 0.0
+        for r in rows
+    ]
+    return {
+        "epochs": [float(row.epoch) for row in rows],
+        "parent": parent,
+        "workers": workers,
+        "top": [p + w for p, w in zip(parent, workers, strict=True)],
+        "unknown": unknown,
+    }
+
+
+def _host_label(rows: Sequence[_Row]) -> str:
+    """What the host bars are: USS, RSS, or both (per epoch, where USS was not read)."""
+    parts = {part for row in rows if row.host_source for part in row.host_source.split("+")}
+    if parts == {"uss"}:
+        return "USS: private memory"
+    if parts == {"rss"}:
+        return "RSS: resident, shared pages too"
+    return "USS; RSS where not read"
+
+
 def _config_title(config: _Config) -> str:
     if config.num_workers == 0:
         head = "0 workers (parent does the work)"
@@ -244,6 +285,39 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             marker="o",
             linewidth=1.2,
             label="device used at epoch end\n(all processes)",
+        )
+    axes.set_ylim(bottom=0)
+
+
+def _host_panel(axes: Any, config: _Config) -> None:
+    rows = config.rows
+    epochs = [row.epoch for row in rows]
+    if not rows or all(row.host_source is None for row in rows):
+        axes.set_yticks([])
+        _note(axes, "host memory not read")
+        return
+    what = _host_label(rows)
+    axes.set_ylabel(f"host memory (MiB)\n{what.split(':')[0]}")
+    series = host_series(rows)
+    axes.bar(epochs, series["parent"], color=_PARENT, label=f"parent ({what})")
+    if any(row.worker_count for row in rows):
+        axes.bar(
+            epochs,
+            series["workers"],
+            bottom=series["parent"],
+            color=_WORKERS,
+            label="workers (sum): at epoch end,\nor at exit if gone by then",
+        )
+    unknown = [i for i, flag in enumerate(series["unknown"]) if flag]
+    if unknown:
+        axes.plot(
+            [epochs[i] for i in unknown],
+            [series["top"][i] for i in unknown],
+            linestyle="none",
+            marker="$?$",
+            markersize=11,
+            color=_DEVICE,
+            label="a worker's host memory unknown",
         )
     axes.set_ylim(bottom=0)
 
@@ -335,8 +409,8 @@ def _row_legend(axes_list: Sequence[Any], title: str) -> None:
 def render(result: _Sweep) -> Any:
     """Draw the sweep; returns a ``matplotlib.figure.Figure`` (Agg canvas attached).
 
-    Without a GPU only the process panel carries data: it is drawn alone, and the title
-    says why the GPU panels are missing.
+    Without a GPU the host-memory and process panels are drawn, and the title says why the
+    GPU panels are missing.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -344,26 +418,34 @@ def render(result: _Sweep) -> Any:
     configs = result.configs
     columns = max(len(configs), 1)
     gpu = result.gpu_available
-    figure = Figure(figsize=(4.2 * columns + 1.6, 9.0 if gpu else 4.6), layout="constrained")
+    figure = Figure(figsize=(4.2 * columns + 1.6, 11.5 if gpu else 6.6), layout="constrained")
     FigureCanvasAgg(figure)
     if gpu:
         grid = figure.subplots(
-            3, columns, squeeze=False, sharex="col", gridspec_kw={"height_ratios": [3, 1.4, 1.6]}
+            4,
+            columns,
+            squeeze=False,
+            sharex="col",
+            gridspec_kw={"height_ratios": [3, 2, 1.4, 1.6]},
         )
-        memory_row, process_row, thermal_row = list(grid[0]), list(grid[1]), list(grid[2])
+        memory_row, host_row = list(grid[0]), list(grid[1])
+        process_row, thermal_row = list(grid[2]), list(grid[3])
     else:
-        grid = figure.subplots(1, columns, squeeze=False)
-        memory_row, process_row, thermal_row = [], list(grid[0]), []
+        grid = figure.subplots(
+            2, columns, squeeze=False, sharex="col", gridspec_kw={"height_ratios": [2.4, 1.4]}
+        )
+        memory_row, host_row, process_row, thermal_row = [], list(grid[0]), list(grid[1]), []
     clock_row: list[Any] = []
     for column, config in enumerate(configs):
-        top = memory_row[column] if gpu else process_row[column]
+        top = memory_row[column] if gpu else host_row[column]
         top.set_title(
             _config_title(config),
             fontsize=10,
             color=_VERDICT_COLOURS.get(config.report.verdict, "#000000"),
         )
-        panels = [process_row[column]]
+        panels = [process_row[column], host_row[column]]
         _process_panel(process_row[column], config)
+        _host_panel(host_row[column], config)
         if gpu:
             _memory_panel(memory_row[column], config, result.gpu_reason)
             clock_row.append(_thermal_panel(thermal_row[column], config))
@@ -373,18 +455,24 @@ def render(result: _Sweep) -> Any:
         bottom.set_xticks([row.epoch for row in config.rows])
         for axes in panels:
             axes.grid(axis="y", alpha=0.3)
-    # One memory scale for every configuration, so that they compare at a glance.
-    tops = [axes.get_ylim()[1] for axes in memory_row if axes.has_data()]
-    for axes in memory_row:
-        if tops and axes.has_data():
-            axes.set_ylim(0, max(tops) * 1.08)
+    # One memory scale per row for every configuration, so that they compare at a glance.
+    for row_axes in (memory_row, host_row):
+        tops = [axes.get_ylim()[1] for axes in row_axes if axes.has_data()]
+        for axes in row_axes:
+            if tops and axes.has_data():
+                axes.set_ylim(0, max(tops) * 1.08)
     last = columns - 1
     if gpu:
         _row_legend([memory_row[last]], "GPU memory")
         _row_legend([thermal_row[last], clock_row[last]], "GPU thermal state")
+    _row_legend([host_row[last]], "host memory")
     _row_legend([process_row[last]], "processes")
     options = result.options
-    what = "GPU memory per epoch by process role" if gpu else "processes per epoch"
+    what = (
+        "GPU and host memory per epoch by process role"
+        if gpu
+        else "host memory and processes per epoch"
+    )
     lines = [
         f"leakcheck sweep: {what} "
         f"({','.join(str(n) for n in options.workers)} workers x {options.epochs} epochs)",

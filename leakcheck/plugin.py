@@ -388,7 +388,13 @@ def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
 
 
 def _unattributed(finding: Finding) -> bool:
-    return finding.rule == "shm" and finding.severity == "info" and finding.pid is None
+    """A /dev/shm file nobody held that others may have made (not capacity pressure)."""
+    return (
+        finding.rule == "shm"
+        and finding.severity == "info"
+        and finding.pid is None
+        and finding.shm_name is not None
+    )
 
 
 def _process_key(finding: Finding) -> tuple[int | None, str]:
@@ -687,8 +693,10 @@ class LeakCheckPlugin:
                     tr.write_line(line)
         if unattributed:
             tr.write_line(
-                f"{unattributed} /dev/shm files appeared while tests ran on several workers "
-                "and nobody held them: not attributed (run without -n to attribute them)"
+                f"{unattributed} /dev/shm files appeared while tests ran on several workers, "
+                "and nothing tied them to one test (no process of a test held them, and their "
+                "names carry none of a test's PIDs): not attributed (run without -n to "
+                "attribute them)"
             )
 
 

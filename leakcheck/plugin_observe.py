@@ -28,6 +28,15 @@ ran it (``scope`` of the process or file names the fixture). A wide-scope fixtur
 processes lazily, later, inside a test is not seen as their owner: those processes are the
 test's.
 
+NOTE [reference cycles]: a DataLoader iterator stops its workers when it is collected, and
+one caught in a reference cycle (an exception kept with its traceback, an object that refers
+back to itself) is collected only by the garbage collector, whenever it next runs: its
+persistent workers outlive the test. So before the processes still alive after the grace
+period are judged, the plugin collects garbage once (only then: a clean test pays nothing)
+and allows for the loader's own shutdown, which joins each worker for up to 5 s and then
+terminates it, inside the collection. Those that exit then are still the test's leak (they
+outlived it), and their finding says that a reference cycle kept them alive.
+
 NOTE [first context]: the first CUDA context of a process (and the driver memory of the
 libraries it loads on first use) is a baseline, not a leak: the torch allocator is the judge
 of tensors a test keeps; memory the driver shows for the test process beyond the allocator
@@ -48,7 +57,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
+from leakcheck.hostmem import shm_creator_pid, shm_name_pids
 from leakcheck.model import (
     Attribution,
     DeviceState,
@@ -98,10 +107,10 @@ SHM_DIR = "/dev/shm"
 _CREATE_TIME_SLACK_S = 2.0
 """Create times have clock-tick resolution, and the boot time they add to is whole seconds."""
 
-_NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")
-_TOKEN_SPLIT = re.compile(r"[^0-9A-Za-z]+")
-_CREATOR_PID = re.compile(r"^torch_([0-9]+)_")
-"""Segment names that start with their creator's PID (torch's file_system sharing)."""
+_SHUTDOWN_SETTLE_S = 0.25
+"""After the garbage collection of NOTE [reference cycles], how long a process may take to
+exit: a loader's shutdown inside the collection has joined its workers, or terminated those
+that did not stop within 5 s, and a terminated process is gone within milliseconds."""
 
 
 # --- snapshots ----------------------------------------------------------------------------
@@ -406,6 +415,9 @@ class _Candidate:
     pins: bool | None = None
     """For a runtime helper: it holds GPU memory or /dev/nvidia* descriptors (None: not
     asked yet)."""
+    freed_by_gc: bool = False
+    """It was alive after the grace and exited once garbage was collected (NOTE [reference
+    cycles])."""
 
 
 @dataclass
@@ -563,10 +575,12 @@ class Checker:
             candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
         candidates = [c for c in candidates if c.info.key.pid != self.pid]
         _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
+        _collect_and_settle(candidates, self._pins_gpu)
         left = self._left(candidates, end_s)
 
         # /dev/shm: after the grace period, since exiting workers remove their own.
-        shm_files = self._shm_files(window, active, finished, left)
+        test_pids = {cand.info.key.pid for cand in candidates}
+        shm_files = self._shm_files(window, active, finished, left, test_pids)
 
         # GPU memory of the test process itself.
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
@@ -610,7 +624,7 @@ class Checker:
 
     def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[_Left]:
         """What the test left: every candidate that did not exit within the grace."""
-        staying = [c for c in candidates if c.exited_s is None]
+        staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc]
         gpu_by_pid = self.gpu.by_pid() if staying else {}
         left: list[_Left] = []
         for cand in staying:
@@ -635,6 +649,7 @@ class Checker:
                 gpu_bytes_peak=gpu,
                 nvidia_fds=procs.nvidia_fd_count(key.pid) if alive else None,
                 scope=cand.owner.label if cand.owner is not None else None,
+                freed_by_gc=cand.freed_by_gc,
             )
             left.append(_Left(cand, process, alive))
         return left
@@ -660,7 +675,16 @@ class Checker:
         active: Sequence[ScopeOwner],
         finished: Sequence[ScopeOwner],
         left: Sequence[_Left],
+        test_pids: set[int],
     ) -> tuple[ShmFile, ...]:
+        """The files the test (or a wide-scope fixture that ended) left in /dev/shm.
+
+        Blamed on the test: those held by its live processes, those named after any of its
+        processes (``test_pids``, gone ones included: torch and CUDA IPC name their files
+        after their creator), those of its fixtures; others nobody holds are blamed only
+        when no other test ran at the same time (``attribute_unheld_shm``), else reported
+        as not attributable.
+        """
         now = list_shm(self.shm_dir)
         owned_active = {name for owner in active for name in owner.shm}
         fresh = now - window.shm - owned_active
@@ -686,10 +710,11 @@ class Checker:
         for name in sorted(fresh | set(from_fixtures)):
             if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
                 continue  # removed meanwhile, not a plain file, or another user's
-            if name in from_fixtures or name in held_by or _embedded_pids(name) & lineage_pids:
+            named_after = shm_name_pids(name) & (lineage_pids | test_pids)
+            if name in from_fixtures or name in held_by or named_after:
                 blamed.append(name)
                 continue
-            creator = _creator_pid(name)
+            creator = shm_creator_pid(name)
             if creator is not None and _foreign_alive(creator, lineage_pids):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
@@ -924,6 +949,21 @@ def _wait_for_exit(
         delay = min(delay * 2, 0.1)
 
 
+def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
+    """Collect garbage if a process outlived the grace, and mark those it let go.
+
+    NOTE [reference cycles]. A process that exits now was kept alive by its owner's
+    reference cycle: ``freed_by_gc``.
+    """
+    staying = [c for c in candidates if c.exited_s is None and not c.baseline]
+    if not staying:
+        return
+    gc.collect()
+    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+    for cand in staying:
+        cand.freed_by_gc = cand.exited_s is not None
+
+
 def _final_view(process: ProcessEpoch, after_end_s: float) -> ProcessEpoch:
     """A process the test left, as the final state lists it (read after the grace)."""
     return ProcessEpoch(
@@ -996,17 +1036,6 @@ def _owner_uid(directory: str, name: str) -> int | None:
         return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
     except OSError:
         return None
-
-
-def _embedded_pids(name: str) -> set[int]:
-    """Whole numeric tokens of a segment name (``x_1234_y`` -> {1234}): PIDs, maybe."""
-    return {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
-
-
-def _creator_pid(name: str) -> int | None:
-    """The creator PID of a segment whose naming scheme says so, else None."""
-    match = _CREATOR_PID.match(name)
-    return int(match.group(1)) if match else None
 
 
 def _foreign_alive(pid: int, ours: set[int]) -> bool:

@@ -31,12 +31,14 @@ from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
 
 __all__ = [
     "SCHEMA_VERSION",
+    "HostTotals",
     "Report",
     "Verdict",
     "build_report",
     "finding_from_dict",
     "finding_lines",
     "finding_to_dict",
+    "host_totals",
     "report_from_dict",
 ]
 
@@ -425,7 +427,8 @@ def _attribution_line(timeline: Timeline) -> str | None:
 
 def _config_line(config: RuleConfig) -> str:
     return (
-        f"thresholds: tolerance {format_mib(config.tolerance_bytes)} MiB, "
+        f"thresholds: tolerance {format_mib(config.tolerance_bytes)} MiB, host tolerance "
+        f"{format_mib(config.host_tolerance_bytes)} MiB, "
         f"warm-up {_plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
         f"high clocks >= {config.high_clock_fraction:.0%} of max"
     )
@@ -461,13 +464,16 @@ _TABLE_HEAD = (
     "wk peak MiB",
     "alive after",
     "orphans",
+    "parent host MiB",
+    "wk host MiB",
+    "host",
     "GPU",
     "used/total MiB",
     "temp C",
     "SM MHz",
     "power W",
 )
-_LEFT_ALIGNED = frozenset((1, 9))
+_LEFT_ALIGNED = frozenset((1, 11, 12))
 
 
 def _device_cells(dev: DeviceState | None) -> list[str]:
@@ -480,6 +486,49 @@ def _device_cells(dev: DeviceState | None) -> list[str]:
         or_dash(dev.sm_clock_mhz),
         or_dash(dev.power_w, ".0f"),
     ]
+
+
+@dataclass(frozen=True)
+class HostTotals:
+    """Host memory of an epoch's parent and workers, as the tables show it.
+
+    Attributes:
+        parent_bytes: The parent's ``host_bytes_end``; None: unknown (or no parent).
+        workers_bytes: The workers' summed, each at the epoch end or, gone by then, as it
+            reported at exit; None when any worker's is unknown (never 0 for it); 0 with no
+            workers.
+        source: ``uss`` or ``rss`` when every figure counted is that; ``uss+rss`` when
+            both are; None when none is known.
+
+    """
+
+    parent_bytes: int | None
+    workers_bytes: int | None
+    source: str | None
+
+
+def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
+    """The parent's and the workers' host memory of one epoch (or final state)."""
+    parents = [p for p in processes if p.role == "parent"]
+    workers = [p for p in processes if p.role == "worker"]
+    parent = parents[0].host_bytes_end if parents else None
+    worker_values = [p.host_bytes_end for p in workers]
+    workers_bytes = (
+        None if any(v is None for v in worker_values) else sum(v for v in worker_values if v)
+    )
+    sources = {p.host_source for p in (*parents, *workers) if p.host_source is not None}
+    source = "+".join(sorted(sources, reverse=True)) if sources else None
+    return HostTotals(parent, workers_bytes, source)
+
+
+def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
+    """The workers' host memory; ``?`` when one is unknown among known ones.
+
+    ``-`` when none was read at all (an adapter that does not read host memory).
+    """
+    if host.workers_bytes is None and any_workers and host.source is not None:
+        return "?"
+    return format_mib(host.workers_bytes)
 
 
 def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
@@ -500,6 +549,7 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> lis
         peak = workers_peak_bytes(workers)
         peak_text = "?" if peak is None else format_mib(peak)
     label = rec.label if len(rec.label) <= _LABEL_WIDTH else rec.label[: _LABEL_WIDTH - 3] + "..."
+    host = host_totals(rec.processes)
     cells = [
         str(rec.index),
         label,
@@ -510,6 +560,9 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> lis
         peak_text,
         str(sum(alive_after_grace(p, config.grace_s) for p in rec.processes)),
         str(sum(p.role == "orphan" and p.alive_at_end for p in rec.processes)),
+        format_mib(host.parent_bytes),
+        _workers_host_text(host, bool(workers)),
+        host.source or "-",
     ]
     devices = sorted(rec.devices, key=lambda d: d.index)
     rows = [cells + _device_cells(devices[0] if devices else None)]
@@ -552,7 +605,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
         lines.append(f"{title}:")
         if not procs:
             continue
-        rows = [["role", "PID", "GPU MiB", "peak MiB", "fds", "flags", "command"]]
+        rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
         for proc in procs:
             flags = [
                 name
@@ -591,13 +644,21 @@ def _process_lines(timeline: Timeline) -> list[str]:
                     str(proc.key.pid),
                     held,
                     peak_cell,
+                    _host_cell(proc),
                     or_dash(proc.nvidia_fds),
                     " ".join(flags) or "-",
                     shorten_cmdline(proc.cmdline),
                 ]
             )
-        lines.extend("  " + line for line in align_columns(rows, left={0, 5, 6}))
+        lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
+
+
+def _host_cell(proc: ProcessEpoch) -> str:
+    """``123 uss`` (``rss``): host memory at the end, or at exit for a process gone by then."""
+    if proc.host_bytes_end is None:
+        return "-"
+    return f"{format_mib(proc.host_bytes_end)} {proc.host_source}"
 
 
 def _teardown_lines(timeline: Timeline) -> list[str]:

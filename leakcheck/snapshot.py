@@ -1,7 +1,10 @@
 """Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
 
 One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` prints and what
-``Tracker.snapshot()`` returns for one job.
+``Tracker.snapshot()`` returns for one job. Given a job's root (``--pid``), it also reads the
+host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
+RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
+machine stays cheap.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from leakcheck import nvml, procs, roles
+from leakcheck import hostmem, nvml, procs, roles
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
+from leakcheck.hostmem import HostMemory
 from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.procs import new_session_id, session_root_pid
 from leakcheck.units import format_mib
@@ -47,6 +51,8 @@ class ProcessSnapshot:
             runtime helper of the job, such as multiprocessing's resource tracker: kept by
             design, not a leak; see ``roles.RUNTIME_HELPERS``).
         session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
+        host: Its host memory (USS, PSS, RSS), for the processes of the job asked about;
+            None otherwise, or where unreadable.
 
     """
 
@@ -57,6 +63,7 @@ class ProcessSnapshot:
     nvidia_fds: int | None = None
     flags: tuple[str, ...] = ()
     session: str | None = None
+    host: HostMemory | None = None
 
     @property
     def total_gpu_bytes(self) -> int:
@@ -97,6 +104,7 @@ class Snapshot:
                     "nvidia_fds": entry.nvidia_fds,
                     "flags": list(entry.flags),
                     "session": entry.session,
+                    **_host_dict(entry.host),
                 }
                 for entry in self.processes
             ],
@@ -142,6 +150,25 @@ class Snapshot:
                 + ", ".join(f"PID {e.info.key.pid} ({'/'.join(flags)})" for e, flags in flagged)
             )
         return "\n".join(lines)
+
+
+def _host_dict(host: HostMemory | None) -> dict[str, Any]:
+    return {
+        "host_uss_bytes": host.uss_bytes if host else None,
+        "host_pss_bytes": host.pss_bytes if host else None,
+        "host_rss_bytes": host.rss_bytes if host else None,
+        "host_rss_peak_bytes": host.rss_peak_bytes if host else None,
+        "host_source": host.source if host else None,
+    }
+
+
+def _host_text(host: HostMemory | None) -> str | None:
+    """``host USS 123 MiB (RSS 456)``, or ``host RSS 456 MiB`` where USS is unreadable."""
+    if host is None or host.rss_bytes is None:
+        return None
+    if host.uss_bytes is not None:
+        return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)})"
+    return f"host RSS {format_mib(host.rss_bytes)} MiB"
 
 
 def _device_dict(device: DeviceState) -> dict[str, Any]:
@@ -194,6 +221,9 @@ def _process_line(entry: ProcessSnapshot) -> str:
     if entry.nvidia_fds:
         details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
     details.extend(entry.flags)
+    host = _host_text(entry.host)
+    if host:
+        details.append(host)
     return text + ("  — " + "; ".join(details) if details else "")
 
 
@@ -234,6 +264,7 @@ def take_snapshot(
     devices: Iterable[int] | None = None,
     with_fds: bool = True,
     known_workers: Collection[ProcessKey] = (),
+    host_memory: bool | None = None,
 ) -> Snapshot:
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
 
@@ -247,6 +278,8 @@ def take_snapshot(
             (a tracker's mailbox): only these direct children are labelled ``worker``. From
             outside (``leakcheck snapshot --pid``) none is known, and every process below
             the root is a ``descendant``.
+        host_memory: Read the host memory of the job's processes (the root's lineage and
+            its tagged orphans). Default: when a root is given.
 
     Returns:
         The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
@@ -296,6 +329,10 @@ def take_snapshot(
             info = every.get(info.ppid)
             depth += 1
 
+    job = set(lineage) | {
+        pid for pid, tag in sessions.items() if tag is not None and pid in interesting
+    }
+    want_host = root_pid is not None if host_memory is None else host_memory
     entries: list[ProcessSnapshot] = []
     for pid in sorted(shown):
         info = every.get(pid)
@@ -320,6 +357,7 @@ def take_snapshot(
                 nvidia_fds=fds.get(pid) if with_fds else None,
                 flags=tuple(flags),
                 session=tag,
+                host=hostmem.read_host_memory(info.key) if want_host and pid in job else None,
             )
         )
     return Snapshot(

@@ -44,7 +44,13 @@ from leakcheck.errors import LeakCheckError
 from leakcheck.files import write_json
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord, TrackerCost
 from leakcheck.progress import Progress
-from leakcheck.report import align_columns, alive_after_grace, or_dash, workers_peak_bytes
+from leakcheck.report import (
+    align_columns,
+    alive_after_grace,
+    host_totals,
+    or_dash,
+    workers_peak_bytes,
+)
 from leakcheck.torch_state import initialized_cuda
 from leakcheck.tracker import Tracker
 from leakcheck.units import format_mib, shorten_cmdline
@@ -68,13 +74,16 @@ __all__ = [
     "write_json",
 ]
 
-SWEEP_SCHEMA_VERSION = 2
+SWEEP_SCHEMA_VERSION = 3
 """Version of ``SweepResult.to_dict``'s layout; bumped on any incompatible change.
 
 2: a row's ``workers_gpu_bytes_peak`` includes what the workers reported at exit and is
 null when any worker's peak is unknown (``workers_peak_unknown``, new, with
 ``workers_peak_reported`` and ``batches``); ``teardown.workers`` counts the workers the
-policy released (``teardown.reported``, new: every worker that reported at exit)."""
+policy released (``teardown.reported``, new: every worker that reported at exit).
+3: host memory per row (``parent_host_bytes``, ``workers_host_bytes``, ``host_source``) and
+the job's ``/dev/shm`` bytes (``shm_bytes``); the table has three more columns; the options
+carry ``rollup_share``."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -114,6 +123,10 @@ class SweepOptions:
         teardown: Install the teardown policy in the workers of any DataLoader, built-in or
             ``--loader`` (False: workers still report who they are and what they held at
             exit, and release nothing).
+        rollup_share: Share of the time the trackers' USS reads may take (``Tracker``'s
+            option). A sweep reads them at every epoch end (1.0): it runs a loader only to
+            measure it, its epochs are short, and its rows and plot should say USS
+            throughout; what that cost is in each configuration's tracker cost line.
 
     """
 
@@ -129,6 +142,7 @@ class SweepOptions:
     warmup_epochs: int = 1
     cleanup: bool = True
     teardown: bool = True
+    rollup_share: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -164,6 +178,14 @@ class EpochRow:
         workers_peak_unknown: Workers whose peak is unknown: they exited before any read
             saw them on a GPU and reported nothing (shown as ``?``, never 0).
         batches: Batches the epoch yielded.
+        parent_host_bytes: The parent's host memory at the end of the epoch (USS where
+            read, else RSS: ``host_source``); None: unknown.
+        workers_host_bytes: The workers' host memory summed: each at the end of the epoch,
+            or, for a worker gone by then, as it reported at exit; None when any worker's
+            is unknown (``?``, never 0).
+        host_source: ``uss`` or ``rss`` when every host figure of the row is that,
+            ``uss+rss`` when both are; None: none known.
+        shm_bytes: The job's files in ``/dev/shm`` at the end of the epoch.
         device_used_bytes: Device memory used at the end of the epoch.
         device_total_bytes: Device memory size.
         temperature_c: GPU temperature at the end of the epoch.
@@ -189,6 +211,10 @@ class EpochRow:
     workers_peak_reported: int | None = None
     workers_peak_unknown: int | None = None
     batches: int | None = None
+    parent_host_bytes: int | None = None
+    workers_host_bytes: int | None = None
+    host_source: str | None = None
+    shm_bytes: int | None = None
     device_used_bytes: int | None = None
     device_total_bytes: int | None = None
     temperature_c: int | None = None
@@ -493,6 +519,7 @@ def _run_config(
         grace=options.grace_s,
         persistent_workers=persistent,
         use_nvml=gpu_available,
+        rollup_share=options.rollup_share,
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
@@ -576,6 +603,10 @@ def _run_epochs(
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
+            # A sweep's epochs can be shorter than the USS reads the sampler thread makes after
+            # each end: waiting for them here keeps every row's host memory a USS of that
+            # epoch's end (the wait counts as the loop's time inside leakcheck).
+            watched.tracker.finish_reads()
             # The summary reads the tracker's epochs: only when it is printed.
             progress.end(_epoch_summary(watched.tracker, batches) if progress.wants_summary else "")
     finally:
@@ -609,9 +640,12 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
     counted = record.batches if record.batches is not None else batches
     workers = [p for p in record.processes if p.role == "worker"]
     parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
+    host = host_totals(record.processes)
     return (
         f"{counted} batches in {record.duration_s:.1f} s, parent {format_mib(parent)} MiB, "
         f"{len(workers)} workers {format_mib(sum(p.total_gpu_bytes_end for p in workers))} MiB"
+        f"; host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
+        f"{format_mib(host.workers_bytes)} MiB"
     )
 
 
@@ -656,6 +690,7 @@ def epoch_row(
     peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
     if peak is not None:
         peak = max(peak, sum(worker_end))  # peak >= end per process, so the sums keep it
+    host = host_totals(processes)
     return EpochRow(
         num_workers=num_workers,
         epoch=record.index,
@@ -673,6 +708,10 @@ def epoch_row(
         workers_peak_reported=known(sum(1 for p in workers if p.gpu_peak_source == "reported")),
         workers_peak_unknown=known(sum(1 for p in workers if p.gpu_peak_source == "unknown")),
         batches=record.batches,
+        parent_host_bytes=host.parent_bytes,
+        workers_host_bytes=host.workers_bytes,
+        host_source=host.source,
+        shm_bytes=record.shm_bytes,
         device_used_bytes=None if device is None else device.used_bytes,
         device_total_bytes=None if device is None else device.total_bytes,
         temperature_c=None if device is None else device.temperature_c,
@@ -829,6 +868,13 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("wk ?", "workers whose peak is unknown (exited unseen, reported nothing)"),
     ("alive after", "processes born in the epoch still alive after it and its grace period"),
     ("orphans", "processes of the job reparented away, alive at the end"),
+    ("parent host MiB", "host memory of the parent at the end of the epoch (USS, else RSS)"),
+    (
+        "wk host MiB",
+        "host memory of the workers, summed: at the end of the epoch, or at exit for those "
+        "gone by then (? when one is unknown)",
+    ),
+    ("host", "what the host figures are: uss (private), rss (resident), or uss+rss"),
     ("dev used/total MiB", "device memory at the end of the epoch"),
     ("temp °C", "GPU temperature at the end of the epoch"),
     ("SM MHz", "SM clock at the end of the epoch"),
@@ -869,6 +915,9 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         "wk ?": or_dash(row.workers_peak_unknown),
         "alive after": str(row.alive_after),
         "orphans": str(row.orphans),
+        "parent host MiB": format_mib(row.parent_host_bytes),
+        "wk host MiB": _workers_host_cell(row),
+        "host": row.host_source or "-",
         "dev used/total MiB": device,
         "temp °C": or_dash(row.temperature_c),
         "SM MHz": or_dash(row.sm_clock_mhz),
@@ -878,6 +927,13 @@ def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         for name in _GPU_COLUMNS:
             cells[name] = _UNAVAILABLE
     return [cells[name] for name in COLUMN_NAMES]
+
+
+def _workers_host_cell(row: EpochRow) -> str:
+    """The workers' host memory, ``?`` (never 0) when one of them is unknown."""
+    if row.workers_host_bytes is None and row.worker_count and row.host_source is not None:
+        return _UNKNOWN
+    return format_mib(row.workers_host_bytes)
 
 
 def _peak_cell(row: EpochRow) -> str:

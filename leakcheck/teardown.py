@@ -9,13 +9,14 @@ The policy, installed in each worker by :class:`WorkerInit` (the chained ``worke
 2. The worker posts its identity ``(pid, create_time)`` to the mailbox (NOTE [worker
    mailbox] in mailbox.py), so the tracker knows its workers exactly.
 3. At worker exit (a ``multiprocessing.util.Finalize`` hook: DataLoader workers leave through
-   multiprocessing's bootstrap, which runs finalizers, not ``atexit``), and only when CUDA was
-   initialised in that worker: join every registered side stream into the current stream
-   with an event (never free memory a side stream may still use: the cuDNN dgrad race),
-   synchronise, drop registered streams and events, call registered callables, collect
-   garbage, empty the allocator cache, and release the context (``cudaDeviceReset``). Then
-   NVML is asked whether the PID has left the device list, and a ``teardown`` record with
-   what was freed and how long it took is posted to the mailbox. A teardown never raises:
+   multiprocessing's bootstrap, which runs finalizers, not ``atexit``), the worker reads its
+   own host memory (USS, PSS, RSS and its peak) and, only when CUDA was initialised in it,
+   joins every registered side stream into the current stream with an event (never free
+   memory a side stream may still use: the cuDNN dgrad race), synchronises, drops registered
+   streams and events, calls registered callables, collects garbage, empties the allocator
+   cache, and releases the context (``cudaDeviceReset``). Then NVML is asked whether the PID
+   has left the device list, and a ``teardown`` record with what it held and freed and how
+   long it took is posted to the mailbox. A teardown never raises:
    a failing step is recorded as one line and the worker exits normally.
 4. In the parent nothing is destroyed at interpreter shutdown. Once the interpreter is
    exiting (our ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are
@@ -49,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from leakcheck import mailbox, procs
+from leakcheck import hostmem, mailbox, procs
 from leakcheck.errors import LeakCheckError, UsageError
 from leakcheck.model import MIB, ProcessKey, TeardownRecord
 from leakcheck.torch_state import initialized_cuda
@@ -498,6 +499,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
     peak_reserved: int | None = None
     measured_s: float | None = None
     left_nvml: bool | None = None
+    host: hostmem.HostMemory | None = None
     try:
         if state.terminate_children:
             try:
@@ -506,6 +508,13 @@ def _worker_teardown(state: _WorkerExit) -> None:
                 freed.fail("terminate children", exc)
         cuda = initialized_cuda() is not None
         measured_s = time.monotonic()
+        # Its own host memory, before anything is released: a worker that lives one epoch
+        # is the best source of what it held (NOTE [worker reports] in sampling/book.py).
+        # One smaps_rollup read, in the worker, as it leaves.
+        try:
+            host = hostmem.read_host_memory(state.pid)
+        except Exception as exc:
+            freed.fail("host memory", exc)
         if cuda:
             held = _nvml_bytes_by_device(state.pid)
             peak_reserved = _peak_reserved_bytes()
@@ -539,6 +548,10 @@ def _worker_teardown(state: _WorkerExit) -> None:
         peak_reserved_bytes=peak_reserved,
         monotonic_s=measured_s,
         released=state.release,
+        host_uss_bytes=host.uss_bytes if host else None,
+        host_pss_bytes=host.pss_bytes if host else None,
+        host_rss_bytes=host.rss_bytes if host else None,
+        host_rss_peak_bytes=host.rss_peak_bytes if host else None,
     )
     fields = asdict(record)
     del fields["key"]

@@ -39,7 +39,7 @@ def _is_int_at_least(value: object, minimum: int) -> bool:
 
 
 class Tracker:
-    """Attribute GPU memory to every process of a job, per epoch.
+    """Attribute GPU and host memory to every process of a job, per epoch.
 
     Use as a context manager::
 
@@ -64,6 +64,11 @@ class Tracker:
             Processes reparented away are then found by it instead of by the tracker's own
             ``LEAKCHECK_SESSION`` (exported only when the root is this process).
             ``leakcheck run`` uses it (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time the USS and PSS reads (``/proc/PID/smaps_rollup``
+            of the parent and persistent workers, at epoch ends) may take; an epoch end is
+            skipped while the last reads cost more (its host memory is then RSS, and says
+            so). Default 0.25% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
+            epoch end whatever it costs (short diagnostic runs).
 
     """
 
@@ -80,8 +85,18 @@ class Tracker:
         strict: bool = False,
         use_nvml: bool = True,
         session_tag: tuple[str, str] | None = None,
+        rollup_share: float | None = None,
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
+        if rollup_share is not None and not (
+            isinstance(rollup_share, (int, float))
+            and not isinstance(rollup_share, bool)
+            and 0 < rollup_share <= 1
+        ):
+            raise UsageError(
+                f"rollup_share: expected a share of time in (0, 1] such as 0.0025, "
+                f"got {rollup_share!r}"
+            )
         if not _is_int_at_least(warmup_epochs, 0):
             raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
         if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
@@ -112,6 +127,7 @@ class Tracker:
             strict=strict,
             use_nvml=use_nvml,
             session_tag=session_tag,
+            rollup_share=None if rollup_share is None else float(rollup_share),
         )
 
     @property
@@ -237,6 +253,16 @@ class Tracker:
         key = process_key(pid) if create_time is None else ProcessKey(pid, create_time)
         if key is not None:
             self._sampler.register_worker(key, persistent)
+
+    @caller_timed
+    def finish_reads(self) -> None:
+        """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
+
+        Call it before changing the job's processes right after an epoch (dropping a loader,
+        which stops its persistent workers), so that those reads describe the epoch's end.
+        ``close()`` does it too.
+        """
+        self._sampler.finish_reads()
 
     def worker_keys(self) -> list[ProcessKey]:
         """Workers registered so far."""

@@ -6,7 +6,7 @@ be unit-tested with made-up series. ``judge`` runs them all and orders the findi
 
 Rules that read per-process or per-device GPU memory need NVML and return nothing when the
 timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``survivor``,
-``orphan``) always run.
+``orphan``, ``host-growth``, ``shm``) always run.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from leakcheck.model import (
     Role,
     Rule,
     RuleConfig,
+    Severity,
     ShmFile,
     Timeline,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "growth",
     "growth_slope",
     "high_clocks",
+    "host_growth",
     "judge",
     "orphan",
     "residual",
@@ -165,7 +167,18 @@ REMEDY_ORPHAN = (
 )
 
 
+REMEDY_CYCLE = (
+    "a reference cycle kept the loader's iterator (or whatever owned the process) alive past "
+    "the end, and persistent workers stop only when their iterator is collected: break the "
+    "cycle (an exception or traceback kept in a variable or attribute, an object that refers "
+    "back to itself through a callback or bound method), or `del` the iterator and call "
+    "gc.collect() where the work ends"
+)
+
+
 def _survivor_remedy(proc: ProcessEpoch) -> str:
+    if proc.freed_by_gc:
+        return REMEDY_CYCLE
     if proc.scope is not None:
         return REMEDY_SCOPE
     if proc.role == "worker":
@@ -214,6 +227,11 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             later = [p for r, p in obs if r is None or r.index >= rec.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
+            cycle = (
+                "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
+                if proc.freed_by_gc
+                else ""
+            )
             found.append(
                 Finding(
                     rule="survivor",
@@ -222,7 +240,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                         f"{_culprit(proc)} {_started_in(proc, rec)} is still alive "
                         f"{alive_after:.1f} s after {rec.label} ended (grace "
                         f"{config.grace_s:g} s)"
-                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
+                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
                     remedy=_survivor_remedy(proc),
                     pid=proc.key.pid,
@@ -317,21 +335,36 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # --------------------------------------------------------------------------- growth
 
 
-def _least_squares_slope(series: Sequence[int]) -> float:
+def _least_squares_slope(series: Sequence[int], xs: Sequence[float] | None = None) -> float:
     n = len(series)
-    mean_x = (n - 1) / 2
+    x = list(xs) if xs is not None else [float(i) for i in range(n)]
+    mean_x = sum(x) / n
     mean_y = sum(series) / n
-    sxx = sum((x - mean_x) ** 2 for x in range(n))
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(series))
+    sxx = sum((xi - mean_x) ** 2 for xi in x)
+    sxy = sum((xi - mean_x) * (y - mean_y) for xi, y in zip(x, series, strict=True))
     return sxy / sxx if sxx else 0.0
 
 
-def growth_slope(series: Sequence[int], config: RuleConfig) -> float | None:
+def growth_slope(
+    series: Sequence[int],
+    config: RuleConfig,
+    *,
+    epochs: Sequence[int] | None = None,
+    tolerance_bytes: int | None = None,
+) -> float | None:
     """Judge a per-epoch series of end-of-epoch bytes, warm-up epochs already removed.
 
-    A leak needs at least 3 points, a total rise ``series[-1] - series[0]`` above
-    ``config.tolerance_bytes``, and a rise that continues late: the second half of the
-    series must add at least a quarter of the total rise (see NOTE [late rise]).
+    A leak needs at least 3 points, a total rise ``series[-1] - series[0]`` above the
+    tolerance, and a rise that continues late: the second half of the series must add at
+    least a quarter of the total rise (see NOTE [late rise]).
+
+    Args:
+        series: Bytes at the end of each judged epoch, in epoch order.
+        config: The thresholds (``tolerance_bytes`` unless given).
+        epochs: The epoch index of each point, where epochs are missing from the series
+            (host memory whose USS read was paced out): the slope is per epoch, not per
+            point. None: consecutive epochs.
+        tolerance_bytes: The tolerance to use instead of ``config.tolerance_bytes``.
 
     Returns:
         The least-squares slope in bytes per epoch when the series leaks, else None.
@@ -340,13 +373,14 @@ def growth_slope(series: Sequence[int], config: RuleConfig) -> float | None:
     n = len(series)
     if n < 3:
         return None
+    tolerance = config.tolerance_bytes if tolerance_bytes is None else tolerance_bytes
     rise = series[-1] - series[0]
-    if rise <= config.tolerance_bytes:
+    if rise <= tolerance:
         return None
     late_rise = series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
         return None
-    slope = _least_squares_slope(series)
+    slope = _least_squares_slope(series, [float(e) for e in epochs] if epochs else None)
     return slope if slope > 0 else None
 
 
@@ -453,6 +487,147 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     found = _process_growth(timeline, config)
     if timeline.attribution == "blind-namespace":
         found.extend(_device_growth(timeline, config))
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- host growth
+
+# NOTE [return of shared pages]: a forked worker shares its parent's pages until one of them
+# writes to a page, and reading a Python object writes its reference count: the worker
+# copies each page of objects it reads (copy-on-read). Each copy is new memory, and it is the
+# worker's: its USS grows while its RSS, which counted the shared page all along, stays flat.
+# In the parent the same page becomes private again, since nobody shares it any more: the
+# parent's USS fell when the workers forked and climbs back, epoch after epoch, towards where
+# it was, without a byte of new memory. So a parent's USS rise counts only where its resident
+# memory rises beyond the tolerance too (new memory is resident memory); a worker's counts
+# alone. Resident memory is judged by its anonymous part (``RssAnon``) where every point has
+# it: libraries paged in from their files on first use (CUDA's, torch's kernels) raise RSS
+# for epochs without anything being kept, and they are file-backed, not anonymous.
+
+HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
+"""Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
+
+_HostPoints = list[tuple[EpochRecord, int]]
+
+
+def _judge_host(points: _HostPoints, config: RuleConfig) -> float | None:
+    return growth_slope(
+        [value for _, value in points],
+        config,
+        epochs=[rec.index for rec, _ in points],
+        tolerance_bytes=config.host_tolerance_bytes,
+    )
+
+
+def _resident_points(
+    points: Sequence[tuple[EpochRecord, ProcessEpoch]],
+) -> tuple[_HostPoints, str]:
+    """Resident memory per epoch: ``RssAnon`` where every point has it, else RSS."""
+    anon = [(rec, proc.anon_bytes_end) for rec, proc in points if proc.anon_bytes_end is not None]
+    if anon and len(anon) == len(points):
+        return [(rec, value) for rec, value in anon if value is not None], "RssAnon"
+    rss = [(rec, proc.rss_bytes_end) for rec, proc in points if proc.rss_bytes_end is not None]
+    return [(rec, value) for rec, value in rss if value is not None], "RSS"
+
+
+def _host_growth_remedy(role: Role | None) -> str:
+    if role == "parent":
+        return (
+            "the main process keeps host memory across epochs: drop what the loop keeps "
+            "(outputs, losses as tensors, growing lists and caches) and compare tracemalloc "
+            "snapshots between epochs; a dataset of Python objects built here is copied into "
+            "every forked worker as it is read: keep it in numpy arrays, Arrow or tensors"
+        )
+    return (
+        "copy-on-read is the classic cause: the dataset holds Python objects (lists, dicts, "
+        "strings), every read writes their reference counts, so each forked worker copies "
+        "the pages it reads; keep the data in numpy arrays, Arrow tables or tensors (strings "
+        "as one bytes buffer with offsets) instead of Python objects; persistent_workers=True "
+        "keeps each worker's copies for the whole run (False gives them back each epoch, at "
+        "the cost of starting workers), and each worker more is one copy more; a cache the "
+        "worker fills must be bounded"
+    )
+
+
+def _host_growth_finding(
+    key: ProcessKey,
+    chosen: _HostPoints,
+    basis: str,
+    slope: float,
+    last: ProcessEpoch,
+    note: str,
+) -> Finding:
+    (first_rec, first_value), (last_rec, last_value) = chosen[0], chosen[-1]
+    return Finding(
+        rule="host-growth",
+        severity="leak",
+        message=(
+            f"{_culprit(last)} host memory ({basis}) grows {format_mib(slope)} MiB/epoch over "
+            f"epochs {first_rec.index}-{last_rec.index}: {format_mib(first_value)} -> "
+            f"{format_mib(last_value)} MiB{note}"
+        ),
+        remedy=_host_growth_remedy(last.role),
+        pid=key.pid,
+        create_time=key.create_time,
+        role=last.role,
+        cmdline=last.cmdline,
+        epoch=last_rec.index,
+        bytes_per_epoch=slope,
+        host_bytes=last_value - first_value,
+    )
+
+
+def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find long-lived processes whose host memory grows epoch after epoch.
+
+    The parent and persistent workers, alive at each epoch end, after their first
+    ``config.warmup_epochs`` epochs: judged like GPU growth (``growth_slope``) with
+    ``config.host_tolerance_bytes``, on USS where it was read in at least 3 of those epochs
+    (the slope is per epoch, missing epochs skipped), else on resident memory (``RssAnon``,
+    or RSS), which the message says: it counts pages shared with other processes and does
+    not show copy-on-read. A parent's USS rise needs a resident rise as well (NOTE [return
+    of shared pages]). Needs no GPU.
+    """
+    found: list[Finding] = []
+    for key, obs in _observations(timeline).items():
+        points: list[tuple[EpochRecord, ProcessEpoch]] = [
+            (rec, proc)
+            for rec, proc in obs
+            if rec is not None and proc.persistent and proc.alive_at_end and proc.role in HOST_ROLES
+        ]
+        points = points[config.warmup_epochs :]
+        if len(points) < 3:
+            continue
+        uss: _HostPoints = [
+            (rec, proc.host_bytes_end)
+            for rec, proc in points
+            if proc.host_source == "uss" and proc.host_bytes_end is not None
+        ]
+        rss, resident = _resident_points(points)
+        last = points[-1][1]
+        if len(uss) >= 3:
+            slope = _judge_host(uss, config)
+            if slope is None:
+                continue
+            note = ""
+            if last.role == "parent":
+                # NOTE [return of shared pages]
+                span = [(r, b) for r, b in rss if uss[0][0].index <= r.index <= uss[-1][0].index]
+                rss_slope = _judge_host(span, config)
+                if rss_slope is None:
+                    continue
+                slope = min(slope, rss_slope)
+                note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+            found.append(_host_growth_finding(key, uss, "USS", slope, last, note))
+            continue
+        slope = _judge_host(rss, config)
+        if slope is None:
+            continue
+        note = (
+            f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
+            "pages it shares with other processes and does not show copy-on-read)"
+        )
+        found.append(_host_growth_finding(key, rss, resident, slope, last, note))
     return tuple(found)
 
 
@@ -644,6 +819,18 @@ _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
         "let the loader's iterators finish or `del` them so their workers exit and free "
         "their segments; prefer the default file_descriptor sharing strategy",
     ),
+    (
+        "psm_",
+        "a multiprocessing.shared_memory.SharedMemory segment created without a name and "
+        "never unlinked",
+        "call unlink() on the SharedMemory that created it (close() alone leaves the file), "
+        "or create it in a fixture or `try/finally` that unlinks it",
+    ),
+    (
+        "nccl-",
+        "NCCL's shared memory: a process group that was not destroyed",
+        "call torch.distributed.destroy_process_group() when the work ends",
+    ),
 )
 _SHM_OWN_REMEDY = (
     "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink), or "
@@ -669,22 +856,32 @@ def _size_text(num_bytes: int) -> str:
 
 def _shm_finding(item: ShmFile) -> Finding:
     cause, remedy = _shm_cause(item.name)
+    severity: Severity = "leak"
+    who = ""
+    if item.holder_pid is not None:
+        who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
     if item.scope is not None:
         where = f"created while {item.scope} was set up, still there after its teardown"
         remedy = REMEDY_SCOPE
+    elif item.in_use:
+        # The tracker closed while the job goes on: its holder may still use it, and may
+        # remove it later. Said, not blamed.
+        severity = "info"
+        where = f"still there when tracking ended; {who} holds it (in use, or left behind)"
     elif item.holder_pid is not None:
-        who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
         where = f"left behind; {who} still holds it"
     elif item.attributable:
         where = "left behind; nobody holds it"
     else:
+        severity = "info"
         where = (
-            "appeared during the work and nobody holds it; other jobs ran at the same time, "
-            "so it is not blamed on this one"
+            "appeared during the work and nobody holds it: nothing ties it to the work (no "
+            "holder, no PID of the work in its name) and other jobs ran at the same time, so "
+            "it is not blamed on this one"
         )
     return Finding(
         rule="shm",
-        severity="leak" if item.attributable else "info",
+        severity=severity,
         message=f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
         remedy=remedy,
         pid=item.holder_pid,
@@ -695,10 +892,66 @@ def _shm_finding(item: ShmFile) -> Finding:
     )
 
 
+REMEDY_SHM_CAPACITY = (
+    "give the job more shared memory (docker run --shm-size=8g or --ipc=host; Kubernetes: an "
+    "emptyDir volume with medium: Memory mounted at /dev/shm), or pass less through it at "
+    "once: fewer workers, a smaller prefetch_factor or smaller batches"
+)
+
+
+def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
+
+    Information, not a leak: nothing was left behind, and the filesystem's use counts every
+    process that shares it (another job may have filled it). It is said because a full
+    /dev/shm is how a loader's workers die (a bus error, "insufficient shared memory"): the
+    warning comes before the crash.
+    """
+    worst: tuple[float, EpochRecord] | None = None
+    for rec in _sorted_epochs(timeline):
+        total, used = rec.shm_total_bytes, rec.shm_used_peak_bytes
+        if not total or used is None:
+            continue
+        fraction = used / total
+        if fraction >= config.shm_pressure_fraction and (worst is None or fraction > worst[0]):
+            worst = (fraction, rec)
+    if worst is None:
+        return ()
+    fraction, rec = worst
+    assert rec.shm_total_bytes is not None and rec.shm_used_peak_bytes is not None
+    job = (
+        f"; the job's own files held {_size_text(rec.shm_bytes)} at its end"
+        if rec.shm_bytes is not None
+        else ""
+    )
+    return (
+        Finding(
+            rule="shm",
+            severity="info",
+            message=(
+                f"/dev/shm was {fraction:.0%} full during {rec.label} "
+                f"({_size_text(rec.shm_used_peak_bytes)} of "
+                f"{_size_text(rec.shm_total_bytes)}){job}: when it fills, the loader's "
+                'workers die of a bus error ("insufficient shared memory"); Docker gives a '
+                "container 64 MB unless told otherwise"
+            ),
+            remedy=REMEDY_SHM_CAPACITY,
+            epoch=rec.index,
+            size_bytes=rec.shm_used_peak_bytes,
+        ),
+    )
+
+
 def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Report the files the work left in ``/dev/shm``, each with its cause and remedy."""
-    del config
-    return tuple(_shm_finding(item) for item in timeline.shm_files)
+    """Report the job's ``/dev/shm`` files left behind, and capacity pressure.
+
+    Each file the work left (``Timeline.shm_files``) with its cause, told by its name
+    (CUDA IPC files, torch segments, nameless SharedMemory, NCCL, the work's own), and its
+    remedy; then, as information, the epoch whose ``/dev/shm`` use came nearest the
+    filesystem's size, at or above ``config.shm_pressure_fraction`` of it.
+    """
+    left = tuple(_shm_finding(item) for item in timeline.shm_files)
+    return left + _shm_capacity(timeline, config)
 
 
 # --------------------------------------------------------------------------- infos
@@ -879,6 +1132,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "survivor": survivor,
     "orphan": orphan,
     "growth": growth,
+    "host-growth": host_growth,
     "residual": residual,
     "blind": blind,
     "descriptor-holder": descriptor_holder,

@@ -12,6 +12,23 @@ Scenarios (``--scenario``):
   GPU), so each worker grows by that much per epoch; with 0 workers the parent caches.
 - ``orphan``: each worker starts a grandchild (a ``python -c`` process that holds GPU memory
   when it can and sleeps, for at most two minutes) that outlives the loader.
+- ``copy-on-read``: persistent workers, forked (where the platform can), over a dataset that
+  also holds Python objects (NOTE [copy-on-read scenario]): each worker's private host memory
+  (USS) grows by ``cor_bytes_per_epoch`` per epoch, while its RSS stays flat.
+
+NOTE [copy-on-read scenario]: the dataset holds ``cor_regions`` regions of Python ints in
+lists, built in the parent before the workers fork, so that the workers share their pages.
+In epoch ``e`` each worker reads region ``e`` (modulo ``cor_regions``) once, which writes the
+reference count of every object it visits: the kernel copies each page into that worker.
+It reads it at its first batch of the epoch's last round (a batch index among the last
+``num_workers``), not its first: the copies are made by the time the epoch ends, and the
+next epoch's first batches, prefetched as soon as it begins, copy nothing, so a read of the
+workers' memory just after an epoch end sees that epoch's copies and no more. Each batch
+also waits as if it read its sample from storage, so that an epoch lasts about
+``cor_epoch_s`` whatever the worker count: the tracker reads every worker's USS at each
+epoch end, and those reads (a few milliseconds per worker here) must end before the next
+epoch does. Sized for a small machine: 8 regions of 40 MiB (320 MiB in the parent), at most
+40 MiB per worker and epoch; the growth stops after 8 epochs, when every region was read.
 
 NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
 (``leakcheck.nvml.availability``), which never initialises CUDA. ``torch.cuda`` is touched
@@ -27,16 +44,18 @@ worker caches one tensor the first time it meets a new epoch number.
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from leakcheck.model import MIB
 
-Scenario = Literal["clean", "persistent-cache", "orphan"]
-SCENARIOS: tuple[Scenario, ...] = ("clean", "persistent-cache", "orphan")
+Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read"]
+SCENARIOS: tuple[Scenario, ...] = ("clean", "persistent-cache", "orphan", "copy-on-read")
 START_METHODS: tuple[str, ...] = ("spawn", "fork", "forkserver")
 
 ORPHAN_READY = "leakcheck-orphan-ready"
@@ -91,6 +110,10 @@ class WorkloadSpec:
         cache_bytes_per_epoch: What a ``persistent-cache`` process keeps per epoch.
         orphan_bytes: What an ``orphan`` grandchild holds on the GPU.
         orphan_lifetime_s: Hard cap on an orphan's life.
+        cor_bytes_per_epoch: Python objects a ``copy-on-read`` worker reads per epoch (about
+            what it copies).
+        cor_regions: Regions of objects the ``copy-on-read`` dataset holds (one per epoch).
+        cor_epoch_s: About how long a ``copy-on-read`` epoch lasts (its batches wait).
 
     """
 
@@ -105,11 +128,25 @@ class WorkloadSpec:
     cache_bytes_per_epoch: int = 64 * MIB
     orphan_bytes: int = 256 * MIB
     orphan_lifetime_s: float = 120.0
+    cor_bytes_per_epoch: int = 40 * MIB
+    cor_regions: int = 8
+    cor_epoch_s: float = 0.5
 
     @property
     def persistent_workers(self) -> bool:
-        """Whether workers live across epochs (the cache scenario needs them to)."""
-        return self.persistent or self.scenario == "persistent-cache"
+        """Whether workers live across epochs (the cache and copy-on-read scenarios need it)."""
+        return self.persistent or self.scenario in ("persistent-cache", "copy-on-read")
+
+    @property
+    def effective_start_method(self) -> str:
+        """How workers start: ``fork`` for copy-on-read where the platform has it.
+
+        A spawned worker unpickles its own copy of the dataset: nothing shared, nothing
+        copied on read.
+        """
+        if self.scenario == "copy-on-read" and "fork" in multiprocessing.get_all_start_methods():
+            return "fork"
+        return self.start_method
 
 
 class EpochSampler:
@@ -143,6 +180,9 @@ class SyntheticDataset:
         self._cache: list[Any] = []
         self._cached_epochs: set[int] = set()
         self._orphan_started = False
+        self._objects: list[list[list[int]]] = []
+        if spec.scenario == "copy-on-read":
+            self._objects = python_objects(spec.cor_bytes_per_epoch, spec.cor_regions)
 
     def __getstate__(self) -> dict[str, Any]:
         # A worker starts from a clean state: no cache, no orphan, CUDA not yet decided.
@@ -177,6 +217,12 @@ class SyntheticDataset:
         if self.spec.scenario == "orphan" and not self._orphan_started:
             self._orphan_started = True
             start_orphan(self.spec, use_cuda=device.type == "cuda")
+        if self._objects:
+            workers = _worker_count()
+            if epoch not in self._cached_epochs and batch >= self.spec.batches - workers:
+                self._cached_epochs.add(epoch)
+                _read_objects(self._objects[epoch % len(self._objects)])
+            time.sleep(self.spec.cor_epoch_s * workers / self.spec.batches)
         generator = torch.Generator().manual_seed(epoch * 100_003 + batch)
         rows = torch.randn(self.spec.batch_size, self.spec.features, generator=generator)
         weights = torch.randn(self.spec.features, self.spec.features, generator=generator)
@@ -193,6 +239,36 @@ class SyntheticDataset:
         # On the CPU the pages stay untouched: the host has no per-process GPU memory to
         # show, and committing gigabytes of RAM would only slow the machine down.
         return tensor
+
+
+_INT_BYTES = 36
+"""A Python int above 256 is its own 28-byte object, plus its 8-byte slot in a list."""
+_INTS_PER_LIST = 1000
+
+
+def python_objects(bytes_per_region: int, regions: int) -> list[list[list[int]]]:
+    """``regions`` regions of Python ints in lists, about ``bytes_per_region`` each."""
+    per_region = max(bytes_per_region // _INT_BYTES, _INTS_PER_LIST)
+    return [
+        [
+            list(range(start, start + _INTS_PER_LIST))
+            for start in range(region * per_region, (region + 1) * per_region, _INTS_PER_LIST)
+        ]
+        for region in range(regions)
+    ]
+
+
+def _worker_count() -> int:
+    """The loader's workers, seen from one of them; 1 where the parent does the work."""
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    return info.num_workers if info is not None else 1
+
+
+def _read_objects(region: list[list[int]]) -> int:
+    """Read every object of a region: each visit writes its reference count."""
+    return sum(sum(values) for values in region)
 
 
 def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> int | None:
@@ -253,7 +329,7 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
 
     options: dict[str, Any] = {}
     if num_workers > 0:
-        options["multiprocessing_context"] = spec.start_method
+        options["multiprocessing_context"] = spec.effective_start_method
         options["persistent_workers"] = spec.persistent_workers
     # No worker_init_fn: the sweep chains leakcheck's into every DataLoader, this one too
     # (NOTE [the watch() code path] in sweep.py).
@@ -287,7 +363,12 @@ def describe(spec: WorkloadSpec) -> str:
     parts = [
         f"built-in workload, scenario {spec.scenario}",
         f"{spec.batches} batches of {spec.batch_size}x{spec.features} per epoch on {where}",
-        f"start method {spec.start_method}",
+        f"start method {spec.effective_start_method}",
         "persistent workers" if spec.persistent_workers else "workers per epoch",
     ]
+    if spec.scenario == "copy-on-read":
+        parts.append(
+            f"{spec.cor_regions} x {spec.cor_bytes_per_epoch // MIB} MiB of Python objects, "
+            f"one region read per worker and epoch"
+        )
     return ", ".join(parts)

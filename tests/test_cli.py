@@ -24,6 +24,7 @@ import pytest
 from leakcheck import cli
 from leakcheck.cli import main
 from leakcheck.errors import UsageError
+from leakcheck.model import MIB
 from leakcheck.units import format_mib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,16 @@ def test_default_sweep_json_matches_text(default_sweep: tuple[Run, dict[str, Any
             assert text[8:10] == ["n/a", "n/a"] and counts == [None, None]
         assert text[10] == str(row["alive_after"])
         assert text[11] == str(row["orphans"])
+        # Host memory is read with or without a GPU: numbers, never n/a.
+        assert text[12:15] == [
+            format_mib(row["parent_host_bytes"]),
+            format_mib(row["workers_host_bytes"]),
+            row["host_source"],
+        ]
+        # USS: the sweep waits for each epoch end's reads.
+        assert row["parent_host_bytes"] > 0 and row["host_source"] == "uss"
+        if row["worker_count"]:
+            assert row["workers_host_bytes"] > 0
     for config in data["configurations"]:
         assert config["summary"] in run.stdout
         assert config["report"]["verdict"] == config["verdict"]
@@ -150,6 +161,45 @@ def test_plot_is_a_png(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
 
 
 # --------------------------------------------------------------------------- scenarios
+
+
+def test_copy_on_read_scenario_is_found_per_worker_in_mib_per_epoch(tmp_path: Path) -> None:
+    json_path = tmp_path / "cor.json"
+    run = leakcheck(
+        "sweep",
+        "--scenario",
+        "copy-on-read",
+        "--workers",
+        "2",
+        "--epochs",
+        "5",
+        "--json",
+        str(json_path),
+    )
+    assert run.returncode == 0, run.stderr
+    data = json.loads(json_path.read_text())
+    (config,) = data["configurations"]
+    findings = config["report"]["findings"]
+    growth = [f for f in findings if f["rule"] == "host-growth"]
+    # Each worker, not the parent (its USS climbs back as the workers stop sharing pages).
+    assert sorted(f["role"] for f in growth) == ["worker", "worker"], run.stdout
+    workers = {
+        p["key"]["pid"]
+        for e in config["report"]["epochs"]
+        for p in e["processes"]
+        if p["role"] == "worker"
+    }
+    assert {f["pid"] for f in growth} == workers
+    for finding in growth:
+        assert 20 * MIB < finding["bytes_per_epoch"] < 60 * MIB
+        assert "host memory (USS) grows" in finding["message"]
+        assert f"LEAK host-growth: worker PID {finding['pid']}" in run.stdout
+        assert "copy-on-read" in finding["remedy"]
+    assert "start method fork" in run.stdout and "verdict LEAK" in run.stdout
+    rows = config["rows"]
+    assert [row["host_source"] for row in rows] == ["uss"] * 5
+    sums = [row["workers_host_bytes"] for row in rows]
+    assert sums == sorted(sums) and sums[-1] - sums[1] > 2 * 64 * MIB
 
 
 def test_orphan_scenario_found_and_cleaned_up(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from leakcheck import mailbox, procs
+from leakcheck.model import ProcessKey
 
 REPO = Path(__file__).resolve().parents[1]
 # Above the kernel's largest pid_max (2**22): never a live process.
@@ -168,3 +169,21 @@ def test_remove_stale_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     fresh = mailbox.create()
     assert os.path.isdir(fresh) and stale.is_dir()
     mailbox.remove(fresh)
+
+
+def test_teardown_record_reads_host_memory_and_unknowns() -> None:
+    key = ProcessKey(4321, 1.5)
+    record = mailbox.teardown_record(
+        {
+            "cuda_initialized": False,
+            "host_uss_bytes": 10,
+            "host_pss_bytes": 20,
+            "host_rss_bytes": 30,
+            "host_rss_peak_bytes": "oops",  # malformed: unknown, never 0
+        },
+        key,
+    )
+    assert (record.host_uss_bytes, record.host_pss_bytes, record.host_rss_bytes) == (10, 20, 30)
+    assert record.host_rss_peak_bytes is None
+    # An older worker's record without them: unknown.
+    assert mailbox.teardown_record({}, key).host_uss_bytes is None

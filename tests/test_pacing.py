@@ -122,3 +122,15 @@ def test_a_due_tag_scan_walks_at_once() -> None:
     pacing = _pacing()
     assert not pacing.plan(0.0, 1).walk
     assert pacing.plan(0.0, 1, walk_now=True).walk
+
+
+def test_rollup_reads_are_paced_by_their_cpu_time_with_no_gap_cap() -> None:
+    pacing = Pacing(0.05, has_nvml=False, rollup_share=0.0025)
+    assert pacing.rollup_due(0.0)  # the first epoch end reads
+    pacing.rollup_read(end_s=1.0, cpu_s=0.01)  # 10 ms of CPU: the next 4 s read nothing
+    assert not pacing.rollup_due(1.0 + 3.9)
+    assert pacing.rollup_due(1.0 + 4.0)
+    pacing.rollup_read(end_s=10.0, cpu_s=0.1)  # 40 s: more than any NVML gap, on purpose
+    assert not pacing.rollup_due(10.0 + 39.0)
+    assert pacing.rollup_due(10.0 + 40.0)
+    assert Pacing(0.05, has_nvml=False).rollup_share == 0.0025  # the default share

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from leakcheck import nvml
+from leakcheck.hostmem import shm_creator_pid
 from leakcheck.model import Finding
 from leakcheck.options import CheckOptions
 from leakcheck.plugin import headline, judge_test
@@ -465,6 +466,103 @@ def test_segment_closed_but_not_unlinked_fails(
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert f"LEAK shm: /dev/shm/{name} (1.0 MiB) left behind; nobody holds it" in out
+
+
+def test_persistent_workers_kept_alive_by_a_reference_cycle_fail_with_that_cause(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        test_cycle="""
+        import gc
+        import torch
+        from torch.utils.data import DataLoader
+
+        def test_loader_in_a_cycle():
+            gc.disable()  # no collection of its own before leakcheck's: a cycle stays put
+            loader = DataLoader(
+                torch.arange(8.0), batch_size=2, num_workers=1, persistent_workers=True,
+                multiprocessing_context="fork",
+            )
+            for _ in loader:
+                pass
+            loader.myself = loader  # the loader keeps its iterator, the cycle keeps both
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "LEAK survivor: descendant PID " in out
+    assert "it exited only when leakcheck collected garbage: a reference cycle kept it alive" in (
+        out
+    )
+    assert "fix: a reference cycle kept the loader's iterator" in out
+    assert "persistent workers stop only when their iterator is collected" in out
+
+
+def test_a_torch_segment_left_behind_fails_with_its_cause(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    inner.makepyfile(
+        test_torch_shm="""
+        import torch
+
+        KEEP = []
+
+        def test_shares_a_tensor_through_dev_shm():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            KEEP.append(torch.zeros(1 << 16).share_memory_())  # a torch_* file, kept
+        """
+    )
+    before = set(os.listdir("/dev/shm"))
+    try:
+        result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    finally:
+        # The torch_* file the inner session made stays after it (it is a leak): removed.
+        # Only files whose creator is gone: another test's live loader may be sharing one.
+        for name in set(os.listdir("/dev/shm")) - before:
+            creator = shm_creator_pid(name)
+            if name.startswith("torch_") and creator is not None and not _alive(creator):
+                shm_names.append(name)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert re.search(r"LEAK shm: /dev/shm/torch_\S+ \(256 KiB\) left behind; ", out), out
+    assert ": a torch shared-memory segment: tensors shared between processes" in out
+    assert "fix: let the loader's iterators finish" in out
+    assert "prefer the default file_descriptor sharing strategy" in out
+
+
+def test_under_xdist_a_segment_named_after_a_process_of_the_test_is_blamed(
+    shm_names: list[str],
+) -> None:
+    checker = Checker(attribute_unheld_shm=False)
+    window = checker.begin()
+    # Files named after the test process and after a process it started, as torch's
+    # file_system strategy and CUDA IPC name theirs: the test's, even with siblings around.
+    # (A creator that is gone by the test's end cannot be told from a sibling's.)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        token = uuid.uuid4().int % 10**9
+        names = [f"torch_{os.getpid()}_{token}", f"cuda.shm.{token:x}.{child.pid:x}.1"]
+        stranger = f"lc_test_{uuid.uuid4().hex[:12]}"
+        shm_names.extend([*names, stranger])
+        for name in [*names, stranger]:
+            Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
+        found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+    for name in names:
+        assert found[name].severity == "leak", found[name].message
+        assert "left behind; nobody holds it" in found[name].message
+    assert "torch shared-memory segment" in found[names[0]].message
+    assert "CUDA IPC file" in found[names[1]].message
+    assert "return CPU tensors" in found[names[1]].remedy
+    # Nothing ties the third to this test: said plainly, not blamed.
+    assert found[stranger].severity == "info"
+    assert "nothing ties it to the work" in found[stranger].message
 
 
 # --- markers, modes, sources --------------------------------------------------------------

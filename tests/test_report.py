@@ -163,13 +163,13 @@ def test_text_table_has_one_row_per_epoch_and_dashes_for_unknowns() -> None:
     rows = lines[head + 1 : head + 4]
     assert [row.split()[0] for row in rows] == ["0", "1", "2"]
     assert rows[0].split() == [
-        *("0", "epoch", "0", "1.0", "600", "1", "0", "0", "0", "0"),
+        *("0", "epoch", "0", "1.0", "600", "1", "0", "0", "0", "0", "-", "-", "-"),
         *("GPU0", "650/81559", "41", "1980", "310"),
     ]
     # epoch 1: parent 600 MiB, one worker holding 612 MiB and alive after the epoch;
     # temperature, SM clock and power unknown.
     assert rows[1].split() == [
-        *("1", "epoch", "1", "1.0", "600", "1", "612", "612", "1", "0"),
+        *("1", "epoch", "1", "1.0", "600", "1", "612", "612", "1", "0", "-", "-", "-"),
         *("GPU0", "1262/81559", "-", "-", "-"),
     ]
 

@@ -110,11 +110,31 @@ def test_snapshot_pid_text_and_json(job: Job, capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     assert "[worker]" not in text
     tracker_line = next(line for line in text.splitlines() if f"PID {job.tracker} " in line)
-    assert "[descendant]" in tracker_line and tracker_line.endswith("— helper")
+    assert "[descendant]" in tracker_line and "— helper; host USS " in tracker_line
     sleeper_line = next(line for line in text.splitlines() if f"PID {job.sleeper} " in line)
     assert "[descendant] sleep 60" in sleeper_line
     # A helper is no cause for concern: it is not listed among the flagged processes.
     assert f"PID {job.tracker} (" not in text
+
+
+def test_snapshot_pid_reads_the_jobs_host_memory_and_only_its(
+    job: Job, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["snapshot", "--pid", str(job.root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_pid = {entry["pid"]: entry for entry in data["processes"]}
+    for pid in (job.root, job.tracker, job.sleeper, job.shell):
+        entry = by_pid[pid]
+        assert entry["host_source"] == "smaps_rollup"
+        assert 0 < entry["host_uss_bytes"] <= entry["host_rss_bytes"]
+        assert entry["host_rss_peak_bytes"] >= entry["host_rss_bytes"]
+    assert main(["snapshot", "--pid", str(job.root)]) == 0
+    sleeper_line = next(
+        line for line in capsys.readouterr().out.splitlines() if f"PID {job.sleeper} " in line
+    )
+    assert "host USS " in sleeper_line and " MiB (RSS " in sleeper_line
+    # Without a job, a snapshot reads nobody's host memory: it stays cheap.
+    assert all(entry.host is None for entry in take_snapshot().processes)
 
 
 def test_a_multiline_command_line_stays_on_its_process_line(

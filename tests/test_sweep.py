@@ -35,6 +35,7 @@ from leakcheck.sweep import (
     wait_for_cooldown,
     write_json,
 )
+from leakcheck.units import format_mib
 
 NO_GPU = (False, "NVML unavailable: test without a GPU")
 FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
@@ -68,7 +69,7 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     write_json(str(path), result.to_dict())
     data = json.loads(path.read_text())
     assert data["schema"] == "leakcheck.sweep"
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     assert data["gpu"] == {
         "available": False,
         "reason": NO_GPU[1],
@@ -276,7 +277,9 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
     ]
     assert line.split()[3] == "600"
     assert line.split()[7:10] == ["0", "0", "0"]  # no workers: peak 0, none reported/unknown
-    assert line.split()[12:] == ["2000/81920", "52", "1410", "123"]
+    # Host memory: the parent's, no workers, and what it is.
+    assert line.split()[12:15] == [format_mib(row.parent_host_bytes), "0", row.host_source]
+    assert line.split()[15:] == ["2000/81920", "52", "1410", "123"]
     assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
     if importlib.util.find_spec("matplotlib") is not None:
         from leakcheck.plot import plot_sweep
@@ -634,3 +637,52 @@ def test_output_through_a_link_and_onto_a_folder(tmp_path: Path) -> None:
     with pytest.raises(IsADirectoryError, match=r"\[Errno 21\] Is a directory"):
         write_json(str(tmp_path / "folder.json"), {"a": 1})
     assert sorted(os.listdir(tmp_path)) == ["folder.json", "link.json", "real.json"]
+
+
+def test_host_rows_and_plot_panel_without_a_gpu() -> None:
+    """Host memory per epoch: parent and workers stacked, USS said, an unknown worker a "?"."""
+    from dataclasses import replace
+
+    from leakcheck.model import RuleConfig
+    from leakcheck.report import build_report
+    from leakcheck.sweep import ConfigResult, epoch_row
+    from tests import timelines as tl
+
+    unreported = replace(tl.proc(1003, born=True, alive=False), gpu_peak_source="unknown")
+    epochs = [
+        tl.epoch(0, [tl.parent(None, uss_mib=300, rss_mib=500), tl.proc(1001, uss_mib=50)]),
+        tl.epoch(1, [tl.parent(None, uss_mib=310, rss_mib=500), tl.proc(1002, rss_mib=400)]),
+        tl.epoch(2, [tl.parent(None, uss_mib=320, rss_mib=500), unreported]),
+    ]
+    report = build_report(tl.timeline(epochs, attribution="nvml-unavailable"), RuleConfig())
+    rows = tuple(epoch_row(rec, 1, report, None) for rec in report.epochs)
+    assert [(r.parent_host_bytes, r.workers_host_bytes, r.host_source) for r in rows] == [
+        (300 * MIB, 50 * MIB, "uss"),
+        (310 * MIB, 400 * MIB, "uss+rss"),
+        (320 * MIB, None, "uss"),
+    ]
+    result = SweepResult(
+        options=SweepOptions(workers=(1,), epochs=3),
+        loader="synthetic",
+        configs=(ConfigResult(num_workers=1, persistent_workers=False, rows=rows, report=report),),
+        gpu_available=False,
+        gpu_reason="no GPU here",
+    )
+    cells = [line.split() for line in result.format().splitlines() if line.startswith("      1")]
+    assert [c[12:15] for c in cells] == [
+        ["300", "50", "uss"],
+        ["310", "400", "uss+rss"],
+        ["320", "?", "uss"],
+    ]
+    pytest.importorskip("matplotlib")
+    from leakcheck.plot import render
+
+    figure = render(result)
+    host = next(a for a in figure.axes if a.get_ylabel().startswith("host memory"))
+    parent_bars, worker_bars = host.containers
+    assert [p.get_height() for p in parent_bars.patches] == pytest.approx([300, 310, 320])
+    assert [p.get_height() for p in worker_bars.patches] == pytest.approx([50, 400, 0])
+    labels = [line.get_label() for line in host.get_lines()]
+    assert labels == ["a worker's host memory unknown"]
+    _handles, names = host.get_legend_handles_labels()
+    assert "parent (USS; RSS where not read)" in names

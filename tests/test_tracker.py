@@ -382,7 +382,9 @@ def test_unforeseen_failure_in_a_sample_is_recorded_and_sampling_goes_on(
         with tracker.epoch("first"):  # its end reads descriptors: the failure happens here
             time.sleep(0.03)
         with tracker.epoch("second"):
-            time.sleep(0.05)
+            # Long enough for ticks after the first epoch end's host reads (its USS), which
+            # the sampler thread makes right after that end.
+            time.sleep(0.2)
     timeline = tracker.timeline()
     assert any("RuntimeError: unforeseen" in line for line in timeline.failures)
     assert [e.label for e in timeline.epochs] == ["first", "second"]

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from timelines import (
@@ -18,7 +20,7 @@ from timelines import (
 )
 
 from leakcheck import verdict
-from leakcheck.model import MIB, Finding, RuleConfig, Timeline
+from leakcheck.model import MIB, Finding, Role, RuleConfig, ShmFile, Timeline
 
 CONFIG = RuleConfig()  # 16 MiB tolerance, 1 warm-up epoch, 2 s grace
 
@@ -530,4 +532,224 @@ def test_rules_registry_names_every_rule() -> None:
         "context-kept",
         "high-clocks",
         "tracker-failure",
+        "host-growth",
     }
+
+
+# --------------------------------------------------------------------------- host growth
+
+
+def host_timeline(
+    series: list[tuple[float | None, float | None]], *, role: Role = "worker", pid: int = 2001
+) -> Timeline:
+    """One persistent process whose (USS, RSS) MiB at each epoch end follow ``series``."""
+    epochs = []
+    for i, (uss, rss) in enumerate(series):
+        processes = [proc(pid, role, persistent=True, uss_mib=uss, rss_mib=rss)]
+        if role != "parent":
+            processes.insert(0, parent())
+        epochs.append(epoch(i, processes))
+    return timeline(epochs, attribution="nvml-unavailable")
+
+
+def host_findings(tl: Timeline, **config: Any) -> list[Finding]:
+    return [f for f in verdict.judge(tl, RuleConfig(**config)) if f.rule == "host-growth"]
+
+
+def test_copy_on_read_worker_is_found_per_worker_with_mib_per_epoch() -> None:
+    # USS climbs 28 MiB an epoch while RSS, which counted the shared pages all along, is flat.
+    series = [(38 + 28 * i, 374) for i in range(5)]
+    tl = timeline(
+        [
+            epoch(
+                i,
+                [
+                    parent(uss_mib=40, rss_mib=431),
+                    proc(2001, persistent=True, uss_mib=uss, rss_mib=rss),
+                    proc(2002, persistent=True, uss_mib=uss + 1, rss_mib=rss),
+                ],
+            )
+            for i, (uss, rss) in enumerate(series)
+        ],
+        attribution="nvml-unavailable",
+    )
+    found = host_findings(tl)
+    assert [f.pid for f in found] == [2001, 2002]
+    first = found[0]
+    assert first.severity == "leak" and first.role == "worker"
+    assert first.bytes_per_epoch == pytest.approx(mib(28))
+    assert first.host_bytes == mib(28 * 3)
+    assert "host memory (USS) grows 28 MiB/epoch over epochs 1-4: 66 -> 150 MiB" in (first.message)
+    assert "copy-on-read" in first.remedy and "numpy" in first.remedy
+    assert "persistent_workers" in first.remedy and "num_workers" not in first.message
+    assert verdict_of(tl) == "leak"
+
+
+def verdict_of(tl: Timeline) -> str:
+    from leakcheck.report import build_report
+
+    return build_report(tl, RuleConfig()).verdict
+
+
+def test_parent_uss_returning_after_fork_is_not_growth() -> None:
+    # The parent's USS fell when its workers forked and climbs back as they copy the pages
+    # they read (linearly here, so the late-rise test alone would not save it); its RSS is
+    # flat: no new memory.
+    tl = host_timeline([(38 + 28 * i, 431) for i in range(6)], role="parent", pid=ROOT_PID)
+    assert host_findings(tl) == []
+
+
+def test_parent_that_really_grows_is_found_with_its_rss() -> None:
+    tl = host_timeline(
+        [(100 + 40 * i, 400 + 30 * i) for i in range(6)], role="parent", pid=ROOT_PID
+    )
+    (found,) = host_findings(tl)
+    assert found.role == "parent" and found.pid == ROOT_PID
+    # The smaller of the two slopes: the RSS one is the new memory.
+    assert found.bytes_per_epoch == pytest.approx(mib(30))
+    assert "(RSS 430 -> 550 MiB)" in found.message
+    assert "main process" in found.remedy
+
+
+def test_paced_uss_reads_give_a_slope_per_epoch_not_per_read() -> None:
+    # USS read at epoch ends 0, 3, 6, 9 only (the others paced out: RSS); 10 MiB/epoch.
+    series = [(100 + 10 * i if i % 3 == 0 else None, 300) for i in range(10)]
+    (found,) = host_findings(host_timeline(series), warmup_epochs=0)
+    assert found.bytes_per_epoch == pytest.approx(mib(10))
+    assert "over epochs 0-9" in found.message
+
+
+def test_without_uss_growth_is_judged_on_rss_and_says_so() -> None:
+    (found,) = host_findings(host_timeline([(None, 200 + 50 * i) for i in range(5)]))
+    assert "host memory (RSS) grows 50 MiB/epoch" in found.message
+    assert "USS was read at 0 of these epoch ends" in found.message
+    assert "does not show copy-on-read" in found.message
+
+
+def test_rss_is_used_when_uss_was_read_too_rarely() -> None:
+    series = [(100.0 if i == 1 else None, 200 + 50 * i) for i in range(5)]
+    (found,) = host_findings(host_timeline(series))
+    assert "(RSS)" in found.message and "USS was read at 1 of these epoch ends" in found.message
+
+
+@pytest.mark.parametrize(
+    "series",
+    [
+        [(100 + 60 * min(i, 1), 300) for i in range(6)],  # warm-up, then flat
+        [(100 + (5 if i % 2 else 0), 300) for i in range(8)],  # jitter
+        [(100 + 15 * i, 300) for i in range(5)],  # 45 MiB over epochs 1-4: under 64 MiB
+        [(100 + 80 * min(i, 2), 300) for i in range(8)],  # rise, then plateau
+    ],
+)
+def test_host_noise_warmup_and_plateaus_are_not_growth(
+    series: list[tuple[float, float]],
+) -> None:
+    assert host_findings(host_timeline(series)) == []
+
+
+def test_host_tolerance_is_its_own() -> None:
+    series = [(100 + 20 * i, 300) for i in range(5)]  # 60 MiB over epochs 1-4
+    assert host_findings(host_timeline(series)) == []  # default 64 MiB
+    assert len(host_findings(host_timeline(series), host_tolerance_bytes=mib(32))) == 1
+    # The GPU tolerance does not move it.
+    assert host_findings(host_timeline(series), tolerance_bytes=mib(1)) == []
+
+
+def test_host_growth_ignores_workers_that_live_one_epoch() -> None:
+    epochs = [
+        epoch(i, [parent(uss_mib=50, rss_mib=300), proc(3000 + i, born=True, uss_mib=100 + 50 * i)])
+        for i in range(6)
+    ]
+    assert host_findings(timeline(epochs)) == []
+
+
+# --------------------------------------------------------------------------- shm
+
+
+def shm_of(tl: Timeline, **config: Any) -> list[Finding]:
+    return [f for f in verdict.judge(tl, RuleConfig(**config)) if f.rule == "shm"]
+
+
+def test_shm_file_causes_and_remedies() -> None:
+    files = (
+        ShmFile("cuda.shm.3e9.52f2.1", 80 * 1024),
+        ShmFile("torch_1234_5678_0", 4 * MIB),
+        ShmFile("psm_1a2b3c", 1000),
+        ShmFile("nccl-abc", 1000),
+        ShmFile("mine", 10, holder_pid=ROOT_PID, holder_role="parent"),
+    )
+    found = shm_of(replace(timeline([]), shm_files=files))
+    by_name = {f.shm_name: f for f in found}
+    assert "CUDA IPC file" in by_name["cuda.shm.3e9.52f2.1"].message
+    assert "return CPU tensors" in by_name["cuda.shm.3e9.52f2.1"].remedy
+    assert "(80 KiB)" in by_name["cuda.shm.3e9.52f2.1"].message
+    assert "torch shared-memory segment" in by_name["torch_1234_5678_0"].message
+    assert "SharedMemory" in by_name["psm_1a2b3c"].message
+    assert "unlink()" in by_name["psm_1a2b3c"].remedy
+    assert "destroy_process_group" in by_name["nccl-abc"].remedy
+    assert "the parent still holds it" in by_name["mine"].message
+    assert all(f.severity == "leak" for f in found)
+
+
+def test_shm_in_use_and_unattributable_files_are_said_not_blamed() -> None:
+    files = (
+        ShmFile("held", 10, holder_pid=7, holder_role="worker", in_use=True),
+        ShmFile("stranger", 10, attributable=False),
+    )
+    found = {f.shm_name: f for f in shm_of(replace(timeline([]), shm_files=files))}
+    assert found["held"].severity == "info" and "PID 7 holds it (in use" in found["held"].message
+    assert found["stranger"].severity == "info"
+    assert "nothing ties it to the work" in found["stranger"].message
+
+
+def test_shm_capacity_pressure_is_information_about_the_worst_epoch() -> None:
+    epochs = [
+        replace(
+            epoch(i, [parent()]),
+            shm_total_bytes=mib(64),
+            shm_used_peak_bytes=mib(used),
+            shm_bytes=mib(job),
+        )
+        for i, (used, job) in enumerate([(10, 0), (60, 4), (55, 4)])
+    ]
+    (found,) = shm_of(timeline(epochs))
+    assert (found.severity, found.epoch, found.size_bytes) == ("info", 1, mib(60))
+    assert "/dev/shm was 94% full during epoch 1 (60 MiB of 64 MiB)" in found.message
+    assert "the job's own files held 4.0 MiB" in found.message
+    assert "bus error" in found.message and "--shm-size" in found.remedy
+    # Below the fraction: nothing; no size known: nothing.
+    assert shm_of(timeline(epochs), shm_pressure_fraction=0.95) == []
+    assert shm_of(timeline([epoch(0, [parent()])])) == []
+
+
+def test_survivor_freed_by_garbage_collection_names_the_reference_cycle() -> None:
+    from dataclasses import replace as set_fields
+
+    worker = set_fields(
+        proc(1234, "descendant", born=True, last_seen_after_s=3.0, exited_after_s=3.1),
+        freed_by_gc=True,
+    )
+    found = one(verdict.survivor(timeline([epoch(0, [parent(), worker])]), CONFIG))
+    assert found.message.endswith(
+        "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
+    )
+    assert found.remedy.startswith("a reference cycle kept the loader's iterator")
+
+
+def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
+    def worker_epochs(rss: list[float], anon: list[float]) -> Timeline:
+        return timeline(
+            [
+                epoch(i, [parent(), proc(2001, persistent=True, rss_mib=r, anon_mib=a)])
+                for i, (r, a) in enumerate(zip(rss, anon, strict=True))
+            ]
+        )
+
+    # Libraries paged in from their files raise RSS, not RssAnon: nothing kept.
+    assert host_findings(worker_epochs([300 + 40 * i for i in range(6)], [200] * 6)) == []
+    # What the process allocates and keeps is anonymous.
+    (found,) = host_findings(
+        worker_epochs([300 + 40 * i for i in range(6)], [200 + 40 * i for i in range(6)])
+    )
+    assert "host memory (RssAnon) grows 40 MiB/epoch" in found.message
+    assert "resident memory counts the pages it shares" in found.message

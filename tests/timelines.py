@@ -58,9 +58,17 @@ def proc(
     unknown: bool = False,
     ppid: int | None = None,
     cmdline: str | None = None,
+    uss_mib: float | None = None,
+    rss_mib: float | None = None,
+    anon_mib: float | None = None,
 ) -> ProcessEpoch:
-    """One process in one epoch; ``gpu_mib`` is a number (GPU0) or ``{device: MiB}``."""
+    """One process in one epoch; ``gpu_mib`` is a number (GPU0) or ``{device: MiB}``.
+
+    Host memory: ``uss_mib`` (read at the epoch end) and ``rss_mib``; ``host_bytes_end`` is
+    the USS where given, else the RSS.
+    """
     end = _bytes_map(gpu_mib)
+    host = uss_mib if uss_mib is not None else rss_mib
     return ProcessEpoch(
         key=key(pid),
         role=role,
@@ -75,11 +83,20 @@ def proc(
         gpu_bytes_peak=_bytes_map(peak_mib) if peak_mib is not None else dict(end),
         gpu_bytes_unknown=unknown,
         nvidia_fds=fds,
+        host_bytes_end=mib(host) if host is not None else None,
+        host_source="uss" if uss_mib is not None else ("rss" if rss_mib is not None else None),
+        rss_bytes_end=mib(rss_mib) if rss_mib is not None else None,
+        anon_bytes_end=mib(anon_mib) if anon_mib is not None else None,
+        rss_bytes_peak=mib(rss_mib) if rss_mib is not None else None,
     )
 
 
 def parent(
-    gpu_mib: float | Mapping[int, float] | None = 600, *, fds: int | None = None
+    gpu_mib: float | Mapping[int, float] | None = 600,
+    *,
+    fds: int | None = None,
+    uss_mib: float | None = None,
+    rss_mib: float | None = None,
 ) -> ProcessEpoch:
     """The watched root: persistent, there before the epochs."""
     return proc(
@@ -89,6 +106,8 @@ def parent(
         persistent=True,
         fds=fds,
         cmdline="python train.py --epochs 5",
+        uss_mib=uss_mib,
+        rss_mib=rss_mib,
     )
 
 

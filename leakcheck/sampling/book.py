@@ -10,15 +10,22 @@ shut down after their epoch), and an epoch's peak for a process is the larger of
 sampled and what was reported. Where NVML's accounting mode is on, the driver's maxima of
 exited PIDs count the same way. A process that exited unseen and reported nothing has an
 ``unknown`` peak, never 0; one alive at the epoch end was read in full then, so its end is
-exact and its peak at least that.
+exact and its peak at least that. Host memory goes the same way: each worker reports its own
+USS, PSS, RSS and RSS peak as it exits, and a worker gone by its epoch's end is shown with
+what it reported (``ProcessEpoch.host_bytes_end`` with ``alive_at_end`` False); one alive
+then was read at the end (status; smaps_rollup where it is a long-lived one and the pacing
+allowed: ``apply_rollup``, stamped with the epoch that ended).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from leakcheck.hostmem import HostMemory
 from leakcheck.model import (
+    AccountedProcess,
     DeviceState,
     EndReason,
     EpochRecord,
@@ -26,10 +33,50 @@ from leakcheck.model import (
     ProcessEpoch,
     ProcessKey,
     Role,
+    TeardownRecord,
 )
+from leakcheck.sampling.host import reported_memory
+from leakcheck.sampling.shm import ShmEpoch
 from leakcheck.sampling.table import Proc, ProcessTable
 
-__all__ = ["EpochBook"]
+__all__ = ["EpochBook", "final_processes", "host_fields"]
+
+
+def host_fields(
+    end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
+) -> dict[str, Any]:
+    """The host-memory fields of a ``ProcessEpoch``.
+
+    Args:
+        end: The status read at the epoch end (None: not read, or gone).
+        rollup: The smaps_rollup read of that epoch end (None: paced out, or not judged).
+        report: What the process reported of itself at its exit.
+        alive: It was alive at the epoch end: then the end reads count, and its report
+            (at an exit within the grace after the end) only for what they lack, the USS
+            of a persistent worker shut down before the rollup read reached it; else its
+            report alone.
+
+    Returns:
+        ``host_bytes_end`` (USS where read, else RSS), ``host_source``, ``pss_bytes_end``,
+        ``rss_bytes_end``, ``anon_bytes_end``, ``rss_bytes_peak``; None where unknown.
+
+    """
+    reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
+    uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
+    rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
+    pss = next((m.pss_bytes for m in reads if m.pss_bytes is not None), None)
+    anon = next((m.anon_bytes for m in reads if m.anon_bytes is not None), None)
+    peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
+    if rss is not None:
+        peaks.append(rss)
+    return {
+        "host_bytes_end": uss if uss is not None else rss,
+        "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
+        "pss_bytes_end": pss,
+        "rss_bytes_end": rss,
+        "anon_bytes_end": anon,
+        "rss_bytes_peak": max(peaks) if peaks else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -40,6 +87,7 @@ class _EndState:
     gpu_bytes: Mapping[int, int]
     gpu_unknown: bool
     nvidia_fds: int | None
+    host: HostMemory | None = None
 
 
 @dataclass
@@ -63,6 +111,11 @@ class _Epoch:
     seen: set[ProcessKey] = field(default_factory=set)
     end_state: dict[ProcessKey, _EndState] = field(default_factory=dict)
     devices: tuple[DeviceState, ...] = ()
+    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)
+    """USS and PSS read for this epoch's end (on the sampler's next wake)."""
+    host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
+    """What workers reported of their host memory as they exited."""
+    shm: ShmEpoch | None = None
 
 
 def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
@@ -136,8 +189,14 @@ class EpochBook:
         error: str | None,
         devices: tuple[DeviceState, ...],
         batches: int | None = None,
+        host: Mapping[ProcessKey, HostMemory] | None = None,
+        shm: ShmEpoch | None = None,
     ) -> None:
-        """Close the open epoch with the state of every process it saw, read just now."""
+        """Close the open epoch with the state of every process it saw, read just now.
+
+        ``host``: the status read of the processes alive at the end; ``shm``: what
+        ``/dev/shm`` held.
+        """
         epoch = self.open
         if epoch is None:
             return
@@ -146,6 +205,8 @@ class EpochBook:
         epoch.error = error
         epoch.devices = devices
         epoch.batches = batches
+        epoch.shm = shm
+        host = host or {}
         for key in epoch.seen | {k for k, p in table.live.items() if p.own and not p.foreign}:
             proc = table.procs[key]
             alive = proc.exited_s is None
@@ -156,17 +217,37 @@ class EpochBook:
                 gpu_bytes=dict(proc.gpu_bytes) if alive else {},
                 gpu_unknown=proc.gpu_unknown and alive,
                 nvidia_fds=proc.nvidia_fds if alive else None,
+                host=host.get(key) if alive else None,
             )
             epoch.seen.add(key)
         self.open = None
 
-    def apply_report(self, key: ProcessKey, at_s: float, gpu_bytes: Mapping[int, int]) -> bool:
+    def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
+        """Give the smaps_rollup reads planned at epoch ``index``'s end to that epoch.
+
+        Refused (False) when a later epoch has ended since: the reads were made after that
+        end, and would show a later moment as this epoch's.
+        """
+        later = self.epochs[index + 1 :]
+        if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
+            return False
+        self.epochs[index].rollup.update(found)
+        return True
+
+    def apply_report(
+        self,
+        key: ProcessKey,
+        at_s: float,
+        gpu_bytes: Mapping[int, int],
+        host: HostMemory | None = None,
+    ) -> bool:
         """Give a worker's own report of its peak to its epoch (NOTE [worker reports]).
 
         Args:
             key: The worker.
             at_s: When it read what it held, on the tracker's clock.
             gpu_bytes: What it held per device (empty: nothing, it had no context).
+            host: Its host memory as it exited, where it reported it.
 
         Returns:
             Whether an epoch took it.
@@ -186,8 +267,37 @@ class EpochBook:
             epoch.seen.add(key)
             epoch.reported.add(key)
             _raise_peak(epoch.peak.setdefault(key, {}), gpu_bytes)
+            if host is not None:
+                epoch.host_reports[key] = host
             return True
         return False
+
+    def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
+        """Give a worker's teardown record (what it held as it exited) to its epoch.
+
+        ``t0_s``: the tracker's start on the monotonic clock the record is stamped with. A
+        worker that never used CUDA held nothing on a GPU (NOTE [worker reports]).
+        """
+        held = teardown.gpu_bytes_by_device
+        if not teardown.cuda_initialized:
+            held = {}
+        host = reported_memory(teardown)
+        if teardown.monotonic_s is None or (held is None and host is None):
+            return
+        self.apply_report(teardown.key, teardown.monotonic_s - t0_s, held or {}, host)
+
+    def apply_accounting(self, table: ProcessTable, records: Iterable[AccountedProcess]) -> None:
+        """The driver's maxima of exited PIDs (NVML accounting, where it is on) as reports."""
+        for record in records:
+            key = table.by_pid.get(record.pid)
+            proc = table.procs.get(key) if key is not None else None
+            if proc is None or record.is_running or proc.exited_s is None:
+                continue
+            if record.max_memory_bytes is not None:
+                # The driver saw it last just before it was seen gone.
+                self.apply_report(
+                    proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
+                )
 
     # -- freezing ------------------------------------------------------------------------
 
@@ -218,6 +328,10 @@ class EpochBook:
             samples=epoch.samples,
             error=epoch.error,
             batches=epoch.batches,
+            shm_files=epoch.shm.files if epoch.shm else (),
+            shm_bytes=epoch.shm.bytes if epoch.shm else None,
+            shm_total_bytes=epoch.shm.total_bytes if epoch.shm else None,
+            shm_used_peak_bytes=epoch.shm.used_peak_bytes if epoch.shm else None,
         )
 
     @staticmethod
@@ -253,6 +367,12 @@ class EpochBook:
             gpu_peak_source=source,
             gpu_bytes_unknown=state.gpu_unknown,
             nvidia_fds=state.nvidia_fds,
+            **host_fields(
+                state.host,
+                epoch.rollup.get(key),
+                epoch.host_reports.get(key),
+                alive=state.alive,
+            ),
         )
 
     def pending_survivors(self, table: ProcessTable) -> tuple[list[Proc], float]:
@@ -282,3 +402,42 @@ class EpochBook:
         """Every identity any epoch saw."""
         for epoch in self.epochs:
             yield from epoch.seen
+
+
+def final_processes(
+    table: ProcessTable,
+    last_end_s: float | None,
+    status: Mapping[ProcessKey, HostMemory],
+    rollup: Mapping[ProcessKey, HostMemory],
+) -> tuple[ProcessEpoch, ...]:
+    """The processes of a fresh final state: every live one of the job, and foreign GPU holders.
+
+    Args:
+        table: The process table, just sampled.
+        last_end_s: When the last closed epoch ended (None: none did).
+        status: Their status read now (RSS).
+        rollup: Their smaps_rollup read now (USS, PSS), where read.
+
+    """
+    processes: list[ProcessEpoch] = []
+    for key, proc in sorted(table.live.items()):
+        if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
+            continue
+        processes.append(
+            ProcessEpoch(
+                key=key,
+                role=table.role(proc),
+                ppid=proc.ppid,
+                cmdline=proc.cmdline,
+                born_in_epoch=False,
+                persistent=table.persistent(proc),
+                alive_at_end=True,
+                last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
+                gpu_bytes_end=dict(proc.gpu_bytes),
+                gpu_bytes_peak=dict(proc.gpu_bytes),
+                gpu_bytes_unknown=proc.gpu_unknown,
+                nvidia_fds=proc.nvidia_fds,
+                **host_fields(status.get(key), rollup.get(key), None, alive=True),
+            )
+        )
+    return tuple(processes)

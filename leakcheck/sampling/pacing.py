@@ -26,6 +26,18 @@ process freeing exactly what another allocates between two ticks. While the last
 found no graphics context (a CUDA job has none), ticks that do not walk leave the graphics
 list out.
 
+NOTE [host pacing]: USS and PSS come from /proc/PID/smaps_rollup, whose read walks the page
+tables of the process: it costs in proportion to the process's resident memory (NOTE
+[rollup cost] in hostmem.py), a millisecond or more per torch worker. So they are read only
+for the processes the host-growth rule judges (the parent and persistent workers), once per
+epoch end at most, on the sampler's next wake rather than on the caller's thread (NOTE
+[tracker lifecycle] in sampler.py), and paced like NVML's reads: after reads that used ``c``
+seconds of the sampler's CPU, the epoch ends of the next ``c / rollup_share`` seconds read
+none. There is no gap cap: a job of large processes, or of short epochs, is read less often
+rather than over its budget. Its epochs without a read say RSS (the cheap status read of
+every process at every epoch end), never an older USS as if read; ``close()`` reads once
+more whatever the pacing says.
+
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler
 sleeps through the ticks that would be empty: up to the next walking tick, and no further
@@ -39,7 +51,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LIST_SHARE", "MAX_GAP_S", "MEMORY_SHARE", "WALK_EVERY", "Pacing", "TickPlan"]
+__all__ = [
+    "LIST_SHARE",
+    "MAX_GAP_S",
+    "MEMORY_SHARE",
+    "ROLLUP_SHARE",
+    "WALK_EVERY",
+    "Pacing",
+    "TickPlan",
+]
 
 WALK_EVERY = 4
 """The sampler walks /proc (and reads the mailbox) on every fourth tick."""
@@ -51,7 +71,10 @@ reports] in book.py): reads between epoch ends only add resolution."""
 MEMORY_SHARE = LIST_SHARE / 4
 """Share of the time NVML's memory reads may work in the driver."""
 MAX_GAP_S = 1.0
-"""No kind of read is left out for longer than this."""
+"""No kind of NVML read is left out for longer than this."""
+ROLLUP_SHARE = 0.0025
+"""Share of the time the smaps_rollup reads (USS, PSS) may take (NOTE [host pacing]): half
+of NVML's list share, since a tracker already takes about half a percent of a loop."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +102,8 @@ class Pacing:
         walk_every: Walk on every this-many ticks (default ``WALK_EVERY``).
         list_share: Share of time for process-list reads (default ``LIST_SHARE``).
         memory_share: Share of time for memory reads (default ``MEMORY_SHARE``).
-        max_gap_s: Longest a kind of read is left out (default ``MAX_GAP_S``).
+        max_gap_s: Longest a kind of NVML read is left out (default ``MAX_GAP_S``).
+        rollup_share: Share of time for smaps_rollup reads (default ``ROLLUP_SHARE``).
 
     """
 
@@ -92,6 +116,7 @@ class Pacing:
         list_share: float | None = None,
         memory_share: float | None = None,
         max_gap_s: float | None = None,
+        rollup_share: float | None = None,
     ) -> None:
         # The module's constants are read here, not bound as defaults, so that a test can
         # set them for the trackers it starts.
@@ -101,7 +126,9 @@ class Pacing:
         self.list_share = LIST_SHARE if list_share is None else list_share
         self.memory_share = MEMORY_SHARE if memory_share is None else memory_share
         self.max_gap_s = MAX_GAP_S if max_gap_s is None else max_gap_s
+        self.rollup_share = ROLLUP_SHARE if rollup_share is None else rollup_share
         self.memory_due_s = 0.0
+        self.rollup_due_s = 0.0
         self.lists_due_s = 0.0
         self.ticks_since_walk = 0
         self.device_used: dict[int, int] = {}
@@ -175,6 +202,14 @@ class Pacing:
         self.used_at_lists = dict(used_before) if ok else {}
         if ok and graphics_seen is not None:
             self.graphics_seen = graphics_seen
+
+    def rollup_due(self, now_s: float) -> bool:
+        """Whether the epoch end at ``now_s`` reads USS and PSS (NOTE [host pacing])."""
+        return now_s >= self.rollup_due_s
+
+    def rollup_read(self, end_s: float, cpu_s: float) -> None:
+        """smaps_rollup reads ended at ``end_s`` after ``cpu_s`` of CPU (no gap cap)."""
+        self.rollup_due_s = end_s + cpu_s / self.rollup_share
 
     def _gap_s(self, cpu_s: float, share: float) -> float:
         return min(cpu_s / share, self.max_gap_s)

@@ -8,9 +8,13 @@ per-PID lists where memory moved, and on every fourth tick the mailbox (exact wo
 identities, their own reports: NOTE [worker mailbox] in mailbox.py) and a quick walk of the
 root's descendants in /proc; a tick whose lists show a PID not placed yet walks at once. An
 epoch end is one synchronous, full sample with the costlier extras (``/dev/nvidia*``
-descriptors, command lines, telemetry); the costliest, a scan of /proc for tagged processes
-reparented between walks (``procs.TagScan``), runs on the sampler's next wake instead, off
-the caller's thread, and in every fresh read (``current_state``) and ``close()``. Survivors
+descriptors, command lines, telemetry, each process's RSS from ``/proc/PID/status``, the
+job's files in ``/dev/shm``); the costliest run on the sampler's next wake instead, off the
+caller's thread: a scan of /proc for tagged processes reparented between walks
+(``procs.TagScan``, also in every fresh read and ``close()``), and the USS and PSS of the
+long-lived processes (smaps_rollup, paced: NOTE [host pacing] in pacing.py), stamped with the
+epoch that ended; ``close()`` reads a pending one itself, and reads them once more for the
+final state. Survivors
 are judged later, from how long after its epoch's end each process was still seen: so the
 sampler keeps running between epochs, and ``close()`` waits, at most ``grace`` after the
 epoch each was born in, for every process whose survival is not decided yet, whichever
@@ -25,24 +29,28 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 from leakcheck import mailbox, procs
 from leakcheck.errors import UsageError
+from leakcheck.hostmem import HostMemory
 from leakcheck.model import (
     DeviceState,
     EndReason,
     FinalState,
     GpuProcess,
-    ProcessEpoch,
     ProcessKey,
+    ShmFile,
     TeardownRecord,
     Timeline,
 )
 from leakcheck.sampling import claims
-from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.book import EpochBook, final_processes
 from leakcheck.sampling.cost import CostMeter
+from leakcheck.sampling.host import HostReads
 from leakcheck.sampling.pacing import Pacing
 from leakcheck.sampling.reads import Failures, NvmlReads
+from leakcheck.sampling.shm import ShmWatch
 from leakcheck.sampling.table import ProcessTable
 from leakcheck.torch_state import initialized_cuda
 
@@ -63,6 +71,7 @@ class Sampler:
         session_tag: ``(NAME, VALUE)``: the environment variable, set by the caller for a
             root it started, by which reparented processes of the job are found, instead of
             this tracker's own ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
+        rollup_share: Share of time for smaps_rollup reads (None: ``ROLLUP_SHARE``).
 
     """
 
@@ -77,9 +86,11 @@ class Sampler:
         strict: bool,
         use_nvml: bool,
         session_tag: tuple[str, str] | None = None,
+        rollup_share: float | None = None,
     ) -> None:
         self.root_pid = root_pid
         self.session_tag = session_tag
+        self.rollup_share = rollup_share
         self.interval_s = interval_s
         self.devices = devices
         self.grace_s = grace_s
@@ -89,10 +100,11 @@ class Sampler:
         self.failures = Failures(strict=strict)
         self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
         self.lock = threading.RLock()
-        # Held until close() releases it: the sampler waits on it between ticks, so a close
-        # wakes it at once (a timed acquire of a plain lock is the cheapest wake measured).
-        self._stop_gate = threading.Lock()
-        self._stop_gate.acquire()
+        # Held but while someone wakes the sampler: it waits on it between ticks, so a close
+        # (or an epoch end with host reads to make) wakes it at once; a timed acquire of a
+        # plain lock is the cheapest wake measured.
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._thread: threading.Thread | None = None
         self.started = self.closed = self._stopping = self._sampling = False
         self._t0 = 0.0
@@ -108,7 +120,10 @@ class Sampler:
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
         self.book = EpochBook(grace_s=grace_s)
-        self.pacing = Pacing(interval_s, has_nvml=False)
+        self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
+        self.host = HostReads(self.pacing, self.failures)
+        self.shm = ShmWatch()
+        self.shm_files: tuple[ShmFile, ...] = ()
         self.teardowns: list[TeardownRecord] = []
         self.final: FinalState | None = None
 
@@ -142,9 +157,18 @@ class Sampler:
             if self._mailbox_dir:
                 self._inbox = mailbox.Inbox(self._mailbox_dir)
             if self.root_pid == os.getpid():
-                self._export_env()
+                values = {procs.SESSION_ENV: self.session_id}
+                if self._mailbox_dir:
+                    values[mailbox.MAILBOX_ENV] = self._mailbox_dir
+                self._saved_env = _export(values)
             self.nvml.open(use_nvml=self.use_nvml)
-            self.pacing = Pacing(self.interval_s, has_nvml=self.nvml.handle is not None)
+            self.pacing = Pacing(
+                self.interval_s,
+                has_nvml=self.nvml.handle is not None,
+                rollup_share=self.rollup_share,
+            )
+            self.host = HostReads(self.pacing, self.failures)
+            self.failures.guard(self.shm.start, "shm")
             self.table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
@@ -171,36 +195,65 @@ class Sampler:
         self._wait_for_grace()
         if not self._stopping:
             self._stopping = True
-            with contextlib.suppress(RuntimeError):  # a concurrent close() released it
-                self._stop_gate.release()
+            self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 10 * self.interval_s))
+        self.finish_reads()  # planned at the last epoch end, not read yet
         with self.lock:
             self.final = self.current_state(closed=True)
             self.closed = True
-            self._restore_env()
+            exported = {procs.SESSION_ENV: self.session_id, mailbox.MAILBOX_ENV: self._mailbox_dir}
+            _restore(self._saved_env, exported)
+            self._saved_env = {}
             if self._mailbox_dir:
                 mailbox.remove(self._mailbox_dir)
 
     def _run(self) -> None:
         ticks = 1  # how many ticks the next wait spans (NOTE [idle ticks])
-        while not self._stop_gate.acquire(timeout=ticks * self.interval_s):
+        while True:
+            woken = self._gate.acquire(timeout=ticks * self.interval_s)
+            if self._stopping:
+                return
             cpu_start_s = time.thread_time()
+            if woken:
+                # An epoch end planned host reads: read them now, close to the end they
+                # belong to, then wait for the next tick again.
+                self.finish_reads()
+                self.meter.sampler_ran(time.thread_time() - cpu_start_s)
+                continue
             with self.lock:
                 if self.closed:
                     return
                 scan_tags, self._tag_scan_due = self._tag_scan_due, False
-                plan = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
+                tick = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
                 self.sample(
                     epoch_end=False,
                     scan_tags=scan_tags,
-                    walk=plan.walk,
+                    walk=tick.walk,
                     quick=True,
-                    read_memory=plan.read_memory,
-                    lists_paced_out=plan.lists_paced_out,
+                    read_memory=tick.read_memory,
+                    lists_paced_out=tick.lists_paced_out,
                 )
                 ticks = self.pacing.ticks_until_work(time.perf_counter())
             self.meter.sampler_ran(time.thread_time() - cpu_start_s)
+
+    def _wake(self) -> None:
+        """Wake the sampler thread now (it checks ``_stopping`` first)."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake is pending
+            self._gate.release()
+
+    def finish_reads(self) -> None:
+        """Make the host reads planned at the last epoch end now, or wait for those under way.
+
+        Before the job's processes change (a loader dropped, its persistent workers shut
+        down), so that the reads describe the epoch's end. No lock held by the caller.
+        """
+
+        def give(index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
+            with self.lock:
+                self.book.apply_rollup(index, found)
+
+        self.host.read_planned(self.lock, give)
 
     def _wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
@@ -222,6 +275,7 @@ class Sampler:
         self.end_epoch("closed", None)
         with self.lock:
             index = self.book.begin(label, self.now())
+            self.failures.guard(self.shm.begin_epoch, "shm")
             claims.epoch_opened(self.session_id)
             assert self.table is not None
             self.table.changed = True
@@ -235,14 +289,22 @@ class Sampler:
             self.sample(epoch_end=True)
             self._apply_accounting()
             self._tag_scan_due = True
+            table = self.table
+            index = self.book.open.index
+            host = self.host.end_status(table)
+            shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
             self.book.end(
-                self.table,
+                table,
                 now=self.now(),
                 reason=reason,
                 error=error,
                 devices=self.nvml.device_states(),
                 batches=batches,
+                host=host,
+                shm=shm,
             )
+            if self.host.plan(index, table):
+                self._wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
 
     def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
@@ -310,6 +372,8 @@ class Sampler:
             # A process new on the GPU: place it in the tree before attributing it. The list
             # read before the walk serves: every PID in it existed before the walk began.
             new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
+        if walk:
+            self.failures.guard(self.shm.note_usage, "shm")
         if walk or new_on_gpu:
             if not self._walk(now, scan_tags=scan_tags, quick=quick):
                 return
@@ -361,34 +425,12 @@ class Sampler:
             elif record.get("kind") == "teardown":
                 teardown = mailbox.teardown_record(record, key)
                 self.teardowns.append(teardown)
-                self._apply_report(teardown)
-
-    def _apply_report(self, teardown: TeardownRecord) -> None:
-        """Give a worker's own report of what it held to its epoch's peak.
-
-        NOTE [worker reports] in book.py; a worker that never used CUDA held nothing.
-        """
-        held = teardown.gpu_bytes_by_device
-        if not teardown.cuda_initialized:
-            held = {}
-        if held is None or teardown.monotonic_s is None:
-            return
-        self.book.apply_report(teardown.key, teardown.monotonic_s - self._t0, held)
+                self.book.apply_teardown(teardown, self._t0)
 
     def _apply_accounting(self) -> None:
         """The driver's maxima of exited PIDs, where its accounting mode is already on."""
-        table = self.table
-        assert table is not None
-        for record in self.nvml.accounting():
-            key = table.by_pid.get(record.pid)
-            proc = table.procs.get(key) if key is not None else None
-            if proc is None or record.is_running or proc.exited_s is None:
-                continue
-            if record.max_memory_bytes is not None:
-                # The driver saw it last just before it was seen gone.
-                self.book.apply_report(
-                    proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
-                )
+        assert self.table is not None
+        self.book.apply_accounting(self.table, self.nvml.accounting())
 
     # -- results -------------------------------------------------------------------------
 
@@ -399,30 +441,14 @@ class Sampler:
         table = self.table
         assert table is not None
         last_end = next((e.end_s for e in reversed(self.book.epochs) if e.end_s), None)
-        processes: list[ProcessEpoch] = []
-        for key, proc in sorted(table.live.items()):
-            if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
-                continue
-            processes.append(
-                ProcessEpoch(
-                    key=key,
-                    role=table.role(proc),
-                    ppid=proc.ppid,
-                    cmdline=proc.cmdline,
-                    born_in_epoch=False,
-                    persistent=table.persistent(proc),
-                    alive_at_end=True,
-                    last_seen_after_s=(proc.last_seen_s - last_end) if last_end else None,
-                    gpu_bytes_end=dict(proc.gpu_bytes),
-                    gpu_bytes_peak=dict(proc.gpu_bytes),
-                    gpu_bytes_unknown=proc.gpu_unknown,
-                    nvidia_fds=proc.nvidia_fds,
-                )
-            )
+        status, rollup = self.host.final_reads(table, closed=closed)
+        if closed:
+            self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
+        processes = final_processes(table, last_end, status, rollup)
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),
-            processes=tuple(processes),
+            processes=processes,
             parent_allocated_gpu_bytes=(
                 _torch_allocated_bytes() if self.root_pid == os.getpid() else None
             ),
@@ -450,28 +476,32 @@ class Sampler:
             final=final,
             failures=self.failures.lines(),
             teardowns=tuple(self.teardowns),
+            # Files left in /dev/shm are judged once the work is over (at close): before,
+            # the job's workers may still be using theirs.
+            shm_files=self.shm_files if final is not None and final.closed else (),
         )
 
     # -- environment and NVML ------------------------------------------------------------
 
-    def _export_env(self) -> None:
-        values = {procs.SESSION_ENV: self.session_id}
-        if self._mailbox_dir:
-            values[mailbox.MAILBOX_ENV] = self._mailbox_dir
-        for name, value in values.items():
-            self._saved_env[name] = os.environ.get(name)
-            os.environ[name] = value
 
-    def _restore_env(self) -> None:
-        exported = {procs.SESSION_ENV: self.session_id, mailbox.MAILBOX_ENV: self._mailbox_dir}
-        for name, value in self._saved_env.items():
-            if os.environ.get(name) != exported.get(name):
-                continue  # someone else changed it since: leave theirs
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        self._saved_env.clear()
+def _export(values: dict[str, str]) -> dict[str, str | None]:
+    """Set the variables; returns their previous values (None: unset)."""
+    saved: dict[str, str | None] = {}
+    for name, value in values.items():
+        saved[name] = os.environ.get(name)
+        os.environ[name] = value
+    return saved
+
+
+def _restore(saved: dict[str, str | None], exported: dict[str, str | None]) -> None:
+    """Give back the saved values of the variables that still hold what was exported."""
+    for name, value in saved.items():
+        if os.environ.get(name) != exported.get(name):
+            continue  # someone else changed it since: leave theirs
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _torch_allocated_bytes() -> int | None:

@@ -1,0 +1,290 @@
+"""The tracker's host memory and /dev/shm reads, on real processes (CPU).
+
+Each epoch end reads every process's RSS (status) and, paced, the parent's and persistent
+workers' USS and PSS (smaps_rollup) on the sampler thread; workers that live one epoch
+report their own at exit; the job's /dev/shm files are listed per epoch and judged at close.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leakcheck import hostmem
+from leakcheck.model import ProcessEpoch, ProcessKey
+from leakcheck.sampling.book import EpochBook
+from leakcheck.tracker import Tracker
+from leakcheck.verdict import judge
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+SHM = Path("/dev/shm")
+
+# Creates /dev/shm/<argv[1]> (4 KiB), holds it open, says so, and waits for stdin to close.
+HOLDER = """
+import os, sys
+fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.write(fd, b"x" * 4096)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def shm_names() -> Iterator[list[str]]:
+    """/dev/shm names a test makes; every one is removed at the end."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        (SHM / name).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for child in started:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def _sleeper(children: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True
+    )
+    children.append(child)
+    return child
+
+
+def _by_role(processes: tuple[ProcessEpoch, ...], role: str) -> list[ProcessEpoch]:
+    return [p for p in processes if p.role == role]
+
+
+def test_epoch_ends_read_rss_of_every_process_and_uss_of_the_long_lived(
+    children: list[subprocess.Popen[str]],
+) -> None:
+    with Tracker(rollup_share=1.0, grace=0.1) as tracker:
+        worker = _sleeper(children)
+        helper = _sleeper(children)
+        tracker.register_worker(worker.pid, persistent=True)
+        for index in range(3):
+            with tracker.epoch():
+                time.sleep(0.05)
+            tracker.finish_reads()
+            record = tracker.epochs()[index]
+            (parent,) = _by_role(record.processes, "parent")
+            (listed_worker,) = _by_role(record.processes, "worker")
+            (descendant,) = [p for p in record.processes if p.key.pid == helper.pid]
+            for proc in (parent, listed_worker):
+                # USS (smaps_rollup) for the parent and the persistent worker...
+                assert proc.host_source == "uss"
+                assert proc.host_bytes_end and proc.pss_bytes_end and proc.rss_bytes_end
+                assert proc.host_bytes_end <= proc.rss_bytes_end
+                assert proc.rss_bytes_peak and proc.rss_bytes_peak >= proc.rss_bytes_end
+                assert proc.anon_bytes_end and proc.anon_bytes_end <= proc.rss_bytes_end
+            # ... RSS for the others (status only: cheap).
+            assert descendant.host_source == "rss" and descendant.pss_bytes_end is None
+            assert descendant.host_bytes_end == descendant.rss_bytes_end
+        for child in children:
+            child.stdin.close()  # type: ignore[union-attr]
+            child.wait()
+    final = tracker.timeline().final
+    assert final is not None
+    (parent,) = _by_role(final.processes, "parent")
+    assert parent.host_source == "uss" and parent.pss_bytes_end
+
+
+def test_paced_out_epoch_ends_say_rss_never_an_older_uss() -> None:
+    # A share so small that after the first read no other fits in the run.
+    with Tracker(rollup_share=1e-9, grace=0.1) as tracker:
+        for _ in range(3):
+            with tracker.epoch():
+                time.sleep(0.02)
+            tracker.finish_reads()
+    parents = [_by_role(e.processes, "parent")[0] for e in tracker.epochs()]
+    assert [p.host_source for p in parents] == ["uss", "rss", "rss"]
+    for parent in parents[1:]:
+        assert parent.host_bytes_end == parent.rss_bytes_end and parent.pss_bytes_end is None
+
+
+def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, bool]] = []
+    real = hostmem.read_host_memories
+
+    def recording(targets: Any, *, rollup: bool = True) -> Any:
+        calls.append((threading.current_thread().name, rollup))
+        return real(targets, rollup=rollup)
+
+    monkeypatch.setattr(hostmem, "read_host_memories", recording)
+    with Tracker(rollup_share=1.0, grace=0.1) as tracker:
+        for _ in range(2):
+            with tracker.epoch():
+                time.sleep(0.02)
+            tracker.sample()  # lets the sampler thread's wake come first
+            time.sleep(0.1)
+        epoch_calls = list(calls)
+    assert ("MainThread", False) in epoch_calls  # status, at the epoch end
+    rollups = [thread for thread, rollup in epoch_calls if rollup]
+    assert rollups and set(rollups) == {"leakcheck-sampler"}
+    assert all(p.host_source == "uss" for e in tracker.epochs() for p in e.processes)
+
+
+def test_a_read_made_after_the_next_epoch_ended_is_not_given_to_the_earlier_one() -> None:
+    book = EpochBook(grace_s=1.0)
+    key = ProcessKey(os.getpid(), 1.0)
+    memory = hostmem.HostMemory(1, 2, 3, None, "smaps_rollup")
+    book.begin(None, 0.0)
+    book.epochs[0].end_s = 1.0
+    book.begin(None, 1.0)
+    assert book.apply_rollup(0, {key: memory})  # epoch 1 is still open: a fair read of 0
+    book.epochs[1].end_s = 2.0
+    assert not book.apply_rollup(0, {key: memory})  # read after epoch 1 ended: not epoch 0's
+    assert book.apply_rollup(1, {key: memory})
+
+
+def test_workers_that_live_one_epoch_report_their_host_memory_at_exit() -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    import leakcheck
+
+    data = torch.arange(64, dtype=torch.float32)
+    loader = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context="fork")
+    with leakcheck.watch(loader, grace=0.5) as watched:
+        for _ in range(2):
+            for _batch in watched:
+                pass
+    report = watched.report()
+    assert report.leaks == []
+    for record in report.epochs:
+        workers = _by_role(record.processes, "worker")
+        assert len(workers) == 2
+        for worker in workers:
+            assert not worker.alive_at_end  # gone by the end: what it said as it exited
+            assert worker.host_source == "uss" and worker.host_bytes_end
+            assert worker.rss_bytes_peak and worker.rss_bytes_end
+    assert all(t.host_uss_bytes and t.host_rss_peak_bytes for t in report.timeline.teardowns)
+
+
+def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[str]) -> None:
+    token = uuid.uuid4().hex[:10]
+    held, mine, stranger = f"lc_{token}_held", f"lc_{token}_{os.getpid()}", f"lc_{token}_x"
+    shm_names.extend([held, mine, stranger])
+    with Tracker(grace=0.1) as tracker:
+        with tracker.epoch():
+            holder = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, held],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            (SHM / mine).write_bytes(b"y" * 100)  # named after the job's root: its own
+            (SHM / stranger).write_bytes(b"z" * 10)  # nothing ties it to the job
+        first = tracker.epochs()[0]
+        # The job's: the one its child holds, and the one named after its root.
+        listed = {item.name: item for item in first.shm_files}
+        assert set(listed) == {held, mine}
+        assert (listed[held].holder_pid, listed[held].holder_role) == (holder.pid, "descendant")
+        assert listed[mine].holder_pid is None
+        assert first.shm_bytes == 4096 + 100
+        assert first.shm_total_bytes and first.shm_used_peak_bytes
+        with tracker.epoch():
+            holder.stdin.close()  # type: ignore[union-attr]
+            holder.wait()
+            holder.stdout.close()
+    files = {item.name: item for item in tracker.timeline().shm_files}
+    assert set(files) >= {held, mine, stranger}
+    findings = {f.shm_name: f for f in judge(tracker.timeline(), tracker.config) if f.shm_name}
+    # Held by a process of the job at an epoch end, now by nobody: left behind.
+    assert findings[held].severity == "leak"
+    assert f"/dev/shm/{held} (4 KiB) left behind; nobody holds it" in findings[held].message
+    assert findings[mine].severity == "leak"
+    assert findings[stranger].severity == "info"
+    assert "not blamed" in findings[stranger].message
+
+
+def test_a_file_the_parent_still_holds_at_close_is_said_not_blamed(shm_names: list[str]) -> None:
+    name = f"lc_{uuid.uuid4().hex[:10]}_open"
+    shm_names.append(name)
+    with Tracker(grace=0.1) as tracker, tracker.epoch():
+        fd = os.open(SHM / name, os.O_CREAT | os.O_RDWR, 0o600)
+        os.write(fd, b"x" * 10)
+    try:
+        (item,) = [f for f in tracker.timeline().shm_files if f.name == name]
+        assert item.in_use and item.holder_role == "parent"
+        (finding,) = [f for f in judge(tracker.timeline(), tracker.config) if f.shm_name == name]
+        assert finding.severity == "info" and "the parent holds it (in use" in finding.message
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("context", "persistent", "workers"),
+    [("fork", True, 2), ("fork", False, 2), ("spawn", True, 2), ("spawn", False, 1)],
+)
+def test_clean_loaders_over_ten_epochs_have_no_host_finding(
+    context: str, persistent: bool, workers: int
+) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from leakcheck.dataloader import WatchedLoader
+
+    # The data in one tensor: reading it writes no reference counts, nothing is copied.
+    data = torch.arange(20_000 * 16, dtype=torch.float32).reshape(20_000, 16)
+    loader = DataLoader(
+        data,
+        batch_size=500,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=persistent,
+        multiprocessing_context=context,
+    )
+    tracker = Tracker(rollup_share=1.0, persistent_workers=persistent, grace=1.0)
+    watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=True)
+    del loader
+    with watched:
+        for _ in range(10):
+            for batch in watched:
+                batch.sum()
+        watched.drop_loader()
+    report = watched.report()
+    # (Files other tests make in /dev/shm meanwhile are said, as info, never blamed.)
+    assert [f for f in report.findings if f.rule == "host-growth"] == []
+    assert report.leaks == [], report.format()
+    # Host memory was read: USS for the parent at every epoch end.
+    parents = [_by_role(e.processes, "parent")[0] for e in report.epochs]
+    assert all(p.host_source == "uss" for p in parents)
+
+
+@pytest.mark.parametrize(
+    ("script", "leaks"), [("copy_on_read_leak.py", 2), ("copy_on_read_fixed.py", 0)]
+)
+def test_the_copy_on_read_examples(script: str, leaks: int) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    done = subprocess.run(
+        [sys.executable, str(repo / "examples" / script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    found = [line for line in done.stdout.splitlines() if line.startswith("LEAK host-growth")]
+    assert len(found) == leaks, done.stdout
+    assert all("worker PID" in line and "MiB/epoch" in line for line in found)
+    if not leaks:
+        assert "no leaks in 8 epochs" in done.stdout

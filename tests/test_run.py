@@ -215,12 +215,27 @@ def test_unmodified_script_gets_the_findings_of_its_watch_version(
     assert run.data is not None
     (item,) = run.data["loaders"]
     assert item["label"].startswith("examples/plain_")
+    # Left out of the comparison: advice about /dev/shm files nothing ties to the work (other
+    # jobs' files appearing on a busy machine), and host growth, whose USS reads are paced by
+    # their cost, so that in runs of a few seconds which epochs get one depends on the load
+    # (host-growth has tests of its own, in test_tracker_host.py).
+    noise = {("shm", None), ("host-growth", "worker"), ("host-growth", "parent")}
     for severity in ("leak", "info"):
-        assert findings(item["report"], severity) == counted(by_watch, severity), run.stderr
+        ran = findings(item["report"], severity)
+        for key in noise:
+            ran.pop(key, None)
+        watched_found = counted(by_watch, severity)
+        for key in noise:
+            watched_found.pop(key, None)
+        assert ran == watched_found, run.stderr
     if expected is not None:  # on a GPU the persistent-cache leak is growth, on a CPU clean
         assert dict(findings(item["report"])) == expected
     # The tree's view holds the same leaking processes (and no others on these scripts).
-    assert findings(run.data["tree"]["report"]) == findings(item["report"])
+    loader_leaks = findings(item["report"])
+    for key in noise:
+        loader_leaks.pop(key, None)
+    tree_leaks = findings(run.data["tree"]["report"])
+    assert tree_leaks == loader_leaks
     assert run.data["leak_count"] == sum(findings(item["report"]).values())
     verdict = "leak" if findings(item["report"]) else "clean"
     assert f"leakcheck run: verdict {verdict}" in run.stderr

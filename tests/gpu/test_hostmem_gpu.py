@@ -94,6 +94,14 @@ CUDA_IPC = textwrap.dedent(
 )
 
 
+@pytest.mark.xfail(
+    reason=(
+        "GPU run 39 (2026-12-01): workers that returned CUDA tensors and exited normally left no "
+        "cuda.shm.* file, so the premise did not hold; the files are left when a producer dies "
+        "without its cleanup (to be staged with a SIGKILLed worker): docs/gpu-test-log.md"
+    ),
+    strict=False,
+)
 def test_workers_returning_cuda_tensors_leave_cuda_shm_files_named_with_their_cause(
     tmp_path: Path,
 ) -> None:

@@ -18,15 +18,13 @@ standard output stays its own.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import os
-import tempfile
 from typing import Any, TextIO
 
 from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
+from leakcheck.files import write_json
 
 __all__ = ["add_run_parser", "resolve_run", "run_command"]
 
@@ -186,24 +184,6 @@ def _check_device(device: int) -> None:
         raise UsageError(f"--device: expected a GPU index below {count}, got {device}")
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write atomically: a reader never sees half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temp = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, indent=2)
-            stream.write("\n")
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(temp, 0o666 & ~umask)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-
-
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck run``: run the program, print the report, write ``--json``, pick the status.
 
@@ -233,7 +213,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     status = result.program_status
     if plan.json_path is not None:
         try:
-            _write_json(plan.json_path, result.to_dict())
+            write_json(plan.json_path, result.to_dict())
         except OSError as error:
             err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
             if status == 0:

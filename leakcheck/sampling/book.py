@@ -207,6 +207,10 @@ class EpochBook:
         epoch.batches = batches
         epoch.shm = shm
         host = host or {}
+        # Ownership as it stands now: a worker's own report through its tracker's mailbox
+        # may have corrected a claim made while it was first seen (NOTE [claims]).
+        table.refresh_ownership()
+        epoch.seen = {key for key in epoch.seen if table.procs[key].own}
         for key in epoch.seen | {k for k, p in table.live.items() if p.own and not p.foreign}:
             proc = table.procs[key]
             alive = proc.exited_s is None

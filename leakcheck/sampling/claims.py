@@ -89,10 +89,16 @@ def _since_boot_s() -> float:
 
 
 def _epoch_at(born_s: float) -> str | None:
-    """The session of the innermost epoch open when a process was born (rule 3)."""
-    for session, opened, closed in reversed(_epochs):
-        if opened - _BIRTH_SLACK_S <= born_s and (closed is None or born_s <= closed):
-            return session
+    """The session of the innermost epoch open when a process was born (rule 3).
+
+    An epoch that opened before the birth is preferred to one that opened within the clock's
+    slack after it: a loader's first batch can open an inner epoch a few milliseconds after
+    the loader's last worker was forked.
+    """
+    for slack_s in (0.0, _BIRTH_SLACK_S):
+        for session, opened, closed in reversed(_epochs):
+            if opened - slack_s <= born_s and (closed is None or born_s <= closed):
+                return session
     return None
 
 

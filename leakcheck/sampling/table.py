@@ -162,6 +162,15 @@ class ProcessTable:
                 proc.own = owner is None or owner == self.session
         claims.forget(gone)
 
+    def refresh_ownership(self) -> None:
+        """Re-read every placed process's owner from the claims (the mailbox corrects them)."""
+        for key, proc in self.procs.items():
+            if key == self.root or proc.foreign or key in self.workers:
+                continue
+            owner = claims.owner_of(key)
+            if owner is not None:
+                proc.own = owner == self.session
+
     def add_reparented(self, found: list[ProcInfo], *, now: float, born_epoch: int | None) -> None:
         """Place tagged processes a tag scan found outside the lineage (reparented away)."""
         for info in found:

@@ -20,10 +20,15 @@ import contextlib
 import errno
 import json
 import os
+import platform
+import socket
 import stat
+import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from leakcheck.model import DeviceState
 
 __all__ = ["chmod_like_open", "write_atomic", "write_json"]
 
@@ -99,3 +104,26 @@ def _umask() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
+
+
+def environment(devices: Iterable[DeviceState] = (), **extra: Any) -> dict[str, Any]:
+    """Versions and machine, written beside results (torch only if already imported).
+
+    Args:
+        devices: The GPUs the results are about.
+        extra: More facts for the record (``leakcheck run`` adds the interpreter).
+
+    """
+    import leakcheck
+
+    torch = sys.modules.get("torch")
+    return {
+        "leakcheck": leakcheck.__version__,
+        "python": platform.python_version(),
+        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+        "platform": platform.platform(),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "gpus": [device.name for device in devices],
+        **extra,
+    }

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -55,6 +54,7 @@ from typing import Any
 
 from leakcheck import procs
 from leakcheck.errors import LeakCheckError
+from leakcheck.files import environment
 from leakcheck.instrument import RUN_ENV, ShimOptions, read_records, write_options
 from leakcheck.model import MIB, EndReason, Finding
 from leakcheck.report import SCHEMA_VERSION, Report, finding_lines, report_from_dict
@@ -537,7 +537,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         failures=tuple(failures),
         started_unix_s=started_unix_s,
         gpu_reason=gpu_reason,
-        environment=_environment(),
+        environment=environment(executable=sys.executable),
     )
 
 
@@ -602,15 +602,3 @@ def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
             if key is not None and abs(key.create_time - create_time) < 1e-3:
                 continue  # still running: its tracker may still use it
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _environment() -> dict[str, Any]:
-    import leakcheck
-
-    return {
-        "leakcheck": leakcheck.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "executable": sys.executable,
-        "cpu_count": os.cpu_count(),
-    }

@@ -30,9 +30,6 @@ import dataclasses
 import gc
 import math
 import os
-import platform
-import socket
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from leakcheck import nvml, procs
 from leakcheck.dataloader import WatchedLoader
 from leakcheck.errors import LeakCheckError
-from leakcheck.files import write_json
+from leakcheck.files import environment, write_json
 from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord, TrackerCost
 from leakcheck.progress import Progress
 from leakcheck.report import (
@@ -1064,20 +1061,4 @@ def format_sweep(result: SweepResult) -> str:
 def _device_dict(device: DeviceState) -> dict[str, Any]:
     return {name: getattr(device, name) for name in device.__dataclass_fields__} | {
         "throttle_reasons": list(device.throttle_reasons)
-    }
-
-
-def environment(devices: Iterable[DeviceState] = ()) -> dict[str, Any]:
-    """Versions and machine, for the record (torch only if already imported)."""
-    import leakcheck
-
-    torch = sys.modules.get("torch")
-    return {
-        "leakcheck": leakcheck.__version__,
-        "python": platform.python_version(),
-        "torch": getattr(torch, "__version__", None) if torch is not None else None,
-        "platform": platform.platform(),
-        "host": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "gpus": [device.name for device in devices],
     }

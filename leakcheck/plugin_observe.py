@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,7 +80,7 @@ from leakcheck.model import (
 )
 from leakcheck.procs import SESSION_ENV
 from leakcheck.roles import is_runtime_helper
-from leakcheck.torch_state import initialized_cuda
+from leakcheck.torch_state import clear_library_workspaces, initialized_cuda
 
 if TYPE_CHECKING:
     from leakcheck.model import Finding
@@ -218,12 +217,8 @@ def _allocator_bytes(cuda: Any, *, collect: bool) -> tuple[dict[int, int], dict[
         # Cycles may be all that keeps a tensor alive; the cache holds freed blocks that
         # NVML still counts. Both are worth their cost only when a leak is suspected.
         gc.collect()
-        # cuBLAS keeps a workspace per handle and stream in torch's allocator after the
-        # first matrix product: a one-time library cost, not the test's.
-        torch_c = getattr(sys.modules.get("torch"), "_C", None)
-        clear_workspaces = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
-        if callable(clear_workspaces):
-            clear_workspaces()
+        # cuBLAS workspaces are a one-time library cost, not the test's.
+        clear_library_workspaces()
         cuda.empty_cache()
     allocated: dict[int, int] = {}
     reserved: dict[int, int] = {}

@@ -53,7 +53,7 @@ from typing import Any, Literal
 from leakcheck import hostmem, mailbox, procs
 from leakcheck.errors import LeakCheckError, UsageError
 from leakcheck.model import MIB, ProcessKey, TeardownRecord
-from leakcheck.torch_state import initialized_cuda
+from leakcheck.torch_state import clear_library_workspaces, initialized_cuda
 
 __all__ = [
     "ReleaseResult",
@@ -759,19 +759,6 @@ def _other_threads() -> list[str]:
     ]
 
 
-def _clear_library_workspaces() -> None:
-    """Give back what torch's libraries keep in the allocator (cuBLAS workspaces).
-
-    They count as allocated bytes after the first matrix product, though no tensor of the
-    caller's holds them: a release judged before clearing them refuses for nothing.
-    """
-    torch_c = getattr(sys.modules.get("torch"), "_C", None)
-    clear = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
-    if callable(clear):
-        with contextlib.suppress(Exception):
-            clear()
-
-
 def _live_tensors_text(index: int) -> str:
     """The largest live CUDA tensors on ``cuda:index``, for a refusal's message."""
     import torch
@@ -859,7 +846,7 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
     index = _device_index(device)
     if not force:
         gc.collect()  # tensors kept only by garbage cycles are not the caller's
-        _clear_library_workspaces()
+        clear_library_workspaces()
         allocated = int(torch.cuda.memory_allocated(index))
         if allocated > 0:
             tensors = _live_tensors_text(index)

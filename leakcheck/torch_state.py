@@ -8,6 +8,7 @@ module that touches torch's CUDA state asks here first.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -29,3 +30,17 @@ def initialized_cuda() -> Any | None:
     except Exception:
         return None
     return cuda
+
+
+def clear_library_workspaces() -> None:
+    """Give back what torch's libraries keep in the allocator (cuBLAS workspaces).
+
+    After the first matrix product cuBLAS keeps a workspace per handle and stream in torch's
+    allocator: allocated bytes that no tensor of the caller's holds. Anything that judges
+    "still allocated" clears them first. Best effort: a torch without the call is left as is.
+    """
+    torch_c = getattr(sys.modules.get("torch"), "_C", None)
+    clear = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
+    if callable(clear):
+        with contextlib.suppress(Exception):
+            clear()

@@ -54,6 +54,7 @@ from leakcheck.watching import (
     chained_worker_init,
     check_on_leak,
     check_teardown,
+    started_mailbox,
 )
 
 __all__ = ["WatchedLoader", "watch"]
@@ -258,10 +259,7 @@ class WatchedLoader(Generic[T]):
         if self._started:
             return
         self._started = True
-        tracker.start()
-        # The tracker's own mailbox: with several trackers in one process, the exported
-        # variable names the one started last.
-        mailbox_dir = tracker.mailbox_dir
+        mailbox_dir = started_mailbox(tracker)
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn"):
             return  # not a DataLoader: epochs and lineage only

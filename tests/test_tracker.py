@@ -306,6 +306,9 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     # memory share would pace out to every second or third tick: the tests that count
     # memory reads want them on every tick. The test of memory pacing sets its own share.
     monkeypatch.setattr(pacing_module, "MEMORY_SHARE", 1.0)
+    # Likewise the lists: tests of gating and placement read them whenever memory moved; the
+    # tests of list pacing set their own share.
+    monkeypatch.setattr(pacing_module, "LIST_SHARE", 1.0)
     fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     nvml._reset_for_tests()

@@ -43,9 +43,19 @@ _epochs: list[tuple[str, float, float | None]] = []
 is not: its boot time has whole seconds), in the order they opened; closed ones are kept
 for a while, for processes seen late."""
 _KEPT_EPOCHS = 256
-# Create times have clock-tick resolution (10 ms): a worker started right after its epoch
-# opened may read as born a tick before it.
-_BIRTH_SLACK_S = 0.02
+
+
+def _tick_s() -> float:
+    try:
+        return 1.0 / os.sysconf("SC_CLK_TCK")
+    except (AttributeError, ValueError, OSError):
+        return 0.01
+
+
+_TICK_S = _tick_s()
+"""A create time's resolution: /proc's start time counts clock ticks (10 ms), truncated."""
+_EPSILON_S = 1e-4
+"""Float error between the boot clock's readings and create times summed from two parts."""
 
 
 def owner_of(key: ProcessKey) -> str | None:
@@ -91,15 +101,23 @@ def _since_boot_s() -> float:
 def _epoch_at(born_s: float) -> str | None:
     """The session of the innermost epoch open when a process was born (rule 3).
 
-    An epoch that opened before the birth is preferred to one that opened within the clock's
-    slack after it: a loader's first batch can open an inner epoch a few milliseconds after
-    the loader's last worker was forked.
+    A create time says only that the birth fell within one clock tick from it. An epoch open
+    over that whole tick was open at the birth, and the innermost such epoch wins: a
+    loader's first batch can open an inner epoch a few milliseconds after the loader's last
+    worker was forked, in the same tick. Where no epoch covers the whole tick, one that was
+    open for part of it wins, the latest opened: processes start as an epoch opens (its
+    loader's workers), not as the one before it closes (two loaders' epochs back to back).
     """
-    for slack_s in (0.0, _BIRTH_SLACK_S):
-        for session, opened, closed in reversed(_epochs):
-            if opened - slack_s <= born_s and (closed is None or born_s <= closed):
-                return session
-    return None
+    window_end_s = born_s + _TICK_S
+    for session, opened, closed in reversed(_epochs):
+        if opened <= born_s + _EPSILON_S and (closed is None or closed >= window_end_s):
+            return session
+    overlapping = [
+        (opened, session)
+        for session, opened, closed in _epochs
+        if opened < window_end_s and (closed is None or closed >= born_s - _EPSILON_S)
+    ]
+    return max(overlapping)[1] if overlapping else None
 
 
 def forget(keys: list[ProcessKey]) -> None:

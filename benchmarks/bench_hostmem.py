@@ -27,7 +27,7 @@ and the median us per process.
 Then the tracker with them (``--tracker-epochs``, 0 to skip): a torch parent forks N children
 (8, 64), registers them as persistent workers of a ``Tracker`` and runs epochs of
 ``--epoch-s`` seconds (1.4 s: the H200 loop of bench_watch.py), with the host reads as shipped
-(``paced``: status at every epoch end, smaps_rollup paced to 0.25% of the time on the sampler
+(``paced``: status at every epoch end, smaps_rollup paced to 0.1% of the time on the sampler
 thread), at every epoch end (``every``: ``rollup_share=1.0``, what the sweep uses) and
 ``off`` (the host and /dev/shm reads switched off: the tracker as before them). Reported: the
 accounted cost (the sampler's CPU and the caller's time in the tracker, over the epochs'

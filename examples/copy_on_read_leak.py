@@ -52,7 +52,7 @@ def main() -> None:
         multiprocessing_context="fork",  # the default on Linux, and what shares the pages
     )
     # USS at every epoch end: this demo's epochs last a fraction of a second, where the
-    # default pacing (a 0.25% share of the time) would read it only every few seconds.
+    # default pacing (a 0.1% share of the time) would read it only every few seconds.
     tracker = leakcheck.Tracker(rollup_share=1.0, persistent_workers=True)
     with WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=True) as watched:
         for epoch in range(EPOCHS):

@@ -67,7 +67,7 @@ class Tracker:
         rollup_share: Share of the time the USS and PSS reads (``/proc/PID/smaps_rollup``
             of the parent and persistent workers, at epoch ends) may take; an epoch end is
             skipped while the last reads cost more (its host memory is then RSS, and says
-            so). Default 0.25% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
+            so). Default 0.1% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
             epoch end whatever it costs (short diagnostic runs).
 
     """
@@ -94,7 +94,7 @@ class Tracker:
             and 0 < rollup_share <= 1
         ):
             raise UsageError(
-                f"rollup_share: expected a share of time in (0, 1] such as 0.0025, "
+                f"rollup_share: expected a share of time in (0, 1] such as 0.001, "
                 f"got {rollup_share!r}"
             )
         if not _is_int_at_least(warmup_epochs, 0):

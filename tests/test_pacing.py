@@ -133,4 +133,4 @@ def test_rollup_reads_are_paced_by_their_cpu_time_with_no_gap_cap() -> None:
     pacing.rollup_read(end_s=10.0, cpu_s=0.1)  # 40 s: more than any NVML gap, on purpose
     assert not pacing.rollup_due(10.0 + 39.0)
     assert pacing.rollup_due(10.0 + 40.0)
-    assert Pacing(0.05, has_nvml=False).rollup_share == 0.0025  # the default share
+    assert Pacing(0.05, has_nvml=False).rollup_share == 0.001  # the default share

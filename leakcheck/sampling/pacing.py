@@ -63,18 +63,18 @@ __all__ = [
 
 WALK_EVERY = 4
 """The sampler walks /proc (and reads the mailbox) on every fourth tick."""
-LIST_SHARE = 0.0025
+LIST_SHARE = 0.001
 """Share of the time NVML's process lists may work in the driver (NOTE [nvml pacing]).
 
 Small, since the truth about a worker's peak comes from the worker itself (NOTE [worker
-reports] in book.py): reads between epoch ends only add resolution."""
+reports] in book.py) and every epoch end reads in full: reads between epoch ends only add
+resolution, and ``MAX_GAP_S`` keeps at least one a second."""
 MEMORY_SHARE = LIST_SHARE / 4
 """Share of the time NVML's memory reads may work in the driver."""
 MAX_GAP_S = 1.0
 """No kind of NVML read is left out for longer than this."""
-ROLLUP_SHARE = 0.0025
-"""Share of the time the smaps_rollup reads (USS, PSS) may take (NOTE [host pacing]): half
-of NVML's list share, since a tracker already takes about half a percent of a loop."""
+ROLLUP_SHARE = 0.001
+"""Share of the time the smaps_rollup reads (USS, PSS) may take (NOTE [host pacing])."""
 
 
 @dataclass(frozen=True)

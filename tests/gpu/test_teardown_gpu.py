@@ -259,7 +259,6 @@ def test_teardown_releases_every_device_a_worker_used(tmp_path: Path) -> None:
     assert [f for f in result["report"]["findings"] if f["severity"] == "leak"] == []
 
 
-@pytest.mark.gpu_alone
 def test_release_device_after_model_inference_leaves_nvml_and_the_clock_falls(
     tmp_path: Path,
 ) -> None:

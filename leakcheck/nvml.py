@@ -2,15 +2,17 @@
 
 This is the only module that calls NVML, through leakcheck's own small ctypes binding
 (``nvml_lib.py``, in pynvml's shape; importing the whole ``pynvml`` binding cost a command's
-start tens of milliseconds). NVML talks to the driver directly, so nothing here creates a CUDA context in the calling process: torch is
-never imported, and ``torch.cuda.is_initialized()`` stays False however much this is used.
+start tens of milliseconds). NVML talks to the driver directly, so nothing here creates a
+CUDA context in the calling process: torch is never imported, and
+``torch.cuda.is_initialized()`` stays False however much this is used.
 
 Use :func:`get` for the process-wide :class:`Nvml` handle and :func:`availability` to ask,
 without an exception, whether NVML can be used at all.
 
 Errors:
-    * NVML cannot be used here (no ``libnvidia-ml.so.1``, driver not loaded, no permission, no GPU): :class:`~leakcheck.errors.NVMLUnavailable`, one line
-      with a hint. Callers degrade to host-side checks.
+    * NVML cannot be used here (no ``libnvidia-ml.so.1``, driver not loaded, no permission,
+      no GPU): :class:`~leakcheck.errors.NVMLUnavailable`, one line with a hint. Callers
+      degrade to host-side checks.
     * One NVML call fails on one device at run time (GPU lost, driver hiccup): a plain
       :class:`~leakcheck.errors.LeakCheckError` whose one-line message names the call and the
       device. Callers (the tracker) record it as a sampling failure; it is never retried here.

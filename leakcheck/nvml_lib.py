@@ -6,6 +6,7 @@ It exists because importing the whole ``pynvml`` binding (thousands of structure
 import) cost ``leakcheck snapshot`` about 90 ms of its start on a GPU host; this module
 loads ``libnvidia-ml.so.1`` only when :func:`nvmlInit` is called, and defines only what is
 used. Errors are raised as :class:`NVMLError` with the driver's return code in ``value``.
+Names are pynvml's (and NVML's), not PEP 8's, so that a fake of either shape fits.
 
 Running-process lists are not offered as Python calls: ``nvml.py`` reads them through
 :func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` with a reused buffer
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import threading
+
+TYPE_CHECKING = False  # typing is not imported at run time: this module is on a hot start
+if TYPE_CHECKING:
+    from typing import Any
 
 # nvmlReturn_t codes (nvml.h), a stable C ABI.
 NVML_SUCCESS = 0
@@ -64,7 +69,7 @@ class NVMLError(Exception):
         return text or f"NVML Error with code {self.value}"
 
 
-class c_nvmlMemory_t(ctypes.Structure):  # noqa: N801 - NVML's (and pynvml's) name
+class c_nvmlMemory_t(ctypes.Structure):
     """``nvmlMemory_t``: bytes on the board."""
 
     _fields_ = [
@@ -74,7 +79,7 @@ class c_nvmlMemory_t(ctypes.Structure):  # noqa: N801 - NVML's (and pynvml's) na
     ]
 
 
-class c_nvmlProcessInfo_v3_t(ctypes.Structure):  # noqa: N801 - as pynvml names it
+class c_nvmlProcessInfo_v3_t(ctypes.Structure):
     """``nvmlProcessInfo_v2_t``, the entry of the ``_v2`` and ``_v3`` process lists (24 bytes)."""
 
     _fields_ = [
@@ -85,7 +90,7 @@ class c_nvmlProcessInfo_v3_t(ctypes.Structure):  # noqa: N801 - as pynvml names 
     ]
 
 
-class c_nvmlAccountingStats_t(ctypes.Structure):  # noqa: N801 - as pynvml names it
+class c_nvmlAccountingStats_t(ctypes.Structure):
     """``nvmlAccountingStats_t``: what accounting mode keeps of one process."""
 
     _fields_ = [
@@ -101,10 +106,10 @@ class c_nvmlAccountingStats_t(ctypes.Structure):  # noqa: N801 - as pynvml names
 
 _lib: ctypes.CDLL | None = None
 _load_lock = threading.Lock()
-_functions: dict[str, ctypes._CFuncPtr] = {}
+_functions: dict[str, Any] = {}
 
 
-def _nvmlGetFunctionPointer(name: str) -> ctypes._CFuncPtr:  # noqa: N802 - pynvml's name
+def _nvmlGetFunctionPointer(name: str) -> Any:
     """The C function ``name`` of the loaded library (returning ``nvmlReturn_t``).
 
     Raises:
@@ -150,7 +155,7 @@ def _string(name: str, size: int, *handle: object) -> str:
     return buffer.value.decode(errors="replace")
 
 
-def nvmlInit() -> None:  # noqa: N802 - pynvml's names, kept so that fakes stand in for this
+def nvmlInit() -> None:
     """Load ``libnvidia-ml.so.1`` (once) and initialise NVML (``nvmlInit_v2``).
 
     Raises:
@@ -168,88 +173,88 @@ def nvmlInit() -> None:  # noqa: N802 - pynvml's names, kept so that fakes stand
     _call("nvmlInit_v2")
 
 
-def nvmlShutdown() -> None:  # noqa: N802
+def nvmlShutdown() -> None:
     """Release this process's NVML session (``nvmlShutdown``)."""
     _call("nvmlShutdown")
 
 
-def nvmlDeviceGetCount() -> int:  # noqa: N802
+def nvmlDeviceGetCount() -> int:
     """Number of devices NVML sees."""
     count = ctypes.c_uint()
     _call("nvmlDeviceGetCount_v2", ctypes.byref(count))
     return count.value
 
 
-def nvmlDeviceGetHandleByIndex(index: int) -> ctypes.c_void_p:  # noqa: N802
+def nvmlDeviceGetHandleByIndex(index: int) -> ctypes.c_void_p:
     """The device handle of NVML index ``index``."""
     handle = ctypes.c_void_p()
     _call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(index), ctypes.byref(handle))
     return handle
 
 
-def nvmlDeviceGetName(handle: ctypes.c_void_p) -> str:  # noqa: N802
+def nvmlDeviceGetName(handle: ctypes.c_void_p) -> str:
     """The device's product name."""
     return _string("nvmlDeviceGetName", _NAME_BUFFER, handle)
 
 
-def nvmlDeviceGetUUID(handle: ctypes.c_void_p) -> str:  # noqa: N802
+def nvmlDeviceGetUUID(handle: ctypes.c_void_p) -> str:
     """The device's UUID (``GPU-...``)."""
     return _string("nvmlDeviceGetUUID", _UUID_BUFFER, handle)
 
 
-def nvmlSystemGetDriverVersion() -> str:  # noqa: N802
+def nvmlSystemGetDriverVersion() -> str:
     """The driver's version string."""
     return _string("nvmlSystemGetDriverVersion", _DRIVER_VERSION_BUFFER)
 
 
-def nvmlDeviceGetMemoryInfo(handle: ctypes.c_void_p) -> c_nvmlMemory_t:  # noqa: N802
+def nvmlDeviceGetMemoryInfo(handle: ctypes.c_void_p) -> c_nvmlMemory_t:
     """Total, free and used bytes (``nvmlDeviceGetMemoryInfo``, the v1 call pynvml makes)."""
     memory = c_nvmlMemory_t()
     _call("nvmlDeviceGetMemoryInfo", handle, ctypes.byref(memory))
     return memory
 
 
-def nvmlDeviceGetTemperature(handle: ctypes.c_void_p, sensor: int) -> int:  # noqa: N802
+def nvmlDeviceGetTemperature(handle: ctypes.c_void_p, sensor: int) -> int:
     """Degrees Celsius of ``sensor``."""
     return _uint("nvmlDeviceGetTemperature", handle, ctypes.c_int(sensor))
 
 
-def nvmlDeviceGetClockInfo(handle: ctypes.c_void_p, clock: int) -> int:  # noqa: N802
+def nvmlDeviceGetClockInfo(handle: ctypes.c_void_p, clock: int) -> int:
     """Current MHz of clock domain ``clock``."""
     return _uint("nvmlDeviceGetClockInfo", handle, ctypes.c_int(clock))
 
 
-def nvmlDeviceGetMaxClockInfo(handle: ctypes.c_void_p, clock: int) -> int:  # noqa: N802
+def nvmlDeviceGetMaxClockInfo(handle: ctypes.c_void_p, clock: int) -> int:
     """Maximum MHz of clock domain ``clock``."""
     return _uint("nvmlDeviceGetMaxClockInfo", handle, ctypes.c_int(clock))
 
 
-def nvmlDeviceGetPowerUsage(handle: ctypes.c_void_p) -> int:  # noqa: N802
+def nvmlDeviceGetPowerUsage(handle: ctypes.c_void_p) -> int:
     """Milliwatts drawn now."""
     return _uint("nvmlDeviceGetPowerUsage", handle)
 
 
-def nvmlDeviceGetPerformanceState(handle: ctypes.c_void_p) -> int:  # noqa: N802
+def nvmlDeviceGetPerformanceState(handle: ctypes.c_void_p) -> int:
     """P-state (0 fastest; 32 unknown)."""
     return _uint("nvmlDeviceGetPerformanceState", handle)
 
 
-def nvmlDeviceGetCurrentClocksEventReasons(handle: ctypes.c_void_p) -> int:  # noqa: N802
+def nvmlDeviceGetCurrentClocksEventReasons(handle: ctypes.c_void_p) -> int:
     """Clock-event (throttle) reason bits."""
     return _ulonglong("nvmlDeviceGetCurrentClocksEventReasons", handle)
 
 
-def nvmlDeviceGetCurrentClocksThrottleReasons(handle: ctypes.c_void_p) -> int:  # noqa: N802
+def nvmlDeviceGetCurrentClocksThrottleReasons(handle: ctypes.c_void_p) -> int:
     """The same bits under the deprecated name older drivers have."""
     return _ulonglong("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
 
 
-def nvmlDeviceGetAccountingMode(handle: ctypes.c_void_p) -> int:  # noqa: N802
+def nvmlDeviceGetAccountingMode(handle: ctypes.c_void_p) -> int:
     """``NVML_FEATURE_ENABLED`` or ``NVML_FEATURE_DISABLED``."""
     return _uint("nvmlDeviceGetAccountingMode", handle)
 
 
-def nvmlDeviceGetAccountingPids(handle: ctypes.c_void_p) -> list[int]:  # noqa: N802
+def nvmlDeviceGetAccountingPids(handle: ctypes.c_void_p) -> list[int]:
     """PIDs with accounting records (exited ones included)."""
     size = _uint("nvmlDeviceGetAccountingBufferSize", handle)
     count = ctypes.c_uint(size)
@@ -258,16 +263,14 @@ def nvmlDeviceGetAccountingPids(handle: ctypes.c_void_p) -> list[int]:  # noqa: 
     return [int(pid) for pid in pids[: count.value]]
 
 
-def nvmlDeviceGetAccountingStats(  # noqa: N802
-    handle: ctypes.c_void_p, pid: int
-) -> c_nvmlAccountingStats_t:
+def nvmlDeviceGetAccountingStats(handle: ctypes.c_void_p, pid: int) -> c_nvmlAccountingStats_t:
     """The accounting record of ``pid``."""
     stats = c_nvmlAccountingStats_t()
     _call("nvmlDeviceGetAccountingStats", handle, ctypes.c_uint(pid), ctypes.byref(stats))
     return stats
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> list[object]:  # noqa: N802
+def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
     """Not offered: read through :func:`_nvmlGetFunctionPointer` (see the module docstring).
 
     ``nvml.py`` calls this only when the driver has neither ``_v3`` nor ``_v2`` of the list
@@ -280,7 +283,7 @@ def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> list[object
     raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
 
 
-def nvmlDeviceGetGraphicsRunningProcesses(handle: ctypes.c_void_p) -> list[object]:  # noqa: N802
+def nvmlDeviceGetGraphicsRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
     """Not offered, as :func:`nvmlDeviceGetComputeRunningProcesses`.
 
     Raises:

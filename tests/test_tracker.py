@@ -1,7 +1,8 @@
 """Tracker on real processes (CPU): lineage per epoch, survivors, orphans, mailbox, failures.
 
-NVML is absent here, so GPU attribution is exercised through the fake at the pynvml
-boundary (tests/fake_pynvml.py, in place of leakcheck.nvml_lib) with the PIDs of real child processes.
+NVML is absent here, so GPU attribution is exercised through the fake at the NVML binding
+boundary (tests/fake_pynvml.py, in place of leakcheck.nvml_lib) with the PIDs of real child
+processes.
 """
 
 from __future__ import annotations

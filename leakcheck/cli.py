@@ -14,26 +14,24 @@ Ctrl-C exits 130 and writes nothing.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
-import importlib
-import importlib.util
-import json
 import os
-import stat
 import sys
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
 
+# NOTE [lean start]: `leakcheck snapshot` is a command people run by hand and in loops, and
+# on a GPU host every module a start imports costs time (PYTHONDONTWRITEBYTECODE compiles
+# each from source). So this module imports only `os` and `sys` at load: each command
+# imports what it needs when it runs, a plain `snapshot` line is read without argparse
+# (`_plain_snapshot_args`; anything else goes through the full parser, which owns help and
+# errors), and `typing` is not imported (TYPE_CHECKING is False at run time, true to mypy).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from leakcheck.sweep import SweepOptions
-    from leakcheck.workload import WorkloadSpec
+    import argparse
+    from collections.abc import Callable, Iterable, Sequence
+    from typing import Any, NoReturn, TextIO
+
+    from leakcheck.sweep import SweepPlan, WorkerBound
 
 EXIT_CLEAN = 0
 EXIT_LEAK = 1
@@ -53,11 +51,15 @@ torch (a few hundred MiB of host memory) and, on a GPU, holds a ~0.6 GiB context
 beyond this the machine runs out of memory before the sweep says anything."""
 
 
-class _Parser(argparse.ArgumentParser):
+def _parser_class() -> type[argparse.ArgumentParser]:
     """An argument parser whose errors are one line, ``<prog>: <message>``, exit 2."""
+    import argparse
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
+
+    return _Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from leakcheck import __version__
     from leakcheck.workload import SCENARIOS, START_METHODS
 
+    _Parser = _parser_class()
     parser = _Parser(
         prog=_PROG,
         description="Find GPU memory and process leaks caused by data-loader workers.",
@@ -188,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
         "orphans, GPU or not, each with its host memory (USS, else RSS)",
     )
+    snapshot.add_argument(
+        "--watch",
+        default=None,
+        metavar="SECONDS",
+        help=f"take a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn in "
+        "place on a terminal; elsewhere each follows a line with its time (with --json, one "
+        "JSON document per line)",
+    )
 
     from leakcheck.run_cli import add_run_parser
 
@@ -196,19 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-@dataclass(frozen=True)
-class SweepPlan:
-    """Validated ``sweep`` arguments."""
-
-    options: SweepOptions
-    workload: WorkloadSpec | None
-    """None with ``--loader``."""
-    loader: str | None
-    json_path: str | None
-    plot_path: str | None
-    fail_on_leak: bool
 
 
 def _int_value(text: str, option: str, *, minimum: int, example: str) -> int:
@@ -242,20 +240,6 @@ def parse_workers(text: str) -> tuple[int, ...]:
     )
 
 
-@dataclass(frozen=True)
-class WorkerBound:
-    """The largest worker count a sweep starts without ``--max-workers``, and why.
-
-    Attributes:
-        max_workers: The bound.
-        why: What sets it, for the error message (``16 CPUs x 8``).
-
-    """
-
-    max_workers: int
-    why: str
-
-
 def worker_bound() -> WorkerBound:
     """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
 
@@ -263,6 +247,8 @@ def worker_bound() -> WorkerBound:
     already counts against it, so the room is the soft limit minus that count. Where the
     limit does not apply (root, no limit) or cannot be read, only the CPU bound holds.
     """
+    from leakcheck.sweep import WorkerBound
+
     cpus = _usable_cpus()
     bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
     room = _process_room()
@@ -290,6 +276,8 @@ def _process_room() -> WorkerBound | None:
     # The kernel does not apply RLIMIT_NPROC to real user ID 0.
     if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
         return None
+    from leakcheck.sweep import WorkerBound
+
     running = _tasks_of_user(os.getuid())
     if running is None:
         return None
@@ -352,6 +340,10 @@ def _output_path(text: str | None, option: str, suffix: str | None = None) -> st
     the final atomic write does first), and a file already there must be a regular file
     that may be written (not a folder, a device, an immutable or append-only file).
     """
+    import contextlib
+    import stat
+    import tempfile
+
     if text is None:
         return None
     if not text.strip():
@@ -405,6 +397,9 @@ def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | Non
         The path written, or None when no place took it.
 
     """
+    import contextlib
+    import tempfile
+
     stem, extension = os.path.splitext(os.path.basename(intended))
     folders: list[str] = [os.path.dirname(os.path.abspath(intended))]
     with contextlib.suppress(OSError):  # the current folder may have been removed
@@ -448,7 +443,11 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    from leakcheck.sweep import SweepOptions
+    import dataclasses
+    import importlib.util
+
+    from leakcheck import options as option_specs
+    from leakcheck.sweep import SweepOptions, SweepPlan
     from leakcheck.workload import SCENARIOS, START_METHODS, WorkloadSpec
 
     workers = parse_workers(args.workers)
@@ -554,6 +553,8 @@ def _check_device(index: int, gpu: tuple[bool, str]) -> None:
     Without any GPU too: the sweep would run and print "n/a" where the user asked for one
     device's memory; a CPU run is asked for by leaving ``--device`` out.
     """
+    import contextlib
+
     from leakcheck import nvml
     from leakcheck.errors import LeakCheckError
 
@@ -600,6 +601,8 @@ def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
         UsageError: The module cannot be imported, or has no callable FACTORY.
 
     """
+    import importlib
+
     module_name, factory_name = _split_loader(spec)
     try:
         if module_name.endswith(".py") or os.sep in module_name:
@@ -629,6 +632,9 @@ def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
 
 
 def _import_file(path: str) -> Any:
+    import importlib
+    import importlib.util
+
     if not os.path.isfile(path):
         raise UsageError(f"--loader: expected an existing file.py, got {path!r} (no such file)")
     path = os.path.abspath(path)
@@ -737,31 +743,159 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     return status
 
 
-def run_snapshot_command(args: argparse.Namespace, out: TextIO) -> int:
-    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
-    from leakcheck import procs
-    from leakcheck.snapshot import take_snapshot
+WATCH_MIN_S = 0.1
+"""The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
 
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
+
+
+class SnapshotArgs:
+    """``snapshot``'s options as the full parser would give them (see ``_plain_snapshot_args``).
+
+    Attributes:
+        json: ``--json``.
+        pid: ``--pid`` as given, or None.
+        watch: ``--watch`` as given, or None.
+
+    """
+
+    def __init__(
+        self, *, json: bool = False, pid: str | None = None, watch: str | None = None
+    ) -> None:
+        self.json = json
+        self.pid = pid
+        self.watch = watch
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SnapshotArgs) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return f"SnapshotArgs(json={self.json!r}, pid={self.pid!r}, watch={self.watch!r})"
+
+
+def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
+    """Read the options of a plain ``snapshot`` line without argparse (NOTE [lean start]).
+
+    Only whole option names, each value in its own token or after ``=``, and no value that
+    starts with ``-``: the same values the full parser would give. Anything else (help, an
+    abbreviation, an unknown or incomplete option) returns None, and the full parser, which
+    owns help and error messages, reads the line instead.
+    """
+    args = SnapshotArgs()
+    position = 0
+    while position < len(tokens):
+        token = tokens[position]
+        name, equals, value = token.partition("=")
+        if token == "--json":
+            args.json = True
+        elif name in ("--pid", "--watch"):
+            if not equals:
+                position += 1
+                if position == len(tokens):
+                    return None
+                value = tokens[position]
+            if value.startswith("-"):
+                return None
+            setattr(args, name[2:], value)
+        else:
+            return None
+        position += 1
+    return args
+
+
+def _watch_period(text: str) -> float:
+    """Parse ``--watch SECONDS``.
+
+    Raises:
+        UsageError: Not a number of seconds >= ``WATCH_MIN_S``.
+
+    """
+    try:
+        seconds = float(text.strip())
+    except ValueError:
+        seconds = None
+    # `not >=` also refuses NaN; infinity would never redraw.
+    if seconds is None or not WATCH_MIN_S <= seconds < float("inf"):
+        raise UsageError(
+            f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, got {text!r}"
+        )
+    return seconds
+
+
+def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -> int:
+    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage).
+
+    With ``--watch SECONDS`` it prints a new snapshot every SECONDS until Ctrl-C (exit 0):
+    in place on a terminal (the screen is cleared and redrawn); elsewhere each snapshot
+    follows a line with its local time (``--json``: one JSON document per line).
+    """
+    from leakcheck import procs
+
+    prog = f"{_PROG} snapshot"
+    period = None
+    if args.watch is not None:
+        try:
+            period = _watch_period(str(args.watch))
+        except UsageError as exc:
+            sys.stderr.write(f"{prog}: {exc}\n")
+            return EXIT_USAGE
     root_pid: int | None = None
     if args.pid is not None:
         text = str(args.pid).strip()
         # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
         # digits int() raises instead of converting).
         if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
-            sys.stderr.write(f"{_PROG} snapshot: --pid: expected a process ID > 0, got {text!r}\n")
+            sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
             return EXIT_USAGE
         root_pid = int(text)
         if procs.process_key(root_pid) is None:
-            sys.stderr.write(
-                f"{_PROG} snapshot: --pid: no running process with PID {root_pid} here\n"
-            )
+            sys.stderr.write(f"{prog}: --pid: no running process with PID {root_pid} here\n")
             return EXIT_USAGE
+    if period is None:
+        out.write(_snapshot_text(root_pid, as_json=args.json, indent=2) + "\n")
+        return EXIT_CLEAN
+    return _watch(root_pid, period, as_json=args.json, out=out)
+
+
+def _snapshot_text(root_pid: int | None, *, as_json: bool, indent: int | None) -> str:
+    from leakcheck.snapshot import take_snapshot
+
     snapshot = take_snapshot(root_pid=root_pid)
-    if args.json:
-        out.write(json.dumps(snapshot.to_dict(), indent=2) + "\n")
-    else:
-        out.write(snapshot.format() + "\n")
-    return EXIT_CLEAN
+    if not as_json:
+        return snapshot.format()
+    import json
+
+    return json.dumps(snapshot.to_dict(), indent=indent)
+
+
+def _watch(root_pid: int | None, period: float, *, as_json: bool, out: TextIO) -> int:
+    import time
+
+    on_terminal = out.isatty()
+    line = f"{_PROG} snapshot --watch {period:g}"
+    next_frame = time.monotonic()
+    try:
+        while True:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if on_terminal:
+                text = _snapshot_text(root_pid, as_json=as_json, indent=2)
+                out.write(f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n")
+            elif as_json:
+                out.write(_snapshot_text(root_pid, as_json=True, indent=None) + "\n")
+            else:
+                text = _snapshot_text(root_pid, as_json=False, indent=None)
+                out.write(f"--- {stamp} ---\n{text}\n")
+            out.flush()
+            # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
+            next_frame = max(next_frame + period, time.monotonic())
+            time.sleep(next_frame - time.monotonic())
+    except KeyboardInterrupt:
+        return EXIT_CLEAN
+    except BrokenPipeError:
+        # `| head`: the reader is gone, which ends the watch too. Standard output now points
+        # at /dev/null, so that the interpreter's last flush at exit does not fail as well.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return EXIT_CLEAN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -771,9 +905,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status (0 clean, 1 leak found with ``--fail-on-leak``, 2 bad usage).
 
     """
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    if tokens[:1] == ["snapshot"]:
+        plain = _plain_snapshot_args(tokens[1:])
+        if plain is not None:
+            return run_snapshot_command(plain, sys.stdout)
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(tokens)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if extra:
@@ -791,3 +930,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_command(args, sys.stdout, sys.stderr)
     sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
     return EXIT_USAGE
+
+
+def __getattr__(name: str) -> Any:
+    # The sweep's plan types live with the sweep (NOTE [lean start]); still named here.
+    if name in ("SweepPlan", "WorkerBound"):
+        from leakcheck import sweep
+
+        return getattr(sweep, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

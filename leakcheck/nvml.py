@@ -1,16 +1,18 @@
 """NVML access: who holds GPU memory, and how each device is doing, without touching CUDA.
 
-This is the only module that imports ``pynvml`` (package ``nvidia-ml-py``). NVML talks to the
-driver directly, so nothing here creates a CUDA context in the calling process: torch is
-never imported, and ``torch.cuda.is_initialized()`` stays False however much this is used.
+This is the only module that calls NVML, through leakcheck's own small ctypes binding
+(``nvml_lib.py``, in pynvml's shape; importing the whole ``pynvml`` binding cost a command's
+start tens of milliseconds). NVML talks to the driver directly, so nothing here creates a
+CUDA context in the calling process: torch is never imported, and
+``torch.cuda.is_initialized()`` stays False however much this is used.
 
 Use :func:`get` for the process-wide :class:`Nvml` handle and :func:`availability` to ask,
 without an exception, whether NVML can be used at all.
 
 Errors:
-    * NVML cannot be used here (no ``nvidia-ml-py``, no ``libnvidia-ml.so.1``, driver not
-      loaded, no permission, no GPU): :class:`~leakcheck.errors.NVMLUnavailable`, one line
-      with a hint. Callers degrade to host-side checks.
+    * NVML cannot be used here (no ``libnvidia-ml.so.1``, driver not loaded, no permission,
+      no GPU): :class:`~leakcheck.errors.NVMLUnavailable`, one line with a hint. Callers
+      degrade to host-side checks.
     * One NVML call fails on one device at run time (GPU lost, driver hiccup): a plain
       :class:`~leakcheck.errors.LeakCheckError` whose one-line message names the call and the
       device. Callers (the tracker) record it as a sampling failure; it is never retried here.
@@ -86,10 +88,6 @@ THROTTLE_REASON_NAMES: tuple[tuple[int, str], ...] = (
 their short names, in bit order."""
 
 _SUFFIX = "GPU memory is not checked, process checks still run"
-_PACKAGE_MISSING = (
-    "NVML unavailable: the nvidia-ml-py package is not installed "
-    f"(pip install nvidia-ml-py); {_SUFFIX}"
-)
 
 
 def throttle_reason_names(mask: int) -> tuple[str, ...]:
@@ -132,13 +130,13 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _import_pynvml() -> Any:
-    # Imported through sys.modules at call time (not at module import) so that `import
-    # leakcheck.nvml` stays cheap and tests can put a fake module in its place.
-    try:
-        return importlib.import_module("pynvml")
-    except ImportError as exc:
-        raise NVMLUnavailable(_PACKAGE_MISSING) from exc
+_BINDING = "leakcheck.nvml_lib"
+
+
+def _binding() -> Any:
+    # Looked up in sys.modules at call time, so that tests can put a fake module in its
+    # place (the NVML boundary: tests/fake_pynvml.py).
+    return importlib.import_module(_BINDING)
 
 
 def _init_failure(lib: Any, exc: BaseException) -> NVMLUnavailable:
@@ -166,15 +164,15 @@ def _init_failure(lib: Any, exc: BaseException) -> NVMLUnavailable:
     return NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
 
 
-# NOTE [process lists]: the binding's ``nvmlDevice*RunningProcesses`` asks the driver twice
-# per call (once for the count with no buffer, once to fill a new array) and builds a Python
-# object per entry. The sampler reads the lists many times a second, so where the binding
-# exposes the C function and the v3 entry layout, leakcheck calls it once with a buffer kept
-# from the last call, sized with room to spare; the driver says when the buffer is short (it
-# fills in the count it needs) and the call is repeated with a larger one (at most twice:
-# processes may start in between). Entries are read straight from the C structures. The
-# results are the same as the binding's (a GPU test compares the two); a binding without
-# these names is used through its public calls.
+# NOTE [process lists]: pynvml's ``nvmlDevice*RunningProcesses`` asks the driver twice per call
+# (once for the count with no buffer, once to fill a new array) and builds a Python object
+# per entry. The sampler reads the lists many times a second, so leakcheck calls the C
+# function (``_v3``, else ``_v2``: the same entry layout) once with a buffer kept from the
+# last call, sized with room to spare; the driver says when the buffer is short (it fills
+# in the count it needs) and the call is repeated with a larger one (at most twice:
+# processes may start in between). Entries are read straight from the C structures. This is
+# the one reader of the lists: leakcheck's binding (nvml_lib.py) offers no other, and a
+# pynvml-shaped binding without these names (a fake) is used through its public calls.
 _RAW_ENTRY_BYTES = 24  # nvmlProcessInfo_v2/v3_t: pid, used bytes, GPU and compute instance
 _RAW_FIRST_CAPACITY = 32
 _RAW_TRIES = 3
@@ -198,7 +196,8 @@ class _RawProcessList:
         """The reader for ``name`` (e.g. ``nvmlDeviceGetComputeRunningProcesses``), or None.
 
         None when the binding lacks the C-level names, the entry layout is not the one
-        expected, or the driver lacks the ``_v3`` function: the public call is used then.
+        expected, or the driver lacks both the ``_v3`` and ``_v2`` functions: the public
+        call is used then.
         """
         get_pointer = getattr(lib, "_nvmlGetFunctionPointer", None)
         entry_type = getattr(lib, "c_nvmlProcessInfo_v3_t", None)
@@ -208,10 +207,15 @@ class _RawProcessList:
         try:
             if ctypes.sizeof(entry_type) != _RAW_ENTRY_BYTES:
                 return None
-            function = get_pointer(f"{name}_v3")
         except Exception:  # Any failure here means: use the public call.
             return None
-        return cls(function, entry_type, error_type)
+        for version in ("_v3", "_v2"):
+            try:
+                function = get_pointer(f"{name}{version}")
+            except Exception:  # This driver lacks that version: try the next, else public.
+                continue
+            return cls(function, entry_type, error_type)
+        return None
 
     def read(self, handle: Any) -> list[tuple[int, int | None]]:
         """Return (pid, used bytes or None) per entry.
@@ -661,7 +665,7 @@ def get() -> Nvml:
     In a forked child the same object re-initialises NVML on its next use.
 
     Raises:
-        NVMLUnavailable: No ``nvidia-ml-py``, no driver library, driver not loaded, no
+        NVMLUnavailable: No driver library, driver not loaded, no
             permission, or no GPU; a one-line message with a hint. The failure is remembered
             for this process.
 
@@ -677,7 +681,7 @@ def get() -> Nvml:
         if _instance is None:
             before = _nvidia_fd_numbers()
             try:
-                _instance = Nvml(_import_pynvml())
+                _instance = Nvml(_binding())
                 # Open every device handle now, so all of NVML's descriptors exist by the
                 # time they are told apart from the job's (NOTE [descriptors]).
                 with contextlib.suppress(LeakCheckError):
@@ -759,7 +763,7 @@ def availability() -> tuple[bool, str]:
 def _reset_for_tests() -> None:
     """Forget the singleton and any remembered failure, without calling NVML.
 
-    For tests that swap ``sys.modules["pynvml"]`` for a fake.
+    For tests that swap ``sys.modules["leakcheck.nvml_lib"]`` for a fake.
     """
     global _instance, _failure
     with _lock:

@@ -55,6 +55,7 @@ from leakcheck.verdict import per_pid_bytes_known
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
+    from leakcheck.workload import WorkloadSpec
 
 __all__ = [
     "SWEEP_SCHEMA_VERSION",
@@ -65,7 +66,9 @@ __all__ = [
     "LoaderError",
     "LoaderFactory",
     "SweepOptions",
+    "SweepPlan",
     "SweepResult",
+    "WorkerBound",
     "one_line",
     "run_sweep",
     "write_json",
@@ -98,6 +101,33 @@ class LoaderError(LeakCheckError):
 def _fields(obj: Any) -> dict[str, Any]:
     """A flat dataclass's fields by name, in declaration order (its JSON-able form)."""
     return {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
+
+
+@dataclass(frozen=True)
+class WorkerBound:
+    """The largest worker count a sweep starts without ``--max-workers``, and why.
+
+    Attributes:
+        max_workers: The bound.
+        why: What sets it, for the error message (``16 CPUs x 8``).
+
+    """
+
+    max_workers: int
+    why: str
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """Validated ``sweep`` arguments."""
+
+    options: SweepOptions
+    workload: WorkloadSpec | None
+    """None with ``--loader``."""
+    loader: str | None
+    json_path: str | None
+    plot_path: str | None
+    fail_on_leak: bool
 
 
 @dataclass(frozen=True)

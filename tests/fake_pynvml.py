@@ -1,7 +1,8 @@
-"""A small fake of the ``pynvml`` module, for CPU tests of leakcheck.nvml.
+"""A small fake of leakcheck's NVML binding (``leakcheck.nvml_lib``, in pynvml's shape).
 
 Only the names leakcheck.nvml uses exist. A ``FakePynvml`` instance *is* the module: tests
-put it in ``sys.modules["pynvml"]``. Error codes and error class names match the real binding.
+put it in ``sys.modules["leakcheck.nvml_lib"]``. Error codes and error class names match
+pynvml's.
 
 What it models:
 - devices with memory, compute and graphics process lists (a process may be in both; used

@@ -1,4 +1,4 @@
-"""leakcheck.nvml against a fake pynvml (CPU), plus one check against the real binding."""
+"""leakcheck.nvml against a fake of its binding (CPU), plus checks of the real binding."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ UseFake = Callable[..., FakePynvml]
 
 @pytest.fixture
 def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
-    """Install a FakePynvml built by the test as ``sys.modules['pynvml']``."""
+    """Install a FakePynvml built by the test in place of leakcheck's NVML binding."""
 
     def install(*args: Any, **kwargs: Any) -> FakePynvml:
         fake = FakePynvml(*args, **kwargs)
-        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
         nvml._reset_for_tests()
         return fake
 
@@ -383,13 +383,6 @@ def test_no_gpu_is_unavailable(use_fake: UseFake) -> None:
     assert fake.shutdown_calls == 1  # the half-open session was closed again
 
 
-def test_missing_package_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
-    ok, reason = nvml.availability()
-    assert not ok
-    assert "nvidia-ml-py" in reason
-
-
 def test_device_error_names_call_and_device(use_fake: UseFake, raw_lists: bool) -> None:
     devices = two_devices()
     use_fake(devices, raw_lists=raw_lists)
@@ -550,8 +543,7 @@ def _driver_library_present() -> bool:
 
 
 @pytest.mark.skipif(_driver_library_present(), reason="a driver is present: tests/gpu covers it")
-def test_real_pynvml_without_driver_is_unavailable_with_one_line_reason() -> None:
-    pytest.importorskip("pynvml")
+def test_real_binding_without_driver_is_unavailable_with_one_line_reason() -> None:
     ok, reason = nvml.availability()
     assert ok is False
     assert reason.startswith("NVML unavailable: ")
@@ -572,3 +564,37 @@ def test_gpu_bytes_by_pid_sums_per_device_and_keeps_unknowns_apart() -> None:
     )
     assert grouped == {7: {0: 100, 1: 75}, 9: {}}
     assert unknown == {9}
+
+
+# --------------------------------------------------------------------------- the binding
+
+
+def test_binding_structures_match_pynvml_layouts() -> None:
+    """leakcheck's ctypes structures have nvml.h's layouts, as pynvml (the reference) has."""
+    pynvml = pytest.importorskip("pynvml")
+    from leakcheck import nvml_lib
+
+    for ours, theirs in (
+        (nvml_lib.c_nvmlProcessInfo_v3_t, pynvml.c_nvmlProcessInfo_v3_t),
+        (nvml_lib.c_nvmlMemory_t, pynvml.c_nvmlMemory_t),
+        (nvml_lib.c_nvmlAccountingStats_t, pynvml.c_nvmlAccountingStats_t),
+    ):
+        assert ctypes.sizeof(ours) == ctypes.sizeof(theirs)
+        assert [(name, getattr(ours, name).offset) for name, *_ in ours._fields_] == [
+            (name, getattr(theirs, name).offset) for name, *_ in theirs._fields_
+        ]
+    assert ctypes.sizeof(nvml_lib.c_nvmlProcessInfo_v3_t) == 24
+
+
+def test_binding_errors_before_the_library_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leakcheck import nvml_lib
+
+    monkeypatch.setattr(nvml_lib, "_lib", None)
+    monkeypatch.setattr(nvml_lib, "_functions", {})
+    with pytest.raises(nvml_lib.NVMLError) as info:
+        nvml_lib._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+    assert info.value.value == nvml_lib.NVML_ERROR_UNINITIALIZED
+    assert str(info.value) == "Uninitialized"
+    assert str(nvml_lib.NVMLError(999)) == "NVML Error with code 999"
+    # Without a driver there is nothing to read the lists with: the reader is not offered.
+    assert nvml._RawProcessList.open(nvml_lib, "nvmlDeviceGetComputeRunningProcesses") is None

@@ -860,6 +860,7 @@ def test_flag_off_loads_nothing_and_starts_nothing(inner: pytest.Pytester, lefto
     for module in (
         "pynvml",
         "leakcheck.nvml",
+        "leakcheck.nvml_lib",
         "leakcheck.procs",
         "leakcheck.plugin_observe",
         "leakcheck.verdict",
@@ -957,9 +958,9 @@ def test_a_leaked_test_is_counted_once(
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
-    """One fake GPU in ``sys.modules['pynvml']``; the NVML singleton is reset around it."""
+    """One fake GPU in place of the NVML binding; the NVML singleton is reset around it."""
     fake = FakePynvml([FakeDevice()])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
     nvml._reset_for_tests()
     yield fake
     nvml._reset_for_tests()

@@ -253,7 +253,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         sm_clock_mhz=1410,
         power_mw=123_000,
     )
-    monkeypatch.setitem(sys.modules, "pynvml", FakePynvml([device]))
+    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", FakePynvml([device]))
     nvml._reset_for_tests()
     yield device
     nvml._reset_for_tests()

@@ -1,7 +1,8 @@
 """Tracker on real processes (CPU): lineage per epoch, survivors, orphans, mailbox, failures.
 
-NVML is absent here, so GPU attribution is exercised through the fake at the pynvml
-boundary (tests/fake_pynvml.py) with the PIDs of real child processes.
+NVML is absent here, so GPU attribution is exercised through the fake at the NVML binding
+boundary (tests/fake_pynvml.py, in place of leakcheck.nvml_lib) with the PIDs of real child
+processes.
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     # tests of list pacing set their own share.
     monkeypatch.setattr(pacing_module, "LIST_SHARE", 1.0)
     fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
     nvml._reset_for_tests()
     yield fake
     nvml._reset_for_tests()

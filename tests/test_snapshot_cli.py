@@ -1,0 +1,183 @@
+"""``leakcheck snapshot`` as a command: the lean start, and ``--watch`` on a pipe and a terminal.
+
+The watch tests run the real command as a subprocess, read two frames, and stop it with
+SIGINT sent to that subprocess by its PID, as Ctrl-C would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from leakcheck import cli
+from leakcheck.cli import SnapshotArgs, main
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+COMMAND = [sys.executable, "-m", "leakcheck", "snapshot"]
+
+
+def _read_until(fd: int, done: object, timeout_s: float = 60.0) -> bytes:
+    """Read ``fd`` until ``done(data)`` holds (or the time is up); all that was read."""
+    assert callable(done)
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while not done(data) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty's reader gets EIO once the child is gone
+                break
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def _interrupt(process: subprocess.Popen[bytes]) -> int:
+    os.kill(process.pid, signal.SIGINT)
+    return process.wait(timeout=30)
+
+
+def test_watch_on_a_pipe_prints_timestamped_frames_and_ctrl_c_exits_0() -> None:
+    process = subprocess.Popen(
+        [*COMMAND, "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV
+    )
+    try:
+        assert process.stdout is not None
+        data = _read_until(process.stdout.fileno(), lambda d: d.count(b"--- ") >= 2)
+        assert _interrupt(process) == 0
+        assert process.stderr is not None
+        assert process.stderr.read() == b""  # no traceback
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    frames = data.decode().split("--- ")[1:]
+    assert len(frames) >= 2, data
+    for frame in frames[:2]:
+        stamp, _, body = frame.partition(" ---\n")
+        time.strptime(stamp, "%Y-%m-%d %H:%M:%S")
+        assert "\x1b[" not in body  # no screen control on a pipe
+        # The same text a single snapshot prints (NVML's state and /proc differ, not the form).
+        assert body.strip().splitlines()[-1].startswith("  ")
+
+
+def test_watch_json_on_a_pipe_is_one_document_per_line() -> None:
+    process = subprocess.Popen([*COMMAND, "--json", "--watch=0.2"], stdout=subprocess.PIPE, env=ENV)
+    try:
+        assert process.stdout is not None
+        data = _read_until(process.stdout.fileno(), lambda d: d.count(b"\n") >= 2)
+        assert _interrupt(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    documents = [json.loads(line) for line in data.decode().splitlines()[:2]]
+    assert [d["schema_version"] for d in documents] == [1, 1]
+    assert documents[0]["taken_unix_s"] < documents[1]["taken_unix_s"]
+
+
+def test_watch_on_a_terminal_redraws_in_place_and_ctrl_c_exits_0() -> None:
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [*COMMAND, "--watch", "0.2"],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=ENV,
+        start_new_session=True,  # the pty is not our terminal: its signals are not ours
+    )
+    os.close(terminal)
+    clear = b"\x1b[H\x1b[2J"
+    try:
+        data = _read_until(controller, lambda d: d.count(clear) >= 2)
+        assert _interrupt(process) == 0
+        rest = _read_until(controller, lambda d: False, timeout_s=1.0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(controller)
+    assert data.count(clear) >= 2, data
+    assert data.startswith(clear)
+    frame = data.split(clear)[1].decode().replace("\r\n", "\n")
+    assert frame.startswith("leakcheck snapshot --watch 0.2  ")
+    assert "(Ctrl-C stops)" in frame.splitlines()[0]
+    assert b"Traceback" not in data + rest
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("0", "'0'"),
+        ("0.05", "'0.05'"),
+        ("-1", "'-1'"),
+        ("x", "'x'"),
+        ("nan", "'nan'"),
+        ("inf", "'inf'"),
+    ],
+)
+def test_bad_watch_value_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], value: str, shown: str
+) -> None:
+    assert main(["snapshot", "--watch", value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"leakcheck snapshot: --watch: expected a number of seconds >= 0.1 such as 2, got {shown}"
+    ]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [],
+        ["--json"],
+        ["--pid", "123"],
+        ["--pid=123", "--json"],
+        ["--watch", "2", "--pid", "7"],
+        ["--watch=0.5", "--watch", "1"],
+        ["--json", "--json"],
+    ],
+)
+def test_plain_lines_read_without_argparse_as_the_full_parser_reads_them(
+    tokens: list[str],
+) -> None:
+    plain = cli._plain_snapshot_args(tokens)
+    assert plain is not None
+    full = cli.build_parser().parse_args(["snapshot", *tokens])
+    assert plain == SnapshotArgs(json=full.json, pid=full.pid, watch=full.watch)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [["--help"], ["-h"], ["--js"], ["--pid"], ["--pid", "-5"], ["--bogus"], ["--", "--json"]],
+)
+def test_other_lines_go_to_the_full_parser(tokens: list[str]) -> None:
+    assert cli._plain_snapshot_args(tokens) is None
+
+
+def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
+    probe = (
+        "import sys, runpy; sys.argv = ['leakcheck', 'snapshot']\n"
+        "try:\n    runpy.run_module('leakcheck', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('argparse', 'pynvml', 'torch', 'json') or m in "
+        "('leakcheck.sweep', 'leakcheck.options', 'leakcheck.workload', 'leakcheck.run_cli')))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, check=True
+    )
+    assert run.stdout.strip().splitlines()[-1] == "[]"

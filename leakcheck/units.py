@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-from fractions import Fraction
 
 from leakcheck.errors import UsageError
 from leakcheck.model import MIB
@@ -70,6 +69,10 @@ def parse_size(value: str | int | float, *, source: str = "value") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit is None or unit not in _SIZE_UNITS:
         raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    # Imported here: parsing a size is rare, and fractions (with decimal) would add a few
+    # milliseconds to every start of the command line, `snapshot`'s included.
+    from fractions import Fraction
+
     try:
         number = Fraction(match.group(1))
     except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)

@@ -3,7 +3,7 @@
 ``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
 holds the timeline, the findings and the thresholds used, and renders them:
 ``format()`` for people (quiet when all is well), ``to_dict()`` for tools
-(``schema_version`` 1; ``report_from_dict`` reads it back).
+(``schema_version`` 2; ``report_from_dict`` reads it back, and version 1 too).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from leakcheck.model import (
     RuleConfig,
     Timeline,
 )
+from leakcheck.ranks import culprit_label, rank_label
 from leakcheck.units import format_mib, shorten_cmdline
 from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
 
@@ -42,8 +43,12 @@ __all__ = [
     "report_from_dict",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the ``to_dict`` layout; bumped on any incompatible change."""
+SCHEMA_VERSION = 2
+"""Version of the ``to_dict`` layout; bumped on any change of it. 2 added the distributed
+rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``."""
+
+_READABLE_VERSIONS = (1, SCHEMA_VERSION)
+"""Layouts ``report_from_dict`` reads: 1 lacks the rank fields, which then stay None."""
 
 Verdict = Literal["clean", "leak", "blind"]
 
@@ -328,8 +333,11 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
 
     """
     version = data.get("schema_version") if isinstance(data, Mapping) else None
-    if version != SCHEMA_VERSION:
-        raise UsageError(f"report data: expected schema_version {SCHEMA_VERSION}, got {version!r}")
+    if version not in _READABLE_VERSIONS:
+        raise UsageError(
+            f"report data: expected schema_version {' or '.join(map(str, _READABLE_VERSIONS))}, "
+            f"got {version!r}"
+        )
     baseline = data.get("baseline") or {}
     fields: dict[str, Any] = {
         name: data[key] for key, name in _TIMELINE_KEYS.items() if key in data
@@ -384,7 +392,7 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
 def _leak_short(finding: Finding) -> str:
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
-        who = f"{role or 'process'} PID {finding.pid}"
+        who = culprit_label(role or "process", finding.pid, finding.rank)
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:
@@ -640,7 +648,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
                 peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
             rows.append(
                 [
-                    proc.role,
+                    rank_label(proc.rank) + proc.role,
                     str(proc.key.pid),
                     held,
                     peak_cell,

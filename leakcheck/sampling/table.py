@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from leakcheck import nvml, procs
-from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck import nvml, procs, ranks
+from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Role
 from leakcheck.roles import direct_child_role, is_runtime_helper
 from leakcheck.sampling import claims
 from leakcheck.units import shorten_cmdline
@@ -45,6 +45,18 @@ class Proc:
     nvidia_fds: int | None = None
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
+    rank: RankInfo | None = None
+    """Its distributed rank, read once from its environment when first placed."""
+
+
+def _rank_of(pid: int) -> RankInfo | None:
+    """The rank a process's environment names (one read, when it is first placed).
+
+    Every process of a rank's lineage inherits torchrun's variables, so an orphan still
+    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None.
+    """
+    environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
+    return None if environ is None else ranks.rank_from_environ(environ)
 
 
 def _stored(cmdline: str) -> str:
@@ -94,6 +106,7 @@ class ProcessTable:
             last_seen_s=0.0,
             born_epoch=None,
             pre_existing=True,
+            rank=_rank_of(root.pid),
         )
         self.procs[root] = self.live[root] = root_proc
         self.by_pid[root.pid] = root
@@ -106,6 +119,7 @@ class ProcessTable:
         """Place a process seen for the first time, claimed as NOTE [claims] says."""
         parent = self.by_pid.get(info.ppid)
         owner = claims.claim(info.key, parent, self.session)
+        parent_proc = self.procs.get(parent) if parent is not None else None
         proc = Proc(
             key=info.key,
             ppid=info.ppid,
@@ -115,6 +129,9 @@ class ProcessTable:
             born_epoch=born_epoch,
             pre_existing=pre_existing,
             own=owner == self.session,
+            # Gone before it could be read (a worker known from its record only): it was
+            # its parent's rank's, as every process of a rank's lineage is.
+            rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
         )
         self.procs[info.key] = self.live[info.key] = proc
         self.by_pid[info.key.pid] = info.key

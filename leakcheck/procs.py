@@ -55,6 +55,7 @@ __all__ = [
     "child_pids",
     "clock_ticks",
     "descendants",
+    "environ_variables",
     "is_alive",
     "is_ancestor",
     "is_nvidia_device_target",
@@ -72,7 +73,6 @@ __all__ = [
     "shm_open_by",
     "shm_segments",
     "tagged_session",
-    "environ_variables",
 ]
 
 SESSION_ENV = "LEAKCHECK_SESSION"

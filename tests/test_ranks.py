@@ -46,7 +46,7 @@ def test_no_rank_outside_a_distributed_job() -> None:
     assert rank_from_environ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is None
 
 
-@pytest.mark.parametrize("bad", ["", "-1", "one", "1.0", "２"])
+@pytest.mark.parametrize("bad", ["", "-1", "one", "1.0", "\uff12"])
 def test_malformed_rank_is_no_rank(bad: str) -> None:
     assert rank_from_environ({"RANK": bad}) is None
 
@@ -87,7 +87,6 @@ def test_environ_variables_reads_a_real_process() -> None:
 
 
 # --------------------------------------------------------------------------- device mismatch
-
 
 
 def test_worker_with_a_context_on_another_gpu_is_a_device_mismatch() -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "finding_lines",
     "finding_to_dict",
     "host_totals",
+    "leak_short",
     "report_from_dict",
 ]
 
@@ -156,7 +157,7 @@ class Report:
         n_epochs = _plural(len(tl.epochs), "epoch")
         leaks = self.leaks
         if leaks:
-            shown = "; ".join(_leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
+            shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
             more = len(leaks) - _VERDICT_LEAKS_SHOWN
             tail = f"; and {more} more" if more > 0 else ""
             return f"leakcheck: {_plural(len(leaks), 'leak')} found: {shown}{tail}"
@@ -389,7 +390,8 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return best
 
 
-def _leak_short(finding: Finding) -> str:
+def leak_short(finding: Finding) -> str:
+    """A few words for a leak in a verdict line: ``orphan rank 1 process PID 7 (612 MiB)``."""
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
         who = culprit_label(role or "process", finding.pid, finding.rank)

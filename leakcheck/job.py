@@ -149,7 +149,14 @@ class RankVerdict:
             "reported": self.reported,
             "missing": list(self.missing),
             "leaks": [
-                {"rule": f.rule, "pid": f.pid, "role": f.role, "message": f.message}
+                {
+                    "rule": f.rule,
+                    "pid": f.pid,
+                    "create_time": f.create_time,
+                    "role": f.role,
+                    "rank": f.rank,
+                    "message": f.message,
+                }
                 for f in self.leaks
             ],
         }
@@ -206,7 +213,8 @@ class JobReport:
             restart = f", restart {', '.join(map(str, restarts))}" if restarts else ""
             text = f"{indent}  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
             if rank.missing:
-                text += f"; its report is missing: {rank.missing[0]}"
+                # Judged from outside only: what its own trackers saw never came.
+                text += f" as seen from outside; its own report is missing: {rank.missing[0]}"
             if rank.leaks:
                 shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
                 more = len(rank.leaks) - _SHOWN

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from leakcheck import procs
+from leakcheck.distributed import read_rank_reports
 from leakcheck.errors import LeakCheckError
 from leakcheck.files import environment
 from leakcheck.instrument import RUN_ENV, ShimOptions, read_records, write_options
@@ -190,6 +191,8 @@ class RunResult:
         started_unix_s: When the program started.
         gpu_reason: Why GPU memory was not checked (empty when it was).
         environment: Versions and machine, for the record.
+        rank_reports: What ranks wrote with ``leakcheck.gather_reports`` into the run
+            folder (their ``watch()``ed loaders' reports).
 
     """
 
@@ -207,6 +210,7 @@ class RunResult:
     started_unix_s: float = 0.0
     gpu_reason: str = ""
     environment: Mapping[str, Any] = field(default_factory=dict)
+    rank_reports: tuple[RankReport, ...] = ()
 
     @property
     def program_status(self) -> int:
@@ -244,6 +248,7 @@ class RunResult:
 
     def _reports(self) -> list[Report]:
         reports = [loader.report for loader in self.loaders if loader.report is not None]
+        reports += [report for entry in self.rank_reports for report in entry.reports]
         return reports + ([self.tree] if self.tree is not None else [])
 
     @property
@@ -254,7 +259,7 @@ class RunResult:
         the rank their culprit carries; a rank the tree saw but that sent nothing (killed
         before its exit handlers ran) still gets a verdict.
         """
-        return job_of(self.loaders, self.tree)
+        return job_of(self.loaders, self.tree, self.rank_reports)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
@@ -540,8 +545,12 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         records = read_records(folder)
         failures.extend(records.failures)
         loaders = _loader_results(records.started, records.reports)
+        gathered, unread = read_rank_reports(folder)
+        failures.extend(unread)
         if tree is not None:
-            tree = with_rank_devices(tree, loaders)
+            own = [loader.report for loader in loaders if loader.report is not None]
+            own += [report for entry in gathered for report in entry.reports]
+            tree = with_rank_devices(tree, own)
         _remove_mailboxes(records.started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -559,6 +568,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         tree=tree,
         tree_cost=tree_cost,
         loaders=loaders,
+        rank_reports=tuple(gathered),
         failures=tuple(failures),
         started_unix_s=started_unix_s,
         gpu_reason=gpu_reason,
@@ -622,7 +632,11 @@ def _record_rank(record: Mapping[str, Any]) -> RankInfo | None:
         return None
 
 
-def job_of(loaders: Sequence[LoaderResult], tree: Report | None) -> JobReport | None:
+def job_of(
+    loaders: Sequence[LoaderResult],
+    tree: Report | None,
+    rank_reports: Sequence[RankReport] = (),
+) -> JobReport | None:
     """The job's verdicts from the loaders of ranks and the tree (see ``RunResult.job``).
 
     None when no loader is a rank's and no process of the tree carries a rank.
@@ -639,9 +653,11 @@ def job_of(loaders: Sequence[LoaderResult], tree: Report | None) -> JobReport | 
             entry = replace(entry, missing=(*entry.missing, f"{loader.label}: {loader.missing}"))
         entries[key] = entry
     roots = rank_roots(tree.timeline) if tree is not None else {}
-    if not entries and not roots:
+    if not entries and not roots and not rank_reports:
         return None
-    return judge_job(list(entries.values()), [tree] if tree is not None else [], rank_roots=roots)
+    return judge_job(
+        [*entries.values(), *rank_reports], [tree] if tree is not None else [], rank_roots=roots
+    )
 
 
 def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
@@ -657,16 +673,15 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
     return {rank: sorted(pids) for rank, pids in roots.items()}
 
 
-def with_rank_devices(tree: Report, loaders: Sequence[LoaderResult]) -> Report:
-    """The tree judged again with the devices the ranks chose (``set_device``), if any."""
-    chosen = {
-        loader.rank.rank: loader.rank.device
-        for loader in loaders
-        if loader.rank is not None
-        and loader.rank.device is not None
-        and loader.report
-        and loader.report.timeline.rank_devices
-    }
+def with_rank_devices(tree: Report, reports: Sequence[Report]) -> Report:
+    """The tree judged again with the devices the ranks chose (``set_device``), if any.
+
+    Each rank's own report records its choice (``Timeline.rank_devices``); the outside
+    tracker cannot see it, and would judge by ``LOCAL_RANK`` alone.
+    """
+    chosen: dict[int, int] = {}
+    for report in reports:
+        chosen.update(report.timeline.rank_devices)
     if not chosen:
         return tree
     timeline = replace(tree.timeline, rank_devices={**tree.timeline.rank_devices, **chosen})

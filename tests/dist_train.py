@@ -10,6 +10,11 @@ sum each epoch. ``--mode``:
 * ``kill``: rank 1 starts a helper that sleeps, then sends itself SIGKILL in the middle of
   its first epoch: no exit handler runs, torchrun fails the job, the helper is left.
 
+``--gather``: the loader is wrapped with ``leakcheck.watch`` (the one place leakcheck appears),
+closed after training, and ``leakcheck.gather_reports`` gathers every rank's report on rank
+0 through torch.distributed; rank 0 writes the job's report to ``<folder>/job.json`` and
+prints it.
+
 Helpers write ``<folder>/helper-<rank>-<pid>`` when they started, and sleep at most
 ``HELPER_S`` seconds, so that nothing outlives a broken test for long.
 """
@@ -17,11 +22,13 @@ Helpers write ``<folder>/helper-<rank>-<pid>`` when they started, and sleep at m
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,10 +67,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("clean", "grandchild", "kill"), default="clean")
     parser.add_argument("--folder", required=True)
+    parser.add_argument("--gather", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    loader = DataLoader(Numbers(args.mode, rank, args.folder), batch_size=2, num_workers=1)
+    loader: Any = DataLoader(Numbers(args.mode, rank, args.folder), batch_size=2, num_workers=1)
+    if args.gather:
+        import leakcheck
+
+        loader = leakcheck.watch(loader, on_leak="ignore", grace=1.0)
     total = torch.zeros(4)
     for epoch in range(2):
         for step, batch in enumerate(loader):
@@ -72,6 +84,15 @@ def main() -> None:
                 start_helper(args.folder, rank)
                 os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(total)
+    if args.gather:
+        import leakcheck
+
+        loader.close()
+        job = leakcheck.gather_reports(loader.report())
+        if job is not None:
+            with open(os.path.join(args.folder, "job.json"), "w") as handle:
+                json.dump(job.to_dict(), handle)
+            print(job.format(), flush=True)
     dist.destroy_process_group()
     print(f"rank {rank} done: {total.tolist()}", flush=True)
 

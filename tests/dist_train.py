@@ -2,7 +2,7 @@
 
 No leakcheck in it: ``leakcheck run`` tracks it from outside. Every rank joins a gloo
 process group, iterates a DataLoader with one forked worker for two epochs and all-reduces a
-sum each epoch. ``--mode``:
+sum each epoch (the workers fork from a forkserver). ``--mode``:
 
 * ``clean``: nothing leaks;
 * ``grandchild``: on rank 1 the worker starts a helper process that sleeps and is never
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.forkserver as forkserver
 import os
 import signal
 import subprocess
@@ -71,7 +73,17 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    loader: Any = DataLoader(Numbers(args.mode, rank, args.folder), batch_size=2, num_workers=1)
+    # Workers fork from a forkserver that preloaded torch: cheap per epoch, and never forked
+    # from the rank itself, whose gloo and tracker threads make fork hazardous on CPython
+    # 3.11 (a child once hung in PyOS_AfterFork_Child here).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.utils.data"])
+    loader: Any = DataLoader(
+        Numbers(args.mode, rank, args.folder),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context=context,
+    )
     if args.gather:
         import leakcheck
 
@@ -94,6 +106,10 @@ def main() -> None:
                 json.dump(job.to_dict(), handle)
             print(job.format(), flush=True)
     dist.destroy_process_group()
+    # Stop the forkserver now, and wait for it: left to itself it exits only once it notices
+    # that the rank is gone, a few seconds after the job, where leakcheck run (rightly) calls
+    # it an orphan of the rank. multiprocessing has no public call for this.
+    forkserver._forkserver._stop()
     print(f"rank {rank} done: {total.tolist()}", flush=True)
 
 

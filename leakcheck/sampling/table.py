@@ -46,7 +46,9 @@ class Proc:
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
     rank: RankInfo | None = None
-    """Its distributed rank, read once from its environment when first placed."""
+    """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
+    rank_pending: bool = False
+    """First seen with its parent's command line and no rank: maybe between fork and exec."""
 
 
 def _rank_of(pid: int) -> RankInfo | None:
@@ -57,6 +59,17 @@ def _rank_of(pid: int) -> RankInfo | None:
     """
     environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
     return None if environ is None else ranks.rank_from_environ(environ)
+
+
+# NOTE [rank read]: a process's rank is read from its initial environment once, when it is
+# first placed (one read of /proc/PID/environ). torchrun's agent starts each rank by fork and
+# exec; a rank caught between the two still shows the agent's environment, without RANK, and
+# its command line. Such a process (no rank, its parent's command line) is looked at again on
+# the next walks, for a short window after it was first seen: once its command line changed
+# it has exec'd, and its environment is read again. A forked child that never execs (a
+# DataLoader worker) stops being looked at when the window closes; its environment is its
+# parent's, and so was its rank.
+_RANK_EXEC_WINDOW_S = 1.0
 
 
 def _stored(cmdline: str) -> str:
@@ -133,6 +146,9 @@ class ProcessTable:
             # its parent's rank's, as every process of a rank's lineage is.
             rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
         )
+        proc.rank_pending = (
+            proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
+        )
         self.procs[info.key] = self.live[info.key] = proc
         self.by_pid[info.key.pid] = info.key
         self.changed = True
@@ -159,6 +175,8 @@ class ProcessTable:
                 full = procs.read_proc(info.key.pid) or info
                 proc = self.add(full, now=now, born_epoch=born_epoch)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            if proc.rank_pending:
+                self._read_rank_after_exec(proc, now)
             current.add(info.key)
         self.procs[self.root].last_seen_s = now
         gone: list[ProcessKey] = []
@@ -178,6 +196,20 @@ class ProcessTable:
                 owner = claims.owner_of(key)
                 proc.own = owner is None or owner == self.session
         claims.forget(gone)
+
+    def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
+        """Read the rank again once a process has exec'd (NOTE [rank read])."""
+        if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
+            proc.rank_pending = False
+            return
+        info = procs.read_proc(proc.key.pid)  # cached per exec image: cheap until it execs
+        if info is None or info.key != proc.key or not info.cmdline:
+            return
+        cmdline = _stored(info.cmdline)
+        if cmdline != proc.cmdline:
+            proc.cmdline, proc.rank_pending = cmdline, False
+            proc.rank = _rank_of(proc.key.pid)
+            self.changed = True
 
     def refresh_ownership(self) -> None:
         """Re-read every placed process's owner from the claims (the mailbox corrects them)."""

@@ -64,11 +64,11 @@ def _rank_of(pid: int) -> RankInfo | None:
 # NOTE [rank read]: a process's rank is read from its initial environment once, when it is
 # first placed (one read of /proc/PID/environ). torchrun's agent starts each rank by fork and
 # exec; a rank caught between the two still shows the agent's environment, without RANK, and
-# its command line. Such a process (no rank, its parent's command line) is looked at again on
-# the next walks, for a short window after it was first seen: once its command line changed
-# it has exec'd, and its environment is read again. A forked child that never execs (a
-# DataLoader worker) stops being looked at when the window closes; its environment is its
-# parent's, and so was its rank.
+# its command line. Such a process (no rank, its parent's command line) has its environment
+# read again on the next walks, for a short window after it was first seen, until it names a
+# rank (then its command line is read again too). A forked child that never execs (a
+# DataLoader worker of a process that is no rank) stops being looked at when the window
+# closes: its environment is its parent's, and so was its rank.
 _RANK_EXEC_WINDOW_S = 1.0
 
 
@@ -198,18 +198,18 @@ class ProcessTable:
         claims.forget(gone)
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
-        """Read the rank again once a process has exec'd (NOTE [rank read])."""
+        """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
         if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
             proc.rank_pending = False
             return
-        info = procs.read_proc(proc.key.pid)  # cached per exec image: cheap until it execs
-        if info is None or info.key != proc.key or not info.cmdline:
-            return
-        cmdline = _stored(info.cmdline)
-        if cmdline != proc.cmdline:
-            proc.cmdline, proc.rank_pending = cmdline, False
-            proc.rank = _rank_of(proc.key.pid)
-            self.changed = True
+        rank = _rank_of(proc.key.pid)
+        if rank is None:
+            return  # not exec'd yet, or not a rank: looked at again until the window closes
+        proc.rank, proc.rank_pending = rank, False
+        info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
+        if info is not None and info.key == proc.key and info.cmdline:
+            proc.cmdline = _stored(info.cmdline)
+        self.changed = True
 
     def refresh_ownership(self) -> None:
         """Re-read every placed process's owner from the claims (the mailbox corrects them)."""

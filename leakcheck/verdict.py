@@ -1085,11 +1085,29 @@ REMEDY_DEVICE_MISMATCH = (
 )
 
 
-def _own_device(timeline: Timeline, proc: ProcessEpoch) -> int | None:
-    """The GPU a process's rank trains on: the rank's own record, else its environment."""
+def _known_devices(timeline: Timeline) -> set[int]:
+    """The NVML indices of every device the timeline read (empty: none read)."""
+    states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
+    if timeline.final is not None:
+        states.extend(timeline.final.devices)
+    return {state.index for state in states}
+
+
+def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
+    """The GPU a process's rank trains on: the rank's own record, else its environment.
+
+    ``LOCAL_RANK``'s device counts only where the machine has it: ranks that outnumber the
+    GPUs share the ones there are (two ranks on one GPU), and their device is then unknown.
+    """
     if proc.rank is None:
         return None
-    return timeline.rank_devices.get(proc.rank, proc.rank_device)
+    recorded = timeline.rank_devices.get(proc.rank)
+    if recorded is not None:
+        return recorded
+    device = proc.rank_device
+    if device is None or (known and device not in known):
+        return None
+    return device
 
 
 def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1101,11 +1119,12 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
     another GPU made a context there: usually a bare ``cuda``/``cuda:0`` before
     ``set_device``, which costs every rank a context on GPU 0. One finding per process
     and foreign device, with the most it was seen holding there (end or peak). Processes
-    whose rank or its device is unknown are not judged.
+    whose rank or its device is unknown are not judged (``_own_device``).
     """
     if not per_pid_bytes_known(timeline):
         return ()
     found: list[Finding] = []
+    known = _known_devices(timeline)
     for key, obs in _observations(timeline).items():
         held: dict[int, int] = {}
         first: dict[int, tuple[EpochRecord | None, ProcessEpoch]] = {}
@@ -1113,7 +1132,7 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         for rec, proc in obs:
             if proc.role not in LINEAGE_ROLES:
                 continue
-            device = _own_device(timeline, proc)
+            device = _own_device(timeline, proc, known)
             if device is None:
                 continue
             own = device

@@ -124,9 +124,12 @@ def test_set_device_record_wins_over_local_rank() -> None:
     assert [f.pid for f in verdict.device_mismatch(tl, CONFIG)] == [202]
 
 
+GPUS_0_TO_3 = [device(index) for index in range(4)]
+
+
 def test_peak_on_another_gpu_counts_even_when_freed_by_the_end() -> None:
     worker = replace(proc(201, gpu_mib={}, peak_mib={0: 600}), rank=0, rank_device=1)
-    tl = timeline([epoch(0, [worker])])
+    tl = timeline([epoch(0, [worker])], baseline=GPUS_0_TO_3)
     (finding,) = verdict.device_mismatch(tl, CONFIG)
     assert finding.gpu_bytes == mib(600)
 
@@ -145,9 +148,21 @@ def test_below_tolerance_unknown_rank_or_no_per_pid_bytes_is_not_judged() -> Non
 def test_orphan_after_the_job_on_another_gpu_is_named_once_per_device() -> None:
     orphan = replace(proc(301, "orphan", gpu_mib={0: 610}), rank=2, rank_device=2)
     rec = epoch(0, [parent(None)])
-    tl = timeline([rec], final=final_state([orphan], after_last_epoch=[rec]))
+    tl = timeline([rec], final=final_state([orphan], after_last_epoch=[rec]), baseline=GPUS_0_TO_3)
     findings = verdict.judge(tl, CONFIG)
     mismatch = [f for f in findings if f.rule == "device-mismatch"]
     assert len(mismatch) == 1 and "after the job" in mismatch[0].message
     named = [f for f in findings if f.rule == "orphan"]
     assert named and named[0].rank == 2 and "rank 2 orphan PID 301" in named[0].message
+
+
+def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
+    """Two ranks on a one-GPU machine: rank 1's LOCAL_RANK names a GPU1 that does not exist,
+    so its processes on GPU0 are where they must be; its device is unknown, not GPU1."""
+    rank_1 = replace(parent({0: 700}), rank=1, rank_device=1)
+    worker = replace(proc(201, gpu_mib={0: 520}), rank=1, rank_device=1)
+    tl = timeline([epoch(0, [rank_1, worker], [device(0, 1220)])])
+    assert verdict.device_mismatch(tl, CONFIG) == ()
+    # The same on a machine with a GPU1: rank 1 belongs there, and its worker's GPU0 is not.
+    two_gpus = timeline([epoch(0, [rank_1, worker], [device(0, 1220), device(1)])])
+    assert sorted(f.pid for f in verdict.device_mismatch(two_gpus, CONFIG)) == [100, 201]

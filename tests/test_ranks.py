@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from timelines import device, epoch, final_state, mib, parent, proc, timeline
@@ -14,6 +16,7 @@ from leakcheck import procs, verdict
 from leakcheck.model import RankInfo, RuleConfig
 from leakcheck.ranks import culprit_label, physical_device, rank_from_environ
 
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = RuleConfig(tolerance_bytes=mib(16), grace_s=2.0)
 
 TORCHRUN_ENV = {
@@ -74,9 +77,14 @@ def test_culprit_label_carries_the_rank_where_known() -> None:
 def test_environ_variables_reads_a_real_process() -> None:
     env = {**os.environ, "RANK": "5", "LOCAL_RANK": "0"}
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], env=env, stdin=subprocess.PIPE
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
+        # Read once it has exec'd: before, /proc/PID/environ is still this process's.
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         found = procs.environ_variables(child.pid, ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         assert found == {"RANK": "5", "LOCAL_RANK": "0"}
     finally:
@@ -166,3 +174,76 @@ def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
     # The same on a machine with a GPU1: rank 1 belongs there, and its worker's GPU0 is not.
     two_gpus = timeline([epoch(0, [rank_1, worker], [device(0, 1220), device(1)])])
     assert sorted(f.pid for f in verdict.device_mismatch(two_gpus, CONFIG)) == [100, 201]
+
+
+# --------------------------------------------------------------------------- other ranks
+
+SIBLING_JOB = """
+import json, sys
+from leakcheck import nvml
+from leakcheck.tracker import Tracker
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+
+sibling, stranger, stranger_mib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+fake = FakePynvml([FakeDevice(total_bytes=80 * 2**30)])
+sys.modules["leakcheck.nvml_lib"] = fake
+nvml._reset_for_tests()
+device = fake.devices[0]
+with Tracker(grace=0.1, interval=3600.0) as tracker:
+    with tracker.epoch():
+        # Another rank of this job, and a process of no rank of it, on the shared GPU.
+        device.compute = [FakeProcess(pid=sibling, usedGpuMemory=700 * 2**20)]
+        if stranger_mib:
+            device.compute.append(FakeProcess(pid=stranger, usedGpuMemory=stranger_mib * 2**20))
+        device.used_bytes += (700 + stranger_mib) * 2**20
+        tracker.sample()
+print("RESULT " + json.dumps(tracker.report().to_dict()))
+"""
+
+
+def _sleeper(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+
+
+@pytest.mark.parametrize("stranger_mib", [0, 500])
+def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(stranger_mib: int) -> None:
+    """NOTE [other ranks]: rank 0's tracker sees rank 1 (same TORCHELASTIC_RUN_ID, a sibling
+    under the agent) holding 700 MiB of the shared GPU: the job's memory, not a residual nor
+    a foreign holder; a process of another run holding 500 MiB is still named."""
+    job = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run-a"}
+    other = {**job, "TORCHELASTIC_RUN_ID": "run-b"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LEAKCHECK_")}
+    sibling, stranger = _sleeper({**base, **job}), _sleeper({**base, **other})
+    try:
+        root_env = {**base, **job, "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                SIBLING_JOB,
+                str(sibling.pid),
+                str(stranger.pid),
+                str(stranger_mib),
+            ],
+            env=root_env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        for proc in (sibling, stranger):
+            proc.kill()
+            proc.wait()
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    report = json.loads(line[len("RESULT ") :])
+    findings = report["findings"]
+    assert not [f for f in findings if f["pid"] == sibling.pid], findings
+    residual = [f for f in findings if f["rule"] == "residual"]
+    if stranger_mib:
+        (finding,) = residual
+        assert f"foreign PID {stranger.pid}" in finding["message"]
+        assert f"PID {sibling.pid}" not in finding["message"]
+    else:
+        assert residual == [], findings

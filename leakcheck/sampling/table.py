@@ -49,6 +49,9 @@ class Proc:
     """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
     rank_pending: bool = False
     """First seen with its parent's command line and no rank: maybe between fork and exec."""
+    other_rank: bool = False
+    """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
+    counted as the job's memory, never judged here; its own rank's tracker judges it."""
 
 
 def _rank_of(pid: int) -> RankInfo | None:
@@ -70,6 +73,26 @@ def _rank_of(pid: int) -> RankInfo | None:
 # DataLoader worker of a process that is no rank) stops being looked at when the window
 # closes: its environment is its parent's, and so was its rank.
 _RANK_EXEC_WINDOW_S = 1.0
+
+
+# NOTE [other ranks]: the ranks of one torchrun job are siblings (children of the elastic
+# agent), so a tracker inside rank 0 finds rank 1 and its workers on the GPU, outside its
+# lineage: foreign, by the lineage alone, and their memory on a shared device would be the
+# residual rule's unexplained rise (two ranks sharing one GPU each blamed the other). A GPU
+# process whose environment names the same elastic run (TORCHELASTIC_RUN_ID) as the
+# tracker's root is another rank's: its memory is the job's, like another tracker's
+# processes (NOTE [claims]), and it is judged by its own rank's tracker, never here. Without
+# a run id (ranks started by hand with RANK set), only a process with a rank whose parent is
+# the root's parent counts so: a sibling rank itself, not its workers.
+
+
+def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, ppid: int) -> bool:
+    """Whether a process with rank ``other`` (parent ``ppid``) is another rank of our job."""
+    if ours is None or other is None:
+        return False
+    if ours.run_id is not None or other.run_id is not None:
+        return ours.run_id == other.run_id
+    return ppid == ours_ppid
 
 
 def _stored(cmdline: str) -> str:
@@ -192,7 +215,7 @@ class ProcessTable:
                 else:
                     self.mark_exited(proc, now)
                     gone.append(key)
-            if key != self.root:
+            if key != self.root and not proc.other_rank:
                 owner = claims.owner_of(key)
                 proc.own = owner is None or owner == self.session
         claims.forget(gone)
@@ -214,7 +237,7 @@ class ProcessTable:
     def refresh_ownership(self) -> None:
         """Re-read every placed process's owner from the claims (the mailbox corrects them)."""
         for key, proc in self.procs.items():
-            if key == self.root or proc.foreign or key in self.workers:
+            if key == self.root or proc.foreign or proc.other_rank or key in self.workers:
                 continue
             owner = claims.owner_of(key)
             if owner is not None:
@@ -300,6 +323,9 @@ class ProcessTable:
             # Never replace what is known of a process: an exiting one is still ours.
             return proc if proc.exited_s is None else None
         if not info.tagged and claims.owner_of(info.key) is None:
+            root = self.procs[self.root]
+            rank = _rank_of(pid) if root.rank is not None else None
+            other_rank = _same_job(root.rank, root.ppid, rank, info.ppid)
             proc = Proc(
                 key=info.key,
                 ppid=info.ppid,
@@ -308,8 +334,11 @@ class ProcessTable:
                 last_seen_s=now,
                 born_epoch=None,
                 pre_existing=False,
-                foreign=True,
+                foreign=not other_rank,
+                own=not other_rank,
                 in_lineage=False,
+                rank=rank,
+                other_rank=other_rank,
             )
             self.procs[info.key] = self.live[info.key] = proc
             self.by_pid[pid] = info.key
@@ -319,7 +348,7 @@ class ProcessTable:
         return proc
 
     def others_gpu_bytes(self) -> dict[int, int]:
-        """GPU bytes per device of the live processes another tracker owns."""
+        """GPU bytes per device of the live processes another tracker or rank owns."""
         total: dict[int, int] = {}
         for proc in self.live.values():
             if proc.own or proc.foreign:

@@ -85,22 +85,30 @@ def test_child_allocation_appears_under_its_own_pid() -> None:
         assert seen.used_gpu_bytes is not None
         assert seen.used_gpu_bytes >= ALLOC_MIB * MIB
 
-        # NOTE [process lists]: leakcheck reads the lists through a reused buffer here; the
-        # binding's own calls must say the same.
+        # NOTE [process lists]: leakcheck reads the lists through its own binding
+        # (nvml_lib) and a reused buffer; pynvml, NVIDIA's binding, must say the same.
         import pynvml
 
+        from leakcheck import nvml_lib
+
         # Only the child's entry is compared: other processes may come and go in between.
-        raw = nvml._RawProcessList.open(pynvml, "nvmlDeviceGetComputeRunningProcesses")
+        raw = nvml._RawProcessList.open(nvml_lib, "nvmlDeviceGetComputeRunningProcesses")
         assert raw is not None, "this binding and driver should allow the buffer path"
-        device = pynvml.nvmlDeviceGetHandleByIndex(0)
-        by_binding = [
-            (int(p.pid), p.usedGpuMemory)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(device)
-            if int(p.pid) == child.pid
-        ]
+        pynvml.nvmlInit()
+        try:
+            by_pynvml = [
+                (int(p.pid), p.usedGpuMemory)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                    pynvml.nvmlDeviceGetHandleByIndex(0)
+                )
+                if int(p.pid) == child.pid
+            ]
+        finally:
+            pynvml.nvmlShutdown()
+        device = nvml_lib.nvmlDeviceGetHandleByIndex(0)
         by_buffer = [entry for entry in raw.read(device) if entry[0] == child.pid]
-        assert by_binding == [(child.pid, seen.used_gpu_bytes)]
-        assert by_buffer == by_binding
+        assert by_pynvml == [(child.pid, seen.used_gpu_bytes)]
+        assert by_buffer == by_pynvml
 
         child.stdin.close()
         assert child.wait(timeout=60) == 0

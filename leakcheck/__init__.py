@@ -16,6 +16,7 @@ __all__ = [
     "Report",
     "Tracker",
     "__version__",
+    "gather_reports",
     "register_resource",
     "release_device",
     "watch",
@@ -28,6 +29,7 @@ _LAZY = {
     "Tracker": "leakcheck.tracker",
     "Report": "leakcheck.report",
     "watch": "leakcheck.dataloader",
+    "gather_reports": "leakcheck.distributed",
     "worker_init_fn": "leakcheck.teardown",
     "register_resource": "leakcheck.teardown",
     "release_device": "leakcheck.teardown",
@@ -35,6 +37,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from leakcheck.dataloader import watch
+    from leakcheck.distributed import gather_reports
     from leakcheck.report import Report
     from leakcheck.teardown import register_resource, release_device, worker_init_fn
     from leakcheck.tracker import Tracker

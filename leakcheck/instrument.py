@@ -46,11 +46,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from leakcheck import procs
+from leakcheck import procs, ranks
 from leakcheck.dataloader import WatchedLoader
 from leakcheck.model import MIB, EndReason, TrackerCost
 from leakcheck.teardown import WorkerInit
-from leakcheck.tracker import Tracker, end_reason_for
+from leakcheck.tracker import Tracker, end_reason_for, own_rank_device
 
 __all__ = [
     "OPTIONS_FILE",
@@ -69,7 +69,8 @@ RUN_ENV = "LEAKCHECK_RUN"
 
 OPTIONS_FILE = "options.json"
 RECORD_SCHEMA = "leakcheck.run.loader"
-RECORD_SCHEMA_VERSION = 1
+RECORD_SCHEMA_VERSION = 2
+"""2 added ``rank``: the process's ``RankInfo`` in a torchrun job (None otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ class _Run:
         self.pid = os.getpid()
         self.cwd = os.getcwd()
         self.sites: list[_Site] = []
+        self.rank = ranks.rank_from_environ(os.environ)
         self.lock = threading.RLock()
         atexit.register(self.at_exit)
 
@@ -313,7 +315,18 @@ class _Run:
             "pid": self.pid,
             "argv": list(sys.argv),
             "started_unix_s": site.started_unix_s,
+            "rank": self._rank_record(),
         }
+
+    def _rank_record(self) -> dict[str, Any] | None:
+        """The rank of this process, with the device it chose (``set_device``) once known."""
+        if self.rank is None:
+            return None
+        chosen = _quiet_value(own_rank_device)
+        info = self.rank
+        if chosen is not None and chosen[0] == info.rank:
+            info = dataclasses.replace(info, device=chosen[1])
+        return dataclasses.asdict(info)
 
     def _path(self, site: _Site, suffix: str) -> str:
         return os.path.join(self.folder, f"loader-{self.pid}-{site.index}{suffix}")
@@ -374,6 +387,14 @@ def _quietly(action: Callable[[], object]) -> None:
         action()
     except BaseException as error:  # a second Ctrl-C too: the other loaders still report
         sys.stderr.write(f"leakcheck run: at exit: {type(error).__name__}: {error}\n")
+
+
+def _quiet_value(read: Callable[[], Any]) -> Any:
+    """``read()``, or None where it failed (a record is written anyway)."""
+    try:
+        return read()
+    except Exception:
+        return None
 
 
 _state_lock = threading.Lock()

@@ -49,15 +49,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from leakcheck import procs
+from leakcheck.distributed import read_rank_reports
 from leakcheck.errors import LeakCheckError
 from leakcheck.files import environment
 from leakcheck.instrument import RUN_ENV, ShimOptions, read_records, write_options
-from leakcheck.model import MIB, EndReason, Finding
-from leakcheck.report import SCHEMA_VERSION, Report, finding_lines, report_from_dict
+from leakcheck.job import JobReport, RankReport, finding_identity, judge_job, rank_info_from_dict
+from leakcheck.model import MIB, EndReason, Finding, RankInfo, Timeline
+from leakcheck.report import (
+    SCHEMA_VERSION,
+    Report,
+    build_report,
+    finding_lines,
+    report_from_dict,
+)
 from leakcheck.tracker import Tracker
 from leakcheck.units import format_mib
 
@@ -72,8 +80,9 @@ __all__ = [
     "shim_folder",
 ]
 
-RUN_SCHEMA_VERSION = 1
-"""Version of ``RunResult.to_dict``'s layout; bumped on any incompatible change."""
+RUN_SCHEMA_VERSION = 2
+"""Version of ``RunResult.to_dict``'s layout; bumped on any change of it. 2 added each
+loader's ``rank`` and the distributed ``job`` (None outside a torchrun job)."""
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _WAIT_TICK_S = 0.5
@@ -136,6 +145,7 @@ class LoaderResult:
         cost: What its tracker cost until the program's exit began (``TrackerCost``).
         exit_s: Seconds its tracker took at exit (close, report, write).
         missing: Why there is no report.
+        rank: The distributed rank of its process (None outside a torchrun job).
 
     """
 
@@ -146,6 +156,7 @@ class LoaderResult:
     cost: Mapping[str, Any] | None = None
     exit_s: float | None = None
     missing: str | None = None
+    rank: RankInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -157,6 +168,7 @@ class LoaderResult:
             "cost": dict(self.cost) if self.cost is not None else None,
             "exit_s": self.exit_s,
             "missing": self.missing,
+            "rank": asdict(self.rank) if self.rank is not None else None,
         }
 
 
@@ -179,6 +191,8 @@ class RunResult:
         started_unix_s: When the program started.
         gpu_reason: Why GPU memory was not checked (empty when it was).
         environment: Versions and machine, for the record.
+        rank_reports: What ranks wrote with ``leakcheck.gather_reports`` into the run
+            folder (their ``watch()``ed loaders' reports).
 
     """
 
@@ -196,6 +210,7 @@ class RunResult:
     started_unix_s: float = 0.0
     gpu_reason: str = ""
     environment: Mapping[str, Any] = field(default_factory=dict)
+    rank_reports: tuple[RankReport, ...] = ()
 
     @property
     def program_status(self) -> int:
@@ -233,7 +248,18 @@ class RunResult:
 
     def _reports(self) -> list[Report]:
         reports = [loader.report for loader in self.loaders if loader.report is not None]
+        reports += [report for entry in self.rank_reports for report in entry.reports]
         return reports + ([self.tree] if self.tree is not None else [])
+
+    @property
+    def job(self) -> JobReport | None:
+        """The distributed job's verdicts, per rank and overall; None outside a torchrun job.
+
+        Each loader of a rank's process is a report of that rank; the tree's findings go to
+        the rank their culprit carries; a rank the tree saw but that sent nothing (killed
+        before its exit handlers ran) still gets a verdict.
+        """
+        return job_of(self.loaders, self.tree, self.rank_reports)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
@@ -257,6 +283,7 @@ class RunResult:
             "verdict": self.verdict,
             "leak_count": self.leak_count,
             "loaders": [loader.to_dict() for loader in self.loaders],
+            "job": job.to_dict() if (job := self.job) is not None else None,
             "tree": {
                 "report": self.tree.to_dict() if self.tree is not None else None,
                 "cost": dict(self.tree_cost) if self.tree_cost is not None else None,
@@ -269,11 +296,7 @@ class RunResult:
         return format_run(self)
 
 
-def _identity(finding: Finding) -> tuple[object, ...]:
-    """One leaking thing: a process (by identity), else the finding itself."""
-    if finding.pid is not None:
-        return ("pid", finding.pid, finding.create_time)
-    return (finding.rule, finding.device_index, finding.shm_name, finding.message)
+_identity = finding_identity
 
 
 # --------------------------------------------------------------------------- text
@@ -320,12 +343,17 @@ def format_run(result: RunResult) -> str:
     lines.extend(_tree_lines(result, shown))
     for failure in result.failures:
         lines.append(f"  leakcheck itself: {failure}")
+    job = result.job
+    if job is not None:
+        lines.append("")
+        lines.extend(job.format_lines())
     lines.append("")
     count = result.leak_count
     loaders = len(result.loaders)
+    ranks = f", {len(job.ranks)} ranks" if job is not None else ""
     lines.append(
         f"leakcheck run: verdict {result.verdict}, {count} leak{'s' if count != 1 else ''} "
-        f"({loaders} loader{'s' if loaders != 1 else ''} and the process tree); "
+        f"({loaders} loader{'s' if loaders != 1 else ''}{ranks} and the process tree); "
         f"program exit status {result.program_status}"
     )
     return "\n".join(lines)
@@ -517,6 +545,12 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         records = read_records(folder)
         failures.extend(records.failures)
         loaders = _loader_results(records.started, records.reports)
+        gathered, unread = read_rank_reports(folder)
+        failures.extend(unread)
+        if tree is not None:
+            own = [loader.report for loader in loaders if loader.report is not None]
+            own += [report for entry in gathered for report in entry.reports]
+            tree = with_rank_devices(tree, own)
         _remove_mailboxes(records.started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -534,6 +568,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         tree=tree,
         tree_cost=tree_cost,
         loaders=loaders,
+        rank_reports=tuple(gathered),
         failures=tuple(failures),
         started_unix_s=started_unix_s,
         gpu_reason=gpu_reason,
@@ -564,6 +599,7 @@ def _loader_result(
         "label": label,
         "pid": pid if isinstance(pid, int) else 0,
         "argv": tuple(str(a) for a in argv) if isinstance(argv, list) else (),
+        "rank": _record_rank(report_record or record),
     }
     if report_record is None:
         return LoaderResult(
@@ -583,6 +619,73 @@ def _loader_result(
         cost=cost if isinstance(cost, dict) else None,
         exit_s=float(exit_s) if isinstance(exit_s, (int, float)) else None,
     )
+
+
+def _record_rank(record: Mapping[str, Any]) -> RankInfo | None:
+    """The rank a loader record names (a report's, with its device choice, else .started's)."""
+    data = record.get("rank")
+    if not isinstance(data, Mapping):
+        return None
+    try:
+        return rank_info_from_dict(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def job_of(
+    loaders: Sequence[LoaderResult],
+    tree: Report | None,
+    rank_reports: Sequence[RankReport] = (),
+) -> JobReport | None:
+    """The job's verdicts from the loaders of ranks and the tree (see ``RunResult.job``).
+
+    None when no loader is a rank's and no process of the tree carries a rank.
+    """
+    entries: dict[tuple[int, int], RankReport] = {}
+    for loader in loaders:
+        if loader.rank is None:
+            continue
+        key = (loader.rank.rank, loader.pid)
+        entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
+        if loader.report is not None:
+            entry = replace(entry, reports=(*entry.reports, loader.report))
+        else:
+            entry = replace(entry, missing=(*entry.missing, f"{loader.label}: {loader.missing}"))
+        entries[key] = entry
+    roots = rank_roots(tree.timeline) if tree is not None else {}
+    if not entries and not roots and not rank_reports:
+        return None
+    return judge_job(
+        [*entries.values(), *rank_reports], [tree] if tree is not None else [], rank_roots=roots
+    )
+
+
+def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
+    """Rank -> PIDs of the processes that are the rank itself (whose parent is not of it)."""
+    processes = [p for rec in timeline.epochs for p in rec.processes]
+    if timeline.final is not None:
+        processes.extend(timeline.final.processes)
+    rank_of = {p.key.pid: p.rank for p in processes}
+    roots: dict[int, set[int]] = {}
+    for proc in processes:
+        if proc.rank is not None and rank_of.get(proc.ppid) != proc.rank and proc.role != "orphan":
+            roots.setdefault(proc.rank, set()).add(proc.key.pid)
+    return {rank: sorted(pids) for rank, pids in roots.items()}
+
+
+def with_rank_devices(tree: Report, reports: Sequence[Report]) -> Report:
+    """The tree judged again with the devices the ranks chose (``set_device``), if any.
+
+    Each rank's own report records its choice (``Timeline.rank_devices``); the outside
+    tracker cannot see it, and would judge by ``LOCAL_RANK`` alone.
+    """
+    chosen: dict[int, int] = {}
+    for report in reports:
+        chosen.update(report.timeline.rank_devices)
+    if not chosen:
+        return tree
+    timeline = replace(tree.timeline, rank_devices={**tree.timeline.rank_devices, **chosen})
+    return build_report(timeline, tree.config)
 
 
 def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:

@@ -27,6 +27,7 @@ Rule = Literal[
     "tracker-failure",
     "shm",
     "host-growth",
+    "device-mismatch",
 ]
 Severity = Literal["leak", "info"]
 
@@ -46,6 +47,33 @@ class ProcessKey:
 
     pid: int
     create_time: float
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a process stands in a distributed job, as torchrun's environment says.
+
+    Attributes:
+        rank: Global rank (``RANK``).
+        local_rank: Rank on its node (``LOCAL_RANK``); None when not set.
+        world_size: Ranks in the job (``WORLD_SIZE``); None when not set.
+        node_rank: The node's (agent group's) rank (``GROUP_RANK``); None when not set.
+        run_id: The elastic run's id (``TORCHELASTIC_RUN_ID``); None when not set.
+        restart_count: How often the elastic agent restarted the ranks before this one
+            started (``TORCHELASTIC_RESTART_COUNT``); None when not set.
+        device: The GPU (NVML index) the rank trains on: what it set with
+            ``torch.cuda.set_device`` where recorded, else its ``LOCAL_RANK``'s device
+            through ``CUDA_VISIBLE_DEVICES``; None when not known.
+
+    """
+
+    rank: int
+    local_rank: int | None = None
+    world_size: int | None = None
+    node_rank: int | None = None
+    run_id: str | None = None
+    restart_count: int | None = None
+    device: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +187,10 @@ class ProcessEpoch:
         freed_by_gc: It exited only once leakcheck collected garbage: a reference cycle
             kept what owned it (a DataLoader iterator with its workers) alive (the pytest
             plugin says so).
+        rank: The distributed rank it belongs to (``RANK`` in its initial environment);
+            None outside a distributed job, or where unreadable.
+        rank_device: The GPU (NVML index) its rank trains on as its environment says
+            (``LOCAL_RANK`` through ``CUDA_VISIBLE_DEVICES``); None when not known.
 
     """
 
@@ -184,6 +216,8 @@ class ProcessEpoch:
     anon_bytes_end: int | None = None
     rss_bytes_peak: int | None = None
     freed_by_gc: bool = False
+    rank: int | None = None
+    rank_device: int | None = None
 
     @property
     def total_gpu_bytes_end(self) -> int:
@@ -426,6 +460,9 @@ class Timeline:
     """Files the work left in ``/dev/shm``."""
     parent_memory: ParentMemory | None = None
     """The parent's own GPU memory after the work (pytest plugin only)."""
+    rank_devices: Mapping[int, int] = field(default_factory=dict)
+    """Rank -> the GPU (NVML index) it trains on, where a rank recorded it (its
+    ``torch.cuda.set_device``): wins over what a process's environment says."""
 
 
 @dataclass(frozen=True)
@@ -450,6 +487,7 @@ class Finding:
         shm_name: For shm: the file name in ``/dev/shm``.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
         host_bytes: For host-growth: the rise of host memory over the judged epochs.
+        rank: The distributed rank of the culprit, where known.
 
     """
 
@@ -470,6 +508,7 @@ class Finding:
     shm_name: str | None = None
     size_bytes: int | None = None
     host_bytes: int | None = None
+    rank: int | None = None
 
     @property
     def bytes(self) -> int | None:

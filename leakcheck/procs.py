@@ -55,6 +55,7 @@ __all__ = [
     "child_pids",
     "clock_ticks",
     "descendants",
+    "environ_variables",
     "is_alive",
     "is_ancestor",
     "is_nvidia_device_target",
@@ -996,6 +997,25 @@ class TagScan:
                 found.append(_info(pid, stat, self._tag, True, self._prefix))
         self._judged = judged
         return found
+
+
+def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None:
+    """Return the variables ``names`` of a process's initial environment that are set.
+
+    One read of ``/proc/PID/environ`` (NOTE [session tag]: the block it got at its last
+    exec, or its parent's when only forked). None when it cannot be read (gone, not ours,
+    no /proc): unknown, not empty.
+    """
+    data = _read_all(f"{_PROC}/{pid}/environ")
+    if data is None:
+        return None
+    wanted = {name.encode() for name in names}
+    found: dict[str, str] = {}
+    for entry in data.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep and name in wanted:
+            found[name.decode()] = value.decode("utf-8", "replace")
+    return found
 
 
 def tagged_session(pid: int) -> str | None:

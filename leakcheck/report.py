@@ -3,7 +3,7 @@
 ``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
 holds the timeline, the findings and the thresholds used, and renders them:
 ``format()`` for people (quiet when all is well), ``to_dict()`` for tools
-(``schema_version`` 1; ``report_from_dict`` reads it back).
+(``schema_version`` 2; ``report_from_dict`` reads it back, and version 1 too).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from leakcheck.model import (
     RuleConfig,
     Timeline,
 )
+from leakcheck.ranks import culprit_label, rank_label
 from leakcheck.units import format_mib, shorten_cmdline
 from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
 
@@ -39,11 +40,16 @@ __all__ = [
     "finding_lines",
     "finding_to_dict",
     "host_totals",
+    "leak_short",
     "report_from_dict",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the ``to_dict`` layout; bumped on any incompatible change."""
+SCHEMA_VERSION = 2
+"""Version of the ``to_dict`` layout; bumped on any change of it. 2 added the distributed
+rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``."""
+
+_READABLE_VERSIONS = (1, SCHEMA_VERSION)
+"""Layouts ``report_from_dict`` reads: 1 lacks the rank fields, which then stay None."""
 
 Verdict = Literal["clean", "leak", "blind"]
 
@@ -151,7 +157,7 @@ class Report:
         n_epochs = _plural(len(tl.epochs), "epoch")
         leaks = self.leaks
         if leaks:
-            shown = "; ".join(_leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
+            shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
             more = len(leaks) - _VERDICT_LEAKS_SHOWN
             tail = f"; and {more} more" if more > 0 else ""
             return f"leakcheck: {_plural(len(leaks), 'leak')} found: {shown}{tail}"
@@ -328,8 +334,11 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
 
     """
     version = data.get("schema_version") if isinstance(data, Mapping) else None
-    if version != SCHEMA_VERSION:
-        raise UsageError(f"report data: expected schema_version {SCHEMA_VERSION}, got {version!r}")
+    if version not in _READABLE_VERSIONS:
+        raise UsageError(
+            f"report data: expected schema_version {' or '.join(map(str, _READABLE_VERSIONS))}, "
+            f"got {version!r}"
+        )
     baseline = data.get("baseline") or {}
     fields: dict[str, Any] = {
         name: data[key] for key, name in _TIMELINE_KEYS.items() if key in data
@@ -381,10 +390,11 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return best
 
 
-def _leak_short(finding: Finding) -> str:
+def leak_short(finding: Finding) -> str:
+    """A few words for a leak in a verdict line: ``orphan rank 1 process PID 7 (612 MiB)``."""
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
-        who = f"{role or 'process'} PID {finding.pid}"
+        who = culprit_label(role or "process", finding.pid, finding.rank)
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:
@@ -640,7 +650,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
                 peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
             rows.append(
                 [
-                    proc.role,
+                    rank_label(proc.rank) + proc.role,
                     str(proc.key.pid),
                     held,
                     peak_cell,

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
+import sys
 from typing import Any, TextIO
 
 from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
 from leakcheck.files import write_json
 
-__all__ = ["add_run_parser", "resolve_run", "run_command"]
+__all__ = ["add_run_parser", "resolve_run", "run_command", "torchrun_command"]
 
 EXIT_LEAK = 1
 EXIT_USAGE = 2
@@ -85,6 +87,15 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "--plot", default=None, metavar="PATH.png", help="not supported by run yet (exit 2)"
     )
     run.add_argument(
+        "--nproc-per-node",
+        default=None,
+        metavar="N",
+        help="run the script under torchrun with N ranks on this node (python -m "
+        "torch.distributed.run --standalone --nproc-per-node N SCRIPT ...); the agent and "
+        "every rank are tracked, and the report gives a verdict per rank and for the job. "
+        "To pass torchrun options of your own, wrap it instead: leakcheck run -- torchrun ...",
+    )
+    run.add_argument(
         "program",  # not "command": cli.py's subcommand is args.command
         nargs=argparse.REMAINDER,
         metavar="-- CMD ...",
@@ -129,6 +140,8 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
         command = command[1:]
     if not command:
         raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
+    if args.nproc_per_node is not None:
+        command = torchrun_command(command, args.nproc_per_node)
     if args.plot is not None:
         raise UsageError(
             f"--plot: not supported by leakcheck run yet, got {args.plot!r} (use --json PATH; "
@@ -168,6 +181,60 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
         json_path=_output_path(args.json, "--json"),
         fail_on_leak=bool(args.fail_on_leak),
     )
+
+
+_NPROC_WORDS = ("auto", "cpu", "gpu")
+_MAX_NPROC = 4096
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def _is_python(program: str) -> bool:
+    name = os.path.basename(program)
+    return name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:])
+
+
+def torchrun_command(command: list[str], nproc: str) -> list[str]:
+    """The command ``--nproc-per-node N`` runs: the script under torchrun, on this node.
+
+    ``SCRIPT ARGS``, ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` are accepted; the
+    interpreter is this one (torchrun starts the ranks with it). ``--standalone`` gives the
+    rendezvous a free local port, so that two jobs on one host do not collide.
+
+    Raises:
+        UsageError: ``nproc`` is not a count (or ``auto``, ``cpu``, ``gpu``), the command is
+            torchrun itself, or no script follows.
+
+    """
+    text = str(nproc).strip()
+    if not (
+        text in _NPROC_WORDS or (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_NPROC)
+    ):
+        raise UsageError(
+            f"--nproc-per-node: expected a number of ranks from 1 to {_MAX_NPROC} such as 2 "
+            f"(or {', '.join(_NPROC_WORDS)}), got {nproc!r}"
+        )
+    rest = list(command)
+    if rest and _is_python(rest[0]):
+        rest = rest[1:]
+    module = rest[:1] == ["-m"]
+    target = rest[1] if module and len(rest) > 1 else (rest[0] if rest and not module else "")
+    if os.path.basename(target) in _LAUNCHERS or target in _LAUNCHERS:
+        raise UsageError(
+            f"--nproc-per-node: expected a training script after --, got the launcher "
+            f"{target!r} (wrap it without --nproc-per-node: leakcheck run -- torchrun ...)"
+        )
+    if not target or target.startswith("-"):
+        raise UsageError(
+            "--nproc-per-node: expected a script after --, such as: leakcheck run "
+            f"--nproc-per-node 2 -- train.py, got {' '.join(command)!r}"
+        )
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(
+            f"--nproc-per-node: expected torch (torch.distributed.run) in {sys.executable}, "
+            f"got {nproc!r} without it"
+        )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, "--nproc-per-node", text, *rest]
 
 
 def _check_device(device: int) -> None:

@@ -44,3 +44,17 @@ def clear_library_workspaces() -> None:
     if callable(clear):
         with contextlib.suppress(Exception):
             clear()
+
+
+def current_device() -> int | None:
+    """The current CUDA device index of torch in this process, where CUDA is initialised here.
+
+    None where it is not (asking would make a context), or where asking raised.
+    """
+    cuda = initialized_cuda()
+    if cuda is None:
+        return None
+    try:
+        return int(cuda.current_device())
+    except Exception:
+        return None

@@ -7,11 +7,13 @@ when things are read: NOTE [tracker lifecycle] in sampling/sampler.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
 
+from leakcheck import ranks, torch_state
 from leakcheck.errors import LeakCheckError, UsageError
 from leakcheck.model import (
     EndReason,
@@ -30,7 +32,25 @@ from leakcheck.sampling.sampler import Sampler, end_reason_for
 from leakcheck.snapshot import Snapshot, take_snapshot
 from leakcheck.units import parse_duration, parse_size
 
-__all__ = ["Tracker", "end_reason_for"]
+__all__ = ["Tracker", "end_reason_for", "own_rank_device"]
+
+
+def own_rank_device() -> tuple[int, int] | None:
+    """``(rank, NVML index)`` of the device this rank chose with ``torch.cuda.set_device``.
+
+    Only a choice that says something is recorded: torch's current device once CUDA is
+    initialised here, where it is not device 0, the default a rank that never called
+    ``set_device`` also has (then its ``LOCAL_RANK`` says which device is its own, and the
+    device-mismatch rule judges by that). None outside a rank, before CUDA, or unknown.
+    """
+    info = ranks.rank_from_environ(os.environ)
+    if info is None:
+        return None
+    index = torch_state.current_device()
+    if not index:
+        return None
+    device = ranks.physical_device(index, os.environ)
+    return None if device is None else (info.rank, device)
 
 
 def _is_int_at_least(value: object, minimum: int) -> bool:
@@ -323,7 +343,12 @@ class Tracker:
             final = sampler.final
             if final is None and fresh and sampler.started and not sampler.closed:
                 final = sampler.current_state(closed=False)
-            return sampler.timeline(last_epochs=last_epochs, final=final)
+            timeline = sampler.timeline(last_epochs=last_epochs, final=final)
+        if sampler.root_pid == os.getpid():
+            own = own_rank_device()
+            if own is not None:
+                timeline = dataclasses.replace(timeline, rank_devices={own[0]: own[1]})
+        return timeline
 
     @caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:

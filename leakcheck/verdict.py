@@ -27,6 +27,7 @@ from leakcheck.model import (
     ShmFile,
     Timeline,
 )
+from leakcheck.ranks import culprit_label
 from leakcheck.units import format_mib, shorten_cmdline
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "blind",
     "context_kept",
     "descriptor_holder",
+    "device_mismatch",
     "growth",
     "growth_slope",
     "high_clocks",
@@ -70,7 +72,8 @@ def _has_nvml(timeline: Timeline) -> bool:
 
 
 def _culprit(proc: ProcessEpoch) -> str:
-    return f"{proc.role} PID {proc.key.pid} ({shorten_cmdline(proc.cmdline)})"
+    label = culprit_label(proc.role, proc.key.pid, proc.rank)
+    return f"{label} ({shorten_cmdline(proc.cmdline)})"
 
 
 def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
@@ -244,6 +247,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     ),
                     remedy=_survivor_remedy(proc),
                     pid=proc.key.pid,
+                    rank=proc.rank,
                     create_time=proc.key.create_time,
                     role=proc.role,
                     cmdline=proc.cmdline,
@@ -320,6 +324,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 ),
                 remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
                 pid=key.pid,
+                rank=last.rank,
                 create_time=key.create_time,
                 role="orphan",
                 cmdline=last.cmdline,
@@ -428,6 +433,7 @@ def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
                 ),
                 remedy=_growth_remedy(last.role),
                 pid=key.pid,
+                rank=last.rank,
                 create_time=key.create_time,
                 role=last.role,
                 cmdline=last.cmdline,
@@ -568,6 +574,7 @@ def _host_growth_finding(
         ),
         remedy=_host_growth_remedy(last.role),
         pid=key.pid,
+        rank=last.rank,
         create_time=key.create_time,
         role=last.role,
         cmdline=last.cmdline,
@@ -1015,6 +1022,7 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
                         "or do not initialise CUDA in the parent before workers fork"
                     ),
                     pid=key.pid,
+                    rank=proc.rank,
                     create_time=key.create_time,
                     role=proc.role,
                     cmdline=proc.cmdline,
@@ -1056,6 +1064,7 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     "before then, call leakcheck.release_device()"
                 ),
                 pid=proc.key.pid,
+                rank=proc.rank,
                 create_time=proc.key.create_time,
                 role="parent",
                 cmdline=proc.cmdline,
@@ -1063,6 +1072,101 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 nvidia_fds=proc.nvidia_fds,
             )
         )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- device mismatch
+
+REMEDY_DEVICE_MISMATCH = (
+    "call torch.cuda.set_device(LOCAL_RANK) (or pass device=f'cuda:{LOCAL_RANK}') before "
+    "anything touches CUDA in the rank, and never use a bare 'cuda' or cuda:0 in workers, "
+    "collate or pin-memory code: each such use makes a context (~0.5 GiB) on GPU 0, or set "
+    "CUDA_VISIBLE_DEVICES per rank so that a rank sees only its own GPU"
+)
+
+
+def _known_devices(timeline: Timeline) -> set[int]:
+    """The NVML indices of every device the timeline read (empty: none read)."""
+    states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
+    if timeline.final is not None:
+        states.extend(timeline.final.devices)
+    return {state.index for state in states}
+
+
+def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
+    """The GPU a process's rank trains on: the rank's own record, else its environment.
+
+    ``LOCAL_RANK``'s device counts only where the machine has it: ranks that outnumber the
+    GPUs share the ones there are (two ranks on one GPU), and their device is then unknown.
+    """
+    if proc.rank is None:
+        return None
+    recorded = timeline.rank_devices.get(proc.rank)
+    if recorded is not None:
+        return recorded
+    device = proc.rank_device
+    if device is None or (known and device not in known):
+        return None
+    return device
+
+
+def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes of a rank holding GPU memory on a device that is not their rank's.
+
+    A rank trains on one GPU (``Timeline.rank_devices``, else ``ProcessEpoch.rank_device``
+    from ``LOCAL_RANK``); any process of its lineage (the rank itself, a worker, the
+    pin-memory thread's process, a grandchild) seen holding more than the tolerance on
+    another GPU made a context there: usually a bare ``cuda``/``cuda:0`` before
+    ``set_device``, which costs every rank a context on GPU 0. One finding per process
+    and foreign device, with the most it was seen holding there (end or peak). Processes
+    whose rank or its device is unknown are not judged (``_own_device``).
+    """
+    if not per_pid_bytes_known(timeline):
+        return ()
+    found: list[Finding] = []
+    known = _known_devices(timeline)
+    for key, obs in _observations(timeline).items():
+        held: dict[int, int] = {}
+        first: dict[int, tuple[EpochRecord | None, ProcessEpoch]] = {}
+        own: int | None = None
+        for rec, proc in obs:
+            if proc.role not in LINEAGE_ROLES:
+                continue
+            device = _own_device(timeline, proc, known)
+            if device is None:
+                continue
+            own = device
+            for index, used in (*proc.gpu_bytes_end.items(), *proc.gpu_bytes_peak.items()):
+                if index == device or used <= config.tolerance_bytes:
+                    continue
+                if used > held.get(index, 0):
+                    held[index] = used
+                first.setdefault(index, (rec, proc))
+        for index, used in sorted(held.items()):
+            rec, proc = first[index]
+            where = f"in {rec.label}" if rec is not None else "after the job"
+            found.append(
+                Finding(
+                    rule="device-mismatch",
+                    severity="leak",
+                    message=(
+                        f"{_culprit(proc)} holds GPU{index} {format_mib(used)} MiB {where}, "
+                        f"but rank {proc.rank} trains on GPU{own}: a context on a device "
+                        "that is not its own"
+                    ),
+                    remedy=REMEDY_DEVICE_MISMATCH,
+                    pid=key.pid,
+                    create_time=key.create_time,
+                    role=proc.role,
+                    cmdline=proc.cmdline,
+                    gpu_bytes=used,
+                    epoch=rec.index if rec is not None else None,
+                    device_index=index,
+                    nvidia_fds=proc.nvidia_fds,
+                    scope=proc.scope,
+                    rank=proc.rank,
+                )
+            )
     return tuple(found)
 
 
@@ -1140,6 +1244,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "high-clocks": high_clocks,
     "tracker-failure": tracker_failure,
     "shm": shm,
+    "device-mismatch": device_mismatch,
 }
 """Every rule by name, in report order for ties."""
 

@@ -100,7 +100,7 @@ def test_to_dict_round_trips_through_json() -> None:
     data = report.to_dict()
     again = json.loads(json.dumps(data))
     assert again == data
-    assert again["schema_version"] == SCHEMA_VERSION == 1
+    assert again["schema_version"] == SCHEMA_VERSION == 2
     assert again["session"] == "test-session"
     assert again["root"]["pid"] == ROOT_PID
     assert again["attribution"] == "ok"
@@ -133,6 +133,49 @@ def test_report_from_dict_reads_back_the_same_report() -> None:
     again = report_from_dict(json.loads(json.dumps(report.to_dict())))
     assert again == report
     assert again.timeline.epochs[1].processes[1].gpu_bytes_end == {0: 612 * 1024 * 1024}
+
+
+def _strip_rank_fields(value: object) -> object:
+    """A report dict as schema version 1 wrote it: no rank fields anywhere."""
+    if isinstance(value, dict):
+        return {
+            k: _strip_rank_fields(v)
+            for k, v in value.items()
+            if k not in ("rank", "rank_device", "rank_devices")
+        }
+    if isinstance(value, list):
+        return [_strip_rank_fields(v) for v in value]
+    return value
+
+
+def test_report_from_dict_reads_schema_version_1() -> None:
+    report = survivor_report()
+    old = _strip_rank_fields(json.loads(json.dumps(report.to_dict())))
+    assert isinstance(old, dict)
+    old["schema_version"] = 1
+    again = report_from_dict(old)
+    assert again == report  # the rank fields were None, and stay None
+    assert all(f.rank is None for f in again.findings)
+
+
+def test_ranks_round_trip_and_name_the_culprit() -> None:
+    report = survivor_report()
+    epochs = tuple(
+        dataclasses.replace(
+            rec,
+            processes=tuple(dataclasses.replace(p, rank=1, rank_device=1) for p in rec.processes),
+        )
+        for rec in report.timeline.epochs
+    )
+    tl = dataclasses.replace(report.timeline, epochs=epochs, rank_devices={1: 1})
+    ranked = build_report(tl, CONFIG)
+    again = report_from_dict(json.loads(json.dumps(ranked.to_dict())))
+    assert again == ranked
+    assert again.timeline.rank_devices == {1: 1}
+    survivor = next(f for f in again.findings if f.rule == "survivor")
+    assert survivor.rank == 1
+    assert "rank 1 worker PID 1234" in survivor.message
+    assert "rank 1 worker PID 1234" in again.summary()
 
 
 @pytest.mark.parametrize(

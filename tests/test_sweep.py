@@ -80,7 +80,7 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     assert data["options"]["workers"] == [0, 0]
     assert len(data["configurations"]) == 2
     config = data["configurations"][0]
-    assert config["report"]["schema_version"] == 1
+    assert config["report"]["schema_version"] == 2
     assert len(config["report"]["epochs"]) == 3
     assert [row["epoch"] for row in config["rows"]] == [0, 1, 2]
     # Atomic write: no temporary file left beside it.

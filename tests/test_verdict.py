@@ -536,6 +536,7 @@ def test_rules_registry_names_every_rule() -> None:
         "high-clocks",
         "tracker-failure",
         "host-growth",
+        "device-mismatch",
     }
 
 

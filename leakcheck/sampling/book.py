@@ -371,6 +371,8 @@ class EpochBook:
             gpu_peak_source=source,
             gpu_bytes_unknown=state.gpu_unknown,
             nvidia_fds=state.nvidia_fds,
+            rank=proc.rank.rank if proc.rank is not None else None,
+            rank_device=proc.rank.device if proc.rank is not None else None,
             **host_fields(
                 state.host,
                 epoch.rollup.get(key),
@@ -441,6 +443,8 @@ def final_processes(
                 gpu_bytes_peak=dict(proc.gpu_bytes),
                 gpu_bytes_unknown=proc.gpu_unknown,
                 nvidia_fds=proc.nvidia_fds,
+                rank=proc.rank.rank if proc.rank is not None else None,
+                rank_device=proc.rank.device if proc.rank is not None else None,
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),
             )
         )

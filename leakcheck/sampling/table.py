@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from leakcheck import nvml, procs
-from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck import nvml, procs, ranks
+from leakcheck.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Role
 from leakcheck.roles import direct_child_role, is_runtime_helper
 from leakcheck.sampling import claims
 from leakcheck.units import shorten_cmdline
@@ -45,6 +45,31 @@ class Proc:
     nvidia_fds: int | None = None
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
+    rank: RankInfo | None = None
+    """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
+    rank_pending: bool = False
+    """First seen with its parent's command line and no rank: maybe between fork and exec."""
+
+
+def _rank_of(pid: int) -> RankInfo | None:
+    """The rank a process's environment names (one read, when it is first placed).
+
+    Every process of a rank's lineage inherits torchrun's variables, so an orphan still
+    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None.
+    """
+    environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
+    return None if environ is None else ranks.rank_from_environ(environ)
+
+
+# NOTE [rank read]: a process's rank is read from its initial environment once, when it is
+# first placed (one read of /proc/PID/environ). torchrun's agent starts each rank by fork and
+# exec; a rank caught between the two still shows the agent's environment, without RANK, and
+# its command line. Such a process (no rank, its parent's command line) has its environment
+# read again on the next walks, for a short window after it was first seen, until it names a
+# rank (then its command line is read again too). A forked child that never execs (a
+# DataLoader worker of a process that is no rank) stops being looked at when the window
+# closes: its environment is its parent's, and so was its rank.
+_RANK_EXEC_WINDOW_S = 1.0
 
 
 def _stored(cmdline: str) -> str:
@@ -94,6 +119,7 @@ class ProcessTable:
             last_seen_s=0.0,
             born_epoch=None,
             pre_existing=True,
+            rank=_rank_of(root.pid),
         )
         self.procs[root] = self.live[root] = root_proc
         self.by_pid[root.pid] = root
@@ -106,6 +132,7 @@ class ProcessTable:
         """Place a process seen for the first time, claimed as NOTE [claims] says."""
         parent = self.by_pid.get(info.ppid)
         owner = claims.claim(info.key, parent, self.session)
+        parent_proc = self.procs.get(parent) if parent is not None else None
         proc = Proc(
             key=info.key,
             ppid=info.ppid,
@@ -115,6 +142,12 @@ class ProcessTable:
             born_epoch=born_epoch,
             pre_existing=pre_existing,
             own=owner == self.session,
+            # Gone before it could be read (a worker known from its record only): it was
+            # its parent's rank's, as every process of a rank's lineage is.
+            rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
+        )
+        proc.rank_pending = (
+            proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
         )
         self.procs[info.key] = self.live[info.key] = proc
         self.by_pid[info.key.pid] = info.key
@@ -142,6 +175,8 @@ class ProcessTable:
                 full = procs.read_proc(info.key.pid) or info
                 proc = self.add(full, now=now, born_epoch=born_epoch)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            if proc.rank_pending:
+                self._read_rank_after_exec(proc, now)
             current.add(info.key)
         self.procs[self.root].last_seen_s = now
         gone: list[ProcessKey] = []
@@ -161,6 +196,20 @@ class ProcessTable:
                 owner = claims.owner_of(key)
                 proc.own = owner is None or owner == self.session
         claims.forget(gone)
+
+    def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
+        """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
+        if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
+            proc.rank_pending = False
+            return
+        rank = _rank_of(proc.key.pid)
+        if rank is None:
+            return  # not exec'd yet, or not a rank: looked at again until the window closes
+        proc.rank, proc.rank_pending = rank, False
+        info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
+        if info is not None and info.key == proc.key and info.cmdline:
+            proc.cmdline = _stored(info.cmdline)
+        self.changed = True
 
     def refresh_ownership(self) -> None:
         """Re-read every placed process's owner from the claims (the mailbox corrects them)."""

@@ -1,0 +1,168 @@
+"""Ranks from torchrun's environment, and the device-mismatch rule, on made-up data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from timelines import device, epoch, final_state, mib, parent, proc, timeline
+
+from leakcheck import procs, verdict
+from leakcheck.model import RankInfo, RuleConfig
+from leakcheck.ranks import culprit_label, physical_device, rank_from_environ
+
+CONFIG = RuleConfig(tolerance_bytes=mib(16), grace_s=2.0)
+
+TORCHRUN_ENV = {
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "TORCHELASTIC_RUN_ID": "job-7",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+}
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_rank_from_torchrun_environment() -> None:
+    assert rank_from_environ(TORCHRUN_ENV) == RankInfo(
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        node_rank=1,
+        run_id="job-7",
+        restart_count=2,
+        device=1,
+    )
+
+
+def test_no_rank_outside_a_distributed_job() -> None:
+    assert rank_from_environ({}) is None
+    assert rank_from_environ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is None
+
+
+@pytest.mark.parametrize("bad", ["", "-1", "one", "1.0", "\uff12"])
+def test_malformed_rank_is_no_rank(bad: str) -> None:
+    assert rank_from_environ({"RANK": bad}) is None
+
+
+def test_malformed_optional_variables_are_unknown() -> None:
+    info = rank_from_environ({"RANK": "1", "LOCAL_RANK": "x", "WORLD_SIZE": "", "GROUP_RANK": "?"})
+    assert info == RankInfo(rank=1)
+
+
+def test_device_follows_cuda_visible_devices() -> None:
+    env = {"RANK": "1", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}
+    info = rank_from_environ(env)
+    assert info is not None and info.device == 3
+    assert physical_device(0, {"CUDA_VISIBLE_DEVICES": "5"}) == 5
+    assert physical_device(1, {"CUDA_VISIBLE_DEVICES": "5"}) is None  # not visible
+    assert physical_device(0, {"CUDA_VISIBLE_DEVICES": "GPU-1234"}) is None  # a UUID: unknown
+    assert physical_device(4, {}) == 4
+
+
+def test_culprit_label_carries_the_rank_where_known() -> None:
+    assert culprit_label("worker", 123, 1) == "rank 1 worker PID 123"
+    assert culprit_label("worker", 123) == "worker PID 123"
+
+
+def test_environ_variables_reads_a_real_process() -> None:
+    env = {**os.environ, "RANK": "5", "LOCAL_RANK": "0"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], env=env, stdin=subprocess.PIPE
+    )
+    try:
+        found = procs.environ_variables(child.pid, ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        assert found == {"RANK": "5", "LOCAL_RANK": "0"}
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=10)
+    assert procs.environ_variables(child.pid, ("RANK",)) is None  # gone: unknown
+
+
+# --------------------------------------------------------------------------- device mismatch
+
+
+def test_worker_with_a_context_on_another_gpu_is_a_device_mismatch() -> None:
+    worker = replace(proc(201, gpu_mib={0: 520}), rank=1, rank_device=1)
+    rank_parent = replace(parent({1: 700}), rank=1, rank_device=1)
+    tl = timeline([epoch(0, [rank_parent, worker], [device(0, 520), device(1, 700)])])
+    found = verdict.device_mismatch(tl, CONFIG)
+    assert len(found) == 1
+    finding = found[0]
+    assert (finding.rule, finding.severity, finding.pid, finding.rank) == (
+        "device-mismatch",
+        "leak",
+        201,
+        1,
+    )
+    assert finding.device_index == 0 and finding.gpu_bytes == mib(520)
+    assert "rank 1 worker PID 201" in finding.message
+    assert "GPU0 520 MiB" in finding.message and "trains on GPU1" in finding.message
+    assert "device-mismatch" in [f.rule for f in verdict.judge(tl, CONFIG)]
+
+
+def test_memory_on_the_rank_own_gpu_is_no_mismatch() -> None:
+    worker = replace(proc(201, gpu_mib={1: 520}), rank=1, rank_device=1)
+    tl = timeline([epoch(0, [parent(None), worker])])
+    assert verdict.device_mismatch(tl, CONFIG) == ()
+
+
+def test_set_device_record_wins_over_local_rank() -> None:
+    # LOCAL_RANK says GPU0, but the rank called torch.cuda.set_device(1): GPU1 is its own.
+    worker = replace(proc(201, gpu_mib={1: 520}), rank=1, rank_device=0)
+    tl = replace(timeline([epoch(0, [worker])]), rank_devices={1: 1})
+    assert verdict.device_mismatch(tl, CONFIG) == ()
+    stray = replace(proc(202, gpu_mib={0: 520}), rank=1, rank_device=0)
+    tl = replace(timeline([epoch(0, [stray])]), rank_devices={1: 1})
+    assert [f.pid for f in verdict.device_mismatch(tl, CONFIG)] == [202]
+
+
+GPUS_0_TO_3 = [device(index) for index in range(4)]
+
+
+def test_peak_on_another_gpu_counts_even_when_freed_by_the_end() -> None:
+    worker = replace(proc(201, gpu_mib={}, peak_mib={0: 600}), rank=0, rank_device=1)
+    tl = timeline([epoch(0, [worker])], baseline=GPUS_0_TO_3)
+    (finding,) = verdict.device_mismatch(tl, CONFIG)
+    assert finding.gpu_bytes == mib(600)
+
+
+def test_below_tolerance_unknown_rank_or_no_per_pid_bytes_is_not_judged() -> None:
+    small = replace(proc(201, gpu_mib={0: 8}), rank=1, rank_device=1)
+    unranked = proc(202, gpu_mib={0: 520})
+    no_device = replace(proc(203, gpu_mib={0: 520}), rank=1, rank_device=None)
+    tl = timeline([epoch(0, [small, unranked, no_device])])
+    assert verdict.device_mismatch(tl, CONFIG) == ()
+    stray = replace(proc(204, gpu_mib={0: 520}), rank=1, rank_device=1)
+    blind = timeline([epoch(0, [stray])], attribution="blind-namespace")
+    assert verdict.device_mismatch(blind, CONFIG) == ()
+
+
+def test_orphan_after_the_job_on_another_gpu_is_named_once_per_device() -> None:
+    orphan = replace(proc(301, "orphan", gpu_mib={0: 610}), rank=2, rank_device=2)
+    rec = epoch(0, [parent(None)])
+    tl = timeline([rec], final=final_state([orphan], after_last_epoch=[rec]), baseline=GPUS_0_TO_3)
+    findings = verdict.judge(tl, CONFIG)
+    mismatch = [f for f in findings if f.rule == "device-mismatch"]
+    assert len(mismatch) == 1 and "after the job" in mismatch[0].message
+    named = [f for f in findings if f.rule == "orphan"]
+    assert named and named[0].rank == 2 and "rank 2 orphan PID 301" in named[0].message
+
+
+def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
+    """Two ranks on a one-GPU machine: rank 1's LOCAL_RANK names a GPU1 that does not exist,
+    so its processes on GPU0 are where they must be; its device is unknown, not GPU1."""
+    rank_1 = replace(parent({0: 700}), rank=1, rank_device=1)
+    worker = replace(proc(201, gpu_mib={0: 520}), rank=1, rank_device=1)
+    tl = timeline([epoch(0, [rank_1, worker], [device(0, 1220)])])
+    assert verdict.device_mismatch(tl, CONFIG) == ()
+    # The same on a machine with a GPU1: rank 1 belongs there, and its worker's GPU0 is not.
+    two_gpus = timeline([epoch(0, [rank_1, worker], [device(0, 1220), device(1)])])
+    assert sorted(f.pid for f in verdict.device_mismatch(two_gpus, CONFIG)) == [100, 201]

@@ -2,8 +2,8 @@
 
 ``watch()`` judges the timeline at every epoch end so that it can warn at once. Judging the
 whole run costs time in proportion to the epochs so far; leakcheck judges the latest
-``_JUDGED_EPOCHS`` epochs at an epoch end and the whole run at ``close()`` (NOTE [judged
-window] in leakcheck/dataloader.py). This runs both in one process, one after the other:
+``JUDGED_EPOCHS`` epochs at an epoch end and the whole run at ``close()`` (NOTE [judged
+window] in leakcheck/watching.py). This runs both in one process, one after the other:
 a wrapper over a loader with persistent workers and a few batches per epoch (so the epoch
 end weighs the most it can), and records the tracker's caller time
 (``Tracker.cost().caller_wall_s``) spent in each epoch: the epoch end's sample, its
@@ -33,7 +33,8 @@ from results_io import host_meta, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
-from leakcheck import dataloader
+from leakcheck import watching
+from leakcheck.dataloader import WatchedLoader
 
 
 class Tiny(Dataset[torch.Tensor]):
@@ -54,9 +55,9 @@ def _loader(workers: int) -> DataLoader[torch.Tensor]:
     )
 
 
-def _epoch_ms(watched: Any, window: int | None) -> float:
+def _epoch_ms(watched: WatchedLoader[torch.Tensor], window: int | None) -> float:
     """One epoch of ``watched`` with the judged window set to ``window`` (None: all)."""
-    dataloader._JUDGED_EPOCHS = window if window is not None else 10**9
+    watching.JUDGED_EPOCHS = window if window is not None else 10**9
     before = watched.tracker.cost().caller_wall_s
     for _ in watched:
         pass
@@ -72,12 +73,12 @@ def main() -> int:
     if args.epochs < 20:
         parser.error(f"--epochs: expected at least 20, got {args.epochs}")
 
-    window = dataloader._JUDGED_EPOCHS
+    window = watching.JUDGED_EPOCHS
     arms: dict[str, list[float]] = {"window": [], "whole run": []}
     for arm, judged in (("window", window), ("whole run", None)):
         with leakcheck.watch(_loader(args.workers), on_leak="warn") as watched:
             arms[arm] = [_epoch_ms(watched, judged) for _ in range(args.epochs)]
-    dataloader._JUDGED_EPOCHS = window
+    watching.JUDGED_EPOCHS = window
 
     edges = sorted({10, args.epochs // 4, args.epochs // 2, args.epochs})
     blocks: list[dict[str, Any]] = []

@@ -170,10 +170,11 @@ def _switch_off_host_reads() -> None:
     from leakcheck.sampling import host, shm
 
     host.HostReads.end_status = lambda self, table: None  # type: ignore[method-assign]
-    host.HostReads.plan = lambda self, index, table: False  # type: ignore[method-assign]
-    host.HostReads.final_reads = lambda self, table, closed: ({}, {})  # type: ignore[method-assign]
+    host.HostReads.plan = lambda self, epoch_index, table: False  # type: ignore[method-assign]
+    host.HostReads.final_reads = lambda self, table, *, closed: ({}, {})  # type: ignore[method-assign]
     shm.ShmWatch.note_usage = lambda self: None  # type: ignore[method-assign]
-    shm.ShmWatch.epoch_end = lambda self, table: None  # type: ignore[method-assign]
+    # None: the epoch has no /dev/shm read, as when the read fails (the sampler's guard).
+    shm.ShmWatch.epoch_end = lambda self, table: None  # type: ignore[method-assign, assignment, return-value]
     shm.ShmWatch.left_behind = lambda self, table: ()  # type: ignore[method-assign]
 
 
@@ -284,7 +285,7 @@ def main() -> int:
     try:
         import torch
 
-        torch_version = torch.__version__
+        torch_version: str = torch.__version__
     except ImportError:
         torch_version = "-"
     meta: dict[str, Any] = {**host_meta(), "rounds": args.rounds, "torch": torch_version}

@@ -85,7 +85,7 @@ def main() -> int:
     args = parser.parse_args()
 
     gpu_ok, gpu_reason = nvml.availability()
-    ctx = mp.get_context("spawn" if gpu_ok else "fork")
+    ctx = mp.get_context("spawn") if gpu_ok else mp.get_context("fork")
     stop = ctx.Event()
     kids = [ctx.Process(target=_idle, args=(stop,)) for _ in range(args.children)]
     readies = []
@@ -110,8 +110,8 @@ def main() -> int:
         }
 
         def full_sample() -> None:
-            with tracker._lock:
-                tracker._sample_locked(epoch_end=False)
+            with tracker._sampler.lock:
+                tracker._sampler.sample(epoch_end=False)
 
         smi = shutil.which("nvidia-smi") if gpu_ok else None
         if smi:

@@ -38,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results_io import host_meta, result_stem, write_result
-from benchmarks.stats import quantile
+from results_io import host_meta, result_stem, write_result
+from stats import quantile
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_MS = 30.0

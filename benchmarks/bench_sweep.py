@@ -58,6 +58,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,6 +70,7 @@ from results_io import gpu_meta, host_meta, result_stem, write_result
 import leakcheck
 from leakcheck import nvml
 from leakcheck.dataloader import WatchedLoader
+from leakcheck.model import GpuProcess
 from leakcheck.tracker import Tracker
 from leakcheck.workload import WorkloadSpec, make_loader
 
@@ -92,10 +94,12 @@ def _run(
     *,
     interval_s: float = 0.05,
     use_nvml: bool = True,
+    teardown: bool = False,
 ) -> dict[str, Any]:
     """One configuration, bare or tracked: wall seconds of the epochs and of everything.
 
-    ``interval_s`` and ``use_nvml`` (with ``spec.gpu``) configure the tracked arm's tracker.
+    ``interval_s`` and ``use_nvml`` (with ``spec.gpu``) configure the tracked arm's tracker;
+    ``teardown`` installs the teardown policy, in either arm (``--teardown``).
 
     Tracked, also what the tracker spent: over the epochs (``epochs_cost``) and over the
     whole configuration (``total_cost``, with ``own_s``: construction, start and report,
@@ -113,11 +117,11 @@ def _run(
             use_nvml=spec.gpu and use_nvml,
         )
         # As the sweep: the wrapper starts the tracker and chains the worker_init_fn.
-        loader = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=spec.teardown)
+        loader = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=teardown)
         loader.__enter__()
         own_s += time.perf_counter() - started
         after_start = stats.cost_counters(tracker)
-    elif spec.teardown and workers > 0:
+    elif teardown and workers > 0:
         loader.worker_init_fn = leakcheck.worker_init_fn()
     epochs_s = 0.0
     if tracker is not None:
@@ -194,9 +198,9 @@ def _configuration(
     """
     entry: dict[str, Any] = {"raw": runs}
     for key in ("epochs_s", "total_s"):
-        bare = _median([r[key] for r in runs["bare"]])
-        tracked = _median([r[key] for r in runs["tracked"]])
-        entry[key] = {"bare": bare, "tracked": tracked, "ratio": tracked / bare}
+        bare_s = _median([r[key] for r in runs["bare"]])
+        tracked_s = _median([r[key] for r in runs["tracked"]])
+        entry[key] = {"bare": bare_s, "tracked": tracked_s, "ratio": tracked_s / bare_s}
     samples = [r["sample_ms"] for r in runs["tracked"] if "sample_ms" in r]
     entry["sample_ms"] = _median(samples) if samples else None
     repeats: list[dict[str, Any]] = []
@@ -394,7 +398,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.tracker_nvml == "memory":
         # Diagnostic only: every per-process list comes back empty in this process.
-        nvml.Nvml.processes = lambda self, devices=None, graphics=True: ()  # type: ignore[method-assign]
+        def no_processes(
+            self: nvml.Nvml, devices: Sequence[int] | None = None, *, graphics: bool = True
+        ) -> tuple[GpuProcess, ...]:
+            return ()
+
+        nvml.Nvml.processes = no_processes  # type: ignore[method-assign]
 
     args.nvml_share_used = nvml_share.apply(parser, args)
     gpu, gpu_reason = nvml.availability()
@@ -406,7 +415,6 @@ def main() -> int:
         batches=args.batches,
         features=args.features,
         start_method=args.start_method,
-        teardown=args.teardown,
         gpu=gpu,
     )
     meta = _meta(args, gpu, gpu_reason)
@@ -423,7 +431,8 @@ def main() -> int:
             spec = dataclasses.replace(base, persistent=persistent)
             name = f"{workers} workers" + (" persistent" if persistent else "")
             runs: dict[str, list[dict[str, Any]]] = {"bare": [], "tracked": []}
-            _run(spec, workers, 1, tracked=False)  # warm-up: imports, page cache, CUDA
+            # Warm-up: imports, page cache, CUDA.
+            _run(spec, workers, 1, tracked=False, teardown=args.teardown)
             for repeat in range(args.repeats):
                 pair = ("bare", "tracked") if repeat % 2 == 0 else ("tracked", "bare")
                 for arm in (*pair, *reversed(pair)):
@@ -435,6 +444,7 @@ def main() -> int:
                             tracked=arm == "tracked",
                             interval_s=args.interval,
                             use_nvml=args.tracker_nvml != "off",
+                            teardown=args.teardown,
                         )
                     )
             results[name], summaries[name] = _configuration(runs)

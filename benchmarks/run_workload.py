@@ -51,7 +51,7 @@ def main() -> None:
         for features, labels in train:
             loss = functional.cross_entropy(model(features), labels)
             optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             optimizer.step()
             batches += 1
         model.eval()

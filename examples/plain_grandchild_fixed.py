@@ -12,13 +12,14 @@ from __future__ import annotations
 import multiprocessing.util
 import tempfile
 
-from plain_grandchild_leak import make_loader
+from plain_grandchild_leak import WithHelper, make_loader
 from torch.utils.data import get_worker_info
 
 
 def stop_helper_at_exit(worker_id: int) -> None:
     info = get_worker_info()
     assert info is not None  # called in a worker
+    assert isinstance(info.dataset, WithHelper)
     multiprocessing.util.Finalize(None, info.dataset.stop_helper, exitpriority=100)
 
 

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import Any, NoReturn, TextIO
 
-    from leakcheck.sweep import SweepPlan, WorkerBound
+    # Named here through __getattr__ at run time: re-exported for mypy.
+    from leakcheck.sweep import SweepPlan as SweepPlan
+    from leakcheck.sweep import WorkerBound as WorkerBound
 
 EXIT_CLEAN = 0
 EXIT_LEAK = 1

@@ -109,7 +109,7 @@ def main() -> None:
     # Stop the forkserver now, and wait for it: left to itself it exits only once it notices
     # that the rank is gone, a few seconds after the job, where leakcheck run (rightly) calls
     # it an orphan of the rank. multiprocessing has no public call for this.
-    forkserver._forkserver._stop()
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private: not in typeshed
     print(f"rank {rank} done: {total.tolist()}", flush=True)
 
 

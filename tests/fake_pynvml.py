@@ -24,6 +24,7 @@ import threading
 import time
 import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,14 @@ class NVMLError(Exception):
         return _TEXT.get(self.value, f"NVML Error with code {self.value}")
 
 
-def _subclass(name: str, code: int) -> type[NVMLError]:
+def _subclass(name: str, code: int) -> Callable[[], NVMLError]:
+    """An error class of one code (a class of ``NVMLError``, built without arguments)."""
+
     def init(self: NVMLError) -> None:
         NVMLError.__init__(self, code)
 
-    return type(name, (NVMLError,), {"__init__": init})
+    cls: Callable[[], NVMLError] = type(name, (NVMLError,), {"__init__": init})
+    return cls
 
 
 NVMLError_Uninitialized = _subclass("NVMLError_Uninitialized", NVML_ERROR_UNINITIALIZED)
@@ -83,7 +87,7 @@ NVMLError_LibraryNotFound = _subclass("NVMLError_LibraryNotFound", NVML_ERROR_LI
 NVMLError_FunctionNotFound = _subclass("NVMLError_FunctionNotFound", NVML_ERROR_FUNCTION_NOT_FOUND)
 NVMLError_GpuIsLost = _subclass("NVMLError_GpuIsLost", NVML_ERROR_GPU_IS_LOST)
 
-_BY_CODE: dict[int, type[NVMLError]] = {
+_BY_CODE: dict[int, Callable[[], NVMLError]] = {
     cls().value: cls
     for cls in (
         NVMLError_Uninitialized,
@@ -208,7 +212,7 @@ class FakePynvml(types.ModuleType):
         self.has_event_reasons = has_event_reasons
         if raw_lists:
             self._nvmlGetFunctionPointer = self._function_pointer
-            self.c_nvmlProcessInfo_v3_t = FakeProcessInfo
+            self.c_nvmlProcessInfo_v3_t: type[ctypes.Structure] = FakeProcessInfo
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -234,7 +234,8 @@ def test_grandchild_outliving_its_worker_is_named() -> None:
         watched.close()
         report = watched.report()
         named = {f.pid: f for f in report.leaks if f.rule in ("orphan", "survivor")}
-        assert sorted(named) == sleepers
+        assert None not in named
+        assert sorted(pid for pid in named if pid is not None) == sleepers
         for finding in named.values():
             assert finding.cmdline is not None and "leakcheck-test-grandchild" in finding.cmdline
             assert str(finding.pid) in finding.message
@@ -293,7 +294,7 @@ def test_bad_arguments_are_one_line_usage_errors(
 
 def test_a_non_iterable_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="loader: expected an iterable"):
-        leakcheck.watch(42)  # type: ignore[call-overload]
+        leakcheck.watch(42)  # type: ignore[arg-type]
 
 
 def test_watch_keeps_the_users_terminate_children(no_leak_warnings: None) -> None:
@@ -333,6 +334,7 @@ def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts() -> None:
         with pytest.raises(GPULeakError) as caught:
             list(watched)
         assert dataset.sleeper is not None
+        assert caught.value.report is not None
         assert [(f.rule, f.pid) for f in caught.value.report.leaks] == [
             ("survivor", dataset.sleeper.pid)
         ]
@@ -363,6 +365,7 @@ def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
         with pytest.raises(GPULeakError) as caught:
             watched.close()  # the whole run: epoch 0's survivor
         assert dataset.sleeper is not None
+        assert caught.value.report is not None
         assert [(f.rule, f.pid, f.epoch) for f in caught.value.report.leaks] == [
             ("survivor", dataset.sleeper.pid, 0)
         ]

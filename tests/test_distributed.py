@@ -268,9 +268,8 @@ def _orphan(pid: int, rank: int | None) -> Finding:
 
 
 def test_judge_job_gives_outside_leaks_to_their_rank_and_counts_each_once() -> None:
-    from timelines import epoch, parent, timeline
-
     from leakcheck.model import RuleConfig
+    from tests.timelines import epoch, parent, timeline
 
     clean = build_report(timeline([epoch(0, [parent(None)])]), RuleConfig())
     outside = build_report(timeline([epoch(0, [parent(None)])]), RuleConfig())

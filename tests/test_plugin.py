@@ -808,7 +808,7 @@ def test_junitxml_records_the_leak_on_its_testcase(
     result.assert_outcomes(passed=2, failed=2)
     root = ET.parse(xml_path).getroot()
     # One testcase per test, and one failure or error per leaked test.
-    names = [case.get("name") for case in root.iter("testcase")]
+    names = [case.attrib["name"] for case in root.iter("testcase")]
     assert sorted(names) == sorted(
         ["test_clean", "test_leaves_child", "test_leaves_shm", "test_clean_after"]
     )

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from timelines import device, epoch, final_state, mib, parent, proc, timeline
 
 from leakcheck import procs, verdict
 from leakcheck.model import RankInfo, RuleConfig
 from leakcheck.ranks import culprit_label, physical_device, rank_from_environ
+from tests.timelines import device, epoch, final_state, mib, parent, proc, timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = RuleConfig(tolerance_bytes=mib(16), grace_s=2.0)
@@ -173,7 +173,7 @@ def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
     assert verdict.device_mismatch(tl, CONFIG) == ()
     # The same on a machine with a GPU1: rank 1 belongs there, and its worker's GPU0 is not.
     two_gpus = timeline([epoch(0, [rank_1, worker], [device(0, 1220), device(1)])])
-    assert sorted(f.pid for f in verdict.device_mismatch(two_gpus, CONFIG)) == [100, 201]
+    assert sorted(f.pid or 0 for f in verdict.device_mismatch(two_gpus, CONFIG)) == [100, 201]
 
 
 # --------------------------------------------------------------------------- other ranks

@@ -4,7 +4,12 @@ import dataclasses
 import json
 
 import pytest
-from timelines import (
+
+import leakcheck
+from leakcheck.errors import UsageError
+from leakcheck.model import ProcessEpoch, RuleConfig, TeardownRecord, Timeline
+from leakcheck.report import SCHEMA_VERSION, Report, build_report, report_from_dict
+from tests.timelines import (
     ROOT_PID,
     clean_timeline,
     device,
@@ -14,11 +19,6 @@ from timelines import (
     proc,
     timeline,
 )
-
-import leakcheck
-from leakcheck.errors import UsageError
-from leakcheck.model import ProcessEpoch, RuleConfig, TeardownRecord, Timeline
-from leakcheck.report import SCHEMA_VERSION, Report, build_report, report_from_dict
 
 CONFIG = RuleConfig()
 

@@ -135,7 +135,7 @@ def findings(report: dict[str, Any], severity: str = "leak") -> collections.Coun
 
 
 def loader(data: dict[str, Any], label: str) -> dict[str, Any]:
-    matches = [item for item in data["loaders"] if item["label"] == label]
+    matches: list[dict[str, Any]] = [item for item in data["loaders"] if item["label"] == label]
     assert len(matches) == 1, [item["label"] for item in data["loaders"]]
     return matches[0]
 
@@ -724,7 +724,8 @@ def test_session_tag_is_validated() -> None:
 
 
 def test_wrappers_sharing_a_tracker_iterate_through_the_given_callable() -> None:
-    loader = DataLoader(list(range(6)), batch_size=2, num_workers=0)
+    # torch types a dataset as Dataset; a list serves as one (indexable, with a length).
+    loader: DataLoader[int] = DataLoader(list(range(6)), batch_size=2, num_workers=0)  # type: ignore[arg-type]
     calls: list[int] = []
 
     def iterate(target: Any) -> Iterator[Any]:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from leakcheck.progress import Progress
 from leakcheck.sweep import (
     COLUMN_NAMES,
     LoaderError,
+    LoaderFactory,
     SweepOptions,
     SweepResult,
     cleanup_orphans,
@@ -45,7 +46,7 @@ def _list_factory(num_workers: int) -> list[int]:
     return list(range(5))
 
 
-def _sweep(options: SweepOptions = FAST, factory=_list_factory) -> SweepResult:
+def _sweep(options: SweepOptions = FAST, factory: LoaderFactory = _list_factory) -> SweepResult:
     return run_sweep(options, factory, loader="test loader", gpu=NO_GPU)
 
 
@@ -112,19 +113,19 @@ def test_factory_failure_is_one_line_loader_error() -> None:
 
 def test_factory_returning_non_iterable_is_refused() -> None:
     with pytest.raises(LoaderError, match=r"returned int, expected an iterable loader"):
-        _sweep(factory=lambda num_workers: 42)
+        _sweep(factory=lambda num_workers: 42)  # type: ignore[arg-type, return-value]
 
 
 def test_iteration_failure_names_configuration_and_epoch() -> None:
-    def failing(num_workers: int):  # type: ignore[no-untyped-def]
-        def batches():  # type: ignore[no-untyped-def]
+    def failing(num_workers: int) -> Iterable[int]:
+        def batches() -> Iterator[int]:
             yield 1
             raise RuntimeError("worker died")
 
         class Loader:
             calls = 0
 
-            def __iter__(self):  # type: ignore[no-untyped-def]
+            def __iter__(self) -> Iterator[int]:
                 Loader.calls += 1
                 return iter([1, 2]) if Loader.calls == 1 else batches()
 
@@ -232,6 +233,7 @@ def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
     assert orphans[0].cmdline is not None
     assert "leakcheck sweep --scenario orphan" in orphans[0].cmdline
     assert [(c.pid, c.outcome) for c in config.cleaned] == [(orphans[0].pid, "terminated")]
+    assert orphans[0].pid is not None
     assert not procs.is_alive(ProcessKey(orphans[0].pid, orphans[0].create_time or 0.0))
     assert "cleanup: terminated PID" in result.format()
 
@@ -406,7 +408,7 @@ def test_user_dataloader_gets_identities_and_the_teardown_policy(
     # Every worker reported at exit, and the policy ran in each (teardown on by default).
     teardowns = config.teardowns
     assert len(teardowns) == 4 and all(t.released for t in teardowns)
-    assert sorted(t.worker_id for t in teardowns) == [0, 0, 1, 1]
+    assert sorted(t.worker_id for t in teardowns if t.worker_id is not None) == [0, 0, 1, 1]
     # The workers of the report are exactly those that reported through the mailbox...
     assert _worker_keys(config) == sorted(t.key for t in teardowns)
     # ... and exactly the processes that ran the user's own worker_init_fn (still chained).
@@ -587,7 +589,7 @@ def test_plot_module_never_imports_the_sweep() -> None:
     import leakcheck.plot
 
     tree = ast.parse(Path(leakcheck.plot.__file__).read_text())
-    imported = set()
+    imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)

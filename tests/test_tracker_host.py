@@ -159,7 +159,13 @@ def test_workers_that_live_one_epoch_report_their_host_memory_at_exit() -> None:
     import leakcheck
 
     data = torch.arange(64, dtype=torch.float32)
-    loader = DataLoader(data, batch_size=8, num_workers=2, multiprocessing_context="fork")
+    # torch types a dataset as Dataset; a Tensor serves as one (indexable, with a length).
+    loader: DataLoader[torch.Tensor] = DataLoader(
+        data,  # type: ignore[arg-type]
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
     with leakcheck.watch(loader, grace=0.5) as watched:
         for _ in range(2):
             for _batch in watched:
@@ -243,8 +249,8 @@ def test_clean_loaders_over_ten_epochs_have_no_host_finding(
 
     # The data in one tensor: reading it writes no reference counts, nothing is copied.
     data = torch.arange(20_000 * 16, dtype=torch.float32).reshape(20_000, 16)
-    loader = DataLoader(
-        data,
+    loader: DataLoader[torch.Tensor] = DataLoader(
+        data,  # type: ignore[arg-type]  # a Tensor serves as a Dataset
         batch_size=500,
         shuffle=True,
         num_workers=workers,

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
-from timelines import (
+
+from leakcheck import verdict
+from leakcheck.model import MIB, Finding, ProcessEpoch, Role, RuleConfig, ShmFile, Timeline
+from tests.timelines import (
     ROOT_PID,
     clean_timeline,
     device,
@@ -18,9 +22,6 @@ from timelines import (
     series_timeline,
     timeline,
 )
-
-from leakcheck import verdict
-from leakcheck.model import MIB, Finding, Role, RuleConfig, ShmFile, Timeline
 
 CONFIG = RuleConfig()  # 16 MiB tolerance, 1 warm-up epoch, 2 s grace
 
@@ -272,7 +273,9 @@ def test_growth_on_device_totals_when_blind() -> None:
 # --------------------------------------------------------------------------- residual
 
 
-def residual_timeline(final_used_mib: float, final_procs: list, **kwargs: object) -> Timeline:
+def residual_timeline(
+    final_used_mib: float, final_procs: list[ProcessEpoch], **kwargs: object
+) -> Timeline:
     epochs = [epoch(0, [parent(600)], [device(0, 650)])]
     final = final_state(final_procs, [device(0, final_used_mib)], after_last_epoch=epochs)
     return timeline(epochs, final=final, baseline=[device(0, 50)], **kwargs)  # type: ignore[arg-type]
@@ -541,7 +544,7 @@ def test_rules_registry_names_every_rule() -> None:
 
 
 def host_timeline(
-    series: list[tuple[float | None, float | None]], *, role: Role = "worker", pid: int = 2001
+    series: Sequence[tuple[float | None, float | None]], *, role: Role = "worker", pid: int = 2001
 ) -> Timeline:
     """One persistent process whose (USS, RSS) MiB at each epoch end follow ``series``."""
     epochs = []

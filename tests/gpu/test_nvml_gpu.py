@@ -32,7 +32,7 @@ sys.stdin.readline()
 """
 
 
-def _wait_for(predicate: Callable[[], T], what: str, deadline_s: float = 60.0) -> T:
+def _wait_for(predicate: Callable[[], T | None], what: str, deadline_s: float = 60.0) -> T:
     # A wait, not a timing assertion: NVML lists a context a moment after it is created.
     end = time.monotonic() + deadline_s
     while True:
@@ -140,10 +140,10 @@ print("clean")
 
     import torch  # and in this process: NVML use leaves CUDA's state as it was
 
-    before = torch.cuda.is_initialized()
+    before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     nvml.get().processes()
     nvml.get().devices()
-    assert torch.cuda.is_initialized() is before
+    assert torch.cuda.is_initialized() is before  # type: ignore[no-untyped-call]
 
 
 def test_forked_child_can_use_nvml() -> None:

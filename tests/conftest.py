@@ -37,3 +37,25 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("BUILD_NUMBER", raising=False)
     return pytester
+
+
+# The pytest plugin run by itself (no xdist) blames a new /dev/shm file that nobody holds on
+# the test that ran while it appeared: a user's serial session is the only test running.
+# Here the suite runs under pytest-xdist, and these tests make and leave real /dev/shm files
+# (on purpose, or for a moment) or run such plugin sessions inside: run side by side, one's
+# file is another's leak. They share one xdist group (`--dist loadgroup` in pyproject.toml),
+# so they run one after another on one worker; the rest of the suite makes no such files
+# (its semaphores are not judged).
+_DEV_SHM_MODULES = ("test_plugin.py", "test_run.py", "test_tracker_host.py")
+_DEV_SHM_FIXTURES = ("dev_shm_file", "shm_file", "inner")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the tests that touch the real /dev/shm in one xdist group."""
+    group = pytest.mark.xdist_group("dev-shm")
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if Path(str(item.path)).name in _DEV_SHM_MODULES or any(
+            name in fixtures for name in _DEV_SHM_FIXTURES
+        ):
+            item.add_marker(group)

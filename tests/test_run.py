@@ -128,6 +128,11 @@ def leakcheck_files(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.iterdir() if "leakcheck" in path.name)
 
 
+def _not_the_works(finding: dict[str, Any]) -> bool:
+    """A /dev/shm file that appeared while the program ran but that nothing ties to it."""
+    return finding["rule"] == "shm" and "nothing ties it to the work" in finding["message"]
+
+
 def findings(report: dict[str, Any], severity: str = "leak") -> collections.Counter[Any]:
     return collections.Counter(
         (f["rule"], f["role"]) for f in report["findings"] if f["severity"] == severity
@@ -397,7 +402,9 @@ def test_a_program_that_fails_or_exits_keeps_its_status_and_gets_its_report(
     assert run.data["program"]["exit_status"] == status
     report = loader(run.data, "fails.py:3")["report"]
     assert [epoch["end_reason"] for epoch in report["epochs"]] == ["completed", "break"]
-    assert report["findings"] == []  # the second epoch's workers were stopped, not left
+    # The second epoch's workers were stopped, not left (files other processes made in
+    # /dev/shm meanwhile are said as not the work's, and are not this test's business).
+    assert [f for f in report["findings"] if not _not_the_works(f)] == []
     assert run.data["tree"]["report"]["epochs"][0]["end_reason"] == tree_reason
     assert f"program exit status {status}" in run.stderr
     assert "loader fails.py:3" in run.stderr

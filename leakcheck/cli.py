@@ -890,7 +890,7 @@ def _watch(root_pid: int | None, period: float, *, as_json: bool, out: TextIO) -
             out.flush()
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
             next_frame = max(next_frame + period, time.monotonic())
-            time.sleep(next_frame - time.monotonic())
+            time.sleep(max(0.0, next_frame - time.monotonic()))
     except KeyboardInterrupt:
         return EXIT_CLEAN
     except BrokenPipeError:

@@ -18,10 +18,11 @@ and with NCCL possibly for ever. The detector must never hang the job, so:
   judges a rank whose file never came from what was seen of it from outside;
 * the collective is used only when the program asks for it, with ``gather_reports``, at a
   point every rank reaches (as it would place any collective of its own), and only while a
-  process group is initialised. On gloo a ``monitored_barrier`` with a timeout comes first:
-  a missing rank then makes every rank fall back to its file within ``timeout_s`` (with the
-  missing ranks named) instead of blocking. NCCL has no such barrier: there the program's
-  own placement of the call is what keeps it safe;
+  process group is initialised. Every rank first counts itself in through the group's
+  store and waits for the others, at most ``timeout_s`` (any backend: ``monitored_barrier``
+  is gloo's alone): a missing rank then makes every rank fall back to its file instead of
+  blocking. A rank that dies between that count and the gather is not covered: the
+  program's own placement of the call keeps that window short;
 * the file is written whatever happens (before the collective), so a failed gather loses
   nothing. leakcheck's own failures are reported (a warning, and the file), never raised.
 """
@@ -31,9 +32,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any
 
 from leakcheck.errors import UsageError
@@ -132,7 +133,7 @@ def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
                 data = json.load(handle)
             entries.append(RankReport.from_dict(data))
-        except (OSError, ValueError, UsageError) as error:
+        except (OSError, ValueError, UsageError, RecursionError) as error:
             failures.append(f"rank report {name}: cannot be read: {error}")
     entries.sort(key=lambda e: (e.info.rank, e.pid))
     return entries, failures
@@ -199,14 +200,52 @@ def gather_reports(
         return judge_job([entry]) if entry.info.rank == dst else None
     if gathered is None:
         return None
-    entries = [RankReport.from_dict(data) for data in gathered if isinstance(data, Mapping)]
-    return judge_job(entries)
+    try:
+        entries = [RankReport.from_dict(data) for data in gathered if isinstance(data, Mapping)]
+        return judge_job(entries)
+    except Exception as error:  # a peer's report that cannot be read: never into the job
+        warnings.warn(
+            f"leakcheck: rank {entry.info.rank}: gathered reports not judged "
+            f"({type(error).__name__}: {error}); this rank's alone",
+            stacklevel=2,
+        )
+        return judge_job([entry])
+
+
+_gathers = 0
+"""How many gathers this process began: every rank calls them in the same order."""
+
+
+def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
+    """Wait, at most ``timeout_s``, for every rank of the group to reach this gather.
+
+    Through the group's store, whatever the backend (``monitored_barrier`` exists for gloo
+    alone, and a group made without a backend names none): each rank adds one to a counter
+    of this gather, then waits for the world's count (NOTE [rank gathering]).
+
+    Raises:
+        TimeoutError: Some rank did not arrive in time (dead, or elsewhere).
+
+    """
+    global _gathers
+    _gathers += 1
+    store = dist.distributed_c10d._get_default_store()
+    key = f"leakcheck/gather/{_gathers}"
+    world = dist.get_world_size()
+    arrived = int(store.add(key, 1))
+    deadline = time.monotonic() + timeout_s
+    while arrived < world:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{arrived} of {world} ranks reached gather_reports in {timeout_s:g} s"
+            )
+        time.sleep(0.05)
+        arrived = int(store.add(key, 0))
 
 
 def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
     """``gather_object`` of every rank's report onto ``dst``; None on the other ranks."""
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+    _all_ranks_arrived(dist, timeout_s)
     rank = dist.get_rank()
     gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
     dist.gather_object(entry.to_dict(), gathered, dst=dst)

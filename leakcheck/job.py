@@ -90,7 +90,7 @@ class RankReport:
                 reports=tuple(report_from_dict(r) for r in data.get("reports") or ()),
                 missing=tuple(str(m) for m in data.get("missing") or ()),
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise UsageError(f"rank report data: malformed ({error})") from None
 
 

@@ -449,7 +449,8 @@ class Timeline:
     attribution_reason: str
     baseline_devices: tuple[DeviceState, ...]
     baseline_gpu_bytes: Mapping[int, int]
-    """The root's own used GPU bytes per device when tracking started."""
+    """Used GPU bytes per device when tracking started of what the final state counts as the
+    job's beside its lineage: the root's own, and other trackers' or ranks' processes."""
     epochs: tuple[EpochRecord, ...]
     final: FinalState | None = None
     failures: tuple[str, ...] = ()

@@ -40,7 +40,8 @@ def _count(text: str | None) -> int | None:
     if text is None:
         return None
     text = text.strip()
-    if not (text.isascii() and text.isdigit()):
+    # Bounded: int() refuses more than 4,300 digits, and no rank or count has 19.
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
         return None
     return int(text)
 

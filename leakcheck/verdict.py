@@ -651,7 +651,8 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     """Find device memory above the baseline after the work that the job does not explain.
 
     For each device: ``rise = final used - baseline used``; ``explained = the job's
-    processes' bytes now - the root's own bytes at the baseline``; a leak when
+    processes' bytes now (other trackers' and ranks' included) - what of them was there at
+    the baseline`` (``Timeline.baseline_gpu_bytes``); a leak when
     ``rise - explained`` exceeds the tolerance. Foreign processes holding memory on the
     device are named.
     """

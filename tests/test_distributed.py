@@ -297,3 +297,43 @@ def test_judge_job_gives_outside_leaks_to_their_rank_and_counts_each_once() -> N
     )
     again = RankReport.from_dict(json.loads(json.dumps(entries[0].to_dict())))
     assert again == entries[0]
+
+
+MISSING_RANK = """
+import json, sys, time, warnings
+import torch.distributed as dist
+import leakcheck
+
+dist.init_process_group()  # no backend named: torch picks one, and get_backend() is no "gloo"
+rank = dist.get_rank()
+if rank == 1:
+    time.sleep(4)  # never reaches gather_reports: as if it died or went elsewhere
+    sys.exit(0)
+started = time.monotonic()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    job = leakcheck.gather_reports([], timeout_s=1.0, folder=sys.argv[1])
+print("RESULT " + json.dumps({
+    "waited_s": time.monotonic() - started,
+    "ranks": [r.rank for r in job.ranks] if job is not None else None,
+    "warnings": [str(w.message) for w in caught],
+}))
+"""
+
+
+def test_a_rank_that_never_gathers_makes_rank_0_fall_back_within_the_timeout(
+    workdir: Path,
+) -> None:
+    """NOTE [rank gathering]: rank 1 never calls gather_reports; rank 0 waits at most its
+    timeout (1 s) for the count in the group's store, then judges its own report and warns,
+    instead of blocking in gather_object until rank 1 exits (or the group's 30-minute
+    timeout). The group is made without naming a backend, as torch's docs now show it."""
+    script = workdir / "missing.py"
+    script.write_text(MISSING_RANK)
+    status, out, err = _run([*TORCHRUN, str(script), str(workdir / "ranks")], workdir)
+    assert status == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    assert result["ranks"] == [0]
+    assert 1.0 <= result["waited_s"] < 3.0, result
+    assert any("1 of 2 ranks reached gather_reports" in w for w in result["warnings"]), result

@@ -184,18 +184,24 @@ from leakcheck import nvml
 from leakcheck.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 
-sibling, stranger, stranger_mib = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+sibling, stranger = int(sys.argv[1]), int(sys.argv[2])
+stranger_mib, held_before, unexplained_mib = (int(v) * 2**20 for v in sys.argv[3:6])
 fake = FakePynvml([FakeDevice(total_bytes=80 * 2**30)])
 sys.modules["leakcheck.nvml_lib"] = fake
 nvml._reset_for_tests()
 device = fake.devices[0]
+# Another rank of this job on the shared GPU, maybe with memory before tracking starts.
+if held_before:
+    device.compute = [FakeProcess(pid=sibling, usedGpuMemory=held_before)]
+    device.used_bytes += held_before
 with Tracker(grace=0.1, interval=3600.0) as tracker:
     with tracker.epoch():
-        # Another rank of this job, and a process of no rank of it, on the shared GPU.
+        # The other rank grows to 700 MiB; a process of no rank of this job, and memory no
+        # process holds, maybe.
         device.compute = [FakeProcess(pid=sibling, usedGpuMemory=700 * 2**20)]
         if stranger_mib:
-            device.compute.append(FakeProcess(pid=stranger, usedGpuMemory=stranger_mib * 2**20))
-        device.used_bytes += (700 + stranger_mib) * 2**20
+            device.compute.append(FakeProcess(pid=stranger, usedGpuMemory=stranger_mib))
+        device.used_bytes += 700 * 2**20 - held_before + stranger_mib + unexplained_mib
         tracker.sample()
 print("RESULT " + json.dumps(tracker.report().to_dict()))
 """
@@ -205,26 +211,26 @@ def _sleeper(env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
 
 
-@pytest.mark.parametrize("stranger_mib", [0, 500])
-def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(stranger_mib: int) -> None:
+@pytest.mark.parametrize(
+    ("stranger_mib", "held_before_mib", "unexplained_mib"),
+    [(0, 0, 0), (500, 0, 0), (0, 600, 0), (0, 600, 300)],
+)
+def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(
+    stranger_mib: int, held_before_mib: int, unexplained_mib: int
+) -> None:
     """NOTE [other ranks]: rank 0's tracker sees rank 1 (same TORCHELASTIC_RUN_ID, a sibling
     under the agent) holding 700 MiB of the shared GPU: the job's memory, not a residual nor
-    a foreign holder; a process of another run holding 500 MiB is still named."""
+    a foreign holder; a process of another run holding 500 MiB is still named. What rank 1
+    held before tracking started is in the baseline, once: 300 MiB nobody holds is found."""
     job = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run-a"}
     other = {**job, "TORCHELASTIC_RUN_ID": "run-b"}
     base = {k: v for k, v in os.environ.items() if not k.startswith("LEAKCHECK_")}
     sibling, stranger = _sleeper({**base, **job}), _sleeper({**base, **other})
     try:
         root_env = {**base, **job, "RANK": "0", "LOCAL_RANK": "0", "PYTHONPATH": str(ROOT)}
+        numbers = (sibling.pid, stranger.pid, stranger_mib, held_before_mib, unexplained_mib)
         done = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                SIBLING_JOB,
-                str(sibling.pid),
-                str(stranger.pid),
-                str(stranger_mib),
-            ],
+            [sys.executable, "-c", SIBLING_JOB, *(str(n) for n in numbers)],
             env=root_env,
             cwd=ROOT,
             capture_output=True,
@@ -245,5 +251,35 @@ def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(stranger_m
         (finding,) = residual
         assert f"foreign PID {stranger.pid}" in finding["message"]
         assert f"PID {sibling.pid}" not in finding["message"]
+    elif unexplained_mib:
+        (finding,) = residual
+        assert "300 MiB of it not held by the job's processes" in finding["message"]
     else:
         assert residual == [], findings
+
+
+def test_only_a_live_other_rank_of_the_same_run_and_restart_is_another_ranks() -> None:
+    """NOTE [other ranks]: the root's own rank, another restart, another run, torchrun's
+    default run id "none" (no run), and a process no longer below the root's parent."""
+    from leakcheck.sampling.table import _same_job
+
+    child = _sleeper(dict(os.environ))
+    try:
+        ours = RankInfo(rank=0, run_id="run-a", restart_count=0)
+        agent = os.getpid()  # the child's parent, as the agent is a rank's
+
+        def same(other: RankInfo, ancestor: int = agent) -> bool:
+            return _same_job(ours, ancestor, other, child.pid)
+
+        assert same(RankInfo(rank=1, run_id="run-a", restart_count=0))
+        assert not same(RankInfo(rank=0, run_id="run-a", restart_count=0))  # our own rank
+        assert not same(RankInfo(rank=1, run_id="run-a", restart_count=1))  # a restart
+        assert not same(RankInfo(rank=1, run_id="run-b", restart_count=0))  # another run
+        assert not same(RankInfo(rank=1, run_id="run-a", restart_count=0), ancestor=1)
+        none = RankInfo(rank=0, run_id="none", restart_count=0)
+        # torchrun's default id names no run: the rest decides (below the same parent).
+        assert _same_job(none, agent, RankInfo(rank=1, run_id="none", restart_count=0), child.pid)
+        assert not _same_job(none, agent, RankInfo(rank=1, run_id="run-b"), child.pid)
+    finally:
+        child.kill()
+        child.wait()

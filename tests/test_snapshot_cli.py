@@ -6,6 +6,7 @@ SIGINT sent to that subprocess by its PID, as Ctrl-C would.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -181,3 +182,23 @@ def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, check=True
     )
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_watch_keeps_going_when_a_frame_takes_longer_than_the_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot slower than the period (a busy host, or Ctrl-Z then fg) starts the next
+    one at once; the third frame's Ctrl-C ends the watch with 0."""
+    frames: list[float] = []
+
+    def slow(root_pid: int | None, *, as_json: bool, indent: int | None) -> str:
+        frames.append(time.monotonic())
+        if len(frames) == 3:
+            raise KeyboardInterrupt
+        time.sleep(0.15)
+        return "frame"
+
+    monkeypatch.setattr(cli, "_snapshot_text", slow)
+    out = io.StringIO()
+    assert cli._watch(None, 0.1, as_json=False, out=out) == cli.EXIT_CLEAN
+    assert len(frames) == 3 and out.getvalue().count("frame") == 2

@@ -181,7 +181,13 @@ class Sampler:
                 self.table.add(info, now=0.0, born_epoch=None, pre_existing=True)
             self.sample(epoch_end=False)
             self.baseline_devices = self.nvml.device_states()
-            self.baseline_gpu_bytes = dict(self.table.procs[root_key].gpu_bytes)
+            # What the end state also counts as the job's: the root's own bytes and those of
+            # other trackers' or ranks' processes (their rise is the job's, not what they
+            # already held: NOTE [other ranks] in table.py).
+            baseline = dict(self.table.procs[root_key].gpu_bytes)
+            for device, used in self.table.others_gpu_bytes().items():
+                baseline[device] = baseline.get(device, 0) + used
+            self.baseline_gpu_bytes = baseline
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
         self.meter.sampler_thread = self._thread
         self._thread.start()

@@ -79,20 +79,29 @@ _RANK_EXEC_WINDOW_S = 1.0
 # agent), so a tracker inside rank 0 finds rank 1 and its workers on the GPU, outside its
 # lineage: foreign, by the lineage alone, and their memory on a shared device would be the
 # residual rule's unexplained rise (two ranks sharing one GPU each blamed the other). A GPU
-# process whose environment names the same elastic run (TORCHELASTIC_RUN_ID) as the
-# tracker's root is another rank's: its memory is the job's, like another tracker's
-# processes (NOTE [claims]), and it is judged by its own rank's tracker, never here. Without
-# a run id (ranks started by hand with RANK set), only a process with a rank whose parent is
-# the root's parent counts so: a sibling rank itself, not its workers.
+# process is another rank's when its environment names the same elastic run
+# (TORCHELASTIC_RUN_ID; torchrun's default id "none" names no run) and the same restart, a
+# rank other than the root's, and it is still below the agent (the root's parent): then its
+# memory is the job's, like another tracker's processes (NOTE [claims]), and its own rank's
+# tracker judges it. The root's own untagged orphans (same rank), a dead rank's or an
+# earlier restart's leftovers (reparented away, or another restart) stay foreign: no live
+# tracker would judge them otherwise. Without a run id (ranks started by hand with RANK
+# set), the rest decides: another rank of the same restart, below the root's parent.
 
 
-def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, ppid: int) -> bool:
-    """Whether a process with rank ``other`` (parent ``ppid``) is another rank of our job."""
-    if ours is None or other is None:
+def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
+    """Whether process ``pid`` (of rank ``other``) is another live rank's of our job."""
+    if ours is None or other is None or other.rank == ours.rank or ours_ppid <= 1:
         return False
-    if ours.run_id is not None or other.run_id is not None:
-        return ours.run_id == other.run_id
-    return ppid == ours_ppid
+    if other.restart_count != ours.restart_count:
+        return False
+    if _run_id(ours) != _run_id(other):
+        return False
+    return procs.is_ancestor(ours_ppid, pid)
+
+
+def _run_id(info: RankInfo) -> str | None:
+    return None if info.run_id in (None, "", "none") else info.run_id
 
 
 def _stored(cmdline: str) -> str:
@@ -325,7 +334,7 @@ class ProcessTable:
         if not info.tagged and claims.owner_of(info.key) is None:
             root = self.procs[self.root]
             rank = _rank_of(pid) if root.rank is not None else None
-            other_rank = _same_job(root.rank, root.ppid, rank, info.ppid)
+            other_rank = _same_job(root.rank, root.ppid, rank, pid)
             proc = Proc(
                 key=info.key,
                 ppid=info.ppid,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Benchmarks on the device machine; each writes its current result over the one in
 # benchmarks/results/ (names: benchmarks/results_io.py). Results under $OUT/bench.tgz.
-# Usage: bash tools/gpu_bench.sh [snapshot] [watch] [sweep] [control] [driver] [plugin]
+# Usage: bash tools/gpu_bench.sh [snapshot] [start] [watch] [sweep] [control] [driver] [plugin]
+# (start: `leakcheck snapshot` as a whole process beside python -c pass and nvidia-smi)
 # A device call runs at most 10 minutes: the default, snapshot watch sweep, fits one call;
 # `control driver` fits another.
 set -u
@@ -12,7 +13,7 @@ run() { local limit=$1; shift; echo "+ $*"; timeout "$limit" "$@"; echo "rc=$?";
 watch=(python3 benchmarks/bench_watch.py --device cuda --workers 8 --batches 1000 --warmup 1 --write)
 benches=${*:-snapshot watch sweep}
 for bench in $benches; do
-  case $bench in snapshot|watch|sweep|control|driver|plugin) ;;
+  case $bench in snapshot|start|watch|sweep|control|driver|plugin) ;;
     *) echo "gpu_bench.sh: unknown benchmark: $bench" >&2; exit 2 ;;
   esac
 done
@@ -21,6 +22,7 @@ for bench in $benches; do
     snapshot)
       run 80 python3 benchmarks/bench_snapshot.py --children 64 --rounds 200 --write
       run 50 python3 benchmarks/bench_snapshot.py --children 8 --rounds 200 --write ;;
+    start) run 120 python3 benchmarks/bench_snapshot_start.py --rounds 15 --importtime --write ;;
     watch) run 150 "${watch[@]}" --rounds 6 ;;
     # The A/A check of the design: its A/B should centre on 0.
     control) run 270 "${watch[@]}" --rounds 24 --variant control ;;

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import Any, NoReturn, TextIO
 
-    # Named here through __getattr__ at run time: re-exported for mypy.
-    from leakcheck.sweep import SweepPlan as SweepPlan
-    from leakcheck.sweep import WorkerBound as WorkerBound
+    from leakcheck.sweep import SweepPlan, WorkerBound
 
 EXIT_CLEAN = 0
 EXIT_LEAK = 1
@@ -932,12 +930,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_command(args, sys.stdout, sys.stderr)
     sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
     return EXIT_USAGE
-
-
-def __getattr__(name: str) -> Any:
-    # The sweep's plan types live with the sweep (NOTE [lean start]); still named here.
-    if name in ("SweepPlan", "WorkerBound"):
-        from leakcheck import sweep
-
-        return getattr(sweep, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

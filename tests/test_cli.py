@@ -25,6 +25,7 @@ from leakcheck import cli
 from leakcheck.cli import main
 from leakcheck.errors import UsageError
 from leakcheck.model import MIB
+from leakcheck.sweep import WorkerBound
 from leakcheck.units import format_mib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -538,7 +539,7 @@ def test_device_without_a_gpu_is_refused(
 def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
     monkeypatch.setattr(cli, "_process_room", lambda: None)
-    assert cli.worker_bound() == cli.WorkerBound(128, "16 CPUs x 8")
+    assert cli.worker_bound() == WorkerBound(128, "16 CPUs x 8")
     args = cli.build_parser().parse_args(["sweep", "--workers", "0,129", "--loader", "m:f"])
     with pytest.raises(UsageError) as info:
         cli.resolve_sweep(args)
@@ -561,7 +562,7 @@ def test_worker_bound_by_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, 8192))
     monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4059 if uid == 1000 else 0)
-    assert cli.worker_bound() == cli.WorkerBound(
+    assert cli.worker_bound() == WorkerBound(
         37, "RLIMIT_NPROC 4096 minus 4059 processes and threads this user runs"
     )
     # A roomy limit leaves the CPU bound.

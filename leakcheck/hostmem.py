@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeVar
 
 from leakcheck import procs
-from leakcheck.model import ProcessKey
 from leakcheck.procs import ShmSegment
+from leakcheck.readings import ProcessKey
 
 __all__ = [
     "HostMemory",

@@ -1,7 +1,8 @@
 """Plain data shared by every layer: identities, samples, epochs, findings.
 
 Everything here is a frozen dataclass with units in its field names. The lower layers
-(``nvml``, ``procs``) produce ``GpuProcess``/``DeviceState``/``ProcInfo``; ``tracker`` folds
+(``nvml``, ``procs``) produce ``GpuProcess``/``DeviceState``/``ProcInfo`` (defined in
+``readings.py``, named here too); ``tracker`` folds
 them into a ``Timeline`` of ``EpochRecord``; ``verdict`` turns a ``Timeline`` into
 ``Finding``; ``report`` renders both.
 """
@@ -12,8 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
-"""Where a process stands relative to the watched job (see DESIGN.md, attribution model)."""
+from leakcheck.readings import MIB as MIB
+from leakcheck.readings import AccountedProcess as AccountedProcess
+from leakcheck.readings import DeviceState as DeviceState
+from leakcheck.readings import GpuProcess as GpuProcess
+from leakcheck.readings import ProcessKey as ProcessKey
+from leakcheck.readings import ProcInfo as ProcInfo
+from leakcheck.readings import Role as Role
 
 Rule = Literal[
     "survivor",
@@ -30,23 +36,6 @@ Rule = Literal[
     "device-mismatch",
 ]
 Severity = Literal["leak", "info"]
-
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True, order=True)
-class ProcessKey:
-    """A process identity that survives PID reuse.
-
-    Attributes:
-        pid: The process ID in this PID namespace.
-        create_time: Start time in seconds since the Unix epoch, computed like
-            ``psutil.Process.create_time()`` so both sources compare equal.
-
-    """
-
-    pid: int
-    create_time: float
 
 
 @dataclass(frozen=True)
@@ -74,64 +63,6 @@ class RankInfo:
     run_id: str | None = None
     restart_count: int | None = None
     device: int | None = None
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """One process as read from /proc at one moment."""
-
-    key: ProcessKey
-    ppid: int
-    name: str
-    cmdline: str
-    tagged: bool = False
-    """True when its environment carries this session's ``LEAKCHECK_SESSION`` tag."""
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    """One process on one device as NVML reports it.
-
-    ``used_gpu_bytes`` is None when the driver does not say (MIG, some vGPUs, permissions),
-    never 0 or the 2**64-1 sentinel.
-    """
-
-    pid: int
-    device_index: int
-    used_gpu_bytes: int | None
-    kind: Literal["compute", "graphics", "both"] = "compute"
-
-
-@dataclass(frozen=True)
-class DeviceState:
-    """Memory and thermal state of one device at one moment.
-
-    Telemetry fields are None when the device does not report them or when only memory
-    was read.
-    """
-
-    index: int
-    name: str
-    uuid: str
-    used_bytes: int
-    total_bytes: int
-    temperature_c: int | None = None
-    sm_clock_mhz: int | None = None
-    sm_clock_max_mhz: int | None = None
-    power_w: float | None = None
-    performance_state: int | None = None
-    throttle_reasons: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class AccountedProcess:
-    """NVML accounting record: kept by the driver even after the process exited."""
-
-    pid: int
-    device_index: int
-    max_memory_bytes: int | None
-    time_ms: int | None
-    is_running: bool
 
 
 PeakSource = Literal["reported", "sampled", "unknown"]

@@ -47,7 +47,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from leakcheck.errors import LeakCheckError, NVMLUnavailable, UsageError
-from leakcheck.model import AccountedProcess, DeviceState, GpuProcess
+from leakcheck.readings import AccountedProcess, DeviceState, GpuProcess
 
 __all__ = ["THROTTLE_REASON_NAMES", "Nvml", "availability", "get", "throttle_reason_names"]
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from stat import S_ISCHR
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
-from leakcheck.model import ProcessKey, ProcInfo
+from leakcheck.readings import ProcessKey, ProcInfo
 
 if TYPE_CHECKING:
     from types import ModuleType

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from leakcheck.model import ProcessKey, Role
+from leakcheck.readings import ProcessKey, Role
 
 __all__ = ["HELPER_FLAG", "RUNTIME_HELPERS", "direct_child_role", "is_runtime_helper"]
 

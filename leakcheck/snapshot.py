@@ -12,14 +12,18 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from leakcheck import hostmem, nvml, procs, roles
+from leakcheck import nvml, procs, roles
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
-from leakcheck.hostmem import HostMemory
-from leakcheck.model import Attribution, DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.procs import new_session_id, session_root_pid
+from leakcheck.readings import DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.units import format_mib
+
+if TYPE_CHECKING:
+    # Not at run time: a plain snapshot needs neither (NOTE [lean start] in cli.py).
+    from leakcheck.hostmem import HostMemory
+    from leakcheck.model import Attribution
 
 __all__ = [
     "SNAPSHOT_SCHEMA_VERSION",
@@ -258,6 +262,12 @@ def read_gpu_processes(
     return "ok", "", device_states, gpu_processes
 
 
+def _host_memory(key: ProcessKey) -> HostMemory | None:
+    from leakcheck import hostmem  # only with --pid (NOTE [lean start] in cli.py)
+
+    return hostmem.read_host_memory(key)
+
+
 def take_snapshot(
     *,
     root_pid: int | None = None,
@@ -357,7 +367,7 @@ def take_snapshot(
                 nvidia_fds=fds.get(pid) if with_fds else None,
                 flags=tuple(flags),
                 session=tag,
-                host=hostmem.read_host_memory(info.key) if want_host and pid in job else None,
+                host=_host_memory(info.key) if want_host and pid in job else None,
             )
         )
     return Snapshot(

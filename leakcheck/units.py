@@ -6,7 +6,7 @@ import math
 import re
 
 from leakcheck.errors import UsageError
-from leakcheck.model import MIB
+from leakcheck.readings import MIB
 
 # A bound well inside what the waits accept (threading.TIMEOUT_MAX is ~9.2e9 s on 64-bit
 # Linux; Event.wait() raises OverflowError past it), and longer than any job runs.

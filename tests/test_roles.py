@@ -86,5 +86,5 @@ def test_roles_is_a_low_layer_module() -> None:
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     leakcheck_modules = {name for name in imported if name.startswith("leakcheck")}
-    assert leakcheck_modules <= {"leakcheck.model", "leakcheck.units"}
+    assert leakcheck_modules <= {"leakcheck.model", "leakcheck.readings", "leakcheck.units"}
     assert not {"torch", "pynvml"} & {name.split(".")[0] for name in imported}

@@ -170,13 +170,15 @@ def test_other_lines_go_to_the_full_parser(tokens: list[str]) -> None:
 
 
 def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
+    """Nor the report model and the host-memory reader: a plain snapshot needs neither."""
     probe = (
         "import sys, runpy; sys.argv = ['leakcheck', 'snapshot']\n"
         "try:\n    runpy.run_module('leakcheck', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('argparse', 'pynvml', 'torch', 'json') or m in "
-        "('leakcheck.sweep', 'leakcheck.options', 'leakcheck.workload', 'leakcheck.run_cli')))"
+        "('leakcheck.sweep', 'leakcheck.options', 'leakcheck.workload', 'leakcheck.run_cli', "
+        "'leakcheck.model', 'leakcheck.hostmem')))"
     )
     run = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, check=True

@@ -20,7 +20,7 @@ from typing import Any
 
 from leakcheck.errors import UsageError
 from leakcheck.model import Finding, RankInfo
-from leakcheck.report import Report, leak_short, report_from_dict
+from leakcheck.report import Report, leak_short, report_from_dict, verdict_of
 
 __all__ = [
     "JOB_SCHEMA_VERSION",
@@ -135,9 +135,7 @@ class RankVerdict:
     @property
     def verdict(self) -> str:
         """``leak``, ``blind`` or ``clean``."""
-        if self.leaks:
-            return "leak"
-        return "blind" if self.blind else "clean"
+        return verdict_of(leaked=bool(self.leaks), blind=self.blind)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (findings by identity: the full ones are in the reports)."""
@@ -182,9 +180,7 @@ class JobReport:
     @property
     def verdict(self) -> str:
         """``leak``, ``blind`` or ``clean``, for the whole job."""
-        if self.leaks:
-            return "leak"
-        return "blind" if self.blind else "clean"
+        return verdict_of(leaked=bool(self.leaks), blind=self.blind)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""

@@ -63,6 +63,7 @@ from leakcheck.report import (
     SCHEMA_VERSION,
     Report,
     build_report,
+    combined_verdict,
     finding_lines,
     report_from_dict,
 )
@@ -240,11 +241,7 @@ class RunResult:
     @property
     def verdict(self) -> str:
         """``leak``, ``blind`` (a report could not attribute) or ``clean``."""
-        verdicts = {report.verdict for report in self._reports()}
-        for verdict in ("leak", "blind"):
-            if verdict in verdicts:
-                return verdict
-        return "clean"
+        return combined_verdict(report.verdict for report in self._reports())
 
     def _reports(self) -> list[Report]:
         reports = [loader.report for loader in self.loaders if loader.report is not None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,12 +36,14 @@ __all__ = [
     "Report",
     "Verdict",
     "build_report",
+    "combined_verdict",
     "finding_from_dict",
     "finding_lines",
     "finding_to_dict",
     "host_totals",
     "leak_short",
     "report_from_dict",
+    "verdict_of",
 ]
 
 SCHEMA_VERSION = 2
@@ -52,6 +54,24 @@ _READABLE_VERSIONS = (1, SCHEMA_VERSION)
 """Layouts ``report_from_dict`` reads: 1 lacks the rank fields, which then stay None."""
 
 Verdict = Literal["clean", "leak", "blind"]
+
+
+def verdict_of(*, leaked: bool, blind: bool) -> Verdict:
+    """The verdict of one report: ``leak``, ``blind`` or ``clean``.
+
+    ``leak`` when anything leaked; else ``blind`` where processes could not be attributed
+    (never ``clean`` then); else ``clean``.
+    """
+    if leaked:
+        return "leak"
+    return "blind" if blind else "clean"
+
+
+def combined_verdict(verdicts: Iterable[str]) -> Verdict:
+    """The verdict of several reports together: the worst of theirs."""
+    found = set(verdicts)
+    return verdict_of(leaked="leak" in found, blind="blind" in found)
+
 
 _GIB = 1024 * MIB
 _LABEL_WIDTH = 16
@@ -97,11 +117,9 @@ class Report:
         ``leak`` when any leak was found; ``blind`` when none was but processes could not
         be attributed (never ``clean`` then); otherwise ``clean``.
         """
-        if self.leaks:
-            return "leak"
-        if self.timeline.attribution == "blind-namespace":
-            return "blind"
-        return "clean"
+        return verdict_of(
+            leaked=bool(self.leaks), blind=self.timeline.attribution == "blind-namespace"
+        )
 
     @property
     def clean(self) -> bool:

@@ -44,6 +44,7 @@ from leakcheck.progress import Progress
 from leakcheck.report import (
     align_columns,
     alive_after_grace,
+    combined_verdict,
     host_totals,
     or_dash,
     workers_peak_bytes,
@@ -406,11 +407,7 @@ class SweepResult:
     @property
     def verdict(self) -> str:
         """``leak`` if any configuration leaked, ``blind`` if any was blind, else ``clean``."""
-        verdicts = {config.report.verdict for config in self.configs}
-        for verdict in ("leak", "blind"):
-            if verdict in verdicts:
-                return verdict
-        return "clean"
+        return combined_verdict(config.report.verdict for config in self.configs)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""

@@ -270,9 +270,6 @@ class Nvml:
         soft: list[type[BaseException]] = []
         if isinstance(nvml_error, type) and issubclass(nvml_error, BaseException):
             soft.append(nvml_error)
-        mismatch = getattr(lib, "NVMLLibraryMismatchError", None)
-        if isinstance(mismatch, type) and issubclass(mismatch, BaseException):
-            soft.append(mismatch)
         self._nvml_errors: tuple[type[BaseException], ...] = tuple(soft)
         self._start()
 
@@ -408,7 +405,7 @@ class Nvml:
         """One running-process list as (pid, used bytes or None) pairs.
 
         Read through a reused buffer where the binding allows it (NOTE [process lists]);
-        otherwise through the binding, falling back to the ``_v2`` call on an older driver.
+        otherwise through the binding's public call (a binding without the C-level names).
         A graphics list the device does not support is empty, and not asked for again.
         """
         if (index, name) in self._unsupported:
@@ -417,7 +414,8 @@ class Nvml:
         try:
             if reader is not None:
                 return reader.read(handle)
-            return self._bound_running(index, handle, name)
+            entries = getattr(self._lib, name)(handle) or ()
+            return [(int(e.pid), _known(getattr(e, "usedGpuMemory", None))) for e in entries]
         except self._nvml_errors as exc:
             not_supported = getattr(self._lib, "NVML_ERROR_NOT_SUPPORTED", _ERR_NOT_SUPPORTED)
             if optional and _err_code(exc) == not_supported:
@@ -426,18 +424,6 @@ class Nvml:
             raise LeakCheckError(
                 f"NVML {name} failed on device {index}: {_one_line(exc) or type(exc).__name__}"
             ) from exc
-
-    def _bound_running(self, index: int, handle: Any, name: str) -> list[tuple[int, int | None]]:
-        mismatch = getattr(self._lib, "NVMLLibraryMismatchError", None)
-        try:
-            entries = getattr(self._lib, name)(handle) or ()
-        except self._nvml_errors as exc:
-            if mismatch is None or not isinstance(exc, mismatch):
-                raise
-            # The binding's default (v3) is newer than the driver; v2 carries the same
-            # pid and used-memory fields.
-            entries = self._call(f"{name}_v2", index, handle) or ()
-        return [(int(info.pid), _known(getattr(info, "usedGpuMemory", None))) for info in entries]
 
     def _raw_reader(self, index: int, name: str) -> _RawProcessList | None:
         key = (index, name)

@@ -109,10 +109,6 @@ def error(code: int) -> NVMLError:
     return cls() if cls is not None else NVMLError(code)
 
 
-class NVMLLibraryMismatchError(Exception):
-    pass
-
-
 @dataclass
 class FakeProcess:
     pid: int
@@ -203,7 +199,7 @@ class FakePynvml(types.ModuleType):
         self.generation = 0
         self._counter_lock = threading.Lock()
         for name, value in globals().items():
-            if name.startswith(("NVML_", "NVMLError")) or name == "NVMLLibraryMismatchError":
+            if name.startswith(("NVML_", "NVMLError")):
                 setattr(self, name, value)
         self.NVML_TEMPERATURE_GPU = 0
         self.NVML_CLOCK_SM = 1

@@ -443,7 +443,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    import dataclasses
     import importlib.util
 
     from leakcheck import options as option_specs
@@ -462,16 +461,9 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     if args.device is not None:
         device = _int_value(args.device, "--device", minimum=0, example="0")
     # Shared with the other adapters: command line, then environment, then default.
-    tolerance_bytes = option_specs.resolve(
-        dataclasses.replace(option_specs.TOLERANCE, cli_flag="--tolerance"),
-        cli=args.tolerance,
-        environ=os.environ,
-    ).value
-    grace_s = option_specs.resolve(
-        dataclasses.replace(option_specs.GRACE, cli_flag="--grace", default=_SWEEP_GRACE_S),
-        cli=args.grace,
-        environ=os.environ,
-    ).value
+    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=_SWEEP_GRACE_S
+    )
     interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     cooldown_temp_c = None
     if args.cooldown_temp is not None:

@@ -226,6 +226,28 @@ GRACE = OptionSpec[float](
     ini_key="gpu_leak_grace",
 )
 
+
+def command_line_thresholds(
+    tolerance: object, grace: object, environ: Mapping[str, str], *, grace_default_s: float
+) -> tuple[int, float]:
+    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command (``sweep``, ``run``).
+
+    Each from the command line, then the environment (``LEAKCHECK_TOLERANCE``,
+    ``LEAKCHECK_GRACE``), then the default.
+
+    Raises:
+        UsageError: The winning source holds a bad value; the message names the source.
+
+    """
+    tolerance_bytes = resolve(
+        replace(TOLERANCE, cli_flag="--tolerance"), cli=tolerance, environ=environ
+    ).value
+    grace_s = resolve(
+        replace(GRACE, cli_flag="--grace", default=grace_default_s), cli=grace, environ=environ
+    ).value
+    return tolerance_bytes, grace_s
+
+
 WARN_FLAG = "--gpu-leak-warn"
 """The pytest switch that means ``--gpu-leak-mode=warn``."""
 

@@ -147,16 +147,9 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
             f"--plot: not supported by leakcheck run yet, got {args.plot!r} (use --json PATH; "
             "leakcheck sweep --plot draws a sweep)"
         )
-    tolerance_bytes = option_specs.resolve(
-        dataclasses.replace(option_specs.TOLERANCE, cli_flag="--tolerance"),
-        cli=args.tolerance,
-        environ=os.environ,
-    ).value
-    grace_s = option_specs.resolve(
-        dataclasses.replace(option_specs.GRACE, cli_flag="--grace", default=2.0),
-        cli=args.grace,
-        environ=os.environ,
-    ).value
+    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    )
     interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
     if interval_s <= 0:
         raise UsageError(

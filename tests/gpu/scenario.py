@@ -38,3 +38,21 @@ def run_job(path: str, timeout_s: float) -> dict[str, Any]:
 def leaks(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The findings of severity ``leak`` in a ``Report.to_dict()``."""
     return [f for f in report["findings"] if f["severity"] == "leak"]
+
+
+def processes(report: dict[str, Any], role: str) -> list[dict[str, Any]]:
+    """Every epoch's processes of ``role`` in a ``Report.to_dict()``, epoch by epoch."""
+    return [p for e in report["epochs"] for p in e["processes"] if p["role"] == role]
+
+
+def reported_gpu_bytes(report: dict[str, Any]) -> dict[tuple[int, float], int]:
+    """(pid, create_time) -> the GPU bytes each worker reported holding as it exited."""
+    return {
+        (t["key"]["pid"], t["key"]["create_time"]): sum(t["gpu_bytes_by_device"].values())
+        for t in report["teardowns"]
+    }
+
+
+def key_of(process: dict[str, Any]) -> tuple[int, float]:
+    """A process's (pid, create_time), as ``reported_gpu_bytes`` keys it."""
+    return process["key"]["pid"], process["key"]["create_time"]

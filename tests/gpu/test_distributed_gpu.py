@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.scenario import key_of, processes, reported_gpu_bytes
 from tests.test_distributed import leakcheck_run, leftovers, workdir
 
 pytestmark = pytest.mark.gpu
@@ -74,18 +75,14 @@ def test_two_ranks_sharing_gpu_0_are_attributed_per_rank_exactly(
         report: dict[str, Any] = loader["report"]
         assert report["attribution"] == "ok"
         assert [f for f in report["findings"] if f["severity"] == "leak"] == []
-        held = {
-            (t["key"]["pid"], t["key"]["create_time"]): sum(t["gpu_bytes_by_device"].values())
-            for t in report["teardowns"]
-        }
-        workers = [p for e in report["epochs"] for p in e["processes"] if p["role"] == "worker"]
+        held = reported_gpu_bytes(report)
+        workers = processes(report, "worker")
         assert len(workers) == 4, workers  # 2 epochs x 2 workers
         for proc in workers:
             assert proc["rank"] == rank, proc
             assert proc["gpu_peak_source"] == "reported", proc
-            key = (proc["key"]["pid"], proc["key"]["create_time"])
-            assert proc["total_gpu_bytes_peak"] >= held[key] > 100 * MIB, proc
-        parents = [p for e in report["epochs"] for p in e["processes"] if p["role"] == "parent"]
+            assert proc["total_gpu_bytes_peak"] >= held[key_of(proc)] > 100 * MIB, proc
+        parents = processes(report, "parent")
         assert parents and all(p["rank"] == rank for p in parents)
         assert all(p["gpu_bytes_end"].get("0", 0) > 100 * MIB for p in parents), parents
     # From outside, each rank's processes carry its rank and none is a device mismatch.

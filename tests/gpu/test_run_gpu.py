@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.scenario import key_of, processes, reported_gpu_bytes
 from tests.test_run import findings, leakcheck_files, leakcheck_run, leftovers, private_tmp
 
 pytestmark = pytest.mark.gpu
@@ -77,18 +78,14 @@ def test_an_unmodified_training_script_whose_workers_touch_cuda_is_clean_and_exa
     for item in run.data["loaders"]:
         report = item["report"]
         assert report["attribution"] == "ok"
-        workers = [p for e in report["epochs"] for p in e["processes"] if p["role"] == "worker"]
+        workers = processes(report, "worker")
         counts.append(len(workers))
         # Each worker reported what it held at exit: a CUDA context, never an unknown peak.
-        held = {
-            (t["key"]["pid"], t["key"]["create_time"]): sum(t["gpu_bytes_by_device"].values())
-            for t in report["teardowns"]
-        }
+        held = reported_gpu_bytes(report)
         assert len(held) == len(workers)
         for proc in workers:
             assert proc["gpu_peak_source"] == "reported", proc
-            key = (proc["key"]["pid"], proc["key"]["create_time"])
-            assert proc["total_gpu_bytes_peak"] >= held[key] > 100 * MIB, proc
+            assert proc["total_gpu_bytes_peak"] >= held[key_of(proc)] > 100 * MIB, proc
         assert all(t["released"] is teardown for t in report["teardowns"]), report["teardowns"]
     assert sorted(counts) == [3, 6]  # 3 epochs of 1 val and 2 train workers
     assert leakcheck_files(private_tmp) == [], "the run left files in TMPDIR"

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -390,30 +389,20 @@ def test_read_job_shm_in_a_stand_in_directory(spawn: Spawn, tmp_path: Path) -> N
     assert found.deleted_held == {by_map: ("by_map",)}
 
 
-@pytest.fixture
-def dev_shm_file() -> Iterator[Path]:
-    """A unique path in the real /dev/shm, removed at the end whatever happens."""
-    path = Path("/dev/shm") / f"leakcheck-hostmem-test-{uuid.uuid4().hex}"
-    if not path.parent.is_dir():
-        pytest.skip("no /dev/shm")
-    yield path
-    path.unlink(missing_ok=True)
-
-
-def test_read_job_shm_real_dev_shm(spawn: Spawn, dev_shm_file: Path) -> None:
+def test_read_job_shm_real_dev_shm(spawn: Spawn, shm_file: Path) -> None:
     before = procs.shm_segments()
-    dev_shm_file.write_bytes(b"\0" * 64 * 1024)
-    holder = start_holder(spawn, "map", dev_shm_file)
+    shm_file.write_bytes(b"\0" * 64 * 1024)
+    holder = start_holder(spawn, "map", shm_file)
     found = hostmem.read_job_shm(before, [holder])
-    mine = [item for item in found.files if item.name == dev_shm_file.name]
+    mine = [item for item in found.files if item.name == shm_file.name]
     # Other processes may create files there meanwhile: look at this test's file only.
-    assert mine == [JobShmFile(dev_shm_file.name, 64 * 1024, dev_shm_file.stat().st_ino, (holder,))]
+    assert mine == [JobShmFile(shm_file.name, 64 * 1024, shm_file.stat().st_ino, (holder,))]
     memory = hostmem.read_host_memory(holder, rollup=False)
     assert memory is not None and memory.shmem_bytes is not None
-    dev_shm_file.unlink()
+    shm_file.unlink()
     found = hostmem.read_job_shm(before, [holder])
-    assert dev_shm_file.name not in {item.name for item in found.files}
-    assert found.deleted_held[holder] == (dev_shm_file.name,)
+    assert shm_file.name not in {item.name for item in found.files}
+    assert found.deleted_held[holder] == (shm_file.name,)
 
 
 def test_shm_capacity_from_statvfs(tmp_path: Path) -> None:

@@ -518,15 +518,6 @@ def test_pid_exists_here_for_processes_not_threads() -> None:
 # --- /dev/shm -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def shm_file() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"leakcheck-test-{uuid.uuid4().hex}"
-    if not path.parent.is_dir():
-        pytest.skip("no /dev/shm")
-    yield path
-    path.unlink(missing_ok=True)
-
-
 def test_shm_segments_see_a_file_until_removed(shm_file: Path) -> None:
     shm_file.write_bytes(b"\0" * 1234)
     segment = procs.shm_segments()[shm_file.name]

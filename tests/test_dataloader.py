@@ -270,18 +270,20 @@ def test_on_leak_raise_carries_the_report() -> None:
     watched.close()  # idempotent, nothing left to raise
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "names"),
-    [
-        ({"tolerance": "lots"}, ("tolerance", "'lots'")),
-        ({"on_leak": "explode"}, ("on_leak", "'explode'")),
-        ({"warmup_epochs": -1}, ("warmup_epochs", "-1")),
-        ({"warmup_epochs": 1.5}, ("warmup_epochs", "1.5")),
-        ({"grace": -1}, ("grace", "-1")),
-        ({"interval": 0}, ("interval", "0")),
-        ({"teardown": "yes"}, ("teardown", "'yes'")),
-    ],
-)
+BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, str]]] = [
+    ({"tolerance": "lots"}, ("tolerance", "'lots'")),
+    ({"on_leak": "explode"}, ("on_leak", "'explode'")),
+    ({"warmup_epochs": -1}, ("warmup_epochs", "-1")),
+    ({"warmup_epochs": 1.5}, ("warmup_epochs", "1.5")),
+    ({"grace": -1}, ("grace", "-1")),
+    ({"interval": 0}, ("interval", "0")),
+    ({"teardown": "yes"}, ("teardown", "'yes'")),
+]
+"""Bad options of ``watch()`` (and of the Lightning callback, which takes the same), with
+the words each one-line error must name."""
+
+
+@pytest.mark.parametrize(("kwargs", "names"), BAD_OPTIONS)
 def test_bad_arguments_are_one_line_usage_errors(
     kwargs: dict[str, Any], names: tuple[str, str]
 ) -> None:

@@ -26,6 +26,7 @@ from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.report import Report
 from leakcheck.teardown import WorkerInit
 from tests.pyrun import run_python
+from tests.test_dataloader import BAD_OPTIONS
 
 pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e '.[dev]'")
 
@@ -387,18 +388,7 @@ def test_pytorch_lightning_trainer_works_too(tmp_path: Path, no_leak_warnings: N
     assert report.leaks == []
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "names"),
-    [
-        ({"tolerance": "lots"}, ("tolerance", "'lots'")),
-        ({"on_leak": "explode"}, ("on_leak", "'explode'")),
-        ({"warmup_epochs": -1}, ("warmup_epochs", "-1")),
-        ({"warmup_epochs": 1.5}, ("warmup_epochs", "1.5")),
-        ({"grace": -1}, ("grace", "-1")),
-        ({"interval": 0}, ("interval", "0")),
-        ({"teardown": "yes"}, ("teardown", "'yes'")),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "names"), BAD_OPTIONS)
 def test_bad_options_are_one_line_usage_errors(
     kwargs: dict[str, Any], names: tuple[str, str]
 ) -> None:

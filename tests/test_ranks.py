@@ -283,3 +283,45 @@ def test_only_a_live_other_rank_of_the_same_run_and_restart_is_another_ranks() -
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_registered_worker_has_its_environment_read_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [rank read]: a forked child with its parent's command line and no rank is looked
+    at again on the next walks (it may be a rank between fork and exec); once the mailbox
+    names it a loader's worker, its environment is not read again (a read per worker per
+    walk was most of a walk's cost)."""
+    from leakcheck.sampling.table import ProcessTable
+
+    pid = os.fork()
+    if pid == 0:  # a forked worker that never execs
+        import time
+
+        time.sleep(30)
+        os._exit(0)
+    try:
+        root_info = procs.read_proc(os.getpid())
+        assert root_info is not None
+        table = ProcessTable(root_info.key, root_info, session="s", persistent_workers=False)
+        info = procs.read_proc(pid)
+        assert info is not None
+        reads: list[int] = []
+        real = procs.environ_variables
+
+        def counting(read_pid: int, names: tuple[str, ...]) -> dict[str, str] | None:
+            reads.append(read_pid)
+            return real(read_pid, names)
+
+        monkeypatch.setattr(procs, "environ_variables", counting)
+        table.apply_walk([info], now=0.0, quick=True, born_epoch=0)
+        table.apply_walk([info], now=0.1, quick=True, born_epoch=0)
+        before = reads.count(pid)
+        table.apply_walk([info], now=0.2, quick=True, born_epoch=0)
+        assert reads.count(pid) == before + 1  # still pending: looked at on every walk
+        table.register_worker(info.key, False, now=0.3, born_epoch=0)
+        table.apply_walk([info], now=0.4, quick=True, born_epoch=0)
+        assert reads.count(pid) == before + 1
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)

@@ -71,7 +71,8 @@ def _rank_of(pid: int) -> RankInfo | None:
 # read again on the next walks, for a short window after it was first seen, until it names a
 # rank (then its command line is read again too). A forked child that never execs (a
 # DataLoader worker of a process that is no rank) stops being looked at when the window
-# closes: its environment is its parent's, and so was its rank.
+# closes: its environment is its parent's, and so was its rank. A process the mailbox names
+# a loader's worker is not looked at again: workers do not become ranks.
 _RANK_EXEC_WINDOW_S = 1.0
 
 
@@ -288,6 +289,9 @@ class ProcessTable:
                 )
                 self.mark_exited(proc, now)
         proc.own = True
+        # A loader's worker never becomes a rank: its rank is the one it was born with
+        # (NOTE [rank read]), and its environment need not be read again.
+        proc.rank_pending = False
         self.changed = True
         return proc
 

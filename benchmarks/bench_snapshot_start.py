@@ -12,12 +12,15 @@ order rotates each round), after two warm-up rounds that are not counted:
 The own share's interval is a bootstrap over rounds (each resample takes whole rounds, so the
 two medians come from the same rounds). ``--importtime`` adds one ``python -X importtime -m
 leakcheck snapshot`` run: the modules it imports beyond ``python -c pass``, and the slowest.
+``--phases`` adds where a snapshot's time goes inside the process, median over fresh
+processes: its imports, each NVML call by name, the rest of the read (/proc), the text.
 
 leakcheck's bytecode is compiled first, as ``pip install`` does for an installed package
 (``--from-source`` leaves it as it is: with ``PYTHONDONTWRITEBYTECODE`` set, every start then
 compiles leakcheck's modules again, a cost no installed copy pays).
 
-Usage: python benchmarks/bench_snapshot_start.py [--rounds 15] [--importtime] [--from-source]
+Usage: python benchmarks/bench_snapshot_start.py [--rounds 15] [--importtime] [--phases N]
+       [--from-source]
        [--out PATH.md | --write]  (--write: benchmarks/results/snapshot-start-<machine>.{md,json})
 """
 
@@ -145,6 +148,72 @@ def import_breakdown(top: int = 15) -> dict[str, Any]:
     }
 
 
+# Run in a fresh process per sample: every NVML function the snapshot calls is wrapped to time
+# it by name (before leakcheck's NVML module can cache a pointer), then the phases are timed.
+_PHASES_SCRIPT = r"""
+import json, sys, time
+start = time.perf_counter()
+from leakcheck import nvml_lib
+calls = {}
+real = nvml_lib._nvmlGetFunctionPointer
+def timed(name):
+    function = real(name)
+    def call(*args):
+        began = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            calls[name] = calls.get(name, 0.0) + time.perf_counter() - began
+    return call
+nvml_lib._nvmlGetFunctionPointer = timed
+real_init = nvml_lib.nvmlInit
+def init():
+    began = time.perf_counter()
+    try:
+        real_init()
+    finally:
+        calls["nvmlInit (load + nvmlInit_v2)"] = time.perf_counter() - began
+nvml_lib.nvmlInit = init
+import leakcheck.cli
+from leakcheck.snapshot import take_snapshot
+imported = time.perf_counter()
+snapshot = take_snapshot()
+taken = time.perf_counter()
+text = snapshot.format()
+done = time.perf_counter()
+print(json.dumps({"imports_ms": (imported - start) * 1e3, "read_ms": (taken - imported) * 1e3,
+                  "text_ms": (done - taken) * 1e3,
+                  "calls_ms": {name: value * 1e3 for name, value in calls.items()}}))
+"""
+
+
+def phase_breakdown(samples: int) -> dict[str, Any]:
+    """Medians over ``samples`` fresh processes of the phases of one snapshot."""
+    runs = []
+    for _ in range(samples):
+        done = subprocess.run(
+            [sys.executable, "-c", _PHASES_SCRIPT], env=_env(), capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"phases: {done.stderr.strip().splitlines()[-1:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    names = sorted({name for run in runs for name in run["calls_ms"]})
+    calls = {
+        name: statistics.median(run["calls_ms"].get(name, 0.0) for run in runs) for name in names
+    }
+    nvml_ms = [sum(run["calls_ms"].values()) for run in runs]
+    return {
+        "samples": samples,
+        "imports_ms": statistics.median(run["imports_ms"] for run in runs),
+        "nvml_ms": statistics.median(nvml_ms),
+        "proc_ms": statistics.median(
+            run["read_ms"] - n for run, n in zip(runs, nvml_ms, strict=True)
+        ),
+        "text_ms": statistics.median(run["text_ms"] for run in runs),
+        "calls_ms": dict(sorted(calls.items(), key=lambda item: -item[1])),
+    }
+
+
 def bytecode_note() -> str:
     cached = any((REPO / "leakcheck" / "__pycache__").glob("cli.*.pyc"))
     writes = "PYTHONDONTWRITEBYTECODE set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""
@@ -189,6 +258,19 @@ def render(data: dict[str, Any]) -> str:
         ]
         for name, own, total in imports["slowest_own_us"]:
             lines.append(f"| {name} | {own / 1000:.2f} | {total / 1000:.2f} |")
+    phases = data.get("phases")
+    if phases:
+        lines += [
+            "",
+            f"Inside the process (median of {phases['samples']} fresh processes): imports "
+            f"{phases['imports_ms']:.1f} ms, NVML {phases['nvml_ms']:.1f} ms, the rest of the "
+            f"read (/proc) {phases['proc_ms']:.1f} ms, the text {phases['text_ms']:.1f} ms",
+            "",
+            "| NVML call | median ms |",
+            "| --- | ---: |",
+        ]
+        for name, value in phases["calls_ms"].items():
+            lines.append(f"| {name} | {value:.2f} |")
     return "\n".join(lines)
 
 
@@ -196,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--importtime", action="store_true", help="add an import breakdown")
+    parser.add_argument(
+        "--phases", type=int, default=0, metavar="N", help="add a phase breakdown over N processes"
+    )
     parser.add_argument("--out", default=None, help="write the table (Markdown) and JSON here")
     parser.add_argument(
         "--write", action="store_true", help="write benchmarks/results/snapshot-start-<machine>"
@@ -226,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     data["own_share"] = {"ms": share, "low_ms": low, "high_ms": high, "goal_ms": GOAL_MS}
     if args.importtime:
         data["imports"] = import_breakdown()
+    if args.phases:
+        data["phases"] = phase_breakdown(args.phases)
     text = render(data)
     print(text)
     if args.out:

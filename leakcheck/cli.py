@@ -459,7 +459,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         )
     device = None
     if args.device is not None:
-        device = _int_value(args.device, "--device", minimum=0, example="0")
+        device = option_specs.parse_device_index(args.device, "--device")
     # Shared with the other adapters: command line, then environment, then default.
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
         args.tolerance, args.grace, os.environ, grace_default_s=_SWEEP_GRACE_S

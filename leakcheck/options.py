@@ -89,6 +89,19 @@ def parse_interval_option(value: object, source: str) -> float:
     return interval_s
 
 
+def parse_device_index(value: object, source: str) -> int:
+    """Parse a GPU index (``0``, ``3``): an integer >= 0, as NVML numbers devices.
+
+    Raises:
+        UsageError: Not a non-negative integer.
+
+    """
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()):
+        raise UsageError(f"{source}: expected a GPU index >= 0 such as 0, got {value!r}")
+    return int(text)
+
+
 def parse_seconds_option(value: object, source: str) -> float:
     """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``.
 

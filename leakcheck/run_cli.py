@@ -150,17 +150,10 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
         args.tolerance, args.grace, os.environ, grace_default_s=2.0
     )
-    interval_s = option_specs.parse_seconds_option(args.interval, "--interval")
-    if interval_s <= 0:
-        raise UsageError(
-            f"--interval: expected more than 0 seconds such as 50ms, got {args.interval!r}"
-        )
+    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     device = None
     if args.device is not None:
-        text = str(args.device).strip()
-        if not (text.isascii() and text.isdigit()):
-            raise UsageError(f"--device: expected a GPU index >= 0 such as 0, got {args.device!r}")
-        device = int(text)
+        device = option_specs.parse_device_index(args.device, "--device")
         _check_device(device)
     return RunPlan(
         command=tuple(command),
@@ -231,6 +224,12 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
 
 def _check_device(device: int) -> None:
+    """Refuse ``--device`` beyond the GPUs NVML lists.
+
+    Without any GPU it is accepted, unlike ``sweep``'s: ``sweep`` runs its workload on the
+    device, while ``run`` only watches one and the program is the user's to run anyway (the
+    report says GPU memory was not checked).
+    """
     from leakcheck import nvml
     from leakcheck.errors import LeakCheckError
 

@@ -340,7 +340,7 @@ BAD_VALUES = [
     (["--workers", "0,\u00b2"], "--workers: expected comma-separated integers >= 0"),
     (["--loader", "x:make", "--start-method", "fork"],
      "--start-method: applies to the built-in workload only"),
-    (["--device", "gpu0"], "--device: expected an integer >= 0"),
+    (["--device", "gpu0"], "--device: expected a GPU index >= 0"),
     (["--cooldown-temp", "hot"], "--cooldown-temp: expected degrees Celsius"),
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
     (["--json", "{dir}/no/such/folder/out.json"], "--json: expected a path in an existing folder"),

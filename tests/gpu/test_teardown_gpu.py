@@ -159,7 +159,8 @@ EXIT_SCENARIO = SIDE_STREAM_DATASET + textwrap.dedent(
 
 
 def test_parent_exits_cleanly_with_streams_alive_over_20_runs(tmp_path: Path) -> None:
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    # Ten at a time: each run is a process of its own, and the machine has the cores.
+    with ThreadPoolExecutor(max_workers=10) as pool:
         runs = list(pool.map(lambda _: run_script(tmp_path, EXIT_SCENARIO), range(20)))
     assert [r.returncode for r in runs] == [0] * 20
     assert [r.stderr for r in runs] == [""] * 20

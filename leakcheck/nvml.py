@@ -43,7 +43,6 @@ import importlib
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
 from leakcheck.errors import LeakCheckError, NVMLUnavailable, UsageError
@@ -573,8 +572,7 @@ class Nvml:
                 # Older drivers and bindings only have the deprecated name.
                 reasons = self._optional("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
             states.append(
-                replace(
-                    state,
+                state._replace(
                     temperature_c=_known(temperature),
                     sm_clock_mhz=_known(sm_clock),
                     sm_clock_max_mhz=self._max_sm_clock[index],

@@ -1,14 +1,17 @@
 """What one read of /proc or NVML returns: process identities and device samples.
 
 Apart from ``model.py`` (which names them too) because ``leakcheck snapshot`` needs only
-these: every frozen dataclass costs its creation at import, and a snapshot is a command
-people run by hand and in loops (NOTE [lean start] in cli.py).
+these, and a snapshot is a command people run by hand and in loops (NOTE [lean start] in
+cli.py). They are immutable named tuples rather than frozen dataclasses for the same reason:
+a frozen dataclass writes and compiles its methods when its class is created, at every
+start, about seven times what a named tuple costs (benchmarks/results/README.md); and the
+tracker's walks hash and compare process keys by the thousand, which a tuple does in C.
+``report.py`` writes and reads them as JSON objects, as it does dataclasses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 __all__ = [
     "MIB",
@@ -26,8 +29,7 @@ Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
 MIB = 1024 * 1024
 
 
-@dataclass(frozen=True, order=True)
-class ProcessKey:
+class ProcessKey(NamedTuple):
     """A process identity that survives PID reuse.
 
     Attributes:
@@ -41,8 +43,7 @@ class ProcessKey:
     create_time: float
 
 
-@dataclass(frozen=True)
-class ProcInfo:
+class ProcInfo(NamedTuple):
     """One process as read from /proc at one moment."""
 
     key: ProcessKey
@@ -53,8 +54,7 @@ class ProcInfo:
     """True when its environment carries this session's ``LEAKCHECK_SESSION`` tag."""
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(NamedTuple):
     """One process on one device as NVML reports it.
 
     ``used_gpu_bytes`` is None when the driver does not say (MIG, some vGPUs, permissions),
@@ -67,15 +67,15 @@ class GpuProcess:
     kind: Literal["compute", "graphics", "both"] = "compute"
 
 
-@dataclass(frozen=True)
-class DeviceState:
+class DeviceState(NamedTuple):
     """Memory and thermal state of one device at one moment.
 
     Telemetry fields are None when the device does not report them or when only memory
     was read.
     """
 
-    index: int
+    # The field hides tuple's index() method, which nothing calls on a device state.
+    index: int  # type: ignore[assignment]
     name: str
     uuid: str
     used_bytes: int
@@ -88,8 +88,7 @@ class DeviceState:
     throttle_reasons: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class AccountedProcess:
+class AccountedProcess(NamedTuple):
     """NVML accounting record: kept by the driver even after the process exited."""
 
     pid: int

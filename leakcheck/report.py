@@ -244,6 +244,8 @@ def _to_jsonable(value: Any) -> Any:
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if _is_record(type(value)):  # readings.py's named tuples: objects, as dataclasses are
+        return {name: _to_jsonable(item) for name, item in zip(value._fields, value, strict=True)}
     if isinstance(value, Mapping):
         return {str(k): _to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -298,7 +300,7 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
     if origin is typing.Union or origin is types.UnionType:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _from_jsonable(args[0], value) if len(args) == 1 else value
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or _is_record(hint)):
         return _dataclass_from_dict(hint, value)
     if origin is tuple:
         return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
@@ -316,12 +318,15 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
 
 def _dataclass_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
-    kwargs = {
-        f.name: _from_jsonable(hints[f.name], data[f.name])
-        for f in dataclasses.fields(cls)
-        if f.init and f.name in data
-    }
-    return cls(**kwargs)
+    names = (
+        cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
+    )
+    return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
+
+
+def _is_record(cls: type[Any]) -> bool:
+    """Whether ``cls`` is a named tuple class (the records of readings.py)."""
+    return issubclass(cls, tuple) and hasattr(cls, "_fields")
 
 
 def finding_to_dict(finding: Finding) -> dict[str, Any]:

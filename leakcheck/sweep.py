@@ -1086,6 +1086,6 @@ def format_sweep(result: SweepResult) -> str:
 
 
 def _device_dict(device: DeviceState) -> dict[str, Any]:
-    return {name: getattr(device, name) for name in device.__dataclass_fields__} | {
+    return device._asdict() | {
         "throttle_reasons": list(device.throttle_reasons)
     }

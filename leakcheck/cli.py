@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     snapshot.add_argument("--json", action="store_true", help="print JSON instead of text")
     snapshot.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="also read each GPU's temperature, SM clock, power, P-state and clock-event "
+        "reasons (a driver call each: they take longer than the rest of the snapshot)",
+    )
+    snapshot.add_argument(
         "--pid",
         default=None,
         metavar="PID",
@@ -746,15 +752,22 @@ class SnapshotArgs:
 
     Attributes:
         json: ``--json``.
+        telemetry: ``--telemetry``.
         pid: ``--pid`` as given, or None.
         watch: ``--watch`` as given, or None.
 
     """
 
     def __init__(
-        self, *, json: bool = False, pid: str | None = None, watch: str | None = None
+        self,
+        *,
+        json: bool = False,
+        telemetry: bool = False,
+        pid: str | None = None,
+        watch: str | None = None,
     ) -> None:
         self.json = json
+        self.telemetry = telemetry
         self.pid = pid
         self.watch = watch
 
@@ -762,7 +775,10 @@ class SnapshotArgs:
         return isinstance(other, SnapshotArgs) and vars(self) == vars(other)
 
     def __repr__(self) -> str:
-        return f"SnapshotArgs(json={self.json!r}, pid={self.pid!r}, watch={self.watch!r})"
+        return (
+            f"SnapshotArgs(json={self.json!r}, telemetry={self.telemetry!r}, pid={self.pid!r}, "
+            f"watch={self.watch!r})"
+        )
 
 
 def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
@@ -780,6 +796,8 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
         name, equals, value = token.partition("=")
         if token == "--json":
             args.json = True
+        elif token == "--telemetry":
+            args.telemetry = True
         elif name in ("--pid", "--watch"):
             if not equals:
                 position += 1
@@ -843,16 +861,19 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
         if procs.process_key(root_pid) is None:
             sys.stderr.write(f"{prog}: --pid: no running process with PID {root_pid} here\n")
             return EXIT_USAGE
+    telemetry = bool(args.telemetry)
     if period is None:
-        out.write(_snapshot_text(root_pid, as_json=args.json, indent=2) + "\n")
+        out.write(_snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
         return EXIT_CLEAN
-    return _watch(root_pid, period, as_json=args.json, out=out)
+    return _watch(root_pid, period, telemetry, as_json=args.json, out=out)
 
 
-def _snapshot_text(root_pid: int | None, *, as_json: bool, indent: int | None) -> str:
+def _snapshot_text(
+    root_pid: int | None, telemetry: bool, *, as_json: bool, indent: int | None
+) -> str:
     from leakcheck.snapshot import take_snapshot
 
-    snapshot = take_snapshot(root_pid=root_pid)
+    snapshot = take_snapshot(root_pid=root_pid, telemetry=telemetry)
     if not as_json:
         return snapshot.format()
     import json
@@ -860,7 +881,9 @@ def _snapshot_text(root_pid: int | None, *, as_json: bool, indent: int | None) -
     return json.dumps(snapshot.to_dict(), indent=indent)
 
 
-def _watch(root_pid: int | None, period: float, *, as_json: bool, out: TextIO) -> int:
+def _watch(
+    root_pid: int | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
+) -> int:
     import time
 
     on_terminal = out.isatty()
@@ -870,12 +893,12 @@ def _watch(root_pid: int | None, period: float, *, as_json: bool, out: TextIO) -
         while True:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             if on_terminal:
-                text = _snapshot_text(root_pid, as_json=as_json, indent=2)
+                text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
                 out.write(f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n")
             elif as_json:
-                out.write(_snapshot_text(root_pid, as_json=True, indent=None) + "\n")
+                out.write(_snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n")
             else:
-                text = _snapshot_text(root_pid, as_json=False, indent=None)
+                text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
                 out.write(f"--- {stamp} ---\n{text}\n")
             out.flush()
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.

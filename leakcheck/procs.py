@@ -37,7 +37,6 @@ import os
 import sys
 import threading
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from stat import S_ISCHR
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -129,8 +128,7 @@ class _Stat(NamedTuple):
     """Identity of the current exec image (see NOTE [exec image cache]); None if hidden."""
 
 
-@dataclass(frozen=True)
-class ShmSegment:
+class ShmSegment(NamedTuple):
     """One file in a shared-memory directory (``/dev/shm``).
 
     Attributes:

@@ -318,9 +318,7 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
 
 def _dataclass_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
-    names = (
-        cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
-    )
+    names = cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
 
 

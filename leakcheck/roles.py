@@ -16,6 +16,7 @@ This module is low in the layers: it imports only ``leakcheck.model``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection
 
@@ -49,7 +50,11 @@ def _fragment_pattern(fragment: str) -> str:
     return r"(?<![\w.])(?:" + "|".join(sorted(forms)) + r")(?!\w)"
 
 
-_HELPER_RE = re.compile("|".join(_fragment_pattern(fragment) for fragment in RUNTIME_HELPERS))
+@functools.cache
+def _helper_pattern() -> re.Pattern[str]:
+    # Compiled on first use, not at import: a snapshot of the machine without --pid never
+    # asks (NOTE [lean start] in cli.py).
+    return re.compile("|".join(_fragment_pattern(fragment) for fragment in RUNTIME_HELPERS))
 
 
 def is_runtime_helper(cmdline: str) -> bool:
@@ -64,7 +69,7 @@ def is_runtime_helper(cmdline: str) -> bool:
         ``.../torch/bin/torch_shm_manager``, ``.../torch/_inductor/compile_worker/__main__.py``).
 
     """
-    return _HELPER_RE.search(cmdline) is not None
+    return _helper_pattern().search(cmdline) is not None
 
 
 def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:

@@ -4,15 +4,16 @@ One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` print
 ``Tracker.snapshot()`` returns for one job. Given a job's root (``--pid``), it also reads the
 host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
 RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
-machine stays cheap.
+machine stays cheap. Device telemetry (temperature, clocks, power) is read on request: each
+value is a driver call of its own, together more than the rest of the NVML read. The records
+are named tuples, as readings.py's are, for the command's start.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from leakcheck import nvml, procs, roles
 from leakcheck.errors import LeakCheckError, NVMLUnavailable
@@ -38,8 +39,7 @@ __all__ = [
 SNAPSHOT_SCHEMA_VERSION = 1
 
 
-@dataclass(frozen=True)
-class ProcessSnapshot:
+class ProcessSnapshot(NamedTuple):
     """One process in a snapshot.
 
     Attributes:
@@ -62,7 +62,7 @@ class ProcessSnapshot:
 
     info: ProcInfo
     role: Role | None
-    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
+    gpu_bytes: Mapping[int, int]
     gpu_bytes_unknown: bool = False
     nvidia_fds: int | None = None
     flags: tuple[str, ...] = ()
@@ -75,8 +75,7 @@ class ProcessSnapshot:
         return sum(self.gpu_bytes.values())
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     """Processes that hold GPU memory or descriptors, with their ancestors for context."""
 
     taken_unix_s: float
@@ -232,11 +231,16 @@ def _process_line(entry: ProcessSnapshot) -> str:
 
 
 def read_gpu_processes(
-    devices: Iterable[int] | None = None,
+    devices: Iterable[int] | None = None, *, telemetry: bool = True
 ) -> tuple[Attribution, str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]:
-    """Read NVML once: attribution status, device states with telemetry, GPU processes.
+    """Read NVML once: attribution status, device states, GPU processes.
 
     Never raises: NVML failures come back as the status and its one-line reason.
+
+    Args:
+        devices: Device indices to read (default all).
+        telemetry: Read each device's telemetry too (else memory, name and UUID only).
+
     """
     available, reason = nvml.availability()
     if not available:
@@ -244,7 +248,7 @@ def read_gpu_processes(
     try:
         handle = nvml.get()
         wanted = list(devices) if devices is not None else None
-        device_states = handle.devices(wanted)
+        device_states = handle.devices(wanted) if telemetry else handle.memory(wanted)
         gpu_processes = handle.processes(wanted)
     except (NVMLUnavailable, LeakCheckError) as error:
         return "nvml-unavailable", str(error), (), ()
@@ -275,6 +279,7 @@ def take_snapshot(
     with_fds: bool = True,
     known_workers: Collection[ProcessKey] = (),
     host_memory: bool | None = None,
+    telemetry: bool = True,
 ) -> Snapshot:
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
 
@@ -290,12 +295,16 @@ def take_snapshot(
             the root is a ``descendant``.
         host_memory: Read the host memory of the job's processes (the root's lineage and
             its tagged orphans). Default: when a root is given.
+        telemetry: Read each device's temperature, clocks, power, P-state and clock-event
+            reasons (a driver call each); False leaves them None.
 
     Returns:
         The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
 
     """
-    attribution, reason, device_states, gpu_processes = read_gpu_processes(devices)
+    attribution, reason, device_states, gpu_processes = read_gpu_processes(
+        devices, telemetry=telemetry
+    )
     gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
     every = {info.key.pid: info for info in procs.scan_all(with_cmdline=True)}

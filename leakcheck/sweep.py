@@ -1086,6 +1086,4 @@ def format_sweep(result: SweepResult) -> str:
 
 
 def _device_dict(device: DeviceState) -> dict[str, Any]:
-    return device._asdict() | {
-        "throttle_reasons": list(device.throttle_reasons)
-    }
+    return device._asdict() | {"throttle_reasons": list(device.throttle_reasons)}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import os
 import subprocess
 import sys
@@ -280,6 +282,34 @@ def test_devices_reads_and_decodes_telemetry(use_fake: UseFake) -> None:
     assert state.performance_state == 0
     assert state.throttle_reasons == ("gpu_idle", "sw_power_cap", "hw_thermal")
     assert state.used_bytes == 2**30
+
+
+_TELEMETRY_CALLS = (
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetMaxClockInfo",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetPerformanceState",
+)
+
+
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_a_snapshot_reads_telemetry_only_when_asked(use_fake: UseFake, telemetry: bool) -> None:
+    """Each telemetry value is a driver call of its own (together more than the rest of the
+    read on an H200): ``snapshot`` reads them with ``--telemetry`` only, and its device line
+    then shows them."""
+    from leakcheck.cli import main
+
+    fake = use_fake([FakeDevice(compute=[FakeProcess(pid=os.getpid(), usedGpuMemory=MIB)])])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["snapshot", *(["--telemetry"] if telemetry else [])]) == 0
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("GPU0 NVIDIA Fake H200: 1024 / 143360 MiB used"), first
+    assert first.endswith(", 35 C, SM 345/1980 MHz, 76 W") is telemetry, first
+    made = [name for name in _TELEMETRY_CALLS if fake.calls[name]]
+    assert made == (list(_TELEMETRY_CALLS) if telemetry else []), fake.calls
+    assert f"PID {os.getpid()}" in out.getvalue()
 
 
 def test_unsupported_telemetry_leaves_only_that_field_none(use_fake: UseFake) -> None:

@@ -150,6 +150,8 @@ def test_bad_watch_value_is_one_line_exit_2(
         ["--watch", "2", "--pid", "7"],
         ["--watch=0.5", "--watch", "1"],
         ["--json", "--json"],
+        ["--telemetry"],
+        ["--telemetry", "--json", "--pid=9"],
     ],
 )
 def test_plain_lines_read_without_argparse_as_the_full_parser_reads_them(
@@ -158,7 +160,9 @@ def test_plain_lines_read_without_argparse_as_the_full_parser_reads_them(
     plain = cli._plain_snapshot_args(tokens)
     assert plain is not None
     full = cli.build_parser().parse_args(["snapshot", *tokens])
-    assert plain == SnapshotArgs(json=full.json, pid=full.pid, watch=full.watch)
+    assert plain == SnapshotArgs(
+        json=full.json, telemetry=full.telemetry, pid=full.pid, watch=full.watch
+    )
 
 
 @pytest.mark.parametrize(
@@ -193,7 +197,7 @@ def test_watch_keeps_going_when_a_frame_takes_longer_than_the_period(
     one at once; the third frame's Ctrl-C ends the watch with 0."""
     frames: list[float] = []
 
-    def slow(root_pid: int | None, *, as_json: bool, indent: int | None) -> str:
+    def slow(root_pid: int | None, telemetry: bool, *, as_json: bool, indent: int | None) -> str:
         frames.append(time.monotonic())
         if len(frames) == 3:
             raise KeyboardInterrupt
@@ -202,5 +206,5 @@ def test_watch_keeps_going_when_a_frame_takes_longer_than_the_period(
 
     monkeypatch.setattr(cli, "_snapshot_text", slow)
     out = io.StringIO()
-    assert cli._watch(None, 0.1, as_json=False, out=out) == cli.EXIT_CLEAN
+    assert cli._watch(None, 0.1, False, as_json=False, out=out) == cli.EXIT_CLEAN
     assert len(frames) == 3 and out.getvalue().count("frame") == 2

@@ -58,6 +58,10 @@ def run_script(
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / f"scenario_{abs(hash(body))}.py"
     script.write_text(textwrap.dedent(body))
+    return run_file(script, timeout_s)
+
+
+def run_file(script: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
         [sys.executable, str(script)],
@@ -160,8 +164,12 @@ EXIT_SCENARIO = SIDE_STREAM_DATASET + textwrap.dedent(
 
 def test_parent_exits_cleanly_with_streams_alive_over_20_runs(tmp_path: Path) -> None:
     # Ten at a time: each run is a process of its own, and the machine has the cores.
+    # The script is written once: a run must never read a file another run's thread is
+    # rewriting (one did, and ran an empty file).
+    script = tmp_path / "exit_scenario.py"
+    script.write_text(textwrap.dedent(EXIT_SCENARIO))
     with ThreadPoolExecutor(max_workers=10) as pool:
-        runs = list(pool.map(lambda _: run_script(tmp_path, EXIT_SCENARIO), range(20)))
+        runs = list(pool.map(lambda _: run_file(script), range(20)))
     assert [r.returncode for r in runs] == [0] * 20
     assert [r.stderr for r in runs] == [""] * 20
     assert [r.stdout for r in runs] == ["ok\n"] * 20

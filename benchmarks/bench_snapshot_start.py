@@ -179,7 +179,7 @@ nvml_lib.nvmlInit = init
 import leakcheck.cli
 from leakcheck.snapshot import take_snapshot
 imported = time.perf_counter()
-snapshot = take_snapshot()
+snapshot = take_snapshot(telemetry=False)  # as the command reads without --telemetry
 taken = time.perf_counter()
 text = snapshot.format()
 done = time.perf_counter()

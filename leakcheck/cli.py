@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--telemetry",
         action="store_true",
         help="also read each GPU's temperature, SM clock, power, P-state and clock-event "
-        "reasons (a driver call each: they take longer than the rest of the snapshot)",
+        "reasons (a driver call each, which slows the snapshot down)",
     )
     snapshot.add_argument(
         "--pid",

@@ -4,7 +4,7 @@ Apart from ``model.py`` (which names them too) because ``leakcheck snapshot`` ne
 these, and a snapshot is a command people run by hand and in loops (NOTE [lean start] in
 cli.py). They are immutable named tuples rather than frozen dataclasses for the same reason:
 a frozen dataclass writes and compiles its methods when its class is created, at every
-start, about seven times what a named tuple costs (benchmarks/results/README.md); and the
+start, several times what a named tuple costs (benchmarks/results/README.md); and the
 tracker's walks hash and compare process keys by the thousand, which a tuple does in C.
 ``report.py`` writes and reads them as JSON objects, as it does dataclasses.
 """

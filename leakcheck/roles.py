@@ -11,7 +11,7 @@ apart by their command lines (``RUNTIME_HELPERS``, the one list every module ask
 first CUDA context, they are a baseline, not a leak, unless they hold GPU memory or
 ``/dev/nvidia*`` descriptors.
 
-This module is low in the layers: it imports only ``leakcheck.model``.
+This module is low in the layers: it imports only ``leakcheck.readings``.
 """
 
 from __future__ import annotations

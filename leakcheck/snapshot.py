@@ -5,7 +5,7 @@ One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` print
 host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
 RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
 machine stays cheap. Device telemetry (temperature, clocks, power) is read on request: each
-value is a driver call of its own, together more than the rest of the NVML read. The records
+value is a driver call of its own, together more than NVML's reads after its start. The records
 are named tuples, as readings.py's are, for the command's start.
 """
 

@@ -296,7 +296,6 @@ COST_FIELDS = (
     "caller_wall_s",
     "nvml_wall_s",
     "nvml_cpu_s",
-    "host_read_cpu_s",
 )
 
 

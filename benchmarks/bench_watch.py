@@ -64,6 +64,7 @@ from results_io import host_meta, machine, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
+from leakcheck import nvml
 
 
 class Images(Dataset[torch.Tensor]):
@@ -142,7 +143,7 @@ def _median_ms(call: Any, rounds: int) -> float:
     return statistics.median(stats.time_ms(call, rounds))
 
 
-def _costs(loader: Any, interval_s: float) -> dict[str, float]:
+def _costs(loader: Any, interval_s: float) -> dict[str, Any]:
     """What watch() adds, measured piece by piece (steady on a noisy machine)."""
     with leakcheck.watch(loader, on_leak="ignore", interval=interval_s) as wrapped:
         tracker = wrapped.tracker
@@ -154,6 +155,13 @@ def _costs(loader: Any, interval_s: float) -> dict[str, float]:
             tracker.report()
 
         boundary_ms = _median_ms(boundary, 30)
+    # The device reads an epoch end makes, alone: memory with and without the telemetry
+    # (temperature, clocks, power, P-state, clock-event reasons: a driver call each).
+    device_ms: dict[str, float | None] = {"device_memory_ms": None, "device_telemetry_ms": None}
+    if nvml.availability()[0]:
+        handle = nvml.get()
+        device_ms["device_memory_ms"] = _median_ms(handle.memory, 30)
+        device_ms["device_telemetry_ms"] = _median_ms(handle.devices, 30)
     items = list(range(200_000))
     raw_ms = _median_ms(lambda: sum(1 for _ in items), 5)
     with leakcheck.watch(items, on_leak="ignore") as wrapped_items:
@@ -163,6 +171,7 @@ def _costs(loader: Any, interval_s: float) -> dict[str, float]:
         "sampler_tick_ms": tick_ms,
         "sampler_cpu_pct_of_one_core": tick_ms / (interval_s * 1000) * 100,
         "epoch_boundary_ms": boundary_ms,
+        **device_ms,
         "per_batch_ns": step_ns,
     }
 
@@ -376,7 +385,13 @@ def main() -> int:
         "What watch() adds, measured alone in the same run:",
         f"- per batch: {costs['per_batch_ns']:.0f} ns (one generator step)",
         f"- per epoch: {costs['epoch_boundary_ms']:.2f} ms at the epoch boundaries "
-        f"({costs['epoch_boundary_pct_of_epoch']:.2f}% of a {epoch_ms:.0f} ms epoch)",
+        f"({costs['epoch_boundary_pct_of_epoch']:.2f}% of a {epoch_ms:.0f} ms epoch)"
+        + (
+            ""
+            if costs["device_telemetry_ms"] is None
+            else f"; of which the devices' read, alone: memory {costs['device_memory_ms']:.2f} "
+            f"ms, memory and telemetry {costs['device_telemetry_ms']:.2f} ms"
+        ),
         f"- one Tracker.sample(): {costs['sampler_tick_ms']:.3f} ms, the cost of a walking "
         f"tick (every 4th of the sampler's ticks, every {args.interval * 1000:.0f} ms; the "
         "others skip the walk, and the NVML lists while device memory holds still): "

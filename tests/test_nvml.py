@@ -295,9 +295,9 @@ _TELEMETRY_CALLS = (
 
 @pytest.mark.parametrize("telemetry", [False, True])
 def test_a_snapshot_reads_telemetry_only_when_asked(use_fake: UseFake, telemetry: bool) -> None:
-    """Each telemetry value is a driver call of its own (together more than the rest of the
-    read on an H200): ``snapshot`` reads them with ``--telemetry`` only, and its device line
-    then shows them."""
+    """Each telemetry value is a driver call of its own (on the H200 together more than NVML's
+    reads after its start): ``snapshot`` reads them with ``--telemetry`` only, and its device
+    line then shows them."""
     from leakcheck.cli import main
 
     fake = use_fake([FakeDevice(compute=[FakeProcess(pid=os.getpid(), usedGpuMemory=MIB)])])

@@ -226,6 +226,23 @@ def _note(axes: Any, text: str) -> None:
     )
 
 
+def _mark_unknown(
+    axes: Any, epochs: list[int], unknown: Sequence[float], tops: Sequence[float], label: str
+) -> None:
+    """A "?" on top of each epoch's bar whose workers' value is unknown: not 0, not left out."""
+    marked = [i for i, flag in enumerate(unknown) if flag]
+    if marked:
+        axes.plot(
+            [epochs[i] for i in marked],
+            [tops[i] for i in marked],
+            linestyle="none",
+            marker="$?$",
+            markersize=11,
+            color=_DEVICE,
+            label=label,
+        )
+
+
 def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
     rows = config.rows
     epochs = [row.epoch for row in rows]
@@ -264,18 +281,13 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             linewidth=1.0,
             label="parent + workers' peak\nduring epoch",
         )
-    unknown = [i for i, flag in enumerate(series["unknown"]) if flag]
-    if unknown:
-        # Not 0 and not left out silently: a "?" on the workers' bar.
-        axes.plot(
-            [epochs[i] for i in unknown],
-            [series["workers_top"][i] for i in unknown],
-            linestyle="none",
-            marker="$?$",
-            markersize=11,
-            color=_DEVICE,
-            label="workers' peak unknown (a worker\nexited unseen, reported nothing)",
-        )
+    _mark_unknown(
+        axes,
+        epochs,
+        series["unknown"],
+        series["workers_top"],
+        "workers' peak unknown (a worker\nexited unseen, reported nothing)",
+    )
     device_used = [row.device_used_bytes for row in rows]
     if any(value is not None for value in device_used):
         axes.plot(
@@ -308,17 +320,7 @@ def _host_panel(axes: Any, config: _Config) -> None:
             color=_WORKERS,
             label="workers (sum): at epoch end,\nor at exit if gone by then",
         )
-    unknown = [i for i, flag in enumerate(series["unknown"]) if flag]
-    if unknown:
-        axes.plot(
-            [epochs[i] for i in unknown],
-            [series["top"][i] for i in unknown],
-            linestyle="none",
-            marker="$?$",
-            markersize=11,
-            color=_DEVICE,
-            label="a worker's host memory unknown",
-        )
+    _mark_unknown(axes, epochs, series["unknown"], series["top"], "a worker's host memory unknown")
     axes.set_ylim(bottom=0)
 
 

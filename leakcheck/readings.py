@@ -87,6 +87,10 @@ class DeviceState(NamedTuple):
     performance_state: int | None = None
     throttle_reasons: tuple[str, ...] = ()
 
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form: every field by name, the reasons as a list."""
+        return self._asdict() | {"throttle_reasons": list(self.throttle_reasons)}
+
 
 class AccountedProcess(NamedTuple):
     """NVML accounting record: kept by the driver even after the process exited."""

@@ -93,7 +93,7 @@ class Snapshot(NamedTuple):
             "attribution": self.attribution,
             "attribution_reason": self.attribution_reason,
             "root_pid": self.root_pid,
-            "devices": [_device_dict(device) for device in self.devices],
+            "devices": [device.to_dict() for device in self.devices],
             "processes": [
                 {
                     "pid": entry.info.key.pid,
@@ -172,22 +172,6 @@ def _host_text(host: HostMemory | None) -> str | None:
     if host.uss_bytes is not None:
         return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)})"
     return f"host RSS {format_mib(host.rss_bytes)} MiB"
-
-
-def _device_dict(device: DeviceState) -> dict[str, Any]:
-    return {
-        "index": device.index,
-        "name": device.name,
-        "uuid": device.uuid,
-        "used_bytes": device.used_bytes,
-        "total_bytes": device.total_bytes,
-        "temperature_c": device.temperature_c,
-        "sm_clock_mhz": device.sm_clock_mhz,
-        "sm_clock_max_mhz": device.sm_clock_max_mhz,
-        "power_w": device.power_w,
-        "performance_state": device.performance_state,
-        "throttle_reasons": list(device.throttle_reasons),
-    }
 
 
 def _device_line(device: DeviceState) -> str:

@@ -426,7 +426,7 @@ class SweepResult:
                 "available": self.gpu_available,
                 "reason": self.gpu_reason,
                 "reported_device": reported_device_index(self),
-                "devices": [_device_dict(device) for device in self.devices],
+                "devices": [device.to_dict() for device in self.devices],
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
@@ -1080,10 +1080,3 @@ def format_sweep(result: SweepResult) -> str:
         f"leak{'s' if result.leak_count != 1 else ''}"
     )
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- JSON
-
-
-def _device_dict(device: DeviceState) -> dict[str, Any]:
-    return device._asdict() | {"throttle_reasons": list(device.throttle_reasons)}

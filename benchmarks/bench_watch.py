@@ -33,9 +33,11 @@ generator and no leakcheck at all (an A/A check of the design: its A/B should ce
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
 step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``) and
 their CPU time (``nvml_cpu_s``: part of the sampler's CPU, spent mostly in the driver with the
-interpreter lock released), and ``--nvml-share`` (a diagnostic) sets the share of the time
-the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in leakcheck/sampling/pacing.py)
-instead of leakcheck's own.
+interpreter lock released), the sampler's CPU in host-memory reads after epoch ends
+(``host_read_cpu_s``: USS and PSS of the parent and the persistent workers, read at each new
+tracker's first epoch end and paced after), and ``--nvml-share`` (a diagnostic) sets the
+share of the time the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in
+leakcheck/sampling/pacing.py) instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
@@ -339,8 +341,8 @@ def main() -> int:
         "",
         "| round | order | raw batches/s | watched batches/s | watched/raw | slowdown | "
         "leakcheck caller ms (2 blocks) | sampler CPU ms (2 blocks) | "
-        "NVML wall / CPU ms (2 blocks) | samples | accounted |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "NVML wall / CPU ms (2 blocks) | host reads CPU ms (2 blocks) | samples | accounted |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rounds:
         cost = row["cost"]
@@ -349,7 +351,8 @@ def main() -> int:
             f"{row['watched_batches_per_s']:.1f} | {row['ratio']:.4f} | "
             f"{stats.slowdown_pct(row['ratio']):+.2f}% | {cost['caller_wall_s'] * 1000:.2f} | "
             f"{cost['sampler_cpu_s'] * 1000:.2f} | {cost['nvml_wall_s'] * 1000:.2f} / "
-            f"{cost['nvml_cpu_s'] * 1000:.2f} | {cost['samples']:.0f} | "
+            f"{cost['nvml_cpu_s'] * 1000:.2f} | {cost['host_read_cpu_s'] * 1000:.2f} | "
+            f"{cost['samples']:.0f} | "
             f"{row['accounted_pct']:.3f}% |"
         )
     lines += [

@@ -296,6 +296,7 @@ COST_FIELDS = (
     "caller_wall_s",
     "nvml_wall_s",
     "nvml_cpu_s",
+    "host_read_cpu_s",
 )
 
 

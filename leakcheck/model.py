@@ -276,12 +276,17 @@ class TrackerCost:
             whichever thread took them, waits for locks included (not the telemetry read at
             epoch ends). While the GPU is busy these reads hold a driver lock that the job's
             own driver calls may wait for, a cost the other fields do not see; the sampler
-            keeps its share small (NOTE [nvml pacing] in tracker.py).
+            keeps its share small (NOTE [nvml pacing] in sampling/pacing.py).
         nvml_cpu_s: CPU seconds of the same reads, in the threads that made them: mostly the
             driver's work, during which the NVML binding (ctypes) releases the interpreter
             lock, so it delays no Python thread where a core is spare. Part of
             ``sampler_cpu_s`` for the sampler's reads; it shows how much of that is spent
             in NVML rather than in leakcheck's own Python.
+        host_read_cpu_s: CPU seconds the sampler thread spent reading the host memory of
+            the parent and persistent workers after epoch ends (USS and PSS: a page-table
+            walk per process). Part of ``sampler_cpu_s``. A tracker's first epoch end always
+            reads; later ones are paced (NOTE [host pacing] in sampling/pacing.py), so a
+            short-lived tracker pays more of it for its time than a long one.
 
     """
 
@@ -291,6 +296,7 @@ class TrackerCost:
     caller_wall_s: float
     nvml_wall_s: float
     nvml_cpu_s: float
+    host_read_cpu_s: float = 0.0
 
 
 Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]

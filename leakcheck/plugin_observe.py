@@ -94,6 +94,7 @@ __all__ = [
     "PidMark",
     "ScopeOwner",
     "Window",
+    "handed_out_since",
     "last_pid",
     "list_pids",
     "list_shm",
@@ -187,6 +188,20 @@ def pids_since(mark: PidMark) -> list[int]:
     # Allocation order, so that a parent is seen before its children.
     found.sort(key=lambda pid: (pid <= start, pid))
     return found
+
+
+def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
+    """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
+
+    None where either mark is unknown. After a wrap-around an older process's PID can be in
+    the range again, so True means "may be new"; False is certain: handed out before.
+    """
+    start = mark.last_pid
+    if start is None or now is None:
+        return None
+    if now == start:
+        return False
+    return (start < pid <= now) if now > start else (pid > start or pid <= now)
 
 
 def list_shm(directory: str = SHM_DIR) -> frozenset[str]:
@@ -678,7 +693,9 @@ class Checker:
         processes (``test_pids``, gone ones included: torch and CUDA IPC name their files
         after their creator), those of its fixtures; others nobody holds are blamed only
         when no other test ran at the same time (``attribute_unheld_shm``), else reported
-        as not attributable.
+        as not attributable. A file named after processes none of which is the test's, all
+        started before the test began (their PIDs were handed out before its window), was
+        made by another process of the host: not attributable, even run serially.
         """
         now = list_shm(self.shm_dir)
         owned_active = {name for owner in active for name in owner.shm}
@@ -699,6 +716,7 @@ class Checker:
                 held_by.setdefault(name, pid)
         segments = procs.shm_segments(self.shm_dir)
         uid = os.getuid()
+        now_pid = last_pid()
         found: list[ShmFile] = []
         unresolved: list[str] = []
         blamed: list[str] = []
@@ -712,6 +730,12 @@ class Checker:
             creator = shm_creator_pid(name)
             if creator is not None and _foreign_alive(creator, lineage_pids):
                 continue  # created by a live process that is not ours
+            named = shm_name_pids(name)
+            if named and not any(handed_out_since(window.pids, pid, now_pid) for pid in named):
+                # Its creators are older than the test and none of them is its: another
+                # job's file (/dev/shm is the host's), whenever it appeared.
+                found.append(ShmFile(name, segments[name].size_bytes, attributable=False))
+                continue
             unresolved.append(name)
         for name in self._unheld(unresolved, lineage_pids):
             if self.attribute_unheld_shm:

@@ -291,7 +291,8 @@ def take_snapshot(
     )
     gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
-    every = {info.key.pid: info for info in procs.scan_all(with_cmdline=True)}
+    # Command lines are read for the processes shown only, below: most of a machine's are not.
+    every = {info.key.pid: info for info in procs.scan_all(with_cmdline=False)}
     lineage: set[int] = set()
     if root_pid is not None:
         lineage = {info.key.pid for info in procs.descendants(root_pid, with_cmdline=False)} | {
@@ -338,9 +339,10 @@ def take_snapshot(
     want_host = root_pid is not None if host_memory is None else host_memory
     entries: list[ProcessSnapshot] = []
     for pid in sorted(shown):
-        info = every.get(pid)
-        if info is None:
-            info = procs.read_proc(pid)
+        scanned = every.get(pid)
+        info = procs.read_proc(pid)  # with its command line
+        if info is None or (scanned is not None and info.key != scanned.key):
+            info = scanned  # gone since the scan, or its PID reused: what the scan saw
         if info is None:
             continue
         flags: list[str] = []

@@ -565,6 +565,45 @@ def test_under_xdist_a_segment_named_after_a_process_of_the_test_is_blamed(
     assert "nothing ties it to the work" in found[stranger].message
 
 
+def test_run_serially_a_segment_named_after_an_older_strangers_process_is_not_blamed(
+    shm_names: list[str],
+) -> None:
+    """Run serially, a new file nobody holds is the test's by the time window alone; not when
+    its name says who made it and that process is neither the test's nor younger than the
+    test (another job's, on a host whose /dev/shm every job shares)."""
+    checker = Checker(attribute_unheld_shm=True)
+    older = subprocess.Popen([sys.executable, "-c", "pass"])
+    older.wait()  # started before the test; gone by its end
+    window = checker.begin()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # the test's own, also gone
+    token = uuid.uuid4().int % 10**9
+    stranger, own = f"torch_{older.pid}_{token}_0", f"torch_{child.pid}_{token}_0"
+    shm_names.extend([stranger, own])
+    for name in (stranger, own):
+        Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
+    found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+    assert found[stranger].severity == "info", found[stranger].message
+    assert "nothing ties it to the work" in found[stranger].message
+    assert found[own].severity == "leak", found[own].message
+
+
+def test_handed_out_since_follows_the_pid_counter_and_its_wrap() -> None:
+    from leakcheck.plugin_observe import PidMark, handed_out_since
+
+    mark = PidMark(last_pid=1000, names=frozenset(), unix_s=0.0)
+    assert handed_out_since(mark, 1001, 1200) is True
+    assert handed_out_since(mark, 1000, 1200) is False
+    assert handed_out_since(mark, 999, 1200) is False
+    assert handed_out_since(mark, 1201, 1200) is False
+    assert handed_out_since(mark, 1001, 1000) is False  # nothing handed out since
+    assert handed_out_since(mark, 5, 20) is True  # wrapped: past pid_max, from the start
+    assert handed_out_since(mark, 4000, 20) is True
+    assert handed_out_since(mark, 500, 20) is False
+    unknown = PidMark(last_pid=None, names=frozenset(), unix_s=0.0)
+    assert handed_out_since(unknown, 5, 20) is None
+
+
 # --- markers, modes, sources --------------------------------------------------------------
 
 

@@ -139,6 +139,32 @@ def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyP
     assert all(p.host_source == "uss" for e in tracker.epochs() for p in e.processes)
 
 
+def test_the_sampler_threads_host_reads_are_counted_apart_in_its_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cost().host_read_cpu_s``: the sampler's CPU in the reads after epoch ends, part of
+    its CPU; nothing before an epoch ended."""
+    real = hostmem.read_host_memories
+
+    def costly(targets: Any, *, rollup: bool = True) -> Any:
+        if rollup:  # CPU the reads' own would take for a large process
+            until = time.thread_time() + 0.02
+            while time.thread_time() < until:
+                pass
+        return real(targets, rollup=rollup)
+
+    monkeypatch.setattr(hostmem, "read_host_memories", costly)
+    with Tracker(rollup_share=1.0, grace=0.1, interval=3600.0) as tracker:
+        assert tracker.cost().host_read_cpu_s == 0.0
+        with tracker.epoch():
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while tracker.cost().host_read_cpu_s == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the sampler thread reads on its wake after the epoch end
+        cost = tracker.cost()
+    assert 0.015 < cost.host_read_cpu_s <= cost.sampler_cpu_s, cost
+
+
 def test_a_read_made_after_the_next_epoch_ended_is_not_given_to_the_earlier_one() -> None:
     book = EpochBook(grace_s=1.0)
     key = ProcessKey(os.getpid(), 1.0)

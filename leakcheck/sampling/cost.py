@@ -4,7 +4,8 @@ The accounted cost of a tracker is the CPU time of its sampler thread plus the w
 calling threads spend inside its methods: the most it can take from a training loop through
 the interpreter lock and the CPU. NVML's reads are counted apart (their wall and CPU time),
 since while the GPU is busy they hold a driver lock that the job's own driver calls may wait
-for: a cost the other figures cannot see (NOTE [nvml pacing] in pacing.py).
+for: a cost the other figures cannot see (NOTE [nvml pacing] in pacing.py). So are the host
+memory reads after epoch ends, the sampler's other costly read.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class CostMeter:
         self._caller_wall_s = 0.0
         self._nvml_wall_s = 0.0
         self._nvml_cpu_s = 0.0
+        self._host_read_cpu_s = 0.0
 
     def sample_taken(self, wall_s: float) -> None:
         """One sample (any thread's) took ``wall_s``."""
@@ -53,6 +55,11 @@ class CostMeter:
         with self._lock:
             self._nvml_wall_s += wall_s
             self._nvml_cpu_s += cpu_s
+
+    def host_read(self, cpu_s: float) -> None:
+        """The sampler thread used ``cpu_s`` of CPU reading host memory (also sampler time)."""
+        with self._lock:
+            self._host_read_cpu_s += cpu_s
 
     def enter_call(self) -> bool:
         """A public call begins; True when it is the outermost call of a caller's thread."""
@@ -78,6 +85,7 @@ class CostMeter:
                 caller_wall_s=self._caller_wall_s,
                 nvml_wall_s=self._nvml_wall_s,
                 nvml_cpu_s=self._nvml_cpu_s,
+                host_read_cpu_s=self._host_read_cpu_s,
             )
 
 

@@ -225,7 +225,9 @@ class Sampler:
                 # An epoch end planned host reads: read them now, close to the end they
                 # belong to, then wait for the next tick again.
                 self.finish_reads()
-                self.meter.sampler_ran(time.thread_time() - cpu_start_s)
+                spent_s = time.thread_time() - cpu_start_s
+                self.meter.sampler_ran(spent_s)
+                self.meter.host_read(spent_s)
                 continue
             with self.lock:
                 if self.closed:

@@ -76,6 +76,48 @@ def _culprit(proc: ProcessEpoch) -> str:
     return f"{label} ({shorten_cmdline(proc.cmdline)})"
 
 
+def _process_finding(
+    proc: ProcessEpoch,
+    *,
+    rule: Rule,
+    severity: Severity,
+    message: str,
+    remedy: str,
+    gpu_bytes: int | None = None,
+    epoch: int | None = None,
+    device_index: int | None = None,
+    bytes_per_epoch: float | None = None,
+    nvidia_fds: int | None = None,
+    scope: str | None = None,
+    host_bytes: int | None = None,
+) -> Finding:
+    """A finding about one process, its identity taken whole from ``proc``.
+
+    Every rule whose finding is about one process it observed builds the finding here, so
+    none can drop a part of the culprit's identity: a finding without its rank is counted
+    as the job's instead of its rank's (``job.judge_job``) and named without it
+    (``report.leak_short``).
+    """
+    return Finding(
+        rule=rule,
+        severity=severity,
+        message=message,
+        remedy=remedy,
+        pid=proc.key.pid,
+        create_time=proc.key.create_time,
+        role=proc.role,
+        cmdline=proc.cmdline,
+        rank=proc.rank,
+        gpu_bytes=gpu_bytes,
+        epoch=epoch,
+        device_index=device_index,
+        bytes_per_epoch=bytes_per_epoch,
+        nvidia_fds=nvidia_fds,
+        scope=scope,
+        host_bytes=host_bytes,
+    )
+
+
 def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
     """``GPU0 612 MiB, GPU1 2.0 MiB`` for the devices holding memory."""
     parts = [f"GPU{d} {format_mib(b)} MiB" for d, b in sorted(gpu_bytes.items()) if b > 0]
@@ -236,7 +278,8 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 else ""
             )
             found.append(
-                Finding(
+                _process_finding(
+                    proc,
                     rule="survivor",
                     severity="leak",
                     message=(
@@ -246,11 +289,6 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
                     remedy=_survivor_remedy(proc),
-                    pid=proc.key.pid,
-                    rank=proc.rank,
-                    create_time=proc.key.create_time,
-                    role=proc.role,
-                    cmdline=proc.cmdline,
                     gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                     epoch=rec.index,
                     nvidia_fds=fds,
@@ -314,7 +352,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 else ", alive now"
             )
         found.append(
-            Finding(
+            _process_finding(
+                last,
                 rule="orphan",
                 severity="leak",
                 message=(
@@ -323,11 +362,6 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
                 ),
                 remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
-                pid=key.pid,
-                rank=last.rank,
-                create_time=key.create_time,
-                role="orphan",
-                cmdline=last.cmdline,
                 gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                 epoch=first_rec.index if first_rec is not None else None,
                 nvidia_fds=fds,
@@ -404,7 +438,7 @@ def _growth_remedy(role: Role) -> str:
 
 def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
     found: list[Finding] = []
-    for key, obs in _observations(timeline).items():
+    for obs in _observations(timeline).values():
         points = [
             (rec, proc)
             for rec, proc in obs
@@ -423,7 +457,8 @@ def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
             f"GPU{d} {format_mib(delta, signed=True)} MiB" for d, delta in deltas.items() if delta
         )
         found.append(
-            Finding(
+            _process_finding(
+                last,
                 rule="growth",
                 severity="leak",
                 message=(
@@ -432,11 +467,6 @@ def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
                     f"{format_mib(series[-1])} MiB ({per_device})"
                 ),
                 remedy=_growth_remedy(last.role),
-                pid=key.pid,
-                rank=last.rank,
-                create_time=key.create_time,
-                role=last.role,
-                cmdline=last.cmdline,
                 gpu_bytes=series[-1] - series[0],
                 epoch=last_rec.index,
                 bytes_per_epoch=slope,
@@ -556,7 +586,6 @@ def _host_growth_remedy(role: Role | None) -> str:
 
 
 def _host_growth_finding(
-    key: ProcessKey,
     chosen: _HostPoints,
     basis: str,
     slope: float,
@@ -564,7 +593,8 @@ def _host_growth_finding(
     note: str,
 ) -> Finding:
     (first_rec, first_value), (last_rec, last_value) = chosen[0], chosen[-1]
-    return Finding(
+    return _process_finding(
+        last,
         rule="host-growth",
         severity="leak",
         message=(
@@ -573,11 +603,6 @@ def _host_growth_finding(
             f"{format_mib(last_value)} MiB{note}"
         ),
         remedy=_host_growth_remedy(last.role),
-        pid=key.pid,
-        rank=last.rank,
-        create_time=key.create_time,
-        role=last.role,
-        cmdline=last.cmdline,
         epoch=last_rec.index,
         bytes_per_epoch=slope,
         host_bytes=last_value - first_value,
@@ -596,7 +621,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     of shared pages]). Needs no GPU.
     """
     found: list[Finding] = []
-    for key, obs in _observations(timeline).items():
+    for obs in _observations(timeline).values():
         points: list[tuple[EpochRecord, ProcessEpoch]] = [
             (rec, proc)
             for rec, proc in obs
@@ -625,7 +650,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     continue
                 slope = min(slope, rss_slope)
                 note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-            found.append(_host_growth_finding(key, uss, "USS", slope, last, note))
+            found.append(_host_growth_finding(uss, "USS", slope, last, note))
             continue
         slope = _judge_host(rss, config)
         if slope is None:
@@ -634,7 +659,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
             "pages it shares with other processes and does not show copy-on-read)"
         )
-        found.append(_host_growth_finding(key, rss, resident, slope, last, note))
+        found.append(_host_growth_finding(rss, resident, slope, last, note))
     return tuple(found)
 
 
@@ -998,7 +1023,7 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
         # Without per-PID bytes every process looks memory-free; the rule would guess.
         return ()
     found: list[Finding] = []
-    for key, obs in _observations(timeline).items():
+    for obs in _observations(timeline).values():
         for rec, proc in obs:
             if (
                 proc.role not in ("worker", "descendant", "orphan")
@@ -1010,7 +1035,8 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
                 continue
             where = f"in {rec.label}" if rec is not None else "after the job"
             found.append(
-                Finding(
+                _process_finding(
+                    proc,
                     rule="descriptor-holder",
                     severity="info",
                     message=(
@@ -1022,11 +1048,6 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
                         "start workers with multiprocessing_context='spawn' or 'forkserver', "
                         "or do not initialise CUDA in the parent before workers fork"
                     ),
-                    pid=key.pid,
-                    rank=proc.rank,
-                    create_time=key.create_time,
-                    role=proc.role,
-                    cmdline=proc.cmdline,
                     gpu_bytes=0,
                     epoch=rec.index if rec is not None else None,
                     nvidia_fds=proc.nvidia_fds,
@@ -1052,7 +1073,8 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if proc.role != "parent" or proc.total_gpu_bytes_end <= 0:
             continue
         found.append(
-            Finding(
+            _process_finding(
+                proc,
                 rule="context-kept",
                 severity="info",
                 message=(
@@ -1064,11 +1086,6 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     "harmless, the CUDA runtime frees it at exit; if the GPU must be free "
                     "before then, call leakcheck.release_device()"
                 ),
-                pid=proc.key.pid,
-                rank=proc.rank,
-                create_time=proc.key.create_time,
-                role="parent",
-                cmdline=proc.cmdline,
                 gpu_bytes=proc.total_gpu_bytes_end,
                 nvidia_fds=proc.nvidia_fds,
             )
@@ -1126,7 +1143,7 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         return ()
     found: list[Finding] = []
     known = _known_devices(timeline)
-    for key, obs in _observations(timeline).items():
+    for obs in _observations(timeline).values():
         held: dict[int, int] = {}
         first: dict[int, tuple[EpochRecord | None, ProcessEpoch]] = {}
         own: int | None = None
@@ -1147,7 +1164,8 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
             found.append(
-                Finding(
+                _process_finding(
+                    proc,
                     rule="device-mismatch",
                     severity="leak",
                     message=(
@@ -1156,16 +1174,11 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
                         "that is not its own"
                     ),
                     remedy=REMEDY_DEVICE_MISMATCH,
-                    pid=key.pid,
-                    create_time=key.create_time,
-                    role=proc.role,
-                    cmdline=proc.cmdline,
                     gpu_bytes=used,
                     epoch=rec.index if rec is not None else None,
                     device_index=index,
                     nvidia_fds=proc.nvidia_fds,
                     scope=proc.scope,
-                    rank=proc.rank,
                 )
             )
     return tuple(found)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from leakcheck import procs, verdict
+from leakcheck.job import judge_job
 from leakcheck.model import RankInfo, RuleConfig
 from leakcheck.ranks import culprit_label, physical_device, rank_from_environ
+from leakcheck.report import build_report, leak_short
 from tests.timelines import device, epoch, final_state, mib, parent, proc, timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +116,23 @@ def test_worker_with_a_context_on_another_gpu_is_a_device_mismatch() -> None:
     assert "rank 1 worker PID 201" in finding.message
     assert "GPU0 520 MiB" in finding.message and "trains on GPU1" in finding.message
     assert "device-mismatch" in [f.rule for f in verdict.judge(tl, CONFIG)]
+
+
+def test_a_device_mismatch_seen_from_outside_counts_for_its_rank() -> None:
+    """The outside tracker (``leakcheck run``'s) judges rank 1's stray context: the finding
+    carries the rank, so it is named with it and counted as rank 1's leak, not the job's."""
+    worker = replace(proc(201, gpu_mib={0: 520}), rank=1, rank_device=1)
+    rank_parent = replace(parent({1: 700}), rank=1, rank_device=1)
+    tl = timeline([epoch(0, [rank_parent, worker], [device(0, 520), device(1, 700)])])
+    outside = build_report(tl, CONFIG)
+    (finding,) = outside.leaks
+    assert (finding.rule, finding.rank) == ("device-mismatch", 1)
+    assert leak_short(finding) == "device-mismatch rank 1 worker PID 201 (520 MiB)"
+    assert "LEAK device-mismatch: rank 1 worker PID 201 (" in outside.format()
+    job = judge_job([], [outside])
+    assert [(r.rank, r.verdict) for r in job.ranks] == [(1, "leak")]
+    assert job.ranks[0].leaks == (finding,) and job.leaks == (finding,)
+    assert "; 1 leak: device-mismatch rank 1 worker PID 201 (520 MiB)" in job.format()
 
 
 def test_memory_on_the_rank_own_gpu_is_no_mismatch() -> None:

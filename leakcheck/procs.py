@@ -89,6 +89,7 @@ _HAS_PROC = sys.platform.startswith("linux") and os.path.exists(f"{_PROC}/self/s
 _GONE = (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError)
 
 _TAG_PREFIX = SESSION_ENV.encode() + b"="
+_PF_KTHREAD = 0x00200000  # the kernel-thread bit of a task's flags (include/linux/sched.h)
 _DEAD_STATES = (b"Z", b"X", b"x")  # zombie, dead: exited, whatever the reaping state
 _NVIDIA_PREFIX = "/dev/nvidia"
 
@@ -197,6 +198,20 @@ def _parse_stat(data: bytes) -> _Stat | None:
         image = (starttime_ticks, name, fields[45], fields[46], fields[47], fields[48])
     # Positional: this runs for every process of every sample.
     return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image)
+
+
+def _is_kernel_thread(stat_line: bytes) -> bool:
+    """Whether a /proc/PID/stat line is a kernel thread's: ``PF_KTHREAD`` in its flags.
+
+    A kernel thread has no descriptor table, environment or command line of its own: it can
+    hold no ``/dev/nvidia*`` descriptor and carry no session tag, so a scan of the machine
+    need not read those for it (many of a host's processes). The flags (field 9) are
+    shown to every reader; the memory-layout fields (startcode, endcode, startstack) are 0 for
+    a kernel thread but also for a zombie and for any process the reader may not ptrace, so
+    they are no test.
+    """
+    fields = stat_line[stat_line.rfind(b")") + 2 :].split(maxsplit=7)
+    return len(fields) > 6 and int(fields[6]) & _PF_KTHREAD != 0
 
 
 def _stat(pid: int) -> _Stat | None:
@@ -875,7 +890,9 @@ def is_alive(key: ProcessKey) -> bool:
     return _create_time(stat.starttime_ticks) == key.create_time
 
 
-def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> list[ProcInfo]:
+def scan_all(
+    *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
+) -> list[ProcInfo]:
     """Every live process of this PID namespace, in one pass over /proc.
 
     Used at epoch ends and by ``leakcheck snapshot`` to find tagged processes that were
@@ -884,6 +901,9 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
     Args:
         session_id: Check each process's session tag (see ``read_proc``).
         with_cmdline: Read command lines (see ``read_proc``).
+        kernel_threads: False leaves kernel threads out, told from the stat line read
+            anyway (see ``_is_kernel_thread``): callers then read no descriptors or
+            environments of theirs. Linux only; elsewhere every process is listed.
 
     Returns:
         One ``ProcInfo`` per process, in PID order.
@@ -899,7 +919,10 @@ def scan_all(*, session_id: str | None = None, with_cmdline: bool = True) -> lis
     tag = None if session_id is None else session_id.encode()
     found: list[ProcInfo] = []
     for pid in sorted(_all_pids()):
-        stat = _stat(pid)
+        data = _read(f"{_PROC}/{pid}/stat")
+        if not data or (not kernel_threads and _is_kernel_thread(data)):
+            continue
+        stat = _parse_stat(data)
         if stat is None or stat.state in _DEAD_STATES:
             continue
         found.append(_info(pid, stat, tag, with_cmdline))

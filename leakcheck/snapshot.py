@@ -292,7 +292,12 @@ def take_snapshot(
     gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
     # Command lines are read for the processes shown only, below: most of a machine's are not.
-    every = {info.key.pid: info for info in procs.scan_all(with_cmdline=False)}
+    # Kernel threads are left out: they hold no descriptors and carry no tag, so neither is
+    # read for them, and none is part of a job; one that is an ancestor of a shown process (a
+    # usermode helper's parent) is still shown, read below with the rest.
+    every = {
+        info.key.pid: info for info in procs.scan_all(with_cmdline=False, kernel_threads=False)
+    }
     lineage: set[int] = set()
     if root_pid is not None:
         lineage = {info.key.pid for info in procs.descendants(root_pid, with_cmdline=False)} | {

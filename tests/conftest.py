@@ -23,6 +23,32 @@ def shm_file() -> Iterator[Path]:
 
 
 @pytest.fixture
+def kernel_threads() -> set[int]:
+    """PIDs of the kernel threads /proc lists now (kthreadd, PID 2, among them on a host).
+
+    Told by ``PF_KTHREAD`` (0x00200000) in each stat line's flags (field 9), read here
+    without leakcheck. Skips where there is none to see: no /proc, or a PID namespace of its
+    own (a container), where kernel threads are not listed.
+    """
+    found: set[int] = set()
+    names = os.listdir("/proc") if os.path.isdir("/proc") else []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                line = stat.read()
+        except OSError:
+            continue  # exited meanwhile
+        flags = int(line[line.rfind(b")") + 2 :].split()[6])
+        if flags & 0x00200000:
+            found.add(int(name))
+    if not found:
+        pytest.skip("no kernel thread listed in /proc here")
+    return found
+
+
+@pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """A pytester whose subprocess sessions find leakcheck and its entry point.
 

@@ -767,6 +767,55 @@ def test_snapshot_reads_no_environment_older_than_the_root(
     assert len(procs.scan_all(with_cmdline=False)) > len(read_tags_of)  # most were skipped
 
 
+def test_snapshot_lists_no_kernel_threads_descriptors(
+    kernel_threads: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel thread has no descriptors to hold: the scan does not list its /proc/PID/fd."""
+    from leakcheck import procs, snapshot
+
+    listed_fds_of: list[int] = []
+    real_nvidia_fd_count = procs.nvidia_fd_count
+
+    def counting(pid: int) -> int | None:
+        listed_fds_of.append(pid)
+        return real_nvidia_fd_count(pid)
+
+    monkeypatch.setattr(procs, "nvidia_fd_count", counting)
+    snapshot.take_snapshot(telemetry=False)
+    assert os.getpid() in listed_fds_of  # an ordinary process: scanned
+    assert not kernel_threads & set(listed_fds_of)
+
+
+def test_snapshot_reads_no_kernel_threads_environment(
+    kernel_threads: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nor its environment, which has no tag: with PID 1 as the root, every other process is
+    in its lineage, and the kernel threads born since boot were the only ones read."""
+    from leakcheck import procs, snapshot
+
+    init = procs.process_key(1)
+    younger = {
+        pid
+        for pid in kernel_threads
+        if init is not None
+        and (key := procs.process_key(pid)) is not None
+        and key.create_time > init.create_time
+    }
+    if not younger:
+        pytest.skip("no kernel thread younger than PID 1 here")
+    read_tags_of: list[int] = []
+    real_tagged_session = procs.tagged_session
+
+    def counting(pid: int) -> str | None:
+        read_tags_of.append(pid)
+        return real_tagged_session(pid)
+
+    monkeypatch.setattr(procs, "tagged_session", counting)
+    snapshot.take_snapshot(root_pid=1, with_fds=False, host_memory=False, telemetry=False)
+    assert 1 in read_tags_of  # the root's lineage: read
+    assert not younger & set(read_tags_of)
+
+
 def test_orphan_judgement_goes_by_ages_not_by_the_tags_clock() -> None:
     """A tag's start time may be off (the wall clock was stepped): a live ancestor is still
     the root; a root PID now naming a younger process is a reused PID, so the root is gone."""

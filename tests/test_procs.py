@@ -182,6 +182,21 @@ def test_name_with_spaces_and_parentheses(spawn: Spawn, tmp_path: Path) -> None:
     assert info.key.create_time == psutil.Process(child.pid).create_time()
 
 
+def test_a_kernel_thread_is_told_by_its_stat_line(kernel_threads: set[int]) -> None:
+    kernel = 2 if 2 in kernel_threads else min(kernel_threads)  # kthreadd, on a host
+    kernel_line = Path(f"/proc/{kernel}/stat").read_bytes()
+    own_line = Path("/proc/self/stat").read_bytes()
+    assert procs._is_kernel_thread(kernel_line), kernel_line
+    assert not procs._is_kernel_thread(own_line), own_line
+    # Not by its zeroed memory layout (startcode, endcode, startstack: fields 26-28), which a
+    # zombie shows too: only the flags say it.
+    zeroed = own_line[: own_line.rfind(b")") + 2] + b" ".join(
+        b"0" if 23 <= index <= 25 else field
+        for index, field in enumerate(own_line[own_line.rfind(b")") + 2 :].split())
+    )
+    assert not procs._is_kernel_thread(zeroed)
+
+
 def test_session_tag_from_exec_environment(spawn: Spawn) -> None:
     sid = uuid.uuid4().hex
     tagged = spawn(["sh", "-c", "read x"], env={**os.environ, procs.SESSION_ENV: sid})

@@ -871,6 +871,9 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
 def _snapshot_text(
     root_pid: int | None, telemetry: bool, *, as_json: bool, indent: int | None
 ) -> str:
+    from leakcheck import nvml
+
+    nvml.start_in_background()  # while the snapshot's modules load (NOTE [overlapped start])
     from leakcheck.snapshot import take_snapshot
 
     snapshot = take_snapshot(root_pid=root_pid, telemetry=telemetry)

@@ -48,7 +48,14 @@ from typing import Any, Literal
 from leakcheck.errors import LeakCheckError, NVMLUnavailable, UsageError
 from leakcheck.readings import AccountedProcess, DeviceState, GpuProcess
 
-__all__ = ["THROTTLE_REASON_NAMES", "Nvml", "availability", "get", "throttle_reason_names"]
+__all__ = [
+    "THROTTLE_REASON_NAMES",
+    "Nvml",
+    "availability",
+    "get",
+    "start_in_background",
+    "throttle_reason_names",
+]
 
 # NVML's "value not available" for unsigned 64-bit fields (NVML_VALUE_NOT_AVAILABLE). The
 # binding already maps it to None for process memory, but not everywhere and not in every
@@ -724,6 +731,19 @@ def _nvidia_fd_numbers() -> set[int]:
         except (OSError, ValueError):
             continue
     return numbers
+
+
+def start_in_background() -> None:
+    """Begin NVML's start on a thread, unless it has begun (NOTE [overlapped start] in snapshot.py).
+
+    A one-shot command calls it first: the library load, ``nvmlInit`` and the device handles
+    wait in the driver while it imports and reads /proc, and its own :func:`get` waits for
+    this start instead of making another. Never raises: a failure is remembered, as
+    :func:`get` remembers it.
+    """
+    if _instance is not None or _failure is not None:
+        return
+    threading.Thread(target=availability, name="leakcheck-nvml-start", daemon=True).start()
 
 
 def availability() -> tuple[bool, str]:

@@ -7,10 +7,20 @@ RSS): a page-table walk per process, paid only for that job, so that a snapshot 
 machine stays cheap. Device telemetry (temperature, clocks, power) is read on request: each
 value is a driver call of its own, together more than NVML's reads after its start. The records
 are named tuples, as readings.py's are, for the command's start.
+
+NOTE [overlapped start]: NVML's start (loading the library, ``nvmlInit``, the first device
+handles) is most of a fresh process's snapshot, and it waits in the driver with the GIL
+released. So the command begins it on a thread before importing this module
+(``nvml.start_in_background``), and ``take_snapshot`` reads NVML on a thread of its own while
+it scans /proc: the imports and the scan run inside NVML's wait rather than after it. The
+snapshot's own process is counted last, after NVML's read: its descriptors include those NVML
+opens meanwhile.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -250,6 +260,18 @@ def read_gpu_processes(
     return "ok", "", device_states, gpu_processes
 
 
+_GpuRead = tuple["Attribution", str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]
+
+
+def _read_gpu_into(result: list[_GpuRead], devices: Iterable[int] | None, telemetry: bool) -> None:
+    """``read_gpu_processes`` on the snapshot's NVML thread, its answer put in ``result``."""
+    try:
+        result.append(read_gpu_processes(devices, telemetry=telemetry))
+    except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
+        reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
+        result.append(("nvml-unavailable", reason, (), ()))
+
+
 def _host_memory(key: ProcessKey) -> HostMemory | None:
     from leakcheck import hostmem  # only with --pid (NOTE [lean start] in cli.py)
 
@@ -286,10 +308,15 @@ def take_snapshot(
         The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
 
     """
-    attribution, reason, device_states, gpu_processes = read_gpu_processes(
-        devices, telemetry=telemetry
+    # NVML is read on a thread while /proc is scanned here (NOTE [overlapped start]).
+    read: list[_GpuRead] = []
+    reader = threading.Thread(
+        target=_read_gpu_into,
+        args=(read, devices, telemetry),
+        name="leakcheck-snapshot-nvml",
+        daemon=True,
     )
-    gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
+    reader.start()
 
     # Command lines are read for the processes shown only, below: most of a machine's are not.
     # Kernel threads are left out: they hold no descriptors and carry no tag, so neither is
@@ -304,12 +331,22 @@ def take_snapshot(
             root_pid
         }
 
+    own_pid = os.getpid()
     fds: dict[int, int] = {}
     if with_fds:
         for pid in every:
+            if pid == own_pid:
+                continue
             count = procs.nvidia_fd_count(pid)
             if count:
                 fds[pid] = count
+    reader.join()
+    if with_fds and own_pid in every:
+        count = procs.nvidia_fd_count(own_pid)  # after NVML's read (NOTE [overlapped start])
+        if count:
+            fds[own_pid] = count
+    attribution, reason, device_states, gpu_processes = read[0]
+    gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
     interesting = set(gpu_by_pid) | set(fds) | lineage
     sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from leakcheck import cli
 from leakcheck.cli import main
 from leakcheck.errors import UsageError
-from leakcheck.model import MIB
+from leakcheck.model import MIB, ProcInfo
 from leakcheck.sweep import WorkerBound
 from leakcheck.units import format_mib
 
@@ -814,6 +815,56 @@ def test_snapshot_reads_no_kernel_threads_environment(
     snapshot.take_snapshot(root_pid=1, with_fds=False, host_memory=False, telemetry=False)
     assert 1 in read_tags_of  # the root's lineage: read
     assert not younger & set(read_tags_of)
+
+
+def test_snapshot_scans_proc_while_nvml_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [overlapped start]: NVML's read (its start, in a fresh process) runs beside the
+    /proc scan, not before it; this process's own descriptors are counted after that read,
+    since NVML opens descriptors of its own meanwhile."""
+    from leakcheck import procs, snapshot
+
+    scanned = threading.Event()
+    events: list[str] = []
+    real_scan_all = procs.scan_all
+    real_nvidia_fd_count = procs.nvidia_fd_count
+
+    def scan_all(**kwargs: Any) -> list[ProcInfo]:
+        found = real_scan_all(**kwargs)
+        scanned.set()
+        return found
+
+    def read_gpu_processes(*args: Any, **kwargs: Any) -> Any:
+        # An NVML start that lasts until /proc has been scanned (at most 5 s).
+        events.append("nvml scanned-meanwhile" if scanned.wait(5) else "nvml alone")
+        return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
+
+    def nvidia_fd_count(pid: int) -> int | None:
+        if pid == os.getpid():
+            events.append("own descriptors")
+        return real_nvidia_fd_count(pid)
+
+    monkeypatch.setattr(procs, "scan_all", scan_all)
+    monkeypatch.setattr(procs, "nvidia_fd_count", nvidia_fd_count)
+    monkeypatch.setattr(snapshot, "read_gpu_processes", read_gpu_processes)
+    taken = snapshot.take_snapshot(telemetry=False)
+    assert events == ["nvml scanned-meanwhile", "own descriptors"]
+    assert taken.attribution == "no-gpu"
+
+
+def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_gpu_processes never raises; were it to, on its thread, the snapshot still comes
+    back with the device side unknown rather than lost."""
+    from leakcheck import snapshot
+
+    def read_gpu_processes(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("driver fell over")
+
+    monkeypatch.setattr(snapshot, "read_gpu_processes", read_gpu_processes)
+    taken = snapshot.take_snapshot(root_pid=os.getpid(), with_fds=False, telemetry=False)
+    assert taken.attribution == "nvml-unavailable"
+    assert "RuntimeError: driver fell over" in taken.attribution_reason
+    assert taken.devices == ()
+    assert os.getpid() in {entry.info.key.pid for entry in taken.processes}
 
 
 def test_orphan_judgement_goes_by_ages_not_by_the_tags_clock() -> None:

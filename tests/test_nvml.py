@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -628,3 +629,33 @@ def test_binding_errors_before_the_library_is_loaded(monkeypatch: pytest.MonkeyP
     assert str(nvml_lib.NVMLError(999)) == "NVML Error with code 999"
     # Without a driver there is nothing to read the lists with: the reader is not offered.
     assert nvml._RawProcessList.open(nvml_lib, "nvmlDeviceGetComputeRunningProcesses") is None
+
+
+def test_start_in_background_begins_the_one_start_that_get_then_waits_for(
+    use_fake: UseFake,
+) -> None:
+    """The command's early start (NOTE [overlapped start] in snapshot.py): NVML starts on a
+    thread while the caller goes on, and the caller's get() returns that same session."""
+    fake = use_fake(init_delay_s=0.3)
+    began_s = time.perf_counter()
+    nvml.start_in_background()
+    returned_s = time.perf_counter() - began_s
+    assert returned_s < 0.2  # the caller did not wait for nvmlInit
+    first = nvml.get()
+    assert time.perf_counter() - began_s >= 0.3  # get() waited for the start under way
+    assert fake.init_calls == 1
+    nvml.start_in_background()  # started already: nothing more
+    assert nvml.get() is first
+    assert fake.init_calls == 1
+
+
+def test_start_in_background_remembers_a_failure_without_raising(use_fake: UseFake) -> None:
+    use_fake(init_error=NVML_ERROR_DRIVER_NOT_LOADED)
+    nvml.start_in_background()
+    deadline_s = time.perf_counter() + 5
+    while nvml._failure is None and time.perf_counter() < deadline_s:
+        time.sleep(0.01)
+    ok, reason = nvml.availability()
+    assert not ok and "driver" in reason.lower()
+    with pytest.raises(NVMLUnavailable):
+        nvml.get()

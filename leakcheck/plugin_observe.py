@@ -177,15 +177,13 @@ def pids_since(mark: PidMark) -> list[int]:
         return sorted(int(name) for name in after - mark.names if name.isdigit())
     if now == mark.last_pid:
         return []
-    start = mark.last_pid
-    found: list[int] = []
-    for name in list_pids():
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if (start < pid <= now) if now > start else (pid > start or pid <= now):
-            found.append(pid)
+    found = [
+        int(name)
+        for name in list_pids()
+        if name.isdigit() and handed_out_since(mark, int(name), now)
+    ]
     # Allocation order, so that a parent is seen before its children.
+    start = mark.last_pid
     found.sort(key=lambda pid: (pid <= start, pid))
     return found
 

@@ -13,8 +13,9 @@ handles) is most of a fresh process's snapshot, and it waits in the driver with 
 released. So the command begins it on a thread before importing this module
 (``nvml.start_in_background``), and ``take_snapshot`` reads NVML on a thread of its own while
 it scans /proc: the imports and the scan run inside NVML's wait rather than after it. The
-snapshot's own process is counted last, after NVML's read: its descriptors include those NVML
-opens meanwhile.
+snapshot's own process is counted last, after NVML's read, and without the descriptors NVML
+opened (``nvml.own_descriptors``): a snapshot does not flag itself, while a tracked process's
+own CUDA descriptors still count.
 """
 
 from __future__ import annotations
@@ -342,7 +343,9 @@ def take_snapshot(
                 fds[pid] = count
     reader.join()
     if with_fds and own_pid in every:
-        count = procs.nvidia_fd_count(own_pid)  # after NVML's read (NOTE [overlapped start])
+        # After NVML's read, less what NVML opened (NOTE [overlapped start]).
+        own = procs.nvidia_fds(own_pid)
+        count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
         if count:
             fds[own_pid] = count
     attribution, reason, device_states, gpu_processes = read[0]

@@ -783,7 +783,7 @@ def test_snapshot_lists_no_kernel_threads_descriptors(
 
     monkeypatch.setattr(procs, "nvidia_fd_count", counting)
     snapshot.take_snapshot(telemetry=False)
-    assert os.getpid() in listed_fds_of  # an ordinary process: scanned
+    assert os.getppid() in listed_fds_of  # an ordinary process: scanned
     assert not kernel_threads & set(listed_fds_of)
 
 
@@ -826,7 +826,7 @@ def test_snapshot_scans_proc_while_nvml_is_read(monkeypatch: pytest.MonkeyPatch)
     scanned = threading.Event()
     events: list[str] = []
     real_scan_all = procs.scan_all
-    real_nvidia_fd_count = procs.nvidia_fd_count
+    real_nvidia_fds = procs.nvidia_fds
 
     def scan_all(**kwargs: Any) -> list[ProcInfo]:
         found = real_scan_all(**kwargs)
@@ -838,17 +838,40 @@ def test_snapshot_scans_proc_while_nvml_is_read(monkeypatch: pytest.MonkeyPatch)
         events.append("nvml scanned-meanwhile" if scanned.wait(5) else "nvml alone")
         return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
 
-    def nvidia_fd_count(pid: int) -> int | None:
+    def nvidia_fds(pid: int) -> dict[int, str] | None:
         if pid == os.getpid():
             events.append("own descriptors")
-        return real_nvidia_fd_count(pid)
+        return real_nvidia_fds(pid)
 
     monkeypatch.setattr(procs, "scan_all", scan_all)
-    monkeypatch.setattr(procs, "nvidia_fd_count", nvidia_fd_count)
+    monkeypatch.setattr(procs, "nvidia_fds", nvidia_fds)
     monkeypatch.setattr(snapshot, "read_gpu_processes", read_gpu_processes)
     taken = snapshot.take_snapshot(telemetry=False)
     assert events == ["nvml scanned-meanwhile", "own descriptors"]
     assert taken.attribution == "no-gpu"
+
+
+def test_the_snapshot_leaves_out_nvmls_own_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own process holds NVML's descriptors: not a descriptor holder for those alone; any
+    other /dev/nvidia* descriptor of its own still counts (a tracked training process's)."""
+    from leakcheck import nvml, procs, snapshot
+
+    real_nvidia_fds = procs.nvidia_fds
+    own = {7: "/dev/nvidiactl", 8: "/dev/nvidia0", 9: "/dev/nvidia-uvm"}
+
+    def nvidia_fds(pid: int) -> dict[int, str] | None:
+        return dict(own) if pid == os.getpid() else real_nvidia_fds(pid)
+
+    monkeypatch.setattr(procs, "nvidia_fds", nvidia_fds)
+    monkeypatch.setattr(nvml, "own_descriptors", lambda: frozenset({7, 8, 9}))
+    taken = snapshot.take_snapshot(telemetry=False)
+    assert os.getpid() not in {entry.info.key.pid for entry in taken.processes}
+
+    monkeypatch.setattr(nvml, "own_descriptors", lambda: frozenset({7, 8}))  # 9: not NVML's
+    taken = snapshot.take_snapshot(telemetry=False)
+    mine = [entry for entry in taken.processes if entry.info.key.pid == os.getpid()]
+    assert len(mine) == 1 and mine[0].nvidia_fds == 1
+    assert "descriptor-holder" in mine[0].flags
 
 
 def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ for bench in $benches; do
     snapshot)
       run 80 python3 benchmarks/bench_snapshot.py --children 64 --rounds 200 --write
       run 50 python3 benchmarks/bench_snapshot.py --children 8 --rounds 200 --write ;;
-    start) run 120 python3 benchmarks/bench_snapshot_start.py --rounds 25 --importtime --phases 10 --write ;;
+    start) run 150 python3 benchmarks/bench_snapshot_start.py --rounds 60 --importtime --phases 10 --write ;;
     watch) run 150 "${watch[@]}" --rounds 6 ;;
     # The A/A check of the design: its A/B should centre on 0.
     control) run 270 "${watch[@]}" --rounds 24 --variant control ;;

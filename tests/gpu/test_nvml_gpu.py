@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -117,6 +118,48 @@ def test_child_allocation_appears_under_its_own_pid() -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_the_snapshot_command_shows_a_holder_and_not_itself() -> None:
+    """``leakcheck snapshot`` names a process holding GPU memory, with its descriptors; its
+    own process, which holds NVML's descriptors and no context, is not flagged nor listed
+    (NOTE [overlapped start] in snapshot.py)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "ready"
+        handle = nvml.get()
+        _wait_for(
+            lambda: any(p.pid == holder.pid for p in handle.processes(devices=[0])),
+            f"pid {holder.pid} in NVML",
+        )
+        command = subprocess.Popen(
+            [sys.executable, "-m", "leakcheck", "snapshot", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+        out, err = command.communicate(timeout=60)
+        assert command.returncode == 0, err
+        taken = json.loads(out)
+        assert taken["attribution"] == "ok"
+        by_pid = {entry["pid"]: entry for entry in taken["processes"]}
+        seen = by_pid[holder.pid]
+        assert seen["gpu_bytes"]["0"] >= ALLOC_MIB * MIB
+        assert seen["nvidia_fds"] and seen["nvidia_fds"] > 0
+        assert command.pid not in by_pid, by_pid.get(command.pid)
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        try:
+            holder.wait(timeout=60)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
 
 
 def test_nvml_use_does_not_initialise_cuda_in_the_caller() -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
-from leakcheck.cli import main
+from leakcheck.cli import command
 
 # The guard matters: spawned DataLoader workers re-import the parent's main module.
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -25,6 +25,12 @@ from leakcheck.errors import UsageError
 # imports what it needs when it runs, a plain `snapshot` line is read without argparse
 # (`_plain_snapshot_args`; anything else goes through the full parser, which owns help and
 # errors), and `typing` is not imported (TYPE_CHECKING is False at run time, true to mypy).
+# NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot's start
+# in its normal exit (the driver library's teardown at exit, which nvmlShutdown does not
+# save: benchmarks/results/README.md). Once its text is written and flushed the snapshot has
+# nothing left to do: it wrote no file, started no process and registered no exit work. So
+# the executable (`command`) ends a snapshot with os._exit; `main` returns as always, for
+# callers in the same process, and every other command exits normally.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -914,6 +920,22 @@ def _watch(
         # at /dev/null, so that the interpreter's last flush at exit does not fail as well.
         os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return EXIT_CLEAN
+
+
+def command() -> NoReturn:
+    """The ``leakcheck`` executable and ``python -m leakcheck``: ``main()``, then exit.
+
+    A snapshot ends without the interpreter's exit work (NOTE [quick exit]).
+    """
+    status = main()
+    if sys.argv[1:2] == ["snapshot"]:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # a reader that left early (`| head`) has what it read
+        os._exit(status)
+    sys.exit(status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -175,10 +175,12 @@ def test_other_lines_go_to_the_full_parser(tokens: list[str]) -> None:
 
 def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
     """Nor the report model and the host-memory reader: a plain snapshot needs neither."""
+    # Through ``main`` (what ``python -m leakcheck`` imports, less the exit that would end the
+    # probe before it prints: NOTE [quick exit]).
     probe = (
-        "import sys, runpy; sys.argv = ['leakcheck', 'snapshot']\n"
-        "try:\n    runpy.run_module('leakcheck', run_name='__main__')\n"
-        "except SystemExit:\n    pass\n"
+        "import sys, leakcheck.__main__\n"
+        "from leakcheck.cli import main\n"
+        "main(['snapshot'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('argparse', 'pynvml', 'torch', 'json') or m in "
         "('leakcheck.sweep', 'leakcheck.options', 'leakcheck.workload', 'leakcheck.run_cli', "
@@ -208,3 +210,68 @@ def test_watch_keeps_going_when_a_frame_takes_longer_than_the_period(
     out = io.StringIO()
     assert cli._watch(None, 0.1, False, as_json=False, out=out) == cli.EXIT_CLEAN
     assert len(frames) == 3 and out.getvalue().count("frame") == 2
+
+
+_ENTRY = """
+import atexit, sys
+atexit.register(print, "exit work ran", flush=True)
+sys.argv = ["leakcheck", *sys.argv[1:]]
+from leakcheck.cli import command
+command()
+"""
+
+
+def test_a_snapshot_ends_without_the_interpreters_exit_work_and_keeps_its_output() -> None:
+    """NOTE [quick exit]: the executable ends a snapshot once its text is flushed (the exit
+    work of a process that used NVML is skipped), with the status main() gave."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "snapshot", "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exit work ran" not in done.stdout
+    assert json.loads(done.stdout)["schema_version"] == 1  # the whole document, flushed
+
+    bad = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "snapshot", "--pid", "abc"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "leakcheck snapshot: --pid: expected a process ID > 0, got 'abc'"
+
+
+def test_other_commands_exit_normally() -> None:
+    """Only a snapshot skips the exit work: every other command ends as Python ends."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "--version"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert done.stdout.splitlines() == [f"leakcheck {cli_version()}", "exit work ran"]
+
+
+def test_python_dash_m_and_the_console_script_both_end_a_snapshot_quickly() -> None:
+    """Both entry points go through ``command`` (``python -m leakcheck`` and the script)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["leakcheck"] == "leakcheck.cli:command"
+    main_module = (REPO / "leakcheck" / "__main__.py").read_text()
+    assert "command()" in main_module
+    done = subprocess.run(COMMAND, env=ENV, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip()
+
+
+def cli_version() -> str:
+    from leakcheck import __version__
+
+    return __version__

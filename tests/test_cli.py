@@ -732,6 +732,21 @@ def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
             orphan.kill()
 
 
+def _pids_passed_to(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Every PID the snapshot passes to ``procs.<name>`` from now on (the call still runs)."""
+    from leakcheck import procs
+
+    seen: list[int] = []
+    real = getattr(procs, name)
+
+    def recording(pid: int) -> Any:
+        seen.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(procs, name, recording)
+    return seen
+
+
 def test_snapshot_reads_no_environment_older_than_the_root(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -741,14 +756,7 @@ def test_snapshot_reads_no_environment_older_than_the_root(
 
     root_key = procs.process_key(os.getpid())
     assert root_key is not None
-    read_tags_of: list[int] = []
-    real_tagged_session = procs.tagged_session
-
-    def counting(pid: int) -> str | None:
-        read_tags_of.append(pid)
-        return real_tagged_session(pid)
-
-    monkeypatch.setattr(procs, "tagged_session", counting)
+    read_tags_of = _pids_passed_to(monkeypatch, "tagged_session")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         taken = snapshot.take_snapshot(root_pid=os.getpid(), with_fds=False)
@@ -772,16 +780,9 @@ def test_snapshot_lists_no_kernel_threads_descriptors(
     kernel_threads: set[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A kernel thread has no descriptors to hold: the scan does not list its /proc/PID/fd."""
-    from leakcheck import procs, snapshot
+    from leakcheck import snapshot
 
-    listed_fds_of: list[int] = []
-    real_nvidia_fd_count = procs.nvidia_fd_count
-
-    def counting(pid: int) -> int | None:
-        listed_fds_of.append(pid)
-        return real_nvidia_fd_count(pid)
-
-    monkeypatch.setattr(procs, "nvidia_fd_count", counting)
+    listed_fds_of = _pids_passed_to(monkeypatch, "nvidia_fd_count")
     snapshot.take_snapshot(telemetry=False)
     assert os.getppid() in listed_fds_of  # an ordinary process: scanned
     assert not kernel_threads & set(listed_fds_of)
@@ -804,14 +805,7 @@ def test_snapshot_reads_no_kernel_threads_environment(
     }
     if not younger:
         pytest.skip("no kernel thread younger than PID 1 here")
-    read_tags_of: list[int] = []
-    real_tagged_session = procs.tagged_session
-
-    def counting(pid: int) -> str | None:
-        read_tags_of.append(pid)
-        return real_tagged_session(pid)
-
-    monkeypatch.setattr(procs, "tagged_session", counting)
+    read_tags_of = _pids_passed_to(monkeypatch, "tagged_session")
     snapshot.take_snapshot(root_pid=1, with_fds=False, host_memory=False, telemetry=False)
     assert 1 in read_tags_of  # the root's lineage: read
     assert not younger & set(read_tags_of)

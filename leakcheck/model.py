@@ -339,6 +339,9 @@ class ShmFile:
             jobs, pytest-xdist workers): then it is reported, not blamed.
         in_use: Its holder is a process of the job whose work goes on (a tracker closed
             before its job ended): it may still be in use, so it is reported, not blamed.
+        made_by_older: The PID its naming scheme names as its maker (torch's and CUDA IPC's
+            files), where that process is older than the work and not of it: another
+            process's file, reported, not blamed.
 
     """
 
@@ -349,6 +352,7 @@ class ShmFile:
     scope: str | None = None
     attributable: bool = True
     in_use: bool = False
+    made_by_older: int | None = None
 
 
 @dataclass(frozen=True)

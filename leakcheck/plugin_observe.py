@@ -728,11 +728,12 @@ class Checker:
             creator = shm_creator_pid(name)
             if creator is not None and _foreign_alive(creator, lineage_pids):
                 continue  # created by a live process that is not ours
-            named = shm_name_pids(name)
-            if named and not any(handed_out_since(window.pids, pid, now_pid) for pid in named):
-                # Its creators are older than the test and none of them is its: another
-                # job's file (/dev/shm is the host's), whenever it appeared.
-                found.append(ShmFile(name, segments[name].size_bytes, attributable=False))
+            if creator is not None and handed_out_since(window.pids, creator, now_pid) is False:
+                # Its maker, by its naming scheme, is older than the test and not its: another
+                # job's file (/dev/shm is the host's). Only the scheme's PID counts: any other
+                # number in a name may be anything, and an unknown PID mark proves nothing.
+                size = segments[name].size_bytes
+                found.append(ShmFile(name, size, attributable=False, made_by_older=creator))
                 continue
             unresolved.append(name)
         for name in self._unheld(unresolved, lineage_pids):

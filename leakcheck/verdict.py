@@ -905,6 +905,13 @@ def _shm_finding(item: ShmFile) -> Finding:
         where = f"left behind; {who} still holds it"
     elif item.attributable:
         where = "left behind; nobody holds it"
+    elif item.made_by_older is not None:
+        severity = "info"
+        where = (
+            f"appeared during the work and nobody holds it: its name says PID "
+            f"{item.made_by_older} made it, a process older than the work and not of it, so it "
+            "is not blamed on this one"
+        )
     else:
         severity = "info"
         where = (

@@ -317,7 +317,8 @@ class Nvml:
         with contextlib.suppress(*self._nvml_errors):
             self._lib.nvmlShutdown()
 
-    def _ensure(self) -> None:
+    def _ensure(self) -> bool:
+        """Refuse a shut-down session; start NVML again in a forked child (True: started)."""
         if self._closed:
             raise NVMLUnavailable(
                 "NVML unavailable: this handle was shut down; call leakcheck.nvml.get() again"
@@ -326,6 +327,8 @@ class Nvml:
             with self._lock:
                 if self._pid != os.getpid():
                     self._start()
+                    return True
+        return False
 
     def shutdown(self) -> None:
         """Release NVML for this process (``nvmlShutdown``); idempotent.
@@ -672,17 +675,26 @@ def get() -> Nvml:
         if _instance is None:
             before = _nvidia_fd_numbers()
             try:
-                _instance = Nvml(_binding())
+                session = Nvml(_binding())
                 # Open every device handle now, so all of NVML's descriptors exist by the
                 # time they are told apart from the job's (NOTE [descriptors]).
                 with contextlib.suppress(LeakCheckError):
-                    _instance.processes()
+                    session.processes()
             except NVMLUnavailable as exc:
                 _failure = (pid, str(exc))
                 raise
+            # Published only now: another thread's get() returns without the lock, and must
+            # not find a session whose descriptors are not yet known as NVML's.
             _own_fds = frozenset(_nvidia_fd_numbers() - before)
-        else:
-            _instance._ensure()
+            _instance = session
+        elif _instance._pid != pid:
+            # A forked child (NOTE [fork]): NVML starts again here, its handles with it, and
+            # what that opens is NVML's too, beside the descriptors inherited from the parent.
+            before = _nvidia_fd_numbers()
+            if _instance._ensure():
+                with contextlib.suppress(LeakCheckError):
+                    _instance.processes()
+                _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
         return _instance
 
 

@@ -659,3 +659,28 @@ def test_start_in_background_remembers_a_failure_without_raising(use_fake: UseFa
     assert not ok and "driver" in reason.lower()
     with pytest.raises(NVMLUnavailable):
         nvml.get()
+
+
+def test_a_session_is_handed_out_only_once_its_own_descriptors_are_known(
+    use_fake: UseFake,
+) -> None:
+    """get() publishes the session after its first process list and the count of what NVML
+    opened: another thread's get() during that list waits (a snapshot read NVML's own
+    descriptors as its process's and listed itself)."""
+    fake = use_fake()
+    real_list = fake.nvmlDeviceGetComputeRunningProcesses
+    listed = threading.Event()
+
+    def slow_first_list(handle: Any) -> list[Any]:
+        if not listed.is_set():
+            time.sleep(0.3)
+            listed.set()
+        return real_list(handle)
+
+    fake.nvmlDeviceGetComputeRunningProcesses = slow_first_list  # type: ignore[method-assign]
+    nvml.start_in_background()
+    deadline_s = time.perf_counter() + 5
+    while fake.init_calls == 0 and time.perf_counter() < deadline_s:
+        time.sleep(0.001)  # nvmlInit done: the start is in its first process list now
+    nvml.get()
+    assert listed.is_set()  # get() returned after the start's list, not during it

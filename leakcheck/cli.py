@@ -14,6 +14,7 @@ Ctrl-C exits 130 and writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,8 +30,10 @@ from leakcheck.errors import UsageError
 # in its normal exit (the driver library's teardown at exit, which nvmlShutdown does not
 # save: benchmarks/results/README.md). Once its text is written and flushed the snapshot has
 # nothing left to do: it wrote no file, started no process and registered no exit work. So
-# the executable (`command`) ends a snapshot with os._exit; `main` returns as always, for
-# callers in the same process, and every other command exits normally.
+# the executable (`command`) ends a snapshot with os._exit, after flushing its output (a
+# failed write still exits 2 with one line; a reader gone early, as with `| head`, is no
+# error). `main` returns as always, for callers in the same process, and every other command
+# exits normally. Running the module in-process (runpy, as `__main__`) ends that process too.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -927,15 +930,30 @@ def command() -> NoReturn:
 
     A snapshot ends without the interpreter's exit work (NOTE [quick exit]).
     """
-    status = main()
-    if sys.argv[1:2] == ["snapshot"]:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass  # a reader that left early (`| head`) has what it read
-        os._exit(status)
-    sys.exit(status)
+    if sys.argv[1:2] != ["snapshot"]:
+        sys.exit(main())
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED  # Ctrl-C: nothing more is written
+    except BrokenPipeError:
+        status = EXIT_CLEAN  # the reader left (`| head`) with what it wanted
+    os._exit(_flushed(status))
+
+
+def _flushed(status: int) -> int:
+    """Flush the snapshot's output; the status to exit with (2 when it could not be written)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass  # the reader left (`| head`) with what it wanted
+    except (OSError, ValueError) as exc:  # a full disk, an I/O error: the text is incomplete
+        status = EXIT_USAGE
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -282,9 +282,10 @@ class TrackerCost:
             lock, so it delays no Python thread where a core is spare. Part of
             ``sampler_cpu_s`` for the sampler's reads; it shows how much of that is spent
             in NVML rather than in leakcheck's own Python.
-        host_read_cpu_s: CPU seconds the sampler thread spent reading the host memory of
-            the parent and persistent workers after epoch ends (USS and PSS: a page-table
-            walk per process). Part of ``sampler_cpu_s``. A tracker's first epoch end always
+        host_read_cpu_s: CPU seconds the sampler thread spent on the host-memory reads
+            after epoch ends (USS and PSS of the parent and persistent workers: a page-table
+            walk per process), with filing their results in the epoch's record. Part of
+            ``sampler_cpu_s``. A tracker's first epoch end always
             reads; later ones are paced (NOTE [host pacing] in sampling/pacing.py), so a
             short-lived tracker pays more of it for its time than a long one.
 

@@ -755,7 +755,9 @@ def start_in_background() -> None:
     """
     if _instance is not None or _failure is not None:
         return
-    threading.Thread(target=availability, name="leakcheck-nvml-start", daemon=True).start()
+    starter = threading.Thread(target=availability, name="leakcheck-nvml-start", daemon=True)
+    with contextlib.suppress(RuntimeError):  # no thread to be had: get() starts it then
+        starter.start()
 
 
 def availability() -> tuple[bool, str]:

@@ -210,8 +210,9 @@ def _is_kernel_thread(stat_line: bytes) -> bool:
     a kernel thread but also for a zombie and for any process the reader may not ptrace, so
     they are no test.
     """
-    fields = stat_line[stat_line.rfind(b")") + 2 :].split(maxsplit=7)
-    return len(fields) > 6 and int(fields[6]) & _PF_KTHREAD != 0
+    end = stat_line.rfind(b")")
+    fields = stat_line[end + 2 :].split(maxsplit=7) if end >= 0 else []
+    return len(fields) > 6 and fields[6].isdigit() and int(fields[6]) & _PF_KTHREAD != 0
 
 
 def _stat(pid: int) -> _Stat | None:

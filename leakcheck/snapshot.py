@@ -317,7 +317,12 @@ def take_snapshot(
         name="leakcheck-snapshot-nvml",
         daemon=True,
     )
-    reader.start()
+    try:
+        reader.start()
+        reading = True
+    except RuntimeError:  # no thread to be had (a limit, interpreter shutdown): read here
+        reading = False
+        _read_gpu_into(read, devices, telemetry)
 
     # Command lines are read for the processes shown only, below: most of a machine's are not.
     # Kernel threads are left out: they hold no descriptors and carry no tag, so neither is
@@ -341,14 +346,17 @@ def take_snapshot(
             count = procs.nvidia_fd_count(pid)
             if count:
                 fds[pid] = count
-    reader.join()
+    if reading:
+        reader.join()
     if with_fds and own_pid in every:
         # After NVML's read, less what NVML opened (NOTE [overlapped start]).
         own = procs.nvidia_fds(own_pid)
         count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
         if count:
             fds[own_pid] = count
-    attribution, reason, device_states, gpu_processes = read[0]
+    attribution, reason, device_states, gpu_processes = (
+        read[0] if read else ("nvml-unavailable", "NVML unavailable: its read did not end", (), ())
+    )
     gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
 
     interesting = set(gpu_by_pid) | set(fds) | lineage

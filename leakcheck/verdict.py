@@ -93,10 +93,11 @@ def _process_finding(
 ) -> Finding:
     """A finding about one process, its identity taken whole from ``proc``.
 
-    Every rule whose finding is about one process it observed builds the finding here, so
-    none can drop a part of the culprit's identity: a finding without its rank is counted
-    as the job's instead of its rank's (``job.judge_job``) and named without it
-    (``report.leak_short``).
+    Every rule whose finding is about one of the job's processes (a ``ProcessEpoch``)
+    builds the finding here, so none can drop a part of the culprit's identity: a finding
+    without its rank is counted as the job's instead of its rank's (``job.judge_job``) and
+    named without it (``report.leak_short``). A foreign holder and the parent's residual
+    memory have no such record, and no rank.
     """
     return Finding(
         rule=rule,

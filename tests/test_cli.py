@@ -868,6 +868,31 @@ def test_the_snapshot_leaves_out_nvmls_own_descriptors(monkeypatch: pytest.Monke
     assert "descriptor-holder" in mine[0].flags
 
 
+def test_without_a_thread_to_be_had_the_snapshot_reads_nvml_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no thread can start (a thread limit; interpreter shutdown, as in an atexit
+    handler), the snapshot and NVML's early start read on the caller's thread: no raise."""
+    from leakcheck import nvml, snapshot
+
+    calls: list[str] = []
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    def read_gpu_processes(*args: Any, **kwargs: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    monkeypatch.setattr(snapshot, "read_gpu_processes", read_gpu_processes)
+    nvml.start_in_background()  # no raise
+    taken = snapshot.take_snapshot(root_pid=os.getpid(), with_fds=False, telemetry=False)
+    assert calls == [threading.current_thread().name]
+    assert taken.attribution == "no-gpu"
+    assert os.getpid() in {entry.info.key.pid for entry in taken.processes}
+
+
 def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_gpu_processes never raises; were it to, on its thread, the snapshot still comes
     back with the device side unknown rather than lost."""

@@ -195,6 +195,10 @@ def test_a_kernel_thread_is_told_by_its_stat_line(kernel_threads: set[int]) -> N
         for index, field in enumerate(own_line[own_line.rfind(b")") + 2 :].split())
     )
     assert not procs._is_kernel_thread(zeroed)
+    # A line cut short or without its name's ")" is no kernel thread, and no error.
+    assert not procs._is_kernel_thread(b"")
+    assert not procs._is_kernel_thread(b"123 (cut")
+    assert not procs._is_kernel_thread(kernel_line[: kernel_line.rfind(b")") + 10])
 
 
 def test_session_tag_from_exec_environment(spawn: Spawn) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -219,56 +220,115 @@ sys.argv = ["leakcheck", *sys.argv[1:]]
 from leakcheck.cli import command
 command()
 """
+# Buffered output, as on most machines: with PYTHONUNBUFFERED nothing would be left to flush.
+BUFFERED_ENV = {key: value for key, value in ENV.items() if key != "PYTHONUNBUFFERED"}
+
+
+def _entry(*args: str, stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _ENTRY, *args],
+        env=BUFFERED_ENV,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_snapshot_ends_without_the_interpreters_exit_work_and_keeps_its_output() -> None:
     """NOTE [quick exit]: the executable ends a snapshot once its text is flushed (the exit
     work of a process that used NVML is skipped), with the status main() gave."""
-    done = subprocess.run(
-        [sys.executable, "-c", _ENTRY, "snapshot", "--json"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _entry("snapshot", "--json")
     assert done.returncode == 0, done.stderr
     assert "exit work ran" not in done.stdout
     assert json.loads(done.stdout)["schema_version"] == 1  # the whole document, flushed
 
-    bad = subprocess.run(
-        [sys.executable, "-c", _ENTRY, "snapshot", "--pid", "abc"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = _entry("snapshot", "--pid", "abc")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "leakcheck snapshot: --pid: expected a process ID > 0, got 'abc'"
 
 
-def test_other_commands_exit_normally() -> None:
-    """Only a snapshot skips the exit work: every other command ends as Python ends."""
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_snapshot_that_cannot_write_its_output_says_so_and_exits_2() -> None:
+    with open("/dev/full", "w") as full:
+        done = _entry("snapshot", stdout=full)
+    assert done.returncode == 2
+    assert done.stderr.startswith("leakcheck snapshot: could not write the output: [Errno 28]")
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_a_snapshot_whose_reader_left_early_exits_0_quietly() -> None:
+    """`leakcheck snapshot | head -1` on a long text: the reader is gone, no traceback."""
+    script = _ENTRY.replace(
+        "from leakcheck.cli import command",
+        "from leakcheck import snapshot\n"
+        "real = snapshot.Snapshot.format\n"
+        "snapshot.Snapshot.format = lambda self: real(self) + ('x' * 99 + '\\n') * 5000\n"
+        "from leakcheck.cli import command",
+    )
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert reader.stdin is not None
     done = subprocess.run(
-        [sys.executable, "-c", _ENTRY, "--version"],
-        env=ENV,
+        [sys.executable, "-c", script, "snapshot"],
+        env=BUFFERED_ENV,
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+    reader.stdin.close()
+    reader.wait(timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_ctrl_c_during_a_snapshot_exits_130_without_a_traceback() -> None:
+    script = _ENTRY.replace(
+        "from leakcheck.cli import command",
+        "from leakcheck import snapshot\n"
+        "def interrupted(**kwargs):\n    raise KeyboardInterrupt\n"
+        "snapshot.take_snapshot = interrupted\n"
+        "from leakcheck.cli import command",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "snapshot"],
+        env=BUFFERED_ENV,
         capture_output=True,
         text=True,
         timeout=60,
     )
+    assert done.returncode == 130
+    assert done.stdout == "" and done.stderr == ""
+
+
+def test_other_commands_exit_normally() -> None:
+    """Only a snapshot skips the exit work: every other command ends as Python ends."""
+    done = _entry("--version")
     assert done.returncode == 0
     assert done.stdout.splitlines() == [f"leakcheck {cli_version()}", "exit work ran"]
 
 
-def test_python_dash_m_and_the_console_script_both_end_a_snapshot_quickly() -> None:
-    """Both entry points go through ``command`` (``python -m leakcheck`` and the script)."""
-    import tomllib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["leakcheck"] == "leakcheck.cli:command"
-    main_module = (REPO / "leakcheck" / "__main__.py").read_text()
-    assert "command()" in main_module
-    done = subprocess.run(COMMAND, env=ENV, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.strip()
+def test_python_dash_m_and_the_console_script_both_end_a_snapshot_quickly(
+    tmp_path: Path,
+) -> None:
+    """Both entry points go through ``command``: exit work registered at the interpreter's
+    start (a sitecustomize) does not run after a snapshot, and does after ``--version``."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit\natexit.register(print, 'exit work ran', flush=True)\n"
+    )
+    env = {**BUFFERED_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV["PYTHONPATH"]])}
+    script = Path(sys.executable).parent / "leakcheck"
+    assert script.exists(), f"no console script next to {sys.executable}: install leakcheck"
+    for entry in ([sys.executable, "-m", "leakcheck"], [str(script)]):
+        done = subprocess.run(
+            [*entry, "snapshot"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() and "exit work ran" not in done.stdout
+        version = subprocess.run(
+            [*entry, "--version"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert version.stdout.splitlines()[-1] == "exit work ran"
 
 
 def cli_version() -> str:

@@ -872,9 +872,35 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
             return EXIT_USAGE
     telemetry = bool(args.telemetry)
     if period is None:
-        out.write(_snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
-        return EXIT_CLEAN
+        ended = _emit(out, _snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
+        return EXIT_CLEAN if ended is None else ended
     return _watch(root_pid, period, telemetry, as_json=args.json, out=out)
+
+
+def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
+    """Write the snapshot's ``text``; None when written, else the status to end with.
+
+    A reader that left (`| head`) ends the command cleanly (0), and standard output then
+    points at /dev/null, so that no later flush fails too; a failed write (a full disk, an
+    I/O error) ends it with one line and status 2.
+    """
+    try:
+        out.write(text)
+        if flush:
+            out.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return EXIT_CLEAN
+    except (OSError, ValueError) as exc:
+        return _output_failed(exc)
+    return None
+
+
+def _output_failed(exc: BaseException) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
+    return EXIT_USAGE
 
 
 def _snapshot_text(
@@ -906,22 +932,19 @@ def _watch(
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             if on_terminal:
                 text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
-                out.write(f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n")
+                frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
             elif as_json:
-                out.write(_snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n")
+                frame = _snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n"
             else:
                 text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
-                out.write(f"--- {stamp} ---\n{text}\n")
-            out.flush()
+                frame = f"--- {stamp} ---\n{text}\n"
+            ended = _emit(out, frame, flush=True)  # a reader gone, or a failed write, ends it
+            if ended is not None:
+                return ended
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
             next_frame = max(next_frame + period, time.monotonic())
             time.sleep(max(0.0, next_frame - time.monotonic()))
     except KeyboardInterrupt:
-        return EXIT_CLEAN
-    except BrokenPipeError:
-        # `| head`: the reader is gone, which ends the watch too. Standard output now points
-        # at /dev/null, so that the interpreter's last flush at exit does not fail as well.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return EXIT_CLEAN
 
 
@@ -936,24 +959,10 @@ def command() -> NoReturn:
         status = main()
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED  # Ctrl-C: nothing more is written
-    except BrokenPipeError:
-        status = EXIT_CLEAN  # the reader left (`| head`) with what it wanted
-    os._exit(_flushed(status))
-
-
-def _flushed(status: int) -> int:
-    """Flush the snapshot's output; the status to exit with (2 when it could not be written)."""
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        pass  # the reader left (`| head`) with what it wanted
-    except (OSError, ValueError) as exc:  # a full disk, an I/O error: the text is incomplete
-        status = EXIT_USAGE
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
+    ended = _emit(sys.stdout, "", flush=True)  # what is still buffered
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
-    return status
+    os._exit(status if ended in (None, EXIT_CLEAN) else ended)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -326,7 +326,9 @@ class Nvml:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
+                    before = _nvidia_fd_numbers()
                     self._start()
+                    _count_as_own(_nvidia_fd_numbers() - before)
                     return True
         return False
 
@@ -676,26 +678,36 @@ def get() -> Nvml:
             before = _nvidia_fd_numbers()
             try:
                 session = Nvml(_binding())
+            except NVMLUnavailable as exc:
+                _failure = (pid, str(exc))
+                raise
+            try:
                 # Open every device handle now, so all of NVML's descriptors exist by the
                 # time they are told apart from the job's (NOTE [descriptors]).
                 with contextlib.suppress(LeakCheckError):
                     session.processes()
-            except NVMLUnavailable as exc:
-                _failure = (pid, str(exc))
+            except BaseException:
+                session._quiet_shutdown()  # never published: its nvmlInit is undone
                 raise
             # Published only now: another thread's get() returns without the lock, and must
             # not find a session whose descriptors are not yet known as NVML's.
             _own_fds = frozenset(_nvidia_fd_numbers() - before)
             _instance = session
-        elif _instance._pid != pid:
-            # A forked child (NOTE [fork]): NVML starts again here, its handles with it, and
-            # what that opens is NVML's too, beside the descriptors inherited from the parent.
+        elif _instance._pid != pid and _instance._ensure():
+            # A forked child (NOTE [fork]): NVML started again (its descriptors counted as
+            # NVML's there); its handles are opened now, and what they open is NVML's too.
             before = _nvidia_fd_numbers()
-            if _instance._ensure():
-                with contextlib.suppress(LeakCheckError):
-                    _instance.processes()
-                _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
+            with contextlib.suppress(LeakCheckError):
+                _instance.processes()
+            _count_as_own(_nvidia_fd_numbers() - before)
         return _instance
+
+
+def _count_as_own(numbers: set[int]) -> None:
+    """Add descriptor numbers NVML opened in this process to ``own_descriptors()``."""
+    global _own_fds
+    if numbers:
+        _own_fds = _own_fds | numbers
 
 
 def gpu_bytes_by_pid(

@@ -728,19 +728,19 @@ class Checker:
             creator = shm_creator_pid(name)
             if creator is not None and _foreign_alive(creator, lineage_pids):
                 continue  # created by a live process that is not ours
+            unresolved.append(name)
+        for name in self._unheld(unresolved, lineage_pids):
+            size = segments[name].size_bytes
+            creator = shm_creator_pid(name)
             if creator is not None and handed_out_since(window.pids, creator, now_pid) is False:
                 # Its maker, by its naming scheme, is older than the test and not its: another
                 # job's file (/dev/shm is the host's). Only the scheme's PID counts: any other
                 # number in a name may be anything, and an unknown PID mark proves nothing.
-                size = segments[name].size_bytes
                 found.append(ShmFile(name, size, attributable=False, made_by_older=creator))
-                continue
-            unresolved.append(name)
-        for name in self._unheld(unresolved, lineage_pids):
-            if self.attribute_unheld_shm:
+            elif self.attribute_unheld_shm:
                 blamed.append(name)
             else:
-                found.append(ShmFile(name, segments[name].size_bytes, attributable=False))
+                found.append(ShmFile(name, size, attributable=False))
         for name in sorted(blamed):
             owner = from_fixtures.get(name)
             holder = held_by.get(name)

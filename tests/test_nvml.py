@@ -684,3 +684,39 @@ def test_a_session_is_handed_out_only_once_its_own_descriptors_are_known(
         time.sleep(0.001)  # nvmlInit done: the start is in its first process list now
     nvml.get()
     assert listed.is_set()  # get() returned after the start's list, not during it
+
+
+@pytest.mark.parametrize("first_use", ["get", "method"])
+def test_a_forked_childs_new_nvml_descriptors_count_as_nvmls(
+    use_fake: UseFake, monkeypatch: pytest.MonkeyPatch, first_use: str
+) -> None:
+    """NVML starts again in a forked child and opens descriptors of its own there: they are
+    NVML's (own_descriptors), whether the child's first NVML call is get() or a method of the
+    inherited session. The /proc side is played by a counter: each nvmlInit 'opens' one."""
+    fake = use_fake()
+    real_init = fake.nvmlInit
+    opened: set[int] = set()
+
+    def init() -> None:
+        real_init()
+        opened.add(100 + fake.init_calls)
+
+    fake.nvmlInit = init  # type: ignore[method-assign]
+    monkeypatch.setattr(nvml, "_nvidia_fd_numbers", lambda: set(opened))
+    session = nvml.get()
+    assert nvml.own_descriptors() == {101}
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it counts as NVML's, then leave at once
+        try:
+            if first_use == "method":
+                session.memory()
+            nvml.get()
+            os.write(write_end, repr(sorted(nvml.own_descriptors())).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        seen = reader.read()
+    os.waitpid(pid, 0)
+    assert seen == "[101, 102]"

@@ -590,6 +590,40 @@ def test_run_serially_a_segment_named_after_an_older_strangers_process_is_not_bl
     assert found[own].severity == "leak", found[own].message
 
 
+def test_a_file_named_after_an_older_process_and_held_by_a_stranger_is_not_reported(
+    shm_names: list[str],
+) -> None:
+    """Held by a process that is not the test's, a file is the holder's business: no finding,
+    whatever its name says (not an info that says nobody holds it)."""
+    checker = Checker(attribute_unheld_shm=True)
+    older = subprocess.Popen([sys.executable, "-c", "pass"])
+    older.wait()
+    name = f"torch_{older.pid}_{uuid.uuid4().int % 10**9}_0"
+    shm_names.append(name)
+    path = f"/dev/shm/{name}"
+    holder = subprocess.Popen(  # older than the test's window: a stranger to it
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time\n"
+            f"while not os.path.exists({path!r}): time.sleep(0.01)\n"
+            f"f = open({path!r}, 'rb'); print('held', flush=True); sys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        window = checker.begin()
+        Path(path).write_bytes(b"x" * 64)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        found = [f for f in _judge(checker, window) if f.rule == "shm" and f.shm_name == name]
+        assert found == [], [f.message for f in found]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.parametrize("stem", ["mydata_42", "cache_2024_part_1", "psm_12345678"])
 def test_run_serially_a_number_in_a_name_that_no_scheme_gives_is_no_maker(
     stem: str, shm_names: list[str]

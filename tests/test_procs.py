@@ -199,6 +199,7 @@ def test_a_kernel_thread_is_told_by_its_stat_line(kernel_threads: set[int]) -> N
     assert not procs._is_kernel_thread(b"")
     assert not procs._is_kernel_thread(b"123 (cut")
     assert not procs._is_kernel_thread(kernel_line[: kernel_line.rfind(b")") + 10])
+    assert not procs._is_kernel_thread(b"123 (x) S 1 2 3 4 5 abc 7")  # flags not a number
 
 
 def test_session_tag_from_exec_environment(spawn: Spawn) -> None:

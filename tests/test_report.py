@@ -7,7 +7,7 @@ import pytest
 
 import leakcheck
 from leakcheck.errors import UsageError
-from leakcheck.model import ProcessEpoch, RuleConfig, TeardownRecord, Timeline
+from leakcheck.model import ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
 from leakcheck.report import SCHEMA_VERSION, Report, build_report, report_from_dict
 from tests.timelines import (
     ROOT_PID,
@@ -133,6 +133,25 @@ def test_report_from_dict_reads_back_the_same_report() -> None:
     again = report_from_dict(json.loads(json.dumps(report.to_dict())))
     assert again == report
     assert again.timeline.epochs[1].processes[1].gpu_bytes_end == {0: 612 * 1024 * 1024}
+
+
+def test_a_shm_file_made_by_an_older_process_reads_back_with_its_maker() -> None:
+    """Its maker is part of the record: read back, it is judged with the same words; a report
+    written before the field existed reads back with none (the generic words)."""
+    files = (
+        ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),
+        ShmFile("x", 64, attributable=False),
+    )
+    report = build_report(dataclasses.replace(survivor_report().timeline, shm_files=files), CONFIG)
+    data = json.loads(json.dumps(report.to_dict()))
+    again = report_from_dict(data)
+    assert again == report
+    words = [f.message for f in again.findings if f.rule == "shm"]
+    assert any("its name says PID 42 made it" in message for message in words)
+    for item in data["shm_files"]:
+        del item["made_by_older"]
+    older = report_from_dict(data)
+    assert [f.made_by_older for f in older.timeline.shm_files] == [None, None]
 
 
 def _strip_rank_fields(value: object) -> object:

@@ -257,19 +257,43 @@ def test_a_snapshot_that_cannot_write_its_output_says_so_and_exits_2() -> None:
     assert len(done.stderr.splitlines()) == 1
 
 
-def test_a_snapshot_whose_reader_left_early_exits_0_quietly() -> None:
-    """`leakcheck snapshot | head -1` on a long text: the reader is gone, no traceback."""
-    script = _ENTRY.replace(
-        "from leakcheck.cli import command",
-        "from leakcheck import snapshot\n"
-        "real = snapshot.Snapshot.format\n"
-        "snapshot.Snapshot.format = lambda self: real(self) + ('x' * 99 + '\\n') * 5000\n"
-        "from leakcheck.cli import command",
-    )
+# A snapshot text of 500 KB, far beyond the output buffer: written through at once.
+_LONG_ENTRY = _ENTRY.replace(
+    "from leakcheck.cli import command",
+    "from leakcheck import snapshot\n"
+    "real = snapshot.Snapshot.format\n"
+    "snapshot.Snapshot.format = lambda self: real(self) + ('x' * 99 + '\\n') * 5000\n"
+    "from leakcheck.cli import command",
+)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("watch", [(), ("--watch", "0.5")], ids=["once", "watch"])
+def test_a_long_snapshot_that_cannot_be_written_says_so_and_exits_2(
+    watch: tuple[str, ...],
+) -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-c", _LONG_ENTRY, "snapshot", *watch],
+            env=BUFFERED_ENV,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("leakcheck snapshot: could not write the output: [Errno 28]")
+    assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("watch", [(), ("--watch", "0.5")], ids=["once", "watch"])
+def test_a_snapshot_whose_reader_left_early_exits_0_quietly(watch: tuple[str, ...]) -> None:
+    """`leakcheck snapshot | head -1` on a long text: the reader is gone, no traceback (and
+    a watch ends with it)."""
     reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert reader.stdin is not None
     done = subprocess.run(
-        [sys.executable, "-c", script, "snapshot"],
+        [sys.executable, "-c", _LONG_ENTRY, "snapshot", *watch],
         env=BUFFERED_ENV,
         stdout=reader.stdin,
         stderr=subprocess.PIPE,

@@ -285,9 +285,9 @@ class TrackerCost:
         host_read_cpu_s: CPU seconds the sampler thread spent on the host-memory reads
             after epoch ends (USS and PSS of the parent and persistent workers: a page-table
             walk per process), with filing their results in the epoch's record. Part of
-            ``sampler_cpu_s``. A tracker's first epoch end always
-            reads; later ones are paced (NOTE [host pacing] in sampling/pacing.py), so a
-            short-lived tracker pays more of it for its time than a long one.
+            ``sampler_cpu_s``. A tracker's first epoch end always reads; later ones are paced
+            (NOTE [host pacing] in sampling/pacing.py), so a short-lived tracker pays more of
+            it for its time than a long one.
 
     """
 

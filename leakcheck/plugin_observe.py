@@ -691,9 +691,10 @@ class Checker:
         processes (``test_pids``, gone ones included: torch and CUDA IPC name their files
         after their creator), those of its fixtures; others nobody holds are blamed only
         when no other test ran at the same time (``attribute_unheld_shm``), else reported
-        as not attributable. A file named after processes none of which is the test's, all
-        started before the test began (their PIDs were handed out before its window), was
-        made by another process of the host: not attributable, even run serially.
+        as not attributable. One nobody holds whose naming scheme (``torch_*``,
+        ``cuda.shm.*``) names a maker that is not the test's and started before the test
+        began (its PID was handed out before the window) was made by another process of the
+        host: not attributable, even run serially.
         """
         now = list_shm(self.shm_dir)
         owned_active = {name for owner in active for name in owner.shm}

@@ -546,10 +546,8 @@ def test_under_xdist_a_segment_named_after_a_process_of_the_test_is_blamed(
         token = uuid.uuid4().int % 10**9
         names = [f"torch_{os.getpid()}_{token}", f"cuda.shm.{token:x}.{child.pid:x}.1"]
         stranger = f"lc_test_{uuid.uuid4().hex[:12]}"
-        shm_names.extend([*names, stranger])
-        for name in [*names, stranger]:
-            Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
-        found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+        _leave_shm(shm_names, *names, stranger)
+        found = _shm_findings(checker, window)
     finally:
         assert child.stdin is not None
         child.stdin.close()
@@ -579,10 +577,8 @@ def test_run_serially_a_segment_named_after_an_older_strangers_process_is_not_bl
     child.wait()  # the test's own, also gone
     token = uuid.uuid4().int % 10**9
     stranger, own = f"torch_{older.pid}_{token}_0", f"torch_{child.pid}_{token}_0"
-    shm_names.extend([stranger, own])
-    for name in (stranger, own):
-        Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
-    found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+    _leave_shm(shm_names, stranger, own)
+    found = _shm_findings(checker, window)
     assert found[stranger].severity == "info", found[stranger].message
     assert f"its name says PID {older.pid} made it, a process older than the work" in (
         found[stranger].message
@@ -617,8 +613,8 @@ def test_a_file_named_after_an_older_process_and_held_by_a_stranger_is_not_repor
         window = checker.begin()
         Path(path).write_bytes(b"x" * 64)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        found = [f for f in _judge(checker, window) if f.rule == "shm" and f.shm_name == name]
-        assert found == [], [f.message for f in found]
+        found = _shm_findings(checker, window)
+        assert name not in found, found[name].message
     finally:
         holder.kill()
         holder.wait()
@@ -633,9 +629,8 @@ def test_run_serially_a_number_in_a_name_that_no_scheme_gives_is_no_maker(
     checker = Checker(attribute_unheld_shm=True)
     window = checker.begin()
     name = f"{stem}_{uuid.uuid4().hex[:6]}x"
-    shm_names.append(name)
-    Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
-    found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+    _leave_shm(shm_names, name)
+    found = _shm_findings(checker, window)
     assert found[name].severity == "leak", found[name].message
 
 
@@ -652,9 +647,8 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
     older.wait()
     window = checker.begin()
     name = f"torch_{older.pid}_{uuid.uuid4().int % 10**9}_0"
-    shm_names.append(name)
-    Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
-    found = {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm"}
+    _leave_shm(shm_names, name)
+    found = _shm_findings(checker, window)
     assert found[name].severity == "leak", found[name].message
 
 
@@ -1107,6 +1101,19 @@ def _judge(checker: Checker, window: Window, tolerance_bytes: int = 16 * MIB) ->
         return judge_test(checker, window, LABEL, options, time.monotonic())
     finally:
         checker.end_environment(window)
+
+
+def _leave_shm(shm_names: list[str], *names: str) -> None:
+    """Leave small files under these names in /dev/shm, as a test's work would (removed by
+    the ``shm_names`` fixture at the end)."""
+    shm_names.extend(names)
+    for name in names:
+        Path(f"/dev/shm/{name}").write_bytes(b"x" * 64)
+
+
+def _shm_findings(checker: Checker, window: Window) -> dict[str, Finding]:
+    """The test judged as the plugin judges it: its /dev/shm findings by file name."""
+    return {f.shm_name: f for f in _judge(checker, window) if f.rule == "shm" and f.shm_name}
 
 
 def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: FakePynvml) -> None:

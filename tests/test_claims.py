@@ -57,3 +57,46 @@ def test_a_birth_in_no_epoch_goes_to_the_tracker_placing_it(
 ) -> None:
     epochs: Epochs = [("first", 10.0, 10.5)]
     assert _owner(monkeypatch, epochs, 11.0) == "placing"
+
+
+def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
+    monkeypatch.setattr(claims, "_epochs", list(epochs))
+    monkeypatch.setattr(claims, "_owners", {})
+    monkeypatch.setattr(claims, "_heirs", {})
+    monkeypatch.setattr(claims, "_exact", set())
+
+
+def test_a_workers_report_takes_along_what_it_started_before_the_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The validation worker was forked in the tick its epoch opened, so its create time
+    reads before the opening and the training epoch claims it; its helper follows it, and
+    both move to validation when the worker's own report arrives (rule 1 before rule 2)."""
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    boot_s = procs.boot_time_s()
+    worker = ProcessKey(pid=500, create_time=boot_s + 10.48)
+    helper = ProcessKey(pid=501, create_time=boot_s + 10.50)
+    grandchild = ProcessKey(pid=502, create_time=boot_s + 10.52)
+    assert claims.claim(worker, None, "train") == "train"
+    assert claims.claim(helper, worker, "train") == "train"
+    assert claims.claim(grandchild, helper, "train") == "train"
+    claims.claim_worker(worker, "val")
+    assert [claims.owner_of(key) for key in (worker, helper, grandchild)] == ["val"] * 3
+
+
+def test_a_child_with_a_report_of_its_own_stays_with_its_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's child that reported itself to another loader (a loader made inside a
+    worker) is that loader's, whatever the parent's claim becomes."""
+    _fresh_registry(monkeypatch, [("train", 9.0, None)])
+    boot_s = procs.boot_time_s()
+    worker = ProcessKey(pid=600, create_time=boot_s + 9.5)
+    inner = ProcessKey(pid=601, create_time=boot_s + 9.6)
+    claims.claim(worker, None, "train")
+    claims.claim(inner, worker, "train")
+    claims.claim_worker(inner, "inner")
+    claims.claim_worker(worker, "val")
+    assert (claims.owner_of(worker), claims.owner_of(inner)) == ("val", "inner")
+    claims.forget([worker, inner])
+    assert claims._heirs == {} and claims._exact == set()

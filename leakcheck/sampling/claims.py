@@ -10,7 +10,8 @@ the session that owns it:
 1. a worker that reported itself through a tracker's mailbox belongs to that tracker; this
    claim is exact and replaces any other;
 2. a process whose parent is claimed belongs to the parent's owner (a worker's children are
-   its loader's);
+   its loader's), and follows it when rule 1 corrects the parent's claim: a worker can be
+   placed, and start a helper, before its report reaches the mailbox;
 3. otherwise the tracker whose epoch was the innermost one open when the process was born
    (its create time) claims it: a loader's epoch is open when its workers start, and a
    validation loader run inside the training epoch opens its epoch inside the training
@@ -37,6 +38,10 @@ __all__ = ["claim", "claim_worker", "epoch_closed", "epoch_opened", "forget", "o
 
 _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
+_heirs: dict[ProcessKey, list[ProcessKey]] = {}
+"""Processes claimed through their parent (rule 2), by that parent."""
+_exact: set[ProcessKey] = set()
+"""Workers claimed by their own report (rule 1): no correction of a parent moves them."""
 _epochs: list[tuple[str, float, float | None]] = []
 """(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
 (the clock of a process's start time in /proc, exact where the Unix time of a create time
@@ -66,7 +71,14 @@ def owner_of(key: ProcessKey) -> str | None:
 def claim_worker(key: ProcessKey, session: str) -> None:
     """Record an exact claim: the worker reported itself to ``session``'s mailbox (rule 1)."""
     with _lock:
+        _exact.add(key)
         _owners[key] = session
+        pending = list(_heirs.get(key, ()))
+        while pending:
+            heir = pending.pop()
+            if heir not in _exact and heir in _owners:
+                _owners[heir] = session
+                pending.extend(_heirs.get(heir, ()))
 
 
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
@@ -83,8 +95,10 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
     """
     with _lock:
         owner = _owners.get(key)
-        if owner is None:
-            owner = _owners.get(parent) if parent is not None else None
+        if owner is None and parent is not None:
+            owner = _owners.get(parent)
+            if owner is not None:
+                _heirs.setdefault(parent, []).append(key)
         if owner is None:
             owner = _epoch_at(key.create_time - procs.boot_time_s()) or session
         _owners[key] = owner
@@ -125,6 +139,8 @@ def forget(keys: list[ProcessKey]) -> None:
     with _lock:
         for key in keys:
             _owners.pop(key, None)
+            _heirs.pop(key, None)
+            _exact.discard(key)
 
 
 def epoch_opened(session: str) -> None:
@@ -154,6 +170,8 @@ def _reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _owners.clear()
+    _heirs.clear()
+    _exact.clear()
     _epochs.clear()
 
 

@@ -162,14 +162,14 @@ def _read(path: str, size: int = 4096) -> bytes | None:
         os.close(fd)
 
 
-def _read_all(path: str, chunk: int = 65536) -> bytes | None:
-    """Read the whole file (environ, children, maps can exceed one read)."""
+def _read_all(path: str, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes | None:
+    """Read the whole file (``_pread_all`` says what ``record_bytes`` means)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except _GONE:
         return None
     try:
-        return _pread_all(fd, chunk)
+        return _pread_all(fd, chunk, record_bytes=record_bytes)
     except _GONE:
         return None
     finally:
@@ -345,7 +345,9 @@ def _children_from_tasks(pid: int, num_threads: int | None = None) -> list[int]:
     """Children of every thread of ``pid`` from the per-task children files."""
     if num_threads == 1:
         # Single-threaded (most workers): its only task is the leader, skip the listdir.
-        data = _read_all(f"{_PROC}/{pid}/task/{pid}/children", 4096)
+        data = _read_all(
+            f"{_PROC}/{pid}/task/{pid}/children", 4096, record_bytes=_CHILD_RECORD_BYTES
+        )
         if data is not None:
             return [int(child) for child in data.split()]
     try:
@@ -354,7 +356,9 @@ def _children_from_tasks(pid: int, num_threads: int | None = None) -> list[int]:
         return []
     children: list[int] = []
     for tid in tids:
-        data = _read_all(f"{_PROC}/{pid}/task/{tid}/children", 4096)
+        data = _read_all(
+            f"{_PROC}/{pid}/task/{tid}/children", 4096, record_bytes=_CHILD_RECORD_BYTES
+        )
         if data:
             children.extend(int(child) for child in data.split())
     return children
@@ -474,14 +478,39 @@ def _reserve(count: int) -> bool:
     return True
 
 
-def _pread_all(fd: int, chunk: int = 65536) -> bytes:
-    """The whole file from offset 0 (environ, children, maps can exceed one read)."""
+def _page_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 4096
+
+
+_PAGE_BYTES = _page_bytes()
+_CHILD_RECORD_BYTES = 24
+"""The longest record of a ``children`` file: a PID and a space."""
+_ANY_RECORD = _PAGE_BYTES
+"""For a file whose records can be as long as a page (``maps``: a line ends in a path)."""
+
+
+def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes:
+    """The whole file from offset 0 (environ, children, maps can exceed one read).
+
+    Args:
+        fd: An open /proc file.
+        chunk: Bytes asked for per read.
+        record_bytes: None for a file that fills any buffer it is given (environ,
+            cmdline, stat): a short read is its end. For a seq_file (children, maps), the
+            longest record it writes: such a file returns about a page per read, stopping
+            before a record that does not fit, so a read is its end only when shorter than
+            a page by more than one record; otherwise it is read until it returns nothing.
+
+    """
     data = os.pread(fd, chunk, 0)
-    if len(data) < chunk:
-        # /proc files fill the caller's buffer as far as they can: short means done.
+    size = len(data)
+    if size < chunk and (record_bytes is None or size <= _PAGE_BYTES - record_bytes):
         return data
     parts = [data]
-    offset = len(data)
+    offset = size
     while data:
         data = os.pread(fd, chunk, offset)
         offset += len(data)
@@ -531,7 +560,7 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
             fd = task_fds.get(str(pid))
             if fd is not None:
                 try:
-                    data = _pread_all(fd)
+                    data = _pread_all(fd, record_bytes=_CHILD_RECORD_BYTES)
                 except OSError:
                     data = b""
                 return [int(child) for child in data.split()] if data else []
@@ -566,7 +595,7 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
             if keep:
                 task_fds[tid] = fd
         try:
-            data = _pread_all(fd)
+            data = _pread_all(fd, record_bytes=_CHILD_RECORD_BYTES)
         except OSError:
             data = b""
         if not keep:
@@ -598,7 +627,7 @@ def _quick_root_children(pid: int) -> list[int] | None:
         if fd is None:
             return None
         try:
-            data = _pread_all(fd)
+            data = _pread_all(fd, record_bytes=_CHILD_RECORD_BYTES)
         except OSError:
             return None
         children.extend(int(child) for child in data.split())
@@ -635,9 +664,14 @@ def _quick_children(
     fd = handles.task_fds.get(str(pid)) if handles is not None else None
     try:
         if fd is not None:
-            data = _pread_all(fd)
+            data = _pread_all(fd, record_bytes=_CHILD_RECORD_BYTES)
         else:  # past the descriptor budget: read the one file afresh
-            data = _read_all(f"{_PROC}/{pid}/task/{pid}/children", 4096) or b""
+            data = (
+                _read_all(
+                    f"{_PROC}/{pid}/task/{pid}/children", 4096, record_bytes=_CHILD_RECORD_BYTES
+                )
+                or b""
+            )
     except OSError:
         return None
     if handles is not None:
@@ -1369,7 +1403,7 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
             name = shm_name_from_path(target, directory)
             if name is not None:
                 names.add(name)
-        maps = _read_all(f"{_PROC}/{pid}/maps")
+        maps = _read_all(f"{_PROC}/{pid}/maps", record_bytes=_ANY_RECORD)
         if maps and needle in maps:
             for line in maps.splitlines():
                 if needle not in line:

@@ -829,3 +829,34 @@ def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
         seen_thread_side |= found & thread_side
         assert procs._cached_fd_count <= 6
     assert seen_thread_side == thread_side
+
+
+def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
+    """/proc/PID/maps hands out about a page per read: a /dev/shm file mapped before many
+    other mappings sits past the first page (new mappings go below the old ones), and a
+    reader that takes a short read for the end never sees it."""
+    name = f"leakcheck-test-maps-{uuid.uuid4().hex[:8]}"
+    path = Path("/dev/shm") / name
+    path.write_bytes(b"\0" * mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDWR)
+    os.unlink(path)  # mapped only: no descriptor path names it once closed below
+    shared = mmap.mmap(fd, mmap.PAGESIZE)
+    os.close(fd)
+    # Alternating protections keep the anonymous mappings from merging into one line.
+    fillers = [
+        mmap.mmap(
+            -1, mmap.PAGESIZE, prot=mmap.PROT_READ if i % 2 else mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        for i in range(400)
+    ]
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as file:
+            maps = file.read()
+        assert maps.index(name.encode()) > 2 * mmap.PAGESIZE  # the case under test
+        held = procs.shm_open_by([os.getpid()])
+        assert any(name in segment for segment in held.get(os.getpid(), []))
+        assert procs._read_all(f"/proc/{os.getpid()}/maps", record_bytes=procs._ANY_RECORD) == maps
+    finally:
+        for filler in fillers:
+            filler.close()
+        shared.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import multiprocessing
@@ -839,9 +840,17 @@ def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
     path = Path("/dev/shm") / name
     path.write_bytes(b"\0" * mmap.PAGESIZE)
     fd = os.open(path, os.O_RDWR)
-    os.unlink(path)  # mapped only: no descriptor path names it once closed below
-    shared = mmap.mmap(fd, mmap.PAGESIZE)
+    os.unlink(path)
+    # libc's mmap, not Python's: Python's keeps a duplicate descriptor, which names the file
+    # in /proc/PID/fd; here only the mapping does.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    address = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     os.close(fd)
+    assert address not in (None, ctypes.c_void_p(-1).value)
     # Alternating protections keep the anonymous mappings from merging into one line.
     fillers = [
         mmap.mmap(
@@ -859,4 +868,4 @@ def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
     finally:
         for filler in fillers:
             filler.close()
-        shared.close()
+        libc.munmap(address, mmap.PAGESIZE)

@@ -1456,3 +1456,34 @@ def test_runtime_helper_is_a_baseline_in_the_plugin_as_in_the_tracker(
     assert _normalised(finding_lines([from_plugin]), None) == _normalised(
         finding_lines([from_tracker]), None
     )
+
+
+def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pytester) -> None:
+    """Under the file_system sharing strategy each worker starts torch's shared-memory
+    manager, which daemonizes to PID 1 and holds nothing on the GPU: a runtime helper, not
+    the test's orphan."""
+    inner.makepyfile(
+        test_file_system="""
+        import torch
+        import torch.multiprocessing
+        from torch.utils.data import DataLoader, Dataset
+
+        torch.multiprocessing.set_sharing_strategy("file_system")
+
+        class Rows(Dataset):
+            def __len__(self):
+                return 16
+
+            def __getitem__(self, index):
+                return torch.full((1024,), float(index))
+
+        def test_clean_loader():
+            total = 0.0
+            for batch in DataLoader(Rows(), batch_size=4, num_workers=2):
+                total += float(batch.sum())
+            assert total > 0
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=1)
+    assert "orphan" not in result.stdout.str()

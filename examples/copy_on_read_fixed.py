@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 import leakcheck
-from leakcheck.dataloader import WatchedLoader
 
 ITEMS = 8000
 INTS_PER_ITEM = 1000  # 8M int64: about 61 MiB
@@ -50,8 +49,8 @@ def main() -> None:
     )
     # USS at every epoch end: this demo's epochs last a fraction of a second, where the
     # default pacing (a 0.1% share of the time) would read it only every few seconds.
-    tracker = leakcheck.Tracker(rollup_share=1.0, persistent_workers=True)
-    with WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=True) as watched:
+    with leakcheck.watch(loader, on_leak="ignore", rollup_share=1.0) as watched:
+        tracker = watched.tracker
         for epoch in range(EPOCHS):
             for _batch in watched:
                 pass

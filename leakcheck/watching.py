@@ -173,7 +173,7 @@ class EpochJudge:
         self._announced.update(_finding_id(f) for f in new)
         epochs = report.epochs
         where = f" after {epochs[-1].label}" if epochs else ""
-        message = f"leakcheck: {len(new)} GPU leak(s){where}: " + "; ".join(f.message for f in new)
+        message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)
         if self.on_leak == "raise" and may_raise:
             raise GPULeakError(message, report)
         warnings.warn(GPULeakWarning(message), stacklevel=stacklevel + 1)

@@ -278,6 +278,7 @@ BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, str]]] = [
     ({"grace": -1}, ("grace", "-1")),
     ({"interval": 0}, ("interval", "0")),
     ({"teardown": "yes"}, ("teardown", "'yes'")),
+    ({"rollup_share": 5}, ("rollup_share", "5")),
 ]
 """Bad options of ``watch()`` (and of the Lightning callback, which takes the same), with
 the words each one-line error must name."""

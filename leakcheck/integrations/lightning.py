@@ -203,6 +203,8 @@ class LeakCheckCallback(_CallbackBase):
             (only the reports).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
+        rollup_share: Share of the time the USS reads of the parent and persistent workers
+            may take (``watch()``'s).
 
     Raises:
         UsageError: A bad argument; the message names it and what was expected.
@@ -218,6 +220,7 @@ class LeakCheckCallback(_CallbackBase):
         on_leak: OnLeak = "warn",
         teardown: bool = True,
         interval: float | str = 0.05,
+        rollup_share: float | None = None,
     ) -> None:
         super().__init__()
         self._on_leak = check_on_leak(on_leak)
@@ -227,6 +230,7 @@ class LeakCheckCallback(_CallbackBase):
             "warmup_epochs": warmup_epochs,
             "grace": grace,
             "interval": interval,
+            "rollup_share": rollup_share,
         }
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}

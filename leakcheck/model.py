@@ -122,6 +122,9 @@ class ProcessEpoch:
             None outside a distributed job, or where unreadable.
         rank_device: The GPU (NVML index) its rank trains on as its environment says
             (``LOCAL_RANK`` through ``CUDA_VISIBLE_DEVICES``); None when not known.
+        born_epoch: The index of the epoch its create time falls in, which can be earlier
+            than the first epoch that saw it (a helper found after its worker exited);
+            None when it was born outside every epoch, or where not known.
 
     """
 
@@ -149,6 +152,7 @@ class ProcessEpoch:
     freed_by_gc: bool = False
     rank: int | None = None
     rank_device: int | None = None
+    born_epoch: int | None = None
 
     @property
     def total_gpu_bytes_end(self) -> int:

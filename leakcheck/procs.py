@@ -36,6 +36,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Collection, Iterable
 from stat import S_ISCHR
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -71,6 +72,7 @@ __all__ = [
     "shm_name_from_path",
     "shm_open_by",
     "shm_segments",
+    "since_boot_s",
     "tagged_session",
 ]
 
@@ -726,6 +728,18 @@ def boot_time_s() -> float:
             if line.startswith(b"btime"):
                 return float(line.split()[1])
     return float(_psutil().boot_time())
+
+
+def since_boot_s() -> float:
+    """Seconds since boot on the clock of /proc's start times (``CLOCK_BOOTTIME``).
+
+    A process's birth on this clock is ``create_time - boot_time_s()``: exact, where the
+    Unix time of a create time is not (``btime`` has whole seconds).
+    """
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):  # not Linux: the Unix clock against the boot time
+        return time.time() - boot_time_s()
 
 
 @functools.cache

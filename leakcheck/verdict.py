@@ -239,8 +239,16 @@ def _survivor_remedy(proc: ProcessEpoch) -> str:
     )
 
 
-def _started_in(proc: ProcessEpoch, rec: EpochRecord) -> str:
-    return f"started by {proc.scope}" if proc.scope is not None else f"started in {rec.label}"
+def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
+    """What started it, or the epoch it was born in; None where neither is known.
+
+    The birth epoch is the one its create time falls in (``born_epoch``), not the first
+    that saw it; one outside the judged epochs is not named.
+    """
+    if proc.scope is not None:
+        return f"started by {proc.scope}"
+    born = epochs.get(proc.born_epoch) if proc.born_epoch is not None else None
+    return f"started in {born.label}" if born is not None else None
 
 
 def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -251,6 +259,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """
     observations = _observations(timeline)
     bytes_known = per_pid_bytes_known(timeline)
+    epochs = {rec.index: rec for rec in timeline.epochs}
     found: list[Finding] = []
     judged: set[ProcessKey] = set()
     for rec in _sorted_epochs(timeline):
@@ -284,7 +293,8 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     rule="survivor",
                     severity="leak",
                     message=(
-                        f"{_culprit(proc)} {_started_in(proc, rec)} is still alive "
+                        f"{_culprit(proc)} {_origin(proc, epochs) or f'first seen in {rec.label}'}"
+                        " is still alive "
                         f"{alive_after:.1f} s after {rec.label} ended (grace "
                         f"{config.grace_s:g} s)"
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
@@ -337,12 +347,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         procs = [proc for _, proc in orphaned]
         gpu_bytes = _max_per_device(procs) if bytes_known else {}
         fds = _max_fds(procs)
-        born = next((rec for rec, proc in obs if rec is not None and proc.born_in_epoch), None)
-        origin = ""
-        if last.scope is not None:
-            origin = f", started by {last.scope},"
-        elif born is not None:
-            origin = f", started in {epochs[born.index].label},"
+        started = _origin(last, epochs)
+        origin = f", {started}," if started is not None else ""
         if first_rec is not None:
             since = f"since {first_rec.label}"
         else:

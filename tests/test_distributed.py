@@ -84,7 +84,8 @@ def leakcheck_run(
     reports += [data["tree"]["report"]] if data["tree"]["report"] else []
     for report in reports:
         for finding in report["findings"]:
-            if finding["pid"] is not None and finding["role"] != "parent":
+            # A /dev/shm finding names its holder by PID alone: not a process to stop.
+            if finding["create_time"] is not None and finding["role"] != "parent":
                 leftovers.append((finding["pid"], finding["create_time"]))
     return status, err, data
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import multiprocessing
@@ -832,40 +831,46 @@ def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
     assert seen_thread_side == thread_side
 
 
+_MAPS_CHILD = """
+import ctypes, mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+os.unlink(sys.argv[1])
+# libc's mmap, not Python's: Python's keeps a duplicate descriptor, which would name the file
+# in /proc/PID/fd; here only the mapping does.
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+address = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+os.close(fd)
+assert address not in (None, ctypes.c_void_p(-1).value)
+# New mappings go below the old ones; alternating protections keep them apart in maps.
+fillers = [mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | (mmap.PROT_WRITE * (i % 2)))
+           for i in range(400)]
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
 def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
     """/proc/PID/maps hands out about a page per read: a /dev/shm file mapped before many
-    other mappings sits past the first page (new mappings go below the old ones), and a
-    reader that takes a short read for the end never sees it."""
+    other mappings sits past the first page, and a reader that takes a short read for the
+    end never sees it."""
     name = f"leakcheck-test-maps-{uuid.uuid4().hex[:8]}"
     path = Path("/dev/shm") / name
     path.write_bytes(b"\0" * mmap.PAGESIZE)
-    fd = os.open(path, os.O_RDWR)
-    os.unlink(path)
-    # libc's mmap, not Python's: Python's keeps a duplicate descriptor, which names the file
-    # in /proc/PID/fd; here only the mapping does.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    address = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    os.close(fd)
-    assert address not in (None, ctypes.c_void_p(-1).value)
-    # Alternating protections keep the anonymous mappings from merging into one line.
-    fillers = [
-        mmap.mmap(
-            -1, mmap.PAGESIZE, prot=mmap.PROT_READ if i % 2 else mmap.PROT_READ | mmap.PROT_WRITE
-        )
-        for i in range(400)
-    ]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MAPS_CHILD, str(path)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        with open(f"/proc/{os.getpid()}/maps", "rb") as file:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        with open(f"/proc/{child.pid}/maps", "rb") as file:
             maps = file.read()
         assert maps.index(name.encode()) > 2 * mmap.PAGESIZE  # the case under test
-        held = procs.shm_open_by([os.getpid()])
-        assert any(name in segment for segment in held.get(os.getpid(), []))
-        assert procs._read_all(f"/proc/{os.getpid()}/maps", record_bytes=procs._ANY_RECORD) == maps
+        held = procs.shm_open_by([child.pid])
+        assert any(name in segment for segment in held.get(child.pid, []))
+        assert procs._read_all(f"/proc/{child.pid}/maps", record_bytes=procs._ANY_RECORD) == maps
     finally:
-        for filler in fillers:
-            filler.close()
-        libc.munmap(address, mmap.PAGESIZE)
+        child.kill()
+        child.wait()
+        path.unlink(missing_ok=True)

@@ -151,6 +151,23 @@ class EpochBook:
         self.epochs.append(self.open)
         return index
 
+    def born_in(self, born_s: float, window_s: float) -> int | None:
+        """The epoch a process was born in, from its birth on the tracker's clock.
+
+        A create time counts whole clock ticks: the birth fell in ``[born_s, born_s +
+        window_s)``. The latest epoch opened before that window ends wins (a loader's
+        workers start as its epoch opens, within the tick); None if it had ended before
+        the window began (born between epochs) or none had opened (NOTE [born epoch] in
+        sampler.py).
+        """
+        for epoch in reversed(self.epochs):
+            if epoch.start_s >= born_s + window_s:
+                continue
+            if epoch.end_s is not None and epoch.end_s < born_s:
+                return None
+            return epoch.index
+        return None
+
     def see(self, key: ProcessKey) -> None:
         """Count ``key`` in the open epoch (a worker known from its report alone)."""
         if self.open is not None:
@@ -373,6 +390,7 @@ class EpochBook:
             nvidia_fds=state.nvidia_fds,
             rank=proc.rank.rank if proc.rank is not None else None,
             rank_device=proc.rank.device if proc.rank is not None else None,
+            born_epoch=_birth_epoch(proc),
             **host_fields(
                 state.host,
                 epoch.rollup.get(key),
@@ -410,6 +428,11 @@ class EpochBook:
             yield from epoch.seen
 
 
+def _birth_epoch(proc: Proc) -> int | None:
+    """The epoch ``proc`` was born in (NOTE [born epoch] in sampler.py)."""
+    return None if proc.pre_existing else proc.birth_epoch
+
+
 def final_processes(
     table: ProcessTable,
     last_end_s: float | None,
@@ -445,6 +468,7 @@ def final_processes(
                 nvidia_fds=proc.nvidia_fds,
                 rank=proc.rank.rank if proc.rank is not None else None,
                 rank_device=proc.rank.device if proc.rank is not None else None,
+                born_epoch=_birth_epoch(proc),
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),
             )
         )

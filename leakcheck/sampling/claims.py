@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 from leakcheck import procs
 from leakcheck.model import ProcessKey
@@ -105,13 +104,6 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
         return owner
 
 
-def _since_boot_s() -> float:
-    try:
-        return time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):  # not Linux: the Unix clock against the boot time
-        return time.time() - procs.boot_time_s()
-
-
 def _epoch_at(born_s: float) -> str | None:
     """The session of the innermost epoch open when a process was born (rule 3).
 
@@ -147,7 +139,7 @@ def epoch_opened(session: str) -> None:
     """``session`` opened an epoch: it claims what is born from now on (rule 3)."""
     with _lock:
         _close_open(session)
-        _epochs.append((session, _since_boot_s(), None))
+        _epochs.append((session, procs.since_boot_s(), None))
         del _epochs[:-_KEPT_EPOCHS]
 
 
@@ -158,7 +150,7 @@ def epoch_closed(session: str) -> None:
 
 
 def _close_open(session: str) -> None:
-    now = _since_boot_s()
+    now = procs.since_boot_s()
     for index, (owner, opened, closed) in enumerate(_epochs):
         if owner == session and closed is None:
             _epochs[index] = (owner, opened, now)

@@ -34,7 +34,11 @@ class Proc:
     first_seen_s: float
     last_seen_s: float
     born_epoch: int | None
+    """The epoch open when it was placed: the epoch whose survivor it can be."""
     pre_existing: bool
+    birth_epoch: int | None = None
+    """The epoch its create time falls in (NOTE [born epoch] in sampler.py): what "started
+    in" names; the epoch it was placed in until the sampler computes it."""
     exited_s: float | None = None
     in_lineage: bool = True
     foreign: bool = False
@@ -174,6 +178,7 @@ class ProcessTable:
             last_seen_s=now,
             born_epoch=born_epoch,
             pre_existing=pre_existing,
+            birth_epoch=born_epoch,
             own=owner == self.session,
             # Gone before it could be read (a worker known from its record only): it was
             # its parent's rank's, as every process of a rank's lineage is.
@@ -194,12 +199,14 @@ class ProcessTable:
         now: float,
         quick: bool,
         born_epoch: int | None,
-    ) -> None:
+    ) -> list[Proc]:
         """Fold one walk of the root's descendants in: new, reparented, exited processes.
 
         ``quick`` (the sampler's ticks): NOTE [quick walk] in procs.py; a process missing
-        from a quick walk is only judged reparented by the next full one.
+        from a quick walk is only judged reparented by the next full one. Returns the
+        processes new to the table, placed with ``born_epoch``.
         """
+        added: list[Proc] = []
         current: set[ProcessKey] = {self.root}
         for info in lineage:
             proc = self.procs.get(info.key)
@@ -207,6 +214,7 @@ class ProcessTable:
                 # Walks read no command lines; a process new to the table is read once.
                 full = procs.read_proc(info.key.pid) or info
                 proc = self.add(full, now=now, born_epoch=born_epoch)
+                added.append(proc)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
             if proc.rank_pending:
                 self._read_rank_after_exec(proc, now)
@@ -229,6 +237,7 @@ class ProcessTable:
                 owner = claims.owner_of(key)
                 proc.own = owner is None or owner == self.session
         claims.forget(gone)
+        return added
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
         """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
@@ -253,11 +262,16 @@ class ProcessTable:
             if owner is not None:
                 proc.own = owner == self.session
 
-    def add_reparented(self, found: list[ProcInfo], *, now: float, born_epoch: int | None) -> None:
+    def add_reparented(
+        self, found: list[ProcInfo], *, now: float, born_epoch: int | None
+    ) -> list[Proc]:
         """Place tagged processes a tag scan found outside the lineage (reparented away)."""
+        added: list[Proc] = []
         for info in found:
             proc = self.add(info, now=now, born_epoch=born_epoch)
             proc.in_lineage = False
+            added.append(proc)
+        return added
 
     def mark_exited(self, proc: Proc, now: float) -> None:
         """Record that ``proc`` was seen gone at ``now``."""

@@ -1,0 +1,31 @@
+"""The epoch a process was born in, from its create time (NOTE [born epoch] in sampler.py)."""
+
+from __future__ import annotations
+
+from leakcheck.sampling.book import EpochBook
+
+TICK_S = 0.01
+
+
+def _book(*spans: tuple[float, float | None]) -> EpochBook:
+    book = EpochBook(grace_s=1.0)
+    for start_s, end_s in spans:
+        book.begin(None, start_s)
+        book.epochs[-1].end_s = end_s
+    return book
+
+
+def test_a_birth_inside_an_epoch_is_that_epochs() -> None:
+    book = _book((1.0, 2.0), (2.5, 3.5), (4.0, None))
+    assert [book.born_in(at_s, TICK_S) for at_s in (1.5, 3.0, 9.0)] == [0, 1, 2]
+
+
+def test_a_worker_forked_in_the_tick_its_epoch_opened_is_that_epochs() -> None:
+    """Create times are truncated to the tick: it can read a few ms before the opening."""
+    book = _book((1.0, 2.0), (2.004, None))
+    assert book.born_in(2.0, TICK_S) == 1
+
+
+def test_a_birth_between_epochs_or_before_the_first_is_none() -> None:
+    book = _book((1.0, 2.0), (3.0, 4.0))
+    assert [book.born_in(at_s, TICK_S) for at_s in (0.5, 2.5, 4.5)] == [None, None, None]

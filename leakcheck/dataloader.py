@@ -84,6 +84,22 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     return end_reason_for(error)
 
 
+# Two wrappers of one loader install their hooks in turn and may close in either order: a
+# hook put back must not be a closed wrapper's (its mailbox is gone), so each hook knows
+# what it replaced, and a closed one is skipped for what it replaced in turn.
+_replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
+_live_hooks: weakref.WeakSet[WorkerInit] = weakref.WeakSet()
+
+
+def _what_to_restore(function: Any) -> Any:
+    """``function``, or for a closed wrapper's hook, the first live one or the user's below."""
+    while isinstance(function, WorkerInit) and function not in _live_hooks:
+        if function not in _replaced:
+            break  # the user's own leakcheck.worker_init_fn(...): theirs to keep
+        function = _replaced[function]
+    return function
+
+
 class _Session:
     """What the wrapper's finalizer needs, without a reference to the wrapper."""
 
@@ -94,10 +110,12 @@ class _Session:
         self.original_init: Any = None
 
     def restore_init(self) -> None:
-        if self.installed is not None and getattr(self.loader, "worker_init_fn", None) is (
-            self.installed
-        ):
-            self.loader.worker_init_fn = self.original_init
+        installed = self.installed
+        if installed is None:
+            return
+        _live_hooks.discard(installed)
+        if getattr(self.loader, "worker_init_fn", None) is installed:
+            self.loader.worker_init_fn = _what_to_restore(self.original_init)
         self.installed = None
 
     def finalize(self, owns_tracker: bool = True) -> None:
@@ -261,8 +279,10 @@ class WatchedLoader(Generic[T]):
         self._started = True
         mailbox_dir = started_mailbox(tracker)
         loader: Any = self._loader
-        if not hasattr(loader, "worker_init_fn"):
-            return  # not a DataLoader: epochs and lineage only
+        if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
+            # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
+            # workers to the inner one, whose tracker owns them (NOTE [claims]).
+            return
         installed = chained_worker_init(
             loader.worker_init_fn,
             tracker=tracker,
@@ -271,6 +291,8 @@ class WatchedLoader(Generic[T]):
             persistent=bool(getattr(loader, "persistent_workers", False)),
         )
         self._session.original_init = loader.worker_init_fn
+        _replaced[installed] = loader.worker_init_fn
+        _live_hooks.add(installed)
         loader.worker_init_fn = installed
         self._session.installed = installed
 

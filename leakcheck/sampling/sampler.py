@@ -21,6 +21,15 @@ epoch each was born in, for every process whose survival is not decided yet, whi
 epoch it came from; then it reads everything once more. Every failure of leakcheck's own is
 caught and recorded, never raised into the user's loop (``strict=True`` re-raises it at the
 next call instead).
+
+NOTE [born epoch]: a process is placed when a walk or a tag scan first sees it, which for a
+helper that a short-lived worker started can be epochs after its birth (the scan for
+reparented processes runs on the next wake, walks every fourth tick). So the epoch it was
+born in comes from its create time, on the tracker's clock through the boot clock's offset
+(``procs.since_boot_s``; both clocks tick alike), not from the epoch open when it was found:
+"started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``). The epoch it was
+placed in stays what the survivor rule and ``close()``'s wait count from
+(``Proc.born_epoch``): that epoch's records are the first that have it.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from leakcheck.model import (
     TeardownRecord,
     Timeline,
 )
-from leakcheck.sampling import claims
+from leakcheck.sampling import claims, exports
 from leakcheck.sampling.book import EpochBook, final_processes
 from leakcheck.sampling.cost import CostMeter
 from leakcheck.sampling.host import HostReads
@@ -108,12 +117,14 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self.started = self.closed = self._stopping = self._sampling = False
         self._t0 = 0.0
+        self._boot_offset_s = 0.0
+        """The boot clock's reading less the tracker's (NOTE [born epoch])."""
         self.started_unix_s = 0.0
         self.session_id = ""
         self.root_key = ProcessKey(root_pid, 0.0)
         self._mailbox_dir: str | None = None
         self._inbox: mailbox.Inbox | None = None
-        self._saved_env: dict[str, str | None] = {}
+        self._export_token: int | None = None
         self._tag_scan: procs.TagScan | None = None
         self._tag_scan_due = False
         self.baseline_devices: tuple[DeviceState, ...] = ()
@@ -148,6 +159,7 @@ class Sampler:
                 raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
             self.started = True
             self._t0 = time.monotonic()
+            self._boot_offset_s = procs.since_boot_s() - self.now()
             self.started_unix_s = time.time()
             self.root_key = root_key
             self.session_id = procs.new_session_id(self.root_pid)
@@ -160,7 +172,7 @@ class Sampler:
                 values = {procs.SESSION_ENV: self.session_id}
                 if self._mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = self._mailbox_dir
-                self._saved_env = _export(values)
+                self._export_token = exports.export(values)
             self.nvml.open(use_nvml=self.use_nvml)
             self.pacing = Pacing(
                 self.interval_s,
@@ -208,9 +220,9 @@ class Sampler:
         with self.lock:
             self.final = self.current_state(closed=True)
             self.closed = True
-            exported = {procs.SESSION_ENV: self.session_id, mailbox.MAILBOX_ENV: self._mailbox_dir}
-            _restore(self._saved_env, exported)
-            self._saved_env = {}
+            if self._export_token is not None:
+                exports.withdraw(self._export_token)
+                self._export_token = None
             if self._mailbox_dir:
                 mailbox.remove(self._mailbox_dir)
 
@@ -404,12 +416,21 @@ class Sampler:
         if lineage is None:
             return False
         born = self.book.open_index
-        table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
+        added = table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
         scan = self._tag_scan
         if scan_tags and scan is not None:
             found = self.failures.guard(lambda: scan.scan(table.procs), "tag scan")
-            table.add_reparented(found or [], now=now, born_epoch=born)
+            added += table.add_reparented(found or [], now=now, born_epoch=born)
+        for proc in added:
+            proc.birth_epoch = self._born_epoch(proc.key, now, fallback=born)
         return True
+
+    def _born_epoch(self, key: ProcessKey, now: float, *, fallback: int | None) -> int | None:
+        """The epoch ``key`` was born in, from its create time (NOTE [born epoch])."""
+        born_s = key.create_time - procs.boot_time_s() - self._boot_offset_s
+        if born_s > now + 1.0:
+            return fallback  # a clock that does not agree: the epoch it was found in
+        return self.book.born_in(born_s, 1.0 / procs.clock_ticks())
 
     def _attribute(self, gpu: tuple[GpuProcess, ...], now: float) -> None:
         assert self.table is not None
@@ -490,26 +511,6 @@ class Sampler:
         )
 
     # -- environment and NVML ------------------------------------------------------------
-
-
-def _export(values: dict[str, str]) -> dict[str, str | None]:
-    """Set the variables; returns their previous values (None: unset)."""
-    saved: dict[str, str | None] = {}
-    for name, value in values.items():
-        saved[name] = os.environ.get(name)
-        os.environ[name] = value
-    return saved
-
-
-def _restore(saved: dict[str, str | None], exported: dict[str, str | None]) -> None:
-    """Give back the saved values of the variables that still hold what was exported."""
-    for name, value in saved.items():
-        if os.environ.get(name) != exported.get(name):
-            continue  # someone else changed it since: leave theirs
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def _torch_allocated_bytes() -> int | None:

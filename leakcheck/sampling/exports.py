@@ -1,0 +1,77 @@
+"""The environment variables trackers export to their children, as layers.
+
+Every tracker whose root is this process exports ``LEAKCHECK_SESSION`` (and its mailbox) so
+that every child inherits them. Trackers overlap in any order (a validation loader watched
+inside the training one, two wrappers closed in the order they were made), so each export
+is a layer: closing a tracker removes its own layer, and the variable takes the newest
+layer left, or, with none left, the value it had before the first. A value that neither
+leakcheck nor any layer put there (the program set it since) is left as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+__all__ = ["export", "withdraw"]
+
+_lock = threading.Lock()
+_tokens = itertools.count(1)
+_layers: dict[str, list[tuple[int, str]]] = {}
+"""Variable -> (token, value) of the live layers, oldest first."""
+_before: dict[str, str | None] = {}
+"""Variable -> its value before the first live layer (None: unset)."""
+_ours: set[str] = set()
+"""Values leakcheck exported (session ids and mailbox folders are never reused)."""
+
+
+def export(values: dict[str, str]) -> int:
+    """Set the variables as a new layer; returns the token that withdraws it."""
+    with _lock:
+        token = next(_tokens)
+        for name, value in values.items():
+            layers = _layers.setdefault(name, [])
+            if not layers:
+                _before[name] = os.environ.get(name)
+            layers.append((token, value))
+            _ours.add(value)
+            os.environ[name] = value
+        return token
+
+
+def withdraw(token: int) -> None:
+    """Remove the layer of ``token``; each variable shows what is left (module docstring)."""
+    with _lock:
+        for name in list(_layers):
+            layers = [layer for layer in _layers[name] if layer[0] != token]
+            if len(layers) == len(_layers[name]):
+                continue
+            current = os.environ.get(name)
+            if current is not None and current not in _ours:
+                # The program changed it since: leave its value, forget the layers.
+                del _layers[name]
+                _before.pop(name, None)
+                continue
+            if layers:
+                _layers[name] = layers
+                os.environ[name] = layers[-1][1]
+                continue
+            del _layers[name]
+            before = _before.pop(name, None)
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def _reset_after_fork() -> None:
+    # A child's variables are its own: none of its parent's trackers will withdraw there.
+    global _lock
+    _lock = threading.Lock()
+    _layers.clear()
+    _before.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -199,13 +199,28 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 class _EpochIterator:
-    """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``."""
+    """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``.
 
-    __slots__ = ("__weakref__", "_batches", "_loader")
+    Other attributes are the DataLoader iterator's own (``_num_yielded``,
+    ``_shutdown_workers()``: programs and libraries read them) once the epoch has begun,
+    that is from the first batch on: the wrapped iterator is made then.
+    """
+
+    __slots__ = ("__weakref__", "_batches", "_inner", "_loader")
 
     def __init__(self, batches: Iterator[Any], loader: Any) -> None:
         self._batches = batches
         self._loader = loader
+        self._inner: Iterator[Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self._inner
+        if inner is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r} before its first "
+                "batch (leakcheck run makes the loader's iterator then)"
+            )
+        return getattr(inner, name)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -333,12 +348,20 @@ class _Run:
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
+        epoch: _EpochIterator | None = None
+
+        def iterate_and_keep(target: Any) -> Iterator[Any]:
+            inner = iterate(target)
+            if epoch is not None:
+                epoch._inner = inner  # what the program may ask of its iterator
+            return inner
+
         watched = WatchedLoader(
             loader,
             tracker=site.tracker,
             on_leak="ignore",
             teardown=self.options.teardown,
-            iterate=iterate,
+            iterate=iterate_and_keep,
             owns_tracker=False,
         )
         epoch = _EpochIterator(iter(watched), loader)

@@ -657,17 +657,22 @@ def _empty_parent_cache() -> None:
 
 
 def _epoch_summary(tracker: Tracker, batches: int) -> str:
-    epochs = tracker.epochs()
-    if not epochs:
+    timeline = tracker.timeline(last_epochs=1)
+    if not timeline.epochs:
         return f"{batches} batches"
-    record: EpochRecord = epochs[-1]
+    record: EpochRecord = timeline.epochs[-1]
     counted = record.batches if record.batches is not None else batches
     workers = [p for p in record.processes if p.role == "worker"]
-    parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
     host = host_totals(record.processes)
+    gpu = f"{len(workers)} workers"
+    if timeline.attribution == "ok":
+        parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
+        worker_bytes = sum(p.total_gpu_bytes_end for p in workers)
+        gpu = f"parent {format_mib(parent)} MiB, {gpu} {format_mib(worker_bytes)} MiB"
+    else:  # no per-process GPU bytes were read: not known, never 0
+        gpu = f"parent {_UNAVAILABLE} MiB, {gpu} {_UNAVAILABLE} MiB"
     return (
-        f"{counted} batches in {record.duration_s:.1f} s, parent {format_mib(parent)} MiB, "
-        f"{len(workers)} workers {format_mib(sum(p.total_gpu_bytes_end for p in workers))} MiB"
+        f"{counted} batches in {record.duration_s:.1f} s, {gpu}"
         f"; host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
         f"{format_mib(host.workers_bytes)} MiB"
     )

@@ -464,3 +464,83 @@ def test_an_exhausted_iterable_says_so_instead_of_recording_empty_epochs() -> No
         with pytest.warns(UserWarning, match="yielded no batches.*exhausted"):
             assert list(watched) == []
     assert [e.batches for e in watched.report().epochs] == [3, 0]
+
+
+class StartsAHelper(Dataset[int]):
+    """Each worker starts a helper nobody reaps and leaves its PID as a file's name."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.helper: subprocess.Popen[bytes] | None = None
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        if self.helper is None:
+            self.helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            (self.folder / str(self.helper.pid)).touch()
+        return index
+
+
+def test_orphans_found_epochs_late_are_named_with_the_epoch_they_started_in(
+    tmp_path: Path,
+) -> None:
+    """Epochs of a fraction of a second: a helper is seen outside the tree only epochs after
+    its worker started it; "started in" names the epoch its create time falls in."""
+    loader = leakcheck.watch(
+        DataLoader(StartsAHelper(tmp_path), num_workers=1), on_leak="ignore", grace=0.3
+    )
+    born: dict[int, int] = {}
+    try:
+        for epoch in range(6):
+            for _ in loader:
+                pass
+            for name in os.listdir(tmp_path):
+                born.setdefault(int(name), epoch)
+        loader.close()
+        orphans = {f.pid: f.message for f in loader.report().leaks if f.rule == "orphan" and f.pid}
+        assert sorted(orphans) == sorted(born), loader.report().format()
+        for pid, epoch in born.items():
+            assert f", started in epoch {epoch}, left the job's process tree" in orphans[pid]
+    finally:
+        for pid in born:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+
+
+@pytest.mark.parametrize("close_order", ["made", "reverse"])
+def test_two_wrappers_of_one_loader_closed_in_either_order_leave_nothing(
+    close_order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader gets its own worker_init_fn back and the process its variables, whichever
+    wrapper closes first (a hook or a session tag of a closed wrapper points at a mailbox
+    that is gone)."""
+    monkeypatch.delenv("LEAKCHECK_SESSION", raising=False)
+    monkeypatch.delenv("LEAKCHECK_MAILBOX", raising=False)
+
+    def own_init(worker_id: int) -> None:
+        pass
+
+    loader = make(workers=1, worker_init_fn=own_init)
+    first = leakcheck.watch(loader, on_leak="ignore", grace=0.1)
+    second = leakcheck.watch(loader, on_leak="ignore", grace=0.1)
+    for _ in first:
+        pass
+    for _ in second:
+        pass
+    for wrapper in [first, second] if close_order == "made" else [second, first]:
+        wrapper.close()
+    assert loader.worker_init_fn is own_init
+    assert "LEAKCHECK_SESSION" not in os.environ
+    assert "LEAKCHECK_MAILBOX" not in os.environ
+
+
+def test_a_wrapper_of_a_wrapper_sets_nothing_on_the_inner_one() -> None:
+    inner = leakcheck.watch(make(workers=1), on_leak="ignore", grace=0.1)
+    outer = leakcheck.watch(inner, on_leak="ignore", grace=0.1)
+    for _ in outer:
+        pass
+    outer.close()
+    inner.close()
+    assert "worker_init_fn" not in vars(inner)

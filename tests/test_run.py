@@ -751,3 +751,26 @@ def test_wrappers_sharing_a_tracker_iterate_through_the_given_callable() -> None
         assert [epoch.end_reason for epoch in tracker.epochs()] == ["completed", "completed"]
     finally:
         tracker.close()
+
+
+ITERATOR_ATTRIBUTES = """
+from torch.utils.data import DataLoader
+
+loader = DataLoader(list(range(16)), batch_size=4, num_workers=2)
+iterator = iter(loader)
+next(iterator)
+print("yielded", iterator._num_yielded, len(iterator))
+iterator._shutdown_workers()
+"""
+
+
+def test_the_programs_iterator_still_answers_for_the_dataloaders(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """Programs and libraries read the DataLoader iterator's own attributes: under `run`
+    its epoch iterator hands them over from the first batch on."""
+    script = tmp_path / "attributes.py"
+    script.write_text(ITERATOR_ATTRIBUTES)
+    run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == "yielded 1 4"

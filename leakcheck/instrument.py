@@ -348,12 +348,16 @@ class _Run:
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
-        epoch: _EpochIterator | None = None
+        # A weak reference: the epoch holds its generator, which holds this function through
+        # the wrapper; a strong one would make a cycle, and a loop left by `break` would end
+        # its epoch only when the garbage collector ran ("collected", not "break").
+        holder: list[weakref.ref[_EpochIterator]] = []
 
         def iterate_and_keep(target: Any) -> Iterator[Any]:
             inner = iterate(target)
-            if epoch is not None:
-                epoch._inner = inner  # what the program may ask of its iterator
+            epoch_now = holder[0]() if holder else None
+            if epoch_now is not None:
+                epoch_now._inner = inner  # what the program may ask of its iterator
             return inner
 
         watched = WatchedLoader(
@@ -365,6 +369,7 @@ class _Run:
             owns_tracker=False,
         )
         epoch = _EpochIterator(iter(watched), loader)
+        holder.append(weakref.ref(epoch))
         site.live.add(epoch)
         return epoch
 

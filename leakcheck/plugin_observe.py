@@ -32,10 +32,11 @@ NOTE [reference cycles]: a DataLoader iterator stops its workers when it is coll
 one caught in a reference cycle (an exception kept with its traceback, an object that refers
 back to itself) is collected only by the garbage collector, whenever it next runs: its
 persistent workers outlive the test. So before the processes still alive after the grace
-period are judged, the plugin collects garbage once (only then: a clean test pays nothing)
-and allows for the loader's own shutdown, which joins each worker for up to 5 s and then
-terminates it, inside the collection. Those that exit then are still the test's leak (they
-outlived it), and their finding says that a reference cycle kept them alive.
+period are judged, the plugin waits a moment more (a process on its way out anyway is late,
+not kept), then collects garbage once (only then: a clean test pays nothing) and allows for
+the loader's own shutdown, which joins each worker for up to 5 s and then terminates it,
+inside the collection. Those that exit then are still the test's leak (they outlived it),
+and their finding says that a reference cycle kept them alive.
 
 NOTE [first context]: the first CUDA context of a process (and the driver memory of the
 libraries it loads on first use) is a baseline, not a leak: the torch allocator is the judge
@@ -426,6 +427,8 @@ class _Candidate:
     freed_by_gc: bool = False
     """It was alive after the grace and exited once garbage was collected (NOTE [reference
     cycles])."""
+    late: bool = False
+    """It was alive after the grace and exited in the moment waited before collecting."""
 
 
 @dataclass
@@ -632,7 +635,7 @@ class Checker:
 
     def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[_Left]:
         """What the test left: every candidate that did not exit within the grace."""
-        staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc]
+        staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
         gpu_by_pid = self.gpu.by_pid() if staying else {}
         left: list[_Left] = []
         for cand in staying:
@@ -976,6 +979,14 @@ def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[in
     reference cycle: ``freed_by_gc``.
     """
     staying = [c for c in candidates if c.exited_s is None and not c.baseline]
+    if not staying:
+        return
+    # First the same wait without a collection: a process on its way out anyway (a helper
+    # that exits just after the grace) is late, not kept by a cycle.
+    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+    for cand in staying:
+        cand.late = cand.exited_s is not None
+    staying = [c for c in staying if c.exited_s is None and not c.baseline]
     if not staying:
         return
     gc.collect()

@@ -1487,3 +1487,23 @@ def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pyte
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(passed=1)
     assert "orphan" not in result.stdout.str()
+
+
+def test_a_child_that_exits_just_after_the_grace_is_late_not_kept_by_a_cycle(
+    inner: pytest.Pytester,
+) -> None:
+    """It outlived the grace (a survivor), but no garbage collection let it go: its finding
+    must not blame a reference cycle."""
+    inner.makepyfile(
+        test_late="""
+        import subprocess
+
+        def test_late_child():
+            subprocess.Popen(["sleep", "0.3"])
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "LEAK survivor: descendant PID " in out
+    assert "reference cycle" not in out

@@ -30,8 +30,9 @@ judged, not before: ``pytest_report_teststatus`` gives the passing call report o
 test no category (a report attribute marks it, and travels through xdist) and counts the
 teardown report instead, ``passed`` or ``failed`` (``LEAKED``). A session of N tests with one
 leak reads "1 failed, N-1 passed", and JUnit holds one testcase with one error. A test that
-failed (or errored) before its teardown stays that one failure: the leak adds its section to
-that failure and a line to the summary, and does not fail the teardown as well.
+failed (or errored) before its teardown stays that one failure, and one that was skipped,
+xfailed or xpassed stays that outcome: the leak adds its section and a line to the summary,
+and does not fail the teardown as well.
 """
 
 from __future__ import annotations
@@ -509,7 +510,9 @@ class LeakCheckPlugin:
         """After the teardown phase: judge the test and fail (or warn) its teardown report."""
         report = yield
         if call.when != "teardown":
-            if report.failed:
+            if report.failed or report.skipped or hasattr(report, "wasxfail"):
+                # Counted already, as a failure, a skip, an xfail or an xpass (NOTE
+                # [counted once]): a leak adds its section, not a second outcome.
                 item.stash[FAILED_BEFORE_KEY] = True
             elif (
                 call.when == "call"

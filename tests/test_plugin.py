@@ -1507,3 +1507,41 @@ def test_a_child_that_exits_just_after_the_grace_is_late_not_kept_by_a_cycle(
     out = result.stdout.str()
     assert "LEAK survivor: descendant PID " in out
     assert "reference cycle" not in out
+
+
+OUTCOME_SUITE = """
+import os, subprocess
+import pytest
+
+def _leak(name):
+    proc = subprocess.Popen(["sleep", "{sleep}"])
+    with open(os.path.join({pids!r}, "{sleep}-" + name), "w") as handle:
+        handle.write(str(proc.pid) + " {sleep}")
+
+def test_skipped_after_leaking():
+    _leak("skip")
+    pytest.skip("skipped after leaking")
+
+@pytest.mark.xfail(reason="expected")
+def test_xfail_leaking():
+    _leak("xfail")
+    assert False
+
+@pytest.mark.xfail(reason="expected")
+def test_xpass_leaking():
+    _leak("xpass")
+"""
+
+
+def test_a_skipped_xfailed_or_xpassed_test_that_leaks_is_counted_once(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """Each keeps its outcome and is counted once; its leak is still named."""
+    inner.makepyfile(test_outcomes=OUTCOME_SUITE.format(sleep=_sleep_arg(), pids=str(leftovers)))
+    junit = inner.path / "junit.xml"
+    result = inner.runpytest_subprocess("--gpu-leak-check", f"--junitxml={junit}", *FAST)
+    result.assert_outcomes(skipped=1, xfailed=1, xpassed=1)
+    out = result.stdout.str()
+    assert out.count("LEAK survivor: descendant PID ") == 3, out
+    suite = junit.read_text()
+    assert 'tests="3"' in suite and 'errors="0"' in suite and 'failures="0"' in suite, suite

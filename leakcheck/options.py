@@ -392,7 +392,7 @@ def apply_marker(
     """Override options with a marker's arguments (``enabled``, ``tolerance``, ...).
 
     A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
-    bare marker enables the check for its test.
+    marker that does not say ``enabled`` enables the check for its test.
 
     Args:
         options: The session's options.
@@ -413,8 +413,10 @@ def apply_marker(
             f"expected {', '.join(MARKER_KWARGS)}"
         )
     values: dict[str, object] = dict(kwargs)
-    if not args and not kwargs:
-        values["enabled"] = True  # a bare @pytest.mark.gpu_leak_check checks its test
+    if not args and "enabled" not in values:
+        # The marker checks its test unless it says enabled=False: bare, or with only a
+        # tolerance, mode or grace (its signature in `pytest --markers` says so).
+        values["enabled"] = True
     if args:
         if "enabled" in values:
             raise UsageError(f"{where}: enabled given twice")

@@ -151,7 +151,10 @@ def test_marker_overrides_and_records_its_source() -> None:
     assert options.grace_s == 0.0
     assert options.enabled is True
     assert options.sources["tolerance"] == f"tolerance= of {WHERE}"
-    assert options.sources["enabled"] == "--gpu-leak-check (command line)"
+    # A marker that does not say `enabled` checks its test (its signature says so).
+    assert options.sources["enabled"] == f"enabled= of {WHERE}"
+    off = resolve_check_options({}, {}, {})
+    assert apply_marker(off, (), {"tolerance": "64MiB"}, where=WHERE).enabled is True
 
 
 def test_marker_positional_is_enabled() -> None:

@@ -1545,3 +1545,24 @@ def test_a_skipped_xfailed_or_xpassed_test_that_leaks_is_counted_once(
     assert out.count("LEAK survivor: descendant PID ") == 3, out
     suite = junit.read_text()
     assert 'tests="3"' in suite and 'errors="0"' in suite and 'failures="0"' in suite, suite
+
+
+def test_a_marker_with_only_a_tolerance_checks_its_test(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_marked=f"""
+        import os, subprocess
+        import pytest
+
+        @pytest.mark.gpu_leak_check(tolerance="64MiB", grace=0.2)
+        def test_leaves_child():
+            proc = subprocess.Popen(["sleep", "{sleep}"])
+            with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                handle.write(str(proc.pid))
+        """
+    )
+    result = inner.runpytest_subprocess(*NO_CACHE)  # no --gpu-leak-check: the marker asks
+    result.assert_outcomes(failed=1)
+    assert "LEAK survivor: descendant PID " in result.stdout.str()

@@ -410,7 +410,8 @@ def judge_test(
     """Observe the test as a timeline and judge it with ``verdict.judge``.
 
     The ``gpu_leak_tracker`` fixture's findings join those of the test, but for those
-    about a process and rule already found.
+    about a process and rule already found and those about /dev/shm files, which the
+    test's own check judges over the same window.
     """
     from leakcheck.model import RuleConfig
     from leakcheck.verdict import judge
@@ -428,7 +429,10 @@ def judge_test(
     # "Attribution is blind" is said once, in the session summary, not for every test.
     findings = [f for f in judge(timeline, config) if f.rule != "blind"]
     named = {_process_key(f) for f in findings if f.pid is not None}
-    findings.extend(f for f in window.extra if f.rule != "blind" and _process_key(f) not in named)
+    # The test's own /dev/shm check covers the fixture's window: its files once, one verdict.
+    findings.extend(
+        f for f in window.extra if f.rule not in ("blind", "shm") and _process_key(f) not in named
+    )
     return sorted(findings, key=lambda f: f.severity != "leak")
 
 

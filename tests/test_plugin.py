@@ -1566,3 +1566,24 @@ def test_a_marker_with_only_a_tolerance_checks_its_test(
     result = inner.runpytest_subprocess(*NO_CACHE)  # no --gpu-leak-check: the marker asks
     result.assert_outcomes(failed=1)
     assert "LEAK survivor: descendant PID " in result.stdout.str()
+
+
+def test_a_file_left_inside_the_fixtures_epoch_gets_one_verdict(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    inner.makepyfile(
+        test_fixture_shm=f"""
+        def test_leaves_a_file(gpu_leak_tracker):
+            with gpu_leak_tracker.epoch("work"):
+                with open("/dev/shm/{name}", "wb") as handle:
+                    handle.write(b"x" * 8192)
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert f"  LEAK shm: /dev/shm/{name} (8 KiB) left behind" in out
+    assert f"info shm: /dev/shm/{name}" not in out
+    assert "several workers" not in out

@@ -28,9 +28,10 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from leakcheck.errors import UsageError
 from leakcheck.model import DeviceState
 
-__all__ = ["chmod_like_open", "write_atomic", "write_json"]
+__all__ = ["check_output_path", "chmod_like_open", "write_atomic", "write_json"]
 
 
 def write_json(path: str, data: Mapping[str, Any]) -> None:
@@ -127,3 +128,60 @@ def environment(devices: Iterable[DeviceState] = (), **extra: Any) -> dict[str, 
         "gpus": [device.name for device in devices],
         **extra,
     }
+
+
+def check_output_path(text: str | None, option: str, suffix: str | None = None) -> str | None:
+    """Check an output path before the work runs, so that its results are not lost.
+
+    The folder must exist and take a new file (a probe file is created and removed: what
+    the final atomic write does first), and a file already there must be a regular file
+    that may be written (not a folder, a device, an immutable or append-only file).
+
+    Returns:
+        ``text``, or None when it is None.
+
+    Raises:
+        UsageError: One line naming ``option``, what was expected, and the value.
+
+    """
+    if text is None:
+        return None
+    if not text.strip():
+        raise UsageError(f"{option}: expected a file path, got {text!r}")
+    if suffix is not None and not text.lower().endswith(suffix):
+        raise UsageError(f"{option}: expected a file name ending in {suffix}, got {text!r}")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
+    try:
+        existing = os.stat(text)
+    except FileNotFoundError:
+        existing = None  # a dangling link too: the write replaces the link
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot check {text!r}: {exc.strerror}") from None
+    if existing is not None:
+        if stat.S_ISDIR(existing.st_mode):
+            raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+        if not stat.S_ISREG(existing.st_mode):
+            raise UsageError(
+                f"{option}: expected a regular file to write, got {text!r} (not a regular file)"
+            )
+        # Opening for writing, without truncating, changes nothing, and is refused where
+        # os.access() says yes to root: immutable and append-only files, read-only mounts.
+        try:
+            os.close(os.open(text, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY))
+        except OSError as exc:
+            raise UsageError(
+                f"{option}: expected a writable file, got {text!r} ({exc.strerror})"
+            ) from None
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".leakcheck-probe-", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise UsageError(
+            f"{option}: expected a path in a folder that takes new files, got {text!r} "
+            f"(cannot create a file in {folder}: {exc.strerror})"
+        ) from None
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return text

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from leakcheck import options as option_specs
 from leakcheck.errors import UsageError
-from leakcheck.files import write_json
+from leakcheck.files import check_output_path, write_json
 
 __all__ = ["add_run_parser", "resolve_run", "run_command", "torchrun_command"]
 
@@ -114,18 +114,6 @@ class RunPlan:
     fail_on_leak: bool
 
 
-def _output_path(text: str | None, option: str) -> str | None:
-    if text is None:
-        return None
-    if not text.strip():
-        raise UsageError(f"{option}: expected a file path, got {text!r}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
-        raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
-    if os.path.isdir(text):
-        raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
-    return text
-
-
 def resolve_run(args: argparse.Namespace) -> RunPlan:
     """Validate every ``run`` option in one place.
 
@@ -164,7 +152,7 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
             teardown=bool(args.teardown),
             device_index=device,
         ),
-        json_path=_output_path(args.json, "--json"),
+        json_path=check_output_path(args.json, "--json"),
         fail_on_leak=bool(args.fail_on_leak),
     )
 

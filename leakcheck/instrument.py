@@ -264,6 +264,11 @@ class _Run:
         self.lock = threading.RLock()
         atexit.register(self.at_exit)
 
+    def session_ids(self) -> set[str]:
+        """The sessions of this run's trackers (their hooks are on the loaders they track)."""
+        with self.lock:
+            return {site.tracker.session_id for site in self.sites}
+
     def label(self, where: tuple[str, int]) -> str:
         path, line = where
         if os.path.isabs(path):
@@ -453,10 +458,16 @@ def _current_run() -> _Run | None:
         return _run
 
 
-def _watched_by_user(loader: Any) -> bool:
-    """The program wraps this loader with ``leakcheck.watch()`` already."""
+def _watched_by_user(loader: Any, run: _Run | None) -> bool:
+    """The program wraps this loader with ``leakcheck.watch()`` already.
+
+    The run's own hook does not count: an iterator the program keeps (a first batch peeked
+    before the loop) leaves it on the loader while the next epochs start.
+    """
     init = getattr(loader, "worker_init_fn", None)
-    return isinstance(init, WorkerInit) and bool(init.session_id)
+    if not (isinstance(init, WorkerInit) and init.session_id):
+        return False
+    return run is None or init.session_id not in run.session_ids()
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
@@ -472,11 +483,11 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
 
     """
     global _disabled
-    if _disabled or _watched_by_user(loader):
+    if _disabled:
         return iterate(loader)
     try:
         run = _current_run()
-        if run is None or os.getpid() != run.pid:
+        if run is None or os.getpid() != run.pid or _watched_by_user(loader, run):
             return iterate(loader)
         return run.epoch_iterator(loader, iterate)
     except Exception as error:

@@ -775,3 +775,28 @@ def test_the_programs_iterator_still_answers_for_the_dataloaders(
     run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0] == "yielded 1 4"
+
+
+KEPT_PEEK = """
+from torch.utils.data import DataLoader
+
+loader = DataLoader(list(range(32)), batch_size=8, num_workers=2)
+kept = iter(loader)
+first = next(kept)  # a peek at the first batch, its iterator kept
+for epoch in range(3):
+    for batch in loader:
+        pass
+"""
+
+
+def test_epochs_after_a_kept_peek_iterator_are_tracked(tmp_path: Path, private_tmp: Path) -> None:
+    """The kept iterator leaves the run's own hook on the loader: the loops after it are
+    still epochs of the loader, not taken for a loader the program watches itself."""
+    script = tmp_path / "peek.py"
+    script.write_text(KEPT_PEEK)
+    run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None
+    (loader,) = run.data["loaders"]
+    reasons = [epoch["end_reason"] for epoch in loader["report"]["epochs"]]
+    assert len(reasons) == 4 and reasons[1:] == ["completed"] * 3, reasons

@@ -68,7 +68,7 @@ from leakcheck.report import (
     report_from_dict,
 )
 from leakcheck.tracker import Tracker
-from leakcheck.units import format_mib
+from leakcheck.units import format_size
 
 __all__ = [
     "RUN_SCHEMA_VERSION",
@@ -318,7 +318,7 @@ def format_run(result: RunResult) -> str:
     teardown = "on" if options.teardown else "off"
     lines = [
         f"leakcheck run: {' '.join(result.command)}",
-        f"  {_program_line(result)}; tolerance {format_mib(options.tolerance_bytes)} MiB, "
+        f"  {_program_line(result)}; tolerance {format_size(options.tolerance_bytes)}, "
         f"grace {options.grace_s:g} s, sampling every {options.interval_s * 1000:g} ms, "
         f"teardown {teardown}",
     ]
@@ -333,8 +333,10 @@ def format_run(result: RunResult) -> str:
     if not result.loaders:
         lines.append("")
         lines.append(
-            "loaders: no DataLoader was iterated in a Python process of the run (or its "
-            "Python ignored PYTHONPATH: python -E, -I or -S)"
+            "loaders: none tracked by the run: no DataLoader was iterated in a Python process "
+            "of the run, or each one was watched by the program itself (leakcheck.watch(): "
+            "its report is the program's), or its Python ignored PYTHONPATH (python -E, -I or "
+            "-S)"
         )
     lines.append("")
     lines.extend(_tree_lines(result, shown))

@@ -61,6 +61,7 @@ from leakcheck.options import (
     resolve_check_options,
     resolve_mode_flags,
 )
+from leakcheck.units import format_mib, plural
 
 if TYPE_CHECKING:
     from leakcheck.model import Finding
@@ -324,18 +325,12 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
 _PROCESS_RULES = ("survivor", "orphan")
 
 
-def _plural(count: int, word: str, plural: str | None = None) -> str:
-    return f"{count} {word if count == 1 else (plural or word + 's')}"
-
-
 def headline(findings: Sequence[Finding]) -> str:
     """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``.
 
     Processes for ``survivor``/``orphan``, /dev/shm files for ``shm``, GPU memory for
     ``residual``; any other rule is counted as findings of that rule.
     """
-    from leakcheck.units import format_mib
-
     processes = [f for f in findings if f.rule in _PROCESS_RULES]
     shm = [f for f in findings if f.rule == "shm"]
     memory = [f for f in findings if f.rule == "residual"]
@@ -343,16 +338,16 @@ def headline(findings: Sequence[Finding]) -> str:
     if processes:
         held = sum(f.gpu_bytes or 0 for f in processes)
         gpu = f" ({format_mib(held)} MiB GPU)" if held else ""
-        parts.append(_plural(len(processes), "process", "processes") + gpu)
+        parts.append(plural(len(processes), "process", "processes") + gpu)
     if shm:
-        parts.append(_plural(len(shm), "/dev/shm file"))
+        parts.append(plural(len(shm), "/dev/shm file"))
     if memory:
         parts.append(f"{format_mib(sum(f.gpu_bytes or 0 for f in memory))} MiB of GPU memory")
     others: dict[str, int] = {}
     for finding in findings:
         if finding.rule not in (*_PROCESS_RULES, "shm", "residual"):
             others[finding.rule] = others.get(finding.rule, 0) + 1
-    parts.extend(_plural(num, f"{rule} finding") for rule, num in others.items())
+    parts.extend(plural(num, f"{rule} finding") for rule, num in others.items())
     return ", ".join(parts) or "nothing"
 
 
@@ -680,15 +675,12 @@ class LeakCheckPlugin:
             if any(f.severity == "leak" for f in entry[0])
         }
         if not results:
-            tr.write_sep(
-                "=",
-                f"GPU LEAK REPORT: no leaks in {self._checked} checked tests (GPU: {gpu})",
-                green=True,
-            )
+            checked = plural(self._checked, "checked test")
+            tr.write_sep("=", f"GPU LEAK REPORT: no leaks in {checked} (GPU: {gpu})", green=True)
         else:
             tr.write_sep("=", "GPU LEAK REPORT", red=bool(leaky), yellow=not leaky)
             tr.write_line(
-                f"{len(leaky)} of {self._checked} checked tests left something behind "
+                f"{len(leaky)} of {plural(self._checked, 'checked test')} left something behind "
                 f"(GPU memory via: {gpu})"
             )
             ordered = sorted(results.items(), key=lambda kv: (_summary_sort_key(kv[1][0]), kv[0]))

@@ -81,6 +81,7 @@ from leakcheck.model import (
 )
 from leakcheck.procs import SESSION_ENV
 from leakcheck.roles import is_runtime_helper
+from leakcheck.sampling import exports
 from leakcheck.torch_state import clear_library_workspaces, initialized_cuda
 
 if TYPE_CHECKING:
@@ -390,7 +391,8 @@ class Window:
     Attributes:
         serial: Increasing number of the window in this process.
         tag: The window's own tag, which the test's children inherit as ``LEAKCHECK_SESSION``.
-        tags: Every tag in use during the test: ``tag`` and those of trackers it ran.
+        tags: Every tag in use during the test: ``tag`` and those of trackers it ran (the
+            ``gpu_leak_tracker`` fixture's, and any other started during the test).
         pids: PID allocation before the setup.
         shm: /dev/shm names before the setup.
         gpu: GPU memory of the test process before the setup.
@@ -409,6 +411,8 @@ class Window:
     saved_env: str | None
     start_s: float
     extra: list[Finding] = field(default_factory=list)
+    exports_mark: int = 0
+    """Where the tags of trackers the test starts begin (``sampling.exports.mark``)."""
 
 
 @dataclass
@@ -488,6 +492,7 @@ class Checker:
             gpu=self.gpu.state(),
             saved_env=saved,
             start_s=time.monotonic(),
+            exports_mark=exports.mark(),
         )
         os.environ[SESSION_ENV] = tag
         return window
@@ -572,6 +577,8 @@ class Checker:
         finished = self._finished
         self._finished = []
         active = self.active_owners()
+        # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
+        window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
 
         # Processes: new ones that are ours, plus those of wide-scope fixtures that ended.
         owned_now = {info.key.pid for owner in active for info in owner.processes}

@@ -27,7 +27,7 @@ from leakcheck.model import (
     Timeline,
 )
 from leakcheck.ranks import culprit_label, rank_label
-from leakcheck.units import format_mib, shorten_cmdline
+from leakcheck.units import format_mib, format_size, plural, shorten_cmdline
 from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
 
 __all__ = [
@@ -172,26 +172,26 @@ class Report:
     def summary(self) -> str:
         """Return the one-line verdict that ends ``format()``."""
         tl = self.timeline
-        n_epochs = _plural(len(tl.epochs), "epoch")
+        n_epochs = plural(len(tl.epochs), "epoch")
         leaks = self.leaks
         if leaks:
             shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
             more = len(leaks) - _VERDICT_LEAKS_SHOWN
             tail = f"; and {more} more" if more > 0 else ""
-            return f"leakcheck: {_plural(len(leaks), 'leak')} found: {shown}{tail}"
+            return f"leakcheck: {plural(len(leaks), 'leak')} found: {shown}{tail}"
         if self.verdict == "blind":
             return (
                 f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
                 "attributed to processes (PID namespace); device totals show no leak"
             )
-        processes = _plural(len(_lineage_keys(tl)), "process", "processes")
+        processes = plural(len(_lineage_keys(tl)), "process", "processes")
         if tl.attribution in ("nvml-unavailable", "no-gpu"):
             return (
                 f"leakcheck: no leaks in {n_epochs} ({processes}; GPU memory not checked: "
                 f"{'NVML unavailable' if tl.attribution == 'nvml-unavailable' else 'no GPU'})"
             )
         peak = _device_peak(tl)
-        peak_text = f", peak {_human_bytes(peak[1])} on GPU{peak[0]}" if peak else ""
+        peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
         return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
 
     def format(self, *, verbose: bool = False) -> str:
@@ -381,16 +381,6 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
 # --------------------------------------------------------------------------- text helpers
 
 
-def _plural(count: int, word: str, plural: str | None = None) -> str:
-    return f"{count} {word if count == 1 else (plural or word + 's')}"
-
-
-def _human_bytes(num_bytes: int) -> str:
-    if abs(num_bytes) >= _GIB:
-        return f"{num_bytes / _GIB:.1f} GiB"
-    return f"{format_mib(num_bytes)} MiB"
-
-
 def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
     keys = {p.key for rec in timeline.epochs for p in rec.processes if p.role in LINEAGE_ROLES}
     if timeline.final is not None:
@@ -435,7 +425,7 @@ def _header(timeline: Timeline) -> str:
     parts = [
         f"session {timeline.session_id}",
         f"root PID {timeline.root.pid}",
-        _plural(len(timeline.epochs), "epoch"),
+        plural(len(timeline.epochs), "epoch"),
     ]
     if device_text:
         parts.append(device_text)
@@ -458,9 +448,9 @@ def _attribution_line(timeline: Timeline) -> str | None:
 
 def _config_line(config: RuleConfig) -> str:
     return (
-        f"thresholds: tolerance {format_mib(config.tolerance_bytes)} MiB, host tolerance "
+        f"thresholds: tolerance {format_size(config.tolerance_bytes)}, host tolerance "
         f"{format_mib(config.host_tolerance_bytes)} MiB, "
-        f"warm-up {_plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
+        f"warm-up {plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
         f"high clocks >= {config.high_clock_fraction:.0%} of max"
     )
 

@@ -51,7 +51,7 @@ from leakcheck.report import (
 )
 from leakcheck.torch_state import initialized_cuda
 from leakcheck.tracker import Tracker
-from leakcheck.units import format_mib, shorten_cmdline
+from leakcheck.units import format_mib, format_size, plural, shorten_cmdline
 from leakcheck.verdict import per_pid_bytes_known
 
 if TYPE_CHECKING:
@@ -1019,14 +1019,15 @@ def _config_lines(config: ConfigResult) -> list[str]:
     teardown = teardown_summary(config.teardowns)
     if teardown["workers"] and not teardown["cuda_initialized"]:
         lines.append(
-            f"  teardown: {teardown['workers']} workers exited through the teardown policy "
+            f"  teardown: {plural(teardown['workers'], 'worker')} exited through the teardown "
+            "policy "
             "(CUDA never initialised in them: nothing to release)"
         )
     elif teardown["workers"]:
         per_worker = teardown["gpu_bytes_before_per_worker"]
         freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
         lines.append(
-            f"  teardown: {teardown['workers']} workers, {teardown['contexts_released']} "
+            f"  teardown: {plural(teardown['workers'], 'worker')}, {teardown['contexts_released']} "
             f"released their CUDA context before exiting{freed}"
         )
     elif teardown["reported"]:
@@ -1058,7 +1059,7 @@ def format_sweep(result: SweepResult) -> str:
     lines = [
         f"leakcheck sweep: {result.loader}",
         f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
-        f"tolerance {format_mib(options.tolerance_bytes)} MiB, grace {options.grace_s:g} s, "
+        f"tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
         f"sampling every {options.interval_s * 1000:g} ms; "
         f"teardown policy {'on' if options.teardown else 'off'}",
     ]

@@ -94,6 +94,23 @@ def format_mib(num_bytes: int | float | None, *, signed: bool = False) -> str:
     return f"{sign}{mib:.0f}"
 
 
+def format_size(num_bytes: int) -> str:
+    """Format a size in the largest unit that keeps it readable: ``16 MiB``, ``100 B``."""
+    size = abs(num_bytes)
+    if size >= 1024**3:
+        return f"{num_bytes / 1024**3:.1f} GiB"
+    if size >= MIB:
+        return f"{format_mib(num_bytes)} MiB"
+    if size >= 1024:
+        return f"{num_bytes / 1024:.0f} KiB"
+    return f"{num_bytes} B"
+
+
+def plural(count: int, word: str, plural_word: str | None = None) -> str:
+    """``1 worker``, ``2 workers`` (``plural_word`` where adding an s is wrong)."""
+    return f"{count} {word if count == 1 else (plural_word or word + 's')}"
+
+
 def parse_duration(value: str | int | float, *, source: str = "value") -> float:
     """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
 

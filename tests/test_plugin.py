@@ -705,7 +705,7 @@ def test_marker_disables_a_test_and_enables_another(
     # Without the flag, the marker alone checks its test.
     off = inner.runpytest_subprocess(*FAST)
     off.assert_outcomes(passed=1, failed=1)
-    assert "1 of 1 checked tests left something behind" in off.stdout.str()
+    assert "1 of 1 checked test left something behind" in off.stdout.str()
 
 
 def test_tolerance_and_grace_resolve_marker_cli_env_ini(
@@ -1587,3 +1587,30 @@ def test_a_file_left_inside_the_fixtures_epoch_gets_one_verdict(
     assert f"  LEAK shm: /dev/shm/{name} (8 KiB) left behind" in out
     assert f"info shm: /dev/shm/{name}" not in out
     assert "several workers" not in out
+
+
+def test_an_orphan_of_a_tracker_the_test_runs_fails_the_test(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """The tracker tags its children with its own session: the test still owns them."""
+    sleep = _sleep_arg()
+    inner.makepyfile(
+        test_tracked=f"""
+        import os, subprocess, sys
+        import leakcheck
+
+        CODE = (
+            "import subprocess, time; subprocess.Popen(['sleep', '{sleep}']); time.sleep(0.3)"
+        )
+
+        def test_orphan_inside_a_tracker():
+            with open(os.path.join({str(leftovers)!r}, "{sleep}"), "w") as handle:
+                handle.write("0 {sleep}")
+            with leakcheck.Tracker(grace=0.2) as tracker:
+                with tracker.epoch("work"):
+                    subprocess.run([sys.executable, "-c", CODE], check=True)
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=1)
+    assert "LEAK orphan: orphan PID " in result.stdout.str()

@@ -14,7 +14,7 @@ import itertools
 import os
 import threading
 
-__all__ = ["export", "withdraw"]
+__all__ = ["export", "exported_since", "mark", "withdraw"]
 
 _lock = threading.Lock()
 _tokens = itertools.count(1)
@@ -24,20 +24,42 @@ _before: dict[str, str | None] = {}
 """Variable -> its value before the first live layer (None: unset)."""
 _ours: set[str] = set()
 """Values leakcheck exported (session ids and mailbox folders are never reused)."""
+_history: list[tuple[int, str, str]] = []
+"""(token, variable, value) of the latest exports, for ``exported_since``."""
+_KEPT_EXPORTS = 4096
+_last_token = 0
 
 
 def export(values: dict[str, str]) -> int:
     """Set the variables as a new layer; returns the token that withdraws it."""
+    global _last_token
     with _lock:
-        token = next(_tokens)
+        token = _last_token = next(_tokens)
         for name, value in values.items():
+            _history.append((token, name, value))
             layers = _layers.setdefault(name, [])
             if not layers:
                 _before[name] = os.environ.get(name)
             layers.append((token, value))
             _ours.add(value)
             os.environ[name] = value
+        del _history[:-_KEPT_EXPORTS]
         return token
+
+
+def mark() -> int:
+    """A mark to ask ``exported_since`` about: the exports made after this call."""
+    return _last_token
+
+
+def exported_since(since: int, name: str) -> list[str]:
+    """The values of ``name`` exported after ``since`` (the tags of trackers started since).
+
+    The pytest plugin asks it for the trackers a test started: their children carry their
+    tag, not the test's.
+    """
+    with _lock:
+        return [value for token, variable, value in _history if token > since and variable == name]
 
 
 def withdraw(token: int) -> None:

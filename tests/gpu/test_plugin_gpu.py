@@ -89,7 +89,7 @@ def test_first_cuda_test_of_a_session_is_not_flagged(inner: pytest.Pytester) -> 
     )
     result = inner.runpytest_subprocess(*ARGS)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*GPU LEAK REPORT: no leaks in 1 checked tests (GPU: NVML)*"])
+    result.stdout.fnmatch_lines(["*GPU LEAK REPORT: no leaks in 1 checked test (GPU: NVML)*"])
 
 
 def test_dataloader_workers_touching_cuda_and_exiting_pass(inner: pytest.Pytester) -> None:
@@ -113,7 +113,7 @@ def test_dataloader_workers_touching_cuda_and_exiting_pass(inner: pytest.Pyteste
     )
     result = inner.runpytest_subprocess(*ARGS)
     result.assert_outcomes(passed=1)
-    assert "no leaks in 1 checked tests" in result.stdout.str()
+    assert "no leaks in 1 checked test" in result.stdout.str()
 
 
 def test_grandchild_holding_a_context_fails_naming_the_orphan(

@@ -662,11 +662,11 @@ class LeakCheckPlugin:
         gpu = "; ".join(sorted(self._gpu_notes)) or "no test checked"
         # Files nobody held that appeared while other workers ran are nobody's to blame:
         # one line for all of them, not one entry per test.
-        unattributed = 0
+        unattributed: set[str] = set()  # names: one file shows in every test beside it
         results: dict[str, tuple[list[Finding], str]] = {}
         for nodeid, (findings, status) in self._results.items():
             kept = [f for f in findings if not _unattributed(f)]
-            unattributed += len(findings) - len(kept)
+            unattributed.update(f.shm_name for f in findings if _unattributed(f) and f.shm_name)
             if kept:
                 results[nodeid] = (kept, status)
         leaky = {
@@ -691,8 +691,9 @@ class LeakCheckPlugin:
                 for line in first_lines(findings, "    "):
                     tr.write_line(line)
         if unattributed:
+            files = plural(len(unattributed), "/dev/shm file")
             tr.write_line(
-                f"{unattributed} /dev/shm files appeared while tests ran on several workers, "
+                f"{files} appeared while tests ran on several workers, "
                 "and nothing tied them to one test (no process of a test held them, and their "
                 "names carry none of a test's PIDs): not attributed (run without -n to "
                 "attribute them)"

@@ -1614,3 +1614,30 @@ def test_an_orphan_of_a_tracker_the_test_runs_fails_the_test(
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(failed=1)
     assert "LEAK orphan: orphan PID " in result.stdout.str()
+
+
+def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    """A file another worker's test made shows in every test that ran beside it: the
+    summary counts files, not the tests that saw them."""
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    inner.makepyfile(
+        test_side_by_side=f"""
+        import time
+
+        def test_makes_a_file():
+            time.sleep(0.5)
+            with open("/dev/shm/{name}", "wb") as handle:
+                handle.write(b"x" * 4096)
+            time.sleep(0.5)
+
+        def test_waits_beside_it():
+            time.sleep(1.5)
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", *FAST)
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert "1 /dev/shm file appeared while tests ran on several workers" in out, out

@@ -22,7 +22,14 @@ from collections.abc import Collection
 
 from leakcheck.readings import ProcessKey, Role
 
-__all__ = ["HELPER_FLAG", "RUNTIME_HELPERS", "direct_child_role", "is_runtime_helper"]
+__all__ = [
+    "DAEMON_HELPERS",
+    "HELPER_FLAG",
+    "RUNTIME_HELPERS",
+    "direct_child_role",
+    "is_daemon_helper",
+    "is_runtime_helper",
+]
 
 RUNTIME_HELPERS: tuple[str, ...] = (
     "multiprocessing.resource_tracker",
@@ -38,6 +45,11 @@ resource tracker (``semaphore_tracker`` before Python 3.8) and fork server, jobl
 resource tracker and reusable workers, torch's shared-memory manager and inductor's compile
 workers. A dotted fragment also matches as a path (``torch/_inductor/compile_worker/...``:
 inductor starts its workers by file name, not by module name)."""
+
+DAEMON_HELPERS: tuple[str, ...] = ("torch_shm_manager",)
+"""Runtime helpers that leave their parent's tree by design: torch's shared-memory manager
+daemonizes to PID 1 and exits once its last client is gone. Reparented, they are no orphan;
+any other helper reparented away (a forkserver whose owner was killed) stays for ever."""
 
 HELPER_FLAG = "helper"
 """The flag a snapshot gives a runtime helper of the job."""
@@ -70,6 +82,11 @@ def is_runtime_helper(cmdline: str) -> bool:
 
     """
     return _helper_pattern().search(cmdline) is not None
+
+
+def is_daemon_helper(cmdline: str) -> bool:
+    """Whether a command line is one of a helper that daemonizes by design (``DAEMON_HELPERS``)."""
+    return any(re.search(_fragment_pattern(fragment), cmdline) for fragment in DAEMON_HELPERS)
 
 
 def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:

@@ -28,6 +28,7 @@ from leakcheck.model import (
     Timeline,
 )
 from leakcheck.ranks import culprit_label
+from leakcheck.roles import is_daemon_helper
 from leakcheck.units import format_mib, shorten_cmdline
 
 __all__ = [
@@ -316,21 +317,22 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find lineage processes reparented away from the job and still alive.
 
     On evidence, as survivors are: alive now (the final state), or seen orphaned across at
-    least the grace period; one that exits within the grace is not judged, nor a persistent
-    one (a runtime helper pinning nothing on the GPU). One finding per
+    least the grace period; one that exits within the grace is not judged, nor a helper that
+    daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``). One finding per
     identity, with the most GPU memory and descriptors it was seen with.
     """
     bytes_known = per_pid_bytes_known(timeline)
     epochs = {rec.index: rec for rec in timeline.epochs}
     found: list[Finding] = []
     for key, obs in _observations(timeline).items():
-        # A persistent orphan is a runtime helper that pins nothing on the GPU (torch's
-        # shared-memory manager daemonizes to PID 1 by design) or a process older than the
-        # tracking: a baseline, as for the survivor rule.
+        # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
+        # shared-memory manager) is a baseline, as for the survivor rule.
         orphaned = [
             (rec, proc)
             for rec, proc in obs
-            if proc.role == "orphan" and not proc.persistent and (rec is None or proc.alive_at_end)
+            if proc.role == "orphan"
+            and not (proc.persistent and is_daemon_helper(proc.cmdline))
+            and (rec is None or proc.alive_at_end)
         ]
         if not orphaned:
             continue

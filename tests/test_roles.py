@@ -88,3 +88,11 @@ def test_roles_is_a_low_layer_module() -> None:
     leakcheck_modules = {name for name in imported if name.startswith("leakcheck")}
     assert leakcheck_modules <= {"leakcheck.model", "leakcheck.readings", "leakcheck.units"}
     assert not {"torch", "pynvml"} & {name.split(".")[0] for name in imported}
+
+
+def test_only_helpers_that_daemonize_by_design_are_daemon_helpers() -> None:
+    from leakcheck.roles import is_daemon_helper
+
+    assert is_daemon_helper("/venv/lib/python3.11/site-packages/torch/bin/torch_shm_manager")
+    assert not is_daemon_helper("python -c from multiprocessing.forkserver import main; main()")
+    assert not is_daemon_helper("python my_torch_shm_manager.py")

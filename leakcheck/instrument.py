@@ -214,7 +214,12 @@ class _EpochIterator:
         self._inner: Iterator[Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
-        inner = self._inner
+        if name.startswith("__"):
+            raise AttributeError(name)  # copy and pickle ask before any slot is set
+        try:
+            inner = object.__getattribute__(self, "_inner")
+        except AttributeError:
+            inner = None
         if inner is None:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} before its first "

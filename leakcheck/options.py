@@ -392,7 +392,9 @@ def apply_marker(
     """Override options with a marker's arguments (``enabled``, ``tolerance``, ...).
 
     A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
-    marker that does not say ``enabled`` enables the check for its test.
+    marker that does not say ``enabled`` enables the check for its test, unless ``enabled``
+    was chosen explicitly before it (the command line, the environment, the ini file, a
+    farther marker).
 
     Args:
         options: The session's options.
@@ -413,9 +415,10 @@ def apply_marker(
             f"expected {', '.join(MARKER_KWARGS)}"
         )
     values: dict[str, object] = dict(kwargs)
-    if not args and "enabled" not in values:
-        # The marker checks its test unless it says enabled=False: bare, or with only a
-        # tolerance, mode or grace (its signature in `pytest --markers` says so).
+    if not args and "enabled" not in values and options.sources.get("enabled") in (None, "default"):
+        # A marker checks its test unless it says enabled=False: bare, or with only a
+        # tolerance, mode or grace (its signature in `pytest --markers` says so). An explicit
+        # choice made elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
         values["enabled"] = True
     if args:
         if "enabled" in values:

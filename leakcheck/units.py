@@ -102,7 +102,8 @@ def format_size(num_bytes: int) -> str:
     if size >= MIB:
         return f"{format_mib(num_bytes)} MiB"
     if size >= 1024:
-        return f"{num_bytes / 1024:.0f} KiB"
+        kib = num_bytes / 1024
+        return f"{kib:.1f} KiB" if abs(kib) < 10 else f"{kib:.0f} KiB"
     return f"{num_bytes} B"
 
 

@@ -151,10 +151,17 @@ def test_marker_overrides_and_records_its_source() -> None:
     assert options.grace_s == 0.0
     assert options.enabled is True
     assert options.sources["tolerance"] == f"tolerance= of {WHERE}"
-    # A marker that does not say `enabled` checks its test (its signature says so).
-    assert options.sources["enabled"] == f"enabled= of {WHERE}"
-    off = resolve_check_options({}, {}, {})
-    assert apply_marker(off, (), {"tolerance": "64MiB"}, where=WHERE).enabled is True
+    assert options.sources["enabled"] == "--gpu-leak-check (command line)"
+
+
+def test_a_marker_that_does_not_say_enabled_checks_its_test_unless_chosen_before() -> None:
+    tuning = {"tolerance": "64MiB"}
+    unset = resolve_check_options({}, {}, {})
+    assert apply_marker(unset, (), tuning, where=WHERE).enabled is True
+    refused = resolve_check_options({"enabled": False}, {}, {})  # --no-gpu-leak-check
+    assert apply_marker(refused, (), tuning, where=WHERE).enabled is False
+    farther = apply_marker(unset, (), {"enabled": False}, where=WHERE)  # a module's marker
+    assert apply_marker(farther, (), tuning, where=WHERE).enabled is False
 
 
 def test_marker_positional_is_enabled() -> None:

@@ -800,3 +800,13 @@ def test_epochs_after_a_kept_peek_iterator_are_tracked(tmp_path: Path, private_t
     (loader,) = run.data["loaders"]
     reasons = [epoch["end_reason"] for epoch in loader["report"]["epochs"]]
     assert len(reasons) == 4 and reasons[1:] == ["completed"] * 3, reasons
+
+
+def test_an_epoch_iterator_can_be_copied() -> None:
+    """copy and pickle make the object without __init__: no slot is set when they ask."""
+    import copy
+
+    from leakcheck.instrument import _EpochIterator
+
+    duplicate = copy.copy(_EpochIterator(iter([1]), None))
+    assert isinstance(duplicate, _EpochIterator)

@@ -27,6 +27,7 @@ closed tracker is still not another's to judge.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -39,6 +40,8 @@ _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
 _heirs: dict[ProcessKey, list[ProcessKey]] = {}
 """Processes claimed through their parent (rule 2), by that parent."""
+_heir_of: dict[ProcessKey, ProcessKey] = {}
+"""The parent each heir was claimed through (to prune ``_heirs`` when it is gone)."""
 _exact: set[ProcessKey] = set()
 """Workers claimed by their own report (rule 1): no correction of a parent moves them."""
 _epochs: list[tuple[str, float, float | None]] = []
@@ -98,6 +101,7 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
             owner = _owners.get(parent)
             if owner is not None:
                 _heirs.setdefault(parent, []).append(key)
+                _heir_of[key] = parent
         if owner is None:
             owner = _epoch_at(key.create_time - procs.boot_time_s()) or session
         _owners[key] = owner
@@ -133,6 +137,13 @@ def forget(keys: list[ProcessKey]) -> None:
             _owners.pop(key, None)
             _heirs.pop(key, None)
             _exact.discard(key)
+            parent = _heir_of.pop(key, None)
+            siblings = _heirs.get(parent) if parent is not None else None
+            if siblings is not None and parent is not None:
+                with contextlib.suppress(ValueError):
+                    siblings.remove(key)
+                if not siblings:
+                    del _heirs[parent]
 
 
 def epoch_opened(session: str) -> None:
@@ -163,6 +174,7 @@ def _reset_after_fork() -> None:
     _lock = threading.Lock()
     _owners.clear()
     _heirs.clear()
+    _heir_of.clear()
     _exact.clear()
     _epochs.clear()
 

@@ -4,8 +4,9 @@ Every tracker whose root is this process exports ``LEAKCHECK_SESSION`` (and its 
 that every child inherits them. Trackers overlap in any order (a validation loader watched
 inside the training one, two wrappers closed in the order they were made), so each export
 is a layer: closing a tracker removes its own layer, and the variable takes the newest
-layer left, or, with none left, the value it had before the first. A value that neither
-leakcheck nor any layer put there (the program set it since) is left as it is.
+layer left, or, with none left, the value it had before the first. A variable changed (or
+unset) from outside since the newest layer was set (the program, or the pytest plugin's tag
+for each test) is left as it is, and the layers under it are dropped as stale.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ _layers: dict[str, list[tuple[int, str]]] = {}
 """Variable -> (token, value) of the live layers, oldest first."""
 _before: dict[str, str | None] = {}
 """Variable -> its value before the first live layer (None: unset)."""
-_ours: set[str] = set()
-"""Values leakcheck exported (session ids and mailbox folders are never reused)."""
 _history: list[tuple[int, str, str]] = []
 """(token, variable, value) of the latest exports, for ``exported_since``."""
 _KEPT_EXPORTS = 4096
@@ -38,10 +37,11 @@ def export(values: dict[str, str]) -> int:
         for name, value in values.items():
             _history.append((token, name, value))
             layers = _layers.setdefault(name, [])
+            if layers and os.environ.get(name) != layers[-1][1]:
+                layers.clear()  # changed from outside since: the older layers are stale
             if not layers:
                 _before[name] = os.environ.get(name)
             layers.append((token, value))
-            _ours.add(value)
             os.environ[name] = value
         del _history[:-_KEPT_EXPORTS]
         return token
@@ -66,18 +66,19 @@ def withdraw(token: int) -> None:
     """Remove the layer of ``token``; each variable shows what is left (module docstring)."""
     with _lock:
         for name in list(_layers):
-            layers = [layer for layer in _layers[name] if layer[0] != token]
-            if len(layers) == len(_layers[name]):
+            layers = _layers[name]
+            remaining = [layer for layer in layers if layer[0] != token]
+            if len(remaining) == len(layers):
                 continue
-            current = os.environ.get(name)
-            if current is not None and current not in _ours:
-                # The program changed it since: leave its value, forget the layers.
+            if os.environ.get(name) != layers[-1][1]:
+                # Changed (or unset) from outside since the newest layer: leave it as it is;
+                # the layers are stale.
                 del _layers[name]
                 _before.pop(name, None)
                 continue
-            if layers:
-                _layers[name] = layers
-                os.environ[name] = layers[-1][1]
+            if remaining:
+                _layers[name] = remaining
+                os.environ[name] = remaining[-1][1]
                 continue
             del _layers[name]
             before = _before.pop(name, None)

@@ -30,7 +30,9 @@ launcher forwards what the program would otherwise miss, and only that: it block
 SIGTERM, SIGHUP and SIGCHLD in its own thread (the program gets its mask back before it
 execs), waits for them with ``sigtimedwait``, and forwards a signal that a process sent
 (``si_code`` <= 0) but not one the kernel sent on the terminal's behalf: a second SIGINT
-could break the program's own cleanup, its loaders' reports included. SIGCHLD ends the wait
+could break the program's own cleanup, its loaders' reports included. A signal sent to the
+whole process group (``kill -INT -PGID``) arrives as one sent to the launcher alone (both say
+``SI_USER``), so the program gets it twice: a known limit. SIGCHLD ends the wait
 when the program exits; ``waitid(WNOWAIT)`` leaves it a zombie until the outside tracker is
 closed, so its PID cannot be reused by another process while the tree is still read. Where
 this cannot be done (not the main thread; no ``sigtimedwait``), the launcher just waits

@@ -148,6 +148,7 @@ class Tracker:
             use_nvml=use_nvml,
             session_tag=session_tag,
             rollup_share=None if rollup_share is None else float(rollup_share),
+            warmup_epochs=warmup_epochs,
         )
 
     @property

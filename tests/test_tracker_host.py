@@ -320,3 +320,23 @@ def test_the_copy_on_read_examples(script: str, leaks: int) -> None:
     assert all("worker PID" in line and "MiB/epoch" in line for line in found)
     if not leaks:
         assert "no leaks in 8 epochs" in done.stdout
+
+
+def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing() -> None:
+    """The pacing would put the next read 1000 s away; the epoch ends after the warm-up (the
+    host-growth rule's first three points) read USS anyway, later ones wait for the pacing."""
+    from leakcheck import procs
+    from leakcheck.sampling.host import HostReads
+    from leakcheck.sampling.pacing import Pacing
+    from leakcheck.sampling.reads import Failures
+    from leakcheck.sampling.table import ProcessTable
+
+    root = procs.process_key(os.getpid())
+    assert root is not None
+    table = ProcessTable(root, procs.read_proc(os.getpid()), session="s", persistent_workers=True)
+    pacing = Pacing(0.05, has_nvml=False, rollup_share=0.001)
+    pacing.rollup_read(time.perf_counter(), 1.0)  # 1 s of CPU at 0.1%: due in 1000 s
+    host = HostReads(pacing, Failures(strict=False), warmup_epochs=1)
+    assert [host.plan(index, table) for index in range(6)] == [
+        False, True, True, True, False, False,
+    ]  # fmt: skip

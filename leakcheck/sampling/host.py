@@ -30,6 +30,9 @@ _LONG_LIVED = ("parent", "worker")
 _READING_WAIT_S = 2.0
 """The longest a caller waits for reads under way on another thread (see ``HostReads``)."""
 
+_HOST_RULE_FIRST_POINTS = 3
+"""The fewest USS points the host-growth rule judges from (``verdict.host_growth``)."""
+
 
 @dataclass(frozen=True)
 class RollupPlan:
@@ -48,9 +51,11 @@ class HostReads:
 
     """
 
-    def __init__(self, pacing: Pacing, failures: Failures) -> None:
+    def __init__(self, pacing: Pacing, failures: Failures, *, warmup_epochs: int = 1) -> None:
         self.pacing = pacing
         self.failures = failures
+        self.always_read = range(warmup_epochs, warmup_epochs + _HOST_RULE_FIRST_POINTS)
+        """Epoch ends read whatever the pacing says (NOTE [host pacing] in pacing.py)."""
         self.pending: RollupPlan | None = None
         # Held while planned reads are made (by the sampler thread, or a caller finishing
         # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
@@ -92,7 +97,8 @@ class HostReads:
         """
         keys = self.long_lived(table)
         self.pending = None
-        if keys and self.pacing.rollup_due(time.perf_counter()):
+        due = epoch_index in self.always_read or self.pacing.rollup_due(time.perf_counter())
+        if keys and due:
             self.pending = RollupPlan(epoch_index, tuple(keys))
         return self.pending is not None
 

@@ -34,9 +34,11 @@ epoch end at most, on the sampler's next wake rather than on the caller's thread
 [tracker lifecycle] in sampler.py), and paced like NVML's reads: after reads that used ``c``
 seconds of the sampler's CPU, the epoch ends of the next ``c / rollup_share`` seconds read
 none. There is no gap cap: a job of large processes, or of short epochs, is read less often
-rather than over its budget. Its epochs without a read say RSS (the cheap status read of
-every process at every epoch end), never an older USS as if read; ``close()`` reads once
-more whatever the pacing says.
+rather than over its budget, except the first epoch ends the host-growth rule judges (the
+three after the warm-up epochs): those always read, so that the rule has USS, which shows
+copy-on-read where resident memory does not, to judge from, however short the epochs.
+Its epochs without a read say RSS (the cheap status read of every process at every epoch
+end), never an older USS as if read; ``close()`` reads once more whatever the pacing says.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler

@@ -96,10 +96,12 @@ class Sampler:
         use_nvml: bool,
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
+        warmup_epochs: int = 1,
     ) -> None:
         self.root_pid = root_pid
         self.session_tag = session_tag
         self.rollup_share = rollup_share
+        self.warmup_epochs = warmup_epochs
         self.interval_s = interval_s
         self.devices = devices
         self.grace_s = grace_s
@@ -132,7 +134,7 @@ class Sampler:
         self.table: ProcessTable | None = None
         self.book = EpochBook(grace_s=grace_s)
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
-        self.host = HostReads(self.pacing, self.failures)
+        self.host = HostReads(self.pacing, self.failures, warmup_epochs=warmup_epochs)
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.teardowns: list[TeardownRecord] = []
@@ -179,7 +181,7 @@ class Sampler:
                 has_nvml=self.nvml.handle is not None,
                 rollup_share=self.rollup_share,
             )
-            self.host = HostReads(self.pacing, self.failures)
+            self.host = HostReads(self.pacing, self.failures, warmup_epochs=self.warmup_epochs)
             self.failures.guard(self.shm.start, "shm")
             self.table = ProcessTable(
                 root_key,

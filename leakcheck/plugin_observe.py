@@ -33,10 +33,11 @@ one caught in a reference cycle (an exception kept with its traceback, an object
 back to itself) is collected only by the garbage collector, whenever it next runs: its
 persistent workers outlive the test. So before the processes still alive after the grace
 period are judged, the plugin waits a moment more (a process on its way out anyway is late,
-not kept), then collects garbage once (only then: a clean test pays nothing) and allows for
-the loader's own shutdown, which joins each worker for up to 5 s and then terminates it,
-inside the collection. Those that exit then are still the test's leak (they outlived it),
-and their finding says that a reference cycle kept them alive.
+not kept), then collects garbage once (only then: a clean test pays nothing): a loader's
+own shutdown, inside the collection, joins each worker (for up to 5 s, then terminates it).
+Those gone as the collection returns are still the test's leak (they outlived it), and their
+finding says that a reference cycle kept them alive; one that exits in the moment after is
+late, a survivor without that cause.
 
 NOTE [first context]: the first CUDA context of a process (and the driver memory of the
 libraries it loads on first use) is a baseline, not a leak: the torch allocator is the judge
@@ -997,9 +998,16 @@ def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[in
     if not staying:
         return
     gc.collect()
+    # Freed by the collection: gone as it returns (a loader's shutdown joins its workers
+    # inside it). One that exits in the moment after is late, not freed.
+    now = time.monotonic()
+    for cand in staying:
+        if not procs.is_alive(cand.info.key):
+            cand.exited_s, cand.freed_by_gc = now, True
+    staying = [c for c in staying if c.exited_s is None]
     _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
     for cand in staying:
-        cand.freed_by_gc = cand.exited_s is not None
+        cand.late = cand.exited_s is not None
 
 
 def _final_view(process: ProcessEpoch, after_end_s: float) -> ProcessEpoch:

@@ -336,6 +336,11 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         ]
         if not orphaned:
             continue
+        if (
+            all(proc.persistent for _, proc in orphaned)
+            and max(proc.last_seen_after_s or 0.0 for _, proc in orphaned) < config.grace_s
+        ):
+            continue  # a runtime helper on its way out with its owner, not seen past the grace
         first_rec = orphaned[0][0]
         if first_rec is not None and all(rec is not None for rec, _ in orphaned):
             latest = max(

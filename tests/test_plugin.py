@@ -1489,17 +1489,18 @@ def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pyte
     assert "orphan" not in result.stdout.str()
 
 
+@pytest.mark.parametrize("sleep_s", ["0.3", "0.55"])  # before, and as, garbage is collected
 def test_a_child_that_exits_just_after_the_grace_is_late_not_kept_by_a_cycle(
-    inner: pytest.Pytester,
+    inner: pytest.Pytester, sleep_s: str
 ) -> None:
     """It outlived the grace (a survivor), but no garbage collection let it go: its finding
     must not blame a reference cycle."""
     inner.makepyfile(
-        test_late="""
+        test_late=f"""
         import subprocess
 
         def test_late_child():
-            subprocess.Popen(["sleep", "0.3"])
+            subprocess.Popen(["sleep", "{sleep_s}"])
         """
     )
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)

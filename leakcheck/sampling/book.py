@@ -402,9 +402,10 @@ class EpochBook:
     def pending_survivors(self, table: ProcessTable) -> tuple[list[Proc], float]:
         """Processes whose survival is not decided yet, and until when to wait for them.
 
-        Every live, own, non-persistent process born in a closed epoch that has not been
-        seen alive ``grace_s`` after its epoch ended; the deadline is the latest of their
-        epochs' ends plus the grace (NOTE [tracker lifecycle] in sampler.py).
+        Every live, own, non-persistent process (or runtime helper reparented away) born in
+        a closed epoch that has not been seen alive ``grace_s`` after its epoch ended; the
+        deadline is the latest of their epochs' ends plus the grace (NOTE [tracker
+        lifecycle] in sampler.py).
         """
         ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
         pending: list[Proc] = []
@@ -412,7 +413,11 @@ class EpochBook:
         for proc in table.live.values():
             if proc.foreign or not proc.own or proc.born_epoch not in ends:
                 continue
-            if table.persistent(proc):
+            if table.persistent(proc) and not (
+                # A runtime helper reparented away (its owner gone) gets the grace too: it
+                # exits within moments of its owner, or stays for ever (an orphan).
+                table.baseline_helper(proc) and not proc.in_lineage and not proc.pre_existing
+            ):
                 continue
             end_s = ends[proc.born_epoch]
             assert end_s is not None

@@ -440,7 +440,7 @@ class ProcessTable:
         return direct_child_role(proc.key, self.workers)
 
     @staticmethod
-    def _baseline_helper(proc: Proc) -> bool:
+    def baseline_helper(proc: Proc) -> bool:
         """A runtime helper that pins nothing on the GPU: a baseline, never a survivor."""
         return (
             is_runtime_helper(proc.cmdline)
@@ -450,7 +450,7 @@ class ProcessTable:
 
     def persistent(self, proc: Proc) -> bool:
         """Whether ``proc`` is expected to outlive the epoch it was born in."""
-        if proc.key == self.root or proc.pre_existing or self._baseline_helper(proc):
+        if proc.key == self.root or proc.pre_existing or self.baseline_helper(proc):
             return True
         if self.role(proc) != "worker":
             return False

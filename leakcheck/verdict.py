@@ -318,8 +318,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
     On evidence, as survivors are: alive now (the final state), or seen orphaned across at
     least the grace period; one that exits within the grace is not judged, nor a helper that
-    daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``). One finding per
-    identity, with the most GPU memory and descriptors it was seen with.
+    daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``); another
+    runtime helper (a forkserver, a resource tracker) only once seen alive past the grace.
+    One finding per identity, with the most GPU memory and descriptors it was seen with.
     """
     bytes_known = per_pid_bytes_known(timeline)
     epochs = {rec.index: rec for rec in timeline.epochs}

@@ -198,6 +198,9 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- in the program
 
 
+_EPOCH_ITERATOR_OWN = frozenset(("_batches", "_inner", "_loader"))
+
+
 class _EpochIterator:
     """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``.
 
@@ -206,12 +209,25 @@ class _EpochIterator:
     that is from the first batch on: the wrapped iterator is made then.
     """
 
-    __slots__ = ("__weakref__", "_batches", "_inner", "_loader")
+    __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
 
     def __init__(self, batches: Iterator[Any], loader: Any) -> None:
         self._batches = batches
         self._loader = loader
         self._inner: Iterator[Any] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Writes go where reads come from: the DataLoader iterator once there is one, this
+        # object before (a program may tag its iterator).
+        if name not in _EPOCH_ITERATOR_OWN:
+            try:
+                inner = object.__getattribute__(self, "_inner")
+            except AttributeError:
+                inner = None
+            if inner is not None:
+                setattr(inner, name, value)
+                return
+        object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

@@ -21,6 +21,7 @@ from typing import Any
 from leakcheck.errors import UsageError
 from leakcheck.model import Finding, RankInfo
 from leakcheck.report import Report, leak_short, report_from_dict, verdict_of
+from leakcheck.units import plural
 
 __all__ = [
     "JOB_SCHEMA_VERSION",
@@ -199,9 +200,9 @@ class JobReport:
         missing = [str(r) for r in range(self.world_size or 0) if r not in self._ranks()]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
         lines = [
-            f"{indent}job ({size}, {len(self.ranks)} rank{'s' if len(self.ranks) != 1 else ''} "
-            f"seen{absent}): verdict {self.verdict.upper()}, {len(self.leaks)} "
-            f"leak{'s' if len(self.leaks) != 1 else ''}"
+            f"{indent}job ({size}, {plural(len(self.ranks), 'rank')} "
+            f"seen{absent}): verdict {self.verdict.upper()}, "
+            f"{plural(len(self.leaks), 'leak')}"
         ]
         for rank in self.ranks:
             pids = ", ".join(f"PID {pid}" for pid in rank.pids) or "PID ?"
@@ -214,7 +215,7 @@ class JobReport:
             if rank.leaks:
                 shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
                 more = len(rank.leaks) - _SHOWN
-                text += f"; {len(rank.leaks)} leak{'s' if len(rank.leaks) != 1 else ''}: {shown}"
+                text += f"; {plural(len(rank.leaks), 'leak')}: {shown}"
                 text += f"; and {more} more" if more > 0 else ""
             lines.append(text)
         return lines

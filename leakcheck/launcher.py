@@ -70,7 +70,7 @@ from leakcheck.report import (
     report_from_dict,
 )
 from leakcheck.tracker import Tracker
-from leakcheck.units import format_size
+from leakcheck.units import format_size, plural
 
 __all__ = [
     "RUN_SCHEMA_VERSION",
@@ -353,8 +353,8 @@ def format_run(result: RunResult) -> str:
     loaders = len(result.loaders)
     ranks = f", {len(job.ranks)} ranks" if job is not None else ""
     lines.append(
-        f"leakcheck run: verdict {result.verdict}, {count} leak{'s' if count != 1 else ''} "
-        f"({loaders} loader{'s' if loaders != 1 else ''}{ranks} and the process tree); "
+        f"leakcheck run: verdict {result.verdict}, {plural(count, 'leak')} "
+        f"({plural(loaders, 'loader')}{ranks} and the process tree); "
         f"program exit status {result.program_status}"
     )
     return "\n".join(lines)
@@ -368,8 +368,8 @@ def _loader_lines(loader: LoaderResult) -> list[str]:
     reasons = sorted({epoch.end_reason for epoch in epochs} - {"completed"})
     ended = f", not completed: {', '.join(reasons)}" if reasons else ""
     lines = [
-        f"loader {loader.label} (PID {loader.pid}): {len(epochs)} "
-        f"epoch{'s' if len(epochs) != 1 else ''}{ended}; verdict {report.verdict.upper()}"
+        f"loader {loader.label} (PID {loader.pid}): {plural(len(epochs), 'epoch')}"
+        f"{ended}; verdict {report.verdict.upper()}"
     ]
     lines.extend(finding_lines(report.findings, indent="  "))
     lines.append(f"  {report.summary()}")
@@ -387,7 +387,7 @@ def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
     lines.extend(finding_lines([f for f in tree.findings if f not in repeated], indent="  "))
     if repeated:
         lines.append(
-            f"  ({len(repeated)} leak{'s' if len(repeated) != 1 else ''} of processes a "
+            f"  ({plural(len(repeated), 'leak')} of processes a "
             "loader reported above, not repeated)"
         )
     lines.append(f"  {tree.summary()}")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from leakcheck.files import write_atomic
 from leakcheck.model import MIB
+from leakcheck.units import plural
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
@@ -209,7 +210,7 @@ def _config_title(config: _Config) -> str:
         head = f"{config.num_workers} workers ({mode})"
     leaks = len(config.report.leaks)
     verdict = config.report.verdict
-    tail = f"{verdict.upper()}: {leaks} leak{'s' if leaks != 1 else ''}" if leaks else verdict
+    tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
     return f"{head}\nverdict: {tail}"
 
 

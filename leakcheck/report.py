@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from leakcheck.errors import UsageError
 from leakcheck.model import (
-    MIB,
     DeviceState,
     EpochRecord,
     Finding,
@@ -73,7 +72,6 @@ def combined_verdict(verdicts: Iterable[str]) -> Verdict:
     return verdict_of(leaked="leak" in found, blind="blind" in found)
 
 
-_GIB = 1024 * MIB
 _LABEL_WIDTH = 16
 _VERDICT_LEAKS_SHOWN = 3
 

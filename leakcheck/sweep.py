@@ -980,8 +980,8 @@ def unknown_peak_note(result: SweepResult) -> str | None:
         return None
     epochs = sum(1 for row in rows if row.workers_peak_unknown)
     return (
-        f"{_UNKNOWN} = not known, not 0: {unknown} worker{'s' if unknown != 1 else ''} in "
-        f"{epochs} epoch{'s' if epochs != 1 else ''} exited before any read saw them on a GPU "
+        f"{_UNKNOWN} = not known, not 0: {plural(unknown, 'worker')} in "
+        f"{plural(epochs, 'epoch')} exited before any read saw them on a GPU "
         "and reported nothing at exit (column wk ?), so the workers' peak of those epochs is "
         "unknown"
     )
@@ -1033,7 +1033,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
     elif teardown["reported"]:
         count = teardown["reported"]
         lines.append(
-            f"  teardown: policy off; {count} worker{'s' if count != 1 else ''} reported what "
+            f"  teardown: policy off; {plural(count, 'worker')} reported what "
             "they held at exit and released nothing"
         )
     for cleaned in config.cleaned:
@@ -1081,8 +1081,7 @@ def format_sweep(result: SweepResult) -> str:
     lines.append("")
     configs = len(result.configs)
     lines.append(
-        f"leakcheck sweep: {configs} configuration{'s' if configs != 1 else ''}, "
-        f"verdict {result.verdict}, {result.leak_count} "
-        f"leak{'s' if result.leak_count != 1 else ''}"
+        f"leakcheck sweep: {plural(configs, 'configuration')}, "
+        f"verdict {result.verdict}, {plural(result.leak_count, 'leak')}"
     )
     return "\n".join(lines)

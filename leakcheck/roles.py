@@ -63,10 +63,10 @@ def _fragment_pattern(fragment: str) -> str:
 
 
 @functools.cache
-def _helper_pattern() -> re.Pattern[str]:
+def _pattern(fragments: tuple[str, ...]) -> re.Pattern[str]:
     # Compiled on first use, not at import: a snapshot of the machine without --pid never
     # asks (NOTE [lean start] in cli.py).
-    return re.compile("|".join(_fragment_pattern(fragment) for fragment in RUNTIME_HELPERS))
+    return re.compile("|".join(_fragment_pattern(fragment) for fragment in fragments))
 
 
 def is_runtime_helper(cmdline: str) -> bool:
@@ -81,12 +81,12 @@ def is_runtime_helper(cmdline: str) -> bool:
         ``.../torch/bin/torch_shm_manager``, ``.../torch/_inductor/compile_worker/__main__.py``).
 
     """
-    return _helper_pattern().search(cmdline) is not None
+    return _pattern(RUNTIME_HELPERS).search(cmdline) is not None
 
 
 def is_daemon_helper(cmdline: str) -> bool:
     """Whether a command line is one of a helper that daemonizes by design (``DAEMON_HELPERS``)."""
-    return any(re.search(_fragment_pattern(fragment), cmdline) for fragment in DAEMON_HELPERS)
+    return _pattern(DAEMON_HELPERS).search(cmdline) is not None
 
 
 def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:

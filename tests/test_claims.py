@@ -62,7 +62,6 @@ def test_a_birth_in_no_epoch_goes_to_the_tracker_placing_it(
 def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
     monkeypatch.setattr(claims, "_epochs", list(epochs))
     monkeypatch.setattr(claims, "_owners", {})
-    monkeypatch.setattr(claims, "_heirs", {})
     monkeypatch.setattr(claims, "_heir_of", {})
     monkeypatch.setattr(claims, "_exact", set())
 
@@ -100,7 +99,7 @@ def test_a_child_with_a_report_of_its_own_stays_with_its_report(
     claims.claim_worker(worker, "val")
     assert (claims.owner_of(worker), claims.owner_of(inner)) == ("val", "inner")
     claims.forget([worker, inner])
-    assert claims._heirs == {} and claims._heir_of == {} and claims._exact == set()
+    assert claims._heir_of == {} and claims._exact == set()
 
 
 def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
@@ -115,4 +114,4 @@ def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
         helper = ProcessKey(pid=701 + index, create_time=boot_s + 9.6 + index)
         claims.claim(helper, worker, "train")
         claims.forget([helper])
-    assert claims._heirs == {} and claims._heir_of == {}
+    assert claims._heir_of == {}

@@ -27,7 +27,6 @@ closed tracker is still not another's to judge.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -38,10 +37,8 @@ __all__ = ["claim", "claim_worker", "epoch_closed", "epoch_opened", "forget", "o
 
 _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
-_heirs: dict[ProcessKey, list[ProcessKey]] = {}
-"""Processes claimed through their parent (rule 2), by that parent."""
 _heir_of: dict[ProcessKey, ProcessKey] = {}
-"""The parent each heir was claimed through (to prune ``_heirs`` when it is gone)."""
+"""The parent each process claimed through its parent (rule 2) was claimed through."""
 _exact: set[ProcessKey] = set()
 """Workers claimed by their own report (rule 1): no correction of a parent moves them."""
 _epochs: list[tuple[str, float, float | None]] = []
@@ -75,12 +72,13 @@ def claim_worker(key: ProcessKey, session: str) -> None:
     with _lock:
         _exact.add(key)
         _owners[key] = session
-        pending = list(_heirs.get(key, ()))
-        while pending:
-            heir = pending.pop()
-            if heir not in _exact and heir in _owners:
-                _owners[heir] = session
-                pending.extend(_heirs.get(heir, ()))
+        corrected = [key]
+        while corrected:
+            parent = corrected.pop()
+            for heir, heir_parent in _heir_of.items():
+                if heir_parent == parent and heir not in _exact and heir in _owners:
+                    _owners[heir] = session
+                    corrected.append(heir)
 
 
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
@@ -100,7 +98,6 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
         if owner is None and parent is not None:
             owner = _owners.get(parent)
             if owner is not None:
-                _heirs.setdefault(parent, []).append(key)
                 _heir_of[key] = parent
         if owner is None:
             owner = _epoch_at(key.create_time - procs.boot_time_s()) or session
@@ -135,15 +132,8 @@ def forget(keys: list[ProcessKey]) -> None:
     with _lock:
         for key in keys:
             _owners.pop(key, None)
-            _heirs.pop(key, None)
+            _heir_of.pop(key, None)
             _exact.discard(key)
-            parent = _heir_of.pop(key, None)
-            siblings = _heirs.get(parent) if parent is not None else None
-            if siblings is not None and parent is not None:
-                with contextlib.suppress(ValueError):
-                    siblings.remove(key)
-                if not siblings:
-                    del _heirs[parent]
 
 
 def epoch_opened(session: str) -> None:
@@ -173,7 +163,6 @@ def _reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _owners.clear()
-    _heirs.clear()
     _heir_of.clear()
     _exact.clear()
     _epochs.clear()

@@ -26,14 +26,12 @@ _before: dict[str, str | None] = {}
 _history: list[tuple[int, str, str]] = []
 """(token, variable, value) of the latest exports, for ``exported_since``."""
 _KEPT_EXPORTS = 4096
-_last_token = 0
 
 
 def export(values: dict[str, str]) -> int:
     """Set the variables as a new layer; returns the token that withdraws it."""
-    global _last_token
     with _lock:
-        token = _last_token = next(_tokens)
+        token = next(_tokens)
         for name, value in values.items():
             _history.append((token, name, value))
             layers = _layers.setdefault(name, [])
@@ -49,7 +47,8 @@ def export(values: dict[str, str]) -> int:
 
 def mark() -> int:
     """A mark to ask ``exported_since`` about: the exports made after this call."""
-    return _last_token
+    with _lock:
+        return _history[-1][0] if _history else 0
 
 
 def exported_since(since: int, name: str) -> list[str]:

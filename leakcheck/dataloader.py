@@ -107,15 +107,14 @@ class _Session:
         self.loader = loader
         self.tracker = tracker
         self.installed: WorkerInit | None = None
-        self.original_init: Any = None
 
     def restore_init(self) -> None:
         installed = self.installed
         if installed is None:
             return
-        _live_hooks.discard(installed)
+        _live_hooks.discard(installed)  # closed: what it replaced comes back (_replaced)
         if getattr(self.loader, "worker_init_fn", None) is installed:
-            self.loader.worker_init_fn = _what_to_restore(self.original_init)
+            self.loader.worker_init_fn = _what_to_restore(installed)
         self.installed = None
 
     def finalize(self, owns_tracker: bool = True) -> None:
@@ -290,7 +289,6 @@ class WatchedLoader(Generic[T]):
             release=self._teardown,
             persistent=bool(getattr(loader, "persistent_workers", False)),
         )
-        self._session.original_init = loader.worker_init_fn
         _replaced[installed] = loader.worker_init_fn
         _live_hooks.add(installed)
         loader.worker_init_fn = installed

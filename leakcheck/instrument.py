@@ -216,26 +216,27 @@ class _EpochIterator:
         self._loader = loader
         self._inner: Iterator[Any] | None = None
 
+    def _inner_or_none(self) -> Iterator[Any] | None:
+        # Read without __getattr__: copy and pickle make the object before any slot is set.
+        try:
+            inner: Iterator[Any] | None = object.__getattribute__(self, "_inner")
+        except AttributeError:
+            return None
+        return inner
+
     def __setattr__(self, name: str, value: Any) -> None:
         # Writes go where reads come from: the DataLoader iterator once there is one, this
         # object before (a program may tag its iterator).
-        if name not in _EPOCH_ITERATOR_OWN:
-            try:
-                inner = object.__getattribute__(self, "_inner")
-            except AttributeError:
-                inner = None
-            if inner is not None:
-                setattr(inner, name, value)
-                return
-        object.__setattr__(self, name, value)
+        inner = None if name in _EPOCH_ITERATOR_OWN else self._inner_or_none()
+        if inner is not None:
+            setattr(inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)  # copy and pickle ask before any slot is set
-        try:
-            inner = object.__getattribute__(self, "_inner")
-        except AttributeError:
-            inner = None
+        inner = self._inner_or_none()
         if inner is None:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} before its first "
@@ -479,7 +480,7 @@ def _current_run() -> _Run | None:
         return _run
 
 
-def _watched_by_user(loader: Any, run: _Run | None) -> bool:
+def _watched_by_user(loader: Any, run: _Run) -> bool:
     """The program wraps this loader with ``leakcheck.watch()`` already.
 
     The run's own hook does not count: an iterator the program keeps (a first batch peeked
@@ -488,7 +489,7 @@ def _watched_by_user(loader: Any, run: _Run | None) -> bool:
     init = getattr(loader, "worker_init_fn", None)
     if not (isinstance(init, WorkerInit) and init.session_id):
         return False
-    return run is None or init.session_id not in run.session_ids()
+    return init.session_id not in run.session_ids()
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:

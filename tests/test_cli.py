@@ -369,6 +369,8 @@ BAD_VALUES = [
     (["--plot", "/proc/leakcheck.png"], "--plot: expected a path in a folder that takes new files"),
     (["--json", "/dev/null"], "--json: expected a regular file to write, got '/dev/null'"),
     (["--json", "{dir}"], "--json: expected a file path, got the folder"),
+    (["--json", "-"], "--json: expected a file path, got '-' (JSON is not written to "
+     "standard output"),
 ]  # fmt: skip
 
 

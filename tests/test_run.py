@@ -545,6 +545,7 @@ def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None
         (["--plot", "run.png", "--", "MARK"], "--plot: not supported by leakcheck run yet"),
         (["--json", "/no/such/folder/run.json", "--", "MARK"], "--json: expected a path in"),
         (["--json", "/dev/null", "--", "MARK"], "--json: expected a regular file to write"),
+        (["--json", "-", "--", "MARK"], "--json: expected a file path, got '-'"),
         (["--bogus", "--", "MARK"], "unrecognized arguments: --bogus"),
         (["--tolerance"], "expected one argument"),
     ],

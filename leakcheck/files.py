@@ -151,8 +151,10 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
     if text == "-":
         # Standard output is taken: sweep's table is written there, and under `run` the
         # program's own output.
-        raise UsageError(f"{option}: expected a file path, got '-' (JSON is not written to "
-                         "standard output; give a file name)")
+        raise UsageError(
+            f"{option}: expected a file path, got '-' (JSON is not written to "
+            "standard output; give a file name)"
+        )
     if suffix is not None and not text.lower().endswith(suffix):
         raise UsageError(f"{option}: expected a file name ending in {suffix}, got {text!r}")
     folder = os.path.dirname(os.path.abspath(text))

@@ -48,7 +48,9 @@ from typing import Any
 
 from leakcheck import procs, ranks
 from leakcheck.dataloader import WatchedLoader
+from leakcheck.errors import UsageError
 from leakcheck.model import MIB, EndReason, TrackerCost
+from leakcheck.options import parse_share_option
 from leakcheck.teardown import WorkerInit
 from leakcheck.tracker import Tracker, end_reason_for, own_rank_device
 
@@ -83,6 +85,7 @@ class ShimOptions:
         interval_s: Sampling interval.
         teardown: Install the teardown policy in the workers (``--teardown``).
         devices: Device indices to watch (None: all).
+        rollup_share: Share of time the trackers' USS reads may take (None: the default).
 
     """
 
@@ -91,6 +94,7 @@ class ShimOptions:
     interval_s: float = 0.05
     teardown: bool = False
     devices: tuple[int, ...] | None = None
+    rollup_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -109,7 +113,15 @@ class ShimOptions:
             interval_s=float(_typed(data, "interval_s", (int, float), defaults.interval_s)),
             teardown=_typed(data, "teardown", bool, defaults.teardown),
             devices=tuple(int(d) for d in devices) if isinstance(devices, list) else None,
+            rollup_share=_share(data.get("rollup_share")),
         )
+
+
+def _share(value: object) -> float | None:
+    try:
+        return None if value is None else parse_share_option(value, "rollup_share")
+    except UsageError:
+        return None  # the default, as for every other bad field
 
 
 def _typed(data: dict[str, Any], name: str, kind: Any, default: Any) -> Any:
@@ -323,6 +335,7 @@ class _Run:
             grace=options.grace_s,
             devices=list(options.devices) if options.devices is not None else None,
             persistent_workers=bool(getattr(loader, "persistent_workers", False)),
+            rollup_share=options.rollup_share,
         )
         tracker.start()
         label = self.label(where) + (f" #{same + 1}" if same else "")

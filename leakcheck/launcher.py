@@ -111,6 +111,8 @@ class RunOptions:
         interval_s: Sampling interval, inside and outside.
         teardown: Install the teardown policy in the loaders' workers.
         device_index: The one device to watch (None: all).
+        rollup_share: Share of time the loaders' trackers may spend on USS reads (None:
+            ``Tracker``'s default).
 
     """
 
@@ -119,6 +121,7 @@ class RunOptions:
     interval_s: float = 0.05
     teardown: bool = False
     device_index: int | None = None
+    rollup_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -132,6 +135,7 @@ class RunOptions:
             interval_s=self.interval_s,
             teardown=self.teardown,
             devices=None if self.device_index is None else (self.device_index,),
+            rollup_share=self.rollup_share,
         )
 
 

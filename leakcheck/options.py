@@ -67,6 +67,30 @@ def parse_size_option(value: object, source: str) -> int:
     raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
 
 
+def parse_share_option(value: object, source: str) -> float:
+    """Parse a share of time in (0, 1]: a number (``0.001``, ``1``) or a percentage (``0.1%``).
+
+    Raises:
+        UsageError: Not a number, or outside (0, 1]; the message names ``source``.
+
+    """
+    share: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        share = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        scale = 0.01 if text.endswith("%") else 1.0
+        try:
+            share = float(text.removesuffix("%")) * scale
+        except ValueError:
+            share = None
+    if share is None or not 0 < share <= 1:  # NaN fails both comparisons
+        raise UsageError(
+            f"{source}: expected a share of time in (0, 1] such as 0.001, 0.1% or 1, got {value!r}"
+        )
+    return share
+
+
 MIN_INTERVAL_S = 0.001
 """The shortest sampling interval: one sample reads /proc and NVML and takes up to about a
 millisecond (0.81 ms with 64 workers on an H200 host), so a shorter interval only makes the

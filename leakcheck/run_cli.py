@@ -76,6 +76,15 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "--device", default=None, metavar="N", help="GPU index to watch (default: all)"
     )
     run.add_argument(
+        "--rollup-share",
+        default=None,
+        metavar="SHARE",
+        help="share of the time the USS reads of the parent and persistent workers may take "
+        "(/proc/PID/smaps_rollup at epoch ends; USS shows copy-on-read where resident memory "
+        "does not); 1 reads it at every epoch end, for epochs of seconds (default 0.001: the "
+        "first three judged epoch ends, then as the share allows)",
+    )
+    run.add_argument(
         "--fail-on-leak",
         action="store_true",
         help="exit 1 when a leak was found and the program exited 0",
@@ -151,6 +160,9 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
             interval_s=interval_s,
             teardown=bool(args.teardown),
             device_index=device,
+            rollup_share=None
+            if args.rollup_share is None
+            else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
         ),
         json_path=check_output_path(args.json, "--json"),
         fail_on_leak=bool(args.fail_on_leak),

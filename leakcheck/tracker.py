@@ -24,7 +24,7 @@ from leakcheck.model import (
     Timeline,
     TrackerCost,
 )
-from leakcheck.options import parse_interval_option
+from leakcheck.options import parse_interval_option, parse_share_option
 from leakcheck.procs import process_key
 from leakcheck.report import Report, build_report
 from leakcheck.sampling.cost import CostMeter, caller_timed
@@ -108,15 +108,8 @@ class Tracker:
         rollup_share: float | None = None,
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
-        if rollup_share is not None and not (
-            isinstance(rollup_share, (int, float))
-            and not isinstance(rollup_share, bool)
-            and 0 < rollup_share <= 1
-        ):
-            raise UsageError(
-                f"rollup_share: expected a share of time in (0, 1] such as 0.001, "
-                f"got {rollup_share!r}"
-            )
+        if rollup_share is not None:
+            rollup_share = parse_share_option(rollup_share, "rollup_share")
         if not _is_int_at_least(warmup_epochs, 0):
             raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
         if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
@@ -147,7 +140,7 @@ class Tracker:
             strict=strict,
             use_nvml=use_nvml,
             session_tag=session_tag,
-            rollup_share=None if rollup_share is None else float(rollup_share),
+            rollup_share=rollup_share,
             warmup_epochs=warmup_epochs,
         )
 

@@ -19,6 +19,7 @@ from leakcheck.options import (
     parse_bool,
     parse_interval_option,
     parse_mode,
+    parse_share_option,
     resolve,
     resolve_check_options,
     resolve_mode_flags,
@@ -237,6 +238,22 @@ def test_interval_floor() -> None:
         assert repr(raw) in message
     with pytest.raises(UsageError, match=r"^--interval: expected 1ms or more .*spin.*got '1e-9'$"):
         parse_interval_option("1e-9", "--interval")
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("0.1%", 0.001), ("1", 1.0), (" 0.25 ", 0.25), (0.5, 0.5), (1, 1.0)]
+)
+def test_shares(raw: object, expected: float) -> None:
+    assert parse_share_option(raw, "--rollup-share") == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("raw", ["0", "-0.1", "1.5", "101%", "nan", "inf", "", "lots", True, None])
+def test_bad_shares_name_the_value(raw: object) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_share_option(raw, "--rollup-share")
+    assert str(info.value) == (
+        f"--rollup-share: expected a share of time in (0, 1] such as 0.001, 0.1% or 1, got {raw!r}"
+    )
 
 
 # --- --gpu-leak-warn with --gpu-leak-mode -------------------------------------------------

@@ -546,6 +546,8 @@ def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None
         (["--json", "/no/such/folder/run.json", "--", "MARK"], "--json: expected a path in"),
         (["--json", "/dev/null", "--", "MARK"], "--json: expected a regular file to write"),
         (["--json", "-", "--", "MARK"], "--json: expected a file path, got '-'"),
+        (["--rollup-share", "0", "--", "MARK"], "--rollup-share: expected a share of time in"),
+        (["--rollup-share", "2%x", "--", "MARK"], "--rollup-share: expected a share of time in"),
         (["--bogus", "--", "MARK"], "unrecognized arguments: --bogus"),
         (["--tolerance"], "expected one argument"),
     ],
@@ -597,6 +599,7 @@ def test_help_documents_the_options() -> None:
     for option in ("--tolerance", "--grace", "--interval", "--teardown", "--json", "--plot"):
         assert option in proc.stdout
     assert "--fail-on-leak" in proc.stdout and "--device" in proc.stdout
+    assert "--rollup-share" in proc.stdout
     assert "leakcheck run [options] -- CMD" in proc.stdout
 
 
@@ -804,6 +807,40 @@ def test_epochs_after_a_kept_peek_iterator_are_tracked(tmp_path: Path, private_t
     (loader,) = run.data["loaders"]
     reasons = [epoch["end_reason"] for epoch in loader["report"]["epochs"]]
     assert len(reasons) == 4 and reasons[1:] == ["completed"] * 3, reasons
+
+
+SEVEN_EPOCHS = """
+import time
+from torch.utils.data import DataLoader
+
+loader = DataLoader(list(range(8)), batch_size=4)
+for epoch in range(7):
+    for batch in loader:
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize(
+    ("share", "sources"), [("1e-9", ["uss"] * 4 + ["rss"] * 3), ("1", ["uss"] * 7)]
+)
+def test_rollup_share_reaches_the_programs_trackers(
+    share: str, sources: list[str], tmp_path: Path, private_tmp: Path
+) -> None:
+    """A share too small for a second read leaves the epoch ends after the warm-up and the
+    host rule's first three on resident memory; a share of 1 reads USS at every one."""
+    script = tmp_path / "seven.py"
+    script.write_text(SEVEN_EPOCHS)
+    run = leakcheck_run(
+        "--rollup-share", share, "--", sys.executable, str(script), private_tmp=private_tmp
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None and run.data["options"]["rollup_share"] == float(share)
+    (item,) = run.data["loaders"]
+    parents = [
+        next(p for p in epoch["processes"] if p["role"] == "parent")
+        for epoch in item["report"]["epochs"]
+    ]
+    assert [p["host_source"] for p in parents] == sources
 
 
 def test_an_epoch_iterator_can_be_copied() -> None:

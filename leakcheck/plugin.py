@@ -32,7 +32,8 @@ teardown report instead, ``passed`` or ``failed`` (``LEAKED``). A session of N t
 leak reads "1 failed, N-1 passed", and JUnit holds one testcase with one error. A test that
 failed (or errored) before its teardown stays that one failure, and one that was skipped,
 xfailed or xpassed stays that outcome: the leak adds its section and a line to the summary,
-and does not fail the teardown as well.
+and does not fail the teardown as well. A test skipped before its call that left nothing
+behind is not counted among the checked tests: nothing of it ran.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
 WINDOW_KEY = pytest.StashKey["Window"]()
 FAILED_BEFORE_KEY = pytest.StashKey[bool]()
 DEFERRED_KEY = pytest.StashKey[bool]()
+SKIPPED_KEY = pytest.StashKey[bool]()
 
 
 # --- options ------------------------------------------------------------------------------
@@ -513,6 +515,8 @@ class LeakCheckPlugin:
                 # Counted already, as a failure, a skip, an xfail or an xpass (NOTE
                 # [counted once]): a leak adds its section, not a second outcome.
                 item.stash[FAILED_BEFORE_KEY] = True
+                if report.skipped and call.when == "setup":
+                    item.stash[SKIPPED_KEY] = True
             elif (
                 call.when == "call"
                 and WINDOW_KEY in item.stash
@@ -574,6 +578,7 @@ class LeakCheckPlugin:
             "mode": options.mode,
             "gpu": gpu_note,
             "failed_before": item.stash.get(FAILED_BEFORE_KEY, False),
+            "skipped": item.stash.get(SKIPPED_KEY, False),
             "findings": [finding_to_dict(f) for f in findings],
         }
         setattr(report, REPORT_ATTR, json.dumps(payload))
@@ -627,6 +632,8 @@ class LeakCheckPlugin:
             findings = [finding_from_dict(entry) for entry in data.get("findings", [])]
         except (ValueError, TypeError, AttributeError):
             return
+        if data.get("skipped") and not findings:
+            return  # NOTE [counted once]: nothing of it ran
         self._checked += 1
         if data.get("gpu"):
             self._gpu_notes.add(str(data["gpu"]))

@@ -1548,6 +1548,57 @@ def test_a_skipped_xfailed_or_xpassed_test_that_leaks_is_counted_once(
     assert 'tests="3"' in suite and 'errors="0"' in suite and 'failures="0"' in suite, suite
 
 
+SKIPPED_SUITE = """
+import os, subprocess
+import pytest
+
+@pytest.fixture
+def leaks_then_skips():
+    proc = subprocess.Popen(["sleep", "{sleep}"])
+    with open(os.path.join({pids!r}, "{sleep}"), "w") as handle:
+        handle.write(str(proc.pid))
+    pytest.skip("skipped in its fixture, after it started a process")
+
+def test_runs():
+    pass
+
+@pytest.mark.skip(reason="not today")
+def test_marked_skip():
+    pass
+
+@pytest.mark.skipif(True, reason="never")
+def test_marked_skipif():
+    pass
+
+def test_{name}({fixture}):
+    pass
+"""
+
+
+@pytest.mark.parametrize("leaky", [False, True])
+def test_tests_skipped_before_their_call_count_only_when_they_leave_something(
+    inner: pytest.Pytester, leftovers: Path, leaky: bool
+) -> None:
+    """Nothing of a test skipped by its marker ran: it is not one of the checked tests; one
+    whose fixture started a process before it skipped is, with its finding."""
+    inner.makepyfile(
+        test_skips=SKIPPED_SUITE.format(
+            sleep=_sleep_arg(),
+            pids=str(leftovers),
+            name="fixture_skip" if leaky else "plain",
+            fixture="leaks_then_skips" if leaky else "",
+        )
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    out = result.stdout.str()
+    if leaky:
+        result.assert_outcomes(passed=1, skipped=3)
+        assert "1 of 2 checked tests left something behind" in out, out
+    else:
+        result.assert_outcomes(passed=2, skipped=2)
+        assert "no leaks in 2 checked tests" in out, out
+
+
 def test_a_marker_with_only_a_tolerance_checks_its_test(
     inner: pytest.Pytester, leftovers: Path
 ) -> None:

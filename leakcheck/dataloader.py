@@ -163,7 +163,8 @@ class WatchedLoader(Generic[T]):
         self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
         self._owns_tracker = owns_tracker
         self._started = False
-        self._epoch_open = False
+        self._open_epoch: int | None = None
+        """Index of the epoch this wrapper's latest iteration opened, until it ends."""
         self._session = _Session(loader, tracker)
         self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
@@ -261,9 +262,9 @@ class WatchedLoader(Generic[T]):
         self._finalizer.detach()
         self._session.restore_init()
         if not self._owns_tracker:
-            if self._epoch_open:  # its own epoch, not another wrapper's
-                self._epoch_open = False
-                self._tracker.end_epoch("closed")
+            if self._open_epoch is not None:  # its own epoch, not another wrapper's
+                self._tracker.end_epoch("closed", index=self._open_epoch)
+                self._open_epoch = None
             return
         self._tracker.close()
         self._judge.judge(may_raise=may_raise, stacklevel=3)
@@ -300,8 +301,8 @@ class WatchedLoader(Generic[T]):
         self._start()
         if self._judge.due():
             self._judge.judge(may_raise=True, stacklevel=2)
-        self._tracker.begin_epoch()
-        self._epoch_open = True
+        index = self._tracker.begin_epoch()
+        self._open_epoch = index
         installed = self._session.installed
         if installed is not None:
             # Workers start in this thread, and the kernel sends PR_SET_PDEATHSIG when the
@@ -323,10 +324,10 @@ class WatchedLoader(Generic[T]):
                     with contextlib.suppress(Exception):
                         shutdown()
             batches = None
-            self._end_epoch(*_end_reason(error), count)
+            self._end_epoch(*_end_reason(error), count, index)
             raise
         batches = None
-        self._end_epoch("completed", None, count)
+        self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
             warnings.warn(
                 f"leakcheck: epoch {self._epochs_run - 1} of the watched loader yielded no "
@@ -339,11 +340,14 @@ class WatchedLoader(Generic[T]):
         self._batches_seen = self._batches_seen or count > 0
         self._judge.judge(may_raise=True, stacklevel=2)
 
-    def _end_epoch(self, reason: EndReason, error: str | None, batches: int) -> None:
-        # A shared tracker's open epoch may be another wrapper's once this one's ended.
-        if self._epoch_open or self._owns_tracker:
-            self._tracker.end_epoch(reason, error, batches)
-        self._epoch_open = False
+    def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
+        # Only the epoch this iteration opened: when an iterator is kept (a peek at the first
+        # batch) and the loader iterated again, the new epoch closed it, and dropping the
+        # kept iterator later must not end the epoch open then (this wrapper's or another's
+        # over the same tracker).
+        self._tracker.end_epoch(reason, error, batches, index=index)
+        if self._open_epoch == index:
+            self._open_epoch = None
         self._epochs_run += 1
         self._judge.epoch_ended()
 

@@ -224,7 +224,12 @@ class Tracker:
 
     @caller_timed
     def end_epoch(
-        self, reason: EndReason = "completed", error: str | None = None, batches: int | None = None
+        self,
+        reason: EndReason = "completed",
+        error: str | None = None,
+        batches: int | None = None,
+        *,
+        index: int | None = None,
     ) -> None:
         """Close the open epoch; a no-op when none is open.
 
@@ -232,9 +237,12 @@ class Tracker:
             reason: How it ended.
             error: The exception that ended it, as one line.
             batches: Batches it yielded, where the caller counts them.
+            index: Close it only if it is this epoch (``begin_epoch``'s index): an iterator
+                kept past the start of the next epoch, which closed its own, then ends
+                nothing when it is finally dropped.
 
         """
-        self._sampler.end_epoch(reason, error, batches)
+        self._sampler.end_epoch(reason, error, batches, index)
         self._sampler.failures.raise_pending()
 
     @contextmanager
@@ -244,10 +252,10 @@ class Tracker:
         try:
             yield index
         except BaseException as error:
-            self.end_epoch(*end_reason_for(error))
+            self.end_epoch(*end_reason_for(error), index=index)
             raise
         else:
-            self.end_epoch("completed")
+            self.end_epoch("completed", index=index)
 
     # -- workers -------------------------------------------------------------------------
 

@@ -202,6 +202,28 @@ def test_iterator_collected_by_gc_closes_the_epoch() -> None:
     assert [e.end_reason for e in watched.report().epochs] == ["collected"]
 
 
+def test_a_kept_iterator_dropped_later_ends_only_its_own_epoch(no_leak_warnings: None) -> None:
+    """A peek at the first batch, its iterator kept: the next loop closes the peek's epoch,
+    and dropping the kept iterator in the middle of a later epoch leaves that one running."""
+    counts: list[int] = []
+    with leakcheck.watch(make(workers=2), grace=0.3) as watched:
+        kept: Iterator[torch.Tensor] | None = iter(watched)
+        assert kept is not None
+        next(kept)
+        for epoch in range(3):
+            count = 0
+            for _ in watched:
+                count += 1
+                if epoch == 1 and count == 1:
+                    kept = None  # the kept iterator is finalized here
+            counts.append(count)
+    epochs = watched.report().epochs
+    assert counts == [4, 4, 4]
+    assert [(e.end_reason, e.batches) for e in epochs] == [("closed", None)] + [
+        ("completed", 4)
+    ] * 3
+
+
 def test_dropped_wrapper_stops_its_tracker() -> None:
     loader = make(workers=2)
     watched = leakcheck.watch(loader, grace=0.3)

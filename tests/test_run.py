@@ -796,6 +796,32 @@ for epoch in range(3):
 """
 
 
+KEPT_PEEK_DROPPED = """
+from torch.utils.data import DataLoader
+
+loader = DataLoader(list(range(32)), batch_size=8, num_workers=2)
+kept = iter(loader)
+first = next(kept)
+for epoch in range(3):
+    for index, batch in enumerate(loader):
+        if epoch == 1 and index == 1:
+            del kept  # the peek's iterator goes in the middle of the second loop
+"""
+
+
+def test_a_kept_peek_iterator_dropped_later_ends_only_its_own_epoch(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    script = tmp_path / "peek.py"
+    script.write_text(KEPT_PEEK_DROPPED)
+    run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None
+    (item,) = run.data["loaders"]
+    epochs = [(e["end_reason"], e["batches"]) for e in item["report"]["epochs"]]
+    assert epochs == [("closed", None)] + [("completed", 4)] * 3
+
+
 def test_epochs_after_a_kept_peek_iterator_are_tracked(tmp_path: Path, private_tmp: Path) -> None:
     """The kept iterator leaves the run's own hook on the loader: the loops after it are
     still epochs of the loader, not taken for a loader the program watches itself."""

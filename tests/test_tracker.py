@@ -276,6 +276,24 @@ def test_epoch_end_reasons_follow_the_block() -> None:
     assert tracker.report().epochs[0].error == "ValueError: bad batch"
 
 
+def test_an_epoch_ends_only_by_its_own_index() -> None:
+    """An end for an epoch that a later one already closed ends nothing."""
+    with Tracker(grace=0.0) as tracker:
+        first = tracker.begin_epoch("first")
+        second = tracker.begin_epoch("second")  # closes the first as "closed"
+        tracker.end_epoch("break", index=first)  # late: the second goes on
+        tracker.end_epoch("completed", batches=3, index=second)
+        with tracker.epoch("third"):
+            tracker.begin_epoch("inside")  # closes "third"; the block's end is not its own
+    epochs = [(e.label, e.end_reason, e.batches) for e in tracker.report().epochs]
+    assert epochs == [
+        ("first", "closed", None),
+        ("second", "completed", 3),
+        ("third", "closed", None),
+        ("inside", "closed", None),
+    ]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [

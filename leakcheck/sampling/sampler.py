@@ -303,16 +303,28 @@ class Sampler:
             self.table.changed = True
             return index
 
-    def end_epoch(self, reason: EndReason, error: str | None, batches: int | None = None) -> None:
-        """Close the open epoch with a full sample; a no-op when none is open."""
+    def end_epoch(
+        self,
+        reason: EndReason,
+        error: str | None,
+        batches: int | None = None,
+        index: int | None = None,
+    ) -> None:
+        """Close the open epoch with a full sample.
+
+        A no-op when none is open, or when ``index`` is given and the open epoch is another.
+        """
         with self.lock:
-            if self.book.open is None or self.table is None:
+            opened = self.book.open
+            if opened is None or self.table is None:
+                return
+            if index is not None and opened.index != index:
                 return
             self.sample(epoch_end=True)
             self._apply_accounting()
             self._tag_scan_due = True
             table = self.table
-            index = self.book.open.index
+            index = opened.index
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
             self.book.end(

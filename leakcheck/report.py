@@ -400,10 +400,16 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
 
 
 def leak_short(finding: Finding) -> str:
-    """A few words for a leak in a verdict line: ``orphan rank 1 process PID 7 (612 MiB)``."""
+    """A few words for a leak in a verdict line.
+
+    ``orphan rank 1 process PID 7 (612 MiB)``, ``shm /dev/shm/torch_7_0 (2.0 MiB)``.
+    """
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
         who = culprit_label(role or "process", finding.pid, finding.rank)
+    elif finding.shm_name is not None:
+        size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
+        return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:

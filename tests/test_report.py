@@ -8,7 +8,7 @@ import pytest
 import leakcheck
 from leakcheck.errors import UsageError
 from leakcheck.model import ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
-from leakcheck.report import SCHEMA_VERSION, Report, build_report, report_from_dict
+from leakcheck.report import SCHEMA_VERSION, Report, build_report, leak_short, report_from_dict
 from tests.timelines import (
     ROOT_PID,
     clean_timeline,
@@ -308,6 +308,17 @@ def test_many_leaks_are_summarised() -> None:
     last = report.format().splitlines()[-1]
     assert last.startswith("leakcheck: 5 leaks found: survivor worker PID 2000 (100 MiB)")
     assert last.endswith("; and 2 more")
+
+
+def test_a_shm_leak_is_named_by_its_file_in_the_verdict_line() -> None:
+    files = (ShmFile("leakcheck_demo_segment", 2 * 1024 * 1024),)
+    tl = dataclasses.replace(timeline([epoch(0, [parent(600)])]), shm_files=files)
+    report = build_report(tl, CONFIG)
+    (finding,) = report.leaks
+    assert report.format().splitlines()[-1] == (
+        "leakcheck: 1 leak found: shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"
+    )
+    assert leak_short(finding) == "shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"
 
 
 def test_verbose_lists_processes_and_teardowns() -> None:

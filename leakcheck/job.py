@@ -39,9 +39,11 @@ _SHOWN = 3
 
 
 def finding_identity(finding: Finding) -> tuple[object, ...]:
-    """One leaking thing: a process (by identity), else the finding itself."""
+    """One leaking thing: a process (by identity), a /dev/shm file, else the finding itself."""
     if finding.pid is not None:
         return ("pid", finding.pid, finding.create_time)
+    if finding.shm_name is not None:
+        return ("shm", finding.shm_name)
     return (finding.rule, finding.device_index, finding.shm_name, finding.message)
 
 

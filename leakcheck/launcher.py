@@ -387,12 +387,14 @@ def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
     if tree is None:
         return [f"{head}: not tracked"]
     lines = [f"{head}: verdict {tree.verdict.upper()}"]
-    repeated = [f for f in tree.leaks if _identity(f) in shown]
+    # What a loader blamed is left to it, also where the tree's words differ: a loader knows
+    # its workers from their own reports, the tree only what its samples caught.
+    repeated = [f for f in tree.findings if _identity(f) in shown]
     lines.extend(finding_lines([f for f in tree.findings if f not in repeated], indent="  "))
     if repeated:
         lines.append(
-            f"  ({plural(len(repeated), 'leak')} of processes a "
-            "loader reported above, not repeated)"
+            f"  ({plural(len(repeated), 'finding')} about what a loader reported above, "
+            "not repeated)"
         )
     lines.append(f"  {tree.summary()}")
     return lines

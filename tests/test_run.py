@@ -486,6 +486,54 @@ def test_a_program_that_handles_the_interrupt_keeps_its_own_status(
     assert "exited with status 0 (interrupted)" in stderr
 
 
+SHM_LEFT = """
+import os
+from torch.utils.data import DataLoader, Dataset
+
+class LeavesShm(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        name = "/dev/shm/{prefix}_%d" % os.getpid()
+        if not os.path.exists(name):
+            with open(name, "wb") as handle:
+                handle.write(b"x" * 65536)
+        return index
+
+for batch in DataLoader(LeavesShm(), batch_size=1, num_workers=1):
+    pass
+"""
+
+
+def test_a_shm_file_a_loader_blamed_is_not_contradicted_by_the_tree(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """The loader knows its short-lived worker from its report; the tree, which may not have
+    sampled that worker, leaves the file to the loader instead of calling it no one's."""
+    prefix = f"leakcheck_test_run_{os.getpid()}"
+    script = tmp_path / "shm.py"
+    script.write_text(SHM_LEFT.format(prefix=prefix))
+    try:
+        run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
+    finally:
+        left = [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+        for name in left:
+            os.unlink(os.path.join("/dev/shm", name))
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None and len(left) == 1
+    (item,) = run.data["loaders"]
+    mine = [f for f in item["report"]["findings"] if f["shm_name"] == left[0]]
+    assert [f["severity"] for f in mine] == ["leak"]
+    tree = [f for f in run.data["tree"]["report"]["findings"] if f["shm_name"] == left[0]]
+    assert len(tree) == 1  # the tree found the file too (in its words, JSON keeps them)
+    tree_text = run.stderr[run.stderr.index("process tree of PID") :].split("\n\n")[0]
+    assert left[0] not in tree_text, tree_text
+    assert "(1 finding about what a loader reported above, not repeated)" in tree_text
+    assert run.data["leak_count"] == 1
+    assert f"1 leak found: shm /dev/shm/{left[0]} (64 KiB)" in run.stderr
+
+
 def test_fail_on_leak_turns_a_successful_leaking_run_into_1(
     private_tmp: Path, leftovers: list[dict[str, Any]], tmp_path: Path
 ) -> None:

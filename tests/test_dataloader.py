@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 import pytest
@@ -222,6 +222,34 @@ def test_a_kept_iterator_dropped_later_ends_only_its_own_epoch(no_leak_warnings:
     assert [(e.end_reason, e.batches) for e in epochs] == [("closed", None)] + [
         ("completed", 4)
     ] * 3
+
+
+class KeepsTenMiBPerItem(Squares):
+    """Each worker keeps 10 MiB of its own, touched, per item: host growth, as copy-on-read."""
+
+    kept: ClassVar[list[bytearray]] = []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        block = bytearray(10 * 1024 * 1024)
+        block[::4096] = b"\x01" * len(block[::4096])
+        self.kept.append(block)
+        return super().__getitem__(index)
+
+
+def test_a_host_growth_warning_gives_the_figures_of_the_final_report() -> None:
+    """The epoch end that makes the warning planned a USS read: the warning waits for it,
+    instead of judging on resident memory what the report later judges on USS."""
+    loader = make(KeepsTenMiBPerItem(), workers=2, persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with leakcheck.watch(loader, grace=0.3) as watched:
+            for _ in range(4):
+                run_epochs(watched, 1)
+    said = [str(w.message) for w in caught if isinstance(w.message, GPULeakWarning)]
+    final = [f.message for f in watched.report().leaks if f.rule == "host-growth"]
+    assert len(final) == 2, watched.report().format()
+    assert len(said) == 1 and all(message in said[0] for message in final), (said, final)
+    assert all("host memory (USS) grows" in message for message in final)
 
 
 def test_dropped_wrapper_stops_its_tracker() -> None:

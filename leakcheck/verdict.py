@@ -358,7 +358,15 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         started = _origin(last, epochs)
         origin = f", {started}," if started is not None else ""
         if first_rec is not None:
-            since = f"since {first_rec.label}"
+            # "since" where that epoch is known to be when it left (it was born in it, or
+            # seen in the tree before it); else only that it had left by then: reparented
+            # processes are found by a scan after an epoch end, which with short epochs can
+            # come epochs after the one it left in.
+            known = (last.born_epoch is not None and last.born_epoch >= first_rec.index) or any(
+                rec is not None and rec.index < first_rec.index and proc.role != "orphan"
+                for rec, proc in obs
+            )
+            since = f"{'since' if known else 'by'} {first_rec.label}"
         else:
             final = timeline.final
             since = "after the job" if final is None or final.closed else "now"

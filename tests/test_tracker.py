@@ -210,6 +210,37 @@ def test_reparented_grandchild_is_an_orphan(tmp_path: object, kill_after: list[P
     assert "sleep(30)" in (orphans[0].cmdline or "")
 
 
+def _spawn_short_orphan_and_exit(pid_file: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.2)"])
+    with open(pid_file, "w") as handle:
+        handle.write(str(child.pid))
+    time.sleep(0.1)  # born well inside the epoch, not in its last clock tick
+
+
+def test_epoch_ends_more_often_than_ticks_do_not_starve_the_ticks(tmp_path: object) -> None:
+    """Every epoch end plans a USS read (share 1.0) and wakes the sampler; epochs of 20 ms are
+    shorter than its tick, yet its ticks (and their scans for reparented processes) still
+    come on time: an orphan that lives 1.2 s and is gone before close() is found."""
+    pid_file = os.path.join(str(tmp_path), "grandchild.pid")
+    with Tracker(grace=0.3, interval=0.05, rollup_share=1.0) as tracker:
+        with tracker.epoch():
+            worker = CTX.Process(target=_spawn_short_orphan_and_exit, args=(pid_file,))
+            worker.start()
+            worker.join()
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            with tracker.epoch():
+                time.sleep(0.02)
+    with open(pid_file) as handle:
+        grandchild_pid = int(handle.read())
+    orphans = [f for f in tracker.report().leaks if f.rule == "orphan"]
+    assert [f.pid for f in orphans] == [grandchild_pid], tracker.report().format()
+    message = orphans[0].message
+    assert "started in epoch 0, left the job's process tree" in message
+    # Found outside the tree after the epoch it left in: "by" that epoch, not "since".
+    assert "(now child of PID " in message and ") by epoch " in message, message
+
+
 def test_mailbox_registers_exact_workers_and_persistence() -> None:
     env_before = {name: os.environ.get(name) for name in (mailbox.MAILBOX_ENV, procs.SESSION_ENV)}
     with Tracker(grace=0.2, interval=0.02) as tracker:
@@ -252,6 +283,24 @@ def test_own_failures_are_recorded_not_raised(monkeypatch: pytest.MonkeyPatch) -
     timeline = tracker.timeline()
     assert any("simulated /proc failure" in line for line in timeline.failures)
     assert any(f.rule == "tracker-failure" for f in tracker.report().findings)
+
+
+def test_a_failure_that_stops_the_sampler_thread_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Outside every guarded read: the thread ends, and the report says so (it said "no
+    leaks" over epochs it no longer sampled)."""
+    from leakcheck.sampling.pacing import Pacing
+
+    def broken(self: Pacing, now_s: float) -> int:
+        raise RuntimeError("unforeseen in the sampler's loop")
+
+    monkeypatch.setattr(Pacing, "ticks_until_work", broken)
+    with Tracker(grace=0.0, interval=0.01) as tracker, tracker.epoch():
+        time.sleep(0.1)
+    (finding,) = [f for f in tracker.report().findings if f.rule == "tracker-failure"]
+    assert "the sampler thread stopped" in finding.message
+    assert "RuntimeError: unforeseen in the sampler's loop" in finding.message
 
 
 def test_strict_mode_raises_own_failures(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,6 +152,31 @@ def test_orphan_found_with_max_bytes_and_fds() -> None:
     assert "worker_init_fn" in found.remedy
 
 
+@pytest.mark.parametrize(
+    ("inside_first", "born_epoch", "words"),
+    [
+        (True, None, "since epoch 2"),  # seen in the tree in epoch 1: it left since
+        (False, 2, "since epoch 2"),  # born in the epoch it was found in
+        (False, 0, "by epoch 2"),  # born in epoch 0, first seen outside in epoch 2
+        (False, None, "by epoch 2"),
+    ],
+)
+def test_orphan_says_since_only_when_that_is_when_it_left(
+    inside_first: bool, born_epoch: int | None, words: str
+) -> None:
+    first = [proc(4321, "descendant", born=True)] if inside_first else []
+    found_as = replace(proc(4321, "orphan"), born_epoch=born_epoch)
+    epochs = [
+        epoch(0, [parent()]),
+        epoch(1, [parent(), *first]),
+        epoch(2, [parent(), found_as]),
+        epoch(3, [parent(), found_as]),
+    ]
+    final = final_state([parent(), found_as], after_last_epoch=epochs)
+    found = one(verdict.orphan(timeline(epochs, final=final), CONFIG))
+    assert f"(now child of PID 1) {words}, still alive" in found.message, found.message
+
+
 def test_orphan_gone_before_epoch_end_not_found() -> None:
     epochs = [epoch(0, [parent(), proc(4321, "orphan", alive=False, gpu_mib=600)])]
     assert verdict.orphan(timeline(epochs), CONFIG) == ()

@@ -229,15 +229,30 @@ class Sampler:
                 mailbox.remove(self._mailbox_dir)
 
     def _run(self) -> None:
-        ticks = 1  # how many ticks the next wait spans (NOTE [idle ticks])
+        try:
+            self._loop()
+        except Exception as error:  # the detector's own failure is reported, never lost
+            self.failures.record(
+                f"the sampler thread stopped (samples at epoch ends only from then on): "
+                f"{type(error).__name__}: {error}",
+                error,
+            )
+
+    def _loop(self) -> None:
+        # When the next tick is due; the wait spans the ticks that would be empty (NOTE
+        # [idle ticks]).
+        ticks = 1
+        tick_due_s = time.monotonic() + self.interval_s
         while True:
-            woken = self._gate.acquire(timeout=ticks * self.interval_s)
+            woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
             if self._stopping:
                 return
             cpu_start_s = time.thread_time()
             if woken:
                 # An epoch end planned host reads: read them now, close to the end they
-                # belong to, then wait for the next tick again.
+                # belong to, then wait for the tick still due. A wake must not put the tick
+                # off: epochs shorter than the wait would starve every tick, and with them
+                # the scans for processes reparented away.
                 self.finish_reads()
                 spent_s = time.thread_time() - cpu_start_s
                 self.meter.sampler_ran(spent_s)
@@ -257,6 +272,7 @@ class Sampler:
                     lists_paced_out=tick.lists_paced_out,
                 )
                 ticks = self.pacing.ticks_until_work(time.perf_counter())
+            tick_due_s = time.monotonic() + ticks * self.interval_s
             self.meter.sampler_ran(time.thread_time() - cpu_start_s)
 
     def _wake(self) -> None:

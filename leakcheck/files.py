@@ -60,7 +60,7 @@ def write_atomic(path: str, payload: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(payload)
-        chmod_like_open(temp_path)
+        _take_mode_of(target, temp_path)
         os.replace(temp_path, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -85,6 +85,22 @@ def _refuse_non_regular(path: str) -> None:
     )
     kind = next((name for test, name in kinds if test(mode)), "not a regular file")
     raise OSError(f"it is {kind}, not a regular file: leakcheck replaces regular files only")
+
+
+def _take_mode_of(target: str, temp_path: str) -> None:
+    """Give the new file the mode ``open(target, "w")`` would leave.
+
+    An existing file's mode (and, where allowed, owner); else the mode a new file gets.
+    """
+    try:
+        existing = os.stat(target)
+    except FileNotFoundError:
+        chmod_like_open(temp_path)
+        return
+    os.chmod(temp_path, stat.S_IMODE(existing.st_mode))
+    if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
+        with contextlib.suppress(OSError):  # only root may give a file away
+            os.chown(temp_path, existing.st_uid, existing.st_gid)
 
 
 def chmod_like_open(path: str) -> None:

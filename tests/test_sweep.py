@@ -641,6 +641,26 @@ def test_output_through_a_link_and_onto_a_folder(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["folder.json", "link.json", "real.json"]
 
 
+@pytest.mark.parametrize("mode", [0o600, 0o444, 0o640])
+def test_output_onto_an_existing_file_keeps_its_mode(tmp_path: Path, mode: int) -> None:
+    """As ``open(path, "w")`` would: a private file stays private (through a link too)."""
+    import stat
+
+    real = tmp_path / "keep.json"
+    real.write_text("{}")
+    real.chmod(mode)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_json(str(link), {"a": 1})
+    assert stat.S_IMODE(os.stat(real).st_mode) == mode
+    assert json.loads(real.read_text()) == {"a": 1}
+    new = tmp_path / "new.json"
+    write_json(str(new), {"b": 2})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o666 & ~umask
+
+
 def test_host_rows_and_plot_panel_without_a_gpu() -> None:
     """Host memory per epoch: parent and workers stacked, USS said, an unknown worker a "?"."""
     from dataclasses import replace

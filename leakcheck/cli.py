@@ -444,6 +444,15 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
 
     json_path = check_output_path(args.json, "--json")
     plot_path = check_output_path(args.plot, "--plot", ".png")
+    if (
+        json_path is not None
+        and plot_path is not None
+        and os.path.realpath(json_path) == os.path.realpath(plot_path)
+    ):
+        raise UsageError(
+            f"--plot: expected a file other than --json's, got {args.plot!r} for both "
+            "(the plot would overwrite the JSON)"
+        )
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError(
             "--plot: needs matplotlib, which is not installed "
@@ -457,6 +466,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
             ("--scenario", args.scenario),
             ("--start-method", args.start_method),
             ("--batches", args.batches),
+            # The loader's own persistent_workers decides; the flag would only mislabel it.
+            ("--persistent", args.persistent or None),
         ):
             if value is not None:
                 raise UsageError(
@@ -591,7 +602,8 @@ def _import_file(path: str) -> Any:
     import importlib.util
 
     if not os.path.isfile(path):
-        raise UsageError(f"--loader: expected an existing file.py, got {path!r} (no such file)")
+        what = "a folder" if os.path.isdir(path) else "no such file"
+        raise UsageError(f"--loader: expected an existing file.py, got {path!r} ({what})")
     path = os.path.abspath(path)
     folder, base = os.path.split(path)
     name = os.path.splitext(base)[0]
@@ -872,12 +884,22 @@ def _watch(
 ) -> int:
     import time
 
+    from leakcheck import procs
+
     on_terminal = out.isatty()
     line = f"{_PROG} snapshot --watch {period:g}"
+    # The root by identity: once it is gone its PID may be another process's.
+    root = procs.process_key(root_pid) if root_pid is not None else None
     next_frame = time.monotonic()
     try:
         while True:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if root is not None and not procs.is_alive(root):
+                sys.stderr.write(
+                    f"{line}: PID {root.pid} exited (seen gone at {stamp}); its tree can no "
+                    "longer be told from other processes, so the watch ends\n"
+                )
+                return EXIT_CLEAN
             if on_terminal:
                 text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
                 frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"

@@ -168,8 +168,8 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
         # Standard output is taken: sweep's table is written there, and under `run` the
         # program's own output.
         raise UsageError(
-            f"{option}: expected a file path, got '-' (JSON is not written to "
-            "standard output; give a file name)"
+            f"{option}: expected a file path, got '-' (standard output is not written to; "
+            "give a file name)"
         )
     if suffix is not None and not text.lower().endswith(suffix):
         raise UsageError(f"{option}: expected a file name ending in {suffix}, got {text!r}")

@@ -104,8 +104,12 @@ def parse_interval_option(value: object, source: str) -> float:
         UsageError: Not a duration, or shorter than ``MIN_INTERVAL_S``.
 
     """
-    interval_s = parse_seconds_option(value, source)
-    if interval_s < MIN_INTERVAL_S:
+    interval_s = (
+        parse_duration(value, source=source, negative_ok=True)
+        if isinstance(value, (str, int, float))
+        else parse_seconds_option(value, source)
+    )
+    if interval_s < MIN_INTERVAL_S:  # a negative one too: the floor says what is expected
         raise UsageError(
             f"{source}: expected 1ms or more (a shorter interval makes the sampler spin: one "
             f"sample takes about 1 ms), got {value!r}"

@@ -112,12 +112,20 @@ def plural(count: int, word: str, plural_word: str | None = None) -> str:
     return f"{count} {word if count == 1 else (plural_word or word + 's')}"
 
 
-def parse_duration(value: str | int | float, *, source: str = "value") -> float:
+def parse_duration(
+    value: str | int | float, *, source: str = "value", negative_ok: bool = False
+) -> float:
     """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
 
+    Args:
+        value: The text or number.
+        source: Where it came from, for the error.
+        negative_ok: Return a negative value, for a caller whose own floor names what is
+            expected (a sampling interval's 1 ms).
+
     Raises:
-        UsageError: Not a duration (None, another type, an unknown unit), negative, NaN,
-            or not below ``MAX_SECONDS`` (infinity included).
+        UsageError: Not a duration (None, another type, an unknown unit), negative (unless
+            ``negative_ok``), NaN, or not below ``MAX_SECONDS`` (infinity included).
 
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -144,7 +152,7 @@ def parse_duration(value: str | int | float, *, source: str = "value") -> float:
         raise UsageError(
             f"{source}: expected a number of seconds {_SECONDS_EXAMPLE}, got {value!r}"
         )
-    if seconds < 0:
+    if seconds < 0 and not negative_ok:
         raise UsageError(f"{source}: expected 0 seconds or more {_SECONDS_EXAMPLE}, got {value!r}")
     if seconds >= MAX_SECONDS:  # also infinity
         raise UsageError(

@@ -341,6 +341,14 @@ BAD_VALUES = [
     (["--workers", "0,\u00b2"], "--workers: expected comma-separated integers >= 0"),
     (["--loader", "x:make", "--start-method", "fork"],
      "--start-method: applies to the built-in workload only"),
+    (["--loader", "{dir}:make"], "--loader: expected an existing file.py, got '{dir}' (a "
+     "folder)"),
+    (["--loader", "x:make", "--persistent"], "--persistent: applies to the built-in workload "
+     "only, not with --loader"),
+    (["--json", "{dir}/same.png", "--plot", "{dir}/same.png"], "--plot: expected a file other "
+     "than --json's"),
+    (["--plot", "-"], "--plot: expected a file path, got '-' (standard output is not written "
+     "to; give a file name)"),
     (["--device", "gpu0"], "--device: expected a GPU index >= 0"),
     (["--cooldown-temp", "hot"], "--cooldown-temp: expected degrees Celsius"),
     (["--plot", "{dir}/picture.jpg"], "--plot: expected a file name ending in .png"),
@@ -369,8 +377,8 @@ BAD_VALUES = [
     (["--plot", "/proc/leakcheck.png"], "--plot: expected a path in a folder that takes new files"),
     (["--json", "/dev/null"], "--json: expected a regular file to write, got '/dev/null'"),
     (["--json", "{dir}"], "--json: expected a file path, got the folder"),
-    (["--json", "-"], "--json: expected a file path, got '-' (JSON is not written to "
-     "standard output"),
+    (["--json", "-"], "--json: expected a file path, got '-' (standard output is not "
+     "written to"),
 ]  # fmt: skip
 
 

@@ -230,7 +230,7 @@ def test_interval_floor() -> None:
     assert MIN_INTERVAL_S == 0.001
     assert parse_interval_option("1ms", "--interval") == 0.001
     assert parse_interval_option(0.05, "interval") == 0.05
-    for raw in ("1e-9", "0", 0.0005, "999us"):
+    for raw in ("1e-9", "0", 0.0005, "999us", "-1", -0.5):
         with pytest.raises(UsageError) as info:
             parse_interval_option(raw, "--interval")
         message = str(info.value)

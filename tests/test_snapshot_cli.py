@@ -90,6 +90,28 @@ def test_watch_json_on_a_pipe_is_one_document_per_line() -> None:
     assert documents[0]["taken_unix_s"] < documents[1]["taken_unix_s"]
 
 
+def test_watch_of_a_pid_ends_when_that_process_exits() -> None:
+    """Frames while it lives, then one line that it exited (no frames of an empty tree, nor
+    of another process that takes its PID), and exit 0."""
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    try:
+        done = subprocess.run(
+            [*COMMAND, "--pid", str(watched.pid), "--watch", "0.2"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
+    finally:
+        watched.kill()
+        watched.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("--- ") >= 2
+    (notice,) = done.stderr.strip().splitlines()
+    assert f"PID {watched.pid} exited (seen gone at " in notice
+    assert "the watch ends" in notice
+
+
 def test_watch_on_a_terminal_redraws_in_place_and_ctrl_c_exits_0() -> None:
     controller, terminal = pty.openpty()
     process = subprocess.Popen(

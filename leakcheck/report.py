@@ -158,7 +158,7 @@ class Report:
                 "devices": _to_jsonable(tl.baseline_devices),
                 "gpu_bytes": _to_jsonable(tl.baseline_gpu_bytes),
             },
-            "epochs": [_epoch_to_dict(rec) for rec in tl.epochs],
+            "epochs": [_epoch_to_dict(rec, per_pid_bytes_known(tl)) for rec in tl.epochs],
             "final": _to_jsonable(tl.final),
             "findings": _to_jsonable(self.findings),
             "failures": list(tl.failures),
@@ -251,18 +251,19 @@ def _to_jsonable(value: Any) -> Any:
     raise TypeError(f"cannot put {type(value).__name__} into a report dict")
 
 
-def _process_to_dict(proc: ProcessEpoch) -> dict[str, Any]:
+def _process_to_dict(proc: ProcessEpoch, bytes_known: bool) -> dict[str, Any]:
     data: dict[str, Any] = _to_jsonable(proc)
-    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end
-    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak
+    # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
+    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if bytes_known else None
+    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if bytes_known else None
     return data
 
 
-def _epoch_to_dict(rec: EpochRecord) -> dict[str, Any]:
+def _epoch_to_dict(rec: EpochRecord, bytes_known: bool) -> dict[str, Any]:
     # Field by field, so that each process is converted once (with its totals).
     data: dict[str, Any] = {
         f.name: (
-            [_process_to_dict(p) for p in rec.processes]
+            [_process_to_dict(p, bytes_known) for p in rec.processes]
             if f.name == "processes"
             else _to_jsonable(getattr(rec, f.name))
         )

@@ -542,7 +542,8 @@ def _run_config(
         warmup_epochs=options.warmup_epochs,
         grace=options.grace_s,
         persistent_workers=persistent,
-        use_nvml=gpu_available,
+        # Always asked: where NVML is unavailable the tracker records why, in its words.
+        use_nvml=True,
         rollup_share=options.rollup_share,
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)

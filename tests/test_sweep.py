@@ -83,6 +83,11 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     assert config["report"]["schema_version"] == 2
     assert len(config["report"]["epochs"]) == 3
     assert [row["epoch"] for row in config["rows"]] == [0, 1, 2]
+    # GPU memory not read: unknown (null), never 0; the reason is why, not a switch.
+    processes = [p for epoch in config["report"]["epochs"] for p in epoch["processes"]]
+    assert processes and all(p["total_gpu_bytes_end"] is None for p in processes)
+    assert all(p["total_gpu_bytes_peak"] is None for p in processes)
+    assert "use_nvml" not in config["report"]["attribution_reason"]
     # Atomic write: no temporary file left beside it.
     assert os.listdir(tmp_path) == ["sweep.json"]
 

@@ -151,7 +151,8 @@ class Snapshot(NamedTuple):
         for entry in sorted(roots, key=lambda e: e.info.key.pid):
             walk(entry, "  ", True, True)
         if not self.processes:
-            lines.append("  no process holds GPU memory or /dev/nvidia* descriptors")
+            checked = "GPU memory or " if self.attribution == "ok" else ""
+            lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")
         # A helper is said on its own line, and is no cause for concern: not "flagged".
         flagged = [
             (entry, [flag for flag in entry.flags if flag != roles.HELPER_FLAG])
@@ -177,11 +178,11 @@ def _host_dict(host: HostMemory | None) -> dict[str, Any]:
 
 
 def _host_text(host: HostMemory | None) -> str | None:
-    """``host USS 123 MiB (RSS 456)``, or ``host RSS 456 MiB`` where USS is unreadable."""
+    """``host USS 123 MiB (RSS 456 MiB)``, or ``host RSS 456 MiB`` where USS is unreadable."""
     if host is None or host.rss_bytes is None:
         return None
     if host.uss_bytes is not None:
-        return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)})"
+        return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)} MiB)"
     return f"host RSS {format_mib(host.rss_bytes)} MiB"
 
 

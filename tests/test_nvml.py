@@ -313,6 +313,21 @@ def test_a_snapshot_reads_telemetry_only_when_asked(use_fake: UseFake, telemetry
     assert f"PID {os.getpid()}" in out.getvalue()
 
 
+@pytest.mark.parametrize("with_gpu", [False, True])
+def test_an_empty_snapshot_claims_no_more_than_it_read(use_fake: UseFake, with_gpu: bool) -> None:
+    """Without NVML it read only descriptors: it says nobody holds those, not GPU memory."""
+    from leakcheck.snapshot import take_snapshot
+
+    if with_gpu:
+        use_fake([FakeDevice()])
+    else:
+        use_fake(init_error=NVML_ERROR_LIBRARY_NOT_FOUND)
+    snapshot = take_snapshot(with_fds=False)
+    last = snapshot.format().splitlines()[-1]
+    expected = "GPU memory or /dev/nvidia*" if with_gpu else "holds /dev/nvidia* descriptors"
+    assert last.startswith("  no process holds ") and expected in last, snapshot.format()
+
+
 def test_unsupported_telemetry_leaves_only_that_field_none(use_fake: UseFake) -> None:
     use_fake(
         [

@@ -891,6 +891,18 @@ _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
         "NCCL's shared memory: a process group that was not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
+    (
+        "sem.mp-",
+        "a multiprocessing semaphore (a Lock, Queue or Event) of a process that ended without "
+        "its resource tracker removing it",
+        "let the processes that use multiprocessing locks and queues exit normally (a killed "
+        "resource tracker leaves them); delete the file once no process uses it",
+    ),
+)
+_SHM_NOT_OURS = (
+    "a file whose name does not tell who made it",
+    "nothing to do if another job made it; if the work did, unlink it when done "
+    "(SharedMemory.unlink(), os.unlink)",
 )
 _SHM_OWN_REMEDY = (
     "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink), or "
@@ -946,6 +958,8 @@ def _shm_finding(item: ShmFile) -> Finding:
             "holder, no PID of the work in its name) and other jobs ran at the same time, so "
             "it is not blamed on this one"
         )
+        if remedy == _SHM_OWN_REMEDY:  # "the work created itself" is what is not known here
+            cause, remedy = _SHM_NOT_OURS
     return Finding(
         rule="shm",
         severity=severity,

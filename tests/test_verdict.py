@@ -729,6 +729,17 @@ def test_shm_in_use_and_unattributable_files_are_said_not_blamed() -> None:
     assert found["held"].severity == "info" and "PID 7 holds it (in use" in found["held"].message
     assert found["stranger"].severity == "info"
     assert "nothing ties it to the work" in found["stranger"].message
+    # Not blamed, so not said to be the work's own either, nor its fix the work's to make.
+    assert "the work created itself" not in found["stranger"].message
+    assert found["stranger"].message.endswith(": a file whose name does not tell who made it")
+    assert found["stranger"].remedy.startswith("nothing to do if another job made it")
+
+
+def test_a_multiprocessing_semaphore_file_is_named_as_one() -> None:
+    files = (ShmFile("sem.mp-kyf8gjhr", 32, attributable=False), ShmFile("sem.mp-x2", 32))
+    found = shm_of(replace(timeline([]), shm_files=files))
+    assert [f.severity for f in found] == ["info", "leak"]
+    assert all("a multiprocessing semaphore (a Lock, Queue or Event)" in f.message for f in found)
 
 
 def test_shm_capacity_pressure_is_information_about_the_worst_epoch() -> None:

@@ -617,7 +617,8 @@ def _run_epochs(
         for epoch in range(options.epochs):
             progress.begin(
                 f"config {position + 1}/{len(options.workers)} {config_label} "
-                f"epoch {epoch + 1}/{options.epochs}"
+                # The table's epoch number, and how far along the sweep is.
+                f"epoch {epoch} ({epoch + 1} of {options.epochs})"
             )
             batches = 0
             try:

@@ -153,7 +153,7 @@ def test_progress_is_plain_lines_off_a_terminal(
     assert "\r" not in run.stderr
     progress = [line for line in run.stderr.splitlines() if line.startswith("leakcheck sweep:")]
     assert len(progress) == 4
-    assert progress[-1].startswith("leakcheck sweep: config 2/2 workers=2 epoch 2/2: 16 batches")
+    assert progress[-1].startswith("leakcheck sweep: config 2/2 workers=2 epoch 1 (2 of 2): 16 batches")
 
 
 def test_plot_is_a_png(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:

@@ -31,6 +31,7 @@ import gc
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -596,6 +597,13 @@ def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
             f"{name}({num_workers}) returned {type(loader).__name__}, "
             "expected an iterable loader (such as a DataLoader)"
         )
+    declared = getattr(loader, "num_workers", None)
+    if isinstance(declared, int) and declared != num_workers:
+        # The sweep compares worker counts: a row labelled with one count must have it.
+        raise LoaderError(
+            f"{name}({num_workers}) returned a loader with num_workers={declared}, expected "
+            f"{num_workers}: pass the argument on to the DataLoader"
+        )
     return loader
 
 
@@ -613,6 +621,7 @@ def _run_epochs(
     """
     total = _length(watched)
     config_label = f"workers={num_workers}"
+    first_batches: int | None = None
     try:
         for epoch in range(options.epochs):
             progress.begin(
@@ -622,12 +631,23 @@ def _run_epochs(
             )
             batches = 0
             try:
-                for _batch in watched:  # one iter() is one epoch (NOTE [epoch ends])
-                    batches += 1
-                    progress.batch(batches, total)
+                with warnings.catch_warnings():
+                    # An exhausted iterable is this sweep's usage error (below), not a warning.
+                    warnings.filterwarnings("ignore", message=r"leakcheck: epoch \d+ .* no batches")
+                    for _batch in watched:  # one iter() is one epoch (NOTE [epoch ends])
+                        batches += 1
+                        progress.batch(batches, total)
             except Exception as exc:
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
+                )
+            if first_batches is None:
+                first_batches = batches
+            elif batches == 0 and first_batches > 0:
+                return LoaderError(
+                    f"the loader ({config_label}) yielded no batches in epoch {epoch}, where "
+                    f"epoch 0 yielded {first_batches}: it can be iterated once (a generator or "
+                    "an iterator); return one that can be iterated again, such as a DataLoader"
                 )
             # A sweep's epochs can be shorter than the USS reads the sampler thread makes after
             # each end: waiting for them here keeps every row's host memory a USS of that

@@ -153,7 +153,9 @@ def test_progress_is_plain_lines_off_a_terminal(
     assert "\r" not in run.stderr
     progress = [line for line in run.stderr.splitlines() if line.startswith("leakcheck sweep:")]
     assert len(progress) == 4
-    assert progress[-1].startswith("leakcheck sweep: config 2/2 workers=2 epoch 1 (2 of 2): 16 batches")
+    assert progress[-1].startswith(
+        "leakcheck sweep: config 2/2 workers=2 epoch 1 (2 of 2): 16 batches"
+    )
 
 
 def test_plot_is_a_png(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
@@ -309,6 +311,11 @@ def broken_loaders(tmp_path: Path) -> Path:
     )
     (tmp_path / "raises_on_import.py").write_text("import no_such_module_for_leakcheck\n")
     (tmp_path / "not_callable.py").write_text("make = 3\n")
+    (tmp_path / "once.py").write_text("def make(num_workers):\n    return iter([1, 2, 3])\n")
+    (tmp_path / "ignores_workers.py").write_text(
+        "class Loader:\n    num_workers = 0\n\n    def __iter__(self):\n"
+        "        return iter([1])\n\n\ndef make(num_workers):\n    return Loader()\n"
+    )
     return tmp_path
 
 
@@ -343,6 +350,8 @@ BAD_VALUES = [
      "--start-method: applies to the built-in workload only"),
     (["--loader", "{dir}:make"], "--loader: expected an existing file.py, got '{dir}' (a "
      "folder)"),
+    (["--loader", "{dir}/ignores_workers.py:make", "--workers", "2"], "make(2) returned a "
+     "loader with num_workers=0, expected 2: pass the argument on to the DataLoader"),
     (["--loader", "x:make", "--persistent"], "--persistent: applies to the built-in workload "
      "only, not with --loader"),
     (["--json", "{dir}/same.png", "--plot", "{dir}/same.png"], "--plot: expected a file other "
@@ -405,6 +414,28 @@ def test_bad_values_exit_2_with_one_line(
     assert expected in lines[0]
     assert not json_path.exists()
     assert captured.out == ""
+
+
+def test_a_loader_that_can_be_iterated_once_is_a_usage_error(
+    broken_loaders: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its later epochs yield nothing: a sweep of empty epochs would read CLEAN."""
+    json_path = broken_loaders / "out.json"
+    status = main(["sweep", "--loader", f"{broken_loaders}/once.py:make", "--workers", "0",
+                   "--epochs", "3", "--json", str(json_path)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 2
+    assert (
+        captured.err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "the loader (workers=0) yielded no batches in epoch 1, where epoch 0 yielded 3: it "
+            "can be iterated once (a generator or an iterator); return one that can be iterated "
+            "again, such as a DataLoader"
+        )
+    )
+    assert "UserWarning" not in captured.err
+    assert not json_path.exists()
 
 
 def test_bad_values_leave_no_probe_file(broken_loaders: Path) -> None:

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         default=None,
         metavar="{" + ",".join(SCENARIOS) + "}",
-        help="clean (default); persistent-cache: persistent workers keep 64 MiB per epoch alive; "
+        help="clean (default); persistent-cache: persistent workers keep 64 MiB of GPU memory "
+        "per epoch alive (a GPU leak: without a GPU nothing grows); "
         "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
         "persistent forked workers read a dataset of Python objects, and each copies 40 MiB "
         "more of it into its own host memory per epoch",

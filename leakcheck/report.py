@@ -169,6 +169,20 @@ class Report:
 
     def summary(self) -> str:
         """Return the one-line verdict that ends ``format()``."""
+        return self._verdict_line() + self._pending_text()
+
+    def _pending_text(self) -> str:
+        """What a report before ``close()`` could not judge yet, said rather than left out."""
+        final = self.timeline.final
+        if final is None or final.closed or not final.pending_pids:
+            return ""
+        count = plural(len(final.pending_pids), "process", "processes")
+        return (
+            f"; {count} started in these epochs not judged yet (alive, and less than the "
+            f"grace of {self.config.grace_s:g} s since its epoch ended)"
+        )
+
+    def _verdict_line(self) -> str:
         tl = self.timeline
         n_epochs = plural(len(tl.epochs), "epoch")
         leaks = self.leaks

@@ -241,6 +241,30 @@ def test_epoch_ends_more_often_than_ticks_do_not_starve_the_ticks(tmp_path: obje
     assert "(now child of PID " in message and ") by epoch " in message, message
 
 
+def test_a_report_before_close_says_what_it_cannot_judge_yet() -> None:
+    """A helper of the epoch still alive within the grace: not "no leaks" alone, nor a leak
+    yet; close() then judges it."""
+    with Tracker(grace=1.0, interval=0.02) as tracker:
+        with tracker.epoch():
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            early = tracker.report()
+            assert early.leaks == []
+            assert early.summary().endswith(
+                "; 1 process started in these epochs not judged yet (alive, and less than the "
+                "grace of 1 s since its epoch ended)"
+            ), early.summary()
+            assert early.timeline.final is not None
+            assert early.timeline.final.pending_pids == (child.pid,)
+            tracker.close()
+            final = tracker.report()
+            assert [f.pid for f in final.leaks] == [child.pid]
+            assert "not judged yet" not in final.summary()
+        finally:
+            child.kill()
+            child.wait()
+
+
 def test_mailbox_registers_exact_workers_and_persistence() -> None:
     env_before = {name: os.environ.get(name) for name in (mailbox.MAILBOX_ENV, procs.SESSION_ENV)}
     with Tracker(grace=0.2, interval=0.02) as tracker:

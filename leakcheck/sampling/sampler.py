@@ -504,6 +504,7 @@ class Sampler:
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
         processes = final_processes(table, last_end, status, rollup)
+        pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),
@@ -513,6 +514,7 @@ class Sampler:
             ),
             others_gpu_bytes=table.others_gpu_bytes(),
             closed=closed,
+            pending_pids=tuple(sorted(key.pid for key in pending)),
         )
 
     def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:

@@ -11,7 +11,7 @@ timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from leakcheck.model import (
     MIB,
@@ -223,11 +223,14 @@ REMEDY_CYCLE = (
 )
 
 
-def _survivor_remedy(proc: ProcessEpoch) -> str:
+def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int] = ()) -> str:
     if proc.freed_by_gc:
         return REMEDY_CYCLE
     if proc.scope is not None:
         return REMEDY_SCOPE
+    if proc.role == "descendant" and proc.ppid in workers:
+        # A worker's child: the orphan rule's fix, as once its worker exits it is an orphan.
+        return REMEDY_ORPHAN
     if proc.role == "worker":
         return (
             "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
@@ -238,6 +241,13 @@ def _survivor_remedy(proc: ProcessEpoch) -> str:
         "join or terminate the subprocesses and pools the work starts (`with Pool(...)`, "
         "proc.join(), proc.terminate()) before the epoch or test that started them ends"
     )
+
+
+def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[int]:
+    """The workers of the epochs a process was seen in (its parent may be one of them)."""
+    return {
+        p.key.pid for rec, _ in obs if rec is not None for p in rec.processes if p.role == "worker"
+    }
 
 
 def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
@@ -300,7 +310,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                         f"{config.grace_s:g} s)"
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
-                    remedy=_survivor_remedy(proc),
+                    remedy=_survivor_remedy(proc, _worker_pids(obs)),
                     gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                     epoch=rec.index,
                     nvidia_fds=fds,

@@ -60,6 +60,19 @@ def test_survivor_found_after_grace() -> None:
     assert "iterator" in found.remedy
 
 
+@pytest.mark.parametrize("parent_is_worker", [True, False])
+def test_a_surviving_child_of_a_worker_gets_the_orphan_rules_fix(parent_is_worker: bool) -> None:
+    """Alive under its persistent worker it is a survivor; once the worker exits, an orphan:
+    one cause, one fix, whichever the adapter saw."""
+    worker = replace(proc(2000, persistent=True), born_in_epoch=False)
+    helper = proc(2001, "descendant", born=True, ppid=2000 if parent_is_worker else ROOT_PID)
+    rec = epoch(0, [parent(), worker, replace(helper, last_seen_after_s=3.0)])
+    final = final_state([parent(), worker, helper], after_last_epoch=[rec])
+    found = one(verdict.survivor(timeline([rec], final=final), CONFIG))
+    assert found.pid == 2001
+    assert (found.remedy == verdict.REMEDY_ORPHAN) is parent_is_worker, found.remedy
+
+
 def test_survivor_seen_alive_after_grace_then_gone_is_found() -> None:
     found = one(
         verdict.survivor(survivor_timeline(last_seen_after_s=2.4, exited_after_s=2.5), CONFIG)

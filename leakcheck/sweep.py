@@ -546,6 +546,8 @@ def _run_config(
         # Always asked: where NVML is unavailable the tracker records why, in its words.
         use_nvml=True,
         rollup_share=options.rollup_share,
+        # Each row's orphan count is its epoch end's, however short the epochs.
+        scan_at_epoch_end=True,
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers

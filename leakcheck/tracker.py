@@ -89,6 +89,11 @@ class Tracker:
             skipped while the last reads cost more (its host memory is then RSS, and says
             so). Default 0.1% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
             epoch end whatever it costs (short diagnostic runs).
+        scan_at_epoch_end: Also scan for processes reparented away (orphans) in each epoch
+            end's sample, on the caller's thread (a pass over every process's environment),
+            so that each epoch's orphan count is what its end had; by default the scan runs
+            on the sampler thread's next tick, and an orphan can be counted epochs late
+            when epochs are shorter than a tick. ``leakcheck sweep`` sets it.
 
     """
 
@@ -106,6 +111,7 @@ class Tracker:
         use_nvml: bool = True,
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
+        scan_at_epoch_end: bool = False,
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
@@ -142,6 +148,7 @@ class Tracker:
             session_tag=session_tag,
             rollup_share=rollup_share,
             warmup_epochs=warmup_epochs,
+            scan_at_epoch_end=bool(scan_at_epoch_end),
         )
 
     @property

@@ -241,6 +241,27 @@ def test_epoch_ends_more_often_than_ticks_do_not_starve_the_ticks(tmp_path: obje
     assert "(now child of PID " in message and ") by epoch " in message, message
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_an_epoch_end_scan_counts_the_orphans_its_end_had(
+    tmp_path: object, kill_after: list[ProcessKey], scan: bool
+) -> None:
+    """No tick comes (an hour's interval): only the epoch end's own scan can see what was
+    reparented away during the epoch."""
+    pid_file = os.path.join(str(tmp_path), "grandchild.pid")
+    with Tracker(grace=0.1, interval=3600.0, scan_at_epoch_end=scan) as tracker:
+        with tracker.epoch():
+            worker = CTX.Process(target=_spawn_orphan_and_exit, args=(pid_file,))
+            worker.start()
+            worker.join()
+        with open(pid_file) as handle:
+            grandchild = procs.process_key(int(handle.read()))
+        assert grandchild is not None
+        kill_after.append(grandchild)
+        (first,) = tracker.epochs()
+        orphans = [p.key for p in first.processes if p.role == "orphan"]
+        assert orphans == ([grandchild] if scan else [])
+
+
 def test_a_report_before_close_says_what_it_cannot_judge_yet() -> None:
     """A helper of the epoch still alive within the grace: not "no leaks" alone, nor a leak
     yet; close() then judges it."""

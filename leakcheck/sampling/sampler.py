@@ -81,6 +81,8 @@ class Sampler:
             root it started, by which reparented processes of the job are found, instead of
             this tracker's own ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
         rollup_share: Share of time for smaps_rollup reads (None: ``ROLLUP_SHARE``).
+        scan_at_epoch_end: Scan for reparented processes in each epoch end's sample too
+            (``Tracker``'s).
 
     """
 
@@ -97,8 +99,10 @@ class Sampler:
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
         warmup_epochs: int = 1,
+        scan_at_epoch_end: bool = False,
     ) -> None:
         self.root_pid = root_pid
+        self.scan_at_epoch_end = scan_at_epoch_end
         self.session_tag = session_tag
         self.rollup_share = rollup_share
         self.warmup_epochs = warmup_epochs
@@ -336,7 +340,7 @@ class Sampler:
                 return
             if index is not None and opened.index != index:
                 return
-            self.sample(epoch_end=True)
+            self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
             self._apply_accounting()
             self._tag_scan_due = True
             table = self.table

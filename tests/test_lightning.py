@@ -427,3 +427,22 @@ def test_importing_leakcheck_imports_no_lightning() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_lightning_example_names_each_helper_and_keeps_validation_clean() -> None:
+    """The README's Lightning output comes from this example."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    done = subprocess.run(
+        [sys.executable, str(repo / "examples" / "lightning_helper_leak.py")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-2].startswith("leakcheck: 6 leaks found: orphan process PID "), done.stdout
+    assert lines[-1].startswith("leakcheck: no leaks in 4 epochs ("), done.stdout
+    assert done.stdout.count("LEAK orphan: ") == 6

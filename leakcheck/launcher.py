@@ -397,7 +397,33 @@ def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
             "not repeated)"
         )
     lines.append(f"  {tree.summary()}")
+    missed = _missed_by_the_tree(result, tree)
+    if missed:
+        lines.append(
+            f"  (and {plural(missed, 'process', 'processes')} of the program that only the "
+            "loaders' trackers saw, from their workers' own reports: they lived between the "
+            "tree's samples)"
+        )
     return lines
+
+
+def _missed_by_the_tree(result: RunResult, tree: Report) -> int:
+    """Processes the loaders' reports have and the tree's samples never caught.
+
+    The same process may carry create times read two ways (a worker's own report, /proc):
+    matched by PID and a create time within a clock tick or two.
+    """
+    seen: dict[int, list[float]] = {}
+    for key in tree.process_keys:
+        seen.setdefault(key.pid, []).append(key.create_time)
+    missed = set()
+    for loader in result.loaders:
+        if loader.report is None:
+            continue
+        for key in loader.report.process_keys:
+            if not any(abs(t - key.create_time) < 0.05 for t in seen.get(key.pid, ())):
+                missed.add(key)
+    return len(missed)
 
 
 # --------------------------------------------------------------------------- running

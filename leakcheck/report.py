@@ -124,6 +124,11 @@ class Report:
         """True only when the verdict is ``clean``."""
         return self.verdict == "clean"
 
+    @property
+    def process_keys(self) -> frozenset[ProcessKey]:
+        """Every process of the job's lineage that the report saw (what its summary counts)."""
+        return frozenset(_lineage_keys(self.timeline))
+
     # ------------------------------------------------------------------ data
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -532,6 +533,56 @@ def test_a_shm_file_a_loader_blamed_is_not_contradicted_by_the_tree(
     assert "(1 finding about what a loader reported above, not repeated)" in tree_text
     assert run.data["leak_count"] == 1
     assert f"1 leak found: shm /dev/shm/{left[0]} (64 KiB)" in run.stderr
+
+    # The tree counts what its samples caught; the short-lived worker its loader knows from
+    # its report is said apart, not silently missing from the count.
+    def pids(report: dict[str, Any]) -> set[int]:
+        return {p["key"]["pid"] for e in report["epochs"] for p in e["processes"]}
+
+    missed = pids(item["report"]) - pids(run.data["tree"]["report"])
+    said = [line for line in tree_text.splitlines() if "only the loaders' trackers saw" in line]
+    if missed:
+        count = "1 process" if len(missed) == 1 else f"{len(missed)} processes"
+        assert said == [f"  (and {count} of the program that only the loaders' trackers saw, "
+                        "from their workers' own reports: they lived between the tree's "
+                        "samples)"], tree_text  # fmt: skip
+    else:
+        assert said == []
+
+
+def test_the_tree_says_how_many_processes_only_the_loaders_saw() -> None:
+    """Matched by PID and create time within a tick: a worker's own report and /proc can give
+    one process create times a little apart; a reused PID is another process."""
+    from leakcheck.launcher import LoaderResult, RunOptions, RunResult, format_run
+    from leakcheck.model import RuleConfig
+    from leakcheck.report import build_report
+    from tests.timelines import epoch, parent, proc, timeline
+
+    worker, rounded, reused = proc(301), proc(302), proc(303)
+    rounded = dataclasses.replace(
+        rounded, key=rounded.key._replace(create_time=rounded.key.create_time + 0.01)
+    )
+    loader_report = build_report(
+        timeline([epoch(0, [parent(), worker, rounded, reused])]), RuleConfig()
+    )
+    seen_reused = dataclasses.replace(
+        reused, key=reused.key._replace(create_time=reused.key.create_time + 5.0)
+    )
+    tree = build_report(timeline([epoch(0, [parent(), proc(302), seen_reused])]), RuleConfig())
+    result = RunResult(
+        command=("python", "train.py"),
+        options=RunOptions(),
+        pid=100,
+        exit_code=0,
+        signal_number=None,
+        interrupted=False,
+        wall_s=1.0,
+        tree=tree,
+        tree_cost=None,
+        loaders=(LoaderResult(label="train.py:3", pid=100, report=loader_report),),
+    )
+    text = format_run(result)
+    assert "(and 2 processes of the program that only the loaders' trackers saw" in text, text
 
 
 def test_fail_on_leak_turns_a_successful_leaking_run_into_1(

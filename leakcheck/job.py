@@ -40,10 +40,10 @@ _SHOWN = 3
 
 def finding_identity(finding: Finding) -> tuple[object, ...]:
     """One leaking thing: a process (by identity), a /dev/shm file, else the finding itself."""
+    if finding.shm_name is not None:  # a file, also where a process holds it
+        return ("shm", finding.shm_name)
     if finding.pid is not None:
         return ("pid", finding.pid, finding.create_time)
-    if finding.shm_name is not None:
-        return ("shm", finding.shm_name)
     return (finding.rule, finding.device_index, finding.shm_name, finding.message)
 
 

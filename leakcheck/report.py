@@ -183,8 +183,8 @@ class Report:
             return ""
         count = plural(len(final.pending_pids), "process", "processes")
         return (
-            f"; {count} started in these epochs not judged yet (alive, and less than the "
-            f"grace of {self.config.grace_s:g} s since its epoch ended)"
+            f"; {count} of recent epochs not judged yet (alive, and less than the grace of "
+            f"{self.config.grace_s:g} s since its epoch ended)"
         )
 
     def _verdict_line(self) -> str:
@@ -273,8 +273,9 @@ def _to_jsonable(value: Any) -> Any:
 def _process_to_dict(proc: ProcessEpoch, bytes_known: bool) -> dict[str, Any]:
     data: dict[str, Any] = _to_jsonable(proc)
     # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
-    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if bytes_known else None
-    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if bytes_known else None
+    known = bytes_known and not proc.gpu_bytes_unknown
+    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
+    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if known else None
     return data
 
 
@@ -424,12 +425,12 @@ def leak_short(finding: Finding) -> str:
 
     ``orphan rank 1 process PID 7 (612 MiB)``, ``shm /dev/shm/torch_7_0 (2.0 MiB)``.
     """
+    if finding.shm_name is not None:  # the file, also where a process holds it
+        size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
+        return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
         who = culprit_label(role or "process", finding.pid, finding.rank)
-    elif finding.shm_name is not None:
-        size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
-        return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:

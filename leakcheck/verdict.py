@@ -207,6 +207,12 @@ REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its `yield`, or request.addfinalizer), or "
     "give the fixture a narrower scope"
 )
+REMEDY_WORKER_CHILD = (
+    "a loader worker started it and it outlives its epoch (once the worker exits, an orphan): "
+    "stop it within the epoch in the code that starts it (join or terminate it), or start it "
+    "outside the workers; leakcheck.worker_init_fn(terminate_children=True) stops it when its "
+    "worker exits, at the epoch's end unless the workers are persistent"
+)
 REMEDY_ORPHAN = (
     "a process of the job outlived its parent: make workers wait for or terminate their "
     "children before exiting (leakcheck.worker_init_fn(terminate_children=True) does it at "
@@ -229,8 +235,8 @@ def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int] = ()) -> str:
     if proc.scope is not None:
         return REMEDY_SCOPE
     if proc.role == "descendant" and proc.ppid in workers:
-        # A worker's child: the orphan rule's fix, as once its worker exits it is an orphan.
-        return REMEDY_ORPHAN
+        # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
+        return REMEDY_WORKER_CHILD
     if proc.role == "worker":
         return (
             "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
@@ -901,13 +907,6 @@ _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
         "NCCL's shared memory: a process group that was not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
-    (
-        "sem.mp-",
-        "a multiprocessing semaphore (a Lock, Queue or Event) of a process that ended without "
-        "its resource tracker removing it",
-        "let the processes that use multiprocessing locks and queues exit normally (a killed "
-        "resource tracker leaves them); delete the file once no process uses it",
-    ),
 )
 _SHM_NOT_OURS = (
     "a file whose name does not tell who made it",
@@ -960,6 +959,10 @@ def _shm_finding(item: ShmFile) -> Finding:
             f"appeared during the work and nobody holds it: its name says PID "
             f"{item.made_by_older} made it, a process older than the work and not of it, so it "
             "is not blamed on this one"
+        )
+        remedy = (
+            f"nothing to do for this work: PID {item.made_by_older} (or its job) removes it, "
+            "or you once no process uses it"
         )
     else:
         severity = "info"

@@ -7,7 +7,7 @@ import pytest
 
 import leakcheck
 from leakcheck.errors import UsageError
-from leakcheck.model import ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
+from leakcheck.model import MIB, ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
 from leakcheck.report import SCHEMA_VERSION, Report, build_report, leak_short, report_from_dict
 from tests.timelines import (
     ROOT_PID,
@@ -319,6 +319,28 @@ def test_a_shm_leak_is_named_by_its_file_in_the_verdict_line() -> None:
         "leakcheck: 1 leak found: shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"
     )
     assert leak_short(finding) == "shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"
+
+
+def test_two_files_held_by_one_process_are_two_leaks_named_by_file() -> None:
+    from leakcheck.job import finding_identity
+
+    files = tuple(ShmFile(name, 1024, holder_pid=7, holder_role="worker") for name in "ab")
+    tl = dataclasses.replace(timeline([epoch(0, [parent(600)])]), shm_files=files)
+    leaks = build_report(tl, CONFIG).leaks
+    assert [leak_short(f) for f in leaks] == [
+        "shm /dev/shm/a (1.0 KiB)",
+        "shm /dev/shm/b (1.0 KiB)",
+    ]
+    assert len({finding_identity(f) for f in leaks}) == 2
+
+
+def test_json_gpu_totals_are_null_where_nvml_gave_no_count() -> None:
+    unknown = dataclasses.replace(proc(4321, gpu_mib=0), gpu_bytes_unknown=True)
+    report = build_report(timeline([epoch(0, [parent(600), unknown])]), CONFIG)
+    (record,) = report.to_dict()["epochs"]
+    by_pid = {p["key"]["pid"]: p for p in record["processes"]}
+    assert by_pid[4321]["total_gpu_bytes_end"] is None
+    assert by_pid[ROOT_PID]["total_gpu_bytes_end"] == 600 * MIB
 
 
 def test_verbose_lists_processes_and_teardowns() -> None:

@@ -61,16 +61,16 @@ def test_survivor_found_after_grace() -> None:
 
 
 @pytest.mark.parametrize("parent_is_worker", [True, False])
-def test_a_surviving_child_of_a_worker_gets_the_orphan_rules_fix(parent_is_worker: bool) -> None:
+def test_a_surviving_child_of_a_worker_is_told_it_is_one(parent_is_worker: bool) -> None:
     """Alive under its persistent worker it is a survivor; once the worker exits, an orphan:
-    one cause, one fix, whichever the adapter saw."""
+    its fix says both, and stops it within the epoch."""
     worker = replace(proc(2000, persistent=True), born_in_epoch=False)
     helper = proc(2001, "descendant", born=True, ppid=2000 if parent_is_worker else ROOT_PID)
     rec = epoch(0, [parent(), worker, replace(helper, last_seen_after_s=3.0)])
     final = final_state([parent(), worker, helper], after_last_epoch=[rec])
     found = one(verdict.survivor(timeline([rec], final=final), CONFIG))
     assert found.pid == 2001
-    assert (found.remedy == verdict.REMEDY_ORPHAN) is parent_is_worker, found.remedy
+    assert (found.remedy == verdict.REMEDY_WORKER_CHILD) is parent_is_worker, found.remedy
 
 
 def test_survivor_seen_alive_after_grace_then_gone_is_found() -> None:
@@ -748,11 +748,11 @@ def test_shm_in_use_and_unattributable_files_are_said_not_blamed() -> None:
     assert found["stranger"].remedy.startswith("nothing to do if another job made it")
 
 
-def test_a_multiprocessing_semaphore_file_is_named_as_one() -> None:
-    files = (ShmFile("sem.mp-kyf8gjhr", 32, attributable=False), ShmFile("sem.mp-x2", 32))
-    found = shm_of(replace(timeline([]), shm_files=files))
-    assert sorted(f.severity for f in found) == ["info", "leak"]
-    assert all("a multiprocessing semaphore (a Lock, Queue or Event)" in f.message for f in found)
+def test_a_file_an_older_process_made_is_left_to_it() -> None:
+    files = (ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),)
+    (found,) = shm_of(replace(timeline([]), shm_files=files))
+    assert found.severity == "info" and "its name says PID 42 made it" in found.message
+    assert found.remedy.startswith("nothing to do for this work: PID 42 (or its job) removes it")
 
 
 def test_shm_capacity_pressure_is_information_about_the_worst_epoch() -> None:

@@ -428,6 +428,16 @@ class JobShmFile:
     holder_pids: tuple[int, ...] = ()
 
 
+def is_named_semaphore(name: str) -> bool:
+    """A POSIX named semaphore's file (``sem.NAME``), which no shm rule judges.
+
+    Its users map it under a temporary name, so "nobody holds it" means nothing there, and
+    any process using multiprocessing locks or queues (another job, another test run) makes
+    them by the dozen.
+    """
+    return name.startswith("sem.")
+
+
 def job_shm_files(
     before: Mapping[str, ShmSegment],
     now: Mapping[str, ShmSegment],

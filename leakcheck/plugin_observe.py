@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from leakcheck import nvml, procs
 from leakcheck.errors import LeakCheckError
-from leakcheck.hostmem import shm_creator_pid, shm_name_pids
+from leakcheck.hostmem import is_named_semaphore, shm_creator_pid, shm_name_pids
 from leakcheck.model import (
     Attribution,
     DeviceState,
@@ -784,10 +784,7 @@ class Checker:
         for name in names:
             if name in held_elsewhere or not os.path.exists(os.path.join(self.shm_dir, name)):
                 continue  # a stranger's, or one that was on its way out
-            if name.startswith("sem."):
-                # A named semaphore's holders map it under a temporary name: "nobody holds
-                # it" means nothing here, and any process using multiprocessing (another
-                # pytest run, another job) makes them by the dozen.
+            if is_named_semaphore(name):
                 continue
             unheld.append(name)
         return unheld

@@ -212,7 +212,8 @@ def test_workers_that_live_one_epoch_report_their_host_memory_at_exit() -> None:
 def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[str]) -> None:
     token = uuid.uuid4().hex[:10]
     held, mine, stranger = f"lc_{token}_held", f"lc_{token}_{os.getpid()}", f"lc_{token}_x"
-    shm_names.extend([held, mine, stranger])
+    semaphore = f"sem.lc_{token}_{os.getpid()}"  # named after the job, yet never judged
+    shm_names.extend([held, mine, stranger, semaphore])
     with Tracker(grace=0.1) as tracker:
         with tracker.epoch():
             holder = subprocess.Popen(
@@ -224,6 +225,7 @@ def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[
             assert holder.stdout is not None and holder.stdout.readline() == "held\n"
             (SHM / mine).write_bytes(b"y" * 100)  # named after the job's root: its own
             (SHM / stranger).write_bytes(b"z" * 10)  # nothing ties it to the job
+            (SHM / semaphore).write_bytes(b"s" * 32)
         first = tracker.epochs()[0]
         # The job's: the one its child holds, and the one named after its root.
         listed = {item.name: item for item in first.shm_files}
@@ -237,7 +239,7 @@ def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[
             holder.wait()
             holder.stdout.close()
     files = {item.name: item for item in tracker.timeline().shm_files}
-    assert set(files) >= {held, mine, stranger}
+    assert set(files) >= {held, mine, stranger} and semaphore not in files
     findings = {f.shm_name: f for f in judge(tracker.timeline(), tracker.config) if f.shm_name}
     # Held by a process of the job at an epoch end, now by nobody: left behind.
     assert findings[held].severity == "leak"

@@ -5,7 +5,9 @@ there while the job ran is the job's only on evidence: a process of the job hold
 mapped (read at an epoch end, or when the tracker closes), or held it at an earlier epoch end
 (the same file: name and inode), or its name carries the PID of a process of the job (torch
 names its segments after their creator, CUDA IPC files after their producer in hex). A new
-file with none of these is reported at the end as not attributable, never blamed. The listing
+file with none of these is reported at the end as not attributable, never blamed. Named
+semaphores (``sem.*``) are left out, as the pytest plugin leaves them out
+(``hostmem.is_named_semaphore``). The listing
 (one ``scandir`` and a ``stat`` per file) is read at each epoch end; who holds a file costs a
 pass over the job's descriptors and maps, paid only when the listing shows new files. How
 full the filesystem is costs one ``statvfs``: read on every walking tick and at epoch ends,
@@ -95,7 +97,11 @@ class ShmWatch:
 
     def _classify(self, table: ProcessTable, *, closing: bool) -> tuple[ShmFile, ...]:
         now = procs.shm_segments(self.directory)
-        new = hostmem.job_shm_files(self.before, now, {})
+        new = [
+            item
+            for item in hostmem.job_shm_files(self.before, now, {})
+            if not hostmem.is_named_semaphore(item.name)
+        ]
         if not new:
             return ()
         live: dict[int, ProcessKey] = {

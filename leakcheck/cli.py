@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import Any, NoReturn, TextIO
 
+    from leakcheck.model import ProcessKey
     from leakcheck.sweep import SweepPlan, WorkerBound
 
 EXIT_CLEAN = 0
@@ -820,6 +821,7 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
             sys.stderr.write(f"{prog}: {exc}\n")
             return EXIT_USAGE
     root_pid: int | None = None
+    root: ProcessKey | None = None
     if args.pid is not None:
         text = str(args.pid).strip()
         # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
@@ -828,14 +830,15 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
             sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
             return EXIT_USAGE
         root_pid = int(text)
-        if procs.process_key(root_pid) is None:
+        root = procs.process_key(root_pid)
+        if root is None:
             sys.stderr.write(f"{prog}: --pid: no running process with PID {root_pid} here\n")
             return EXIT_USAGE
     telemetry = bool(args.telemetry)
     if period is None:
         ended = _emit(out, _snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
         return EXIT_CLEAN if ended is None else ended
-    return _watch(root_pid, period, telemetry, as_json=args.json, out=out)
+    return _watch(root, period, telemetry, as_json=args.json, out=out)
 
 
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
@@ -881,16 +884,20 @@ def _snapshot_text(
 
 
 def _watch(
-    root_pid: int | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
+    root: ProcessKey | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
 ) -> int:
+    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` exits.
+
+    The root is followed by identity (PID and create time): once it is gone its PID may be
+    another process's.
+    """
     import time
 
     from leakcheck import procs
 
     on_terminal = out.isatty()
     line = f"{_PROG} snapshot --watch {period:g}"
-    # The root by identity: once it is gone its PID may be another process's.
-    root = procs.process_key(root_pid) if root_pid is not None else None
+    root_pid = root.pid if root is not None else None
     next_frame = time.monotonic()
     try:
         while True:

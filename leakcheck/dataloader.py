@@ -169,7 +169,6 @@ class WatchedLoader(Generic[T]):
         self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
         self._dropped = False
-        self._epochs_run = 0
         self._batches_seen = False
         self._finalizer = weakref.finalize(self, _Session.finalize, self._session, owns_tracker)
         _install_gc_hook()
@@ -330,7 +329,7 @@ class WatchedLoader(Generic[T]):
         self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
             warnings.warn(
-                f"leakcheck: epoch {self._epochs_run - 1} of the watched loader yielded no "
+                f"leakcheck: epoch {index} of the watched loader yielded no "
                 "batches, where earlier epochs did: the wrapped iterable is exhausted (a "
                 "generator or iterator can be iterated once); wrap a loader that can be "
                 "iterated again, such as a DataLoader",
@@ -345,11 +344,10 @@ class WatchedLoader(Generic[T]):
         # batch) and the loader iterated again, the new epoch closed it, and dropping the
         # kept iterator later must not end the epoch open then (this wrapper's or another's
         # over the same tracker).
-        self._tracker.end_epoch(reason, error, batches, index=index)
         if self._open_epoch == index:
             self._open_epoch = None
-        self._epochs_run += 1
-        self._judge.epoch_ended()
+        if self._tracker.end_epoch(reason, error, batches, index=index):
+            self._judge.epoch_ended()
 
 
 def watch(

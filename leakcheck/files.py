@@ -88,19 +88,27 @@ def _refuse_non_regular(path: str) -> None:
 
 
 def _take_mode_of(target: str, temp_path: str) -> None:
-    """Give the new file the mode ``open(target, "w")`` would leave.
+    """Give the new file the mode and owner an existing target has, else a new file's mode.
 
-    An existing file's mode (and, where allowed, owner); else the mode a new file gets.
+    As writing the file in place would leave them (a private file stays private). The target
+    is replaced, not written: a read-only target the folder lets us replace is replaced, and
+    keeps its read-only mode.
     """
     try:
         existing = os.stat(target)
     except FileNotFoundError:
         chmod_like_open(temp_path)
         return
-    os.chmod(temp_path, stat.S_IMODE(existing.st_mode))
+    # Owner first: chown clears the set-user-ID and set-group-ID bits that chmod then sets.
     if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
-        with contextlib.suppress(OSError):  # only root may give a file away
-            os.chown(temp_path, existing.st_uid, existing.st_gid)
+        # Root gives a file away; any user may at least keep a group of their own.
+        for uid in (existing.st_uid, -1):
+            try:
+                os.chown(temp_path, uid, existing.st_gid)
+                break
+            except OSError:
+                continue
+    os.chmod(temp_path, stat.S_IMODE(existing.st_mode))
 
 
 def chmod_like_open(path: str) -> None:

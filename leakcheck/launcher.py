@@ -410,20 +410,12 @@ def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
 def _missed_by_the_tree(result: RunResult, tree: Report) -> int:
     """Processes the loaders' reports have and the tree's samples never caught.
 
-    The same process may carry create times read two ways (a worker's own report, /proc):
-    matched by PID and a create time within a clock tick or two.
+    Identities compare exactly: a worker's own report and the tree's /proc read compute a
+    create time the same way (``procs.process_key``).
     """
-    seen: dict[int, list[float]] = {}
-    for key in tree.process_keys:
-        seen.setdefault(key.pid, []).append(key.create_time)
-    missed = set()
-    for loader in result.loaders:
-        if loader.report is None:
-            continue
-        for key in loader.report.process_keys:
-            if not any(abs(t - key.create_time) < 0.05 for t in seen.get(key.pid, ())):
-                missed.add(key)
-    return len(missed)
+    reports = [loader.report for loader in result.loaders if loader.report is not None]
+    seen_by_loaders = frozenset().union(*(report.process_keys for report in reports))
+    return len(seen_by_loaders - tree.process_keys)
 
 
 # --------------------------------------------------------------------------- running

@@ -237,7 +237,7 @@ class Tracker:
         batches: int | None = None,
         *,
         index: int | None = None,
-    ) -> None:
+    ) -> bool:
         """Close the open epoch; a no-op when none is open.
 
         Args:
@@ -248,9 +248,13 @@ class Tracker:
                 kept past the start of the next epoch, which closed its own, then ends
                 nothing when it is finally dropped.
 
+        Returns:
+            True when an epoch was closed.
+
         """
-        self._sampler.end_epoch(reason, error, batches, index)
+        closed = self._sampler.end_epoch(reason, error, batches, index)
         self._sampler.failures.raise_pending()
+        return closed
 
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:

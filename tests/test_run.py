@@ -529,46 +529,28 @@ def test_a_shm_file_a_loader_blamed_is_not_contradicted_by_the_tree(
     tree = [f for f in run.data["tree"]["report"]["findings"] if f["shm_name"] == left[0]]
     assert len(tree) == 1  # the tree found the file too (in its words, JSON keeps them)
     tree_text = run.stderr[run.stderr.index("process tree of PID") :].split("\n\n")[0]
-    assert left[0] not in tree_text, tree_text
+    finding_lines = [line for line in tree_text.splitlines() if line.startswith("  ")]
+    assert not [line for line in finding_lines if left[0] in line and "leakcheck:" not in line]
     assert "(1 finding about what a loader reported above, not repeated)" in tree_text
     assert run.data["leak_count"] == 1
     assert f"1 leak found: shm /dev/shm/{left[0]} (64 KiB)" in run.stderr
 
-    # The tree counts what its samples caught; the short-lived worker its loader knows from
-    # its report is said apart, not silently missing from the count.
-    def pids(report: dict[str, Any]) -> set[int]:
-        return {p["key"]["pid"] for e in report["epochs"] for p in e["processes"]}
-
-    missed = pids(item["report"]) - pids(run.data["tree"]["report"])
-    said = [line for line in tree_text.splitlines() if "only the loaders' trackers saw" in line]
-    if missed:
-        count = "1 process" if len(missed) == 1 else f"{len(missed)} processes"
-        assert said == [f"  (and {count} of the program that only the loaders' trackers saw, "
-                        "from their workers' own reports: they lived between the tree's "
-                        "samples)"], tree_text  # fmt: skip
-    else:
-        assert said == []
-
 
 def test_the_tree_says_how_many_processes_only_the_loaders_saw() -> None:
-    """Matched by PID and create time within a tick: a worker's own report and /proc can give
-    one process create times a little apart; a reused PID is another process."""
+    """By identity: a PID the tree saw for another process (reused) is still missed."""
     from leakcheck.launcher import LoaderResult, RunOptions, RunResult, format_run
     from leakcheck.model import RuleConfig
     from leakcheck.report import build_report
     from tests.timelines import epoch, parent, proc, timeline
 
-    worker, rounded, reused = proc(301), proc(302), proc(303)
-    rounded = dataclasses.replace(
-        rounded, key=rounded.key._replace(create_time=rounded.key.create_time + 0.01)
-    )
+    worker, seen, reused = proc(301), proc(302), proc(303)
     loader_report = build_report(
-        timeline([epoch(0, [parent(), worker, rounded, reused])]), RuleConfig()
+        timeline([epoch(0, [parent(), worker, seen, reused])]), RuleConfig()
     )
     seen_reused = dataclasses.replace(
         reused, key=reused.key._replace(create_time=reused.key.create_time + 5.0)
     )
-    tree = build_report(timeline([epoch(0, [parent(), proc(302), seen_reused])]), RuleConfig())
+    tree = build_report(timeline([epoch(0, [parent(), seen, seen_reused])]), RuleConfig())
     result = RunResult(
         command=("python", "train.py"),
         options=RunOptions(),
@@ -941,7 +923,7 @@ from torch.utils.data import DataLoader
 loader = DataLoader(list(range(8)), batch_size=4)
 for epoch in range(7):
     for batch in loader:
-        time.sleep(0.01)
+        time.sleep(0.05)
 """
 
 

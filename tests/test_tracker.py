@@ -235,10 +235,9 @@ def test_epoch_ends_more_often_than_ticks_do_not_starve_the_ticks(tmp_path: obje
         grandchild_pid = int(handle.read())
     orphans = [f for f in tracker.report().leaks if f.rule == "orphan"]
     assert [f.pid for f in orphans] == [grandchild_pid], tracker.report().format()
-    message = orphans[0].message
-    assert "started in epoch 0, left the job's process tree" in message
-    # Found outside the tree after the epoch it left in: "by" that epoch, not "since".
-    assert "(now child of PID " in message and ") by epoch " in message, message
+    # "since" or "by" the epoch it was first seen outside the tree in, as the walks caught it
+    # inside or not (test_verdict.py has the words); found at all is this test's point.
+    assert "started in epoch 0, left the job's process tree" in orphans[0].message
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -272,8 +271,8 @@ def test_a_report_before_close_says_what_it_cannot_judge_yet() -> None:
             early = tracker.report()
             assert early.leaks == []
             assert early.summary().endswith(
-                "; 1 process started in these epochs not judged yet (alive, and less than the "
-                "grace of 1 s since its epoch ended)"
+                "; 1 process of recent epochs not judged yet (alive, and less than the grace "
+                "of 1 s since its epoch ended)"
             ), early.summary()
             assert early.timeline.final is not None
             assert early.timeline.final.pending_pids == (child.pid,)

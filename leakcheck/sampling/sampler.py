@@ -236,11 +236,12 @@ class Sampler:
         try:
             self._loop()
         except Exception as error:  # the detector's own failure is reported, never lost
-            self.failures.record(
-                f"the sampler thread stopped (samples at epoch ends only from then on): "
-                f"{type(error).__name__}: {error}",
-                error,
-            )
+            with self.lock:  # reports read the failures under it
+                self.failures.record(
+                    f"the sampler thread stopped (samples at epoch ends only from then on): "
+                    f"{type(error).__name__}: {error}",
+                    error,
+                )
 
     def _loop(self) -> None:
         # When the next tick is due; the wait spans the ticks that would be empty (NOTE
@@ -329,17 +330,17 @@ class Sampler:
         error: str | None,
         batches: int | None = None,
         index: int | None = None,
-    ) -> None:
-        """Close the open epoch with a full sample.
+    ) -> bool:
+        """Close the open epoch with a full sample; True when one was closed.
 
         A no-op when none is open, or when ``index`` is given and the open epoch is another.
         """
         with self.lock:
             opened = self.book.open
             if opened is None or self.table is None:
-                return
+                return False
             if index is not None and opened.index != index:
-                return
+                return False
             self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
             self._apply_accounting()
             self._tag_scan_due = True
@@ -360,6 +361,7 @@ class Sampler:
             if self.host.plan(index, table):
                 self._wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
+            return True
 
     def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
         """Declare ``key`` a worker of this job (exact identity, not a guess)."""

@@ -44,7 +44,7 @@ def finding_identity(finding: Finding) -> tuple[object, ...]:
         return ("shm", finding.shm_name)
     if finding.pid is not None:
         return ("pid", finding.pid, finding.create_time)
-    return (finding.rule, finding.device_index, finding.shm_name, finding.message)
+    return (finding.rule, finding.device_index, finding.message)
 
 
 @dataclass(frozen=True)

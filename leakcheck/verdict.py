@@ -229,7 +229,7 @@ REMEDY_CYCLE = (
 )
 
 
-def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int] = ()) -> str:
+def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int]) -> str:
     if proc.freed_by_gc:
         return REMEDY_CYCLE
     if proc.scope is not None:

@@ -973,5 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from leakcheck.run_cli import run_command
 
         return run_command(args, sys.stdout, sys.stderr)
-    sys.stderr.write(f"{_PROG}: expected a command: sweep or snapshot (see leakcheck --help)\n")
+    sys.stderr.write(
+        f"{_PROG}: expected a command: sweep, snapshot or run (see leakcheck --help)\n"
+    )
     return EXIT_USAGE

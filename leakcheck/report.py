@@ -179,12 +179,17 @@ class Report:
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""
         final = self.timeline.final
-        if final is None or final.closed or not final.pending_pids:
+        if final is None or final.closed:
             return ""
-        count = plural(len(final.pending_pids), "process", "processes")
+        named = {f.pid for f in self.leaks}  # an orphan is judged from the moment it is one
+        pending = [pid for pid in final.pending_pids if pid not in named]
+        if not pending:
+            return ""
+        count = plural(len(pending), "process", "processes")
         return (
-            f"; {count} of recent epochs not judged yet (alive, and less than the grace of "
-            f"{self.config.grace_s:g} s since its epoch ended)"
+            f"; {count} of recent epochs not judged yet (alive, less than the grace of "
+            f"{self.config.grace_s:g} s after the end of the epoch that started "
+            f"{'it' if len(pending) == 1 else 'them'})"
         )
 
     def _verdict_line(self) -> str:
@@ -665,7 +670,8 @@ def _process_lines(timeline: Timeline) -> list[str]:
             if proc.exited_after_s is not None:
                 flags.append(f"exited+{proc.exited_after_s:.1f}s")
             if proc.last_seen_after_s is not None:
-                flags.append(f"seen+{proc.last_seen_after_s:.1f}s")
+                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+                flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
             if not known:
                 held = "-"
             elif proc.gpu_bytes_unknown:

@@ -683,7 +683,7 @@ def test_python_m_leakcheck_help() -> None:
 def test_no_command_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     err = capsys.readouterr().err
-    assert "expected a command: sweep or snapshot" in err
+    assert "expected a command: sweep, snapshot or run" in err
     assert len(err.strip().splitlines()) == 1, err
 
 

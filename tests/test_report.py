@@ -334,6 +334,19 @@ def test_two_files_held_by_one_process_are_two_leaks_named_by_file() -> None:
     assert len({finding_identity(f) for f in leaks}) == 2
 
 
+def test_a_report_before_close_does_not_call_a_named_leak_not_judged_yet() -> None:
+    orphan = proc(4321, "orphan")
+    rec = epoch(0, [parent(600), orphan])
+    final = final_state([parent(600), orphan, proc(4322, "descendant")], after_last_epoch=[rec])
+    pending = dataclasses.replace(final, closed=False, pending_pids=(4321, 4322))
+    report = build_report(timeline([rec], final=pending), CONFIG)
+    assert [f.pid for f in report.leaks] == [4321]
+    assert report.summary().endswith(
+        "; 1 process of recent epochs not judged yet (alive, less than the grace of 2 s after "
+        "the end of the epoch that started it)"
+    ), report.summary()
+
+
 def test_json_gpu_totals_are_null_where_nvml_gave_no_count() -> None:
     unknown = dataclasses.replace(proc(4321, gpu_mib=0), gpu_bytes_unknown=True)
     report = build_report(timeline([epoch(0, [parent(600), unknown])]), CONFIG)

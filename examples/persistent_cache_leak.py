@@ -3,8 +3,9 @@
 Each persistent worker keeps every sample it prepares on the GPU "for reuse" in a list that
 is never trimmed: 4 samples of 16 MiB per worker per epoch, so each worker grows by 64 MiB
 per epoch for as long as the loader lives. On a GPU the report names both workers with
-their MiB/epoch; on a CPU-only machine the example still runs and says GPU memory was not
-checked. The fix: persistent_cache_fixed.py.
+their MiB/epoch; on a CPU-only machine the cache is host memory, GPU memory is not checked,
+and the report names both workers' host-memory growth instead. The fix:
+persistent_cache_fixed.py.
 
 Run: python examples/persistent_cache_leak.py
 """

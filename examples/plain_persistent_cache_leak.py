@@ -2,7 +2,8 @@
 
 Each persistent worker keeps every sample it prepares on the GPU in a list that is never
 trimmed: 64 MiB more per worker per epoch. On a GPU ``leakcheck run`` names both workers
-with their MiB/epoch; on a CPU-only machine it says GPU memory was not checked:
+with their MiB/epoch; on a CPU-only machine the cache is host memory, and it names both
+workers' host-memory growth:
 
     leakcheck run -- python examples/plain_persistent_cache_leak.py
 

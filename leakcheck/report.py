@@ -27,7 +27,13 @@ from leakcheck.model import (
 )
 from leakcheck.ranks import culprit_label, rank_label
 from leakcheck.units import format_mib, format_size, plural, shorten_cmdline
-from leakcheck.verdict import LINEAGE_ROLES, judge, per_pid_bytes_known
+from leakcheck.verdict import (
+    LINEAGE_ROLES,
+    EpochCounts,
+    epoch_counts,
+    judge,
+    per_pid_bytes_known,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -485,21 +491,6 @@ def _config_line(config: RuleConfig) -> str:
     )
 
 
-def alive_after_grace(proc: ProcessEpoch, grace_s: float) -> bool:
-    """Born in the epoch, not persistent, and alive after the grace period.
-
-    That is: never seen gone, or seen alive once the grace had passed (the survivor rule's
-    evidence).
-    """
-    if proc.persistent or not proc.born_in_epoch or not proc.alive_at_end:
-        return False
-    if proc.role not in ("worker", "descendant", "orphan"):
-        return False
-    if proc.exited_after_s is None:
-        return True
-    return proc.last_seen_after_s is not None and proc.last_seen_after_s >= grace_s
-
-
 def or_dash(value: object | None, spec: str = "") -> str:
     """``value`` formatted with ``spec``, or ``-`` when it is unknown."""
     return "-" if value is None else format(value, spec)
@@ -590,7 +581,7 @@ def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
     return sum(peak for peak in peaks if peak is not None)
 
 
-def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> list[list[str]]:
+def _epoch_rows(rec: EpochRecord, timeline: Timeline, counts: EpochCounts) -> list[list[str]]:
     known = per_pid_bytes_known(timeline)
     parents = [p for p in rec.processes if p.role == "parent"]
     workers = [p for p in rec.processes if p.role == "worker"]
@@ -609,8 +600,8 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, config: RuleConfig) -> lis
         str(len(workers)),
         end_text,
         peak_text,
-        str(sum(alive_after_grace(p, config.grace_s) for p in rec.processes)),
-        str(sum(p.role == "orphan" and p.alive_at_end for p in rec.processes)),
+        str(counts.alive_after),
+        str(counts.orphans),
         format_mib(host.parent_bytes),
         _workers_host_text(host, bool(workers)),
         host.source or "-",
@@ -638,8 +629,9 @@ def align_columns(
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
     rows: list[list[str]] = [list(_TABLE_HEAD)]
+    counts = epoch_counts(timeline, config.grace_s)
     for rec in timeline.epochs:
-        rows.extend(_epoch_rows(rec, timeline, config))
+        rows.extend(_epoch_rows(rec, timeline, counts[rec.index]))
     return align_columns(rows, _LEFT_ALIGNED)
 
 

@@ -44,7 +44,6 @@ from leakcheck.model import MIB, DeviceState, EpochRecord, TeardownRecord, Track
 from leakcheck.progress import Progress
 from leakcheck.report import (
     align_columns,
-    alive_after_grace,
     combined_verdict,
     host_totals,
     or_dash,
@@ -53,7 +52,7 @@ from leakcheck.report import (
 from leakcheck.torch_state import initialized_cuda
 from leakcheck.tracker import Tracker
 from leakcheck.units import format_mib, format_size, plural, shorten_cmdline
-from leakcheck.verdict import per_pid_bytes_known
+from leakcheck.verdict import EpochCounts, epoch_counts, per_pid_bytes_known
 
 if TYPE_CHECKING:
     from leakcheck.report import Report
@@ -572,8 +571,10 @@ def _run_config(
     if failure is not None:
         raise failure
     report = watched.report()
+    counts = epoch_counts(report.timeline, report.config.grace_s)
     rows = tuple(
-        epoch_row(record, num_workers, report, options.device_index) for record in report.epochs
+        epoch_row(record, num_workers, report, options.device_index, counts[record.index])
+        for record in report.epochs
     )
     return ConfigResult(
         num_workers=num_workers,
@@ -727,9 +728,13 @@ def _pick_device(devices: Iterable[DeviceState], index: int | None) -> DeviceSta
 
 
 def epoch_row(
-    record: EpochRecord, num_workers: int, report: Report, device_index: int | None
+    record: EpochRecord,
+    num_workers: int,
+    report: Report,
+    device_index: int | None,
+    counts: EpochCounts,
 ) -> EpochRow:
-    """Fold one epoch record into a table row (see ``EpochRow``)."""
+    """Fold one epoch record, and what its end left running, into a table row."""
     processes = record.processes
     workers = [p for p in processes if p.role == "worker"]
     others = [p for p in processes if p.role in ("descendant", "orphan")]
@@ -755,8 +760,8 @@ def epoch_row(
         workers_gpu_bytes=known(sum(worker_end)),
         worker_gpu_bytes_max=known(max(worker_end, default=0)),
         workers_gpu_bytes_peak=peak if per_process else None,
-        alive_after=sum(1 for p in processes if alive_after_grace(p, report.config.grace_s)),
-        orphans=sum(1 for p in processes if p.role == "orphan" and p.alive_at_end),
+        alive_after=counts.alive_after,
+        orphans=counts.orphans,
         other_gpu_bytes=known(sum(p.total_gpu_bytes_end for p in others)),
         workers_peak_reported=known(sum(1 for p in workers if p.gpu_peak_source == "reported")),
         workers_peak_unknown=known(sum(1 for p in workers if p.gpu_peak_source == "unknown")),

@@ -12,6 +12,7 @@ timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from leakcheck.model import (
     MIB,
@@ -34,10 +35,12 @@ from leakcheck.units import format_mib, shorten_cmdline
 __all__ = [
     "LINEAGE_ROLES",
     "RULES",
+    "EpochCounts",
     "blind",
     "context_kept",
     "descriptor_holder",
     "device_mismatch",
+    "epoch_counts",
     "growth",
     "growth_slope",
     "high_clocks",
@@ -169,6 +172,58 @@ def _observations(
         for proc in timeline.final.processes:
             seen.setdefault(proc.key, []).append((None, proc))
     return seen
+
+
+@dataclass(frozen=True)
+class EpochCounts:
+    """What an epoch's end left running, in hindsight of every later observation.
+
+    Attributes:
+        alive_after: Processes the epoch started (by create time), not persistent, seen
+            alive the grace or more after its end, or still alive when the job ended: the
+            survivor and orphan rules' evidence, so a helper that a later scan found counts
+            in the epoch that started it.
+        orphans: The job's processes reparented away that were alive at the epoch's end and
+            outside its tree: born before the end and seen alive at or after it (alive at
+            two times, alive between them), and not in the tree that the end's full walk
+            listed.
+
+    """
+
+    alive_after: int = 0
+    orphans: int = 0
+
+
+def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
+    """``EpochCounts`` for every epoch of ``timeline``, by index."""
+    epochs = {rec.index: rec for rec in timeline.epochs}
+    final_closed = timeline.final is not None and timeline.final.closed
+    alive: dict[int, int] = dict.fromkeys(epochs, 0)
+    orphans: dict[int, int] = dict.fromkeys(epochs, 0)
+    for obs in _observations(timeline).values():
+        procs = [proc for _, proc in obs]
+        if not any(proc.role in ("worker", "descendant", "orphan") for proc in procs):
+            continue
+        born = next((p.born_epoch for p in procs if p.born_epoch is not None), None)
+        if born is None:  # placed where first seen born
+            born = next((r.index for r, p in obs if r is not None and p.born_in_epoch), None)
+        birth = epochs.get(born) if born is not None else None
+        if birth is None:
+            continue
+        after_s = _alive_after_s(timeline, birth, obs)
+        # Alive when the job ended counts too: the orphan rule names what outlived the job
+        # whether or not the grace had passed by then.
+        outlived = after_s is not None and after_s >= grace_s
+        outlived = outlived or (obs[-1][0] is None and final_closed)
+        if outlived and not any(p.persistent for p in procs):
+            alive[birth.index] += 1
+        if after_s is None or not any(proc.role == "orphan" for proc in procs):
+            continue
+        in_tree = {r.index for r, p in obs if r is not None and p.role != "orphan"}
+        for rec in epochs.values():
+            if rec.index >= birth.index and rec.end_s <= birth.end_s + after_s:
+                orphans[rec.index] += rec.index not in in_tree
+    return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
 
 
 # --------------------------------------------------------------------------- survivor

@@ -37,6 +37,7 @@ from leakcheck.sweep import (
     write_json,
 )
 from leakcheck.units import format_mib
+from leakcheck.verdict import epoch_counts
 
 NO_GPU = (False, "NVML unavailable: test without a GPU")
 FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
@@ -494,7 +495,8 @@ def _synthetic_result() -> SweepResult:
     ]
     final = tl.final_state([tl.parent(700)], gpu, after_last_epoch=epochs)
     report = build_report(tl.timeline(epochs, final=final), RuleConfig())
-    rows = tuple(epoch_row(rec, 2, report, None) for rec in report.epochs)
+    counts = epoch_counts(report.timeline, report.config.grace_s)
+    rows = tuple(epoch_row(rec, 2, report, None, counts[rec.index]) for rec in report.epochs)
     config = ConfigResult(num_workers=2, persistent_workers=False, rows=rows, report=report)
     return SweepResult(
         options=SweepOptions(workers=(2,), epochs=3),
@@ -682,7 +684,8 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
         tl.epoch(2, [tl.parent(None, uss_mib=320, rss_mib=500), unreported]),
     ]
     report = build_report(tl.timeline(epochs, attribution="nvml-unavailable"), RuleConfig())
-    rows = tuple(epoch_row(rec, 1, report, None) for rec in report.epochs)
+    counts = epoch_counts(report.timeline, report.config.grace_s)
+    rows = tuple(epoch_row(rec, 1, report, None, counts[rec.index]) for rec in report.epochs)
     assert [(r.parent_host_bytes, r.workers_host_bytes, r.host_source) for r in rows] == [
         (300 * MIB, 50 * MIB, "uss"),
         (310 * MIB, 400 * MIB, "uss+rss"),

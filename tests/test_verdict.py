@@ -190,6 +190,25 @@ def test_orphan_says_since_only_when_that_is_when_it_left(
     assert f"(now child of PID 1) {words}, still alive" in found.message, found.message
 
 
+@pytest.mark.parametrize(("seen_inside", "orphans"), [(False, [1, 1, 1]), (True, [0, 1, 1])])
+def test_epoch_counts_place_a_late_found_orphan_in_the_epochs_it_outlived(
+    seen_inside: bool, orphans: list[int]
+) -> None:
+    """Found by a scan in epoch 2 but started in epoch 0 and alive since: alive at each end
+    in between, and outside the tree wherever the end's full walk did not list it."""
+    found_as = replace(proc(4321, "orphan"), born_epoch=0)
+    inside = [replace(proc(4321, "descendant", born=True), born_epoch=0)] if seen_inside else []
+    epochs = [
+        epoch(0, [parent(), *inside]),
+        epoch(1, [parent()]),
+        epoch(2, [parent(), found_as]),
+    ]
+    final = final_state([parent(), found_as], after_last_epoch=epochs)
+    counts = verdict.epoch_counts(timeline(epochs, final=final), CONFIG.grace_s)
+    assert [counts[i].orphans for i in range(3)] == orphans
+    assert [counts[i].alive_after for i in range(3)] == [1, 0, 0]
+
+
 def test_orphan_gone_before_epoch_end_not_found() -> None:
     epochs = [epoch(0, [parent(), proc(4321, "orphan", alive=False, gpu_mib=600)])]
     assert verdict.orphan(timeline(epochs), CONFIG) == ()

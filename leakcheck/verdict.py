@@ -204,10 +204,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
         procs = [proc for _, proc in obs]
         if not any(proc.role in ("worker", "descendant", "orphan") for proc in procs):
             continue
-        born = next((p.born_epoch for p in procs if p.born_epoch is not None), None)
-        if born is None:  # placed where first seen born
-            born = next((r.index for r, p in obs if r is not None and p.born_in_epoch), None)
-        birth = epochs.get(born) if born is not None else None
+        birth = _birth(epochs, obs)
         if birth is None:
             continue
         after_s = _alive_after_s(timeline, birth, obs)
@@ -217,13 +214,44 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
         outlived = outlived or (obs[-1][0] is None and final_closed)
         if outlived and not any(p.persistent for p in procs):
             alive[birth.index] += 1
-        if after_s is None or not any(proc.role == "orphan" for proc in procs):
-            continue
-        in_tree = {r.index for r, p in obs if r is not None and p.role != "orphan"}
-        for rec in epochs.values():
-            if rec.index >= birth.index and rec.end_s <= birth.end_s + after_s:
-                orphans[rec.index] += rec.index not in in_tree
+        if any(proc.role == "orphan" for proc in procs):
+            for rec in _ends_outside_the_tree(timeline, birth, obs):
+                orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
+
+
+def _birth(
+    epochs: Mapping[int, EpochRecord], obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]
+) -> EpochRecord | None:
+    """The epoch a process was born in: by its create time, else where first seen born."""
+    born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
+    if born is None:
+        born = next((rec.index for rec, p in obs if rec is not None and p.born_in_epoch), None)
+    return epochs.get(born) if born is not None else None
+
+
+def _ends_outside_the_tree(
+    timeline: Timeline,
+    birth: EpochRecord,
+    obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
+) -> list[EpochRecord]:
+    """The epochs at whose end a process of the job was alive and outside its tree.
+
+    Alive: born by then and seen alive at or after it. Outside: the end's full walk of the
+    tree did not list it (``EpochCounts``). The first of them is the epoch it left the tree
+    in: it was born in it, or the walk before listed it inside.
+    """
+    after_s = _alive_after_s(timeline, birth, obs)
+    if after_s is None:
+        return []
+    in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
+    return [
+        rec
+        for rec in _sorted_epochs(timeline)
+        if rec.index >= birth.index
+        and rec.end_s <= birth.end_s + after_s
+        and rec.index not in in_tree
+    ]
 
 
 # --------------------------------------------------------------------------- survivor
@@ -428,16 +456,13 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         fds = _max_fds(procs)
         started = _origin(last, epochs)
         origin = f", {started}," if started is not None else ""
-        if first_rec is not None:
-            # "since" where that epoch is known to be when it left (it was born in it, or
-            # seen in the tree before it); else only that it had left by then: reparented
-            # processes are found by a scan after an epoch end, which with short epochs can
-            # come epochs after the one it left in.
-            known = (last.born_epoch is not None and last.born_epoch >= first_rec.index) or any(
-                rec is not None and rec.index < first_rec.index and proc.role != "orphan"
-                for rec, proc in obs
-            )
-            since = f"{'since' if known else 'by'} {first_rec.label}"
+        birth = _birth(epochs, obs)
+        left = _ends_outside_the_tree(timeline, birth, obs) if birth is not None else []
+        if left:
+            since = f"since {left[0].label}"  # the epoch it left the tree in
+        elif first_rec is not None:
+            # Birth unknown: only that it had left by the epoch a scan found it outside in.
+            since = f"by {first_rec.label}"
         else:
             final = timeline.final
             since = "after the job" if final is None or final.closed else "now"

@@ -168,13 +168,13 @@ def test_orphan_found_with_max_bytes_and_fds() -> None:
 @pytest.mark.parametrize(
     ("inside_first", "born_epoch", "words"),
     [
-        (True, None, "since epoch 2"),  # seen in the tree in epoch 1: it left since
+        (True, None, "since epoch 2"),  # in the tree at epoch 1's end, outside at 2's
         (False, 2, "since epoch 2"),  # born in the epoch it was found in
-        (False, 0, "by epoch 2"),  # born in epoch 0, first seen outside in epoch 2
-        (False, None, "by epoch 2"),
+        (False, 0, "since epoch 0"),  # born in epoch 0, outside the tree at its end already
+        (False, None, "by epoch 2"),  # birth unknown: only that it had left by then
     ],
 )
-def test_orphan_says_since_only_when_that_is_when_it_left(
+def test_orphan_says_the_epoch_it_left_the_tree_in(
     inside_first: bool, born_epoch: int | None, words: str
 ) -> None:
     first = [proc(4321, "descendant", born=True)] if inside_first else []

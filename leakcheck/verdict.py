@@ -744,6 +744,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     of shared pages]). Needs no GPU.
     """
     found: list[Finding] = []
+    unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of a process judged clean
     for obs in _observations(timeline).values():
         points: list[tuple[EpochRecord, ProcessEpoch]] = [
             (rec, proc)
@@ -753,37 +754,70 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         points = points[config.warmup_epochs :]
         if len(points) < 3:
             continue
-        uss: _HostPoints = [
-            (rec, proc.host_bytes_end)
-            for rec, proc in points
-            if proc.host_source == "uss" and proc.host_bytes_end is not None
-        ]
-        rss, resident = _resident_points(points)
-        last = points[-1][1]
-        if len(uss) >= 3:
-            slope = _judge_host(uss, config)
-            if slope is None:
-                continue
-            note = ""
-            if last.role == "parent":
-                # NOTE [return of shared pages]
-                span = [(r, b) for r, b in rss if uss[0][0].index <= r.index <= uss[-1][0].index]
-                rss_slope = _judge_host(span, config)
-                if rss_slope is None:
-                    continue
-                slope = min(slope, rss_slope)
-                note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-            found.append(_host_growth_finding(uss, "USS", slope, last, note))
+        leak = _judge_host_points(points, config)
+        if leak is not None:
+            found.append(leak)
             continue
-        slope = _judge_host(rss, config)
-        if slope is None:
-            continue
-        note = (
-            f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
-            "pages it shares with other processes and does not show copy-on-read)"
-        )
-        found.append(_host_growth_finding(rss, resident, slope, last, note))
+        uss_reads = sum(proc.host_source == "uss" for _, proc in points)
+        resident_only = sum(proc.host_source == "rss" for _, proc in points)
+        if resident_only and unread is None:
+            unread = (uss_reads, uss_reads + resident_only)
+    if unread is not None:
+        found.append(_host_coverage_finding(*unread))
     return tuple(found)
+
+
+def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
+    """A clean host verdict says where it could not see copy-on-read (NOTE [host pacing])."""
+    return Finding(
+        rule="host-growth",
+        severity="info",
+        message=(
+            f"host memory was read as USS at {uss_reads} of the {epoch_ends} epoch ends the "
+            "host-growth rule judges; at the others only resident memory was read, which does "
+            "not show copy-on-read: growth that starts there can go unseen"
+        ),
+        remedy=(
+            "for a diagnostic run, read USS at every epoch end: watch(..., rollup_share=1.0), "
+            "LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1 (the sweep "
+            "always does); by default these reads get 0.1% of the time"
+        ),
+    )
+
+
+def _judge_host_points(
+    points: list[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
+) -> Finding | None:
+    """Judge one process's epoch-end host memory: its leak, or None."""
+    uss: _HostPoints = [
+        (rec, proc.host_bytes_end)
+        for rec, proc in points
+        if proc.host_source == "uss" and proc.host_bytes_end is not None
+    ]
+    rss, resident = _resident_points(points)
+    last = points[-1][1]
+    if len(uss) >= 3:
+        slope = _judge_host(uss, config)
+        if slope is None:
+            return None
+        note = ""
+        if last.role == "parent":
+            # NOTE [return of shared pages]
+            span = [(r, b) for r, b in rss if uss[0][0].index <= r.index <= uss[-1][0].index]
+            rss_slope = _judge_host(span, config)
+            if rss_slope is None:
+                return None
+            slope = min(slope, rss_slope)
+            note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+        return _host_growth_finding(uss, "USS", slope, last, note)
+    slope = _judge_host(rss, config)
+    if slope is None:
+        return None
+    note = (
+        f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
+        "pages it shares with other processes and does not show copy-on-read)"
+    )
+    return _host_growth_finding(rss, resident, slope, last, note)
 
 
 # --------------------------------------------------------------------------- residual

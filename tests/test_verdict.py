@@ -808,6 +808,22 @@ def test_survivor_freed_by_garbage_collection_names_the_reference_cycle() -> Non
     assert found.remedy.startswith("a reference cycle kept the loader's iterator")
 
 
+def test_a_clean_host_verdict_with_uss_at_every_end_says_nothing_more() -> None:
+    epochs = [
+        epoch(i, [parent(), proc(2001, persistent=True, uss_mib=100, rss_mib=300)])
+        for i in range(6)
+    ]
+    assert host_findings(timeline(epochs)) == []
+    # Three USS ends, the later ones resident only: said once, as information.
+    mixed = [
+        epoch(i, [parent(), proc(2001, persistent=True, uss_mib=100 if i < 4 else None,
+                                  rss_mib=300)])
+        for i in range(8)
+    ]  # fmt: skip
+    (info,) = host_findings(timeline(mixed))
+    assert info.message.startswith("host memory was read as USS at 3 of the 7 epoch ends")
+
+
 def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
     def worker_epochs(rss: list[float], anon: list[float]) -> Timeline:
         return timeline(
@@ -817,8 +833,12 @@ def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
             ]
         )
 
-    # Libraries paged in from their files raise RSS, not RssAnon: nothing kept.
-    assert host_findings(worker_epochs([300 + 40 * i for i in range(6)], [200] * 6)) == []
+    # Libraries paged in from their files raise RSS, not RssAnon: nothing kept. A clean
+    # verdict on resident memory alone says what it could not see.
+    (info,) = host_findings(worker_epochs([300 + 40 * i for i in range(6)], [200] * 6))
+    assert info.severity == "info"
+    assert info.message.startswith("host memory was read as USS at 0 of the 5 epoch ends")
+    assert "rollup_share=1.0" in info.remedy
     # What the process allocates and keeps is anonymous.
     (found,) = host_findings(
         worker_epochs([300 + 40 * i for i in range(6)], [200 + 40 * i for i in range(6)])

@@ -369,6 +369,8 @@ class _Run:
             "index": site.index,
             "pid": self.pid,
             "argv": list(sys.argv),
+            # The program's torch (it made a DataLoader): the launcher never imports it.
+            "torch": getattr(sys.modules.get("torch"), "__version__", None),
             "started_unix_s": site.started_unix_s,
             "rank": self._rank_record(),
         }

@@ -568,6 +568,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                 tree_cost = asdict(tracker.cost())
             proc.wait()  # reap it only now (NOTE [run signals])
         records = read_records(folder)
+        program_torch = _program_torch(records.started)
         failures.extend(records.failures)
         loaders = _loader_results(records.started, records.reports)
         gathered, unread = read_rank_reports(folder)
@@ -597,8 +598,14 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         failures=tuple(failures),
         started_unix_s=started_unix_s,
         gpu_reason=gpu_reason,
-        environment=environment(executable=sys.executable),
+        environment={**environment(executable=sys.executable), **program_torch},
     )
+
+
+def _program_torch(started: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """``{"torch": version}`` as the program's loaders recorded it; empty when none did."""
+    versions = [r["torch"] for r in started if isinstance(r.get("torch"), str)]
+    return {"torch": versions[0]} if versions else {}
 
 
 def _loader_results(

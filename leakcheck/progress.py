@@ -51,7 +51,7 @@ class Progress:
         self._draw()
 
     def begin(self, label: str) -> None:
-        """An epoch starts; ``label`` names it (``workers=4 epoch 2/5``)."""
+        """An epoch starts; ``label`` names it (``workers=4 epoch 1 (2 of 5)``)."""
         self._label = label
         self._draw()
 

@@ -531,6 +531,12 @@ def _run_config(
         progress.note(f"workers={num_workers}: {cooldown.describe()}")
     started_s = time.monotonic()
     loader = _build_loader(factory, num_workers)
+    if num_workers and not hasattr(loader, "worker_init_fn"):
+        progress.note(
+            f"workers={num_workers}: the loader is a {type(loader).__name__}, not a DataLoader: "
+            "its worker count is not checked and its workers report nothing of themselves "
+            "(their processes are still tracked)"
+        )
     # The loader's own setting counts too: its workers say so through the mailbox anyway.
     persistent = num_workers > 0 and (
         options.persistent or bool(getattr(loader, "persistent_workers", False))

@@ -416,6 +416,22 @@ def test_bad_values_exit_2_with_one_line(
     assert captured.out == ""
 
 
+def test_a_loader_that_is_no_dataloader_is_said_to_be_unchecked(
+    broken_loaders: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (broken_loaders / "plain_list.py").write_text("def make(num_workers):\n    return [1, 2]\n")
+    status = main(["sweep", "--loader", f"{broken_loaders}/plain_list.py:make", "--workers",
+                   "0,1", "--epochs", "1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 0
+    notes = [line for line in err.splitlines() if "not a DataLoader" in line]
+    assert notes == [
+        "leakcheck sweep: workers=1: the loader is a list, not a DataLoader: its worker count "
+        "is not checked and its workers report nothing of themselves (their processes are "
+        "still tracked)"
+    ]
+
+
 def test_a_loader_that_can_be_iterated_once_is_a_usage_error(
     broken_loaders: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from leakcheck import procs
@@ -942,6 +943,8 @@ def test_rollup_share_reaches_the_programs_trackers(
     )
     assert run.returncode == 0, run.stderr
     assert run.data is not None and run.data["options"]["rollup_share"] == float(share)
+    # The program's torch, which the launcher never imports, is recorded from its loaders.
+    assert run.data["environment"]["torch"] == torch.__version__
     (item,) = run.data["loaders"]
     parents = [
         next(p for p in epoch["processes"] if p["role"] == "parent")

@@ -194,8 +194,8 @@ class Report:
         count = plural(len(pending), "process", "processes")
         return (
             f"; {count} of recent epochs not judged yet (alive, less than the grace of "
-            f"{self.config.grace_s:g} s after the end of the epoch that started "
-            f"{'it' if len(pending) == 1 else 'them'})"
+            f"{self.config.grace_s:g} s after the end of the epoch "
+            f"{'it was' if len(pending) == 1 else 'they were'} found in)"
         )
 
     def _verdict_line(self) -> str:

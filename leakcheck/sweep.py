@@ -532,10 +532,15 @@ def _run_config(
     started_s = time.monotonic()
     loader = _build_loader(factory, num_workers)
     if num_workers and not hasattr(loader, "worker_init_fn"):
+        unchecked = (
+            ""
+            if isinstance(getattr(loader, "num_workers", None), int)
+            else ("its worker count is not checked and ")
+        )
         progress.note(
             f"workers={num_workers}: the loader is a {type(loader).__name__}, not a DataLoader: "
-            "its worker count is not checked and its workers report nothing of themselves "
-            "(their processes are still tracked)"
+            f"{unchecked}its workers report nothing of themselves (their processes are still "
+            "tracked)"
         )
     # The loader's own setting counts too: its workers say so through the mailbox anyway.
     persistent = num_workers > 0 and (

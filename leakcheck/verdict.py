@@ -11,6 +11,7 @@ timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -196,7 +197,9 @@ class EpochCounts:
 
 def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
     """``EpochCounts`` for every epoch of ``timeline``, by index."""
-    epochs = {rec.index: rec for rec in timeline.epochs}
+    ordered = _sorted_epochs(timeline)
+    epochs = {rec.index: rec for rec in ordered}
+    ends = [rec.end_s for rec in ordered]
     final_closed = timeline.final is not None and timeline.final.closed
     alive: dict[int, int] = dict.fromkeys(epochs, 0)
     orphans: dict[int, int] = dict.fromkeys(epochs, 0)
@@ -205,19 +208,23 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
         if not any(proc.role in ("worker", "descendant", "orphan") for proc in procs):
             continue
         birth = _birth(epochs, obs)
-        if birth is None:
-            continue
-        after_s = _alive_after_s(timeline, birth, obs)
-        # Alive when the job ended counts too: the orphan rule names what outlived the job
-        # whether or not the grace had passed by then.
-        outlived = after_s is not None and after_s >= grace_s
-        outlived = outlived or (obs[-1][0] is None and final_closed)
-        if outlived and not any(p.persistent for p in procs):
-            alive[birth.index] += 1
-        if any(proc.role == "orphan" for proc in procs):
-            for rec in _ends_outside_the_tree(timeline, birth, obs):
+        if birth is not None:
+            after_s = _alive_after_s(timeline, birth, obs)
+            # Alive when the job ended counts too: the orphan rule names what outlived the
+            # job whether or not the grace had passed by then.
+            outlived = after_s is not None and after_s >= grace_s
+            outlived = outlived or (obs[-1][0] is None and final_closed)
+            if outlived and not any(p.persistent for p in procs):
+                alive[birth.index] += 1
+        if any(p.role == "orphan" for p in procs) and not _exempt_orphan(procs):
+            for rec in _ends_outside_the_tree(timeline, ordered, ends, obs):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
+
+
+def _exempt_orphan(procs: Sequence[ProcessEpoch]) -> bool:
+    """A helper that daemonizes by design (``roles.DAEMON_HELPERS``): no orphan rule's."""
+    return any(proc.persistent and is_daemon_helper(proc.cmdline) for proc in procs)
 
 
 def _birth(
@@ -232,26 +239,32 @@ def _birth(
 
 def _ends_outside_the_tree(
     timeline: Timeline,
-    birth: EpochRecord,
+    ordered: Sequence[EpochRecord],
+    ends: Sequence[float],
     obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
 ) -> list[EpochRecord]:
     """The epochs at whose end a process of the job was alive and outside its tree.
 
-    Alive: born by then and seen alive at or after it. Outside: the end's full walk of the
-    tree did not list it (``EpochCounts``). The first of them is the epoch it left the tree
-    in: it was born in it, or the walk before listed it inside.
+    Alive: born by then (its create time's epoch; or, where that is unknown or before the
+    epochs at hand, the first end listing it) and seen alive at or after it. Outside: the
+    end's full walk of the tree did not list it (``EpochCounts``). The first of them is the
+    epoch it left the tree in: it was born in it, or the walk before listed it inside.
+    ``ordered`` are the timeline's epochs by index and ``ends`` their ends, for bisection.
     """
-    after_s = _alive_after_s(timeline, birth, obs)
+    first = next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
+    born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
+    start = first
+    if born is not None and ordered and born >= ordered[0].index:
+        start = next((rec for rec in ordered if rec.index == born), first)
+    if start is None:
+        return []
+    after_s = _alive_after_s(timeline, start, obs)
     if after_s is None:
         return []
     in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-    return [
-        rec
-        for rec in _sorted_epochs(timeline)
-        if rec.index >= birth.index
-        and rec.end_s <= birth.end_s + after_s
-        and rec.index not in in_tree
-    ]
+    lo = bisect.bisect_left(ends, start.end_s)
+    hi = bisect.bisect_right(ends, start.end_s + after_s)
+    return [rec for rec in ordered[lo:hi] if rec.index not in in_tree]
 
 
 # --------------------------------------------------------------------------- survivor
@@ -280,9 +293,12 @@ def _alive_after_s(
             if timeline.final is not None and timeline.final.time_s >= birth.end_s:
                 take(timeline.final.time_s - birth.end_s)
         elif rec.index == birth.index:
-            take(proc.last_seen_after_s)
+            seen_s = proc.last_seen_after_s
+            if proc.alive_at_end:  # alive at end_s, which is stamped after the end sample
+                seen_s = max(0.0, seen_s or 0.0)
+            take(seen_s)
         elif rec.index > birth.index and proc.alive_at_end:
-            take(rec.end_s - birth.end_s + (proc.last_seen_after_s or 0.0))
+            take(rec.end_s - birth.end_s + max(0.0, proc.last_seen_after_s or 0.0))
     return best
 
 
@@ -422,7 +438,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     One finding per identity, with the most GPU memory and descriptors it was seen with.
     """
     bytes_known = per_pid_bytes_known(timeline)
-    epochs = {rec.index: rec for rec in timeline.epochs}
+    ordered = _sorted_epochs(timeline)
+    epochs = {rec.index: rec for rec in ordered}
+    ends = [rec.end_s for rec in ordered]
     found: list[Finding] = []
     for key, obs in _observations(timeline).items():
         # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
@@ -456,8 +474,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         fds = _max_fds(procs)
         started = _origin(last, epochs)
         origin = f", {started}," if started is not None else ""
-        birth = _birth(epochs, obs)
-        left = _ends_outside_the_tree(timeline, birth, obs) if birth is not None else []
+        known_birth = _birth(epochs, obs) is not None
+        left = _ends_outside_the_tree(timeline, ordered, ends, obs) if known_birth else []
         if left:
             since = f"since {left[0].label}"  # the epoch it left the tree in
         elif first_rec is not None:
@@ -486,7 +504,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 ),
                 remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
                 gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
-                epoch=first_rec.index if first_rec is not None else None,
+                epoch=left[0].index if left else (first_rec.index if first_rec else None),
                 nvidia_fds=fds,
                 scope=last.scope,
             )
@@ -744,7 +762,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     of shared pages]). Needs no GPU.
     """
     found: list[Finding] = []
-    unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of a process judged clean
+    unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _observations(timeline).values():
         points: list[tuple[EpochRecord, ProcessEpoch]] = [
             (rec, proc)
@@ -762,7 +780,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         resident_only = sum(proc.host_source == "rss" for _, proc in points)
         if resident_only and unread is None:
             unread = (uss_reads, uss_reads + resident_only)
-    if unread is not None:
+    if unread is not None and not found:  # a clean host verdict says what it could not see
         found.append(_host_coverage_finding(*unread))
     return tuple(found)
 
@@ -778,9 +796,10 @@ def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
             "not show copy-on-read: growth that starts there can go unseen"
         ),
         remedy=(
-            "for a diagnostic run, read USS at every epoch end: watch(..., rollup_share=1.0), "
-            "LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1 (the sweep "
-            "always does); by default these reads get 0.1% of the time"
+            "where the reads were paced out (by default they get 0.1% of the time), read USS "
+            "at every epoch end for a diagnostic run: watch(..., rollup_share=1.0), "
+            "LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1; where "
+            "/proc/PID/smaps_rollup cannot be read (permissions), USS cannot be had"
         ),
     )
 

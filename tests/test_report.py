@@ -343,7 +343,7 @@ def test_a_report_before_close_does_not_call_a_named_leak_not_judged_yet() -> No
     assert [f.pid for f in report.leaks] == [4321]
     assert report.summary().endswith(
         "; 1 process of recent epochs not judged yet (alive, less than the grace of 2 s after "
-        "the end of the epoch that started it)"
+        "the end of the epoch it was found in)"
     ), report.summary()
 
 

@@ -8,7 +8,16 @@ from typing import Any
 import pytest
 
 from leakcheck import verdict
-from leakcheck.model import MIB, Finding, ProcessEpoch, Role, RuleConfig, ShmFile, Timeline
+from leakcheck.model import (
+    MIB,
+    EpochRecord,
+    Finding,
+    ProcessEpoch,
+    Role,
+    RuleConfig,
+    ShmFile,
+    Timeline,
+)
 from tests.timelines import (
     ROOT_PID,
     clean_timeline,
@@ -207,6 +216,45 @@ def test_epoch_counts_place_a_late_found_orphan_in_the_epochs_it_outlived(
     counts = verdict.epoch_counts(timeline(epochs, final=final), CONFIG.grace_s)
     assert [counts[i].orphans for i in range(3)] == orphans
     assert [counts[i].alive_after for i in range(3)] == [1, 0, 0]
+
+
+def _counts(epochs: list[EpochRecord], final: Any = None) -> list[tuple[int, int]]:
+    found = verdict.epoch_counts(timeline(epochs, final=final), CONFIG.grace_s)
+    return [(found[rec.index].alive_after, found[rec.index].orphans) for rec in epochs]
+
+
+def test_epoch_counts_stop_where_an_orphan_was_last_alive() -> None:
+    """Listed alive at the ends of epochs 1 and 2 (last seen just before end 2's stamp),
+    gone by end 3: an orphan at ends 1 and 2 only, never past its last sighting."""
+    alive = replace(proc(4321, "orphan", last_seen_after_s=-0.003), born_epoch=1)
+    epochs = [
+        epoch(0, [parent()]),
+        epoch(1, [parent(), alive]),
+        epoch(2, [parent(), alive]),
+        epoch(3, [parent(), replace(alive, alive_at_end=False, exited_after_s=-0.5)]),
+    ]
+    assert [o for _, o in _counts(epochs)] == [0, 1, 1, 0]
+
+
+def test_epoch_counts_leave_out_persistent_processes_and_daemon_helpers() -> None:
+    worker = replace(proc(2000, persistent=True), born_epoch=0)
+    daemon = replace(
+        proc(2001, "orphan", persistent=True, cmdline="/usr/lib/torch/bin/torch_shm_manager"),
+        born_epoch=0,
+    )
+    epochs = [epoch(i, [parent(), worker, daemon]) for i in range(3)]
+    final = final_state([parent(), worker, daemon], after_last_epoch=epochs)
+    assert _counts(epochs, final) == [(0, 0)] * 3
+
+
+def test_epoch_counts_count_what_outlived_the_job_and_births_before_a_window() -> None:
+    """A helper alive only in the closed final state outlived the job: alive after its
+    epoch; an orphan born before the epochs at hand counts from the first end listing it."""
+    late = replace(proc(4400, "descendant", born=True, last_seen_after_s=0.1), born_epoch=1)
+    old = replace(proc(4500, "orphan"), born_epoch=-5)
+    epochs = [epoch(0, [parent(), old]), epoch(1, [parent(), late, old])]
+    final = final_state([parent(), late, old], after_last_epoch=epochs, wait_s=0.5)
+    assert _counts(epochs, final) == [(0, 1), (1, 1)]
 
 
 def test_orphan_gone_before_epoch_end_not_found() -> None:

@@ -255,7 +255,9 @@ def _ends_outside_the_tree(
     born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
     start = first
     if born is not None and ordered and born >= ordered[0].index:
-        start = next((rec for rec in ordered if rec.index == born), first)
+        position = bisect.bisect_left(ordered, born, key=lambda rec: rec.index)
+        if position < len(ordered) and ordered[position].index == born:
+            start = ordered[position]
     if start is None:
         return []
     after_s = _alive_after_s(timeline, start, obs)

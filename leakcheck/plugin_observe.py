@@ -991,7 +991,7 @@ def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[in
     _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
     for cand in staying:
         cand.late = cand.exited_s is not None
-    staying = [c for c in staying if c.exited_s is None and not c.baseline]
+    staying = [c for c in staying if c.exited_s is None]
     if not staying:
         return
     gc.collect()

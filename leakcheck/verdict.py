@@ -217,7 +217,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
         if any(p.role == "orphan" for p in procs) and not _exempt_orphan(procs):
-            for rec in _ends_outside_the_tree(timeline, ordered, ends, obs):
+            for rec in _ends_outside_the_tree(timeline, ordered, ends, obs, birth):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
 
@@ -242,22 +242,17 @@ def _ends_outside_the_tree(
     ordered: Sequence[EpochRecord],
     ends: Sequence[float],
     obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
+    birth: EpochRecord | None,
 ) -> list[EpochRecord]:
     """The epochs at whose end a process of the job was alive and outside its tree.
 
-    Alive: born by then (its create time's epoch; or, where that is unknown or before the
-    epochs at hand, the first end listing it) and seen alive at or after it. Outside: the
-    end's full walk of the tree did not list it (``EpochCounts``). The first of them is the
-    epoch it left the tree in: it was born in it, or the walk before listed it inside.
+    Alive: born by then (``birth``, from ``_birth``; where that is unknown or before the
+    epochs at hand, the first end listing it alive) and seen alive at or after it. Outside:
+    the end's full walk of the tree did not list it (``EpochCounts``). The first of them is
+    the epoch it left the tree in: it was born in it, or the walk before listed it inside.
     ``ordered`` are the timeline's epochs by index and ``ends`` their ends, for bisection.
     """
-    first = next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
-    born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
-    start = first
-    if born is not None and ordered and born >= ordered[0].index:
-        position = bisect.bisect_left(ordered, born, key=lambda rec: rec.index)
-        if position < len(ordered) and ordered[position].index == born:
-            start = ordered[position]
+    start = birth or next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
     if start is None:
         return []
     after_s = _alive_after_s(timeline, start, obs)
@@ -476,8 +471,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         fds = _max_fds(procs)
         started = _origin(last, epochs)
         origin = f", {started}," if started is not None else ""
-        known_birth = _birth(epochs, obs) is not None
-        left = _ends_outside_the_tree(timeline, ordered, ends, obs) if known_birth else []
+        birth = _birth(epochs, obs)
+        left = _ends_outside_the_tree(timeline, ordered, ends, obs, birth) if birth else []
         if left:
             since = f"since {left[0].label}"  # the epoch it left the tree in
         elif first_rec is not None:

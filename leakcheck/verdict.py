@@ -216,15 +216,15 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             outlived = outlived or (obs[-1][0] is None and final_closed)
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
-        if any(p.role == "orphan" for p in procs) and not _exempt_orphan(procs):
+        if any(p.role == "orphan" for p in procs) and not any(map(_daemonized, procs)):
             for rec in _ends_outside_the_tree(timeline, ordered, ends, obs, birth):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
 
 
-def _exempt_orphan(procs: Sequence[ProcessEpoch]) -> bool:
+def _daemonized(proc: ProcessEpoch) -> bool:
     """A helper that daemonizes by design (``roles.DAEMON_HELPERS``): no orphan rule's."""
-    return any(proc.persistent and is_daemon_helper(proc.cmdline) for proc in procs)
+    return proc.persistent and is_daemon_helper(proc.cmdline)
 
 
 def _birth(
@@ -446,7 +446,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             (rec, proc)
             for rec, proc in obs
             if proc.role == "orphan"
-            and not (proc.persistent and is_daemon_helper(proc.cmdline))
+            and not _daemonized(proc)
             and (rec is None or proc.alive_at_end)
         ]
         if not orphaned:

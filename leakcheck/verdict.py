@@ -386,13 +386,17 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             ):
                 continue
             obs = observations[proc.key]
+            # The grace counts from the end of the epoch it was born in, which the table's
+            # `alive after` and the finding's "started in" name too; a helper found epochs
+            # late was placed where found (NOTE [born epoch] in sampling/sampler.py).
+            born = _birth(epochs, obs) or rec
             # Evidence only: seen alive once the grace had passed. A process last seen within
             # the grace and found gone after it exited somewhere in between, unknown where.
-            alive_after = _alive_after_s(timeline, rec, obs)
+            alive_after = _alive_after_s(timeline, born, obs)
             if alive_after is None or alive_after < config.grace_s:
                 continue
             judged.add(proc.key)
-            later = [p for r, p in obs if r is None or r.index >= rec.index]
+            later = [p for r, p in obs if r is None or r.index >= born.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
             cycle = (
@@ -406,15 +410,15 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     rule="survivor",
                     severity="leak",
                     message=(
-                        f"{_culprit(proc)} {_origin(proc, epochs) or f'first seen in {rec.label}'}"
+                        f"{_culprit(proc)} {_origin(proc, epochs) or f'first seen in {born.label}'}"
                         " is still alive "
-                        f"{alive_after:.1f} s after {rec.label} ended (grace "
+                        f"{alive_after:.1f} s after {born.label} ended (grace "
                         f"{config.grace_s:g} s)"
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
                     remedy=_survivor_remedy(proc, _worker_pids(obs)),
                     gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
-                    epoch=rec.index,
+                    epoch=born.index,
                     nvidia_fds=fds,
                     scope=proc.scope,
                 )

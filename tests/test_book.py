@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+from leakcheck.readings import ProcessKey, ProcInfo
 from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.table import ProcessTable
 
 TICK_S = 0.01
 
@@ -29,3 +33,23 @@ def test_a_worker_forked_in_the_tick_its_epoch_opened_is_that_epochs() -> None:
 def test_a_birth_between_epochs_or_before_the_first_is_none() -> None:
     book = _book((1.0, 2.0), (3.0, 4.0))
     assert [book.born_in(at_s, TICK_S) for at_s in (0.5, 2.5, 4.5)] == [None, None, None]
+
+
+def test_close_waits_from_the_end_of_the_epoch_a_process_was_born_in() -> None:
+    """A helper found epochs after its birth has had its grace since its birth epoch ended."""
+    book = _book((0.0, 1.0), (1.0, 2.0), (2.0, 3.0))
+    root = ProcessKey(os.getpid(), 100.0)
+    table = ProcessTable(root, None, session="s", persistent_workers=False)
+    late, between = (
+        table.add(
+            ProcInfo(ProcessKey(pid, 101.0), root.pid, "python", "python helper.py"),
+            now=3.1,
+            born_epoch=2,
+        )
+        for pid in (4001, 4002)
+    )
+    late.birth_epoch = 0  # created in epoch 0, placed when found in epoch 2
+    between.birth_epoch = None  # created between epochs: counted from where it was placed
+    pending, deadline_s = book.pending_survivors(table)
+    assert [proc.key.pid for proc in pending] == [4002]
+    assert deadline_s == 4.0

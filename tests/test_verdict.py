@@ -138,6 +138,16 @@ def test_survivor_seen_alive_in_a_later_epoch_reported_once_in_birth_epoch() -> 
     assert "still alive 2.0 s" in found.message
 
 
+def test_a_helper_found_epochs_late_is_judged_from_the_epoch_it_was_born_in() -> None:
+    """Placed in epoch 3 where a scan found it; its create time says epoch 1."""
+    late = replace(proc(1234, "descendant", born=True, last_seen_after_s=0.1), born_epoch=1)
+    epochs = [epoch(i, [parent()] + ([late] if i == 3 else [])) for i in range(4)]
+    found = one(verdict.survivor(timeline(epochs), CONFIG))
+    assert found.epoch == 1
+    assert "started in epoch 1 is still alive 2.1 s after epoch 1 ended" in found.message
+    assert verdict.epoch_counts(timeline(epochs), CONFIG.grace_s)[1].alive_after == 1
+
+
 def test_survivor_seen_in_final_state() -> None:
     epochs = [epoch(0, [parent(), proc(1234, born=True, last_seen_after_s=0.5)])]
     final = final_state([parent(), proc(1234)], after_last_epoch=epochs, wait_s=2.5)

@@ -411,7 +411,10 @@ class EpochBook:
         pending: list[Proc] = []
         deadline = 0.0
         for proc in table.live.values():
-            if proc.foreign or not proc.own or proc.born_epoch not in ends:
+            # Counted from the epoch it was born in where its create time says, else the one
+            # it was placed in, as the survivor rule counts (NOTE [born epoch] in sampler.py).
+            born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
+            if proc.foreign or not proc.own or born not in ends:
                 continue
             if table.persistent(proc) and not (
                 # A runtime helper reparented away (its owner gone) gets the grace too: it
@@ -419,7 +422,7 @@ class EpochBook:
                 table.baseline_helper(proc) and not proc.in_lineage and not proc.pre_existing
             ):
                 continue
-            end_s = ends[proc.born_epoch]
+            end_s = ends[born]
             assert end_s is not None
             if proc.last_seen_s - end_s >= self.grace_s:
                 continue  # already seen alive past the grace: the evidence is in

@@ -27,9 +27,10 @@ helper that a short-lived worker started can be epochs after its birth (the scan
 reparented processes runs on the next wake, walks every fourth tick). So the epoch it was
 born in comes from its create time, on the tracker's clock through the boot clock's offset
 (``procs.since_boot_s``; both clocks tick alike), not from the epoch open when it was found:
-"started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``). The epoch it was
-placed in stays what the survivor rule and ``close()``'s wait count from
-(``Proc.born_epoch``): that epoch's records are the first that have it.
+"started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``), and the survivor
+rule, ``close()``'s wait and the tables' `alive after` all count the grace from that epoch's
+end. The epoch it was placed in (``Proc.born_epoch``) is the first whose records have it, and
+stands in for its birth where the create time falls between epochs.
 """
 
 from __future__ import annotations

@@ -34,11 +34,12 @@ class Proc:
     first_seen_s: float
     last_seen_s: float
     born_epoch: int | None
-    """The epoch open when it was placed: the epoch whose survivor it can be."""
+    """The epoch open when it was placed: the first whose records list it."""
     pre_existing: bool
     birth_epoch: int | None = None
     """The epoch its create time falls in (NOTE [born epoch] in sampler.py): what "started
-    in" names; the epoch it was placed in until the sampler computes it."""
+    in" names and the survivor rule counts the grace from; the epoch it was placed in
+    until the sampler computes it."""
     exited_s: float | None = None
     in_lineage: bool = True
     foreign: bool = False

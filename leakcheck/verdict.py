@@ -212,7 +212,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             after_s = _alive_after_s(timeline, birth, obs)
             # Alive when the job ended counts too: the orphan rule names what outlived the
             # job whether or not the grace had passed by then.
-            outlived = after_s is not None and after_s >= grace_s
+            outlived = _past_grace(after_s, grace_s)
             outlived = outlived or (obs[-1][0] is None and final_closed)
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
@@ -220,6 +220,15 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             for rec in _ends_outside_the_tree(timeline, ordered, ends, obs, birth):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
+
+
+def _past_grace(after_s: float | None, grace_s: float) -> bool:
+    """Seen alive later than the grace after an epoch's end (``_alive_after_s``).
+
+    Strictly later: with a grace of 0 a process that the end's own sample saw alive, and that
+    exited before any later look, has not outlived its epoch.
+    """
+    return after_s is not None and after_s > grace_s
 
 
 def _daemonized(proc: ProcessEpoch) -> bool:
@@ -393,7 +402,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             # Evidence only: seen alive once the grace had passed. A process last seen within
             # the grace and found gone after it exited somewhere in between, unknown where.
             alive_after = _alive_after_s(timeline, born, obs)
-            if alive_after is None or alive_after < config.grace_s:
+            if alive_after is None or not _past_grace(alive_after, config.grace_s):
                 continue
             judged.add(proc.key)
             later = [p for r, p in obs if r is None or r.index >= born.index]

@@ -127,7 +127,7 @@ def test_parent_never_a_survivor() -> None:
 
 def test_survivor_seen_alive_in_a_later_epoch_reported_once_in_birth_epoch() -> None:
     w0 = proc(1234, born=True, gpu_mib=500)  # no after-end observation in its own epoch
-    w_later = proc(1234, born=False, gpu_mib=500)
+    w_later = proc(1234, born=False, gpu_mib=500, last_seen_after_s=0.1)
     epochs = [
         epoch(0, [parent(), w0]),
         epoch(1, [parent(), w_later]),
@@ -135,7 +135,7 @@ def test_survivor_seen_alive_in_a_later_epoch_reported_once_in_birth_epoch() -> 
     ]
     found = one(verdict.survivor(timeline(epochs), CONFIG))
     assert (found.pid, found.epoch) == (1234, 0)
-    assert "still alive 2.0 s" in found.message
+    assert "still alive 2.1 s" in found.message
 
 
 def test_a_helper_found_epochs_late_is_judged_from_the_epoch_it_was_born_in() -> None:
@@ -146,6 +146,18 @@ def test_a_helper_found_epochs_late_is_judged_from_the_epoch_it_was_born_in() ->
     assert found.epoch == 1
     assert "started in epoch 1 is still alive 2.1 s after epoch 1 ended" in found.message
     assert verdict.epoch_counts(timeline(epochs), CONFIG.grace_s)[1].alive_after == 1
+
+
+def test_with_no_grace_a_survivor_is_one_seen_alive_after_its_epoch_ended() -> None:
+    """The end's own sample, taken just before the end is stamped, is not "after" it."""
+    no_grace = replace(CONFIG, grace_s=0.0)
+    at_end = proc(1234, born=True, last_seen_after_s=-0.005)
+    epochs = [epoch(0, [parent(), at_end])]
+    assert verdict.survivor(timeline(epochs), no_grace) == ()
+    assert verdict.epoch_counts(timeline(epochs), 0.0)[0].alive_after == 0
+    final = final_state([parent(), proc(1234)], after_last_epoch=epochs, wait_s=0.01)
+    found = one(verdict.survivor(timeline(epochs, final=final), no_grace))
+    assert "still alive 0.0 s after epoch 0 ended (grace 0 s)" in found.message
 
 
 def test_survivor_seen_in_final_state() -> None:

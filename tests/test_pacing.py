@@ -134,3 +134,10 @@ def test_rollup_reads_are_paced_by_their_cpu_time_with_no_gap_cap() -> None:
     assert not pacing.rollup_due(10.0 + 39.0)
     assert pacing.rollup_due(10.0 + 40.0)
     assert Pacing(0.05, has_nvml=False).rollup_share == 0.001  # the default share
+
+
+def test_a_rollup_share_of_one_reads_at_every_epoch_end_however_short() -> None:
+    """The remedy for paced-out reads (``rollup_share=1.0``) must read at every end."""
+    pacing = Pacing(0.05, has_nvml=False, rollup_share=1.0)
+    pacing.rollup_read(end_s=1.0, cpu_s=0.03)  # 30 ms of reads, epochs of 20 ms
+    assert pacing.rollup_due(1.02)

@@ -33,7 +33,8 @@ for the processes the host-growth rule judges (the parent and persistent workers
 epoch end at most, on the sampler's next wake rather than on the caller's thread (NOTE
 [tracker lifecycle] in sampler.py), and paced like NVML's reads: after reads that used ``c``
 seconds of the sampler's CPU, the epoch ends of the next ``c / rollup_share`` seconds read
-none. There is no gap cap: a job of large processes, or of short epochs, is read less often
+none; a share of 1 (all of the time, a diagnostic run's) reads at every epoch end, however
+short. There is no gap cap: a job of large processes, or of short epochs, is read less often
 rather than over its budget, except the first epoch ends the host-growth rule judges (the
 three after the warm-up epochs): those always read, so that the rule has USS, which shows
 copy-on-read where resident memory does not, to judge from, however short the epochs.
@@ -214,7 +215,8 @@ class Pacing:
 
     def rollup_read(self, end_s: float, cpu_s: float) -> None:
         """smaps_rollup reads ended at ``end_s`` after ``cpu_s`` of CPU (no gap cap)."""
-        self.rollup_due_s = end_s + cpu_s / self.rollup_share
+        if self.rollup_share < 1.0:  # all of the time: every epoch end reads
+            self.rollup_due_s = end_s + cpu_s / self.rollup_share
 
     def _gap_s(self, cpu_s: float, share: float) -> float:
         return min(cpu_s / share, self.max_gap_s)

@@ -21,7 +21,11 @@ import pytest
 
 from leakcheck import hostmem
 from leakcheck.model import ProcessEpoch, ProcessKey
+from leakcheck.procs import process_key
 from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.host import HostReads, RollupPlan
+from leakcheck.sampling.pacing import Pacing
+from leakcheck.sampling.reads import Failures
 from leakcheck.tracker import Tracker
 from leakcheck.verdict import judge
 
@@ -105,17 +109,28 @@ def test_epoch_ends_read_rss_of_every_process_and_uss_of_the_long_lived(
 
 
 def test_paced_out_epoch_ends_say_rss_never_an_older_uss() -> None:
-    # A share so small that after the first read no other fits in the run; epochs 1-3 are
-    # the host rule's first points after the warm-up, read whatever the pacing says.
+    # A share so small that after one read no other fits in the run; epochs 1-3 are the
+    # host rule's first points after the warm-up, read whatever the pacing says; the
+    # warm-up's end, which no rule judges, reads none.
     with Tracker(rollup_share=1e-9, grace=0.1, warmup_epochs=1) as tracker:
         for _ in range(6):
             with tracker.epoch():
                 time.sleep(0.02)
             tracker.finish_reads()
     parents = [_by_role(e.processes, "parent")[0] for e in tracker.epochs()]
-    assert [p.host_source for p in parents] == ["uss"] * 4 + ["rss"] * 2
-    for parent in parents[4:]:
+    assert [p.host_source for p in parents] == ["rss"] + ["uss"] * 3 + ["rss"] * 2
+    for parent in parents[:1] + parents[4:]:
         assert parent.host_bytes_end == parent.rss_bytes_end and parent.pss_bytes_end is None
+
+
+def test_unpaced_reads_read_every_epoch_end_the_warm_up_too() -> None:
+    with Tracker(rollup_share=1.0, grace=0.1, warmup_epochs=2) as tracker:
+        for _ in range(6):
+            with tracker.epoch():
+                time.sleep(0.02)
+            tracker.finish_reads()
+    parents = [_by_role(e.processes, "parent")[0] for e in tracker.epochs()]
+    assert [p.host_source for p in parents] == ["uss"] * 6
 
 
 def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,3 +358,19 @@ def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing(
     assert [host.plan(index, table) for index in range(6)] == [
         False, True, True, True, False, False,
     ]  # fmt: skip
+
+
+def test_a_caller_judging_an_epoch_reads_only_where_the_host_rule_can_find_growth() -> None:
+    """Before the third judged end no host finding can come: the reads stay the sampler's."""
+    me = process_key(os.getpid())
+    assert me is not None
+    reads = HostReads(Pacing(0.05, has_nvml=False), Failures(strict=True), warmup_epochs=1)
+    given: list[int] = []
+    for index, read_by_caller in ((1, False), (2, False), (3, True)):
+        reads.pending = RollupPlan(index, (me,))
+        reads.read_planned(threading.Lock(), lambda i, _: given.append(i), judged_only=True)
+        assert (reads.pending is None) == read_by_caller
+    assert given == [3]
+    reads.pending = RollupPlan(1, (me,))
+    reads.read_planned(threading.Lock(), lambda i, _: given.append(i))  # the sampler's own
+    assert given == [3, 1]

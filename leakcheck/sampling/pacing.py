@@ -38,11 +38,12 @@ short. There is no gap cap: a job of large processes, or of short epochs, is rea
 rather than over its budget, except the first epoch ends the host-growth rule judges (the
 three after the warm-up epochs): those always read, so that the rule has USS, which shows
 copy-on-read where resident memory does not, to judge from, however short the epochs.
-Its epochs without a read say RSS (the cheap status read of every process at every epoch
-end), never an older USS as if read; ``close()`` reads once more whatever the pacing says.
-A wrapper that announces leaks after each epoch (``watch()``, the Lightning callback) makes
-the reads its epoch end planned before it judges, on its own thread: its warning then gives
-the figures the final report gives.
+The warm-up epochs' ends, which no rule judges, read none unless reads are unpaced. Epochs
+without a read say RSS (the cheap status read of every process at every epoch end), never an
+older USS as if read; ``close()`` reads once more whatever the pacing says. A wrapper that
+announces leaks after each epoch (``watch()``, the Lightning callback) makes the reads its
+epoch end planned before it judges, on its own thread, from the first end at which the rule
+can find growth: its warning then gives the figures the final report gives.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler
@@ -209,13 +210,18 @@ class Pacing:
         if ok and graphics_seen is not None:
             self.graphics_seen = graphics_seen
 
+    @property
+    def unpaced_rollups(self) -> bool:
+        """A share of 1, all of the time: every epoch end reads USS (NOTE [host pacing])."""
+        return self.rollup_share >= 1.0
+
     def rollup_due(self, now_s: float) -> bool:
         """Whether the epoch end at ``now_s`` reads USS and PSS (NOTE [host pacing])."""
         return now_s >= self.rollup_due_s
 
     def rollup_read(self, end_s: float, cpu_s: float) -> None:
         """smaps_rollup reads ended at ``end_s`` after ``cpu_s`` of CPU (no gap cap)."""
-        if self.rollup_share < 1.0:  # all of the time: every epoch end reads
+        if not self.unpaced_rollups:
             self.rollup_due_s = end_s + cpu_s / self.rollup_share
 
     def _gap_s(self, cpu_s: float, share: float) -> float:

@@ -6,11 +6,16 @@ given as /proc gives it: whole clock ticks, truncated.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from leakcheck import procs
 from leakcheck.model import ProcessKey
+from leakcheck.readings import ProcInfo
 from leakcheck.sampling import claims
+from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.table import ProcessTable
 
 Epochs = list[tuple[str, float, float | None]]
 
@@ -64,6 +69,8 @@ def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
     monkeypatch.setattr(claims, "_owners", {})
     monkeypatch.setattr(claims, "_heir_of", {})
     monkeypatch.setattr(claims, "_exact", set())
+    monkeypatch.setattr(claims, "_gone", {})
+    monkeypatch.setattr(claims, "_taken", {})
 
 
 def test_a_workers_report_takes_along_what_it_started_before_the_report(
@@ -115,3 +122,55 @@ def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
         claims.claim(helper, worker, "train")
         claims.forget([helper])
     assert claims._heir_of == {}
+
+
+def test_a_report_read_after_its_worker_was_seen_gone_still_corrects_its_first_owner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
+    assert claims.claim(worker, None, "train") == "train"
+    claims.forget([worker])
+    claims.claim_worker(worker, "val")
+    assert claims.taken_from("train") == {worker}
+    assert claims.taken_from("train") == set() and claims.taken_from("val") == set()
+
+
+# A PID above any pid_max: /proc never shows it, so the table sees it gone once unlisted.
+_GONE_PID = 4_194_400
+
+
+@pytest.mark.parametrize("train_sees_it_gone_first", [False, True])
+def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epoch(
+    monkeypatch: pytest.MonkeyPatch, train_sees_it_gone_first: bool
+) -> None:
+    """The flake of test_clean_fit_tracks_train_and_val_epochs_apart: a validation worker
+    forked in the tick its epoch opened is claimed by the training tracker's walk before its
+    report is read, and is gone before that tracker walks again. Whichever tracker sees it
+    gone first, the report must take it out of the training epoch's record."""
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    root = ProcessKey(os.getpid(), 100.0)
+    worker = ProcessKey(_GONE_PID, procs.boot_time_s() + 10.48)
+    info = ProcInfo(worker, root.pid, "python", "python train.py")
+    train = ProcessTable(root, None, session="train", persistent_workers=False)
+    val = ProcessTable(root, None, session="val", persistent_workers=False)
+    book = EpochBook(grace_s=1.0)
+    book.begin("train epoch 2", 9.0)
+
+    train.apply_walk([info], now=10.5, quick=False, born_epoch=0)
+    assert train.procs[worker].own  # rule 3: the create time reads before val's opening
+    book.note_sample(train, None)
+    val.apply_walk([info], now=10.51, quick=False, born_epoch=0)
+    if train_sees_it_gone_first:
+        train.apply_walk([], now=10.6, quick=False, born_epoch=0)
+        val.register_worker(worker, False, now=10.61, born_epoch=0)  # the report, read late
+        val.apply_walk([], now=10.62, quick=False, born_epoch=0)
+    else:
+        val.register_worker(worker, False, now=10.6, born_epoch=0)
+        val.apply_walk([], now=10.61, quick=False, born_epoch=0)
+        train.apply_walk([], now=10.62, quick=False, born_epoch=0)
+    book.end(train, now=11.0, reason="completed", error=None, devices=())
+
+    (record,) = book.records(train, now=11.0)
+    assert [p.key for p in record.processes] == [root]
+    assert not train.procs[worker].own and val.procs[worker].own

@@ -333,9 +333,12 @@ class EpochBook:
 
     def _freeze(self, epoch: _Epoch, table: ProcessTable, now: float) -> EpochRecord:
         end_s = epoch.end_s if epoch.end_s is not None else now
+        # A process another tracker's worker report took after this epoch ended is not
+        # listed either (NOTE [claims]).
         processes = [
             self._process_epoch(epoch, table.procs[key], state, table, end_s)
             for key, state in sorted(epoch.end_state.items())
+            if table.procs[key].own
         ]
         return EpochRecord(
             index=epoch.index,

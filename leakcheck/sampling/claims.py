@@ -23,6 +23,16 @@ A tracker judges only what it owns; what another owns it counts as the job's mem
 sibling's workers never look like unexplained device memory) and never judges. Claims stay
 until the process is seen gone, and a tracker's claims outlive its close: a leftover of a
 closed tracker is still not another's to judge.
+
+A correction by rule 1 must reach the tracker that lost the process even where the worker
+is gone by then. Rule 3 can give a validation worker to the training tracker (forked in
+the tick its epoch opened, its create time reads before the opening), and a short-lived
+worker can be seen gone, by either tracker (and its claim forgotten), before its report is
+read from the mailbox, or before the losing tracker walks again: re-reading the claim finds
+none, and the worker stayed in the losing tracker's epoch as its own. So the owners of
+processes seen gone are kept a while (the report comes within a sampler tick or two), and
+every process rule 1 takes from a session is queued for that session's table, which takes
+it out of what it calls its own (``taken_from``) at its next walk and epoch end.
 """
 
 from __future__ import annotations
@@ -33,7 +43,15 @@ import threading
 from leakcheck import procs
 from leakcheck.model import ProcessKey
 
-__all__ = ["claim", "claim_worker", "epoch_closed", "epoch_opened", "forget", "owner_of"]
+__all__ = [
+    "claim",
+    "claim_worker",
+    "epoch_closed",
+    "epoch_opened",
+    "forget",
+    "owner_of",
+    "taken_from",
+]
 
 _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
@@ -41,6 +59,12 @@ _heir_of: dict[ProcessKey, ProcessKey] = {}
 """The parent each process claimed through its parent (rule 2) was claimed through."""
 _exact: set[ProcessKey] = set()
 """Workers claimed by their own report (rule 1): no correction of a parent moves them."""
+_gone: dict[ProcessKey, str] = {}
+"""The owners of the latest processes seen gone, oldest first: a report read after a
+tracker saw its worker gone still finds whom it corrects."""
+_KEPT_GONE = 1024
+_taken: dict[str, set[ProcessKey]] = {}
+"""Processes rule 1 took from each session, until its table takes them back (taken_from)."""
 _epochs: list[tuple[str, float, float | None]] = []
 """(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
 (the clock of a process's start time in /proc, exact where the Unix time of a create time
@@ -71,14 +95,27 @@ def claim_worker(key: ProcessKey, session: str) -> None:
     """Record an exact claim: the worker reported itself to ``session``'s mailbox (rule 1)."""
     with _lock:
         _exact.add(key)
-        _owners[key] = session
+        _take(key, _owners.get(key) or _gone.get(key), session)
         corrected = [key]
         while corrected:
             parent = corrected.pop()
             for heir, heir_parent in _heir_of.items():
                 if heir_parent == parent and heir not in _exact and heir in _owners:
-                    _owners[heir] = session
+                    _take(heir, _owners[heir], session)
                     corrected.append(heir)
+
+
+def _take(key: ProcessKey, previous: str | None, session: str) -> None:
+    """Give ``key`` to ``session``, queueing the correction for its previous owner."""
+    _owners[key] = session
+    if previous is not None and previous != session:
+        _taken.setdefault(previous, set()).add(key)
+
+
+def taken_from(session: str) -> set[ProcessKey]:
+    """The processes rule 1 took from ``session`` since it last asked: not its own."""
+    with _lock:
+        return _taken.pop(session, set())
 
 
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
@@ -131,9 +168,13 @@ def forget(keys: list[ProcessKey]) -> None:
     """Drop the claims of processes seen gone (their identities never come back)."""
     with _lock:
         for key in keys:
-            _owners.pop(key, None)
+            owner = _owners.pop(key, None)
+            if owner is not None:
+                _gone[key] = owner
             _heir_of.pop(key, None)
             _exact.discard(key)
+        while len(_gone) > _KEPT_GONE:
+            del _gone[next(iter(_gone))]
 
 
 def epoch_opened(session: str) -> None:
@@ -165,6 +206,8 @@ def _reset_after_fork() -> None:
     _owners.clear()
     _heir_of.clear()
     _exact.clear()
+    _gone.clear()
+    _taken.clear()
     _epochs.clear()
 
 

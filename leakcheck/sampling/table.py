@@ -236,8 +236,10 @@ class ProcessTable:
                     gone.append(key)
             if key != self.root and not proc.other_rank:
                 owner = claims.owner_of(key)
-                proc.own = owner is None or owner == self.session
+                if owner is not None:  # None: another tracker saw it gone first
+                    proc.own = owner == self.session
         claims.forget(gone)
+        self._give_back_taken()
         return added
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
@@ -262,6 +264,15 @@ class ProcessTable:
             owner = claims.owner_of(key)
             if owner is not None:
                 proc.own = owner == self.session
+        self._give_back_taken()
+
+    def _give_back_taken(self) -> None:
+        """Another tracker's worker, claimed here first, is not this tracker's: alive or gone."""
+        for key in claims.taken_from(self.session):
+            proc = self.procs.get(key)
+            if proc is not None and key not in self.workers and proc.own:
+                proc.own = False
+                self.changed = True
 
     def add_reparented(
         self, found: list[ProcInfo], *, now: float, born_epoch: int | None

@@ -136,6 +136,19 @@ def test_a_report_read_after_its_worker_was_seen_gone_still_corrects_its_first_o
     assert claims.taken_from("train") == set() and claims.taken_from("val") == set()
 
 
+def test_corrections_for_a_tracker_that_never_asks_again_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fresh_registry(monkeypatch, [("closed", 9.0, None)])
+    for pid in range(1000, 1000 + 3 * claims._KEPT_GONE):
+        worker = ProcessKey(pid=pid, create_time=procs.boot_time_s() + 9.5)
+        assert claims.claim(worker, None, "closed") == "closed"
+        claims.claim_worker(worker, "other")
+    assert len(claims._taken) == claims._KEPT_GONE
+    latest = ProcessKey(pid=999 + 3 * claims._KEPT_GONE, create_time=procs.boot_time_s() + 9.5)
+    assert latest in claims.taken_from("closed") and not claims._taken
+
+
 # A PID above any pid_max: /proc never shows it, so the table sees it gone once unlisted.
 _GONE_PID = 4_194_400
 

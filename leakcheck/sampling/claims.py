@@ -63,8 +63,10 @@ _gone: dict[ProcessKey, str] = {}
 """The owners of the latest processes seen gone, oldest first: a report read after a
 tracker saw its worker gone still finds whom it corrects."""
 _KEPT_GONE = 1024
-_taken: dict[str, set[ProcessKey]] = {}
-"""Processes rule 1 took from each session, until its table takes them back (taken_from)."""
+_taken: dict[tuple[str, ProcessKey], None] = {}
+"""(session, process) for each process rule 1 took from a session, until that session's
+table takes it back (taken_from); oldest first, the latest ``_KEPT_GONE`` kept (a closed
+tracker never asks again)."""
 _epochs: list[tuple[str, float, float | None]] = []
 """(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
 (the clock of a process's start time in /proc, exact where the Unix time of a create time
@@ -109,13 +111,20 @@ def _take(key: ProcessKey, previous: str | None, session: str) -> None:
     """Give ``key`` to ``session``, queueing the correction for its previous owner."""
     _owners[key] = session
     if previous is not None and previous != session:
-        _taken.setdefault(previous, set()).add(key)
+        _taken[previous, key] = None
+        while len(_taken) > _KEPT_GONE:
+            del _taken[next(iter(_taken))]
 
 
 def taken_from(session: str) -> set[ProcessKey]:
     """The processes rule 1 took from ``session`` since it last asked: not its own."""
     with _lock:
-        return _taken.pop(session, set())
+        if not _taken:
+            return set()
+        mine = [entry for entry in _taken if entry[0] == session]
+        for entry in mine:
+            del _taken[entry]
+        return {key for _, key in mine}
 
 
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:

@@ -328,8 +328,9 @@ class FinalState:
     closed: bool = True
     """The tracker was closed (False: a report asked for while the work goes on)."""
     pending_pids: tuple[int, ...] = ()
-    """Processes alive now whose survival is not decided yet: born in an epoch that ended
-    less than the grace ago (a report before ``close()``; empty once closed)."""
+    """Processes alive now whose survival is not decided yet: born in an epoch that ended,
+    and not yet seen more than the grace after its end (a report before ``close()``; empty
+    once closed)."""
 
 
 @dataclass(frozen=True)

@@ -193,9 +193,9 @@ class Report:
             return ""
         count = plural(len(pending), "process", "processes")
         return (
-            f"; {count} of recent epochs not judged yet (alive, less than the grace of "
-            f"{self.config.grace_s:g} s after the end of the epoch "
-            f"{'it was' if len(pending) == 1 else 'they were'} found in)"
+            f"; {count} of recent epochs not judged yet (alive, not yet seen more than the "
+            f"grace of {self.config.grace_s:g} s after the end of the epoch "
+            f"{'it was' if len(pending) == 1 else 'they were'} born in)"
         )
 
     def _verdict_line(self) -> str:

@@ -288,20 +288,14 @@ class Tracker:
             self._sampler.register_worker(key, persistent)
 
     @caller_timed
-    def finish_reads(self, *, judged_only: bool = False) -> None:
+    def finish_reads(self) -> None:
         """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
 
         Call it before changing the job's processes right after an epoch (dropping a loader,
         which stops its persistent workers), so that those reads describe the epoch's end.
         ``close()`` does it too.
-
-        Args:
-            judged_only: Only where the host-growth rule can find growth at that end (its
-                third judged epoch or later): before judging it, a warning needs them;
-                earlier ones stay on the sampler's thread, off the caller's time.
-
         """
-        self._sampler.finish_reads(judged_only=judged_only)
+        self._sampler.finish_reads()
 
     def worker_keys(self) -> list[ProcessKey]:
         """Workers registered so far."""

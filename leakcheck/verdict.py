@@ -181,7 +181,7 @@ class EpochCounts:
 
     Attributes:
         alive_after: Processes the epoch started (by create time), not persistent, seen
-            alive the grace or more after its end, or still alive when the job ended: the
+            alive more than the grace after its end, or still alive when the job ended: the
             survivor and orphan rules' evidence, so a helper that a later scan found counts
             in the epoch that started it.
         orphans: The job's processes reparented away that were alive at the epoch's end and

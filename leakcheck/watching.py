@@ -166,9 +166,8 @@ class EpochJudge:
         if self.on_leak == "ignore":
             return
         # The USS reads the last epoch end planned are made first, so that a warning gives
-        # the figures the final report will (NOTE [host pacing]); none planned, none made,
-        # nor where the host-growth rule cannot find growth yet.
-        self.tracker.finish_reads(judged_only=True)
+        # the figures the final report will (NOTE [host pacing]); none planned, none made.
+        self.tracker.finish_reads()
         window = None if self.tracker.closed else JUDGED_EPOCHS
         report = self.tracker.report(last_epochs=window, fresh=False)
         new = [f for f in report.leaks if _finding_id(f) not in self._announced]

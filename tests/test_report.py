@@ -342,8 +342,8 @@ def test_a_report_before_close_does_not_call_a_named_leak_not_judged_yet() -> No
     report = build_report(timeline([rec], final=pending), CONFIG)
     assert [f.pid for f in report.leaks] == [4321]
     assert report.summary().endswith(
-        "; 1 process of recent epochs not judged yet (alive, less than the grace of 2 s after "
-        "the end of the epoch it was found in)"
+        "; 1 process of recent epochs not judged yet (alive, not yet seen more than the grace "
+        "of 2 s after the end of the epoch it was born in)"
     ), report.summary()
 
 

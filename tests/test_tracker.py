@@ -271,8 +271,8 @@ def test_a_report_before_close_says_what_it_cannot_judge_yet() -> None:
             early = tracker.report()
             assert early.leaks == []
             assert early.summary().endswith(
-                "; 1 process of recent epochs not judged yet (alive, less than the grace of "
-                "1 s after the end of the epoch it was found in)"
+                "; 1 process of recent epochs not judged yet (alive, not yet seen more than "
+                "the grace of 1 s after the end of the epoch it was born in)"
             ), early.summary()
             assert early.timeline.final is not None
             assert early.timeline.final.pending_pids == (child.pid,)

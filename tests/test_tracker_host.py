@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import leakcheck
 from leakcheck import hostmem
 from leakcheck.model import ProcessEpoch, ProcessKey
-from leakcheck.procs import process_key
 from leakcheck.sampling.book import EpochBook
-from leakcheck.sampling.host import HostReads, RollupPlan
-from leakcheck.sampling.pacing import Pacing
-from leakcheck.sampling.reads import Failures
 from leakcheck.tracker import Tracker
 from leakcheck.verdict import judge
 
@@ -360,17 +358,30 @@ def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing(
     ]  # fmt: skip
 
 
-def test_a_caller_judging_an_epoch_reads_only_where_the_host_rule_can_find_growth() -> None:
-    """Before the third judged end no host finding can come: the reads stay the sampler's."""
-    me = process_key(os.getpid())
-    assert me is not None
-    reads = HostReads(Pacing(0.05, has_nvml=False), Failures(strict=True), warmup_epochs=1)
-    given: list[int] = []
-    for index, read_by_caller in ((1, False), (2, False), (3, True)):
-        reads.pending = RollupPlan(index, (me,))
-        reads.read_planned(threading.Lock(), lambda i, _: given.append(i), judged_only=True)
-        assert (reads.pending is None) == read_by_caller
-    assert given == [3]
-    reads.pending = RollupPlan(1, (me,))
-    reads.read_planned(threading.Lock(), lambda i, _: given.append(i))  # the sampler's own
-    assert given == [3, 1]
+class _Tiny(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.zeros(2)
+
+
+@pytest.mark.parametrize(
+    ("share", "sources"), [(None, ["rss", "uss", "uss", "uss"]), (1.0, ["uss"] * 6)]
+)
+def test_watched_epochs_of_milliseconds_read_uss_where_the_pacing_says(
+    share: float | None, sources: list[str]
+) -> None:
+    """The ends that always read (the host rule's first three) and, unpaced, every end have
+    their USS before the next epoch begins: the wrapper makes the planned reads itself, so
+    the sampler's thread, late, neither loses them nor reads a later moment for them."""
+    loader = torch.utils.data.DataLoader(
+        _Tiny(), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    with leakcheck.watch(loader, grace=0.2, rollup_share=share) as watched:
+        for _ in range(6):
+            for _batch in watched:
+                pass
+    for epoch in watched.report().epochs[: len(sources)]:
+        found = {p.role: p.host_source for p in epoch.processes}
+        assert found == {"parent": sources[epoch.index], "worker": sources[epoch.index]}, epoch

@@ -56,8 +56,6 @@ class HostReads:
         self.failures = failures
         self.always_read = range(warmup_epochs, warmup_epochs + _HOST_RULE_FIRST_POINTS)
         """Epoch ends read whatever the pacing says (NOTE [host pacing] in pacing.py)."""
-        self.first_judged_end = self.always_read.stop - 1
-        """The first epoch end at which the host-growth rule can find growth."""
         self.pending: RollupPlan | None = None
         # Held while planned reads are made (by the sampler thread, or a caller finishing
         # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
@@ -114,25 +112,20 @@ class HostReads:
         self,
         lock: AbstractContextManager[object],
         give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
-        *,
-        judged_only: bool = False,
     ) -> None:
         """Make the planned reads, if any, then ``give(epoch_index, found)``.
 
         ``lock`` (the sampler's) is held only to take the plan: the reads take a millisecond
         or more per process. One caller at a time: a second waits for the first's reads to
-        end, so that once it returns, nothing planned is left unread. ``judged_only``: only a
-        plan for an end at which the host-growth rule can find growth; an earlier one is
-        left to the sampler's thread.
+        end, so that once it returns, nothing planned is left unread.
         """
         if not self._reading.acquire(timeout=_READING_WAIT_S):
             return
         try:
             with lock:
-                plan = self.pending
-                if plan is None or (judged_only and plan.epoch_index < self.first_judged_end):
-                    return
-                self.pending = None
+                plan, self.pending = self.pending, None
+            if plan is None:
+                return
             try:
                 found = self.rollup(plan.keys)
             except Exception as error:

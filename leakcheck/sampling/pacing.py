@@ -42,8 +42,8 @@ The warm-up epochs' ends, which no rule judges, read none unless reads are unpac
 without a read say RSS (the cheap status read of every process at every epoch end), never an
 older USS as if read; ``close()`` reads once more whatever the pacing says. A wrapper that
 announces leaks after each epoch (``watch()``, the Lightning callback) makes the reads its
-epoch end planned before it judges, on its own thread, from the first end at which the rule
-can find growth: its warning then gives the figures the final report gives.
+epoch end planned before it judges, on its own thread: its warning then gives the figures the
+final report gives.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler

@@ -286,19 +286,18 @@ class Sampler:
         with contextlib.suppress(RuntimeError):  # released already: a wake is pending
             self._gate.release()
 
-    def finish_reads(self, *, judged_only: bool = False) -> None:
+    def finish_reads(self) -> None:
         """Make the host reads planned at the last epoch end now, or wait for those under way.
 
         Before the job's processes change (a loader dropped, its persistent workers shut
         down), so that the reads describe the epoch's end. No lock held by the caller.
-        ``judged_only``: only reads the host-growth rule can find growth from at that end.
         """
 
         def give(index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
             with self.lock:
                 self.book.apply_rollup(index, found)
 
-        self.host.read_planned(self.lock, give, judged_only=judged_only)
+        self.host.read_planned(self.lock, give)
 
     def _wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""

@@ -464,9 +464,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         ]
         if not orphaned:
             continue
-        if (
-            all(proc.persistent for _, proc in orphaned)
-            and max(proc.last_seen_after_s or 0.0 for _, proc in orphaned) < config.grace_s
+        if all(proc.persistent for _, proc in orphaned) and not _past_grace(
+            max(proc.last_seen_after_s or 0.0 for _, proc in orphaned), config.grace_s
         ):
             continue  # a runtime helper on its way out with its owner, not seen past the grace
         first_rec = orphaned[0][0]
@@ -476,7 +475,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 for rec, proc in orphaned
                 if rec is not None
             )
-            if latest - first_rec.end_s < config.grace_s:
+            if not _past_grace(latest - first_rec.end_s, config.grace_s):
                 continue  # not seen alive long enough to tell: judged later, or at close
         last = orphaned[-1][1]
         procs = [proc for _, proc in orphaned]

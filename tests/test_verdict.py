@@ -177,6 +177,16 @@ def test_descendant_survivor_has_its_own_remedy() -> None:
 # --------------------------------------------------------------------------- orphan
 
 
+def test_with_no_grace_an_orphan_is_judged_once_seen_after_the_end_that_first_listed_it() -> None:
+    """As for survivors: strictly past the grace; a look at the end itself is not after it."""
+    no_grace = replace(CONFIG, grace_s=0.0)
+    orphaned = proc(4321, "orphan", last_seen_after_s=0.0)
+    epochs = [epoch(0, [parent()]), epoch(1, [parent(), orphaned])]
+    assert verdict.orphan(timeline(epochs), no_grace) == ()
+    final = final_state([parent(), proc(4321, "orphan")], after_last_epoch=epochs, wait_s=0.01)
+    assert one(verdict.orphan(timeline(epochs, final=final), no_grace)).pid == 4321
+
+
 def test_orphan_found_with_max_bytes_and_fds() -> None:
     epochs = [
         epoch(0, [parent(), proc(4321, "descendant", born=True, gpu_mib=200, fds=10)]),

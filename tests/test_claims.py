@@ -70,6 +70,7 @@ def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
     monkeypatch.setattr(claims, "_heir_of", {})
     monkeypatch.setattr(claims, "_exact", set())
     monkeypatch.setattr(claims, "_gone", {})
+    monkeypatch.setattr(claims, "_gone_heir_of", {})
     monkeypatch.setattr(claims, "_taken", {})
 
 
@@ -147,6 +148,31 @@ def test_corrections_for_a_tracker_that_never_asks_again_are_bounded(
     assert len(claims._taken) == claims._KEPT_GONE
     latest = ProcessKey(pid=999 + 3 * claims._KEPT_GONE, create_time=procs.boot_time_s() + 9.5)
     assert latest in claims.taken_from("closed") and not claims._taken
+
+
+def test_a_late_report_moves_the_workers_child_seen_gone_with_it_and_claims_nothing_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
+    child = ProcessKey(pid=801, create_time=procs.boot_time_s() + 10.6)
+    assert claims.claim(worker, None, "train") == "train"
+    assert claims.claim(child, worker, "train") == "train"  # rule 2: its worker's owner
+    claims.forget([worker, child])
+    claims.claim_worker(worker, "val")
+    assert claims.taken_from("train") == {worker, child}
+    assert not claims._owners and not claims._exact  # both gone: no claim made again
+
+
+def test_a_worker_known_from_its_report_alone_leaves_no_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fresh_registry(monkeypatch, [("val", 9.0, None)])
+    root = ProcessKey(os.getpid(), 100.0)
+    val = ProcessTable(root, None, session="val", persistent_workers=False)
+    worker = ProcessKey(_GONE_PID + 1, procs.boot_time_s() + 9.5)
+    assert val.register_worker(worker, False, now=10.0, born_epoch=0).own
+    assert worker not in claims._owners and claims._gone == {worker: "val"}
 
 
 # A PID above any pid_max: /proc never shows it, so the table sees it gone once unlisted.

@@ -30,9 +30,11 @@ the tick its epoch opened, its create time reads before the opening), and a shor
 worker can be seen gone, by either tracker (and its claim forgotten), before its report is
 read from the mailbox, or before the losing tracker walks again: re-reading the claim finds
 none, and the worker stayed in the losing tracker's epoch as its own. So the owners of
-processes seen gone are kept a while (the report comes within a sampler tick or two), and
-every process rule 1 takes from a session is queued for that session's table, which takes
-it out of what it calls its own (``taken_from``) at its next walk and epoch end.
+processes seen gone, and the parents of gone heirs, are kept a while (the report comes within
+a sampler tick or two), a late report changes those without claiming anything again, and
+every process rule 1 takes from a session, alive or gone, is queued for that session's
+table, which takes it out of what it calls its own (``taken_from``) at its next walk and
+epoch end.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ _exact: set[ProcessKey] = set()
 _gone: dict[ProcessKey, str] = {}
 """The owners of the latest processes seen gone, oldest first: a report read after a
 tracker saw its worker gone still finds whom it corrects."""
+_gone_heir_of: dict[ProcessKey, ProcessKey] = {}
+"""``_heir_of`` of the latest heirs seen gone: a late report of their parent still moves them."""
 _KEPT_GONE = 1024
 _taken: dict[tuple[str, ProcessKey], None] = {}
 """(session, process) for each process rule 1 took from a session, until that session's
@@ -96,8 +100,11 @@ def owner_of(key: ProcessKey) -> str | None:
 def claim_worker(key: ProcessKey, session: str) -> None:
     """Record an exact claim: the worker reported itself to ``session``'s mailbox (rule 1)."""
     with _lock:
-        _exact.add(key)
-        _take(key, _owners.get(key) or _gone.get(key), session)
+        if key not in _owners and key in _gone:
+            _take_gone(key, session)  # seen gone before its report was read: no new claim
+        else:
+            _exact.add(key)
+            _take(key, _owners.get(key), session)
         corrected = [key]
         while corrected:
             parent = corrected.pop()
@@ -105,11 +112,25 @@ def claim_worker(key: ProcessKey, session: str) -> None:
                 if heir_parent == parent and heir not in _exact and heir in _owners:
                     _take(heir, _owners[heir], session)
                     corrected.append(heir)
+            for heir, heir_parent in _gone_heir_of.items():
+                if heir_parent == parent and heir in _gone:
+                    _take_gone(heir, session)
+                    corrected.append(heir)
 
 
 def _take(key: ProcessKey, previous: str | None, session: str) -> None:
     """Give ``key`` to ``session``, queueing the correction for its previous owner."""
     _owners[key] = session
+    _queue(key, previous, session)
+
+
+def _take_gone(key: ProcessKey, session: str) -> None:
+    """The same for a process seen gone: its kept owner changes, no claim is made again."""
+    previous, _gone[key] = _gone[key], session
+    _queue(key, previous, session)
+
+
+def _queue(key: ProcessKey, previous: str | None, session: str) -> None:
     if previous is not None and previous != session:
         _taken[previous, key] = None
         while len(_taken) > _KEPT_GONE:
@@ -180,10 +201,13 @@ def forget(keys: list[ProcessKey]) -> None:
             owner = _owners.pop(key, None)
             if owner is not None:
                 _gone[key] = owner
-            _heir_of.pop(key, None)
+            parent = _heir_of.pop(key, None)
+            if parent is not None:
+                _gone_heir_of[key] = parent
             _exact.discard(key)
-        while len(_gone) > _KEPT_GONE:
-            del _gone[next(iter(_gone))]
+        for kept in (_gone, _gone_heir_of):
+            while len(kept) > _KEPT_GONE:
+                del kept[next(iter(kept))]
 
 
 def epoch_opened(session: str) -> None:
@@ -216,6 +240,7 @@ def _reset_after_fork() -> None:
     _heir_of.clear()
     _exact.clear()
     _gone.clear()
+    _gone_heir_of.clear()
     _taken.clear()
     _epochs.clear()
 

@@ -314,6 +314,7 @@ class ProcessTable:
                     born_epoch=born_epoch,
                 )
                 self.mark_exited(proc, now)
+                claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
         # A loader's worker never becomes a rank: its rank is the one it was born with
         # (NOTE [rank read]), and its environment need not be read again.

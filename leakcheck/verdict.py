@@ -441,8 +441,8 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find lineage processes reparented away from the job and still alive.
 
-    On evidence, as survivors are: alive now (the final state), or seen orphaned across at
-    least the grace period; one that exits within the grace is not judged, nor a helper that
+    On evidence, as survivors are: alive now (the final state), or seen orphaned over more
+    than the grace period; one that exits within the grace is not judged, nor a helper that
     daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``); another
     runtime helper (a forkserver, a resource tracker) only once seen alive past the grace.
     One finding per identity, with the most GPU memory and descriptors it was seen with.

@@ -7,9 +7,13 @@ given as /proc gives it: whole clock ticks, truncated.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
+import leakcheck
 from leakcheck import procs
 from leakcheck.model import ProcessKey
 from leakcheck.readings import ProcInfo
@@ -72,6 +76,7 @@ def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
     monkeypatch.setattr(claims, "_gone", {})
     monkeypatch.setattr(claims, "_gone_heir_of", {})
     monkeypatch.setattr(claims, "_taken", {})
+    monkeypatch.setattr(claims, "_roots", {})
 
 
 def test_a_workers_report_takes_along_what_it_started_before_the_report(
@@ -213,3 +218,68 @@ def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epo
     (record,) = book.records(train, now=11.0)
     assert [p.key for p in record.processes] == [root]
     assert not train.procs[worker].own and val.procs[worker].own
+
+
+def test_a_listing_taken_before_its_process_was_seen_gone_claims_it_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Train lists W; val reads W's report and sees it gone; train then places W from its
+    listing: W stays val's (rule 3 would have said train's)."""
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
+    claims.claim_worker(worker, "val")
+    claims.forget([worker])
+    assert claims.claim(worker, None, "train") == "val"
+    assert worker not in claims._owners
+
+
+def test_a_child_of_a_trackers_own_root_is_that_trackers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``Tracker(root_pid=S)`` beside a tracker of this process: the outer one placed S,
+    and may place S's children first, in the tick the inner epoch opened."""
+    _fresh_registry(monkeypatch, [("outer", 9.0, None), ("inner", 10.483, None)])
+    me, other = ProcessKey(os.getpid(), 100.0), ProcessKey(4001, 101.0)
+    claims.add_root(me, "outer")
+    child = ProcessKey(pid=801, create_time=procs.boot_time_s() + 10.48)
+    root = ProcessKey(pid=800, create_time=procs.boot_time_s() + 5.0)
+    assert claims.claim(root, me, "outer") == "outer"
+    claims.add_root(root, "inner")
+    assert claims.claim(child, root, "outer") == "inner"
+    # This process's own trackers share their root: rule 3 tells them apart.
+    claims.add_root(me, "inner")
+    sibling = ProcessKey(pid=802, create_time=procs.boot_time_s() + 10.48)
+    assert claims.claim(sibling, me, "inner") == "outer"
+    assert claims.claim(ProcessKey(4002, 102.0), other, "inner") == "inner"
+
+
+def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_one() -> None:
+    """Real processes: the helper a watched child starts is the inner tracker's survivor."""
+    script = (
+        "import subprocess, sys, time\n"
+        "sys.stdin.readline()\n"
+        "helper = subprocess.Popen(['sleep', '30'])\n"
+        "print(helper.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    helper_pid = None
+    try:
+        with leakcheck.Tracker(use_nvml=False, grace=0.2) as outer, outer.epoch("outer"):
+            time.sleep(0.3)  # the outer tracker places the child first
+            with leakcheck.Tracker(root_pid=child.pid, use_nvml=False, grace=0.2) as inner:
+                with inner.epoch("e0"):
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    helper_pid = int(child.stdout.readline())
+                    time.sleep(0.3)
+                with inner.epoch("e1"):
+                    time.sleep(0.5)
+        assert [(f.rule, f.pid) for f in inner.report().leaks] == [("survivor", helper_pid)]
+        assert helper_pid not in {f.pid for f in outer.report().findings}
+    finally:
+        if helper_pid is not None:
+            os.kill(helper_pid, 15)
+        child.kill()
+        child.wait()

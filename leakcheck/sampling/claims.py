@@ -11,7 +11,11 @@ the session that owns it:
    claim is exact and replaces any other;
 2. a process whose parent is claimed belongs to the parent's owner (a worker's children are
    its loader's), and follows it when rule 1 corrects the parent's claim: a worker can be
-   placed, and start a helper, before its report reaches the mailbox;
+   placed, and start a helper, before its report reaches the mailbox. A child of a
+   tracker's root belongs to that tracker where it is the only one rooted there: a
+   ``Tracker(root_pid=S)`` beside a tracker of this process watches S's tree, though the
+   other placed S first (and may place S's children first); this process's own trackers
+   share their root, and rule 3 tells them apart;
 3. otherwise the tracker whose epoch was the innermost one open when the process was born
    (its create time) claims it: a loader's epoch is open when its workers start, and a
    validation loader run inside the training epoch opens its epoch inside the training
@@ -50,6 +54,7 @@ __all__ = [
     "claim_worker",
     "epoch_closed",
     "epoch_opened",
+    "add_root",
     "forget",
     "owner_of",
     "taken_from",
@@ -64,6 +69,8 @@ _exact: set[ProcessKey] = set()
 _gone: dict[ProcessKey, str] = {}
 """The owners of the latest processes seen gone, oldest first: a report read after a
 tracker saw its worker gone still finds whom it corrects."""
+_roots: dict[ProcessKey, set[str]] = {}
+"""The sessions of the trackers rooted at each process (rule 2 of NOTE [claims])."""
 _gone_heir_of: dict[ProcessKey, ProcessKey] = {}
 """``_heir_of`` of the latest heirs seen gone: a late report of their parent still moves them."""
 _KEPT_GONE = 1024
@@ -161,8 +168,15 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
 
     """
     with _lock:
+        if key in _gone and key not in _owners:
+            return _gone[key]  # placed from a listing taken before it was seen gone
         owner = _owners.get(key)
-        if owner is None and parent is not None:
+        rooted = _roots.get(parent) if parent is not None else None
+        if owner is None and rooted is not None:
+            # A child of a tracker's root: that tracker's, where it is the only one rooted
+            # there; several (this process's trackers) are told apart by rule 3.
+            owner = next(iter(rooted)) if len(rooted) == 1 else None
+        elif owner is None and parent is not None:
             owner = _owners.get(parent)
             if owner is not None:
                 _heir_of[key] = parent
@@ -194,6 +208,12 @@ def _epoch_at(born_s: float) -> str | None:
     return max(overlapping)[1] if overlapping else None
 
 
+def add_root(key: ProcessKey, session: str) -> None:
+    """``session``'s tracker watches the tree under ``key``."""
+    with _lock:
+        _roots.setdefault(key, set()).add(session)
+
+
 def forget(keys: list[ProcessKey]) -> None:
     """Drop the claims of processes seen gone (their identities never come back)."""
     with _lock:
@@ -205,6 +225,7 @@ def forget(keys: list[ProcessKey]) -> None:
             if parent is not None:
                 _gone_heir_of[key] = parent
             _exact.discard(key)
+            _roots.pop(key, None)
         for kept in (_gone, _gone_heir_of):
             while len(kept) > _KEPT_GONE:
                 del kept[next(iter(kept))]
@@ -241,6 +262,7 @@ def _reset_after_fork() -> None:
     _exact.clear()
     _gone.clear()
     _gone_heir_of.clear()
+    _roots.clear()
     _taken.clear()
     _epochs.clear()
 

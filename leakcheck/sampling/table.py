@@ -161,6 +161,7 @@ class ProcessTable:
         )
         self.procs[root] = self.live[root] = root_proc
         self.by_pid[root.pid] = root
+        claims.add_root(root, session)
 
     # -- placing processes ---------------------------------------------------------------
 

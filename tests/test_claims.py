@@ -283,3 +283,49 @@ def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_o
             os.kill(helper_pid, 15)
         child.kill()
         child.wait()
+
+
+def _val_worker_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ProcessKey, ProcInfo, ProcessTable, ProcessTable, EpochBook]:
+    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
+    root = ProcessKey(os.getpid(), 100.0)
+    worker = ProcessKey(_GONE_PID, procs.boot_time_s() + 10.48)
+    info = ProcInfo(worker, root.pid, "python", "python train.py")
+    train = ProcessTable(root, None, session="train", persistent_workers=False)
+    val = ProcessTable(root, None, session="val", persistent_workers=False)
+    book = EpochBook(grace_s=1.0)
+    book.begin("train epoch 2", 9.0)
+    return worker, info, train, val, book
+
+
+def test_a_corrected_worker_seen_gone_by_its_owner_first_stays_out_of_the_other_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Train took the correction while the worker lived; val then saw it gone and dropped
+    its claim: train's next walk must not take the missing claim for its own."""
+    worker, info, train, val, book = _val_worker_tables(monkeypatch)
+    train.apply_walk([info], now=10.5, quick=False, born_epoch=0)
+    book.note_sample(train, None)
+    val.apply_walk([info], now=10.51, quick=False, born_epoch=0)
+    val.register_worker(worker, False, now=10.52, born_epoch=0)
+    train.apply_walk([info], now=10.55, quick=False, born_epoch=0)  # takes the correction
+    book.note_sample(train, None)
+    val.apply_walk([], now=10.6, quick=False, born_epoch=0)  # val sees it gone first
+    train.apply_walk([], now=10.62, quick=False, born_epoch=0)
+    book.end(train, now=11.0, reason="completed", error=None, devices=())
+    (record,) = book.records(train, now=11.0)
+    assert [p.key for p in record.processes] == [train.root]
+
+
+def test_a_correction_that_comes_after_the_epoch_ended_reaches_its_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker, info, train, val, book = _val_worker_tables(monkeypatch)
+    train.apply_walk([info], now=10.5, quick=False, born_epoch=0)
+    book.note_sample(train, None)
+    book.end(train, now=10.7, reason="completed", error=None, devices=())  # still train's
+    val.register_worker(worker, False, now=10.8, born_epoch=None)  # the report, read late
+    train.apply_walk([info], now=10.9, quick=False, born_epoch=None)
+    (record,) = book.records(train, now=11.0)
+    assert [p.key for p in record.processes] == [train.root]

@@ -187,6 +187,23 @@ def test_with_no_grace_an_orphan_is_judged_once_seen_after_the_end_that_first_li
     assert one(verdict.orphan(timeline(epochs, final=final), no_grace)).pid == 4321
 
 
+def test_a_runtime_helper_orphaned_is_judged_only_once_seen_more_than_the_grace_after() -> None:
+    """A forkserver reparented away exits with its owner, or stays for ever: an orphan only
+    when seen alive more than the grace after the end that first listed it."""
+    forkserver = "python -c from multiprocessing.forkserver import main; main(3, 4)"
+
+    def helper(after_s: float) -> ProcessEpoch:
+        orphaned = proc(4321, "orphan", last_seen_after_s=after_s, cmdline=forkserver)
+        return replace(orphaned, persistent=True)
+
+    def listed(after_s: float) -> list[EpochRecord]:
+        return [epoch(0, [parent()]), epoch(1, [parent(), helper(0.0)]),
+                epoch(2, [parent(), helper(after_s)])]  # fmt: skip
+
+    assert verdict.orphan(timeline(listed(CONFIG.grace_s)), CONFIG) == ()
+    assert one(verdict.orphan(timeline(listed(CONFIG.grace_s + 0.1)), CONFIG)).pid == 4321
+
+
 def test_orphan_found_with_max_bytes_and_fds() -> None:
     epochs = [
         epoch(0, [parent(), proc(4321, "descendant", born=True, gpu_mib=200, fds=10)]),

@@ -50,11 +50,11 @@ from leakcheck import procs
 from leakcheck.model import ProcessKey
 
 __all__ = [
+    "add_root",
     "claim",
     "claim_worker",
     "epoch_closed",
     "epoch_opened",
-    "add_root",
     "forget",
     "owner_of",
     "taken_from",

@@ -184,14 +184,9 @@ def test_a_worker_known_from_its_report_alone_leaves_no_claim(
 _GONE_PID = 4_194_400
 
 
-@pytest.mark.parametrize("train_sees_it_gone_first", [False, True])
-def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epoch(
-    monkeypatch: pytest.MonkeyPatch, train_sees_it_gone_first: bool
-) -> None:
-    """The flake of test_clean_fit_tracks_train_and_val_epochs_apart: a validation worker
-    forked in the tick its epoch opened is claimed by the training tracker's walk before its
-    report is read, and is gone before that tracker walks again. Whichever tracker sees it
-    gone first, the report must take it out of the training epoch's record."""
+def _val_worker_tables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ProcessKey, ProcInfo, ProcessTable, ProcessTable, EpochBook]:
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
     root = ProcessKey(os.getpid(), 100.0)
     worker = ProcessKey(_GONE_PID, procs.boot_time_s() + 10.48)
@@ -200,7 +195,18 @@ def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epo
     val = ProcessTable(root, None, session="val", persistent_workers=False)
     book = EpochBook(grace_s=1.0)
     book.begin("train epoch 2", 9.0)
+    return worker, info, train, val, book
 
+
+@pytest.mark.parametrize("train_sees_it_gone_first", [False, True])
+def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epoch(
+    monkeypatch: pytest.MonkeyPatch, train_sees_it_gone_first: bool
+) -> None:
+    """The flake of test_clean_fit_tracks_train_and_val_epochs_apart: a validation worker
+    forked in the tick its epoch opened is claimed by the training tracker's walk before its
+    report is read, and is gone before that tracker walks again. Whichever tracker sees it
+    gone first, the report must take it out of the training epoch's record."""
+    worker, info, train, val, book = _val_worker_tables(monkeypatch)
     train.apply_walk([info], now=10.5, quick=False, born_epoch=0)
     assert train.procs[worker].own  # rule 3: the create time reads before val's opening
     book.note_sample(train, None)
@@ -216,7 +222,7 @@ def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epo
     book.end(train, now=11.0, reason="completed", error=None, devices=())
 
     (record,) = book.records(train, now=11.0)
-    assert [p.key for p in record.processes] == [root]
+    assert [p.key for p in record.processes] == [train.root]
     assert not train.procs[worker].own and val.procs[worker].own
 
 
@@ -283,20 +289,6 @@ def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_o
             os.kill(helper_pid, 15)
         child.kill()
         child.wait()
-
-
-def _val_worker_tables(
-    monkeypatch: pytest.MonkeyPatch,
-) -> tuple[ProcessKey, ProcInfo, ProcessTable, ProcessTable, EpochBook]:
-    _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    root = ProcessKey(os.getpid(), 100.0)
-    worker = ProcessKey(_GONE_PID, procs.boot_time_s() + 10.48)
-    info = ProcInfo(worker, root.pid, "python", "python train.py")
-    train = ProcessTable(root, None, session="train", persistent_workers=False)
-    val = ProcessTable(root, None, session="val", persistent_workers=False)
-    book = EpochBook(grace_s=1.0)
-    book.begin("train epoch 2", 9.0)
-    return worker, info, train, val, book
 
 
 def test_a_corrected_worker_seen_gone_by_its_owner_first_stays_out_of_the_other_epoch(

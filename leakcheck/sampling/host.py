@@ -126,12 +126,7 @@ class HostReads:
                 plan, self.pending = self.pending, None
             if plan is None:
                 return
-            try:
-                found = self.rollup(plan.keys)
-            except Exception as error:
-                with lock:  # reports read the failures under it, from another thread
-                    self.failures.record(f"host memory: {type(error).__name__}: {error}", error)
-                return
+            found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
             if found:
                 give(plan.epoch_index, found)
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from leakcheck import nvml
@@ -34,12 +35,23 @@ class Failures:
         self.counts: dict[str, int] = {}
         self.pending: BaseException | None = None
 
-    def guard(self, call: Callable[[], _T], what: str) -> _T | None:
-        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure."""
+    def guard(
+        self,
+        call: Callable[[], _T],
+        what: str,
+        *,
+        lock: AbstractContextManager[object] | None = None,
+    ) -> _T | None:
+        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure.
+
+        ``lock``: held while recording only, for a step run outside the lock that reports
+        read the failures under.
+        """
         try:
             return call()
         except Exception as error:
-            self.record(f"{what}: {type(error).__name__}: {error}", error)
+            with lock or contextlib.nullcontext():
+                self.record(f"{what}: {type(error).__name__}: {error}", error)
             return None
 
     def record(self, message: str, error: BaseException | None = None) -> None:

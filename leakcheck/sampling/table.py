@@ -236,9 +236,7 @@ class ProcessTable:
                     self.mark_exited(proc, now)
                     gone.append(key)
             if key != self.root and not proc.other_rank:
-                owner = claims.owner_of(key)
-                if owner is not None:  # None: another tracker saw it gone first
-                    proc.own = owner == self.session
+                self._own_by_claim(proc)
         claims.forget(gone)
         self._give_back_taken()
         return added
@@ -262,10 +260,18 @@ class ProcessTable:
         for key, proc in self.procs.items():
             if key == self.root or proc.foreign or proc.other_rank or key in self.workers:
                 continue
-            owner = claims.owner_of(key)
-            if owner is not None:
-                proc.own = owner == self.session
+            self._own_by_claim(proc)
         self._give_back_taken()
+
+    def _own_by_claim(self, proc: Proc) -> None:
+        """Set whether ``proc`` is this tracker's, as its claim says now.
+
+        No claim (another tracker saw it gone first) leaves it as it was: the queue of
+        corrections (``_give_back_taken``) takes it back where it is another's.
+        """
+        owner = claims.owner_of(proc.key)
+        if owner is not None:
+            proc.own = owner == self.session
 
     def _give_back_taken(self) -> None:
         """Another tracker's worker, claimed here first, is not this tracker's: alive or gone."""

@@ -393,7 +393,9 @@ def _child_pids_by_scan(pid: int) -> list[int]:
 # more than one thread is taken again (listdir) whenever its thread count changes, and at
 # least every ``_RELIST_EVERY`` walks: a thread that replaced another between two walks (same
 # count) is seen within that many walks (seconds at the tracker's default interval),
-# and the epoch-end tag scan finds a tagged child it forked meanwhile. Bounded: at most 256
+# and the epoch-end tag scan finds a tagged child it forked meanwhile. The root's task list
+# is taken at each of its full reads: its threads come and go (pin-memory threads, thread
+# pools), and a full walk must find a child that a new one started. Bounded: at most 256
 # descriptors and an eighth of RLIMIT_NOFILE (data loaders need descriptors too); entries
 # not used in the last two ``descendants`` calls are closed; forked children close their
 # inherited copies at once (``os.register_at_fork``). Other functions read afresh.
@@ -548,8 +550,12 @@ def _hot_stat(pid: int) -> _Stat | None:
     return stat
 
 
-def _hot_children(pid: int, num_threads: int) -> list[int]:
-    """Children of every thread of ``pid`` through the descriptor cache (after _hot_stat)."""
+def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:
+    """Children of every thread of ``pid`` through the descriptor cache (after _hot_stat).
+
+    ``relist`` takes the task list afresh whatever the thread count (the root's full reads,
+    NOTE [descriptor cache]).
+    """
     global _cached_fd_count
     handles = _handles.get(pid)
     if handles is None:
@@ -567,7 +573,9 @@ def _hot_children(pid: int, num_threads: int) -> list[int]:
                     data = b""
                 return [int(child) for child in data.split()] if data else []
         tids = [str(pid)]
-    elif len(task_fds) == num_threads and _generation - handles.listed < _RELIST_EVERY:
+    elif (
+        not relist and len(task_fds) == num_threads and _generation - handles.listed < _RELIST_EVERY
+    ):
         tids = list(task_fds)  # same thread count, listed lately (NOTE [descriptor cache])
     else:
         try:
@@ -865,7 +873,7 @@ def descendants(
         seen = {root_pid}
         root_children = _quick_root_children(root_pid) if quick else None
         if root_children is None:
-            root_children = _hot_children(root_pid, root.num_threads)
+            root_children = _hot_children(root_pid, root.num_threads, relist=True)
         stack = [(root_pid, child) for child in reversed(root_children)]
         while stack:
             parent, pid = stack.pop()

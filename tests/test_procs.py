@@ -812,6 +812,46 @@ def test_quick_walks_read_the_roots_parent_threads_and_its_other_threads_within_
         thread.join()
 
 
+def test_a_thread_that_replaced_another_at_the_same_count_is_read_at_the_roots_next_full_read(
+    spawn: Spawn,
+) -> None:
+    """One thread ends and another starts between two walks: the thread count is the same,
+    yet the root's task list is taken again, so the new thread's child is found."""
+    me = os.getpid()
+    first_started, first_release = threading.Event(), threading.Event()
+
+    def wait_for_release() -> None:
+        first_started.set()
+        first_release.wait(60)
+
+    first = threading.Thread(target=wait_for_release, daemon=True)
+    first.start()
+    assert first_started.wait(10)
+    procs.descendants(me, with_cmdline=False)  # the root's task list now names ``first``
+    first_release.set()
+    first.join()
+    started, release = threading.Event(), threading.Event()
+    children: list[subprocess.Popen[bytes]] = []
+
+    def start_a_child() -> None:
+        children.append(spawn([*PYTHON, "-c", WAIT_STDIN]))
+        started.set()
+        release.wait(60)
+
+    second = threading.Thread(target=start_a_child, daemon=True)
+    second.start()
+    try:
+        assert started.wait(10)
+        assert children[0].pid in pids_of(procs.descendants(me, with_cmdline=False))
+        walks = 1
+        while children[0].pid not in pids_of(_quick(me)):
+            walks += 1
+            assert walks <= procs._RECHECK_EVERY, "the new thread was not read in time"
+    finally:
+        release.set()
+        second.join()
+
+
 def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
     spawn: Spawn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

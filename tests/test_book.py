@@ -1,4 +1,7 @@
-"""The epoch a process was born in, from its create time (NOTE [born epoch] in sampler.py)."""
+"""The epoch a process was born in, from its create time.
+
+NOTE [born epoch] in leakcheck/sampling/sample_reader.py.
+"""
 
 from __future__ import annotations
 

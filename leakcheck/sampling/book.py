@@ -158,7 +158,7 @@ class EpochBook:
         window_s)``. The latest epoch opened before that window ends wins (a loader's
         workers start as its epoch opens, within the tick); None if it had ended before
         the window began (born between epochs) or none had opened (NOTE [born epoch] in
-        sampler.py).
+        sample_reader.py).
         """
         for epoch in reversed(self.epochs):
             if epoch.start_s >= born_s + window_s:
@@ -415,7 +415,8 @@ class EpochBook:
         deadline = 0.0
         for proc in table.live.values():
             # Counted from the epoch it was born in where its create time says, else the one
-            # it was placed in, as the survivor rule counts (NOTE [born epoch] in sampler.py).
+            # it was placed in, as the survivor rule counts (NOTE [born epoch] in
+            # sample_reader.py).
             born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
             if proc.foreign or not proc.own or born not in ends:
                 continue
@@ -440,7 +441,7 @@ class EpochBook:
 
 
 def _birth_epoch(proc: Proc) -> int | None:
-    """The epoch ``proc`` was born in (NOTE [born epoch] in sampler.py)."""
+    """The epoch ``proc`` was born in (NOTE [born epoch] in sample_reader.py)."""
     return None if proc.pre_existing else proc.birth_epoch
 
 

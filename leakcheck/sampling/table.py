@@ -37,7 +37,7 @@ class Proc:
     """The epoch open when it was placed: the first whose records list it."""
     pre_existing: bool
     birth_epoch: int | None = None
-    """The epoch its create time falls in (NOTE [born epoch] in sampler.py): what "started
+    """The epoch its create time falls in (NOTE [born epoch] in sample_reader.py): what "started
     in" names and the survivor rule counts the grace from; the epoch it was placed in
     until the sampler computes it."""
     exited_s: float | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,19 +83,63 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
 # the test that ran while it appeared: a user's serial session is the only test running.
 # Here the suite runs under pytest-xdist, and these tests make and leave real /dev/shm files
 # (on purpose, or for a moment) or run such plugin sessions inside: run side by side, one's
-# file is another's leak. They share one xdist group (`--dist loadgroup` in pyproject.toml),
-# so they run one after another on one worker; the rest of the suite makes no such files
-# (its semaphores are not judged).
+# file is another's leak. So they take turns, one at a time on the host, fixtures' setup and
+# teardown included, by a lock on a file outside /dev/shm (``_dev_shm_turn``); the rest of
+# the suite makes no such files (its semaphores are not judged). The lock is what keeps them
+# apart. The scheduling only keeps workers from waiting on it: the xdist group "dev-shm"
+# (``--dist loadgroup`` in pyproject.toml; the marks are set before xdist's own hook reads
+# them, hence tryfirst) and, because pytest 9.2 drops xdist's group suffix from node IDs
+# (pytest-dev/pytest-xdist#1386), a scheduler that sends the three modules below to one
+# worker by their paths.
 _DEV_SHM_MODULES = ("test_plugin.py", "test_run.py", "test_tracker_host.py")
 _DEV_SHM_FIXTURES = ("shm_file", "inner")
+_DEV_SHM_GROUP = "dev-shm"
+_DEV_SHM_LOCK = Path(tempfile.gettempdir()) / f"leakcheck-tests-dev-shm-{os.getuid()}.lock"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put the tests that touch the real /dev/shm in one xdist group."""
-    group = pytest.mark.xdist_group("dev-shm")
+    group = pytest.mark.xdist_group(_DEV_SHM_GROUP)
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if Path(str(item.path)).name in _DEV_SHM_MODULES or any(
             name in fixtures for name in _DEV_SHM_FIXTURES
         ):
             item.add_marker(group)
+
+
+@pytest.fixture(autouse=True)
+def _dev_shm_turn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Run a test of the "dev-shm" group alone among the group's tests (see above)."""
+    mark = request.node.get_closest_marker("xdist_group")
+    if mark is None or mark.args[:1] != (_DEV_SHM_GROUP,):
+        yield
+        return
+    with open(_DEV_SHM_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``--dist loadgroup``, send the dev-shm modules' tests to one worker, told by
+    their node IDs' paths (the controller sees no marks, and the group's suffix may be
+    lost)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
+
+    if not hasattr(LoadGroupScheduling, "_split_scope"):
+        return None  # another xdist: its own scheduling, and the lock still keeps turns
+
+    class _DevShmScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            if Path(nodeid.split("::", 1)[0]).name in _DEV_SHM_MODULES:
+                return _DEV_SHM_GROUP
+            return str(super()._split_scope(nodeid))
+
+    return _DevShmScheduling(config, log)

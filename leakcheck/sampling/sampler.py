@@ -115,7 +115,7 @@ class Sampler:
             on_error=self._thread_failed,
             meter=self.meter,
         )
-        self.started = self.closed = self._sampling = False
+        self.started = self.closed = False
         self._t0 = 0.0
         self.started_unix_s = 0.0
         self.session_id = ""

@@ -116,12 +116,14 @@ def _dev_shm_turn(request: pytest.FixtureRequest) -> Iterator[None]:
     if mark is None or mark.args[:1] != (_DEV_SHM_GROUP,):
         yield
         return
+    # A POSIX record lock: forked children (a test's loader workers) do not inherit it,
+    # and it ends with the process holding it, so a worker that dies mid-test frees it.
     with open(_DEV_SHM_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.lockf(lock, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(optionalhook=True)

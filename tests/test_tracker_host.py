@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ import leakcheck
 from leakcheck import hostmem
 from leakcheck.model import ProcessEpoch, ProcessKey
 from leakcheck.sampling.book import EpochBook
+from leakcheck.sampling.ticker import Ticker
 from leakcheck.tracker import Tracker
 from leakcheck.verdict import judge
 
@@ -385,3 +386,24 @@ def test_watched_epochs_of_milliseconds_read_uss_where_the_pacing_says(
     for epoch in watched.report().epochs[: len(sources)]:
         found = {p.role: p.host_source for p in epoch.processes}
         assert found == {"parent": sources[epoch.index], "worker": sources[epoch.index]}, epoch
+
+
+@pytest.mark.parametrize("on_leak", ["warn", "ignore"])
+def test_the_wrapper_makes_its_planned_reads_whatever_it_does_with_leaks(
+    monkeypatch: pytest.MonkeyPatch, on_leak: Literal["warn", "ignore"]
+) -> None:
+    """A sampler thread that never comes to the reads (its wakes dropped, as a thread late
+    behind epochs of milliseconds): the wrapper's own thread makes them, with leaks ignored
+    too (``leakcheck run``'s wrappers ignore them), so the host rule's first ends have USS."""
+    monkeypatch.setattr(Ticker, "wake", lambda self: None)
+    loader = torch.utils.data.DataLoader(
+        _Tiny(), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    with leakcheck.watch(loader, grace=0.2, on_leak=on_leak) as watched:
+        for _ in range(4):
+            for _batch in watched:
+                pass
+    sources = [
+        {p.role: p.host_source for p in epoch.processes} for epoch in watched.report().epochs
+    ]
+    assert sources[1:] == [{"parent": "uss", "worker": "uss"}] * 3, sources

@@ -41,9 +41,11 @@ copy-on-read where resident memory does not, to judge from, however short the ep
 The warm-up epochs' ends, which no rule judges, read none unless reads are unpaced. Epochs
 without a read say RSS (the cheap status read of every process at every epoch end), never an
 older USS as if read; ``close()`` reads once more whatever the pacing says. A wrapper that
-announces leaks after each epoch (``watch()``, the Lightning callback) makes the reads its
-epoch end planned before it judges, on its own thread: its warning then gives the figures the
-final report gives.
+ends epochs (``watch()``, the Lightning callback, ``leakcheck run``'s) makes the reads its
+epoch end planned on its own thread before it judges, whatever its ``on_leak``: left to the
+sampler's thread, the reads of epochs of milliseconds would come after the next end and be
+dropped, those of the always-read ends too; its warning then gives the figures the final
+report gives.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler

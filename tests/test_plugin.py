@@ -1489,12 +1489,23 @@ def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pyte
     assert "orphan" not in result.stdout.str()
 
 
-@pytest.mark.parametrize("sleep_s", ["0.3", "0.55"])  # before, and as, garbage is collected
+# With a grace of 0.2 s and a settling time of 2 s, a child of the test's that sleeps 1.2 s
+# exits in the wait before the collection, and one that sleeps 3.2 s in the wait after it,
+# each with a second of slack either side for a loaded host (the default 0.25 s settling
+# left 0.1 s: the test's own teardown outlasted it once in a while).
+@pytest.mark.parametrize("sleep_s", ["1.2", "3.2"])
 def test_a_child_that_exits_just_after_the_grace_is_late_not_kept_by_a_cycle(
     inner: pytest.Pytester, sleep_s: str
 ) -> None:
     """It outlived the grace (a survivor), but no garbage collection let it go: its finding
     must not blame a reference cycle."""
+    inner.makeconftest(
+        """
+        import leakcheck.plugin_observe as observe
+
+        observe._SHUTDOWN_SETTLE_S = 2.0
+        """
+    )
     inner.makepyfile(
         test_late=f"""
         import subprocess

@@ -298,8 +298,7 @@ class WatchedLoader(Generic[T]):
         if self._dropped:
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
-        if self._judge.due():
-            self._judge.judge(may_raise=True, stacklevel=2)
+        self._judge.judge_if_due(stacklevel=2)
         index = self._tracker.begin_epoch()
         self._open_epoch = index
         installed = self._session.installed

@@ -15,7 +15,9 @@ such as growth too slow to exceed the tolerance within the window, is announced 
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
 ended, so an adapter judges again at the start of a later epoch once the grace has passed
-(``EpochJudge.due``), and at close, the only place that waits for it.
+(``EpochJudge.judge_if_due``), on a walk taken then: the sampler's last one may predate the
+grace's end, and a process must be seen alive after it to be a survivor. And at close, the
+only place that waits for it.
 """
 
 from __future__ import annotations
@@ -144,6 +146,19 @@ class EpochJudge:
             self.tracker.closed
             or time.monotonic() - self._unjudged_end >= self.tracker.config.grace_s
         )
+
+    def judge_if_due(self, *, stacklevel: int = 1) -> None:
+        """At an epoch's start: judge what the grace now lets be judged, on a walk taken now.
+
+        Nothing when nothing is due (NOTE [late survivors]).
+
+        Raises:
+            GPULeakError: ``on_leak="raise"`` and a new leak was found.
+
+        """
+        if self.due():
+            self.tracker.sample()
+            self.judge(may_raise=True, stacklevel=stacklevel + 1)
 
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 import leakcheck
 from leakcheck.dataloader import WatchedLoader
 from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.sampling.ticker import Ticker
 from leakcheck.teardown import WorkerInit
 
 
@@ -381,7 +382,14 @@ class StartsChildOnce(Squares):
         return super().__getitem__(index)
 
 
-def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts() -> None:
+@pytest.mark.parametrize("sampler_thread", [True, False])
+def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts(
+    monkeypatch: pytest.MonkeyPatch, sampler_thread: bool
+) -> None:
+    """Judged on a walk the next epoch's start takes: without it, a sampler thread that had
+    not walked since the grace ended (here: none at all) left the survivor undecided."""
+    if not sampler_thread:
+        monkeypatch.setattr(Ticker, "start", lambda self: None)
     dataset = StartsChildOnce()
     watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")
     try:

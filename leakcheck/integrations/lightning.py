@@ -430,8 +430,7 @@ class LeakCheckCallback(_CallbackBase):
             return
         with self._lock:
             stage = self._open(name, trainer)
-        if stage.judge.due():  # NOTE [late survivors] in watching.py
-            stage.judge.judge(may_raise=True)
+        stage.judge.judge_if_due()  # NOTE [late survivors] in watching.py
 
     def _epoch_end(self, name: str) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ report their own at exit; the job's /dev/shm files are listed per epoch and judg
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from leakcheck.sampling.book import EpochBook
 from leakcheck.sampling.ticker import Ticker
 from leakcheck.tracker import Tracker
 from leakcheck.verdict import judge
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -132,6 +134,10 @@ def test_unpaced_reads_read_every_epoch_end_the_warm_up_too() -> None:
     assert [p.host_source for p in parents] == ["uss"] * 6
 
 
+def _a_rollup_since(calls: list[tuple[str, bool]], start: int) -> bool:
+    return any(rollup for _, rollup in calls[start:])
+
+
 def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, bool]] = []
     real = hostmem.read_host_memories
@@ -143,10 +149,12 @@ def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(hostmem, "read_host_memories", recording)
     with Tracker(rollup_share=1.0, grace=0.1) as tracker:
         for _ in range(2):
+            before = len(calls)
             with tracker.epoch():
                 time.sleep(0.02)
             tracker.sample()  # lets the sampler thread's wake come first
-            time.sleep(0.1)
+            # The epoch's USS read, made by the sampler's thread, before the next end.
+            assert wait_for(functools.partial(_a_rollup_since, calls, before), 10)
         epoch_calls = list(calls)
     assert ("MainThread", False) in epoch_calls  # status, at the epoch end
     rollups = [thread for thread, rollup in epoch_calls if rollup]

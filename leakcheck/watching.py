@@ -178,12 +178,11 @@ class EpochJudge:
         """
         if self.due():
             self._unjudged_end = None
-        # The USS reads the last epoch end planned are made first, whatever ``on_leak``:
-        # they then describe that end however short the epochs, and a warning gives the
-        # figures the final report will (NOTE [host pacing]); none planned, none made.
-        self.tracker.finish_reads()
         if self.on_leak == "ignore":
             return
+        # The USS reads the last epoch end planned are made first, so that a warning gives
+        # the figures the final report will (NOTE [host pacing]); none planned, none made.
+        self.tracker.finish_reads()
         window = None if self.tracker.closed else JUDGED_EPOCHS
         report = self.tracker.report(last_epochs=window, fresh=False)
         new = [f for f in report.leaks if _finding_id(f) not in self._announced]

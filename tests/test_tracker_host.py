@@ -397,12 +397,13 @@ def test_watched_epochs_of_milliseconds_read_uss_where_the_pacing_says(
 
 
 @pytest.mark.parametrize("on_leak", ["warn", "ignore"])
-def test_the_wrapper_makes_its_planned_reads_whatever_it_does_with_leaks(
+def test_reads_the_sampler_did_not_make_are_made_before_the_next_epoch(
     monkeypatch: pytest.MonkeyPatch, on_leak: Literal["warn", "ignore"]
 ) -> None:
     """A sampler thread that never comes to the reads (its wakes dropped, as a thread late
-    behind epochs of milliseconds): the wrapper's own thread makes them, with leaks ignored
-    too (``leakcheck run``'s wrappers ignore them), so the host rule's first ends have USS."""
+    behind epochs of milliseconds): the caller's thread makes them, as it judges or, with
+    leaks ignored (``leakcheck run``'s wrappers), as the next epoch opens, so the host rule's
+    first ends have USS."""
     monkeypatch.setattr(Ticker, "wake", lambda self: None)
     loader = torch.utils.data.DataLoader(
         _Tiny(), batch_size=2, num_workers=2, persistent_workers=True

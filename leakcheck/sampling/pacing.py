@@ -40,11 +40,12 @@ three after the warm-up epochs): those always read, so that the rule has USS, wh
 copy-on-read where resident memory does not, to judge from, however short the epochs.
 The warm-up epochs' ends, which no rule judges, read none unless reads are unpaced. Epochs
 without a read say RSS (the cheap status read of every process at every epoch end), never an
-older USS as if read; ``close()`` reads once more whatever the pacing says. A wrapper that
-ends epochs (``watch()``, the Lightning callback, ``leakcheck run``'s) makes the reads its
-epoch end planned on its own thread before it judges, whatever its ``on_leak``: left to the
-sampler's thread, the reads of epochs of milliseconds would come after the next end and be
-dropped, those of the always-read ends too; its warning then gives the figures the final
+older USS as if read; ``close()`` reads once more whatever the pacing says. The reads an end
+planned are made before the next epoch begins: by the sampler's thread, or, where it has
+not come to them yet (epochs of milliseconds), by the caller's as it opens the next epoch,
+so that they describe the end and none is dropped, those of the always-read ends included.
+A wrapper that announces leaks after each epoch (``watch()``, the Lightning callback) makes
+them before it judges, on its own thread: its warning then gives the figures the final
 report gives.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads

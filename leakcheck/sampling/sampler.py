@@ -284,6 +284,9 @@ class Sampler:
     def begin_epoch(self, label: str | None) -> int:
         """Open an epoch (closing an open one as ``closed``)."""
         self.end_epoch("closed", None)
+        # The host reads the last end planned, if the sampler's thread has not made them
+        # yet: before this epoch's work changes what they would read (NOTE [host pacing]).
+        self.finish_reads()
         with self.lock:
             index = self.book.begin(label, self.now())
             self.failures.guard(self.shm.begin_epoch, "shm")

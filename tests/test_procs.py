@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import multiprocessing
@@ -780,6 +781,38 @@ def test_quick_walks_read_other_threads_children_within_the_bound(spawn: Spawn) 
     assert seen_thread_side == thread_side  # within the re-read bound
 
 
+@contextlib.contextmanager
+def _a_thread_alive(spawn: Spawn | None = None) -> Iterator[int | None]:
+    """A thread that lives through the block; with ``spawn``, one that started a child (its
+    PID is given). The thread stays alive: an exited thread's children move to another."""
+    started, release = threading.Event(), threading.Event()
+    children: list[subprocess.Popen[bytes]] = []
+
+    def run() -> None:
+        if spawn is not None:
+            children.append(spawn([*PYTHON, "-c", WAIT_STDIN]))
+        started.set()
+        release.wait(60)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        yield children[0].pid if children else None
+    finally:
+        release.set()
+        thread.join()
+
+
+def _quick_walks_until_found(root: int, child: int) -> int:
+    """Quick walks of ``root`` until one lists ``child``: how many it took."""
+    walks = 1
+    while child not in pids_of(_quick(root)):
+        walks += 1
+        assert walks <= procs._RECHECK_EVERY, "a new parent thread was not read in time"
+    return walks
+
+
 def test_quick_walks_read_the_roots_parent_threads_and_its_other_threads_within_the_bound(
     spawn: Spawn,
 ) -> None:
@@ -787,29 +820,11 @@ def test_quick_walks_read_the_roots_parent_threads_and_its_other_threads_within_
     last full read; a thread that starts its first child is read within the bound."""
     me = os.getpid()
     _quick(me)
-    started, release = threading.Event(), threading.Event()
-    children: list[subprocess.Popen[bytes]] = []
-
-    def start_a_child() -> None:
-        # The thread stays alive: the children of an exited thread move to another thread.
-        children.append(spawn([*PYTHON, "-c", WAIT_STDIN]))
-        started.set()
-        release.wait(60)
-
-    thread = threading.Thread(target=start_a_child, daemon=True)
-    thread.start()
-    try:
-        assert started.wait(10)
-        child = children[0].pid
-        walks = 1
-        while child not in pids_of(_quick(me)):
-            walks += 1
-            assert walks <= procs._RECHECK_EVERY, "a new parent thread was not read in time"
+    with _a_thread_alive(spawn) as child:
+        assert child is not None
+        _quick_walks_until_found(me, child)
         for _ in range(2 * procs._RECHECK_EVERY):
             assert child in pids_of(_quick(me))  # a parent thread now: every quick walk
-    finally:
-        release.set()
-        thread.join()
 
 
 def test_a_thread_that_replaced_another_at_the_same_count_is_read_at_the_roots_next_full_read(
@@ -818,38 +833,12 @@ def test_a_thread_that_replaced_another_at_the_same_count_is_read_at_the_roots_n
     """One thread ends and another starts between two walks: the thread count is the same,
     yet the root's task list is taken again, so the new thread's child is found."""
     me = os.getpid()
-    first_started, first_release = threading.Event(), threading.Event()
-
-    def wait_for_release() -> None:
-        first_started.set()
-        first_release.wait(60)
-
-    first = threading.Thread(target=wait_for_release, daemon=True)
-    first.start()
-    assert first_started.wait(10)
-    procs.descendants(me, with_cmdline=False)  # the root's task list now names ``first``
-    first_release.set()
-    first.join()
-    started, release = threading.Event(), threading.Event()
-    children: list[subprocess.Popen[bytes]] = []
-
-    def start_a_child() -> None:
-        children.append(spawn([*PYTHON, "-c", WAIT_STDIN]))
-        started.set()
-        release.wait(60)
-
-    second = threading.Thread(target=start_a_child, daemon=True)
-    second.start()
-    try:
-        assert started.wait(10)
-        assert children[0].pid in pids_of(procs.descendants(me, with_cmdline=False))
-        walks = 1
-        while children[0].pid not in pids_of(_quick(me)):
-            walks += 1
-            assert walks <= procs._RECHECK_EVERY, "the new thread was not read in time"
-    finally:
-        release.set()
-        second.join()
+    with _a_thread_alive():
+        procs.descendants(me, with_cmdline=False)  # the root's task list names that thread
+    with _a_thread_alive(spawn) as child:
+        assert child is not None
+        assert child in pids_of(procs.descendants(me, with_cmdline=False))
+        _quick_walks_until_found(me, child)
 
 
 def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(

@@ -48,12 +48,30 @@ def leftovers() -> Iterator[list[tuple[int, float]]]:
     """(pid, create_time) of what a job left; stopped after the test, by identity."""
     found: list[tuple[int, float]] = []
     yield found
+    procs: list[psutil.Process] = []
+    trackers: list[psutil.Process] = []
     for pid, create_time in found:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
             if abs(proc.create_time() - create_time) < 0.05:
-                proc.kill()
-                proc.wait(5)
+                tracker = "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+                (trackers if tracker else procs).append(proc)
+    # A killed rank's resource tracker unlinks the rank's named semaphores (/dev/shm/sem.mp-*)
+    # once the last holder of its pipe is gone: its forkserver and the worker forked from
+    # it. Stop those first (the worker too: it watches the forkserver, not the rank), then
+    # let the tracker clean up and exit; kill it only if it does not.
+    for proc in list(procs):
+        with contextlib.suppress(psutil.Error):
+            procs += proc.children(recursive=True)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=5)
+    _gone, alive = psutil.wait_procs(trackers, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+            proc.wait(5)
 
 
 def _env(workdir: Path) -> dict[str, str]:

@@ -375,6 +375,19 @@ class _Tiny(torch.utils.data.Dataset[torch.Tensor]):
         return torch.zeros(2)
 
 
+def _host_sources_of_tiny_epochs(epochs: int, **options: Any) -> list[dict[str, str | None]]:
+    """Epochs of milliseconds of a watched loader of 2 persistent workers: per epoch, where
+    each role's host memory came from (``uss``, ``rss``)."""
+    loader = torch.utils.data.DataLoader(
+        _Tiny(), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    with leakcheck.watch(loader, grace=0.2, **options) as watched:
+        for _ in range(epochs):
+            for _batch in watched:
+                pass
+    return [{p.role: p.host_source for p in e.processes} for e in watched.report().epochs]
+
+
 @pytest.mark.parametrize(
     ("share", "sources"), [(None, ["rss", "uss", "uss", "uss"]), (1.0, ["uss"] * 6)]
 )
@@ -384,16 +397,9 @@ def test_watched_epochs_of_milliseconds_read_uss_where_the_pacing_says(
     """The ends that always read (the host rule's first three) and, unpaced, every end have
     their USS before the next epoch begins: the wrapper makes the planned reads itself, so
     the sampler's thread, late, neither loses them nor reads a later moment for them."""
-    loader = torch.utils.data.DataLoader(
-        _Tiny(), batch_size=2, num_workers=2, persistent_workers=True
-    )
-    with leakcheck.watch(loader, grace=0.2, rollup_share=share) as watched:
-        for _ in range(6):
-            for _batch in watched:
-                pass
-    for epoch in watched.report().epochs[: len(sources)]:
-        found = {p.role: p.host_source for p in epoch.processes}
-        assert found == {"parent": sources[epoch.index], "worker": sources[epoch.index]}, epoch
+    found = _host_sources_of_tiny_epochs(6, rollup_share=share)
+    for index, source in enumerate(sources):
+        assert found[index] == {"parent": source, "worker": source}, (index, found)
 
 
 @pytest.mark.parametrize("on_leak", ["warn", "ignore"])
@@ -405,14 +411,5 @@ def test_reads_the_sampler_did_not_make_are_made_before_the_next_epoch(
     leaks ignored (``leakcheck run``'s wrappers), as the next epoch opens, so the host rule's
     first ends have USS."""
     monkeypatch.setattr(Ticker, "wake", lambda self: None)
-    loader = torch.utils.data.DataLoader(
-        _Tiny(), batch_size=2, num_workers=2, persistent_workers=True
-    )
-    with leakcheck.watch(loader, grace=0.2, on_leak=on_leak) as watched:
-        for _ in range(4):
-            for _batch in watched:
-                pass
-    sources = [
-        {p.role: p.host_source for p in epoch.processes} for epoch in watched.report().epochs
-    ]
+    sources = _host_sources_of_tiny_epochs(4, on_leak=on_leak)
     assert sources[1:] == [{"parent": "uss", "worker": "uss"}] * 3, sources

@@ -11,7 +11,7 @@ sampling them (as ``leakcheck sweep`` does) and blocks without one. ``--op``:
   (``cuDevicePrimaryCtxRetain`` then ``cuDevicePrimaryCtxRelease``), the driver work of a
   DataLoader worker that starts, uses CUDA and exits with leakcheck's teardown; the device's
   used memory moves on every call, so the sampler reads the process lists as often as its
-  pacing allows (NOTE [nvml pacing] in leakcheck/sampling/pacing.py);
+  pacing allows (NOTE [nvml pacing] in leakcheck/track/pacing.py);
 * ``malloc``: with a context held, allocate and free 64 MiB (``cuMemAlloc``/``cuMemFree``),
   many short calls that each take the driver's locks.
 
@@ -53,8 +53,8 @@ import stats
 from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
-from leakcheck import nvml
-from leakcheck.tracker import Tracker
+from leakcheck.observe import nvml
+from leakcheck.track.tracker import Tracker
 
 GOAL_PCT = 2.0
 _MALLOC_BYTES = 64 * 2**20

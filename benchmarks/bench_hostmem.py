@@ -19,7 +19,7 @@ What the parent holds when it forks: ``plain`` (a bare interpreter), ``data<N>``
 bytes, whose pages every child shares: the kernel walks them in each child's page tables)
 or ``torch`` (torch imported, and one small tensor operation in each child). The children's
 mean RSS is recorded with each configuration: smaps_rollup's cost follows it (NOTE [rollup
-cost] in leakcheck/hostmem.py).
+cost] in leakcheck/observe/hostmem.py).
 
 Reported per configuration and method: the median (and p90) ms of one read of all children,
 and the median us per process.
@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from results_io import host_meta, result_stem, write_result
 
-from leakcheck import hostmem, procs
+from leakcheck.observe import hostmem, procs
 
 METHODS = ("rollup", "rollup_keys", "status", "status_keys", "status_pread", "shm")
 ARMS = ("off", "paced", "every")
@@ -167,7 +167,7 @@ def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
 
 def _switch_off_host_reads() -> None:
     """The tracker without its host-memory and /dev/shm reads (the ``off`` arm)."""
-    from leakcheck.sampling import host, shm
+    from leakcheck.track import host, shm
 
     host.HostReads.end_status = lambda self, table: None  # type: ignore[method-assign]
     host.HostReads.plan = lambda self, epoch_index, table: False  # type: ignore[method-assign]
@@ -182,7 +182,7 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
     """One tracker over ``children`` persistent workers of a torch parent (in this process)."""
     import torch  # noqa: F401  (the parent of a training job has it)
 
-    from leakcheck.tracker import Tracker
+    from leakcheck.track.tracker import Tracker
 
     pids, hold_w = _fork_children(children, "torch")
     if arm == "off":

@@ -122,7 +122,7 @@ def _entry_point_shim(site: Path) -> None:
     dist = site / "leakcheck_bench_shim-0.0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: leakcheck-bench-shim\n")
-    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.plugin\n")
+    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.adapters.plugin\n")
 
 
 def run_once(folder: Path, args: list[str], env: dict[str, str], expected: int) -> dict[str, float]:
@@ -164,8 +164,7 @@ def _machine() -> dict[str, Any]:
     except OSError:
         pass
     sys.path.insert(0, str(REPO))
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     ok, reason = nvml.availability()
     gpus = [d.name for d in nvml.get().memory()] if ok else []
     return {

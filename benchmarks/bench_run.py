@@ -91,9 +91,9 @@ def _run_arm(arm: str, epochs: int, workers: int, folder: str) -> dict[str, Any]
 
 def _per_batch_ns(batches: int = 200_000) -> float:
     """The patched ``__iter__``'s step per batch, alone: its epoch iterator over a list."""
-    from leakcheck.dataloader import WatchedLoader
-    from leakcheck.instrument import _EpochIterator
-    from leakcheck.tracker import Tracker
+    from leakcheck.adapters.dataloader import WatchedLoader
+    from leakcheck.commands.instrument import _EpochIterator
+    from leakcheck.track.tracker import Tracker
 
     items = list(range(batches))
     tracker = Tracker(interval=3600.0)

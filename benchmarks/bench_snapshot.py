@@ -2,7 +2,7 @@
 
 Measured in one run, same job, interleaved rounds:
 - ``Tracker.sample()``: leakcheck's per-tick path with a walk (lineage from /proc, a quick walk
-  as the sampler's: NOTE [quick walk] in leakcheck/procs.py, + NVML per-PID memory);
+  as the sampler's: NOTE [quick walk] in leakcheck/observe/procs.py, + NVML per-PID memory);
 - ``tracker_sample_full``: the same sample with every process read in full, as at an epoch end
   (without the epoch end's descriptor counts and telemetry);
 - ``take_snapshot(with_fds=False)``: the full snapshot (all of /proc, trees, tags);
@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stats
 from results_io import gpu_meta, host_meta, result_stem, write_result
 
-from leakcheck import nvml
-from leakcheck.snapshot import take_snapshot
-from leakcheck.tracker import Tracker
+from leakcheck.observe import nvml
+from leakcheck.observe.snapshot import take_snapshot
+from leakcheck.track.tracker import Tracker
 
 
 def _idle(stop: Any) -> None:

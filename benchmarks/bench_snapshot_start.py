@@ -154,7 +154,7 @@ def import_breakdown(top: int = 15) -> dict[str, Any]:
 _PHASES_SCRIPT = r"""
 import json, sys, time
 start = time.perf_counter()
-from leakcheck import nvml_lib
+from leakcheck.observe import nvml_lib
 calls = {}
 real = nvml_lib._nvmlGetFunctionPointer
 def timed(name):
@@ -177,10 +177,10 @@ def init():
         elapsed = time.perf_counter() - began
         calls["(load libnvidia-ml)"] = elapsed - calls.get("nvmlInit_v2", 0.0)
 nvml_lib.nvmlInit = init
-import leakcheck.cli
-from leakcheck import nvml
+import leakcheck.commands.cli
+from leakcheck.observe import nvml
 nvml.start_in_background()  # as the command does, before the snapshot's imports
-from leakcheck import procs
+from leakcheck.observe import procs
 scans = []
 real_scan_all = procs.scan_all
 def scan_all(**kwargs):
@@ -190,7 +190,7 @@ def scan_all(**kwargs):
     finally:
         scans.append(time.perf_counter() - began)
 procs.scan_all = scan_all
-from leakcheck.snapshot import take_snapshot
+from leakcheck.observe.snapshot import take_snapshot
 imported = time.perf_counter()
 snapshot = take_snapshot(telemetry=False)  # as the command reads without --telemetry
 taken = time.perf_counter()

@@ -28,7 +28,7 @@ under 2% of the epochs' wall time. Two measures of it, per configuration, side b
 memory but never the per-process lists: every list comes back empty), ``off`` (a tracker
 with ``use_nvml=False``, host-side only). Only ``full`` measures leakcheck as shipped.
 ``--nvml-share`` is another: the share of the time the sampler's NVML reads may work in the
-driver, by their CPU time (NOTE [nvml pacing] in leakcheck/tracker.py); 1 reads on nearly
+driver, by their CPU time (NOTE [nvml pacing] in leakcheck/track/tracker.py); 1 reads on nearly
 every tick whatever the reads cost.
 Each repeat also shows the wall time of the tracker's NVML reads (``TrackerCost.nvml_wall_s``,
 waits included: while the workers start and compute, those reads hold a driver lock the
@@ -68,11 +68,11 @@ import stats
 from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
-from leakcheck import nvml
-from leakcheck.dataloader import WatchedLoader
-from leakcheck.model import GpuProcess
-from leakcheck.tracker import Tracker
-from leakcheck.workload import WorkloadSpec, make_loader
+from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.commands.workload import WorkloadSpec, make_loader
+from leakcheck.core.model import GpuProcess
+from leakcheck.observe import nvml
+from leakcheck.track.tracker import Tracker
 
 GOAL_PCT = 2.0
 PROBE_SAMPLES = 20

@@ -37,7 +37,7 @@ interpreter lock released), the sampler's CPU in host-memory reads after epoch e
 (``host_read_cpu_s``: USS and PSS of the parent and the persistent workers, read at each new
 tracker's first epoch end and paced after), and ``--nvml-share`` (a diagnostic) sets the
 share of the time the sampler's NVML reads may work in the driver (NOTE [nvml pacing] in
-leakcheck/sampling/pacing.py) instead of leakcheck's own.
+leakcheck/track/pacing.py) instead of leakcheck's own.
 
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
@@ -66,7 +66,7 @@ from results_io import host_meta, machine, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
-from leakcheck import nvml
+from leakcheck.observe import nvml
 
 
 class Images(Dataset[torch.Tensor]):

@@ -1,12 +1,12 @@
 """The benchmarks' ``--nvml-share`` diagnostic: how much of the time the sampler's NVML reads
-may work in the driver (NOTE [nvml pacing] in leakcheck/sampling/pacing.py), instead of leakcheck's
+may work in the driver (NOTE [nvml pacing] in leakcheck/track/pacing.py), instead of leakcheck's
 own share. Only this benchmark process's trackers are affected."""
 
 from __future__ import annotations
 
 import argparse
 
-from leakcheck.sampling import pacing
+from leakcheck.track import pacing
 
 SHIPPED = pacing.LIST_SHARE
 

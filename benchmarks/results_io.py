@@ -29,8 +29,7 @@ def host_meta() -> dict[str, Any]:
 
 def gpu_meta() -> dict[str, str]:
     """Name of GPU 0 and the driver version, as the results record them (NVML must work)."""
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     handle = nvml.get()
     return {
         "gpu": handle.memory()[0].name,
@@ -40,8 +39,7 @@ def gpu_meta() -> dict[str, str]:
 
 def machine() -> str:
     """The machine a result belongs to: GPU 0's model where NVML sees one (``h200``), or ``cpu``."""
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     ok, _reason = nvml.availability()
     devices = nvml.get().memory() if ok else ()
     if not devices:

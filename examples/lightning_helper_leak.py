@@ -18,7 +18,7 @@ import torch
 from grandchild_leak import kill_orphans
 from torch.utils.data import DataLoader, Dataset
 
-from leakcheck.integrations.lightning import LeakCheckCallback
+from leakcheck.adapters.lightning import LeakCheckCallback
 
 HELPER = "import time; time.sleep(600)  # a 'prefetch server' nobody stops"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from leakcheck.errors import GPULeakError, GPULeakWarning, LeakCheckError, NVMLUnavailable
+from leakcheck.core.errors import GPULeakError, GPULeakWarning, LeakCheckError, NVMLUnavailable
 
 __version__ = "0.1.0"
 
@@ -26,21 +26,21 @@ __all__ = [
 # Imported on first use: `import leakcheck` must stay cheap (the pytest plugin imports it in
 # every session, flag on or off) and must never import torch.
 _LAZY = {
-    "Tracker": "leakcheck.tracker",
-    "Report": "leakcheck.report",
-    "watch": "leakcheck.dataloader",
-    "gather_reports": "leakcheck.distributed",
-    "worker_init_fn": "leakcheck.teardown",
-    "register_resource": "leakcheck.teardown",
-    "release_device": "leakcheck.teardown",
+    "Tracker": "leakcheck.track.tracker",
+    "Report": "leakcheck.judge.report",
+    "watch": "leakcheck.adapters.dataloader",
+    "gather_reports": "leakcheck.adapters.distributed",
+    "worker_init_fn": "leakcheck.worker.teardown",
+    "register_resource": "leakcheck.worker.teardown",
+    "release_device": "leakcheck.worker.teardown",
 }
 
 if TYPE_CHECKING:
-    from leakcheck.dataloader import watch
-    from leakcheck.distributed import gather_reports
-    from leakcheck.report import Report
-    from leakcheck.teardown import register_resource, release_device, worker_init_fn
-    from leakcheck.tracker import Tracker
+    from leakcheck.adapters.dataloader import watch
+    from leakcheck.adapters.distributed import gather_reports
+    from leakcheck.judge.report import Report
+    from leakcheck.track.tracker import Tracker
+    from leakcheck.worker.teardown import register_resource, release_device, worker_init_fn
 
 
 def __getattr__(name: str) -> Any:

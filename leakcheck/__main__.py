@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from leakcheck.cli import command
+from leakcheck.commands.cli import command
 
 # The guard matters: spawned DataLoader workers re-import the parent's main module.
 if __name__ == "__main__":

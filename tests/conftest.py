@@ -65,7 +65,7 @@ def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     (dist / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: leakcheck-plugin-under-test\nVersion: 0.0\n"
     )
-    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.plugin\n")
+    (dist / "entry_points.txt").write_text("[pytest11]\nleakcheck = leakcheck.adapters.plugin\n")
     path = [str(site), str(REPO), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
     for name in list(os.environ):

@@ -1,7 +1,7 @@
-"""A small fake of leakcheck's NVML binding (``leakcheck.nvml_lib``, in pynvml's shape).
+"""A small fake of leakcheck's NVML binding (``leakcheck.observe.nvml_lib``, in pynvml's shape).
 
-Only the names leakcheck.nvml uses exist. A ``FakePynvml`` instance *is* the module: tests
-put it in ``sys.modules["leakcheck.nvml_lib"]``. Error codes and error class names match
+Only the names leakcheck.observe.nvml uses exist. A ``FakePynvml`` instance *is* the module: tests
+put it in ``sys.modules["leakcheck.observe.nvml_lib"]``. Error codes and error class names match
 pynvml's.
 
 What it models:

@@ -1,15 +1,15 @@
 """The epoch a process was born in, from its create time.
 
-NOTE [born epoch] in leakcheck/sampling/sample_reader.py.
+NOTE [born epoch] in leakcheck/track/sample_reader.py.
 """
 
 from __future__ import annotations
 
 import os
 
-from leakcheck.readings import ProcessKey, ProcInfo
-from leakcheck.sampling.book import EpochBook
-from leakcheck.sampling.table import ProcessTable
+from leakcheck.core.readings import ProcessKey, ProcInfo
+from leakcheck.track.book import EpochBook
+from leakcheck.track.table import ProcessTable
 
 TICK_S = 0.01
 

@@ -14,12 +14,12 @@ import time
 import pytest
 
 import leakcheck
-from leakcheck import procs
-from leakcheck.model import ProcessKey
-from leakcheck.readings import ProcInfo
-from leakcheck.sampling import claims
-from leakcheck.sampling.book import EpochBook
-from leakcheck.sampling.table import ProcessTable
+from leakcheck.core.model import ProcessKey
+from leakcheck.core.readings import ProcInfo
+from leakcheck.observe import procs
+from leakcheck.track import claims
+from leakcheck.track.book import EpochBook
+from leakcheck.track.table import ProcessTable
 
 Epochs = list[tuple[str, float, float | None]]
 

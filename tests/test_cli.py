@@ -22,12 +22,12 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck import cli
-from leakcheck.cli import main
-from leakcheck.errors import UsageError
-from leakcheck.model import MIB, ProcInfo
-from leakcheck.sweep import WorkerBound
-from leakcheck.units import format_mib
+from leakcheck.commands import cli
+from leakcheck.commands.cli import main
+from leakcheck.commands.sweep import WorkerBound
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import MIB, ProcInfo
+from leakcheck.core.units import format_mib
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -575,8 +575,7 @@ def test_json_falls_back_to_the_current_folder_then_the_temporary_folder(
 def test_device_without_a_gpu_is_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     reason = "NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver on this machine)"
     monkeypatch.setattr(
         nvml,
@@ -704,8 +703,7 @@ def test_no_command_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_snapshot_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     assert main(["snapshot"]) == 0
     text = capsys.readouterr().out
     assert main(["snapshot", "--json"]) == 0
@@ -745,7 +743,7 @@ def test_snapshot_bad_pid_is_one_line(
 def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from leakcheck.snapshot import new_session_id
+    from leakcheck.observe.snapshot import new_session_id
 
     tag = new_session_id(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -791,8 +789,7 @@ def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
 
 def _pids_passed_to(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     """Every PID the snapshot passes to ``procs.<name>`` from now on (the call still runs)."""
-    from leakcheck import procs
-
+    from leakcheck.observe import procs
     seen: list[int] = []
     real = getattr(procs, name)
 
@@ -809,8 +806,7 @@ def test_snapshot_reads_no_environment_older_than_the_root(
 ) -> None:
     """A job's processes are younger than its root: the tags of older processes (most of a
     machine's) are never read, except GPU holders', which are always shown."""
-    from leakcheck import procs, snapshot
-
+    from leakcheck.observe import procs, snapshot
     root_key = procs.process_key(os.getpid())
     assert root_key is not None
     read_tags_of = _pids_passed_to(monkeypatch, "tagged_session")
@@ -837,8 +833,7 @@ def test_snapshot_lists_no_kernel_threads_descriptors(
     kernel_threads: set[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A kernel thread has no descriptors to hold: the scan does not list its /proc/PID/fd."""
-    from leakcheck import snapshot
-
+    from leakcheck.observe import snapshot
     listed_fds_of = _pids_passed_to(monkeypatch, "nvidia_fd_count")
     snapshot.take_snapshot(telemetry=False)
     assert os.getppid() in listed_fds_of  # an ordinary process: scanned
@@ -850,8 +845,7 @@ def test_snapshot_reads_no_kernel_threads_environment(
 ) -> None:
     """Nor its environment, which has no tag: with PID 1 as the root, every other process is
     in its lineage, and the kernel threads born since boot were the only ones read."""
-    from leakcheck import procs, snapshot
-
+    from leakcheck.observe import procs, snapshot
     init = procs.process_key(1)
     younger = {
         pid
@@ -872,8 +866,7 @@ def test_snapshot_scans_proc_while_nvml_is_read(monkeypatch: pytest.MonkeyPatch)
     """NOTE [overlapped start]: NVML's read (its start, in a fresh process) runs beside the
     /proc scan, not before it; this process's own descriptors are counted after that read,
     since NVML opens descriptors of its own meanwhile."""
-    from leakcheck import procs, snapshot
-
+    from leakcheck.observe import procs, snapshot
     scanned = threading.Event()
     events: list[str] = []
     real_scan_all = procs.scan_all
@@ -905,8 +898,7 @@ def test_snapshot_scans_proc_while_nvml_is_read(monkeypatch: pytest.MonkeyPatch)
 def test_the_snapshot_leaves_out_nvmls_own_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Its own process holds NVML's descriptors: not a descriptor holder for those alone; any
     other /dev/nvidia* descriptor of its own still counts (a tracked training process's)."""
-    from leakcheck import nvml, procs, snapshot
-
+    from leakcheck.observe import nvml, procs, snapshot
     real_nvidia_fds = procs.nvidia_fds
     own = {7: "/dev/nvidiactl", 8: "/dev/nvidia0", 9: "/dev/nvidia-uvm"}
 
@@ -930,8 +922,7 @@ def test_without_a_thread_to_be_had_the_snapshot_reads_nvml_itself(
 ) -> None:
     """Where no thread can start (a thread limit; interpreter shutdown, as in an atexit
     handler), the snapshot and NVML's early start read on the caller's thread: no raise."""
-    from leakcheck import nvml, snapshot
-
+    from leakcheck.observe import nvml, snapshot
     calls: list[str] = []
 
     def no_thread(self: threading.Thread) -> None:
@@ -953,8 +944,7 @@ def test_without_a_thread_to_be_had_the_snapshot_reads_nvml_itself(
 def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_gpu_processes never raises; were it to, on its thread, the snapshot still comes
     back with the device side unknown rather than lost."""
-    from leakcheck import snapshot
-
+    from leakcheck.observe import snapshot
     def read_gpu_processes(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("driver fell over")
 
@@ -969,8 +959,7 @@ def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPa
 def test_orphan_judgement_goes_by_ages_not_by_the_tags_clock() -> None:
     """A tag's start time may be off (the wall clock was stepped): a live ancestor is still
     the root; a root PID now naming a younger process is a reused PID, so the root is gone."""
-    from leakcheck import procs, snapshot
-
+    from leakcheck.observe import procs, snapshot
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     time.sleep(0.05)  # a start time some clock ticks later
     younger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -22,10 +22,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import leakcheck
-from leakcheck.dataloader import WatchedLoader
-from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
-from leakcheck.sampling.ticker import Ticker
-from leakcheck.teardown import WorkerInit
+from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.track.ticker import Ticker
+from leakcheck.worker.teardown import WorkerInit
 
 
 class Squares(Dataset[torch.Tensor]):
@@ -414,8 +414,7 @@ def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NOTE [judged window]: an epoch end judges the latest epochs only; close() all."""
-    from leakcheck import watching
-
+    from leakcheck.adapters import watching
     monkeypatch.setattr(watching, "JUDGED_EPOCHS", 1)
     dataset = StartsChildOnce()
     watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")

@@ -23,10 +23,10 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck.job import RankReport, judge_job
-from leakcheck.model import Finding, RankInfo
-from leakcheck.report import build_report
-from leakcheck.run_cli import torchrun_command
+from leakcheck.commands.run_cli import torchrun_command
+from leakcheck.core.model import Finding, RankInfo
+from leakcheck.judge.job import RankReport, judge_job
+from leakcheck.judge.report import build_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/dist_train.py"
@@ -287,7 +287,7 @@ def _orphan(pid: int, rank: int | None) -> Finding:
 
 
 def test_judge_job_gives_outside_leaks_to_their_rank_and_counts_each_once() -> None:
-    from leakcheck.model import RuleConfig
+    from leakcheck.core.model import RuleConfig
     from tests.timelines import epoch, parent, timeline
 
     clean = build_report(timeline([epoch(0, [parent(None)])]), RuleConfig())

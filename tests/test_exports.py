@@ -1,4 +1,4 @@
-"""Trackers' exported variables as layers (leakcheck/sampling/exports.py)."""
+"""Trackers' exported variables as layers (leakcheck/track/exports.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from leakcheck.sampling import exports
+from leakcheck.track import exports
 
 NAME = "LEAKCHECK_TEST_EXPORTS"
 

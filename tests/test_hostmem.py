@@ -1,4 +1,4 @@
-"""leakcheck.hostmem against real processes: USS/PSS/RSS, copy-on-read, /dev/shm files."""
+"""leakcheck.observe.hostmem against real processes: USS/PSS/RSS, copy-on-read, /dev/shm files."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from leakcheck import hostmem, procs
-from leakcheck.hostmem import HostMemory, JobShmFile
-from leakcheck.model import ProcessKey
-from leakcheck.procs import ShmSegment
+from leakcheck.core.model import ProcessKey
+from leakcheck.observe import hostmem, procs
+from leakcheck.observe.hostmem import HostMemory, JobShmFile
+from leakcheck.observe.procs import ShmSegment
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")

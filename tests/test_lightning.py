@@ -1,6 +1,6 @@
 """LeakCheckCallback on CPU: a real Lightning Trainer, a tiny model, real workers.
 
-NOTE [lightning epochs] in leakcheck/integrations/lightning.py says what is asserted here:
+NOTE [lightning epochs] in leakcheck/adapters/lightning.py says what is asserted here:
 train and validation epochs tracked apart, exact worker identities from the first epoch on,
 epoch ends however the run ends.
 """
@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from leakcheck.errors import GPULeakError, GPULeakWarning, UsageError
-from leakcheck.report import Report
-from leakcheck.teardown import WorkerInit
+from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.judge.report import Report
+from leakcheck.worker.teardown import WorkerInit
 from tests.pyrun import run_python
 from tests.test_dataloader import BAD_OPTIONS
 
@@ -32,7 +32,7 @@ pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e
 
 import lightning.pytorch as pl
 
-from leakcheck.integrations.lightning import LeakCheckCallback
+from leakcheck.adapters.lightning import LeakCheckCallback
 
 EPOCHS = 3
 TRAIN_BATCHES = 4  # below the loader's 16: Lightning leaves the iterator unfinished
@@ -421,7 +421,7 @@ def test_importing_leakcheck_imports_no_lightning() -> None:
         import sys
         import leakcheck, leakcheck.integrations
         from leakcheck import Tracker, watch
-        import leakcheck.plugin, leakcheck.cli
+        import leakcheck.adapters.plugin, leakcheck.commands.cli
         print(sorted(m for m in sys.modules if "lightning" in m))
         """
     )

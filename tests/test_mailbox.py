@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from leakcheck import mailbox, procs
-from leakcheck.model import ProcessKey
+from leakcheck.core.model import ProcessKey
+from leakcheck.observe import mailbox, procs
 
 REPO = Path(__file__).resolve().parents[1]
 # Above the kernel's largest pid_max (2**22): never a live process.
@@ -23,7 +23,7 @@ NAME = re.compile(r"^leakcheck-mailbox-(\d+)-(\d+)-(\d+)-[a-z0-9_]+$")
 
 _OWNER = """
 import sys, time
-from leakcheck import mailbox
+from leakcheck.observe import mailbox
 folder = mailbox.create()
 mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
 print(folder, flush=True)

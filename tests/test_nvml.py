@@ -1,4 +1,4 @@
-"""leakcheck.nvml against a fake of its binding (CPU), plus checks of the real binding."""
+"""leakcheck.observe.nvml against a fake of its binding (CPU), plus checks of the real binding."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from leakcheck import nvml
-from leakcheck.errors import LeakCheckError, NVMLUnavailable, UsageError
-from leakcheck.model import AccountedProcess, GpuProcess
+from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
+from leakcheck.core.model import AccountedProcess, GpuProcess
+from leakcheck.observe import nvml
 from tests.fake_pynvml import (
     NOT_AVAILABLE,
     NVML_ERROR_DRIVER_NOT_LOADED,
@@ -48,7 +48,7 @@ def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
 
     def install(*args: Any, **kwargs: Any) -> FakePynvml:
         fake = FakePynvml(*args, **kwargs)
-        monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
+        monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
         nvml._reset_for_tests()
         return fake
 
@@ -299,7 +299,7 @@ def test_a_snapshot_reads_telemetry_only_when_asked(use_fake: UseFake, telemetry
     """Each telemetry value is a driver call of its own (on the H200 together more than NVML's
     reads after its start): ``snapshot`` reads them with ``--telemetry`` only, and its device
     line then shows them."""
-    from leakcheck.cli import main
+    from leakcheck.commands.cli import main
 
     fake = use_fake([FakeDevice(compute=[FakeProcess(pid=os.getpid(), usedGpuMemory=MIB)])])
     out = io.StringIO()
@@ -316,7 +316,7 @@ def test_a_snapshot_reads_telemetry_only_when_asked(use_fake: UseFake, telemetry
 @pytest.mark.parametrize("with_gpu", [False, True])
 def test_an_empty_snapshot_claims_no_more_than_it_read(use_fake: UseFake, with_gpu: bool) -> None:
     """Without NVML it read only descriptors: it says nobody holds those, not GPU memory."""
-    from leakcheck.snapshot import take_snapshot
+    from leakcheck.observe.snapshot import take_snapshot
 
     if with_gpu:
         use_fake([FakeDevice()])
@@ -467,7 +467,7 @@ def test_using_nvml_does_not_initialise_cuda(use_fake: UseFake) -> None:
 
 def test_nvml_module_never_imports_torch() -> None:
     code = (
-        "import sys; from leakcheck import nvml; nvml.availability()\n"
+        "import sys; from leakcheck.observe import nvml; nvml.availability()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -618,8 +618,7 @@ def test_gpu_bytes_by_pid_sums_per_device_and_keeps_unknowns_apart() -> None:
 def test_binding_structures_match_pynvml_layouts() -> None:
     """leakcheck's ctypes structures have nvml.h's layouts, as pynvml (the reference) has."""
     pynvml = pytest.importorskip("pynvml")
-    from leakcheck import nvml_lib
-
+    from leakcheck.observe import nvml_lib
     for ours, theirs in (
         (nvml_lib.c_nvmlProcessInfo_v3_t, pynvml.c_nvmlProcessInfo_v3_t),
         (nvml_lib.c_nvmlMemory_t, pynvml.c_nvmlMemory_t),
@@ -633,8 +632,7 @@ def test_binding_structures_match_pynvml_layouts() -> None:
 
 
 def test_binding_errors_before_the_library_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from leakcheck import nvml_lib
-
+    from leakcheck.observe import nvml_lib
     monkeypatch.setattr(nvml_lib, "_lib", None)
     monkeypatch.setattr(nvml_lib, "_functions", {})
     with pytest.raises(nvml_lib.NVMLError) as info:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leakcheck.errors import UsageError
-from leakcheck.options import (
+from leakcheck.core.errors import UsageError
+from leakcheck.core.options import (
     ENABLED,
     GRACE,
     MIN_INTERVAL_S,

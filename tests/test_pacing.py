@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leakcheck.model import MIB
-from leakcheck.sampling.pacing import Pacing
+from leakcheck.core.model import MIB
+from leakcheck.track.pacing import Pacing
 
 _TICK_S = 0.01
 

@@ -2,7 +2,7 @@
 
 Each inner session loads the plugin through a ``pytest11`` entry point, as an installed
 leakcheck would: a small ``.dist-info`` on ``PYTHONPATH`` declares ``leakcheck =
-leakcheck.plugin``, so ``-p no:leakcheck`` works even before the package is installed.
+leakcheck.adapters.plugin``, so ``-p no:leakcheck`` works even before the package is installed.
 Processes an inner test leaves behind on purpose are the outer test's to kill: their PIDs
 travel through files, and each is killed only after its command line was checked.
 """
@@ -27,16 +27,16 @@ from typing import Any
 
 import pytest
 
-from leakcheck import nvml
-from leakcheck.hostmem import shm_creator_pid
-from leakcheck.model import Finding
-from leakcheck.options import CheckOptions
-from leakcheck.plugin import headline, judge_test
-from leakcheck.plugin_observe import Checker, Window
-from leakcheck.report import finding_from_dict, finding_lines, finding_to_dict
-from leakcheck.roles import is_runtime_helper
-from leakcheck.tracker import Tracker
-from leakcheck.units import shorten_cmdline
+from leakcheck.adapters.plugin import headline, judge_test
+from leakcheck.adapters.plugin_observe import Checker, Window
+from leakcheck.core.model import Finding
+from leakcheck.core.options import CheckOptions
+from leakcheck.core.roles import is_runtime_helper
+from leakcheck.core.units import shorten_cmdline
+from leakcheck.judge.report import finding_from_dict, finding_lines, finding_to_dict
+from leakcheck.observe import nvml
+from leakcheck.observe.hostmem import shm_creator_pid
+from leakcheck.track.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 from tests.polling import wait_for
 
@@ -639,8 +639,7 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
 ) -> None:
     """Where the PID counter cannot be read (no /proc/loadavg), a torch file of a gone
     process is not put down to another job: the time window decides, as without a name."""
-    from leakcheck import plugin_observe
-
+    from leakcheck.adapters import plugin_observe
     monkeypatch.setattr(plugin_observe, "last_pid", lambda: None)
     checker = Checker(attribute_unheld_shm=True)
     older = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -653,7 +652,7 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
 
 
 def test_handed_out_since_follows_the_pid_counter_and_its_wrap() -> None:
-    from leakcheck.plugin_observe import PidMark, handed_out_since
+    from leakcheck.adapters.plugin_observe import PidMark, handed_out_since
 
     mark = PidMark(last_pid=1000, names=frozenset(), unix_s=0.0)
     assert handed_out_since(mark, 1001, 1200) is True
@@ -959,16 +958,16 @@ def test_flag_off_loads_nothing_and_starts_nothing(inner: pytest.Pytester, lefto
     result.assert_outcomes(passed=1)
     probe = _probe_lines(result)
     # The plugin is loaded, but neither NVML, /proc code nor the checker are.
-    assert "'leakcheck.plugin'" in probe["LOADED"]
+    assert "'leakcheck.adapters.plugin'" in probe["LOADED"]
     for module in (
         "pynvml",
-        "leakcheck.nvml",
-        "leakcheck.nvml_lib",
-        "leakcheck.procs",
-        "leakcheck.plugin_observe",
-        "leakcheck.verdict",
-        "leakcheck.report",
-        "leakcheck.tracker",
+        "leakcheck.observe.nvml",
+        "leakcheck.observe.nvml_lib",
+        "leakcheck.observe.procs",
+        "leakcheck.adapters.plugin_observe",
+        "leakcheck.judge.verdict",
+        "leakcheck.judge.report",
+        "leakcheck.track.tracker",
     ):
         assert f"'{module}'" not in probe["LOADED"]
     assert probe["THREADS"] == "1"
@@ -1063,7 +1062,7 @@ def test_a_leaked_test_is_counted_once(
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     """One fake GPU in place of the NVML binding; the NVML singleton is reset around it."""
     fake = FakePynvml([FakeDevice()])
-    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
+    monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
     nvml._reset_for_tests()
     yield fake
     nvml._reset_for_tests()
@@ -1501,7 +1500,7 @@ def test_a_child_that_exits_just_after_the_grace_is_late_not_kept_by_a_cycle(
     must not blame a reference cycle."""
     inner.makeconftest(
         """
-        import leakcheck.plugin_observe as observe
+        import leakcheck.adapters.plugin_observe as observe
 
         observe._SHUTDOWN_SETTLE_S = 2.0
         """

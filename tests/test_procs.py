@@ -1,4 +1,4 @@
-"""leakcheck.procs against real processes: identities, lineage, tags, descriptors, /dev/shm."""
+"""leakcheck.observe.procs on real processes: identities, lineage, tags, descriptors, /dev/shm."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck import procs
-from leakcheck.model import ProcessKey, ProcInfo
+from leakcheck.core.model import ProcessKey, ProcInfo
+from leakcheck.observe import procs
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")

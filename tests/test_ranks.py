@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from leakcheck import procs, verdict
-from leakcheck.job import judge_job
-from leakcheck.model import RankInfo, RuleConfig
-from leakcheck.ranks import culprit_label, physical_device, rank_from_environ
-from leakcheck.report import build_report, leak_short
+from leakcheck.core.model import RankInfo, RuleConfig
+from leakcheck.core.ranks import culprit_label, physical_device, rank_from_environ
+from leakcheck.judge import verdict
+from leakcheck.judge.job import judge_job
+from leakcheck.judge.report import build_report, leak_short
+from leakcheck.observe import procs
 from tests.timelines import device, epoch, final_state, mib, parent, proc, timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,14 +200,14 @@ def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
 
 SIBLING_JOB = """
 import json, sys
-from leakcheck import nvml
-from leakcheck.tracker import Tracker
+from leakcheck.observe import nvml
+from leakcheck.track.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 
 sibling, stranger = int(sys.argv[1]), int(sys.argv[2])
 stranger_mib, held_before, unexplained_mib = (int(v) * 2**20 for v in sys.argv[3:6])
 fake = FakePynvml([FakeDevice(total_bytes=80 * 2**30)])
-sys.modules["leakcheck.nvml_lib"] = fake
+sys.modules["leakcheck.observe.nvml_lib"] = fake
 nvml._reset_for_tests()
 device = fake.devices[0]
 # Another rank of this job on the shared GPU, maybe with memory before tracking starts.
@@ -280,7 +281,7 @@ def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(
 def test_only_a_live_other_rank_of_the_same_run_and_restart_is_another_ranks() -> None:
     """NOTE [other ranks]: the root's own rank, another restart, another run, torchrun's
     default run id "none" (no run), and a process no longer below the root's parent."""
-    from leakcheck.sampling.table import _same_job
+    from leakcheck.track.table import _same_job
 
     child = _sleeper(dict(os.environ))
     try:
@@ -311,7 +312,7 @@ def test_a_registered_worker_has_its_environment_read_no_more(
     at again on the next walks (it may be a rank between fork and exec); once the mailbox
     names it a loader's worker, its environment is not read again (a read per worker per
     walk was most of a walk's cost)."""
-    from leakcheck.sampling.table import ProcessTable
+    from leakcheck.track.table import ProcessTable
 
     pid = os.fork()
     if pid == 0:  # a forked worker that never execs

@@ -6,9 +6,15 @@ import json
 import pytest
 
 import leakcheck
-from leakcheck.errors import UsageError
-from leakcheck.model import MIB, ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
-from leakcheck.report import SCHEMA_VERSION, Report, build_report, leak_short, report_from_dict
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import MIB, ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
+from leakcheck.judge.report import (
+    SCHEMA_VERSION,
+    Report,
+    build_report,
+    leak_short,
+    report_from_dict,
+)
 from tests.timelines import (
     ROOT_PID,
     clean_timeline,
@@ -322,7 +328,7 @@ def test_a_shm_leak_is_named_by_its_file_in_the_verdict_line() -> None:
 
 
 def test_two_files_held_by_one_process_are_two_leaks_named_by_file() -> None:
-    from leakcheck.job import finding_identity
+    from leakcheck.judge.job import finding_identity
 
     files = tuple(ShmFile(name, 1024, holder_pid=7, holder_role="worker") for name in "ab")
     tl = dataclasses.replace(timeline([epoch(0, [parent(600)])]), shm_files=files)

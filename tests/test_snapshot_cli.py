@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from leakcheck import cli
-from leakcheck.cli import SnapshotArgs, main
+from leakcheck.commands import cli
+from leakcheck.commands.cli import SnapshotArgs, main
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
@@ -202,12 +202,13 @@ def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
     # probe before it prints: NOTE [quick exit]).
     probe = (
         "import sys, leakcheck.__main__\n"
-        "from leakcheck.cli import main\n"
+        "from leakcheck.commands.cli import main\n"
         "main(['snapshot'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('argparse', 'pynvml', 'torch', 'json') or m in "
-        "('leakcheck.sweep', 'leakcheck.options', 'leakcheck.workload', 'leakcheck.run_cli', "
-        "'leakcheck.model', 'leakcheck.hostmem')))"
+        "('leakcheck.commands.sweep', 'leakcheck.core.options', 'leakcheck.commands.workload', "
+        "'leakcheck.commands.run_cli', "
+        "'leakcheck.core.model', 'leakcheck.observe.hostmem')))"
     )
     run = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, check=True
@@ -239,7 +240,7 @@ _ENTRY = """
 import atexit, sys
 atexit.register(print, "exit work ran", flush=True)
 sys.argv = ["leakcheck", *sys.argv[1:]]
-from leakcheck.cli import command
+from leakcheck.commands.cli import command
 command()
 """
 # Buffered output, as on most machines: with PYTHONUNBUFFERED nothing would be left to flush.
@@ -281,11 +282,11 @@ def test_a_snapshot_that_cannot_write_its_output_says_so_and_exits_2() -> None:
 
 # A snapshot text of 500 KB, far beyond the output buffer: written through at once.
 _LONG_ENTRY = _ENTRY.replace(
-    "from leakcheck.cli import command",
-    "from leakcheck import snapshot\n"
+    "from leakcheck.commands.cli import command",
+    "from leakcheck.observe import snapshot\n"
     "real = snapshot.Snapshot.format\n"
     "snapshot.Snapshot.format = lambda self: real(self) + ('x' * 99 + '\\n') * 5000\n"
-    "from leakcheck.cli import command",
+    "from leakcheck.commands.cli import command",
 )
 
 
@@ -330,11 +331,11 @@ def test_a_snapshot_whose_reader_left_early_exits_0_quietly(watch: tuple[str, ..
 
 def test_ctrl_c_during_a_snapshot_exits_130_without_a_traceback() -> None:
     script = _ENTRY.replace(
-        "from leakcheck.cli import command",
-        "from leakcheck import snapshot\n"
+        "from leakcheck.commands.cli import command",
+        "from leakcheck.observe import snapshot\n"
         "def interrupted(**kwargs):\n    raise KeyboardInterrupt\n"
         "snapshot.take_snapshot = interrupted\n"
-        "from leakcheck.cli import command",
+        "from leakcheck.commands.cli import command",
     )
     done = subprocess.run(
         [sys.executable, "-c", script, "snapshot"],

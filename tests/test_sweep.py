@@ -22,10 +22,8 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck import procs
-from leakcheck.model import MIB, ProcessKey
-from leakcheck.progress import Progress
-from leakcheck.sweep import (
+from leakcheck.commands.progress import Progress
+from leakcheck.commands.sweep import (
     COLUMN_NAMES,
     LoaderError,
     LoaderFactory,
@@ -36,8 +34,10 @@ from leakcheck.sweep import (
     wait_for_cooldown,
     write_json,
 )
-from leakcheck.units import format_mib
-from leakcheck.verdict import epoch_counts
+from leakcheck.core.model import MIB, ProcessKey
+from leakcheck.core.units import format_mib
+from leakcheck.judge.verdict import epoch_counts
+from leakcheck.observe import procs
 
 NO_GPU = (False, "NVML unavailable: test without a GPU")
 FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
@@ -70,7 +70,7 @@ def test_json_has_schema_reports_and_is_serialisable(tmp_path: Path) -> None:
     path = tmp_path / "sweep.json"
     write_json(str(path), result.to_dict())
     data = json.loads(path.read_text())
-    assert data["schema"] == "leakcheck.sweep"
+    assert data["schema"] == "leakcheck.commands.sweep"
     assert data["schema_version"] == 3
     assert data["gpu"] == {
         "available": False,
@@ -228,7 +228,7 @@ def test_cleanup_leaves_own_children_alone() -> None:
 
 def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
     """0 workers: the parent's own grandchild (through a launcher) is the orphan."""
-    from leakcheck.workload import WorkloadSpec, builtin_factory
+    from leakcheck.commands.workload import WorkloadSpec, builtin_factory
 
     spec = WorkloadSpec(scenario="orphan", batches=2, orphan_lifetime_s=30)
     options = SweepOptions(workers=(0,), epochs=2, grace_s=0.3, interval_s=0.02)
@@ -250,7 +250,7 @@ def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from leakcheck import nvml
+    from leakcheck.observe import nvml
     from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 
     device = FakeDevice(
@@ -261,15 +261,14 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         sm_clock_mhz=1410,
         power_mw=123_000,
     )
-    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", FakePynvml([device]))
+    monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", FakePynvml([device]))
     nvml._reset_for_tests()
     yield device
     nvml._reset_for_tests()
 
 
 def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     options = SweepOptions(workers=(0,), epochs=2, grace_s=0.1, interval_s=0.02)
     result = run_sweep(options, _list_factory, loader="test loader", gpu=nvml.availability())
     assert result.gpu_available
@@ -290,7 +289,7 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
     assert line.split()[15:] == ["2000/81920", "52", "1410", "123"]
     assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
     if importlib.util.find_spec("matplotlib") is not None:
-        from leakcheck.plot import plot_sweep
+        from leakcheck.judge.plot import plot_sweep
 
         plot_sweep(result, str(tmp_path / "gpu.png"))
         assert (tmp_path / "gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -333,7 +332,7 @@ def test_cooldown_recorded_without_gpu() -> None:
 
 def test_plot_writes_png_without_gpu(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from leakcheck.plot import plot_sweep
+    from leakcheck.judge.plot import plot_sweep
 
     path = tmp_path / "sweep.png"
     plot_sweep(_sweep(), str(path))
@@ -347,7 +346,7 @@ def test_plot_does_not_touch_pyplot_backend() -> None:
     import matplotlib
 
     before = matplotlib.get_backend()
-    from leakcheck.plot import render
+    from leakcheck.judge.plot import render
 
     render(_sweep(SweepOptions(workers=(0,), epochs=1, grace_s=0.1)))
     assert matplotlib.get_backend() == before
@@ -402,7 +401,7 @@ def _worker_keys(config: Any) -> list[ProcessKey]:
 def test_user_dataloader_gets_identities_and_the_teardown_policy(
     user_loader: tuple[Path, Path],
 ) -> None:
-    from leakcheck.cli import load_factory
+    from leakcheck.commands.cli import load_factory
 
     path, marks = user_loader
     options = SweepOptions(workers=(2,), epochs=2, grace_s=0.3, interval_s=0.02)
@@ -425,7 +424,7 @@ def test_user_dataloader_gets_identities_and_the_teardown_policy(
 
 
 def test_user_dataloader_without_teardown_still_reports(user_loader: tuple[Path, Path]) -> None:
-    from leakcheck.cli import load_factory
+    from leakcheck.commands.cli import load_factory
 
     path, _ = user_loader
     options = SweepOptions(workers=(1,), epochs=2, grace_s=0.3, interval_s=0.02, teardown=False)
@@ -444,7 +443,7 @@ def test_user_persistent_workers_exit_within_their_configuration(
     user_loader: tuple[Path, Path],
 ) -> None:
     """The loader's own persistent_workers counts; its workers stop before the tracker does."""
-    from leakcheck.cli import load_factory
+    from leakcheck.commands.cli import load_factory
 
     path, _ = user_loader
     options = SweepOptions(workers=(2,), epochs=3, grace_s=0.3, interval_s=0.02)
@@ -473,9 +472,9 @@ def _synthetic_result() -> SweepResult:
     """
     from dataclasses import replace
 
-    from leakcheck.model import RuleConfig
-    from leakcheck.report import build_report
-    from leakcheck.sweep import ConfigResult, epoch_row
+    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.report import build_report
     from tests import timelines as tl
 
     def reported(pid: int) -> Any:
@@ -535,8 +534,7 @@ def test_unknown_worker_peak_is_question_mark_and_null_never_zero() -> None:
 
 
 def test_known_peaks_need_no_question_mark_note(fake_gpu: Any) -> None:
-    from leakcheck import nvml
-
+    from leakcheck.observe import nvml
     options = SweepOptions(workers=(0,), epochs=2, grace_s=0.1, interval_s=0.02)
     result = run_sweep(options, _list_factory, loader="test loader", gpu=nvml.availability())
     assert [row.workers_peak_unknown for row in result.configs[0].rows] == [0, 0]
@@ -562,7 +560,7 @@ def test_plot_worker_peak_is_stacked_on_its_bar_and_unknown_is_a_gap() -> None:
     pytest.importorskip("matplotlib")
     import math
 
-    from leakcheck.plot import render
+    from leakcheck.judge.plot import render
 
     result = _synthetic_result()
     axes = _memory_axes(render(result))
@@ -593,9 +591,9 @@ def test_plot_worker_peak_is_stacked_on_its_bar_and_unknown_is_a_gap() -> None:
 def test_plot_module_never_imports_the_sweep() -> None:
     import ast
 
-    import leakcheck.plot
+    import leakcheck.judge.plot
 
-    tree = ast.parse(Path(leakcheck.plot.__file__).read_text())
+    tree = ast.parse(Path(leakcheck.judge.plot.__file__).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -623,7 +621,7 @@ def test_output_never_replaces_a_fifo_or_a_socket(tmp_path: Path) -> None:
     try:
         listener.bind(str(tmp_path / "sock.png"))
         pytest.importorskip("matplotlib")
-        from leakcheck.plot import plot_sweep
+        from leakcheck.judge.plot import plot_sweep
 
         with pytest.raises(OSError, match=r"it is a socket, not a regular file"):
             plot_sweep(_sweep(SweepOptions(workers=(0,), epochs=1, grace_s=0.1)),
@@ -672,9 +670,9 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
     """Host memory per epoch: parent and workers stacked, USS said, an unknown worker a "?"."""
     from dataclasses import replace
 
-    from leakcheck.model import RuleConfig
-    from leakcheck.report import build_report
-    from leakcheck.sweep import ConfigResult, epoch_row
+    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.report import build_report
     from tests import timelines as tl
 
     unreported = replace(tl.proc(1003, born=True, alive=False), gpu_peak_source="unknown")
@@ -705,7 +703,7 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
         ["320", "?", "uss"],
     ]
     pytest.importorskip("matplotlib")
-    from leakcheck.plot import render
+    from leakcheck.judge.plot import render
 
     figure = render(result)
     host = next(a for a in figure.axes if a.get_ylabel().startswith("host memory"))

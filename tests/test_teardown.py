@@ -22,8 +22,9 @@ import psutil
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from leakcheck import mailbox, teardown
-from leakcheck.errors import UsageError
+from leakcheck.core.errors import UsageError
+from leakcheck.observe import mailbox
+from leakcheck.worker import teardown
 from tests.pyrun import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,8 +198,7 @@ def test_unregister_resource() -> None:
 EXIT_SCRIPT = """
 import os, sys
 from torch.utils.data import DataLoader
-from leakcheck import teardown
-
+from leakcheck.worker import teardown
 class Loud:
     # Destroyed or called during shutdown: says so on stderr.
     def __call__(self):
@@ -255,7 +255,7 @@ def test_release_device_is_a_no_op_at_interpreter_exit() -> None:
     done = run_python(
         """
         import atexit
-        from leakcheck import teardown
+        from leakcheck.worker import teardown
         atexit.register(lambda: print(teardown.release_device().note))
         teardown.register_resource(print)  # moves leakcheck's exit hook ahead of the one above
         """

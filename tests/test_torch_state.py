@@ -1,4 +1,4 @@
-"""leakcheck.torch_state on the CPU: it never imports torch and never initialises CUDA."""
+"""leakcheck.observe.torch_state on the CPU: it never imports torch and never initialises CUDA."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _run(code: str) -> str:
 def test_torch_never_imported_stays_unimported() -> None:
     out = _run(
         "import sys\n"
-        "from leakcheck.torch_state import initialized_cuda\n"
+        "from leakcheck.observe.torch_state import initialized_cuda\n"
         "print(initialized_cuda(), 'torch' in sys.modules)\n"
     )
     assert out == "None False"
@@ -23,7 +23,7 @@ def test_torch_never_imported_stays_unimported() -> None:
 def test_torch_imported_without_a_context_is_none_and_stays_so() -> None:
     out = _run(
         "import torch\n"
-        "from leakcheck.torch_state import initialized_cuda\n"
+        "from leakcheck.observe.torch_state import initialized_cuda\n"
         "print(initialized_cuda(), torch.cuda.is_initialized())\n"
     )
     assert out == "None False"

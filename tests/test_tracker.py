@@ -1,7 +1,7 @@
 """Tracker on real processes (CPU): lineage per epoch, survivors, orphans, mailbox, failures.
 
 NVML is absent here, so GPU attribution is exercised through the fake at the NVML binding
-boundary (tests/fake_pynvml.py, in place of leakcheck.nvml_lib) with the PIDs of real child
+boundary (tests/fake_pynvml.py, in place of leakcheck.observe.nvml_lib) with the PIDs of real child
 processes.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from leakcheck import mailbox, nvml, procs
-from leakcheck.errors import LeakCheckError, UsageError
-from leakcheck.model import MIB, ProcessEpoch, ProcessKey
-from leakcheck.tracker import Tracker
+from leakcheck.core.errors import LeakCheckError, UsageError
+from leakcheck.core.model import MIB, ProcessEpoch, ProcessKey
+from leakcheck.observe import mailbox, nvml, procs
+from leakcheck.track.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
 from tests.polling import wait_for
 
@@ -177,7 +177,7 @@ def test_a_survivor_needs_a_sighting_after_the_grace(
     """Walks only when asked: a child that exits 0.2 s after the epoch is found gone long
     after the 0.5 s grace, and is no survivor; one seen alive 1 s after the epoch (it would
     live 30 s) is one."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)
     tracker = Tracker(grace=0.5, interval=0.02, use_nvml=False).start()
@@ -339,7 +339,7 @@ def test_a_failure_that_stops_the_sampler_thread_is_reported(
 ) -> None:
     """Outside every guarded read: the thread ends, and the report says so (it said "no
     leaks" over epochs it no longer sampled)."""
-    from leakcheck.sampling.pacing import Pacing
+    from leakcheck.track.pacing import Pacing
 
     def broken(self: Pacing, now_s: float) -> int:
         raise RuntimeError("unforeseen in the sampler's loop")
@@ -417,7 +417,7 @@ def _hold(seconds: float) -> None:
 
 @pytest.fixture
 def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     # A read of the fake costs this busy machine tens of microseconds of CPU, which the
     # memory share would pace out to every second or third tick: the tests that count
@@ -427,7 +427,7 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     # tests of list pacing set their own share.
     monkeypatch.setattr(pacing_module, "LIST_SHARE", 1.0)
     fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
-    monkeypatch.setitem(sys.modules, "leakcheck.nvml_lib", fake)
+    monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
     nvml._reset_for_tests()
     yield fake
     nvml._reset_for_tests()
@@ -523,7 +523,7 @@ def test_importing_leakcheck_and_its_core_loads_neither_torch_nor_pynvml() -> No
 def test_without_nvml_the_sampler_wakes_for_walking_ticks_only() -> None:
     """NOTE [idle ticks]: with nothing to read between walks, three ticks in four are not
     taken; walks keep their pace, and a new child is still found within a walk."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     child = CTX.Process(target=_hold, args=(30,))
     with Tracker(grace=0.0, interval=0.01, use_nvml=False) as tracker, tracker.epoch():
@@ -573,7 +573,7 @@ def test_ticks_between_walks_keep_gpu_peaks_and_place_new_gpu_pids_in_the_job(
     """NOTE [tracker lifecycle]: ticks that do not walk /proc still read NVML where device
     memory moved; a PID new on the GPU is placed in the tree at once, never taken for a
     foreign process."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)  # the sampler never walks
     device = fake_nvml.devices[0]
@@ -629,7 +629,7 @@ def _epoch_with_a_holder(
     """One epoch of a tracker whose sampler never walks, around a live child: ``body`` sets
     what the child holds on the fake device (given the device, the child's PID and the
     tracker). Returns the closed tracker and the child's record of the epoch."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "WALK_EVERY", 10**9)
     device = fake_nvml.devices[0]
@@ -719,7 +719,7 @@ def test_list_reads_are_paced_by_their_cpu_time(
     """NOTE [nvml pacing]: device memory moves on every tick of a 1.5 s window; the sampler
     reads the lists as often as their CPU time and the longest gap allow (``fewest`` to
     ``most`` times), and ``sample()`` is not paced."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "LIST_SHARE", share)
     monkeypatch.setattr(pacing_module, "MAX_GAP_S", max_gap_s)
@@ -767,7 +767,7 @@ def test_memory_reads_take_a_quarter_of_the_nvml_share(
     used 4 ms of CPU keeps the next away 160 ms, so ticks 50 ms apart read memory on one in
     three or four (a late tick only makes reads more frequent, never less); reads of no cost
     come on every tick. Memory holds still, so no tick reads the lists."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "LIST_SHARE", 0.1)
     monkeypatch.setattr(pacing_module, "MEMORY_SHARE", 0.1 / 4)
@@ -803,7 +803,7 @@ def test_memory_moved_between_processes_is_seen_by_the_next_walking_tick(
     fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [list gating]: what the device total cannot show, a walking tick reads."""
-    from leakcheck.sampling import pacing as pacing_module
+    from leakcheck.track import pacing as pacing_module
 
     monkeypatch.setattr(pacing_module, "WALK_EVERY", 3)
     device = fake_nvml.devices[0]

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import leakcheck
-from leakcheck import hostmem
-from leakcheck.model import ProcessEpoch, ProcessKey
-from leakcheck.sampling.book import EpochBook
-from leakcheck.sampling.ticker import Ticker
-from leakcheck.tracker import Tracker
-from leakcheck.verdict import judge
+from leakcheck.core.model import ProcessEpoch, ProcessKey
+from leakcheck.judge.verdict import judge
+from leakcheck.observe import hostmem
+from leakcheck.track.book import EpochBook
+from leakcheck.track.ticker import Ticker
+from leakcheck.track.tracker import Tracker
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
@@ -296,7 +296,7 @@ def test_clean_loaders_over_ten_epochs_have_no_host_finding(
     import torch
     from torch.utils.data import DataLoader
 
-    from leakcheck.dataloader import WatchedLoader
+    from leakcheck.adapters.dataloader import WatchedLoader
 
     # The data in one tensor: reading it writes no reference counts, nothing is copied.
     data = torch.arange(20_000 * 16, dtype=torch.float32).reshape(20_000, 16)
@@ -350,11 +350,11 @@ def test_the_copy_on_read_examples(script: str, leaks: int) -> None:
 def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing() -> None:
     """The pacing would put the next read 1000 s away; the epoch ends after the warm-up (the
     host-growth rule's first three points) read USS anyway, later ones wait for the pacing."""
-    from leakcheck import procs
-    from leakcheck.sampling.host import HostReads
-    from leakcheck.sampling.pacing import Pacing
-    from leakcheck.sampling.reads import Failures
-    from leakcheck.sampling.table import ProcessTable
+    from leakcheck.observe import procs
+    from leakcheck.track.host import HostReads
+    from leakcheck.track.pacing import Pacing
+    from leakcheck.track.reads import Failures
+    from leakcheck.track.table import ProcessTable
 
     root = procs.process_key(os.getpid())
     assert root is not None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leakcheck.errors import UsageError
-from leakcheck.units import parse_duration, parse_size
+from leakcheck.core.errors import UsageError
+from leakcheck.core.units import parse_duration, parse_size
 
 MIB = 1024 * 1024
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from leakcheck import verdict
-from leakcheck.model import (
+from leakcheck.core.model import (
     MIB,
     EpochRecord,
     Finding,
@@ -18,6 +17,7 @@ from leakcheck.model import (
     ShmFile,
     Timeline,
 )
+from leakcheck.judge import verdict
 from tests.timelines import (
     ROOT_PID,
     clean_timeline,
@@ -744,7 +744,7 @@ def test_copy_on_read_worker_is_found_per_worker_with_mib_per_epoch() -> None:
 
 
 def verdict_of(tl: Timeline) -> str:
-    from leakcheck.report import build_report
+    from leakcheck.judge.report import build_report
 
     return build_report(tl, RuleConfig()).verdict
 

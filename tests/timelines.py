@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from leakcheck.model import (
+from leakcheck.core.model import (
     MIB,
     Attribution,
     DeviceState,

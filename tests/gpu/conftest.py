@@ -18,7 +18,7 @@ import pytest
 _HERE = Path(__file__).parent
 _CHECK = """
 import os
-from leakcheck import nvml
+from leakcheck.observe import nvml
 ok, reason = nvml.availability()
 if ok:
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # no cuInit

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
 
     def main(touch_cuda, context, persistent, epochs):
         import lightning.pytorch as pl
-        from leakcheck.integrations.lightning import LeakCheckCallback
+        from leakcheck.adapters.lightning import LeakCheckCallback
 
         def loader():
             return DataLoader(Pairs(touch_cuda), batch_size=8, num_workers=2,

@@ -1,4 +1,4 @@
-"""leakcheck.nvml on a real GPU: devices, telemetry, per-PID memory, and no CUDA in the caller."""
+"""leakcheck.observe.nvml on a real GPU: devices, telemetry, per-PID memory, no CUDA here."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import pytest
 
-from leakcheck import nvml
-from leakcheck.model import GpuProcess
+from leakcheck.core.model import GpuProcess
+from leakcheck.observe import nvml
 from tests.pyrun import run_python
 
 T = TypeVar("T")
@@ -90,8 +90,7 @@ def test_child_allocation_appears_under_its_own_pid() -> None:
         # (nvml_lib) and a reused buffer; pynvml, NVIDIA's binding, must say the same.
         import pynvml
 
-        from leakcheck import nvml_lib
-
+        from leakcheck.observe import nvml_lib
         # Only the child's entry is compared: other processes may come and go in between.
         raw = nvml._RawProcessList.open(nvml_lib, "nvmlDeviceGetComputeRunningProcesses")
         assert raw is not None, "this binding and driver should allow the buffer path"
@@ -166,7 +165,7 @@ def test_nvml_use_does_not_initialise_cuda_in_the_caller() -> None:
     # In a fresh interpreter, so that no other test's CUDA use can hide or fake the result.
     code = """
 import os, torch
-from leakcheck import nvml
+from leakcheck.observe import nvml
 handle = nvml.get()
 pids = {p.pid for p in handle.processes()}
 handle.memory()
@@ -211,7 +210,7 @@ def test_torch_state_sees_a_context_and_not_a_forked_childs_inherited_one() -> N
     # The check every teardown, allocator read and cache flush of leakcheck's asks first.
     code = """
 import os, torch
-from leakcheck.torch_state import initialized_cuda
+from leakcheck.observe.torch_state import initialized_cuda
 assert initialized_cuda() is None, "no context yet"
 torch.empty(1, device="cuda:0")
 assert initialized_cuda() is torch.cuda, "a context now"

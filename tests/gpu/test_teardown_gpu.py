@@ -1,4 +1,4 @@
-"""Teardown policy on a real GPU (NOTE [teardown policy] in leakcheck/teardown.py).
+"""Teardown policy on a real GPU (NOTE [teardown policy] in leakcheck/worker/teardown.py).
 
 Each scenario is a script file run by its own interpreter, as in test_dataloader_gpu.py.
 """
@@ -27,7 +27,7 @@ SIDE_STREAM_DATASET = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader, Dataset
     import leakcheck
-    from leakcheck import teardown
+    from leakcheck.worker import teardown
     MIB = 2**20
 
     class SideStreams(Dataset):
@@ -181,7 +181,8 @@ def test_release_device_refuses_with_live_tensors_then_frees(tmp_path: Path) -> 
             tmp_path,
             """
             import json, os, threading, torch
-            from leakcheck import LeakCheckError, nvml, release_device
+            from leakcheck import LeakCheckError, release_device
+            from leakcheck.observe import nvml
             x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
             torch.cuda.synchronize()
             refusals = []
@@ -221,7 +222,7 @@ TWO_DEVICE_SCENARIO = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader, Dataset
     import leakcheck
-    from leakcheck import nvml
+    from leakcheck.observe import nvml
     MIB = 2**20
 
     class TwoDevices(Dataset):
@@ -280,7 +281,8 @@ def test_release_device_after_model_inference_leaves_nvml_and_the_clock_falls(
             """
             import json, os, time, torch, torchvision
             from torch.utils.data import DataLoader, TensorDataset
-            from leakcheck import nvml, release_device
+            from leakcheck import release_device
+            from leakcheck.observe import nvml
             model = torchvision.models.resnet18(weights=None).cuda().eval()
             data = TensorDataset(torch.randn(64, 3, 224, 224))
             # Persistent workers: the loader's pin-memory thread and queue feeders stay alive

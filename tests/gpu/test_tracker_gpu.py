@@ -23,7 +23,7 @@ PRELUDE = textwrap.dedent(
     """
     import json, multiprocessing as mp, os, subprocess, sys, time
     import leakcheck
-    from leakcheck import procs
+    from leakcheck.observe import procs
     MIB = 2**20
 
     def hold(mib, ready, stop):
@@ -138,7 +138,7 @@ def test_grandchild_reparented_to_init_is_an_orphan_with_its_memory() -> None:
                     kid.start(); kid.join()
                     grandchild = int(open(pid_file).read())
                     # Wait for the grandchild's allocation to show up.
-                    from leakcheck import nvml
+                    from leakcheck.observe import nvml
                     for _ in range(300):
                         if any(p.pid == grandchild for p in nvml.get().processes()):
                             break

@@ -1,0 +1,412 @@
+"""``leakcheck.watch(loader)``: a DataLoader that reports, per epoch, who leaked what.
+
+NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
+request and closed however the loop ends, so the report always keeps it:
+
+* the loader is exhausted: ``completed``; the leak rules are applied right away and a
+  ``GPULeakError`` (``on_leak="raise"``) surfaces from the ``for`` statement;
+* the loop is left early (``break``, ``return``, the iterator dropped): ``break``. Python
+  tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
+  loop body also reads as ``break``;
+* an exception while fetching a batch, a worker's included: ``exception``, then re-raised;
+* ``KeyboardInterrupt`` while fetching a batch: ``interrupt``, then re-raised;
+* the iterator was reclaimed by the garbage collector or at interpreter exit (not by the
+  loop): ``collected``.
+
+After an early end, non-persistent workers are shut down at once (the exception's
+traceback would otherwise keep them alive as false survivors), and judging waits for the
+next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
+epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
+the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
+that waits for it. Nothing is done per batch beyond one generator step.
+
+NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and the
+wrapper judges at every epoch end, so over a long run the epoch end would grow slower and
+slower. The epoch-end judgement therefore looks at the latest ``_JUDGED_EPOCHS`` closed
+epochs only (``benchmarks/bench_epochs.py`` measures both), as recorded at their ends, and
+``close()`` and ``report()`` judge the whole run with a fresh read. Every rule still works
+on the window: survivors and orphans are seen within a few epochs of their birth (unless
+epochs are so short that the grace period spans the whole window), growth over the
+window's epochs (warm-up included). What only a longer view shows, such as growth too slow
+to exceed the tolerance within the window, is announced by ``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+from leakcheck.adapters.watching import (
+    EpochJudge,
+    OnLeak,
+    chained_worker_init,
+    check_on_leak,
+    check_teardown,
+    started_mailbox,
+)
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import EndReason
+from leakcheck.judge.report import Report
+from leakcheck.track.tracker import Tracker, end_reason_for
+from leakcheck.worker.teardown import WorkerInit
+
+__all__ = ["WatchedLoader", "watch"]
+
+T = TypeVar("T")
+
+# True while the cyclic garbage collector runs: a generator closed then was collected,
+# not left by its loop (NOTE [epoch ends]).
+_collecting = False
+_gc_hook_lock = threading.Lock()
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+def _install_gc_hook() -> None:
+    with _gc_hook_lock:
+        if _gc_phase not in gc.callbacks:
+            gc.callbacks.append(_gc_phase)
+
+
+def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
+    if isinstance(error, GeneratorExit):
+        return ("collected" if _collecting or sys.is_finalizing() else "break"), None
+    return end_reason_for(error)
+
+
+# Two wrappers of one loader install their hooks in turn and may close in either order: a
+# hook put back must not be a closed wrapper's (its mailbox is gone), so each hook knows
+# what it replaced, and a closed one is skipped for what it replaced in turn.
+_replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
+_live_hooks: weakref.WeakSet[WorkerInit] = weakref.WeakSet()
+
+
+def _what_to_restore(function: Any) -> Any:
+    """``function``, or for a closed wrapper's hook, the first live one or the user's below."""
+    while isinstance(function, WorkerInit) and function not in _live_hooks:
+        if function not in _replaced:
+            break  # the user's own leakcheck.worker_init_fn(...): theirs to keep
+        function = _replaced[function]
+    return function
+
+
+class _Session:
+    """What the wrapper's finalizer needs, without a reference to the wrapper."""
+
+    def __init__(self, loader: Any, tracker: Tracker) -> None:
+        self.loader = loader
+        self.tracker = tracker
+        self.installed: WorkerInit | None = None
+
+    def restore_init(self) -> None:
+        installed = self.installed
+        if installed is None:
+            return
+        _live_hooks.discard(installed)  # closed: what it replaced comes back (_replaced)
+        if getattr(self.loader, "worker_init_fn", None) is installed:
+            self.loader.worker_init_fn = _what_to_restore(installed)
+        self.installed = None
+
+    def finalize(self, owns_tracker: bool = True) -> None:
+        """Run when the wrapper is collected without ``close()``: stop the sampler.
+
+        A shared tracker (``owns_tracker=False``) is left alone: an epoch of the wrapper's
+        own was ended by its generator, which no longer exists.
+        """
+        self.restore_init()
+        if owns_tracker:
+            self.tracker.end_epoch("collected")
+            self.tracker.close()
+
+
+class WatchedLoader(Generic[T]):
+    """An iterable that behaves like the wrapped loader; each ``iter()`` is one epoch.
+
+    Build it with :func:`watch`. ``len()``, iteration and every attribute of the loader
+    (``batch_size``, ``dataset``, ``num_workers``, ...) behave as on the loader itself.
+
+    Two arguments exist for ``leakcheck run``, which patches ``DataLoader.__iter__`` itself
+    and tracks each loader through a new wrapper per epoch (NOTE [run instrumentation] in
+    instrument.py); ``watch()`` leaves both at their defaults:
+
+    * ``iterate`` makes each epoch's iterator from the loader instead of ``iter(loader)``
+      (the patched ``__iter__`` would recurse into the wrapper; it passes the original);
+    * ``owns_tracker=False``: the tracker is shared with other wrappers, so this one never
+      closes it (``close()`` ends the wrapper's own epoch if one is open, and both
+      ``close()`` and collection restore the loader's ``worker_init_fn``); whoever made
+      the tracker closes it.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[T],
+        *,
+        tracker: Tracker,
+        on_leak: OnLeak,
+        teardown: bool,
+        iterate: Callable[[Any], Iterator[T]] | None = None,
+        owns_tracker: bool = True,
+    ) -> None:
+        self._loader = loader
+        self._tracker = tracker
+        self._teardown = check_teardown(teardown)
+        self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
+        self._owns_tracker = owns_tracker
+        self._started = False
+        self._open_epoch: int | None = None
+        """Index of the epoch this wrapper's latest iteration opened, until it ends."""
+        self._session = _Session(loader, tracker)
+        self._judge = EpochJudge(tracker, check_on_leak(on_leak))
+        self._closed = False
+        self._dropped = False
+        self._batches_seen = False
+        self._finalizer = weakref.finalize(self, _Session.finalize, self._session, owns_tracker)
+        _install_gc_hook()
+
+    # --- the loader's face -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the wrapper lacks. Guard against lookups before __init__
+        # ran (copy, pickle), which would otherwise recurse.
+        if name.startswith("__") or "_loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __repr__(self) -> str:
+        return f"leakcheck.watch({self._loader!r})"
+
+    def __iter__(self) -> Iterator[T]:
+        return self._epoch()
+
+    # --- leakcheck's face --------------------------------------------------------------
+
+    @property
+    def tracker(self) -> Tracker:
+        """The :class:`~leakcheck.track.tracker.Tracker` behind the wrapper."""
+        return self._tracker
+
+    @property
+    def loader(self) -> Iterable[T]:
+        """The wrapped loader."""
+        return self._loader
+
+    def report(self) -> Report:
+        """Judge what was observed so far, with a fresh read of what is alive now.
+
+        Before ``close()`` the report reads now who is alive (the parent, survivors,
+        orphans) and what each holds; after it, the final state ``close()`` took.
+        """
+        return self._tracker.report()
+
+    def close(self) -> None:
+        """Close the open epoch, wait out the grace period, judge the last epochs.
+
+        Restores the loader's own ``worker_init_fn``. Idempotent.
+
+        Raises:
+            GPULeakError: ``on_leak="raise"`` and a leak not raised before was found.
+
+        """
+        self._close(may_raise=True)
+
+    def drop_loader(self) -> None:
+        """Let go of the wrapped loader, so that it can be collected while tracking goes on.
+
+        Persistent workers stop only when their loader is collected (a DataLoader's iterator
+        shuts its workers down then). Called before ``close()`` and followed by
+        ``gc.collect()``, this makes their exit, and what each reported at teardown, part of
+        the tracked run; ``leakcheck sweep`` does it at the end of each configuration. The
+        loader's own ``worker_init_fn`` is restored first; the wrapper cannot be iterated
+        again, but ``report()`` and ``close()`` work as before. The host-memory reads of the
+        last epoch end are made first, while its workers still run.
+        """
+        self._tracker.finish_reads()
+        self._session.restore_init()
+        self._session.loader = None
+        self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive
+        self._dropped = True
+
+    def __enter__(self) -> WatchedLoader[T]:
+        self._start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # With an exception on its way out, a leak is warned about instead of replacing it.
+        self._close(may_raise=exc is None)
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _close(self, *, may_raise: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._session.restore_init()
+        if not self._owns_tracker:
+            if self._open_epoch is not None:  # its own epoch, not another wrapper's
+                self._tracker.end_epoch("closed", index=self._open_epoch)
+                self._open_epoch = None
+            return
+        self._tracker.close()
+        self._judge.judge(may_raise=may_raise, stacklevel=3)
+
+    def _start(self) -> None:
+        """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
+        if self._closed:
+            raise UsageError("this watched loader is closed; wrap the loader again")
+        tracker = self._tracker
+        if self._started:
+            return
+        self._started = True
+        mailbox_dir = started_mailbox(tracker)
+        loader: Any = self._loader
+        if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
+            # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
+            # workers to the inner one, whose tracker owns them (NOTE [claims]).
+            return
+        installed = chained_worker_init(
+            loader.worker_init_fn,
+            tracker=tracker,
+            mailbox_dir=mailbox_dir,
+            release=self._teardown,
+            persistent=bool(getattr(loader, "persistent_workers", False)),
+        )
+        _replaced[installed] = loader.worker_init_fn
+        _live_hooks.add(installed)
+        loader.worker_init_fn = installed
+        self._session.installed = installed
+
+    def _epoch(self) -> Iterator[T]:
+        if self._dropped:
+            raise UsageError("this watched loader let go of its loader; wrap the loader again")
+        self._start()
+        self._judge.judge_if_due(stacklevel=2)
+        index = self._tracker.begin_epoch()
+        self._open_epoch = index
+        installed = self._session.installed
+        if installed is not None:
+            # Workers start in this thread, and the kernel sends PR_SET_PDEATHSIG when the
+            # thread that started a worker exits: from a short-lived thread, persistent
+            # workers would be killed under the loader (NOTE [teardown policy]).
+            installed.death_signal = threading.current_thread() is threading.main_thread()
+        batches: Any = None
+        count = 0
+        try:
+            batches = self._iterate(self._loader)
+            for batch in batches:
+                count += 1
+                yield batch
+        except BaseException as error:
+            if not getattr(self._loader, "persistent_workers", False):
+                # Private, but what the iterator's own __del__ calls; idempotent.
+                shutdown = getattr(batches, "_shutdown_workers", None)
+                if shutdown is not None:
+                    with contextlib.suppress(Exception):
+                        shutdown()
+            batches = None
+            self._end_epoch(*_end_reason(error), count, index)
+            raise
+        batches = None
+        self._end_epoch("completed", None, count, index)
+        if count == 0 and self._batches_seen:
+            warnings.warn(
+                f"leakcheck: epoch {index} of the watched loader yielded no "
+                "batches, where earlier epochs did: the wrapped iterable is exhausted (a "
+                "generator or iterator can be iterated once); wrap a loader that can be "
+                "iterated again, such as a DataLoader",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._batches_seen = self._batches_seen or count > 0
+        self._judge.judge(may_raise=True, stacklevel=2)
+
+    def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
+        # Only the epoch this iteration opened: when an iterator is kept (a peek at the first
+        # batch) and the loader iterated again, the new epoch closed it, and dropping the
+        # kept iterator later must not end the epoch open then (this wrapper's or another's
+        # over the same tracker).
+        if self._open_epoch == index:
+            self._open_epoch = None
+        if self._tracker.end_epoch(reason, error, batches, index=index):
+            self._judge.epoch_ended()
+
+
+def watch(
+    loader: Iterable[T],
+    *,
+    tolerance: str | int = "16MiB",
+    warmup_epochs: int = 1,
+    grace: float | str = 2.0,
+    on_leak: OnLeak = "warn",
+    teardown: bool = True,
+    interval: float | str = 0.05,
+    rollup_share: float | None = None,
+) -> WatchedLoader[T]:
+    """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
+
+    ::
+
+        loader = leakcheck.watch(DataLoader(ds, num_workers=8, persistent_workers=True))
+        for epoch in range(10):
+            for batch in loader:
+                train_step(batch)
+        loader.close()  # waits out the grace period, warns about the last epoch
+        print(loader.report().format())
+
+    Worker identities come from a chained ``worker_init_fn`` (your own still runs), which
+    also installs the teardown policy (NOTE [teardown policy] in teardown.py). How each
+    kind of epoch end is recorded and when leaks are judged: NOTE [epoch ends].
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` (any start method, persistent workers or
+            not); any other iterable is tracked by epochs and process lineage only.
+        tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
+        warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
+        grace: Seconds a worker may outlive its epoch before it is a survivor.
+        on_leak: ``"warn"`` (a ``GPULeakWarning`` naming the culprits), ``"raise"`` (a
+            ``GPULeakError`` after the epoch) or ``"ignore"`` (only the report).
+        teardown: Workers release their CUDA resources before they exit.
+        interval: Seconds between background samples.
+        rollup_share: Share of the time the USS reads of the parent and persistent workers
+            may take (``Tracker``'s); 1.0 reads USS, which shows copy-on-read where RSS does
+            not, at every epoch end: for epochs of seconds, where the default 0.1% reads it
+            only every few epochs and the host-growth rule falls back to resident memory.
+
+    Returns:
+        A :class:`WatchedLoader`; also a context manager that calls ``close()``.
+
+    Raises:
+        UsageError: A bad argument; the message names it and what was expected.
+
+    """
+    check_on_leak(on_leak)
+    check_teardown(teardown)
+    if not isinstance(loader, Iterable):
+        raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
+    tracker = Tracker(
+        interval=interval,
+        rollup_share=rollup_share,
+        tolerance=tolerance,
+        warmup_epochs=warmup_epochs,
+        grace=grace,
+        persistent_workers=bool(getattr(loader, "persistent_workers", False)),
+    )
+    return WatchedLoader(loader, tracker=tracker, on_leak=on_leak, teardown=teardown)

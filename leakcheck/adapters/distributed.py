@@ -1,0 +1,252 @@
+"""Gather the reports of a distributed job's ranks on rank 0: torch.distributed, or files.
+
+``gather_reports(reports)`` is what a training script under torchrun calls on every rank once
+its loaders are closed (``leakcheck.watch``): rank 0 gets one ``JobReport``, a verdict per
+rank and for the job. Where no process group is initialised, or the collective fails, each
+rank writes its report to a folder (``LEAKCHECK_RANK_DIR``, or the run folder under
+``leakcheck run``), and ``job_from_folder`` (or ``leakcheck run`` itself) merges them.
+
+NOTE [rank gathering]: a collective completes only when every rank of the group calls it.
+A rank that died (killed, out of memory, an exception on its own) never will, and the others
+then block in ``gather_object`` until the group's timeout: 30 minutes for gloo by default,
+and with NCCL possibly for ever. The detector must never hang the job, so:
+
+* leakcheck never gathers on its own, least of all at interpreter exit (``leakcheck run``'s
+  trackers at ``atexit``, a loader's ``close()``), where a rank cannot know whether its peers
+  are still alive: there, each rank writes a file of its own, which needs no peer, and the
+  merging side (``leakcheck run``'s launcher, after the job ended) reads whatever came, and
+  judges a rank whose file never came from what was seen of it from outside;
+* the collective is used only when the program asks for it, with ``gather_reports``, at a
+  point every rank reaches (as it would place any collective of its own), and only while a
+  process group is initialised. Every rank first counts itself in through the group's
+  store and waits for the others, at most ``timeout_s`` (any backend: ``monitored_barrier``
+  is gloo's alone): a missing rank then makes every rank fall back to its file instead of
+  blocking. A rank that dies between that count and the gather is not covered: the
+  program's own placement of the call keeps that window short;
+* the file is written whatever happens (before the collective), so a failed gather loses
+  nothing. leakcheck's own failures are reported (a warning, and the file), never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import RankInfo
+from leakcheck.core.ranks import rank_from_environ
+from leakcheck.judge.job import JobReport, RankReport, judge_job
+from leakcheck.judge.report import Report
+
+__all__ = [
+    "RANK_DIR_ENV",
+    "gather_reports",
+    "job_from_folder",
+    "read_rank_reports",
+    "this_rank_report",
+    "write_rank_report",
+]
+
+RANK_DIR_ENV = "LEAKCHECK_RANK_DIR"
+"""Names the folder where each rank writes its report when it is not gathered in memory."""
+
+_RUN_ENV = "LEAKCHECK_RUN"  # instrument.RUN_ENV: the run folder under ``leakcheck run``
+_PREFIX = "rank-"
+
+
+def _process_group() -> Any | None:
+    """``torch.distributed`` where the program imported it and a group is initialised.
+
+    Never imports torch: a program that did not is not distributed through it.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+    except Exception:
+        return None
+    return dist
+
+
+def this_rank_report(reports: Report | Iterable[Report], *, pid: int | None = None) -> RankReport:
+    """Return the reports of this process as its rank's (``RANK`` & co., else the group's).
+
+    Args:
+        reports: One report, or several (one per loader).
+        pid: The rank's process (default: this one).
+
+    Returns:
+        A ``RankReport``; rank 0 of a world of 1 outside any distributed job.
+
+    """
+    info = rank_from_environ(os.environ)
+    if info is None:
+        dist = _process_group()
+        if dist is not None:
+            info = RankInfo(rank=int(dist.get_rank()), world_size=int(dist.get_world_size()))
+        else:
+            info = RankInfo(rank=0, world_size=1)
+    items = (reports,) if isinstance(reports, Report) else tuple(reports)
+    return RankReport(info=info, pid=os.getpid() if pid is None else pid, reports=items)
+
+
+def write_rank_report(entry: RankReport, folder: str) -> str:
+    """Write ``entry`` as ``rank-<rank>-<pid>.json`` into ``folder`` (atomically).
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: It could not be written.
+
+    """
+    path = os.path.join(folder, f"{_PREFIX}{entry.info.rank}-{entry.pid}.json")
+    temp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    with open(temp, "w", encoding="utf-8") as handle:
+        json.dump(entry.to_dict(), handle)
+    os.replace(temp, path)
+    return path
+
+
+def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
+    """Read every rank report in ``folder``.
+
+    Returns:
+        The reports, by rank then PID; and one line per file that could not be read.
+
+    """
+    entries: list[RankReport] = []
+    failures: list[str] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as error:
+        return [], [f"rank reports: cannot list {folder!r}: {error.strerror or error}"]
+    for name in names:
+        if not (name.startswith(_PREFIX) and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                data = json.load(handle)
+            entries.append(RankReport.from_dict(data))
+        except (OSError, ValueError, UsageError, RecursionError) as error:
+            failures.append(f"rank report {name}: cannot be read: {error}")
+    entries.sort(key=lambda e: (e.info.rank, e.pid))
+    return entries, failures
+
+
+def job_from_folder(folder: str) -> JobReport:
+    """The job's verdicts from the rank reports in ``folder`` (the file path's merge)."""
+    entries, _failures = read_rank_reports(folder)
+    return judge_job(entries)
+
+
+def _folder(folder: str | None) -> str | None:
+    chosen = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
+    return chosen if chosen and os.path.isdir(chosen) else None
+
+
+def gather_reports(
+    reports: Report | Iterable[Report],
+    *,
+    dst: int = 0,
+    folder: str | None = None,
+    timeout_s: float = 60.0,
+) -> JobReport | None:
+    """Gather every rank's reports on rank ``dst`` (see NOTE [rank gathering]).
+
+    Call it on every rank, at a point each of them reaches (after training, before
+    ``destroy_process_group``), with the reports of that rank's closed loaders.
+
+    Args:
+        reports: This rank's report(s): ``loader.report()`` of each watched loader.
+        dst: The rank that receives the job's report.
+        folder: Where each rank also writes its own file (default: ``$LEAKCHECK_RANK_DIR``,
+            else ``leakcheck run``'s run folder; none: no file).
+        timeout_s: How long a gloo group waits for a missing rank before every rank falls
+            back to its file.
+
+    Returns:
+        On ``dst``: the ``JobReport`` of every rank (of this rank alone where no process
+        group is initialised, or the gather failed: the others are in the folder). On the
+        other ranks: None.
+
+    """
+    entry = this_rank_report(reports)
+    target = _folder(folder)
+    if target is not None:
+        try:
+            write_rank_report(entry, target)
+        except OSError as error:
+            warnings.warn(
+                f"leakcheck: rank {entry.info.rank}: report not written: {error}", stacklevel=2
+            )
+    dist = _process_group()
+    if dist is None:
+        return judge_job([entry]) if entry.info.rank == dst else None
+    try:
+        gathered = _gather(dist, entry, dst, timeout_s)
+    except Exception as error:  # a peer died or the group broke: never into the job
+        where = f"; each rank's report is in {target}" if target else ""
+        warnings.warn(
+            f"leakcheck: rank {entry.info.rank}: reports not gathered through "
+            f"torch.distributed ({type(error).__name__}: {error}){where}",
+            stacklevel=2,
+        )
+        return judge_job([entry]) if entry.info.rank == dst else None
+    if gathered is None:
+        return None
+    try:
+        entries = [RankReport.from_dict(data) for data in gathered if isinstance(data, Mapping)]
+        return judge_job(entries)
+    except Exception as error:  # a peer's report that cannot be read: never into the job
+        warnings.warn(
+            f"leakcheck: rank {entry.info.rank}: gathered reports not judged "
+            f"({type(error).__name__}: {error}); this rank's alone",
+            stacklevel=2,
+        )
+        return judge_job([entry])
+
+
+_gathers = 0
+"""How many gathers this process began: every rank calls them in the same order."""
+
+
+def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
+    """Wait, at most ``timeout_s``, for every rank of the group to reach this gather.
+
+    Through the group's store, whatever the backend (``monitored_barrier`` exists for gloo
+    alone, and a group made without a backend names none): each rank adds one to a counter
+    of this gather, then waits for the world's count (NOTE [rank gathering]).
+
+    Raises:
+        TimeoutError: Some rank did not arrive in time (dead, or elsewhere).
+
+    """
+    global _gathers
+    _gathers += 1
+    store = dist.distributed_c10d._get_default_store()
+    key = f"leakcheck/gather/{_gathers}"
+    world = dist.get_world_size()
+    arrived = int(store.add(key, 1))
+    deadline = time.monotonic() + timeout_s
+    while arrived < world:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{arrived} of {world} ranks reached gather_reports in {timeout_s:g} s"
+            )
+        time.sleep(0.05)
+        arrived = int(store.add(key, 0))
+
+
+def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
+    """``gather_object`` of every rank's report onto ``dst``; None on the other ranks."""
+    _all_ranks_arrived(dist, timeout_s)
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
+    dist.gather_object(entry.to_dict(), gathered, dst=dst)
+    return gathered

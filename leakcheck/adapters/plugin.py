@@ -1,0 +1,719 @@
+"""pytest plugin: ``pytest --gpu-leak-check`` fails the test that leaked.
+
+A test fails (or warns, in warn mode) when, after its teardown, it left a process it started
+still running, a ``/dev/shm`` file it created, or GPU memory held by the test process beyond
+the tolerance. The plugin observes (``plugin_observe.Checker``: one short epoch per test,
+fixture scopes as owners) and ``verdict.judge`` decides, with the same rules and words as
+``watch()`` and ``leakcheck sweep``. The failure is the test's own: it carries a
+``gpu-leak-check`` section (``report.finding_lines``: each finding and its fix), and the
+session ends with a ``GPU LEAK REPORT``. Under pytest-xdist each worker judges its own tests
+and the findings travel to the controller on the reports.
+
+Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables
+it. With the check off, importing and loading the plugin costs options parsing and nothing
+else: no NVML, no /proc reads, no threads, no torch.
+
+NOTE [off means off]: the environment and the ini file reach every pytest run of a machine
+or project, so their tolerance, mode and grace are read and validated only when some test is
+checked (the flag, the environment or ini switch, a marker that enables a test, or the
+``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its source. The
+switch itself is always read, and so is what the command line gives: it was typed for this
+run, and a value given empty there is refused, not taken for the default.
+
+NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
+for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
+report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
+all attribute the leak to that test.
+
+NOTE [counted once]: a checked test that passed its call is counted when its teardown is
+judged, not before: ``pytest_report_teststatus`` gives the passing call report of a checked
+test no category (a report attribute marks it, and travels through xdist) and counts the
+teardown report instead, ``passed`` or ``failed`` (``LEAKED``). A session of N tests with one
+leak reads "1 failed, N-1 passed", and JUnit holds one testcase with one error. A test that
+failed (or errored) before its teardown stays that one failure, and one that was skipped,
+xfailed or xpassed stays that outcome: the leak adds its section and a line to the summary,
+and does not fail the teardown as well. A test skipped before its call that left nothing
+behind is not counted among the checked tests: nothing of it ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.options import (
+    ENABLED,
+    GRACE,
+    MODE,
+    SPECS,
+    TOLERANCE,
+    WARN_FLAG,
+    CheckOptions,
+    apply_marker,
+    resolve,
+    resolve_check_options,
+    resolve_mode_flags,
+)
+from leakcheck.core.units import format_mib, plural
+
+if TYPE_CHECKING:
+    from leakcheck.adapters.plugin_observe import Checker, Window
+    from leakcheck.core.model import Finding
+    from leakcheck.track.tracker import Tracker
+
+__all__ = ["MARKER", "SECTION", "LeakCheckPlugin", "gpu_leak_tracker", "headline"]
+
+MARKER = "gpu_leak_check"
+"""Name of the marker that enables, disables or tunes the check per test."""
+
+SECTION = "gpu-leak-check"
+"""Name of the report section that lists a test's findings."""
+
+CHECKER_NAME = "leakcheck-checker"
+"""Name under which the active part of the plugin is registered."""
+
+REPORT_ATTR = "leakcheck"
+"""Attribute of teardown reports that carries the JSON verdict (to xdist's controller)."""
+
+STATUS_ATTR = "leakcheck_status"
+"""Attribute of teardown reports: ``leaked`` when the leak failed that report."""
+
+DEFERRED_ATTR = "leakcheck_deferred"
+"""Attribute of a checked test's passing call report and of its teardown report: the test
+is counted at its teardown (NOTE [counted once])."""
+
+_DESTS = {
+    "enabled": "gpu_leak_check",
+    "tolerance": "gpu_leak_tolerance",
+    "mode": "gpu_leak_mode",
+    "grace": "gpu_leak_grace",
+}
+_WARN_DEST = "gpu_leak_warn"
+
+OPTIONS_KEY = pytest.StashKey[CheckOptions]()
+VALIDATED_KEY = pytest.StashKey[bool]()
+ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
+WINDOW_KEY = pytest.StashKey["Window"]()
+FAILED_BEFORE_KEY = pytest.StashKey[bool]()
+DEFERRED_KEY = pytest.StashKey[bool]()
+SKIPPED_KEY = pytest.StashKey[bool]()
+
+
+# --- options ------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the ``leakcheck`` option group and ini keys."""
+    group = parser.getgroup("leakcheck", "leakcheck: processes, /dev/shm and GPU memory leaks")
+    group.addoption(
+        ENABLED.cli_flag or "--gpu-leak-check",
+        action="store_true",
+        dest=_DESTS["enabled"],
+        default=None,
+        help=f"{ENABLED.help} (env {ENABLED.env_var}=1, ini {ENABLED.ini_key})",
+    )
+    group.addoption(
+        "--no-gpu-leak-check",
+        action="store_false",
+        dest=_DESTS["enabled"],
+        help="do not check, whatever the environment or the ini file say",
+    )
+    group.addoption(
+        TOLERANCE.cli_flag or "--gpu-leak-tolerance",
+        metavar="SIZE",
+        dest=_DESTS["tolerance"],
+        default=None,
+        help=f"{TOLERANCE.help} (env {TOLERANCE.env_var}, ini {TOLERANCE.ini_key})",
+    )
+    group.addoption(
+        WARN_FLAG,
+        action="store_true",
+        dest=_WARN_DEST,
+        default=False,
+        help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
+    )
+    group.addoption(
+        MODE.cli_flag or "--gpu-leak-mode",
+        metavar="fail|warn",
+        dest=_DESTS["mode"],
+        default=None,
+        help=f"{MODE.help} (env {MODE.env_var}, ini {MODE.ini_key})",
+    )
+    group.addoption(
+        GRACE.cli_flag or "--gpu-leak-grace",
+        metavar="SECONDS",
+        dest=_DESTS["grace"],
+        default=None,
+        help=f"{GRACE.help} (env {GRACE.env_var}, ini {GRACE.ini_key})",
+    )
+    for spec in SPECS:
+        if spec.ini_key is not None:
+            parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
+
+
+def _command_line(config: pytest.Config) -> dict[str, object]:
+    """The command line's values by option name (``warn``: True for ``--gpu-leak-warn``)."""
+    cli: dict[str, object] = {name: config.getoption(dest, None) for name, dest in _DESTS.items()}
+    cli["warn"] = True if config.getoption(_WARN_DEST, False) else None
+    return cli
+
+
+def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[CheckOptions, bool]:
+    """Resolve the options of this session (command line > environment > ini > default).
+
+    Args:
+        config: The session's config.
+        full: Resolve every option even when the check is off (a marker enables a test).
+
+    Returns:
+        The options, and whether every source was read and validated: with the check off
+        (and not ``full``) the environment's and the ini file's tolerance, mode and grace
+        are not read (NOTE [off means off]).
+
+    Raises:
+        pytest.UsageError: A bad value; the message names it and where it came from.
+
+    """
+    ini: dict[str, object] = {}
+    for spec in SPECS:
+        if spec.ini_key is not None:
+            ini[spec.name] = config.getini(spec.ini_key)
+    ini_path = str(config.inipath) if config.inipath else None
+    try:
+        cli = _command_line(config)
+        enabled = resolve(
+            ENABLED, cli=cli["enabled"], environ=os.environ, ini=ini["enabled"], ini_path=ini_path
+        )
+        if enabled.value or full:
+            return resolve_check_options(cli, os.environ, ini, ini_path=ini_path), True
+        resolve(TOLERANCE, cli=cli["tolerance"])
+        resolve_mode_flags(cli["mode"], cli["warn"])
+        resolve(GRACE, cli=cli["grace"])
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    return CheckOptions(enabled=False, sources={"enabled": enabled.source}), False
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+def _activate(config: pytest.Config, options: CheckOptions) -> None:
+    plugin = config.pluginmanager.get_plugin(CHECKER_NAME)
+    if plugin is None:
+        config.pluginmanager.register(LeakCheckPlugin(config, options), CHECKER_NAME)
+    elif isinstance(plugin, LeakCheckPlugin):
+        plugin.options = options
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker, resolve the options, and activate the check if asked."""
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(enabled=True, tolerance='16MiB', mode='fail', grace=1.0): check this test "
+        "for processes, /dev/shm files and GPU memory it leaves behind, or not "
+        "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
+    )
+    try:
+        options, validated = resolve_options(config)
+    except pytest.UsageError:
+        if config.option.help:
+            return  # --help must work even with a bad LEAKCHECK_* value around
+        raise
+    config.stash[OPTIONS_KEY] = options
+    config.stash[VALIDATED_KEY] = validated
+    # The controller of xdist runs no test; it gathers the workers' verdicts.
+    if options.enabled or _is_xdist_controller(config):
+        _activate(config, options)
+
+
+def _marked_options(base: CheckOptions, item: pytest.Item) -> CheckOptions | None:
+    markers = list(item.iter_markers(MARKER))
+    if not markers:
+        return None
+    options = base
+    for marker in reversed(markers):  # farthest (module) first, closest (function) last
+        try:
+            options = apply_marker(
+                options, marker.args, marker.kwargs, where=f"{MARKER} marker on {item.nodeid}"
+            )
+        except UsageError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    return options
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Validate markers and resolve per-test options; a marker may enable a single test."""
+    base = config.stash.get(OPTIONS_KEY, None)
+    if base is None:
+        return
+    marked = {item: _marked_options(base, item) for item in items}
+    if not config.stash.get(VALIDATED_KEY, False) and any(
+        (options is not None and options.enabled)
+        or "gpu_leak_tracker" in getattr(item, "fixturenames", ())
+        for item, options in marked.items()
+    ):
+        # Some test is checked after all: every source counts now (NOTE [off means off]).
+        base, _ = resolve_options(config, full=True)
+        config.stash[OPTIONS_KEY] = base
+        config.stash[VALIDATED_KEY] = True
+        marked = {item: _marked_options(base, item) for item in items}
+    any_enabled = base.enabled
+    for item, options in marked.items():
+        if options is not None:
+            item.stash[ITEM_OPTIONS_KEY] = options
+            any_enabled = any_enabled or options.enabled
+    if any_enabled:
+        _activate(config, base)
+
+
+def _options_for(item: pytest.Item) -> CheckOptions:
+    base = item.config.stash.get(OPTIONS_KEY, CheckOptions())
+    return item.stash.get(ITEM_OPTIONS_KEY, base)
+
+
+# --- the fixture --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
+    """A started ``leakcheck.Tracker`` bound to this test; use ``.epoch()`` inside it.
+
+    Its findings are judged with the test: where the check is on, they join the test's
+    findings; elsewhere the fixture's teardown fails (or warns) on a leak, unless a
+    ``gpu_leak_check(enabled=False)`` marker turns it off.
+    """
+    from leakcheck.track.tracker import Tracker
+
+    item = request.node
+    options = _options_for(item)
+    tracker = Tracker(tolerance=options.tolerance_bytes, grace=options.grace_s)
+    tracker.start()
+    window = item.stash.get(WINDOW_KEY, None)
+    if window is not None:
+        window.tags.add(tracker.session_id)
+    try:
+        yield tracker
+    finally:
+        tracker.close()
+    report = tracker.report()
+    if window is not None:
+        window.extra.extend(report.findings)
+        return
+    disabled_by_marker = not options.enabled and options.sources.get("enabled", "").startswith(
+        "enabled="
+    )
+    if disabled_by_marker or not report.leaks:
+        return
+    text = report.format()
+    if options.mode == "warn":
+        warnings.warn(GPULeakWarning(text), stacklevel=1)
+    else:
+        raise GPULeakError(text, report)
+
+
+# --- words --------------------------------------------------------------------------------
+
+_PROCESS_RULES = ("survivor", "orphan")
+
+
+def headline(findings: Sequence[Finding]) -> str:
+    """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``.
+
+    Processes for ``survivor``/``orphan``, /dev/shm files for ``shm``, GPU memory for
+    ``residual``; any other rule is counted as findings of that rule.
+    """
+    processes = [f for f in findings if f.rule in _PROCESS_RULES]
+    shm = [f for f in findings if f.rule == "shm"]
+    memory = [f for f in findings if f.rule == "residual"]
+    parts: list[str] = []
+    if processes:
+        held = sum(f.gpu_bytes or 0 for f in processes)
+        gpu = f" ({format_mib(held)} MiB GPU)" if held else ""
+        parts.append(plural(len(processes), "process", "processes") + gpu)
+    if shm:
+        parts.append(plural(len(shm), "/dev/shm file"))
+    if memory:
+        parts.append(f"{format_mib(sum(f.gpu_bytes or 0 for f in memory))} MiB of GPU memory")
+    others: dict[str, int] = {}
+    for finding in findings:
+        if finding.rule not in (*_PROCESS_RULES, "shm", "residual"):
+            others[finding.rule] = others.get(finding.rule, 0) + 1
+    parts.extend(plural(num, f"{rule} finding") for rule, num in others.items())
+    return ", ".join(parts) or "nothing"
+
+
+def _header(findings: Sequence[Finding]) -> str:
+    leaks = [f for f in findings if f.severity == "leak"]
+    if leaks:
+        return f"leakcheck: the test left {headline(leaks)}"
+    return f"leakcheck: no leak; for information: {headline(findings)}"
+
+
+def first_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
+    """The first line of each finding as ``report.finding_lines`` words it (no fix)."""
+    from leakcheck.judge.report import finding_lines
+
+    return finding_lines(findings, indent)[::2]  # two lines per finding: what, then fix
+
+
+def section_text(findings: Sequence[Finding]) -> str:
+    """The ``gpu-leak-check`` section: a headline, then each finding with its fix."""
+    from leakcheck.judge.report import finding_lines
+
+    return "\n".join([_header(findings), *finding_lines(findings)])
+
+
+def failure_text(leaks: Sequence[Finding]) -> str:
+    """The failure's message: a headline, then the first line of each leak."""
+    return "\n".join([_header(leaks), *first_lines(leaks, "  ")])
+
+
+def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
+    """Worst first: more GPU memory, then more leaks, then more infos."""
+    leaks = [f for f in findings if f.severity == "leak"]
+    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(findings))
+
+
+def _unattributed(finding: Finding) -> bool:
+    """A /dev/shm file nobody held that others may have made (not capacity pressure)."""
+    return (
+        finding.rule == "shm"
+        and finding.severity == "info"
+        and finding.pid is None
+        and finding.shm_name is not None
+    )
+
+
+def _process_key(finding: Finding) -> tuple[int | None, str]:
+    # The tracker and the plugin may see one process at different moments: still in the
+    # tree for one (survivor), reparented for the other (orphan). Either names it.
+    return finding.pid, "process" if finding.rule in _PROCESS_RULES else finding.rule
+
+
+def judge_test(
+    checker: Checker, window: Window, label: str, options: CheckOptions, end_s: float
+) -> list[Finding]:
+    """Observe the test as a timeline and judge it with ``verdict.judge``.
+
+    The ``gpu_leak_tracker`` fixture's findings join those of the test, but for those
+    about a process and rule already found and those about /dev/shm files, which the
+    test's own check judges over the same window.
+    """
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.verdict import judge
+
+    timeline = checker.observe(
+        window,
+        label=label,
+        end_s=end_s,
+        grace_s=options.grace_s,
+        tolerance_bytes=options.tolerance_bytes,
+    )
+    config = RuleConfig(
+        tolerance_bytes=options.tolerance_bytes, grace_s=options.grace_s, warmup_epochs=0
+    )
+    # "Attribution is blind" is said once, in the session summary, not for every test.
+    findings = [f for f in judge(timeline, config) if f.rule != "blind"]
+    named = {_process_key(f) for f in findings if f.pid is not None}
+    # The test's own /dev/shm check covers the fixture's window: its files once, one verdict.
+    findings.extend(
+        f for f in window.extra if f.rule not in ("blind", "shm") and _process_key(f) not in named
+    )
+    return sorted(findings, key=lambda f: f.severity != "leak")
+
+
+# --- the active part ----------------------------------------------------------------------
+
+
+class LeakCheckPlugin:
+    """Hooks that check each enabled test and gather the verdicts for the summary.
+
+    Registered only when some test is checked (or on an xdist controller, to gather).
+    """
+
+    def __init__(self, config: pytest.Config, options: CheckOptions) -> None:
+        self.config = config
+        self.options = options
+        self._checker: Checker | None = None
+        self._window: Window | None = None
+        self._checked = 0
+        self._results: dict[str, tuple[list[Finding], str]] = {}
+        self._gpu_notes: set[str] = set()
+
+    def _get_checker(self) -> Checker:
+        if self._checker is None:
+            from leakcheck.adapters.plugin_observe import Checker
+
+            # Under xdist, a segment nobody holds may be a sibling worker's.
+            self._checker = Checker(
+                attribute_unheld_shm=os.environ.get("PYTEST_XDIST_WORKER") is None
+            )
+        return self._checker
+
+    # -- per test ------------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        """Snapshot before any fixture of the test is set up."""
+        if _options_for(item).enabled:
+            try:
+                window = self._get_checker().begin()
+            except Exception as exc:  # never break a run for leakcheck's sake
+                self._gpu_notes.add(f"a test went unchecked: {type(exc).__name__}: {exc}")
+            else:
+                item.stash[WINDOW_KEY] = window
+                self._window = window
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> Generator[None, object, object]:
+        """Record what a class/module/package/session fixture starts as that fixture's own."""
+        window = self._window
+        if window is None or fixturedef.scope == "function" or self._checker is None:
+            return (yield)
+        checker = self._checker
+        try:
+            probe = checker.fixture_begin()
+        except Exception:  # unattributed then: its processes count as the test's
+            return (yield)
+        try:
+            return (yield)
+        finally:
+            label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
+            with contextlib.suppress(Exception):
+                checker.fixture_end(fixturedef, probe, label, window)
+
+    def pytest_fixture_post_finalizer(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> None:
+        """A wide-scope fixture ended: what it owned is judged with the current test."""
+        if self._checker is not None and fixturedef.scope != "function":
+            # Outside a checked test (its last user was not checked) nobody is judged.
+            self._checker.fixture_finished(fixturedef, judge=self._window is not None)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """After the teardown phase: judge the test and fail (or warn) its teardown report."""
+        report = yield
+        if call.when != "teardown":
+            if report.failed or report.skipped or hasattr(report, "wasxfail"):
+                # Counted already, as a failure, a skip, an xfail or an xpass (NOTE
+                # [counted once]): a leak adds its section, not a second outcome.
+                item.stash[FAILED_BEFORE_KEY] = True
+                if report.skipped and call.when == "setup":
+                    item.stash[SKIPPED_KEY] = True
+            elif (
+                call.when == "call"
+                and WINDOW_KEY in item.stash
+                and report.passed
+                and not hasattr(report, "wasxfail")
+            ):
+                setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
+                item.stash[DEFERRED_KEY] = True
+            return report
+        if item.stash.get(DEFERRED_KEY, False):
+            setattr(report, DEFERRED_ATTR, True)
+        window = item.stash.get(WINDOW_KEY, None)
+        if window is None:
+            return report
+        end_s = time.monotonic()
+        del item.stash[WINDOW_KEY]
+        self._window = None
+        options = _options_for(item)
+        checker = self._get_checker()
+        try:
+            findings = judge_test(checker, window, item.nodeid, options, end_s)
+        except Exception as exc:  # leakcheck's own failure must never break a test run
+            findings = [_could_not_check(exc)]
+        finally:
+            checker.end_environment(window)
+        try:
+            self._apply(item, report, findings, options, checker.gpu_note)
+        except Exception as exc:  # an exception here would be pytest's INTERNALERROR
+            self._gpu_notes.add(f"a test went unreported: {type(exc).__name__}: {exc}")
+        return report
+
+    def _apply(
+        self,
+        item: pytest.Item,
+        report: pytest.TestReport,
+        findings: list[Finding],
+        options: CheckOptions,
+        gpu_note: str,
+    ) -> None:
+        from leakcheck.judge.report import finding_to_dict
+
+        leaks = [f for f in findings if f.severity == "leak"]
+        status = ""
+        if findings:
+            report.sections.append((SECTION, section_text(findings)))
+        if leaks:
+            text = failure_text(leaks)
+            report.user_properties.append(("gpu_leak_check", "; ".join(first_lines(leaks))))
+            if options.mode == "warn":
+                try:
+                    warnings.warn(GPULeakWarning(text), stacklevel=1)
+                    status = "warned"
+                except GPULeakWarning:  # -W error: the user asked for warnings to fail
+                    status = self._fail(item, report, text)
+            else:
+                status = self._fail(item, report, text)
+        payload = {
+            "status": status,
+            "mode": options.mode,
+            "gpu": gpu_note,
+            "failed_before": item.stash.get(FAILED_BEFORE_KEY, False),
+            "skipped": item.stash.get(SKIPPED_KEY, False),
+            "findings": [finding_to_dict(f) for f in findings],
+        }
+        setattr(report, REPORT_ATTR, json.dumps(payload))
+        if status:
+            setattr(report, STATUS_ATTR, status)
+
+    @staticmethod
+    def _fail(item: pytest.Item, report: pytest.TestReport, text: str) -> str:
+        if item.stash.get(FAILED_BEFORE_KEY, False):
+            return "reported"  # the test failed already: one failure, plus our section
+        if report.failed:
+            return "error"  # a fixture's teardown failed already: keep its error, add ours
+        # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
+        # a short message (no plugin traceback) that xdist and JUnit carry as usual.
+        failure = pytest.TestReport.from_item_and_call(
+            item,
+            pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown"),
+        )
+        report.outcome = "failed"
+        report.longrepr = failure.longrepr
+        return "leaked"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(
+        self, report: pytest.TestReport | pytest.CollectReport, config: pytest.Config
+    ) -> tuple[str, str, str | tuple[str, dict[str, bool]]] | None:
+        """Count a checked test once, at its teardown (NOTE [counted once])."""
+        when = getattr(report, "when", None)
+        leaked = getattr(report, STATUS_ATTR, None) == "leaked" and report.failed
+        if when == "teardown" and leaked:
+            return "failed", "L", ("LEAKED", {"red": True})
+        if not getattr(report, DEFERRED_ATTR, False):
+            return None
+        if when == "call":
+            return "", "", ""
+        if when == "teardown" and report.passed:
+            return "passed", ".", ("PASSED", {"green": True})
+        return None  # a fixture's teardown failed: pytest counts the error
+
+    # -- the summary ---------------------------------------------------------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Gather verdicts (here, or from xdist workers on the controller)."""
+        payload = getattr(report, REPORT_ATTR, None)
+        if report.when != "teardown" or not isinstance(payload, str):
+            return
+        from leakcheck.judge.report import finding_from_dict
+
+        try:
+            data = json.loads(payload)
+            findings = [finding_from_dict(entry) for entry in data.get("findings", [])]
+        except (ValueError, TypeError, AttributeError):
+            return
+        if data.get("skipped") and not findings:
+            return  # NOTE [counted once]: nothing of it ran
+        self._checked += 1
+        if data.get("gpu"):
+            self._gpu_notes.add(str(data["gpu"]))
+        if findings:
+            self._results[report.nodeid] = (findings, str(data.get("status") or ""))
+            if data.get("failed_before"):
+                self._attach_to_failure(report)
+
+    def _attach_to_failure(self, report: pytest.TestReport) -> None:
+        """Show the section of a test that failed before its teardown with that failure."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        stats = getattr(reporter, "stats", None)
+        if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
+            return
+        sections = [(name, text) for name, text in report.sections if name == SECTION]
+        for category in ("failed", "error"):
+            for earlier in stats.get(category, []):
+                if (
+                    getattr(earlier, "nodeid", None) == report.nodeid
+                    and getattr(earlier, "when", None) in ("setup", "call")
+                    and sections
+                ):
+                    earlier.sections.extend(sections)
+                    return
+
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+    ) -> None:
+        """Print the ``GPU LEAK REPORT``: per test, worst first; one line when all is clean."""
+        if hasattr(config, "workerinput") or (not self._checked and not self.options.enabled):
+            return
+        tr = terminalreporter
+        gpu = "; ".join(sorted(self._gpu_notes)) or "no test checked"
+        # Files nobody held that appeared while other workers ran are nobody's to blame:
+        # one line for all of them, not one entry per test.
+        unattributed: set[str] = set()  # names: one file shows in every test beside it
+        results: dict[str, tuple[list[Finding], str]] = {}
+        for nodeid, (findings, status) in self._results.items():
+            kept = [f for f in findings if not _unattributed(f)]
+            unattributed.update(f.shm_name for f in findings if _unattributed(f) and f.shm_name)
+            if kept:
+                results[nodeid] = (kept, status)
+        leaky = {
+            nodeid: entry
+            for nodeid, entry in results.items()
+            if any(f.severity == "leak" for f in entry[0])
+        }
+        if not results:
+            checked = plural(self._checked, "checked test")
+            tr.write_sep("=", f"GPU LEAK REPORT: no leaks in {checked} (GPU: {gpu})", green=True)
+        else:
+            tr.write_sep("=", "GPU LEAK REPORT", red=bool(leaky), yellow=not leaky)
+            tr.write_line(
+                f"{len(leaky)} of {plural(self._checked, 'checked test')} left something behind "
+                f"(GPU memory via: {gpu})"
+            )
+            ordered = sorted(results.items(), key=lambda kv: (_summary_sort_key(kv[1][0]), kv[0]))
+            for nodeid, (findings, status) in ordered:
+                leaks = [f for f in findings if f.severity == "leak"]
+                word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
+                tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
+                for line in first_lines(findings, "    "):
+                    tr.write_line(line)
+        if unattributed:
+            files = plural(len(unattributed), "/dev/shm file")
+            tr.write_line(
+                f"{files} appeared while tests ran on several workers, "
+                "and nothing tied them to one test (no process of a test held them, and their "
+                "names carry none of a test's PIDs): not attributed (run without -n to "
+                "attribute them)"
+            )
+
+
+def _could_not_check(exc: Exception) -> Finding:
+    """Say that leakcheck itself failed on one test: never a reason to fail the test."""
+    from leakcheck.core.model import Finding
+
+    return Finding(
+        rule="tracker-failure",
+        severity="info",
+        message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
+        remedy="report it to leakcheck with the message above",
+    )

@@ -1,0 +1,197 @@
+"""What every adapter that watches a job's loaders shares: options, the chained policy, judging.
+
+``watch()`` and the Lightning callback take the same options, chain the same teardown policy
+into a loader's ``worker_init_fn``, and announce leaks at epoch ends the same way. Those
+pieces live here, below the adapters, so that no adapter imports another (DESIGN.md).
+
+NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and an
+adapter judges at every epoch end, so over a long run the epoch end would grow slower and
+slower. The epoch-end judgement therefore looks at the latest ``JUDGED_EPOCHS`` closed epochs
+only, as recorded at their ends; the judgement at ``close()`` sees the whole run with a fresh
+read. Every rule still works on the window: survivors and orphans are seen within a few
+epochs of their birth (unless epochs are so short that the grace period spans the whole
+window), growth over the window's epochs (warm-up included). What only a longer view shows,
+such as growth too slow to exceed the tolerance within the window, is announced at close.
+
+NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
+ended, so an adapter judges again at the start of a later epoch once the grace has passed
+(``EpochJudge.judge_if_due``), on a walk taken then: the sampler's last one may predate the
+grace's end, and a process must be seen alive after it to be a survivor. And at close, the
+only place that waits for it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.model import Finding
+from leakcheck.track.tracker import Tracker
+from leakcheck.worker.teardown import WorkerInit
+
+__all__ = [
+    "JUDGED_EPOCHS",
+    "ON_LEAK",
+    "EpochJudge",
+    "OnLeak",
+    "chained_worker_init",
+    "check_on_leak",
+    "check_teardown",
+    "started_mailbox",
+]
+
+OnLeak = Literal["warn", "raise", "ignore"]
+ON_LEAK: tuple[OnLeak, ...] = ("warn", "raise", "ignore")
+
+JUDGED_EPOCHS = 32
+"""Closed epochs judged at each epoch end (NOTE [judged window])."""
+
+
+def check_on_leak(value: object) -> OnLeak:
+    """Validate ``on_leak``.
+
+    Raises:
+        UsageError: Not one of ``warn``, ``raise``, ``ignore``; the message names the value.
+
+    """
+    for choice in ON_LEAK:
+        if value == choice and isinstance(value, str):
+            return choice
+    raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {value!r}")
+
+
+def check_teardown(value: object) -> bool:
+    """Validate ``teardown`` (a bool, nothing that merely reads as one).
+
+    Raises:
+        UsageError: Not True or False; the message names the value.
+
+    """
+    if not isinstance(value, bool):
+        raise UsageError(f"teardown: expected True or False, got {value!r}")
+    return value
+
+
+def started_mailbox(tracker: Tracker) -> str | None:
+    """Start ``tracker`` and return its mailbox folder (None: it has none).
+
+    The tracker's own, not the exported variable: with several trackers in one process, that
+    names the one started last.
+    """
+    tracker.start()
+    return tracker.mailbox_dir
+
+
+def chained_worker_init(
+    current: Callable[[int], object] | None,
+    *,
+    tracker: Tracker,
+    mailbox_dir: str | None,
+    release: bool,
+    persistent: bool,
+) -> WorkerInit:
+    """The policy chained in front of a loader's ``worker_init_fn`` (which still runs).
+
+    Workers report their exact identity to ``tracker``'s mailbox and, at exit, what they
+    held and freed (NOTE [teardown policy] in teardown.py). Where the user installed the
+    policy already (``leakcheck.worker_init_fn(...)``), their own function and their
+    ``terminate_children`` are kept.
+    """
+    user_fn = current
+    terminate_children = False
+    if isinstance(current, WorkerInit):
+        terminate_children = current.terminate_children
+        user_fn = current.user_fn
+    return WorkerInit(
+        user_fn,
+        terminate_children=terminate_children,
+        release=release,
+        persistent=persistent,
+        mailbox_dir=mailbox_dir,
+        session_id=tracker.session_id,
+    )
+
+
+def _finding_id(finding: Finding) -> tuple[object, ...]:
+    # Without the epoch: a process that grows every epoch is announced once.
+    return (finding.rule, finding.pid, finding.create_time, finding.device_index)
+
+
+class EpochJudge:
+    """Announces each leak a tracker's epochs show once: a warning, an error, or nothing.
+
+    Args:
+        tracker: The tracker whose epochs are judged.
+        on_leak: ``warn`` (``GPULeakWarning``), ``raise`` (``GPULeakError``) or ``ignore``.
+
+    """
+
+    def __init__(self, tracker: Tracker, on_leak: OnLeak) -> None:
+        self.tracker = tracker
+        self.on_leak = on_leak
+        self._announced: set[tuple[object, ...]] = set()
+        self._unjudged_end: float | None = None
+        """Monotonic time of the last epoch end whose survivors were not judged yet."""
+
+    def epoch_ended(self) -> None:
+        """Record an epoch end: its survivors can be judged once the grace has passed."""
+        self._unjudged_end = time.monotonic()
+
+    def due(self) -> bool:
+        """An epoch's survivors were not judged yet, and now they can be (NOTE [late survivors])."""
+        return self._unjudged_end is not None and (
+            self.tracker.closed
+            or time.monotonic() - self._unjudged_end >= self.tracker.config.grace_s
+        )
+
+    def judge_if_due(self, *, stacklevel: int = 1) -> None:
+        """At an epoch's start: judge what the grace now lets be judged, on a walk taken now.
+
+        Nothing when nothing is due (NOTE [late survivors]).
+
+        Raises:
+            GPULeakError: ``on_leak="raise"`` and a new leak was found.
+
+        """
+        if self.due():
+            self.tracker.sample()
+            self.judge(may_raise=True, stacklevel=stacklevel + 1)
+
+    def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
+        """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
+
+        Before the tracker is closed, the latest ``JUDGED_EPOCHS`` epochs as recorded
+        (NOTE [judged window]); after, the whole run.
+
+        Args:
+            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception
+                is on its way out already, and a leak must not replace it).
+            stacklevel: Where the warning points, as ``warnings.warn`` counts, from the
+                caller of this method (1: the caller's line).
+
+        Raises:
+            GPULeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.
+
+        """
+        if self.due():
+            self._unjudged_end = None
+        if self.on_leak == "ignore":
+            return
+        # The USS reads the last epoch end planned are made first, so that a warning gives
+        # the figures the final report will (NOTE [host pacing]); none planned, none made.
+        self.tracker.finish_reads()
+        window = None if self.tracker.closed else JUDGED_EPOCHS
+        report = self.tracker.report(last_epochs=window, fresh=False)
+        new = [f for f in report.leaks if _finding_id(f) not in self._announced]
+        if not new:
+            return
+        self._announced.update(_finding_id(f) for f in new)
+        epochs = report.epochs
+        where = f" after {epochs[-1].label}" if epochs else ""
+        message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)
+        if self.on_leak == "raise" and may_raise:
+            raise GPULeakError(message, report)
+        warnings.warn(GPULeakWarning(message), stacklevel=stacklevel + 1)

@@ -1,0 +1,976 @@
+"""The ``leakcheck`` command: ``sweep`` (worker counts x epochs) and ``snapshot``.
+
+Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-leak``),
+1 when leaks were found and ``--fail-on-leak`` was given, 2 on bad usage: a bad option
+value, or a loader that cannot be imported, called or iterated, or an output that could
+not be written where asked. A usage error is one line on standard error that names the
+option, what was expected and what was given, and nothing is written to ``--json`` or
+``--plot`` paths (they are written only at the end, atomically). Those paths are checked
+before the sweep starts (a probe file in the folder, created and removed); an output that
+still fails at the end is written next to it, to the current folder or to the temporary
+folder instead, and the path is printed: a run's results are never lost for a path.
+Ctrl-C exits 130 and writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from leakcheck.core.errors import UsageError
+
+# NOTE [lean start]: `leakcheck snapshot` is a command people run by hand and in loops, and
+# on a GPU host every module a start imports costs time (PYTHONDONTWRITEBYTECODE compiles
+# each from source). So this module imports only `os` and `sys` at load: each command
+# imports what it needs when it runs, a plain `snapshot` line is read without argparse
+# (`_plain_snapshot_args`; anything else goes through the full parser, which owns help and
+# errors), and `typing` is not imported (TYPE_CHECKING is False at run time, true to mypy).
+# NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot's start
+# in its normal exit (the driver library's teardown at exit, which nvmlShutdown does not
+# save: benchmarks/results/README.md). Once its text is written and flushed the snapshot has
+# nothing left to do: it wrote no file, started no process and registered no exit work. So
+# the executable (`command`) ends a snapshot with os._exit, after flushing its output (a
+# failed write still exits 2 with one line; a reader gone early, as with `| head`, is no
+# error). `main` returns as always, for callers in the same process, and every other command
+# exits normally. Running the module in-process (runpy, as `__main__`) ends that process too.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Iterable, Sequence
+    from typing import Any, NoReturn, TextIO
+
+    from leakcheck.commands.sweep import SweepPlan, WorkerBound
+    from leakcheck.core.model import ProcessKey
+
+EXIT_CLEAN = 0
+EXIT_LEAK = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
+_PROG = "leakcheck"
+_SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
+
+WORKERS_PER_CPU = 8
+"""Worker counts up to this many per usable CPU are allowed without ``--max-workers``.
+
+torch's DataLoader already warns above one worker per CPU (more only oversubscribe the
+cores). A sweep may go further on purpose, since what it measures per worker is a CUDA
+context and a process, not throughput; but each worker is a Python process that imports
+torch (a few hundred MiB of host memory) and, on a GPU, holds a ~0.6 GiB context, so far
+beyond this the machine runs out of memory before the sweep says anything."""
+
+
+def _parser_class() -> type[argparse.ArgumentParser]:
+    """An argument parser whose errors are one line, ``<prog>: <message>``, exit 2."""
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
+
+    return _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``leakcheck`` argument parser (values are validated later, in one place)."""
+    from leakcheck import __version__
+    from leakcheck.commands.workload import SCENARIOS, START_METHODS
+
+    _Parser = _parser_class()
+    parser = _Parser(
+        prog=_PROG,
+        description="Find GPU memory and process leaks caused by data-loader workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"leakcheck {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    sweep = commands.add_parser(
+        "sweep",
+        help="iterate a loader with several worker counts for several epochs and report "
+        "GPU memory per process, per epoch",
+        description="Iterate a DataLoader with each worker count for several epochs under a "
+        "tracker; print GPU memory per process and epoch, then a verdict per configuration. "
+        "Without --loader a built-in workload runs (its workers touch the GPU when there is "
+        "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
+    )
+    what = sweep.add_argument_group("what to run")
+    what.add_argument(
+        "--loader",
+        metavar="MODULE:FACTORY",
+        help="your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a module "
+        "name or a path/to/file.py (default: the built-in workload)",
+    )
+    what.add_argument(
+        "--workers", default="0,4,8", metavar="N,N,...", help="worker counts (default 0,4,8)"
+    )
+    what.add_argument(
+        "--max-workers",
+        default=None,
+        metavar="N",
+        help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
+        "use, and no more than the user's process limit RLIMIT_NPROC leaves room for)",
+    )
+    what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
+    what.add_argument(
+        "--persistent", action="store_true", help="workers live across epochs (persistent_workers)"
+    )
+    what.add_argument(
+        "--device", default=None, metavar="N", help="GPU index to watch and use (default: all/0)"
+    )
+    what.add_argument(
+        "--no-teardown",
+        action="store_true",
+        help="do not install leakcheck's teardown policy in the workers of any DataLoader "
+        "(they still report who they are and what they held at exit)",
+    )
+    builtin = sweep.add_argument_group("built-in workload (not with --loader)")
+    builtin.add_argument(
+        "--start-method",
+        default=None,
+        metavar="{" + ",".join(START_METHODS) + "}",
+        help="how the workers start (default spawn: CUDA in forked workers fails once the "
+        "parent used CUDA)",
+    )
+    builtin.add_argument(
+        "--scenario",
+        default=None,
+        metavar="{" + ",".join(SCENARIOS) + "}",
+        help="clean (default); persistent-cache: persistent workers keep 64 MiB of GPU memory "
+        "per epoch alive (a GPU leak: without a GPU nothing grows); "
+        "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
+        "persistent forked workers read a dataset of Python objects, and each copies 40 MiB "
+        "more of it into its own host memory per epoch",
+    )
+    builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
+    judge = sweep.add_argument_group("judging")
+    judge.add_argument(
+        "--tolerance",
+        default=None,
+        metavar="SIZE",
+        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
+    )
+    judge.add_argument(
+        "--grace",
+        default=None,
+        metavar="SECONDS",
+        help="how long a process born in an epoch may outlive it "
+        "(default: $LEAKCHECK_GRACE, else 2)",
+    )
+    judge.add_argument(
+        "--interval", default="50ms", metavar="SECONDS", help="sampling interval (50ms)"
+    )
+    judge.add_argument(
+        "--cooldown-temp",
+        default=None,
+        metavar="C",
+        help="before each configuration, wait until the GPU is at or below C degrees Celsius",
+    )
+    judge.add_argument(
+        "--cooldown-timeout",
+        default="600",
+        metavar="SECONDS",
+        help="stop waiting for the cooldown after this long (600)",
+    )
+    judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
+    output = sweep.add_argument_group(
+        "output",
+        "Both are checked before the sweep starts: the folder exists and takes new files, and "
+        "a file already there is a writable regular file. If a write still fails at the end, "
+        "the output goes next to it, to the current folder or to the temporary folder, and "
+        "the path written is printed.",
+    )
+    output.add_argument("--json", default=None, metavar="PATH", help="write everything as JSON")
+    output.add_argument(
+        "--plot", default=None, metavar="PATH.png", help="draw memory per epoch (matplotlib)"
+    )
+
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="who holds GPU memory now, as process trees",
+        description="Show which processes hold GPU memory (and /dev/nvidia* descriptors) now, "
+        "as process trees; orphans and descriptor holders are flagged. Exit 0, also without "
+        "a GPU (it says so); 2 on bad arguments.",
+    )
+    snapshot.add_argument("--json", action="store_true", help="print JSON instead of text")
+    snapshot.add_argument(
+        "--telemetry",
+        action="store_true",
+        help="also read each GPU's temperature, SM clock, power, P-state and clock-event "
+        "reasons (a driver call each, which slows the snapshot down)",
+    )
+    snapshot.add_argument(
+        "--pid",
+        default=None,
+        metavar="PID",
+        help="a job's root process: also list its descendants with their roles (parent; "
+        "descendant: from outside no child can be known to be a loader worker; runtime "
+        "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
+        "orphans, GPU or not, each with its host memory (USS, else RSS)",
+    )
+    snapshot.add_argument(
+        "--watch",
+        default=None,
+        metavar="SECONDS",
+        help=f"take a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn in "
+        "place on a terminal; elsewhere each follows a line with its time (with --json, one "
+        "JSON document per line)",
+    )
+
+    from leakcheck.commands.run_cli import add_run_parser
+
+    add_run_parser(commands)
+    return parser
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _int_value(text: str, option: str, *, minimum: int, example: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UsageError(
+            f"{option}: expected an integer >= {minimum} such as {example}, got {text!r}"
+        )
+    return value
+
+
+def parse_workers(text: str) -> tuple[int, ...]:
+    """Parse ``--workers`` (``0,4,8``) into worker counts.
+
+    Raises:
+        UsageError: Not comma-separated integers >= 0.
+
+    """
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+        if all(part.isascii() and part.isdigit() for part in parts):
+            return tuple(int(part) for part in parts)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        pass
+    raise UsageError(
+        f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
+    )
+
+
+def worker_bound() -> WorkerBound:
+    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
+
+    RLIMIT_NPROC caps the processes and threads of the real user ID; what this user runs
+    already counts against it, so the room is the soft limit minus that count. Where the
+    limit does not apply (root, no limit) or cannot be read, only the CPU bound holds.
+    """
+    from leakcheck.commands.sweep import WorkerBound
+
+    cpus = _usable_cpus()
+    bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
+    room = _process_room()
+    if room is not None and room.max_workers < bound.max_workers:
+        return room
+    return bound
+
+
+def _usable_cpus() -> int:
+    # The CPUs this process may run on (taskset, cpusets), as torch's DataLoader counts them
+    # for its own warning; os.cpu_count() counts the machine's.
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _process_room() -> WorkerBound | None:
+    try:
+        import resource
+
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return None
+    # The kernel does not apply RLIMIT_NPROC to real user ID 0.
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
+        return None
+    from leakcheck.commands.sweep import WorkerBound
+
+    running = _tasks_of_user(os.getuid())
+    if running is None:
+        return None
+    return WorkerBound(
+        max(soft_limit - running, 0),
+        f"RLIMIT_NPROC {soft_limit} minus {running} processes and threads this user runs",
+    )
+
+
+def _tasks_of_user(uid: int) -> int | None:
+    """Threads (what RLIMIT_NPROC counts) of processes whose real user ID is ``uid``.
+
+    None when /proc cannot be listed; processes that exit during the count are skipped.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    count = 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as status:
+                text = status.read()
+        except OSError:
+            continue
+        real_uid = threads = None
+        for line in text.splitlines():
+            if line.startswith(b"Uid:"):
+                real_uid = int(line.split()[1])
+            elif line.startswith(b"Threads:"):
+                threads = int(line.split()[1])
+        if real_uid == uid:
+            count += threads or 1
+    return count
+
+
+def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -> None:
+    most = max(workers)
+    if max_workers_text is not None:
+        allowed = _int_value(max_workers_text, "--max-workers", minimum=0, example="64")
+        if most > allowed:
+            raise UsageError(
+                f"--workers: {most} workers is more than --max-workers {allowed} allows"
+            )
+        return
+    bound = worker_bound()
+    if most > bound.max_workers:
+        raise UsageError(
+            f"--workers: {most} workers is more than this machine should start (at most "
+            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
+        )
+
+
+def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
+    """Write an output that could not be written at ``intended`` to a new file elsewhere.
+
+    Tried in order: next to it, the current folder, the temporary folder; each under a new
+    name (``sweep.leakcheck-x1y2.json``), never replacing a file.
+
+    Returns:
+        The path written, or None when no place took it.
+
+    """
+    import contextlib
+    import tempfile
+
+    stem, extension = os.path.splitext(os.path.basename(intended))
+    folders: list[str] = [os.path.dirname(os.path.abspath(intended))]
+    with contextlib.suppress(OSError):  # the current folder may have been removed
+        folders.append(os.getcwd())
+    folders.append(tempfile.gettempdir())
+    tried: set[str] = set()
+    for folder in folders:
+        if folder in tried:
+            continue
+        tried.add(folder)
+        try:
+            handle, path = tempfile.mkstemp(
+                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
+            )
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            write(path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            continue
+        return path
+    return None
+
+
+def _lost_output_line(prog: str, option: str, path: str, error: str, saved: str | None) -> str:
+    where = (
+        f"wrote it to {saved!r} instead"
+        if saved is not None
+        else "no other place (next to it, the current folder, the temporary folder) took it"
+    )
+    return f"{prog}: {option}: cannot write {path!r}: {error}; {where}\n"
+
+
+def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
+    """Validate every ``sweep`` option in one place.
+
+    Raises:
+        UsageError: One line naming the option, what was expected, and the value.
+
+    """
+    import importlib.util
+
+    from leakcheck.commands.sweep import SweepOptions, SweepPlan
+    from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
+    from leakcheck.core import options as option_specs
+
+    workers = parse_workers(args.workers)
+    _check_worker_counts(workers, args.max_workers)
+    epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
+    start_method = args.start_method or "spawn"
+    if start_method not in START_METHODS:
+        raise UsageError(
+            f"--start-method: expected one of {', '.join(START_METHODS)}, got {args.start_method!r}"
+        )
+    device = None
+    if args.device is not None:
+        device = option_specs.parse_device_index(args.device, "--device")
+    # Shared with the other adapters: command line, then environment, then default.
+    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=_SWEEP_GRACE_S
+    )
+    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
+    cooldown_temp_c = None
+    if args.cooldown_temp is not None:
+        try:
+            cooldown_temp_c = float(args.cooldown_temp)
+        except ValueError:
+            cooldown_temp_c = None
+        if cooldown_temp_c is None or not 0 < cooldown_temp_c < 150:
+            raise UsageError(
+                f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
+                f"got {args.cooldown_temp!r}"
+            )
+    cooldown_timeout_s = option_specs.parse_seconds_option(
+        args.cooldown_timeout, "--cooldown-timeout"
+    )
+    from leakcheck.core.files import check_output_path
+
+    json_path = check_output_path(args.json, "--json")
+    plot_path = check_output_path(args.plot, "--plot", ".png")
+    if (
+        json_path is not None
+        and plot_path is not None
+        and os.path.realpath(json_path) == os.path.realpath(plot_path)
+    ):
+        raise UsageError(
+            f"--plot: expected a file other than --json's, got {args.plot!r} for both "
+            "(the plot would overwrite the JSON)"
+        )
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "--plot: needs matplotlib, which is not installed "
+            "(pip install 'dataloader-leakcheck[plot]')"
+        )
+
+    workload = None
+    loader = args.loader
+    if loader is not None:
+        for option, value in (
+            ("--scenario", args.scenario),
+            ("--start-method", args.start_method),
+            ("--batches", args.batches),
+            # The loader's own persistent_workers decides; the flag would only mislabel it.
+            ("--persistent", args.persistent or None),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{option}: applies to the built-in workload only, not with --loader"
+                )
+        _split_loader(loader)  # the format is checked now; importing waits for the run
+    else:
+        scenario = args.scenario or "clean"
+        if scenario not in SCENARIOS:
+            raise UsageError(
+                f"--scenario: expected one of {', '.join(SCENARIOS)}, got {args.scenario!r}"
+            )
+        batches = WorkloadSpec.batches
+        if args.batches is not None:
+            batches = _int_value(args.batches, "--batches", minimum=1, example="16")
+        workload = WorkloadSpec(
+            scenario=scenario,
+            batches=batches,
+            start_method=start_method,
+            persistent=args.persistent,
+            device_index=device or 0,
+        )
+    persistent = args.persistent or (workload is not None and workload.persistent_workers)
+    options = SweepOptions(
+        workers=workers,
+        epochs=epochs,
+        persistent=persistent,
+        device_index=device,
+        cooldown_temp_c=cooldown_temp_c,
+        cooldown_timeout_s=cooldown_timeout_s,
+        interval_s=interval_s,
+        tolerance_bytes=tolerance_bytes,
+        grace_s=grace_s,
+        teardown=not args.no_teardown,
+    )
+    return SweepPlan(
+        options=options,
+        workload=workload,
+        loader=loader,
+        json_path=json_path,
+        plot_path=plot_path,
+        fail_on_leak=args.fail_on_leak,
+    )
+
+
+def _check_device(index: int, gpu: tuple[bool, str]) -> None:
+    """Refuse ``--device`` naming a GPU that NVML does not list.
+
+    Without any GPU too: the sweep would run and print "n/a" where the user asked for one
+    device's memory; a CPU run is asked for by leaving ``--device`` out.
+    """
+    import contextlib
+
+    from leakcheck.core.errors import LeakCheckError
+    from leakcheck.observe import nvml
+
+    available, reason = gpu
+    count = None
+    if available:
+        # NVML answered a moment ago; if it fails now the sweep says so in its header.
+        with contextlib.suppress(LeakCheckError):
+            count = nvml.get().device_count()
+        if count is None:
+            return
+        reason = "NVML lists no device"
+    if count:
+        if index >= count:
+            raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
+        return
+    # The reason's tail says that process checks still run: true, but not with --device.
+    reason = reason.split("; GPU memory is not checked")[0]
+    raise UsageError(
+        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
+        "leave out --device to run the host-side checks only"
+    )
+
+
+# --------------------------------------------------------------------------- --loader
+
+
+def _split_loader(spec: str) -> tuple[str, str]:
+    module, sep, factory = spec.rpartition(":")
+    if not sep or not module.strip() or not factory.isidentifier():
+        raise UsageError(
+            f"--loader: expected MODULE:FACTORY or path/to/file.py:FACTORY, got {spec!r}"
+        )
+    return module, factory
+
+
+def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
+    """Import ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` and return FACTORY.
+
+    A file is imported under its own name with its folder on ``sys.path``, so that spawned
+    workers can import what it defines (datasets must be picklable by reference).
+
+    Raises:
+        UsageError: The module cannot be imported, or has no callable FACTORY.
+
+    """
+    import importlib
+
+    module_name, factory_name = _split_loader(spec)
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            module = _import_file(module_name)
+        else:
+            # As `python -m` does: modules of the current folder can be named.
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except BaseException as exc:  # SyntaxError, SystemExit in an import... all one line
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        from leakcheck.commands.sweep import one_line
+
+        raise UsageError(f"--loader: cannot import {module_name!r}: {one_line(exc)}") from None
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise UsageError(f"--loader: {module_name!r} has no attribute {factory_name!r}")
+    if not callable(factory):
+        raise UsageError(
+            f"--loader: {module_name}:{factory_name} is a {type(factory).__name__}, expected "
+            "a callable FACTORY(num_workers)"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _import_file(path: str) -> Any:
+    import importlib
+    import importlib.util
+
+    if not os.path.isfile(path):
+        what = "a folder" if os.path.isdir(path) else "no such file"
+        raise UsageError(f"--loader: expected an existing file.py, got {path!r} ({what})")
+    path = os.path.abspath(path)
+    folder, base = os.path.split(path)
+    name = os.path.splitext(base)[0]
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    existing = sys.modules.get(name)
+    if existing is None and name.isidentifier():
+        module = importlib.import_module(name)
+        if _same_file(getattr(module, "__file__", None), path):
+            return module
+    elif existing is not None and _same_file(getattr(existing, "__file__", None), path):
+        return existing
+    # The name is taken by another module: load the file under a private name (spawned
+    # workers will not find classes defined in it by name, but the factory still runs).
+    unique = f"leakcheck_user_loader_{abs(hash(path))}"
+    file_spec = importlib.util.spec_from_file_location(unique, path)
+    if file_spec is None or file_spec.loader is None:
+        raise UsageError(f"--loader: cannot import {path!r} as a Python file")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[unique] = module
+    file_spec.loader.exec_module(module)
+    return module
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    try:
+        return a is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
+    from leakcheck.commands.progress import Progress
+    from leakcheck.commands.sweep import LoaderError, one_line, run_sweep, write_json
+    from leakcheck.observe import nvml
+
+    prog = f"{_PROG} sweep"
+    try:
+        plan = resolve_sweep(args)
+        gpu = nvml.availability()
+        if plan.options.device_index is not None:
+            _check_device(plan.options.device_index, gpu)
+        if plan.loader is not None:
+            factory = load_factory(plan.loader)
+            description = f"loader {plan.loader}"
+        else:
+            from leakcheck.commands.workload import builtin_factory, describe, with_gpu
+
+            assert plan.workload is not None  # resolve_sweep sets it without --loader
+            spec = with_gpu(plan.workload, gpu[0])
+            factory = builtin_factory(spec)
+            description = describe(spec)
+    except UsageError as exc:
+        err.write(f"{prog}: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # importing a --loader module can take a while
+        err.write(f"{prog}: interrupted; nothing written\n")
+        return EXIT_INTERRUPTED
+
+    progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
+    try:
+        result = run_sweep(plan.options, factory, loader=description, progress=progress, gpu=gpu)
+    except LoaderError as exc:
+        progress.close()
+        where = f"--loader {plan.loader}" if plan.loader else "built-in workload"
+        err.write(f"{prog}: {where}: {exc}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        progress.close()
+        err.write(f"{prog}: interrupted; nothing written\n")
+        return EXIT_INTERRUPTED
+
+    out.write(result.format() + "\n")
+    out.flush()
+    status = EXIT_CLEAN
+    # The outputs were checked before the run; if a write fails now anyway (the folder was
+    # removed, a disk filled up), the results still go somewhere, and the path is printed.
+    if plan.json_path is not None:
+        data = result.to_dict()
+        try:
+            write_json(plan.json_path, data)
+        except OSError as exc:
+            saved = _write_elsewhere(plan.json_path, lambda path: write_json(path, data))
+            err.write(_lost_output_line(prog, "--json", plan.json_path, str(exc), saved))
+            status = EXIT_USAGE
+    if plan.plot_path is not None:
+        from leakcheck.judge.plot import plot_sweep
+
+        try:
+            plot_sweep(result, plan.plot_path)
+        except OSError as exc:
+            saved = _write_elsewhere(plan.plot_path, lambda path: plot_sweep(result, path))
+            err.write(_lost_output_line(prog, "--plot", plan.plot_path, str(exc), saved))
+            status = EXIT_USAGE
+        except Exception as exc:
+            err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {one_line(exc)}\n")
+            status = EXIT_USAGE
+    if status == EXIT_CLEAN and plan.fail_on_leak and result.leak_count:
+        status = EXIT_LEAK
+    return status
+
+
+WATCH_MIN_S = 0.1
+"""The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
+
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
+
+
+class SnapshotArgs:
+    """``snapshot``'s options as the full parser would give them (see ``_plain_snapshot_args``).
+
+    Attributes:
+        json: ``--json``.
+        telemetry: ``--telemetry``.
+        pid: ``--pid`` as given, or None.
+        watch: ``--watch`` as given, or None.
+
+    """
+
+    def __init__(
+        self,
+        *,
+        json: bool = False,
+        telemetry: bool = False,
+        pid: str | None = None,
+        watch: str | None = None,
+    ) -> None:
+        self.json = json
+        self.telemetry = telemetry
+        self.pid = pid
+        self.watch = watch
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SnapshotArgs) and vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return (
+            f"SnapshotArgs(json={self.json!r}, telemetry={self.telemetry!r}, pid={self.pid!r}, "
+            f"watch={self.watch!r})"
+        )
+
+
+def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
+    """Read the options of a plain ``snapshot`` line without argparse (NOTE [lean start]).
+
+    Only whole option names, each value in its own token or after ``=``, and no value that
+    starts with ``-``: the same values the full parser would give. Anything else (help, an
+    abbreviation, an unknown or incomplete option) returns None, and the full parser, which
+    owns help and error messages, reads the line instead.
+    """
+    args = SnapshotArgs()
+    position = 0
+    while position < len(tokens):
+        token = tokens[position]
+        name, equals, value = token.partition("=")
+        if token == "--json":
+            args.json = True
+        elif token == "--telemetry":
+            args.telemetry = True
+        elif name in ("--pid", "--watch"):
+            if not equals:
+                position += 1
+                if position == len(tokens):
+                    return None
+                value = tokens[position]
+            if value.startswith("-"):
+                return None
+            setattr(args, name[2:], value)
+        else:
+            return None
+        position += 1
+    return args
+
+
+def _watch_period(text: str) -> float:
+    """Parse ``--watch SECONDS``.
+
+    Raises:
+        UsageError: Not a number of seconds >= ``WATCH_MIN_S``.
+
+    """
+    try:
+        seconds = float(text.strip())
+    except ValueError:
+        seconds = None
+    # `not >=` also refuses NaN; infinity would never redraw.
+    if seconds is None or not WATCH_MIN_S <= seconds < float("inf"):
+        raise UsageError(
+            f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, got {text!r}"
+        )
+    return seconds
+
+
+def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -> int:
+    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage).
+
+    With ``--watch SECONDS`` it prints a new snapshot every SECONDS until Ctrl-C (exit 0):
+    in place on a terminal (the screen is cleared and redrawn); elsewhere each snapshot
+    follows a line with its local time (``--json``: one JSON document per line).
+    """
+    from leakcheck.observe import procs
+    prog = f"{_PROG} snapshot"
+    period = None
+    if args.watch is not None:
+        try:
+            period = _watch_period(str(args.watch))
+        except UsageError as exc:
+            sys.stderr.write(f"{prog}: {exc}\n")
+            return EXIT_USAGE
+    root_pid: int | None = None
+    root: ProcessKey | None = None
+    if args.pid is not None:
+        text = str(args.pid).strip()
+        # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
+        # digits int() raises instead of converting).
+        if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
+            sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
+            return EXIT_USAGE
+        root_pid = int(text)
+        root = procs.process_key(root_pid)
+        if root is None:
+            sys.stderr.write(f"{prog}: --pid: no running process with PID {root_pid} here\n")
+            return EXIT_USAGE
+    telemetry = bool(args.telemetry)
+    if period is None:
+        ended = _emit(out, _snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
+        return EXIT_CLEAN if ended is None else ended
+    return _watch(root, period, telemetry, as_json=args.json, out=out)
+
+
+def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
+    """Write the snapshot's ``text``; None when written, else the status to end with.
+
+    A reader that left (`| head`) ends the command cleanly (0), and standard output then
+    points at /dev/null, so that no later flush fails too; a failed write (a full disk, an
+    I/O error) ends it with one line and status 2.
+    """
+    try:
+        out.write(text)
+        if flush:
+            out.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return EXIT_CLEAN
+    except (OSError, ValueError) as exc:
+        return _output_failed(exc)
+    return None
+
+
+def _output_failed(exc: BaseException) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
+    return EXIT_USAGE
+
+
+def _snapshot_text(
+    root_pid: int | None, telemetry: bool, *, as_json: bool, indent: int | None
+) -> str:
+    from leakcheck.observe import nvml
+    nvml.start_in_background()  # while the snapshot's modules load (NOTE [overlapped start])
+    from leakcheck.observe.snapshot import take_snapshot
+
+    snapshot = take_snapshot(root_pid=root_pid, telemetry=telemetry)
+    if not as_json:
+        return snapshot.format()
+    import json
+
+    return json.dumps(snapshot.to_dict(), indent=indent)
+
+
+def _watch(
+    root: ProcessKey | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
+) -> int:
+    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` exits.
+
+    The root is followed by identity (PID and create time): once it is gone its PID may be
+    another process's.
+    """
+    import time
+
+    from leakcheck.observe import procs
+    on_terminal = out.isatty()
+    line = f"{_PROG} snapshot --watch {period:g}"
+    root_pid = root.pid if root is not None else None
+    next_frame = time.monotonic()
+    try:
+        while True:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            if root is not None and not procs.is_alive(root):
+                sys.stderr.write(
+                    f"{line}: PID {root.pid} exited (seen gone at {stamp}); its tree can no "
+                    "longer be told from other processes, so the watch ends\n"
+                )
+                return EXIT_CLEAN
+            if on_terminal:
+                text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
+                frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
+            elif as_json:
+                frame = _snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n"
+            else:
+                text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
+                frame = f"--- {stamp} ---\n{text}\n"
+            ended = _emit(out, frame, flush=True)  # a reader gone, or a failed write, ends it
+            if ended is not None:
+                return ended
+            # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
+            next_frame = max(next_frame + period, time.monotonic())
+            time.sleep(max(0.0, next_frame - time.monotonic()))
+    except KeyboardInterrupt:
+        return EXIT_CLEAN
+
+
+def command() -> NoReturn:
+    """The ``leakcheck`` executable and ``python -m leakcheck``: ``main()``, then exit.
+
+    A snapshot ends without the interpreter's exit work (NOTE [quick exit]).
+    """
+    if sys.argv[1:2] != ["snapshot"]:
+        sys.exit(main())
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED  # Ctrl-C: nothing more is written
+    ended = _emit(sys.stdout, "", flush=True)  # what is still buffered
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    os._exit(status if ended in (None, EXIT_CLEAN) else ended)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leakcheck`` and ``python -m leakcheck``.
+
+    Returns:
+        The exit status (0 clean, 1 leak found with ``--fail-on-leak``, 2 bad usage).
+
+    """
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    if tokens[:1] == ["snapshot"]:
+        plain = _plain_snapshot_args(tokens[1:])
+        if plain is not None:
+            return run_snapshot_command(plain, sys.stdout)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(tokens)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if extra:
+        # Named by the subcommand that got them, not by the top-level parser.
+        prog = f"{_PROG} {args.command}" if args.command else _PROG
+        sys.stderr.write(f"{prog}: unrecognized arguments: {' '.join(extra)}\n")
+        return EXIT_USAGE
+    if args.command == "sweep":
+        return run_sweep_command(args, sys.stdout, sys.stderr)
+    if args.command == "snapshot":
+        return run_snapshot_command(args, sys.stdout)
+    if args.command == "run":
+        from leakcheck.commands.run_cli import run_command
+
+        return run_command(args, sys.stdout, sys.stderr)
+    sys.stderr.write(
+        f"{_PROG}: expected a command: sweep, snapshot or run (see leakcheck --help)\n"
+    )
+    return EXIT_USAGE

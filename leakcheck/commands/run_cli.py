@@ -1,0 +1,282 @@
+"""``leakcheck run [options] -- CMD ...``: the command line of the run engine (launcher.py).
+
+``cli.py`` adds this parser to its subcommands and hands the parsed arguments to
+``run_command``. Options are validated here, in one place, before anything starts: a bad
+value is one line on standard error naming the option, what was expected and what was
+given, exit 2, and the command is not started.
+
+Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
+``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
+written after a successful program; 127 (126) when the command is not found (cannot be
+executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the program once (NOTE [run
+signals] in launcher.py): a program that dies of it (Python's default) exits 130 and still
+gets its report; one that handles it and exits on its own keeps its own status (the report
+says it was interrupted). The report goes to standard error, so that the program's own
+standard output stays its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+from typing import Any, TextIO
+
+from leakcheck.core import options as option_specs
+from leakcheck.core.errors import UsageError
+from leakcheck.core.files import check_output_path, write_json
+
+__all__ = ["add_run_parser", "resolve_run", "run_command", "torchrun_command"]
+
+EXIT_LEAK = 1
+EXIT_USAGE = 2
+_PROG = "leakcheck run"
+
+
+def add_run_parser(commands: Any) -> argparse.ArgumentParser:
+    """Add ``run`` to ``cli.py``'s subcommands (``commands`` is its subparsers action)."""
+    run: argparse.ArgumentParser = commands.add_parser(
+        "run",
+        help="run an unmodified program with the tracker around its process tree; each "
+        "DataLoader iteration is an epoch of its loader",
+        description="Run CMD (a Python script, python -m module, or any command whose Python "
+        "processes make DataLoaders) unmodified. Each DataLoader iteration in a Python "
+        "process of the run is an epoch of that loader, labelled by the file:line that made "
+        "it; the whole process tree is watched from outside too (orphans, survivors after "
+        "the program ended, GPU memory of every process). The report goes to standard error "
+        "when the program ends, also when it fails, calls sys.exit or is interrupted. "
+        "Exit status: the program's (130 when Ctrl-C ends it); 1 with --fail-on-leak when a "
+        "leak was found and the program succeeded; 2 bad usage; 127/126 command not found / "
+        "not executable.",
+        usage="leakcheck run [options] -- CMD [ARG ...]",
+    )
+    run.add_argument(
+        "--tolerance",
+        default=None,
+        metavar="SIZE",
+        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
+    )
+    run.add_argument(
+        "--grace",
+        default=None,
+        metavar="SECONDS",
+        help="how long a process may outlive its epoch, and the program (default: "
+        "$LEAKCHECK_GRACE, else 2)",
+    )
+    run.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
+    run.add_argument(
+        "--teardown",
+        action="store_true",
+        help="install leakcheck's teardown policy in the workers (they release their CUDA "
+        "context at exit and die with their parent); off by default",
+    )
+    run.add_argument(
+        "--device", default=None, metavar="N", help="GPU index to watch (default: all)"
+    )
+    run.add_argument(
+        "--rollup-share",
+        default=None,
+        metavar="SHARE",
+        help="share of the time the USS reads of the parent and persistent workers may take "
+        "(/proc/PID/smaps_rollup at epoch ends; USS shows copy-on-read where resident memory "
+        "does not); 1 reads it at every epoch end, for epochs of seconds (default 0.001: the "
+        "first three judged epoch ends, then as the share allows)",
+    )
+    run.add_argument(
+        "--fail-on-leak",
+        action="store_true",
+        help="exit 1 when a leak was found and the program exited 0",
+    )
+    run.add_argument(
+        "--json", default=None, metavar="PATH", help="write everything as JSON (schema-versioned)"
+    )
+    run.add_argument(
+        "--plot", default=None, metavar="PATH.png", help="not supported by run yet (exit 2)"
+    )
+    run.add_argument(
+        "--nproc-per-node",
+        default=None,
+        metavar="N",
+        help="run the script under torchrun with N ranks on this node (python -m "
+        "torch.distributed.run --standalone --nproc-per-node N SCRIPT ...); the agent and "
+        "every rank are tracked, and the report gives a verdict per rank and for the job. "
+        "To pass torchrun options of your own, wrap it instead: leakcheck run -- torchrun ...",
+    )
+    run.add_argument(
+        "program",  # not "command": cli.py's subcommand is args.command
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the program and its arguments, after --",
+    )
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Validated ``run`` arguments."""
+
+    command: tuple[str, ...]
+    options: Any  # launcher.RunOptions (imported lazily)
+    json_path: str | None
+    fail_on_leak: bool
+
+
+def resolve_run(args: argparse.Namespace) -> RunPlan:
+    """Validate every ``run`` option in one place.
+
+    Raises:
+        UsageError: One line naming the option, what was expected, and the value.
+
+    """
+    from leakcheck.commands.launcher import RunOptions
+
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
+    if args.nproc_per_node is not None:
+        command = torchrun_command(command, args.nproc_per_node)
+    if args.plot is not None:
+        raise UsageError(
+            f"--plot: not supported by leakcheck run yet, got {args.plot!r} (use --json PATH; "
+            "leakcheck sweep --plot draws a sweep)"
+        )
+    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    )
+    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
+    device = None
+    if args.device is not None:
+        device = option_specs.parse_device_index(args.device, "--device")
+        _check_device(device)
+    return RunPlan(
+        command=tuple(command),
+        options=RunOptions(
+            tolerance_bytes=tolerance_bytes,
+            grace_s=grace_s,
+            interval_s=interval_s,
+            teardown=bool(args.teardown),
+            device_index=device,
+            rollup_share=None
+            if args.rollup_share is None
+            else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
+        ),
+        json_path=check_output_path(args.json, "--json"),
+        fail_on_leak=bool(args.fail_on_leak),
+    )
+
+
+_NPROC_WORDS = ("auto", "cpu", "gpu")
+_MAX_NPROC = 4096
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def _is_python(program: str) -> bool:
+    name = os.path.basename(program)
+    return name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:])
+
+
+def torchrun_command(command: list[str], nproc: str) -> list[str]:
+    """The command ``--nproc-per-node N`` runs: the script under torchrun, on this node.
+
+    ``SCRIPT ARGS``, ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` are accepted; the
+    interpreter is this one (torchrun starts the ranks with it). ``--standalone`` gives the
+    rendezvous a free local port, so that two jobs on one host do not collide.
+
+    Raises:
+        UsageError: ``nproc`` is not a count (or ``auto``, ``cpu``, ``gpu``), the command is
+            torchrun itself, or no script follows.
+
+    """
+    text = str(nproc).strip()
+    if not (
+        text in _NPROC_WORDS or (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_NPROC)
+    ):
+        raise UsageError(
+            f"--nproc-per-node: expected a number of ranks from 1 to {_MAX_NPROC} such as 2 "
+            f"(or {', '.join(_NPROC_WORDS)}), got {nproc!r}"
+        )
+    rest = list(command)
+    if rest and _is_python(rest[0]):
+        rest = rest[1:]
+    module = rest[:1] == ["-m"]
+    target = rest[1] if module and len(rest) > 1 else (rest[0] if rest and not module else "")
+    if os.path.basename(target) in _LAUNCHERS or target in _LAUNCHERS:
+        raise UsageError(
+            f"--nproc-per-node: expected a training script after --, got the launcher "
+            f"{target!r} (wrap it without --nproc-per-node: leakcheck run -- torchrun ...)"
+        )
+    if not target or target.startswith("-"):
+        raise UsageError(
+            "--nproc-per-node: expected a script after --, such as: leakcheck run "
+            f"--nproc-per-node 2 -- train.py, got {' '.join(command)!r}"
+        )
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(
+            f"--nproc-per-node: expected torch (torch.distributed.run) in {sys.executable}, "
+            f"got {nproc!r} without it"
+        )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, "--nproc-per-node", text, *rest]
+
+
+def _check_device(device: int) -> None:
+    """Refuse ``--device`` beyond the GPUs NVML lists.
+
+    Without any GPU it is accepted, unlike ``sweep``'s: ``sweep`` runs its workload on the
+    device, while ``run`` only watches one and the program is the user's to run anyway (the
+    report says GPU memory was not checked).
+    """
+    from leakcheck.core.errors import LeakCheckError
+    from leakcheck.observe import nvml
+
+    if not nvml.availability()[0]:
+        return  # no GPU to check against: the report says GPU memory was not checked
+    try:
+        count = nvml.get().device_count()
+    except LeakCheckError:
+        return
+    if device >= count:
+        raise UsageError(f"--device: expected a GPU index below {count}, got {device}")
+
+
+def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``leakcheck run``: run the program, print the report, write ``--json``, pick the status.
+
+    Args:
+        args: ``cli.py``'s parsed arguments.
+        out: Unused (the program's standard output is its own); kept for symmetry.
+        err: Where the report and usage errors go.
+
+    Returns:
+        The exit status (see the module docstring).
+
+    """
+    from leakcheck.commands.launcher import LaunchError, run_program
+
+    try:
+        plan = resolve_run(args)
+    except UsageError as error:
+        err.write(f"{_PROG}: {error}\n")
+        return EXIT_USAGE
+    try:
+        result = run_program(plan.command, plan.options)
+    except LaunchError as error:
+        err.write(f"{_PROG}: {error}\n")
+        return error.exit_status
+    err.write(result.format() + "\n")
+    err.flush()
+    status = result.program_status
+    if plan.json_path is not None:
+        try:
+            write_json(plan.json_path, result.to_dict())
+        except OSError as error:
+            err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
+            if status == 0:
+                status = EXIT_USAGE
+    if status == 0 and plan.fail_on_leak and result.leak_count:
+        return EXIT_LEAK
+    return status

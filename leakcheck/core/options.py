@@ -1,0 +1,469 @@
+"""Option resolution shared by leakcheck's adapters: command line > environment > ini > default.
+
+Every option is described once by an ``OptionSpec`` (its flag, environment variable, ini key,
+default and parser) and resolved by ``resolve``: the first source that sets a value wins, and
+the value is parsed right there, so a bad value is reported with the place it came from
+(``--gpu-leak-tolerance (command line)``, ``LEAKCHECK_TOLERANCE (environment)``,
+``gpu_leak_tolerance (ini file setup.cfg)``). Adapters translate ``UsageError`` into their own
+usage error (pytest's exit code 4, the CLI's exit code 2).
+
+This module imports nothing heavy: the pytest plugin resolves options in every session, flag
+on or off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Generic, Literal, TypeVar
+
+from leakcheck.core.errors import UsageError
+from leakcheck.core.units import parse_duration, parse_size
+
+T = TypeVar("T")
+
+Mode = Literal["fail", "warn"]
+MODES: tuple[Mode, ...] = ("fail", "warn")
+
+_TRUE = frozenset({"1", "true", "yes", "on", "y"})
+_FALSE = frozenset({"0", "false", "no", "off", "n"})
+
+
+def parse_bool(value: object, source: str) -> bool:
+    """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case), or a bool.
+
+    Raises:
+        UsageError: Anything else; the message names ``source`` and the value.
+
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise UsageError(f"{source}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
+def parse_mode(value: object, source: str) -> Mode:
+    """Parse what to do with a leak: ``fail`` or ``warn``.
+
+    Raises:
+        UsageError: Anything else.
+
+    """
+    text = str(value).strip().lower()
+    for mode in MODES:
+        if text == mode:
+            return mode
+    raise UsageError(f"{source}: expected one of fail, warn, got {value!r}")
+
+
+def parse_size_option(value: object, source: str) -> int:
+    """Parse a size in bytes (``16MiB``, ``1GB``, ``4096``); see ``units.parse_size``."""
+    if isinstance(value, (str, int, float)):
+        return parse_size(value, source=source)
+    raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
+
+
+def parse_share_option(value: object, source: str) -> float:
+    """Parse a share of time in (0, 1]: a number (``0.001``, ``1``) or a percentage (``0.1%``).
+
+    Raises:
+        UsageError: Not a number, or outside (0, 1]; the message names ``source``.
+
+    """
+    share: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        share = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        scale = 0.01 if text.endswith("%") else 1.0
+        try:
+            share = float(text.removesuffix("%")) * scale
+        except ValueError:
+            share = None
+    if share is None or not 0 < share <= 1:  # NaN fails both comparisons
+        raise UsageError(
+            f"{source}: expected a share of time in (0, 1] such as 0.001, 0.1% or 1, got {value!r}"
+        )
+    return share
+
+
+MIN_INTERVAL_S = 0.001
+"""The shortest sampling interval: one sample reads /proc and NVML and takes up to about a
+millisecond (0.81 ms with 64 workers on an H200 host), so a shorter interval only makes the
+sampler thread spin, taking a core and the GIL from the loop it watches."""
+
+
+def parse_interval_option(value: object, source: str) -> float:
+    """Parse a sampling interval in seconds, at least ``MIN_INTERVAL_S`` (``50ms``, ``0.05``).
+
+    Raises:
+        UsageError: Not a duration, or shorter than ``MIN_INTERVAL_S``.
+
+    """
+    interval_s = (
+        parse_duration(value, source=source, negative_ok=True)
+        if isinstance(value, (str, int, float))
+        else parse_seconds_option(value, source)
+    )
+    if interval_s < MIN_INTERVAL_S:  # a negative one too: the floor says what is expected
+        raise UsageError(
+            f"{source}: expected 1ms or more (a shorter interval makes the sampler spin: one "
+            f"sample takes about 1 ms), got {value!r}"
+        )
+    return interval_s
+
+
+def parse_device_index(value: object, source: str) -> int:
+    """Parse a GPU index (``0``, ``3``): an integer >= 0, as NVML numbers devices.
+
+    Raises:
+        UsageError: Not a non-negative integer.
+
+    """
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()):
+        raise UsageError(f"{source}: expected a GPU index >= 0 such as 0, got {value!r}")
+    return int(text)
+
+
+def parse_seconds_option(value: object, source: str) -> float:
+    """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``.
+
+    Raises:
+        UsageError: Not a duration, negative, or not finite (``inf`` would make a wait or a
+            sampling interval never end, and the clock calls reject it).
+
+    """
+    if isinstance(value, (str, int, float)):
+        return parse_duration(value, source=source)  # rejects inf, NaN and past the OS timer
+    raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OptionSpec(Generic[T]):
+    """One option and every place it can be set.
+
+    Attributes:
+        name: Short name used as the key of resolved options (``tolerance``).
+        parse: ``parse(raw, source)`` -> value; raises ``UsageError`` naming ``source``.
+        default: Value when no source sets it (already parsed).
+        help: One line for ``--help`` and ini help.
+        cli_flag: Command line flag (``--gpu-leak-tolerance``), if any.
+        env_var: Environment variable (``LEAKCHECK_TOLERANCE``), if any.
+        ini_key: Ini key (``gpu_leak_tolerance``), if any.
+
+    """
+
+    name: str
+    parse: Callable[[object, str], T]
+    default: T
+    help: str
+    cli_flag: str | None = None
+    env_var: str | None = None
+    ini_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Resolved(Generic[T]):
+    """A parsed value and where it came from (``default``, ``--flag (command line)``, ...)."""
+
+    value: T
+    source: str
+
+
+def _is_unset(value: object) -> bool:
+    # An ini key that is absent reads as "" (or None, or an empty list); so does an
+    # environment variable exported empty. Both mean "not set here". Not so on the command
+    # line: a flag given empty (``--gpu-leak-tolerance=``) was typed, so it is parsed, and
+    # refused, rather than silently replaced by a lower source or the default.
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple)):
+        return not value
+    return False
+
+
+def resolve(
+    spec: OptionSpec[T],
+    *,
+    cli: object = None,
+    environ: Mapping[str, str] | None = None,
+    ini: object = None,
+    ini_path: str | None = None,
+) -> Resolved[T]:
+    """Resolve one option: command line, then environment, then ini, then the default.
+
+    Args:
+        spec: The option.
+        cli: The command line value, or None when the flag was not given; an empty value
+            given on the command line is parsed (and refused), not taken as unset.
+        environ: The environment to read ``spec.env_var`` from (None: no environment).
+        ini: The ini value, or None/empty when the key is absent.
+        ini_path: The ini file, named in errors.
+
+    Returns:
+        The parsed value and its source.
+
+    Raises:
+        UsageError: The winning source holds a bad value; the message names the source.
+
+    """
+    if spec.cli_flag is not None and cli is not None:
+        source = f"{spec.cli_flag} (command line)"
+        return Resolved(spec.parse(cli, source), source)
+    if spec.env_var is not None and environ is not None:
+        raw_env = environ.get(spec.env_var)
+        if raw_env is not None and not _is_unset(raw_env):
+            source = f"{spec.env_var} (environment)"
+            return Resolved(spec.parse(raw_env, source), source)
+    if spec.ini_key is not None and not _is_unset(ini):
+        where = f"ini file {ini_path}" if ini_path else "ini file"
+        source = f"{spec.ini_key} ({where})"
+        raw_ini = ini[0] if isinstance(ini, (list, tuple)) and len(ini) == 1 else ini
+        return Resolved(spec.parse(raw_ini, source), source)
+    return Resolved(spec.default, "default")
+
+
+ENABLED = OptionSpec[bool](
+    name="enabled",
+    parse=parse_bool,
+    default=False,
+    help="fail tests that leave processes, /dev/shm segments or GPU memory behind",
+    cli_flag="--gpu-leak-check",
+    env_var="LEAKCHECK_GPU_LEAK_CHECK",
+    ini_key="gpu_leak_check",
+)
+TOLERANCE = OptionSpec[int](
+    name="tolerance",
+    parse=parse_size_option,
+    default=16 * 1024 * 1024,
+    help="GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
+    cli_flag="--gpu-leak-tolerance",
+    env_var="LEAKCHECK_TOLERANCE",
+    ini_key="gpu_leak_tolerance",
+)
+MODE = OptionSpec[Mode](
+    name="mode",
+    parse=parse_mode,
+    default="fail",
+    help="what a leak does to its test: fail (default) or warn",
+    cli_flag="--gpu-leak-mode",
+    env_var="LEAKCHECK_MODE",
+    ini_key="gpu_leak_mode",
+)
+GRACE = OptionSpec[float](
+    name="grace",
+    parse=parse_seconds_option,
+    default=1.0,
+    help="seconds a process started by a test may take to exit after it (default 1)",
+    cli_flag="--gpu-leak-grace",
+    env_var="LEAKCHECK_GRACE",
+    ini_key="gpu_leak_grace",
+)
+
+
+def command_line_thresholds(
+    tolerance: object, grace: object, environ: Mapping[str, str], *, grace_default_s: float
+) -> tuple[int, float]:
+    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command (``sweep``, ``run``).
+
+    Each from the command line, then the environment (``LEAKCHECK_TOLERANCE``,
+    ``LEAKCHECK_GRACE``), then the default.
+
+    Raises:
+        UsageError: The winning source holds a bad value; the message names the source.
+
+    """
+    tolerance_bytes = resolve(
+        replace(TOLERANCE, cli_flag="--tolerance"), cli=tolerance, environ=environ
+    ).value
+    grace_s = resolve(
+        replace(GRACE, cli_flag="--grace", default=grace_default_s), cli=grace, environ=environ
+    ).value
+    return tolerance_bytes, grace_s
+
+
+WARN_FLAG = "--gpu-leak-warn"
+"""The pytest switch that means ``--gpu-leak-mode=warn``."""
+
+
+def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
+    """Combine ``--gpu-leak-mode`` and ``--gpu-leak-warn`` from the command line.
+
+    ``--gpu-leak-warn`` with ``--gpu-leak-mode=fail`` contradict each other; neither may
+    silently win by coming last. The plugin gives ``--gpu-leak-warn`` a destination of its
+    own and passes both values here (``resolve_check_options`` does, with ``cli["warn"]``).
+
+    Args:
+        mode: The ``--gpu-leak-mode`` value, None when not given.
+        warn: True when ``--gpu-leak-warn`` was given (None or False when not).
+
+    Returns:
+        The command line's mode and the flag it came from; None when neither flag was given
+        (the environment, the ini file or the default decide).
+
+    Raises:
+        UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
+
+    """
+    warned = parse_bool(warn, f"{WARN_FLAG} (command line)") if warn is not None else False
+    if mode is None:
+        return Resolved("warn", f"{WARN_FLAG} (command line)") if warned else None
+    source = f"{MODE.cli_flag} (command line)"
+    value = MODE.parse(mode, source)
+    if warned and value != "warn":
+        raise UsageError(
+            f"{WARN_FLAG} (command line): contradicts {MODE.cli_flag} {mode!r}; pass one of them"
+        )
+    return Resolved(value, source)
+
+
+SPECS: tuple[OptionSpec[bool], OptionSpec[int], OptionSpec[Mode], OptionSpec[float]] = (
+    ENABLED,
+    TOLERANCE,
+    MODE,
+    GRACE,
+)
+"""Options of the leak check, in the order ``--help`` lists them."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """Resolved options of the leak check.
+
+    Attributes:
+        enabled: Check tests at all.
+        tolerance_bytes: GPU memory a test may keep.
+        mode: ``fail`` the leaking test, or ``warn`` about it.
+        grace_s: How long a process started by a test may take to exit after it.
+        sources: Where each value came from, by option name.
+
+    """
+
+    enabled: bool = False
+    tolerance_bytes: int = TOLERANCE.default
+    mode: Mode = "fail"
+    grace_s: float = GRACE.default
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+
+def resolve_check_options(
+    cli: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    ini: Mapping[str, object] | None = None,
+    *,
+    ini_path: str | None = None,
+) -> CheckOptions:
+    """Resolve every option of the leak check in one place.
+
+    Args:
+        cli: Command line values by option name (``enabled``, ``tolerance``, ``mode``,
+            ``grace``, and ``warn``: True when ``--gpu-leak-warn`` was given); None or absent
+            means not given, an empty string is a bad value.
+        environ: Environment (usually ``os.environ``).
+        ini: Ini values by option name; None, absent or empty means not set.
+        ini_path: The ini file, named in errors.
+
+    Raises:
+        UsageError: A bad value; the message names it and where it came from.
+
+    """
+    cli = cli or {}
+    ini = ini or {}
+
+    def one(spec: OptionSpec[T]) -> Resolved[T]:
+        return resolve(
+            spec,
+            cli=cli.get(spec.name),
+            environ=environ,
+            ini=ini.get(spec.name),
+            ini_path=ini_path,
+        )
+
+    enabled = one(ENABLED)
+    tolerance = one(TOLERANCE)
+    mode = resolve_mode_flags(cli.get("mode"), cli.get("warn"))
+    if mode is None:
+        mode = resolve(MODE, environ=environ, ini=ini.get(MODE.name), ini_path=ini_path)
+    grace = one(GRACE)
+    return CheckOptions(
+        enabled=enabled.value,
+        tolerance_bytes=tolerance.value,
+        mode=mode.value,
+        grace_s=grace.value,
+        sources={
+            "enabled": enabled.source,
+            "tolerance": tolerance.source,
+            "mode": mode.source,
+            "grace": grace.source,
+        },
+    )
+
+
+MARKER_KWARGS = ("enabled", "tolerance", "mode", "grace")
+"""Keyword arguments ``@pytest.mark.gpu_leak_check(...)`` accepts."""
+
+
+def apply_marker(
+    options: CheckOptions,
+    args: tuple[object, ...],
+    kwargs: Mapping[str, object],
+    *,
+    where: str,
+) -> CheckOptions:
+    """Override options with a marker's arguments (``enabled``, ``tolerance``, ...).
+
+    A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
+    marker that does not say ``enabled`` enables the check for its test, unless ``enabled``
+    was chosen explicitly before it (the command line, the environment, the ini file, a
+    farther marker).
+
+    Args:
+        options: The session's options.
+        args: The marker's positional arguments.
+        kwargs: The marker's keyword arguments.
+        where: Names the marker in errors (``gpu_leak_check marker on test_x.py::test_y``).
+
+    Raises:
+        UsageError: An unknown argument or a bad value.
+
+    """
+    if len(args) > 1:
+        raise UsageError(f"{where}: takes at most one positional argument (enabled), got {args!r}")
+    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+    if unknown:
+        raise UsageError(
+            f"{where}: unknown argument(s) {', '.join(unknown)}; "
+            f"expected {', '.join(MARKER_KWARGS)}"
+        )
+    values: dict[str, object] = dict(kwargs)
+    if not args and "enabled" not in values and options.sources.get("enabled") in (None, "default"):
+        # A marker checks its test unless it says enabled=False: bare, or with only a
+        # tolerance, mode or grace (its signature in `pytest --markers` says so). An explicit
+        # choice made elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
+        values["enabled"] = True
+    if args:
+        if "enabled" in values:
+            raise UsageError(f"{where}: enabled given twice")
+        values["enabled"] = args[0]
+    sources = dict(options.sources)
+    changes: dict[str, object] = {}
+    specs: dict[str, OptionSpec[bool] | OptionSpec[int] | OptionSpec[Mode] | OptionSpec[float]]
+    specs = {spec.name: spec for spec in SPECS}
+    attribute = {
+        "enabled": "enabled",
+        "tolerance": "tolerance_bytes",
+        "mode": "mode",
+        "grace": "grace_s",
+    }
+    for name, raw in values.items():
+        source = f"{name}= of {where}"
+        changes[attribute[name]] = specs[name].parse(raw, source)
+        sources[name] = source
+    return replace(options, sources=sources, **changes)  # type: ignore[arg-type]

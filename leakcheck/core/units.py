@@ -1,0 +1,177 @@
+"""Sizes and durations as people write them, parsed and printed in one place."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from leakcheck.core.errors import UsageError
+from leakcheck.core.readings import MIB
+
+# A bound well inside what the waits accept (threading.TIMEOUT_MAX is ~9.2e9 s on 64-bit
+# Linux; Event.wait() raises OverflowError past it), and longer than any job runs.
+MAX_SECONDS = 1e9
+"""Durations must be below this many seconds (about 31 years)."""
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_EXAMPLE = "such as 16MiB, 1GB or 4096 (bytes)"
+_SECONDS_EXAMPLE = "such as 2 or 500ms"
+
+
+def parse_size(value: str | int | float, *, source: str = "value") -> int:
+    """Parse a size such as ``16MiB``, ``1GB``, ``0.5GiB`` or ``4096`` into bytes.
+
+    A count of bytes must be whole (``1.5`` is refused, not truncated to 1); with a unit a
+    fraction is fine and the result is rounded down to whole bytes (``0.5GiB``, ``1.5kB``).
+    Text is converted exactly, never through a float.
+
+    Args:
+        value: The text (or a number of bytes).
+        source: Where the value came from, named in the error (``--gpu-leak-tolerance``).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        UsageError: The value is not a size (None, another type, an unknown unit), negative,
+            not finite, or a fractional number of bytes.
+
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UsageError(f"{source}: expected a finite size {_SIZE_EXAMPLE}, got {value!r}")
+        if value >= 0 and not value.is_integer():
+            raise UsageError(
+                f"{source}: expected a whole number of bytes such as 4096, got {value!r}"
+            )
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise UsageError(f"{source}: expected a size of 0 or more, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit is None or unit not in _SIZE_UNITS:
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    # Imported here: parsing a size is rare, and fractions (with decimal) would add a few
+    # milliseconds to every start of the command line, `snapshot`'s included.
+    from fractions import Fraction
+
+    try:
+        number = Fraction(match.group(1))
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}") from None
+    size = number * _SIZE_UNITS[unit]
+    if _SIZE_UNITS[unit] == 1 and size.denominator != 1:
+        raise UsageError(f"{source}: expected a whole number of bytes such as 4096, got {value!r}")
+    return math.floor(size)
+
+
+def format_mib(num_bytes: int | float | None, *, signed: bool = False) -> str:
+    """Format bytes as MiB with one decimal below 10 MiB; ``-`` for None."""
+    if num_bytes is None:
+        return "-"
+    mib = num_bytes / MIB
+    sign = "+" if signed and mib > 0 else ""
+    if abs(mib) < 10 and mib != 0:
+        return f"{sign}{mib:.1f}"
+    return f"{sign}{mib:.0f}"
+
+
+def format_size(num_bytes: int) -> str:
+    """Format a size in the largest unit that keeps it readable: ``16 MiB``, ``100 B``."""
+    size = abs(num_bytes)
+    if size >= 1024**3:
+        return f"{num_bytes / 1024**3:.1f} GiB"
+    if size >= MIB:
+        return f"{format_mib(num_bytes)} MiB"
+    if size >= 1024:
+        kib = num_bytes / 1024
+        return f"{kib:.1f} KiB" if abs(kib) < 10 else f"{kib:.0f} KiB"
+    return f"{num_bytes} B"
+
+
+def plural(count: int, word: str, plural_word: str | None = None) -> str:
+    """``1 worker``, ``2 workers`` (``plural_word`` where adding an s is wrong)."""
+    return f"{count} {word if count == 1 else (plural_word or word + 's')}"
+
+
+def parse_duration(
+    value: str | int | float, *, source: str = "value", negative_ok: bool = False
+) -> float:
+    """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
+
+    Args:
+        value: The text or number.
+        source: Where it came from, for the error.
+        negative_ok: Return a negative value, for a caller whose own floor names what is
+            expected (a sampling interval's 1 ms).
+
+    Raises:
+        UsageError: Not a duration (None, another type, an unknown unit), negative (unless
+            ``negative_ok``), NaN, or not below ``MAX_SECONDS`` (infinity included).
+
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        scale = 1.0
+        if text.endswith("ms"):
+            text, scale = text[:-2], 0.001
+        elif text.endswith("s"):
+            text = text[:-1]
+        try:
+            seconds = float(text) * scale
+        except ValueError:
+            raise UsageError(
+                f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}"
+            ) from None
+    else:
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past the float range
+            seconds = math.inf
+    if math.isnan(seconds):
+        raise UsageError(
+            f"{source}: expected a number of seconds {_SECONDS_EXAMPLE}, got {value!r}"
+        )
+    if seconds < 0 and not negative_ok:
+        raise UsageError(f"{source}: expected 0 seconds or more {_SECONDS_EXAMPLE}, got {value!r}")
+    if seconds >= MAX_SECONDS:  # also infinity
+        raise UsageError(
+            f"{source}: expected a finite number of seconds below 1e9 (about 31 years) "
+            f"{_SECONDS_EXAMPLE}, got {value!r}"
+        )
+    return seconds
+
+
+def shorten_cmdline(cmdline: str, width: int = 48, *, empty: str = "?") -> str:
+    """Collapse whitespace and cut a command line to ``width`` characters for display.
+
+    Args:
+        cmdline: The command line.
+        width: At most this many characters, ``...`` included.
+        empty: What an empty command line shows as.
+
+    """
+    text = " ".join(cmdline.split())
+    if not text:
+        return empty
+    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."

@@ -1,0 +1,298 @@
+"""A distributed job's verdict: one per rank, and one for the job, from the ranks' reports.
+
+Each rank's trackers judge their own lineage (their root is the rank's process); a tracker
+outside the job (``leakcheck run``'s, rooted at the agent) sees every rank and what
+outlives them. ``judge_job`` merges both: a rank's leaks are those its own reports found
+and those of the outside reports whose culprit carries its rank (``Finding.rank``); each
+leaking process counts once. A rank whose report never came (killed, ``os._exit``) still
+gets a verdict from what the outside saw, and says that its own report is missing.
+
+Pure functions over ``Report`` values; the gathering itself (files, torch.distributed) is
+done by the adapters (``launcher.py``, ``distributed.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import Finding, RankInfo
+from leakcheck.core.units import plural
+from leakcheck.judge.report import Report, leak_short, report_from_dict, verdict_of
+
+__all__ = [
+    "JOB_SCHEMA_VERSION",
+    "JobReport",
+    "RankReport",
+    "RankVerdict",
+    "finding_identity",
+    "judge_job",
+]
+
+JOB_SCHEMA_VERSION = 1
+"""Version of ``JobReport.to_dict`` and ``RankReport.to_dict``."""
+
+_SHOWN = 3
+
+
+def finding_identity(finding: Finding) -> tuple[object, ...]:
+    """One leaking thing: a process (by identity), a /dev/shm file, else the finding itself."""
+    if finding.shm_name is not None:  # a file, also where a process holds it
+        return ("shm", finding.shm_name)
+    if finding.pid is not None:
+        return ("pid", finding.pid, finding.create_time)
+    return (finding.rule, finding.device_index, finding.message)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank's process reported about its own lineage.
+
+    Attributes:
+        info: The rank, as its environment says (``RankInfo``).
+        pid: The rank's process.
+        reports: Its trackers' judged reports (one per loader, or the ones it gathered).
+        missing: Why a report of it never came (one line each; empty when all came).
+
+    """
+
+    info: RankInfo
+    pid: int
+    reports: tuple[Report, ...] = ()
+    missing: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what ranks send to rank 0, or write to their file)."""
+        return {
+            "schema": "leakcheck.rank",
+            "schema_version": JOB_SCHEMA_VERSION,
+            "rank": dataclasses.asdict(self.info),
+            "pid": self.pid,
+            "reports": [report.to_dict() for report in self.reports],
+            "missing": list(self.missing),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankReport:
+        """Read ``to_dict``'s form back.
+
+        Raises:
+            UsageError: Not a rank report of this layout.
+
+        """
+        if not isinstance(data, Mapping) or data.get("schema") != "leakcheck.rank":
+            raise UsageError("rank report data: expected schema 'leakcheck.rank'")
+        try:
+            info = rank_info_from_dict(data["rank"])
+            return cls(
+                info=info,
+                pid=int(data["pid"]),
+                reports=tuple(report_from_dict(r) for r in data.get("reports") or ()),
+                missing=tuple(str(m) for m in data.get("missing") or ()),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise UsageError(f"rank report data: malformed ({error})") from None
+
+
+def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
+    """``RankInfo`` from ``dataclasses.asdict``'s form (unknown keys ignored).
+
+    Raises:
+        KeyError: No ``rank``.
+        TypeError: Not a mapping.
+
+    """
+    names = {f.name for f in dataclasses.fields(RankInfo)}
+    info = RankInfo(**{k: v for k, v in data.items() if k in names})
+    if not isinstance(info.rank, int):
+        raise TypeError(f"rank: expected an int, got {info.rank!r}")
+    return info
+
+
+@dataclass(frozen=True)
+class RankVerdict:
+    """One rank's verdict.
+
+    Attributes:
+        rank: The global rank.
+        pids: Its processes that reported, or that the outside saw as the rank's root.
+        restart_counts: The elastic restarts its processes were started in.
+        leaks: Its leaks, each leaking process once.
+        reported: Every report of it came.
+        missing: Why those that did not, did not.
+        blind: A report of it could not attribute GPU memory (PID namespace).
+
+    """
+
+    rank: int
+    pids: tuple[int, ...]
+    restart_counts: tuple[int, ...]
+    leaks: tuple[Finding, ...]
+    reported: bool
+    missing: tuple[str, ...] = ()
+    blind: bool = False
+
+    @property
+    def verdict(self) -> str:
+        """``leak``, ``blind`` or ``clean``."""
+        return verdict_of(leaked=bool(self.leaks), blind=self.blind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (findings by identity: the full ones are in the reports)."""
+        return {
+            "rank": self.rank,
+            "pids": list(self.pids),
+            "restart_counts": list(self.restart_counts),
+            "verdict": self.verdict,
+            "reported": self.reported,
+            "missing": list(self.missing),
+            "leaks": [
+                {
+                    "rule": f.rule,
+                    "pid": f.pid,
+                    "create_time": f.create_time,
+                    "role": f.role,
+                    "rank": f.rank,
+                    "message": f.message,
+                }
+                for f in self.leaks
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """The job's verdict and each rank's.
+
+    Attributes:
+        world_size: Ranks in the job, as the ranks said (None: not known).
+        ranks: One verdict per rank seen, by rank.
+        leaks: Every leak of the job (the ranks' and those no rank owns), each once.
+        blind: Some report could not attribute GPU memory.
+
+    """
+
+    world_size: int | None
+    ranks: tuple[RankVerdict, ...]
+    leaks: tuple[Finding, ...]
+    blind: bool = False
+
+    @property
+    def verdict(self) -> str:
+        """``leak``, ``blind`` or ``clean``, for the whole job."""
+        return verdict_of(leaked=bool(self.leaks), blind=self.blind)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "schema": "leakcheck.judge.job",
+            "schema_version": JOB_SCHEMA_VERSION,
+            "world_size": self.world_size,
+            "verdict": self.verdict,
+            "leak_count": len(self.leaks),
+            "ranks": [rank.to_dict() for rank in self.ranks],
+        }
+
+    def format_lines(self, indent: str = "") -> list[str]:
+        """The job's verdict line, then one line per rank."""
+        size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
+        missing = [str(r) for r in range(self.world_size or 0) if r not in self._ranks()]
+        absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
+        lines = [
+            f"{indent}job ({size}, {plural(len(self.ranks), 'rank')} "
+            f"seen{absent}): verdict {self.verdict.upper()}, "
+            f"{plural(len(self.leaks), 'leak')}"
+        ]
+        for rank in self.ranks:
+            pids = ", ".join(f"PID {pid}" for pid in rank.pids) or "PID ?"
+            restarts = [c for c in rank.restart_counts if c]
+            restart = f", restart {', '.join(map(str, restarts))}" if restarts else ""
+            text = f"{indent}  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
+            if rank.missing:
+                # Judged from outside only: what its own trackers saw never came.
+                text += f" as seen from outside; its own report is missing: {rank.missing[0]}"
+            if rank.leaks:
+                shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
+                more = len(rank.leaks) - _SHOWN
+                text += f"; {plural(len(rank.leaks), 'leak')}: {shown}"
+                text += f"; and {more} more" if more > 0 else ""
+            lines.append(text)
+        return lines
+
+    def format(self) -> str:
+        """The text of ``format_lines``."""
+        return "\n".join(self.format_lines())
+
+    def _ranks(self) -> set[int]:
+        return {rank.rank for rank in self.ranks}
+
+
+def _unique(findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    seen: set[tuple[object, ...]] = set()
+    out: list[Finding] = []
+    for finding in findings:
+        key = finding_identity(finding)
+        if key not in seen:
+            seen.add(key)
+            out.append(finding)
+    return tuple(out)
+
+
+def judge_job(
+    rank_reports: Sequence[RankReport],
+    outside: Sequence[Report] = (),
+    *,
+    rank_roots: Mapping[int, Sequence[int]] | None = None,
+) -> JobReport:
+    """One verdict per rank and one for the job (see the module docstring).
+
+    Args:
+        rank_reports: What each rank's process reported (several per rank: its loaders, a
+            restarted rank's earlier process).
+        outside: Reports of trackers outside the ranks (``leakcheck run``'s tree).
+        rank_roots: Rank -> PIDs the outside saw as the rank's process, for ranks that
+            sent nothing.
+
+    Returns:
+        The ``JobReport``.
+
+    """
+    by_rank: dict[int, list[RankReport]] = {}
+    for entry in rank_reports:
+        by_rank.setdefault(entry.info.rank, []).append(entry)
+    outside_leaks = [f for report in outside for f in report.leaks]
+    ranks_seen = set(by_rank) | {f.rank for f in outside_leaks if f.rank is not None}
+    ranks_seen |= set(rank_roots or {})
+    verdicts: list[RankVerdict] = []
+    for rank in sorted(ranks_seen):
+        entries = by_rank.get(rank, [])
+        own = [f for entry in entries for report in entry.reports for f in report.leaks]
+        seen_outside = [f for f in outside_leaks if f.rank == rank]
+        pids = sorted({entry.pid for entry in entries} | set((rank_roots or {}).get(rank, ())))
+        counts = sorted({e.info.restart_count for e in entries if e.info.restart_count is not None})
+        missing = tuple(m for entry in entries for m in entry.missing)
+        if not entries:
+            missing = ("no report of this rank came (it never iterated a tracked loader, or died)",)
+        verdicts.append(
+            RankVerdict(
+                rank=rank,
+                pids=tuple(pids),
+                restart_counts=tuple(counts),
+                leaks=_unique([*own, *seen_outside]),
+                reported=not missing,
+                missing=missing,
+                blind=any(r.verdict == "blind" for e in entries for r in e.reports),
+            )
+        )
+    every = [f for v in verdicts for f in v.leaks] + [f for f in outside_leaks if f.rank is None]
+    sizes = [e.info.world_size for e in rank_reports if e.info.world_size is not None]
+    reports = [r for e in rank_reports for r in e.reports] + list(outside)
+    return JobReport(
+        world_size=max(sizes) if sizes else None,
+        ranks=tuple(verdicts),
+        leaks=_unique(every),
+        blind=any(r.verdict == "blind" for r in reports),
+    )

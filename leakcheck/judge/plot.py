@@ -1,0 +1,509 @@
+"""A picture of a sweep: memory per epoch by process role, processes, thermal state.
+
+One column per configuration (worker count), up to four panels each, sharing the epoch axis:
+
+1. GPU memory at the end of each epoch, stacked by role (parent, workers, descendants and
+   orphans), with the device's used memory as a line: a leak is a staircase. The workers'
+   peak during the epoch is a line stacked on the parent like the workers' bar, so it never
+   runs below that bar; where it is unknown (a worker exited unseen and reported nothing)
+   the line has a gap and the bar a "?", never a 0.
+2. Host memory at the end of each epoch, stacked: the parent, then the workers (each at the
+   epoch end, or as it reported at its exit). USS where it was read, RSS where not: the
+   label says which, since RSS counts pages shared with other processes and USS does not.
+   Drawn without a GPU too: the CPU-only picture has memory to show.
+3. Processes: workers seen, processes still alive after the epoch, orphans.
+4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
+
+matplotlib is imported only here, and only its object-oriented API with the Agg canvas is
+used: drawing a sweep never changes the backend of the caller's ``pyplot``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from leakcheck.core.files import write_atomic
+from leakcheck.core.model import MIB
+from leakcheck.core.units import plural
+
+if TYPE_CHECKING:
+    from leakcheck.judge.report import Report
+
+__all__ = ["host_series", "memory_series", "plot_sweep", "render"]
+
+
+# What the picture reads of a sweep. The sweep engine sits above this module (it is the
+# command line's), so its result is described here by shape, never imported
+# (``leakcheck.commands.sweep.SweepResult`` fits).
+
+
+class _Row(Protocol):
+    """One epoch of one configuration (``leakcheck.commands.sweep.EpochRow``)."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def parent_gpu_bytes(self) -> int | None: ...
+    @property
+    def workers_gpu_bytes(self) -> int | None: ...
+    @property
+    def workers_gpu_bytes_peak(self) -> int | None: ...
+    @property
+    def workers_peak_unknown(self) -> int | None: ...
+    @property
+    def other_gpu_bytes(self) -> int | None: ...
+    @property
+    def device_used_bytes(self) -> int | None: ...
+    @property
+    def worker_count(self) -> int: ...
+    @property
+    def alive_after(self) -> int: ...
+    @property
+    def orphans(self) -> int: ...
+    @property
+    def temperature_c(self) -> int | None: ...
+    @property
+    def sm_clock_mhz(self) -> int | None: ...
+    @property
+    def parent_host_bytes(self) -> int | None: ...
+    @property
+    def workers_host_bytes(self) -> int | None: ...
+    @property
+    def host_source(self) -> str | None: ...
+
+
+class _Config(Protocol):
+    """One configuration (``leakcheck.commands.sweep.ConfigResult``)."""
+
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def persistent_workers(self) -> bool: ...
+    @property
+    def rows(self) -> Sequence[_Row]: ...
+    @property
+    def report(self) -> Report: ...
+
+
+class _Options(Protocol):
+    """What was swept (``leakcheck.commands.sweep.SweepOptions``)."""
+
+    @property
+    def workers(self) -> Sequence[int]: ...
+    @property
+    def epochs(self) -> int: ...
+
+
+class _Sweep(Protocol):
+    """A whole sweep (``leakcheck.commands.sweep.SweepResult``)."""
+
+    @property
+    def options(self) -> _Options: ...
+    @property
+    def loader(self) -> str: ...
+    @property
+    def configs(self) -> Sequence[_Config]: ...
+    @property
+    def gpu_available(self) -> bool: ...
+    @property
+    def gpu_reason(self) -> str: ...
+
+
+# Colour-blind-safe (Okabe-Ito) colours, one per role/series.
+_PARENT = "#0072B2"
+_WORKERS = "#E69F00"
+_OTHERS = "#D55E00"
+_DEVICE = "#000000"
+_ALIVE = "#CC79A7"
+_ORPHANS = "#D55E00"
+_TEMPERATURE = "#D55E00"
+_CLOCK = "#009E73"
+_VERDICT_COLOURS = {"clean": "#009E73", "leak": "#D55E00", "blind": "#E69F00"}
+
+
+def _mib(values: Sequence[int | None]) -> list[float]:
+    """MiB for plotting; an unknown value is NaN (a gap in a line), never 0."""
+    return [math.nan if value is None else value / MIB for value in values]
+
+
+def _why(reason: str) -> str:
+    return reason or "no GPU"
+
+
+def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
+    """The memory panel's data, in MiB, one value per row (epoch).
+
+    ``parent``, ``workers`` and ``others`` are the stacked bars at the epoch end (0 where not
+    known: a bar is drawn or not, a gap in a stack would misplace the bars above it);
+    ``workers_top`` is the top of the workers' bar (parent + workers). ``workers_peak_top``
+    is the workers' peak on the same basis as their bar, stacked on the parent, and never
+    below ``workers_top`` (peak >= end); NaN where the peak is unknown (a worker exited
+    unseen and reported nothing), so that the line has a gap there, never a 0. ``unknown``
+    is 1.0 for those epochs, else 0.0.
+    """
+    parent = [0.0 if r.parent_gpu_bytes is None else r.parent_gpu_bytes / MIB for r in rows]
+    workers = [0.0 if r.workers_gpu_bytes is None else r.workers_gpu_bytes / MIB for r in rows]
+    others = [0.0 if r.other_gpu_bytes is None else r.other_gpu_bytes / MIB for r in rows]
+    workers_top = [p + w for p, w in zip(parent, workers, strict=True)]
+    peak_top: list[float] = []
+    unknown: list[float] = []
+    for row, base, top in zip(rows, parent, workers_top, strict=True):
+        peak = row.workers_gpu_bytes_peak
+        if peak is None or row.workers_peak_unknown:
+            peak_top.append(math.nan)
+            unknown.append(1.0)
+        else:
+            peak_top.append(max(base + peak / MIB, top))
+            unknown.append(0.0)
+    return {
+        "epochs": [float(row.epoch) for row in rows],
+        "parent": parent,
+        "workers": workers,
+        "others": others,
+        "workers_top": workers_top,
+        "workers_peak_top": peak_top,
+        "unknown": unknown,
+    }
+
+
+def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
+    """The host-memory panel's data, in MiB, one value per row (epoch).
+
+    ``parent`` and ``workers`` are the stacked bars (0 where not known: see
+    ``memory_series``); ``unknown`` is 1.0 where some worker's host memory is unknown (the
+    bar gets a "?"), else 0.0.
+    """
+    parent = [0.0 if r.parent_host_bytes is None else r.parent_host_bytes / MIB for r in rows]
+    workers = [0.0 if r.workers_host_bytes is None else r.workers_host_bytes / MIB for r in rows]
+    unknown = [
+        1.0 if r.workers_host_bytes is None and r.worker_count and r.host_source else 0.0
+        for r in rows
+    ]
+    return {
+        "epochs": [float(row.epoch) for row in rows],
+        "parent": parent,
+        "workers": workers,
+        "top": [p + w for p, w in zip(parent, workers, strict=True)],
+        "unknown": unknown,
+    }
+
+
+def _host_label(rows: Sequence[_Row]) -> str:
+    """What the host bars are: USS, RSS, or both (per epoch, where USS was not read)."""
+    parts = {part for row in rows if row.host_source for part in row.host_source.split("+")}
+    if parts == {"uss"}:
+        return "USS: private memory"
+    if parts == {"rss"}:
+        return "RSS: resident, shared pages too"
+    return "USS; RSS where not read"
+
+
+def _config_title(config: _Config) -> str:
+    if config.num_workers == 0:
+        head = "0 workers (parent does the work)"
+    else:
+        mode = "persistent" if config.persistent_workers else "new each epoch"
+        head = f"{config.num_workers} workers ({mode})"
+    leaks = len(config.report.leaks)
+    verdict = config.report.verdict
+    tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
+    return f"{head}\nverdict: {tail}"
+
+
+def _note(axes: Any, text: str) -> None:
+    axes.text(
+        0.5,
+        0.5,
+        "\n".join(textwrap.wrap(text, 38)),
+        transform=axes.transAxes,
+        ha="center",
+        va="center",
+        fontsize=8,
+        color="#555555",
+    )
+
+
+def _mark_unknown(
+    axes: Any, epochs: list[int], unknown: Sequence[float], tops: Sequence[float], label: str
+) -> None:
+    """A "?" on top of each epoch's bar whose workers' value is unknown: not 0, not left out."""
+    marked = [i for i, flag in enumerate(unknown) if flag]
+    if marked:
+        axes.plot(
+            [epochs[i] for i in marked],
+            [tops[i] for i in marked],
+            linestyle="none",
+            marker="$?$",
+            markersize=11,
+            color=_DEVICE,
+            label=label,
+        )
+
+
+def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
+    rows = config.rows
+    epochs = [row.epoch for row in rows]
+    axes.set_ylabel("GPU memory (MiB)")
+    per_process = any(row.parent_gpu_bytes is not None for row in rows)
+    if not rows or not per_process:
+        if rows:
+            used = _mib([row.device_used_bytes for row in rows])
+            axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
+            _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
+        else:
+            axes.set_yticks([])
+            _note(axes, "GPU memory not measured: " + _why(reason))
+        return
+    series = memory_series(rows)
+    parent, workers = series["parent"], series["workers"]
+    axes.bar(epochs, parent, color=_PARENT, label="parent, at epoch end")
+    axes.bar(epochs, workers, bottom=parent, color=_WORKERS, label="workers (sum), at epoch end")
+    axes.bar(
+        epochs,
+        series["others"],
+        bottom=series["workers_top"],
+        color=_OTHERS,
+        hatch="//",
+        label="descendants + orphans,\nat epoch end",
+    )
+    # Workers started per epoch are gone at its end: their peak shows what they held. It is
+    # stacked on the parent like the workers' bar, so it never runs below that bar's top.
+    if any(row.worker_count for row in rows):
+        axes.plot(
+            epochs,
+            series["workers_peak_top"],
+            color=_WORKERS,
+            marker="D",
+            linestyle="--",
+            linewidth=1.0,
+            label="parent + workers' peak\nduring epoch",
+        )
+    _mark_unknown(
+        axes,
+        epochs,
+        series["unknown"],
+        series["workers_top"],
+        "workers' peak unknown (a worker\nexited unseen, reported nothing)",
+    )
+    device_used = [row.device_used_bytes for row in rows]
+    if any(value is not None for value in device_used):
+        axes.plot(
+            epochs,
+            _mib(device_used),
+            color=_DEVICE,
+            marker="o",
+            linewidth=1.2,
+            label="device used at epoch end\n(all processes)",
+        )
+    axes.set_ylim(bottom=0)
+
+
+def _host_panel(axes: Any, config: _Config) -> None:
+    rows = config.rows
+    epochs = [row.epoch for row in rows]
+    if not rows or all(row.host_source is None for row in rows):
+        axes.set_yticks([])
+        _note(axes, "host memory not read")
+        return
+    what = _host_label(rows)
+    axes.set_ylabel(f"host memory (MiB)\n{what.split(':')[0]}")
+    series = host_series(rows)
+    axes.bar(epochs, series["parent"], color=_PARENT, label=f"parent ({what})")
+    if any(row.worker_count for row in rows):
+        axes.bar(
+            epochs,
+            series["workers"],
+            bottom=series["parent"],
+            color=_WORKERS,
+            label="workers (sum): at epoch end,\nor at exit if gone by then",
+        )
+    _mark_unknown(axes, epochs, series["unknown"], series["top"], "a worker's host memory unknown")
+    axes.set_ylim(bottom=0)
+
+
+def _process_panel(axes: Any, config: _Config) -> None:
+    rows = config.rows
+    axes.set_ylabel("processes")
+    # Grouped bars, not lines: the three counts are often equal and lines would hide
+    # each other.
+    series = (
+        ("worker processes", [r.worker_count for r in rows], _WORKERS, ""),
+        ("alive after epoch + grace", [r.alive_after for r in rows], _ALIVE, ".."),
+        ("orphans alive", [r.orphans for r in rows], _ORPHANS, "//"),
+    )
+    width = 0.26
+    for offset, (label, values, colour, hatch) in zip((-width, 0.0, width), series, strict=True):
+        axes.bar(
+            [row.epoch + offset for row in rows],
+            values,
+            width=width,
+            color=colour,
+            hatch=hatch,
+            edgecolor="white",
+            label=label,
+        )
+    top = max([1] + [max(r.worker_count, r.alive_after, r.orphans) for r in rows])
+    axes.set_ylim(0, top * 1.15 + 0.2)
+    axes.yaxis.get_major_locator().set_params(integer=True)
+
+
+def _thermal_panel(axes: Any, config: _Config) -> Any:
+    rows = config.rows
+    epochs = [row.epoch for row in rows]
+    axes.set_ylabel("GPU temperature (°C)", color=_TEMPERATURE)
+    temperatures = [row.temperature_c for row in rows]
+    clocks = [row.sm_clock_mhz for row in rows]
+    clock_axes = axes.twinx()
+    clock_axes.set_ylabel("SM clock (MHz)", color=_CLOCK)
+    if all(value is None for value in temperatures + clocks):
+        axes.set_yticks([])
+        clock_axes.set_yticks([])
+        _note(axes, "temperature and clock not measured (no GPU)")
+        return clock_axes
+    axes.plot(
+        epochs,
+        [float("nan") if t is None else t for t in temperatures],
+        color=_TEMPERATURE,
+        marker="o",
+        label="temperature",
+    )
+    clock_axes.plot(
+        epochs,
+        [float("nan") if c is None else c for c in clocks],
+        color=_CLOCK,
+        marker="d",
+        linestyle="--",
+        label="SM clock",
+    )
+    axes.tick_params(axis="y", colors=_TEMPERATURE)
+    clock_axes.tick_params(axis="y", colors=_CLOCK)
+    clock_axes.set_ylim(bottom=0)
+    return clock_axes
+
+
+def _row_legend(axes_list: Sequence[Any], title: str) -> None:
+    handles: dict[str, Any] = {}
+    for axes in axes_list:
+        for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    if not handles:
+        return
+    # Patches (bars) first, in drawing order, then lines: matplotlib lists lines first.
+    ordered = sorted(handles.items(), key=lambda item: hasattr(item[1], "get_xydata"))
+    handles = dict(ordered)
+    anchor = axes_list[0]
+    # Right of the row's last panel (past a twin axis' labels), so it never hides data.
+    anchor.legend(
+        list(handles.values()),
+        list(handles.keys()),
+        title=title,
+        loc="center left",
+        bbox_to_anchor=(1.22 if len(axes_list) > 1 else 1.03, 0.5),
+        fontsize=8,
+        title_fontsize=8,
+        frameon=False,
+    )
+
+
+def render(result: _Sweep) -> Any:
+    """Draw the sweep; returns a ``matplotlib.figure.Figure`` (Agg canvas attached).
+
+    Without a GPU the host-memory and process panels are drawn, and the title says why the
+    GPU panels are missing.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    configs = result.configs
+    columns = max(len(configs), 1)
+    gpu = result.gpu_available
+    figure = Figure(figsize=(4.2 * columns + 1.6, 11.5 if gpu else 6.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    if gpu:
+        grid = figure.subplots(
+            4,
+            columns,
+            squeeze=False,
+            sharex="col",
+            gridspec_kw={"height_ratios": [3, 2, 1.4, 1.6]},
+        )
+        memory_row, host_row = list(grid[0]), list(grid[1])
+        process_row, thermal_row = list(grid[2]), list(grid[3])
+    else:
+        grid = figure.subplots(
+            2, columns, squeeze=False, sharex="col", gridspec_kw={"height_ratios": [2.4, 1.4]}
+        )
+        memory_row, host_row, process_row, thermal_row = [], list(grid[0]), list(grid[1]), []
+    clock_row: list[Any] = []
+    for column, config in enumerate(configs):
+        top = memory_row[column] if gpu else host_row[column]
+        top.set_title(
+            _config_title(config),
+            fontsize=10,
+            color=_VERDICT_COLOURS.get(config.report.verdict, "#000000"),
+        )
+        panels = [process_row[column], host_row[column]]
+        _process_panel(process_row[column], config)
+        _host_panel(host_row[column], config)
+        if gpu:
+            _memory_panel(memory_row[column], config, result.gpu_reason)
+            clock_row.append(_thermal_panel(thermal_row[column], config))
+            panels += [memory_row[column], thermal_row[column], clock_row[-1]]
+        bottom = thermal_row[column] if gpu else process_row[column]
+        bottom.set_xlabel("epoch")
+        bottom.set_xticks([row.epoch for row in config.rows])
+        for axes in panels:
+            axes.grid(axis="y", alpha=0.3)
+    # One memory scale per row for every configuration, so that they compare at a glance.
+    for row_axes in (memory_row, host_row):
+        tops = [axes.get_ylim()[1] for axes in row_axes if axes.has_data()]
+        for axes in row_axes:
+            if tops and axes.has_data():
+                axes.set_ylim(0, max(tops) * 1.08)
+    last = columns - 1
+    if gpu:
+        _row_legend([memory_row[last]], "GPU memory")
+        _row_legend([thermal_row[last], clock_row[last]], "GPU thermal state")
+    _row_legend([host_row[last]], "host memory")
+    _row_legend([process_row[last]], "processes")
+    options = result.options
+    what = (
+        "GPU and host memory per epoch by process role"
+        if gpu
+        else "host memory and processes per epoch"
+    )
+    lines = [
+        f"leakcheck sweep: {what} "
+        f"({','.join(str(n) for n in options.workers)} workers x {options.epochs} epochs)",
+        *textwrap.wrap(result.loader, 40 * columns + 30),
+    ]
+    if not gpu:
+        lines += textwrap.wrap(
+            "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason),
+            40 * columns + 30,
+        )
+    figure.suptitle("\n".join(lines), fontsize=10)
+    return figure
+
+
+def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
+    """Write the sweep's picture as a PNG, atomically (a reader never sees half a file).
+
+    Args:
+        result: The sweep.
+        path: Target ``.png`` file.
+        dpi: Resolution.
+
+    Returns:
+        ``path``.
+
+    """
+    figure = render(result)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    write_atomic(path, buffer.getvalue())
+    return path

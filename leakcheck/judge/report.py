@@ -1,0 +1,753 @@
+"""Report: a judged timeline, rendered as text or as JSON-able data.
+
+``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
+holds the timeline, the findings and the thresholds used, and renders them:
+``format()`` for people (quiet when all is well), ``to_dict()`` for tools
+(``schema_version`` 2; ``report_from_dict`` reads it back, and version 1 too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from leakcheck.core.errors import UsageError
+from leakcheck.core.model import (
+    DeviceState,
+    EpochRecord,
+    Finding,
+    ProcessEpoch,
+    ProcessKey,
+    RuleConfig,
+    Timeline,
+)
+from leakcheck.core.ranks import culprit_label, rank_label
+from leakcheck.core.units import format_mib, format_size, plural, shorten_cmdline
+from leakcheck.judge.verdict import (
+    LINEAGE_ROLES,
+    EpochCounts,
+    epoch_counts,
+    judge,
+    per_pid_bytes_known,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "HostTotals",
+    "Report",
+    "Verdict",
+    "build_report",
+    "combined_verdict",
+    "finding_from_dict",
+    "finding_lines",
+    "finding_to_dict",
+    "host_totals",
+    "leak_short",
+    "report_from_dict",
+    "verdict_of",
+]
+
+SCHEMA_VERSION = 2
+"""Version of the ``to_dict`` layout; bumped on any change of it. 2 added the distributed
+rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``."""
+
+_READABLE_VERSIONS = (1, SCHEMA_VERSION)
+"""Layouts ``report_from_dict`` reads: 1 lacks the rank fields, which then stay None."""
+
+Verdict = Literal["clean", "leak", "blind"]
+
+
+def verdict_of(*, leaked: bool, blind: bool) -> Verdict:
+    """The verdict of one report: ``leak``, ``blind`` or ``clean``.
+
+    ``leak`` when anything leaked; else ``blind`` where processes could not be attributed
+    (never ``clean`` then); else ``clean``.
+    """
+    if leaked:
+        return "leak"
+    return "blind" if blind else "clean"
+
+
+def combined_verdict(verdicts: Iterable[str]) -> Verdict:
+    """The verdict of several reports together: the worst of theirs."""
+    found = set(verdicts)
+    return verdict_of(leaked="leak" in found, blind="blind" in found)
+
+
+_LABEL_WIDTH = 16
+_VERDICT_LEAKS_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Report:
+    """The findings of the leak rules over one timeline.
+
+    Attributes:
+        timeline: Everything the tracker observed.
+        findings: Leaks first, then by epoch, then PID (as ``verdict.judge`` orders them).
+        config: The thresholds the findings were judged with.
+
+    """
+
+    timeline: Timeline
+    findings: tuple[Finding, ...]
+    config: RuleConfig
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def leaks(self) -> list[Finding]:
+        """Findings of severity ``leak``."""
+        return [f for f in self.findings if f.severity == "leak"]
+
+    @property
+    def infos(self) -> list[Finding]:
+        """Findings of severity ``info`` (advice; never fail a check)."""
+        return [f for f in self.findings if f.severity == "info"]
+
+    @property
+    def epochs(self) -> tuple[EpochRecord, ...]:
+        """The observed epochs, in order."""
+        return self.timeline.epochs
+
+    @property
+    def verdict(self) -> Verdict:
+        """Return ``leak``, ``blind`` or ``clean``.
+
+        ``leak`` when any leak was found; ``blind`` when none was but processes could not
+        be attributed (never ``clean`` then); otherwise ``clean``.
+        """
+        return verdict_of(
+            leaked=bool(self.leaks), blind=self.timeline.attribution == "blind-namespace"
+        )
+
+    @property
+    def clean(self) -> bool:
+        """True only when the verdict is ``clean``."""
+        return self.verdict == "clean"
+
+    @property
+    def process_keys(self) -> frozenset[ProcessKey]:
+        """Every process of the job's lineage that the report saw (what its summary counts)."""
+        return frozenset(_lineage_keys(self.timeline))
+
+    # ------------------------------------------------------------------ data
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as plain data that ``json.dumps`` accepts.
+
+        Mapping keys (device indices) become strings, tuples become lists. Besides every
+        field of the timeline, the layout carries ``schema_version``, ``verdict`` and a
+        ``summary``; ``report_from_dict`` reads it back.
+        """
+        tl = self.timeline
+        extra = {
+            f.name: _to_jsonable(getattr(tl, f.name))
+            for f in dataclasses.fields(tl)
+            if f.name not in _TIMELINE_KEYS.values()
+        }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "session": tl.session_id,
+            "root": _to_jsonable(tl.root),
+            "started_unix_s": tl.started_unix_s,
+            "attribution": tl.attribution,
+            "attribution_reason": tl.attribution_reason,
+            "verdict": self.verdict,
+            "summary": {
+                "leaks": len(self.leaks),
+                "infos": len(self.infos),
+                "epochs": len(tl.epochs),
+                "processes": len(_lineage_keys(tl)),
+            },
+            "config": _to_jsonable(self.config),
+            "baseline": {
+                "devices": _to_jsonable(tl.baseline_devices),
+                "gpu_bytes": _to_jsonable(tl.baseline_gpu_bytes),
+            },
+            "epochs": [_epoch_to_dict(rec, per_pid_bytes_known(tl)) for rec in tl.epochs],
+            "final": _to_jsonable(tl.final),
+            "findings": _to_jsonable(self.findings),
+            "failures": list(tl.failures),
+            **extra,
+        }
+
+    # ------------------------------------------------------------------ text
+
+    def summary(self) -> str:
+        """Return the one-line verdict that ends ``format()``."""
+        return self._verdict_line() + self._pending_text()
+
+    def _pending_text(self) -> str:
+        """What a report before ``close()`` could not judge yet, said rather than left out."""
+        final = self.timeline.final
+        if final is None or final.closed:
+            return ""
+        named = {f.pid for f in self.leaks}  # an orphan is judged from the moment it is one
+        pending = [pid for pid in final.pending_pids if pid not in named]
+        if not pending:
+            return ""
+        count = plural(len(pending), "process", "processes")
+        return (
+            f"; {count} of recent epochs not judged yet (alive, not yet seen more than the "
+            f"grace of {self.config.grace_s:g} s after the end of the epoch "
+            f"{'it was' if len(pending) == 1 else 'they were'} born in)"
+        )
+
+    def _verdict_line(self) -> str:
+        tl = self.timeline
+        n_epochs = plural(len(tl.epochs), "epoch")
+        leaks = self.leaks
+        if leaks:
+            shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
+            more = len(leaks) - _VERDICT_LEAKS_SHOWN
+            tail = f"; and {more} more" if more > 0 else ""
+            return f"leakcheck: {plural(len(leaks), 'leak')} found: {shown}{tail}"
+        if self.verdict == "blind":
+            return (
+                f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
+                "attributed to processes (PID namespace); device totals show no leak"
+            )
+        processes = plural(len(_lineage_keys(tl)), "process", "processes")
+        if tl.attribution in ("nvml-unavailable", "no-gpu"):
+            return (
+                f"leakcheck: no leaks in {n_epochs} ({processes}; GPU memory not checked: "
+                f"{'NVML unavailable' if tl.attribution == 'nvml-unavailable' else 'no GPU'})"
+            )
+        peak = _device_peak(tl)
+        peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
+        return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
+
+    def format(self, *, verbose: bool = False) -> str:
+        """Render the report as text.
+
+        A clean report is short: its advice, if any, and the verdict line. Otherwise (or
+        with ``verbose``): a header, why attribution is limited (if it is), a table with
+        one row per epoch, the findings with their fixes, and the verdict line. ``verbose``
+        adds every process of every epoch, the thresholds and worker teardowns.
+        """
+        lines: list[str] = []
+        if self.clean and not verbose:
+            lines.extend(finding_lines(self.infos))
+            lines.append(self.summary())
+            return "\n".join(lines)
+        lines.append(_header(self.timeline))
+        attribution = _attribution_line(self.timeline)
+        if attribution:
+            lines.append(attribution)
+        if verbose:
+            lines.append(_config_line(self.config))
+        if self.timeline.epochs:
+            lines.append("")
+            lines.extend(_epoch_table(self.timeline, self.config))
+        if verbose:
+            lines.extend(_process_lines(self.timeline))
+            lines.extend(_teardown_lines(self.timeline))
+        if self.findings:
+            lines.append("")
+            lines.extend(finding_lines(self.findings))
+        lines.append("")
+        lines.append(self.summary())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def build_report(timeline: Timeline, config: RuleConfig) -> Report:
+    """Judge ``timeline`` with every leak rule and wrap the result in a ``Report``."""
+    return Report(timeline=timeline, findings=judge(timeline, config), config=config)
+
+
+# --------------------------------------------------------------------------- to_dict
+
+
+def _to_jsonable(value: Any) -> Any:
+    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if _is_record(type(value)):  # readings.py's named tuples: objects, as dataclasses are
+        return {name: _to_jsonable(item) for name, item in zip(value._fields, value, strict=True)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_jsonable(v) for v in value]
+    raise TypeError(f"cannot put {type(value).__name__} into a report dict")
+
+
+def _process_to_dict(proc: ProcessEpoch, bytes_known: bool) -> dict[str, Any]:
+    data: dict[str, Any] = _to_jsonable(proc)
+    # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
+    known = bytes_known and not proc.gpu_bytes_unknown
+    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
+    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if known else None
+    return data
+
+
+def _epoch_to_dict(rec: EpochRecord, bytes_known: bool) -> dict[str, Any]:
+    # Field by field, so that each process is converted once (with its totals).
+    data: dict[str, Any] = {
+        f.name: (
+            [_process_to_dict(p, bytes_known) for p in rec.processes]
+            if f.name == "processes"
+            else _to_jsonable(getattr(rec, f.name))
+        )
+        for f in dataclasses.fields(rec)
+    }
+    data["duration_s"] = rec.duration_s
+    return data
+
+
+# Timeline fields stored under another name or place in the dict; the rest keep their name.
+_TIMELINE_KEYS: dict[str, str] = {
+    "session": "session_id",
+    "root": "root",
+    "started_unix_s": "started_unix_s",
+    "attribution": "attribution",
+    "attribution_reason": "attribution_reason",
+    "epochs": "epochs",
+    "final": "final",
+    "failures": "failures",
+    "baseline_devices": "baseline_devices",
+    "baseline_gpu_bytes": "baseline_gpu_bytes",
+}
+
+
+# --------------------------------------------------------------------------- from dict
+
+
+def _from_jsonable(hint: Any, value: Any) -> Any:
+    """Inverse of ``_to_jsonable`` for one value of type ``hint``."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _from_jsonable(args[0], value) if len(args) == 1 else value
+    if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or _is_record(hint)):
+        return _record_from_dict(hint, value)
+    if origin is tuple:
+        return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
+    if origin in (Mapping, dict):
+        key_hint, value_hint = typing.get_args(hint)
+        return {
+            _from_jsonable(key_hint, k): _from_jsonable(value_hint, v) for k, v in value.items()
+        }
+    if hint is int:
+        return int(value)
+    if hint is float:
+        return float(value)
+    return value
+
+
+def _record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
+    return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
+
+
+def _is_record(cls: type[Any]) -> bool:
+    """Whether ``cls`` is a named tuple class (the records of readings.py)."""
+    return issubclass(cls, tuple) and hasattr(cls, "_fields")
+
+
+def finding_to_dict(finding: Finding) -> dict[str, Any]:
+    """Return one finding as plain data that ``json.dumps`` accepts (as in ``to_dict``)."""
+    data: dict[str, Any] = _to_jsonable(finding)
+    return data
+
+
+def finding_from_dict(data: Mapping[str, Any]) -> Finding:
+    """Read back a finding written by ``finding_to_dict`` (after a JSON round trip).
+
+    Raises:
+        UsageError: The data is not a finding.
+
+    """
+    try:
+        finding: Finding = _record_from_dict(Finding, data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
+    return finding
+
+
+def report_from_dict(data: Mapping[str, Any]) -> Report:
+    """Read back a report written by ``Report.to_dict`` (after a JSON round trip).
+
+    Raises:
+        UsageError: The data is not a leakcheck report of this schema version.
+
+    """
+    version = data.get("schema_version") if isinstance(data, Mapping) else None
+    if version not in _READABLE_VERSIONS:
+        raise UsageError(
+            f"report data: expected schema_version {' or '.join(map(str, _READABLE_VERSIONS))}, "
+            f"got {version!r}"
+        )
+    baseline = data.get("baseline") or {}
+    fields: dict[str, Any] = {
+        name: data[key] for key, name in _TIMELINE_KEYS.items() if key in data
+    }
+    fields["baseline_devices"] = baseline.get("devices", [])
+    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
+    for f in dataclasses.fields(Timeline):
+        if f.name not in fields and f.name in data:
+            fields[f.name] = data[f.name]
+    try:
+        timeline: Timeline = _record_from_dict(Timeline, fields)
+        config: RuleConfig = _record_from_dict(RuleConfig, data.get("config") or {})
+        findings = tuple(_record_from_dict(Finding, f) for f in data.get("findings") or ())
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
+    return Report(timeline=timeline, findings=findings, config=config)
+
+
+# --------------------------------------------------------------------------- text helpers
+
+
+def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
+    keys = {p.key for rec in timeline.epochs for p in rec.processes if p.role in LINEAGE_ROLES}
+    if timeline.final is not None:
+        keys.update(p.key for p in timeline.final.processes if p.role in LINEAGE_ROLES)
+    return keys
+
+
+def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
+    """(device index, bytes) of the highest device use seen in any epoch."""
+    best: tuple[int, int] | None = None
+    for rec in timeline.epochs:
+        peaks = dict(rec.device_peak_used_bytes)
+        for dev in rec.devices:
+            peaks[dev.index] = max(peaks.get(dev.index, 0), dev.used_bytes)
+        for index, used in sorted(peaks.items()):
+            if best is None or used > best[1]:
+                best = (index, used)
+    return best
+
+
+def leak_short(finding: Finding) -> str:
+    """A few words for a leak in a verdict line.
+
+    ``orphan rank 1 process PID 7 (612 MiB)``, ``shm /dev/shm/torch_7_0 (2.0 MiB)``.
+    """
+    if finding.shm_name is not None:  # the file, also where a process holds it
+        size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
+        return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
+    if finding.pid is not None:
+        role = finding.role if finding.role and finding.role != finding.rule else None
+        who = culprit_label(role or "process", finding.pid, finding.rank)
+    elif finding.device_index is not None:
+        who = f"GPU{finding.device_index}"
+    else:
+        who = "job"
+    if finding.bytes_per_epoch is not None:
+        amount = f" ({format_mib(finding.bytes_per_epoch, signed=True)} MiB/epoch)"
+    elif finding.gpu_bytes:
+        amount = f" ({format_mib(finding.gpu_bytes)} MiB)"
+    else:
+        amount = ""
+    return f"{finding.rule} {who}{amount}"
+
+
+def _header(timeline: Timeline) -> str:
+    devices = timeline.baseline_devices or (timeline.epochs[0].devices if timeline.epochs else ())
+    device_text = ", ".join(f"GPU{d.index} {d.name}" for d in devices)
+    parts = [
+        f"session {timeline.session_id}",
+        f"root PID {timeline.root.pid}",
+        plural(len(timeline.epochs), "epoch"),
+    ]
+    if device_text:
+        parts.append(device_text)
+    return "leakcheck report: " + ", ".join(parts)
+
+
+def _attribution_line(timeline: Timeline) -> str | None:
+    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
+    if timeline.attribution == "blind-namespace":
+        return (
+            f"attribution blind: NVML's PIDs are from another PID namespace{reason}; "
+            "only device totals are judged"
+        )
+    if timeline.attribution == "nvml-unavailable":
+        return f"GPU memory not checked: {timeline.attribution_reason or 'NVML unavailable'}"
+    if timeline.attribution == "no-gpu":
+        return f"attribution off: no GPU{reason}; only processes were checked"
+    return None
+
+
+def _config_line(config: RuleConfig) -> str:
+    return (
+        f"thresholds: tolerance {format_size(config.tolerance_bytes)}, host tolerance "
+        f"{format_mib(config.host_tolerance_bytes)} MiB, "
+        f"warm-up {plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
+        f"high clocks >= {config.high_clock_fraction:.0%} of max"
+    )
+
+
+def or_dash(value: object | None, spec: str = "") -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is unknown."""
+    return "-" if value is None else format(value, spec)
+
+
+_TABLE_HEAD = (
+    "epoch",
+    "label",
+    "time s",
+    "parent MiB",
+    "workers",
+    "wk end MiB",
+    "wk peak MiB",
+    "alive after",
+    "orphans",
+    "parent host MiB",
+    "wk host MiB",
+    "host",
+    "GPU",
+    "used/total MiB",
+    "temp C",
+    "SM MHz",
+    "power W",
+)
+_LEFT_ALIGNED = frozenset((1, 11, 12))
+
+
+def _device_cells(dev: DeviceState | None) -> list[str]:
+    if dev is None:
+        return ["-", "-", "-", "-", "-"]
+    return [
+        f"GPU{dev.index}",
+        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
+        or_dash(dev.temperature_c),
+        or_dash(dev.sm_clock_mhz),
+        or_dash(dev.power_w, ".0f"),
+    ]
+
+
+@dataclass(frozen=True)
+class HostTotals:
+    """Host memory of an epoch's parent and workers, as the tables show it.
+
+    Attributes:
+        parent_bytes: The parent's ``host_bytes_end``; None: unknown (or no parent).
+        workers_bytes: The workers' summed, each at the epoch end or, gone by then, as it
+            reported at exit; None when any worker's is unknown (never 0 for it); 0 with no
+            workers.
+        source: ``uss`` or ``rss`` when every figure counted is that; ``uss+rss`` when
+            both are; None when none is known.
+
+    """
+
+    parent_bytes: int | None
+    workers_bytes: int | None
+    source: str | None
+
+
+def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
+    """The parent's and the workers' host memory of one epoch (or final state)."""
+    parents = [p for p in processes if p.role == "parent"]
+    workers = [p for p in processes if p.role == "worker"]
+    parent = parents[0].host_bytes_end if parents else None
+    worker_values = [p.host_bytes_end for p in workers]
+    workers_bytes = (
+        None if any(v is None for v in worker_values) else sum(v for v in worker_values if v)
+    )
+    sources = {p.host_source for p in (*parents, *workers) if p.host_source is not None}
+    source = "+".join(sorted(sources, reverse=True)) if sources else None
+    return HostTotals(parent, workers_bytes, source)
+
+
+def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
+    """The workers' host memory; ``?`` when one is unknown among known ones.
+
+    ``-`` when none was read at all (an adapter that does not read host memory).
+    """
+    if host.workers_bytes is None and any_workers and host.source is not None:
+        return "?"
+    return format_mib(host.workers_bytes)
+
+
+def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
+    """The workers' peaks summed; None when any worker's peak is unknown (never 0 for it)."""
+    peaks = [p.total_gpu_bytes_peak for p in workers]
+    if any(peak is None for peak in peaks):
+        return None
+    return sum(peak for peak in peaks if peak is not None)
+
+
+def _epoch_rows(rec: EpochRecord, timeline: Timeline, counts: EpochCounts) -> list[list[str]]:
+    known = per_pid_bytes_known(timeline)
+    parents = [p for p in rec.processes if p.role == "parent"]
+    workers = [p for p in rec.processes if p.role == "worker"]
+    end_text = peak_text = "-"
+    if known:
+        end_text = format_mib(sum(p.total_gpu_bytes_end for p in workers))
+        peak = workers_peak_bytes(workers)
+        peak_text = "?" if peak is None else format_mib(peak)
+    label = rec.label if len(rec.label) <= _LABEL_WIDTH else rec.label[: _LABEL_WIDTH - 3] + "..."
+    host = host_totals(rec.processes)
+    cells = [
+        str(rec.index),
+        label,
+        f"{rec.duration_s:.1f}",
+        format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
+        str(len(workers)),
+        end_text,
+        peak_text,
+        str(counts.alive_after),
+        str(counts.orphans),
+        format_mib(host.parent_bytes),
+        _workers_host_text(host, bool(workers)),
+        host.source or "-",
+    ]
+    devices = sorted(rec.devices, key=lambda d: d.index)
+    rows = [cells + _device_cells(devices[0] if devices else None)]
+    rows.extend([""] * len(cells) + _device_cells(dev) for dev in devices[1:])
+    return rows
+
+
+def align_columns(
+    rows: Sequence[Sequence[str]], left: frozenset[int] | set[int] = frozenset()
+) -> list[str]:
+    """Lay out rows as columns two spaces apart; ``left`` columns are left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [
+            cell.ljust(widths[i]) if i in left else cell.rjust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
+    rows: list[list[str]] = [list(_TABLE_HEAD)]
+    counts = epoch_counts(timeline, config.grace_s)
+    for rec in timeline.epochs:
+        rows.extend(_epoch_rows(rec, timeline, counts[rec.index]))
+    return align_columns(rows, _LEFT_ALIGNED)
+
+
+def _process_lines(timeline: Timeline) -> list[str]:
+    known = per_pid_bytes_known(timeline)
+    lines: list[str] = []
+    groups: list[tuple[str, Sequence[ProcessEpoch]]] = [
+        (f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs
+    ]
+    if timeline.final is not None:
+        groups.append(("after the work", timeline.final.processes))
+    for title, procs in groups:
+        lines.append("")
+        lines.append(f"{title}:")
+        if not procs:
+            continue
+        rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
+        for proc in procs:
+            flags = [
+                name
+                for name, on in (
+                    ("born", proc.born_in_epoch),
+                    ("persistent", proc.persistent),
+                    ("gone-at-end", not proc.alive_at_end),
+                )
+                if on
+            ]
+            if proc.exited_after_s is not None:
+                flags.append(f"exited+{proc.exited_after_s:.1f}s")
+            if proc.last_seen_after_s is not None:
+                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+                flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
+            if not known:
+                held = "-"
+            elif proc.gpu_bytes_unknown:
+                held = "?"
+            else:
+                held = (
+                    ",".join(
+                        f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())
+                    )
+                    or "0"
+                )
+            peak = proc.total_gpu_bytes_peak
+            if not known:
+                peak_cell = "-"
+            elif peak is None:
+                peak_cell = "?"
+            else:
+                peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
+            rows.append(
+                [
+                    rank_label(proc.rank) + proc.role,
+                    str(proc.key.pid),
+                    held,
+                    peak_cell,
+                    _host_cell(proc),
+                    or_dash(proc.nvidia_fds),
+                    " ".join(flags) or "-",
+                    shorten_cmdline(proc.cmdline),
+                ]
+            )
+        lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
+    return lines
+
+
+def _host_cell(proc: ProcessEpoch) -> str:
+    """``123 uss`` (``rss``): host memory at the end, or at exit for a process gone by then."""
+    if proc.host_bytes_end is None:
+        return "-"
+    return f"{format_mib(proc.host_bytes_end)} {proc.host_source}"
+
+
+def _teardown_lines(timeline: Timeline) -> list[str]:
+    records = timeline.teardowns
+    if not records:
+        return []
+    lines = ["", "worker teardowns:"]
+    for rec in records:
+        steps = []
+        if rec.gpu_bytes_by_device:
+            held = ", ".join(
+                f"GPU{d} {format_mib(b)} MiB" for d, b in sorted(rec.gpu_bytes_by_device.items())
+            )
+            steps.append(f"held {held}")
+        if rec.peak_reserved_bytes is not None:
+            steps.append(f"torch peak reserved {format_mib(rec.peak_reserved_bytes)} MiB")
+        if not rec.cuda_initialized:
+            steps.append("no CUDA in this worker")
+        elif not rec.released:
+            steps.append("reported only (teardown policy off)")
+        else:
+            steps.append(f"freed cache {format_mib(rec.freed_cache_bytes)} MiB")
+            steps.append("context released" if rec.context_released else "context kept")
+        if rec.streams_joined:
+            steps.append(f"{rec.streams_joined} side streams joined")
+        if rec.left_nvml is not None:
+            steps.append("left NVML" if rec.left_nvml else "still in NVML")
+        if rec.error:
+            steps.append(f"error: {rec.error}")
+        worker = f" (worker {rec.worker_id})" if rec.worker_id is not None else ""
+        steps.append(f"in {rec.duration_s * 1000:.0f} ms")
+        lines.append(f"  PID {rec.key.pid}{worker}: {', '.join(steps)}")
+    return lines
+
+
+def finding_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
+    """Two lines per finding, the same words wherever leakcheck reports it.
+
+    ``LEAK survivor: <who, what, since when>`` (or ``info <rule>: ...``), then
+    ``  fix: <remedy>``: ``Report.format()``, the sweep's configurations and the pytest
+    plugin's report section all print findings through this.
+    """
+    lines: list[str] = []
+    for finding in findings:
+        tag = "LEAK" if finding.severity == "leak" else "info"
+        lines.append(f"{indent}{tag} {finding.rule}: {finding.message}")
+        lines.append(f"{indent}  fix: {finding.remedy}")
+    return lines

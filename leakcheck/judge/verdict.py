@@ -1,0 +1,1495 @@
+"""Leak rules: pure functions from a ``Timeline`` to ``Finding`` values.
+
+Every rule is a public function ``rule(timeline, config) -> tuple[Finding, ...]`` with no I/O
+and no clock: the tracker observes, the rules only judge what was observed, so each rule can
+be unit-tested with made-up series. ``judge`` runs them all and orders the findings.
+
+Rules that read per-process or per-device GPU memory need NVML and return nothing when the
+timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``survivor``,
+``orphan``, ``host-growth``, ``shm``) always run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from leakcheck.core.model import (
+    MIB,
+    DeviceState,
+    EpochRecord,
+    Finding,
+    ProcessEpoch,
+    ProcessKey,
+    Role,
+    Rule,
+    RuleConfig,
+    Severity,
+    ShmFile,
+    Timeline,
+)
+from leakcheck.core.ranks import culprit_label
+from leakcheck.core.roles import is_daemon_helper
+from leakcheck.core.units import format_mib, shorten_cmdline
+
+__all__ = [
+    "LINEAGE_ROLES",
+    "RULES",
+    "EpochCounts",
+    "blind",
+    "context_kept",
+    "descriptor_holder",
+    "device_mismatch",
+    "epoch_counts",
+    "growth",
+    "growth_slope",
+    "high_clocks",
+    "host_growth",
+    "judge",
+    "orphan",
+    "residual",
+    "shm",
+    "survivor",
+    "tracker_failure",
+]
+
+LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
+"""Roles of processes that belong to the watched job (everything but ``foreign``)."""
+
+# NOTE [late rise]: a leak keeps growing; allocator warm-up grows and then plateaus. The
+# growth rule asks that at least this share of the total rise happens in the second half
+# of the series, so a cache that filled early and then stayed flat is not called a leak.
+_LATE_RISE_SHARE = 0.25
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def per_pid_bytes_known(timeline: Timeline) -> bool:
+    """Tell whether NVML's per-process bytes match this namespace's PIDs."""
+    return timeline.attribution == "ok"
+
+
+def _has_nvml(timeline: Timeline) -> bool:
+    """Tell whether device-level NVML data exists (rules on device totals may run)."""
+    return timeline.attribution not in ("nvml-unavailable", "no-gpu")
+
+
+def _culprit(proc: ProcessEpoch) -> str:
+    label = culprit_label(proc.role, proc.key.pid, proc.rank)
+    return f"{label} ({shorten_cmdline(proc.cmdline)})"
+
+
+def _process_finding(
+    proc: ProcessEpoch,
+    *,
+    rule: Rule,
+    severity: Severity,
+    message: str,
+    remedy: str,
+    gpu_bytes: int | None = None,
+    epoch: int | None = None,
+    device_index: int | None = None,
+    bytes_per_epoch: float | None = None,
+    nvidia_fds: int | None = None,
+    scope: str | None = None,
+    host_bytes: int | None = None,
+) -> Finding:
+    """A finding about one process, its identity taken whole from ``proc``.
+
+    Every rule whose finding is about one of the job's processes (a ``ProcessEpoch``)
+    builds the finding here, so none can drop a part of the culprit's identity: a finding
+    without its rank is counted as the job's instead of its rank's (``job.judge_job``) and
+    named without it (``report.leak_short``). A foreign holder and the parent's residual
+    memory have no such record, and no rank.
+    """
+    return Finding(
+        rule=rule,
+        severity=severity,
+        message=message,
+        remedy=remedy,
+        pid=proc.key.pid,
+        create_time=proc.key.create_time,
+        role=proc.role,
+        cmdline=proc.cmdline,
+        rank=proc.rank,
+        gpu_bytes=gpu_bytes,
+        epoch=epoch,
+        device_index=device_index,
+        bytes_per_epoch=bytes_per_epoch,
+        nvidia_fds=nvidia_fds,
+        scope=scope,
+        host_bytes=host_bytes,
+    )
+
+
+def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
+    """``GPU0 612 MiB, GPU1 2.0 MiB`` for the devices holding memory."""
+    parts = [f"GPU{d} {format_mib(b)} MiB" for d, b in sorted(gpu_bytes.items()) if b > 0]
+    return ", ".join(parts)
+
+
+def _holding_text(
+    gpu_bytes: Mapping[int, int], nvidia_fds: int | None, *, bytes_known: bool
+) -> str:
+    """Describe what a process holds: GPU bytes per device and /dev/nvidia* fds."""
+    parts: list[str] = []
+    if bytes_known:
+        devices = _devices_text(gpu_bytes)
+        if devices:
+            parts.append(f"holds {devices}")
+    if nvidia_fds:
+        parts.append(f"{nvidia_fds} /dev/nvidia* fds")
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def _max_per_device(procs: Iterable[ProcessEpoch]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for proc in procs:
+        for device, held in proc.gpu_bytes_end.items():
+            out[device] = max(out.get(device, 0), held)
+    return out
+
+
+def _max_fds(procs: Iterable[ProcessEpoch]) -> int | None:
+    known = [p.nvidia_fds for p in procs if p.nvidia_fds is not None]
+    return max(known) if known else None
+
+
+def _sorted_epochs(timeline: Timeline) -> list[EpochRecord]:
+    return sorted(timeline.epochs, key=lambda rec: rec.index)
+
+
+def _observations(
+    timeline: Timeline,
+) -> dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]]:
+    """Every observation of every identity: epochs in index order, then the final state."""
+    seen: dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]] = {}
+    for rec in _sorted_epochs(timeline):
+        for proc in rec.processes:
+            seen.setdefault(proc.key, []).append((rec, proc))
+    if timeline.final is not None:
+        for proc in timeline.final.processes:
+            seen.setdefault(proc.key, []).append((None, proc))
+    return seen
+
+
+@dataclass(frozen=True)
+class EpochCounts:
+    """What an epoch's end left running, in hindsight of every later observation.
+
+    Attributes:
+        alive_after: Processes the epoch started (by create time), not persistent, seen
+            alive more than the grace after its end, or still alive when the job ended: the
+            survivor and orphan rules' evidence, so a helper that a later scan found counts
+            in the epoch that started it.
+        orphans: The job's processes reparented away that were alive at the epoch's end and
+            outside its tree: born before the end and seen alive at or after it (alive at
+            two times, alive between them), and not in the tree that the end's full walk
+            listed.
+
+    """
+
+    alive_after: int = 0
+    orphans: int = 0
+
+
+def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
+    """``EpochCounts`` for every epoch of ``timeline``, by index."""
+    ordered = _sorted_epochs(timeline)
+    epochs = {rec.index: rec for rec in ordered}
+    ends = [rec.end_s for rec in ordered]
+    final_closed = timeline.final is not None and timeline.final.closed
+    alive: dict[int, int] = dict.fromkeys(epochs, 0)
+    orphans: dict[int, int] = dict.fromkeys(epochs, 0)
+    for obs in _observations(timeline).values():
+        procs = [proc for _, proc in obs]
+        if not any(proc.role in ("worker", "descendant", "orphan") for proc in procs):
+            continue
+        birth = _birth(epochs, obs)
+        if birth is not None:
+            after_s = _alive_after_s(timeline, birth, obs)
+            # Alive when the job ended counts too: the orphan rule names what outlived the
+            # job whether or not the grace had passed by then.
+            outlived = _past_grace(after_s, grace_s)
+            outlived = outlived or (obs[-1][0] is None and final_closed)
+            if outlived and not any(p.persistent for p in procs):
+                alive[birth.index] += 1
+        if any(p.role == "orphan" for p in procs) and not any(map(_daemonized, procs)):
+            for rec in _ends_outside_the_tree(timeline, ordered, ends, obs, birth):
+                orphans[rec.index] += 1
+    return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
+
+
+def _past_grace(after_s: float | None, grace_s: float) -> bool:
+    """Seen alive later than the grace after an epoch's end (``_alive_after_s``).
+
+    Strictly later: with a grace of 0 a process that the end's own sample saw alive, and that
+    exited before any later look, has not outlived its epoch.
+    """
+    return after_s is not None and after_s > grace_s
+
+
+def _daemonized(proc: ProcessEpoch) -> bool:
+    """A helper that daemonizes by design (``roles.DAEMON_HELPERS``): no orphan rule's."""
+    return proc.persistent and is_daemon_helper(proc.cmdline)
+
+
+def _birth(
+    epochs: Mapping[int, EpochRecord], obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]
+) -> EpochRecord | None:
+    """The epoch a process was born in: by its create time, else where first seen born."""
+    born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
+    if born is None:
+        born = next((rec.index for rec, p in obs if rec is not None and p.born_in_epoch), None)
+    return epochs.get(born) if born is not None else None
+
+
+def _ends_outside_the_tree(
+    timeline: Timeline,
+    ordered: Sequence[EpochRecord],
+    ends: Sequence[float],
+    obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
+    birth: EpochRecord | None,
+) -> list[EpochRecord]:
+    """The epochs at whose end a process of the job was alive and outside its tree.
+
+    Alive: born by then (``birth``, from ``_birth``; where that is unknown or before the
+    epochs at hand, the first end listing it alive) and seen alive at or after it. Outside:
+    the end's full walk of the tree did not list it (``EpochCounts``). The first of them is
+    the epoch it left the tree in: it was born in it, or the walk before listed it inside.
+    ``ordered`` are the timeline's epochs by index and ``ends`` their ends, for bisection.
+    """
+    start = birth or next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
+    if start is None:
+        return []
+    after_s = _alive_after_s(timeline, start, obs)
+    if after_s is None:
+        return []
+    in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
+    lo = bisect.bisect_left(ends, start.end_s)
+    hi = bisect.bisect_right(ends, start.end_s + after_s)
+    return [rec for rec in ordered[lo:hi] if rec.index not in in_tree]
+
+
+# --------------------------------------------------------------------------- survivor
+
+
+def _alive_after_s(
+    timeline: Timeline,
+    birth: EpochRecord,
+    observations: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
+) -> float | None:
+    """Longest time after ``birth`` ended at which the process was seen alive.
+
+    Evidence comes from the birth record (``last_seen_after_s``), from later epochs that
+    still list it alive, and from the final state (the tracker's clock is shared by
+    ``EpochRecord.end_s`` and ``FinalState.time_s``).
+    """
+    best: float | None = None
+
+    def take(value: float | None) -> None:
+        nonlocal best
+        if value is not None and (best is None or value > best):
+            best = value
+
+    for rec, proc in observations:
+        if rec is None:
+            if timeline.final is not None and timeline.final.time_s >= birth.end_s:
+                take(timeline.final.time_s - birth.end_s)
+        elif rec.index == birth.index:
+            seen_s = proc.last_seen_after_s
+            if proc.alive_at_end:  # alive at end_s, which is stamped after the end sample
+                seen_s = max(0.0, seen_s or 0.0)
+            take(seen_s)
+        elif rec.index > birth.index and proc.alive_at_end:
+            take(rec.end_s - birth.end_s + max(0.0, proc.last_seen_after_s or 0.0))
+    return best
+
+
+REMEDY_SCOPE = (
+    "stop it in the fixture's finalizer (after its `yield`, or request.addfinalizer), or "
+    "give the fixture a narrower scope"
+)
+REMEDY_WORKER_CHILD = (
+    "a loader worker started it and it outlives its epoch (once the worker exits, an orphan): "
+    "stop it within the epoch in the code that starts it (join or terminate it), or start it "
+    "outside the workers; leakcheck.worker_init_fn(terminate_children=True) stops it when its "
+    "worker exits, at the epoch's end unless the workers are persistent"
+)
+REMEDY_ORPHAN = (
+    "a process of the job outlived its parent: make workers wait for or terminate their "
+    "children before exiting (leakcheck.worker_init_fn(terminate_children=True) does it at "
+    "worker exit), or stop the process group"
+)
+
+
+REMEDY_CYCLE = (
+    "a reference cycle kept the loader's iterator (or whatever owned the process) alive past "
+    "the end, and persistent workers stop only when their iterator is collected: break the "
+    "cycle (an exception or traceback kept in a variable or attribute, an object that refers "
+    "back to itself through a callback or bound method), or `del` the iterator and call "
+    "gc.collect() where the work ends"
+)
+
+
+def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int]) -> str:
+    if proc.freed_by_gc:
+        return REMEDY_CYCLE
+    if proc.scope is not None:
+        return REMEDY_SCOPE
+    if proc.role == "descendant" and proc.ppid in workers:
+        # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
+        return REMEDY_WORKER_CHILD
+    if proc.role == "worker":
+        return (
+            "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
+            "the workers); keep no reference to the iterator past the epoch, or set "
+            "persistent_workers=True if one set of workers should live on"
+        )
+    return (
+        "join or terminate the subprocesses and pools the work starts (`with Pool(...)`, "
+        "proc.join(), proc.terminate()) before the epoch or test that started them ends"
+    )
+
+
+def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[int]:
+    """The workers of the epochs a process was seen in (its parent may be one of them)."""
+    return {
+        p.key.pid for rec, _ in obs if rec is not None for p in rec.processes if p.role == "worker"
+    }
+
+
+def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
+    """What started it, or the epoch it was born in; None where neither is known.
+
+    The birth epoch is the one its create time falls in (``born_epoch``), not the first
+    that saw it; one outside the judged epochs is not named.
+    """
+    if proc.scope is not None:
+        return f"started by {proc.scope}"
+    born = epochs.get(proc.born_epoch) if proc.born_epoch is not None else None
+    return f"started in {born.label}" if born is not None else None
+
+
+def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes started in an epoch and still alive past its end plus the grace.
+
+    Only non-persistent workers and descendants born in the epoch are judged; one finding
+    per identity, in its birth epoch.
+    """
+    observations = _observations(timeline)
+    bytes_known = per_pid_bytes_known(timeline)
+    epochs = {rec.index: rec for rec in timeline.epochs}
+    found: list[Finding] = []
+    judged: set[ProcessKey] = set()
+    for rec in _sorted_epochs(timeline):
+        for proc in rec.processes:
+            if (
+                proc.key in judged
+                or not proc.born_in_epoch
+                or proc.persistent
+                or proc.role not in ("worker", "descendant")
+                or not proc.alive_at_end
+            ):
+                continue
+            obs = observations[proc.key]
+            # The grace counts from the end of the epoch it was born in, which the table's
+            # `alive after` and the finding's "started in" name too; a helper found epochs
+            # late was placed where found (NOTE [born epoch] in sampling/sample_reader.py).
+            born = _birth(epochs, obs) or rec
+            # Evidence only: seen alive once the grace had passed. A process last seen within
+            # the grace and found gone after it exited somewhere in between, unknown where.
+            alive_after = _alive_after_s(timeline, born, obs)
+            if alive_after is None or not _past_grace(alive_after, config.grace_s):
+                continue
+            judged.add(proc.key)
+            later = [p for r, p in obs if r is None or r.index >= born.index]
+            gpu_bytes = _max_per_device(later) if bytes_known else {}
+            fds = _max_fds(later)
+            cycle = (
+                "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
+                if proc.freed_by_gc
+                else ""
+            )
+            found.append(
+                _process_finding(
+                    proc,
+                    rule="survivor",
+                    severity="leak",
+                    message=(
+                        f"{_culprit(proc)} {_origin(proc, epochs) or f'first seen in {born.label}'}"
+                        " is still alive "
+                        f"{alive_after:.1f} s after {born.label} ended (grace "
+                        f"{config.grace_s:g} s)"
+                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
+                    ),
+                    remedy=_survivor_remedy(proc, _worker_pids(obs)),
+                    gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
+                    epoch=born.index,
+                    nvidia_fds=fds,
+                    scope=proc.scope,
+                )
+            )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- orphan
+
+
+def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find lineage processes reparented away from the job and still alive.
+
+    On evidence, as survivors are: alive now (the final state), or seen orphaned over more
+    than the grace period; one that exits within the grace is not judged, nor a helper that
+    daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``); another
+    runtime helper (a forkserver, a resource tracker) only once seen alive past the grace.
+    One finding per identity, with the most GPU memory and descriptors it was seen with.
+    """
+    bytes_known = per_pid_bytes_known(timeline)
+    ordered = _sorted_epochs(timeline)
+    epochs = {rec.index: rec for rec in ordered}
+    ends = [rec.end_s for rec in ordered]
+    found: list[Finding] = []
+    for key, obs in _observations(timeline).items():
+        # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
+        # shared-memory manager) is a baseline, as for the survivor rule.
+        orphaned = [
+            (rec, proc)
+            for rec, proc in obs
+            if proc.role == "orphan"
+            and not _daemonized(proc)
+            and (rec is None or proc.alive_at_end)
+        ]
+        if not orphaned:
+            continue
+        if all(proc.persistent for _, proc in orphaned) and not _past_grace(
+            max(proc.last_seen_after_s or 0.0 for _, proc in orphaned), config.grace_s
+        ):
+            continue  # a runtime helper on its way out with its owner, not seen past the grace
+        first_rec = orphaned[0][0]
+        if first_rec is not None and all(rec is not None for rec, _ in orphaned):
+            latest = max(
+                rec.end_s + (proc.last_seen_after_s or 0.0)
+                for rec, proc in orphaned
+                if rec is not None
+            )
+            if not _past_grace(latest - first_rec.end_s, config.grace_s):
+                continue  # not seen alive long enough to tell: judged later, or at close
+        last = orphaned[-1][1]
+        procs = [proc for _, proc in orphaned]
+        gpu_bytes = _max_per_device(procs) if bytes_known else {}
+        fds = _max_fds(procs)
+        started = _origin(last, epochs)
+        origin = f", {started}," if started is not None else ""
+        birth = _birth(epochs, obs)
+        left = _ends_outside_the_tree(timeline, ordered, ends, obs, birth) if birth else []
+        if left:
+            since = f"since {left[0].label}"  # the epoch it left the tree in
+        elif first_rec is not None:
+            # Birth unknown: only that it had left by the epoch a scan found it outside in.
+            since = f"by {first_rec.label}"
+        else:
+            final = timeline.final
+            since = "after the job" if final is None or final.closed else "now"
+        still = ""
+        if orphaned[-1][0] is None:
+            final = timeline.final
+            still = (
+                ", still alive after the job ended"
+                if final is None or final.closed
+                else ", alive now"
+            )
+        found.append(
+            _process_finding(
+                last,
+                rule="orphan",
+                severity="leak",
+                message=(
+                    f"{_culprit(last)}{origin} left the job's process tree (now child of "
+                    f"PID {last.ppid}) {since}{still}"
+                    f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
+                ),
+                remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
+                gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
+                epoch=left[0].index if left else (first_rec.index if first_rec else None),
+                nvidia_fds=fds,
+                scope=last.scope,
+            )
+        )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- growth
+
+
+def _least_squares_slope(series: Sequence[int], xs: Sequence[float] | None = None) -> float:
+    n = len(series)
+    x = list(xs) if xs is not None else [float(i) for i in range(n)]
+    mean_x = sum(x) / n
+    mean_y = sum(series) / n
+    sxx = sum((xi - mean_x) ** 2 for xi in x)
+    sxy = sum((xi - mean_x) * (y - mean_y) for xi, y in zip(x, series, strict=True))
+    return sxy / sxx if sxx else 0.0
+
+
+def growth_slope(
+    series: Sequence[int],
+    config: RuleConfig,
+    *,
+    epochs: Sequence[int] | None = None,
+    tolerance_bytes: int | None = None,
+) -> float | None:
+    """Judge a per-epoch series of end-of-epoch bytes, warm-up epochs already removed.
+
+    A leak needs at least 3 points, a total rise ``series[-1] - series[0]`` above the
+    tolerance, and a rise that continues late: the second half of the series must add at
+    least a quarter of the total rise (see NOTE [late rise]).
+
+    Args:
+        series: Bytes at the end of each judged epoch, in epoch order.
+        config: The thresholds (``tolerance_bytes`` unless given).
+        epochs: The epoch index of each point, where epochs are missing from the series
+            (host memory whose USS read was paced out): the slope is per epoch, not per
+            point. None: consecutive epochs.
+        tolerance_bytes: The tolerance to use instead of ``config.tolerance_bytes``.
+
+    Returns:
+        The least-squares slope in bytes per epoch when the series leaks, else None.
+
+    """
+    n = len(series)
+    if n < 3:
+        return None
+    tolerance = config.tolerance_bytes if tolerance_bytes is None else tolerance_bytes
+    rise = series[-1] - series[0]
+    if rise <= tolerance:
+        return None
+    late_rise = series[-1] - series[(n - 1) // 2]
+    if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
+        return None
+    slope = _least_squares_slope(series, [float(e) for e in epochs] if epochs else None)
+    return slope if slope > 0 else None
+
+
+def _growth_remedy(role: Role) -> str:
+    if role == "parent":
+        return (
+            "tensors outlive their epoch in the main process: accumulate loss.item() not "
+            "loss, clear lists of outputs and caches each epoch, and compare "
+            "torch.cuda.memory_summary() between epochs"
+        )
+    return (
+        "the persistent worker keeps CUDA tensors across epochs: keep worker-side caches "
+        "on the CPU (move batches to the GPU in the main process) or bound their size"
+    )
+
+
+def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
+    found: list[Finding] = []
+    for obs in _observations(timeline).values():
+        points = [
+            (rec, proc)
+            for rec, proc in obs
+            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
+        ]
+        points = points[config.warmup_epochs :]
+        series = [proc.total_gpu_bytes_end for _, proc in points]
+        slope = growth_slope(series, config)
+        if slope is None:
+            continue
+        (first_rec, first), (last_rec, last) = points[0], points[-1]
+        assert first_rec is not None and last_rec is not None  # filtered above
+        devices = sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
+        deltas = {d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0) for d in devices}
+        per_device = ", ".join(
+            f"GPU{d} {format_mib(delta, signed=True)} MiB" for d, delta in deltas.items() if delta
+        )
+        found.append(
+            _process_finding(
+                last,
+                rule="growth",
+                severity="leak",
+                message=(
+                    f"{_culprit(last)} grows {format_mib(slope)} MiB/epoch over epochs "
+                    f"{first_rec.index}-{last_rec.index}: {format_mib(series[0])} -> "
+                    f"{format_mib(series[-1])} MiB ({per_device})"
+                ),
+                remedy=_growth_remedy(last.role),
+                gpu_bytes=series[-1] - series[0],
+                epoch=last_rec.index,
+                bytes_per_epoch=slope,
+                nvidia_fds=last.nvidia_fds,
+            )
+        )
+    return found
+
+
+def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
+    """Device totals per epoch: the fallback when PIDs cannot be attributed (blind)."""
+    per_device: dict[int, list[tuple[int, int]]] = {}
+    for rec in _sorted_epochs(timeline):
+        for dev in rec.devices:
+            per_device.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
+    found: list[Finding] = []
+    for device, points in sorted(per_device.items()):
+        points = points[config.warmup_epochs :]
+        series = [used for _, used in points]
+        slope = growth_slope(series, config)
+        if slope is None:
+            continue
+        found.append(
+            Finding(
+                rule="growth",
+                severity="leak",
+                message=(
+                    f"GPU{device} used memory grows {format_mib(slope)} MiB/epoch over epochs "
+                    f"{points[0][0]}-{points[-1][0]}: {format_mib(series[0])} -> "
+                    f"{format_mib(series[-1])} MiB (device total; processes cannot be named)"
+                ),
+                remedy=(
+                    "run with --pid=host or in the job's PID namespace to see which process "
+                    "grows; meanwhile look for tensors or caches kept across epochs"
+                ),
+                gpu_bytes=series[-1] - series[0],
+                epoch=points[-1][0],
+                device_index=device,
+                bytes_per_epoch=slope,
+            )
+        )
+    return found
+
+
+def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes that live across epochs and end each one holding more GPU memory.
+
+    Per identity with ``persistent=True``: the end-of-epoch totals after its first
+    ``config.warmup_epochs`` epochs are judged by ``growth_slope``. When attribution is
+    blind, each device's used bytes at epoch ends are judged instead.
+    """
+    if not _has_nvml(timeline):
+        return ()
+    found = _process_growth(timeline, config)
+    if timeline.attribution == "blind-namespace":
+        found.extend(_device_growth(timeline, config))
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- host growth
+
+# NOTE [return of shared pages]: a forked worker shares its parent's pages until one of them
+# writes to a page, and reading a Python object writes its reference count: the worker
+# copies each page of objects it reads (copy-on-read). Each copy is new memory, and it is the
+# worker's: its USS grows while its RSS, which counted the shared page all along, stays flat.
+# In the parent the same page becomes private again, since nobody shares it any more: the
+# parent's USS fell when the workers forked and climbs back, epoch after epoch, towards where
+# it was, without a byte of new memory. So a parent's USS rise counts only where its resident
+# memory rises beyond the tolerance too (new memory is resident memory); a worker's counts
+# alone. Resident memory is judged by its anonymous part (``RssAnon``) where every point has
+# it: libraries paged in from their files on first use (CUDA's, torch's kernels) raise RSS
+# for epochs without anything being kept, and they are file-backed, not anonymous.
+
+HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
+"""Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
+
+_HostPoints = list[tuple[EpochRecord, int]]
+
+
+def _judge_host(points: _HostPoints, config: RuleConfig) -> float | None:
+    return growth_slope(
+        [value for _, value in points],
+        config,
+        epochs=[rec.index for rec, _ in points],
+        tolerance_bytes=config.host_tolerance_bytes,
+    )
+
+
+def _resident_points(
+    points: Sequence[tuple[EpochRecord, ProcessEpoch]],
+) -> tuple[_HostPoints, str]:
+    """Resident memory per epoch: ``RssAnon`` where every point has it, else RSS."""
+    anon = [(rec, proc.anon_bytes_end) for rec, proc in points if proc.anon_bytes_end is not None]
+    if anon and len(anon) == len(points):
+        return [(rec, value) for rec, value in anon if value is not None], "RssAnon"
+    rss = [(rec, proc.rss_bytes_end) for rec, proc in points if proc.rss_bytes_end is not None]
+    return [(rec, value) for rec, value in rss if value is not None], "RSS"
+
+
+def _host_growth_remedy(role: Role | None) -> str:
+    if role == "parent":
+        return (
+            "the main process keeps host memory across epochs: drop what the loop keeps "
+            "(outputs, losses as tensors, growing lists and caches) and compare tracemalloc "
+            "snapshots between epochs; a dataset of Python objects built here is copied into "
+            "every forked worker as it is read: keep it in numpy arrays, Arrow or tensors"
+        )
+    return (
+        "copy-on-read is the classic cause: the dataset holds Python objects (lists, dicts, "
+        "strings), every read writes their reference counts, so each forked worker copies "
+        "the pages it reads; keep the data in numpy arrays, Arrow tables or tensors (strings "
+        "as one bytes buffer with offsets) instead of Python objects; persistent_workers=True "
+        "keeps each worker's copies for the whole run (False gives them back each epoch, at "
+        "the cost of starting workers), and each worker more is one copy more; a cache the "
+        "worker fills must be bounded"
+    )
+
+
+def _host_growth_finding(
+    chosen: _HostPoints,
+    basis: str,
+    slope: float,
+    last: ProcessEpoch,
+    note: str,
+) -> Finding:
+    (first_rec, first_value), (last_rec, last_value) = chosen[0], chosen[-1]
+    return _process_finding(
+        last,
+        rule="host-growth",
+        severity="leak",
+        message=(
+            f"{_culprit(last)} host memory ({basis}) grows {format_mib(slope)} MiB/epoch over "
+            f"epochs {first_rec.index}-{last_rec.index}: {format_mib(first_value)} -> "
+            f"{format_mib(last_value)} MiB{note}"
+        ),
+        remedy=_host_growth_remedy(last.role),
+        epoch=last_rec.index,
+        bytes_per_epoch=slope,
+        host_bytes=last_value - first_value,
+    )
+
+
+def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find long-lived processes whose host memory grows epoch after epoch.
+
+    The parent and persistent workers, alive at each epoch end, after their first
+    ``config.warmup_epochs`` epochs: judged like GPU growth (``growth_slope``) with
+    ``config.host_tolerance_bytes``, on USS where it was read in at least 3 of those epochs
+    (the slope is per epoch, missing epochs skipped), else on resident memory (``RssAnon``,
+    or RSS), which the message says: it counts pages shared with other processes and does
+    not show copy-on-read. A parent's USS rise needs a resident rise as well (NOTE [return
+    of shared pages]). Needs no GPU.
+    """
+    found: list[Finding] = []
+    unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
+    for obs in _observations(timeline).values():
+        points: list[tuple[EpochRecord, ProcessEpoch]] = [
+            (rec, proc)
+            for rec, proc in obs
+            if rec is not None and proc.persistent and proc.alive_at_end and proc.role in HOST_ROLES
+        ]
+        points = points[config.warmup_epochs :]
+        if len(points) < 3:
+            continue
+        leak = _judge_host_points(points, config)
+        if leak is not None:
+            found.append(leak)
+            continue
+        uss_reads = sum(proc.host_source == "uss" for _, proc in points)
+        resident_only = sum(proc.host_source == "rss" for _, proc in points)
+        if resident_only and unread is None:
+            unread = (uss_reads, uss_reads + resident_only)
+    if unread is not None and not found:  # a clean host verdict says what it could not see
+        found.append(_host_coverage_finding(*unread))
+    return tuple(found)
+
+
+def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
+    """A clean host verdict says where it could not see copy-on-read (NOTE [host pacing])."""
+    return Finding(
+        rule="host-growth",
+        severity="info",
+        message=(
+            f"host memory was read as USS at {uss_reads} of the {epoch_ends} epoch ends the "
+            "host-growth rule judges; at the others only resident memory was read, which does "
+            "not show copy-on-read: growth that starts there can go unseen"
+        ),
+        remedy=(
+            "where the reads were paced out (by default they get 0.1% of the time), read USS "
+            "at every epoch end for a diagnostic run: watch(..., rollup_share=1.0), "
+            "LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1; where "
+            "/proc/PID/smaps_rollup cannot be read (permissions), USS cannot be had"
+        ),
+    )
+
+
+def _judge_host_points(
+    points: list[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
+) -> Finding | None:
+    """Judge one process's epoch-end host memory: its leak, or None."""
+    uss: _HostPoints = [
+        (rec, proc.host_bytes_end)
+        for rec, proc in points
+        if proc.host_source == "uss" and proc.host_bytes_end is not None
+    ]
+    rss, resident = _resident_points(points)
+    last = points[-1][1]
+    if len(uss) >= 3:
+        slope = _judge_host(uss, config)
+        if slope is None:
+            return None
+        note = ""
+        if last.role == "parent":
+            # NOTE [return of shared pages]
+            span = [(r, b) for r, b in rss if uss[0][0].index <= r.index <= uss[-1][0].index]
+            rss_slope = _judge_host(span, config)
+            if rss_slope is None:
+                return None
+            slope = min(slope, rss_slope)
+            note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+        return _host_growth_finding(uss, "USS", slope, last, note)
+    slope = _judge_host(rss, config)
+    if slope is None:
+        return None
+    note = (
+        f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
+        "pages it shares with other processes and does not show copy-on-read)"
+    )
+    return _host_growth_finding(rss, resident, slope, last, note)
+
+
+# --------------------------------------------------------------------------- residual
+
+
+CONTEXT_OVERHEAD_BYTES = 8 * MIB
+"""Device memory a live CUDA context uses beyond what NVML lists under its PID: the
+residual rule allows this much per holder (the figure behind it is in
+benchmarks/results/README.md)."""
+
+
+def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find device memory above the baseline after the work that the job does not explain.
+
+    For each device: ``rise = final used - baseline used``; ``explained = the job's
+    processes' bytes now (other trackers' and ranks' included) - what of them was there at
+    the baseline`` (``Timeline.baseline_gpu_bytes``); a leak when
+    ``rise - explained`` exceeds the tolerance. Foreign processes holding memory on the
+    device are named.
+    """
+    final = timeline.final
+    if final is None or not _has_nvml(timeline):
+        return ()
+    baseline = {dev.index: dev for dev in timeline.baseline_devices}
+    lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
+    foreign = [p for p in final.processes if p.role == "foreign"]
+    unknown_lineage = [p for p in lineage if p.gpu_bytes_unknown]
+    found: list[Finding] = []
+    for dev in sorted(final.devices, key=lambda d: d.index):
+        base = baseline.get(dev.index)
+        if base is None:
+            continue
+        rise = dev.used_bytes - base.used_bytes
+        explained = sum(p.gpu_bytes_end.get(dev.index, 0) for p in lineage)
+        explained += final.others_gpu_bytes.get(dev.index, 0)
+        explained -= timeline.baseline_gpu_bytes.get(dev.index, 0)
+        unexplained = rise - explained
+        holders_here = sum(1 for p in (*lineage, *foreign) if p.gpu_bytes_end.get(dev.index, 0) > 0)
+        if unexplained <= config.tolerance_bytes + holders_here * CONTEXT_OVERHEAD_BYTES:
+            continue
+        holders = [
+            p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
+        ]
+        if holders:
+            who = "; held by foreign " + ", ".join(
+                f"PID {p.key.pid} ({shorten_cmdline(p.cmdline)}) "
+                + (
+                    f"{format_mib(p.gpu_bytes_end[dev.index])} MiB"
+                    if dev.index in p.gpu_bytes_end
+                    else "? MiB"
+                )
+                for p in holders
+            )
+            remedy = (
+                "a process outside the job holds it: if it is yours (a child that escaped "
+                "the lineage, another run), stop it; otherwise run on an idle GPU "
+                "(CUDA_VISIBLE_DEVICES) or raise the tolerance"
+            )
+        elif timeline.attribution == "blind-namespace":
+            who = "; processes cannot be named (PIDs from another PID namespace)"
+            remedy = (
+                "run with --pid=host or in the job's PID namespace to name the holder; "
+                "`leakcheck snapshot` there shows who holds it"
+            )
+        else:
+            who = "; no visible process holds it"
+            remedy = (
+                "a process in another PID namespace or a context still being torn down: "
+                "re-check with `leakcheck snapshot` after a few seconds"
+            )
+        # NOTE: without per-process byte counts (MIG, vGPU) the job's share cannot be
+        # subtracted, so the rise is reported as advice, not as a leak.
+        if unknown_lineage:
+            who += "; per-process bytes unknown for the job's processes (MIG/vGPU)"
+        found.append(
+            Finding(
+                rule="residual",
+                severity="info" if unknown_lineage else "leak",
+                message=(
+                    f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start after "
+                    f"the work ended, {format_mib(unexplained)} MiB of it not held by the "
+                    f"job's processes{who}"
+                ),
+                remedy=remedy,
+                pid=holders[0].key.pid if len(holders) == 1 else None,
+                create_time=holders[0].key.create_time if len(holders) == 1 else None,
+                role="foreign" if len(holders) == 1 else None,
+                cmdline=holders[0].cmdline if len(holders) == 1 else None,
+                gpu_bytes=unexplained,
+                device_index=dev.index,
+            )
+        )
+    return tuple(found)
+
+
+REMEDY_KEPT_TENSORS = (
+    "drop references to CUDA tensors the work creates (module-level lists, caches, globals, "
+    "stored exceptions and tracebacks), or free them in a fixture finalizer"
+)
+REMEDY_DRIVER_MEMORY = (
+    "free what the work allocates on the GPU outside torch (library memory pools, raw "
+    "allocations); one-time library loading counts here too: raise the tolerance"
+)
+
+
+def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Judge the parent's own GPU memory after the work (``Timeline.parent_memory``)."""
+    memory = timeline.parent_memory
+    if memory is None:
+        return ()
+    root = timeline.root
+    cmdline = next(
+        (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
+    )
+    scopes = f" (after the teardown of {', '.join(memory.scopes)})" if memory.scopes else ""
+    found: list[Finding] = []
+    kept = {d: b for d, b in memory.kept_tensor_bytes.items() if b > config.tolerance_bytes}
+    if kept:
+        found.append(
+            Finding(
+                rule="residual",
+                severity="leak",
+                message=(
+                    f"parent PID {root.pid} still holds {_devices_text(kept)} of CUDA tensors "
+                    f"more than at the start{scopes}, beyond the tolerance of "
+                    f"{format_mib(config.tolerance_bytes)} MiB (torch allocator, after "
+                    "gc.collect() and empty_cache())"
+                ),
+                remedy=REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
+                pid=root.pid,
+                create_time=root.create_time,
+                role="parent",
+                cmdline=cmdline,
+                gpu_bytes=sum(kept.values()),
+                device_index=min(kept) if len(kept) == 1 else None,
+                scope=", ".join(memory.scopes) or None,
+            )
+        )
+    grown = {d: b for d, b in memory.driver_bytes.items() if b > config.tolerance_bytes}
+    if grown:
+        first_use = (
+            " (libraries loading kernels on first use look like this)"
+            if memory.torch_in_use
+            else ""
+        )
+        found.append(
+            Finding(
+                rule="residual",
+                severity="info" if memory.torch_in_use else "leak",
+                message=(
+                    f"parent PID {root.pid} holds {_devices_text(grown)} more than at the "
+                    f"start outside torch's allocator (NVML){first_use}"
+                ),
+                remedy=REMEDY_DRIVER_MEMORY,
+                pid=root.pid,
+                create_time=root.create_time,
+                role="parent",
+                cmdline=cmdline,
+                gpu_bytes=sum(grown.values()),
+                device_index=min(grown) if len(grown) == 1 else None,
+            )
+        )
+    return tuple(found)
+
+
+def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find GPU memory left after the work that nothing of the job should still hold.
+
+    Two views: the device's used memory above the baseline that the job's processes do
+    not explain, and, where the adapter measured it (the pytest plugin), the parent's own
+    tensors and driver memory above its start (``Timeline.parent_memory``).
+    """
+    return _device_residual(timeline, config) + _parent_residual(timeline, config)
+
+
+# --------------------------------------------------------------------------- shm
+
+_SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
+    (
+        "cuda.shm.",
+        "a CUDA IPC file: workers returned CUDA tensors through the loader's queues",
+        "return CPU tensors from workers and move or pin them in the main process "
+        "(pin_memory=True); delete the file once no process uses it",
+    ),
+    (
+        "torch_",
+        "a torch shared-memory segment: tensors shared between processes (the loader's "
+        "batches under the file_system sharing strategy)",
+        "let the loader's iterators finish or `del` them so their workers exit and free "
+        "their segments; prefer the default file_descriptor sharing strategy",
+    ),
+    (
+        "psm_",
+        "a multiprocessing.shared_memory.SharedMemory segment created without a name and "
+        "never unlinked",
+        "call unlink() on the SharedMemory that created it (close() alone leaves the file), "
+        "or create it in a fixture or `try/finally` that unlinks it",
+    ),
+    (
+        "nccl-",
+        "NCCL's shared memory: a process group that was not destroyed",
+        "call torch.distributed.destroy_process_group() when the work ends",
+    ),
+)
+_SHM_NOT_OURS = (
+    "a file whose name does not tell who made it",
+    "nothing to do if another job made it; if the work did, unlink it when done "
+    "(SharedMemory.unlink(), os.unlink)",
+)
+_SHM_OWN_REMEDY = (
+    "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink), or "
+    "create it in a fixture that removes it"
+)
+
+
+def _shm_cause(name: str) -> tuple[str, str]:
+    """Why a /dev/shm file exists, from its name, and what to do about it."""
+    for prefix, cause, remedy in _SHM_CAUSES:
+        if name.startswith(prefix):
+            return cause, remedy
+    return "shared memory the work created itself", _SHM_OWN_REMEDY
+
+
+def _size_text(num_bytes: int) -> str:
+    if num_bytes >= MIB:
+        return f"{format_mib(num_bytes)} MiB"
+    if num_bytes >= 1024:
+        return f"{num_bytes / 1024:.0f} KiB"
+    return f"{num_bytes} B"
+
+
+def _shm_finding(item: ShmFile) -> Finding:
+    cause, remedy = _shm_cause(item.name)
+    severity: Severity = "leak"
+    who = ""
+    if item.holder_pid is not None:
+        who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
+    if item.scope is not None:
+        where = f"created while {item.scope} was set up, still there after its teardown"
+        remedy = REMEDY_SCOPE
+    elif item.in_use:
+        # The tracker closed while the job goes on: its holder may still use it, and may
+        # remove it later. Said, not blamed.
+        severity = "info"
+        where = f"still there when tracking ended; {who} holds it (in use, or left behind)"
+    elif item.holder_pid is not None:
+        where = f"left behind; {who} still holds it"
+    elif item.attributable:
+        where = "left behind; nobody holds it"
+    elif item.made_by_older is not None:
+        severity = "info"
+        where = (
+            f"appeared during the work and nobody holds it: its name says PID "
+            f"{item.made_by_older} made it, a process older than the work and not of it, so it "
+            "is not blamed on this one"
+        )
+        remedy = (
+            f"nothing to do for this work: PID {item.made_by_older} (or its job) removes it, "
+            "or you once no process uses it"
+        )
+    else:
+        severity = "info"
+        where = (
+            "appeared during the work and nobody holds it: nothing ties it to the work (no "
+            "holder, no PID of the work in its name) and other jobs ran at the same time, so "
+            "it is not blamed on this one"
+        )
+        if remedy == _SHM_OWN_REMEDY:  # "the work created itself" is what is not known here
+            cause, remedy = _SHM_NOT_OURS
+    return Finding(
+        rule="shm",
+        severity=severity,
+        message=f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
+        remedy=remedy,
+        pid=item.holder_pid,
+        role=item.holder_role,
+        scope=item.scope,
+        shm_name=item.name,
+        size_bytes=item.size_bytes,
+    )
+
+
+REMEDY_SHM_CAPACITY = (
+    "give the job more shared memory (docker run --shm-size=8g or --ipc=host; Kubernetes: an "
+    "emptyDir volume with medium: Memory mounted at /dev/shm), or pass less through it at "
+    "once: fewer workers, a smaller prefetch_factor or smaller batches"
+)
+
+
+def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
+
+    Information, not a leak: nothing was left behind, and the filesystem's use counts every
+    process that shares it (another job may have filled it). It is said because a full
+    /dev/shm is how a loader's workers die (a bus error, "insufficient shared memory"): the
+    warning comes before the crash.
+    """
+    worst: tuple[float, EpochRecord] | None = None
+    for rec in _sorted_epochs(timeline):
+        total, used = rec.shm_total_bytes, rec.shm_used_peak_bytes
+        if not total or used is None:
+            continue
+        fraction = used / total
+        if fraction >= config.shm_pressure_fraction and (worst is None or fraction > worst[0]):
+            worst = (fraction, rec)
+    if worst is None:
+        return ()
+    fraction, rec = worst
+    assert rec.shm_total_bytes is not None and rec.shm_used_peak_bytes is not None
+    job = (
+        f"; the job's own files held {_size_text(rec.shm_bytes)} at its end"
+        if rec.shm_bytes is not None
+        else ""
+    )
+    return (
+        Finding(
+            rule="shm",
+            severity="info",
+            message=(
+                f"/dev/shm was {fraction:.0%} full during {rec.label} "
+                f"({_size_text(rec.shm_used_peak_bytes)} of "
+                f"{_size_text(rec.shm_total_bytes)}){job}: when it fills, the loader's "
+                'workers die of a bus error ("insufficient shared memory"); Docker gives a '
+                "container 64 MB unless told otherwise"
+            ),
+            remedy=REMEDY_SHM_CAPACITY,
+            epoch=rec.index,
+            size_bytes=rec.shm_used_peak_bytes,
+        ),
+    )
+
+
+def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Report the job's ``/dev/shm`` files left behind, and capacity pressure.
+
+    Each file the work left (``Timeline.shm_files``) with its cause, told by its name
+    (CUDA IPC files, torch segments, nameless SharedMemory, NCCL, the work's own), and its
+    remedy; then, as information, the epoch whose ``/dev/shm`` use came nearest the
+    filesystem's size, at or above ``config.shm_pressure_fraction`` of it.
+    """
+    left = tuple(_shm_finding(item) for item in timeline.shm_files)
+    return left + _shm_capacity(timeline, config)
+
+
+# --------------------------------------------------------------------------- infos
+
+
+def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Say plainly when NVML's PIDs belong to another PID namespace."""
+    del config
+    if timeline.attribution != "blind-namespace":
+        return ()
+    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
+    return (
+        Finding(
+            rule="blind",
+            severity="info",
+            message=(
+                f"NVML reports PIDs from another PID namespace{reason}: GPU memory cannot "
+                "be attributed to processes, only device totals are judged"
+            ),
+            remedy=(
+                "run with --pid=host (docker) or inside the job's PID namespace so "
+                "processes can be named"
+            ),
+        ),
+    )
+
+
+def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note job processes holding ``/dev/nvidia*`` descriptors but no GPU memory.
+
+    Typical of workers forked from a parent that used CUDA: the inherited descriptors can
+    keep the parent's context pinned. One finding per identity, where first seen.
+    """
+    del config
+    if not per_pid_bytes_known(timeline):
+        # Without per-PID bytes every process looks memory-free; the rule would guess.
+        return ()
+    found: list[Finding] = []
+    for obs in _observations(timeline).values():
+        for rec, proc in obs:
+            if (
+                proc.role not in ("worker", "descendant", "orphan")
+                or (rec is not None and not proc.alive_at_end)
+                or not proc.nvidia_fds
+                or proc.gpu_bytes_unknown
+                or any(b > 0 for b in proc.gpu_bytes_end.values())
+            ):
+                continue
+            where = f"in {rec.label}" if rec is not None else "after the job"
+            found.append(
+                _process_finding(
+                    proc,
+                    rule="descriptor-holder",
+                    severity="info",
+                    message=(
+                        f"{_culprit(proc)} holds {proc.nvidia_fds} /dev/nvidia* descriptors "
+                        f"but no GPU memory {where}: inherited from its parent by fork, they "
+                        "can keep the parent's CUDA context pinned"
+                    ),
+                    remedy=(
+                        "start workers with multiprocessing_context='spawn' or 'forkserver', "
+                        "or do not initialise CUDA in the parent before workers fork"
+                    ),
+                    gpu_bytes=0,
+                    epoch=rec.index if rec is not None else None,
+                    nvidia_fds=proc.nvidia_fds,
+                )
+            )
+            break
+    return tuple(found)
+
+
+def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note a parent that keeps its CUDA context, with no tensors, after the work ended."""
+    del config
+    final = timeline.final
+    if (
+        final is None
+        or not final.closed
+        or not per_pid_bytes_known(timeline)
+        or final.parent_allocated_gpu_bytes != 0
+    ):
+        return ()
+    found: list[Finding] = []
+    for proc in final.processes:
+        if proc.role != "parent" or proc.total_gpu_bytes_end <= 0:
+            continue
+        found.append(
+            _process_finding(
+                proc,
+                rule="context-kept",
+                severity="info",
+                message=(
+                    f"{_culprit(proc)} keeps its CUDA context "
+                    f"({_devices_text(proc.gpu_bytes_end)}) after the work ended, "
+                    "with no tensors allocated"
+                ),
+                remedy=(
+                    "harmless, the CUDA runtime frees it at exit; if the GPU must be free "
+                    "before then, call leakcheck.release_device()"
+                ),
+                gpu_bytes=proc.total_gpu_bytes_end,
+                nvidia_fds=proc.nvidia_fds,
+            )
+        )
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- device mismatch
+
+REMEDY_DEVICE_MISMATCH = (
+    "call torch.cuda.set_device(LOCAL_RANK) (or pass device=f'cuda:{LOCAL_RANK}') before "
+    "anything touches CUDA in the rank, and never use a bare 'cuda' or cuda:0 in workers, "
+    "collate or pin-memory code: each such use makes a context (~0.5 GiB) on GPU 0, or set "
+    "CUDA_VISIBLE_DEVICES per rank so that a rank sees only its own GPU"
+)
+
+
+def _known_devices(timeline: Timeline) -> set[int]:
+    """The NVML indices of every device the timeline read (empty: none read)."""
+    states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
+    if timeline.final is not None:
+        states.extend(timeline.final.devices)
+    return {state.index for state in states}
+
+
+def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
+    """The GPU a process's rank trains on: the rank's own record, else its environment.
+
+    ``LOCAL_RANK``'s device counts only where the machine has it: ranks that outnumber the
+    GPUs share the ones there are (two ranks on one GPU), and their device is then unknown.
+    """
+    if proc.rank is None:
+        return None
+    recorded = timeline.rank_devices.get(proc.rank)
+    if recorded is not None:
+        return recorded
+    device = proc.rank_device
+    if device is None or (known and device not in known):
+        return None
+    return device
+
+
+def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find processes of a rank holding GPU memory on a device that is not their rank's.
+
+    A rank trains on one GPU (``Timeline.rank_devices``, else ``ProcessEpoch.rank_device``
+    from ``LOCAL_RANK``); any process of its lineage (the rank itself, a worker, the
+    pin-memory thread's process, a grandchild) seen holding more than the tolerance on
+    another GPU made a context there: usually a bare ``cuda``/``cuda:0`` before
+    ``set_device``, which costs every rank a context on GPU 0. One finding per process
+    and foreign device, with the most it was seen holding there (end or peak). Processes
+    whose rank or its device is unknown are not judged (``_own_device``).
+    """
+    if not per_pid_bytes_known(timeline):
+        return ()
+    found: list[Finding] = []
+    known = _known_devices(timeline)
+    for obs in _observations(timeline).values():
+        held: dict[int, int] = {}
+        first: dict[int, tuple[EpochRecord | None, ProcessEpoch]] = {}
+        own: int | None = None
+        for rec, proc in obs:
+            if proc.role not in LINEAGE_ROLES:
+                continue
+            device = _own_device(timeline, proc, known)
+            if device is None:
+                continue
+            own = device
+            for index, used in (*proc.gpu_bytes_end.items(), *proc.gpu_bytes_peak.items()):
+                if index == device or used <= config.tolerance_bytes:
+                    continue
+                if used > held.get(index, 0):
+                    held[index] = used
+                first.setdefault(index, (rec, proc))
+        for index, used in sorted(held.items()):
+            rec, proc = first[index]
+            where = f"in {rec.label}" if rec is not None else "after the job"
+            found.append(
+                _process_finding(
+                    proc,
+                    rule="device-mismatch",
+                    severity="leak",
+                    message=(
+                        f"{_culprit(proc)} holds GPU{index} {format_mib(used)} MiB {where}, "
+                        f"but rank {proc.rank} trains on GPU{own}: a context on a device "
+                        "that is not its own"
+                    ),
+                    remedy=REMEDY_DEVICE_MISMATCH,
+                    gpu_bytes=used,
+                    epoch=rec.index if rec is not None else None,
+                    device_index=index,
+                    nvidia_fds=proc.nvidia_fds,
+                    scope=proc.scope,
+                )
+            )
+    return tuple(found)
+
+
+def _telemetry_text(dev: DeviceState) -> str:
+    parts: list[str] = []
+    if dev.temperature_c is not None:
+        parts.append(f"{dev.temperature_c} C")
+    if dev.power_w is not None:
+        parts.append(f"{dev.power_w:.0f} W")
+    return ", " + ", ".join(parts) if parts else ""
+
+
+def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note a device left at high SM clocks after the work ended, with no job memory."""
+    final = timeline.final
+    if final is None or not final.closed or not _has_nvml(timeline):
+        return ()
+    lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
+    found: list[Finding] = []
+    for dev in sorted(final.devices, key=lambda d: d.index):
+        clock, clock_max = dev.sm_clock_mhz, dev.sm_clock_max_mhz
+        if clock is None or not clock_max or clock < config.high_clock_fraction * clock_max:
+            continue
+        if any(p.gpu_bytes_end.get(dev.index, 0) > 0 for p in lineage):
+            continue
+        found.append(
+            Finding(
+                rule="high-clocks",
+                severity="info",
+                message=(
+                    f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work "
+                    f"ended{_telemetry_text(dev)}"
+                ),
+                remedy=(
+                    "the driver lowers clocks after some idle seconds: wait before timing the "
+                    "next run (leakcheck sweep --cooldown-temp C waits for it); "
+                    "leakcheck.release_device() frees a context that keeps the GPU busy"
+                ),
+                device_index=dev.index,
+            )
+        )
+    return tuple(found)
+
+
+def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Report each failure leakcheck recorded while sampling, one finding each."""
+    del config
+    return tuple(
+        Finding(
+            rule="tracker-failure",
+            severity="info",
+            message=f"leakcheck's own sampling failed: {' '.join(failure.split())}",
+            remedy=(
+                "the timeline may miss samples; rerun with strict=True to see the "
+                "traceback and report it as a leakcheck bug"
+            ),
+        )
+        for failure in timeline.failures
+    )
+
+
+# --------------------------------------------------------------------------- judge
+
+RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
+
+RULES: Mapping[Rule, RuleFunction] = {
+    "survivor": survivor,
+    "orphan": orphan,
+    "growth": growth,
+    "host-growth": host_growth,
+    "residual": residual,
+    "blind": blind,
+    "descriptor-holder": descriptor_holder,
+    "context-kept": context_kept,
+    "high-clocks": high_clocks,
+    "tracker-failure": tracker_failure,
+    "shm": shm,
+    "device-mismatch": device_mismatch,
+}
+"""Every rule by name, in report order for ties."""
+
+_RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
+
+
+def _sort_key(finding: Finding) -> tuple[int, bool, int, bool, int, int]:
+    return (
+        0 if finding.severity == "leak" else 1,
+        finding.epoch is None,
+        finding.epoch if finding.epoch is not None else 0,
+        finding.pid is None,
+        finding.pid if finding.pid is not None else 0,
+        _RULE_ORDER[finding.rule],
+    )
+
+
+def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Run every rule and return the findings, leaks first, then by epoch, then PID.
+
+    A process judged an orphan is not also reported as a survivor: the orphan finding is
+    the more specific one (nobody will reap it).
+    """
+    findings: list[Finding] = []
+    for rule in RULES.values():
+        findings.extend(rule(timeline, config))
+    orphans = {(f.pid, f.create_time) for f in findings if f.rule == "orphan"}
+    findings = [
+        f for f in findings if not (f.rule == "survivor" and (f.pid, f.create_time) in orphans)
+    ]
+    return tuple(sorted(findings, key=_sort_key))

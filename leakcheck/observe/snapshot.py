@@ -1,0 +1,475 @@
+"""Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
+
+One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` prints and what
+``Tracker.snapshot()`` returns for one job. Given a job's root (``--pid``), it also reads the
+host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
+RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
+machine stays cheap. Device telemetry (temperature, clocks, power) is read on request: each
+value is a driver call of its own, together more than NVML's reads after its start. The records
+are named tuples, as readings.py's are, for the command's start.
+
+NOTE [overlapped start]: NVML's start (loading the library, ``nvmlInit``, the first device
+handles) is most of a fresh process's snapshot, and it waits in the driver with the GIL
+released. So the command begins it on a thread before importing this module
+(``nvml.start_in_background``), and ``take_snapshot`` reads NVML on a thread of its own while
+it scans /proc: the imports and the scan run inside NVML's wait rather than after it. The
+snapshot's own process is counted last, after NVML's read, and without the descriptors NVML
+opened (``nvml.own_descriptors``): a snapshot does not flag itself, while a tracked process's
+own CUDA descriptors still count.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from leakcheck.core import roles
+from leakcheck.core.errors import LeakCheckError, NVMLUnavailable
+from leakcheck.core.readings import DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
+from leakcheck.core.units import format_mib
+from leakcheck.observe import nvml, procs
+from leakcheck.observe.procs import new_session_id, session_root_pid
+
+if TYPE_CHECKING:
+    # Not at run time: a plain snapshot needs neither (NOTE [lean start] in cli.py).
+    from leakcheck.core.model import Attribution
+    from leakcheck.observe.hostmem import HostMemory
+
+__all__ = [
+    "SNAPSHOT_SCHEMA_VERSION",
+    "ProcessSnapshot",
+    "Snapshot",
+    "new_session_id",
+    "read_gpu_processes",
+    "session_root_pid",
+    "take_snapshot",
+]
+
+SNAPSHOT_SCHEMA_VERSION = 1
+
+
+class ProcessSnapshot(NamedTuple):
+    """One process in a snapshot.
+
+    Attributes:
+        info: Identity, parent, command line.
+        role: Role relative to the job root, or None when no root was given. A direct
+            child of the root is a ``worker`` only when it is a known loader worker (NOTE
+            [roles from outside] in roles.py), else a ``descendant``.
+        gpu_bytes: Used GPU bytes per device index (devices where NVML listed it).
+        gpu_bytes_unknown: NVML listed it without a byte count on some device.
+        nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read or unreadable).
+        flags: ``orphan`` (its session's root is gone or no longer its ancestor),
+            ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a
+            runtime helper of the job, such as multiprocessing's resource tracker: kept by
+            design, not a leak; see ``roles.RUNTIME_HELPERS``).
+        session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
+        host: Its host memory (USS, PSS, RSS), for the processes of the job asked about;
+            None otherwise, or where unreadable.
+
+    """
+
+    info: ProcInfo
+    role: Role | None
+    gpu_bytes: Mapping[int, int]
+    gpu_bytes_unknown: bool = False
+    nvidia_fds: int | None = None
+    flags: tuple[str, ...] = ()
+    session: str | None = None
+    host: HostMemory | None = None
+
+    @property
+    def total_gpu_bytes(self) -> int:
+        """Sum over devices."""
+        return sum(self.gpu_bytes.values())
+
+
+class Snapshot(NamedTuple):
+    """Processes that hold GPU memory or descriptors, with their ancestors for context."""
+
+    taken_unix_s: float
+    attribution: Attribution
+    attribution_reason: str
+    devices: tuple[DeviceState, ...]
+    processes: tuple[ProcessSnapshot, ...]
+    root_pid: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form with a schema version."""
+        return {
+            "schema_version": SNAPSHOT_SCHEMA_VERSION,
+            "taken_unix_s": self.taken_unix_s,
+            "attribution": self.attribution,
+            "attribution_reason": self.attribution_reason,
+            "root_pid": self.root_pid,
+            "devices": [device.to_dict() for device in self.devices],
+            "processes": [
+                {
+                    "pid": entry.info.key.pid,
+                    "create_time": entry.info.key.create_time,
+                    "ppid": entry.info.ppid,
+                    "name": entry.info.name,
+                    "cmdline": entry.info.cmdline,
+                    "role": entry.role,
+                    "gpu_bytes": {str(index): value for index, value in entry.gpu_bytes.items()},
+                    "gpu_bytes_unknown": entry.gpu_bytes_unknown,
+                    "nvidia_fds": entry.nvidia_fds,
+                    "flags": list(entry.flags),
+                    "session": entry.session,
+                    **_host_dict(entry.host),
+                }
+                for entry in self.processes
+            ],
+        }
+
+    def format(self) -> str:
+        """Process trees as indented text, one line per process."""
+        lines: list[str] = []
+        if self.attribution != "ok":
+            lines.append(f"leakcheck snapshot: {self.attribution_reason}")
+        for device in self.devices:
+            lines.append(_device_line(device))
+        by_pid = {entry.info.key.pid: entry for entry in self.processes}
+        children: dict[int, list[ProcessSnapshot]] = {}
+        roots: list[ProcessSnapshot] = []
+        for entry in self.processes:
+            if entry.info.ppid in by_pid and entry.info.ppid != entry.info.key.pid:
+                children.setdefault(entry.info.ppid, []).append(entry)
+            else:
+                roots.append(entry)
+
+        def walk(entry: ProcessSnapshot, prefix: str, last: bool, top: bool) -> None:
+            branch = "" if top else ("└─ " if last else "├─ ")
+            lines.append(prefix + branch + _process_line(entry))
+            kids = sorted(children.get(entry.info.key.pid, []), key=lambda e: e.info.key.pid)
+            next_prefix = prefix + ("" if top else ("   " if last else "│  "))
+            for position, kid in enumerate(kids):
+                walk(kid, next_prefix, position == len(kids) - 1, False)
+
+        for entry in sorted(roots, key=lambda e: e.info.key.pid):
+            walk(entry, "  ", True, True)
+        if not self.processes:
+            checked = "GPU memory or " if self.attribution == "ok" else ""
+            lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")
+        # A helper is said on its own line, and is no cause for concern: not "flagged".
+        flagged = [
+            (entry, [flag for flag in entry.flags if flag != roles.HELPER_FLAG])
+            for entry in self.processes
+        ]
+        flagged = [(entry, flags) for entry, flags in flagged if flags]
+        if flagged:
+            lines.append(
+                f"{len(flagged)} flagged: "
+                + ", ".join(f"PID {e.info.key.pid} ({'/'.join(flags)})" for e, flags in flagged)
+            )
+        return "\n".join(lines)
+
+
+def _host_dict(host: HostMemory | None) -> dict[str, Any]:
+    return {
+        "host_uss_bytes": host.uss_bytes if host else None,
+        "host_pss_bytes": host.pss_bytes if host else None,
+        "host_rss_bytes": host.rss_bytes if host else None,
+        "host_rss_peak_bytes": host.rss_peak_bytes if host else None,
+        "host_source": host.source if host else None,
+    }
+
+
+def _host_text(host: HostMemory | None) -> str | None:
+    """``host USS 123 MiB (RSS 456 MiB)``, or ``host RSS 456 MiB`` where USS is unreadable."""
+    if host is None or host.rss_bytes is None:
+        return None
+    if host.uss_bytes is not None:
+        return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)} MiB)"
+    return f"host RSS {format_mib(host.rss_bytes)} MiB"
+
+
+def _device_line(device: DeviceState) -> str:
+    parts = [
+        f"GPU{device.index} {device.name}: {format_mib(device.used_bytes)} / "
+        f"{format_mib(device.total_bytes)} MiB used"
+    ]
+    if device.temperature_c is not None:
+        parts.append(f"{device.temperature_c} C")
+    if device.sm_clock_mhz is not None:
+        clock = f"SM {device.sm_clock_mhz}"
+        if device.sm_clock_max_mhz:
+            clock += f"/{device.sm_clock_max_mhz}"
+        parts.append(clock + " MHz")
+    if device.power_w is not None:
+        parts.append(f"{device.power_w:.0f} W")
+    return ", ".join(parts)
+
+
+def _process_line(entry: ProcessSnapshot) -> str:
+    memory = ", ".join(
+        f"GPU{index} {format_mib(value)} MiB" for index, value in sorted(entry.gpu_bytes.items())
+    )
+    if entry.gpu_bytes_unknown:
+        memory = (memory + ", " if memory else "") + "size unknown"
+    text = f"PID {entry.info.key.pid}"
+    if entry.role:
+        text += f" [{entry.role}]"
+    # One line per process: a `python -c` script's newlines must not break the tree.
+    text += f" {' '.join(entry.info.cmdline.split()) or entry.info.name}"
+    if len(text) > 90:
+        text = text[:87] + "..."
+    details = [memory] if memory else []
+    if entry.nvidia_fds:
+        details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
+    details.extend(entry.flags)
+    host = _host_text(entry.host)
+    if host:
+        details.append(host)
+    return text + ("  — " + "; ".join(details) if details else "")
+
+
+def read_gpu_processes(
+    devices: Iterable[int] | None = None, *, telemetry: bool = True
+) -> tuple[Attribution, str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]:
+    """Read NVML once: attribution status, device states, GPU processes.
+
+    Never raises: NVML failures come back as the status and its one-line reason.
+
+    Args:
+        devices: Device indices to read (default all).
+        telemetry: Read each device's telemetry too (else memory, name and UUID only).
+
+    """
+    available, reason = nvml.availability()
+    if not available:
+        return "nvml-unavailable", reason, (), ()
+    try:
+        handle = nvml.get()
+        wanted = list(devices) if devices is not None else None
+        device_states = handle.devices(wanted) if telemetry else handle.memory(wanted)
+        gpu_processes = handle.processes(wanted)
+    except (NVMLUnavailable, LeakCheckError) as error:
+        return "nvml-unavailable", str(error), (), ()
+    if not device_states:
+        return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
+    missing = [p.pid for p in gpu_processes if not procs.pid_exists_here(p.pid)]
+    if missing and procs.pid_namespace_nested():
+        return (
+            "blind-namespace",
+            f"NVML reports PIDs {sorted(set(missing))[:5]} that do not exist in this PID "
+            "namespace (a container without --pid=host?): only device totals are reliable",
+            device_states,
+            gpu_processes,
+        )
+    return "ok", "", device_states, gpu_processes
+
+
+_GpuRead = tuple["Attribution", str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]
+
+
+def _read_gpu_into(result: list[_GpuRead], devices: Iterable[int] | None, telemetry: bool) -> None:
+    """``read_gpu_processes`` on the snapshot's NVML thread, its answer put in ``result``."""
+    try:
+        result.append(read_gpu_processes(devices, telemetry=telemetry))
+    except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
+        reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
+        result.append(("nvml-unavailable", reason, (), ()))
+
+
+def _host_memory(key: ProcessKey) -> HostMemory | None:
+    from leakcheck.observe import hostmem  # only with --pid (NOTE [lean start] in cli.py)
+
+    return hostmem.read_host_memory(key)
+
+
+def take_snapshot(
+    *,
+    root_pid: int | None = None,
+    devices: Iterable[int] | None = None,
+    with_fds: bool = True,
+    known_workers: Collection[ProcessKey] = (),
+    host_memory: bool | None = None,
+    telemetry: bool = True,
+) -> Snapshot:
+    """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
+
+    Args:
+        root_pid: A job root: its descendants are listed with roles, and every process is
+            judged relative to it. None lists every GPU process on the machine.
+        devices: Device indices to read (default all).
+        with_fds: Also scan every process's descriptors for ``/dev/nvidia*`` (finds
+            descriptor holders; costs a pass over /proc/*/fd).
+        known_workers: Identities of the job's loader workers, where the caller knows them
+            (a tracker's mailbox): only these direct children are labelled ``worker``. From
+            outside (``leakcheck snapshot --pid``) none is known, and every process below
+            the root is a ``descendant``.
+        host_memory: Read the host memory of the job's processes (the root's lineage and
+            its tagged orphans). Default: when a root is given.
+        telemetry: Read each device's temperature, clocks, power, P-state and clock-event
+            reasons (a driver call each); False leaves them None.
+
+    Returns:
+        The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
+
+    """
+    # NVML is read on a thread while /proc is scanned here (NOTE [overlapped start]).
+    read: list[_GpuRead] = []
+    reader = threading.Thread(
+        target=_read_gpu_into,
+        args=(read, devices, telemetry),
+        name="leakcheck-snapshot-nvml",
+        daemon=True,
+    )
+    try:
+        reader.start()
+        reading = True
+    except RuntimeError:  # no thread to be had (a limit, interpreter shutdown): read here
+        reading = False
+        _read_gpu_into(read, devices, telemetry)
+
+    # Command lines are read for the processes shown only, below: most of a machine's are not.
+    # Kernel threads are left out: they hold no descriptors and carry no tag, so neither is
+    # read for them, and none is part of a job; one that is an ancestor of a shown process (a
+    # usermode helper's parent) is still shown, read below with the rest.
+    every = {
+        info.key.pid: info for info in procs.scan_all(with_cmdline=False, kernel_threads=False)
+    }
+    lineage: set[int] = set()
+    if root_pid is not None:
+        lineage = {info.key.pid for info in procs.descendants(root_pid, with_cmdline=False)} | {
+            root_pid
+        }
+
+    own_pid = os.getpid()
+    fds: dict[int, int] = {}
+    if with_fds:
+        for pid in every:
+            if pid == own_pid:
+                continue
+            count = procs.nvidia_fd_count(pid)
+            if count:
+                fds[pid] = count
+    if reading:
+        reader.join()
+    if with_fds and own_pid in every:
+        # After NVML's read, less what NVML opened (NOTE [overlapped start]).
+        own = procs.nvidia_fds(own_pid)
+        count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
+        if count:
+            fds[own_pid] = count
+    attribution, reason, device_states, gpu_processes = (
+        read[0] if read else ("nvml-unavailable", "NVML unavailable: its read did not end", (), ())
+    )
+    gpu_by_pid, unknown_pids = nvml.gpu_bytes_by_pid(gpu_processes)
+
+    interesting = set(gpu_by_pid) | set(fds) | lineage
+    sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
+    root_key = procs.process_key(root_pid) if root_pid is not None else None
+    if root_key is not None:
+        # Processes of this job that were reparented away still carry its tag. Every one
+        # was born after the root, so older processes' environments are not read: most of
+        # a machine's processes, and the costliest part of a snapshot. That also leaves out
+        # what an earlier process with the root's PID left behind: it is older still.
+        for pid, candidate in every.items():
+            if pid in interesting or candidate.key.create_time < root_key.create_time:
+                continue
+            tag = procs.tagged_session(pid)
+            if tag is not None and _tag_matches(tag, root_key.pid):
+                interesting.add(pid)
+                sessions[pid] = tag
+    # Ancestors give the trees their shape.
+    shown = set(interesting)
+    for pid in list(interesting):
+        info = every.get(pid)
+        depth = 0
+        while info is not None and info.ppid > 1 and depth < 64:
+            if root_pid is not None and info.key.pid == root_pid:
+                break
+            shown.add(info.ppid)
+            info = every.get(info.ppid)
+            depth += 1
+
+    job = set(lineage) | {
+        pid for pid, tag in sessions.items() if tag is not None and pid in interesting
+    }
+    want_host = root_pid is not None if host_memory is None else host_memory
+    entries: list[ProcessSnapshot] = []
+    for pid in sorted(shown):
+        scanned = every.get(pid)
+        info = procs.read_proc(pid)  # with its command line
+        if info is None or (scanned is not None and info.key != scanned.key):
+            info = scanned  # gone since the scan, or its PID reused: what the scan saw
+        if info is None:
+            continue
+        flags: list[str] = []
+        tag = sessions.get(pid)
+        if tag is not None and pid not in lineage and _is_orphaned(tag, info.key):
+            flags.append("orphan")
+        if fds.get(pid) and pid not in gpu_by_pid:
+            flags.append("descriptor-holder")
+        if pid in lineage and pid != root_pid and roles.is_runtime_helper(info.cmdline):
+            flags.append(roles.HELPER_FLAG)
+        entries.append(
+            ProcessSnapshot(
+                info=info,
+                role=_role(pid, root_pid, lineage, info, "orphan" in flags, known_workers),
+                gpu_bytes=gpu_by_pid.get(pid, {}),
+                gpu_bytes_unknown=pid in unknown_pids,
+                nvidia_fds=fds.get(pid) if with_fds else None,
+                flags=tuple(flags),
+                session=tag,
+                host=_host_memory(info.key) if want_host and pid in job else None,
+            )
+        )
+    return Snapshot(
+        taken_unix_s=time.time(),
+        attribution=attribution,
+        attribution_reason=reason,
+        devices=device_states,
+        processes=tuple(entries),
+        root_pid=root_pid,
+    )
+
+
+def _tag_matches(tag: str, root_pid: int) -> bool:
+    # By PID only: the start time in the tag was computed in another process, from a boot
+    # time that moves when the wall clock is stepped. A tag left by an earlier process with
+    # the same PID is ruled out by age instead (see ``take_snapshot``).
+    root = session_root_pid(tag)
+    return root is not None and root[0] == root_pid
+
+
+def _is_orphaned(tag: str, key: ProcessKey) -> bool:
+    """Whether a tagged process has lost its session's root (gone, or not its ancestor).
+
+    The root is judged gone when its PID is free or now names a process younger than the
+    tagged one (a reused PID): ages, not the tag's start time, which was computed in
+    another process from a boot time that moves when the wall clock is stepped.
+    """
+    root = session_root_pid(tag)
+    if root is None:
+        return False
+    root_key = procs.process_key(root[0])
+    if root_key is None or root_key.create_time > key.create_time:
+        return True
+    return not procs.is_ancestor(root_key.pid, key.pid)
+
+
+def _role(
+    pid: int,
+    root_pid: int | None,
+    lineage: set[int],
+    info: ProcInfo,
+    orphan: bool,
+    known_workers: Collection[ProcessKey],
+) -> Role | None:
+    if orphan:
+        return "orphan"
+    if root_pid is None:
+        return None
+    if pid == root_pid:
+        return "parent"
+    if pid in lineage:
+        if info.ppid == root_pid:
+            return roles.direct_child_role(info.key, known_workers)
+        return "descendant"
+    return "foreign"

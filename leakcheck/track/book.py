@@ -1,0 +1,487 @@
+"""The epoch book of one tracker: epochs, who was in each, peaks, end states.
+
+NOTE [worker reports]: sampling alone misses what lives shorter than the gap between two NVML
+reads: a worker that creates a context, works and exits between reads leaves no trace in
+them. So the truth comes from the source. Each worker, as it exits, reads its own NVML entry
+and torch's peak reserved bytes and posts them to the mailbox (NOTE [teardown policy] in
+teardown.py), stamped with the host's monotonic clock. The book gives that report to the
+epoch that was open at that moment (or that ended at most ``grace_s`` before it, for workers
+shut down after their epoch), and an epoch's peak for a process is the larger of what was
+sampled and what was reported. Where NVML's accounting mode is on, the driver's maxima of
+exited PIDs count the same way. A process that exited unseen and reported nothing has an
+``unknown`` peak, never 0; one alive at the epoch end was read in full then, so its end is
+exact and its peak at least that. Host memory goes the same way: each worker reports its own
+USS, PSS, RSS and RSS peak as it exits, and a worker gone by its epoch's end is shown with
+what it reported (``ProcessEpoch.host_bytes_end`` with ``alive_at_end`` False); one alive
+then was read at the end (status; smaps_rollup where it is a long-lived one and the pacing
+allowed: ``apply_rollup``, stamped with the epoch that ended).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from leakcheck.core.model import (
+    AccountedProcess,
+    DeviceState,
+    EndReason,
+    EpochRecord,
+    PeakSource,
+    ProcessEpoch,
+    ProcessKey,
+    Role,
+    TeardownRecord,
+)
+from leakcheck.observe.hostmem import HostMemory
+from leakcheck.track.host import reported_memory
+from leakcheck.track.shm import ShmEpoch
+from leakcheck.track.table import Proc, ProcessTable
+
+__all__ = ["EpochBook", "final_processes", "host_fields"]
+
+
+def host_fields(
+    end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
+) -> dict[str, Any]:
+    """The host-memory fields of a ``ProcessEpoch``.
+
+    Args:
+        end: The status read at the epoch end (None: not read, or gone).
+        rollup: The smaps_rollup read of that epoch end (None: paced out, or not judged).
+        report: What the process reported of itself at its exit.
+        alive: It was alive at the epoch end: then the end reads count, and its report
+            (at an exit within the grace after the end) only for what they lack, the USS
+            of a persistent worker shut down before the rollup read reached it; else its
+            report alone.
+
+    Returns:
+        ``host_bytes_end`` (USS where read, else RSS), ``host_source``, ``pss_bytes_end``,
+        ``rss_bytes_end``, ``anon_bytes_end``, ``rss_bytes_peak``; None where unknown.
+
+    """
+    reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
+    uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
+    rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
+    pss = next((m.pss_bytes for m in reads if m.pss_bytes is not None), None)
+    anon = next((m.anon_bytes for m in reads if m.anon_bytes is not None), None)
+    peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
+    if rss is not None:
+        peaks.append(rss)
+    return {
+        "host_bytes_end": uss if uss is not None else rss,
+        "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
+        "pss_bytes_end": pss,
+        "rss_bytes_end": rss,
+        "anon_bytes_end": anon,
+        "rss_bytes_peak": max(peaks) if peaks else None,
+    }
+
+
+@dataclass(frozen=True)
+class _EndState:
+    role: Role
+    ppid: int
+    alive: bool
+    gpu_bytes: Mapping[int, int]
+    gpu_unknown: bool
+    nvidia_fds: int | None
+    host: HostMemory | None = None
+
+
+@dataclass
+class _Epoch:
+    """Mutable accumulator of the open (or a closed) epoch."""
+
+    index: int
+    label: str
+    start_s: float
+    end_s: float | None = None
+    reason: EndReason = "completed"
+    error: str | None = None
+    batches: int | None = None
+    peak: dict[ProcessKey, dict[int, int]] = field(default_factory=dict)
+    listed: set[ProcessKey] = field(default_factory=set)
+    """NVML listed it at some read of this epoch."""
+    reported: set[ProcessKey] = field(default_factory=set)
+    """Its peak includes its own report (NOTE [worker reports])."""
+    device_peak: dict[int, int] = field(default_factory=dict)
+    samples: int = 0
+    seen: set[ProcessKey] = field(default_factory=set)
+    end_state: dict[ProcessKey, _EndState] = field(default_factory=dict)
+    devices: tuple[DeviceState, ...] = ()
+    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)
+    """USS and PSS read for this epoch's end (on the sampler's next wake)."""
+    host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
+    """What workers reported of their host memory as they exited."""
+    shm: ShmEpoch | None = None
+
+
+def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
+    for device, used in values.items():
+        if used > peak.get(device, 0):
+            peak[device] = used
+
+
+class EpochBook:
+    """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
+
+    Args:
+        grace_s: How long after an epoch's end a worker's report still belongs to it.
+
+    """
+
+    def __init__(self, *, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.epochs: list[_Epoch] = []
+        self.open: _Epoch | None = None
+
+    @property
+    def open_index(self) -> int | None:
+        """Index of the open epoch, if one is open."""
+        return self.open.index if self.open is not None else None
+
+    def begin(self, label: str | None, now: float) -> int:
+        """Open the next epoch at ``now``; returns its index."""
+        index = len(self.epochs)
+        self.open = _Epoch(
+            index=index, label=label if label is not None else f"epoch {index}", start_s=now
+        )
+        self.epochs.append(self.open)
+        return index
+
+    def born_in(self, born_s: float, window_s: float) -> int | None:
+        """The epoch a process was born in, from its birth on the tracker's clock.
+
+        A create time counts whole clock ticks: the birth fell in ``[born_s, born_s +
+        window_s)``. The latest epoch opened before that window ends wins (a loader's
+        workers start as its epoch opens, within the tick); None if it had ended before
+        the window began (born between epochs) or none had opened (NOTE [born epoch] in
+        sample_reader.py).
+        """
+        for epoch in reversed(self.epochs):
+            if epoch.start_s >= born_s + window_s:
+                continue
+            if epoch.end_s is not None and epoch.end_s < born_s:
+                return None
+            return epoch.index
+        return None
+
+    def see(self, key: ProcessKey) -> None:
+        """Count ``key`` in the open epoch (a worker known from its report alone)."""
+        if self.open is not None:
+            self.open.seen.add(key)
+
+    def note_sample(self, table: ProcessTable, device_used: Mapping[int, int] | None) -> None:
+        """Fold one sample into the open epoch: who was seen, peaks, the device peak.
+
+        What the epoch has seen and its peaks change only when processes or their bytes did
+        (``table.changed``), and the device peak only with a memory read (``device_used``):
+        a tick that did neither leaves the record as it was.
+        """
+        epoch = self.open
+        if epoch is None:
+            return
+        epoch.samples += 1
+        if table.changed:
+            table.changed = False
+            for key, proc in table.live.items():
+                if proc.foreign or not proc.own:
+                    continue
+                epoch.seen.add(key)
+                if proc.gpu_bytes or proc.gpu_unknown:
+                    epoch.listed.add(key)
+                if proc.gpu_bytes:
+                    _raise_peak(epoch.peak.setdefault(key, {}), proc.gpu_bytes)
+        if device_used is not None:
+            _raise_peak(epoch.device_peak, device_used)
+
+    def end(
+        self,
+        table: ProcessTable,
+        *,
+        now: float,
+        reason: EndReason,
+        error: str | None,
+        devices: tuple[DeviceState, ...],
+        batches: int | None = None,
+        host: Mapping[ProcessKey, HostMemory] | None = None,
+        shm: ShmEpoch | None = None,
+    ) -> None:
+        """Close the open epoch with the state of every process it saw, read just now.
+
+        ``host``: the status read of the processes alive at the end; ``shm``: what
+        ``/dev/shm`` held.
+        """
+        epoch = self.open
+        if epoch is None:
+            return
+        epoch.end_s = now
+        epoch.reason = reason
+        epoch.error = error
+        epoch.devices = devices
+        epoch.batches = batches
+        epoch.shm = shm
+        host = host or {}
+        # Ownership as it stands now: a worker's own report through its tracker's mailbox
+        # may have corrected a claim made while it was first seen (NOTE [claims]).
+        table.refresh_ownership()
+        epoch.seen = {key for key in epoch.seen if table.procs[key].own}
+        for key in epoch.seen | {k for k, p in table.live.items() if p.own and not p.foreign}:
+            proc = table.procs[key]
+            alive = proc.exited_s is None
+            epoch.end_state[key] = _EndState(
+                role=table.role(proc),
+                ppid=proc.ppid,
+                alive=alive,
+                gpu_bytes=dict(proc.gpu_bytes) if alive else {},
+                gpu_unknown=proc.gpu_unknown and alive,
+                nvidia_fds=proc.nvidia_fds if alive else None,
+                host=host.get(key) if alive else None,
+            )
+            epoch.seen.add(key)
+        self.open = None
+
+    def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
+        """Give the smaps_rollup reads planned at epoch ``index``'s end to that epoch.
+
+        Refused (False) when a later epoch has ended since: the reads were made after that
+        end, and would show a later moment as this epoch's.
+        """
+        later = self.epochs[index + 1 :]
+        if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
+            return False
+        self.epochs[index].rollup.update(found)
+        return True
+
+    def apply_report(
+        self,
+        key: ProcessKey,
+        at_s: float,
+        gpu_bytes: Mapping[int, int],
+        host: HostMemory | None = None,
+    ) -> bool:
+        """Give a worker's own report of its peak to its epoch (NOTE [worker reports]).
+
+        Args:
+            key: The worker.
+            at_s: When it read what it held, on the tracker's clock.
+            gpu_bytes: What it held per device (empty: nothing, it had no context).
+            host: Its host memory as it exited, where it reported it.
+
+        Returns:
+            Whether an epoch took it.
+
+        """
+        for epoch in reversed(self.epochs):
+            if epoch.start_s > at_s:
+                continue
+            ended = epoch.end_s
+            within = (
+                ended is None
+                or at_s <= ended
+                or (key in epoch.seen and at_s <= ended + self.grace_s)
+            )
+            if not within:
+                return False
+            epoch.seen.add(key)
+            epoch.reported.add(key)
+            _raise_peak(epoch.peak.setdefault(key, {}), gpu_bytes)
+            if host is not None:
+                epoch.host_reports[key] = host
+            return True
+        return False
+
+    def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
+        """Give a worker's teardown record (what it held as it exited) to its epoch.
+
+        ``t0_s``: the tracker's start on the monotonic clock the record is stamped with. A
+        worker that never used CUDA held nothing on a GPU (NOTE [worker reports]).
+        """
+        held = teardown.gpu_bytes_by_device
+        if not teardown.cuda_initialized:
+            held = {}
+        host = reported_memory(teardown)
+        if teardown.monotonic_s is None or (held is None and host is None):
+            return
+        self.apply_report(teardown.key, teardown.monotonic_s - t0_s, held or {}, host)
+
+    def apply_accounting(self, table: ProcessTable, records: Iterable[AccountedProcess]) -> None:
+        """The driver's maxima of exited PIDs (NVML accounting, where it is on) as reports."""
+        for record in records:
+            key = table.by_pid.get(record.pid)
+            proc = table.procs.get(key) if key is not None else None
+            if proc is None or record.is_running or proc.exited_s is None:
+                continue
+            if record.max_memory_bytes is not None:
+                # The driver saw it last just before it was seen gone.
+                self.apply_report(
+                    proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
+                )
+
+    # -- freezing ------------------------------------------------------------------------
+
+    def records(
+        self, table: ProcessTable, *, now: float, last: int | None = None
+    ) -> tuple[EpochRecord, ...]:
+        """The closed epochs (the latest ``last`` of them), frozen."""
+        closed = [epoch for epoch in self.epochs if epoch.end_s is not None]
+        if last is not None:
+            closed = closed[-last:]
+        return tuple(self._freeze(epoch, table, now) for epoch in closed)
+
+    def _freeze(self, epoch: _Epoch, table: ProcessTable, now: float) -> EpochRecord:
+        end_s = epoch.end_s if epoch.end_s is not None else now
+        # A process another tracker's worker report took after this epoch ended is not
+        # listed either (NOTE [claims]).
+        processes = [
+            self._process_epoch(epoch, table.procs[key], state, table, end_s)
+            for key, state in sorted(epoch.end_state.items())
+            if table.procs[key].own
+        ]
+        return EpochRecord(
+            index=epoch.index,
+            label=epoch.label,
+            start_s=epoch.start_s,
+            end_s=end_s,
+            end_reason=epoch.reason,
+            processes=tuple(processes),
+            devices=epoch.devices,
+            device_peak_used_bytes=dict(epoch.device_peak),
+            samples=epoch.samples,
+            error=epoch.error,
+            batches=epoch.batches,
+            shm_files=epoch.shm.files if epoch.shm else (),
+            shm_bytes=epoch.shm.bytes if epoch.shm else None,
+            shm_total_bytes=epoch.shm.total_bytes if epoch.shm else None,
+            shm_used_peak_bytes=epoch.shm.used_peak_bytes if epoch.shm else None,
+        )
+
+    @staticmethod
+    def _process_epoch(
+        epoch: _Epoch, proc: Proc, state: _EndState, table: ProcessTable, end_s: float
+    ) -> ProcessEpoch:
+        key = proc.key
+        peak = dict(epoch.peak.get(key, {}))
+        _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
+        source: PeakSource
+        if key in epoch.reported:
+            source = "reported"
+        elif state.alive or key in epoch.listed:
+            source = "sampled"
+        else:
+            source = "unknown"  # gone unseen and unreported: not known, never 0
+            peak = {}
+        exited_after = (
+            proc.exited_s - end_s if proc.exited_s is not None and proc.exited_s >= end_s else None
+        )
+        return ProcessEpoch(
+            key=key,
+            role=state.role,
+            ppid=state.ppid,
+            cmdline=proc.cmdline,
+            born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
+            persistent=table.persistent(proc),
+            alive_at_end=state.alive,
+            exited_after_s=exited_after,
+            last_seen_after_s=(proc.last_seen_s - end_s) if state.alive else None,
+            gpu_bytes_end=dict(state.gpu_bytes),
+            gpu_bytes_peak=peak,
+            gpu_peak_source=source,
+            gpu_bytes_unknown=state.gpu_unknown,
+            nvidia_fds=state.nvidia_fds,
+            rank=proc.rank.rank if proc.rank is not None else None,
+            rank_device=proc.rank.device if proc.rank is not None else None,
+            born_epoch=_birth_epoch(proc),
+            **host_fields(
+                state.host,
+                epoch.rollup.get(key),
+                epoch.host_reports.get(key),
+                alive=state.alive,
+            ),
+        )
+
+    def pending_survivors(self, table: ProcessTable) -> tuple[list[Proc], float]:
+        """Processes whose survival is not decided yet, and until when to wait for them.
+
+        Every live, own, non-persistent process (or runtime helper reparented away) born in
+        a closed epoch that has not been seen alive ``grace_s`` after its epoch ended; the
+        deadline is the latest of their epochs' ends plus the grace (NOTE [tracker
+        lifecycle] in sampler.py).
+        """
+        ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
+        pending: list[Proc] = []
+        deadline = 0.0
+        for proc in table.live.values():
+            # Counted from the epoch it was born in where its create time says, else the one
+            # it was placed in, as the survivor rule counts (NOTE [born epoch] in
+            # sample_reader.py).
+            born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
+            if proc.foreign or not proc.own or born not in ends:
+                continue
+            if table.persistent(proc) and not (
+                # A runtime helper reparented away (its owner gone) gets the grace too: it
+                # exits within moments of its owner, or stays for ever (an orphan).
+                table.baseline_helper(proc) and not proc.in_lineage and not proc.pre_existing
+            ):
+                continue
+            end_s = ends[born]
+            assert end_s is not None
+            if proc.last_seen_s - end_s > self.grace_s:
+                continue  # already seen alive past the grace: the evidence is in
+            pending.append(proc)
+            deadline = max(deadline, end_s + self.grace_s)
+        return pending, deadline
+
+    def keys_seen(self) -> Iterable[ProcessKey]:
+        """Every identity any epoch saw."""
+        for epoch in self.epochs:
+            yield from epoch.seen
+
+
+def _birth_epoch(proc: Proc) -> int | None:
+    """The epoch ``proc`` was born in (NOTE [born epoch] in sample_reader.py)."""
+    return None if proc.pre_existing else proc.birth_epoch
+
+
+def final_processes(
+    table: ProcessTable,
+    last_end_s: float | None,
+    status: Mapping[ProcessKey, HostMemory],
+    rollup: Mapping[ProcessKey, HostMemory],
+) -> tuple[ProcessEpoch, ...]:
+    """The processes of a fresh final state: every live one of the job, and foreign GPU holders.
+
+    Args:
+        table: The process table, just sampled.
+        last_end_s: When the last closed epoch ended (None: none did).
+        status: Their status read now (RSS).
+        rollup: Their smaps_rollup read now (USS, PSS), where read.
+
+    """
+    processes: list[ProcessEpoch] = []
+    for key, proc in sorted(table.live.items()):
+        if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
+            continue
+        processes.append(
+            ProcessEpoch(
+                key=key,
+                role=table.role(proc),
+                ppid=proc.ppid,
+                cmdline=proc.cmdline,
+                born_in_epoch=False,
+                persistent=table.persistent(proc),
+                alive_at_end=True,
+                last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
+                gpu_bytes_end=dict(proc.gpu_bytes),
+                gpu_bytes_peak=dict(proc.gpu_bytes),
+                gpu_bytes_unknown=proc.gpu_unknown,
+                nvidia_fds=proc.nvidia_fds,
+                rank=proc.rank.rank if proc.rank is not None else None,
+                rank_device=proc.rank.device if proc.rank is not None else None,
+                born_epoch=_birth_epoch(proc),
+                **host_fields(status.get(key), rollup.get(key), None, alive=True),
+            )
+        )
+    return tuple(processes)

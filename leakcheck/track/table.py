@@ -1,0 +1,479 @@
+"""The process table of one tracker: every process of the job it placed, and what it holds.
+
+A process is an identity ``(pid, create_time)`` with a mutable record: its parent, command
+line, when it was first and last seen alive, when it was seen gone, the GPU bytes NVML
+last listed for it, and whether it is this tracker's own (NOTE [claims] in claims.py). The
+sampler feeds it what a walk of /proc and a read of NVML's lists found; roles and
+persistence are answered here, once, for the epoch book and the final state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from leakcheck.core import ranks
+from leakcheck.core.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Role
+from leakcheck.core.roles import direct_child_role, is_runtime_helper
+from leakcheck.core.units import shorten_cmdline
+from leakcheck.observe import nvml, procs
+from leakcheck.track import claims
+
+__all__ = ["CMDLINE_CHARS", "Proc", "ProcessTable"]
+
+CMDLINE_CHARS = 300
+"""Command lines are kept this long (reports shorten them further for display)."""
+
+
+@dataclass
+class Proc:
+    """Mutable record of one identity, owned by the table (under the sampler's lock)."""
+
+    key: ProcessKey
+    ppid: int
+    cmdline: str
+    first_seen_s: float
+    last_seen_s: float
+    born_epoch: int | None
+    """The epoch open when it was placed: the first whose records list it."""
+    pre_existing: bool
+    birth_epoch: int | None = None
+    """The epoch its create time falls in (NOTE [born epoch] in sample_reader.py): what "started
+    in" names and the survivor rule counts the grace from; the epoch it was placed in
+    until the sampler computes it."""
+    exited_s: float | None = None
+    in_lineage: bool = True
+    foreign: bool = False
+    own: bool = True
+    """This tracker's (NOTE [claims]); another tracker's processes are counted, not judged."""
+    gpu_bytes: dict[int, int] = field(default_factory=dict)
+    gpu_unknown: bool = False
+    nvidia_fds: int | None = None
+    cmdline_confirmed: bool = False
+    """The command line was read after the process exec'd (it differs from its parent's)."""
+    rank: RankInfo | None = None
+    """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
+    rank_pending: bool = False
+    """First seen with its parent's command line and no rank: maybe between fork and exec."""
+    other_rank: bool = False
+    """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
+    counted as the job's memory, never judged here; its own rank's tracker judges it."""
+
+
+def _rank_of(pid: int) -> RankInfo | None:
+    """The rank a process's environment names (one read, when it is first placed).
+
+    Every process of a rank's lineage inherits torchrun's variables, so an orphan still
+    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None.
+    """
+    environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
+    return None if environ is None else ranks.rank_from_environ(environ)
+
+
+# NOTE [rank read]: a process's rank is read from its initial environment once, when it is
+# first placed (one read of /proc/PID/environ). torchrun's agent starts each rank by fork and
+# exec; a rank caught between the two still shows the agent's environment, without RANK, and
+# its command line. Such a process (no rank, its parent's command line) has its environment
+# read again on the next walks, for a short window after it was first seen, until it names a
+# rank (then its command line is read again too). A forked child that never execs (a
+# DataLoader worker of a process that is no rank) stops being looked at when the window
+# closes: its environment is its parent's, and so was its rank. A process the mailbox names
+# a loader's worker is not looked at again: workers do not become ranks.
+_RANK_EXEC_WINDOW_S = 1.0
+
+
+# NOTE [other ranks]: the ranks of one torchrun job are siblings (children of the elastic
+# agent), so a tracker inside rank 0 finds rank 1 and its workers on the GPU, outside its
+# lineage: foreign, by the lineage alone, and their memory on a shared device would be the
+# residual rule's unexplained rise (two ranks sharing one GPU each blamed the other). A GPU
+# process is another rank's when its environment names the same elastic run
+# (TORCHELASTIC_RUN_ID; torchrun's default id "none" names no run) and the same restart, a
+# rank other than the root's, and it is still below the agent (the root's parent): then its
+# memory is the job's, like another tracker's processes (NOTE [claims]), and its own rank's
+# tracker judges it. The root's own untagged orphans (same rank), a dead rank's or an
+# earlier restart's leftovers (reparented away, or another restart) stay foreign: no live
+# tracker would judge them otherwise. Without a run id (ranks started by hand with RANK
+# set), the rest decides: another rank of the same restart, below the root's parent.
+
+
+def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
+    """Whether process ``pid`` (of rank ``other``) is another live rank's of our job."""
+    if ours is None or other is None or other.rank == ours.rank or ours_ppid <= 1:
+        return False
+    if other.restart_count != ours.restart_count:
+        return False
+    if _run_id(ours) != _run_id(other):
+        return False
+    return procs.is_ancestor(ours_ppid, pid)
+
+
+def _run_id(info: RankInfo) -> str | None:
+    return None if info.run_id in (None, "", "none") else info.run_id
+
+
+def _stored(cmdline: str) -> str:
+    return shorten_cmdline(cmdline, CMDLINE_CHARS, empty="")
+
+
+class ProcessTable:
+    """Every process one tracker placed: its lineage, orphans, foreign GPU holders.
+
+    Args:
+        root: The job's root.
+        root_info: What /proc says of the root (None: unreadable).
+        session: The tracker's session id (its claims, and its tag unless ``tag`` is given).
+        persistent_workers: Workers that did not say otherwise live across epochs.
+        tag: ``(NAME, VALUE)`` of the environment variable that marks the job's processes
+            (default: ``LEAKCHECK_SESSION`` with ``session``).
+
+    """
+
+    def __init__(
+        self,
+        root: ProcessKey,
+        root_info: ProcInfo | None,
+        *,
+        session: str,
+        persistent_workers: bool,
+        tag: tuple[str, str] | None = None,
+    ) -> None:
+        self.root = root
+        self.session = session
+        self.tag = tag or (procs.SESSION_ENV, session)
+        self.persistent_workers = persistent_workers
+        self.procs: dict[ProcessKey, Proc] = {}
+        # The live subset: each walk checks it, not every process ever seen (a long run with
+        # per-epoch workers sees thousands).
+        self.live: dict[ProcessKey, Proc] = {}
+        self.by_pid: dict[int, ProcessKey] = {}
+        self.workers: dict[ProcessKey, bool | None] = {}
+        """Workers that reported themselves: identity -> persistent (None: unknown)."""
+        self.changed = True
+        """Set when processes or their bytes changed: the open epoch's peaks are stale."""
+        root_proc = Proc(
+            key=root,
+            ppid=root_info.ppid if root_info else 0,
+            cmdline=_stored(root_info.cmdline if root_info else ""),
+            first_seen_s=0.0,
+            last_seen_s=0.0,
+            born_epoch=None,
+            pre_existing=True,
+            rank=_rank_of(root.pid),
+        )
+        self.procs[root] = self.live[root] = root_proc
+        self.by_pid[root.pid] = root
+        claims.add_root(root, session)
+
+    # -- placing processes ---------------------------------------------------------------
+
+    def add(
+        self, info: ProcInfo, *, now: float, born_epoch: int | None, pre_existing: bool = False
+    ) -> Proc:
+        """Place a process seen for the first time, claimed as NOTE [claims] says."""
+        parent = self.by_pid.get(info.ppid)
+        owner = claims.claim(info.key, parent, self.session)
+        parent_proc = self.procs.get(parent) if parent is not None else None
+        proc = Proc(
+            key=info.key,
+            ppid=info.ppid,
+            cmdline=_stored(info.cmdline or info.name),
+            first_seen_s=now,
+            last_seen_s=now,
+            born_epoch=born_epoch,
+            pre_existing=pre_existing,
+            birth_epoch=born_epoch,
+            own=owner == self.session,
+            # Gone before it could be read (a worker known from its record only): it was
+            # its parent's rank's, as every process of a rank's lineage is.
+            rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
+        )
+        proc.rank_pending = (
+            proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
+        )
+        self.procs[info.key] = self.live[info.key] = proc
+        self.by_pid[info.key.pid] = info.key
+        self.changed = True
+        return proc
+
+    def apply_walk(
+        self,
+        lineage: list[ProcInfo],
+        *,
+        now: float,
+        quick: bool,
+        born_epoch: int | None,
+    ) -> list[Proc]:
+        """Fold one walk of the root's descendants in: new, reparented, exited processes.
+
+        ``quick`` (the sampler's ticks): NOTE [quick walk] in procs.py; a process missing
+        from a quick walk is only judged reparented by the next full one. Returns the
+        processes new to the table, placed with ``born_epoch``.
+        """
+        added: list[Proc] = []
+        current: set[ProcessKey] = {self.root}
+        for info in lineage:
+            proc = self.procs.get(info.key)
+            if proc is None:
+                # Walks read no command lines; a process new to the table is read once.
+                full = procs.read_proc(info.key.pid) or info
+                proc = self.add(full, now=now, born_epoch=born_epoch)
+                added.append(proc)
+            proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
+            if proc.rank_pending:
+                self._read_rank_after_exec(proc, now)
+            current.add(info.key)
+        self.procs[self.root].last_seen_s = now
+        gone: list[ProcessKey] = []
+        for key, proc in list(self.live.items()):
+            if key not in current:
+                if procs.is_alive(key):
+                    proc.last_seen_s = now
+                    if not proc.foreign and not quick:
+                        proc.in_lineage = False  # alive but no longer below the root
+                        moved = procs.read_proc(key.pid, with_cmdline=False)
+                        if moved is not None:
+                            proc.ppid = moved.ppid
+                else:
+                    self.mark_exited(proc, now)
+                    gone.append(key)
+            if key != self.root and not proc.other_rank:
+                self._own_by_claim(proc)
+        claims.forget(gone)
+        self._give_back_taken()
+        return added
+
+    def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
+        """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
+        if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
+            proc.rank_pending = False
+            return
+        rank = _rank_of(proc.key.pid)
+        if rank is None:
+            return  # not exec'd yet, or not a rank: looked at again until the window closes
+        proc.rank, proc.rank_pending = rank, False
+        info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
+        if info is not None and info.key == proc.key and info.cmdline:
+            proc.cmdline = _stored(info.cmdline)
+        self.changed = True
+
+    def refresh_ownership(self) -> None:
+        """Re-read every placed process's owner from the claims (the mailbox corrects them)."""
+        for key, proc in self.procs.items():
+            if key == self.root or proc.foreign or proc.other_rank or key in self.workers:
+                continue
+            self._own_by_claim(proc)
+        self._give_back_taken()
+
+    def _own_by_claim(self, proc: Proc) -> None:
+        """Set whether ``proc`` is this tracker's, as its claim says now.
+
+        No claim (another tracker saw it gone first) leaves it as it was: the queue of
+        corrections (``_give_back_taken``) takes it back where it is another's.
+        """
+        owner = claims.owner_of(proc.key)
+        if owner is not None:
+            proc.own = owner == self.session
+
+    def _give_back_taken(self) -> None:
+        """Another tracker's worker, claimed here first, is not this tracker's: alive or gone."""
+        for key in claims.taken_from(self.session):
+            proc = self.procs.get(key)
+            if proc is not None and key not in self.workers and proc.own:
+                proc.own = False
+                self.changed = True
+
+    def add_reparented(
+        self, found: list[ProcInfo], *, now: float, born_epoch: int | None
+    ) -> list[Proc]:
+        """Place tagged processes a tag scan found outside the lineage (reparented away)."""
+        added: list[Proc] = []
+        for info in found:
+            proc = self.add(info, now=now, born_epoch=born_epoch)
+            proc.in_lineage = False
+            added.append(proc)
+        return added
+
+    def mark_exited(self, proc: Proc, now: float) -> None:
+        """Record that ``proc`` was seen gone at ``now``."""
+        proc.exited_s = now
+        proc.gpu_bytes = {}
+        self.live.pop(proc.key, None)
+        self.changed = True
+
+    def register_worker(
+        self, key: ProcessKey, persistent: bool | None, *, now: float, born_epoch: int | None
+    ) -> Proc:
+        """Declare ``key`` a worker of this tracker (exact identity from the mailbox).
+
+        A worker that lived and died between two walks is known from its record alone:
+        it is kept, born and gone now.
+        """
+        self.workers[key] = persistent
+        claims.claim_worker(key, self.session)
+        proc = self.procs.get(key)
+        if proc is None:
+            info = procs.read_proc(key.pid)
+            if info is not None and info.key == key:
+                proc = self.add(info, now=now, born_epoch=born_epoch)
+            else:
+                proc = self.add(
+                    ProcInfo(key=key, ppid=self.root.pid, name="", cmdline=""),
+                    now=now,
+                    born_epoch=born_epoch,
+                )
+                self.mark_exited(proc, now)
+                claims.forget([key])  # seen gone: its claim is kept only a while
+        proc.own = True
+        # A loader's worker never becomes a rank: its rank is the one it was born with
+        # (NOTE [rank read]), and its environment need not be read again.
+        proc.rank_pending = False
+        self.changed = True
+        return proc
+
+    # -- GPU memory ----------------------------------------------------------------------
+
+    def attribute_gpu(self, gpu: tuple[GpuProcess, ...], *, now: float) -> list[int]:
+        """Give every live process the bytes NVML lists for it now.
+
+        Returns:
+            PIDs NVML lists that do not exist here (another PID namespace, or exited).
+
+        """
+        by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)
+        self.changed = True
+        for proc in self.live.values():
+            proc.gpu_bytes, proc.gpu_unknown = {}, False
+        missing: list[int] = []
+        for pid, per_device in by_pid.items():
+            key = self.by_pid.get(pid)
+            known = self.procs.get(key) if key is not None else None
+            if known is not None and known.exited_s is not None and procs.process_key(pid) == key:
+                continue  # exiting: NVML lists it until its context is gone
+            target = (
+                known
+                if known is not None and known.exited_s is None
+                else self._adopt_gpu_pid(pid, now)
+            )
+            if target is None:
+                missing.append(pid)
+                continue
+            target.gpu_bytes = per_device
+            target.gpu_unknown = pid in unknown
+        return missing
+
+    def _adopt_gpu_pid(self, pid: int, now: float) -> Proc | None:
+        """Place a GPU PID the walks did not see: a tagged orphan of this session, or foreign."""
+        info = procs.read_proc(pid, session_id=self.tag[1], tag_variable=self.tag[0])
+        if info is None:
+            return None
+        proc = self.procs.get(info.key)
+        if proc is not None:
+            # Never replace what is known of a process: an exiting one is still ours.
+            return proc if proc.exited_s is None else None
+        if not info.tagged and claims.owner_of(info.key) is None:
+            root = self.procs[self.root]
+            rank = _rank_of(pid) if root.rank is not None else None
+            other_rank = _same_job(root.rank, root.ppid, rank, pid)
+            proc = Proc(
+                key=info.key,
+                ppid=info.ppid,
+                cmdline=_stored(info.cmdline or info.name),
+                first_seen_s=now,
+                last_seen_s=now,
+                born_epoch=None,
+                pre_existing=False,
+                foreign=not other_rank,
+                own=not other_rank,
+                in_lineage=False,
+                rank=rank,
+                other_rank=other_rank,
+            )
+            self.procs[info.key] = self.live[info.key] = proc
+            self.by_pid[pid] = info.key
+            return proc
+        proc = self.add(info, now=now, born_epoch=None)
+        proc.in_lineage = procs.is_ancestor(self.root.pid, pid)
+        return proc
+
+    def others_gpu_bytes(self) -> dict[int, int]:
+        """GPU bytes per device of the live processes another tracker or rank owns."""
+        total: dict[int, int] = {}
+        for proc in self.live.values():
+            if proc.own or proc.foreign:
+                continue
+            for device, used in proc.gpu_bytes.items():
+                total[device] = total.get(device, 0) + used
+        return total
+
+    # -- epoch-end extras ----------------------------------------------------------------
+
+    def count_nvidia_fds(self) -> None:
+        """Count each own live process's ``/dev/nvidia*`` descriptors (epoch ends)."""
+        for proc in self.live.values():
+            if proc.own and not proc.foreign:
+                proc.nvidia_fds = self._job_nvidia_fds(proc)
+
+    def _job_nvidia_fds(self, proc: Proc) -> int | None:
+        """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.
+
+        Leaves out those NVML opened for leakcheck in the root, which a forked child merely
+        inherited (NOTE [descriptors] in nvml.py).
+        """
+        found = procs.nvidia_fds(proc.key.pid)
+        if found is None:
+            return None
+        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
+        if proc.key == self.root:
+            return len(set(found) - own)
+        forked = proc.cmdline == self.procs[self.root].cmdline
+        return len(set(found) - own) if forked else len(found)
+
+    def confirm_cmdlines(self) -> None:
+        """Re-read at an epoch end the command lines that may still be a parent's.
+
+        A child first seen between fork and exec showed its parent's command line. One that
+        differs from its parent's has exec'd and is not read again; a forked child that
+        never execs matches its parent and is read at each epoch end (one small read).
+        """
+        for key, proc in self.live.items():
+            if proc.foreign or proc.cmdline_confirmed or key == self.root or not proc.own:
+                continue
+            info = procs.read_proc(key.pid)
+            if info is None or info.key != key or not info.cmdline:
+                continue  # gone, or caught mid-exec with no command line: read it next time
+            proc.cmdline = _stored(info.cmdline)
+            parent_key = self.by_pid.get(proc.ppid)
+            parent = self.procs.get(parent_key) if parent_key is not None else None
+            proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
+
+    # -- what a process is ---------------------------------------------------------------
+
+    def role(self, proc: Proc) -> Role:
+        """Where ``proc`` stands relative to the job (DESIGN.md, attribution model)."""
+        if proc.key == self.root:
+            return "parent"
+        if proc.foreign:
+            return "foreign"
+        if not proc.in_lineage:
+            return "orphan"
+        # A worker only when it is known to be one (it reported itself, or the caller
+        # registered it): NOTE [roles from outside] in roles.py.
+        return direct_child_role(proc.key, self.workers)
+
+    @staticmethod
+    def baseline_helper(proc: Proc) -> bool:
+        """A runtime helper that pins nothing on the GPU: a baseline, never a survivor."""
+        return (
+            is_runtime_helper(proc.cmdline)
+            and not any(proc.gpu_bytes.values())
+            and not proc.nvidia_fds
+        )
+
+    def persistent(self, proc: Proc) -> bool:
+        """Whether ``proc`` is expected to outlive the epoch it was born in."""
+        if proc.key == self.root or proc.pre_existing or self.baseline_helper(proc):
+            return True
+        if self.role(proc) != "worker":
+            return False
+        registered = self.workers.get(proc.key)
+        return self.persistent_workers if registered is None else registered

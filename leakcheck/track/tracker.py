@@ -1,0 +1,385 @@
+"""``leakcheck.Tracker``: attribute memory to every process of a job, per epoch, and judge it.
+
+The public front over ``leakcheck.track``: it validates options, times the caller's
+calls (``cost()``), and turns what the sampler observed into a judged ``Report``. How and
+when things are read: NOTE [tracker lifecycle] in sampling/sampler.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+
+from leakcheck.core import ranks
+from leakcheck.core.errors import LeakCheckError, UsageError
+from leakcheck.core.model import (
+    EndReason,
+    EpochRecord,
+    ProcessKey,
+    RuleConfig,
+    TeardownRecord,
+    Timeline,
+    TrackerCost,
+)
+from leakcheck.core.options import parse_interval_option, parse_share_option
+from leakcheck.core.units import parse_duration, parse_size
+from leakcheck.judge.report import Report, build_report
+from leakcheck.observe import torch_state
+from leakcheck.observe.procs import process_key
+from leakcheck.observe.snapshot import Snapshot, take_snapshot
+from leakcheck.track.cost import CostMeter, caller_timed
+from leakcheck.track.sampler import Sampler, end_reason_for
+
+__all__ = ["Tracker", "end_reason_for", "own_rank_device"]
+
+
+def own_rank_device() -> tuple[int, int] | None:
+    """``(rank, NVML index)`` of the device this rank chose with ``torch.cuda.set_device``.
+
+    Only a choice that says something is recorded: torch's current device once CUDA is
+    initialised here, where it is not device 0, the default a rank that never called
+    ``set_device`` also has (then its ``LOCAL_RANK`` says which device is its own, and the
+    device-mismatch rule judges by that). None outside a rank, before CUDA, or unknown.
+    """
+    info = ranks.rank_from_environ(os.environ)
+    if info is None:
+        return None
+    index = torch_state.current_device()
+    if not index:
+        return None
+    device = ranks.physical_device(index, os.environ)
+    return None if device is None else (info.rank, device)
+
+
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    """An int (a bool is not one here) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+class Tracker:
+    """Attribute GPU and host memory to every process of a job, per epoch.
+
+    Use as a context manager::
+
+        with leakcheck.Tracker() as tracker:
+            for epoch in range(5):
+                with tracker.epoch(f"epoch {epoch}"):
+                    train_one_epoch()
+        print(tracker.report().format())
+
+    Args:
+        root_pid: The job's root process (default: this process).
+        interval: Seconds between background samples (default 0.05).
+        devices: Device indices to watch (default: all).
+        tolerance: Growth/residual below this is noise (``"16MiB"``, bytes).
+        warmup_epochs: Epochs the growth rule ignores.
+        grace: Seconds a process born in an epoch may outlive it.
+        persistent_workers: Workers are expected to live across epochs.
+        strict: Raise leakcheck's own failures instead of recording them.
+        use_nvml: Read NVML (False: host-side checks only).
+        session_tag: ``(NAME, VALUE)``, for a root another process started: an environment
+            variable the starter set for the root, which every process of the job inherits.
+            Processes reparented away are then found by it instead of by the tracker's own
+            ``LEAKCHECK_SESSION`` (exported only when the root is this process).
+            ``leakcheck run`` uses it (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time the USS and PSS reads (``/proc/PID/smaps_rollup``
+            of the parent and persistent workers, at epoch ends) may take; an epoch end is
+            skipped while the last reads cost more (its host memory is then RSS, and says
+            so). Default 0.1% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
+            epoch end whatever it costs (short diagnostic runs).
+        scan_at_epoch_end: Also scan for processes reparented away (orphans) in each epoch
+            end's sample, on the caller's thread (a pass over every process's environment),
+            so that each epoch's orphan count is what its end had; by default the scan runs
+            on the sampler thread's next tick, and an orphan can be counted epochs late
+            when epochs are shorter than a tick. ``leakcheck sweep`` sets it.
+
+    """
+
+    def __init__(
+        self,
+        *,
+        root_pid: int | None = None,
+        interval: float | str = 0.05,
+        devices: list[int] | None = None,
+        tolerance: str | int = "16MiB",
+        warmup_epochs: int = 1,
+        grace: float | str = 2.0,
+        persistent_workers: bool = False,
+        strict: bool = False,
+        use_nvml: bool = True,
+        session_tag: tuple[str, str] | None = None,
+        rollup_share: float | None = None,
+        scan_at_epoch_end: bool = False,
+    ) -> None:
+        interval_s = parse_interval_option(interval, "interval")
+        if rollup_share is not None:
+            rollup_share = parse_share_option(rollup_share, "rollup_share")
+        if not _is_int_at_least(warmup_epochs, 0):
+            raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
+        if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
+            raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
+        if root_pid is not None and not _is_int_at_least(root_pid, 1):
+            raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
+        if session_tag is not None and not (
+            isinstance(session_tag, tuple)
+            and len(session_tag) == 2
+            and all(isinstance(part, str) and part and "\0" not in part for part in session_tag)
+            and "=" not in session_tag[0]
+        ):
+            raise UsageError(
+                f"session_tag: expected (NAME, VALUE) of an environment variable, got "
+                f"{session_tag!r}"
+            )
+        self._config = RuleConfig(
+            tolerance_bytes=parse_size(tolerance, source="tolerance"),
+            warmup_epochs=warmup_epochs,
+            grace_s=parse_duration(grace, source="grace"),
+        )
+        self._sampler = Sampler(
+            root_pid=os.getpid() if root_pid is None else root_pid,
+            interval_s=interval_s,
+            devices=list(devices) if devices is not None else None,
+            grace_s=self._config.grace_s,
+            persistent_workers=persistent_workers,
+            strict=strict,
+            use_nvml=use_nvml,
+            session_tag=session_tag,
+            rollup_share=rollup_share,
+            warmup_epochs=warmup_epochs,
+            scan_at_epoch_end=bool(scan_at_epoch_end),
+        )
+
+    @property
+    def meter(self) -> CostMeter:
+        """The counters behind ``cost()``."""
+        return self._sampler.meter
+
+    @property
+    def session_id(self) -> str:
+        """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
+        return self._sampler.session_id
+
+    @property
+    def mailbox_dir(self) -> str | None:
+        """The folder this tracker's workers report to (NOTE [worker mailbox] in mailbox.py).
+
+        Made by ``start()`` (None before, or where it could not be made), removed by
+        ``close()``.
+        """
+        return self._sampler.mailbox_dir
+
+    @property
+    def config(self) -> RuleConfig:
+        """Rule thresholds resolved from the constructor's options."""
+        return self._config
+
+    @property
+    def root_pid(self) -> int:
+        """The job's root process."""
+        return self._sampler.root_pid
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._sampler.closed
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @caller_timed
+    def start(self) -> Tracker:
+        """Take the baseline and start the sampler thread. Idempotent."""
+        self._sampler.start()
+        return self
+
+    @caller_timed
+    def close(self) -> None:
+        """Stop sampling and take the final state. Idempotent.
+
+        Closes an open epoch (reason ``closed``), then waits, at most ``grace`` seconds after
+        the epoch each was born in, for the processes whose survival is not decided yet, so
+        that survivors of every epoch are judged on evidence.
+        """
+        self._sampler.close()
+        self._sampler.failures.raise_pending()
+
+    def __enter__(self) -> Tracker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.end_epoch(*(end_reason_for(exc) if exc is not None else ("closed", None)))
+        self.close()
+
+    # -- epochs --------------------------------------------------------------------------
+
+    @caller_timed
+    def begin_epoch(self, label: str | None = None) -> int:
+        """Open an epoch (closing any open one as ``closed``); returns its index."""
+        if not self._sampler.started:
+            self.start()
+        if self._sampler.closed:
+            raise LeakCheckError("this Tracker is closed; create a new one to track more epochs")
+        index = self._sampler.begin_epoch(label)
+        self._sampler.failures.raise_pending()
+        return index
+
+    @caller_timed
+    def end_epoch(
+        self,
+        reason: EndReason = "completed",
+        error: str | None = None,
+        batches: int | None = None,
+        *,
+        index: int | None = None,
+    ) -> bool:
+        """Close the open epoch; a no-op when none is open.
+
+        Args:
+            reason: How it ended.
+            error: The exception that ended it, as one line.
+            batches: Batches it yielded, where the caller counts them.
+            index: Close it only if it is this epoch (``begin_epoch``'s index): an iterator
+                kept past the start of the next epoch, which closed its own, then ends
+                nothing when it is finally dropped.
+
+        Returns:
+            True when an epoch was closed.
+
+        """
+        closed = self._sampler.end_epoch(reason, error, batches, index)
+        self._sampler.failures.raise_pending()
+        return closed
+
+    @contextmanager
+    def epoch(self, label: str | None = None) -> Iterator[int]:
+        """Context manager around one epoch; the end reason follows how the block ended."""
+        index = self.begin_epoch(label)
+        try:
+            yield index
+        except BaseException as error:
+            self.end_epoch(*end_reason_for(error), index=index)
+            raise
+        else:
+            self.end_epoch("completed", index=index)
+
+    # -- workers -------------------------------------------------------------------------
+
+    @caller_timed
+    def register_worker(
+        self, pid: int, create_time: float | None = None, *, persistent: bool | None = None
+    ) -> None:
+        """Declare a process as a worker of the job (exact identities, not a guess).
+
+        Args:
+            pid: Worker PID.
+            create_time: Its start time (as ``psutil``); read from /proc when None.
+            persistent: Whether it is meant to live across epochs (None: the tracker's
+                ``persistent_workers`` setting).
+
+        """
+        key = process_key(pid) if create_time is None else ProcessKey(pid, create_time)
+        if key is not None:
+            self._sampler.register_worker(key, persistent)
+
+    @caller_timed
+    def finish_reads(self) -> None:
+        """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
+
+        Call it before changing the job's processes right after an epoch (dropping a loader,
+        which stops its persistent workers), so that those reads describe the epoch's end.
+        ``close()`` does it too.
+        """
+        self._sampler.finish_reads()
+
+    def worker_keys(self) -> list[ProcessKey]:
+        """Workers registered so far."""
+        with self._sampler.lock:
+            table = self._sampler.table
+            return sorted(table.workers) if table is not None else []
+
+    @caller_timed
+    def sample(self) -> None:
+        """Take one sample now, as the sampler thread does every ``interval`` (with a walk)."""
+        with self._sampler.lock:
+            self._sampler.sample(epoch_end=False, quick=True)
+        self._sampler.failures.raise_pending()
+
+    # -- results -------------------------------------------------------------------------
+
+    def cost(self) -> TrackerCost:
+        """What tracking has cost so far (own time of the sampler and of the calling threads)."""
+        return self.meter.snapshot()
+
+    def epochs(self) -> tuple[EpochRecord, ...]:
+        """Closed epochs so far."""
+        return self.timeline().epochs
+
+    def teardowns(self) -> tuple[TeardownRecord, ...]:
+        """Teardown records the workers posted so far."""
+        with self._sampler.lock:
+            return tuple(self._sampler.teardowns)
+
+    @caller_timed
+    def snapshot(self) -> Snapshot:
+        """Who in the job holds what, right now (a fresh read, not the last sample)."""
+        return take_snapshot(
+            root_pid=self._sampler.root_pid,
+            devices=self._sampler.devices,
+            known_workers=self.worker_keys(),
+        )
+
+    @caller_timed
+    def timeline(self, *, last_epochs: int | None = None, fresh: bool = False) -> Timeline:
+        """All observations so far, frozen.
+
+        Args:
+            last_epochs: Only the latest this-many closed epochs: a cost that does not grow
+                with the length of the run. None: every closed epoch.
+            fresh: Before the tracker is closed, also read now who is alive and what each
+                holds (the timeline's ``final`` state, ``closed=False``). Once closed, the
+                final state is the one taken at ``close()``.
+
+        Raises:
+            UsageError: ``last_epochs`` is not a positive int.
+
+        """
+        if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
+            raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
+        sampler = self._sampler
+        with sampler.lock:
+            final = sampler.final
+            if final is None and fresh and sampler.started and not sampler.closed:
+                final = sampler.current_state(closed=False)
+            timeline = sampler.timeline(last_epochs=last_epochs, final=final)
+        if sampler.root_pid == os.getpid():
+            own = own_rank_device()
+            if own is not None:
+                timeline = dataclasses.replace(timeline, rank_devices={own[0]: own[1]})
+        return timeline
+
+    @caller_timed
+    def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
+        """Judge what was observed, with a fresh read of what is alive now.
+
+        A report is about now: before ``close()``, it reads who is alive (the parent,
+        survivors, orphans) and what each holds, and judges that with the closed epochs.
+
+        Args:
+            last_epochs: Judge only the latest this-many closed epochs (see ``timeline``).
+            fresh: Read now (default). False judges the closed epochs as recorded (what
+                ``watch()`` does at each epoch end, where the epoch end was just read).
+
+        Raises:
+            UsageError: ``last_epochs`` is not a positive int.
+
+        """
+        timeline = self.timeline(last_epochs=last_epochs, fresh=fresh)
+        self._sampler.failures.raise_pending()
+        return build_report(timeline, self._config)

@@ -1,0 +1,881 @@
+"""Teardown policy: children free, the parent leaves to the runtime at exit.
+
+NOTE [teardown policy]: a DataLoader worker that touched CUDA holds a whole context
+(~0.5 GiB) until the kernel reaps it, and a worker whose parent died may never exit at all.
+The policy, installed in each worker by :class:`WorkerInit` (the chained ``worker_init_fn``):
+
+1. ``PR_SET_PDEATHSIG`` (Linux): the kernel sends the worker SIGTERM when its parent dies,
+   so a crashed trainer leaves no worker behind holding a context.
+2. The worker posts its identity ``(pid, create_time)`` to the mailbox (NOTE [worker
+   mailbox] in mailbox.py), so the tracker knows its workers exactly.
+3. At worker exit (a ``multiprocessing.util.Finalize`` hook: DataLoader workers leave through
+   multiprocessing's bootstrap, which runs finalizers, not ``atexit``), the worker reads its
+   own host memory (USS, PSS, RSS and its peak) and, only when CUDA was initialised in it,
+   joins every registered side stream into the current stream with an event (never free
+   memory a side stream may still use: the cuDNN dgrad race), synchronises, drops registered
+   streams and events, calls registered callables, collects garbage, empties the allocator
+   cache, and releases the context (``cudaDeviceReset``). Then NVML is asked whether the PID
+   has left the device list, and a ``teardown`` record with what it held and freed and how
+   long it took is posted to the mailbox. A teardown never raises:
+   a failing step is recorded as one line and the worker exits normally.
+4. In the parent nothing is destroyed at interpreter shutdown. Once the interpreter is
+   exiting (our ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are
+   deliberately leaked and left to the CUDA runtime: destroying a stream or an event after
+   the runtime has torn the context down is how processes segfault at exit.
+
+The kernel sends the death signal when the *thread* that started the worker exits, not the
+process: a persistent worker started from a short-lived thread would be killed under the
+loader. :func:`leakcheck.watch` therefore asks for it only for workers started from the main
+thread (``WorkerInit.death_signal``); with :func:`worker_init_fn` alone, start persistent
+workers from a thread that lives as long as the loader (the main thread does). Without the
+signal a worker still exits when its parent dies: DataLoader workers watch the parent's PID.
+
+After ``cudaDeviceReset`` the process must not use CUDA again: torch still holds handles
+(cuBLAS, cuDNN, streams) tied to the old context. A worker is exiting anyway; a parent that
+calls :func:`release_device` has finished its GPU work (see there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from leakcheck.core.errors import LeakCheckError, UsageError
+from leakcheck.core.model import MIB, ProcessKey, TeardownRecord
+from leakcheck.observe import hostmem, mailbox, procs
+from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
+
+__all__ = [
+    "ReleaseResult",
+    "WorkerInit",
+    "register_resource",
+    "release_device",
+    "unregister_resource",
+    "worker_init_fn",
+]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_EXIT_PRIORITY = 100
+"""Finalizer priority of the worker teardown: higher runs first, so it runs before the
+worker's queues are flushed and before multiprocessing terminates or joins the worker's own
+children."""
+_CHILD_TERM_TIMEOUT_S = 1.0
+_NVML_POLL_S = 1.0
+"""How long the teardown waits for NVML to drop the PID after the reset (it takes ~ms)."""
+
+ResourceKind = Literal["stream", "event", "callable"]
+
+
+@dataclass(frozen=True)
+class _Registered:
+    owner_pid: int
+    kind: ResourceKind
+    resource: Any
+
+
+_registry: list[_Registered] = []
+_registry_lock = threading.Lock()
+_shutting_down = False
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread at fork time would stay held forever in the child.
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _kind_of(resource: object) -> ResourceKind | None:
+    # Duck-typed so that registering never imports torch: a torch.cuda.Stream has
+    # record_event/wait_event, a torch.cuda.Event has record/synchronize/query.
+    if hasattr(resource, "record_event") and hasattr(resource, "wait_event"):
+        return "stream"
+    if hasattr(resource, "record") and hasattr(resource, "synchronize"):
+        return "event"
+    if callable(resource):
+        return "callable"
+    return None
+
+
+def _mark_shutdown() -> None:
+    """``atexit`` hook: from now on releases are skipped and resources are left alive.
+
+    Each registered resource gets one extra reference that is never dropped, so that the
+    module teardown at interpreter exit cannot run its destructor after the CUDA runtime
+    has gone (NOTE [teardown policy], point 4).
+    """
+    global _shutting_down
+    _shutting_down = True
+    with _registry_lock:
+        for entry in _registry:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry.resource))
+        _registry.clear()
+
+
+atexit.register(_mark_shutdown)
+
+
+def _exiting() -> bool:
+    return _shutting_down or sys.is_finalizing()
+
+
+def register_resource(resource: object) -> None:
+    """Hand a CUDA stream, CUDA event or callable to the teardown policy.
+
+    In a worker, the teardown at exit joins registered streams into the current stream,
+    drops streams and events, and calls callables (to free caches) before emptying the
+    allocator cache and releasing the context. In the parent, :func:`release_device` does
+    the same; at interpreter shutdown nothing is released (NOTE [teardown policy]). The
+    registry holds a strong reference until the resource is released or unregistered.
+
+    Args:
+        resource: A ``torch.cuda.Stream``, a ``torch.cuda.Event``, or a callable taking no
+            arguments.
+
+    Raises:
+        UsageError: The resource is none of these.
+
+    """
+    kind = _kind_of(resource)
+    if kind is None:
+        raise UsageError(
+            "register_resource: expected a CUDA stream, a CUDA event or a callable, "
+            f"got {type(resource).__name__}"
+        )
+    with _registry_lock:
+        _registry.append(_Registered(os.getpid(), kind, resource))
+    # Re-registering moves the hook last, so it runs first among atexit hooks: the flag is
+    # up before other exit hooks (torch's among them) could release anything.
+    atexit.unregister(_mark_shutdown)
+    atexit.register(_mark_shutdown)
+
+
+def unregister_resource(resource: object) -> bool:
+    """Remove a resource registered by this process; True when it was registered."""
+    with _registry_lock:
+        for index, entry in enumerate(_registry):
+            if entry.resource is resource and entry.owner_pid == os.getpid():
+                del _registry[index]
+                return True
+    return False
+
+
+def _take_registered() -> list[_Registered]:
+    """Remove and return this process's entries; a forked child skips its parent's."""
+    pid = os.getpid()
+    with _registry_lock:
+        mine = [entry for entry in _registry if entry.owner_pid == pid]
+        _registry[:] = [entry for entry in _registry if entry.owner_pid != pid]
+    return mine
+
+
+# --- CUDA steps -------------------------------------------------------------------------
+
+
+@dataclass
+class _Freed:
+    streams_joined: int = 0
+    resources_released: int = 0
+    freed_cache_bytes: int = 0
+    context_released: bool = False
+    errors: list[str] | None = None
+
+    def fail(self, step: str, exc: BaseException) -> None:
+        if self.errors is None:
+            self.errors = []
+        self.errors.append(f"{step}: {_one_line(exc)}")
+
+    @property
+    def error(self) -> str | None:
+        return "; ".join(self.errors) if self.errors else None
+
+
+def _release_registered(entries: list[_Registered], devices: set[int], freed: _Freed) -> None:
+    """Join side streams, synchronise, drop streams and events, call callables."""
+    import torch
+
+    for entry in entries:
+        if entry.kind != "stream":
+            continue
+        try:
+            stream = entry.resource
+            event = stream.record_event()
+            torch.cuda.current_stream(stream.device).wait_event(event)
+            devices.add(int(stream.device.index or 0))
+            freed.streams_joined += 1
+        except Exception as exc:
+            freed.fail("join stream", exc)
+    for index in sorted(devices):
+        try:
+            torch.cuda.synchronize(index)
+        except Exception as exc:
+            freed.fail(f"synchronize cuda:{index}", exc)
+    callables = [entry.resource for entry in entries if entry.kind == "callable"]
+    freed.resources_released += len(entries)
+    entries.clear()  # the last references to streams and events: dropped once synchronised
+    for release in callables:
+        try:
+            release()
+        except Exception as exc:
+            freed.fail("callable", exc)
+
+
+def _empty_cache(devices: set[int], freed: _Freed) -> None:
+    import torch
+
+    gc.collect()
+    try:
+        freed.freed_cache_bytes = sum(int(torch.cuda.memory_reserved(i)) for i in devices)
+        torch.cuda.empty_cache()
+    except Exception as exc:
+        freed.fail("empty_cache", exc)
+
+
+_DeviceReset = Callable[[int, bool], int]
+_reset_fn: _DeviceReset | None = None
+
+
+def _mapped_library(stem: str) -> str | None:
+    """Path of a shared library already mapped into this process, e.g. ``libcudart.so``."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _load_mapped(path: str) -> ctypes.CDLL:
+    # RTLD_NOLOAD: bind to the copy torch already loaded, never load a second runtime.
+    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+
+
+def _device_reset_fn() -> _DeviceReset:
+    """Find how to release a device's context, in order of preference.
+
+    ``torch.cuda.cudart()`` (if a torch build exposes ``cudaDeviceReset``); else the
+    ``libcudart`` that torch already mapped (pip wheels ship it as a shared library); else
+    the driver's ``cuDevicePrimaryCtxReset`` (torch builds with a static runtime).
+    """
+    global _reset_fn
+    if _reset_fn is not None:
+        return _reset_fn
+    import torch
+
+    cudart_of: Callable[[], Any] = torch.cuda.cudart
+    try:
+        cudart = cudart_of()
+    except Exception:
+        cudart = None
+    if (
+        cudart is not None
+        and hasattr(cudart, "cudaDeviceReset")
+        and hasattr(cudart, "cudaSetDevice")
+    ):
+
+        def via_torch(index: int, switch: bool) -> int:
+            if switch:
+                code = int(cudart.cudaSetDevice(index) or 0)
+                if code:
+                    return code
+            return int(cudart.cudaDeviceReset() or 0)
+
+        _reset_fn = via_torch
+        return _reset_fn
+    runtime_path = _mapped_library("libcudart.so")
+    if runtime_path is not None:
+        runtime = _load_mapped(runtime_path)
+
+        def via_runtime(index: int, switch: bool) -> int:
+            if switch:
+                code = int(runtime.cudaSetDevice(ctypes.c_int(index)))
+                if code:
+                    return code
+            return int(runtime.cudaDeviceReset())
+
+        _reset_fn = via_runtime
+        return _reset_fn
+    driver_path = _mapped_library("libcuda.so")
+    if driver_path is None:
+        raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
+    driver = _load_mapped(driver_path)
+    reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None) or driver.cuDevicePrimaryCtxReset
+
+    def via_driver(index: int, switch: bool) -> int:
+        device = ctypes.c_int()
+        code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
+        return code or int(reset(device))
+
+    _reset_fn = via_driver
+    return _reset_fn
+
+
+def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
+    """Release the primary context of each device, the current device last.
+
+    Switching to a device whose context is already gone would create a new one (CUDA 12
+    ``cudaSetDevice`` initialises the context), hence the order and no switch back. The
+    runtime's reset acts on the thread's current device, so once another device was reset
+    (and made current), the current device is switched back to (its context still exists)
+    before its own reset.
+    """
+    try:
+        reset = _device_reset_fn()
+    except Exception as exc:
+        freed.fail("find cudaDeviceReset", exc)
+        return
+    ok = True
+    order = sorted(devices - {current}) + ([current] if current in devices else [])
+    switched = False
+    for index in order:
+        try:
+            code = reset(index, switched or index != current)
+            switched = switched or index != current
+        except Exception as exc:
+            freed.fail(f"reset cuda:{index}", exc)
+            ok = False
+            continue
+        if code:
+            freed.fail(f"reset cuda:{index}", LeakCheckError(f"CUDA error {code}"))
+            ok = False
+    freed.context_released = ok
+    if current not in devices and len(order) > 0:
+        # The current device keeps its context: point the thread back at it, as it was.
+        import torch
+
+        try:
+            torch.cuda.set_device(current)
+        except Exception as exc:
+            freed.fail(f"set_device cuda:{current}", exc)
+
+
+def _used_devices() -> tuple[int, set[int]]:
+    """Return the current device and the devices on which this process has a context."""
+    import torch
+
+    current = int(torch.cuda.current_device())
+    devices = {current}
+    for index in range(int(torch.cuda.device_count())):
+        # memory_reserved reads allocator bookkeeping: no context is created for it.
+        if torch.cuda.memory_reserved(index) > 0:
+            devices.add(index)
+    return current, devices
+
+
+# --- NVML -------------------------------------------------------------------------------
+
+
+def _nvml_bytes(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:
+    """Return (listed, used bytes) of a PID in NVML; None when NVML cannot be read.
+
+    ``device`` is an NVML index; None sums over every device.
+    """
+    from leakcheck.observe import nvml
+    try:
+        entries = nvml.get().processes(None if device is None else [device])
+    except LeakCheckError:
+        return None
+    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
+    per_device = by_pid.get(pid)
+    if per_device is None:
+        return False, None
+    return True, (sum(per_device.values()) if per_device else None)
+
+
+def _nvml_bytes_by_device(pid: int) -> dict[int, int] | None:
+    """NVML's used bytes of a PID per device index (empty: not listed); None: unreadable."""
+    from leakcheck.observe import nvml
+    try:
+        entries = nvml.get().processes()
+    except LeakCheckError:
+        return None
+    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
+    return dict(by_pid.get(pid, {}))
+
+
+def _peak_reserved_bytes() -> int | None:
+    """Torch's peak reserved bytes over this process's life, summed over devices."""
+    cuda = initialized_cuda()
+    if cuda is None:
+        return None
+    try:
+        return sum(int(cuda.max_memory_reserved(i)) for i in range(int(cuda.device_count())))
+    except Exception:
+        return None
+
+
+def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:
+    """Poll NVML until the PID is gone (or ``_NVML_POLL_S`` passed)."""
+    deadline = time.monotonic() + _NVML_POLL_S
+    while True:
+        state = _nvml_bytes(pid, device)
+        if state is None or not state[0] or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.01)
+
+
+# --- worker side ------------------------------------------------------------------------
+
+
+def _set_parent_death_signal() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    # A parent that died before prctl sends nothing; DataLoader workers also watch their
+    # parent's PID themselves, so that window is covered without guessing who it was.
+
+
+def _terminate_descendants() -> None:
+    """SIGTERM, then SIGKILL, this process's live descendants.
+
+    psutil remembers each child's create time and refuses to signal a reused PID, so only
+    the ``(pid, create_time)`` identities seen here are ever signalled.
+    """
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=_CHILD_TERM_TIMEOUT_S)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+@dataclass(frozen=True)
+class _WorkerExit:
+    pid: int
+    create_time: float
+    worker_id: int | None
+    release: bool
+    terminate_children: bool
+    mailbox_dir: str | None
+
+
+def _worker_teardown(state: _WorkerExit) -> None:
+    """Run at worker exit (NOTE [teardown policy], point 3); never raises.
+
+    First the worker's own report of what it holds (NOTE [worker reports] in
+    sampling/book.py), then, with ``release``, the release itself.
+    """
+    if os.getpid() != state.pid:
+        return  # a process forked from the worker inherited the finalizer
+    started = time.perf_counter()
+    freed = _Freed()
+    cuda = False
+    held: dict[int, int] | None = None
+    peak_reserved: int | None = None
+    measured_s: float | None = None
+    left_nvml: bool | None = None
+    host: hostmem.HostMemory | None = None
+    try:
+        if state.terminate_children:
+            try:
+                _terminate_descendants()
+            except Exception as exc:
+                freed.fail("terminate children", exc)
+        cuda = initialized_cuda() is not None
+        measured_s = time.monotonic()
+        # Its own host memory, before anything is released: a worker that lives one epoch
+        # is the best source of what it held (NOTE [worker reports] in sampling/book.py).
+        # One smaps_rollup read, in the worker, as it leaves.
+        try:
+            host = hostmem.read_host_memory(state.pid)
+        except Exception as exc:
+            freed.fail("host memory", exc)
+        if cuda:
+            held = _nvml_bytes_by_device(state.pid)
+            peak_reserved = _peak_reserved_bytes()
+        else:
+            held = {}  # no context here: nothing on any device
+        if cuda and state.release:
+            current, devices = _used_devices()
+            _release_registered(_take_registered(), devices, freed)
+            _empty_cache(devices, freed)
+            _reset_devices(devices, current, freed)
+        duration_s = time.perf_counter() - started
+        if cuda and state.release and held:
+            after = _wait_left_nvml(state.pid)
+            left_nvml = None if after is None else not after[0]
+    except BaseException as exc:  # a teardown must let the worker exit
+        freed.fail("teardown", exc)
+        duration_s = time.perf_counter() - started
+    record = TeardownRecord(
+        key=ProcessKey(state.pid, state.create_time),
+        worker_id=state.worker_id,
+        cuda_initialized=cuda,
+        streams_joined=freed.streams_joined,
+        resources_released=freed.resources_released,
+        freed_cache_bytes=freed.freed_cache_bytes,
+        context_released=freed.context_released,
+        gpu_bytes_before=sum(held.values()) if held else None,
+        left_nvml=left_nvml,
+        duration_s=duration_s,
+        error=freed.error,
+        gpu_bytes_by_device=held,
+        peak_reserved_bytes=peak_reserved,
+        monotonic_s=measured_s,
+        released=state.release,
+        host_uss_bytes=host.uss_bytes if host else None,
+        host_pss_bytes=host.pss_bytes if host else None,
+        host_rss_bytes=host.rss_bytes if host else None,
+        host_rss_peak_bytes=host.rss_peak_bytes if host else None,
+    )
+    fields = asdict(record)
+    del fields["key"]
+    if held is not None:
+        fields["gpu_bytes_by_device"] = {str(index): num for index, num in held.items()}
+    mailbox.post(
+        "teardown",
+        {"pid": state.pid, "create_time": state.create_time, **fields},
+        directory=state.mailbox_dir,
+    )
+
+
+class WorkerInit:
+    """A picklable ``worker_init_fn`` that installs the teardown policy in each worker.
+
+    Build it with :func:`worker_init_fn`. It is a class, not a closure, so that ``spawn``
+    and ``forkserver`` workers can unpickle it.
+    """
+
+    def __init__(
+        self,
+        user_fn: Callable[[int], object] | None = None,
+        *,
+        terminate_children: bool = False,
+        release: bool = True,
+        persistent: bool | None = None,
+        mailbox_dir: str | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        self.user_fn = user_fn
+        self.terminate_children = terminate_children
+        self.release = release
+        self.persistent = persistent
+        self.mailbox_dir = mailbox_dir
+        self.session_id = session_id
+        self.death_signal = True
+        """Set ``PR_SET_PDEATHSIG`` (with ``release``); ``watch`` clears it for workers
+        started from a thread other than the main thread (NOTE [teardown policy])."""
+
+    def __repr__(self) -> str:
+        return (
+            f"leakcheck.worker_init_fn({self.user_fn!r}, release={self.release}, "
+            f"terminate_children={self.terminate_children})"
+        )
+
+    def __call__(self, worker_id: int) -> None:
+        """Run in the worker: policy first, then the user's own ``worker_init_fn``."""
+        # A forkserver worker inherits the server's environment, not the trainer's: carry
+        # the tracker's session and mailbox explicitly, and export them again so that the
+        # worker's own children carry the session tag too.
+        if self.session_id:
+            os.environ[procs.SESSION_ENV] = self.session_id
+        if self.mailbox_dir:
+            os.environ[mailbox.MAILBOX_ENV] = self.mailbox_dir
+        if self.release and self.death_signal:
+            _set_parent_death_signal()
+        pid = os.getpid()
+        key = procs.process_key(pid)
+        if key is not None:
+            mailbox.post(
+                "worker",
+                {
+                    "pid": pid,
+                    "create_time": key.create_time,
+                    "ppid": os.getppid(),
+                    "worker_id": worker_id,
+                    "persistent": self.persistent,
+                },
+                directory=self.mailbox_dir,
+            )
+            reporting = bool(self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV))
+            if self.release or self.terminate_children or reporting:
+                # Reported even without the release: what the worker held is its epoch's
+                # truth (NOTE [worker reports] in sampling/book.py).
+                import multiprocessing.util
+
+                multiprocessing.util.Finalize(
+                    None,
+                    _worker_teardown,
+                    args=(
+                        _WorkerExit(
+                            pid=pid,
+                            create_time=key.create_time,
+                            worker_id=worker_id,
+                            release=self.release,
+                            terminate_children=self.terminate_children,
+                            mailbox_dir=self.mailbox_dir,
+                        ),
+                    ),
+                    exitpriority=_EXIT_PRIORITY,
+                )
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+def worker_init_fn(
+    user_fn: Callable[[int], object] | None = None,
+    *,
+    terminate_children: bool = False,
+    release: bool = True,
+    persistent: bool | None = None,
+) -> WorkerInit:
+    """Return a ``worker_init_fn`` for ``torch.utils.data.DataLoader`` with the policy.
+
+    Use it without :func:`leakcheck.watch` to get the teardown policy alone::
+
+        loader = DataLoader(ds, num_workers=4, worker_init_fn=leakcheck.worker_init_fn(seed))
+
+    In each worker it sets ``PR_SET_PDEATHSIG``, reports the worker's identity to a running
+    tracker (if any), and at worker exit releases the worker's CUDA resources
+    (NOTE [teardown policy]); then it calls ``user_fn(worker_id)``.
+
+    Args:
+        user_fn: Your own ``worker_init_fn``; it still runs, after the policy is installed.
+        terminate_children: At worker exit, SIGTERM (then SIGKILL after 1 s) the worker's
+            own live descendants, so none outlives the loader.
+        release: Release CUDA resources at worker exit (False: only report identity).
+        persistent: The loader uses ``persistent_workers`` (None: unknown).
+
+    Returns:
+        A picklable callable (works with fork, spawn and forkserver).
+
+    """
+    return WorkerInit(
+        user_fn, terminate_children=terminate_children, release=release, persistent=persistent
+    )
+
+
+# --- parent side: explicit release -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """What :func:`release_device` freed.
+
+    Attributes:
+        device_index: The CUDA device released (None when nothing was done).
+        freed_cache_bytes: Bytes the allocator had reserved before its cache was emptied.
+        context_released: The device's context was released (``cudaDeviceReset``).
+        gpu_bytes_before: NVML's used bytes of this process before (None: unknown).
+        gpu_bytes_after: NVML's used bytes of this process after (0 when it left the
+            device list; None: unknown).
+        duration_s: Seconds it took.
+        note: One line on what happened, e.g. why there was nothing to free.
+        error: One line if a step failed.
+
+    """
+
+    device_index: int | None
+    freed_cache_bytes: int
+    context_released: bool
+    gpu_bytes_before: int | None
+    gpu_bytes_after: int | None
+    duration_s: float
+    note: str = ""
+    error: str | None = None
+
+
+def _device_index(device: object) -> int:
+    import torch
+
+    if device is None:
+        return int(torch.cuda.current_device())
+    if isinstance(device, bool):
+        raise UsageError(f"release_device: expected a CUDA device index, got {device!r}")
+    if isinstance(device, int):
+        index = device
+    else:
+        try:
+            parsed = torch.device(device)  # type: ignore[call-overload]
+        except (RuntimeError, TypeError) as exc:
+            raise UsageError(
+                f"release_device: expected a CUDA device such as 0 or 'cuda:0', got {device!r}"
+            ) from exc
+        if parsed.type != "cuda":
+            raise UsageError(f"release_device: expected a CUDA device, got {device!r}")
+        index = int(parsed.index) if parsed.index is not None else int(torch.cuda.current_device())
+    count = int(torch.cuda.device_count())
+    if not 0 <= index < count:
+        raise UsageError(
+            f"release_device: CUDA device {index} out of range (this process sees {count})"
+        )
+    return index
+
+
+# Threads that cannot use a device, whatever they are: multiprocessing's queue feeders only
+# write to pipes. A DataLoader's pin-memory thread uses CUDA only while its loader is being
+# iterated: one left by a finished loader waits on an empty queue (after a release the
+# process must not use CUDA again anyway, that loader included).
+_DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
+
+
+def _other_threads() -> list[str]:
+    """Names of live threads that might use the device.
+
+    All but this one, leakcheck's, and those that cannot touch it (``_DEVICE_FREE_THREADS``).
+    """
+    current = threading.current_thread()
+    return [
+        thread.name
+        for thread in threading.enumerate()
+        if thread is not current
+        and not (thread.daemon and thread.name.startswith("leakcheck"))
+        and not any(marker in thread.name for marker in _DEVICE_FREE_THREADS)
+    ]
+
+
+def _live_tensors_text(index: int) -> str:
+    """The largest live CUDA tensors on ``cuda:index``, for a refusal's message."""
+    import torch
+
+    sizes: dict[str, list[int]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+                continue
+            if obj.device.index != index:
+                continue
+            shape = "x".join(str(d) for d in obj.shape) or "scalar"
+            key = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
+            sizes.setdefault(key, []).append(obj.untyped_storage().nbytes())
+        except Exception:
+            continue
+    largest = sorted(sizes.items(), key=lambda kv: -sum(kv[1]))[:3]
+    return ", ".join(
+        f"{len(found)} x {name} ({sum(found) / MIB:.1f} MiB)" for name, found in largest
+    )
+
+
+def _nvml_index(cuda_index: int) -> int | None:
+    """NVML index of a CUDA device (NVML ignores ``CUDA_VISIBLE_DEVICES``); None: unknown."""
+    import torch
+
+    from leakcheck.observe import nvml
+    try:
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+        handle = nvml.get()
+        for state in handle.memory():
+            if state.uuid.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+                return state.index
+    except Exception:
+        return None
+    return None
+
+
+def release_device(device: object = None, *, force: bool = False) -> ReleaseResult:
+    """Release this process's CUDA context on one device, and report what was freed.
+
+    When to use it: a benchmark or a job that must let the GPU go before it exits, e.g.
+    to let the device cool and clock down between measured runs, or a long-lived process
+    that has finished its GPU work. A process keeps its context (~0.5 GiB) and the GPU
+    keeps high clocks until the context is gone; this gives both back now.
+
+    Steps: join registered side streams, synchronise, drop registered streams and events,
+    call registered callables, collect garbage, empty the allocator cache, then
+    ``cudaDeviceReset`` (NOTE [teardown policy]). Do not use CUDA in this process afterwards:
+    torch keeps handles tied to the old context. It never initialises CUDA: without a
+    context there is nothing to free, and the result says so. During interpreter shutdown
+    it does nothing (the runtime releases everything).
+
+    Args:
+        device: CUDA device index, ``"cuda:N"`` or ``torch.device``; None: the current one.
+        force: Release even while tensors are allocated or other threads may use the
+            device (their tensors become invalid).
+
+    Returns:
+        A :class:`ReleaseResult`.
+
+    Raises:
+        LeakCheckError: Tensors are still allocated on the device, or other threads are
+            alive, and ``force`` is False. The message says which.
+        UsageError: ``device`` is not a CUDA device of this process.
+
+    """
+    if _exiting():
+        return ReleaseResult(
+            None, 0, False, None, None, 0.0, note="interpreter is exiting: left to the runtime"
+        )
+    if initialized_cuda() is None:
+        return ReleaseResult(
+            None,
+            0,
+            False,
+            None,
+            None,
+            0.0,
+            note="nothing to free: CUDA was never initialised in this process",
+        )
+    import torch
+
+    index = _device_index(device)
+    if not force:
+        gc.collect()  # tensors kept only by garbage cycles are not the caller's
+        clear_library_workspaces()
+        allocated = int(torch.cuda.memory_allocated(index))
+        if allocated > 0:
+            tensors = _live_tensors_text(index)
+            which = f" (largest: {tensors})" if tensors else ""
+            raise LeakCheckError(
+                f"release_device: this process still holds {allocated / MIB:.1f} MiB of "
+                f"tensors on cuda:{index}{which}; delete them first, or pass force=True"
+            )
+        others = _other_threads()
+        if others:
+            raise LeakCheckError(
+                f"release_device: other threads may use cuda:{index} "
+                f"({', '.join(others[:5])}); stop them first, or pass force=True"
+            )
+    started = time.perf_counter()
+    nvml_index = _nvml_index(index)
+    pid = os.getpid()
+    before = _nvml_bytes(pid, nvml_index) if nvml_index is not None else None
+    freed = _Freed()
+    devices = {index}
+    _release_registered(_take_registered(), devices, freed)
+    _empty_cache({index}, freed)
+    _reset_devices({index}, int(torch.cuda.current_device()), freed)
+    duration_s = time.perf_counter() - started
+    after = _wait_left_nvml(pid, nvml_index) if before is not None and before[0] else None
+    return ReleaseResult(
+        device_index=index,
+        freed_cache_bytes=freed.freed_cache_bytes,
+        context_released=freed.context_released,
+        gpu_bytes_before=before[1] if before is not None else None,
+        gpu_bytes_after=(after[1] if after[0] else 0) if after is not None else None,
+        duration_s=duration_s,
+        note="context released" if freed.context_released else "context not released",
+        error=freed.error,
+    )

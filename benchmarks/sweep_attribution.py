@@ -21,7 +21,8 @@ WITHIN_BYTES = 2 * MIB
 
 
 def _key(entry: dict[str, Any]) -> tuple[int, float]:
-    return int(entry["pid"]), float(entry["create_time"])
+    # Start ticks since report schema 3; a sweep saved before names processes by create time.
+    return int(entry["pid"]), float(entry.get("start_ticks", entry.get("create_time", 0)))
 
 
 def check(sweep: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The helper process of grandchild_leak.py, stopped with its worker.
 
 ``leakcheck.worker_init_fn(terminate_children=True)`` makes each worker, at exit, SIGTERM
-(then SIGKILL) the live descendants it started, identified by (pid, create_time); watch()
+(then SIGKILL) the live descendants it started, identified by psutil as it listed them; watch()
 keeps that setting when it chains its own policy. Better still, a dataset that starts a
 helper stops it itself; this is the net for the ones that do not. The report is clean.
 

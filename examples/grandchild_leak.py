@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
+from leakcheck.observe.procs import process_key
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HELPER = (
@@ -59,13 +60,16 @@ def make_loader(folder: str, **options: object) -> DataLoader[int]:
 
 
 def kill_orphans(report: leakcheck.Report) -> None:
-    """Stop the processes this example leaked, checked by (pid, create_time)."""
+    """Stop the processes this example leaked, checked by (pid, start_ticks)."""
     for finding in report.leaks:
         if finding.rule not in ("orphan", "survivor") or finding.pid is None:
             continue
         try:
             proc = psutil.Process(finding.pid)
-            if finding.create_time is None or abs(proc.create_time() - finding.create_time) < 1:
+            if finding.start_ticks is None or process_key(finding.pid) == (
+                finding.pid,
+                finding.start_ticks,
+            ):
                 proc.kill()
         except psutil.Error:
             pass

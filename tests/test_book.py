@@ -41,11 +41,11 @@ def test_a_birth_between_epochs_or_before_the_first_is_none() -> None:
 def test_close_waits_from_the_end_of_the_epoch_a_process_was_born_in() -> None:
     """A helper found epochs after its birth has had its grace since its birth epoch ended."""
     book = _book((0.0, 1.0), (1.0, 2.0), (2.0, 3.0))
-    root = ProcessKey(os.getpid(), 100.0)
+    root = ProcessKey(os.getpid(), 10_000)
     table = ProcessTable(root, None, session="s", persistent_workers=False)
     late, between = (
         table.add(
-            ProcInfo(ProcessKey(pid, 101.0), root.pid, "python", "python helper.py"),
+            ProcInfo(ProcessKey(pid, 10_100), root.pid, "python", "python helper.py"),
             now=3.1,
             born_epoch=2,
         )

@@ -1,7 +1,7 @@
-"""Ownership among trackers: which epoch a process's create time falls in (NOTE [claims]).
+"""Ownership among trackers: which epoch a process's start falls in (NOTE [claims]).
 
-The registry's epochs are set directly, in seconds since boot, and a process's create time is
-given as /proc gives it: whole clock ticks, truncated.
+The registry's epochs are set directly, in seconds since boot, and a process's start is
+given as /proc gives it: whole clock ticks since boot, truncated (``_ticks``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ from leakcheck.track.table import ProcessTable
 Epochs = list[tuple[str, float, float | None]]
 
 
+def _ticks(since_boot_s: float) -> int:
+    """Start ticks of a process born ``since_boot_s`` seconds after boot."""
+    return round(since_boot_s * procs.clock_ticks())
+
+
 def _owner(monkeypatch: pytest.MonkeyPatch, epochs: Epochs, born_tick_s: float) -> str:
     monkeypatch.setattr(claims, "_epochs", list(epochs))
     monkeypatch.setattr(claims, "_owners", {})
-    key = ProcessKey(pid=4242, create_time=procs.boot_time_s() + born_tick_s)
+    key = ProcessKey(pid=4242, start_ticks=_ticks(born_tick_s))
     return claims.claim(key, None, "placing")
 
 
@@ -82,14 +87,13 @@ def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
 def test_a_workers_report_takes_along_what_it_started_before_the_report(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The validation worker was forked in the tick its epoch opened, so its create time
-    reads before the opening and the training epoch claims it; its helper follows it, and
+    """The validation worker was forked in the tick its epoch opened, so its start reads
+    before the opening and the training epoch claims it; its helper follows it, and
     both move to validation when the worker's own report arrives (rule 1 before rule 2)."""
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    boot_s = procs.boot_time_s()
-    worker = ProcessKey(pid=500, create_time=boot_s + 10.48)
-    helper = ProcessKey(pid=501, create_time=boot_s + 10.50)
-    grandchild = ProcessKey(pid=502, create_time=boot_s + 10.52)
+    worker = ProcessKey(pid=500, start_ticks=_ticks(10.48))
+    helper = ProcessKey(pid=501, start_ticks=_ticks(10.50))
+    grandchild = ProcessKey(pid=502, start_ticks=_ticks(10.52))
     assert claims.claim(worker, None, "train") == "train"
     assert claims.claim(helper, worker, "train") == "train"
     assert claims.claim(grandchild, helper, "train") == "train"
@@ -103,9 +107,8 @@ def test_a_child_with_a_report_of_its_own_stays_with_its_report(
     """A worker's child that reported itself to another loader (a loader made inside a
     worker) is that loader's, whatever the parent's claim becomes."""
     _fresh_registry(monkeypatch, [("train", 9.0, None)])
-    boot_s = procs.boot_time_s()
-    worker = ProcessKey(pid=600, create_time=boot_s + 9.5)
-    inner = ProcessKey(pid=601, create_time=boot_s + 9.6)
+    worker = ProcessKey(pid=600, start_ticks=_ticks(9.5))
+    inner = ProcessKey(pid=601, start_ticks=_ticks(9.6))
     claims.claim(worker, None, "train")
     claims.claim(inner, worker, "train")
     claims.claim_worker(inner, "inner")
@@ -120,11 +123,10 @@ def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
 ) -> None:
     """A persistent worker that starts a helper per sample: its list must not grow."""
     _fresh_registry(monkeypatch, [("train", 9.0, None)])
-    boot_s = procs.boot_time_s()
-    worker = ProcessKey(pid=700, create_time=boot_s + 9.5)
+    worker = ProcessKey(pid=700, start_ticks=_ticks(9.5))
     claims.claim(worker, None, "train")
     for index in range(3):
-        helper = ProcessKey(pid=701 + index, create_time=boot_s + 9.6 + index)
+        helper = ProcessKey(pid=701 + index, start_ticks=_ticks(9.6 + index))
         claims.claim(helper, worker, "train")
         claims.forget([helper])
     assert claims._heir_of == {}
@@ -134,7 +136,7 @@ def test_a_report_read_after_its_worker_was_seen_gone_still_corrects_its_first_o
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
+    worker = ProcessKey(pid=800, start_ticks=_ticks(10.48))
     assert claims.claim(worker, None, "train") == "train"
     claims.forget([worker])
     claims.claim_worker(worker, "val")
@@ -147,11 +149,11 @@ def test_corrections_for_a_tracker_that_never_asks_again_are_bounded(
 ) -> None:
     _fresh_registry(monkeypatch, [("closed", 9.0, None)])
     for pid in range(1000, 1000 + 3 * claims._KEPT_GONE):
-        worker = ProcessKey(pid=pid, create_time=procs.boot_time_s() + 9.5)
+        worker = ProcessKey(pid=pid, start_ticks=_ticks(9.5))
         assert claims.claim(worker, None, "closed") == "closed"
         claims.claim_worker(worker, "other")
     assert len(claims._taken) == claims._KEPT_GONE
-    latest = ProcessKey(pid=999 + 3 * claims._KEPT_GONE, create_time=procs.boot_time_s() + 9.5)
+    latest = ProcessKey(pid=999 + 3 * claims._KEPT_GONE, start_ticks=_ticks(9.5))
     assert latest in claims.taken_from("closed") and not claims._taken
 
 
@@ -159,8 +161,8 @@ def test_a_late_report_moves_the_workers_child_seen_gone_with_it_and_claims_noth
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
-    child = ProcessKey(pid=801, create_time=procs.boot_time_s() + 10.6)
+    worker = ProcessKey(pid=800, start_ticks=_ticks(10.48))
+    child = ProcessKey(pid=801, start_ticks=_ticks(10.6))
     assert claims.claim(worker, None, "train") == "train"
     assert claims.claim(child, worker, "train") == "train"  # rule 2: its worker's owner
     claims.forget([worker, child])
@@ -173,9 +175,9 @@ def test_a_worker_known_from_its_report_alone_leaves_no_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _fresh_registry(monkeypatch, [("val", 9.0, None)])
-    root = ProcessKey(os.getpid(), 100.0)
+    root = ProcessKey(os.getpid(), 10_000)
     val = ProcessTable(root, None, session="val", persistent_workers=False)
-    worker = ProcessKey(_GONE_PID + 1, procs.boot_time_s() + 9.5)
+    worker = ProcessKey(_GONE_PID + 1, _ticks(9.5))
     assert val.register_worker(worker, False, now=10.0, born_epoch=0).own
     assert worker not in claims._owners and claims._gone == {worker: "val"}
 
@@ -188,8 +190,8 @@ def _val_worker_tables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[ProcessKey, ProcInfo, ProcessTable, ProcessTable, EpochBook]:
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    root = ProcessKey(os.getpid(), 100.0)
-    worker = ProcessKey(_GONE_PID, procs.boot_time_s() + 10.48)
+    root = ProcessKey(os.getpid(), 10_000)
+    worker = ProcessKey(_GONE_PID, _ticks(10.48))
     info = ProcInfo(worker, root.pid, "python", "python train.py")
     train = ProcessTable(root, None, session="train", persistent_workers=False)
     val = ProcessTable(root, None, session="val", persistent_workers=False)
@@ -208,7 +210,7 @@ def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epo
     gone first, the report must take it out of the training epoch's record."""
     worker, info, train, val, book = _val_worker_tables(monkeypatch)
     train.apply_walk([info], now=10.5, quick=False, born_epoch=0)
-    assert train.procs[worker].own  # rule 3: the create time reads before val's opening
+    assert train.procs[worker].own  # rule 3: its start reads before val's opening
     book.note_sample(train, None)
     val.apply_walk([info], now=10.51, quick=False, born_epoch=0)
     if train_sees_it_gone_first:
@@ -232,7 +234,7 @@ def test_a_listing_taken_before_its_process_was_seen_gone_claims_it_no_more(
     """Train lists W; val reads W's report and sees it gone; train then places W from its
     listing: W stays val's (rule 3 would have said train's)."""
     _fresh_registry(monkeypatch, [("train", 9.0, None), ("val", 10.483, None)])
-    worker = ProcessKey(pid=800, create_time=procs.boot_time_s() + 10.48)
+    worker = ProcessKey(pid=800, start_ticks=_ticks(10.48))
     claims.claim_worker(worker, "val")
     claims.forget([worker])
     assert claims.claim(worker, None, "train") == "val"
@@ -243,18 +245,18 @@ def test_a_child_of_a_trackers_own_root_is_that_trackers(monkeypatch: pytest.Mon
     """A ``Tracker(root_pid=S)`` beside a tracker of this process: the outer one placed S,
     and may place S's children first, in the tick the inner epoch opened."""
     _fresh_registry(monkeypatch, [("outer", 9.0, None), ("inner", 10.483, None)])
-    me, other = ProcessKey(os.getpid(), 100.0), ProcessKey(4001, 101.0)
+    me, other = ProcessKey(os.getpid(), 10_000), ProcessKey(4001, 10_100)
     claims.add_root(me, "outer")
-    child = ProcessKey(pid=801, create_time=procs.boot_time_s() + 10.48)
-    root = ProcessKey(pid=800, create_time=procs.boot_time_s() + 5.0)
+    child = ProcessKey(pid=801, start_ticks=_ticks(10.48))
+    root = ProcessKey(pid=800, start_ticks=_ticks(5.0))
     assert claims.claim(root, me, "outer") == "outer"
     claims.add_root(root, "inner")
     assert claims.claim(child, root, "outer") == "inner"
     # This process's own trackers share their root: rule 3 tells them apart.
     claims.add_root(me, "inner")
-    sibling = ProcessKey(pid=802, create_time=procs.boot_time_s() + 10.48)
+    sibling = ProcessKey(pid=802, start_ticks=_ticks(10.48))
     assert claims.claim(sibling, me, "inner") == "outer"
-    assert claims.claim(ProcessKey(4002, 102.0), other, "inner") == "inner"
+    assert claims.claim(ProcessKey(4002, 10_200), other, "inner") == "inner"
 
 
 def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_one() -> None:

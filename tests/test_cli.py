@@ -207,6 +207,8 @@ def test_copy_on_read_scenario_is_found_per_worker_in_mib_per_epoch(tmp_path: Pa
 
 
 def test_orphan_scenario_found_and_cleaned_up(tmp_path: Path) -> None:
+    from leakcheck.observe import procs
+
     json_path = tmp_path / "orphan.json"
     run = leakcheck(
         "sweep",
@@ -234,11 +236,8 @@ def test_orphan_scenario_found_and_cleaned_up(tmp_path: Path) -> None:
             (finding["pid"], "terminated")
         ]
         assert f"cleanup: terminated PID {finding['pid']}" in run.stdout
-        try:
-            process = psutil.Process(finding["pid"])
-            assert process.create_time() != pytest.approx(finding["create_time"], abs=0.05)
-        except psutil.NoSuchProcess:
-            pass
+        # Gone, or its PID names another process now.
+        assert procs.process_key(finding["pid"]) != (finding["pid"], finding["start_ticks"])
     assert len(data["configurations"]) == 1
     assert "verdict LEAK" in run.stdout
 
@@ -823,7 +822,7 @@ def test_snapshot_reads_no_environment_older_than_the_root(
         for pid in read_tags_of
         if pid not in gpu_holders
         and (key := procs.process_key(pid)) is not None
-        and key.create_time < root_key.create_time
+        and key.start_ticks < root_key.start_ticks
     ]
     assert older == []
     assert len(procs.scan_all(with_cmdline=False)) > len(read_tags_of)  # most were skipped
@@ -852,7 +851,7 @@ def test_snapshot_reads_no_kernel_threads_environment(
         for pid in kernel_threads
         if init is not None
         and (key := procs.process_key(pid)) is not None
-        and key.create_time > init.create_time
+        and key.start_ticks > init.start_ticks
     }
     if not younger:
         pytest.skip("no kernel thread younger than PID 1 here")
@@ -956,26 +955,24 @@ def test_snapshot_survives_an_nvml_read_that_raises(monkeypatch: pytest.MonkeyPa
     assert os.getpid() in {entry.info.key.pid for entry in taken.processes}
 
 
-def test_orphan_judgement_goes_by_ages_not_by_the_tags_clock() -> None:
-    """A tag's start time may be off (the wall clock was stepped): a live ancestor is still
-    the root; a root PID now naming a younger process is a reused PID, so the root is gone."""
+def test_orphan_judgement_goes_by_the_roots_identity_in_the_tag() -> None:
+    """NOTE [process identity]: the tag names its root by start ticks, which no clock moves.
+    Its live parent is the root; the same PID with other ticks (a reused PID) is not; where
+    the tag's ticks are unknown (0), a root PID naming a younger process is reused."""
     from leakcheck.observe import procs, snapshot
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    time.sleep(0.05)  # a start time some clock ticks later
-    younger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        sleeper_key = procs.process_key(sleeper.pid)
-        assert sleeper_key is not None
-        # The tag names this process (its parent) with a start time 50 s off.
-        drifted = f"{os.getpid()}-{round(sleeper_key.create_time * 100) - 5000}-0000beef"
-        assert not snapshot._is_orphaned(drifted, sleeper_key)
-        # The tag names a PID that now belongs to a process started after the sleeper.
-        reused = f"{younger.pid}-{round(sleeper_key.create_time * 100) - 5000}-0000beef"
-        assert snapshot._is_orphaned(reused, sleeper_key)
+        key, own = procs.process_key(child.pid), procs.process_key(os.getpid())
+        assert key is not None and own is not None
+        tag = procs.new_session_id()  # names this process, the child's parent
+        assert procs.session_root_pid(tag) == own
+        assert not snapshot._is_orphaned(tag, key)
+        assert snapshot._is_orphaned(f"{own.pid}-{own.start_ticks + 1}-0000beef", key)
+        assert not snapshot._is_orphaned(f"{own.pid}-0-0000beef", key)
+        assert snapshot._is_orphaned(f"{child.pid}-0-0000beef", own)
     finally:
-        for child in (sleeper, younger):
-            child.kill()
-            child.wait()
+        child.kill()
+        child.wait()
 
 
 def test_main_module_runs_main() -> None:

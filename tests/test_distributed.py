@@ -4,7 +4,7 @@ Each test runs ``tests/dist_train.py`` with 2 ranks of one forked worker each, u
 ``leakcheck run`` (``--nproc-per-node``, or wrapping torchrun itself) or under plain
 torchrun with ``leakcheck.gather_reports``. What a rank leaves behind is checked against the
 process itself (its ``RANK`` in ``/proc/PID/environ``), and stopped afterwards by
-(pid, create_time).
+(pid, start_ticks).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import psutil
 import pytest
 
 from leakcheck.commands.run_cli import torchrun_command
-from leakcheck.core.model import Finding, RankInfo
+from leakcheck.core.model import Finding, ProcessKey, RankInfo
 from leakcheck.judge.job import RankReport, judge_job
 from leakcheck.judge.report import build_report
+from leakcheck.observe.procs import process_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/dist_train.py"
@@ -44,16 +45,16 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def leftovers() -> Iterator[list[tuple[int, float]]]:
-    """(pid, create_time) of what a job left; stopped after the test, by identity."""
-    found: list[tuple[int, float]] = []
+def leftovers() -> Iterator[list[tuple[int, int]]]:
+    """(pid, start_ticks) of what a job left; stopped after the test, by identity."""
+    found: list[tuple[int, int]] = []
     yield found
     procs: list[psutil.Process] = []
     trackers: list[psutil.Process] = []
-    for pid, create_time in found:
+    for pid, start_ticks in found:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - create_time) < 0.05:
+            if process_key(pid) == ProcessKey(pid, start_ticks):
                 tracker = "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
                 (trackers if tracker else procs).append(proc)
     # A killed rank's resource tracker unlinks the rank's named semaphores (/dev/shm/sem.mp-*)
@@ -91,7 +92,7 @@ def _run(argv: list[str], workdir: Path) -> tuple[int, str, str]:
 
 
 def leakcheck_run(
-    args: list[str], workdir: Path, leftovers: list[tuple[int, float]]
+    args: list[str], workdir: Path, leftovers: list[tuple[int, int]]
 ) -> tuple[int, str, dict[str, Any]]:
     """``leakcheck run --json ... ARGS``: status, standard error, the JSON."""
     json_path = workdir / "run.json"
@@ -103,8 +104,8 @@ def leakcheck_run(
     for report in reports:
         for finding in report["findings"]:
             # A /dev/shm finding names its holder by PID alone: not a process to stop.
-            if finding["create_time"] is not None and finding["role"] != "parent":
-                leftovers.append((finding["pid"], finding["create_time"]))
+            if finding["start_ticks"] is not None and finding["role"] != "parent":
+                leftovers.append((finding["pid"], finding["start_ticks"]))
     return status, err, data
 
 
@@ -134,7 +135,7 @@ def helper_leaks(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_a_clean_two_rank_job_has_a_clean_verdict_per_rank(
-    workdir: Path, leftovers: list[tuple[int, float]]
+    workdir: Path, leftovers: list[tuple[int, int]]
 ) -> None:
     status, err, data = leakcheck_run(
         ["--nproc-per-node", "2", "--", SCRIPT, "--folder", str(workdir)], workdir, leftovers
@@ -172,7 +173,7 @@ def test_a_clean_two_rank_job_has_a_clean_verdict_per_rank(
 
 
 def test_a_grandchild_left_by_rank_1_is_named_with_its_rank_wrapping_torchrun(
-    workdir: Path, leftovers: list[tuple[int, float]]
+    workdir: Path, leftovers: list[tuple[int, int]]
 ) -> None:
     args = ["--", *TORCHRUN, SCRIPT, "--mode", "grandchild", "--folder", str(workdir)]
     status, err, data = leakcheck_run(args, workdir, leftovers)
@@ -192,7 +193,7 @@ def test_a_grandchild_left_by_rank_1_is_named_with_its_rank_wrapping_torchrun(
 
 
 def test_a_rank_killed_mid_epoch_is_named_with_its_leftovers_and_the_status_kept(
-    workdir: Path, leftovers: list[tuple[int, float]]
+    workdir: Path, leftovers: list[tuple[int, int]]
 ) -> None:
     args = ["--nproc-per-node", "2", "--", SCRIPT, "--mode", "kill", "--folder", str(workdir)]
     status, err, data = leakcheck_run(args, workdir, leftovers)
@@ -214,7 +215,7 @@ def test_a_rank_killed_mid_epoch_is_named_with_its_leftovers_and_the_status_kept
 
 
 def test_reports_are_gathered_on_rank_0_through_torch_distributed(
-    workdir: Path, leftovers: list[tuple[int, float]]
+    workdir: Path, leftovers: list[tuple[int, int]]
 ) -> None:
     argv = [*TORCHRUN, SCRIPT, "--mode", "grandchild", "--gather", "--folder", str(workdir)]
     status, out, err = _run(argv, workdir)
@@ -222,7 +223,7 @@ def test_reports_are_gathered_on_rank_0_through_torch_distributed(
     job = json.loads((workdir / "job.json").read_text())  # written by rank 0 alone
     for rank in job["ranks"]:
         for leak in rank["leaks"]:
-            leftovers.append((leak["pid"], leak["create_time"]))
+            leftovers.append((leak["pid"], leak["start_ticks"]))
     ranks = {rank["rank"]: rank for rank in job["ranks"]}
     assert sorted(ranks) == [0, 1] and all(rank["reported"] for rank in ranks.values())
     assert ranks[0]["verdict"] == "clean" and ranks[1]["verdict"] == "leak"
@@ -280,7 +281,7 @@ def _orphan(pid: int, rank: int | None) -> Finding:
         message=f"orphan PID {pid}",
         remedy="kill it",
         pid=pid,
-        create_time=1.0,
+        start_ticks=100,
         role="orphan",
         rank=rank,
     )

@@ -220,7 +220,7 @@ def test_gone_pid_zombie_and_reused_pid(spawn: Spawn) -> None:
     memory = hostmem.read_host_memory(key)
     assert memory is not None and memory.source == "smaps_rollup"
     # The same PID with another start time: what a reused PID looks like.
-    assert hostmem.read_host_memory(ProcessKey(key.pid, key.create_time + 1.0)) is None
+    assert hostmem.read_host_memory(ProcessKey(key.pid, key.start_ticks + 1)) is None
 
     assert proc.stdin is not None
     proc.stdin.close()  # it exits; not reaped yet: a zombie has no memory to read
@@ -239,7 +239,7 @@ def test_read_host_memories_skips_gone_and_keys_as_given() -> None:
     assert set(by_pid) == {os.getpid()}
     key = procs.process_key(os.getpid())
     assert key is not None
-    by_key = hostmem.read_host_memories([key, ProcessKey(gone, 1.0)], rollup=False)
+    by_key = hostmem.read_host_memories([key, ProcessKey(gone, 100)], rollup=False)
     assert set(by_key) == {key}
     assert by_key[key].source == "status"
 
@@ -441,5 +441,5 @@ def test_psutil_answers_where_there_is_no_proc(monkeypatch: pytest.MonkeyPatch) 
     key = procs.process_key(os.getpid())
     assert key is not None
     assert hostmem.read_host_memory(key) is not None
-    assert hostmem.read_host_memory(ProcessKey(key.pid, key.create_time + 1.0)) is None
+    assert hostmem.read_host_memory(ProcessKey(key.pid, key.start_ticks + 1)) is None
     assert hostmem.read_host_memory(reaped_pid()) is None

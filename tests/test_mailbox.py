@@ -25,7 +25,7 @@ _OWNER = """
 import sys, time
 from leakcheck.observe import mailbox
 folder = mailbox.create()
-mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
+mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)
 print(folder, flush=True)
 time.sleep(60)
 """
@@ -34,7 +34,7 @@ time.sleep(60)
 def _start_ticks(pid: int) -> int:
     key = procs.process_key(pid)
     assert key is not None
-    return round((key.create_time - procs.boot_time_s()) * procs.clock_ticks())
+    return key.start_ticks
 
 
 def _own_namespace() -> int:
@@ -172,7 +172,7 @@ def test_remove_stale_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_teardown_record_reads_host_memory_and_unknowns() -> None:
-    key = ProcessKey(4321, 1.5)
+    key = ProcessKey(4321, 150)
     record = mailbox.teardown_record(
         {
             "cuda_initialized": False,

@@ -654,7 +654,7 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
 def test_handed_out_since_follows_the_pid_counter_and_its_wrap() -> None:
     from leakcheck.adapters.plugin_observe import PidMark, handed_out_since
 
-    mark = PidMark(last_pid=1000, names=frozenset(), unix_s=0.0)
+    mark = PidMark(last_pid=1000, names=frozenset(), unix_s=0.0, boot_s=0.0)
     assert handed_out_since(mark, 1001, 1200) is True
     assert handed_out_since(mark, 1000, 1200) is False
     assert handed_out_since(mark, 999, 1200) is False
@@ -663,7 +663,7 @@ def test_handed_out_since_follows_the_pid_counter_and_its_wrap() -> None:
     assert handed_out_since(mark, 5, 20) is True  # wrapped: past pid_max, from the start
     assert handed_out_since(mark, 4000, 20) is True
     assert handed_out_since(mark, 500, 20) is False
-    unknown = PidMark(last_pid=None, names=frozenset(), unix_s=0.0)
+    unknown = PidMark(last_pid=None, names=frozenset(), unix_s=0.0, boot_s=0.0)
     assert handed_out_since(unknown, 5, 20) is None
 
 
@@ -1173,7 +1173,8 @@ def test_findings_survive_the_trip_to_the_xdist_controller() -> None:
         message="m",
         remedy="r",
         pid=12,
-        create_time=1.5,
+        start_ticks=150,
+        create_time=1_700_000_001.5,
         role="orphan",
         cmdline="sleep 1",
         gpu_bytes=12,

@@ -102,20 +102,43 @@ def test_clock_ticks_and_boot_time_match_their_sources() -> None:
     assert procs.boot_time_s() == psutil.boot_time()
 
 
-def test_process_key_equals_psutil_create_time(spawn: Spawn) -> None:
+def _start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat, read here without leakcheck."""
+    line = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(line[line.rfind(b")") + 2 :].split()[19])
+
+
+def test_process_key_is_the_start_ticks_of_proc_stat(spawn: Spawn) -> None:
+    """NOTE [process identity]: the kernel's own number, shown as psutil's create time."""
     child = spawn(["sh", "-c", "read x"])
     for pid in (os.getpid(), child.pid):
         key = procs.process_key(pid)
-        assert key == ProcessKey(pid, psutil.Process(pid).create_time())
+        assert key == ProcessKey(pid, _start_ticks(pid))
+        assert procs.create_time_s(key.start_ticks) == psutil.Process(pid).create_time()
     compared = 0
     for info in procs.scan_all(with_cmdline=False):
         try:
-            expected = psutil.Process(info.key.pid).create_time()
-        except psutil.NoSuchProcess:
+            expected = _start_ticks(info.key.pid)
+        except FileNotFoundError:
             continue
-        assert info.key.create_time == expected, info
+        assert info.key.start_ticks == expected, info
         compared += 1
     assert compared >= 3
+
+
+def test_identities_do_not_depend_on_the_boot_time(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc/stat's btime moves with the wall clock: keys read before and after it moved
+    are equal, and only the create time shown for people moves."""
+    child = spawn(["sh", "-c", "read x"])
+    before = procs.process_key(child.pid)
+    info = procs.read_proc(child.pid)
+    shown = procs.create_time_s(_start_ticks(child.pid))
+    monkeypatch.setattr(procs, "boot_time_s", lambda: psutil.boot_time() + 1.0)
+    assert procs.process_key(child.pid) == before and before is not None
+    assert procs.read_proc(child.pid) == info and procs.is_alive(before)
+    assert procs.create_time_s(before.start_ticks) == shown + 1.0
 
 
 def test_gone_pid_gives_none_and_empty_answers() -> None:
@@ -137,9 +160,9 @@ def test_is_alive_false_after_exit_for_zombie_and_for_reused_pid(spawn: Spawn) -
     key = procs.process_key(child.pid)
     assert key is not None
     assert procs.is_alive(key)
-    # Same PID, another create time: what a reused PID looks like.
-    assert not procs.is_alive(ProcessKey(key.pid, key.create_time + 1.0))
-    assert not procs.is_alive(ProcessKey(key.pid, key.create_time - 1 / procs.clock_ticks()))
+    # Same PID, another start: what a reused PID looks like.
+    assert not procs.is_alive(ProcessKey(key.pid, key.start_ticks + procs.clock_ticks()))
+    assert not procs.is_alive(ProcessKey(key.pid, key.start_ticks - 1))
 
     assert child.stdin is not None
     child.stdin.close()  # it exits; not reaped yet: a zombie
@@ -180,7 +203,7 @@ def test_name_with_spaces_and_parentheses(spawn: Spawn, tmp_path: Path) -> None:
     assert info is not None
     assert info.name == "a b) (c"
     assert info.ppid == os.getpid()  # fields after the name were not shifted
-    assert info.key.create_time == psutil.Process(child.pid).create_time()
+    assert info.key.start_ticks == _start_ticks(child.pid)
 
 
 def test_a_kernel_thread_is_told_by_its_stat_line(kernel_threads: set[int]) -> None:
@@ -374,12 +397,12 @@ def test_orphan_leaves_lineage_but_scan_all_finds_it_by_tag(spawn: Spawn) -> Non
     found = procs.TagScan(sid, born_since=root_key).scan()
     assert [info.key for info in found if info.key.pid == orphan] == [orphan_key]
     assert root not in {info.key.pid for info in found}
-    assert all(info.tagged and info.key.create_time >= root_key.create_time for info in found)
+    assert all(info.tagged and info.key.start_ticks >= root_key.start_ticks for info in found)
     assert {info.key.pid: info.cmdline for info in found}[orphan] == everyone[orphan].cmdline != ""
     assert orphan not in {
         info.key.pid for info in procs.TagScan(sid, born_since=root_key).scan(known={orphan_key})
     }
-    later = ProcessKey(root, orphan_key.create_time + 1.0)  # born after the orphan
+    later = ProcessKey(root, orphan_key.start_ticks + 1)  # born after the orphan
     assert procs.TagScan(sid, born_since=later).scan() == []
 
 

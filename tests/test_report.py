@@ -15,7 +15,9 @@ from leakcheck.judge.report import (
     leak_short,
     report_from_dict,
 )
+from leakcheck.observe import procs
 from tests.timelines import (
+    BOOT_UNIX_S,
     ROOT_PID,
     clean_timeline,
     device,
@@ -106,7 +108,7 @@ def test_to_dict_round_trips_through_json() -> None:
     data = report.to_dict()
     again = json.loads(json.dumps(data))
     assert again == data
-    assert again["schema_version"] == SCHEMA_VERSION == 2
+    assert again["schema_version"] == SCHEMA_VERSION == 3
     assert again["session"] == "test-session"
     assert again["root"]["pid"] == ROOT_PID
     assert again["attribution"] == "ok"
@@ -160,27 +162,30 @@ def test_a_shm_file_made_by_an_older_process_reads_back_with_its_maker() -> None
     assert [f.made_by_older for f in older.timeline.shm_files] == [None, None]
 
 
-def _strip_rank_fields(value: object) -> object:
-    """A report dict as schema version 1 wrote it: no rank fields anywhere."""
-    if isinstance(value, dict):
-        return {
-            k: _strip_rank_fields(v)
-            for k, v in value.items()
-            if k not in ("rank", "rank_device", "rank_devices")
-        }
-    if isinstance(value, list):
-        return [_strip_rank_fields(v) for v in value]
-    return value
-
-
-def test_report_from_dict_reads_schema_version_1() -> None:
+def test_processes_are_named_by_start_ticks_and_shown_with_a_create_time_never_read_back() -> None:
+    """NOTE [process identity]: ``create_time`` is derived for people from the boot time the
+    tracker read; another value there (a boot time read later) changes nothing read back."""
     report = survivor_report()
-    old = _strip_rank_fields(json.loads(json.dumps(report.to_dict())))
-    assert isinstance(old, dict)
-    old["schema_version"] = 1
-    again = report_from_dict(old)
-    assert again == report  # the rank fields were None, and stay None
-    assert all(f.rank is None for f in again.findings)
+    data = json.loads(json.dumps(report.to_dict()))
+    ticks = report.timeline.root.start_ticks
+    shown = BOOT_UNIX_S + ticks / procs.clock_ticks()
+    assert data["root"] == {"pid": ROOT_PID, "start_ticks": ticks, "create_time": shown}
+    assert data["boot_unix_s"] == BOOT_UNIX_S
+    survivor = next(f for f in data["findings"] if f["rule"] == "survivor")
+    assert survivor["start_ticks"] == 100_000 + 1234 and survivor["create_time"] is not None
+    for rec in data["epochs"]:
+        for process in rec["processes"]:
+            process["key"]["create_time"] += 1.0
+    data["root"]["create_time"] = None
+    assert report_from_dict(data) == report
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_report_that_names_processes_by_create_times_is_refused(version: int) -> None:
+    data = json.loads(json.dumps(survivor_report().to_dict()))
+    data["schema_version"] = version
+    with pytest.raises(UsageError, match="expected schema_version 3, got"):
+        report_from_dict(data)
 
 
 def test_ranks_round_trip_and_name_the_culprit() -> None:
@@ -204,7 +209,7 @@ def test_ranks_round_trip_and_name_the_culprit() -> None:
 
 
 @pytest.mark.parametrize(
-    "data", [{}, {"schema_version": 99}, {"schema_version": 1, "epochs": [{}]}]
+    "data", [{}, {"schema_version": 99}, {"schema_version": 3, "epochs": [{}]}]
 )
 def test_report_from_dict_rejects_foreign_data(data: dict[str, object]) -> None:
     with pytest.raises(UsageError, match="report data"):

@@ -66,9 +66,9 @@ def test_the_one_list() -> None:
 
 
 def test_a_direct_child_is_a_worker_only_when_known() -> None:
-    worker, other = ProcessKey(10, 1.5), ProcessKey(11, 1.5)
+    worker, other = ProcessKey(10, 150), ProcessKey(11, 150)
     assert direct_child_role(worker, {worker}) == "worker"
     assert direct_child_role(other, {worker}) == "descendant"
     assert direct_child_role(worker) == "descendant"
     # Same PID, another start: a reused PID, not the worker.
-    assert direct_child_role(ProcessKey(10, 9.0), {worker}) == "descendant"
+    assert direct_child_role(ProcessKey(10, 900), {worker}) == "descendant"

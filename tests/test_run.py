@@ -2,7 +2,7 @@
 
 Every test runs ``leakcheck run`` as a real command in a fresh process, with a private
 TMPDIR (so that what a run leaves behind is visible), and stops the processes a leaking
-program left, by (pid, create_time) from the run's own JSON report.
+program left, by (pid, start_ticks) from the run's own JSON report.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.commands.instrument import RUN_ENV
 from leakcheck.commands.launcher import child_environment, shim_folder
+from leakcheck.core.model import ProcessKey
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker
 
@@ -68,7 +69,7 @@ def leftovers() -> Iterator[list[dict[str, Any]]]:
         for report in _reports(data):
             for finding in report["findings"]:
                 if finding["severity"] == "leak" and finding["role"] != "parent":
-                    _stop(finding.get("pid"), finding.get("create_time"))
+                    _stop(finding.get("pid"), finding.get("start_ticks"))
 
 
 def _reports(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -76,12 +77,12 @@ def _reports(data: dict[str, Any]) -> list[dict[str, Any]]:
     return found + ([data["tree"]["report"]] if data["tree"]["report"] else [])
 
 
-def _stop(pid: object, create_time: object) -> None:
-    if not isinstance(pid, int) or not isinstance(create_time, float):
+def _stop(pid: object, start_ticks: object) -> None:
+    if not isinstance(pid, int) or not isinstance(start_ticks, int):
         return
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) < 0.05:
+        if procs.process_key(pid) == ProcessKey(pid, start_ticks):
             proc.kill()
             proc.wait(5)
 
@@ -165,7 +166,7 @@ sys.path.insert(0, sys.argv[1])
 sys.argv = [sys.argv[2]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 print("FINDINGS" + json.dumps([
-    [[f.rule, f.role, f.severity, f.pid, f.create_time] for f in w.report().findings]
+    [[f.rule, f.role, f.severity, f.pid, f.start_ticks] for f in w.report().findings]
     for w in made
 ]))
 """
@@ -185,9 +186,9 @@ def watch_findings(script: str, private_tmp: Path) -> list[list[list[Any]]]:
     line = next(line for line in proc.stdout.splitlines() if line.startswith("FINDINGS"))
     found: list[list[list[Any]]] = json.loads(line[len("FINDINGS") :])
     for wrapper in found:
-        for _rule, role, severity, pid, create_time in wrapper:
+        for _rule, role, severity, pid, start_ticks in wrapper:
             if severity == "leak" and role != "parent":
-                _stop(pid, create_time)
+                _stop(pid, start_ticks)
     return found
 
 
@@ -549,7 +550,7 @@ def test_the_tree_says_how_many_processes_only_the_loaders_saw() -> None:
         timeline([epoch(0, [parent(), worker, seen, reused])]), RuleConfig()
     )
     seen_reused = dataclasses.replace(
-        reused, key=reused.key._replace(create_time=reused.key.create_time + 5.0)
+        reused, key=reused.key._replace(start_ticks=reused.key.start_ticks + 500)
     )
     tree = build_report(timeline([epoch(0, [parent(), seen, seen_reused])]), RuleConfig())
     result = RunResult(

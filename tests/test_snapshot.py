@@ -87,7 +87,7 @@ def test_no_direct_child_is_called_a_worker_from_outside(job: Job) -> None:
 def test_a_known_worker_is_a_worker(job: Job) -> None:
     sleeper_key = procs.process_key(job.sleeper)
     assert sleeper_key is not None
-    stale_key = ProcessKey(job.shell, 1.0)  # the shell's PID with another start: not it
+    stale_key = ProcessKey(job.shell, 100)  # the shell's PID with another start: not it
     snapshot = take_snapshot(
         root_pid=job.root, with_fds=False, known_workers={sleeper_key, stale_key}
     )

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 from torch.utils.data import DataLoader, Dataset
 
 from leakcheck.core.errors import UsageError
-from leakcheck.observe import mailbox
+from leakcheck.observe import mailbox, procs
 from leakcheck.worker import teardown
 from tests.pyrun import run_python
 
@@ -107,8 +106,12 @@ def test_every_worker_posts_identity_and_teardown(box: str, tmp_path: Path, cont
     workers = records(box, "worker")
     assert {r["pid"] for r in workers} == pids
     assert sorted(r["worker_id"] for r in workers) == [0, 1]
+    parent = procs.process_key(os.getpid())
+    assert parent is not None
     for r in workers:
-        assert psutil.Process().create_time() <= r["create_time"] <= time.time()
+        # Identities by start ticks (NOTE [process identity]): born after this process.
+        now_ticks = procs.since_boot_s() * procs.clock_ticks()
+        assert parent.start_ticks <= r["start_ticks"] <= now_ticks
         assert r["ppid"] == os.getpid()
     downs = records(box, "teardown")
     assert {r["pid"] for r in downs} == pids

@@ -48,7 +48,7 @@ def _post_worker_record(persistent: bool) -> None:
     assert key is not None
     mailbox.post(
         "worker",
-        {"pid": key.pid, "create_time": key.create_time, "worker_id": 0, "persistent": persistent},
+        {"pid": key.pid, "start_ticks": key.start_ticks, "worker_id": 0, "persistent": persistent},
     )
     time.sleep(0.3)
 
@@ -918,10 +918,10 @@ def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: obje
     def post_keeping_folder_time(pid: int) -> None:
         # A record added within the same clock step as the last change: same folder time.
         stat = os.stat(folder)
-        assert mailbox.post("worker", {"pid": pid, "create_time": pid}, directory=folder)
+        assert mailbox.post("worker", {"pid": pid, "start_ticks": pid}, directory=folder)
         os.utime(folder, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
-    assert mailbox.post("worker", {"pid": 1, "create_time": 1}, directory=folder)
+    assert mailbox.post("worker", {"pid": 1, "start_ticks": 1}, directory=folder)
     assert [r["pid"] for r in inbox.read(quick=True)] == [1]
     assert inbox.read(quick=True) == []  # lists: the deletion just moved the folder time
     # That time was fresh when listed, so it is not trusted: a same-step record is found.
@@ -943,14 +943,14 @@ def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: obje
 
 def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:
     folder = str(tmp_path)
-    assert mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
-    assert mailbox.post("teardown", {"pid": 1, "create_time": 1.0}, directory=folder)
+    assert mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)
+    assert mailbox.post("teardown", {"pid": 1, "start_ticks": 100}, directory=folder)
     seen: set[str] = set()
     kinds = sorted(r["kind"] for r in mailbox.read_new(folder, seen, consume=True))
     assert kinds == ["teardown", "worker"]
     assert os.listdir(folder) == []  # the folder stays small over a long run
     # Posted again under a name already read: skipped, and removed too.
-    assert mailbox.post("worker", {"pid": 1, "create_time": 1.0}, directory=folder)
+    assert mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)
     assert list(mailbox.read_new(folder, seen, consume=True)) == []
     assert os.listdir(folder) == []
 
@@ -977,13 +977,13 @@ def _report_and_exit(held: dict[int, int] | None, cuda: bool) -> None:
     """A worker that registers itself, then reports what it held at exit (or nothing)."""
     key = procs.process_key(os.getpid())
     assert key is not None
-    mailbox.post("worker", {"pid": key.pid, "create_time": key.create_time, "persistent": False})
+    mailbox.post("worker", {"pid": key.pid, "start_ticks": key.start_ticks, "persistent": False})
     if held is not None:
         mailbox.post(
             "teardown",
             {
                 "pid": key.pid,
-                "create_time": key.create_time,
+                "start_ticks": key.start_ticks,
                 "cuda_initialized": cuda,
                 "gpu_bytes_by_device": {str(d): b for d, b in held.items()},
                 "monotonic_s": time.monotonic(),

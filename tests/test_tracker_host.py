@@ -190,7 +190,7 @@ def test_the_sampler_threads_host_reads_are_counted_apart_in_its_cost(
 
 def test_a_read_made_after_the_next_epoch_ended_is_not_given_to_the_earlier_one() -> None:
     book = EpochBook(grace_s=1.0)
-    key = ProcessKey(os.getpid(), 1.0)
+    key = ProcessKey(os.getpid(), 100)
     memory = hostmem.HostMemory(1, 2, 3, None, "smaps_rollup")
     book.begin(None, 0.0)
     book.epochs[0].end_s = 1.0

@@ -18,7 +18,9 @@ from leakcheck.core.model import (
     Timeline,
 )
 from leakcheck.judge import verdict
+from leakcheck.observe import procs
 from tests.timelines import (
+    BOOT_UNIX_S,
     ROOT_PID,
     clean_timeline,
     device,
@@ -63,10 +65,20 @@ def test_survivor_found_after_grace() -> None:
     assert found.epoch == 0
     assert found.gpu_bytes == mib(612)
     assert found.nvidia_fds == 31
-    assert found.create_time == key(1234).create_time
+    assert found.start_ticks == key(1234).start_ticks
     for part in ("worker PID 1234", "python worker_1234.py", "epoch 0", "GPU0 612 MiB", "31 /dev"):
         assert part in found.message
     assert "iterator" in found.remedy
+
+
+def test_a_culprits_start_is_shown_as_a_unix_time_from_the_timelines_boot_time() -> None:
+    """NOTE [process identity]: the identity is the start ticks; the create time is shown."""
+    tl = survivor_timeline(last_seen_after_s=3.0)
+    (found,) = [f for f in verdict.judge(tl, CONFIG) if f.rule == "survivor"]
+    assert found.start_ticks == key(1234).start_ticks
+    assert found.create_time == BOOT_UNIX_S + key(1234).start_ticks / procs.clock_ticks()
+    unknown = replace(tl, boot_unix_s=None)
+    assert [f.create_time for f in verdict.judge(unknown, CONFIG) if f.pid] == [None]
 
 
 @pytest.mark.parametrize("parent_is_worker", [True, False])

@@ -22,7 +22,7 @@ from leakcheck.core.model import (
 )
 
 ROOT_PID = 100
-ROOT_CREATE_TIME = 1_700_000_000.0
+BOOT_UNIX_S = 1_700_000_000.0
 TOTAL_MIB = 81_559
 
 
@@ -31,8 +31,8 @@ def mib(value: float) -> int:
 
 
 def key(pid: int) -> ProcessKey:
-    """A stable identity for a PID (create_time derived from it)."""
-    return ProcessKey(pid, ROOT_CREATE_TIME + pid / 1000)
+    """A stable identity for a PID: started 1000 s after boot, one clock tick per PID."""
+    return ProcessKey(pid, 100_000 + pid)
 
 
 def _bytes_map(value: float | Mapping[int, float] | None) -> dict[int, int]:
@@ -189,7 +189,8 @@ def timeline(
     return Timeline(
         session_id="test-session",
         root=key(ROOT_PID),
-        started_unix_s=ROOT_CREATE_TIME + 10,
+        started_unix_s=BOOT_UNIX_S + 1010,
+        boot_unix_s=BOOT_UNIX_S,
         attribution=attribution,
         attribution_reason=reason,
         baseline_devices=tuple(baseline) if baseline is not None else (device(0, 0),),

@@ -107,8 +107,9 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 
-_CREATE_TIME_SLACK_S = 2.0
-"""Create times have clock-tick resolution, and the boot time they add to is whole seconds."""
+_BIRTH_SLACK_TICKS = 1
+"""Start ticks are truncated to the tick (the mark's reading too, through a float): one
+tick of slack keeps a process born right at the mark."""
 
 _SHUTDOWN_SETTLE_S = 0.25
 """After the garbage collection of NOTE [reference cycles], how long a process may take to
@@ -151,19 +152,23 @@ class PidMark:
     Attributes:
         last_pid: The last PID handed out; None where unknown (then ``names`` is used).
         names: /proc entries, only when ``last_pid`` is None.
-        unix_s: Wall-clock time of the mark.
+        unix_s: Wall-clock time of the mark (for people).
+        boot_s: Seconds since boot at the mark: the clock of start ticks (NOTE [process
+            identity] in procs.py), against which births are compared.
 
     """
 
     last_pid: int | None
     names: frozenset[str]
     unix_s: float
+    boot_s: float
 
 
 def pid_mark() -> PidMark:
     """Mark the moment: one small read of /proc/loadavg (or one listdir where it fails)."""
     last = last_pid()
-    return PidMark(last, frozenset() if last is not None else list_pids(), time.time())
+    names = frozenset() if last is not None else list_pids()
+    return PidMark(last, names, time.time(), procs.since_boot_s())
 
 
 def pids_since(mark: PidMark) -> list[int]:
@@ -171,8 +176,8 @@ def pids_since(mark: PidMark) -> list[int]:
 
     PIDs are handed out in increasing order, wrapping at ``pid_max``: the new ones are those
     between the two marks. When nothing was handed out meanwhile, nothing is read at all.
-    After a wrap-around an older process may fall in the range too: callers compare create
-    times with ``mark.unix_s``.
+    After a wrap-around an older process may fall in the range too: callers compare start
+    ticks with ``mark.boot_s``.
     """
     now = last_pid()
     if mark.last_pid is None or now is None:
@@ -523,7 +528,7 @@ class Checker:
         for owner in self._owners.values():
             claimed.update(info.key.pid for info in owner.processes)
         new_pids = [pid for pid in pids_since(probe.pids) if pid not in claimed]
-        processes = tuple(self.lineage.ours(new_pids, window.tags, since_unix_s=probe.pids.unix_s))
+        processes = tuple(self.lineage.ours(new_pids, window.tags, since=probe.pids))
         claimed_shm: set[str] = set()
         for owner in self._owners.values():
             claimed_shm.update(owner.shm)
@@ -587,7 +592,7 @@ class Checker:
         seen_s = time.monotonic()
         candidates = [
             _Candidate(info, None, seen_s)
-            for info in self.lineage.ours(new_pids, window.tags, since_unix_s=window.pids.unix_s)
+            for info in self.lineage.ours(new_pids, window.tags, since=window.pids)
         ]
         for ended in finished:
             # Dead ones drop out in _wait_for_exit's first pass.
@@ -612,6 +617,7 @@ class Checker:
             session_id=window.tag,
             root=parent.key,
             started_unix_s=window.pids.unix_s,
+            boot_unix_s=procs.boot_time_s(),
             attribution=attribution,
             attribution_reason=reason,
             baseline_devices=(),
@@ -850,7 +856,7 @@ class Lineage:
     def key(self) -> ProcessKey:
         """The test process's identity."""
         if self._key is None:
-            self._key = procs.process_key(self.pid) or ProcessKey(self.pid, 0.0)
+            self._key = procs.process_key(self.pid) or ProcessKey(self.pid, 0)
         return self._key
 
     def cmdline(self) -> str:
@@ -866,16 +872,17 @@ class Lineage:
             self._cmdline = _read_bytes(f"/proc/{self.pid}/cmdline")
         return self._environ, self._cmdline
 
-    def ours(self, pids: Iterable[int], tags: set[str], *, since_unix_s: float) -> list[ProcInfo]:
+    def ours(self, pids: Iterable[int], tags: set[str], *, since: PidMark) -> list[ProcInfo]:
         """The processes among ``pids`` that belong to the test.
 
-        Processes started before ``since_unix_s`` (with a tick of slack) are not new: an
+        Processes started before the mark ``since`` (with a tick of slack) are not new: an
         older PID can fall in the new range after PID numbers wrapped around.
         """
+        born_since = int(since.boot_s * procs.clock_ticks()) - _BIRTH_SLACK_TICKS
         found: list[ProcInfo] = []
         for pid in pids:
             info = procs.read_proc(pid)
-            if info is None or info.key.create_time < since_unix_s - _CREATE_TIME_SLACK_S:
+            if info is None or info.key.start_ticks < born_since:
                 continue
             if self.descends(info):
                 found.append(info)
@@ -895,7 +902,7 @@ class Lineage:
         it can be. A stranger's process (another job's, a sibling xdist worker's) costs a
         read or two, not a walk to PID 1.
         """
-        create_time = self.key().create_time
+        start_ticks = self.key().start_ticks
         ppid = info.ppid
         for _ in range(64):
             if ppid == self.pid:
@@ -903,7 +910,7 @@ class Lineage:
             if ppid <= 1:
                 return False
             parent = procs.read_proc(ppid, with_cmdline=False)
-            if parent is None or parent.key.create_time < create_time:
+            if parent is None or parent.key.start_ticks < start_ticks:
                 return False
             ppid = parent.ppid
         return False

@@ -116,8 +116,9 @@ def chained_worker_init(
 
 
 def _finding_id(finding: Finding) -> tuple[object, ...]:
-    # Without the epoch: a process that grows every epoch is announced once.
-    return (finding.rule, finding.pid, finding.create_time, finding.device_index)
+    # Without the epoch: a process that grows every epoch is announced once. By identity
+    # (NOTE [process identity] in procs.py).
+    return (finding.rule, finding.pid, finding.start_ticks, finding.device_index)
 
 
 class EpochJudge:

@@ -72,8 +72,10 @@ RUN_ENV = "LEAKCHECK_RUN"
 
 OPTIONS_FILE = "options.json"
 RECORD_SCHEMA = "leakcheck.run.loader"
-RECORD_SCHEMA_VERSION = 2
-"""2 added ``rank``: the process's ``RankInfo`` in a torchrun job (None otherwise)."""
+RECORD_SCHEMA_VERSION = 3
+"""2 added ``rank``: the process's ``RankInfo`` in a torchrun job (None otherwise); 3 names
+the process by ``start_ticks`` where ``create_time`` was (NOTE [process identity] in
+procs.py)."""
 
 
 @dataclass(frozen=True)
@@ -354,7 +356,8 @@ class _Run:
             self._path(site, ".started"),
             {
                 **self._identity(site),
-                "create_time": key.create_time if key is not None else None,
+                # Its identity, checked by the launcher (NOTE [process identity] in procs.py).
+                "start_ticks": key.start_ticks if key is not None else None,
                 "mailbox": tracker.mailbox_dir,
             },
         )

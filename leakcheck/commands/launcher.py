@@ -58,7 +58,7 @@ from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import RUN_ENV, ShimOptions, read_records, write_options
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
-from leakcheck.core.model import MIB, EndReason, Finding, RankInfo, Timeline
+from leakcheck.core.model import MIB, EndReason, Finding, ProcessKey, RankInfo, Timeline
 from leakcheck.core.units import format_size, plural
 from leakcheck.judge.job import (
     JobReport,
@@ -735,11 +735,10 @@ def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
     """
     for record in started:
         folder, pid = record.get("mailbox"), record.get("pid")
-        create_time = record.get("create_time")
+        ticks = record.get("start_ticks")
         if not isinstance(folder, str) or not os.path.basename(folder).startswith(_MAILBOX_PREFIX):
             continue
-        if isinstance(pid, int) and isinstance(create_time, (int, float)):
-            key = procs.process_key(pid)
-            if key is not None and abs(key.create_time - create_time) < 1e-3:
-                continue  # still running: its tracker may still use it
+        owner = ProcessKey(pid, ticks) if isinstance(pid, int) and isinstance(ticks, int) else None
+        if owner is not None and procs.process_key(owner.pid) == owner:
+            continue  # still running (by identity: NOTE [process identity] in procs.py)
         shutil.rmtree(folder, ignore_errors=True)

@@ -19,8 +19,9 @@ configuration's tag.
 
 NOTE [cleanup]: after a configuration is judged, the sweep terminates the processes it
 created that were reparented away and are still alive (the orphans): it finds them by the
-configuration's session tag, checks each identity ``(pid, create_time)`` again right before
-signalling it, and says what it did. Nothing without the tag is ever signalled.
+configuration's session tag, checks each identity ``(pid, start_ticks)`` again right before
+signalling it (NOTE [process identity] in procs.py), and says what it did. Nothing without
+the tag is ever signalled.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import time
 import warnings
@@ -40,7 +40,14 @@ from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment, write_json
-from leakcheck.core.model import MIB, DeviceState, EpochRecord, TeardownRecord, TrackerCost
+from leakcheck.core.model import (
+    MIB,
+    DeviceState,
+    EpochRecord,
+    ProcInfo,
+    TeardownRecord,
+    TrackerCost,
+)
 from leakcheck.core.units import format_mib, format_size, plural, shorten_cmdline
 from leakcheck.judge.report import (
     align_columns,
@@ -297,7 +304,8 @@ class CleanedProcess:
 
     Attributes:
         pid: Process ID.
-        create_time: With ``pid``, its identity.
+        start_ticks: With ``pid``, its identity: its start in clock ticks since boot.
+        create_time: Its start as a Unix time, for people (never compared).
         cmdline: Its command line, shortened.
         outcome: ``terminated``, ``killed``, ``gone`` (exited before the signal), or
             ``failed: <reason>``.
@@ -305,6 +313,7 @@ class CleanedProcess:
     """
 
     pid: int
+    start_ticks: int
     create_time: float
     cmdline: str
     outcome: str
@@ -856,18 +865,20 @@ def cleanup_orphans(
     for info in leftovers:
         cmdline = shorten_cmdline(info.cmdline)
         try:
+            # psutil holds the process from here on (and refuses to signal its PID once
+            # reused); /proc says whether it is still the one the scan found.
             process = psutil.Process(info.key.pid)
-            same = math.isclose(process.create_time(), info.key.create_time, abs_tol=0.05)
-            if not same or procs.tagged_session(info.key.pid) != session_id:
+            now = procs.process_key(info.key.pid)
+            if now is None:
+                raise psutil.NoSuchProcess(info.key.pid)
+            if now != info.key or procs.tagged_session(info.key.pid) != session_id:
                 continue  # the PID now belongs to someone else: never touch it
             process.terminate()
         except psutil.NoSuchProcess:
-            cleaned.append(CleanedProcess(info.key.pid, info.key.create_time, cmdline, "gone"))
+            cleaned.append(_cleaned(info, cmdline, "gone"))
             continue
         except psutil.Error as exc:
-            cleaned.append(
-                CleanedProcess(info.key.pid, info.key.create_time, cmdline, f"failed: {exc}")
-            )
+            cleaned.append(_cleaned(info, cmdline, f"failed: {exc}"))
             continue
         victims.append((info, cmdline, process))
     _gone, alive = psutil.wait_procs([process for _, _, process in victims], timeout=wait_s)
@@ -882,8 +893,14 @@ def cleanup_orphans(
                 pass  # it exited after all: the SIGTERM did it
             except psutil.Error as exc:
                 outcome = f"failed: {exc}"
-        cleaned.append(CleanedProcess(info.key.pid, info.key.create_time, cmdline, outcome))
+        cleaned.append(_cleaned(info, cmdline, outcome))
     return tuple(cleaned)
+
+
+def _cleaned(info: ProcInfo, cmdline: str, outcome: str) -> CleanedProcess:
+    key = info.key
+    shown = procs.create_time_s(key.start_ticks)
+    return CleanedProcess(key.pid, key.start_ticks, shown, cmdline, outcome)
 
 
 # --------------------------------------------------------------------------- text

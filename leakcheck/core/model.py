@@ -411,6 +411,10 @@ class Timeline:
     """Files the work left in ``/dev/shm``."""
     parent_memory: ParentMemory | None = None
     """The parent's own GPU memory after the work (pytest plugin only)."""
+    boot_unix_s: float | None = None
+    """The machine's boot time (``btime``) as the tracker read it at its start: only to show
+    start ticks as Unix times (``create_time`` in JSON), never for identity (NOTE [process
+    identity] in procs.py). None where not read."""
     rank_devices: Mapping[int, int] = field(default_factory=dict)
     """Rank -> the GPU (NVML index) it trains on, where a rank recorded it (its
     ``torch.cuda.set_device``): wins over what a process's environment says."""
@@ -426,7 +430,10 @@ class Finding:
         message: One line that names the culprit and what it holds.
         remedy: One line on what to do about it.
         pid: Culprit PID, if the finding is about one process.
-        create_time: With ``pid``, the identity of the culprit.
+        start_ticks: With ``pid``, the identity of the culprit: its start in clock ticks
+            since boot (NOTE [process identity] in procs.py).
+        create_time: Its start as a Unix time, for people only (never compared); None
+            where unknown.
         role: Culprit role.
         cmdline: Culprit command line.
         gpu_bytes: GPU bytes involved (held, leaked, or unexplained).
@@ -447,6 +454,7 @@ class Finding:
     message: str
     remedy: str
     pid: int | None = None
+    start_ticks: int | None = None
     create_time: float | None = None
     role: Role | None = None
     cmdline: str | None = None

@@ -30,17 +30,18 @@ MIB = 1024 * 1024
 
 
 class ProcessKey(NamedTuple):
-    """A process identity that survives PID reuse.
+    """A process identity that survives PID reuse (NOTE [process identity] in procs.py).
 
     Attributes:
         pid: The process ID in this PID namespace.
-        create_time: Start time in seconds since the Unix epoch, computed like
-            ``psutil.Process.create_time()`` so both sources compare equal.
+        start_ticks: When it started, in clock ticks since boot (field 22 of
+            /proc/PID/stat): the same number in every process that reads it, whatever the
+            wall clock did, where a Unix create time is not.
 
     """
 
     pid: int
-    create_time: float
+    start_ticks: int
 
 
 class ProcInfo(NamedTuple):

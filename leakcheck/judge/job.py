@@ -42,8 +42,8 @@ def finding_identity(finding: Finding) -> tuple[object, ...]:
     """One leaking thing: a process (by identity), a /dev/shm file, else the finding itself."""
     if finding.shm_name is not None:  # a file, also where a process holds it
         return ("shm", finding.shm_name)
-    if finding.pid is not None:
-        return ("pid", finding.pid, finding.create_time)
+    if finding.pid is not None:  # by identity (NOTE [process identity] in procs.py)
+        return ("pid", finding.pid, finding.start_ticks)
     return (finding.rule, finding.device_index, finding.message)
 
 
@@ -153,6 +153,7 @@ class RankVerdict:
                 {
                     "rule": f.rule,
                     "pid": f.pid,
+                    "start_ticks": f.start_ticks,
                     "create_time": f.create_time,
                     "role": f.role,
                     "rank": f.rank,

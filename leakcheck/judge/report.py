@@ -3,7 +3,7 @@
 ``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
 holds the timeline, the findings and the thresholds used, and renders them:
 ``format()`` for people (quiet when all is well), ``to_dict()`` for tools
-(``schema_version`` 2; ``report_from_dict`` reads it back, and version 1 too).
+(``schema_version`` 3; ``report_from_dict`` reads it back).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from leakcheck.judge.verdict import (
     judge,
     per_pid_bytes_known,
 )
+from leakcheck.observe.procs import create_time_s
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -51,12 +52,15 @@ __all__ = [
     "verdict_of",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the ``to_dict`` layout; bumped on any change of it. 2 added the distributed
-rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``."""
+rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``; 3 the
+identity of processes by start ticks (``start_ticks`` of every key and finding, and
+``boot_unix_s``): ``create_time`` stays, derived for people."""
 
-_READABLE_VERSIONS = (1, SCHEMA_VERSION)
-"""Layouts ``report_from_dict`` reads: 1 lacks the rank fields, which then stay None."""
+_READABLE_VERSIONS = (SCHEMA_VERSION,)
+"""Layouts ``report_from_dict`` reads: an older one names processes by create times, which
+are no identities (NOTE [process identity] in procs.py)."""
 
 Verdict = Literal["clean", "leak", "blind"]
 
@@ -145,15 +149,16 @@ class Report:
         ``summary``; ``report_from_dict`` reads it back.
         """
         tl = self.timeline
+        boot = tl.boot_unix_s
         extra = {
-            f.name: _to_jsonable(getattr(tl, f.name))
+            f.name: _to_jsonable(getattr(tl, f.name), boot)
             for f in dataclasses.fields(tl)
             if f.name not in _TIMELINE_KEYS.values()
         }
         return {
             "schema_version": SCHEMA_VERSION,
             "session": tl.session_id,
-            "root": _to_jsonable(tl.root),
+            "root": _to_jsonable(tl.root, boot),
             "started_unix_s": tl.started_unix_s,
             "attribution": tl.attribution,
             "attribution_reason": tl.attribution_reason,
@@ -169,8 +174,8 @@ class Report:
                 "devices": _to_jsonable(tl.baseline_devices),
                 "gpu_bytes": _to_jsonable(tl.baseline_gpu_bytes),
             },
-            "epochs": [_epoch_to_dict(rec, per_pid_bytes_known(tl)) for rec in tl.epochs],
-            "final": _to_jsonable(tl.final),
+            "epochs": [_epoch_to_dict(rec, per_pid_bytes_known(tl), boot) for rec in tl.epochs],
+            "final": _to_jsonable(tl.final, boot),
             "findings": _to_jsonable(self.findings),
             "failures": list(tl.failures),
             **extra,
@@ -266,23 +271,38 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
 # --------------------------------------------------------------------------- to_dict
 
 
-def _to_jsonable(value: Any) -> Any:
-    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
+def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
+    """Convert model values to JSON types: dataclasses to dicts, keys to strings.
+
+    A ``ProcessKey`` also gets its ``create_time``, for people, from ``boot_unix_s`` (None:
+    unknown): never read back (NOTE [process identity] in procs.py).
+    """
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {
+            f.name: _to_jsonable(getattr(value, f.name), boot_unix_s)
+            for f in dataclasses.fields(value)
+        }
+    if isinstance(value, ProcessKey):
+        shown = None if boot_unix_s is None else create_time_s(value.start_ticks, boot_unix_s)
+        return {"pid": value.pid, "start_ticks": value.start_ticks, "create_time": shown}
     if _is_record(type(value)):  # readings.py's named tuples: objects, as dataclasses are
-        return {name: _to_jsonable(item) for name, item in zip(value._fields, value, strict=True)}
+        return {
+            name: _to_jsonable(item, boot_unix_s)
+            for name, item in zip(value._fields, value, strict=True)
+        }
     if isinstance(value, Mapping):
-        return {str(k): _to_jsonable(v) for k, v in value.items()}
+        return {str(k): _to_jsonable(v, boot_unix_s) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_to_jsonable(v) for v in value]
+        return [_to_jsonable(v, boot_unix_s) for v in value]
     raise TypeError(f"cannot put {type(value).__name__} into a report dict")
 
 
-def _process_to_dict(proc: ProcessEpoch, bytes_known: bool) -> dict[str, Any]:
-    data: dict[str, Any] = _to_jsonable(proc)
+def _process_to_dict(
+    proc: ProcessEpoch, bytes_known: bool, boot_unix_s: float | None
+) -> dict[str, Any]:
+    data: dict[str, Any] = _to_jsonable(proc, boot_unix_s)
     # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
     known = bytes_known and not proc.gpu_bytes_unknown
     data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
@@ -290,13 +310,15 @@ def _process_to_dict(proc: ProcessEpoch, bytes_known: bool) -> dict[str, Any]:
     return data
 
 
-def _epoch_to_dict(rec: EpochRecord, bytes_known: bool) -> dict[str, Any]:
+def _epoch_to_dict(
+    rec: EpochRecord, bytes_known: bool, boot_unix_s: float | None
+) -> dict[str, Any]:
     # Field by field, so that each process is converted once (with its totals).
     data: dict[str, Any] = {
         f.name: (
-            [_process_to_dict(p, bytes_known) for p in rec.processes]
+            [_process_to_dict(p, bytes_known, boot_unix_s) for p in rec.processes]
             if f.name == "processes"
-            else _to_jsonable(getattr(rec, f.name))
+            else _to_jsonable(getattr(rec, f.name), boot_unix_s)
         )
         for f in dataclasses.fields(rec)
     }

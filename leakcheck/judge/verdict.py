@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from leakcheck.core.model import (
     MIB,
@@ -32,6 +32,7 @@ from leakcheck.core.model import (
 from leakcheck.core.ranks import culprit_label
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib, shorten_cmdline
+from leakcheck.observe.procs import create_time_s
 
 __all__ = [
     "LINEAGE_ROLES",
@@ -110,7 +111,7 @@ def _process_finding(
         message=message,
         remedy=remedy,
         pid=proc.key.pid,
-        create_time=proc.key.create_time,
+        start_ticks=proc.key.start_ticks,
         role=proc.role,
         cmdline=proc.cmdline,
         rank=proc.rank,
@@ -931,7 +932,7 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
                 ),
                 remedy=remedy,
                 pid=holders[0].key.pid if len(holders) == 1 else None,
-                create_time=holders[0].key.create_time if len(holders) == 1 else None,
+                start_ticks=holders[0].key.start_ticks if len(holders) == 1 else None,
                 role="foreign" if len(holders) == 1 else None,
                 cmdline=holders[0].cmdline if len(holders) == 1 else None,
                 gpu_bytes=unexplained,
@@ -976,7 +977,7 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
                 ),
                 remedy=REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
                 pid=root.pid,
-                create_time=root.create_time,
+                start_ticks=root.start_ticks,
                 role="parent",
                 cmdline=cmdline,
                 gpu_bytes=sum(kept.values()),
@@ -1001,7 +1002,7 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
                 ),
                 remedy=REMEDY_DRIVER_MEMORY,
                 pid=root.pid,
-                create_time=root.create_time,
+                start_ticks=root.start_ticks,
                 role="parent",
                 cmdline=cmdline,
                 gpu_bytes=sum(grown.values()),
@@ -1483,13 +1484,24 @@ def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Run every rule and return the findings, leaks first, then by epoch, then PID.
 
     A process judged an orphan is not also reported as a survivor: the orphan finding is
-    the more specific one (nobody will reap it).
+    the more specific one (nobody will reap it). A finding about a process shows its start
+    as a Unix time too, where the timeline knows its boot time (NOTE [process identity] in
+    procs.py).
     """
     findings: list[Finding] = []
     for rule in RULES.values():
         findings.extend(rule(timeline, config))
-    orphans = {(f.pid, f.create_time) for f in findings if f.rule == "orphan"}
+    orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}
     findings = [
-        f for f in findings if not (f.rule == "survivor" and (f.pid, f.create_time) in orphans)
+        _shown(f, timeline.boot_unix_s)
+        for f in findings
+        if not (f.rule == "survivor" and (f.pid, f.start_ticks) in orphans)
     ]
     return tuple(sorted(findings, key=_sort_key))
+
+
+def _shown(finding: Finding, boot_unix_s: float | None) -> Finding:
+    """``finding`` with its culprit's ``create_time``, for people, where it can be derived."""
+    if finding.start_ticks is None or boot_unix_s is None:
+        return finding
+    return replace(finding, create_time=create_time_s(finding.start_ticks, boot_unix_s))

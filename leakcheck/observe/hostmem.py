@@ -251,9 +251,11 @@ def _ps_read(target: int | ProcessKey, rollup: bool) -> HostMemory | None:
     pid = target.pid if isinstance(target, ProcessKey) else target
     try:
         proc = psutil.Process(pid)
+        # Identities come from /proc alone (NOTE [process identity] in procs.py): a key is
+        # checked there, once psutil holds the process, or reads as gone.
+        if isinstance(target, ProcessKey) and procs.process_key(pid) != target:
+            return None
         with proc.oneshot():
-            if isinstance(target, ProcessKey) and proc.create_time() != target.create_time:
-                return None
             if rollup:
                 try:
                     full = proc.memory_full_info()

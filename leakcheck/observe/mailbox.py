@@ -16,11 +16,10 @@ unchanged folder time says no record came or went (``Inbox``).
 NOTE [stale mailboxes]: a tracker whose process is killed (SIGKILL, OOM killer, a crash)
 never removes its folder. Each folder's name says who owns it,
 ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every ``create``
-first removes the folders whose owner is gone (``remove_stale``). The start time is the
-process's start in clock ticks since boot, as /proc/PID/stat gives it: unlike a wall-clock
-create time it does not move when the clock is stepped, so a live owner never looks gone.
-The PID namespace is in the name because a temporary folder may be shared by containers:
-a PID from another namespace names some other process here, or none, and says nothing.
+first removes the folders whose owner is gone (``remove_stale``): by identity, so a live
+owner never looks gone (NOTE [process identity] in procs.py). The PID namespace is in the
+name because a temporary folder may be shared by containers: a PID from another namespace
+names some other process here, or none, and says nothing.
 """
 
 from __future__ import annotations
@@ -115,13 +114,7 @@ def _owner_tag(pid: int) -> str | None:
         key = None
     if key is None:
         return None  # an unnamed folder: never judged, never removed by remove_stale
-    return f"{pid}-{_start_ticks(key)}-{_pid_namespace()}"
-
-
-def _start_ticks(key: ProcessKey) -> int:
-    # process_key adds this process's boot time to the start ticks; taking it off again
-    # gives the kernel's own number, the same in every process whatever its clock said.
-    return round((key.create_time - procs.boot_time_s()) * procs.clock_ticks())
+    return f"{pid}-{key.start_ticks}-{_pid_namespace()}"
 
 
 def _pid_namespace() -> int:
@@ -139,7 +132,7 @@ def _owner_alive(pid: int, ticks: int) -> bool:
         key = procs.process_key(pid)
     except (OSError, ValueError):
         return True  # cannot tell: keep the folder
-    return key is not None and _start_ticks(key) == ticks
+    return key == ProcessKey(pid, ticks)
 
 
 def _remove_own_folder(path: str) -> bool:
@@ -175,7 +168,7 @@ def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> 
     folder = directory or os.environ.get(MAILBOX_ENV)
     if not folder:
         return False
-    name = f"{kind}-{os.getpid()}-{record.get('create_time', 0)}.json"
+    name = f"{kind}-{os.getpid()}-{record.get('start_ticks', 0)}.json"
     final_path = os.path.join(folder, name)
     temp_path = os.path.join(folder, f".{name}.tmp")
     try:
@@ -268,13 +261,17 @@ def remove(directory: str) -> None:
 
 
 def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
-    """The identity a record is about; None when its ``pid``/``create_time`` are malformed."""
-    pid, create_time = record.get("pid"), record.get("create_time")
+    """The identity a record is about; None when its ``pid``/``start_ticks`` are malformed.
+
+    Start ticks, as the worker read them: the same number the tracker reads for the worker,
+    whatever either process's wall clock said (NOTE [process identity] in procs.py).
+    """
+    pid, ticks = record.get("pid"), record.get("start_ticks")
     if not isinstance(pid, int) or isinstance(pid, bool):
         return None
-    if not isinstance(create_time, (int, float)) or isinstance(create_time, bool):
+    if not isinstance(ticks, int) or isinstance(ticks, bool):
         return None
-    return ProcessKey(pid, float(create_time))
+    return ProcessKey(pid, ticks)
 
 
 def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecord:

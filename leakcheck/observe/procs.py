@@ -3,9 +3,9 @@
 Linux is the fast path: every function reads a few small /proc files in binary with plain
 ``os.open``/``os.read`` and parses the minimum it needs; the tracker's per-sample calls
 (``descendants``, ``is_alive``) also reuse open descriptors and per-exec facts (NOTE
-[descriptor cache], NOTE [exec image cache]). Elsewhere (no /proc) the same functions fall
-back to psutil, and the Linux-only facts (session tags, namespaces, mapped files) degrade
-to "unknown".
+[descriptor cache], NOTE [exec image cache]). Identities come from /proc alone (NOTE
+[process identity]): without it no process has one, and the Linux-only facts (session tags,
+namespaces, mapped files) are unknown.
 
 A process that exits, is reaped, or denies access while it is being read is a normal event
 here, not an error: single-process functions return None (or False, or an empty list) and
@@ -20,6 +20,37 @@ So a variable the tracker sets after its own start is visible in children that e
 only forked (multiprocessing ``fork``): their environ is a copy of the parent's initial
 block. The tracker therefore records forked children by lineage (``descendants``) while
 their parent lives, and the tag is a second, independent way to find exec'd ones.
+
+NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its PID and when it
+started in clock ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever
+two identities meet, within a process and across processes. Not its Unix create time,
+``start_ticks / CLK_TCK + btime``: the kernel derives /proc/stat's ``btime`` from the wall
+clock, so it moves when the clock is stepped or slews across a second, and two processes
+that read it at different times (a spawn worker reads it afresh, a fork worker inherits its
+parent's) compute create times a second apart for one process; the tracker then took a
+worker's own record for a process that never ran, and the worker for a survivor (psutil
+dropped create times as identities for this reason, psutil#2526). Create times are shown to
+people only, derived where shown (``create_time_s``; a report from the boot time its tracker
+read, ``Timeline.boot_unix_s``), and never read back. A birth against the clock needs no boot
+time either: ``start_ticks / clock_ticks()`` is seconds since boot on ``CLOCK_BOOTTIME``
+(``since_boot_s``), truncated to a tick. The comparisons across processes, all of start ticks:
+- worker records (worker/teardown.py posts them, mailbox.py ``record_key`` reads them), and
+  the owner a mailbox folder's name gives (``remove_stale``);
+- ``leakcheck run``'s loader records (commands/instrument.py), which the launcher checks
+  before removing a mailbox (commands/launcher.py ``_remove_mailboxes``);
+- session tags, ``<pid>-<start ticks>-<random>`` (``new_session_id``): whether a tagged
+  process lost its root (observe/snapshot.py ``_is_orphaned``);
+- reports, in JSON and read back (``ProcessKey``, ``Finding.start_ticks``): a job's findings
+  counted once across its ranks (judge/job.py ``finding_identity``), and so are ``watch()``'s
+  announcements (adapters/watching.py) and an orphan also judged a survivor (judge/verdict.py
+  ``judge``);
+- the sweep's cleanup checks a leftover's ticks again before signalling it
+  (commands/sweep.py ``cleanup_orphans``).
+Within a process: ``is_alive``, reads of host memory by key (observe/hostmem.py), the claims
+between one process's trackers (track/claims.py). Births against epochs compare seconds since
+boot: claims' rule 3 (``_epoch_at``), the epoch a process was born in (track/sample_reader.py
+``_born_epoch``), the pytest plugin's "born since the mark" (adapters/plugin_observe.py); and
+tag scans keep processes born since the root by ticks (``TagScan``, snapshot.py).
 
 NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*,
 the one that forked them. A child started from a non-main thread (a DataLoader pin-memory
@@ -54,6 +85,7 @@ __all__ = [
     "boot_time_s",
     "child_pids",
     "clock_ticks",
+    "create_time_s",
     "descendants",
     "environ_variables",
     "is_alive",
@@ -222,12 +254,6 @@ def _stat(pid: int) -> _Stat | None:
     return None if not data else _parse_stat(data)
 
 
-def _create_time(starttime_ticks: int) -> float:
-    # Same operations in the same order as psutil's Linux create_time(), so both compare
-    # equal as floats: (ticks / CLK_TCK) + btime.
-    return float(starttime_ticks) / clock_ticks() + boot_time_s()
-
-
 def _shorten(text: str, limit: int = CMDLINE_MAX_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -310,7 +336,7 @@ def _info(
         if session_tag is not None:
             tagged = _image_tag(pid, image, prefix) == session_tag
     info = ProcInfo(
-        key=ProcessKey(pid, _create_time(stat.starttime_ticks)),
+        key=ProcessKey(pid, stat.starttime_ticks),
         ppid=stat.ppid,
         name=stat.name.decode("utf-8", "replace"),
         cmdline=cmdline,
@@ -710,7 +736,7 @@ if hasattr(os, "register_at_fork"):
 
 @functools.cache
 def _psutil() -> ModuleType:
-    # Only the non-Linux fallback needs it, and importing it is slow: not at module import.
+    # Only the non-Linux fallbacks need it, and importing it is slow: not at module import.
     import psutil
 
     return psutil
@@ -721,28 +747,40 @@ def _psutil() -> ModuleType:
 
 @functools.cache
 def boot_time_s() -> float:
-    """System boot time in seconds since the Unix epoch, from the same source as psutil.
+    """System boot time in seconds since the Unix epoch: ``btime`` of /proc/stat.
 
-    Cached: it is added to every create time, and a cached value keeps every identity this
-    module computes comparable with itself even if the wall clock is adjusted later.
+    Only to show start ticks as Unix times (``create_time_s``), never for identity: the
+    kernel derives it from the wall clock, so it moves when the clock does (NOTE [process
+    identity]). Cached, so that one process shows one process's start alike every time.
 
     Returns:
-        ``btime`` of /proc/stat on Linux (what ``psutil.boot_time()`` reads), else psutil's.
+        The boot time; 0.0 where /proc/stat cannot be read.
 
     """
     data = _read_all(f"{_PROC}/stat") if _HAS_PROC else None
-    if data:
-        for line in data.splitlines():
-            if line.startswith(b"btime"):
-                return float(line.split()[1])
-    return float(_psutil().boot_time())
+    for line in (data or b"").splitlines():
+        if line.startswith(b"btime"):
+            return float(line.split()[1])
+    return 0.0
+
+
+def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
+    """A start time as a Unix time, for people (NOTE [process identity]): never compare it.
+
+    Args:
+        start_ticks: The process's start in clock ticks since boot (``ProcessKey``).
+        boot_unix_s: The boot time to add (default: this process's ``boot_time_s()``).
+
+    """
+    boot = boot_time_s() if boot_unix_s is None else boot_unix_s
+    return start_ticks / clock_ticks() + boot
 
 
 def since_boot_s() -> float:
     """Seconds since boot on the clock of /proc's start times (``CLOCK_BOOTTIME``).
 
-    A process's birth on this clock is ``create_time - boot_time_s()``: exact, where the
-    Unix time of a create time is not (``btime`` has whole seconds).
+    A process's birth on this clock is ``start_ticks / clock_ticks()``, truncated to a tick:
+    no boot time in it (NOTE [process identity]).
     """
     try:
         return time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -757,26 +795,20 @@ def clock_ticks() -> int:
 
 
 def process_key(pid: int) -> ProcessKey | None:
-    """Return the identity ``(pid, create_time)`` of a process.
+    """Return the identity ``(pid, start_ticks)`` of a process (NOTE [process identity]).
 
-    ``create_time`` is computed exactly as ``psutil.Process(pid).create_time()`` does on
-    Linux, so keys from either source compare equal. Zombies still have a key.
+    Zombies still have a key.
 
     Args:
         pid: Process ID in this PID namespace.
 
     Returns:
-        The key, or None when no such process exists (or it cannot be read).
+        The key, or None when no such process exists (or it cannot be read, or there is
+        no /proc).
 
     """
-    if not _HAS_PROC:
-        ps = _psutil()
-        try:
-            return ProcessKey(pid, float(ps.Process(pid).create_time()))
-        except (ps.Error, ValueError):
-            return None
-    stat = _stat(pid)
-    return None if stat is None else ProcessKey(pid, _create_time(stat.starttime_ticks))
+    stat = _stat(pid) if _HAS_PROC else None
+    return None if stat is None else ProcessKey(pid, stat.starttime_ticks)
 
 
 def read_proc(
@@ -798,12 +830,11 @@ def read_proc(
         tag_variable: The variable that carries the tag (default ``LEAKCHECK_SESSION``).
 
     Returns:
-        The process, zombies included; None when it does not exist or cannot be read.
+        The process, zombies included; None when it does not exist or cannot be read (or
+        there is no /proc).
 
     """
-    if not _HAS_PROC:
-        return _ps_read_proc(pid, with_cmdline, skip_zombie=False)
-    stat = _stat(pid)
+    stat = _stat(pid) if _HAS_PROC else None
     if stat is None:
         return None
     tag = None if session_id is None else session_id.encode()
@@ -855,11 +886,11 @@ def descendants(
             every few walks (NOTE [quick walk]): the tracker's periodic ticks.
 
     Returns:
-        One ``ProcInfo`` per live descendant.
+        One ``ProcInfo`` per live descendant (none without /proc).
 
     """
     if not _HAS_PROC:
-        return _ps_descendants(root_pid, with_cmdline)
+        return []
     tag = None if session_id is None else session_id.encode()
     if not _children_file_supported():
         return _descendants_by_scan(root_pid, tag, with_cmdline)
@@ -924,7 +955,7 @@ def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -
 
 
 def is_alive(key: ProcessKey) -> bool:
-    """Whether this very process still runs: same PID *and* same create time.
+    """Whether this very process still runs: same PID *and* same start ticks.
 
     Args:
         key: Identity recorded earlier.
@@ -934,17 +965,12 @@ def is_alive(key: ProcessKey) -> bool:
 
     """
     if not _HAS_PROC:
-        ps = _psutil()
-        try:
-            proc = ps.Process(key.pid)
-            return bool(proc.create_time() == key.create_time and proc.status() != ps.STATUS_ZOMBIE)
-        except ps.Error:
-            return False
+        return False
     with _fd_lock:
         stat = _hot_stat(key.pid)
     if stat is None or stat.state in _DEAD_STATES:
         return False
-    return _create_time(stat.starttime_ticks) == key.create_time
+    return stat.starttime_ticks == key.start_ticks
 
 
 def scan_all(
@@ -963,16 +989,11 @@ def scan_all(
             environments of theirs. Linux only; elsewhere every process is listed.
 
     Returns:
-        One ``ProcInfo`` per process, in PID order.
+        One ``ProcInfo`` per process, in PID order (none without /proc).
 
     """
     if not _HAS_PROC:
-        ps = _psutil()
-        return [
-            info
-            for info in (_ps_read_proc(pid, with_cmdline) for pid in sorted(ps.pids()))
-            if info is not None
-        ]
+        return []
     tag = None if session_id is None else session_id.encode()
     found: list[ProcInfo] = []
     for pid in sorted(_all_pids()):
@@ -1039,16 +1060,7 @@ class TagScan:
         """
         born_since = self._born_since
         if not _HAS_PROC:
-            if self._variable != SESSION_ENV:
-                return []  # environments are unreadable without /proc (psutil reads none)
-            return [
-                info
-                for info in scan_all(session_id=self._session_id, with_cmdline=True)
-                if info.tagged
-                and info.key != born_since
-                and info.key not in known
-                and info.key.create_time >= born_since.create_time
-            ]
+            return []
         try:
             with os.scandir(_PROC) as listing:
                 entries = sorted(
@@ -1068,8 +1080,8 @@ class TagScan:
             judged.add(entry)
             if stat.state in _DEAD_STATES:
                 continue
-            key = ProcessKey(pid, _create_time(stat.starttime_ticks))
-            if key.create_time < born_since.create_time or key == born_since or key in known:
+            key = ProcessKey(pid, stat.starttime_ticks)
+            if key.start_ticks < born_since.start_ticks or key == born_since or key in known:
                 continue
             if _image_tag(pid, stat.image, self._prefix) == self._tag:
                 found.append(_info(pid, stat, self._tag, True, self._prefix))
@@ -1115,22 +1127,21 @@ def tagged_session(pid: int) -> str | None:
 def new_session_id(root_pid: int | None = None) -> str:
     """Make a session tag that encodes the root's identity (NOTE [session tag]).
 
-    The form ``<pid>-<create_time in centiseconds>-<random>`` lets an orphan tell that its
-    root is gone.
+    The form ``<pid>-<start ticks>-<random>`` lets an orphan tell that its root is gone
+    (NOTE [process identity]); the ticks are 0 where the root cannot be read.
     """
     pid = root_pid if root_pid is not None else os.getpid()
     key = process_key(pid)
-    created_cs = round(key.create_time * 100) if key else 0
-    return f"{pid}-{created_cs}-{os.urandom(4).hex()}"
+    return f"{pid}-{key.start_ticks if key else 0}-{os.urandom(4).hex()}"
 
 
-def session_root_pid(session_id: str) -> tuple[int, float] | None:
-    """The root identity encoded in a session tag (``<pid>-<create_time_cs>-<random>``)."""
+def session_root_pid(session_id: str) -> ProcessKey | None:
+    """The root identity encoded in a session tag (``<pid>-<start ticks>-<random>``)."""
     parts = session_id.split("-")
     if len(parts) < 3:
         return None
     try:
-        return int(parts[0]), int(parts[1]) / 100.0
+        return ProcessKey(int(parts[0]), int(parts[1]))
     except ValueError:
         return None
 
@@ -1439,43 +1450,3 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
         if names:
             held[pid] = sorted(names)
     return held
-
-
-# --- psutil fallback (no /proc) -----------------------------------------------------------
-
-
-def _ps_read_proc(pid: int, with_cmdline: bool, skip_zombie: bool = True) -> ProcInfo | None:
-    ps = _psutil()
-    try:
-        proc = ps.Process(pid)
-        with proc.oneshot():
-            if skip_zombie and proc.status() == ps.STATUS_ZOMBIE:
-                return None
-            cmdline = ""
-            if with_cmdline:
-                with contextlib.suppress(ps.AccessDenied):
-                    cmdline = _shorten(" ".join(proc.cmdline()))
-            return ProcInfo(
-                key=ProcessKey(pid, float(proc.create_time())),
-                ppid=proc.ppid(),
-                name=proc.name(),
-                cmdline=cmdline,
-            )
-    except ps.Error:
-        return None
-
-
-def _ps_descendants(root_pid: int, with_cmdline: bool) -> list[ProcInfo]:
-    found: list[ProcInfo] = []
-    seen = {root_pid}
-    stack = list(reversed(child_pids(root_pid)))
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        info = _ps_read_proc(pid, with_cmdline)
-        if info is not None:
-            found.append(info)
-            stack.extend(reversed(child_pids(pid)))
-    return found

@@ -109,7 +109,9 @@ class Snapshot(NamedTuple):
             "processes": [
                 {
                     "pid": entry.info.key.pid,
-                    "create_time": entry.info.key.create_time,
+                    "start_ticks": entry.info.key.start_ticks,
+                    # For people (NOTE [process identity] in procs.py).
+                    "create_time": procs.create_time_s(entry.info.key.start_ticks),
                     "ppid": entry.info.ppid,
                     "name": entry.info.name,
                     "cmdline": entry.info.cmdline,
@@ -370,10 +372,10 @@ def take_snapshot(
         # a machine's processes, and the costliest part of a snapshot. That also leaves out
         # what an earlier process with the root's PID left behind: it is older still.
         for pid, candidate in every.items():
-            if pid in interesting or candidate.key.create_time < root_key.create_time:
+            if pid in interesting or candidate.key.start_ticks < root_key.start_ticks:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and _tag_matches(tag, root_key.pid):
+            if tag is not None and _tag_matches(tag, root_key):
                 interesting.add(pid)
                 sessions[pid] = tag
     # Ancestors give the trees their shape.
@@ -430,26 +432,31 @@ def take_snapshot(
     )
 
 
-def _tag_matches(tag: str, root_pid: int) -> bool:
-    # By PID only: the start time in the tag was computed in another process, from a boot
-    # time that moves when the wall clock is stepped. A tag left by an earlier process with
-    # the same PID is ruled out by age instead (see ``take_snapshot``).
+def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
+    # The tag names its root by identity (NOTE [process identity] in procs.py); one whose
+    # root could not be read (ticks 0) by PID only, and a tag left by an earlier process
+    # with the same PID is ruled out by age instead (see ``take_snapshot``).
     root = session_root_pid(tag)
-    return root is not None and root[0] == root_pid
+    if root is None or root.pid != root_key.pid:
+        return False
+    return root.start_ticks in (0, root_key.start_ticks)
 
 
 def _is_orphaned(tag: str, key: ProcessKey) -> bool:
     """Whether a tagged process has lost its session's root (gone, or not its ancestor).
 
-    The root is judged gone when its PID is free or now names a process younger than the
-    tagged one (a reused PID): ages, not the tag's start time, which was computed in
-    another process from a boot time that moves when the wall clock is stepped.
+    The root is judged gone when no process has the identity the tag names (NOTE [process
+    identity] in procs.py): its PID is free or names another process. Where the tag's
+    ticks are unknown (0), a PID that names a process younger than the tagged one was
+    reused.
     """
     root = session_root_pid(tag)
     if root is None:
         return False
-    root_key = procs.process_key(root[0])
-    if root_key is None or root_key.create_time > key.create_time:
+    root_key = procs.process_key(root.pid)
+    if root_key is None or root.start_ticks not in (0, root_key.start_ticks):
+        return True
+    if root_key.start_ticks > key.start_ticks:
         return True
     return not procs.is_ancestor(root_key.pid, key.pid)
 

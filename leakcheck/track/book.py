@@ -154,7 +154,7 @@ class EpochBook:
     def born_in(self, born_s: float, window_s: float) -> int | None:
         """The epoch a process was born in, from its birth on the tracker's clock.
 
-        A create time counts whole clock ticks: the birth fell in ``[born_s, born_s +
+        A start counts whole clock ticks: the birth fell in ``[born_s, born_s +
         window_s)``. The latest epoch opened before that window ends wins (a loader's
         workers start as its epoch opens, within the tick); None if it had ended before
         the window began (born between epochs) or none had opened (NOTE [born epoch] in
@@ -414,7 +414,7 @@ class EpochBook:
         pending: list[Proc] = []
         deadline = 0.0
         for proc in table.live.values():
-            # Counted from the epoch it was born in where its create time says, else the one
+            # Counted from the epoch it was born in where its start ticks say, else the one
             # it was placed in, as the survivor rule counts (NOTE [born epoch] in
             # sample_reader.py).
             born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch

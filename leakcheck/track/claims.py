@@ -17,10 +17,10 @@ the session that owns it:
    other placed S first (and may place S's children first); this process's own trackers
    share their root, and rule 3 tells them apart;
 3. otherwise the tracker whose epoch was the innermost one open when the process was born
-   (its create time) claims it: a loader's epoch is open when its workers start, and a
-   validation loader run inside the training epoch opens its epoch inside the training
-   one. Birth time, not the time a walk first sees it: the other tracker's sampler may
-   walk first;
+   (its start ticks, as seconds since boot: NOTE [process identity] in procs.py) claims it:
+   a loader's epoch is open when its workers start, and a validation loader run inside the
+   training epoch opens its epoch inside the training one. Birth time, not the time a walk
+   first sees it: the other tracker's sampler may walk first;
 4. with no epoch open anywhere at its birth, the tracker that places it first.
 
 A tracker judges only what it owns; what another owns it counts as the job's memory (so a
@@ -30,8 +30,8 @@ closed tracker is still not another's to judge.
 
 A correction by rule 1 must reach the tracker that lost the process even where the worker
 is gone by then. Rule 3 can give a validation worker to the training tracker (forked in
-the tick its epoch opened, its create time reads before the opening), and a short-lived
-worker can be seen gone, by either tracker (and its claim forgotten), before its report is
+the tick its epoch opened, its start reads before the opening), and a short-lived worker
+can be seen gone, by either tracker (and its claim forgotten), before its report is
 read from the mailbox, or before the losing tracker walks again: re-reading the claim finds
 none, and the worker stayed in the losing tracker's epoch as its own. So the owners of
 processes seen gone, and the parents of gone heirs, are kept a while (the report comes within
@@ -80,23 +80,9 @@ table takes it back (taken_from); oldest first, the latest ``_KEPT_GONE`` kept (
 tracker never asks again)."""
 _epochs: list[tuple[str, float, float | None]] = []
 """(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
-(the clock of a process's start time in /proc, exact where the Unix time of a create time
-is not: its boot time has whole seconds), in the order they opened; closed ones are kept
-for a while, for processes seen late."""
+(the clock of a process's start ticks in /proc), in the order they opened; closed ones are
+kept for a while, for processes seen late."""
 _KEPT_EPOCHS = 256
-
-
-def _tick_s() -> float:
-    try:
-        return 1.0 / os.sysconf("SC_CLK_TCK")
-    except (AttributeError, ValueError, OSError):
-        return 0.01
-
-
-_TICK_S = _tick_s()
-"""A create time's resolution: /proc's start time counts clock ticks (10 ms), truncated."""
-_EPSILON_S = 1e-4
-"""Float error between the boot clock's readings and create times summed from two parts."""
 
 
 def owner_of(key: ProcessKey) -> str | None:
@@ -181,29 +167,31 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
             if owner is not None:
                 _heir_of[key] = parent
         if owner is None:
-            owner = _epoch_at(key.create_time - procs.boot_time_s()) or session
+            owner = _epoch_at(key.start_ticks, procs.clock_ticks()) or session
         _owners[key] = owner
         return owner
 
 
-def _epoch_at(born_s: float) -> str | None:
+def _epoch_at(start_ticks: int, ticks_per_s: int) -> str | None:
     """The session of the innermost epoch open when a process was born (rule 3).
 
-    A create time says only that the birth fell within one clock tick from it. An epoch open
-    over that whole tick was open at the birth, and the innermost such epoch wins: a
-    loader's first batch can open an inner epoch a few milliseconds after the loader's last
-    worker was forked, in the same tick. Where no epoch covers the whole tick, one that was
-    open for part of it wins, the latest opened: processes start as an epoch opens (its
-    loader's workers), not as the one before it closes (two loaders' epochs back to back).
+    Start ticks say only that the birth fell within that clock tick (the kernel truncates).
+    An epoch open over that whole tick was open at the birth, and the innermost such epoch
+    wins: a loader's first batch can open an inner epoch a few milliseconds after the
+    loader's last worker was forked, in the same tick. Where no epoch covers the whole tick,
+    one that was open for part of it wins, the latest opened: processes start as an epoch
+    opens (its loader's workers), not as the one before it closes (two loaders' epochs back
+    to back).
     """
-    window_end_s = born_s + _TICK_S
+    born_s = start_ticks / ticks_per_s
+    window_end_s = (start_ticks + 1) / ticks_per_s
     for session, opened, closed in reversed(_epochs):
-        if opened <= born_s + _EPSILON_S and (closed is None or closed >= window_end_s):
+        if opened <= born_s and (closed is None or closed >= window_end_s):
             return session
     overlapping = [
         (opened, session)
         for session, opened, closed in _epochs
-        if opened < window_end_s and (closed is None or closed >= born_s - _EPSILON_S)
+        if opened < window_end_s and (closed is None or closed >= born_s)
     ]
     return max(overlapping)[1] if overlapping else None
 

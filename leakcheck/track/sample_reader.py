@@ -6,12 +6,13 @@ is there then, into the process table and the epoch book, under the sampler's lo
 NOTE [born epoch]: a process is placed when a walk or a tag scan first sees it, which for a
 helper that a short-lived worker started can be epochs after its birth (the scan for
 reparented processes runs on the next wake, walks every fourth tick). So the epoch it was
-born in comes from its create time, on the tracker's clock through the boot clock's offset
-(``procs.since_boot_s``; both clocks tick alike), not from the epoch open when it was found:
+born in comes from its start ticks (seconds since boot: NOTE [process identity] in procs.py),
+on the tracker's clock through the boot clock's offset (``procs.since_boot_s``; both clocks
+tick alike), not from the epoch open when it was found:
 "started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``), and the survivor
 rule, ``close()``'s wait and the tables' `alive after` all count the grace from that epoch's
 end. The epoch it was placed in (``Proc.born_epoch``) is the first whose records have it, and
-stands in for its birth where the create time falls between epochs.
+stands in for its birth where the start falls between epochs.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ class SampleReader:
         return True
 
     def _born_epoch(self, key: ProcessKey, now: float, *, fallback: int | None) -> int | None:
-        """The epoch ``key`` was born in, from its create time (NOTE [born epoch])."""
-        born_s = key.create_time - procs.boot_time_s() - self._boot_offset_s
+        """The epoch ``key`` was born in, from its start ticks (NOTE [born epoch])."""
+        born_s = key.start_ticks / procs.clock_ticks() - self._boot_offset_s
         if born_s > now + 1.0:
             return fallback  # a clock that does not agree: the epoch it was found in
         return self.book.born_in(born_s, 1.0 / procs.clock_ticks())

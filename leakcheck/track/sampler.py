@@ -119,7 +119,8 @@ class Sampler:
         self._t0 = 0.0
         self.started_unix_s = 0.0
         self.session_id = ""
-        self.root_key = ProcessKey(root_pid, 0.0)
+        self.root_key = ProcessKey(root_pid, 0)
+        self.boot_unix_s: float | None = None
         self._mailbox_dir: str | None = None
         self._export_token: int | None = None
         self._tag_scan_due = False
@@ -157,6 +158,7 @@ class Sampler:
             self._t0 = time.monotonic()
             boot_offset_s = procs.since_boot_s() - self.now()
             self.started_unix_s = time.time()
+            self.boot_unix_s = procs.boot_time_s()
             self.root_key = root_key
             self.session_id = procs.new_session_id(self.root_pid)
             tag = self.session_tag or (procs.SESSION_ENV, self.session_id)
@@ -411,6 +413,7 @@ class Sampler:
             session_id=self.session_id,
             root=self.root_key,
             started_unix_s=self.started_unix_s,
+            boot_unix_s=self.boot_unix_s,
             attribution=self.nvml.attribution,
             attribution_reason=self.nvml.attribution_reason,
             baseline_devices=self.baseline_devices,

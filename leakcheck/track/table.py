@@ -1,10 +1,11 @@
 """The process table of one tracker: every process of the job it placed, and what it holds.
 
-A process is an identity ``(pid, create_time)`` with a mutable record: its parent, command
-line, when it was first and last seen alive, when it was seen gone, the GPU bytes NVML
-last listed for it, and whether it is this tracker's own (NOTE [claims] in claims.py). The
-sampler feeds it what a walk of /proc and a read of NVML's lists found; roles and
-persistence are answered here, once, for the epoch book and the final state.
+A process is an identity ``(pid, start_ticks)`` (NOTE [process identity] in procs.py) with a
+mutable record: its parent, command line, when it was first and last seen alive, when it was
+seen gone, the GPU bytes NVML last listed for it, and whether it is this tracker's own (NOTE
+[claims] in claims.py). The sampler feeds it what a walk of /proc and a read of NVML's lists
+found; roles and persistence are answered here, once, for the epoch book and the final
+state.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Proc:
     """The epoch open when it was placed: the first whose records list it."""
     pre_existing: bool
     birth_epoch: int | None = None
-    """The epoch its create time falls in (NOTE [born epoch] in sample_reader.py): what "started
+    """The epoch its start falls in (NOTE [born epoch] in sample_reader.py): what "started
     in" names and the survivor rule counts the grace from; the epoch it was placed in
     until the sampler computes it."""
     exited_s: float | None = None

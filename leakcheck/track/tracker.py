@@ -273,18 +273,19 @@ class Tracker:
 
     @caller_timed
     def register_worker(
-        self, pid: int, create_time: float | None = None, *, persistent: bool | None = None
+        self, pid: int, start_ticks: int | None = None, *, persistent: bool | None = None
     ) -> None:
         """Declare a process as a worker of the job (exact identities, not a guess).
 
         Args:
             pid: Worker PID.
-            create_time: Its start time (as ``psutil``); read from /proc when None.
+            start_ticks: Its start in clock ticks since boot (field 22 of /proc/PID/stat,
+                NOTE [process identity] in procs.py); read from /proc when None.
             persistent: Whether it is meant to live across epochs (None: the tracker's
                 ``persistent_workers`` setting).
 
         """
-        key = process_key(pid) if create_time is None else ProcessKey(pid, create_time)
+        key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
         if key is not None:
             self._sampler.register_worker(key, persistent)
 

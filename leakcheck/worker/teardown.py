@@ -6,8 +6,9 @@ The policy, installed in each worker by :class:`WorkerInit` (the chained ``worke
 
 1. ``PR_SET_PDEATHSIG`` (Linux): the kernel sends the worker SIGTERM when its parent dies,
    so a crashed trainer leaves no worker behind holding a context.
-2. The worker posts its identity ``(pid, create_time)`` to the mailbox (NOTE [worker
-   mailbox] in mailbox.py), so the tracker knows its workers exactly.
+2. The worker posts its identity ``(pid, start_ticks)`` to the mailbox (NOTE [worker
+   mailbox] in mailbox.py), so the tracker knows its workers exactly (NOTE [process
+   identity] in procs.py: the same number the tracker reads, whatever the clocks said).
 3. At worker exit (a ``multiprocessing.util.Finalize`` hook: DataLoader workers leave through
    multiprocessing's bootstrap, which runs finalizers, not ``atexit``), the worker reads its
    own host memory (USS, PSS, RSS and its peak) and, only when CUDA was initialised in it,
@@ -454,8 +455,8 @@ def _set_parent_death_signal() -> None:
 def _terminate_descendants() -> None:
     """SIGTERM, then SIGKILL, this process's live descendants.
 
-    psutil remembers each child's create time and refuses to signal a reused PID, so only
-    the ``(pid, create_time)`` identities seen here are ever signalled.
+    psutil remembers each child's identity and refuses to signal a PID reused since it
+    listed the child, so only the processes listed here are ever signalled.
     """
     import psutil
 
@@ -475,7 +476,7 @@ def _terminate_descendants() -> None:
 @dataclass(frozen=True)
 class _WorkerExit:
     pid: int
-    create_time: float
+    start_ticks: int
     worker_id: int | None
     release: bool
     terminate_children: bool
@@ -531,7 +532,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
         freed.fail("teardown", exc)
         duration_s = time.perf_counter() - started
     record = TeardownRecord(
-        key=ProcessKey(state.pid, state.create_time),
+        key=ProcessKey(state.pid, state.start_ticks),
         worker_id=state.worker_id,
         cuda_initialized=cuda,
         streams_joined=freed.streams_joined,
@@ -557,7 +558,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
         fields["gpu_bytes_by_device"] = {str(index): num for index, num in held.items()}
     mailbox.post(
         "teardown",
-        {"pid": state.pid, "create_time": state.create_time, **fields},
+        {"pid": state.pid, "start_ticks": state.start_ticks, **fields},
         directory=state.mailbox_dir,
     )
 
@@ -613,7 +614,7 @@ class WorkerInit:
                 "worker",
                 {
                     "pid": pid,
-                    "create_time": key.create_time,
+                    "start_ticks": key.start_ticks,
                     "ppid": os.getppid(),
                     "worker_id": worker_id,
                     "persistent": self.persistent,
@@ -632,7 +633,7 @@ class WorkerInit:
                     args=(
                         _WorkerExit(
                             pid=pid,
-                            create_time=key.create_time,
+                            start_ticks=key.start_ticks,
                             worker_id=worker_id,
                             release=self.release,
                             terminate_children=self.terminate_children,

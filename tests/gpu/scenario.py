@@ -45,14 +45,14 @@ def processes(report: dict[str, Any], role: str) -> list[dict[str, Any]]:
     return [p for e in report["epochs"] for p in e["processes"] if p["role"] == role]
 
 
-def reported_gpu_bytes(report: dict[str, Any]) -> dict[tuple[int, float], int]:
-    """(pid, create_time) -> the GPU bytes each worker reported holding as it exited."""
+def reported_gpu_bytes(report: dict[str, Any]) -> dict[tuple[int, int], int]:
+    """(pid, start_ticks) -> the GPU bytes each worker reported holding as it exited."""
     return {
-        (t["key"]["pid"], t["key"]["create_time"]): sum(t["gpu_bytes_by_device"].values())
+        (t["key"]["pid"], t["key"]["start_ticks"]): sum(t["gpu_bytes_by_device"].values())
         for t in report["teardowns"]
     }
 
 
-def key_of(process: dict[str, Any]) -> tuple[int, float]:
-    """A process's (pid, create_time), as ``reported_gpu_bytes`` keys it."""
-    return process["key"]["pid"], process["key"]["create_time"]
+def key_of(process: dict[str, Any]) -> tuple[int, int]:
+    """A process's (pid, start_ticks), as ``reported_gpu_bytes`` keys it."""
+    return process["key"]["pid"], process["key"]["start_ticks"]

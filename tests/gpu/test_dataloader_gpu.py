@@ -182,7 +182,7 @@ def test_a_watched_training_loop_has_no_false_finding_and_exact_worker_peaks(
     assert report["attribution"] == "ok"
     assert leaks(report) == [], [f["message"] for f in leaks(report)]
     reported = {
-        (t["key"]["pid"], t["key"]["create_time"]): t["gpu_bytes_by_device"]
+        (t["key"]["pid"], t["key"]["start_ticks"]): t["gpu_bytes_by_device"]
         for t in report["teardowns"]
     }
     workers = [

@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_two_ranks_sharing_gpu_0_are_attributed_per_rank_exactly(
-    workdir: Path, leftovers: list[tuple[int, float]]
+    workdir: Path, leftovers: list[tuple[int, int]]
 ) -> None:
     script = workdir / "train_ddp.py"
     script.write_text(SCRIPT)

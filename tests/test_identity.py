@@ -1,0 +1,128 @@
+"""A process is ``(pid, start ticks since boot)`` in every process that names it.
+
+NOTE [process identity] in observe/procs.py: the boot time in /proc/stat moves with the wall
+clock, so a worker that reads it afresh (spawn) or later than its parent can see another
+second than the tracker did. These tests give the workers of real DataLoaders a boot time
+shifted by a second, at the /proc boundary (what ``/proc/stat`` says in the worker), and
+check that the loader's tracker still knows its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import leakcheck
+from leakcheck.observe import procs
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+_BTIME = re.compile(rb"^btime (\d+)$", re.MULTILINE)
+_unshifted_read_all = procs._read_all
+
+
+def _unshifted_boot_time() -> int:
+    """The boot time /proc/stat says, read past any shift."""
+    match = _BTIME.search(_unshifted_read_all("/proc/stat") or b"")
+    assert match is not None
+    return int(match.group(1))
+
+
+def _shift_boot_time(shift_s: int) -> None:
+    """From now on this process reads a boot time ``shift_s`` later in ``/proc/stat``.
+
+    What a worker sees when the wall clock was stepped (or slewed across a second) between
+    its parent's read and its own: the kernel derives ``btime`` from the wall clock.
+    """
+    read_all = procs._read_all
+
+    def shifted(path: str, *args: Any, **kwargs: Any) -> bytes | None:
+        data = read_all(path, *args, **kwargs)
+        if path != "/proc/stat" or not data:
+            return data
+        return _BTIME.sub(lambda m: b"btime %d" % (int(m.group(1)) + shift_s), data)
+
+    procs._read_all = shifted
+    procs.boot_time_s.cache_clear()
+
+
+_fork_shift_s = 0
+"""The shift forked children apply as they start (while a test sets it)."""
+
+
+def _shift_in_forked_child() -> None:
+    if _fork_shift_s:
+        _shift_boot_time(_fork_shift_s)
+
+
+os.register_at_fork(after_in_child=_shift_in_forked_child)
+
+
+class BootTimes(Dataset[torch.Tensor]):
+    """Items say which process made them and how far off the boot time it reads is.
+
+    Unpickled in a spawn worker before its ``worker_init_fn`` runs, so the shift is in place
+    when the worker posts its identity; a fork worker gets it from ``_shift_in_forked_child``.
+    """
+
+    def __init__(self, shift_s: int) -> None:
+        self.shift_s = shift_s
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _shift_boot_time(self.shift_s)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shift_s = int(procs.boot_time_s()) - _unshifted_boot_time()
+        return torch.tensor([os.getpid(), shift_s], dtype=torch.float64)
+
+
+@pytest.fixture
+def fork_shift() -> Iterator[None]:
+    yield
+    global _fork_shift_s
+    _fork_shift_s = 0
+
+
+@pytest.mark.parametrize("shift_s", [1, -1])
+@pytest.mark.parametrize("context", ["spawn", "fork"])
+def test_workers_that_read_another_boot_time_are_still_the_loaders_workers(
+    context: str, shift_s: int, fork_shift: None
+) -> None:
+    global _fork_shift_s
+    _fork_shift_s = shift_s if context == "fork" else 0
+    loader: DataLoader[torch.Tensor] = DataLoader(
+        BootTimes(shift_s),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context=context,
+    )
+    watched = leakcheck.watch(loader, on_leak="ignore", grace=0.5)
+    seen: dict[int, int] = {}
+    with watched:
+        for _ in range(3):
+            for batch in watched:
+                seen.update((int(pid), int(shift)) for pid, shift in batch.tolist())
+        workers = set(watched.tracker.worker_keys())
+        live = {procs.process_key(pid) for pid in seen}
+        watched.drop_loader()
+    # The workers did read the shifted boot time (the injection reached them)...
+    assert len(seen) == 2 and set(seen.values()) == {shift_s}, seen
+    # ... and the tracker knows them as its workers, by their own records.
+    assert workers == live, (workers, live)
+    report = watched.report()
+    assert report.leaks == [], report.format()
+    for record in report.epochs:
+        roles = {p.key.pid: p.role for p in record.processes if p.key.pid in seen}
+        assert roles == dict.fromkeys(seen, "worker"), (record.index, roles)

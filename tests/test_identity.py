@@ -4,7 +4,8 @@ NOTE [process identity] in observe/procs.py: the boot time in /proc/stat moves w
 clock, so a worker that reads it afresh (spawn) or later than its parent can see another
 second than the tracker did. These tests give the workers of real DataLoaders a boot time
 shifted by a second, at the /proc boundary (what ``/proc/stat`` says in the worker), and
-check that the loader's tracker still knows its workers.
+check that the loader's tracker still knows its workers; and that a worker whose record
+reaches the tracker only after its epoch ended is still that loader's worker.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
 from leakcheck.observe import procs
+from leakcheck.track.tracker import Tracker
+from leakcheck.worker.teardown import WorkerInit
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -126,3 +131,57 @@ def test_workers_that_read_another_boot_time_are_still_the_loaders_workers(
     for record in report.epochs:
         roles = {p.key.pid: p.role for p in record.processes if p.key.pid in seen}
         assert roles == dict.fromkeys(seen, "worker"), (record.index, roles)
+
+
+class Pids(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([os.getpid()])
+
+
+def _records(folder: Path, *, count: int) -> list[str]:
+    """The names of the ``count`` records posted to ``folder`` (each is whole once named)."""
+
+    def names() -> list[str]:
+        return [name for name in os.listdir(folder) if name.endswith(".json")]
+
+    assert wait_for(lambda: len(names()) == count, timeout_s=30), os.listdir(folder)
+    return names()
+
+
+def test_a_worker_whose_record_comes_after_its_epoch_ended_is_still_the_loaders_worker(
+    tmp_path: Path,
+) -> None:
+    """The workers post to a holding folder; their records reach the tracker's mailbox only
+    once the epoch that started them has ended (as when a loop breaks before a worker's
+    first batch). The epoch's record still names them its loader's workers."""
+    held = tmp_path / "held"
+    held.mkdir()
+    init = WorkerInit(persistent=True, release=False, mailbox_dir=str(held))
+    loader: DataLoader[torch.Tensor] = DataLoader(
+        Pids(), batch_size=2, num_workers=2, persistent_workers=True, worker_init_fn=init
+    )
+    pids: set[int] = set()
+    with Tracker(grace=0.5, persistent_workers=False) as tracker:
+        with tracker.epoch():
+            for batch in loader:
+                pids.update(batch.flatten().tolist())
+        assert len(pids) == 2 and tracker.worker_keys() == []  # nothing came yet
+        assert tracker.mailbox_dir is not None
+        for name in _records(held, count=2):
+            os.replace(held / name, Path(tracker.mailbox_dir) / name)
+        tracker.sample()
+        assert {key.pid for key in tracker.worker_keys()} == pids
+        with tracker.epoch():
+            for _batch in loader:
+                pass
+        del loader  # stops the persistent workers
+        report = tracker.report()
+    assert report.leaks == [], report.format()
+    first = report.epochs[0]
+    assert {p.key.pid: p.role for p in first.processes if p.key.pid in pids} == dict.fromkeys(
+        pids, "worker"
+    )
+    assert all(p.persistent for p in first.processes if p.key.pid in pids)

@@ -378,7 +378,7 @@ class EpochBook:
         )
         return ProcessEpoch(
             key=key,
-            role=state.role,
+            role=_late_worker_role(state.role, key, table),
             ppid=state.ppid,
             cmdline=proc.cmdline,
             born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
@@ -438,6 +438,17 @@ class EpochBook:
         """Every identity any epoch saw."""
         for epoch in self.epochs:
             yield from epoch.seen
+
+
+def _late_worker_role(role: Role, key: ProcessKey, table: ProcessTable) -> Role:
+    """The role an epoch froze, or ``worker`` for a worker whose record came after it ended.
+
+    A worker is its loader's from birth; its record can reach the mailbox only after the
+    epoch that started it ended (the loop broke before the worker's first batch), and that
+    epoch saw it as a plain descendant. Frozen records are judged and shown as of now, so it
+    is a worker in them too (as it is persistent where its record says: ``persistent``).
+    """
+    return "worker" if role == "descendant" and key in table.workers else role
 
 
 def _birth_epoch(proc: Proc) -> int | None:

@@ -159,7 +159,7 @@ def _patch(module: Any) -> None:
         return
     cls: Any = found
     torch_dir = os.path.dirname(os.path.dirname(os.path.dirname(module.__file__))) + os.sep
-    worker_info = module.get_worker_info
+    worker_info = getattr(module, "get_worker_info", None) or (lambda: None)
     original_init = cls.__init__
     original_iter = cls.__iter__
 

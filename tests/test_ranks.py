@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from leakcheck.core.model import RankInfo, RuleConfig
-from leakcheck.core.ranks import culprit_label, physical_device, rank_from_environ
+from leakcheck.core.ranks import (
+    EXPORTED_RANK_ENV,
+    culprit_label,
+    exported_rank,
+    physical_device,
+    rank_from_environ,
+)
 from leakcheck.judge import verdict
 from leakcheck.judge.job import judge_job
 from leakcheck.judge.report import build_report, leak_short
@@ -70,6 +76,20 @@ def test_device_follows_cuda_visible_devices() -> None:
     assert physical_device(1, {"CUDA_VISIBLE_DEVICES": "5"}) is None  # not visible
     assert physical_device(0, {"CUDA_VISIBLE_DEVICES": "GPU-1234"}) is None  # a UUID: unknown
     assert physical_device(4, {}) == 4
+
+
+def test_a_rank_leakcheck_exported_is_read_back_and_rank_wins() -> None:
+    """NOTE [exported rank]: a spawned rank's rank, in what it starts."""
+    info = RankInfo(rank=3, local_rank=1, world_size=4, device=1)
+    env = {EXPORTED_RANK_ENV: exported_rank(info)}
+    assert env[EXPORTED_RANK_ENV] == "3,1,4"
+    assert rank_from_environ(env) == info
+    assert rank_from_environ({**env, "CUDA_VISIBLE_DEVICES": "2,5"}) == replace(info, device=5)
+    unknown = exported_rank(RankInfo(rank=0))
+    assert rank_from_environ({EXPORTED_RANK_ENV: unknown}) == RankInfo(rank=0)
+    assert rank_from_environ({**env, **TORCHRUN_ENV}) == rank_from_environ(TORCHRUN_ENV)
+    for bad in ("", "x,1,2", "1,2", "-1,,", ",,"):
+        assert rank_from_environ({EXPORTED_RANK_ENV: bad}) is None, bad
 
 
 def test_culprit_label_carries_the_rank_where_known() -> None:

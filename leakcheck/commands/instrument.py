@@ -5,13 +5,16 @@ NOTE [run instrumentation]: the startup shim (``leakcheck/commands/_shim/sitecus
 program imports torch's dataloader module; the first iteration imports this module, and
 from then on:
 
-* a loader is known by where the program made it (``file:line``, recorded by the patched
-  ``__init__``); each creation site gets one ``Tracker`` of its own, started at its first
-  iteration, so a train and a validation loader are judged apart (NOTE [claims] in
-  sampling/claims.py). A loader made again at the same line once the previous one is gone
-  (one new loader per epoch) continues that site's tracker; two loaders of one site alive
-  together (a helper function that makes both) get one tracker each, the second labelled
-  ``file:line #2``;
+* a loader is known by where the program made it (recorded by the patched ``__init__``):
+  labelled by the user's own line, with the library that made the loader for it
+  (``train.py:42``, ``hf_train.py:48 via transformers Trainer``; a path relative to the
+  working directory where inside it, else its folder and name); each creation site gets
+  one ``Tracker`` of its own, started at its first iteration, so a train and a validation
+  loader are judged apart (NOTE [claims] in track/claims.py). A loader made again at the
+  same site once the previous one is gone (one new loader per epoch) continues that site's
+  tracker; two loaders of one label alive together (a helper function that makes both) get
+  one tracker each, the second labelled ``file:line #2``;
+* a process that is a rank of a distributed job records its rank (NOTE [process rank]);
 * each iteration is wrapped by a new ``WatchedLoader`` over the shared tracker (never
   closed by the wrapper), iterating through DataLoader's original ``__iter__``: epochs
   begin and end exactly as under ``watch()`` (NOTE [epoch ends] in dataloader.py), worker
@@ -19,13 +22,28 @@ from then on:
   run asked for it, and no leak is warned about or raised: the report comes at exit. The
   wrapper lives as long as the epoch's iterator, so nothing keeps a loader alive;
 * a loader the program already wraps with ``leakcheck.watch()`` is left to that wrapper;
-* at interpreter exit (``atexit``: a normal end, ``sys.exit``, an unhandled exception or
-  ``KeyboardInterrupt``; not ``os._exit`` nor a fatal signal) an epoch still open is ended
+* at the process's exit (``atexit``: a normal end, ``sys.exit``, an unhandled exception or
+  ``KeyboardInterrupt``; in a multiprocessing child also its exit finalizers, which run
+  before the ``os._exit`` that ends a forked one; not a bare ``os._exit`` nor a fatal
+  signal) an epoch still open is ended
   with how the program ended, its iterator is closed (which stops non-persistent workers),
   every tracker is closed (each waits at most ``grace`` for the processes of its last epoch)
   and its report is written, with the loader's label, the process and what tracking cost,
   as ``loader-<pid>-<n>.json`` into the run folder. A ``.started`` file, written when a
   site's tracker starts, lets the launcher name a loader whose report never came.
+
+A forked child starts afresh (``os.register_at_fork``): its parent's trackers, their
+threads and their reports are the parent's; the child's loaders, its parent's included,
+get trackers of its own at their first iteration in it. The reset only drops references,
+so a DataLoader's forked worker, which runs it too, pays next to nothing.
+
+NOTE [process rank]: a process's rank is ``RANK`` (torchrun, ``accelerate launch``), else
+its own process group's rank (``torch.distributed``, initialised by the time it iterates a
+loader in a DDP job), else its index among the processes ``torch.multiprocessing.spawn`` or
+``start_processes`` started (torch runs each one's function through its ``_wrap(fn, i,
+...)``, the ``target`` of its ``multiprocessing`` process), else the rank a process above
+it exported (NOTE [exported rank] in ranks.py). A rank found here is exported in turn. The
+spawn index is the local rank.
 
 Nothing here raises into the program: a failure of leakcheck's own turns tracking off for
 the rest of the process (one line on standard error) and the loaders work as without it.
@@ -49,7 +67,7 @@ from typing import Any
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core import ranks
 from leakcheck.core.errors import UsageError
-from leakcheck.core.model import MIB, EndReason, TrackerCost
+from leakcheck.core.model import MIB, EndReason, RankInfo, TrackerCost
 from leakcheck.core.options import parse_share_option
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker, end_reason_for, own_rank_device
@@ -63,7 +81,9 @@ __all__ = [
     "ShimOptions",
     "configure",
     "epoch_iterator",
+    "process_rank",
     "read_records",
+    "shown_path",
     "write_options",
 ]
 
@@ -75,7 +95,8 @@ RECORD_SCHEMA = "leakcheck.run.loader"
 RECORD_SCHEMA_VERSION = 3
 """2 added ``rank``: the process's ``RankInfo`` in a torchrun job (None otherwise); 3 names
 the process by ``start_ticks`` where ``create_time`` was (NOTE [process identity] in
-procs.py)."""
+procs.py), and added ``via`` (the library that made the loader) and ranks of spawned
+processes (NOTE [process rank])."""
 
 
 @dataclass(frozen=True)
@@ -275,17 +296,34 @@ class _EpochIterator:
             close()
 
 
+Where = tuple[Any, ...]
+"""A creation site as the shim records it: ``(file, line, via, origin file, origin line)``."""
+
+
 @dataclass
 class _Site:
     """One creation site's tracker, and the loader instance it follows now."""
 
     label: str
-    where: tuple[str, int]
+    base: str
+    """The label without its ``#2``."""
+    where: Where
+    pid: int
+    """The process whose tracker it is (a forked child's loaders carry its parent's)."""
     index: int
     tracker: Tracker
     instance: weakref.ref[Any]
     started_unix_s: float
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A loader the program pickles (the arguments of a spawned process) or deep-copies
+        # carries None instead: the copy is another loader, and a tracker does not pickle.
+        return (_no_site, ())
+
+
+def _no_site() -> None:
+    return None
 
 
 class _Run:
@@ -297,40 +335,42 @@ class _Run:
         self.pid = os.getpid()
         self.cwd = os.getcwd()
         self.sites: list[_Site] = []
-        self.rank = ranks.rank_from_environ(os.environ)
+        self.rank = process_rank()
+        if self.rank is not None and ranks.rank_from_environ(os.environ) != self.rank:
+            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(self.rank)
         self.lock = threading.RLock()
+        self.ended = False
         atexit.register(self.at_exit)
+        _at_child_exit(self.at_exit)
 
     def session_ids(self) -> set[str]:
         """The sessions of this run's trackers (their hooks are on the loaders they track)."""
         with self.lock:
             return {site.tracker.session_id for site in self.sites}
 
-    def label(self, where: tuple[str, int]) -> str:
-        path, line = where
-        if os.path.isabs(path):
-            relative = os.path.relpath(path, self.cwd)
-            if not relative.startswith(os.pardir):
-                path = relative
-        return f"{path}:{line}"
+    def label(self, where: Where) -> str:
+        """``file:line``, with ``via LIBRARY`` where a library made the loader."""
+        path, line = where[0], where[1]
+        via = where[2] if len(where) > 2 and where[2] else ""
+        return f"{shown_path(str(path), self.cwd)}:{line}" + (f" via {via}" if via else "")
 
     def site_for(self, loader: Any) -> _Site:
         site = loader.__dict__.get("_leakcheck_run_site")
-        if isinstance(site, _Site) and not site.tracker.closed:
+        if isinstance(site, _Site) and site.pid == self.pid and not site.tracker.closed:
             return site
         where = loader.__dict__.get("_leakcheck_site")
-        if not (isinstance(where, tuple) and len(where) == 2):
+        if not (isinstance(where, tuple) and len(where) >= 2):
             where = ("<unknown>", 0)
         with self.lock:
             same = [site for site in self.sites if site.where == where]
             site = next((s for s in same if s.instance() is None and not s.tracker.closed), None)
             if site is None:
-                site = self._new_site(loader, where, len(same))
+                site = self._new_site(loader, where)
             site.instance = weakref.ref(loader)
         loader.__dict__["_leakcheck_run_site"] = site
         return site
 
-    def _new_site(self, loader: Any, where: tuple[str, int], same: int) -> _Site:
+    def _new_site(self, loader: Any, where: Where) -> _Site:
         options = self.options
         tracker = Tracker(
             interval=options.interval_s,
@@ -341,10 +381,13 @@ class _Run:
             rollup_share=options.rollup_share,
         )
         tracker.start()
-        label = self.label(where) + (f" #{same + 1}" if same else "")
+        base = self.label(where)
+        same = sum(1 for site in self.sites if site.base == base)
         site = _Site(
-            label=label,
+            label=base + (f" #{same + 1}" if same else ""),
+            base=base,
             where=where,
+            pid=self.pid,
             index=len(self.sites),
             tracker=tracker,
             instance=weakref.ref(loader),
@@ -370,6 +413,7 @@ class _Run:
             "label": site.label,
             "file": site.where[0],
             "line": site.where[1],
+            "via": site.where[2] if len(site.where) > 2 else "",
             "index": site.index,
             "pid": self.pid,
             "argv": list(sys.argv),
@@ -420,9 +464,10 @@ class _Run:
         return epoch
 
     def at_exit(self) -> None:
-        """Close every tracker and write its report (NOTE [run instrumentation])."""
-        if os.getpid() != self.pid:
-            return  # a forked child that exits through atexit
+        """Close every tracker and write its report (NOTE [run instrumentation]). Once."""
+        if os.getpid() != self.pid or self.ended:
+            return  # a forked child that exits through atexit; or ran already
+        self.ended = True
         error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         reason: EndReason = "closed"
         line: str | None = None
@@ -455,6 +500,75 @@ class _Run:
         )
 
 
+def shown_path(path: str, cwd: str) -> str:
+    """``path`` relative to ``cwd`` where inside it, else its folder and name."""
+    if not os.path.isabs(path):
+        return path
+    relative = os.path.relpath(path, cwd)
+    if relative != os.pardir and not relative.startswith(os.pardir + os.sep):
+        return relative
+    return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
+def process_rank() -> RankInfo | None:
+    """The rank of the calling process in a distributed job (NOTE [process rank]), or None."""
+    launched = ranks.rank_from_environ(
+        {k: v for k, v in os.environ.items() if k != ranks.EXPORTED_RANK_ENV}
+    )
+    if launched is not None:
+        return launched
+    index = _quiet_value(_spawn_index)
+    group = _quiet_value(_group_rank)
+    if group is None and index is None:
+        return ranks.rank_from_environ(os.environ)  # exported by a process above it
+    rank, world_size = group if group is not None else (index, None)
+    return RankInfo(
+        rank=rank,
+        local_rank=index,
+        world_size=world_size,
+        device=None if index is None else ranks.physical_device(index, os.environ),
+    )
+
+
+def _spawn_index() -> int | None:
+    """The index ``torch.multiprocessing`` gave this process, where it started it."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return None
+    current = process.current_process()
+    target = getattr(current, "_target", None)
+    if getattr(target, "__module__", None) != "torch.multiprocessing.spawn":
+        return None
+    if getattr(target, "__name__", None) != "_wrap":
+        return None
+    args = getattr(current, "_args", ())
+    index = args[1] if isinstance(args, tuple) and len(args) > 1 else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
+def _group_rank() -> tuple[int, int] | None:
+    """``(rank, world size)`` of this process's default process group, once initialised."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def _at_child_exit(action: Callable[[], None]) -> None:
+    """Run ``action`` at a multiprocessing child's exit too.
+
+    A forked child ends with ``os._exit`` once its exit finalizers ran, so ``atexit`` never
+    runs there; a finalizer registered now (the child cleared its parent's at its start)
+    runs before its daemonic children (a DataLoader's workers) are terminated.
+    """
+    process = sys.modules.get("multiprocessing.process")
+    if process is None or process.parent_process() is None:
+        return  # not a multiprocessing child: atexit runs
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, action, exitpriority=0)
+
+
 def _quietly(action: Callable[[], object]) -> None:
     """Run ``action`` at exit: leakcheck's own failure is one line, never a traceback."""
     try:
@@ -475,6 +589,23 @@ _state_lock = threading.Lock()
 _folder: str | None = None
 _run: _Run | None = None
 _disabled = False
+_inherited_sessions: set[str] = set()
+"""A forked child's ancestors' trackers: their hooks on its loaders are the run's, not the
+user's ``watch()``."""
+
+
+def _after_fork_in_child() -> None:
+    # Only references change (DataLoader's forked workers run this too), and no lock of the
+    # parent's is taken: another thread may have held it at the fork.
+    global _state_lock, _run
+    _state_lock = threading.Lock()
+    if _run is not None:
+        _inherited_sessions.update(site.tracker.session_id for site in list(_run.sites))
+        _run = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def configure(folder: str) -> None:
@@ -508,7 +639,7 @@ def _watched_by_user(loader: Any, run: _Run) -> bool:
     init = getattr(loader, "worker_init_fn", None)
     if not (isinstance(init, WorkerInit) and init.session_id):
         return False
-    return init.session_id not in run.session_ids()
+    return init.session_id not in run.session_ids() | _inherited_sessions
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:

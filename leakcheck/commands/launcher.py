@@ -58,7 +58,16 @@ from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import RUN_ENV, ShimOptions, read_records, write_options
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
-from leakcheck.core.model import MIB, EndReason, Finding, ProcessKey, RankInfo, Timeline
+from leakcheck.core.model import (
+    MIB,
+    EndReason,
+    Finding,
+    ProcessEpoch,
+    ProcessKey,
+    RankInfo,
+    Timeline,
+)
+from leakcheck.core.ranks import rank_label
 from leakcheck.core.units import format_size, plural
 from leakcheck.judge.job import (
     JobReport,
@@ -150,15 +159,17 @@ class LoaderResult:
     """One loader of the run: its label, its process, its report.
 
     Attributes:
-        label: Where the program made it (``file:line``, ``#2`` for a second one alive at
-            once from the same line).
+        label: Where the program made it (``file:line``, ``via LIBRARY`` where a library
+            made it for the program's line, ``#2`` for a second one alive at once from the
+            same site).
         pid: The process that iterated it.
         argv: That process's ``sys.argv``.
         report: Its judged report (None when it never came).
         cost: What its tracker cost until the program's exit began (``TrackerCost``).
         exit_s: Seconds its tracker took at exit (close, report, write).
         missing: Why there is no report.
-        rank: The distributed rank of its process (None outside a torchrun job).
+        rank: The distributed rank of its process (None outside a distributed job; NOTE
+            [process rank] in instrument.py).
 
     """
 
@@ -372,13 +383,14 @@ def format_run(result: RunResult) -> str:
 
 def _loader_lines(loader: LoaderResult) -> list[str]:
     report = loader.report
+    who = f"{rank_label(loader.rank.rank if loader.rank else None)}PID {loader.pid}"
     if report is None:
-        return [f"loader {loader.label} (PID {loader.pid}): no report: {loader.missing}"]
+        return [f"loader {loader.label} ({who}): no report: {loader.missing}"]
     epochs = report.epochs
     reasons = sorted({epoch.end_reason for epoch in epochs} - {"completed"})
     ended = f", not completed: {', '.join(reasons)}" if reasons else ""
     lines = [
-        f"loader {loader.label} (PID {loader.pid}): {plural(len(epochs), 'epoch')}"
+        f"loader {loader.label} ({who}): {plural(len(epochs), 'epoch')}"
         f"{ended}; verdict {report.verdict.upper()}"
     ]
     lines.extend(finding_lines(report.findings, indent="  "))
@@ -582,7 +594,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         if tree is not None:
             own = [loader.report for loader in loaders if loader.report is not None]
             own += [report for entry in gathered for report in entry.reports]
-            tree = with_rank_devices(tree, own)
+            tree = with_rank_devices(with_record_ranks(tree, records.started), own)
         _remove_mailboxes(records.started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -709,6 +721,59 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
         if proc.rank is not None and rank_of.get(proc.ppid) != proc.rank and proc.role != "orphan":
             roots.setdefault(proc.rank, set()).add(proc.key.pid)
     return {rank: sorted(pids) for rank, pids in roots.items()}
+
+
+def with_record_ranks(tree: Report, started: Sequence[Mapping[str, Any]]) -> Report:
+    """The tree judged again with the ranks the loaders' records name, where it had none.
+
+    A rank no launcher variable names (a ``torch.multiprocessing.spawn`` child) is known to
+    the outside tracker only through what it execs after its first loader (NOTE [exported
+    rank] in ranks.py); its own record names the rank process, and its descendants the tree
+    saw below it (its workers, their forked children) are that rank's too.
+    """
+    rank_of: dict[ProcessKey, int] = {}
+    for record in started:
+        pid, ticks, info = record.get("pid"), record.get("start_ticks"), _record_rank(record)
+        if isinstance(pid, int) and isinstance(ticks, int) and info is not None:
+            rank_of[ProcessKey(pid, ticks)] = info.rank
+    timeline = tree.timeline
+    records = [*(rec.processes for rec in timeline.epochs)]
+    if timeline.final is not None:
+        records.append(timeline.final.processes)
+    by_pid = {proc.key.pid: proc for processes in records for proc in processes}
+
+    def rank_above(proc: ProcessEpoch) -> int | None:
+        for _ in range(len(by_pid)):  # up the parents the tree recorded; never round a loop
+            if proc.rank is not None:
+                return proc.rank
+            own = rank_of.get(proc.key)  # by identity: NOTE [process identity] in procs.py
+            if own is not None:
+                return own
+            parent = by_pid.get(proc.ppid)
+            if parent is None or parent is proc:
+                return None
+            proc = parent
+        return None
+
+    ranked = {
+        proc.key: rank
+        for proc in by_pid.values()
+        if proc.rank is None and (rank := rank_above(proc)) is not None
+    }
+    if not ranked:
+        return tree
+
+    def give(processes: tuple[ProcessEpoch, ...]) -> tuple[ProcessEpoch, ...]:
+        return tuple(
+            replace(p, rank=ranked[p.key]) if p.rank is None and p.key in ranked else p
+            for p in processes
+        )
+
+    epochs = tuple(replace(rec, processes=give(rec.processes)) for rec in timeline.epochs)
+    final = timeline.final
+    if final is not None:
+        final = replace(final, processes=give(final.processes))
+    return build_report(replace(timeline, epochs=epochs, final=final), tree.config)
 
 
 def with_rank_devices(tree: Report, reports: Sequence[Report]) -> Report:

@@ -7,6 +7,17 @@ share the block, exec'd ones get a copy): so any process of a rank's lineage, or
 included, says which rank it belongs to in ``/proc/PID/environ``. This module turns such an
 environment into a ``RankInfo`` and names processes with their rank; it does no I/O and
 imports only ``leakcheck.core.model``.
+
+NOTE [exported rank]: a rank that no launcher variable names (a ``torch.multiprocessing.spawn``
+child, a Lightning ``ddp_spawn`` rank: only its spawn index and its process group know it)
+is given ``LEAKCHECK_RANK`` (``RANK,LOCAL_RANK,WORLD_SIZE``, empty where unknown) by
+``leakcheck run`` in its own environment when it first iterates a DataLoader, before its
+workers start: every process the rank execs after that (spawned workers, a worker's
+helper) has it in its initial environment, so an orphan still says whose it was. Processes
+it forks keep the rank's initial environment in ``/proc/PID/environ``: a tracker gives them
+their parent's rank (the rank's own tracker reads its own environment as it is now), and
+``leakcheck run`` gives the outside tracker's processes below a rank that rank from the
+rank's own record. ``RANK`` wins where both are set.
 """
 
 from __future__ import annotations
@@ -16,12 +27,17 @@ from collections.abc import Mapping
 from leakcheck.core.model import RankInfo
 
 __all__ = [
+    "EXPORTED_RANK_ENV",
     "RANK_VARIABLES",
     "culprit_label",
+    "exported_rank",
     "physical_device",
     "rank_from_environ",
     "rank_label",
 ]
+
+EXPORTED_RANK_ENV = "LEAKCHECK_RANK"
+"""A rank ``leakcheck run`` found itself (NOTE [exported rank])."""
 
 RANK_VARIABLES: tuple[str, ...] = (
     "RANK",
@@ -31,6 +47,7 @@ RANK_VARIABLES: tuple[str, ...] = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "CUDA_VISIBLE_DEVICES",
+    EXPORTED_RANK_ENV,
 )
 """The variables ``rank_from_environ`` reads (what a reader of ``/proc/PID/environ`` needs)."""
 
@@ -77,14 +94,15 @@ def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
         environ: The environment (``os.environ``, or a parsed ``/proc/PID/environ``).
 
     Returns:
-        A ``RankInfo`` when ``RANK`` is a non-negative integer; None otherwise (not a rank
-        of a torchrun job). Other variables that are absent or malformed are None; the
-        device is ``LOCAL_RANK``'s, through ``CUDA_VISIBLE_DEVICES``.
+        A ``RankInfo`` when ``RANK`` is a non-negative integer, else the rank
+        ``LEAKCHECK_RANK`` names (NOTE [exported rank]); None otherwise (not a rank's
+        process). Other variables that are absent or malformed are None; the device is
+        ``LOCAL_RANK``'s, through ``CUDA_VISIBLE_DEVICES``.
 
     """
     rank = _count(environ.get("RANK"))
     if rank is None:
-        return None
+        return _decode(environ.get(EXPORTED_RANK_ENV), environ)
     local_rank = _count(environ.get("LOCAL_RANK"))
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     return RankInfo(
@@ -94,6 +112,30 @@ def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
         node_rank=_count(environ.get("GROUP_RANK")),
         run_id=run_id if run_id else None,
         restart_count=_count(environ.get("TORCHELASTIC_RESTART_COUNT")),
+        device=None if local_rank is None else physical_device(local_rank, environ),
+    )
+
+
+def exported_rank(info: RankInfo) -> str:
+    """``LEAKCHECK_RANK``'s value for ``info`` (NOTE [exported rank])."""
+    fields = (info.rank, info.local_rank, info.world_size)
+    return ",".join("" if value is None else str(value) for value in fields)
+
+
+def _decode(text: str | None, environ: Mapping[str, str]) -> RankInfo | None:
+    """``exported_rank``'s form read back; None where absent or malformed."""
+    if text is None:
+        return None
+    parts = text.split(",")
+    if len(parts) != 3:
+        return None
+    rank, local_rank, world_size = (_count(part) for part in parts)
+    if rank is None:
+        return None
+    return RankInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
         device=None if local_rank is None else physical_device(local_rank, environ),
     )
 

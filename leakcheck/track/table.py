@@ -65,8 +65,12 @@ def _rank_of(pid: int) -> RankInfo | None:
     """The rank a process's environment names (one read, when it is first placed).
 
     Every process of a rank's lineage inherits torchrun's variables, so an orphan still
-    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None.
+    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None. This
+    process's own rank is read from its environment as it is now: a rank found after the
+    start is exported there, not in ``/proc/self/environ`` (NOTE [exported rank]).
     """
+    if pid == os.getpid():
+        return ranks.rank_from_environ(os.environ)
     environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
     return None if environ is None else ranks.rank_from_environ(environ)
 

@@ -8,23 +8,29 @@ Python process it starts that inherits the environment (not under ``python -E``,
 1. takes its folder off ``sys.path`` again and runs the ``sitecustomize`` it shadows (the
    next one on the path), as ``site`` would have, which then is ``sys.modules
    ["sitecustomize"]``;
-2. does nothing else unless ``LEAKCHECK_RUN`` names an existing folder (the run's), and
-   nothing at all in multiprocessing's own children (spawn and forkserver workers, the
-   resource tracker): a DataLoader worker is tracked by its loader's tracker, not by a
-   tracker of its own;
+2. does nothing else unless ``LEAKCHECK_RUN`` names an existing folder (the run's);
 3. never imports torch or leakcheck at startup: it puts a finder first on ``sys.meta_path``
    that waits for ``torch.utils.data.dataloader`` to be imported by the program, lets the
-   import finish, then wraps ``DataLoader.__init__`` (to record the creation site, the
-   program's own line) and ``DataLoader.__iter__`` (each iteration becomes an epoch of its
-   loader: ``leakcheck.commands.instrument``, imported at the first iteration). The finder removes
-   itself once it has seen that module.
+   import finish, then wraps ``DataLoader.__init__`` (to record the creation site: the
+   user's own line, and the library that made the loader for it) and ``DataLoader.__iter__``
+   (each iteration becomes an epoch of its loader: ``leakcheck.commands.instrument``,
+   imported at the first iteration). The finder removes itself once it has seen that
+   module.
 
-A process forked from an activated one (not exec'd) stays inert: its loaders are untracked,
-its parent's trackers are not its own. Nothing is imported here that the interpreter has
-not loaded already; leakcheck is loaded from this file's own package when the first loader
-is iterated, so the program runs the same leakcheck as the ``leakcheck run`` that started
-it. Any failure of leakcheck's own leaves the program's DataLoader working as it would
-without the shim.
+Every Python process of the run tracks the loaders it iterates: the program, the processes
+``multiprocessing`` and ``torch.multiprocessing`` start (spawned ones import this file at
+their start; forked ones inherit it, and ``instrument`` resets what they inherited of their
+parent's trackers), and exec'd ranks (torchrun, ``accelerate launch``). Left out:
+
+* an iteration inside a DataLoader worker (``get_worker_info()`` is set there): the worker
+  is its loader's tracker's to judge, and a loader of its own would judge its parent's;
+* multiprocessing's helpers (the resource tracker, the forkserver process: told by their
+  command line) never track; the processes the forkserver forks do, as any fork does.
+
+Nothing is imported here that the interpreter has not loaded already; leakcheck is loaded
+from this file's own package when the first loader is iterated, so the program runs the same
+leakcheck as the ``leakcheck run`` that started it. Any failure of leakcheck's own leaves the
+program's DataLoader working as it would without the shim.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ RUN_ENV = "LEAKCHECK_RUN"
 _TARGET = "torch.utils.data.dataloader"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # the leakcheck package of this shim
-_active_pid = 0  # the process that activated the shim; forked children stay inert
+_HELPERS = ("from multiprocessing.resource_tracker", "from multiprocessing.forkserver")
+_helper_pid = 0  # a multiprocessing helper never tracks; what its forks run does
 _active_folder = ""
 
 
@@ -83,16 +90,14 @@ def _site_error(error: BaseException) -> None:
         )
 
 
-def _multiprocessing_child() -> bool:
-    """A process multiprocessing started for itself (spawn/forkserver worker, helpers)."""
+def _multiprocessing_helper() -> bool:
+    """The resource tracker or the forkserver process (``-c "from multiprocessing..."``)."""
     argv = getattr(sys, "orig_argv", None) or []
-    if "--multiprocessing-fork" in argv:
-        return True
-    if "-c" in argv:
-        index = argv.index("-c")
-        code = argv[index + 1] if index + 1 < len(argv) else ""
-        return code.lstrip().startswith("from multiprocessing")
-    return False
+    if "-c" not in argv:
+        return False
+    index = argv.index("-c")
+    code = argv[index + 1] if index + 1 < len(argv) else ""
+    return code.lstrip().startswith(_HELPERS)
 
 
 def _run_folder() -> str | None:
@@ -154,17 +159,18 @@ def _patch(module: Any) -> None:
         return
     cls: Any = found
     torch_dir = os.path.dirname(os.path.dirname(os.path.dirname(module.__file__))) + os.sep
+    worker_info = getattr(module, "get_worker_info", None) or (lambda: None)
     original_init = cls.__init__
     original_iter = cls.__iter__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        if os.getpid() == _active_pid and "_leakcheck_site" not in self.__dict__:
+        if "_leakcheck_site" not in self.__dict__:
             with _suppress():
-                self.__dict__["_leakcheck_site"] = _creation_site(self, torch_dir)
+                self.__dict__["_leakcheck_site"] = _creation_site(self, torch_dir, cls)
 
     def __iter__(self: Any) -> Any:
-        if os.getpid() != _active_pid:
+        if os.getpid() == _helper_pid or worker_info() is not None:
             return original_iter(self)
         instrument = _instrument()
         if instrument is None:
@@ -184,22 +190,107 @@ def _patch(module: Any) -> None:
     cls._leakcheck_patched = True
 
 
-def _creation_site(loader: Any, torch_dir: str) -> tuple[str, int]:
-    """The program's line that made ``loader``.
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+# A spawned multiprocessing child runs multiprocessing's own ``-c`` code, not the user's.
+_SPAWNED = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or ())
 
-    The first frame out of torch and out of the ``__init__`` of the loader's own classes (a
-    subclass's ``super().__init__`` call is not where the program made it).
+
+def _library(filename: str) -> str | None:
+    """The top-level package of a library's file; "" for the stdlib; None for user code.
+
+    User code is any file out of the stdlib, site-packages, dist-packages and leakcheck
+    (a ``python -c`` program's ``<string>`` too, but not the one multiprocessing gives a
+    process it spawns; frozen modules are the stdlib's).
+    """
+    if not filename.startswith(os.sep):
+        return "" if filename.startswith("<frozen") or _SPAWNED else None
+    for marker in _LIBRARY_DIRS:
+        index = filename.rfind(marker)
+        if index >= 0:
+            top = filename[index + len(marker) :].split(os.sep, 1)[0]
+            return top[:-3] if top.endswith(".py") else top
+    if filename.startswith(_PACKAGE + os.sep):
+        return "leakcheck"
+    return "" if filename.startswith(_STDLIB) else None
+
+
+def _creation_site(loader: Any, torch_dir: str, cls: Any) -> tuple[Any, ...]:
+    """Where ``loader`` was made: ``(file, line, via, origin file, origin line)``.
+
+    ``file:line`` is the first frame of the user's own code out of torch (and out of the
+    ``__init__`` of the loader's own classes: a subclass's ``super().__init__`` call is not
+    where the program made it); ``via`` names the library that made the loader for it: the
+    top-level package of the outermost library frame between that frame and torch, with
+    its class where that frame is a method (``transformers Trainer``), else empty. The
+    origin is the first frame out of torch, the user's or a library's: what made the loader
+    itself.
+
+    A library frame that holds the loader itself is part of making it (a wrapper of
+    ``__init__``, as Lightning installs while it calls ``train_dataloader()``), not what
+    made it: passed over like torch. One that holds another DataLoader with a site of its
+    own is making this one from it (Lightning adds a ``DistributedSampler`` so, in a rank
+    whose stack holds no user frame): the loader takes that site, by this library. Without
+    a user frame at all (a library's own program) the origin is the site.
     """
     inits = {
         getattr(klass.__dict__.get("__init__"), "__code__", None) for klass in type(loader).__mro__
     }
-    frame = sys._getframe(2)  # above the patched __init__
-    while frame is not None:
+    origin: tuple[str, int] | None = None
+    outermost: Any = None  # the library frame nearest the user's, so far
+    for frame in _outward(sys._getframe(2)):  # from the caller of the patched __init__
         code = frame.f_code
-        if not (code.co_filename.startswith(torch_dir) or code in inits):
-            return code.co_filename, frame.f_lineno
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?", 0
+        filename = code.co_filename
+        if filename.startswith(torch_dir) or code in inits:
+            continue
+        library = _library(filename)
+        held = _held_loader(frame, loader, cls) if library else None
+        if held is loader:
+            continue
+        if origin is None:
+            origin = (filename, frame.f_lineno)
+        if library is None:
+            return (filename, frame.f_lineno, _via(outermost), *origin)
+        if library:
+            outermost = frame
+            if held is not None:
+                site = held.__dict__["_leakcheck_site"]
+                return (*site[:2], site[2] or _via(frame), *origin)
+    if origin is None:
+        return ("?", 0, "", "?", 0)
+    return (*origin, "", *origin)
+
+
+def _outward(frame: Any) -> Any:
+    """``frame`` and its callers, innermost first."""
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _held_loader(frame: Any, loader: Any, cls: Any) -> Any:
+    """``loader`` where a frame's local holds it, else a DataLoader with a site, else None."""
+    found = None
+    for value in frame.f_locals.values():
+        if value is loader:
+            return loader
+        if found is None and isinstance(value, cls):
+            site = value.__dict__.get("_leakcheck_site")
+            if isinstance(site, tuple) and len(site) >= 3:
+                found = value
+    return found
+
+
+def _via(frame: Any) -> str:
+    """``package`` or ``package Class`` of a library frame; empty for None."""
+    if frame is None:
+        return ""
+    code = frame.f_code
+    package = _library(code.co_filename) or ""
+    parts = getattr(code, "co_qualname", "").split(".")  # Python 3.11+
+    if len(parts) >= 2 and parts[1] != "<locals>" and parts[0].isidentifier():
+        return f"{package} {parts[0]}"
+    return package
 
 
 _instrument_module: Any = None
@@ -243,11 +334,13 @@ def _instrument() -> Any:
 
 
 def _activate() -> None:
-    global _active_pid, _active_folder
+    global _helper_pid, _active_folder
     folder = _run_folder()
-    if folder is None or _multiprocessing_child():
+    if folder is None:
         return
-    _active_pid, _active_folder = os.getpid(), folder
+    _active_folder = folder
+    if _multiprocessing_helper():
+        _helper_pid = os.getpid()
     sys.meta_path.insert(0, _Finder())
 
 

@@ -107,6 +107,13 @@ fi
 unset VIRTUAL_ENV PYTHONPATH PYTEST_ADDOPTS PYTHONHOME
 while read -r var; do unset "$var"; done < <(compgen -e | grep '^LEAKCHECK_' || true)
 export CI=true
+# A script started in the background (`tools/ci_soak.sh &`, nohup) inherits SIGINT and SIGQUIT
+# ignored, and so would every process of the run, where the tests' Ctrl-C to a child does
+# nothing (5 false failures): CI's runner leaves them at their defaults.
+default_signals=()
+if env --default-signal=INT,QUIT true 2> /dev/null; then
+  default_signals=(env "--default-signal=INT,QUIT")
+fi
 
 if ((busy)); then
   for ((core = 0; core < $(nproc); core++)); do
@@ -124,7 +131,7 @@ for ((run = 1; run <= runs; run++)); do
   git clone --quiet --no-checkout "$repo" "$clone"
   git -C "$clone" checkout --quiet --detach "$commit"
   start=$EPOCHREALTIME
-  (cd "$clone" && exec .ci/run) > "$log" 2>&1 &
+  (cd "$clone" && exec "${default_signals[@]}" .ci/run) > "$log" 2>&1 &
   run_pid=$!
   status=0
   wait "$run_pid" || status=$?

@@ -28,6 +28,7 @@ from leakcheck.commands.sweep import WorkerBound
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB, ProcInfo
 from leakcheck.core.units import format_mib
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -766,10 +767,7 @@ def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
     orphan = psutil.Process(orphan_pid)
     try:
         # Wait until the orphan runs its own program (its tag is read from its environment).
-        for _ in range(100):
-            if "time.sleep(30)" in " ".join(orphan.cmdline()):
-                break
-            time.sleep(0.02)
+        assert wait_for(lambda: "time.sleep(30)" in " ".join(orphan.cmdline()))
         assert main(["snapshot", "--pid", str(os.getpid()), "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         by_pid = {entry["pid"]: entry for entry in data["processes"]}

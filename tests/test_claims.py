@@ -273,13 +273,14 @@ def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_o
     helper_pid = None
     try:
         with leakcheck.Tracker(use_nvml=False, grace=0.2) as outer, outer.epoch("outer"):
-            time.sleep(0.3)  # the outer tracker places the child first
+            outer.sample()  # the outer tracker places the child first
             with leakcheck.Tracker(root_pid=child.pid, use_nvml=False, grace=0.2) as inner:
                 with inner.epoch("e0"):
                     child.stdin.write("go\n")
                     child.stdin.flush()
                     helper_pid = int(child.stdout.readline())
-                    time.sleep(0.3)
+                    outer.sample()  # and the helper too
+                    inner.sample()
                 with inner.epoch("e1"):
                     time.sleep(0.5)
         assert [(f.rule, f.pid) for f in inner.report().leaks] == [("survivor", helper_pid)]

@@ -46,7 +46,7 @@ def _wait_stdin_eof() -> None:
         sys.stdin.buffer.read()
 
 
-def _wait_exec(pid: int, argv0: bytes, timeout_s: float = 5.0) -> None:
+def _wait_exec(pid: int, argv0: bytes, timeout_s: float = 30.0) -> None:
     """Wait until /proc shows the new program's command line (exec is complete)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -275,13 +275,14 @@ def test_a_tracker_of_a_child_process_judges_its_tree_beside_a_tracker_of_this_o
     helper_pid = None
     try:
         with leakcheck.Tracker(use_nvml=False, grace=0.2) as outer, outer.epoch("outer"):
-            time.sleep(0.3)  # the outer tracker places the child first
+            outer.sample()  # the outer tracker places the child first
             with leakcheck.Tracker(root_pid=child.pid, use_nvml=False, grace=0.2) as inner:
                 with inner.epoch("e0"):
                     child.stdin.write("go\n")
                     child.stdin.flush()
                     helper_pid = int(child.stdout.readline())
-                    time.sleep(0.3)
+                    outer.sample()  # and the helper too
+                    inner.sample()
                 with inner.epoch("e1"):
                     time.sleep(0.5)
         assert [(f.rule, f.pid) for f in inner.report().leaks] == [("survivor", helper_pid)]
@@ -323,3 +324,57 @@ def test_a_correction_that_comes_after_the_epoch_ended_reaches_its_record(
     train.apply_walk([info], now=10.9, quick=False, born_epoch=None)
     (record,) = book.records(train, now=11.0)
     assert [p.key for p in record.processes] == [train.root]
+
+
+def test_a_closed_trackers_root_leaves_the_rooted_rule_to_the_live_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An earlier ``Tracker(root_pid=S)``, closed, stays out of S's children: the live one
+    rooted at S takes them, though this process's tracker places them first."""
+    _fresh_registry(monkeypatch, [("outer", 9.0, None), ("inner", 10.483, None)])
+    monkeypatch.setattr(claims, "_closed", {})
+    root = ProcessKey(pid=800, start_ticks=_ticks(5.0))
+    claims.add_root(root, "earlier")
+    claims.session_closed("earlier")
+    claims.add_root(root, "inner")
+    child = ProcessKey(pid=801, start_ticks=_ticks(10.48))
+    assert claims.claim(child, root, "outer") == "inner"
+
+
+def test_a_helper_a_closed_tracker_claimed_does_not_take_a_later_trackers_process() -> None:
+    """Real processes, one after the other in this process (as tests in one pytest worker):
+    a helper born in the first tracker's epoch is that tracker's, and stays so after it
+    closed; the child the helper starts in the second tracker's epoch is the second's, and
+    its survivor (the parent's owner took it, and a closed tracker judges nothing)."""
+    script = (
+        "import subprocess, sys, time\n"
+        "sys.stdin.readline()\n"
+        "child = subprocess.Popen(['sleep', '30'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    helper: subprocess.Popen[str] | None = None
+    child_pid = None
+    try:
+        with leakcheck.Tracker(use_nvml=False, grace=0.2) as first, first.epoch():
+            helper = subprocess.Popen(
+                [sys.executable, "-c", script],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            first.sample()  # the first tracker places (claims) the helper
+        assert helper.stdin is not None and helper.stdout is not None
+        with leakcheck.Tracker(use_nvml=False, grace=0.2) as second, second.epoch():
+            helper.stdin.write("go\n")
+            helper.stdin.flush()
+            child_pid = int(helper.stdout.readline())
+            second.sample()  # places the child while it lives
+        assert [(f.rule, f.pid) for f in second.report().leaks] == [("survivor", child_pid)]
+        assert [(f.rule, f.pid) for f in first.report().leaks] == [("survivor", helper.pid)]
+    finally:
+        if child_pid is not None:
+            os.kill(child_pid, 15)
+        if helper is not None:
+            helper.kill()
+            helper.wait()

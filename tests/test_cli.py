@@ -14,7 +14,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from leakcheck.commands.sweep import WorkerBound
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB, ProcInfo
 from leakcheck.core.units import format_mib
+from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -765,10 +765,7 @@ def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
     orphan = psutil.Process(orphan_pid)
     try:
         # Wait until the orphan runs its own program (its tag is read from its environment).
-        for _ in range(100):
-            if "time.sleep(30)" in " ".join(orphan.cmdline()):
-                break
-            time.sleep(0.02)
+        assert wait_for(lambda: "time.sleep(30)" in " ".join(orphan.cmdline()))
         assert main(["snapshot", "--pid", str(os.getpid()), "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         by_pid = {entry["pid"]: entry for entry in data["processes"]}

@@ -28,6 +28,7 @@ from tests.fake_pynvml import (
     FakeProcess,
     FakePynvml,
 )
+from tests.polling import wait_for
 
 MIB = 2**20
 
@@ -649,13 +650,20 @@ def test_start_in_background_begins_the_one_start_that_get_then_waits_for(
 ) -> None:
     """The command's early start (NOTE [overlapped start] in snapshot.py): NVML starts on a
     thread while the caller goes on, and the caller's get() returns that same session."""
-    fake = use_fake(init_delay_s=0.3)
-    began_s = time.perf_counter()
+    fake = use_fake()
+    real_init = fake.nvmlInit
+    init_may_end = threading.Event()
+
+    def held_init() -> None:
+        assert init_may_end.wait(30)
+        real_init()
+
+    fake.nvmlInit = held_init  # type: ignore[method-assign]
     nvml.start_in_background()
-    returned_s = time.perf_counter() - began_s
-    assert returned_s < 0.2  # the caller did not wait for nvmlInit
+    assert fake.init_calls == 0  # returned while nvmlInit is held: the caller did not wait
+    threading.Timer(0.3, init_may_end.set).start()
     first = nvml.get()
-    assert time.perf_counter() - began_s >= 0.3  # get() waited for the start under way
+    assert init_may_end.is_set()  # get() waited for the start under way
     assert fake.init_calls == 1
     nvml.start_in_background()  # started already: nothing more
     assert nvml.get() is first
@@ -665,9 +673,7 @@ def test_start_in_background_begins_the_one_start_that_get_then_waits_for(
 def test_start_in_background_remembers_a_failure_without_raising(use_fake: UseFake) -> None:
     use_fake(init_error=NVML_ERROR_DRIVER_NOT_LOADED)
     nvml.start_in_background()
-    deadline_s = time.perf_counter() + 5
-    while nvml._failure is None and time.perf_counter() < deadline_s:
-        time.sleep(0.01)
+    assert wait_for(lambda: nvml._failure is not None)
     ok, reason = nvml.availability()
     assert not ok and "driver" in reason.lower()
     with pytest.raises(NVMLUnavailable):
@@ -692,9 +698,8 @@ def test_a_session_is_handed_out_only_once_its_own_descriptors_are_known(
 
     fake.nvmlDeviceGetComputeRunningProcesses = slow_first_list  # type: ignore[method-assign]
     nvml.start_in_background()
-    deadline_s = time.perf_counter() + 5
-    while fake.init_calls == 0 and time.perf_counter() < deadline_s:
-        time.sleep(0.001)  # nvmlInit done: the start is in its first process list now
+    # nvmlInit done: the start is in its first process list now.
+    assert wait_for(lambda: fake.init_calls > 0)
     nvml.get()
     assert listed.is_set()  # get() returned after the start's list, not during it
 

@@ -1386,8 +1386,8 @@ def helper_launcher() -> Iterator[Any]:
     and returns ``spawn``: each call forks a sleeping child of it and returns its PID. A
     fork that never execs shows its parent's command line from its first instant, where a
     child that execs shows an empty one for a moment, which is all a sample may see. A
-    tracker owns for good the processes it placed first, their later children too (NOTE
-    [claims] in sampling/claims.py), so each tracker needs a launcher of its own.
+    tracker owns for good the processes it placed first, and their children born before it
+    closed (NOTE [claims] in track/claims.py), so each tracker gets a launcher of its own.
     """
     launchers: list[subprocess.Popen[str]] = []
     started: list[int] = []
@@ -1688,16 +1688,22 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     shm_names.append(name)
     inner.makepyfile(
         test_side_by_side=f"""
-        import time
+        import os, time
+
+        def wait_for(path):  # the other test, on the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
 
         def test_makes_a_file():
-            time.sleep(0.5)
+            wait_for("beside-started")
             with open("/dev/shm/{name}", "wb") as handle:
                 handle.write(b"x" * 4096)
-            time.sleep(0.5)
+            open("made", "w").close()
 
         def test_waits_beside_it():
-            time.sleep(1.5)
+            open("beside-started", "w").close()
+            wait_for("made")
         """
     )
     result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", *FAST)

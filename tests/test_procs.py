@@ -427,6 +427,10 @@ def test_tag_scans_read_what_is_new_in_proc_and_report_each_process_once(
     assert scan.scan() == []  # the root is the only tagged process, and it is left out
     first_reads = set(stat_reads)
     assert len(first_reads) >= 5 and {root.pid, os.getpid()} <= first_reads
+    # What was born since the root and found untagged is read once more, at the next scan
+    # (it may have been caught before its exec); the rest is judged for good.
+    read_again = {pid for pid, _ in scan._untagged}
+    assert root.pid not in read_again and os.getpid() not in read_again
     stat_reads.clear()
 
     later = spawn([*PYTHON, "-c", WAIT_STDIN], env=tagged_env)
@@ -434,13 +438,53 @@ def test_tag_scans_read_what_is_new_in_proc_and_report_each_process_once(
     assert [info.key.pid for info in found] == [later.pid]
     assert found[0].tagged and "python" in found[0].cmdline
     # Only what /proc did not list at the first scan was read: the new process, and what
-    # else started meanwhile on this machine; nothing the first scan read.
-    assert later.pid in stat_reads and not first_reads & set(stat_reads)
+    # else started meanwhile on this machine; of what the first scan read, only what it
+    # found untagged since the root.
+    assert later.pid in stat_reads and first_reads & set(stat_reads) <= read_again
     stat_reads.clear()
     assert scan.scan() == []  # judged once: not reported again, not read again
     assert later.pid not in stat_reads
     # A fresh TagScan judges everything again.
     assert [info.key.pid for info in procs.TagScan(sid, born_since=root_key).scan()] == [later.pid]
+
+
+FORK_THEN_EXEC = """
+import os, sys
+child = os.fork()
+if child == 0:
+    sys.stdin.readline()
+    os.execve("/bin/sleep", ["sleep", "30"], {**os.environ, "LEAKCHECK_SESSION": sys.argv[1]})
+print(child, flush=True)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_process_found_untagged_before_its_exec_is_judged_again_after_it() -> None:
+    """NOTE [incremental tag scan]: forked, not exec'd yet, a process shows its parent's
+    environment; the tag it execs with is found by the next scan (the first scan's "no"
+    stood for good, and a loaded host's run test missed a process caught inside its exec)."""
+    sid = uuid.uuid4().hex
+    root_key = procs.process_key(os.getpid())
+    assert root_key is not None
+    helper = subprocess.Popen(
+        [*PYTHON, "-c", FORK_THEN_EXEC, sid], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert helper.stdin is not None and helper.stdout is not None
+    child = int(helper.stdout.readline())
+    try:
+        scan = procs.TagScan(sid, born_since=root_key)
+        assert scan.scan() == []  # its parent's environment: untagged
+        helper.stdin.write(b"go\n")
+        helper.stdin.flush()
+        assert wait_for(lambda: exec_done(child, "sleep"))  # its new image is set up
+        assert [info.key.pid for info in scan.scan()] == [child]
+        assert scan.scan() == []  # found once
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, 9)
+        helper.wait()
+        helper.stdin.close()
+        helper.stdout.close()
 
 
 def test_vanishing_processes_mid_scan_do_not_raise(spawn: Spawn) -> None:

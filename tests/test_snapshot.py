@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from leakcheck.commands.cli import main
 from leakcheck.core.model import ProcessKey
 from leakcheck.observe import procs
 from leakcheck.observe.snapshot import ProcessSnapshot, take_snapshot
+from tests.polling import wait_for
 
 _JOB = """
 import subprocess, sys, time
@@ -52,14 +52,9 @@ def job() -> Iterator[Job]:
     try:
         assert process.stdout is not None
         tracker, sleeper, shell = (int(pid) for pid in process.stdout.readline().split())
-        shell_child = 0
-        for _ in range(200):  # the shell starts its sleep a moment later
-            children = procs.child_pids(shell)
-            if children:
-                shell_child = children[0]
-                break
-            time.sleep(0.01)
-        assert shell_child, "the shell started no child"
+        # The shell starts its sleep a moment later.
+        assert wait_for(lambda: bool(procs.child_pids(shell))), "the shell started no child"
+        shell_child = procs.child_pids(shell)[0]
         yield Job(process.pid, tracker, sleeper, shell, shell_child)
     finally:
         os.killpg(process.pid, signal.SIGKILL)

@@ -38,6 +38,7 @@ from leakcheck.core.model import MIB, ProcessKey
 from leakcheck.core.units import format_mib
 from leakcheck.judge.verdict import epoch_counts
 from leakcheck.observe import procs
+from tests.polling import wait_for
 
 NO_GPU = (False, "NVML unavailable: test without a GPU")
 FAST = SweepOptions(workers=(0, 0), epochs=3, grace_s=0.2, interval_s=0.02)
@@ -220,7 +221,8 @@ def test_cleanup_leaves_own_children_alone() -> None:
     env = {**os.environ, "LEAKCHECK_SESSION": session}
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     try:
-        time.sleep(0.1)
+        # Exec'd with the tag (before, it is not the session's to find at all).
+        assert wait_for(lambda: procs.tagged_session(child.pid) == session)
         assert cleanup_orphans(session) == ()
         assert child.poll() is None
     finally:
@@ -299,17 +301,21 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
 
 def test_cooldown_waits_until_cool(fake_gpu: Any) -> None:
     fake_gpu.temperature_c = 60
+    calls = sys.modules["leakcheck.observe.nvml_lib"].calls
+    reads = calls["nvmlDeviceGetTemperature"]
 
     def cool_down() -> None:
+        # Cool once the wait has begun (read 60 °C twice), and 0.15 s into it at the least.
+        assert wait_for(lambda: calls["nvmlDeviceGetTemperature"] >= reads + 2)
         time.sleep(0.15)
         fake_gpu.temperature_c = 40
 
     thread = threading.Thread(target=cool_down)
     thread.start()
-    cooldown = wait_for_cooldown(45, 5.0, poll_s=0.02)
+    cooldown = wait_for_cooldown(45, 30.0, poll_s=0.02)
     thread.join()
     assert cooldown.reached and (cooldown.start_c, cooldown.end_c) == (60, 40)
-    assert 0.1 < cooldown.waited_s < 5.0
+    assert 0.1 < cooldown.waited_s < 30.0
     assert "cooldown to 45 °C reached: 60 -> 40 °C" in cooldown.describe()
 
 
@@ -406,7 +412,9 @@ def test_user_dataloader_gets_identities_and_the_teardown_policy(
     from leakcheck.commands.cli import load_factory
 
     path, marks = user_loader
-    options = SweepOptions(workers=(2,), epochs=2, grace_s=0.3, interval_s=0.02)
+    # Every worker exits by its epoch's end or its configuration's: a grace for a loaded
+    # host costs nothing (close() waits only for what is alive).
+    options = SweepOptions(workers=(2,), epochs=2, grace_s=30, interval_s=0.02)
     result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
     (config,) = result.configs
     assert config.report.verdict == "clean", config.report.format()
@@ -429,7 +437,7 @@ def test_user_dataloader_without_teardown_still_reports(user_loader: tuple[Path,
     from leakcheck.commands.cli import load_factory
 
     path, _ = user_loader
-    options = SweepOptions(workers=(1,), epochs=2, grace_s=0.3, interval_s=0.02, teardown=False)
+    options = SweepOptions(workers=(1,), epochs=2, grace_s=30, interval_s=0.02, teardown=False)
     result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
     (config,) = result.configs
     assert len(config.teardowns) == 2 and not any(t.released for t in config.teardowns)
@@ -448,7 +456,7 @@ def test_user_persistent_workers_exit_within_their_configuration(
     from leakcheck.commands.cli import load_factory
 
     path, _ = user_loader
-    options = SweepOptions(workers=(2,), epochs=3, grace_s=0.3, interval_s=0.02)
+    options = SweepOptions(workers=(2,), epochs=3, grace_s=30, interval_s=0.02)
     factory = load_factory(f"{path}:make_persistent")
     result = run_sweep(options, factory, loader="--loader", gpu=NO_GPU)
     (config,) = result.configs
@@ -610,7 +618,9 @@ def test_plot_module_never_imports_the_sweep() -> None:
 # --------------------------------------------------------------------------- output files
 
 
-def test_output_never_replaces_a_fifo_or_a_socket(tmp_path: Path) -> None:
+def test_output_never_replaces_a_fifo_or_a_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
     import stat
 
@@ -621,7 +631,10 @@ def test_output_never_replaces_a_fifo_or_a_socket(tmp_path: Path) -> None:
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(str(tmp_path / "sock.png"))
+        # Bound by a relative name: a socket's path has room for 107 bytes, and the temp
+        # folder's path may take more.
+        monkeypatch.chdir(tmp_path)
+        listener.bind("sock.png")
         pytest.importorskip("matplotlib")
         from leakcheck.judge.plot import plot_sweep
 

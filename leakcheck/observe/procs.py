@@ -1015,6 +1015,12 @@ def scan_all(
 # inode number of its /proc directory: a new process that took the number of an exited one gets
 # a new inode (checked on Linux 6.18), so it is read though its PID was judged before. An entry
 # is forgotten once it leaves /proc, and one whose stat could not be read is read again.
+# "Not tagged" stands only once a second scan finds the same exec image: a process caught
+# between its fork and its exec shows its parent's environment, and one caught inside its exec
+# none yet (its parent already saw the exec begin, by a close-on-exec pipe, and went on). Its
+# own environment, with the tag, comes with the exec; the first scan's "no" was about another
+# image. So a process born since the root and found untagged is read once more, at the next
+# scan (its stat line; its environment again only if it exec'd in between).
 
 
 class TagScan:
@@ -1047,6 +1053,9 @@ class TagScan:
         self._prefix = _tag_prefix(variable)
         self._born_since = born_since
         self._judged: set[tuple[int, int]] = set()
+        self._untagged: dict[tuple[int, int], _Image | None] = {}
+        """Entries found untagged once, with the exec image then (NOTE [incremental tag
+        scan]): judged for good when the next scan finds that image again."""
 
     def scan(self, known: Collection[ProcessKey] = ()) -> list[ProcInfo]:
         """Tagged processes in /proc not judged by an earlier scan and not ``known``.
@@ -1069,6 +1078,7 @@ class TagScan:
         except OSError:
             return []
         judged = self._judged.intersection(entries)
+        untagged: dict[tuple[int, int], _Image | None] = {}
         found: list[ProcInfo] = []
         for entry in entries:
             if entry in judged:
@@ -1085,7 +1095,11 @@ class TagScan:
                 continue
             if _image_tag(pid, stat.image, self._prefix) == self._tag:
                 found.append(_info(pid, stat, self._tag, True, self._prefix))
+            elif self._untagged.get(entry, False) != stat.image:
+                judged.discard(entry)  # not yet for good: maybe before or inside its exec
+                untagged[entry] = stat.image
         self._judged = judged
+        self._untagged = untagged
         return found
 
 

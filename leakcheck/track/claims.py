@@ -26,7 +26,11 @@ the session that owns it:
 A tracker judges only what it owns; what another owns it counts as the job's memory (so a
 sibling's workers never look like unexplained device memory) and never judges. Claims stay
 until the process is seen gone, and a tracker's claims outlive its close: a leftover of a
-closed tracker is still not another's to judge.
+closed tracker is still not another's to judge. What is born after the close is not the
+closed tracker's, though: rules 2 and 3 pass it by (``session_closed``), so a helper one
+tracker claimed (a process it saw born, still alive) does not hand the children it starts
+later to a tracker that no longer judges anything, and a root leaves only live trackers
+rooted there.
 
 A correction by rule 1 must reach the tracker that lost the process even where the worker
 is gone by then. Rule 3 can give a validation worker to the training tracker (forked in
@@ -57,6 +61,7 @@ __all__ = [
     "epoch_opened",
     "forget",
     "owner_of",
+    "session_closed",
     "taken_from",
 ]
 
@@ -83,6 +88,9 @@ _epochs: list[tuple[str, float, float | None]] = []
 (the clock of a process's start ticks in /proc), in the order they opened; closed ones are
 kept for a while, for processes seen late."""
 _KEPT_EPOCHS = 256
+_closed: dict[str, float] = {}
+"""The sessions of closed trackers, with when each closed (seconds since boot), oldest first;
+the latest ``_KEPT_EPOCHS`` kept."""
 
 
 def owner_of(key: ProcessKey) -> str | None:
@@ -158,16 +166,20 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
             return _gone[key]  # placed from a listing taken before it was seen gone
         owner = _owners.get(key)
         rooted = _roots.get(parent) if parent is not None else None
-        if owner is None and rooted is not None:
+        ticks_per_s = procs.clock_ticks()
+        born_s = key.start_ticks / ticks_per_s  # NOTE [process identity] in procs.py
+        if owner is None and rooted:
             # A child of a tracker's root: that tracker's, where it is the only one rooted
             # there; several (this process's trackers) are told apart by rule 3.
             owner = next(iter(rooted)) if len(rooted) == 1 else None
         elif owner is None and parent is not None:
             owner = _owners.get(parent)
+            if owner is not None and _closed_before(owner, born_s, 1 / ticks_per_s):
+                owner = None  # born after its parent's tracker closed: not that one's
             if owner is not None:
                 _heir_of[key] = parent
         if owner is None:
-            owner = _epoch_at(key.start_ticks, procs.clock_ticks()) or session
+            owner = _epoch_at(key.start_ticks, ticks_per_s) or session
         _owners[key] = owner
         return owner
 
@@ -191,9 +203,17 @@ def _epoch_at(start_ticks: int, ticks_per_s: int) -> str | None:
     overlapping = [
         (opened, session)
         for session, opened, closed in _epochs
-        if opened < window_end_s and (closed is None or closed >= born_s)
+        if opened < window_end_s
+        and (closed is None or closed >= born_s)
+        and not _closed_before(session, born_s, 1 / ticks_per_s)
     ]
     return max(overlapping)[1] if overlapping else None
+
+
+def _closed_before(session: str, born_s: float, tick_s: float) -> bool:
+    """Whether ``session``'s tracker closed before a birth at ``born_s`` (whole tick late)."""
+    closed_s = _closed.get(session)
+    return closed_s is not None and born_s + tick_s > closed_s
 
 
 def add_root(key: ProcessKey, session: str) -> None:
@@ -233,6 +253,22 @@ def epoch_closed(session: str) -> None:
         _close_open(session)
 
 
+def session_closed(session: str) -> None:
+    """``session``'s tracker closed: it claims nothing born from now on (NOTE [claims]).
+
+    Its claims stand; it leaves the roots it watched, and its open epoch, if any, ends.
+    """
+    with _lock:
+        _close_open(session)
+        _closed[session] = procs.since_boot_s()
+        while len(_closed) > _KEPT_EPOCHS:
+            del _closed[next(iter(_closed))]
+        for root in [root for root, sessions in _roots.items() if session in sessions]:
+            _roots[root].discard(session)
+            if not _roots[root]:
+                del _roots[root]
+
+
 def _close_open(session: str) -> None:
     now = procs.since_boot_s()
     for index, (owner, opened, closed) in enumerate(_epochs):
@@ -253,6 +289,7 @@ def _reset_after_fork() -> None:
     _roots.clear()
     _taken.clear()
     _epochs.clear()
+    _closed.clear()
 
 
 if hasattr(os, "register_at_fork"):

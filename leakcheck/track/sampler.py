@@ -229,6 +229,7 @@ class Sampler:
                 self._export_token = None
             if self._mailbox_dir:
                 mailbox.remove(self._mailbox_dir)
+            claims.session_closed(self.session_id)
 
     def _thread_failed(self, error: Exception) -> None:
         with self.lock:  # reports read the failures under it

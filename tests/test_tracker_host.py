@@ -389,17 +389,23 @@ def _host_sources_of_tiny_epochs(epochs: int, **options: Any) -> list[dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("share", "sources"), [(None, ["rss", "uss", "uss", "uss"]), (1.0, ["uss"] * 6)]
+    ("share", "sources"),
+    [
+        (None, [("rss", "uss"), ("uss", "uss"), ("uss", "uss"), ("uss", "uss")]),
+        (1.0, [("uss", "uss")] * 6),
+    ],
 )
 def test_watched_epochs_of_milliseconds_read_uss_where_the_pacing_says(
-    share: float | None, sources: list[str]
+    share: float | None, sources: list[tuple[str, str]]
 ) -> None:
-    """The ends that always read (the host rule's first three) and, unpaced, every end have
-    their USS before the next epoch begins: the wrapper makes the planned reads itself, so
-    the sampler's thread, late, neither loses them nor reads a later moment for them."""
+    """The ends that always read (the host rule's first three; a forked worker's first end,
+    for the copy-on-read rule) and, unpaced, every end have their USS before the next epoch
+    begins: the wrapper makes the planned reads itself, so the sampler's thread, late,
+    neither loses them nor reads a later moment for them."""
     found = _host_sources_of_tiny_epochs(6, rollup_share=share)
-    for index, source in enumerate(sources):
-        assert found[index] == {"parent": source, "worker": source}, (index, found)
+    for index, (parent_source, worker_source) in enumerate(sources):
+        expected = {"parent": parent_source, "worker": worker_source}
+        assert found[index] == expected, (index, found)
 
 
 @pytest.mark.parametrize("on_leak", ["warn", "ignore"])

@@ -37,6 +37,7 @@ from typing import Any
 
 from leakcheck.core.model import ProcessKey, TeardownRecord
 from leakcheck.observe import procs
+from leakcheck.observe.hostmem import HostMemory
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
 MAILBOX_PREFIX = "leakcheck-mailbox-"
@@ -277,6 +278,39 @@ def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
     return ProcessKey(pid, float(create_time))
 
 
+def _optional_int(record: Mapping[str, Any], name: str) -> int | None:
+    value = record.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def worker_birth(record: Mapping[str, Any]) -> tuple[bool | None, HostMemory | None]:
+    """A ``worker`` record's birth reading: forked or not, and its memory then.
+
+    Returns:
+        ``(forked, memory)``; None for what the record lacks or holds malformed (an older
+        worker's record, a birth it could not read).
+
+    """
+    forked = record.get("forked")
+    uss = _optional_int(record, "host_uss_bytes")
+    shared = _optional_int(record, "host_shared_dirty_bytes")
+    private = _optional_int(record, "host_private_dirty_bytes")
+    memory = None
+    if uss is not None and shared is not None and private is not None:
+        memory = HostMemory(
+            uss_bytes=uss,
+            pss_bytes=None,
+            rss_bytes=_optional_int(record, "host_rss_bytes"),
+            swap_bytes=None,
+            source="smaps_rollup",
+            shared_dirty_bytes=shared,
+            private_dirty_bytes=private,
+        )
+    return (forked if isinstance(forked, bool) else None), memory
+
+
 def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecord:
     """Read a worker's ``teardown`` record; a malformed field reads as unknown."""
 
@@ -325,4 +359,6 @@ def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecor
         host_pss_bytes=optional_int("host_pss_bytes"),
         host_rss_bytes=optional_int("host_rss_bytes"),
         host_rss_peak_bytes=optional_int("host_rss_peak_bytes"),
+        host_shared_dirty_bytes=optional_int("host_shared_dirty_bytes"),
+        host_private_dirty_bytes=optional_int("host_private_dirty_bytes"),
     )

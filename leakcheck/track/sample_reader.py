@@ -204,6 +204,7 @@ class SampleReader:
             if record.get("kind") == "worker":
                 persistent = record.get("persistent")
                 self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+                self.table.note_birth(key, *mailbox.worker_birth(record))
             elif record.get("kind") == "teardown":
                 teardown = mailbox.teardown_record(record, key)
                 self.teardowns.append(teardown)

@@ -187,3 +187,25 @@ def test_teardown_record_reads_host_memory_and_unknowns() -> None:
     assert record.host_rss_peak_bytes is None
     # An older worker's record without them: unknown.
     assert mailbox.teardown_record({}, key).host_uss_bytes is None
+
+
+def test_worker_birth_reads_forked_and_the_dirty_figures_or_says_unknown() -> None:
+    forked, memory = mailbox.worker_birth(
+        {
+            "forked": True,
+            "host_uss_bytes": 9,
+            "host_rss_bytes": 210,
+            "host_shared_dirty_bytes": 200,
+            "host_private_dirty_bytes": 8,
+        }
+    )
+    assert forked is True and memory is not None
+    assert (memory.uss_bytes, memory.shared_dirty_bytes, memory.private_dirty_bytes) == (9, 200, 8)
+    # An older worker's record, a malformed field, a birth it could not read: unknown.
+    assert mailbox.worker_birth({}) == (None, None)
+    assert mailbox.worker_birth({"forked": "yes", "host_uss_bytes": 9}) == (None, None)
+    spawned = mailbox.worker_birth(
+        {"forked": False, "host_uss_bytes": 9, "host_shared_dirty_bytes": True,
+         "host_private_dirty_bytes": 8}
+    )  # fmt: skip
+    assert spawned == (False, None)

@@ -367,6 +367,46 @@ def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing(
     ]  # fmt: skip
 
 
+def test_a_forked_workers_first_end_and_long_epochs_read_it_whatever_the_pacing() -> None:
+    """The copy-on-read rule's evidence (NOTE [copy on read] in hostmem.py): a forked worker
+    that reported its birth is read at the first epoch end it is alive at, however the
+    pacing stands; inside an epoch, reads come once it has lasted a second, a second apart
+    at most, and as the pacing allows."""
+    from leakcheck.core.readings import ProcInfo
+    from leakcheck.observe import procs
+    from leakcheck.track.host import INSIDE_AFTER_S, INSIDE_GAP_S, HostReads
+    from leakcheck.track.pacing import Pacing
+    from leakcheck.track.reads import Failures
+    from leakcheck.track.table import ProcessTable
+
+    root = procs.process_key(os.getpid())
+    assert root is not None
+    table = ProcessTable(root, procs.read_proc(os.getpid()), session="s", persistent_workers=False)
+    worker = ProcessKey(root.pid + 100_000, root.create_time + 1)
+    table.add(ProcInfo(worker, root.pid, "python", "python train.py"), now=0.0, born_epoch=0)
+    pacing = Pacing(0.05, has_nvml=False, rollup_share=0.001)
+    host = HostReads(pacing, Failures(strict=False), warmup_epochs=1)
+    assert not host.plan(0, table)  # a warm-up end, no birth report: nothing to read
+    assert host.plan_inside(table, 0, 0.0, 5.0) is None
+    born = hostmem.HostMemory(1, None, 2, None, "smaps_rollup", shared_dirty_bytes=1,
+                              private_dirty_bytes=1)  # fmt: skip
+    table.note_birth(worker, True, born)
+    pacing.rollup_read(time.perf_counter(), 1.0)  # 1 s of CPU at 0.1%: due in 1000 s
+    assert host.plan(0, table) and host.pending is not None
+    assert host.pending.keys == (worker,)
+    assert not host.plan(4, table)  # read once: later ends wait for the pacing
+    assert host.plan_inside(table, 4, 0.0, 5.0) is None  # paced out inside too
+    pacing.rollup_due_s = 0.0
+    assert host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S / 2) is None  # too young
+    plan = host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S)
+    assert plan is not None and plan.keys == (worker,) and plan.epoch_index == 4
+    assert host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S + INSIDE_GAP_S / 2) is None
+    assert host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S + INSIDE_GAP_S) is not None
+    assert host.plan_inside(table, None, None, 100.0) is None  # no epoch open
+    table.note_birth(worker, False, born)  # spawned: nothing to measure a copy against
+    assert host.plan_inside(table, 4, 0.0, 100.0) is None
+
+
 class _Tiny(torch.utils.data.Dataset[torch.Tensor]):
     def __len__(self) -> int:
         return 4

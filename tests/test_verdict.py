@@ -968,7 +968,7 @@ def test_persistent_workers_that_copied_in_epoch_0_are_found_there_though_flat_a
         "(390 MiB in all), 3.2 s into epoch 0"
     )
     assert found.host_bytes == mib(390)
-    assert "numpy" in found.remedy and "fewer workers" in found.remedy
+    assert "numpy" in found.remedy and "gc.freeze()" in found.remedy
     assert len(found.message) <= 160 and len(found.remedy) <= 120
     # The host-growth rule sees nothing to judge here: the USS is flat from epoch 0 on.
     assert host_findings(tl) == []

@@ -520,9 +520,12 @@ class RuleConfig:
             an epoch is capacity pressure (the shm rule): workers die of a bus error when
             it is full, and a peak sampled a few times a second undershoots the true one.
         copy_tolerance_bytes: What a forked worker may copy of its parent's memory (the
-            copy-on-read rule, NOTE [copy on read] in hostmem.py): the interpreter's own
-            objects a worker touches (modules, functions, type caches) copy a few MiB
-            whatever the dataset; a dataset of Python objects copies tens to hundreds.
+            copy-on-read rule, NOTE [copy on read] in hostmem.py). Whatever the dataset, the
+            interpreter's objects a worker touches (modules, functions) copy a few MiB, and
+            a full garbage collection in it, which writes the header of every object it
+            inherited, copies their pages (36 MiB with torch imported, measured: what
+            ``gc.freeze()`` in the parent avoids); a dataset of Python objects copies tens
+            to hundreds of MiB per worker.
 
     """
 

@@ -852,8 +852,8 @@ def _judge_host_points(
 # --------------------------------------------------------------------------- copy-on-read
 
 REMEDY_COPY_ON_READ = (
-    "keep the dataset in numpy arrays, Arrow or tensors, not Python objects (lists, dicts, "
-    "str); or use fewer workers"
+    "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+    "before iterating; or fewer workers"
 )
 REMEDY_NOT_FORKED = (
     "each holds what it unpickled (the dataset included) and imported: mmap large data, "
@@ -944,8 +944,10 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     when = f"in epoch {first.epoch}"
     if first.after_s is not None:
         when = f"{first.after_s:.1f} s into epoch {first.epoch}"
-    if not persistent and len(epochs) > 1:
+    if not persistent and len(epochs) > 2:
         when += f" and again in epochs {epochs[1]}-{epochs[-1]}"
+    elif not persistent and len(epochs) == 2:
+        when += f" and again in epoch {epochs[1]}"
     elif not persistent:
         when += " (per-epoch workers copy it again each epoch)"
     if count == 1:

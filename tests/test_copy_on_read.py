@@ -9,6 +9,9 @@ Workers started by spawn share nothing with the parent: no copy can be told ther
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +28,9 @@ from leakcheck.judge.report import Report
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
 
 ROWS = 200_000
 """Dicts of the Python-object dataset: each worker that reads half of them copies ~40 MiB."""
@@ -188,3 +194,32 @@ def test_a_copy_made_inside_a_long_epoch_is_seen_before_the_epoch_ends() -> None
     after_s = float(during.message.rsplit(", ", 1)[1].split(" s into")[0])
     epoch_0 = w.report().epochs[0]
     assert after_s < epoch_0.duration_s
+
+
+def test_snapshot_of_the_job_shows_each_workers_copy_from_outside_and_in() -> None:
+    loader = _loader(DictRows(), persistent=True)
+    with leakcheck.watch(loader, on_leak="ignore", copy_tolerance=TOLERANCE, grace=0.5) as w:
+        for _batch in w:
+            pass
+        workers = {key.pid for key in w.tracker.worker_keys()}
+        assert len(workers) == 2
+        inside = {p.info.key.pid: p for p in w.tracker.snapshot().processes}
+        # From outside: `leakcheck snapshot --pid` reads the births the tracker keeps.
+        done = subprocess.run(
+            [sys.executable, "-m", "leakcheck", "snapshot", "--pid", str(os.getpid()), "--json"],
+            capture_output=True, text=True, timeout=120, env=ENV,
+        )  # fmt: skip
+        text = subprocess.run(
+            [sys.executable, "-m", "leakcheck", "snapshot", "--pid", str(os.getpid())],
+            capture_output=True, text=True, timeout=120, env=ENV,
+        )  # fmt: skip
+        w.drop_loader()
+    assert done.returncode == 0, done.stderr
+    outside = {p["pid"]: p for p in json.loads(done.stdout)["processes"]}
+    for pid in workers:
+        assert (inside[pid].copied_bytes or 0) > 16 * MIB
+        assert outside[pid]["copied_bytes"] > 16 * MIB
+        assert outside[pid]["host_shared_dirty_bytes"] > 0
+    assert outside[os.getpid()]["copied_bytes"] is None  # the parent copies nothing
+    lines = [line for line in text.stdout.splitlines() if "copied" in line]
+    assert len(lines) == 2 and all("MiB of its parent's" in line for line in lines), text.stdout

@@ -346,6 +346,14 @@ class ProcessTable:
             proc.birth_host = memory
             self.changed = True
 
+    def births(self) -> dict[ProcessKey, tuple[bool | None, HostMemory | None]]:
+        """``(forked, birth reading)`` of the live processes that reported their birth."""
+        return {
+            key: (proc.forked, proc.birth_host)
+            for key, proc in self.live.items()
+            if proc.forked is not None or proc.birth_host is not None
+        }
+
     def copy_watched(self) -> list[ProcessKey]:
         """Live own forked workers that reported their birth: whose copies reads measure."""
         return [

@@ -335,10 +335,14 @@ class Tracker:
     @caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
+        with self._sampler.lock:
+            table = self._sampler.table
+            births = table.births() if table is not None else {}
         return take_snapshot(
             root_pid=self._sampler.root_pid,
             devices=self._sampler.devices,
             known_workers=self.worker_keys(),
+            births=births,
         )
 
     @caller_timed

@@ -1043,9 +1043,13 @@ def test_spawned_workers_say_copy_on_read_cannot_be_told_never_a_copy_leak() -> 
     (found,) = copy_findings(tl, copy_tolerance_bytes=1)
     assert found.severity == "info"
     assert found.message == (
-        f"copy-on-read cannot be told for the 2 workers of PID {ROOT_PID}: not forked, they "
-        "share nothing with it; each holds 178 MiB of its own"
+        "copy-on-read cannot be told for 2 workers started by spawn or forkserver: they share "
+        "no memory with the training process; each holds 178 MiB of its own"
     )
+    # Their USS unread (a warm-up end): what they held at birth.
+    births = [replace(p, host_source="rss") for p in tl.epochs[0].processes]
+    (at_birth,) = copy_findings(timeline([epoch(0, births)], attribution="nvml-unavailable"))
+    assert at_birth.message.endswith("each holds 9.0 MiB of its own")
     assert len(found.message) <= 160 and len(found.remedy) <= 120
     assert verdict_of(tl) == "clean"
 

@@ -317,7 +317,8 @@ class TrackerCost:
             in NVML rather than in leakcheck's own Python.
         host_read_cpu_s: CPU seconds the sampler thread spent on the host-memory reads
             after epoch ends (USS and PSS of the parent and persistent workers: a page-table
-            walk per process), with filing their results in the epoch's record. Part of
+            walk per process) and inside epochs (forked workers' copies: NOTE [host pacing]),
+            with filing their results in the epoch's record. Part of
             ``sampler_cpu_s``. A tracker's first epoch end always reads; later ones are paced
             (NOTE [host pacing] in sampling/pacing.py), so a short-lived tracker pays more of
             it for its time than a long one.
@@ -470,7 +471,9 @@ class Finding:
         scope: What started the culprit when not the work itself (a fixture scope).
         shm_name: For shm: the file name in ``/dev/shm``.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
-        host_bytes: For host-growth: the rise of host memory over the judged epochs.
+        host_bytes: For host-growth: the rise of host memory over the judged epochs; for
+            copy-on-read: what the loader's workers copied of their parent's memory, in all
+            (one epoch's workers, for workers started each epoch).
         rank: The distributed rank of the culprit, where known.
 
     """

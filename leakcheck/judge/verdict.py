@@ -31,7 +31,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.core.ranks import culprit_label
 from leakcheck.core.roles import is_daemon_helper
-from leakcheck.core.units import format_mib, plural, shorten_cmdline
+from leakcheck.core.units import format_mib, shorten_cmdline
 
 __all__ = [
     "LINEAGE_ROLES",
@@ -872,10 +872,10 @@ class _WorkerCopy:
 
 
 def _private_bytes(proc: ProcessEpoch) -> int:
-    """A process's USS at the end (or exit), -1 where only RSS is known."""
-    if proc.host_source != "uss" or proc.host_bytes_end is None:
-        return -1
-    return proc.host_bytes_end
+    """A worker's USS at the end (or exit), else at its birth; -1 where neither is known."""
+    if proc.host_source == "uss" and proc.host_bytes_end is not None:
+        return proc.host_bytes_end
+    return -1 if proc.private_bytes_birth is None else proc.private_bytes_birth
 
 
 def _copy_observations(
@@ -896,8 +896,8 @@ def _copy_observations(
 
 def _worker_copies(
     timeline: Timeline, config: RuleConfig
-) -> tuple[dict[int, list[_WorkerCopy]], dict[int, list[ProcessEpoch]]]:
-    """Forked workers' largest copies by parent PID, and unforked workers by parent PID."""
+) -> tuple[dict[int, list[_WorkerCopy]], list[ProcessEpoch]]:
+    """Forked workers' largest copies by parent PID, and the workers not forked."""
     copies: dict[ProcessKey, _WorkerCopy] = {}
     unforked: dict[ProcessKey, ProcessEpoch] = {}
     for index, proc in _copy_observations(timeline):
@@ -922,10 +922,7 @@ def _worker_copies(
     by_parent: dict[int, list[_WorkerCopy]] = {}
     for copy in copies.values():
         by_parent.setdefault(copy.proc.ppid, []).append(copy)
-    spawned: dict[int, list[ProcessEpoch]] = {}
-    for proc in unforked.values():
-        spawned.setdefault(proc.ppid, []).append(proc)
-    return by_parent, spawned
+    return by_parent, sorted(unforked.values(), key=lambda p: p.key)
 
 
 def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
@@ -969,17 +966,17 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     )
 
 
-def _not_forked_finding(ppid: int, workers: Sequence[ProcessEpoch]) -> Finding:
+def _not_forked_finding(workers: Sequence[ProcessEpoch]) -> Finding:
     held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
     mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
-    who = plural(len(workers), "worker")
+    who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
     return _process_finding(
         workers[0],
         rule="copy-on-read",
         severity="info",
         message=(
-            f"copy-on-read cannot be told for the {who} of PID {ppid}: not forked, they "
-            f"share nothing with it{mean}"
+            f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
+            f"share no memory with the training process{mean}"
         ),
         remedy=REMEDY_NOT_FORKED,
         host_bytes=sum(held) if held else None,
@@ -995,8 +992,9 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     whose copy since its birth exceeds ``config.copy_tolerance_bytes`` at any reading (in
     the epoch, at its end, at exit): found in the first epoch, flat or not. Per-epoch
     workers copy it again each epoch, which the finding says. Workers started by spawn or
-    forkserver share nothing with the parent at birth: an info finding says copy-on-read
-    cannot be told there, with their private memory. Needs no GPU.
+    forkserver share nothing with the parent at birth (a forkserver worker's parent is the
+    server): one info finding says copy-on-read cannot be told there, with their private
+    memory. Needs no GPU.
     """
     by_parent, spawned = _worker_copies(timeline, config)
     found: list[Finding] = []
@@ -1004,8 +1002,8 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         leaking = [c for c in copies if c.copied_bytes > config.copy_tolerance_bytes]
         if leaking:
             found.append(_copy_finding(ppid, leaking))
-    for ppid, workers in sorted(spawned.items()):
-        found.append(_not_forked_finding(ppid, workers))
+    if spawned:
+        found.append(_not_forked_finding(spawned))
     return tuple(found)
 
 

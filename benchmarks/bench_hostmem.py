@@ -34,10 +34,10 @@ shipped, with children that report their birth as DataLoader workers do through
 leakcheck's ``worker_init_fn`` (one smaps_rollup read of itself in each, at its start), so
 that the tracker measures their copies of the parent's memory (NOTE [copy on read] in
 leakcheck/observe/hostmem.py): a read of every child at its first epoch end, whatever the
-pacing, and paced reads inside the epochs (which last more than the second an in-epoch read
-waits for). Reported: the accounted cost (the sampler's CPU and the caller's time in the
-tracker, over the epochs' time), the caller's time per epoch end, the smaps_rollup CPU per
-read, at how many epoch ends the USS was read, and the in-epoch reads.
+pacing (epochs of 10 s and more would be read inside too, paced: ``--epoch-s``). Reported:
+the accounted cost (the sampler's CPU and the caller's time in the tracker, over the epochs'
+time), the caller's time per epoch end, the smaps_rollup CPU per read, at how many epoch
+ends the USS was read, and the in-epoch reads.
 
 Usage: python benchmarks/bench_hostmem.py [--children 8,64] [--parents plain,data256,torch]
        [--rounds 100] [--tracker-epochs 8] [--epoch-s 1.4] [--write]  (writes

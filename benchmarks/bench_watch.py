@@ -32,7 +32,7 @@ generator and no leakcheck at all (an A/A check of the design: its A/B should ce
 ``fresh-workers`` makes a new loader for every block, raw or watched, whose persistent
 workers start inside the block and stop after it (outside the clock): each watched block's
 workers then report their birth to its tracker, which reads their copies of the parent's
-memory at their first epoch end and inside epochs of a second or more (NOTE [copy on read]
+memory at their first epoch end and inside epochs of 10 s or more (NOTE [copy on read]
 in leakcheck/observe/hostmem.py). Every block is a whole run of its own there: the worst
 case for those one-off reads (a run's workers are born once).
 
@@ -108,7 +108,7 @@ VARIANT_NOTES = {
     "no-sampler": "watch() whose sampler never ticks: epoch boundaries and the wrapper only",
     "control": "the second arm is the raw loader through a generator: an A/A check",
     "fresh-workers": "a new loader per block: each watched block's workers are born under its "
-    "tracker, which reads their copies (at their first epoch end, inside epochs of 1 s+)",
+    "tracker, which reads their copies (at their first epoch end, inside epochs of 10 s+)",
 }
 VARIANTS = tuple(VARIANT_NOTES)
 # An interval that no block lasts: the sampler thread never ticks (``--variant no-sampler``).

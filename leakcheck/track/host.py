@@ -38,9 +38,11 @@ _READING_WAIT_S = 2.0
 _HOST_RULE_FIRST_POINTS = 3
 """The fewest USS points the host-growth rule judges from (``verdict.host_growth``)."""
 
-INSIDE_AFTER_S = 1.0
-"""An epoch is read inside only once it has lasted this long: shorter ones leave the share
-of time to their ends' reads, which the host-growth rule judges (NOTE [host pacing])."""
+INSIDE_AFTER_S = 10.0
+"""An epoch is read inside only once it has lasted this long: a shorter one has its end read
+soon (a forked worker's first end whatever the pacing), and leaves the share of time to the
+ends' reads, which the host-growth rule judges; a fresh run of short epochs would otherwise
+read its workers twice in its first epoch (NOTE [host pacing])."""
 INSIDE_GAP_S = 1.0
 """In-epoch reads come at most this often, however large the share (a share of 1 reads
 every epoch end, not every tick)."""

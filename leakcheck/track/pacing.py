@@ -54,7 +54,7 @@ whatever the pacing says (one read per worker's life, so that the first epoch is
 however short), and inside an epoch once it has lasted ``host.INSIDE_AFTER_S``, when the
 pacing allows and at most every ``host.INSIDE_GAP_S`` (a share of 1 too), on the sampler's
 thread with no lock held: a worker that copies early in an epoch of minutes is seen minutes
-before its end. Epochs shorter than that leave the share to their ends.
+before its end. Epochs shorter than that (10 s) leave the share to their ends.
 
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler

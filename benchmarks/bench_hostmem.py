@@ -28,11 +28,16 @@ Then the tracker with them (``--tracker-epochs``, 0 to skip): a torch parent for
 (8, 64), registers them as persistent workers of a ``Tracker`` and runs epochs of
 ``--epoch-s`` seconds (1.4 s: the H200 loop of bench_watch.py), with the host reads as shipped
 (``paced``: status at every epoch end, smaps_rollup paced to 0.1% of the time on the sampler
-thread), at every epoch end (``every``: ``rollup_share=1.0``, what the sweep uses) and
-``off`` (the host and /dev/shm reads switched off: the tracker as before them). Reported: the
-accounted cost (the sampler's CPU and the caller's time in the tracker, over the epochs'
-time), the caller's time per epoch end, the smaps_rollup CPU per read, and at how many epoch
-ends the USS was read.
+thread), at every epoch end (``every``: ``rollup_share=1.0``, what the sweep uses), ``off``
+(the host and /dev/shm reads switched off: the tracker as before them) and ``copy``: as
+shipped, with children that report their birth as DataLoader workers do through
+leakcheck's ``worker_init_fn`` (one smaps_rollup read of itself in each, at its start), so
+that the tracker measures their copies of the parent's memory (NOTE [copy on read] in
+leakcheck/observe/hostmem.py): a read of every child at its first epoch end, whatever the
+pacing (epochs of 10 s and more would be read inside too, paced: ``--epoch-s``). Reported:
+the accounted cost (the sampler's CPU and the caller's time in the tracker, over the epochs'
+time), the caller's time per epoch end, the smaps_rollup CPU per read, at how many epoch
+ends the USS was read, and the in-epoch reads.
 
 Usage: python benchmarks/bench_hostmem.py [--children 8,64] [--parents plain,data256,torch]
        [--rounds 100] [--tracker-epochs 8] [--epoch-s 1.4] [--write]  (writes
@@ -58,12 +63,16 @@ from results_io import host_meta, result_stem, write_result
 from leakcheck.observe import hostmem, procs
 
 METHODS = ("rollup", "rollup_keys", "status", "status_keys", "status_pread", "shm")
-ARMS = ("off", "paced", "every")
+ARMS = ("off", "paced", "every", "copy")
 MIB = 2**20
 
 
-def _fork_children(count: int, parent: str) -> tuple[list[int], int]:
-    """Fork ``count`` idle children; return their PIDs and the pipe end that keeps them."""
+def _fork_children(count: int, parent: str, *, births: bool = False) -> tuple[list[int], int]:
+    """Fork ``count`` idle children; return their PIDs and the pipe end that keeps them.
+
+    ``births``: each child posts its birth to the tracker's mailbox (``LEAKCHECK_MAILBOX``),
+    as a DataLoader worker does through leakcheck's ``worker_init_fn``.
+    """
     ready_r, ready_w = os.pipe()
     hold_r, hold_w = os.pipe()
     pids: list[int] = []
@@ -76,6 +85,8 @@ def _fork_children(count: int, parent: str) -> tuple[list[int], int]:
                 import torch
 
                 torch.ones(1000).sum()  # fault in what a worker's first batch does
+            if births:
+                _post_birth()
             os.write(ready_w, b"k")
             os.read(hold_r, 1)  # returns at EOF: the parent closed its end
             os._exit(0)
@@ -86,6 +97,19 @@ def _fork_children(count: int, parent: str) -> tuple[list[int], int]:
         os.read(ready_r, 1)
     os.close(ready_r)
     return pids, hold_w
+
+
+def _post_birth() -> None:
+    """A forked worker's ``worker`` record with its birth reading (teardown.WorkerInit's)."""
+    from leakcheck.observe import mailbox
+    from leakcheck.worker.teardown import _birth_fields
+
+    pid = os.getpid()
+    key = procs.process_key(pid)
+    if key is not None:
+        fields = _birth_fields(pid, forked=True)
+        record = {"pid": pid, "start_ticks": key.start_ticks, "persistent": True, **fields}
+        mailbox.post("worker", record)
 
 
 def _status_preader(pids: list[int]) -> tuple[Callable[[], int], Callable[[], None]]:
@@ -184,15 +208,17 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
 
     from leakcheck.track.tracker import Tracker
 
-    pids, hold_w = _fork_children(children, "torch")
     if arm == "off":
         _switch_off_host_reads()
     tracker = Tracker(
         rollup_share=1.0 if arm == "every" else None, persistent_workers=True, grace=0.1
     )
     ends_ms: list[float] = []
+    # The copy arm's children are forked once the tracker runs: they post their birth to
+    # its mailbox, which start() exported.
+    tracker.start()
+    pids, hold_w = _fork_children(children, "torch", births=arm == "copy")
     try:
-        tracker.start()
         for pid in pids:
             tracker.register_worker(pid, persistent=True)
         for _ in range(epochs):
@@ -206,6 +232,7 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
         records = tracker.epochs()
         host = tracker._sampler.host
         rollup_reads, rollup_cpu_s = host.rollup_reads, host.rollup_cpu_s
+        inside_reads = host.inside_reads
     finally:
         tracker.close()
         os.close(hold_w)
@@ -213,6 +240,8 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
             os.waitpid(pid, 0)
     epochs_s = sum(record.duration_s for record in records)
     parents = [p for r in records for p in r.processes if p.role == "parent"]
+    workers = [p for r in records for p in r.processes if p.role == "worker"]
+    copied = [p.copied_bytes_peak for p in workers if p.copied_bytes_peak is not None]
     return {
         "children": children,
         "arm": arm,
@@ -223,11 +252,21 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
         "caller_wall_s": cost.caller_wall_s,
         "end_epoch_ms_median": statistics.median(ends_ms),
         "rollup_reads": rollup_reads,
-        "rollup_cpu_ms_per_read": rollup_cpu_s * 1000 / rollup_reads if rollup_reads else None,
+        "inside_reads": inside_reads,
+        "rollup_cpu_s": rollup_cpu_s,
+        "rollup_cpu_ms_per_read": (
+            rollup_cpu_s * 1000 / (rollup_reads + inside_reads)
+            if rollup_reads + inside_reads
+            else None
+        ),
         "rollup_us_per_process": (
-            rollup_cpu_s * 1e6 / rollup_reads / (children + 1) if rollup_reads else None
+            rollup_cpu_s * 1e6 / rollup_reads / (children + 1)
+            if rollup_reads and not inside_reads
+            else None
         ),
         "uss_epochs": sum(1 for p in parents if p.host_source == "uss"),
+        "workers_with_copy_epochs": len(copied),
+        "copied_mib_max": max(copied) / MIB if copied else None,
     }
 
 
@@ -322,11 +361,12 @@ def main() -> int:
             "",
             f"Tracker over N persistent workers of a torch parent, {args.tracker_epochs} epochs "
             f"of {args.epoch_s:g} s; arms: off (no host or /dev/shm reads), paced (as shipped), "
-            "every (USS at every epoch end):",
+            "every (USS at every epoch end), copy (as shipped, the children reporting their "
+            "birth: their copies read at their first end and inside epochs):",
             "",
             "| children | arm | accounted % | added % | end_epoch ms | rollup ms/read | "
-            "rollup us/process | USS at epoch ends |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "rollup us/process | USS at epoch ends | in-epoch reads | rollup CPU ms |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for t in trackers:
             per_read = t["rollup_cpu_ms_per_read"]
@@ -337,7 +377,8 @@ def main() -> int:
                 f"{t['end_epoch_ms_median']:.2f} | "
                 f"{'-' if per_read is None else f'{per_read:.1f}'} | "
                 f"{'-' if per_process is None else f'{per_process:.0f}'} | "
-                f"{t['uss_epochs']} of {t['epochs']} |"
+                f"{t['uss_epochs']} of {t['epochs']} | {t['inside_reads']} | "
+                f"{t['rollup_cpu_s'] * 1000:.1f} |"
             )
     text = "\n".join(lines)
     print(text)

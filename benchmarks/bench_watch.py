@@ -29,6 +29,12 @@ of it, side by side (``benchmarks/stats.py`` explains both):
 ``watch``, the default): ``no-sampler`` watches with an interval of an hour, so that only the
 epoch boundaries and the wrapper remain; ``control`` runs the second arm through a plain
 generator and no leakcheck at all (an A/A check of the design: its A/B should centre on 0).
+``fresh-workers`` makes a new loader for every block, raw or watched, whose persistent
+workers start inside the block and stop after it (outside the clock): each watched block's
+workers then report their birth to its tracker, which reads their copies of the parent's
+memory at their first epoch end and inside epochs of 10 s or more (NOTE [copy on read]
+in leakcheck/observe/hostmem.py). Every block is a whole run of its own there: the worst
+case for those one-off reads (a run's workers are born once).
 
 Also measured alone in the same run: one ``Tracker.sample()``, one epoch boundary, one batch
 step. Each round also shows the wall time of the tracker's NVML reads (``nvml_wall_s``) and
@@ -101,6 +107,8 @@ VARIANT_NOTES = {
     "watch": "watch() as users get it",
     "no-sampler": "watch() whose sampler never ticks: epoch boundaries and the wrapper only",
     "control": "the second arm is the raw loader through a generator: an A/A check",
+    "fresh-workers": "a new loader per block: each watched block's workers are born under its "
+    "tracker, which reads their copies (at their first epoch end, inside epochs of 10 s+)",
 }
 VARIANTS = tuple(VARIANT_NOTES)
 # An interval that no block lasts: the sampler thread never ticks (``--variant no-sampler``).
@@ -178,6 +186,20 @@ def _costs(loader: Any, interval_s: float) -> dict[str, Any]:
     }
 
 
+def make_loader(
+    use_cuda: bool, workers: int, batches: int, batch_size: int
+) -> DataLoader[torch.Tensor]:
+    """The benchmark's loader (its workers not started)."""
+    return DataLoader(
+        Images(batches * batch_size),
+        batch_size=batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=use_cuda,
+        multiprocessing_context="spawn" if use_cuda else "fork",
+    )
+
+
 def setup(
     device_choice: str, workers: int, batches: int, batch_size: int = 32
 ) -> tuple[torch.device, torch.Tensor, DataLoader[torch.Tensor]]:
@@ -195,14 +217,7 @@ def setup(
     if not use_cuda:
         torch.set_num_threads(1)  # the workers need the cores; one thread steps the model
     weight = torch.randn(3 * 64 * 64, 512, device=device)
-    loader = DataLoader(
-        Images(batches * batch_size),
-        batch_size=batch_size,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        pin_memory=use_cuda,
-        multiprocessing_context="spawn" if use_cuda else "fork",
-    )
+    loader = make_loader(use_cuda, workers, batches, batch_size)
     _block(loader, 1, device, weight)  # start the workers, warm the caches
     return device, weight, loader
 
@@ -230,6 +245,13 @@ def main() -> int:
 
     device, weight, loader = setup(args.device, args.workers, args.batches, args.batch_size)
     use_cuda = device.type == "cuda"
+    fresh = args.variant == "fresh-workers"
+
+    def block_loader() -> Any:
+        """The loader of one block: the same one, or a new one (``fresh-workers``)."""
+        if not fresh:
+            return loader
+        return make_loader(use_cuda, args.workers, args.batches, args.batch_size)
 
     rounds: list[dict[str, Any]] = []
     for round_index in range(-args.warmup, args.rounds):
@@ -238,10 +260,12 @@ def main() -> int:
         row: dict[str, Any] = {"round": round_index, "order": "/".join(order)}
         row.update(raw_s=0.0, raw_batches=0, watched_s=0.0, watched_batches=0, cost={})
         for mode in order:
+            current = block_loader()
             if mode == "raw":
-                took_s, batches = _block(loader, args.epochs, device, weight)
+                took_s, batches = _block(current, args.epochs, device, weight)
                 row["raw_s"] += took_s
                 row["raw_batches"] += batches
+                del current  # a fresh loader's workers stop now, outside the clock
                 continue
             if args.variant == "control":
                 took_s, batches = _block(_Plain(loader), args.epochs, device, weight)
@@ -250,12 +274,15 @@ def main() -> int:
                 interval_s = (
                     _NO_SAMPLER_INTERVAL_S if args.variant == "no-sampler" else args.interval
                 )
-                with leakcheck.watch(loader, interval=interval_s) as wrapped:
+                with leakcheck.watch(current, interval=interval_s) as wrapped:
                     # Read before and after the timed block only: start() and close() are
                     # outside the clock, and outside the accounted cost too.
                     before = stats.cost_counters(wrapped.tracker)
                     took_s, batches = _block(wrapped, args.epochs, device, weight)
                     spent = stats.cost_delta(before, stats.cost_counters(wrapped.tracker))
+                    if fresh:
+                        wrapped.drop_loader()  # its workers stop within the tracked run
+                del current
             row["watched_s"] += took_s
             row["watched_batches"] += batches
             row["cost"] = {k: row["cost"].get(k, 0.0) + v for k, v in spent.items()}

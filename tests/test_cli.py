@@ -167,16 +167,44 @@ def test_plot_is_a_png(default_sweep: tuple[Run, dict[str, Any], Path]) -> None:
 # --------------------------------------------------------------------------- scenarios
 
 
-def test_copy_on_read_scenario_is_found_per_worker_in_mib_per_epoch(tmp_path: Path) -> None:
+def test_copy_on_read_scenario_is_found_in_epoch_0_though_flat_after(tmp_path: Path) -> None:
+    json_path = tmp_path / "cor.json"
+    run = leakcheck(
+        "sweep", "--scenario", "copy-on-read", "--workers", "2", "--epochs", "4",
+        "--json", str(json_path),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    data = json.loads(json_path.read_text())
+    (config,) = data["configurations"]
+    findings = config["report"]["findings"]
+    (found,) = [f for f in findings if f["rule"] == "copy-on-read"]
+    assert found["severity"] == "leak" and found["epoch"] == 0, run.stdout
+    assert "2 forked workers of PID" in found["message"]
+    assert found["host_bytes"] > 2 * 64 * MIB  # 128 MiB of objects, copied by each worker
+    assert [f for f in findings if f["rule"] == "host-growth"] == []  # no growth to see
+    assert "LEAK copy-on-read: 2 forked workers" in run.stdout
+    rows = config["rows"]
+    copied = [row["workers_copied_bytes"] for row in rows]
+    assert all(c is not None and c > 2 * 64 * MIB for c in copied), copied
+    assert max(copied) - min(copied) < 16 * MIB  # flat from epoch 0 on
+    assert all(row["workers_shared_bytes"] is not None for row in rows)
+    assert data["options"]["copy_tolerance_bytes"] == 64 * MIB
+
+
+def test_copy_on_read_growing_scenario_is_found_per_worker_in_mib_per_epoch(
+    tmp_path: Path,
+) -> None:
     json_path = tmp_path / "cor.json"
     run = leakcheck(
         "sweep",
         "--scenario",
-        "copy-on-read",
+        "copy-on-read-growing",
         "--workers",
         "2",
         "--epochs",
         "5",
+        "--copy-tolerance",
+        "1GiB",
         "--json",
         str(json_path),
     )
@@ -199,6 +227,8 @@ def test_copy_on_read_scenario_is_found_per_worker_in_mib_per_epoch(tmp_path: Pa
         assert "host memory (USS) grows" in finding["message"]
         assert f"LEAK host-growth: worker PID {finding['pid']}" in run.stdout
         assert "copy-on-read" in finding["remedy"]
+    # Its copies stay below the 1 GiB copy tolerance given: no copy-on-read finding.
+    assert [f for f in findings if f["rule"] == "copy-on-read"] == []
     assert "start method fork" in run.stdout and "verdict LEAK" in run.stdout
     rows = config["rows"]
     assert [row["host_source"] for row in rows] == ["uss"] * 5

@@ -210,6 +210,48 @@ def test_walking_python_objects_copies_them_into_the_worker(spawn: Spawn) -> Non
     assert abs(rss(walked) - rss(read_only)) < objects_bytes / 4
 
 
+def test_copied_bytes_counts_pages_moved_from_shared_to_private(spawn: Spawn) -> None:
+    count = 1_500_000  # floats of 24 bytes: about 34 MiB of objects
+    objects_bytes = count * 24
+    forker = Forker(spawn, "floats", count)
+    birth = forker.memory()
+    assert birth.shared_dirty_bytes is not None and birth.shared_dirty_bytes >= objects_bytes
+    forker.command("r")
+    assert (hostmem.copied_bytes(birth, forker.memory()) or 0) < objects_bytes / 8
+    forker.command("w")  # copy-on-read of every float
+    copied = hostmem.copied_bytes(birth, forker.memory())
+    assert copied is not None and copied >= objects_bytes * 0.75
+
+
+def test_new_memory_and_shared_reads_are_not_copies(spawn: Spawn) -> None:
+    size_mib = 64
+    forker = Forker(spawn, "bytes", size_mib)
+    birth = forker.memory()
+    forker.command("r")  # reads the parent's bytes: they stay shared
+    forker.command("a")  # 64 MiB of its own: private, but no shared page was lost
+    now = forker.memory()
+    assert uss(now) - uss(birth) >= size_mib * MIB * 0.95
+    copied = hostmem.copied_bytes(birth, now)
+    assert copied is not None and copied < 4 * MIB
+    # Without the dirty figures (a status read) nothing can be said.
+    assert hostmem.copied_bytes(birth, HostMemory(None, None, rss(now), None, "status")) is None
+
+
+def test_copied_bytes_is_bounded_by_the_private_gain() -> None:
+    def reading(shared: int, private: int) -> HostMemory:
+        return HostMemory(
+            private, None, shared + private, None, "smaps_rollup",
+            shared_dirty_bytes=shared, private_dirty_bytes=private,
+        )  # fmt: skip
+
+    birth = reading(200 * MIB, 10 * MIB)
+    assert hostmem.copied_bytes(birth, reading(160 * MIB, 50 * MIB)) == 40 * MIB
+    # Shared pages lost without a private gain (swapped out, their sharers gone): no copy.
+    assert hostmem.copied_bytes(birth, reading(100 * MIB, 10 * MIB)) == 0
+    # New private memory, nothing shared lost: no copy either.
+    assert hostmem.copied_bytes(birth, reading(210 * MIB, 90 * MIB)) == 0
+
+
 def test_gone_pid_zombie_and_reused_pid(spawn: Spawn) -> None:
     assert hostmem.read_host_memory(reaped_pid()) is None
     assert hostmem.read_host_memory(reaped_pid(), rollup=False) is None
@@ -291,6 +333,7 @@ def test_parsers_on_fixed_text() -> None:
         b"00400000-7ffd0000 ---p 00000000 00:00 0        [rollup]\n"
         b"Rss:                1000 kB\nPss:                 600 kB\n"
         b"Pss_Anon:            100 kB\nShared_Clean:        500 kB\n"
+        b"Shared_Dirty:        250 kB\n"
         b"Private_Clean:        50 kB\nPrivate_Dirty:       150 kB\n"
         b"Anonymous:           170 kB\nPrivate_Hugetlb:     2048 kB\n"
         b"Swap:                 30 kB\nSwapPss:               7 kB\n"
@@ -302,6 +345,8 @@ def test_parsers_on_fixed_text() -> None:
         swap_bytes=30 * 1024,
         source="smaps_rollup",
         anon_bytes=170 * 1024,
+        shared_dirty_bytes=250 * 1024,
+        private_dirty_bytes=150 * 1024,
     )
     assert hostmem._parse_rollup(b"") is None
     status = (

@@ -68,6 +68,23 @@ class StartsGrandchild(Pairs):
         return self.sleepers[me]
 
 
+class DictRows(Pairs):
+    """Rows as Python dicts built in the parent: item ``i`` reads its sixteenth of them."""
+
+    def __init__(self) -> None:
+        self.rows = [{"id": i, "weight": float(i)} for i in range(200_000)]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        step = len(self.rows) // 16
+        chunk = self.rows[(index % 16) * step : (index % 16 + 1) * step]
+        total = sum(row["weight"] for row in chunk)  # each read writes a reference count
+        x, y, pid = super().__getitem__(index)
+        return x + total * 0.0, y, pid
+
+
 class Fails(Exception):
     pass
 
@@ -209,6 +226,18 @@ def test_clean_fit_tracks_train_and_val_epochs_apart(
     assert train.epochs[0].processes and all(
         p.born_in_epoch for p in train.epochs[0].processes if p.role == "worker"
     )
+
+
+def test_forked_workers_copying_a_dataset_of_dicts_are_named_in_the_first_epoch(
+    tmp_path: Path,
+) -> None:
+    callback = LeakCheckCallback(grace=0.5, on_leak="ignore", copy_tolerance="8MiB")
+    trainer(callback, tmp_path).fit(Tiny(DictRows()))
+    train, val = callback.report("train"), callback.report("val")
+    (found,) = [f for f in train.leaks if f.rule == "copy-on-read"]
+    assert found.epoch == 0 and found.message.startswith("2 forked workers of PID ")
+    assert "again in epochs 1-2" in found.message  # per-epoch workers: each epoch again
+    assert not [f for f in val.findings if f.rule == "copy-on-read"]  # validation: Pairs
 
 
 def test_loaders_and_strategy_get_their_own_back(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,47 @@ def test_teardown_record_reads_host_memory_and_unknowns() -> None:
     assert record.host_rss_peak_bytes is None
     # An older worker's record without them: unknown.
     assert mailbox.teardown_record({}, key).host_uss_bytes is None
+
+
+def test_worker_birth_reads_forked_and_the_dirty_figures_or_says_unknown() -> None:
+    forked, memory = mailbox.worker_birth(
+        {
+            "forked": True,
+            "host_uss_bytes": 9,
+            "host_rss_bytes": 210,
+            "host_shared_dirty_bytes": 200,
+            "host_private_dirty_bytes": 8,
+        }
+    )
+    assert forked is True and memory is not None
+    assert (memory.uss_bytes, memory.shared_dirty_bytes, memory.private_dirty_bytes) == (9, 200, 8)
+    # An older worker's record, a malformed field, a birth it could not read: unknown.
+    assert mailbox.worker_birth({}) == (None, None)
+    assert mailbox.worker_birth({"forked": "yes", "host_uss_bytes": 9}) == (None, None)
+    spawned = mailbox.worker_birth(
+        {"forked": False, "host_uss_bytes": 9, "host_shared_dirty_bytes": True,
+         "host_private_dirty_bytes": 8}
+    )  # fmt: skip
+    assert spawned == (False, None)
+
+
+def test_births_are_read_from_outside_only_from_the_roots_own_folders(tmp_path: Path) -> None:
+    from leakcheck.observe.hostmem import HostMemory
+
+    own = tmp_path / f"{mailbox.MAILBOX_PREFIX}{os.getpid()}-{_start_ticks(os.getpid())}-"
+    own = Path(f"{own}{_own_namespace()}-abc")
+    other = _dead_owners_folder(tmp_path, pid=os.getpid(), ticks=1)  # a former PID's folder
+    own.mkdir()
+    memory = HostMemory(9, None, 210, None, "smaps_rollup", shared_dirty_bytes=200,
+                        private_dirty_bytes=8)  # fmt: skip
+    worker, spawned = ProcessKey(4001, 1250), ProcessKey(4002, 1300)
+    assert mailbox.write_births(str(own), {worker: (True, memory), spawned: (False, None)})
+    assert mailbox.write_births(str(other), {ProcessKey(4003, 100): (True, memory)})
+    births = mailbox.read_births(os.getpid(), directory=str(tmp_path))
+    assert births == {
+        worker: (True, replace(memory, pss_bytes=None, swap_bytes=None)),
+        spawned: (False, None),
+    }
+    # Never a record: the tracker's reads skip it.
+    assert list(mailbox.read_new(str(own), set())) == []
+    assert mailbox.read_births(os.getpid(), directory=str(tmp_path / "nowhere")) == {}

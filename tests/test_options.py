@@ -16,6 +16,7 @@ from leakcheck.core.options import (
     OptionSpec,
     Resolved,
     apply_marker,
+    command_line_copy_tolerance,
     parse_bool,
     parse_interval_option,
     parse_mode,
@@ -35,7 +36,10 @@ def test_defaults_when_nothing_is_set() -> None:
         tolerance_bytes=16 * MIB,
         mode="fail",
         grace_s=1.0,
-        sources=dict.fromkeys(("enabled", "tolerance", "mode", "grace"), "default"),
+        copy_tolerance_bytes=64 * MIB,
+        sources=dict.fromkeys(
+            ("enabled", "tolerance", "mode", "grace", "copy_tolerance"), "default"
+        ),
     )
 
 
@@ -132,7 +136,7 @@ def test_mode_accepts_only_fail_and_warn() -> None:
 
 def test_every_spec_has_all_three_sources() -> None:
     names = [spec.name for spec in SPECS]
-    assert names == ["enabled", "tolerance", "mode", "grace"]
+    assert names == ["enabled", "tolerance", "mode", "grace", "copy_tolerance"]
     for spec in SPECS:
         assert spec.cli_flag is not None and spec.cli_flag.startswith("--gpu-leak-")
         assert spec.env_var is not None and spec.env_var.startswith("LEAKCHECK_")
@@ -153,6 +157,26 @@ def test_marker_overrides_and_records_its_source() -> None:
     assert options.enabled is True
     assert options.sources["tolerance"] == f"tolerance= of {WHERE}"
     assert options.sources["enabled"] == "--gpu-leak-check (command line)"
+
+
+def test_copy_tolerance_from_every_source_and_a_marker() -> None:
+    assert resolve_check_options({}, {}, {}).copy_tolerance_bytes == 64 * MIB
+    from_env = resolve_check_options({}, {"LEAKCHECK_COPY_TOLERANCE": "8MiB"}, {})
+    assert from_env.copy_tolerance_bytes == 8 * MIB
+    assert from_env.sources["copy_tolerance"] == "LEAKCHECK_COPY_TOLERANCE (environment)"
+    from_ini = resolve_check_options({}, {}, {"copy_tolerance": "1GiB"}, ini_path="setup.cfg")
+    assert from_ini.copy_tolerance_bytes == 1024 * MIB
+    with pytest.raises(UsageError, match=r"--gpu-leak-copy-tolerance \(command line\)"):
+        resolve_check_options({"copy_tolerance": "lots"}, {}, {})
+    marked = apply_marker(from_env, (), {"copy_tolerance": "2MiB"}, where=WHERE)
+    assert marked.copy_tolerance_bytes == 2 * MIB
+    assert marked.sources["copy_tolerance"] == f"copy_tolerance= of {WHERE}"
+    # A command's --copy-tolerance, then the environment.
+    env = {"LEAKCHECK_COPY_TOLERANCE": "8MiB"}
+    assert command_line_copy_tolerance(None, env) == 8 * MIB
+    assert command_line_copy_tolerance("32MiB", env) == 32 * MIB
+    with pytest.raises(UsageError, match=r"--copy-tolerance \(command line\)"):
+        command_line_copy_tolerance("", env)
 
 
 def test_a_marker_that_does_not_say_enabled_checks_its_test_unless_chosen_before() -> None:

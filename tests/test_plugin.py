@@ -1222,6 +1222,48 @@ def test_tracker_fixture_findings_are_judged_with_the_test(
     assert "GPULeakError" in off.stdout.str()
 
 
+def test_a_tracked_loader_whose_forked_workers_copy_its_dataset_fails_its_test(
+    inner: pytest.Pytester,
+) -> None:
+    inner.makepyfile(
+        test_loader="""
+        import pytest, torch
+        from torch.utils.data import DataLoader
+        import leakcheck
+
+        ROWS = [{"id": i, "weight": float(i)} for i in range(200_000)]
+
+        def read(index):
+            return torch.tensor([ROWS[index]["id"], ROWS[index]["weight"]])
+
+        def run(tracker):
+            loader = DataLoader(
+                range(len(ROWS)), batch_size=1024, shuffle=True, num_workers=2,
+                collate_fn=lambda indices: torch.stack([read(i) for i in indices]),
+                multiprocessing_context="fork", worker_init_fn=leakcheck.worker_init_fn(),
+            )
+            with tracker.epoch("one"):
+                for _batch in loader:
+                    pass
+
+        def test_copies(gpu_leak_tracker):
+            run(gpu_leak_tracker)
+
+        @pytest.mark.gpu_leak_check(copy_tolerance="1GiB")
+        def test_copies_within_its_tolerance(gpu_leak_tracker):
+            assert gpu_leak_tracker.config.copy_tolerance_bytes == 1 << 30
+            run(gpu_leak_tracker)
+        """
+    )
+    result = inner.runpytest_subprocess(
+        "--gpu-leak-check", "--gpu-leak-copy-tolerance=8MiB", "--gpu-leak-grace=0.5", *NO_CACHE
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "LEAK copy-on-read: 2 forked workers of PID " in out
+    assert "LEAKED test_loader.py::test_copies: 1 copy-on-read finding" in out
+
+
 STRANGER = """
 import os, sys, time
 fd = os.open("/dev/shm/" + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)

@@ -569,6 +569,47 @@ def test_the_tree_says_how_many_processes_only_the_loaders_saw() -> None:
     assert "(and 2 processes of the program that only the loaders' trackers saw" in text, text
 
 
+# A training loop with no leakcheck in it: 200k dicts, 2 persistent forked workers, 3 epochs.
+PLAIN_COPY_ON_READ = """
+import torch
+from torch.utils.data import DataLoader
+rows = [{"id": i, "label": i % 10, "weight": float(i)} for i in range(200_000)]
+def collate(indices):
+    return torch.tensor([[rows[i]["id"], rows[i]["label"], rows[i]["weight"]] for i in indices])
+loader = DataLoader(range(len(rows)), batch_size=512, shuffle=True, num_workers=2,
+                    persistent_workers=True, collate_fn=collate, multiprocessing_context="fork")
+for epoch in range(3):
+    for batch in loader:
+        pass
+"""
+
+
+def test_forked_workers_copying_a_dataset_of_dicts_fail_a_run_in_its_first_epoch(
+    private_tmp: Path, leftovers: list[dict[str, Any]]
+) -> None:
+    """The classic copy-on-read (copied in epoch 0, flat after), which the host-growth rule
+    cannot see, fails ``--fail-on-leak``; its tolerance comes from ``--copy-tolerance``."""
+    args = ("--", sys.executable, "-c", PLAIN_COPY_ON_READ)
+    run = leakcheck_run(
+        "--fail-on-leak", "--copy-tolerance", "16MiB", *args,
+        private_tmp=private_tmp, leftovers=leftovers,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert run.data is not None
+    (loader,) = [report for report in _reports(run.data) if report["epochs"]][:1]
+    copies = [f for f in loader["findings"] if f["rule"] == "copy-on-read"]
+    assert [(f["severity"], f["epoch"]) for f in copies] == [("leak", 0)], run.stderr
+    assert "2 forked workers of PID" in copies[0]["message"]
+    assert "LEAK copy-on-read" in run.stderr
+    assert loader["config"]["copy_tolerance_bytes"] == 16 * 2**20
+    # A tolerance above the copies: the same run is clean.
+    clean = leakcheck_run(
+        "--fail-on-leak", *args, private_tmp=private_tmp, leftovers=leftovers,
+        env=_env(private_tmp, LEAKCHECK_COPY_TOLERANCE="1GiB"),
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stderr
+
+
 def test_fail_on_leak_turns_a_successful_leaking_run_into_1(
     private_tmp: Path, leftovers: list[dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -731,6 +731,49 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
     assert "parent (USS; RSS where not read)" in names
 
 
+def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None:
+    """Forked workers' copies of the parent's memory: summed per row, hatched on the
+    workers' bar, and one worker's private memory beside what it still shares."""
+    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.report import build_report
+    from tests import timelines as tl
+
+    epochs = [
+        tl.epoch(i, [tl.parent(None, uss_mib=240), tl.copier(1001, 173), tl.copier(1002, 171)])
+        for i in range(2)
+    ] + [tl.epoch(2, [tl.parent(None, uss_mib=240), tl.copier(1003, None, forked=False)])]
+    report = build_report(tl.timeline(epochs, attribution="nvml-unavailable"), RuleConfig())
+    counts = epoch_counts(report.timeline, report.config.grace_s)
+    rows = tuple(epoch_row(rec, 2, report, None, counts[rec.index]) for rec in report.epochs)
+    assert [(r.workers_copied_bytes, r.workers_shared_bytes) for r in rows] == [
+        (344 * MIB, 56 * MIB), (344 * MIB, 56 * MIB), (None, None)
+    ]  # fmt: skip
+    data = json.loads(json.dumps(rows[0].to_dict()))
+    assert data["workers_copied_bytes"] == 344 * MIB
+    pytest.importorskip("matplotlib")
+    import math
+
+    from leakcheck.judge.plot import render
+
+    result = SweepResult(
+        options=SweepOptions(workers=(2,), epochs=3),
+        loader="synthetic",
+        configs=(ConfigResult(num_workers=2, persistent_workers=True, rows=rows, report=report),),
+        gpu_available=False,
+        gpu_reason="no GPU here",
+    )
+    host = next(a for a in render(result).axes if a.get_ylabel().startswith("host"))
+    _parent, workers, copied = host.containers
+    assert [p.get_height() for p in copied.patches] == pytest.approx([344, 344, 0])
+    assert [p.get_y() for p in copied.patches] == pytest.approx([240, 240, 240])  # on the parent
+    assert all(c.get_height() <= w.get_height() for c, w in zip(copied, workers, strict=True))
+    private = [float(v) for v in _line(host, "one worker: private").get_ydata()]
+    shared = [float(v) for v in _line(host, "one worker: still shared").get_ydata()]
+    assert private[:2] == pytest.approx([181, 181]) and shared[:2] == pytest.approx([28, 28])
+    assert math.isnan(private[2]) and math.isnan(shared[2])  # spawned: nothing to tell
+
+
 def test_progress_lines_say_gpu_memory_is_unknown_where_it_was_not_read() -> None:
     """Each epoch's progress line gives the parent's and workers' GPU MiB only where NVML
     read them per process: otherwise n/a, as the table says, never 0 (NO_GPU: not read)."""

@@ -23,6 +23,7 @@ from tests.timelines import (
     BOOT_UNIX_S,
     ROOT_PID,
     clean_timeline,
+    copier,
     device,
     epoch,
     final_state,
@@ -703,6 +704,7 @@ def test_rules_registry_names_every_rule() -> None:
         "tracker-failure",
         "host-growth",
         "device-mismatch",
+        "copy-on-read",
     }
 
 
@@ -954,3 +956,124 @@ def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
     )
     assert "host memory (RssAnon) grows 40 MiB/epoch" in found.message
     assert "resident memory counts the pages it shares" in found.message
+
+
+# --------------------------------------------------------------------------- copy-on-read
+
+
+def copy_findings(tl: Timeline, **config: Any) -> list[Finding]:
+    return [f for f in verdict.judge(tl, RuleConfig(**config)) if f.rule == "copy-on-read"]
+
+
+def test_persistent_workers_that_copied_in_epoch_0_are_found_there_though_flat_after() -> None:
+    # The classic shape: 195 MiB copied by 3.2 s into epoch 0, not a byte more afterwards.
+    epochs = [
+        epoch(i, [parent(uss_mib=110), copier(2001, 195, over_after_s=3.2 if i == 0 else 0.0),
+                  copier(2002, 195, over_after_s=3.2 if i == 0 else 0.0)])
+        for i in range(4)
+    ]  # fmt: skip
+    tl = timeline(epochs, attribution="nvml-unavailable")
+    (found,) = copy_findings(tl)
+    assert found.severity == "leak" and found.epoch == 0 and found.role == "worker"
+    assert found.message == (
+        f"2 forked workers of PID {ROOT_PID} each copied 195 MiB of their parent's memory "
+        "(390 MiB in all), 3.2 s into epoch 0"
+    )
+    assert found.host_bytes == mib(390)
+    assert "numpy" in found.remedy and "gc.freeze()" in found.remedy
+    assert len(found.message) <= 160 and len(found.remedy) <= 120
+    # The host-growth rule sees nothing to judge here: the USS is flat from epoch 0 on.
+    assert host_findings(tl) == []
+    assert verdict_of(tl) == "leak"
+
+
+def test_per_epoch_workers_are_found_with_the_copy_repeating_every_epoch() -> None:
+    epochs = [
+        epoch(i, [parent(uss_mib=110),
+                  copier(3000 + 2 * i, 195, persistent=False, alive=False, over_after_s=1.5),
+                  copier(3001 + 2 * i, 190, persistent=False, alive=False, over_after_s=1.7)])
+        for i in range(4)
+    ]  # fmt: skip
+    (found,) = copy_findings(timeline(epochs, attribution="nvml-unavailable"))
+    assert found.epoch == 0
+    assert found.message == (
+        f"2 forked workers of PID {ROOT_PID} each copied 192 MiB of their parent's memory "
+        "(385 MiB in all), 1.5 s into epoch 0 and again in epochs 1-3"
+    )
+    assert found.host_bytes == mib(385)  # one epoch's workers, not the run's
+    assert len(found.message) <= 160
+    # One epoch's per-epoch workers: the finding still says the copy comes back.
+    (one,) = copy_findings(timeline(epochs[:1], attribution="nvml-unavailable"))
+    assert "again each epoch" in one.message
+
+
+def test_copies_within_the_tolerance_and_unknown_ones_are_not_findings() -> None:
+    # Workers reading numpy arrays, a tensor, an mmap'd file copy a few MiB: the
+    # interpreter's own objects. Workers without a birth report have no copy figure.
+    tl = timeline(
+        [epoch(i, [parent(), copier(2001, 3), copier(2002, None), copier(2003, 500, forked=None)])
+         for i in range(3)],
+        attribution="nvml-unavailable",
+    )  # fmt: skip
+    assert copy_findings(tl) == []
+    # The tolerance is the copy tolerance, not the GPU's nor the host-growth rule's.
+    (found,) = copy_findings(tl, copy_tolerance_bytes=mib(2))
+    assert found.message.startswith(f"1 forked worker of PID {ROOT_PID} copied 3.0 MiB")
+    assert copy_findings(tl, tolerance_bytes=mib(1), host_tolerance_bytes=mib(1)) == []
+
+
+def test_a_worker_is_named_in_the_epoch_its_copy_first_exceeded_the_tolerance() -> None:
+    # It copies 40 MiB in epoch 0, then 100 MiB by epoch 2 (a grower): found in epoch 1.
+    copies = [(40, None), (80, 7.5), (100, 0.0)]
+    epochs = [
+        epoch(i, [parent(), copier(2001, copied, over_after_s=over)])
+        for i, (copied, over) in enumerate(copies)
+    ]
+    (found,) = copy_findings(timeline(epochs, attribution="nvml-unavailable"))
+    assert found.epoch == 1 and "copied 100 MiB" in found.message
+    assert found.message.endswith("7.5 s into epoch 1")
+
+
+def test_workers_of_each_loader_are_judged_apart() -> None:
+    tl = timeline(
+        [epoch(0, [parent(), copier(2001, 195, ppid=ROOT_PID), copier(2101, 80, ppid=2100),
+                   copier(2201, 10, ppid=2200)])],
+        attribution="nvml-unavailable",
+    )  # fmt: skip
+    found = copy_findings(tl)
+    assert [f.pid for f in found] == [2001, 2101]
+    assert "of PID 2100 copied 80 MiB" in found[1].message
+    assert found[1].message.endswith("in epoch 0")  # no reading said when
+
+
+def test_spawned_workers_say_copy_on_read_cannot_be_told_never_a_copy_leak() -> None:
+    tl = timeline(
+        [epoch(i, [parent(), copier(2001, None, forked=False, uss_mib=177),
+                   copier(2002, None, forked=False, uss_mib=179)]) for i in range(3)],
+        attribution="nvml-unavailable",
+    )  # fmt: skip
+    (found,) = copy_findings(tl, copy_tolerance_bytes=1)
+    assert found.severity == "info"
+    assert found.message == (
+        "copy-on-read cannot be told for 2 workers started by spawn or forkserver: they share "
+        "no memory with the training process; each holds 178 MiB of its own"
+    )
+    # Their USS unread (a warm-up end): what they held at birth.
+    births = [replace(p, host_source="rss") for p in tl.epochs[0].processes]
+    (at_birth,) = copy_findings(timeline([epoch(0, births)], attribution="nvml-unavailable"))
+    assert at_birth.message.endswith("each holds 9.0 MiB of its own")
+    assert len(found.message) <= 160 and len(found.remedy) <= 120
+    assert verdict_of(tl) == "clean"
+
+
+def test_a_report_in_the_middle_of_an_epoch_names_it_and_the_time_into_it() -> None:
+    done = [epoch(0, [parent(), copier(2001, 20)])]
+    final = final_state(
+        [parent(), copier(2001, 150, over_after_s=41.0)], after_last_epoch=done, open_epoch=1
+    )
+    (found,) = copy_findings(timeline(done, final=final, attribution="nvml-unavailable"))
+    assert found.epoch == 1 and found.message.endswith("copied 150 MiB of its parent's "
+                                                       "memory, 41.0 s into epoch 1")
+    # Once closed, the final state is not an epoch: its readings are the epochs' already.
+    closed = replace(final, open_epoch=None, closed=True)
+    assert copy_findings(timeline(done, final=closed, attribution="nvml-unavailable")) == []

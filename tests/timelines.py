@@ -7,6 +7,7 @@ tracker's clock, epochs one ``duration_s`` long and back to back from 0.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from leakcheck.core.model import (
     MIB,
@@ -91,6 +92,38 @@ def proc(
     )
 
 
+def copier(
+    pid: int,
+    copied_mib: float | None,
+    *,
+    forked: bool | None = True,
+    persistent: bool = True,
+    over_after_s: float | None = None,
+    uss_mib: float | None = None,
+    ppid: int | None = None,
+    alive: bool = True,
+) -> ProcessEpoch:
+    """A loader's worker with its copy of the parent's memory (NOTE [copy on read]).
+
+    Born with 9 MiB private and 200 MiB shared; ``copied_mib`` moved from shared to private
+    (None: no copy known); ``uss_mib`` defaults to what that makes.
+    """
+    copied = mib(copied_mib) if copied_mib is not None else None
+    if uss_mib is None:
+        uss_mib = 9 + (copied_mib or 0)
+    base = proc(pid, persistent=persistent, uss_mib=uss_mib, ppid=ppid, alive=alive)
+    return replace(
+        base,
+        forked=forked,
+        private_bytes_birth=mib(9),
+        shared_bytes_birth=mib(200) if forked else 0,
+        shared_bytes_end=mib(200 - (copied_mib or 0)) if forked else 0,
+        copied_bytes_end=copied,
+        copied_bytes_peak=copied,
+        copied_over_after_s=over_after_s,
+    )
+
+
 def parent(
     gpu_mib: float | Mapping[int, float] | None = 600,
     *,
@@ -164,14 +197,20 @@ def final_state(
     after_last_epoch: Sequence[EpochRecord] = (),
     wait_s: float = 2.5,
     parent_allocated_gpu_bytes: int | None = None,
+    open_epoch: int | None = None,
 ) -> FinalState:
-    """The state ``wait_s`` after the last of ``after_last_epoch`` ended (or at ``wait_s``)."""
+    """The state ``wait_s`` after the last of ``after_last_epoch`` ended (or at ``wait_s``).
+
+    ``open_epoch``: the epoch open when it was read (a report in its middle).
+    """
     end_s = max((rec.end_s for rec in after_last_epoch), default=0.0)
     return FinalState(
         time_s=end_s + wait_s,
         devices=tuple(devices),
         processes=tuple(processes),
         parent_allocated_gpu_bytes=parent_allocated_gpu_bytes,
+        closed=open_epoch is None,
+        open_epoch=open_epoch,
     )
 
 

@@ -359,6 +359,7 @@ def watch(
     teardown: bool = True,
     interval: float | str = 0.05,
     rollup_share: float | None = None,
+    copy_tolerance: str | int = "64MiB",
 ) -> WatchedLoader[T]:
     """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
 
@@ -389,6 +390,9 @@ def watch(
             may take (``Tracker``'s); 1.0 reads USS, which shows copy-on-read where RSS does
             not, at every epoch end: for epochs of seconds, where the default 0.1% reads it
             only every few epochs and the host-growth rule falls back to resident memory.
+        copy_tolerance: What each forked worker may copy of the parent's memory before the
+            copy-on-read rule calls it a leak (``"64MiB"``, or bytes): a dataset of Python
+            objects is copied into every worker that reads it.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.
@@ -408,5 +412,6 @@ def watch(
         warmup_epochs=warmup_epochs,
         grace=grace,
         persistent_workers=bool(getattr(loader, "persistent_workers", False)),
+        copy_tolerance=copy_tolerance,
     )
     return WatchedLoader(loader, tracker=tracker, on_leak=on_leak, teardown=teardown)

@@ -205,6 +205,8 @@ class LeakCheckCallback(_CallbackBase):
         interval: Seconds between background samples.
         rollup_share: Share of the time the USS reads of the parent and persistent workers
             may take (``watch()``'s).
+        copy_tolerance: What each forked worker may copy of the parent's memory before the
+            copy-on-read rule calls it a leak (``watch()``'s).
 
     Raises:
         UsageError: A bad argument; the message names it and what was expected.
@@ -221,6 +223,7 @@ class LeakCheckCallback(_CallbackBase):
         teardown: bool = True,
         interval: float | str = 0.05,
         rollup_share: float | None = None,
+        copy_tolerance: str | int = "64MiB",
     ) -> None:
         super().__init__()
         self._on_leak = check_on_leak(on_leak)
@@ -231,6 +234,7 @@ class LeakCheckCallback(_CallbackBase):
             "grace": grace,
             "interval": interval,
             "rollup_share": rollup_share,
+            "copy_tolerance": copy_tolerance,
         }
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}

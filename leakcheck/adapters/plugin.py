@@ -50,6 +50,7 @@ import pytest
 
 from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.core.options import (
+    COPY_TOLERANCE,
     ENABLED,
     GRACE,
     MODE,
@@ -95,6 +96,7 @@ _DESTS = {
     "tolerance": "gpu_leak_tolerance",
     "mode": "gpu_leak_mode",
     "grace": "gpu_leak_grace",
+    "copy_tolerance": "gpu_leak_copy_tolerance",
 }
 _WARN_DEST = "gpu_leak_warn"
 
@@ -154,6 +156,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help=f"{GRACE.help} (env {GRACE.env_var}, ini {GRACE.ini_key})",
     )
+    group.addoption(
+        COPY_TOLERANCE.cli_flag or "--gpu-leak-copy-tolerance",
+        metavar="SIZE",
+        dest=_DESTS["copy_tolerance"],
+        default=None,
+        help=f"{COPY_TOLERANCE.help} (env {COPY_TOLERANCE.env_var}, ini "
+        f"{COPY_TOLERANCE.ini_key})",
+    )
     for spec in SPECS:
         if spec.ini_key is not None:
             parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
@@ -197,6 +207,7 @@ def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[Check
         resolve(TOLERANCE, cli=cli["tolerance"])
         resolve_mode_flags(cli["mode"], cli["warn"])
         resolve(GRACE, cli=cli["grace"])
+        resolve(COPY_TOLERANCE, cli=cli["copy_tolerance"])
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     return CheckOptions(enabled=False, sources={"enabled": enabled.source}), False
@@ -218,7 +229,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register the marker, resolve the options, and activate the check if asked."""
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(enabled=True, tolerance='16MiB', mode='fail', grace=1.0): check this test "
+        f"{MARKER}(enabled=True, tolerance='16MiB', mode='fail', grace=1.0, "
+        "copy_tolerance='64MiB'): check this test "
         "for processes, /dev/shm files and GPU memory it leaves behind, or not "
         "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
     )
@@ -297,7 +309,11 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
 
     item = request.node
     options = _options_for(item)
-    tracker = Tracker(tolerance=options.tolerance_bytes, grace=options.grace_s)
+    tracker = Tracker(
+        tolerance=options.tolerance_bytes,
+        grace=options.grace_s,
+        copy_tolerance=options.copy_tolerance_bytes,
+    )
     tracker.start()
     window = item.stash.get(WINDOW_KEY, None)
     if window is not None:
@@ -421,7 +437,10 @@ def judge_test(
         tolerance_bytes=options.tolerance_bytes,
     )
     config = RuleConfig(
-        tolerance_bytes=options.tolerance_bytes, grace_s=options.grace_s, warmup_epochs=0
+        tolerance_bytes=options.tolerance_bytes,
+        grace_s=options.grace_s,
+        warmup_epochs=0,
+        copy_tolerance_bytes=options.copy_tolerance_bytes,
     )
     # "Attribution is blind" is said once, in the session summary, not for every test.
     findings = [f for f in judge(timeline, config) if f.rule != "blind"]

@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="clean (default); persistent-cache: persistent workers keep 64 MiB of GPU memory "
         "per epoch alive (a GPU leak: without a GPU nothing grows); "
         "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
-        "persistent forked workers read a dataset of Python objects, and each copies 40 MiB "
-        "more of it into its own host memory per epoch",
+        "persistent forked workers read a dataset of 128 MiB of Python objects, and each "
+        "copies it into its own host memory in epoch 0; copy-on-read-growing: each copies "
+        "40 MiB more of such a dataset per epoch",
     )
     builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
@@ -149,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
+    )
+    judge.add_argument(
+        "--copy-tolerance",
+        default=None,
+        metavar="SIZE",
+        help="what each forked worker may copy of its parent's memory (copy-on-read; "
+        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
     )
     judge.add_argument(
         "--grace",
@@ -504,6 +512,9 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         tolerance_bytes=tolerance_bytes,
         grace_s=grace_s,
         teardown=not args.no_teardown,
+        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
+            args.copy_tolerance, os.environ
+        ),
     )
     return SweepPlan(
         options=options,

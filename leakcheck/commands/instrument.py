@@ -110,6 +110,8 @@ class ShimOptions:
         teardown: Install the teardown policy in the workers (``--teardown``).
         devices: Device indices to watch (None: all).
         rollup_share: Share of time the trackers' USS reads may take (None: the default).
+        copy_tolerance_bytes: What each forked worker may copy of its parent's memory
+            (the copy-on-read rule).
 
     """
 
@@ -119,6 +121,7 @@ class ShimOptions:
     teardown: bool = False
     devices: tuple[int, ...] | None = None
     rollup_share: float | None = None
+    copy_tolerance_bytes: int = 64 * MIB
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -138,6 +141,9 @@ class ShimOptions:
             teardown=_typed(data, "teardown", bool, defaults.teardown),
             devices=tuple(int(d) for d in devices) if isinstance(devices, list) else None,
             rollup_share=_share(data.get("rollup_share")),
+            copy_tolerance_bytes=_typed(
+                data, "copy_tolerance_bytes", int, defaults.copy_tolerance_bytes
+            ),
         )
 
 
@@ -379,6 +385,7 @@ class _Run:
             devices=list(options.devices) if options.devices is not None else None,
             persistent_workers=bool(getattr(loader, "persistent_workers", False)),
             rollup_share=options.rollup_share,
+            copy_tolerance=options.copy_tolerance_bytes,
         )
         tracker.start()
         base = self.label(where)

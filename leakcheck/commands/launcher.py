@@ -128,6 +128,8 @@ class RunOptions:
         device_index: The one device to watch (None: all).
         rollup_share: Share of time the loaders' trackers may spend on USS reads (None:
             ``Tracker``'s default).
+        copy_tolerance_bytes: What each forked worker may copy of its parent's memory
+            (the copy-on-read rule).
 
     """
 
@@ -137,6 +139,7 @@ class RunOptions:
     teardown: bool = False
     device_index: int | None = None
     rollup_share: float | None = None
+    copy_tolerance_bytes: int = 64 * MIB
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -151,6 +154,7 @@ class RunOptions:
             teardown=self.teardown,
             devices=None if self.device_index is None else (self.device_index,),
             rollup_share=self.rollup_share,
+            copy_tolerance_bytes=self.copy_tolerance_bytes,
         )
 
 
@@ -571,6 +575,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                     grace=options.grace_s,
                     devices=None if options.device_index is None else [options.device_index],
                     session_tag=(RUN_ENV, folder),
+                    copy_tolerance=options.copy_tolerance_bytes,
                 )
                 tracker.begin_epoch("program")
             except LeakCheckError as error:

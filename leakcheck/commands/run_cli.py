@@ -61,6 +61,13 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
     )
     run.add_argument(
+        "--copy-tolerance",
+        default=None,
+        metavar="SIZE",
+        help="what each forked loader worker may copy of its parent's memory (copy-on-read; "
+        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
+    )
+    run.add_argument(
         "--grace",
         default=None,
         metavar="SECONDS",
@@ -165,6 +172,9 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
             rollup_share=None
             if args.rollup_share is None
             else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
+            copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
+                args.copy_tolerance, os.environ
+            ),
         ),
         json_path=check_output_path(args.json, "--json"),
         fail_on_leak=bool(args.fail_on_leak),

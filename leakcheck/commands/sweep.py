@@ -91,7 +91,9 @@ null when any worker's peak is unknown (``workers_peak_unknown``, new, with
 policy released (``teardown.reported``, new: every worker that reported at exit).
 3: host memory per row (``parent_host_bytes``, ``workers_host_bytes``, ``host_source``) and
 the job's ``/dev/shm`` bytes (``shm_bytes``); the table has three more columns; the options
-carry ``rollup_share``."""
+carry ``rollup_share``. Since added, with defaults (no bump): the rows' forked workers' shared
+and copied bytes (``workers_shared_bytes``, ``workers_copied_bytes``), the options'
+``copy_tolerance_bytes``."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -162,6 +164,8 @@ class SweepOptions:
             option). A sweep reads them at every epoch end (1.0): it runs a loader only to
             measure it, its epochs are short, and its rows and plot should say USS
             throughout; what that cost is in each configuration's tracker cost line.
+        copy_tolerance_bytes: What each forked worker may copy of the parent's memory (the
+            copy-on-read rule).
 
     """
 
@@ -178,6 +182,7 @@ class SweepOptions:
     cleanup: bool = True
     teardown: bool = True
     rollup_share: float = 1.0
+    copy_tolerance_bytes: int = 64 * MIB
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -220,6 +225,11 @@ class EpochRow:
             is unknown (``?``, never 0).
         host_source: ``uss`` or ``rss`` when every host figure of the row is that,
             ``uss+rss`` when both are; None: none known.
+        workers_shared_bytes: The forked workers' memory still shared with the parent
+            (``Shared_Dirty``), summed, at the reading ``workers_copied_bytes`` is from;
+            None where no worker's is known (spawn workers, or not read).
+        workers_copied_bytes: What the forked workers copied of the parent's memory since
+            they started, summed (NOTE [copy on read] in hostmem.py); None likewise.
         shm_bytes: The job's files in ``/dev/shm`` at the end of the epoch.
         device_used_bytes: Device memory used at the end of the epoch.
         device_total_bytes: Device memory size.
@@ -249,6 +259,8 @@ class EpochRow:
     parent_host_bytes: int | None = None
     workers_host_bytes: int | None = None
     host_source: str | None = None
+    workers_shared_bytes: int | None = None
+    workers_copied_bytes: int | None = None
     shm_bytes: int | None = None
     device_used_bytes: int | None = None
     device_total_bytes: int | None = None
@@ -567,6 +579,7 @@ def _run_config(
         rollup_share=options.rollup_share,
         # Each row's orphan count is its epoch end's, however short the epochs.
         scan_at_epoch_end=True,
+        copy_tolerance=options.copy_tolerance_bytes,
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
@@ -769,6 +782,7 @@ def epoch_row(
     if peak is not None:
         peak = max(peak, sum(worker_end))  # peak >= end per process, so the sums keep it
     host = host_totals(processes)
+    copied = [p for p in workers if p.copied_bytes_end is not None]
     return EpochRow(
         num_workers=num_workers,
         epoch=record.index,
@@ -789,6 +803,8 @@ def epoch_row(
         parent_host_bytes=host.parent_bytes,
         workers_host_bytes=host.workers_bytes,
         host_source=host.source,
+        workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
+        workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
         shm_bytes=record.shm_bytes,
         device_used_bytes=None if device is None else device.used_bytes,
         device_total_bytes=None if device is None else device.total_bytes,

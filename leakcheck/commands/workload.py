@@ -12,14 +12,22 @@ Scenarios (``--scenario``):
   GPU), so each worker grows by that much per epoch; with 0 workers the parent caches.
 - ``orphan``: each worker starts a grandchild (a ``python -c`` process that holds GPU memory
   when it can and sleeps, for at most two minutes) that outlives the loader.
-- ``copy-on-read``: persistent workers, forked (where the platform can), over a dataset that
-  also holds Python objects (NOTE [copy-on-read scenario]): each worker's private host memory
-  (USS) grows by ``cor_bytes_per_epoch`` per epoch, while its RSS stays flat.
+- ``copy-on-read``: the classic (pytorch/pytorch#13246): persistent workers, forked (where the
+  platform can), over a dataset that also holds ``cor_bytes`` of Python objects, built once in
+  the parent and read whole by every worker in every epoch: each copies it in epoch 0 and
+  stays flat after (NOTE [copy-on-read scenario]).
+- ``copy-on-read-growing``: the same workers reading a new region of the objects each epoch:
+  each worker's private host memory (USS) grows by ``cor_bytes_per_epoch`` per epoch, while
+  its RSS stays flat.
 
-NOTE [copy-on-read scenario]: the dataset holds ``cor_regions`` regions of Python ints in
-lists, built in the parent before the workers fork, so that the workers share their pages.
-In epoch ``e`` each worker reads region ``e`` (modulo ``cor_regions``) once, which writes the
-reference count of every object it visits: the kernel copies each page into that worker.
+NOTE [copy-on-read scenario]: the dataset holds Python ints in lists, built in the parent
+before the workers fork, so that the workers share their pages. Reading an object writes its
+reference count: the kernel copies each page a worker visits into that worker. In the classic
+scenario each worker reads all ``cor_bytes`` of them in every epoch: the first read copies
+them, the later ones find them copied already, so its copy is flat from epoch 0 on (the
+copy-on-read rule's shape, which no growth rule sees). In the growing one, the objects are
+``cor_regions`` regions, and in epoch ``e`` each worker reads region ``e`` (modulo
+``cor_regions``) once.
 It reads it at its first batch of the epoch's last round (a batch index among the last
 ``num_workers``), not its first: the copies are made by the time the epoch ends, and the
 next epoch's first batches, prefetched as soon as it begins, copy nothing, so a read of the
@@ -54,8 +62,15 @@ from typing import Any, Literal
 
 from leakcheck.core.model import MIB
 
-Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read"]
-SCENARIOS: tuple[Scenario, ...] = ("clean", "persistent-cache", "orphan", "copy-on-read")
+Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing"]
+SCENARIOS: tuple[Scenario, ...] = (
+    "clean",
+    "persistent-cache",
+    "orphan",
+    "copy-on-read",
+    "copy-on-read-growing",
+)
+COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
 START_METHODS: tuple[str, ...] = ("spawn", "fork", "forkserver")
 
 ORPHAN_READY = "leakcheck-orphan-ready"
@@ -110,10 +125,12 @@ class WorkloadSpec:
         cache_bytes_per_epoch: What a ``persistent-cache`` process keeps per epoch.
         orphan_bytes: What an ``orphan`` grandchild holds on the GPU.
         orphan_lifetime_s: Hard cap on an orphan's life.
-        cor_bytes_per_epoch: Python objects a ``copy-on-read`` worker reads per epoch (about
-            what it copies).
-        cor_regions: Regions of objects the ``copy-on-read`` dataset holds (one per epoch).
-        cor_epoch_s: About how long a ``copy-on-read`` epoch lasts (its batches wait).
+        cor_bytes: Python objects the ``copy-on-read`` dataset holds, each worker's copy.
+        cor_bytes_per_epoch: Python objects a ``copy-on-read-growing`` worker reads per epoch
+            (about what it copies).
+        cor_regions: Regions of objects the ``copy-on-read-growing`` dataset holds (one per
+            epoch).
+        cor_epoch_s: About how long a copy-on-read epoch lasts (its batches wait).
 
     """
 
@@ -128,6 +145,7 @@ class WorkloadSpec:
     cache_bytes_per_epoch: int = 64 * MIB
     orphan_bytes: int = 256 * MIB
     orphan_lifetime_s: float = 120.0
+    cor_bytes: int = 128 * MIB
     cor_bytes_per_epoch: int = 40 * MIB
     cor_regions: int = 8
     cor_epoch_s: float = 0.5
@@ -135,7 +153,7 @@ class WorkloadSpec:
     @property
     def persistent_workers(self) -> bool:
         """Whether workers live across epochs (the cache and copy-on-read scenarios need it)."""
-        return self.persistent or self.scenario in ("persistent-cache", "copy-on-read")
+        return self.persistent or self.scenario in ("persistent-cache", *COPY_ON_READ)
 
     @property
     def effective_start_method(self) -> str:
@@ -144,7 +162,7 @@ class WorkloadSpec:
         A spawned worker unpickles its own copy of the dataset: nothing shared, nothing
         copied on read.
         """
-        if self.scenario == "copy-on-read" and "fork" in multiprocessing.get_all_start_methods():
+        if self.scenario in COPY_ON_READ and "fork" in multiprocessing.get_all_start_methods():
             return "fork"
         return self.start_method
 
@@ -182,6 +200,8 @@ class SyntheticDataset:
         self._orphan_started = False
         self._objects: list[list[list[int]]] = []
         if spec.scenario == "copy-on-read":
+            self._objects = python_objects(spec.cor_bytes, 1)
+        elif spec.scenario == "copy-on-read-growing":
             self._objects = python_objects(spec.cor_bytes_per_epoch, spec.cor_regions)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -219,7 +239,12 @@ class SyntheticDataset:
             start_orphan(self.spec, use_cuda=device.type == "cuda")
         if self._objects:
             workers = _worker_count()
-            if epoch not in self._cached_epochs and batch >= self.spec.batches - workers:
+            if epoch in self._cached_epochs:
+                pass
+            elif self.spec.scenario == "copy-on-read":
+                self._cached_epochs.add(epoch)  # read whole at its first batch of each epoch
+                _read_objects(self._objects[0])
+            elif batch >= self.spec.batches - workers:
                 self._cached_epochs.add(epoch)
                 _read_objects(self._objects[epoch % len(self._objects)])
             time.sleep(self.spec.cor_epoch_s * workers / self.spec.batches)
@@ -367,6 +392,8 @@ def describe(spec: WorkloadSpec) -> str:
         "persistent workers" if spec.persistent_workers else "workers per epoch",
     ]
     if spec.scenario == "copy-on-read":
+        parts.append(f"{spec.cor_bytes // MIB} MiB of Python objects read whole every epoch")
+    elif spec.scenario == "copy-on-read-growing":
         parts.append(
             f"{spec.cor_regions} x {spec.cor_bytes_per_epoch // MIB} MiB of Python objects, "
             f"one region read per worker and epoch"

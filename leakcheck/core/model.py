@@ -34,6 +34,7 @@ Rule = Literal[
     "shm",
     "host-growth",
     "device-mismatch",
+    "copy-on-read",
 ]
 Severity = Literal["leak", "info"]
 
@@ -125,6 +126,22 @@ class ProcessEpoch:
         born_epoch: The index of the epoch its create time falls in, which can be earlier
             than the first epoch that saw it (a helper found after its worker exited);
             None when it was born outside every epoch, or where not known.
+        forked: A loader's worker started by fork, sharing its parent's memory at birth
+            (False: spawn or forkserver, where copy-on-read cannot be told); None where the
+            worker did not report its birth (not a worker, or no ``worker_init_fn`` of
+            leakcheck's ran in it).
+        private_bytes_birth: Its USS as it started (its birth report); None: not reported.
+        shared_bytes_birth: Its ``Shared_Dirty`` as it started: the written pages it shared
+            with its parent then (NOTE [copy on read] in hostmem.py).
+        shared_bytes_end: Its ``Shared_Dirty`` at the reading ``copied_bytes_end`` is from.
+        copied_bytes_end: The bytes of its parent's memory it had copied since its birth
+            (NOTE [copy on read]) at the last reading of the epoch: the end's smaps_rollup
+            read, or its report at exit. None where not known (no birth report, no such read,
+            or not forked).
+        copied_bytes_peak: The most any reading of the epoch showed copied: in-epoch reads
+            (NOTE [host pacing] in pacing.py), the end's, the exit report's.
+        copied_over_after_s: Seconds into the epoch of the first reading that showed more
+            copied than the copy tolerance; None where none did.
 
     """
 
@@ -153,6 +170,13 @@ class ProcessEpoch:
     rank: int | None = None
     rank_device: int | None = None
     born_epoch: int | None = None
+    forked: bool | None = None
+    private_bytes_birth: int | None = None
+    shared_bytes_birth: int | None = None
+    shared_bytes_end: int | None = None
+    copied_bytes_end: int | None = None
+    copied_bytes_peak: int | None = None
+    copied_over_after_s: float | None = None
 
     @property
     def total_gpu_bytes_end(self) -> int:
@@ -239,6 +263,9 @@ class TeardownRecord:
         host_pss_bytes: Its PSS then; None: unknown.
         host_rss_bytes: Its RSS then; None: unknown.
         host_rss_peak_bytes: Its highest RSS over its life (``VmHWM``); None: unknown.
+        host_shared_dirty_bytes: Its ``Shared_Dirty`` then (NOTE [copy on read] in
+            hostmem.py); None: unknown.
+        host_private_dirty_bytes: Its ``Private_Dirty`` then; None: unknown.
 
     """
 
@@ -261,6 +288,8 @@ class TeardownRecord:
     host_pss_bytes: int | None = None
     host_rss_bytes: int | None = None
     host_rss_peak_bytes: int | None = None
+    host_shared_dirty_bytes: int | None = None
+    host_private_dirty_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -288,7 +317,8 @@ class TrackerCost:
             in NVML rather than in leakcheck's own Python.
         host_read_cpu_s: CPU seconds the sampler thread spent on the host-memory reads
             after epoch ends (USS and PSS of the parent and persistent workers: a page-table
-            walk per process), with filing their results in the epoch's record. Part of
+            walk per process) and inside epochs (forked workers' copies: NOTE [host pacing]),
+            with filing their results in the epoch's record. Part of
             ``sampler_cpu_s``. A tracker's first epoch end always reads; later ones are paced
             (NOTE [host pacing] in sampling/pacing.py), so a short-lived tracker pays more of
             it for its time than a long one.
@@ -331,6 +361,10 @@ class FinalState:
     """Processes alive now whose survival is not decided yet: born in an epoch that ended,
     and not yet seen more than the grace after its end (a report before ``close()``; empty
     once closed)."""
+    open_epoch: int | None = None
+    """The epoch open when this state was read (a report in the middle of one): the copy
+    fields of its processes (``ProcessEpoch.copied_bytes_peak`` and the rest) are that
+    epoch's so far. None: no epoch was open."""
 
 
 @dataclass(frozen=True)
@@ -444,7 +478,9 @@ class Finding:
         scope: What started the culprit when not the work itself (a fixture scope).
         shm_name: For shm: the file name in ``/dev/shm``.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
-        host_bytes: For host-growth: the rise of host memory over the judged epochs.
+        host_bytes: For host-growth: the rise of host memory over the judged epochs; for
+            copy-on-read: what the loader's workers copied of their parent's memory, in all
+            (one epoch's workers, for workers started each epoch).
         rank: The distributed rank of the culprit, where known.
 
     """
@@ -494,6 +530,13 @@ class RuleConfig:
         shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size during
             an epoch is capacity pressure (the shm rule): workers die of a bus error when
             it is full, and a peak sampled a few times a second undershoots the true one.
+        copy_tolerance_bytes: What a forked worker may copy of its parent's memory (the
+            copy-on-read rule, NOTE [copy on read] in hostmem.py). Whatever the dataset, the
+            interpreter's objects a worker touches (modules, functions) copy a few MiB, and
+            a full garbage collection in it, which writes the header of every object it
+            inherited, copies their pages (36 MiB with torch imported, measured: what
+            ``gc.freeze()`` in the parent avoids); a dataset of Python objects copies tens
+            to hundreds of MiB per worker.
 
     """
 
@@ -503,3 +546,4 @@ class RuleConfig:
     high_clock_fraction: float = 0.8
     host_tolerance_bytes: int = 64 * MIB
     shm_pressure_fraction: float = 0.8
+    copy_tolerance_bytes: int = 64 * MIB

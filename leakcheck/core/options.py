@@ -257,6 +257,16 @@ MODE = OptionSpec[Mode](
     env_var="LEAKCHECK_MODE",
     ini_key="gpu_leak_mode",
 )
+COPY_TOLERANCE = OptionSpec[int](
+    name="copy_tolerance",
+    parse=parse_size_option,
+    default=64 * 1024 * 1024,
+    help="host memory each forked loader worker may copy of its parent's (copy-on-read; "
+    "default 64MiB)",
+    cli_flag="--gpu-leak-copy-tolerance",
+    env_var="LEAKCHECK_COPY_TOLERANCE",
+    ini_key="gpu_leak_copy_tolerance",
+)
 GRACE = OptionSpec[float](
     name="grace",
     parse=parse_seconds_option,
@@ -287,6 +297,17 @@ def command_line_thresholds(
         replace(GRACE, cli_flag="--grace", default=grace_default_s), cli=grace, environ=environ
     ).value
     return tolerance_bytes, grace_s
+
+
+def command_line_copy_tolerance(value: object, environ: Mapping[str, str]) -> int:
+    """``--copy-tolerance`` of a ``leakcheck`` command, else ``LEAKCHECK_COPY_TOLERANCE``.
+
+    Raises:
+        UsageError: The winning source holds a bad value; the message names the source.
+
+    """
+    spec = replace(COPY_TOLERANCE, cli_flag="--copy-tolerance")
+    return resolve(spec, cli=value, environ=environ).value
 
 
 WARN_FLAG = "--gpu-leak-warn"
@@ -324,11 +345,14 @@ def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
     return Resolved(value, source)
 
 
-SPECS: tuple[OptionSpec[bool], OptionSpec[int], OptionSpec[Mode], OptionSpec[float]] = (
+SPECS: tuple[
+    OptionSpec[bool], OptionSpec[int], OptionSpec[Mode], OptionSpec[float], OptionSpec[int]
+] = (
     ENABLED,
     TOLERANCE,
     MODE,
     GRACE,
+    COPY_TOLERANCE,
 )
 """Options of the leak check, in the order ``--help`` lists them."""
 
@@ -342,6 +366,8 @@ class CheckOptions:
         tolerance_bytes: GPU memory a test may keep.
         mode: ``fail`` the leaking test, or ``warn`` about it.
         grace_s: How long a process started by a test may take to exit after it.
+        copy_tolerance_bytes: Host memory each forked loader worker may copy of its parent's
+            (the copy-on-read rule, in trackers the test runs).
         sources: Where each value came from, by option name.
 
     """
@@ -350,6 +376,7 @@ class CheckOptions:
     tolerance_bytes: int = TOLERANCE.default
     mode: Mode = "fail"
     grace_s: float = GRACE.default
+    copy_tolerance_bytes: int = COPY_TOLERANCE.default
     sources: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -364,8 +391,8 @@ def resolve_check_options(
 
     Args:
         cli: Command line values by option name (``enabled``, ``tolerance``, ``mode``,
-            ``grace``, and ``warn``: True when ``--gpu-leak-warn`` was given); None or absent
-            means not given, an empty string is a bad value.
+            ``grace``, ``copy_tolerance``, and ``warn``: True when ``--gpu-leak-warn`` was
+            given); None or absent means not given, an empty string is a bad value.
         environ: Environment (usually ``os.environ``).
         ini: Ini values by option name; None, absent or empty means not set.
         ini_path: The ini file, named in errors.
@@ -392,21 +419,24 @@ def resolve_check_options(
     if mode is None:
         mode = resolve(MODE, environ=environ, ini=ini.get(MODE.name), ini_path=ini_path)
     grace = one(GRACE)
+    copy_tolerance = one(COPY_TOLERANCE)
     return CheckOptions(
         enabled=enabled.value,
         tolerance_bytes=tolerance.value,
         mode=mode.value,
         grace_s=grace.value,
+        copy_tolerance_bytes=copy_tolerance.value,
         sources={
             "enabled": enabled.source,
             "tolerance": tolerance.source,
             "mode": mode.source,
             "grace": grace.source,
+            "copy_tolerance": copy_tolerance.source,
         },
     )
 
 
-MARKER_KWARGS = ("enabled", "tolerance", "mode", "grace")
+MARKER_KWARGS = ("enabled", "tolerance", "mode", "grace", "copy_tolerance")
 """Keyword arguments ``@pytest.mark.gpu_leak_check(...)`` accepts."""
 
 
@@ -461,6 +491,7 @@ def apply_marker(
         "tolerance": "tolerance_bytes",
         "mode": "mode",
         "grace": "grace_s",
+        "copy_tolerance": "copy_tolerance_bytes",
     }
     for name, raw in values.items():
         source = f"{name}= of {where}"

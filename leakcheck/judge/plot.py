@@ -10,7 +10,10 @@ One column per configuration (worker count), up to four panels each, sharing the
 2. Host memory at the end of each epoch, stacked: the parent, then the workers (each at the
    epoch end, or as it reported at its exit). USS where it was read, RSS where not: the
    label says which, since RSS counts pages shared with other processes and USS does not.
-   Drawn without a GPU too: the CPU-only picture has memory to show.
+   Of the forked workers' private memory, what they copied of the parent's (copy-on-read,
+   NOTE [copy on read] in hostmem.py) is hatched, and two lines show one worker's private
+   memory beside what it still shares with the parent. Drawn without a GPU too: the
+   CPU-only picture has memory to show.
 3. Processes: workers seen, processes still alive after the epoch, orphans.
 4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
 
@@ -74,6 +77,10 @@ class _Row(Protocol):
     def workers_host_bytes(self) -> int | None: ...
     @property
     def host_source(self) -> str | None: ...
+    @property
+    def workers_shared_bytes(self) -> int | None: ...
+    @property
+    def workers_copied_bytes(self) -> int | None: ...
 
 
 class _Config(Protocol):
@@ -122,6 +129,7 @@ _ALIVE = "#CC79A7"
 _ORPHANS = "#D55E00"
 _TEMPERATURE = "#D55E00"
 _CLOCK = "#009E73"
+_SHARED = "#56B4E9"
 _VERDICT_COLOURS = {"clean": "#009E73", "leak": "#D55E00", "blind": "#E69F00"}
 
 
@@ -175,7 +183,10 @@ def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
 
     ``parent`` and ``workers`` are the stacked bars (0 where not known: see
     ``memory_series``); ``unknown`` is 1.0 where some worker's host memory is unknown (the
-    bar gets a "?"), else 0.0.
+    bar gets a "?"), else 0.0. ``copied`` is the forked workers' copies of the parent's
+    memory (0 where not known), part of ``workers``; ``worker_private`` and
+    ``worker_shared`` are one worker's private memory and what it still shares with the
+    parent (the sums over the workers, divided by their count; NaN where not known).
     """
     parent = [0.0 if r.parent_host_bytes is None else r.parent_host_bytes / MIB for r in rows]
     workers = [0.0 if r.workers_host_bytes is None else r.workers_host_bytes / MIB for r in rows]
@@ -183,12 +194,25 @@ def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
         1.0 if r.workers_host_bytes is None and r.worker_count and r.host_source else 0.0
         for r in rows
     ]
+    copied = [
+        0.0 if r.workers_copied_bytes is None else r.workers_copied_bytes / MIB for r in rows
+    ]
+
+    def per_worker(row: _Row, value: int | None) -> float:
+        return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
+
     return {
         "epochs": [float(row.epoch) for row in rows],
         "parent": parent,
         "workers": workers,
         "top": [p + w for p, w in zip(parent, workers, strict=True)],
         "unknown": unknown,
+        "copied": copied,
+        "worker_private": [
+            per_worker(r, r.workers_host_bytes if r.workers_shared_bytes is not None else None)
+            for r in rows
+        ],
+        "worker_shared": [per_worker(r, r.workers_shared_bytes) for r in rows],
     }
 
 
@@ -320,6 +344,34 @@ def _host_panel(axes: Any, config: _Config) -> None:
             bottom=series["parent"],
             color=_WORKERS,
             label="workers (sum): at epoch end,\nor at exit if gone by then",
+        )
+    if any(row.workers_copied_bytes is not None for row in rows):
+        axes.bar(
+            epochs,
+            series["copied"],
+            bottom=series["parent"],
+            fill=False,
+            hatch="xx",
+            edgecolor=_DEVICE,
+            linewidth=0,
+            label="of it copied from the parent\n(copy-on-read)",
+        )
+        axes.plot(
+            epochs,
+            series["worker_private"],
+            color=_WORKERS,
+            marker="s",
+            linewidth=1.0,
+            label="one worker: private",
+        )
+        axes.plot(
+            epochs,
+            series["worker_shared"],
+            color=_SHARED,
+            marker="s",
+            linestyle=":",
+            linewidth=1.2,
+            label="one worker: still shared\nwith the parent",
         )
     _mark_unknown(axes, epochs, series["unknown"], series["top"], "a worker's host memory unknown")
     axes.set_ylim(bottom=0)

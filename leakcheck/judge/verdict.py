@@ -40,6 +40,7 @@ __all__ = [
     "EpochCounts",
     "blind",
     "context_kept",
+    "copy_on_read",
     "descriptor_holder",
     "device_mismatch",
     "epoch_counts",
@@ -849,6 +850,164 @@ def _judge_host_points(
     return _host_growth_finding(rss, resident, slope, last, note)
 
 
+# --------------------------------------------------------------------------- copy-on-read
+
+REMEDY_COPY_ON_READ = (
+    "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+    "before iterating; or fewer workers"
+)
+REMEDY_NOT_FORKED = (
+    "each holds what it unpickled (the dataset included) and imported: mmap large data, "
+    "or use fewer workers"
+)
+
+
+@dataclass(frozen=True)
+class _WorkerCopy:
+    """One worker's copies over the timeline (NOTE [copy on read] in hostmem.py)."""
+
+    proc: ProcessEpoch
+    copied_bytes: int
+    epoch: int
+    after_s: float | None
+
+
+def _private_bytes(proc: ProcessEpoch) -> int:
+    """A worker's USS at the end (or exit), else at its birth; -1 where neither is known."""
+    if proc.host_source == "uss" and proc.host_bytes_end is not None:
+        return proc.host_bytes_end
+    return -1 if proc.private_bytes_birth is None else proc.private_bytes_birth
+
+
+def _copy_observations(
+    timeline: Timeline,
+) -> Iterable[tuple[int, ProcessEpoch]]:
+    """(epoch index, worker) of every forked worker's epoch with a copy reading.
+
+    A report in the middle of an epoch adds that epoch so far (``FinalState.open_epoch``).
+    """
+    for rec in _sorted_epochs(timeline):
+        for proc in rec.processes:
+            yield rec.index, proc
+    final = timeline.final
+    if final is not None and final.open_epoch is not None:
+        for proc in final.processes:
+            yield final.open_epoch, proc
+
+
+def _worker_copies(
+    timeline: Timeline, config: RuleConfig
+) -> tuple[dict[int, list[_WorkerCopy]], list[ProcessEpoch]]:
+    """Forked workers' largest copies by parent PID, and the workers not forked."""
+    copies: dict[ProcessKey, _WorkerCopy] = {}
+    unforked: dict[ProcessKey, ProcessEpoch] = {}
+    for index, proc in _copy_observations(timeline):
+        if proc.role != "worker":
+            continue
+        if proc.forked is False:
+            known = unforked.get(proc.key)
+            if known is None or _private_bytes(proc) > _private_bytes(known):
+                unforked[proc.key] = proc
+            continue
+        copied = proc.copied_bytes_peak
+        if proc.forked is not True or copied is None:
+            continue
+        seen = copies.get(proc.key)
+        if seen is None or (
+            seen.copied_bytes <= config.copy_tolerance_bytes and copied > seen.copied_bytes
+        ):
+            # The first epoch above the tolerance names when; the largest copy says how much.
+            copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
+        elif copied > seen.copied_bytes:
+            copies[proc.key] = _WorkerCopy(proc, copied, seen.epoch, seen.after_s)
+    by_parent: dict[int, list[_WorkerCopy]] = {}
+    for copy in copies.values():
+        by_parent.setdefault(copy.proc.ppid, []).append(copy)
+    return by_parent, sorted(unforked.values(), key=lambda p: p.key)
+
+
+def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
+    first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
+    epochs = sorted({copy.epoch for copy in leaking})
+    persistent = any(copy.proc.persistent for copy in leaking)
+    per_epoch: dict[int, int] = {}
+    for copy in leaking:
+        per_epoch[copy.epoch] = per_epoch.get(copy.epoch, 0) + copy.copied_bytes
+    if persistent:
+        count, total = len(leaking), sum(per_epoch.values())
+    else:  # a generation of workers per epoch: one epoch's
+        count = max(sum(c.epoch == e for c in leaking) for e in epochs)
+        total = max(per_epoch.values())
+    mean = sum(c.copied_bytes for c in leaking) / len(leaking)
+    when = f"in epoch {first.epoch}"
+    if first.after_s is not None:
+        when = f"{first.after_s:.1f} s into epoch {first.epoch}"
+    if not persistent and len(epochs) > 2:
+        when += f" and again in epochs {epochs[1]}-{epochs[-1]}"
+    elif not persistent and len(epochs) == 2:
+        when += f" and again in epoch {epochs[1]}"
+    elif not persistent:
+        when += " (per-epoch workers copy it again each epoch)"
+    if count == 1:
+        who = f"1 forked worker of PID {ppid} copied {format_mib(mean)} MiB of its parent's memory"
+    else:
+        who = (
+            f"{count} forked workers of PID {ppid} each copied {format_mib(mean)} MiB of their "
+            f"parent's memory ({format_mib(total)} MiB in all)"
+        )
+    worst = max(leaking, key=lambda c: c.copied_bytes)
+    return _process_finding(
+        worst.proc,
+        rule="copy-on-read",
+        severity="leak",
+        message=f"{who}, {when}",
+        remedy=REMEDY_COPY_ON_READ,
+        epoch=first.epoch,
+        host_bytes=total,
+    )
+
+
+def _not_forked_finding(workers: Sequence[ProcessEpoch]) -> Finding:
+    held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
+    mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
+    who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
+    return _process_finding(
+        workers[0],
+        rule="copy-on-read",
+        severity="info",
+        message=(
+            f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
+            f"share no memory with the training process{mean}"
+        ),
+        remedy=REMEDY_NOT_FORKED,
+        host_bytes=sum(held) if held else None,
+    )
+
+
+def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find forked workers that copied more of their parent's memory than the copy tolerance.
+
+    A dataset of Python objects built in the parent is shared with forked workers page by
+    page, and every read writes reference counts: each worker copies the pages it reads
+    (NOTE [copy on read] in hostmem.py). One finding per parent (loader), for every worker
+    whose copy since its birth exceeds ``config.copy_tolerance_bytes`` at any reading (in
+    the epoch, at its end, at exit): found in the first epoch, flat or not. Per-epoch
+    workers copy it again each epoch, which the finding says. Workers started by spawn or
+    forkserver share nothing with the parent at birth (a forkserver worker's parent is the
+    server): one info finding says copy-on-read cannot be told there, with their private
+    memory. Needs no GPU.
+    """
+    by_parent, spawned = _worker_copies(timeline, config)
+    found: list[Finding] = []
+    for ppid, copies in sorted(by_parent.items()):
+        leaking = [c for c in copies if c.copied_bytes > config.copy_tolerance_bytes]
+        if leaking:
+            found.append(_copy_finding(ppid, leaking))
+    if spawned:
+        found.append(_not_forked_finding(spawned))
+    return tuple(found)
+
+
 # --------------------------------------------------------------------------- residual
 
 
@@ -1455,6 +1614,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "orphan": orphan,
     "growth": growth,
     "host-growth": host_growth,
+    "copy-on-read": copy_on_read,
     "residual": residual,
     "blind": blind,
     "descriptor-holder": descriptor_holder,

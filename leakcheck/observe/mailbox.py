@@ -13,6 +13,10 @@ deletes each record once read (``consume``), so the folder stays small and a rea
 costs the same in the hundredth epoch as in the first. Most reads skip the listing: an
 unchanged folder time says no record came or went (``Inbox``).
 
+The tracker also keeps its live workers' birth readings (NOTE [copy on read] in hostmem.py)
+in the folder, as ``BIRTHS_FILE``: a name that is no record, so that ``leakcheck snapshot
+--pid`` can tell from outside what each worker copied since its birth (``read_births``).
+
 NOTE [stale mailboxes]: a tracker whose process is killed (SIGKILL, OOM killer, a crash)
 never removes its folder. Each folder's name says who owns it,
 ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every ``create``
@@ -36,10 +40,14 @@ from typing import Any
 
 from leakcheck.core.model import ProcessKey, TeardownRecord
 from leakcheck.observe import procs
+from leakcheck.observe.hostmem import HostMemory
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
 MAILBOX_PREFIX = "leakcheck-mailbox-"
 """Every mailbox folder's name starts so, in the temporary folder."""
+BIRTHS_FILE = ".births.json"
+"""The live workers' birth readings, which the tracker rewrites as they change (a dot name:
+never read as a record)."""
 
 # <pid>-<start ticks>-<pid namespace>-<mkdtemp's random part: [a-z0-9_]>. Digit counts are
 # bounded so that int() never meets a number too long to convert.
@@ -274,6 +282,105 @@ def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
     return ProcessKey(pid, ticks)
 
 
+def _optional_int(record: Mapping[str, Any], name: str) -> int | None:
+    value = record.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def worker_birth(record: Mapping[str, Any]) -> tuple[bool | None, HostMemory | None]:
+    """A ``worker`` record's birth reading: forked or not, and its memory then.
+
+    Returns:
+        ``(forked, memory)``; None for what the record lacks or holds malformed (an older
+        worker's record, a birth it could not read).
+
+    """
+    forked = record.get("forked")
+    uss = _optional_int(record, "host_uss_bytes")
+    shared = _optional_int(record, "host_shared_dirty_bytes")
+    private = _optional_int(record, "host_private_dirty_bytes")
+    memory = None
+    if uss is not None and shared is not None and private is not None:
+        memory = HostMemory(
+            uss_bytes=uss,
+            pss_bytes=None,
+            rss_bytes=_optional_int(record, "host_rss_bytes"),
+            swap_bytes=None,
+            source="smaps_rollup",
+            shared_dirty_bytes=shared,
+            private_dirty_bytes=private,
+        )
+    return (forked if isinstance(forked, bool) else None), memory
+
+
+Birth = tuple[bool | None, HostMemory | None]
+"""``(forked, memory)`` of a worker's birth report (``worker_birth``)."""
+
+
+def write_births(directory: str, births: Mapping[ProcessKey, Birth]) -> bool:
+    """Replace the folder's ``BIRTHS_FILE`` with ``births`` atomically; False on failure."""
+    entries = [
+        {
+            "pid": key.pid,
+            "start_ticks": key.start_ticks,
+            "forked": forked,
+            "host_uss_bytes": memory.uss_bytes if memory else None,
+            "host_rss_bytes": memory.rss_bytes if memory else None,
+            "host_shared_dirty_bytes": memory.shared_dirty_bytes if memory else None,
+            "host_private_dirty_bytes": memory.private_dirty_bytes if memory else None,
+        }
+        for key, (forked, memory) in sorted(births.items())
+    ]
+    temp_path = os.path.join(directory, BIRTHS_FILE + ".tmp")
+    try:
+        with open(temp_path, "w", encoding="utf-8") as handle:
+            json.dump({"workers": entries}, handle)
+        os.replace(temp_path, os.path.join(directory, BIRTHS_FILE))
+    except OSError:
+        return False
+    return True
+
+
+def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessKey, Birth]:
+    """The birth readings the trackers of process ``root_pid`` keep, from outside.
+
+    Only the folders named after that very process (its PID, start time and PID namespace:
+    NOTE [stale mailboxes]) are read. Never raises: what cannot be read is left out.
+
+    Args:
+        root_pid: The process whose trackers' mailboxes to read (a job's root).
+        directory: Where the folders are (default: the temporary folder).
+
+    """
+    try:
+        key = procs.process_key(root_pid)
+        folder = directory if directory is not None else tempfile.gettempdir()
+        names = os.listdir(folder)
+    except (OSError, ValueError):
+        return {}
+    if key is None:
+        return {}
+    owner = (root_pid, key.start_ticks, _pid_namespace())
+    found: dict[ProcessKey, Birth] = {}
+    for name in names:
+        match = _OWNED_NAME.match(name)
+        if match is None or tuple(int(group) for group in match.groups()) != owner:
+            continue
+        try:
+            with open(os.path.join(folder, name, BIRTHS_FILE), encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, ValueError):
+            continue
+        entries = data.get("workers") if isinstance(data, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
+            worker = record_key(entry) if isinstance(entry, dict) else None
+            if worker is not None:
+                found[worker] = worker_birth(entry)
+    return found
+
+
 def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecord:
     """Read a worker's ``teardown`` record; a malformed field reads as unknown."""
 
@@ -322,4 +429,6 @@ def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecor
         host_pss_bytes=optional_int("host_pss_bytes"),
         host_rss_bytes=optional_int("host_rss_bytes"),
         host_rss_peak_bytes=optional_int("host_rss_peak_bytes"),
+        host_shared_dirty_bytes=optional_int("host_shared_dirty_bytes"),
+        host_private_dirty_bytes=optional_int("host_private_dirty_bytes"),
     )

@@ -4,7 +4,9 @@ One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` print
 ``Tracker.snapshot()`` returns for one job. Given a job's root (``--pid``), it also reads the
 host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
 RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
-machine stays cheap. Device telemetry (temperature, clocks, power) is read on request: each
+machine stays cheap; of a forked loader worker whose birth reading its tracker keeps
+(``mailbox.read_births``), also what it copied of its parent's memory since (NOTE [copy on
+read] in hostmem.py). Device telemetry (temperature, clocks, power) is read on request: each
 value is a driver call of its own, together more than NVML's reads after its start. The records
 are named tuples, as readings.py's are, for the command's start.
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     # Not at run time: a plain snapshot needs neither (NOTE [lean start] in cli.py).
     from leakcheck.core.model import Attribution
     from leakcheck.observe.hostmem import HostMemory
+    from leakcheck.observe.mailbox import Birth
 
 __all__ = [
     "SNAPSHOT_SCHEMA_VERSION",
@@ -69,6 +72,9 @@ class ProcessSnapshot(NamedTuple):
         session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
         host: Its host memory (USS, PSS, RSS), for the processes of the job asked about;
             None otherwise, or where unreadable.
+        copied_bytes: What it copied of its parent's memory since its birth, for a forked
+            loader worker whose tracker keeps its birth reading (NOTE [copy on read] in
+            hostmem.py); None otherwise.
 
     """
 
@@ -80,6 +86,7 @@ class ProcessSnapshot(NamedTuple):
     flags: tuple[str, ...] = ()
     session: str | None = None
     host: HostMemory | None = None
+    copied_bytes: int | None = None
 
     @property
     def total_gpu_bytes(self) -> int:
@@ -122,6 +129,7 @@ class Snapshot(NamedTuple):
                     "flags": list(entry.flags),
                     "session": entry.session,
                     **_host_dict(entry.host),
+                    "copied_bytes": entry.copied_bytes,
                 }
                 for entry in self.processes
             ],
@@ -177,16 +185,28 @@ def _host_dict(host: HostMemory | None) -> dict[str, Any]:
         "host_rss_bytes": host.rss_bytes if host else None,
         "host_rss_peak_bytes": host.rss_peak_bytes if host else None,
         "host_source": host.source if host else None,
+        "host_shared_dirty_bytes": host.shared_dirty_bytes if host else None,
     }
 
 
-def _host_text(host: HostMemory | None) -> str | None:
-    """``host USS 123 MiB (RSS 456 MiB)``, or ``host RSS 456 MiB`` where USS is unreadable."""
+def _host_text(host: HostMemory | None, copied_bytes: int | None = None) -> str | None:
+    """``host USS 123 MiB (RSS 456 MiB)``, or ``host RSS 456 MiB`` where USS is unreadable.
+
+    With what a forked worker still shares with others and what it copied of its parent's:
+    ``host USS 183 MiB (RSS 421 MiB, shared 216 MiB), copied 173 MiB of its parent's``.
+    """
     if host is None or host.rss_bytes is None:
         return None
-    if host.uss_bytes is not None:
-        return f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)} MiB)"
-    return f"host RSS {format_mib(host.rss_bytes)} MiB"
+    if host.uss_bytes is None:
+        return f"host RSS {format_mib(host.rss_bytes)} MiB"
+    shared = ""
+    if copied_bytes is not None and host.shared_dirty_bytes is not None:
+        shared = f", shared {format_mib(host.shared_dirty_bytes)} MiB"
+    rss = f"RSS {format_mib(host.rss_bytes)} MiB{shared}"
+    text = f"host USS {format_mib(host.uss_bytes)} MiB ({rss})"
+    if copied_bytes is not None:
+        text += f", copied {format_mib(copied_bytes)} MiB of its parent's"
+    return text
 
 
 def _device_line(device: DeviceState) -> str:
@@ -223,7 +243,7 @@ def _process_line(entry: ProcessSnapshot) -> str:
     if entry.nvidia_fds:
         details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
     details.extend(entry.flags)
-    host = _host_text(entry.host)
+    host = _host_text(entry.host, entry.copied_bytes)
     if host:
         details.append(host)
     return text + ("  — " + "; ".join(details) if details else "")
@@ -283,6 +303,15 @@ def _host_memory(key: ProcessKey) -> HostMemory | None:
     return hostmem.read_host_memory(key)
 
 
+def _copied(host: HostMemory | None, birth: Birth | None) -> int | None:
+    """A forked worker's copies since its birth (NOTE [copy on read] in hostmem.py)."""
+    if host is None or birth is None or birth[0] is not True or birth[1] is None:
+        return None
+    from leakcheck.observe import hostmem
+
+    return hostmem.copied_bytes(birth[1], host)
+
+
 def take_snapshot(
     *,
     root_pid: int | None = None,
@@ -291,6 +320,7 @@ def take_snapshot(
     known_workers: Collection[ProcessKey] = (),
     host_memory: bool | None = None,
     telemetry: bool = True,
+    births: Mapping[ProcessKey, Birth] | None = None,
 ) -> Snapshot:
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
 
@@ -308,6 +338,8 @@ def take_snapshot(
             its tagged orphans). Default: when a root is given.
         telemetry: Read each device's temperature, clocks, power, P-state and clock-event
             reasons (a driver call each); False leaves them None.
+        births: Loader workers' birth readings, where the caller has them (a tracker);
+            None reads what the root's trackers keep in their mailboxes, with host memory.
 
     Returns:
         The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
@@ -394,6 +426,10 @@ def take_snapshot(
         pid for pid, tag in sessions.items() if tag is not None and pid in interesting
     }
     want_host = root_pid is not None if host_memory is None else host_memory
+    if births is None and want_host and root_pid is not None:
+        from leakcheck.observe import mailbox  # only with --pid (NOTE [lean start] in cli.py)
+
+        births = mailbox.read_births(root_pid)
     entries: list[ProcessSnapshot] = []
     for pid in sorted(shown):
         scanned = every.get(pid)
@@ -410,6 +446,7 @@ def take_snapshot(
             flags.append("descriptor-holder")
         if pid in lineage and pid != root_pid and roles.is_runtime_helper(info.cmdline):
             flags.append(roles.HELPER_FLAG)
+        host = _host_memory(info.key) if want_host and pid in job else None
         entries.append(
             ProcessSnapshot(
                 info=info,
@@ -419,7 +456,8 @@ def take_snapshot(
                 nvidia_fds=fds.get(pid) if with_fds else None,
                 flags=tuple(flags),
                 session=tag,
-                host=_host_memory(info.key) if want_host and pid in job else None,
+                host=host,
+                copied_bytes=_copied(host, (births or {}).get(info.key)),
             )
         )
     return Snapshot(

@@ -15,6 +15,11 @@ USS, PSS, RSS and RSS peak as it exits, and a worker gone by its epoch's end is 
 what it reported (``ProcessEpoch.host_bytes_end`` with ``alive_at_end`` False); one alive
 then was read at the end (status; smaps_rollup where it is a long-lived one and the pacing
 allowed: ``apply_rollup``, stamped with the epoch that ended).
+
+A worker's copies of its parent's memory (NOTE [copy on read] in hostmem.py) are measured
+against its birth report by every smaps_rollup reading of it: in-epoch reads
+(``apply_inside``), the epoch end's, and its report at exit; each epoch keeps the most any of
+them showed and when a reading first showed more than the copy tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leakcheck.core.model import (
+    MIB,
     AccountedProcess,
     DeviceState,
     EndReason,
@@ -34,7 +40,7 @@ from leakcheck.core.model import (
     Role,
     TeardownRecord,
 )
-from leakcheck.observe.hostmem import HostMemory
+from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.host import reported_memory
 from leakcheck.track.shm import ShmEpoch
 from leakcheck.track.table import Proc, ProcessTable
@@ -79,6 +85,69 @@ def host_fields(
     }
 
 
+@dataclass
+class _Copy:
+    """What the in-epoch reads of one worker showed it copied (NOTE [copy on read])."""
+
+    peak_bytes: int = 0
+    over_s: float | None = None
+    """When a reading first showed more than the copy tolerance (the tracker's clock)."""
+    last: tuple[int, int | None] | None = None
+    """(copied, Shared_Dirty) of the latest reading."""
+
+
+def _copy_reading(proc: Proc, memory: HostMemory | None) -> tuple[int, int | None] | None:
+    """(copied bytes, Shared_Dirty) of a forked worker's reading, or None."""
+    if memory is None or proc.birth_host is None or proc.forked is not True:
+        return None
+    copied = copied_bytes(proc.birth_host, memory)
+    return None if copied is None else (copied, memory.shared_dirty_bytes)
+
+
+def copy_fields(
+    proc: Proc,
+    inside: _Copy | None,
+    readings: Iterable[tuple[float, HostMemory | None]],
+    *,
+    start_s: float,
+    tolerance_bytes: int,
+) -> dict[str, Any]:
+    """The copy fields of a ``ProcessEpoch`` (NOTE [copy on read] in hostmem.py).
+
+    Args:
+        proc: The process (its birth report).
+        inside: What the epoch's in-epoch reads showed (None: none read it).
+        readings: Later readings with their times, in order: the end's, the exit report.
+        start_s: The epoch's start (``copied_over_after_s`` counts from it).
+        tolerance_bytes: The copy tolerance.
+
+    """
+    birth = proc.birth_host
+    fields: dict[str, Any] = {
+        "forked": proc.forked,
+        "private_bytes_birth": birth.uss_bytes if birth is not None else None,
+        "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
+    }
+    peak = inside.peak_bytes if inside is not None else None
+    over_s = inside.over_s if inside is not None else None
+    last = inside.last if inside is not None else None
+    for at_s, memory in readings:
+        found = _copy_reading(proc, memory)
+        if found is None:
+            continue
+        last = found
+        peak = found[0] if peak is None else max(peak, found[0])
+        if found[0] > tolerance_bytes and (over_s is None or at_s < over_s):
+            over_s = at_s
+    fields.update(
+        copied_bytes_end=last[0] if last is not None else None,
+        shared_bytes_end=last[1] if last is not None else None,
+        copied_bytes_peak=peak,
+        copied_over_after_s=max(0.0, over_s - start_s) if over_s is not None else None,
+    )
+    return fields
+
+
 @dataclass(frozen=True)
 class _EndState:
     role: Role
@@ -115,6 +184,10 @@ class _Epoch:
     """USS and PSS read for this epoch's end (on the sampler's next wake)."""
     host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
     """What workers reported of their host memory as they exited."""
+    report_at_s: dict[ProcessKey, float] = field(default_factory=dict)
+    """When each of those reports was read in the worker."""
+    inside: dict[ProcessKey, _Copy] = field(default_factory=dict)
+    """What in-epoch reads showed workers copied (NOTE [copy on read] in hostmem.py)."""
     shm: ShmEpoch | None = None
 
 
@@ -129,11 +202,14 @@ class EpochBook:
 
     Args:
         grace_s: How long after an epoch's end a worker's report still belongs to it.
+        copy_tolerance_bytes: A worker's copy above this is marked with when it was first
+            read (``ProcessEpoch.copied_over_after_s``).
 
     """
 
-    def __init__(self, *, grace_s: float) -> None:
+    def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:
         self.grace_s = grace_s
+        self.copy_tolerance_bytes = copy_tolerance_bytes
         self.epochs: list[_Epoch] = []
         self.open: _Epoch | None = None
 
@@ -255,6 +331,41 @@ class EpochBook:
         self.epochs[index].rollup.update(found)
         return True
 
+    def apply_inside(
+        self, table: ProcessTable, found: Mapping[ProcessKey, HostMemory], at_s: float
+    ) -> None:
+        """Fold an in-epoch smaps_rollup read of workers into the open epoch (their copies)."""
+        epoch = self.open
+        if epoch is None:
+            return
+        for key, memory in found.items():
+            proc = table.procs.get(key)
+            reading = _copy_reading(proc, memory) if proc is not None else None
+            if reading is None:
+                continue
+            copy = epoch.inside.setdefault(key, _Copy())
+            copy.peak_bytes = max(copy.peak_bytes, reading[0])
+            copy.last = reading
+            if reading[0] > self.copy_tolerance_bytes and copy.over_s is None:
+                copy.over_s = at_s
+
+    def open_copy_fields(
+        self, proc: Proc, memory: HostMemory | None, now: float
+    ) -> dict[str, Any]:
+        """The copy fields of a live process in a state read now (``final_processes``).
+
+        While an epoch is open, they are that epoch's so far, with ``memory`` (read now)
+        as its latest reading; else ``memory`` alone, counted from ``now``.
+        """
+        epoch = self.open
+        return copy_fields(
+            proc,
+            epoch.inside.get(proc.key) if epoch is not None else None,
+            [(now, memory)],
+            start_s=epoch.start_s if epoch is not None else now,
+            tolerance_bytes=self.copy_tolerance_bytes,
+        )
+
     def apply_report(
         self,
         key: ProcessKey,
@@ -290,6 +401,7 @@ class EpochBook:
             _raise_peak(epoch.peak.setdefault(key, {}), gpu_bytes)
             if host is not None:
                 epoch.host_reports[key] = host
+                epoch.report_at_s[key] = at_s
             return True
         return False
 
@@ -358,9 +470,8 @@ class EpochBook:
             shm_used_peak_bytes=epoch.shm.used_peak_bytes if epoch.shm else None,
         )
 
-    @staticmethod
     def _process_epoch(
-        epoch: _Epoch, proc: Proc, state: _EndState, table: ProcessTable, end_s: float
+        self, epoch: _Epoch, proc: Proc, state: _EndState, table: ProcessTable, end_s: float
     ) -> ProcessEpoch:
         key = proc.key
         peak = dict(epoch.peak.get(key, {}))
@@ -399,6 +510,16 @@ class EpochBook:
                 epoch.rollup.get(key),
                 epoch.host_reports.get(key),
                 alive=state.alive,
+            ),
+            **copy_fields(
+                proc,
+                epoch.inside.get(key),
+                [
+                    (end_s, epoch.rollup.get(key) if state.alive else None),
+                    (epoch.report_at_s.get(key, end_s), epoch.host_reports.get(key)),
+                ],
+                start_s=epoch.start_s,
+                tolerance_bytes=self.copy_tolerance_bytes,
             ),
         )
 
@@ -461,6 +582,8 @@ def final_processes(
     last_end_s: float | None,
     status: Mapping[ProcessKey, HostMemory],
     rollup: Mapping[ProcessKey, HostMemory],
+    book: EpochBook,
+    now: float,
 ) -> tuple[ProcessEpoch, ...]:
     """The processes of a fresh final state: every live one of the job, and foreign GPU holders.
 
@@ -469,6 +592,8 @@ def final_processes(
         last_end_s: When the last closed epoch ended (None: none did).
         status: Their status read now (RSS).
         rollup: Their smaps_rollup read now (USS, PSS), where read.
+        book: The epochs (the open one's copy readings).
+        now: When they were read.
 
     """
     processes: list[ProcessEpoch] = []
@@ -493,6 +618,7 @@ def final_processes(
                 rank_device=proc.rank.device if proc.rank is not None else None,
                 born_epoch=_birth_epoch(proc),
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),
+                **book.open_copy_fields(proc, rollup.get(key), now),
             )
         )
     return tuple(processes)

@@ -7,6 +7,11 @@ host-growth rule judges, the parent and persistent workers, for the sampler's ne
 the pacing allows (NOTE [host pacing] in pacing.py). The rollup read is stamped with the epoch
 it belongs to. Workers that live one epoch report their own figures as they exit (NOTE
 [worker reports] in book.py).
+
+A forked worker that reported its birth (NOTE [copy on read] in hostmem.py) is read at the
+first epoch end it is alive at, whatever the pacing says, so that the copy-on-read rule can
+judge the first epoch; and while an epoch lasts, paced reads of such workers
+(``plan_inside``) show what they copy before it ends (NOTE [host pacing]).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from leakcheck.track.pacing import Pacing
 from leakcheck.track.reads import Failures
 from leakcheck.track.table import ProcessTable
 
-__all__ = ["HostReads", "RollupPlan", "reported_memory"]
+__all__ = ["HostReads", "InsidePlan", "RollupPlan", "reported_memory"]
 
 _LONG_LIVED = ("parent", "worker")
 _READING_WAIT_S = 2.0
@@ -32,6 +37,24 @@ _READING_WAIT_S = 2.0
 
 _HOST_RULE_FIRST_POINTS = 3
 """The fewest USS points the host-growth rule judges from (``verdict.host_growth``)."""
+
+INSIDE_AFTER_S = 10.0
+"""An epoch is read inside only once it has lasted this long: a shorter one has its end read
+soon (a forked worker's first end whatever the pacing), and leaves the share of time to the
+ends' reads, which the host-growth rule judges; a fresh run of short epochs would otherwise
+read its workers twice in its first epoch (NOTE [host pacing])."""
+INSIDE_GAP_S = 1.0
+"""In-epoch reads come at most this often, however large the share (a share of 1 reads
+every epoch end, not every tick)."""
+
+
+@dataclass(frozen=True)
+class InsidePlan:
+    """An in-epoch smaps_rollup read of forked workers (their copies so far)."""
+
+    epoch_index: int
+    keys: tuple[ProcessKey, ...]
+    at_s: float
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,9 @@ class HostReads:
         """CPU seconds of every smaps_rollup read so far (part of the sampler's CPU)."""
         self.rollup_reads = 0
         """Epoch ends (and final states) whose long-lived processes' USS was read."""
+        self.inside_reads = 0
+        """In-epoch reads of forked workers (``plan_inside``)."""
+        self._inside_last_s: float | None = None
 
     @staticmethod
     def own_keys(table: ProcessTable) -> list[ProcessKey]:
@@ -95,7 +121,6 @@ class HostReads:
         A plan still unread is replaced: read now, it would describe a later moment as
         that epoch's end.
         """
-        keys = self.long_lived(table)
         self.pending = None
         # A warm-up end's USS serves no rule, only its table row: read where reads are not
         # paced (a diagnostic run's), else left to RSS, so that a short run or a tracker per
@@ -104,9 +129,48 @@ class HostReads:
         due = epoch_index in self.always_read or (
             not warm_up and self.pacing.rollup_due(time.perf_counter())
         )
-        if keys and due:
+        keys = self.long_lived(table) if due else []
+        # A forked worker's first end serves the copy-on-read rule: read whatever the pacing.
+        keys += [
+            key
+            for key in table.copy_watched()
+            if not table.procs[key].end_read and key not in keys
+        ]
+        for key in keys:
+            table.procs[key].end_read = True
+        if keys:
             self.pending = RollupPlan(epoch_index, tuple(keys))
         return self.pending is not None
+
+    def plan_inside(
+        self, table: ProcessTable, epoch_index: int | None, started_s: float | None, now_s: float
+    ) -> InsidePlan | None:
+        """An in-epoch read of the forked workers, where one is due (NOTE [host pacing]).
+
+        Args:
+            table: The job's processes.
+            epoch_index: The open epoch (None: none is open).
+            started_s: When it opened, on the tracker's clock.
+            now_s: Now, on the same clock.
+
+        """
+        if epoch_index is None or started_s is None or now_s - started_s < INSIDE_AFTER_S:
+            return None
+        if self._inside_last_s is not None and now_s - self._inside_last_s < INSIDE_GAP_S:
+            return None
+        if not self.pacing.rollup_due(time.perf_counter()):
+            return None
+        keys = table.copy_watched()
+        if not keys:
+            return None
+        self._inside_last_s = now_s
+        return InsidePlan(epoch_index, tuple(keys), now_s)
+
+    def read_inside(self, plan: InsidePlan) -> dict[ProcessKey, HostMemory]:
+        """Make an in-epoch read (no lock held: a page-table walk per worker)."""
+        found = self.failures.guard(lambda: self.rollup(plan.keys, count=False), "host memory")
+        self.inside_reads += 1
+        return found or {}
 
     def read_planned(
         self,
@@ -144,21 +208,26 @@ class HostReads:
         rollup: dict[ProcessKey, HostMemory] = {}
         if closed or self.pacing.rollup_due(time.perf_counter()):
             keys = self.long_lived(table)
+            keys += [key for key in table.copy_watched() if key not in keys]
             rollup = self.failures.guard(lambda: self.rollup(keys), "host memory") or {}
         return status, rollup
 
-    def rollup(self, keys: Iterable[ProcessKey]) -> dict[ProcessKey, HostMemory]:
+    def rollup(
+        self, keys: Iterable[ProcessKey], *, count: bool = True
+    ) -> dict[ProcessKey, HostMemory]:
         """Read USS and PSS (smaps_rollup) of ``keys``, timed for the pacing.
 
         The caller holds no lock: the reads take a millisecond or more per process, during
-        which the kernel walks page tables with the interpreter lock released.
+        which the kernel walks page tables with the interpreter lock released. ``count``:
+        an epoch end's (or final state's) reads, counted in ``rollup_reads``.
         """
         started_cpu_s = time.thread_time()
         found = hostmem.read_host_memories(keys)
         cpu_s = time.thread_time() - started_cpu_s
         self.pacing.rollup_read(time.perf_counter(), cpu_s)
         self.rollup_cpu_s += cpu_s
-        self.rollup_reads += 1
+        if count:
+            self.rollup_reads += 1
         return found
 
 
@@ -173,4 +242,6 @@ def reported_memory(record: TeardownRecord) -> HostMemory | None:
         swap_bytes=None,
         source="smaps_rollup" if record.host_uss_bytes is not None else "status",
         rss_peak_bytes=record.host_rss_peak_bytes,
+        shared_dirty_bytes=record.host_shared_dirty_bytes,
+        private_dirty_bytes=record.host_private_dirty_bytes,
     )

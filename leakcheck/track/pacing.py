@@ -48,6 +48,14 @@ A wrapper that announces leaks after each epoch (``watch()``, the Lightning call
 them before it judges, on its own thread: its warning then gives the figures the final
 report gives.
 
+The copy-on-read rule reads forked workers that reported their birth (NOTE [copy on read] in
+hostmem.py) on the same budget, in two more ways: at the first epoch end each is alive at,
+whatever the pacing says (one read per worker's life, so that the first epoch is judged
+however short), and inside an epoch once it has lasted ``host.INSIDE_AFTER_S``, when the
+pacing allows and at most every ``host.INSIDE_GAP_S`` (a share of 1 too), on the sampler's
+thread with no lock held: a worker that copies early in an epoch of minutes is seen minutes
+before its end. Epochs shorter than that (10 s) leave the share to their ends.
+
 NOTE [idle ticks]: a tick that does not walk and whose NVML reads are all paced out reads
 nothing and changes nothing, yet waking a thread costs CPU. So after each tick the sampler
 sleeps through the ticks that would be empty: up to the next walking tick, and no further

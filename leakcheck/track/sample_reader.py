@@ -197,7 +197,11 @@ class SampleReader:
             )
 
     def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
-        """Exact worker identities and the workers' own reports (NOTE [worker mailbox])."""
+        """Exact worker identities and the workers' own reports (NOTE [worker mailbox]).
+
+        Births, as they come, go to the folder's births file too (``mailbox.read_births``).
+        """
+        born = False
         for record in inbox.read(quick=quick):
             key = mailbox.record_key(record)
             if key is None:
@@ -205,7 +209,11 @@ class SampleReader:
             if record.get("kind") == "worker":
                 persistent = record.get("persistent")
                 self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+                self.table.note_birth(key, *mailbox.worker_birth(record))
+                born = True
             elif record.get("kind") == "teardown":
                 teardown = mailbox.teardown_record(record, key)
                 self.teardowns.append(teardown)
                 self.book.apply_teardown(teardown, self._start_s)
+        if born:
+            mailbox.write_births(inbox.directory, self.table.births())

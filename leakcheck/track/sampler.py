@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
+    MIB,
     DeviceState,
     EndReason,
     FinalState,
@@ -48,7 +49,7 @@ from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.cost import CostMeter
-from leakcheck.track.host import HostReads
+from leakcheck.track.host import HostReads, InsidePlan
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.reads import Failures, NvmlReads
 from leakcheck.track.sample_reader import SampleReader
@@ -76,6 +77,8 @@ class Sampler:
         rollup_share: Share of time for smaps_rollup reads (None: ``ROLLUP_SHARE``).
         scan_at_epoch_end: Scan for reparented processes in each epoch end's sample too
             (``Tracker``'s).
+        copy_tolerance_bytes: The copy tolerance (``RuleConfig``'s): when a worker's copy
+            was first read above it is kept.
 
     """
 
@@ -93,6 +96,7 @@ class Sampler:
         rollup_share: float | None = None,
         warmup_epochs: int = 1,
         scan_at_epoch_end: bool = False,
+        copy_tolerance_bytes: int = 64 * MIB,
     ) -> None:
         self.root_pid = root_pid
         self.scan_at_epoch_end = scan_at_epoch_end
@@ -128,7 +132,7 @@ class Sampler:
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
         self.reader: SampleReader | None = None
-        self.book = EpochBook(grace_s=grace_s)
+        self.book = EpochBook(grace_s=grace_s, copy_tolerance_bytes=copy_tolerance_bytes)
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
         self.host = HostReads(self.pacing, self.failures, warmup_epochs=warmup_epochs)
         self.shm = ShmWatch()
@@ -254,7 +258,25 @@ class Sampler:
                 read_memory=tick.read_memory,
                 lists_paced_out=tick.lists_paced_out,
             )
-            return self.pacing.ticks_until_work(time.perf_counter())
+            opened = self.book.open
+            inside = None
+            if self.table is not None and opened is not None:
+                inside = self.host.plan_inside(
+                    self.table, opened.index, opened.start_s, self.now()
+                )
+            next_ticks = self.pacing.ticks_until_work(time.perf_counter())
+        if inside is not None:
+            self._read_inside(inside)
+        return next_ticks
+
+    def _read_inside(self, plan: InsidePlan) -> None:
+        """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
+        started_cpu_s = time.thread_time()
+        found = self.host.read_inside(plan)
+        with self.lock:
+            if found and self.table is not None and self.book.open_index == plan.epoch_index:
+                self.book.apply_inside(self.table, found, plan.at_s)
+        self.meter.host_read(time.thread_time() - started_cpu_s)
 
     def finish_reads(self) -> None:
         """Make the host reads planned at the last epoch end now, or wait for those under way.
@@ -388,7 +410,7 @@ class Sampler:
         status, rollup = self.host.final_reads(table, closed=closed)
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
-        processes = final_processes(table, last_end, status, rollup)
+        processes = final_processes(table, last_end, status, rollup, self.book, self.now())
         pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
         return FinalState(
             time_s=self.now(),
@@ -400,6 +422,7 @@ class Sampler:
             others_gpu_bytes=table.others_gpu_bytes(),
             closed=closed,
             pending_pids=tuple(sorted(key.pid for key in pending)),
+            open_epoch=self.book.open_index,
         )
 
     def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:

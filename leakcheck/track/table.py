@@ -18,6 +18,7 @@ from leakcheck.core.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Rol
 from leakcheck.core.roles import direct_child_role, is_runtime_helper
 from leakcheck.core.units import shorten_cmdline
 from leakcheck.observe import nvml, procs
+from leakcheck.observe.hostmem import HostMemory
 from leakcheck.track import claims
 
 __all__ = ["CMDLINE_CHARS", "Proc", "ProcessTable"]
@@ -56,6 +57,13 @@ class Proc:
     """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
     rank_pending: bool = False
     """First seen with its parent's command line and no rank: maybe between fork and exec."""
+    forked: bool | None = None
+    """A loader's worker started by fork (its birth report says; None: no report)."""
+    birth_host: HostMemory | None = None
+    """Its host memory as it started, from its birth report (NOTE [copy on read] in
+    hostmem.py); None: not reported."""
+    end_read: bool = False
+    """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
     other_rank: bool = False
     """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
     counted as the job's memory, never judged here; its own rank's tracker judges it."""
@@ -334,6 +342,30 @@ class ProcessTable:
         proc.rank_pending = False
         self.changed = True
         return proc
+
+    def note_birth(self, key: ProcessKey, forked: bool | None, memory: HostMemory | None) -> None:
+        """A worker's birth report: how it started, and its host memory then."""
+        proc = self.procs.get(key)
+        if proc is not None:
+            proc.forked = forked
+            proc.birth_host = memory
+            self.changed = True
+
+    def births(self) -> dict[ProcessKey, tuple[bool | None, HostMemory | None]]:
+        """``(forked, birth reading)`` of the live processes that reported their birth."""
+        return {
+            key: (proc.forked, proc.birth_host)
+            for key, proc in self.live.items()
+            if proc.forked is not None or proc.birth_host is not None
+        }
+
+    def copy_watched(self) -> list[ProcessKey]:
+        """Live own forked workers that reported their birth: whose copies reads measure."""
+        return [
+            key
+            for key, proc in self.live.items()
+            if proc.own and not proc.foreign and proc.forked is True and proc.birth_host
+        ]
 
     # -- GPU memory ----------------------------------------------------------------------
 

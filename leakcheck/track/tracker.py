@@ -95,6 +95,9 @@ class Tracker:
             so that each epoch's orphan count is what its end had; by default the scan runs
             on the sampler thread's next tick, and an orphan can be counted epochs late
             when epochs are shorter than a tick. ``leakcheck sweep`` sets it.
+        copy_tolerance: What a forked worker may copy of its parent's memory before the
+            copy-on-read rule calls it a leak (``"64MiB"``, bytes; NOTE [copy on read] in
+            hostmem.py).
 
     """
 
@@ -113,6 +116,7 @@ class Tracker:
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
         scan_at_epoch_end: bool = False,
+        copy_tolerance: str | int = "64MiB",
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
@@ -137,6 +141,7 @@ class Tracker:
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
             warmup_epochs=warmup_epochs,
             grace_s=parse_duration(grace, source="grace"),
+            copy_tolerance_bytes=parse_size(copy_tolerance, source="copy_tolerance"),
         )
         self._sampler = Sampler(
             root_pid=os.getpid() if root_pid is None else root_pid,
@@ -150,6 +155,7 @@ class Tracker:
             rollup_share=rollup_share,
             warmup_epochs=warmup_epochs,
             scan_at_epoch_end=bool(scan_at_epoch_end),
+            copy_tolerance_bytes=self._config.copy_tolerance_bytes,
         )
 
     @property
@@ -330,10 +336,14 @@ class Tracker:
     @caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
+        with self._sampler.lock:
+            table = self._sampler.table
+            births = table.births() if table is not None else {}
         return take_snapshot(
             root_pid=self._sampler.root_pid,
             devices=self._sampler.devices,
             known_workers=self.worker_keys(),
+            births=births,
         )
 
     @caller_timed

@@ -8,7 +8,9 @@ The policy, installed in each worker by :class:`WorkerInit` (the chained ``worke
    so a crashed trainer leaves no worker behind holding a context.
 2. The worker posts its identity ``(pid, start_ticks)`` to the mailbox (NOTE [worker
    mailbox] in mailbox.py), so the tracker knows its workers exactly (NOTE [process
-   identity] in procs.py: the same number the tracker reads, whatever the clocks said).
+   identity] in procs.py), with its birth reading: its own host memory as it starts (one
+   smaps_rollup read) and whether it was forked, the baseline of what it copies later
+   (NOTE [copy on read] in hostmem.py).
 3. At worker exit (a ``multiprocessing.util.Finalize`` hook: DataLoader workers leave through
    multiprocessing's bootstrap, which runs finalizers, not ``atexit``), the worker reads its
    own host memory (USS, PSS, RSS and its peak) and, only when CUDA was initialised in it,
@@ -551,6 +553,8 @@ def _worker_teardown(state: _WorkerExit) -> None:
         host_pss_bytes=host.pss_bytes if host else None,
         host_rss_bytes=host.rss_bytes if host else None,
         host_rss_peak_bytes=host.rss_peak_bytes if host else None,
+        host_shared_dirty_bytes=host.shared_dirty_bytes if host else None,
+        host_private_dirty_bytes=host.private_dirty_bytes if host else None,
     )
     fields = asdict(record)
     del fields["key"]
@@ -561,6 +565,26 @@ def _worker_teardown(state: _WorkerExit) -> None:
         {"pid": state.pid, "start_ticks": state.start_ticks, **fields},
         directory=state.mailbox_dir,
     )
+
+
+def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
+    """A worker's birth reading for its ``worker`` record (NOTE [copy on read] in hostmem.py).
+
+    Never raises: a worker must not die for leakcheck's sake; an unreadable one posts none.
+    """
+    try:
+        host = hostmem.read_host_memory(pid)
+    except Exception:
+        host = None
+    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
+    if host is not None and host.uss_bytes is not None:
+        fields.update(
+            host_uss_bytes=host.uss_bytes,
+            host_rss_bytes=host.rss_bytes,
+            host_shared_dirty_bytes=host.shared_dirty_bytes,
+            host_private_dirty_bytes=host.private_dirty_bytes,
+        )
+    return fields
 
 
 class WorkerInit:
@@ -589,6 +613,13 @@ class WorkerInit:
         self.death_signal = True
         """Set ``PR_SET_PDEATHSIG`` (with ``release``); ``watch`` clears it for workers
         started from a thread other than the main thread (NOTE [teardown policy])."""
+        self._home_pid = os.getpid()
+        """The process whose memory holds this object: a worker that finds another one was
+        forked (it runs on its parent's copy); spawn and forkserver unpickle it anew."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._home_pid = os.getpid()
 
     def __repr__(self) -> str:
         return (
@@ -610,6 +641,7 @@ class WorkerInit:
         pid = os.getpid()
         key = procs.process_key(pid)
         if key is not None:
+            reporting = bool(self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV))
             mailbox.post(
                 "worker",
                 {
@@ -618,10 +650,10 @@ class WorkerInit:
                     "ppid": os.getppid(),
                     "worker_id": worker_id,
                     "persistent": self.persistent,
+                    **(_birth_fields(pid, forked=self._home_pid != pid) if reporting else {}),
                 },
                 directory=self.mailbox_dir,
             )
-            reporting = bool(self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV))
             if self.release or self.terminate_children or reporting:
                 # Reported even without the release: what the worker held is its epoch's
                 # truth (NOTE [worker reports] in sampling/book.py).

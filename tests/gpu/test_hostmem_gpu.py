@@ -1,11 +1,11 @@
 """Host memory and /dev/shm on a GPU host: copy-on-read, clean loaders, CUDA IPC files.
 
-The same evidence as the CPU tests, on the GPU machine: the copy-on-read scenario is found
-per worker in MiB/epoch and clean sweeps have no host finding (with GPU columns beside the
-host ones), and a worker SIGKILLed after returning CUDA tensors has the files it leaves in
-/dev/shm named with their cause. Every sweep and scenario runs in its own interpreter, so
-CUDA is never initialised in the pytest process. Each test prints what it saw (``-s``) for
-the GPU test log.
+The same evidence as the CPU tests, on the GPU machine: the copy-on-read scenario is found in
+epoch 0 (the copy-on-read rule), its growing variant per worker in MiB/epoch, and clean
+sweeps have no host finding (with GPU columns beside the host ones), and a worker SIGKILLed
+after returning CUDA tensors has the files it leaves in /dev/shm named with their cause.
+Every sweep and scenario runs in its own interpreter, so CUDA is never initialised in the
+pytest process. Each test prints what it saw (``-s``) for the GPU test log.
 """
 
 from __future__ import annotations
@@ -25,9 +25,30 @@ pytestmark = pytest.mark.gpu
 MIB = 2**20
 
 
-def test_copy_on_read_is_found_per_worker_and_the_parent_is_not(tmp_path: Path) -> None:
+def test_copy_on_read_is_found_in_epoch_0_for_the_loaders_workers(tmp_path: Path) -> None:
     status, text, data = sweep(
-        tmp_path, "cor", "--scenario", "copy-on-read", "--workers", "0,4", "--epochs", "5"
+        tmp_path, "cor", "--scenario", "copy-on-read", "--workers", "0,4", "--epochs", "3"
+    )
+    assert status == 0, text
+    no_workers, four = data["configurations"]
+    assert findings(no_workers, "copy-on-read") == []
+    (found,) = findings(four, "copy-on-read")
+    assert found["severity"] == "leak" and found["epoch"] == 0, text
+    assert "4 forked workers of PID" in found["message"]
+    assert findings(four, "host-growth") == []  # flat after epoch 0: no growth to see
+    print("copy-on-read:", found["message"])
+
+
+def test_copy_on_read_growing_is_found_per_worker_and_the_parent_is_not(tmp_path: Path) -> None:
+    status, text, data = sweep(
+        tmp_path,
+        "cor",
+        "--scenario",
+        "copy-on-read-growing",
+        "--workers",
+        "0,4",
+        "--epochs",
+        "5",
     )
     assert status == 0, text
     no_workers, four = data["configurations"]

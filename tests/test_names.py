@@ -53,8 +53,9 @@ def test_a_name_is_cut_to_its_width_and_code_keeps_its_quote() -> None:
     code = f"{PY} -c " + "import os; " * 20
     assert process_name(code, width=30) == 'python -c "import os; import\u2026"'
     assert process_name(f"{PY} train.py " + "--flag " * 40, width=20) == "train.py --flag --f\u2026"
-    # Newlines of a `python -c` script stay on the line.
-    assert "\n" not in process_name(f"{PY} -c import os\nimport sys\nprint(1)")
+    # The lines of a `python -c` script are one line, as Python would read them.
+    assert process_name(f"{PY} -c import os\n\nimport sys\n") == 'python -c "import os; import sys"'
+    assert process_name("sleep\n60") == "sleep 60"
 
 
 def test_workers_are_named_by_their_loader_where_known() -> None:

@@ -35,6 +35,7 @@ TIMES = "\u00d7"
 """Between a count and what it counts (a multiplication sign)."""
 
 _INTERPRETER = re.compile(r"^(?:python|pypy)\d*(?:\.\d+)?[a-z]?$")
+_LINE_BREAKS = re.compile(r"[ \t]*(?:[\r\n][ \t]*)+")
 # Interpreter options that take the next argument (`-X importtime`, `-W error`).
 _OPTIONS_WITH_VALUE = frozenset(("-X", "-W", "--check-hash-based-pycs"))
 
@@ -58,8 +59,8 @@ def _python_target(args: list[str]) -> str:
             rest = " ".join(
                 [joined.group(2), *args[index + 1 :]] if joined.group(2) else args[index + 1 :]
             )
-            if flag == "c":
-                return f'python -c "{rest}"'
+            if flag == "c":  # a script's lines as one: `import os; print(1)`
+                return f'python -c "{_LINE_BREAKS.sub("; ", rest.strip())}"'
             return f"python -m {rest}".rstrip()
         if arg in _OPTIONS_WITH_VALUE:
             index += 2
@@ -97,7 +98,8 @@ def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "
         ``spawn worker``).
 
     """
-    args = (cmdline or "").split()
+    # Split on spaces only: a `python -c` script keeps its line breaks until it is named.
+    args = [arg for arg in (cmdline or "").split(" ") if arg.strip()]
     if not args:
         return empty
     helper = runtime_helper_name(cmdline or "")

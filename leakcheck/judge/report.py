@@ -903,8 +903,10 @@ def finding_lines(
     for index, finding in enumerate(findings):
         who, what = _culprit_and_what(finding)
         template, _ = _fix_template(finding)
+        # By the name a person reads (two helpers whose arguments differ are one cause).
+        name = process_name(finding.cmdline)
         key: tuple[object, ...] = (
-            (finding.severity, finding.rule, finding.role, finding.rank, finding.cmdline, what)
+            (finding.severity, finding.rule, finding.role, finding.rank, name, what)
             if who is not None and finding.pid is not None
             else (index,)
         )

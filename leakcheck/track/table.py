@@ -109,8 +109,9 @@ def _run_id(info: RankInfo) -> str | None:
 
 def _stored(cmdline: str) -> str:
     # Whole (procs bounds it far above any real one): roles and helpers are told by it, and
-    # a report names the process from it (NOTE [process names] in names.py).
-    return " ".join(cmdline.split())
+    # a report names the process from it (NOTE [process names] in names.py), a `python -c`
+    # script's lines included.
+    return cmdline.strip()
 
 
 class ProcessTable:

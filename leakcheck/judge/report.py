@@ -184,9 +184,15 @@ class Report:
 
     # ------------------------------------------------------------------ text
 
-    def summary(self) -> str:
-        """Return the one-line verdict that ends ``format()``."""
-        return self._verdict_line() + self._pending_text()
+    def summary(self, *, gpu: bool = True) -> str:
+        """Return the one-line verdict that ends ``format()``.
+
+        Args:
+            gpu: Say that GPU memory was not checked, where it was not (False where the
+                caller said so once already, as a sweep's header does).
+
+        """
+        return self._verdict_line(gpu=gpu) + self._pending_text()
 
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""
@@ -204,7 +210,7 @@ class Report:
             f"{'it was' if len(pending) == 1 else 'they were'} born in)"
         )
 
-    def _verdict_line(self) -> str:
+    def _verdict_line(self, *, gpu: bool = True) -> str:
         tl = self.timeline
         n_epochs = plural(len(tl.epochs), "epoch")
         leaks = self.leaks
@@ -220,7 +226,8 @@ class Report:
             )
         processes = plural(len(_lineage_keys(tl)), "process", "processes")
         if tl.attribution in ("nvml-unavailable", "no-gpu"):
-            return f"leakcheck: no leaks in {n_epochs} ({processes}; GPU not checked)"
+            unchecked = "; GPU not checked" if gpu else ""
+            return f"leakcheck: no leaks in {n_epochs} ({processes}{unchecked})"
         peak = _device_peak(tl)
         peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
         return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"

@@ -359,10 +359,8 @@ def format_run(result: RunResult) -> str:
     if not result.loaders:
         lines.extend(gap)
         lines.append(
-            "loaders: none tracked by the run: no DataLoader was iterated in a Python process "
-            "of the run, or each one was watched by the program itself (leakcheck.watch(): "
-            "its report is the program's), or its Python ignored PYTHONPATH (python -E, -I or "
-            "-S)"
+            "loaders: none tracked: no DataLoader iterated in a Python process of the run, each "
+            "one watch()ed by the program, or PYTHONPATH ignored (-E, -I, -S)"
         )
     lines.extend(gap)
     lines.extend(_tree_lines(result, shown))

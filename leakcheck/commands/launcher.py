@@ -325,10 +325,6 @@ def _program_line(result: RunResult) -> str:
     return f"program PID {result.pid} {how}{interrupted} after {result.wall_s:.1f} s"
 
 
-_COMMAND_WIDTH = 72
-"""The program is named in the report's first line in at most this many characters."""
-
-
 def format_run(result: RunResult) -> str:
     """Render a run as text (see ``RunResult.format``).
 
@@ -340,7 +336,7 @@ def format_run(result: RunResult) -> str:
     quiet = result.verdict == "clean" and not any(
         report.findings for report in result._reports()
     )
-    command = process_name(" ".join(result.command), width=_COMMAND_WIDTH)
+    command = process_name(" ".join(result.command))
     gpu = f"; {gpu_unchecked(result.gpu_reason)}" if result.gpu_reason else ""
     lines = [f"leakcheck run: {command}: {_program_line(result)}{gpu}"]
     if not quiet:
@@ -633,8 +629,8 @@ def _loader_result(
     if report_record is None:
         return LoaderResult(
             **common,
-            missing="its process ended without running its exit handlers (os._exit, a "
-            "signal) or was still running when the run ended",
+            missing="its process ended without its exit handlers (os._exit, a signal) or "
+            "outlived the run",
         )
     try:
         report = report_from_dict(report_record["report"])

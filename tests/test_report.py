@@ -518,3 +518,19 @@ def test_orphans_of_one_cause_are_one_line_under_one_fix() -> None:
         "epoch 0, alive after the job",
         "  fix: leakcheck.worker_init_fn(terminate_children=True), or kill 11 12 13 14 15 16",
     ]
+
+
+def test_a_file_nothing_ties_to_the_work_is_kept_in_the_json_not_in_the_text() -> None:
+    """Another job's /dev/shm file is no one's to act on here: the JSON has it, the text of a
+    clean report stays its one line; a file the work's process holds is still said."""
+    files = (
+        ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),
+        ShmFile("stranger", 64, attributable=False),
+    )
+    report = build_report(dataclasses.replace(clean_timeline(), shm_files=files), CONFIG)
+    assert report.clean and [f.rule for f in report.findings] == ["shm", "shm"]
+    assert report.format() == report.summary()
+    assert len(report.to_dict()["findings"]) == 2
+    held = (ShmFile("mine", 64, holder_pid=ROOT_PID, holder_role="parent", in_use=True),)
+    report = build_report(dataclasses.replace(clean_timeline(), shm_files=held), CONFIG)
+    assert report.format().splitlines()[0].startswith("info shm  /dev/shm/mine (64 B) still")

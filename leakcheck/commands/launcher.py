@@ -333,9 +333,7 @@ def format_run(result: RunResult) -> str:
     found them, a process named once; the thresholds are said where something was found.
     """
     options = result.options
-    quiet = result.verdict == "clean" and not any(
-        report.findings for report in result._reports()
-    )
+    quiet = result.verdict == "clean" and not any(report.said for report in result._reports())
     command = process_name(" ".join(result.command))
     gpu = f"; {gpu_unchecked(result.gpu_reason)}" if result.gpu_reason else ""
     lines = [f"leakcheck run: {command}: {_program_line(result)}{gpu}"]

@@ -52,6 +52,7 @@ __all__ = [
     "finding_to_dict",
     "gpu_unchecked",
     "host_totals",
+    "is_said",
     "leak_short",
     "report_from_dict",
     "verdict_of",
@@ -257,7 +258,7 @@ class Report:
         if verbose:
             lines.extend(_process_lines(self.timeline))
             lines.extend(_teardown_lines(self.timeline))
-        if self.findings:
+        if self.said:
             lines.append("")
             lines.extend(self.finding_lines())
         lines.append("")
@@ -276,7 +277,8 @@ class Report:
         A worker's index is known where it reported it at its exit (``Timeline.teardowns``).
 
         Args:
-            findings: Which of its findings (default: all).
+            findings: Which of its findings (default: those ``said``); those a person cannot
+                act on are left out either way (``is_said``).
             indent: Put before every line.
             loader: The label of the loader the report is of, naming its workers.
 
@@ -286,8 +288,13 @@ class Report:
             for rec in self.timeline.teardowns
             if rec.worker_id is not None
         }
-        chosen = self.findings if findings is None else findings
+        chosen = [f for f in (self.findings if findings is None else findings) if is_said(f)]
         return finding_lines(chosen, indent, loader=loader, worker_ids=worker_ids)
+
+    @property
+    def said(self) -> list[Finding]:
+        """The findings the text reports write: all but those no one can act on (``is_said``)."""
+        return [f for f in self.findings if is_said(f)]
 
     def __str__(self) -> str:
         return self.format()
@@ -477,6 +484,21 @@ _GPU_RULES = frozenset(
         "blind",
     )
 )
+
+
+def is_said(finding: Finding) -> bool:
+    """Whether a text report writes the finding: every leak, and information one can act on.
+
+    A ``/dev/shm`` file that no process of the work held, and that nothing ties to it (other
+    jobs ran beside it) or that an older process made, is not the work's to act on: the
+    JSON keeps it, the text leaves it out (the pytest plugin counts such files apart).
+    """
+    return not (
+        finding.rule == "shm"
+        and finding.severity == "info"
+        and finding.pid is None
+        and finding.shm_name is not None
+    )
 
 
 def about_gpu(findings: Iterable[Finding]) -> bool:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from leakcheck.core.errors import GPULeakError, GPULeakWarning, LeakCheckError, NVMLUnavailable
+from leakcheck.core.errors import (
+    GPULeakError,
+    GPULeakWarning,
+    LeakCheckError,
+    LeakError,
+    LeakWarning,
+    NVMLUnavailable,
+)
 
 __version__ = "0.1.0"
 
@@ -12,6 +19,8 @@ __all__ = [
     "GPULeakError",
     "GPULeakWarning",
     "LeakCheckError",
+    "LeakError",
+    "LeakWarning",
     "NVMLUnavailable",
     "Report",
     "Tracker",

@@ -480,4 +480,7 @@ def test_the_lightning_example_names_each_helper_and_keeps_validation_clean() ->
     lines = done.stdout.splitlines()
     assert lines[-2].startswith("leakcheck: 6 leaks found: orphan process PID "), done.stdout
     assert lines[-1].startswith("leakcheck: no leaks in 4 epochs ("), done.stdout
-    assert done.stdout.count("LEAK orphan: ") == 6
+    # One fix for the six, which kills them all; a line per epoch that left two.
+    (fix,) = [line for line in lines if line.startswith("  fix: ") and " kill " in line]
+    assert len(fix.split(" kill ")[1].split()) == 6, done.stdout
+    assert 1 <= done.stdout.count("LEAK orphan  ") <= 3, done.stdout

@@ -134,7 +134,7 @@ def test_worker_with_a_context_on_another_gpu_is_a_device_mismatch() -> None:
         1,
     )
     assert finding.device_index == 0 and finding.gpu_bytes == mib(520)
-    assert "rank 1 worker PID 201" in finding.message
+    assert "rank 1 worker of worker_201.py (PID 201)" in finding.message
     assert "GPU0 520 MiB" in finding.message and "trains on GPU1" in finding.message
     assert "device-mismatch" in [f.rule for f in verdict.judge(tl, CONFIG)]
 
@@ -149,7 +149,7 @@ def test_a_device_mismatch_seen_from_outside_counts_for_its_rank() -> None:
     (finding,) = outside.leaks
     assert (finding.rule, finding.rank) == ("device-mismatch", 1)
     assert leak_short(finding) == "device-mismatch rank 1 worker PID 201 (520 MiB)"
-    assert "LEAK device-mismatch: rank 1 worker PID 201 (" in outside.format()
+    assert "LEAK device-mismatch  rank 1 worker of worker_201.py (PID 201) " in outside.format()
     job = judge_job([], [outside])
     assert [(r.rank, r.verdict) for r in job.ranks] == [(1, "leak")]
     assert job.ranks[0].leaks == (finding,) and job.leaks == (finding,)
@@ -201,7 +201,9 @@ def test_orphan_after_the_job_on_another_gpu_is_named_once_per_device() -> None:
     mismatch = [f for f in findings if f.rule == "device-mismatch"]
     assert len(mismatch) == 1 and "after the job" in mismatch[0].message
     named = [f for f in findings if f.rule == "orphan"]
-    assert named and named[0].rank == 2 and "rank 2 orphan PID 301" in named[0].message
+    assert named and named[0].rank == 2 and "rank 2 orphan_301.py --flag (PID 301)" in (
+        named[0].message
+    )
 
 
 def test_ranks_sharing_the_one_gpu_there_is_are_no_mismatch() -> None:
@@ -289,11 +291,11 @@ def test_another_rank_of_the_job_on_the_shared_gpu_is_the_jobs_memory(
     residual = [f for f in findings if f["rule"] == "residual"]
     if stranger_mib:
         (finding,) = residual
-        assert f"foreign PID {stranger.pid}" in finding["message"]
+        assert f"(PID {stranger.pid})" in finding["message"]
         assert f"PID {sibling.pid}" not in finding["message"]
     elif unexplained_mib:
         (finding,) = residual
-        assert "300 MiB of it not held by the job's processes" in finding["message"]
+        assert "300 MiB of it not held by the job" in finding["message"]
     else:
         assert residual == [], findings
 

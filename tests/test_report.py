@@ -7,7 +7,15 @@ import pytest
 
 import leakcheck
 from leakcheck.core.errors import UsageError
-from leakcheck.core.model import MIB, ProcessEpoch, RuleConfig, ShmFile, TeardownRecord, Timeline
+from leakcheck.core.model import (
+    MIB,
+    Finding,
+    ProcessEpoch,
+    RuleConfig,
+    ShmFile,
+    TeardownRecord,
+    Timeline,
+)
 from leakcheck.judge.report import (
     SCHEMA_VERSION,
     Report,
@@ -155,7 +163,7 @@ def test_a_shm_file_made_by_an_older_process_reads_back_with_its_maker() -> None
     again = report_from_dict(data)
     assert again == report
     words = [f.message for f in again.findings if f.rule == "shm"]
-    assert any("its name says PID 42 made it" in message for message in words)
+    assert any("made by PID 42, older than the work" in message for message in words)
     for item in data["shm_files"]:
         del item["made_by_older"]
     older = report_from_dict(data)
@@ -204,7 +212,7 @@ def test_ranks_round_trip_and_name_the_culprit() -> None:
     assert again.timeline.rank_devices == {1: 1}
     survivor = next(f for f in again.findings if f.rule == "survivor")
     assert survivor.rank == 1
-    assert "rank 1 worker PID 1234" in survivor.message
+    assert "rank 1 worker of worker_1234.py (PID 1234)" in survivor.message
     assert "rank 1 worker PID 1234" in again.summary()
 
 
@@ -221,7 +229,7 @@ def test_report_from_dict_rejects_foreign_data(data: dict[str, object]) -> None:
 
 def test_text_names_the_culprit_with_pid_and_mib() -> None:
     text = survivor_report().format()
-    assert "LEAK survivor: worker PID 1234" in text
+    assert "LEAK survivor  worker of worker_1234.py (PID 1234)" in text
     assert "612 MiB" in text
     assert "  fix: " in text
     assert "LEAK residual" in text and "PID 999" in text
@@ -235,14 +243,16 @@ def test_text_table_has_one_row_per_epoch_and_dashes_for_unknowns() -> None:
     head = next(i for i, line in enumerate(lines) if line.startswith("epoch  label"))
     rows = lines[head + 1 : head + 4]
     assert [row.split()[0] for row in rows] == ["0", "1", "2"]
+    # No host memory read in any epoch: those columns are left out (only data shows).
+    assert "host" not in lines[head]
     assert rows[0].split() == [
-        *("0", "epoch", "0", "1.0", "600", "1", "0", "0", "0", "0", "-", "-", "-"),
+        *("0", "epoch", "0", "1.0", "600", "1", "0", "0", "0", "0"),
         *("GPU0", "650/81559", "41", "1980", "310"),
     ]
     # epoch 1: parent 600 MiB, one worker holding 612 MiB and alive after the epoch;
-    # temperature, SM clock and power unknown.
+    # temperature, SM clock and power unknown there.
     assert rows[1].split() == [
-        *("1", "epoch", "1", "1.0", "600", "1", "612", "612", "1", "0", "-", "-", "-"),
+        *("1", "epoch", "1", "1.0", "600", "1", "612", "612", "1", "0"),
         *("GPU0", "1262/81559", "-", "-", "-"),
     ]
 
@@ -275,7 +285,7 @@ def test_clean_report_keeps_its_advice() -> None:
     report = build_report(timeline(epochs, final=final, baseline=[device(0, 50)]), CONFIG)
     assert report.clean
     lines = report.format().splitlines()
-    assert lines[0].startswith("info context-kept: parent PID 100")
+    assert lines[0].startswith("info context-kept  parent train.py --epochs 5 (PID 100)")
     assert lines[1].startswith("  fix: ")
     assert lines[-1].startswith("leakcheck: no leaks in 1 epoch (")
     assert len(lines) == 3
@@ -289,7 +299,7 @@ def test_blind_report_text_never_says_clean() -> None:
         for line in lines
     )
     assert "NVML PIDs not found in /proc" in text
-    assert "info blind:" in text
+    assert "info blind  " in text
     assert lines[-1].startswith("leakcheck: cannot confirm no leaks in 3 epochs")
 
 
@@ -297,10 +307,15 @@ def test_nvml_unavailable_text_says_why_and_shows_dashes() -> None:
     report = survivor_report("nvml-unavailable")
     assert [f.rule for f in report.leaks] == ["survivor"]
     text = report.format()
-    assert "GPU memory not checked: " in text
-    row = next(line for line in text.splitlines() if line.split()[:3] == ["1", "epoch", "1"])
-    # parent MiB, workers' end and peak unknown without NVML; one worker seen
-    assert row.split()[4:8] == ["-", "1", "-", "-"]
+    assert "GPU: not checked (" in text
+    lines = text.splitlines()
+    head = next(line for line in lines if line.startswith("epoch  label"))
+    row = next(line for line in lines if line.split()[:3] == ["1", "epoch", "1"])
+    # Without NVML no column of processes' GPU memory shows (no dash of one); one worker seen.
+    assert not {"parent MiB", "wk end MiB", "wk peak MiB"} & set(head.split("  ")), head
+    columns = [cell.strip() for cell in head.split("  ") if cell.strip()]
+    assert columns[:4] == ["epoch", "label", "time s", "workers"], head
+    assert row.split()[4] == "1"
 
 
 def test_nvml_unavailable_clean_summary() -> None:
@@ -308,7 +323,7 @@ def test_nvml_unavailable_clean_summary() -> None:
     report = build_report(tl, CONFIG)
     assert report.clean
     assert report.format() == (
-        "leakcheck: no leaks in 5 epochs (11 processes; GPU memory not checked: NVML unavailable)"
+        "leakcheck: no leaks in 5 epochs (11 processes; GPU not checked)"
     )
 
 
@@ -388,3 +403,139 @@ def test_verbose_lists_processes_and_teardowns() -> None:
 
 def test_report_is_the_public_name() -> None:
     assert leakcheck.Report is Report
+
+
+# --------------------------------------------------------------------------- one line each
+
+# A checkout deep enough that the interpreter's path alone is longer than any line allowed.
+_LONG_PYTHON = "/tmp/" + "a-rather-long-checkout-folder/" * 10 + ".venv/bin/python3"
+_LONG_CODE = f"{_LONG_PYTHON} -c " + "import os, sys, time; " * 20
+_LONG_LABEL = "tests/test_a_module_with_a_long_name.py::test_a_case_with_a_long_name[param-1-2]"
+
+
+def _long(p: ProcessEpoch, **changes: object) -> ProcessEpoch:
+    return dataclasses.replace(p, cmdline=_LONG_CODE, **changes)  # type: ignore[arg-type]
+
+
+def _findings_of_every_rule() -> list[Finding]:
+    """Findings of every rule, with the longest names and labels a report may meet."""
+    from leakcheck.core.model import ParentMemory
+    from leakcheck.judge import verdict
+
+    config = RuleConfig()
+    long_epoch = epoch(
+        0,
+        [
+            parent(600),
+            _long(proc(1234, "descendant", born=True, gpu_mib=612, fds=31, last_seen_after_s=3.0)),
+            _long(
+                proc(1235, "descendant", born=True, last_seen_after_s=3.0),
+                freed_by_gc=True,
+                scope="session-scoped fixture 'a_fixture_with_a_rather_long_name_indeed'",
+            ),
+            _long(proc(1236, "descendant", gpu_mib=0, fds=31, persistent=True)),
+            _long(proc(1237, gpu_mib={0: 520}), rank=1, rank_device=1),
+        ],
+        [device(0, 2000), device(1, 700)],
+        label=_LONG_LABEL,
+    )
+    orphan = _long(proc(4321, "orphan", gpu_mib=600, fds=31), rank=12)
+    foreign = [_long(proc(900 + i, "foreign", gpu_mib=700)) for i in range(3)]
+    final = final_state(
+        [parent(612), orphan, *foreign],
+        [device(0, 5000), device(1, 0, sm_mhz=1980, sm_max_mhz=1980, temp_c=80, power_w=300)],
+        after_last_epoch=[long_epoch],
+        parent_allocated_gpu_bytes=0,
+    )
+    shm = (
+        ShmFile("cuda.shm." + "x" * 200, 80 * 1024),
+        ShmFile("torch_1234_" + "5" * 100, 4 * MIB, holder_pid=1234, holder_role="worker"),
+        ShmFile("psm_1a2b3c", 1000, scope="module-scoped fixture 'a_long_fixture_name'"),
+        ShmFile("nccl-abc", 1000, holder_pid=7, holder_role="worker", in_use=True),
+        ShmFile("mine", 10, attributable=False),
+        ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),
+    )
+    tl = dataclasses.replace(
+        timeline(
+            [
+                dataclasses.replace(
+                    long_epoch, shm_total_bytes=64 * MIB, shm_used_peak_bytes=60 * MIB
+                )
+            ],
+            final=final,
+            baseline=[device(0, 50), device(1, 0)],
+            failures=["a sampler failure: " + "something went wrong in a long way; " * 10],
+        ),
+        shm_files=shm,
+        parent_memory=ParentMemory(
+            kept_tensor_bytes={0: 256 * MIB}, driver_bytes={0: 64 * MIB}, scopes=("x" * 100,)
+        ),
+    )
+    growing = [
+        epoch(i, [_long(proc(2001, persistent=True, gpu_mib=100 + 64 * i, uss_mib=100 + 40 * i))])
+        for i in range(6)
+    ]
+    resident_only = [
+        epoch(i, [_long(proc(2002, persistent=True, rss_mib=300, anon_mib=200))]) for i in range(6)
+    ]
+    blind = timeline(
+        [epoch(i, [parent(None)], [device(0, 100 + 64 * i)]) for i in range(6)],
+        attribution="blind-namespace",
+        reason="NVML PIDs not found in /proc: " + "1234, " * 40,
+    )
+    found = [
+        *verdict.judge(tl, config),
+        *verdict.judge(timeline(growing), config),
+        *verdict.judge(timeline(resident_only, attribution="nvml-unavailable"), config),
+        *verdict.judge(blind, config),
+    ]
+    assert {f.rule for f in found} == set(verdict.RULES), {f.rule for f in found}
+    return found
+
+
+def test_every_finding_is_one_line_of_160_and_its_fix_one_of_120() -> None:
+    """NOTE [one line per finding]: however long the command lines, labels and names."""
+    from leakcheck.judge.report import FINDING_WIDTH, FIX_WIDTH, finding_lines
+
+    findings = _findings_of_every_rule()
+    for finding in findings:
+        assert len(finding.remedy) <= FIX_WIDTH, finding.remedy
+        lines = finding_lines([finding], "  ", loader="a/long/path/to/train_script.py:42")
+        assert len(lines) == 2, lines
+        assert len(lines[0]) <= FINDING_WIDTH, lines[0]
+        assert lines[1].startswith("    fix: ") and len(lines[1]) <= len("    fix: ") + FIX_WIDTH
+        assert _LONG_PYTHON not in lines[0] and ".venv" not in lines[0], lines[0]
+    text = build_report(timeline([epoch(0, [parent()])]), RuleConfig()).format()
+    for line in [*finding_lines(findings), *text.splitlines()]:
+        assert len(line) <= FINDING_WIDTH, line
+
+
+def test_orphans_of_one_cause_are_one_line_under_one_fix() -> None:
+    epochs = [epoch(0, [parent()])]
+    orphans = [proc(11 + i, "orphan", cmdline="sleep 60", born=True) for i in range(6)]
+    orphans = [dataclasses.replace(p, born_epoch=0) for p in orphans]
+    final = final_state([parent(), *orphans], after_last_epoch=epochs)
+    report = build_report(timeline(epochs, final=final), RuleConfig())
+    assert len(report.leaks) == 6
+    lines = report.finding_lines()
+    assert lines == [
+        "LEAK orphan  6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026) outlived its parent since "
+        "epoch 0, alive after the job",
+        "  fix: leakcheck.worker_init_fn(terminate_children=True), or kill 11 12 13 14 15 16",
+    ]
+
+
+def test_a_file_nothing_ties_to_the_work_is_kept_in_the_json_not_in_the_text() -> None:
+    """Another job's /dev/shm file is no one's to act on here: the JSON has it, the text of a
+    clean report stays its one line; a file the work's process holds is still said."""
+    files = (
+        ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),
+        ShmFile("stranger", 64, attributable=False),
+    )
+    report = build_report(dataclasses.replace(clean_timeline(), shm_files=files), CONFIG)
+    assert report.clean and [f.rule for f in report.findings] == ["shm", "shm"]
+    assert report.format() == report.summary()
+    assert len(report.to_dict()["findings"]) == 2
+    held = (ShmFile("mine", 64, holder_pid=ROOT_PID, holder_role="parent", in_use=True),)
+    report = build_report(dataclasses.replace(clean_timeline(), shm_files=held), CONFIG)
+    assert report.format().splitlines()[0].startswith("info shm  /dev/shm/mine (64 B) still")

@@ -141,4 +141,4 @@ def test_a_multiline_command_line_stays_on_its_process_line(
     script_lines = [line.strip() for line in _JOB.strip().splitlines()]
     assert not [line for line in lines if line.strip() in script_lines]
     root_line = next(line for line in lines if f"PID {job.root} " in line)
-    assert "[parent]" in root_line and "-c import subprocess, sys, time" in root_line
+    assert "[parent]" in root_line and 'python -c "import subprocess, sys, time' in root_line

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import pytest
 from leakcheck.commands.progress import Progress
 from leakcheck.commands.sweep import (
     COLUMN_NAMES,
+    TABLE_WIDTH,
     LoaderError,
     LoaderFactory,
     SweepOptions,
@@ -98,11 +100,15 @@ def test_text_has_table_verdicts_and_unavailable_gpu_columns() -> None:
     text = _sweep().format()
     lines = text.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("workers  epoch"))
-    for name in COLUMN_NAMES:
-        assert name in header
-    assert "GPU columns: n/a: NVML unavailable: test without a GPU" in text
+    # Only the columns with data here: no GPU column without a GPU, no n/a cells.
+    assert [cell.strip() for cell in header.split("  ") if cell.strip()] == [
+        *("workers", "epoch", "time s", "alive after", "orphans", "host parent", "host wk"),
+        "host",
+    ]
+    assert "GPU: not checked (test without a GPU): host memory and processes only" in text
     table = lines[lines.index(header) + 1 : lines.index(header) + 7]
-    assert len(table) == 6 and all(" n/a " in line for line in table)
+    assert len(table) == 6 and not any("n/a" in line for line in table)
+    assert all(len(line) <= TABLE_WIDTH for line in [header, *table])
     assert text.count("verdict CLEAN") == 2
     assert text.rstrip().endswith("verdict clean, 0 leaks")
 
@@ -286,11 +292,11 @@ def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:
     (line,) = [
         ln for ln in text.splitlines() if ln.split()[:3] == ["0", "1", f"{row.duration_s:.2f}"]
     ]
-    assert line.split()[3] == "600"
-    assert line.split()[7:10] == ["0", "0", "0"]  # no workers: peak 0, none reported/unknown
+    assert line.split()[3:5] == ["600", "0"]  # the parent's GPU memory; no workers: peak 0
     # Host memory: the parent's, no workers, and what it is.
-    assert line.split()[12:15] == [format_mib(row.parent_host_bytes), "0", row.host_source]
-    assert line.split()[15:] == ["2000/81920", "52", "1410", "123"]
+    assert line.split()[7:10] == [format_mib(row.parent_host_bytes), "0", row.host_source]
+    assert line.split()[10:] == ["2000", "52"]  # the device's used memory, its temperature
+    assert all(len(ln) <= TABLE_WIDTH for ln in text.splitlines() if ln.startswith(" ")), text
     assert result.to_dict()["gpu"]["devices"][0]["name"] == "NVIDIA Fake H200"
     if importlib.util.find_spec("matplotlib") is not None:
         from leakcheck.judge.plot import plot_sweep
@@ -531,11 +537,10 @@ def test_unknown_worker_peak_is_question_mark_and_null_never_zero() -> None:
     lines = text.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("workers  epoch"))
     names = [name for name in COLUMN_NAMES if name in header]
-    assert names == list(COLUMN_NAMES)
+    assert names[:5] == ["workers", "epoch", "time s", "GPU parent", "GPU wk peak"]
     table = [line.split() for line in lines[lines.index(header) + 1 :][:3]]
-    # workers, epoch, time, parent, wk n, wk sum, wk max, wk peak, wk rep, wk ?
-    assert [cells[7:10] for cells in table] == [["1420", "2", "0"], ["?", "1", "1"],
-                                                ["1000", "0", "0"]]  # fmt: skip
+    # workers, epoch, time, GPU parent, GPU wk peak
+    assert [cells[4] for cells in table] == ["1420", "?", "1000"]
     assert "? = not known, not 0: 1 worker in 1 epoch exited before any read saw them" in text
     data = json.loads(json.dumps(result.to_dict()))
     row = data["configurations"][0]["rows"][1]
@@ -712,7 +717,7 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
         gpu_reason="no GPU here",
     )
     cells = [line.split() for line in result.format().splitlines() if line.startswith("      1")]
-    assert [c[12:15] for c in cells] == [
+    assert [c[5:8] for c in cells] == [
         ["300", "50", "uss"],
         ["310", "400", "uss+rss"],
         ["320", "?", "uss"],
@@ -784,3 +789,78 @@ def test_progress_lines_say_gpu_memory_is_unknown_where_it_was_not_read() -> Non
     lines = [line for line in stream.getvalue().splitlines() if "batches in" in line]
     assert len(lines) == 2, stream.getvalue()
     assert all("parent n/a MiB, 0 workers n/a MiB; host" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("epoch_s", "cost_s", "shown"),
+    [
+        (1.0, 0.06, True),  # 2% of 3 s of epochs: worth a line
+        (1.0, 0.015, False),  # 0.5%: nothing to say
+        (0.01, 0.02, False),  # 67% of 30 ms: a share of a loop too short to time
+    ],
+)
+def test_the_cost_line_shows_only_where_it_means_something(
+    epoch_s: float, cost_s: float, shown: bool
+) -> None:
+    """At least 1% of a loop of at least 1 s; the JSON has the cost either way."""
+    from dataclasses import replace
+
+    from leakcheck.core.model import TrackerCost
+
+    result = _synthetic_result()
+    config = result.configs[0]
+    epochs = tuple(
+        replace(rec, start_s=i * epoch_s, end_s=(i + 1) * epoch_s)
+        for i, rec in enumerate(config.report.timeline.epochs)
+    )
+    report = replace(config.report, timeline=replace(config.report.timeline, epochs=epochs))
+    cost = TrackerCost(
+        samples=10,
+        sample_wall_s=0.0,
+        sampler_cpu_s=cost_s / 2,
+        caller_wall_s=cost_s / 2,
+        nvml_wall_s=0.0,
+        nvml_cpu_s=0.0,
+    )
+    result = replace(result, configs=(replace(config, report=report, cost=cost),))
+    assert ("tracker cost:" in result.format()) is shown
+    data = result.to_dict()["configurations"][0]
+    assert data["accounted_cost_fraction"] == pytest.approx(cost_s / (3 * epoch_s))
+    assert data["tracker_ms_per_epoch"] == pytest.approx(cost_s / 2 * 1000 / 3)
+
+
+def test_library_warnings_wait_for_the_progress_line_and_show_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """torch warns of too many workers at every configuration's iterator: on a terminal that
+    broke the progress line; held during the sweep, each text is shown once after it."""
+
+    def warning_factory(num_workers: int) -> list[int]:
+        class Warns(list[int]):
+            def __iter__(self) -> Any:
+                warnings.warn(
+                    "This DataLoader will create too many workers", UserWarning, stacklevel=2
+                )
+                return super().__iter__()
+
+        return Warns([1, 2, 3])
+
+    class Closing(Progress):
+        closed = False
+
+        def close(self) -> None:
+            super().close()
+            self.closed = True
+
+    progress = Closing(4, stream=io.StringIO(), tty=True)
+    shown: list[tuple[str, bool]] = []  # each warning, and whether the bar was gone by then
+
+    def show(message: Warning | str, *args: object, **kwargs: object) -> None:
+        shown.append((str(message), progress.closed))
+
+    options = SweepOptions(workers=(0, 0), epochs=2, grace_s=0.1, interval_s=0.02)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        run_sweep(options, warning_factory, loader="test loader", progress=progress, gpu=NO_GPU)
+    assert shown == [("This DataLoader will create too many workers", True)], shown

@@ -19,6 +19,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.judge import verdict
 from leakcheck.observe import procs
+from leakcheck.judge.report import finding_lines
 from tests.timelines import (
     BOOT_UNIX_S,
     ROOT_PID,
@@ -67,7 +68,7 @@ def test_survivor_found_after_grace() -> None:
     assert found.gpu_bytes == mib(612)
     assert found.nvidia_fds == 31
     assert found.start_ticks == key(1234).start_ticks
-    for part in ("worker PID 1234", "python worker_1234.py", "epoch 0", "GPU0 612 MiB", "31 /dev"):
+    for part in ("worker of worker_1234.py (PID 1234)", "epoch 0", "GPU0 612 MiB", "31 /dev"):
         assert part in found.message
     assert "iterator" in found.remedy
 
@@ -100,7 +101,7 @@ def test_survivor_seen_alive_after_grace_then_gone_is_found() -> None:
         verdict.survivor(survivor_timeline(last_seen_after_s=2.4, exited_after_s=2.5), CONFIG)
     )
     assert found.pid == 1234
-    assert "still alive 2.4 s after epoch 0 ended" in found.message
+    assert "alive 2.4 s after it ended" in found.message
 
 
 def test_exit_noticed_after_grace_without_a_sighting_after_it_is_not_a_survivor() -> None:
@@ -148,7 +149,7 @@ def test_survivor_seen_alive_in_a_later_epoch_reported_once_in_birth_epoch() -> 
     ]
     found = one(verdict.survivor(timeline(epochs), CONFIG))
     assert (found.pid, found.epoch) == (1234, 0)
-    assert "still alive 2.1 s" in found.message
+    assert "alive 2.1 s" in found.message
 
 
 def test_a_helper_found_epochs_late_is_judged_from_the_epoch_it_was_born_in() -> None:
@@ -157,7 +158,7 @@ def test_a_helper_found_epochs_late_is_judged_from_the_epoch_it_was_born_in() ->
     epochs = [epoch(i, [parent()] + ([late] if i == 3 else [])) for i in range(4)]
     found = one(verdict.survivor(timeline(epochs), CONFIG))
     assert found.epoch == 1
-    assert "started in epoch 1 is still alive 2.1 s after epoch 1 ended" in found.message
+    assert "started in epoch 1, alive 2.1 s after it ended" in found.message
     assert verdict.epoch_counts(timeline(epochs), CONFIG.grace_s)[1].alive_after == 1
 
 
@@ -170,7 +171,7 @@ def test_with_no_grace_a_survivor_is_one_seen_alive_after_its_epoch_ended() -> N
     assert verdict.epoch_counts(timeline(epochs), 0.0)[0].alive_after == 0
     final = final_state([parent(), proc(1234)], after_last_epoch=epochs, wait_s=0.01)
     found = one(verdict.survivor(timeline(epochs, final=final), no_grace))
-    assert "still alive 0.0 s after epoch 0 ended (grace 0 s)" in found.message
+    assert "alive 0.0 s after it ended" in found.message
 
 
 def test_survivor_seen_in_final_state() -> None:
@@ -229,9 +230,12 @@ def test_orphan_found_with_max_bytes_and_fds() -> None:
     assert found.gpu_bytes == mib(600)
     assert found.nvidia_fds == 31
     assert found.epoch == 1
-    assert "orphan PID 4321" in found.message
+    # Born in epoch 0 under the job, outside its tree at epoch 1's end.
+    assert found.message.startswith(
+        "orphan_4321.py --flag (PID 4321) started in epoch 0, outlived its parent since epoch 1"
+    )
     assert "GPU0 600 MiB" in found.message
-    assert "still alive after the job ended" in found.message
+    assert "alive after the job" in found.message
     assert "terminate_children=True" in found.remedy
     assert "worker_init_fn" in found.remedy
 
@@ -258,7 +262,7 @@ def test_orphan_says_the_epoch_it_left_the_tree_in(
     ]
     final = final_state([parent(), found_as], after_last_epoch=epochs)
     found = one(verdict.orphan(timeline(epochs, final=final), CONFIG))
-    assert f"(now child of PID 1) {words}, still alive" in found.message, found.message
+    assert f"outlived its parent {words}, alive after the job" in found.message, found.message
 
 
 @pytest.mark.parametrize(("seen_inside", "orphans"), [(False, [1, 1, 1]), (True, [0, 1, 1])])
@@ -359,7 +363,7 @@ def test_slow_steady_leak_found() -> None:
     assert found.gpu_bytes == mib(58)  # epochs 1..59 after one warm-up epoch
     assert found.epoch == 59
     assert "1.0 MiB/epoch" in found.message
-    assert "GPU0 +58 MiB" in found.message
+    assert "101 -> 159 MiB on GPU0" in found.message
 
 
 def test_stair_step_leak_found() -> None:
@@ -456,8 +460,7 @@ def test_residual_found_and_foreign_process_named() -> None:
     assert found.gpu_bytes == mib(700)
     assert found.pid == 999
     assert found.role == "foreign"
-    assert "PID 999" in found.message
-    assert "python other_job.py" in found.message
+    assert "foreign other_job.py (PID 999)" in found.message
     assert "700 MiB" in found.message
     assert "GPU0" in found.message
 
@@ -534,7 +537,7 @@ def test_blind_finding_and_never_clean() -> None:
 
 
 def test_descriptor_holder_found_once_per_identity() -> None:
-    holder = proc(1500, gpu_mib=0, fds=31, persistent=True)
+    holder = proc(1500, "descendant", gpu_mib=0, fds=31, persistent=True)
     epochs = [epoch(i, [parent(600), holder]) for i in range(3)]
     found = one(verdict.descriptor_holder(timeline(epochs), CONFIG))
     assert (found.rule, found.severity, found.pid, found.nvidia_fds) == (
@@ -544,8 +547,27 @@ def test_descriptor_holder_found_once_per_identity() -> None:
         31,
     )
     assert found.epoch == 0
-    assert "31 /dev/nvidia*" in found.message
+    assert "/dev/nvidia* fds but no GPU memory at the end of epoch 0" in found.message
     assert "spawn" in found.remedy
+
+
+def test_healthy_fork_workers_are_no_descriptor_holders_until_they_outlive_the_work() -> None:
+    """Persistent workers forked from a CUDA parent hold its descriptors while they work: said
+    only of those still alive once tracking closed, one line for all of them."""
+    workers = [
+        proc(pid, gpu_mib=0, fds=31 + pid % 2, persistent=True, cmdline="python train.py")
+        for pid in (1500, 1501)
+    ]
+    epochs = [epoch(i, [parent(600), *workers]) for i in range(3)]
+    assert verdict.descriptor_holder(timeline(epochs), CONFIG) == ()
+    final = final_state([parent(600), *workers], after_last_epoch=epochs)
+    found = verdict.descriptor_holder(timeline(epochs, final=final), CONFIG)
+    assert [(f.pid, f.epoch) for f in found] == [(1500, None), (1501, None)]
+    lines = finding_lines(found)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(
+        "info descriptor-holder  2 \u00d7 worker of train.py (PIDs 1500, 1501) holds /dev/nvidia*"
+    )
 
 
 @pytest.mark.parametrize(
@@ -753,7 +775,7 @@ def test_copy_on_read_worker_is_found_per_worker_with_mib_per_epoch() -> None:
     assert first.host_bytes == mib(28 * 3)
     assert "host memory (USS) grows 28 MiB/epoch over epochs 1-4: 66 -> 150 MiB" in (first.message)
     assert "copy-on-read" in first.remedy and "numpy" in first.remedy
-    assert "persistent_workers" in first.remedy and "num_workers" not in first.message
+    assert "num_workers" not in first.message
     assert verdict_of(tl) == "leak"
 
 
@@ -780,7 +802,7 @@ def test_parent_that_really_grows_is_found_with_its_rss() -> None:
     # The smaller of the two slopes: the RSS one is the new memory.
     assert found.bytes_per_epoch == pytest.approx(mib(30))
     assert "(RSS 430 -> 550 MiB)" in found.message
-    assert "main process" in found.remedy
+    assert "what the loop keeps" in found.remedy
 
 
 def test_paced_uss_reads_give_a_slope_per_epoch_not_per_read() -> None:
@@ -794,14 +816,13 @@ def test_paced_uss_reads_give_a_slope_per_epoch_not_per_read() -> None:
 def test_without_uss_growth_is_judged_on_rss_and_says_so() -> None:
     (found,) = host_findings(host_timeline([(None, 200 + 50 * i) for i in range(5)]))
     assert "host memory (RSS) grows 50 MiB/epoch" in found.message
-    assert "USS was read at 0 of these epoch ends" in found.message
-    assert "does not show copy-on-read" in found.message
+    assert "(USS read at 0 of these ends)" in found.message
 
 
 def test_rss_is_used_when_uss_was_read_too_rarely() -> None:
     series = [(100.0 if i == 1 else None, 200 + 50 * i) for i in range(5)]
     (found,) = host_findings(host_timeline(series))
-    assert "(RSS)" in found.message and "USS was read at 1 of these epoch ends" in found.message
+    assert "(RSS)" in found.message and "USS read at 1 of these ends" in found.message
 
 
 @pytest.mark.parametrize(
@@ -852,14 +873,14 @@ def test_shm_file_causes_and_remedies() -> None:
     )
     found = shm_of(replace(timeline([]), shm_files=files))
     by_name = {f.shm_name: f for f in found}
-    assert "CUDA IPC file" in by_name["cuda.shm.3e9.52f2.1"].message
+    assert "CUDA IPC: workers returned CUDA tensors" in by_name["cuda.shm.3e9.52f2.1"].message
     assert "return CPU tensors" in by_name["cuda.shm.3e9.52f2.1"].remedy
     assert "(80 KiB)" in by_name["cuda.shm.3e9.52f2.1"].message
-    assert "torch shared-memory segment" in by_name["torch_1234_5678_0"].message
+    assert "torch shared tensor" in by_name["torch_1234_5678_0"].message
     assert "SharedMemory" in by_name["psm_1a2b3c"].message
     assert "unlink()" in by_name["psm_1a2b3c"].remedy
     assert "destroy_process_group" in by_name["nccl-abc"].remedy
-    assert "the parent still holds it" in by_name["mine"].message
+    assert "still held by the parent" in by_name["mine"].message
     assert all(f.severity == "leak" for f in found)
 
 
@@ -869,19 +890,19 @@ def test_shm_in_use_and_unattributable_files_are_said_not_blamed() -> None:
         ShmFile("stranger", 10, attributable=False),
     )
     found = {f.shm_name: f for f in shm_of(replace(timeline([]), shm_files=files))}
-    assert found["held"].severity == "info" and "PID 7 holds it (in use" in found["held"].message
+    assert found["held"].severity == "info" and "held by PID 7" in found["held"].message
     assert found["stranger"].severity == "info"
     assert "nothing ties it to the work" in found["stranger"].message
     # Not blamed, so not said to be the work's own either, nor its fix the work's to make.
     assert "the work created itself" not in found["stranger"].message
-    assert found["stranger"].message.endswith(": a file whose name does not tell who made it")
+    assert found["stranger"].message.endswith(": its name does not say who made it")
     assert found["stranger"].remedy.startswith("nothing to do if another job made it")
 
 
 def test_a_file_an_older_process_made_is_left_to_it() -> None:
     files = (ShmFile("torch_42_1_0", 64, attributable=False, made_by_older=42),)
     (found,) = shm_of(replace(timeline([]), shm_files=files))
-    assert found.severity == "info" and "its name says PID 42 made it" in found.message
+    assert found.severity == "info" and "made by PID 42, older than the work" in found.message
     assert found.remedy.startswith("nothing to do for this work: PID 42 (or its job) removes it")
 
 
@@ -897,8 +918,8 @@ def test_shm_capacity_pressure_is_information_about_the_worst_epoch() -> None:
     ]
     (found,) = shm_of(timeline(epochs))
     assert (found.severity, found.epoch, found.size_bytes) == ("info", 1, mib(60))
-    assert "/dev/shm was 94% full during epoch 1 (60 MiB of 64 MiB)" in found.message
-    assert "the job's own files held 4.0 MiB" in found.message
+    assert "/dev/shm was 94% full during epoch 1 (60 MiB of 64 MiB," in found.message
+    assert "the job's files 4.0 MiB" in found.message
     assert "bus error" in found.message and "--shm-size" in found.remedy
     # Below the fraction: nothing; no size known: nothing.
     assert shm_of(timeline(epochs), shm_pressure_fraction=0.95) == []
@@ -913,10 +934,8 @@ def test_survivor_freed_by_garbage_collection_names_the_reference_cycle() -> Non
         freed_by_gc=True,
     )
     found = one(verdict.survivor(timeline([epoch(0, [parent(), worker])]), CONFIG))
-    assert found.message.endswith(
-        "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
-    )
-    assert found.remedy.startswith("a reference cycle kept the loader's iterator")
+    assert found.message.endswith("; kept by a reference cycle")
+    assert found.remedy.startswith("break the reference cycle that keeps the loader's iterator")
 
 
 def test_a_clean_host_verdict_with_uss_at_every_end_says_nothing_more() -> None:
@@ -948,14 +967,14 @@ def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
     # verdict on resident memory alone says what it could not see.
     (info,) = host_findings(worker_epochs([300 + 40 * i for i in range(6)], [200] * 6))
     assert info.severity == "info"
-    assert info.message.startswith("host memory was read as USS at 0 of the 5 epoch ends")
+    assert info.message.startswith("host memory was read as USS at 0 of the 5 epoch ends judged")
     assert "rollup_share=1.0" in info.remedy
     # What the process allocates and keeps is anonymous.
     (found,) = host_findings(
         worker_epochs([300 + 40 * i for i in range(6)], [200 + 40 * i for i in range(6)])
     )
     assert "host memory (RssAnon) grows 40 MiB/epoch" in found.message
-    assert "resident memory counts the pages it shares" in found.message
+    assert "(USS read at 0 of these ends)" in found.message
 
 
 # --------------------------------------------------------------------------- copy-on-read

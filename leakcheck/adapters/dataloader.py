@@ -4,7 +4,7 @@ NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the fi
 request and closed however the loop ends, so the report always keeps it:
 
 * the loader is exhausted: ``completed``; the leak rules are applied right away and a
-  ``GPULeakError`` (``on_leak="raise"``) surfaces from the ``for`` statement;
+  ``LeakError`` (``on_leak="raise"``) surfaces from the ``for`` statement;
 * the loop is left early (``break``, ``return``, the iterator dropped): ``break``. Python
   tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
   loop body also reads as ``break``;
@@ -217,7 +217,7 @@ class WatchedLoader(Generic[T]):
         Restores the loader's own ``worker_init_fn``. Idempotent.
 
         Raises:
-            GPULeakError: ``on_leak="raise"`` and a leak not raised before was found.
+            LeakError: ``on_leak="raise"`` and a leak not raised before was found.
 
         """
         self._close(may_raise=True)
@@ -382,8 +382,8 @@ def watch(
         tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
         warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
         grace: Seconds a worker may outlive its epoch before it is a survivor.
-        on_leak: ``"warn"`` (a ``GPULeakWarning`` naming the culprits), ``"raise"`` (a
-            ``GPULeakError`` after the epoch) or ``"ignore"`` (only the report).
+        on_leak: ``"warn"`` (a ``LeakWarning`` naming the culprits), ``"raise"`` (a
+            ``LeakError`` after the epoch) or ``"ignore"`` (only the report).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
         rollup_share: Share of the time the USS reads of the parent and persistent workers

@@ -44,7 +44,7 @@ come before their workers start. A loader whose class overrides ``__iter__`` wit
 ``_get_iterator`` is still tracked by epochs and lineage, without exact identities.
 
 Epoch ends: ``on_*_epoch_end`` closes the epoch with the batches counted by the
-``on_*_batch_start`` hooks, then judges (a ``GPULeakError`` raised there, with
+``on_*_batch_start`` hooks, then judges (a ``LeakError`` raised there, with
 ``on_leak="raise"``, propagates out of ``trainer.fit``). With ``limit_train_batches``
 below the loader's length, Lightning leaves the training iterator unfinished and its
 workers alive until the next epoch's ``iter()``, or ``teardown``: seconds later when
@@ -76,7 +76,7 @@ from leakcheck.adapters.watching import (
     check_teardown,
     started_mailbox,
 )
-from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import EndReason
 from leakcheck.judge.report import Report
 from leakcheck.track.tracker import Tracker, end_reason_for
@@ -198,8 +198,8 @@ class LeakCheckCallback(_CallbackBase):
         tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
         warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
         grace: Seconds a worker may outlive its epoch before it is a survivor.
-        on_leak: ``"warn"`` (a ``GPULeakWarning`` naming the culprits), ``"raise"`` (a
-            ``GPULeakError`` from the hook, which ``trainer.fit`` raises) or ``"ignore"``
+        on_leak: ``"warn"`` (a ``LeakWarning`` naming the culprits), ``"raise"`` (a
+            ``LeakError`` from the hook, which ``trainer.fit`` raises) or ``"ignore"``
             (only the reports).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
@@ -319,7 +319,7 @@ class LeakCheckCallback(_CallbackBase):
         """End of the run: close the trackers, keep the reports, judge the whole run.
 
         Raises:
-            GPULeakError: ``on_leak="raise"`` and a leak not raised before was found.
+            LeakError: ``on_leak="raise"`` and a leak not raised before was found.
 
         """
         self._finish(may_raise=True)
@@ -523,13 +523,13 @@ class LeakCheckCallback(_CallbackBase):
                 stage.release_workers()
                 stage.tracker.close()
                 stage.report = stage.tracker.report()
-        raised: list[GPULeakError] = []
+        raised: list[LeakError] = []
         for stage in closing:
             try:
                 stage.judge.judge(may_raise=may_raise)
-            except GPULeakError as error:
+            except LeakError as error:
                 raised.append(error)
         for extra in raised[1:]:
-            warnings.warn(GPULeakWarning(str(extra)), stacklevel=2)
+            warnings.warn(LeakWarning(str(extra)), stacklevel=2)
         if raised:
             raise raised[0]

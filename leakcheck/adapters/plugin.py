@@ -6,7 +6,7 @@ the tolerance. The plugin observes (``plugin_observe.Checker``: one short epoch 
 fixture scopes as owners) and ``verdict.judge`` decides, with the same rules and words as
 ``watch()`` and ``leakcheck sweep``. The failure is the test's own: it carries a
 ``gpu-leak-check`` section (``report.finding_lines``: each finding and its fix), and the
-session ends with a ``GPU LEAK REPORT``. Under pytest-xdist each worker judges its own tests
+session ends with a ``LEAK REPORT``. Under pytest-xdist each worker judges its own tests
 and the findings travel to the controller on the reports.
 
 Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables
@@ -24,6 +24,12 @@ NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_m
 for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
 report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
 all attribute the leak to that test.
+
+NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section. The
+failure's message is one sentence naming what was left (``the test left 1 process (PID 7)``),
+and the session's ``LEAK REPORT`` counts per test; neither repeats the findings. A test whose
+section no failure shows (a warning, a skip, an xfail or xpass, information only) has its
+findings written under its line of the ``LEAK REPORT`` instead.
 
 NOTE [counted once]: a checked test that passed its call is counted when its teardown is
 judged, not before: ``pytest_report_teststatus`` gives the passing call report of a checked
@@ -43,12 +49,12 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.options import (
     COPY_TOLERANCE,
     ENABLED,
@@ -333,12 +339,15 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
         return
     text = report.format()
     if options.mode == "warn":
-        warnings.warn(GPULeakWarning(text), stacklevel=1)
+        warnings.warn(LeakWarning(text), stacklevel=1)
     else:
-        raise GPULeakError(text, report)
+        raise LeakError(text, report)
 
 
 # --- words --------------------------------------------------------------------------------
+
+TEST_LABEL = "the test"
+"""The epoch a test is, in its findings (NOTE [one short epoch] in plugin_observe.py)."""
 
 _PROCESS_RULES = ("survivor", "orphan")
 
@@ -369,30 +378,33 @@ def headline(findings: Sequence[Finding]) -> str:
     return ", ".join(parts) or "nothing"
 
 
-def _header(findings: Sequence[Finding]) -> str:
-    leaks = [f for f in findings if f.severity == "leak"]
-    if leaks:
-        return f"leakcheck: the test left {headline(leaks)}"
-    return f"leakcheck: no leak; for information: {headline(findings)}"
-
-
-def first_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
-    """The first line of each finding as ``report.finding_lines`` words it (no fix)."""
-    from leakcheck.judge.report import finding_lines
-
-    return finding_lines(findings, indent)[::2]  # two lines per finding: what, then fix
-
-
 def section_text(findings: Sequence[Finding]) -> str:
-    """The ``gpu-leak-check`` section: a headline, then each finding with its fix."""
+    """The ``gpu-leak-check`` section: each finding on its line, with its fix.
+
+    The one place a test's findings are written out; the failure says what was left in one
+    sentence (``failure_text``) and the session summary counts (NOTE [said once]).
+    """
     from leakcheck.judge.report import finding_lines
 
-    return "\n".join([_header(findings), *finding_lines(findings)])
+    return "\n".join(finding_lines(findings))
 
 
 def failure_text(leaks: Sequence[Finding]) -> str:
-    """The failure's message: a headline, then the first line of each leak."""
-    return "\n".join([_header(leaks), *first_lines(leaks, "  ")])
+    """The failure's message, one sentence: ``leakcheck: the test left 1 process (PID 7)``."""
+    pids = sorted({f.pid for f in leaks if f.pid is not None and f.rule in _PROCESS_RULES})
+    shown = ", ".join(str(pid) for pid in pids[:3]) + (", ..." if len(pids) > 3 else "")
+    named = f" (PID{'s' if len(pids) > 1 else ''} {shown})" if pids else ""
+    return f"leakcheck: the test left {headline(leaks)}{named}"
+
+
+def _gpu_words(notes: Iterable[str]) -> str:
+    """How GPU memory was read, briefly: ``GPU: checked (NVML)``, ``GPU: not checked (...)``."""
+    from leakcheck.judge.report import gpu_unchecked
+
+    words = sorted(
+        {"GPU: checked (NVML)" if note == "NVML" else gpu_unchecked(note) for note in notes}
+    )
+    return "; ".join(words) or "no test checked"
 
 
 def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
@@ -467,7 +479,8 @@ class LeakCheckPlugin:
         self._checker: Checker | None = None
         self._window: Window | None = None
         self._checked = 0
-        self._results: dict[str, tuple[list[Finding], str]] = {}
+        self._results: dict[str, tuple[list[Finding], str, bool]] = {}
+        """Per test: its findings, its status, and whether a failure shows its section."""
         self._gpu_notes: set[str] = set()
 
     def _get_checker(self) -> Checker:
@@ -556,7 +569,7 @@ class LeakCheckPlugin:
         options = _options_for(item)
         checker = self._get_checker()
         try:
-            findings = judge_test(checker, window, item.nodeid, options, end_s)
+            findings = judge_test(checker, window, TEST_LABEL, options, end_s)
         except Exception as exc:  # leakcheck's own failure must never break a test run
             findings = [_could_not_check(exc)]
         finally:
@@ -583,12 +596,15 @@ class LeakCheckPlugin:
             report.sections.append((SECTION, section_text(findings)))
         if leaks:
             text = failure_text(leaks)
-            report.user_properties.append(("gpu_leak_check", "; ".join(first_lines(leaks))))
+            # For tools that read JUnit: each leak's line, as the section words it.
+            lines = section_text(leaks).splitlines()
+            said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
+            report.user_properties.append(("gpu_leak_check", said))
             if options.mode == "warn":
                 try:
-                    warnings.warn(GPULeakWarning(text), stacklevel=1)
+                    warnings.warn(LeakWarning(text), stacklevel=1)
                     status = "warned"
-                except GPULeakWarning:  # -W error: the user asked for warnings to fail
+                except LeakWarning:  # -W error: the user asked for warnings to fail
                     status = self._fail(item, report, text)
             else:
                 status = self._fail(item, report, text)
@@ -657,16 +673,23 @@ class LeakCheckPlugin:
         if data.get("gpu"):
             self._gpu_notes.add(str(data["gpu"]))
         if findings:
-            self._results[report.nodeid] = (findings, str(data.get("status") or ""))
+            status = str(data.get("status") or "")
+            shown = report.failed  # pytest shows a failed report's sections
             if data.get("failed_before"):
-                self._attach_to_failure(report)
+                shown = self._attach_to_failure(report) or shown
+            self._results[report.nodeid] = (findings, status, shown)
 
-    def _attach_to_failure(self, report: pytest.TestReport) -> None:
-        """Show the section of a test that failed before its teardown with that failure."""
+    def _attach_to_failure(self, report: pytest.TestReport) -> bool:
+        """Show the section of a test that failed before its teardown with that failure.
+
+        Returns:
+            Whether it went to a failure (a skip, an xfail or an xpass has none to show it).
+
+        """
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         stats = getattr(reporter, "stats", None)
         if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
-            return
+            return False
         sections = [(name, text) for name, text in report.sections if name == SECTION]
         for category in ("failed", "error"):
             for earlier in stats.get(category, []):
@@ -676,46 +699,58 @@ class LeakCheckPlugin:
                     and sections
                 ):
                     earlier.sections.extend(sections)
-                    return
+                    return True
+        return False
 
     def pytest_terminal_summary(
         self, terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
     ) -> None:
-        """Print the ``GPU LEAK REPORT``: per test, worst first; one line when all is clean."""
+        """Print the ``LEAK REPORT``: a line per test that left something, worst first.
+
+        Counts, where a failure shows the test's ``gpu-leak-check`` section; the findings of
+        a test that no failure shows (warned, skipped, xfailed, information only) under its
+        line: each finding is written once (NOTE [said once]). ``GPU LEAK REPORT`` where
+        some finding is about GPU memory.
+        """
+        from leakcheck.judge.report import about_gpu, finding_lines
+
         if hasattr(config, "workerinput") or (not self._checked and not self.options.enabled):
             return
         tr = terminalreporter
-        gpu = "; ".join(sorted(self._gpu_notes)) or "no test checked"
+        gpu = _gpu_words(self._gpu_notes)
         # Files nobody held that appeared while other workers ran are nobody's to blame:
         # one line for all of them, not one entry per test.
         unattributed: set[str] = set()  # names: one file shows in every test beside it
-        results: dict[str, tuple[list[Finding], str]] = {}
-        for nodeid, (findings, status) in self._results.items():
+        results: dict[str, tuple[list[Finding], str, bool]] = {}
+        for nodeid, (findings, status, shown) in self._results.items():
             kept = [f for f in findings if not _unattributed(f)]
             unattributed.update(f.shm_name for f in findings if _unattributed(f) and f.shm_name)
             if kept:
-                results[nodeid] = (kept, status)
+                results[nodeid] = (kept, status, shown)
         leaky = {
             nodeid: entry
             for nodeid, entry in results.items()
             if any(f.severity == "leak" for f in entry[0])
         }
+        everything = [finding for findings, _, _ in results.values() for finding in findings]
+        title = "GPU LEAK REPORT" if about_gpu(everything) else "LEAK REPORT"
         if not results:
             checked = plural(self._checked, "checked test")
-            tr.write_sep("=", f"GPU LEAK REPORT: no leaks in {checked} (GPU: {gpu})", green=True)
+            tr.write_sep("=", f"{title}: no leaks in {checked}; {gpu}", green=True)
         else:
-            tr.write_sep("=", "GPU LEAK REPORT", red=bool(leaky), yellow=not leaky)
+            tr.write_sep("=", title, red=bool(leaky), yellow=not leaky)
             tr.write_line(
-                f"{len(leaky)} of {plural(self._checked, 'checked test')} left something behind "
-                f"(GPU memory via: {gpu})"
+                f"{len(leaky)} of {plural(self._checked, 'checked test')} left something "
+                f"behind; {gpu}"
             )
             ordered = sorted(results.items(), key=lambda kv: (_summary_sort_key(kv[1][0]), kv[0]))
-            for nodeid, (findings, status) in ordered:
+            for nodeid, (findings, status, shown) in ordered:
                 leaks = [f for f in findings if f.severity == "leak"]
                 word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
                 tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
-                for line in first_lines(findings, "    "):
-                    tr.write_line(line)
+                if not shown:
+                    for line in finding_lines(findings, "    "):
+                        tr.write_line(line)
         if unattributed:
             files = plural(len(unattributed), "/dev/shm file")
             tr.write_line(

@@ -44,8 +44,9 @@ libraries it loads on first use) is a baseline, not a leak: the torch allocator 
 of tensors a test keeps; memory the driver shows for the test process beyond the allocator
 only fails a test when torch is not the one using CUDA here.
 
-NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled with its node ID,
-from before its setup to the end of its teardown, on ``time.monotonic()``. Its processes
+NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test`` (its
+findings are written under its node ID already: ``started in the test``), from before its
+setup to the end of its teardown, on ``time.monotonic()``. Its processes
 are the test process (the parent) and what the test left: each process of the test still
 alive once the grace period passed (``last_seen_after_s`` >= the grace, so the survivor
 rule has its evidence), and the runtime helpers (``roles.is_runtime_helper``) that pin
@@ -570,7 +571,7 @@ class Checker:
 
         Args:
             window: From ``begin``.
-            label: The test's node ID: the epoch's label.
+            label: The epoch's label (``the test``: NOTE [one short epoch]).
             end_s: ``time.monotonic()`` when the test's teardown ended.
             grace_s: How long a process the test started may take to exit after it.
             tolerance_bytes: GPU memory the test may keep: only above it is the allocator

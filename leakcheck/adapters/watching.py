@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import Literal
 
-from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import Finding
 from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
@@ -126,7 +126,7 @@ class EpochJudge:
 
     Args:
         tracker: The tracker whose epochs are judged.
-        on_leak: ``warn`` (``GPULeakWarning``), ``raise`` (``GPULeakError``) or ``ignore``.
+        on_leak: ``warn`` (``LeakWarning``), ``raise`` (``LeakError``) or ``ignore``.
 
     """
 
@@ -154,7 +154,7 @@ class EpochJudge:
         Nothing when nothing is due (NOTE [late survivors]).
 
         Raises:
-            GPULeakError: ``on_leak="raise"`` and a new leak was found.
+            LeakError: ``on_leak="raise"`` and a new leak was found.
 
         """
         if self.due():
@@ -174,7 +174,7 @@ class EpochJudge:
                 caller of this method (1: the caller's line).
 
         Raises:
-            GPULeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.
+            LeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.
 
         """
         if self.due():
@@ -194,5 +194,5 @@ class EpochJudge:
         where = f" after {epochs[-1].label}" if epochs else ""
         message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)
         if self.on_leak == "raise" and may_raise:
-            raise GPULeakError(message, report)
-        warnings.warn(GPULeakWarning(message), stacklevel=stacklevel + 1)
+            raise LeakError(message, report)
+        warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)

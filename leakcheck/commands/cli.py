@@ -228,7 +228,39 @@ def build_parser() -> argparse.ArgumentParser:
     from leakcheck.commands.run_cli import add_run_parser
 
     add_run_parser(commands)
+
+    explain = commands.add_parser(
+        "explain",
+        help="the whole story of a rule: what it finds, why, and every fix",
+        description="Tell what a rule of leakcheck's findings means, its causes and every "
+        "fix (a finding gives one line and one fix). Without RULE, list the rules. Exit 0; 2 "
+        "for an unknown rule.",
+    )
+    explain.add_argument("rule", nargs="?", default=None, metavar="RULE", help="a rule's name")
     return parser
+
+
+def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
+    """``leakcheck explain [RULE]``: a rule's story, or the list of rules.
+
+    Returns:
+        0; 2 for an unknown rule (one line on ``err`` naming the valid ones, then the list).
+
+    """
+    from leakcheck.judge.stories import STORIES, headline, story
+
+    text = story(rule) if rule is not None else None
+    if text is not None:
+        out.write(text)
+        return EXIT_CLEAN
+    names = ", ".join(STORIES)
+    if rule is not None:
+        err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {names}\n")
+    width = max(len(name) for name in STORIES)
+    lines = ["leakcheck's rules (leakcheck explain RULE tells one):"]
+    lines.extend(f"  {name.ljust(width)}  {headline(name)}" for name in STORIES)
+    (err if rule is not None else out).write("\n".join(lines) + "\n")
+    return EXIT_USAGE if rule is not None else EXIT_CLEAN
 
 
 # --------------------------------------------------------------------------- validation
@@ -981,7 +1013,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from leakcheck.commands.run_cli import run_command
 
         return run_command(args, sys.stdout, sys.stderr)
+    if args.command == "explain":
+        return run_explain_command(args.rule, sys.stdout, sys.stderr)
     sys.stderr.write(
-        f"{_PROG}: expected a command: sweep, snapshot or run (see leakcheck --help)\n"
+        f"{_PROG}: expected a command: sweep, snapshot, run or explain (see leakcheck --help)\n"
     )
     return EXIT_USAGE

@@ -67,6 +67,7 @@ from leakcheck.core.model import (
     RankInfo,
     Timeline,
 )
+from leakcheck.core.names import process_name
 from leakcheck.core.ranks import rank_label
 from leakcheck.core.units import format_size, plural
 from leakcheck.judge.job import (
@@ -81,7 +82,7 @@ from leakcheck.judge.report import (
     Report,
     build_report,
     combined_verdict,
-    finding_lines,
+    gpu_unchecked,
     report_from_dict,
 )
 from leakcheck.observe import procs
@@ -340,40 +341,45 @@ def _program_line(result: RunResult) -> str:
 
 
 def format_run(result: RunResult) -> str:
-    """Render a run as text (see ``RunResult.format``)."""
+    """Render a run as text (see ``RunResult.format``).
+
+    Quiet where nothing is wrong: a clean run is its first line, a line per loader, one for
+    the process tree and the verdict. Findings come under the loader (or the tree) that
+    found them, a process named once; the thresholds are said where something was found.
+    """
     options = result.options
-    teardown = "on" if options.teardown else "off"
-    lines = [
-        f"leakcheck run: {' '.join(result.command)}",
-        f"  {_program_line(result)}; tolerance {format_size(options.tolerance_bytes)}, "
-        f"grace {options.grace_s:g} s, sampling every {options.interval_s * 1000:g} ms, "
-        f"teardown {teardown}",
-    ]
-    if result.gpu_reason:
-        lines.append(f"  GPU memory not checked: {result.gpu_reason}")
+    quiet = result.verdict == "clean" and not any(report.said for report in result._reports())
+    command = process_name(" ".join(result.command))
+    gpu = f"; {gpu_unchecked(result.gpu_reason)}" if result.gpu_reason else ""
+    lines = [f"leakcheck run: {command}: {_program_line(result)}{gpu}"]
+    if not quiet:
+        lines.append(
+            f"  tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
+            f"sampling every {options.interval_s * 1000:g} ms, "
+            f"teardown {'on' if options.teardown else 'off'}"
+        )
+    gap = [] if quiet else [""]
     shown: set[tuple[object, ...]] = set()
     for loader in result.loaders:
-        lines.append("")
+        lines.extend(gap)
         lines.extend(_loader_lines(loader))
         if loader.report is not None:
             shown.update(_identity(f) for f in loader.report.leaks)
     if not result.loaders:
-        lines.append("")
+        lines.extend(gap)
         lines.append(
-            "loaders: none tracked by the run: no DataLoader was iterated in a Python process "
-            "of the run, or each one was watched by the program itself (leakcheck.watch(): "
-            "its report is the program's), or its Python ignored PYTHONPATH (python -E, -I or "
-            "-S)"
+            "loaders: none tracked: no DataLoader iterated in a Python process of the run, each "
+            "one watch()ed by the program, or PYTHONPATH ignored (-E, -I, -S)"
         )
-    lines.append("")
+    lines.extend(gap)
     lines.extend(_tree_lines(result, shown))
     for failure in result.failures:
         lines.append(f"  leakcheck itself: {failure}")
     job = result.job
     if job is not None:
-        lines.append("")
+        lines.extend(gap)
         lines.extend(job.format_lines())
-    lines.append("")
+    lines.extend(gap)
     count = result.leak_count
     loaders = len(result.loaders)
     ranks = f", {len(job.ranks)} ranks" if job is not None else ""
@@ -393,51 +399,30 @@ def _loader_lines(loader: LoaderResult) -> list[str]:
     epochs = report.epochs
     reasons = sorted({epoch.end_reason for epoch in epochs} - {"completed"})
     ended = f", not completed: {', '.join(reasons)}" if reasons else ""
+    processes = plural(len(report.process_keys), "process", "processes")
     lines = [
-        f"loader {loader.label} ({who}): {plural(len(epochs), 'epoch')}"
-        f"{ended}; verdict {report.verdict.upper()}"
+        f"loader {loader.label} ({who}): {plural(len(epochs), 'epoch')}{ended}, "
+        f"{processes}; verdict {report.verdict.upper()}"
     ]
-    lines.extend(finding_lines(report.findings, indent="  "))
-    lines.append(f"  {report.summary()}")
+    lines.extend(report.finding_lines(indent="  ", loader=loader.label))
     return lines
 
 
 def _tree_lines(result: RunResult, shown: set[tuple[object, ...]]) -> list[str]:
     tree = result.tree
-    head = f"process tree of PID {result.pid}, watched from outside (what outlived the "
-    head += f"program had {result.options.grace_s:g} s to exit)"
+    head = f"process tree of PID {result.pid}, watched from outside"
     if tree is None:
         return [f"{head}: not tracked"]
-    lines = [f"{head}: verdict {tree.verdict.upper()}"]
     # What a loader blamed is left to it, also where the tree's words differ: a loader knows
     # its workers from their own reports, the tree only what its samples caught.
     repeated = [f for f in tree.findings if _identity(f) in shown]
-    lines.extend(finding_lines([f for f in tree.findings if f not in repeated], indent="  "))
+    processes = plural(len(tree.process_keys), "process", "processes")
+    line = f"{head} ({processes}): verdict {tree.verdict.upper()}"
     if repeated:
-        lines.append(
-            f"  ({plural(len(repeated), 'finding')} about what a loader reported above, "
-            "not repeated)"
-        )
-    lines.append(f"  {tree.summary()}")
-    missed = _missed_by_the_tree(result, tree)
-    if missed:
-        lines.append(
-            f"  (and {plural(missed, 'process', 'processes')} of the program that only the "
-            "loaders' trackers saw, from their workers' own reports: they lived between the "
-            "tree's samples)"
-        )
+        line += f"; {plural(len(repeated), 'finding')} named above"
+    lines = [line]
+    lines.extend(tree.finding_lines([f for f in tree.findings if f not in repeated], indent="  "))
     return lines
-
-
-def _missed_by_the_tree(result: RunResult, tree: Report) -> int:
-    """Processes the loaders' reports have and the tree's samples never caught.
-
-    Identities compare exactly: a worker's own report and the tree's /proc read compute a
-    create time the same way (``procs.process_key``).
-    """
-    reports = [loader.report for loader in result.loaders if loader.report is not None]
-    seen_by_loaders = frozenset().union(*(report.process_keys for report in reports))
-    return len(seen_by_loaders - tree.process_keys)
 
 
 # --------------------------------------------------------------------------- running
@@ -659,8 +644,8 @@ def _loader_result(
     if report_record is None:
         return LoaderResult(
             **common,
-            missing="its process ended without running its exit handlers (os._exit, a "
-            "signal) or was still running when the run ended",
+            missing="its process ended without its exit handlers (os._exit, a signal) or "
+            "outlived the run",
         )
     try:
         report = report_from_dict(report_record["report"])

@@ -48,10 +48,12 @@ from leakcheck.core.model import (
     TeardownRecord,
     TrackerCost,
 )
-from leakcheck.core.units import format_mib, format_size, plural, shorten_cmdline
+from leakcheck.core.names import process_name
+from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.report import (
     align_columns,
     combined_verdict,
+    gpu_unchecked,
     host_totals,
     or_dash,
     workers_peak_bytes,
@@ -369,6 +371,13 @@ class ConfigResult:
         return (self.cost.sampler_cpu_s + self.cost.caller_wall_s) / epochs_s
 
     @property
+    def tracker_ms_per_epoch(self) -> float | None:
+        """The loop's time inside the tracker per epoch, in milliseconds."""
+        if self.cost is None:
+            return None
+        return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
+
+    @property
     def teardowns(self) -> tuple[TeardownRecord, ...]:
         """What the teardown policy freed in each worker (empty when it was off)."""
         return self.report.timeline.teardowns
@@ -382,12 +391,13 @@ class ConfigResult:
             "verdict": self.report.verdict,
             "leak_count": len(self.report.leaks),
             "info_count": len(self.report.infos),
-            "summary": self.report.summary(),
+            "summary": self.report.summary(gpu=False),  # as the text (the sweep's "gpu" says)
             "cooldown": None if self.cooldown is None else self.cooldown.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "teardown": teardown_summary(self.teardowns),
             "tracker_cost": None if self.cost is None else dataclasses.asdict(self.cost),
             "accounted_cost_fraction": self.accounted_cost_fraction,
+            "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
             "cleanup": [cleaned.to_dict() for cleaned in self.cleaned],
             "report": self.report.to_dict(),
         }
@@ -498,18 +508,23 @@ def run_sweep(
             gpu_available, gpu_reason = False, str(exc)
     report_progress = progress or Progress(0, enabled=False)
     configs = []
-    for position, num_workers in enumerate(options.workers):
-        configs.append(
-            _run_config(
-                options,
-                factory,
-                num_workers,
-                position,
-                gpu_available=gpu_available,
-                progress=report_progress,
+    # Libraries warn while the sweep draws its progress line (torch's "this DataLoader will
+    # create 8 worker processes" for each configuration): held until the line is gone, then
+    # shown once each, the filters in force deciding as always ("error" still raises).
+    with warnings.catch_warnings(record=True) as caught:
+        for position, num_workers in enumerate(options.workers):
+            configs.append(
+                _run_config(
+                    options,
+                    factory,
+                    num_workers,
+                    position,
+                    gpu_available=gpu_available,
+                    progress=report_progress,
+                )
             )
-        )
     report_progress.close()
+    _warn_once(caught)
     return SweepResult(
         options=options,
         loader=loader,
@@ -521,6 +536,17 @@ def run_sweep(
         wall_s=time.monotonic() - started_s,
         environment=environment(devices),
     )
+
+
+def _warn_once(caught: Iterable[warnings.WarningMessage]) -> None:
+    """Show the warnings held during the sweep, each text once (from where it was raised)."""
+    seen: set[tuple[type[Warning], str]] = set()
+    for item in caught:
+        key = (item.category, str(item.message))
+        if key in seen:
+            continue
+        seen.add(key)
+        warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
 
 
 def _run_config(
@@ -879,7 +905,7 @@ def cleanup_orphans(
     cleaned: list[CleanedProcess] = []
     victims: list[tuple[Any, str, Any]] = []
     for info in leftovers:
-        cmdline = shorten_cmdline(info.cmdline)
+        cmdline = process_name(info.cmdline)
         try:
             # psutil holds the process from here on (and refuses to signal its PID once
             # reused); /proc says whether it is still the one the scan found.
@@ -945,11 +971,6 @@ def teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
     }
 
 
-def short_reason(reason: str) -> str:
-    """The GPU-unavailable reason, or ``no GPU`` when none was given."""
-    return reason or "no GPU"
-
-
 def reported_device_index(result: SweepResult) -> int | None:
     """The device whose memory and telemetry the rows show."""
     if result.options.device_index is not None:
@@ -961,73 +982,48 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("workers", "configuration: DataLoader workers"),
     ("epoch", "epoch index"),
     ("time s", "epoch wall time"),
-    ("parent MiB", "GPU memory of the parent process at the end of the epoch"),
-    ("wk n", "worker processes seen in the epoch"),
-    ("wk sum MiB", "GPU memory of all workers at the end of the epoch"),
-    ("wk max MiB", "GPU memory of the largest worker at the end of the epoch"),
-    ("wk peak MiB", "sum of the workers' peaks during the epoch (? when one is unknown)"),
-    ("wk rep", "workers whose peak includes their own report at exit"),
-    ("wk ?", "workers whose peak is unknown (exited unseen, reported nothing)"),
+    ("GPU parent", "GPU memory of the parent process at the end of the epoch"),
+    ("GPU wk peak", "sum of the workers' GPU peaks during the epoch (? when one is unknown)"),
     ("alive after", "processes born in the epoch still alive after it and its grace period"),
     ("orphans", "processes of the job reparented away, alive at the end"),
-    ("parent host MiB", "host memory of the parent at the end of the epoch (USS, else RSS)"),
+    ("host parent", "host memory of the parent at the end of the epoch (USS, else RSS)"),
     (
-        "wk host MiB",
+        "host wk",
         "host memory of the workers, summed: at the end of the epoch, or at exit for those "
         "gone by then (? when one is unknown)",
     ),
     ("host", "what the host figures are: uss (private), rss (resident), or uss+rss"),
-    ("dev used/total MiB", "device memory at the end of the epoch"),
+    ("GPU used", "device memory used at the end of the epoch"),
     ("temp °C", "GPU temperature at the end of the epoch"),
-    ("SM MHz", "SM clock at the end of the epoch"),
-    ("power W", "board power at the end of the epoch"),
 )
+"""The table's columns, in order: memory in MiB. A column without data on this machine (the
+GPU's, without one) is left out; the JSON rows have every field, those not shown included."""
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in _COLUMNS)
-_GPU_COLUMNS = frozenset(
-    (
-        "parent MiB",
-        "wk sum MiB",
-        "wk max MiB",
-        "wk peak MiB",
-        "wk rep",
-        "wk ?",
-        "dev used/total MiB",
-        "temp °C",
-        "SM MHz",
-        "power W",
-    )
-)
+TABLE_WIDTH = 120
+"""The table is at most this many characters wide (``tests/test_sweep.py`` holds it)."""
+_NO_DATA = frozenset((_UNAVAILABLE, "-"))
 
 
 def row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
-    """The text cells of one row, in ``COLUMN_NAMES`` order."""
-    device = "-"
-    if row.device_used_bytes is not None and row.device_total_bytes is not None:
-        device = f"{format_mib(row.device_used_bytes)}/{format_mib(row.device_total_bytes)}"
+    """The text cells of one row, in ``COLUMN_NAMES`` order (``n/a`` where not read)."""
     cells = {
         "workers": str(row.num_workers),
         "epoch": str(row.epoch),
         "time s": f"{row.duration_s:.2f}",
-        "parent MiB": format_mib(row.parent_gpu_bytes),
-        "wk n": str(row.worker_count),
-        "wk sum MiB": format_mib(row.workers_gpu_bytes),
-        "wk max MiB": format_mib(row.worker_gpu_bytes_max),
-        "wk peak MiB": _peak_cell(row),
-        "wk rep": or_dash(row.workers_peak_reported),
-        "wk ?": or_dash(row.workers_peak_unknown),
+        "GPU parent": format_mib(row.parent_gpu_bytes),
+        "GPU wk peak": _peak_cell(row),
         "alive after": str(row.alive_after),
         "orphans": str(row.orphans),
-        "parent host MiB": format_mib(row.parent_host_bytes),
-        "wk host MiB": _workers_host_cell(row),
+        "host parent": format_mib(row.parent_host_bytes),
+        "host wk": _workers_host_cell(row),
         "host": row.host_source or "-",
-        "dev used/total MiB": device,
+        "GPU used": format_mib(row.device_used_bytes),
         "temp °C": or_dash(row.temperature_c),
-        "SM MHz": or_dash(row.sm_clock_mhz),
-        "power W": or_dash(row.power_w, ".0f"),
     }
     if not gpu_available:
-        for name in _GPU_COLUMNS:
-            cells[name] = _UNAVAILABLE
+        for name in COLUMN_NAMES:
+            if name.startswith(("GPU", "temp")):
+                cells[name] = _UNAVAILABLE
     return [cells[name] for name in COLUMN_NAMES]
 
 
@@ -1061,11 +1057,23 @@ def unknown_peak_note(result: SweepResult) -> str | None:
 
 
 def format_table(result: SweepResult) -> list[str]:
-    """The per-epoch table, one line per (workers, epoch), header first."""
-    rows = [list(COLUMN_NAMES)]
-    for config in result.configs:
-        rows.extend(row_cells(row, gpu_available=result.gpu_available) for row in config.rows)
-    return align_columns(rows)
+    """The per-epoch table, one line per (workers, epoch), header first.
+
+    Only the columns with data on this machine: a column whose every cell is ``n/a`` or
+    ``-`` (the GPU's, without one; temperatures a driver does not give) is left out.
+    """
+    rows = [
+        row_cells(row, gpu_available=result.gpu_available)
+        for config in result.configs
+        for row in config.rows
+    ]
+    shown = [
+        index
+        for index in range(len(COLUMN_NAMES))
+        if index < 3 or any(cells[index] not in _NO_DATA for cells in rows)
+    ]
+    table = [[COLUMN_NAMES[i] for i in shown], *([cells[i] for i in shown] for cells in rows)]
+    return align_columns(table)
 
 
 def _device_line(device: DeviceState) -> str:
@@ -1085,10 +1093,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
     lines = [head]
     if config.cooldown is not None:
         lines.append(f"  {config.cooldown.describe()}")
-    for finding in report.findings:
-        tag = "LEAK" if finding.severity == "leak" else "info"
-        lines.append(f"  {tag} {finding.rule}: {finding.message}")
-        lines.append(f"       fix: {finding.remedy}")
+    lines.extend(report.finding_lines(indent="  "))
     teardown = teardown_summary(config.teardowns)
     if teardown["workers"] and not teardown["cuda_initialized"]:
         lines.append(
@@ -1115,15 +1120,27 @@ def _config_lines(config: ConfigResult) -> list[str]:
             f"{cleaned.cmdline})"
         )
     fraction = config.accounted_cost_fraction
-    if fraction is not None and config.cost is not None:
+    epochs_s = sum(record.duration_s for record in report.epochs)
+    # Said where it means something: a share of a loop too short to time is noise.
+    if fraction is not None and config.cost is not None and _cost_worth_saying(fraction, epochs_s):
         lines.append(
             f"  tracker cost: {fraction:.2%} of the epochs' time (sampler CPU "
             f"{config.cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
             f"{config.cost.caller_wall_s * 1000:.0f} ms: "
             f"{config.cost.caller_wall_s * 1000 / max(1, len(report.epochs)):.1f} ms per epoch)"
         )
-    lines.append(f"  {report.summary()}")
+    lines.append(f"  {report.summary(gpu=False)}")  # said once, in the header
     return lines
+
+
+COST_SHARE_SHOWN = 0.01
+"""The tracker cost line shows from this share of the epochs' time..."""
+COST_LOOP_SHOWN_S = 1.0
+"""...of epochs this long together (the JSON always has the cost)."""
+
+
+def _cost_worth_saying(fraction: float, epochs_s: float) -> bool:
+    return fraction >= COST_SHARE_SHOWN and epochs_s >= COST_LOOP_SHOWN_S
 
 
 def format_sweep(result: SweepResult) -> str:
@@ -1139,10 +1156,8 @@ def format_sweep(result: SweepResult) -> str:
     if result.gpu_available:
         lines.extend(f"  {_device_line(device)}" for device in result.devices)
     else:
-        lines.append(
-            f"  GPU columns: {_UNAVAILABLE}: {short_reason(result.gpu_reason)} "
-            "(host-side checks only)"
-        )
+        lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
+    lines.append("  memory in MiB; host: uss = private memory, rss = resident")
     lines.append("")
     lines.extend(format_table(result))
     note = unknown_peak_note(result)

@@ -20,7 +20,7 @@ class NVMLUnavailable(LeakCheckError):
     """
 
 
-class GPULeakError(LeakCheckError, AssertionError):
+class LeakError(LeakCheckError, AssertionError):
     """Leaks were found and the caller asked to fail on them.
 
     Attributes:
@@ -34,5 +34,12 @@ class GPULeakError(LeakCheckError, AssertionError):
         self.report = report
 
 
-class GPULeakWarning(UserWarning):
+class LeakWarning(UserWarning):
     """Leaks were found and the caller asked to be warned."""
+
+
+# The names of the first releases, for GPU and process leaks alike: the same classes, so that
+# `except GPULeakError`, `pytest.warns(GPULeakWarning)` and `-W error::leakcheck.GPULeakWarning`
+# keep catching every leak, while what is raised says "leak", GPU or not.
+GPULeakError = LeakError
+GPULeakWarning = LeakWarning

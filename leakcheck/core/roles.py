@@ -25,10 +25,12 @@ from leakcheck.core.readings import ProcessKey, Role
 __all__ = [
     "DAEMON_HELPERS",
     "HELPER_FLAG",
+    "HELPER_NAMES",
     "RUNTIME_HELPERS",
     "direct_child_role",
     "is_daemon_helper",
     "is_runtime_helper",
+    "runtime_helper_name",
 ]
 
 RUNTIME_HELPERS: tuple[str, ...] = (
@@ -50,6 +52,19 @@ DAEMON_HELPERS: tuple[str, ...] = ("torch_shm_manager",)
 """Runtime helpers that leave their parent's tree by design: torch's shared-memory manager
 daemonizes to PID 1 and exits once its last client is gone. Reparented, they are no orphan;
 any other helper reparented away (a forkserver whose owner was killed) stays for ever."""
+
+HELPER_NAMES: dict[str, str] = {
+    "multiprocessing.resource_tracker": "resource tracker",
+    "multiprocessing.semaphore_tracker": "semaphore tracker",
+    "multiprocessing.forkserver": "forkserver",
+    "loky.backend.resource_tracker": "loky resource tracker",
+    "loky.backend.popen_loky_posix": "loky worker",
+    "torch_shm_manager": "torch_shm_manager",
+    "torch._inductor.compile_worker": "inductor compile worker",
+    "multiprocessing.spawn": "spawn worker",
+}
+"""What people call each runtime helper (NOTE [process names] in names.py), and the one
+process multiprocessing starts that is no helper: a spawned worker (``spawn_main``)."""
 
 HELPER_FLAG = "helper"
 """The flag a snapshot gives a runtime helper of the job."""
@@ -82,6 +97,14 @@ def is_runtime_helper(cmdline: str) -> bool:
 
     """
     return _pattern(RUNTIME_HELPERS).search(cmdline) is not None
+
+
+def runtime_helper_name(cmdline: str) -> str | None:
+    """The name of the helper or spawned worker a command line is (``HELPER_NAMES``), or None."""
+    for fragment, name in HELPER_NAMES.items():
+        if _pattern((fragment,)).search(cmdline) is not None:
+            return name
+    return None
 
 
 def is_daemon_helper(cmdline: str) -> bool:

@@ -160,18 +160,3 @@ def parse_duration(
             f"{_SECONDS_EXAMPLE}, got {value!r}"
         )
     return seconds
-
-
-def shorten_cmdline(cmdline: str, width: int = 48, *, empty: str = "?") -> str:
-    """Collapse whitespace and cut a command line to ``width`` characters for display.
-
-    Args:
-        cmdline: The command line.
-        width: At most this many characters, ``...`` included.
-        empty: What an empty command line shows as.
-
-    """
-    text = " ".join(cmdline.split())
-    if not text:
-        return empty
-    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."

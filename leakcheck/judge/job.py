@@ -21,7 +21,14 @@ from typing import Any
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import Finding, RankInfo
 from leakcheck.core.units import plural
-from leakcheck.judge.report import Report, leak_short, report_from_dict, verdict_of
+from leakcheck.judge.report import (
+    FINDING_WIDTH,
+    Report,
+    cut,
+    leak_short,
+    report_from_dict,
+    verdict_of,
+)
 
 __all__ = [
     "JOB_SCHEMA_VERSION",
@@ -214,13 +221,15 @@ class JobReport:
             text = f"{indent}  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
             if rank.missing:
                 # Judged from outside only: what its own trackers saw never came.
-                text += f" as seen from outside; its own report is missing: {rank.missing[0]}"
+                text += " as seen from outside"
             if rank.leaks:
                 shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
                 more = len(rank.leaks) - _SHOWN
                 text += f"; {plural(len(rank.leaks), 'leak')}: {shown}"
                 text += f"; and {more} more" if more > 0 else ""
-            lines.append(text)
+            if rank.missing:  # last: the loader's own line above says it whole
+                text += f"; its own report is missing: {rank.missing[0]}"
+            lines.append(cut(text, FINDING_WIDTH))
         return lines
 
     def format(self) -> str:

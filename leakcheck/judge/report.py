@@ -25,8 +25,9 @@ from leakcheck.core.model import (
     RuleConfig,
     Timeline,
 )
+from leakcheck.core.names import ELLIPSIS, culprit, culprits, process_name
 from leakcheck.core.ranks import culprit_label, rank_label
-from leakcheck.core.units import format_mib, format_size, plural, shorten_cmdline
+from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.verdict import (
     LINEAGE_ROLES,
     EpochCounts,
@@ -37,16 +38,22 @@ from leakcheck.judge.verdict import (
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
+    "FINDING_WIDTH",
+    "FIX_WIDTH",
     "SCHEMA_VERSION",
     "HostTotals",
     "Report",
     "Verdict",
+    "about_gpu",
     "build_report",
     "combined_verdict",
+    "cut",
     "finding_from_dict",
     "finding_lines",
     "finding_to_dict",
+    "gpu_unchecked",
     "host_totals",
+    "is_said",
     "leak_short",
     "report_from_dict",
     "verdict_of",
@@ -183,9 +190,15 @@ class Report:
 
     # ------------------------------------------------------------------ text
 
-    def summary(self) -> str:
-        """Return the one-line verdict that ends ``format()``."""
-        return self._verdict_line() + self._pending_text()
+    def summary(self, *, gpu: bool = True) -> str:
+        """Return the one-line verdict that ends ``format()``.
+
+        Args:
+            gpu: Say that GPU memory was not checked, where it was not (False where the
+                caller said so once already, as a sweep's header does).
+
+        """
+        return self._verdict_line(gpu=gpu) + self._pending_text()
 
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""
@@ -203,7 +216,7 @@ class Report:
             f"{'it was' if len(pending) == 1 else 'they were'} born in)"
         )
 
-    def _verdict_line(self) -> str:
+    def _verdict_line(self, *, gpu: bool = True) -> str:
         tl = self.timeline
         n_epochs = plural(len(tl.epochs), "epoch")
         leaks = self.leaks
@@ -219,10 +232,8 @@ class Report:
             )
         processes = plural(len(_lineage_keys(tl)), "process", "processes")
         if tl.attribution in ("nvml-unavailable", "no-gpu"):
-            return (
-                f"leakcheck: no leaks in {n_epochs} ({processes}; GPU memory not checked: "
-                f"{'NVML unavailable' if tl.attribution == 'nvml-unavailable' else 'no GPU'})"
-            )
+            unchecked = "; GPU not checked" if gpu else ""
+            return f"leakcheck: no leaks in {n_epochs} ({processes}{unchecked})"
         peak = _device_peak(tl)
         peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
         return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
@@ -237,7 +248,7 @@ class Report:
         """
         lines: list[str] = []
         if self.clean and not verbose:
-            lines.extend(finding_lines(self.infos))
+            lines.extend(self.finding_lines(self.infos))
             lines.append(self.summary())
             return "\n".join(lines)
         lines.append(_header(self.timeline))
@@ -252,12 +263,43 @@ class Report:
         if verbose:
             lines.extend(_process_lines(self.timeline))
             lines.extend(_teardown_lines(self.timeline))
-        if self.findings:
+        if self.said:
             lines.append("")
-            lines.extend(finding_lines(self.findings))
+            lines.extend(self.finding_lines())
         lines.append("")
         lines.append(self.summary())
         return "\n".join(lines)
+
+    def finding_lines(
+        self,
+        findings: Sequence[Finding] | None = None,
+        *,
+        indent: str = "",
+        loader: str | None = None,
+    ) -> list[str]:
+        """``finding_lines`` of this report's findings, naming workers by their index.
+
+        A worker's index is known where it reported it at its exit (``Timeline.teardowns``).
+
+        Args:
+            findings: Which of its findings (default: those ``said``); those a person cannot
+                act on are left out either way (``is_said``).
+            indent: Put before every line.
+            loader: The label of the loader the report is of, naming its workers.
+
+        """
+        worker_ids = {
+            rec.key.pid: rec.worker_id
+            for rec in self.timeline.teardowns
+            if rec.worker_id is not None
+        }
+        chosen = [f for f in (self.findings if findings is None else findings) if is_said(f)]
+        return finding_lines(chosen, indent, loader=loader, worker_ids=worker_ids)
+
+    @property
+    def said(self) -> list[Finding]:
+        """The findings the text reports write: all but those no one can act on (``is_said``)."""
+        return [f for f in self.findings if is_said(f)]
 
     def __str__(self) -> str:
         return self.format()
@@ -453,6 +495,42 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return best
 
 
+_GPU_RULES = frozenset(
+    (
+        "growth",
+        "residual",
+        "device-mismatch",
+        "descriptor-holder",
+        "context-kept",
+        "high-clocks",
+        "blind",
+    )
+)
+
+
+def is_said(finding: Finding) -> bool:
+    """Whether a text report writes the finding: every leak, and information one can act on.
+
+    A ``/dev/shm`` file that no process of the work held, and that nothing ties to it (other
+    jobs ran beside it) or that an older process made, is not the work's to act on: the
+    JSON keeps it, the text leaves it out (the pytest plugin counts such files apart).
+    """
+    return not (
+        finding.rule == "shm"
+        and finding.severity == "info"
+        and finding.pid is None
+        and finding.shm_name is not None
+    )
+
+
+def about_gpu(findings: Iterable[Finding]) -> bool:
+    """Whether any finding is about GPUs (GPU memory, a context, a device), not only processes.
+
+    A report says "GPU" only then: leftover ``sleep`` processes are a leak, not a GPU leak.
+    """
+    return any(f.rule in _GPU_RULES or f.gpu_bytes or f.nvidia_fds for f in findings)
+
+
 def leak_short(finding: Finding) -> str:
     """A few words for a leak in a verdict line.
 
@@ -490,6 +568,29 @@ def _header(timeline: Timeline) -> str:
     return "leakcheck report: " + ", ".join(parts)
 
 
+_GPU_REASONS = (
+    ("no NVIDIA driver", "no NVIDIA driver"),
+    ("sees no NVIDIA GPU", "no NVIDIA GPU"),
+    ("driver is not loaded", "NVIDIA driver not loaded"),
+    ("no permission", "no permission to open /dev/nvidia*"),
+    ("versions differ", "NVML and driver versions differ"),
+)
+
+
+def gpu_unchecked(reason: str) -> str:
+    """Why GPU memory was not checked, said once and briefly: ``GPU: not checked (...)``.
+
+    Args:
+        reason: NVML's one-line reason (``NVML unavailable: libnvidia-ml.so.1 not found (no
+            NVIDIA driver on this machine); ...``), or empty.
+
+    """
+    short = next((words for marker, words in _GPU_REASONS if marker in reason), None)
+    if short is None:
+        short = reason.removeprefix("NVML unavailable: ").split(";")[0].strip() or "no GPU"
+    return f"GPU: not checked ({cut(short, 60)})"
+
+
 def _attribution_line(timeline: Timeline) -> str | None:
     reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
     if timeline.attribution == "blind-namespace":
@@ -497,10 +598,8 @@ def _attribution_line(timeline: Timeline) -> str | None:
             f"attribution blind: NVML's PIDs are from another PID namespace{reason}; "
             "only device totals are judged"
         )
-    if timeline.attribution == "nvml-unavailable":
-        return f"GPU memory not checked: {timeline.attribution_reason or 'NVML unavailable'}"
-    if timeline.attribution == "no-gpu":
-        return f"attribution off: no GPU{reason}; only processes were checked"
+    if timeline.attribution in ("nvml-unavailable", "no-gpu"):
+        return gpu_unchecked(timeline.attribution_reason)
     return None
 
 
@@ -590,7 +689,9 @@ def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
 
     ``-`` when none was read at all (an adapter that does not read host memory).
     """
-    if host.workers_bytes is None and any_workers and host.source is not None:
+    if host.source is None:
+        return "-"  # nothing read (not 0 MiB)
+    if host.workers_bytes is None and any_workers:
         return "?"
     return format_mib(host.workers_bytes)
 
@@ -650,11 +751,22 @@ def align_columns(
 
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
-    rows: list[list[str]] = [list(_TABLE_HEAD)]
+    """One row per epoch (and extra device): only the columns with data, as the sweep's.
+
+    A column whose every cell is ``-`` (GPU memory without NVML, host memory an adapter
+    did not read) is left out; the epoch, its label and time always show.
+    """
+    rows: list[list[str]] = []
     counts = epoch_counts(timeline, config.grace_s)
     for rec in timeline.epochs:
         rows.extend(_epoch_rows(rec, timeline, counts[rec.index]))
-    return align_columns(rows, _LEFT_ALIGNED)
+    shown = [
+        index
+        for index in range(len(_TABLE_HEAD))
+        if index < 3 or any(row[index] not in ("-", "") for row in rows)
+    ]
+    table = [[_TABLE_HEAD[i] for i in shown], *([row[i] for i in shown] for row in rows)]
+    return align_columns(table, {shown.index(i) for i in _LEFT_ALIGNED if i in shown})
 
 
 def _process_lines(timeline: Timeline) -> list[str]:
@@ -713,7 +825,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
                     _host_cell(proc),
                     or_dash(proc.nvidia_fds),
                     " ".join(flags) or "-",
-                    shorten_cmdline(proc.cmdline),
+                    process_name(proc.cmdline),
                 ]
             )
         lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
@@ -760,16 +872,128 @@ def _teardown_lines(timeline: Timeline) -> list[str]:
     return lines
 
 
-def finding_lines(findings: Sequence[Finding], indent: str = "") -> list[str]:
-    """Two lines per finding, the same words wherever leakcheck reports it.
+FINDING_WIDTH = 160
+"""A finding's line is at most this many characters, its indent included."""
+FIX_WIDTH = 120
+"""A fix is at most this many characters, after ``fix: ``."""
 
-    ``LEAK survivor: <who, what, since when>`` (or ``info <rule>: ...``), then
-    ``  fix: <remedy>``: ``Report.format()``, the sweep's configurations and the pytest
-    plugin's report section all print findings through this.
+
+def cut(line: str, width: int) -> str:
+    """``line``, or its first ``width`` characters ending in ``…`` where it is longer."""
+    return line if len(line) <= width else line[: width - 1].rstrip() + ELLIPSIS
+
+
+def _culprit_and_what(finding: Finding) -> tuple[str | None, str]:
+    """Split a finding's message into its culprit and what follows it.
+
+    NOTE [one line per finding] in verdict.py: a finding about one process reads
+    ``<culprit> <what>``; any other message is all ``what``.
     """
-    lines: list[str] = []
-    for finding in findings:
-        tag = "LEAK" if finding.severity == "leak" else "info"
-        lines.append(f"{indent}{tag} {finding.rule}: {finding.message}")
-        lines.append(f"{indent}  fix: {finding.remedy}")
-    return lines
+    if finding.pid is None:
+        return None, finding.message
+    who = culprit(finding.role, finding.pid, finding.cmdline, rank=finding.rank, rule=finding.rule)
+    if finding.message.startswith(who + " "):
+        return who, finding.message[len(who) + 1 :]
+    return None, finding.message
+
+
+def _fix_template(finding: Finding) -> tuple[str, bool]:
+    """A finding's fix without its ``kill PID``, and whether it had one."""
+    tail = f"kill {finding.pid}"
+    if finding.pid is not None and finding.remedy.endswith(tail):
+        return finding.remedy[: -len(tail)], True
+    return finding.remedy, False
+
+
+def _kill_fix(template: str, pids: Sequence[int]) -> str:
+    """``<template>kill 11 12 13``, as many PIDs as ``FIX_WIDTH`` holds (then ``…``)."""
+    text = f"{template}kill"
+    for index, pid in enumerate(pids):
+        room = FIX_WIDTH - (2 if index < len(pids) - 1 else 0)  # for a closing " …"
+        if len(text) + 1 + len(str(pid)) > room:
+            return f"{text} {ELLIPSIS}"
+        text += f" {pid}"
+    return text
+
+
+@dataclass(frozen=True)
+class _Line:
+    """Findings that read alike but for their PIDs: one line of the report."""
+
+    first: Finding
+    what: str
+    named: bool
+    pids: tuple[int, ...]
+
+
+def finding_lines(
+    findings: Sequence[Finding],
+    indent: str = "",
+    *,
+    loader: str | None = None,
+    worker_ids: Mapping[int, int] | None = None,
+) -> list[str]:
+    """The findings as a person reads them: one line each, one fix per cause.
+
+    ``LEAK orphan  6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026) outlived its worker since epoch 0``
+    (``info <rule>`` for information), then ``  fix: <one fix>``. Findings of one rule that
+    read alike but for their PIDs share a line; consecutive lines with the same fix share it,
+    a ``kill`` in it naming all their PIDs. A line is at most ``FINDING_WIDTH`` characters
+    and a fix ``FIX_WIDTH`` (NOTE [one line per finding] in verdict.py).
+    ``Report.format()``, ``leakcheck run``, the sweep and the pytest plugin's report section
+    all print findings through this; ``leakcheck explain RULE`` tells the rest.
+
+    Args:
+        findings: The findings, in report order.
+        indent: Put before every line.
+        loader: The label of the loader whose workers the findings name (``train.py:42``).
+        worker_ids: A worker's index in its loader, by PID, where known.
+
+    """
+    lines_by_key: dict[tuple[object, ...], _Line] = {}
+    for index, finding in enumerate(findings):
+        who, what = _culprit_and_what(finding)
+        template, _ = _fix_template(finding)
+        # By the name a person reads (two helpers whose arguments differ are one cause).
+        name = process_name(finding.cmdline)
+        key: tuple[object, ...] = (
+            (finding.severity, finding.rule, finding.role, finding.rank, name, what)
+            if who is not None and finding.pid is not None
+            else (index,)
+        )
+        key += (template,)
+        line = lines_by_key.get(key)
+        pids = (finding.pid,) if who is not None and finding.pid is not None else ()
+        if line is None:
+            lines_by_key[key] = _Line(finding, what, who is not None, pids)
+        else:
+            lines_by_key[key] = dataclasses.replace(line, pids=line.pids + pids)
+    by_fix: dict[tuple[str, str, str], list[_Line]] = {}
+    for line in lines_by_key.values():
+        template, _ = _fix_template(line.first)
+        by_fix.setdefault((line.first.severity, line.first.rule, template), []).append(line)
+    out: list[str] = []
+    ids = worker_ids or {}
+    for (severity, rule, template), group in by_fix.items():
+        tag = "LEAK" if severity == "leak" else "info"
+        killed: list[int] = []
+        for line in group:
+            f = line.first
+            text = line.what
+            if line.named:
+                who = culprits(
+                    f.role,
+                    list(line.pids),
+                    f.cmdline,
+                    rank=f.rank,
+                    rule=f.rule,
+                    worker_id=ids.get(line.pids[0]) if len(line.pids) == 1 else None,
+                    loader=loader,
+                )
+                text = f"{who} {text}"
+            out.append(cut(f"{indent}{tag} {rule}  {text}", FINDING_WIDTH))
+            if _fix_template(f)[1]:
+                killed.extend(line.pids or ((f.pid,) if f.pid is not None else ()))
+        fix = _kill_fix(template, killed) if killed else template
+        out.append(f"{indent}  fix: {cut(fix, FIX_WIDTH)}")
+    return out

@@ -29,9 +29,9 @@ from leakcheck.core.model import (
     ShmFile,
     Timeline,
 )
-from leakcheck.core.ranks import culprit_label
+from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
-from leakcheck.core.units import format_mib, shorten_cmdline
+from leakcheck.core.units import format_mib
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -78,9 +78,12 @@ def _has_nvml(timeline: Timeline) -> bool:
     return timeline.attribution not in ("nvml-unavailable", "no-gpu")
 
 
-def _culprit(proc: ProcessEpoch) -> str:
-    label = culprit_label(proc.role, proc.key.pid, proc.rank)
-    return f"{label} ({shorten_cmdline(proc.cmdline)})"
+# NOTE [one line per finding]: a finding's ``message`` is one line of at most about 160
+# characters: who (``names.culprit``: role, program, PID), then what, how much and since when;
+# its ``remedy`` is one fix of at most about 120. The whole story of a rule, every cause and
+# every fix, is ``leakcheck explain RULE`` (``stories.py``). A finding about one process reads
+# ``<culprit> <what>``, so a report can group the findings of one cause under one line and
+# one fix (``report.finding_lines``) by what follows the culprit.
 
 
 def _process_finding(
@@ -88,8 +91,9 @@ def _process_finding(
     *,
     rule: Rule,
     severity: Severity,
-    message: str,
+    what: str = "",
     remedy: str,
+    message: str | None = None,
     gpu_bytes: int | None = None,
     epoch: int | None = None,
     device_index: int | None = None,
@@ -100,16 +104,19 @@ def _process_finding(
 ) -> Finding:
     """A finding about one process, its identity taken whole from ``proc``.
 
-    Every rule whose finding is about one of the job's processes (a ``ProcessEpoch``)
-    builds the finding here, so none can drop a part of the culprit's identity: a finding
+    Its message is the culprit's name and ``what`` (NOTE [one line per finding]), or
+    ``message`` whole where the finding names a group of processes itself. Every rule
+    whose finding is about one of the job's processes (a ``ProcessEpoch``) builds the
+    finding here, so none can drop a part of the culprit's identity: a finding
     without its rank is counted as the job's instead of its rank's (``job.judge_job``) and
     named without it (``report.leak_short``). A foreign holder and the parent's residual
     memory have no such record, and no rank.
     """
+    who = culprit(proc.role, proc.key.pid, proc.cmdline, rank=proc.rank, rule=rule)
     return Finding(
         rule=rule,
         severity=severity,
-        message=message,
+        message=message if message is not None else f"{who} {what}",
         remedy=remedy,
         pid=proc.key.pid,
         start_ticks=proc.key.start_ticks,
@@ -140,10 +147,10 @@ def _holding_text(
     if bytes_known:
         devices = _devices_text(gpu_bytes)
         if devices:
-            parts.append(f"holds {devices}")
+            parts.append(devices)
     if nvidia_fds:
         parts.append(f"{nvidia_fds} /dev/nvidia* fds")
-    return "; " + ", ".join(parts) if parts else ""
+    return "; holds " + ", ".join(parts) if parts else ""
 
 
 def _max_per_device(procs: Iterable[ProcessEpoch]) -> dict[int, int]:
@@ -311,28 +318,16 @@ def _alive_after_s(
 
 
 REMEDY_SCOPE = (
-    "stop it in the fixture's finalizer (after its `yield`, or request.addfinalizer), or "
-    "give the fixture a narrower scope"
+    "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
-REMEDY_WORKER_CHILD = (
-    "a loader worker started it and it outlives its epoch (once the worker exits, an orphan): "
-    "stop it within the epoch in the code that starts it (join or terminate it), or start it "
-    "outside the workers; leakcheck.worker_init_fn(terminate_children=True) stops it when its "
-    "worker exits, at the epoch's end unless the workers are persistent"
-)
-REMEDY_ORPHAN = (
-    "a process of the job outlived its parent: make workers wait for or terminate their "
-    "children before exiting (leakcheck.worker_init_fn(terminate_children=True) does it at "
-    "worker exit), or stop the process group"
-)
-
-
+REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
+REMEDY_ORPHAN = "leakcheck.worker_init_fn(terminate_children=True)"
 REMEDY_CYCLE = (
-    "a reference cycle kept the loader's iterator (or whatever owned the process) alive past "
-    "the end, and persistent workers stop only when their iterator is collected: break the "
-    "cycle (an exception or traceback kept in a variable or attribute, an object that refers "
-    "back to itself through a callback or bound method), or `del` the iterator and call "
-    "gc.collect() where the work ends"
+    "break the reference cycle that keeps the loader's iterator alive, or `del` it and gc.collect()"
+)
+REMEDY_WORKER = "end each epoch's iterator (exhaust or `del` it), or set persistent_workers=True"
+REMEDY_STARTED = (
+    "join or terminate the processes and pools the work starts (`with Pool(...)`, proc.join())"
 )
 
 
@@ -345,15 +340,8 @@ def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int]) -> str:
         # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
         return REMEDY_WORKER_CHILD
     if proc.role == "worker":
-        return (
-            "end each epoch's loader iterator: exhaust it, or `del` it (its shutdown stops "
-            "the workers); keep no reference to the iterator past the epoch, or set "
-            "persistent_workers=True if one set of workers should live on"
-        )
-    return (
-        "join or terminate the subprocesses and pools the work starts (`with Pool(...)`, "
-        "proc.join(), proc.terminate()) before the epoch or test that started them ends"
-    )
+        return REMEDY_WORKER
+    return REMEDY_STARTED
 
 
 def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[int]:
@@ -410,21 +398,17 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             later = [p for r, p in obs if r is None or r.index >= born.index]
             gpu_bytes = _max_per_device(later) if bytes_known else {}
             fds = _max_fds(later)
-            cycle = (
-                "; it exited only when leakcheck collected garbage: a reference cycle kept it alive"
-                if proc.freed_by_gc
-                else ""
-            )
+            cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
+            origin = _origin(proc, epochs)
+            ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             found.append(
                 _process_finding(
                     proc,
                     rule="survivor",
                     severity="leak",
-                    message=(
-                        f"{_culprit(proc)} {_origin(proc, epochs) or f'first seen in {born.label}'}"
-                        " is still alive "
-                        f"{alive_after:.1f} s after {born.label} ended (grace "
-                        f"{config.grace_s:g} s)"
+                    what=(
+                        f"{origin or f'first seen in {born.label}'}, alive "
+                        f"{alive_after:.1f} s after {ended} ended"
                         f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
                     ),
                     remedy=_survivor_remedy(proc, _worker_pids(obs)),
@@ -483,37 +467,40 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         procs = [proc for _, proc in orphaned]
         gpu_bytes = _max_per_device(procs) if bytes_known else {}
         fds = _max_fds(procs)
-        started = _origin(last, epochs)
-        origin = f", {started}," if started is not None else ""
         birth = _birth(epochs, obs)
         left = _ends_outside_the_tree(timeline, ordered, ends, obs, birth) if birth else []
         if left:
-            since = f"since {left[0].label}"  # the epoch it left the tree in
+            since = f" since {left[0].label}"  # the epoch it left the tree in
         elif first_rec is not None:
             # Birth unknown: only that it had left by the epoch a scan found it outside in.
-            since = f"by {first_rec.label}"
+            since = f" by {first_rec.label}"
         else:
             final = timeline.final
-            since = "after the job" if final is None or final.closed else "now"
+            since = " after the job" if final is None or final.closed else ""
         still = ""
         if orphaned[-1][0] is None:
             final = timeline.final
-            still = (
-                ", still alive after the job ended"
-                if final is None or final.closed
-                else ", alive now"
-            )
+            still = ", alive after the job" if final is None or final.closed else ", alive now"
+            if since == " after the job":
+                still = ", still alive"
+        workers = _worker_pids(obs)
+        under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
+        parent = "worker" if under_worker else "parent"
+        started = ""
+        if last.scope is not None:
+            started = f"started by {last.scope}, "
+        elif birth is not None and (not left or left[0].index != birth.index):
+            started = f"started in {birth.label}, "  # "since" names another epoch, or none
         found.append(
             _process_finding(
                 last,
                 rule="orphan",
                 severity="leak",
-                message=(
-                    f"{_culprit(last)}{origin} left the job's process tree (now child of "
-                    f"PID {last.ppid}) {since}{still}"
+                what=(
+                    f"{started}outlived its {parent}{since}{still}"
                     f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
                 ),
-                remedy=f"{REMEDY_ORPHAN}; `kill {key.pid}` frees it now",
+                remedy=f"{REMEDY_ORPHAN}, or kill {key.pid}",
                 gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                 epoch=left[0].index if left else (first_rec.index if first_rec else None),
                 nvidia_fds=fds,
@@ -578,13 +565,12 @@ def growth_slope(
 def _growth_remedy(role: Role) -> str:
     if role == "parent":
         return (
-            "tensors outlive their epoch in the main process: accumulate loss.item() not "
-            "loss, clear lists of outputs and caches each epoch, and compare "
-            "torch.cuda.memory_summary() between epochs"
+            "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of "
+            "outputs"
         )
     return (
-        "the persistent worker keeps CUDA tensors across epochs: keep worker-side caches "
-        "on the CPU (move batches to the GPU in the main process) or bound their size"
+        "keep worker-side caches on the CPU (move batches to the GPU in the main process), or "
+        "bound them"
     )
 
 
@@ -605,18 +591,23 @@ def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
         assert first_rec is not None and last_rec is not None  # filtered above
         devices = sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
         deltas = {d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0) for d in devices}
-        per_device = ", ".join(
-            f"GPU{d} {format_mib(delta, signed=True)} MiB" for d, delta in deltas.items() if delta
+        grown = [(d, delta) for d, delta in deltas.items() if delta]
+        per_device = (
+            f" on GPU{grown[0][0]}"
+            if len(grown) == 1
+            else " ("
+            + ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
+            + ")"
         )
         found.append(
             _process_finding(
                 last,
                 rule="growth",
                 severity="leak",
-                message=(
-                    f"{_culprit(last)} grows {format_mib(slope)} MiB/epoch over epochs "
+                what=(
+                    f"grows {format_mib(slope)} MiB/epoch over epochs "
                     f"{first_rec.index}-{last_rec.index}: {format_mib(series[0])} -> "
-                    f"{format_mib(series[-1])} MiB ({per_device})"
+                    f"{format_mib(series[-1])} MiB{per_device}"
                 ),
                 remedy=_growth_remedy(last.role),
                 gpu_bytes=series[-1] - series[0],
@@ -648,11 +639,10 @@ def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
                 message=(
                     f"GPU{device} used memory grows {format_mib(slope)} MiB/epoch over epochs "
                     f"{points[0][0]}-{points[-1][0]}: {format_mib(series[0])} -> "
-                    f"{format_mib(series[-1])} MiB (device total; processes cannot be named)"
+                    f"{format_mib(series[-1])} MiB (device total: no process can be named)"
                 ),
                 remedy=(
-                    "run with --pid=host or in the job's PID namespace to see which process "
-                    "grows; meanwhile look for tensors or caches kept across epochs"
+                    "run with --pid=host or in the job's PID namespace to see which process grows"
                 ),
                 gpu_bytes=series[-1] - series[0],
                 epoch=points[-1][0],
@@ -721,19 +711,12 @@ def _resident_points(
 def _host_growth_remedy(role: Role | None) -> str:
     if role == "parent":
         return (
-            "the main process keeps host memory across epochs: drop what the loop keeps "
-            "(outputs, losses as tensors, growing lists and caches) and compare tracemalloc "
-            "snapshots between epochs; a dataset of Python objects built here is copied into "
-            "every forked worker as it is read: keep it in numpy arrays, Arrow or tensors"
+            "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
+            "and caches)"
         )
     return (
-        "copy-on-read is the classic cause: the dataset holds Python objects (lists, dicts, "
-        "strings), every read writes their reference counts, so each forked worker copies "
-        "the pages it reads; keep the data in numpy arrays, Arrow tables or tensors (strings "
-        "as one bytes buffer with offsets) instead of Python objects; persistent_workers=True "
-        "keeps each worker's copies for the whole run (False gives them back each epoch, at "
-        "the cost of starting workers), and each worker more is one copy more; a cache the "
-        "worker fills must be bounded"
+        "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python "
+        "objects"
     )
 
 
@@ -749,8 +732,8 @@ def _host_growth_finding(
         last,
         rule="host-growth",
         severity="leak",
-        message=(
-            f"{_culprit(last)} host memory ({basis}) grows {format_mib(slope)} MiB/epoch over "
+        what=(
+            f"host memory ({basis}) grows {format_mib(slope)} MiB/epoch over "
             f"epochs {first_rec.index}-{last_rec.index}: {format_mib(first_value)} -> "
             f"{format_mib(last_value)} MiB{note}"
         ),
@@ -802,15 +785,12 @@ def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
         rule="host-growth",
         severity="info",
         message=(
-            f"host memory was read as USS at {uss_reads} of the {epoch_ends} epoch ends the "
-            "host-growth rule judges; at the others only resident memory was read, which does "
-            "not show copy-on-read: growth that starts there can go unseen"
+            f"host memory was read as USS at {uss_reads} of the {epoch_ends} epoch ends judged: "
+            "copy-on-read at the others can go unseen"
         ),
         remedy=(
-            "where the reads were paced out (by default they get 0.1% of the time), read USS "
-            "at every epoch end for a diagnostic run: watch(..., rollup_share=1.0), "
-            "LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1; where "
-            "/proc/PID/smaps_rollup cannot be read (permissions), USS cannot be had"
+            "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
+            "--rollup-share 1)"
         ),
     )
 
@@ -843,10 +823,7 @@ def _judge_host_points(
     slope = _judge_host(rss, config)
     if slope is None:
         return None
-    note = (
-        f" (USS was read at {len(uss)} of these epoch ends: resident memory counts the "
-        "pages it shares with other processes and does not show copy-on-read)"
-    )
+    note = f" (USS read at {len(uss)} of these ends)"
     return _host_growth_finding(rss, resident, slope, last, note)
 
 
@@ -1050,44 +1027,41 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
             p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
         ]
         if holders:
-            who = "; held by foreign " + ", ".join(
-                f"PID {p.key.pid} ({shorten_cmdline(p.cmdline)}) "
+            held = [
+                f"{culprit('foreign', p.key.pid, p.cmdline, width=32)} "
                 + (
                     f"{format_mib(p.gpu_bytes_end[dev.index])} MiB"
                     if dev.index in p.gpu_bytes_end
                     else "? MiB"
                 )
-                for p in holders
-            )
+                for p in holders[:2]
+            ]
+            more = f" and {len(holders) - 2} more" if len(holders) > 2 else ""
+            who = f"; held by {', '.join(held)}{more}"
             remedy = (
-                "a process outside the job holds it: if it is yours (a child that escaped "
-                "the lineage, another run), stop it; otherwise run on an idle GPU "
-                "(CUDA_VISIBLE_DEVICES) or raise the tolerance"
+                "stop it if it is yours (an escaped child, another run), or use an idle GPU "
+                "(CUDA_VISIBLE_DEVICES)"
             )
         elif timeline.attribution == "blind-namespace":
-            who = "; processes cannot be named (PIDs from another PID namespace)"
-            remedy = (
-                "run with --pid=host or in the job's PID namespace to name the holder; "
-                "`leakcheck snapshot` there shows who holds it"
-            )
+            who = "; no process can be named (PIDs of another PID namespace)"
+            remedy = "run with --pid=host or in the job's PID namespace to name the holder"
         else:
             who = "; no visible process holds it"
             remedy = (
-                "a process in another PID namespace or a context still being torn down: "
-                "re-check with `leakcheck snapshot` after a few seconds"
+                "check again with `leakcheck snapshot` in a few seconds (a context may still be "
+                "closing)"
             )
         # NOTE: without per-process byte counts (MIG, vGPU) the job's share cannot be
         # subtracted, so the rise is reported as advice, not as a leak.
         if unknown_lineage:
-            who += "; per-process bytes unknown for the job's processes (MIG/vGPU)"
+            who += "; the job's own bytes are unknown (MIG/vGPU)"
         found.append(
             Finding(
                 rule="residual",
                 severity="info" if unknown_lineage else "leak",
                 message=(
-                    f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start after "
-                    f"the work ended, {format_mib(unexplained)} MiB of it not held by the "
-                    f"job's processes{who}"
+                    f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
+                    f"{format_mib(unexplained)} MiB of it not held by the job{who}"
                 ),
                 remedy=remedy,
                 pid=holders[0].key.pid if len(holders) == 1 else None,
@@ -1102,12 +1076,10 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
 
 
 REMEDY_KEPT_TENSORS = (
-    "drop references to CUDA tensors the work creates (module-level lists, caches, globals, "
-    "stored exceptions and tracebacks), or free them in a fixture finalizer"
+    "drop references to CUDA tensors the work keeps (module-level lists, caches, stored exceptions)"
 )
 REMEDY_DRIVER_MEMORY = (
-    "free what the work allocates on the GPU outside torch (library memory pools, raw "
-    "allocations); one-time library loading counts here too: raise the tolerance"
+    "free GPU memory the work allocates outside torch (library pools), or raise the tolerance"
 )
 
 
@@ -1120,7 +1092,8 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     cmdline = next(
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
     )
-    scopes = f" (after the teardown of {', '.join(memory.scopes)})" if memory.scopes else ""
+    scopes = f" after the teardown of {', '.join(memory.scopes)}" if memory.scopes else ""
+    who = culprit("parent", root.pid, cmdline)
     found: list[Finding] = []
     kept = {d: b for d, b in memory.kept_tensor_bytes.items() if b > config.tolerance_bytes}
     if kept:
@@ -1129,10 +1102,8 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
                 rule="residual",
                 severity="leak",
                 message=(
-                    f"parent PID {root.pid} still holds {_devices_text(kept)} of CUDA tensors "
-                    f"more than at the start{scopes}, beyond the tolerance of "
-                    f"{format_mib(config.tolerance_bytes)} MiB (torch allocator, after "
-                    "gc.collect() and empty_cache())"
+                    f"{who} still holds {_devices_text(kept)} of CUDA tensors more than at the "
+                    f"start{scopes}"
                 ),
                 remedy=REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
                 pid=root.pid,
@@ -1146,18 +1117,14 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         )
     grown = {d: b for d, b in memory.driver_bytes.items() if b > config.tolerance_bytes}
     if grown:
-        first_use = (
-            " (libraries loading kernels on first use look like this)"
-            if memory.torch_in_use
-            else ""
-        )
+        first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
         found.append(
             Finding(
                 rule="residual",
                 severity="info" if memory.torch_in_use else "leak",
                 message=(
-                    f"parent PID {root.pid} holds {_devices_text(grown)} more than at the "
-                    f"start outside torch's allocator (NVML){first_use}"
+                    f"{who} holds {_devices_text(grown)} more than at the start outside "
+                    f"torch's allocator{first_use}"
                 ),
                 remedy=REMEDY_DRIVER_MEMORY,
                 pid=root.pid,
@@ -1186,39 +1153,30 @@ def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
     (
         "cuda.shm.",
-        "a CUDA IPC file: workers returned CUDA tensors through the loader's queues",
-        "return CPU tensors from workers and move or pin them in the main process "
-        "(pin_memory=True); delete the file once no process uses it",
+        "CUDA IPC: workers returned CUDA tensors",
+        "return CPU tensors from workers and move them to the GPU in the main process",
     ),
     (
         "torch_",
-        "a torch shared-memory segment: tensors shared between processes (the loader's "
-        "batches under the file_system sharing strategy)",
-        "let the loader's iterators finish or `del` them so their workers exit and free "
-        "their segments; prefer the default file_descriptor sharing strategy",
+        "a torch shared tensor (file_system sharing)",
+        "let the loader's iterators finish or `del` them, so their workers free their segments",
     ),
     (
         "psm_",
-        "a multiprocessing.shared_memory.SharedMemory segment created without a name and "
-        "never unlinked",
-        "call unlink() on the SharedMemory that created it (close() alone leaves the file), "
-        "or create it in a fixture or `try/finally` that unlinks it",
+        "a SharedMemory never unlinked",
+        "call unlink() on the SharedMemory that made it (close() alone leaves the file)",
     ),
     (
         "nccl-",
-        "NCCL's shared memory: a process group that was not destroyed",
+        "NCCL's: a process group not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
 )
 _SHM_NOT_OURS = (
-    "a file whose name does not tell who made it",
-    "nothing to do if another job made it; if the work did, unlink it when done "
-    "(SharedMemory.unlink(), os.unlink)",
+    "its name does not say who made it",
+    "nothing to do if another job made it; if the work did, unlink it when done (os.unlink)",
 )
-_SHM_OWN_REMEDY = (
-    "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink), or "
-    "create it in a fixture that removes it"
-)
+_SHM_OWN_REMEDY = "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink)"
 
 
 def _shm_cause(name: str) -> tuple[str, str]:
@@ -1244,35 +1202,24 @@ def _shm_finding(item: ShmFile) -> Finding:
     if item.holder_pid is not None:
         who = "the parent" if item.holder_role == "parent" else f"PID {item.holder_pid}"
     if item.scope is not None:
-        where = f"created while {item.scope} was set up, still there after its teardown"
+        where = f"made while {item.scope} was set up, still there after its teardown"
         remedy = REMEDY_SCOPE
     elif item.in_use:
         # The tracker closed while the job goes on: its holder may still use it, and may
         # remove it later. Said, not blamed.
         severity = "info"
-        where = f"still there when tracking ended; {who} holds it (in use, or left behind)"
+        where = f"still there as tracking ended, held by {who}"
     elif item.holder_pid is not None:
-        where = f"left behind; {who} still holds it"
+        where = f"left behind, still held by {who}"
     elif item.attributable:
-        where = "left behind; nobody holds it"
+        where = "left behind, held by nobody"
     elif item.made_by_older is not None:
         severity = "info"
-        where = (
-            f"appeared during the work and nobody holds it: its name says PID "
-            f"{item.made_by_older} made it, a process older than the work and not of it, so it "
-            "is not blamed on this one"
-        )
-        remedy = (
-            f"nothing to do for this work: PID {item.made_by_older} (or its job) removes it, "
-            "or you once no process uses it"
-        )
+        where = f"appeared during the work, made by PID {item.made_by_older}, older than the work"
+        remedy = f"nothing to do for this work: PID {item.made_by_older} (or its job) removes it"
     else:
         severity = "info"
-        where = (
-            "appeared during the work and nobody holds it: nothing ties it to the work (no "
-            "holder, no PID of the work in its name) and other jobs ran at the same time, so "
-            "it is not blamed on this one"
-        )
+        where = "appeared during the work; nothing ties it to the work and other jobs ran"
         if remedy == _SHM_OWN_REMEDY:  # "the work created itself" is what is not known here
             cause, remedy = _SHM_NOT_OURS
     return Finding(
@@ -1288,11 +1235,7 @@ def _shm_finding(item: ShmFile) -> Finding:
     )
 
 
-REMEDY_SHM_CAPACITY = (
-    "give the job more shared memory (docker run --shm-size=8g or --ipc=host; Kubernetes: an "
-    "emptyDir volume with medium: Memory mounted at /dev/shm), or pass less through it at "
-    "once: fewer workers, a smaller prefetch_factor or smaller batches"
-)
+REMEDY_SHM_CAPACITY = "give the job more shared memory (docker run --shm-size=8g or --ipc=host)"
 
 
 def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1315,11 +1258,7 @@ def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
         return ()
     fraction, rec = worst
     assert rec.shm_total_bytes is not None and rec.shm_used_peak_bytes is not None
-    job = (
-        f"; the job's own files held {_size_text(rec.shm_bytes)} at its end"
-        if rec.shm_bytes is not None
-        else ""
-    )
+    job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
     return (
         Finding(
             rule="shm",
@@ -1327,9 +1266,8 @@ def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             message=(
                 f"/dev/shm was {fraction:.0%} full during {rec.label} "
                 f"({_size_text(rec.shm_used_peak_bytes)} of "
-                f"{_size_text(rec.shm_total_bytes)}){job}: when it fills, the loader's "
-                'workers die of a bus error ("insufficient shared memory"); Docker gives a '
-                "container 64 MB unless told otherwise"
+                f"{_size_text(rec.shm_total_bytes)}{job}): workers die of a bus error when "
+                "it fills"
             ),
             remedy=REMEDY_SHM_CAPACITY,
             epoch=rec.index,
@@ -1364,22 +1302,33 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             rule="blind",
             severity="info",
             message=(
-                f"NVML reports PIDs from another PID namespace{reason}: GPU memory cannot "
-                "be attributed to processes, only device totals are judged"
+                f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
             ),
-            remedy=(
-                "run with --pid=host (docker) or inside the job's PID namespace so "
-                "processes can be named"
-            ),
+            remedy="run with --pid=host (docker) or inside the job's PID namespace",
         ),
     )
+
+
+def _outlives_the_work(timeline: Timeline, rec: EpochRecord | None, proc: ProcessEpoch) -> bool:
+    """A process that stays past the work that started it: where held descriptors matter.
+
+    An orphan; a descendant (not a loader's worker) alive at an epoch's end; anything alive
+    once tracking closed. A loader's live worker is none of these: healthy persistent
+    workers forked from a CUDA parent hold its descriptors for as long as they work.
+    """
+    if proc.role == "orphan":
+        return True
+    if rec is None:
+        return timeline.final is not None and timeline.final.closed
+    return proc.role == "descendant" and proc.alive_at_end
 
 
 def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Note job processes holding ``/dev/nvidia*`` descriptors but no GPU memory.
 
     Typical of workers forked from a parent that used CUDA: the inherited descriptors can
-    keep the parent's context pinned. One finding per identity, where first seen.
+    keep the parent's context pinned, which matters only where the holder outlives the work
+    (``_outlives_the_work``). One finding per identity, where first seen so.
     """
     del config
     if not per_pid_bytes_known(timeline):
@@ -1394,23 +1343,22 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
                 or not proc.nvidia_fds
                 or proc.gpu_bytes_unknown
                 or any(b > 0 for b in proc.gpu_bytes_end.values())
+                or not _outlives_the_work(timeline, rec, proc)
             ):
                 continue
-            where = f"in {rec.label}" if rec is not None else "after the job"
+            where = f"at the end of {rec.label}" if rec is not None else "after the work"
             found.append(
                 _process_finding(
                     proc,
                     rule="descriptor-holder",
                     severity="info",
-                    message=(
-                        f"{_culprit(proc)} holds {proc.nvidia_fds} /dev/nvidia* descriptors "
-                        f"but no GPU memory {where}: inherited from its parent by fork, they "
-                        "can keep the parent's CUDA context pinned"
+                    what=(
+                        # No count: the processes of one cause share one line (the JSON
+                        # has each one's `nvidia_fds`).
+                        f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a "
+                        "parent that used CUDA"
                     ),
-                    remedy=(
-                        "start workers with multiprocessing_context='spawn' or 'forkserver', "
-                        "or do not initialise CUDA in the parent before workers fork"
-                    ),
+                    remedy="start workers with multiprocessing_context='spawn' or 'forkserver'",
                     gpu_bytes=0,
                     epoch=rec.index if rec is not None else None,
                     nvidia_fds=proc.nvidia_fds,
@@ -1440,15 +1388,11 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 proc,
                 rule="context-kept",
                 severity="info",
-                message=(
-                    f"{_culprit(proc)} keeps its CUDA context "
-                    f"({_devices_text(proc.gpu_bytes_end)}) after the work ended, "
-                    "with no tensors allocated"
+                what=(
+                    f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the "
+                    "work, with no tensors allocated"
                 ),
-                remedy=(
-                    "harmless, the CUDA runtime frees it at exit; if the GPU must be free "
-                    "before then, call leakcheck.release_device()"
-                ),
+                remedy="harmless (freed at exit); leakcheck.release_device() frees it sooner",
                 gpu_bytes=proc.total_gpu_bytes_end,
                 nvidia_fds=proc.nvidia_fds,
             )
@@ -1459,10 +1403,7 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # --------------------------------------------------------------------------- device mismatch
 
 REMEDY_DEVICE_MISMATCH = (
-    "call torch.cuda.set_device(LOCAL_RANK) (or pass device=f'cuda:{LOCAL_RANK}') before "
-    "anything touches CUDA in the rank, and never use a bare 'cuda' or cuda:0 in workers, "
-    "collate or pin-memory code: each such use makes a context (~0.5 GiB) on GPU 0, or set "
-    "CUDA_VISIBLE_DEVICES per rank so that a rank sees only its own GPU"
+    "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
 )
 
 
@@ -1531,10 +1472,9 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
                     proc,
                     rule="device-mismatch",
                     severity="leak",
-                    message=(
-                        f"{_culprit(proc)} holds GPU{index} {format_mib(used)} MiB {where}, "
-                        f"but rank {proc.rank} trains on GPU{own}: a context on a device "
-                        "that is not its own"
+                    what=(
+                        f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} "
+                        f"trains on GPU{own}"
                     ),
                     remedy=REMEDY_DEVICE_MISMATCH,
                     gpu_bytes=used,
@@ -1578,9 +1518,8 @@ def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     f"ended{_telemetry_text(dev)}"
                 ),
                 remedy=(
-                    "the driver lowers clocks after some idle seconds: wait before timing the "
-                    "next run (leakcheck sweep --cooldown-temp C waits for it); "
-                    "leakcheck.release_device() frees a context that keeps the GPU busy"
+                    "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for "
+                    "it)"
                 ),
                 device_index=dev.index,
             )
@@ -1596,10 +1535,7 @@ def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
             rule="tracker-failure",
             severity="info",
             message=f"leakcheck's own sampling failed: {' '.join(failure.split())}",
-            remedy=(
-                "the timeline may miss samples; rerun with strict=True to see the "
-                "traceback and report it as a leakcheck bug"
-            ),
+            remedy="rerun with strict=True to see the traceback, and report it as a leakcheck bug",
         )
         for failure in timeline.failures
     )

@@ -111,8 +111,10 @@ __all__ = [
 SESSION_ENV = "LEAKCHECK_SESSION"
 """Environment variable that carries a tracker's session id to every exec'd child."""
 
-CMDLINE_MAX_CHARS = 300
-"""Command lines are shortened to this many characters (for display, not identity)."""
+CMDLINE_MAX_CHARS = 32768
+"""Command lines are kept whole up to this many characters: a bound on memory only, far above
+any real one, since decisions read them whole (a runtime helper's module comes after its
+interpreter's path, which can be long); reports name a process through ``names``."""
 
 _PROC = "/proc"
 _HAS_PROC = sys.platform.startswith("linux") and os.path.exists(f"{_PROC}/self/stat")
@@ -259,8 +261,7 @@ def _shorten(text: str, limit: int = CMDLINE_MAX_CHARS) -> str:
 
 
 def _cmdline(pid: int) -> str:
-    # 4 KiB holds far more than the 300 characters kept, even in multi-byte UTF-8.
-    data = _read(f"{_PROC}/{pid}/cmdline")
+    data = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS)
     if not data:
         return ""  # kernel thread, zombie, or gone
     return _shorten(data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"))
@@ -825,8 +826,8 @@ def read_proc(
         session_id: When given, ``tagged`` tells whether the process's initial environment
             carries ``LEAKCHECK_SESSION=<session_id>`` (see NOTE [session tag]); an
             environment we may not read counts as untagged.
-        with_cmdline: Read the command line (joined by spaces, at most 300 characters);
-            False leaves it empty and saves one read.
+        with_cmdline: Read the command line (joined by spaces, whole up to
+            ``CMDLINE_MAX_CHARS``); False leaves it empty and saves one read.
         tag_variable: The variable that carries the tag (default ``LEAKCHECK_SESSION``).
 
     Returns:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from leakcheck.core import roles
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable
+from leakcheck.core.names import process_name
 from leakcheck.core.readings import DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.core.units import format_mib
 from leakcheck.observe import nvml, procs
@@ -226,6 +227,10 @@ def _device_line(device: DeviceState) -> str:
     return ", ".join(parts)
 
 
+_NAME_WIDTH = 72
+"""A process's name in the tree is cut to this many characters."""
+
+
 def _process_line(entry: ProcessSnapshot) -> str:
     memory = ", ".join(
         f"GPU{index} {format_mib(value)} MiB" for index, value in sorted(entry.gpu_bytes.items())
@@ -236,9 +241,7 @@ def _process_line(entry: ProcessSnapshot) -> str:
     if entry.role:
         text += f" [{entry.role}]"
     # One line per process: a `python -c` script's newlines must not break the tree.
-    text += f" {' '.join(entry.info.cmdline.split()) or entry.info.name}"
-    if len(text) > 90:
-        text = text[:87] + "..."
+    text += f" {process_name(entry.info.cmdline, width=_NAME_WIDTH, empty=entry.info.name)}"
     details = [memory] if memory else []
     if entry.nvidia_fds:
         details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")

@@ -16,15 +16,11 @@ from dataclasses import dataclass, field
 from leakcheck.core import ranks
 from leakcheck.core.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Role
 from leakcheck.core.roles import direct_child_role, is_runtime_helper
-from leakcheck.core.units import shorten_cmdline
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import HostMemory
 from leakcheck.track import claims
 
-__all__ = ["CMDLINE_CHARS", "Proc", "ProcessTable"]
-
-CMDLINE_CHARS = 300
-"""Command lines are kept this long (reports shorten them further for display)."""
+__all__ = ["Proc", "ProcessTable"]
 
 
 @dataclass
@@ -125,7 +121,10 @@ def _run_id(info: RankInfo) -> str | None:
 
 
 def _stored(cmdline: str) -> str:
-    return shorten_cmdline(cmdline, CMDLINE_CHARS, empty="")
+    # Whole (procs bounds it far above any real one): roles and helpers are told by it, and
+    # a report names the process from it (NOTE [process names] in names.py), a `python -c`
+    # script's lines included.
+    return cmdline.strip()
 
 
 class ProcessTable:

@@ -149,6 +149,6 @@ def test_a_killed_worker_that_returned_cuda_tensors_has_its_files_named_with_the
     assert set(left) <= set(named), (left, list(named))
     for name in left:
         if name.startswith("cuda.shm."):
-            assert "a CUDA IPC file: workers returned CUDA tensors" in named[name]["message"]
+            assert "CUDA IPC: workers returned CUDA tensors" in named[name]["message"]
             assert "return CPU tensors from workers" in named[name]["remedy"]
     assert not [n for n in left if os.path.exists(f"/dev/shm/{n}")]  # the job removed them

@@ -1,0 +1,202 @@
+"""What a process is, in the words people use for it: the one place that names a process.
+
+NOTE [process names]: decisions read a process's whole command line (``roles``: helpers,
+workers); people read a name. A command line that starts with an interpreter says nothing
+until the script, module or code it runs (``/home/me/proj/.venv/bin/python -c i...`` named
+every orphan alike), so the name is what the interpreter runs: ``train.py --lr 0.1``,
+``python -m torch.distributed.run --standalone``, ``python -c "import time; time.sleep(60)"``,
+``sleep 60``; multiprocessing's own processes by what they are (``resource tracker``,
+``forkserver``, ``spawn worker``); a loader's worker as ``worker 3 of train.py:42`` where
+its loader is known. Every report, table and snapshot shows a process through
+``process_name`` (or ``culprit``, which adds its role, rank and PID), and cuts it there: one
+shortener, whatever the width.
+
+Command lines are arguments joined by spaces (``/proc/PID/cmdline`` with its NULs made
+spaces), so an argument with spaces in it is split too; a name only needs the first few.
+
+This module is low in the layers: it imports only ``leakcheck.core.roles``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from leakcheck.core.roles import runtime_helper_name
+
+__all__ = ["NAME_WIDTH", "culprit", "culprits", "process_name", "shorten", "worker_name"]
+
+NAME_WIDTH = 40
+"""Characters a process's name takes in a finding (its role and PID come on top)."""
+
+ELLIPSIS = "\u2026"
+"""Where a name was cut."""
+TIMES = "\u00d7"
+"""Between a count and what it counts (a multiplication sign)."""
+
+_INTERPRETER = re.compile(r"^(?:python|pypy)\d*(?:\.\d+)?[a-z]?$")
+_LINE_BREAKS = re.compile(r"[ \t]*(?:[\r\n][ \t]*)+")
+# Interpreter options that take the next argument (`-X importtime`, `-W error`).
+_OPTIONS_WITH_VALUE = frozenset(("-X", "-W", "--check-hash-based-pycs"))
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` with its whitespace collapsed, cut to ``width`` characters with ``…``."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(width - 1, 1)].rstrip() + ELLIPSIS
+
+
+def _python_target(args: list[str]) -> str:
+    """What an interpreter runs, from the arguments after the interpreter itself."""
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        # `-c CODE`, `-m MODULE`, with flags joined before them (`-Bc`) or the value after
+        # them (`-mpytest`, as pytester starts it)
+        joined = re.fullmatch(r"-[bBdEiIOPqsSuvx]*([cm])(.*)", arg)
+        if joined is not None:
+            flag = joined.group(1)
+            rest = " ".join(
+                [joined.group(2), *args[index + 1 :]] if joined.group(2) else args[index + 1 :]
+            )
+            if flag == "c":  # a script's lines as one: `import os; print(1)`
+                return f'python -c "{_LINE_BREAKS.sub("; ", rest.strip())}"'
+            return f"python -m {rest}".rstrip()
+        if arg in _OPTIONS_WITH_VALUE:
+            index += 2
+            continue
+        if arg == "-" or not arg.startswith("-"):
+            if arg == "-":
+                return "python -"
+            script = arg.rstrip("/")
+            base = os.path.basename(script)
+            if base == "__main__.py":  # a package run by its folder: name the package
+                base = os.path.basename(os.path.dirname(script)) or base
+            return " ".join([base, *args[index + 1 :]])
+        index += 1
+    return "python"
+
+
+def _cut_code(name: str, width: int) -> str:
+    """Shorten ``python -c "code"`` keeping its closing quote: ``python -c "imp…"``."""
+    if len(name) <= width or not name.startswith('python -c "'):
+        return shorten(name, width)
+    return shorten(name[:-1], width - 1) + '"'
+
+
+def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "?") -> str:
+    """Name a process by what it runs (NOTE [process names]), at most ``width`` characters.
+
+    Args:
+        cmdline: Its command line, arguments joined by spaces (None: unknown).
+        width: At most this many characters, ``…`` included.
+        empty: What an empty or unknown command line shows as.
+
+    Returns:
+        ``train.py --lr 0.1``, ``python -m pkg.mod args``, ``python -c "code"``,
+        ``sleep 60``, or a runtime helper's name (``resource tracker``, ``forkserver``,
+        ``spawn worker``).
+
+    """
+    # Split on spaces only: a `python -c` script keeps its line breaks until it is named.
+    args = [arg for arg in (cmdline or "").split(" ") if arg.strip()]
+    if not args:
+        return empty
+    helper = runtime_helper_name(cmdline or "")
+    if helper is not None:
+        return shorten(helper, width)
+    program = os.path.basename(args[0]) or args[0]
+    if _INTERPRETER.match(program):
+        return _cut_code(" ".join(_python_target(args[1:]).split()), width)
+    return shorten(" ".join([program, *args[1:]]), width)
+
+
+def worker_name(
+    cmdline: str | None,
+    *,
+    worker_id: int | None = None,
+    loader: str | None = None,
+    width: int = NAME_WIDTH,
+) -> str:
+    """Name a loader's worker: ``worker 3 of train.py:42``, ``spawn worker 3``.
+
+    Args:
+        cmdline: The worker's command line: its parent's for a forked worker, the start
+            method's own for a spawned one (or one forked by a fork server).
+        worker_id: The loader's index of the worker, where known.
+        loader: The loader's label (``train.py:42``), where known.
+        width: At most this many characters.
+
+    """
+    number = f" {worker_id}" if worker_id is not None else ""
+    kind = runtime_helper_name(cmdline or "")
+    if loader:
+        return shorten(f"worker{number} of {loader}", width)
+    if kind in ("spawn worker", "forkserver"):
+        return f"{'forkserver worker' if kind == 'forkserver' else kind}{number}"
+    program = process_name(cmdline, width=width)
+    if not program.startswith("python"):
+        program = program.split()[0]  # a forked worker runs its parent's script: name it
+    return shorten(f"worker{number} of {program}", width)
+
+
+def culprit(
+    role: str | None,
+    pid: int | None,
+    cmdline: str | None,
+    *,
+    rank: int | None = None,
+    rule: str | None = None,
+    worker_id: int | None = None,
+    loader: str | None = None,
+    width: int = NAME_WIDTH,
+) -> str:
+    """One process as a report names it: its rank, role, name and PID.
+
+    ``rank 1 orphan sleep 60 (PID 11)``, ``worker 3 of train.py:42 (PID 12)``,
+    ``parent train.py (PID 10)``. The role is left out where the rule already says it (an
+    orphan finding's culprit is an orphan) or the name does (a worker's).
+    """
+    return culprits(
+        role,
+        [pid] if pid is not None else [],
+        cmdline,
+        rank=rank,
+        rule=rule,
+        worker_id=worker_id,
+        loader=loader,
+        width=width,
+    )
+
+
+def culprits(
+    role: str | None,
+    pids: list[int],
+    cmdline: str | None,
+    *,
+    rank: int | None = None,
+    rule: str | None = None,
+    worker_id: int | None = None,
+    loader: str | None = None,
+    width: int = NAME_WIDTH,
+    shown: int = 3,
+) -> str:
+    """Several processes of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``.
+
+    As ``culprit`` for one PID; for more, their count and the first ``shown`` PIDs.
+    """
+    if role == "worker":
+        name = worker_name(
+            cmdline, worker_id=worker_id if len(pids) == 1 else None, loader=loader, width=width
+        )
+    else:
+        name = process_name(cmdline, width=width)
+        if role and role != rule:
+            name = f"{role} {name}"
+    if rank is not None:
+        name = f"rank {rank} {name}"
+    if len(pids) > 1:
+        listed = ", ".join(str(pid) for pid in pids[:shown])
+        more = f", {ELLIPSIS}" if len(pids) > shown else ""
+        return f"{len(pids)} {TIMES} {name} (PIDs {listed}{more})"
+    return f"{name} (PID {pids[0]})" if pids else name

@@ -175,7 +175,7 @@ def test_copy_on_read_scenario_is_found_in_epoch_0_though_flat_after(tmp_path: P
     assert "2 forked workers of PID" in found["message"]
     assert found["host_bytes"] > 2 * 64 * MIB  # 128 MiB of objects, copied by each worker
     assert [f for f in findings if f["rule"] == "host-growth"] == []  # no growth to see
-    assert "LEAK copy-on-read: 2 forked workers" in run.stdout
+    assert "LEAK copy-on-read  2 forked workers" in run.stdout
     rows = config["rows"]
     copied = [row["workers_copied_bytes"] for row in rows]
     assert all(c is not None and c > 2 * 64 * MIB for c in copied), copied

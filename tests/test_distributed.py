@@ -210,7 +210,7 @@ def test_a_rank_killed_mid_epoch_is_named_with_its_leftovers_and_the_status_kept
     assert helper["pid"] in {f["pid"] for f in rank1["leaks"]}
     assert _named_orphan(err, helper["pid"]), err
     line = f"rank 1 (PID {killed['pid']}): verdict LEAK as seen from outside"
-    assert line in err and f"(PID {killed['pid']}): no report: " in err
+    assert line in err and f"PID {killed['pid']}): no report: " in err
     assert "program exit status 1" in err
 
 

@@ -1250,7 +1250,7 @@ def test_a_tracked_loader_whose_forked_workers_copy_its_dataset_fails_its_test(
     )
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
-    assert "LEAK copy-on-read: 2 forked workers of PID " in out
+    assert "LEAK copy-on-read  2 forked workers of PID " in out
     assert "LEAKED test_loader.py::test_copies: 1 copy-on-read finding" in out
 
 

@@ -28,6 +28,7 @@ from tests.timelines import (
     BOOT_UNIX_S,
     ROOT_PID,
     clean_timeline,
+    copier,
     device,
     epoch,
     final_state,
@@ -483,8 +484,14 @@ def _findings_of_every_rule() -> list[Finding]:
         attribution="blind-namespace",
         reason="NVML PIDs not found in /proc: " + "1234, " * 40,
     )
+    copying = [
+        epoch(i, [parent(), *(_long(copier(3000 + w, 195, ppid=ROOT_PID)) for w in range(8)),
+                  _long(copier(3100, None, forked=False, uss_mib=400))])
+        for i in range(2)
+    ]  # fmt: skip
     found = [
         *verdict.judge(tl, config),
+        *verdict.judge(timeline(copying, attribution="nvml-unavailable"), config),
         *verdict.judge(timeline(growing), config),
         *verdict.judge(timeline(resident_only, attribution="nvml-unavailable"), config),
         *verdict.judge(blind, config),

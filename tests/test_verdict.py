@@ -18,8 +18,8 @@ from leakcheck.core.model import (
     Timeline,
 )
 from leakcheck.judge import verdict
-from leakcheck.observe import procs
 from leakcheck.judge.report import finding_lines
+from leakcheck.observe import procs
 from tests.timelines import (
     BOOT_UNIX_S,
     ROOT_PID,

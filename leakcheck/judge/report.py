@@ -513,14 +513,15 @@ def is_said(finding: Finding) -> bool:
 
     A ``/dev/shm`` file that no process of the work held, and that nothing ties to it (other
     jobs ran beside it) or that an older process made, is not the work's to act on: the
-    JSON keeps it, the text leaves it out (the pytest plugin counts such files apart).
+    JSON keeps it, the text leaves it out (the pytest plugin counts such files apart). So
+    does the copy-on-read rule's information on workers started by spawn or forkserver (what
+    cannot be told there, and their private memory): true of every such loader, nothing to
+    do about it.
     """
-    return not (
-        finding.rule == "shm"
-        and finding.severity == "info"
-        and finding.pid is None
-        and finding.shm_name is not None
-    )
+    if finding.severity != "info":
+        return True
+    unheld_file = finding.rule == "shm" and finding.pid is None and finding.shm_name is not None
+    return not (unheld_file or finding.rule == "copy-on-read")
 
 
 def about_gpu(findings: Iterable[Finding]) -> bool:

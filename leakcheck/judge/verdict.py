@@ -470,7 +470,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         birth = _birth(epochs, obs)
         left = _ends_outside_the_tree(timeline, ordered, ends, obs, birth) if birth else []
         if left:
-            since = f" since {left[0].label}"  # the epoch it left the tree in
+            # The epoch it left the tree in; leakcheck run's whole-program "epoch" says
+            # nothing a reader could use.
+            since = f" since {left[0].label}" if left[0].label != "program" else ""
         elif first_rec is not None:
             # Birth unknown: only that it had left by the epoch a scan found it outside in.
             since = f" by {first_rec.label}"

@@ -2,7 +2,7 @@
 
 ``watch()`` and the Lightning callback take the same options, chain the same teardown policy
 into a loader's ``worker_init_fn``, and announce leaks at epoch ends the same way. Those
-pieces live here, below the adapters, so that no adapter imports another (DESIGN.md).
+pieces live here, in one module both import (docs/ARCHITECTURE.md, Layers).
 
 NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and an
 adapter judges at every epoch end, so over a long run the epoch end would grow slower and

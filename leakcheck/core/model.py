@@ -459,7 +459,7 @@ class Finding:
     """One judged fact: a leak, or information worth acting on.
 
     Attributes:
-        rule: Which rule fired (DESIGN.md, leak rules).
+        rule: Which rule fired (docs/ARCHITECTURE.md, Rules).
         severity: ``leak`` fails a check; ``info`` is advice.
         message: One line that names the culprit and what it holds.
         remedy: One line on what to do about it.
@@ -507,7 +507,7 @@ class Finding:
 
     @property
     def bytes(self) -> int | None:
-        """Alias of ``gpu_bytes`` (the name in DESIGN.md's public interface)."""
+        """Alias of ``gpu_bytes`` (kept: docs/ARCHITECTURE.md, Public interface)."""
         return self.gpu_bytes
 
 

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
-"""Where a process stands relative to the watched job (see DESIGN.md, attribution model)."""
+"""Where a process stands in the watched job (docs/ARCHITECTURE.md, Roles and attribution)."""
 
 MIB = 1024 * 1024
 

@@ -485,7 +485,7 @@ class ProcessTable:
     # -- what a process is ---------------------------------------------------------------
 
     def role(self, proc: Proc) -> Role:
-        """Where ``proc`` stands relative to the job (DESIGN.md, attribution model)."""
+        """Where ``proc`` stands in the job (docs/ARCHITECTURE.md, Roles and attribution)."""
         if proc.key == self.root:
             return "parent"
         if proc.foreign:

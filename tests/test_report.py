@@ -236,7 +236,10 @@ def test_text_names_the_culprit_with_pid_and_mib() -> None:
     assert "LEAK residual" in text and "PID 999" in text
     lines = text.splitlines()
     assert lines[0].startswith("leakcheck report: session test-session, root PID 100")
-    assert lines[-1].startswith("leakcheck: 2 leaks found: survivor worker PID 1234 (612 MiB)")
+    # The finding lines name the culprits: the last line counts them; a warning names them.
+    assert lines[-1] == "leakcheck: 2 leaks in 3 epochs (3 processes)"
+    summary = survivor_report().summary()
+    assert summary.startswith("leakcheck: 2 leaks found: survivor worker PID 1234 (612 MiB)")
 
 
 def test_text_table_has_one_row_per_epoch_and_dashes_for_unknowns() -> None:
@@ -332,7 +335,7 @@ def test_many_leaks_are_summarised() -> None:
     workers = [proc(2000 + i, born=True, gpu_mib=100, last_seen_after_s=5.0) for i in range(5)]
     report = build_report(timeline([epoch(0, [parent(600), *workers])]), CONFIG)
     assert len(report.leaks) == 5
-    last = report.format().splitlines()[-1]
+    last = report.summary()
     assert last.startswith("leakcheck: 5 leaks found: survivor worker PID 2000 (100 MiB)")
     assert last.endswith("; and 2 more")
 
@@ -342,7 +345,7 @@ def test_a_shm_leak_is_named_by_its_file_in_the_verdict_line() -> None:
     tl = dataclasses.replace(timeline([epoch(0, [parent(600)])]), shm_files=files)
     report = build_report(tl, CONFIG)
     (finding,) = report.leaks
-    assert report.format().splitlines()[-1] == (
+    assert report.summary() == (
         "leakcheck: 1 leak found: shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"
     )
     assert leak_short(finding) == "shm /dev/shm/leakcheck_demo_segment (2.0 MiB)"

@@ -391,7 +391,7 @@ class ConfigResult:
             "verdict": self.report.verdict,
             "leak_count": len(self.report.leaks),
             "info_count": len(self.report.infos),
-            "summary": self.report.summary(gpu=False),  # as the text (the sweep's "gpu" says)
+            "summary": self.report.summary(gpu=False, named=False),  # as the text says it
             "cooldown": None if self.cooldown is None else self.cooldown.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "teardown": teardown_summary(self.teardowns),
@@ -1129,7 +1129,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
             f"{config.cost.caller_wall_s * 1000:.0f} ms: "
             f"{config.cost.caller_wall_s * 1000 / max(1, len(report.epochs)):.1f} ms per epoch)"
         )
-    lines.append(f"  {report.summary(gpu=False)}")  # said once, in the header
+    lines.append(f"  {report.summary(gpu=False, named=False)}")  # GPU: said in the header
     return lines
 
 

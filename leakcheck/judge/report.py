@@ -190,15 +190,17 @@ class Report:
 
     # ------------------------------------------------------------------ text
 
-    def summary(self, *, gpu: bool = True) -> str:
+    def summary(self, *, gpu: bool = True, named: bool = True) -> str:
         """Return the one-line verdict that ends ``format()``.
 
         Args:
             gpu: Say that GPU memory was not checked, where it was not (False where the
                 caller said so once already, as a sweep's header does).
+            named: Name the first leaks (a line that stands alone, as a warning's); False
+                where the finding lines above it name them already.
 
         """
-        return self._verdict_line(gpu=gpu) + self._pending_text()
+        return self._verdict_line(gpu=gpu, named=named) + self._pending_text()
 
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""
@@ -216,10 +218,13 @@ class Report:
             f"{'it was' if len(pending) == 1 else 'they were'} born in)"
         )
 
-    def _verdict_line(self, *, gpu: bool = True) -> str:
+    def _verdict_line(self, *, gpu: bool = True, named: bool = True) -> str:
         tl = self.timeline
         n_epochs = plural(len(tl.epochs), "epoch")
         leaks = self.leaks
+        if leaks and not named:
+            processes = plural(len(_lineage_keys(tl)), "process", "processes")
+            return f"leakcheck: {plural(len(leaks), 'leak')} in {n_epochs} ({processes})"
         if leaks:
             shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
             more = len(leaks) - _VERDICT_LEAKS_SHOWN
@@ -267,7 +272,7 @@ class Report:
             lines.append("")
             lines.extend(self.finding_lines())
         lines.append("")
-        lines.append(self.summary())
+        lines.append(self.summary(named=not self.said))
         return "\n".join(lines)
 
     def finding_lines(

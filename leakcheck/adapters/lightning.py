@@ -17,7 +17,7 @@ NOTE [lightning epochs]: each stage is tracked apart, by its own ``Tracker``: ``
 ``val`` (the sanity check and every validation run, during ``fit`` or ``validate``),
 ``test`` and ``predict``. Validation runs inside the training epoch, so two epochs are open
 at once; each tracker judges only its own loaders' workers and what they start (NOTE
-[claims] in sampling/claims.py), and the worker identities are exact because each worker
+[claims] in track/claims.py), and the worker identities are exact because each worker
 posts itself to the mailbox of its own stage's tracker. Labels: ``train epoch 3``,
 ``val epoch 3`` (a second validation run in the same training epoch: ``val epoch 3 run
 2``), ``val sanity check`` (the sanity check's workers are real workers, judged like any

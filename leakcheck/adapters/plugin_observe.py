@@ -419,7 +419,7 @@ class Window:
     start_s: float
     extra: list[Finding] = field(default_factory=list)
     exports_mark: int = 0
-    """Where the tags of trackers the test starts begin (``sampling.exports.mark``)."""
+    """Where the tags of trackers the test starts begin (``track.exports.mark``)."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The ``leakcheck`` command: ``sweep`` (worker counts x epochs) and ``snapshot``.
+"""The ``leakcheck`` command: ``sweep`` (worker counts x epochs), ``snapshot`` and ``explain``.
 
 Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-leak``),
 1 when leaks were found and ``--fail-on-leak`` was given, 2 on bad usage: a bad option

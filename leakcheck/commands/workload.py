@@ -218,8 +218,8 @@ class SyntheticDataset:
         import torch
 
         if self._use_cuda is None:
-            # Only ask torch where NVML already said a GPU exists (see NOTE [CUDA in the
-            # parent]); a forked child of a parent that used CUDA cannot use it again.
+            # Only ask torch where NVML already said a GPU exists: NOTE [CUDA in the parent].
+            # A forked child of a parent that used CUDA cannot use it again.
             bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
             self._use_cuda = bool(self.spec.gpu and not bad_fork() and torch.cuda.is_available())
         if self._use_cuda:

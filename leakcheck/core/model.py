@@ -309,7 +309,7 @@ class TrackerCost:
             whichever thread took them, waits for locks included (not the telemetry read at
             epoch ends). While the GPU is busy these reads hold a driver lock that the job's
             own driver calls may wait for, a cost the other fields do not see; the sampler
-            keeps its share small (NOTE [nvml pacing] in sampling/pacing.py).
+            keeps its share small (NOTE [nvml pacing] in track/pacing.py).
         nvml_cpu_s: CPU seconds of the same reads, in the threads that made them: mostly the
             driver's work, during which the NVML binding (ctypes) releases the interpreter
             lock, so it delays no Python thread where a core is spare. Part of
@@ -320,7 +320,7 @@ class TrackerCost:
             walk per process) and inside epochs (forked workers' copies: NOTE [host pacing]),
             with filing their results in the epoch's record. Part of
             ``sampler_cpu_s``. A tracker's first epoch end always reads; later ones are paced
-            (NOTE [host pacing] in sampling/pacing.py), so a short-lived tracker pays more of
+            (NOTE [host pacing] in track/pacing.py), so a short-lived tracker pays more of
             it for its time than a long one.
 
     """

@@ -7,7 +7,7 @@ folder is: the tracker creates it and exports its path as ``LEAKCHECK_MAILBOX`` 
 forked children alike inherit the variable); a worker writes one small JSON file per record,
 atomically (write to a temporary name, then rename), and the tracker's sampler reads the
 folder on each tick that walks the processes (NOTE [tracker lifecycle] in
-sampling/sampler.py), and every epoch end. A reader never sees half a record; a worker that
+track/sampler.py), and every epoch end. A reader never sees half a record; a worker that
 cannot write (no variable, read-only folder) loses nothing but the record. The tracker
 deletes each record once read (``consume``), so the folder stays small and a read's listing
 costs the same in the hundredth epoch as in the first. Most reads skip the listing: an

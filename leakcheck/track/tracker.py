@@ -2,7 +2,7 @@
 
 The public front over ``leakcheck.track``: it validates options, times the caller's
 calls (``cost()``), and turns what the sampler observed into a judged ``Report``. How and
-when things are read: NOTE [tracker lifecycle] in sampling/sampler.py.
+when things are read: NOTE [tracker lifecycle] in track/sampler.py.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Tracker:
         rollup_share: Share of the time the USS and PSS reads (``/proc/PID/smaps_rollup``
             of the parent and persistent workers, at epoch ends) may take; an epoch end is
             skipped while the last reads cost more (its host memory is then RSS, and says
-            so). Default 0.1% (``sampling.pacing.ROLLUP_SHARE``); 1.0 reads at every
+            so). Default 0.1% (``track.pacing.ROLLUP_SHARE``); 1.0 reads at every
             epoch end whatever it costs (short diagnostic runs).
         scan_at_epoch_end: Also scan for processes reparented away (orphans) in each epoch
             end's sample, on the caller's thread (a pass over every process's environment),

@@ -489,7 +489,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
     """Run at worker exit (NOTE [teardown policy], point 3); never raises.
 
     First the worker's own report of what it holds (NOTE [worker reports] in
-    sampling/book.py), then, with ``release``, the release itself.
+    track/book.py), then, with ``release``, the release itself.
     """
     if os.getpid() != state.pid:
         return  # a process forked from the worker inherited the finalizer
@@ -510,7 +510,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
         cuda = initialized_cuda() is not None
         measured_s = time.monotonic()
         # Its own host memory, before anything is released: a worker that lives one epoch
-        # is the best source of what it held (NOTE [worker reports] in sampling/book.py).
+        # is the best source of what it held (NOTE [worker reports] in track/book.py).
         # One smaps_rollup read, in the worker, as it leaves.
         try:
             host = hostmem.read_host_memory(state.pid)
@@ -656,7 +656,7 @@ class WorkerInit:
             )
             if self.release or self.terminate_children or reporting:
                 # Reported even without the release: what the worker held is its epoch's
-                # truth (NOTE [worker reports] in sampling/book.py).
+                # truth (NOTE [worker reports] in track/book.py).
                 import multiprocessing.util
 
                 multiprocessing.util.Finalize(

@@ -44,7 +44,7 @@ def test_an_mp_spawn_ddp_rank_on_the_gpu_has_its_loader_tracked_and_its_leftover
     assert said(report) == [] and data["verdict"] == "clean", err
     assert f"loader {label} (rank 0 PID {data['loaders'][0]['pid']}): 2 epochs" in err
 
-    leaking = [*clean[:-2], "1", "--leak", "--helper-s", "60"]
+    leaking = [*clean[:-1], "1", "--leak", "--helper-s", "60"]
     status, err, data = leakcheck_run(leaking, private_tmp, leftovers=leftovers)
     assert status == 0, err
     found = leaks(data["loaders"][0]["report"])

@@ -323,6 +323,11 @@ def test_judge_job_gives_outside_leaks_to_their_rank_and_counts_each_once() -> N
         "rank 1 (PID 11): verdict LEAK as seen from outside; 1 leak: orphan rank 1 process PID 7; "
         "its own report is missing: killed" in text
     )
+    # Under leakcheck run the loaders' finding lines name the leaks: the rank's line counts them.
+    assert (
+        "  rank 1 (PID 11): verdict LEAK as seen from outside; 1 leak; its own report is missing: "
+        "killed"
+    ) in job.format_lines(named=False)
     again = RankReport.from_dict(json.loads(json.dumps(entries[0].to_dict())))
     assert again == entries[0]
 

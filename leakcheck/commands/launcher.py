@@ -378,7 +378,7 @@ def format_run(result: RunResult) -> str:
     job = result.job
     if job is not None:
         lines.extend(gap)
-        lines.extend(job.format_lines())
+        lines.extend(job.format_lines(named=False))  # the loaders' lines name them
     lines.extend(gap)
     count = result.leak_count
     loaders = len(result.loaders)

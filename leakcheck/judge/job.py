@@ -204,8 +204,14 @@ class JobReport:
             "ranks": [rank.to_dict() for rank in self.ranks],
         }
 
-    def format_lines(self, indent: str = "") -> list[str]:
-        """The job's verdict line, then one line per rank."""
+    def format_lines(self, indent: str = "", *, named: bool = True) -> list[str]:
+        """The job's verdict line, then one line per rank.
+
+        Args:
+            indent: Put before every line.
+            named: Name each rank's first leaks; False where finding lines above name them.
+
+        """
         size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
         missing = [str(r) for r in range(self.world_size or 0) if r not in self._ranks()]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
@@ -222,7 +228,9 @@ class JobReport:
             if rank.missing:
                 # Judged from outside only: what its own trackers saw never came.
                 text += " as seen from outside"
-            if rank.leaks:
+            if rank.leaks and not named:
+                text += f"; {plural(len(rank.leaks), 'leak')}"
+            elif rank.leaks:
                 shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
                 more = len(rank.leaks) - _SHOWN
                 text += f"; {plural(len(rank.leaks), 'leak')}: {shown}"

@@ -17,6 +17,9 @@ One column per configuration (worker count), up to four panels each, sharing the
 3. Processes: workers seen, processes still alive after the epoch, orphans.
 4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
 
+Each column's title gives its throughput and the share of the loop spent waiting for
+batches; the figure's title ends with the recommended worker count and its memory cost.
+
 matplotlib is imported only here, and only its object-oriented API with the Agg canvas is
 used: drawing a sweep never changes the backend of the caller's ``pyplot``.
 """
@@ -94,6 +97,10 @@ class _Config(Protocol):
     def rows(self) -> Sequence[_Row]: ...
     @property
     def report(self) -> Report: ...
+    @property
+    def samples_per_s(self) -> float | None: ...
+    @property
+    def wait_share(self) -> float | None: ...
 
 
 class _Options(Protocol):
@@ -118,6 +125,8 @@ class _Sweep(Protocol):
     def gpu_available(self) -> bool: ...
     @property
     def gpu_reason(self) -> str: ...
+    @property
+    def recommendation_line(self) -> str | None: ...
 
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
@@ -235,7 +244,11 @@ def _config_title(config: _Config) -> str:
     leaks = len(config.report.leaks)
     verdict = config.report.verdict
     tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
-    return f"{head}\nverdict: {tail}"
+    rate, share = config.samples_per_s, config.wait_share
+    speed = "" if rate is None else f"\n{rate:,.0f} samples/s"
+    if speed and share is not None:
+        speed += f", {share:.0%} of the loop waiting"
+    return f"{head}\nverdict: {tail}{speed}"
 
 
 def _note(axes: Any, text: str) -> None:
@@ -538,6 +551,8 @@ def render(result: _Sweep) -> Any:
             "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason),
             40 * columns + 30,
         )
+    if result.recommendation_line:
+        lines += textwrap.wrap(result.recommendation_line, 40 * columns + 30)
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure
 

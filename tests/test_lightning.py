@@ -266,6 +266,9 @@ def test_each_epoch_logs_leakcheck_scalars_to_the_trainers_csv_logger(tmp_path: 
     text = callback.format().splitlines()
     assert text[0].startswith("train_dataloader: leakcheck report: ")
     assert text[-1].startswith("val_dataloader: leakcheck: no leaks in 4 epochs")
+    pytest.importorskip("matplotlib")
+    png = callback.plot(str(tmp_path / "leaks.png"))  # both stages, side by side
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_loaders_and_strategy_get_their_own_back(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@
     trainer = lightning.Trainer(max_epochs=10, callbacks=[leaks])
     trainer.fit(model, datamodule=data)
     print(leaks.format())  # one report per stage, each named by its loader's hook
+    leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
 
 Each epoch end also logs a few scalars through every logger of the trainer (TensorBoard,
 CSV, W&B alike) on global rank zero, under ``leakcheck/<stage>/``: ``workers``,
@@ -85,7 +86,7 @@ from leakcheck.adapters.watching import (
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import MIB, EndReason, Timeline
-from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
+from leakcheck.judge.report import Report, host_totals, plot_reports, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
 from leakcheck.track.tracker import Tracker, end_reason_for
 
@@ -335,10 +336,22 @@ class LeakCheckCallback(_CallbackBase):
         ...``: which verdict is whose, train first (``STAGES``' order).
         """
         return "\n".join(
-            f"{name}_dataloader: {self.report(name).format(verbose=verbose)}"
-            for name in STAGES
-            if name in self._stages
+            f"{name}: {report.format(verbose=verbose)}" for name, report in self._named_reports()
         )
+
+    def plot(self, path: str) -> str:
+        """Draw every tracked stage's report side by side as a PNG; returns ``path``.
+
+        Raises:
+            UsageError: matplotlib is not installed.
+
+        """
+        return plot_reports(self._named_reports(), path)
+
+    def _named_reports(self) -> list[tuple[str, Report]]:
+        """Each tracked stage's report, named by its loader's hook, train first."""
+        tracked = [name for name in STAGES if name in self._stages]
+        return [(f"{name}_dataloader", self.report(name)) for name in tracked]
 
     # --- Lightning hooks: the run ------------------------------------------------------
 

@@ -490,7 +490,7 @@ def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The worker-count answer: the fewest workers within 5% of the best, and their cost.
+    """The worker-count answer: the fewest workers near the best throughput, and their cost.
 
     Attributes:
         num_workers: The recommended count.
@@ -523,7 +523,8 @@ class Recommendation:
         if self.best_workers == self.num_workers:
             against = "the best"
         else:
-            against = f"within 5% of the best, {self.best_rate_per_s:,.0f} at {self.best_workers}"
+            best = f"{self.best_rate_per_s:,.0f} at {self.best_workers}"
+            against = f"within {RECOMMEND_WITHIN:.0%} of the best, {best}"
         costs = [
             ("host", self.worker_host_bytes, True),
             ("GPU", self.worker_gpu_bytes, gpu_available),

@@ -23,7 +23,8 @@ import pytest
 
 from leakcheck.commands import cli
 from leakcheck.commands.cli import main
-from leakcheck.commands.sweep import COLUMN_NAMES, WorkerBound
+from leakcheck.commands.sweep import COLUMN_NAMES, TABLE_WIDTH, WorkerBound, recommend_workers
+from leakcheck.commands.workload import WorkloadSpec
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB, ProcInfo
 from leakcheck.core.units import format_mib
@@ -137,6 +138,38 @@ def test_default_sweep_json_matches_text(default_sweep: tuple[Run, dict[str, Any
     for config in data["configurations"]:
         assert config["summary"] in run.stdout
         assert config["report"]["verdict"] == config["verdict"]
+
+
+def test_default_sweep_answers_how_many_workers(
+    default_sweep: tuple[Run, dict[str, Any], Path],
+) -> None:
+    run, data, _ = default_sweep
+    batch_size = WorkloadSpec().batch_size
+    rates = {}
+    for config in data["configurations"]:
+        rows, throughput = config["rows"], config["throughput"]
+        # Every epoch timed and counted: samples are the built-in batches' rows.
+        assert [row["samples"] for row in rows] == [row["batches"] * batch_size for row in rows]
+        assert all(0 < row["wait_s"] <= row["loop_s"] for row in rows)
+        assert throughput["samples_per_s"] > 0 and 0 < throughput["wait_share"] <= 1
+        if config["num_workers"]:
+            assert throughput["worker_host_bytes"] > 0
+        else:
+            assert throughput["worker_host_bytes"] is None  # no workers: nothing per worker
+        if not data["gpu"]["available"]:
+            assert throughput["worker_gpu_bytes"] is None  # not read: unknown, never 0
+        rates[config["num_workers"]] = throughput["samples_per_s"]
+    answer = data["recommendation"]
+    assert answer["num_workers"] == recommend_workers(rates) and answer["unit"] == "samples"
+    assert answer["best_rate_per_s"] == max(rates.values())
+
+    lines = run.stdout.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("workers  samples/s")))
+    table = lines[start : start + 3]
+    assert [line.split()[0] for line in table[1:]] == ["0", "2"]
+    assert ("GPU MiB/wk" in table[0]) == data["gpu"]["available"]
+    assert all(len(line) <= TABLE_WIDTH for line in table)
+    assert lines[start + 3].startswith(f"recommended: {answer['num_workers']} worker")
 
 
 def test_progress_is_plain_lines_off_a_terminal(

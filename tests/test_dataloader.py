@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 import leakcheck
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.model import EpochRecord
 from leakcheck.track.ticker import Ticker
 from leakcheck.worker.teardown import WorkerInit
 
@@ -169,6 +170,50 @@ def test_break_closes_the_epoch_and_the_next_one_runs(no_leak_warnings: None) ->
     report = watched.report()
     assert [e.end_reason for e in report.epochs] == ["break", "completed"]
     assert report.leaks == []  # the abandoned epoch's workers were shut down
+
+
+def test_on_epoch_receives_each_epochs_record_as_it_ends(no_leak_warnings: None) -> None:
+    records: list[EpochRecord] = []
+    seen_at_end: list[int] = []
+
+    def on_epoch(record: EpochRecord) -> None:
+        records.append(record)
+        seen_at_end.append(len(batches))
+
+    batches: list[torch.Tensor] = []
+    with leakcheck.watch(make(workers=2), grace=30, on_epoch=on_epoch) as watched:
+        for _ in range(2):
+            batches.extend(watched)
+        for batch in watched:
+            batches.append(batch)
+            break
+    assert [(r.index, r.end_reason, r.batches) for r in records] == [
+        (0, "completed", 4),
+        (1, "completed", 4),
+        (2, "break", 1),
+    ]
+    assert seen_at_end == [4, 8, 9]  # called as each epoch ended, not at close
+    workers = {p.key for r in records for p in r.processes if p.role == "worker"}
+    assert len(workers) == 6 and workers == set(watched.tracker.worker_keys())
+
+
+def test_an_on_epoch_that_raises_is_warned_about_and_the_loop_goes_on(
+    no_leak_warnings: None,
+) -> None:
+    def on_epoch(record: EpochRecord) -> None:
+        raise ValueError(f"logger down in epoch {record.index}")
+
+    watched = leakcheck.watch(make(workers=0), on_epoch=on_epoch)
+    with pytest.warns(RuntimeWarning) as caught, watched:
+        epochs = run_epochs(watched, 2)
+    assert [str(w.message) for w in caught] == [
+        f"leakcheck: on_epoch raised ValueError: logger down in epoch {n}; the loop goes on"
+        for n in (0, 1)
+    ]
+    assert [len(epoch) for epoch in epochs] == [4, 4]
+    assert [e.end_reason for e in watched.report().epochs] == ["completed"] * 2
+    with pytest.raises(UsageError, match="on_epoch: expected a callable"):
+        leakcheck.watch(make(workers=0), on_epoch=42)  # type: ignore[arg-type]
 
 
 def test_worker_exception_closes_the_epoch_and_is_reraised(no_leak_warnings: None) -> None:

@@ -8,6 +8,7 @@ epoch ends however the run ends.
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import pickle
 import signal
@@ -238,6 +239,36 @@ def test_forked_workers_copying_a_dataset_of_dicts_are_named_in_the_first_epoch(
     assert found.epoch == 0 and found.message.startswith("2 forked workers of PID ")
     assert "again in epochs 1-2" in found.message  # per-epoch workers: each epoch again
     assert not [f for f in val.findings if f.rule == "copy-on-read"]  # validation: Pairs
+
+
+def test_each_epoch_logs_leakcheck_scalars_to_the_trainers_csv_logger(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = LeakCheckCallback(grace=0.5, on_leak="ignore", copy_tolerance="8MiB")
+    logger = CSVLogger(tmp_path, name="run")
+    trainer(callback, tmp_path, logger=logger).fit(Tiny(DictRows()))
+
+    with open(Path(logger.log_dir, "metrics.csv")) as file:
+        rows = list(csv.DictReader(file))
+    columns = {c for c in rows[0] if c.startswith("leakcheck/")}
+    per_stage = {"leaks", "parent_host_mib", "workers", "workers_host_mib"}
+    # No GPU columns on CPU: GPU memory not read is left out, never logged as 0.
+    assert columns == {f"leakcheck/{s}/{n}" for s in ("train", "val") for n in per_stage}
+    for stage, epochs in (("train", EPOCHS), ("val", EPOCHS + 1)):  # + the sanity check
+        logged = [r for r in rows if r[f"leakcheck/{stage}/workers"]]
+        assert len(logged) == epochs
+        assert {float(r[f"leakcheck/{stage}/workers"]) for r in logged} == {2.0}
+        assert all(float(r[f"leakcheck/{stage}/parent_host_mib"]) > 0 for r in logged)
+    train_leaks = [float(r["leakcheck/train/leaks"]) for r in rows if r["leakcheck/train/leaks"]]
+    assert train_leaks == [1.0] * EPOCHS  # the copy-on-read of DictRows, found in epoch 0
+    assert {r["leakcheck/val/leaks"] for r in rows} - {""} == {"0.0"}
+
+    text = callback.format().splitlines()
+    assert text[0].startswith("train_dataloader: leakcheck report: ")
+    assert text[-1].startswith("val_dataloader: leakcheck: no leaks in 4 epochs")
+    pytest.importorskip("matplotlib")
+    png = callback.plot(str(tmp_path / "leaks.png"))  # both stages, side by side
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_loaders_and_strategy_get_their_own_back(tmp_path: Path) -> None:

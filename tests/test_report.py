@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -549,3 +550,64 @@ def test_a_file_nothing_ties_to_the_work_is_kept_in_the_json_not_in_the_text() -
     held = (ShmFile("mine", 64, holder_pid=ROOT_PID, holder_role="parent", in_use=True),)
     report = build_report(dataclasses.replace(clean_timeline(), shm_files=held), CONFIG)
     assert report.format().splitlines()[0].startswith("info shm  /dev/shm/mine (64 B) still")
+
+
+# --------------------------------------------------------------------------- picture
+
+
+def _pictured(attribution: str) -> leakcheck.Report:
+    """Three epochs: the parent's USS not read in epoch 1 (its RSS is), a worker per epoch
+    growing 50, 100, 150 MiB of USS, and a host-growth leak of the workers in epoch 2."""
+    from leakcheck.core.model import Finding, RuleConfig
+    from leakcheck.judge.report import Report
+    from tests import timelines as tl
+
+    def parent(uss: float | None) -> ProcessEpoch:
+        return tl.parent(600, uss_mib=uss, rss_mib=500)
+
+    epochs = [
+        tl.epoch(n, [parent(uss), tl.proc(1001 + n, born=True, gpu_mib=10, uss_mib=host,
+                                          rss_mib=host + 100)], label=f"train epoch {n}")
+        for n, (uss, host) in enumerate([(300, 50), (None, 100), (320, 150)])
+    ]  # fmt: skip
+    leak = Finding(
+        rule="host-growth", severity="leak", message="grows", remedy="fix it", role="worker",
+        epoch=2, host_bytes=100 * MIB,
+    )  # fmt: skip
+    timeline = tl.timeline(epochs, attribution=attribution)  # type: ignore[arg-type]
+    return Report(timeline=timeline, findings=(leak,), config=RuleConfig())
+
+
+def test_a_report_series_keeps_one_measure_per_line_and_a_gap_where_not_read() -> None:
+    from leakcheck.judge.plot import report_series
+
+    series = report_series(_pictured("nvml-unavailable"))
+    assert set(series) == {"parent", "workers"}
+    assert series["parent"]["rss"] == [500.0, 500.0, 500.0]
+    uss = series["parent"]["uss"]
+    assert uss[0] == 300.0 and uss[1] != uss[1] and uss[2] == 320.0  # NaN: a gap, not RSS
+    assert series["workers"]["uss"] == [50.0, 100.0, 150.0]
+    assert "gpu" not in series["parent"]  # not read: no line, never a line of 0
+    assert report_series(_pictured("ok"))["workers"]["gpu"] == [10.0, 10.0, 10.0]
+
+
+@pytest.mark.parametrize("attribution", ["nvml-unavailable", "ok"])
+def test_a_report_picture_names_its_epochs_and_marks_each_leak_on_its_process(
+    attribution: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    from leakcheck.judge.plot import render_reports
+
+    report = _pictured(attribution)
+    figure = render_reports([("train.py:12", report)])
+    by_label = {axes.get_ylabel(): axes for axes in figure.axes}
+    assert ("GPU memory (MiB)" in by_label) == (attribution == "ok")
+    host = by_label["host memory (MiB)"]
+    assert [t.get_text() for t in host.get_xticklabels()] == [e.label for e in report.epochs]
+    (mark,) = [line for line in host.get_lines() if line.get_label() == "leak"]
+    assert list(mark.get_xydata()[0]) == [2.0, 150.0]  # epoch 2, on the workers' USS
+    assert [t.get_text() for t in host.texts] == ["host-growth"]
+    assert "train.py:12" in figure.axes[0].get_title()  # the column's top panel
+    path = tmp_path / "report.png"
+    assert report.plot(str(path), label="train.py:12") == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

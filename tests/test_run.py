@@ -705,11 +705,14 @@ def test_forked_workers_copying_a_dataset_of_dicts_fail_a_run_in_its_first_epoch
     """The classic copy-on-read (copied in epoch 0, flat after), which the host-growth rule
     cannot see, fails ``--fail-on-leak``; its tolerance comes from ``--copy-tolerance``."""
     args = ("--", sys.executable, "-c", PLAIN_COPY_ON_READ)
+    png = private_tmp.parent / "run.png"
     run = leakcheck_run(
-        "--fail-on-leak", "--copy-tolerance", "16MiB", *args,
+        "--fail-on-leak", "--copy-tolerance", "16MiB", "--plot", str(png), *args,
         private_tmp=private_tmp, leftovers=leftovers,
     )  # fmt: skip
     assert run.returncode == 1, run.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn, and the leak still fails
+    png.unlink()
     assert run.data is not None
     (loader,) = [report for report in _reports(run.data) if report["epochs"]][:1]
     copies = [f for f in loader["findings"] if f["rule"] == "copy-on-read"]
@@ -781,7 +784,7 @@ def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None
         (["--interval", "0", "--", "MARK"], "--interval: expected 1ms or more"),
         (["--interval", "0.5ms", "--", "MARK"], "--interval: expected 1ms or more"),
         (["--device", "x", "--", "MARK"], "--device: expected a GPU index"),
-        (["--plot", "run.png", "--", "MARK"], "--plot: not supported by leakcheck run yet"),
+        (["--plot", "run.txt", "--", "MARK"], "--plot: expected a file name ending in .png"),
         (["--json", "/no/such/folder/run.json", "--", "MARK"], "--json: expected a path in"),
         (["--json", "/dev/null", "--", "MARK"], "--json: expected a regular file to write"),
         (["--json", "-", "--", "MARK"], "--json: expected a file path, got '-'"),

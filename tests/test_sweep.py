@@ -864,3 +864,136 @@ def test_library_warnings_wait_for_the_progress_line_and_show_once(
         warnings.showwarning = show
         run_sweep(options, warning_factory, loader="test loader", progress=progress, gpu=NO_GPU)
     assert shown == [("This DataLoader will create too many workers", True)], shown
+
+
+# --------------------------------------------------------------------------- worker count
+
+
+@pytest.mark.parametrize(
+    ("rates", "chosen"),
+    [
+        ({0: 100.0, 2: 190.0, 4: 200.0, 8: 199.0}, 2),  # 190 is within 5% of 200
+        ({0: 100.0, 2: 189.0, 4: 200.0, 8: 199.0}, 4),  # 189 is not: the best, fewer than 8
+        ({4: 50.0, 0: 51.0}, 0),  # the smallest count, in whatever order the sweep ran
+        ({0: None, 2: 10.0}, 2),  # not measured: left out
+        ({0: None}, None),
+        ({}, None),
+    ],
+)
+def test_the_recommendation_is_the_fewest_workers_within_5_percent_of_the_best(
+    rates: dict[int, float | None], chosen: int | None
+) -> None:
+    from leakcheck.commands.sweep import recommend_workers
+
+    assert recommend_workers(rates) == chosen
+
+
+def _timed_result(gpu: bool, rates: dict[int, tuple[int | None, int | None]]) -> SweepResult:
+    """Configs of two 1-second epochs, each worker count with its samples per epoch and
+    its workers' host bytes per epoch (None: a worker's unknown); GPU peaks 300 MiB each."""
+    from leakcheck.commands.sweep import ConfigResult, EpochRow
+    from leakcheck.core.model import RuleConfig
+    from leakcheck.judge.report import build_report
+    from tests import timelines as tl
+
+    report = build_report(tl.timeline([], attribution="ok" if gpu else "no-gpu"), RuleConfig())
+
+    def row(n: int, epoch: int, samples: int | None, host: int | None) -> EpochRow:
+        return EpochRow(
+            num_workers=n, epoch=epoch, label=f"epoch {epoch}", duration_s=1.1,
+            end_reason="completed", parent_gpu_bytes=None, worker_count=n,
+            workers_gpu_bytes=None, worker_gpu_bytes_max=None,
+            workers_gpu_bytes_peak=n * 300 * MIB if gpu else None, alive_after=0, orphans=0,
+            other_gpu_bytes=None, batches=10, workers_host_bytes=host, samples=samples,
+            wait_s=0.25 * (epoch + 1), loop_s=1.0,
+        )  # fmt: skip
+
+    configs = tuple(
+        ConfigResult(
+            num_workers=n,
+            persistent_workers=False,
+            rows=(row(n, 0, samples, host), row(n, 1, samples, host)),
+            report=report,
+        )
+        for n, (samples, host) in rates.items()
+    )
+    workers = tuple(rates)
+    return SweepResult(
+        options=SweepOptions(workers=workers, epochs=2),
+        loader="synthetic",
+        configs=configs,
+        gpu_available=gpu,
+        gpu_reason="" if gpu else "no GPU here",
+    )
+
+
+def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> None:
+    result = _timed_result(
+        gpu=False, rates={0: (1000, 0), 2: (1960, 80 * MIB), 4: (2000, None), 8: (1990, None)}
+    )
+    config = result.configs[1]
+    assert config.samples_per_s == pytest.approx(1960.0)
+    assert config.batches_per_s == pytest.approx(10.0)
+    assert config.wait_share == pytest.approx(0.375)  # (0.25 + 0.5) s of 2 s
+    assert config.worker_host_bytes == 40 * MIB  # per worker, not summed
+    assert result.configs[2].worker_host_bytes is None  # unknown, never 0
+    assert config.worker_gpu_bytes is None  # not read
+
+    data = result.to_dict()
+    assert data["recommendation"] == {
+        "num_workers": 2,
+        "rate_per_s": pytest.approx(1960.0),
+        "unit": "samples",
+        "best_workers": 4,
+        "best_rate_per_s": pytest.approx(2000.0),
+        "worker_host_bytes": 40 * MIB,
+        "worker_gpu_bytes": None,
+    }
+    assert data["configurations"][1]["throughput"]["wait_share"] == pytest.approx(0.375)
+    json.dumps(data)
+
+    text = result.format().splitlines()
+    start = text.index(next(line for line in text if line.startswith("workers  samples/s")))
+    assert [line.split() for line in text[start : start + 5]] == [
+        ["workers", "samples/s", "wait", "%", "host", "MiB/wk"],  # no GPU column without one
+        ["0", "1,000", "38%", "-"],
+        ["2", "1,960", "38%", "40"],
+        ["4", "2,000", "38%", "?"],
+        ["8", "1,990", "38%", "?"],
+    ]
+    assert text[start + 5] == (
+        "recommended: 2 workers (1,960 samples/s, within 5% of the best, 2,000 at 4); "
+        "costs host 80 MiB (40 per worker)"
+    )
+    assert all(len(line) <= TABLE_WIDTH for line in text[start : start + 6])
+
+
+def test_the_answer_falls_back_to_batches_and_states_gpu_memory_where_read() -> None:
+    # A batch whose size could not be read: batches per second, said so.
+    result = _timed_result(gpu=True, rates={0: (None, 0), 4: (None, 4 * 50 * MIB)})
+    assert result.configs[1].samples_per_s is None
+    lines = result.format().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("workers  batches/s")))
+    assert lines[start].split() == ["workers", "batches/s", "wait", "%", "host", "MiB/wk",
+                                    "GPU", "MiB/wk"]  # fmt: skip
+    assert lines[start + 3] == "recommended: 0 workers (10 batches/s, the best); no worker memory"
+    # Equal throughput: the fewest workers. With workers, both memories are their cost.
+    answer = _timed_result(gpu=True, rates={2: (500, 2 * 50 * MIB)}).recommendation_line
+    assert answer == (
+        "recommended: 2 workers (500 samples/s, the best); costs host 100 MiB (50 per worker), "
+        "GPU 600 MiB (300 per worker)"
+    )
+
+
+def test_batch_samples_reads_the_leading_dimension_of_the_first_tensor() -> None:
+    import torch
+
+    from leakcheck.commands.sweep import batch_samples
+
+    x = torch.zeros(8, 3)
+    assert batch_samples(x) == 8
+    assert batch_samples((x, torch.zeros(8))) == 8
+    assert batch_samples([{"image": x, "label": torch.zeros(8)}]) == 8
+    assert batch_samples({"ids": torch.zeros(5, 2)}) == 5
+    assert batch_samples(3) is None and batch_samples([]) is None
+    assert batch_samples(torch.tensor(1.0)) is None  # 0-dim: no batch dimension

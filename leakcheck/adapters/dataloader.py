@@ -46,13 +46,14 @@ from typing import Any, Generic, TypeVar
 from leakcheck.adapters.watching import (
     EpochJudge,
     OnLeak,
+    call_reported,
     chained_worker_init,
     check_on_leak,
     check_teardown,
     started_mailbox,
 )
 from leakcheck.core.errors import UsageError
-from leakcheck.core.model import EndReason
+from leakcheck.core.model import EndReason, EpochRecord
 from leakcheck.judge.report import Report
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
@@ -156,8 +157,10 @@ class WatchedLoader(Generic[T]):
         teardown: bool,
         iterate: Callable[[Any], Iterator[T]] | None = None,
         owns_tracker: bool = True,
+        on_epoch: Callable[[EpochRecord], object] | None = None,
     ) -> None:
         self._loader = loader
+        self._on_epoch = on_epoch
         self._tracker = tracker
         self._teardown = check_teardown(teardown)
         self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
@@ -347,6 +350,11 @@ class WatchedLoader(Generic[T]):
             self._open_epoch = None
         if self._tracker.end_epoch(reason, error, batches, index=index):
             self._judge.epoch_ended()
+            on_epoch = self._on_epoch
+            if on_epoch is not None:
+                self._tracker.finish_reads()  # the record as the report will show it
+                (record,) = self._tracker.timeline(last_epochs=1).epochs
+                call_reported("on_epoch", lambda: on_epoch(record))
 
 
 def watch(
@@ -360,6 +368,7 @@ def watch(
     interval: float | str = 0.05,
     rollup_share: float | None = None,
     copy_tolerance: str | int = "64MiB",
+    on_epoch: Callable[[EpochRecord], object] | None = None,
 ) -> WatchedLoader[T]:
     """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
 
@@ -393,6 +402,9 @@ def watch(
         copy_tolerance: What each forked worker may copy of the parent's memory before the
             copy-on-read rule calls it a leak (``"64MiB"``, or bytes): a dataset of Python
             objects is copied into every worker that reads it.
+        on_epoch: Called with each epoch's :class:`~leakcheck.core.model.EpochRecord` as
+            the epoch ends (before it is judged), for your own logger; what it raises is
+            warned about, never raised into your loop.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.
@@ -405,6 +417,8 @@ def watch(
     check_teardown(teardown)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
+    if on_epoch is not None and not callable(on_epoch):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
     tracker = Tracker(
         interval=interval,
         rollup_share=rollup_share,
@@ -414,4 +428,6 @@ def watch(
         persistent_workers=bool(getattr(loader, "persistent_workers", False)),
         copy_tolerance=copy_tolerance,
     )
-    return WatchedLoader(loader, tracker=tracker, on_leak=on_leak, teardown=teardown)
+    return WatchedLoader(
+        loader, tracker=tracker, on_leak=on_leak, teardown=teardown, on_epoch=on_epoch
+    )

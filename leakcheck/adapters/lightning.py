@@ -7,8 +7,14 @@
     leaks = LeakCheckCallback(on_leak="warn")
     trainer = lightning.Trainer(max_epochs=10, callbacks=[leaks])
     trainer.fit(model, datamodule=data)
-    print(leaks.report("train").format())
-    print(leaks.report("val").format())
+    print(leaks.format())  # one report per stage, each named by its loader's hook
+    leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
+
+Each epoch end also logs a few scalars through every logger of the trainer (TensorBoard,
+CSV, W&B alike) on global rank zero, under ``leakcheck/<stage>/``: ``workers``,
+``parent_host_mib``, ``workers_host_mib``, ``leaks`` (found in the judged epochs) and,
+where NVML attributes GPU memory to processes, ``parent_gpu_mib`` and
+``workers_gpu_peak_mib``; a figure not read is left out, never logged as 0.
 
 Works with ``lightning.pytorch`` (the ``lightning`` package) and, where only that is
 installed, ``pytorch_lightning``; importing ``leakcheck`` never imports either.
@@ -62,6 +68,7 @@ their reports, and judges the whole run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 import weakref
@@ -71,14 +78,16 @@ from typing import TYPE_CHECKING, Any
 from leakcheck.adapters.watching import (
     EpochJudge,
     OnLeak,
+    call_reported,
     chained_worker_init,
     check_on_leak,
     check_teardown,
     started_mailbox,
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import EndReason
-from leakcheck.judge.report import Report
+from leakcheck.core.model import MIB, EndReason, Timeline
+from leakcheck.judge.report import Report, host_totals, plot_reports, workers_peak_bytes
+from leakcheck.judge.verdict import per_pid_bytes_known
 from leakcheck.track.tracker import Tracker, end_reason_for
 
 if TYPE_CHECKING:
@@ -95,7 +104,7 @@ else:
                 'pip install "dataloader-leakcheck[lightning]" (or lightning / pytorch_lightning)'
             ) from error
 
-__all__ = ["STAGES", "LeakCheckCallback"]
+__all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
@@ -117,6 +126,30 @@ def _running_stage(trainer: Any) -> str | None:
     return _STAGE_OF.get(value) if isinstance(value, str) else None
 
 
+def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> dict[str, float]:
+    """The scalars logged for a stage's latest epoch, by name (``leakcheck/train/...``).
+
+    A figure that was not read (GPU memory without NVML's per-process attribution, a
+    worker's host memory unknown) is left out, never given as 0.
+    """
+    record = timeline.epochs[-1]
+    parents = [p for p in record.processes if p.role == "parent"]
+    workers = [p for p in record.processes if p.role == "worker"]
+    host = host_totals(record.processes)
+    bytes_: dict[str, int | None] = {
+        "parent_host_mib": host.parent_bytes,
+        "workers_host_mib": host.workers_bytes if host.source is not None else None,
+    }
+    if per_pid_bytes_known(timeline):
+        bytes_["parent_gpu_mib"] = sum(p.total_gpu_bytes_end for p in parents)
+        bytes_["workers_gpu_peak_mib"] = workers_peak_bytes(workers)
+    scalars = {name: value / MIB for name, value in bytes_.items() if value is not None}
+    scalars["workers"] = float(len(workers))
+    if leaks_found is not None:
+        scalars["leaks"] = float(leaks_found)
+    return {f"leakcheck/{stage}/{name}": value for name, value in sorted(scalars.items())}
+
+
 def _fitting(trainer: Any) -> bool:
     fn = getattr(getattr(trainer, "state", None), "fn", None)
     return getattr(fn, "value", fn) == "fit"
@@ -129,7 +162,7 @@ class _Stage:
         self.name = name
         self.tracker = tracker
         self.mailbox_dir = mailbox_dir
-        self.judge = EpochJudge(tracker, on_leak)
+        self.judge = EpochJudge(tracker, on_leak, count=True)  # the logged leak count
         self.open = False
         self.batches = 0
         self.runs_in_epoch: dict[int, int] = {}
@@ -296,6 +329,30 @@ class LeakCheckCallback(_CallbackBase):
             return found.report
         return found.tracker.report()
 
+    def format(self, *, verbose: bool = False) -> str:
+        """Every tracked stage's report (``Report.format``), each named by its loader's hook.
+
+        ``train_dataloader: leakcheck: no leaks in 3 epochs (...)``, then ``val_dataloader:
+        ...``: which verdict is whose, train first (``STAGES``' order).
+        """
+        return "\n".join(
+            f"{name}: {report.format(verbose=verbose)}" for name, report in self._named_reports()
+        )
+
+    def plot(self, path: str) -> str:
+        """Draw every tracked stage's report side by side as a PNG; returns ``path``.
+
+        Raises:
+            UsageError: matplotlib is not installed.
+
+        """
+        return plot_reports(self._named_reports(), path)
+
+    def _named_reports(self) -> list[tuple[str, Report]]:
+        """Each tracked stage's report, named by its loader's hook, train first."""
+        tracked = [name for name in STAGES if name in self._stages]
+        return [(f"{name}_dataloader", self.report(name)) for name in tracked]
+
     # --- Lightning hooks: the run ------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -441,7 +498,27 @@ class LeakCheckCallback(_CallbackBase):
             stage = self._stages.get(name)
             if stage is None or not stage.end("completed", None):
                 return
-        stage.judge.judge(may_raise=True)
+        try:
+            stage.judge.judge(may_raise=True)
+        finally:
+            self._log_epoch(stage)
+
+    def _log_epoch(self, stage: _Stage) -> None:
+        """Log the epoch's scalars through the trainer's loggers, on global rank zero only."""
+        trainer = self._trainer
+        loggers = list(getattr(trainer, "loggers", None) or ())
+        if not loggers or not getattr(trainer, "is_global_zero", True):
+            return
+        timeline = stage.tracker.timeline(last_epochs=1)
+        if not timeline.epochs:
+            return
+        metrics = epoch_scalars(stage.name, timeline, stage.judge.leaks_found)
+        step = int(getattr(trainer, "global_step", 0))
+        for logger in loggers:
+            call_reported(
+                f"logging to {type(logger).__name__}",
+                functools.partial(logger.log_metrics, metrics, step=step),
+            )
 
     def _count(self, name: str) -> None:
         stage = self._stages.get(name)

@@ -37,6 +37,7 @@ __all__ = [
     "ON_LEAK",
     "EpochJudge",
     "OnLeak",
+    "call_reported",
     "chained_worker_init",
     "check_on_leak",
     "check_teardown",
@@ -115,6 +116,22 @@ def chained_worker_init(
     )
 
 
+def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
+    """Run a user's callable (or a logger) at an epoch end; what it raises is only warned.
+
+    The detector never breaks the user's loop: an exception becomes one ``RuntimeWarning``
+    naming ``what``, and the loop goes on.
+    """
+    try:
+        call()
+    except Exception as error:
+        warnings.warn(
+            f"leakcheck: {what} raised {type(error).__name__}: {error}; the loop goes on",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
 def _finding_id(finding: Finding) -> tuple[object, ...]:
     # Without the epoch: a process that grows every epoch is announced once. By identity
     # (NOTE [process identity] in procs.py).
@@ -127,12 +144,17 @@ class EpochJudge:
     Args:
         tracker: The tracker whose epochs are judged.
         on_leak: ``warn`` (``LeakWarning``), ``raise`` (``LeakError``) or ``ignore``.
+        count: Judge with ``on_leak="ignore"`` too, only to count the leaks
+            (``leaks_found``: what a dashboard logs).
 
     """
 
-    def __init__(self, tracker: Tracker, on_leak: OnLeak) -> None:
+    def __init__(self, tracker: Tracker, on_leak: OnLeak, *, count: bool = False) -> None:
         self.tracker = tracker
         self.on_leak = on_leak
+        self.count = count
+        self.leaks_found: int | None = None
+        """Leaks the latest judgement found (NOTE [judged window]); None until judged."""
         self._announced: set[tuple[object, ...]] = set()
         self._unjudged_end: float | None = None
         """Monotonic time of the last epoch end whose survivors were not judged yet."""
@@ -179,7 +201,7 @@ class EpochJudge:
         """
         if self.due():
             self._unjudged_end = None
-        if self.on_leak == "ignore":
+        if self.on_leak == "ignore" and not self.count:
             return
         # The USS reads the last epoch end planned are made first, so that a warning gives
         # the figures the final report will (NOTE [host pacing]); none planned, none made.
@@ -187,9 +209,10 @@ class EpochJudge:
         window = None if self.tracker.closed else JUDGED_EPOCHS
         report = self.tracker.report(last_epochs=window, fresh=False)
         new = [f for f in report.leaks if _finding_id(f) not in self._announced]
-        if not new:
-            return
         self._announced.update(_finding_id(f) for f in new)
+        self.leaks_found = len(report.leaks)
+        if not new or self.on_leak == "ignore":
+            return
         epochs = report.epochs
         where = f" after {epochs[-1].label}" if epochs else ""
         message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)

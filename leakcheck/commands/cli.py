@@ -446,8 +446,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    import importlib.util
-
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
     from leakcheck.core import options as option_specs
@@ -482,24 +480,9 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     cooldown_timeout_s = option_specs.parse_seconds_option(
         args.cooldown_timeout, "--cooldown-timeout"
     )
-    from leakcheck.core.files import check_output_path
+    from leakcheck.commands.run_cli import output_paths
 
-    json_path = check_output_path(args.json, "--json")
-    plot_path = check_output_path(args.plot, "--plot", ".png")
-    if (
-        json_path is not None
-        and plot_path is not None
-        and os.path.realpath(json_path) == os.path.realpath(plot_path)
-    ):
-        raise UsageError(
-            f"--plot: expected a file other than --json's, got {args.plot!r} for both "
-            "(the plot would overwrite the JSON)"
-        )
-    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError(
-            "--plot: needs matplotlib, which is not installed "
-            "(pip install 'dataloader-leakcheck[plot]')"
-        )
+    json_path, plot_path = output_paths(args.json, args.plot)
 
     workload = None
     loader = args.loader

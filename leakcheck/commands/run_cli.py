@@ -7,12 +7,12 @@ given, exit 2, and the command is not started.
 
 Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
 ``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
-written after a successful program; 127 (126) when the command is not found (cannot be
-executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the program once (NOTE [run
-signals] in launcher.py): a program that dies of it (Python's default) exits 130 and still
-gets its report; one that handles it and exits on its own keeps its own status (the report
-says it was interrupted). The report goes to standard error, so that the program's own
-standard output stays its own.
+written (``--plot`` drawn) after a successful program; 127 (126) when the command is not
+found (cannot be executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the
+program once (NOTE [run signals] in launcher.py): a program that dies of it (Python's
+default) exits 130 and still gets its report; one that handles it and exits on its own
+keeps its own status (the report says it was interrupted). The report goes to standard
+error, so that the program's own standard output stays its own.
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "--json", default=None, metavar="PATH", help="write everything as JSON (schema-versioned)"
     )
     run.add_argument(
-        "--plot", default=None, metavar="PATH.png", help="not supported by run yet (exit 2)"
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw memory per epoch end of each loader, its leaks marked (matplotlib)",
     )
     run.add_argument(
         "--nproc-per-node",
@@ -130,6 +133,34 @@ class RunPlan:
     options: Any  # launcher.RunOptions (imported lazily)
     json_path: str | None
     fail_on_leak: bool
+    plot_path: str | None = None
+
+
+def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
+    """``--json`` and ``--plot``, checked before anything runs (``check_output_path``).
+
+    Raises:
+        UsageError: A path cannot be written, both name one file, or ``--plot`` without
+            matplotlib.
+
+    """
+    json_path = check_output_path(json, "--json")
+    plot_path = check_output_path(plot, "--plot", ".png")
+    if (
+        json_path is not None
+        and plot_path is not None
+        and os.path.realpath(json_path) == os.path.realpath(plot_path)
+    ):
+        raise UsageError(
+            f"--plot: expected a file other than --json's, got {plot!r} for both "
+            "(the plot would overwrite the JSON)"
+        )
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "--plot: needs matplotlib, which is not installed "
+            "(pip install 'dataloader-leakcheck[plot]')"
+        )
+    return json_path, plot_path
 
 
 def resolve_run(args: argparse.Namespace) -> RunPlan:
@@ -148,11 +179,7 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
         raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
     if args.nproc_per_node is not None:
         command = torchrun_command(command, args.nproc_per_node)
-    if args.plot is not None:
-        raise UsageError(
-            f"--plot: not supported by leakcheck run yet, got {args.plot!r} (use --json PATH; "
-            "leakcheck sweep --plot draws a sweep)"
-        )
+    json_path, plot_path = output_paths(args.json, args.plot)
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
         args.tolerance, args.grace, os.environ, grace_default_s=2.0
     )
@@ -176,8 +203,9 @@ def resolve_run(args: argparse.Namespace) -> RunPlan:
                 args.copy_tolerance, os.environ
             ),
         ),
-        json_path=check_output_path(args.json, "--json"),
+        json_path=json_path,
         fail_on_leak=bool(args.fail_on_leak),
+        plot_path=plot_path,
     )
 
 
@@ -268,6 +296,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     """
     from leakcheck.commands.launcher import LaunchError, run_program
+    from leakcheck.judge.report import plot_reports
 
     try:
         plan = resolve_run(args)
@@ -287,6 +316,16 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             write_json(plan.json_path, result.to_dict())
         except OSError as error:
             err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
+            if status == 0:
+                status = EXIT_USAGE
+    if plan.plot_path is not None:
+        drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
+        if not drawn and result.tree is not None:
+            drawn = [("the program's process tree", result.tree)]
+        try:
+            plot_reports(drawn, plan.plot_path)
+        except Exception as error:  # the report is out already: say what failed, go on
+            err.write(f"{_PROG}: --plot: cannot draw {plan.plot_path!r}: {error}\n")
             if status == 0:
                 status = EXIT_USAGE
     if status == 0 and plan.fail_on_leak and result.leak_count:

@@ -95,7 +95,8 @@ policy released (``teardown.reported``, new: every worker that reported at exit)
 the job's ``/dev/shm`` bytes (``shm_bytes``); the table has three more columns; the options
 carry ``rollup_share``. Since added, with defaults (no bump): the rows' forked workers' shared
 and copied bytes (``workers_shared_bytes``, ``workers_copied_bytes``), the options'
-``copy_tolerance_bytes``."""
+``copy_tolerance_bytes``; the rows' loop timing (``samples``, ``wait_s``, ``loop_s``), each
+configuration's ``throughput`` and the sweep's ``recommendation``."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -239,6 +240,11 @@ class EpochRow:
         sm_clock_mhz: SM clock at the end of the epoch.
         power_w: Board power at the end of the epoch.
         error: The exception that ended the epoch, if one did.
+        samples: Samples the epoch yielded (each batch's leading dimension); None where a
+            batch's size could not be read.
+        wait_s: Seconds the loop spent inside ``next()`` waiting for its batches (the
+            workers' start included; not the epoch's end, where leakcheck closes it).
+        loop_s: Seconds from the first batch requested to the last one handled.
 
     """
 
@@ -270,6 +276,9 @@ class EpochRow:
     sm_clock_mhz: int | None = None
     power_w: float | None = None
     error: str | None = None
+    samples: int | None = None
+    wait_s: float | None = None
+    loop_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (bytes, seconds, degrees Celsius, MHz, watts)."""
@@ -378,6 +387,37 @@ class ConfigResult:
         return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
 
     @property
+    def samples_per_s(self) -> float | None:
+        """Samples per second of the loop over every epoch; None where not counted."""
+        samples = [row.samples for row in self.rows]
+        if not samples or None in samples:
+            return None
+        return _rate(sum(n for n in samples if n is not None), self.rows)
+
+    @property
+    def batches_per_s(self) -> float | None:
+        """Batches per second of the loop over every epoch; None where not timed."""
+        return _rate(sum(row.batches or 0 for row in self.rows), self.rows)
+
+    @property
+    def wait_share(self) -> float | None:
+        """Share of the loop's time spent waiting for batches (``EpochRow.wait_s``)."""
+        loop_s = sum(row.loop_s or 0.0 for row in self.rows)
+        if loop_s <= 0 or any(row.wait_s is None for row in self.rows):
+            return None
+        return sum(row.wait_s or 0.0 for row in self.rows) / loop_s
+
+    @property
+    def worker_host_bytes(self) -> int | None:
+        """Host memory per worker: the most of any epoch; None where never read."""
+        return _per_worker(self.rows, lambda row: row.workers_host_bytes)
+
+    @property
+    def worker_gpu_bytes(self) -> int | None:
+        """GPU memory per worker (its peak): the most of any epoch; None where never read."""
+        return _per_worker(self.rows, lambda row: row.workers_gpu_bytes_peak)
+
+    @property
     def teardowns(self) -> tuple[TeardownRecord, ...]:
         """What the teardown policy freed in each worker (empty when it was off)."""
         return self.report.timeline.teardowns
@@ -398,9 +438,135 @@ class ConfigResult:
             "tracker_cost": None if self.cost is None else dataclasses.asdict(self.cost),
             "accounted_cost_fraction": self.accounted_cost_fraction,
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
+            "throughput": {
+                "samples_per_s": self.samples_per_s,
+                "batches_per_s": self.batches_per_s,
+                "wait_share": self.wait_share,
+                "worker_host_bytes": self.worker_host_bytes,
+                "worker_gpu_bytes": self.worker_gpu_bytes,
+            },
             "cleanup": [cleaned.to_dict() for cleaned in self.cleaned],
             "report": self.report.to_dict(),
         }
+
+
+def _rate(count: int, rows: Iterable[EpochRow]) -> float | None:
+    loop_s = [row.loop_s for row in rows]
+    if not loop_s or None in loop_s or sum(t for t in loop_s if t) <= 0:
+        return None
+    return count / sum(t for t in loop_s if t)
+
+
+def _per_worker(rows: Iterable[EpochRow], value: Callable[[EpochRow], int | None]) -> int | None:
+    known = [
+        total // row.worker_count
+        for row in rows
+        if row.worker_count and (total := value(row)) is not None
+    ]
+    return max(known, default=None)
+
+
+RECOMMEND_WITHIN = 0.05
+"""The recommended worker count is the smallest within this share of the best throughput."""
+
+
+def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
+    """The smallest worker count whose throughput is within ``RECOMMEND_WITHIN`` of the best.
+
+    Args:
+        rates: Throughput (samples or batches per second) by worker count; None where not
+            measured (left out).
+
+    Returns:
+        The worker count; None where no count was measured.
+
+    """
+    measured = {n: rate for n, rate in rates.items() if rate is not None}
+    if not measured:
+        return None
+    best = max(measured.values())
+    return min(n for n, rate in measured.items() if rate >= best * (1 - RECOMMEND_WITHIN))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The worker-count answer: the fewest workers near the best throughput, and their cost.
+
+    Attributes:
+        num_workers: The recommended count.
+        rate_per_s: Its throughput.
+        unit: What the rates count: ``samples``, or ``batches`` where a batch's size could
+            not be read.
+        best_workers: The count with the best throughput.
+        best_rate_per_s: That throughput.
+        worker_host_bytes: Host memory per worker of the recommended count (None: not
+            read, or no workers).
+        worker_gpu_bytes: GPU memory per worker likewise.
+
+    """
+
+    num_workers: int
+    rate_per_s: float
+    unit: str
+    best_workers: int
+    best_rate_per_s: float
+    worker_host_bytes: int | None
+    worker_gpu_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (bytes, per second)."""
+        return _fields(self)
+
+    def describe(self, *, gpu_available: bool) -> str:
+        """One line: the count, its throughput against the best, its memory cost."""
+        rate = f"{self.rate_per_s:,.0f} {self.unit}/s"
+        if self.best_workers == self.num_workers:
+            against = "the best"
+        else:
+            best = f"{self.best_rate_per_s:,.0f} at {self.best_workers}"
+            against = f"within {RECOMMEND_WITHIN:.0%} of the best, {best}"
+        costs = [
+            ("host", self.worker_host_bytes, True),
+            ("GPU", self.worker_gpu_bytes, gpu_available),
+        ]
+        if self.num_workers == 0:
+            cost = "no worker memory"
+        else:
+            parts = [
+                f"{where} {_cost(per_worker, self.num_workers)}"
+                for where, per_worker, read in costs
+                if read
+            ]
+            cost = "costs " + ", ".join(parts)
+        return f"recommended: {plural(self.num_workers, 'worker')} ({rate}, {against}); {cost}"
+
+
+def _cost(per_worker: int | None, count: int) -> str:
+    if per_worker is None:
+        return "unknown"
+    return f"{format_mib(per_worker * count)} MiB ({format_mib(per_worker)} per worker)"
+
+
+def recommendation(result: SweepResult) -> Recommendation | None:
+    """The sweep's worker-count answer (``recommend_workers`` on its throughputs)."""
+    unit = "samples"
+    rates = {c.num_workers: c.samples_per_s for c in result.configs}
+    if None in rates.values():
+        unit, rates = "batches", {c.num_workers: c.batches_per_s for c in result.configs}
+    chosen = recommend_workers(rates)
+    if chosen is None:
+        return None
+    best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
+    config = next(c for c in result.configs if c.num_workers == chosen)
+    return Recommendation(
+        num_workers=chosen,
+        rate_per_s=rates[chosen] or 0.0,
+        unit=unit,
+        best_workers=best,
+        best_rate_per_s=rates[best] or 0.0,
+        worker_host_bytes=config.worker_host_bytes,
+        worker_gpu_bytes=config.worker_gpu_bytes if result.gpu_available else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -444,6 +610,7 @@ class SweepResult:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
         from leakcheck.judge.report import SCHEMA_VERSION
 
+        answer = recommendation(self)
         return {
             "schema": "leakcheck.commands.sweep",
             "schema_version": SWEEP_SCHEMA_VERSION,
@@ -461,8 +628,15 @@ class SweepResult:
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
+            "recommendation": None if answer is None else answer.to_dict(),
             "configurations": [config.to_dict() for config in self.configs],
         }
+
+    @property
+    def recommendation_line(self) -> str | None:
+        """The worker-count answer in one line (None: nothing was timed)."""
+        answer = recommendation(self)
+        return None if answer is None else answer.describe(gpu_available=self.gpu_available)
 
     def format(self) -> str:
         """The text report: header, the table, then per configuration its verdict."""
@@ -610,12 +784,13 @@ def _run_config(
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
     failure: LoaderError | None = None
+    timings: list[tuple[int | None, float, float]] = []
     cleaned: tuple[CleanedProcess, ...] = ()
     cost: TrackerCost | None = None
     try:
         # Even on Ctrl-C, leaving the block stops sampling (after the workers are gone).
         with watched:
-            failure = _run_epochs(watched, options, num_workers, position, progress)
+            failure = _run_epochs(watched, options, num_workers, position, progress, timings)
             # What tracking cost the epochs, before close() waits out the grace period.
             cost = tracker.cost()
     finally:
@@ -632,7 +807,10 @@ def _run_config(
     report = watched.report()
     counts = epoch_counts(report.timeline, report.config.grace_s)
     rows = tuple(
-        epoch_row(record, num_workers, report, options.device_index, counts[record.index])
+        _timed(
+            epoch_row(record, num_workers, report, options.device_index, counts[record.index]),
+            timings,
+        )
         for record in report.epochs
     )
     return ConfigResult(
@@ -645,6 +823,14 @@ def _run_config(
         wall_s=time.monotonic() - started_s,
         cost=cost,
     )
+
+
+def _timed(row: EpochRow, timings: list[tuple[int | None, float, float]]) -> EpochRow:
+    """The row with its epoch's loop timing, where the loop timed it."""
+    if row.epoch >= len(timings):
+        return row
+    samples, wait_s, loop_s = timings[row.epoch]
+    return dataclasses.replace(row, samples=samples, wait_s=wait_s, loop_s=loop_s)
 
 
 def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
@@ -675,11 +861,13 @@ def _run_epochs(
     num_workers: int,
     position: int,
     progress: Progress,
+    timings: list[tuple[int | None, float, float]],
 ) -> LoaderError | None:
     """Iterate the watched loader for every epoch, with progress per batch.
 
-    A loader failure is returned, not raised, so that the caller closes the tracker and
-    cleans up first.
+    Each epoch's ``(samples, wait_s, loop_s)`` goes to ``timings`` (``EpochRow`` says what
+    each is). A loader failure is returned, not raised, so that the caller closes the
+    tracker and cleans up first.
     """
     total = _length(watched)
     config_label = f"workers={num_workers}"
@@ -692,17 +880,32 @@ def _run_epochs(
                 f"epoch {epoch} ({epoch + 1} of {options.epochs})"
             )
             batches = 0
+            samples: int | None = 0
+            wait_s = 0.0
+            started_s = handled_s = time.perf_counter()
             try:
                 with warnings.catch_warnings():
                     # An exhausted iterable is this sweep's usage error (below), not a warning.
                     warnings.filterwarnings("ignore", message=r"leakcheck: epoch \d+ .* no batches")
-                    for _batch in watched:  # one iter() is one epoch (NOTE [epoch ends])
+                    batch_iter = iter(watched)  # one iter() is one epoch (NOTE [epoch ends])
+                    while True:
+                        asked_s = time.perf_counter()
+                        try:
+                            batch = next(batch_iter)
+                        except StopIteration:
+                            break
+                        wait_s += time.perf_counter() - asked_s
                         batches += 1
+                        size = batch_samples(batch)
+                        samples = None if samples is None or size is None else samples + size
+                        del batch
                         progress.batch(batches, total)
+                        handled_s = time.perf_counter()
             except Exception as exc:
                 return LoaderError(
                     f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
+            timings.append((samples, wait_s, handled_s - started_s))
             if first_batches is None:
                 first_batches = batches
             elif batches == 0 and first_batches > 0:
@@ -760,6 +963,23 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
         f"; host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
         f"{format_mib(host.workers_bytes)} MiB"
     )
+
+
+def batch_samples(batch: Any) -> int | None:
+    """The samples in a batch: the leading dimension of its first tensor (or array).
+
+    What ``default_collate`` makes of any sample (a tensor, a tuple, a list or a dict of
+    them) has the batch's size as its first tensor's first dimension. None: no such tensor.
+    """
+    while True:
+        if isinstance(batch, Mapping):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, list | tuple):
+            batch = batch[0] if batch else None
+        else:
+            break
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if isinstance(shape, tuple | list) and shape else None
 
 
 def _length(loader: Iterable[Any]) -> int | None:
@@ -1076,6 +1296,39 @@ def format_table(result: SweepResult) -> list[str]:
     return align_columns(table)
 
 
+def format_answer(result: SweepResult) -> list[str]:
+    """The worker-count table (one line per configuration) and the recommendation under it.
+
+    Throughput in samples per second (batches, where a batch's size could not be read), the
+    share of the loop spent waiting for batches, memory per worker (the most of any epoch;
+    ``-`` without workers, ``?`` where not read); the GPU column only where a GPU was read.
+    """
+    answer = recommendation(result)
+    if answer is None:
+        return []  # nothing was timed (a result built by hand)
+    unit = answer.unit
+    header = ["workers", f"{unit}/s", "wait %", "host MiB/wk"]
+    if result.gpu_available:
+        header.append("GPU MiB/wk")
+    table = [header]
+    for config in result.configs:
+        rate = config.samples_per_s if unit == "samples" else config.batches_per_s
+        share = config.wait_share
+        per_worker = [config.worker_host_bytes, config.worker_gpu_bytes]
+        memory = [
+            "-" if not config.num_workers else _UNKNOWN if value is None else format_mib(value)
+            for value in per_worker
+        ]
+        cells = [
+            str(config.num_workers),
+            _UNAVAILABLE if rate is None else f"{rate:,.0f}",
+            _UNAVAILABLE if share is None else f"{share:.0%}",
+            *memory,
+        ]
+        table.append(cells[: len(header)])
+    return [*align_columns(table), answer.describe(gpu_available=result.gpu_available)]
+
+
 def _device_line(device: DeviceState) -> str:
     parts = [f"GPU {device.index}: {device.name}", f"{format_mib(device.total_bytes)} MiB"]
     if device.sm_clock_max_mhz is not None:
@@ -1158,11 +1411,18 @@ def format_sweep(result: SweepResult) -> str:
     else:
         lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
     lines.append("  memory in MiB; host: uss = private memory, rss = resident")
+    lines.append(
+        "  wait %: the loop's time inside next(), waiting for batches (the sweep's loop does "
+        "no training step)"
+    )
     lines.append("")
     lines.extend(format_table(result))
     note = unknown_peak_note(result)
     if note is not None:
         lines.extend(["", note])
+    answer = format_answer(result)
+    if answer:
+        lines.extend(["", *answer])
     for config in result.configs:
         lines.append("")
         lines.extend(_config_lines(config))

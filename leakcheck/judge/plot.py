@@ -17,6 +17,9 @@ One column per configuration (worker count), up to four panels each, sharing the
 3. Processes: workers seen, processes still alive after the epoch, orphans.
 4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
 
+Each column's title gives its throughput and the share of the loop spent waiting for
+batches; the figure's title ends with the recommended worker count and its memory cost.
+
 matplotlib is imported only here, and only its object-oriented API with the Agg canvas is
 used: drawing a sweep never changes the backend of the caller's ``pyplot``.
 """
@@ -34,14 +37,35 @@ from leakcheck.core.model import MIB
 from leakcheck.core.units import plural
 
 if TYPE_CHECKING:
-    from leakcheck.judge.report import Report
+    from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
 
-__all__ = ["host_series", "memory_series", "plot_sweep", "render"]
+__all__ = [
+    "host_series",
+    "memory_series",
+    "plot_reports",
+    "plot_sweep",
+    "render",
+    "render_reports",
+    "report_series",
+]
 
 
 # What the picture reads of a sweep. The sweep engine sits above this module (it is the
 # command line's), so its result is described here by shape, never imported
 # (``leakcheck.commands.sweep.SweepResult`` fits).
+
+
+class _Report(Protocol):
+    """A judged report (``leakcheck.judge.report.Report``, which imports this module)."""
+
+    @property
+    def timeline(self) -> Timeline: ...
+    @property
+    def leaks(self) -> list[Finding]: ...
+    @property
+    def verdict(self) -> str: ...
+    @property
+    def epochs(self) -> tuple[EpochRecord, ...]: ...
 
 
 class _Row(Protocol):
@@ -93,7 +117,11 @@ class _Config(Protocol):
     @property
     def rows(self) -> Sequence[_Row]: ...
     @property
-    def report(self) -> Report: ...
+    def report(self) -> _Report: ...
+    @property
+    def samples_per_s(self) -> float | None: ...
+    @property
+    def wait_share(self) -> float | None: ...
 
 
 class _Options(Protocol):
@@ -118,6 +146,8 @@ class _Sweep(Protocol):
     def gpu_available(self) -> bool: ...
     @property
     def gpu_reason(self) -> str: ...
+    @property
+    def recommendation_line(self) -> str | None: ...
 
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
@@ -235,7 +265,11 @@ def _config_title(config: _Config) -> str:
     leaks = len(config.report.leaks)
     verdict = config.report.verdict
     tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
-    return f"{head}\nverdict: {tail}"
+    rate, share = config.samples_per_s, config.wait_share
+    speed = "" if rate is None else f"\n{rate:,.0f} samples/s"
+    if speed and share is not None:
+        speed += f", {share:.0%} of the loop waiting"
+    return f"{head}\nverdict: {tail}{speed}"
 
 
 def _note(axes: Any, text: str) -> None:
@@ -437,7 +471,7 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
     return clock_axes
 
 
-def _row_legend(axes_list: Sequence[Any], title: str) -> None:
+def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None) -> None:
     handles: dict[str, Any] = {}
     for axes in axes_list:
         for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
@@ -454,7 +488,7 @@ def _row_legend(axes_list: Sequence[Any], title: str) -> None:
         list(handles.keys()),
         title=title,
         loc="center left",
-        bbox_to_anchor=(1.22 if len(axes_list) > 1 else 1.03, 0.5),
+        bbox_to_anchor=(x if x is not None else 1.22 if len(axes_list) > 1 else 1.03, 0.5),
         fontsize=8,
         title_fontsize=8,
         frameon=False,
@@ -538,6 +572,8 @@ def render(result: _Sweep) -> Any:
             "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason),
             40 * columns + 30,
         )
+    if result.recommendation_line:
+        lines += textwrap.wrap(result.recommendation_line, 40 * columns + 30)
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure
 
@@ -555,6 +591,183 @@ def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
 
     """
     figure = render(result)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+# --------------------------------------------------------------------------- reports
+
+# NOTE [report picture]: a report (``watch()``'s, a stage of the Lightning callback, each
+# loader of ``leakcheck run``) is drawn as one column: GPU memory (where NVML attributes it
+# to processes) above host memory, one point per epoch end (the x axis names the epochs),
+# one line per process group and measure. A measure never changes along a line: RSS (read
+# at every epoch end) is solid, USS (read where the pacing allowed, NOTE [host pacing]) is
+# dashed with a gap where it was not read, as is any value not known (never a 0). Each
+# leak is a red cross on its culprit's group at its epoch, named by its rule.
+
+_GROUPS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("parent", ("parent",), _PARENT),
+    ("workers", ("worker",), _WORKERS),
+    ("others", ("descendant", "orphan"), _OTHERS),
+)
+_HOST_RULES = frozenset(("host-growth", "copy-on-read", "shm"))
+
+
+def _summed(values: Sequence[int | None]) -> float:
+    """MiB of a group's values; NaN where one is unknown (a gap), never a partial sum."""
+    if any(value is None for value in values):
+        return math.nan
+    return sum(value or 0 for value in values) / MIB
+
+
+def _uss(process: ProcessEpoch) -> int | None:
+    return process.host_bytes_end if process.host_source == "uss" else None
+
+
+def _gpu(process: ProcessEpoch) -> int | None:
+    if process.role == "worker":
+        return process.total_gpu_bytes_peak  # what a worker held, though gone by the end
+    return process.total_gpu_bytes_end
+
+
+def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
+    """One report's lines, in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
+
+    Groups: ``parent``, ``workers`` (summed), ``others`` (descendants and orphans), each
+    only where an epoch had one. Measures: ``rss`` and ``uss`` (host), ``gpu`` (the
+    workers' peaks, the others' at the epoch end; only where NVML attributes GPU memory to
+    processes). NaN where the group had no process in that epoch or a value is not known
+    (NOTE [report picture]).
+    """
+    from leakcheck.judge.verdict import per_pid_bytes_known
+
+    gpu = per_pid_bytes_known(report.timeline)
+    measures: dict[str, Any] = {"rss": lambda p: p.rss_bytes_end, "uss": _uss}
+    if gpu:
+        measures["gpu"] = _gpu
+    series: dict[str, dict[str, list[float]]] = {}
+    for group, roles, _colour in _GROUPS:
+        per_epoch = [[p for p in e.processes if p.role in roles] for e in report.epochs]
+        if not any(per_epoch):
+            continue
+        series[group] = {
+            name: [_summed([read(p) for p in procs]) if procs else math.nan for procs in per_epoch]
+            for name, read in measures.items()
+        }
+    return series
+
+
+def _group_of(finding: Finding) -> str:
+    return next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
+
+
+def _finding_point(
+    finding: Finding, series: Mapping[str, Mapping[str, list[float]]], epochs: int, gpu: bool
+) -> tuple[str, int, float]:
+    """Where a finding is marked: its panel (``gpu``/``host``), epoch and height in MiB."""
+    panel = "host" if finding.rule in _HOST_RULES or finding.host_bytes is not None else "gpu"
+    if panel == "gpu" and not gpu:
+        panel = "host"
+    epoch = finding.epoch if finding.epoch is not None and finding.epoch < epochs else epochs - 1
+    lines = series.get(_group_of(finding), {})
+    # On the measure the rule reads: USS for host memory where it was read, else RSS.
+    candidates = [lines.get(m, []) for m in (("gpu",) if panel == "gpu" else ("uss", "rss"))]
+    heights = [line[epoch] for line in candidates if line and not math.isnan(line[epoch])]
+    return panel, epoch, heights[0] if heights else 0.0
+
+
+def _report_panel(
+    axes: Any, report: _Report, series: Mapping[str, Mapping[str, list[float]]], panel: str
+) -> None:
+    epochs = list(range(len(report.epochs)))
+    for group, _roles, colour in _GROUPS:
+        lines = series.get(group)
+        if lines is None:
+            continue
+        for measure, style in (("gpu", "-"), ("rss", "-"), ("uss", "--")):
+            if (measure == "gpu") != (panel == "gpu") or measure not in lines:
+                continue
+            name = measure.upper()
+            if measure == "gpu":
+                name = "GPU peak" if group == "workers" else "GPU"
+            axes.plot(
+                epochs, lines[measure], style, marker="o", markersize=3, color=colour,
+                label=f"{group} {name}",
+            )  # fmt: skip
+    gpu = "gpu" in next(iter(series.values()), {})
+    for finding in report.leaks:
+        where, epoch, height = _finding_point(finding, series, len(epochs), gpu)
+        if where != panel:
+            continue
+        axes.plot([epoch], [height], "X", color="#D00000", markersize=10, label="leak")
+        axes.annotate(
+            finding.rule, (epoch, height), textcoords="offset points", xytext=(4, 6),
+            fontsize=8, color="#D00000",
+        )  # fmt: skip
+    axes.set_ylabel("GPU memory (MiB)" if panel == "gpu" else "host memory (MiB)")
+    axes.set_ylim(bottom=0)
+    axes.grid(axis="y", alpha=0.3)
+
+
+def _report_title(label: str, report: _Report) -> str:
+    leaks = len(report.leaks)
+    verdict = report.verdict.upper() if leaks else report.verdict
+    counted = f": {plural(leaks, 'leak')}" if leaks else ""
+    return "\n".join(part for part in (label, f"verdict: {verdict}{counted}") if part)
+
+
+def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
+    """Draw reports side by side (NOTE [report picture]); a ``Figure`` (Agg canvas).
+
+    Args:
+        reports: ``(label, report)`` pairs, one column each (the label names its loader).
+
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    columns = max(len(reports), 1)
+    drawn = [(label, report, report_series(report)) for label, report in reports]
+    gpu = any("gpu" in lines for _, _, series in drawn for lines in series.values())
+    panels = ["gpu", "host"] if gpu else ["host"]
+    figure = Figure(figsize=(4.6 * columns + 1.8, 3.4 * len(panels) + 1.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    grid = figure.subplots(len(panels), columns, squeeze=False, sharex="col")
+    for column, (label, report, series) in enumerate(drawn):
+        for row, panel in enumerate(panels):
+            axes = grid[row][column]
+            if not report.epochs:
+                _note(axes, "no epochs")
+                continue
+            _report_panel(axes, report, series, panel)
+        grid[0][column].set_title(
+            _report_title(label, report),
+            fontsize=10,
+            color=_VERDICT_COLOURS.get(report.verdict, "#000000"),
+        )
+        bottom = grid[-1][column]
+        bottom.set_xticks(list(range(len(report.epochs))))
+        bottom.set_xticklabels(
+            [e.label for e in report.epochs], rotation=30, ha="right", fontsize=8
+        )
+        bottom.set_xlabel("epoch end")
+    for row, panel in enumerate(panels):
+        # Every column's lines and marks, right of the last column.
+        axes_row = [grid[row][columns - 1], *grid[row][: columns - 1]]
+        _row_legend(axes_row, "GPU memory" if panel == "gpu" else "host memory", x=1.03)
+    lines = ["leakcheck: memory per epoch end by process group (RSS solid, USS dashed)"]
+    if not gpu:
+        reason = reports[0][1].timeline.attribution_reason if reports else ""
+        lines += textwrap.wrap(f"GPU memory not drawn: {_why(reason)}", 40 * columns + 40)
+    figure.suptitle("\n".join(lines), fontsize=10)
+    return figure
+
+
+def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
+    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
+    figure = render_reports(reports)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     write_atomic(path, buffer.getvalue())

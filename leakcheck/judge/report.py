@@ -9,6 +9,7 @@ holds the timeline, the findings and the thresholds used, and renders them:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -306,8 +307,38 @@ class Report:
         """The findings the text reports write: all but those no one can act on (``is_said``)."""
         return [f for f in self.findings if is_said(f)]
 
+    def plot(self, path: str, *, label: str = "") -> str:
+        """Draw the report as a PNG (NOTE [report picture] in plot.py); returns ``path``.
+
+        Args:
+            path: Target ``.png`` file, written atomically.
+            label: What the report is of (a loader's name), above its picture.
+
+        Raises:
+            UsageError: matplotlib is not installed.
+
+        """
+        return plot_reports([(label, self)], path)
+
     def __str__(self) -> str:
         return self.format()
+
+
+def plot_reports(reports: Sequence[tuple[str, Report]], path: str) -> str:
+    """Draw reports side by side into one PNG (``plot.plot_reports``); returns ``path``.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+
+    """
+    from leakcheck.judge import plot  # matplotlib itself only as it draws
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "plot: needs matplotlib, which is not installed (pip install "
+            "'dataloader-leakcheck[plot]')"
+        )
+    return plot.plot_reports(reports, path)
 
 
 def build_report(timeline: Timeline, config: RuleConfig) -> Report:

@@ -1064,3 +1064,9 @@ def test_orphan_judgement_goes_by_the_roots_identity_in_the_tag() -> None:
 def test_main_module_runs_main() -> None:
     source = (REPO / "leakcheck" / "__main__.py").read_text()
     assert 'if __name__ == "__main__":' in textwrap.dedent(source)
+
+
+def test_the_default_worker_counts_fit_the_usable_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cpus, expected in [(1, (0, 1, 2)), (2, (0, 2, 4)), (4, (0, 4, 8)), (64, (0, 4, 8))]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert cli.default_workers() == expected

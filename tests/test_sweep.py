@@ -779,16 +779,16 @@ def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None
     assert math.isnan(private[2]) and math.isnan(shared[2])  # spawned: nothing to tell
 
 
-def test_progress_lines_say_gpu_memory_is_unknown_where_it_was_not_read() -> None:
+def test_progress_lines_give_no_gpu_memory_where_it_was_not_read() -> None:
     """Each epoch's progress line gives the parent's and workers' GPU MiB only where NVML
-    read them per process: otherwise n/a, as the table says, never 0 (NO_GPU: not read)."""
+    read them per process: otherwise none (never 0; the header says why: NO_GPU)."""
     stream = io.StringIO()
     options = SweepOptions(workers=(0,), epochs=2, grace_s=0.2, interval_s=0.02)
     progress = Progress(options.epochs, stream=stream, tty=False)
     run_sweep(options, _list_factory, loader="test loader", progress=progress, gpu=NO_GPU)
     lines = [line for line in stream.getvalue().splitlines() if "batches in" in line]
     assert len(lines) == 2, stream.getvalue()
-    assert all("parent n/a MiB, 0 workers n/a MiB; host" in line for line in lines)
+    assert all(", 0 workers; host " in line and "GPU" not in line for line in lines), lines
 
 
 @pytest.mark.parametrize(
@@ -955,11 +955,11 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
     text = result.format().splitlines()
     start = text.index(next(line for line in text if line.startswith("workers  samples/s")))
     assert [line.split() for line in text[start : start + 5]] == [
-        ["workers", "samples/s", "wait", "%", "host", "MiB/wk"],  # no GPU column without one
-        ["0", "1,000", "38%", "-"],
-        ["2", "1,960", "38%", "40"],
-        ["4", "2,000", "38%", "?"],
-        ["8", "1,990", "38%", "?"],
+        ["workers", "samples/s", "host", "MiB/wk"],  # no GPU column without one
+        ["0", "1,000", "-"],
+        ["2", "1,960", "40"],
+        ["4", "2,000", "?"],
+        ["8", "1,990", "?"],
     ]
     assert text[start + 5] == (
         "recommended: 2 workers (1,960 samples/s, within 5% of the best, 2,000 at 4); "
@@ -974,8 +974,7 @@ def test_the_answer_falls_back_to_batches_and_states_gpu_memory_where_read() -> 
     assert result.configs[1].samples_per_s is None
     lines = result.format().splitlines()
     start = lines.index(next(line for line in lines if line.startswith("workers  batches/s")))
-    assert lines[start].split() == ["workers", "batches/s", "wait", "%", "host", "MiB/wk",
-                                    "GPU", "MiB/wk"]  # fmt: skip
+    assert lines[start].split() == ["workers", "batches/s", "host", "MiB/wk", "GPU", "MiB/wk"]
     assert lines[start + 3] == "recommended: 0 workers (10 batches/s, the best); no worker memory"
     # Equal throughput: the fewest workers. With workers, both memories are their cost.
     answer = _timed_result(gpu=True, rates={2: (500, 2 * 50 * MIB)}).recommendation_line

@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         "name or a path/to/file.py (default: the built-in workload)",
     )
     what.add_argument(
-        "--workers", default="0,4,8", metavar="N,N,...", help="worker counts (default 0,4,8)"
+        "--workers",
+        metavar="N,N,...",
+        help="worker counts (default 0,4,8; 0,N,2N on a machine of N < 4 usable CPUs)",
     )
     what.add_argument(
         "--max-workers",
@@ -297,6 +299,16 @@ def parse_workers(text: str) -> tuple[int, ...]:
     )
 
 
+def default_workers() -> tuple[int, ...]:
+    """The sweep's worker counts: ``0,4,8``, or ``0,N,2N`` where N < 4 CPUs are usable.
+
+    More spawned workers than twice the cores only queue for them, and each imports torch
+    anew every epoch.
+    """
+    cpus = _usable_cpus()
+    return (0, 4, 8) if cpus >= 4 else (0, cpus, 2 * cpus)
+
+
 def worker_bound() -> WorkerBound:
     """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
 
@@ -450,7 +462,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
     from leakcheck.core import options as option_specs
 
-    workers = parse_workers(args.workers)
+    workers = parse_workers(args.workers) if args.workers is not None else default_workers()
     _check_worker_counts(workers, args.max_workers)
     epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
     start_method = args.start_method or "spawn"

@@ -951,16 +951,14 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
     counted = record.batches if record.batches is not None else batches
     workers = [p for p in record.processes if p.role == "worker"]
     host = host_totals(record.processes)
-    gpu = f"{len(workers)} workers"
+    gpu = ""  # no per-process GPU bytes read (no GPU): the header said so, not repeated here
     if timeline.attribution == "ok":
         parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
         worker_bytes = sum(p.total_gpu_bytes_end for p in workers)
-        gpu = f"parent {format_mib(parent)} MiB, {gpu} {format_mib(worker_bytes)} MiB"
-    else:  # no per-process GPU bytes were read: not known, never 0
-        gpu = f"parent {_UNAVAILABLE} MiB, {gpu} {_UNAVAILABLE} MiB"
+        gpu = f"GPU parent {format_mib(parent)} MiB, workers {format_mib(worker_bytes)} MiB; "
     return (
-        f"{counted} batches in {record.duration_s:.1f} s, {gpu}"
-        f"; host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
+        f"{counted} batches in {record.duration_s:.1f} s, {len(workers)} workers; {gpu}"
+        f"host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
         f"{format_mib(host.workers_bytes)} MiB"
     )
 
@@ -1299,21 +1297,21 @@ def format_table(result: SweepResult) -> list[str]:
 def format_answer(result: SweepResult) -> list[str]:
     """The worker-count table (one line per configuration) and the recommendation under it.
 
-    Throughput in samples per second (batches, where a batch's size could not be read), the
-    share of the loop spent waiting for batches, memory per worker (the most of any epoch;
-    ``-`` without workers, ``?`` where not read); the GPU column only where a GPU was read.
+    Throughput in samples per second (batches, where a batch's size could not be read) and
+    memory per worker (the most of any epoch; ``-`` without workers, ``?`` where not read);
+    the GPU column only where a GPU was read. The share of the loop spent waiting for batches
+    is in the JSON only: the sweep's loop does no training step, so it waits all the time.
     """
     answer = recommendation(result)
     if answer is None:
         return []  # nothing was timed (a result built by hand)
     unit = answer.unit
-    header = ["workers", f"{unit}/s", "wait %", "host MiB/wk"]
+    header = ["workers", f"{unit}/s", "host MiB/wk"]
     if result.gpu_available:
         header.append("GPU MiB/wk")
     table = [header]
     for config in result.configs:
         rate = config.samples_per_s if unit == "samples" else config.batches_per_s
-        share = config.wait_share
         per_worker = [config.worker_host_bytes, config.worker_gpu_bytes]
         memory = [
             "-" if not config.num_workers else _UNKNOWN if value is None else format_mib(value)
@@ -1322,7 +1320,6 @@ def format_answer(result: SweepResult) -> list[str]:
         cells = [
             str(config.num_workers),
             _UNAVAILABLE if rate is None else f"{rate:,.0f}",
-            _UNAVAILABLE if share is None else f"{share:.0%}",
             *memory,
         ]
         table.append(cells[: len(header)])
@@ -1411,10 +1408,6 @@ def format_sweep(result: SweepResult) -> str:
     else:
         lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
     lines.append("  memory in MiB; host: uss = private memory, rss = resident")
-    lines.append(
-        "  wait %: the loop's time inside next(), waiting for batches (the sweep's loop does "
-        "no training step)"
-    )
     lines.append("")
     lines.extend(format_table(result))
     note = unknown_peak_note(result)

@@ -78,10 +78,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Tiny())
-    train, val = callback.report("train"), callback.report("val")
-    print(train.format())
-    print(val.summary())
-    kill_orphans(train)
+    print(callback.format())  # each stage's report, named by its loader: train, then val
+    kill_orphans(callback.report("train"))
 
 
 if __name__ == "__main__":

@@ -510,7 +510,8 @@ def test_the_lightning_example_names_each_helper_and_keeps_validation_clean() ->
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[-2].startswith("leakcheck: 6 leaks in 3 epochs ("), done.stdout
-    assert lines[-1].startswith("leakcheck: no leaks in 4 epochs ("), done.stdout
+    assert lines[-1].startswith("val_dataloader: leakcheck: no leaks in 4 epochs ("), done.stdout
+    assert any(line.startswith("train_dataloader: leakcheck report: ") for line in lines)
     # One fix for the six, which kills them all; a line per epoch that left two.
     (fix,) = [line for line in lines if line.startswith("  fix: ") and " kill " in line]
     assert len(fix.split(" kill ")[1].split()) == 6, done.stdout

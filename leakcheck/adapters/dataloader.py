@@ -9,6 +9,8 @@ request and closed however the loop ends, so the report always keeps it:
   tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
   loop body also reads as ``break``;
 * an exception while fetching a batch, a worker's included: ``exception``, then re-raised;
+  a worker a signal ended is noted first (``note_deaths``) and its ``died`` finding
+  announced at once, before the DataLoader's own error goes on;
 * ``KeyboardInterrupt`` while fetching a batch: ``interrupt``, then re-raised;
 * the iterator was reclaimed by the garbage collector or at interpreter exit (not by the
   loop): ``collected``.
@@ -49,6 +51,7 @@ from leakcheck.adapters.watching import (
     chained_worker_init,
     check_on_leak,
     check_teardown,
+    note_deaths,
     started_mailbox,
 )
 from leakcheck.core.errors import UsageError
@@ -315,6 +318,7 @@ class WatchedLoader(Generic[T]):
                 count += 1
                 yield batch
         except BaseException as error:
+            died = note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
                 # Private, but what the iterator's own __del__ calls; idempotent.
                 shutdown = getattr(batches, "_shutdown_workers", None)
@@ -323,6 +327,8 @@ class WatchedLoader(Generic[T]):
                         shutdown()
             batches = None
             self._end_epoch(*_end_reason(error), count, index)
+            if died:  # said now, beside the DataLoader's own error, which goes on its way
+                self._judge.judge(may_raise=False, stacklevel=2)
             raise
         batches = None
         self._end_epoch("completed", None, count, index)

@@ -35,6 +35,7 @@ Rule = Literal[
     "host-growth",
     "device-mismatch",
     "copy-on-read",
+    "died",
 ]
 Severity = Literal["leak", "info"]
 
@@ -293,6 +294,43 @@ class TeardownRecord:
 
 
 @dataclass(frozen=True)
+class Death:
+    """A process of the job ended by a signal, with what the machine said as it died.
+
+    Attributes:
+        key: Its identity.
+        signal_number: The signal that ended it (SIGKILL is 9).
+        at_s: When the death was noted, on the tracker's clock.
+        epoch: The epoch open then; None between epochs.
+        oom_kills: By how much the memory cgroup's OOM-kill counter rose since the tracker
+            started or since the last death it noted (``machine.oom_kill_count``); None:
+            not readable.
+        memory_total_bytes: The machine's memory (``MemTotal``); None: not read.
+        memory_available_bytes: ``MemAvailable`` as the death was noted; None: not read.
+        shm_total_bytes: Size of ``/dev/shm``; None: no limit, or not read.
+        shm_used_peak_bytes: Its highest use seen in the epoch, up to the death.
+        rss_bytes_birth: Its resident memory as it started (a worker's birth report).
+        rss_bytes_last: Its resident memory at the last read before it died.
+        stack: What its faulthandler wrote as it crashed (the Python stack of every
+            thread), where a worker's policy pointed it into the mailbox; None: nothing.
+
+    """
+
+    key: ProcessKey
+    signal_number: int
+    at_s: float
+    epoch: int | None = None
+    oom_kills: int | None = None
+    memory_total_bytes: int | None = None
+    memory_available_bytes: int | None = None
+    shm_total_bytes: int | None = None
+    shm_used_peak_bytes: int | None = None
+    rss_bytes_birth: int | None = None
+    rss_bytes_last: int | None = None
+    stack: str | None = None
+
+
+@dataclass(frozen=True)
 class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
@@ -452,6 +490,8 @@ class Timeline:
     rank_devices: Mapping[int, int] = field(default_factory=dict)
     """Rank -> the GPU (NVML index) it trains on, where a rank recorded it (its
     ``torch.cuda.set_device``): wins over what a process's environment says."""
+    deaths: tuple[Death, ...] = ()
+    """Processes of the job that a signal ended, as an adapter saw their exit status."""
 
 
 @dataclass(frozen=True)
@@ -482,6 +522,7 @@ class Finding:
             copy-on-read: what the loader's workers copied of their parent's memory, in all
             (one epoch's workers, for workers started each epoch).
         rank: The distributed rank of the culprit, where known.
+        stack: For died: the Python stack its faulthandler wrote as it crashed.
 
     """
 
@@ -504,6 +545,7 @@ class Finding:
     size_bytes: int | None = None
     host_bytes: int | None = None
     rank: int | None = None
+    stack: str | None = None
 
     @property
     def bytes(self) -> int | None:

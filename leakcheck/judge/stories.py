@@ -169,6 +169,30 @@ told otherwise. Give the job more (docker run --shm-size=8g or --ipc=host; Kuber
 emptyDir volume with medium: Memory at /dev/shm), or pass less through it at once (fewer
 workers, a smaller prefetch_factor, smaller batches).
 """,
+    "died": """\
+died (leak): a process of the job was ended by a signal, and the evidence says why.
+
+A signal names no sender, so the finding says only what was read as the death was noted
+(watch() notes each worker of a failed epoch: the DataLoader's own error still follows):
+- killed by the OOM killer (SIGKILL, and the memory cgroup counted an OOM kill, or the
+  machine had almost no memory available): "DataLoader worker (pid X) is killed by signal:
+  Killed". The finding gives what the worker held at the last read and its growth since
+  birth. Find what grows (the host-growth and copy-on-read findings: a dataset of Python
+  objects is copied into every forked worker), use fewer workers or a smaller
+  prefetch_factor, or give the job more memory (a container's --memory, a pod's limit).
+- /dev/shm exhausted (SIGBUS, /dev/shm at 80% or more in the epoch): "Bus error",
+  "insufficient shared memory". Docker gives a container 64 MB: docker run --shm-size=8g or
+  --ipc=host (Kubernetes: an emptyDir with medium: Memory at /dev/shm), or
+  torch.multiprocessing.set_sharing_strategy('file_system'), or pass less at once.
+- a crash in native code (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE): the finding shows the
+  innermost frames of the Python stack the worker's faulthandler wrote (the report shows the
+  whole of it). Common causes: a C extension's bug, a library that is not fork-safe used in
+  forked workers (start them with multiprocessing_context="spawn"), threads of OpenCV or
+  OpenMP started before the fork (cv2.setNumThreads(0)).
+- killed by a signal, sender unknown: no OOM kill was counted and memory was not full. A
+  job scheduler's time or memory limit, another user's kill, a watchdog: look in the
+  scheduler's and the kernel's logs (dmesg).
+""",
     "device-mismatch": """\
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 

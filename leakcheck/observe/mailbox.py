@@ -17,6 +17,11 @@ The tracker also keeps its live workers' birth readings (NOTE [copy on read] in 
 in the folder, as ``BIRTHS_FILE``: a name that is no record, so that ``leakcheck snapshot
 --pid`` can tell from outside what each worker copied since its birth (``read_births``).
 
+Each worker also points its faulthandler at a file of the folder, ``STACK_PREFIX`` with
+its identity (no record: never read as one), which it removes as it exits normally: one
+left behind holds, for a worker that crashed in native code, the Python stacks it
+wrote (``take_stack``).
+
 NOTE [stale mailboxes]: a tracker whose process is killed (SIGKILL, OOM killer, a crash)
 never removes its folder. Each folder's name says who owns it,
 ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every ``create``
@@ -48,6 +53,9 @@ MAILBOX_PREFIX = "leakcheck-mailbox-"
 BIRTHS_FILE = ".births.json"
 """The live workers' birth readings, which the tracker rewrites as they change (a dot name:
 never read as a record)."""
+
+STACK_PREFIX = "stack-"
+"""A worker's faulthandler file: ``stack-<pid>-<start ticks>.txt`` (``stack_path``)."""
 
 # <pid>-<start ticks>-<pid namespace>-<mkdtemp's random part: [a-z0-9_]>. Digit counts are
 # bounded so that int() never meets a number too long to convert.
@@ -257,6 +265,24 @@ class Inbox:
         )
         self._settled_mtime_ns = mtime_ns if settled else None
         return records
+
+
+def stack_path(directory: str, key: ProcessKey) -> str:
+    """The file worker ``key``'s faulthandler writes to (NOTE [worker mailbox])."""
+    return os.path.join(directory, f"{STACK_PREFIX}{key.pid}-{key.start_ticks}.txt")
+
+
+def take_stack(directory: str, key: ProcessKey) -> str | None:
+    """What worker ``key``'s faulthandler wrote, removing its file; None: nothing, or none."""
+    path = stack_path(directory, key)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read(65536).strip()
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return text or None
 
 
 def remove(directory: str) -> None:

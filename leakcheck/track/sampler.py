@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
     MIB,
+    Death,
     DeviceState,
     EndReason,
     FinalState,
@@ -43,7 +44,7 @@ from leakcheck.core.model import (
     TeardownRecord,
     Timeline,
 )
-from leakcheck.observe import mailbox, procs
+from leakcheck.observe import machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
@@ -138,6 +139,9 @@ class Sampler:
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.final: FinalState | None = None
+        self.deaths: list[Death] = []
+        self._oom_kills: int | None = None
+        """The memory cgroup's OOM-kill counter at the start or the last death noted."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -180,6 +184,7 @@ class Sampler:
             )
             self.host = HostReads(self.pacing, self.failures, warmup_epochs=self.warmup_epochs)
             self.failures.guard(self.shm.start, "shm")
+            self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
             self.table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
@@ -365,6 +370,50 @@ class Sampler:
             if self.reader is not None and not self.closed:
                 self.reader.register_worker(key, persistent)
 
+    def note_exit(self, pid: int, exit_code: int) -> None:
+        """A process of the job exited with ``exit_code`` (negative: killed by that signal).
+
+        A death by a signal is kept with what the machine says right now (NOTE at the top
+        of machine.py) and what the process's faulthandler wrote; an exit with a status is
+        not a death. Each identity dies once.
+        """
+        if exit_code >= 0:
+            return
+        with self.lock:
+            if self.table is None or self.closed:
+                return
+            self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+            self.failures.guard(lambda: self._note_death(pid, -exit_code), "death")
+
+    def _note_death(self, pid: int, signal_number: int) -> None:
+        assert self.table is not None
+        key = self.table.by_pid.get(pid)
+        proc = self.table.procs.get(key) if key is not None else None
+        if proc is None or any(death.key == proc.key for death in self.deaths):
+            return
+        kills = machine.oom_kill_count()
+        rise = None if kills is None or self._oom_kills is None else kills - self._oom_kills
+        self._oom_kills = kills if kills is not None else self._oom_kills
+        memory = machine.machine_memory()
+        self.shm.note_usage()
+        folder = self._mailbox_dir
+        self.deaths.append(
+            Death(
+                key=proc.key,
+                signal_number=signal_number,
+                at_s=self.now(),
+                epoch=self.book.open_index,
+                oom_kills=rise,
+                memory_total_bytes=memory.total_bytes if memory else None,
+                memory_available_bytes=memory.available_bytes if memory else None,
+                shm_total_bytes=self.shm.total_bytes,
+                shm_used_peak_bytes=self.shm.used_peak_bytes,
+                rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+                rss_bytes_last=proc.rss_bytes_last,
+                stack=mailbox.take_stack(folder, proc.key) if folder else None,
+            )
+        )
+
     # -- one sample ----------------------------------------------------------------------
 
     def sample(
@@ -449,6 +498,7 @@ class Sampler:
             # Files left in /dev/shm are judged once the work is over (at close): before,
             # the job's workers may still be using theirs.
             shm_files=self.shm_files if final is not None and final.closed else (),
+            deaths=tuple(self.deaths),
         )
 
     # -- environment and NVML ------------------------------------------------------------

@@ -60,6 +60,8 @@ class Proc:
     hostmem.py); None: not reported."""
     end_read: bool = False
     """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
+    rss_bytes_last: int | None = None
+    """A worker's resident memory at the last walk that read it (what a death reports)."""
     other_rank: bool = False
     """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
     counted as the job's memory, never judged here; its own rank's tracker judges it."""
@@ -357,6 +359,10 @@ class ProcessTable:
             for key, proc in self.live.items()
             if proc.forked is not None or proc.birth_host is not None
         }
+
+    def live_workers(self) -> list[ProcessKey]:
+        """Workers of this tracker, alive as far as the table knows."""
+        return [key for key in self.workers if key in self.live and self.procs[key].own]
 
     def copy_watched(self) -> list[ProcessKey]:
         """Live own forked workers that reported their birth: whose copies reads measure."""

@@ -296,6 +296,22 @@ class Tracker:
             self._sampler.register_worker(key, persistent)
 
     @caller_timed
+    def note_exit(self, pid: int, exit_code: int) -> None:
+        """Tell the tracker how a process of the job ended, where its parent learned it.
+
+        A death by a signal (``exit_code`` < 0, as ``multiprocessing.Process.exitcode``
+        says) becomes a ``died`` finding with the evidence of who killed it
+        (``judge.deaths``); ``watch()`` calls it for each worker of a failed epoch.
+
+        Args:
+            pid: The process.
+            exit_code: Its exit status, or minus the signal that ended it.
+
+        """
+        self._sampler.note_exit(pid, exit_code)
+        self._sampler.failures.raise_pending()
+
+    @caller_timed
     def finish_reads(self) -> None:
         """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
 

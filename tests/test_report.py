@@ -436,6 +436,7 @@ def _findings_of_every_rule() -> list[Finding]:
             ),
             _long(proc(1236, "descendant", gpu_mib=0, fds=31, persistent=True)),
             _long(proc(1237, gpu_mib={0: 520}), rank=1, rank_device=1),
+            _long(proc(1238, persistent=True), open_fds=1_000_000, fd_limit=1_048_576),
         ],
         [device(0, 2000), device(1, 700)],
         label=_LONG_LABEL,

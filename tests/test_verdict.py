@@ -728,6 +728,7 @@ def test_rules_registry_names_every_rule() -> None:
         "device-mismatch",
         "copy-on-read",
         "died",
+        "fd-pressure",
     }
 
 

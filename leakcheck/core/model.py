@@ -36,6 +36,7 @@ Rule = Literal[
     "device-mismatch",
     "copy-on-read",
     "died",
+    "fd-pressure",
 ]
 Severity = Literal["leak", "info"]
 
@@ -100,6 +101,8 @@ class ProcessEpoch:
             could see it and reported nothing: its peak is not known, not 0).
         gpu_bytes_unknown: NVML listed it on a device without a byte count.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
+        open_fds: Open descriptors of any kind at the end (None if unreadable).
+        fd_limit: Its soft ``RLIMIT_NOFILE`` then (None: unlimited, or unreadable).
         scope: What started it, when that is not the watched work itself (the pytest
             plugin: ``module-scoped fixture 'pool'``); None otherwise.
         host_bytes_end: Host memory at the end of the epoch: USS where it was read, else
@@ -160,6 +163,8 @@ class ProcessEpoch:
     gpu_peak_source: PeakSource = "sampled"
     gpu_bytes_unknown: bool = False
     nvidia_fds: int | None = None
+    open_fds: int | None = None
+    fd_limit: int | None = None
     scope: str | None = None
     host_bytes_end: int | None = None
     host_source: HostSource | None = None
@@ -569,6 +574,9 @@ class RuleConfig:
             peak, modules imported on first use, torch's pinned-memory cache, batches in
             flight), while copy-on-read copies tens to hundreds of MiB per worker and epoch,
             far above it within a few epochs.
+        fd_pressure_fraction: Open descriptors at or above this share of a process's
+            ``RLIMIT_NOFILE`` at an epoch end is pressure (the fd-pressure rule): the next
+            ``open``, socket or tensor received through the file_descriptor strategy fails.
         shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size during
             an epoch is capacity pressure (the shm rule): workers die of a bus error when
             it is full, and a peak sampled a few times a second undershoots the true one.
@@ -588,4 +596,5 @@ class RuleConfig:
     high_clock_fraction: float = 0.8
     host_tolerance_bytes: int = 64 * MIB
     shm_pressure_fraction: float = 0.8
+    fd_pressure_fraction: float = 0.8
     copy_tolerance_bytes: int = 64 * MIB

@@ -193,6 +193,18 @@ A signal names no sender, so the finding says only what was read as the death wa
   job scheduler's time or memory limit, another user's kill, a watchdog: look in the
   scheduler's and the kernel's logs (dmesg).
 """,
+    "fd-pressure": """\
+fd-pressure (information): a process of the job holds 80% or more of its open descriptors.
+
+Counted at each epoch end against the process's own soft RLIMIT_NOFILE. PyTorch's default
+sharing strategy (file_descriptor) passes each shared tensor of a batch as a descriptor, held
+until the tensor is freed: many workers, a large prefetch_factor, or batches kept in a list
+hold thousands. At the limit: "Too many open files", "received 0 items of ancdata".
+Fixes: raise the limit before starting (ulimit -n 65536; a container's --ulimit nofile=...),
+or torch.multiprocessing.set_sharing_strategy('file_system') in the main process (its files
+live in /dev/shm: watch the shm rule), or keep fewer batches alive at once. A descriptor
+leak (files or sockets opened per item and never closed) grows at every epoch: close them.
+""",
     "device-mismatch": """\
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 

@@ -33,6 +33,7 @@ from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
 from leakcheck.judge.deaths import died
+from leakcheck.judge.limits import fd_pressure
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -1563,6 +1564,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "shm": shm,
     "device-mismatch": device_mismatch,
     "died": died,
+    "fd-pressure": fd_pressure,
 }
 """Every rule by name, in report order for ties."""
 

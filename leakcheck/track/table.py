@@ -47,6 +47,10 @@ class Proc:
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
+    open_fds: int | None = None
+    """Its open descriptors at the last epoch end (``procs.descriptor_use``)."""
+    fd_limit: int | None = None
+    """Its soft ``RLIMIT_NOFILE`` then; None: unlimited or unread."""
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
     rank: RankInfo | None = None
@@ -450,10 +454,11 @@ class ProcessTable:
     # -- epoch-end extras ----------------------------------------------------------------
 
     def count_nvidia_fds(self) -> None:
-        """Count each own live process's ``/dev/nvidia*`` descriptors (epoch ends)."""
+        """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart (epoch ends)."""
         for proc in self.live.values():
             if proc.own and not proc.foreign:
                 proc.nvidia_fds = self._job_nvidia_fds(proc)
+                proc.open_fds, proc.fd_limit = procs.descriptor_use(proc.key.pid) or (None, None)
 
     def _job_nvidia_fds(self, proc: Proc) -> int | None:
         """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.

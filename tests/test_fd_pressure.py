@@ -56,7 +56,10 @@ def test_a_worker_holding_most_of_its_descriptor_limit_is_named() -> None:
 
 
 def test_a_loader_far_from_its_limits_has_no_pressure() -> None:
-    loader = leakcheck.watch(DataLoader(list(range(8)), num_workers=1, persistent_workers=True))
+    items: list[int] = list(range(8))
+    loader = leakcheck.watch(
+        DataLoader(items, num_workers=1, persistent_workers=True)  # type: ignore[arg-type]
+    )
     for _ in loader:
         pass
     loader.close()

@@ -154,3 +154,58 @@ def test_the_story_of_died_names_each_cause() -> None:
     assert text is not None
     for cause in ("OOM killer", "/dev/shm exhausted", "native code", "sender unknown"):
         assert cause in text
+
+
+class BlocksAt(Dataset[int]):
+    """Blocks in ``__getitem__`` at one item until a file appears (the test's release)."""
+
+    def __init__(self, release: str) -> None:
+        self.release = release
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        while index == 4 and not os.path.exists(self.release):
+            time.sleep(0.01)
+        return index
+
+
+def test_a_stalled_epoch_shows_the_stacks_of_the_loop_and_of_the_blocked_worker(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    release = tmp_path / "release"
+    loader = leakcheck.watch(
+        DataLoader(BlocksAt(str(release)), num_workers=1, batch_size=2, collate_fn=list),
+        hang_after=0.5,
+    )
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 2:  # the next batch holds item 4: its worker blocks
+            assert wait_for(lambda: any(f.rule == "hang" for f in loader.report().findings))
+            release.touch()
+    [finding] = [f for f in loader.report().findings if f.rule == "hang"]
+    loader.close()
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the loop went on undisturbed
+    assert "no batch for" in finding.message and "in epoch 0" in finding.message
+    assert finding.stack is not None
+    [worker] = loader.tracker.worker_keys()
+    assert f"worker PID {worker.pid}" in finding.stack
+    assert "in __getitem__" in finding.stack.split(f"worker PID {worker.pid}")[1]
+    assert "the loop's process" in finding.stack and "test_a_stalled_epoch" in finding.stack
+    assert "the stacks of the job" in capfd.readouterr().err  # written at once, to stderr
+
+
+def test_no_stall_is_reported_with_the_hang_watch_off(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    loader = leakcheck.watch(
+        DataLoader(BlocksAt(str(release)), num_workers=1, batch_size=2, collate_fn=list),
+        hang_after=0,
+    )
+    for count, _ in enumerate(loader):
+        if count == 1:
+            time.sleep(1.0)  # a stall the watch would report at 0.5 s, were it on
+            release.touch()
+    loader.close()
+    assert not [f for f in loader.report().findings if f.rule == "hang"]

@@ -420,7 +420,7 @@ def _long(p: ProcessEpoch, **changes: object) -> ProcessEpoch:
 
 def _findings_of_every_rule() -> list[Finding]:
     """Findings of every rule, with the longest names and labels a report may meet."""
-    from leakcheck.core.model import Death, ParentMemory, ProcessKey
+    from leakcheck.core.model import Death, ParentMemory, ProcessKey, Stall
     from leakcheck.judge import verdict
 
     config = RuleConfig()
@@ -472,6 +472,7 @@ def _findings_of_every_rule() -> list[Finding]:
         parent_memory=ParentMemory(
             kept_tensor_bytes={0: 256 * MIB}, driver_bytes={0: 64 * MIB}, scopes=("x" * 100,)
         ),
+        stalls=(Stall(0, 125.0, 130.0, ""),),
         deaths=tuple(
             Death(ProcessKey(1234, 1234), number, 1.0, 0, **evidence)  # type: ignore[arg-type]
             for number, evidence in (

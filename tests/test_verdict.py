@@ -729,6 +729,7 @@ def test_rules_registry_names_every_rule() -> None:
         "copy-on-read",
         "died",
         "fd-pressure",
+        "hang",
     }
 
 

@@ -20,7 +20,8 @@ traceback would otherwise keep them alive as false survivors), and judging waits
 next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
 epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
 the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
-that waits for it. Nothing is done per batch beyond one generator step.
+that waits for it. Nothing is done per batch beyond one generator step and one clock read
+(NOTE [hang watch] in hang.py).
 
 NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and the
 wrapper judges at every epoch end, so over a long run the epoch end would grow slower and
@@ -312,10 +313,12 @@ class WatchedLoader(Generic[T]):
             installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
         count = 0
+        arrived = self._tracker.batch_arrived
         try:
             batches = self._iterate(self._loader)
             for batch in batches:
                 count += 1
+                arrived()
                 yield batch
         except BaseException as error:
             died = note_deaths(self._tracker, batches)
@@ -366,6 +369,7 @@ def watch(
     interval: float | str = 0.05,
     rollup_share: float | None = None,
     copy_tolerance: str | int = "64MiB",
+    hang_after: float | str = 120.0,
 ) -> WatchedLoader[T]:
     """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
 
@@ -399,6 +403,10 @@ def watch(
         copy_tolerance: What each forked worker may copy of the parent's memory before the
             copy-on-read rule calls it a leak (``"64MiB"``, or bytes): a dataset of Python
             objects is copied into every worker that reads it.
+        hang_after: Seconds an epoch may wait for a batch before leakcheck writes the
+            Python stacks of the loop's process (every thread) and of each worker, to
+            stderr and into the report, once per stall; the loop goes on (NOTE [hang
+            watch] in hang.py). 0 turns it off.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.
@@ -419,5 +427,6 @@ def watch(
         grace=grace,
         persistent_workers=bool(getattr(loader, "persistent_workers", False)),
         copy_tolerance=copy_tolerance,
+        hang_after=hang_after,
     )
     return WatchedLoader(loader, tracker=tracker, on_leak=on_leak, teardown=teardown)

@@ -37,6 +37,7 @@ Rule = Literal[
     "copy-on-read",
     "died",
     "fd-pressure",
+    "hang",
 ]
 Severity = Literal["leak", "info"]
 
@@ -336,6 +337,25 @@ class Death:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
+
+    Attributes:
+        epoch: The epoch that stalled.
+        waited_s: Seconds since its last batch (or its start) when the stacks were taken.
+        at_s: When, on the tracker's clock.
+        stacks: The Python stacks of every thread of the loop's process and of each worker
+            (NOTE [hang watch] in hang.py), as text.
+
+    """
+
+    epoch: int | None
+    waited_s: float
+    at_s: float
+    stacks: str
+
+
+@dataclass(frozen=True)
 class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
@@ -497,6 +517,8 @@ class Timeline:
     ``torch.cuda.set_device``): wins over what a process's environment says."""
     deaths: tuple[Death, ...] = ()
     """Processes of the job that a signal ended, as an adapter saw their exit status."""
+    stalls: tuple[Stall, ...] = ()
+    """Epochs that waited ``hang_after`` seconds for a batch, with the stacks then."""
 
 
 @dataclass(frozen=True)
@@ -527,7 +549,8 @@ class Finding:
             copy-on-read: what the loader's workers copied of their parent's memory, in all
             (one epoch's workers, for workers started each epoch).
         rank: The distributed rank of the culprit, where known.
-        stack: For died: the Python stack its faulthandler wrote as it crashed.
+        stack: For died: the Python stack its faulthandler wrote as it crashed; for hang:
+            the stacks of the loop's process and of its workers.
 
     """
 

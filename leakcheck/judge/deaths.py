@@ -24,7 +24,7 @@ from leakcheck.core.model import Death, Finding, ProcessEpoch, RuleConfig, Timel
 from leakcheck.core.names import culprit
 from leakcheck.core.units import format_size
 
-__all__ = ["died", "signal_name"]
+__all__ = ["died", "hang", "signal_name"]
 
 _NEAR_FULL_FRACTION = 0.05
 """Available memory under this share of the machine's is the machine-wide OOM killer's
@@ -160,3 +160,34 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             )
         )
     return tuple(findings)
+
+
+def _where_workers_wait(stacks: str) -> str:
+    """``; worker PID 12 in fn (file.py:3)`` for each worker's section of a stall's stacks."""
+    waits: list[str] = []
+    for section in stacks.split("--- worker PID ")[1:]:
+        pid, _, text = section.partition(" ---\n")
+        frame = innermost_frames(text.split("\n--- ")[0], 1)
+        if frame is not None:
+            waits.append(f"; worker PID {pid} in {frame}")
+    return "".join(waits)
+
+
+def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """One ``hang`` finding per stall of an epoch, with the job's stacks (NOTE [hang watch])."""
+    return tuple(
+        Finding(
+            rule="hang",
+            severity="info",
+            message=(
+                f"no batch for {stall.waited_s:.0f} s"
+                + (f" in epoch {stall.epoch}" if stall.epoch is not None else "")
+                + _where_workers_wait(stall.stacks)
+                + "; the job's stacks follow"
+            ),
+            remedy="see where each waits (a worker's __getitem__, a lock, a full queue)",
+            epoch=stall.epoch,
+            stack=stall.stacks or None,
+        )
+        for stall in timeline.stalls
+    )

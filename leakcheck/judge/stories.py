@@ -205,6 +205,24 @@ or torch.multiprocessing.set_sharing_strategy('file_system') in the main process
 live in /dev/shm: watch the shm rule), or keep fewer batches alive at once. A descriptor
 leak (files or sockets opened per item and never closed) grows at every epoch: close them.
 """,
+    "hang": """\
+hang (information): an epoch waited hang_after seconds for a batch; here is where each waits.
+
+When no batch comes for hang_after seconds (watch(hang_after=120); 0 turns it off),
+leakcheck writes once per stall, to stderr and into the report, the Python stacks of every
+thread of the loop's process (the pin-memory thread among them) and of each worker (its
+faulthandler writes them on SIGUSR2, which leakcheck sends only to the job's own workers).
+The loop goes on: a slow batch ends the stall by itself.
+Read the stacks:
+- a worker in your __getitem__ (a network read, a lock, a subprocess): give it a timeout;
+  the DataLoader's own timeout= turns a stuck worker into an error.
+- a worker stuck in a lock right after fork (a logging handler's, a thread pool's, a
+  library's): threads in the parent at fork time leave their locks held in the child; start
+  workers with multiprocessing_context="spawn" or "forkserver".
+- the loop's thread in queue.get with every worker idle: the sampler or batch_sampler
+  yields nothing more (a distributed sampler whose ranks disagree on the length).
+- the loop's thread in your own code: the training step itself is slow (not a hang).
+""",
     "device-mismatch": """\
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 

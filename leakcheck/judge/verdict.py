@@ -32,7 +32,7 @@ from leakcheck.core.model import (
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
-from leakcheck.judge.deaths import died
+from leakcheck.judge.deaths import died, hang
 from leakcheck.judge.limits import fd_pressure
 from leakcheck.observe.procs import create_time_s
 
@@ -1565,6 +1565,7 @@ RULES: Mapping[Rule, RuleFunction] = {
     "device-mismatch": device_mismatch,
     "died": died,
     "fd-pressure": fd_pressure,
+    "hang": hang,
 }
 """Every rule by name, in report order for ties."""
 

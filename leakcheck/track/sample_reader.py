@@ -215,6 +215,8 @@ class SampleReader:
                 persistent = record.get("persistent")
                 self.register_worker(key, persistent if isinstance(persistent, bool) else None)
                 self.table.note_birth(key, *mailbox.worker_birth(record))
+                if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
+                    self.table.procs[key].dumps_stacks = True
                 born = True
             elif record.get("kind") == "teardown":
                 teardown = mailbox.teardown_record(record, key)

@@ -41,6 +41,7 @@ from leakcheck.core.model import (
     FinalState,
     ProcessKey,
     ShmFile,
+    Stall,
     TeardownRecord,
     Timeline,
 )
@@ -50,6 +51,7 @@ from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.cost import CostMeter
+from leakcheck.track.hang import HangWatch
 from leakcheck.track.host import HostReads, InsidePlan
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.reads import Failures, NvmlReads
@@ -80,6 +82,8 @@ class Sampler:
             (``Tracker``'s).
         copy_tolerance_bytes: The copy tolerance (``RuleConfig``'s): when a worker's copy
             was first read above it is kept.
+        hang_after_s: Seconds an open epoch may wait for a batch before the job's stacks
+            are taken (NOTE [hang watch] in hang.py); 0: never.
 
     """
 
@@ -98,6 +102,7 @@ class Sampler:
         warmup_epochs: int = 1,
         scan_at_epoch_end: bool = False,
         copy_tolerance_bytes: int = 64 * MIB,
+        hang_after_s: float = 0.0,
     ) -> None:
         self.root_pid = root_pid
         self.scan_at_epoch_end = scan_at_epoch_end
@@ -139,6 +144,8 @@ class Sampler:
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.final: FinalState | None = None
+        self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
+        self.stalls: list[Stall] = []
         self.deaths: list[Death] = []
         self._oom_kills: int | None = None
         """The memory cgroup's OOM-kill counter at the start or the last death noted."""
@@ -265,14 +272,37 @@ class Sampler:
             )
             opened = self.book.open
             inside = None
+            stalled: tuple[int, float, list[ProcessKey]] | None = None
             if self.table is not None and opened is not None:
                 inside = self.host.plan_inside(
                     self.table, opened.index, opened.start_s, self.now()
                 )
+                waited_s = self.hang.due(self._t0 + opened.start_s)
+                if waited_s is not None:
+                    self.sample(epoch_end=False)  # the mailbox: every worker's record
+                    table = self.table
+                    workers = [k for k in table.live_workers() if table.procs[k].dumps_stacks]
+                    stalled = (opened.index, waited_s, workers)
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
         if inside is not None:
             self._read_inside(inside)
+        if stalled is not None:
+            self._dump_stacks(*stalled)
         return next_ticks
+
+    def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
+        """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch])."""
+        folder = self._mailbox_dir
+        stall = self.failures.guard(
+            lambda: self.hang.dump(
+                epoch=epoch, waited_s=waited_s, at_s=self.now(), workers=workers, folder=folder
+            ),
+            "hang watch",
+            lock=self.lock,
+        )
+        if stall is not None:
+            with self.lock:
+                self.stalls.append(stall)
 
     def _read_inside(self, plan: InsidePlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
@@ -410,7 +440,7 @@ class Sampler:
                 shm_used_peak_bytes=self.shm.used_peak_bytes,
                 rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
                 rss_bytes_last=proc.rss_bytes_last,
-                stack=mailbox.take_stack(folder, proc.key) if folder else None,
+                stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
             )
         )
 
@@ -499,6 +529,7 @@ class Sampler:
             # the job's workers may still be using theirs.
             shm_files=self.shm_files if final is not None and final.closed else (),
             deaths=tuple(self.deaths),
+            stalls=tuple(self.stalls),
         )
 
     # -- environment and NVML ------------------------------------------------------------

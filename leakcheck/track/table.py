@@ -64,6 +64,8 @@ class Proc:
     hostmem.py); None: not reported."""
     end_read: bool = False
     """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
+    dumps_stacks: bool = False
+    """A worker whose record says it writes its stacks on ``mailbox.STACK_SIGNAL``."""
     rss_bytes_last: int | None = None
     """A worker's resident memory at the last walk that read it (what a death reports)."""
     other_rank: bool = False

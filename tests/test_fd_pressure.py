@@ -64,3 +64,15 @@ def test_a_loader_far_from_its_limits_has_no_pressure() -> None:
         pass
     loader.close()
     assert not [f for f in loader.report().findings if f.rule == "fd-pressure"]
+
+
+def test_the_sweep_scenario_stages_descriptor_pressure() -> None:
+    from leakcheck.commands.sweep import SweepOptions, run_sweep
+    from leakcheck.commands.workload import WorkloadSpec, builtin_factory
+
+    spec = WorkloadSpec(scenario="fd-pressure", batches=4, batch_size=4, features=8)
+    options = SweepOptions(workers=(2,), epochs=1, grace_s=0.3, interval_s=0.02)
+    result = run_sweep(options, builtin_factory(spec), loader="built-in", gpu=(False, "no GPU"))
+    findings = [f for f in result.configs[0].report.findings if f.rule == "fd-pressure"]
+    assert len(findings) == 2  # each worker, against its own limit
+    assert all("of its limit 256 (9" in f.message for f in findings)

@@ -209,3 +209,24 @@ def test_no_stall_is_reported_with_the_hang_watch_off(tmp_path: Path) -> None:
             release.touch()
     loader.close()
     assert not [f for f in loader.report().findings if f.rule == "hang"]
+
+
+@pytest.mark.parametrize(
+    ("line", "counter"),
+    [
+        ("4:memory:/job/7\n", "memory/job/7/memory.oom_control"),  # cgroup v1
+        ("0::/job/7\n", "job/7/memory.events"),  # cgroup v2
+    ],
+)
+def test_the_oom_kill_counter_is_read_from_the_process_own_memory_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, counter: str
+) -> None:
+    (tmp_path / "cgroup").write_text(line)
+    _cgroup(tmp_path, kills=1)  # the root's: what a container without its own path reads
+    (tmp_path / counter).parent.mkdir(parents=True)
+    (tmp_path / counter).write_text("oom 9\noom_kill 7\n")
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(machine, "_PROC_SELF_CGROUP", str(tmp_path / "cgroup"))
+    assert machine.oom_kill_count() == 7
+    (tmp_path / counter).unlink()
+    assert machine.oom_kill_count() == 1  # the mount's root, where the own path is not there

@@ -126,7 +126,7 @@ def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
         )
     return (
         f"was killed by {name} (sender unknown){when}",
-        "no OOM kill was counted: look for who sends it (a scheduler's limit, a kill by hand)",
+        "no evidence of an OOM kill: look for the sender (a scheduler's limit, a kill by hand)",
     )
 
 

@@ -424,7 +424,7 @@ def _long(p: ProcessEpoch, **changes: object) -> ProcessEpoch:
 
 def _findings_of_every_rule() -> list[Finding]:
     """Findings of every rule, with the longest names and labels a report may meet."""
-    from leakcheck.core.model import ParentMemory
+    from leakcheck.core.model import Death, ParentMemory, ProcessKey, Stall
     from leakcheck.judge import verdict
 
     config = RuleConfig()
@@ -440,6 +440,7 @@ def _findings_of_every_rule() -> list[Finding]:
             ),
             _long(proc(1236, "descendant", gpu_mib=0, fds=31, persistent=True)),
             _long(proc(1237, gpu_mib={0: 520}), rank=1, rank_device=1),
+            _long(proc(1238, persistent=True), open_fds=1_000_000, fd_limit=1_048_576),
         ],
         [device(0, 2000), device(1, 700)],
         label=_LONG_LABEL,
@@ -474,6 +475,17 @@ def _findings_of_every_rule() -> list[Finding]:
         shm_files=shm,
         parent_memory=ParentMemory(
             kept_tensor_bytes={0: 256 * MIB}, driver_bytes={0: 64 * MIB}, scopes=("x" * 100,)
+        ),
+        stalls=(Stall(0, 125.0, 130.0, ""),),
+        deaths=tuple(
+            Death(ProcessKey(1234, 1234), number, 1.0, 0, **evidence)  # type: ignore[arg-type]
+            for number, evidence in (
+                (9, {"oom_kills": 12, "rss_bytes_birth": 10**8, "rss_bytes_last": 10**13}),
+                (9, {"memory_total_bytes": 10**13, "memory_available_bytes": 10**9}),
+                (9, {}),
+                (7, {"shm_total_bytes": 64 * MIB, "shm_used_peak_bytes": 64 * MIB}),
+                (11, {}),
+            )
         ),
     )
     growing = [

@@ -763,6 +763,16 @@ def test_fail_on_leak_turns_a_successful_leaking_run_into_1(
     assert dict(findings(failing.data["tree"]["report"])) == {("orphan", "orphan"): 1}
 
 
+def test_a_program_killed_by_a_signal_is_named_with_the_evidence(private_tmp: Path) -> None:
+    run = leakcheck_run("--", "sh", "-c", "kill -KILL $$", private_tmp=private_tmp)
+    assert run.returncode == 128 + signal.SIGKILL
+    assert run.data is not None
+    [died] = [f for f in run.data["tree"]["report"]["findings"] if f["rule"] == "died"]
+    assert died["pid"] == run.data["program"]["pid"]
+    # Sender unknown here, unless the machine's OOM killer was busy meanwhile (evidence).
+    assert "SIGKILL" in died["message"] and "in epoch 0" in died["message"]
+
+
 def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None:
     run = leakcheck_run("--", "sh", "-c", "sleep 0.2; exit 4", private_tmp=private_tmp)
     assert run.returncode == 4

@@ -727,6 +727,9 @@ def test_rules_registry_names_every_rule() -> None:
         "host-growth",
         "device-mismatch",
         "copy-on-read",
+        "died",
+        "fd-pressure",
+        "hang",
     }
 
 

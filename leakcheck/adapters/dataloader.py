@@ -9,6 +9,8 @@ request and closed however the loop ends, so the report always keeps it:
   tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
   loop body also reads as ``break``;
 * an exception while fetching a batch, a worker's included: ``exception``, then re-raised;
+  a worker a signal ended is noted first (``note_deaths``) and its ``died`` finding
+  announced at once, before the DataLoader's own error goes on;
 * ``KeyboardInterrupt`` while fetching a batch: ``interrupt``, then re-raised;
 * the iterator was reclaimed by the garbage collector or at interpreter exit (not by the
   loop): ``collected``.
@@ -18,7 +20,8 @@ traceback would otherwise keep them alive as false survivors), and judging waits
 next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
 epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
 the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
-that waits for it. Nothing is done per batch beyond one generator step.
+that waits for it. Nothing is done per batch beyond one generator step and one clock read
+(NOTE [hang watch] in hang.py).
 
 NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and the
 wrapper judges at every epoch end, so over a long run the epoch end would grow slower and
@@ -50,6 +53,7 @@ from leakcheck.adapters.watching import (
     chained_worker_init,
     check_on_leak,
     check_teardown,
+    note_deaths,
     started_mailbox,
 )
 from leakcheck.core.errors import UsageError
@@ -312,12 +316,15 @@ class WatchedLoader(Generic[T]):
             installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
         count = 0
+        arrived = self._tracker.batch_arrived
         try:
             batches = self._iterate(self._loader)
             for batch in batches:
                 count += 1
+                arrived()
                 yield batch
         except BaseException as error:
+            died = note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
                 # Private, but what the iterator's own __del__ calls; idempotent.
                 shutdown = getattr(batches, "_shutdown_workers", None)
@@ -326,6 +333,8 @@ class WatchedLoader(Generic[T]):
                         shutdown()
             batches = None
             self._end_epoch(*_end_reason(error), count, index)
+            if died:  # said now, beside the DataLoader's own error, which goes on its way
+                self._judge.judge(may_raise=False, stacklevel=2)
             raise
         batches = None
         self._end_epoch("completed", None, count, index)
@@ -369,6 +378,7 @@ def watch(
     rollup_share: float | None = None,
     copy_tolerance: str | int = "64MiB",
     on_epoch: Callable[[EpochRecord], object] | None = None,
+    hang_after: float | str = 120.0,
 ) -> WatchedLoader[T]:
     """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.
 
@@ -405,6 +415,10 @@ def watch(
         on_epoch: Called with each epoch's :class:`~leakcheck.core.model.EpochRecord` as
             the epoch ends (before it is judged), for your own logger; what it raises is
             warned about, never raised into your loop.
+        hang_after: Seconds an epoch may wait for a batch before leakcheck writes the
+            Python stacks of the loop's process (every thread) and of each worker, to
+            stderr and into the report, once per stall; the loop goes on (NOTE [hang
+            watch] in hang.py). 0 turns it off.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.
@@ -427,6 +441,7 @@ def watch(
         grace=grace,
         persistent_workers=bool(getattr(loader, "persistent_workers", False)),
         copy_tolerance=copy_tolerance,
+        hang_after=hang_after,
     )
     return WatchedLoader(
         loader, tracker=tracker, on_leak=on_leak, teardown=teardown, on_epoch=on_epoch

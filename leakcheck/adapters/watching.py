@@ -138,6 +138,26 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
     return (finding.rule, finding.pid, finding.start_ticks, finding.device_index)
 
 
+def note_deaths(tracker: Tracker, iterator: object) -> bool:
+    """Tell ``tracker`` how the workers of a failed epoch's loader iterator ended.
+
+    A DataLoader iterator's ``_workers`` are ``multiprocessing`` processes; reading their
+    ``exitcode`` reaps a dead one (the iterator's shutdown would, a moment later), and a
+    negative one is the signal that killed it. Never raises. Returns True when a worker
+    was killed by a signal.
+    """
+    died = False
+    try:
+        for worker in list(getattr(iterator, "_workers", None) or ()):
+            code, pid = getattr(worker, "exitcode", None), getattr(worker, "pid", None)
+            if isinstance(code, int) and code < 0 and isinstance(pid, int):
+                tracker.note_exit(pid, code)
+                died = True
+    except Exception:  # a private attribute of torch's: what it is not, says nothing
+        return died
+    return died
+
+
 class EpochJudge:
     """Announces each leak a tracker's epochs show once: a warning, an error, or nothing.
 

@@ -570,6 +570,9 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
             wall_s = time.monotonic() - started
             tree = tree_cost = None
             if tracker is not None:
+                if signal_number is not None and not waiter.interrupted:
+                    # Unreaped yet: the machine's evidence is read while it is still there.
+                    tracker.note_exit(proc.pid, -signal_number)
                 tracker.end_epoch(*_end_reason(code, signal_number, waiter.interrupted))
                 tracker.close()
                 tree = tracker.report()

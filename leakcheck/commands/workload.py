@@ -19,6 +19,10 @@ Scenarios (``--scenario``):
 - ``copy-on-read-growing``: the same workers reading a new region of the objects each epoch:
   each worker's private host memory (USS) grows by ``cor_bytes_per_epoch`` per epoch, while
   its RSS stays flat.
+- ``fd-pressure``: persistent workers that lower their own soft ``RLIMIT_NOFILE`` to
+  ``FD_PRESSURE_LIMIT`` and hold 90% of it open (the fd-pressure rule's information; a
+  loader's descriptor sharing strategy meets it as "Too many open files"). With 0 workers
+  nothing is held: the sweep's own process keeps its limit.
 
 NOTE [copy-on-read scenario]: the dataset holds Python ints in lists, built in the parent
 before the workers fork, so that the workers share their pages. Reading an object writes its
@@ -53,6 +57,7 @@ worker caches one tensor the first time it meets a new epoch number.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import sys
 import time
@@ -62,14 +67,19 @@ from typing import Any, Literal
 
 from leakcheck.core.model import MIB
 
-Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing"]
+Scenario = Literal[
+    "clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing", "fd-pressure"
+]
 SCENARIOS: tuple[Scenario, ...] = (
     "clean",
     "persistent-cache",
     "orphan",
     "copy-on-read",
     "copy-on-read-growing",
+    "fd-pressure",
 )
+FD_PRESSURE_LIMIT = 256
+"""The soft descriptor limit an ``fd-pressure`` worker sets itself (never raised)."""
 COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
 START_METHODS: tuple[str, ...] = ("spawn", "fork", "forkserver")
 
@@ -153,7 +163,11 @@ class WorkloadSpec:
     @property
     def persistent_workers(self) -> bool:
         """Whether workers live across epochs (the cache and copy-on-read scenarios need it)."""
-        return self.persistent or self.scenario in ("persistent-cache", *COPY_ON_READ)
+        return self.persistent or self.scenario in (
+            "persistent-cache",
+            "fd-pressure",
+            *COPY_ON_READ,
+        )
 
     @property
     def effective_start_method(self) -> str:
@@ -234,6 +248,8 @@ class SyntheticDataset:
         if self.spec.scenario == "persistent-cache" and epoch not in self._cached_epochs:
             self._cached_epochs.add(epoch)
             self._cache.append(self._keep(device))
+        if self.spec.scenario == "fd-pressure" and not self._cache:
+            self._cache = hold_descriptors()
         if self.spec.scenario == "orphan" and not self._orphan_started:
             self._orphan_started = True
             start_orphan(self.spec, use_cuda=device.type == "cuda")
@@ -337,6 +353,24 @@ def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> int | None:
     if not in_worker:
         process.wait()  # the launcher has exited: reap it, no zombie in the parent
     return process.pid
+
+
+def hold_descriptors() -> list[Any]:
+    """In a loader's worker: a soft limit of ``FD_PRESSURE_LIMIT``, 90% of it held open."""
+    import resource
+
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        return []  # the sweep's own process (0 workers): its limit is the sweep's
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft > FD_PRESSURE_LIMIT:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FD_PRESSURE_LIMIT, hard))
+        soft = FD_PRESSURE_LIMIT
+    held: list[Any] = []
+    while len(os.listdir("/proc/self/fd")) < 0.9 * soft:
+        held.append(open(os.devnull, "rb"))  # noqa: SIM115 - held open on purpose
+    return held
 
 
 def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:

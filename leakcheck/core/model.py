@@ -35,6 +35,9 @@ Rule = Literal[
     "host-growth",
     "device-mismatch",
     "copy-on-read",
+    "died",
+    "fd-pressure",
+    "hang",
 ]
 Severity = Literal["leak", "info"]
 
@@ -99,6 +102,8 @@ class ProcessEpoch:
             could see it and reported nothing: its peak is not known, not 0).
         gpu_bytes_unknown: NVML listed it on a device without a byte count.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors at the end (None if unreadable).
+        open_fds: Open descriptors of any kind at the end (None if unreadable).
+        fd_limit: Its soft ``RLIMIT_NOFILE`` then (None: unlimited, or unreadable).
         scope: What started it, when that is not the watched work itself (the pytest
             plugin: ``module-scoped fixture 'pool'``); None otherwise.
         host_bytes_end: Host memory at the end of the epoch: USS where it was read, else
@@ -159,6 +164,8 @@ class ProcessEpoch:
     gpu_peak_source: PeakSource = "sampled"
     gpu_bytes_unknown: bool = False
     nvidia_fds: int | None = None
+    open_fds: int | None = None
+    fd_limit: int | None = None
     scope: str | None = None
     host_bytes_end: int | None = None
     host_source: HostSource | None = None
@@ -290,6 +297,62 @@ class TeardownRecord:
     host_rss_peak_bytes: int | None = None
     host_shared_dirty_bytes: int | None = None
     host_private_dirty_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Death:
+    """A process of the job ended by a signal, with what the machine said as it died.
+
+    Attributes:
+        key: Its identity.
+        signal_number: The signal that ended it (SIGKILL is 9).
+        at_s: When the death was noted, on the tracker's clock.
+        epoch: The epoch open then; None between epochs.
+        oom_kills: By how much the memory cgroup's OOM-kill counter rose since the tracker
+            started or since the last death it noted (``machine.oom_kill_count``); None:
+            not readable.
+        memory_total_bytes: The machine's memory (``MemTotal``); None: not read.
+        memory_available_bytes: ``MemAvailable`` as the death was noted; None: not read.
+        shm_total_bytes: Size of ``/dev/shm``; None: no limit, or not read.
+        shm_used_peak_bytes: Its highest use seen in the epoch, up to the death.
+        rss_bytes_birth: Its resident memory as it started (a worker's birth report).
+        rss_bytes_last: Its resident memory at the last read before it died.
+        stack: What its faulthandler wrote as it crashed (the Python stack of every
+            thread), where a worker's policy pointed it into the mailbox; None: nothing.
+
+    """
+
+    key: ProcessKey
+    signal_number: int
+    at_s: float
+    epoch: int | None = None
+    oom_kills: int | None = None
+    memory_total_bytes: int | None = None
+    memory_available_bytes: int | None = None
+    shm_total_bytes: int | None = None
+    shm_used_peak_bytes: int | None = None
+    rss_bytes_birth: int | None = None
+    rss_bytes_last: int | None = None
+    stack: str | None = None
+
+
+@dataclass(frozen=True)
+class Stall:
+    """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
+
+    Attributes:
+        epoch: The epoch that stalled.
+        waited_s: Seconds since its last batch (or its start) when the stacks were taken.
+        at_s: When, on the tracker's clock.
+        stacks: The Python stacks of every thread of the loop's process and of each worker
+            (NOTE [hang watch] in hang.py), as text.
+
+    """
+
+    epoch: int | None
+    waited_s: float
+    at_s: float
+    stacks: str
 
 
 @dataclass(frozen=True)
@@ -452,6 +515,10 @@ class Timeline:
     rank_devices: Mapping[int, int] = field(default_factory=dict)
     """Rank -> the GPU (NVML index) it trains on, where a rank recorded it (its
     ``torch.cuda.set_device``): wins over what a process's environment says."""
+    deaths: tuple[Death, ...] = ()
+    """Processes of the job that a signal ended, as an adapter saw their exit status."""
+    stalls: tuple[Stall, ...] = ()
+    """Epochs that waited ``hang_after`` seconds for a batch, with the stacks then."""
 
 
 @dataclass(frozen=True)
@@ -482,6 +549,8 @@ class Finding:
             copy-on-read: what the loader's workers copied of their parent's memory, in all
             (one epoch's workers, for workers started each epoch).
         rank: The distributed rank of the culprit, where known.
+        stack: For died: the Python stack its faulthandler wrote as it crashed; for hang:
+            the stacks of the loop's process and of its workers.
 
     """
 
@@ -504,6 +573,7 @@ class Finding:
     size_bytes: int | None = None
     host_bytes: int | None = None
     rank: int | None = None
+    stack: str | None = None
 
     @property
     def bytes(self) -> int | None:
@@ -527,6 +597,9 @@ class RuleConfig:
             peak, modules imported on first use, torch's pinned-memory cache, batches in
             flight), while copy-on-read copies tens to hundreds of MiB per worker and epoch,
             far above it within a few epochs.
+        fd_pressure_fraction: Open descriptors at or above this share of a process's
+            ``RLIMIT_NOFILE`` at an epoch end is pressure (the fd-pressure rule): the next
+            ``open``, socket or tensor received through the file_descriptor strategy fails.
         shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size during
             an epoch is capacity pressure (the shm rule): workers die of a bus error when
             it is full, and a peak sampled a few times a second undershoots the true one.
@@ -546,4 +619,5 @@ class RuleConfig:
     high_clock_fraction: float = 0.8
     host_tolerance_bytes: int = 64 * MIB
     shm_pressure_fraction: float = 0.8
+    fd_pressure_fraction: float = 0.8
     copy_tolerance_bytes: int = 64 * MIB

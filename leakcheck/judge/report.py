@@ -953,6 +953,10 @@ def _kill_fix(template: str, pids: Sequence[int]) -> str:
     return text
 
 
+_STACK_ROWS = 60
+"""Lines of a finding's stacks a text report shows (JSON keeps them whole)."""
+
+
 @dataclass(frozen=True)
 class _Line:
     """Findings that read alike but for their PIDs: one line of the report."""
@@ -1029,6 +1033,9 @@ def finding_lines(
                 )
                 text = f"{who} {text}"
             out.append(cut(f"{indent}{tag} {rule}  {text}", FINDING_WIDTH))
+            if f.stack:  # a crashed worker's own Python stack, as its faulthandler wrote it
+                rows = f.stack.splitlines()[:_STACK_ROWS]
+                out.extend(cut(f"{indent}    {row.rstrip()}", FINDING_WIDTH) for row in rows)
             if _fix_template(f)[1]:
                 killed.extend(line.pids or ((f.pid,) if f.pid is not None else ()))
         fix = _kill_fix(template, killed) if killed else template

@@ -169,6 +169,60 @@ told otherwise. Give the job more (docker run --shm-size=8g or --ipc=host; Kuber
 emptyDir volume with medium: Memory at /dev/shm), or pass less through it at once (fewer
 workers, a smaller prefetch_factor, smaller batches).
 """,
+    "died": """\
+died (leak): a process of the job was ended by a signal, and the evidence says why.
+
+A signal names no sender, so the finding says only what was read as the death was noted
+(watch() notes each worker of a failed epoch: the DataLoader's own error still follows):
+- killed by the OOM killer (SIGKILL, and the memory cgroup counted an OOM kill, or the
+  machine had almost no memory available): "DataLoader worker (pid X) is killed by signal:
+  Killed". The finding gives what the worker held at the last read and its growth since
+  birth. Find what grows (the host-growth and copy-on-read findings: a dataset of Python
+  objects is copied into every forked worker), use fewer workers or a smaller
+  prefetch_factor, or give the job more memory (a container's --memory, a pod's limit).
+- /dev/shm exhausted (SIGBUS, /dev/shm at 80% or more in the epoch): "Bus error",
+  "insufficient shared memory". Docker gives a container 64 MB: docker run --shm-size=8g or
+  --ipc=host (Kubernetes: an emptyDir with medium: Memory at /dev/shm), or
+  torch.multiprocessing.set_sharing_strategy('file_system'), or pass less at once.
+- a crash in native code (SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE): the finding shows the
+  innermost frames of the Python stack the worker's faulthandler wrote (the report shows the
+  whole of it). Common causes: a C extension's bug, a library that is not fork-safe used in
+  forked workers (start them with multiprocessing_context="spawn"), threads of OpenCV or
+  OpenMP started before the fork (cv2.setNumThreads(0)).
+- killed by a signal, sender unknown: no OOM kill was counted and memory was not full. A
+  job scheduler's time or memory limit, another user's kill, a watchdog: look in the
+  scheduler's and the kernel's logs (dmesg).
+""",
+    "fd-pressure": """\
+fd-pressure (information): a process of the job holds 80% or more of its open descriptors.
+
+Counted at each epoch end against the process's own soft RLIMIT_NOFILE. PyTorch's default
+sharing strategy (file_descriptor) passes each shared tensor of a batch as a descriptor, held
+until the tensor is freed: many workers, a large prefetch_factor, or batches kept in a list
+hold thousands. At the limit: "Too many open files", "received 0 items of ancdata".
+Fixes: raise the limit before starting (ulimit -n 65536; a container's --ulimit nofile=...),
+or torch.multiprocessing.set_sharing_strategy('file_system') in the main process (its files
+live in /dev/shm: watch the shm rule), or keep fewer batches alive at once. A descriptor
+leak (files or sockets opened per item and never closed) grows at every epoch: close them.
+""",
+    "hang": """\
+hang (information): an epoch waited hang_after seconds for a batch; here is where each waits.
+
+When no batch comes for hang_after seconds (watch(hang_after=120); 0 turns it off),
+leakcheck writes once per stall, to stderr and into the report, the Python stacks of every
+thread of the loop's process (the pin-memory thread among them) and of each worker (its
+faulthandler writes them on SIGUSR2, which leakcheck sends only to the job's own workers).
+The loop goes on: a slow batch ends the stall by itself.
+Read the stacks:
+- a worker in your __getitem__ (a network read, a lock, a subprocess): give it a timeout;
+  the DataLoader's own timeout= turns a stuck worker into an error.
+- a worker stuck in a lock right after fork (a logging handler's, a thread pool's, a
+  library's): threads in the parent at fork time leave their locks held in the child; start
+  workers with multiprocessing_context="spawn" or "forkserver".
+- the loop's thread in queue.get with every worker idle: the sampler or batch_sampler
+  yields nothing more (a distributed sampler whose ranks disagree on the length).
+- the loop's thread in your own code: the training step itself is slow (not a hang).
+""",
     "device-mismatch": """\
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 

@@ -32,6 +32,8 @@ from leakcheck.core.model import (
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
+from leakcheck.judge.deaths import died, hang
+from leakcheck.judge.limits import fd_pressure
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -1561,6 +1563,9 @@ RULES: Mapping[Rule, RuleFunction] = {
     "tracker-failure": tracker_failure,
     "shm": shm,
     "device-mismatch": device_mismatch,
+    "died": died,
+    "fd-pressure": fd_pressure,
+    "hang": hang,
 }
 """Every rule by name, in report order for ties."""
 

@@ -17,6 +17,13 @@ The tracker also keeps its live workers' birth readings (NOTE [copy on read] in 
 in the folder, as ``BIRTHS_FILE``: a name that is no record, so that ``leakcheck snapshot
 --pid`` can tell from outside what each worker copied since its birth (``read_births``).
 
+Each worker also points its faulthandler at a file of the folder, ``STACK_PREFIX`` with
+its identity (no record: never read as one), which it removes as it exits normally: one
+left behind holds, for a worker that crashed in native code, the Python stacks it
+wrote (``read_stack``). A worker whose ``worker`` record says ``stack_signal`` writes its
+stacks there too when sent that signal (``STACK_SIGNAL``), for a stalled loop
+(``read_stack``); the file is opened for appending, so the reader empties it in place.
+
 NOTE [stale mailboxes]: a tracker whose process is killed (SIGKILL, OOM killer, a crash)
 never removes its folder. Each folder's name says who owns it,
 ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every ``create``
@@ -32,6 +39,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import stat
 import tempfile
 import time
@@ -48,6 +56,11 @@ MAILBOX_PREFIX = "leakcheck-mailbox-"
 BIRTHS_FILE = ".births.json"
 """The live workers' birth readings, which the tracker rewrites as they change (a dot name:
 never read as a record)."""
+
+STACK_SIGNAL = signal.SIGUSR2
+"""What a worker writes its stacks on: neither PyTorch nor its DataLoader uses it."""
+STACK_PREFIX = "stack-"
+"""A worker's faulthandler file: ``stack-<pid>-<start ticks>.txt`` (``stack_path``)."""
 
 # <pid>-<start ticks>-<pid namespace>-<mkdtemp's random part: [a-z0-9_]>. Digit counts are
 # bounded so that int() never meets a number too long to convert.
@@ -257,6 +270,32 @@ class Inbox:
         )
         self._settled_mtime_ns = mtime_ns if settled else None
         return records
+
+
+def stack_path(directory: str, key: ProcessKey) -> str:
+    """The file worker ``key``'s faulthandler writes to (NOTE [worker mailbox])."""
+    return os.path.join(directory, f"{STACK_PREFIX}{key.pid}-{key.start_ticks}.txt")
+
+
+def read_stack(directory: str, key: ProcessKey, *, remove: bool = False) -> str | None:
+    """What worker ``key``'s faulthandler wrote, and the file emptied (``remove``: deleted).
+
+    Returns:
+        The text; None when the file is empty or missing.
+
+    """
+    path = stack_path(directory, key)
+    try:
+        with open(path, "r+", encoding="utf-8", errors="replace") as handle:
+            text = handle.read(262144).strip()
+            if not remove:
+                handle.truncate(0)  # the writer appends: its next stacks start the file
+    except OSError:
+        return None
+    if remove:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return text or None
 
 
 def remove(directory: str) -> None:

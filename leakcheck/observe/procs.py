@@ -1208,6 +1208,30 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
     return targets
 
 
+def descriptor_use(pid: int) -> tuple[int, int | None] | None:
+    """A process's open descriptors and their limit (the soft ``RLIMIT_NOFILE``).
+
+    One listing of ``/proc/PID/fd`` (no link is read) and one read of ``/proc/PID/limits``.
+
+    Returns:
+        ``(open, limit)``, the limit None where unlimited or unreadable; None when the
+        descriptor table cannot be read (gone, or another user's process).
+
+    """
+    if not _HAS_PROC:
+        return None
+    try:
+        count = len(os.listdir(f"{_PROC}/{pid}/fd"))
+    except _GONE:
+        return None
+    limit: int | None = None
+    for line in (_read(f"{_PROC}/{pid}/limits") or b"").splitlines():
+        if line.startswith(b"Max open files"):
+            soft = line[len(b"Max open files") :].split()[:1]
+            limit = int(soft[0]) if soft and soft[0].isdigit() else None
+    return count, limit
+
+
 def nvidia_fds(pid: int) -> dict[int, str] | None:
     """Descriptor number -> target of every ``/dev/nvidia*`` descriptor of a process.
 

@@ -157,6 +157,8 @@ class _EndState:
     gpu_unknown: bool
     nvidia_fds: int | None
     host: HostMemory | None = None
+    open_fds: int | None = None
+    fd_limit: int | None = None
 
 
 @dataclass
@@ -315,6 +317,8 @@ class EpochBook:
                 gpu_unknown=proc.gpu_unknown and alive,
                 nvidia_fds=proc.nvidia_fds if alive else None,
                 host=host.get(key) if alive else None,
+                open_fds=proc.open_fds if alive else None,
+                fd_limit=proc.fd_limit if alive else None,
             )
             epoch.seen.add(key)
         self.open = None
@@ -502,6 +506,8 @@ class EpochBook:
             gpu_peak_source=source,
             gpu_bytes_unknown=state.gpu_unknown,
             nvidia_fds=state.nvidia_fds,
+            open_fds=state.open_fds,
+            fd_limit=state.fd_limit,
             rank=proc.rank.rank if proc.rank is not None else None,
             rank_device=proc.rank.device if proc.rank is not None else None,
             born_epoch=_birth_epoch(proc),
@@ -614,6 +620,8 @@ def final_processes(
                 gpu_bytes_peak=dict(proc.gpu_bytes),
                 gpu_bytes_unknown=proc.gpu_unknown,
                 nvidia_fds=proc.nvidia_fds,
+                open_fds=proc.open_fds,
+                fd_limit=proc.fd_limit,
                 rank=proc.rank.rank if proc.rank is not None else None,
                 rank_device=proc.rank.device if proc.rank is not None else None,
                 born_epoch=_birth_epoch(proc),

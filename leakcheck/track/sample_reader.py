@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from leakcheck.core.model import GpuProcess, ProcessKey, TeardownRecord
-from leakcheck.observe import mailbox, procs
+from leakcheck.observe import hostmem, mailbox, procs
 from leakcheck.track.book import EpochBook
 from leakcheck.track.cost import CostMeter
 from leakcheck.track.pacing import Pacing
@@ -179,6 +179,11 @@ class SampleReader:
             added += table.add_reparented(found or [], now=now, born_epoch=born)
         for proc in added:
             proc.birth_epoch = self._born_epoch(proc.key, now, fallback=born)
+        # The workers' resident memory, one /proc/PID/status each: what a worker the OOM
+        # killer takes held at the last read before (``Sampler.note_exit``).
+        for key, memory in hostmem.read_host_memories(table.live_workers(), rollup=False).items():
+            if memory.rss_bytes is not None:
+                table.procs[key].rss_bytes_last = memory.rss_bytes
         return True
 
     def _born_epoch(self, key: ProcessKey, now: float, *, fallback: int | None) -> int | None:
@@ -210,6 +215,8 @@ class SampleReader:
                 persistent = record.get("persistent")
                 self.register_worker(key, persistent if isinstance(persistent, bool) else None)
                 self.table.note_birth(key, *mailbox.worker_birth(record))
+                if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
+                    self.table.procs[key].dumps_stacks = True
                 born = True
             elif record.get("kind") == "teardown":
                 teardown = mailbox.teardown_record(record, key)

@@ -35,20 +35,23 @@ from collections.abc import Mapping
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
     MIB,
+    Death,
     DeviceState,
     EndReason,
     FinalState,
     ProcessKey,
     ShmFile,
+    Stall,
     TeardownRecord,
     Timeline,
 )
-from leakcheck.observe import mailbox, procs
+from leakcheck.observe import machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.cost import CostMeter
+from leakcheck.track.hang import HangWatch
 from leakcheck.track.host import HostReads, InsidePlan
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.reads import Failures, NvmlReads
@@ -79,6 +82,8 @@ class Sampler:
             (``Tracker``'s).
         copy_tolerance_bytes: The copy tolerance (``RuleConfig``'s): when a worker's copy
             was first read above it is kept.
+        hang_after_s: Seconds an open epoch may wait for a batch before the job's stacks
+            are taken (NOTE [hang watch] in hang.py); 0: never.
 
     """
 
@@ -97,6 +102,7 @@ class Sampler:
         warmup_epochs: int = 1,
         scan_at_epoch_end: bool = False,
         copy_tolerance_bytes: int = 64 * MIB,
+        hang_after_s: float = 0.0,
     ) -> None:
         self.root_pid = root_pid
         self.scan_at_epoch_end = scan_at_epoch_end
@@ -138,6 +144,11 @@ class Sampler:
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.final: FinalState | None = None
+        self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
+        self.stalls: list[Stall] = []
+        self.deaths: list[Death] = []
+        self._oom_kills: int | None = None
+        """The memory cgroup's OOM-kill counter at the start or the last death noted."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -180,6 +191,7 @@ class Sampler:
             )
             self.host = HostReads(self.pacing, self.failures, warmup_epochs=self.warmup_epochs)
             self.failures.guard(self.shm.start, "shm")
+            self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
             self.table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
@@ -260,14 +272,37 @@ class Sampler:
             )
             opened = self.book.open
             inside = None
+            stalled: tuple[int, float, list[ProcessKey]] | None = None
             if self.table is not None and opened is not None:
                 inside = self.host.plan_inside(
                     self.table, opened.index, opened.start_s, self.now()
                 )
+                waited_s = self.hang.due(self._t0 + opened.start_s)
+                if waited_s is not None:
+                    self.sample(epoch_end=False)  # the mailbox: every worker's record
+                    table = self.table
+                    workers = [k for k in table.live_workers() if table.procs[k].dumps_stacks]
+                    stalled = (opened.index, waited_s, workers)
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
         if inside is not None:
             self._read_inside(inside)
+        if stalled is not None:
+            self._dump_stacks(*stalled)
         return next_ticks
+
+    def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
+        """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch])."""
+        folder = self._mailbox_dir
+        stall = self.failures.guard(
+            lambda: self.hang.dump(
+                epoch=epoch, waited_s=waited_s, at_s=self.now(), workers=workers, folder=folder
+            ),
+            "hang watch",
+            lock=self.lock,
+        )
+        if stall is not None:
+            with self.lock:
+                self.stalls.append(stall)
 
     def _read_inside(self, plan: InsidePlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
@@ -365,6 +400,50 @@ class Sampler:
             if self.reader is not None and not self.closed:
                 self.reader.register_worker(key, persistent)
 
+    def note_exit(self, pid: int, exit_code: int) -> None:
+        """A process of the job exited with ``exit_code`` (negative: killed by that signal).
+
+        A death by a signal is kept with what the machine says right now (NOTE at the top
+        of machine.py) and what the process's faulthandler wrote; an exit with a status is
+        not a death. Each identity dies once.
+        """
+        if exit_code >= 0:
+            return
+        with self.lock:
+            if self.table is None or self.closed:
+                return
+            self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+            self.failures.guard(lambda: self._note_death(pid, -exit_code), "death")
+
+    def _note_death(self, pid: int, signal_number: int) -> None:
+        assert self.table is not None
+        key = self.table.by_pid.get(pid)
+        proc = self.table.procs.get(key) if key is not None else None
+        if proc is None or any(death.key == proc.key for death in self.deaths):
+            return
+        kills = machine.oom_kill_count()
+        rise = None if kills is None or self._oom_kills is None else kills - self._oom_kills
+        self._oom_kills = kills if kills is not None else self._oom_kills
+        memory = machine.machine_memory()
+        self.shm.note_usage()
+        folder = self._mailbox_dir
+        self.deaths.append(
+            Death(
+                key=proc.key,
+                signal_number=signal_number,
+                at_s=self.now(),
+                epoch=self.book.open_index,
+                oom_kills=rise,
+                memory_total_bytes=memory.total_bytes if memory else None,
+                memory_available_bytes=memory.available_bytes if memory else None,
+                shm_total_bytes=self.shm.total_bytes,
+                shm_used_peak_bytes=self.shm.used_peak_bytes,
+                rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+                rss_bytes_last=proc.rss_bytes_last,
+                stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+            )
+        )
+
     # -- one sample ----------------------------------------------------------------------
 
     def sample(
@@ -449,6 +528,8 @@ class Sampler:
             # Files left in /dev/shm are judged once the work is over (at close): before,
             # the job's workers may still be using theirs.
             shm_files=self.shm_files if final is not None and final.closed else (),
+            deaths=tuple(self.deaths),
+            stalls=tuple(self.stalls),
         )
 
     # -- environment and NVML ------------------------------------------------------------

@@ -47,6 +47,10 @@ class Proc:
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
+    open_fds: int | None = None
+    """Its open descriptors at the last epoch end (``procs.descriptor_use``)."""
+    fd_limit: int | None = None
+    """Its soft ``RLIMIT_NOFILE`` then; None: unlimited or unread."""
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
     rank: RankInfo | None = None
@@ -60,6 +64,10 @@ class Proc:
     hostmem.py); None: not reported."""
     end_read: bool = False
     """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
+    dumps_stacks: bool = False
+    """A worker whose record says it writes its stacks on ``mailbox.STACK_SIGNAL``."""
+    rss_bytes_last: int | None = None
+    """A worker's resident memory at the last walk that read it (what a death reports)."""
     other_rank: bool = False
     """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
     counted as the job's memory, never judged here; its own rank's tracker judges it."""
@@ -358,6 +366,10 @@ class ProcessTable:
             if proc.forked is not None or proc.birth_host is not None
         }
 
+    def live_workers(self) -> list[ProcessKey]:
+        """Workers of this tracker, alive as far as the table knows."""
+        return [key for key in self.workers if key in self.live and self.procs[key].own]
+
     def copy_watched(self) -> list[ProcessKey]:
         """Live own forked workers that reported their birth: whose copies reads measure."""
         return [
@@ -444,10 +456,11 @@ class ProcessTable:
     # -- epoch-end extras ----------------------------------------------------------------
 
     def count_nvidia_fds(self) -> None:
-        """Count each own live process's ``/dev/nvidia*`` descriptors (epoch ends)."""
+        """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart (epoch ends)."""
         for proc in self.live.values():
             if proc.own and not proc.foreign:
                 proc.nvidia_fds = self._job_nvidia_fds(proc)
+                proc.open_fds, proc.fd_limit = procs.descriptor_use(proc.key.pid) or (None, None)
 
     def _job_nvidia_fds(self, proc: Proc) -> int | None:
         """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.

@@ -98,6 +98,9 @@ class Tracker:
         copy_tolerance: What a forked worker may copy of its parent's memory before the
             copy-on-read rule calls it a leak (``"64MiB"``, bytes; NOTE [copy on read] in
             hostmem.py).
+        hang_after: Seconds an open epoch may go without a batch (``batch_arrived``) before
+            the stacks of the loop's process and its workers are written to stderr and the
+            report (NOTE [hang watch] in hang.py); 0 (default): never.
 
     """
 
@@ -117,6 +120,7 @@ class Tracker:
         rollup_share: float | None = None,
         scan_at_epoch_end: bool = False,
         copy_tolerance: str | int = "64MiB",
+        hang_after: float | str = 0,
     ) -> None:
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
@@ -156,6 +160,7 @@ class Tracker:
             warmup_epochs=warmup_epochs,
             scan_at_epoch_end=bool(scan_at_epoch_end),
             copy_tolerance_bytes=self._config.copy_tolerance_bytes,
+            hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
 
     @property
@@ -294,6 +299,26 @@ class Tracker:
         key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
         if key is not None:
             self._sampler.register_worker(key, persistent)
+
+    def batch_arrived(self) -> None:
+        """A batch came: the hang watch's clock starts again (one clock read)."""
+        self._sampler.hang.batch_arrived()
+
+    @caller_timed
+    def note_exit(self, pid: int, exit_code: int) -> None:
+        """Tell the tracker how a process of the job ended, where its parent learned it.
+
+        A death by a signal (``exit_code`` < 0, as ``multiprocessing.Process.exitcode``
+        says) becomes a ``died`` finding with the evidence of who killed it
+        (``judge.deaths``); ``watch()`` calls it for each worker of a failed epoch.
+
+        Args:
+            pid: The process.
+            exit_code: Its exit status, or minus the signal that ended it.
+
+        """
+        self._sampler.note_exit(pid, exit_code)
+        self._sampler.failures.raise_pending()
 
     @caller_timed
     def finish_reads(self) -> None:

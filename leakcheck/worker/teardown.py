@@ -20,11 +20,18 @@ The policy, installed in each worker by :class:`WorkerInit` (the chained ``worke
    cache, and releases the context (``cudaDeviceReset``). Then NVML is asked whether the PID
    has left the device list, and a ``teardown`` record with what it held and freed and how
    long it took is posted to the mailbox. A teardown never raises:
-   a failing step is recorded as one line and the worker exits normally.
+   a failing step is recorded as one line and the worker exits normally. Last, the
+   worker's faulthandler file is closed and removed (point 5).
 4. In the parent nothing is destroyed at interpreter shutdown. Once the interpreter is
    exiting (our ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are
    deliberately leaked and left to the CUDA runtime: destroying a stream or an event after
    the runtime has torn the context down is how processes segfault at exit.
+5. From its start, the worker's ``faulthandler`` writes into its own file in the mailbox
+   (``mailbox.stack_path``): a worker that crashes in native code (SIGSEGV, SIGABRT, SIGBUS)
+   leaves its Python stacks there for the ``died`` finding (``judge.deaths``), and one sent
+   ``mailbox.STACK_SIGNAL`` writes them there and goes on (a stalled loop: NOTE [hang
+   watch] in hang.py). A ``faulthandler`` the user enabled in the worker writes there
+   instead of to its own file.
 
 The kernel sends the death signal when the *thread* that started the worker exits, not the
 process: a persistent worker started from a short-lived thread would be killed under the
@@ -43,6 +50,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import gc
 import os
 import signal
@@ -556,6 +564,7 @@ def _worker_teardown(state: _WorkerExit) -> None:
         host_shared_dirty_bytes=host.shared_dirty_bytes if host else None,
         host_private_dirty_bytes=host.private_dirty_bytes if host else None,
     )
+    _close_stack_file()
     fields = asdict(record)
     del fields["key"]
     if held is not None:
@@ -565,6 +574,51 @@ def _worker_teardown(state: _WorkerExit) -> None:
         {"pid": state.pid, "start_ticks": state.start_ticks, **fields},
         directory=state.mailbox_dir,
     )
+
+
+_stack_file: Any = None
+"""The worker's open faulthandler file (NOTE [teardown policy], point 5)."""
+
+
+def _open_stack_file(path: str) -> bool:
+    """Point the worker's faulthandler at ``path``; True when it also dumps on a signal.
+
+    The signal (``mailbox.STACK_SIGNAL``) is taken only where nothing handles it yet: its
+    default action ends the process, and a handler of the user's is theirs. Never raises.
+    """
+    global _stack_file
+    try:
+        # Appending: the tracker empties the file after reading a dump, in place.
+        handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+        # Enabled already (inherited from a parent that enabled it: pytest does), enable()
+        # would only change the file, and the handlers torch's worker installed since then
+        # would run instead; disabled first, faulthandler's run first and chain to torch's.
+        faulthandler.disable()
+        faulthandler.enable(file=handle, all_threads=True)
+    except (OSError, ValueError, RuntimeError):
+        return False
+    _stack_file = handle
+    try:
+        if signal.getsignal(mailbox.STACK_SIGNAL) != signal.SIG_DFL:
+            return False
+        faulthandler.register(mailbox.STACK_SIGNAL, file=handle, all_threads=True)
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _close_stack_file() -> None:
+    """A normal exit: nothing crashed, so the file goes (its folder stays small)."""
+    global _stack_file
+    handle, _stack_file = _stack_file, None
+    if handle is None:
+        return
+    with contextlib.suppress(Exception):
+        faulthandler.unregister(mailbox.STACK_SIGNAL)
+    with contextlib.suppress(Exception):
+        faulthandler.disable()
+        handle.close()
+        os.unlink(handle.name)
 
 
 def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
@@ -641,7 +695,10 @@ class WorkerInit:
         pid = os.getpid()
         key = procs.process_key(pid)
         if key is not None:
-            reporting = bool(self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV))
+            folder = self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV)
+            reporting = bool(folder)
+            # Before the record: the tracker signals only a worker whose record says so.
+            dumps = bool(folder) and _open_stack_file(mailbox.stack_path(folder or "", key))
             mailbox.post(
                 "worker",
                 {
@@ -650,6 +707,7 @@ class WorkerInit:
                     "ppid": os.getppid(),
                     "worker_id": worker_id,
                     "persistent": self.persistent,
+                    "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
                     **(_birth_fields(pid, forked=self._home_pid != pid) if reporting else {}),
                 },
                 directory=self.mailbox_dir,

@@ -1,0 +1,193 @@
+"""The ``died`` rule: a process of the job ended by a signal, and what the evidence says why.
+
+NOTE [death evidence]: a signal names no sender, so the finding says only what was read as
+the death was noted (``Sampler.note_exit``), and never more:
+
+* SIGKILL and the memory cgroup's OOM-kill counter rose since the last reading, or the
+  machine's available memory was under ``_NEAR_FULL_FRACTION`` of it: the OOM killer, with
+  the process's resident memory at the last read and its growth since its birth;
+* SIGBUS and ``/dev/shm`` at the shm rule's pressure (``RuleConfig.shm_pressure_fraction``)
+  in the epoch: ``/dev/shm`` exhausted, with its size and use;
+* SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE: a crash in native code, with the innermost
+  frames of the Python stack the worker's faulthandler wrote (the crashing thread's whole
+  stack in the finding's ``stack``, the report shows it; every thread's in the timeline);
+* anything else: killed by that signal, sender unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+from leakcheck.core.model import Death, Finding, ProcessEpoch, RuleConfig, Timeline
+from leakcheck.core.names import culprit
+from leakcheck.core.units import format_size
+
+__all__ = ["died", "hang", "signal_name"]
+
+_NEAR_FULL_FRACTION = 0.05
+"""Available memory under this share of the machine's is the machine-wide OOM killer's
+condition (it frees memory as it kills, so a reading after a kill shows more)."""
+
+_CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
+
+_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)')
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal N`` for a number Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def innermost_frames(stack: str, count: int = 2) -> str | None:
+    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first.
+
+    faulthandler writes every thread, the crashing one headed ``Current thread``.
+    """
+    lines = stack.splitlines()
+    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    frames: list[str] = []
+    for line in lines[current:]:
+        match = _FRAME.match(line)
+        if match is not None:
+            path, number, function = match.groups()
+            frames.append(f"{function} ({os.path.basename(path)}:{number})")
+        elif frames:
+            break  # the crashing thread comes first; the next thread's frames are not it
+        if len(frames) == count:
+            break
+    return " < ".join(frames) or None
+
+
+def crashing_thread(stack: str) -> str:
+    """The crashing thread's part of what faulthandler wrote (``Current thread`` and frames)."""
+    lines = stack.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    if start is None:
+        return stack
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def _record_of(timeline: Timeline, death: Death) -> ProcessEpoch | None:
+    """The latest record of the dead process: its role, command line and rank."""
+    for epoch in reversed(timeline.epochs):
+        for proc in epoch.processes:
+            if proc.key == death.key:
+                return proc
+    return None
+
+
+def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
+    """What the evidence says of one death, and its fix (NOTE [death evidence])."""
+    name = signal_name(death.signal_number)
+    when = f" in epoch {death.epoch}" if death.epoch is not None else ""
+    if death.signal_number == signal.SIGKILL:
+        evidence: list[str] = []
+        if death.oom_kills:
+            evidence.append(f"OOM kills of its memory cgroup +{death.oom_kills}")
+        total, free = death.memory_total_bytes, death.memory_available_bytes
+        if total and free is not None and free < _NEAR_FULL_FRACTION * total:
+            evidence.append(f"{format_size(free)} of {format_size(total)} memory available")
+        if evidence:
+            held = ""
+            if death.rss_bytes_last is not None:
+                held = f"; held {format_size(death.rss_bytes_last)}"
+                if death.rss_bytes_birth is not None:
+                    grown = death.rss_bytes_last - death.rss_bytes_birth
+                    held += f", {'+' if grown >= 0 else '-'}{format_size(abs(grown))} since birth"
+            return (
+                f"was killed by the OOM killer (SIGKILL){when}: {', '.join(evidence)}{held}",
+                "find what grows in it (host-growth, copy-on-read), or fewer workers, a smaller "
+                "prefetch_factor, more memory",
+            )
+    total_shm, used_shm = death.shm_total_bytes, death.shm_used_peak_bytes
+    if (
+        death.signal_number == signal.SIGBUS
+        and total_shm
+        and used_shm is not None
+        and used_shm >= config.shm_pressure_fraction * total_shm
+    ):
+        return (
+            f"died of a bus error (SIGBUS){when}: /dev/shm exhausted, "
+            f"{format_size(used_shm)} of {format_size(total_shm)} used",
+            "docker run --shm-size=8g or --ipc=host, or set_sharing_strategy('file_system')",
+        )
+    if death.signal_number in _CRASHES:
+        frames = innermost_frames(death.stack) if death.stack else None
+        where = f"; stack: {frames}" if frames else "; no Python stack was written"
+        return (
+            f"crashed in native code ({name}){when}{where}",
+            "see the stack for the call that crashed (a C extension, a library not fork-safe)",
+        )
+    return (
+        f"was killed by {name} (sender unknown){when}",
+        "no evidence of an OOM kill: look for the sender (a scheduler's limit, a kill by hand)",
+    )
+
+
+def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """One ``died`` finding per process of the job a signal ended (NOTE [death evidence])."""
+    findings: list[Finding] = []
+    for death in timeline.deaths:
+        record = _record_of(timeline, death)
+        role = record.role if record is not None else None
+        cmdline = record.cmdline if record is not None else None
+        rank = record.rank if record is not None else None
+        what, remedy = _what(death, config)
+        who = culprit(role, death.key.pid, cmdline, rank=rank, rule="died")
+        findings.append(
+            Finding(
+                rule="died",
+                severity="leak",
+                message=f"{who} {what}",
+                remedy=remedy,
+                pid=death.key.pid,
+                start_ticks=death.key.start_ticks,
+                role=role,
+                cmdline=cmdline,
+                epoch=death.epoch,
+                host_bytes=death.rss_bytes_last,
+                size_bytes=(
+                    death.shm_used_peak_bytes if death.signal_number == signal.SIGBUS else None
+                ),
+                rank=rank,
+                stack=crashing_thread(death.stack) if death.stack else None,
+            )
+        )
+    return tuple(findings)
+
+
+def _where_workers_wait(stacks: str) -> str:
+    """``; worker PID 12 in fn (file.py:3)`` for each worker's section of a stall's stacks."""
+    waits: list[str] = []
+    for section in stacks.split("--- worker PID ")[1:]:
+        pid, _, text = section.partition(" ---\n")
+        frame = innermost_frames(text.split("\n--- ")[0], 1)
+        if frame is not None:
+            waits.append(f"; worker PID {pid} in {frame}")
+    return "".join(waits)
+
+
+def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """One ``hang`` finding per stall of an epoch, with the job's stacks (NOTE [hang watch])."""
+    return tuple(
+        Finding(
+            rule="hang",
+            severity="info",
+            message=(
+                f"no batch for {stall.waited_s:.0f} s"
+                + (f" in epoch {stall.epoch}" if stall.epoch is not None else "")
+                + _where_workers_wait(stall.stacks)
+                + "; the job's stacks follow"
+            ),
+            remedy="see where each waits (a worker's __getitem__, a lock, a full queue)",
+            epoch=stall.epoch,
+            stack=stall.stacks or None,
+        )
+        for stall in timeline.stalls
+    )

@@ -1,0 +1,95 @@
+"""What the machine says about a death: the memory cgroup's OOM kills and its free memory.
+
+A process killed by SIGKILL does not say who sent the signal. The kernel's OOM killer is
+the usual sender, and it leaves evidence: the memory cgroup counts its kills (cgroup v2
+``memory.events``, line ``oom_kill``; v1 ``memory.oom_control``, the same line), and a kill
+by the machine-wide OOM killer comes when ``/proc/meminfo``'s ``MemAvailable`` is nearly 0.
+Only evidence read here names the OOM killer (``judge.deaths``); none names no sender.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["CGROUP_ROOT", "MachineMemory", "machine_memory", "oom_kill_count"]
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+"""Where the cgroup filesystems are mounted (a module attribute: tests point it elsewhere)."""
+
+_PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read(65536)
+    except OSError:
+        return None
+
+
+def _counter_files(cgroup_lines: str, root: str) -> list[str]:
+    """Where this process's memory cgroup counts OOM kills: its own folder, then the root's.
+
+    Inside a container the cgroup path in ``/proc/self/cgroup`` may name the host's
+    hierarchy while the container sees its own cgroup at the mount's root, hence the
+    fallback.
+    """
+    files: list[str] = []
+    for line in cgroup_lines.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = path.strip().lstrip("/")
+        if "memory" in controllers.split(","):  # v1
+            base = os.path.join(root, "memory")
+            files += [os.path.join(base, path, "memory.oom_control")] if path else []
+            files.append(os.path.join(base, "memory.oom_control"))
+        elif parts[0] == "0" and not controllers:  # v2
+            files += [os.path.join(root, path, "memory.events")] if path else []
+            files.append(os.path.join(root, "memory.events"))
+    return files
+
+
+def oom_kill_count() -> int | None:
+    """How many processes the OOM killer has killed in this process's memory cgroup.
+
+    Returns:
+        The ``oom_kill`` counter (cgroup v2 ``memory.events`` or v1
+        ``memory.oom_control``); None where no such file can be read (no memory cgroup,
+        an older kernel without the counter).
+
+    """
+    lines = _read_text(_PROC_SELF_CGROUP)
+    if lines is None:
+        return None
+    for path in _counter_files(lines, CGROUP_ROOT):
+        text = _read_text(path)
+        for line in (text or "").splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    """``/proc/meminfo``'s total and available memory of the machine (or container)."""
+
+    total_bytes: int
+    available_bytes: int
+
+
+def machine_memory() -> MachineMemory | None:
+    """The machine's total and available memory; None where ``/proc/meminfo`` is unreadable."""
+    text = _read_text("/proc/meminfo")
+    values: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name in ("MemTotal", "MemAvailable") and fields and fields[0].isdigit():
+            values[name] = int(fields[0]) * 1024  # kB
+    if "MemTotal" not in values or "MemAvailable" not in values:
+        return None
+    return MachineMemory(values["MemTotal"], values["MemAvailable"])

@@ -1,0 +1,120 @@
+"""The hang watch: when no batch comes for ``hang_after`` seconds, the stacks of the job.
+
+NOTE [hang watch]: a loop stuck in its DataLoader (a worker blocked in ``__getitem__``, a
+deadlock after fork, a full queue) shows nothing: users reach for py-spy. The adapter tells
+the tracker of each batch (``Tracker.batch_arrived``: one clock read); the sampler's thread
+checks at each tick whether an open epoch has had no batch (nor its start) for
+``hang_after_s``. Once per stall it writes, to stderr and into the report (``Stall``, the
+``hang`` finding), the Python stacks of every thread of the loop's process
+(``sys._current_frames``: this process's, where the tracker runs in the loop's process) and
+of each worker of the job that registered the stack signal (NOTE [worker mailbox]): sent
+``mailbox.STACK_SIGNAL`` after its identity is checked (pid and start ticks), its
+faulthandler writes them into its file, which is read once written (at most
+``_DUMP_WAIT_S``). Nothing else is done to the loop: it goes on, and a batch ends the stall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+
+from leakcheck.core.model import ProcessKey, Stall
+from leakcheck.observe import mailbox, procs
+
+__all__ = ["HangWatch", "own_stacks"]
+
+_DUMP_WAIT_S = 2.0
+"""How long the watch waits for the workers' faulthandlers to write (they write at once)."""
+
+
+def own_stacks() -> str:
+    """Every thread of this process but the calling one (leakcheck's), the main one first."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != main)
+    parts: list[str] = []
+    for ident, frame in frames:
+        if ident == threading.get_ident():
+            continue
+        header = f'Thread {names.get(ident, "?")!r} (most recent call last):'
+        parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
+    return "\n\n".join(parts)
+
+
+class HangWatch:
+    """Notices a stalled epoch and gathers the job's stacks once per stall (NOTE [hang watch]).
+
+    Args:
+        hang_after_s: Seconds without a batch that make a stall; 0: never.
+        own_process: The loop runs in this process (its stacks can be read here).
+
+    """
+
+    def __init__(self, hang_after_s: float, *, own_process: bool) -> None:
+        self.hang_after_s = hang_after_s
+        self.own_process = own_process
+        self.last_batch_s: float | None = None
+        """Monotonic time of the last batch the adapter told of (None: none yet)."""
+        self._reported: float | None = None
+
+    def batch_arrived(self) -> None:
+        """A batch came: a stall, if any, is over."""
+        self.last_batch_s = time.monotonic()
+
+    def due(self, epoch_opened_s: float | None) -> float | None:
+        """Seconds the open epoch has waited for a batch, where that is a new stall."""
+        if not self.hang_after_s or epoch_opened_s is None:
+            return None
+        since = max(epoch_opened_s, self.last_batch_s or epoch_opened_s)
+        waited = time.monotonic() - since
+        if waited < self.hang_after_s or self._reported == since:
+            return None
+        self._reported = since
+        return waited
+
+    def dump(
+        self,
+        *,
+        epoch: int | None,
+        waited_s: float,
+        at_s: float,
+        workers: list[ProcessKey],
+        folder: str | None,
+    ) -> Stall:
+        """Gather the stacks and write them to stderr (no lock held); the stall, to keep."""
+        parts: list[str] = []
+        sent: list[ProcessKey] = []
+        for key in workers if folder else []:
+            if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
+                try:
+                    os.kill(key.pid, mailbox.STACK_SIGNAL)
+                    sent.append(key)
+                except OSError:
+                    continue
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        pending = list(sent)
+        while pending and folder:
+            for key in list(pending):
+                text = mailbox.read_stack(folder, key)
+                if text is not None:
+                    parts.append(f"--- worker PID {key.pid} ---\n{text}")
+                    pending.remove(key)
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        parts += [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
+        if self.own_process:  # after the workers': a report shows the first rows only
+            parts.append(f"--- the loop's process (PID {os.getpid()}) ---\n{own_stacks()}")
+        stall = Stall(epoch=epoch, waited_s=waited_s, at_s=at_s, stacks="\n\n".join(parts))
+        where = f" in epoch {epoch}" if epoch is not None else ""
+        with contextlib.suppress(OSError, ValueError):  # a closed stderr stops nothing
+            sys.stderr.write(
+                f"leakcheck: no batch for {waited_s:.0f} s{where}; the stacks of the job:\n"
+                f"{stall.stacks}\n"
+            )
+            sys.stderr.flush()
+        return stall

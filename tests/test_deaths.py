@@ -1,0 +1,232 @@
+"""A worker that dies by a signal is named with the evidence of why (the ``died`` rule).
+
+Real DataLoaders with real forked workers; only the memory cgroup's counter is a fake file,
+at the boundary where leakcheck reads the machine (``machine.CGROUP_ROOT``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import leakcheck
+from leakcheck.core.errors import LeakWarning
+from leakcheck.core.model import Finding
+from leakcheck.judge.stories import story
+from leakcheck.observe import machine
+from tests.polling import wait_for
+
+_BLOCK = 4 * 1024 * 1024
+
+
+class Grows(Dataset[int]):
+    """Keeps 4 MiB per item in the worker, and is slow enough to be killed mid-epoch.
+
+    Its batches are lists of ints (``collate_fn=list``): a tensor in flight would reach the
+    parent through a descriptor the killed worker can no longer send, and the DataLoader
+    would fail on that instead (its error varies with the moment of the kill).
+    """
+
+    kept: ClassVar[list[bytearray]] = []
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, index: int) -> int:
+        Grows.kept.append(bytearray(b"x" * _BLOCK))
+        time.sleep(0.02)
+        return index
+
+
+class Segfaults(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == 0:  # the first: no batch in flight whose transfer the death would break
+            ctypes.string_at(0)  # reads address 0: SIGSEGV in native code
+        return torch.tensor([index])
+
+
+def _cgroup(root: Path, kills: int) -> None:
+    """A memory cgroup's counters, for v1 and v2 alike (whichever this machine has)."""
+    (root / "memory").mkdir(parents=True, exist_ok=True)
+    (root / "memory" / "memory.oom_control").write_text(
+        f"oom_kill_disable 0\nunder_oom 0\noom_kill {kills}\n"
+    )
+    (root / "memory.events").write_text(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {kills}\n")
+
+
+def _kill_a_worker_mid_epoch(loader: Any, before_kill: Any = None) -> int:
+    """Iterate until the workers are known and have grown, then SIGKILL one of them."""
+    victim = 0
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for count, _ in enumerate(loader):
+            if count == 3:
+                assert wait_for(lambda: len(loader.tracker.worker_keys()) == 1)
+                victim = loader.tracker.worker_keys()[0].pid
+                if before_kill is not None:
+                    before_kill()
+                os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+def _died(loader: Any) -> list[Finding]:
+    return [f for f in loader.report().findings if f.rule == "died"]
+
+
+def test_a_worker_killed_while_the_cgroup_counts_an_oom_kill_is_named_oom(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _cgroup(tmp_path, kills=0)
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    loader = leakcheck.watch(DataLoader(Grows(), num_workers=1, batch_size=2, collate_fn=list))
+    with pytest.warns(LeakWarning, match="OOM killer"):
+        victim = _kill_a_worker_mid_epoch(loader, lambda: _cgroup(tmp_path, kills=1))
+    [finding] = _died(loader)
+    loader.close()
+    assert finding.pid == victim
+    assert "killed by the OOM killer (SIGKILL) in epoch 0" in finding.message
+    assert "OOM kills of its memory cgroup +1" in finding.message
+    assert "since birth" in finding.message  # its memory at the last read, and the growth
+    assert finding.host_bytes is not None and finding.host_bytes > _BLOCK
+
+
+def test_a_worker_killed_without_evidence_has_an_unknown_sender(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _cgroup(tmp_path, kills=0)
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    loader = leakcheck.watch(DataLoader(Grows(), num_workers=1, batch_size=2, collate_fn=list))
+    with pytest.warns(LeakWarning, match="sender unknown"):
+        victim = _kill_a_worker_mid_epoch(loader)
+    loader.close()
+    [finding] = _died(loader)
+    assert finding.pid == victim
+    assert "was killed by SIGKILL (sender unknown) in epoch 0" in finding.message
+    assert "OOM" not in finding.message
+
+
+def test_a_worker_that_segfaults_shows_its_python_stack() -> None:
+    loader = leakcheck.watch(DataLoader(Segfaults(), num_workers=1, batch_size=2))
+    with (
+        pytest.warns(LeakWarning, match="crashed in native code"),
+        pytest.raises(RuntimeError, match="DataLoader worker"),
+    ):
+        for _ in loader:
+            pass
+    loader.close()
+    [finding] = _died(loader)
+    assert "crashed in native code (SIGSEGV) in epoch 0; stack: string_at" in finding.message
+    assert finding.stack is not None and "__getitem__" in finding.stack
+    text = loader.report().format()
+    assert "in __getitem__" in text  # the whole stack, under the finding
+
+
+def _has_stack_file(folder: str) -> bool:
+    return any(name.startswith("stack-") for name in os.listdir(folder))
+
+
+def test_a_worker_that_exits_normally_leaves_no_stack_file() -> None:
+    loader = leakcheck.watch(DataLoader(Grows(), num_workers=1, batch_size=2, collate_fn=list))
+    folder = ""
+    for count, _ in enumerate(loader):
+        folder = loader.tracker.mailbox_dir or ""
+        assert wait_for(functools.partial(_has_stack_file, folder))  # the worker's, as it runs
+        if count == 2:
+            break
+    assert wait_for(lambda: not _has_stack_file(folder))
+    loader.close()
+    assert _died(loader) == []
+
+
+def test_the_story_of_died_names_each_cause() -> None:
+    text = story("died")
+    assert text is not None
+    for cause in ("OOM killer", "/dev/shm exhausted", "native code", "sender unknown"):
+        assert cause in text
+
+
+class BlocksAt(Dataset[int]):
+    """Blocks in ``__getitem__`` at one item until a file appears (the test's release)."""
+
+    def __init__(self, release: str) -> None:
+        self.release = release
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        while index == 4 and not os.path.exists(self.release):
+            time.sleep(0.01)
+        return index
+
+
+def test_a_stalled_epoch_shows_the_stacks_of_the_loop_and_of_the_blocked_worker(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    release = tmp_path / "release"
+    loader = leakcheck.watch(
+        DataLoader(BlocksAt(str(release)), num_workers=1, batch_size=2, collate_fn=list),
+        hang_after=0.5,
+    )
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 2:  # the next batch holds item 4: its worker blocks
+            assert wait_for(lambda: any(f.rule == "hang" for f in loader.report().findings))
+            release.touch()
+    [finding] = [f for f in loader.report().findings if f.rule == "hang"]
+    loader.close()
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the loop went on undisturbed
+    assert "no batch for" in finding.message and "in epoch 0" in finding.message
+    assert finding.stack is not None
+    [worker] = loader.tracker.worker_keys()
+    assert f"worker PID {worker.pid}" in finding.stack
+    assert "in __getitem__" in finding.stack.split(f"worker PID {worker.pid}")[1]
+    assert "the loop's process" in finding.stack and "test_a_stalled_epoch" in finding.stack
+    assert "the stacks of the job" in capfd.readouterr().err  # written at once, to stderr
+
+
+def test_no_stall_is_reported_with_the_hang_watch_off(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    loader = leakcheck.watch(
+        DataLoader(BlocksAt(str(release)), num_workers=1, batch_size=2, collate_fn=list),
+        hang_after=0,
+    )
+    for count, _ in enumerate(loader):
+        if count == 1:
+            time.sleep(1.0)  # a stall the watch would report at 0.5 s, were it on
+            release.touch()
+    loader.close()
+    assert not [f for f in loader.report().findings if f.rule == "hang"]
+
+
+@pytest.mark.parametrize(
+    ("line", "counter"),
+    [
+        ("4:memory:/job/7\n", "memory/job/7/memory.oom_control"),  # cgroup v1
+        ("0::/job/7\n", "job/7/memory.events"),  # cgroup v2
+    ],
+)
+def test_the_oom_kill_counter_is_read_from_the_process_own_memory_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, counter: str
+) -> None:
+    (tmp_path / "cgroup").write_text(line)
+    _cgroup(tmp_path, kills=1)  # the root's: what a container without its own path reads
+    (tmp_path / counter).parent.mkdir(parents=True)
+    (tmp_path / counter).write_text("oom 9\noom_kill 7\n")
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(machine, "_PROC_SELF_CGROUP", str(tmp_path / "cgroup"))
+    assert machine.oom_kill_count() == 7
+    (tmp_path / counter).unlink()
+    assert machine.oom_kill_count() == 1  # the mount's root, where the own path is not there

@@ -23,8 +23,9 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck.core.model import ProcessKey
+from leakcheck.core.model import Finding, ProcessKey
 from leakcheck.core.ranks import EXPORTED_RANK_ENV
+from leakcheck.judge.report import is_said, report_from_dict
 from leakcheck.observe import procs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,10 +93,11 @@ def leakcheck_run(
     return proc.returncode, stderr, data
 
 
-def said(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The findings a text report writes: all but the information that its spawn workers'
-    copy-on-read cannot be told (the JSON keeps it: ``report.is_said``)."""
-    return [f for f in report["findings"] if (f["rule"], f["severity"]) != ("copy-on-read", "info")]
+def said(report: dict[str, Any]) -> list[Finding]:
+    """The findings a text report writes (``report.is_said``): the JSON also keeps information
+    no one can act on (spawn workers' copy-on-read that cannot be told, /dev/shm files of
+    other jobs that ran beside the work)."""
+    return [f for f in report_from_dict(report).findings if is_said(f)]
 
 
 def reports_of(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -20,25 +21,39 @@ from torch.utils.data import DataLoader, Dataset
 import leakcheck
 
 
-class OnTheGpu(Dataset[torch.Tensor]):
+class OnTheGpu(Dataset[float]):
+    """Computes on the GPU; returns Python floats (batches are lists, ``collate_fn=list``): a
+    tensor in flight would reach the parent through a descriptor a killed worker can no longer
+    send, and the DataLoader would fail on that instead."""
+
     def __init__(self, release: str) -> None:
         self.release = release
 
     def __len__(self) -> int:
         return 64
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> float:
+        if index == 0 and self.release:  # what handles the stack signal here, for the test
+            handler = signal.getsignal(signal.SIGUSR2)
+            with open(self.release + f".handler-{os.getpid()}", "w") as note:
+                note.write(repr(handler))
         z = torch.full((256, 256), float(index), device="cuda")
         while index == 16 and self.release and not os.path.exists(self.release):
             time.sleep(0.01)  # the hang: blocked inside the worker
         time.sleep(0.02)
-        return (z @ z).sum().cpu().reshape(1)
+        return float((z @ z).sum().item())
 
 
 def main(mode: str, out: str) -> None:
-    release = out + ".release" if mode == "hang" else ""
+    release = out + ".release" if mode == "hang" else out + ".never"
     loader = leakcheck.watch(
-        DataLoader(OnTheGpu(release), batch_size=4, num_workers=2, multiprocessing_context="spawn"),
+        DataLoader(
+            OnTheGpu(release if mode == "hang" else ""),
+            batch_size=4,
+            num_workers=2,
+            multiprocessing_context="spawn",
+            collate_fn=list,
+        ),
         hang_after=2.0,
         on_leak="ignore",
     )
@@ -46,7 +61,7 @@ def main(mode: str, out: str) -> None:
     error = ""
     try:
         for count, batch in enumerate(loader):
-            model(batch.cuda()).sum().backward()
+            model(torch.tensor(batch).reshape(-1, 1).cuda()).sum().backward()
             if mode == "kill" and count == 3:
                 os.kill(loader.tracker.worker_keys()[0].pid, signal.SIGKILL)
             if mode == "hang" and count == 2:  # batch 4 holds item 16: its worker blocks
@@ -56,8 +71,8 @@ def main(mode: str, out: str) -> None:
                 ):
                     time.sleep(0.2)
                 open(release, "w").close()
-    except RuntimeError as exc:
-        error = str(exc)
+    except Exception as exc:  # the DataLoader's own error about the killed worker
+        error = f"{type(exc).__name__}: {exc}"
     loader.close()
     report = loader.report()
     found = [
@@ -65,8 +80,12 @@ def main(mode: str, out: str) -> None:
         for f in report.findings
     ]
     workers = [key.pid for key in loader.tracker.worker_keys()]
+    notes = [n for n in os.listdir(os.path.dirname(out)) if ".handler-" in n]
+    handlers = [Path(os.path.dirname(out), n).read_text() for n in notes]
     with open(out, "w") as handle:
-        json.dump({"findings": found, "error": error, "workers": workers}, handle)
+        json.dump(
+            {"findings": found, "error": error, "workers": workers, "handlers": handlers}, handle
+        )
 
 
 if __name__ == "__main__":

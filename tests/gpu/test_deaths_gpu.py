@@ -55,6 +55,6 @@ def test_a_worker_blocked_in_a_cuda_loop_has_its_stack_shown_and_the_loop_goes_o
     data = _run("hang", tmp_path)
     assert data["error"] == "", data
     [hang] = [f for f in data["findings"] if f["rule"] == "hang"]
-    assert hang["stack"] is not None and "in __getitem__" in hang["stack"], hang
+    assert hang["stack"] is not None and "in __getitem__" in hang["stack"], (hang, data)
     assert "the loop's process" in hang["stack"]
     assert "the stacks of the job" in data["stderr"]

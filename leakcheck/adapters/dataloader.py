@@ -316,15 +316,20 @@ class WatchedLoader(Generic[T]):
             installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
         count = 0
-        arrived = self._tracker.batch_arrived
+        wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
         try:
             batches = self._iterate(self._loader)
+            wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
             for batch in batches:
                 count += 1
                 arrived()
                 yield batch
+                wanted()
         except BaseException as error:
-            died = note_deaths(self._tracker, batches)
+            arrived()
+            # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
+            interrupted = isinstance(error, (KeyboardInterrupt, GeneratorExit))
+            died = not interrupted and note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
                 # Private, but what the iterator's own __del__ calls; idempotent.
                 shutdown = getattr(batches, "_shutdown_workers", None)
@@ -336,6 +341,7 @@ class WatchedLoader(Generic[T]):
             if died:  # said now, beside the DataLoader's own error, which goes on its way
                 self._judge.judge(may_raise=False, stacklevel=2)
             raise
+        arrived()
         batches = None
         self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
@@ -350,6 +356,11 @@ class WatchedLoader(Generic[T]):
         self._batches_seen = self._batches_seen or count > 0
         self._judge.judge(may_raise=True, stacklevel=2)
 
+    def _last_record(self) -> EpochRecord:
+        self._tracker.finish_reads()  # the record as the report will show it
+        (record,) = self._tracker.timeline(last_epochs=1).epochs
+        return record
+
     def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
         # Only the epoch this iteration opened: when an iterator is kept (a peek at the first
         # batch) and the loader iterated again, the new epoch closed it, and dropping the
@@ -360,10 +371,8 @@ class WatchedLoader(Generic[T]):
         if self._tracker.end_epoch(reason, error, batches, index=index):
             self._judge.epoch_ended()
             on_epoch = self._on_epoch
-            if on_epoch is not None:
-                self._tracker.finish_reads()  # the record as the report will show it
-                (record,) = self._tracker.timeline(last_epochs=1).epochs
-                call_reported("on_epoch", lambda: on_epoch(record))
+            if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
+                call_reported("on_epoch", lambda: on_epoch(self._last_record()))
 
 
 def watch(

@@ -509,16 +509,20 @@ class LeakCheckCallback(_CallbackBase):
         loggers = list(getattr(trainer, "loggers", None) or ())
         if not loggers or not getattr(trainer, "is_global_zero", True):
             return
-        timeline = stage.tracker.timeline(last_epochs=1)
-        if not timeline.epochs:
-            return
-        metrics = epoch_scalars(stage.name, timeline, stage.judge.leaks_found)
         step = int(getattr(trainer, "global_step", 0))
-        for logger in loggers:
-            call_reported(
-                f"logging to {type(logger).__name__}",
-                functools.partial(logger.log_metrics, metrics, step=step),
-            )
+
+        def log() -> None:  # leakcheck's reads too: nothing escapes into the Trainer
+            timeline = stage.tracker.timeline(last_epochs=1)
+            if not timeline.epochs:
+                return
+            metrics = epoch_scalars(stage.name, timeline, stage.judge.leaks_found)
+            for logger in loggers:
+                call_reported(
+                    f"logging to {type(logger).__name__}",
+                    functools.partial(logger.log_metrics, metrics, step=step),
+                )
+
+        call_reported("logging leakcheck's scalars", log)
 
     def _count(self, name: str) -> None:
         stage = self._stages.get(name)

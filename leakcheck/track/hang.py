@@ -2,10 +2,12 @@
 
 NOTE [hang watch]: a loop stuck in its DataLoader (a worker blocked in ``__getitem__``, a
 deadlock after fork, a full queue) shows nothing: users reach for py-spy. The adapter tells
-the tracker of each batch (``Tracker.batch_arrived``: one clock read); the sampler's thread
-checks at each tick whether an open epoch has had no batch (nor its start) for
-``hang_after_s``. Once per stall it writes, to stderr and into the report (``Stall``, the
-``hang`` finding), the Python stacks of every thread of the loop's process
+the tracker when the loop asks for a batch (``Tracker.batch_wanted``) and when it got one
+(``Tracker.batch_arrived``): one clock read each. Only the time in between counts: a slow
+training step, an evaluation or a checkpoint inside the loop is the loop's own work, not a
+stall. The sampler's thread checks at each tick whether an open epoch's loop has waited
+``hang_after_s`` for its batch. Once per stall it writes, to stderr and into the report
+(``Stall``, the ``hang`` finding), the Python stacks of every thread of the loop's process
 (``sys._current_frames``: this process's, where the tracker runs in the loop's process) and
 of each worker of the job that registered the stack signal (NOTE [worker mailbox]): sent
 ``mailbox.STACK_SIGNAL`` after its identity is checked (pid and start ticks), its
@@ -57,19 +59,23 @@ class HangWatch:
     def __init__(self, hang_after_s: float, *, own_process: bool) -> None:
         self.hang_after_s = hang_after_s
         self.own_process = own_process
-        self.last_batch_s: float | None = None
-        """Monotonic time of the last batch the adapter told of (None: none yet)."""
+        self.waiting_since_s: float | None = None
+        """Monotonic time the loop asked for the batch it waits for (None: not waiting)."""
         self._reported: float | None = None
 
-    def batch_arrived(self) -> None:
-        """A batch came: a stall, if any, is over."""
-        self.last_batch_s = time.monotonic()
+    def batch_wanted(self) -> None:
+        """The loop asks for its next batch: the wait starts."""
+        self.waiting_since_s = time.monotonic()
 
-    def due(self, epoch_opened_s: float | None) -> float | None:
-        """Seconds the open epoch has waited for a batch, where that is a new stall."""
-        if not self.hang_after_s or epoch_opened_s is None:
+    def batch_arrived(self) -> None:
+        """A batch came, or the loop stopped asking: a stall, if any, is over."""
+        self.waiting_since_s = None
+
+    def due(self) -> float | None:
+        """Seconds the loop has waited for its batch, where that is a new stall."""
+        since = self.waiting_since_s
+        if not self.hang_after_s or since is None:
             return None
-        since = max(epoch_opened_s, self.last_batch_s or epoch_opened_s)
         waited = time.monotonic() - since
         if waited < self.hang_after_s or self._reported == since:
             return None

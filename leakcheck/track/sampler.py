@@ -277,7 +277,7 @@ class Sampler:
                 inside = self.host.plan_inside(
                     self.table, opened.index, opened.start_s, self.now()
                 )
-                waited_s = self.hang.due(self._t0 + opened.start_s)
+                waited_s = self.hang.due()
                 if waited_s is not None:
                     self.sample(epoch_end=False)  # the mailbox: every worker's record
                     table = self.table
@@ -423,7 +423,11 @@ class Sampler:
             return
         kills = machine.oom_kill_count()
         rise = None if kills is None or self._oom_kills is None else kills - self._oom_kills
-        self._oom_kills = kills if kills is not None else self._oom_kills
+        if rise and self._oom_kills is not None:
+            # Each death takes one kill of the rise: deaths noted together share a burst.
+            self._oom_kills += 1
+        elif kills is not None:
+            self._oom_kills = kills
         memory = machine.machine_memory()
         self.shm.note_usage()
         folder = self._mailbox_dir

@@ -98,9 +98,9 @@ class Tracker:
         copy_tolerance: What a forked worker may copy of its parent's memory before the
             copy-on-read rule calls it a leak (``"64MiB"``, bytes; NOTE [copy on read] in
             hostmem.py).
-        hang_after: Seconds an open epoch may go without a batch (``batch_arrived``) before
-            the stacks of the loop's process and its workers are written to stderr and the
-            report (NOTE [hang watch] in hang.py); 0 (default): never.
+        hang_after: Seconds the loop may wait for a batch (``batch_wanted`` to
+            ``batch_arrived``) before the stacks of the loop's process and its workers are
+            written to stderr and the report (NOTE [hang watch] in hang.py); 0: never.
 
     """
 
@@ -300,8 +300,12 @@ class Tracker:
         if key is not None:
             self._sampler.register_worker(key, persistent)
 
+    def batch_wanted(self) -> None:
+        """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
+        self._sampler.hang.batch_wanted()
+
     def batch_arrived(self) -> None:
-        """A batch came: the hang watch's clock starts again (one clock read)."""
+        """A batch came, or the loop stopped asking for one: the wait is over."""
         self._sampler.hang.batch_arrived()
 
     @caller_timed

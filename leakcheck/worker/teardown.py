@@ -590,10 +590,14 @@ def _open_stack_file(path: str) -> bool:
     try:
         # Appending: the tracker empties the file after reading a dump, in place.
         handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
-        # Enabled already (inherited from a parent that enabled it: pytest does), enable()
-        # would only change the file, and the handlers torch's worker installed since then
-        # would run instead; disabled first, faulthandler's run first and chain to torch's.
-        faulthandler.disable()
+        # Not enabled before (a plain run): enable() keeps torch's worker handlers as the
+        # ones it chains to, so a crash writes the stack and then torch's message. Enabled
+        # already (inherited from a parent that enabled it: pytest, -X faulthandler),
+        # enable() would only change the file while torch's handlers, installed since,
+        # run instead of it: no stack. Disabled first, it restores what it saved in the
+        # parent over torch's handlers: the stack is written, torch's worker message lost.
+        if faulthandler.is_enabled():
+            faulthandler.disable()
         faulthandler.enable(file=handle, all_threads=True)
     except (OSError, ValueError, RuntimeError):
         return False
@@ -615,6 +619,9 @@ def _close_stack_file() -> None:
         return
     with contextlib.suppress(Exception):
         faulthandler.unregister(mailbox.STACK_SIGNAL)
+        # Unregistered, the signal would end the process: a dump sent before the watch
+        # sees this worker gone must not kill it on its way out.
+        signal.signal(mailbox.STACK_SIGNAL, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         faulthandler.disable()
         handle.close()

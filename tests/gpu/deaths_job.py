@@ -2,7 +2,7 @@
 
 ``python deaths_job.py kill|hang OUT.json``: the model trains on the GPU, two spawned workers
 compute on it; ``kill`` SIGKILLs a worker mid-epoch, ``hang`` has one block in ``__getitem__``
-until the loop has waited ``hang_after`` (2 s) and the stacks are out. Writes the report's
+until the loop has waited ``hang_after`` (20 s) and the stacks are out. Writes the report's
 findings and what the loop saw as JSON.
 """
 
@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,9 +55,22 @@ def main(mode: str, out: str) -> None:
             multiprocessing_context="spawn",
             collate_fn=list,
         ),
-        hang_after=2.0,
+        hang_after=20.0,  # spawned workers import torch and make a context: above that
         on_leak="ignore",
     )
+
+    def release_when_the_worker_is_shown() -> None:
+        # The loop waits in next() for item 16; released once a stall shows the worker in it.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            hangs = [f for f in loader.report().findings if f.rule == "hang"]
+            if any("__getitem__" in (f.stack or "").split("the loop's process")[0] for f in hangs):
+                break
+            time.sleep(0.5)
+        open(release, "w").close()
+
+    if mode == "hang":
+        threading.Thread(target=release_when_the_worker_is_shown, daemon=True).start()
     model = torch.nn.Linear(1, 1).cuda()
     error = ""
     try:
@@ -64,13 +78,6 @@ def main(mode: str, out: str) -> None:
             model(torch.tensor(batch).reshape(-1, 1).cuda()).sum().backward()
             if mode == "kill" and count == 3:
                 os.kill(loader.tracker.worker_keys()[0].pid, signal.SIGKILL)
-            if mode == "hang" and count == 2:  # batch 4 holds item 16: its worker blocks
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not any(
-                    f.rule == "hang" for f in loader.report().findings
-                ):
-                    time.sleep(0.2)
-                open(release, "w").close()
     except Exception as exc:  # the DataLoader's own error about the killed worker
         error = f"{type(exc).__name__}: {exc}"
     loader.close()

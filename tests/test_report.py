@@ -623,3 +623,23 @@ def test_a_report_picture_names_its_epochs_and_marks_each_leak_on_its_process(
     path = tmp_path / "report.png"
     assert report.plot(str(path), label="train.py:12") == str(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_stack_under_a_long_checkout_path_keeps_its_lines_and_functions() -> None:
+    """A stack row is cut in its folders, never in its line and function: the checkout's
+    path must not decide what the report shows (CI soaks clone under 160 characters)."""
+    from leakcheck.judge.report import FINDING_WIDTH, finding_lines
+
+    folder = "/tmp/" + "a-long-checkout-path-" * 10
+    stack = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            f'  File "{folder}/tests/test_deaths.py", line 56 in __getitem__',
+            f'  File "{folder}/torch/utils/data/_utils/fetch.py", line 52, in fetch',
+        ]
+    )
+    died = next(f for f in _findings_of_every_rule() if f.rule == "died")
+    lines = finding_lines([dataclasses.replace(died, stack=stack)], "  ")
+    assert any(line.endswith("tests/test_deaths.py\", line 56 in __getitem__") for line in lines)
+    assert any(line.endswith('…/_utils/fetch.py", line 52, in fetch') for line in lines)
+    assert all(len(line) <= FINDING_WIDTH for line in lines), lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -956,6 +957,23 @@ def _kill_fix(template: str, pids: Sequence[int]) -> str:
 _STACK_ROWS = 60
 """Lines of a finding's stacks a text report shows (JSON keeps them whole)."""
 
+_FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+.*)$')
+"""A frame of faulthandler's or traceback's stacks: its file, then its line and function."""
+
+
+def _stack_row(row: str, room: int) -> str:
+    """A stack row in ``room`` characters: a long file path loses its folders first.
+
+    Never the line and function after it: a checkout under a long path would cut those off.
+    """
+    row = row.rstrip()
+    frame = _FRAME.match(row)
+    if frame is None or len(row) <= room:
+        return cut(row, room)
+    head, path, tail = frame.groups()
+    name = "/".join(path.split("/")[-2:])
+    return cut(f"{head}{ELLIPSIS}/{name}{tail}", room)
+
 
 @dataclass(frozen=True)
 class _Line:
@@ -1035,7 +1053,8 @@ def finding_lines(
             out.append(cut(f"{indent}{tag} {rule}  {text}", FINDING_WIDTH))
             if f.stack:  # a crashed worker's own Python stack, as its faulthandler wrote it
                 rows = f.stack.splitlines()[:_STACK_ROWS]
-                out.extend(cut(f"{indent}    {row.rstrip()}", FINDING_WIDTH) for row in rows)
+                room = FINDING_WIDTH - len(indent) - 4
+                out.extend(f"{indent}    {_stack_row(row, room)}" for row in rows)
             if _fix_template(f)[1]:
                 killed.extend(line.pids or ((f.pid,) if f.pid is not None else ()))
         fix = _kill_fix(template, killed) if killed else template

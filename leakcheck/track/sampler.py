@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
     MIB,
-    Death,
     DeviceState,
     EndReason,
     FinalState,
@@ -51,6 +50,7 @@ from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.cost import CostMeter
+from leakcheck.track.deaths import DeathLog
 from leakcheck.track.hang import HangWatch
 from leakcheck.track.host import HostReads, InsidePlan
 from leakcheck.track.pacing import Pacing
@@ -146,8 +146,7 @@ class Sampler:
         self.final: FinalState | None = None
         self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
         self.stalls: list[Stall] = []
-        self.deaths: list[Death] = []
-        self._oom_kills: int | None = None
+        self.death_log = DeathLog()
         """The memory cgroup's OOM-kill counter at the start or the last death noted."""
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -191,7 +190,7 @@ class Sampler:
             )
             self.host = HostReads(self.pacing, self.failures, warmup_epochs=self.warmup_epochs)
             self.failures.guard(self.shm.start, "shm")
-            self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
+            self.death_log.start(self.failures.guard(machine.oom_kill_count, "cgroup"))
             self.table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
@@ -419,34 +418,15 @@ class Sampler:
         assert self.table is not None
         key = self.table.by_pid.get(pid)
         proc = self.table.procs.get(key) if key is not None else None
-        if proc is None or any(death.key == proc.key for death in self.deaths):
-            return
-        kills = machine.oom_kill_count()
-        rise = None if kills is None or self._oom_kills is None else kills - self._oom_kills
-        if rise and self._oom_kills is not None:
-            # Each death takes one kill of the rise: deaths noted together share a burst.
-            self._oom_kills += 1
-        elif kills is not None:
-            self._oom_kills = kills
-        memory = machine.machine_memory()
-        self.shm.note_usage()
-        folder = self._mailbox_dir
-        self.deaths.append(
-            Death(
-                key=proc.key,
-                signal_number=signal_number,
+        if proc is not None:
+            self.death_log.note(
+                proc,
+                signal_number,
                 at_s=self.now(),
                 epoch=self.book.open_index,
-                oom_kills=rise,
-                memory_total_bytes=memory.total_bytes if memory else None,
-                memory_available_bytes=memory.available_bytes if memory else None,
-                shm_total_bytes=self.shm.total_bytes,
-                shm_used_peak_bytes=self.shm.used_peak_bytes,
-                rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-                rss_bytes_last=proc.rss_bytes_last,
-                stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+                shm=self.shm,
+                mailbox_dir=self._mailbox_dir,
             )
-        )
 
     # -- one sample ----------------------------------------------------------------------
 
@@ -532,7 +512,7 @@ class Sampler:
             # Files left in /dev/shm are judged once the work is over (at close): before,
             # the job's workers may still be using theirs.
             shm_files=self.shm_files if final is not None and final.closed else (),
-            deaths=tuple(self.deaths),
+            deaths=tuple(self.death_log.deaths),
             stalls=tuple(self.stalls),
         )
 

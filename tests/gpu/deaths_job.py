@@ -1,9 +1,11 @@
 """A CUDA training loop whose worker is killed, or blocks, for tests/gpu/test_deaths_gpu.py.
 
-``python deaths_job.py kill|hang OUT.json``: the model trains on the GPU, two spawned workers
-compute on it; ``kill`` SIGKILLs a worker mid-epoch, ``hang`` has one block in ``__getitem__``
-until the loop has waited ``hang_after`` (20 s) and the stacks are out. Writes the report's
-findings and what the loop saw as JSON.
+``python deaths_job.py kill|hang|oom OUT.json``: the model trains on the GPU, two spawned
+workers compute on it; ``kill`` SIGKILLs a worker mid-epoch, ``hang`` has one block in
+``__getitem__`` until the loop has waited ``hang_after`` (20 s) and the stacks are out, ``oom``
+has one grow its host memory until the kernel's OOM killer ends it (the job first joins the
+memory cgroup named by ``LEAKCHECK_TEST_CGROUP``, whose limit the test set). Writes the
+report's findings and what the loop saw as JSON.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ class OnTheGpu(Dataset[float]):
     tensor in flight would reach the parent through a descriptor a killed worker can no longer
     send, and the DataLoader would fail on that instead."""
 
-    def __init__(self, release: str) -> None:
+    def __init__(self, release: str, grow: bool = False) -> None:
         self.release = release
+        self.grow = grow
 
     def __len__(self) -> int:
         return 64
@@ -39,6 +42,9 @@ class OnTheGpu(Dataset[float]):
             with open(self.release + f".handler-{os.getpid()}", "w") as note:
                 note.write(repr(handler))
         z = torch.full((256, 256), float(index), device="cuda")
+        held: list[bytes] = []
+        while index == 8 and self.grow:  # until the cgroup's OOM killer ends this worker
+            held.append(b"\x01" * (256 * 2**20))
         while index == 16 and self.release and not os.path.exists(self.release):
             time.sleep(0.01)  # the hang: blocked inside the worker
         time.sleep(0.02)
@@ -47,9 +53,12 @@ class OnTheGpu(Dataset[float]):
 
 def main(mode: str, out: str) -> None:
     release = out + ".release" if mode == "hang" else out + ".never"
+    if mode == "oom":  # the job's processes, workers too, live under the test's memory limit
+        with open(os.path.join(os.environ["LEAKCHECK_TEST_CGROUP"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     loader = leakcheck.watch(
         DataLoader(
-            OnTheGpu(release if mode == "hang" else ""),
+            OnTheGpu(release if mode == "hang" else "", grow=mode == "oom"),
             batch_size=4,
             num_workers=2,
             multiprocessing_context="spawn",

@@ -67,9 +67,13 @@ SCRIPT = textwrap.dedent(
                 return loader()
 
         callback = LeakCheckCallback(grace=1.0, on_leak="ignore", teardown=True)
+        logger = False
+        if TENSORBOARD:
+            from lightning.pytorch.loggers import TensorBoardLogger
+            logger = TensorBoardLogger(os.path.dirname(os.path.abspath(__file__)), name="tb")
         trainer = pl.Trainer(
             max_epochs=epochs, limit_train_batches=4, limit_val_batches=2,
-            num_sanity_val_steps=2, logger=False, enable_checkpointing=False,
+            num_sanity_val_steps=2, logger=logger, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
             accelerator=ACCELERATOR, devices=1, callbacks=[callback],
             default_root_dir=os.path.dirname(os.path.abspath(__file__)),
@@ -83,6 +87,16 @@ SCRIPT = textwrap.dedent(
                 "text": report.format(verbose=True),
                 "workers": [k.pid for k in callback.trackers[stage].worker_keys()],
             }
+        if TENSORBOARD:  # what the log dir holds, read back as TensorBoard reads it
+            from tensorboard.backend.event_processing.event_accumulator import (
+                EventAccumulator,
+            )
+            events = EventAccumulator(logger.log_dir)
+            events.Reload()
+            result["tensorboard"] = {
+                tag: [event.value for event in events.Scalars(tag)]
+                for tag in events.Tags()["scalars"]
+            }
         print("RESULT " + json.dumps(result))
 
     if __name__ == "__main__":
@@ -91,9 +105,12 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def script_for(*, touch_cuda: bool, context: str, persistent: bool, accelerator: str) -> str:
+def script_for(
+    *, touch_cuda: bool, context: str, persistent: bool, accelerator: str, tensorboard: bool = False
+) -> str:
     """The scenario, with its settings as the script's first lines."""
     settings = {
+        "TENSORBOARD": tensorboard,
         "TOUCH_CUDA": touch_cuda,
         "CONTEXT": context,
         "PERSISTENT": persistent,
@@ -103,10 +120,18 @@ def script_for(*, touch_cuda: bool, context: str, persistent: bool, accelerator:
     return "".join(f"{name} = {value!r}\n" for name, value in settings.items()) + SCRIPT
 
 
-def run_fit(tmp_path: Path, *, touch_cuda: bool, context: str, persistent: bool) -> dict[str, Any]:
+def run_fit(
+    tmp_path: Path, *, touch_cuda: bool, context: str, persistent: bool, tensorboard: bool = False
+) -> dict[str, Any]:
     script = tmp_path / "lightning_fit.py"
     script.write_text(
-        script_for(touch_cuda=touch_cuda, context=context, persistent=persistent, accelerator="gpu")
+        script_for(
+            touch_cuda=touch_cuda,
+            context=context,
+            persistent=persistent,
+            accelerator="gpu",
+            tensorboard=tensorboard,
+        )
     )
     return run_job(str(script), timeout_s=600)
 
@@ -157,3 +182,17 @@ def test_gpu_fit_has_no_false_finding(
     assert [e["label"] for e in result["val"]["report"]["epochs"]] == ["val sanity check"] + [
         f"val epoch {n}" for n in range(EPOCHS)
     ]
+
+
+def test_a_fit_logs_leakcheck_scalars_into_its_tensorboard_log_dir(tmp_path: Path) -> None:
+    """The callback logs through the trainer's TensorBoardLogger: the event files hold them."""
+    pytest.importorskip("tensorboard")
+    result = run_fit(tmp_path, touch_cuda=True, context="spawn", persistent=True, tensorboard=True)
+    scalars = result["tensorboard"]
+    names = ("leaks", "workers", "parent_host_mib", "workers_host_mib", "parent_gpu_mib")
+    for stage, epochs in (("train", EPOCHS), ("val", EPOCHS + 1)):  # val: + the sanity check
+        for name in names:
+            assert len(scalars[f"leakcheck/{stage}/{name}"]) == epochs, sorted(scalars)
+        assert set(scalars[f"leakcheck/{stage}/workers"]) == {2.0}
+        assert set(scalars[f"leakcheck/{stage}/leaks"]) == {0.0}
+        assert min(scalars[f"leakcheck/{stage}/parent_gpu_mib"]) > 0  # the model's context

@@ -7,13 +7,10 @@ One column per configuration (worker count), up to four panels each, sharing the
    peak during the epoch is a line stacked on the parent like the workers' bar, so it never
    runs below that bar; where it is unknown (a worker exited unseen and reported nothing)
    the line has a gap and the bar a "?", never a 0.
-2. Host memory at the end of each epoch, stacked: the parent, then the workers (each at the
-   epoch end, or as it reported at its exit). USS where it was read, RSS where not: the
-   label says which, since RSS counts pages shared with other processes and USS does not.
-   Of the forked workers' private memory, what they copied of the parent's (copy-on-read,
-   NOTE [copy on read] in hostmem.py) is hatched, and two lines show one worker's private
-   memory beside what it still shares with the parent. Drawn without a GPU too: the
-   CPU-only picture has memory to show.
+2. Host memory at the end of each epoch, drawn as the report picture's (NOTE [report
+   picture]): one line per process group and measure, a missing read a gap. Of forked
+   workers, two lines show one worker's private memory (USS) beside what it still shares
+   with the parent (NOTE [copy on read] in hostmem.py). Drawn without a GPU too.
 3. Processes: workers seen, processes still alive after the epoch, orphans.
 4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
 
@@ -40,7 +37,6 @@ if TYPE_CHECKING:
     from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
 
 __all__ = [
-    "host_series",
     "memory_series",
     "plot_reports",
     "plot_sweep",
@@ -95,8 +91,6 @@ class _Row(Protocol):
     def temperature_c(self) -> int | None: ...
     @property
     def sm_clock_mhz(self) -> int | None: ...
-    @property
-    def parent_host_bytes(self) -> int | None: ...
     @property
     def workers_host_bytes(self) -> int | None: ...
     @property
@@ -208,52 +202,9 @@ def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
     }
 
 
-def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
-    """The host-memory panel's data, in MiB, one value per row (epoch).
-
-    ``parent`` and ``workers`` are the stacked bars (0 where not known: see
-    ``memory_series``); ``unknown`` is 1.0 where some worker's host memory is unknown (the
-    bar gets a "?"), else 0.0. ``copied`` is the forked workers' copies of the parent's
-    memory (0 where not known), part of ``workers``; ``worker_private`` and
-    ``worker_shared`` are one worker's private memory and what it still shares with the
-    parent (the sums over the workers, divided by their count; NaN where not known).
-    """
-    parent = [0.0 if r.parent_host_bytes is None else r.parent_host_bytes / MIB for r in rows]
-    workers = [0.0 if r.workers_host_bytes is None else r.workers_host_bytes / MIB for r in rows]
-    unknown = [
-        1.0 if r.workers_host_bytes is None and r.worker_count and r.host_source else 0.0
-        for r in rows
-    ]
-    copied = [
-        0.0 if r.workers_copied_bytes is None else r.workers_copied_bytes / MIB for r in rows
-    ]
-
-    def per_worker(row: _Row, value: int | None) -> float:
-        return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
-
-    return {
-        "epochs": [float(row.epoch) for row in rows],
-        "parent": parent,
-        "workers": workers,
-        "top": [p + w for p, w in zip(parent, workers, strict=True)],
-        "unknown": unknown,
-        "copied": copied,
-        "worker_private": [
-            per_worker(r, r.workers_host_bytes if r.workers_shared_bytes is not None else None)
-            for r in rows
-        ],
-        "worker_shared": [per_worker(r, r.workers_shared_bytes) for r in rows],
-    }
-
-
-def _host_label(rows: Sequence[_Row]) -> str:
-    """What the host bars are: USS, RSS, or both (per epoch, where USS was not read)."""
-    parts = {part for row in rows if row.host_source for part in row.host_source.split("+")}
-    if parts == {"uss"}:
-        return "USS: private memory"
-    if parts == {"rss"}:
-        return "RSS: resident, shared pages too"
-    return "USS; RSS where not read"
+def _per_worker(row: _Row, value: int | None) -> float:
+    """MiB of one worker's share of a row's sum; NaN where not known."""
+    return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
 
 
 def _config_title(config: _Config) -> str:
@@ -361,54 +312,34 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
 
 
 def _host_panel(axes: Any, config: _Config) -> None:
+    """The report picture's host panel (NOTE [report picture]), with the copy lines."""
     rows = config.rows
-    epochs = [row.epoch for row in rows]
     if not rows or all(row.host_source is None for row in rows):
         axes.set_yticks([])
         _note(axes, "host memory not read")
         return
-    what = _host_label(rows)
-    axes.set_ylabel(f"host memory (MiB)\n{what.split(':')[0]}")
-    series = host_series(rows)
-    axes.bar(epochs, series["parent"], color=_PARENT, label=f"parent ({what})")
-    if any(row.worker_count for row in rows):
-        axes.bar(
-            epochs,
-            series["workers"],
-            bottom=series["parent"],
-            color=_WORKERS,
-            label="workers (sum): at epoch end,\nor at exit if gone by then",
-        )
+    _report_panel(axes, config.report, report_series(config.report), "host")
     if any(row.workers_copied_bytes is not None for row in rows):
-        axes.bar(
-            epochs,
-            series["copied"],
-            bottom=series["parent"],
-            fill=False,
-            hatch="xx",
-            edgecolor=_DEVICE,
-            linewidth=0,
-            label="of it copied from the parent\n(copy-on-read)",
-        )
+        epochs = [row.epoch for row in rows]
+        private = [
+            _per_worker(r, r.workers_host_bytes)
+            if r.workers_shared_bytes is not None and r.host_source == "uss"
+            else math.nan
+            for r in rows
+        ]
         axes.plot(
-            epochs,
-            series["worker_private"],
-            color=_WORKERS,
-            marker="s",
-            linewidth=1.0,
+            epochs, private, color=_WORKERS, marker="s", linewidth=1.0,
             label="one worker: private",
-        )
+        )  # fmt: skip
         axes.plot(
             epochs,
-            series["worker_shared"],
+            [_per_worker(r, r.workers_shared_bytes) for r in rows],
             color=_SHARED,
             marker="s",
             linestyle=":",
             linewidth=1.2,
             label="one worker: still shared\nwith the parent",
         )
-    _mark_unknown(axes, epochs, series["unknown"], series["top"], "a worker's host memory unknown")
-    axes.set_ylim(bottom=0)
 
 
 def _process_panel(axes: Any, config: _Config) -> None:

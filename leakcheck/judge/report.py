@@ -351,11 +351,7 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
 
 
 def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
-    """Convert model values to JSON types: dataclasses to dicts, keys to strings.
-
-    A ``ProcessKey`` also gets its ``create_time``, for people, from ``boot_unix_s`` (None:
-    unknown): never read back (NOTE [process identity] in procs.py).
-    """
+    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -723,10 +719,7 @@ def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
 
 
 def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
-    """The workers' host memory; ``?`` when one is unknown among known ones.
-
-    ``-`` when none was read at all (an adapter that does not read host memory).
-    """
+    """The workers' host memory; ``?`` when one is unknown among known ones."""
     if host.source is None:
         return "-"  # nothing read (not 0 MiB)
     if host.workers_bytes is None and any_workers:
@@ -789,11 +782,7 @@ def align_columns(
 
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
-    """One row per epoch (and extra device): only the columns with data, as the sweep's.
-
-    A column whose every cell is ``-`` (GPU memory without NVML, host memory an adapter
-    did not read) is left out; the epoch, its label and time always show.
-    """
+    """One row per epoch (and extra device): only the columns with data, as the sweep's."""
     rows: list[list[str]] = []
     counts = epoch_counts(timeline, config.grace_s)
     for rec in timeline.epochs:
@@ -922,11 +911,7 @@ def cut(line: str, width: int) -> str:
 
 
 def _culprit_and_what(finding: Finding) -> tuple[str | None, str]:
-    """Split a finding's message into its culprit and what follows it.
-
-    NOTE [one line per finding] in verdict.py: a finding about one process reads
-    ``<culprit> <what>``; any other message is all ``what``.
-    """
+    """Split a finding's message into its culprit and what follows it."""
     if finding.pid is None:
         return None, finding.message
     who = culprit(finding.role, finding.pid, finding.cmdline, rank=finding.rank, rule=finding.rule)
@@ -962,10 +947,8 @@ _FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+.*)$')
 
 
 def _stack_row(row: str, room: int) -> str:
-    """A stack row in ``room`` characters: a long file path loses its folders first.
-
-    Never the line and function after it: a checkout under a long path would cut those off.
-    """
+    """A stack row in ``room`` characters: a long file path loses its folders first."""
+    # Never its line and function: a checkout under a long path would cut those off.
     row = row.rstrip()
     frame = _FRAME.match(row)
     if frame is None or len(row) <= room:

@@ -104,16 +104,7 @@ def _process_finding(
     scope: str | None = None,
     host_bytes: int | None = None,
 ) -> Finding:
-    """A finding about one process, its identity taken whole from ``proc``.
-
-    Its message is the culprit's name and ``what`` (NOTE [one line per finding]), or
-    ``message`` whole where the finding names a group of processes itself. Every rule
-    whose finding is about one of the job's processes (a ``ProcessEpoch``) builds the
-    finding here, so none can drop a part of the culprit's identity: a finding
-    without its rank is counted as the job's instead of its rank's (``job.judge_job``) and
-    named without it (``report.leak_short``). A foreign holder and the parent's residual
-    memory have no such record, and no rank.
-    """
+    """A finding about one process, its identity taken whole from ``proc``."""
     who = culprit(proc.role, proc.key.pid, proc.cmdline, rank=proc.rank, rule=rule)
     return Finding(
         rule=rule,
@@ -234,11 +225,8 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
-    """Seen alive later than the grace after an epoch's end (``_alive_after_s``).
-
-    Strictly later: with a grace of 0 a process that the end's own sample saw alive, and that
-    exited before any later look, has not outlived its epoch.
-    """
+    """Seen alive later than the grace after an epoch's end (``_alive_after_s``)."""
+    # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
     return after_s is not None and after_s > grace_s
 
 
@@ -264,14 +252,7 @@ def _ends_outside_the_tree(
     obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
     birth: EpochRecord | None,
 ) -> list[EpochRecord]:
-    """The epochs at whose end a process of the job was alive and outside its tree.
-
-    Alive: born by then (``birth``, from ``_birth``; where that is unknown or before the
-    epochs at hand, the first end listing it alive) and seen alive at or after it. Outside:
-    the end's full walk of the tree did not list it (``EpochCounts``). The first of them is
-    the epoch it left the tree in: it was born in it, or the walk before listed it inside.
-    ``ordered`` are the timeline's epochs by index and ``ends`` their ends, for bisection.
-    """
+    """The epochs at whose end a process of the job was alive and outside its tree."""
     start = birth or next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
     if start is None:
         return []
@@ -292,12 +273,7 @@ def _alive_after_s(
     birth: EpochRecord,
     observations: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
 ) -> float | None:
-    """Longest time after ``birth`` ended at which the process was seen alive.
-
-    Evidence comes from the birth record (``last_seen_after_s``), from later epochs that
-    still list it alive, and from the final state (the tracker's clock is shared by
-    ``EpochRecord.end_s`` and ``FinalState.time_s``).
-    """
+    """Longest time after ``birth`` ended at which the process was seen alive."""
     best: float | None = None
 
     def take(value: float | None) -> None:
@@ -354,11 +330,7 @@ def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[
 
 
 def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
-    """What started it, or the epoch it was born in; None where neither is known.
-
-    The birth epoch is the one its create time falls in (``born_epoch``), not the first
-    that saw it; one outside the judged epochs is not named.
-    """
+    """What started it, or the epoch it was born in; None where neither is known."""
     if proc.scope is not None:
         return f"started by {proc.scope}"
     born = epochs.get(proc.born_epoch) if proc.born_epoch is not None else None
@@ -863,10 +835,7 @@ def _private_bytes(proc: ProcessEpoch) -> int:
 def _copy_observations(
     timeline: Timeline,
 ) -> Iterable[tuple[int, ProcessEpoch]]:
-    """(epoch index, worker) of every forked worker's epoch with a copy reading.
-
-    A report in the middle of an epoch adds that epoch so far (``FinalState.open_epoch``).
-    """
+    """(epoch index, worker) of every forked worker's epoch with a copy reading."""
     for rec in _sorted_epochs(timeline):
         for proc in rec.processes:
             yield rec.index, proc
@@ -999,14 +968,7 @@ benchmarks/results/README.md)."""
 
 
 def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find device memory above the baseline after the work that the job does not explain.
-
-    For each device: ``rise = final used - baseline used``; ``explained = the job's
-    processes' bytes now (other trackers' and ranks' included) - what of them was there at
-    the baseline`` (``Timeline.baseline_gpu_bytes``); a leak when
-    ``rise - explained`` exceeds the tolerance. Foreign processes holding memory on the
-    device are named.
-    """
+    """Find device memory above the baseline after the work that the job does not explain."""
     final = timeline.final
     if final is None or not _has_nvml(timeline):
         return ()
@@ -1243,13 +1205,7 @@ REMEDY_SHM_CAPACITY = "give the job more shared memory (docker run --shm-size=8g
 
 
 def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
-
-    Information, not a leak: nothing was left behind, and the filesystem's use counts every
-    process that shares it (another job may have filled it). It is said because a full
-    /dev/shm is how a loader's workers die (a bus error, "insufficient shared memory"): the
-    warning comes before the crash.
-    """
+    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size."""
     worst: tuple[float, EpochRecord] | None = None
     for rec in _sorted_epochs(timeline):
         total, used = rec.shm_total_bytes, rec.shm_used_peak_bytes
@@ -1314,12 +1270,7 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def _outlives_the_work(timeline: Timeline, rec: EpochRecord | None, proc: ProcessEpoch) -> bool:
-    """A process that stays past the work that started it: where held descriptors matter.
-
-    An orphan; a descendant (not a loader's worker) alive at an epoch's end; anything alive
-    once tracking closed. A loader's live worker is none of these: healthy persistent
-    workers forked from a CUDA parent hold its descriptors for as long as they work.
-    """
+    """A process that stays past the work that started it: where held descriptors matter."""
     if proc.role == "orphan":
         return True
     if rec is None:
@@ -1420,11 +1371,7 @@ def _known_devices(timeline: Timeline) -> set[int]:
 
 
 def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
-    """The GPU a process's rank trains on: the rank's own record, else its environment.
-
-    ``LOCAL_RANK``'s device counts only where the machine has it: ranks that outnumber the
-    GPUs share the ones there are (two ranks on one GPU), and their device is then unknown.
-    """
+    """The GPU a process's rank trains on: the rank's own record, else its environment."""
     if proc.rank is None:
         return None
     recorded = timeline.rank_devices.get(proc.rank)

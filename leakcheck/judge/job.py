@@ -26,6 +26,7 @@ from leakcheck.judge.report import (
     Report,
     cut,
     leak_short,
+    record_from_dict,
     report_from_dict,
     verdict_of,
 )
@@ -109,14 +110,16 @@ def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
 
     Raises:
         KeyError: No ``rank``.
-        TypeError: Not a mapping.
+        TypeError: Not a mapping, or a rank that is no int.
 
     """
-    names = {f.name for f in dataclasses.fields(RankInfo)}
-    info = RankInfo(**{k: v for k, v in data.items() if k in names})
+    info: RankInfo = record_from_dict(RankInfo, data)
     if not isinstance(info.rank, int):
         raise TypeError(f"rank: expected an int, got {info.rank!r}")
     return info
+
+
+_LEAK_KEYS = ("rule", "pid", "start_ticks", "create_time", "role", "rank", "message")
 
 
 @dataclass(frozen=True)
@@ -156,18 +159,7 @@ class RankVerdict:
             "verdict": self.verdict,
             "reported": self.reported,
             "missing": list(self.missing),
-            "leaks": [
-                {
-                    "rule": f.rule,
-                    "pid": f.pid,
-                    "start_ticks": f.start_ticks,
-                    "create_time": f.create_time,
-                    "role": f.role,
-                    "rank": f.rank,
-                    "message": f.message,
-                }
-                for f in self.leaks
-            ],
+            "leaks": [{key: getattr(f, key) for key in _LEAK_KEYS} for f in self.leaks],
         }
 
 

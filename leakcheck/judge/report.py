@@ -428,7 +428,7 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _from_jsonable(args[0], value) if len(args) == 1 else value
     if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or _is_record(hint)):
-        return _record_from_dict(hint, value)
+        return record_from_dict(hint, value)
     if origin is tuple:
         return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
     if origin in (Mapping, dict):
@@ -443,7 +443,8 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
     return value
 
 
-def _record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+def record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+    """A dataclass or named tuple ``cls`` from ``to_dict``'s data (unknown keys ignored)."""
     hints = typing.get_type_hints(cls)
     names = cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
@@ -468,7 +469,7 @@ def finding_from_dict(data: Mapping[str, Any]) -> Finding:
 
     """
     try:
-        finding: Finding = _record_from_dict(Finding, data)
+        finding: Finding = record_from_dict(Finding, data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
     return finding
@@ -497,9 +498,9 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
         if f.name not in fields and f.name in data:
             fields[f.name] = data[f.name]
     try:
-        timeline: Timeline = _record_from_dict(Timeline, fields)
-        config: RuleConfig = _record_from_dict(RuleConfig, data.get("config") or {})
-        findings = tuple(_record_from_dict(Finding, f) for f in data.get("findings") or ())
+        timeline: Timeline = record_from_dict(Timeline, fields)
+        config: RuleConfig = record_from_dict(RuleConfig, data.get("config") or {})
+        findings = tuple(record_from_dict(Finding, f) for f in data.get("findings") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
     return Report(timeline=timeline, findings=findings, config=config)

@@ -28,7 +28,6 @@ from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
 from leakcheck.judge.deaths import died, hang
-from leakcheck.judge.limits import fd_pressure
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -41,6 +40,7 @@ __all__ = [
     "descriptor_holder",
     "device_mismatch",
     "epoch_counts",
+    "fd_pressure",
     "growth",
     "growth_slope",
     "high_clocks",
@@ -1424,6 +1424,42 @@ def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         )
         for failure in timeline.failures
     )
+
+
+REMEDY_FD_PRESSURE = (
+    "raise it (ulimit -n 65536), or torch.multiprocessing.set_sharing_strategy('file_system')"
+)
+
+
+def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note processes whose open descriptors reached the pressure share of their limit.
+
+    A DataLoader's default sharing strategy passes each shared tensor as a descriptor: at the
+    limit, "Too many open files" or "received 0 items of ancdata". Read at epoch ends only.
+    """
+    found: list[Finding] = []
+    for obs in _observations(timeline).values():
+        shares = [(p.open_fds / p.fd_limit, rec, p) for rec, p in obs if p.open_fds and p.fd_limit]
+        if not shares:
+            continue
+        share, rec, proc = max(shares, key=lambda item: item[0])
+        if share < config.fd_pressure_fraction:
+            continue
+        when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
+        found.append(
+            _process_finding(
+                proc,
+                rule="fd-pressure",
+                severity="info",
+                what=(
+                    f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
+                    f"({share:.0%}) {when}"
+                ),
+                remedy=REMEDY_FD_PRESSURE,
+                epoch=rec.index if rec is not None else None,
+            )
+        )
+    return tuple(found)
 
 
 # --------------------------------------------------------------------------- judge

@@ -714,58 +714,57 @@ def _process_lines(timeline: Timeline) -> list[str]:
     if timeline.final is not None:
         groups.append(("after the work", timeline.final.processes))
     for title, procs in groups:
-        lines.append("")
-        lines.append(f"{title}:")
+        lines += ["", f"{title}:"]
         if not procs:
             continue
         rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
         for proc in procs:
-            flags = [
-                name
-                for name, on in (
-                    ("born", proc.born_in_epoch),
-                    ("persistent", proc.persistent),
-                    ("gone-at-end", not proc.alive_at_end),
-                )
-                if on
-            ]
-            if proc.exited_after_s is not None:
-                flags.append(f"exited+{proc.exited_after_s:.1f}s")
-            if proc.last_seen_after_s is not None:
-                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
-                flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
-            if not known:
-                held = "-"
-            elif proc.gpu_bytes_unknown:
-                held = "?"
-            else:
-                held = (
-                    ",".join(
-                        f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())
-                    )
-                    or "0"
-                )
-            peak = proc.total_gpu_bytes_peak
-            if not known:
-                peak_cell = "-"
-            elif peak is None:
-                peak_cell = "?"
-            else:
-                peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
             rows.append(
                 [
                     rank_label(proc.rank) + proc.role,
                     str(proc.key.pid),
-                    held,
-                    peak_cell,
+                    _held_cell(proc) if known else "-",
+                    _peak_cell(proc) if known else "-",
                     _host_cell(proc),
                     or_dash(proc.nvidia_fds),
-                    " ".join(flags) or "-",
+                    _flags_cell(proc),
                     process_name(proc.cmdline),
                 ]
             )
         lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
+
+
+def _flags_cell(proc: ProcessEpoch) -> str:
+    flags = [
+        name
+        for name, on in (
+            ("born", proc.born_in_epoch),
+            ("persistent", proc.persistent),
+            ("gone-at-end", not proc.alive_at_end),
+        )
+        if on
+    ]
+    if proc.exited_after_s is not None:
+        flags.append(f"exited+{proc.exited_after_s:.1f}s")
+    if proc.last_seen_after_s is not None:
+        # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+        flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
+    return " ".join(flags) or "-"
+
+
+def _held_cell(proc: ProcessEpoch) -> str:
+    if proc.gpu_bytes_unknown:
+        return "?"
+    held = [f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())]
+    return ",".join(held) or "0"
+
+
+def _peak_cell(proc: ProcessEpoch) -> str:
+    peak = proc.total_gpu_bytes_peak
+    if peak is None:
+        return "?"
+    return format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
 
 
 def _host_cell(proc: ProcessEpoch) -> str:

@@ -1,17 +1,10 @@
 """The ``died`` rule: a process of the job ended by a signal, and what the evidence says why.
 
 NOTE [death evidence]: a signal names no sender, so the finding says only what was read as
-the death was noted (``Sampler.note_exit``), and never more:
-
-* SIGKILL and the memory cgroup's OOM-kill counter rose since the last reading, or the
-  machine's available memory was under ``_NEAR_FULL_FRACTION`` of it: the OOM killer, with
-  the process's resident memory at the last read and its growth since its birth;
-* SIGBUS and ``/dev/shm`` at the shm rule's pressure (``RuleConfig.shm_pressure_fraction``)
-  in the epoch: ``/dev/shm`` exhausted, with its size and use;
-* SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE: a crash in native code, with the innermost
-  frames of the Python stack the worker's faulthandler wrote (the crashing thread's whole
-  stack in the finding's ``stack``, the report shows it; every thread's in the timeline);
-* anything else: killed by that signal, sender unknown.
+the death was noted, never more: SIGKILL with the cgroup's OOM-kill count risen or the
+machine's available memory nearly gone is the OOM killer; SIGBUS with ``/dev/shm`` at the shm
+rule's pressure is ``/dev/shm`` exhausted; SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE are a
+crash in native code, with the faulthandler's stack; anything else is sender unknown.
 """
 
 from __future__ import annotations
@@ -26,9 +19,8 @@ from leakcheck.core.units import format_size
 
 __all__ = ["died", "hang", "signal_name"]
 
+# Available memory under this share of the machine's: the machine-wide OOM killer's condition.
 _NEAR_FULL_FRACTION = 0.05
-"""Available memory under this share of the machine's is the machine-wide OOM killer's
-condition (it frees memory as it kills, so a reading after a kill shows more)."""
 
 _CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
@@ -44,10 +36,7 @@ def signal_name(number: int) -> str:
 
 
 def innermost_frames(stack: str, count: int = 2) -> str | None:
-    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first.
-
-    faulthandler writes every thread, the crashing one headed ``Current thread``.
-    """
+    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
     lines = stack.splitlines()
     current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
     frames: list[str] = []

@@ -1,14 +1,8 @@
-"""A distributed job's verdict: one per rank, and one for the job, from the ranks' reports.
+"""A distributed job's verdict, one per rank and one for the job, from the ranks' reports.
 
-Each rank's trackers judge their own lineage (their root is the rank's process); a tracker
-outside the job (``leakcheck run``'s, rooted at the agent) sees every rank and what
-outlives them. ``judge_job`` merges both: a rank's leaks are those its own reports found
-and those of the outside reports whose culprit carries its rank (``Finding.rank``); each
-leaking process counts once. A rank whose report never came (killed, ``os._exit``) still
-gets a verdict from what the outside saw, and says that its own report is missing.
-
-Pure functions over ``Report`` values; the gathering itself (files, torch.distributed) is
-done by the adapters (``launcher.py``, ``distributed.py``).
+A rank's leaks are those its own reports found and those of reports from outside the ranks
+(``leakcheck run``'s) whose culprit carries its rank; each leaking process counts once. A
+rank whose report never came still gets a verdict from outside, and says it is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from leakcheck.judge.report import (
     Report,
     cut,
     leak_short,
+    record_from_dict,
     report_from_dict,
     verdict_of,
 )
@@ -56,15 +51,7 @@ def finding_identity(finding: Finding) -> tuple[object, ...]:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one rank's process reported about its own lineage.
-
-    Attributes:
-        info: The rank, as its environment says (``RankInfo``).
-        pid: The rank's process.
-        reports: Its trackers' judged reports (one per loader, or the ones it gathered).
-        missing: Why a report of it never came (one line each; empty when all came).
-
-    """
+    """What one rank's process reported (``missing``: why a report of it never came)."""
 
     info: RankInfo
     pid: int
@@ -84,12 +71,7 @@ class RankReport:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankReport:
-        """Read ``to_dict``'s form back.
-
-        Raises:
-            UsageError: Not a rank report of this layout.
-
-        """
+        """Read ``to_dict``'s form back; ``UsageError`` where it is not a rank report."""
         if not isinstance(data, Mapping) or data.get("schema") != "leakcheck.rank":
             raise UsageError("rank report data: expected schema 'leakcheck.rank'")
         try:
@@ -109,30 +91,21 @@ def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
 
     Raises:
         KeyError: No ``rank``.
-        TypeError: Not a mapping.
+        TypeError: Not a mapping, or a rank that is no int.
 
     """
-    names = {f.name for f in dataclasses.fields(RankInfo)}
-    info = RankInfo(**{k: v for k, v in data.items() if k in names})
+    info: RankInfo = record_from_dict(RankInfo, data)
     if not isinstance(info.rank, int):
         raise TypeError(f"rank: expected an int, got {info.rank!r}")
     return info
 
 
+_LEAK_KEYS = ("rule", "pid", "start_ticks", "create_time", "role", "rank", "message")
+
+
 @dataclass(frozen=True)
 class RankVerdict:
-    """One rank's verdict.
-
-    Attributes:
-        rank: The global rank.
-        pids: Its processes that reported, or that the outside saw as the rank's root.
-        restart_counts: The elastic restarts its processes were started in.
-        leaks: Its leaks, each leaking process once.
-        reported: Every report of it came.
-        missing: Why those that did not, did not.
-        blind: A report of it could not attribute GPU memory (PID namespace).
-
-    """
+    """One rank's verdict: its leaks, each process once; ``missing``: why a report never came."""
 
     rank: int
     pids: tuple[int, ...]
@@ -156,32 +129,13 @@ class RankVerdict:
             "verdict": self.verdict,
             "reported": self.reported,
             "missing": list(self.missing),
-            "leaks": [
-                {
-                    "rule": f.rule,
-                    "pid": f.pid,
-                    "start_ticks": f.start_ticks,
-                    "create_time": f.create_time,
-                    "role": f.role,
-                    "rank": f.rank,
-                    "message": f.message,
-                }
-                for f in self.leaks
-            ],
+            "leaks": [{key: getattr(f, key) for key in _LEAK_KEYS} for f in self.leaks],
         }
 
 
 @dataclass(frozen=True)
 class JobReport:
-    """The job's verdict and each rank's.
-
-    Attributes:
-        world_size: Ranks in the job, as the ranks said (None: not known).
-        ranks: One verdict per rank seen, by rank.
-        leaks: Every leak of the job (the ranks' and those no rank owns), each once.
-        blind: Some report could not attribute GPU memory.
-
-    """
+    """The job's verdict (every leak once, the ranks' and those no rank owns) and each rank's."""
 
     world_size: int | None
     ranks: tuple[RankVerdict, ...]
@@ -205,13 +159,7 @@ class JobReport:
         }
 
     def format_lines(self, indent: str = "", *, named: bool = True) -> list[str]:
-        """The job's verdict line, then one line per rank.
-
-        Args:
-            indent: Put before every line.
-            named: Name each rank's first leaks; False where finding lines above name them.
-
-        """
+        """The job's verdict line, then one per rank (``named``: name its first leaks)."""
         size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
         missing = [str(r) for r in range(self.world_size or 0) if r not in self._ranks()]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
@@ -268,14 +216,9 @@ def judge_job(
     """One verdict per rank and one for the job (see the module docstring).
 
     Args:
-        rank_reports: What each rank's process reported (several per rank: its loaders, a
-            restarted rank's earlier process).
+        rank_reports: What each rank's processes reported (several per rank).
         outside: Reports of trackers outside the ranks (``leakcheck run``'s tree).
-        rank_roots: Rank -> PIDs the outside saw as the rank's process, for ranks that
-            sent nothing.
-
-    Returns:
-        The ``JobReport``.
+        rank_roots: Rank -> PIDs the outside saw as its process, for ranks that sent nothing.
 
     """
     by_rank: dict[int, list[RankReport]] = {}

@@ -1,27 +1,11 @@
-"""A picture of a sweep: memory per epoch by process role, processes, thermal state.
+"""Pictures of a sweep and of reports (matplotlib's object API on an Agg canvas only).
 
-One column per configuration (worker count), up to four panels each, sharing the epoch axis:
-
-1. GPU memory at the end of each epoch, stacked by role (parent, workers, descendants and
-   orphans), with the device's used memory as a line: a leak is a staircase. The workers'
-   peak during the epoch is a line stacked on the parent like the workers' bar, so it never
-   runs below that bar; where it is unknown (a worker exited unseen and reported nothing)
-   the line has a gap and the bar a "?", never a 0.
-2. Host memory at the end of each epoch, stacked: the parent, then the workers (each at the
-   epoch end, or as it reported at its exit). USS where it was read, RSS where not: the
-   label says which, since RSS counts pages shared with other processes and USS does not.
-   Of the forked workers' private memory, what they copied of the parent's (copy-on-read,
-   NOTE [copy on read] in hostmem.py) is hatched, and two lines show one worker's private
-   memory beside what it still shares with the parent. Drawn without a GPU too: the
-   CPU-only picture has memory to show.
-3. Processes: workers seen, processes still alive after the epoch, orphans.
-4. Thermal state: GPU temperature (left axis) and SM clock (right axis).
-
-Each column's title gives its throughput and the share of the loop spent waiting for
-batches; the figure's title ends with the recommended worker count and its memory cost.
-
-matplotlib is imported only here, and only its object-oriented API with the Agg canvas is
-used: drawing a sweep never changes the backend of the caller's ``pyplot``.
+A sweep: one column per configuration, sharing the epoch axis: GPU memory at each epoch end
+stacked by role with the device's used memory as a line (a leak is a staircase; the
+workers' peak, stacked on the parent, has a gap and its bar a "?" where unknown, never a 0);
+host memory as a report's (NOTE [report picture]) with one forked worker's private and still
+shared memory (NOTE [copy on read] in hostmem.py); processes; GPU temperature and SM clock.
+Titles give throughput, wait share and the recommended worker count.
 """
 
 from __future__ import annotations
@@ -40,8 +24,6 @@ if TYPE_CHECKING:
     from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
 
 __all__ = [
-    "host_series",
-    "memory_series",
     "plot_reports",
     "plot_sweep",
     "render",
@@ -50,9 +32,7 @@ __all__ = [
 ]
 
 
-# What the picture reads of a sweep. The sweep engine sits above this module (it is the
-# command line's), so its result is described here by shape, never imported
-# (``leakcheck.commands.sweep.SweepResult`` fits).
+# The sweep sits above this layer: its result is described by shape, never imported.
 
 
 class _Report(Protocol):
@@ -95,8 +75,6 @@ class _Row(Protocol):
     def temperature_c(self) -> int | None: ...
     @property
     def sm_clock_mhz(self) -> int | None: ...
-    @property
-    def parent_host_bytes(self) -> int | None: ...
     @property
     def workers_host_bytes(self) -> int | None: ...
     @property
@@ -163,29 +141,25 @@ _SHARED = "#56B4E9"
 _VERDICT_COLOURS = {"clean": "#009E73", "leak": "#D55E00", "blind": "#E69F00"}
 
 
-def _mib(values: Sequence[int | None]) -> list[float]:
-    """MiB for plotting; an unknown value is NaN (a gap in a line), never 0."""
-    return [math.nan if value is None else value / MIB for value in values]
+def _gaps(values: Sequence[float | None], unit: float = 1.0) -> list[float]:
+    """Values in ``unit``; an unknown one is NaN (a gap in a line), never 0."""
+    return [math.nan if value is None else value / unit for value in values]
+
+
+def _bars(values: Sequence[int | None]) -> list[float]:
+    """MiB of stacked bars: 0 where not known (a gap in a stack would misplace those above)."""
+    return [0.0 if value is None else value / MIB for value in values]
 
 
 def _why(reason: str) -> str:
     return reason or "no GPU"
 
 
-def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
-    """The memory panel's data, in MiB, one value per row (epoch).
-
-    ``parent``, ``workers`` and ``others`` are the stacked bars at the epoch end (0 where not
-    known: a bar is drawn or not, a gap in a stack would misplace the bars above it);
-    ``workers_top`` is the top of the workers' bar (parent + workers). ``workers_peak_top``
-    is the workers' peak on the same basis as their bar, stacked on the parent, and never
-    below ``workers_top`` (peak >= end); NaN where the peak is unknown (a worker exited
-    unseen and reported nothing), so that the line has a gap there, never a 0. ``unknown``
-    is 1.0 for those epochs, else 0.0.
-    """
-    parent = [0.0 if r.parent_gpu_bytes is None else r.parent_gpu_bytes / MIB for r in rows]
-    workers = [0.0 if r.workers_gpu_bytes is None else r.workers_gpu_bytes / MIB for r in rows]
-    others = [0.0 if r.other_gpu_bytes is None else r.other_gpu_bytes / MIB for r in rows]
+def _memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
+    """The GPU panel's bars and lines in MiB (the workers' peak stacked on the parent)."""
+    parent = _bars([r.parent_gpu_bytes for r in rows])
+    workers = _bars([r.workers_gpu_bytes for r in rows])
+    others = _bars([r.other_gpu_bytes for r in rows])
     workers_top = [p + w for p, w in zip(parent, workers, strict=True)]
     peak_top: list[float] = []
     unknown: list[float] = []
@@ -208,52 +182,9 @@ def memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
     }
 
 
-def host_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
-    """The host-memory panel's data, in MiB, one value per row (epoch).
-
-    ``parent`` and ``workers`` are the stacked bars (0 where not known: see
-    ``memory_series``); ``unknown`` is 1.0 where some worker's host memory is unknown (the
-    bar gets a "?"), else 0.0. ``copied`` is the forked workers' copies of the parent's
-    memory (0 where not known), part of ``workers``; ``worker_private`` and
-    ``worker_shared`` are one worker's private memory and what it still shares with the
-    parent (the sums over the workers, divided by their count; NaN where not known).
-    """
-    parent = [0.0 if r.parent_host_bytes is None else r.parent_host_bytes / MIB for r in rows]
-    workers = [0.0 if r.workers_host_bytes is None else r.workers_host_bytes / MIB for r in rows]
-    unknown = [
-        1.0 if r.workers_host_bytes is None and r.worker_count and r.host_source else 0.0
-        for r in rows
-    ]
-    copied = [
-        0.0 if r.workers_copied_bytes is None else r.workers_copied_bytes / MIB for r in rows
-    ]
-
-    def per_worker(row: _Row, value: int | None) -> float:
-        return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
-
-    return {
-        "epochs": [float(row.epoch) for row in rows],
-        "parent": parent,
-        "workers": workers,
-        "top": [p + w for p, w in zip(parent, workers, strict=True)],
-        "unknown": unknown,
-        "copied": copied,
-        "worker_private": [
-            per_worker(r, r.workers_host_bytes if r.workers_shared_bytes is not None else None)
-            for r in rows
-        ],
-        "worker_shared": [per_worker(r, r.workers_shared_bytes) for r in rows],
-    }
-
-
-def _host_label(rows: Sequence[_Row]) -> str:
-    """What the host bars are: USS, RSS, or both (per epoch, where USS was not read)."""
-    parts = {part for row in rows if row.host_source for part in row.host_source.split("+")}
-    if parts == {"uss"}:
-        return "USS: private memory"
-    if parts == {"rss"}:
-        return "RSS: resident, shared pages too"
-    return "USS; RSS where not read"
+def _per_worker(row: _Row, value: int | None) -> float:
+    """MiB of one worker's share of a row's sum; NaN where not known."""
+    return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
 
 
 def _config_title(config: _Config) -> str:
@@ -270,6 +201,20 @@ def _config_title(config: _Config) -> str:
     if speed and share is not None:
         speed += f", {share:.0%} of the loop waiting"
     return f"{head}\nverdict: {tail}{speed}"
+
+
+def _figure(width: float, height: float) -> Any:
+    """A ``Figure`` on its own Agg canvas (never the caller's ``pyplot`` backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _title(axes: Any, text: str, verdict: str) -> None:
+    axes.set_title(text, fontsize=10, color=_VERDICT_COLOURS.get(verdict, "#000000"))
 
 
 def _note(axes: Any, text: str) -> None:
@@ -309,14 +254,14 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
     per_process = any(row.parent_gpu_bytes is not None for row in rows)
     if not rows or not per_process:
         if rows:
-            used = _mib([row.device_used_bytes for row in rows])
+            used = _gaps([row.device_used_bytes for row in rows], MIB)
             axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
             axes.set_yticks([])
             _note(axes, "GPU memory not measured: " + _why(reason))
         return
-    series = memory_series(rows)
+    series = _memory_series(rows)
     parent, workers = series["parent"], series["workers"]
     axes.bar(epochs, parent, color=_PARENT, label="parent, at epoch end")
     axes.bar(epochs, workers, bottom=parent, color=_WORKERS, label="workers (sum), at epoch end")
@@ -351,7 +296,7 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
     if any(value is not None for value in device_used):
         axes.plot(
             epochs,
-            _mib(device_used),
+            _gaps(device_used, MIB),
             color=_DEVICE,
             marker="o",
             linewidth=1.2,
@@ -361,54 +306,34 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
 
 
 def _host_panel(axes: Any, config: _Config) -> None:
+    """The report picture's host panel (NOTE [report picture]), with the copy lines."""
     rows = config.rows
-    epochs = [row.epoch for row in rows]
     if not rows or all(row.host_source is None for row in rows):
         axes.set_yticks([])
         _note(axes, "host memory not read")
         return
-    what = _host_label(rows)
-    axes.set_ylabel(f"host memory (MiB)\n{what.split(':')[0]}")
-    series = host_series(rows)
-    axes.bar(epochs, series["parent"], color=_PARENT, label=f"parent ({what})")
-    if any(row.worker_count for row in rows):
-        axes.bar(
-            epochs,
-            series["workers"],
-            bottom=series["parent"],
-            color=_WORKERS,
-            label="workers (sum): at epoch end,\nor at exit if gone by then",
-        )
+    _report_panel(axes, config.report, report_series(config.report), "host")
     if any(row.workers_copied_bytes is not None for row in rows):
-        axes.bar(
-            epochs,
-            series["copied"],
-            bottom=series["parent"],
-            fill=False,
-            hatch="xx",
-            edgecolor=_DEVICE,
-            linewidth=0,
-            label="of it copied from the parent\n(copy-on-read)",
-        )
+        epochs = [row.epoch for row in rows]
+        private = [
+            _per_worker(r, r.workers_host_bytes)
+            if r.workers_shared_bytes is not None and r.host_source == "uss"
+            else math.nan
+            for r in rows
+        ]
         axes.plot(
-            epochs,
-            series["worker_private"],
-            color=_WORKERS,
-            marker="s",
-            linewidth=1.0,
+            epochs, private, color=_WORKERS, marker="s", linewidth=1.0,
             label="one worker: private",
-        )
+        )  # fmt: skip
         axes.plot(
             epochs,
-            series["worker_shared"],
+            [_per_worker(r, r.workers_shared_bytes) for r in rows],
             color=_SHARED,
             marker="s",
             linestyle=":",
             linewidth=1.2,
             label="one worker: still shared\nwith the parent",
         )
-    _mark_unknown(axes, epochs, series["unknown"], series["top"], "a worker's host memory unknown")
-    axes.set_ylim(bottom=0)
 
 
 def _process_panel(axes: Any, config: _Config) -> None:
@@ -452,14 +377,14 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
         return clock_axes
     axes.plot(
         epochs,
-        [float("nan") if t is None else t for t in temperatures],
+        _gaps(temperatures),
         color=_TEMPERATURE,
         marker="o",
         label="temperature",
     )
     clock_axes.plot(
         epochs,
-        [float("nan") if c is None else c for c in clocks],
+        _gaps(clocks),
         color=_CLOCK,
         marker="d",
         linestyle="--",
@@ -496,19 +421,11 @@ def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None)
 
 
 def render(result: _Sweep) -> Any:
-    """Draw the sweep; returns a ``matplotlib.figure.Figure`` (Agg canvas attached).
-
-    Without a GPU the host-memory and process panels are drawn, and the title says why the
-    GPU panels are missing.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    """Draw the sweep; a ``Figure`` (Agg canvas). Without a GPU, host and process panels."""
     configs = result.configs
     columns = max(len(configs), 1)
     gpu = result.gpu_available
-    figure = Figure(figsize=(4.2 * columns + 1.6, 11.5 if gpu else 6.6), layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = _figure(4.2 * columns + 1.6, 11.5 if gpu else 6.6)
     if gpu:
         grid = figure.subplots(
             4,
@@ -527,11 +444,7 @@ def render(result: _Sweep) -> Any:
     clock_row: list[Any] = []
     for column, config in enumerate(configs):
         top = memory_row[column] if gpu else host_row[column]
-        top.set_title(
-            _config_title(config),
-            fontsize=10,
-            color=_VERDICT_COLOURS.get(config.report.verdict, "#000000"),
-        )
+        _title(top, _config_title(config), config.report.verdict)
         panels = [process_row[column], host_row[column]]
         _process_panel(process_row[column], config)
         _host_panel(host_row[column], config)
@@ -579,18 +492,11 @@ def render(result: _Sweep) -> Any:
 
 
 def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
-    """Write the sweep's picture as a PNG, atomically (a reader never sees half a file).
+    """Write the sweep's picture as a PNG, atomically; returns ``path``."""
+    return _write_png(render(result), path, dpi)
 
-    Args:
-        result: The sweep.
-        path: Target ``.png`` file.
-        dpi: Resolution.
 
-    Returns:
-        ``path``.
-
-    """
-    figure = render(result)
+def _write_png(figure: Any, path: str, dpi: int) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     write_atomic(path, buffer.getvalue())
@@ -633,13 +539,10 @@ def _gpu(process: ProcessEpoch) -> int | None:
 
 
 def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
-    """One report's lines, in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
+    """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
-    Groups: ``parent``, ``workers`` (summed), ``others`` (descendants and orphans), each
-    only where an epoch had one. Measures: ``rss`` and ``uss`` (host), ``gpu`` (the
-    workers' peaks, the others' at the epoch end; only where NVML attributes GPU memory to
-    processes). NaN where the group had no process in that epoch or a value is not known
-    (NOTE [report picture]).
+    Groups ``parent``, ``workers``, ``others``; measures ``rss``, ``uss`` and, where NVML
+    attributes memory to processes, ``gpu`` (workers' peaks). NaN: NOTE [report picture].
     """
     from leakcheck.judge.verdict import per_pid_bytes_known
 
@@ -719,21 +622,12 @@ def _report_title(label: str, report: _Report) -> str:
 
 
 def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
-    """Draw reports side by side (NOTE [report picture]); a ``Figure`` (Agg canvas).
-
-    Args:
-        reports: ``(label, report)`` pairs, one column each (the label names its loader).
-
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    """Draw ``(label, report)`` pairs side by side (NOTE [report picture]); a ``Figure``."""
     columns = max(len(reports), 1)
     drawn = [(label, report, report_series(report)) for label, report in reports]
     gpu = any("gpu" in lines for _, _, series in drawn for lines in series.values())
     panels = ["gpu", "host"] if gpu else ["host"]
-    figure = Figure(figsize=(4.6 * columns + 1.8, 3.4 * len(panels) + 1.2), layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = _figure(4.6 * columns + 1.8, 3.4 * len(panels) + 1.2)
     grid = figure.subplots(len(panels), columns, squeeze=False, sharex="col")
     for column, (label, report, series) in enumerate(drawn):
         for row, panel in enumerate(panels):
@@ -742,11 +636,7 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
                 _note(axes, "no epochs")
                 continue
             _report_panel(axes, report, series, panel)
-        grid[0][column].set_title(
-            _report_title(label, report),
-            fontsize=10,
-            color=_VERDICT_COLOURS.get(report.verdict, "#000000"),
-        )
+        _title(grid[0][column], _report_title(label, report), report.verdict)
         bottom = grid[-1][column]
         bottom.set_xticks(list(range(len(report.epochs))))
         bottom.set_xticklabels(
@@ -767,8 +657,4 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
 
 def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
     """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
-    figure = render_reports(reports)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi)
-    write_atomic(path, buffer.getvalue())
-    return path
+    return _write_png(render_reports(reports), path, dpi)

@@ -1,10 +1,4 @@
-"""Report: a judged timeline, rendered as text or as JSON-able data.
-
-``build_report`` runs the leak rules (``verdict.judge``) over a ``Timeline``; the ``Report``
-holds the timeline, the findings and the thresholds used, and renders them:
-``format()`` for people (quiet when all is well), ``to_dict()`` for tools
-(``schema_version`` 3; ``report_from_dict`` reads it back).
-"""
+"""A judged timeline (``build_report``), as text for people or JSON-able data for tools."""
 
 from __future__ import annotations
 
@@ -62,24 +56,17 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 3
-"""Version of the ``to_dict`` layout; bumped on any change of it. 2 added the distributed
-rank of processes and findings (``rank``, ``rank_device``) and ``rank_devices``; 3 the
-identity of processes by start ticks (``start_ticks`` of every key and finding, and
-``boot_unix_s``): ``create_time`` stays, derived for people."""
+"""Version of the ``to_dict`` layout (3: processes by start ticks), bumped on any change."""
 
+# An older layout names processes by create times, which are no identities (NOTE [process
+# identity] in procs.py).
 _READABLE_VERSIONS = (SCHEMA_VERSION,)
-"""Layouts ``report_from_dict`` reads: an older one names processes by create times, which
-are no identities (NOTE [process identity] in procs.py)."""
 
 Verdict = Literal["clean", "leak", "blind"]
 
 
 def verdict_of(*, leaked: bool, blind: bool) -> Verdict:
-    """The verdict of one report: ``leak``, ``blind`` or ``clean``.
-
-    ``leak`` when anything leaked; else ``blind`` where processes could not be attributed
-    (never ``clean`` then); else ``clean``.
-    """
+    """``leak`` if anything leaked, else ``blind`` if not attributable, else ``clean``."""
     if leaked:
         return "leak"
     return "blind" if blind else "clean"
@@ -97,20 +84,11 @@ _VERDICT_LEAKS_SHOWN = 3
 
 @dataclass(frozen=True)
 class Report:
-    """The findings of the leak rules over one timeline.
-
-    Attributes:
-        timeline: Everything the tracker observed.
-        findings: Leaks first, then by epoch, then PID (as ``verdict.judge`` orders them).
-        config: The thresholds the findings were judged with.
-
-    """
+    """The findings of the leak rules over one timeline, in ``verdict.judge``'s order."""
 
     timeline: Timeline
     findings: tuple[Finding, ...]
     config: RuleConfig
-
-    # ------------------------------------------------------------------ views
 
     @property
     def leaks(self) -> list[Finding]:
@@ -129,11 +107,7 @@ class Report:
 
     @property
     def verdict(self) -> Verdict:
-        """Return ``leak``, ``blind`` or ``clean``.
-
-        ``leak`` when any leak was found; ``blind`` when none was but processes could not
-        be attributed (never ``clean`` then); otherwise ``clean``.
-        """
+        """``leak``, ``blind`` or ``clean`` (``verdict_of``)."""
         return verdict_of(
             leaked=bool(self.leaks), blind=self.timeline.attribution == "blind-namespace"
         )
@@ -148,15 +122,8 @@ class Report:
         """Every process of the job's lineage that the report saw (what its summary counts)."""
         return frozenset(_lineage_keys(self.timeline))
 
-    # ------------------------------------------------------------------ data
-
     def to_dict(self) -> dict[str, Any]:
-        """Return the report as plain data that ``json.dumps`` accepts.
-
-        Mapping keys (device indices) become strings, tuples become lists. Besides every
-        field of the timeline, the layout carries ``schema_version``, ``verdict`` and a
-        ``summary``; ``report_from_dict`` reads it back.
-        """
+        """JSON-able data: the timeline, ``verdict``, ``summary`` (``report_from_dict``)."""
         tl = self.timeline
         boot = tl.boot_unix_s
         extra = {
@@ -190,16 +157,12 @@ class Report:
             **extra,
         }
 
-    # ------------------------------------------------------------------ text
-
     def summary(self, *, gpu: bool = True, named: bool = True) -> str:
-        """Return the one-line verdict that ends ``format()``.
+        """The one-line verdict that ends ``format()``.
 
         Args:
-            gpu: Say that GPU memory was not checked, where it was not (False where the
-                caller said so once already, as a sweep's header does).
-            named: Name the first leaks (a line that stands alone, as a warning's); False
-                where the finding lines above it name them already.
+            gpu: Say that GPU memory was not checked, where it was not (False: said already).
+            named: Name the first leaks (False: the finding lines above name them).
 
         """
         return self._verdict_line(gpu=gpu, named=named) + self._pending_text()
@@ -246,12 +209,9 @@ class Report:
         return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
 
     def format(self, *, verbose: bool = False) -> str:
-        """Render the report as text.
+        """The report as text (a clean one: its advice and verdict line only).
 
-        A clean report is short: its advice, if any, and the verdict line. Otherwise (or
-        with ``verbose``): a header, why attribution is limited (if it is), a table with
-        one row per epoch, the findings with their fixes, and the verdict line. ``verbose``
-        adds every process of every epoch, the thresholds and worker teardowns.
+        ``verbose`` adds every process of every epoch, the thresholds and worker teardowns.
         """
         lines: list[str] = []
         if self.clean and not verbose:
@@ -284,17 +244,7 @@ class Report:
         indent: str = "",
         loader: str | None = None,
     ) -> list[str]:
-        """``finding_lines`` of this report's findings, naming workers by their index.
-
-        A worker's index is known where it reported it at its exit (``Timeline.teardowns``).
-
-        Args:
-            findings: Which of its findings (default: those ``said``); those a person cannot
-                act on are left out either way (``is_said``).
-            indent: Put before every line.
-            loader: The label of the loader the report is of, naming its workers.
-
-        """
+        """``finding_lines`` of ``findings`` (default: ``said``), workers named by index."""
         worker_ids = {
             rec.key.pid: rec.worker_id
             for rec in self.timeline.teardowns
@@ -305,20 +255,11 @@ class Report:
 
     @property
     def said(self) -> list[Finding]:
-        """The findings the text reports write: all but those no one can act on (``is_said``)."""
+        """The findings the text reports write (``is_said``)."""
         return [f for f in self.findings if is_said(f)]
 
     def plot(self, path: str, *, label: str = "") -> str:
-        """Draw the report as a PNG (NOTE [report picture] in plot.py); returns ``path``.
-
-        Args:
-            path: Target ``.png`` file, written atomically.
-            label: What the report is of (a loader's name), above its picture.
-
-        Raises:
-            UsageError: matplotlib is not installed.
-
-        """
+        """Draw the report, titled ``label``, as a PNG (``plot_reports``); returns ``path``."""
         return plot_reports([(label, self)], path)
 
     def __str__(self) -> str:
@@ -351,11 +292,7 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
 
 
 def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
-    """Convert model values to JSON types: dataclasses to dicts, keys to strings.
-
-    A ``ProcessKey`` also gets its ``create_time``, for people, from ``boot_unix_s`` (None:
-    unknown): never read back (NOTE [process identity] in procs.py).
-    """
+    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -432,7 +369,7 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _from_jsonable(args[0], value) if len(args) == 1 else value
     if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or _is_record(hint)):
-        return _record_from_dict(hint, value)
+        return record_from_dict(hint, value)
     if origin is tuple:
         return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
     if origin in (Mapping, dict):
@@ -447,7 +384,8 @@ def _from_jsonable(hint: Any, value: Any) -> Any:
     return value
 
 
-def _record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+def record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
+    """A dataclass or named tuple ``cls`` from ``to_dict``'s data (unknown keys ignored)."""
     hints = typing.get_type_hints(cls)
     names = cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
@@ -465,26 +403,16 @@ def finding_to_dict(finding: Finding) -> dict[str, Any]:
 
 
 def finding_from_dict(data: Mapping[str, Any]) -> Finding:
-    """Read back a finding written by ``finding_to_dict`` (after a JSON round trip).
-
-    Raises:
-        UsageError: The data is not a finding.
-
-    """
+    """Read back ``finding_to_dict``'s data; ``UsageError`` where it is not a finding."""
     try:
-        finding: Finding = _record_from_dict(Finding, data)
+        finding: Finding = record_from_dict(Finding, data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
     return finding
 
 
 def report_from_dict(data: Mapping[str, Any]) -> Report:
-    """Read back a report written by ``Report.to_dict`` (after a JSON round trip).
-
-    Raises:
-        UsageError: The data is not a leakcheck report of this schema version.
-
-    """
+    """Read back ``Report.to_dict``'s data; ``UsageError`` where it is not of this schema."""
     version = data.get("schema_version") if isinstance(data, Mapping) else None
     if version not in _READABLE_VERSIONS:
         raise UsageError(
@@ -501,9 +429,9 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
         if f.name not in fields and f.name in data:
             fields[f.name] = data[f.name]
     try:
-        timeline: Timeline = _record_from_dict(Timeline, fields)
-        config: RuleConfig = _record_from_dict(RuleConfig, data.get("config") or {})
-        findings = tuple(_record_from_dict(Finding, f) for f in data.get("findings") or ())
+        timeline: Timeline = record_from_dict(Timeline, fields)
+        config: RuleConfig = record_from_dict(RuleConfig, data.get("config") or {})
+        findings = tuple(record_from_dict(Finding, f) for f in data.get("findings") or ())
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
     return Report(timeline=timeline, findings=findings, config=config)
@@ -548,12 +476,8 @@ _GPU_RULES = frozenset(
 def is_said(finding: Finding) -> bool:
     """Whether a text report writes the finding: every leak, and information one can act on.
 
-    A ``/dev/shm`` file that no process of the work held, and that nothing ties to it (other
-    jobs ran beside it) or that an older process made, is not the work's to act on: the
-    JSON keeps it, the text leaves it out (the pytest plugin counts such files apart). So
-    does the copy-on-read rule's information on workers started by spawn or forkserver (what
-    cannot be told there, and their private memory): true of every such loader, nothing to
-    do about it.
+    Not an unheld ``/dev/shm`` file nothing ties to the work, nor the copy-on-read note on
+    spawned workers (true of every such loader): the JSON keeps them.
     """
     if finding.severity != "info":
         return True
@@ -562,18 +486,12 @@ def is_said(finding: Finding) -> bool:
 
 
 def about_gpu(findings: Iterable[Finding]) -> bool:
-    """Whether any finding is about GPUs (GPU memory, a context, a device), not only processes.
-
-    A report says "GPU" only then: leftover ``sleep`` processes are a leak, not a GPU leak.
-    """
+    """Whether any finding is about GPUs, not only processes (a report says "GPU" then)."""
     return any(f.rule in _GPU_RULES or f.gpu_bytes or f.nvidia_fds for f in findings)
 
 
 def leak_short(finding: Finding) -> str:
-    """A few words for a leak in a verdict line.
-
-    ``orphan rank 1 process PID 7 (612 MiB)``, ``shm /dev/shm/torch_7_0 (2.0 MiB)``.
-    """
+    """A few words for a leak in a verdict line: ``orphan rank 1 process PID 7 (612 MiB)``."""
     if finding.shm_name is not None:  # the file, also where a process holds it
         size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
         return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
@@ -616,13 +534,7 @@ _GPU_REASONS = (
 
 
 def gpu_unchecked(reason: str) -> str:
-    """Why GPU memory was not checked, said once and briefly: ``GPU: not checked (...)``.
-
-    Args:
-        reason: NVML's one-line reason (``NVML unavailable: libnvidia-ml.so.1 not found (no
-            NVIDIA driver on this machine); ...``), or empty.
-
-    """
+    """``GPU: not checked (no NVIDIA driver)`` from NVML's one-line ``reason``, or empty."""
     short = next((words for marker, words in _GPU_REASONS if marker in reason), None)
     if short is None:
         short = reason.removeprefix("NVML unavailable: ").split(";")[0].strip() or "no GPU"
@@ -691,16 +603,9 @@ def _device_cells(dev: DeviceState | None) -> list[str]:
 
 @dataclass(frozen=True)
 class HostTotals:
-    """Host memory of an epoch's parent and workers, as the tables show it.
+    """An epoch's parent's and workers' (summed) host memory, None where unknown.
 
-    Attributes:
-        parent_bytes: The parent's ``host_bytes_end``; None: unknown (or no parent).
-        workers_bytes: The workers' summed, each at the epoch end or, gone by then, as it
-            reported at exit; None when any worker's is unknown (never 0 for it); 0 with no
-            workers.
-        source: ``uss`` or ``rss`` when every figure counted is that; ``uss+rss`` when
-            both are; None when none is known.
-
+    ``source``: ``uss``, ``rss``, ``uss+rss``, or None where none is known.
     """
 
     parent_bytes: int | None
@@ -723,10 +628,7 @@ def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
 
 
 def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
-    """The workers' host memory; ``?`` when one is unknown among known ones.
-
-    ``-`` when none was read at all (an adapter that does not read host memory).
-    """
+    """The workers' host memory; ``?`` when one is unknown among known ones."""
     if host.source is None:
         return "-"  # nothing read (not 0 MiB)
     if host.workers_bytes is None and any_workers:
@@ -789,11 +691,7 @@ def align_columns(
 
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
-    """One row per epoch (and extra device): only the columns with data, as the sweep's.
-
-    A column whose every cell is ``-`` (GPU memory without NVML, host memory an adapter
-    did not read) is left out; the epoch, its label and time always show.
-    """
+    """One row per epoch (and extra device): only the columns with data, as the sweep's."""
     rows: list[list[str]] = []
     counts = epoch_counts(timeline, config.grace_s)
     for rec in timeline.epochs:
@@ -816,58 +714,57 @@ def _process_lines(timeline: Timeline) -> list[str]:
     if timeline.final is not None:
         groups.append(("after the work", timeline.final.processes))
     for title, procs in groups:
-        lines.append("")
-        lines.append(f"{title}:")
+        lines += ["", f"{title}:"]
         if not procs:
             continue
         rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
         for proc in procs:
-            flags = [
-                name
-                for name, on in (
-                    ("born", proc.born_in_epoch),
-                    ("persistent", proc.persistent),
-                    ("gone-at-end", not proc.alive_at_end),
-                )
-                if on
-            ]
-            if proc.exited_after_s is not None:
-                flags.append(f"exited+{proc.exited_after_s:.1f}s")
-            if proc.last_seen_after_s is not None:
-                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
-                flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
-            if not known:
-                held = "-"
-            elif proc.gpu_bytes_unknown:
-                held = "?"
-            else:
-                held = (
-                    ",".join(
-                        f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())
-                    )
-                    or "0"
-                )
-            peak = proc.total_gpu_bytes_peak
-            if not known:
-                peak_cell = "-"
-            elif peak is None:
-                peak_cell = "?"
-            else:
-                peak_cell = format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
             rows.append(
                 [
                     rank_label(proc.rank) + proc.role,
                     str(proc.key.pid),
-                    held,
-                    peak_cell,
+                    _held_cell(proc) if known else "-",
+                    _peak_cell(proc) if known else "-",
                     _host_cell(proc),
                     or_dash(proc.nvidia_fds),
-                    " ".join(flags) or "-",
+                    _flags_cell(proc),
                     process_name(proc.cmdline),
                 ]
             )
         lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
+
+
+def _flags_cell(proc: ProcessEpoch) -> str:
+    flags = [
+        name
+        for name, on in (
+            ("born", proc.born_in_epoch),
+            ("persistent", proc.persistent),
+            ("gone-at-end", not proc.alive_at_end),
+        )
+        if on
+    ]
+    if proc.exited_after_s is not None:
+        flags.append(f"exited+{proc.exited_after_s:.1f}s")
+    if proc.last_seen_after_s is not None:
+        # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+        flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
+    return " ".join(flags) or "-"
+
+
+def _held_cell(proc: ProcessEpoch) -> str:
+    if proc.gpu_bytes_unknown:
+        return "?"
+    held = [f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())]
+    return ",".join(held) or "0"
+
+
+def _peak_cell(proc: ProcessEpoch) -> str:
+    peak = proc.total_gpu_bytes_peak
+    if peak is None:
+        return "?"
+    return format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
 
 
 def _host_cell(proc: ProcessEpoch) -> str:
@@ -922,11 +819,7 @@ def cut(line: str, width: int) -> str:
 
 
 def _culprit_and_what(finding: Finding) -> tuple[str | None, str]:
-    """Split a finding's message into its culprit and what follows it.
-
-    NOTE [one line per finding] in verdict.py: a finding about one process reads
-    ``<culprit> <what>``; any other message is all ``what``.
-    """
+    """Split a finding's message into its culprit and what follows it."""
     if finding.pid is None:
         return None, finding.message
     who = culprit(finding.role, finding.pid, finding.cmdline, rank=finding.rank, rule=finding.rule)
@@ -962,10 +855,8 @@ _FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+.*)$')
 
 
 def _stack_row(row: str, room: int) -> str:
-    """A stack row in ``room`` characters: a long file path loses its folders first.
-
-    Never the line and function after it: a checkout under a long path would cut those off.
-    """
+    """A stack row in ``room`` characters: a long file path loses its folders first."""
+    # Never its line and function: a checkout under a long path would cut those off.
     row = row.rstrip()
     frame = _FRAME.match(row)
     if frame is None or len(row) <= room:
@@ -992,22 +883,12 @@ def finding_lines(
     loader: str | None = None,
     worker_ids: Mapping[int, int] | None = None,
 ) -> list[str]:
-    """The findings as a person reads them: one line each, one fix per cause.
+    """The findings as a person reads them (NOTE [one line per finding] in verdict.py).
 
-    ``LEAK orphan  6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026) outlived its worker since epoch 0``
-    (``info <rule>`` for information), then ``  fix: <one fix>``. Findings of one rule that
-    read alike but for their PIDs share a line; consecutive lines with the same fix share it,
-    a ``kill`` in it naming all their PIDs. A line is at most ``FINDING_WIDTH`` characters
-    and a fix ``FIX_WIDTH`` (NOTE [one line per finding] in verdict.py).
-    ``Report.format()``, ``leakcheck run``, the sweep and the pytest plugin's report section
-    all print findings through this; ``leakcheck explain RULE`` tells the rest.
-
-    Args:
-        findings: The findings, in report order.
-        indent: Put before every line.
-        loader: The label of the loader whose workers the findings name (``train.py:42``).
-        worker_ids: A worker's index in its loader, by PID, where known.
-
+    ``LEAK orphan  6 \u00d7 sleep 60 (PIDs 11, 12, \u2026) outlived its worker since epoch 0``,
+    then ``  fix: <one fix>``. Findings alike but for their PIDs share a line, consecutive
+    lines with one fix share it (its ``kill`` naming all their PIDs). ``loader`` and
+    ``worker_ids`` (by PID) name the workers.
     """
     lines_by_key: dict[tuple[object, ...], _Line] = {}
     for index, finding in enumerate(findings):

@@ -1,12 +1,7 @@
-"""Leak rules: pure functions from a ``Timeline`` to ``Finding`` values.
+"""Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
-Every rule is a public function ``rule(timeline, config) -> tuple[Finding, ...]`` with no I/O
-and no clock: the tracker observes, the rules only judge what was observed, so each rule can
-be unit-tested with made-up series. ``judge`` runs them all and orders the findings.
-
-Rules that read per-process or per-device GPU memory need NVML and return nothing when the
-timeline's attribution is ``nvml-unavailable`` or ``no-gpu``; the host rules (``survivor``,
-``orphan``, ``host-growth``, ``shm``) always run.
+``judge`` runs them all and orders the findings. Rules on GPU memory need NVML and find nothing
+without it; the host rules always run.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
 from leakcheck.judge.deaths import died, hang
-from leakcheck.judge.limits import fd_pressure
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -46,6 +40,7 @@ __all__ = [
     "descriptor_holder",
     "device_mismatch",
     "epoch_counts",
+    "fd_pressure",
     "growth",
     "growth_slope",
     "high_clocks",
@@ -61,13 +56,9 @@ __all__ = [
 LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
 """Roles of processes that belong to the watched job (everything but ``foreign``)."""
 
-# NOTE [late rise]: a leak keeps growing; allocator warm-up grows and then plateaus. The
-# growth rule asks that at least this share of the total rise happens in the second half
-# of the series, so a cache that filled early and then stayed flat is not called a leak.
+# NOTE [late rise]: a leak keeps growing; allocator warm-up grows, then plateaus: at least this
+# share of the total rise must happen in the series' second half.
 _LATE_RISE_SHARE = 0.25
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 def per_pid_bytes_known(timeline: Timeline) -> bool:
@@ -81,11 +72,9 @@ def _has_nvml(timeline: Timeline) -> bool:
 
 
 # NOTE [one line per finding]: a finding's ``message`` is one line of at most about 160
-# characters: who (``names.culprit``: role, program, PID), then what, how much and since when;
-# its ``remedy`` is one fix of at most about 120. The whole story of a rule, every cause and
-# every fix, is ``leakcheck explain RULE`` (``stories.py``). A finding about one process reads
-# ``<culprit> <what>``, so a report can group the findings of one cause under one line and
-# one fix (``report.finding_lines``) by what follows the culprit.
+# characters, ``<culprit> <what>`` for one process (``names.culprit``), then how much and
+# since when, so ``report.finding_lines`` can group one cause by what follows the culprit;
+# its ``remedy`` is one fix of at most about 120. ``leakcheck explain RULE`` tells the rest.
 
 
 def _process_finding(
@@ -104,16 +93,7 @@ def _process_finding(
     scope: str | None = None,
     host_bytes: int | None = None,
 ) -> Finding:
-    """A finding about one process, its identity taken whole from ``proc``.
-
-    Its message is the culprit's name and ``what`` (NOTE [one line per finding]), or
-    ``message`` whole where the finding names a group of processes itself. Every rule
-    whose finding is about one of the job's processes (a ``ProcessEpoch``) builds the
-    finding here, so none can drop a part of the culprit's identity: a finding
-    without its rank is counted as the job's instead of its rank's (``job.judge_job``) and
-    named without it (``report.leak_short``). A foreign holder and the parent's residual
-    memory have no such record, and no rank.
-    """
+    """A finding about one process, its identity taken whole from ``proc``."""
     who = culprit(proc.role, proc.key.pid, proc.cmdline, rank=proc.rank, rule=rule)
     return Finding(
         rule=rule,
@@ -191,14 +171,10 @@ class EpochCounts:
     """What an epoch's end left running, in hindsight of every later observation.
 
     Attributes:
-        alive_after: Processes the epoch started (by create time), not persistent, seen
-            alive more than the grace after its end, or still alive when the job ended: the
-            survivor and orphan rules' evidence, so a helper that a later scan found counts
-            in the epoch that started it.
-        orphans: The job's processes reparented away that were alive at the epoch's end and
-            outside its tree: born before the end and seen alive at or after it (alive at
-            two times, alive between them), and not in the tree that the end's full walk
-            listed.
+        alive_after: Non-persistent processes the epoch started, seen alive past the grace
+            after its end or when the job ended (the survivor and orphan rules' evidence).
+        orphans: The job's reparented processes alive at the epoch's end, outside the tree
+            its end's walk listed.
 
     """
 
@@ -234,11 +210,8 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
-    """Seen alive later than the grace after an epoch's end (``_alive_after_s``).
-
-    Strictly later: with a grace of 0 a process that the end's own sample saw alive, and that
-    exited before any later look, has not outlived its epoch.
-    """
+    """Seen alive later than the grace after an epoch's end (``_alive_after_s``)."""
+    # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
     return after_s is not None and after_s > grace_s
 
 
@@ -264,14 +237,7 @@ def _ends_outside_the_tree(
     obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
     birth: EpochRecord | None,
 ) -> list[EpochRecord]:
-    """The epochs at whose end a process of the job was alive and outside its tree.
-
-    Alive: born by then (``birth``, from ``_birth``; where that is unknown or before the
-    epochs at hand, the first end listing it alive) and seen alive at or after it. Outside:
-    the end's full walk of the tree did not list it (``EpochCounts``). The first of them is
-    the epoch it left the tree in: it was born in it, or the walk before listed it inside.
-    ``ordered`` are the timeline's epochs by index and ``ends`` their ends, for bisection.
-    """
+    """The epochs at whose end a process of the job was alive and outside its tree."""
     start = birth or next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
     if start is None:
         return []
@@ -292,12 +258,7 @@ def _alive_after_s(
     birth: EpochRecord,
     observations: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
 ) -> float | None:
-    """Longest time after ``birth`` ended at which the process was seen alive.
-
-    Evidence comes from the birth record (``last_seen_after_s``), from later epochs that
-    still list it alive, and from the final state (the tracker's clock is shared by
-    ``EpochRecord.end_s`` and ``FinalState.time_s``).
-    """
+    """Longest time after ``birth`` ended at which the process was seen alive."""
     best: float | None = None
 
     def take(value: float | None) -> None:
@@ -354,11 +315,7 @@ def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[
 
 
 def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
-    """What started it, or the epoch it was born in; None where neither is known.
-
-    The birth epoch is the one its create time falls in (``born_epoch``), not the first
-    that saw it; one outside the judged epochs is not named.
-    """
+    """What started it, or the epoch it was born in; None where neither is known."""
     if proc.scope is not None:
         return f"started by {proc.scope}"
     born = epochs.get(proc.born_epoch) if proc.born_epoch is not None else None
@@ -366,11 +323,7 @@ def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None
 
 
 def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find processes started in an epoch and still alive past its end plus the grace.
-
-    Only non-persistent workers and descendants born in the epoch are judged; one finding
-    per identity, in its birth epoch.
-    """
+    """Find processes born in an epoch, not persistent, alive past its end plus the grace."""
     observations = _observations(timeline)
     bytes_known = per_pid_bytes_known(timeline)
     epochs = {rec.index: rec for rec in timeline.epochs}
@@ -427,13 +380,10 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find lineage processes reparented away from the job and still alive.
+    """Find lineage processes reparented away from the job and alive past the grace.
 
-    On evidence, as survivors are: alive now (the final state), or seen orphaned over more
-    than the grace period; one that exits within the grace is not judged, nor a helper that
-    daemonizes by design and pins nothing on the GPU (``roles.DAEMON_HELPERS``); another
-    runtime helper (a forkserver, a resource tracker) only once seen alive past the grace.
-    One finding per identity, with the most GPU memory and descriptors it was seen with.
+    Not a helper that daemonizes by design (``roles.DAEMON_HELPERS``); one finding per
+    identity, with the most GPU memory and descriptors it was seen with.
     """
     bytes_known = per_pid_bytes_known(timeline)
     ordered = _sorted_epochs(timeline)
@@ -534,22 +484,15 @@ def growth_slope(
     epochs: Sequence[int] | None = None,
     tolerance_bytes: int | None = None,
 ) -> float | None:
-    """Judge a per-epoch series of end-of-epoch bytes, warm-up epochs already removed.
+    """The least-squares slope (bytes/epoch) of a leaking series of epoch-end bytes, else None.
 
-    A leak needs at least 3 points, a total rise ``series[-1] - series[0]`` above the
-    tolerance, and a rise that continues late: the second half of the series must add at
-    least a quarter of the total rise (see NOTE [late rise]).
+    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]).
 
     Args:
-        series: Bytes at the end of each judged epoch, in epoch order.
-        config: The thresholds (``tolerance_bytes`` unless given).
-        epochs: The epoch index of each point, where epochs are missing from the series
-            (host memory whose USS read was paced out): the slope is per epoch, not per
-            point. None: consecutive epochs.
-        tolerance_bytes: The tolerance to use instead of ``config.tolerance_bytes``.
-
-    Returns:
-        The least-squares slope in bytes per epoch when the series leaks, else None.
+        series: Bytes at the end of each judged epoch (warm-up removed), in epoch order.
+        config: The thresholds.
+        epochs: Each point's epoch index where epochs are missing (paced-out USS reads).
+        tolerance_bytes: Instead of ``config.tolerance_bytes``.
 
     """
     n = len(series)
@@ -564,6 +507,14 @@ def growth_slope(
         return None
     slope = _least_squares_slope(series, [float(e) for e in epochs] if epochs else None)
     return slope if slope > 0 else None
+
+
+def _grows(slope: float, first: int, last: int, start_bytes: int, end_bytes: int) -> str:
+    """``grows 8.0 MiB/epoch over epochs 1-4: 600 -> 624 MiB``."""
+    return (
+        f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
+        f"{format_mib(start_bytes)} -> {format_mib(end_bytes)} MiB"
+    )
 
 
 def _growth_remedy(role: Role) -> str:
@@ -608,11 +559,8 @@ def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
                 last,
                 rule="growth",
                 severity="leak",
-                what=(
-                    f"grows {format_mib(slope)} MiB/epoch over epochs "
-                    f"{first_rec.index}-{last_rec.index}: {format_mib(series[0])} -> "
-                    f"{format_mib(series[-1])} MiB{per_device}"
-                ),
+                what=_grows(slope, first_rec.index, last_rec.index, series[0], series[-1])
+                + per_device,
                 remedy=_growth_remedy(last.role),
                 gpu_bytes=series[-1] - series[0],
                 epoch=last_rec.index,
@@ -641,9 +589,9 @@ def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
                 rule="growth",
                 severity="leak",
                 message=(
-                    f"GPU{device} used memory grows {format_mib(slope)} MiB/epoch over epochs "
-                    f"{points[0][0]}-{points[-1][0]}: {format_mib(series[0])} -> "
-                    f"{format_mib(series[-1])} MiB (device total: no process can be named)"
+                    f"GPU{device} used memory "
+                    f"{_grows(slope, points[0][0], points[-1][0], series[0], series[-1])}"
+                    " (device total: no process can be named)"
                 ),
                 remedy=(
                     "run with --pid=host or in the job's PID namespace to see which process grows"
@@ -658,12 +606,7 @@ def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
 
 
 def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find processes that live across epochs and end each one holding more GPU memory.
-
-    Per identity with ``persistent=True``: the end-of-epoch totals after its first
-    ``config.warmup_epochs`` epochs are judged by ``growth_slope``. When attribution is
-    blind, each device's used bytes at epoch ends are judged instead.
-    """
+    """Find persistent processes whose epoch-end GPU memory grows (blind: devices' totals)."""
     if not _has_nvml(timeline):
         return ()
     found = _process_growth(timeline, config)
@@ -674,17 +617,12 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 # --------------------------------------------------------------------------- host growth
 
-# NOTE [return of shared pages]: a forked worker shares its parent's pages until one of them
-# writes to a page, and reading a Python object writes its reference count: the worker
-# copies each page of objects it reads (copy-on-read). Each copy is new memory, and it is the
-# worker's: its USS grows while its RSS, which counted the shared page all along, stays flat.
-# In the parent the same page becomes private again, since nobody shares it any more: the
-# parent's USS fell when the workers forked and climbs back, epoch after epoch, towards where
-# it was, without a byte of new memory. So a parent's USS rise counts only where its resident
-# memory rises beyond the tolerance too (new memory is resident memory); a worker's counts
-# alone. Resident memory is judged by its anonymous part (``RssAnon``) where every point has
-# it: libraries paged in from their files on first use (CUDA's, torch's kernels) raise RSS
-# for epochs without anything being kept, and they are file-backed, not anonymous.
+# NOTE [return of shared pages]: a worker's copy-on-read copy is new memory, the worker's: its
+# USS grows, its RSS stays flat. In the parent the page becomes private again, nobody sharing
+# it: its USS climbs back to where it was before the fork without a byte of new memory. So a
+# parent's USS rise counts only where its resident memory rises beyond the tolerance too; a
+# worker's counts alone. Resident memory is ``RssAnon`` where every point has it: libraries
+# paged in on first use raise RSS for epochs, and they are file-backed.
 
 HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
 """Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
@@ -737,9 +675,8 @@ def _host_growth_finding(
         rule="host-growth",
         severity="leak",
         what=(
-            f"host memory ({basis}) grows {format_mib(slope)} MiB/epoch over "
-            f"epochs {first_rec.index}-{last_rec.index}: {format_mib(first_value)} -> "
-            f"{format_mib(last_value)} MiB{note}"
+            f"host memory ({basis}) "
+            f"{_grows(slope, first_rec.index, last_rec.index, first_value, last_value)}{note}"
         ),
         remedy=_host_growth_remedy(last.role),
         epoch=last_rec.index,
@@ -749,15 +686,11 @@ def _host_growth_finding(
 
 
 def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find long-lived processes whose host memory grows epoch after epoch.
+    """Find the parent and persistent workers whose host memory grows (``growth_slope``).
 
-    The parent and persistent workers, alive at each epoch end, after their first
-    ``config.warmup_epochs`` epochs: judged like GPU growth (``growth_slope``) with
-    ``config.host_tolerance_bytes``, on USS where it was read in at least 3 of those epochs
-    (the slope is per epoch, missing epochs skipped), else on resident memory (``RssAnon``,
-    or RSS), which the message says: it counts pages shared with other processes and does
-    not show copy-on-read. A parent's USS rise needs a resident rise as well (NOTE [return
-    of shared pages]). Needs no GPU.
+    On USS where read at 3 or more judged epoch ends, else on resident memory, which the
+    message says; a parent's USS rise needs a resident rise too (NOTE [return of shared
+    pages]). A clean verdict says where USS was not read.
     """
     found: list[Finding] = []
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
@@ -863,10 +796,7 @@ def _private_bytes(proc: ProcessEpoch) -> int:
 def _copy_observations(
     timeline: Timeline,
 ) -> Iterable[tuple[int, ProcessEpoch]]:
-    """(epoch index, worker) of every forked worker's epoch with a copy reading.
-
-    A report in the middle of an epoch adds that epoch so far (``FinalState.open_epoch``).
-    """
+    """(epoch index, worker) of every forked worker's epoch with a copy reading."""
     for rec in _sorted_epochs(timeline):
         for proc in rec.processes:
             yield rec.index, proc
@@ -968,15 +898,8 @@ def _not_forked_finding(workers: Sequence[ProcessEpoch]) -> Finding:
 def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find forked workers that copied more of their parent's memory than the copy tolerance.
 
-    A dataset of Python objects built in the parent is shared with forked workers page by
-    page, and every read writes reference counts: each worker copies the pages it reads
-    (NOTE [copy on read] in hostmem.py). One finding per parent (loader), for every worker
-    whose copy since its birth exceeds ``config.copy_tolerance_bytes`` at any reading (in
-    the epoch, at its end, at exit): found in the first epoch, flat or not. Per-epoch
-    workers copy it again each epoch, which the finding says. Workers started by spawn or
-    forkserver share nothing with the parent at birth (a forkserver worker's parent is the
-    server): one info finding says copy-on-read cannot be told there, with their private
-    memory. Needs no GPU.
+    One finding per parent (loader), from any reading (NOTE [copy on read] in hostmem.py);
+    one info finding for spawned workers, where it cannot be told.
     """
     by_parent, spawned = _worker_copies(timeline, config)
     found: list[Finding] = []
@@ -999,14 +922,7 @@ benchmarks/results/README.md)."""
 
 
 def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find device memory above the baseline after the work that the job does not explain.
-
-    For each device: ``rise = final used - baseline used``; ``explained = the job's
-    processes' bytes now (other trackers' and ranks' included) - what of them was there at
-    the baseline`` (``Timeline.baseline_gpu_bytes``); a leak when
-    ``rise - explained`` exceeds the tolerance. Foreign processes holding memory on the
-    device are named.
-    """
+    """Find device memory above the baseline after the work that the job does not explain."""
     final = timeline.final
     if final is None or not _has_nvml(timeline):
         return ()
@@ -1098,57 +1014,53 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     )
     scopes = f" after the teardown of {', '.join(memory.scopes)}" if memory.scopes else ""
     who = culprit("parent", root.pid, cmdline)
+
+    def finding(
+        held: dict[int, int], severity: Severity, what: str, remedy: str, scope: str | None = None
+    ) -> Finding:
+        return Finding(
+            rule="residual",
+            severity=severity,
+            message=f"{who} {what}",
+            remedy=remedy,
+            pid=root.pid,
+            start_ticks=root.start_ticks,
+            role="parent",
+            cmdline=cmdline,
+            gpu_bytes=sum(held.values()),
+            device_index=min(held) if len(held) == 1 else None,
+            scope=scope,
+        )
+
     found: list[Finding] = []
     kept = {d: b for d, b in memory.kept_tensor_bytes.items() if b > config.tolerance_bytes}
     if kept:
         found.append(
-            Finding(
-                rule="residual",
-                severity="leak",
-                message=(
-                    f"{who} still holds {_devices_text(kept)} of CUDA tensors more than at the "
-                    f"start{scopes}"
-                ),
-                remedy=REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
-                pid=root.pid,
-                start_ticks=root.start_ticks,
-                role="parent",
-                cmdline=cmdline,
-                gpu_bytes=sum(kept.values()),
-                device_index=min(kept) if len(kept) == 1 else None,
-                scope=", ".join(memory.scopes) or None,
+            finding(
+                kept,
+                "leak",
+                f"still holds {_devices_text(kept)} of CUDA tensors more than at the start{scopes}",
+                REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
+                ", ".join(memory.scopes) or None,
             )
         )
     grown = {d: b for d, b in memory.driver_bytes.items() if b > config.tolerance_bytes}
     if grown:
         first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
         found.append(
-            Finding(
-                rule="residual",
-                severity="info" if memory.torch_in_use else "leak",
-                message=(
-                    f"{who} holds {_devices_text(grown)} more than at the start outside "
-                    f"torch's allocator{first_use}"
-                ),
-                remedy=REMEDY_DRIVER_MEMORY,
-                pid=root.pid,
-                start_ticks=root.start_ticks,
-                role="parent",
-                cmdline=cmdline,
-                gpu_bytes=sum(grown.values()),
-                device_index=min(grown) if len(grown) == 1 else None,
+            finding(
+                grown,
+                "info" if memory.torch_in_use else "leak",
+                f"holds {_devices_text(grown)} more than at the start outside torch's "
+                f"allocator{first_use}",
+                REMEDY_DRIVER_MEMORY,
             )
         )
     return tuple(found)
 
 
 def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find GPU memory left after the work that nothing of the job should still hold.
-
-    Two views: the device's used memory above the baseline that the job's processes do
-    not explain, and, where the adapter measured it (the pytest plugin), the parent's own
-    tensors and driver memory above its start (``Timeline.parent_memory``).
-    """
+    """Find GPU memory left after the work: on devices, and the parent's (``parent_memory``)."""
     return _device_residual(timeline, config) + _parent_residual(timeline, config)
 
 
@@ -1243,13 +1155,7 @@ REMEDY_SHM_CAPACITY = "give the job more shared memory (docker run --shm-size=8g
 
 
 def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
-
-    Information, not a leak: nothing was left behind, and the filesystem's use counts every
-    process that shares it (another job may have filled it). It is said because a full
-    /dev/shm is how a loader's workers die (a bus error, "insufficient shared memory"): the
-    warning comes before the crash.
-    """
+    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size."""
     worst: tuple[float, EpochRecord] | None = None
     for rec in _sorted_epochs(timeline):
         total, used = rec.shm_total_bytes, rec.shm_used_peak_bytes
@@ -1281,13 +1187,7 @@ def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
 
 
 def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Report the job's ``/dev/shm`` files left behind, and capacity pressure.
-
-    Each file the work left (``Timeline.shm_files``) with its cause, told by its name
-    (CUDA IPC files, torch segments, nameless SharedMemory, NCCL, the work's own), and its
-    remedy; then, as information, the epoch whose ``/dev/shm`` use came nearest the
-    filesystem's size, at or above ``config.shm_pressure_fraction`` of it.
-    """
+    """Report the ``/dev/shm`` files left behind, and the epoch nearest to filling it."""
     left = tuple(_shm_finding(item) for item in timeline.shm_files)
     return left + _shm_capacity(timeline, config)
 
@@ -1314,12 +1214,7 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def _outlives_the_work(timeline: Timeline, rec: EpochRecord | None, proc: ProcessEpoch) -> bool:
-    """A process that stays past the work that started it: where held descriptors matter.
-
-    An orphan; a descendant (not a loader's worker) alive at an epoch's end; anything alive
-    once tracking closed. A loader's live worker is none of these: healthy persistent
-    workers forked from a CUDA parent hold its descriptors for as long as they work.
-    """
+    """A process that stays past the work that started it: where held descriptors matter."""
     if proc.role == "orphan":
         return True
     if rec is None:
@@ -1328,12 +1223,7 @@ def _outlives_the_work(timeline: Timeline, rec: EpochRecord | None, proc: Proces
 
 
 def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Note job processes holding ``/dev/nvidia*`` descriptors but no GPU memory.
-
-    Typical of workers forked from a parent that used CUDA: the inherited descriptors can
-    keep the parent's context pinned, which matters only where the holder outlives the work
-    (``_outlives_the_work``). One finding per identity, where first seen so.
-    """
+    """Note processes outliving the work with ``/dev/nvidia*`` fds but no GPU memory."""
     del config
     if not per_pid_bytes_known(timeline):
         # Without per-PID bytes every process looks memory-free; the rule would guess.
@@ -1420,11 +1310,7 @@ def _known_devices(timeline: Timeline) -> set[int]:
 
 
 def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
-    """The GPU a process's rank trains on: the rank's own record, else its environment.
-
-    ``LOCAL_RANK``'s device counts only where the machine has it: ranks that outnumber the
-    GPUs share the ones there are (two ranks on one GPU), and their device is then unknown.
-    """
+    """The GPU a process's rank trains on: the rank's own record, else its environment."""
     if proc.rank is None:
         return None
     recorded = timeline.rank_devices.get(proc.rank)
@@ -1437,15 +1323,10 @@ def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int 
 
 
 def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find processes of a rank holding GPU memory on a device that is not their rank's.
+    """Find processes of a rank holding more than the tolerance on a GPU not their rank's.
 
-    A rank trains on one GPU (``Timeline.rank_devices``, else ``ProcessEpoch.rank_device``
-    from ``LOCAL_RANK``); any process of its lineage (the rank itself, a worker, the
-    pin-memory thread's process, a grandchild) seen holding more than the tolerance on
-    another GPU made a context there: usually a bare ``cuda``/``cuda:0`` before
-    ``set_device``, which costs every rank a context on GPU 0. One finding per process
-    and foreign device, with the most it was seen holding there (end or peak). Processes
-    whose rank or its device is unknown are not judged (``_own_device``).
+    Usually a bare ``cuda:0`` before ``set_device``. One finding per process and device,
+    with the most held there; a process whose rank's device is unknown is not judged.
     """
     if not per_pid_bytes_known(timeline):
         return ()
@@ -1545,6 +1426,42 @@ def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
     )
 
 
+REMEDY_FD_PRESSURE = (
+    "raise it (ulimit -n 65536), or torch.multiprocessing.set_sharing_strategy('file_system')"
+)
+
+
+def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Note processes whose open descriptors reached the pressure share of their limit.
+
+    A DataLoader's default sharing strategy passes each shared tensor as a descriptor: at the
+    limit, "Too many open files" or "received 0 items of ancdata". Read at epoch ends only.
+    """
+    found: list[Finding] = []
+    for obs in _observations(timeline).values():
+        shares = [(p.open_fds / p.fd_limit, rec, p) for rec, p in obs if p.open_fds and p.fd_limit]
+        if not shares:
+            continue
+        share, rec, proc = max(shares, key=lambda item: item[0])
+        if share < config.fd_pressure_fraction:
+            continue
+        when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
+        found.append(
+            _process_finding(
+                proc,
+                rule="fd-pressure",
+                severity="info",
+                what=(
+                    f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
+                    f"({share:.0%}) {when}"
+                ),
+                remedy=REMEDY_FD_PRESSURE,
+                epoch=rec.index if rec is not None else None,
+            )
+        )
+    return tuple(found)
+
+
 # --------------------------------------------------------------------------- judge
 
 RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
@@ -1584,12 +1501,10 @@ def _sort_key(finding: Finding) -> tuple[int, bool, int, bool, int, int]:
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Run every rule and return the findings, leaks first, then by epoch, then PID.
+    """Run every rule; the findings leaks first, then by epoch, then PID.
 
-    A process judged an orphan is not also reported as a survivor: the orphan finding is
-    the more specific one (nobody will reap it). A finding about a process shows its start
-    as a Unix time too, where the timeline knows its boot time (NOTE [process identity] in
-    procs.py).
+    An orphan is not also a survivor (nobody will reap it); a process's start is shown as a
+    Unix time where the boot time is known.
     """
     findings: list[Finding] = []
     for rule in RULES.values():

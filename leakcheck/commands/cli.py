@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="iterate a loader with several worker counts for several epochs and report "
         "GPU memory per process, per epoch",
         description="Iterate a DataLoader with each worker count for several epochs under a "
-        "tracker; print GPU memory per process and epoch, then a verdict per configuration. "
+        "tracker; print memory per process and epoch, then a verdict per configuration. "
         "Without --loader a built-in workload runs (its workers touch the GPU when there is "
         "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
     )
@@ -96,44 +96,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a module "
         "name or a path/to/file.py (default: the built-in workload)",
     )
-    what.add_argument(
-        "--workers",
-        metavar="N,N,...",
-        help="worker counts (default 0,4,8; 0,N,2N on a machine of N < 4 usable CPUs)",
-    )
+    what.add_argument("--workers", metavar="N,N,...", help="worker counts (default 0,4,8)")
     what.add_argument(
         "--max-workers",
         metavar="N",
         help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
-        "use, and no more than the user's process limit RLIMIT_NPROC leaves room for)",
+        "use, within the room the user's process limit RLIMIT_NPROC leaves)",
     )
     what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
-    what.add_argument(
-        "--persistent", action="store_true", help="workers live across epochs (persistent_workers)"
-    )
+    what.add_argument("--persistent", action="store_true", help="persistent_workers=True")
     what.add_argument("--device", metavar="N", help="GPU index to watch and use (default: all/0)")
     what.add_argument(
         "--no-teardown",
         action="store_true",
-        help="do not install leakcheck's teardown policy in the workers of any DataLoader "
-        "(they still report who they are and what they held at exit)",
+        help="no teardown policy in the workers (they still report at exit)",
     )
     builtin = sweep.add_argument_group("built-in workload (not with --loader)")
+    methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
     builtin.add_argument(
         "--start-method",
-        metavar="{" + ",".join(START_METHODS) + "}",
-        help="how the workers start (default spawn: CUDA in forked workers fails once the "
-        "parent used CUDA)",
+        metavar=f"{{{methods}}}",
+        help="how workers start (default spawn: forked workers cannot use CUDA once the parent "
+        "did)",
     )
     builtin.add_argument(
         "--scenario",
-        metavar="{" + ",".join(SCENARIOS) + "}",
-        help="clean (default); persistent-cache: persistent workers keep 64 MiB of GPU memory "
-        "per epoch alive (a GPU leak: without a GPU nothing grows); "
-        "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
-        "persistent forked workers read a dataset of 128 MiB of Python objects, and each "
-        "copies it into its own host memory in epoch 0; copy-on-read-growing: each copies "
-        "40 MiB more of such a dataset per epoch",
+        metavar=f"{{{scenarios}}}",
+        help="clean (default), or a leak to find: persistent-cache (GPU memory), orphan, "
+        "copy-on-read, copy-on-read-growing (host memory), fd-pressure (docs/REFERENCE.md)",
     )
     builtin.add_argument("--batches", metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
@@ -145,36 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument(
         "--copy-tolerance",
         metavar="SIZE",
-        help="what each forked worker may copy of its parent's memory (copy-on-read; "
-        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
+        help="what each forked worker may copy of its parent's memory (default: "
+        "$LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
     )
     judge.add_argument(
         "--grace",
         metavar="SECONDS",
-        help="how long a process born in an epoch may outlive it "
-        "(default: $LEAKCHECK_GRACE, else 2)",
+        help="how long a process may outlive its epoch (default: $LEAKCHECK_GRACE, else 2)",
+    )
+    judge.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
+    judge.add_argument(
+        "--cooldown-temp", metavar="C", help="before each configuration, wait for GPU <= C °C"
     )
     judge.add_argument(
-        "--interval", default="50ms", metavar="SECONDS", help="sampling interval (50ms)"
-    )
-    judge.add_argument(
-        "--cooldown-temp",
-        metavar="C",
-        help="before each configuration, wait until the GPU is at or below C degrees Celsius",
-    )
-    judge.add_argument(
-        "--cooldown-timeout",
-        default="600",
-        metavar="SECONDS",
-        help="stop waiting for the cooldown after this long (600)",
+        "--cooldown-timeout", default="600", metavar="SECONDS", help="wait at most this (600)"
     )
     judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
     output = sweep.add_argument_group(
         "output",
-        "Both are checked before the sweep starts: the folder exists and takes new files, and "
-        "a file already there is a writable regular file. If a write still fails at the end, "
-        "the output goes next to it, to the current folder or to the temporary folder, and "
-        "the path written is printed.",
+        "Checked before the sweep; a write that still fails at the end goes next to it, to "
+        "the current or the temporary folder, and the path is printed.",
     )
     output.add_argument("--json", metavar="PATH", help="write everything as JSON")
     output.add_argument("--plot", metavar="PATH.png", help="draw memory per epoch (matplotlib)")
@@ -190,31 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument(
         "--telemetry",
         action="store_true",
-        help="also read each GPU's temperature, SM clock, power, P-state and clock-event "
-        "reasons (a driver call each, which slows the snapshot down)",
+        help="also read each GPU's temperature, clocks, power and P-state (slower)",
     )
     snapshot.add_argument(
         "--pid",
         metavar="PID",
-        help="a job's root process: also list its descendants with their roles (parent; "
-        "descendant: from outside no child can be known to be a loader worker; runtime "
-        "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
-        "orphans, GPU or not, each with its host memory (USS, else RSS)",
+        help="a job's root process: also list its descendants with their roles and its "
+        "tagged orphans, each with its host memory",
     )
     snapshot.add_argument(
         "--watch",
         metavar="SECONDS",
-        help=f"take a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn in "
-        "place on a terminal; elsewhere each follows a line with its time (with --json, one "
-        "JSON document per line)",
+        help=f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
+        "terminal, else each after a line with its time (--json: one document per line)",
     )
     add_run_parser(commands)
     explain = commands.add_parser(
         "explain",
         help="the whole story of a rule: what it finds, why, and every fix",
         description="Tell what a rule of leakcheck's findings means, its causes and every "
-        "fix (a finding gives one line and one fix). Without RULE, list the rules. Exit 0; 2 "
-        "for an unknown rule.",
+        "fix. Without RULE, list the rules. Exit 0; 2 for an unknown rule.",
     )
     explain.add_argument("rule", nargs="?", metavar="RULE", help="a rule's name")
     return parser

@@ -89,14 +89,9 @@ class SweepPlan:
 class SweepOptions:
     """What to sweep and how to judge it.
 
-    Attributes:
-        workers: Worker counts, one configuration each, in this order.
-        device_index: The device to watch and report on (None: all watched, the first shown).
-        cleanup: Terminate the sweep's own orphans after each configuration (NOTE [cleanup]).
-        teardown: Install the teardown policy in the workers (False: they only report).
-        rollup_share: ``Tracker``'s option: 1.0 reads USS at every epoch end, so that every
-            row says USS (its cost is in the tracker cost line).
-
+    ``device_index`` None watches all devices and shows the first; ``rollup_share`` 1.0
+    reads USS at every epoch end, so that every row says USS (its cost is in the tracker
+    cost line).
     """
 
     workers: tuple[int, ...] = (0, 4, 8)
@@ -275,16 +270,14 @@ class ConfigResult:
             "tracker_cost": None if self.cost is None else asdict(self.cost),
             "accounted_cost_fraction": self.accounted_cost_fraction,
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
-            "throughput": {
-                "samples_per_s": self.samples_per_s,
-                "batches_per_s": self.batches_per_s,
-                "wait_share": self.wait_share,
-                "worker_host_bytes": self.worker_host_bytes,
-                "worker_gpu_bytes": self.worker_gpu_bytes,
-            },
+            "throughput": {name: getattr(self, name) for name in _THROUGHPUT},
             "cleanup": [asdict(cleaned) for cleaned in self.cleaned],
             "report": self.report.to_dict(),
         }
+
+
+_THROUGHPUT: tuple[str, ...] = ("samples_per_s", "batches_per_s", "wait_share")
+_THROUGHPUT += ("worker_host_bytes", "worker_gpu_bytes")  # per worker, the most of any epoch
 
 
 def _rate(count: int, rows: Iterable[EpochRow]) -> float | None:
@@ -310,12 +303,7 @@ RECOMMEND_WITHIN = 0.05
 def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
     """The smallest worker count within ``RECOMMEND_WITHIN`` of the best throughput.
 
-    Args:
-        rates: Throughput by worker count; None where not measured (left out).
-
-    Returns:
-        The worker count; None where no count was measured.
-
+    ``rates``: throughput by worker count, None where not measured; None: none measured.
     """
     measured = {n: rate for n, rate in rates.items() if rate is not None}
     if not measured:
@@ -390,15 +378,7 @@ def recommendation(result: SweepResult) -> Recommendation | None:
 
 @dataclass(frozen=True)
 class SweepResult:
-    """Everything a sweep observed and judged.
-
-    Attributes:
-        loader: One line describing the loader (built-in workload or ``MODULE:FACTORY``).
-        configs: One result per worker count, in sweep order.
-        gpu_reason: Why no GPU could be read, in one line (empty when one could).
-        devices: The devices at the start of the sweep (empty without a GPU).
-
-    """
+    """Everything a sweep observed and judged (``loader``: one line that describes it)."""
 
     options: SweepOptions
     loader: str
@@ -473,12 +453,8 @@ def run_sweep(
 ) -> SweepResult:
     """Run every configuration of the sweep and judge each.
 
-    Args:
-        options: What to sweep.
-        factory: ``FACTORY(num_workers)`` returning an iterable loader.
-        loader: One line describing the loader, for the report.
-        progress: Where progress goes (default: none).
-        gpu: ``nvml.availability()`` when the caller already asked.
+    ``loader`` describes the loader in one line; ``gpu`` is ``nvml.availability()`` where
+    the caller asked already.
 
     Raises:
         LoaderError: Calling the factory or iterating its loader failed (one line).
@@ -1039,27 +1015,23 @@ def _format_answer(result: SweepResult) -> list[str]:
     return ["", *align_columns(table), answer_line]
 
 
-def _teardown_line(config: ConfigResult) -> list[str]:
+def _teardown_lines(config: ConfigResult) -> list[str]:
     teardown = _teardown_summary(config.teardowns)
     workers = plural(teardown["workers"], "worker")
+    per_worker = teardown["gpu_bytes_before_per_worker"]
     if teardown["workers"] and not teardown["cuda_initialized"]:
-        return [
-            f"  teardown: {workers} exited through the teardown policy "
-            "(CUDA never initialised in them: nothing to release)"
-        ]
-    if teardown["workers"]:
-        per_worker = teardown["gpu_bytes_before_per_worker"]
+        text = f"{workers} exited through the teardown policy (CUDA never initialised in them: "
+        text += "nothing to release)"
+    elif teardown["workers"]:
         freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
-        return [
-            f"  teardown: {workers}, {teardown['contexts_released']} "
-            f"released their CUDA context before exiting{freed}"
-        ]
-    if teardown["reported"]:
-        return [
-            f"  teardown: policy off; {plural(teardown['reported'], 'worker')} reported what "
-            "they held at exit and released nothing"
-        ]
-    return []
+        released = teardown["contexts_released"]
+        text = f"{workers}, {released} released their CUDA context before exiting{freed}"
+    elif teardown["reported"]:
+        text = f"policy off; {plural(teardown['reported'], 'worker')} reported what they held "
+        text += "at exit and released nothing"
+    else:
+        return []
+    return [f"  teardown: {text}"]
 
 
 def _config_lines(config: ConfigResult) -> list[str]:
@@ -1073,7 +1045,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
     if config.cooldown is not None:
         lines.append(f"  {config.cooldown.describe()}")
     lines.extend(report.finding_lines(indent="  "))
-    lines.extend(_teardown_line(config))
+    lines.extend(_teardown_lines(config))
     lines.extend(
         f"  cleanup: {cleaned.outcome} PID {cleaned.pid} (left over by this sweep: "
         f"{cleaned.cmdline})"

@@ -1,12 +1,8 @@
 """The ``leakcheck`` command: ``sweep``, ``snapshot`` and ``explain`` (``run``: run_cli.py).
 
-Exit status: 0 clean (or leaks found without ``--fail-on-leak``), 1 leaks found with
-``--fail-on-leak``, 2 bad usage: a bad option value (one line on standard error naming the
-option, what was expected and what was given), a loader that cannot be imported, called or
-iterated, or an output that could not be written. ``--json`` and ``--plot`` are checked
-before the sweep and written at its end; one that still fails then is written next to it, to
-the current folder or to the temporary folder, and the path is printed. Ctrl-C exits 130 and
-writes nothing.
+Exit status: 0 clean (or leaks without ``--fail-on-leak``), 1 leaks with ``--fail-on-leak``,
+2 bad usage (one line naming the option, what was expected and what was given), a loader
+that cannot be imported, called or iterated, or an output not written; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -46,11 +42,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 _PROG = "leakcheck"
 
 WORKERS_PER_CPU = 8
-"""Worker counts up to this many per usable CPU are allowed without ``--max-workers``.
-
-torch warns above one per CPU; a sweep may go further on purpose (it measures a CUDA context
-and a process per worker, not throughput), but each worker is a process that imports torch
-and may hold a ~0.6 GiB context, so far beyond this the machine runs out of memory first."""
+"""Worker counts allowed per usable CPU without ``--max-workers``: a sweep measures memory,
+not throughput, but far beyond this (a torch process and a CUDA context each) memory runs out."""
 
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
@@ -285,22 +278,12 @@ def _process_room() -> WorkerBound | None:
 
 def _tasks_of_user(uid: int) -> int:
     """Threads (what RLIMIT_NPROC counts) of the processes whose real user ID is ``uid``."""
+    import psutil
+
     count = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as status:
-                text = status.read()
-        except OSError:
-            continue  # exited during the count
-        real_uid = threads = None
-        for line in text.splitlines():
-            if line.startswith(b"Uid:"):
-                real_uid = int(line.split()[1])
-            elif line.startswith(b"Threads:"):
-                threads = int(line.split()[1])
-        if real_uid == uid:
+    for process in psutil.process_iter(["uids", "num_threads"]):  # skips those that exit
+        uids, threads = process.info["uids"], process.info["num_threads"]
+        if uids is not None and uids.real == uid:
             count += threads or 1
     return count
 
@@ -492,7 +475,8 @@ def _import_file(path: str) -> Any:
     module = sys.modules.get(name)
     if module is None and name.isidentifier():
         module = importlib.import_module(name)
-    if module is not None and _same_file(getattr(module, "__file__", None), path):
+    where = getattr(module, "__file__", None)
+    if where is not None and os.path.realpath(where) == os.path.realpath(path):
         return module
     # The name is another module's: load the file under a private name (spawned workers
     # will not find classes defined in it by name, but the factory still runs).
@@ -504,13 +488,6 @@ def _import_file(path: str) -> Any:
     sys.modules[unique] = module
     file_spec.loader.exec_module(module)
     return module
-
-
-def _same_file(a: str | None, b: str) -> bool:
-    try:
-        return a is not None and os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

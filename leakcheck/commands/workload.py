@@ -256,15 +256,11 @@ def _read_objects(region: list[list[int]]) -> int:
     return sum(sum(values) for values in region)  # each visit writes a reference count
 
 
-def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> int | None:
+def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> None:
     """Start the ``orphan`` scenario's sleeper and wait until it holds its memory.
 
     From a worker the sleeper is a direct child (an orphan once the worker exits); from the
-    parent it goes through a launcher that exits at once.
-
-    Returns:
-        The launcher's or the sleeper's PID, or None if it could not be started.
-
+    parent a launcher that exits at once starts it.
     """
     import torch.utils.data
 
@@ -277,7 +273,7 @@ def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> int | None:
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True, text=True
         )
     except OSError:
-        return None
+        return
     assert process.stdout is not None
     # Until it holds its memory, the tracker could take the final state before the leak
     # exists; EOF (a crash) ends the wait too.
@@ -285,7 +281,6 @@ def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> int | None:
     process.stdout.close()
     if not in_worker:
         process.wait()  # the launcher has exited: reap it
-    return process.pid
 
 
 def hold_descriptors() -> list[Any]:

@@ -7,6 +7,7 @@ second; the CLI tests run real worker processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -34,8 +35,8 @@ from leakcheck.commands.sweep import (
     cleanup_orphans,
     run_sweep,
     wait_for_cooldown,
-    write_json,
 )
+from leakcheck.core.files import write_json
 from leakcheck.core.model import MIB, ProcessKey
 from leakcheck.core.units import format_mib
 from leakcheck.judge.verdict import epoch_counts
@@ -760,7 +761,7 @@ def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None
     assert [(r.workers_copied_bytes, r.workers_shared_bytes) for r in rows] == [
         (344 * MIB, 56 * MIB), (344 * MIB, 56 * MIB), (None, None)
     ]  # fmt: skip
-    data = json.loads(json.dumps(rows[0].to_dict()))
+    data = json.loads(json.dumps(dataclasses.asdict(rows[0])))
     assert data["workers_copied_bytes"] == 344 * MIB
     pytest.importorskip("matplotlib")
     import math

@@ -1,15 +1,8 @@
-"""The ``leakcheck`` command: ``sweep`` (worker counts x epochs), ``snapshot`` and ``explain``.
+"""The ``leakcheck`` command: ``sweep``, ``snapshot`` and ``explain`` (``run``: run_cli.py).
 
-Exit status: 0 when the run is clean (or leaks were found without ``--fail-on-leak``),
-1 when leaks were found and ``--fail-on-leak`` was given, 2 on bad usage: a bad option
-value, or a loader that cannot be imported, called or iterated, or an output that could
-not be written where asked. A usage error is one line on standard error that names the
-option, what was expected and what was given, and nothing is written to ``--json`` or
-``--plot`` paths (they are written only at the end, atomically). Those paths are checked
-before the sweep starts (a probe file in the folder, created and removed); an output that
-still fails at the end is written next to it, to the current folder or to the temporary
-folder instead, and the path is printed: a run's results are never lost for a path.
-Ctrl-C exits 130 and writes nothing.
+Exit status: 0 clean (or leaks without ``--fail-on-leak``), 1 leaks with ``--fail-on-leak``,
+2 bad usage (one line naming the option, what was expected and what was given), a loader
+that cannot be imported, called or iterated, or an output not written; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,23 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
 
 from leakcheck.core.errors import UsageError
 
-# NOTE [lean start]: `leakcheck snapshot` is a command people run by hand and in loops, and
-# on a GPU host every module a start imports costs time (PYTHONDONTWRITEBYTECODE compiles
-# each from source). So this module imports only `os` and `sys` at load: each command
-# imports what it needs when it runs, a plain `snapshot` line is read without argparse
-# (`_plain_snapshot_args`; anything else goes through the full parser, which owns help and
-# errors), and `typing` is not imported (TYPE_CHECKING is False at run time, true to mypy).
-# NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot's start
-# in its normal exit (the driver library's teardown at exit, which nvmlShutdown does not
-# save: benchmarks/results/README.md). Once its text is written and flushed the snapshot has
-# nothing left to do: it wrote no file, started no process and registered no exit work. So
-# the executable (`command`) ends a snapshot with os._exit, after flushing its output (a
-# failed write still exits 2 with one line; a reader gone early, as with `| head`, is no
-# error). `main` returns as always, for callers in the same process, and every other command
-# exits normally. Running the module in-process (runpy, as `__main__`) ends that process too.
+# NOTE [lean start]: `leakcheck snapshot` is run by hand and in loops, and every module a
+# start imports costs time. So this module imports at load only what Python's start already
+# did; each command imports what it needs when it runs, a plain `snapshot` line is read
+# without argparse (`_plain_snapshot_args`; anything else goes through the full parser, which
+# owns help and errors), and `typing` is not imported (TYPE_CHECKING is False at run time).
+# NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot in its
+# normal exit (the driver library's teardown, which nvmlShutdown does not save:
+# benchmarks/results/README.md). A snapshot has nothing left to do once its text is flushed
+# (no file, no process, no exit work), so the executable (`command`) ends it with os._exit
+# after flushing (a failed write still exits 2 with one line; a reader gone early, as with
+# `| head`, is no error). `main` returns as always, for callers in the same process.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -49,16 +40,13 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 _PROG = "leakcheck"
-_SWEEP_GRACE_S = 2.0  # the Tracker's default: a worker may take up to 2 s to exit
 
 WORKERS_PER_CPU = 8
-"""Worker counts up to this many per usable CPU are allowed without ``--max-workers``.
+"""Worker counts allowed per usable CPU without ``--max-workers``: a sweep measures memory,
+not throughput, but far beyond this (a torch process and a CUDA context each) memory runs out."""
 
-torch's DataLoader already warns above one worker per CPU (more only oversubscribe the
-cores). A sweep may go further on purpose, since what it measures per worker is a CUDA
-context and a process, not throughput; but each worker is a Python process that imports
-torch (a few hundred MiB of host memory) and, on a GPU, holds a ~0.6 GiB context, so far
-beyond this the machine runs out of memory before the sweep says anything."""
+WATCH_MIN_S = 0.1
+"""The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
 
 
 def _parser_class() -> type[argparse.ArgumentParser]:
@@ -75,12 +63,12 @@ def _parser_class() -> type[argparse.ArgumentParser]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``leakcheck`` argument parser (values are validated later, in one place)."""
     from leakcheck import __version__
+    from leakcheck.commands.run_cli import add_run_parser
     from leakcheck.commands.workload import SCENARIOS, START_METHODS
 
     _Parser = _parser_class()
     parser = _Parser(
-        prog=_PROG,
-        description="Find GPU memory and process leaks caused by data-loader workers.",
+        prog=_PROG, description="Find GPU memory and process leaks caused by data-loader workers."
     )
     parser.add_argument("--version", action="version", version=f"leakcheck {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -90,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="iterate a loader with several worker counts for several epochs and report "
         "GPU memory per process, per epoch",
         description="Iterate a DataLoader with each worker count for several epochs under a "
-        "tracker; print GPU memory per process and epoch, then a verdict per configuration. "
+        "tracker; print memory per process and epoch, then a verdict per configuration. "
         "Without --loader a built-in workload runs (its workers touch the GPU when there is "
         "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
     )
@@ -101,99 +89,68 @@ def build_parser() -> argparse.ArgumentParser:
         help="your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a module "
         "name or a path/to/file.py (default: the built-in workload)",
     )
-    what.add_argument(
-        "--workers",
-        metavar="N,N,...",
-        help="worker counts (default 0,4,8; 0,N,2N on a machine of N < 4 usable CPUs)",
-    )
+    what.add_argument("--workers", metavar="N,N,...", help="worker counts (default 0,4,8)")
     what.add_argument(
         "--max-workers",
-        default=None,
         metavar="N",
         help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
-        "use, and no more than the user's process limit RLIMIT_NPROC leaves room for)",
+        "use, within the room the user's process limit RLIMIT_NPROC leaves)",
     )
     what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
-    what.add_argument(
-        "--persistent", action="store_true", help="workers live across epochs (persistent_workers)"
-    )
-    what.add_argument(
-        "--device", default=None, metavar="N", help="GPU index to watch and use (default: all/0)"
-    )
+    what.add_argument("--persistent", action="store_true", help="persistent_workers=True")
+    what.add_argument("--device", metavar="N", help="GPU index to watch and use (default: all/0)")
     what.add_argument(
         "--no-teardown",
         action="store_true",
-        help="do not install leakcheck's teardown policy in the workers of any DataLoader "
-        "(they still report who they are and what they held at exit)",
+        help="no teardown policy in the workers (they still report at exit)",
     )
     builtin = sweep.add_argument_group("built-in workload (not with --loader)")
+    methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
     builtin.add_argument(
         "--start-method",
-        default=None,
-        metavar="{" + ",".join(START_METHODS) + "}",
-        help="how the workers start (default spawn: CUDA in forked workers fails once the "
-        "parent used CUDA)",
+        metavar=f"{{{methods}}}",
+        help="how workers start (default spawn: forked workers cannot use CUDA once the parent "
+        "did)",
     )
     builtin.add_argument(
         "--scenario",
-        default=None,
-        metavar="{" + ",".join(SCENARIOS) + "}",
-        help="clean (default); persistent-cache: persistent workers keep 64 MiB of GPU memory "
-        "per epoch alive (a GPU leak: without a GPU nothing grows); "
-        "orphan: each worker starts a grandchild that outlives the loader; copy-on-read: "
-        "persistent forked workers read a dataset of 128 MiB of Python objects, and each "
-        "copies it into its own host memory in epoch 0; copy-on-read-growing: each copies "
-        "40 MiB more of such a dataset per epoch",
+        metavar=f"{{{scenarios}}}",
+        help="clean (default), or a leak to find: persistent-cache (GPU memory), orphan, "
+        "copy-on-read, copy-on-read-growing (host memory), fd-pressure (docs/REFERENCE.md)",
     )
-    builtin.add_argument("--batches", default=None, metavar="N", help="batches per epoch (16)")
+    builtin.add_argument("--batches", metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
     judge.add_argument(
         "--tolerance",
-        default=None,
         metavar="SIZE",
         help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
     )
     judge.add_argument(
         "--copy-tolerance",
-        default=None,
         metavar="SIZE",
-        help="what each forked worker may copy of its parent's memory (copy-on-read; "
-        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
+        help="what each forked worker may copy of its parent's memory (default: "
+        "$LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
     )
     judge.add_argument(
         "--grace",
-        default=None,
         metavar="SECONDS",
-        help="how long a process born in an epoch may outlive it "
-        "(default: $LEAKCHECK_GRACE, else 2)",
+        help="how long a process may outlive its epoch (default: $LEAKCHECK_GRACE, else 2)",
+    )
+    judge.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
+    judge.add_argument(
+        "--cooldown-temp", metavar="C", help="before each configuration, wait for GPU <= C °C"
     )
     judge.add_argument(
-        "--interval", default="50ms", metavar="SECONDS", help="sampling interval (50ms)"
-    )
-    judge.add_argument(
-        "--cooldown-temp",
-        default=None,
-        metavar="C",
-        help="before each configuration, wait until the GPU is at or below C degrees Celsius",
-    )
-    judge.add_argument(
-        "--cooldown-timeout",
-        default="600",
-        metavar="SECONDS",
-        help="stop waiting for the cooldown after this long (600)",
+        "--cooldown-timeout", default="600", metavar="SECONDS", help="wait at most this (600)"
     )
     judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
     output = sweep.add_argument_group(
         "output",
-        "Both are checked before the sweep starts: the folder exists and takes new files, and "
-        "a file already there is a writable regular file. If a write still fails at the end, "
-        "the output goes next to it, to the current folder or to the temporary folder, and "
-        "the path written is printed.",
+        "Checked before the sweep; a write that still fails at the end goes next to it, to "
+        "the current or the temporary folder, and the path is printed.",
     )
-    output.add_argument("--json", default=None, metavar="PATH", help="write everything as JSON")
-    output.add_argument(
-        "--plot", default=None, metavar="PATH.png", help="draw memory per epoch (matplotlib)"
-    )
+    output.add_argument("--json", metavar="PATH", help="write everything as JSON")
+    output.add_argument("--plot", metavar="PATH.png", help="draw memory per epoch (matplotlib)")
 
     snapshot = commands.add_parser(
         "snapshot",
@@ -206,58 +163,41 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument(
         "--telemetry",
         action="store_true",
-        help="also read each GPU's temperature, SM clock, power, P-state and clock-event "
-        "reasons (a driver call each, which slows the snapshot down)",
+        help="also read each GPU's temperature, clocks, power and P-state (slower)",
     )
     snapshot.add_argument(
         "--pid",
-        default=None,
         metavar="PID",
-        help="a job's root process: also list its descendants with their roles (parent; "
-        "descendant: from outside no child can be known to be a loader worker; runtime "
-        "helpers such as multiprocessing's resource tracker flagged helper) and its tagged "
-        "orphans, GPU or not, each with its host memory (USS, else RSS)",
+        help="a job's root process: also list its descendants with their roles and its "
+        "tagged orphans, each with its host memory",
     )
     snapshot.add_argument(
         "--watch",
-        default=None,
         metavar="SECONDS",
-        help=f"take a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn in "
-        "place on a terminal; elsewhere each follows a line with its time (with --json, one "
-        "JSON document per line)",
+        help=f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
+        "terminal, else each after a line with its time (--json: one document per line)",
     )
-
-    from leakcheck.commands.run_cli import add_run_parser
-
     add_run_parser(commands)
-
     explain = commands.add_parser(
         "explain",
         help="the whole story of a rule: what it finds, why, and every fix",
         description="Tell what a rule of leakcheck's findings means, its causes and every "
-        "fix (a finding gives one line and one fix). Without RULE, list the rules. Exit 0; 2 "
-        "for an unknown rule.",
+        "fix. Without RULE, list the rules. Exit 0; 2 for an unknown rule.",
     )
-    explain.add_argument("rule", nargs="?", default=None, metavar="RULE", help="a rule's name")
+    explain.add_argument("rule", nargs="?", metavar="RULE", help="a rule's name")
     return parser
 
 
 def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
-    """``leakcheck explain [RULE]``: a rule's story, or the list of rules.
-
-    Returns:
-        0; 2 for an unknown rule (one line on ``err`` naming the valid ones, then the list).
-
-    """
+    """``leakcheck explain [RULE]``: a rule's story, or the list of rules (2: unknown rule)."""
     from leakcheck.judge.stories import STORIES, headline, story
 
     text = story(rule) if rule is not None else None
     if text is not None:
         out.write(text)
         return EXIT_CLEAN
-    names = ", ".join(STORIES)
     if rule is not None:
-        err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {names}\n")
+        err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {', '.join(STORIES)}\n")
     width = max(len(name) for name in STORIES)
     lines = ["leakcheck's rules (leakcheck explain RULE tells one):"]
     lines.extend(f"  {name.ljust(width)}  {headline(name)}" for name in STORIES)
@@ -265,7 +205,7 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
     return EXIT_USAGE if rule is not None else EXIT_CLEAN
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- sweep
 
 
 def _int_value(text: str, option: str, *, minimum: int, example: str) -> int:
@@ -280,107 +220,70 @@ def _int_value(text: str, option: str, *, minimum: int, example: str) -> int:
     return value
 
 
-def parse_workers(text: str) -> tuple[int, ...]:
-    """Parse ``--workers`` (``0,4,8``) into worker counts.
+def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
+    if (value or default) not in choices:
+        raise UsageError(f"{option}: expected one of {', '.join(choices)}, got {value!r}")
+    return value or default
 
-    Raises:
-        UsageError: Not comma-separated integers >= 0.
 
-    """
+def _parse_workers(text: str) -> tuple[int, ...]:
     parts = [part.strip() for part in text.split(",")]
-    try:
-        # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+    # isascii: str.isdigit() also accepts digits int() rejects (superscripts); past
+    # sys.get_int_max_str_digits int() raises ValueError.
+    with contextlib.suppress(ValueError):
         if all(part.isascii() and part.isdigit() for part in parts):
             return tuple(int(part) for part in parts)
-    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
-        pass
     raise UsageError(
         f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
     )
 
 
 def default_workers() -> tuple[int, ...]:
-    """The sweep's worker counts: ``0,4,8``, or ``0,N,2N`` where N < 4 CPUs are usable.
-
-    More spawned workers than twice the cores only queue for them, and each imports torch
-    anew every epoch.
-    """
+    """``0,4,8``, or ``0,N,2N`` where N < 4 CPUs are usable (more would only queue)."""
     cpus = _usable_cpus()
     return (0, 4, 8) if cpus >= 4 else (0, cpus, 2 * cpus)
 
 
 def worker_bound() -> WorkerBound:
-    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves.
-
-    RLIMIT_NPROC caps the processes and threads of the real user ID; what this user runs
-    already counts against it, so the room is the soft limit minus that count. Where the
-    limit does not apply (root, no limit) or cannot be read, only the CPU bound holds.
-    """
+    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves."""
     from leakcheck.commands.sweep import WorkerBound
 
     cpus = _usable_cpus()
     bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
     room = _process_room()
-    if room is not None and room.max_workers < bound.max_workers:
-        return room
-    return bound
+    return room if room is not None and room.max_workers < bound.max_workers else bound
 
 
 def _usable_cpus() -> int:
-    # The CPUs this process may run on (taskset, cpusets), as torch's DataLoader counts them
-    # for its own warning; os.cpu_count() counts the machine's.
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    # The CPUs this process may run on (taskset, cpusets), as torch counts them for its warning.
+    return max(len(os.sched_getaffinity(0)), 1)
 
 
 def _process_room() -> WorkerBound | None:
-    try:
-        import resource
+    # RLIMIT_NPROC caps the processes and threads of the real user ID, whatever runs them
+    # already included; the kernel does not apply it to user ID 0.
+    import resource
 
-        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    except (ImportError, AttributeError, OSError, ValueError):
-        return None
-    # The kernel does not apply RLIMIT_NPROC to real user ID 0.
-    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
-        return None
     from leakcheck.commands.sweep import WorkerBound
 
-    running = _tasks_of_user(os.getuid())
-    if running is None:
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
         return None
+    running = _tasks_of_user(os.getuid())
     return WorkerBound(
         max(soft_limit - running, 0),
         f"RLIMIT_NPROC {soft_limit} minus {running} processes and threads this user runs",
     )
 
 
-def _tasks_of_user(uid: int) -> int | None:
-    """Threads (what RLIMIT_NPROC counts) of processes whose real user ID is ``uid``.
+def _tasks_of_user(uid: int) -> int:
+    """Threads (what RLIMIT_NPROC counts) of the processes whose real user ID is ``uid``."""
+    import psutil
 
-    None when /proc cannot be listed; processes that exit during the count are skipped.
-    """
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return None
     count = 0
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as status:
-                text = status.read()
-        except OSError:
-            continue
-        real_uid = threads = None
-        for line in text.splitlines():
-            if line.startswith(b"Uid:"):
-                real_uid = int(line.split()[1])
-            elif line.startswith(b"Threads:"):
-                threads = int(line.split()[1])
-        if real_uid == uid:
+    for process in psutil.process_iter(["uids", "num_threads"]):  # skips those that exit
+        uids, threads = process.info["uids"], process.info["num_threads"]
+        if uids is not None and uids.real == uid:
             count += threads or 1
     return count
 
@@ -402,55 +305,6 @@ def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -
         )
 
 
-def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
-    """Write an output that could not be written at ``intended`` to a new file elsewhere.
-
-    Tried in order: next to it, the current folder, the temporary folder; each under a new
-    name (``sweep.leakcheck-x1y2.json``), never replacing a file.
-
-    Returns:
-        The path written, or None when no place took it.
-
-    """
-    import contextlib
-    import tempfile
-
-    stem, extension = os.path.splitext(os.path.basename(intended))
-    folders: list[str] = [os.path.dirname(os.path.abspath(intended))]
-    with contextlib.suppress(OSError):  # the current folder may have been removed
-        folders.append(os.getcwd())
-    folders.append(tempfile.gettempdir())
-    tried: set[str] = set()
-    for folder in folders:
-        if folder in tried:
-            continue
-        tried.add(folder)
-        try:
-            handle, path = tempfile.mkstemp(
-                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
-            )
-            os.close(handle)
-        except OSError:
-            continue
-        try:
-            write(path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            continue
-        return path
-    return None
-
-
-def _lost_output_line(prog: str, option: str, path: str, error: str, saved: str | None) -> str:
-    where = (
-        f"wrote it to {saved!r} instead"
-        if saved is not None
-        else "no other place (next to it, the current folder, the temporary folder) took it"
-    )
-    return f"{prog}: {option}: cannot write {path!r}: {error}; {where}\n"
-
-
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     """Validate every ``sweep`` option in one place.
 
@@ -458,32 +312,27 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
+    from leakcheck.commands.run_cli import output_paths
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
     from leakcheck.core import options as option_specs
 
-    workers = parse_workers(args.workers) if args.workers is not None else default_workers()
+    workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
     _check_worker_counts(workers, args.max_workers)
     epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
-    start_method = args.start_method or "spawn"
-    if start_method not in START_METHODS:
-        raise UsageError(
-            f"--start-method: expected one of {', '.join(START_METHODS)}, got {args.start_method!r}"
-        )
+    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
     device = None
     if args.device is not None:
         device = option_specs.parse_device_index(args.device, "--device")
     # Shared with the other adapters: command line, then environment, then default.
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=_SWEEP_GRACE_S
+        args.tolerance, args.grace, os.environ, grace_default_s=2.0
     )
     interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
-        try:
+        with contextlib.suppress(ValueError):
             cooldown_temp_c = float(args.cooldown_temp)
-        except ValueError:
-            cooldown_temp_c = None
         if cooldown_temp_c is None or not 0 < cooldown_temp_c < 150:
             raise UsageError(
                 f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
@@ -492,13 +341,9 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     cooldown_timeout_s = option_specs.parse_seconds_option(
         args.cooldown_timeout, "--cooldown-timeout"
     )
-    from leakcheck.commands.run_cli import output_paths
-
     json_path, plot_path = output_paths(args.json, args.plot)
-
     workload = None
-    loader = args.loader
-    if loader is not None:
+    if args.loader is not None:
         for option, value in (
             ("--scenario", args.scenario),
             ("--start-method", args.start_method),
@@ -510,28 +355,23 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 raise UsageError(
                     f"{option}: applies to the built-in workload only, not with --loader"
                 )
-        _split_loader(loader)  # the format is checked now; importing waits for the run
+        _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
-        scenario = args.scenario or "clean"
-        if scenario not in SCENARIOS:
-            raise UsageError(
-                f"--scenario: expected one of {', '.join(SCENARIOS)}, got {args.scenario!r}"
-            )
+        scenario = _one_of(args.scenario, "clean", "--scenario", SCENARIOS)
         batches = WorkloadSpec.batches
         if args.batches is not None:
             batches = _int_value(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
-            scenario=scenario,
+            scenario=scenario,  # type: ignore[arg-type]  # one of SCENARIOS
             batches=batches,
             start_method=start_method,
             persistent=args.persistent,
             device_index=device or 0,
         )
-    persistent = args.persistent or (workload is not None and workload.persistent_workers)
     options = SweepOptions(
         workers=workers,
         epochs=epochs,
-        persistent=persistent,
+        persistent=args.persistent or (workload is not None and workload.persistent_workers),
         device_index=device,
         cooldown_temp_c=cooldown_temp_c,
         cooldown_timeout_s=cooldown_timeout_s,
@@ -543,49 +383,34 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
             args.copy_tolerance, os.environ
         ),
     )
-    return SweepPlan(
-        options=options,
-        workload=workload,
-        loader=loader,
-        json_path=json_path,
-        plot_path=plot_path,
-        fail_on_leak=args.fail_on_leak,
-    )
+    return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
 
 
 def _check_device(index: int, gpu: tuple[bool, str]) -> None:
-    """Refuse ``--device`` naming a GPU that NVML does not list.
+    """Refuse ``--device`` naming a GPU that NVML does not list, or any without a GPU.
 
-    Without any GPU too: the sweep would run and print "n/a" where the user asked for one
-    device's memory; a CPU run is asked for by leaving ``--device`` out.
+    (Without one the sweep would print "n/a" where the user asked for one device's memory.)
     """
-    import contextlib
-
     from leakcheck.core.errors import LeakCheckError
     from leakcheck.observe import nvml
 
     available, reason = gpu
-    count = None
     if available:
-        # NVML answered a moment ago; if it fails now the sweep says so in its header.
-        with contextlib.suppress(LeakCheckError):
+        try:
             count = nvml.get().device_count()
-        if count is None:
+        except LeakCheckError:
+            return  # NVML answered a moment ago: the sweep's header says what failed
+        if count:
+            if index >= count:
+                raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
             return
         reason = "NVML lists no device"
-    if count:
-        if index >= count:
-            raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
-        return
     # The reason's tail says that process checks still run: true, but not with --device.
     reason = reason.split("; GPU memory is not checked")[0]
     raise UsageError(
         f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
         "leave out --device to run the host-side checks only"
     )
-
-
-# --------------------------------------------------------------------------- --loader
 
 
 def _split_loader(spec: str) -> tuple[str, str]:
@@ -618,11 +443,9 @@ def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
-    except UsageError:
+    except (UsageError, KeyboardInterrupt):
         raise
     except BaseException as exc:  # SyntaxError, SystemExit in an import... all one line
-        if isinstance(exc, KeyboardInterrupt):
-            raise
         from leakcheck.commands.sweep import one_line
 
         raise UsageError(f"--loader: cannot import {module_name!r}: {one_line(exc)}") from None
@@ -649,15 +472,14 @@ def _import_file(path: str) -> Any:
     name = os.path.splitext(base)[0]
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    existing = sys.modules.get(name)
-    if existing is None and name.isidentifier():
+    module = sys.modules.get(name)
+    if module is None and name.isidentifier():
         module = importlib.import_module(name)
-        if _same_file(getattr(module, "__file__", None), path):
-            return module
-    elif existing is not None and _same_file(getattr(existing, "__file__", None), path):
-        return existing
-    # The name is taken by another module: load the file under a private name (spawned
-    # workers will not find classes defined in it by name, but the factory still runs).
+    where = getattr(module, "__file__", None)
+    if where is not None and os.path.realpath(where) == os.path.realpath(path):
+        return module
+    # The name is another module's: load the file under a private name (spawned workers
+    # will not find classes defined in it by name, but the factory still runs).
     unique = f"leakcheck_user_loader_{abs(hash(path))}"
     file_spec = importlib.util.spec_from_file_location(unique, path)
     if file_spec is None or file_spec.loader is None:
@@ -668,23 +490,15 @@ def _import_file(path: str) -> Any:
     return module
 
 
-def _same_file(a: str | None, b: str) -> bool:
-    try:
-        return a is not None and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-# --------------------------------------------------------------------------- commands
-
-
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck.commands.progress import Progress
-    from leakcheck.commands.sweep import LoaderError, one_line, run_sweep, write_json
+    from leakcheck.commands.sweep import LoaderError, run_sweep
+    from leakcheck.core.files import write_json
     from leakcheck.observe import nvml
 
     prog = f"{_PROG} sweep"
+    progress = None
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
@@ -694,78 +508,105 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
             factory = load_factory(plan.loader)
             description = f"loader {plan.loader}"
         else:
-            from leakcheck.commands.workload import builtin_factory, describe, with_gpu
+            from dataclasses import replace
+
+            from leakcheck.commands.workload import builtin_factory, describe
 
             assert plan.workload is not None  # resolve_sweep sets it without --loader
-            spec = with_gpu(plan.workload, gpu[0])
+            spec = replace(plan.workload, gpu=gpu[0])
             factory = builtin_factory(spec)
             description = describe(spec)
+        progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
+        result = run_sweep(plan.options, factory, loader=description, progress=progress, gpu=gpu)
     except UsageError as exc:
         err.write(f"{prog}: {exc}\n")
         return EXIT_USAGE
-    except KeyboardInterrupt:  # importing a --loader module can take a while
-        err.write(f"{prog}: interrupted; nothing written\n")
-        return EXIT_INTERRUPTED
-
-    progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
-    try:
-        result = run_sweep(plan.options, factory, loader=description, progress=progress, gpu=gpu)
     except LoaderError as exc:
+        assert progress is not None  # only the sweep raises it
         progress.close()
         where = f"--loader {plan.loader}" if plan.loader else "built-in workload"
         err.write(f"{prog}: {where}: {exc}\n")
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        progress.close()
+    except KeyboardInterrupt:  # importing a --loader module can take a while, too
+        if progress is not None:
+            progress.close()
         err.write(f"{prog}: interrupted; nothing written\n")
         return EXIT_INTERRUPTED
-
     out.write(result.format() + "\n")
     out.flush()
-    status = EXIT_CLEAN
-    # The outputs were checked before the run; if a write fails now anyway (the folder was
-    # removed, a disk filled up), the results still go somewhere, and the path is printed.
+    saved = True
     if plan.json_path is not None:
         data = result.to_dict()
-        try:
-            write_json(plan.json_path, data)
-        except OSError as exc:
-            saved = _write_elsewhere(plan.json_path, lambda path: write_json(path, data))
-            err.write(_lost_output_line(prog, "--json", plan.json_path, str(exc), saved))
-            status = EXIT_USAGE
+        saved &= _save(prog, "--json", plan.json_path, lambda path: write_json(path, data), err)
     if plan.plot_path is not None:
         from leakcheck.judge.plot import plot_sweep
 
+        saved &= _save(prog, "--plot", plan.plot_path, lambda path: plot_sweep(result, path), err)
+    if not saved:
+        return EXIT_USAGE
+    return EXIT_LEAK if plan.fail_on_leak and result.leak_count else EXIT_CLEAN
+
+
+def _save(prog: str, option: str, path: str, write: Callable[[str], object], err: TextIO) -> bool:
+    """Write an output; where ``path`` fails now (a folder removed, a disk full), elsewhere."""
+    from leakcheck.commands.sweep import one_line
+
+    try:
+        write(path)
+        return True
+    except OSError as exc:
+        saved = _write_elsewhere(path, write)
+        where = (
+            f"wrote it to {saved!r} instead"
+            if saved is not None
+            else "no other place (next to it, the current folder, the temporary folder) took it"
+        )
+        err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
+    except Exception as exc:  # matplotlib could not draw it
+        if option != "--plot":
+            raise
+        err.write(f"{prog}: {option}: cannot draw {path!r}: {one_line(exc)}\n")
+    return False
+
+
+def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
+    """A new file next to ``intended``, else in the current or the temporary folder; its path."""
+    import tempfile
+
+    stem, extension = os.path.splitext(os.path.basename(intended))
+    folders = [os.path.dirname(os.path.abspath(intended))]
+    with contextlib.suppress(OSError):  # the current folder may have been removed
+        folders.append(os.getcwd())
+    folders.append(tempfile.gettempdir())
+    for folder in dict.fromkeys(folders):
         try:
-            plot_sweep(result, plan.plot_path)
-        except OSError as exc:
-            saved = _write_elsewhere(plan.plot_path, lambda path: plot_sweep(result, path))
-            err.write(_lost_output_line(prog, "--plot", plan.plot_path, str(exc), saved))
-            status = EXIT_USAGE
-        except Exception as exc:
-            err.write(f"{prog}: --plot: cannot draw {plan.plot_path!r}: {one_line(exc)}\n")
-            status = EXIT_USAGE
-    if status == EXIT_CLEAN and plan.fail_on_leak and result.leak_count:
-        status = EXIT_LEAK
-    return status
+            handle, path = tempfile.mkstemp(
+                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
+            )
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            write(path)
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return None
 
 
-WATCH_MIN_S = 0.1
-"""The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
+# --------------------------------------------------------------------------- snapshot
 
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 
 
-class SnapshotArgs:
-    """``snapshot``'s options as the full parser would give them (see ``_plain_snapshot_args``).
+class SnapshotArgs(SimpleNamespace):
+    """``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
 
-    Attributes:
-        json: ``--json``.
-        telemetry: ``--telemetry``.
-        pid: ``--pid`` as given, or None.
-        watch: ``--watch`` as given, or None.
-
-    """
+    json: bool
+    telemetry: bool
+    pid: str | None
+    watch: str | None
 
     def __init__(
         self,
@@ -775,19 +616,7 @@ class SnapshotArgs:
         pid: str | None = None,
         watch: str | None = None,
     ) -> None:
-        self.json = json
-        self.telemetry = telemetry
-        self.pid = pid
-        self.watch = watch
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SnapshotArgs) and vars(self) == vars(other)
-
-    def __repr__(self) -> str:
-        return (
-            f"SnapshotArgs(json={self.json!r}, telemetry={self.telemetry!r}, pid={self.pid!r}, "
-            f"watch={self.watch!r})"
-        )
+        super().__init__(json=json, telemetry=telemetry, pid=pid, watch=watch)
 
 
 def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
@@ -795,8 +624,7 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
 
     Only whole option names, each value in its own token or after ``=``, and no value that
     starts with ``-``: the same values the full parser would give. Anything else (help, an
-    abbreviation, an unknown or incomplete option) returns None, and the full parser, which
-    owns help and error messages, reads the line instead.
+    abbreviation, an unknown or incomplete option) returns None, for the full parser.
     """
     args = SnapshotArgs()
     position = 0
@@ -822,68 +650,52 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
     return args
 
 
-def _watch_period(text: str) -> float:
-    """Parse ``--watch SECONDS``.
-
-    Raises:
-        UsageError: Not a number of seconds >= ``WATCH_MIN_S``.
-
-    """
-    try:
-        seconds = float(text.strip())
-    except ValueError:
-        seconds = None
-    # `not >=` also refuses NaN; infinity would never redraw.
-    if seconds is None or not WATCH_MIN_S <= seconds < float("inf"):
-        raise UsageError(
-            f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, got {text!r}"
-        )
-    return seconds
-
-
 def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -> int:
     """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage).
 
-    With ``--watch SECONDS`` it prints a new snapshot every SECONDS until Ctrl-C (exit 0):
-    in place on a terminal (the screen is cleared and redrawn); elsewhere each snapshot
-    follows a line with its local time (``--json``: one JSON document per line).
+    With ``--watch SECONDS``, a new snapshot every SECONDS until Ctrl-C (exit 0): redrawn in
+    place on a terminal; elsewhere each follows a line with its local time (``--json``: one
+    JSON document per line).
     """
     from leakcheck.observe import procs
+
     prog = f"{_PROG} snapshot"
     period = None
     if args.watch is not None:
-        try:
-            period = _watch_period(str(args.watch))
-        except UsageError as exc:
-            sys.stderr.write(f"{prog}: {exc}\n")
+        text = str(args.watch).strip()
+        with contextlib.suppress(ValueError):
+            period = float(text)
+        # `not >=` also refuses NaN; infinity would never redraw.
+        if period is None or not WATCH_MIN_S <= period < float("inf"):
+            sys.stderr.write(
+                f"{prog}: --watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
+                f"got {text!r}\n"
+            )
             return EXIT_USAGE
-    root_pid: int | None = None
     root: ProcessKey | None = None
     if args.pid is not None:
         text = str(args.pid).strip()
-        # Digits only, and few enough for int() (PIDs stay below 2**22 on Linux; past 4300
-        # digits int() raises instead of converting).
+        # Digits only, and few enough for int() (past 4300 digits it raises).
         if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
             sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
             return EXIT_USAGE
-        root_pid = int(text)
-        root = procs.process_key(root_pid)
+        root = procs.process_key(int(text))
         if root is None:
-            sys.stderr.write(f"{prog}: --pid: no running process with PID {root_pid} here\n")
+            sys.stderr.write(f"{prog}: --pid: no running process with PID {int(text)} here\n")
             return EXIT_USAGE
-    telemetry = bool(args.telemetry)
     if period is None:
-        ended = _emit(out, _snapshot_text(root_pid, telemetry, as_json=args.json, indent=2) + "\n")
+        root_pid = root.pid if root is not None else None
+        text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
+        ended = _emit(out, text + "\n")
         return EXIT_CLEAN if ended is None else ended
-    return _watch(root, period, telemetry, as_json=args.json, out=out)
+    return _watch(root, period, bool(args.telemetry), as_json=args.json, out=out)
 
 
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
-    """Write the snapshot's ``text``; None when written, else the status to end with.
+    """Write ``text``; None when written, else the status to end with.
 
-    A reader that left (`| head`) ends the command cleanly (0), and standard output then
-    points at /dev/null, so that no later flush fails too; a failed write (a full disk, an
-    I/O error) ends it with one line and status 2.
+    A reader that left (`| head`) ends the command cleanly (0), standard output then pointing
+    at /dev/null so that no later flush fails; a failed write ends it with one line, 2.
     """
     try:
         out.write(text)
@@ -894,20 +706,17 @@ def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return EXIT_CLEAN
     except (OSError, ValueError) as exc:
-        return _output_failed(exc)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
+        return EXIT_USAGE
     return None
-
-
-def _output_failed(exc: BaseException) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
-    return EXIT_USAGE
 
 
 def _snapshot_text(
     root_pid: int | None, telemetry: bool, *, as_json: bool, indent: int | None
 ) -> str:
     from leakcheck.observe import nvml
+
     nvml.start_in_background()  # while the snapshot's modules load (NOTE [overlapped start])
     from leakcheck.observe.snapshot import take_snapshot
 
@@ -924,12 +733,12 @@ def _watch(
 ) -> int:
     """Frames every ``period`` seconds until Ctrl-C, or until ``root`` exits.
 
-    The root is followed by identity (PID and create time): once it is gone its PID may be
-    another process's.
+    The root is followed by identity (PID and start): once it is gone its PID may be reused.
     """
     import time
 
     from leakcheck.observe import procs
+
     on_terminal = out.isatty()
     line = f"{_PROG} snapshot --watch {period:g}"
     root_pid = root.pid if root is not None else None
@@ -951,7 +760,7 @@ def _watch(
             else:
                 text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
                 frame = f"--- {stamp} ---\n{text}\n"
-            ended = _emit(out, frame, flush=True)  # a reader gone, or a failed write, ends it
+            ended = _emit(out, frame, flush=True)
             if ended is not None:
                 return ended
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
@@ -961,11 +770,11 @@ def _watch(
         return EXIT_CLEAN
 
 
-def command() -> NoReturn:
-    """The ``leakcheck`` executable and ``python -m leakcheck``: ``main()``, then exit.
+# --------------------------------------------------------------------------- entry points
 
-    A snapshot ends without the interpreter's exit work (NOTE [quick exit]).
-    """
+
+def command() -> NoReturn:
+    """The ``leakcheck`` executable: ``main()``, then exit (a snapshot: NOTE [quick exit])."""
     if sys.argv[1:2] != ["snapshot"]:
         sys.exit(main())
     try:
@@ -979,20 +788,14 @@ def command() -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``leakcheck`` and ``python -m leakcheck``.
-
-    Returns:
-        The exit status (0 clean, 1 leak found with ``--fail-on-leak``, 2 bad usage).
-
-    """
+    """Entry point of ``leakcheck`` and ``python -m leakcheck``; returns the exit status."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     if tokens[:1] == ["snapshot"]:
         plain = _plain_snapshot_args(tokens[1:])
         if plain is not None:
             return run_snapshot_command(plain, sys.stdout)
-    parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(tokens)
+        args, extra = build_parser().parse_known_args(tokens)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if extra:

@@ -47,12 +47,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import MIB, ProcessKey, TeardownRecord
+from leakcheck.core.records import to_jsonable
 from leakcheck.observe import hostmem, mailbox, procs
 from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
 
@@ -186,6 +187,14 @@ class _Freed:
     def fail(self, step: str, exc: BaseException) -> None:
         self.errors.append(f"{step}: {_one_line(exc)}")
 
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Run a step; what it raises is one line of the record, never the caller's."""
+        try:
+            yield
+        except Exception as exc:
+            self.fail(name, exc)
+
     @property
     def error(self) -> str | None:
         return "; ".join(self.errors) or None
@@ -198,37 +207,29 @@ def _release_registered(entries: list[_Registered], devices: set[int], freed: _F
     for entry in entries:
         if entry.kind != "stream":
             continue
-        try:
+        with freed.step("join stream"):
             stream = entry.resource
             torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
             devices.add(int(stream.device.index or 0))
             freed.streams_joined += 1
-        except Exception as exc:
-            freed.fail("join stream", exc)
     for index in sorted(devices):
-        try:
+        with freed.step(f"synchronize cuda:{index}"):
             torch.cuda.synchronize(index)
-        except Exception as exc:
-            freed.fail(f"synchronize cuda:{index}", exc)
     callables = [entry.resource for entry in entries if entry.kind == "callable"]
     freed.resources_released += len(entries)
     entries.clear()  # the last references to streams and events: dropped once synchronised
     for release in callables:
-        try:
+        with freed.step("callable"):
             release()
-        except Exception as exc:
-            freed.fail("callable", exc)
 
 
 def _empty_cache(devices: set[int], freed: _Freed) -> None:
     import torch
 
     gc.collect()
-    try:
+    with freed.step("empty_cache"):
         freed.freed_cache_bytes = sum(int(torch.cuda.memory_reserved(i)) for i in devices)
         torch.cuda.empty_cache()
-    except Exception as exc:
-        freed.fail("empty_cache", exc)
 
 
 _DeviceReset = Callable[[int, bool], int]
@@ -310,13 +311,14 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
     order = sorted(devices - {current}) + ([current] if current in devices else [])
     switched = False
     for index in order:
-        switched = switched or index != current
+        switch = switched or index != current
         try:
-            code = reset(index, switched)
+            code = reset(index, switch)
         except Exception as exc:
             freed.fail(f"reset cuda:{index}", exc)
             ok = False
             continue
+        switched = switch
         if code:
             freed.fail(f"reset cuda:{index}", LeakCheckError(f"CUDA error {code}"))
             ok = False
@@ -325,10 +327,8 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
         # The current device keeps its context: point the thread back at it.
         import torch
 
-        try:
+        with freed.step(f"set_device cuda:{current}"):
             torch.cuda.set_device(current)
-        except Exception as exc:
-            freed.fail(f"set_device cuda:{current}", exc)
 
 
 def _used_devices() -> tuple[int, set[int]]:
@@ -423,17 +423,13 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
     host: hostmem.HostMemory | None = None
     try:
         if policy.terminate_children:
-            try:
+            with freed.step("terminate children"):
                 _terminate_descendants()
-            except Exception as exc:
-                freed.fail("terminate children", exc)
         torch_cuda = initialized_cuda()
         cuda = torch_cuda is not None
         measured_s = time.monotonic()
-        try:  # before anything is released: what it held (one smaps_rollup read)
+        with freed.step("host memory"):  # what it held, before anything is released
             host = hostmem.read_host_memory(key.pid)
-        except Exception as exc:
-            freed.fail("host memory", exc)
         held = {}  # no context: nothing on any device
         if torch_cuda is not None:
             nvml_state = _nvml_state(key.pid)
@@ -474,10 +470,8 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
         **_host_fields(host, _HOST_FIELDS),
     )
     _close_stack_file()
-    fields = asdict(record)
+    fields = to_jsonable(record)
     del fields["key"]
-    if held is not None:
-        fields["gpu_bytes_by_device"] = {str(index): num for index, num in held.items()}
     mailbox.post(
         "teardown",
         {"pid": key.pid, "start_ticks": key.start_ticks, **fields},

@@ -87,7 +87,7 @@ def parse_device_index(value: object, source: str) -> int:
     return int(text)
 
 
-parse_seconds_option = parse_duration
+parse_seconds_option = parse_duration  # the name the commands call it by
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ COPY_TOLERANCE = OptionSpec[int](
 )
 GRACE = OptionSpec[float](
     name="grace",
-    parse=parse_seconds_option,
+    parse=parse_duration,
     default=1.0,
     help="seconds a process started by a test may take to exit after it (default 1)",
     cli_flag="--gpu-leak-grace",

@@ -52,7 +52,7 @@ def test_sizes(value: str | int | float, expected: int) -> None:
 )
 def test_bad_sizes_are_usage_errors(value: object, needle: str) -> None:
     with pytest.raises(UsageError) as info:
-        parse_size(value, source="tolerance")  # type: ignore[arg-type]
+        parse_size(value, source="tolerance")
     message = str(info.value)
     assert message.startswith("tolerance: ")
     assert needle in message
@@ -81,7 +81,7 @@ def test_huge_text_size_is_exact_not_a_float_overflow() -> None:
 )
 def test_bad_durations_are_usage_errors(value: object, needle: str) -> None:
     with pytest.raises(UsageError) as info:
-        parse_duration(value, source="grace")  # type: ignore[arg-type]
+        parse_duration(value, source="grace")
     message = str(info.value)
     assert needle in message, message
     assert "\n" not in message

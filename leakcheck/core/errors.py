@@ -14,20 +14,11 @@ class UsageError(LeakCheckError, ValueError):
 
 
 class NVMLUnavailable(LeakCheckError):
-    """NVML (the NVIDIA driver's management library) cannot be used here.
-
-    The message is one line with a hint: no driver, no GPU, or no ``nvidia-ml-py``.
-    """
+    """NVML cannot be used here; the message is one line with a hint (no driver, no GPU)."""
 
 
 class LeakError(LeakCheckError, AssertionError):
-    """Leaks were found and the caller asked to fail on them.
-
-    Attributes:
-        report: The ``leakcheck.Report`` that holds the findings (typed loosely: errors sit
-            below the report in the layers).
-
-    """
+    """Leaks were found and the caller asked to fail on them; ``report`` holds the findings."""
 
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
@@ -38,8 +29,7 @@ class LeakWarning(UserWarning):
     """Leaks were found and the caller asked to be warned."""
 
 
-# The names of the first releases, for GPU and process leaks alike: the same classes, so that
-# `except GPULeakError`, `pytest.warns(GPULeakWarning)` and `-W error::leakcheck.GPULeakWarning`
-# keep catching every leak, while what is raised says "leak", GPU or not.
+# The first releases' names: the same classes, so that `except GPULeakError` and
+# `-W error::leakcheck.GPULeakWarning` keep catching every leak, GPU or not.
 GPULeakError = LeakError
 GPULeakWarning = LeakWarning

@@ -2,16 +2,13 @@
 
 NOTE [output targets]: ``write_atomic`` writes a temporary file beside the target and renames
 it over the target, so that a reader never sees half a file. A rename replaces whatever the
-name stood for: run as root, ``--json /dev/null`` once turned ``/dev/null`` into a regular
-file. So the target is looked at first. A missing name or a regular file is replaced
-atomically (a symbolic link is followed: its target is replaced and the link stays, as
-``open(path, "w")`` would). Anything else is refused: a folder with the error a rename onto
-it gives (``IsADirectoryError``), a FIFO, a socket or a device with an ``OSError`` that says
-what it is. Writing into a device in place is no way out: opening some devices has effects
-of its own (a watchdog arms itself), and a FIFO without a reader blocks the writer for ever.
-The command line refuses such paths before the sweep runs (``cli._output_path``); this is
-the last guard, for a path that changed while the sweep ran. The look and the rename are
-not one atomic step: a name swapped in between is not caught.
+name stood for (run as root, ``--json /dev/null`` once made ``/dev/null`` a regular file), so
+the target is looked at first: a missing name or a regular file is replaced (a symbolic link
+is followed, as ``open(path, "w")`` would), anything else refused (``IsADirectoryError``, or
+an ``OSError`` saying what it is). Writing into a device in place is no way out: opening some
+has effects (a watchdog arms itself), and a FIFO without a reader blocks for ever.
+``check_output_path`` refuses such paths before the work runs; this is the last guard, for a
+path that changed meanwhile (a name swapped between the look and the rename is not caught).
 """
 
 from __future__ import annotations
@@ -31,26 +28,19 @@ from typing import Any
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import DeviceState
 
-__all__ = ["check_output_path", "chmod_like_open", "write_atomic", "write_json"]
+__all__ = ["check_output_path", "environment", "write_atomic", "write_json"]
 
 
 def write_json(path: str, data: Mapping[str, Any]) -> None:
-    """Write ``data`` as indented JSON with ``write_atomic``.
-
-    Raises:
-        OSError: The folder does not exist or is not writable, or the target exists and is
-            not a regular file (NOTE [output targets]).
-
-    """
+    """Write ``data`` as indented JSON with ``write_atomic`` (NOTE [output targets])."""
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
 def write_atomic(path: str, payload: bytes) -> None:
-    """Write a file so that a reader never sees half of it (temporary name, then rename).
+    """Write a file so that a reader never sees half of it (NOTE [output targets]).
 
     Raises:
-        OSError: The target exists and is not a regular file (NOTE [output targets]), or the
-            write failed.
+        OSError: The target exists and is not a regular file, or the write failed.
 
     """
     _refuse_non_regular(path)
@@ -88,16 +78,14 @@ def _refuse_non_regular(path: str) -> None:
 
 
 def _take_mode_of(target: str, temp_path: str) -> None:
-    """Give the new file the mode and owner an existing target has, else a new file's mode.
-
-    As writing the file in place would leave them (a private file stays private). The target
-    is replaced, not written: a read-only target the folder lets us replace is replaced, and
-    keeps its read-only mode.
-    """
+    """Give the new file the target's mode and owner, else the mode ``open()`` would give."""
     try:
         existing = os.stat(target)
     except FileNotFoundError:
-        chmod_like_open(temp_path)
+        # /proc tells the umask; os.umask() must set it to read it (racy with threads).
+        with open("/proc/self/status", encoding="ascii") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+        os.chmod(temp_path, 0o666 & ~umask)
         return
     # Owner first: chown clears the set-user-ID and set-group-ID bits that chmod then sets.
     if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
@@ -111,34 +99,8 @@ def _take_mode_of(target: str, temp_path: str) -> None:
     os.chmod(temp_path, stat.S_IMODE(existing.st_mode))
 
 
-def chmod_like_open(path: str) -> None:
-    """Give a ``mkstemp`` file (mode 0600) the mode ``open()`` would have given it."""
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    # /proc tells without changing it; os.umask() must set it to read it, which is racy
-    # while other threads create files.
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
 def environment(devices: Iterable[DeviceState] = (), **extra: Any) -> dict[str, Any]:
-    """Versions and machine, written beside results (torch only if already imported).
-
-    Args:
-        devices: The GPUs the results are about.
-        extra: More facts for the record (``leakcheck run`` adds the interpreter).
-
-    """
+    """Versions and machine, written beside results (torch only if already imported)."""
     import leakcheck
 
     torch = sys.modules.get("torch")
@@ -157,12 +119,8 @@ def environment(devices: Iterable[DeviceState] = (), **extra: Any) -> dict[str, 
 def check_output_path(text: str | None, option: str, suffix: str | None = None) -> str | None:
     """Check an output path before the work runs, so that its results are not lost.
 
-    The folder must exist and take a new file (a probe file is created and removed: what
-    the final atomic write does first), and a file already there must be a regular file
-    that may be written (not a folder, a device, an immutable or append-only file).
-
-    Returns:
-        ``text``, or None when it is None.
+    The folder must take a new file (a probe is created and removed), and a file already
+    there must be a regular file that may be written (not immutable or append-only).
 
     Raises:
         UsageError: One line naming ``option``, what was expected, and the value.
@@ -172,9 +130,7 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
         return None
     if not text.strip():
         raise UsageError(f"{option}: expected a file path, got {text!r}")
-    if text == "-":
-        # Standard output is taken: sweep's table is written there, and under `run` the
-        # program's own output.
+    if text == "-":  # standard output is taken (sweep's table, run's program)
         raise UsageError(
             f"{option}: expected a file path, got '-' (standard output is not written to; "
             "give a file name)"
@@ -197,8 +153,8 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
             raise UsageError(
                 f"{option}: expected a regular file to write, got {text!r} (not a regular file)"
             )
-        # Opening for writing, without truncating, changes nothing, and is refused where
-        # os.access() says yes to root: immutable and append-only files, read-only mounts.
+        # Opening without truncating changes nothing, and is refused where os.access() says
+        # yes to root: immutable and append-only files, read-only mounts.
         try:
             os.close(os.open(text, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY))
         except OSError as exc:

@@ -1,20 +1,14 @@
 """What a process is, in the words people use for it: the one place that names a process.
 
-NOTE [process names]: decisions read a process's whole command line (``roles``: helpers,
-workers); people read a name. A command line that starts with an interpreter says nothing
-until the script, module or code it runs (``/home/me/proj/.venv/bin/python -c i...`` named
-every orphan alike), so the name is what the interpreter runs: ``train.py --lr 0.1``,
-``python -m torch.distributed.run --standalone``, ``python -c "import time; time.sleep(60)"``,
+NOTE [process names]: decisions read a process's whole command line (``roles``); people read
+a name. An interpreter's command line says nothing until what it runs
+(``/home/me/proj/.venv/bin/python -c i...`` named every orphan alike), so the name is that:
+``train.py --lr 0.1``, ``python -m torch.distributed.run``, ``python -c "import time"``,
 ``sleep 60``; multiprocessing's own processes by what they are (``resource tracker``,
-``forkserver``, ``spawn worker``); a loader's worker as ``worker 3 of train.py:42`` where
-its loader is known. Every report, table and snapshot shows a process through
-``process_name`` (or ``culprit``, which adds its role, rank and PID), and cuts it there: one
-shortener, whatever the width.
-
-Command lines are arguments joined by spaces (``/proc/PID/cmdline`` with its NULs made
-spaces), so an argument with spaces in it is split too; a name only needs the first few.
-
-This module is low in the layers: it imports only ``leakcheck.core.roles``.
+``spawn worker``); a loader's worker as ``worker 3 of train.py:42`` where its loader is known.
+Every report, table and snapshot shows a process through ``process_name`` (or ``culprit``,
+which adds its role, rank and PID), and cuts it there: one shortener, whatever the width.
+Command lines are arguments joined by spaces, so an argument with spaces is split too.
 """
 
 from __future__ import annotations
@@ -28,11 +22,8 @@ __all__ = ["NAME_WIDTH", "culprit", "culprits", "process_name", "shorten", "work
 
 NAME_WIDTH = 40
 """Characters a process's name takes in a finding (its role and PID come on top)."""
-
 ELLIPSIS = "\u2026"
-"""Where a name was cut."""
-TIMES = "\u00d7"
-"""Between a count and what it counts (a multiplication sign)."""
+TIMES = "\u00d7"  # between a count and what it counts
 
 _INTERPRETER = re.compile(r"^(?:python|pypy)\d*(?:\.\d+)?[a-z]?$")
 _LINE_BREAKS = re.compile(r"[ \t]*(?:[\r\n][ \t]*)+")
@@ -87,16 +78,7 @@ def _cut_code(name: str, width: int) -> str:
 def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "?") -> str:
     """Name a process by what it runs (NOTE [process names]), at most ``width`` characters.
 
-    Args:
-        cmdline: Its command line, arguments joined by spaces (None: unknown).
-        width: At most this many characters, ``…`` included.
-        empty: What an empty or unknown command line shows as.
-
-    Returns:
-        ``train.py --lr 0.1``, ``python -m pkg.mod args``, ``python -c "code"``,
-        ``sleep 60``, or a runtime helper's name (``resource tracker``, ``forkserver``,
-        ``spawn worker``).
-
+    ``empty`` is what an empty or unknown (None) command line shows as.
     """
     # Split on spaces only: a `python -c` script keeps its line breaks until it is named.
     args = [arg for arg in (cmdline or "").split(" ") if arg.strip()]
@@ -120,13 +102,7 @@ def worker_name(
 ) -> str:
     """Name a loader's worker: ``worker 3 of train.py:42``, ``spawn worker 3``.
 
-    Args:
-        cmdline: The worker's command line: its parent's for a forked worker, the start
-            method's own for a spawned one (or one forked by a fork server).
-        worker_id: The loader's index of the worker, where known.
-        loader: The loader's label (``train.py:42``), where known.
-        width: At most this many characters.
-
+    ``cmdline`` is its parent's for a forked worker, the start method's for a spawned one.
     """
     number = f" {worker_id}" if worker_id is not None else ""
     kind = runtime_helper_name(cmdline or "")
@@ -151,11 +127,9 @@ def culprit(
     loader: str | None = None,
     width: int = NAME_WIDTH,
 ) -> str:
-    """One process as a report names it: its rank, role, name and PID.
+    """One process as a report names it: ``rank 1 orphan sleep 60 (PID 11)``.
 
-    ``rank 1 orphan sleep 60 (PID 11)``, ``worker 3 of train.py:42 (PID 12)``,
-    ``parent train.py (PID 10)``. The role is left out where the rule already says it (an
-    orphan finding's culprit is an orphan) or the name does (a worker's).
+    The role is left out where the rule already says it (an orphan's) or the name does.
     """
     return culprits(
         role,

@@ -1,21 +1,15 @@
 """Option resolution shared by leakcheck's adapters: command line > environment > ini > default.
 
-Every option is described once by an ``OptionSpec`` (its flag, environment variable, ini key,
-default and parser) and resolved by ``resolve``: the first source that sets a value wins, and
-the value is parsed right there, so a bad value is reported with the place it came from
-(``--gpu-leak-tolerance (command line)``, ``LEAKCHECK_TOLERANCE (environment)``,
-``gpu_leak_tolerance (ini file setup.cfg)``). Adapters translate ``UsageError`` into their own
-usage error (pytest's exit code 4, the CLI's exit code 2).
-
-This module imports nothing heavy: the pytest plugin resolves options in every session, flag
-on or off.
+Each option is one ``OptionSpec``; ``resolve`` parses the first source that sets it, so a bad
+value names where it came from (``LEAKCHECK_TOLERANCE (environment)``). Imports nothing
+heavy: the pytest plugin resolves options in every session.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.units import parse_duration, parse_size
@@ -30,12 +24,7 @@ _FALSE = frozenset({"0", "false", "no", "off", "n"})
 
 
 def parse_bool(value: object, source: str) -> bool:
-    """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case), or a bool.
-
-    Raises:
-        UsageError: Anything else; the message names ``source`` and the value.
-
-    """
+    """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case), or a bool."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -47,12 +36,7 @@ def parse_bool(value: object, source: str) -> bool:
 
 
 def parse_mode(value: object, source: str) -> Mode:
-    """Parse what to do with a leak: ``fail`` or ``warn``.
-
-    Raises:
-        UsageError: Anything else.
-
-    """
+    """Parse what to do with a leak: ``fail`` or ``warn``."""
     text = str(value).strip().lower()
     for mode in MODES:
         if text == mode:
@@ -60,20 +44,8 @@ def parse_mode(value: object, source: str) -> Mode:
     raise UsageError(f"{source}: expected one of fail, warn, got {value!r}")
 
 
-def parse_size_option(value: object, source: str) -> int:
-    """Parse a size in bytes (``16MiB``, ``1GB``, ``4096``); see ``units.parse_size``."""
-    if isinstance(value, (str, int, float)):
-        return parse_size(value, source=source)
-    raise UsageError(f"{source}: expected a size such as 16MiB, 1GB or 4096, got {value!r}")
-
-
 def parse_share_option(value: object, source: str) -> float:
-    """Parse a share of time in (0, 1]: a number (``0.001``, ``1``) or a percentage (``0.1%``).
-
-    Raises:
-        UsageError: Not a number, or outside (0, 1]; the message names ``source``.
-
-    """
+    """Parse a share of time in (0, 1]: a number (``0.001``, ``1``) or a percentage (``0.1%``)."""
     share: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         share = float(value)
@@ -92,23 +64,13 @@ def parse_share_option(value: object, source: str) -> float:
 
 
 MIN_INTERVAL_S = 0.001
-"""The shortest sampling interval: one sample reads /proc and NVML and takes up to about a
-millisecond (0.81 ms with 64 workers on an H200 host), so a shorter interval only makes the
-sampler thread spin, taking a core and the GIL from the loop it watches."""
+"""The shortest sampling interval: a sample takes up to about 1 ms (0.81 ms with 64 workers on
+an H200 host); shorter only makes the sampler spin, taking a core and the GIL."""
 
 
 def parse_interval_option(value: object, source: str) -> float:
-    """Parse a sampling interval in seconds, at least ``MIN_INTERVAL_S`` (``50ms``, ``0.05``).
-
-    Raises:
-        UsageError: Not a duration, or shorter than ``MIN_INTERVAL_S``.
-
-    """
-    interval_s = (
-        parse_duration(value, source=source, negative_ok=True)
-        if isinstance(value, (str, int, float))
-        else parse_seconds_option(value, source)
-    )
+    """Parse a sampling interval in seconds, at least ``MIN_INTERVAL_S`` (``50ms``, ``0.05``)."""
+    interval_s = parse_duration(value, source, negative_ok=True)
     if interval_s < MIN_INTERVAL_S:  # a negative one too: the floor says what is expected
         raise UsageError(
             f"{source}: expected 1ms or more (a shorter interval makes the sampler spin: one "
@@ -118,29 +80,14 @@ def parse_interval_option(value: object, source: str) -> float:
 
 
 def parse_device_index(value: object, source: str) -> int:
-    """Parse a GPU index (``0``, ``3``): an integer >= 0, as NVML numbers devices.
-
-    Raises:
-        UsageError: Not a non-negative integer.
-
-    """
+    """Parse a GPU index (``0``, ``3``): an integer >= 0, as NVML numbers devices."""
     text = str(value).strip()
     if not (text.isascii() and text.isdigit()):
         raise UsageError(f"{source}: expected a GPU index >= 0 such as 0, got {value!r}")
     return int(text)
 
 
-def parse_seconds_option(value: object, source: str) -> float:
-    """Parse a duration in seconds (``1``, ``0.5``, ``500ms``); see ``units.parse_duration``.
-
-    Raises:
-        UsageError: Not a duration, negative, or not finite (``inf`` would make a wait or a
-            sampling interval never end, and the clock calls reject it).
-
-    """
-    if isinstance(value, (str, int, float)):
-        return parse_duration(value, source=source)  # rejects inf, NaN and past the OS timer
-    raise UsageError(f"{source}: expected seconds such as 2 or 500ms, got {value!r}")
+parse_seconds_option = parse_duration  # the name the commands call it by
 
 
 @dataclass(frozen=True)
@@ -148,13 +95,10 @@ class OptionSpec(Generic[T]):
     """One option and every place it can be set.
 
     Attributes:
-        name: Short name used as the key of resolved options (``tolerance``).
+        name: The key of resolved options (``tolerance``).
         parse: ``parse(raw, source)`` -> value; raises ``UsageError`` naming ``source``.
         default: Value when no source sets it (already parsed).
         help: One line for ``--help`` and ini help.
-        cli_flag: Command line flag (``--gpu-leak-tolerance``), if any.
-        env_var: Environment variable (``LEAKCHECK_TOLERANCE``), if any.
-        ini_key: Ini key (``gpu_leak_tolerance``), if any.
 
     """
 
@@ -176,10 +120,9 @@ class Resolved(Generic[T]):
 
 
 def _is_unset(value: object) -> bool:
-    # An ini key that is absent reads as "" (or None, or an empty list); so does an
-    # environment variable exported empty. Both mean "not set here". Not so on the command
-    # line: a flag given empty (``--gpu-leak-tolerance=``) was typed, so it is parsed, and
-    # refused, rather than silently replaced by a lower source or the default.
+    # An absent ini key reads as "" (or None, or []), as does an environment variable
+    # exported empty: not set here. A flag given empty on the command line was typed, so it
+    # is parsed (and refused), never replaced by a lower source.
     if value is None:
         return True
     if isinstance(value, str):
@@ -201,14 +144,10 @@ def resolve(
 
     Args:
         spec: The option.
-        cli: The command line value, or None when the flag was not given; an empty value
-            given on the command line is parsed (and refused), not taken as unset.
+        cli: The command line value, or None when the flag was not given.
         environ: The environment to read ``spec.env_var`` from (None: no environment).
         ini: The ini value, or None/empty when the key is absent.
         ini_path: The ini file, named in errors.
-
-    Returns:
-        The parsed value and its source.
 
     Raises:
         UsageError: The winning source holds a bad value; the message names the source.
@@ -241,7 +180,7 @@ ENABLED = OptionSpec[bool](
 )
 TOLERANCE = OptionSpec[int](
     name="tolerance",
-    parse=parse_size_option,
+    parse=parse_size,
     default=16 * 1024 * 1024,
     help="GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
     cli_flag="--gpu-leak-tolerance",
@@ -259,7 +198,7 @@ MODE = OptionSpec[Mode](
 )
 COPY_TOLERANCE = OptionSpec[int](
     name="copy_tolerance",
-    parse=parse_size_option,
+    parse=parse_size,
     default=64 * 1024 * 1024,
     help="host memory each forked loader worker may copy of its parent's (copy-on-read; "
     "default 64MiB)",
@@ -269,7 +208,7 @@ COPY_TOLERANCE = OptionSpec[int](
 )
 GRACE = OptionSpec[float](
     name="grace",
-    parse=parse_seconds_option,
+    parse=parse_duration,
     default=1.0,
     help="seconds a process started by a test may take to exit after it (default 1)",
     cli_flag="--gpu-leak-grace",
@@ -281,15 +220,7 @@ GRACE = OptionSpec[float](
 def command_line_thresholds(
     tolerance: object, grace: object, environ: Mapping[str, str], *, grace_default_s: float
 ) -> tuple[int, float]:
-    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command (``sweep``, ``run``).
-
-    Each from the command line, then the environment (``LEAKCHECK_TOLERANCE``,
-    ``LEAKCHECK_GRACE``), then the default.
-
-    Raises:
-        UsageError: The winning source holds a bad value; the message names the source.
-
-    """
+    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command, else the environment."""
     tolerance_bytes = resolve(
         replace(TOLERANCE, cli_flag="--tolerance"), cli=tolerance, environ=environ
     ).value
@@ -300,12 +231,7 @@ def command_line_thresholds(
 
 
 def command_line_copy_tolerance(value: object, environ: Mapping[str, str]) -> int:
-    """``--copy-tolerance`` of a ``leakcheck`` command, else ``LEAKCHECK_COPY_TOLERANCE``.
-
-    Raises:
-        UsageError: The winning source holds a bad value; the message names the source.
-
-    """
+    """``--copy-tolerance`` of a ``leakcheck`` command, else ``LEAKCHECK_COPY_TOLERANCE``."""
     spec = replace(COPY_TOLERANCE, cli_flag="--copy-tolerance")
     return resolve(spec, cli=value, environ=environ).value
 
@@ -317,17 +243,15 @@ WARN_FLAG = "--gpu-leak-warn"
 def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
     """Combine ``--gpu-leak-mode`` and ``--gpu-leak-warn`` from the command line.
 
-    ``--gpu-leak-warn`` with ``--gpu-leak-mode=fail`` contradict each other; neither may
-    silently win by coming last. The plugin gives ``--gpu-leak-warn`` a destination of its
-    own and passes both values here (``resolve_check_options`` does, with ``cli["warn"]``).
+    The two contradict each other in ``--gpu-leak-warn --gpu-leak-mode=fail``: neither may
+    silently win by coming last.
 
     Args:
         mode: The ``--gpu-leak-mode`` value, None when not given.
         warn: True when ``--gpu-leak-warn`` was given (None or False when not).
 
     Returns:
-        The command line's mode and the flag it came from; None when neither flag was given
-        (the environment, the ini file or the default decide).
+        The mode and its flag; None when neither flag was given.
 
     Raises:
         UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
@@ -345,31 +269,23 @@ def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
     return Resolved(value, source)
 
 
-SPECS: tuple[
-    OptionSpec[bool], OptionSpec[int], OptionSpec[Mode], OptionSpec[float], OptionSpec[int]
-] = (
-    ENABLED,
-    TOLERANCE,
-    MODE,
-    GRACE,
-    COPY_TOLERANCE,
-)
+SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
 """Options of the leak check, in the order ``--help`` lists them."""
+_ATTRIBUTES = {
+    "enabled": "enabled",
+    "tolerance": "tolerance_bytes",
+    "mode": "mode",
+    "grace": "grace_s",
+    "copy_tolerance": "copy_tolerance_bytes",
+}
+"""``CheckOptions``' field of each option (``SPECS`` by name)."""
 
 
 @dataclass(frozen=True)
 class CheckOptions:
     """Resolved options of the leak check.
 
-    Attributes:
-        enabled: Check tests at all.
-        tolerance_bytes: GPU memory a test may keep.
-        mode: ``fail`` the leaking test, or ``warn`` about it.
-        grace_s: How long a process started by a test may take to exit after it.
-        copy_tolerance_bytes: Host memory each forked loader worker may copy of its parent's
-            (the copy-on-read rule, in trackers the test runs).
-        sources: Where each value came from, by option name.
-
+    ``sources`` says where each value came from, by option name (``SPECS``).
     """
 
     enabled: bool = False
@@ -390,9 +306,8 @@ def resolve_check_options(
     """Resolve every option of the leak check in one place.
 
     Args:
-        cli: Command line values by option name (``enabled``, ``tolerance``, ``mode``,
-            ``grace``, ``copy_tolerance``, and ``warn``: True when ``--gpu-leak-warn`` was
-            given); None or absent means not given, an empty string is a bad value.
+        cli: Command line values by option name (``SPECS``' names, and ``warn``: True when
+            ``--gpu-leak-warn`` was given); None or absent means not given.
         environ: Environment (usually ``os.environ``).
         ini: Ini values by option name; None, absent or empty means not set.
         ini_path: The ini file, named in errors.
@@ -403,40 +318,25 @@ def resolve_check_options(
     """
     cli = cli or {}
     ini = ini or {}
-
-    def one(spec: OptionSpec[T]) -> Resolved[T]:
-        return resolve(
-            spec,
-            cli=cli.get(spec.name),
-            environ=environ,
-            ini=ini.get(spec.name),
-            ini_path=ini_path,
+    found: dict[str, Resolved[Any]] = {}
+    for spec in SPECS:
+        given = cli.get(spec.name)
+        if spec is MODE:
+            mode = resolve_mode_flags(given, cli.get("warn"))
+            if mode is not None:
+                found[spec.name] = mode
+                continue
+            given = None
+        found[spec.name] = resolve(
+            spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
-
-    enabled = one(ENABLED)
-    tolerance = one(TOLERANCE)
-    mode = resolve_mode_flags(cli.get("mode"), cli.get("warn"))
-    if mode is None:
-        mode = resolve(MODE, environ=environ, ini=ini.get(MODE.name), ini_path=ini_path)
-    grace = one(GRACE)
-    copy_tolerance = one(COPY_TOLERANCE)
     return CheckOptions(
-        enabled=enabled.value,
-        tolerance_bytes=tolerance.value,
-        mode=mode.value,
-        grace_s=grace.value,
-        copy_tolerance_bytes=copy_tolerance.value,
-        sources={
-            "enabled": enabled.source,
-            "tolerance": tolerance.source,
-            "mode": mode.source,
-            "grace": grace.source,
-            "copy_tolerance": copy_tolerance.source,
-        },
+        **{_ATTRIBUTES[name]: value.value for name, value in found.items()},
+        sources={name: value.source for name, value in found.items()},
     )
 
 
-MARKER_KWARGS = ("enabled", "tolerance", "mode", "grace", "copy_tolerance")
+MARKER_KWARGS = tuple(_ATTRIBUTES)
 """Keyword arguments ``@pytest.mark.gpu_leak_check(...)`` accepts."""
 
 
@@ -451,8 +351,7 @@ def apply_marker(
 
     A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
     marker that does not say ``enabled`` enables the check for its test, unless ``enabled``
-    was chosen explicitly before it (the command line, the environment, the ini file, a
-    farther marker).
+    was chosen explicitly before it.
 
     Args:
         options: The session's options.
@@ -474,9 +373,8 @@ def apply_marker(
         )
     values: dict[str, object] = dict(kwargs)
     if not args and "enabled" not in values and options.sources.get("enabled") in (None, "default"):
-        # A marker checks its test unless it says enabled=False: bare, or with only a
-        # tolerance, mode or grace (its signature in `pytest --markers` says so). An explicit
-        # choice made elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
+        # A marker checks its test unless it says enabled=False; an explicit choice made
+        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
         values["enabled"] = True
     if args:
         if "enabled" in values:
@@ -484,17 +382,9 @@ def apply_marker(
         values["enabled"] = args[0]
     sources = dict(options.sources)
     changes: dict[str, object] = {}
-    specs: dict[str, OptionSpec[bool] | OptionSpec[int] | OptionSpec[Mode] | OptionSpec[float]]
     specs = {spec.name: spec for spec in SPECS}
-    attribute = {
-        "enabled": "enabled",
-        "tolerance": "tolerance_bytes",
-        "mode": "mode",
-        "grace": "grace_s",
-        "copy_tolerance": "copy_tolerance_bytes",
-    }
     for name, raw in values.items():
         source = f"{name}= of {where}"
-        changes[attribute[name]] = specs[name].parse(raw, source)
+        changes[_ATTRIBUTES[name]] = specs[name].parse(raw, source)
         sources[name] = source
     return replace(options, sources=sources, **changes)  # type: ignore[arg-type]

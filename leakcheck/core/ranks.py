@@ -1,23 +1,16 @@
 """Distributed ranks: who a process is in a torchrun job, read from its environment.
 
-torchrun's elastic agent starts each rank with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``GROUP_RANK`` (the node), ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` in
-its initial environment, and every process the rank starts inherits them (forked children
-share the block, exec'd ones get a copy): so any process of a rank's lineage, orphans
-included, says which rank it belongs to in ``/proc/PID/environ``. This module turns such an
-environment into a ``RankInfo`` and names processes with their rank; it does no I/O and
-imports only ``leakcheck.core.model``.
+torchrun starts each rank with ``RANK`` and its fellows in its initial environment, and every
+process the rank starts inherits them: any process of a rank's lineage, orphans included,
+says its rank in ``/proc/PID/environ``.
 
-NOTE [exported rank]: a rank that no launcher variable names (a ``torch.multiprocessing.spawn``
-child, a Lightning ``ddp_spawn`` rank: only its spawn index and its process group know it)
-is given ``LEAKCHECK_RANK`` (``RANK,LOCAL_RANK,WORLD_SIZE``, empty where unknown) by
-``leakcheck run`` in its own environment when it first iterates a DataLoader, before its
-workers start: every process the rank execs after that (spawned workers, a worker's
-helper) has it in its initial environment, so an orphan still says whose it was. Processes
-it forks keep the rank's initial environment in ``/proc/PID/environ``: a tracker gives them
-their parent's rank (the rank's own tracker reads its own environment as it is now), and
-``leakcheck run`` gives the outside tracker's processes below a rank that rank from the
-rank's own record. ``RANK`` wins where both are set.
+NOTE [exported rank]: a rank no launcher variable names (a ``torch.multiprocessing.spawn``
+child, a Lightning ``ddp_spawn`` rank) is given ``LEAKCHECK_RANK`` (``RANK,LOCAL_RANK,
+WORLD_SIZE``, empty where unknown) by ``leakcheck run`` in its own environment when it first
+iterates a DataLoader: every process it execs after that has it in its initial environment,
+so an orphan still says whose it was. Processes it forks keep the rank's initial environment:
+a tracker gives them their parent's rank, and ``leakcheck run`` the rank's own record's.
+``RANK`` wins where both are set.
 """
 
 from __future__ import annotations
@@ -64,19 +57,10 @@ def _count(text: str | None) -> int | None:
 
 
 def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
-    """The NVML index of the process's CUDA device ``index``.
+    """The NVML index of CUDA device ``index`` in a process with this environment.
 
-    CUDA numbers the devices ``CUDA_VISIBLE_DEVICES`` lists (``2,3``: device 0 is GPU2);
-    NVML numbers them all. Without the variable the two agree. A list of UUIDs or MIG
-    instances cannot be mapped without the driver: None (unknown, never a guess).
-
-    Args:
-        index: A CUDA device index in that process (``LOCAL_RANK``, ``current_device()``).
-        environ: The process's environment.
-
-    Returns:
-        The NVML index, or None when it cannot be told.
-
+    CUDA numbers the devices ``CUDA_VISIBLE_DEVICES`` lists (``2,3``: device 0 is GPU2),
+    NVML all of them. UUIDs or MIG instances cannot be mapped without the driver: None.
     """
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -90,14 +74,9 @@ def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
 def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
     """Read a process's place in a distributed job from its environment.
 
-    Args:
-        environ: The environment (``os.environ``, or a parsed ``/proc/PID/environ``).
-
     Returns:
         A ``RankInfo`` when ``RANK`` is a non-negative integer, else the rank
-        ``LEAKCHECK_RANK`` names (NOTE [exported rank]); None otherwise (not a rank's
-        process). Other variables that are absent or malformed are None; the device is
-        ``LOCAL_RANK``'s, through ``CUDA_VISIBLE_DEVICES``.
+        ``LEAKCHECK_RANK`` names (NOTE [exported rank]); None: not a rank's process.
 
     """
     rank = _count(environ.get("RANK"))

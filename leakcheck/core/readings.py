@@ -1,12 +1,9 @@
 """What one read of /proc or NVML returns: process identities and device samples.
 
-Apart from ``model.py`` (which names them too) because ``leakcheck snapshot`` needs only
-these, and a snapshot is a command people run by hand and in loops (NOTE [lean start] in
-cli.py). They are immutable named tuples rather than frozen dataclasses for the same reason:
-a frozen dataclass writes and compiles its methods when its class is created, at every
-start, several times what a named tuple costs (benchmarks/results/README.md); and the
-tracker's walks hash and compare process keys by the thousand, which a tuple does in C.
-``report.py`` writes and reads them as JSON objects, as it does dataclasses.
+Apart from ``model.py`` because ``leakcheck snapshot`` needs only these (NOTE [lean start] in
+cli.py), and named tuples rather than frozen dataclasses: a dataclass compiles its methods at
+every start, several times a named tuple's cost (benchmarks/results/README.md), and the
+tracker hashes process keys by the thousand, which a tuple does in C.
 """
 
 from __future__ import annotations
@@ -32,12 +29,8 @@ MIB = 1024 * 1024
 class ProcessKey(NamedTuple):
     """A process identity that survives PID reuse (NOTE [process identity] in procs.py).
 
-    Attributes:
-        pid: The process ID in this PID namespace.
-        start_ticks: When it started, in clock ticks since boot (field 22 of
-            /proc/PID/stat): the same number in every process that reads it, whatever the
-            wall clock did, where a Unix create time is not.
-
+    ``start_ticks``: its start in clock ticks since boot (field 22 of /proc/PID/stat), the
+    same in every reader whatever the wall clock did.
     """
 
     pid: int
@@ -51,16 +44,11 @@ class ProcInfo(NamedTuple):
     ppid: int
     name: str
     cmdline: str
-    tagged: bool = False
-    """True when its environment carries this session's ``LEAKCHECK_SESSION`` tag."""
+    tagged: bool = False  # its environment carries this session's LEAKCHECK_SESSION tag
 
 
 class GpuProcess(NamedTuple):
-    """One process on one device as NVML reports it.
-
-    ``used_gpu_bytes`` is None when the driver does not say (MIG, some vGPUs, permissions),
-    never 0 or the 2**64-1 sentinel.
-    """
+    """One process on one device as NVML reports it (bytes None where the driver won't say)."""
 
     pid: int
     device_index: int
@@ -69,11 +57,7 @@ class GpuProcess(NamedTuple):
 
 
 class DeviceState(NamedTuple):
-    """Memory and thermal state of one device at one moment.
-
-    Telemetry fields are None when the device does not report them or when only memory
-    was read.
-    """
+    """Memory and thermal state of one device (telemetry None where not reported or read)."""
 
     # The field hides tuple's index() method, which nothing calls on a device state.
     index: int  # type: ignore[assignment]

@@ -2,16 +2,12 @@
 
 NOTE [roles from outside]: a process below a job's root is a DataLoader worker only when
 something says so: the worker itself, through the mailbox (NOTE [worker mailbox] in
-mailbox.py), or a tracker that heard it. Being a direct child of the root says nothing:
-multiprocessing's resource tracker and fork server, a shell the job started, a compiler
-subprocess and a ``sleep`` are direct children too. So a direct child is a ``worker`` only
-when its identity is among the known workers, and a ``descendant`` otherwise. Runtime helpers,
-the processes a library starts once and keeps for the rest of the job by design, are told
-apart by their command lines (``RUNTIME_HELPERS``, the one list every module asks): like the
-first CUDA context, they are a baseline, not a leak, unless they hold GPU memory or
-``/dev/nvidia*`` descriptors.
-
-This module is low in the layers: it imports only ``leakcheck.core.readings``.
+mailbox.py), or a tracker that heard it. Being a direct child of the root says nothing (the
+resource tracker, a shell, a compiler and a ``sleep`` are too): a direct child is a ``worker``
+only when it is a known worker, else a ``descendant``. Runtime helpers, processes a library
+starts once and keeps by design, are told by their command lines (``RUNTIME_HELPERS``, the one
+list every module asks): like the first CUDA context, a baseline, not a leak, unless they
+hold GPU memory or ``/dev/nvidia*`` descriptors.
 """
 
 from __future__ import annotations
@@ -42,16 +38,12 @@ RUNTIME_HELPERS: tuple[str, ...] = (
     "torch_shm_manager",
     "torch._inductor.compile_worker",
 )
-"""Command-line fragments of helper processes a library starts once and keeps: multiprocessing's
-resource tracker (``semaphore_tracker`` before Python 3.8) and fork server, joblib/loky's
-resource tracker and reusable workers, torch's shared-memory manager and inductor's compile
-workers. A dotted fragment also matches as a path (``torch/_inductor/compile_worker/...``:
-inductor starts its workers by file name, not by module name)."""
+"""Command-line fragments of helper processes a library starts once and keeps. A dotted one
+also matches as a path (inductor starts its workers by file name)."""
 
 DAEMON_HELPERS: tuple[str, ...] = ("torch_shm_manager",)
-"""Runtime helpers that leave their parent's tree by design: torch's shared-memory manager
-daemonizes to PID 1 and exits once its last client is gone. Reparented, they are no orphan;
-any other helper reparented away (a forkserver whose owner was killed) stays for ever."""
+"""Helpers that leave their parent's tree by design (torch's shared-memory manager daemonizes
+and exits after its last client): reparented, no orphan, unlike any other helper."""
 
 HELPER_NAMES: dict[str, str] = {
     "multiprocessing.resource_tracker": "resource tracker",
@@ -63,8 +55,8 @@ HELPER_NAMES: dict[str, str] = {
     "torch._inductor.compile_worker": "inductor compile worker",
     "multiprocessing.spawn": "spawn worker",
 }
-"""What people call each runtime helper (NOTE [process names] in names.py), and the one
-process multiprocessing starts that is no helper: a spawned worker (``spawn_main``)."""
+"""What people call each runtime helper (NOTE [process names] in names.py), and a spawned
+worker (no helper)."""
 
 HELPER_FLAG = "helper"
 """The flag a snapshot gives a runtime helper of the job."""
@@ -79,23 +71,12 @@ def _fragment_pattern(fragment: str) -> str:
 
 @functools.cache
 def _pattern(fragments: tuple[str, ...]) -> re.Pattern[str]:
-    # Compiled on first use, not at import: a snapshot of the machine without --pid never
-    # asks (NOTE [lean start] in cli.py).
+    # Compiled on first use, not at import (NOTE [lean start] in cli.py).
     return re.compile("|".join(_fragment_pattern(fragment) for fragment in fragments))
 
 
 def is_runtime_helper(cmdline: str) -> bool:
-    """Whether a command line is one of a runtime helper process (``RUNTIME_HELPERS``).
-
-    Args:
-        cmdline: The process's command line, arguments joined by spaces.
-
-    Returns:
-        True when a fragment of ``RUNTIME_HELPERS`` appears in it as a whole module name or
-        path (``from multiprocessing.resource_tracker import main``,
-        ``.../torch/bin/torch_shm_manager``, ``.../torch/_inductor/compile_worker/__main__.py``).
-
-    """
+    """Whether a ``RUNTIME_HELPERS`` fragment is in a command line as a whole name or path."""
     return _pattern(RUNTIME_HELPERS).search(cmdline) is not None
 
 
@@ -113,19 +94,5 @@ def is_daemon_helper(cmdline: str) -> bool:
 
 
 def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:
-    """The role of a direct child of a job's root, seen from outside the job.
-
-    See NOTE [roles from outside]: a child is a ``worker`` only when it is a known loader
-    worker; otherwise a ``descendant``, since from outside it cannot be told apart from any
-    other process the job started.
-
-    Args:
-        key: The child's identity.
-        known_workers: Identities of the job's known loader workers (from its mailbox or
-            tracker; empty when nothing is known, as for ``leakcheck snapshot --pid``).
-
-    Returns:
-        ``worker`` or ``descendant``.
-
-    """
+    """``worker`` for a known loader worker, else ``descendant`` (NOTE [roles from outside])."""
     return "worker" if key in known_workers else "descendant"

@@ -8,48 +8,29 @@ import re
 from leakcheck.core.errors import UsageError
 from leakcheck.core.readings import MIB
 
-# A bound well inside what the waits accept (threading.TIMEOUT_MAX is ~9.2e9 s on 64-bit
-# Linux; Event.wait() raises OverflowError past it), and longer than any job runs.
+# Below threading.TIMEOUT_MAX (~9.2e9 s; Event.wait() overflows past it); longer than any job.
 MAX_SECONDS = 1e9
-"""Durations must be below this many seconds (about 31 years)."""
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
+_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _power, _prefix in enumerate("kmgt", start=1):
+    _SIZE_UNITS |= {
+        _prefix: 1000**_power,
+        f"{_prefix}b": 1000**_power,
+        f"{_prefix}ib": 1024**_power,
+    }
 _SIZE_EXAMPLE = "such as 16MiB, 1GB or 4096 (bytes)"
 _SECONDS_EXAMPLE = "such as 2 or 500ms"
 
 
-def parse_size(value: str | int | float, *, source: str = "value") -> int:
+def parse_size(value: object, source: str = "value") -> int:
     """Parse a size such as ``16MiB``, ``1GB``, ``0.5GiB`` or ``4096`` into bytes.
 
-    A count of bytes must be whole (``1.5`` is refused, not truncated to 1); with a unit a
-    fraction is fine and the result is rounded down to whole bytes (``0.5GiB``, ``1.5kB``).
-    Text is converted exactly, never through a float.
-
-    Args:
-        value: The text (or a number of bytes).
-        source: Where the value came from, named in the error (``--gpu-leak-tolerance``).
-
-    Returns:
-        The size in bytes.
+    A count of bytes must be whole (``1.5`` is refused); with a unit the result is rounded
+    down (``0.5GiB``). Text is converted exactly, never through a float. ``source`` names
+    where the value came from in the error (``--gpu-leak-tolerance``).
 
     Raises:
-        UsageError: The value is not a size (None, another type, an unknown unit), negative,
-            not finite, or a fractional number of bytes.
+        UsageError: Not a size, negative, not finite, or a fractional number of bytes.
 
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -69,8 +50,7 @@ def parse_size(value: str | int | float, *, source: str = "value") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit is None or unit not in _SIZE_UNITS:
         raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
-    # Imported here: parsing a size is rare, and fractions (with decimal) would add a few
-    # milliseconds to every start of the command line, `snapshot`'s included.
+    # Imported here: fractions (with decimal) would add milliseconds to every CLI start.
     from fractions import Fraction
 
     try:
@@ -112,20 +92,15 @@ def plural(count: int, word: str, plural_word: str | None = None) -> str:
     return f"{count} {word if count == 1 else (plural_word or word + 's')}"
 
 
-def parse_duration(
-    value: str | int | float, *, source: str = "value", negative_ok: bool = False
-) -> float:
+def parse_duration(value: object, source: str = "value", *, negative_ok: bool = False) -> float:
     """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
 
-    Args:
-        value: The text or number.
-        source: Where it came from, for the error.
-        negative_ok: Return a negative value, for a caller whose own floor names what is
-            expected (a sampling interval's 1 ms).
+    ``negative_ok`` returns a negative value, for a caller whose own floor says what is
+    expected (a sampling interval's 1 ms).
 
     Raises:
-        UsageError: Not a duration (None, another type, an unknown unit), negative (unless
-            ``negative_ok``), NaN, or not below ``MAX_SECONDS`` (infinity included).
+        UsageError: Not a duration, negative, NaN, or not below ``MAX_SECONDS`` (about 31
+            years; infinity included).
 
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):

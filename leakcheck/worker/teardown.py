@@ -2,47 +2,37 @@
 
 NOTE [teardown policy]: a DataLoader worker that touched CUDA holds a whole context
 (~0.5 GiB) until the kernel reaps it, and a worker whose parent died may never exit at all.
-The policy, installed in each worker by :class:`WorkerInit` (the chained ``worker_init_fn``):
+:class:`WorkerInit` (the chained ``worker_init_fn``) installs in each worker:
 
-1. ``PR_SET_PDEATHSIG`` (Linux): the kernel sends the worker SIGTERM when its parent dies,
-   so a crashed trainer leaves no worker behind holding a context.
+1. ``PR_SET_PDEATHSIG``: the kernel sends the worker SIGTERM when its parent dies.
 2. The worker posts its identity ``(pid, start_ticks)`` to the mailbox (NOTE [worker
-   mailbox] in mailbox.py), so the tracker knows its workers exactly (NOTE [process
-   identity] in procs.py), with its birth reading: its own host memory as it starts (one
-   smaps_rollup read) and whether it was forked, the baseline of what it copies later
-   (NOTE [copy on read] in hostmem.py).
-3. At worker exit (a ``multiprocessing.util.Finalize`` hook: DataLoader workers leave through
-   multiprocessing's bootstrap, which runs finalizers, not ``atexit``), the worker reads its
-   own host memory (USS, PSS, RSS and its peak) and, only when CUDA was initialised in it,
-   joins every registered side stream into the current stream with an event (never free
-   memory a side stream may still use: the cuDNN dgrad race), synchronises, drops registered
-   streams and events, calls registered callables, collects garbage, empties the allocator
-   cache, and releases the context (``cudaDeviceReset``). Then NVML is asked whether the PID
-   has left the device list, and a ``teardown`` record with what it held and freed and how
-   long it took is posted to the mailbox. A teardown never raises:
-   a failing step is recorded as one line and the worker exits normally. Last, the
-   worker's faulthandler file is closed and removed (point 5).
-4. In the parent nothing is destroyed at interpreter shutdown. Once the interpreter is
-   exiting (our ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are
-   deliberately leaked and left to the CUDA runtime: destroying a stream or an event after
-   the runtime has torn the context down is how processes segfault at exit.
-5. From its start, the worker's ``faulthandler`` writes into its own file in the mailbox
-   (``mailbox.stack_path``): a worker that crashes in native code (SIGSEGV, SIGABRT, SIGBUS)
-   leaves its Python stacks there for the ``died`` finding (``judge.deaths``), and one sent
-   ``mailbox.STACK_SIGNAL`` writes them there and goes on (a stalled loop: NOTE [hang
-   watch] in hang.py). A ``faulthandler`` the user enabled in the worker writes there
-   instead of to its own file.
+   mailbox] in mailbox.py) with its birth reading: its own host memory and whether it was
+   forked, the baseline of what it copies later (NOTE [copy on read] in hostmem.py).
+3. At worker exit (a ``multiprocessing.util.Finalize`` hook: workers leave through
+   multiprocessing's bootstrap, which runs finalizers, not ``atexit``) it reads its own host
+   memory and, only where CUDA was initialised in it, joins every registered side stream
+   into the current stream (never free memory a side stream may still use: the cuDNN dgrad
+   race), synchronises, drops registered streams and events, calls registered callables,
+   collects garbage, empties the allocator cache and releases the context
+   (``cudaDeviceReset``). Then it waits for NVML to drop its PID and posts a ``teardown``
+   record of what it held and freed. A teardown never raises: a failing step is one line of
+   the record and the worker exits normally.
+4. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
+   ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the
+   CUDA runtime: destroying a stream or event after the runtime tore the context down is how
+   processes segfault at exit.
+5. The worker's ``faulthandler`` writes into its own file in the mailbox
+   (``mailbox.stack_path``): a native crash leaves its Python stacks there for the ``died``
+   finding, and ``mailbox.STACK_SIGNAL`` writes them there and goes on (NOTE [hang watch] in
+   hang.py). A normal exit removes the file.
 
-The kernel sends the death signal when the *thread* that started the worker exits, not the
-process: a persistent worker started from a short-lived thread would be killed under the
-loader. :func:`leakcheck.watch` therefore asks for it only for workers started from the main
-thread (``WorkerInit.death_signal``); with :func:`worker_init_fn` alone, start persistent
-workers from a thread that lives as long as the loader (the main thread does). Without the
-signal a worker still exits when its parent dies: DataLoader workers watch the parent's PID.
+The kernel sends the death signal when the *thread* that started the worker exits: a
+persistent worker started from a short-lived thread would be killed under its loader, so
+:func:`leakcheck.watch` asks for it only from the main thread (``WorkerInit.death_signal``).
+Without it a worker still exits when its parent dies: DataLoader workers watch its PID.
 
 After ``cudaDeviceReset`` the process must not use CUDA again: torch still holds handles
-(cuBLAS, cuDNN, streams) tied to the old context. A worker is exiting anyway; a parent that
-calls :func:`release_device` has finished its GPU work (see there).
+(cuBLAS, cuDNN, streams) tied to the old context.
 """
 
 from __future__ import annotations
@@ -57,12 +47,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import MIB, ProcessKey, TeardownRecord
+from leakcheck.core.records import to_jsonable
 from leakcheck.observe import hostmem, mailbox, procs
 from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
 
@@ -76,13 +67,13 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Higher runs first: before the worker's queues are flushed and its children joined.
 _EXIT_PRIORITY = 100
-"""Finalizer priority of the worker teardown: higher runs first, so it runs before the
-worker's queues are flushed and before multiprocessing terminates or joins the worker's own
-children."""
 _CHILD_TERM_TIMEOUT_S = 1.0
 _NVML_POLL_S = 1.0
-"""How long the teardown waits for NVML to drop the PID after the reset (it takes ~ms)."""
+"""How long to wait for NVML to drop the PID after the reset (it takes ~ms)."""
+_HOST_FIELDS = ("uss", "pss", "rss", "rss_peak", "shared_dirty", "private_dirty")
+_BIRTH_HOST_FIELDS = ("uss", "rss", "shared_dirty", "private_dirty")
 
 ResourceKind = Literal["stream", "event", "callable"]
 
@@ -105,8 +96,7 @@ def _after_fork_in_child() -> None:
     _registry_lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -115,23 +105,18 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _kind_of(resource: object) -> ResourceKind | None:
-    # Duck-typed so that registering never imports torch: a torch.cuda.Stream has
-    # record_event/wait_event, a torch.cuda.Event has record/synchronize/query.
+    # Duck-typed so that registering never imports torch.
     if hasattr(resource, "record_event") and hasattr(resource, "wait_event"):
         return "stream"
     if hasattr(resource, "record") and hasattr(resource, "synchronize"):
         return "event"
-    if callable(resource):
-        return "callable"
-    return None
+    return "callable" if callable(resource) else None
 
 
 def _mark_shutdown() -> None:
-    """``atexit`` hook: from now on releases are skipped and resources are left alive.
+    """``atexit`` hook: leave every registered resource alive (NOTE [teardown policy], 4).
 
-    Each registered resource gets one extra reference that is never dropped, so that the
-    module teardown at interpreter exit cannot run its destructor after the CUDA runtime
-    has gone (NOTE [teardown policy], point 4).
+    Each gets a reference never dropped, so that no destructor runs after the runtime.
     """
     global _shutting_down
     _shutting_down = True
@@ -144,22 +129,13 @@ def _mark_shutdown() -> None:
 atexit.register(_mark_shutdown)
 
 
-def _exiting() -> bool:
-    return _shutting_down or sys.is_finalizing()
-
-
 def register_resource(resource: object) -> None:
     """Hand a CUDA stream, CUDA event or callable to the teardown policy.
 
-    In a worker, the teardown at exit joins registered streams into the current stream,
-    drops streams and events, and calls callables (to free caches) before emptying the
-    allocator cache and releasing the context. In the parent, :func:`release_device` does
-    the same; at interpreter shutdown nothing is released (NOTE [teardown policy]). The
-    registry holds a strong reference until the resource is released or unregistered.
-
-    Args:
-        resource: A ``torch.cuda.Stream``, a ``torch.cuda.Event``, or a callable taking no
-            arguments.
+    A worker's teardown (or :func:`release_device` in the parent) joins registered streams,
+    drops streams and events and calls callables before emptying the cache and releasing
+    the context; at interpreter shutdown nothing is released (NOTE [teardown policy]). The
+    registry holds a strong reference until then.
 
     Raises:
         UsageError: The resource is none of these.
@@ -173,8 +149,7 @@ def register_resource(resource: object) -> None:
         )
     with _registry_lock:
         _registry.append(_Registered(os.getpid(), kind, resource))
-    # Re-registering moves the hook last, so it runs first among atexit hooks: the flag is
-    # up before other exit hooks (torch's among them) could release anything.
+    # Re-registered last, the hook runs first among atexit hooks (torch's among them).
     atexit.unregister(_mark_shutdown)
     atexit.register(_mark_shutdown)
 
@@ -207,16 +182,22 @@ class _Freed:
     resources_released: int = 0
     freed_cache_bytes: int = 0
     context_released: bool = False
-    errors: list[str] | None = None
+    errors: list[str] = field(default_factory=list)
 
     def fail(self, step: str, exc: BaseException) -> None:
-        if self.errors is None:
-            self.errors = []
         self.errors.append(f"{step}: {_one_line(exc)}")
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Run a step; what it raises is one line of the record, never the caller's."""
+        try:
+            yield
+        except Exception as exc:
+            self.fail(name, exc)
 
     @property
     def error(self) -> str | None:
-        return "; ".join(self.errors) if self.errors else None
+        return "; ".join(self.errors) or None
 
 
 def _release_registered(entries: list[_Registered], devices: set[int], freed: _Freed) -> None:
@@ -226,130 +207,100 @@ def _release_registered(entries: list[_Registered], devices: set[int], freed: _F
     for entry in entries:
         if entry.kind != "stream":
             continue
-        try:
+        with freed.step("join stream"):
             stream = entry.resource
-            event = stream.record_event()
-            torch.cuda.current_stream(stream.device).wait_event(event)
+            torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
             devices.add(int(stream.device.index or 0))
             freed.streams_joined += 1
-        except Exception as exc:
-            freed.fail("join stream", exc)
     for index in sorted(devices):
-        try:
+        with freed.step(f"synchronize cuda:{index}"):
             torch.cuda.synchronize(index)
-        except Exception as exc:
-            freed.fail(f"synchronize cuda:{index}", exc)
     callables = [entry.resource for entry in entries if entry.kind == "callable"]
     freed.resources_released += len(entries)
     entries.clear()  # the last references to streams and events: dropped once synchronised
     for release in callables:
-        try:
+        with freed.step("callable"):
             release()
-        except Exception as exc:
-            freed.fail("callable", exc)
 
 
 def _empty_cache(devices: set[int], freed: _Freed) -> None:
     import torch
 
     gc.collect()
-    try:
+    with freed.step("empty_cache"):
         freed.freed_cache_bytes = sum(int(torch.cuda.memory_reserved(i)) for i in devices)
         torch.cuda.empty_cache()
-    except Exception as exc:
-        freed.fail("empty_cache", exc)
 
 
 _DeviceReset = Callable[[int, bool], int]
+"""``reset(index, switch)``: release a device's context, first making it current if asked."""
 _reset_fn: _DeviceReset | None = None
 
 
-def _mapped_library(stem: str) -> str | None:
-    """Path of a shared library already mapped into this process, e.g. ``libcudart.so``."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if os.path.basename(path).startswith(stem):
-                    return path
-    except OSError:
-        return None
+def _mapped_library(stem: str) -> ctypes.CDLL | None:
+    """A shared library already mapped into this process (``libcudart.so``), or None."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            path = line.rstrip("\n").split(maxsplit=5)[-1]
+            if os.path.basename(path).startswith(stem):
+                # RTLD_NOLOAD: bind to the copy torch loaded, never load a second one.
+                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     return None
 
 
-def _load_mapped(path: str) -> ctypes.CDLL:
-    # RTLD_NOLOAD: bind to the copy torch already loaded, never load a second runtime.
-    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+def _runtime_reset(set_device: Callable[[int], Any], reset: Callable[[], Any]) -> _DeviceReset:
+    def device_reset(index: int, switch: bool) -> int:
+        code = int(set_device(index) or 0) if switch else 0
+        return code or int(reset() or 0)
+
+    return device_reset
 
 
 def _device_reset_fn() -> _DeviceReset:
-    """Find how to release a device's context, in order of preference.
+    """How to release a device's context, in order of preference.
 
-    ``torch.cuda.cudart()`` (if a torch build exposes ``cudaDeviceReset``); else the
-    ``libcudart`` that torch already mapped (pip wheels ship it as a shared library); else
-    the driver's ``cuDevicePrimaryCtxReset`` (torch builds with a static runtime).
+    ``torch.cuda.cudart()`` where it has ``cudaDeviceReset``, else the ``libcudart`` torch
+    mapped (pip wheels), else the driver's ``cuDevicePrimaryCtxReset`` (a static runtime).
     """
     global _reset_fn
     if _reset_fn is not None:
         return _reset_fn
     import torch
 
-    cudart_of: Callable[[], Any] = torch.cuda.cudart
+    cudart_of: Callable[[], Any] = torch.cuda.cudart  # untyped in torch
     try:
         cudart = cudart_of()
     except Exception:
         cudart = None
-    if (
-        cudart is not None
-        and hasattr(cudart, "cudaDeviceReset")
-        and hasattr(cudart, "cudaSetDevice")
-    ):
+    if hasattr(cudart, "cudaDeviceReset") and hasattr(cudart, "cudaSetDevice"):
+        _reset_fn = _runtime_reset(cudart.cudaSetDevice, cudart.cudaDeviceReset)
+    elif (runtime := _mapped_library("libcudart.so")) is not None:
+        set_device = runtime.cudaSetDevice
+        _reset_fn = _runtime_reset(
+            lambda index: set_device(ctypes.c_int(index)), runtime.cudaDeviceReset
+        )
+    else:
+        driver = _mapped_library("libcuda.so")
+        if driver is None:
+            raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
+        reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None)
+        reset = reset or driver.cuDevicePrimaryCtxReset
 
-        def via_torch(index: int, switch: bool) -> int:
-            if switch:
-                code = int(cudart.cudaSetDevice(index) or 0)
-                if code:
-                    return code
-            return int(cudart.cudaDeviceReset() or 0)
+        def via_driver(index: int, switch: bool) -> int:
+            device = ctypes.c_int()
+            code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
+            return code or int(reset(device))
 
-        _reset_fn = via_torch
-        return _reset_fn
-    runtime_path = _mapped_library("libcudart.so")
-    if runtime_path is not None:
-        runtime = _load_mapped(runtime_path)
-
-        def via_runtime(index: int, switch: bool) -> int:
-            if switch:
-                code = int(runtime.cudaSetDevice(ctypes.c_int(index)))
-                if code:
-                    return code
-            return int(runtime.cudaDeviceReset())
-
-        _reset_fn = via_runtime
-        return _reset_fn
-    driver_path = _mapped_library("libcuda.so")
-    if driver_path is None:
-        raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
-    driver = _load_mapped(driver_path)
-    reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None) or driver.cuDevicePrimaryCtxReset
-
-    def via_driver(index: int, switch: bool) -> int:
-        device = ctypes.c_int()
-        code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
-        return code or int(reset(device))
-
-    _reset_fn = via_driver
+        _reset_fn = via_driver
     return _reset_fn
 
 
 def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
     """Release the primary context of each device, the current device last.
 
-    Switching to a device whose context is already gone would create a new one (CUDA 12
-    ``cudaSetDevice`` initialises the context), hence the order and no switch back. The
-    runtime's reset acts on the thread's current device, so once another device was reset
-    (and made current), the current device is switched back to (its context still exists)
-    before its own reset.
+    Switching to a device whose context is gone would create a new one (CUDA 12's
+    ``cudaSetDevice``), hence the order; the runtime's reset acts on the thread's current
+    device, so once another was reset, the current one is switched back to first.
     """
     try:
         reset = _device_reset_fn()
@@ -360,113 +311,79 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
     order = sorted(devices - {current}) + ([current] if current in devices else [])
     switched = False
     for index in order:
+        switch = switched or index != current
         try:
-            code = reset(index, switched or index != current)
-            switched = switched or index != current
+            code = reset(index, switch)
         except Exception as exc:
             freed.fail(f"reset cuda:{index}", exc)
             ok = False
             continue
+        switched = switch
         if code:
             freed.fail(f"reset cuda:{index}", LeakCheckError(f"CUDA error {code}"))
             ok = False
     freed.context_released = ok
-    if current not in devices and len(order) > 0:
-        # The current device keeps its context: point the thread back at it, as it was.
+    if current not in devices and order:
+        # The current device keeps its context: point the thread back at it.
         import torch
 
-        try:
+        with freed.step(f"set_device cuda:{current}"):
             torch.cuda.set_device(current)
-        except Exception as exc:
-            freed.fail(f"set_device cuda:{current}", exc)
 
 
 def _used_devices() -> tuple[int, set[int]]:
-    """Return the current device and the devices on which this process has a context."""
+    """The current device and the devices on which this process has a context."""
     import torch
 
     current = int(torch.cuda.current_device())
-    devices = {current}
-    for index in range(int(torch.cuda.device_count())):
-        # memory_reserved reads allocator bookkeeping: no context is created for it.
-        if torch.cuda.memory_reserved(index) > 0:
-            devices.add(index)
-    return current, devices
+    # memory_reserved reads allocator bookkeeping: no context is created for it.
+    count = int(torch.cuda.device_count())
+    return current, {current} | {i for i in range(count) if torch.cuda.memory_reserved(i) > 0}
 
 
 # --- NVML -------------------------------------------------------------------------------
 
 
-def _nvml_bytes(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:
-    """Return (listed, used bytes) of a PID in NVML; None when NVML cannot be read.
-
-    ``device`` is an NVML index; None sums over every device.
-    """
+def _nvml_state(pid: int, device: int | None = None) -> tuple[bool, dict[int, int]] | None:
+    """(NVML lists the PID, its known bytes per device); None: NVML cannot be read."""
     from leakcheck.observe import nvml
+
     try:
         entries = nvml.get().processes(None if device is None else [device])
     except LeakCheckError:
         return None
     by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
-    per_device = by_pid.get(pid)
-    if per_device is None:
-        return False, None
-    return True, (sum(per_device.values()) if per_device else None)
+    return pid in by_pid, dict(by_pid.get(pid, {}))
 
 
-def _nvml_bytes_by_device(pid: int) -> dict[int, int] | None:
-    """NVML's used bytes of a PID per device index (empty: not listed); None: unreadable."""
-    from leakcheck.observe import nvml
-    try:
-        entries = nvml.get().processes()
-    except LeakCheckError:
-        return None
-    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
-    return dict(by_pid.get(pid, {}))
-
-
-def _peak_reserved_bytes() -> int | None:
-    """Torch's peak reserved bytes over this process's life, summed over devices."""
-    cuda = initialized_cuda()
-    if cuda is None:
-        return None
-    try:
-        return sum(int(cuda.max_memory_reserved(i)) for i in range(int(cuda.device_count())))
-    except Exception:
-        return None
-
-
-def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, int | None] | None:
+def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, dict[int, int]] | None:
     """Poll NVML until the PID is gone (or ``_NVML_POLL_S`` passed)."""
     deadline = time.monotonic() + _NVML_POLL_S
     while True:
-        state = _nvml_bytes(pid, device)
+        state = _nvml_state(pid, device)
         if state is None or not state[0] or time.monotonic() >= deadline:
             return state
         time.sleep(0.01)
+
+
+def _total(per_device: dict[int, int] | None) -> int | None:
+    return sum(per_device.values()) if per_device else None
 
 
 # --- worker side ------------------------------------------------------------------------
 
 
 def _set_parent_death_signal() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    # A parent that died before prctl sends nothing; DataLoader workers also watch their
-    # parent's PID themselves, so that window is covered without guessing who it was.
+    # A parent that died before prctl sends nothing; workers also watch its PID themselves.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 def _terminate_descendants() -> None:
     """SIGTERM, then SIGKILL, this process's live descendants.
 
-    psutil remembers each child's identity and refuses to signal a PID reused since it
-    listed the child, so only the processes listed here are ever signalled.
+    psutil refuses to signal a PID reused since it listed the child: only those listed here
+    are ever signalled.
     """
     import psutil
 
@@ -483,23 +400,18 @@ def _terminate_descendants() -> None:
             child.kill()
 
 
-@dataclass(frozen=True)
-class _WorkerExit:
-    pid: int
-    start_ticks: int
-    worker_id: int | None
-    release: bool
-    terminate_children: bool
-    mailbox_dir: str | None
+def _host_fields(host: hostmem.HostMemory | None, names: tuple[str, ...]) -> dict[str, Any]:
+    """``host_uss_bytes`` and the rest, as the mailbox records name them."""
+    return {f"host_{name}_bytes": getattr(host, f"{name}_bytes", None) for name in names}
 
 
-def _worker_teardown(state: _WorkerExit) -> None:
+def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> None:
     """Run at worker exit (NOTE [teardown policy], point 3); never raises.
 
-    First the worker's own report of what it holds (NOTE [worker reports] in
-    track/book.py), then, with ``release``, the release itself.
+    First the worker's report of what it holds (NOTE [worker reports] in track/book.py),
+    then, with ``release``, the release.
     """
-    if os.getpid() != state.pid:
+    if os.getpid() != key.pid:
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
     freed = _Freed()
@@ -510,69 +422,60 @@ def _worker_teardown(state: _WorkerExit) -> None:
     left_nvml: bool | None = None
     host: hostmem.HostMemory | None = None
     try:
-        if state.terminate_children:
-            try:
+        if policy.terminate_children:
+            with freed.step("terminate children"):
                 _terminate_descendants()
-            except Exception as exc:
-                freed.fail("terminate children", exc)
-        cuda = initialized_cuda() is not None
+        torch_cuda = initialized_cuda()
+        cuda = torch_cuda is not None
         measured_s = time.monotonic()
-        # Its own host memory, before anything is released: a worker that lives one epoch
-        # is the best source of what it held (NOTE [worker reports] in track/book.py).
-        # One smaps_rollup read, in the worker, as it leaves.
-        try:
-            host = hostmem.read_host_memory(state.pid)
-        except Exception as exc:
-            freed.fail("host memory", exc)
-        if cuda:
-            held = _nvml_bytes_by_device(state.pid)
-            peak_reserved = _peak_reserved_bytes()
-        else:
-            held = {}  # no context here: nothing on any device
-        if cuda and state.release:
-            current, devices = _used_devices()
-            _release_registered(_take_registered(), devices, freed)
-            _empty_cache(devices, freed)
-            _reset_devices(devices, current, freed)
+        with freed.step("host memory"):  # what it held, before anything is released
+            host = hostmem.read_host_memory(key.pid)
+        held = {}  # no context: nothing on any device
+        if torch_cuda is not None:
+            nvml_state = _nvml_state(key.pid)
+            held = None if nvml_state is None else nvml_state[1]
+            with contextlib.suppress(Exception):
+                peak_reserved = sum(
+                    int(torch_cuda.max_memory_reserved(i))
+                    for i in range(int(torch_cuda.device_count()))
+                )
+            if policy.release:
+                current, devices = _used_devices()
+                _release_registered(_take_registered(), devices, freed)
+                _empty_cache(devices, freed)
+                _reset_devices(devices, current, freed)
         duration_s = time.perf_counter() - started
-        if cuda and state.release and held:
-            after = _wait_left_nvml(state.pid)
+        if cuda and policy.release and held:
+            after = _wait_left_nvml(key.pid)
             left_nvml = None if after is None else not after[0]
     except BaseException as exc:  # a teardown must let the worker exit
         freed.fail("teardown", exc)
         duration_s = time.perf_counter() - started
     record = TeardownRecord(
-        key=ProcessKey(state.pid, state.start_ticks),
-        worker_id=state.worker_id,
+        key=key,
+        worker_id=worker_id,
         cuda_initialized=cuda,
         streams_joined=freed.streams_joined,
         resources_released=freed.resources_released,
         freed_cache_bytes=freed.freed_cache_bytes,
         context_released=freed.context_released,
-        gpu_bytes_before=sum(held.values()) if held else None,
+        gpu_bytes_before=_total(held),
         left_nvml=left_nvml,
         duration_s=duration_s,
         error=freed.error,
         gpu_bytes_by_device=held,
         peak_reserved_bytes=peak_reserved,
         monotonic_s=measured_s,
-        released=state.release,
-        host_uss_bytes=host.uss_bytes if host else None,
-        host_pss_bytes=host.pss_bytes if host else None,
-        host_rss_bytes=host.rss_bytes if host else None,
-        host_rss_peak_bytes=host.rss_peak_bytes if host else None,
-        host_shared_dirty_bytes=host.shared_dirty_bytes if host else None,
-        host_private_dirty_bytes=host.private_dirty_bytes if host else None,
+        released=policy.release,
+        **_host_fields(host, _HOST_FIELDS),
     )
     _close_stack_file()
-    fields = asdict(record)
+    fields = to_jsonable(record)
     del fields["key"]
-    if held is not None:
-        fields["gpu_bytes_by_device"] = {str(index): num for index, num in held.items()}
     mailbox.post(
         "teardown",
-        {"pid": state.pid, "start_ticks": state.start_ticks, **fields},
-        directory=state.mailbox_dir,
+        {"pid": key.pid, "start_ticks": key.start_ticks, **fields},
+        directory=policy.mailbox_dir,
     )
 
 
@@ -583,19 +486,17 @@ _stack_file: Any = None
 def _open_stack_file(path: str) -> bool:
     """Point the worker's faulthandler at ``path``; True when it also dumps on a signal.
 
-    The signal (``mailbox.STACK_SIGNAL``) is taken only where nothing handles it yet: its
-    default action ends the process, and a handler of the user's is theirs. Never raises.
+    The signal is taken only where nothing handles it yet: its default ends the process, and
+    a handler of the user's is theirs. Never raises.
     """
     global _stack_file
     try:
         # Appending: the tracker empties the file after reading a dump, in place.
         handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
-        # Not enabled before (a plain run): enable() keeps torch's worker handlers as the
-        # ones it chains to, so a crash writes the stack and then torch's message. Enabled
-        # already (inherited from a parent that enabled it: pytest, -X faulthandler),
-        # enable() would only change the file while torch's handlers, installed since,
-        # run instead of it: no stack. Disabled first, it restores what it saved in the
-        # parent over torch's handlers: the stack is written, torch's worker message lost.
+        # Not enabled yet, enable() chains to torch's worker handlers: the stack, then
+        # torch's message. Enabled already (inherited: pytest, -X faulthandler), torch's
+        # handlers, installed since, would run instead of it; disabled first, it restores
+        # the parent's over torch's: the stack is written, torch's message lost.
         if faulthandler.is_enabled():
             faulthandler.disable()
         faulthandler.enable(file=handle, all_threads=True)
@@ -612,7 +513,7 @@ def _open_stack_file(path: str) -> bool:
 
 
 def _close_stack_file() -> None:
-    """A normal exit: nothing crashed, so the file goes (its folder stays small)."""
+    """A normal exit: nothing crashed, so the file goes."""
     global _stack_file
     handle, _stack_file = _stack_file, None
     if handle is None:
@@ -631,7 +532,7 @@ def _close_stack_file() -> None:
 def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
     """A worker's birth reading for its ``worker`` record (NOTE [copy on read] in hostmem.py).
 
-    Never raises: a worker must not die for leakcheck's sake; an unreadable one posts none.
+    Never raises: an unreadable one posts none.
     """
     try:
         host = hostmem.read_host_memory(pid)
@@ -639,20 +540,15 @@ def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
         host = None
     fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
     if host is not None and host.uss_bytes is not None:
-        fields.update(
-            host_uss_bytes=host.uss_bytes,
-            host_rss_bytes=host.rss_bytes,
-            host_shared_dirty_bytes=host.shared_dirty_bytes,
-            host_private_dirty_bytes=host.private_dirty_bytes,
-        )
+        fields.update(_host_fields(host, _BIRTH_HOST_FIELDS))
     return fields
 
 
 class WorkerInit:
     """A picklable ``worker_init_fn`` that installs the teardown policy in each worker.
 
-    Build it with :func:`worker_init_fn`. It is a class, not a closure, so that ``spawn``
-    and ``forkserver`` workers can unpickle it.
+    Build it with :func:`worker_init_fn`; a class, not a closure, so that ``spawn`` and
+    ``forkserver`` workers can unpickle it.
     """
 
     def __init__(
@@ -676,7 +572,7 @@ class WorkerInit:
         started from a thread other than the main thread (NOTE [teardown policy])."""
         self._home_pid = os.getpid()
         """The process whose memory holds this object: a worker that finds another one was
-        forked (it runs on its parent's copy); spawn and forkserver unpickle it anew."""
+        forked; spawn and forkserver unpickle it anew."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -691,8 +587,7 @@ class WorkerInit:
     def __call__(self, worker_id: int) -> None:
         """Run in the worker: policy first, then the user's own ``worker_init_fn``."""
         # A forkserver worker inherits the server's environment, not the trainer's: carry
-        # the tracker's session and mailbox explicitly, and export them again so that the
-        # worker's own children carry the session tag too.
+        # the session and mailbox, exported for the worker's own children too.
         if self.session_id:
             os.environ[procs.SESSION_ENV] = self.session_id
         if self.mailbox_dir:
@@ -703,7 +598,6 @@ class WorkerInit:
         key = procs.process_key(pid)
         if key is not None:
             folder = self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV)
-            reporting = bool(folder)
             # Before the record: the tracker signals only a worker whose record says so.
             dumps = bool(folder) and _open_stack_file(mailbox.stack_path(folder or "", key))
             mailbox.post(
@@ -715,29 +609,16 @@ class WorkerInit:
                     "worker_id": worker_id,
                     "persistent": self.persistent,
                     "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
-                    **(_birth_fields(pid, forked=self._home_pid != pid) if reporting else {}),
+                    **(_birth_fields(pid, forked=self._home_pid != pid) if folder else {}),
                 },
                 directory=self.mailbox_dir,
             )
-            if self.release or self.terminate_children or reporting:
-                # Reported even without the release: what the worker held is its epoch's
-                # truth (NOTE [worker reports] in track/book.py).
+            if self.release or self.terminate_children or folder:
+                # Reported even without the release (NOTE [worker reports] in track/book.py).
                 import multiprocessing.util
 
                 multiprocessing.util.Finalize(
-                    None,
-                    _worker_teardown,
-                    args=(
-                        _WorkerExit(
-                            pid=pid,
-                            start_ticks=key.start_ticks,
-                            worker_id=worker_id,
-                            release=self.release,
-                            terminate_children=self.terminate_children,
-                            mailbox_dir=self.mailbox_dir,
-                        ),
-                    ),
-                    exitpriority=_EXIT_PRIORITY,
+                    None, _worker_teardown, args=(self, key, worker_id), exitpriority=_EXIT_PRIORITY
                 )
         if self.user_fn is not None:
             self.user_fn(worker_id)
@@ -756,15 +637,15 @@ def worker_init_fn(
 
         loader = DataLoader(ds, num_workers=4, worker_init_fn=leakcheck.worker_init_fn(seed))
 
-    In each worker it sets ``PR_SET_PDEATHSIG``, reports the worker's identity to a running
-    tracker (if any), and at worker exit releases the worker's CUDA resources
-    (NOTE [teardown policy]); then it calls ``user_fn(worker_id)``.
+    In each worker it sets ``PR_SET_PDEATHSIG``, reports the worker to a running tracker (if
+    any) and at exit releases its CUDA resources (NOTE [teardown policy]); then it calls
+    ``user_fn(worker_id)``.
 
     Args:
         user_fn: Your own ``worker_init_fn``; it still runs, after the policy is installed.
         terminate_children: At worker exit, SIGTERM (then SIGKILL after 1 s) the worker's
             own live descendants, so none outlives the loader.
-        release: Release CUDA resources at worker exit (False: only report identity).
+        release: Release CUDA resources at worker exit (False: only report).
         persistent: The loader uses ``persistent_workers`` (None: unknown).
 
     Returns:
@@ -788,8 +669,7 @@ class ReleaseResult:
         freed_cache_bytes: Bytes the allocator had reserved before its cache was emptied.
         context_released: The device's context was released (``cudaDeviceReset``).
         gpu_bytes_before: NVML's used bytes of this process before (None: unknown).
-        gpu_bytes_after: NVML's used bytes of this process after (0 when it left the
-            device list; None: unknown).
+        gpu_bytes_after: Its bytes after (0: it left the device list; None: unknown).
         duration_s: Seconds it took.
         note: One line on what happened, e.g. why there was nothing to free.
         error: One line if a step failed.
@@ -833,18 +713,13 @@ def _device_index(device: object) -> int:
     return index
 
 
-# Threads that cannot use a device, whatever they are: multiprocessing's queue feeders only
-# write to pipes. A DataLoader's pin-memory thread uses CUDA only while its loader is being
-# iterated: one left by a finished loader waits on an empty queue (after a release the
-# process must not use CUDA again anyway, that loader included).
+# Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
+# a finished loader's pin-memory thread waits on an empty queue.
 _DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
 
 
 def _other_threads() -> list[str]:
-    """Names of live threads that might use the device.
-
-    All but this one, leakcheck's, and those that cannot touch it (``_DEVICE_FREE_THREADS``).
-    """
+    """Live threads that might use the device: not this one, leakcheck's or device-free."""
     current = threading.current_thread()
     return [
         thread.name
@@ -862,9 +737,7 @@ def _live_tensors_text(index: int) -> str:
     sizes: dict[str, list[int]] = {}
     for obj in gc.get_objects():
         try:
-            if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
-                continue
-            if obj.device.index != index:
+            if not isinstance(obj, torch.Tensor) or not obj.is_cuda or obj.device.index != index:
                 continue
             shape = "x".join(str(d) for d in obj.shape) or "scalar"
             key = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
@@ -882,39 +755,36 @@ def _nvml_index(cuda_index: int) -> int | None:
     import torch
 
     from leakcheck.observe import nvml
+
     try:
-        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
-        handle = nvml.get()
-        for state in handle.memory():
-            if state.uuid.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid).removeprefix("GPU-")
+        for state in nvml.get().memory():
+            if state.uuid.removeprefix("GPU-") == uuid:
                 return state.index
     except Exception:
         return None
     return None
 
 
+def _nothing_done(note: str) -> ReleaseResult:
+    return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
+
+
 def release_device(device: object = None, *, force: bool = False) -> ReleaseResult:
     """Release this process's CUDA context on one device, and report what was freed.
 
-    When to use it: a benchmark or a job that must let the GPU go before it exits, e.g.
-    to let the device cool and clock down between measured runs, or a long-lived process
-    that has finished its GPU work. A process keeps its context (~0.5 GiB) and the GPU
-    keeps high clocks until the context is gone; this gives both back now.
+    For a benchmark or a job that must let the GPU go before it exits (to let it cool and
+    clock down between measured runs), or a long-lived process done with its GPU work: a
+    context holds ~0.5 GiB and keeps the clocks high until it is gone.
 
-    Steps: join registered side streams, synchronise, drop registered streams and events,
-    call registered callables, collect garbage, empty the allocator cache, then
-    ``cudaDeviceReset`` (NOTE [teardown policy]). Do not use CUDA in this process afterwards:
-    torch keeps handles tied to the old context. It never initialises CUDA: without a
-    context there is nothing to free, and the result says so. During interpreter shutdown
-    it does nothing (the runtime releases everything).
+    The steps of a worker's teardown (NOTE [teardown policy]). Do not use CUDA in this
+    process afterwards. It never initialises CUDA, and during interpreter shutdown does
+    nothing (the runtime releases everything); the result's note says so.
 
     Args:
         device: CUDA device index, ``"cuda:N"`` or ``torch.device``; None: the current one.
         force: Release even while tensors are allocated or other threads may use the
             device (their tensors become invalid).
-
-    Returns:
-        A :class:`ReleaseResult`.
 
     Raises:
         LeakCheckError: Tensors are still allocated on the device, or other threads are
@@ -922,20 +792,10 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
         UsageError: ``device`` is not a CUDA device of this process.
 
     """
-    if _exiting():
-        return ReleaseResult(
-            None, 0, False, None, None, 0.0, note="interpreter is exiting: left to the runtime"
-        )
+    if _shutting_down or sys.is_finalizing():
+        return _nothing_done("interpreter is exiting: left to the runtime")
     if initialized_cuda() is None:
-        return ReleaseResult(
-            None,
-            0,
-            False,
-            None,
-            None,
-            0.0,
-            note="nothing to free: CUDA was never initialised in this process",
-        )
+        return _nothing_done("nothing to free: CUDA was never initialised in this process")
     import torch
 
     index = _device_index(device)
@@ -959,10 +819,9 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
     started = time.perf_counter()
     nvml_index = _nvml_index(index)
     pid = os.getpid()
-    before = _nvml_bytes(pid, nvml_index) if nvml_index is not None else None
+    before = _nvml_state(pid, nvml_index) if nvml_index is not None else None
     freed = _Freed()
-    devices = {index}
-    _release_registered(_take_registered(), devices, freed)
+    _release_registered(_take_registered(), {index}, freed)
     _empty_cache({index}, freed)
     _reset_devices({index}, int(torch.cuda.current_device()), freed)
     duration_s = time.perf_counter() - started
@@ -971,8 +830,8 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
         device_index=index,
         freed_cache_bytes=freed.freed_cache_bytes,
         context_released=freed.context_released,
-        gpu_bytes_before=before[1] if before is not None else None,
-        gpu_bytes_after=(after[1] if after[0] else 0) if after is not None else None,
+        gpu_bytes_before=_total(before[1]) if before is not None else None,
+        gpu_bytes_after=(_total(after[1]) if after[0] else 0) if after is not None else None,
         duration_s=duration_s,
         note="context released" if freed.context_released else "context not released",
         error=freed.error,

@@ -14,13 +14,13 @@ from typing import Any
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import Finding, RankInfo
+from leakcheck.core.records import record_from_dict
 from leakcheck.core.units import plural
 from leakcheck.judge.report import (
     FINDING_WIDTH,
     Report,
     cut,
     leak_short,
-    record_from_dict,
     report_from_dict,
     verdict_of,
 )

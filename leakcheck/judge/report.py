@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-import types
-import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +21,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.core.names import ELLIPSIS, culprit, culprits, process_name
 from leakcheck.core.ranks import culprit_label, rank_label
+from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.verdict import (
     LINEAGE_ROLES,
@@ -292,27 +291,10 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
 
 
 def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
-    """Convert model values to JSON types: dataclasses to dicts, keys to strings."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.name: _to_jsonable(getattr(value, f.name), boot_unix_s)
-            for f in dataclasses.fields(value)
-        }
-    if isinstance(value, ProcessKey):
-        shown = None if boot_unix_s is None else create_time_s(value.start_ticks, boot_unix_s)
-        return {"pid": value.pid, "start_ticks": value.start_ticks, "create_time": shown}
-    if _is_record(type(value)):  # readings.py's named tuples: objects, as dataclasses are
-        return {
-            name: _to_jsonable(item, boot_unix_s)
-            for name, item in zip(value._fields, value, strict=True)
-        }
-    if isinstance(value, Mapping):
-        return {str(k): _to_jsonable(v, boot_unix_s) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_jsonable(v, boot_unix_s) for v in value]
-    raise TypeError(f"cannot put {type(value).__name__} into a report dict")
+    """``core.records.to_jsonable``, process keys with their create time where boot is known."""
+    if boot_unix_s is None:
+        return to_jsonable(value)
+    return to_jsonable(value, lambda ticks: create_time_s(ticks, boot_unix_s))
 
 
 def _process_to_dict(
@@ -355,45 +337,6 @@ _TIMELINE_KEYS: dict[str, str] = {
     "baseline_devices": "baseline_devices",
     "baseline_gpu_bytes": "baseline_gpu_bytes",
 }
-
-
-# --------------------------------------------------------------------------- from dict
-
-
-def _from_jsonable(hint: Any, value: Any) -> Any:
-    """Inverse of ``_to_jsonable`` for one value of type ``hint``."""
-    if value is None:
-        return None
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or origin is types.UnionType:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _from_jsonable(args[0], value) if len(args) == 1 else value
-    if isinstance(hint, type) and (dataclasses.is_dataclass(hint) or _is_record(hint)):
-        return record_from_dict(hint, value)
-    if origin is tuple:
-        return tuple(_from_jsonable(typing.get_args(hint)[0], v) for v in value)
-    if origin in (Mapping, dict):
-        key_hint, value_hint = typing.get_args(hint)
-        return {
-            _from_jsonable(key_hint, k): _from_jsonable(value_hint, v) for k, v in value.items()
-        }
-    if hint is int:
-        return int(value)
-    if hint is float:
-        return float(value)
-    return value
-
-
-def record_from_dict(cls: type[Any], data: Mapping[str, Any]) -> Any:
-    """A dataclass or named tuple ``cls`` from ``to_dict``'s data (unknown keys ignored)."""
-    hints = typing.get_type_hints(cls)
-    names = cls._fields if _is_record(cls) else [f.name for f in dataclasses.fields(cls) if f.init]
-    return cls(**{name: _from_jsonable(hints[name], data[name]) for name in names if name in data})
-
-
-def _is_record(cls: type[Any]) -> bool:
-    """Whether ``cls`` is a named tuple class (the records of readings.py)."""
-    return issubclass(cls, tuple) and hasattr(cls, "_fields")
 
 
 def finding_to_dict(finding: Finding) -> dict[str, Any]:

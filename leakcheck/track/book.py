@@ -45,15 +45,11 @@ __all__ = ["EpochBook", "final_processes", "host_fields"]
 def host_fields(
     end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
 ) -> dict[str, Any]:
-    """The host-memory fields of a ``ProcessEpoch``.
+    """The host-memory fields of a ``ProcessEpoch`` (USS where read, else RSS).
 
-    Args:
-        end: The status read at the epoch end (None: not read, or gone).
-        rollup: The smaps_rollup read of that end (None: paced out, or not judged).
-        report: What the process reported of itself at its exit.
-        alive: It was alive at the end: the end's reads count first, its report only for
-            what they lack; else its report alone.
-
+    ``end`` (status) and ``rollup`` (smaps_rollup) were read at the epoch end, ``report`` by
+    the process at its exit: for one ``alive`` at the end the end's reads count first, its
+    report only for what they lack; else its report alone.
     """
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
@@ -78,10 +74,8 @@ class _Copy:
     """What the in-epoch reads of one worker showed it copied (NOTE [copy on read])."""
 
     peak_bytes: int = 0
-    over_s: float | None = None
-    """When a reading first passed the copy tolerance (the tracker's clock)."""
-    last: tuple[int, int | None] | None = None
-    """(copied, Shared_Dirty) of the latest reading."""
+    over_s: float | None = None  # when a reading first passed the copy tolerance
+    last: tuple[int, int | None] | None = None  # (copied, Shared_Dirty) of the latest
 
 
 def _copy_reading(proc: Proc, memory: HostMemory | None) -> tuple[int, int | None] | None:
@@ -153,20 +147,16 @@ class _Epoch:
     error: str | None = None
     batches: int | None = None
     peak: dict[ProcessKey, dict[int, int]] = field(default_factory=dict)
-    listed: set[ProcessKey] = field(default_factory=set)
-    """NVML listed it at some read of this epoch."""
-    reported: set[ProcessKey] = field(default_factory=set)
-    """Its peak includes its own report (NOTE [worker reports])."""
+    listed: set[ProcessKey] = field(default_factory=set)  # NVML listed it at some read
+    reported: set[ProcessKey] = field(default_factory=set)  # its peak includes its report
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     seen: set[ProcessKey] = field(default_factory=set)
     end_state: dict[ProcessKey, _EndState] = field(default_factory=dict)
     devices: tuple[DeviceState, ...] = ()
-    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)
-    """USS and PSS read for this epoch's end (on the sampler's next wake)."""
+    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)  # the end's USS, PSS
     host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
     report_at_s: dict[ProcessKey, float] = field(default_factory=dict)
-    """When each worker read the host memory it reported."""
     inside: dict[ProcessKey, _Copy] = field(default_factory=dict)
     shm: ShmEpoch | None = None
 
@@ -180,11 +170,8 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
 class EpochBook:
     """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
 
-    Args:
-        grace_s: How long after an epoch's end a worker's report still belongs to it.
-        copy_tolerance_bytes: A worker's copy above this is marked with when it was first
-            read (``ProcessEpoch.copied_over_after_s``).
-
+    ``grace_s``: how long after an epoch's end a worker's report still belongs to it; a copy
+    above ``copy_tolerance_bytes`` is marked with when it was first read.
     """
 
     def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:

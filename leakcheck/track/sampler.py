@@ -40,12 +40,12 @@ from collections.abc import Callable, Mapping
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
-    MIB,
     DeviceState,
     EndReason,
     FinalState,
     GpuProcess,
     ProcessKey,
+    RuleConfig,
     ShmFile,
     Stall,
     Timeline,
@@ -144,9 +144,7 @@ class Ticker:
 class Sampler:
     """Reads one job's processes and devices in the background (NOTE [tracker lifecycle]).
 
-    Takes ``Tracker``'s options, resolved; ``session_tag``: the environment variable by
-    which reparented processes of a root the caller started are found (NOTE [run tag] in
-    launcher.py).
+    Takes ``Tracker``'s options, resolved.
     """
 
     def __init__(
@@ -155,15 +153,13 @@ class Sampler:
         root_pid: int,
         interval_s: float,
         devices: list[int] | None,
-        grace_s: float,
+        config: RuleConfig,
         persistent_workers: bool,
         strict: bool,
         use_nvml: bool,
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
-        warmup_epochs: int = 1,
         scan_at_epoch_end: bool = False,
-        copy_tolerance_bytes: int = 64 * MIB,
         hang_after_s: float = 0.0,
     ) -> None:
         self.root_pid = root_pid
@@ -196,9 +192,11 @@ class Sampler:
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
         self.reader: SampleReader | None = None
-        self.book = EpochBook(grace_s=grace_s, copy_tolerance_bytes=copy_tolerance_bytes)
+        self.book = EpochBook(
+            grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
+        )
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
-        self.host = HostReads(self.pacing, self.failures, warmup_epochs=warmup_epochs)
+        self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.final: FinalState | None = None
@@ -405,12 +403,6 @@ class Sampler:
                 self._ticker.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
             return True
-
-    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
-        """Declare ``key`` a worker of this job (exact identity, not a guess)."""
-        with self.lock:
-            if self.reader is not None and not self.closed:
-                self.reader.register_worker(key, persistent)
 
     def note_exit(self, pid: int, exit_code: int) -> None:
         """A process of the job exited with ``exit_code`` (negative: killed by that signal).

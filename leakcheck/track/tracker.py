@@ -163,15 +163,13 @@ class Tracker:
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,
             devices=list(devices) if devices is not None else None,
-            grace_s=self._config.grace_s,
+            config=self._config,
             persistent_workers=persistent_workers,
             strict=strict,
             use_nvml=use_nvml,
             session_tag=session_tag,
             rollup_share=rollup_share,
-            warmup_epochs=warmup_epochs,
             scan_at_epoch_end=bool(scan_at_epoch_end),
-            copy_tolerance_bytes=self._config.copy_tolerance_bytes,
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
 
@@ -292,8 +290,10 @@ class Tracker:
 
         """
         key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
-        if key is not None:
-            self._sampler.register_worker(key, persistent)
+        sampler = self._sampler
+        with sampler.lock:
+            if key is not None and sampler.reader is not None and not sampler.closed:
+                sampler.reader.register_worker(key, persistent)
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""

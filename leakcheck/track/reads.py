@@ -314,12 +314,6 @@ class HostReads:
         self._inside_last_s = now_s
         return RollupPlan(epoch_index, tuple(keys), now_s)
 
-    def read_inside(self, plan: RollupPlan) -> dict[ProcessKey, HostMemory]:
-        """Make an in-epoch read (no lock held: a page-table walk per worker)."""
-        found = self.failures.guard(lambda: self.rollup(plan.keys, count=False), "host memory")
-        self.inside_reads += 1
-        return found or {}
-
     def read_planned(
         self,
         lock: AbstractContextManager[object],

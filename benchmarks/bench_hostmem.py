@@ -191,7 +191,8 @@ def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
 
 def _switch_off_host_reads() -> None:
     """The tracker without its host-memory and /dev/shm reads (the ``off`` arm)."""
-    from leakcheck.track import host, shm
+    from leakcheck.track import reads as host
+    from leakcheck.track import shm
 
     host.HostReads.end_status = lambda self, table: None  # type: ignore[method-assign]
     host.HostReads.plan = lambda self, epoch_index, table: False  # type: ignore[method-assign]

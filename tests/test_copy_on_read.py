@@ -177,7 +177,7 @@ def test_a_copy_made_inside_a_long_epoch_is_seen_before_the_epoch_ends(
     """The sampler reads forked workers inside an epoch (NOTE [host pacing]): a copy made
     early in a long one is in a report while it lasts, and its record says when it was seen.
     Epochs are read inside from 0.5 s on here (10 s as shipped), unpaced."""
-    from leakcheck.track import host
+    from leakcheck.track import reads as host
 
     monkeypatch.setattr(host, "INSIDE_AFTER_S", 0.5)
     loader = DataLoader(

@@ -25,7 +25,7 @@ import leakcheck
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.core.model import EpochRecord
-from leakcheck.track.ticker import Ticker
+from leakcheck.track.sampler import Ticker
 from leakcheck.worker.teardown import WorkerInit
 
 

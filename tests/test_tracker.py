@@ -7,6 +7,7 @@ processes.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -911,13 +912,9 @@ def _quick_tick(tracker: Tracker, *, paced: bool = False) -> None:
     sampler = tracker._sampler
     with sampler.lock:
         plan = sampler.pacing.plan(time.perf_counter(), 0)
-        sampler.sample(
-            epoch_end=False,
-            walk=False,
-            quick=True,
-            read_memory=plan.read_memory if paced else True,
-            lists_paced_out=plan.lists_paced_out if paced else False,
-        )
+        if not paced:
+            plan = dataclasses.replace(plan, read_memory=True, lists_paced_out=False)
+        sampler.sample(epoch_end=False, quick=True, tick=dataclasses.replace(plan, walk=False))
 
 
 def test_ticks_leave_the_graphics_list_out_until_a_graphics_context_is_seen(

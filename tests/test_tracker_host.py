@@ -26,7 +26,7 @@ from leakcheck.core.model import ProcessEpoch, ProcessKey
 from leakcheck.judge.verdict import judge
 from leakcheck.observe import hostmem
 from leakcheck.track.book import EpochBook
-from leakcheck.track.ticker import Ticker
+from leakcheck.track.sampler import Ticker
 from leakcheck.track.tracker import Tracker
 from tests.polling import wait_for
 
@@ -358,9 +358,8 @@ def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing(
     """The pacing would put the next read 1000 s away; the epoch ends after the warm-up (the
     host-growth rule's first three points) read USS anyway, later ones wait for the pacing."""
     from leakcheck.observe import procs
-    from leakcheck.track.host import HostReads
     from leakcheck.track.pacing import Pacing
-    from leakcheck.track.reads import Failures
+    from leakcheck.track.reads import Failures, HostReads
     from leakcheck.track.table import ProcessTable
 
     root = procs.process_key(os.getpid())
@@ -381,9 +380,8 @@ def test_a_forked_workers_first_end_and_long_epochs_read_it_whatever_the_pacing(
     at most, and as the pacing allows."""
     from leakcheck.core.readings import ProcInfo
     from leakcheck.observe import procs
-    from leakcheck.track.host import INSIDE_AFTER_S, INSIDE_GAP_S, HostReads
     from leakcheck.track.pacing import Pacing
-    from leakcheck.track.reads import Failures
+    from leakcheck.track.reads import INSIDE_AFTER_S, INSIDE_GAP_S, Failures, HostReads
     from leakcheck.track.table import ProcessTable
 
     root = procs.process_key(os.getpid())

@@ -342,7 +342,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             obs = observations[proc.key]
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
-            # late was placed where found (NOTE [born epoch] in track/sample_reader.py).
+            # late was placed where found (NOTE [born epoch] in track/sampler.py).
             born = _birth(epochs, obs) or rec
             # Evidence only: seen alive once the grace had passed. A process last seen within
             # the grace and found gone after it exited somewhere in between, unknown where.

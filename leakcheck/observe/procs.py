@@ -48,7 +48,7 @@ time either: ``start_ticks / clock_ticks()`` is seconds since boot on ``CLOCK_BO
   (commands/sweep.py ``cleanup_orphans``).
 Within a process: ``is_alive``, reads of host memory by key (observe/hostmem.py), the claims
 between one process's trackers (track/claims.py). Births against epochs compare seconds since
-boot: claims' rule 3 (``_epoch_at``), the epoch a process was born in (track/sample_reader.py
+boot: claims' rule 3 (``_epoch_at``), the epoch a process was born in (track/sampler.py
 ``_born_epoch``), the pytest plugin's "born since the mark" (adapters/plugin_observe.py); and
 tag scans keep processes born since the root by ticks (``TagScan``, snapshot.py).
 

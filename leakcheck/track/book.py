@@ -1,25 +1,19 @@
 """The epoch book of one tracker: epochs, who was in each, peaks, end states.
 
-NOTE [worker reports]: sampling alone misses what lives shorter than the gap between two NVML
-reads: a worker that creates a context, works and exits between reads leaves no trace in
-them. So the truth comes from the source. Each worker, as it exits, reads its own NVML entry
-and torch's peak reserved bytes and posts them to the mailbox (NOTE [teardown policy] in
-teardown.py), stamped with the host's monotonic clock. The book gives that report to the
-epoch that was open at that moment (or that ended at most ``grace_s`` before it, for workers
-shut down after their epoch), and an epoch's peak for a process is the larger of what was
-sampled and what was reported. Where NVML's accounting mode is on, the driver's maxima of
-exited PIDs count the same way. A process that exited unseen and reported nothing has an
-``unknown`` peak, never 0; one alive at the epoch end was read in full then, so its end is
-exact and its peak at least that. Host memory goes the same way: each worker reports its own
-USS, PSS, RSS and RSS peak as it exits, and a worker gone by its epoch's end is shown with
-what it reported (``ProcessEpoch.host_bytes_end`` with ``alive_at_end`` False); one alive
-then was read at the end (status; smaps_rollup where it is a long-lived one and the pacing
-allowed: ``apply_rollup``, stamped with the epoch that ended).
-
-A worker's copies of its parent's memory (NOTE [copy on read] in hostmem.py) are measured
-against its birth report by every smaps_rollup reading of it: in-epoch reads
-(``apply_inside``), the epoch end's, and its report at exit; each epoch keeps the most any of
-them showed and when a reading first showed more than the copy tolerance.
+NOTE [worker reports]: sampling misses what lives shorter than the gap between two NVML reads.
+So each worker, as it exits, reads its own NVML entry, torch's peak reserved bytes and its
+host memory (USS, PSS, RSS, RSS peak) and posts them to the mailbox (NOTE [teardown policy]
+in teardown.py), stamped with the host's monotonic clock. The book gives that report to the
+epoch open at that moment (or ended at most ``grace_s`` before it, for workers shut down
+after their epoch); an epoch's peak for a process is the larger of what was sampled and what
+was reported, and NVML's accounting maxima of exited PIDs, where the mode is on, count the
+same way. A process that exited unseen and reported nothing has an ``unknown`` peak, never 0;
+one alive at the epoch end was read in full then. A worker gone by its epoch's end is shown
+with what it reported (``alive_at_end`` False); one alive was read at the end (status, and
+smaps_rollup where paced in: ``apply_rollup``). A forked worker's copies of its parent's
+memory (NOTE [copy on read] in hostmem.py) are measured against its birth report by every
+smaps_rollup reading of it (in-epoch, the end's, its exit report): each epoch keeps the most
+any showed and when one first passed the copy tolerance.
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ from leakcheck.core.model import (
     TeardownRecord,
 )
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
-from leakcheck.track.host import reported_memory
+from leakcheck.track.reads import reported_memory
 from leakcheck.track.shm import ShmEpoch
 from leakcheck.track.table import Proc, ProcessTable
 
@@ -51,21 +45,11 @@ __all__ = ["EpochBook", "final_processes", "host_fields"]
 def host_fields(
     end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
 ) -> dict[str, Any]:
-    """The host-memory fields of a ``ProcessEpoch``.
+    """The host-memory fields of a ``ProcessEpoch`` (USS where read, else RSS).
 
-    Args:
-        end: The status read at the epoch end (None: not read, or gone).
-        rollup: The smaps_rollup read of that epoch end (None: paced out, or not judged).
-        report: What the process reported of itself at its exit.
-        alive: It was alive at the epoch end: then the end reads count, and its report
-            (at an exit within the grace after the end) only for what they lack, the USS
-            of a persistent worker shut down before the rollup read reached it; else its
-            report alone.
-
-    Returns:
-        ``host_bytes_end`` (USS where read, else RSS), ``host_source``, ``pss_bytes_end``,
-        ``rss_bytes_end``, ``anon_bytes_end``, ``rss_bytes_peak``; None where unknown.
-
+    ``end`` (status) and ``rollup`` (smaps_rollup) were read at the epoch end, ``report`` by
+    the process at its exit: for one ``alive`` at the end the end's reads count first, its
+    report only for what they lack; else its report alone.
     """
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
@@ -90,10 +74,8 @@ class _Copy:
     """What the in-epoch reads of one worker showed it copied (NOTE [copy on read])."""
 
     peak_bytes: int = 0
-    over_s: float | None = None
-    """When a reading first showed more than the copy tolerance (the tracker's clock)."""
-    last: tuple[int, int | None] | None = None
-    """(copied, Shared_Dirty) of the latest reading."""
+    over_s: float | None = None  # when a reading first passed the copy tolerance
+    last: tuple[int, int | None] | None = None  # (copied, Shared_Dirty) of the latest
 
 
 def _copy_reading(proc: Proc, memory: HostMemory | None) -> tuple[int, int | None] | None:
@@ -114,20 +96,10 @@ def copy_fields(
 ) -> dict[str, Any]:
     """The copy fields of a ``ProcessEpoch`` (NOTE [copy on read] in hostmem.py).
 
-    Args:
-        proc: The process (its birth report).
-        inside: What the epoch's in-epoch reads showed (None: none read it).
-        readings: Later readings with their times, in order: the end's, the exit report.
-        start_s: The epoch's start (``copied_over_after_s`` counts from it).
-        tolerance_bytes: The copy tolerance.
-
+    ``inside``: the in-epoch reads'; ``readings``: later ``(time, reading)``s in order;
+    ``copied_over_after_s`` counts from ``start_s``.
     """
     birth = proc.birth_host
-    fields: dict[str, Any] = {
-        "forked": proc.forked,
-        "private_bytes_birth": birth.uss_bytes if birth is not None else None,
-        "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
-    }
     peak = inside.peak_bytes if inside is not None else None
     over_s = inside.over_s if inside is not None else None
     last = inside.last if inside is not None else None
@@ -139,13 +111,15 @@ def copy_fields(
         peak = found[0] if peak is None else max(peak, found[0])
         if found[0] > tolerance_bytes and (over_s is None or at_s < over_s):
             over_s = at_s
-    fields.update(
-        copied_bytes_end=last[0] if last is not None else None,
-        shared_bytes_end=last[1] if last is not None else None,
-        copied_bytes_peak=peak,
-        copied_over_after_s=max(0.0, over_s - start_s) if over_s is not None else None,
-    )
-    return fields
+    return {
+        "forked": proc.forked,
+        "private_bytes_birth": birth.uss_bytes if birth is not None else None,
+        "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
+        "copied_bytes_end": last[0] if last is not None else None,
+        "shared_bytes_end": last[1] if last is not None else None,
+        "copied_bytes_peak": peak,
+        "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -173,23 +147,17 @@ class _Epoch:
     error: str | None = None
     batches: int | None = None
     peak: dict[ProcessKey, dict[int, int]] = field(default_factory=dict)
-    listed: set[ProcessKey] = field(default_factory=set)
-    """NVML listed it at some read of this epoch."""
-    reported: set[ProcessKey] = field(default_factory=set)
-    """Its peak includes its own report (NOTE [worker reports])."""
+    listed: set[ProcessKey] = field(default_factory=set)  # NVML listed it at some read
+    reported: set[ProcessKey] = field(default_factory=set)  # its peak includes its report
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     seen: set[ProcessKey] = field(default_factory=set)
     end_state: dict[ProcessKey, _EndState] = field(default_factory=dict)
     devices: tuple[DeviceState, ...] = ()
-    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)
-    """USS and PSS read for this epoch's end (on the sampler's next wake)."""
+    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)  # the end's USS, PSS
     host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
-    """What workers reported of their host memory as they exited."""
     report_at_s: dict[ProcessKey, float] = field(default_factory=dict)
-    """When each of those reports was read in the worker."""
     inside: dict[ProcessKey, _Copy] = field(default_factory=dict)
-    """What in-epoch reads showed workers copied (NOTE [copy on read] in hostmem.py)."""
     shm: ShmEpoch | None = None
 
 
@@ -202,11 +170,8 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
 class EpochBook:
     """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
 
-    Args:
-        grace_s: How long after an epoch's end a worker's report still belongs to it.
-        copy_tolerance_bytes: A worker's copy above this is marked with when it was first
-            read (``ProcessEpoch.copied_over_after_s``).
-
+    ``grace_s``: how long after an epoch's end a worker's report still belongs to it; a copy
+    above ``copy_tolerance_bytes`` is marked with when it was first read.
     """
 
     def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:
@@ -214,6 +179,8 @@ class EpochBook:
         self.copy_tolerance_bytes = copy_tolerance_bytes
         self.epochs: list[_Epoch] = []
         self.open: _Epoch | None = None
+        self.teardowns: list[TeardownRecord] = []
+        """Worker teardowns reported through the mailbox, in arrival order."""
 
     @property
     def open_index(self) -> int | None:
@@ -223,20 +190,16 @@ class EpochBook:
     def begin(self, label: str | None, now: float) -> int:
         """Open the next epoch at ``now``; returns its index."""
         index = len(self.epochs)
-        self.open = _Epoch(
-            index=index, label=label if label is not None else f"epoch {index}", start_s=now
-        )
+        self.open = _Epoch(index, label if label is not None else f"epoch {index}", now)
         self.epochs.append(self.open)
         return index
 
     def born_in(self, born_s: float, window_s: float) -> int | None:
-        """The epoch a process was born in, from its birth on the tracker's clock.
+        """The epoch a birth in ``[born_s, born_s + window_s)`` fell in (NOTE [born epoch]).
 
-        A start counts whole clock ticks: the birth fell in ``[born_s, born_s +
-        window_s)``. The latest epoch opened before that window ends wins (a loader's
-        workers start as its epoch opens, within the tick); None if it had ended before
-        the window began (born between epochs) or none had opened (NOTE [born epoch] in
-        sample_reader.py).
+        The latest epoch opened before the window ends wins (a loader's workers start as its
+        epoch opens, within the tick); None if it ended before the window began, or none had
+        opened.
         """
         for epoch in reversed(self.epochs):
             if epoch.start_s >= born_s + window_s:
@@ -254,9 +217,8 @@ class EpochBook:
     def note_sample(self, table: ProcessTable, device_used: Mapping[int, int] | None) -> None:
         """Fold one sample into the open epoch: who was seen, peaks, the device peak.
 
-        What the epoch has seen and its peaks change only when processes or their bytes did
-        (``table.changed``), and the device peak only with a memory read (``device_used``):
-        a tick that did neither leaves the record as it was.
+        Only where processes or their bytes changed (``table.changed``), and the device peak
+        only with a memory read: a tick that did neither leaves the record as it was.
         """
         epoch = self.open
         if epoch is None:
@@ -287,23 +249,15 @@ class EpochBook:
         host: Mapping[ProcessKey, HostMemory] | None = None,
         shm: ShmEpoch | None = None,
     ) -> None:
-        """Close the open epoch with the state of every process it saw, read just now.
-
-        ``host``: the status read of the processes alive at the end; ``shm``: what
-        ``/dev/shm`` held.
-        """
+        """Close the open epoch with the state of every process it saw, read just now."""
         epoch = self.open
         if epoch is None:
             return
-        epoch.end_s = now
-        epoch.reason = reason
-        epoch.error = error
-        epoch.devices = devices
-        epoch.batches = batches
-        epoch.shm = shm
+        epoch.end_s, epoch.reason, epoch.error = now, reason, error
+        epoch.devices, epoch.batches, epoch.shm = devices, batches, shm
         host = host or {}
-        # Ownership as it stands now: a worker's own report through its tracker's mailbox
-        # may have corrected a claim made while it was first seen (NOTE [claims]).
+        # Ownership as it stands now: a worker's report may have corrected a claim made
+        # when it was first seen (NOTE [claims]).
         table.refresh_ownership()
         epoch.seen = {key for key in epoch.seen if table.procs[key].own}
         for key in epoch.seen | {k for k, p in table.live.items() if p.own and not p.foreign}:
@@ -326,8 +280,7 @@ class EpochBook:
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
         """Give the smaps_rollup reads planned at epoch ``index``'s end to that epoch.
 
-        Refused (False) when a later epoch has ended since: the reads were made after that
-        end, and would show a later moment as this epoch's.
+        Refused (False) when a later epoch has ended since: they would show a later moment.
         """
         later = self.epochs[index + 1 :]
         if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
@@ -353,23 +306,6 @@ class EpochBook:
             if reading[0] > self.copy_tolerance_bytes and copy.over_s is None:
                 copy.over_s = at_s
 
-    def open_copy_fields(
-        self, proc: Proc, memory: HostMemory | None, now: float
-    ) -> dict[str, Any]:
-        """The copy fields of a live process in a state read now (``final_processes``).
-
-        While an epoch is open, they are that epoch's so far, with ``memory`` (read now)
-        as its latest reading; else ``memory`` alone, counted from ``now``.
-        """
-        epoch = self.open
-        return copy_fields(
-            proc,
-            epoch.inside.get(proc.key) if epoch is not None else None,
-            [(now, memory)],
-            start_s=epoch.start_s if epoch is not None else now,
-            tolerance_bytes=self.copy_tolerance_bytes,
-        )
-
     def apply_report(
         self,
         key: ProcessKey,
@@ -377,17 +313,9 @@ class EpochBook:
         gpu_bytes: Mapping[int, int],
         host: HostMemory | None = None,
     ) -> bool:
-        """Give a worker's own report of its peak to its epoch (NOTE [worker reports]).
+        """Give a worker's own report, read at ``at_s``, to its epoch (NOTE [worker reports]).
 
-        Args:
-            key: The worker.
-            at_s: When it read what it held, on the tracker's clock.
-            gpu_bytes: What it held per device (empty: nothing, it had no context).
-            host: Its host memory as it exited, where it reported it.
-
-        Returns:
-            Whether an epoch took it.
-
+        ``gpu_bytes`` empty: it held nothing. Returns whether an epoch took it.
         """
         for epoch in reversed(self.epochs):
             if epoch.start_s > at_s:
@@ -410,14 +338,13 @@ class EpochBook:
         return False
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
-        """Give a worker's teardown record (what it held as it exited) to its epoch.
+        """Keep a worker's teardown record and give what it held as it exited to its epoch.
 
         ``t0_s``: the tracker's start on the monotonic clock the record is stamped with. A
-        worker that never used CUDA held nothing on a GPU (NOTE [worker reports]).
+        worker that never used CUDA held nothing on a GPU.
         """
-        held = teardown.gpu_bytes_by_device
-        if not teardown.cuda_initialized:
-            held = {}
+        self.teardowns.append(teardown)
+        held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
         host = reported_memory(teardown)
         if teardown.monotonic_s is None or (held is None and host is None):
             return
@@ -435,8 +362,6 @@ class EpochBook:
                 self.apply_report(
                     proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
                 )
-
-    # -- freezing ------------------------------------------------------------------------
 
     def records(
         self, table: ProcessTable, *, now: float, last: int | None = None
@@ -456,6 +381,7 @@ class EpochBook:
             for key, state in sorted(epoch.end_state.items())
             if table.procs[key].own
         ]
+        shm = epoch.shm
         return EpochRecord(
             index=epoch.index,
             label=epoch.label,
@@ -468,10 +394,10 @@ class EpochBook:
             samples=epoch.samples,
             error=epoch.error,
             batches=epoch.batches,
-            shm_files=epoch.shm.files if epoch.shm else (),
-            shm_bytes=epoch.shm.bytes if epoch.shm else None,
-            shm_total_bytes=epoch.shm.total_bytes if epoch.shm else None,
-            shm_used_peak_bytes=epoch.shm.used_peak_bytes if epoch.shm else None,
+            shm_files=shm.files if shm else (),
+            shm_bytes=shm.bytes if shm else None,
+            shm_total_bytes=shm.total_bytes if shm else None,
+            shm_used_peak_bytes=shm.used_peak_bytes if shm else None,
         )
 
     def _process_epoch(
@@ -486,18 +412,19 @@ class EpochBook:
         elif state.alive or key in epoch.listed:
             source = "sampled"
         else:
-            source = "unknown"  # gone unseen and unreported: not known, never 0
-            peak = {}
+            source, peak = "unknown", {}  # gone unseen and unreported: not known, never 0
         exited_after = (
             proc.exited_s - end_s if proc.exited_s is not None and proc.exited_s >= end_s else None
         )
+        # A worker whose record came after the epoch that started it ended was a plain
+        # descendant then; it is a worker from birth, and records are judged as of now.
+        role = state.role
+        if role == "descendant" and key in table.workers:
+            role = "worker"
         return ProcessEpoch(
-            key=key,
-            role=_late_worker_role(state.role, key, table),
+            role=role,
             ppid=state.ppid,
-            cmdline=proc.cmdline,
             born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
-            persistent=table.persistent(proc),
             alive_at_end=state.alive,
             exited_after_s=exited_after,
             last_seen_after_s=(proc.last_seen_s - end_s) if state.alive else None,
@@ -508,14 +435,9 @@ class EpochBook:
             nvidia_fds=state.nvidia_fds,
             open_fds=state.open_fds,
             fd_limit=state.fd_limit,
-            rank=proc.rank.rank if proc.rank is not None else None,
-            rank_device=proc.rank.device if proc.rank is not None else None,
-            born_epoch=_birth_epoch(proc),
+            **_identity_fields(proc, table),
             **host_fields(
-                state.host,
-                epoch.rollup.get(key),
-                epoch.host_reports.get(key),
-                alive=state.alive,
+                state.host, epoch.rollup.get(key), epoch.host_reports.get(key), alive=state.alive
             ),
             **copy_fields(
                 proc,
@@ -532,24 +454,21 @@ class EpochBook:
     def pending_survivors(self, table: ProcessTable) -> tuple[list[Proc], float]:
         """Processes whose survival is not decided yet, and until when to wait for them.
 
-        Every live, own, non-persistent process (or runtime helper reparented away) born in
-        a closed epoch that has not been seen alive ``grace_s`` after its epoch ended; the
-        deadline is the latest of their epochs' ends plus the grace (NOTE [tracker
-        lifecycle] in sampler.py).
+        Every live own non-persistent process (or runtime helper reparented away) born in a
+        closed epoch and not seen alive ``grace_s`` after that epoch ended; the deadline is
+        the latest of those ends plus the grace (NOTE [tracker lifecycle] in sampler.py).
         """
         ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
         pending: list[Proc] = []
         deadline = 0.0
         for proc in table.live.values():
-            # Counted from the epoch it was born in where its start ticks say, else the one
-            # it was placed in, as the survivor rule counts (NOTE [born epoch] in
-            # sample_reader.py).
+            # From the epoch it was born in, else the one it was placed in (NOTE [born epoch]).
             born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
             if proc.foreign or not proc.own or born not in ends:
                 continue
             if table.persistent(proc) and not (
-                # A runtime helper reparented away (its owner gone) gets the grace too: it
-                # exits within moments of its owner, or stays for ever (an orphan).
+                # A runtime helper reparented away gets the grace too: it exits within
+                # moments of its owner, or stays for ever (an orphan).
                 table.baseline_helper(proc) and not proc.in_lineage and not proc.pre_existing
             ):
                 continue
@@ -561,26 +480,17 @@ class EpochBook:
             deadline = max(deadline, end_s + self.grace_s)
         return pending, deadline
 
-    def keys_seen(self) -> Iterable[ProcessKey]:
-        """Every identity any epoch saw."""
-        for epoch in self.epochs:
-            yield from epoch.seen
 
-
-def _late_worker_role(role: Role, key: ProcessKey, table: ProcessTable) -> Role:
-    """The role an epoch froze, or ``worker`` for a worker whose record came after it ended.
-
-    A worker is its loader's from birth; its record can reach the mailbox only after the
-    epoch that started it ended (the loop broke before the worker's first batch), and that
-    epoch saw it as a plain descendant. Frozen records are judged and shown as of now, so it
-    is a worker in them too (as it is persistent where its record says: ``persistent``).
-    """
-    return "worker" if role == "descendant" and key in table.workers else role
-
-
-def _birth_epoch(proc: Proc) -> int | None:
-    """The epoch ``proc`` was born in (NOTE [born epoch] in sample_reader.py)."""
-    return None if proc.pre_existing else proc.birth_epoch
+def _identity_fields(proc: Proc, table: ProcessTable) -> dict[str, Any]:
+    """The ``ProcessEpoch`` fields of who ``proc`` is, alike in every record of it."""
+    return {
+        "key": proc.key,
+        "cmdline": proc.cmdline,
+        "persistent": table.persistent(proc),
+        "rank": proc.rank.rank if proc.rank is not None else None,
+        "rank_device": proc.rank.device if proc.rank is not None else None,
+        "born_epoch": None if proc.pre_existing else proc.birth_epoch,  # NOTE [born epoch]
+    }
 
 
 def final_processes(
@@ -591,29 +501,21 @@ def final_processes(
     book: EpochBook,
     now: float,
 ) -> tuple[ProcessEpoch, ...]:
-    """The processes of a fresh final state: every live one of the job, and foreign GPU holders.
+    """Every live process of the job, and foreign GPU holders, for a fresh final state.
 
-    Args:
-        table: The process table, just sampled.
-        last_end_s: When the last closed epoch ended (None: none did).
-        status: Their status read now (RSS).
-        rollup: Their smaps_rollup read now (USS, PSS), where read.
-        book: The epochs (the open one's copy readings).
-        now: When they were read.
-
+    ``status`` and ``rollup``: their host memory read now; the open epoch's copy readings
+    count with the rollup one, else it alone, counted from ``now``.
     """
     processes: list[ProcessEpoch] = []
+    opened = book.open
     for key, proc in sorted(table.live.items()):
         if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
             continue
         processes.append(
             ProcessEpoch(
-                key=key,
                 role=table.role(proc),
                 ppid=proc.ppid,
-                cmdline=proc.cmdline,
                 born_in_epoch=False,
-                persistent=table.persistent(proc),
                 alive_at_end=True,
                 last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
                 gpu_bytes_end=dict(proc.gpu_bytes),
@@ -622,11 +524,15 @@ def final_processes(
                 nvidia_fds=proc.nvidia_fds,
                 open_fds=proc.open_fds,
                 fd_limit=proc.fd_limit,
-                rank=proc.rank.rank if proc.rank is not None else None,
-                rank_device=proc.rank.device if proc.rank is not None else None,
-                born_epoch=_birth_epoch(proc),
+                **_identity_fields(proc, table),
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),
-                **book.open_copy_fields(proc, rollup.get(key), now),
+                **copy_fields(
+                    proc,
+                    opened.inside.get(key) if opened is not None else None,
+                    [(now, rollup.get(key))],
+                    start_s=opened.start_s if opened is not None else now,
+                    tolerance_bytes=book.copy_tolerance_bytes,
+                ),
             )
         )
     return tuple(processes)

@@ -1,48 +1,31 @@
 """Whose process is it: ownership among the trackers of one process.
 
-NOTE [claims]: one training process often runs several trackers at once: a train loader and
-a validation loader each wrapped by ``watch()``, a ``watch()`` inside a test that the pytest
-plugin checks. Each walks the same root's children, so each must know which of them are its
-own; otherwise one loader's healthy persistent worker is another's survivor, and an orphan
-is reported twice. This process-wide registry records, for every process a tracker places,
-the session that owns it:
+NOTE [claims]: one process often runs several trackers (a train and a validation loader each
+under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the same
+root's children: without owners, one loader's persistent worker is another's survivor and an
+orphan is reported twice. This process-wide registry records each placed process's owner:
 
-1. a worker that reported itself through a tracker's mailbox belongs to that tracker; this
-   claim is exact and replaces any other;
-2. a process whose parent is claimed belongs to the parent's owner (a worker's children are
-   its loader's), and follows it when rule 1 corrects the parent's claim: a worker can be
-   placed, and start a helper, before its report reaches the mailbox. A child of a
-   tracker's root belongs to that tracker where it is the only one rooted there: a
-   ``Tracker(root_pid=S)`` beside a tracker of this process watches S's tree, though the
-   other placed S first (and may place S's children first); this process's own trackers
-   share their root, and rule 3 tells them apart;
-3. otherwise the tracker whose epoch was the innermost one open when the process was born
-   (its start ticks, as seconds since boot: NOTE [process identity] in procs.py) claims it:
-   a loader's epoch is open when its workers start, and a validation loader run inside the
-   training epoch opens its epoch inside the training one. Birth time, not the time a walk
-   first sees it: the other tracker's sampler may walk first;
+1. a worker that reported itself through a tracker's mailbox is that tracker's: exact, it
+   replaces any other claim;
+2. a process whose parent is claimed is the parent's owner's, and follows it when rule 1
+   corrects the parent (a worker can start a helper before its report is read). A child of
+   a tracker's root is that tracker's where it is the only one rooted there (a
+   ``Tracker(root_pid=S)`` beside this process's trackers); several are told apart by 3;
+3. otherwise the tracker whose epoch was the innermost open at the process's birth (its
+   start ticks: NOTE [process identity] in procs.py), not at the time a walk first saw it:
+   a loader's epoch is open when its workers start, a validation epoch inside the training
+   one;
 4. with no epoch open anywhere at its birth, the tracker that places it first.
 
-A tracker judges only what it owns; what another owns it counts as the job's memory (so a
-sibling's workers never look like unexplained device memory) and never judges. Claims stay
-until the process is seen gone, and a tracker's claims outlive its close: a leftover of a
-closed tracker is still not another's to judge. What is born after the close is not the
-closed tracker's, though: rules 2 and 3 pass it by (``session_closed``), so a helper one
-tracker claimed (a process it saw born, still alive) does not hand the children it starts
-later to a tracker that no longer judges anything, and a root leaves only live trackers
-rooted there.
+A tracker judges only what it owns and counts what another owns as the job's memory. Claims
+stay until the process is seen gone, and outlive the tracker's close; but what is born after
+a close is not the closed tracker's (rules 2 and 3 pass it by: ``session_closed``).
 
-A correction by rule 1 must reach the tracker that lost the process even where the worker
-is gone by then. Rule 3 can give a validation worker to the training tracker (forked in
-the tick its epoch opened, its start reads before the opening), and a short-lived worker
-can be seen gone, by either tracker (and its claim forgotten), before its report is
-read from the mailbox, or before the losing tracker walks again: re-reading the claim finds
-none, and the worker stayed in the losing tracker's epoch as its own. So the owners of
-processes seen gone, and the parents of gone heirs, are kept a while (the report comes within
-a sampler tick or two), a late report changes those without claiming anything again, and
-every process rule 1 takes from a session, alive or gone, is queued for that session's
-table, which takes it out of what it calls its own (``taken_from``) at its next walk and
-epoch end.
+A correction by rule 1 must reach the tracker that lost the process even where the worker is
+gone by then (seen gone, its claim forgotten, before its report was read). So the owners of
+processes seen gone, and the parents of gone heirs, are kept a while; a late report changes
+those without claiming again, and every process rule 1 takes from a session is queued for
+that session's table (``taken_from``), which gives it up at its next walk and epoch end.
 """
 
 from __future__ import annotations
@@ -67,30 +50,19 @@ __all__ = [
 
 _lock = threading.Lock()
 _owners: dict[ProcessKey, str] = {}
-_heir_of: dict[ProcessKey, ProcessKey] = {}
-"""The parent each process claimed through its parent (rule 2) was claimed through."""
-_exact: set[ProcessKey] = set()
-"""Workers claimed by their own report (rule 1): no correction of a parent moves them."""
-_gone: dict[ProcessKey, str] = {}
-"""The owners of the latest processes seen gone, oldest first: a report read after a
-tracker saw its worker gone still finds whom it corrects."""
-_roots: dict[ProcessKey, set[str]] = {}
-"""The sessions of the trackers rooted at each process (rule 2 of NOTE [claims])."""
-_gone_heir_of: dict[ProcessKey, ProcessKey] = {}
-"""``_heir_of`` of the latest heirs seen gone: a late report of their parent still moves them."""
+_heir_of: dict[ProcessKey, ProcessKey] = {}  # the parent a rule-2 claim came through
+_exact: set[ProcessKey] = set()  # rule 1's: no correction of a parent moves them
+_gone: dict[ProcessKey, str] = {}  # owners of the latest processes seen gone, oldest first
+_roots: dict[ProcessKey, set[str]] = {}  # the sessions of the trackers rooted at each
+_gone_heir_of: dict[ProcessKey, ProcessKey] = {}  # _heir_of of the latest heirs seen gone
 _KEPT_GONE = 1024
 _taken: dict[tuple[str, ProcessKey], None] = {}
-"""(session, process) for each process rule 1 took from a session, until that session's
-table takes it back (taken_from); oldest first, the latest ``_KEPT_GONE`` kept (a closed
-tracker never asks again)."""
+"""(session, process) rule 1 took from the session, until its table asks (``taken_from``)."""
 _epochs: list[tuple[str, float, float | None]] = []
-"""(session, opened, closed or None) of the epochs of live trackers, in seconds since boot
-(the clock of a process's start ticks in /proc), in the order they opened; closed ones are
-kept for a while, for processes seen late."""
+"""(session, opened, closed) of trackers' epochs in seconds since boot (the clock of start
+ticks), in the order they opened; closed ones kept a while, for processes seen late."""
 _KEPT_EPOCHS = 256
-_closed: dict[str, float] = {}
-"""The sessions of closed trackers, with when each closed (seconds since boot), oldest first;
-the latest ``_KEPT_EPOCHS`` kept."""
+_closed: dict[str, float] = {}  # closed sessions, with when (seconds since boot), oldest first
 
 
 def owner_of(key: ProcessKey) -> str | None:
@@ -150,17 +122,7 @@ def taken_from(session: str) -> set[ProcessKey]:
 
 
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
-    """The owner of a process a tracker of ``session`` places now, claimed if it was not.
-
-    Args:
-        key: The process.
-        parent: Its parent's identity, if known.
-        session: The placing tracker's session.
-
-    Returns:
-        The owning session (rules 2-4 of NOTE [claims]; an existing claim stands).
-
-    """
+    """The owner of ``key`` as ``session``'s tracker places it (rules 2-4 of NOTE [claims])."""
     with _lock:
         if key in _gone and key not in _owners:
             return _gone[key]  # placed from a listing taken before it was seen gone
@@ -187,13 +149,9 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
 def _epoch_at(start_ticks: int, ticks_per_s: int) -> str | None:
     """The session of the innermost epoch open when a process was born (rule 3).
 
-    Start ticks say only that the birth fell within that clock tick (the kernel truncates).
-    An epoch open over that whole tick was open at the birth, and the innermost such epoch
-    wins: a loader's first batch can open an inner epoch a few milliseconds after the
-    loader's last worker was forked, in the same tick. Where no epoch covers the whole tick,
-    one that was open for part of it wins, the latest opened: processes start as an epoch
-    opens (its loader's workers), not as the one before it closes (two loaders' epochs back
-    to back).
+    The birth fell somewhere in its start's clock tick: the innermost epoch open over the
+    whole tick wins; else the latest opened of those open for part of it (processes start
+    as an epoch opens, not as the one before it closes).
     """
     born_s = start_ticks / ticks_per_s
     window_end_s = (start_ticks + 1) / ticks_per_s
@@ -254,10 +212,7 @@ def epoch_closed(session: str) -> None:
 
 
 def session_closed(session: str) -> None:
-    """``session``'s tracker closed: it claims nothing born from now on (NOTE [claims]).
-
-    Its claims stand; it leaves the roots it watched, and its open epoch, if any, ends.
-    """
+    """``session``'s tracker closed: its claims stand, it claims nothing born from now on."""
     with _lock:
         _close_open(session)
         _closed[session] = procs.since_boot_s()
@@ -292,5 +247,4 @@ def _reset_after_fork() -> None:
     _closed.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+os.register_at_fork(after_in_child=_reset_after_fork)

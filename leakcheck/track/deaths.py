@@ -1,9 +1,7 @@
 """The deaths of a tracker's job: each process killed by a signal, with the evidence why.
 
-The machine is read at the moment a death is noted (NOTE at the top of observe/machine.py):
-the memory cgroup's OOM-kill count against the tracker's baseline, the machine's memory,
-/dev/shm's use, and the stack the process's faulthandler wrote. ``judge.deaths`` names the
-cause from this evidence only.
+Read as a death is noted (NOTE at the top of observe/machine.py): the cgroup's OOM kills
+since the baseline, the machine's memory, /dev/shm's use, the stack its faulthandler wrote.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ class DeathLog:
 
     def __init__(self) -> None:
         self.deaths: list[Death] = []
-        self._oom_kills: int | None = None
-        """The cgroup's OOM-kill count the next death is measured against (None: unread)."""
+        self._oom_kills: int | None = None  # what the next death is measured against
 
     def start(self, oom_kills: int | None) -> None:
         """The baseline: the count when tracking began."""

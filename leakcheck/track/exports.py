@@ -1,12 +1,10 @@
 """The environment variables trackers export to their children, as layers.
 
-Every tracker whose root is this process exports ``LEAKCHECK_SESSION`` (and its mailbox) so
-that every child inherits them. Trackers overlap in any order (a validation loader watched
-inside the training one, two wrappers closed in the order they were made), so each export
-is a layer: closing a tracker removes its own layer, and the variable takes the newest
-layer left, or, with none left, the value it had before the first. A variable changed (or
-unset) from outside since the newest layer was set (the program, or the pytest plugin's tag
-for each test) is left as it is, and the layers under it are dropped as stale.
+Every tracker rooted in this process exports ``LEAKCHECK_SESSION`` and its mailbox for every
+child to inherit. Trackers overlap in any order, so each export is a layer: closing a tracker
+removes its own, and the variable takes the newest layer left, or its value before the first.
+A variable changed from outside since the newest layer was set is left as it is, and the
+layers under it are dropped as stale.
 """
 
 from __future__ import annotations
@@ -52,11 +50,7 @@ def mark() -> int:
 
 
 def exported_since(since: int, name: str) -> list[str]:
-    """The values of ``name`` exported after ``since`` (the tags of trackers started since).
-
-    The pytest plugin asks it for the trackers a test started: their children carry their
-    tag, not the test's.
-    """
+    """The values of ``name`` exported after ``since`` (the tags of trackers started since)."""
     with _lock:
         return [value for token, variable, value in _history if token > since and variable == name]
 
@@ -69,9 +63,7 @@ def withdraw(token: int) -> None:
             remaining = [layer for layer in layers if layer[0] != token]
             if len(remaining) == len(layers):
                 continue
-            if os.environ.get(name) != layers[-1][1]:
-                # Changed (or unset) from outside since the newest layer: leave it as it is;
-                # the layers are stale.
+            if os.environ.get(name) != layers[-1][1]:  # changed from outside: stale layers
                 del _layers[name]
                 _before.pop(name, None)
                 continue
@@ -95,5 +87,4 @@ def _reset_after_fork() -> None:
     _before.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+os.register_at_fork(after_in_child=_reset_after_fork)

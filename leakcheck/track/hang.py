@@ -1,18 +1,15 @@
 """The hang watch: when no batch comes for ``hang_after`` seconds, the stacks of the job.
 
 NOTE [hang watch]: a loop stuck in its DataLoader (a worker blocked in ``__getitem__``, a
-deadlock after fork, a full queue) shows nothing: users reach for py-spy. The adapter tells
-the tracker when the loop asks for a batch (``Tracker.batch_wanted``) and when it got one
-(``Tracker.batch_arrived``): one clock read each. Only the time in between counts: a slow
-training step, an evaluation or a checkpoint inside the loop is the loop's own work, not a
-stall. The sampler's thread checks at each tick whether an open epoch's loop has waited
-``hang_after_s`` for its batch. Once per stall it writes, to stderr and into the report
-(``Stall``, the ``hang`` finding), the Python stacks of every thread of the loop's process
-(``sys._current_frames``: this process's, where the tracker runs in the loop's process) and
-of each worker of the job that registered the stack signal (NOTE [worker mailbox]): sent
-``mailbox.STACK_SIGNAL`` after its identity is checked (pid and start ticks), its
-faulthandler writes them into its file, which is read once written (at most
-``_DUMP_WAIT_S``). Nothing else is done to the loop: it goes on, and a batch ends the stall.
+deadlock after fork, a full queue) shows nothing. The adapter tells the tracker when the loop
+asks for a batch (``Tracker.batch_wanted``) and when it got one (``batch_arrived``), one clock
+read each: only the time in between counts, never the loop's own work. At each tick the
+sampler's thread checks whether an open epoch's loop has waited ``hang_after_s``; once per
+stall it writes to stderr and the report (``Stall``, the ``hang`` finding) the Python stacks
+of every thread of the loop's process, where the tracker runs in it, and of each worker that
+registered the stack signal (NOTE [worker mailbox]): sent ``mailbox.STACK_SIGNAL`` after its
+identity is checked, its faulthandler writes them into its file, read once written (at most
+``_DUMP_WAIT_S``). The loop goes on; a batch ends the stall.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ def own_stacks() -> str:
     for ident, frame in frames:
         if ident == threading.get_ident():
             continue
-        header = f'Thread {names.get(ident, "?")!r} (most recent call last):'
+        header = f"Thread {names.get(ident, '?')!r} (most recent call last):"
         parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
     return "\n\n".join(parts)
 
@@ -50,10 +47,8 @@ def own_stacks() -> str:
 class HangWatch:
     """Notices a stalled epoch and gathers the job's stacks once per stall (NOTE [hang watch]).
 
-    Args:
-        hang_after_s: Seconds without a batch that make a stall; 0: never.
-        own_process: The loop runs in this process (its stacks can be read here).
-
+    ``hang_after_s``: seconds without a batch that make a stall (0: never); ``own_process``:
+    the loop runs in this process.
     """
 
     def __init__(self, hang_after_s: float, *, own_process: bool) -> None:

@@ -1,30 +1,85 @@
-"""The sampler's NVML reads, each timed for its pacing and its cost, and its own failures.
+"""The sampler's reads (NVML, host memory), timed for ``Pacing``, what they cost, its failures.
 
-``NvmlReads`` opens NVML once per tracker (or says why attribution is off), reads device
-memory, the per-PID lists, telemetry and, where an administrator switched it on, the
-driver's accounting; every read is timed in CPU and wall time for ``Pacing`` (NOTE [nvml
-pacing] in pacing.py) and ``CostMeter``. ``Failures`` keeps leakcheck's own failures:
-recorded, never raised into the user's loop, unless ``strict``.
+``NvmlReads`` opens NVML once per tracker (or says why attribution is off) and times each
+read in CPU and wall time (NOTE [nvml pacing] in pacing.py). ``HostReads`` decides which
+host-memory reads are made when: at each epoch end the cheap ``/proc/PID/status`` of every
+process of the job (RSS, ``VmHWM``), and ``/proc/PID/smaps_rollup`` (USS, PSS) of the
+processes the host-growth rule judges, planned for the sampler's next wake and stamped with
+the epoch that ended, plus forked workers' copies (NOTE [host pacing] in pacing.py).
+``CostMeter`` counts the sampler thread's CPU, the callers' wall time inside the tracker, and
+NVML's and the host reads' share apart (NVML's hold a driver lock the job may wait for).
+``Failures`` keeps leakcheck's own failures: recorded, never raised into the user's loop,
+unless ``strict``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from leakcheck.core.errors import LeakCheckError
-from leakcheck.core.model import AccountedProcess, Attribution, DeviceState, GpuProcess
-from leakcheck.observe import nvml
-from leakcheck.track.cost import CostMeter
+from leakcheck.core.model import (
+    AccountedProcess,
+    Attribution,
+    DeviceState,
+    GpuProcess,
+    ProcessKey,
+    TeardownRecord,
+    TrackerCost,
+)
+from leakcheck.observe import hostmem, nvml
+from leakcheck.observe.hostmem import HostMemory
 from leakcheck.track.pacing import Pacing
+from leakcheck.track.table import ProcessTable
 
-__all__ = ["Failures", "NvmlReads"]
+__all__ = ["CostMeter", "Failures", "HostReads", "NvmlReads", "RollupPlan", "reported_memory"]
 
 _MAX_FAILURES = 50
 _T = TypeVar("_T")
+
+
+class CostMeter:
+    """Counters of a tracker's own cost (``TrackerCost``'s fields); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = threading.local()
+        self.sampler_thread: threading.Thread | None = None
+        self._totals = dict.fromkeys(
+            ("sample_wall_s", "sampler_cpu_s", "caller_wall_s", "nvml_wall_s", "nvml_cpu_s",
+             "host_read_cpu_s"),
+            0.0,
+        )  # fmt: skip
+        self._samples = 0
+
+    def add(self, *, samples: int = 0, **seconds: float) -> None:
+        """Add to the counters (``TrackerCost`` field names)."""
+        with self._lock:
+            self._samples += samples
+            for name, value in seconds.items():
+                self._totals[name] += value
+
+    def enter_call(self) -> bool:
+        """A public call begins; True when it is the outermost call of a caller's thread."""
+        if getattr(self._calls, "depth", 0) or threading.current_thread() is self.sampler_thread:
+            return False  # nested, or the sampler's own (a worker registered from the mailbox)
+        self._calls.depth = 1
+        return True
+
+    def leave_call(self, wall_s: float) -> None:
+        """The outermost call of this thread ended after ``wall_s``."""
+        self._calls.depth = 0
+        self.add(caller_wall_s=wall_s)
+
+    def snapshot(self) -> TrackerCost:
+        """The counters now."""
+        with self._lock:
+            return TrackerCost(samples=self._samples, **self._totals)
 
 
 class Failures:
@@ -42,11 +97,7 @@ class Failures:
         *,
         lock: AbstractContextManager[object] | None = None,
     ) -> _T | None:
-        """Run one step of leakcheck's own; record (or, strict, keep to raise) a failure.
-
-        ``lock``: held while recording only, for a step run outside the lock that reports
-        read the failures under.
-        """
+        """Run one step of leakcheck's own; record a failure (holding ``lock`` if given)."""
         try:
             return call()
         except Exception as error:
@@ -78,14 +129,7 @@ class Failures:
 
 
 class NvmlReads:
-    """One tracker's NVML: whether it can attribute, and its timed reads.
-
-    Args:
-        devices: NVML device indices to read (None: all).
-        meter: Where the reads' cost goes.
-        failures: Where failed reads go.
-
-    """
+    """One tracker's NVML: whether it can attribute, and its timed reads."""
 
     def __init__(self, *, devices: list[int] | None, meter: CostMeter, failures: Failures) -> None:
         self.devices = devices
@@ -116,9 +160,8 @@ class NvmlReads:
         self.handle = handle
         self.attribution, self.attribution_reason = "ok", ""
         # Accounting is read where an administrator switched it on; never switched on here.
-        indices = self.devices if self.devices is not None else handle.device_indices()
         enabled: list[int] = []
-        for index in indices:
+        for index in self.devices if self.devices is not None else handle.device_indices():
             with contextlib.suppress(LeakCheckError):
                 if handle.accounting_enabled(index):
                     enabled.append(index)
@@ -129,15 +172,20 @@ class NvmlReads:
         if self.attribution == "ok":
             self.attribution, self.attribution_reason = "blind-namespace", reason
 
+    def _timed(self, call: Callable[[], _T], what: str) -> tuple[_T | None, float, float]:
+        """``call`` guarded, counted in the meter; with when it ended and its CPU seconds."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        result = self.failures.guard(call, what)
+        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
+        self.meter.add(nvml_wall_s=end_s - started, nvml_cpu_s=cpu_s)
+        return result, end_s, cpu_s
+
     def memory(self, pacing: Pacing) -> dict[int, int] | None:
         """Each device's used bytes (None: the read failed); tells ``pacing`` its cost."""
         handle = self.handle
         if handle is None:
             return None
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        memory = self.failures.guard(lambda: handle.memory(self.devices), "nvml memory")
-        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
-        self.meter.nvml_read(end_s - started, cpu_s)
+        memory, end_s, cpu_s = self._timed(lambda: handle.memory(self.devices), "nvml memory")
         used = {state.index: state.used_bytes for state in memory} if memory is not None else None
         pacing.memory_read(end_s, cpu_s, used)
         return used
@@ -148,22 +196,16 @@ class NvmlReads:
         if handle is None:
             return None
         used_before = dict(pacing.device_used)
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        result = self.failures.guard(
+        result, end_s, cpu_s = self._timed(
             lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
         )
-        end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
-        self.meter.nvml_read(end_s - started, cpu_s)
         graphics_seen = None
         if result is not None and graphics:
             graphics_seen = any(entry.kind != "compute" for entry in result)
         pacing.lists_read(
-            end_s,
-            cpu_s,
-            used_before=used_before,
-            ok=result is not None,
+            end_s, cpu_s, used_before=used_before, ok=result is not None,
             graphics_seen=graphics_seen,
-        )
+        )  # fmt: skip
         return result
 
     def device_states(self) -> tuple[DeviceState, ...]:
@@ -176,8 +218,8 @@ class NvmlReads:
 
     def accounting(self) -> list[AccountedProcess]:
         """The driver's records of the devices whose accounting mode is on."""
-        handle = self.handle
         records: list[AccountedProcess] = []
+        handle = self.handle
         if handle is None:
             return records
         for device in self.accounting_devices:
@@ -186,3 +228,158 @@ class NvmlReads:
             except LeakCheckError as error:
                 self.failures.record(f"nvml accounting: {error}", error)
         return records
+
+
+_READING_WAIT_S = 2.0
+"""The longest a caller waits for reads under way on another thread."""
+_HOST_RULE_FIRST_POINTS = 3
+"""The fewest USS points the host-growth rule judges from (``verdict.host_growth``)."""
+INSIDE_AFTER_S = 10.0
+"""An epoch is read inside only once it lasted this long: a shorter one leaves the share to
+the ends' reads, which its workers' first end reads anyway (NOTE [host pacing])."""
+INSIDE_GAP_S = 1.0
+"""In-epoch reads come at most this often, whatever the share."""
+
+
+@dataclass(frozen=True)
+class RollupPlan:
+    """A smaps_rollup read of workers: in an epoch (their copies so far), or at its end."""
+
+    epoch_index: int
+    keys: tuple[ProcessKey, ...]
+    at_s: float = 0.0
+
+
+class HostReads:
+    """When one tracker reads host memory (NOTE [host pacing]), and what the reads cost."""
+
+    def __init__(self, pacing: Pacing, failures: Failures, *, warmup_epochs: int = 1) -> None:
+        self.pacing = pacing
+        self.failures = failures
+        self.always_read = range(warmup_epochs, warmup_epochs + _HOST_RULE_FIRST_POINTS)
+        """Epoch ends read whatever the pacing says (the host rule's first points)."""
+        self.pending: RollupPlan | None = None
+        # Held while planned reads are made (by the sampler thread, or a caller finishing
+        # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
+        # garbage collector inside a read, or under the sampler's lock, must not hang.
+        self._reading = threading.RLock()
+        self.rollup_cpu_s = 0.0
+        self.rollup_reads = 0
+        """Epoch ends (and final states) whose long-lived processes' USS was read."""
+        self.inside_reads = 0
+        self._inside_last_s: float | None = None
+
+    @staticmethod
+    def long_lived(table: ProcessTable) -> list[ProcessKey]:
+        """The live processes the host-growth rule judges: the parent, persistent workers."""
+        return [
+            key
+            for key, proc in table.live.items()
+            if proc.own
+            and not proc.foreign
+            and table.role(proc) in ("parent", "worker")
+            and table.persistent(proc)
+        ]
+
+    def plan(self, epoch_index: int, table: ProcessTable) -> bool:
+        """Plan the epoch end's rollup reads if the pacing allows; True when planned.
+
+        A plan still unread is dropped: read now, it would show a later moment as its end's.
+        """
+        self.pending = None
+        # A warm-up end's USS serves no rule: read only where reads are unpaced.
+        warm_up = epoch_index < self.always_read.start and not self.pacing.unpaced_rollups
+        due = epoch_index in self.always_read or (
+            not warm_up and self.pacing.rollup_due(time.perf_counter())
+        )
+        keys = self.long_lived(table) if due else []
+        keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
+        for key in keys:
+            table.procs[key].end_read = True
+        if keys:
+            self.pending = RollupPlan(epoch_index, tuple(keys))
+        return self.pending is not None
+
+    def plan_inside(
+        self, table: ProcessTable, epoch_index: int | None, started_s: float | None, now_s: float
+    ) -> RollupPlan | None:
+        """An in-epoch read of the forked workers, where one is due (NOTE [host pacing])."""
+        if epoch_index is None or started_s is None or now_s - started_s < INSIDE_AFTER_S:
+            return None
+        if self._inside_last_s is not None and now_s - self._inside_last_s < INSIDE_GAP_S:
+            return None
+        keys = table.copy_watched()
+        if not keys or not self.pacing.rollup_due(time.perf_counter()):
+            return None
+        self._inside_last_s = now_s
+        return RollupPlan(epoch_index, tuple(keys), now_s)
+
+    def read_planned(
+        self,
+        lock: AbstractContextManager[object],
+        give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
+    ) -> None:
+        """Make the planned reads, if any, then ``give(epoch_index, found)``.
+
+        ``lock`` is held only to take the plan. One caller at a time: a second waits for the
+        first's reads, so that once it returns nothing planned is left unread.
+        """
+        if not self._reading.acquire(timeout=_READING_WAIT_S):
+            return
+        try:
+            with lock:
+                plan, self.pending = self.pending, None
+            if plan is None:
+                return
+            found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
+            if found:
+                give(plan.epoch_index, found)
+        finally:
+            self._reading.release()
+
+    def end_status(self, table: ProcessTable) -> dict[ProcessKey, HostMemory] | None:
+        """RSS and its peak of the job's live processes (``/proc/PID/status``: cheap)."""
+        keys = [key for key, proc in table.live.items() if proc.own and not proc.foreign]
+        return self.failures.guard(
+            lambda: hostmem.read_host_memories(keys, rollup=False), "host memory"
+        )
+
+    def final_reads(
+        self, table: ProcessTable, *, closed: bool
+    ) -> tuple[dict[ProcessKey, HostMemory], dict[ProcessKey, HostMemory]]:
+        """Status and, when closing or the pacing allows, rollup reads for a final state."""
+        status = self.end_status(table) or {}
+        rollup: dict[ProcessKey, HostMemory] = {}
+        if closed or self.pacing.rollup_due(time.perf_counter()):
+            keys = self.long_lived(table)
+            keys += [key for key in table.copy_watched() if key not in keys]
+            rollup = self.failures.guard(lambda: self.rollup(keys), "host memory") or {}
+        return status, rollup
+
+    def rollup(
+        self, keys: Iterable[ProcessKey], *, count: bool = True
+    ) -> dict[ProcessKey, HostMemory]:
+        """USS and PSS of ``keys``, timed for the pacing; the caller holds no lock."""
+        started_cpu_s = time.thread_time()
+        found = hostmem.read_host_memories(keys)
+        cpu_s = time.thread_time() - started_cpu_s
+        self.pacing.rollup_read(time.perf_counter(), cpu_s)
+        self.rollup_cpu_s += cpu_s
+        self.rollup_reads += count
+        return found
+
+
+def reported_memory(record: TeardownRecord) -> HostMemory | None:
+    """A worker's own report of its host memory at exit; None: none."""
+    if record.host_rss_bytes is None and record.host_uss_bytes is None:
+        return None
+    return HostMemory(
+        uss_bytes=record.host_uss_bytes,
+        pss_bytes=record.host_pss_bytes,
+        rss_bytes=record.host_rss_bytes,
+        swap_bytes=None,
+        source="smaps_rollup" if record.host_uss_bytes is not None else "status",
+        rss_peak_bytes=record.host_rss_peak_bytes,
+        shared_dirty_bytes=record.host_shared_dirty_bytes,
+        private_dirty_bytes=record.host_private_dirty_bytes,
+    )

@@ -1,90 +1,150 @@
 """The sampler: one background thread that reads the job's processes and devices, per epoch.
 
-This module says when and keeps the results; ``Ticker`` (ticker.py) is the thread, and
-``SampleReader`` (sample_reader.py) takes each sample.
+This module says when and keeps the results; ``Ticker`` is the thread, ``SampleReader``
+takes each sample.
 
-NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes,
-the processes already below the root: pre-existing, never judged as survivors), exports
-``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` so that every child inherits them, and starts
-one daemon thread. Each tick reads what ``Pacing`` allows: the devices' used memory, NVML's
-per-PID lists where memory moved, and on every fourth tick the mailbox (exact worker
-identities, their own reports: NOTE [worker mailbox] in mailbox.py) and a quick walk of the
-root's descendants in /proc; a tick whose lists show a PID not placed yet walks at once. An
-epoch end is one synchronous, full sample with the costlier extras (``/dev/nvidia*``
-descriptors, command lines, telemetry, each process's RSS from ``/proc/PID/status``, the
-job's files in ``/dev/shm``); the costliest run on the sampler's next wake instead, off the
-caller's thread: a scan of /proc for tagged processes reparented between walks
-(``procs.TagScan``, also in every fresh read and ``close()``), and the USS and PSS of the
-long-lived processes (smaps_rollup, paced: NOTE [host pacing] in pacing.py), stamped with the
-epoch that ended; ``close()`` reads a pending one itself, and reads them once more for the
-final state. Survivors are judged later, from how long after its epoch's end each process
-was still seen: so the sampler keeps running between epochs, and ``close()`` waits, at most
-``grace`` after the epoch each was born in, for every process whose survival is not decided
-yet, whichever epoch it came from; then it reads everything once more. Every failure of
-leakcheck's own is caught and recorded, never raised into the user's loop (``strict=True``
-re-raises it at the next call instead).
+NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes, the
+processes already below the root: pre-existing, never survivors), exports
+``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` for every child to inherit, and starts one
+daemon thread. Each tick reads what ``Pacing`` allows: device memory, NVML's per-PID lists
+where memory moved, and every fourth tick the mailbox (NOTE [worker mailbox] in mailbox.py)
+and a quick walk of the root's descendants; a list naming a PID not placed yet walks at once.
+An epoch end is one synchronous full sample with the costlier extras (``/dev/nvidia*``
+descriptors, command lines, telemetry, RSS, the job's ``/dev/shm`` files); the costliest run
+on the thread's next wake, off the caller's thread: the scan of /proc for tagged processes
+reparented away (``procs.TagScan``, also in every fresh read and ``close()``) and the USS
+and PSS of the long-lived processes (NOTE [host pacing] in pacing.py). Survivors are judged
+from how long after its epoch's end each process was still seen, so the sampler keeps running
+between epochs, and ``close()`` waits, at most ``grace`` after the epoch each was born in, for
+every process whose survival is not decided, then reads everything once more. Every failure
+of leakcheck's own is recorded, never raised into the user's loop (``strict=True`` raises it
+at the next call).
+
+NOTE [born epoch]: a process is placed when a walk or a tag scan first sees it, which for a
+helper of a short-lived worker can be epochs after its birth. So the epoch it was born in
+comes from its start ticks (NOTE [process identity] in procs.py), put on the tracker's clock
+through the boot clock's offset (``procs.since_boot_s``), not from the epoch open when it was
+found: "started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``), and the
+survivor rule, ``close()``'s wait and `alive after` count the grace from that epoch's end.
+The epoch it was placed in (``Proc.born_epoch``) is the first whose records have it, and
+stands in where the start falls between epochs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
-    MIB,
     DeviceState,
     EndReason,
     FinalState,
+    GpuProcess,
     ProcessKey,
+    RuleConfig,
     ShmFile,
     Stall,
-    TeardownRecord,
     Timeline,
 )
-from leakcheck.observe import machine, mailbox, procs
+from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
-from leakcheck.track.cost import CostMeter
 from leakcheck.track.deaths import DeathLog
 from leakcheck.track.hang import HangWatch
-from leakcheck.track.host import HostReads, InsidePlan
-from leakcheck.track.pacing import Pacing
-from leakcheck.track.reads import Failures, NvmlReads
-from leakcheck.track.sample_reader import SampleReader
+from leakcheck.track.pacing import Pacing, TickPlan
+from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
 from leakcheck.track.table import ProcessTable
-from leakcheck.track.ticker import Ticker
 
-__all__ = ["Sampler", "end_reason_for"]
+__all__ = ["SampleReader", "Sampler", "Ticker", "end_reason_for"]
+
+
+class Ticker:
+    """One daemon thread: ``on_tick`` when a tick is due, ``on_wake`` when woken.
+
+    A tick is due every ``interval_s``, or after as many intervals as ``on_tick`` returned
+    (NOTE [idle ticks] in pacing.py; None stops). A wake (host reads an epoch end planned, a
+    stop) is served at once and does not put the tick off: short epochs would otherwise
+    starve every tick, and with them the scans for processes reparented away.
+    """
+
+    def __init__(
+        self,
+        interval_s: float,
+        *,
+        on_tick: Callable[[int], int | None],
+        on_wake: Callable[[], None],
+        on_error: Callable[[Exception], None],
+        meter: CostMeter,
+    ) -> None:
+        self.interval_s = interval_s
+        self._on_tick = on_tick
+        self._on_wake = on_wake
+        self._on_error = on_error
+        self._meter = meter
+        # Held but while someone wakes the thread, which waits on it between ticks: a timed
+        # acquire of a plain lock is the cheapest wake measured.
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._thread: threading.Thread | None = None
+        self.stopping = False
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
+        self._meter.sampler_thread = self._thread
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Wake the thread now (it checks ``stopping`` first)."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake is pending
+            self._gate.release()
+
+    def stop(self) -> None:
+        """Stop the thread and wait a while for it (not when called from it)."""
+        if not self.stopping:
+            self.stopping = True
+            self.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 10 * self.interval_s))
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as error:  # the detector's own failure is reported, never lost
+            self._on_error(error)
+
+    def _loop(self) -> None:
+        ticks = 1
+        tick_due_s = time.monotonic() + self.interval_s
+        while True:
+            woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
+            if self.stopping:
+                return
+            cpu_start_s = time.thread_time()
+            if woken:
+                self._on_wake()  # then wait for the tick still due
+                spent_s = time.thread_time() - cpu_start_s
+                self._meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
+                continue
+            next_ticks = self._on_tick(ticks)
+            if next_ticks is None:
+                return
+            ticks = next_ticks
+            tick_due_s = time.monotonic() + ticks * self.interval_s
+            self._meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
 
 
 class Sampler:
-    """Reads one job's processes and devices in the background; see NOTE [tracker lifecycle].
+    """Reads one job's processes and devices in the background (NOTE [tracker lifecycle]).
 
-    Args:
-        root_pid: The job's root process.
-        interval_s: Seconds between ticks.
-        devices: NVML device indices to read (None: all).
-        grace_s: How long a process born in an epoch may outlive it.
-        persistent_workers: Workers that do not say otherwise live across epochs.
-        strict: Keep leakcheck's own failures to raise at the next call.
-        use_nvml: Read NVML at all.
-        session_tag: ``(NAME, VALUE)``: the environment variable, set by the caller for a
-            root it started, by which reparented processes of the job are found, instead of
-            this tracker's own ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
-        rollup_share: Share of time for smaps_rollup reads (None: ``ROLLUP_SHARE``).
-        scan_at_epoch_end: Scan for reparented processes in each epoch end's sample too
-            (``Tracker``'s).
-        copy_tolerance_bytes: The copy tolerance (``RuleConfig``'s): when a worker's copy
-            was first read above it is kept.
-        hang_after_s: Seconds an open epoch may wait for a batch before the job's stacks
-            are taken (NOTE [hang watch] in hang.py); 0: never.
-
+    Takes ``Tracker``'s options, resolved.
     """
 
     def __init__(
@@ -93,25 +153,20 @@ class Sampler:
         root_pid: int,
         interval_s: float,
         devices: list[int] | None,
-        grace_s: float,
+        config: RuleConfig,
         persistent_workers: bool,
         strict: bool,
         use_nvml: bool,
         session_tag: tuple[str, str] | None = None,
         rollup_share: float | None = None,
-        warmup_epochs: int = 1,
         scan_at_epoch_end: bool = False,
-        copy_tolerance_bytes: int = 64 * MIB,
         hang_after_s: float = 0.0,
     ) -> None:
         self.root_pid = root_pid
         self.scan_at_epoch_end = scan_at_epoch_end
         self.session_tag = session_tag
-        self.rollup_share = rollup_share
-        self.warmup_epochs = warmup_epochs
         self.interval_s = interval_s
         self.devices = devices
-        self.grace_s = grace_s
         self.persistent_workers = persistent_workers
         self.use_nvml = use_nvml
         self.meter = CostMeter()
@@ -126,39 +181,32 @@ class Sampler:
             meter=self.meter,
         )
         self.started = self.closed = False
-        self._t0 = 0.0
-        self.started_unix_s = 0.0
+        self.t0_s = self.started_unix_s = 0.0
         self.session_id = ""
         self.root_key = ProcessKey(root_pid, 0)
         self.boot_unix_s: float | None = None
-        self._mailbox_dir: str | None = None
+        self.mailbox_dir: str | None = None
         self._export_token: int | None = None
         self._tag_scan_due = False
         self.baseline_devices: tuple[DeviceState, ...] = ()
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
         self.reader: SampleReader | None = None
-        self.book = EpochBook(grace_s=grace_s, copy_tolerance_bytes=copy_tolerance_bytes)
+        self.book = EpochBook(
+            grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
+        )
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
-        self.host = HostReads(self.pacing, self.failures, warmup_epochs=warmup_epochs)
+        self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()
         self.final: FinalState | None = None
         self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
         self.stalls: list[Stall] = []
         self.death_log = DeathLog()
-        """The memory cgroup's OOM-kill counter at the start or the last death noted."""
-
-    # -- lifecycle -----------------------------------------------------------------------
-
-    @property
-    def mailbox_dir(self) -> str | None:
-        """The workers' mailbox folder (None before ``start()`` or if it could not be made)."""
-        return self._mailbox_dir
 
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""
-        return time.monotonic() - self._t0
+        return time.monotonic() - self.t0_s
 
     def start(self) -> None:
         """Take the baseline and start the thread (NOTE [tracker lifecycle])."""
@@ -169,29 +217,24 @@ class Sampler:
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
             self.started = True
-            self._t0 = time.monotonic()
+            self.t0_s = time.monotonic()
             boot_offset_s = procs.since_boot_s() - self.now()
             self.started_unix_s = time.time()
             self.boot_unix_s = procs.boot_time_s()
             self.root_key = root_key
             self.session_id = procs.new_session_id(self.root_pid)
             tag = self.session_tag or (procs.SESSION_ENV, self.session_id)
-            self._mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
+            self.mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
             if self.root_pid == os.getpid():
                 values = {procs.SESSION_ENV: self.session_id}
-                if self._mailbox_dir:
-                    values[mailbox.MAILBOX_ENV] = self._mailbox_dir
+                if self.mailbox_dir:
+                    values[mailbox.MAILBOX_ENV] = self.mailbox_dir
                 self._export_token = exports.export(values)
             self.nvml.open(use_nvml=self.use_nvml)
-            self.pacing = Pacing(
-                self.interval_s,
-                has_nvml=self.nvml.handle is not None,
-                rollup_share=self.rollup_share,
-            )
-            self.host = HostReads(self.pacing, self.failures, warmup_epochs=self.warmup_epochs)
+            self.pacing.has_nvml = self.nvml.handle is not None
             self.failures.guard(self.shm.start, "shm")
             self.death_log.start(self.failures.guard(machine.oom_kill_count, "cgroup"))
-            self.table = ProcessTable(
+            self.table = table = ProcessTable(
                 root_key,
                 procs.read_proc(self.root_pid),
                 session=self.session_id,
@@ -200,29 +243,19 @@ class Sampler:
             )
             lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
             for info in lineage or []:
-                self.table.add(info, now=0.0, born_epoch=None, pre_existing=True)
+                table.add(info, now=0.0, born_epoch=None, pre_existing=True)
             self.reader = SampleReader(
-                root_pid=self.root_pid,
-                table=self.table,
-                book=self.book,
-                nvml=self.nvml,
-                pacing=self.pacing,
-                shm=self.shm,
-                failures=self.failures,
-                meter=self.meter,
+                self,
                 tag_scan=procs.TagScan(tag[1], born_since=root_key, variable=tag[0]),
-                inbox=mailbox.Inbox(self._mailbox_dir) if self._mailbox_dir else None,
-                start_s=self._t0,
+                inbox=mailbox.Inbox(self.mailbox_dir) if self.mailbox_dir else None,
                 boot_offset_s=boot_offset_s,
-                now=self.now,
             )
             self.sample(epoch_end=False)
             self.baseline_devices = self.nvml.device_states()
-            # What the end state also counts as the job's: the root's own bytes and those of
-            # other trackers' or ranks' processes (their rise is the job's, not what they
-            # already held: NOTE [other ranks] in table.py).
-            baseline = dict(self.table.procs[root_key].gpu_bytes)
-            for device, used in self.table.others_gpu_bytes().items():
+            # The end state also counts as the job's the root's own bytes and what other
+            # trackers' or ranks' processes held (NOTE [other ranks] in table.py).
+            baseline = dict(table.procs[root_key].gpu_bytes)
+            for device, used in table.others_gpu_bytes().items():
                 baseline[device] = baseline.get(device, 0) + used
             self.baseline_gpu_bytes = baseline
         self._ticker.start()
@@ -242,8 +275,8 @@ class Sampler:
             if self._export_token is not None:
                 exports.withdraw(self._export_token)
                 self._export_token = None
-            if self._mailbox_dir:
-                mailbox.remove(self._mailbox_dir)
+            if self.mailbox_dir:
+                mailbox.remove(self.mailbox_dir)
             claims.session_closed(self.session_id)
 
     def _thread_failed(self, error: Exception) -> None:
@@ -261,25 +294,14 @@ class Sampler:
                 return None
             scan_tags, self._tag_scan_due = self._tag_scan_due, False
             tick = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
-            self.sample(
-                epoch_end=False,
-                scan_tags=scan_tags,
-                walk=tick.walk,
-                quick=True,
-                read_memory=tick.read_memory,
-                lists_paced_out=tick.lists_paced_out,
-            )
-            opened = self.book.open
-            inside = None
-            stalled: tuple[int, float, list[ProcessKey]] | None = None
-            if self.table is not None and opened is not None:
-                inside = self.host.plan_inside(
-                    self.table, opened.index, opened.start_s, self.now()
-                )
+            self.sample(epoch_end=False, scan_tags=scan_tags, quick=True, tick=tick)
+            opened, table = self.book.open, self.table
+            inside = stalled = None
+            if table is not None and opened is not None:
+                inside = self.host.plan_inside(table, opened.index, opened.start_s, self.now())
                 waited_s = self.hang.due()
                 if waited_s is not None:
                     self.sample(epoch_end=False)  # the mailbox: every worker's record
-                    table = self.table
                     workers = [k for k in table.live_workers() if table.procs[k].dumps_stacks]
                     stalled = (opened.index, waited_s, workers)
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
@@ -290,8 +312,8 @@ class Sampler:
         return next_ticks
 
     def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
-        """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch])."""
-        folder = self._mailbox_dir
+        """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch] in hang.py)."""
+        folder = self.mailbox_dir
         stall = self.failures.guard(
             lambda: self.hang.dump(
                 epoch=epoch, waited_s=waited_s, at_s=self.now(), workers=workers, folder=folder
@@ -303,20 +325,22 @@ class Sampler:
             with self.lock:
                 self.stalls.append(stall)
 
-    def _read_inside(self, plan: InsidePlan) -> None:
+    def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
         started_cpu_s = time.thread_time()
-        found = self.host.read_inside(plan)
+        host = self.host
+        found = self.failures.guard(lambda: host.rollup(plan.keys, count=False), "host memory")
+        host.inside_reads += 1
         with self.lock:
             if found and self.table is not None and self.book.open_index == plan.epoch_index:
                 self.book.apply_inside(self.table, found, plan.at_s)
-        self.meter.host_read(time.thread_time() - started_cpu_s)
+        self.meter.add(host_read_cpu_s=time.thread_time() - started_cpu_s)
 
     def finish_reads(self) -> None:
-        """Make the host reads planned at the last epoch end now, or wait for those under way.
+        """Make the host reads the last epoch end planned now, or wait for those under way.
 
-        Before the job's processes change (a loader dropped, its persistent workers shut
-        down), so that the reads describe the epoch's end. No lock held by the caller.
+        Before the job's processes change, so that they describe the epoch's end. The caller
+        holds no lock.
         """
 
         def give(index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
@@ -334,17 +358,13 @@ class Sampler:
             time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
             with self.lock:
                 pending = [proc for proc in pending if proc.exited_s is None]
-        # One more sample at the deadline, so "alive after the grace" is an observation.
-        with self.lock:
+        with self.lock:  # at the deadline: "alive after the grace" is an observation
             self.sample(epoch_end=False)
-
-    # -- epochs and workers --------------------------------------------------------------
 
     def begin_epoch(self, label: str | None) -> int:
         """Open an epoch (closing an open one as ``closed``)."""
         self.end_epoch("closed", None)
-        # The host reads the last end planned, if the sampler's thread has not made them
-        # yet: before this epoch's work changes what they would read (NOTE [host pacing]).
+        # The reads the last end planned, before this epoch's work changes what they read.
         self.finish_reads()
         with self.lock:
             index = self.book.begin(label, self.now())
@@ -361,21 +381,14 @@ class Sampler:
         batches: int | None = None,
         index: int | None = None,
     ) -> bool:
-        """Close the open epoch with a full sample; True when one was closed.
-
-        A no-op when none is open, or when ``index`` is given and the open epoch is another.
-        """
+        """Close the open epoch (if it is ``index``, where given) with a full sample."""
         with self.lock:
-            opened = self.book.open
-            if opened is None or self.table is None:
-                return False
-            if index is not None and opened.index != index:
+            opened, table = self.book.open, self.table
+            if opened is None or table is None or index not in (None, opened.index):
                 return False
             self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
-            self._apply_accounting()
+            self.book.apply_accounting(table, self.nvml.accounting())
             self._tag_scan_due = True
-            table = self.table
-            index = opened.index
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
             self.book.end(
@@ -388,23 +401,16 @@ class Sampler:
                 host=host,
                 shm=shm,
             )
-            if self.host.plan(index, table):
+            if self.host.plan(opened.index, table):
                 self._ticker.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
             return True
 
-    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
-        """Declare ``key`` a worker of this job (exact identity, not a guess)."""
-        with self.lock:
-            if self.reader is not None and not self.closed:
-                self.reader.register_worker(key, persistent)
-
     def note_exit(self, pid: int, exit_code: int) -> None:
         """A process of the job exited with ``exit_code`` (negative: killed by that signal).
 
-        A death by a signal is kept with what the machine says right now (NOTE at the top
-        of machine.py) and what the process's faulthandler wrote; an exit with a status is
-        not a death. Each identity dies once.
+        A death by a signal is kept, once per identity, with what the machine says now (NOTE
+        at the top of machine.py) and what the process's faulthandler wrote.
         """
         if exit_code >= 0:
             return
@@ -412,73 +418,50 @@ class Sampler:
             if self.table is None or self.closed:
                 return
             self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-            self.failures.guard(lambda: self._note_death(pid, -exit_code), "death")
-
-    def _note_death(self, pid: int, signal_number: int) -> None:
-        assert self.table is not None
-        key = self.table.by_pid.get(pid)
-        proc = self.table.procs.get(key) if key is not None else None
-        if proc is not None:
-            self.death_log.note(
-                proc,
-                signal_number,
-                at_s=self.now(),
-                epoch=self.book.open_index,
-                shm=self.shm,
-                mailbox_dir=self._mailbox_dir,
+            table = self.table
+            key = table.by_pid.get(pid)
+            proc = table.procs.get(key) if key is not None else None
+            if proc is None:
+                return
+            self.failures.guard(
+                lambda: self.death_log.note(
+                    proc,
+                    -exit_code,
+                    at_s=self.now(),
+                    epoch=self.book.open_index,
+                    shm=self.shm,
+                    mailbox_dir=self.mailbox_dir,
+                ),
+                "death",
             )
-
-    # -- one sample ----------------------------------------------------------------------
 
     def sample(
         self,
         *,
         epoch_end: bool,
         scan_tags: bool = False,
-        walk: bool = True,
         quick: bool = False,
-        read_memory: bool = True,
-        lists_paced_out: bool = False,
+        tick: TickPlan | None = None,
     ) -> None:
-        """One sample; the caller holds the lock. Unpaced unless the sampler's tick says so."""
-        if self.closed or self.reader is None:
-            return
-        self.reader.sample(
-            epoch_end=epoch_end,
-            scan_tags=scan_tags,
-            walk=walk,
-            quick=quick,
-            read_memory=read_memory,
-            lists_paced_out=lists_paced_out,
-        )
-
-    @property
-    def teardowns(self) -> tuple[TeardownRecord, ...]:
-        """Worker teardowns reported through the mailbox, in arrival order."""
-        return () if self.reader is None else tuple(self.reader.teardowns)
-
-    def _apply_accounting(self) -> None:
-        if self.reader is not None:
-            self.reader.apply_accounting()
-
-    # -- results -------------------------------------------------------------------------
+        """One sample, paced by ``tick`` where given; the caller holds the lock."""
+        if not self.closed and self.reader is not None:
+            self.reader.sample(epoch_end, scan_tags, quick, tick)
 
     def current_state(self, *, closed: bool = False) -> FinalState:
         """A fresh, full read of who is alive now and what each holds (caller holds the lock)."""
         self.sample(epoch_end=True, scan_tags=True)
-        self._apply_accounting()
         table = self.table
         assert table is not None
+        self.book.apply_accounting(table, self.nvml.accounting())
         last_end = next((e.end_s for e in reversed(self.book.epochs) if e.end_s), None)
         status, rollup = self.host.final_reads(table, closed=closed)
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
-        processes = final_processes(table, last_end, status, rollup, self.book, self.now())
         pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),
-            processes=processes,
+            processes=final_processes(table, last_end, status, rollup, self.book, self.now()),
             parent_allocated_gpu_bytes=(
                 _torch_allocated_bytes() if self.root_pid == os.getpid() else None
             ),
@@ -490,12 +473,7 @@ class Sampler:
 
     def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:
         """All observations so far, frozen (the caller holds the lock)."""
-        assert self.table is not None or not self.started
-        records = (
-            self.book.records(self.table, now=self.now(), last=last_epochs)
-            if self.table is not None
-            else ()
-        )
+        table = self.table
         return Timeline(
             session_id=self.session_id,
             root=self.root_key,
@@ -505,18 +483,153 @@ class Sampler:
             attribution_reason=self.nvml.attribution_reason,
             baseline_devices=self.baseline_devices,
             baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
-            epochs=records,
+            epochs=self.book.records(table, now=self.now(), last=last_epochs) if table else (),
             final=final,
             failures=self.failures.lines(),
-            teardowns=self.teardowns,
-            # Files left in /dev/shm are judged once the work is over (at close): before,
-            # the job's workers may still be using theirs.
+            teardowns=tuple(self.book.teardowns),
+            # Files left in /dev/shm are judged once the work is over (at close).
             shm_files=self.shm_files if final is not None and final.closed else (),
             deaths=tuple(self.death_log.deaths),
             stalls=tuple(self.stalls),
         )
 
-    # -- environment and NVML ------------------------------------------------------------
+
+class SampleReader:
+    """Takes one sample of a started job into ``sampler``'s table and book, under its lock.
+
+    Args:
+        sampler: The started sampler whose parts it reads into.
+        tag_scan: The scan for tagged processes reparented away.
+        inbox: The workers' mailbox (None: none could be made).
+        boot_offset_s: The boot clock's reading less the tracker's (NOTE [born epoch]).
+
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        *,
+        tag_scan: procs.TagScan,
+        inbox: mailbox.Inbox | None,
+        boot_offset_s: float,
+    ) -> None:
+        assert sampler.table is not None
+        self.sampler = sampler
+        self.table: ProcessTable = sampler.table
+        self.book = sampler.book
+        self._tag_scan = tag_scan
+        self._inbox = inbox
+        self._boot_offset_s = boot_offset_s
+        self._sampling = False
+
+    def sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
+        """One sample (``Sampler.sample``)."""
+        if self._sampling:
+            # Re-entered from the same thread (the lock is re-entrant): a loader iterator
+            # collected mid-sample closes its epoch from inside this one, with this sample.
+            return
+        self._sampling = True
+        started = time.perf_counter()
+        failures = self.sampler.failures
+        try:
+            self._sample(epoch_end, scan_tags, quick, tick)
+        except Exception as error:
+            # Recorded, never raised into the caller's loop; the next sample retries.
+            failures.record(f"sample: {type(error).__name__}: {error}", error)
+        finally:
+            self._sampling = False
+            self.sampler.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
+
+    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
+        """Declare ``key`` a worker of this job (exact identity, not a guess)."""
+        self.table.register_worker(
+            key, persistent, now=self.sampler.now(), born_epoch=self.book.open_index
+        )
+        self.book.see(key)
+
+    def _sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
+        s, table = self.sampler, self.table
+        now = s.now()
+        walk = tick is None or tick.walk
+        read_memory = tick is None or tick.read_memory
+        lists_paced_out = tick is not None and tick.lists_paced_out
+        if self._inbox is not None and walk:
+            inbox = self._inbox
+            s.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+        device_used = s.nvml.memory(s.pacing) if read_memory else None
+        gpu: tuple[GpuProcess, ...] | None = None
+        new_on_gpu = False
+        if not walk and not lists_paced_out and s.pacing.lists_due(quick=quick):
+            gpu = s.nvml.lists(s.pacing, graphics=s.pacing.list_graphics(quick=quick))
+            # A process new on the GPU is placed in the tree before it is attributed; this
+            # list serves, as every PID in it existed before the walk began.
+            new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
+        if walk:
+            s.failures.guard(s.shm.note_usage, "shm")
+        if walk or new_on_gpu:
+            if not self._walk(now, scan_tags=scan_tags, quick=quick):
+                return
+            if not new_on_gpu and not lists_paced_out:
+                gpu = s.nvml.lists(s.pacing, graphics=True)
+        if gpu is not None:
+            missing = table.attribute_gpu(gpu, now=now)
+            if missing and procs.pid_namespace_nested():
+                s.nvml.blind(
+                    f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
+                    "namespace (a container without --pid=host?): only device totals are judged"
+                )
+        if epoch_end:
+            table.count_nvidia_fds()
+            table.confirm_cmdlines()
+        self.book.note_sample(table, device_used)
+
+    def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
+        s, table = self.sampler, self.table
+        s.pacing.walked()
+        lineage = s.failures.guard(
+            lambda: procs.descendants(s.root_pid, with_cmdline=False, quick=quick), "lineage"
+        )
+        if lineage is None:
+            return False
+        born = self.book.open_index
+        added = table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
+        if scan_tags:
+            scan = self._tag_scan
+            found = s.failures.guard(lambda: scan.scan(table.procs), "tag scan")
+            added += table.add_reparented(found or [], now=now, born_epoch=born)
+        for proc in added:
+            proc.birth_epoch = self._born_epoch(proc.key, now, fallback=born)
+        # The workers' resident memory: what a worker the OOM killer takes held last.
+        for key, memory in hostmem.read_host_memories(table.live_workers(), rollup=False).items():
+            if memory.rss_bytes is not None:
+                table.procs[key].rss_bytes_last = memory.rss_bytes
+        return True
+
+    def _born_epoch(self, key: ProcessKey, now: float, *, fallback: int | None) -> int | None:
+        """The epoch ``key`` was born in, from its start ticks (NOTE [born epoch])."""
+        born_s = key.start_ticks / procs.clock_ticks() - self._boot_offset_s
+        if born_s > now + 1.0:
+            return fallback  # a clock that does not agree: the epoch it was found in
+        return self.book.born_in(born_s, 1.0 / procs.clock_ticks())
+
+    def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
+        """Worker identities, births and teardowns (NOTE [worker mailbox] in mailbox.py)."""
+        born = False
+        for record in inbox.read(quick=quick):
+            key = mailbox.record_key(record)
+            if key is None:
+                continue
+            if record.get("kind") == "worker":
+                persistent = record.get("persistent")
+                self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+                self.table.note_birth(key, *mailbox.worker_birth(record))
+                if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
+                    self.table.procs[key].dumps_stacks = True
+                born = True
+            elif record.get("kind") == "teardown":
+                self.book.apply_teardown(mailbox.teardown_record(record, key), self.sampler.t0_s)
+        if born:
+            mailbox.write_births(inbox.directory, self.table.births())
 
 
 def _torch_allocated_bytes() -> int | None:

@@ -1,19 +1,13 @@
 """The job's files in ``/dev/shm`` and the filesystem's use, per epoch and at the end.
 
-NOTE [job shm]: ``/dev/shm`` is shared by every process of the host, so a file that appeared
-there while the job ran is the job's only on evidence: a process of the job holds it open or
-mapped (read at an epoch end, or when the tracker closes), or held it at an earlier epoch end
-(the same file: name and inode), or its name carries the PID of a process of the job (torch
-names its segments after their creator, CUDA IPC files after their producer in hex). A new
-file with none of these is reported at the end as not attributable, never blamed. Named
-semaphores (``sem.*``) are left out, as the pytest plugin leaves them out
-(``hostmem.is_named_semaphore``). The listing
-(one ``scandir`` and a ``stat`` per file) is read at each epoch end; who holds a file costs a
-pass over the job's descriptors and maps, paid only when the listing shows new files. How
-full the filesystem is costs one ``statvfs``: read on every walking tick and at epoch ends,
-so that an epoch's peak catches the batches in flight that fill a small ``/dev/shm`` (the
-file-descriptor sharing strategy removes its files at once, but their memory counts until
-the last descriptor is closed).
+NOTE [job shm]: ``/dev/shm`` is the whole host's, so a file that appeared there while the job
+ran is the job's only on evidence: a process of the job holds it open or mapped (read at an
+epoch end or the close), or held it at an earlier epoch end (same name and inode), or its name
+carries the PID of a process of the job (torch's segments, CUDA IPC files in hex). Others are
+reported at the end as not attributable, never blamed; named semaphores are left out. The
+listing is read at each epoch end, the holders only when it shows new files. The filesystem's
+use (one ``statvfs``) is read on every walking tick and epoch end, so an epoch's peak catches
+batches in flight that fill a small ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -39,12 +33,7 @@ class ShmEpoch:
 
 
 class ShmWatch:
-    """The job's files in one shared-memory directory (NOTE [job shm]).
-
-    Args:
-        directory: The shared-memory directory.
-
-    """
+    """The job's files in one shared-memory directory (NOTE [job shm])."""
 
     def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = directory
@@ -87,11 +76,9 @@ class ShmWatch:
         return result
 
     def left_behind(self, table: ProcessTable) -> tuple[ShmFile, ...]:
-        """The files that appeared since the start and are still there as the tracker closes.
+        """The files new since the start and still there at the close (NOTE [job shm]).
 
-        The job's files nobody holds are left behind; one a live process of the job holds
-        is still in use as far as the tracker can tell (``in_use``); the others are not
-        attributable (NOTE [job shm]).
+        One a live process of the job holds is ``in_use``; the job's others are left behind.
         """
         return self._classify(table, closing=True)
 

@@ -1,17 +1,16 @@
 """The process table of one tracker: every process of the job it placed, and what it holds.
 
-A process is an identity ``(pid, start_ticks)`` (NOTE [process identity] in procs.py) with a
-mutable record: its parent, command line, when it was first and last seen alive, when it was
-seen gone, the GPU bytes NVML last listed for it, and whether it is this tracker's own (NOTE
-[claims] in claims.py). The sampler feeds it what a walk of /proc and a read of NVML's lists
-found; roles and persistence are answered here, once, for the epoch book and the final
-state.
+Each identity (NOTE [process identity] in procs.py) has a mutable record: parent, command
+line, when first and last seen alive and seen gone, the GPU bytes NVML last listed, whether
+it is this tracker's own (NOTE [claims] in claims.py). The sampler feeds it walks of /proc
+and NVML's lists; roles and persistence are answered here for the book and the final state.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from leakcheck.core import ranks
 from leakcheck.core.model import GpuProcess, ProcessKey, ProcInfo, RankInfo, Role
@@ -32,13 +31,11 @@ class Proc:
     cmdline: str
     first_seen_s: float
     last_seen_s: float
-    born_epoch: int | None
+    born_epoch: int | None = None
     """The epoch open when it was placed: the first whose records list it."""
-    pre_existing: bool
+    pre_existing: bool = False
     birth_epoch: int | None = None
-    """The epoch its start falls in (NOTE [born epoch] in sample_reader.py): what "started
-    in" names and the survivor rule counts the grace from; the epoch it was placed in
-    until the sampler computes it."""
+    """The epoch its start falls in (NOTE [born epoch] in sampler.py)."""
     exited_s: float | None = None
     in_lineage: bool = True
     foreign: bool = False
@@ -48,38 +45,32 @@ class Proc:
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
     open_fds: int | None = None
-    """Its open descriptors at the last epoch end (``procs.descriptor_use``)."""
     fd_limit: int | None = None
-    """Its soft ``RLIMIT_NOFILE`` then; None: unlimited or unread."""
+    """Its soft ``RLIMIT_NOFILE`` at the last epoch end; None: unlimited or unread."""
     cmdline_confirmed: bool = False
     """The command line was read after the process exec'd (it differs from its parent's)."""
     rank: RankInfo | None = None
-    """Its distributed rank, read from its environment when first placed (NOTE [rank read])."""
     rank_pending: bool = False
-    """First seen with its parent's command line and no rank: maybe between fork and exec."""
+    """No rank and its parent's command line: maybe between fork and exec (NOTE [rank read])."""
     forked: bool | None = None
     """A loader's worker started by fork (its birth report says; None: no report)."""
     birth_host: HostMemory | None = None
-    """Its host memory as it started, from its birth report (NOTE [copy on read] in
-    hostmem.py); None: not reported."""
+    """Its host memory as it started (NOTE [copy on read] in hostmem.py)."""
     end_read: bool = False
     """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
     dumps_stacks: bool = False
     """A worker whose record says it writes its stacks on ``mailbox.STACK_SIGNAL``."""
     rss_bytes_last: int | None = None
-    """A worker's resident memory at the last walk that read it (what a death reports)."""
+    """A worker's resident memory at the last walk (what a death reports)."""
     other_rank: bool = False
-    """A process of another rank of this tracker's distributed job (NOTE [other ranks]):
-    counted as the job's memory, never judged here; its own rank's tracker judges it."""
+    """Another rank's process of this job (NOTE [other ranks]): counted, not judged."""
 
 
 def _rank_of(pid: int) -> RankInfo | None:
-    """The rank a process's environment names (one read, when it is first placed).
+    """The rank a process's environment names; None: unreadable or absent.
 
-    Every process of a rank's lineage inherits torchrun's variables, so an orphan still
-    says whose it was (NOTE at the top of ranks.py); unreadable or absent: None. This
-    process's own rank is read from its environment as it is now: a rank found after the
-    start is exported there, not in ``/proc/self/environ`` (NOTE [exported rank]).
+    This process's own is read from ``os.environ``: a rank found after the start is exported
+    there, not in ``/proc/self/environ`` (NOTE [exported rank]).
     """
     if pid == os.getpid():
         return ranks.rank_from_environ(os.environ)
@@ -87,30 +78,23 @@ def _rank_of(pid: int) -> RankInfo | None:
     return None if environ is None else ranks.rank_from_environ(environ)
 
 
-# NOTE [rank read]: a process's rank is read from its initial environment once, when it is
-# first placed (one read of /proc/PID/environ). torchrun's agent starts each rank by fork and
-# exec; a rank caught between the two still shows the agent's environment, without RANK, and
-# its command line. Such a process (no rank, its parent's command line) has its environment
-# read again on the next walks, for a short window after it was first seen, until it names a
-# rank (then its command line is read again too). A forked child that never execs (a
-# DataLoader worker of a process that is no rank) stops being looked at when the window
-# closes: its environment is its parent's, and so was its rank. A process the mailbox names
-# a loader's worker is not looked at again: workers do not become ranks.
+# NOTE [rank read]: a process's rank is read from its environment once, when first placed.
+# torchrun's agent starts each rank by fork and exec; a rank caught between the two shows the
+# agent's environment (no RANK) and command line. Such a process is read again on the next
+# walks, for a short window, until it names a rank (then its command line is read again). A
+# forked child that never execs (a DataLoader worker) stops being read when the window
+# closes, and one the mailbox names a worker at once: workers do not become ranks.
 _RANK_EXEC_WINDOW_S = 1.0
 
 
-# NOTE [other ranks]: the ranks of one torchrun job are siblings (children of the elastic
-# agent), so a tracker inside rank 0 finds rank 1 and its workers on the GPU, outside its
-# lineage: foreign, by the lineage alone, and their memory on a shared device would be the
-# residual rule's unexplained rise (two ranks sharing one GPU each blamed the other). A GPU
-# process is another rank's when its environment names the same elastic run
-# (TORCHELASTIC_RUN_ID; torchrun's default id "none" names no run) and the same restart, a
-# rank other than the root's, and it is still below the agent (the root's parent): then its
-# memory is the job's, like another tracker's processes (NOTE [claims]), and its own rank's
-# tracker judges it. The root's own untagged orphans (same rank), a dead rank's or an
-# earlier restart's leftovers (reparented away, or another restart) stay foreign: no live
-# tracker would judge them otherwise. Without a run id (ranks started by hand with RANK
-# set), the rest decides: another rank of the same restart, below the root's parent.
+# NOTE [other ranks]: the ranks of one torchrun job are siblings under the elastic agent, so a
+# tracker in rank 0 finds rank 1 and its workers on the GPU outside its lineage; as foreign,
+# their memory on a shared device would be the residual rule's unexplained rise. A GPU process
+# is another rank's when its environment names the same elastic run (TORCHELASTIC_RUN_ID;
+# "none" names no run) and restart, another rank, and it is still below the agent (the root's
+# parent): its memory is then the job's, like another tracker's (NOTE [claims]), and its own
+# rank's tracker judges it. The root's own untagged orphans and a dead rank's or an earlier
+# restart's leftovers stay foreign: no live tracker would judge them otherwise.
 
 
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
@@ -129,23 +113,15 @@ def _run_id(info: RankInfo) -> str | None:
 
 
 def _stored(cmdline: str) -> str:
-    # Whole (procs bounds it far above any real one): roles and helpers are told by it, and
-    # a report names the process from it (NOTE [process names] in names.py), a `python -c`
-    # script's lines included.
+    # Whole: roles and helpers are told by it, and a report names the process from it.
     return cmdline.strip()
 
 
 class ProcessTable:
     """Every process one tracker placed: its lineage, orphans, foreign GPU holders.
 
-    Args:
-        root: The job's root.
-        root_info: What /proc says of the root (None: unreadable).
-        session: The tracker's session id (its claims, and its tag unless ``tag`` is given).
-        persistent_workers: Workers that did not say otherwise live across epochs.
-        tag: ``(NAME, VALUE)`` of the environment variable that marks the job's processes
-            (default: ``LEAKCHECK_SESSION`` with ``session``).
-
+    ``session`` is the tracker's (its claims); ``tag``: ``(NAME, VALUE)`` of the environment
+    variable that marks the job's processes (default ``LEAKCHECK_SESSION`` = ``session``).
     """
 
     def __init__(
@@ -162,29 +138,29 @@ class ProcessTable:
         self.tag = tag or (procs.SESSION_ENV, session)
         self.persistent_workers = persistent_workers
         self.procs: dict[ProcessKey, Proc] = {}
-        # The live subset: each walk checks it, not every process ever seen (a long run with
-        # per-epoch workers sees thousands).
-        self.live: dict[ProcessKey, Proc] = {}
+        self.live: dict[ProcessKey, Proc] = {}  # what each walk checks, not every one seen
         self.by_pid: dict[int, ProcessKey] = {}
         self.workers: dict[ProcessKey, bool | None] = {}
         """Workers that reported themselves: identity -> persistent (None: unknown)."""
         self.changed = True
         """Set when processes or their bytes changed: the open epoch's peaks are stale."""
-        root_proc = Proc(
-            key=root,
-            ppid=root_info.ppid if root_info else 0,
-            cmdline=_stored(root_info.cmdline if root_info else ""),
-            first_seen_s=0.0,
-            last_seen_s=0.0,
-            born_epoch=None,
-            pre_existing=True,
-            rank=_rank_of(root.pid),
-        )
-        self.procs[root] = self.live[root] = root_proc
-        self.by_pid[root.pid] = root
+        info = root_info or ProcInfo(key=root, ppid=0, name="", cmdline="")
+        self._place(info, 0.0, pre_existing=True, rank=_rank_of(root.pid))
         claims.add_root(root, session)
 
-    # -- placing processes ---------------------------------------------------------------
+    def _place(self, info: ProcInfo, now: float, **fields: Any) -> Proc:
+        proc = Proc(
+            key=info.key,
+            ppid=info.ppid,
+            cmdline=_stored(info.cmdline or info.name),
+            first_seen_s=now,
+            last_seen_s=now,
+            **fields,
+        )
+        self.procs[info.key] = self.live[info.key] = proc
+        self.by_pid[info.key.pid] = info.key
+        self.changed = True
+        return proc
 
     def add(
         self, info: ProcInfo, *, now: float, born_epoch: int | None, pre_existing: bool = False
@@ -193,26 +169,19 @@ class ProcessTable:
         parent = self.by_pid.get(info.ppid)
         owner = claims.claim(info.key, parent, self.session)
         parent_proc = self.procs.get(parent) if parent is not None else None
-        proc = Proc(
-            key=info.key,
-            ppid=info.ppid,
-            cmdline=_stored(info.cmdline or info.name),
-            first_seen_s=now,
-            last_seen_s=now,
+        proc = self._place(
+            info,
+            now,
             born_epoch=born_epoch,
             pre_existing=pre_existing,
             birth_epoch=born_epoch,
             own=owner == self.session,
-            # Gone before it could be read (a worker known from its record only): it was
-            # its parent's rank's, as every process of a rank's lineage is.
+            # Gone before it could be read (known from its record only): its parent's rank.
             rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
         )
         proc.rank_pending = (
             proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
         )
-        self.procs[info.key] = self.live[info.key] = proc
-        self.by_pid[info.key.pid] = info.key
-        self.changed = True
         return proc
 
     def apply_walk(
@@ -223,11 +192,10 @@ class ProcessTable:
         quick: bool,
         born_epoch: int | None,
     ) -> list[Proc]:
-        """Fold one walk of the root's descendants in: new, reparented, exited processes.
+        """Fold one walk of the root's descendants in; returns the processes new to the table.
 
-        ``quick`` (the sampler's ticks): NOTE [quick walk] in procs.py; a process missing
-        from a quick walk is only judged reparented by the next full one. Returns the
-        processes new to the table, placed with ``born_epoch``.
+        A process missing from a ``quick`` walk (NOTE [quick walk] in procs.py) is judged
+        reparented only by the next full one.
         """
         added: list[Proc] = []
         current: set[ProcessKey] = {self.root}
@@ -285,11 +253,7 @@ class ProcessTable:
         self._give_back_taken()
 
     def _own_by_claim(self, proc: Proc) -> None:
-        """Set whether ``proc`` is this tracker's, as its claim says now.
-
-        No claim (another tracker saw it gone first) leaves it as it was: the queue of
-        corrections (``_give_back_taken``) takes it back where it is another's.
-        """
+        """Set whether ``proc`` is this tracker's, as its claim says now (none: unchanged)."""
         owner = claims.owner_of(proc.key)
         if owner is not None:
             proc.own = owner == self.session
@@ -323,11 +287,7 @@ class ProcessTable:
     def register_worker(
         self, key: ProcessKey, persistent: bool | None, *, now: float, born_epoch: int | None
     ) -> Proc:
-        """Declare ``key`` a worker of this tracker (exact identity from the mailbox).
-
-        A worker that lived and died between two walks is known from its record alone:
-        it is kept, born and gone now.
-        """
+        """Declare ``key`` a worker; one already gone is kept, born and gone now."""
         self.workers[key] = persistent
         claims.claim_worker(key, self.session)
         proc = self.procs.get(key)
@@ -344,9 +304,7 @@ class ProcessTable:
                 self.mark_exited(proc, now)
                 claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
-        # A loader's worker never becomes a rank: its rank is the one it was born with
-        # (NOTE [rank read]), and its environment need not be read again.
-        proc.rank_pending = False
+        proc.rank_pending = False  # a worker never becomes a rank (NOTE [rank read])
         self.changed = True
         return proc
 
@@ -378,15 +336,8 @@ class ProcessTable:
             if proc.own and not proc.foreign and proc.forked is True and proc.birth_host
         ]
 
-    # -- GPU memory ----------------------------------------------------------------------
-
     def attribute_gpu(self, gpu: tuple[GpuProcess, ...], *, now: float) -> list[int]:
-        """Give every live process the bytes NVML lists for it now.
-
-        Returns:
-            PIDs NVML lists that do not exist here (another PID namespace, or exited).
-
-        """
+        """Give every live process its bytes in NVML's lists; returns the PIDs not here."""
         by_pid, unknown = nvml.gpu_bytes_by_pid(gpu)
         self.changed = True
         for proc in self.live.values():
@@ -422,23 +373,15 @@ class ProcessTable:
             root = self.procs[self.root]
             rank = _rank_of(pid) if root.rank is not None else None
             other_rank = _same_job(root.rank, root.ppid, rank, pid)
-            proc = Proc(
-                key=info.key,
-                ppid=info.ppid,
-                cmdline=_stored(info.cmdline or info.name),
-                first_seen_s=now,
-                last_seen_s=now,
-                born_epoch=None,
-                pre_existing=False,
+            return self._place(
+                info,
+                now,
                 foreign=not other_rank,
                 own=not other_rank,
                 in_lineage=False,
                 rank=rank,
                 other_rank=other_rank,
             )
-            self.procs[info.key] = self.live[info.key] = proc
-            self.by_pid[pid] = info.key
-            return proc
         proc = self.add(info, now=now, born_epoch=None)
         proc.in_lineage = procs.is_ancestor(self.root.pid, pid)
         return proc
@@ -453,20 +396,17 @@ class ProcessTable:
                 total[device] = total.get(device, 0) + used
         return total
 
-    # -- epoch-end extras ----------------------------------------------------------------
-
     def count_nvidia_fds(self) -> None:
-        """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart (epoch ends)."""
+        """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""
         for proc in self.live.values():
             if proc.own and not proc.foreign:
                 proc.nvidia_fds = self._job_nvidia_fds(proc)
                 proc.open_fds, proc.fd_limit = procs.descriptor_use(proc.key.pid) or (None, None)
 
     def _job_nvidia_fds(self, proc: Proc) -> int | None:
-        """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.
+        """A process's ``/dev/nvidia*`` descriptors less leakcheck's NVML ones (NOTE [descriptors]).
 
-        Leaves out those NVML opened for leakcheck in the root, which a forked child merely
-        inherited (NOTE [descriptors] in nvml.py).
+        Those are the root's, and a forked child's inherited copies of them.
         """
         found = procs.nvidia_fds(proc.key.pid)
         if found is None:
@@ -478,11 +418,9 @@ class ProcessTable:
         return len(set(found) - own) if forked else len(found)
 
     def confirm_cmdlines(self) -> None:
-        """Re-read at an epoch end the command lines that may still be a parent's.
+        """Re-read the command lines that may still be a parent's (seen between fork and exec).
 
-        A child first seen between fork and exec showed its parent's command line. One that
-        differs from its parent's has exec'd and is not read again; a forked child that
-        never execs matches its parent and is read at each epoch end (one small read).
+        One that differs from its parent's has exec'd and is not read again.
         """
         for key, proc in self.live.items():
             if proc.foreign or proc.cmdline_confirmed or key == self.root or not proc.own:
@@ -495,8 +433,6 @@ class ProcessTable:
             parent = self.procs.get(parent_key) if parent_key is not None else None
             proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
 
-    # -- what a process is ---------------------------------------------------------------
-
     def role(self, proc: Proc) -> Role:
         """Where ``proc`` stands in the job (docs/ARCHITECTURE.md, Roles and attribution)."""
         if proc.key == self.root:
@@ -505,9 +441,7 @@ class ProcessTable:
             return "foreign"
         if not proc.in_lineage:
             return "orphan"
-        # A worker only when it is known to be one (it reported itself, or the caller
-        # registered it): NOTE [roles from outside] in roles.py.
-        return direct_child_role(proc.key, self.workers)
+        return direct_child_role(proc.key, self.workers)  # NOTE [roles from outside]
 
     @staticmethod
     def baseline_helper(proc: Proc) -> bool:

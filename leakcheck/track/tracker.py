@@ -1,17 +1,19 @@
 """``leakcheck.Tracker``: attribute memory to every process of a job, per epoch, and judge it.
 
-The public front over ``leakcheck.track``: it validates options, times the caller's
-calls (``cost()``), and turns what the sampler observed into a judged ``Report``. How and
-when things are read: NOTE [tracker lifecycle] in track/sampler.py.
+The public front over the sampler (NOTE [tracker lifecycle] in sampler.py): it validates
+options, times the caller's calls (``cost()``), and judges what was observed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
+from typing import Concatenate, ParamSpec, TypeVar
 
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError, UsageError
@@ -30,19 +32,39 @@ from leakcheck.judge.report import Report, build_report
 from leakcheck.observe import torch_state
 from leakcheck.observe.procs import process_key
 from leakcheck.observe.snapshot import Snapshot, take_snapshot
-from leakcheck.track.cost import CostMeter, caller_timed
+from leakcheck.track.reads import CostMeter
 from leakcheck.track.sampler import Sampler, end_reason_for
 
 __all__ = ["Tracker", "end_reason_for", "own_rank_device"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _caller_timed(
+    method: Callable[Concatenate[Tracker, _P], _R],
+) -> Callable[Concatenate[Tracker, _P], _R]:
+    """Add the wall time of a public call to the caller cost (outermost call only)."""
+
+    @functools.wraps(method)
+    def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        meter = tracker.meter
+        if not meter.enter_call():
+            return method(tracker, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return method(tracker, *args, **kwargs)
+        finally:
+            meter.leave_call(time.perf_counter() - started)
+
+    return timed
 
 
 def own_rank_device() -> tuple[int, int] | None:
     """``(rank, NVML index)`` of the device this rank chose with ``torch.cuda.set_device``.
 
-    Only a choice that says something is recorded: torch's current device once CUDA is
-    initialised here, where it is not device 0, the default a rank that never called
-    ``set_device`` also has (then its ``LOCAL_RANK`` says which device is its own, and the
-    device-mismatch rule judges by that). None outside a rank, before CUDA, or unknown.
+    None outside a rank, before CUDA, or on device 0: the default a rank that never chose
+    also has (its ``LOCAL_RANK`` then says which is its own).
     """
     info = ranks.rank_from_environ(os.environ)
     if info is None:
@@ -80,26 +102,16 @@ class Tracker:
         persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
         use_nvml: Read NVML (False: host-side checks only).
-        session_tag: ``(NAME, VALUE)``, for a root another process started: an environment
-            variable the starter set for the root, which every process of the job inherits.
-            Processes reparented away are then found by it instead of by the tracker's own
-            ``LEAKCHECK_SESSION`` (exported only when the root is this process).
-            ``leakcheck run`` uses it (NOTE [run tag] in launcher.py).
-        rollup_share: Share of the time the USS and PSS reads (``/proc/PID/smaps_rollup``
-            of the parent and persistent workers, at epoch ends) may take; an epoch end is
-            skipped while the last reads cost more (its host memory is then RSS, and says
-            so). Default 0.1% (``track.pacing.ROLLUP_SHARE``); 1.0 reads at every
-            epoch end whatever it costs (short diagnostic runs).
-        scan_at_epoch_end: Also scan for processes reparented away (orphans) in each epoch
-            end's sample, on the caller's thread (a pass over every process's environment),
-            so that each epoch's orphan count is what its end had; by default the scan runs
-            on the sampler thread's next tick, and an orphan can be counted epochs late
-            when epochs are shorter than a tick. ``leakcheck sweep`` sets it.
+        session_tag: ``(NAME, VALUE)`` of an environment variable the starter of a root
+            set for it: processes reparented away are found by it instead of by
+            ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time the USS and PSS reads at epoch ends may take (NOTE
+            [host pacing] in pacing.py; default 0.1%); 1.0 reads at every epoch end.
+        scan_at_epoch_end: Also scan for processes reparented away in each epoch end's
+            sample (on the caller's thread), so each epoch's orphans are its end's.
         copy_tolerance: What a forked worker may copy of its parent's memory before the
-            copy-on-read rule calls it a leak (``"64MiB"``, bytes; NOTE [copy on read] in
-            hostmem.py).
-        hang_after: Seconds the loop may wait for a batch (``batch_wanted`` to
-            ``batch_arrived``) before the stacks of the loop's process and its workers are
+            copy-on-read rule calls it a leak (NOTE [copy on read] in hostmem.py).
+        hang_after: Seconds the loop may wait for a batch before the job's stacks are
             written to stderr and the report (NOTE [hang watch] in hang.py); 0: never.
 
     """
@@ -151,15 +163,13 @@ class Tracker:
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,
             devices=list(devices) if devices is not None else None,
-            grace_s=self._config.grace_s,
+            config=self._config,
             persistent_workers=persistent_workers,
             strict=strict,
             use_nvml=use_nvml,
             session_tag=session_tag,
             rollup_share=rollup_share,
-            warmup_epochs=warmup_epochs,
             scan_at_epoch_end=bool(scan_at_epoch_end),
-            copy_tolerance_bytes=self._config.copy_tolerance_bytes,
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
 
@@ -175,11 +185,7 @@ class Tracker:
 
     @property
     def mailbox_dir(self) -> str | None:
-        """The folder this tracker's workers report to (NOTE [worker mailbox] in mailbox.py).
-
-        Made by ``start()`` (None before, or where it could not be made), removed by
-        ``close()``.
-        """
+        """The folder the workers report to (NOTE [worker mailbox]); None before ``start()``."""
         return self._sampler.mailbox_dir
 
     @property
@@ -197,22 +203,15 @@ class Tracker:
         """True once ``close()`` ran."""
         return self._sampler.closed
 
-    # -- lifecycle -----------------------------------------------------------------------
-
-    @caller_timed
+    @_caller_timed
     def start(self) -> Tracker:
         """Take the baseline and start the sampler thread. Idempotent."""
         self._sampler.start()
         return self
 
-    @caller_timed
+    @_caller_timed
     def close(self) -> None:
-        """Stop sampling and take the final state. Idempotent.
-
-        Closes an open epoch (reason ``closed``), then waits, at most ``grace`` seconds after
-        the epoch each was born in, for the processes whose survival is not decided yet, so
-        that survivors of every epoch are judged on evidence.
-        """
+        """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
         self._sampler.close()
         self._sampler.failures.raise_pending()
 
@@ -228,9 +227,7 @@ class Tracker:
         self.end_epoch(*(end_reason_for(exc) if exc is not None else ("closed", None)))
         self.close()
 
-    # -- epochs --------------------------------------------------------------------------
-
-    @caller_timed
+    @_caller_timed
     def begin_epoch(self, label: str | None = None) -> int:
         """Open an epoch (closing any open one as ``closed``); returns its index."""
         if not self._sampler.started:
@@ -241,7 +238,7 @@ class Tracker:
         self._sampler.failures.raise_pending()
         return index
 
-    @caller_timed
+    @_caller_timed
     def end_epoch(
         self,
         reason: EndReason = "completed",
@@ -256,9 +253,8 @@ class Tracker:
             reason: How it ended.
             error: The exception that ended it, as one line.
             batches: Batches it yielded, where the caller counts them.
-            index: Close it only if it is this epoch (``begin_epoch``'s index): an iterator
-                kept past the start of the next epoch, which closed its own, then ends
-                nothing when it is finally dropped.
+            index: Close it only if it is this epoch: an iterator dropped after the next
+                epoch began then ends nothing.
 
         Returns:
             True when an epoch was closed.
@@ -280,9 +276,7 @@ class Tracker:
         else:
             self.end_epoch("completed", index=index)
 
-    # -- workers -------------------------------------------------------------------------
-
-    @caller_timed
+    @_caller_timed
     def register_worker(
         self, pid: int, start_ticks: int | None = None, *, persistent: bool | None = None
     ) -> None:
@@ -290,15 +284,16 @@ class Tracker:
 
         Args:
             pid: Worker PID.
-            start_ticks: Its start in clock ticks since boot (field 22 of /proc/PID/stat,
-                NOTE [process identity] in procs.py); read from /proc when None.
-            persistent: Whether it is meant to live across epochs (None: the tracker's
-                ``persistent_workers`` setting).
+            start_ticks: Its start in clock ticks since boot (NOTE [process identity] in
+                procs.py); read from /proc when None.
+            persistent: Whether it lives across epochs (None: ``persistent_workers``).
 
         """
         key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
-        if key is not None:
-            self._sampler.register_worker(key, persistent)
+        sampler = self._sampler
+        with sampler.lock:
+            if key is not None and sampler.reader is not None and not sampler.closed:
+                sampler.reader.register_worker(key, persistent)
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
@@ -308,29 +303,22 @@ class Tracker:
         """A batch came, or the loop stopped asking for one: the wait is over."""
         self._sampler.hang.batch_arrived()
 
-    @caller_timed
+    @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell the tracker how a process of the job ended, where its parent learned it.
 
-        A death by a signal (``exit_code`` < 0, as ``multiprocessing.Process.exitcode``
-        says) becomes a ``died`` finding with the evidence of who killed it
-        (``judge.deaths``); ``watch()`` calls it for each worker of a failed epoch.
-
-        Args:
-            pid: The process.
-            exit_code: Its exit status, or minus the signal that ended it.
-
+        ``exit_code`` < 0 (minus the signal, as ``multiprocessing.Process.exitcode`` says)
+        becomes a ``died`` finding with the evidence of who killed it (``judge.deaths``).
         """
         self._sampler.note_exit(pid, exit_code)
         self._sampler.failures.raise_pending()
 
-    @caller_timed
+    @_caller_timed
     def finish_reads(self) -> None:
         """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
 
-        Call it before changing the job's processes right after an epoch (dropping a loader,
-        which stops its persistent workers), so that those reads describe the epoch's end.
-        ``close()`` does it too.
+        Call it before changing the job's processes right after an epoch (dropping a loader
+        stops its persistent workers), so that they describe the epoch's end.
         """
         self._sampler.finish_reads()
 
@@ -340,14 +328,12 @@ class Tracker:
             table = self._sampler.table
             return sorted(table.workers) if table is not None else []
 
-    @caller_timed
+    @_caller_timed
     def sample(self) -> None:
         """Take one sample now, as the sampler thread does every ``interval`` (with a walk)."""
         with self._sampler.lock:
             self._sampler.sample(epoch_end=False, quick=True)
         self._sampler.failures.raise_pending()
-
-    # -- results -------------------------------------------------------------------------
 
     def cost(self) -> TrackerCost:
         """What tracking has cost so far (own time of the sampler and of the calling threads)."""
@@ -360,9 +346,9 @@ class Tracker:
     def teardowns(self) -> tuple[TeardownRecord, ...]:
         """Teardown records the workers posted so far."""
         with self._sampler.lock:
-            return tuple(self._sampler.teardowns)
+            return tuple(self._sampler.book.teardowns)
 
-    @caller_timed
+    @_caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
         with self._sampler.lock:
@@ -375,16 +361,14 @@ class Tracker:
             births=births,
         )
 
-    @caller_timed
+    @_caller_timed
     def timeline(self, *, last_epochs: int | None = None, fresh: bool = False) -> Timeline:
         """All observations so far, frozen.
 
         Args:
-            last_epochs: Only the latest this-many closed epochs: a cost that does not grow
-                with the length of the run. None: every closed epoch.
-            fresh: Before the tracker is closed, also read now who is alive and what each
-                holds (the timeline's ``final`` state, ``closed=False``). Once closed, the
-                final state is the one taken at ``close()``.
+            last_epochs: Only the latest this-many closed epochs (None: all).
+            fresh: Before ``close()``, also read now who is alive and what each holds (the
+                ``final`` state, ``closed=False``); once closed, ``close()``'s final state.
 
         Raises:
             UsageError: ``last_epochs`` is not a positive int.
@@ -404,17 +388,13 @@ class Tracker:
                 timeline = dataclasses.replace(timeline, rank_devices={own[0]: own[1]})
         return timeline
 
-    @caller_timed
+    @_caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
         """Judge what was observed, with a fresh read of what is alive now.
 
-        A report is about now: before ``close()``, it reads who is alive (the parent,
-        survivors, orphans) and what each holds, and judges that with the closed epochs.
-
         Args:
             last_epochs: Judge only the latest this-many closed epochs (see ``timeline``).
-            fresh: Read now (default). False judges the closed epochs as recorded (what
-                ``watch()`` does at each epoch end, where the epoch end was just read).
+            fresh: Read now (default); False judges the closed epochs as recorded.
 
         Raises:
             UsageError: ``last_epochs`` is not a positive int.

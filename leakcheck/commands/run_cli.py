@@ -1,24 +1,19 @@
 """``leakcheck run [options] -- CMD ...``: the command line of the run engine (launcher.py).
 
-``cli.py`` adds this parser to its subcommands and hands the parsed arguments to
-``run_command``. Options are validated here, in one place, before anything starts: a bad
-value is one line on standard error naming the option, what was expected and what was
-given, exit 2, and the command is not started.
+Every option is checked before anything starts: a bad value is one line on standard error
+naming the option, what was expected and what was given, exit 2. The report goes to standard
+error, so that the program's standard output stays its own.
 
 Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
-``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
-written (``--plot`` drawn) after a successful program; 127 (126) when the command is not
-found (cannot be executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the
-program once (NOTE [run signals] in launcher.py): a program that dies of it (Python's
-default) exits 130 and still gets its report; one that handles it and exits on its own
-keeps its own status (the report says it was interrupted). The report goes to standard
-error, so that the program's own standard output stays its own.
+``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be written
+(``--plot`` drawn) after a successful program; 127 (126) when the command is not found
+(cannot be executed). Ctrl-C reaches the program once (NOTE [run signals] in launcher.py): one
+that dies of it exits 130 and still gets its report; one that handles it keeps its status.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -28,11 +23,11 @@ from leakcheck.core import options as option_specs
 from leakcheck.core.errors import UsageError
 from leakcheck.core.files import check_output_path, write_json
 
-__all__ = ["add_run_parser", "resolve_run", "run_command", "torchrun_command"]
+__all__ = ["add_run_parser", "output_paths", "run_command", "torchrun_command"]
 
 EXIT_LEAK = 1
 EXIT_USAGE = 2
-_PROG = "leakcheck run"
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
 def add_run_parser(commands: Any) -> argparse.ArgumentParser:
@@ -54,86 +49,74 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
-    run.add_argument(
+    option = run.add_argument
+    option(
         "--tolerance",
-        default=None,
         metavar="SIZE",
         help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
     )
-    run.add_argument(
+    option(
         "--copy-tolerance",
-        default=None,
         metavar="SIZE",
         help="what each forked loader worker may copy of its parent's memory (copy-on-read; "
         "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
     )
-    run.add_argument(
+    option(
         "--grace",
-        default=None,
         metavar="SECONDS",
         help="how long a process may outlive its epoch, and the program (default: "
         "$LEAKCHECK_GRACE, else 2)",
     )
-    run.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
-    run.add_argument(
+    option("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
+    option(
+        "--hang-after",
+        default="120",
+        metavar="SECONDS",
+        help="seconds a loop may wait for a batch before the stacks of its process and of "
+        "each worker are written to stderr and the report, once per stall (default 120; "
+        "0: off)",
+    )
+    option(
         "--teardown",
         action="store_true",
         help="install leakcheck's teardown policy in the workers (they release their CUDA "
         "context at exit and die with their parent); off by default",
     )
-    run.add_argument(
-        "--device", default=None, metavar="N", help="GPU index to watch (default: all)"
-    )
-    run.add_argument(
+    option("--device", metavar="N", help="GPU index to watch (default: all)")
+    option(
         "--rollup-share",
-        default=None,
         metavar="SHARE",
         help="share of the time the USS reads of the parent and persistent workers may take "
         "(/proc/PID/smaps_rollup at epoch ends; USS shows copy-on-read where resident memory "
         "does not); 1 reads it at every epoch end, for epochs of seconds (default 0.001: the "
         "first three judged epoch ends, then as the share allows)",
     )
-    run.add_argument(
+    option(
         "--fail-on-leak",
         action="store_true",
         help="exit 1 when a leak was found and the program exited 0",
     )
-    run.add_argument(
-        "--json", default=None, metavar="PATH", help="write everything as JSON (schema-versioned)"
-    )
-    run.add_argument(
+    option("--json", metavar="PATH", help="write everything as JSON (schema-versioned)")
+    option(
         "--plot",
-        default=None,
         metavar="PATH.png",
         help="draw memory per epoch end of each loader, its leaks marked (matplotlib)",
     )
-    run.add_argument(
+    option(
         "--nproc-per-node",
-        default=None,
         metavar="N",
         help="run the script under torchrun with N ranks on this node (python -m "
         "torch.distributed.run --standalone --nproc-per-node N SCRIPT ...); the agent and "
         "every rank are tracked, and the report gives a verdict per rank and for the job. "
         "To pass torchrun options of your own, wrap it instead: leakcheck run -- torchrun ...",
     )
-    run.add_argument(
+    option(
         "program",  # not "command": cli.py's subcommand is args.command
         nargs=argparse.REMAINDER,
         metavar="-- CMD ...",
         help="the program and its arguments, after --",
     )
     return run
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """Validated ``run`` arguments."""
-
-    command: tuple[str, ...]
-    options: Any  # launcher.RunOptions (imported lazily)
-    json_path: str | None
-    fail_on_leak: bool
-    plot_path: str | None = None
 
 
 def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
@@ -146,11 +129,7 @@ def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | 
     """
     json_path = check_output_path(json, "--json")
     plot_path = check_output_path(plot, "--plot", ".png")
-    if (
-        json_path is not None
-        and plot_path is not None
-        and os.path.realpath(json_path) == os.path.realpath(plot_path)
-    ):
+    if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
         raise UsageError(
             f"--plot: expected a file other than --json's, got {plot!r} for both "
             "(the plot would overwrite the JSON)"
@@ -163,68 +142,38 @@ def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | 
     return json_path, plot_path
 
 
-def resolve_run(args: argparse.Namespace) -> RunPlan:
-    """Validate every ``run`` option in one place.
-
-    Raises:
-        UsageError: One line naming the option, what was expected, and the value.
-
-    """
+def _options(args: argparse.Namespace) -> Any:
+    """The ``RunOptions`` of the parsed arguments (launcher.py's, imported lazily)."""
     from leakcheck.commands.launcher import RunOptions
 
-    command = list(args.program)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
-    if args.nproc_per_node is not None:
-        command = torchrun_command(command, args.nproc_per_node)
-    json_path, plot_path = output_paths(args.json, args.plot)
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
         args.tolerance, args.grace, os.environ, grace_default_s=2.0
     )
-    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     device = None
     if args.device is not None:
         device = option_specs.parse_device_index(args.device, "--device")
         _check_device(device)
-    return RunPlan(
-        command=tuple(command),
-        options=RunOptions(
-            tolerance_bytes=tolerance_bytes,
-            grace_s=grace_s,
-            interval_s=interval_s,
-            teardown=bool(args.teardown),
-            device_index=device,
-            rollup_share=None
-            if args.rollup_share is None
-            else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
-            copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
-                args.copy_tolerance, os.environ
-            ),
+    return RunOptions(
+        tolerance_bytes=tolerance_bytes,
+        grace_s=grace_s,
+        interval_s=option_specs.parse_interval_option(args.interval, "--interval"),
+        teardown=bool(args.teardown),
+        device_index=device,
+        rollup_share=None
+        if args.rollup_share is None
+        else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
+        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
+            args.copy_tolerance, os.environ
         ),
-        json_path=json_path,
-        fail_on_leak=bool(args.fail_on_leak),
-        plot_path=plot_path,
+        hang_after_s=option_specs.parse_seconds_option(args.hang_after, "--hang-after"),
     )
-
-
-_NPROC_WORDS = ("auto", "cpu", "gpu")
-_MAX_NPROC = 4096
-_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
-
-
-def _is_python(program: str) -> bool:
-    name = os.path.basename(program)
-    return name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:])
 
 
 def torchrun_command(command: list[str], nproc: str) -> list[str]:
     """The command ``--nproc-per-node N`` runs: the script under torchrun, on this node.
 
     ``SCRIPT ARGS``, ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` are accepted; the
-    interpreter is this one (torchrun starts the ranks with it). ``--standalone`` gives the
-    rendezvous a free local port, so that two jobs on one host do not collide.
+    interpreter is this one. ``--standalone`` gives the rendezvous a free local port.
 
     Raises:
         UsageError: ``nproc`` is not a count (or ``auto``, ``cpu``, ``gpu``), the command is
@@ -232,15 +181,15 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
     """
     text = str(nproc).strip()
-    if not (
-        text in _NPROC_WORDS or (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_NPROC)
-    ):
+    count = text.isascii() and text.isdigit() and 1 <= int(text) <= 4096
+    if not (count or text in ("auto", "cpu", "gpu")):
         raise UsageError(
-            f"--nproc-per-node: expected a number of ranks from 1 to {_MAX_NPROC} such as 2 "
-            f"(or {', '.join(_NPROC_WORDS)}), got {nproc!r}"
+            "--nproc-per-node: expected a number of ranks from 1 to 4096 such as 2 "
+            f"(or auto, cpu, gpu), got {nproc!r}"
         )
     rest = list(command)
-    if rest and _is_python(rest[0]):
+    name = os.path.basename(rest[0]) if rest else ""
+    if name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:]):
         rest = rest[1:]
     module = rest[:1] == ["-m"]
     target = rest[1] if module and len(rest) > 1 else (rest[0] if rest and not module else "")
@@ -264,17 +213,12 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
 
 def _check_device(device: int) -> None:
-    """Refuse ``--device`` beyond the GPUs NVML lists.
-
-    Without any GPU it is accepted, unlike ``sweep``'s: ``sweep`` runs its workload on the
-    device, while ``run`` only watches one and the program is the user's to run anyway (the
-    report says GPU memory was not checked).
-    """
+    """Refuse ``--device`` beyond the GPUs NVML lists (without any GPU the report says so)."""
     from leakcheck.core.errors import LeakCheckError
     from leakcheck.observe import nvml
 
     if not nvml.availability()[0]:
-        return  # no GPU to check against: the report says GPU memory was not checked
+        return
     try:
         count = nvml.get().device_count()
     except LeakCheckError:
@@ -288,7 +232,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     Args:
         args: ``cli.py``'s parsed arguments.
-        out: Unused (the program's standard output is its own); kept for symmetry.
+        out: Unused (the program's standard output is its own).
         err: Where the report and usage errors go.
 
     Returns:
@@ -298,36 +242,40 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from leakcheck.commands.launcher import LaunchError, run_program
     from leakcheck.judge.report import plot_reports
 
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
     try:
-        plan = resolve_run(args)
-    except UsageError as error:
-        err.write(f"{_PROG}: {error}\n")
-        return EXIT_USAGE
-    try:
-        result = run_program(plan.command, plan.options)
-    except LaunchError as error:
-        err.write(f"{_PROG}: {error}\n")
-        return error.exit_status
+        if not command:
+            raise UsageError(
+                "expected a command after --, such as: leakcheck run -- python train.py"
+            )
+        if args.nproc_per_node is not None:
+            command = torchrun_command(command, args.nproc_per_node)
+        json_path, plot_path = output_paths(args.json, args.plot)
+        options = _options(args)
+        result = run_program(command, options)
+    except (UsageError, LaunchError) as error:
+        err.write(f"leakcheck run: {error}\n")
+        return error.exit_status if isinstance(error, LaunchError) else EXIT_USAGE
     err.write(result.format() + "\n")
     err.flush()
     status = result.program_status
-    if plan.json_path is not None:
+    drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
+    if not drawn and result.tree is not None:
+        drawn = [("the program's process tree", result.tree)]
+    for option, path, write in (
+        ("--json", json_path, lambda p: write_json(p, result.to_dict())),
+        ("--plot", plot_path, lambda p: plot_reports(drawn, p)),
+    ):
+        if path is None:
+            continue
         try:
-            write_json(plan.json_path, result.to_dict())
-        except OSError as error:
-            err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
-            if status == 0:
-                status = EXIT_USAGE
-    if plan.plot_path is not None:
-        drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
-        if not drawn and result.tree is not None:
-            drawn = [("the program's process tree", result.tree)]
-        try:
-            plot_reports(drawn, plan.plot_path)
+            write(path)
         except Exception as error:  # the report is out already: say what failed, go on
-            err.write(f"{_PROG}: --plot: cannot draw {plan.plot_path!r}: {error}\n")
-            if status == 0:
-                status = EXIT_USAGE
-    if status == 0 and plan.fail_on_leak and result.leak_count:
+            verb = "write" if option == "--json" else "draw"
+            err.write(f"leakcheck run: {option}: cannot {verb} {path!r}: {error}\n")
+            status = EXIT_USAGE if status == 0 else status
+    if status == 0 and args.fail_on_leak and result.leak_count:
         return EXIT_LEAK
     return status

@@ -445,8 +445,11 @@ def _current_run() -> _Run | None:
     global _run
     with _state_lock:
         if _run is None and _folder is not None and os.path.isdir(_folder):
-            with open(options_path(_folder), encoding="utf-8") as handle:
-                _run = _Run(_folder, RunOptions(**json.load(handle)))
+            options = RunOptions()  # a run folder the launcher did not make: the defaults
+            if os.path.exists(options_path(_folder)):
+                with open(options_path(_folder), encoding="utf-8") as handle:
+                    options = RunOptions(**json.load(handle))
+            _run = _Run(_folder, options)
         return _run
 
 

@@ -2,28 +2,18 @@
 
 NOTE [run instrumentation]: the shim (NOTE [run shim] in ``_shim/sitecustomize.py``) patches
 ``DataLoader.__iter__`` in every Python process of the run; the first iteration imports this
-module. From then on:
-
-* a loader is known by where the program made it (recorded by the patched ``__init__``),
-  labelled by the user's own line and the library that made it for that line
-  (``train.py:42``, ``hf_train.py:48 via transformers Trainer``). Each creation site gets one
-  ``Tracker``, started at its first iteration, so a train and a validation loader are judged
-  apart (NOTE [claims] in track/claims.py). A loader made again at a site whose previous
-  one is gone continues that site's tracker; two of one label alive together get one each,
-  the second labelled ``file:line #2``;
-* each iteration is a new ``WatchedLoader`` over the site's tracker (shared, never closed by
-  the wrapper, ``on_leak="ignore"``) that iterates through DataLoader's original
-  ``__iter__``: epochs begin and end as under ``watch()`` (NOTE [epoch ends] in
-  dataloader.py). A loader the program already ``watch()``es is left to that wrapper;
-* at the process's exit (``atexit``; in a multiprocessing child its exit finalizers, which
-  run before the ``os._exit`` that ends a forked one; not a bare ``os._exit`` nor a fatal
-  signal) an open epoch is ended with how the program ended, every tracker is closed and its
-  report written as ``loader-<pid>-<n>.json`` into the run folder. ``loader-<pid>-<n>.started``,
-  written when a site's tracker starts, names a loader whose report never came.
-
-A forked child starts afresh (``os.register_at_fork``): the reset only drops references, so a
-DataLoader's forked worker pays next to nothing. Nothing here raises into the program: a
-failure of leakcheck's own turns tracking off for the process (one line on stderr).
+module. Each creation site (the user's line, and the library that made the loader for it:
+``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a train
+and a validation loader are judged apart (NOTE [claims] in track/claims.py); a loader made
+again where the previous one is gone continues it, a second one alive at once is ``#2``. Each
+iteration is a new ``WatchedLoader`` over that tracker (shared, ``on_leak="ignore"``) through
+DataLoader's original ``__iter__``: epochs as under ``watch()`` (NOTE [epoch ends] in
+dataloader.py). A loader the program ``watch()``es itself is left to it. At the process's exit
+(``atexit``, or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal)
+each tracker is closed and its report written to ``loader-<pid>-<n>.json`` in the run
+folder; ``loader-<pid>-<n>.started`` names a loader whose report never came. A forked child
+starts afresh (``os.register_at_fork``, only references dropped). Nothing here raises into
+the program: a failure of its own turns tracking off for the process (one line on stderr).
 
 NOTE [process rank]: a process's rank is ``RANK`` (torchrun, ``accelerate launch``), else its
 default process group's rank, else its index among the processes ``torch.multiprocessing``
@@ -54,32 +44,17 @@ from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker, end_reason_for, own_rank_device
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["RUN_ENV", "RunOptions", "configure", "epoch_iterator", "options_path"]
+__all__ = ["RUN_ENV", "RunOptions", "configure", "epoch_iterator"]
 
 RUN_ENV = "LEAKCHECK_RUN"
 """Names the run folder in the program's environment (NOTE [run tag] in launcher.py)."""
-
-RECORD_SCHEMA = "leakcheck.run.loader"
-RECORD_SCHEMA_VERSION = 3
-"""3 names the process by ``start_ticks`` (NOTE [process identity] in procs.py), and added
-``via`` and the ranks of spawned processes (NOTE [process rank])."""
 
 
 @dataclass(frozen=True)
 class RunOptions:
     """How ``leakcheck run`` tracks the program, inside (its loaders) and out (its tree).
 
-    Attributes:
-        tolerance_bytes: Growth or residual below this is noise.
-        grace_s: How long a process may outlive its epoch (the tree's epoch is the run).
-        interval_s: Sampling interval.
-        teardown: Install the teardown policy in the loaders' workers.
-        device_index: The one device to watch (None: all).
-        rollup_share: Share of time the loaders' USS reads may take (None: the default).
-        copy_tolerance_bytes: What each forked worker may copy of its parent's memory.
-        hang_after_s: Seconds a loop may wait for a batch before its stacks are written
-            (NOTE [hang watch] in hang.py); 0: never.
-
+    The fields are ``watch()``'s and ``Tracker``'s; ``device_index`` None watches every GPU.
     """
 
     tolerance_bytes: int = 16 * MIB
@@ -92,7 +67,7 @@ class RunOptions:
     hang_after_s: float = 120.0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (also ``options.json`` in the run folder)."""
+        """JSON-able form (``options_path``'s)."""
         return dataclasses.asdict(self)
 
     @property
@@ -109,9 +84,8 @@ def options_path(folder: str) -> str:
 class _EpochIterator:
     """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``.
 
-    Other attributes are the DataLoader iterator's own (``_num_yielded``,
-    ``_shutdown_workers()``: programs and libraries read them) from the first batch on, when
-    the wrapped iterator is made.
+    Other attributes are the DataLoader iterator's own (programs read ``_num_yielded``) from
+    the first batch on, when it is made.
     """
 
     __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
@@ -271,12 +245,7 @@ class _Run:
                 info = dataclasses.replace(info, device=chosen[1])
             rank = dataclasses.asdict(info)
         record = {
-            "schema": RECORD_SCHEMA,
-            "schema_version": RECORD_SCHEMA_VERSION,
             "label": site.label,
-            "file": site.where[0],
-            "line": site.where[1],
-            "via": site.where[2] if len(site.where) > 2 else "",
             "index": site.index,
             "pid": self.pid,
             "argv": list(sys.argv),
@@ -342,7 +311,6 @@ class _Run:
                     ".json",
                     report=site.tracker.report().to_dict(),
                     cost=dataclasses.asdict(costs[site.index]),
-                    cost_with_exit=dataclasses.asdict(site.tracker.cost()),
                     exit_s=time.perf_counter() - started,
                 )
 

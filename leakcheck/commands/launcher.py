@@ -1,31 +1,22 @@
 """The engine of ``leakcheck run``: an unmodified program, tracked inside and out.
 
-``run_program(command, options)`` starts the command with the run shim first on its
-``PYTHONPATH`` (NOTE [run shim] in ``_shim/sitecustomize.py``), so that each DataLoader its
-Python processes iterate is tracked per epoch inside (NOTE [run instrumentation] in
-instrument.py), and watches the program's whole process tree from outside with a ``Tracker``
-rooted at the program: orphans, survivors after the program ended, every process's GPU
-memory, non-Python children. Once the program ended it reads the loaders' reports from the
-run folder and returns one ``RunResult``.
+``run_program`` starts the command with the run shim (NOTE [run shim] in
+``_shim/sitecustomize.py``), so each DataLoader it iterates is tracked inside (NOTE [run
+instrumentation] in instrument.py), and watches its process tree from outside with a
+``Tracker`` rooted at the program (orphans, survivors, every process's GPU memory). Then it
+reads the loaders' reports from the run folder into one ``RunResult``.
 
-NOTE [run tag]: the outside tracker finds the program's descendants after they were
-reparented away by a session tag (NOTE [session tag] in procs.py). ``LEAKCHECK_SESSION``
-cannot carry it: the trackers inside export their own to the workers they start. The run
-folder's variable can: ``LEAKCHECK_RUN=<run folder>`` is in the program's initial
-environment, inherited by every process it starts, and nothing inside changes it; the
-outside tracker gets it as ``Tracker(session_tag=(NAME, VALUE))``. A process started with an
-environment of its own is found only through the lineage, as under any tracker.
+NOTE [run tag]: the outside tracker finds reparented descendants by a session tag (NOTE
+[session tag] in procs.py), but the trackers inside export their own ``LEAKCHECK_SESSION``.
+``LEAKCHECK_RUN=<run folder>`` is in the program's initial environment, inherited by every
+process it starts and changed by none: the outside tracker's ``session_tag``.
 
-NOTE [run signals]: Ctrl-C in a terminal reaches the whole foreground process group, the
-program included; ``kill -INT <leakcheck>`` reaches only the launcher. The launcher forwards
-only what the program would otherwise miss: it blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD
-(the program gets its mask back before it execs), waits for them with ``sigtimedwait``, and
-forwards a signal a process sent (``si_code`` <= 0), not one the kernel sent for the
-terminal: a second SIGINT could break the program's cleanup, its loaders' reports included.
-(``kill -INT -PGID`` also reads as sent to the launcher alone: the program gets it twice, a
-known limit.) ``waitid(WNOWAIT)`` leaves the exited program a zombie until the outside
-tracker is closed, so its PID is not reused while the tree is read. Off the main thread the
-launcher just waits, and a terminal's Ctrl-C still reaches the program.
+NOTE [run signals]: a terminal's Ctrl-C reaches the program itself; ``kill -INT
+<leakcheck>`` only the launcher. The launcher blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD (the
+program gets its mask back before exec), waits with ``sigtimedwait`` and forwards only what a
+process sent (``si_code`` <= 0): a second SIGINT could break the program's cleanup. (``kill
+-INT -PGID`` reaches the program twice: a known limit.) ``waitid(WNOWAIT)`` keeps the exited
+program a zombie until the tree is read, so its PID is not reused.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -70,15 +60,7 @@ from leakcheck.judge.report import (
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker
 
-__all__ = [
-    "LaunchError",
-    "LoaderResult",
-    "RunOptions",
-    "RunResult",
-    "child_environment",
-    "run_program",
-    "shim_folder",
-]
+__all__ = ["LaunchError", "LoaderResult", "RunOptions", "RunResult", "run_program"]
 
 RUN_SCHEMA_VERSION = 2
 """Version of ``RunResult.to_dict``'s layout. 2 added each loader's ``rank`` and ``job``."""
@@ -98,16 +80,8 @@ class LaunchError(LeakCheckError):
 class LoaderResult:
     """One loader of the run.
 
-    Attributes:
-        label: Where the program made it (``file:line``, ``via LIBRARY``, ``#2``).
-        pid: The process that iterated it.
-        argv: That process's ``sys.argv``.
-        report: Its judged report (None when it never came).
-        cost: What its tracker cost until the program's exit began (``TrackerCost``).
-        exit_s: Seconds its tracker took at exit (close, report, write).
-        missing: Why there is no report.
-        rank: The rank of its process (NOTE [process rank] in instrument.py).
-
+    Where it was made (``file:line via LIBRARY #2``), its process, its report (else why it is
+    ``missing``), what its tracker cost until the exit and took at it.
     """
 
     label: str
@@ -132,23 +106,9 @@ class LoaderResult:
 class RunResult:
     """Everything ``leakcheck run`` observed and judged.
 
-    Attributes:
-        command: The command as given.
-        options: How it was tracked.
-        pid: The program's PID.
-        exit_code: Its exit code (None when a signal ended it).
-        signal_number: The signal that ended it, if one did.
-        interrupted: ``leakcheck run`` got SIGINT while the program ran.
-        wall_s: From the start to the program's end.
-        tree: The outside tracker's judged report (None if it failed).
-        tree_cost: What the outside tracker cost (``TrackerCost``).
-        loaders: Each loader's result, in the order their trackers started.
-        failures: Lines about what leakcheck itself could not do.
-        started_unix_s: When the program started.
-        gpu_reason: Why GPU memory was not checked (empty when it was).
-        environment: Versions and machine, for the record.
-        rank_reports: What ranks wrote with ``leakcheck.gather_reports`` into the run folder.
-
+    The program's end, each loader's result (in the order their trackers started), the
+    outside tracker's ``tree`` report (None if it failed), what ranks wrote with
+    ``gather_reports``, and leakcheck's own failures.
     """
 
     command: tuple[str, ...]
@@ -331,36 +291,25 @@ class _Waiter:
     def __init__(self) -> None:
         self.interrupted = False
         self._mask = {*_FORWARDED, signal.SIGCHLD}
-        self._held = threading.current_thread() is threading.main_thread()
-        self._old_mask: set[int | signal.Signals] | None = None
+        self._old_mask: set[int | signal.Signals] = set()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[_Waiter]:
         """Hold the signals while the program runs; drain and restore them after."""
-        if self._held:
-            self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._mask)
+        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._mask)
         try:
             yield self
         finally:
-            if self._old_mask is not None:
-                while signal.sigtimedwait(self._mask, 0) is not None:
-                    pass
-                signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+            while signal.sigtimedwait(self._mask, 0) is not None:
+                pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
 
     def restore_in_child(self) -> None:
         """Run in the program between fork and exec: its signal mask as it was."""
-        if self._old_mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
 
     def wait(self, proc: subprocess.Popen[bytes]) -> tuple[int | None, int | None]:
         """Wait until the program exits; it stays a zombie. Returns (code, signal)."""
-        if not self._held:
-            try:
-                code = proc.wait()
-            except KeyboardInterrupt:
-                self.interrupted = True
-                code = proc.wait()
-            return (code, None) if code >= 0 else (None, -code)
         while True:
             state = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             if state is not None and state.si_pid == proc.pid:
@@ -450,7 +399,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         if tree is not None:
             own = [r for loader in loaders if (r := loader.report) is not None]
             own += [report for entry in gathered for report in entry.reports]
-            tree = with_rank_devices(with_record_ranks(tree, started_records), own)
+            tree = with_ranks(tree, started_records, own)
         _remove_mailboxes(started_records)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -569,13 +518,15 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
     return {rank: sorted(pids) for rank, pids in roots.items()}
 
 
-def with_record_ranks(tree: Report, started: Sequence[Mapping[str, Any]]) -> Report:
-    """The tree judged again with the ranks the loaders' records name, where it had none.
+def with_ranks(
+    tree: Report, started: Sequence[Mapping[str, Any]], reports: Sequence[Report]
+) -> Report:
+    """The tree judged again with what the ranks know of themselves, where it differs.
 
     A rank no launcher variable names (a ``torch.multiprocessing.spawn`` child) is known to
     the outside tracker only through what it execs after its first loader (NOTE [exported
-    rank] in ranks.py); its own record names the rank process, and the descendants the tree
-    saw below it are that rank's too.
+    rank] in ranks.py): its loaders' records name it, and the tree's processes below it are
+    that rank's too. The ranks' own reports say which device each chose (``set_device``).
     """
     rank_of: dict[ProcessKey, int] = {}
     for record in started:
@@ -595,29 +546,21 @@ def with_record_ranks(tree: Report, started: Sequence[Mapping[str, Any]]) -> Rep
 
     above = {p.key: rank_above(p) for p in by_pid.values() if p.rank is None}
     ranked = {key: rank for key, rank in above.items() if rank is not None}
-    if not ranked:
+    chosen = {k: v for report in reports for k, v in report.timeline.rank_devices.items()}
+    if not ranked and not chosen:
         return tree
 
     def give(processes: tuple[ProcessEpoch, ...]) -> tuple[ProcessEpoch, ...]:
-        return tuple(
-            replace(p, rank=ranked[p.key]) if p.rank is None and p.key in ranked else p
-            for p in processes
-        )
+        return tuple(replace(p, rank=ranked.get(p.key, p.rank)) for p in processes)
 
     timeline = tree.timeline
-    epochs = tuple(replace(rec, processes=give(rec.processes)) for rec in timeline.epochs)
-    final = timeline.final
-    if final is not None:
-        final = replace(final, processes=give(final.processes))
-    return build_report(replace(timeline, epochs=epochs, final=final), tree.config)
-
-
-def with_rank_devices(tree: Report, reports: Sequence[Report]) -> Report:
-    """The tree judged again with the devices the ranks' own reports say they chose."""
-    chosen = {k: v for report in reports for k, v in report.timeline.rank_devices.items()}
-    if not chosen:
-        return tree
-    timeline = replace(tree.timeline, rank_devices={**tree.timeline.rank_devices, **chosen})
+    final = timeline.final and replace(timeline.final, processes=give(timeline.final.processes))
+    timeline = replace(
+        timeline,
+        epochs=tuple(replace(rec, processes=give(rec.processes)) for rec in timeline.epochs),
+        final=final,
+        rank_devices={**timeline.rank_devices, **chosen},
+    )
     return build_report(timeline, tree.config)
 
 

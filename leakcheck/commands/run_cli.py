@@ -1,14 +1,10 @@
 """``leakcheck run [options] -- CMD ...``: the command line of the run engine (launcher.py).
 
-Every option is checked before anything starts: a bad value is one line on standard error
-naming the option, what was expected and what was given, exit 2. The report goes to standard
-error, so that the program's standard output stays its own.
-
-Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
-``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be written
-(``--plot`` drawn) after a successful program; 127 (126) when the command is not found
-(cannot be executed). Ctrl-C reaches the program once (NOTE [run signals] in launcher.py): one
-that dies of it exits 130 and still gets its report; one that handles it keeps its status.
+Every option is checked before anything starts (a bad one: one line, exit 2). The report goes
+to standard error: the program's standard output stays its own. Exit status: the program's
+(128 + N for signal N; NOTE [run signals] in launcher.py); 1 instead of 0 with
+``--fail-on-leak`` and a leak; 2 when ``--json`` or ``--plot`` failed after a successful
+program; 127 (126) when the command is not found (cannot be executed).
 """
 
 from __future__ import annotations
@@ -36,66 +32,48 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "run",
         help="run an unmodified program with the tracker around its process tree; each "
         "DataLoader iteration is an epoch of its loader",
-        description="Run CMD (a Python script, python -m module, or any command whose Python "
-        "processes make DataLoaders) unmodified. Each DataLoader iteration in a Python "
-        "process of the run (multiprocessing and torch.multiprocessing children, torchrun "
-        "ranks included) is an epoch of that loader, labelled by the file:line of your code "
-        "that made it (and the library that made it for that line); the whole process tree "
-        "is watched from outside too (orphans, survivors after the program ended, GPU memory "
-        "of every process). The report goes to standard error "
-        "when the program ends, also when it fails, calls sys.exit or is interrupted. "
-        "Exit status: the program's (130 when Ctrl-C ends it); 1 with --fail-on-leak when a "
-        "leak was found and the program succeeded; 2 bad usage; 127/126 command not found / "
+        description="Run CMD unmodified. Each DataLoader iteration in a Python process of the "
+        "run (children and torchrun ranks included) is an epoch of that loader, labelled by "
+        "the file:line of your code that made it; the process tree is watched from outside "
+        "too (orphans, survivors, GPU memory of every process). The report goes to standard "
+        "error when the program ends, however it ends. Exit status: the program's (130 on "
+        "Ctrl-C); 1 with --fail-on-leak and a leak; 2 bad usage; 127/126 command not found / "
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
     option = run.add_argument
-    option(
-        "--tolerance",
-        metavar="SIZE",
-        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
-    )
+    option("--tolerance", metavar="SIZE", help="growth below this is noise (default 16MiB)")
     option(
         "--copy-tolerance",
         metavar="SIZE",
-        help="what each forked loader worker may copy of its parent's memory (copy-on-read; "
-        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
+        help="what each forked worker may copy of its parent's memory (default 64MiB)",
     )
     option(
         "--grace",
         metavar="SECONDS",
-        help="how long a process may outlive its epoch, and the program (default: "
-        "$LEAKCHECK_GRACE, else 2)",
+        help="how long a process may outlive its epoch, and the program (default 2)",
     )
     option("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
     option(
         "--hang-after",
         default="120",
         metavar="SECONDS",
-        help="seconds a loop may wait for a batch before the stacks of its process and of "
-        "each worker are written to stderr and the report, once per stall (default 120; "
-        "0: off)",
+        help="seconds a loop may wait for a batch before its process's and workers' stacks "
+        "are written to stderr and the report (default 120; 0: off)",
     )
     option(
         "--teardown",
         action="store_true",
-        help="install leakcheck's teardown policy in the workers (they release their CUDA "
-        "context at exit and die with their parent); off by default",
+        help="workers release their CUDA context at exit and die with their parent",
     )
     option("--device", metavar="N", help="GPU index to watch (default: all)")
     option(
         "--rollup-share",
         metavar="SHARE",
-        help="share of the time the USS reads of the parent and persistent workers may take "
-        "(/proc/PID/smaps_rollup at epoch ends; USS shows copy-on-read where resident memory "
-        "does not); 1 reads it at every epoch end, for epochs of seconds (default 0.001: the "
-        "first three judged epoch ends, then as the share allows)",
+        help="share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
+        "1 reads at every epoch end (default 0.001)",
     )
-    option(
-        "--fail-on-leak",
-        action="store_true",
-        help="exit 1 when a leak was found and the program exited 0",
-    )
+    option("--fail-on-leak", action="store_true", help="exit 1, not 0, when a leak was found")
     option("--json", metavar="PATH", help="write everything as JSON (schema-versioned)")
     option(
         "--plot",
@@ -105,10 +83,8 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
     option(
         "--nproc-per-node",
         metavar="N",
-        help="run the script under torchrun with N ranks on this node (python -m "
-        "torch.distributed.run --standalone --nproc-per-node N SCRIPT ...); the agent and "
-        "every rank are tracked, and the report gives a verdict per rank and for the job. "
-        "To pass torchrun options of your own, wrap it instead: leakcheck run -- torchrun ...",
+        help="run the script under torchrun (--standalone) with N ranks; the report gives a "
+        "verdict per rank and for the job (own torchrun options: leakcheck run -- torchrun)",
     )
     option(
         "program",  # not "command": cli.py's subcommand is args.command

@@ -10,8 +10,8 @@ iteration is a new ``WatchedLoader`` over that tracker (shared, ``on_leak="ignor
 DataLoader's original ``__iter__``: epochs as under ``watch()`` (NOTE [epoch ends] in
 dataloader.py). A loader the program ``watch()``es itself is left to it. At the process's exit
 (``atexit``, or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal)
-each tracker is closed and its report written to ``loader-<pid>-<n>.json`` in the run
-folder; ``loader-<pid>-<n>.started`` names a loader whose report never came. A forked child
+each tracker is closed and its report added to its record, ``loader-<pid>-<n>.json`` in the
+run folder, written when the site's tracker started. A forked child
 starts afresh (``os.register_at_fork``, only references dropped). Nothing here raises into
 the program: a failure of its own turns tracking off for the process (one line on stderr).
 
@@ -231,12 +231,12 @@ class _Run:
             started_unix_s=time.time(),
         )
         self.sites.append(site)
-        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
-        start_ticks = key.start_ticks if key is not None else None
-        self._write(site, ".started", start_ticks=start_ticks, mailbox=tracker.mailbox_dir)
+        self._write(site)
         return site
 
-    def _write(self, site: _Site, suffix: str, **extra: Any) -> None:
+    def _write(self, site: _Site, **report: Any) -> None:
+        """Write the site's record; at exit with its report (NOTE [run instrumentation])."""
+        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
         rank: dict[str, Any] | None = None
         if self.rank is not None:  # with the device it chose (set_device), once known
             chosen = _quiet_value(own_rank_device)
@@ -253,9 +253,11 @@ class _Run:
             "torch": getattr(sys.modules.get("torch"), "__version__", None),
             "started_unix_s": site.started_unix_s,
             "rank": rank,
-            **extra,
+            "start_ticks": key.start_ticks if key is not None else None,
+            "mailbox": site.tracker.mailbox_dir,
+            **report,
         }
-        write_json(os.path.join(self.folder, f"loader-{self.pid}-{site.index}{suffix}"), record)
+        write_json(os.path.join(self.folder, f"loader-{self.pid}-{site.index}.json"), record)
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
@@ -308,7 +310,6 @@ class _Run:
             def write(site: _Site = site, started: float = started) -> None:
                 self._write(
                     site,
-                    ".json",
                     report=site.tracker.report().to_dict(),
                     cost=dataclasses.asdict(costs[site.index]),
                     exit_s=time.perf_counter() - started,

@@ -160,8 +160,28 @@ class RunResult:
 
     @property
     def job(self) -> JobReport | None:
-        """The distributed job's verdicts, per rank and overall; None outside a job."""
-        return job_of(self.loaders, self.tree, self.rank_reports)
+        """The distributed job's verdicts, per rank and overall; None outside a job.
+
+        Each loader of a rank's process is a report of that rank; the tree's findings go to
+        the rank their culprit carries; a rank the tree saw that sent nothing gets one too.
+        """
+        entries: dict[tuple[int, int], RankReport] = {}
+        for loader in self.loaders:
+            if loader.rank is None:
+                continue
+            key = (loader.rank.rank, loader.pid)
+            entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
+            if loader.report is not None:
+                entry = replace(entry, reports=(*entry.reports, loader.report))
+            else:
+                why = f"{loader.label}: {loader.missing}"
+                entry = replace(entry, missing=(*entry.missing, why))
+            entries[key] = entry
+        tree = [self.tree] if self.tree is not None else []
+        roots = rank_roots(self.tree.timeline) if self.tree is not None else {}
+        if not entries and not roots and not self.rank_reports:
+            return None
+        return judge_job([*entries.values(), *self.rank_reports], tree, rank_roots=roots)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
@@ -430,76 +450,44 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
 def _read_loaders(
     folder: str, failures: list[str]
 ) -> tuple[list[dict[str, Any]], tuple[LoaderResult, ...]]:
-    """The loaders' ``.started`` records, as they started, and results; failures to ``failures``."""
-    records: dict[str, dict[str, Any]] = {}
+    """The loaders' records, as they started, and their results; failures to ``failures``."""
+    records: list[dict[str, Any]] = []
     for name in sorted(os.listdir(folder)):
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
                 if name.startswith("failure-"):
                     failures.append(handle.read().strip())
                 elif name.startswith("loader-"):
-                    records[name] = json.load(handle)
+                    records.append(json.load(handle))
         except (OSError, ValueError):
             continue
-    started = sorted(
-        (r for name, r in records.items() if name.endswith(".started")),
-        key=lambda r: (r["started_unix_s"], r["index"]),
-    )
+    records.sort(key=lambda r: (r["started_unix_s"], r["index"]))
     results: list[LoaderResult] = []
-    for record in started:
-        done = records.get(f"loader-{record['pid']}-{record['index']}.json")
+    for record in records:
         common: dict[str, Any] = {
             "label": record["label"],
             "pid": record["pid"],
             "argv": tuple(record["argv"]),
-            "rank": _record_rank(done or record),
+            "rank": _record_rank(record),
         }
-        if done is None:
+        if "report" not in record:
             missing = "its process ended without its exit handlers (os._exit, a signal) or "
             results.append(LoaderResult(**common, missing=missing + "outlived the run"))
             continue
         try:
-            report = report_from_dict(done["report"])
+            report = report_from_dict(record["report"])
         except (LeakCheckError, KeyError, TypeError, ValueError) as error:
             results.append(LoaderResult(**common, missing=f"its report cannot be read: {error}"))
             continue
         results.append(
-            LoaderResult(**common, report=report, cost=done["cost"], exit_s=done["exit_s"])
+            LoaderResult(**common, report=report, cost=record["cost"], exit_s=record["exit_s"])
         )
-    return started, tuple(results)
+    return records, tuple(results)
 
 
 def _record_rank(record: Mapping[str, Any]) -> RankInfo | None:
     data = record.get("rank")
     return rank_info_from_dict(data) if data is not None else None
-
-
-def job_of(
-    loaders: Sequence[LoaderResult], tree: Report | None, rank_reports: Sequence[RankReport] = ()
-) -> JobReport | None:
-    """The job's verdicts from the loaders of ranks, what ranks gathered, and the tree.
-
-    Each loader of a rank's process is a report of that rank; the tree's findings go to the
-    rank their culprit carries; a rank the tree saw that sent nothing still gets a verdict.
-    None when no loader is a rank's and no process of the tree carries a rank.
-    """
-    entries: dict[tuple[int, int], RankReport] = {}
-    for loader in loaders:
-        if loader.rank is None:
-            continue
-        key = (loader.rank.rank, loader.pid)
-        entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
-        if loader.report is not None:
-            entry = replace(entry, reports=(*entry.reports, loader.report))
-        else:
-            entry = replace(entry, missing=(*entry.missing, f"{loader.label}: {loader.missing}"))
-        entries[key] = entry
-    roots = rank_roots(tree.timeline) if tree is not None else {}
-    if not entries and not roots and not rank_reports:
-        return None
-    return judge_job(
-        [*entries.values(), *rank_reports], [tree] if tree is not None else [], rank_roots=roots
-    )
 
 
 def _processes(timeline: Timeline) -> list[ProcessEpoch]:

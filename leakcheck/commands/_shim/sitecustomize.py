@@ -1,23 +1,15 @@
 """``leakcheck run``'s startup shim: every Python process of the run imports it at startup.
 
 NOTE [run shim]: ``leakcheck run`` puts this folder first on the program's ``PYTHONPATH``, so
-``site`` imports this file as ``sitecustomize`` in the program and in every Python process it
-starts that inherits the environment (not under ``python -E``, ``-I`` or ``-S``). It must cost
-next to nothing and change nothing the program can notice, so it:
-
-1. takes its folder off ``sys.path`` again and runs the ``sitecustomize`` it shadows, as
-   ``site`` would have;
-2. does nothing else unless ``LEAKCHECK_RUN`` names an existing folder (the run's);
-3. imports nothing the interpreter has not loaded (no torch, no leakcheck): a finder first on
-   ``sys.meta_path`` waits for the program to import ``torch.utils.data.dataloader``, then
-   wraps ``DataLoader.__init__`` (to record the creation site) and ``__iter__`` (each
-   iteration an epoch: ``leakcheck.commands.instrument``, loaded from this file's own
-   package at the first iteration, so the program runs the launcher's leakcheck).
-
-Spawned, forked and exec'd Python processes of the run track their loaders too; not inside a
-DataLoader worker (``get_worker_info()`` is set: the worker is its loader's tracker's to
-judge), nor multiprocessing's resource tracker and forkserver (told by their command line;
-what the forkserver forks does). A failure of leakcheck's own leaves DataLoader working.
+``site`` imports this file in every Python process of the run that inherits the environment
+(not under ``python -E``, ``-I`` or ``-S``). It must cost next to nothing and change nothing
+the program can notice: it takes its folder off ``sys.path`` and runs the ``sitecustomize``
+it shadows; without ``LEAKCHECK_RUN`` naming a folder it does nothing else; and it imports
+nothing the interpreter has not loaded. A finder waits for the program's import of
+``torch.utils.data.dataloader`` and wraps ``DataLoader.__init__`` (the creation site) and
+``__iter__`` (each iteration an epoch: ``instrument``, loaded at the first iteration from
+this file's own package). Not inside a DataLoader worker (its loader's tracker judges it),
+nor in multiprocessing's resource tracker and forkserver. A failure leaves DataLoader as is.
 """
 
 from __future__ import annotations
@@ -150,11 +142,7 @@ def _patch(module: Any) -> None:
 
 
 def _library(filename: str) -> str | None:
-    """The top-level package of a library's file; "" for the stdlib; None for user code.
-
-    User code is any file out of the stdlib, site-packages, dist-packages and leakcheck
-    (``python -c``'s ``<string>`` too, unless multiprocessing spawned the process).
-    """
+    """The top-level package of a library's file; "" for the stdlib; None for user code."""
     if not filename.startswith(os.sep):
         return "" if filename.startswith("<frozen") or _SPAWNED else None
     for marker in _LIBRARY_DIRS:
@@ -170,13 +158,11 @@ def _library(filename: str) -> str | None:
 def _creation_site(loader: Any, torch_dir: str, cls: Any) -> tuple[Any, ...]:
     """Where ``loader`` was made: ``(file, line, via, origin file, origin line)``.
 
-    ``file:line`` is the first frame of the user's code out of torch and out of the loader's
-    own classes' ``__init__``; ``via`` the outermost library frame between it and torch
-    (``transformers Trainer``); the origin the first frame out of torch, what made the
-    loader. A library frame holding the loader itself is part of making it (Lightning's
-    ``__init__`` wrapper): passed over. One holding another DataLoader with a site is making
-    this one from it (Lightning adding a ``DistributedSampler``): that site, via the library.
-    Without a user frame the origin is the site.
+    The user's first frame out of torch and the loader's own ``__init__``s, ``via`` the
+    outermost library between (``transformers Trainer``); the origin is the first frame out
+    of torch. A library frame holding the loader is passed over (Lightning's ``__init__``
+    wrapper); one holding another loader with a site makes this one from it (Lightning's
+    ``DistributedSampler``): that site, via the library.
     """
     inits = {getattr(k.__dict__.get("__init__"), "__code__", None) for k in type(loader).__mro__}
     origin: tuple[str, int] | None = None

@@ -139,8 +139,7 @@ class _EpochIterator:
             close()
 
 
-Where = tuple[Any, ...]
-"""A creation site as the shim records it: ``(file, line, via, origin file, origin line)``."""
+Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin file, line)
 
 
 @dataclass
@@ -433,16 +432,10 @@ def _watched_by_user(loader: Any, run: _Run) -> bool:
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
-    """The patched ``DataLoader.__iter__``: one epoch of ``loader``'s tracker.
+    """The patched ``DataLoader.__iter__`` (``iterate``: the original): an epoch of its site.
 
-    Args:
-        loader: The DataLoader being iterated.
-        iterate: DataLoader's original ``__iter__``.
-
-    Returns:
-        An iterator over the epoch's batches; ``iterate(loader)`` itself when tracking is
-        off (after a failure, without a run folder, or for a loader watched already).
-
+    ``iterate(loader)`` itself where tracking is off (after a failure, without a run folder,
+    or for a loader the program watches).
     """
     global _disabled
     if _disabled:

@@ -368,10 +368,7 @@ def _end_reason(
 
 
 def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
-    """Run ``command`` with the tracker around its process tree; see the module docstring.
-
-    Returns:
-        What was observed and judged, once the program ended and the grace period passed.
+    """Run ``command`` tracked inside and out (module docstring); judged once it ended.
 
     Raises:
         LaunchError: The command could not be started.

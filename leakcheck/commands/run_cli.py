@@ -26,6 +26,48 @@ EXIT_USAGE = 2
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
+_OPTIONS = (  # flag, metavar, help; every default is resolved in _options
+    ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
+    (
+        "--copy-tolerance",
+        "SIZE",
+        "what each forked worker may copy of its parent (default: $LEAKCHECK_COPY_TOLERANCE, "
+        "64MiB)",
+    ),
+    (
+        "--grace",
+        "SECONDS",
+        "how long a process may outlive its epoch, and the program (default: $LEAKCHECK_GRACE, 2)",
+    ),
+    ("--interval", "SECONDS", "sampling (50ms)"),
+    (
+        "--hang-after",
+        "SECONDS",
+        "seconds a loop may wait for a batch before its process's and workers' stacks are "
+        "written to stderr and the report (default 120; 0: off)",
+    ),
+    ("--device", "N", "GPU index to watch (default: all)"),
+    (
+        "--rollup-share",
+        "SHARE",
+        "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; 1 reads "
+        "at every epoch end (default 0.001)",
+    ),
+    ("--json", "PATH", "write everything as JSON (schema-versioned)"),
+    ("--plot", "PATH.png", "draw memory per epoch end of each loader, its leaks marked"),
+    (
+        "--nproc-per-node",
+        "N",
+        "run the script under torchrun (--standalone) with N ranks; the report gives a verdict "
+        "per rank and for the job (own torchrun options: leakcheck run -- torchrun)",
+    ),
+)
+_SWITCHES = (
+    ("--teardown", "workers release their CUDA context at exit and die with their parent"),
+    ("--fail-on-leak", "exit 1, not 0, when a leak was found"),
+)
+
+
 def add_run_parser(commands: Any) -> argparse.ArgumentParser:
     """Add ``run`` to ``cli.py``'s subcommands (``commands`` is its subparsers action)."""
     run: argparse.ArgumentParser = commands.add_parser(
@@ -41,52 +83,11 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
-    option = run.add_argument
-    option("--tolerance", metavar="SIZE", help="growth below this is noise (default 16MiB)")
-    option(
-        "--copy-tolerance",
-        metavar="SIZE",
-        help="what each forked worker may copy of its parent's memory (default 64MiB)",
-    )
-    option(
-        "--grace",
-        metavar="SECONDS",
-        help="how long a process may outlive its epoch, and the program (default 2)",
-    )
-    option("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
-    option(
-        "--hang-after",
-        default="120",
-        metavar="SECONDS",
-        help="seconds a loop may wait for a batch before its process's and workers' stacks "
-        "are written to stderr and the report (default 120; 0: off)",
-    )
-    option(
-        "--teardown",
-        action="store_true",
-        help="workers release their CUDA context at exit and die with their parent",
-    )
-    option("--device", metavar="N", help="GPU index to watch (default: all)")
-    option(
-        "--rollup-share",
-        metavar="SHARE",
-        help="share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
-        "1 reads at every epoch end (default 0.001)",
-    )
-    option("--fail-on-leak", action="store_true", help="exit 1, not 0, when a leak was found")
-    option("--json", metavar="PATH", help="write everything as JSON (schema-versioned)")
-    option(
-        "--plot",
-        metavar="PATH.png",
-        help="draw memory per epoch end of each loader, its leaks marked (matplotlib)",
-    )
-    option(
-        "--nproc-per-node",
-        metavar="N",
-        help="run the script under torchrun (--standalone) with N ranks; the report gives a "
-        "verdict per rank and for the job (own torchrun options: leakcheck run -- torchrun)",
-    )
-    option(
+    for flag, metavar, text in _OPTIONS:
+        run.add_argument(flag, metavar=metavar, help=text)
+    for flag, text in _SWITCHES:
+        run.add_argument(flag, action="store_true", help=text)
+    run.add_argument(
         "program",  # not "command": cli.py's subcommand is args.command
         nargs=argparse.REMAINDER,
         metavar="-- CMD ...",
@@ -96,11 +97,10 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
-    """``--json`` and ``--plot``, checked before anything runs (``check_output_path``).
+    """``--json`` and ``--plot``, checked before anything runs.
 
     Raises:
-        UsageError: A path cannot be written, both name one file, or ``--plot`` without
-            matplotlib.
+        UsageError: A path cannot be written, both name one file, or no matplotlib.
 
     """
     json_path = check_output_path(json, "--json")
@@ -132,7 +132,9 @@ def _options(args: argparse.Namespace) -> Any:
     return RunOptions(
         tolerance_bytes=tolerance_bytes,
         grace_s=grace_s,
-        interval_s=option_specs.parse_interval_option(args.interval, "--interval"),
+        interval_s=option_specs.parse_interval_option(
+            "50ms" if args.interval is None else args.interval, "--interval"
+        ),
         teardown=bool(args.teardown),
         device_index=device,
         rollup_share=None
@@ -141,19 +143,17 @@ def _options(args: argparse.Namespace) -> Any:
         copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
             args.copy_tolerance, os.environ
         ),
-        hang_after_s=option_specs.parse_seconds_option(args.hang_after, "--hang-after"),
+        hang_after_s=option_specs.parse_seconds_option(
+            120 if args.hang_after is None else args.hang_after, "--hang-after"
+        ),
     )
 
 
 def torchrun_command(command: list[str], nproc: str) -> list[str]:
-    """The command ``--nproc-per-node N`` runs: the script under torchrun, on this node.
-
-    ``SCRIPT ARGS``, ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` are accepted; the
-    interpreter is this one. ``--standalone`` gives the rendezvous a free local port.
+    """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks.
 
     Raises:
-        UsageError: ``nproc`` is not a count (or ``auto``, ``cpu``, ``gpu``), the command is
-            torchrun itself, or no script follows.
+        UsageError: ``nproc`` is not a count (or auto, cpu, gpu), or no script follows.
 
     """
     text = str(nproc).strip()
@@ -204,17 +204,7 @@ def _check_device(device: int) -> None:
 
 
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``leakcheck run``: run the program, print the report, write ``--json``, pick the status.
-
-    Args:
-        args: ``cli.py``'s parsed arguments.
-        out: Unused (the program's standard output is its own).
-        err: Where the report and usage errors go.
-
-    Returns:
-        The exit status (see the module docstring).
-
-    """
+    """``leakcheck run``: run the program, report to ``err``, write ``--json``; the status."""
     from leakcheck.commands.launcher import LaunchError, run_program
     from leakcheck.judge.report import plot_reports
 

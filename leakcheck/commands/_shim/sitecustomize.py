@@ -54,20 +54,18 @@ def _same_dir(entry: str) -> bool:
 def _chain() -> None:
     """Import the ``sitecustomize`` this file shadows, as ``site.execsitecustomize`` does."""
     me = sys.modules.pop("sitecustomize", None)
-    error: BaseException | None = None
     try:
         __import__("sitecustomize")
-    except ImportError as failed:
-        error = None if failed.name == "sitecustomize" else failed
-    except Exception as failed:
-        error = failed
-    if error is not None and sys.flags.verbose:
-        sys.excepthook(type(error), error, error.__traceback__)
-    elif error is not None:
-        sys.stderr.write(
-            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
-            f"{type(error).__name__}: {error}\n"
-        )
+    except Exception as error:
+        if isinstance(error, ImportError) and error.name == "sitecustomize":
+            pass  # there is none
+        elif sys.flags.verbose:
+            sys.excepthook(type(error), error, error.__traceback__)
+        else:
+            sys.stderr.write(
+                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                f"{type(error).__name__}: {error}\n"
+            )
     if "sitecustomize" not in sys.modules and me is not None:
         sys.modules["sitecustomize"] = me  # none other: the import machinery expects one
 

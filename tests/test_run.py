@@ -34,6 +34,7 @@ from leakcheck.commands.launcher import child_environment, shim_folder
 from leakcheck.core.model import ProcessKey
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -635,6 +636,60 @@ def test_a_program_that_handles_the_interrupt_keeps_its_own_status(
     assert "exited with status 0 (interrupted)" in stderr
 
 
+BLOCKED_WORKER = """
+import os, sys, time
+from torch.utils.data import DataLoader, Dataset
+
+class BlocksAt(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        while index == 4 and not os.path.exists(sys.argv[1]):
+            time.sleep(0.01)
+        return index
+
+print(list(DataLoader(BlocksAt(), num_workers=1, batch_size=2, collate_fn=list)))
+"""
+
+
+def test_hang_after_shows_the_blocked_workers_stack_and_the_program_goes_on(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """``--hang-after 2`` reaches the program's loader: its worker blocks in ``__getitem__``
+    until the stall was written with that worker's stack; then the program finishes."""
+    script, release = tmp_path / "blocked.py", tmp_path / "release"
+    script.write_text(BLOCKED_WORKER)
+    json_path, err_path = tmp_path / "run.json", tmp_path / "run.err"
+    command = [*RUN, "--hang-after", "2", "--json", str(json_path), "--"]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [*command, sys.executable, str(script), str(release)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=_env(private_tmp),
+            cwd=tmp_path,
+        )
+        try:
+            shown = wait_for(lambda: " in __getitem__" in err_path.read_text(), timeout_s=120)
+        finally:
+            release.touch()
+            stdout, _ = proc.communicate(timeout=TIMEOUT_S)
+    stderr = err_path.read_text()
+    assert shown, stderr
+    assert proc.returncode == 0, stderr
+    assert stdout.strip() == "[[0, 1], [2, 3], [4, 5], [6, 7]]"  # undisturbed
+    assert "leakcheck: no batch for" in stderr and "--- worker PID" in stderr
+    (item,) = json.loads(json_path.read_text())["loaders"]
+    hangs = [f for f in item["report"]["findings"] if f["rule"] == "hang"]
+    assert hangs and all("in epoch 0" in f["message"] for f in hangs)
+    assert any(" in __getitem__" in f["stack"].split("--- the loop's process")[0] for f in hangs)
+    assert "info hang" in stderr and "in __getitem__ (blocked.py:" in stderr  # the report
+    assert json.loads(json_path.read_text())["options"]["hang_after_s"] == 2.0
+    assert leakcheck_files(private_tmp) == []
+
+
 SHM_LEFT = """
 import os
 from torch.utils.data import DataLoader, Dataset
@@ -799,6 +854,7 @@ def test_a_non_python_command_is_watched_from_outside(private_tmp: Path) -> None
         (["--json", "/dev/null", "--", "MARK"], "--json: expected a regular file to write"),
         (["--json", "-", "--", "MARK"], "--json: expected a file path, got '-'"),
         (["--rollup-share", "0", "--", "MARK"], "--rollup-share: expected a share of time in"),
+        (["--hang-after", "soon", "--", "MARK"], "--hang-after: expected"),
         (["--rollup-share", "2%x", "--", "MARK"], "--rollup-share: expected a share of time in"),
         (["--bogus", "--", "MARK"], "unrecognized arguments: --bogus"),
         (["--tolerance"], "expected one argument"),
@@ -851,7 +907,7 @@ def test_help_documents_the_options() -> None:
     for option in ("--tolerance", "--grace", "--interval", "--teardown", "--json", "--plot"):
         assert option in proc.stdout
     assert "--fail-on-leak" in proc.stdout and "--device" in proc.stdout
-    assert "--rollup-share" in proc.stdout
+    assert "--rollup-share" in proc.stdout and "--hang-after" in proc.stdout
     assert "leakcheck run [options] -- CMD" in proc.stdout
 
 

@@ -1,52 +1,24 @@
 """The in-program half of ``leakcheck run``: each DataLoader iteration is an epoch of its loader.
 
-NOTE [run instrumentation]: the startup shim (``leakcheck/commands/_shim/sitecustomize.py``, NOTE
-[run shim]) patches ``DataLoader.__iter__`` in every Python process of the run once the
-program imports torch's dataloader module; the first iteration imports this module, and
-from then on:
+NOTE [run instrumentation]: the shim (NOTE [run shim] in ``_shim/sitecustomize.py``) patches
+``DataLoader.__iter__`` in every Python process of the run; the first iteration imports this
+module. Each creation site (the user's line, and the library that made the loader for it:
+``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a train
+and a validation loader are judged apart (NOTE [claims] in track/claims.py); a loader made
+again where the previous one is gone continues it, a second one alive at once is ``#2``. Each
+iteration is a new ``WatchedLoader`` over that tracker (shared, ``on_leak="ignore"``) through
+DataLoader's original ``__iter__``: epochs as under ``watch()`` (NOTE [epoch ends] in
+dataloader.py). A loader the program ``watch()``es itself is left to it. At the process's exit
+(``atexit``, or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal)
+each tracker is closed and its report added to its record, ``loader-<pid>-<n>.json`` in the
+run folder, written when the site's tracker started. A forked child
+starts afresh (``os.register_at_fork``, only references dropped). Nothing here raises into
+the program: a failure of its own turns tracking off for the process (one line on stderr).
 
-* a loader is known by where the program made it (recorded by the patched ``__init__``):
-  labelled by the user's own line, with the library that made the loader for it
-  (``train.py:42``, ``hf_train.py:48 via transformers Trainer``; a path relative to the
-  working directory where inside it, else its folder and name); each creation site gets
-  one ``Tracker`` of its own, started at its first iteration, so a train and a validation
-  loader are judged apart (NOTE [claims] in track/claims.py). A loader made again at the
-  same site once the previous one is gone (one new loader per epoch) continues that site's
-  tracker; two loaders of one label alive together (a helper function that makes both) get
-  one tracker each, the second labelled ``file:line #2``;
-* a process that is a rank of a distributed job records its rank (NOTE [process rank]);
-* each iteration is wrapped by a new ``WatchedLoader`` over the shared tracker (never
-  closed by the wrapper), iterating through DataLoader's original ``__iter__``: epochs
-  begin and end exactly as under ``watch()`` (NOTE [epoch ends] in dataloader.py), worker
-  identities come from the chained ``worker_init_fn``, the teardown policy runs when the
-  run asked for it, and no leak is warned about or raised: the report comes at exit. The
-  wrapper lives as long as the epoch's iterator, so nothing keeps a loader alive;
-* a loader the program already wraps with ``leakcheck.watch()`` is left to that wrapper;
-* at the process's exit (``atexit``: a normal end, ``sys.exit``, an unhandled exception or
-  ``KeyboardInterrupt``; in a multiprocessing child also its exit finalizers, which run
-  before the ``os._exit`` that ends a forked one; not a bare ``os._exit`` nor a fatal
-  signal) an epoch still open is ended
-  with how the program ended, its iterator is closed (which stops non-persistent workers),
-  every tracker is closed (each waits at most ``grace`` for the processes of its last epoch)
-  and its report is written, with the loader's label, the process and what tracking cost,
-  as ``loader-<pid>-<n>.json`` into the run folder. A ``.started`` file, written when a
-  site's tracker starts, lets the launcher name a loader whose report never came.
-
-A forked child starts afresh (``os.register_at_fork``): its parent's trackers, their
-threads and their reports are the parent's; the child's loaders, its parent's included,
-get trackers of its own at their first iteration in it. The reset only drops references,
-so a DataLoader's forked worker, which runs it too, pays next to nothing.
-
-NOTE [process rank]: a process's rank is ``RANK`` (torchrun, ``accelerate launch``), else
-its own process group's rank (``torch.distributed``, initialised by the time it iterates a
-loader in a DDP job), else its index among the processes ``torch.multiprocessing.spawn`` or
-``start_processes`` started (torch runs each one's function through its ``_wrap(fn, i,
-...)``, the ``target`` of its ``multiprocessing`` process), else the rank a process above
-it exported (NOTE [exported rank] in ranks.py). A rank found here is exported in turn. The
-spawn index is the local rank.
-
-Nothing here raises into the program: a failure of leakcheck's own turns tracking off for
-the rest of the process (one line on standard error) and the loaders work as without it.
+NOTE [process rank]: a process's rank is ``RANK`` (torchrun, ``accelerate launch``), else its
+default process group's rank, else its index among the processes ``torch.multiprocessing``
+spawned (the ``i`` of its ``_wrap(fn, i, ...)`` target; also its local rank), else the rank a
+process above it exported (NOTE [exported rank] in ranks.py). A rank found here is exported.
 """
 
 from __future__ import annotations
@@ -66,192 +38,58 @@ from typing import Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core import ranks
-from leakcheck.core.errors import UsageError
-from leakcheck.core.model import MIB, EndReason, RankInfo, TrackerCost
-from leakcheck.core.options import parse_share_option
+from leakcheck.core.files import write_json
+from leakcheck.core.model import MIB, EndReason, RankInfo
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker, end_reason_for, own_rank_device
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = [
-    "OPTIONS_FILE",
-    "RECORD_SCHEMA",
-    "RUN_ENV",
-    "LoaderRecords",
-    "ShimOptions",
-    "configure",
-    "epoch_iterator",
-    "process_rank",
-    "read_records",
-    "shown_path",
-    "write_options",
-]
+__all__ = ["RUN_ENV", "RunOptions", "configure", "epoch_iterator"]
 
 RUN_ENV = "LEAKCHECK_RUN"
 """Names the run folder in the program's environment (NOTE [run tag] in launcher.py)."""
 
-OPTIONS_FILE = "options.json"
-RECORD_SCHEMA = "leakcheck.run.loader"
-RECORD_SCHEMA_VERSION = 3
-"""2 added ``rank``: the process's ``RankInfo`` in a torchrun job (None otherwise); 3 names
-the process by ``start_ticks`` where ``create_time`` was (NOTE [process identity] in
-procs.py), and added ``via`` (the library that made the loader) and ranks of spawned
-processes (NOTE [process rank])."""
-
 
 @dataclass(frozen=True)
-class ShimOptions:
-    """What the launcher tells the program's trackers (``options.json`` in the run folder).
+class RunOptions:
+    """How ``leakcheck run`` tracks the program, inside (its loaders) and out (its tree).
 
-    Attributes:
-        tolerance_bytes: Growth or residual below this is noise.
-        grace_s: How long a process born in an epoch may outlive it.
-        interval_s: Sampling interval.
-        teardown: Install the teardown policy in the workers (``--teardown``).
-        devices: Device indices to watch (None: all).
-        rollup_share: Share of time the trackers' USS reads may take (None: the default).
-        copy_tolerance_bytes: What each forked worker may copy of its parent's memory
-            (the copy-on-read rule).
-
+    The fields are ``watch()``'s and ``Tracker``'s; ``device_index`` None watches every GPU.
     """
 
     tolerance_bytes: int = 16 * MIB
     grace_s: float = 2.0
     interval_s: float = 0.05
     teardown: bool = False
-    devices: tuple[int, ...] | None = None
+    device_index: int | None = None
     rollup_share: float | None = None
     copy_tolerance_bytes: int = 64 * MIB
+    hang_after_s: float = 120.0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        data = dataclasses.asdict(self)
-        data["devices"] = None if self.devices is None else list(self.devices)
-        return data
+        """JSON-able form (``options_path``'s)."""
+        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShimOptions:
-        """Read ``to_dict``'s form back; a missing or bad field keeps its default."""
-        defaults = cls()
-        devices = data.get("devices")
-        return cls(
-            tolerance_bytes=_typed(data, "tolerance_bytes", int, defaults.tolerance_bytes),
-            grace_s=float(_typed(data, "grace_s", (int, float), defaults.grace_s)),
-            interval_s=float(_typed(data, "interval_s", (int, float), defaults.interval_s)),
-            teardown=_typed(data, "teardown", bool, defaults.teardown),
-            devices=tuple(int(d) for d in devices) if isinstance(devices, list) else None,
-            rollup_share=_share(data.get("rollup_share")),
-            copy_tolerance_bytes=_typed(
-                data, "copy_tolerance_bytes", int, defaults.copy_tolerance_bytes
-            ),
-        )
+    @property
+    def devices(self) -> list[int] | None:
+        """The devices to watch, as ``Tracker`` takes them."""
+        return None if self.device_index is None else [self.device_index]
 
 
-def _share(value: object) -> float | None:
-    try:
-        return None if value is None else parse_share_option(value, "rollup_share")
-    except UsageError:
-        return None  # the default, as for every other bad field
-
-
-def _typed(data: dict[str, Any], name: str, kind: Any, default: Any) -> Any:
-    value = data.get(name)
-    return (
-        value
-        if isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        else (default)
-    )
-
-
-def write_options(folder: str, options: ShimOptions) -> None:
-    """Write the options the program's trackers will use (the launcher, before the start)."""
-    _write_json(os.path.join(folder, OPTIONS_FILE), options.to_dict())
-
-
-@dataclass(frozen=True)
-class LoaderRecords:
-    """What the processes of a run left in its folder.
-
-    Attributes:
-        started: One record per loader tracker that started (label, pid, mailbox...).
-        reports: One record per loader whose report was written at its process's exit.
-        failures: Lines of processes whose tracking failed.
-
-    """
-
-    started: tuple[dict[str, Any], ...]
-    reports: tuple[dict[str, Any], ...]
-    failures: tuple[str, ...]
-
-
-def read_records(folder: str) -> LoaderRecords:
-    """Read the run folder (the launcher, after the program ended)."""
-    started: list[dict[str, Any]] = []
-    reports: list[dict[str, Any]] = []
-    failures: list[str] = []
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        names = []
-    for name in names:
-        path = os.path.join(folder, name)
-        if name.startswith("failure-") and name.endswith(".txt"):
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    failures.append(handle.read().strip())
-            except OSError:
-                continue
-            continue
-        kind = "started" if name.endswith(".started") else "report"
-        if not name.startswith("loader-") or not name.endswith((".started", ".json")):
-            continue
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("schema") == RECORD_SCHEMA:
-            (started if kind == "started" else reports).append(data)
-    order = _record_order
-    return LoaderRecords(
-        started=tuple(sorted(started, key=order)),
-        reports=tuple(sorted(reports, key=order)),
-        failures=tuple(failures),
-    )
-
-
-def _record_order(record: dict[str, Any]) -> tuple[float, int]:
-    started = record.get("started_unix_s")
-    index = record.get("index")
-    return (
-        float(started) if isinstance(started, (int, float)) else 0.0,
-        index if isinstance(index, int) else 0,
-    )
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write atomically (a reader never sees half a file)."""
-    temp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(temp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle)
-    os.replace(temp, path)
-
-
-# --------------------------------------------------------------------------- in the program
-
-
-_EPOCH_ITERATOR_OWN = frozenset(("_batches", "_inner", "_loader"))
+def options_path(folder: str) -> str:
+    """Where the launcher writes the options for the program's trackers."""
+    return os.path.join(folder, "options.json")
 
 
 class _EpochIterator:
     """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``.
 
-    Other attributes are the DataLoader iterator's own (``_num_yielded``,
-    ``_shutdown_workers()``: programs and libraries read them) once the epoch has begun,
-    that is from the first batch on: the wrapped iterator is made then.
+    Other attributes are the DataLoader iterator's own (programs read ``_num_yielded``) from
+    the first batch on, when it is made.
     """
 
     __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
+    _OWN = frozenset(("_batches", "_inner", "_loader"))
 
     def __init__(self, batches: Iterator[Any], loader: Any) -> None:
         self._batches = batches
@@ -267,9 +105,8 @@ class _EpochIterator:
         return inner
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # Writes go where reads come from: the DataLoader iterator once there is one, this
-        # object before (a program may tag its iterator).
-        inner = None if name in _EPOCH_ITERATOR_OWN else self._inner_or_none()
+        # Writes go where reads come from: the DataLoader iterator once there is one.
+        inner = None if name in self._OWN else self._inner_or_none()
         if inner is not None:
             setattr(inner, name, value)
         else:
@@ -302,8 +139,7 @@ class _EpochIterator:
             close()
 
 
-Where = tuple[Any, ...]
-"""A creation site as the shim records it: ``(file, line, via, origin file, origin line)``."""
+Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin file, line)
 
 
 @dataclass
@@ -311,11 +147,9 @@ class _Site:
     """One creation site's tracker, and the loader instance it follows now."""
 
     label: str
-    base: str
-    """The label without its ``#2``."""
+    base: str  # the label without its " #2"
     where: Where
-    pid: int
-    """The process whose tracker it is (a forked child's loaders carry its parent's)."""
+    pid: int  # whose tracker it is: a forked child's loaders carry its parent's
     index: int
     tracker: Tracker
     instance: weakref.ref[Any]
@@ -323,8 +157,7 @@ class _Site:
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A loader the program pickles (the arguments of a spawned process) or deep-copies
-        # carries None instead: the copy is another loader, and a tracker does not pickle.
+        # A pickled or copied loader (a spawned process's arguments) is another loader: None.
         return (_no_site, ())
 
 
@@ -335,7 +168,7 @@ def _no_site() -> None:
 class _Run:
     """The loaders of one process of the run (NOTE [run instrumentation])."""
 
-    def __init__(self, folder: str, options: ShimOptions) -> None:
+    def __init__(self, folder: str, options: RunOptions) -> None:
         self.folder = folder
         self.options = options
         self.pid = os.getpid()
@@ -347,18 +180,12 @@ class _Run:
         self.lock = threading.RLock()
         self.ended = False
         atexit.register(self.at_exit)
-        _at_child_exit(self.at_exit)
+        process = sys.modules.get("multiprocessing.process")
+        if process is not None and process.parent_process() is not None:
+            # A forked child ends with os._exit after its finalizers: atexit never runs.
+            import multiprocessing.util
 
-    def session_ids(self) -> set[str]:
-        """The sessions of this run's trackers (their hooks are on the loaders they track)."""
-        with self.lock:
-            return {site.tracker.session_id for site in self.sites}
-
-    def label(self, where: Where) -> str:
-        """``file:line``, with ``via LIBRARY`` where a library made the loader."""
-        path, line = where[0], where[1]
-        via = where[2] if len(where) > 2 and where[2] else ""
-        return f"{shown_path(str(path), self.cwd)}:{line}" + (f" via {via}" if via else "")
+            multiprocessing.util.Finalize(None, self.at_exit, exitpriority=0)
 
     def site_for(self, loader: Any) -> _Site:
         site = loader.__dict__.get("_leakcheck_run_site")
@@ -368,10 +195,10 @@ class _Run:
         if not (isinstance(where, tuple) and len(where) >= 2):
             where = ("<unknown>", 0)
         with self.lock:
-            same = [site for site in self.sites if site.where == where]
-            site = next((s for s in same if s.instance() is None and not s.tracker.closed), None)
-            if site is None:
-                site = self._new_site(loader, where)
+            free = [s for s in self.sites if s.where == where and s.instance() is None]
+            site = next((s for s in free if not s.tracker.closed), None) or self._new_site(
+                loader, where
+            )
             site.instance = weakref.ref(loader)
         loader.__dict__["_leakcheck_run_site"] = site
         return site
@@ -382,13 +209,15 @@ class _Run:
             interval=options.interval_s,
             tolerance=options.tolerance_bytes,
             grace=options.grace_s,
-            devices=list(options.devices) if options.devices is not None else None,
+            devices=options.devices,
             persistent_workers=bool(getattr(loader, "persistent_workers", False)),
             rollup_share=options.rollup_share,
             copy_tolerance=options.copy_tolerance_bytes,
+            hang_after=options.hang_after_s,
         )
         tracker.start()
-        base = self.label(where)
+        via = where[2] if len(where) > 2 and where[2] else ""
+        base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
         same = sum(1 for site in self.sites if site.base == base)
         site = _Site(
             label=base + (f" #{same + 1}" if same else ""),
@@ -401,53 +230,39 @@ class _Run:
             started_unix_s=time.time(),
         )
         self.sites.append(site)
-        key = procs.process_key(self.pid)
-        _write_json(
-            self._path(site, ".started"),
-            {
-                **self._identity(site),
-                # Its identity, checked by the launcher (NOTE [process identity] in procs.py).
-                "start_ticks": key.start_ticks if key is not None else None,
-                "mailbox": tracker.mailbox_dir,
-            },
-        )
+        self._write(site)
         return site
 
-    def _identity(self, site: _Site) -> dict[str, Any]:
-        return {
-            "schema": RECORD_SCHEMA,
-            "schema_version": RECORD_SCHEMA_VERSION,
+    def _write(self, site: _Site, **report: Any) -> None:
+        """Write the site's record; at exit with its report (NOTE [run instrumentation])."""
+        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
+        rank: dict[str, Any] | None = None
+        if self.rank is not None:  # with the device it chose (set_device), once known
+            chosen = _quiet_value(own_rank_device)
+            info = self.rank
+            if chosen is not None and chosen[0] == info.rank:
+                info = dataclasses.replace(info, device=chosen[1])
+            rank = dataclasses.asdict(info)
+        record = {
             "label": site.label,
-            "file": site.where[0],
-            "line": site.where[1],
-            "via": site.where[2] if len(site.where) > 2 else "",
             "index": site.index,
             "pid": self.pid,
             "argv": list(sys.argv),
             # The program's torch (it made a DataLoader): the launcher never imports it.
             "torch": getattr(sys.modules.get("torch"), "__version__", None),
             "started_unix_s": site.started_unix_s,
-            "rank": self._rank_record(),
+            "rank": rank,
+            "start_ticks": key.start_ticks if key is not None else None,
+            "mailbox": site.tracker.mailbox_dir,
+            **report,
         }
-
-    def _rank_record(self) -> dict[str, Any] | None:
-        """The rank of this process, with the device it chose (``set_device``) once known."""
-        if self.rank is None:
-            return None
-        chosen = _quiet_value(own_rank_device)
-        info = self.rank
-        if chosen is not None and chosen[0] == info.rank:
-            info = dataclasses.replace(info, device=chosen[1])
-        return dataclasses.asdict(info)
-
-    def _path(self, site: _Site, suffix: str) -> str:
-        return os.path.join(self.folder, f"loader-{self.pid}-{site.index}{suffix}")
+        write_json(os.path.join(self.folder, f"loader-{self.pid}-{site.index}.json"), record)
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
-        # A weak reference: the epoch holds its generator, which holds this function through
-        # the wrapper; a strong one would make a cycle, and a loop left by `break` would end
-        # its epoch only when the garbage collector ran ("collected", not "break").
+        # A weak reference: the epoch holds its generator, which holds this function; a
+        # strong one would make a cycle, and a loop left by `break` would end its epoch only
+        # when the garbage collector ran ("collected", not "break").
         holder: list[weakref.ref[_EpochIterator]] = []
 
         def iterate_and_keep(target: Any) -> Iterator[Any]:
@@ -482,29 +297,24 @@ class _Run:
             reason, line = end_reason_for(error)
         with self.lock:
             sites = list(self.sites)
-        costs: dict[int, TrackerCost] = {}
+        costs = {site.index: site.tracker.cost() for site in sites}
         for site in sites:
-            costs[site.index] = site.tracker.cost()
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
             for epoch in list(site.live):
                 _quietly(epoch.close)
         for site in sites:
             started = time.perf_counter()
             _quietly(site.tracker.close)
-            _quietly(functools.partial(self._write_report, site, costs, started))
 
-    def _write_report(self, site: _Site, costs: dict[int, TrackerCost], started: float) -> None:
-        report = site.tracker.report()
-        _write_json(
-            self._path(site, ".json"),
-            {
-                **self._identity(site),
-                "report": report.to_dict(),
-                "cost": dataclasses.asdict(costs[site.index]),
-                "cost_with_exit": dataclasses.asdict(site.tracker.cost()),
-                "exit_s": time.perf_counter() - started,
-            },
-        )
+            def write(site: _Site = site, started: float = started) -> None:
+                self._write(
+                    site,
+                    report=site.tracker.report().to_dict(),
+                    cost=dataclasses.asdict(costs[site.index]),
+                    exit_s=time.perf_counter() - started,
+                )
+
+            _quietly(write)
 
 
 def shown_path(path: str, cwd: str) -> str:
@@ -519,9 +329,8 @@ def shown_path(path: str, cwd: str) -> str:
 
 def process_rank() -> RankInfo | None:
     """The rank of the calling process in a distributed job (NOTE [process rank]), or None."""
-    launched = ranks.rank_from_environ(
-        {k: v for k, v in os.environ.items() if k != ranks.EXPORTED_RANK_ENV}
-    )
+    environ = {k: v for k, v in os.environ.items() if k != ranks.EXPORTED_RANK_ENV}
+    launched = ranks.rank_from_environ(environ)
     if launched is not None:
         return launched
     index = _quiet_value(_spawn_index)
@@ -539,10 +348,7 @@ def process_rank() -> RankInfo | None:
 
 def _spawn_index() -> int | None:
     """The index ``torch.multiprocessing`` gave this process, where it started it."""
-    process = sys.modules.get("multiprocessing.process")
-    if process is None:
-        return None
-    current = process.current_process()
+    current = sys.modules["multiprocessing.process"].current_process()
     target = getattr(current, "_target", None)
     if getattr(target, "__module__", None) != "torch.multiprocessing.spawn":
         return None
@@ -559,21 +365,6 @@ def _group_rank() -> tuple[int, int] | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     return int(dist.get_rank()), int(dist.get_world_size())
-
-
-def _at_child_exit(action: Callable[[], None]) -> None:
-    """Run ``action`` at a multiprocessing child's exit too.
-
-    A forked child ends with ``os._exit`` once its exit finalizers ran, so ``atexit`` never
-    runs there; a finalizer registered now (the child cleared its parent's at its start)
-    runs before its daemonic children (a DataLoader's workers) are terminated.
-    """
-    process = sys.modules.get("multiprocessing.process")
-    if process is None or process.parent_process() is None:
-        return  # not a multiprocessing child: atexit runs
-    import multiprocessing.util
-
-    multiprocessing.util.Finalize(None, action, exitpriority=0)
 
 
 def _quietly(action: Callable[[], object]) -> None:
@@ -597,13 +388,11 @@ _folder: str | None = None
 _run: _Run | None = None
 _disabled = False
 _inherited_sessions: set[str] = set()
-"""A forked child's ancestors' trackers: their hooks on its loaders are the run's, not the
-user's ``watch()``."""
+"""A forked child's ancestors' trackers: their hooks on its loaders are not the user's."""
 
 
 def _after_fork_in_child() -> None:
-    # Only references change (DataLoader's forked workers run this too), and no lock of the
-    # parent's is taken: another thread may have held it at the fork.
+    # Only references change, and no lock of the parent's is taken (held at the fork?).
     global _state_lock, _run
     _state_lock = threading.Lock()
     if _run is not None:
@@ -611,8 +400,7 @@ def _after_fork_in_child() -> None:
         _run = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def configure(folder: str) -> None:
@@ -625,41 +413,29 @@ def _current_run() -> _Run | None:
     global _run
     with _state_lock:
         if _run is None and _folder is not None and os.path.isdir(_folder):
-            options = ShimOptions()
-            try:
-                with open(os.path.join(_folder, OPTIONS_FILE), encoding="utf-8") as handle:
-                    data = json.load(handle)
-                if isinstance(data, dict):
-                    options = ShimOptions.from_dict(data)
-            except (OSError, ValueError):
-                pass
+            options = RunOptions()  # a run folder the launcher did not make: the defaults
+            if os.path.exists(options_path(_folder)):
+                with open(options_path(_folder), encoding="utf-8") as handle:
+                    options = RunOptions(**json.load(handle))
             _run = _Run(_folder, options)
         return _run
 
 
 def _watched_by_user(loader: Any, run: _Run) -> bool:
-    """The program wraps this loader with ``leakcheck.watch()`` already.
-
-    The run's own hook does not count: an iterator the program keeps (a first batch peeked
-    before the loop) leaves it on the loader while the next epochs start.
-    """
+    """The program ``watch()``es this loader (the run's own hooks do not count)."""
     init = getattr(loader, "worker_init_fn", None)
     if not (isinstance(init, WorkerInit) and init.session_id):
         return False
-    return init.session_id not in run.session_ids() | _inherited_sessions
+    with run.lock:
+        own = {site.tracker.session_id for site in run.sites}
+    return init.session_id not in own | _inherited_sessions
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
-    """The patched ``DataLoader.__iter__``: one epoch of ``loader``'s tracker.
+    """The patched ``DataLoader.__iter__`` (``iterate``: the original): an epoch of its site.
 
-    Args:
-        loader: The DataLoader being iterated.
-        iterate: DataLoader's original ``__iter__``.
-
-    Returns:
-        An iterator over the epoch's batches; ``iterate(loader)`` itself when tracking is
-        off (disabled after a failure, no run folder, or the loader is watched already).
-
+    ``iterate(loader)`` itself where tracking is off (after a failure, without a run folder,
+    or for a loader the program watches).
     """
     global _disabled
     if _disabled:
@@ -672,14 +448,12 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
     except Exception as error:
         _disabled = True
         text = f"leakcheck run: DataLoaders of PID {os.getpid()} are no longer tracked: "
-        text += f"{type(error).__name__}: {error}"
-        sys.stderr.write(text + "\n")
+        text += f"{type(error).__name__}: {error}\n"
+        sys.stderr.write(text)
         if _folder is not None:
             try:
-                with open(
-                    os.path.join(_folder, f"failure-{os.getpid()}.txt"), "w", encoding="utf-8"
-                ) as handle:
-                    handle.write(text + "\n")
+                with open(os.path.join(_folder, f"failure-{os.getpid()}.txt"), "w") as handle:
+                    handle.write(text)
             except OSError:
                 pass
         return iterate(loader)

@@ -1,24 +1,15 @@
 """``leakcheck run [options] -- CMD ...``: the command line of the run engine (launcher.py).
 
-``cli.py`` adds this parser to its subcommands and hands the parsed arguments to
-``run_command``. Options are validated here, in one place, before anything starts: a bad
-value is one line on standard error naming the option, what was expected and what was
-given, exit 2, and the command is not started.
-
-Exit status: the program's (128 + N when signal N ended it); 1 instead of 0 with
-``--fail-on-leak`` when a leak was found; 2 on bad usage, or when ``--json`` cannot be
-written (``--plot`` drawn) after a successful program; 127 (126) when the command is not
-found (cannot be executed). Ctrl-C, or SIGINT sent to ``leakcheck run``, reaches the
-program once (NOTE [run signals] in launcher.py): a program that dies of it (Python's
-default) exits 130 and still gets its report; one that handles it and exits on its own
-keeps its own status (the report says it was interrupted). The report goes to standard
-error, so that the program's own standard output stays its own.
+Every option is checked before anything starts (a bad one: one line, exit 2). The report goes
+to standard error: the program's standard output stays its own. Exit status: the program's
+(128 + N for signal N; NOTE [run signals] in launcher.py); 1 instead of 0 with
+``--fail-on-leak`` and a leak; 2 when ``--json`` or ``--plot`` failed after a successful
+program; 127 (126) when the command is not found (cannot be executed).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -28,11 +19,53 @@ from leakcheck.core import options as option_specs
 from leakcheck.core.errors import UsageError
 from leakcheck.core.files import check_output_path, write_json
 
-__all__ = ["add_run_parser", "resolve_run", "run_command", "torchrun_command"]
+__all__ = ["add_run_parser", "output_paths", "run_command", "torchrun_command"]
 
 EXIT_LEAK = 1
 EXIT_USAGE = 2
-_PROG = "leakcheck run"
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+_OPTIONS = (  # flag, metavar, help; every default is resolved in _options
+    ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
+    (
+        "--copy-tolerance",
+        "SIZE",
+        "what each forked worker may copy of its parent (default: $LEAKCHECK_COPY_TOLERANCE, "
+        "64MiB)",
+    ),
+    (
+        "--grace",
+        "SECONDS",
+        "how long a process may outlive its epoch, and the program (default: $LEAKCHECK_GRACE, 2)",
+    ),
+    ("--interval", "SECONDS", "sampling (50ms)"),
+    (
+        "--hang-after",
+        "SECONDS",
+        "seconds a loop may wait for a batch before its process's and workers' stacks are "
+        "written to stderr and the report (default 120; 0: off)",
+    ),
+    ("--device", "N", "GPU index to watch (default: all)"),
+    (
+        "--rollup-share",
+        "SHARE",
+        "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; 1 reads "
+        "at every epoch end (default 0.001)",
+    ),
+    ("--json", "PATH", "write everything as JSON (schema-versioned)"),
+    ("--plot", "PATH.png", "draw memory per epoch end of each loader, its leaks marked"),
+    (
+        "--nproc-per-node",
+        "N",
+        "run the script under torchrun (--standalone) with N ranks; the report gives a verdict "
+        "per rank and for the job (own torchrun options: leakcheck run -- torchrun)",
+    ),
+)
+_SWITCHES = (
+    ("--teardown", "workers release their CUDA context at exit and die with their parent"),
+    ("--fail-on-leak", "exit 1, not 0, when a leak was found"),
+)
 
 
 def add_run_parser(commands: Any) -> argparse.ArgumentParser:
@@ -41,81 +74,19 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "run",
         help="run an unmodified program with the tracker around its process tree; each "
         "DataLoader iteration is an epoch of its loader",
-        description="Run CMD (a Python script, python -m module, or any command whose Python "
-        "processes make DataLoaders) unmodified. Each DataLoader iteration in a Python "
-        "process of the run (multiprocessing and torch.multiprocessing children, torchrun "
-        "ranks included) is an epoch of that loader, labelled by the file:line of your code "
-        "that made it (and the library that made it for that line); the whole process tree "
-        "is watched from outside too (orphans, survivors after the program ended, GPU memory "
-        "of every process). The report goes to standard error "
-        "when the program ends, also when it fails, calls sys.exit or is interrupted. "
-        "Exit status: the program's (130 when Ctrl-C ends it); 1 with --fail-on-leak when a "
-        "leak was found and the program succeeded; 2 bad usage; 127/126 command not found / "
+        description="Run CMD unmodified. Each DataLoader iteration in a Python process of the "
+        "run (children and torchrun ranks included) is an epoch of that loader, labelled by "
+        "the file:line of your code that made it; the process tree is watched from outside "
+        "too (orphans, survivors, GPU memory of every process). The report goes to standard "
+        "error when the program ends, however it ends. Exit status: the program's (130 on "
+        "Ctrl-C); 1 with --fail-on-leak and a leak; 2 bad usage; 127/126 command not found / "
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
-    run.add_argument(
-        "--tolerance",
-        default=None,
-        metavar="SIZE",
-        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
-    )
-    run.add_argument(
-        "--copy-tolerance",
-        default=None,
-        metavar="SIZE",
-        help="what each forked loader worker may copy of its parent's memory (copy-on-read; "
-        "default: $LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
-    )
-    run.add_argument(
-        "--grace",
-        default=None,
-        metavar="SECONDS",
-        help="how long a process may outlive its epoch, and the program (default: "
-        "$LEAKCHECK_GRACE, else 2)",
-    )
-    run.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
-    run.add_argument(
-        "--teardown",
-        action="store_true",
-        help="install leakcheck's teardown policy in the workers (they release their CUDA "
-        "context at exit and die with their parent); off by default",
-    )
-    run.add_argument(
-        "--device", default=None, metavar="N", help="GPU index to watch (default: all)"
-    )
-    run.add_argument(
-        "--rollup-share",
-        default=None,
-        metavar="SHARE",
-        help="share of the time the USS reads of the parent and persistent workers may take "
-        "(/proc/PID/smaps_rollup at epoch ends; USS shows copy-on-read where resident memory "
-        "does not); 1 reads it at every epoch end, for epochs of seconds (default 0.001: the "
-        "first three judged epoch ends, then as the share allows)",
-    )
-    run.add_argument(
-        "--fail-on-leak",
-        action="store_true",
-        help="exit 1 when a leak was found and the program exited 0",
-    )
-    run.add_argument(
-        "--json", default=None, metavar="PATH", help="write everything as JSON (schema-versioned)"
-    )
-    run.add_argument(
-        "--plot",
-        default=None,
-        metavar="PATH.png",
-        help="draw memory per epoch end of each loader, its leaks marked (matplotlib)",
-    )
-    run.add_argument(
-        "--nproc-per-node",
-        default=None,
-        metavar="N",
-        help="run the script under torchrun with N ranks on this node (python -m "
-        "torch.distributed.run --standalone --nproc-per-node N SCRIPT ...); the agent and "
-        "every rank are tracked, and the report gives a verdict per rank and for the job. "
-        "To pass torchrun options of your own, wrap it instead: leakcheck run -- torchrun ...",
-    )
+    for flag, metavar, text in _OPTIONS:
+        run.add_argument(flag, metavar=metavar, help=text)
+    for flag, text in _SWITCHES:
+        run.add_argument(flag, action="store_true", help=text)
     run.add_argument(
         "program",  # not "command": cli.py's subcommand is args.command
         nargs=argparse.REMAINDER,
@@ -125,32 +96,16 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
     return run
 
 
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    """Validated ``run`` arguments."""
-
-    command: tuple[str, ...]
-    options: Any  # launcher.RunOptions (imported lazily)
-    json_path: str | None
-    fail_on_leak: bool
-    plot_path: str | None = None
-
-
 def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
-    """``--json`` and ``--plot``, checked before anything runs (``check_output_path``).
+    """``--json`` and ``--plot``, checked before anything runs.
 
     Raises:
-        UsageError: A path cannot be written, both name one file, or ``--plot`` without
-            matplotlib.
+        UsageError: A path cannot be written, both name one file, or no matplotlib.
 
     """
     json_path = check_output_path(json, "--json")
     plot_path = check_output_path(plot, "--plot", ".png")
-    if (
-        json_path is not None
-        and plot_path is not None
-        and os.path.realpath(json_path) == os.path.realpath(plot_path)
-    ):
+    if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
         raise UsageError(
             f"--plot: expected a file other than --json's, got {plot!r} for both "
             "(the plot would overwrite the JSON)"
@@ -163,84 +118,54 @@ def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | 
     return json_path, plot_path
 
 
-def resolve_run(args: argparse.Namespace) -> RunPlan:
-    """Validate every ``run`` option in one place.
-
-    Raises:
-        UsageError: One line naming the option, what was expected, and the value.
-
-    """
+def _options(args: argparse.Namespace) -> Any:
+    """The ``RunOptions`` of the parsed arguments (launcher.py's, imported lazily)."""
     from leakcheck.commands.launcher import RunOptions
 
-    command = list(args.program)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
-    if args.nproc_per_node is not None:
-        command = torchrun_command(command, args.nproc_per_node)
-    json_path, plot_path = output_paths(args.json, args.plot)
     tolerance_bytes, grace_s = option_specs.command_line_thresholds(
         args.tolerance, args.grace, os.environ, grace_default_s=2.0
     )
-    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
     device = None
     if args.device is not None:
         device = option_specs.parse_device_index(args.device, "--device")
         _check_device(device)
-    return RunPlan(
-        command=tuple(command),
-        options=RunOptions(
-            tolerance_bytes=tolerance_bytes,
-            grace_s=grace_s,
-            interval_s=interval_s,
-            teardown=bool(args.teardown),
-            device_index=device,
-            rollup_share=None
-            if args.rollup_share is None
-            else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
-            copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
-                args.copy_tolerance, os.environ
-            ),
+    return RunOptions(
+        tolerance_bytes=tolerance_bytes,
+        grace_s=grace_s,
+        interval_s=option_specs.parse_interval_option(
+            "50ms" if args.interval is None else args.interval, "--interval"
         ),
-        json_path=json_path,
-        fail_on_leak=bool(args.fail_on_leak),
-        plot_path=plot_path,
+        teardown=bool(args.teardown),
+        device_index=device,
+        rollup_share=None
+        if args.rollup_share is None
+        else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
+        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
+            args.copy_tolerance, os.environ
+        ),
+        hang_after_s=option_specs.parse_seconds_option(
+            120 if args.hang_after is None else args.hang_after, "--hang-after"
+        ),
     )
 
 
-_NPROC_WORDS = ("auto", "cpu", "gpu")
-_MAX_NPROC = 4096
-_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
-
-
-def _is_python(program: str) -> bool:
-    name = os.path.basename(program)
-    return name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:])
-
-
 def torchrun_command(command: list[str], nproc: str) -> list[str]:
-    """The command ``--nproc-per-node N`` runs: the script under torchrun, on this node.
-
-    ``SCRIPT ARGS``, ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` are accepted; the
-    interpreter is this one (torchrun starts the ranks with it). ``--standalone`` gives the
-    rendezvous a free local port, so that two jobs on one host do not collide.
+    """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks.
 
     Raises:
-        UsageError: ``nproc`` is not a count (or ``auto``, ``cpu``, ``gpu``), the command is
-            torchrun itself, or no script follows.
+        UsageError: ``nproc`` is not a count (or auto, cpu, gpu), or no script follows.
 
     """
     text = str(nproc).strip()
-    if not (
-        text in _NPROC_WORDS or (text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_NPROC)
-    ):
+    count = text.isascii() and text.isdigit() and 1 <= int(text) <= 4096
+    if not (count or text in ("auto", "cpu", "gpu")):
         raise UsageError(
-            f"--nproc-per-node: expected a number of ranks from 1 to {_MAX_NPROC} such as 2 "
-            f"(or {', '.join(_NPROC_WORDS)}), got {nproc!r}"
+            "--nproc-per-node: expected a number of ranks from 1 to 4096 such as 2 "
+            f"(or auto, cpu, gpu), got {nproc!r}"
         )
     rest = list(command)
-    if rest and _is_python(rest[0]):
+    name = os.path.basename(rest[0]) if rest else ""
+    if name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:]):
         rest = rest[1:]
     module = rest[:1] == ["-m"]
     target = rest[1] if module and len(rest) > 1 else (rest[0] if rest and not module else "")
@@ -264,17 +189,12 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
 
 def _check_device(device: int) -> None:
-    """Refuse ``--device`` beyond the GPUs NVML lists.
-
-    Without any GPU it is accepted, unlike ``sweep``'s: ``sweep`` runs its workload on the
-    device, while ``run`` only watches one and the program is the user's to run anyway (the
-    report says GPU memory was not checked).
-    """
+    """Refuse ``--device`` beyond the GPUs NVML lists (without any GPU the report says so)."""
     from leakcheck.core.errors import LeakCheckError
     from leakcheck.observe import nvml
 
     if not nvml.availability()[0]:
-        return  # no GPU to check against: the report says GPU memory was not checked
+        return
     try:
         count = nvml.get().device_count()
     except LeakCheckError:
@@ -284,50 +204,44 @@ def _check_device(device: int) -> None:
 
 
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``leakcheck run``: run the program, print the report, write ``--json``, pick the status.
-
-    Args:
-        args: ``cli.py``'s parsed arguments.
-        out: Unused (the program's standard output is its own); kept for symmetry.
-        err: Where the report and usage errors go.
-
-    Returns:
-        The exit status (see the module docstring).
-
-    """
+    """``leakcheck run``: run the program, report to ``err``, write ``--json``; the status."""
     from leakcheck.commands.launcher import LaunchError, run_program
     from leakcheck.judge.report import plot_reports
 
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
     try:
-        plan = resolve_run(args)
-    except UsageError as error:
-        err.write(f"{_PROG}: {error}\n")
-        return EXIT_USAGE
-    try:
-        result = run_program(plan.command, plan.options)
-    except LaunchError as error:
-        err.write(f"{_PROG}: {error}\n")
-        return error.exit_status
+        if not command:
+            raise UsageError(
+                "expected a command after --, such as: leakcheck run -- python train.py"
+            )
+        if args.nproc_per_node is not None:
+            command = torchrun_command(command, args.nproc_per_node)
+        json_path, plot_path = output_paths(args.json, args.plot)
+        options = _options(args)
+        result = run_program(command, options)
+    except (UsageError, LaunchError) as error:
+        err.write(f"leakcheck run: {error}\n")
+        return error.exit_status if isinstance(error, LaunchError) else EXIT_USAGE
     err.write(result.format() + "\n")
     err.flush()
     status = result.program_status
-    if plan.json_path is not None:
+    drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
+    if not drawn and result.tree is not None:
+        drawn = [("the program's process tree", result.tree)]
+    for option, path, write in (
+        ("--json", json_path, lambda p: write_json(p, result.to_dict())),
+        ("--plot", plot_path, lambda p: plot_reports(drawn, p)),
+    ):
+        if path is None:
+            continue
         try:
-            write_json(plan.json_path, result.to_dict())
-        except OSError as error:
-            err.write(f"{_PROG}: --json: cannot write {plan.json_path!r}: {error}\n")
-            if status == 0:
-                status = EXIT_USAGE
-    if plan.plot_path is not None:
-        drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
-        if not drawn and result.tree is not None:
-            drawn = [("the program's process tree", result.tree)]
-        try:
-            plot_reports(drawn, plan.plot_path)
+            write(path)
         except Exception as error:  # the report is out already: say what failed, go on
-            err.write(f"{_PROG}: --plot: cannot draw {plan.plot_path!r}: {error}\n")
-            if status == 0:
-                status = EXIT_USAGE
-    if status == 0 and plan.fail_on_leak and result.leak_count:
+            verb = "write" if option == "--json" else "draw"
+            err.write(f"leakcheck run: {option}: cannot {verb} {path!r}: {error}\n")
+            status = EXIT_USAGE if status == 0 else status
+    if status == 0 and args.fail_on_leak and result.leak_count:
         return EXIT_LEAK
     return status

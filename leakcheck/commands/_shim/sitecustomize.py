@@ -1,36 +1,15 @@
 """``leakcheck run``'s startup shim: every Python process of the run imports it at startup.
 
-NOTE [run shim]: ``leakcheck run`` puts this folder first on the program's ``PYTHONPATH``,
-so Python's ``site`` imports this file as ``sitecustomize`` in the program and in every
-Python process it starts that inherits the environment (not under ``python -E``, ``-I`` or
-``-S``). It must cost next to nothing and change nothing the program can notice, so it:
-
-1. takes its folder off ``sys.path`` again and runs the ``sitecustomize`` it shadows (the
-   next one on the path), as ``site`` would have, which then is ``sys.modules
-   ["sitecustomize"]``;
-2. does nothing else unless ``LEAKCHECK_RUN`` names an existing folder (the run's);
-3. never imports torch or leakcheck at startup: it puts a finder first on ``sys.meta_path``
-   that waits for ``torch.utils.data.dataloader`` to be imported by the program, lets the
-   import finish, then wraps ``DataLoader.__init__`` (to record the creation site: the
-   user's own line, and the library that made the loader for it) and ``DataLoader.__iter__``
-   (each iteration becomes an epoch of its loader: ``leakcheck.commands.instrument``,
-   imported at the first iteration). The finder removes itself once it has seen that
-   module.
-
-Every Python process of the run tracks the loaders it iterates: the program, the processes
-``multiprocessing`` and ``torch.multiprocessing`` start (spawned ones import this file at
-their start; forked ones inherit it, and ``instrument`` resets what they inherited of their
-parent's trackers), and exec'd ranks (torchrun, ``accelerate launch``). Left out:
-
-* an iteration inside a DataLoader worker (``get_worker_info()`` is set there): the worker
-  is its loader's tracker's to judge, and a loader of its own would judge its parent's;
-* multiprocessing's helpers (the resource tracker, the forkserver process: told by their
-  command line) never track; the processes the forkserver forks do, as any fork does.
-
-Nothing is imported here that the interpreter has not loaded already; leakcheck is loaded
-from this file's own package when the first loader is iterated, so the program runs the same
-leakcheck as the ``leakcheck run`` that started it. Any failure of leakcheck's own leaves the
-program's DataLoader working as it would without the shim.
+NOTE [run shim]: ``leakcheck run`` puts this folder first on the program's ``PYTHONPATH``, so
+``site`` imports this file in every Python process of the run that inherits the environment
+(not under ``python -E``, ``-I`` or ``-S``). It must cost next to nothing and change nothing
+the program can notice: it takes its folder off ``sys.path`` and runs the ``sitecustomize``
+it shadows; without ``LEAKCHECK_RUN`` naming a folder it does nothing else; and it imports
+nothing the interpreter has not loaded. A finder waits for the program's import of
+``torch.utils.data.dataloader`` and wraps ``DataLoader.__init__`` (the creation site) and
+``__iter__`` (each iteration an epoch: ``instrument``, loaded at the first iteration from
+this file's own package). Not inside a DataLoader worker (its loader's tracker judges it),
+nor in multiprocessing's resource tracker and forkserver. A failure leaves DataLoader as is.
 """
 
 from __future__ import annotations
@@ -42,15 +21,27 @@ TYPE_CHECKING = False  # typing costs the program's start 2 ms: imported for myp
 if TYPE_CHECKING:
     from typing import Any
 
-RUN_ENV = "LEAKCHECK_RUN"
-"""Names the run folder; the same as ``leakcheck.commands.instrument.RUN_ENV``."""
-
+RUN_ENV = "LEAKCHECK_RUN"  # instrument.RUN_ENV
 _TARGET = "torch.utils.data.dataloader"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE))  # the leakcheck package of this shim
 _HELPERS = ("from multiprocessing.resource_tracker", "from multiprocessing.forkserver")
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+# A spawned multiprocessing child runs multiprocessing's own ``-c`` code, not the user's.
+_SPAWNED = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or ())
 _helper_pid = 0  # a multiprocessing helper never tracks; what its forks run does
 _active_folder = ""
+_instrument_module: Any = None
+_instrument_failed = False
+
+
+class _suppress:  # contextlib.suppress(Exception), without importing contextlib
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
+        return kind is not None and issubclass(kind, Exception)
 
 
 def _same_dir(entry: str) -> bool:
@@ -61,50 +52,22 @@ def _same_dir(entry: str) -> bool:
 
 
 def _chain() -> None:
-    """Import the ``sitecustomize`` this file shadows, with ``site``'s error handling.
-
-    Plain ``__import__`` once this module left ``sys.modules`` and its folder left
-    ``sys.path``: importing ``importlib.util`` here would cost the program milliseconds.
-    """
+    """Import the ``sitecustomize`` this file shadows, as ``site.execsitecustomize`` does."""
     me = sys.modules.pop("sitecustomize", None)
     try:
         __import__("sitecustomize")
-    except ImportError as error:
-        if error.name != "sitecustomize":
-            _site_error(error)
     except Exception as error:
-        _site_error(error)
+        if isinstance(error, ImportError) and error.name == "sitecustomize":
+            pass  # there is none
+        elif sys.flags.verbose:
+            sys.excepthook(type(error), error, error.__traceback__)
+        else:
+            sys.stderr.write(
+                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                f"{type(error).__name__}: {error}\n"
+            )
     if "sitecustomize" not in sys.modules and me is not None:
-        # None other (or it failed): the import machinery expects this module back.
-        sys.modules["sitecustomize"] = me
-
-
-def _site_error(error: BaseException) -> None:
-    """What ``site.execsitecustomize`` does with a failing ``sitecustomize``."""
-    if sys.flags.verbose:
-        sys.excepthook(type(error), error, error.__traceback__)
-    else:
-        sys.stderr.write(
-            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
-            f"{type(error).__name__}: {error}\n"
-        )
-
-
-def _multiprocessing_helper() -> bool:
-    """The resource tracker or the forkserver process (``-c "from multiprocessing..."``)."""
-    argv = getattr(sys, "orig_argv", None) or []
-    if "-c" not in argv:
-        return False
-    index = argv.index("-c")
-    code = argv[index + 1] if index + 1 < len(argv) else ""
-    return code.lstrip().startswith(_HELPERS)
-
-
-def _run_folder() -> str | None:
-    folder = os.environ.get(RUN_ENV)
-    if not folder or not os.path.isdir(folder):
-        return None
-    return folder
+        sys.modules["sitecustomize"] = me  # none other: the import machinery expects one
 
 
 class _Finder:
@@ -117,9 +80,7 @@ class _Finder:
             sys.meta_path.remove(self)
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
+            spec = find_spec(fullname, path, target) if find_spec is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _PatchingLoader(spec.loader)
@@ -143,14 +104,6 @@ class _PatchingLoader:
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename... for tracebacks
         return getattr(self._loader, name)
-
-
-class _suppress:  # contextlib.suppress(Exception), without importing contextlib
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> bool:
-        return kind is not None and issubclass(kind, Exception)
 
 
 def _patch(module: Any) -> None:
@@ -177,39 +130,24 @@ def _patch(module: Any) -> None:
             return original_iter(self)
         return instrument.epoch_iterator(self, original_iter)  # never raises its own errors
 
-    wrappers: tuple[tuple[str, Any, Any], ...] = (
-        ("__init__", __init__, original_init),
-        ("__iter__", __iter__, original_iter),
-    )
-    for name, wrapper, original in wrappers:
-        wrapper.__name__ = name
+    wrappers: tuple[tuple[Any, Any], ...] = ((__init__, original_init), (__iter__, original_iter))
+    for wrapper, original in wrappers:
         wrapper.__qualname__ = original.__qualname__
         wrapper.__doc__ = original.__doc__
         wrapper.__wrapped__ = original
-        setattr(cls, name, wrapper)
+        setattr(cls, wrapper.__name__, wrapper)
     cls._leakcheck_patched = True
 
 
-_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
-_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-# A spawned multiprocessing child runs multiprocessing's own ``-c`` code, not the user's.
-_SPAWNED = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or ())
-
-
 def _library(filename: str) -> str | None:
-    """The top-level package of a library's file; "" for the stdlib; None for user code.
-
-    User code is any file out of the stdlib, site-packages, dist-packages and leakcheck
-    (a ``python -c`` program's ``<string>`` too, but not the one multiprocessing gives a
-    process it spawns; frozen modules are the stdlib's).
-    """
+    """The top-level package of a library's file; "" for the stdlib; None for user code."""
     if not filename.startswith(os.sep):
         return "" if filename.startswith("<frozen") or _SPAWNED else None
     for marker in _LIBRARY_DIRS:
         index = filename.rfind(marker)
         if index >= 0:
             top = filename[index + len(marker) :].split(os.sep, 1)[0]
-            return top[:-3] if top.endswith(".py") else top
+            return top.removesuffix(".py")
     if filename.startswith(_PACKAGE + os.sep):
         return "leakcheck"
     return "" if filename.startswith(_STDLIB) else None
@@ -218,54 +156,33 @@ def _library(filename: str) -> str | None:
 def _creation_site(loader: Any, torch_dir: str, cls: Any) -> tuple[Any, ...]:
     """Where ``loader`` was made: ``(file, line, via, origin file, origin line)``.
 
-    ``file:line`` is the first frame of the user's own code out of torch (and out of the
-    ``__init__`` of the loader's own classes: a subclass's ``super().__init__`` call is not
-    where the program made it); ``via`` names the library that made the loader for it: the
-    top-level package of the outermost library frame between that frame and torch, with
-    its class where that frame is a method (``transformers Trainer``), else empty. The
-    origin is the first frame out of torch, the user's or a library's: what made the loader
-    itself.
-
-    A library frame that holds the loader itself is part of making it (a wrapper of
-    ``__init__``, as Lightning installs while it calls ``train_dataloader()``), not what
-    made it: passed over like torch. One that holds another DataLoader with a site of its
-    own is making this one from it (Lightning adds a ``DistributedSampler`` so, in a rank
-    whose stack holds no user frame): the loader takes that site, by this library. Without
-    a user frame at all (a library's own program) the origin is the site.
+    The user's first frame out of torch and the loader's own ``__init__``s, ``via`` the
+    outermost library between (``transformers Trainer``); the origin is the first frame out
+    of torch. A library frame holding the loader is passed over (Lightning's ``__init__``
+    wrapper); one holding another loader with a site makes this one from it (Lightning's
+    ``DistributedSampler``): that site, via the library.
     """
-    inits = {
-        getattr(klass.__dict__.get("__init__"), "__code__", None) for klass in type(loader).__mro__
-    }
+    inits = {getattr(k.__dict__.get("__init__"), "__code__", None) for k in type(loader).__mro__}
     origin: tuple[str, int] | None = None
     outermost: Any = None  # the library frame nearest the user's, so far
-    for frame in _outward(sys._getframe(2)):  # from the caller of the patched __init__
+    frame: Any = sys._getframe(2)  # the caller of the patched __init__
+    while frame is not None:
         code = frame.f_code
         filename = code.co_filename
-        if filename.startswith(torch_dir) or code in inits:
-            continue
-        library = _library(filename)
-        held = _held_loader(frame, loader, cls) if library else None
-        if held is loader:
-            continue
-        if origin is None:
-            origin = (filename, frame.f_lineno)
-        if library is None:
-            return (filename, frame.f_lineno, _via(outermost), *origin)
-        if library:
-            outermost = frame
-            if held is not None:
-                site = held.__dict__["_leakcheck_site"]
-                return (*site[:2], site[2] or _via(frame), *origin)
-    if origin is None:
-        return ("?", 0, "", "?", 0)
-    return (*origin, "", *origin)
-
-
-def _outward(frame: Any) -> Any:
-    """``frame`` and its callers, innermost first."""
-    while frame is not None:
-        yield frame
+        if not (filename.startswith(torch_dir) or code in inits):
+            library = _library(filename)
+            held = _held_loader(frame, loader, cls) if library else None
+            if held is not loader:
+                origin = origin or (filename, frame.f_lineno)
+                if library is None:
+                    return (filename, frame.f_lineno, _via(outermost), *origin)
+                if library:
+                    outermost = frame
+                if held is not None:
+                    site = held.__dict__["_leakcheck_site"]
+                    return (*site[:2], site[2] or _via(frame), *origin)
         frame = frame.f_back
+    return (*origin, "", *origin) if origin else ("?", 0, "", "?", 0)
 
 
 def _held_loader(frame: Any, loader: Any, cls: Any) -> Any:
@@ -293,12 +210,8 @@ def _via(frame: Any) -> str:
     return package
 
 
-_instrument_module: Any = None
-_instrument_failed = False
-
-
 def _instrument() -> Any:
-    """``leakcheck.commands.instrument`` from this shim's package (None once it failed to load)."""
+    """``leakcheck.commands.instrument`` from this shim's package (None once it failed)."""
     global _instrument_module, _instrument_failed
     if _instrument_module is not None or _instrument_failed:
         return _instrument_module
@@ -335,11 +248,13 @@ def _instrument() -> Any:
 
 def _activate() -> None:
     global _helper_pid, _active_folder
-    folder = _run_folder()
-    if folder is None:
+    folder = os.environ.get(RUN_ENV)
+    if not folder or not os.path.isdir(folder):
         return
     _active_folder = folder
-    if _multiprocessing_helper():
+    argv = getattr(sys, "orig_argv", None) or []
+    code = argv[argv.index("-c") + 1] if "-c" in argv[:-1] else ""
+    if code.lstrip().startswith(_HELPERS):
         _helper_pid = os.getpid()
     sys.meta_path.insert(0, _Finder())
 

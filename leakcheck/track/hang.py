@@ -26,8 +26,10 @@ from leakcheck.observe import mailbox, procs
 
 __all__ = ["HangWatch", "own_stacks"]
 
-_DUMP_WAIT_S = 2.0
-"""How long the watch waits for the workers' faulthandlers to write (they write at once)."""
+_DUMP_WAIT_S = 10.0
+"""How long the watch waits for the workers' faulthandlers to write: they write as soon as they
+run, which on a loaded machine can be seconds after the signal. Only a worker that cannot run
+(stopped, in uninterruptible sleep) makes the watch wait this long."""
 
 
 def own_stacks() -> str:

@@ -17,21 +17,9 @@ request and closed however the loop ends, so the report always keeps it:
 
 After an early end, non-persistent workers are shut down at once (the exception's
 traceback would otherwise keep them alive as false survivors), and judging waits for the
-next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
-epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
-the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
-that waits for it. Nothing is done per batch beyond one generator step and one clock read
+next epoch or ``close()`` (NOTE [late survivors], [judged window] in watching.py): raising
+from a closing generator would be lost. Per batch: one generator step and one clock read
 (NOTE [hang watch] in hang.py).
-
-NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and the
-wrapper judges at every epoch end, so over a long run the epoch end would grow slower and
-slower. The epoch-end judgement therefore looks at the latest ``_JUDGED_EPOCHS`` closed
-epochs only (``benchmarks/bench_epochs.py`` measures both), as recorded at their ends, and
-``close()`` and ``report()`` judge the whole run with a fresh read. Every rule still works
-on the window: survivors and orphans are seen within a few epochs of their birth (unless
-epochs are so short that the grace period spans the whole window), growth over the
-window's epochs (warm-up included). What only a longer view shows, such as growth too slow
-to exceed the tolerance within the window, is announced by ``close()``.
 """
 
 from __future__ import annotations
@@ -51,10 +39,11 @@ from leakcheck.adapters.watching import (
     OnLeak,
     call_reported,
     chained_worker_init,
+    check_on_epoch,
     check_on_leak,
     check_teardown,
+    last_record,
     note_deaths,
-    started_mailbox,
 )
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import EndReason, EpochRecord
@@ -283,7 +272,7 @@ class WatchedLoader(Generic[T]):
         if self._started:
             return
         self._started = True
-        mailbox_dir = started_mailbox(tracker)
+        mailbox_dir = tracker.start().mailbox_dir
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
             # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
@@ -356,11 +345,6 @@ class WatchedLoader(Generic[T]):
         self._batches_seen = self._batches_seen or count > 0
         self._judge.judge(may_raise=True, stacklevel=2)
 
-    def _last_record(self) -> EpochRecord:
-        self._tracker.finish_reads()  # the record as the report will show it
-        (record,) = self._tracker.timeline(last_epochs=1).epochs
-        return record
-
     def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
         # Only the epoch this iteration opened: when an iterator is kept (a peek at the first
         # batch) and the loader iterated again, the new epoch closed it, and dropping the
@@ -372,7 +356,7 @@ class WatchedLoader(Generic[T]):
             self._judge.epoch_ended()
             on_epoch = self._on_epoch
             if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
-                call_reported("on_epoch", lambda: on_epoch(self._last_record()))
+                call_reported("on_epoch", lambda: on_epoch(last_record(self._tracker)))
 
 
 def watch(
@@ -440,8 +424,7 @@ def watch(
     check_teardown(teardown)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
-    if on_epoch is not None and not callable(on_epoch):
-        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
+    check_on_epoch(on_epoch)
     tracker = Tracker(
         interval=interval,
         rollup_share=rollup_share,

@@ -1,23 +1,16 @@
-"""What every adapter that watches a job's loaders shares: options, the chained policy, judging.
+"""What ``watch()`` and the Lightning callback share: options, the chained policy, judging.
 
-``watch()`` and the Lightning callback take the same options, chain the same teardown policy
-into a loader's ``worker_init_fn``, and announce leaks at epoch ends the same way. Those
-pieces live here, in one module both import (docs/ARCHITECTURE.md, Layers).
-
-NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and an
-adapter judges at every epoch end, so over a long run the epoch end would grow slower and
-slower. The epoch-end judgement therefore looks at the latest ``JUDGED_EPOCHS`` closed epochs
-only, as recorded at their ends; the judgement at ``close()`` sees the whole run with a fresh
-read. Every rule still works on the window: survivors and orphans are seen within a few
-epochs of their birth (unless epochs are so short that the grace period spans the whole
-window), growth over the window's epochs (warm-up included). What only a longer view shows,
-such as growth too slow to exceed the tolerance within the window, is announced at close.
+NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
+judges at every epoch end, so the epoch-end judgement looks at the latest ``JUDGED_EPOCHS``
+closed epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures
+both); ``close()`` judges the whole run with a fresh read. Every rule still works on the
+window; what only a longer view shows (growth too slow to exceed the tolerance within it)
+is announced at close.
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
 ended, so an adapter judges again at the start of a later epoch once the grace has passed
-(``EpochJudge.judge_if_due``), on a walk taken then: the sampler's last one may predate the
-grace's end, and a process must be seen alive after it to be a survivor. And at close, the
-only place that waits for it.
+(``EpochJudge.judge_if_due``), on a walk taken then (a process must be seen alive after the
+grace), and at close, the only place that waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import Finding
+from leakcheck.core.model import EpochRecord, Finding
 from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
 
@@ -39,9 +32,11 @@ __all__ = [
     "OnLeak",
     "call_reported",
     "chained_worker_init",
+    "check_on_epoch",
     "check_on_leak",
     "check_teardown",
-    "started_mailbox",
+    "last_record",
+    "note_deaths",
 ]
 
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -76,14 +71,25 @@ def check_teardown(value: object) -> bool:
     return value
 
 
-def started_mailbox(tracker: Tracker) -> str | None:
-    """Start ``tracker`` and return its mailbox folder (None: it has none).
+def check_on_epoch(
+    value: Callable[[EpochRecord], object] | None,
+) -> Callable[[EpochRecord], object] | None:
+    """Validate ``on_epoch``: None or a callable.
 
-    The tracker's own, not the exported variable: with several trackers in one process, that
-    names the one started last.
+    Raises:
+        UsageError: Neither; the message names the value.
+
     """
-    tracker.start()
-    return tracker.mailbox_dir
+    if value is not None and not callable(value):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {value!r}")
+    return value
+
+
+def last_record(tracker: Tracker) -> EpochRecord:
+    """The tracker's latest closed epoch, as the report will show it."""
+    tracker.finish_reads()
+    (record,) = tracker.timeline(last_epochs=1).epochs
+    return record
 
 
 def chained_worker_init(

@@ -527,10 +527,10 @@ class Checker:
     def _parent(self, after: GpuState) -> ProcessEpoch:
         gpu = dict(after.nvml_bytes or {})
         return ProcessEpoch(
-            key=self.lineage.key(),
+            key=self.lineage.key,
             role="parent",
             ppid=os.getppid(),
-            cmdline=self.lineage.cmdline(),
+            cmdline=self.lineage.cmdline,
             born_in_epoch=False,
             persistent=True,
             alive_at_end=True,
@@ -687,22 +687,10 @@ class Lineage:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._key: ProcessKey | None = None
+        self.key = procs.process_key(pid) or ProcessKey(pid, 0)
+        info = procs.read_proc(pid)
+        self.cmdline = info.cmdline if info is not None else ""
         self._identity: tuple[bytes | None, bytes | None] | None = None
-        self._cmdline: str | None = None
-
-    def key(self) -> ProcessKey:
-        """The test process's identity."""
-        if self._key is None:
-            self._key = procs.process_key(self.pid) or ProcessKey(self.pid, 0)
-        return self._key
-
-    def cmdline(self) -> str:
-        """The test process's command line, as procs reads one (read once)."""
-        if self._cmdline is None:
-            info = procs.read_proc(self.pid)
-            self._cmdline = info.cmdline if info is not None else ""
-        return self._cmdline
 
     def ours(self, pids: Iterable[int], tags: set[str], *, since: PidMark) -> list[ProcInfo]:
         """The processes among ``pids`` that belong to the test, born since ``since``."""

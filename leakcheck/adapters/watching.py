@@ -123,11 +123,7 @@ def chained_worker_init(
 
 
 def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
-    """Run a user's callable (or a logger) at an epoch end; what it raises is only warned.
-
-    The detector never breaks the user's loop: an exception becomes one ``RuntimeWarning``
-    naming ``what``, and the loop goes on.
-    """
+    """Run a user's callable (or a logger): what it raises is one ``RuntimeWarning``, no more."""
     try:
         call()
     except Exception as error:
@@ -145,12 +141,9 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 
 
 def note_deaths(tracker: Tracker, iterator: object) -> bool:
-    """Tell ``tracker`` how the workers of a failed epoch's loader iterator ended.
+    """Tell ``tracker`` which workers of a failed epoch's iterator a signal killed (True: some).
 
-    A DataLoader iterator's ``_workers`` are ``multiprocessing`` processes; reading their
-    ``exitcode`` reaps a dead one (the iterator's shutdown would, a moment later), and a
-    negative one is the signal that killed it. Never raises. Returns True when a worker
-    was killed by a signal.
+    Reading a worker's ``exitcode`` reaps it, as the iterator's shutdown would a moment later.
     """
     died = False
     try:
@@ -197,9 +190,7 @@ class EpochJudge:
         )
 
     def judge_if_due(self, *, stacklevel: int = 1) -> None:
-        """At an epoch's start: judge what the grace now lets be judged, on a walk taken now.
-
-        Nothing when nothing is due (NOTE [late survivors]).
+        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors]).
 
         Raises:
             LeakError: ``on_leak="raise"`` and a new leak was found.
@@ -212,14 +203,12 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
 
-        Before the tracker is closed, the latest ``JUDGED_EPOCHS`` epochs as recorded
-        (NOTE [judged window]); after, the whole run.
+        NOTE [judged window]: the latest epochs while the tracker is open, the whole run after.
 
         Args:
-            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception
-                is on its way out already, and a leak must not replace it).
-            stacklevel: Where the warning points, as ``warnings.warn`` counts, from the
-                caller of this method (1: the caller's line).
+            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception is
+                on its way out already, and a leak must not replace it).
+            stacklevel: Where the warning points, from the caller (1: the caller's line).
 
         Raises:
             LeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.

@@ -14,6 +14,8 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +26,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
+from leakcheck.core.model import EpochRecord
 from leakcheck.judge.report import Report
+from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
+from tests.polling import wait_for
 from tests.pyrun import run_python
 from tests.test_dataloader import BAD_OPTIONS
 
@@ -269,6 +274,90 @@ def test_each_epoch_logs_leakcheck_scalars_to_the_trainers_csv_logger(tmp_path: 
     pytest.importorskip("matplotlib")
     png = callback.plot(str(tmp_path / "leaks.png"))  # both stages, side by side
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_on_epoch_receives_each_epoch_record_of_every_stage(tmp_path: Path) -> None:
+    records: list[EpochRecord] = []
+    callback = LeakCheckCallback(grace=0.5, on_leak="ignore", on_epoch=records.append)
+    trainer(callback, tmp_path, max_epochs=2).fit(Tiny())
+
+    assert [r.label for r in records] == [
+        "val sanity check",
+        "val epoch 0",  # validation runs inside the training epoch: it ends first
+        "train epoch 0",
+        "val epoch 1",
+        "train epoch 1",
+    ]
+    val, train = VAL_BATCHES, TRAIN_BATCHES
+    assert [r.batches for r in records] == [val, val, train, val, train]
+    assert all(r.end_reason == "completed" for r in records)
+    # The train loader's workers, named in their epoch's record.
+    assert {p.role for p in records[2].processes} == {"parent", "worker"}
+
+
+def test_a_bad_on_epoch_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=r"on_epoch: expected a callable"):
+        LeakCheckCallback(on_epoch="print")  # type: ignore[arg-type]
+
+
+class BlocksAt(Pairs):
+    """Item 4 blocks until the file ``release`` exists."""
+
+    def __init__(self, release: str) -> None:
+        self.release = release
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        while index == 4 and not os.path.exists(self.release):
+            time.sleep(0.01)
+        return super().__getitem__(index)
+
+
+def test_a_stalled_training_epoch_shows_the_blocked_workers_stack(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    # Above a slow first batch on a loaded machine, which is a stall too.
+    callback = LeakCheckCallback(grace=0.5, on_leak="ignore", hang_after=2.0)
+
+    def hangs() -> list[Any]:
+        tracker = callback.trackers.get("train")
+        return [] if tracker is None else [f for f in tracker.report().findings if f.rule == "hang"]
+
+    def release_when_shown() -> None:
+        wait_for(lambda: any("in __getitem__" in (f.stack or "") for f in hangs()), 120)
+        release.touch()
+
+    releaser = threading.Thread(target=release_when_shown)
+    releaser.start()
+    trainer(callback, tmp_path, max_epochs=1).fit(Tiny(BlocksAt(str(release))))
+    releaser.join()
+
+    [finding, *_] = [f for f in callback.report("train").findings if f.rule == "hang"]
+    assert "no batch for" in finding.message and "in epoch 0" in finding.message
+    assert "in __getitem__" in (finding.stack or "")
+    assert [e.batches for e in callback.report("train").epochs] == [TRAIN_BATCHES]
+    assert not [f for f in callback.report("val").findings if f.rule == "hang"]
+
+
+def test_the_hang_watch_is_on_by_default_and_off_with_zero() -> None:
+    assert "hang_after=120.0" in repr(LeakCheckCallback())
+    assert "hang_after=0" in repr(LeakCheckCallback(hang_after=0))
+
+
+def test_without_a_logger_no_report_is_built_at_epoch_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    windowed: list[int | None] = []
+    report = Tracker.report
+
+    def counting(self: Tracker, **kwargs: Any) -> Report:
+        if not kwargs.get("fresh", True):  # the epoch-end judgement's windowed report
+            windowed.append(kwargs.get("last_epochs"))
+        return report(self, **kwargs)
+
+    monkeypatch.setattr(Tracker, "report", counting)
+    callback = LeakCheckCallback(grace=0.5, on_leak="ignore")
+    trainer(callback, tmp_path, max_epochs=2).fit(Tiny())  # logger=False
+    assert windowed == []
+    assert labels(callback.report("train")) == ["train epoch 0", "train epoch 1"]
 
 
 def test_loaders_and_strategy_get_their_own_back(tmp_path: Path) -> None:

@@ -1,37 +1,18 @@
 """``leakcheck.watch(loader)``: a DataLoader that reports, per epoch, who leaked what.
 
 NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
-request and closed however the loop ends, so the report always keeps it:
-
-* the loader is exhausted: ``completed``; the leak rules are applied right away and a
-  ``LeakError`` (``on_leak="raise"``) surfaces from the ``for`` statement;
-* the loop is left early (``break``, ``return``, the iterator dropped): ``break``. Python
-  tells a generator only that it was closed, not why: a ``KeyboardInterrupt`` raised in the
-  loop body also reads as ``break``;
-* an exception while fetching a batch, a worker's included: ``exception``, then re-raised;
-  a worker a signal ended is noted first (``note_deaths``) and its ``died`` finding
-  announced at once, before the DataLoader's own error goes on;
-* ``KeyboardInterrupt`` while fetching a batch: ``interrupt``, then re-raised;
-* the iterator was reclaimed by the garbage collector or at interpreter exit (not by the
-  loop): ``collected``.
+request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
+``LeakError`` surfaces from the ``for`` statement), ``break`` (left early; Python tells a
+generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
+``exception`` (while fetching a batch, re-raised; a worker a signal ended is noted first and
+its ``died`` finding announced at once), ``interrupt`` (``KeyboardInterrupt`` while fetching)
+or ``collected`` (by the garbage collector or at interpreter exit).
 
 After an early end, non-persistent workers are shut down at once (the exception's
 traceback would otherwise keep them alive as false survivors), and judging waits for the
-next epoch or ``close()``: raising from a closing generator would be lost. A survivor of
-epoch N can only be judged ``grace`` seconds after it ended, so epoch N is judged again at
-the start of epoch N+1 once the grace period has passed, and at ``close()``, the only place
-that waits for it. Nothing is done per batch beyond one generator step and one clock read
+next epoch or ``close()`` (NOTE [late survivors], [judged window] in watching.py): raising
+from a closing generator would be lost. Per batch: one generator step and one clock read
 (NOTE [hang watch] in hang.py).
-
-NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and the
-wrapper judges at every epoch end, so over a long run the epoch end would grow slower and
-slower. The epoch-end judgement therefore looks at the latest ``_JUDGED_EPOCHS`` closed
-epochs only (``benchmarks/bench_epochs.py`` measures both), as recorded at their ends, and
-``close()`` and ``report()`` judge the whole run with a fresh read. Every rule still works
-on the window: survivors and orphans are seen within a few epochs of their birth (unless
-epochs are so short that the grace period spans the whole window), growth over the
-window's epochs (warm-up included). What only a longer view shows, such as growth too slow
-to exceed the tolerance within the window, is announced by ``close()``.
 """
 
 from __future__ import annotations
@@ -51,10 +32,11 @@ from leakcheck.adapters.watching import (
     OnLeak,
     call_reported,
     chained_worker_init,
+    check_on_epoch,
     check_on_leak,
     check_teardown,
+    last_record,
     note_deaths,
-    started_mailbox,
 )
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import EndReason, EpochRecord
@@ -89,15 +71,14 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     return end_reason_for(error)
 
 
-# Two wrappers of one loader install their hooks in turn and may close in either order: a
-# hook put back must not be a closed wrapper's (its mailbox is gone), so each hook knows
-# what it replaced, and a closed one is skipped for what it replaced in turn.
+# Two wrappers of one loader may close in either order: a hook put back must not be a closed
+# wrapper's (its mailbox is gone), so each knows what it replaced.
 _replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
 _live_hooks: weakref.WeakSet[WorkerInit] = weakref.WeakSet()
 
 
 def _what_to_restore(function: Any) -> Any:
-    """``function``, or for a closed wrapper's hook, the first live one or the user's below."""
+    """``function``, or for a closed wrapper's hook, the first live one below."""
     while isinstance(function, WorkerInit) and function not in _live_hooks:
         if function not in _replaced:
             break  # the user's own leakcheck.worker_init_fn(...): theirs to keep
@@ -123,11 +104,7 @@ class _Session:
         self.installed = None
 
     def finalize(self, owns_tracker: bool = True) -> None:
-        """Run when the wrapper is collected without ``close()``: stop the sampler.
-
-        A shared tracker (``owns_tracker=False``) is left alone: an epoch of the wrapper's
-        own was ended by its generator, which no longer exists.
-        """
+        """The wrapper was collected without ``close()``: stop the tracker it owns."""
         self.restore_init()
         if owns_tracker:
             self.tracker.end_epoch("collected")
@@ -140,16 +117,10 @@ class WatchedLoader(Generic[T]):
     Build it with :func:`watch`. ``len()``, iteration and every attribute of the loader
     (``batch_size``, ``dataset``, ``num_workers``, ...) behave as on the loader itself.
 
-    Two arguments exist for ``leakcheck run``, which patches ``DataLoader.__iter__`` itself
-    and tracks each loader through a new wrapper per epoch (NOTE [run instrumentation] in
-    instrument.py); ``watch()`` leaves both at their defaults:
-
-    * ``iterate`` makes each epoch's iterator from the loader instead of ``iter(loader)``
-      (the patched ``__iter__`` would recurse into the wrapper; it passes the original);
-    * ``owns_tracker=False``: the tracker is shared with other wrappers, so this one never
-      closes it (``close()`` ends the wrapper's own epoch if one is open, and both
-      ``close()`` and collection restore the loader's ``worker_init_fn``); whoever made
-      the tracker closes it.
+    ``leakcheck run`` (NOTE [run instrumentation] in instrument.py) passes ``iterate`` (makes
+    each epoch's iterator instead of ``iter(loader)``, which its patched ``__iter__`` would
+    recurse into) and ``owns_tracker=False`` (a shared tracker: ``close()`` ends only this
+    wrapper's epoch and restores the loader's ``worker_init_fn``; whoever made it closes it).
     """
 
     def __init__(
@@ -211,11 +182,7 @@ class WatchedLoader(Generic[T]):
         return self._loader
 
     def report(self) -> Report:
-        """Judge what was observed so far, with a fresh read of what is alive now.
-
-        Before ``close()`` the report reads now who is alive (the parent, survivors,
-        orphans) and what each holds; after it, the final state ``close()`` took.
-        """
+        """Judge what was observed so far (before ``close()``, with a fresh read of now)."""
         return self._tracker.report()
 
     def close(self) -> None:
@@ -232,13 +199,9 @@ class WatchedLoader(Generic[T]):
     def drop_loader(self) -> None:
         """Let go of the wrapped loader, so that it can be collected while tracking goes on.
 
-        Persistent workers stop only when their loader is collected (a DataLoader's iterator
-        shuts its workers down then). Called before ``close()`` and followed by
-        ``gc.collect()``, this makes their exit, and what each reported at teardown, part of
-        the tracked run; ``leakcheck sweep`` does it at the end of each configuration. The
-        loader's own ``worker_init_fn`` is restored first; the wrapper cannot be iterated
-        again, but ``report()`` and ``close()`` work as before. The host-memory reads of the
-        last epoch end are made first, while its workers still run.
+        Persistent workers stop only when their loader is collected: called before
+        ``close()`` and followed by ``gc.collect()``, this makes their exit part of the
+        tracked run (``leakcheck sweep`` does). The wrapper cannot be iterated again.
         """
         self._tracker.finish_reads()
         self._session.restore_init()
@@ -283,7 +246,7 @@ class WatchedLoader(Generic[T]):
         if self._started:
             return
         self._started = True
-        mailbox_dir = started_mailbox(tracker)
+        mailbox_dir = tracker.start().mailbox_dir
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
             # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
@@ -310,9 +273,7 @@ class WatchedLoader(Generic[T]):
         self._open_epoch = index
         installed = self._session.installed
         if installed is not None:
-            # Workers start in this thread, and the kernel sends PR_SET_PDEATHSIG when the
-            # thread that started a worker exits: from a short-lived thread, persistent
-            # workers would be killed under the loader (NOTE [teardown policy]).
+            # NOTE [teardown policy] in teardown.py: the death signal follows the thread.
             installed.death_signal = threading.current_thread() is threading.main_thread()
         batches: Any = None
         count = 0
@@ -356,23 +317,16 @@ class WatchedLoader(Generic[T]):
         self._batches_seen = self._batches_seen or count > 0
         self._judge.judge(may_raise=True, stacklevel=2)
 
-    def _last_record(self) -> EpochRecord:
-        self._tracker.finish_reads()  # the record as the report will show it
-        (record,) = self._tracker.timeline(last_epochs=1).epochs
-        return record
-
     def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
-        # Only the epoch this iteration opened: when an iterator is kept (a peek at the first
-        # batch) and the loader iterated again, the new epoch closed it, and dropping the
-        # kept iterator later must not end the epoch open then (this wrapper's or another's
-        # over the same tracker).
+        # Only the epoch this iteration opened: a kept iterator (a peek at the first batch)
+        # dropped later must not end the epoch open then.
         if self._open_epoch == index:
             self._open_epoch = None
         if self._tracker.end_epoch(reason, error, batches, index=index):
             self._judge.epoch_ended()
             on_epoch = self._on_epoch
             if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
-                call_reported("on_epoch", lambda: on_epoch(self._last_record()))
+                call_reported("on_epoch", lambda: on_epoch(last_record(self._tracker)))
 
 
 def watch(
@@ -440,8 +394,7 @@ def watch(
     check_teardown(teardown)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
-    if on_epoch is not None and not callable(on_epoch):
-        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
+    check_on_epoch(on_epoch)
     tracker = Tracker(
         interval=interval,
         rollup_share=rollup_share,

@@ -1,30 +1,21 @@
 """Gather the reports of a distributed job's ranks on rank 0: torch.distributed, or files.
 
 ``gather_reports(reports)`` is what a training script under torchrun calls on every rank once
-its loaders are closed (``leakcheck.watch``): rank 0 gets one ``JobReport``, a verdict per
-rank and for the job. Where no process group is initialised, or the collective fails, each
-rank writes its report to a folder (``LEAKCHECK_RANK_DIR``, or the run folder under
-``leakcheck run``), and ``job_from_folder`` (or ``leakcheck run`` itself) merges them.
+its loaders are closed: rank 0 gets one ``JobReport``, a verdict per rank and for the job.
+Each rank also writes its report to a folder (``LEAKCHECK_RANK_DIR``, or the run folder under
+``leakcheck run``), which ``leakcheck run`` merges where no gather happened.
 
-NOTE [rank gathering]: a collective completes only when every rank of the group calls it.
-A rank that died (killed, out of memory, an exception on its own) never will, and the others
-then block in ``gather_object`` until the group's timeout: 30 minutes for gloo by default,
-and with NCCL possibly for ever. The detector must never hang the job, so:
-
-* leakcheck never gathers on its own, least of all at interpreter exit (``leakcheck run``'s
-  trackers at ``atexit``, a loader's ``close()``), where a rank cannot know whether its peers
-  are still alive: there, each rank writes a file of its own, which needs no peer, and the
-  merging side (``leakcheck run``'s launcher, after the job ended) reads whatever came, and
-  judges a rank whose file never came from what was seen of it from outside;
-* the collective is used only when the program asks for it, with ``gather_reports``, at a
-  point every rank reaches (as it would place any collective of its own), and only while a
-  process group is initialised. Every rank first counts itself in through the group's
-  store and waits for the others, at most ``timeout_s`` (any backend: ``monitored_barrier``
-  is gloo's alone): a missing rank then makes every rank fall back to its file instead of
-  blocking. A rank that dies between that count and the gather is not covered: the
-  program's own placement of the call keeps that window short;
-* the file is written whatever happens (before the collective), so a failed gather loses
-  nothing. leakcheck's own failures are reported (a warning, and the file), never raised.
+NOTE [rank gathering]: a collective completes only when every rank calls it, and a rank that
+died never will: the others would block in ``gather_object`` until the group's timeout (30
+minutes for gloo, for ever with NCCL). The detector must never hang the job, so leakcheck
+never gathers on its own (least of all at exit, where a rank cannot know whether its peers
+live: there each rank writes its own file, and the merging side judges a rank whose file
+never came from what was seen of it from outside). ``gather_reports`` gathers only where the
+program asks, at a point every rank reaches, while a process group is initialised; every
+rank first counts itself in through the group's store and waits for the others at most
+``timeout_s`` (``monitored_barrier`` is gloo's alone): a missing rank makes every rank fall
+back to its file. The file is written first, so a failed gather loses nothing; leakcheck's
+own failures are warned about, never raised.
 """
 
 from __future__ import annotations
@@ -43,27 +34,17 @@ from leakcheck.core.ranks import rank_from_environ
 from leakcheck.judge.job import JobReport, RankReport, judge_job
 from leakcheck.judge.report import Report
 
-__all__ = [
-    "RANK_DIR_ENV",
-    "gather_reports",
-    "job_from_folder",
-    "read_rank_reports",
-    "this_rank_report",
-    "write_rank_report",
-]
+__all__ = ["RANK_DIR_ENV", "gather_reports", "job_from_folder", "read_rank_reports"]
 
 RANK_DIR_ENV = "LEAKCHECK_RANK_DIR"
-"""Names the folder where each rank writes its report when it is not gathered in memory."""
+"""The folder where each rank writes its report."""
 
 _RUN_ENV = "LEAKCHECK_RUN"  # instrument.RUN_ENV: the run folder under ``leakcheck run``
 _PREFIX = "rank-"
 
 
 def _process_group() -> Any | None:
-    """``torch.distributed`` where the program imported it and a group is initialised.
-
-    Never imports torch: a program that did not is not distributed through it.
-    """
+    """``torch.distributed`` where the program imported it and a group is initialised."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -73,17 +54,8 @@ def _process_group() -> Any | None:
     return dist
 
 
-def this_rank_report(reports: Report | Iterable[Report], *, pid: int | None = None) -> RankReport:
-    """Return the reports of this process as its rank's (``RANK`` & co., else the group's).
-
-    Args:
-        reports: One report, or several (one per loader).
-        pid: The rank's process (default: this one).
-
-    Returns:
-        A ``RankReport``; rank 0 of a world of 1 outside any distributed job.
-
-    """
+def _this_rank_report(reports: Report | Iterable[Report]) -> RankReport:
+    """The reports of this process as its rank's (``RANK`` & co., else the group's)."""
     info = rank_from_environ(os.environ)
     if info is None:
         dist = _process_group()
@@ -92,25 +64,16 @@ def this_rank_report(reports: Report | Iterable[Report], *, pid: int | None = No
         else:
             info = RankInfo(rank=0, world_size=1)
     items = (reports,) if isinstance(reports, Report) else tuple(reports)
-    return RankReport(info=info, pid=os.getpid() if pid is None else pid, reports=items)
+    return RankReport(info=info, pid=os.getpid(), reports=items)
 
 
-def write_rank_report(entry: RankReport, folder: str) -> str:
-    """Write ``entry`` as ``rank-<rank>-<pid>.json`` into ``folder`` (atomically).
-
-    Returns:
-        The path written.
-
-    Raises:
-        OSError: It could not be written.
-
-    """
+def _write_rank_report(entry: RankReport, folder: str) -> None:
+    """Write ``entry`` as ``rank-<rank>-<pid>.json`` into ``folder``, atomically."""
     path = os.path.join(folder, f"{_PREFIX}{entry.info.rank}-{entry.pid}.json")
     temp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
     with open(temp, "w", encoding="utf-8") as handle:
         json.dump(entry.to_dict(), handle)
     os.replace(temp, path)
-    return path
 
 
 def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
@@ -141,8 +104,7 @@ def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
 
 def job_from_folder(folder: str) -> JobReport:
     """The job's verdicts from the rank reports in ``folder`` (the file path's merge)."""
-    entries, _failures = read_rank_reports(folder)
-    return judge_job(entries)
+    return judge_job(read_rank_reports(folder)[0])
 
 
 def _folder(folder: str | None) -> str | None:
@@ -176,11 +138,11 @@ def gather_reports(
         other ranks: None.
 
     """
-    entry = this_rank_report(reports)
+    entry = _this_rank_report(reports)
     target = _folder(folder)
     if target is not None:
         try:
-            write_rank_report(entry, target)
+            _write_rank_report(entry, target)
         except OSError as error:
             warnings.warn(
                 f"leakcheck: rank {entry.info.rank}: report not written: {error}", stacklevel=2
@@ -212,16 +174,11 @@ def gather_reports(
         return judge_job([entry])
 
 
-_gathers = 0
-"""How many gathers this process began: every rank calls them in the same order."""
+_gathers = 0  # gathers this process began: every rank calls them in the same order
 
 
 def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
-    """Wait, at most ``timeout_s``, for every rank of the group to reach this gather.
-
-    Through the group's store, whatever the backend (``monitored_barrier`` exists for gloo
-    alone, and a group made without a backend names none): each rank adds one to a counter
-    of this gather, then waits for the world's count (NOTE [rank gathering]).
+    """Wait, at most ``timeout_s``, for every rank to reach this gather (NOTE [rank gathering]).
 
     Raises:
         TimeoutError: Some rank did not arrive in time (dead, or elsewhere).

@@ -2,67 +2,36 @@
 
 ::
 
-    from leakcheck.adapters.lightning import LeakCheckCallback
-
     leaks = LeakCheckCallback(on_leak="warn")
     trainer = lightning.Trainer(max_epochs=10, callbacks=[leaks])
     trainer.fit(model, datamodule=data)
     print(leaks.format())  # one report per stage, each named by its loader's hook
     leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
 
-Each epoch end also logs a few scalars through every logger of the trainer (TensorBoard,
-CSV, W&B alike) on global rank zero, under ``leakcheck/<stage>/``: ``workers``,
-``parent_host_mib``, ``workers_host_mib``, ``leaks`` (found in the judged epochs) and,
-where NVML attributes GPU memory to processes, ``parent_gpu_mib`` and
-``workers_gpu_peak_mib``; a figure not read is left out, never logged as 0.
+Each epoch end logs a few scalars through every logger of the trainer on global rank zero,
+under ``leakcheck/<stage>/`` (``epoch_scalars``); without a logger nothing is built for it.
+Works with ``lightning.pytorch`` or, where only that is installed, ``pytorch_lightning``;
+importing ``leakcheck`` never imports either.
 
-Works with ``lightning.pytorch`` (the ``lightning`` package) and, where only that is
-installed, ``pytorch_lightning``; importing ``leakcheck`` never imports either.
-
-NOTE [lightning epochs]: each stage is tracked apart, by its own ``Tracker``: ``train``,
-``val`` (the sanity check and every validation run, during ``fit`` or ``validate``),
-``test`` and ``predict``. Validation runs inside the training epoch, so two epochs are open
-at once; each tracker judges only its own loaders' workers and what they start (NOTE
-[claims] in track/claims.py), and the worker identities are exact because each worker
-posts itself to the mailbox of its own stage's tracker. Labels: ``train epoch 3``,
-``val epoch 3`` (a second validation run in the same training epoch: ``val epoch 3 run
-2``), ``val sanity check`` (the sanity check's workers are real workers, judged like any
-other), and ``val epoch 0`` / ``test epoch 0`` / ``predict epoch 0`` outside ``fit``.
-
-When workers start, and why no callback hook alone is early enough: Lightning starts a
-loader's workers when it calls ``iter()`` on it, and that comes *before* every callback
-hook of the epoch for the first training epoch (``FitLoop.setup_data``, before
-``on_train_start``), for every validation run (``EvaluationLoop.reset``, before
-``on_validation_start``), and for test and predict runs; the train loaders do not even
-exist before that, for any hook to chain a ``worker_init_fn`` into. So the callback
-adopts the loaders when Lightning prepares them: from ``setup`` to ``teardown`` it wraps
-the trainer's ``strategy.process_dataloader`` (Lightning's own hook for wrapping a loader,
-called for every train, val, test and predict loader, flattened out of lists, dicts and
-``CombinedLoader``), and gives each DataLoader it sees an instance-level ``_get_iterator``
-(the one method ``DataLoader.__iter__`` calls exactly when it starts new workers). That
-opens the stage's epoch if none is open, then chains ``leakcheck.worker.teardown.WorkerInit`` in
-front of the loader's ``worker_init_fn`` *for that one iterator* (the iterator keeps the
-function it was built with; the loader gets its own back at once, Lightning's seeding
-function included, which Lightning adds after ``process_dataloader``). ``teardown`` (or
-``on_exception``) removes both. An epoch opened there is the one the epoch-start hook
-would have opened; later epochs of ``train`` open at ``on_train_epoch_start``, which does
-come before their workers start. A loader whose class overrides ``__iter__`` without
-``_get_iterator`` is still tracked by epochs and lineage, without exact identities.
-
-Epoch ends: ``on_*_epoch_end`` closes the epoch with the batches counted by the
-``on_*_batch_start`` hooks, then judges (a ``LeakError`` raised there, with
-``on_leak="raise"``, propagates out of ``trainer.fit``). With ``limit_train_batches``
-below the loader's length, Lightning leaves the training iterator unfinished and its
-workers alive until the next epoch's ``iter()``, or ``teardown``: seconds later when
-checkpoints are saved in between. Those workers are done with their epoch, so the
-callback shuts them down at the epoch end, as ``watch()`` does after an early end
-(persistent workers are left alone); they would otherwise read as survivors.
-``on_exception`` (an exception in a step, a worker, a hook; ``KeyboardInterrupt``, after
-which Lightning exits with ``SystemExit``) closes the open epochs with ``exception`` or
-``interrupt``, shuts down their workers, closes the trackers and warns (never raises over
-the exception on its way out). ``teardown`` at the end of ``fit``, ``validate``, ``test``
-or ``predict`` closes the trackers (waiting out the grace period for survivors), keeps
-their reports, and judges the whole run.
+NOTE [lightning epochs]: each stage (``train``, ``val``: the sanity check and every
+validation run, ``test``, ``predict``) has its own ``Tracker``: validation runs inside the
+training epoch, so two epochs are open at once, and each tracker judges only its own loaders'
+workers (NOTE [claims] in track/claims.py). Labels: ``train epoch 3``, ``val epoch 3`` (``val
+epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``val
+epoch 0`` / ``test epoch 0`` / ``predict epoch 0`` outside ``fit``. Lightning calls
+``iter()`` on a loader, starting its workers, before any callback hook of the first training
+epoch and of every evaluation run. So from ``setup`` to ``teardown`` the callback wraps the
+trainer's ``strategy.process_dataloader`` (called for every loader, flattened out of lists,
+dicts and ``CombinedLoader``) and gives each DataLoader an instance-level ``_get_iterator``
+(what ``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's
+epoch if none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn``
+for that one iterator. ``on_*_epoch_end`` closes the epoch with the batches counted and
+judges it; the workers of an unfinished non-persistent iterator (``limit_train_batches``)
+are shut down there, as ``watch()`` does after an early end. ``on_exception`` closes the open
+epochs with ``exception`` or ``interrupt`` and warns; ``teardown`` closes the trackers,
+keeps their reports and judges the whole run. The hang watch (NOTE [hang watch] in hang.py)
+counts from a batch's end (or the epoch's start) to the next batch's start; a validation run
+pauses the training epoch's count.
 """
 
 from __future__ import annotations
@@ -80,12 +49,13 @@ from leakcheck.adapters.watching import (
     OnLeak,
     call_reported,
     chained_worker_init,
+    check_on_epoch,
     check_on_leak,
     check_teardown,
-    started_mailbox,
+    last_record,
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import MIB, EndReason, Timeline
+from leakcheck.core.model import MIB, EndReason, EpochRecord, Timeline
 from leakcheck.judge.report import Report, host_totals, plot_reports, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
 from leakcheck.track.tracker import Tracker, end_reason_for
@@ -120,7 +90,6 @@ _STAGE_OF = {
 
 
 def _running_stage(trainer: Any) -> str | None:
-    """The tracked stage the trainer is running now (None: none of them)."""
     stage = getattr(getattr(trainer, "state", None), "stage", None)
     value = getattr(stage, "value", stage)
     return _STAGE_OF.get(value) if isinstance(value, str) else None
@@ -129,8 +98,9 @@ def _running_stage(trainer: Any) -> str | None:
 def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> dict[str, float]:
     """The scalars logged for a stage's latest epoch, by name (``leakcheck/train/...``).
 
-    A figure that was not read (GPU memory without NVML's per-process attribution, a
-    worker's host memory unknown) is left out, never given as 0.
+    ``workers``, ``parent_host_mib``, ``workers_host_mib``, ``leaks`` and, where NVML
+    attributes GPU memory to processes, ``parent_gpu_mib`` and ``workers_gpu_peak_mib``. A
+    figure that was not read is left out, never given as 0.
     """
     record = timeline.epochs[-1]
     parents = [p for p in record.processes if p.role == "parent"]
@@ -158,41 +128,42 @@ def _fitting(trainer: Any) -> bool:
 class _Stage:
     """One tracked stage: its tracker, its judge, and the open epoch's batches and iterators."""
 
-    def __init__(self, name: str, tracker: Tracker, mailbox_dir: str | None, on_leak: OnLeak):
+    def __init__(self, name: str, tracker: Tracker, on_leak: OnLeak) -> None:
         self.name = name
         self.tracker = tracker
-        self.mailbox_dir = mailbox_dir
-        self.judge = EpochJudge(tracker, on_leak, count=True)  # the logged leak count
+        self.mailbox_dir = tracker.start().mailbox_dir
+        self.judge = EpochJudge(tracker, on_leak)
         self.open = False
         self.batches = 0
-        self.runs_in_epoch: dict[int, int] = {}
-        """Validation runs per training epoch, for labels (fit only)."""
+        self.runs_in_epoch: dict[int, int] = {}  # validation runs per training epoch
+        # Weak: Lightning drops them to shut their workers down, and must still be able to.
         self.iterators: list[weakref.ref[Any]] = []
-        """Non-persistent loader iterators started in the open epoch (weak: Lightning drops
-        them to shut their workers down, and must still be able to)."""
-        self.report: Report | None = None
-        """The report kept at close."""
+        self.report: Report | None = None  # kept at close
 
     def release_workers(self) -> None:
         """Shut down the workers of this epoch's non-persistent iterators (idempotent)."""
         for ref in self.iterators:
-            iterator = ref()
             # Private, but what the iterator's own __del__ calls; idempotent.
-            shutdown = getattr(iterator, "_shutdown_workers", None)
+            shutdown = getattr(ref(), "_shutdown_workers", None)
             if shutdown is not None:
                 with contextlib.suppress(Exception):
                     shutdown()
         self.iterators.clear()
 
-    def end(self, reason: EndReason, error: str | None) -> bool:
+    def end(
+        self, reason: EndReason, error: str | None, on_epoch: Callable[[EpochRecord], object] | None
+    ) -> bool:
         """Close the open epoch (its workers shut down first); False when none was open."""
         if not self.open:
             return False
         self.release_workers()
         self.open = False
         batches, self.batches = self.batches, 0
+        self.tracker.batch_arrived()
         self.tracker.end_epoch(reason, error, batches)
         self.judge.epoch_ended()
+        if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
+            call_reported("on_epoch", lambda: on_epoch(last_record(self.tracker)))
         return True
 
 
@@ -202,44 +173,39 @@ class _IteratorHook:
     def __init__(self, callback: LeakCheckCallback, loader: Any, previous: Any) -> None:
         self.callback = callback
         self.loader = weakref.ref(loader)
-        self.previous = previous
-        """An instance-level ``_get_iterator`` that was there before, if any."""
+        self.previous = previous  # an instance-level ``_get_iterator`` that was there before
 
     def __call__(self) -> Any:
         loader = self.loader()
         if loader is None:  # pragma: no cover - a live loader calls its own method
             raise RuntimeError("leakcheck: the DataLoader of this hook is gone")
-        if self.previous is not None:
-            make: Callable[[], Any] = self.previous
-        else:
-            make = type(loader)._get_iterator.__get__(loader)
+        make = self.previous or type(loader)._get_iterator.__get__(loader)
         return self.callback._start_iterator(loader, make)
 
 
 class LeakCheckCallback(_CallbackBase):
-    """A Lightning callback that reports, per train and validation epoch, who leaked what.
+    """A Lightning callback that reports, per epoch of each stage, who leaked what.
 
     Each stage (``train``, ``val``, ``test``, ``predict``) gets its own
-    :class:`~leakcheck.Tracker`; an epoch is one of Lightning's epochs of that stage (NOTE
-    [lightning epochs] says when each opens and closes). Workers report their exact identity
-    and, at exit, what the teardown policy freed, through a ``worker_init_fn`` chained in
-    front of the loader's own (which still runs). Leaks are announced at epoch ends like
-    :func:`leakcheck.watch` does, and the whole run is judged at the end of ``fit``,
+    :class:`~leakcheck.Tracker` (NOTE [lightning epochs]). Leaks are announced at epoch ends
+    like :func:`leakcheck.watch` does, and the whole run is judged at the end of ``fit``,
     ``validate``, ``test`` or ``predict``, when the reports are kept.
 
     Args:
         tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
         warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
         grace: Seconds a worker may outlive its epoch before it is a survivor.
-        on_leak: ``"warn"`` (a ``LeakWarning`` naming the culprits), ``"raise"`` (a
-            ``LeakError`` from the hook, which ``trainer.fit`` raises) or ``"ignore"``
-            (only the reports).
+        on_leak: ``"warn"``, ``"raise"`` (a ``LeakError`` from the hook, which
+            ``trainer.fit`` raises) or ``"ignore"`` (only the reports).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
-        rollup_share: Share of the time the USS reads of the parent and persistent workers
-            may take (``watch()``'s).
-        copy_tolerance: What each forked worker may copy of the parent's memory before the
-            copy-on-read rule calls it a leak (``watch()``'s).
+        rollup_share: Share of the time the USS reads may take (``watch()``'s).
+        copy_tolerance: What each forked worker may copy of the parent's memory
+            (``watch()``'s).
+        on_epoch: Called with each epoch's :class:`~leakcheck.core.model.EpochRecord` as
+            it ends (``watch()``'s); what it raises is only warned about.
+        hang_after: Seconds an epoch may wait for a batch before the stacks of the job are
+            written (``watch()``'s); 0 turns it off.
 
     Raises:
         UsageError: A bad argument; the message names it and what was expected.
@@ -257,10 +223,13 @@ class LeakCheckCallback(_CallbackBase):
         interval: float | str = 0.05,
         rollup_share: float | None = None,
         copy_tolerance: str | int = "64MiB",
+        on_epoch: Callable[[EpochRecord], object] | None = None,
+        hang_after: float | str = 120.0,
     ) -> None:
         super().__init__()
         self._on_leak = check_on_leak(on_leak)
         self._teardown = check_teardown(teardown)
+        self._on_epoch = check_on_epoch(on_epoch)
         self._tracker_options: dict[str, Any] = {
             "tolerance": tolerance,
             "warmup_epochs": warmup_epochs,
@@ -268,12 +237,13 @@ class LeakCheckCallback(_CallbackBase):
             "interval": interval,
             "rollup_share": rollup_share,
             "copy_tolerance": copy_tolerance,
+            "hang_after": hang_after,
         }
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
         self._trainer: Any = None
+        # (strategy, our process_dataloader, the instance attribute it replaced or None)
         self._strategy_hook: tuple[Any, Any, Any] | None = None
-        """(strategy, our process_dataloader, the instance attribute it replaced or None)."""
         self._loader_hooks: list[tuple[weakref.ref[Any], _IteratorHook]] = []
         self._lock = threading.RLock()
 
@@ -310,9 +280,7 @@ class LeakCheckCallback(_CallbackBase):
     def report(self, stage: str = "train") -> Report:
         """The report of one stage: ``"train"``, ``"val"``, ``"test"`` or ``"predict"``.
 
-        After ``fit`` (``validate``, ...) ended, the report kept when its tracker closed;
-        during the run, a fresh one (who is alive now, with the closed epochs). A later run
-        of the same stage replaces it.
+        After the run, the report kept when its tracker closed; during it, a fresh one.
 
         Raises:
             UsageError: ``stage`` is not a stage this callback has tracked.
@@ -325,16 +293,10 @@ class LeakCheckCallback(_CallbackBase):
                 f"stage: expected one of {', '.join(STAGES)} that was tracked "
                 f"(tracked: {tracked}), got {stage!r}"
             )
-        if found.report is not None:
-            return found.report
-        return found.tracker.report()
+        return found.report or found.tracker.report()
 
     def format(self, *, verbose: bool = False) -> str:
-        """Every tracked stage's report (``Report.format``), each named by its loader's hook.
-
-        ``train_dataloader: leakcheck: no leaks in 3 epochs (...)``, then ``val_dataloader:
-        ...``: which verdict is whose, train first (``STAGES``' order).
-        """
+        """Every tracked stage's report, each named by its loader's hook, train first."""
         return "\n".join(
             f"{name}: {report.format(verbose=verbose)}" for name, report in self._named_reports()
         )
@@ -349,11 +311,10 @@ class LeakCheckCallback(_CallbackBase):
         return plot_reports(self._named_reports(), path)
 
     def _named_reports(self) -> list[tuple[str, Report]]:
-        """Each tracked stage's report, named by its loader's hook, train first."""
         tracked = [name for name in STAGES if name in self._stages]
         return [(f"{name}_dataloader", self.report(name)) for name in tracked]
 
-    # --- Lightning hooks: the run ------------------------------------------------------
+    # --- Lightning hooks ---------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
@@ -373,36 +334,31 @@ class LeakCheckCallback(_CallbackBase):
             self._strategy_hook = (strategy, process_dataloader, previous)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """End of the run: close the trackers, keep the reports, judge the whole run.
-
-        Raises:
-            LeakError: ``on_leak="raise"`` and a leak not raised before was found.
-
-        """
+        """End of the run: close the trackers, keep the reports, judge the whole run."""
         self._finish(may_raise=True)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """The run is failing: close open epochs with how it ended, then the trackers."""
-        if not self._trainer_running():
+        if self._trainer is None:
             return
         reason, error = end_reason_for(exception)
         with self._lock:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
-                    stage.end(reason, error)
+                    stage.end(reason, error, self._on_epoch)
         self._finish(may_raise=False)
-
-    # --- Lightning hooks: epochs -------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Open ``train epoch N`` (if its loader's workers did not open it already)."""
         self._epoch_start("train", trainer)
 
-    def on_train_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Count the batch."""
-        self._count("train")
+        self._batch_start("train")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        """The loop asks for its next batch."""
+        self._batch_end("train")
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Close the train epoch and judge it."""
@@ -410,27 +366,33 @@ class LeakCheckCallback(_CallbackBase):
 
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Open the validation run's epoch (the sanity check's included)."""
+        self._pause_training(True)
         self._epoch_start("val", trainer)
 
-    def on_validation_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Count the batch."""
-        self._count("val")
+        self._batch_start("val")
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        """The loop asks for its next batch."""
+        self._batch_end("val")
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Close the validation epoch and judge it."""
         self._epoch_end("val")
+        self._pause_training(False)
 
     def on_test_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Open the test epoch."""
         self._epoch_start("test", trainer)
 
-    def on_test_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
+    def on_test_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Count the batch."""
-        self._count("test")
+        self._batch_start("test")
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        """The loop asks for its next batch."""
+        self._batch_end("test")
 
     def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Close the test epoch and judge it."""
@@ -440,11 +402,13 @@ class LeakCheckCallback(_CallbackBase):
         """Open the predict epoch."""
         self._epoch_start("predict", trainer)
 
-    def on_predict_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
+    def on_predict_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Count the batch."""
-        self._count("predict")
+        self._batch_start("predict")
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        """The loop asks for its next batch."""
+        self._batch_end("predict")
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """Close the predict epoch and judge it."""
@@ -452,15 +416,11 @@ class LeakCheckCallback(_CallbackBase):
 
     # --- internals ---------------------------------------------------------------------
 
-    def _trainer_running(self) -> bool:
-        return self._trainer is not None
-
     def _stage(self, name: str) -> _Stage:
         """The stage's live tracker, started; a new one where the last run closed it."""
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
-            tracker = Tracker(**self._tracker_options)
-            stage = _Stage(name, tracker, started_mailbox(tracker), self._on_leak)
+            stage = _Stage(name, Tracker(**self._tracker_options), self._on_leak)
             self._stages[name] = stage
         return stage
 
@@ -487,29 +447,51 @@ class LeakCheckCallback(_CallbackBase):
         return stage
 
     def _epoch_start(self, name: str, trainer: Any) -> None:
-        if not self._trainer_running():
+        if self._trainer is None:
             return
         with self._lock:
             stage = self._open(name, trainer)
+        stage.tracker.batch_wanted()
         stage.judge.judge_if_due()  # NOTE [late survivors] in watching.py
+
+    def _batch_start(self, name: str) -> None:
+        stage = self._stages.get(name)
+        if stage is not None and stage.open:
+            stage.tracker.batch_arrived()
+            stage.batches += 1
+
+    def _batch_end(self, name: str) -> None:
+        stage = self._stages.get(name)
+        if stage is not None and stage.open:
+            stage.tracker.batch_wanted()  # NOTE [hang watch]: only the wait counts
+
+    def _pause_training(self, pause: bool) -> None:
+        """A validation run inside a training epoch is not the training loop's wait."""
+        stage = self._stages.get("train")
+        if stage is not None and stage.open:
+            if pause:
+                stage.tracker.batch_arrived()
+            else:
+                stage.tracker.batch_wanted()
 
     def _epoch_end(self, name: str) -> None:
         with self._lock:
             stage = self._stages.get(name)
-            if stage is None or not stage.end("completed", None):
+            if stage is None or not stage.end("completed", None, self._on_epoch):
                 return
+        trainer = self._trainer
+        loggers = list(getattr(trainer, "loggers", None) or ())
+        if not getattr(trainer, "is_global_zero", True):
+            loggers = []
+        stage.judge.count = bool(loggers)  # the logged leak count, built only to be logged
         try:
             stage.judge.judge(may_raise=True)
         finally:
-            self._log_epoch(stage)
+            if loggers:
+                self._log_epoch(stage, loggers, int(getattr(trainer, "global_step", 0)))
 
-    def _log_epoch(self, stage: _Stage) -> None:
-        """Log the epoch's scalars through the trainer's loggers, on global rank zero only."""
-        trainer = self._trainer
-        loggers = list(getattr(trainer, "loggers", None) or ())
-        if not loggers or not getattr(trainer, "is_global_zero", True):
-            return
-        step = int(getattr(trainer, "global_step", 0))
+    def _log_epoch(self, stage: _Stage, loggers: list[Any], step: int) -> None:
+        """Log the epoch's scalars through the trainer's loggers."""
 
         def log() -> None:  # leakcheck's reads too: nothing escapes into the Trainer
             timeline = stage.tracker.timeline(last_epochs=1)
@@ -523,11 +505,6 @@ class LeakCheckCallback(_CallbackBase):
                 )
 
         call_reported("logging leakcheck's scalars", log)
-
-    def _count(self, name: str) -> None:
-        stage = self._stages.get(name)
-        if stage is not None and stage.open:
-            stage.batches += 1
 
     def _adopt(self, loader: object) -> None:
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
@@ -545,7 +522,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
         """Build a loader's iterator (its workers start now) inside the stage's epoch."""
-        name = _running_stage(self._trainer) if self._trainer_running() else None
+        name = _running_stage(self._trainer) if self._trainer is not None else None
         if name is None:
             return make()  # iterated outside a run of this callback: not ours to track
         with self._lock:
@@ -559,8 +536,7 @@ class LeakCheckCallback(_CallbackBase):
                 release=self._teardown,
                 persistent=persistent,
             )
-            # The kernel sends PR_SET_PDEATHSIG when the thread that started a worker exits
-            # (NOTE [teardown policy] in teardown.py).
+            # NOTE [teardown policy] in teardown.py: the death signal follows the thread.
             installed.death_signal = threading.current_thread() is threading.main_thread()
             loader.worker_init_fn = installed
             try:
@@ -600,7 +576,7 @@ class LeakCheckCallback(_CallbackBase):
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]
             for stage in closing:
-                stage.end("closed", None)
+                stage.end("closed", None, self._on_epoch)
                 stage.release_workers()
                 stage.tracker.close()
                 stage.report = stage.tracker.report()

@@ -2,44 +2,35 @@
 
 A test fails (or warns, in warn mode) when, after its teardown, it left a process it started
 still running, a ``/dev/shm`` file it created, or GPU memory held by the test process beyond
-the tolerance. The plugin observes (``plugin_observe.Checker``: one short epoch per test,
-fixture scopes as owners) and ``verdict.judge`` decides, with the same rules and words as
-``watch()`` and ``leakcheck sweep``. The failure is the test's own: it carries a
-``gpu-leak-check`` section (``report.finding_lines``: each finding and its fix), and the
-session ends with a ``LEAK REPORT``. Under pytest-xdist each worker judges its own tests
-and the findings travel to the controller on the reports.
+the tolerance. ``plugin_observe.Checker`` observes each test as one short epoch and
+``verdict.judge`` decides, with the same rules and words as ``watch()``. Under pytest-xdist
+each worker judges its own tests and the findings travel to the controller on the reports.
+Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables it.
 
-Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables
-it. With the check off, importing and loading the plugin costs options parsing and nothing
-else: no NVML, no /proc reads, no threads, no torch.
-
-NOTE [off means off]: the environment and the ini file reach every pytest run of a machine
-or project, so their tolerance, mode and grace are read and validated only when some test is
-checked (the flag, the environment or ini switch, a marker that enables a test, or the
-``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its source. The
-switch itself is always read, and so is what the command line gives: it was typed for this
-run, and a value given empty there is refused, not taken for the default.
+NOTE [off means off]: with the check off, loading the plugin costs options parsing and
+nothing else (no NVML, no /proc reads, no threads, no torch). The environment and the ini
+file reach every pytest run, so their tolerance, mode and grace are read and validated only
+when some test is checked (the flag, the environment or ini switch, a marker that enables a
+test, or the ``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its
+source. The switch itself is always read, and so is the command line: a value given empty
+there is refused.
 
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
-for the teardown phase: by then the test's function-scoped fixtures are finalized, and the
+for the teardown phase: the test's function-scoped fixtures are finalized by then, and the
 report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
 all attribute the leak to that test.
 
 NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section. The
-failure's message is one sentence naming what was left (``the test left 1 process (PID 7)``),
-and the session's ``LEAK REPORT`` counts per test; neither repeats the findings. A test whose
-section no failure shows (a warning, a skip, an xfail or xpass, information only) has its
-findings written under its line of the ``LEAK REPORT`` instead.
+failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK
+REPORT`` counts per test. A test whose section no failure shows (a warning, a skip, an xfail
+or xpass, information only) has its findings under its line of the ``LEAK REPORT`` instead.
 
-NOTE [counted once]: a checked test that passed its call is counted when its teardown is
-judged, not before: ``pytest_report_teststatus`` gives the passing call report of a checked
-test no category (a report attribute marks it, and travels through xdist) and counts the
-teardown report instead, ``passed`` or ``failed`` (``LEAKED``). A session of N tests with one
-leak reads "1 failed, N-1 passed", and JUnit holds one testcase with one error. A test that
-failed (or errored) before its teardown stays that one failure, and one that was skipped,
-xfailed or xpassed stays that outcome: the leak adds its section and a line to the summary,
-and does not fail the teardown as well. A test skipped before its call that left nothing
-behind is not counted among the checked tests: nothing of it ran.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown:
+``pytest_report_teststatus`` gives that call report no category (a report attribute marks
+it, through xdist too) and counts the teardown report ``passed`` or ``failed`` (``LEAKED``),
+so N tests with one leak read "1 failed, N-1 passed". A test that failed, errored, was
+skipped, xfailed or xpassed before its teardown keeps that outcome: the leak adds its
+section and a summary line. A test skipped before its call that left nothing is not counted.
 """
 
 from __future__ import annotations
@@ -64,6 +55,7 @@ from leakcheck.core.options import (
     TOLERANCE,
     WARN_FLAG,
     CheckOptions,
+    OptionSpec,
     apply_marker,
     resolve,
     resolve_check_options,
@@ -84,18 +76,10 @@ MARKER = "gpu_leak_check"
 SECTION = "gpu-leak-check"
 """Name of the report section that lists a test's findings."""
 
-CHECKER_NAME = "leakcheck-checker"
-"""Name under which the active part of the plugin is registered."""
-
-REPORT_ATTR = "leakcheck"
-"""Attribute of teardown reports that carries the JSON verdict (to xdist's controller)."""
-
-STATUS_ATTR = "leakcheck_status"
-"""Attribute of teardown reports: ``leaked`` when the leak failed that report."""
-
-DEFERRED_ATTR = "leakcheck_deferred"
-"""Attribute of a checked test's passing call report and of its teardown report: the test
-is counted at its teardown (NOTE [counted once])."""
+CHECKER_NAME = "leakcheck-checker"  # the active part of the plugin, once registered
+REPORT_ATTR = "leakcheck"  # teardown reports: the JSON verdict (to xdist's controller)
+STATUS_ATTR = "leakcheck_status"  # teardown reports: ``leaked`` when the leak failed it
+DEFERRED_ATTR = "leakcheck_deferred"  # NOTE [counted once]
 
 _DESTS = {
     "enabled": "gpu_leak_check",
@@ -121,26 +105,21 @@ SKIPPED_KEY = pytest.StashKey[bool]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Add the ``leakcheck`` option group and ini keys."""
     group = parser.getgroup("leakcheck", "leakcheck: processes, /dev/shm and GPU memory leaks")
-    group.addoption(
-        ENABLED.cli_flag or "--gpu-leak-check",
-        action="store_true",
-        dest=_DESTS["enabled"],
-        default=None,
-        help=f"{ENABLED.help} (env {ENABLED.env_var}=1, ini {ENABLED.ini_key})",
-    )
+
+    def add(spec: OptionSpec[Any], flag: str, **kw: Any) -> None:
+        where = f"env {spec.env_var}, ini {spec.ini_key}"
+        group.addoption(
+            flag, dest=_DESTS[spec.name], default=None, help=f"{spec.help} ({where})", **kw
+        )
+
+    add(ENABLED, "--gpu-leak-check", action="store_true")
     group.addoption(
         "--no-gpu-leak-check",
         action="store_false",
         dest=_DESTS["enabled"],
         help="do not check, whatever the environment or the ini file say",
     )
-    group.addoption(
-        TOLERANCE.cli_flag or "--gpu-leak-tolerance",
-        metavar="SIZE",
-        dest=_DESTS["tolerance"],
-        default=None,
-        help=f"{TOLERANCE.help} (env {TOLERANCE.env_var}, ini {TOLERANCE.ini_key})",
-    )
+    add(TOLERANCE, "--gpu-leak-tolerance", metavar="SIZE")
     group.addoption(
         WARN_FLAG,
         action="store_true",
@@ -148,28 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
     )
-    group.addoption(
-        MODE.cli_flag or "--gpu-leak-mode",
-        metavar="fail|warn",
-        dest=_DESTS["mode"],
-        default=None,
-        help=f"{MODE.help} (env {MODE.env_var}, ini {MODE.ini_key})",
-    )
-    group.addoption(
-        GRACE.cli_flag or "--gpu-leak-grace",
-        metavar="SECONDS",
-        dest=_DESTS["grace"],
-        default=None,
-        help=f"{GRACE.help} (env {GRACE.env_var}, ini {GRACE.ini_key})",
-    )
-    group.addoption(
-        COPY_TOLERANCE.cli_flag or "--gpu-leak-copy-tolerance",
-        metavar="SIZE",
-        dest=_DESTS["copy_tolerance"],
-        default=None,
-        help=f"{COPY_TOLERANCE.help} (env {COPY_TOLERANCE.env_var}, ini "
-        f"{COPY_TOLERANCE.ini_key})",
-    )
+    add(MODE, "--gpu-leak-mode", metavar="fail|warn")
+    add(GRACE, "--gpu-leak-grace", metavar="SECONDS")
+    add(COPY_TOLERANCE, "--gpu-leak-copy-tolerance", metavar="SIZE")
     for spec in SPECS:
         if spec.ini_key is not None:
             parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
@@ -190,9 +150,7 @@ def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[Check
         full: Resolve every option even when the check is off (a marker enables a test).
 
     Returns:
-        The options, and whether every source was read and validated: with the check off
-        (and not ``full``) the environment's and the ini file's tolerance, mode and grace
-        are not read (NOTE [off means off]).
+        The options, and whether every source was read (NOTE [off means off]).
 
     Raises:
         pytest.UsageError: A bad value; the message names it and where it came from.
@@ -307,9 +265,8 @@ def _options_for(item: pytest.Item) -> CheckOptions:
 def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
     """A started ``leakcheck.Tracker`` bound to this test; use ``.epoch()`` inside it.
 
-    Its findings are judged with the test: where the check is on, they join the test's
-    findings; elsewhere the fixture's teardown fails (or warns) on a leak, unless a
-    ``gpu_leak_check(enabled=False)`` marker turns it off.
+    Where the check is on, its findings join the test's; elsewhere the fixture's teardown
+    fails (or warns) on a leak, unless a ``gpu_leak_check(enabled=False)`` marker says not.
     """
     from leakcheck.track.tracker import Tracker
 
@@ -346,18 +303,13 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
 
 # --- words --------------------------------------------------------------------------------
 
-TEST_LABEL = "the test"
-"""The epoch a test is, in its findings (NOTE [one short epoch] in plugin_observe.py)."""
+TEST_LABEL = "the test"  # NOTE [one short epoch] in plugin_observe.py
 
 _PROCESS_RULES = ("survivor", "orphan")
 
 
 def headline(findings: Sequence[Finding]) -> str:
-    """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``.
-
-    Processes for ``survivor``/``orphan``, /dev/shm files for ``shm``, GPU memory for
-    ``residual``; any other rule is counted as findings of that rule.
-    """
+    """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``."""
     processes = [f for f in findings if f.rule in _PROCESS_RULES]
     shm = [f for f in findings if f.rule == "shm"]
     memory = [f for f in findings if f.rule == "residual"]
@@ -379,11 +331,7 @@ def headline(findings: Sequence[Finding]) -> str:
 
 
 def section_text(findings: Sequence[Finding]) -> str:
-    """The ``gpu-leak-check`` section: each finding on its line, with its fix.
-
-    The one place a test's findings are written out; the failure says what was left in one
-    sentence (``failure_text``) and the session summary counts (NOTE [said once]).
-    """
+    """The ``gpu-leak-check`` section: each finding on its line, with its fix (NOTE [said once])."""
     from leakcheck.judge.report import finding_lines
 
     return "\n".join(finding_lines(findings))
@@ -434,9 +382,8 @@ def judge_test(
 ) -> list[Finding]:
     """Observe the test as a timeline and judge it with ``verdict.judge``.
 
-    The ``gpu_leak_tracker`` fixture's findings join those of the test, but for those
-    about a process and rule already found and those about /dev/shm files, which the
-    test's own check judges over the same window.
+    The ``gpu_leak_tracker`` fixture's findings join, but for those the test's own check
+    made too (a process and rule already found, /dev/shm files: the same window).
     """
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.verdict import judge
@@ -468,10 +415,7 @@ def judge_test(
 
 
 class LeakCheckPlugin:
-    """Hooks that check each enabled test and gather the verdicts for the summary.
-
-    Registered only when some test is checked (or on an xdist controller, to gather).
-    """
+    """Hooks that check each enabled test and gather the verdicts for the summary."""
 
     def __init__(self, config: pytest.Config, options: CheckOptions) -> None:
         self.config = config
@@ -680,12 +624,7 @@ class LeakCheckPlugin:
             self._results[report.nodeid] = (findings, status, shown)
 
     def _attach_to_failure(self, report: pytest.TestReport) -> bool:
-        """Show the section of a test that failed before its teardown with that failure.
-
-        Returns:
-            Whether it went to a failure (a skip, an xfail or an xpass has none to show it).
-
-        """
+        """Show a test's section with its earlier failure; False: none shows it (a skip)."""
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         stats = getattr(reporter, "stats", None)
         if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
@@ -707,10 +646,7 @@ class LeakCheckPlugin:
     ) -> None:
         """Print the ``LEAK REPORT``: a line per test that left something, worst first.
 
-        Counts, where a failure shows the test's ``gpu-leak-check`` section; the findings of
-        a test that no failure shows (warned, skipped, xfailed, information only) under its
-        line: each finding is written once (NOTE [said once]). ``GPU LEAK REPORT`` where
-        some finding is about GPU memory.
+        NOTE [said once]; ``GPU LEAK REPORT`` where some finding is about GPU memory.
         """
         from leakcheck.judge.report import about_gpu, finding_lines
 

@@ -1,71 +1,64 @@
 """What the pytest plugin sees of one test, without pytest, turned into a ``Timeline``.
 
-One ``Checker`` lives per pytest process that runs tests. It marks the moment before a
-checked test's setup (``begin``), notes what wider-scoped fixtures start
-(``fixture_begin``/``fixture_end``/``fixture_finished``), and after the teardown
-(``observe``) waits out the grace period and describes what the test left as one short
-epoch of a ``Timeline``. It judges nothing: ``verdict.judge`` does, as for every adapter.
+One ``Checker`` per pytest process marks the moment before a checked test's setup
+(``begin``), notes what wider-scoped fixtures start (``fixture_begin``/``fixture_end``/
+``fixture_finished``), and after the teardown (``observe``) waits out the grace period and
+describes what the test left as one short epoch. It judges nothing: ``verdict.judge`` does.
+It reads through ``observe/`` (procs, hostmem, snapshot's NVML read, torch_state) and asks
+``core/roles`` which processes are runtime helpers; only the PID mark below is its own.
 
 NOTE [cheap snapshots]: a clean test must cost well under a millisecond, so the snapshot is
 the last PID handed out (one small read of ``/proc/loadavg``) and ``listdir('/dev/shm')``
-(plus, where CUDA or NVML is already in use, the allocator counters and one NVML process
-list). PIDs are handed out in increasing order, so when the last PID did not move, no process
-was started at all and nothing else is read; when it moved, one ``listdir('/proc')`` gives
-the PIDs in between, the only candidates. Only those are read, and only the few that turn
-out to be ours are waited on. Where /proc/loadavg cannot be read, two listings are compared.
+(plus, where CUDA or NVML is in use, the allocator counters and one NVML read). PIDs are
+handed out in increasing order: when the last PID did not move, no process was started and
+nothing else is read; when it moved, one ``listdir('/proc')`` gives the PIDs in between, the
+only candidates, and only the few that are ours are waited on. Where /proc/loadavg cannot
+be read, two listings are compared.
 
 NOTE [whose process]: a new process belongs to the test when the test process is its
 ancestor now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag
-(every child that execs inherits it, even after it was reparented away), or when it has the
-test process's initial environment and command line byte for byte (a forked child whose
-forking parent already exited: it never exec'd, so it carries no tag).
+(every child that execs inherits it, even reparented away), or when it has the test
+process's initial environment and command line byte for byte (a fork whose parent already
+exited: it never exec'd, so it carries no tag).
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
-segments and allocator bytes that appear while a class/module/package/session fixture is set
-up belong to that fixture instance, not to the test that happened to trigger it; they are
-left alone until the fixture's finalizer ran, and then judged within the test whose teardown
-ran it (``scope`` of the process or file names the fixture). A wide-scope fixture that starts
-processes lazily, later, inside a test is not seen as their owner: those processes are the
-test's.
+files and allocator bytes that appear while a class/module/package/session fixture is set
+up belong to that fixture instance; they are left alone until its finalizer ran, and then
+judged within the test whose teardown ran it (``scope`` names the fixture). A wide-scope
+fixture that starts processes lazily, inside a test, is not their owner: the test is.
 
 NOTE [reference cycles]: a DataLoader iterator stops its workers when it is collected, and
-one caught in a reference cycle (an exception kept with its traceback, an object that refers
-back to itself) is collected only by the garbage collector, whenever it next runs: its
-persistent workers outlive the test. So before the processes still alive after the grace
-period are judged, the plugin waits a moment more (a process on its way out anyway is late,
-not kept), then collects garbage once (only then: a clean test pays nothing): a loader's
-own shutdown, inside the collection, joins each worker (for up to 5 s, then terminates it).
-Those gone as the collection returns are still the test's leak (they outlived it), and their
-finding says that a reference cycle kept them alive; one that exits in the moment after is
-late, a survivor without that cause.
+one caught in a reference cycle is collected only when the garbage collector next runs: its
+persistent workers outlive the test. So before the processes alive after the grace are
+judged, the plugin waits a moment more (one on its way out is late, not kept), then
+collects garbage once (a clean test pays nothing): a loader's shutdown, inside the
+collection, joins each worker. Those gone as it returns are still the test's leak, and their
+finding says a reference cycle kept them alive.
 
 NOTE [first context]: the first CUDA context of a process (and the driver memory of the
-libraries it loads on first use) is a baseline, not a leak: the torch allocator is the judge
-of tensors a test keeps; memory the driver shows for the test process beyond the allocator
-only fails a test when torch is not the one using CUDA here.
+libraries it loads on first use) is a baseline, not a leak: the torch allocator judges the
+tensors a test keeps; driver memory beyond the allocator only fails a test when torch is not
+the one using CUDA here.
 
-NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test`` (its
-findings are written under its node ID already: ``started in the test``), from before its
-setup to the end of its teardown, on ``time.monotonic()``. Its processes
-are the test process (the parent) and what the test left: each process of the test still
-alive once the grace period passed (``last_seen_after_s`` >= the grace, so the survivor
-rule has its evidence), and the runtime helpers (``roles.is_runtime_helper``) that pin
-nothing on the GPU, as a persistent baseline. A process that exited within the grace left
-in time and is not listed. Device totals are not snapshotted per test (other jobs and
-xdist siblings share the device), so the device-level residual rule has no baseline here;
-the test process's own memory is judged instead (``Timeline.parent_memory``).
+NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
+before its setup to the end of its teardown, on ``time.monotonic()``. Its processes are the
+test process (the parent), each process of the test still alive once the grace passed
+(``last_seen_after_s`` >= the grace, the survivor rule's evidence), and the runtime helpers
+(``roles.is_runtime_helper``) that pin nothing on the GPU, as a persistent baseline. Device
+totals are not snapshotted per test (other jobs and xdist siblings share the device); the
+test process's own memory is judged instead (``Timeline.parent_memory``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.model import (
     Attribution,
     DeviceState,
@@ -83,28 +76,14 @@ from leakcheck.core.roles import is_runtime_helper
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import is_named_semaphore, shm_creator_pid, shm_name_pids
 from leakcheck.observe.procs import SESSION_ENV
+from leakcheck.observe.snapshot import read_gpu_processes
 from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
 from leakcheck.track import exports
 
 if TYPE_CHECKING:
     from leakcheck.core.model import Finding
-    from leakcheck.observe.nvml import Nvml
 
-__all__ = [
-    "Checker",
-    "FixtureProbe",
-    "GpuReader",
-    "GpuState",
-    "PidMark",
-    "ScopeOwner",
-    "Window",
-    "handed_out_since",
-    "last_pid",
-    "list_pids",
-    "list_shm",
-    "pid_mark",
-    "pids_since",
-]
+__all__ = ["Checker", "GpuReader", "GpuState", "PidMark", "Window", "handed_out_since", "last_pid"]
 
 SHM_DIR = "/dev/shm"
 
@@ -113,49 +92,45 @@ _BIRTH_SLACK_TICKS = 1
 tick of slack keeps a process born right at the mark."""
 
 _SHUTDOWN_SETTLE_S = 0.25
-"""After the garbage collection of NOTE [reference cycles], how long a process may take to
-exit: a loader's shutdown inside the collection has joined its workers, or terminated those
-that did not stop within 5 s, and a terminated process is gone within milliseconds."""
+"""After the collection of NOTE [reference cycles], how long a process may take to exit: a
+loader's shutdown has joined its workers, or terminated those that did not stop in 5 s."""
 
+_BLIND_NOTE = (
+    "NVML PIDs are not this PID namespace's (container without --pid=host): "
+    "GPU memory of processes is not attributed"
+)
 
-# --- snapshots ----------------------------------------------------------------------------
+# --- snapshots (NOTE [cheap snapshots]) ---------------------------------------------------
 
 
 def last_pid() -> int | None:
-    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg).
-
-    None where the file is missing or unreadable.
-    """
+    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg)."""
     try:
         fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return int(os.read(fd, 256).split()[-1])
+        try:
+            return int(os.read(fd, 256).split()[-1])
+        finally:
+            os.close(fd)
     except (OSError, ValueError, IndexError):
         return None
-    finally:
-        os.close(fd)
 
 
-def list_pids() -> frozenset[str]:
-    """Entries of /proc: one ``listdir``, nothing read, nothing parsed (empty without /proc)."""
+def _listdir(path: str) -> frozenset[str]:
     try:
-        return frozenset(os.listdir("/proc"))
+        return frozenset(os.listdir(path))
     except OSError:
         return frozenset()
 
 
 @dataclass(frozen=True)
 class PidMark:
-    """Where PID allocation stood at one moment (see NOTE [cheap snapshots]).
+    """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
     Attributes:
         last_pid: The last PID handed out; None where unknown (then ``names`` is used).
         names: /proc entries, only when ``last_pid`` is None.
-        unix_s: Wall-clock time of the mark (for people).
-        boot_s: Seconds since boot at the mark: the clock of start ticks (NOTE [process
-            identity] in procs.py), against which births are compared.
+        unix_s: Wall-clock time of the mark.
+        boot_s: Seconds since boot at the mark, the clock of start ticks.
 
     """
 
@@ -165,33 +140,27 @@ class PidMark:
     boot_s: float
 
 
-def pid_mark() -> PidMark:
-    """Mark the moment: one small read of /proc/loadavg (or one listdir where it fails)."""
+def _pid_mark() -> PidMark:
     last = last_pid()
-    names = frozenset() if last is not None else list_pids()
+    names = frozenset() if last is not None else _listdir("/proc")
     return PidMark(last, names, time.time(), procs.since_boot_s())
 
 
-def pids_since(mark: PidMark) -> list[int]:
-    """PIDs of processes that may have started since ``mark``, oldest allocation first.
+def _pids_since(mark: PidMark) -> list[int]:
+    """PIDs that may have started since ``mark``, in allocation order (parents first).
 
-    PIDs are handed out in increasing order, wrapping at ``pid_max``: the new ones are those
-    between the two marks. When nothing was handed out meanwhile, nothing is read at all.
-    After a wrap-around an older process may fall in the range too: callers compare start
-    ticks with ``mark.boot_s``.
+    After a wrap-around an older process may fall in the range: callers compare start ticks.
     """
     now = last_pid()
     if mark.last_pid is None or now is None:
-        after = list_pids()
-        return sorted(int(name) for name in after - mark.names if name.isdigit())
+        return sorted(int(name) for name in _listdir("/proc") - mark.names if name.isdigit())
     if now == mark.last_pid:
         return []
     found = [
         int(name)
-        for name in list_pids()
+        for name in _listdir("/proc")
         if name.isdigit() and handed_out_since(mark, int(name), now)
     ]
-    # Allocation order, so that a parent is seen before its children.
     start = mark.last_pid
     found.sort(key=lambda pid: (pid <= start, pid))
     return found
@@ -200,8 +169,8 @@ def pids_since(mark: PidMark) -> list[int]:
 def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
     """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
 
-    None where either mark is unknown. After a wrap-around an older process's PID can be in
-    the range again, so True means "may be new"; False is certain: handed out before.
+    None where either mark is unknown. After a wrap-around an older PID can be in the range
+    again, so True means "may be new"; False is certain.
     """
     start = mark.last_pid
     if start is None or now is None:
@@ -211,53 +180,38 @@ def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
     return (start < pid <= now) if now > start else (pid > start or pid <= now)
 
 
-def list_shm(directory: str = SHM_DIR) -> frozenset[str]:
-    """Names in the shared-memory directory (empty when it does not exist)."""
-    try:
-        return frozenset(os.listdir(directory))
-    except OSError:
-        return frozenset()
-
-
 # --- GPU ----------------------------------------------------------------------------------
 
 
-def _allocated_now() -> dict[int, int] | None:
-    """Allocated bytes per device of this process's torch allocator; None: not known."""
+def _allocator_bytes(*, collect: bool = False) -> tuple[dict[int, int], dict[int, int]] | None:
+    """(allocated, reserved) bytes per device of torch's allocator here; None: not known."""
     cuda = initialized_cuda()
     if cuda is None:
         return None
     try:
-        return _allocator_bytes(cuda, collect=False)[0]
+        if collect:
+            # Cycles may be all that keeps a tensor alive, the cache holds freed blocks NVML
+            # still counts, cuBLAS workspaces are a one-time library cost: none is a leak.
+            gc.collect()
+            clear_library_workspaces()
+            cuda.empty_cache()
+        devices = range(int(cuda.device_count()))
+        return (
+            {d: int(cuda.memory_allocated(d)) for d in devices},
+            {d: int(cuda.memory_reserved(d)) for d in devices},
+        )
     except Exception:
         return None
 
 
-def _allocator_bytes(cuda: Any, *, collect: bool) -> tuple[dict[int, int], dict[int, int]]:
-    """(allocated, reserved) bytes per device of the torch allocator in this process."""
-    if collect:
-        # Cycles may be all that keeps a tensor alive; the cache holds freed blocks that
-        # NVML still counts. Both are worth their cost only when a leak is suspected.
-        gc.collect()
-        # cuBLAS workspaces are a one-time library cost, not the test's.
-        clear_library_workspaces()
-        cuda.empty_cache()
-    allocated: dict[int, int] = {}
-    reserved: dict[int, int] = {}
-    for index in range(int(cuda.device_count())):
-        allocated[index] = int(cuda.memory_allocated(index))
-        reserved[index] = int(cuda.memory_reserved(index))
-    return allocated, reserved
-
-
 @dataclass(frozen=True)
 class GpuState:
-    """GPU memory of the test process at one moment (None: not known here).
+    """GPU memory of the test process at one moment, per device (None: not known here).
 
     Attributes:
-        nvml_bytes: Driver view (NVML) per device; a device without a context is absent.
-        allocated_bytes: torch allocator, live tensors per device.
-        reserved_bytes: torch allocator, reserved (cached) per device.
+        nvml_bytes: Driver view (NVML); a device without a context is absent.
+        allocated_bytes: torch allocator, live tensors.
+        reserved_bytes: torch allocator, reserved (cached).
 
     """
 
@@ -266,14 +220,8 @@ class GpuState:
     reserved_bytes: Mapping[int, int] | None = None
 
 
-_NO_GPU_STATE = GpuState()
-
-
 class GpuReader:
-    """NVML and the torch allocator as the plugin reads them: opened once, never forced.
-
-    NVML is opened on first use; where it is missing, or its PIDs are not this PID
-    namespace's, nothing is read per PID and ``attribution`` says why.
+    """NVML (``snapshot.read_gpu_processes``) and the torch allocator, never forced.
 
     Args:
         pid: The test process.
@@ -282,81 +230,30 @@ class GpuReader:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._nvml: Nvml | None = None
-        self._checked = False
         self.note = "NVML not consulted"
         """One line for the session summary: how GPU memory was read."""
-        self._attribution: Attribution = "nvml-unavailable"
-        self._reason = "NVML not consulted"
-        self.failure: str | None = None
-        """The last NVML read that failed since ``failure`` was reset (one line)."""
+        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.note)
+        """How far the latest read attributed GPU memory to processes, and why not further."""
+        self.devices: tuple[DeviceState, ...] = ()
+        """Used and total memory of each device at the latest read."""
 
-    def handle(self) -> Nvml | None:
-        """The NVML handle where per-PID bytes can be read; None otherwise."""
-        if not self._checked:
-            self._checked = True
-            ok, reason = nvml.availability()
-            if not ok:
-                self.note = self._reason = reason or "NVML unavailable"
-            elif procs.pid_namespace_nested():
-                # NVML reports host PIDs: none would match ours, so per-PID memory is blind.
-                self._attribution = "blind-namespace"
-                self.note = self._reason = (
-                    "NVML PIDs are not this PID namespace's (container without --pid=host): "
-                    "GPU memory of processes is not attributed"
-                )
-            else:
-                self._nvml = nvml.get()
-                self.note = "NVML"
-                self._attribution, self._reason = "ok", ""
-        return self._nvml
-
-    def attribution(self) -> tuple[Attribution, str]:
-        """How far GPU memory could be attributed to processes, and why not further."""
-        self.handle()
-        if self._attribution == "ok" and self.failure is not None:
-            return "nvml-unavailable", self.failure
-        return self._attribution, self._reason
-
-    def by_pid(self) -> dict[int, dict[int, int]]:
-        """Used GPU bytes per device of every process NVML lists (empty without NVML)."""
-        handle = self.handle()
-        if handle is None:
-            return {}
-        try:
-            entries = handle.processes()
-        except LeakCheckError as exc:
-            self.failure = self.note = f"NVML failed: {exc}"
-            return {}
-        found: dict[int, dict[int, int]] = {}
-        for entry in entries:
-            found.setdefault(entry.pid, {})[entry.device_index] = entry.used_gpu_bytes or 0
-        return found
-
-    def devices(self) -> tuple[DeviceState, ...]:
-        """Used and total memory of each device (no telemetry); empty without NVML."""
-        handle = self.handle()
-        if handle is None:
-            return ()
-        try:
-            return handle.memory()
-        except LeakCheckError as exc:
-            self.failure = self.note = f"NVML failed: {exc}"
-            return ()
+    def by_pid(self) -> dict[int, dict[int, int]] | None:
+        """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
+        attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
+        if attribution == "blind-namespace":
+            reason = _BLIND_NOTE
+        self.attribution, self.devices = (attribution, reason), devices
+        self.note = reason or "NVML"
+        return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
 
     def state(self, *, collect: bool = False) -> GpuState:
         """GPU memory of the test process now (NVML view and torch allocator)."""
-        nvml_bytes: dict[int, int] | None = None
-        if self.handle() is not None:
-            nvml_bytes = self.by_pid().get(self.pid, {})
-        cuda = initialized_cuda()
-        if cuda is None:
-            return _NO_GPU_STATE if nvml_bytes is None else GpuState(nvml_bytes=nvml_bytes)
-        try:
-            allocated, reserved = _allocator_bytes(cuda, collect=collect)
-        except Exception:
-            return GpuState(nvml_bytes=nvml_bytes)
-        return GpuState(nvml_bytes, allocated, reserved)
+        by_pid = self.by_pid()
+        nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
+        allocator = _allocator_bytes(collect=collect)
+        if allocator is None:
+            return GpuState(nvml_bytes)
+        return GpuState(nvml_bytes, *allocator)
 
 
 # --- windows and scopes -------------------------------------------------------------------
@@ -364,18 +261,10 @@ class GpuReader:
 
 @dataclass
 class ScopeOwner:
-    """What one wide-scope fixture instance started while it was set up.
-
-    Attributes:
-        label: ``module-scoped fixture 'pool'``.
-        window_serial: Serial of the test window it was set up in.
-        processes: Our processes that appeared during its setup.
-        shm: /dev/shm names that appeared during its setup.
-        allocated_bytes: Allocator bytes per device it added during its setup.
-
-    """
+    """What one wide-scope fixture instance started while it was set up (NOTE [scopes])."""
 
     label: str
+    """``module-scoped fixture 'pool'``."""
     window_serial: int
     processes: tuple[ProcInfo, ...] = ()
     shm: frozenset[str] = frozenset()
@@ -384,7 +273,7 @@ class ScopeOwner:
 
 @dataclass
 class FixtureProbe:
-    """Snapshot taken before a wide-scope fixture's setup (see ``Checker.fixture_begin``)."""
+    """Snapshot taken before a wide-scope fixture's setup."""
 
     pids: PidMark
     shm: frozenset[str]
@@ -398,14 +287,14 @@ class Window:
     Attributes:
         serial: Increasing number of the window in this process.
         tag: The window's own tag, which the test's children inherit as ``LEAKCHECK_SESSION``.
-        tags: Every tag in use during the test: ``tag`` and those of trackers it ran (the
-            ``gpu_leak_tracker`` fixture's, and any other started during the test).
+        tags: Every tag in use during the test: ``tag`` and those of trackers it ran.
         pids: PID allocation before the setup.
         shm: /dev/shm names before the setup.
         gpu: GPU memory of the test process before the setup.
         saved_env: The tag variable's previous value (None: unset).
         start_s: ``time.monotonic()`` before the setup.
         extra: Findings added during the test (the ``gpu_leak_tracker`` fixture's).
+        exports_mark: Where the tags of trackers the test starts begin (``exports.mark``).
 
     """
 
@@ -419,7 +308,6 @@ class Window:
     start_s: float
     extra: list[Finding] = field(default_factory=list)
     exports_mark: int = 0
-    """Where the tags of trackers the test starts begin (``track.exports.mark``)."""
 
 
 @dataclass
@@ -430,25 +318,10 @@ class _Candidate:
     owner: ScopeOwner | None
     last_seen_s: float
     exited_s: float | None = None
-    baseline: bool = False
-    """A runtime helper that pins nothing on the GPU: it stays by design."""
-    pins: bool | None = None
-    """For a runtime helper: it holds GPU memory or /dev/nvidia* descriptors (None: not
-    asked yet)."""
-    freed_by_gc: bool = False
-    """It was alive after the grace and exited once garbage was collected (NOTE [reference
-    cycles])."""
-    late: bool = False
-    """It was alive after the grace and exited in the moment waited before collecting."""
-
-
-@dataclass
-class _Left:
-    """One process the test left, as the epoch lists it."""
-
-    candidate: _Candidate
-    process: ProcessEpoch
-    alive: bool
+    baseline: bool = False  # a runtime helper that pins nothing on the GPU
+    pins: bool | None = None  # a helper's GPU memory or /dev/nvidia* use (None: not asked)
+    freed_by_gc: bool = False  # NOTE [reference cycles]
+    late: bool = False  # exited in the moment waited before collecting
 
 
 class Checker:
@@ -456,18 +329,12 @@ class Checker:
 
     Args:
         shm_dir: The shared-memory directory.
-        attribute_unheld_shm: Blame a new, unheld /dev/shm segment on the test that ran while
-            it appeared. True when no other test runs concurrently (no xdist): under xdist a
-            sibling worker may have created it.
+        attribute_unheld_shm: Blame a new, unheld /dev/shm file on the test that ran while
+            it appeared: True when no other test runs at the same time (no xdist).
 
     """
 
-    def __init__(
-        self,
-        *,
-        shm_dir: str = SHM_DIR,
-        attribute_unheld_shm: bool = True,
-    ) -> None:
+    def __init__(self, *, shm_dir: str = SHM_DIR, attribute_unheld_shm: bool = True) -> None:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
@@ -482,22 +349,18 @@ class Checker:
         """One line for the session summary: how GPU memory was read."""
         return self.gpu.note
 
-    # -- windows -------------------------------------------------------------------------
-
     def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
         tag = f"pytest-{self.pid}-{self._serial}"
-        saved = os.environ.get(SESSION_ENV)
-        self.gpu.failure = None
         window = Window(
             serial=self._serial,
             tag=tag,
             tags={tag},
-            pids=pid_mark(),
-            shm=list_shm(self.shm_dir),
+            pids=_pid_mark(),
+            shm=_listdir(self.shm_dir),
             gpu=self.gpu.state(),
-            saved_env=saved,
+            saved_env=os.environ.get(SESSION_ENV),
             start_s=time.monotonic(),
             exports_mark=exports.mark(),
         )
@@ -511,33 +374,27 @@ class Checker:
         else:
             os.environ[SESSION_ENV] = window.saved_env
 
-    # -- scopes --------------------------------------------------------------------------
-
     def fixture_begin(self) -> FixtureProbe:
         """Snapshot before a wide-scope fixture's setup."""
+        allocator = _allocator_bytes()
         return FixtureProbe(
-            pids=pid_mark(),
-            shm=list_shm(self.shm_dir),
-            allocated_bytes=_allocated_now(),
+            _pid_mark(), _listdir(self.shm_dir), allocator[0] if allocator else None
         )
 
     def fixture_end(
         self, key: object, probe: FixtureProbe, label: str, window: Window
     ) -> ScopeOwner:
         """Record what appeared during a wide-scope fixture's setup as that fixture's own."""
-        claimed: set[int] = set()
-        for owner in self._owners.values():
-            claimed.update(info.key.pid for info in owner.processes)
-        new_pids = [pid for pid in pids_since(probe.pids) if pid not in claimed]
+        claimed = {info.key.pid for o in self._owners.values() for info in o.processes}
+        new_pids = [pid for pid in _pids_since(probe.pids) if pid not in claimed]
         processes = tuple(self.lineage.ours(new_pids, window.tags, since=probe.pids))
-        claimed_shm: set[str] = set()
-        for owner in self._owners.values():
-            claimed_shm.update(owner.shm)
-        shm = list_shm(self.shm_dir) - probe.shm - claimed_shm
-        now = _allocated_now() or {}
+        claimed_shm = {name for o in self._owners.values() for name in o.shm}
+        shm = _listdir(self.shm_dir) - probe.shm - claimed_shm
+        allocator = _allocator_bytes()
+        now = allocator[0] if allocator else {}
         before = probe.allocated_bytes or {}
         added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
-        owner = ScopeOwner(label, window.serial, processes, frozenset(shm), added)
+        owner = ScopeOwner(label, window.serial, processes, shm, added)
         self._owners[key] = owner
         return owner
 
@@ -550,70 +407,49 @@ class Checker:
         if owner is not None and judge:
             self._finished.append(owner)
 
-    def active_owners(self) -> list[ScopeOwner]:
-        """Wide-scope fixture instances set up and not finished."""
-        return list(self._owners.values())
-
-    # -- the timeline --------------------------------------------------------------------
-
     def observe(
-        self,
-        window: Window,
-        *,
-        label: str,
-        end_s: float,
-        grace_s: float,
-        tolerance_bytes: int,
+        self, window: Window, *, label: str, end_s: float, grace_s: float, tolerance_bytes: int
     ) -> Timeline:
         """Wait out the grace period and describe the test as one short epoch.
 
-        See NOTE [one short epoch].
-
         Args:
             window: From ``begin``.
-            label: The epoch's label (``the test``: NOTE [one short epoch]).
+            label: The epoch's label (NOTE [one short epoch]).
             end_s: ``time.monotonic()`` when the test's teardown ended.
             grace_s: How long a process the test started may take to exit after it.
             tolerance_bytes: GPU memory the test may keep: only above it is the allocator
                 asked again after a garbage collection.
 
-        Returns:
-            The timeline to judge (``verdict.judge``).
-
         """
-        finished = self._finished
-        self._finished = []
-        active = self.active_owners()
+        finished, self._finished = self._finished, []
+        active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
 
-        # Processes: new ones that are ours, plus those of wide-scope fixtures that ended.
         owned_now = {info.key.pid for owner in active for info in owner.processes}
-        new_pids = [pid for pid in pids_since(window.pids) if pid not in owned_now]
+        new_pids = [pid for pid in _pids_since(window.pids) if pid not in owned_now]
         seen_s = time.monotonic()
         candidates = [
             _Candidate(info, None, seen_s)
             for info in self.lineage.ours(new_pids, window.tags, since=window.pids)
         ]
-        for ended in finished:
-            # Dead ones drop out in _wait_for_exit's first pass.
+        for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
             candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
         candidates = [c for c in candidates if c.info.key.pid != self.pid]
         _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
         _collect_and_settle(candidates, self._pins_gpu)
         left = self._left(candidates, end_s)
 
-        # /dev/shm: after the grace period, since exiting workers remove their own.
+        # /dev/shm after the grace period: exiting workers remove their own.
         test_pids = {cand.info.key.pid for cand in candidates}
         shm_files = self._shm_files(window, active, finished, left, test_pids)
 
-        # GPU memory of the test process itself.
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
         now_s = time.monotonic()
-        alive = [item for item in left if item.alive]
-        devices = self.gpu.devices() if alive else ()
+        alive = [process for process in left if process.exited_after_s is None]
+        devices = self.gpu.devices if alive else ()
         parent = self._parent(after)
-        attribution, reason = self.gpu.attribution()
+        attribution, reason = self.gpu.attribution
         return Timeline(
             session_id=window.tag,
             root=parent.key,
@@ -630,14 +466,20 @@ class Checker:
                     start_s=window.start_s,
                     end_s=end_s,
                     end_reason="completed",
-                    processes=(parent, *(item.process for item in left)),
+                    processes=(parent, *left),
                     devices=devices,
                 ),
             ),
             final=FinalState(
                 time_s=now_s,
                 devices=devices,
-                processes=(parent, *(_final_view(item.process, now_s - end_s) for item in alive)),
+                processes=(
+                    parent,
+                    *(
+                        dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
+                        for p in alive
+                    ),
+                ),
                 closed=True,
             ),
             shm_files=shm_files,
@@ -646,31 +488,32 @@ class Checker:
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
-        return bool(procs.nvidia_fd_count(pid)) or pid in self.gpu.by_pid()
+        return bool(procs.nvidia_fd_count(pid)) or pid in (self.gpu.by_pid() or {})
 
-    def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[_Left]:
-        """What the test left: every candidate that did not exit within the grace."""
+    def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
+        """What the test left: every candidate that did not exit within the grace.
+
+        One gone by now has ``exited_after_s``; one still there has None.
+        """
         staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
-        gpu_by_pid = self.gpu.by_pid() if staying else {}
-        left: list[_Left] = []
+        gpu_by_pid = (self.gpu.by_pid() or {}) if staying else {}
+        left: list[ProcessEpoch] = []
         for cand in staying:
             key = cand.info.key
             current = procs.read_proc(key.pid)
             alive = current is not None and current.key == key and procs.is_alive(key)
             info = current if alive and current is not None else cand.info
-            role: Role = "descendant" if self.lineage.descends(info) else "orphan"
             gpu = dict(gpu_by_pid.get(key.pid, {})) if alive else {}
-            now_s = time.monotonic()
             process = ProcessEpoch(
                 key=key,
-                role=role,
+                role="descendant" if self.lineage.descends(info) else "orphan",
                 ppid=info.ppid,
                 cmdline=info.cmdline or cand.info.cmdline or info.name,
                 born_in_epoch=True,
                 born_epoch=0,
                 persistent=cand.baseline,
                 alive_at_end=True,
-                exited_after_s=None if alive else now_s - end_s,
+                exited_after_s=None if alive else time.monotonic() - end_s,
                 last_seen_after_s=cand.last_seen_s - end_s,
                 gpu_bytes_end=gpu,
                 gpu_bytes_peak=gpu,
@@ -678,17 +521,16 @@ class Checker:
                 scope=cand.owner.label if cand.owner is not None else None,
                 freed_by_gc=cand.freed_by_gc,
             )
-            left.append(_Left(cand, process, alive))
+            left.append(process)
         return left
 
     def _parent(self, after: GpuState) -> ProcessEpoch:
-        key = self.lineage.key()
         gpu = dict(after.nvml_bytes or {})
         return ProcessEpoch(
-            key=key,
+            key=self.lineage.key,
             role="parent",
             ppid=os.getppid(),
-            cmdline=self.lineage.cmdline(),
+            cmdline=self.lineage.cmdline,
             born_in_epoch=False,
             persistent=True,
             alive_at_end=True,
@@ -701,21 +543,18 @@ class Checker:
         window: Window,
         active: Sequence[ScopeOwner],
         finished: Sequence[ScopeOwner],
-        left: Sequence[_Left],
+        left: Sequence[ProcessEpoch],
         test_pids: set[int],
     ) -> tuple[ShmFile, ...]:
         """The files the test (or a wide-scope fixture that ended) left in /dev/shm.
 
         Blamed on the test: those held by its live processes, those named after any of its
         processes (``test_pids``, gone ones included: torch and CUDA IPC name their files
-        after their creator), those of its fixtures; others nobody holds are blamed only
-        when no other test ran at the same time (``attribute_unheld_shm``), else reported
-        as not attributable. One nobody holds whose naming scheme (``torch_*``,
-        ``cuda.shm.*``) names a maker that is not the test's and started before the test
-        began (its PID was handed out before the window) was made by another process of the
-        host: not attributable, even run serially.
+        after their creator), those of its fixtures. Others nobody holds are blamed only
+        when no other test ran meanwhile (``attribute_unheld_shm``); one whose naming scheme
+        names a maker older than the test is another process's of the host, not ours.
         """
-        now = list_shm(self.shm_dir)
+        now = _listdir(self.shm_dir)
         owned_active = {name for owner in active for name in owner.shm}
         fresh = now - window.shm - owned_active
         from_fixtures = {name: owner for owner in finished for name in owner.shm if name in now}
@@ -723,9 +562,7 @@ class Checker:
             return ()
         roles: dict[int, Role] = {self.pid: "parent"}
         roles.update(
-            (item.process.key.pid, item.process.role)
-            for item in left
-            if item.alive and not item.process.persistent
+            (p.key.pid, p.role) for p in left if p.exited_after_s is None and not p.persistent
         )
         lineage_pids = set(roles)
         held_by: dict[str, int] = {}
@@ -746,16 +583,20 @@ class Checker:
                 blamed.append(name)
                 continue
             creator = shm_creator_pid(name)
-            if creator is not None and _foreign_alive(creator, lineage_pids):
+            if (
+                creator is not None
+                and creator > 1
+                and creator not in lineage_pids
+                and procs.pid_exists_here(creator)
+            ):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
         for name in self._unheld(unresolved, lineage_pids):
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
             if creator is not None and handed_out_since(window.pids, creator, now_pid) is False:
-                # Its maker, by its naming scheme, is older than the test and not its: another
-                # job's file (/dev/shm is the host's). Only the scheme's PID counts: any other
-                # number in a name may be anything, and an unknown PID mark proves nothing.
+                # Its maker, by its naming scheme, is older than the test: another job's file.
+                # Only the scheme's PID counts, and an unknown PID mark proves nothing.
                 found.append(ShmFile(name, size, attributable=False, made_by_older=creator))
             elif self.attribute_unheld_shm:
                 blamed.append(name)
@@ -776,25 +617,25 @@ class Checker:
         return tuple(found)
 
     def _unheld(self, names: Sequence[str], lineage_pids: set[int]) -> list[str]:
-        """The segments among ``names`` that nobody holds: created and abandoned.
+        """The files among ``names`` that nobody holds (one scan of every process, if any).
 
         Held by a stranger (another job's semaphore, a sibling worker's buffer): not ours.
-        One scan of every process, paid only when such a segment appeared.
         """
         if not names:
             return []
-        strangers = [int(n) for n in list_pids() if n.isdigit() and int(n) not in lineage_pids]
+        strangers = [
+            int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in lineage_pids
+        ]
         held_elsewhere = {
             name for found in procs.shm_open_by(strangers, self.shm_dir).values() for name in found
         }
-        unheld: list[str] = []
-        for name in names:
-            if name in held_elsewhere or not os.path.exists(os.path.join(self.shm_dir, name)):
-                continue  # a stranger's, or one that was on its way out
-            if is_named_semaphore(name):
-                continue
-            unheld.append(name)
-        return unheld
+        return [
+            name
+            for name in names
+            if name not in held_elsewhere
+            and os.path.exists(os.path.join(self.shm_dir, name))
+            and not is_named_semaphore(name)
+        ]
 
     def _parent_memory(
         self,
@@ -808,9 +649,8 @@ class Checker:
         after = self.gpu.state()
         if after.allocated_bytes is None and after.nvml_bytes is None:
             return None, after
-        # What wide-scope fixtures legitimately hold, by device (NOTE [scopes]): fixtures set
-        # up during this test and still active add to the baseline; those set up earlier
-        # and finished now take away from it.
+        # NOTE [scopes]: fixtures set up during this test and still active add to the
+        # baseline; those set up earlier and finished now take away from it.
         allowance: dict[int, int] = {}
         for owner in active:
             if owner.window_serial == window.serial:
@@ -823,9 +663,7 @@ class Checker:
         if after.allocated_bytes is not None:
             kept = _excess(before.allocated_bytes, after.allocated_bytes, allowance, released)
             if any(num > tolerance_bytes for num in kept.values()):
-                # Confirm after a collection and an emptied cache: cycles and cached blocks
-                # are not leaks.
-                after = self.gpu.state(collect=True)
+                after = self.gpu.state(collect=True)  # confirmed without cycles and cache
                 if after.allocated_bytes is not None:
                     kept = _excess(
                         before.allocated_bytes, after.allocated_bytes, allowance, released
@@ -849,36 +687,14 @@ class Lineage:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._key: ProcessKey | None = None
-        self._environ: bytes | None = None
-        self._cmdline: bytes | None = None
-        self._cmdline_text: str | None = None
-
-    def key(self) -> ProcessKey:
-        """The test process's identity."""
-        if self._key is None:
-            self._key = procs.process_key(self.pid) or ProcessKey(self.pid, 0)
-        return self._key
-
-    def cmdline(self) -> str:
-        """The test process's command line, as procs reads one (read once)."""
-        if self._cmdline_text is None:
-            info = procs.read_proc(self.pid)
-            self._cmdline_text = info.cmdline if info is not None else ""
-        return self._cmdline_text
-
-    def _self_identity(self) -> tuple[bytes | None, bytes | None]:
-        if self._environ is None:
-            self._environ = _read_bytes(f"/proc/{self.pid}/environ")
-            self._cmdline = _read_bytes(f"/proc/{self.pid}/cmdline")
-        return self._environ, self._cmdline
+        self.key = procs.process_key(pid) or ProcessKey(pid, 0)
+        info = procs.read_proc(pid)
+        self.cmdline = info.cmdline if info is not None else ""
+        self._identity: tuple[bytes | None, bytes | None] | None = None
 
     def ours(self, pids: Iterable[int], tags: set[str], *, since: PidMark) -> list[ProcInfo]:
-        """The processes among ``pids`` that belong to the test.
-
-        Processes started before the mark ``since`` (with a tick of slack) are not new: an
-        older PID can fall in the new range after PID numbers wrapped around.
-        """
+        """The processes among ``pids`` that belong to the test, born since ``since``."""
+        # An older PID can fall in the new range after PID numbers wrapped around.
         born_since = int(since.boot_s * procs.clock_ticks()) - _BIRTH_SLACK_TICKS
         found: list[ProcInfo] = []
         for pid in pids:
@@ -890,37 +706,23 @@ class Lineage:
                 continue
             tag = procs.tagged_session(pid)
             if tag is not None and tag in tags:
-                found.append(ProcInfo(info.key, info.ppid, info.name, info.cmdline, True))
-                continue
-            if tag is None and self._forked_from_here(info):
+                found.append(info._replace(tagged=True))
+            elif tag is None and self._forked_from_here(info):
                 found.append(info)
         return found
 
     def descends(self, info: ProcInfo) -> bool:
-        """Whether the test process is an ancestor of ``info`` now.
-
-        The walk stops at the first ancestor older than the test process: no descendant of
-        it can be. A stranger's process (another job's, a sibling xdist worker's) costs a
-        read or two, not a walk to PID 1.
-        """
-        start_ticks = self.key().start_ticks
-        ppid = info.ppid
-        for _ in range(64):
-            if ppid == self.pid:
-                return True
-            if ppid <= 1:
-                return False
-            parent = procs.read_proc(ppid, with_cmdline=False)
-            if parent is None or parent.key.start_ticks < start_ticks:
-                return False
-            ppid = parent.ppid
-        return False
+        """Whether the test process is an ancestor of ``info`` now."""
+        return info.ppid == self.pid or procs.is_ancestor(self.pid, info.ppid)
 
     def _looks_like_here(self, pid: int) -> bool:
-        environ, cmdline = self._self_identity()
-        if not environ or not cmdline:
-            return False
-        return (
+        if self._identity is None:
+            self._identity = (
+                _read_bytes(f"/proc/{self.pid}/environ"),
+                _read_bytes(f"/proc/{self.pid}/cmdline"),
+            )
+        environ, cmdline = self._identity
+        return bool(environ and cmdline) and (
             _read_bytes(f"/proc/{pid}/cmdline") == cmdline
             and _read_bytes(f"/proc/{pid}/environ") == environ
         )
@@ -928,10 +730,9 @@ class Lineage:
     def _forked_from_here(self, info: ProcInfo) -> bool:
         """A reparented fork of this process: same command line and initial environment.
 
-        Twins started alike (xdist workers, exec'd by one controller with one environment)
-        look the same, and so do their forks, for a moment before they exec: a process
-        whose live parent looks like this process too is a twin's, not ours (a fork of
-        ours whose parent died has PID 1 or a subreaper for parent, which looks different).
+        Twins started alike (xdist workers) look the same, and so do their forks before
+        they exec: a process whose live parent looks like this process too is a twin's (a
+        fork of ours whose parent died has PID 1 or a subreaper for parent).
         """
         if not self._looks_like_here(info.key.pid):
             return False
@@ -947,13 +748,10 @@ def _wait_for_exit(
 ) -> None:
     """Poll until every candidate exited or is a baseline helper, or the deadline passed.
 
-    Updates each candidate: ``exited_s`` when seen gone, ``last_seen_s`` when seen alive,
-    ``baseline`` for a runtime helper that pins nothing on the GPU (it is not waited for).
-    The last poll of a process still there is taken at or after the deadline. The command
-    line is read again at each poll: a child caught between fork and exec shows its
-    parent's (or an empty) command line for a moment, and a runtime helper must be
-    recognised before it costs a grace period. Cheap when there is nothing to wait for:
-    one liveness read per candidate.
+    Sets ``exited_s``, ``last_seen_s`` and ``baseline`` (a runtime helper that pins nothing
+    is not waited for). The last poll of a process still there is at or after the deadline.
+    The command line is read again at each poll: a child between fork and exec shows its
+    parent's for a moment, and a helper must be recognised before it costs a grace period.
     """
     pending = list(candidates)
     delay = 0.005
@@ -968,9 +766,7 @@ def _wait_for_exit(
             cand.last_seen_s = now
             current = procs.read_proc(key.pid)
             if current is not None and current.key == key and current.cmdline:
-                cand.info = ProcInfo(
-                    key, current.ppid, current.name, current.cmdline, cand.info.tagged
-                )
+                cand.info = current._replace(tagged=cand.info.tagged)
             if is_runtime_helper(cand.info.cmdline):
                 if cand.pins is None:
                     cand.pins = pins_gpu(key.pid)
@@ -986,16 +782,10 @@ def _wait_for_exit(
 
 
 def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
-    """Collect garbage if a process outlived the grace, and mark those it let go.
-
-    NOTE [reference cycles]. A process that exits now was kept alive by its owner's
-    reference cycle: ``freed_by_gc``.
-    """
+    """NOTE [reference cycles]: collect garbage if a process outlived the grace."""
     staying = [c for c in candidates if c.exited_s is None and not c.baseline]
     if not staying:
         return
-    # First the same wait without a collection: a process on its way out anyway (a helper
-    # that exits just after the grace) is late, not kept by a cycle.
     _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
     for cand in staying:
         cand.late = cand.exited_s is not None
@@ -1003,8 +793,6 @@ def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[in
     if not staying:
         return
     gc.collect()
-    # Freed by the collection: gone as it returns (a loader's shutdown joins its workers
-    # inside it). One that exits in the moment after is late, not freed.
     now = time.monotonic()
     for cand in staying:
         if not procs.is_alive(cand.info.key):
@@ -1013,25 +801,6 @@ def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[in
     _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
     for cand in staying:
         cand.late = cand.exited_s is not None
-
-
-def _final_view(process: ProcessEpoch, after_end_s: float) -> ProcessEpoch:
-    """A process the test left, as the final state lists it (read after the grace)."""
-    return ProcessEpoch(
-        key=process.key,
-        role=process.role,
-        ppid=process.ppid,
-        cmdline=process.cmdline,
-        born_in_epoch=False,
-        born_epoch=process.born_epoch,
-        persistent=process.persistent,
-        alive_at_end=True,
-        last_seen_after_s=after_end_s,
-        gpu_bytes_end=process.gpu_bytes_end,
-        gpu_bytes_peak=process.gpu_bytes_peak,
-        nvidia_fds=process.nvidia_fds,
-        scope=process.scope,
-    )
 
 
 def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -> dict[int, int]:
@@ -1088,7 +857,3 @@ def _owner_uid(directory: str, name: str) -> int | None:
         return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
     except OSError:
         return None
-
-
-def _foreign_alive(pid: int, ours: set[int]) -> bool:
-    return pid not in ours and pid > 1 and os.path.exists(f"/proc/{pid}")

@@ -1,23 +1,16 @@
-"""What every adapter that watches a job's loaders shares: options, the chained policy, judging.
+"""What ``watch()`` and the Lightning callback share: options, the chained policy, judging.
 
-``watch()`` and the Lightning callback take the same options, chain the same teardown policy
-into a loader's ``worker_init_fn``, and announce leaks at epoch ends the same way. Those
-pieces live here, in one module both import (docs/ARCHITECTURE.md, Layers).
-
-NOTE [judged window]: judging a timeline costs time in proportion to its epochs, and an
-adapter judges at every epoch end, so over a long run the epoch end would grow slower and
-slower. The epoch-end judgement therefore looks at the latest ``JUDGED_EPOCHS`` closed epochs
-only, as recorded at their ends; the judgement at ``close()`` sees the whole run with a fresh
-read. Every rule still works on the window: survivors and orphans are seen within a few
-epochs of their birth (unless epochs are so short that the grace period spans the whole
-window), growth over the window's epochs (warm-up included). What only a longer view shows,
-such as growth too slow to exceed the tolerance within the window, is announced at close.
+NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
+judges at every epoch end, so the epoch-end judgement looks at the latest ``JUDGED_EPOCHS``
+closed epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures
+both); ``close()`` judges the whole run with a fresh read. Every rule still works on the
+window; what only a longer view shows (growth too slow to exceed the tolerance within it)
+is announced at close.
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
 ended, so an adapter judges again at the start of a later epoch once the grace has passed
-(``EpochJudge.judge_if_due``), on a walk taken then: the sampler's last one may predate the
-grace's end, and a process must be seen alive after it to be a survivor. And at close, the
-only place that waits for it.
+(``EpochJudge.judge_if_due``), on a walk taken then (a process must be seen alive after the
+grace), and at close, the only place that waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import Finding
+from leakcheck.core.model import EpochRecord, Finding
 from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
 
@@ -39,9 +32,11 @@ __all__ = [
     "OnLeak",
     "call_reported",
     "chained_worker_init",
+    "check_on_epoch",
     "check_on_leak",
     "check_teardown",
-    "started_mailbox",
+    "last_record",
+    "note_deaths",
 ]
 
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -76,14 +71,25 @@ def check_teardown(value: object) -> bool:
     return value
 
 
-def started_mailbox(tracker: Tracker) -> str | None:
-    """Start ``tracker`` and return its mailbox folder (None: it has none).
+def check_on_epoch(
+    value: Callable[[EpochRecord], object] | None,
+) -> Callable[[EpochRecord], object] | None:
+    """Validate ``on_epoch``: None or a callable.
 
-    The tracker's own, not the exported variable: with several trackers in one process, that
-    names the one started last.
+    Raises:
+        UsageError: Neither; the message names the value.
+
     """
-    tracker.start()
-    return tracker.mailbox_dir
+    if value is not None and not callable(value):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {value!r}")
+    return value
+
+
+def last_record(tracker: Tracker) -> EpochRecord:
+    """The tracker's latest closed epoch, as the report will show it."""
+    tracker.finish_reads()
+    (record,) = tracker.timeline(last_epochs=1).epochs
+    return record
 
 
 def chained_worker_init(
@@ -117,11 +123,7 @@ def chained_worker_init(
 
 
 def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
-    """Run a user's callable (or a logger) at an epoch end; what it raises is only warned.
-
-    The detector never breaks the user's loop: an exception becomes one ``RuntimeWarning``
-    naming ``what``, and the loop goes on.
-    """
+    """Run a user's callable (or a logger): what it raises is one ``RuntimeWarning``, no more."""
     try:
         call()
     except Exception as error:
@@ -139,12 +141,9 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 
 
 def note_deaths(tracker: Tracker, iterator: object) -> bool:
-    """Tell ``tracker`` how the workers of a failed epoch's loader iterator ended.
+    """Tell ``tracker`` which workers of a failed epoch's iterator a signal killed (True: some).
 
-    A DataLoader iterator's ``_workers`` are ``multiprocessing`` processes; reading their
-    ``exitcode`` reaps a dead one (the iterator's shutdown would, a moment later), and a
-    negative one is the signal that killed it. Never raises. Returns True when a worker
-    was killed by a signal.
+    Reading a worker's ``exitcode`` reaps it, as the iterator's shutdown would a moment later.
     """
     died = False
     try:
@@ -191,9 +190,7 @@ class EpochJudge:
         )
 
     def judge_if_due(self, *, stacklevel: int = 1) -> None:
-        """At an epoch's start: judge what the grace now lets be judged, on a walk taken now.
-
-        Nothing when nothing is due (NOTE [late survivors]).
+        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors]).
 
         Raises:
             LeakError: ``on_leak="raise"`` and a new leak was found.
@@ -206,14 +203,12 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
 
-        Before the tracker is closed, the latest ``JUDGED_EPOCHS`` epochs as recorded
-        (NOTE [judged window]); after, the whole run.
+        NOTE [judged window]: the latest epochs while the tracker is open, the whole run after.
 
         Args:
-            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception
-                is on its way out already, and a leak must not replace it).
-            stacklevel: Where the warning points, as ``warnings.warn`` counts, from the
-                caller of this method (1: the caller's line).
+            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception is
+                on its way out already, and a leak must not replace it).
+            stacklevel: Where the warning points, from the caller (1: the caller's line).
 
         Raises:
             LeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.

@@ -3,7 +3,7 @@
 A DataLoader's default sharing strategy (file_descriptor) passes every shared tensor as a
 descriptor; a process that holds many at once, or leaks them, meets its ``RLIMIT_NOFILE``:
 "Too many open files", or "received 0 items of ancdata" in the process receiving a batch.
-Counted at epoch ends only (``procs.descriptor_use``: one listing per process), so the
+Counted at epoch ends only (``procs.descriptors``: one listing per process), so the
 finding names the most a process held at one, against its own limit then.
 """
 

@@ -957,12 +957,6 @@ def descriptors(pid: int) -> Descriptors | None:
     return Descriptors(found[0], found[1], limit)
 
 
-def descriptor_use(pid: int) -> tuple[int, int | None] | None:
-    """``(open, limit)`` of a process's descriptors (``descriptors``)."""
-    found = descriptors(pid)
-    return None if found is None else (found.open_count, found.limit)
-
-
 # --- /dev/shm -------------------------------------------------------------------------------
 
 

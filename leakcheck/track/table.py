@@ -48,7 +48,7 @@ class Proc:
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
     open_fds: int | None = None
-    """Its open descriptors at the last epoch end (``procs.descriptor_use``)."""
+    """Its open descriptors at the last epoch end (``procs.descriptors``)."""
     fd_limit: int | None = None
     """Its soft ``RLIMIT_NOFILE`` then; None: unlimited or unread."""
     cmdline_confirmed: bool = False
@@ -459,18 +459,19 @@ class ProcessTable:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart (epoch ends)."""
         for proc in self.live.values():
             if proc.own and not proc.foreign:
-                proc.nvidia_fds = self._job_nvidia_fds(proc)
-                proc.open_fds, proc.fd_limit = procs.descriptor_use(proc.key.pid) or (None, None)
+                table = procs.descriptors(proc.key.pid)  # one listing for both counts
+                if table is None:
+                    proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
+                    continue
+                proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
+                proc.open_fds, proc.fd_limit = table.open_count, table.limit
 
-    def _job_nvidia_fds(self, proc: Proc) -> int | None:
+    def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
         """Count a process's ``/dev/nvidia*`` descriptors that belong to the job.
 
         Leaves out those NVML opened for leakcheck in the root, which a forked child merely
         inherited (NOTE [descriptors] in nvml.py).
         """
-        found = procs.nvidia_fds(proc.key.pid)
-        if found is None:
-            return None
         own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
         if proc.key == self.root:
             return len(set(found) - own)

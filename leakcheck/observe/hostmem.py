@@ -495,7 +495,7 @@ def is_named_semaphore(name: str) -> bool:
 def job_shm_files(
     before: Mapping[str, ShmSegment],
     now: Mapping[str, ShmSegment],
-    holders: Mapping[int, Iterable[str]],
+    holders: Mapping[int, Iterable[str]] | None = None,
 ) -> list[JobShmFile]:
     """The files of ``now`` that are new since ``before``, with the processes holding each.
 
@@ -516,7 +516,7 @@ def job_shm_files(
 
     """
     held_by: dict[str, list[int]] = {}
-    for pid, names in holders.items():
+    for pid, names in (holders or {}).items():
         for name in names:
             held_by.setdefault(name, []).append(pid)
     files: list[JobShmFile] = []

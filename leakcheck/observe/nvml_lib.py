@@ -1,16 +1,12 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-``nvml.py`` is its one user: it calls these functions by pynvml's names and signatures, so
-that tests can stand a fake module in for this one (``sys.modules["leakcheck.observe.nvml_lib"]``).
-It exists because importing the whole ``pynvml`` binding (thousands of structures built at
-import) cost ``leakcheck snapshot`` about 90 ms of its start on a GPU host; this module
-loads ``libnvidia-ml.so.1`` only when :func:`nvmlInit` is called, and defines only what is
-used. Errors are raised as :class:`NVMLError` with the driver's return code in ``value``.
-Names are pynvml's (and NVML's), not PEP 8's, so that a fake of either shape fits.
-
-Running-process lists are not offered as Python calls: ``nvml.py`` reads them through
-:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` with a reused buffer
-(NOTE [process lists] in nvml.py), the one place that speaks NVML's count-and-fill protocol.
+``nvml.py`` is its one user, calling these by pynvml's names, so that tests can stand a fake
+in for this module (``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because
+importing ``pynvml`` (thousands of structures built at import) cost ``leakcheck snapshot``
+about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in :func:`nvmlInit`, and
+defines only what is used. Errors raise :class:`NVMLError` with the driver's code in
+``value``. Running-process lists are read by ``nvml.py`` through
+:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` (NOTE [process lists]).
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
-NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
 
 _LIBRARY = "libnvidia-ml.so.1"
@@ -268,26 +263,3 @@ def nvmlDeviceGetAccountingStats(handle: ctypes.c_void_p, pid: int) -> c_nvmlAcc
     stats = c_nvmlAccountingStats_t()
     _call("nvmlDeviceGetAccountingStats", handle, ctypes.c_uint(pid), ctypes.byref(stats))
     return stats
-
-
-def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
-    """Not offered: read through :func:`_nvmlGetFunctionPointer` (see the module docstring).
-
-    ``nvml.py`` calls this only when the driver has neither ``_v3`` nor ``_v2`` of the list
-    (drivers before R450), which this binding does not support.
-
-    Raises:
-        NVMLError: Always, ``NVML_ERROR_FUNCTION_NOT_FOUND``.
-
-    """
-    raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
-
-
-def nvmlDeviceGetGraphicsRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
-    """Not offered, as :func:`nvmlDeviceGetComputeRunningProcesses`.
-
-    Raises:
-        NVMLError: Always, ``NVML_ERROR_FUNCTION_NOT_FOUND``.
-
-    """
-    raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)

@@ -488,20 +488,6 @@ def test_forked_child_reinitialises_and_drops_cached_handles(use_fake: UseFake) 
     assert fake.init_calls == 1  # the parent's session is untouched
 
 
-def test_shutdown_closes_and_get_starts_a_new_session(use_fake: UseFake) -> None:
-    fake = use_fake(two_devices())
-    first = nvml.get()
-    first.shutdown()
-    first.shutdown()  # idempotent
-    assert fake.shutdown_calls == 1
-    with pytest.raises(NVMLUnavailable, match="shut down"):
-        first.memory()
-    second = nvml.get()
-    assert second is not first
-    assert second.device_count() == 2
-    assert fake.init_calls == 2
-
-
 # -- accounting ------------------------------------------------------------------------------
 
 

@@ -164,7 +164,7 @@ class Nvml:
     indices (PCI bus order, whatever ``CUDA_VISIBLE_DEVICES`` says).
 
     Raises (every public method):
-        NVMLUnavailable: After :meth:`shutdown`, or a failed restart in a forked child.
+        NVMLUnavailable: A failed restart in a forked child.
         LeakCheckError: An NVML call failed on a device; the message names call and device.
         UsageError: A device index out of range.
     """
@@ -174,7 +174,6 @@ class Nvml:
         self._error: type[BaseException] = lib.NVMLError
         self._lock = threading.Lock()
         self._pid = -1
-        self._closed = False
         self._count = 0
         self._handles: dict[int, Any] = {}
         self._meta: dict[int, tuple[str, str]] = {}
@@ -216,12 +215,7 @@ class Nvml:
             self._lib.nvmlShutdown()
 
     def _ensure(self) -> bool:
-        """Refuse a shut-down session; start NVML again in a forked child (True: started)."""
-        if self._closed:
-            raise NVMLUnavailable(
-                "NVML unavailable: this handle was shut down; "
-                "call leakcheck.observe.nvml.get() again"
-            )
+        """Start NVML again in a forked child (True: started)."""
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
@@ -230,22 +224,6 @@ class Nvml:
                     _count_as_own(_nvidia_fd_numbers() - before)
                     return True
         return False
-
-    def shutdown(self) -> None:
-        """Release NVML for this process (``nvmlShutdown``); idempotent.
-
-        Afterwards this object refuses every call, and :func:`get` starts a new session. Only
-        when no other thread still samples.
-        """
-        global _instance
-        with _lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._pid == os.getpid():  # a forked child's session is not its to end
-                self._quiet_shutdown()
-            if _instance is self:
-                _instance = None
 
     def _call(self, name: str, device: int, *args: Any) -> Any:
         try:

@@ -16,13 +16,11 @@ independent way to find exec'd ones.
 
 NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its PID and its start
 in clock ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever two
-identities meet, within a process and across processes (worker records, mailbox names,
-session tags, reports read back, the sweep's cleanup). Never its Unix create time
-(``start_ticks / CLK_TCK + btime``): ``btime`` follows the wall clock, so two processes that
-read it at different times compute create times a second apart for one process (psutil#2526).
-Create times are shown to people only (``create_time_s``), never read back. Births against
-epochs compare seconds since boot on ``CLOCK_BOOTTIME`` (``since_boot_s``), where a process was
-born at ``start_ticks / clock_ticks()``.
+identities meet, in one process or across processes (worker records, mailbox names, session
+tags, reports read back). Never its Unix create time: ``btime`` follows the wall clock, so two
+processes compute create times a second apart for one process (psutil#2526); create times are
+shown to people only (``create_time_s``). Births against epochs compare seconds since boot
+(``since_boot_s``): a process was born at ``start_ticks / clock_ticks()``.
 
 NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*, the
 one that forked them: a child started from a DataLoader pin-memory thread or a thread pool is
@@ -510,12 +508,9 @@ def boot_time_s() -> float:
 
 
 def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
-    """A start time as a Unix time, for people (NOTE [process identity]): never compare it.
+    """A start in ticks as a Unix time, for people (NOTE [process identity]): never compare it.
 
-    Args:
-        start_ticks: The process's start in clock ticks since boot.
-        boot_unix_s: The boot time to add (default: ``boot_time_s()``).
-
+    ``boot_unix_s`` is the boot time to add (default: ``boot_time_s()``).
     """
     boot = boot_time_s() if boot_unix_s is None else boot_unix_s
     return start_ticks / clock_ticks() + boot
@@ -550,10 +545,8 @@ def read_proc(
     Args:
         pid: Process ID.
         session_id: When given, ``tagged`` tells whether the process's initial environment
-            carries ``LEAKCHECK_SESSION=<session_id>`` (NOTE [session tag]); an environment
-            we may not read counts as untagged.
-        with_cmdline: Read the command line (arguments joined by spaces, whole up to
-            ``CMDLINE_MAX_CHARS``); False leaves it empty.
+            has ``<tag_variable>=<session_id>`` (NOTE [session tag]); unreadable: untagged.
+        with_cmdline: Read the command line (arguments joined by spaces); False: empty.
         tag_variable: The variable that carries the tag.
 
     Returns:
@@ -580,11 +573,8 @@ def descendants(
     files]). A listed child whose stat names another parent (PID reused, or reparented during
     the walk) is skipped, and so are zombies.
 
-    Args:
-        root_pid: Root of the tree.
-        session_id: Also check each process's session tag (see ``read_proc``).
-        with_cmdline: Read command lines (see ``read_proc``).
-        quick: Re-read known processes only every few walks (NOTE [quick walk]).
+    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``quick`` re-reads known
+    processes only every few walks (NOTE [quick walk]).
 
     """
     tag = None if session_id is None else session_id.encode()
@@ -658,12 +648,8 @@ def scan_all(
 ) -> list[ProcInfo]:
     """Every live process of this PID namespace, in PID order, from one pass over /proc.
 
-    Args:
-        session_id: Check each process's session tag (see ``read_proc``).
-        with_cmdline: Read command lines (see ``read_proc``).
-        kernel_threads: False leaves kernel threads out (they hold no descriptors and carry
-            no tag), told from the stat line read anyway.
-
+    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``kernel_threads`` False leaves
+    out kernel threads (no descriptors, no tag), told from the stat line read anyway.
     """
     tag = None if session_id is None else session_id.encode()
     found: list[ProcInfo] = []
@@ -699,14 +685,9 @@ class TagScan:
     def __init__(
         self, session_id: str, *, born_since: ProcessKey, variable: str = SESSION_ENV
     ) -> None:
-        """Prepare scans for ``session_id``'s tag in ``variable`` (NOTE [session tag]).
+        """Scans for ``session_id`` in ``variable`` among processes born since ``born_since``.
 
-        Args:
-            session_id: The session whose tag to look for.
-            born_since: The root's identity; the root itself is left out.
-            variable: The environment variable that carries the tag (NOTE [run tag] in
-                launcher.py).
-
+        The root ``born_since`` is left out itself; ``variable``: NOTE [run tag] in launcher.py.
         """
         self._tag = session_id.encode()
         self._prefix = _tag_prefix(variable)
@@ -909,12 +890,7 @@ def _nvidia_and_count(pid: int) -> tuple[dict[int, str], int] | None:
 
 
 def nvidia_fds(pid: int) -> dict[int, str] | None:
-    """Descriptor number -> target of each ``/dev/nvidia*`` descriptor of a process.
-
-    Returns:
-        The mapping (empty when none); None when the table cannot be read.
-
-    """
+    """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
     found = _nvidia_and_count(pid)
     return None if found is None else found[0]
 

@@ -1,12 +1,9 @@
 """Host memory per process (USS, PSS, RSS), and the job's files in ``/dev/shm``.
 
-The DataLoader "memory leak" users report most is host memory: a dataset of Python objects is
-shared with forked workers page by page, and every access writes a reference count, so the
-pages a worker touches become its own (copy-on-read): its private memory (USS) grows epoch
-after epoch while its RSS, which counts the pages still shared, looks the same. Next come
-``/dev/shm`` files: a full tmpfs (Docker's 64 MB) kills workers with a bus error, and files
-left there outlive the job. A process that vanishes or denies access while it is read reads as
-None, never an exception.
+The DataLoader "leak" users report most is host memory copied on read (NOTE [copy on read]);
+next come ``/dev/shm`` files: a full tmpfs (Docker's 64 MB) kills workers with a bus error, and
+files left there outlive the job. A process that vanishes or denies access while it is read
+reads as None, never an exception.
 
 NOTE [rollup cost]: the kernel builds /proc/PID/smaps_rollup by walking the page tables of every
 mapping, so one read costs in proportion to the process's resident memory (6-9 us per MiB);
@@ -53,9 +50,8 @@ _Target = TypeVar("_Target", int, ProcessKey)
 class HostMemory:
     """Host memory of one process at one moment, in bytes.
 
-    USS is what the process alone holds (what it gives back by exiting, what copy-on-read
-    grows); PSS shares each page among the processes that map it, so a job's PSS adds up to
-    its share; RSS counts every resident page, a forked worker's parent's pages included.
+    USS is what the process alone holds (what copy-on-read grows); PSS shares each page among
+    the processes that map it; RSS counts every resident page, a parent's shared ones too.
 
     Attributes:
         uss_bytes: Private pages (``Private_Clean`` + ``Private_Dirty`` + ``Private_Hugetlb``);
@@ -236,13 +232,9 @@ def read_host_memories(
 class ShmCapacity:
     """Size and use of the filesystem behind a shared-memory directory (``statvfs``).
 
-    Attributes:
-        directory: The directory asked about.
-        total_bytes: Its size; None where it reports no limit (a tmpfs with ``size=0``).
-        used_bytes: Bytes in use by every process of the host, files already removed but
-            still held included.
-        free_bytes: Bytes an unprivileged process can still allocate there.
-
+    ``total_bytes`` is None where it has no limit (a tmpfs with ``size=0``); ``used_bytes``
+    counts every process of the host, files removed but still held too; ``free_bytes`` is
+    what an unprivileged process can still allocate.
     """
 
     directory: str
@@ -273,11 +265,10 @@ _CUDA_IPC = re.compile(r"^cuda\.shm\.[0-9A-Za-z]+\.([0-9a-fA-F]+)\.[0-9A-Za-z]+$
 
 
 def shm_creator_pid(name: str) -> int | None:
-    """The PID of a shared-memory file's maker, where its naming scheme says; else None.
+    """The PID of a shared-memory file's maker, where its name says; else None.
 
-    torch's file_system sharing names its segments ``torch_<pid>_...``; its CUDA IPC
-    reference-count files are ``cuda.shm.<id>.<pid in hex>.<n>``, made by the process that
-    sent CUDA tensors (a DataLoader worker that returned them).
+    torch's file_system sharing: ``torch_<pid>_...``; its CUDA IPC reference counts:
+    ``cuda.shm.<id>.<pid in hex>.<n>``, made by the sender of CUDA tensors (a worker).
     """
     match = _TORCH_CREATOR.match(name)
     if match:
@@ -289,8 +280,7 @@ def shm_creator_pid(name: str) -> int | None:
 def shm_name_pids(name: str) -> set[int]:
     """PIDs a shared-memory file's name may carry: its maker's, and whole numbers in it.
 
-    Many schemes put a PID in the name, so a number that is a PID of the job ties the file to
-    the job (a guess, where no holder says more).
+    A number that is a PID of the job ties the file to the job (a guess, where no holder says).
     """
     found = {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
     creator = shm_creator_pid(name)
@@ -302,8 +292,8 @@ def shm_name_pids(name: str) -> set[int]:
 def is_named_semaphore(name: str) -> bool:
     """A POSIX named semaphore's file (``sem.NAME``), which no shm rule judges.
 
-    Its users map it under a temporary name, so "nobody holds it" means nothing, and any
-    process using multiprocessing locks or queues makes them by the dozen.
+    Mapped under a temporary name, "nobody holds it" means nothing; multiprocessing's locks
+    and queues make them by the dozen.
     """
     return name.startswith("sem.")
 

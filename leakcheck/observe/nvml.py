@@ -158,15 +158,10 @@ class _RawProcessList:
 
 
 class Nvml:
-    """One process's NVML session: device handles, names and UUIDs cached after first use.
+    """One process's NVML session, from :func:`get`; handles, names and UUIDs cached.
 
-    Obtain it with :func:`get`. Thread-safe and fork-tolerant (NOTE [fork]). Devices are NVML
-    indices (PCI bus order, whatever ``CUDA_VISIBLE_DEVICES`` says).
-
-    Raises (every public method):
-        NVMLUnavailable: A failed restart in a forked child.
-        LeakCheckError: An NVML call failed on a device; the message names call and device.
-        UsageError: A device index out of range.
+    Thread-safe and fork-tolerant (NOTE [fork]). Devices are NVML indices (PCI bus order,
+    whatever ``CUDA_VISIBLE_DEVICES`` says). Methods raise as the module docstring says.
     """
 
     def __init__(self, lib: Any) -> None:
@@ -326,18 +321,11 @@ class Nvml:
     def processes(
         self, devices: Sequence[int] | None = None, *, graphics: bool = True
     ) -> tuple[GpuProcess, ...]:
-        """Processes with a context on the devices, one entry per (pid, device), by device and pid.
+        """Processes with a context on the devices (None: all), one per (pid, device), sorted.
 
         Compute and graphics lists are merged (``kind``): a process in both counts its bytes
-        once (the larger known value); several entries of one list for one pid (MIG
-        instances) are summed. ``used_gpu_bytes`` is None where NVML does not say.
-
-        Args:
-            devices: NVML indices to read; None for all.
-            graphics: Also read the graphics list. Each list holds the driver's global lock
-                while read, stalling other processes' driver calls: a caller that knows no
-                process has a graphics context can leave it out.
-
+        once (the larger known); entries of one list for one pid (MIG) are summed. Each list
+        holds the driver's global lock while read: ``graphics=False`` leaves that list out.
         """
         self._ensure()
         found: list[GpuProcess] = []
@@ -383,10 +371,7 @@ class Nvml:
         return DeviceState(index, name, uuid, int(info.used), int(info.total)), handle
 
     def memory(self, devices: Sequence[int] | None = None) -> tuple[DeviceState, ...]:
-        """Used and total memory of each device (None: all), with name and UUID; no telemetry.
-
-        The sampler's cheap call: one ``nvmlDeviceGetMemoryInfo`` per device.
-        """
+        """Used and total memory, name and UUID of each device (None: all); the cheap read."""
         self._ensure()
         return tuple(self._memory_state(index)[0] for index in self._select(devices))
 
@@ -481,8 +466,7 @@ def get() -> Nvml:
     """The process-wide :class:`Nvml`, started on first use (thread-safe, once).
 
     Raises:
-        NVMLUnavailable: No driver library, driver not loaded, no permission, or no GPU; one
-            line with a hint, remembered for this process.
+        NVMLUnavailable: NVML cannot be used here; remembered for this process.
 
     """
     global _instance, _failure, _own_fds

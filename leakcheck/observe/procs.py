@@ -463,12 +463,8 @@ def _quick_children(
         return None
     handles = _handles.get(pid)
     fd = handles.task_fds.get(str(pid)) if handles is not None else None
-    if fd is not None:
-        children = _read_children(fd)
-    else:  # past the descriptor budget: read the one file afresh
-        path = f"{_PROC}/{pid}/task/{pid}/children"
-        data = _read_all(path, 4096, record_bytes=_CHILD_RECORD_BYTES)
-        children = None if data is None else [int(child) for child in data.split()]
+    # Past the descriptor budget, its main thread's file is read afresh.
+    children = _read_children(fd) if fd is not None else _children_from_tasks(pid, 1)
     if children is None:
         return None
     if handles is not None:

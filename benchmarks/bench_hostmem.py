@@ -12,7 +12,7 @@ interleaved rounds, one read of all N children by each method:
 - ``status_pread``: /proc/PID/status kept open and read again with ``pread``, as procs'
   descriptor cache reads stat files (not leakcheck's code path: what a per-tick RSS read
   through that cache would cost);
-- ``shm``: ``hostmem.read_job_shm(before, pids)``: the /dev/shm listing, each child's
+- ``shm``: what the tracker reads of /dev/shm at an epoch end: the listing, each child's
   descriptor table and maps, and statvfs.
 
 What the parent holds when it forks: ``plain`` (a bare interpreter), ``data<N>`` (N MiB of
@@ -142,7 +142,11 @@ def run_config(children: int, parent: str, rounds: int) -> dict[str, Any]:
         "status": lambda: hostmem.read_host_memories(pids, rollup=False),
         "status_keys": lambda: hostmem.read_host_memories(keys, rollup=False),
         "status_pread": preader,
-        "shm": lambda: hostmem.read_job_shm(before, pids),
+        "shm": lambda: (
+            hostmem.job_shm_files(before, procs.shm_segments()),
+            procs.shm_open_by(pids),
+            hostmem.shm_capacity(),
+        ),
     }
     samples: dict[str, list[float]] = {name: [] for name in METHODS}
     try:

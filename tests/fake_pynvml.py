@@ -12,9 +12,9 @@ What it models:
 - handles that go stale after a re-init (as after fork), so reuse of a cached handle fails;
 - a lost GPU (every device call raises ``NVMLError_GpuIsLost``);
 - accounting mode and records; only ``nvmlDeviceSetAccountingMode`` switches it on;
-- optionally (``raw_lists=True``), the C-level running-process functions and entry layout
-  that leakcheck reads through a reused buffer: the count-and-fill protocol of NVML, with
-  ``NVML_ERROR_INSUFFICIENT_SIZE`` when the caller's buffer is short.
+- the C-level running-process functions and entry layout that leakcheck reads through a
+  reused buffer: the count-and-fill protocol of NVML, with ``NVML_ERROR_INSUFFICIENT_SIZE``
+  when the caller's buffer is short. Their calls are counted under the public names.
 """
 
 from __future__ import annotations
@@ -186,7 +186,6 @@ class FakePynvml(types.ModuleType):
         init_delay_s: float = 0.0,
         has_event_reasons: bool = True,
         root: bool = False,
-        raw_lists: bool = False,
     ) -> None:
         super().__init__("pynvml")
         self.devices = devices if devices is not None else [FakeDevice()]
@@ -206,13 +205,11 @@ class FakePynvml(types.ModuleType):
         self.NVML_FEATURE_DISABLED = 0
         self.NVML_FEATURE_ENABLED = 1
         self.has_event_reasons = has_event_reasons
-        if raw_lists:
-            self._nvmlGetFunctionPointer = self._function_pointer
-            self.c_nvmlProcessInfo_v3_t: type[ctypes.Structure] = FakeProcessInfo
+        self.c_nvmlProcessInfo_v3_t: type[ctypes.Structure] = FakeProcessInfo
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _function_pointer(self, name: str) -> Any:
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
         """The C function ``name`` (only the two ``_v3`` process lists exist)."""
         lists = {
             "nvmlDeviceGetComputeRunningProcesses_v3": False,
@@ -224,7 +221,7 @@ class FakePynvml(types.ModuleType):
 
         def call(handle: Any, count_ref: Any, buffer: Any) -> int:
             try:
-                device = self._device(handle, name)
+                device = self._device(handle, name.removesuffix("_v3"))
             except NVMLError as exc:
                 return exc.value
             entries = device.graphics if graphics else device.compute
@@ -290,8 +287,8 @@ class FakePynvml(types.ModuleType):
         self._count("nvmlShutdown")
         self.shutdown_calls += 1
 
-    def nvmlSystemGetDriverVersion(self) -> bytes:
-        return b"580.159.04"  # old bindings return bytes
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "580.159.04"
 
     def nvmlDeviceGetCount(self) -> int:
         self._count("nvmlDeviceGetCount")
@@ -316,16 +313,6 @@ class FakePynvml(types.ModuleType):
             used=device.used_bytes,
             free=device.total_bytes - device.used_bytes,
         )
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
-        device = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
-        return [FakeProcess(p.pid, p.usedGpuMemory) for p in device.compute]
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: FakeHandle) -> list[Any]:
-        device = self._device(handle, "nvmlDeviceGetGraphicsRunningProcesses")
-        if device.graphics is None:
-            raise error(NVML_ERROR_NOT_SUPPORTED)
-        return [FakeProcess(p.pid, p.usedGpuMemory) for p in device.graphics]
 
     def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
         assert sensor == self.NVML_TEMPERATURE_GPU

@@ -831,7 +831,7 @@ def test_snapshot_bad_pid_is_one_line(
 def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from leakcheck.observe.snapshot import new_session_id
+    from leakcheck.observe.procs import new_session_id
 
     tag = new_session_id(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

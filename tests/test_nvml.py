@@ -56,13 +56,6 @@ def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
     return install
 
 
-@pytest.fixture(params=[False, True], ids=["binding", "buffer"])
-def raw_lists(request: pytest.FixtureRequest) -> bool:
-    """Each process-list test twice: through the binding's calls, and the reused buffer
-    (NOTE [process lists] in nvml.py)."""
-    return bool(request.param)
-
-
 def two_devices() -> list[FakeDevice]:
     return [
         FakeDevice(
@@ -81,10 +74,8 @@ def two_devices() -> list[FakeDevice]:
 # -- processes -------------------------------------------------------------------------------
 
 
-def test_processes_merges_compute_and_graphics_per_pid_and_device(
-    use_fake: UseFake, raw_lists: bool
-) -> None:
-    use_fake(two_devices(), raw_lists=raw_lists)
+def test_processes_merges_compute_and_graphics_per_pid_and_device(use_fake: UseFake) -> None:
+    use_fake(two_devices())
     procs = nvml.get().processes()
     assert procs == (
         GpuProcess(pid=100, device_index=0, used_gpu_bytes=600 * MIB, kind="compute"),
@@ -94,22 +85,19 @@ def test_processes_merges_compute_and_graphics_per_pid_and_device(
     )
 
 
-def test_processes_device_filter_reads_only_those_devices(
-    use_fake: UseFake, raw_lists: bool
-) -> None:
-    fake = use_fake(two_devices(), raw_lists=raw_lists)
+def test_processes_device_filter_reads_only_those_devices(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
     handle = nvml.get()
     fake.calls.clear()  # get() reads every device once to open NVML's descriptors
     procs = handle.processes(devices=[1])
     assert [(p.pid, p.device_index) for p in procs] == [(100, 1)]
-    suffix = "_v3" if raw_lists else ""
     assert fake.calls == {
-        f"nvmlDeviceGetComputeRunningProcesses{suffix}": 1,
-        f"nvmlDeviceGetGraphicsRunningProcesses{suffix}": 1,
+        "nvmlDeviceGetComputeRunningProcesses": 1,
+        "nvmlDeviceGetGraphicsRunningProcesses": 1,
     }
 
 
-def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists: bool) -> None:
+def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake) -> None:
     use_fake(
         [
             FakeDevice(
@@ -121,7 +109,6 @@ def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists:
                 graphics=[FakeProcess(10, NOT_AVAILABLE)],
             )
         ],
-        raw_lists=raw_lists,
     )
     by_pid = {p.pid: p for p in nvml.get().processes()}
     assert by_pid[10].used_gpu_bytes is None
@@ -130,46 +117,39 @@ def test_unavailable_used_bytes_is_none_never_zero(use_fake: UseFake, raw_lists:
     assert by_pid[12].used_gpu_bytes == 0
 
 
-def test_known_bytes_win_over_unknown_when_merging_lists(
-    use_fake: UseFake, raw_lists: bool
-) -> None:
+def test_known_bytes_win_over_unknown_when_merging_lists(use_fake: UseFake) -> None:
     use_fake(
         [FakeDevice(compute=[FakeProcess(7, 64 * MIB)], graphics=[FakeProcess(7, None)])],
-        raw_lists=raw_lists,
     )
     (proc,) = nvml.get().processes()
     assert (proc.used_gpu_bytes, proc.kind) == (64 * MIB, "both")
 
 
-def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake, raw_lists: bool) -> None:
-    fake = use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)], raw_lists=raw_lists)
+def test_graphics_list_not_supported_gives_compute_only(use_fake: UseFake) -> None:
+    fake = use_fake([FakeDevice(compute=[FakeProcess(5, MIB)], graphics=None)])
     handle = nvml.get()  # reads each list once, to open NVML's descriptors
     for _ in range(3):
         assert handle.processes() == (
             GpuProcess(pid=5, device_index=0, used_gpu_bytes=MIB, kind="compute"),
         )
     # An unsupported list is not asked for again.
-    suffix = "_v3" if raw_lists else ""
-    assert fake.calls[f"nvmlDeviceGetGraphicsRunningProcesses{suffix}"] == 1
-    assert fake.calls[f"nvmlDeviceGetComputeRunningProcesses{suffix}"] == 4
+    assert fake.calls["nvmlDeviceGetGraphicsRunningProcesses"] == 1
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 4
 
 
-def test_processes_without_the_graphics_list_reads_compute_only(
-    use_fake: UseFake, raw_lists: bool
-) -> None:
-    fake = use_fake(two_devices(), raw_lists=raw_lists)
+def test_processes_without_the_graphics_list_reads_compute_only(use_fake: UseFake) -> None:
+    fake = use_fake(two_devices())
     handle = nvml.get()
     fake.calls.clear()
     procs = handle.processes(devices=[0], graphics=False)
     assert [(p.pid, p.kind) for p in procs] == [(100, "compute"), (200, "compute")]
-    suffix = "_v3" if raw_lists else ""
-    assert fake.calls == {f"nvmlDeviceGetComputeRunningProcesses{suffix}": 1}
+    assert fake.calls == {"nvmlDeviceGetComputeRunningProcesses": 1}
 
 
 def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: UseFake) -> None:
     """NOTE [process lists]: a short buffer costs one more call, once."""
     many = [FakeProcess(1000 + i, (i + 1) * MIB) for i in range(100)]
-    fake = use_fake([FakeDevice(compute=many[:1], graphics=[])], raw_lists=True)
+    fake = use_fake([FakeDevice(compute=many[:1], graphics=[])])
     handle = nvml.get()
     fake.devices[0].compute = many
     fake.calls.clear()
@@ -177,10 +157,10 @@ def test_buffer_grows_past_its_first_size_and_keeps_the_larger_one(use_fake: Use
     assert [(p.pid, p.used_gpu_bytes) for p in first] == [
         (1000 + i, (i + 1) * MIB) for i in range(100)
     ]
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 2  # short, then grown
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 2  # short, then grown
     fake.calls.clear()
     assert handle.processes() == first
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 1
+    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 1
     # Fewer processes later: the larger buffer is reused and only live entries are read.
     fake.devices[0].compute = many[:3]
     assert [p.pid for p in handle.processes()] == [1000, 1001, 1002]
@@ -224,26 +204,11 @@ def test_buffer_reader_through_real_ctypes_with_the_bindings_error_class(
     with pytest.raises(pynvml.NVMLError_NotSupported) as info:
         reader.read(None)
     assert info.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
-    # Without a loaded library the binding has no function to give: the public calls serve.
+    # Without a loaded library the binding has no function to give: no reader.
     # (On a GPU machine an earlier test may have loaded it: unload it here.)
     monkeypatch.setattr(pynvml, "nvmlLib", None)
     monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
     assert nvml._RawProcessList.open(pynvml, "nvmlDeviceGetComputeRunningProcesses") is None
-
-
-def test_a_binding_with_another_entry_layout_is_used_through_its_public_calls(
-    use_fake: UseFake,
-) -> None:
-    class OtherLayout(ctypes.Structure):
-        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
-
-    fake = use_fake(two_devices(), raw_lists=True)
-    fake.c_nvmlProcessInfo_v3_t = OtherLayout
-    handle = nvml.get()
-    fake.calls.clear()
-    assert len(handle.processes()) == 4
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses"] == 2
-    assert fake.calls["nvmlDeviceGetComputeRunningProcesses_v3"] == 0
 
 
 # -- memory and telemetry --------------------------------------------------------------------
@@ -268,9 +233,7 @@ def test_memory_reads_used_total_and_caches_name_uuid_and_handles(use_fake: UseF
     assert fake.calls["nvmlDeviceGetTemperature"] == 0
 
 
-def test_driver_version_is_text_even_from_a_binding_that_returns_bytes(
-    use_fake: UseFake,
-) -> None:
+def test_driver_version(use_fake: UseFake) -> None:
     use_fake(two_devices())
     assert nvml.get().driver_version() == "580.159.04"
 
@@ -430,9 +393,9 @@ def test_no_gpu_is_unavailable(use_fake: UseFake) -> None:
     assert fake.shutdown_calls == 1  # the half-open session was closed again
 
 
-def test_device_error_names_call_and_device(use_fake: UseFake, raw_lists: bool) -> None:
+def test_device_error_names_call_and_device(use_fake: UseFake) -> None:
     devices = two_devices()
-    use_fake(devices, raw_lists=raw_lists)
+    use_fake(devices)
     handle = nvml.get()
     handle.memory()
     devices[1].lost = True
@@ -525,20 +488,6 @@ def test_forked_child_reinitialises_and_drops_cached_handles(use_fake: UseFake) 
     assert fake.init_calls == 1  # the parent's session is untouched
 
 
-def test_shutdown_closes_and_get_starts_a_new_session(use_fake: UseFake) -> None:
-    fake = use_fake(two_devices())
-    first = nvml.get()
-    first.shutdown()
-    first.shutdown()  # idempotent
-    assert fake.shutdown_calls == 1
-    with pytest.raises(NVMLUnavailable, match="shut down"):
-        first.memory()
-    second = nvml.get()
-    assert second is not first
-    assert second.device_count() == 2
-    assert fake.init_calls == 2
-
-
 # -- accounting ------------------------------------------------------------------------------
 
 
@@ -620,6 +569,7 @@ def test_binding_structures_match_pynvml_layouts() -> None:
     """leakcheck's ctypes structures have nvml.h's layouts, as pynvml (the reference) has."""
     pynvml = pytest.importorskip("pynvml")
     from leakcheck.observe import nvml_lib
+
     for ours, theirs in (
         (nvml_lib.c_nvmlProcessInfo_v3_t, pynvml.c_nvmlProcessInfo_v3_t),
         (nvml_lib.c_nvmlMemory_t, pynvml.c_nvmlMemory_t),
@@ -634,6 +584,7 @@ def test_binding_structures_match_pynvml_layouts() -> None:
 
 def test_binding_errors_before_the_library_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     from leakcheck.observe import nvml_lib
+
     monkeypatch.setattr(nvml_lib, "_lib", None)
     monkeypatch.setattr(nvml_lib, "_functions", {})
     with pytest.raises(nvml_lib.NVMLError) as info:
@@ -687,16 +638,21 @@ def test_a_session_is_handed_out_only_once_its_own_descriptors_are_known(
     opened: another thread's get() during that list waits (a snapshot read NVML's own
     descriptors as its process's and listed itself)."""
     fake = use_fake()
-    real_list = fake.nvmlDeviceGetComputeRunningProcesses
+    real_pointer = fake._nvmlGetFunctionPointer
     listed = threading.Event()
 
-    def slow_first_list(handle: Any) -> list[Any]:
-        if not listed.is_set():
-            time.sleep(0.3)
-            listed.set()
-        return real_list(handle)
+    def slow_first_list(name: str) -> Any:
+        real_list = real_pointer(name)
 
-    fake.nvmlDeviceGetComputeRunningProcesses = slow_first_list  # type: ignore[method-assign]
+        def call(*args: Any) -> int:
+            if not listed.is_set():
+                time.sleep(0.3)
+                listed.set()
+            return int(real_list(*args))
+
+        return call
+
+    fake._nvmlGetFunctionPointer = slow_first_list  # type: ignore[method-assign]
     nvml.start_in_background()
     # nvmlInit done: the start is in its first process list now.
     assert wait_for(lambda: fake.init_calls > 0)

@@ -53,8 +53,8 @@ def job() -> Iterator[Job]:
         assert process.stdout is not None
         tracker, sleeper, shell = (int(pid) for pid in process.stdout.readline().split())
         # The shell starts its sleep a moment later.
-        assert wait_for(lambda: bool(procs.child_pids(shell))), "the shell started no child"
-        shell_child = procs.child_pids(shell)[0]
+        assert wait_for(lambda: bool(procs.descendants(shell))), "the shell started no child"
+        shell_child = procs.descendants(shell)[0].key.pid
         yield Job(process.pid, tracker, sleeper, shell, shell_child)
     finally:
         os.killpg(process.pid, signal.SIGKILL)

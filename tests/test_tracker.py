@@ -531,15 +531,15 @@ def test_unforeseen_failure_in_a_sample_is_recorded_and_sampling_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = {"n": 0}
-    real = procs.nvidia_fds
+    real = procs.descriptors
 
-    def flaky(pid: int) -> dict[int, str] | None:
+    def flaky(pid: int) -> procs.Descriptors | None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("unforeseen")
         return real(pid)
 
-    monkeypatch.setattr(procs, "nvidia_fds", flaky)
+    monkeypatch.setattr(procs, "descriptors", flaky)
     with Tracker(grace=0.0, interval=0.01) as tracker:
         with tracker.epoch("first"):  # its end reads descriptors: the failure happens here
             time.sleep(0.03)

@@ -1,18 +1,15 @@
 """What the machine says about a death: the memory cgroup's OOM kills and its free memory.
 
-A process killed by SIGKILL does not say who sent the signal. The kernel's OOM killer is
-the usual sender, and it leaves evidence: the memory cgroup counts its kills (cgroup v2
-``memory.events``, line ``oom_kill``; v1 ``memory.oom_control``, the same line), and a kill
-by the machine-wide OOM killer comes when ``/proc/meminfo``'s ``MemAvailable`` is nearly 0.
-Only evidence read here names the OOM killer (``judge.deaths``); none names no sender.
+A SIGKILL does not say who sent it. The kernel's OOM killer, the usual sender, leaves
+evidence: the memory cgroup counts its kills (``oom_kill`` in cgroup v2 ``memory.events``,
+v1 ``memory.oom_control``), and the machine-wide one kills when ``/proc/meminfo``'s
+``MemAvailable`` is nearly 0. Only evidence read here names the OOM killer (``judge.deaths``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-__all__ = ["CGROUP_ROOT", "MachineMemory", "machine_memory", "oom_kill_count"]
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 """Where the cgroup filesystems are mounted (a module attribute: tests point it elsewhere)."""
@@ -29,12 +26,8 @@ def _read_text(path: str) -> str | None:
 
 
 def _counter_files(cgroup_lines: str, root: str) -> list[str]:
-    """Where this process's memory cgroup counts OOM kills: its own folder, then the root's.
-
-    Inside a container the cgroup path in ``/proc/self/cgroup`` may name the host's
-    hierarchy while the container sees its own cgroup at the mount's root, hence the
-    fallback.
-    """
+    # Its own folder, then the mount's root: in a container the path may name the host's
+    # hierarchy while the container's own cgroup is at the root.
     files: list[str] = []
     for line in cgroup_lines.splitlines():
         parts = line.split(":", 2)
@@ -55,11 +48,7 @@ def _counter_files(cgroup_lines: str, root: str) -> list[str]:
 def oom_kill_count() -> int | None:
     """How many processes the OOM killer has killed in this process's memory cgroup.
 
-    Returns:
-        The ``oom_kill`` counter (cgroup v2 ``memory.events`` or v1
-        ``memory.oom_control``); None where no such file can be read (no memory cgroup,
-        an older kernel without the counter).
-
+    None where no counter can be read (no memory cgroup, an older kernel).
     """
     lines = _read_text(_PROC_SELF_CGROUP)
     if lines is None:

@@ -1,16 +1,12 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-``nvml.py`` is its one user: it calls these functions by pynvml's names and signatures, so
-that tests can stand a fake module in for this one (``sys.modules["leakcheck.observe.nvml_lib"]``).
-It exists because importing the whole ``pynvml`` binding (thousands of structures built at
-import) cost ``leakcheck snapshot`` about 90 ms of its start on a GPU host; this module
-loads ``libnvidia-ml.so.1`` only when :func:`nvmlInit` is called, and defines only what is
-used. Errors are raised as :class:`NVMLError` with the driver's return code in ``value``.
-Names are pynvml's (and NVML's), not PEP 8's, so that a fake of either shape fits.
-
-Running-process lists are not offered as Python calls: ``nvml.py`` reads them through
-:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` with a reused buffer
-(NOTE [process lists] in nvml.py), the one place that speaks NVML's count-and-fill protocol.
+``nvml.py`` is its one user, calling these by pynvml's names, so that tests can stand a fake
+in for this module (``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because
+importing ``pynvml`` (thousands of structures built at import) cost ``leakcheck snapshot``
+about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in :func:`nvmlInit`, and
+defines only what is used. Errors raise :class:`NVMLError` with the driver's code in
+``value``. Running-process lists are read by ``nvml.py`` through
+:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` (NOTE [process lists]).
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import threading
 
 TYPE_CHECKING = False  # typing is not imported at run time: this module is on a hot start
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 # nvmlReturn_t codes (nvml.h), a stable C ABI.
@@ -36,13 +33,7 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
-NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
-
-_LIBRARY = "libnvidia-ml.so.1"
-_NAME_BUFFER = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
-_UUID_BUFFER = 96  # NVML_DEVICE_UUID_V2_BUFFER_SIZE
-_DRIVER_VERSION_BUFFER = 80  # NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE
 
 # Texts for codes that can come before the library is loaded (nvmlErrorString needs it).
 _OFFLINE_TEXT = {
@@ -137,22 +128,28 @@ def _call(name: str, *args: object) -> None:
         raise NVMLError(code)
 
 
-def _uint(name: str, handle: object, *args: object) -> int:
-    value = ctypes.c_uint()
-    _call(name, handle, *args, ctypes.byref(value))
-    return value.value
+def _value(name: str, kind: type[ctypes.c_uint] | type[ctypes.c_ulonglong]) -> Callable[..., int]:
+    """The getter ``name(handle, [int arguments,] kind *value)`` as a function."""
+
+    def get(handle: object, *args: int) -> int:
+        value = kind()
+        _call(name, handle, *map(ctypes.c_int, args), ctypes.byref(value))
+        return value.value
+
+    get.__name__ = name
+    return get
 
 
-def _ulonglong(name: str, handle: object) -> int:
-    value = ctypes.c_ulonglong()
-    _call(name, handle, ctypes.byref(value))
-    return value.value
+def _text(name: str, size: int) -> Callable[..., str]:
+    """The getter ``name([handle,] char *buffer, unsigned int size)`` as a function."""
 
+    def get(*handle: object) -> str:
+        buffer = ctypes.create_string_buffer(size)
+        _call(name, *handle, buffer, ctypes.c_uint(size))
+        return buffer.value.decode(errors="replace")
 
-def _string(name: str, size: int, *handle: object) -> str:
-    buffer = ctypes.create_string_buffer(size)
-    _call(name, *handle, buffer, ctypes.c_uint(size))
-    return buffer.value.decode(errors="replace")
+    get.__name__ = name
+    return get
 
 
 def nvmlInit() -> None:
@@ -167,14 +164,14 @@ def nvmlInit() -> None:
     with _load_lock:
         if _lib is None:
             try:
-                _lib = ctypes.CDLL(_LIBRARY)
+                _lib = ctypes.CDLL("libnvidia-ml.so.1")
             except OSError:
                 raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND) from None
     _call("nvmlInit_v2")
 
 
 def nvmlShutdown() -> None:
-    """Release this process's NVML session (``nvmlShutdown``)."""
+    """Release this process's NVML session."""
     _call("nvmlShutdown")
 
 
@@ -192,71 +189,36 @@ def nvmlDeviceGetHandleByIndex(index: int) -> ctypes.c_void_p:
     return handle
 
 
-def nvmlDeviceGetName(handle: ctypes.c_void_p) -> str:
-    """The device's product name."""
-    return _string("nvmlDeviceGetName", _NAME_BUFFER, handle)
-
-
-def nvmlDeviceGetUUID(handle: ctypes.c_void_p) -> str:
-    """The device's UUID (``GPU-...``)."""
-    return _string("nvmlDeviceGetUUID", _UUID_BUFFER, handle)
-
-
-def nvmlSystemGetDriverVersion() -> str:
-    """The driver's version string."""
-    return _string("nvmlSystemGetDriverVersion", _DRIVER_VERSION_BUFFER)
-
-
 def nvmlDeviceGetMemoryInfo(handle: ctypes.c_void_p) -> c_nvmlMemory_t:
-    """Total, free and used bytes (``nvmlDeviceGetMemoryInfo``, the v1 call pynvml makes)."""
+    """Total, free and used bytes (the v1 call, as pynvml makes it)."""
     memory = c_nvmlMemory_t()
     _call("nvmlDeviceGetMemoryInfo", handle, ctypes.byref(memory))
     return memory
 
 
-def nvmlDeviceGetTemperature(handle: ctypes.c_void_p, sensor: int) -> int:
-    """Degrees Celsius of ``sensor``."""
-    return _uint("nvmlDeviceGetTemperature", handle, ctypes.c_int(sensor))
-
-
-def nvmlDeviceGetClockInfo(handle: ctypes.c_void_p, clock: int) -> int:
-    """Current MHz of clock domain ``clock``."""
-    return _uint("nvmlDeviceGetClockInfo", handle, ctypes.c_int(clock))
-
-
-def nvmlDeviceGetMaxClockInfo(handle: ctypes.c_void_p, clock: int) -> int:
-    """Maximum MHz of clock domain ``clock``."""
-    return _uint("nvmlDeviceGetMaxClockInfo", handle, ctypes.c_int(clock))
-
-
-def nvmlDeviceGetPowerUsage(handle: ctypes.c_void_p) -> int:
-    """Milliwatts drawn now."""
-    return _uint("nvmlDeviceGetPowerUsage", handle)
-
-
-def nvmlDeviceGetPerformanceState(handle: ctypes.c_void_p) -> int:
-    """P-state (0 fastest; 32 unknown)."""
-    return _uint("nvmlDeviceGetPerformanceState", handle)
-
-
-def nvmlDeviceGetCurrentClocksEventReasons(handle: ctypes.c_void_p) -> int:
-    """Clock-event (throttle) reason bits."""
-    return _ulonglong("nvmlDeviceGetCurrentClocksEventReasons", handle)
-
-
-def nvmlDeviceGetCurrentClocksThrottleReasons(handle: ctypes.c_void_p) -> int:
-    """The same bits under the deprecated name older drivers have."""
-    return _ulonglong("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-
-
-def nvmlDeviceGetAccountingMode(handle: ctypes.c_void_p) -> int:
-    """``NVML_FEATURE_ENABLED`` or ``NVML_FEATURE_DISABLED``."""
-    return _uint("nvmlDeviceGetAccountingMode", handle)
+# Buffer sizes: NVML_DEVICE_NAME_V2_BUFFER_SIZE, ..._UUID_V2_..., NVML_SYSTEM_DRIVER_VERSION_...
+nvmlDeviceGetName = _text("nvmlDeviceGetName", 96)
+nvmlDeviceGetUUID = _text("nvmlDeviceGetUUID", 96)
+nvmlSystemGetDriverVersion = _text("nvmlSystemGetDriverVersion", 80)
+nvmlDeviceGetTemperature = _value("nvmlDeviceGetTemperature", ctypes.c_uint)  # (handle, sensor)
+nvmlDeviceGetClockInfo = _value("nvmlDeviceGetClockInfo", ctypes.c_uint)  # (handle, clock): MHz
+nvmlDeviceGetMaxClockInfo = _value("nvmlDeviceGetMaxClockInfo", ctypes.c_uint)
+nvmlDeviceGetPowerUsage = _value("nvmlDeviceGetPowerUsage", ctypes.c_uint)  # milliwatts
+nvmlDeviceGetPerformanceState = _value("nvmlDeviceGetPerformanceState", ctypes.c_uint)
+nvmlDeviceGetAccountingMode = _value("nvmlDeviceGetAccountingMode", ctypes.c_uint)
+_accounting_buffer_size = _value("nvmlDeviceGetAccountingBufferSize", ctypes.c_uint)
+nvmlDeviceGetCurrentClocksEventReasons = _value(
+    "nvmlDeviceGetCurrentClocksEventReasons", ctypes.c_ulonglong
+)
+# The same bits under the deprecated name older drivers have.
+nvmlDeviceGetCurrentClocksThrottleReasons = _value(
+    "nvmlDeviceGetCurrentClocksThrottleReasons", ctypes.c_ulonglong
+)
 
 
 def nvmlDeviceGetAccountingPids(handle: ctypes.c_void_p) -> list[int]:
     """PIDs with accounting records (exited ones included)."""
-    size = _uint("nvmlDeviceGetAccountingBufferSize", handle)
+    size = _accounting_buffer_size(handle)
     count = ctypes.c_uint(size)
     pids = (ctypes.c_uint * max(size, 1))()
     _call("nvmlDeviceGetAccountingPids", handle, ctypes.byref(count), pids)
@@ -268,26 +230,3 @@ def nvmlDeviceGetAccountingStats(handle: ctypes.c_void_p, pid: int) -> c_nvmlAcc
     stats = c_nvmlAccountingStats_t()
     _call("nvmlDeviceGetAccountingStats", handle, ctypes.c_uint(pid), ctypes.byref(stats))
     return stats
-
-
-def nvmlDeviceGetComputeRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
-    """Not offered: read through :func:`_nvmlGetFunctionPointer` (see the module docstring).
-
-    ``nvml.py`` calls this only when the driver has neither ``_v3`` nor ``_v2`` of the list
-    (drivers before R450), which this binding does not support.
-
-    Raises:
-        NVMLError: Always, ``NVML_ERROR_FUNCTION_NOT_FOUND``.
-
-    """
-    raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
-
-
-def nvmlDeviceGetGraphicsRunningProcesses(handle: ctypes.c_void_p) -> list[object]:
-    """Not offered, as :func:`nvmlDeviceGetComputeRunningProcesses`.
-
-    Raises:
-        NVMLError: Always, ``NVML_ERROR_FUNCTION_NOT_FOUND``.
-
-    """
-    raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)

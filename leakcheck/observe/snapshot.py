@@ -1,23 +1,19 @@
 """Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
 
-One call reads NVML once and /proc once. It is what ``leakcheck snapshot`` prints and what
-``Tracker.snapshot()`` returns for one job. Given a job's root (``--pid``), it also reads the
-host memory of the job's processes (USS where ``/proc/PID/smaps_rollup`` can be read, else
-RSS): a page-table walk per process, paid only for that job, so that a snapshot of the
-machine stays cheap; of a forked loader worker whose birth reading its tracker keeps
-(``mailbox.read_births``), also what it copied of its parent's memory since (NOTE [copy on
-read] in hostmem.py). Device telemetry (temperature, clocks, power) is read on request: each
-value is a driver call of its own, together more than NVML's reads after its start. The records
-are named tuples, as readings.py's are, for the command's start.
+One call reads NVML once and /proc once: what ``leakcheck snapshot`` prints and
+``Tracker.snapshot()`` returns. Given a job's root (``--pid``), it also reads the host memory
+of the job's processes (a page-table walk each, paid only for that job) and, of a forked
+loader worker whose tracker keeps its birth reading (``mailbox.read_births``), what it copied
+of its parent's memory since (NOTE [copy on read] in hostmem.py). Device telemetry is read on
+request: each value is a driver call of its own.
 
-NOTE [overlapped start]: NVML's start (loading the library, ``nvmlInit``, the first device
-handles) is most of a fresh process's snapshot, and it waits in the driver with the GIL
-released. So the command begins it on a thread before importing this module
-(``nvml.start_in_background``), and ``take_snapshot`` reads NVML on a thread of its own while
-it scans /proc: the imports and the scan run inside NVML's wait rather than after it. The
-snapshot's own process is counted last, after NVML's read, and without the descriptors NVML
-opened (``nvml.own_descriptors``): a snapshot does not flag itself, while a tracked process's
-own CUDA descriptors still count.
+NOTE [overlapped start]: NVML's start (the library load, ``nvmlInit``, the first handles) is
+most of a fresh process's snapshot, and it waits in the driver with the GIL released. So the
+command begins it on a thread before importing this module (``nvml.start_in_background``),
+and ``take_snapshot`` reads NVML on a thread of its own while it scans /proc. Its own process
+is counted last, after NVML's read, without the descriptors NVML opened
+(``nvml.own_descriptors``): a snapshot does not flag itself, while a tracked process's own
+CUDA descriptors still count.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from leakcheck.core.names import process_name
 from leakcheck.core.readings import DeviceState, GpuProcess, ProcessKey, ProcInfo, Role
 from leakcheck.core.units import format_mib
 from leakcheck.observe import nvml, procs
-from leakcheck.observe.procs import new_session_id, session_root_pid
 
 if TYPE_CHECKING:
     # Not at run time: a plain snapshot needs neither (NOTE [lean start] in cli.py).
@@ -42,17 +37,8 @@ if TYPE_CHECKING:
     from leakcheck.observe.hostmem import HostMemory
     from leakcheck.observe.mailbox import Birth
 
-__all__ = [
-    "SNAPSHOT_SCHEMA_VERSION",
-    "ProcessSnapshot",
-    "Snapshot",
-    "new_session_id",
-    "read_gpu_processes",
-    "session_root_pid",
-    "take_snapshot",
-]
-
 SNAPSHOT_SCHEMA_VERSION = 1
+_NAME_WIDTH = 72  # a process's name in the tree is cut to this many characters
 
 
 class ProcessSnapshot(NamedTuple):
@@ -60,22 +46,19 @@ class ProcessSnapshot(NamedTuple):
 
     Attributes:
         info: Identity, parent, command line.
-        role: Role relative to the job root, or None when no root was given. A direct
-            child of the root is a ``worker`` only when it is a known loader worker (NOTE
-            [roles from outside] in roles.py), else a ``descendant``.
-        gpu_bytes: Used GPU bytes per device index (devices where NVML listed it).
-        gpu_bytes_unknown: NVML listed it without a byte count on some device.
-        nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read or unreadable).
+        role: Its role relative to the job root; None without a root. A direct child of the
+            root is a ``worker`` only when known as a loader worker (NOTE [roles from
+            outside] in roles.py).
+        gpu_bytes: Used GPU bytes per device index where NVML listed it.
+        gpu_bytes_unknown: NVML listed it without a byte count somewhere.
+        nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read, or unreadable).
         flags: ``orphan`` (its session's root is gone or no longer its ancestor),
-            ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a
-            runtime helper of the job, such as multiprocessing's resource tracker: kept by
-            design, not a leak; see ``roles.RUNTIME_HELPERS``).
+            ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a runtime
+            helper of the job, kept by design: ``roles.RUNTIME_HELPERS``).
         session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
-        host: Its host memory (USS, PSS, RSS), for the processes of the job asked about;
-            None otherwise, or where unreadable.
-        copied_bytes: What it copied of its parent's memory since its birth, for a forked
-            loader worker whose tracker keeps its birth reading (NOTE [copy on read] in
-            hostmem.py); None otherwise.
+        host: Its host memory, for the processes of the job asked about; else None.
+        copied_bytes: What a forked loader worker copied of its parent's memory since its
+            birth, where its tracker keeps that reading; else None.
 
     """
 
@@ -88,11 +71,6 @@ class ProcessSnapshot(NamedTuple):
     session: str | None = None
     host: HostMemory | None = None
     copied_bytes: int | None = None
-
-    @property
-    def total_gpu_bytes(self) -> int:
-        """Sum over devices."""
-        return sum(self.gpu_bytes.values())
 
 
 class Snapshot(NamedTuple):
@@ -114,26 +92,7 @@ class Snapshot(NamedTuple):
             "attribution_reason": self.attribution_reason,
             "root_pid": self.root_pid,
             "devices": [device.to_dict() for device in self.devices],
-            "processes": [
-                {
-                    "pid": entry.info.key.pid,
-                    "start_ticks": entry.info.key.start_ticks,
-                    # For people (NOTE [process identity] in procs.py).
-                    "create_time": procs.create_time_s(entry.info.key.start_ticks),
-                    "ppid": entry.info.ppid,
-                    "name": entry.info.name,
-                    "cmdline": entry.info.cmdline,
-                    "role": entry.role,
-                    "gpu_bytes": {str(index): value for index, value in entry.gpu_bytes.items()},
-                    "gpu_bytes_unknown": entry.gpu_bytes_unknown,
-                    "nvidia_fds": entry.nvidia_fds,
-                    "flags": list(entry.flags),
-                    "session": entry.session,
-                    **_host_dict(entry.host),
-                    "copied_bytes": entry.copied_bytes,
-                }
-                for entry in self.processes
-            ],
+            "processes": [_process_dict(entry) for entry in self.processes],
         }
 
     def format(self) -> str:
@@ -141,12 +100,11 @@ class Snapshot(NamedTuple):
         lines: list[str] = []
         if self.attribution != "ok":
             lines.append(f"leakcheck snapshot: {self.attribution_reason}")
-        for device in self.devices:
-            lines.append(_device_line(device))
+        lines.extend(_device_line(device) for device in self.devices)
         by_pid = {entry.info.key.pid: entry for entry in self.processes}
         children: dict[int, list[ProcessSnapshot]] = {}
         roots: list[ProcessSnapshot] = []
-        for entry in self.processes:
+        for entry in sorted(self.processes, key=lambda e: e.info.key.pid):
             if entry.info.ppid in by_pid and entry.info.ppid != entry.info.key.pid:
                 children.setdefault(entry.info.ppid, []).append(entry)
             else:
@@ -155,59 +113,50 @@ class Snapshot(NamedTuple):
         def walk(entry: ProcessSnapshot, prefix: str, last: bool, top: bool) -> None:
             branch = "" if top else ("└─ " if last else "├─ ")
             lines.append(prefix + branch + _process_line(entry))
-            kids = sorted(children.get(entry.info.key.pid, []), key=lambda e: e.info.key.pid)
+            kids = children.get(entry.info.key.pid, [])
             next_prefix = prefix + ("" if top else ("   " if last else "│  "))
             for position, kid in enumerate(kids):
                 walk(kid, next_prefix, position == len(kids) - 1, False)
 
-        for entry in sorted(roots, key=lambda e: e.info.key.pid):
+        for entry in roots:
             walk(entry, "  ", True, True)
         if not self.processes:
             checked = "GPU memory or " if self.attribution == "ok" else ""
             lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")
         # A helper is said on its own line, and is no cause for concern: not "flagged".
         flagged = [
-            (entry, [flag for flag in entry.flags if flag != roles.HELPER_FLAG])
+            f"PID {entry.info.key.pid} ({'/'.join(flags)})"
             for entry in self.processes
+            if (flags := [flag for flag in entry.flags if flag != roles.HELPER_FLAG])
         ]
-        flagged = [(entry, flags) for entry, flags in flagged if flags]
         if flagged:
-            lines.append(
-                f"{len(flagged)} flagged: "
-                + ", ".join(f"PID {e.info.key.pid} ({'/'.join(flags)})" for e, flags in flagged)
-            )
+            lines.append(f"{len(flagged)} flagged: " + ", ".join(flagged))
         return "\n".join(lines)
 
 
-def _host_dict(host: HostMemory | None) -> dict[str, Any]:
+def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
+    info, host = entry.info, entry.host
     return {
+        "pid": info.key.pid,
+        "start_ticks": info.key.start_ticks,
+        "create_time": procs.create_time_s(info.key.start_ticks),  # for people only
+        "ppid": info.ppid,
+        "name": info.name,
+        "cmdline": info.cmdline,
+        "role": entry.role,
+        "gpu_bytes": {str(index): value for index, value in entry.gpu_bytes.items()},
+        "gpu_bytes_unknown": entry.gpu_bytes_unknown,
+        "nvidia_fds": entry.nvidia_fds,
+        "flags": list(entry.flags),
+        "session": entry.session,
         "host_uss_bytes": host.uss_bytes if host else None,
         "host_pss_bytes": host.pss_bytes if host else None,
         "host_rss_bytes": host.rss_bytes if host else None,
         "host_rss_peak_bytes": host.rss_peak_bytes if host else None,
         "host_source": host.source if host else None,
         "host_shared_dirty_bytes": host.shared_dirty_bytes if host else None,
+        "copied_bytes": entry.copied_bytes,
     }
-
-
-def _host_text(host: HostMemory | None, copied_bytes: int | None = None) -> str | None:
-    """``host USS 123 MiB (RSS 456 MiB)``, or ``host RSS 456 MiB`` where USS is unreadable.
-
-    With what a forked worker still shares with others and what it copied of its parent's:
-    ``host USS 183 MiB (RSS 421 MiB, shared 216 MiB), copied 173 MiB of its parent's``.
-    """
-    if host is None or host.rss_bytes is None:
-        return None
-    if host.uss_bytes is None:
-        return f"host RSS {format_mib(host.rss_bytes)} MiB"
-    shared = ""
-    if copied_bytes is not None and host.shared_dirty_bytes is not None:
-        shared = f", shared {format_mib(host.shared_dirty_bytes)} MiB"
-    rss = f"RSS {format_mib(host.rss_bytes)} MiB{shared}"
-    text = f"host USS {format_mib(host.uss_bytes)} MiB ({rss})"
-    if copied_bytes is not None:
-        text += f", copied {format_mib(copied_bytes)} MiB of its parent's"
-    return text
 
 
 def _device_line(device: DeviceState) -> str:
@@ -218,31 +167,45 @@ def _device_line(device: DeviceState) -> str:
     if device.temperature_c is not None:
         parts.append(f"{device.temperature_c} C")
     if device.sm_clock_mhz is not None:
-        clock = f"SM {device.sm_clock_mhz}"
-        if device.sm_clock_max_mhz:
-            clock += f"/{device.sm_clock_max_mhz}"
-        parts.append(clock + " MHz")
+        clock_max = f"/{device.sm_clock_max_mhz}" if device.sm_clock_max_mhz else ""
+        parts.append(f"SM {device.sm_clock_mhz}{clock_max} MHz")
     if device.power_w is not None:
         parts.append(f"{device.power_w:.0f} W")
     return ", ".join(parts)
 
 
-_NAME_WIDTH = 72
-"""A process's name in the tree is cut to this many characters."""
+def _host_text(host: HostMemory | None, copied_bytes: int | None) -> str | None:
+    """``host USS 183 MiB (RSS 421 MiB, shared 216 MiB), copied 173 MiB of its parent's``.
+
+    ``host RSS 456 MiB`` where USS is unreadable; shared and copied for a forked worker only.
+    """
+    if host is None or host.rss_bytes is None:
+        return None
+    if host.uss_bytes is None:
+        return f"host RSS {format_mib(host.rss_bytes)} MiB"
+    shared = ""
+    if copied_bytes is not None and host.shared_dirty_bytes is not None:
+        shared = f", shared {format_mib(host.shared_dirty_bytes)} MiB"
+    text = (
+        f"host USS {format_mib(host.uss_bytes)} MiB (RSS {format_mib(host.rss_bytes)} MiB{shared})"
+    )
+    if copied_bytes is not None:
+        text += f", copied {format_mib(copied_bytes)} MiB of its parent's"
+    return text
 
 
 def _process_line(entry: ProcessSnapshot) -> str:
-    memory = ", ".join(
+    memory = [
         f"GPU{index} {format_mib(value)} MiB" for index, value in sorted(entry.gpu_bytes.items())
-    )
+    ]
     if entry.gpu_bytes_unknown:
-        memory = (memory + ", " if memory else "") + "size unknown"
+        memory.append("size unknown")
     text = f"PID {entry.info.key.pid}"
     if entry.role:
         text += f" [{entry.role}]"
     # One line per process: a `python -c` script's newlines must not break the tree.
     text += f" {process_name(entry.info.cmdline, width=_NAME_WIDTH, empty=entry.info.name)}"
-    details = [memory] if memory else []
+    details = [", ".join(memory)] if memory else []
     if entry.nvidia_fds:
         details.append(f"{entry.nvidia_fds} /dev/nvidia* fds")
     details.extend(entry.flags)
@@ -252,17 +215,13 @@ def _process_line(entry: ProcessSnapshot) -> str:
     return text + ("  — " + "; ".join(details) if details else "")
 
 
-def read_gpu_processes(
-    devices: Iterable[int] | None = None, *, telemetry: bool = True
-) -> tuple[Attribution, str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]:
-    """Read NVML once: attribution status, device states, GPU processes.
+_GpuRead = tuple["Attribution", str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]
+
+
+def read_gpu_processes(devices: Iterable[int] | None = None, *, telemetry: bool = True) -> _GpuRead:
+    """Read NVML once: attribution status and its reason, device states, GPU processes.
 
     Never raises: NVML failures come back as the status and its one-line reason.
-
-    Args:
-        devices: Device indices to read (default all).
-        telemetry: Read each device's telemetry too (else memory, name and UUID only).
-
     """
     available, reason = nvml.availability()
     if not available:
@@ -288,31 +247,12 @@ def read_gpu_processes(
     return "ok", "", device_states, gpu_processes
 
 
-_GpuRead = tuple["Attribution", str, tuple[DeviceState, ...], tuple[GpuProcess, ...]]
-
-
 def _read_gpu_into(result: list[_GpuRead], devices: Iterable[int] | None, telemetry: bool) -> None:
-    """``read_gpu_processes`` on the snapshot's NVML thread, its answer put in ``result``."""
     try:
         result.append(read_gpu_processes(devices, telemetry=telemetry))
     except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
         reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
         result.append(("nvml-unavailable", reason, (), ()))
-
-
-def _host_memory(key: ProcessKey) -> HostMemory | None:
-    from leakcheck.observe import hostmem  # only with --pid (NOTE [lean start] in cli.py)
-
-    return hostmem.read_host_memory(key)
-
-
-def _copied(host: HostMemory | None, birth: Birth | None) -> int | None:
-    """A forked worker's copies since its birth (NOTE [copy on read] in hostmem.py)."""
-    if host is None or birth is None or birth[0] is not True or birth[1] is None:
-        return None
-    from leakcheck.observe import hostmem
-
-    return hostmem.copied_bytes(birth[1], host)
 
 
 def take_snapshot(
@@ -327,29 +267,24 @@ def take_snapshot(
 ) -> Snapshot:
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
 
+    It never raises for NVML or /proc trouble: see ``attribution``.
+
     Args:
-        root_pid: A job root: its descendants are listed with roles, and every process is
-            judged relative to it. None lists every GPU process on the machine.
+        root_pid: A job root: its descendants are listed with roles, every process judged
+            relative to it. None lists every GPU process of the machine.
         devices: Device indices to read (default all).
         with_fds: Also scan every process's descriptors for ``/dev/nvidia*`` (finds
-            descriptor holders; costs a pass over /proc/*/fd).
-        known_workers: Identities of the job's loader workers, where the caller knows them
-            (a tracker's mailbox): only these direct children are labelled ``worker``. From
-            outside (``leakcheck snapshot --pid``) none is known, and every process below
-            the root is a ``descendant``.
+            descriptor holders; a pass over /proc/*/fd).
+        known_workers: The job's loader workers, where the caller knows them (a tracker):
+            only these direct children are labelled ``worker``.
         host_memory: Read the host memory of the job's processes (the root's lineage and
             its tagged orphans). Default: when a root is given.
-        telemetry: Read each device's temperature, clocks, power, P-state and clock-event
-            reasons (a driver call each); False leaves them None.
-        births: Loader workers' birth readings, where the caller has them (a tracker);
-            None reads what the root's trackers keep in their mailboxes, with host memory.
-
-    Returns:
-        The snapshot. It never raises for NVML or /proc trouble: see ``attribution``.
+        telemetry: Read each device's telemetry (a driver call each).
+        births: Loader workers' birth readings, where the caller has them; None reads what
+            the root's trackers keep in their mailboxes, with host memory.
 
     """
-    # NVML is read on a thread while /proc is scanned here (NOTE [overlapped start]).
-    read: list[_GpuRead] = []
+    read: list[_GpuRead] = []  # NVML, read on a thread meanwhile (NOTE [overlapped start])
     reader = threading.Thread(
         target=_read_gpu_into,
         args=(read, devices, telemetry),
@@ -358,38 +293,29 @@ def take_snapshot(
     )
     try:
         reader.start()
-        reading = True
     except RuntimeError:  # no thread to be had (a limit, interpreter shutdown): read here
-        reading = False
         _read_gpu_into(read, devices, telemetry)
-
-    # Command lines are read for the processes shown only, below: most of a machine's are not.
-    # Kernel threads are left out: they hold no descriptors and carry no tag, so neither is
-    # read for them, and none is part of a job; one that is an ancestor of a shown process (a
-    # usermode helper's parent) is still shown, read below with the rest.
+    # Command lines are read below for the processes shown only. Kernel threads hold no
+    # descriptors and carry no tag: left out (one that is an ancestor of a shown process is
+    # still shown).
     every = {
         info.key.pid: info for info in procs.scan_all(with_cmdline=False, kernel_threads=False)
     }
     lineage: set[int] = set()
     if root_pid is not None:
-        lineage = {info.key.pid for info in procs.descendants(root_pid, with_cmdline=False)} | {
-            root_pid
-        }
-
+        below = procs.descendants(root_pid, with_cmdline=False)
+        lineage = {info.key.pid for info in below} | {root_pid}
     own_pid = os.getpid()
     fds: dict[int, int] = {}
     if with_fds:
-        for pid in every:
-            if pid == own_pid:
-                continue
+        for pid in every.keys() - {own_pid}:
             count = procs.nvidia_fd_count(pid)
             if count:
                 fds[pid] = count
-    if reading:
+    if reader.is_alive():
         reader.join()
     if with_fds and own_pid in every:
-        # After NVML's read, less what NVML opened (NOTE [overlapped start]).
-        own = procs.nvidia_fds(own_pid)
+        own = procs.nvidia_fds(own_pid)  # after NVML's read, less what NVML opened
         count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
         if count:
             fds[own_pid] = count
@@ -402,10 +328,8 @@ def take_snapshot(
     sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
     root_key = procs.process_key(root_pid) if root_pid is not None else None
     if root_key is not None:
-        # Processes of this job that were reparented away still carry its tag. Every one
-        # was born after the root, so older processes' environments are not read: most of
-        # a machine's processes, and the costliest part of a snapshot. That also leaves out
-        # what an earlier process with the root's PID left behind: it is older still.
+        # The job's processes reparented away still carry its tag. All were born after the
+        # root, so older environments (most of a machine's, the costliest reads) are not read.
         for pid, candidate in every.items():
             if pid in interesting or candidate.key.start_ticks < root_key.start_ticks:
                 continue
@@ -413,26 +337,22 @@ def take_snapshot(
             if tag is not None and _tag_matches(tag, root_key):
                 interesting.add(pid)
                 sessions[pid] = tag
-    # Ancestors give the trees their shape.
-    shown = set(interesting)
-    for pid in list(interesting):
+    shown = set(interesting)  # and their ancestors, which give the trees their shape
+    for pid in interesting:
         info = every.get(pid)
-        depth = 0
-        while info is not None and info.ppid > 1 and depth < 64:
-            if root_pid is not None and info.key.pid == root_pid:
+        for _ in range(64):
+            if info is None or info.ppid <= 1 or info.key.pid == root_pid:
                 break
             shown.add(info.ppid)
             info = every.get(info.ppid)
-            depth += 1
 
-    job = set(lineage) | {
-        pid for pid, tag in sessions.items() if tag is not None and pid in interesting
-    }
+    job = lineage | {pid for pid, tag in sessions.items() if tag is not None}
     want_host = root_pid is not None if host_memory is None else host_memory
-    if births is None and want_host and root_pid is not None:
-        from leakcheck.observe import mailbox  # only with --pid (NOTE [lean start] in cli.py)
+    if want_host:
+        from leakcheck.observe import hostmem, mailbox  # (NOTE [lean start] in cli.py)
 
-        births = mailbox.read_births(root_pid)
+        if births is None and root_pid is not None:
+            births = mailbox.read_births(root_pid)
     entries: list[ProcessSnapshot] = []
     for pid in sorted(shown):
         scanned = every.get(pid)
@@ -449,7 +369,12 @@ def take_snapshot(
             flags.append("descriptor-holder")
         if pid in lineage and pid != root_pid and roles.is_runtime_helper(info.cmdline):
             flags.append(roles.HELPER_FLAG)
-        host = _host_memory(info.key) if want_host and pid in job else None
+        host = copied = None
+        if want_host and pid in job:
+            host = hostmem.read_host_memory(info.key)
+            forked, birth = (births or {}).get(info.key, (None, None))
+            if host is not None and forked is True and birth is not None:
+                copied = hostmem.copied_bytes(birth, host)
         entries.append(
             ProcessSnapshot(
                 info=info,
@@ -460,46 +385,37 @@ def take_snapshot(
                 flags=tuple(flags),
                 session=tag,
                 host=host,
-                copied_bytes=_copied(host, (births or {}).get(info.key)),
+                copied_bytes=copied,
             )
         )
-    return Snapshot(
-        taken_unix_s=time.time(),
-        attribution=attribution,
-        attribution_reason=reason,
-        devices=device_states,
-        processes=tuple(entries),
-        root_pid=root_pid,
-    )
+    return Snapshot(time.time(), attribution, reason, device_states, tuple(entries), root_pid)
 
 
 def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
-    # The tag names its root by identity (NOTE [process identity] in procs.py); one whose
-    # root could not be read (ticks 0) by PID only, and a tag left by an earlier process
-    # with the same PID is ruled out by age instead (see ``take_snapshot``).
-    root = session_root_pid(tag)
-    if root is None or root.pid != root_key.pid:
-        return False
-    return root.start_ticks in (0, root_key.start_ticks)
+    # The tag names its root by identity; one whose root was unreadable (ticks 0) by PID
+    # only: a tag an earlier process of that PID left is older than the root, never read.
+    root = procs.session_root_pid(tag)
+    return (
+        root is not None
+        and root.pid == root_key.pid
+        and root.start_ticks in (0, root_key.start_ticks)
+    )
 
 
 def _is_orphaned(tag: str, key: ProcessKey) -> bool:
-    """Whether a tagged process has lost its session's root (gone, or not its ancestor).
+    """Whether a tagged process lost its session's root: gone, or no longer its ancestor.
 
-    The root is judged gone when no process has the identity the tag names (NOTE [process
-    identity] in procs.py): its PID is free or names another process. Where the tag's
-    ticks are unknown (0), a PID that names a process younger than the tagged one was
-    reused.
+    The root is gone when no process has the identity the tag names (NOTE [process
+    identity] in procs.py); where the tag's ticks are 0, a PID that names a process younger
+    than the tagged one was reused.
     """
-    root = session_root_pid(tag)
+    root = procs.session_root_pid(tag)
     if root is None:
         return False
     root_key = procs.process_key(root.pid)
     if root_key is None or root.start_ticks not in (0, root_key.start_ticks):
         return True
-    if root_key.start_ticks > key.start_ticks:
-        return True
-    return not procs.is_ancestor(root_key.pid, key.pid)
+    return root_key.start_ticks > key.start_ticks or not procs.is_ancestor(root_key.pid, key.pid)
 
 
 def _role(
@@ -516,8 +432,8 @@ def _role(
         return None
     if pid == root_pid:
         return "parent"
-    if pid in lineage:
-        if info.ppid == root_pid:
-            return roles.direct_child_role(info.key, known_workers)
-        return "descendant"
-    return "foreign"
+    if pid not in lineage:
+        return "foreign"
+    return (
+        roles.direct_child_role(info.key, known_workers) if info.ppid == root_pid else "descendant"
+    )

@@ -86,7 +86,7 @@ class ShmWatch:
         now = procs.shm_segments(self.directory)
         new = [
             item
-            for item in hostmem.job_shm_files(self.before, now, {})
+            for item in hostmem.job_shm_files(self.before, now)
             if not hostmem.is_named_semaphore(item.name)
         ]
         if not new:

@@ -400,17 +400,18 @@ class ProcessTable:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""
         for proc in self.live.values():
             if proc.own and not proc.foreign:
-                proc.nvidia_fds = self._job_nvidia_fds(proc)
-                proc.open_fds, proc.fd_limit = procs.descriptor_use(proc.key.pid) or (None, None)
+                table = procs.descriptors(proc.key.pid)  # one listing for both counts
+                if table is None:
+                    proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
+                    continue
+                proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
+                proc.open_fds, proc.fd_limit = table.open_count, table.limit
 
-    def _job_nvidia_fds(self, proc: Proc) -> int | None:
+    def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
         """A process's ``/dev/nvidia*`` descriptors less leakcheck's NVML ones (NOTE [descriptors]).
 
         Those are the root's, and a forked child's inherited copies of them.
         """
-        found = procs.nvidia_fds(proc.key.pid)
-        if found is None:
-            return None
         own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
         if proc.key == self.root:
             return len(set(found) - own)

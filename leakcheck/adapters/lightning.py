@@ -199,13 +199,8 @@ class LeakCheckCallback(_CallbackBase):
             ``trainer.fit`` raises) or ``"ignore"`` (only the reports).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
-        rollup_share: Share of the time the USS reads may take (``watch()``'s).
-        copy_tolerance: What each forked worker may copy of the parent's memory
-            (``watch()``'s).
-        on_epoch: Called with each epoch's :class:`~leakcheck.core.model.EpochRecord` as
-            it ends (``watch()``'s); what it raises is only warned about.
-        hang_after: Seconds an epoch may wait for a batch before the stacks of the job are
-            written (``watch()``'s); 0 turns it off.
+        rollup_share, copy_tolerance, on_epoch, hang_after: As in :func:`leakcheck.watch`
+            (``on_epoch`` gets each stage's epoch records; ``hang_after=0``: no hang watch).
 
     Raises:
         UsageError: A bad argument; the message names it and what was expected.

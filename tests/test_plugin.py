@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 
 from leakcheck.adapters.plugin import TEST_LABEL, headline, judge_test
-from leakcheck.adapters.plugin_observe import Checker, Window
+from leakcheck.adapters.plugin_observe import Checker, Lineage, Window
 from leakcheck.core.model import Finding
 from leakcheck.core.names import process_name
 from leakcheck.core.options import CheckOptions
 from leakcheck.core.roles import is_runtime_helper
 from leakcheck.judge.report import finding_from_dict, finding_lines, finding_to_dict
-from leakcheck.observe import nvml
+from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import shm_creator_pid
 from leakcheck.track.tracker import Tracker
 from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
@@ -1124,6 +1124,37 @@ def test_first_context_is_a_baseline_and_driver_growth_is_a_leak(fake_nvml: Fake
     device.compute[0].usedGpuMemory = 860 * MIB
     assert _judge(checker, window) == []
     assert checker.gpu_note == "NVML"
+
+
+def test_in_a_nested_pid_namespace_gpu_memory_is_never_attributed_per_process(
+    fake_nvml: FakePynvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML reports host PIDs there: blind from the first read, also while it lists none."""
+    monkeypatch.setattr(procs, "pid_namespace_nested", lambda: True)
+    checker = Checker()
+    checker.begin()
+    assert checker.gpu.attribution[0] == "blind-namespace"
+    assert "--pid=host" in checker.gpu_note
+    assert checker.gpu.by_pid() is None  # no per-process bytes to judge
+
+
+def test_a_strangers_process_costs_one_read_of_its_parent_not_a_walk_to_pid_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The walk up a new process's parents stops at one older than the test process."""
+    lineage = Lineage(os.getpid())
+    stranger = procs.read_proc(os.getppid())  # its parent is older than this process
+    assert stranger is not None and stranger.ppid > 1
+    reads: list[int] = []
+    real_stat = procs._stat
+
+    def counted(pid: int) -> Any:
+        reads.append(pid)
+        return real_stat(pid)
+
+    monkeypatch.setattr(procs, "_stat", counted)
+    assert lineage.descends(stranger) is False
+    assert reads == [stranger.ppid]
 
 
 def test_leftover_child_is_reported_with_its_gpu_memory(fake_nvml: FakePynvml, child: Any) -> None:

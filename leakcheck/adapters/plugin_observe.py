@@ -9,11 +9,11 @@ It reads through ``observe/`` (procs, hostmem, snapshot's NVML read, torch_state
 
 NOTE [cheap snapshots]: a clean test must cost well under a millisecond, so the snapshot is
 the last PID handed out (one small read of ``/proc/loadavg``) and ``listdir('/dev/shm')``
-(plus, where CUDA or NVML is in use, the allocator counters and one NVML read). PIDs are
-handed out in increasing order: when the last PID did not move, no process was started and
-nothing else is read; when it moved, one ``listdir('/proc')`` gives the PIDs in between, the
-only candidates, and only the few that are ours are waited on. Where /proc/loadavg cannot
-be read, two listings are compared.
+(plus, where CUDA or NVML is in use, the allocator counters and one NVML read of the devices
+and their processes). PIDs are handed out in increasing order: when the last PID did not
+move, no process was started and nothing else is read; when it moved, one
+``listdir('/proc')`` gives the PIDs in between, the only candidates, and only the few that
+are ours are waited on. Where /proc/loadavg cannot be read, two listings are compared.
 
 NOTE [whose process]: a new process belongs to the test when the test process is its
 ancestor now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag
@@ -236,12 +236,20 @@ class GpuReader:
         """How far the latest read attributed GPU memory to processes, and why not further."""
         self.devices: tuple[DeviceState, ...] = ()
         """Used and total memory of each device at the latest read."""
+        self.failure: str | None = None
+        """A failed NVML read of this test's window (``Checker.begin`` resets it): the window's
+        attribution stays unavailable, whatever a later read gives."""
 
     def by_pid(self) -> dict[int, dict[int, int]] | None:
         """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
         attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
-        if attribution == "blind-namespace":
-            reason = _BLIND_NOTE
+        if attribution != "nvml-unavailable" and procs.pid_namespace_nested():
+            # NVML reports host PIDs, whether or not one happens to match a PID here.
+            attribution, reason = "blind-namespace", _BLIND_NOTE
+        if attribution == "nvml-unavailable" and self.failure is None:
+            self.failure = reason
+        if self.failure is not None:
+            attribution, reason = "nvml-unavailable", self.failure
         self.attribution, self.devices = (attribution, reason), devices
         self.note = reason or "NVML"
         return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
@@ -352,6 +360,7 @@ class Checker:
     def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
+        self.gpu.failure = None
         tag = f"pytest-{self.pid}-{self._serial}"
         window = Window(
             serial=self._serial,
@@ -713,7 +722,11 @@ class Lineage:
 
     def descends(self, info: ProcInfo) -> bool:
         """Whether the test process is an ancestor of ``info`` now."""
-        return info.ppid == self.pid or procs.is_ancestor(self.pid, info.ppid)
+        # Stops at the first ancestor older than the test process: a stranger's process
+        # (another job's, a sibling xdist worker's) costs a read or two, not a walk to PID 1.
+        return info.ppid == self.pid or procs.is_ancestor(
+            self.pid, info.ppid, born_since_ticks=self.key.start_ticks or None
+        )
 
     def _looks_like_here(self, pid: int) -> bool:
         if self._identity is None:

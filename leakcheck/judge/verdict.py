@@ -382,8 +382,9 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find lineage processes reparented away from the job and alive past the grace.
 
-    Not a helper that daemonizes by design (``roles.DAEMON_HELPERS``); one finding per
-    identity, with the most GPU memory and descriptors it was seen with.
+    Not a helper that daemonizes by design and pins nothing on the GPU
+    (``roles.DAEMON_HELPERS``); one finding per identity, with the most GPU memory and
+    descriptors it was seen with.
     """
     bytes_known = per_pid_bytes_known(timeline)
     ordered = _sorted_epochs(timeline)

@@ -773,12 +773,20 @@ def session_root_pid(session_id: str) -> ProcessKey | None:
         return None
 
 
-def is_ancestor(ancestor_pid: int, pid: int, *, max_depth: int = 64) -> bool:
-    """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``."""
+def is_ancestor(
+    ancestor_pid: int, pid: int, *, max_depth: int = 64, born_since_ticks: int | None = None
+) -> bool:
+    """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``.
+
+    ``born_since_ticks``: the ancestor's start; the walk stops at a process older than it,
+    which cannot descend from it.
+    """
     current = pid
     for _ in range(max_depth):
         stat = _stat(current)
         if stat is None:
+            return False
+        if born_since_ticks is not None and stat.starttime_ticks < born_since_ticks:
             return False
         if stat.ppid == ancestor_pid:
             return True

@@ -229,7 +229,7 @@ def phase_breakdown(samples: int) -> dict[str, Any]:
 
 
 def bytecode_note() -> str:
-    cached = any((REPO / "leakcheck" / "__pycache__").glob("cli.*.pyc"))
+    cached = any((REPO / "leakcheck" / "commands" / "__pycache__").glob("cli.*.pyc"))
     writes = "PYTHONDONTWRITEBYTECODE set" if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""
     state = "leakcheck's bytecode cached" if cached else "leakcheck compiled from source each run"
     return ", ".join(filter(None, [state, writes]))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's H200 outputs on the device machine (text, JSON, plots) into docs/h200/, each
-# text file the command and its whole output (tools/readme_outputs.py quotes them).
+# The README's and docs/PICTURES.md's H200 outputs on the device machine (text, JSON, plots) into
+# docs/h200/, each text file the command and its whole output (tools/readme_outputs.py quotes them).
 # Results also under $OUT/readme.tgz.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,4 +23,15 @@ for _ in $(seq 1 100); do [ -e /tmp/held ] && break; sleep 0.2; done
 { echo "\$ leakcheck snapshot"; python3 -m leakcheck snapshot 2>&1; } > docs/h200/snapshot.txt
 kill "$holder"; rm -f /tmp/held
 cat docs/h200/snapshot.txt
+# `leakcheck run --plot`: a clean train/val script, and persistent workers whose GPU cache grows.
+run() {
+  local name=$1; shift
+  echo "+ leakcheck run --plot docs/h200/$name.png -- python $*"
+  { echo "\$ leakcheck run --plot docs/h200/$name.png -- python $*"
+    timeout 240 python3 -m leakcheck run --plot "docs/h200/$name.png" -- python3 "$@" 2>&1
+  } > "docs/h200/$name.txt"
+  echo "rc=$?"; tail -12 "docs/h200/$name.txt"
+}
+run run-trainval examples/train_val.py
+run run-cache-leak examples/plain_persistent_cache_leak.py
 tar czf "$OUT/readme.tgz" docs/h200

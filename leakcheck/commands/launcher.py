@@ -57,7 +57,7 @@ from leakcheck.judge.report import (
     gpu_unchecked,
     report_from_dict,
 )
-from leakcheck.observe import procs
+from leakcheck.observe import mailbox, procs
 from leakcheck.track.tracker import Tracker
 
 __all__ = ["LaunchError", "LoaderResult", "RunOptions", "RunResult", "run_program"]
@@ -554,9 +554,9 @@ def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
     for record in started:
         folder, ticks = record.get("mailbox"), record.get("start_ticks")
         if not isinstance(folder, str) or not os.path.basename(folder).startswith(
-            "leakcheck-mailbox-"
+            mailbox.MAILBOX_PREFIX
         ):
             continue
         owner = ProcessKey(record["pid"], ticks) if ticks is not None else None
         if owner is None or procs.process_key(owner.pid) != owner:  # by identity
-            shutil.rmtree(folder, ignore_errors=True)
+            mailbox.remove(folder)

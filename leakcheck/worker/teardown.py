@@ -1,38 +1,28 @@
 """Teardown policy: children free, the parent leaves to the runtime at exit.
 
-NOTE [teardown policy]: a DataLoader worker that touched CUDA holds a whole context
-(~0.5 GiB) until the kernel reaps it, and a worker whose parent died may never exit at all.
+NOTE [teardown policy]: a DataLoader worker that touched CUDA holds a whole context (~0.5 GiB)
+until the kernel reaps it, and a worker whose parent died may never exit at all.
 :class:`WorkerInit` (the chained ``worker_init_fn``) installs in each worker:
 
-1. ``PR_SET_PDEATHSIG``: the kernel sends the worker SIGTERM when its parent dies.
-2. The worker posts its identity ``(pid, start_ticks)`` to the mailbox (NOTE [worker
-   mailbox] in mailbox.py) with its birth reading: its own host memory and whether it was
-   forked, the baseline of what it copies later (NOTE [copy on read] in hostmem.py).
-3. At worker exit (a ``multiprocessing.util.Finalize`` hook: workers leave through
-   multiprocessing's bootstrap, which runs finalizers, not ``atexit``) it reads its own host
-   memory and, only where CUDA was initialised in it, joins every registered side stream
-   into the current stream (never free memory a side stream may still use: the cuDNN dgrad
-   race), synchronises, drops registered streams and events, calls registered callables,
-   collects garbage, empties the allocator cache and releases the context
-   (``cudaDeviceReset``). Then it waits for NVML to drop its PID and posts a ``teardown``
-   record of what it held and freed. A teardown never raises: a failing step is one line of
-   the record and the worker exits normally.
-4. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
+1. ``PR_SET_PDEATHSIG``: SIGTERM when the parent dies. The kernel sends it when the *thread*
+   that started the worker exits, so :func:`leakcheck.watch` asks for it only from the main
+   thread (``WorkerInit.death_signal``); without it DataLoader workers still watch its PID.
+2. A ``worker`` record in the mailbox (NOTE [worker mailbox] in mailbox.py): its identity and
+   birth reading, its host memory and whether it was forked (NOTE [copy on read] in hostmem.py).
+3. Its ``faulthandler`` writes into its own mailbox file (``mailbox.stack_path``): a native
+   crash leaves its stacks there for the ``died`` finding, and ``mailbox.STACK_SIGNAL`` dumps
+   them there and goes on (NOTE [hang watch] in hang.py). A normal exit removes the file.
+4. At exit (a ``multiprocessing.util.Finalize`` hook: workers leave through multiprocessing's
+   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, where CUDA
+   was initialised, joins registered side streams into the current stream (never free memory
+   a side stream may still use: the cuDNN dgrad race), synchronises, drops registered streams
+   and events, calls registered callables, collects garbage, empties the allocator cache and
+   releases the context (``cudaDeviceReset``); then it waits for NVML to drop its PID and
+   posts a ``teardown`` record. A failing step is one line of the record, never raised. After
+   the reset the process must not use CUDA: torch still holds handles of the old context.
+5. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
    ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the
-   CUDA runtime: destroying a stream or event after the runtime tore the context down is how
-   processes segfault at exit.
-5. The worker's ``faulthandler`` writes into its own file in the mailbox
-   (``mailbox.stack_path``): a native crash leaves its Python stacks there for the ``died``
-   finding, and ``mailbox.STACK_SIGNAL`` writes them there and goes on (NOTE [hang watch] in
-   hang.py). A normal exit removes the file.
-
-The kernel sends the death signal when the *thread* that started the worker exits: a
-persistent worker started from a short-lived thread would be killed under its loader, so
-:func:`leakcheck.watch` asks for it only from the main thread (``WorkerInit.death_signal``).
-Without it a worker still exits when its parent dies: DataLoader workers watch its PID.
-
-After ``cudaDeviceReset`` the process must not use CUDA again: torch still holds handles
-(cuBLAS, cuDNN, streams) tied to the old context.
+   runtime: destroying a stream or event after the context is gone segfaults at exit.
 """
 
 from __future__ import annotations
@@ -49,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import MIB, ProcessKey, TeardownRecord
@@ -67,27 +57,20 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# Higher runs first: before the worker's queues are flushed and its children joined.
-_EXIT_PRIORITY = 100
+_EXIT_PRIORITY = 100  # higher runs first: before the worker's queues are flushed
 _CHILD_TERM_TIMEOUT_S = 1.0
-_NVML_POLL_S = 1.0
-"""How long to wait for NVML to drop the PID after the reset (it takes ~ms)."""
+_NVML_POLL_S = 1.0  # how long NVML may take to drop the PID after the reset (it takes ms)
 _HOST_FIELDS = ("uss", "pss", "rss", "rss_peak", "shared_dirty", "private_dirty")
 _BIRTH_HOST_FIELDS = ("uss", "rss", "shared_dirty", "private_dirty")
+# Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
+# a finished loader's pin-memory thread waits on an empty queue.
+_DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
 
-ResourceKind = Literal["stream", "event", "callable"]
-
-
-@dataclass(frozen=True)
-class _Registered:
-    owner_pid: int
-    kind: ResourceKind
-    resource: Any
-
-
-_registry: list[_Registered] = []
+_registry: list[tuple[int, Any]] = []  # (owner PID, resource): a forked child skips its parent's
 _registry_lock = threading.Lock()
 _shutting_down = False
+_reset_fn: Callable[[int, bool], int] | None = None  # reset(index, switch to it first)
+_stack_file: Any = None  # the worker's open faulthandler file (NOTE [teardown policy], 3)
 
 
 def _after_fork_in_child() -> None:
@@ -99,12 +82,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def _kind_of(resource: object) -> ResourceKind | None:
+def _kind_of(resource: object) -> str | None:
     # Duck-typed so that registering never imports torch.
     if hasattr(resource, "record_event") and hasattr(resource, "wait_event"):
         return "stream"
@@ -114,15 +92,12 @@ def _kind_of(resource: object) -> ResourceKind | None:
 
 
 def _mark_shutdown() -> None:
-    """``atexit`` hook: leave every registered resource alive (NOTE [teardown policy], 4).
-
-    Each gets a reference never dropped, so that no destructor runs after the runtime.
-    """
+    # NOTE [teardown policy], 5: a reference never dropped: no destructor after the runtime's.
     global _shutting_down
     _shutting_down = True
     with _registry_lock:
-        for entry in _registry:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(entry.resource))
+        for _pid, resource in _registry:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(resource))
         _registry.clear()
 
 
@@ -132,23 +107,21 @@ atexit.register(_mark_shutdown)
 def register_resource(resource: object) -> None:
     """Hand a CUDA stream, CUDA event or callable to the teardown policy.
 
-    A worker's teardown (or :func:`release_device` in the parent) joins registered streams,
-    drops streams and events and calls callables before emptying the cache and releasing
-    the context; at interpreter shutdown nothing is released (NOTE [teardown policy]). The
-    registry holds a strong reference until then.
+    A worker's teardown (or :func:`release_device`) joins registered streams, drops streams
+    and events and calls callables before releasing the context; at interpreter shutdown
+    nothing is released (NOTE [teardown policy]). The registry holds a strong reference.
 
     Raises:
         UsageError: The resource is none of these.
 
     """
-    kind = _kind_of(resource)
-    if kind is None:
+    if _kind_of(resource) is None:
         raise UsageError(
             "register_resource: expected a CUDA stream, a CUDA event or a callable, "
             f"got {type(resource).__name__}"
         )
     with _registry_lock:
-        _registry.append(_Registered(os.getpid(), kind, resource))
+        _registry.append((os.getpid(), resource))
     # Re-registered last, the hook runs first among atexit hooks (torch's among them).
     atexit.unregister(_mark_shutdown)
     atexit.register(_mark_shutdown)
@@ -157,27 +130,20 @@ def register_resource(resource: object) -> None:
 def unregister_resource(resource: object) -> bool:
     """Remove a resource registered by this process; True when it was registered."""
     with _registry_lock:
-        for index, entry in enumerate(_registry):
-            if entry.resource is resource and entry.owner_pid == os.getpid():
+        for index, (pid, registered) in enumerate(_registry):
+            if registered is resource and pid == os.getpid():
                 del _registry[index]
                 return True
     return False
 
 
-def _take_registered() -> list[_Registered]:
-    """Remove and return this process's entries; a forked child skips its parent's."""
-    pid = os.getpid()
-    with _registry_lock:
-        mine = [entry for entry in _registry if entry.owner_pid == pid]
-        _registry[:] = [entry for entry in _registry if entry.owner_pid != pid]
-    return mine
-
-
-# --- CUDA steps -------------------------------------------------------------------------
+# --- the release (NOTE [teardown policy], 4) ----------------------------------------------
 
 
 @dataclass
 class _Freed:
+    """What a release freed; a failing step is one line of ``errors``, never raised."""
+
     streams_joined: int = 0
     resources_released: int = 0
     freed_cache_bytes: int = 0
@@ -185,11 +151,11 @@ class _Freed:
     errors: list[str] = field(default_factory=list)
 
     def fail(self, step: str, exc: BaseException) -> None:
-        self.errors.append(f"{step}: {_one_line(exc)}")
+        text = str(exc).strip().splitlines()
+        self.errors.append(f"{step}: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
-        """Run a step; what it raises is one line of the record, never the caller's."""
         try:
             yield
         except Exception as exc:
@@ -200,115 +166,55 @@ class _Freed:
         return "; ".join(self.errors) or None
 
 
-def _release_registered(entries: list[_Registered], devices: set[int], freed: _Freed) -> None:
-    """Join side streams, synchronise, drop streams and events, call callables."""
+def _release_registered(devices: set[int], freed: _Freed) -> None:
+    """Join registered side streams (adding their devices), synchronise, drop, call."""
     import torch
 
-    for entry in entries:
-        if entry.kind != "stream":
-            continue
-        with freed.step("join stream"):
-            stream = entry.resource
-            torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
-            devices.add(int(stream.device.index or 0))
-            freed.streams_joined += 1
+    pid = os.getpid()
+    with _registry_lock:
+        mine = [resource for owner, resource in _registry if owner == pid]
+        _registry[:] = [entry for entry in _registry if entry[0] != pid]
+    for stream in mine:
+        if _kind_of(stream) == "stream":
+            with freed.step("join stream"):
+                torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
+                devices.add(int(stream.device.index or 0))
+                freed.streams_joined += 1
     for index in sorted(devices):
         with freed.step(f"synchronize cuda:{index}"):
             torch.cuda.synchronize(index)
-    callables = [entry.resource for entry in entries if entry.kind == "callable"]
-    freed.resources_released += len(entries)
-    entries.clear()  # the last references to streams and events: dropped once synchronised
+    freed.resources_released += len(mine)
+    callables = [resource for resource in mine if _kind_of(resource) == "callable"]
+    mine.clear()  # the last references to streams and events: dropped once synchronised
     for release in callables:
         with freed.step("callable"):
             release()
 
 
-def _empty_cache(devices: set[int], freed: _Freed) -> None:
+def _release(devices: set[int], current: int, freed: _Freed, *, fixed: bool = False) -> None:
+    """Release registered resources, the allocator cache and each device's context.
+
+    The devices of registered streams are synchronised; released too unless ``fixed``.
+    """
     import torch
 
+    synced = set(devices)
+    _release_registered(synced, freed)
+    devices = devices if fixed else synced
     gc.collect()
     with freed.step("empty_cache"):
         freed.freed_cache_bytes = sum(int(torch.cuda.memory_reserved(i)) for i in devices)
         torch.cuda.empty_cache()
-
-
-_DeviceReset = Callable[[int, bool], int]
-"""``reset(index, switch)``: release a device's context, first making it current if asked."""
-_reset_fn: _DeviceReset | None = None
-
-
-def _mapped_library(stem: str) -> ctypes.CDLL | None:
-    """A shared library already mapped into this process (``libcudart.so``), or None."""
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-        for line in maps:
-            path = line.rstrip("\n").split(maxsplit=5)[-1]
-            if os.path.basename(path).startswith(stem):
-                # RTLD_NOLOAD: bind to the copy torch loaded, never load a second one.
-                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    return None
-
-
-def _runtime_reset(set_device: Callable[[int], Any], reset: Callable[[], Any]) -> _DeviceReset:
-    def device_reset(index: int, switch: bool) -> int:
-        code = int(set_device(index) or 0) if switch else 0
-        return code or int(reset() or 0)
-
-    return device_reset
-
-
-def _device_reset_fn() -> _DeviceReset:
-    """How to release a device's context, in order of preference.
-
-    ``torch.cuda.cudart()`` where it has ``cudaDeviceReset``, else the ``libcudart`` torch
-    mapped (pip wheels), else the driver's ``cuDevicePrimaryCtxReset`` (a static runtime).
-    """
-    global _reset_fn
-    if _reset_fn is not None:
-        return _reset_fn
-    import torch
-
-    cudart_of: Callable[[], Any] = torch.cuda.cudart  # untyped in torch
-    try:
-        cudart = cudart_of()
-    except Exception:
-        cudart = None
-    if hasattr(cudart, "cudaDeviceReset") and hasattr(cudart, "cudaSetDevice"):
-        _reset_fn = _runtime_reset(cudart.cudaSetDevice, cudart.cudaDeviceReset)
-    elif (runtime := _mapped_library("libcudart.so")) is not None:
-        set_device = runtime.cudaSetDevice
-        _reset_fn = _runtime_reset(
-            lambda index: set_device(ctypes.c_int(index)), runtime.cudaDeviceReset
-        )
-    else:
-        driver = _mapped_library("libcuda.so")
-        if driver is None:
-            raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
-        reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None)
-        reset = reset or driver.cuDevicePrimaryCtxReset
-
-        def via_driver(index: int, switch: bool) -> int:
-            device = ctypes.c_int()
-            code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
-            return code or int(reset(device))
-
-        _reset_fn = via_driver
-    return _reset_fn
-
-
-def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
-    """Release the primary context of each device, the current device last.
-
-    Switching to a device whose context is gone would create a new one (CUDA 12's
-    ``cudaSetDevice``), hence the order; the runtime's reset acts on the thread's current
-    device, so once another was reset, the current one is switched back to first.
-    """
     try:
         reset = _device_reset_fn()
     except Exception as exc:
         freed.fail("find cudaDeviceReset", exc)
         return
-    ok = True
+    # The current device last: switching to a device whose context is gone would create a
+    # new one (CUDA 12's cudaSetDevice); the runtime's reset acts on the thread's current
+    # device, so once another was reset, the current one is switched back to first.
     order = sorted(devices - {current}) + ([current] if current in devices else [])
+    ok = True
     switched = False
     for index in order:
         switch = switched or index != current
@@ -324,45 +230,81 @@ def _reset_devices(devices: set[int], current: int, freed: _Freed) -> None:
             ok = False
     freed.context_released = ok
     if current not in devices and order:
-        # The current device keeps its context: point the thread back at it.
-        import torch
-
-        with freed.step(f"set_device cuda:{current}"):
+        with freed.step(f"set_device cuda:{current}"):  # it keeps its context: point back
             torch.cuda.set_device(current)
 
 
-def _used_devices() -> tuple[int, set[int]]:
-    """The current device and the devices on which this process has a context."""
+def _mapped_library(stem: str) -> ctypes.CDLL | None:
+    """A shared library already mapped into this process (``libcudart.so``), or None."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            path = line.rstrip("\n").split(maxsplit=5)[-1]
+            if os.path.basename(path).startswith(stem):
+                # RTLD_NOLOAD: bind to the copy torch loaded, never load a second one.
+                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    return None
+
+
+def _device_reset_fn() -> Callable[[int, bool], int]:
+    """``reset(index, switch)``, by the first there of three ways.
+
+    ``torch.cuda.cudart()``'s ``cudaDeviceReset``, else the ``libcudart`` torch mapped (pip
+    wheels), else the driver's ``cuDevicePrimaryCtxReset`` (a static runtime).
+    """
+    global _reset_fn
+    if _reset_fn is not None:
+        return _reset_fn
     import torch
 
-    current = int(torch.cuda.current_device())
-    # memory_reserved reads allocator bookkeeping: no context is created for it.
-    count = int(torch.cuda.device_count())
-    return current, {current} | {i for i in range(count) if torch.cuda.memory_reserved(i) > 0}
+    cudart_of: Callable[[], Any] = torch.cuda.cudart  # untyped in torch
+    try:
+        runtime: Any = cudart_of()
+    except Exception:
+        runtime = None
+    if not (hasattr(runtime, "cudaDeviceReset") and hasattr(runtime, "cudaSetDevice")):
+        runtime = _mapped_library("libcudart.so")
+    if runtime is not None:
+        set_device, reset = runtime.cudaSetDevice, runtime.cudaDeviceReset
+
+        def via_runtime(index: int, switch: bool) -> int:
+            code = int(set_device(index) or 0) if switch else 0
+            return code or int(reset() or 0)
+
+        _reset_fn = via_runtime
+        return _reset_fn
+    driver = _mapped_library("libcuda.so")
+    if driver is None:
+        raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
+    primary_reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None)
+    primary_reset = primary_reset or driver.cuDevicePrimaryCtxReset
+
+    def via_driver(index: int, switch: bool) -> int:
+        device = ctypes.c_int()
+        code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
+        return code or int(primary_reset(device))
+
+    _reset_fn = via_driver
+    return _reset_fn
 
 
-# --- NVML -------------------------------------------------------------------------------
+def _nvml_state(
+    pid: int, device: int | None = None, *, wait_gone: bool = False
+) -> tuple[bool, dict[int, int]] | None:
+    """(NVML lists ``pid``, its known bytes per device); None: NVML cannot be read.
 
-
-def _nvml_state(pid: int, device: int | None = None) -> tuple[bool, dict[int, int]] | None:
-    """(NVML lists the PID, its known bytes per device); None: NVML cannot be read."""
+    ``wait_gone`` polls until the PID is gone, for ``_NVML_POLL_S`` at most.
+    """
     from leakcheck.observe import nvml
 
-    try:
-        entries = nvml.get().processes(None if device is None else [device])
-    except LeakCheckError:
-        return None
-    by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
-    return pid in by_pid, dict(by_pid.get(pid, {}))
-
-
-def _wait_left_nvml(pid: int, device: int | None = None) -> tuple[bool, dict[int, int]] | None:
-    """Poll NVML until the PID is gone (or ``_NVML_POLL_S`` passed)."""
-    deadline = time.monotonic() + _NVML_POLL_S
+    deadline = time.monotonic() + (_NVML_POLL_S if wait_gone else 0.0)
     while True:
-        state = _nvml_state(pid, device)
-        if state is None or not state[0] or time.monotonic() >= deadline:
-            return state
+        try:
+            entries = nvml.get().processes(None if device is None else [device])
+        except LeakCheckError:
+            return None
+        by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
+        if pid not in by_pid or time.monotonic() >= deadline:
+            return pid in by_pid, dict(by_pid.get(pid, {}))
         time.sleep(0.01)
 
 
@@ -370,13 +312,7 @@ def _total(per_device: dict[int, int] | None) -> int | None:
     return sum(per_device.values()) if per_device else None
 
 
-# --- worker side ------------------------------------------------------------------------
-
-
-def _set_parent_death_signal() -> None:
-    # A parent that died before prctl sends nothing; workers also watch its PID themselves.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+# --- worker side --------------------------------------------------------------------------
 
 
 def _terminate_descendants() -> None:
@@ -406,10 +342,9 @@ def _host_fields(host: hostmem.HostMemory | None, names: tuple[str, ...]) -> dic
 
 
 def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> None:
-    """Run at worker exit (NOTE [teardown policy], point 3); never raises.
+    """At worker exit (NOTE [teardown policy], 4): its report, then the release; never raises.
 
-    First the worker's report of what it holds (NOTE [worker reports] in track/book.py),
-    then, with ``release``, the release.
+    The report is what it held (NOTE [worker reports] in track/book.py).
     """
     if os.getpid() != key.pid:
         return  # a process forked from the worker inherited the finalizer
@@ -432,21 +367,20 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
             host = hostmem.read_host_memory(key.pid)
         held = {}  # no context: nothing on any device
         if torch_cuda is not None:
-            nvml_state = _nvml_state(key.pid)
-            held = None if nvml_state is None else nvml_state[1]
+            state = _nvml_state(key.pid)
+            held = None if state is None else state[1]
             with contextlib.suppress(Exception):
-                peak_reserved = sum(
-                    int(torch_cuda.max_memory_reserved(i))
-                    for i in range(int(torch_cuda.device_count()))
-                )
+                count = int(torch_cuda.device_count())
+                peak_reserved = sum(int(torch_cuda.max_memory_reserved(i)) for i in range(count))
             if policy.release:
-                current, devices = _used_devices()
-                _release_registered(_take_registered(), devices, freed)
-                _empty_cache(devices, freed)
-                _reset_devices(devices, current, freed)
+                # memory_reserved reads allocator bookkeeping: no context is created for it.
+                current = int(torch_cuda.current_device())
+                count = int(torch_cuda.device_count())
+                used = {i for i in range(count) if torch_cuda.memory_reserved(i) > 0}
+                _release(used | {current}, current, freed)
         duration_s = time.perf_counter() - started
         if cuda and policy.release and held:
-            after = _wait_left_nvml(key.pid)
+            after = _nvml_state(key.pid, wait_gone=True)
             left_nvml = None if after is None else not after[0]
     except BaseException as exc:  # a teardown must let the worker exit
         freed.fail("teardown", exc)
@@ -472,22 +406,15 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
     _close_stack_file()
     fields = to_jsonable(record)
     del fields["key"]
-    mailbox.post(
-        "teardown",
-        {"pid": key.pid, "start_ticks": key.start_ticks, **fields},
-        directory=policy.mailbox_dir,
-    )
-
-
-_stack_file: Any = None
-"""The worker's open faulthandler file (NOTE [teardown policy], point 5)."""
+    fields = {"pid": key.pid, "start_ticks": key.start_ticks, **fields}
+    mailbox.post("teardown", fields, directory=policy.mailbox_dir)
 
 
 def _open_stack_file(path: str) -> bool:
     """Point the worker's faulthandler at ``path``; True when it also dumps on a signal.
 
     The signal is taken only where nothing handles it yet: its default ends the process, and
-    a handler of the user's is theirs. Never raises.
+    a handler of the user's is theirs.
     """
     global _stack_file
     try:
@@ -500,10 +427,7 @@ def _open_stack_file(path: str) -> bool:
         if faulthandler.is_enabled():
             faulthandler.disable()
         faulthandler.enable(file=handle, all_threads=True)
-    except (OSError, ValueError, RuntimeError):
-        return False
-    _stack_file = handle
-    try:
+        _stack_file = handle
         if signal.getsignal(mailbox.STACK_SIGNAL) != signal.SIG_DFL:
             return False
         faulthandler.register(mailbox.STACK_SIGNAL, file=handle, all_threads=True)
@@ -527,21 +451,6 @@ def _close_stack_file() -> None:
         faulthandler.disable()
         handle.close()
         os.unlink(handle.name)
-
-
-def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
-    """A worker's birth reading for its ``worker`` record (NOTE [copy on read] in hostmem.py).
-
-    Never raises: an unreadable one posts none.
-    """
-    try:
-        host = hostmem.read_host_memory(pid)
-    except Exception:
-        host = None
-    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
-    if host is not None and host.uss_bytes is not None:
-        fields.update(_host_fields(host, _BIRTH_HOST_FIELDS))
-    return fields
 
 
 class WorkerInit:
@@ -569,10 +478,10 @@ class WorkerInit:
         self.session_id = session_id
         self.death_signal = True
         """Set ``PR_SET_PDEATHSIG`` (with ``release``); ``watch`` clears it for workers
-        started from a thread other than the main thread (NOTE [teardown policy])."""
+        started from a thread other than the main thread (NOTE [teardown policy], 1)."""
+        # The process whose memory holds this object: a worker that finds another one was
+        # forked; spawn and forkserver unpickle it anew.
         self._home_pid = os.getpid()
-        """The process whose memory holds this object: a worker that finds another one was
-        forked; spawn and forkserver unpickle it anew."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -593,26 +502,32 @@ class WorkerInit:
         if self.mailbox_dir:
             os.environ[mailbox.MAILBOX_ENV] = self.mailbox_dir
         if self.release and self.death_signal:
-            _set_parent_death_signal()
+            # A parent that died before prctl sends nothing; workers also watch its PID.
+            with contextlib.suppress(OSError, AttributeError):
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         pid = os.getpid()
         key = procs.process_key(pid)
         if key is not None:
             folder = self.mailbox_dir or os.environ.get(mailbox.MAILBOX_ENV)
             # Before the record: the tracker signals only a worker whose record says so.
             dumps = bool(folder) and _open_stack_file(mailbox.stack_path(folder or "", key))
-            mailbox.post(
-                "worker",
-                {
-                    "pid": pid,
-                    "start_ticks": key.start_ticks,
-                    "ppid": os.getppid(),
-                    "worker_id": worker_id,
-                    "persistent": self.persistent,
-                    "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
-                    **(_birth_fields(pid, forked=self._home_pid != pid) if folder else {}),
-                },
-                directory=self.mailbox_dir,
-            )
+            fields: dict[str, Any] = {
+                "pid": pid,
+                "start_ticks": key.start_ticks,
+                "ppid": os.getppid(),
+                "worker_id": worker_id,
+                "persistent": self.persistent,
+                "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
+            }
+            if folder:  # its birth reading (an unreadable one posts none)
+                host = None
+                with contextlib.suppress(Exception):
+                    host = hostmem.read_host_memory(pid)
+                fields |= {"forked": self._home_pid != pid, "monotonic_s": time.monotonic()}
+                if host is not None and host.uss_bytes is not None:
+                    fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
+            mailbox.post("worker", fields, directory=self.mailbox_dir)
             if self.release or self.terminate_children or folder:
                 # Reported even without the release (NOTE [worker reports] in track/book.py).
                 import multiprocessing.util
@@ -657,7 +572,7 @@ def worker_init_fn(
     )
 
 
-# --- parent side: explicit release -------------------------------------------------------
+# --- parent side: explicit release --------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -667,10 +582,8 @@ class ReleaseResult:
     Attributes:
         device_index: The CUDA device released (None when nothing was done).
         freed_cache_bytes: Bytes the allocator had reserved before its cache was emptied.
-        context_released: The device's context was released (``cudaDeviceReset``).
         gpu_bytes_before: NVML's used bytes of this process before (None: unknown).
         gpu_bytes_after: Its bytes after (0: it left the device list; None: unknown).
-        duration_s: Seconds it took.
         note: One line on what happened, e.g. why there was nothing to free.
         error: One line if a step failed.
 
@@ -713,11 +626,6 @@ def _device_index(device: object) -> int:
     return index
 
 
-# Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
-# a finished loader's pin-memory thread waits on an empty queue.
-_DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
-
-
 def _other_threads() -> list[str]:
     """Live threads that might use the device: not this one, leakcheck's or device-free."""
     current = threading.current_thread()
@@ -730,24 +638,36 @@ def _other_threads() -> list[str]:
     ]
 
 
-def _live_tensors_text(index: int) -> str:
-    """The largest live CUDA tensors on ``cuda:index``, for a refusal's message."""
+def _refuse_while_in_use(index: int) -> None:
+    """Raise while tensors live on ``cuda:index`` or other threads may use it."""
     import torch
 
-    sizes: dict[str, list[int]] = {}
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or not obj.is_cuda or obj.device.index != index:
+    gc.collect()  # tensors kept only by garbage cycles are not the caller's
+    clear_library_workspaces()
+    allocated = int(torch.cuda.memory_allocated(index))
+    if allocated > 0:
+        sizes: dict[str, list[int]] = {}
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.device.index == index:
+                    shape = "x".join(str(d) for d in obj.shape) or "scalar"
+                    name = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
+                    sizes.setdefault(name, []).append(obj.untyped_storage().nbytes())
+            except Exception:
                 continue
-            shape = "x".join(str(d) for d in obj.shape) or "scalar"
-            key = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
-            sizes.setdefault(key, []).append(obj.untyped_storage().nbytes())
-        except Exception:
-            continue
-    largest = sorted(sizes.items(), key=lambda kv: -sum(kv[1]))[:3]
-    return ", ".join(
-        f"{len(found)} x {name} ({sum(found) / MIB:.1f} MiB)" for name, found in largest
-    )
+        largest = sorted(sizes.items(), key=lambda kv: -sum(kv[1]))[:3]
+        text = ", ".join(f"{len(n)} x {name} ({sum(n) / MIB:.1f} MiB)" for name, n in largest)
+        which = f" (largest: {text})" if text else ""
+        raise LeakCheckError(
+            f"release_device: this process still holds {allocated / MIB:.1f} MiB of "
+            f"tensors on cuda:{index}{which}; delete them first, or pass force=True"
+        )
+    others = _other_threads()
+    if others:
+        raise LeakCheckError(
+            f"release_device: other threads may use cuda:{index} "
+            f"({', '.join(others[:5])}); stop them first, or pass force=True"
+        )
 
 
 def _nvml_index(cuda_index: int) -> int | None:
@@ -764,10 +684,6 @@ def _nvml_index(cuda_index: int) -> int | None:
     except Exception:
         return None
     return None
-
-
-def _nothing_done(note: str) -> ReleaseResult:
-    return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
 
 
 def release_device(device: object = None, *, force: bool = False) -> ReleaseResult:
@@ -793,39 +709,24 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
 
     """
     if _shutting_down or sys.is_finalizing():
-        return _nothing_done("interpreter is exiting: left to the runtime")
+        note = "interpreter is exiting: left to the runtime"
+        return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
     if initialized_cuda() is None:
-        return _nothing_done("nothing to free: CUDA was never initialised in this process")
+        note = "nothing to free: CUDA was never initialised in this process"
+        return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
     import torch
 
     index = _device_index(device)
     if not force:
-        gc.collect()  # tensors kept only by garbage cycles are not the caller's
-        clear_library_workspaces()
-        allocated = int(torch.cuda.memory_allocated(index))
-        if allocated > 0:
-            tensors = _live_tensors_text(index)
-            which = f" (largest: {tensors})" if tensors else ""
-            raise LeakCheckError(
-                f"release_device: this process still holds {allocated / MIB:.1f} MiB of "
-                f"tensors on cuda:{index}{which}; delete them first, or pass force=True"
-            )
-        others = _other_threads()
-        if others:
-            raise LeakCheckError(
-                f"release_device: other threads may use cuda:{index} "
-                f"({', '.join(others[:5])}); stop them first, or pass force=True"
-            )
+        _refuse_while_in_use(index)
     started = time.perf_counter()
     nvml_index = _nvml_index(index)
     pid = os.getpid()
     before = _nvml_state(pid, nvml_index) if nvml_index is not None else None
     freed = _Freed()
-    _release_registered(_take_registered(), {index}, freed)
-    _empty_cache({index}, freed)
-    _reset_devices({index}, int(torch.cuda.current_device()), freed)
+    _release({index}, int(torch.cuda.current_device()), freed, fixed=True)
     duration_s = time.perf_counter() - started
-    after = _wait_left_nvml(pid, nvml_index) if before is not None and before[0] else None
+    after = _nvml_state(pid, nvml_index, wait_gone=True) if before and before[0] else None
     return ReleaseResult(
         device_index=index,
         freed_cache_bytes=freed.freed_cache_bytes,

@@ -1,7 +1,8 @@
 """Plain data shared by every layer: frozen dataclasses with units in their field names.
 
-``nvml`` and ``procs`` read ``readings.py``'s records; the tracker folds them into a
-``Timeline`` of ``EpochRecord``; ``verdict`` turns it into ``Finding``; ``report`` renders both.
+They are the JSON schema too (``core/records.py``): fields may be added, never renamed. The
+tracker folds ``readings.py``'s records into a ``Timeline`` of ``EpochRecord``; ``verdict``
+turns it into ``Finding``; ``report`` renders both.
 """
 
 from __future__ import annotations
@@ -41,12 +42,10 @@ Severity = Literal["leak", "info"]
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where a process stands in a distributed job, as torchrun's environment says.
+    """Where a process stands in a distributed job: torchrun's variables (None: not set).
 
-    The fields are ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``,
-    ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` (None: not set); ``device`` is
-    the GPU (NVML index) it trains on: its ``torch.cuda.set_device`` where recorded, else its
-    ``LOCAL_RANK``'s through ``CUDA_VISIBLE_DEVICES`` (None: not known).
+    ``device``: the GPU (NVML index) it trains on, its ``set_device`` where recorded, else its
+    ``LOCAL_RANK``'s through ``CUDA_VISIBLE_DEVICES``.
     """
 
     rank: int
@@ -60,49 +59,33 @@ class RankInfo:
 
 PeakSource = Literal["reported", "sampled", "unknown"]
 
-HostSource = Literal["uss", "rss"]
-"""``uss``: private pages (smaps_rollup: what copy-on-read grows); ``rss``: resident pages
-(status), where USS was not read."""
+HostSource = Literal["uss", "rss"]  # private pages (smaps_rollup), else resident (status)
 
 
 @dataclass(frozen=True)
 class ProcessEpoch:
     """What one process did during one epoch; None in a field means not known.
 
-    ``*_end`` fields are read at the epoch's end, or for a process that exited in it
-    (``alive_at_end`` False) taken from its own report at exit (a worker's teardown record).
+    ``*_end`` fields are read at the epoch's end, or for a process that exited in it taken
+    from its own report at exit (a worker's teardown record).
 
     Attributes:
         exited_after_s: Seconds after the epoch end at which it was seen gone.
-        gpu_bytes_peak: Per device, the larger of what was sampled and what it reported;
-            empty when ``gpu_peak_source`` is ``unknown``.
+        gpu_bytes_peak: Per device, the larger of what was sampled and what it reported.
         gpu_peak_source: ``reported`` (its teardown report, or the driver's accounting),
-            ``sampled`` (NVML reads while it lived: a lower bound) or ``unknown`` (it exited
-            unseen and unreported: not 0).
+            ``sampled`` (a lower bound) or ``unknown`` (it exited unseen and unreported: not 0).
         gpu_bytes_unknown: NVML listed it on a device without a byte count.
-        fd_limit: Its soft ``RLIMIT_NOFILE`` (None: unlimited, or unreadable).
         scope: What started it when not the work itself (``module-scoped fixture 'pool'``).
-        host_bytes_end: USS where read, else RSS: ``host_source`` says which (a paced-out
-            USS read says ``rss``: an older USS is never carried over).
-        anon_bytes_end: ``RssAnon``: the heap, what grows when a process keeps memory.
-        rss_bytes_peak: ``VmHWM``: its highest RSS up to the epoch end (or its exit).
+        host_bytes_end: USS where read, else RSS (``host_source``; an older USS is never
+            carried over). ``anon_bytes_end``: ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``.
         freed_by_gc: It exited only once leakcheck collected garbage (a reference cycle
             kept its DataLoader iterator alive).
-        rank: Its distributed rank (``RANK`` in its initial environment).
-        rank_device: Its rank's GPU (NVML index) as its environment says.
-        born_epoch: The epoch its create time falls in (earlier than the first that saw
-            it, for a helper found after its worker exited).
-        forked: A worker started by fork (False: spawn or forkserver); None where it did
-            not report its birth.
-        private_bytes_birth: Its USS at its birth report.
-        shared_bytes_birth: Its ``Shared_Dirty`` then (NOTE [copy on read] in hostmem.py).
-        shared_bytes_end: Its ``Shared_Dirty`` at the reading ``copied_bytes_end`` is from.
+        born_epoch: The epoch its create time falls in.
+        forked: A worker started by fork; None where it did not report its birth.
+        shared_bytes_birth: Its ``Shared_Dirty`` at its birth report, as
+            ``private_bytes_birth`` its USS (NOTE [copy on read] in hostmem.py).
         copied_bytes_end: What it had copied of its parent's memory since its birth, at the
-            epoch's last reading (NOTE [copy on read]).
-        copied_bytes_peak: The most any reading of the epoch showed copied (NOTE [host
-            pacing] in pacing.py).
-        copied_over_after_s: Seconds into the epoch of the first reading over the copy
-            tolerance.
+            epoch's last reading; ``copied_bytes_peak`` the most any reading showed.
 
     """
 
@@ -161,14 +144,8 @@ EndReason = Literal["completed", "break", "exception", "interrupt", "collected",
 class EpochRecord:
     """One epoch: every process of the job, the devices and ``/dev/shm`` at its end.
 
-    Attributes:
-        error: The exception that ended it, if one did.
-        batches: Batches it yielded, where the adapter counts them (``watch``).
-        shm_files: The job's files in ``/dev/shm`` at the end, with their holders.
-        shm_total_bytes: Size of ``/dev/shm`` (None: no limit, or not read).
-        shm_used_peak_bytes: Its highest use in the epoch (every process's files, removed
-            but held ones included): what runs out when workers die of a bus error.
-
+    ``shm_used_peak_bytes``: the highest use of ``/dev/shm`` in the epoch (removed but held
+    files included): what runs out when workers die of a bus error.
     """
 
     index: int
@@ -199,17 +176,11 @@ class TeardownRecord:
 
     Attributes:
         resources_released: Registered streams, events and callables dropped or called.
-        freed_cache_bytes: Allocator bytes reserved before emptying the cache.
-        gpu_bytes_before: NVML's used bytes of the PID before teardown, summed.
-        left_nvml: NVML no longer listed the PID after teardown.
-        error: One line if a step failed (the worker still exits normally).
-        gpu_bytes_by_device: NVML's used bytes per device just before the release (empty:
-            nothing).
-        peak_reserved_bytes: torch's peak reserved bytes over its life, summed.
-        monotonic_s: ``time.monotonic()`` when it read what it held (shared by the host).
+        gpu_bytes_by_device: NVML's used bytes per device before the release, summed in
+            ``gpu_bytes_before``; ``left_nvml``: NVML no longer listed the PID after it.
+        monotonic_s: ``time.monotonic()`` when it read what it held.
         released: The policy released resources (False: it only reported).
-        host_uss_bytes: Its own USS as it exited; the other ``host_*`` fields likewise
-            (``rss_peak``: ``VmHWM``; ``shared_dirty``: NOTE [copy on read] in hostmem.py).
+        host_uss_bytes: Its own USS as it exited; the other ``host_*`` fields likewise.
 
     """
 
@@ -240,17 +211,8 @@ class TeardownRecord:
 class Death:
     """A process of the job ended by a signal, with what the machine said as it died.
 
-    Attributes:
-        at_s: When the death was noted, on the tracker's clock.
-        epoch: The epoch open then; None between epochs.
-        oom_kills: The rise of the cgroup's OOM-kill counter since the tracker started or
-            its last death (None: not readable).
-        memory_available_bytes: ``MemAvailable`` as the death was noted (None: not read).
-        shm_used_peak_bytes: ``/dev/shm``'s highest use seen in the epoch, up to the death.
-        rss_bytes_birth: Its resident memory at its birth report.
-        stack: What its faulthandler wrote as it crashed, where the policy pointed it into
-            the mailbox.
-
+    ``at_s`` is on the tracker's clock; ``oom_kills`` the rise of the cgroup's OOM-kill counter
+    since the tracker started or its last death; ``stack`` what its faulthandler wrote.
     """
 
     key: ProcessKey
@@ -271,8 +233,7 @@ class Death:
 class Stall:
     """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
 
-    ``waited_s`` counts from its last batch (or its start); ``stacks`` holds every thread's
-    of the loop's process and of each worker (NOTE [hang watch] in hang.py).
+    ``stacks``: every thread's of the loop's process and its workers (NOTE [hang watch]).
     """
 
     epoch: int | None
@@ -286,18 +247,12 @@ class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
     Attributes:
-        samples: Samples taken (sampler ticks, epoch ends, explicit ``sample()`` calls).
-        sample_wall_s: Wall seconds inside samples, whichever thread took them.
-        sampler_cpu_s: CPU seconds of the sampler thread: with a spare core, the most it can
-            delay the training thread.
         caller_wall_s: Wall seconds the calling threads spent inside the tracker's methods:
             time the user's loop pays in full.
-        nvml_wall_s: Wall seconds of the samples' NVML memory and process reads, lock waits
-            included: a driver lock the job's own calls may wait for (NOTE [nvml pacing] in
-            track/pacing.py).
-        nvml_cpu_s: CPU seconds of those reads (the binding releases the interpreter lock).
-        host_read_cpu_s: The sampler's CPU seconds on host-memory reads (NOTE [host pacing]
-            in track/pacing.py), part of ``sampler_cpu_s``.
+        nvml_wall_s: Wall seconds of the samples' NVML reads, lock waits included (NOTE
+            [nvml pacing] in track/pacing.py); ``nvml_cpu_s`` their CPU seconds.
+        host_read_cpu_s: The sampler's CPU seconds on host-memory reads, part of
+            ``sampler_cpu_s``.
 
     """
 
@@ -317,17 +272,13 @@ Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
 class FinalState:
     """The job after the watched work, read fresh: who is still there and what they hold.
 
-    Taken when the tracker closes, and by every ``report()`` before (then ``closed`` is
-    False: the work may go on).
+    Taken when the tracker closes, and by every ``report()`` before (``closed`` False).
 
     Attributes:
-        parent_allocated_gpu_bytes: Bytes the parent's torch allocator still holds; None
-            where CUDA was never initialised in it.
-        others_gpu_bytes: Per device, bytes of the job's processes another tracker here owns
-            (another loader's workers): they explain device memory and are never judged.
-        pending_pids: Processes alive whose survival is not decided yet (born in an ended
-            epoch, within the grace after it; empty once closed).
-        open_epoch: The epoch open as this was read: its processes' copy fields are so far.
+        others_gpu_bytes: Per device, bytes of the job's processes another tracker here owns:
+            they explain device memory and are never judged.
+        pending_pids: Processes alive whose survival is not decided yet (within the grace).
+        open_epoch: The epoch open as this was read.
 
     """
 
@@ -343,19 +294,11 @@ class FinalState:
 
 @dataclass(frozen=True)
 class ShmFile:
-    """A file the watched work left in the shared-memory directory (``/dev/shm``).
+    """A file the watched work left in ``/dev/shm``.
 
-    ``attributable``, ``in_use`` and ``made_by_older`` mark a file reported, not blamed.
-
-    Attributes:
-        holder_pid: A process of the job that still holds it open or mapped, if any.
-        scope: What created it when not the work itself (a pytest fixture scope).
-        attributable: False when nothing ties it to the work (no holder of it, no maker in
-            its name) and others may have made it (other jobs, pytest-xdist workers).
-        in_use: Its holder's work goes on (a tracker closed before its job ended).
-        made_by_older: The maker its name gives (torch's and CUDA IPC's files), where that
-            process is older than the work and not of it.
-
+    A file ``attributable`` False (nothing ties it to the work), ``in_use`` (its holder's
+    work goes on) or ``made_by_older`` (the maker its name gives is older than the work) is
+    reported, not blamed.
     """
 
     name: str
@@ -377,9 +320,7 @@ class ParentMemory:
             garbage collection and an emptied cache, net of live fixture scopes.
         driver_bytes: Per device that had a context at the start, NVML bytes above it beyond
             the allocator's growth.
-        torch_in_use: torch's CUDA is initialised here: the driver's growth may be libraries
-            loading kernels on first use.
-        scopes: Fixture scopes that ended now and owned allocations (for the wording).
+        torch_in_use: The driver's growth may be libraries loading kernels on first use.
 
     """
 
@@ -397,13 +338,8 @@ class Timeline:
         baseline_gpu_bytes: Per device, at the start, the bytes the final state counts as
             the job's beside its lineage (the root's own, other trackers' or ranks').
         failures: Leakcheck's own failures while sampling: reported, never raised.
-        teardowns: Worker teardowns reported through the mailbox, in arrival order.
-        parent_memory: The parent's own GPU memory after the work (pytest plugin only).
-        boot_unix_s: The boot time (``btime``) read at the start: only to show start ticks as
-            Unix times, never for identity (NOTE [process identity] in procs.py).
-        rank_devices: Rank -> its GPU (NVML index) where it recorded ``set_device``: wins
-            over what a process's environment says.
-        deaths: Processes of the job a signal ended, as an adapter saw their exit.
+        boot_unix_s: ``btime``: only to show start ticks as Unix times, never for identity.
+        rank_devices: Rank -> its GPU where it recorded ``set_device``.
 
     """
 
@@ -428,18 +364,13 @@ class Timeline:
 
 @dataclass(frozen=True)
 class Finding:
-    """One judged fact: a leak, or information worth acting on.
+    """One judged fact: a leak (``severity`` ``leak`` fails a check), or advice (``info``).
 
     The optional fields describe the culprit, where the rule has one.
 
     Attributes:
-        rule: Which rule fired (docs/ARCHITECTURE.md, Rules).
-        severity: ``leak`` fails a check; ``info`` is advice.
-        message: One line that names the culprit and what it holds.
-        remedy: One line on what to do about it.
-        start_ticks: With ``pid``, its identity (NOTE [process identity] in procs.py).
+        message: One line that names the culprit and what it holds; ``remedy``: the fix.
         create_time: Its start as a Unix time, for people only (never compared).
-        gpu_bytes: GPU bytes involved (held, leaked, or unexplained).
         bytes_per_epoch: For growth: fitted slope.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
         host_bytes: For host-growth: the rise over the judged epochs; for copy-on-read:
@@ -483,19 +414,10 @@ class RuleConfig:
         tolerance_bytes: Growth or residual below this is noise.
         warmup_epochs: Epochs ignored by the growth rule (allocator warm-up).
         grace_s: How long a process born in an epoch may outlive the epoch end.
-        high_clock_fraction: SM clock at or above this fraction of its max after work
-            counts as "high clocks".
-        host_tolerance_bytes: Host growth below this is noise: above the GPU's, since a
-            heap moves more without leaking (arenas kept after a peak, modules imported late,
-            pinned-memory caches), while copy-on-read copies tens of MiB per worker and epoch.
-        fd_pressure_fraction: Open descriptors at or above this share of ``RLIMIT_NOFILE``
-            at an epoch end is pressure: the next ``open`` fails.
-        shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size is
-            capacity pressure: workers die of a bus error when it is full.
-        copy_tolerance_bytes: What a forked worker may copy of its parent's memory (NOTE
-            [copy on read] in hostmem.py): the interpreter's objects it touches copy a few
-            MiB, a full garbage collection in it 36 MiB with torch imported (measured; what
-            ``gc.freeze()`` in the parent avoids).
+        host_tolerance_bytes: Host growth below this is noise: above the GPU's, since a heap
+            moves more without leaking (arenas kept after a peak, pinned-memory caches).
+        copy_tolerance_bytes: What a forked worker may copy of its parent's memory: a full
+            garbage collection in it copies 36 MiB with torch imported (measured).
 
     """
 

@@ -19,29 +19,25 @@ T = TypeVar("T")
 Mode = Literal["fail", "warn"]
 MODES: tuple[Mode, ...] = ("fail", "warn")
 
-_TRUE = frozenset({"1", "true", "yes", "on", "y"})
-_FALSE = frozenset({"0", "false", "no", "off", "n"})
+_SWITCHES = dict.fromkeys(("1", "true", "yes", "on", "y"), True) | dict.fromkeys(
+    ("0", "false", "no", "off", "n"), False
+)
 
 
 def parse_bool(value: object, source: str) -> bool:
     """Parse a switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case), or a bool."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise UsageError(f"{source}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+    switch = value if isinstance(value, bool) else _SWITCHES.get(str(value).strip().lower())
+    if switch is None:
+        raise UsageError(f"{source}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+    return switch
 
 
 def parse_mode(value: object, source: str) -> Mode:
     """Parse what to do with a leak: ``fail`` or ``warn``."""
     text = str(value).strip().lower()
-    for mode in MODES:
-        if text == mode:
-            return mode
-    raise UsageError(f"{source}: expected one of fail, warn, got {value!r}")
+    if text not in MODES:
+        raise UsageError(f"{source}: expected one of fail, warn, got {value!r}")
+    return text
 
 
 def parse_share_option(value: object, source: str) -> float:
@@ -63,9 +59,9 @@ def parse_share_option(value: object, source: str) -> float:
     return share
 
 
+# A sample takes up to about 1 ms (0.81 ms with 64 workers on an H200 host): a shorter
+# interval only makes the sampler spin, taking a core and the GIL.
 MIN_INTERVAL_S = 0.001
-"""The shortest sampling interval: a sample takes up to about 1 ms (0.81 ms with 64 workers on
-an H200 host); shorter only makes the sampler spin, taking a core and the GIL."""
 
 
 def parse_interval_option(value: object, source: str) -> float:
@@ -94,12 +90,8 @@ parse_seconds_option = parse_duration  # the name the commands call it by
 class OptionSpec(Generic[T]):
     """One option and every place it can be set.
 
-    Attributes:
-        name: The key of resolved options (``tolerance``).
-        parse: ``parse(raw, source)`` -> value; raises ``UsageError`` naming ``source``.
-        default: Value when no source sets it (already parsed).
-        help: One line for ``--help`` and ini help.
-
+    ``parse(raw, source)`` returns the value or raises ``UsageError`` naming ``source``;
+    ``default`` is already parsed.
     """
 
     name: str
@@ -142,12 +134,8 @@ def resolve(
 ) -> Resolved[T]:
     """Resolve one option: command line, then environment, then ini, then the default.
 
-    Args:
-        spec: The option.
-        cli: The command line value, or None when the flag was not given.
-        environ: The environment to read ``spec.env_var`` from (None: no environment).
-        ini: The ini value, or None/empty when the key is absent.
-        ini_path: The ini file, named in errors.
+    ``cli`` None: the flag was not given; ``environ`` None: no environment; ``ini`` None or
+    empty: the key is absent from ``ini_path``.
 
     Raises:
         UsageError: The winning source holds a bad value; the message names the source.
@@ -236,19 +224,13 @@ def command_line_copy_tolerance(value: object, environ: Mapping[str, str]) -> in
     return resolve(spec, cli=value, environ=environ).value
 
 
-WARN_FLAG = "--gpu-leak-warn"
-"""The pytest switch that means ``--gpu-leak-mode=warn``."""
+WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=warn
 
 
 def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
-    """Combine ``--gpu-leak-mode`` and ``--gpu-leak-warn`` from the command line.
+    """Combine ``--gpu-leak-mode`` (None: not given) and ``--gpu-leak-warn`` (True: given).
 
-    The two contradict each other in ``--gpu-leak-warn --gpu-leak-mode=fail``: neither may
-    silently win by coming last.
-
-    Args:
-        mode: The ``--gpu-leak-mode`` value, None when not given.
-        warn: True when ``--gpu-leak-warn`` was given (None or False when not).
+    In ``--gpu-leak-warn --gpu-leak-mode=fail`` neither may silently win by coming last.
 
     Returns:
         The mode and its flag; None when neither flag was given.
@@ -271,22 +253,18 @@ def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
 
 SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
 """Options of the leak check, in the order ``--help`` lists them."""
-_ATTRIBUTES = {
+_ATTRIBUTES = {  # CheckOptions' field of each option
     "enabled": "enabled",
     "tolerance": "tolerance_bytes",
     "mode": "mode",
     "grace": "grace_s",
     "copy_tolerance": "copy_tolerance_bytes",
 }
-"""``CheckOptions``' field of each option (``SPECS`` by name)."""
 
 
 @dataclass(frozen=True)
 class CheckOptions:
-    """Resolved options of the leak check.
-
-    ``sources`` says where each value came from, by option name (``SPECS``).
-    """
+    """Resolved options of the leak check; ``sources``: where each came from, by name."""
 
     enabled: bool = False
     tolerance_bytes: int = TOLERANCE.default
@@ -303,14 +281,9 @@ def resolve_check_options(
     *,
     ini_path: str | None = None,
 ) -> CheckOptions:
-    """Resolve every option of the leak check in one place.
+    """Resolve every option of the leak check (``resolve``'s sources, by option name).
 
-    Args:
-        cli: Command line values by option name (``SPECS``' names, and ``warn``: True when
-            ``--gpu-leak-warn`` was given); None or absent means not given.
-        environ: Environment (usually ``os.environ``).
-        ini: Ini values by option name; None, absent or empty means not set.
-        ini_path: The ini file, named in errors.
+    ``cli`` also takes ``warn``: True when ``--gpu-leak-warn`` was given.
 
     Raises:
         UsageError: A bad value; the message names it and where it came from.
@@ -336,8 +309,7 @@ def resolve_check_options(
     )
 
 
-MARKER_KWARGS = tuple(_ATTRIBUTES)
-"""Keyword arguments ``@pytest.mark.gpu_leak_check(...)`` accepts."""
+MARKER_KWARGS = tuple(_ATTRIBUTES)  # what @pytest.mark.gpu_leak_check(...) accepts
 
 
 def apply_marker(
@@ -347,17 +319,11 @@ def apply_marker(
     *,
     where: str,
 ) -> CheckOptions:
-    """Override options with a marker's arguments (``enabled``, ``tolerance``, ...).
+    """Override options with a marker's arguments; ``where`` names the marker in errors.
 
     A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
     marker that does not say ``enabled`` enables the check for its test, unless ``enabled``
     was chosen explicitly before it.
-
-    Args:
-        options: The session's options.
-        args: The marker's positional arguments.
-        kwargs: The marker's keyword arguments.
-        where: Names the marker in errors (``gpu_leak_check marker on test_x.py::test_y``).
 
     Raises:
         UsageError: An unknown argument or a bad value.
@@ -384,7 +350,6 @@ def apply_marker(
     changes: dict[str, object] = {}
     specs = {spec.name: spec for spec in SPECS}
     for name, raw in values.items():
-        source = f"{name}= of {where}"
+        sources[name] = source = f"{name}= of {where}"
         changes[_ATTRIBUTES[name]] = specs[name].parse(raw, source)
-        sources[name] = source
     return replace(options, sources=sources, **changes)  # type: ignore[arg-type]

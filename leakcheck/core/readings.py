@@ -10,15 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = [
-    "MIB",
-    "AccountedProcess",
-    "DeviceState",
-    "GpuProcess",
-    "ProcInfo",
-    "ProcessKey",
-    "Role",
-]
+__all__ = ["MIB", "AccountedProcess", "DeviceState", "GpuProcess", "ProcInfo", "ProcessKey", "Role"]
 
 Role = Literal["parent", "worker", "descendant", "orphan", "foreign"]
 """Where a process stands in the watched job (docs/ARCHITECTURE.md, Roles and attribution)."""

@@ -5,8 +5,8 @@ something says so: the worker itself, through the mailbox (NOTE [worker mailbox]
 mailbox.py), or a tracker that heard it. Being a direct child of the root says nothing (the
 resource tracker, a shell, a compiler and a ``sleep`` are too): a direct child is a ``worker``
 only when it is a known worker, else a ``descendant``. Runtime helpers, processes a library
-starts once and keeps by design, are told by their command lines (``RUNTIME_HELPERS``, the one
-list every module asks): like the first CUDA context, a baseline, not a leak, unless they
+starts once and keeps by design, are told by their command lines (``HELPER_NAMES``, the one
+table every module asks): like the first CUDA context, a baseline, not a leak, unless they
 hold GPU memory or ``/dev/nvidia*`` descriptors.
 """
 
@@ -29,22 +29,6 @@ __all__ = [
     "runtime_helper_name",
 ]
 
-RUNTIME_HELPERS: tuple[str, ...] = (
-    "multiprocessing.resource_tracker",
-    "multiprocessing.semaphore_tracker",
-    "multiprocessing.forkserver",
-    "loky.backend.resource_tracker",
-    "loky.backend.popen_loky_posix",
-    "torch_shm_manager",
-    "torch._inductor.compile_worker",
-)
-"""Command-line fragments of helper processes a library starts once and keeps. A dotted one
-also matches as a path (inductor starts its workers by file name)."""
-
-DAEMON_HELPERS: tuple[str, ...] = ("torch_shm_manager",)
-"""Helpers that leave their parent's tree by design (torch's shared-memory manager daemonizes
-and exits after its last client): reparented, no orphan, unlike any other helper."""
-
 HELPER_NAMES: dict[str, str] = {
     "multiprocessing.resource_tracker": "resource tracker",
     "multiprocessing.semaphore_tracker": "semaphore tracker",
@@ -53,13 +37,18 @@ HELPER_NAMES: dict[str, str] = {
     "loky.backend.popen_loky_posix": "loky worker",
     "torch_shm_manager": "torch_shm_manager",
     "torch._inductor.compile_worker": "inductor compile worker",
-    "multiprocessing.spawn": "spawn worker",
+    "multiprocessing.spawn": "spawn worker",  # a spawned worker: named, no helper
 }
-"""What people call each runtime helper (NOTE [process names] in names.py), and a spawned
-worker (no helper)."""
+"""Command-line fragments of runtime helpers (a dotted one also matches as a path: inductor
+starts its workers by file name), with what people call them (NOTE [process names])."""
 
-HELPER_FLAG = "helper"
-"""The flag a snapshot gives a runtime helper of the job."""
+RUNTIME_HELPERS = tuple(name for name in HELPER_NAMES if name != "multiprocessing.spawn")
+
+DAEMON_HELPERS = ("torch_shm_manager",)
+"""Helpers that leave their parent's tree by design (torch's shared-memory manager daemonizes
+and exits after its last client): reparented, no orphan, unlike any other helper."""
+
+HELPER_FLAG = "helper"  # the flag a snapshot gives a runtime helper of the job
 
 
 def _fragment_pattern(fragment: str) -> str:
@@ -89,7 +78,7 @@ def runtime_helper_name(cmdline: str) -> str | None:
 
 
 def is_daemon_helper(cmdline: str) -> bool:
-    """Whether a command line is one of a helper that daemonizes by design (``DAEMON_HELPERS``)."""
+    """Whether a command line is of a helper that daemonizes by design (``DAEMON_HELPERS``)."""
     return _pattern(DAEMON_HELPERS).search(cmdline) is not None
 
 

@@ -16,6 +16,7 @@ a tracker gives them their parent's rank, and ``leakcheck run`` the rank's own r
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from leakcheck.core.model import RankInfo
 
@@ -29,9 +30,9 @@ __all__ = [
     "rank_label",
 ]
 
-EXPORTED_RANK_ENV = "LEAKCHECK_RANK"
-"""A rank ``leakcheck run`` found itself (NOTE [exported rank])."""
+EXPORTED_RANK_ENV = "LEAKCHECK_RANK"  # NOTE [exported rank]
 
+# What rank_from_environ reads (what a reader of /proc/PID/environ needs).
 RANK_VARIABLES: tuple[str, ...] = (
     "RANK",
     "LOCAL_RANK",
@@ -42,7 +43,6 @@ RANK_VARIABLES: tuple[str, ...] = (
     "CUDA_VISIBLE_DEVICES",
     EXPORTED_RANK_ENV,
 )
-"""The variables ``rank_from_environ`` reads (what a reader of ``/proc/PID/environ`` needs)."""
 
 
 def _count(text: str | None) -> int | None:
@@ -72,51 +72,35 @@ def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
 
 
 def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
-    """Read a process's place in a distributed job from its environment.
+    """A process's place in a distributed job, by ``RANK``, else by ``LEAKCHECK_RANK``.
 
-    Returns:
-        A ``RankInfo`` when ``RANK`` is a non-negative integer, else the rank
-        ``LEAKCHECK_RANK`` names (NOTE [exported rank]); None: not a rank's process.
-
+    None: not a rank's process (NOTE [exported rank]).
     """
     rank = _count(environ.get("RANK"))
-    if rank is None:
-        return _decode(environ.get(EXPORTED_RANK_ENV), environ)
-    local_rank = _count(environ.get("LOCAL_RANK"))
-    run_id = environ.get("TORCHELASTIC_RUN_ID")
-    return RankInfo(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=_count(environ.get("WORLD_SIZE")),
-        node_rank=_count(environ.get("GROUP_RANK")),
-        run_id=run_id if run_id else None,
-        restart_count=_count(environ.get("TORCHELASTIC_RESTART_COUNT")),
-        device=None if local_rank is None else physical_device(local_rank, environ),
-    )
+    if rank is not None:
+        info = RankInfo(
+            rank=rank,
+            local_rank=_count(environ.get("LOCAL_RANK")),
+            world_size=_count(environ.get("WORLD_SIZE")),
+            node_rank=_count(environ.get("GROUP_RANK")),
+            run_id=environ.get("TORCHELASTIC_RUN_ID") or None,
+            restart_count=_count(environ.get("TORCHELASTIC_RESTART_COUNT")),
+        )
+    else:
+        parts = environ.get(EXPORTED_RANK_ENV, "").split(",")
+        counts = [_count(part) for part in parts]
+        if len(parts) != 3 or counts[0] is None:
+            return None
+        info = RankInfo(rank=counts[0], local_rank=counts[1], world_size=counts[2])
+    if info.local_rank is None:
+        return info
+    return replace(info, device=physical_device(info.local_rank, environ))
 
 
 def exported_rank(info: RankInfo) -> str:
     """``LEAKCHECK_RANK``'s value for ``info`` (NOTE [exported rank])."""
     fields = (info.rank, info.local_rank, info.world_size)
     return ",".join("" if value is None else str(value) for value in fields)
-
-
-def _decode(text: str | None, environ: Mapping[str, str]) -> RankInfo | None:
-    """``exported_rank``'s form read back; None where absent or malformed."""
-    if text is None:
-        return None
-    parts = text.split(",")
-    if len(parts) != 3:
-        return None
-    rank, local_rank, world_size = (_count(part) for part in parts)
-    if rank is None:
-        return None
-    return RankInfo(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        device=None if local_rank is None else physical_device(local_rank, environ),
-    )
 
 
 def rank_label(rank: int | None) -> str:

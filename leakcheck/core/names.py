@@ -116,36 +116,9 @@ def worker_name(
     return shorten(f"worker{number} of {program}", width)
 
 
-def culprit(
-    role: str | None,
-    pid: int | None,
-    cmdline: str | None,
-    *,
-    rank: int | None = None,
-    rule: str | None = None,
-    worker_id: int | None = None,
-    loader: str | None = None,
-    width: int = NAME_WIDTH,
-) -> str:
-    """One process as a report names it: ``rank 1 orphan sleep 60 (PID 11)``.
-
-    The role is left out where the rule already says it (an orphan's) or the name does.
-    """
-    return culprits(
-        role,
-        [pid] if pid is not None else [],
-        cmdline,
-        rank=rank,
-        rule=rule,
-        worker_id=worker_id,
-        loader=loader,
-        width=width,
-    )
-
-
 def culprits(
     role: str | None,
-    pids: list[int],
+    pids: int | list[int] | None,
     cmdline: str | None,
     *,
     rank: int | None = None,
@@ -155,10 +128,12 @@ def culprits(
     width: int = NAME_WIDTH,
     shown: int = 3,
 ) -> str:
-    """Several processes of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``.
+    """Processes as a report names them: ``rank 1 orphan sleep 60 (PID 11)``.
 
-    As ``culprit`` for one PID; for more, their count and the first ``shown`` PIDs.
+    Several of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``, the first ``shown``
+    PIDs. The role is left out where the rule already says it (an orphan's) or the name does.
     """
+    pids = [pids] if isinstance(pids, int) else pids or []
     if role == "worker":
         name = worker_name(
             cmdline, worker_id=worker_id if len(pids) == 1 else None, loader=loader, width=width
@@ -174,3 +149,6 @@ def culprits(
         more = f", {ELLIPSIS}" if len(pids) > shown else ""
         return f"{len(pids)} {TIMES} {name} (PIDs {listed}{more})"
     return f"{name} (PID {pids[0]})" if pids else name
+
+
+culprit = culprits  # one process: culprit("orphan", 11, "sleep 60")

@@ -2,13 +2,10 @@
 
 NOTE [output targets]: ``write_atomic`` writes a temporary file beside the target and renames
 it over the target, so that a reader never sees half a file. A rename replaces whatever the
-name stood for (run as root, ``--json /dev/null`` once made ``/dev/null`` a regular file), so
-the target is looked at first: a missing name or a regular file is replaced (a symbolic link
-is followed, as ``open(path, "w")`` would), anything else refused (``IsADirectoryError``, or
-an ``OSError`` saying what it is). Writing into a device in place is no way out: opening some
-has effects (a watchdog arms itself), and a FIFO without a reader blocks for ever.
-``check_output_path`` refuses such paths before the work runs; this is the last guard, for a
-path that changed meanwhile (a name swapped between the look and the rename is not caught).
+name stood for (as root, ``--json /dev/null`` once made ``/dev/null`` a regular file), so only
+a missing name or a regular file (a symbolic link followed) is replaced, anything else refused;
+writing into a device in place is no way out (a watchdog arms itself, a FIFO blocks for ever).
+``check_output_path`` refuses such paths before the work runs; this is the last guard.
 """
 
 from __future__ import annotations
@@ -43,7 +40,17 @@ def write_atomic(path: str, payload: bytes) -> None:
         OSError: The target exists and is not a regular file, or the write failed.
 
     """
-    _refuse_non_regular(path)
+    with contextlib.suppress(FileNotFoundError):  # a new file, or a dangling link's target
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            kinds = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}
+            kinds |= {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+            kind = kinds.get(stat.S_IFMT(mode), "not a regular file")
+            raise OSError(
+                f"it is {kind}, not a regular file: leakcheck replaces regular files only"
+            )
     target = os.path.realpath(path)
     folder = os.path.dirname(target)
     handle, temp_path = tempfile.mkstemp(prefix=".leakcheck-", suffix=".tmp", dir=folder)
@@ -56,25 +63,6 @@ def write_atomic(path: str, payload: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp_path)
         raise
-
-
-def _refuse_non_regular(path: str) -> None:
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return  # a new file (or a dangling link, whose target is created)
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-    kinds = (
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    )
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    raise OSError(f"it is {kind}, not a regular file: leakcheck replaces regular files only")
 
 
 def _take_mode_of(target: str, temp_path: str) -> None:
@@ -120,7 +108,7 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
     """Check an output path before the work runs, so that its results are not lost.
 
     The folder must take a new file (a probe is created and removed), and a file already
-    there must be a regular file that may be written (not immutable or append-only).
+    there must be a regular file that may be written.
 
     Raises:
         UsageError: One line naming ``option``, what was expected, and the value.

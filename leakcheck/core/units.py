@@ -33,33 +33,33 @@ def parse_size(value: object, source: str = "value") -> int:
         UsageError: Not a size, negative, not finite, or a fractional number of bytes.
 
     """
+
+    def refused(expected: str = f"a size {_SIZE_EXAMPLE}") -> UsageError:
+        return UsageError(f"{source}: expected {expected}, got {value!r}")
+
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise UsageError(f"{source}: expected a finite size {_SIZE_EXAMPLE}, got {value!r}")
-        if value >= 0 and not value.is_integer():
-            raise UsageError(
-                f"{source}: expected a whole number of bytes such as 4096, got {value!r}"
-            )
+        raise refused()
+    if isinstance(value, float) and not math.isfinite(value):
+        raise refused(f"a finite size {_SIZE_EXAMPLE}")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise UsageError(f"{source}: expected a size of 0 or more, got {value!r}")
+            raise refused("a size of 0 or more")
+        if isinstance(value, float) and not value.is_integer():
+            raise refused("a whole number of bytes such as 4096")
         return int(value)
     match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit is None or unit not in _SIZE_UNITS:
-        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}")
+    scale = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or scale is None:
+        raise refused()
     # Imported here: fractions (with decimal) would add milliseconds to every CLI start.
     from fractions import Fraction
 
     try:
-        number = Fraction(match.group(1))
+        size = Fraction(match.group(1)) * scale
     except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
-        raise UsageError(f"{source}: expected a size {_SIZE_EXAMPLE}, got {value!r}") from None
-    size = number * _SIZE_UNITS[unit]
-    if _SIZE_UNITS[unit] == 1 and size.denominator != 1:
-        raise UsageError(f"{source}: expected a whole number of bytes such as 4096, got {value!r}")
+        raise refused() from None
+    if scale == 1 and size.denominator != 1:
+        raise refused("a whole number of bytes such as 4096")
     return math.floor(size)
 
 
@@ -103,35 +103,28 @@ def parse_duration(value: object, source: str = "value", *, negative_ok: bool = 
             years; infinity included).
 
     """
+
+    def refused(expected: str = "seconds") -> UsageError:
+        return UsageError(f"{source}: expected {expected} {_SECONDS_EXAMPLE}, got {value!r}")
+
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise UsageError(f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}")
+        raise refused()
     if isinstance(value, str):
         text = value.strip().lower()
-        scale = 1.0
-        if text.endswith("ms"):
-            text, scale = text[:-2], 0.001
-        elif text.endswith("s"):
-            text = text[:-1]
+        scale = 0.001 if text.endswith("ms") else 1.0
         try:
-            seconds = float(text) * scale
+            seconds = float(text.removesuffix("ms" if scale < 1 else "s")) * scale
         except ValueError:
-            raise UsageError(
-                f"{source}: expected seconds {_SECONDS_EXAMPLE}, got {value!r}"
-            ) from None
+            raise refused() from None
     else:
         try:
             seconds = float(value)
         except OverflowError:  # an int past the float range
             seconds = math.inf
     if math.isnan(seconds):
-        raise UsageError(
-            f"{source}: expected a number of seconds {_SECONDS_EXAMPLE}, got {value!r}"
-        )
+        raise refused("a number of seconds")
     if seconds < 0 and not negative_ok:
-        raise UsageError(f"{source}: expected 0 seconds or more {_SECONDS_EXAMPLE}, got {value!r}")
+        raise refused("0 seconds or more")
     if seconds >= MAX_SECONDS:  # also infinity
-        raise UsageError(
-            f"{source}: expected a finite number of seconds below 1e9 (about 31 years) "
-            f"{_SECONDS_EXAMPLE}, got {value!r}"
-        )
+        raise refused("a finite number of seconds below 1e9 (about 31 years)")
     return seconds

@@ -476,9 +476,7 @@ class WorkerInit:
         self.persistent = persistent
         self.mailbox_dir = mailbox_dir
         self.session_id = session_id
-        self.death_signal = True
-        """Set ``PR_SET_PDEATHSIG`` (with ``release``); ``watch`` clears it for workers
-        started from a thread other than the main thread (NOTE [teardown policy], 1)."""
+        self.death_signal = True  # with release; off from other threads (NOTE [teardown policy])
         # The process whose memory holds this object: a worker that finds another one was
         # forked; spawn and forkserver unpickle it anew.
         self._home_pid = os.getpid()
@@ -582,10 +580,9 @@ class ReleaseResult:
     Attributes:
         device_index: The CUDA device released (None when nothing was done).
         freed_cache_bytes: Bytes the allocator had reserved before its cache was emptied.
-        gpu_bytes_before: NVML's used bytes of this process before (None: unknown).
-        gpu_bytes_after: Its bytes after (0: it left the device list; None: unknown).
+        gpu_bytes_before: NVML's used bytes of this process before; ``gpu_bytes_after`` after
+            (0: it left the device list). None: unknown.
         note: One line on what happened, e.g. why there was nothing to free.
-        error: One line if a step failed.
 
     """
 
@@ -689,13 +686,11 @@ def _nvml_index(cuda_index: int) -> int | None:
 def release_device(device: object = None, *, force: bool = False) -> ReleaseResult:
     """Release this process's CUDA context on one device, and report what was freed.
 
-    For a benchmark or a job that must let the GPU go before it exits (to let it cool and
-    clock down between measured runs), or a long-lived process done with its GPU work: a
-    context holds ~0.5 GiB and keeps the clocks high until it is gone.
-
-    The steps of a worker's teardown (NOTE [teardown policy]). Do not use CUDA in this
-    process afterwards. It never initialises CUDA, and during interpreter shutdown does
-    nothing (the runtime releases everything); the result's note says so.
+    For a job that must let the GPU go before it exits (to cool and clock down between
+    measured runs), or a long-lived process done with its GPU work: a context holds ~0.5 GiB
+    and keeps the clocks high. The steps of a worker's teardown (NOTE [teardown policy]). Do
+    not use CUDA in this process afterwards. It never initialises CUDA, and during
+    interpreter shutdown does nothing (the runtime releases everything); the note says so.
 
     Args:
         device: CUDA device index, ``"cuda:N"`` or ``torch.device``; None: the current one.

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from leakcheck.core.errors import LeakCheckError, UsageError
@@ -453,6 +453,7 @@ def _close_stack_file() -> None:
         os.unlink(handle.name)
 
 
+@dataclass(eq=False, repr=False)
 class WorkerInit:
     """A picklable ``worker_init_fn`` that installs the teardown policy in each worker.
 
@@ -460,26 +461,17 @@ class WorkerInit:
     ``forkserver`` workers can unpickle it.
     """
 
-    def __init__(
-        self,
-        user_fn: Callable[[int], object] | None = None,
-        *,
-        terminate_children: bool = False,
-        release: bool = True,
-        persistent: bool | None = None,
-        mailbox_dir: str | None = None,
-        session_id: str | None = None,
-    ) -> None:
-        self.user_fn = user_fn
-        self.terminate_children = terminate_children
-        self.release = release
-        self.persistent = persistent
-        self.mailbox_dir = mailbox_dir
-        self.session_id = session_id
-        self.death_signal = True  # with release; off from other threads (NOTE [teardown policy])
-        # The process whose memory holds this object: a worker that finds another one was
-        # forked; spawn and forkserver unpickle it anew.
-        self._home_pid = os.getpid()
+    user_fn: Callable[[int], object] | None = None
+    _: KW_ONLY
+    terminate_children: bool = False
+    release: bool = True
+    persistent: bool | None = None
+    mailbox_dir: str | None = None
+    session_id: str | None = None
+    death_signal: bool = True  # with release; off from other threads (NOTE [teardown policy])
+    # The process whose memory holds this object: a worker that finds another one was
+    # forked; spawn and forkserver unpickle it anew.
+    _home_pid: int = field(default_factory=os.getpid, init=False)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

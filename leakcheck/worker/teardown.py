@@ -453,6 +453,17 @@ def _close_stack_file() -> None:
         os.unlink(handle.name)
 
 
+def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
+    """A worker's birth reading (NOTE [copy on read] in hostmem.py); an unreadable one: none."""
+    host = None
+    with contextlib.suppress(Exception):
+        host = hostmem.read_host_memory(pid)
+    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
+    if host is not None and host.uss_bytes is not None:
+        fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
+    return fields
+
+
 @dataclass(eq=False, repr=False)
 class WorkerInit:
     """A picklable ``worker_init_fn`` that installs the teardown policy in each worker.
@@ -510,13 +521,8 @@ class WorkerInit:
                 "persistent": self.persistent,
                 "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
             }
-            if folder:  # its birth reading (an unreadable one posts none)
-                host = None
-                with contextlib.suppress(Exception):
-                    host = hostmem.read_host_memory(pid)
-                fields |= {"forked": self._home_pid != pid, "monotonic_s": time.monotonic()}
-                if host is not None and host.uss_bytes is not None:
-                    fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
+            if folder:
+                fields |= _birth_fields(pid, forked=self._home_pid != pid)
             mailbox.post("worker", fields, directory=self.mailbox_dir)
             if self.release or self.terminate_children or folder:
                 # Reported even without the release (NOTE [worker reports] in track/book.py).

@@ -70,17 +70,14 @@ class ProcessEpoch:
     from its own report at exit (a worker's teardown record).
 
     Attributes:
-        exited_after_s: Seconds after the epoch end at which it was seen gone.
         gpu_bytes_peak: Per device, the larger of what was sampled and what it reported.
         gpu_peak_source: ``reported`` (its teardown report, or the driver's accounting),
             ``sampled`` (a lower bound) or ``unknown`` (it exited unseen and unreported: not 0).
-        gpu_bytes_unknown: NVML listed it on a device without a byte count.
         scope: What started it when not the work itself (``module-scoped fixture 'pool'``).
         host_bytes_end: USS where read, else RSS (``host_source``; an older USS is never
             carried over). ``anon_bytes_end``: ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``.
         freed_by_gc: It exited only once leakcheck collected garbage (a reference cycle
             kept its DataLoader iterator alive).
-        born_epoch: The epoch its create time falls in.
         forked: A worker started by fork; None where it did not report its birth.
         shared_bytes_birth: Its ``Shared_Dirty`` at its birth report, as
             ``private_bytes_birth`` its USS (NOTE [copy on read] in hostmem.py).

@@ -107,9 +107,8 @@ atexit.register(_mark_shutdown)
 def register_resource(resource: object) -> None:
     """Hand a CUDA stream, CUDA event or callable to the teardown policy.
 
-    A worker's teardown (or :func:`release_device`) joins registered streams, drops streams
-    and events and calls callables before releasing the context; at interpreter shutdown
-    nothing is released (NOTE [teardown policy]). The registry holds a strong reference.
+    A release (a worker's, or :func:`release_device`) joins and drops streams and events and
+    calls callables first (NOTE [teardown policy]). The registry holds a strong reference.
 
     Raises:
         UsageError: The resource is none of these.
@@ -558,9 +557,6 @@ def worker_init_fn(
             own live descendants, so none outlives the loader.
         release: Release CUDA resources at worker exit (False: only report).
         persistent: The loader uses ``persistent_workers`` (None: unknown).
-
-    Returns:
-        A picklable callable (works with fork, spawn and forkserver).
 
     """
     return WorkerInit(

@@ -958,7 +958,12 @@ def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
         assert maps.index(name.encode()) > 2 * mmap.PAGESIZE  # the case under test
         held = procs.shm_open_by([child.pid])
         assert any(name in segment for segment in held.get(child.pid, []))
-        assert procs._read_all(f"/proc/{child.pid}/maps", record_bytes=procs._ANY_RECORD) == maps
+        assert (
+            procs._read(
+                f"/proc/{child.pid}/maps", 65536, whole=True, record_bytes=procs._ANY_RECORD
+            )
+            == maps
+        )
     finally:
         child.kill()
         child.wait()

@@ -1,12 +1,9 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-``nvml.py`` is its one user, calling these by pynvml's names, so that tests can stand a fake
-in for this module (``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because
-importing ``pynvml`` (thousands of structures built at import) cost ``leakcheck snapshot``
-about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in :func:`nvmlInit`, and
-defines only what is used. Errors raise :class:`NVMLError` with the driver's code in
-``value``. Running-process lists are read by ``nvml.py`` through
-:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` (NOTE [process lists]).
+``nvml.py`` calls these by pynvml's names, so that tests stand a fake in for this module
+(``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because importing ``pynvml`` cost
+``leakcheck snapshot`` about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in
+:func:`nvmlInit`. Errors raise :class:`NVMLError` with the driver's code in ``value``.
 """
 
 from __future__ import annotations
@@ -101,13 +98,7 @@ _functions: dict[str, Any] = {}
 
 
 def _nvmlGetFunctionPointer(name: str) -> Any:
-    """The C function ``name`` of the loaded library (returning ``nvmlReturn_t``).
-
-    Raises:
-        NVMLError: ``NVML_ERROR_UNINITIALIZED`` before :func:`nvmlInit` loaded the library;
-            ``NVML_ERROR_FUNCTION_NOT_FOUND`` when this driver lacks the function.
-
-    """
+    """The C function ``name`` of the loaded library (``NVMLError`` before ``nvmlInit``)."""
     function = _functions.get(name)
     if function is not None:
         return function
@@ -153,13 +144,7 @@ def _text(name: str, size: int) -> Callable[..., str]:
 
 
 def nvmlInit() -> None:
-    """Load ``libnvidia-ml.so.1`` (once) and initialise NVML (``nvmlInit_v2``).
-
-    Raises:
-        NVMLError: ``NVML_ERROR_LIBRARY_NOT_FOUND`` when the library cannot be loaded, else
-            the driver's code.
-
-    """
+    """Load ``libnvidia-ml.so.1`` (once) and initialise NVML (``nvmlInit_v2``)."""
     global _lib
     with _load_lock:
         if _lib is None:

@@ -263,7 +263,7 @@ def test_gone_pid_zombie_and_reused_pid(spawn: Spawn) -> None:
 
     assert proc.stdin is not None
     proc.stdin.close()  # it exits; not reaped yet: a zombie has no memory to read
-    assert wait_for(lambda: procs.is_zombie(proc.pid), timeout_s=10.0)
+    assert wait_for(lambda: not procs.is_alive(key), timeout_s=10.0)  # not reaped: a zombie
     zombie = hostmem.read_host_memory(proc.pid)
     assert zombie == HostMemory(None, None, None, None, "unknown")
     proc.wait()

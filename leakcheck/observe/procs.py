@@ -764,12 +764,6 @@ def pid_exists_here(pid: int) -> bool:
     return bool(fields) and int(fields[0]) == pid
 
 
-def is_zombie(pid: int) -> bool:
-    """Whether the process has exited but was not reaped yet (False for a PID not there)."""
-    stat = _stat(pid)
-    return stat is not None and stat.state == b"Z"
-
-
 # --- descriptors ----------------------------------------------------------------------------
 
 

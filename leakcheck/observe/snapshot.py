@@ -221,9 +221,6 @@ def read_gpu_processes(devices: Iterable[int] | None = None, *, telemetry: bool 
         gpu_processes = handle.processes(wanted)
     except (NVMLUnavailable, LeakCheckError) as error:
         return "nvml-unavailable", str(error), (), ()
-    except Exception as exc:  # a surprise is a reason, not a lost snapshot
-        reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
-        return "nvml-unavailable", reason, (), ()
     if not device_states:
         return "no-gpu", "no NVIDIA GPU is visible to NVML", (), ()
     missing = [p.pid for p in gpu_processes if not procs.pid_exists_here(p.pid)]
@@ -266,7 +263,11 @@ def take_snapshot(
     read: list[_GpuRead] = []  # NVML, read on a thread meanwhile (NOTE [overlapped start])
 
     def read_gpu() -> None:
-        read.append(read_gpu_processes(devices, telemetry=telemetry))
+        try:
+            read.append(read_gpu_processes(devices, telemetry=telemetry))
+        except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
+            reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
+            read.append(("nvml-unavailable", reason, (), ()))
 
     reader = threading.Thread(target=read_gpu, name="leakcheck-snapshot-nvml", daemon=True)
     try:

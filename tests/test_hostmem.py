@@ -15,7 +15,7 @@ import pytest
 
 from leakcheck.core.model import ProcessKey
 from leakcheck.observe import hostmem, procs
-from leakcheck.observe.hostmem import HostMemory, JobShmFile
+from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.procs import ShmSegment
 from tests.polling import wait_for
 
@@ -367,13 +367,13 @@ def test_job_shm_files_new_and_recreated() -> None:
         "gone": ShmSegment(30, 1.0, 102),
     }
     now = {
-        "old": ShmSegment(11, 2.0, 100),  # same file, grown: not the job's
-        "again": ShmSegment(20, 2.0, 201),  # removed and created again: new
-        "torch_1": ShmSegment(4096, 2.0, 202),
+        "old": ShmSegment(11, 2.0, 100, "old"),  # same file, grown: not the job's
+        "again": ShmSegment(20, 2.0, 201, "again"),  # removed and created again: new
+        "torch_1": ShmSegment(4096, 2.0, 202, "torch_1"),
     }
     assert hostmem.job_shm_files(before, now) == [
-        JobShmFile("again", 20, 201),
-        JobShmFile("torch_1", 4096, 202),
+        ShmSegment(20, 2.0, 201, "again"),
+        ShmSegment(4096, 2.0, 202, "torch_1"),
     ]
     assert hostmem.job_shm_files(now, now) == []
 

@@ -269,23 +269,12 @@ def is_named_semaphore(name: str) -> bool:
     return name.startswith("sem.")
 
 
-@dataclass(frozen=True)
-class JobShmFile:
-    """A file that appeared in a shared-memory directory since a baseline (apparent size)."""
-
-    name: str
-    size_bytes: int
-    inode: int
-
-
 def job_shm_files(
     before: Mapping[str, ShmSegment], now: Mapping[str, ShmSegment]
-) -> list[JobShmFile]:
+) -> list[ShmSegment]:
     """The files of ``procs.shm_segments`` ``now`` absent from ``before`` or made again."""
-    files: list[JobShmFile] = []
-    for name in sorted(now):
-        segment = now[name]
-        old = before.get(name)
-        if old is None or old.inode != segment.inode:
-            files.append(JobShmFile(name, segment.size_bytes, segment.inode))
-    return files
+    return [
+        segment
+        for name, segment in sorted(now.items())
+        if name not in before or before[name].inode != segment.inode
+    ]

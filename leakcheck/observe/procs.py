@@ -72,6 +72,7 @@ class ShmSegment(NamedTuple):
     size_bytes: int
     mtime: float
     inode: int
+    name: str = ""
 
 
 def _read(
@@ -873,7 +874,7 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
         try:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                segments[entry.name] = ShmSegment(st.st_size, st.st_mtime, st.st_ino)
+                segments[entry.name] = ShmSegment(st.st_size, st.st_mtime, st.st_ino, entry.name)
         except OSError:
             continue  # removed during the scan
     return segments

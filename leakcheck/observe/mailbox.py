@@ -67,26 +67,25 @@ def remove_stale(directory: str | None = None) -> list[str]:
     Removed from ``directory`` (default: the temporary folder): real folders of this user,
     named by ``create``, whose owner in this PID namespace no longer runs (by identity).
     """
+    removed: list[str] = []
+    for path, (pid, ticks, namespace) in _owned_folders(directory):
+        if namespace == _pid_namespace() and not _owner_alive(pid, ticks) and remove(path):
+            removed.append(path)
+    return removed
+
+
+def _owned_folders(directory: str | None) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """Path and owner (pid, start ticks, PID namespace) of each mailbox folder named so."""
     try:
         folder = directory if directory is not None else tempfile.gettempdir()
         names = os.listdir(folder)
     except OSError:
-        return []
-    removed: list[str] = []
-    namespace: int | None = None
+        return
     for name in names:
         match = _OWNED_NAME.match(name)
-        if match is None:
-            continue
-        pid, ticks, owner_namespace = (int(group) for group in match.groups())
-        if namespace is None:
-            namespace = _pid_namespace()
-        if owner_namespace != namespace or _owner_alive(pid, ticks):
-            continue
-        path = os.path.join(folder, name)
-        if remove(path):
-            removed.append(path)
-    return removed
+        if match is not None:
+            pid, ticks, namespace = (int(group) for group in match.groups())
+            yield os.path.join(folder, name), (pid, ticks, namespace)
 
 
 def _owner_tag(pid: int) -> str | None:
@@ -305,20 +304,17 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
     """
     try:
         key = procs.process_key(root_pid)
-        folder = directory if directory is not None else tempfile.gettempdir()
-        names = os.listdir(folder)
     except (OSError, ValueError):
         return {}
     if key is None:
         return {}
     owner = (root_pid, key.start_ticks, _pid_namespace())
     found: dict[ProcessKey, Birth] = {}
-    for name in names:
-        match = _OWNED_NAME.match(name)
-        if match is None or tuple(int(group) for group in match.groups()) != owner:
+    for path, who in _owned_folders(directory):
+        if who != owner:
             continue
         try:
-            with open(os.path.join(folder, name, BIRTHS_FILE), encoding="utf-8") as handle:
+            with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:
                 data = json.load(handle)
         except (OSError, ValueError):
             continue

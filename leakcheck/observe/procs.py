@@ -490,13 +490,9 @@ def read_proc(
 ) -> ProcInfo | None:
     """Read one process: identity, parent, name and command line; None if gone or unreadable.
 
-    Args:
-        pid: Process ID.
-        session_id: When given, ``tagged`` tells whether its initial environment has
-            ``<tag_variable>=<session_id>`` (NOTE [session tag]); unreadable: untagged.
-        with_cmdline: Read the command line (arguments joined by spaces); False: empty.
-        tag_variable: The variable that carries the tag.
-
+    With ``session_id``, ``tagged`` tells whether its initial environment has
+    ``<tag_variable>=<session_id>`` (NOTE [session tag]; unreadable: untagged).
+    ``with_cmdline`` False leaves the command line (arguments joined by spaces) empty.
     """
     stat = _stat(pid)
     if stat is None:

@@ -15,7 +15,7 @@ import pytest
 
 from leakcheck.core.model import ProcessKey
 from leakcheck.observe import hostmem, procs
-from leakcheck.observe.hostmem import HostMemory, JobShmFile
+from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.procs import ShmSegment
 from tests.polling import wait_for
 
@@ -263,7 +263,7 @@ def test_gone_pid_zombie_and_reused_pid(spawn: Spawn) -> None:
 
     assert proc.stdin is not None
     proc.stdin.close()  # it exits; not reaped yet: a zombie has no memory to read
-    assert wait_for(lambda: procs.is_zombie(proc.pid), timeout_s=10.0)
+    assert wait_for(lambda: not procs.is_alive(key), timeout_s=10.0)  # not reaped: a zombie
     zombie = hostmem.read_host_memory(proc.pid)
     assert zombie == HostMemory(None, None, None, None, "unknown")
     proc.wait()
@@ -367,13 +367,13 @@ def test_job_shm_files_new_and_recreated() -> None:
         "gone": ShmSegment(30, 1.0, 102),
     }
     now = {
-        "old": ShmSegment(11, 2.0, 100),  # same file, grown: not the job's
-        "again": ShmSegment(20, 2.0, 201),  # removed and created again: new
-        "torch_1": ShmSegment(4096, 2.0, 202),
+        "old": ShmSegment(11, 2.0, 100, "old"),  # same file, grown: not the job's
+        "again": ShmSegment(20, 2.0, 201, "again"),  # removed and created again: new
+        "torch_1": ShmSegment(4096, 2.0, 202, "torch_1"),
     }
     assert hostmem.job_shm_files(before, now) == [
-        JobShmFile("again", 20, 201),
-        JobShmFile("torch_1", 4096, 202),
+        ShmSegment(20, 2.0, 201, "again"),
+        ShmSegment(4096, 2.0, 202, "torch_1"),
     ]
     assert hostmem.job_shm_files(now, now) == []
 

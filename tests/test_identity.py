@@ -30,12 +30,12 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 _BTIME = re.compile(rb"^btime (\d+)$", re.MULTILINE)
-_unshifted_read_all = procs._read_all
+_unshifted_read = procs._read
 
 
 def _unshifted_boot_time() -> int:
     """The boot time /proc/stat says, read past any shift."""
-    match = _BTIME.search(_unshifted_read_all("/proc/stat") or b"")
+    match = _BTIME.search(_unshifted_read("/proc/stat", 65536, whole=True) or b"")
     assert match is not None
     return int(match.group(1))
 
@@ -46,15 +46,15 @@ def _shift_boot_time(shift_s: int) -> None:
     What a worker sees when the wall clock was stepped (or slewed across a second) between
     its parent's read and its own: the kernel derives ``btime`` from the wall clock.
     """
-    read_all = procs._read_all
+    read = procs._read
 
     def shifted(path: str, *args: Any, **kwargs: Any) -> bytes | None:
-        data = read_all(path, *args, **kwargs)
+        data = read(path, *args, **kwargs)
         if path != "/proc/stat" or not data:
             return data
         return _BTIME.sub(lambda m: b"btime %d" % (int(m.group(1)) + shift_s), data)
 
-    procs._read_all = shifted
+    procs._read = shifted
     procs.boot_time_s.cache_clear()
 
 

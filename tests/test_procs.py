@@ -148,10 +148,18 @@ def test_gone_pid_gives_none_and_empty_answers() -> None:
     assert procs.tagged_session(pid) is None
     assert procs.nvidia_fd_count(pid) is None
     assert procs.descendants(pid) == []
-    assert procs.is_zombie(pid) is False
     assert procs.pid_exists_here(pid) is False
     assert procs.is_ancestor(os.getpid(), pid) is False
     assert procs.shm_open_by([pid]) == {}
+
+
+def _state(pid: int) -> bytes | None:
+    """The state letter of /proc/PID/stat (``Z``: a zombie); None once the PID is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            return file.read().rsplit(b") ", 1)[1][:1]
+    except FileNotFoundError:
+        return None
 
 
 def test_is_alive_false_after_exit_for_zombie_and_for_reused_pid(spawn: Spawn) -> None:
@@ -165,14 +173,14 @@ def test_is_alive_false_after_exit_for_zombie_and_for_reused_pid(spawn: Spawn) -
 
     assert child.stdin is not None
     child.stdin.close()  # it exits; not reaped yet: a zombie
-    assert wait_for(lambda: procs.is_zombie(child.pid))
+    assert wait_for(lambda: _state(child.pid) == b"Z")
     assert not procs.is_alive(key)
     assert procs.read_proc(child.pid) is not None  # it still exists ...
     assert child.pid not in pids_of(procs.descendants(os.getpid()))  # ... but is not live
     assert child.pid not in pids_of(procs.scan_all())
 
     child.wait()
-    assert not procs.is_zombie(child.pid)
+    assert _state(child.pid) is None  # reaped
     assert not procs.is_alive(key)
 
 
@@ -495,7 +503,6 @@ def test_vanishing_processes_mid_scan_do_not_raise(spawn: Spawn) -> None:
             procs.read_proc(info.key.pid, session_id="s")
             procs.nvidia_fd_count(info.key.pid)
             procs.tagged_session(info.key.pid)
-            procs.is_zombie(info.key.pid)
             procs.descriptors(info.key.pid)
         procs.shm_open_by(pids_of(below))
         if walks % 10 == 0:
@@ -603,7 +610,7 @@ def test_shm_segments_see_a_file_until_removed(shm_file: Path) -> None:
     shm_file.write_bytes(b"\0" * 1234)
     segment = procs.shm_segments()[shm_file.name]
     st = shm_file.stat()
-    assert segment == procs.ShmSegment(1234, st.st_mtime, st.st_ino)
+    assert segment == procs.ShmSegment(1234, st.st_mtime, st.st_ino, shm_file.name)
     shm_file.unlink()
     assert shm_file.name not in procs.shm_segments()
 
@@ -818,7 +825,7 @@ def test_quick_walks_see_new_and_reaped_children_at_once_and_zombies_within_the_
         _quick(me)  # known now, served from its last full read
     assert child.stdin is not None
     child.stdin.close()  # it exits; not reaped yet: a zombie, still listed under us
-    assert wait_for(lambda: procs.is_zombie(child.pid))
+    assert wait_for(lambda: _state(child.pid) == b"Z")
     walks = 0
     while child.pid in pids_of(_quick(me)):
         walks += 1
@@ -958,7 +965,12 @@ def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
         assert maps.index(name.encode()) > 2 * mmap.PAGESIZE  # the case under test
         held = procs.shm_open_by([child.pid])
         assert any(name in segment for segment in held.get(child.pid, []))
-        assert procs._read_all(f"/proc/{child.pid}/maps", record_bytes=procs._ANY_RECORD) == maps
+        assert (
+            procs._read(
+                f"/proc/{child.pid}/maps", 65536, whole=True, record_bytes=procs._ANY_RECORD
+            )
+            == maps
+        )
     finally:
         child.kill()
         child.wait()

@@ -1,32 +1,26 @@
 """Host memory per process (USS, PSS, RSS), and the job's files in ``/dev/shm``.
 
-The DataLoader "leak" users report most is host memory copied on read (NOTE [copy on read]);
-next come ``/dev/shm`` files: a full tmpfs (Docker's 64 MB) kills workers with a bus error, and
-files left there outlive the job. A process that vanishes or denies access while it is read
-reads as None, never an exception.
+The DataLoader "leak" users report most is host memory copied on read; next come ``/dev/shm``
+files: a full tmpfs (Docker's 64 MB) kills workers with a bus error, and files left there
+outlive the job. A process that vanishes or denies access while read reads as None.
 
-NOTE [rollup cost]: the kernel builds /proc/PID/smaps_rollup by walking the page tables of every
-mapping, so one read costs in proportion to the process's resident memory (6-9 us per MiB);
-/proc/PID/status reads counters the kernel keeps (15-20 us, any size) but cannot tell private
-pages from shared ones. So USS and PSS are epoch-end reads, not per-tick ones; the RSS peak
-needs no ticks either (status's ``VmHWM``). ``benchmarks/bench_hostmem.py`` measures both.
+NOTE [rollup cost]: the kernel builds /proc/PID/smaps_rollup by walking the page tables, so a
+read costs with the process's resident memory (6-9 us per MiB); /proc/PID/status reads kept
+counters (15-20 us, any size) but cannot tell private pages from shared ones. So USS and PSS
+are epoch-end reads, not per-tick ones (``benchmarks/bench_hostmem.py``).
 
-NOTE [copy on read]: a forked worker starts with its parent's memory shared page by page, and a
-page it writes (a reference count, as it reads an object) is copied into it: in
-``smaps_rollup`` the page moves from ``Shared_Dirty`` (the heap inherited at fork) to
-``Private_Dirty``. New allocations raise ``Private_Dirty`` and lower nothing; file pages are
-clean and move ``*_Clean`` only. So, between a reading at the worker's birth (``b``) and a
-later one (``n``)::
+NOTE [copy on read]: a forked worker starts with its parent's memory shared, and a page it
+writes (a reference count, as it reads an object) is copied: in ``smaps_rollup`` it moves from
+``Shared_Dirty`` to ``Private_Dirty``. New allocations raise ``Private_Dirty`` only; file
+pages move ``*_Clean`` only. Between a reading at birth ``b`` and a later one ``n``::
 
     lost = max(0, b.Shared_Dirty - n.Shared_Dirty)
-    gained = max(0, n.Private_Dirty - b.Private_Dirty)
-    copied = min(lost, gained)
+    copied = min(lost, max(0, n.Private_Dirty - b.Private_Dirty))
 
 the shared pages it lost, bounded by what it gained privately (a page swapped out, or whose
 other sharers exited, is lost without a copy). ``Shared_Clean`` is left out: pages of a file
-two workers read rise there and would hide copies made meanwhile (200k dicts read by 2 workers
-copy 39 MiB each; counting clean pages said 30). A worker born by spawn or forkserver shares
-nothing at birth: no copy is computed for it, only its private memory is reported.
+two workers read rise there and would hide copies made meanwhile. A worker born by spawn or
+forkserver shares nothing at birth: only its private memory is reported.
 """
 
 from __future__ import annotations
@@ -51,23 +45,16 @@ class HostMemory:
     """Host memory of one process at one moment, in bytes.
 
     USS is what the process alone holds (what copy-on-read grows); PSS shares each page among
-    the processes that map it; RSS counts every resident page, a parent's shared ones too.
+    the processes that map it; RSS counts every resident page. USS, PSS and the dirty figures
+    come from ``smaps_rollup`` only; ``source`` ``status`` (rollup unreadable: another user's
+    process) has RSS, ``unknown`` (a zombie, a kernel thread) nothing.
 
     Attributes:
-        uss_bytes: Private pages (``Private_Clean`` + ``Private_Dirty`` + ``Private_Hugetlb``);
-            None unless ``source`` is ``smaps_rollup``.
-        pss_bytes: Proportional set size; None unless ``source`` is ``smaps_rollup``.
-        rss_bytes: Resident set size; None when ``source`` is ``unknown``.
-        swap_bytes: Swapped-out bytes (not in the figures above); None where unknown.
-        source: ``smaps_rollup`` (every figure), ``status`` (smaps_rollup unreadable: another
-            user's process; RSS only) or ``unknown`` (no memory to read: a zombie, a kernel
-            thread).
-        anon_bytes: Resident anonymous memory (the heap, where Python objects live).
-        rss_peak_bytes: Highest RSS over its life (status ``VmHWM``, never below
-            ``rss_bytes``); None where status was unreadable.
-        shared_dirty_bytes: ``Shared_Dirty`` (NOTE [copy on read]); None unless
-            ``source`` is ``smaps_rollup``.
-        private_dirty_bytes: ``Private_Dirty``; None unless ``source`` is ``smaps_rollup``.
+        uss_bytes: ``Private_Clean`` + ``Private_Dirty`` + ``Private_Hugetlb``.
+        swap_bytes: Swapped out (not in the other figures).
+        anon_bytes: Resident anonymous memory (the heap).
+        rss_peak_bytes: Highest RSS over its life (``VmHWM``, never below ``rss_bytes``).
+        shared_dirty_bytes: ``Shared_Dirty`` (NOTE [copy on read]).
 
     """
 
@@ -91,7 +78,7 @@ _STATUS_FIELDS = frozenset((b"VmRSS", b"VmHWM", b"RssAnon", b"VmSwap"))
 
 
 def _read_at(name: str, base: str, dir_fd: int | None) -> bytes:
-    """One read of ``base/name`` (or ``name`` relative to ``dir_fd``); raises OSError."""
+    """One read of ``base/name``, or ``name`` relative to ``dir_fd``."""
     path = name if dir_fd is not None else f"{base}/{name}"
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
@@ -148,9 +135,7 @@ def _parse_status(data: bytes) -> HostMemory:
 def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
     """Bytes of its parent's pages a forked worker copied since ``birth`` (NOTE [copy on read]).
 
-    Returns:
-        The copied bytes; None where either reading lacks the dirty figures (status only).
-
+    None where either reading lacks the dirty figures.
     """
     shared = (birth.shared_dirty_bytes, now.shared_dirty_bytes)
     private = (birth.private_dirty_bytes, now.private_dirty_bytes)
@@ -184,17 +169,11 @@ def _read_proc_memory(base: str, dir_fd: int | None, rollup: bool) -> HostMemory
 
 
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:
-    """Read one process's host memory.
+    """Read one process's host memory; None when it is gone.
 
     Args:
-        target: A PID, or a ``ProcessKey``: then a PID that names another process now reads
-            as gone.
-        rollup: Read smaps_rollup (USS, PSS), falling back to status where it is unreadable.
-            False reads status only: RSS at a cost that does not grow with the process's
-            memory (NOTE [rollup cost]).
-
-    Returns:
-        The figures, ``source`` saying where from; None when the process is gone.
+        target: A PID, or a ``ProcessKey``: then a PID that names another process reads as gone.
+        rollup: Read smaps_rollup (USS, PSS), else status only (NOTE [rollup cost]).
 
     """
     if not isinstance(target, ProcessKey):
@@ -232,9 +211,8 @@ def read_host_memories(
 class ShmCapacity:
     """Size and use of the filesystem behind a shared-memory directory (``statvfs``).
 
-    ``total_bytes`` is None where it has no limit (a tmpfs with ``size=0``); ``used_bytes``
-    counts every process of the host, files removed but still held too; ``free_bytes`` is
-    what an unprivileged process can still allocate.
+    ``total_bytes`` None: no limit; ``used_bytes`` counts the whole host, removed files still
+    held too; ``free_bytes`` is what an unprivileged process can still allocate.
     """
 
     directory: str
@@ -268,7 +246,7 @@ def shm_creator_pid(name: str) -> int | None:
     """The PID of a shared-memory file's maker, where its name says; else None.
 
     torch's file_system sharing: ``torch_<pid>_...``; its CUDA IPC reference counts:
-    ``cuda.shm.<id>.<pid in hex>.<n>``, made by the sender of CUDA tensors (a worker).
+    ``cuda.shm.<id>.<pid in hex>.<n>``.
     """
     match = _TORCH_CREATOR.match(name)
     if match:
@@ -278,10 +256,7 @@ def shm_creator_pid(name: str) -> int | None:
 
 
 def shm_name_pids(name: str) -> set[int]:
-    """PIDs a shared-memory file's name may carry: its maker's, and whole numbers in it.
-
-    A number that is a PID of the job ties the file to the job (a guess, where no holder says).
-    """
+    """PIDs a shared-memory file's name may carry: its maker's, and whole numbers in it."""
     found = {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
     creator = shm_creator_pid(name)
     if creator is not None:
@@ -290,34 +265,16 @@ def shm_name_pids(name: str) -> set[int]:
 
 
 def is_named_semaphore(name: str) -> bool:
-    """A POSIX named semaphore's file (``sem.NAME``), which no shm rule judges.
-
-    Mapped under a temporary name, "nobody holds it" means nothing; multiprocessing's locks
-    and queues make them by the dozen.
-    """
+    """A POSIX named semaphore's file (``sem.NAME``), which no shm rule judges."""
     return name.startswith("sem.")
-
-
-@dataclass(frozen=True)
-class JobShmFile:
-    """A file that appeared in a shared-memory directory since a baseline (apparent size)."""
-
-    name: str
-    size_bytes: int
-    inode: int
 
 
 def job_shm_files(
     before: Mapping[str, ShmSegment], now: Mapping[str, ShmSegment]
-) -> list[JobShmFile]:
-    """The files of ``now`` absent from ``before``, or there with another inode, by name.
-
-    Both from ``procs.shm_segments``: the directory at the baseline (the job's start) and now.
-    """
-    files: list[JobShmFile] = []
-    for name in sorted(now):
-        segment = now[name]
-        old = before.get(name)
-        if old is None or old.inode != segment.inode:
-            files.append(JobShmFile(name, segment.size_bytes, segment.inode))
-    return files
+) -> list[ShmSegment]:
+    """The files of ``procs.shm_segments`` ``now`` absent from ``before`` or made again."""
+    return [
+        segment
+        for name, segment in sorted(now.items())
+        if name not in before or before[name].inode != segment.inode
+    ]

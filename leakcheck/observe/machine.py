@@ -1,9 +1,8 @@
 """What the machine says about a death: the memory cgroup's OOM kills and its free memory.
 
-A SIGKILL does not say who sent it. The kernel's OOM killer, the usual sender, leaves
-evidence: the memory cgroup counts its kills (``oom_kill`` in cgroup v2 ``memory.events``,
-v1 ``memory.oom_control``), and the machine-wide one kills when ``/proc/meminfo``'s
-``MemAvailable`` is nearly 0. Only evidence read here names the OOM killer (``judge.deaths``).
+A SIGKILL does not say who sent it; the OOM killer, its usual sender, leaves evidence: the
+memory cgroup counts its kills (v2 ``memory.events``, v1 ``memory.oom_control``), and the
+machine-wide one kills when ``MemAvailable`` is nearly 0. Only this evidence names it.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-CGROUP_ROOT = "/sys/fs/cgroup"
-"""Where the cgroup filesystems are mounted (a module attribute: tests point it elsewhere)."""
+CGROUP_ROOT = "/sys/fs/cgroup"  # tests point it elsewhere
 
 _PROC_SELF_CGROUP = "/proc/self/cgroup"
 
@@ -46,10 +44,7 @@ def _counter_files(cgroup_lines: str, root: str) -> list[str]:
 
 
 def oom_kill_count() -> int | None:
-    """How many processes the OOM killer has killed in this process's memory cgroup.
-
-    None where no counter can be read (no memory cgroup, an older kernel).
-    """
+    """How many processes the OOM killer killed in this process's memory cgroup (None: unknown)."""
     lines = _read_text(_PROC_SELF_CGROUP)
     if lines is None:
         return None

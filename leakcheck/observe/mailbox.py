@@ -1,30 +1,26 @@
 """A per-session folder through which worker processes tell the tracker who they are.
 
-NOTE [worker mailbox]: the tracker must know its workers exactly, not guess them from a diff of
-children, and hear what the teardown policy freed in each. Workers start by fork, spawn or
-forkserver, so no in-memory channel reaches all of them; a folder does. The tracker creates it
-and exports its path as ``LEAKCHECK_MAILBOX`` (every child inherits it); a worker writes one
-small JSON file per record, atomically (a temporary name, then rename), so a reader never sees
-half a record, and a worker that cannot write loses nothing but the record. The sampler reads
-the folder on each walking tick (NOTE [tracker lifecycle] in track/sampler.py) and at every
-epoch end, deleting each record once read, so a read costs the same in the hundredth epoch as
-in the first; an unchanged folder time skips the listing (``Inbox``). Names that are no
+NOTE [worker mailbox]: the tracker must know its workers exactly and hear what the teardown
+policy freed in each; workers start by fork, spawn or forkserver, so only a folder reaches all
+of them. The tracker creates it and exports ``LEAKCHECK_MAILBOX``; a worker writes one small
+JSON file per record, atomically (a temporary name, then rename), and loses nothing but the
+record where it cannot write. The sampler reads the folder on walking ticks and epoch ends,
+deleting each record once read (``Inbox``: an unchanged folder time skips the listing). Not
 records: ``BIRTHS_FILE``, the live workers' birth readings (NOTE [copy on read] in
 hostmem.py), which ``leakcheck snapshot --pid`` reads from outside (``read_births``); and each
 worker's faulthandler file (``stack_path``), removed as it exits normally: one left behind
-holds the Python stacks of a worker that crashed in native code, or, sent ``STACK_SIGNAL``, of
-a stalled one (``read_stack``).
+holds the stacks of a worker that crashed in native code or, sent ``STACK_SIGNAL``, stalled.
 
-NOTE [stale mailboxes]: a tracker killed (SIGKILL, the OOM killer) never removes its folder.
-Each folder's name says who owns it, ``leakcheck-mailbox-<pid>-<start ticks>-<pid
-namespace>-<random>``, and every ``create`` first removes those whose owner is gone, by
-identity (NOTE [process identity] in procs.py). The namespace is in the name because a
-temporary folder may be shared by containers, where a PID names some other process or none.
+NOTE [stale mailboxes]: a tracker killed never removes its folder. Each folder is named after
+its owner, ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every
+``create`` first removes those whose owner is gone, by identity (NOTE [process identity] in
+procs.py); the namespace because containers may share a temporary folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -41,19 +37,16 @@ from leakcheck.observe.hostmem import HostMemory
 
 MAILBOX_ENV = "LEAKCHECK_MAILBOX"
 MAILBOX_PREFIX = "leakcheck-mailbox-"
-"""Every mailbox folder's name starts so, in the temporary folder."""
 BIRTHS_FILE = ".births.json"
 STACK_SIGNAL = signal.SIGUSR2
 """What a worker writes its stacks on: neither PyTorch nor its DataLoader uses it."""
 
-# <pid>-<start ticks>-<pid namespace>-<mkdtemp's random part>; bounded digit counts, so that
-# int() never meets a number too long to convert.
+# Bounded digit counts: int() never meets a number too long to convert.
 _OWNED_NAME = re.compile(
     r"^" + re.escape(MAILBOX_PREFIX) + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-[a-z0-9_]+$"
 )
-# A folder's time moves in the kernel's coarse clock steps (a few ms), so a record added in the
-# step of a listing can leave it unchanged: a time means "nothing new" only once this much
-# older than the listing that saw it.
+# A folder's time moves in coarse clock steps, so a record added in the step of a listing can
+# leave it unchanged: a time means "nothing new" only once this much older than that listing.
 _CLOCK_STEP_MARGIN_NS = 100_000_000
 _BIRTH_FIELDS = ("host_uss_bytes", "host_rss_bytes", "host_shared_dirty_bytes",
                  "host_private_dirty_bytes")  # fmt: skip
@@ -71,38 +64,28 @@ def create() -> str:
 def remove_stale(directory: str | None = None) -> list[str]:
     """Remove the mailbox folders whose owner process is gone, and only those; never raises.
 
-    Removed: a real folder (no link) of this user, named as ``create`` names them, whose
-    owner was in this PID namespace and no process has its PID and start time now. Kept:
-    folders of live owners (a zombie too), other users, other namespaces, older leakcheck
-    versions (no identity in the name), other names.
-
-    Args:
-        directory: Where to look (default: the temporary folder).
-
-    Returns:
-        The folders removed.
-
+    Removed from ``directory`` (default: the temporary folder): real folders of this user,
+    named by ``create``, whose owner in this PID namespace no longer runs (by identity).
     """
+    removed: list[str] = []
+    for path, (pid, ticks, namespace) in _owned_folders(directory):
+        if namespace == _pid_namespace() and not _owner_alive(pid, ticks) and remove(path):
+            removed.append(path)
+    return removed
+
+
+def _owned_folders(directory: str | None) -> Iterator[tuple[str, tuple[int, int, int]]]:
+    """Path and owner (pid, start ticks, PID namespace) of each mailbox folder named so."""
     try:
         folder = directory if directory is not None else tempfile.gettempdir()
         names = os.listdir(folder)
     except OSError:
-        return []
-    removed: list[str] = []
-    namespace: int | None = None
+        return
     for name in names:
         match = _OWNED_NAME.match(name)
-        if match is None:
-            continue
-        pid, ticks, owner_namespace = (int(group) for group in match.groups())
-        if namespace is None:
-            namespace = _pid_namespace()
-        if owner_namespace != namespace or _owner_alive(pid, ticks):
-            continue
-        path = os.path.join(folder, name)
-        if remove(path):
-            removed.append(path)
-    return removed
+        if match is not None:
+            pid, ticks, namespace = (int(group) for group in match.groups())
+            yield os.path.join(folder, name), (pid, ticks, namespace)
 
 
 def _owner_tag(pid: int) -> str | None:
@@ -131,10 +114,10 @@ def _owner_alive(pid: int, ticks: int) -> bool:
 
 
 def remove(directory: str) -> bool:
-    """Delete a mailbox folder of this user and its files (never through a link).
+    """Delete a mailbox folder of this user and its files, never through a link; never raises.
 
     Returns:
-        False where it was not removed (a link, a file, another user's, gone); never raises.
+        False where it was not removed (a link, a file, another user's, gone).
 
     """
     try:
@@ -172,10 +155,7 @@ def _write_json(directory: str, name: str, data: object) -> bool:
 
 
 def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> bool:
-    """Write one record atomically; False (never raises) without a mailbox or on failure.
-
-    A worker must not die for leakcheck's sake.
-    """
+    """Write one record atomically; False (never raises) without a mailbox or on failure."""
     folder = directory or os.environ.get(MAILBOX_ENV)
     if not folder:
         return False
@@ -226,9 +206,7 @@ class Inbox:
     def read(self, *, quick: bool = False) -> list[dict[str, Any]]:
         """The records posted since the last read.
 
-        Args:
-            quick: Skip the listing while the folder's time is one a listing saw settled.
-
+        ``quick`` skips the listing while the folder's time is one a listing saw settled.
         """
         try:
             mtime_ns = os.stat(self.directory).st_mtime_ns
@@ -256,10 +234,7 @@ def stack_path(directory: str, key: ProcessKey) -> str:
 
 
 def read_stack(directory: str, key: ProcessKey, *, remove: bool = False) -> str | None:
-    """What worker ``key``'s faulthandler wrote (None: nothing), the file then emptied.
-
-    ``remove`` deletes it instead; else the writer, which appends, starts it afresh.
-    """
+    """What worker ``key``'s faulthandler wrote (None: nothing); the file emptied or removed."""
     path = stack_path(directory, key)
     try:
         with open(path, "r+", encoding="utf-8", errors="replace") as handle:
@@ -275,11 +250,7 @@ def read_stack(directory: str, key: ProcessKey, *, remove: bool = False) -> str 
 
 
 def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
-    """The identity a record is about; None when its ``pid``/``start_ticks`` are malformed.
-
-    Start ticks as the worker read them: the number the tracker reads for it (NOTE [process
-    identity] in procs.py).
-    """
+    """The identity a record is about (NOTE [process identity]); None where malformed."""
     pid, ticks = record.get("pid"), record.get("start_ticks")
     if type(pid) is not int or type(ticks) is not int:  # a bool is no identity either
         return None
@@ -298,11 +269,7 @@ Birth = tuple[bool | None, HostMemory | None]
 
 
 def worker_birth(record: Mapping[str, Any]) -> Birth:
-    """A ``worker`` record's birth reading: forked or not, and its memory then.
-
-    None for what the record lacks or holds malformed (an older worker's record, a birth it
-    could not read).
-    """
+    """A ``worker`` record's birth reading: forked or not, its memory then (None: unknown)."""
     forked = record.get("forked")
     uss, rss, shared, private = (_int(record.get(name)) for name in _BIRTH_FIELDS)
     memory = None
@@ -332,30 +299,22 @@ def write_births(directory: str, births: Mapping[ProcessKey, Birth]) -> bool:
 def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessKey, Birth]:
     """The birth readings the trackers of process ``root_pid`` keep, read from outside.
 
-    Only the folders named after that very process (NOTE [stale mailboxes]); never raises:
-    what cannot be read is left out.
-
-    Args:
-        root_pid: The process whose trackers' mailboxes to read (a job's root).
-        directory: Where the folders are (default: the temporary folder).
-
+    Only the folders named after that very process (NOTE [stale mailboxes]) in ``directory``
+    (default: the temporary folder); never raises: what cannot be read is left out.
     """
     try:
         key = procs.process_key(root_pid)
-        folder = directory if directory is not None else tempfile.gettempdir()
-        names = os.listdir(folder)
     except (OSError, ValueError):
         return {}
     if key is None:
         return {}
     owner = (root_pid, key.start_ticks, _pid_namespace())
     found: dict[ProcessKey, Birth] = {}
-    for name in names:
-        match = _OWNED_NAME.match(name)
-        if match is None or tuple(int(group) for group in match.groups()) != owner:
+    for path, who in _owned_folders(directory):
+        if who != owner:
             continue
         try:
-            with open(os.path.join(folder, name, BIRTHS_FILE), encoding="utf-8") as handle:
+            with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:
                 data = json.load(handle)
         except (OSError, ValueError):
             continue
@@ -369,47 +328,22 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
 
 def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecord:
     """Read a worker's ``teardown`` record; a malformed field reads as unknown or its default."""
-
-    def number(name: str) -> float | None:
-        value = record.get(name)
-        return float(value) if isinstance(value, (int, float)) else None
-
-    def count(name: str) -> int | None:
-        return _int(record.get(name))
-
-    def flag(name: str) -> bool | None:
-        value = record.get(name)
-        return value if isinstance(value, bool) else None
-
-    by_device: dict[int, int] | None = None
-    raw = record.get("gpu_bytes_by_device")
-    if isinstance(raw, dict):
-        try:
-            by_device = {int(index): int(num) for index, num in raw.items()}
-        except (TypeError, ValueError):
-            by_device = None
-    error = record.get("error")
-    released = flag("released")
-    return TeardownRecord(
-        key=key,
-        worker_id=count("worker_id"),
-        cuda_initialized=bool(record.get("cuda_initialized", False)),
-        streams_joined=count("streams_joined") or 0,
-        resources_released=count("resources_released") or 0,
-        freed_cache_bytes=count("freed_cache_bytes") or 0,
-        context_released=bool(record.get("context_released", False)),
-        gpu_bytes_before=count("gpu_bytes_before"),
-        left_nvml=flag("left_nvml"),
-        duration_s=number("duration_s") or 0.0,
-        error=str(error) if error else None,
-        gpu_bytes_by_device=by_device,
-        peak_reserved_bytes=count("peak_reserved_bytes"),
-        monotonic_s=number("monotonic_s"),
-        released=True if released is None else released,
-        host_uss_bytes=count("host_uss_bytes"),
-        host_pss_bytes=count("host_pss_bytes"),
-        host_rss_bytes=count("host_rss_bytes"),
-        host_rss_peak_bytes=count("host_rss_peak_bytes"),
-        host_shared_dirty_bytes=count("host_shared_dirty_bytes"),
-        host_private_dirty_bytes=count("host_private_dirty_bytes"),
-    )
+    values: dict[str, Any] = {"key": key}
+    for field in dataclasses.fields(TeardownRecord)[1:]:
+        raw, kind = record.get(field.name), str(field.type)
+        value: Any = None
+        if kind.startswith("bool"):
+            value = raw if isinstance(raw, bool) else None
+        elif kind.startswith("int"):
+            value = _int(raw)
+        elif kind.startswith("float"):
+            value = float(raw) if isinstance(raw, (int, float)) else None
+        elif kind.startswith("str"):
+            value = str(raw) if raw else None
+        elif isinstance(raw, dict):  # gpu_bytes_by_device
+            with contextlib.suppress(TypeError, ValueError):
+                value = {int(index): int(num) for index, num in raw.items()}
+        if value is None and field.default is not dataclasses.MISSING:
+            value = field.default
+        values[field.name] = False if value is None and kind == "bool" else value
+    return TeardownRecord(**values)

@@ -1,27 +1,21 @@
-"""NVML access: who holds GPU memory, and how each device is doing, without touching CUDA.
+"""NVML access: who holds GPU memory and how each device is doing, without touching CUDA.
 
-The only module that calls NVML, through leakcheck's own ctypes binding (``nvml_lib.py``).
-NVML talks to the driver directly: nothing here makes a CUDA context, torch is never
-imported. :func:`get` gives the process-wide :class:`Nvml`; :func:`availability` tells,
-without an exception, whether NVML can be used at all.
+The only caller of NVML, through leakcheck's ctypes binding ``nvml_lib`` (looked up at call
+time, so that tests stand ``tests/fake_pynvml.py`` in for it); torch is never imported.
+:func:`get` gives the process-wide :class:`Nvml`; :func:`availability` says, without raising,
+whether NVML can be used. NVML unusable here raises ``NVMLUnavailable`` (one line with a
+hint; callers degrade to host-side checks); one call failing on one device a plain
+``LeakCheckError`` naming the call and device; a bad index a ``UsageError``. A telemetry field
+the device does not report is None.
 
-Errors: NVML unusable here (no ``libnvidia-ml.so.1``, driver not loaded, no permission, no
-GPU) raises :class:`~leakcheck.core.errors.NVMLUnavailable`, one line with a hint; callers
-degrade to host-side checks. One call failing on one device raises a plain
-:class:`~leakcheck.core.errors.LeakCheckError` naming the call and the device, never retried
-here; a bad device index a :class:`~leakcheck.core.errors.UsageError`. A telemetry field the
-device does not report is None, not an error.
+NOTE [fork]: NVML handles are per process. Every public method compares ``os.getpid()`` with
+the PID that started the session and, in a forked child, calls ``nvmlInit`` again and drops
+every cached handle first; the locks are replaced in the child.
 
-NOTE [fork]: NVML handles are per process. A forked child inherits the parent's ``Nvml``, but
-not a session it may trust: every public method compares ``os.getpid()`` with the PID that
-started the session and, in a child, calls ``nvmlInit`` again and drops every cached handle
-first. The locks are replaced in the child (``os.register_at_fork``).
-
-NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidiactl``,
-``/dev/nvidia<N>``, ``/dev/nvidia-uvm`` and capability nodes in this process, nodes a CUDA
-context opens too. Children forked after it inherit them as they inherit a CUDA parent's, but
-NVML's pin no context. ``get()`` records the numbers NVML opened (``own_descriptors()``), so
-the tracker leaves them out when it counts what a forked child inherited from the job.
+NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidia*`` nodes a CUDA
+context opens too; children forked after it inherit them, but NVML's pin no context. ``get()``
+records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them out
+when it counts what a forked child inherited from the job.
 """
 
 from __future__ import annotations
@@ -52,7 +46,6 @@ from leakcheck.observe.nvml_lib import (
     NVML_TEMPERATURE_GPU,
 )
 
-# NVML's "value not available" for unsigned fields (NVML_VALUE_NOT_AVAILABLE).
 _NOT_AVAILABLE = (2**64 - 1, 2**32 - 1)
 _PSTATE_UNKNOWN = 32
 
@@ -86,6 +79,12 @@ _INIT_HINTS = {
 }
 
 
+def _failed(name: str, device: int, exc: BaseException) -> LeakCheckError:
+    return LeakCheckError(
+        f"NVML {name} failed on device {device}: {_one_line(exc) or type(exc).__name__}"
+    )
+
+
 def throttle_reason_names(mask: int) -> tuple[str, ...]:
     """The names of the set clock-event reason bits, in bit order (unnamed bits left out)."""
     return tuple(name for bit, name in THROTTLE_REASON_NAMES if mask & bit)
@@ -103,17 +102,11 @@ def _known(value: Any) -> int | None:
     return None if number < 0 or number in _NOT_AVAILABLE else number
 
 
-def _binding() -> Any:
-    # Looked up at call time, so that tests can stand a fake in (tests/fake_pynvml.py).
-    return importlib.import_module("leakcheck.observe.nvml_lib")
-
-
 # NOTE [process lists]: pynvml's ``nvmlDevice*RunningProcesses`` asks the driver twice per call
-# (the count, then a new array filled) and builds an object per entry. The sampler reads the
-# lists many times a second, so leakcheck calls the C function (``_v3``, else ``_v2``: the same
-# entry layout) once with a buffer kept from the last call; the driver says when it is short
-# (it fills in the count it needs) and the call is repeated with a larger one, at most twice
-# (processes may start in between). Entries are read straight from the C structures.
+# and builds an object per entry. The sampler reads the lists many times a second, so leakcheck
+# calls the C function (``_v3``, else ``_v2``: one entry layout) once with a buffer kept from
+# the last call; when it is short the driver fills in the count it needs and the call is
+# repeated with a larger one, at most twice (processes may start in between).
 _RAW_FIRST_CAPACITY = 32
 _RAW_TRIES = 3
 
@@ -152,7 +145,6 @@ class _RawProcessList:
                     ]
                 if code != NVML_ERROR_INSUFFICIENT_SIZE:
                     break
-                # Room for processes that start before the next call.
                 self._buffer = (self._entry_type * (count.value * 2 + 8))()
             raise self._error_type(code)
 
@@ -161,7 +153,7 @@ class Nvml:
     """One process's NVML session, from :func:`get`; handles, names and UUIDs cached.
 
     Thread-safe and fork-tolerant (NOTE [fork]). Devices are NVML indices (PCI bus order,
-    whatever ``CUDA_VISIBLE_DEVICES`` says). Methods raise as the module docstring says.
+    whatever ``CUDA_VISIBLE_DEVICES`` says).
     """
 
     def __init__(self, lib: Any) -> None:
@@ -191,17 +183,12 @@ class Nvml:
             raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}") from exc
         try:
             count = int(self._lib.nvmlDeviceGetCount())
+            reason = "the driver is loaded but sees no NVIDIA GPU (nvmlDeviceGetCount() == 0)"
         except self._error as exc:
-            self._quiet_shutdown()
-            raise NVMLUnavailable(
-                f"NVML unavailable: nvmlDeviceGetCount failed: {_one_line(exc)}; {_SUFFIX}"
-            ) from exc
+            count, reason = 0, f"nvmlDeviceGetCount failed: {_one_line(exc)}"
         if count <= 0:
             self._quiet_shutdown()
-            raise NVMLUnavailable(
-                "NVML unavailable: the driver is loaded but sees no NVIDIA GPU "
-                f"(nvmlDeviceGetCount() == 0); {_SUFFIX}"
-            )
+            raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
         self._count = count
         self._pid = os.getpid()
 
@@ -220,13 +207,14 @@ class Nvml:
                     return True
         return False
 
-    def _call(self, name: str, device: int, *args: Any) -> Any:
+    def _call(self, name: str, device: int, *args: Any, absent: int | None = None) -> Any:
+        """Call an NVML function; None where it fails with code ``absent``."""
         try:
             return getattr(self._lib, name)(*args)
         except self._error as exc:
-            raise LeakCheckError(
-                f"NVML {name} failed on device {device}: {_one_line(exc) or type(exc).__name__}"
-            ) from exc
+            if absent is not None and getattr(exc, "value", None) == absent:
+                return None
+            raise _failed(name, device, exc) from exc
 
     def _optional(self, name: str, *args: Any) -> Any:
         """Call an NVML function; None when the binding lacks it or it raises."""
@@ -276,10 +264,7 @@ class Nvml:
     def _running(
         self, index: int, handle: Any, name: str, *, optional: bool
     ) -> list[tuple[int, int | None]]:
-        """One running-process list (NOTE [process lists]).
-
-        A graphics list the device does not support is empty, and not asked for again.
-        """
+        """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
         if (index, name) in self._unsupported:
             return []
         key = (index, name)
@@ -296,11 +281,7 @@ class Nvml:
             if optional and getattr(exc, "value", None) == NVML_ERROR_NOT_SUPPORTED:
                 self._unsupported.add(key)
                 return []
-            raise LeakCheckError(
-                f"NVML {name} failed on device {index}: {_one_line(exc) or type(exc).__name__}"
-            ) from exc
-
-    # -- public API ------------------------------------------------------------------------
+            raise _failed(name, index, exc) from exc
 
     def device_count(self) -> int:
         """The number of NVIDIA devices NVML sees (at least 1)."""
@@ -331,36 +312,26 @@ class Nvml:
         found: list[GpuProcess] = []
         for index in self._select(devices):
             handle = self._handle(index)
-            merged: dict[int, tuple[int | None, bool, bool]] = {}
-            lists = [("nvmlDeviceGetComputeRunningProcesses", False)]
-            if graphics:
-                lists.append(("nvmlDeviceGetGraphicsRunningProcesses", True))
-            for call, is_graphics in lists:
-                per_list: dict[int, int | None] = {}
-                for pid, used in self._running(index, handle, call, optional=is_graphics):
-                    if pid in per_list:
-                        before = per_list[pid]
-                        used = None if before is None or used is None else before + used
-                    per_list[pid] = used
-                for pid, used in per_list.items():
-                    old_used, in_compute, in_graphics = merged.get(pid, (None, False, False))
-                    known = [b for b in (old_used, used) if b is not None]
-                    merged[pid] = (
-                        max(known) if known else None,
-                        in_compute or not is_graphics,
-                        in_graphics or is_graphics,
-                    )
-            for pid in sorted(merged):
-                used, in_compute, in_graphics = merged[pid]
-                kind: Literal["compute", "graphics", "both"] = (
-                    "both"
-                    if in_compute and in_graphics
-                    else "graphics"
-                    if in_graphics
-                    else "compute"
+            lists: dict[str, dict[int, int | None]] = {}
+            for kind in ("compute", "graphics") if graphics else ("compute",):
+                call = f"nvmlDeviceGet{kind.title()}RunningProcesses"
+                per_list = lists[kind] = {}
+                for pid, used in self._running(index, handle, call, optional=kind == "graphics"):
+                    before = per_list.get(pid, 0)
+                    per_list[pid] = None if before is None or used is None else before + used
+            compute, shown = lists["compute"], lists.get("graphics", {})
+            for pid in sorted(compute.keys() | shown.keys()):
+                known = [b for b in (compute.get(pid), shown.get(pid)) if b is not None]
+                both: Literal["compute", "graphics", "both"] = (
+                    "both" if pid in compute and pid in shown else "compute"
                 )
                 found.append(
-                    GpuProcess(pid=pid, device_index=index, used_gpu_bytes=used, kind=kind)
+                    GpuProcess(
+                        pid=pid,
+                        device_index=index,
+                        used_gpu_bytes=max(known) if known else None,
+                        kind=both if pid in compute else "graphics",
+                    )
                 )
         return tuple(found)
 
@@ -412,15 +383,10 @@ class Nvml:
         """Whether the driver's accounting mode is on for ``device`` (False if unsupported)."""
         self._ensure()
         handle = self._handle(device)
-        try:
-            mode = self._lib.nvmlDeviceGetAccountingMode(handle)
-        except self._error as exc:
-            if getattr(exc, "value", None) == NVML_ERROR_NOT_SUPPORTED:
-                return False
-            raise LeakCheckError(
-                f"NVML nvmlDeviceGetAccountingMode failed on device {device}: {_one_line(exc)}"
-            ) from exc
-        return int(mode) == NVML_FEATURE_ENABLED
+        mode = self._call(
+            "nvmlDeviceGetAccountingMode", device, handle, absent=NVML_ERROR_NOT_SUPPORTED
+        )
+        return mode is not None and int(mode) == NVML_FEATURE_ENABLED
 
     def accounting(self, device: int) -> tuple[AccountedProcess, ...]:
         """The per-PID records the driver keeps in accounting mode, exited processes included.
@@ -433,15 +399,15 @@ class Nvml:
         handle = self._handle(device)
         records: list[AccountedProcess] = []
         for pid in self._call("nvmlDeviceGetAccountingPids", device, handle):
-            try:
-                stats = self._lib.nvmlDeviceGetAccountingStats(handle, int(pid))
-            except self._error as exc:
-                if getattr(exc, "value", None) == NVML_ERROR_NOT_FOUND:
-                    continue  # dropped from the circular buffer between the two calls
-                raise LeakCheckError(
-                    f"NVML nvmlDeviceGetAccountingStats failed on device {device} "
-                    f"for pid {pid}: {_one_line(exc)}"
-                ) from exc
+            stats = self._call(
+                "nvmlDeviceGetAccountingStats",
+                device,
+                handle,
+                int(pid),
+                absent=NVML_ERROR_NOT_FOUND,
+            )
+            if stats is None:
+                continue  # dropped from the circular buffer between the two calls
             records.append(
                 AccountedProcess(
                     pid=int(pid),
@@ -457,9 +423,9 @@ class Nvml:
 _lock = threading.Lock()
 _instance: Nvml | None = None
 _own_fds: frozenset[int] = frozenset()
+# (pid, message) of a failed start: not retried in that process (a driver does not appear
+# mid-run, and a failing dlopen on every sample would cost time).
 _failure: tuple[int, str] | None = None
-"""(pid, message) of a failed start: not retried in that process (a driver does not appear
-mid-run, and a failing dlopen on every sample would cost time)."""
 
 
 def get() -> Nvml:
@@ -480,20 +446,18 @@ def get() -> Nvml:
         if _instance is None:
             before = _nvidia_fd_numbers()
             try:
-                session = Nvml(_binding())
+                session = Nvml(importlib.import_module("leakcheck.observe.nvml_lib"))
             except NVMLUnavailable as exc:
                 _failure = (pid, str(exc))
                 raise
             try:
-                # Every device handle opened now, so that all of NVML's descriptors exist by
-                # the time they are told apart from the job's (NOTE [descriptors]).
+                # Every handle opened now, so that NVML's descriptors are all known as its own.
                 with contextlib.suppress(LeakCheckError):
                     session.processes()
             except BaseException:
                 session._quiet_shutdown()  # never published: its nvmlInit is undone
                 raise
-            # Published only now: another thread's get() returns without the lock, and must
-            # not find a session whose descriptors are not yet known as NVML's.
+            # Published only now: another thread's get() returns without the lock.
             _own_fds = frozenset(_nvidia_fd_numbers() - before)
             _instance = session
         elif _instance._pid != pid and _instance._ensure():
@@ -514,13 +478,7 @@ def _count_as_own(numbers: set[int]) -> None:
 def gpu_bytes_by_pid(
     processes: Iterable[GpuProcess],
 ) -> tuple[dict[int, dict[int, int]], set[int]]:
-    """NVML's process list by PID.
-
-    Returns:
-        Used bytes per device for each PID where known, and the PIDs listed somewhere without
-        a byte count.
-
-    """
+    """Used bytes per device for each PID where known, and the PIDs listed without a count."""
     by_pid: dict[int, dict[int, int]] = {}
     unknown: set[int] = set()
     for entry in processes:
@@ -546,9 +504,7 @@ def _nvidia_fd_numbers() -> set[int]:
 def start_in_background() -> None:
     """Begin NVML's start on a thread, unless begun (NOTE [overlapped start] in snapshot.py).
 
-    A one-shot command calls it first: the library load, ``nvmlInit`` and the device handles
-    wait in the driver while it imports and reads /proc, and its :func:`get` waits for this
-    start. Never raises: a failure is remembered, as :func:`get` remembers it.
+    Never raises: a failure is remembered, as :func:`get` remembers it.
     """
     if _instance is not None or _failure is not None:
         return
@@ -560,7 +516,7 @@ def start_in_background() -> None:
 def availability() -> tuple[bool, str]:
     """``(True, "")`` where NVML can be used, else ``(False, reason)``; never raises.
 
-    Starts the singleton as a side effect (a later :func:`get` is free).
+    Starts the singleton (a later :func:`get` is free).
     """
     try:
         get()

@@ -1,12 +1,9 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-``nvml.py`` is its one user, calling these by pynvml's names, so that tests can stand a fake
-in for this module (``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because
-importing ``pynvml`` (thousands of structures built at import) cost ``leakcheck snapshot``
-about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in :func:`nvmlInit`, and
-defines only what is used. Errors raise :class:`NVMLError` with the driver's code in
-``value``. Running-process lists are read by ``nvml.py`` through
-:func:`_nvmlGetFunctionPointer` and :data:`c_nvmlProcessInfo_v3_t` (NOTE [process lists]).
+``nvml.py`` calls these by pynvml's names, so that tests stand a fake in for this module
+(``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because importing ``pynvml`` cost
+``leakcheck snapshot`` about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in
+:func:`nvmlInit`. Errors raise :class:`NVMLError` with the driver's code in ``value``.
 """
 
 from __future__ import annotations
@@ -101,13 +98,7 @@ _functions: dict[str, Any] = {}
 
 
 def _nvmlGetFunctionPointer(name: str) -> Any:
-    """The C function ``name`` of the loaded library (returning ``nvmlReturn_t``).
-
-    Raises:
-        NVMLError: ``NVML_ERROR_UNINITIALIZED`` before :func:`nvmlInit` loaded the library;
-            ``NVML_ERROR_FUNCTION_NOT_FOUND`` when this driver lacks the function.
-
-    """
+    """The C function ``name`` of the loaded library (``NVMLError`` before ``nvmlInit``)."""
     function = _functions.get(name)
     if function is not None:
         return function
@@ -128,13 +119,17 @@ def _call(name: str, *args: object) -> None:
         raise NVMLError(code)
 
 
-def _value(name: str, kind: type[ctypes.c_uint] | type[ctypes.c_ulonglong]) -> Callable[..., int]:
-    """The getter ``name(handle, [int arguments,] kind *value)`` as a function."""
+def _out(name: str, kind: type[Any]) -> Callable[..., Any]:
+    """The call ``name(arguments..., kind *out)`` as a function that returns ``out``.
 
-    def get(handle: object, *args: int) -> int:
-        value = kind()
-        _call(name, handle, *map(ctypes.c_int, args), ctypes.byref(value))
-        return value.value
+    Ints pass as C unsigned ints; a number comes back as int, a handle or structure whole.
+    """
+
+    def get(*args: object) -> Any:
+        out = kind()
+        c_args = (ctypes.c_uint(arg) if isinstance(arg, int) else arg for arg in args)
+        _call(name, *c_args, ctypes.byref(out))
+        return out.value if kind in (ctypes.c_uint, ctypes.c_ulonglong) else out
 
     get.__name__ = name
     return get
@@ -153,13 +148,7 @@ def _text(name: str, size: int) -> Callable[..., str]:
 
 
 def nvmlInit() -> None:
-    """Load ``libnvidia-ml.so.1`` (once) and initialise NVML (``nvmlInit_v2``).
-
-    Raises:
-        NVMLError: ``NVML_ERROR_LIBRARY_NOT_FOUND`` when the library cannot be loaded, else
-            the driver's code.
-
-    """
+    """Load ``libnvidia-ml.so.1`` (once) and initialise NVML (``nvmlInit_v2``)."""
     global _lib
     with _load_lock:
         if _lib is None:
@@ -175,43 +164,26 @@ def nvmlShutdown() -> None:
     _call("nvmlShutdown")
 
 
-def nvmlDeviceGetCount() -> int:
-    """Number of devices NVML sees."""
-    count = ctypes.c_uint()
-    _call("nvmlDeviceGetCount_v2", ctypes.byref(count))
-    return count.value
-
-
-def nvmlDeviceGetHandleByIndex(index: int) -> ctypes.c_void_p:
-    """The device handle of NVML index ``index``."""
-    handle = ctypes.c_void_p()
-    _call("nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint(index), ctypes.byref(handle))
-    return handle
-
-
-def nvmlDeviceGetMemoryInfo(handle: ctypes.c_void_p) -> c_nvmlMemory_t:
-    """Total, free and used bytes (the v1 call, as pynvml makes it)."""
-    memory = c_nvmlMemory_t()
-    _call("nvmlDeviceGetMemoryInfo", handle, ctypes.byref(memory))
-    return memory
-
-
+nvmlDeviceGetCount = _out("nvmlDeviceGetCount_v2", ctypes.c_uint)
+nvmlDeviceGetHandleByIndex = _out("nvmlDeviceGetHandleByIndex_v2", ctypes.c_void_p)
+nvmlDeviceGetMemoryInfo = _out("nvmlDeviceGetMemoryInfo", c_nvmlMemory_t)  # v1, as pynvml's
+nvmlDeviceGetAccountingStats = _out("nvmlDeviceGetAccountingStats", c_nvmlAccountingStats_t)
 # Buffer sizes: NVML_DEVICE_NAME_V2_BUFFER_SIZE, ..._UUID_V2_..., NVML_SYSTEM_DRIVER_VERSION_...
 nvmlDeviceGetName = _text("nvmlDeviceGetName", 96)
 nvmlDeviceGetUUID = _text("nvmlDeviceGetUUID", 96)
 nvmlSystemGetDriverVersion = _text("nvmlSystemGetDriverVersion", 80)
-nvmlDeviceGetTemperature = _value("nvmlDeviceGetTemperature", ctypes.c_uint)  # (handle, sensor)
-nvmlDeviceGetClockInfo = _value("nvmlDeviceGetClockInfo", ctypes.c_uint)  # (handle, clock): MHz
-nvmlDeviceGetMaxClockInfo = _value("nvmlDeviceGetMaxClockInfo", ctypes.c_uint)
-nvmlDeviceGetPowerUsage = _value("nvmlDeviceGetPowerUsage", ctypes.c_uint)  # milliwatts
-nvmlDeviceGetPerformanceState = _value("nvmlDeviceGetPerformanceState", ctypes.c_uint)
-nvmlDeviceGetAccountingMode = _value("nvmlDeviceGetAccountingMode", ctypes.c_uint)
-_accounting_buffer_size = _value("nvmlDeviceGetAccountingBufferSize", ctypes.c_uint)
-nvmlDeviceGetCurrentClocksEventReasons = _value(
+nvmlDeviceGetTemperature = _out("nvmlDeviceGetTemperature", ctypes.c_uint)  # (handle, sensor)
+nvmlDeviceGetClockInfo = _out("nvmlDeviceGetClockInfo", ctypes.c_uint)  # (handle, clock): MHz
+nvmlDeviceGetMaxClockInfo = _out("nvmlDeviceGetMaxClockInfo", ctypes.c_uint)
+nvmlDeviceGetPowerUsage = _out("nvmlDeviceGetPowerUsage", ctypes.c_uint)  # milliwatts
+nvmlDeviceGetPerformanceState = _out("nvmlDeviceGetPerformanceState", ctypes.c_uint)
+nvmlDeviceGetAccountingMode = _out("nvmlDeviceGetAccountingMode", ctypes.c_uint)
+_accounting_buffer_size = _out("nvmlDeviceGetAccountingBufferSize", ctypes.c_uint)
+nvmlDeviceGetCurrentClocksEventReasons = _out(
     "nvmlDeviceGetCurrentClocksEventReasons", ctypes.c_ulonglong
 )
 # The same bits under the deprecated name older drivers have.
-nvmlDeviceGetCurrentClocksThrottleReasons = _value(
+nvmlDeviceGetCurrentClocksThrottleReasons = _out(
     "nvmlDeviceGetCurrentClocksThrottleReasons", ctypes.c_ulonglong
 )
 
@@ -223,10 +195,3 @@ def nvmlDeviceGetAccountingPids(handle: ctypes.c_void_p) -> list[int]:
     pids = (ctypes.c_uint * max(size, 1))()
     _call("nvmlDeviceGetAccountingPids", handle, ctypes.byref(count), pids)
     return [int(pid) for pid in pids[: count.value]]
-
-
-def nvmlDeviceGetAccountingStats(handle: ctypes.c_void_p, pid: int) -> c_nvmlAccountingStats_t:
-    """The accounting record of ``pid``."""
-    stats = c_nvmlAccountingStats_t()
-    _call("nvmlDeviceGetAccountingStats", handle, ctypes.c_uint(pid), ctypes.byref(stats))
-    return stats

@@ -1,32 +1,24 @@
 """Process facts from /proc: identities, lineage, session tags, descriptors, /dev/shm.
 
-Every function reads a few small /proc files with plain ``os.open``/``os.read``; the tracker's
-per-sample calls (``descendants``, ``is_alive``) also reuse open descriptors (NOTE [descriptor
-cache]). A process that exits, is reaped, or denies access while it is read is a normal event:
-single-process functions return None (or False), scans skip it; nothing here raises for it.
+Files are read with plain ``os.open``/``os.read`` (``_read``); the tracker's per-sample calls
+reuse open descriptors (NOTE [descriptor cache]). A process that exits or denies access while
+read is normal: single-process functions return None (or False), scans skip it.
 
-NOTE [session tag]: the tracker exports ``LEAKCHECK_SESSION=<id>`` so that every process of the
-job can be recognised even after it was reparented away (to PID 1 or a subreaper).
-``/proc/PID/environ`` shows a process's *initial* environment, the block it got at its last
-``exec``: a variable set later lives only in its heap. So the tag reaches children that exec
-(``subprocess``, multiprocessing ``spawn``/``forkserver``) but not children only forked
-(multiprocessing ``fork``), whose environ is a copy of the parent's initial block. Forked
-children are found by lineage (``descendants``) while their parent lives; the tag is a second,
-independent way to find exec'd ones.
+NOTE [session tag]: the tracker exports ``LEAKCHECK_SESSION=<id>`` so that the job's processes
+are recognised even once reparented. ``/proc/PID/environ`` is the environment of the last
+``exec``, so the tag reaches exec'd children (``subprocess``, ``spawn``, ``forkserver``) but
+not children only forked, which are found by lineage (``descendants``) while their parent lives.
 
-NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its PID and its start
-in clock ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever two
-identities meet, in one process or across processes (worker records, mailbox names, session
-tags, reports read back). Never its Unix create time: ``btime`` follows the wall clock, so two
-processes compute create times a second apart for one process (psutil#2526); create times are
-shown to people only (``create_time_s``). Births against epochs compare seconds since boot
-(``since_boot_s``): a process was born at ``start_ticks / clock_ticks()``.
+NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its start in clock
+ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever identities meet.
+Never its Unix create time: ``btime`` follows the wall clock, so two processes compute create
+times a second apart for one process (psutil#2526); create times are for people only. Births
+against epochs compare seconds since boot (``start_ticks / clock_ticks()``).
 
-NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*, the
-one that forked them: a child started from a DataLoader pin-memory thread or a thread pool is
-only in that thread's file, so every task is read. Where the kernel lacks the file
-(``CONFIG_PROC_CHILDREN`` off), lineage falls back to one scan of every /proc/PID/stat. The file
-is no snapshot: a child that forks or exits during the read may be missed for one sample.
+NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*: a
+child started from a pin-memory thread or a thread pool is only in that thread's file, so every
+task is read. Without the file (``CONFIG_PROC_CHILDREN`` off) lineage scans every stat. The
+file is no snapshot: a child that forks or exits during the read may be missed for one sample.
 """
 
 from __future__ import annotations
@@ -47,12 +39,10 @@ SESSION_ENV = "LEAKCHECK_SESSION"
 """Environment variable that carries a tracker's session id to every exec'd child."""
 
 CMDLINE_MAX_CHARS = 32768
-"""Command lines are read whole up to this many bytes: a bound on memory, far above any real
-one (decisions read them whole; people read ``core.names``)."""
+"""Command lines are read up to this many bytes: a bound on memory, far above any real one."""
 
 _PROC = "/proc"
-# A vanished or foreign process, while its /proc files are read: gone (ENOENT), exited
-# between open and read (ESRCH), or not ours to read (EACCES/EPERM).
+# A process gone (ENOENT), exited between open and read (ESRCH), or not ours (EACCES/EPERM).
 _GONE = (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError)
 _TAG_PREFIX = SESSION_ENV.encode() + b"="
 _PF_KTHREAD = 0x00200000  # the kernel-thread bit of a task's flags (include/linux/sched.h)
@@ -77,38 +67,24 @@ class _Stat(NamedTuple):
 
 
 class ShmSegment(NamedTuple):
-    """One file in a shared-memory directory.
-
-    The inode tells a file removed and created again under the same name from the old one.
-    """
+    """One file in a shared-memory directory (the inode tells a file made again apart)."""
 
     size_bytes: int
     mtime: float
     inode: int
+    name: str = ""
 
 
-def _read(path: str, size: int = 4096) -> bytes | None:
-    """One read of at most ``size`` bytes; None when the file is gone or unreadable."""
+def _read(
+    path: str, size: int = 4096, *, whole: bool = False, record_bytes: int | None = None
+) -> bytes | None:
+    """One read of at most ``size`` bytes, or ``whole`` the file; None: gone or unreadable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except _GONE:
         return None
     try:
-        return os.read(fd, size)
-    except _GONE:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_all(path: str, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes | None:
-    """The whole file (``_pread_all``); None when it is gone or unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except _GONE:
-        return None
-    try:
-        return _pread_all(fd, chunk, record_bytes=record_bytes)
+        return _pread_all(fd, size, record_bytes=record_bytes) if whole else os.read(fd, size)
     except _GONE:
         return None
     finally:
@@ -118,10 +94,10 @@ def _read_all(path: str, chunk: int = 65536, *, record_bytes: int | None = None)
 def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes:
     """The whole file from offset 0.
 
-    ``record_bytes`` None: a file that fills any buffer (environ, cmdline, stat), so a short
-    read is its end. Else a seq_file (children, maps) whose longest record is that long: it
-    returns about a page per read, stopping before a record that does not fit, so a read is
-    its end only when shorter than a page by more than one record.
+    ``record_bytes`` None: a file that fills any buffer, so a short read is its end. Else a
+    seq_file (children, maps) that returns about a page per read, stopping before a record
+    (at most that long) that does not fit: a read is its end only when shorter than a page
+    by more than one record.
     """
     data = os.pread(fd, chunk, 0)
     size = len(data)
@@ -148,19 +124,14 @@ def _parse_stat(data: bytes) -> _Stat | None:
     starttime_ticks = int(fields[19])
     name = data[data.find(b"(") + 1 : rpar]
     image = None
-    # arg_start, arg_end, env_start, env_end (fields 48-51): all 0 where the reader may not
-    # ptrace the process or it has no memory (zombie, kernel thread).
+    # arg_start .. env_end (fields 48-51): 0 where we may not ptrace it or it has no memory.
     if len(fields) >= 49 and fields[46] != b"0":
         image = (starttime_ticks, name, fields[45], fields[46], fields[47], fields[48])
     return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image)
 
 
 def _is_kernel_thread(stat_line: bytes) -> bool:
-    """``PF_KTHREAD`` in a stat line's flags (field 9, shown to every reader).
-
-    Not the zeroed memory layout (startcode, endcode): a zombie and a process the reader may
-    not ptrace show that too.
-    """
+    # PF_KTHREAD in field 9, not the zeroed memory layout, which a zombie shows too.
     end = stat_line.rfind(b")")
     fields = stat_line[end + 2 :].split(maxsplit=7) if end >= 0 else []
     return len(fields) > 6 and fields[6].isdigit() and int(fields[6]) & _PF_KTHREAD != 0
@@ -171,15 +142,9 @@ def _stat(pid: int) -> _Stat | None:
     return None if not data else _parse_stat(data)
 
 
-def _cmdline(pid: int) -> str:
-    data = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS)
-    # Empty for a kernel thread, a zombie, or a process gone.
-    return (data or b"").rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
-
-
 def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
-    """The value of the variable ``prefix`` (``NAME=``) names in a process's initial environment."""
-    environ = _read_all(f"{_PROC}/{pid}/environ")
+    """The value of the variable ``prefix`` (``NAME=``) names in a process's environ."""
+    environ = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
     if environ is None:
         return None
     if environ.startswith(prefix):
@@ -202,11 +167,14 @@ def _tag_prefix(variable: str) -> bytes:
 def _info(
     pid: int, stat: _Stat, tag: bytes | None, with_cmdline: bool, prefix: bytes = _TAG_PREFIX
 ) -> ProcInfo:
+    cmdline = b""
+    if with_cmdline:  # empty for a kernel thread, a zombie, or a process gone
+        cmdline = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS) or b""
     return ProcInfo(
         key=ProcessKey(pid, stat.starttime_ticks),
         ppid=stat.ppid,
         name=stat.name.decode("utf-8", "replace"),
-        cmdline=_cmdline(pid) if with_cmdline else "",
+        cmdline=cmdline.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"),
         tagged=tag is not None and _environ_tag(pid, prefix) == tag,
     )
 
@@ -215,46 +183,15 @@ def _all_pids() -> list[int]:
     return [int(name) for name in os.listdir(_PROC) if name.isdigit()]
 
 
-def _children_file_supported() -> bool:
-    global _children_supported
-    if _children_supported is None:
-        pid = os.getpid()
-        _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
-    return _children_supported
-
-
-def _children_from_tasks(pid: int, num_threads: int | None = None) -> list[int]:
-    """Children of every thread of ``pid``, from the per-task children files."""
-    if num_threads == 1:  # its only task is the leader: no listdir
-        data = _read_all(
-            f"{_PROC}/{pid}/task/{pid}/children", 4096, record_bytes=_CHILD_RECORD_BYTES
-        )
-        if data is not None:
-            return [int(child) for child in data.split()]
-    try:
-        tids = os.listdir(f"{_PROC}/{pid}/task")
-    except _GONE:
-        return []
-    children: list[int] = []
-    for tid in tids:
-        data = _read_all(
-            f"{_PROC}/{pid}/task/{tid}/children", 4096, record_bytes=_CHILD_RECORD_BYTES
-        )
-        children.extend(int(child) for child in (data or b"").split())
-    return children
-
-
-# NOTE [descriptor cache]: opening a /proc file (a path walk through procfs) costs about 3x
-# reading it, and the tracker reads the same files of the same processes on every walk. So
-# ``descendants`` and ``is_alive`` keep /proc/PID/stat and the per-task children files open and
-# re-read them with ``pread``. That is safe against PID reuse: an open /proc file is bound to
-# its process, not the number; once that process is reaped, reading its stat fails (ESRCH), its
-# descriptors are closed and the PID is opened afresh. A children file of a vanished thread
-# reads as empty, so a multi-threaded process's task list is taken again whenever its thread
-# count changes, and at least every ``_RELIST_EVERY`` walks (a thread that replaced another at
-# the same count); the root's at each of its full reads. Bounded: at most 256 descriptors and
-# an eighth of RLIMIT_NOFILE; entries unused in the last two walks are closed; a forked child
-# closes its inherited copies at once. Other functions read afresh.
+# NOTE [descriptor cache]: opening a /proc file costs about 3x reading it, and the tracker
+# reads the same files of the same processes on every walk. So ``descendants`` and
+# ``is_alive`` keep /proc/PID/stat and the per-task children files open and re-read them with
+# ``pread``. An open /proc file is bound to its process, not the number: once it is reaped,
+# reading its stat fails, its descriptors are closed and the PID is opened afresh. A children
+# file of a vanished thread reads empty, so a task list is taken again whenever the thread
+# count changes, and at least every ``_RELIST_EVERY`` walks. Bounded: at most 256 descriptors
+# and an eighth of RLIMIT_NOFILE; entries unused in the last two walks are closed; a forked
+# child closes its inherited copies at once.
 _MAX_CACHED_FDS = 256
 _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
@@ -270,18 +207,19 @@ class _Handles:
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # Its main thread and the threads with children at the last full read: what a quick
-        # walk reads of the root (NOTE [quick walk]).
+        # Its main thread and the threads with children at the last full read (NOTE [quick
+        # walk]).
         self.parent_tids: tuple[str, ...] = ()
 
 
 _fd_lock = threading.Lock()
 _handles: dict[int, _Handles] = {}
-# Per PID: its last full read, the tag and with_cmdline it was read for, and the walk that
-# last saw it; served again by a quick walk, with or without descriptors.
+# Per PID: its last full read, the tag and with_cmdline it was read for, the walk that saw it.
 _last_read: dict[int, tuple[ProcInfo, bytes | None, bool, int]] = {}
 _cached_fd_count = 0
 _generation = 0
+
+
 _fd_limit: int | None = None
 
 
@@ -357,30 +295,40 @@ def _hot_stat(pid: int) -> _Stat | None:
 
 def _read_children(fd: int) -> list[int] | None:
     try:
-        data = _pread_all(fd, record_bytes=_CHILD_RECORD_BYTES)
+        data = _pread_all(fd, 4096, record_bytes=_CHILD_RECORD_BYTES)
     except OSError:
         return None
     return [int(child) for child in data.split()]
 
 
+def _children_file(pid: int, tid: int | str) -> list[int] | None:
+    """The children of one task, read afresh (no descriptor kept); None: gone."""
+    path = f"{_PROC}/{pid}/task/{tid}/children"
+    data = _read(path, 4096, whole=True, record_bytes=_CHILD_RECORD_BYTES)
+    return None if data is None else [int(child) for child in data.split()]
+
+
 def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:
-    """Children of every thread of ``pid`` through the cache (after ``_hot_stat``).
+    """Children of every thread of ``pid``, through the cache where ``_hot_stat`` opened it.
 
     ``relist`` takes the task list afresh whatever the thread count (the root's full reads).
     """
     global _cached_fd_count
     handles = _handles.get(pid)
-    if handles is None:
-        return _children_from_tasks(pid, num_threads)
-    task_fds = handles.task_fds
+    task_fds = handles.task_fds if handles is not None else {}
     if num_threads == 1:
         # A single-threaded process's one task is its leader: no listdir.
         fd = task_fds.get(str(pid))
         if fd is not None and len(task_fds) == 1:
             return _read_children(fd) or []
+        if handles is None:
+            return _children_file(pid, pid) or []
         tids = [str(pid)]
     elif (
-        not relist and len(task_fds) == num_threads and _generation - handles.listed < _RELIST_EVERY
+        handles is not None
+        and not relist
+        and len(task_fds) == num_threads
+        and _generation - handles.listed < _RELIST_EVERY
     ):
         tids = list(task_fds)  # same thread count, listed lately
     else:
@@ -388,7 +336,8 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
             tids = os.listdir(f"{_PROC}/{pid}/task")
         except _GONE:
             return []
-        handles.listed = _generation
+        if handles is not None:
+            handles.listed = _generation
     live = set(tids)
     for tid in [tid for tid in task_fds if tid not in live]:
         _close_quietly(task_fds.pop(tid))
@@ -405,7 +354,11 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
                 continue  # the thread exited
             # Under a tight budget other threads' files go uncached (quick walks do not read
             # them), so that the budget covers each process's stat and main thread first.
-            keep = (tid == str(pid) or _cached_fd_limit() >= _MAX_CACHED_FDS) and _reserve(1)
+            keep = (
+                handles is not None
+                and (tid == str(pid) or _cached_fd_limit() >= _MAX_CACHED_FDS)
+                and _reserve(1)
+            )
             if keep:
                 task_fds[tid] = fd
         found = _read_children(fd)
@@ -415,21 +368,20 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
             children.extend(found)
             if keep and tid != str(pid):
                 parent_tids.append(tid)
-    handles.parent_tids = tuple(parent_tids)
+    if handles is not None:
+        handles.parent_tids = tuple(parent_tids)
     return children
 
 
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A process still listed
 # under the same parent as at its last full read is then served from that read, with no stat
 # read, and only its main thread's children file is read again (processes are nearly always
-# started from the main thread; a CUDA process has a dozen threads). The root has its stat and
-# the children files of its main thread and of the threads that had children at its last full
-# read read again (a DataLoader starts its workers from one thread). Each process is read in
-# full once every ``_RECHECK_EVERY`` walks, spread by PID. What a quick walk can miss, for at
-# most that many walks: a zombie still listed (alive a little longer), the children of threads
-# that had none (the tracker checks a missing known process by identity instead of taking it
-# for reparented), and a PID reused under the same parent. Epoch ends, ``close()`` and
-# snapshots never walk quickly.
+# started from the main thread). The root has its stat and the children files of its main
+# thread and of the threads that had children at its last full read read again. Each process
+# is read in full once every ``_RECHECK_EVERY`` walks, spread by PID. What a quick walk can
+# miss, for at most that many walks: a zombie still listed, the children of threads that had
+# none (the tracker checks a missing known process by identity), and a PID reused under the
+# same parent. Epoch ends, ``close()`` and snapshots never walk quickly.
 
 
 def _full_read_due(pid: int) -> bool:
@@ -459,12 +411,12 @@ def _quick_children(
     if last is None or _full_read_due(pid):
         return None
     info, info_tag, info_with_cmdline, _seen = last
-    if info.ppid != parent or info_tag != tag or info_with_cmdline != with_cmdline:
+    if info.ppid != parent or (info_tag, info_with_cmdline) != (tag, with_cmdline):
         return None
     handles = _handles.get(pid)
     fd = handles.task_fds.get(str(pid)) if handles is not None else None
     # Past the descriptor budget, its main thread's file is read afresh.
-    children = _read_children(fd) if fd is not None else _children_from_tasks(pid, 1)
+    children = _read_children(fd) if fd is not None else _children_file(pid, pid)
     if children is None:
         return None
     if handles is not None:
@@ -494,19 +446,19 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 def boot_time_s() -> float:
     """Boot time in Unix seconds (``btime`` of /proc/stat), to show start ticks to people.
 
-    Never an identity: it follows the wall clock (NOTE [process identity]). Cached, so that
-    one process shows one start alike every time; 0.0 where unreadable.
+    Never an identity (NOTE [process identity]); cached, so that a start shows alike every
+    time; 0.0 where unreadable.
     """
-    for line in (_read_all(f"{_PROC}/stat") or b"").splitlines():
+    for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"btime"):
             return float(line.split()[1])
     return 0.0
 
 
 def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
-    """A start in ticks as a Unix time, for people (NOTE [process identity]): never compare it.
+    """A start in ticks as a Unix time, for people: never compare it (NOTE [process identity]).
 
-    ``boot_unix_s`` is the boot time to add (default: ``boot_time_s()``).
+    ``boot_unix_s``: the boot time to add (default ``boot_time_s()``).
     """
     boot = boot_time_s() if boot_unix_s is None else boot_unix_s
     return start_ticks / clock_ticks() + boot
@@ -536,18 +488,11 @@ def read_proc(
     with_cmdline: bool = True,
     tag_variable: str = SESSION_ENV,
 ) -> ProcInfo | None:
-    """Read one process: identity, parent, name and command line.
+    """Read one process: identity, parent, name and command line; None if gone or unreadable.
 
-    Args:
-        pid: Process ID.
-        session_id: When given, ``tagged`` tells whether the process's initial environment
-            has ``<tag_variable>=<session_id>`` (NOTE [session tag]); unreadable: untagged.
-        with_cmdline: Read the command line (arguments joined by spaces); False: empty.
-        tag_variable: The variable that carries the tag.
-
-    Returns:
-        The process, zombies included; None when it does not exist or cannot be read.
-
+    With ``session_id``, ``tagged`` tells whether its initial environment has
+    ``<tag_variable>=<session_id>`` (NOTE [session tag]; unreadable: untagged).
+    ``with_cmdline`` False leaves the command line (arguments joined by spaces) empty.
     """
     stat = _stat(pid)
     if stat is None:
@@ -565,18 +510,17 @@ def descendants(
 ) -> list[ProcInfo]:
     """Every live process below ``root_pid`` (not the root), parents before their children.
 
-    Walks the children files from the root down, reading each process once (NOTE [children
-    files]). A listed child whose stat names another parent (PID reused, or reparented during
-    the walk) is skipped, and so are zombies.
-
-    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``quick`` re-reads known
-    processes only every few walks (NOTE [quick walk]).
-
+    Walks the children files from the root down (NOTE [children files]); a listed child whose
+    stat names another parent (PID reused, reparented) is skipped, and so are zombies.
+    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``quick``: NOTE [quick walk].
     """
+    global _children_supported, _generation
     tag = None if session_id is None else session_id.encode()
-    if not _children_file_supported():
+    if _children_supported is None:
+        pid = os.getpid()
+        _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
+    if not _children_supported:
         return _descendants_by_scan(root_pid, tag, with_cmdline)
-    global _generation
     found: list[ProcInfo] = []
     with _fd_lock:
         _generation += 1
@@ -645,7 +589,7 @@ def scan_all(
     """Every live process of this PID namespace, in PID order, from one pass over /proc.
 
     ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``kernel_threads`` False leaves
-    out kernel threads (no descriptors, no tag), told from the stat line read anyway.
+    out kernel threads (no descriptors, no tag).
     """
     tag = None if session_id is None else session_id.encode()
     found: list[ProcInfo] = []
@@ -660,22 +604,20 @@ def scan_all(
 
 
 # NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc, so it
-# costs with the machine's processes, not the job's (2.5-2.9 ms for 184 processes); yet a
-# process judged at the previous scan stays judged: born before the root, the root, known, or
-# untagged (the tag is in the environment it started with). So ``TagScan`` remembers the /proc
-# entries it judged, a PID with the inode of its /proc directory (a new process that took an
-# exited one's PID gets a new inode), and reads only the others. "Untagged" stands only once a
-# second scan finds the same exec image (its start, name, and the addresses of its argument and
-# environment blocks, which an exec moves): a process caught between its fork and its exec
-# shows its parent's environment, one caught inside its exec none yet.
+# costs with the machine's processes, not the job's (2.5-2.9 ms for 184); yet a process judged
+# once stays judged: born before the root, the root, known, or untagged (the tag is in the
+# environment it started with). So ``TagScan`` remembers the /proc entries it judged, a PID
+# with the inode of its /proc directory (a reused PID gets a new inode), and reads only the
+# others. "Untagged" stands only once a second scan finds the same exec image (its start, name
+# and argument and environment addresses, which an exec moves): a process caught between its
+# fork and its exec shows its parent's environment, one inside its exec none yet.
 
 
 class TagScan:
     """Repeated scans for the live processes of one session born since its root.
 
-    Processes born before the root and known ones are left out from their stat line alone;
-    environments and command lines (the costly reads) are read only for the rest, and each
-    scan reads only what is new in /proc (NOTE [incremental tag scan]). One owner at a time.
+    Environments and command lines are read only for processes born since the root and not
+    known, and each scan only for what is new in /proc (NOTE [incremental tag scan]).
     """
 
     def __init__(
@@ -689,8 +631,7 @@ class TagScan:
         self._prefix = _tag_prefix(variable)
         self._born_since = born_since
         self._judged: set[tuple[int, int]] = set()
-        # Entries found untagged once, with their exec image then.
-        self._untagged: dict[tuple[int, int], object] = {}
+        self._untagged: dict[tuple[int, int], object] = {}  # found untagged once: its image
 
     def scan(self, known: Collection[ProcessKey] = ()) -> list[ProcInfo]:
         """Tagged processes not judged by an earlier scan nor ``known``, with command lines."""
@@ -734,7 +675,7 @@ def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None
 
     None when it cannot be read (gone, not ours): unknown, not empty.
     """
-    data = _read_all(f"{_PROC}/{pid}/environ")
+    data = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
     if data is None:
         return None
     wanted = {name.encode() for name in names}
@@ -753,7 +694,7 @@ def tagged_session(pid: int) -> str | None:
 
 
 def new_session_id(root_pid: int | None = None) -> str:
-    """A session tag, ``<pid>-<start ticks>-<random>``, that names its root's identity.
+    """A session tag, ``<pid>-<start ticks>-<random>``, naming its root's identity.
 
     So an orphan can tell that its root is gone; the ticks are 0 where the root is unreadable.
     """
@@ -765,10 +706,8 @@ def new_session_id(root_pid: int | None = None) -> str:
 def session_root_pid(session_id: str) -> ProcessKey | None:
     """The root identity a session tag names (``new_session_id``); None if malformed."""
     parts = session_id.split("-")
-    if len(parts) < 3:
-        return None
     try:
-        return ProcessKey(int(parts[0]), int(parts[1]))
+        return ProcessKey(int(parts[0]), int(parts[1])) if len(parts) >= 3 else None
     except ValueError:
         return None
 
@@ -778,8 +717,7 @@ def is_ancestor(
 ) -> bool:
     """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``.
 
-    ``born_since_ticks``: the ancestor's start; the walk stops at a process older than it,
-    which cannot descend from it.
+    ``born_since_ticks``: the ancestor's start; the walk stops at an older process.
     """
     current = pid
     for _ in range(max_depth):
@@ -800,10 +738,9 @@ def is_ancestor(
 def pid_namespace_nested() -> bool:
     """Whether this process runs in a child PID namespace (a container without host PIDs).
 
-    NVML reports host PIDs, which then do not match ours: True when the ``NSpid`` line of
-    /proc/self/status has more than one entry.
+    NVML reports host PIDs, which then do not match ours (``NSpid`` has more than one entry).
     """
-    for line in (_read_all(f"{_PROC}/self/status") or b"").splitlines():
+    for line in (_read(f"{_PROC}/self/status", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"NSpid:"):
             return len(line.split()) > 2
     return False
@@ -822,12 +759,6 @@ def pid_exists_here(pid: int) -> bool:
         return True
     fields = data[at + 6 :].split(maxsplit=1)
     return bool(fields) and int(fields[0]) == pid
-
-
-def is_zombie(pid: int) -> bool:
-    """Whether the process has exited but was not reaped yet (False for a PID not there)."""
-    stat = _stat(pid)
-    return stat is not None and stat.state == b"Z"
 
 
 # --- descriptors ----------------------------------------------------------------------------
@@ -857,11 +788,10 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
     return targets
 
 
-# NOTE [own descriptors]: a CUDA training process, where leakcheck runs, holds hundreds of
-# descriptors, and reading each link through procfs was most of counting a job's descriptors at
-# an epoch end (H200: 1.37 ms, 1.03 ms without). In this process ``fstat`` is cheaper: a
-# descriptor that is no character device is no NVIDIA node, and a character device's link is
-# read once per device number. One device reached through two paths counts under the first.
+# NOTE [own descriptors]: a CUDA training process holds hundreds of descriptors, and reading
+# each link through procfs was most of counting them at an epoch end (H200: 1.37 ms, 1.03 ms
+# without). In this process ``fstat`` is cheaper: only a character device can be an NVIDIA
+# node, and its link is read once per device number.
 _device_targets: dict[int, str] = {}
 
 
@@ -900,24 +830,13 @@ def nvidia_fds(pid: int) -> dict[int, str] | None:
 
 
 def nvidia_fd_count(pid: int) -> int | None:
-    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable.
-
-    A forked child of a CUDA parent inherits them, and pins its context even where NVML does
-    not list the child.
-    """
+    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
     found = _nvidia_and_count(pid)
     return None if found is None else len(found[0])
 
 
 class Descriptors(NamedTuple):
-    """A process's descriptor table at one read.
-
-    Attributes:
-        nvidia: Number -> target of each ``/dev/nvidia*`` descriptor.
-        open_count: Descriptors open.
-        limit: The soft ``RLIMIT_NOFILE``; None where unlimited or unreadable.
-
-    """
+    """A process's ``/dev/nvidia*`` descriptors, how many it has open, its soft limit."""
 
     nvidia: dict[int, str]
     open_count: int
@@ -951,7 +870,7 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
         try:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                segments[entry.name] = ShmSegment(st.st_size, st.st_mtime, st.st_ino)
+                segments[entry.name] = ShmSegment(st.st_size, st.st_mtime, st.st_ino, entry.name)
         except OSError:
             continue  # removed during the scan
     return segments
@@ -971,25 +890,21 @@ def shm_name_from_path(path: str, directory: str = "/dev/shm") -> str | None:
 def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, list[str]]:
     """PID -> sorted names of the shared-memory files it holds open or mapped.
 
-    Reads /proc/PID/fd and /proc/PID/maps of these PIDs only; those holding none, and
-    unreadable or vanished ones, are left out.
+    Reads /proc/PID/fd and /proc/PID/maps of these PIDs; those holding none, and unreadable
+    or vanished ones, are left out.
     """
     held: dict[int, list[str]] = {}
     needle = (directory.rstrip("/") + "/").encode()
     for pid in pids:
         paths = list((_fd_targets(pid) or {}).values())
-        maps = _read_all(f"{_PROC}/{pid}/maps", record_bytes=_ANY_RECORD) or b""
+        maps = _read(f"{_PROC}/{pid}/maps", 65536, whole=True, record_bytes=_ANY_RECORD) or b""
         if needle in maps:
             for line in maps.splitlines():
                 # address perms offset dev inode pathname (the path may contain spaces)
                 fields = line.split(maxsplit=5)
                 if needle in line and len(fields) == 6:
                     paths.append(fields[5].decode("utf-8", "replace"))
-        names: set[str] = set()
-        for path in paths:
-            name = shm_name_from_path(path, directory)
-            if name is not None:
-                names.add(name)
+        names = {name for path in paths if (name := shm_name_from_path(path, directory))}
         if names:
             held[pid] = sorted(names)
     return held

@@ -1,19 +1,17 @@
 """Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
 
 One call reads NVML once and /proc once: what ``leakcheck snapshot`` prints and
-``Tracker.snapshot()`` returns. Given a job's root (``--pid``), it also reads the host memory
-of the job's processes (a page-table walk each, paid only for that job) and, of a forked
-loader worker whose tracker keeps its birth reading (``mailbox.read_births``), what it copied
-of its parent's memory since (NOTE [copy on read] in hostmem.py). Device telemetry is read on
-request: each value is a driver call of its own.
+``Tracker.snapshot()`` returns. Given a job's root it also reads the host memory of the job's
+processes and, of a forked loader worker whose tracker keeps its birth reading
+(``mailbox.read_births``), what it copied of its parent's memory since (NOTE [copy on read] in
+hostmem.py). Device telemetry is read on request (a driver call per value).
 
-NOTE [overlapped start]: NVML's start (the library load, ``nvmlInit``, the first handles) is
-most of a fresh process's snapshot, and it waits in the driver with the GIL released. So the
-command begins it on a thread before importing this module (``nvml.start_in_background``),
-and ``take_snapshot`` reads NVML on a thread of its own while it scans /proc. Its own process
-is counted last, after NVML's read, without the descriptors NVML opened
-(``nvml.own_descriptors``): a snapshot does not flag itself, while a tracked process's own
-CUDA descriptors still count.
+NOTE [overlapped start]: NVML's start (library load, ``nvmlInit``, first handles) is most of
+a fresh process's snapshot, and it waits in the driver with the GIL released. So the command
+begins it on a thread before importing this module (``nvml.start_in_background``), and
+``take_snapshot`` reads NVML on a thread while it scans /proc. Its own process is counted
+last, without the descriptors NVML opened (``nvml.own_descriptors``): a snapshot does not flag
+itself, while a tracked process's own CUDA descriptors still count.
 """
 
 from __future__ import annotations
@@ -45,20 +43,16 @@ class ProcessSnapshot(NamedTuple):
     """One process in a snapshot.
 
     Attributes:
-        info: Identity, parent, command line.
-        role: Its role relative to the job root; None without a root. A direct child of the
-            root is a ``worker`` only when known as a loader worker (NOTE [roles from
-            outside] in roles.py).
+        role: Relative to the job root (None without one); a direct child is a ``worker``
+            only when known as one (NOTE [roles from outside] in roles.py).
         gpu_bytes: Used GPU bytes per device index where NVML listed it.
-        gpu_bytes_unknown: NVML listed it without a byte count somewhere.
         nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read, or unreadable).
         flags: ``orphan`` (its session's root is gone or no longer its ancestor),
             ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a runtime
-            helper of the job, kept by design: ``roles.RUNTIME_HELPERS``).
+            helper of the job: ``roles.RUNTIME_HELPERS``).
         session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
-        host: Its host memory, for the processes of the job asked about; else None.
-        copied_bytes: What a forked loader worker copied of its parent's memory since its
-            birth, where its tracker keeps that reading; else None.
+        host: Its host memory, for the job's processes.
+        copied_bytes: What a forked loader worker copied of its parent's memory since birth.
 
     """
 
@@ -136,6 +130,7 @@ class Snapshot(NamedTuple):
 
 def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
     info, host = entry.info, entry.host
+    host_fields = ("uss_bytes", "pss_bytes", "rss_bytes", "rss_peak_bytes", "source")
     return {
         "pid": info.key.pid,
         "start_ticks": info.key.start_ticks,
@@ -149,11 +144,7 @@ def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
         "nvidia_fds": entry.nvidia_fds,
         "flags": list(entry.flags),
         "session": entry.session,
-        "host_uss_bytes": host.uss_bytes if host else None,
-        "host_pss_bytes": host.pss_bytes if host else None,
-        "host_rss_bytes": host.rss_bytes if host else None,
-        "host_rss_peak_bytes": host.rss_peak_bytes if host else None,
-        "host_source": host.source if host else None,
+        **{f"host_{name}": getattr(host, name) if host else None for name in host_fields},
         "host_shared_dirty_bytes": host.shared_dirty_bytes if host else None,
         "copied_bytes": entry.copied_bytes,
     }
@@ -175,10 +166,7 @@ def _device_line(device: DeviceState) -> str:
 
 
 def _host_text(host: HostMemory | None, copied_bytes: int | None) -> str | None:
-    """``host USS 183 MiB (RSS 421 MiB, shared 216 MiB), copied 173 MiB of its parent's``.
-
-    ``host RSS 456 MiB`` where USS is unreadable; shared and copied for a forked worker only.
-    """
+    """``host USS 183 MiB (RSS 421 MiB, shared 216 MiB), copied 173 MiB of its parent's``."""
     if host is None or host.rss_bytes is None:
         return None
     if host.uss_bytes is None:
@@ -247,14 +235,6 @@ def read_gpu_processes(devices: Iterable[int] | None = None, *, telemetry: bool 
     return "ok", "", device_states, gpu_processes
 
 
-def _read_gpu_into(result: list[_GpuRead], devices: Iterable[int] | None, telemetry: bool) -> None:
-    try:
-        result.append(read_gpu_processes(devices, telemetry=telemetry))
-    except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
-        reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
-        result.append(("nvml-unavailable", reason, (), ()))
-
-
 def take_snapshot(
     *,
     root_pid: int | None = None,
@@ -265,39 +245,37 @@ def take_snapshot(
     telemetry: bool = True,
     births: Mapping[ProcessKey, Birth] | None = None,
 ) -> Snapshot:
-    """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now.
-
-    It never raises for NVML or /proc trouble: see ``attribution``.
+    """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now; never raises.
 
     Args:
         root_pid: A job root: its descendants are listed with roles, every process judged
             relative to it. None lists every GPU process of the machine.
         devices: Device indices to read (default all).
-        with_fds: Also scan every process's descriptors for ``/dev/nvidia*`` (finds
-            descriptor holders; a pass over /proc/*/fd).
-        known_workers: The job's loader workers, where the caller knows them (a tracker):
-            only these direct children are labelled ``worker``.
-        host_memory: Read the host memory of the job's processes (the root's lineage and
-            its tagged orphans). Default: when a root is given.
+        with_fds: Also count every process's ``/dev/nvidia*`` descriptors (a pass over
+            /proc/*/fd), which finds descriptor holders.
+        known_workers: The job's loader workers, where the caller knows them: only these
+            direct children are labelled ``worker``.
+        host_memory: Read the host memory of the job's processes (default: with a root).
         telemetry: Read each device's telemetry (a driver call each).
-        births: Loader workers' birth readings, where the caller has them; None reads what
-            the root's trackers keep in their mailboxes, with host memory.
+        births: Loader workers' birth readings; None reads the root's trackers' mailboxes.
 
     """
     read: list[_GpuRead] = []  # NVML, read on a thread meanwhile (NOTE [overlapped start])
-    reader = threading.Thread(
-        target=_read_gpu_into,
-        args=(read, devices, telemetry),
-        name="leakcheck-snapshot-nvml",
-        daemon=True,
-    )
+
+    def read_gpu() -> None:
+        try:
+            read.append(read_gpu_processes(devices, telemetry=telemetry))
+        except Exception as exc:  # it never raises; a surprise is a reason, not a lost snapshot
+            reason = f"NVML unavailable: the read failed: {type(exc).__name__}: {exc}"
+            read.append(("nvml-unavailable", reason, (), ()))
+
+    reader = threading.Thread(target=read_gpu, name="leakcheck-snapshot-nvml", daemon=True)
     try:
         reader.start()
     except RuntimeError:  # no thread to be had (a limit, interpreter shutdown): read here
-        _read_gpu_into(read, devices, telemetry)
-    # Command lines are read below for the processes shown only. Kernel threads hold no
-    # descriptors and carry no tag: left out (one that is an ancestor of a shown process is
-    # still shown).
+        read_gpu()
+    # Command lines are read for the processes shown only. Kernel threads hold no descriptors
+    # and carry no tag: left out (an ancestor of a shown process is still shown).
     every = {
         info.key.pid: info for info in procs.scan_all(with_cmdline=False, kernel_threads=False)
     }
@@ -328,8 +306,8 @@ def take_snapshot(
     sessions: dict[int, str | None] = {pid: procs.tagged_session(pid) for pid in interesting}
     root_key = procs.process_key(root_pid) if root_pid is not None else None
     if root_key is not None:
-        # The job's processes reparented away still carry its tag. All were born after the
-        # root, so older environments (most of a machine's, the costliest reads) are not read.
+        # The job's processes reparented away still carry its tag; all were born after the
+        # root, so older environments (the costliest reads) are not read.
         for pid, candidate in every.items():
             if pid in interesting or candidate.key.start_ticks < root_key.start_ticks:
                 continue
@@ -405,9 +383,8 @@ def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
 def _is_orphaned(tag: str, key: ProcessKey) -> bool:
     """Whether a tagged process lost its session's root: gone, or no longer its ancestor.
 
-    The root is gone when no process has the identity the tag names (NOTE [process
-    identity] in procs.py); where the tag's ticks are 0, a PID that names a process younger
-    than the tagged one was reused.
+    Gone: no process has the identity the tag names; where the tag's ticks are 0, a PID that
+    names a process younger than the tagged one was reused.
     """
     root = procs.session_root_pid(tag)
     if root is None:

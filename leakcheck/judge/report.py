@@ -379,17 +379,11 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return best
 
 
-_GPU_RULES = frozenset(
-    (
-        "growth",
-        "residual",
-        "device-mismatch",
-        "descriptor-holder",
-        "context-kept",
-        "high-clocks",
-        "blind",
-    )
-)
+_GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {
+    "context-kept",
+    "high-clocks",
+    "blind",
+}
 
 
 def is_said(finding: Finding) -> bool:
@@ -487,23 +481,9 @@ def or_dash(value: object | None, spec: str = "") -> str:
 
 
 _TABLE_HEAD = (
-    "epoch",
-    "label",
-    "time s",
-    "parent MiB",
-    "workers",
-    "wk end MiB",
-    "wk peak MiB",
-    "alive after",
-    "orphans",
-    "parent host MiB",
-    "wk host MiB",
-    "host",
-    "GPU",
-    "used/total MiB",
-    "temp C",
-    "SM MHz",
-    "power W",
+    *("epoch", "label", "time s", "parent MiB", "workers", "wk end MiB", "wk peak MiB"),
+    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host"),
+    *("GPU", "used/total MiB", "temp C", "SM MHz", "power W"),
 )
 _LEFT_ALIGNED = frozenset((1, 11, 12))
 

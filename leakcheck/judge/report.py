@@ -50,6 +50,7 @@ __all__ = [
     "host_totals",
     "is_said",
     "leak_short",
+    "leaks_short",
     "report_from_dict",
     "verdict_of",
 ]
@@ -78,7 +79,6 @@ def combined_verdict(verdicts: Iterable[str]) -> Verdict:
 
 
 _LABEL_WIDTH = 16
-_VERDICT_LEAKS_SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,7 @@ class Report:
             processes = plural(len(_lineage_keys(tl)), "process", "processes")
             return f"leakcheck: {plural(len(leaks), 'leak')} in {n_epochs} ({processes})"
         if leaks:
-            shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
-            more = len(leaks) - _VERDICT_LEAKS_SHOWN
-            tail = f"; and {more} more" if more > 0 else ""
-            return f"leakcheck: {plural(len(leaks), 'leak')} found: {shown}{tail}"
+            return f"leakcheck: {plural(len(leaks), 'leak')} found: {leaks_short(leaks)}"
         if self.verdict == "blind":
             return (
                 f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
@@ -422,6 +419,12 @@ def leak_short(finding: Finding) -> str:
     else:
         amount = ""
     return f"{finding.rule} {who}{amount}"
+
+
+def leaks_short(leaks: Sequence[Finding], shown: int = 3) -> str:
+    """The first ``shown`` leaks' ``leak_short``, then ``; and N more``."""
+    more = f"; and {len(leaks) - shown} more" if len(leaks) > shown else ""
+    return "; ".join(leak_short(f) for f in leaks[:shown]) + more
 
 
 def _header(timeline: Timeline) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import math
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from leakcheck.core.files import write_atomic
@@ -381,16 +381,6 @@ def _summed(values: Sequence[int | None]) -> float:
     return sum(value or 0 for value in values) / MIB
 
 
-def _uss(process: ProcessEpoch) -> int | None:
-    return process.host_bytes_end if process.host_source == "uss" else None
-
-
-def _gpu(process: ProcessEpoch) -> int | None:
-    if process.role == "worker":
-        return process.total_gpu_bytes_peak  # what a worker held, though gone by the end
-    return process.total_gpu_bytes_end
-
-
 def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
@@ -399,10 +389,14 @@ def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """
     from leakcheck.judge.verdict import per_pid_bytes_known
 
-    gpu = per_pid_bytes_known(report.timeline)
-    measures: dict[str, Any] = {"rss": lambda p: p.rss_bytes_end, "uss": _uss}
-    if gpu:
-        measures["gpu"] = _gpu
+    measures: dict[str, Callable[[ProcessEpoch], int | None]] = {
+        "rss": lambda p: p.rss_bytes_end,
+        "uss": lambda p: p.host_bytes_end if p.host_source == "uss" else None,
+    }
+    if per_pid_bytes_known(report.timeline):  # a worker's peak: what it held, gone by the end
+        measures["gpu"] = lambda p: (
+            p.total_gpu_bytes_peak if p.role == "worker" else p.total_gpu_bytes_end
+        )
     series: dict[str, dict[str, list[float]]] = {}
     for group, roles, _colour in _GROUPS:
         per_epoch = [[p for p in e.processes if p.role in roles] for e in report.epochs]
@@ -413,25 +407,6 @@ def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
             for name, read in measures.items()
         }
     return series
-
-
-def _group_of(finding: Finding) -> str:
-    return next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
-
-
-def _finding_point(
-    finding: Finding, series: Mapping[str, Mapping[str, list[float]]], epochs: int, gpu: bool
-) -> tuple[str, int, float]:
-    """Where a finding is marked: its panel (``gpu``/``host``), epoch and height in MiB."""
-    panel = "host" if finding.rule in _HOST_RULES or finding.host_bytes is not None else "gpu"
-    if panel == "gpu" and not gpu:
-        panel = "host"
-    epoch = finding.epoch if finding.epoch is not None and finding.epoch < epochs else epochs - 1
-    lines = series.get(_group_of(finding), {})
-    # On the measure the rule reads: USS for host memory where it was read, else RSS.
-    candidates = [lines.get(m, []) for m in (("gpu",) if panel == "gpu" else ("uss", "rss"))]
-    heights = [line[epoch] for line in candidates if line and not math.isnan(line[epoch])]
-    return panel, epoch, heights[0] if heights else 0.0
 
 
 def _report_panel(
@@ -454,9 +429,17 @@ def _report_panel(
             )  # fmt: skip
     gpu = "gpu" in next(iter(series.values()), {})
     for finding in report.leaks:
-        where, epoch, height = _finding_point(finding, series, len(epochs), gpu)
-        if where != panel:
+        # Marked on its group's line of the measure its rule reads (host: USS where read).
+        on_host = finding.rule in _HOST_RULES or finding.host_bytes is not None or not gpu
+        if on_host != (panel == "host"):
             continue
+        epoch = finding.epoch if finding.epoch is not None else len(epochs) - 1
+        epoch = min(epoch, len(epochs) - 1)
+        group = next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
+        lines = series.get(group, {})
+        measured = [lines.get(m, []) for m in (("uss", "rss") if on_host else ("gpu",))]
+        heights = [line[epoch] for line in measured if line and not math.isnan(line[epoch])]
+        height = heights[0] if heights else 0.0
         axes.plot([epoch], [height], "X", color="#D00000", markersize=10, label="leak")
         axes.annotate(
             finding.rule, (epoch, height), textcoords="offset points", xytext=(4, 6),

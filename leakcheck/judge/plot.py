@@ -356,8 +356,6 @@ def _write_png(figure: Any, path: str, dpi: int) -> str:
     return path
 
 
-# --------------------------------------------------------------------------- reports
-
 # NOTE [report picture]: a report (``watch()``'s, a stage of the Lightning callback, each
 # loader of ``leakcheck run``) is drawn as one column: GPU memory (where NVML attributes it
 # to processes) above host memory, one point per epoch end (the x axis names the epochs),

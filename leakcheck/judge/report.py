@@ -284,9 +284,6 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
     return Report(timeline=timeline, findings=judge(timeline, config), config=config)
 
 
-# --------------------------------------------------------------------------- to_dict
-
-
 def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
     """``core.records.to_jsonable``, process keys with their create time where boot is known."""
     if boot_unix_s is None:
@@ -351,9 +348,6 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
     return Report(timeline=timeline, findings=findings, config=config)
-
-
-# --------------------------------------------------------------------------- text helpers
 
 
 def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:

@@ -244,8 +244,6 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
     return {index: EpochCounts(alive[index], orphans[index]) for index in walk.by_index}
 
 
-# --------------------------------------------------------------------------- survivor, orphan
-
 REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
@@ -395,9 +393,6 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             )
         )
     return tuple(found)
-
-
-# --------------------------------------------------------------------------- growth
 
 
 def growth_slope(
@@ -644,9 +639,6 @@ def _host_leak(
     )
 
 
-# --------------------------------------------------------------------------- copy-on-read
-
-
 @dataclass(frozen=True)
 class _WorkerCopy:
     """One worker's copies over the timeline (NOTE [copy on read] in hostmem.py)."""
@@ -761,8 +753,6 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
         host_bytes=total,
     )
 
-
-# --------------------------------------------------------------------------- residual
 
 CONTEXT_OVERHEAD_BYTES = 8 * MIB
 """Device memory a live CUDA context uses beyond what NVML lists under its PID: the
@@ -901,8 +891,6 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     return tuple(found)
 
 
-# --------------------------------------------------------------------------- shm
-
 _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
     (
         "cuda.shm.",
@@ -1019,9 +1007,6 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             )
         )
     return tuple(found)
-
-
-# --------------------------------------------------------------------------- infos
 
 
 def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1235,8 +1220,6 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         )
     return tuple(found)
 
-
-# --------------------------------------------------------------------------- judge
 
 RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
     "survivor": survivor,

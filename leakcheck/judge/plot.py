@@ -84,14 +84,11 @@ def _config_title(config: _Config) -> str:
     else:
         mode = "persistent" if config.persistent_workers else "new each epoch"
         head = f"{config.num_workers} workers ({mode})"
-    leaks = len(config.report.leaks)
-    verdict = config.report.verdict
-    tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
     rate, share = config.samples_per_s, config.wait_share
     speed = "" if rate is None else f"\n{rate:,.0f} samples/s"
     if speed and share is not None:
         speed += f", {share:.0%} of the loop waiting"
-    return f"{head}\nverdict: {tail}{speed}"
+    return f"{head}\n{_verdict_text(config.report)}{speed}"
 
 
 def _figure(width: float, height: float) -> Any:
@@ -448,11 +445,10 @@ def _report_panel(
     axes.grid(axis="y", alpha=0.3)
 
 
-def _report_title(label: str, report: _Report) -> str:
-    leaks = len(report.leaks)
-    verdict = report.verdict.upper() if leaks else report.verdict
-    counted = f": {plural(leaks, 'leak')}" if leaks else ""
-    return "\n".join(part for part in (label, f"verdict: {verdict}{counted}") if part)
+def _verdict_text(report: _Report) -> str:
+    if report.leaks:
+        return f"verdict: {report.verdict.upper()}: {plural(len(report.leaks), 'leak')}"
+    return f"verdict: {report.verdict}"
 
 
 def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
@@ -470,7 +466,8 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
                 _note(axes, "no epochs")
                 continue
             _report_panel(axes, report, series, panel)
-        _title(grid[0][column], _report_title(label, report), report.verdict)
+        title = "\n".join(part for part in (label, _verdict_text(report)) if part)
+        _title(grid[0][column], title, report.verdict)
         bottom = grid[-1][column]
         bottom.set_xticks(list(range(len(report.epochs))))
         bottom.set_xticklabels(

@@ -663,7 +663,11 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     one info finding for spawned workers, where it cannot be told.
     """
     tolerance = config.copy_tolerance_bytes
-    observed = [(rec.index, proc) for rec in _Walk.of(timeline).ordered for proc in rec.processes]
+    observed = [
+        (rec.index, proc)
+        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
+        for proc in rec.processes
+    ]
     final = timeline.final
     if final is not None and final.open_epoch is not None:
         observed += [(final.open_epoch, proc) for proc in final.processes]
@@ -988,7 +992,7 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             rec.shm_used_peak_bytes,
             rec,
         )
-        for rec in _Walk.of(timeline).ordered
+        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
         if rec.shm_total_bytes and rec.shm_used_peak_bytes is not None
     ]
     worst = max(full, key=lambda item: item[0], default=None)

@@ -476,13 +476,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             for d in sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
         }
         grown = [(d, delta) for d, delta in deltas.items() if delta]
-        per_device = (
-            f" on GPU{grown[0][0]}"
-            if len(grown) == 1
-            else " ("
-            + ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
-            + ")"
-        )
+        per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
+        per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
         if last.role == "parent":
             remedy = (
                 "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists "
@@ -540,9 +535,6 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # worker's counts alone. Resident memory is ``RssAnon`` where every point has it: libraries
 # paged in on first use raise RSS for epochs, and they are file-backed.
 
-HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
-"""Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
-
 
 def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find the parent and persistent workers whose host memory grows (``growth_slope``).
@@ -557,7 +549,10 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         points = [
             (rec, proc)
             for rec, proc in obs
-            if rec is not None and proc.persistent and proc.alive_at_end and proc.role in HOST_ROLES
+            if rec is not None
+            and proc.persistent
+            and proc.alive_at_end
+            and proc.role in ("parent", "worker")
         ][config.warmup_epochs :]
         if len(points) < 3:
             continue

@@ -13,7 +13,7 @@ import os
 import re
 import signal
 
-from leakcheck.core.model import Death, Finding, ProcessEpoch, RuleConfig, Timeline
+from leakcheck.core.model import Death, Finding, RuleConfig, Timeline
 from leakcheck.core.names import culprit
 from leakcheck.core.units import format_size
 
@@ -60,15 +60,6 @@ def crashing_thread(stack: str) -> str:
         return stack
     end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
     return "\n".join(lines[start:end])
-
-
-def _record_of(timeline: Timeline, death: Death) -> ProcessEpoch | None:
-    """The latest record of the dead process: its role, command line and rank."""
-    for epoch in reversed(timeline.epochs):
-        for proc in epoch.processes:
-            if proc.key == death.key:
-                return proc
-    return None
 
 
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
@@ -123,17 +114,20 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """One ``died`` finding per process of the job a signal ended (NOTE [death evidence])."""
     findings: list[Finding] = []
     for death in timeline.deaths:
-        record = _record_of(timeline, death)
-        role = record.role if record is not None else None
-        cmdline = record.cmdline if record is not None else None
-        rank = record.rank if record is not None else None
+        # Its latest record names its role, command line and rank.
+        record = next(
+            (p for rec in reversed(timeline.epochs) for p in rec.processes if p.key == death.key),
+            None,
+        )
+        role, cmdline, rank = (None, None, None)
+        if record is not None:
+            role, cmdline, rank = record.role, record.cmdline, record.rank
         what, remedy = _what(death, config)
-        who = culprit(role, death.key.pid, cmdline, rank=rank, rule="died")
         findings.append(
             Finding(
                 rule="died",
                 severity="leak",
-                message=f"{who} {what}",
+                message=f"{culprit(role, death.key.pid, cmdline, rank=rank, rule='died')} {what}",
                 remedy=remedy,
                 pid=death.key.pid,
                 start_ticks=death.key.start_ticks,
@@ -141,9 +135,9 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 cmdline=cmdline,
                 epoch=death.epoch,
                 host_bytes=death.rss_bytes_last,
-                size_bytes=(
-                    death.shm_used_peak_bytes if death.signal_number == signal.SIGBUS else None
-                ),
+                size_bytes=death.shm_used_peak_bytes
+                if death.signal_number == signal.SIGBUS
+                else None,
                 rank=rank,
                 stack=crashing_thread(death.stack) if death.stack else None,
             )

@@ -20,7 +20,7 @@ from leakcheck.judge.report import (
     FINDING_WIDTH,
     Report,
     cut,
-    leak_short,
+    leaks_short,
     report_from_dict,
     verdict_of,
 )
@@ -36,8 +36,6 @@ __all__ = [
 
 JOB_SCHEMA_VERSION = 1
 """Version of ``JobReport.to_dict`` and ``RankReport.to_dict``."""
-
-_SHOWN = 3
 
 
 def finding_identity(finding: Finding) -> tuple[object, ...]:
@@ -87,13 +85,7 @@ class RankReport:
 
 
 def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
-    """``RankInfo`` from ``dataclasses.asdict``'s form (unknown keys ignored).
-
-    Raises:
-        KeyError: No ``rank``.
-        TypeError: Not a mapping, or a rank that is no int.
-
-    """
+    """``RankInfo`` from ``dataclasses.asdict``'s form; ``KeyError``, ``TypeError`` if not one."""
     info: RankInfo = record_from_dict(RankInfo, data)
     if not isinstance(info.rank, int):
         raise TypeError(f"rank: expected an int, got {info.rank!r}")
@@ -161,7 +153,8 @@ class JobReport:
     def format_lines(self, indent: str = "", *, named: bool = True) -> list[str]:
         """The job's verdict line, then one per rank (``named``: name its first leaks)."""
         size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
-        missing = [str(r) for r in range(self.world_size or 0) if r not in self._ranks()]
+        seen = {rank.rank for rank in self.ranks}
+        missing = [str(r) for r in range(self.world_size or 0) if r not in seen]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
         lines = [
             f"{indent}job ({size}, {plural(len(self.ranks), 'rank')} "
@@ -179,10 +172,7 @@ class JobReport:
             if rank.leaks and not named:
                 text += f"; {plural(len(rank.leaks), 'leak')}"
             elif rank.leaks:
-                shown = "; ".join(leak_short(f) for f in rank.leaks[:_SHOWN])
-                more = len(rank.leaks) - _SHOWN
-                text += f"; {plural(len(rank.leaks), 'leak')}: {shown}"
-                text += f"; and {more} more" if more > 0 else ""
+                text += f"; {plural(len(rank.leaks), 'leak')}: {leaks_short(rank.leaks)}"
             if rank.missing:  # last: the loader's own line above says it whole
                 text += f"; its own report is missing: {rank.missing[0]}"
             lines.append(cut(text, FINDING_WIDTH))
@@ -192,19 +182,12 @@ class JobReport:
         """The text of ``format_lines``."""
         return "\n".join(self.format_lines())
 
-    def _ranks(self) -> set[int]:
-        return {rank.rank for rank in self.ranks}
-
 
 def _unique(findings: Iterable[Finding]) -> tuple[Finding, ...]:
-    seen: set[tuple[object, ...]] = set()
-    out: list[Finding] = []
+    first: dict[tuple[object, ...], Finding] = {}
     for finding in findings:
-        key = finding_identity(finding)
-        if key not in seen:
-            seen.add(key)
-            out.append(finding)
-    return tuple(out)
+        first.setdefault(finding_identity(finding), finding)
+    return tuple(first.values())
 
 
 def judge_job(

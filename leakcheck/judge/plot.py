@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import math
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from leakcheck.core.files import write_atomic
@@ -23,16 +23,14 @@ from leakcheck.core.units import plural
 if TYPE_CHECKING:
     from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
 
-__all__ = [
-    "plot_reports",
-    "plot_sweep",
-    "render",
-    "render_reports",
-    "report_series",
-]
+__all__ = ["plot_reports", "plot_sweep", "render", "render_reports", "report_series"]
 
 
-# The sweep sits above this layer: its result is described by shape, never imported.
+# The sweep sits above this layer: its result (``commands.sweep.SweepResult``, its configs'
+# ``ConfigResult`` and their rows' ``EpochRow``) is read by attribute, never imported.
+_Sweep = Any
+_Config = Any
+_Row = Any
 
 
 class _Report(Protocol):
@@ -46,86 +44,6 @@ class _Report(Protocol):
     def verdict(self) -> str: ...
     @property
     def epochs(self) -> tuple[EpochRecord, ...]: ...
-
-
-class _Row(Protocol):
-    """One epoch of one configuration (``leakcheck.commands.sweep.EpochRow``)."""
-
-    @property
-    def epoch(self) -> int: ...
-    @property
-    def parent_gpu_bytes(self) -> int | None: ...
-    @property
-    def workers_gpu_bytes(self) -> int | None: ...
-    @property
-    def workers_gpu_bytes_peak(self) -> int | None: ...
-    @property
-    def workers_peak_unknown(self) -> int | None: ...
-    @property
-    def other_gpu_bytes(self) -> int | None: ...
-    @property
-    def device_used_bytes(self) -> int | None: ...
-    @property
-    def worker_count(self) -> int: ...
-    @property
-    def alive_after(self) -> int: ...
-    @property
-    def orphans(self) -> int: ...
-    @property
-    def temperature_c(self) -> int | None: ...
-    @property
-    def sm_clock_mhz(self) -> int | None: ...
-    @property
-    def workers_host_bytes(self) -> int | None: ...
-    @property
-    def host_source(self) -> str | None: ...
-    @property
-    def workers_shared_bytes(self) -> int | None: ...
-    @property
-    def workers_copied_bytes(self) -> int | None: ...
-
-
-class _Config(Protocol):
-    """One configuration (``leakcheck.commands.sweep.ConfigResult``)."""
-
-    @property
-    def num_workers(self) -> int: ...
-    @property
-    def persistent_workers(self) -> bool: ...
-    @property
-    def rows(self) -> Sequence[_Row]: ...
-    @property
-    def report(self) -> _Report: ...
-    @property
-    def samples_per_s(self) -> float | None: ...
-    @property
-    def wait_share(self) -> float | None: ...
-
-
-class _Options(Protocol):
-    """What was swept (``leakcheck.commands.sweep.SweepOptions``)."""
-
-    @property
-    def workers(self) -> Sequence[int]: ...
-    @property
-    def epochs(self) -> int: ...
-
-
-class _Sweep(Protocol):
-    """A whole sweep (``leakcheck.commands.sweep.SweepResult``)."""
-
-    @property
-    def options(self) -> _Options: ...
-    @property
-    def loader(self) -> str: ...
-    @property
-    def configs(self) -> Sequence[_Config]: ...
-    @property
-    def gpu_available(self) -> bool: ...
-    @property
-    def gpu_reason(self) -> str: ...
-    @property
-    def recommendation_line(self) -> str | None: ...
 
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
@@ -155,33 +73,6 @@ def _why(reason: str) -> str:
     return reason or "no GPU"
 
 
-def _memory_series(rows: Sequence[_Row]) -> Mapping[str, list[float]]:
-    """The GPU panel's bars and lines in MiB (the workers' peak stacked on the parent)."""
-    parent = _bars([r.parent_gpu_bytes for r in rows])
-    workers = _bars([r.workers_gpu_bytes for r in rows])
-    others = _bars([r.other_gpu_bytes for r in rows])
-    workers_top = [p + w for p, w in zip(parent, workers, strict=True)]
-    peak_top: list[float] = []
-    unknown: list[float] = []
-    for row, base, top in zip(rows, parent, workers_top, strict=True):
-        peak = row.workers_gpu_bytes_peak
-        if peak is None or row.workers_peak_unknown:
-            peak_top.append(math.nan)
-            unknown.append(1.0)
-        else:
-            peak_top.append(max(base + peak / MIB, top))
-            unknown.append(0.0)
-    return {
-        "epochs": [float(row.epoch) for row in rows],
-        "parent": parent,
-        "workers": workers,
-        "others": others,
-        "workers_top": workers_top,
-        "workers_peak_top": peak_top,
-        "unknown": unknown,
-    }
-
-
 def _per_worker(row: _Row, value: int | None) -> float:
     """MiB of one worker's share of a row's sum; NaN where not known."""
     return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
@@ -193,14 +84,11 @@ def _config_title(config: _Config) -> str:
     else:
         mode = "persistent" if config.persistent_workers else "new each epoch"
         head = f"{config.num_workers} workers ({mode})"
-    leaks = len(config.report.leaks)
-    verdict = config.report.verdict
-    tail = f"{verdict.upper()}: {plural(leaks, 'leak')}" if leaks else verdict
     rate, share = config.samples_per_s, config.wait_share
     speed = "" if rate is None else f"\n{rate:,.0f} samples/s"
     if speed and share is not None:
         speed += f", {share:.0%} of the loop waiting"
-    return f"{head}\nverdict: {tail}{speed}"
+    return f"{head}\n{_verdict_text(config.report)}{speed}"
 
 
 def _figure(width: float, height: float) -> Any:
@@ -230,29 +118,12 @@ def _note(axes: Any, text: str) -> None:
     )
 
 
-def _mark_unknown(
-    axes: Any, epochs: list[int], unknown: Sequence[float], tops: Sequence[float], label: str
-) -> None:
-    """A "?" on top of each epoch's bar whose workers' value is unknown: not 0, not left out."""
-    marked = [i for i, flag in enumerate(unknown) if flag]
-    if marked:
-        axes.plot(
-            [epochs[i] for i in marked],
-            [tops[i] for i in marked],
-            linestyle="none",
-            marker="$?$",
-            markersize=11,
-            color=_DEVICE,
-            label=label,
-        )
-
-
 def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
+    """GPU memory at epoch ends stacked by role (the workers' peak on the parent), in MiB."""
     rows = config.rows
     epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU memory (MiB)")
-    per_process = any(row.parent_gpu_bytes is not None for row in rows)
-    if not rows or not per_process:
+    if not any(row.parent_gpu_bytes is not None for row in rows):
         if rows:
             used = _gaps([row.device_used_bytes for row in rows], MIB)
             axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
@@ -261,37 +132,46 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             axes.set_yticks([])
             _note(axes, "GPU memory not measured: " + _why(reason))
         return
-    series = _memory_series(rows)
-    parent, workers = series["parent"], series["workers"]
+    parent = _bars([r.parent_gpu_bytes for r in rows])
+    workers = _bars([r.workers_gpu_bytes for r in rows])
+    tops = [p + w for p, w in zip(parent, workers, strict=True)]
     axes.bar(epochs, parent, color=_PARENT, label="parent, at epoch end")
     axes.bar(epochs, workers, bottom=parent, color=_WORKERS, label="workers (sum), at epoch end")
     axes.bar(
         epochs,
-        series["others"],
-        bottom=series["workers_top"],
+        _bars([r.other_gpu_bytes for r in rows]),
+        bottom=tops,
         color=_OTHERS,
         hatch="//",
         label="descendants + orphans,\nat epoch end",
     )
+    unknown = [r.workers_gpu_bytes_peak is None or bool(r.workers_peak_unknown) for r in rows]
     # Workers started per epoch are gone at its end: their peak shows what they held. It is
     # stacked on the parent like the workers' bar, so it never runs below that bar's top.
     if any(row.worker_count for row in rows):
+        peaks = [
+            math.nan if gone else max(base + row.workers_gpu_bytes_peak / MIB, top)
+            for row, base, top, gone in zip(rows, parent, tops, unknown, strict=True)
+        ]
         axes.plot(
             epochs,
-            series["workers_peak_top"],
+            peaks,
             color=_WORKERS,
             marker="D",
             linestyle="--",
             linewidth=1.0,
             label="parent + workers' peak\nduring epoch",
         )
-    _mark_unknown(
-        axes,
-        epochs,
-        series["unknown"],
-        series["workers_top"],
-        "workers' peak unknown (a worker\nexited unseen, reported nothing)",
-    )
+    if any(unknown):  # a "?" on each such bar: not 0, not left out
+        axes.plot(
+            [epoch for epoch, gone in zip(epochs, unknown, strict=True) if gone],
+            [top for top, gone in zip(tops, unknown, strict=True) if gone],
+            linestyle="none",
+            marker="$?$",
+            markersize=11,
+            color=_DEVICE,
+            label="workers' peak unknown (a worker\nexited unseen, reported nothing)",
+        )
     device_used = [row.device_used_bytes for row in rows]
     if any(value is not None for value in device_used):
         axes.plot(
@@ -375,20 +255,9 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
         clock_axes.set_yticks([])
         _note(axes, "temperature and clock not measured (no GPU)")
         return clock_axes
-    axes.plot(
-        epochs,
-        _gaps(temperatures),
-        color=_TEMPERATURE,
-        marker="o",
-        label="temperature",
-    )
+    axes.plot(epochs, _gaps(temperatures), color=_TEMPERATURE, marker="o", label="temperature")
     clock_axes.plot(
-        epochs,
-        _gaps(clocks),
-        color=_CLOCK,
-        marker="d",
-        linestyle="--",
-        label="SM clock",
+        epochs, _gaps(clocks), color=_CLOCK, marker="d", linestyle="--", label="SM clock"
     )
     axes.tick_params(axis="y", colors=_TEMPERATURE)
     clock_axes.tick_params(axis="y", colors=_CLOCK)
@@ -422,71 +291,52 @@ def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None)
 
 def render(result: _Sweep) -> Any:
     """Draw the sweep; a ``Figure`` (Agg canvas). Without a GPU, host and process panels."""
-    configs = result.configs
-    columns = max(len(configs), 1)
+    columns = max(len(result.configs), 1)
     gpu = result.gpu_available
+    kinds = ("memory", "host", "processes", "thermal") if gpu else ("host", "processes")
     figure = _figure(4.2 * columns + 1.6, 11.5 if gpu else 6.6)
-    if gpu:
-        grid = figure.subplots(
-            4,
-            columns,
-            squeeze=False,
-            sharex="col",
-            gridspec_kw={"height_ratios": [3, 2, 1.4, 1.6]},
-        )
-        memory_row, host_row = list(grid[0]), list(grid[1])
-        process_row, thermal_row = list(grid[2]), list(grid[3])
-    else:
-        grid = figure.subplots(
-            2, columns, squeeze=False, sharex="col", gridspec_kw={"height_ratios": [2.4, 1.4]}
-        )
-        memory_row, host_row, process_row, thermal_row = [], list(grid[0]), list(grid[1]), []
-    clock_row: list[Any] = []
-    for column, config in enumerate(configs):
-        top = memory_row[column] if gpu else host_row[column]
-        _title(top, _config_title(config), config.report.verdict)
-        panels = [process_row[column], host_row[column]]
-        _process_panel(process_row[column], config)
-        _host_panel(host_row[column], config)
+    ratios = [3, 2, 1.4, 1.6] if gpu else [2.4, 1.4]
+    grid = figure.subplots(
+        len(kinds), columns, squeeze=False, sharex="col", gridspec_kw={"height_ratios": ratios}
+    )
+    rows = {kind: list(grid[i]) for i, kind in enumerate(kinds)}
+    clocks: list[Any] = []
+    for column, config in enumerate(result.configs):
+        axes = {kind: rows[kind][column] for kind in kinds}
+        _title(axes[kinds[0]], _config_title(config), config.report.verdict)
+        _process_panel(axes["processes"], config)
+        _host_panel(axes["host"], config)
         if gpu:
-            _memory_panel(memory_row[column], config, result.gpu_reason)
-            clock_row.append(_thermal_panel(thermal_row[column], config))
-            panels += [memory_row[column], thermal_row[column], clock_row[-1]]
-        bottom = thermal_row[column] if gpu else process_row[column]
-        bottom.set_xlabel("epoch")
-        bottom.set_xticks([row.epoch for row in config.rows])
-        for axes in panels:
-            axes.grid(axis="y", alpha=0.3)
+            _memory_panel(axes["memory"], config, result.gpu_reason)
+            clocks.append(_thermal_panel(axes["thermal"], config))
+        axes[kinds[-1]].set_xlabel("epoch")
+        axes[kinds[-1]].set_xticks([row.epoch for row in config.rows])
+        for panel in [*axes.values(), *clocks[column:]]:
+            panel.grid(axis="y", alpha=0.3)
     # One memory scale per row for every configuration, so that they compare at a glance.
-    for row_axes in (memory_row, host_row):
+    for row_axes in (rows.get("memory", []), rows["host"]):
         tops = [axes.get_ylim()[1] for axes in row_axes if axes.has_data()]
         for axes in row_axes:
             if tops and axes.has_data():
                 axes.set_ylim(0, max(tops) * 1.08)
-    last = columns - 1
     if gpu:
-        _row_legend([memory_row[last]], "GPU memory")
-        _row_legend([thermal_row[last], clock_row[last]], "GPU thermal state")
-    _row_legend([host_row[last]], "host memory")
-    _row_legend([process_row[last]], "processes")
-    options = result.options
-    what = (
-        "GPU and host memory per epoch by process role"
-        if gpu
-        else "host memory and processes per epoch"
-    )
+        _row_legend([rows["memory"][-1]], "GPU memory")
+        _row_legend([rows["thermal"][-1], clocks[-1]], "GPU thermal state")
+    _row_legend([rows["host"][-1]], "host memory")
+    _row_legend([rows["processes"][-1]], "processes")
+    width = 40 * columns + 30
+    what = "GPU and host memory" if gpu else "host memory and processes"
+    workers = ",".join(str(n) for n in result.options.workers)
     lines = [
-        f"leakcheck sweep: {what} "
-        f"({','.join(str(n) for n in options.workers)} workers x {options.epochs} epochs)",
-        *textwrap.wrap(result.loader, 40 * columns + 30),
+        f"leakcheck sweep: {what} per epoch{' by process role' if gpu else ''} "
+        f"({workers} workers x {result.options.epochs} epochs)",
+        *textwrap.wrap(result.loader, width),
     ]
     if not gpu:
-        lines += textwrap.wrap(
-            "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason),
-            40 * columns + 30,
-        )
+        unmeasured = "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason)
+        lines += textwrap.wrap(unmeasured, width)
     if result.recommendation_line:
-        lines += textwrap.wrap(result.recommendation_line, 40 * columns + 30)
+        lines += textwrap.wrap(result.recommendation_line, width)
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure
 
@@ -502,8 +352,6 @@ def _write_png(figure: Any, path: str, dpi: int) -> str:
     write_atomic(path, buffer.getvalue())
     return path
 
-
-# --------------------------------------------------------------------------- reports
 
 # NOTE [report picture]: a report (``watch()``'s, a stage of the Lightning callback, each
 # loader of ``leakcheck run``) is drawn as one column: GPU memory (where NVML attributes it
@@ -528,16 +376,6 @@ def _summed(values: Sequence[int | None]) -> float:
     return sum(value or 0 for value in values) / MIB
 
 
-def _uss(process: ProcessEpoch) -> int | None:
-    return process.host_bytes_end if process.host_source == "uss" else None
-
-
-def _gpu(process: ProcessEpoch) -> int | None:
-    if process.role == "worker":
-        return process.total_gpu_bytes_peak  # what a worker held, though gone by the end
-    return process.total_gpu_bytes_end
-
-
 def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
@@ -546,10 +384,14 @@ def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """
     from leakcheck.judge.verdict import per_pid_bytes_known
 
-    gpu = per_pid_bytes_known(report.timeline)
-    measures: dict[str, Any] = {"rss": lambda p: p.rss_bytes_end, "uss": _uss}
-    if gpu:
-        measures["gpu"] = _gpu
+    measures: dict[str, Callable[[ProcessEpoch], int | None]] = {
+        "rss": lambda p: p.rss_bytes_end,
+        "uss": lambda p: p.host_bytes_end if p.host_source == "uss" else None,
+    }
+    if per_pid_bytes_known(report.timeline):  # a worker's peak: what it held, gone by the end
+        measures["gpu"] = lambda p: (
+            p.total_gpu_bytes_peak if p.role == "worker" else p.total_gpu_bytes_end
+        )
     series: dict[str, dict[str, list[float]]] = {}
     for group, roles, _colour in _GROUPS:
         per_epoch = [[p for p in e.processes if p.role in roles] for e in report.epochs]
@@ -560,25 +402,6 @@ def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
             for name, read in measures.items()
         }
     return series
-
-
-def _group_of(finding: Finding) -> str:
-    return next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
-
-
-def _finding_point(
-    finding: Finding, series: Mapping[str, Mapping[str, list[float]]], epochs: int, gpu: bool
-) -> tuple[str, int, float]:
-    """Where a finding is marked: its panel (``gpu``/``host``), epoch and height in MiB."""
-    panel = "host" if finding.rule in _HOST_RULES or finding.host_bytes is not None else "gpu"
-    if panel == "gpu" and not gpu:
-        panel = "host"
-    epoch = finding.epoch if finding.epoch is not None and finding.epoch < epochs else epochs - 1
-    lines = series.get(_group_of(finding), {})
-    # On the measure the rule reads: USS for host memory where it was read, else RSS.
-    candidates = [lines.get(m, []) for m in (("gpu",) if panel == "gpu" else ("uss", "rss"))]
-    heights = [line[epoch] for line in candidates if line and not math.isnan(line[epoch])]
-    return panel, epoch, heights[0] if heights else 0.0
 
 
 def _report_panel(
@@ -601,9 +424,17 @@ def _report_panel(
             )  # fmt: skip
     gpu = "gpu" in next(iter(series.values()), {})
     for finding in report.leaks:
-        where, epoch, height = _finding_point(finding, series, len(epochs), gpu)
-        if where != panel:
+        # Marked on its group's line of the measure its rule reads (host: USS where read).
+        on_host = finding.rule in _HOST_RULES or finding.host_bytes is not None or not gpu
+        if on_host != (panel == "host"):
             continue
+        epoch = finding.epoch if finding.epoch is not None else len(epochs) - 1
+        epoch = min(epoch, len(epochs) - 1)
+        group = next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
+        lines = series.get(group, {})
+        measured = [lines.get(m, []) for m in (("uss", "rss") if on_host else ("gpu",))]
+        heights = [line[epoch] for line in measured if line and not math.isnan(line[epoch])]
+        height = heights[0] if heights else 0.0
         axes.plot([epoch], [height], "X", color="#D00000", markersize=10, label="leak")
         axes.annotate(
             finding.rule, (epoch, height), textcoords="offset points", xytext=(4, 6),
@@ -614,11 +445,10 @@ def _report_panel(
     axes.grid(axis="y", alpha=0.3)
 
 
-def _report_title(label: str, report: _Report) -> str:
-    leaks = len(report.leaks)
-    verdict = report.verdict.upper() if leaks else report.verdict
-    counted = f": {plural(leaks, 'leak')}" if leaks else ""
-    return "\n".join(part for part in (label, f"verdict: {verdict}{counted}") if part)
+def _verdict_text(report: _Report) -> str:
+    if report.leaks:
+        return f"verdict: {report.verdict.upper()}: {plural(len(report.leaks), 'leak')}"
+    return f"verdict: {report.verdict}"
 
 
 def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
@@ -636,7 +466,8 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
                 _note(axes, "no epochs")
                 continue
             _report_panel(axes, report, series, panel)
-        _title(grid[0][column], _report_title(label, report), report.verdict)
+        title = "\n".join(part for part in (label, _verdict_text(report)) if part)
+        _title(grid[0][column], title, report.verdict)
         bottom = grid[-1][column]
         bottom.set_xticks(list(range(len(report.epochs))))
         bottom.set_xticklabels(

@@ -50,6 +50,7 @@ __all__ = [
     "host_totals",
     "is_said",
     "leak_short",
+    "leaks_short",
     "report_from_dict",
     "verdict_of",
 ]
@@ -78,7 +79,6 @@ def combined_verdict(verdicts: Iterable[str]) -> Verdict:
 
 
 _LABEL_WIDTH = 16
-_VERDICT_LEAKS_SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class Report:
         extra = {
             f.name: _to_jsonable(getattr(tl, f.name), boot)
             for f in dataclasses.fields(tl)
-            if f.name not in _TIMELINE_KEYS.values()
+            if f.name not in _TIMELINE_KEYS
         }
         return {
             "schema_version": SCHEMA_VERSION,
@@ -190,10 +190,7 @@ class Report:
             processes = plural(len(_lineage_keys(tl)), "process", "processes")
             return f"leakcheck: {plural(len(leaks), 'leak')} in {n_epochs} ({processes})"
         if leaks:
-            shown = "; ".join(leak_short(f) for f in leaks[:_VERDICT_LEAKS_SHOWN])
-            more = len(leaks) - _VERDICT_LEAKS_SHOWN
-            tail = f"; and {more} more" if more > 0 else ""
-            return f"leakcheck: {plural(len(leaks), 'leak')} found: {shown}{tail}"
+            return f"leakcheck: {plural(len(leaks), 'leak')} found: {leaks_short(leaks)}"
         if self.verdict == "blind":
             return (
                 f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
@@ -287,9 +284,6 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
     return Report(timeline=timeline, findings=judge(timeline, config), config=config)
 
 
-# --------------------------------------------------------------------------- to_dict
-
-
 def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
     """``core.records.to_jsonable``, process keys with their create time where boot is known."""
     if boot_unix_s is None:
@@ -297,52 +291,31 @@ def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
     return to_jsonable(value, lambda ticks: create_time_s(ticks, boot_unix_s))
 
 
-def _process_to_dict(
-    proc: ProcessEpoch, bytes_known: bool, boot_unix_s: float | None
-) -> dict[str, Any]:
-    data: dict[str, Any] = _to_jsonable(proc, boot_unix_s)
-    # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
-    known = bytes_known and not proc.gpu_bytes_unknown
-    data["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
-    data["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if known else None
-    return data
-
-
 def _epoch_to_dict(
     rec: EpochRecord, bytes_known: bool, boot_unix_s: float | None
 ) -> dict[str, Any]:
-    # Field by field, so that each process is converted once (with its totals).
-    data: dict[str, Any] = {
-        f.name: (
-            [_process_to_dict(p, bytes_known, boot_unix_s) for p in rec.processes]
-            if f.name == "processes"
-            else _to_jsonable(getattr(rec, f.name), boot_unix_s)
-        )
-        for f in dataclasses.fields(rec)
-    }
+    data: dict[str, Any] = _to_jsonable(dataclasses.replace(rec, processes=()), boot_unix_s)
+    data["processes"] = []
+    for proc in rec.processes:
+        # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
+        known = bytes_known and not proc.gpu_bytes_unknown
+        data["processes"].append(_to_jsonable(proc, boot_unix_s))
+        data["processes"][-1]["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
+        data["processes"][-1]["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if known else None
     data["duration_s"] = rec.duration_s
     return data
 
 
-# Timeline fields stored under another name or place in the dict; the rest keep their name.
-_TIMELINE_KEYS: dict[str, str] = {
-    "session": "session_id",
-    "root": "root",
-    "started_unix_s": "started_unix_s",
-    "attribution": "attribution",
-    "attribution_reason": "attribution_reason",
-    "epochs": "epochs",
-    "final": "final",
-    "failures": "failures",
-    "baseline_devices": "baseline_devices",
-    "baseline_gpu_bytes": "baseline_gpu_bytes",
-}
+_TIMELINE_KEYS = frozenset(
+    ("session_id", "root", "started_unix_s", "attribution", "attribution_reason", "epochs")
+) | {"final", "failures", "baseline_devices", "baseline_gpu_bytes"}
+"""Timeline fields ``to_dict`` writes in their own place (``session_id`` as ``session``, the
+baseline's under ``baseline``); the rest follow under their own names."""
 
 
 def finding_to_dict(finding: Finding) -> dict[str, Any]:
     """Return one finding as plain data that ``json.dumps`` accepts (as in ``to_dict``)."""
-    data: dict[str, Any] = _to_jsonable(finding)
-    return data
+    return dict(_to_jsonable(finding))
 
 
 def finding_from_dict(data: Mapping[str, Any]) -> Finding:
@@ -363,14 +336,11 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
             f"got {version!r}"
         )
     baseline = data.get("baseline") or {}
-    fields: dict[str, Any] = {
-        name: data[key] for key, name in _TIMELINE_KEYS.items() if key in data
-    }
+    fields = {f.name: data[f.name] for f in dataclasses.fields(Timeline) if f.name in data}
+    if "session" in data:
+        fields["session_id"] = data["session"]
     fields["baseline_devices"] = baseline.get("devices", [])
     fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
-    for f in dataclasses.fields(Timeline):
-        if f.name not in fields and f.name in data:
-            fields[f.name] = data[f.name]
     try:
         timeline: Timeline = record_from_dict(Timeline, fields)
         config: RuleConfig = record_from_dict(RuleConfig, data.get("config") or {})
@@ -378,9 +348,6 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"report data: malformed ({type(exc).__name__}: {exc})") from None
     return Report(timeline=timeline, findings=findings, config=config)
-
-
-# --------------------------------------------------------------------------- text helpers
 
 
 def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
@@ -403,17 +370,11 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return best
 
 
-_GPU_RULES = frozenset(
-    (
-        "growth",
-        "residual",
-        "device-mismatch",
-        "descriptor-holder",
-        "context-kept",
-        "high-clocks",
-        "blind",
-    )
-)
+_GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {
+    "context-kept",
+    "high-clocks",
+    "blind",
+}
 
 
 def is_said(finding: Finding) -> bool:
@@ -452,6 +413,12 @@ def leak_short(finding: Finding) -> str:
     else:
         amount = ""
     return f"{finding.rule} {who}{amount}"
+
+
+def leaks_short(leaks: Sequence[Finding], shown: int = 3) -> str:
+    """The first ``shown`` leaks' ``leak_short``, then ``; and N more``."""
+    more = f"; and {len(leaks) - shown} more" if len(leaks) > shown else ""
+    return "; ".join(leak_short(f) for f in leaks[:shown]) + more
 
 
 def _header(timeline: Timeline) -> str:
@@ -511,23 +478,9 @@ def or_dash(value: object | None, spec: str = "") -> str:
 
 
 _TABLE_HEAD = (
-    "epoch",
-    "label",
-    "time s",
-    "parent MiB",
-    "workers",
-    "wk end MiB",
-    "wk peak MiB",
-    "alive after",
-    "orphans",
-    "parent host MiB",
-    "wk host MiB",
-    "host",
-    "GPU",
-    "used/total MiB",
-    "temp C",
-    "SM MHz",
-    "power W",
+    *("epoch", "label", "time s", "parent MiB", "workers", "wk end MiB", "wk peak MiB"),
+    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host"),
+    *("GPU", "used/total MiB", "temp C", "SM MHz", "power W"),
 )
 _LEFT_ALIGNED = frozenset((1, 11, 12))
 
@@ -658,27 +611,19 @@ def _process_lines(timeline: Timeline) -> list[str]:
         groups.append(("after the work", timeline.final.processes))
     for title, procs in groups:
         lines += ["", f"{title}:"]
-        if not procs:
-            continue
-        rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
-        for proc in procs:
-            rows.append(
-                [
-                    rank_label(proc.rank) + proc.role,
-                    str(proc.key.pid),
-                    _held_cell(proc) if known else "-",
-                    _peak_cell(proc) if known else "-",
-                    _host_cell(proc),
-                    or_dash(proc.nvidia_fds),
-                    _flags_cell(proc),
-                    process_name(proc.cmdline),
-                ]
-            )
-        lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
+        if procs:
+            head = ["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]
+            rows = [head, *(_process_row(proc, known) for proc in procs)]
+            lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
 
 
-def _flags_cell(proc: ProcessEpoch) -> str:
+def _process_row(proc: ProcessEpoch, known: bool) -> list[str]:
+    """A process in the verbose report; host memory at the end, or at exit for one gone."""
+    held = ",".join(f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items()))
+    peak = "?" if proc.total_gpu_bytes_peak is None else format_mib(proc.total_gpu_bytes_peak)
+    if proc.gpu_peak_source == "reported" and proc.total_gpu_bytes_peak is not None:
+        peak += "*"
     flags = [
         name
         for name, on in (
@@ -693,28 +638,17 @@ def _flags_cell(proc: ProcessEpoch) -> str:
     if proc.last_seen_after_s is not None:
         # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
         flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
-    return " ".join(flags) or "-"
-
-
-def _held_cell(proc: ProcessEpoch) -> str:
-    if proc.gpu_bytes_unknown:
-        return "?"
-    held = [f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items())]
-    return ",".join(held) or "0"
-
-
-def _peak_cell(proc: ProcessEpoch) -> str:
-    peak = proc.total_gpu_bytes_peak
-    if peak is None:
-        return "?"
-    return format_mib(peak) + ("*" if proc.gpu_peak_source == "reported" else "")
-
-
-def _host_cell(proc: ProcessEpoch) -> str:
-    """``123 uss`` (``rss``): host memory at the end, or at exit for a process gone by then."""
-    if proc.host_bytes_end is None:
-        return "-"
-    return f"{format_mib(proc.host_bytes_end)} {proc.host_source}"
+    host = proc.host_bytes_end
+    return [
+        rank_label(proc.rank) + proc.role,
+        str(proc.key.pid),
+        ("?" if proc.gpu_bytes_unknown else held or "0") if known else "-",
+        peak if known else "-",
+        "-" if host is None else f"{format_mib(host)} {proc.host_source}",
+        or_dash(proc.nvidia_fds),
+        " ".join(flags) or "-",
+        process_name(proc.cmdline),
+    ]
 
 
 def _teardown_lines(timeline: Timeline) -> list[str]:
@@ -809,16 +743,6 @@ def _stack_row(row: str, room: int) -> str:
     return cut(f"{head}{ELLIPSIS}/{name}{tail}", room)
 
 
-@dataclass(frozen=True)
-class _Line:
-    """Findings that read alike but for their PIDs: one line of the report."""
-
-    first: Finding
-    what: str
-    named: bool
-    pids: tuple[int, ...]
-
-
 def finding_lines(
     findings: Sequence[Finding],
     indent: str = "",
@@ -833,54 +757,41 @@ def finding_lines(
     lines with one fix share it (its ``kill`` naming all their PIDs). ``loader`` and
     ``worker_ids`` (by PID) name the workers.
     """
-    lines_by_key: dict[tuple[object, ...], _Line] = {}
+    lines: dict[tuple[object, ...], list[Finding]] = {}
     for index, finding in enumerate(findings):
         who, what = _culprit_and_what(finding)
-        template, _ = _fix_template(finding)
         # By the name a person reads (two helpers whose arguments differ are one cause).
         name = process_name(finding.cmdline)
-        key: tuple[object, ...] = (
-            (finding.severity, finding.rule, finding.role, finding.rank, name, what)
-            if who is not None and finding.pid is not None
-            else (index,)
-        )
-        key += (template,)
-        line = lines_by_key.get(key)
-        pids = (finding.pid,) if who is not None and finding.pid is not None else ()
-        if line is None:
-            lines_by_key[key] = _Line(finding, what, who is not None, pids)
-        else:
-            lines_by_key[key] = dataclasses.replace(line, pids=line.pids + pids)
-    by_fix: dict[tuple[str, str, str], list[_Line]] = {}
-    for line in lines_by_key.values():
-        template, _ = _fix_template(line.first)
-        by_fix.setdefault((line.first.severity, line.first.rule, template), []).append(line)
+        alike = (finding.severity, finding.rule, finding.role, finding.rank, name, what)
+        key = (alike if who is not None else (index,)) + (_fix_template(finding)[0],)
+        lines.setdefault(key, []).append(finding)
+    by_fix: dict[tuple[str, str, str], list[list[Finding]]] = {}
+    for line in lines.values():
+        first = line[0]
+        by_fix.setdefault((first.severity, first.rule, _fix_template(first)[0]), []).append(line)
     out: list[str] = []
     ids = worker_ids or {}
     for (severity, rule, template), group in by_fix.items():
         tag = "LEAK" if severity == "leak" else "info"
         killed: list[int] = []
         for line in group:
-            f = line.first
-            text = line.what
-            if line.named:
-                who = culprits(
-                    f.role,
-                    list(line.pids),
-                    f.cmdline,
-                    rank=f.rank,
-                    rule=f.rule,
-                    worker_id=ids.get(line.pids[0]) if len(line.pids) == 1 else None,
+            f = line[0]
+            who, text = _culprit_and_what(f)
+            pids = [g.pid for g in line if g.pid is not None] if who is not None else []
+            if pids:
+                worker_id = ids.get(pids[0]) if len(pids) == 1 else None
+                named = culprits(
+                    f.role, pids, f.cmdline, rank=f.rank, rule=f.rule, worker_id=worker_id,
                     loader=loader,
-                )
-                text = f"{who} {text}"
+                )  # fmt: skip
+                text = f"{named} {text}"
             out.append(cut(f"{indent}{tag} {rule}  {text}", FINDING_WIDTH))
             if f.stack:  # a crashed worker's own Python stack, as its faulthandler wrote it
                 rows = f.stack.splitlines()[:_STACK_ROWS]
                 room = FINDING_WIDTH - len(indent) - 4
                 out.extend(f"{indent}    {_stack_row(row, room)}" for row in rows)
             if _fix_template(f)[1]:
-                killed.extend(line.pids or ((f.pid,) if f.pid is not None else ()))
+                killed.extend(pids or ([f.pid] if f.pid is not None else []))
         fix = _kill_fix(template, killed) if killed else template
         out.append(f"{indent}  fix: {cut(fix, FIX_WIDTH)}")
     return out

@@ -1,18 +1,19 @@
 """Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
 ``judge`` runs them all and orders the findings. Rules on GPU memory need NVML and find nothing
-without it; the host rules always run.
+without it; the host rules always run. The rules on processes share one walk (``_Walk``: every
+observation of every process) and build their findings with one builder (``_finding``).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from leakcheck.core.model import (
     MIB,
-    DeviceState,
     EpochRecord,
     Finding,
     ProcessEpoch,
@@ -56,6 +57,8 @@ __all__ = [
 LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
 """Roles of processes that belong to the watched job (everything but ``foreign``)."""
 
+_CHILD_ROLES = ("worker", "descendant", "orphan")
+
 # NOTE [late rise]: a leak keeps growing; allocator warm-up grows, then plateaus: at least this
 # share of the total rise must happen in the series' second half.
 _LATE_RISE_SHARE = 0.25
@@ -67,7 +70,6 @@ def per_pid_bytes_known(timeline: Timeline) -> bool:
 
 
 def _has_nvml(timeline: Timeline) -> bool:
-    """Tell whether device-level NVML data exists (rules on device totals may run)."""
     return timeline.attribution not in ("nvml-unavailable", "no-gpu")
 
 
@@ -77,42 +79,24 @@ def _has_nvml(timeline: Timeline) -> bool:
 # its ``remedy`` is one fix of at most about 120. ``leakcheck explain RULE`` tells the rest.
 
 
-def _process_finding(
-    proc: ProcessEpoch,
-    *,
+def _finding(
     rule: Rule,
     severity: Severity,
-    what: str = "",
+    message: str,
     remedy: str,
-    message: str | None = None,
-    gpu_bytes: int | None = None,
-    epoch: int | None = None,
-    device_index: int | None = None,
-    bytes_per_epoch: float | None = None,
-    nvidia_fds: int | None = None,
-    scope: str | None = None,
-    host_bytes: int | None = None,
+    proc: ProcessEpoch | None = None,
+    *,
+    named: bool = True,
+    **fields: Any,
 ) -> Finding:
-    """A finding about one process, its identity taken whole from ``proc``."""
-    who = culprit(proc.role, proc.key.pid, proc.cmdline, rank=proc.rank, rule=rule)
-    return Finding(
-        rule=rule,
-        severity=severity,
-        message=message if message is not None else f"{who} {what}",
-        remedy=remedy,
-        pid=proc.key.pid,
-        start_ticks=proc.key.start_ticks,
-        role=proc.role,
-        cmdline=proc.cmdline,
-        rank=proc.rank,
-        gpu_bytes=gpu_bytes,
-        epoch=epoch,
-        device_index=device_index,
-        bytes_per_epoch=bytes_per_epoch,
-        nvidia_fds=nvidia_fds,
-        scope=scope,
-        host_bytes=host_bytes,
-    )
+    """A finding; about ``proc`` where given: its identity whole, its culprit before ``message``."""
+    if proc is not None:
+        if named:
+            who = culprit(proc.role, proc.key.pid, proc.cmdline, rank=proc.rank, rule=rule)
+            message = f"{who} {message}"
+        identity = {"pid": proc.key.pid, "start_ticks": proc.key.start_ticks, "role": proc.role}
+        fields = {**identity, "cmdline": proc.cmdline, "rank": proc.rank, **fields}
+    return Finding(rule=rule, severity=severity, message=message, remedy=remedy, **fields)
 
 
 def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
@@ -121,49 +105,103 @@ def _devices_text(gpu_bytes: Mapping[int, int]) -> str:
     return ", ".join(parts)
 
 
-def _holding_text(
-    gpu_bytes: Mapping[int, int], nvidia_fds: int | None, *, bytes_known: bool
-) -> str:
-    """Describe what a process holds: GPU bytes per device and /dev/nvidia* fds."""
-    parts: list[str] = []
-    if bytes_known:
-        devices = _devices_text(gpu_bytes)
-        if devices:
-            parts.append(devices)
-    if nvidia_fds:
-        parts.append(f"{nvidia_fds} /dev/nvidia* fds")
-    return "; holds " + ", ".join(parts) if parts else ""
-
-
-def _max_per_device(procs: Iterable[ProcessEpoch]) -> dict[int, int]:
-    out: dict[int, int] = {}
+def _holding(procs: Iterable[ProcessEpoch], bytes_known: bool) -> tuple[str, dict[str, Any]]:
+    """``; holds GPU0 612 MiB, 3 /dev/nvidia* fds``: the most seen, and those fields."""
+    held: dict[int, int] = {}
+    fds: int | None = None
     for proc in procs:
-        for device, held in proc.gpu_bytes_end.items():
-            out[device] = max(out.get(device, 0), held)
-    return out
+        for device, used in proc.gpu_bytes_end.items():
+            held[device] = max(held.get(device, 0), used)
+        if proc.nvidia_fds is not None:
+            fds = max(fds or 0, proc.nvidia_fds)
+    parts = [_devices_text(held)] if bytes_known and _devices_text(held) else []
+    if fds:
+        parts.append(f"{fds} /dev/nvidia* fds")
+    fields = {"gpu_bytes": sum(held.values()) if bytes_known else None, "nvidia_fds": fds}
+    return ("; holds " + ", ".join(parts) if parts else ""), fields
 
 
-def _max_fds(procs: Iterable[ProcessEpoch]) -> int | None:
-    known = [p.nvidia_fds for p in procs if p.nvidia_fds is not None]
-    return max(known) if known else None
+_Seen = tuple[EpochRecord | None, ProcessEpoch]
+"""One observation: a process at an epoch's end (its record), or in the final state (None)."""
 
 
-def _sorted_epochs(timeline: Timeline) -> list[EpochRecord]:
-    return sorted(timeline.epochs, key=lambda rec: rec.index)
-
-
-def _observations(
-    timeline: Timeline,
-) -> dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]]:
+@dataclass(frozen=True)
+class _Walk:
     """Every observation of every identity: epochs in index order, then the final state."""
-    seen: dict[ProcessKey, list[tuple[EpochRecord | None, ProcessEpoch]]] = {}
-    for rec in _sorted_epochs(timeline):
-        for proc in rec.processes:
-            seen.setdefault(proc.key, []).append((rec, proc))
-    if timeline.final is not None:
-        for proc in timeline.final.processes:
-            seen.setdefault(proc.key, []).append((None, proc))
-    return seen
+
+    timeline: Timeline
+    ordered: list[EpochRecord]
+    by_index: dict[int, EpochRecord]
+    seen: dict[ProcessKey, list[_Seen]]
+
+    @classmethod
+    def of(cls, timeline: Timeline) -> _Walk:
+        ordered = sorted(timeline.epochs, key=lambda rec: rec.index)
+        seen: dict[ProcessKey, list[_Seen]] = {}
+        for rec in ordered:
+            for proc in rec.processes:
+                seen.setdefault(proc.key, []).append((rec, proc))
+        if timeline.final is not None:
+            for proc in timeline.final.processes:
+                seen.setdefault(proc.key, []).append((None, proc))
+        return cls(timeline, ordered, {rec.index: rec for rec in ordered}, seen)
+
+    def birth(self, obs: Sequence[_Seen]) -> EpochRecord | None:
+        """The epoch a process was born in: by its create time, else where first seen born."""
+        born = next((p.born_epoch for _, p in obs if p.born_epoch is not None), None)
+        if born is None:
+            born = next((r.index for r, p in obs if r is not None and p.born_in_epoch), None)
+        return self.by_index.get(born) if born is not None else None
+
+    def alive_after_s(self, birth: EpochRecord, obs: Sequence[_Seen]) -> float | None:
+        """Longest time after ``birth`` ended at which the process was seen alive."""
+        final = self.timeline.final
+        times: list[float] = []
+        for rec, proc in obs:
+            seen_s = proc.last_seen_after_s
+            if rec is None:
+                if final is not None and final.time_s >= birth.end_s:
+                    times.append(final.time_s - birth.end_s)
+            elif rec.index == birth.index:
+                if proc.alive_at_end:  # alive at end_s, which is stamped after the end sample
+                    seen_s = max(0.0, seen_s or 0.0)
+                if seen_s is not None:
+                    times.append(seen_s)
+            elif rec.index > birth.index and proc.alive_at_end:
+                times.append(rec.end_s - birth.end_s + max(0.0, seen_s or 0.0))
+        return max(times) if times else None
+
+    def ends_outside_the_tree(
+        self, obs: Sequence[_Seen], birth: EpochRecord | None
+    ) -> list[EpochRecord]:
+        """The epochs at whose end a process of the job was alive and outside its tree."""
+        start = birth or next((r for r, p in obs if r is not None and p.alive_at_end), None)
+        after_s = self.alive_after_s(start, obs) if start is not None else None
+        if start is None or after_s is None:
+            return []
+        in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
+        ends = [rec.end_s for rec in self.ordered]
+        lo = bisect.bisect_left(ends, start.end_s)
+        hi = bisect.bisect_right(ends, start.end_s + after_s)
+        return [rec for rec in self.ordered[lo:hi] if rec.index not in in_tree]
+
+
+def _past_grace(after_s: float | None, grace_s: float) -> bool:
+    """Seen alive later than the grace after an epoch's end (``_Walk.alive_after_s``)."""
+    # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
+    return after_s is not None and after_s > grace_s
+
+
+def _daemonized(proc: ProcessEpoch) -> bool:
+    """A helper that daemonizes by design (``roles.DAEMON_HELPERS``): no orphan rule's."""
+    return proc.persistent and is_daemon_helper(proc.cmdline)
+
+
+def _worker_pids(obs: Sequence[_Seen]) -> set[int]:
+    """The workers of the epochs a process was seen in (its parent may be one of them)."""
+    return {
+        p.key.pid for rec, _ in obs if rec is not None for p in rec.processes if p.role == "worker"
+    }
 
 
 @dataclass(frozen=True)
@@ -184,152 +222,61 @@ class EpochCounts:
 
 def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
     """``EpochCounts`` for every epoch of ``timeline``, by index."""
-    ordered = _sorted_epochs(timeline)
-    epochs = {rec.index: rec for rec in ordered}
-    ends = [rec.end_s for rec in ordered]
+    walk = _Walk.of(timeline)
     final_closed = timeline.final is not None and timeline.final.closed
-    alive: dict[int, int] = dict.fromkeys(epochs, 0)
-    orphans: dict[int, int] = dict.fromkeys(epochs, 0)
-    for obs in _observations(timeline).values():
+    alive: dict[int, int] = dict.fromkeys(walk.by_index, 0)
+    orphans: dict[int, int] = dict.fromkeys(walk.by_index, 0)
+    for obs in walk.seen.values():
         procs = [proc for _, proc in obs]
-        if not any(proc.role in ("worker", "descendant", "orphan") for proc in procs):
+        if not any(proc.role in _CHILD_ROLES for proc in procs):
             continue
-        birth = _birth(epochs, obs)
+        birth = walk.birth(obs)
         if birth is not None:
-            after_s = _alive_after_s(timeline, birth, obs)
             # Alive when the job ended counts too: the orphan rule names what outlived the
             # job whether or not the grace had passed by then.
-            outlived = _past_grace(after_s, grace_s)
+            outlived = _past_grace(walk.alive_after_s(birth, obs), grace_s)
             outlived = outlived or (obs[-1][0] is None and final_closed)
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
         if any(p.role == "orphan" for p in procs) and not any(map(_daemonized, procs)):
-            for rec in _ends_outside_the_tree(timeline, ordered, ends, obs, birth):
+            for rec in walk.ends_outside_the_tree(obs, birth):
                 orphans[rec.index] += 1
-    return {index: EpochCounts(alive[index], orphans[index]) for index in epochs}
-
-
-def _past_grace(after_s: float | None, grace_s: float) -> bool:
-    """Seen alive later than the grace after an epoch's end (``_alive_after_s``)."""
-    # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
-    return after_s is not None and after_s > grace_s
-
-
-def _daemonized(proc: ProcessEpoch) -> bool:
-    """A helper that daemonizes by design (``roles.DAEMON_HELPERS``): no orphan rule's."""
-    return proc.persistent and is_daemon_helper(proc.cmdline)
-
-
-def _birth(
-    epochs: Mapping[int, EpochRecord], obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]
-) -> EpochRecord | None:
-    """The epoch a process was born in: by its create time, else where first seen born."""
-    born = next((proc.born_epoch for _, proc in obs if proc.born_epoch is not None), None)
-    if born is None:
-        born = next((rec.index for rec, p in obs if rec is not None and p.born_in_epoch), None)
-    return epochs.get(born) if born is not None else None
-
-
-def _ends_outside_the_tree(
-    timeline: Timeline,
-    ordered: Sequence[EpochRecord],
-    ends: Sequence[float],
-    obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
-    birth: EpochRecord | None,
-) -> list[EpochRecord]:
-    """The epochs at whose end a process of the job was alive and outside its tree."""
-    start = birth or next((rec for rec, p in obs if rec is not None and p.alive_at_end), None)
-    if start is None:
-        return []
-    after_s = _alive_after_s(timeline, start, obs)
-    if after_s is None:
-        return []
-    in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-    lo = bisect.bisect_left(ends, start.end_s)
-    hi = bisect.bisect_right(ends, start.end_s + after_s)
-    return [rec for rec in ordered[lo:hi] if rec.index not in in_tree]
-
-
-# --------------------------------------------------------------------------- survivor
-
-
-def _alive_after_s(
-    timeline: Timeline,
-    birth: EpochRecord,
-    observations: Sequence[tuple[EpochRecord | None, ProcessEpoch]],
-) -> float | None:
-    """Longest time after ``birth`` ended at which the process was seen alive."""
-    best: float | None = None
-
-    def take(value: float | None) -> None:
-        nonlocal best
-        if value is not None and (best is None or value > best):
-            best = value
-
-    for rec, proc in observations:
-        if rec is None:
-            if timeline.final is not None and timeline.final.time_s >= birth.end_s:
-                take(timeline.final.time_s - birth.end_s)
-        elif rec.index == birth.index:
-            seen_s = proc.last_seen_after_s
-            if proc.alive_at_end:  # alive at end_s, which is stamped after the end sample
-                seen_s = max(0.0, seen_s or 0.0)
-            take(seen_s)
-        elif rec.index > birth.index and proc.alive_at_end:
-            take(rec.end_s - birth.end_s + max(0.0, proc.last_seen_after_s or 0.0))
-    return best
+    return {index: EpochCounts(alive[index], orphans[index]) for index in walk.by_index}
 
 
 REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
+
+
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
-REMEDY_ORPHAN = "leakcheck.worker_init_fn(terminate_children=True)"
-REMEDY_CYCLE = (
-    "break the reference cycle that keeps the loader's iterator alive, or `del` it and gc.collect()"
-)
-REMEDY_WORKER = "end each epoch's iterator (exhaust or `del` it), or set persistent_workers=True"
-REMEDY_STARTED = (
-    "join or terminate the processes and pools the work starts (`with Pool(...)`, proc.join())"
-)
 
 
-def _survivor_remedy(proc: ProcessEpoch, workers: Collection[int]) -> str:
+def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
     if proc.freed_by_gc:
-        return REMEDY_CYCLE
+        return (
+            "break the reference cycle that keeps the loader's iterator alive, or `del` it and "
+            "gc.collect()"
+        )
     if proc.scope is not None:
         return REMEDY_SCOPE
     if proc.role == "descendant" and proc.ppid in workers:
         # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
         return REMEDY_WORKER_CHILD
     if proc.role == "worker":
-        return REMEDY_WORKER
-    return REMEDY_STARTED
-
-
-def _worker_pids(obs: Sequence[tuple[EpochRecord | None, ProcessEpoch]]) -> set[int]:
-    """The workers of the epochs a process was seen in (its parent may be one of them)."""
-    return {
-        p.key.pid for rec, _ in obs if rec is not None for p in rec.processes if p.role == "worker"
-    }
-
-
-def _origin(proc: ProcessEpoch, epochs: Mapping[int, EpochRecord]) -> str | None:
-    """What started it, or the epoch it was born in; None where neither is known."""
-    if proc.scope is not None:
-        return f"started by {proc.scope}"
-    born = epochs.get(proc.born_epoch) if proc.born_epoch is not None else None
-    return f"started in {born.label}" if born is not None else None
+        return "end each epoch's iterator (exhaust or `del` it), or set persistent_workers=True"
+    return (
+        "join or terminate the processes and pools the work starts (`with Pool(...)`, proc.join())"
+    )
 
 
 def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find processes born in an epoch, not persistent, alive past its end plus the grace."""
-    observations = _observations(timeline)
+    walk = _Walk.of(timeline)
     bytes_known = per_pid_bytes_known(timeline)
-    epochs = {rec.index: rec for rec in timeline.epochs}
     found: list[Finding] = []
     judged: set[ProcessKey] = set()
-    for rec in _sorted_epochs(timeline):
+    for rec in walk.ordered:
         for proc in rec.processes:
             if (
                 proc.key in judged
@@ -339,44 +286,40 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 or not proc.alive_at_end
             ):
                 continue
-            obs = observations[proc.key]
+            obs = walk.seen[proc.key]
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
             # late was placed where found (NOTE [born epoch] in track/sampler.py).
-            born = _birth(epochs, obs) or rec
+            born = walk.birth(obs) or rec
             # Evidence only: seen alive once the grace had passed. A process last seen within
             # the grace and found gone after it exited somewhere in between, unknown where.
-            alive_after = _alive_after_s(timeline, born, obs)
+            alive_after = walk.alive_after_s(born, obs)
             if alive_after is None or not _past_grace(alive_after, config.grace_s):
                 continue
             judged.add(proc.key)
-            later = [p for r, p in obs if r is None or r.index >= born.index]
-            gpu_bytes = _max_per_device(later) if bytes_known else {}
-            fds = _max_fds(later)
-            cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
-            origin = _origin(proc, epochs)
+            holds, held = _holding(
+                (p for r, p in obs if r is None or r.index >= born.index), bytes_known
+            )
+            origin = f"first seen in {born.label}"
+            if proc.scope is not None:
+                origin = f"started by {proc.scope}"
+            elif proc.born_epoch in walk.by_index:
+                origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
+            cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
             found.append(
-                _process_finding(
+                _finding(
+                    "survivor",
+                    "leak",
+                    f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
+                    _survivor_remedy(proc, _worker_pids(obs)),
                     proc,
-                    rule="survivor",
-                    severity="leak",
-                    what=(
-                        f"{origin or f'first seen in {born.label}'}, alive "
-                        f"{alive_after:.1f} s after {ended} ended"
-                        f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}{cycle}"
-                    ),
-                    remedy=_survivor_remedy(proc, _worker_pids(obs)),
-                    gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                     epoch=born.index,
-                    nvidia_fds=fds,
                     scope=proc.scope,
+                    **held,
                 )
             )
     return tuple(found)
-
-
-# --------------------------------------------------------------------------- orphan
 
 
 def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -386,12 +329,11 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     (``roles.DAEMON_HELPERS``); one finding per identity, with the most GPU memory and
     descriptors it was seen with.
     """
-    bytes_known = per_pid_bytes_known(timeline)
-    ordered = _sorted_epochs(timeline)
-    epochs = {rec.index: rec for rec in ordered}
-    ends = [rec.end_s for rec in ordered]
+    walk = _Walk.of(timeline)
+    final = timeline.final
+    after_job = final is None or final.closed
     found: list[Finding] = []
-    for key, obs in _observations(timeline).items():
+    for key, obs in walk.seen.items():
         # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
         # shared-memory manager) is a baseline, as for the survivor rule.
         orphaned = [
@@ -408,20 +350,13 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         ):
             continue  # a runtime helper on its way out with its owner, not seen past the grace
         first_rec = orphaned[0][0]
-        if first_rec is not None and all(rec is not None for rec, _ in orphaned):
-            latest = max(
-                rec.end_s + (proc.last_seen_after_s or 0.0)
-                for rec, proc in orphaned
-                if rec is not None
-            )
-            if not _past_grace(latest - first_rec.end_s, config.grace_s):
-                continue  # not seen alive long enough to tell: judged later, or at close
+        ends = [rec.end_s + (p.last_seen_after_s or 0.0) for rec, p in orphaned if rec is not None]
+        seen_s = max(ends) - first_rec.end_s if first_rec and len(ends) == len(orphaned) else None
+        if seen_s is not None and not _past_grace(seen_s, config.grace_s):
+            continue  # not seen alive long enough to tell: judged later, or at close
         last = orphaned[-1][1]
-        procs = [proc for _, proc in orphaned]
-        gpu_bytes = _max_per_device(procs) if bytes_known else {}
-        fds = _max_fds(procs)
-        birth = _birth(epochs, obs)
-        left = _ends_outside_the_tree(timeline, ordered, ends, obs, birth) if birth else []
+        birth = walk.birth(obs)
+        left = walk.ends_outside_the_tree(obs, birth) if birth else []
         if left:
             # The epoch it left the tree in; leakcheck run's whole-program "epoch" says
             # nothing a reader could use.
@@ -430,52 +365,34 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             # Birth unknown: only that it had left by the epoch a scan found it outside in.
             since = f" by {first_rec.label}"
         else:
-            final = timeline.final
-            since = " after the job" if final is None or final.closed else ""
+            since = " after the job" if after_job else ""
         still = ""
         if orphaned[-1][0] is None:
-            final = timeline.final
-            still = ", alive after the job" if final is None or final.closed else ", alive now"
+            still = ", alive after the job" if after_job else ", alive now"
             if since == " after the job":
                 still = ", still alive"
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
-        parent = "worker" if under_worker else "parent"
         started = ""
         if last.scope is not None:
             started = f"started by {last.scope}, "
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
+        holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
         found.append(
-            _process_finding(
+            _finding(
+                "orphan",
+                "leak",
+                f"{started}outlived its {'worker' if under_worker else 'parent'}{since}{still}"
+                f"{holds}",
+                f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}",
                 last,
-                rule="orphan",
-                severity="leak",
-                what=(
-                    f"{started}outlived its {parent}{since}{still}"
-                    f"{_holding_text(gpu_bytes, fds, bytes_known=bytes_known)}"
-                ),
-                remedy=f"{REMEDY_ORPHAN}, or kill {key.pid}",
-                gpu_bytes=sum(gpu_bytes.values()) if bytes_known else None,
                 epoch=left[0].index if left else (first_rec.index if first_rec else None),
-                nvidia_fds=fds,
                 scope=last.scope,
+                **held,
             )
         )
     return tuple(found)
-
-
-# --------------------------------------------------------------------------- growth
-
-
-def _least_squares_slope(series: Sequence[int], xs: Sequence[float] | None = None) -> float:
-    n = len(series)
-    x = list(xs) if xs is not None else [float(i) for i in range(n)]
-    mean_x = sum(x) / n
-    mean_y = sum(series) / n
-    sxx = sum((xi - mean_x) ** 2 for xi in x)
-    sxy = sum((xi - mean_x) * (y - mean_y) for xi, y in zip(x, series, strict=True))
-    return sxy / sxx if sxx else 0.0
 
 
 def growth_slope(
@@ -506,117 +423,110 @@ def growth_slope(
     late_rise = series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
         return None
-    slope = _least_squares_slope(series, [float(e) for e in epochs] if epochs else None)
+    xs = [float(e) for e in epochs] if epochs else [float(i) for i in range(n)]
+    mean_x, mean_y = sum(xs) / n, sum(series) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, series, strict=True))
+    slope = sxy / sxx if sxx else 0.0
     return slope if slope > 0 else None
 
 
-def _grows(slope: float, first: int, last: int, start_bytes: int, end_bytes: int) -> str:
+_Points = list[tuple[int, int]]
+"""(epoch index, bytes) at epoch ends, in epoch order."""
+
+
+def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float | None:
+    """``growth_slope`` of ``points``; host memory by epoch index, with its own tolerance."""
+    return growth_slope(
+        [value for _, value in points],
+        config,
+        epochs=[epoch for epoch, _ in points] if host else None,
+        tolerance_bytes=config.host_tolerance_bytes if host else None,
+    )
+
+
+def _grows(points: _Points, slope: float) -> str:
     """``grows 8.0 MiB/epoch over epochs 1-4: 600 -> 624 MiB``."""
+    (first, start), (last, end) = points[0], points[-1]
     return (
         f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
-        f"{format_mib(start_bytes)} -> {format_mib(end_bytes)} MiB"
+        f"{format_mib(start)} -> {format_mib(end)} MiB"
     )
-
-
-def _growth_remedy(role: Role) -> str:
-    if role == "parent":
-        return (
-            "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of "
-            "outputs"
-        )
-    return (
-        "keep worker-side caches on the CPU (move batches to the GPU in the main process), or "
-        "bound them"
-    )
-
-
-def _process_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
-    found: list[Finding] = []
-    for obs in _observations(timeline).values():
-        points = [
-            (rec, proc)
-            for rec, proc in obs
-            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
-        ]
-        points = points[config.warmup_epochs :]
-        series = [proc.total_gpu_bytes_end for _, proc in points]
-        slope = growth_slope(series, config)
-        if slope is None:
-            continue
-        (first_rec, first), (last_rec, last) = points[0], points[-1]
-        assert first_rec is not None and last_rec is not None  # filtered above
-        devices = sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
-        deltas = {d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0) for d in devices}
-        grown = [(d, delta) for d, delta in deltas.items() if delta]
-        per_device = (
-            f" on GPU{grown[0][0]}"
-            if len(grown) == 1
-            else " ("
-            + ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
-            + ")"
-        )
-        found.append(
-            _process_finding(
-                last,
-                rule="growth",
-                severity="leak",
-                what=_grows(slope, first_rec.index, last_rec.index, series[0], series[-1])
-                + per_device,
-                remedy=_growth_remedy(last.role),
-                gpu_bytes=series[-1] - series[0],
-                epoch=last_rec.index,
-                bytes_per_epoch=slope,
-                nvidia_fds=last.nvidia_fds,
-            )
-        )
-    return found
-
-
-def _device_growth(timeline: Timeline, config: RuleConfig) -> list[Finding]:
-    """Device totals per epoch: the fallback when PIDs cannot be attributed (blind)."""
-    per_device: dict[int, list[tuple[int, int]]] = {}
-    for rec in _sorted_epochs(timeline):
-        for dev in rec.devices:
-            per_device.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
-    found: list[Finding] = []
-    for device, points in sorted(per_device.items()):
-        points = points[config.warmup_epochs :]
-        series = [used for _, used in points]
-        slope = growth_slope(series, config)
-        if slope is None:
-            continue
-        found.append(
-            Finding(
-                rule="growth",
-                severity="leak",
-                message=(
-                    f"GPU{device} used memory "
-                    f"{_grows(slope, points[0][0], points[-1][0], series[0], series[-1])}"
-                    " (device total: no process can be named)"
-                ),
-                remedy=(
-                    "run with --pid=host or in the job's PID namespace to see which process grows"
-                ),
-                gpu_bytes=series[-1] - series[0],
-                epoch=points[-1][0],
-                device_index=device,
-                bytes_per_epoch=slope,
-            )
-        )
-    return found
 
 
 def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find persistent processes whose epoch-end GPU memory grows (blind: devices' totals)."""
     if not _has_nvml(timeline):
         return ()
-    found = _process_growth(timeline, config)
-    if timeline.attribution == "blind-namespace":
-        found.extend(_device_growth(timeline, config))
+    walk = _Walk.of(timeline)
+    found: list[Finding] = []
+    for obs in walk.seen.values():
+        seen = [
+            (rec, proc)
+            for rec, proc in obs
+            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
+        ][config.warmup_epochs :]
+        points = [(rec.index, proc.total_gpu_bytes_end) for rec, proc in seen if rec is not None]
+        slope = _slope(points, config)
+        if slope is None:
+            continue
+        first, last = seen[0][1], seen[-1][1]
+        deltas = {
+            d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0)
+            for d in sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
+        }
+        grown = [(d, delta) for d, delta in deltas.items() if delta]
+        per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
+        per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
+        if last.role == "parent":
+            remedy = (
+                "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists "
+                "of outputs"
+            )
+        else:
+            remedy = (
+                "keep worker-side caches on the CPU (move batches to the GPU in the main "
+                "process), or bound them"
+            )
+        found.append(
+            _finding(
+                "growth",
+                "leak",
+                _grows(points, slope) + per_device,
+                remedy,
+                last,
+                gpu_bytes=points[-1][1] - points[0][1],
+                epoch=points[-1][0],
+                bytes_per_epoch=slope,
+                nvidia_fds=last.nvidia_fds,
+            )
+        )
+    if timeline.attribution != "blind-namespace":
+        return tuple(found)
+    # Device totals per epoch: the fallback when PIDs cannot be attributed.
+    per_device_points: dict[int, _Points] = {}
+    for rec in walk.ordered:
+        for dev in rec.devices:
+            per_device_points.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
+    for device, points in sorted(per_device_points.items()):
+        points = points[config.warmup_epochs :]
+        slope = _slope(points, config)
+        if slope is not None:
+            found.append(
+                _finding(
+                    "growth",
+                    "leak",
+                    f"GPU{device} used memory {_grows(points, slope)} (device total: no "
+                    "process can be named)",
+                    "run with --pid=host or in the job's PID namespace to see which process grows",
+                    gpu_bytes=points[-1][1] - points[0][1],
+                    epoch=points[-1][0],
+                    device_index=device,
+                    bytes_per_epoch=slope,
+                )
+            )
     return tuple(found)
 
-
-# --------------------------------------------------------------------------- host growth
 
 # NOTE [return of shared pages]: a worker's copy-on-read copy is new memory, the worker's: its
 # USS grows, its RSS stays flat. In the parent the page becomes private again, nobody sharing
@@ -624,66 +534,6 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # parent's USS rise counts only where its resident memory rises beyond the tolerance too; a
 # worker's counts alone. Resident memory is ``RssAnon`` where every point has it: libraries
 # paged in on first use raise RSS for epochs, and they are file-backed.
-
-HOST_ROLES: frozenset[Role] = frozenset(("parent", "worker"))
-"""Roles whose host memory the host-growth rule judges (with ``persistent`` set)."""
-
-_HostPoints = list[tuple[EpochRecord, int]]
-
-
-def _judge_host(points: _HostPoints, config: RuleConfig) -> float | None:
-    return growth_slope(
-        [value for _, value in points],
-        config,
-        epochs=[rec.index for rec, _ in points],
-        tolerance_bytes=config.host_tolerance_bytes,
-    )
-
-
-def _resident_points(
-    points: Sequence[tuple[EpochRecord, ProcessEpoch]],
-) -> tuple[_HostPoints, str]:
-    """Resident memory per epoch: ``RssAnon`` where every point has it, else RSS."""
-    anon = [(rec, proc.anon_bytes_end) for rec, proc in points if proc.anon_bytes_end is not None]
-    if anon and len(anon) == len(points):
-        return [(rec, value) for rec, value in anon if value is not None], "RssAnon"
-    rss = [(rec, proc.rss_bytes_end) for rec, proc in points if proc.rss_bytes_end is not None]
-    return [(rec, value) for rec, value in rss if value is not None], "RSS"
-
-
-def _host_growth_remedy(role: Role | None) -> str:
-    if role == "parent":
-        return (
-            "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
-            "and caches)"
-        )
-    return (
-        "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python "
-        "objects"
-    )
-
-
-def _host_growth_finding(
-    chosen: _HostPoints,
-    basis: str,
-    slope: float,
-    last: ProcessEpoch,
-    note: str,
-) -> Finding:
-    (first_rec, first_value), (last_rec, last_value) = chosen[0], chosen[-1]
-    return _process_finding(
-        last,
-        rule="host-growth",
-        severity="leak",
-        what=(
-            f"host memory ({basis}) "
-            f"{_grows(slope, first_rec.index, last_rec.index, first_value, last_value)}{note}"
-        ),
-        remedy=_host_growth_remedy(last.role),
-        epoch=last_rec.index,
-        bytes_per_epoch=slope,
-        host_bytes=last_value - first_value,
-    )
 
 
 def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -695,16 +545,18 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """
     found: list[Finding] = []
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
-    for obs in _observations(timeline).values():
-        points: list[tuple[EpochRecord, ProcessEpoch]] = [
+    for obs in _Walk.of(timeline).seen.values():
+        points = [
             (rec, proc)
             for rec, proc in obs
-            if rec is not None and proc.persistent and proc.alive_at_end and proc.role in HOST_ROLES
-        ]
-        points = points[config.warmup_epochs :]
+            if rec is not None
+            and proc.persistent
+            and proc.alive_at_end
+            and proc.role in ("parent", "worker")
+        ][config.warmup_epochs :]
         if len(points) < 3:
             continue
-        leak = _judge_host_points(points, config)
+        leak = _host_leak(points, config)
         if leak is not None:
             found.append(leak)
             continue
@@ -713,68 +565,73 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if resident_only and unread is None:
             unread = (uss_reads, uss_reads + resident_only)
     if unread is not None and not found:  # a clean host verdict says what it could not see
-        found.append(_host_coverage_finding(*unread))
+        found.append(
+            _finding(
+                "host-growth",
+                "info",
+                f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends "
+                "judged: copy-on-read at the others can go unseen",
+                "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
+                "--rollup-share 1)",
+            )
+        )
     return tuple(found)
 
 
-def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
-    """A clean host verdict says where it could not see copy-on-read (NOTE [host pacing])."""
-    return Finding(
-        rule="host-growth",
-        severity="info",
-        message=(
-            f"host memory was read as USS at {uss_reads} of the {epoch_ends} epoch ends judged: "
-            "copy-on-read at the others can go unseen"
-        ),
-        remedy=(
-            "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
-            "--rollup-share 1)"
-        ),
-    )
-
-
-def _judge_host_points(
-    points: list[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
+def _host_leak(
+    points: Sequence[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
 ) -> Finding | None:
     """Judge one process's epoch-end host memory: its leak, or None."""
-    uss: _HostPoints = [
-        (rec, proc.host_bytes_end)
-        for rec, proc in points
-        if proc.host_source == "uss" and proc.host_bytes_end is not None
-    ]
-    rss, resident = _resident_points(points)
     last = points[-1][1]
+    uss: _Points = []
+    anon: _Points = []
+    rss: _Points = []
+    for rec, proc in points:
+        if proc.host_source == "uss" and proc.host_bytes_end is not None:
+            uss.append((rec.index, proc.host_bytes_end))
+        if proc.anon_bytes_end is not None:
+            anon.append((rec.index, proc.anon_bytes_end))
+        if proc.rss_bytes_end is not None:
+            rss.append((rec.index, proc.rss_bytes_end))
+    # Resident memory: RssAnon where every point has it, else RSS.
+    resident, basis = (anon, "RssAnon") if anon and len(anon) == len(points) else (rss, "RSS")
     if len(uss) >= 3:
-        slope = _judge_host(uss, config)
-        if slope is None:
-            return None
-        note = ""
-        if last.role == "parent":
+        chosen, measure, note = uss, "USS", ""
+        slope = _slope(uss, config, host=True)
+        if slope is not None and last.role == "parent":
             # NOTE [return of shared pages]
-            span = [(r, b) for r, b in rss if uss[0][0].index <= r.index <= uss[-1][0].index]
-            rss_slope = _judge_host(span, config)
-            if rss_slope is None:
+            span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
+            resident_slope = _slope(span, config, host=True)
+            if resident_slope is None:
                 return None
-            slope = min(slope, rss_slope)
-            note = f" ({resident} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-        return _host_growth_finding(uss, "USS", slope, last, note)
-    slope = _judge_host(rss, config)
+            slope = min(slope, resident_slope)
+            note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+    else:
+        chosen, measure = resident, basis
+        slope = _slope(resident, config, host=True)
+        note = f" (USS read at {len(uss)} of these ends)"
     if slope is None:
         return None
-    note = f" (USS read at {len(uss)} of these ends)"
-    return _host_growth_finding(rss, resident, slope, last, note)
-
-
-# --------------------------------------------------------------------------- copy-on-read
-
-REMEDY_COPY_ON_READ = (
-    "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-    "before iterating; or fewer workers"
-)
-REMEDY_NOT_FORKED = (
-    "each holds what it unpickled (the dataset included) and imported: mmap large data, "
-    "or use fewer workers"
-)
+    if last.role == "parent":
+        remedy = (
+            "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
+            "and caches)"
+        )
+    else:
+        remedy = (
+            "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not "
+            "Python objects"
+        )
+    return _finding(
+        "host-growth",
+        "leak",
+        f"host memory ({measure}) {_grows(chosen, slope)}{note}",
+        remedy,
+        last,
+        epoch=chosen[-1][0],
+        bytes_per_epoch=slope,
+        host_bytes=chosen[-1][1] - chosen[0][1],
+    )
 
 
 @dataclass(frozen=True)
@@ -794,26 +651,24 @@ def _private_bytes(proc: ProcessEpoch) -> int:
     return -1 if proc.private_bytes_birth is None else proc.private_bytes_birth
 
 
-def _copy_observations(
-    timeline: Timeline,
-) -> Iterable[tuple[int, ProcessEpoch]]:
-    """(epoch index, worker) of every forked worker's epoch with a copy reading."""
-    for rec in _sorted_epochs(timeline):
-        for proc in rec.processes:
-            yield rec.index, proc
+def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find forked workers that copied more of their parent's memory than the copy tolerance.
+
+    One finding per parent (loader), from any reading (NOTE [copy on read] in hostmem.py);
+    one info finding for spawned workers, where it cannot be told.
+    """
+    tolerance = config.copy_tolerance_bytes
+    observed = [
+        (rec.index, proc)
+        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
+        for proc in rec.processes
+    ]
     final = timeline.final
     if final is not None and final.open_epoch is not None:
-        for proc in final.processes:
-            yield final.open_epoch, proc
-
-
-def _worker_copies(
-    timeline: Timeline, config: RuleConfig
-) -> tuple[dict[int, list[_WorkerCopy]], list[ProcessEpoch]]:
-    """Forked workers' largest copies by parent PID, and the workers not forked."""
+        observed += [(final.open_epoch, proc) for proc in final.processes]
     copies: dict[ProcessKey, _WorkerCopy] = {}
     unforked: dict[ProcessKey, ProcessEpoch] = {}
-    for index, proc in _copy_observations(timeline):
+    for index, proc in observed:
         if proc.role != "worker":
             continue
         if proc.forked is False:
@@ -825,17 +680,35 @@ def _worker_copies(
         if proc.forked is not True or copied is None:
             continue
         seen = copies.get(proc.key)
-        if seen is None or (
-            seen.copied_bytes <= config.copy_tolerance_bytes and copied > seen.copied_bytes
-        ):
+        if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
             # The first epoch above the tolerance names when; the largest copy says how much.
             copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
         elif copied > seen.copied_bytes:
             copies[proc.key] = _WorkerCopy(proc, copied, seen.epoch, seen.after_s)
     by_parent: dict[int, list[_WorkerCopy]] = {}
     for copy in copies.values():
-        by_parent.setdefault(copy.proc.ppid, []).append(copy)
-    return by_parent, sorted(unforked.values(), key=lambda p: p.key)
+        if copy.copied_bytes > tolerance:
+            by_parent.setdefault(copy.proc.ppid, []).append(copy)
+    found = [_copy_finding(ppid, leaking) for ppid, leaking in sorted(by_parent.items())]
+    if unforked:
+        workers = sorted(unforked.values(), key=lambda p: p.key)
+        held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
+        mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
+        who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
+        found.append(
+            _finding(
+                "copy-on-read",
+                "info",
+                f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
+                f"share no memory with the training process{mean}",
+                "each holds what it unpickled (the dataset included) and imported: mmap large "
+                "data, or use fewer workers",
+                workers[0],
+                named=False,
+                host_bytes=sum(held) if held else None,
+            )
+        )
+    return tuple(found)
 
 
 def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
@@ -850,7 +723,7 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     else:  # a generation of workers per epoch: one epoch's
         count = max(sum(c.epoch == e for c in leaking) for e in epochs)
         total = max(per_epoch.values())
-    mean = sum(c.copied_bytes for c in leaking) / len(leaking)
+    mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
     when = f"in epoch {first.epoch}"
     if first.after_s is not None:
         when = f"{first.after_s:.1f} s into epoch {first.epoch}"
@@ -861,59 +734,23 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     elif not persistent:
         when += " (per-epoch workers copy it again each epoch)"
     if count == 1:
-        who = f"1 forked worker of PID {ppid} copied {format_mib(mean)} MiB of its parent's memory"
+        who = f"1 forked worker of PID {ppid} copied {mean} MiB of its parent's memory"
     else:
         who = (
-            f"{count} forked workers of PID {ppid} each copied {format_mib(mean)} MiB of their "
-            f"parent's memory ({format_mib(total)} MiB in all)"
+            f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
+            f"memory ({format_mib(total)} MiB in all)"
         )
-    worst = max(leaking, key=lambda c: c.copied_bytes)
-    return _process_finding(
-        worst.proc,
-        rule="copy-on-read",
-        severity="leak",
-        message=f"{who}, {when}",
-        remedy=REMEDY_COPY_ON_READ,
+    return _finding(
+        "copy-on-read",
+        "leak",
+        f"{who}, {when}",
+        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+        "before iterating; or fewer workers",
+        max(leaking, key=lambda c: c.copied_bytes).proc,
+        named=False,
         epoch=first.epoch,
         host_bytes=total,
     )
-
-
-def _not_forked_finding(workers: Sequence[ProcessEpoch]) -> Finding:
-    held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
-    mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
-    who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
-    return _process_finding(
-        workers[0],
-        rule="copy-on-read",
-        severity="info",
-        message=(
-            f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
-            f"share no memory with the training process{mean}"
-        ),
-        remedy=REMEDY_NOT_FORKED,
-        host_bytes=sum(held) if held else None,
-    )
-
-
-def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find forked workers that copied more of their parent's memory than the copy tolerance.
-
-    One finding per parent (loader), from any reading (NOTE [copy on read] in hostmem.py);
-    one info finding for spawned workers, where it cannot be told.
-    """
-    by_parent, spawned = _worker_copies(timeline, config)
-    found: list[Finding] = []
-    for ppid, copies in sorted(by_parent.items()):
-        leaking = [c for c in copies if c.copied_bytes > config.copy_tolerance_bytes]
-        if leaking:
-            found.append(_copy_finding(ppid, leaking))
-    if spawned:
-        found.append(_not_forked_finding(spawned))
-    return tuple(found)
-
-
-# --------------------------------------------------------------------------- residual
 
 
 CONTEXT_OVERHEAD_BYTES = 8 * MIB
@@ -922,15 +759,20 @@ residual rule allows this much per holder (the figure behind it is in
 benchmarks/results/README.md)."""
 
 
+def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find GPU memory left after the work: on devices, and the parent's (``parent_memory``)."""
+    return _device_residual(timeline, config) + _parent_residual(timeline, config)
+
+
 def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find device memory above the baseline after the work that the job does not explain."""
+    """Device memory above the baseline after the work that the job does not explain."""
     final = timeline.final
     if final is None or not _has_nvml(timeline):
         return ()
     baseline = {dev.index: dev for dev in timeline.baseline_devices}
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
     foreign = [p for p in final.processes if p.role == "foreign"]
-    unknown_lineage = [p for p in lineage if p.gpu_bytes_unknown]
+    unknown_lineage = any(p.gpu_bytes_unknown for p in lineage)
     found: list[Finding] = []
     for dev in sorted(final.devices, key=lambda d: d.index):
         base = baseline.get(dev.index)
@@ -972,23 +814,20 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
                 "check again with `leakcheck snapshot` in a few seconds (a context may still be "
                 "closing)"
             )
-        # NOTE: without per-process byte counts (MIG, vGPU) the job's share cannot be
-        # subtracted, so the rise is reported as advice, not as a leak.
+        # Without per-process byte counts (MIG, vGPU) the job's share cannot be subtracted,
+        # so the rise is reported as advice, not as a leak.
         if unknown_lineage:
             who += "; the job's own bytes are unknown (MIG/vGPU)"
         found.append(
-            Finding(
-                rule="residual",
-                severity="info" if unknown_lineage else "leak",
-                message=(
-                    f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-                    f"{format_mib(unexplained)} MiB of it not held by the job{who}"
-                ),
-                remedy=remedy,
-                pid=holders[0].key.pid if len(holders) == 1 else None,
-                start_ticks=holders[0].key.start_ticks if len(holders) == 1 else None,
-                role="foreign" if len(holders) == 1 else None,
-                cmdline=holders[0].cmdline if len(holders) == 1 else None,
+            _finding(
+                "residual",
+                "info" if unknown_lineage else "leak",
+                f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
+                f"{format_mib(unexplained)} MiB of it not held by the job{who}",
+                remedy,
+                holders[0] if len(holders) == 1 else None,
+                named=False,
+                rank=None,
                 gpu_bytes=unexplained,
                 device_index=dev.index,
             )
@@ -996,16 +835,8 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     return tuple(found)
 
 
-REMEDY_KEPT_TENSORS = (
-    "drop references to CUDA tensors the work keeps (module-level lists, caches, stored exceptions)"
-)
-REMEDY_DRIVER_MEMORY = (
-    "free GPU memory the work allocates outside torch (library pools), or raise the tolerance"
-)
-
-
 def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Judge the parent's own GPU memory after the work (``Timeline.parent_memory``)."""
+    """The parent's own GPU memory after the work (``Timeline.parent_memory``)."""
     memory = timeline.parent_memory
     if memory is None:
         return ()
@@ -1014,58 +845,50 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
     )
     scopes = f" after the teardown of {', '.join(memory.scopes)}" if memory.scopes else ""
-    who = culprit("parent", root.pid, cmdline)
-
-    def finding(
-        held: dict[int, int], severity: Severity, what: str, remedy: str, scope: str | None = None
-    ) -> Finding:
-        return Finding(
-            rule="residual",
-            severity=severity,
-            message=f"{who} {what}",
-            remedy=remedy,
-            pid=root.pid,
-            start_ticks=root.start_ticks,
-            role="parent",
-            cmdline=cmdline,
-            gpu_bytes=sum(held.values()),
-            device_index=min(held) if len(held) == 1 else None,
-            scope=scope,
-        )
-
+    first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
+    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str, str | None], ...] = (
+        (
+            memory.kept_tensor_bytes,
+            "leak",
+            "still holds ",
+            f" of CUDA tensors more than at the start{scopes}",
+            REMEDY_SCOPE
+            if memory.scopes
+            else "drop references to CUDA tensors the work keeps (module-level lists, caches, "
+            "stored exceptions)",
+            ", ".join(memory.scopes) or None,
+        ),
+        (
+            memory.driver_bytes,
+            "info" if memory.torch_in_use else "leak",
+            "holds ",
+            f" more than at the start outside torch's allocator{first_use}",
+            "free GPU memory the work allocates outside torch (library pools), or raise the "
+            "tolerance",
+            None,
+        ),
+    )
     found: list[Finding] = []
-    kept = {d: b for d, b in memory.kept_tensor_bytes.items() if b > config.tolerance_bytes}
-    if kept:
-        found.append(
-            finding(
-                kept,
-                "leak",
-                f"still holds {_devices_text(kept)} of CUDA tensors more than at the start{scopes}",
-                REMEDY_SCOPE if memory.scopes else REMEDY_KEPT_TENSORS,
-                ", ".join(memory.scopes) or None,
+    for values, severity, before, after, remedy, scope in cases:
+        held = {d: b for d, b in values.items() if b > config.tolerance_bytes}
+        if held:
+            found.append(
+                _finding(
+                    "residual",
+                    severity,
+                    f"{culprit('parent', root.pid, cmdline)} {before}{_devices_text(held)}{after}",
+                    remedy,
+                    pid=root.pid,
+                    start_ticks=root.start_ticks,
+                    role="parent",
+                    cmdline=cmdline,
+                    gpu_bytes=sum(held.values()),
+                    device_index=min(held) if len(held) == 1 else None,
+                    scope=scope,
+                )
             )
-        )
-    grown = {d: b for d, b in memory.driver_bytes.items() if b > config.tolerance_bytes}
-    if grown:
-        first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
-        found.append(
-            finding(
-                grown,
-                "info" if memory.torch_in_use else "leak",
-                f"holds {_devices_text(grown)} more than at the start outside torch's "
-                f"allocator{first_use}",
-                REMEDY_DRIVER_MEMORY,
-            )
-        )
     return tuple(found)
 
-
-def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find GPU memory left after the work: on devices, and the parent's (``parent_memory``)."""
-    return _device_residual(timeline, config) + _parent_residual(timeline, config)
-
-
-# --------------------------------------------------------------------------- shm
 
 _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
     (
@@ -1088,20 +911,13 @@ _SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
         "NCCL's: a process group not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
+    (
+        "",
+        "shared memory the work created itself",
+        "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink)",
+    ),
 )
-_SHM_NOT_OURS = (
-    "its name does not say who made it",
-    "nothing to do if another job made it; if the work did, unlink it when done (os.unlink)",
-)
-_SHM_OWN_REMEDY = "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink)"
-
-
-def _shm_cause(name: str) -> tuple[str, str]:
-    """Why a /dev/shm file exists, from its name, and what to do about it."""
-    for prefix, cause, remedy in _SHM_CAUSES:
-        if name.startswith(prefix):
-            return cause, remedy
-    return "shared memory the work created itself", _SHM_OWN_REMEDY
+"""Why a /dev/shm file exists, by its name's prefix, and what to do about it."""
 
 
 def _size_text(num_bytes: int) -> str:
@@ -1113,7 +929,11 @@ def _size_text(num_bytes: int) -> str:
 
 
 def _shm_finding(item: ShmFile) -> Finding:
-    cause, remedy = _shm_cause(item.name)
+    index, cause, remedy = next(
+        (i, cause, remedy)
+        for i, (prefix, cause, remedy) in enumerate(_SHM_CAUSES)
+        if item.name.startswith(prefix)
+    )
     severity: Severity = "leak"
     who = ""
     if item.holder_pid is not None:
@@ -1137,13 +957,17 @@ def _shm_finding(item: ShmFile) -> Finding:
     else:
         severity = "info"
         where = "appeared during the work; nothing ties it to the work and other jobs ran"
-        if remedy == _SHM_OWN_REMEDY:  # "the work created itself" is what is not known here
-            cause, remedy = _SHM_NOT_OURS
-    return Finding(
-        rule="shm",
-        severity=severity,
-        message=f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
-        remedy=remedy,
+        if index == len(_SHM_CAUSES) - 1:  # "the work created itself" is not known here
+            cause = "its name does not say who made it"
+            remedy = (
+                "nothing to do if another job made it; if the work did, unlink it when done "
+                "(os.unlink)"
+            )
+    return _finding(
+        "shm",
+        severity,
+        f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
+        remedy,
         pid=item.holder_pid,
         role=item.holder_role,
         scope=item.scope,
@@ -1152,48 +976,36 @@ def _shm_finding(item: ShmFile) -> Finding:
     )
 
 
-REMEDY_SHM_CAPACITY = "give the job more shared memory (docker run --shm-size=8g or --ipc=host)"
-
-
-def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size."""
-    worst: tuple[float, EpochRecord] | None = None
-    for rec in _sorted_epochs(timeline):
-        total, used = rec.shm_total_bytes, rec.shm_used_peak_bytes
-        if not total or used is None:
-            continue
-        fraction = used / total
-        if fraction >= config.shm_pressure_fraction and (worst is None or fraction > worst[0]):
-            worst = (fraction, rec)
-    if worst is None:
-        return ()
-    fraction, rec = worst
-    assert rec.shm_total_bytes is not None and rec.shm_used_peak_bytes is not None
-    job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
-    return (
-        Finding(
-            rule="shm",
-            severity="info",
-            message=(
-                f"/dev/shm was {fraction:.0%} full during {rec.label} "
-                f"({_size_text(rec.shm_used_peak_bytes)} of "
-                f"{_size_text(rec.shm_total_bytes)}{job}): workers die of a bus error when "
-                "it fills"
-            ),
-            remedy=REMEDY_SHM_CAPACITY,
-            epoch=rec.index,
-            size_bytes=rec.shm_used_peak_bytes,
-        ),
-    )
-
-
 def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Report the ``/dev/shm`` files left behind, and the epoch nearest to filling it."""
-    left = tuple(_shm_finding(item) for item in timeline.shm_files)
-    return left + _shm_capacity(timeline, config)
-
-
-# --------------------------------------------------------------------------- infos
+    found = [_shm_finding(item) for item in timeline.shm_files]
+    # Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
+    full = [
+        (
+            rec.shm_used_peak_bytes / rec.shm_total_bytes,
+            rec.shm_total_bytes,
+            rec.shm_used_peak_bytes,
+            rec,
+        )
+        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
+        if rec.shm_total_bytes and rec.shm_used_peak_bytes is not None
+    ]
+    worst = max(full, key=lambda item: item[0], default=None)
+    if worst is not None and worst[0] >= config.shm_pressure_fraction:
+        fraction, total, used, rec = worst
+        job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
+        found.append(
+            _finding(
+                "shm",
+                "info",
+                f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
+                f"{_size_text(total)}{job}): workers die of a bus error when it fills",
+                "give the job more shared memory (docker run --shm-size=8g or --ipc=host)",
+                epoch=rec.index,
+                size_bytes=used,
+            )
+        )
+    return tuple(found)
 
 
 def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1203,24 +1015,13 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         return ()
     reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
     return (
-        Finding(
-            rule="blind",
-            severity="info",
-            message=(
-                f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
-            ),
-            remedy="run with --pid=host (docker) or inside the job's PID namespace",
+        _finding(
+            "blind",
+            "info",
+            f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged",
+            "run with --pid=host (docker) or inside the job's PID namespace",
         ),
     )
-
-
-def _outlives_the_work(timeline: Timeline, rec: EpochRecord | None, proc: ProcessEpoch) -> bool:
-    """A process that stays past the work that started it: where held descriptors matter."""
-    if proc.role == "orphan":
-        return True
-    if rec is None:
-        return timeline.final is not None and timeline.final.closed
-    return proc.role == "descendant" and proc.alive_at_end
 
 
 def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1229,31 +1030,34 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
     if not per_pid_bytes_known(timeline):
         # Without per-PID bytes every process looks memory-free; the rule would guess.
         return ()
+    closed = timeline.final is not None and timeline.final.closed
     found: list[Finding] = []
-    for obs in _observations(timeline).values():
+    for obs in _Walk.of(timeline).seen.values():
         for rec, proc in obs:
+            # Outliving the work that started it is where held descriptors matter.
+            outlives = proc.role == "orphan" or (
+                closed if rec is None else proc.role == "descendant" and proc.alive_at_end
+            )
             if (
-                proc.role not in ("worker", "descendant", "orphan")
+                proc.role not in _CHILD_ROLES
                 or (rec is not None and not proc.alive_at_end)
                 or not proc.nvidia_fds
                 or proc.gpu_bytes_unknown
                 or any(b > 0 for b in proc.gpu_bytes_end.values())
-                or not _outlives_the_work(timeline, rec, proc)
+                or not outlives
             ):
                 continue
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             found.append(
-                _process_finding(
+                _finding(
+                    "descriptor-holder",
+                    "info",
+                    # No count: the processes of one cause share one line (the JSON has
+                    # each one's `nvidia_fds`).
+                    f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent "
+                    "that used CUDA",
+                    "start workers with multiprocessing_context='spawn' or 'forkserver'",
                     proc,
-                    rule="descriptor-holder",
-                    severity="info",
-                    what=(
-                        # No count: the processes of one cause share one line (the JSON
-                        # has each one's `nvidia_fds`).
-                        f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a "
-                        "parent that used CUDA"
-                    ),
-                    remedy="start workers with multiprocessing_context='spawn' or 'forkserver'",
                     gpu_bytes=0,
                     epoch=rec.index if rec is not None else None,
                     nvidia_fds=proc.nvidia_fds,
@@ -1274,53 +1078,20 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         or final.parent_allocated_gpu_bytes != 0
     ):
         return ()
-    found: list[Finding] = []
-    for proc in final.processes:
-        if proc.role != "parent" or proc.total_gpu_bytes_end <= 0:
-            continue
-        found.append(
-            _process_finding(
-                proc,
-                rule="context-kept",
-                severity="info",
-                what=(
-                    f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the "
-                    "work, with no tensors allocated"
-                ),
-                remedy="harmless (freed at exit); leakcheck.release_device() frees it sooner",
-                gpu_bytes=proc.total_gpu_bytes_end,
-                nvidia_fds=proc.nvidia_fds,
-            )
+    return tuple(
+        _finding(
+            "context-kept",
+            "info",
+            f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the work, "
+            "with no tensors allocated",
+            "harmless (freed at exit); leakcheck.release_device() frees it sooner",
+            proc,
+            gpu_bytes=proc.total_gpu_bytes_end,
+            nvidia_fds=proc.nvidia_fds,
         )
-    return tuple(found)
-
-
-# --------------------------------------------------------------------------- device mismatch
-
-REMEDY_DEVICE_MISMATCH = (
-    "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
-)
-
-
-def _known_devices(timeline: Timeline) -> set[int]:
-    """The NVML indices of every device the timeline read (empty: none read)."""
-    states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
-    if timeline.final is not None:
-        states.extend(timeline.final.devices)
-    return {state.index for state in states}
-
-
-def _own_device(timeline: Timeline, proc: ProcessEpoch, known: set[int]) -> int | None:
-    """The GPU a process's rank trains on: the rank's own record, else its environment."""
-    if proc.rank is None:
-        return None
-    recorded = timeline.rank_devices.get(proc.rank)
-    if recorded is not None:
-        return recorded
-    device = proc.rank_device
-    if device is None or (known and device not in known):
-        return None
-    return device
+        for proc in final.processes
+        if proc.role == "parent" and proc.total_gpu_bytes_end > 0
+    )
 
 
 def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1331,38 +1102,41 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
     """
     if not per_pid_bytes_known(timeline):
         return ()
+    final_devices = timeline.final.devices if timeline.final is not None else ()
+    states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
+    known = {state.index for state in (*states, *final_devices)}  # empty: none read
     found: list[Finding] = []
-    known = _known_devices(timeline)
-    for obs in _observations(timeline).values():
+    for obs in _Walk.of(timeline).seen.values():
         held: dict[int, int] = {}
-        first: dict[int, tuple[EpochRecord | None, ProcessEpoch]] = {}
+        first: dict[int, _Seen] = {}
         own: int | None = None
         for rec, proc in obs:
-            if proc.role not in LINEAGE_ROLES:
+            if proc.role not in LINEAGE_ROLES or proc.rank is None:
                 continue
-            device = _own_device(timeline, proc, known)
-            if device is None:
+            # The GPU its rank trains on: the rank's own record, else its environment.
+            device = timeline.rank_devices.get(proc.rank, proc.rank_device)
+            if device is None or (
+                proc.rank not in timeline.rank_devices and known and device not in known
+            ):
                 continue
             own = device
             for index, used in (*proc.gpu_bytes_end.items(), *proc.gpu_bytes_peak.items()):
                 if index == device or used <= config.tolerance_bytes:
                     continue
-                if used > held.get(index, 0):
-                    held[index] = used
+                held[index] = max(held.get(index, 0), used)
                 first.setdefault(index, (rec, proc))
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
             found.append(
-                _process_finding(
+                _finding(
+                    "device-mismatch",
+                    "leak",
+                    f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} "
+                    f"trains on GPU{own}",
+                    "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches "
+                    "CUDA",
                     proc,
-                    rule="device-mismatch",
-                    severity="leak",
-                    what=(
-                        f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} "
-                        f"trains on GPU{own}"
-                    ),
-                    remedy=REMEDY_DEVICE_MISMATCH,
                     gpu_bytes=used,
                     epoch=rec.index if rec is not None else None,
                     device_index=index,
@@ -1371,15 +1145,6 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
                 )
             )
     return tuple(found)
-
-
-def _telemetry_text(dev: DeviceState) -> str:
-    parts: list[str] = []
-    if dev.temperature_c is not None:
-        parts.append(f"{dev.temperature_c} C")
-    if dev.power_w is not None:
-        parts.append(f"{dev.power_w:.0f} W")
-    return ", " + ", ".join(parts) if parts else ""
 
 
 def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1395,18 +1160,16 @@ def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             continue
         if any(p.gpu_bytes_end.get(dev.index, 0) > 0 for p in lineage):
             continue
+        telemetry = [f"{dev.temperature_c} C"] if dev.temperature_c is not None else []
+        if dev.power_w is not None:
+            telemetry.append(f"{dev.power_w:.0f} W")
         found.append(
-            Finding(
-                rule="high-clocks",
-                severity="info",
-                message=(
-                    f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work "
-                    f"ended{_telemetry_text(dev)}"
-                ),
-                remedy=(
-                    "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for "
-                    "it)"
-                ),
+            _finding(
+                "high-clocks",
+                "info",
+                f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
+                + "".join(f", {part}" for part in telemetry),
+                "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)",
                 device_index=dev.index,
             )
         )
@@ -1417,19 +1180,14 @@ def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
     """Report each failure leakcheck recorded while sampling, one finding each."""
     del config
     return tuple(
-        Finding(
-            rule="tracker-failure",
-            severity="info",
-            message=f"leakcheck's own sampling failed: {' '.join(failure.split())}",
-            remedy="rerun with strict=True to see the traceback, and report it as a leakcheck bug",
+        _finding(
+            "tracker-failure",
+            "info",
+            f"leakcheck's own sampling failed: {' '.join(failure.split())}",
+            "rerun with strict=True to see the traceback, and report it as a leakcheck bug",
         )
         for failure in timeline.failures
     )
-
-
-REMEDY_FD_PRESSURE = (
-    "raise it (ulimit -n 65536), or torch.multiprocessing.set_sharing_strategy('file_system')"
-)
 
 
 def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1439,7 +1197,7 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     limit, "Too many open files" or "received 0 items of ancdata". Read at epoch ends only.
     """
     found: list[Finding] = []
-    for obs in _observations(timeline).values():
+    for obs in _Walk.of(timeline).seen.values():
         shares = [(p.open_fds / p.fd_limit, rec, p) for rec, p in obs if p.open_fds and p.fd_limit]
         if not shares:
             continue
@@ -1448,26 +1206,21 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             continue
         when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
         found.append(
-            _process_finding(
+            _finding(
+                "fd-pressure",
+                "info",
+                f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
+                f"({share:.0%}) {when}",
+                "raise it (ulimit -n 65536), or "
+                "torch.multiprocessing.set_sharing_strategy('file_system')",
                 proc,
-                rule="fd-pressure",
-                severity="info",
-                what=(
-                    f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
-                    f"({share:.0%}) {when}"
-                ),
-                remedy=REMEDY_FD_PRESSURE,
                 epoch=rec.index if rec is not None else None,
             )
         )
     return tuple(found)
 
 
-# --------------------------------------------------------------------------- judge
-
-RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
-
-RULES: Mapping[Rule, RuleFunction] = {
+RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
     "survivor": survivor,
     "orphan": orphan,
     "growth": growth,
@@ -1507,20 +1260,14 @@ def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     An orphan is not also a survivor (nobody will reap it); a process's start is shown as a
     Unix time where the boot time is known.
     """
-    findings: list[Finding] = []
-    for rule in RULES.values():
-        findings.extend(rule(timeline, config))
+    findings = [f for rule in RULES.values() for f in rule(timeline, config)]
     orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}
-    findings = [
-        _shown(f, timeline.boot_unix_s)
+    boot = timeline.boot_unix_s
+    shown = [
+        f
+        if f.start_ticks is None or boot is None
+        else replace(f, create_time=create_time_s(f.start_ticks, boot))
         for f in findings
         if not (f.rule == "survivor" and (f.pid, f.start_ticks) in orphans)
     ]
-    return tuple(sorted(findings, key=_sort_key))
-
-
-def _shown(finding: Finding, boot_unix_s: float | None) -> Finding:
-    """``finding`` with its culprit's ``create_time``, for people, where it can be derived."""
-    if finding.start_ticks is None or boot_unix_s is None:
-        return finding
-    return replace(finding, create_time=create_time_s(finding.start_ticks, boot_unix_s))
+    return tuple(sorted(shown, key=_sort_key))

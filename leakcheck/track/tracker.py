@@ -290,10 +290,9 @@ class Tracker:
 
         """
         key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
-        sampler = self._sampler
-        with sampler.lock:
-            if key is not None and sampler.reader is not None and not sampler.closed:
-                sampler.reader.register_worker(key, persistent)
+        if key is not None:
+            with self._sampler.lock:
+                self._sampler.register_worker(key, persistent)
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""

@@ -33,7 +33,6 @@ from leakcheck.core.model import (
 )
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.reads import reported_memory
-from leakcheck.track.shm import ShmEpoch
 from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["EpochBook", "final_processes", "host_fields"]
@@ -140,7 +139,7 @@ class _Epoch:
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     devices: tuple[DeviceState, ...] = ()
-    shm: ShmEpoch | None = None
+    shm: dict[str, Any] | None = None  # its EpochRecord fields (ShmWatch.epoch_end)
 
     def row(self, key: ProcessKey) -> _Row:
         row = self.rows.get(key)
@@ -257,7 +256,7 @@ class EpochBook:
         devices: tuple[DeviceState, ...],
         batches: int | None = None,
         host: Mapping[ProcessKey, HostMemory] | None = None,
-        shm: ShmEpoch | None = None,
+        shm: dict[str, Any] | None = None,
     ) -> None:
         """Close the open epoch with the state of every process it saw, read just now."""
         epoch = self.open
@@ -381,7 +380,6 @@ class EpochBook:
             for key, row in sorted(epoch.rows.items())
             if row.end is not None and table.procs[key].own
         ]
-        shm = epoch.shm
         return EpochRecord(
             index=epoch.index,
             label=epoch.label,
@@ -394,10 +392,7 @@ class EpochBook:
             samples=epoch.samples,
             error=epoch.error,
             batches=epoch.batches,
-            shm_files=shm.files if shm else (),
-            shm_bytes=shm.bytes if shm else None,
-            shm_total_bytes=shm.total_bytes if shm else None,
-            shm_used_peak_bytes=shm.used_peak_bytes if shm else None,
+            **(epoch.shm or {}),
         )
 
     def _process_epoch(

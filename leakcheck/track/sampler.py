@@ -44,7 +44,6 @@ from leakcheck.core.model import (
     RuleConfig,
     ShmFile,
     Stall,
-    Timeline,
 )
 from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
@@ -160,12 +159,9 @@ class Sampler:
         self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
         self.lock = threading.RLock()
         self._ticker = Ticker(
-            interval_s,
-            on_tick=self._tick,
-            on_wake=self.finish_reads,
-            on_error=self._thread_failed,
+            interval_s, on_tick=self._tick, on_wake=self.finish_reads, on_error=self._thread_failed,
             meter=self.meter,
-        )
+        )  # fmt: skip
         self.started = self.closed = self._sampling = self._tag_scan_due = False
         self.t0_s = self.started_unix_s = self._boot_offset_s = 0.0
         self.session_id = ""
@@ -221,13 +217,11 @@ class Sampler:
             self.pacing.has_nvml = self.nvml.handle is not None
             self.failures.guard(self.shm.start, "shm")
             self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
+            root_info = procs.read_proc(self.root_pid)
             self.table = table = ProcessTable(
-                root_key,
-                procs.read_proc(self.root_pid),
-                session=self.session_id,
+                root_key, root_info, session=self.session_id, tag=tag,
                 persistent_workers=self.persistent_workers,
-                tag=tag,
-            )
+            )  # fmt: skip
             lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
             for info in lineage or []:
                 table.add(info, now=0.0, born_epoch=None, pre_existing=True)
@@ -325,12 +319,11 @@ class Sampler:
         Before the job's processes change, so that they describe the epoch's end. The caller
         holds no lock.
         """
+        self.host.read_planned(self.lock, self._give_rollup)
 
-        def give(index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
-            with self.lock:
-                self.book.apply_rollup(index, found)
-
-        self.host.read_planned(self.lock, give)
+    def _give_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
+        with self.lock:
+            self.book.apply_rollup(index, found)
 
     def _wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
@@ -375,15 +368,9 @@ class Sampler:
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
             self.book.end(
-                table,
-                now=self.now(),
-                reason=reason,
-                error=error,
-                devices=self.nvml.device_states(),
-                batches=batches,
-                host=host,
-                shm=shm,
-            )
+                table, now=self.now(), reason=reason, error=error, batches=batches,
+                devices=self.nvml.device_states(), host=host, shm=shm,
+            )  # fmt: skip
             if self.host.plan(opened.index, table):
                 self._ticker.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
@@ -403,37 +390,14 @@ class Sampler:
             self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
             key = self.table.by_pid.get(pid)
             proc = self.table.procs.get(key) if key is not None else None
-            if proc is not None and all(death.key != proc.key for death in self.deaths):
-                self.failures.guard(lambda: self._note_death(proc, -exit_code), "death")
-
-    def _note_death(self, proc: Proc, signal_number: int) -> None:
-        kills = machine.oom_kill_count()
-        rise = None if kills is None or self._oom_kills is None else kills - self._oom_kills
-        if rise and self._oom_kills is not None:
-            # Each death takes one kill of the rise: deaths noted together share a burst.
-            self._oom_kills += 1
-        elif kills is not None:
-            self._oom_kills = kills
-        memory = machine.machine_memory()
-        self.shm.note_usage()
-        folder = self.mailbox_dir
-        stack = mailbox.read_stack(folder, proc.key, remove=True) if folder else None
-        self.deaths.append(
-            Death(
-                key=proc.key,
-                signal_number=signal_number,
-                at_s=self.now(),
-                epoch=self.book.open_index,
-                oom_kills=rise,
-                memory_total_bytes=memory.total_bytes if memory else None,
-                memory_available_bytes=memory.available_bytes if memory else None,
-                shm_total_bytes=self.shm.total_bytes,
-                shm_used_peak_bytes=self.shm.used_peak_bytes,
-                rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-                rss_bytes_last=proc.rss_bytes_last,
-                stack=stack,
+            if proc is None or any(death.key == proc.key for death in self.deaths):
+                return
+            found = self.failures.guard(
+                lambda: _death(self, proc, -exit_code, self._oom_kills), "death"
             )
-        )
+            if found is not None:
+                self.deaths.append(found[0])
+                self._oom_kills = found[1]
 
     def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
         """Declare ``key`` a worker of this job (the caller holds the lock)."""
@@ -459,22 +423,16 @@ class Sampler:
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._sample(self.table, epoch_end, scan_tags, quick, tick)
+            self._sample(epoch_end, scan_tags, quick, tick)
         except Exception as error:  # recorded, never raised; the next sample retries
             self.failures.record(f"sample: {type(error).__name__}: {error}", error)
         finally:
             self._sampling = False
             self.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
 
-    def _sample(
-        self,
-        table: ProcessTable,
-        epoch_end: bool,
-        scan_tags: bool,
-        quick: bool,
-        tick: TickPlan | None,
-    ) -> None:
-        now, nvml, pacing = self.now(), self.nvml, self.pacing
+    def _sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
+        now, nvml, pacing, table = self.now(), self.nvml, self.pacing, self.table
+        assert table is not None
         walk = tick is None or tick.walk
         lists_paced_out = tick is not None and tick.lists_paced_out
         if self._inbox is not None and walk:
@@ -577,27 +535,35 @@ class Sampler:
             open_epoch=self.book.open_index,
         )
 
-    def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:
-        """All observations so far, frozen (the caller holds the lock)."""
-        table = self.table
-        return Timeline(
-            session_id=self.session_id,
-            root=self.root_key,
-            started_unix_s=self.started_unix_s,
-            boot_unix_s=self.boot_unix_s,
-            attribution=self.nvml.attribution,
-            attribution_reason=self.nvml.attribution_reason,
-            baseline_devices=self.baseline_devices,
-            baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
-            epochs=self.book.records(table, now=self.now(), last=last_epochs) if table else (),
-            final=final,
-            failures=self.failures.lines(),
-            teardowns=tuple(self.book.teardowns),
-            # Files left in /dev/shm are judged once the work is over (at close).
-            shm_files=self.shm_files if final is not None and final.closed else (),
-            deaths=tuple(self.deaths),
-            stalls=tuple(self.stalls),
-        )
+
+def _death(
+    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
+) -> tuple[Death, int | None]:
+    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
+    kills = machine.oom_kill_count()
+    rise = None if kills is None or oom_kills is None else kills - oom_kills
+    if rise and oom_kills is not None:
+        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
+    elif kills is not None:
+        oom_kills = kills
+    memory = machine.machine_memory()
+    shm, folder = sampler.shm, sampler.mailbox_dir
+    shm.note_usage()
+    death = Death(
+        key=proc.key,
+        signal_number=signal_number,
+        at_s=sampler.now(),
+        epoch=sampler.book.open_index,
+        oom_kills=rise,
+        memory_total_bytes=memory.total_bytes if memory else None,
+        memory_available_bytes=memory.available_bytes if memory else None,
+        shm_total_bytes=shm.total_bytes,
+        shm_used_peak_bytes=shm.used_peak_bytes,
+        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+        rss_bytes_last=proc.rss_bytes_last,
+        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+    )
+    return death, oom_kills
 
 
 def _torch_allocated_bytes() -> int | None:

@@ -363,17 +363,14 @@ class EpochBook:
                     proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
                 )
 
-    def records(
-        self, table: ProcessTable, *, now: float, last: int | None = None
-    ) -> tuple[EpochRecord, ...]:
+    def records(self, table: ProcessTable, *, last: int | None = None) -> tuple[EpochRecord, ...]:
         """The closed epochs (the latest ``last`` of them), frozen."""
         closed = [epoch for epoch in self.epochs if epoch.end_s is not None]
-        if last is not None:
-            closed = closed[-last:]
-        return tuple(self._freeze(epoch, table, now) for epoch in closed)
+        return tuple(self._freeze(epoch, table) for epoch in closed[-last if last else 0 :])
 
-    def _freeze(self, epoch: _Epoch, table: ProcessTable, now: float) -> EpochRecord:
-        end_s = epoch.end_s if epoch.end_s is not None else now
+    def _freeze(self, epoch: _Epoch, table: ProcessTable) -> EpochRecord:
+        end_s = epoch.end_s
+        assert end_s is not None
         # Not one another tracker's worker report took since (NOTE [claims]).
         processes = [
             self._process_epoch(epoch, table.procs[key], row, table, end_s)

@@ -477,7 +477,8 @@ class Sampler:
         if scan_tags and self._tag_scan is not None:
             scan = self._tag_scan
             found = self.failures.guard(lambda: scan.scan(table.procs), "tag scan")
-            added += table.add_reparented(found or [], now=now, born_epoch=born)
+            for info in found or []:  # reparented away
+                added.append(table.add(info, now=now, born_epoch=born, in_lineage=False))
         ticks_per_s = procs.clock_ticks()
         for proc in added:  # NOTE [born epoch]
             born_s = proc.key.start_ticks / ticks_per_s - self._boot_offset_s

@@ -131,7 +131,13 @@ class ProcessTable:
         return proc
 
     def add(
-        self, info: ProcInfo, *, now: float, born_epoch: int | None, pre_existing: bool = False
+        self,
+        info: ProcInfo,
+        *,
+        now: float,
+        born_epoch: int | None,
+        pre_existing: bool = False,
+        in_lineage: bool = True,
     ) -> Proc:
         """Place a process seen for the first time, claimed as NOTE [claims] says."""
         parent = self.by_pid.get(info.ppid)
@@ -142,6 +148,7 @@ class ProcessTable:
             now,
             born_epoch=born_epoch,
             pre_existing=pre_existing,
+            in_lineage=in_lineage,
             birth_epoch=born_epoch,
             own=owner == self.session,
             # Gone before it could be read (known from its record only): its parent's rank.
@@ -233,17 +240,6 @@ class ProcessTable:
                 proc.own = False
                 self.changed = True
 
-    def add_reparented(
-        self, found: list[ProcInfo], *, now: float, born_epoch: int | None
-    ) -> list[Proc]:
-        """Place tagged processes a tag scan found outside the lineage (reparented away)."""
-        added: list[Proc] = []
-        for info in found:
-            proc = self.add(info, now=now, born_epoch=born_epoch)
-            proc.in_lineage = False
-            added.append(proc)
-        return added
-
     def mark_exited(self, proc: Proc, now: float) -> None:
         """Record that ``proc`` was seen gone at ``now``."""
         proc.exited_s = now
@@ -260,14 +256,11 @@ class ProcessTable:
         proc = self.procs.get(key)
         if proc is None:
             info = procs.read_proc(key.pid)
-            if info is not None and info.key == key:
-                proc = self.add(info, now=now, born_epoch=born_epoch)
-            else:
-                proc = self.add(
-                    ProcInfo(key=key, ppid=self.root.pid, name="", cmdline=""),
-                    now=now,
-                    born_epoch=born_epoch,
-                )
+            gone = info is None or info.key != key
+            if info is None or gone:
+                info = ProcInfo(key=key, ppid=self.root.pid, name="", cmdline="")
+            proc = self.add(info, now=now, born_epoch=born_epoch)
+            if gone:
                 self.mark_exited(proc, now)
                 claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
@@ -349,9 +342,8 @@ class ProcessTable:
                 rank=rank,
                 other_rank=other_rank,
             )
-        proc = self.add(info, now=now, born_epoch=None)
-        proc.in_lineage = procs.is_ancestor(self.root.pid, pid)
-        return proc
+        in_lineage = procs.is_ancestor(self.root.pid, pid)
+        return self.add(info, now=now, born_epoch=None, in_lineage=in_lineage)
 
     def others_gpu_bytes(self) -> dict[int, int]:
         """GPU bytes per device of the live processes another tracker or rank owns."""

@@ -364,11 +364,7 @@ class Tracker:
                 attribution_reason=sampler.nvml.attribution_reason,
                 baseline_devices=sampler.baseline_devices,
                 baseline_gpu_bytes=dict(sampler.baseline_gpu_bytes),
-                epochs=(
-                    sampler.book.records(table, now=sampler.now(), last=last_epochs)
-                    if table is not None
-                    else ()
-                ),
+                epochs=sampler.book.records(table, last=last_epochs) if table else (),
                 final=final,
                 failures=sampler.failures.lines(),
                 teardowns=tuple(sampler.book.teardowns),

@@ -29,6 +29,7 @@ from leakcheck.core.model import (
     PeakSource,
     ProcessEpoch,
     ProcessKey,
+    Role,
     TeardownRecord,
 )
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
@@ -47,20 +48,17 @@ def host_fields(
     and its exit ``report`` only for what they lack; else the report alone.
     """
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
-
-    def first(name: str) -> int | None:
-        return next((v for m in reads if (v := getattr(m, name)) is not None), None)
-
-    uss, rss = first("uss_bytes"), first("rss_bytes")
+    uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
+    rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
     peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
     if rss is not None:
         peaks.append(rss)
     return {
         "host_bytes_end": uss if uss is not None else rss,
         "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
-        "pss_bytes_end": first("pss_bytes"),
+        "pss_bytes_end": next((m.pss_bytes for m in reads if m.pss_bytes is not None), None),
         "rss_bytes_end": rss,
-        "anon_bytes_end": first("anon_bytes"),
+        "anon_bytes_end": next((m.anon_bytes for m in reads if m.anon_bytes is not None), None),
         "rss_bytes_peak": max(peaks) if peaks else None,
     }
 
@@ -94,17 +92,20 @@ def copy_fields(
     tolerance_bytes: int,
 ) -> dict[str, Any]:
     """The copy fields of a ``ProcessEpoch``: the in-epoch reads' and later ``(time, reading)``s."""
-    copy = dataclasses.replace(inside) if inside is not None else _Copy()
-    for at_s, memory in readings:
-        copy.fold(proc, memory, at_s, tolerance_bytes)
-    birth, last, over_s = proc.birth_host, copy.last, copy.over_s
+    birth, copy = proc.birth_host, inside
+    if proc.forked is True and birth is not None:
+        copy = dataclasses.replace(inside) if inside is not None else _Copy()
+        for at_s, memory in readings:
+            copy.fold(proc, memory, at_s, tolerance_bytes)
+    last = copy.last if copy is not None else None
+    over_s = copy.over_s if copy is not None else None
     return {
         "forked": proc.forked,
         "private_bytes_birth": birth.uss_bytes if birth is not None else None,
         "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
         "copied_bytes_end": last[0] if last is not None else None,
         "shared_bytes_end": last[1] if last is not None else None,
-        "copied_bytes_peak": copy.peak_bytes if last is not None else None,
+        "copied_bytes_peak": copy.peak_bytes if copy is not None and last is not None else None,
         "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
     }
 
@@ -116,7 +117,7 @@ class _Row:
     peak: dict[int, int] = field(default_factory=dict)
     listed: bool = False  # NVML listed it at some read
     reported: bool = False  # the peak includes its own report
-    end: ProcessEpoch | None = None  # its state at the end, completed when frozen
+    end: _EndState | None = None
     status: HostMemory | None = None  # the end's /proc/PID/status read
     rollup: HostMemory | None = None  # the end's smaps_rollup read, made after it
     report: HostMemory | None = None
@@ -154,20 +155,27 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
             peak[device] = used
 
 
-def _state(table: ProcessTable, proc: Proc, *, alive: bool = True) -> ProcessEpoch:
-    """Who ``proc`` is and, ``alive``, what it holds now: a record the caller completes."""
-    return ProcessEpoch(
-        role=table.role(proc),
-        ppid=proc.ppid,
-        born_in_epoch=False,
-        alive_at_end=alive,
-        gpu_bytes_end=dict(proc.gpu_bytes) if alive else {},
-        gpu_bytes_unknown=proc.gpu_unknown and alive,
-        nvidia_fds=proc.nvidia_fds if alive else None,
-        open_fds=proc.open_fds if alive else None,
-        fd_limit=proc.fd_limit if alive else None,
-        **_identity(table, proc),
-    )
+@dataclass(frozen=True)
+class _EndState:
+    """Where a process stood at an epoch's end, and what it held there (``alive``)."""
+
+    role: Role
+    ppid: int
+    alive: bool = False
+    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
+    gpu_unknown: bool = False
+    nvidia_fds: int | None = None
+    open_fds: int | None = None
+    fd_limit: int | None = None
+
+    @staticmethod
+    def of(table: ProcessTable, proc: Proc, *, alive: bool = True) -> _EndState:
+        if not alive:
+            return _EndState(table.role(proc), proc.ppid)
+        return _EndState(
+            table.role(proc), proc.ppid, True, dict(proc.gpu_bytes), proc.gpu_unknown,
+            proc.nvidia_fds, proc.open_fds, proc.fd_limit,
+        )  # fmt: skip
 
 
 def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
@@ -275,7 +283,7 @@ class EpochBook:
         for key, row in epoch.rows.items():
             proc = table.procs[key]
             alive = proc.exited_s is None
-            row.end = _state(table, proc, alive=alive)
+            row.end = _EndState.of(table, proc, alive=alive)
             row.status = host.get(key) if alive else None
         self.open = None
 
@@ -397,9 +405,9 @@ class EpochBook:
     ) -> ProcessEpoch:
         state = row.end
         assert state is not None
-        alive = state.alive_at_end
+        alive = state.alive
         peak = dict(row.peak)
-        _raise_peak(peak, state.gpu_bytes_end)  # peak >= end, always
+        _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
         source: PeakSource
         if row.reported:
             source = "reported"
@@ -413,15 +421,21 @@ class EpochBook:
         role = state.role
         if role == "descendant" and proc.key in table.workers:
             role = "worker"
-        return dataclasses.replace(
-            state,
+        return ProcessEpoch(
             role=role,
+            ppid=state.ppid,
+            alive_at_end=alive,
+            gpu_bytes_end=dict(state.gpu_bytes),
+            gpu_bytes_unknown=state.gpu_unknown,
+            nvidia_fds=state.nvidia_fds,
+            open_fds=state.open_fds,
+            fd_limit=state.fd_limit,
+            **_identity(table, proc),
             born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
             exited_after_s=exited_s - end_s if exited_s is not None and exited_s >= end_s else None,
             last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
             gpu_bytes_peak=peak,
             gpu_peak_source=source,
-            **_identity(table, proc),
             **host_fields(row.status, row.rollup, row.report, alive=alive),
             **copy_fields(
                 proc,
@@ -485,8 +499,17 @@ def final_processes(
             continue
         row = opened.rows.get(key) if opened is not None else None
         processes.append(
-            dataclasses.replace(
-                _state(table, proc),
+            ProcessEpoch(
+                role=table.role(proc),
+                ppid=proc.ppid,
+                alive_at_end=True,
+                gpu_bytes_end=dict(proc.gpu_bytes),
+                gpu_bytes_unknown=proc.gpu_unknown,
+                nvidia_fds=proc.nvidia_fds,
+                open_fds=proc.open_fds,
+                fd_limit=proc.fd_limit,
+                **_identity(table, proc),
+                born_in_epoch=False,
                 last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
                 gpu_bytes_peak=dict(proc.gpu_bytes),
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),

@@ -223,7 +223,7 @@ def test_a_validation_worker_the_training_tracker_placed_first_is_not_in_its_epo
         train.apply_walk([], now=10.62, quick=False, born_epoch=0)
     book.end(train, now=11.0, reason="completed", error=None, devices=())
 
-    (record,) = book.records(train, now=11.0)
+    (record,) = book.records(train)
     assert [p.key for p in record.processes] == [train.root]
     assert not train.procs[worker].own and val.procs[worker].own
 
@@ -309,7 +309,7 @@ def test_a_corrected_worker_seen_gone_by_its_owner_first_stays_out_of_the_other_
     val.apply_walk([], now=10.6, quick=False, born_epoch=0)  # val sees it gone first
     train.apply_walk([], now=10.62, quick=False, born_epoch=0)
     book.end(train, now=11.0, reason="completed", error=None, devices=())
-    (record,) = book.records(train, now=11.0)
+    (record,) = book.records(train)
     assert [p.key for p in record.processes] == [train.root]
 
 
@@ -322,7 +322,7 @@ def test_a_correction_that_comes_after_the_epoch_ended_reaches_its_record(
     book.end(train, now=10.7, reason="completed", error=None, devices=())  # still train's
     val.register_worker(worker, False, now=10.8, born_epoch=None)  # the report, read late
     train.apply_walk([info], now=10.9, quick=False, born_epoch=None)
-    (record,) = book.records(train, now=11.0)
+    (record,) = book.records(train)
     assert [p.key for p in record.processes] == [train.root]
 
 

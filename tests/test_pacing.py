@@ -10,8 +10,11 @@ from leakcheck.track.pacing import Pacing
 _TICK_S = 0.01
 
 
-def _pacing(**kwargs: float | int) -> Pacing:
-    return Pacing(_TICK_S, has_nvml=True, **kwargs)  # type: ignore[arg-type]
+def _pacing(**knobs: float) -> Pacing:
+    pacing = Pacing(_TICK_S, has_nvml=True)
+    for name, value in knobs.items():
+        setattr(pacing, name, value)
+    return pacing
 
 
 @pytest.mark.parametrize(

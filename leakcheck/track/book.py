@@ -1,23 +1,21 @@
-"""The epoch book of one tracker: epochs, who was in each, peaks, end states.
+"""The epoch book of one tracker: epochs, and one row per process seen in each.
 
 NOTE [worker reports]: sampling misses what lives shorter than the gap between two NVML reads.
-So each worker, as it exits, reads its own NVML entry, torch's peak reserved bytes and its
-host memory (USS, PSS, RSS, RSS peak) and posts them to the mailbox (NOTE [teardown policy]
-in teardown.py), stamped with the host's monotonic clock. The book gives that report to the
-epoch open at that moment (or ended at most ``grace_s`` before it, for workers shut down
-after their epoch); an epoch's peak for a process is the larger of what was sampled and what
-was reported, and NVML's accounting maxima of exited PIDs, where the mode is on, count the
-same way. A process that exited unseen and reported nothing has an ``unknown`` peak, never 0;
-one alive at the epoch end was read in full then. A worker gone by its epoch's end is shown
-with what it reported (``alive_at_end`` False); one alive was read at the end (status, and
-smaps_rollup where paced in: ``apply_rollup``). A forked worker's copies of its parent's
-memory (NOTE [copy on read] in hostmem.py) are measured against its birth report by every
-smaps_rollup reading of it (in-epoch, the end's, its exit report): each epoch keeps the most
-any showed and when one first passed the copy tolerance.
+So each worker, as it exits, posts its own NVML bytes, torch's peak reserved bytes and its host
+memory to the mailbox (NOTE [teardown policy] in teardown.py), stamped with the monotonic
+clock. The book gives that report to the epoch open then (or ended at most ``grace_s`` before,
+for workers shut down after their epoch); a peak is the larger of what was sampled and what
+was reported, NVML's accounting maxima of exited PIDs counting the same way. A process that
+exited unseen and reported nothing has an ``unknown`` peak, never 0. One alive at the end was
+read then (status, and smaps_rollup where paced in); one gone shows what it reported. A forked
+worker's copies of its parent's memory (NOTE [copy on read] in hostmem.py) are measured
+against its birth report by every smaps_rollup reading of it; each epoch keeps the most any
+showed and when one first passed the copy tolerance.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +34,6 @@ from leakcheck.core.model import (
 )
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.reads import reported_memory
-from leakcheck.track.shm import ShmEpoch
 from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["EpochBook", "final_processes", "host_fields"]
@@ -47,43 +44,43 @@ def host_fields(
 ) -> dict[str, Any]:
     """The host-memory fields of a ``ProcessEpoch`` (USS where read, else RSS).
 
-    ``end`` (status) and ``rollup`` (smaps_rollup) were read at the epoch end, ``report`` by
-    the process at its exit: for one ``alive`` at the end the end's reads count first, its
-    report only for what they lack; else its report alone.
+    For one ``alive`` at the end, the end's reads (``end``: status, ``rollup``) count first
+    and its exit ``report`` only for what they lack; else the report alone.
     """
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
-    pss = next((m.pss_bytes for m in reads if m.pss_bytes is not None), None)
-    anon = next((m.anon_bytes for m in reads if m.anon_bytes is not None), None)
     peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
     if rss is not None:
         peaks.append(rss)
     return {
         "host_bytes_end": uss if uss is not None else rss,
         "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
-        "pss_bytes_end": pss,
+        "pss_bytes_end": next((m.pss_bytes for m in reads if m.pss_bytes is not None), None),
         "rss_bytes_end": rss,
-        "anon_bytes_end": anon,
+        "anon_bytes_end": next((m.anon_bytes for m in reads if m.anon_bytes is not None), None),
         "rss_bytes_peak": max(peaks) if peaks else None,
     }
 
 
 @dataclass
 class _Copy:
-    """What the in-epoch reads of one worker showed it copied (NOTE [copy on read])."""
+    """What the readings of one forked worker showed it copied (NOTE [copy on read])."""
 
     peak_bytes: int = 0
     over_s: float | None = None  # when a reading first passed the copy tolerance
     last: tuple[int, int | None] | None = None  # (copied, Shared_Dirty) of the latest
 
-
-def _copy_reading(proc: Proc, memory: HostMemory | None) -> tuple[int, int | None] | None:
-    """(copied bytes, Shared_Dirty) of a forked worker's reading, or None."""
-    if memory is None or proc.birth_host is None or proc.forked is not True:
-        return None
-    copied = copied_bytes(proc.birth_host, memory)
-    return None if copied is None else (copied, memory.shared_dirty_bytes)
+    def fold(self, proc: Proc, memory: HostMemory | None, at_s: float, tolerance: int) -> None:
+        if memory is None or proc.birth_host is None or proc.forked is not True:
+            return
+        copied = copied_bytes(proc.birth_host, memory)
+        if copied is None:
+            return
+        self.last = (copied, memory.shared_dirty_bytes)
+        self.peak_bytes = max(self.peak_bytes, copied)
+        if copied > tolerance and (self.over_s is None or at_s < self.over_s):
+            self.over_s = at_s
 
 
 def copy_fields(
@@ -94,45 +91,38 @@ def copy_fields(
     start_s: float,
     tolerance_bytes: int,
 ) -> dict[str, Any]:
-    """The copy fields of a ``ProcessEpoch`` (NOTE [copy on read] in hostmem.py).
-
-    ``inside``: the in-epoch reads'; ``readings``: later ``(time, reading)``s in order;
-    ``copied_over_after_s`` counts from ``start_s``.
-    """
-    birth = proc.birth_host
-    peak = inside.peak_bytes if inside is not None else None
-    over_s = inside.over_s if inside is not None else None
-    last = inside.last if inside is not None else None
-    for at_s, memory in readings:
-        found = _copy_reading(proc, memory)
-        if found is None:
-            continue
-        last = found
-        peak = found[0] if peak is None else max(peak, found[0])
-        if found[0] > tolerance_bytes and (over_s is None or at_s < over_s):
-            over_s = at_s
+    """The copy fields of a ``ProcessEpoch``: the in-epoch reads' and later ``(time, reading)``s."""
+    birth, copy = proc.birth_host, inside
+    if proc.forked is True and birth is not None:
+        copy = dataclasses.replace(inside) if inside is not None else _Copy()
+        for at_s, memory in readings:
+            copy.fold(proc, memory, at_s, tolerance_bytes)
+    last = copy.last if copy is not None else None
+    over_s = copy.over_s if copy is not None else None
     return {
         "forked": proc.forked,
         "private_bytes_birth": birth.uss_bytes if birth is not None else None,
         "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
         "copied_bytes_end": last[0] if last is not None else None,
         "shared_bytes_end": last[1] if last is not None else None,
-        "copied_bytes_peak": peak,
+        "copied_bytes_peak": copy.peak_bytes if copy is not None and last is not None else None,
         "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
     }
 
 
-@dataclass(frozen=True)
-class _EndState:
-    role: Role
-    ppid: int
-    alive: bool
-    gpu_bytes: Mapping[int, int]
-    gpu_unknown: bool
-    nvidia_fds: int | None
-    host: HostMemory | None = None
-    open_fds: int | None = None
-    fd_limit: int | None = None
+@dataclass
+class _Row:
+    """One process in one epoch: in the epoch's rows once seen in it."""
+
+    peak: dict[int, int] = field(default_factory=dict)
+    listed: bool = False  # NVML listed it at some read
+    reported: bool = False  # the peak includes its own report
+    end: _EndState | None = None
+    status: HostMemory | None = None  # the end's /proc/PID/status read
+    rollup: HostMemory | None = None  # the end's smaps_rollup read, made after it
+    report: HostMemory | None = None
+    report_at_s: float | None = None
+    copy: _Copy | None = None  # the in-epoch reads'
 
 
 @dataclass
@@ -146,25 +136,58 @@ class _Epoch:
     reason: EndReason = "completed"
     error: str | None = None
     batches: int | None = None
-    peak: dict[ProcessKey, dict[int, int]] = field(default_factory=dict)
-    listed: set[ProcessKey] = field(default_factory=set)  # NVML listed it at some read
-    reported: set[ProcessKey] = field(default_factory=set)  # its peak includes its report
+    rows: dict[ProcessKey, _Row] = field(default_factory=dict)
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
-    seen: set[ProcessKey] = field(default_factory=set)
-    end_state: dict[ProcessKey, _EndState] = field(default_factory=dict)
     devices: tuple[DeviceState, ...] = ()
-    rollup: dict[ProcessKey, HostMemory] = field(default_factory=dict)  # the end's USS, PSS
-    host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
-    report_at_s: dict[ProcessKey, float] = field(default_factory=dict)
-    inside: dict[ProcessKey, _Copy] = field(default_factory=dict)
-    shm: ShmEpoch | None = None
+    shm: dict[str, Any] | None = None  # its EpochRecord fields (ShmWatch.epoch_end)
+
+    def row(self, key: ProcessKey) -> _Row:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = _Row()
+        return row
 
 
 def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
     for device, used in values.items():
         if used > peak.get(device, 0):
             peak[device] = used
+
+
+@dataclass(frozen=True)
+class _EndState:
+    """Where a process stood at an epoch's end, and what it held there (``alive``)."""
+
+    role: Role
+    ppid: int
+    alive: bool = False
+    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
+    gpu_unknown: bool = False
+    nvidia_fds: int | None = None
+    open_fds: int | None = None
+    fd_limit: int | None = None
+
+    @staticmethod
+    def of(table: ProcessTable, proc: Proc, *, alive: bool = True) -> _EndState:
+        if not alive:
+            return _EndState(table.role(proc), proc.ppid)
+        return _EndState(
+            table.role(proc), proc.ppid, True, dict(proc.gpu_bytes), proc.gpu_unknown,
+            proc.nvidia_fds, proc.open_fds, proc.fd_limit,
+        )  # fmt: skip
+
+
+def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
+    """The ``ProcessEpoch`` fields of who ``proc`` is, alike in every record of it."""
+    return {
+        "key": proc.key,
+        "cmdline": proc.cmdline,
+        "persistent": table.persistent(proc),
+        "rank": proc.rank.rank if proc.rank is not None else None,
+        "rank_device": proc.rank.device if proc.rank is not None else None,
+        "born_epoch": None if proc.pre_existing else proc.birth_epoch,  # NOTE [born epoch]
+    }
 
 
 class EpochBook:
@@ -179,8 +202,7 @@ class EpochBook:
         self.copy_tolerance_bytes = copy_tolerance_bytes
         self.epochs: list[_Epoch] = []
         self.open: _Epoch | None = None
-        self.teardowns: list[TeardownRecord] = []
-        """Worker teardowns reported through the mailbox, in arrival order."""
+        self.teardowns: list[TeardownRecord] = []  # from the mailbox, in arrival order
 
     @property
     def open_index(self) -> int | None:
@@ -197,9 +219,8 @@ class EpochBook:
     def born_in(self, born_s: float, window_s: float) -> int | None:
         """The epoch a birth in ``[born_s, born_s + window_s)`` fell in (NOTE [born epoch]).
 
-        The latest epoch opened before the window ends wins (a loader's workers start as its
-        epoch opens, within the tick); None if it ended before the window began, or none had
-        opened.
+        The latest opened before the window ends (workers start as their epoch opens);
+        None if it ended before the window began, or none had opened.
         """
         for epoch in reversed(self.epochs):
             if epoch.start_s >= born_s + window_s:
@@ -212,14 +233,10 @@ class EpochBook:
     def see(self, key: ProcessKey) -> None:
         """Count ``key`` in the open epoch (a worker known from its report alone)."""
         if self.open is not None:
-            self.open.seen.add(key)
+            self.open.row(key)
 
     def note_sample(self, table: ProcessTable, device_used: Mapping[int, int] | None) -> None:
-        """Fold one sample into the open epoch: who was seen, peaks, the device peak.
-
-        Only where processes or their bytes changed (``table.changed``), and the device peak
-        only with a memory read: a tick that did neither leaves the record as it was.
-        """
+        """Fold one sample into the open epoch, where processes or their bytes changed."""
         epoch = self.open
         if epoch is None:
             return
@@ -229,11 +246,11 @@ class EpochBook:
             for key, proc in table.live.items():
                 if proc.foreign or not proc.own:
                     continue
-                epoch.seen.add(key)
+                row = epoch.row(key)
                 if proc.gpu_bytes or proc.gpu_unknown:
-                    epoch.listed.add(key)
+                    row.listed = True
                 if proc.gpu_bytes:
-                    _raise_peak(epoch.peak.setdefault(key, {}), proc.gpu_bytes)
+                    _raise_peak(row.peak, proc.gpu_bytes)
         if device_used is not None:
             _raise_peak(epoch.device_peak, device_used)
 
@@ -247,7 +264,7 @@ class EpochBook:
         devices: tuple[DeviceState, ...],
         batches: int | None = None,
         host: Mapping[ProcessKey, HostMemory] | None = None,
-        shm: ShmEpoch | None = None,
+        shm: dict[str, Any] | None = None,
     ) -> None:
         """Close the open epoch with the state of every process it saw, read just now."""
         epoch = self.open
@@ -256,25 +273,18 @@ class EpochBook:
         epoch.end_s, epoch.reason, epoch.error = now, reason, error
         epoch.devices, epoch.batches, epoch.shm = devices, batches, shm
         host = host or {}
-        # Ownership as it stands now: a worker's report may have corrected a claim made
-        # when it was first seen (NOTE [claims]).
+        # Ownership as it stands now: a worker's report may have corrected a claim (NOTE
+        # [claims]).
         table.refresh_ownership()
-        epoch.seen = {key for key in epoch.seen if table.procs[key].own}
-        for key in epoch.seen | {k for k, p in table.live.items() if p.own and not p.foreign}:
+        epoch.rows = {key: row for key, row in epoch.rows.items() if table.procs[key].own}
+        for key, proc in table.live.items():
+            if proc.own and not proc.foreign:
+                epoch.row(key)
+        for key, row in epoch.rows.items():
             proc = table.procs[key]
             alive = proc.exited_s is None
-            epoch.end_state[key] = _EndState(
-                role=table.role(proc),
-                ppid=proc.ppid,
-                alive=alive,
-                gpu_bytes=dict(proc.gpu_bytes) if alive else {},
-                gpu_unknown=proc.gpu_unknown and alive,
-                nvidia_fds=proc.nvidia_fds if alive else None,
-                host=host.get(key) if alive else None,
-                open_fds=proc.open_fds if alive else None,
-                fd_limit=proc.fd_limit if alive else None,
-            )
-            epoch.seen.add(key)
+            row.end = _EndState.of(table, proc, alive=alive)
+            row.status = host.get(key) if alive else None
         self.open = None
 
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
@@ -285,7 +295,10 @@ class EpochBook:
         later = self.epochs[index + 1 :]
         if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
             return False
-        self.epochs[index].rollup.update(found)
+        rows = self.epochs[index].rows
+        for key, memory in found.items():
+            if key in rows:
+                rows[key].rollup = memory
         return True
 
     def apply_inside(
@@ -297,14 +310,11 @@ class EpochBook:
             return
         for key, memory in found.items():
             proc = table.procs.get(key)
-            reading = _copy_reading(proc, memory) if proc is not None else None
-            if reading is None:
+            if proc is None or proc.forked is not True or proc.birth_host is None:
                 continue
-            copy = epoch.inside.setdefault(key, _Copy())
-            copy.peak_bytes = max(copy.peak_bytes, reading[0])
-            copy.last = reading
-            if reading[0] > self.copy_tolerance_bytes and copy.over_s is None:
-                copy.over_s = at_s
+            row = epoch.row(key)
+            row.copy = row.copy or _Copy()
+            row.copy.fold(proc, memory, at_s, self.copy_tolerance_bytes)
 
     def apply_report(
         self,
@@ -321,27 +331,25 @@ class EpochBook:
             if epoch.start_s > at_s:
                 continue
             ended = epoch.end_s
-            within = (
+            if not (
                 ended is None
                 or at_s <= ended
-                or (key in epoch.seen and at_s <= ended + self.grace_s)
-            )
-            if not within:
+                or (key in epoch.rows and at_s <= ended + self.grace_s)
+            ):
                 return False
-            epoch.seen.add(key)
-            epoch.reported.add(key)
-            _raise_peak(epoch.peak.setdefault(key, {}), gpu_bytes)
+            row = epoch.row(key)
+            row.reported = True
+            _raise_peak(row.peak, gpu_bytes)
             if host is not None:
-                epoch.host_reports[key] = host
-                epoch.report_at_s[key] = at_s
+                row.report, row.report_at_s = host, at_s
             return True
         return False
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
         """Keep a worker's teardown record and give what it held as it exited to its epoch.
 
-        ``t0_s``: the tracker's start on the monotonic clock the record is stamped with. A
-        worker that never used CUDA held nothing on a GPU.
+        ``t0_s``: the tracker's start on the record's monotonic clock. A worker that never
+        used CUDA held nothing on a GPU.
         """
         self.teardowns.append(teardown)
         held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
@@ -363,25 +371,20 @@ class EpochBook:
                     proc.key, proc.exited_s - 1e-3, {record.device_index: record.max_memory_bytes}
                 )
 
-    def records(
-        self, table: ProcessTable, *, now: float, last: int | None = None
-    ) -> tuple[EpochRecord, ...]:
+    def records(self, table: ProcessTable, *, last: int | None = None) -> tuple[EpochRecord, ...]:
         """The closed epochs (the latest ``last`` of them), frozen."""
         closed = [epoch for epoch in self.epochs if epoch.end_s is not None]
-        if last is not None:
-            closed = closed[-last:]
-        return tuple(self._freeze(epoch, table, now) for epoch in closed)
+        return tuple(self._freeze(epoch, table) for epoch in closed[-last if last else 0 :])
 
-    def _freeze(self, epoch: _Epoch, table: ProcessTable, now: float) -> EpochRecord:
-        end_s = epoch.end_s if epoch.end_s is not None else now
-        # A process another tracker's worker report took after this epoch ended is not
-        # listed either (NOTE [claims]).
+    def _freeze(self, epoch: _Epoch, table: ProcessTable) -> EpochRecord:
+        end_s = epoch.end_s
+        assert end_s is not None
+        # Not one another tracker's worker report took since (NOTE [claims]).
         processes = [
-            self._process_epoch(epoch, table.procs[key], state, table, end_s)
-            for key, state in sorted(epoch.end_state.items())
-            if table.procs[key].own
+            self._process_epoch(epoch, table.procs[key], row, table, end_s)
+            for key, row in sorted(epoch.rows.items())
+            if row.end is not None and table.procs[key].own
         ]
-        shm = epoch.shm
         return EpochRecord(
             index=epoch.index,
             label=epoch.label,
@@ -394,57 +397,52 @@ class EpochBook:
             samples=epoch.samples,
             error=epoch.error,
             batches=epoch.batches,
-            shm_files=shm.files if shm else (),
-            shm_bytes=shm.bytes if shm else None,
-            shm_total_bytes=shm.total_bytes if shm else None,
-            shm_used_peak_bytes=shm.used_peak_bytes if shm else None,
+            **(epoch.shm or {}),
         )
 
     def _process_epoch(
-        self, epoch: _Epoch, proc: Proc, state: _EndState, table: ProcessTable, end_s: float
+        self, epoch: _Epoch, proc: Proc, row: _Row, table: ProcessTable, end_s: float
     ) -> ProcessEpoch:
-        key = proc.key
-        peak = dict(epoch.peak.get(key, {}))
+        state = row.end
+        assert state is not None
+        alive = state.alive
+        peak = dict(row.peak)
         _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
         source: PeakSource
-        if key in epoch.reported:
+        if row.reported:
             source = "reported"
-        elif state.alive or key in epoch.listed:
+        elif alive or row.listed:
             source = "sampled"
         else:
             source, peak = "unknown", {}  # gone unseen and unreported: not known, never 0
-        exited_after = (
-            proc.exited_s - end_s if proc.exited_s is not None and proc.exited_s >= end_s else None
-        )
-        # A worker whose record came after the epoch that started it ended was a plain
-        # descendant then; it is a worker from birth, and records are judged as of now.
+        exited_s = proc.exited_s
+        # Identity as of now: a worker whose record came after its epoch ended was a plain
+        # descendant then, and is a worker from birth.
         role = state.role
-        if role == "descendant" and key in table.workers:
+        if role == "descendant" and proc.key in table.workers:
             role = "worker"
         return ProcessEpoch(
             role=role,
             ppid=state.ppid,
-            born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
-            alive_at_end=state.alive,
-            exited_after_s=exited_after,
-            last_seen_after_s=(proc.last_seen_s - end_s) if state.alive else None,
+            alive_at_end=alive,
             gpu_bytes_end=dict(state.gpu_bytes),
-            gpu_bytes_peak=peak,
-            gpu_peak_source=source,
             gpu_bytes_unknown=state.gpu_unknown,
             nvidia_fds=state.nvidia_fds,
             open_fds=state.open_fds,
             fd_limit=state.fd_limit,
-            **_identity_fields(proc, table),
-            **host_fields(
-                state.host, epoch.rollup.get(key), epoch.host_reports.get(key), alive=state.alive
-            ),
+            **_identity(table, proc),
+            born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
+            exited_after_s=exited_s - end_s if exited_s is not None and exited_s >= end_s else None,
+            last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
+            gpu_bytes_peak=peak,
+            gpu_peak_source=source,
+            **host_fields(row.status, row.rollup, row.report, alive=alive),
             **copy_fields(
                 proc,
-                epoch.inside.get(key),
+                row.copy,
                 [
-                    (end_s, epoch.rollup.get(key) if state.alive else None),
-                    (epoch.report_at_s.get(key, end_s), epoch.host_reports.get(key)),
+                    (end_s, row.rollup if alive else None),
+                    (row.report_at_s if row.report_at_s is not None else end_s, row.report),
                 ],
                 start_s=epoch.start_s,
                 tolerance_bytes=self.copy_tolerance_bytes,
@@ -455,8 +453,8 @@ class EpochBook:
         """Processes whose survival is not decided yet, and until when to wait for them.
 
         Every live own non-persistent process (or runtime helper reparented away) born in a
-        closed epoch and not seen alive ``grace_s`` after that epoch ended; the deadline is
-        the latest of those ends plus the grace (NOTE [tracker lifecycle] in sampler.py).
+        closed epoch and not seen alive ``grace_s`` after it ended; the deadline is the
+        latest of those ends plus the grace (NOTE [tracker lifecycle] in sampler.py).
         """
         ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
         pending: list[Proc] = []
@@ -467,8 +465,8 @@ class EpochBook:
             if proc.foreign or not proc.own or born not in ends:
                 continue
             if table.persistent(proc) and not (
-                # A runtime helper reparented away gets the grace too: it exits within
-                # moments of its owner, or stays for ever (an orphan).
+                # A runtime helper reparented away exits within moments of its owner, or
+                # stays for ever (an orphan): it gets the grace too.
                 table.baseline_helper(proc) and not proc.in_lineage and not proc.pre_existing
             ):
                 continue
@@ -481,18 +479,6 @@ class EpochBook:
         return pending, deadline
 
 
-def _identity_fields(proc: Proc, table: ProcessTable) -> dict[str, Any]:
-    """The ``ProcessEpoch`` fields of who ``proc`` is, alike in every record of it."""
-    return {
-        "key": proc.key,
-        "cmdline": proc.cmdline,
-        "persistent": table.persistent(proc),
-        "rank": proc.rank.rank if proc.rank is not None else None,
-        "rank_device": proc.rank.device if proc.rank is not None else None,
-        "born_epoch": None if proc.pre_existing else proc.birth_epoch,  # NOTE [born epoch]
-    }
-
-
 def final_processes(
     table: ProcessTable,
     last_end_s: float | None,
@@ -503,32 +489,33 @@ def final_processes(
 ) -> tuple[ProcessEpoch, ...]:
     """Every live process of the job, and foreign GPU holders, for a fresh final state.
 
-    ``status`` and ``rollup``: their host memory read now; the open epoch's copy readings
-    count with the rollup one, else it alone, counted from ``now``.
+    ``status`` and ``rollup``: their host memory read now; copies count the open epoch's
+    readings and this one, from ``now``.
     """
     processes: list[ProcessEpoch] = []
     opened = book.open
     for key, proc in sorted(table.live.items()):
         if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
             continue
+        row = opened.rows.get(key) if opened is not None else None
         processes.append(
             ProcessEpoch(
                 role=table.role(proc),
                 ppid=proc.ppid,
-                born_in_epoch=False,
                 alive_at_end=True,
-                last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
                 gpu_bytes_end=dict(proc.gpu_bytes),
-                gpu_bytes_peak=dict(proc.gpu_bytes),
                 gpu_bytes_unknown=proc.gpu_unknown,
                 nvidia_fds=proc.nvidia_fds,
                 open_fds=proc.open_fds,
                 fd_limit=proc.fd_limit,
-                **_identity_fields(proc, table),
+                **_identity(table, proc),
+                born_in_epoch=False,
+                last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
+                gpu_bytes_peak=dict(proc.gpu_bytes),
                 **host_fields(status.get(key), rollup.get(key), None, alive=True),
                 **copy_fields(
                     proc,
-                    opened.inside.get(key) if opened is not None else None,
+                    row.copy if row is not None else None,
                     [(now, rollup.get(key))],
                     start_s=opened.start_s if opened is not None else now,
                     tolerance_bytes=book.copy_tolerance_bytes,

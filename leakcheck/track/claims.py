@@ -1,31 +1,24 @@
 """Whose process is it: ownership among the trackers of one process.
 
 NOTE [claims]: one process often runs several trackers (a train and a validation loader each
-under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the same
-root's children: without owners, one loader's persistent worker is another's survivor and an
-orphan is reported twice. This process-wide registry records each placed process's owner:
+under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the
+same root's children: without owners, one loader's persistent worker is another's survivor.
+This process-wide registry records each placed process's owner:
 
-1. a worker that reported itself through a tracker's mailbox is that tracker's: exact, it
-   replaces any other claim;
+1. a worker that reported itself through a tracker's mailbox is that tracker's: exact;
 2. a process whose parent is claimed is the parent's owner's, and follows it when rule 1
-   corrects the parent (a worker can start a helper before its report is read). A child of
-   a tracker's root is that tracker's where it is the only one rooted there (a
-   ``Tracker(root_pid=S)`` beside this process's trackers); several are told apart by 3;
-3. otherwise the tracker whose epoch was the innermost open at the process's birth (its
-   start ticks: NOTE [process identity] in procs.py), not at the time a walk first saw it:
-   a loader's epoch is open when its workers start, a validation epoch inside the training
-   one;
+   corrects the parent. A child of a tracker's root is that tracker's where it is the only
+   one rooted there; several are told apart by 3;
+3. otherwise the tracker whose epoch was the innermost open at the process's birth (its start
+   ticks: NOTE [process identity] in procs.py), not when a walk first saw it;
 4. with no epoch open anywhere at its birth, the tracker that places it first.
 
 A tracker judges only what it owns and counts what another owns as the job's memory. Claims
-stay until the process is seen gone, and outlive the tracker's close; but what is born after
-a close is not the closed tracker's (rules 2 and 3 pass it by: ``session_closed``).
-
-A correction by rule 1 must reach the tracker that lost the process even where the worker is
-gone by then (seen gone, its claim forgotten, before its report was read). So the owners of
-processes seen gone, and the parents of gone heirs, are kept a while; a late report changes
-those without claiming again, and every process rule 1 takes from a session is queued for
-that session's table (``taken_from``), which gives it up at its next walk and epoch end.
+stay until the process is seen gone and outlive the tracker's close, but what is born after a
+close is not the closed tracker's. A correction by rule 1 must reach the tracker that lost the
+process even where it is gone by then: the owners of processes seen gone, and the parents of
+gone heirs, are kept a while, and every process rule 1 takes from a session is queued for that
+session's table (``taken_from``), which gives it up at its next walk and epoch end.
 """
 
 from __future__ import annotations
@@ -56,11 +49,10 @@ _gone: dict[ProcessKey, str] = {}  # owners of the latest processes seen gone, o
 _roots: dict[ProcessKey, set[str]] = {}  # the sessions of the trackers rooted at each
 _gone_heir_of: dict[ProcessKey, ProcessKey] = {}  # _heir_of of the latest heirs seen gone
 _KEPT_GONE = 1024
-_taken: dict[tuple[str, ProcessKey], None] = {}
-"""(session, process) rule 1 took from the session, until its table asks (``taken_from``)."""
+_taken: dict[tuple[str, ProcessKey], None] = {}  # (session, process) rule 1 took from it
+# (session, opened, closed) of epochs in seconds since boot (the start ticks' clock), in the
+# order they opened; closed ones kept a while, for processes seen late.
 _epochs: list[tuple[str, float, float | None]] = []
-"""(session, opened, closed) of trackers' epochs in seconds since boot (the clock of start
-ticks), in the order they opened; closed ones kept a while, for processes seen late."""
 _KEPT_EPOCHS = 256
 _closed: dict[str, float] = {}  # closed sessions, with when (seconds since boot), oldest first
 
@@ -92,13 +84,11 @@ def claim_worker(key: ProcessKey, session: str) -> None:
 
 
 def _take(key: ProcessKey, previous: str | None, session: str) -> None:
-    """Give ``key`` to ``session``, queueing the correction for its previous owner."""
     _owners[key] = session
     _queue(key, previous, session)
 
 
-def _take_gone(key: ProcessKey, session: str) -> None:
-    """The same for a process seen gone: its kept owner changes, no claim is made again."""
+def _take_gone(key: ProcessKey, session: str) -> None:  # seen gone: no claim made again
     previous, _gone[key] = _gone[key], session
     _queue(key, previous, session)
 
@@ -147,12 +137,8 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
 
 
 def _epoch_at(start_ticks: int, ticks_per_s: int) -> str | None:
-    """The session of the innermost epoch open when a process was born (rule 3).
-
-    The birth fell somewhere in its start's clock tick: the innermost epoch open over the
-    whole tick wins; else the latest opened of those open for part of it (processes start
-    as an epoch opens, not as the one before it closes).
-    """
+    # Rule 3: the innermost epoch open over the whole tick of the birth; else the latest
+    # opened of those open for part of it (processes start as an epoch opens).
     born_s = start_ticks / ticks_per_s
     window_end_s = (start_ticks + 1) / ticks_per_s
     for session, opened, closed in reversed(_epochs):
@@ -169,7 +155,6 @@ def _epoch_at(start_ticks: int, ticks_per_s: int) -> str | None:
 
 
 def _closed_before(session: str, born_s: float, tick_s: float) -> bool:
-    """Whether ``session``'s tracker closed before a birth at ``born_s`` (whole tick late)."""
     closed_s = _closed.get(session)
     return closed_s is not None and born_s + tick_s > closed_s
 

@@ -1,10 +1,9 @@
 """The environment variables trackers export to their children, as layers.
 
-Every tracker rooted in this process exports ``LEAKCHECK_SESSION`` and its mailbox for every
-child to inherit. Trackers overlap in any order, so each export is a layer: closing a tracker
-removes its own, and the variable takes the newest layer left, or its value before the first.
-A variable changed from outside since the newest layer was set is left as it is, and the
-layers under it are dropped as stale.
+Trackers rooted in this process export ``LEAKCHECK_SESSION`` and their mailbox, and overlap
+in any order: closing one removes its layer, and the variable takes the newest layer left, or
+its value before the first. One changed from outside since is left as it is, and the layers
+under it are dropped as stale.
 """
 
 from __future__ import annotations
@@ -17,12 +16,9 @@ __all__ = ["export", "exported_since", "mark", "withdraw"]
 
 _lock = threading.Lock()
 _tokens = itertools.count(1)
-_layers: dict[str, list[tuple[int, str]]] = {}
-"""Variable -> (token, value) of the live layers, oldest first."""
-_before: dict[str, str | None] = {}
-"""Variable -> its value before the first live layer (None: unset)."""
-_history: list[tuple[int, str, str]] = []
-"""(token, variable, value) of the latest exports, for ``exported_since``."""
+_layers: dict[str, list[tuple[int, str]]] = {}  # variable -> (token, value), oldest first
+_before: dict[str, str | None] = {}  # variable -> its value before the first layer
+_history: list[tuple[int, str, str]] = []  # (token, variable, value) of the latest exports
 _KEPT_EXPORTS = 4096
 
 
@@ -56,7 +52,7 @@ def exported_since(since: int, name: str) -> list[str]:
 
 
 def withdraw(token: int) -> None:
-    """Remove the layer of ``token``; each variable shows what is left (module docstring)."""
+    """Remove the layer of ``token``; each variable shows what is left."""
     with _lock:
         for name in list(_layers):
             layers = _layers[name]

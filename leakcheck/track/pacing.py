@@ -1,40 +1,35 @@
 """When the sampler reads what: NVML's memory and process lists, /proc, the mailbox, USS.
 
 A pure policy: told the times (``time.perf_counter()`` seconds) and CPU costs of the reads
-made, it answers what the next tick reads and how many ticks may be slept through. No
-thread, no clock of its own: tests drive it with made-up times.
+made, it answers what the next tick reads and how many ticks may be slept through.
 
 NOTE [nvml pacing]: while workers create contexts and compute, an NVML list read costs far
 more CPU, inside the driver and under a lock the workers' own driver calls wait for. So after
-a read that used ``c`` seconds of the sampler's CPU, that kind of read (memory, lists) is left
-out for ``c / share`` seconds, at most ``max_gap_s``. CPU time, not wall time: a read waiting
-for the lock costs the workers nothing. Memory reads come on most ticks, so they get a quarter
-of the share. Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced, and
-workers report their own peaks (NOTE [worker reports] in book.py): pacing costs resolution
-between reads, never a worker's peak.
+a read that used ``c`` seconds of the sampler's CPU (not wall time: waiting for the lock costs
+the workers nothing), that kind of read is left out for ``c / share`` seconds, at most
+``max_gap_s``; memory reads, on most ticks, get a quarter of the share. Epoch ends,
+``sample()``, the grace wait and ``close()`` are never paced, and workers report their own
+peaks (NOTE [worker reports] in book.py): pacing costs resolution, never a worker's peak.
 
 NOTE [list gating]: every process's memory is part of its device's used bytes, so a tick that
-finds every device's used bytes where they were at the last list read keeps the last
-attribution. Walking ticks read the lists unless paced out; a failed read is retried at the
-next tick. While the last full read found no graphics context, ticks that do not walk leave
-the graphics list out.
+finds them where they were at the last list read keeps the last attribution. Walking ticks
+read the lists unless paced out; a failed read is retried at the next tick. While the last
+full read found no graphics context, ticks that do not walk leave the graphics list out.
 
 NOTE [host pacing]: USS and PSS come from /proc/PID/smaps_rollup, a page-table walk that costs
 with the process's size (NOTE [rollup cost] in hostmem.py). So they are read only for what the
 host-growth rule judges (the parent, persistent workers), once per epoch end at most, on the
-sampler's next wake, paced like NVML's reads by ``rollup_share`` with no gap cap; a share of 1
-reads every end. The first three ends after the warm-up always read (the rule's first points);
-warm-up ends read none unless unpaced. An end without a read says RSS, never an older USS.
-The reads an end planned are made before the next epoch begins (by the sampler's thread, or
-the caller's as it opens the next epoch), and wrappers that judge after each epoch make them
-first. Forked workers that reported their birth (NOTE [copy on read] in hostmem.py) are read
-at their first epoch end whatever the pacing, and inside an epoch that has lasted
-``host.INSIDE_AFTER_S``, at most every ``host.INSIDE_GAP_S``, as the pacing allows, off the
-lock.
+sampler's next wake, paced like NVML's reads by ``rollup_share`` with no gap cap (1 reads
+every end). The first three ends after the warm-up always read (the rule's first points);
+warm-up ends read none unless unpaced; an end without a read says RSS, never an older USS.
+The reads an end planned are made before the next epoch begins, and wrappers that judge after
+each epoch make them first. Forked workers that reported their birth (NOTE [copy on read] in
+hostmem.py) are read at their first epoch end whatever the pacing, and inside an epoch that
+has lasted ``INSIDE_AFTER_S``, at most every ``INSIDE_GAP_S``, as the pacing allows.
 
 NOTE [idle ticks]: a tick that does not walk and whose reads are all paced out changes
-nothing, yet waking a thread costs CPU. So the sampler sleeps through such ticks: up to the
-next walking tick or the first tick a memory or list read is due, whichever comes first.
+nothing, yet waking a thread costs CPU: the sampler sleeps through such ticks, up to the next
+walking tick or the first one a memory or list read is due.
 """
 
 from __future__ import annotations
@@ -45,15 +40,11 @@ from dataclasses import dataclass
 
 __all__ = ["LIST_SHARE", "MAX_GAP_S", "MEMORY_SHARE", "ROLLUP_SHARE", "WALK_EVERY", "Pacing"]
 
-WALK_EVERY = 4
-"""The sampler walks /proc (and reads the mailbox) on every fourth tick."""
-LIST_SHARE = 0.001
-"""Share of the time NVML's process lists may work in the driver (NOTE [nvml pacing])."""
+WALK_EVERY = 4  # ticks per walk of /proc (and read of the mailbox)
+LIST_SHARE = 0.001  # of the time, for NVML's process lists in the driver (NOTE [nvml pacing])
 MEMORY_SHARE = LIST_SHARE / 4
-MAX_GAP_S = 1.0
-"""No kind of NVML read is left out for longer than this."""
-ROLLUP_SHARE = 0.001
-"""Share of the time the smaps_rollup reads may take (NOTE [host pacing])."""
+MAX_GAP_S = 1.0  # the longest any kind of NVML read is left out
+ROLLUP_SHARE = 0.001  # of the time, for smaps_rollup reads (NOTE [host pacing])
 
 
 @dataclass(frozen=True)
@@ -68,34 +59,22 @@ class TickPlan:
 class Pacing:
     """The sampler's schedule of reads (NOTE [nvml pacing], [list gating], [idle ticks]).
 
-    The shares and gaps default to the module's constants, read at construction so that a
-    test can set them for the trackers it starts.
+    The shares and gaps are the module's constants at construction (a test sets them there).
     """
 
     def __init__(
-        self,
-        interval_s: float,
-        *,
-        has_nvml: bool,
-        walk_every: int | None = None,
-        list_share: float | None = None,
-        memory_share: float | None = None,
-        max_gap_s: float | None = None,
-        rollup_share: float | None = None,
+        self, interval_s: float, *, has_nvml: bool, rollup_share: float | None = None
     ) -> None:
         self.interval_s = interval_s
         self.has_nvml = has_nvml
-        self.walk_every = WALK_EVERY if walk_every is None else walk_every
-        self.list_share = LIST_SHARE if list_share is None else list_share
-        self.memory_share = MEMORY_SHARE if memory_share is None else memory_share
-        self.max_gap_s = MAX_GAP_S if max_gap_s is None else max_gap_s
+        self.walk_every = WALK_EVERY
+        self.list_share, self.memory_share = LIST_SHARE, MEMORY_SHARE
+        self.max_gap_s = MAX_GAP_S
         self.rollup_share = ROLLUP_SHARE if rollup_share is None else rollup_share
         self.memory_due_s = self.rollup_due_s = self.lists_due_s = 0.0
         self.ticks_since_walk = 0
-        self.device_used: dict[int, int] = {}
-        """Each device's used bytes at the last memory read."""
-        self.used_at_lists: dict[int, int] = {}
-        """Each device's used bytes at the last list read (empty after a failure)."""
+        self.device_used: dict[int, int] = {}  # per device at the last memory read
+        self.used_at_lists: dict[int, int] = {}  # at the last list read (empty: it failed)
         self.graphics_seen = True
 
     def plan(self, now_s: float, ticks: int, *, walk_now: bool = False) -> TickPlan:
@@ -135,10 +114,7 @@ class Pacing:
         ok: bool,
         graphics_seen: bool | None,
     ) -> None:
-        """A list read ended (``used_before``: device memory just before it).
-
-        ``graphics_seen``: None where the graphics list was left out.
-        """
+        """A list read ended (``graphics_seen`` None: the graphics list was left out)."""
         self.lists_due_s = end_s + self._gap_s(cpu_s, self.list_share)
         self.used_at_lists = dict(used_before) if ok else {}
         if ok and graphics_seen is not None:

@@ -1,15 +1,10 @@
-"""The sampler's reads (NVML, host memory), timed for ``Pacing``, what they cost, its failures.
+"""The sampler's reads, timed for ``Pacing``, what they cost, and its own failures.
 
-``NvmlReads`` opens NVML once per tracker (or says why attribution is off) and times each
-read in CPU and wall time (NOTE [nvml pacing] in pacing.py). ``HostReads`` decides which
-host-memory reads are made when: at each epoch end the cheap ``/proc/PID/status`` of every
-process of the job (RSS, ``VmHWM``), and ``/proc/PID/smaps_rollup`` (USS, PSS) of the
-processes the host-growth rule judges, planned for the sampler's next wake and stamped with
-the epoch that ended, plus forked workers' copies (NOTE [host pacing] in pacing.py).
-``CostMeter`` counts the sampler thread's CPU, the callers' wall time inside the tracker, and
-NVML's and the host reads' share apart (NVML's hold a driver lock the job may wait for).
-``Failures`` keeps leakcheck's own failures: recorded, never raised into the user's loop,
-unless ``strict``.
+``NvmlReads`` opens NVML once per tracker (or says why attribution is off) and times each read
+(NOTE [nvml pacing] in pacing.py). ``HostReads`` plans the host-memory reads: at each epoch end
+``/proc/PID/status`` of every process of the job, and ``smaps_rollup`` of those the
+host-growth rule judges and of forked workers, for the sampler's next wake (NOTE [host pacing]).
+``CostMeter`` counts the tracker's own cost; ``Failures`` keeps leakcheck's own failures.
 """
 
 from __future__ import annotations
@@ -83,7 +78,10 @@ class CostMeter:
 
 
 class Failures:
-    """leakcheck's own failures: counted per line, kept for the report, raised if strict."""
+    """leakcheck's own failures: counted per line, kept for the report, raised if strict.
+
+    Recorded, never raised into the user's loop, unless ``strict``.
+    """
 
     def __init__(self, *, strict: bool) -> None:
         self.strict = strict
@@ -173,7 +171,7 @@ class NvmlReads:
             self.attribution, self.attribution_reason = "blind-namespace", reason
 
     def _timed(self, call: Callable[[], _T], what: str) -> tuple[_T | None, float, float]:
-        """``call`` guarded, counted in the meter; with when it ended and its CPU seconds."""
+        # Guarded, counted in the meter; with when it ended and its CPU seconds.
         started, cpu_started = time.perf_counter(), time.thread_time()
         result = self.failures.guard(call, what)
         end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
@@ -230,15 +228,12 @@ class NvmlReads:
         return records
 
 
-_READING_WAIT_S = 2.0
-"""The longest a caller waits for reads under way on another thread."""
-_HOST_RULE_FIRST_POINTS = 3
-"""The fewest USS points the host-growth rule judges from (``verdict.host_growth``)."""
+_READING_WAIT_S = 2.0  # the longest a caller waits for reads under way on another thread
+_HOST_RULE_FIRST_POINTS = 3  # the fewest USS points the host-growth rule judges from
+# An epoch is read inside only once it lasted this long (a shorter one's workers are read at
+# its end anyway), at most every INSIDE_GAP_S (NOTE [host pacing]).
 INSIDE_AFTER_S = 10.0
-"""An epoch is read inside only once it lasted this long: a shorter one leaves the share to
-the ends' reads, which its workers' first end reads anyway (NOTE [host pacing])."""
 INSIDE_GAP_S = 1.0
-"""In-epoch reads come at most this often, whatever the share."""
 
 
 @dataclass(frozen=True)
@@ -256,16 +251,15 @@ class HostReads:
     def __init__(self, pacing: Pacing, failures: Failures, *, warmup_epochs: int = 1) -> None:
         self.pacing = pacing
         self.failures = failures
+        # Epoch ends read whatever the pacing says (the host rule's first points).
         self.always_read = range(warmup_epochs, warmup_epochs + _HOST_RULE_FIRST_POINTS)
-        """Epoch ends read whatever the pacing says (the host rule's first points)."""
         self.pending: RollupPlan | None = None
         # Held while planned reads are made (by the sampler thread, or a caller finishing
         # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
         # garbage collector inside a read, or under the sampler's lock, must not hang.
         self._reading = threading.RLock()
         self.rollup_cpu_s = 0.0
-        self.rollup_reads = 0
-        """Epoch ends (and final states) whose long-lived processes' USS was read."""
+        self.rollup_reads = 0  # epoch ends (and final states) whose USS reads were made
         self.inside_reads = 0
         self._inside_last_s: float | None = None
 
@@ -321,8 +315,8 @@ class HostReads:
     ) -> None:
         """Make the planned reads, if any, then ``give(epoch_index, found)``.
 
-        ``lock`` is held only to take the plan. One caller at a time: a second waits for the
-        first's reads, so that once it returns nothing planned is left unread.
+        ``lock`` is held only to take the plan. A second caller waits for the first's reads:
+        once it returns, nothing planned is left unread.
         """
         if not self._reading.acquire(timeout=_READING_WAIT_S):
             return

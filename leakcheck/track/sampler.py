@@ -1,8 +1,5 @@
 """The sampler: one background thread that reads the job's processes and devices, per epoch.
 
-This module says when and keeps the results; ``Ticker`` is the thread, ``SampleReader``
-takes each sample.
-
 NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes, the
 processes already below the root: pre-existing, never survivors), exports
 ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` for every child to inherit, and starts one
@@ -11,23 +8,21 @@ where memory moved, and every fourth tick the mailbox (NOTE [worker mailbox] in 
 and a quick walk of the root's descendants; a list naming a PID not placed yet walks at once.
 An epoch end is one synchronous full sample with the costlier extras (``/dev/nvidia*``
 descriptors, command lines, telemetry, RSS, the job's ``/dev/shm`` files); the costliest run
-on the thread's next wake, off the caller's thread: the scan of /proc for tagged processes
-reparented away (``procs.TagScan``, also in every fresh read and ``close()``) and the USS
-and PSS of the long-lived processes (NOTE [host pacing] in pacing.py). Survivors are judged
-from how long after its epoch's end each process was still seen, so the sampler keeps running
-between epochs, and ``close()`` waits, at most ``grace`` after the epoch each was born in, for
-every process whose survival is not decided, then reads everything once more. Every failure
-of leakcheck's own is recorded, never raised into the user's loop (``strict=True`` raises it
-at the next call).
+on the thread's next wake: the scan of /proc for tagged processes reparented away
+(``procs.TagScan``, also in every fresh read and ``close()``) and the USS and PSS of the
+long-lived processes (NOTE [host pacing] in pacing.py). Survivors are judged from how long
+after its epoch's end each process was still seen, so the sampler keeps running between
+epochs, and ``close()`` waits, at most ``grace`` after the epoch each was born in, for every
+process whose survival is not decided, then reads everything once more. leakcheck's own
+failures are recorded, never raised into the user's loop (``strict=True`` raises them at the
+next call).
 
 NOTE [born epoch]: a process is placed when a walk or a tag scan first sees it, which for a
 helper of a short-lived worker can be epochs after its birth. So the epoch it was born in
-comes from its start ticks (NOTE [process identity] in procs.py), put on the tracker's clock
-through the boot clock's offset (``procs.since_boot_s``), not from the epoch open when it was
-found: "started in epoch 2" means born in epoch 2 (``ProcessEpoch.born_epoch``), and the
-survivor rule, ``close()``'s wait and `alive after` count the grace from that epoch's end.
-The epoch it was placed in (``Proc.born_epoch``) is the first whose records have it, and
-stands in where the start falls between epochs.
+comes from its start ticks (NOTE [process identity] in procs.py) put on the tracker's clock
+(``procs.since_boot_s``), not from the epoch open when it was found; the survivor rule,
+``close()``'s wait and `alive after` count the grace from that epoch's end. The epoch it was
+placed in (``Proc.born_epoch``) stands in where the start falls between epochs.
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from collections.abc import Callable, Mapping
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
+    Death,
     DeviceState,
     EndReason,
     FinalState,
@@ -48,30 +44,28 @@ from leakcheck.core.model import (
     RuleConfig,
     ShmFile,
     Stall,
-    Timeline,
 )
 from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
-from leakcheck.track.deaths import DeathLog
 from leakcheck.track.hang import HangWatch
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
-from leakcheck.track.table import ProcessTable
+from leakcheck.track.table import Proc, ProcessTable
 
-__all__ = ["SampleReader", "Sampler", "Ticker", "end_reason_for"]
+__all__ = ["Sampler", "Ticker", "end_reason_for"]
 
 
 class Ticker:
     """One daemon thread: ``on_tick`` when a tick is due, ``on_wake`` when woken.
 
     A tick is due every ``interval_s``, or after as many intervals as ``on_tick`` returned
-    (NOTE [idle ticks] in pacing.py; None stops). A wake (host reads an epoch end planned, a
-    stop) is served at once and does not put the tick off: short epochs would otherwise
-    starve every tick, and with them the scans for processes reparented away.
+    (NOTE [idle ticks] in pacing.py; None stops). A wake (an epoch end's host reads, a stop)
+    is served at once and does not put the tick off: short epochs would otherwise starve
+    every tick, and with them the scans for processes reparented away.
     """
 
     def __init__(
@@ -84,9 +78,7 @@ class Ticker:
         meter: CostMeter,
     ) -> None:
         self.interval_s = interval_s
-        self._on_tick = on_tick
-        self._on_wake = on_wake
-        self._on_error = on_error
+        self._on_tick, self._on_wake, self._on_error = on_tick, on_wake, on_error
         self._meter = meter
         # Held but while someone wakes the thread, which waits on it between ticks: a timed
         # acquire of a plain lock is the cheapest wake measured.
@@ -115,36 +107,33 @@ class Ticker:
             self._thread.join(timeout=max(1.0, 10 * self.interval_s))
 
     def _run(self) -> None:
+        ticks = 1
+        tick_due_s = time.monotonic() + self.interval_s
         try:
-            self._loop()
+            while True:
+                woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
+                if self.stopping:
+                    return
+                cpu_start_s = time.thread_time()
+                if woken:
+                    self._on_wake()  # then wait for the tick still due
+                    spent_s = time.thread_time() - cpu_start_s
+                    self._meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
+                    continue
+                next_ticks = self._on_tick(ticks)
+                if next_ticks is None:
+                    return
+                ticks = next_ticks
+                tick_due_s = time.monotonic() + ticks * self.interval_s
+                self._meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
         except Exception as error:  # the detector's own failure is reported, never lost
             self._on_error(error)
 
-    def _loop(self) -> None:
-        ticks = 1
-        tick_due_s = time.monotonic() + self.interval_s
-        while True:
-            woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
-            if self.stopping:
-                return
-            cpu_start_s = time.thread_time()
-            if woken:
-                self._on_wake()  # then wait for the tick still due
-                spent_s = time.thread_time() - cpu_start_s
-                self._meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
-                continue
-            next_ticks = self._on_tick(ticks)
-            if next_ticks is None:
-                return
-            ticks = next_ticks
-            tick_due_s = time.monotonic() + ticks * self.interval_s
-            self._meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
-
 
 class Sampler:
-    """Reads one job's processes and devices in the background (NOTE [tracker lifecycle]).
+    """Reads one job's processes and devices into its table and book (NOTE [tracker lifecycle]).
 
-    Takes ``Tracker``'s options, resolved.
+    Takes ``Tracker``'s options, resolved. The table exists from ``start()`` on.
     """
 
     def __init__(
@@ -162,36 +151,29 @@ class Sampler:
         scan_at_epoch_end: bool = False,
         hang_after_s: float = 0.0,
     ) -> None:
-        self.root_pid = root_pid
-        self.scan_at_epoch_end = scan_at_epoch_end
-        self.session_tag = session_tag
-        self.interval_s = interval_s
-        self.devices = devices
-        self.persistent_workers = persistent_workers
-        self.use_nvml = use_nvml
+        self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
+        self.scan_at_epoch_end, self.session_tag = scan_at_epoch_end, session_tag
+        self.persistent_workers, self.use_nvml = persistent_workers, use_nvml
         self.meter = CostMeter()
         self.failures = Failures(strict=strict)
         self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
         self.lock = threading.RLock()
         self._ticker = Ticker(
-            interval_s,
-            on_tick=self._tick,
-            on_wake=self.finish_reads,
-            on_error=self._thread_failed,
+            interval_s, on_tick=self._tick, on_wake=self.finish_reads, on_error=self._thread_failed,
             meter=self.meter,
-        )
-        self.started = self.closed = False
-        self.t0_s = self.started_unix_s = 0.0
+        )  # fmt: skip
+        self.started = self.closed = self._sampling = self._tag_scan_due = False
+        self.t0_s = self.started_unix_s = self._boot_offset_s = 0.0
         self.session_id = ""
         self.root_key = ProcessKey(root_pid, 0)
         self.boot_unix_s: float | None = None
         self.mailbox_dir: str | None = None
+        self._inbox: mailbox.Inbox | None = None
+        self._tag_scan: procs.TagScan | None = None
         self._export_token: int | None = None
-        self._tag_scan_due = False
         self.baseline_devices: tuple[DeviceState, ...] = ()
         self.baseline_gpu_bytes: dict[int, int] = {}
         self.table: ProcessTable | None = None
-        self.reader: SampleReader | None = None
         self.book = EpochBook(
             grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
         )
@@ -202,7 +184,8 @@ class Sampler:
         self.final: FinalState | None = None
         self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
         self.stalls: list[Stall] = []
-        self.death_log = DeathLog()
+        self.deaths: list[Death] = []
+        self._oom_kills: int | None = None  # what the next death's OOM kills count from
 
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""
@@ -218,7 +201,7 @@ class Sampler:
                 raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
             self.started = True
             self.t0_s = time.monotonic()
-            boot_offset_s = procs.since_boot_s() - self.now()
+            self._boot_offset_s = procs.since_boot_s() - self.now()
             self.started_unix_s = time.time()
             self.boot_unix_s = procs.boot_time_s()
             self.root_key = root_key
@@ -233,23 +216,17 @@ class Sampler:
             self.nvml.open(use_nvml=self.use_nvml)
             self.pacing.has_nvml = self.nvml.handle is not None
             self.failures.guard(self.shm.start, "shm")
-            self.death_log.start(self.failures.guard(machine.oom_kill_count, "cgroup"))
+            self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
+            root_info = procs.read_proc(self.root_pid)
             self.table = table = ProcessTable(
-                root_key,
-                procs.read_proc(self.root_pid),
-                session=self.session_id,
+                root_key, root_info, session=self.session_id, tag=tag,
                 persistent_workers=self.persistent_workers,
-                tag=tag,
-            )
+            )  # fmt: skip
             lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
             for info in lineage or []:
                 table.add(info, now=0.0, born_epoch=None, pre_existing=True)
-            self.reader = SampleReader(
-                self,
-                tag_scan=procs.TagScan(tag[1], born_since=root_key, variable=tag[0]),
-                inbox=mailbox.Inbox(self.mailbox_dir) if self.mailbox_dir else None,
-                boot_offset_s=boot_offset_s,
-            )
+            self._tag_scan = procs.TagScan(tag[1], born_since=root_key, variable=tag[0])
+            self._inbox = mailbox.Inbox(self.mailbox_dir) if self.mailbox_dir else None
             self.sample(epoch_end=False)
             self.baseline_devices = self.nvml.device_states()
             # The end state also counts as the job's the root's own bytes and what other
@@ -337,17 +314,16 @@ class Sampler:
         self.meter.add(host_read_cpu_s=time.thread_time() - started_cpu_s)
 
     def finish_reads(self) -> None:
-        """Make the host reads the last epoch end planned now, or wait for those under way.
+        """Make the host reads the last epoch end planned, or wait for those under way.
 
         Before the job's processes change, so that they describe the epoch's end. The caller
         holds no lock.
         """
+        self.host.read_planned(self.lock, self._give_rollup)
 
-        def give(index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
-            with self.lock:
-                self.book.apply_rollup(index, found)
-
-        self.host.read_planned(self.lock, give)
+    def _give_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
+        with self.lock:
+            self.book.apply_rollup(index, found)
 
     def _wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
@@ -392,15 +368,9 @@ class Sampler:
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
             self.book.end(
-                table,
-                now=self.now(),
-                reason=reason,
-                error=error,
-                devices=self.nvml.device_states(),
-                batches=batches,
-                host=host,
-                shm=shm,
-            )
+                table, now=self.now(), reason=reason, error=error, batches=batches,
+                devices=self.nvml.device_states(), host=host, shm=shm,
+            )  # fmt: skip
             if self.host.plan(opened.index, table):
                 self._ticker.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self.session_id)
@@ -418,22 +388,24 @@ class Sampler:
             if self.table is None or self.closed:
                 return
             self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-            table = self.table
-            key = table.by_pid.get(pid)
-            proc = table.procs.get(key) if key is not None else None
-            if proc is None:
+            key = self.table.by_pid.get(pid)
+            proc = self.table.procs.get(key) if key is not None else None
+            if proc is None or any(death.key == proc.key for death in self.deaths):
                 return
-            self.failures.guard(
-                lambda: self.death_log.note(
-                    proc,
-                    -exit_code,
-                    at_s=self.now(),
-                    epoch=self.book.open_index,
-                    shm=self.shm,
-                    mailbox_dir=self.mailbox_dir,
-                ),
-                "death",
+            found = self.failures.guard(
+                lambda: _death(self, proc, -exit_code, self._oom_kills), "death"
             )
+            if found is not None:
+                self.deaths.append(found[0])
+                self._oom_kills = found[1]
+
+    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
+        """Declare ``key`` a worker of this job (the caller holds the lock)."""
+        if self.table is not None and not self.closed:
+            self.table.register_worker(
+                key, persistent, now=self.now(), born_epoch=self.book.open_index
+            )
+            self.book.see(key)
 
     def sample(
         self,
@@ -444,8 +416,101 @@ class Sampler:
         tick: TickPlan | None = None,
     ) -> None:
         """One sample, paced by ``tick`` where given; the caller holds the lock."""
-        if not self.closed and self.reader is not None:
-            self.reader.sample(epoch_end, scan_tags, quick, tick)
+        if self.closed or self.table is None or self._sampling:
+            # Re-entered from this thread (the lock is re-entrant): a loader iterator
+            # collected mid-sample closes its epoch from inside this one, with this sample.
+            return
+        self._sampling = True
+        started = time.perf_counter()
+        try:
+            self._sample(epoch_end, scan_tags, quick, tick)
+        except Exception as error:  # recorded, never raised; the next sample retries
+            self.failures.record(f"sample: {type(error).__name__}: {error}", error)
+        finally:
+            self._sampling = False
+            self.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
+
+    def _sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
+        now, nvml, pacing, table = self.now(), self.nvml, self.pacing, self.table
+        assert table is not None
+        walk = tick is None or tick.walk
+        lists_paced_out = tick is not None and tick.lists_paced_out
+        if self._inbox is not None and walk:
+            inbox = self._inbox
+            self.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+        device_used = nvml.memory(pacing) if tick is None or tick.read_memory else None
+        gpu: tuple[GpuProcess, ...] | None = None
+        new_on_gpu = False
+        if not walk and not lists_paced_out and pacing.lists_due(quick=quick):
+            gpu = nvml.lists(pacing, graphics=pacing.list_graphics(quick=quick))
+            # A process new on the GPU is placed in the tree before it is attributed; this
+            # list serves, as every PID in it existed before the walk began.
+            new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
+        if walk:
+            self.failures.guard(self.shm.note_usage, "shm")
+        if walk or new_on_gpu:
+            if not self._walk(table, now, scan_tags=scan_tags, quick=quick):
+                return
+            if not new_on_gpu and not lists_paced_out:
+                gpu = nvml.lists(pacing, graphics=True)
+        if gpu is not None:
+            missing = table.attribute_gpu(gpu, now=now)
+            if missing and procs.pid_namespace_nested():
+                nvml.blind(
+                    f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
+                    "namespace (a container without --pid=host?): only device totals are judged"
+                )
+        if epoch_end:
+            table.count_nvidia_fds()
+            table.confirm_cmdlines()
+        self.book.note_sample(table, device_used)
+
+    def _walk(self, table: ProcessTable, now: float, *, scan_tags: bool, quick: bool) -> bool:
+        self.pacing.walked()
+        lineage = self.failures.guard(
+            lambda: procs.descendants(self.root_pid, with_cmdline=False, quick=quick), "lineage"
+        )
+        if lineage is None:
+            return False
+        born = self.book.open_index
+        added = table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
+        if scan_tags and self._tag_scan is not None:
+            scan = self._tag_scan
+            found = self.failures.guard(lambda: scan.scan(table.procs), "tag scan")
+            for info in found or []:  # reparented away
+                added.append(table.add(info, now=now, born_epoch=born, in_lineage=False))
+        ticks_per_s = procs.clock_ticks()
+        for proc in added:  # NOTE [born epoch]
+            born_s = proc.key.start_ticks / ticks_per_s - self._boot_offset_s
+            # A clock that does not agree: the epoch it was found in.
+            proc.birth_epoch = (
+                born if born_s > now + 1.0 else self.book.born_in(born_s, 1.0 / ticks_per_s)
+            )
+        # The workers' resident memory: what a worker the OOM killer takes held last.
+        for key, memory in hostmem.read_host_memories(table.live_workers(), rollup=False).items():
+            if memory.rss_bytes is not None:
+                table.procs[key].rss_bytes_last = memory.rss_bytes
+        return True
+
+    def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
+        """Worker identities, births and teardowns (NOTE [worker mailbox] in mailbox.py)."""
+        assert self.table is not None
+        born = False
+        for record in inbox.read(quick=quick):
+            key = mailbox.record_key(record)
+            if key is None:
+                continue
+            if record.get("kind") == "worker":
+                persistent = record.get("persistent")
+                self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+                self.table.note_birth(key, *mailbox.worker_birth(record))
+                if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
+                    self.table.procs[key].dumps_stacks = True
+                born = True
+            elif record.get("kind") == "teardown":
+                self.book.apply_teardown(mailbox.teardown_record(record, key), self.t0_s)
+        if born:
+            mailbox.write_births(inbox.directory, self.table.births())
 
     def current_state(self, *, closed: bool = False) -> FinalState:
         """A fresh, full read of who is alive now and what each holds (caller holds the lock)."""
@@ -471,165 +536,35 @@ class Sampler:
             open_epoch=self.book.open_index,
         )
 
-    def timeline(self, *, last_epochs: int | None, final: FinalState | None) -> Timeline:
-        """All observations so far, frozen (the caller holds the lock)."""
-        table = self.table
-        return Timeline(
-            session_id=self.session_id,
-            root=self.root_key,
-            started_unix_s=self.started_unix_s,
-            boot_unix_s=self.boot_unix_s,
-            attribution=self.nvml.attribution,
-            attribution_reason=self.nvml.attribution_reason,
-            baseline_devices=self.baseline_devices,
-            baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
-            epochs=self.book.records(table, now=self.now(), last=last_epochs) if table else (),
-            final=final,
-            failures=self.failures.lines(),
-            teardowns=tuple(self.book.teardowns),
-            # Files left in /dev/shm are judged once the work is over (at close).
-            shm_files=self.shm_files if final is not None and final.closed else (),
-            deaths=tuple(self.death_log.deaths),
-            stalls=tuple(self.stalls),
-        )
 
-
-class SampleReader:
-    """Takes one sample of a started job into ``sampler``'s table and book, under its lock.
-
-    Args:
-        sampler: The started sampler whose parts it reads into.
-        tag_scan: The scan for tagged processes reparented away.
-        inbox: The workers' mailbox (None: none could be made).
-        boot_offset_s: The boot clock's reading less the tracker's (NOTE [born epoch]).
-
-    """
-
-    def __init__(
-        self,
-        sampler: Sampler,
-        *,
-        tag_scan: procs.TagScan,
-        inbox: mailbox.Inbox | None,
-        boot_offset_s: float,
-    ) -> None:
-        assert sampler.table is not None
-        self.sampler = sampler
-        self.table: ProcessTable = sampler.table
-        self.book = sampler.book
-        self._tag_scan = tag_scan
-        self._inbox = inbox
-        self._boot_offset_s = boot_offset_s
-        self._sampling = False
-
-    def sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
-        """One sample (``Sampler.sample``)."""
-        if self._sampling:
-            # Re-entered from the same thread (the lock is re-entrant): a loader iterator
-            # collected mid-sample closes its epoch from inside this one, with this sample.
-            return
-        self._sampling = True
-        started = time.perf_counter()
-        failures = self.sampler.failures
-        try:
-            self._sample(epoch_end, scan_tags, quick, tick)
-        except Exception as error:
-            # Recorded, never raised into the caller's loop; the next sample retries.
-            failures.record(f"sample: {type(error).__name__}: {error}", error)
-        finally:
-            self._sampling = False
-            self.sampler.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
-
-    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
-        """Declare ``key`` a worker of this job (exact identity, not a guess)."""
-        self.table.register_worker(
-            key, persistent, now=self.sampler.now(), born_epoch=self.book.open_index
-        )
-        self.book.see(key)
-
-    def _sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
-        s, table = self.sampler, self.table
-        now = s.now()
-        walk = tick is None or tick.walk
-        read_memory = tick is None or tick.read_memory
-        lists_paced_out = tick is not None and tick.lists_paced_out
-        if self._inbox is not None and walk:
-            inbox = self._inbox
-            s.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
-        device_used = s.nvml.memory(s.pacing) if read_memory else None
-        gpu: tuple[GpuProcess, ...] | None = None
-        new_on_gpu = False
-        if not walk and not lists_paced_out and s.pacing.lists_due(quick=quick):
-            gpu = s.nvml.lists(s.pacing, graphics=s.pacing.list_graphics(quick=quick))
-            # A process new on the GPU is placed in the tree before it is attributed; this
-            # list serves, as every PID in it existed before the walk began.
-            new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
-        if walk:
-            s.failures.guard(s.shm.note_usage, "shm")
-        if walk or new_on_gpu:
-            if not self._walk(now, scan_tags=scan_tags, quick=quick):
-                return
-            if not new_on_gpu and not lists_paced_out:
-                gpu = s.nvml.lists(s.pacing, graphics=True)
-        if gpu is not None:
-            missing = table.attribute_gpu(gpu, now=now)
-            if missing and procs.pid_namespace_nested():
-                s.nvml.blind(
-                    f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
-                    "namespace (a container without --pid=host?): only device totals are judged"
-                )
-        if epoch_end:
-            table.count_nvidia_fds()
-            table.confirm_cmdlines()
-        self.book.note_sample(table, device_used)
-
-    def _walk(self, now: float, *, scan_tags: bool, quick: bool) -> bool:
-        s, table = self.sampler, self.table
-        s.pacing.walked()
-        lineage = s.failures.guard(
-            lambda: procs.descendants(s.root_pid, with_cmdline=False, quick=quick), "lineage"
-        )
-        if lineage is None:
-            return False
-        born = self.book.open_index
-        added = table.apply_walk(lineage, now=now, quick=quick, born_epoch=born)
-        if scan_tags:
-            scan = self._tag_scan
-            found = s.failures.guard(lambda: scan.scan(table.procs), "tag scan")
-            added += table.add_reparented(found or [], now=now, born_epoch=born)
-        for proc in added:
-            proc.birth_epoch = self._born_epoch(proc.key, now, fallback=born)
-        # The workers' resident memory: what a worker the OOM killer takes held last.
-        for key, memory in hostmem.read_host_memories(table.live_workers(), rollup=False).items():
-            if memory.rss_bytes is not None:
-                table.procs[key].rss_bytes_last = memory.rss_bytes
-        return True
-
-    def _born_epoch(self, key: ProcessKey, now: float, *, fallback: int | None) -> int | None:
-        """The epoch ``key`` was born in, from its start ticks (NOTE [born epoch])."""
-        born_s = key.start_ticks / procs.clock_ticks() - self._boot_offset_s
-        if born_s > now + 1.0:
-            return fallback  # a clock that does not agree: the epoch it was found in
-        return self.book.born_in(born_s, 1.0 / procs.clock_ticks())
-
-    def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
-        """Worker identities, births and teardowns (NOTE [worker mailbox] in mailbox.py)."""
-        born = False
-        for record in inbox.read(quick=quick):
-            key = mailbox.record_key(record)
-            if key is None:
-                continue
-            if record.get("kind") == "worker":
-                persistent = record.get("persistent")
-                self.register_worker(key, persistent if isinstance(persistent, bool) else None)
-                self.table.note_birth(key, *mailbox.worker_birth(record))
-                if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
-                    self.table.procs[key].dumps_stacks = True
-                born = True
-            elif record.get("kind") == "teardown":
-                self.book.apply_teardown(mailbox.teardown_record(record, key), self.sampler.t0_s)
-        if born:
-            mailbox.write_births(inbox.directory, self.table.births())
+def _death(
+    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
+) -> tuple[Death, int | None]:
+    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
+    kills = machine.oom_kill_count()
+    rise = None if kills is None or oom_kills is None else kills - oom_kills
+    if rise and oom_kills is not None:
+        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
+    elif kills is not None:
+        oom_kills = kills
+    memory = machine.machine_memory()
+    shm, folder = sampler.shm, sampler.mailbox_dir
+    shm.note_usage()
+    death = Death(
+        key=proc.key,
+        signal_number=signal_number,
+        at_s=sampler.now(),
+        epoch=sampler.book.open_index,
+        oom_kills=rise,
+        memory_total_bytes=memory.total_bytes if memory else None,
+        memory_available_bytes=memory.available_bytes if memory else None,
+        shm_total_bytes=shm.total_bytes,
+        shm_used_peak_bytes=shm.used_peak_bytes,
+        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+        rss_bytes_last=proc.rss_bytes_last,
+        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+    )
+    return death, oom_kills
 
 
 def _torch_allocated_bytes() -> int | None:

@@ -5,31 +5,20 @@ ran is the job's only on evidence: a process of the job holds it open or mapped 
 epoch end or the close), or held it at an earlier epoch end (same name and inode), or its name
 carries the PID of a process of the job (torch's segments, CUDA IPC files in hex). Others are
 reported at the end as not attributable, never blamed; named semaphores are left out. The
-listing is read at each epoch end, the holders only when it shows new files. The filesystem's
-use (one ``statvfs``) is read on every walking tick and epoch end, so an epoch's peak catches
-batches in flight that fill a small ``/dev/shm``.
+filesystem's use (one ``statvfs``) is read on every walking tick and epoch end, so an epoch's
+peak catches batches in flight that fill a small ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 from leakcheck.core.model import ProcessKey, Role, ShmFile
 from leakcheck.observe import hostmem, procs
 from leakcheck.observe.procs import ShmSegment
 from leakcheck.track.table import ProcessTable
 
-__all__ = ["ShmEpoch", "ShmWatch"]
-
-
-@dataclass(frozen=True)
-class ShmEpoch:
-    """What an epoch end found in ``/dev/shm`` (the fields of ``EpochRecord``)."""
-
-    files: tuple[ShmFile, ...]
-    bytes: int | None
-    total_bytes: int | None
-    used_peak_bytes: int | None
+__all__ = ["ShmWatch"]
 
 
 class ShmWatch:
@@ -40,8 +29,8 @@ class ShmWatch:
         self.before: dict[str, ShmSegment] = {}
         self.total_bytes: int | None = None
         self.used_peak_bytes: int | None = None
+        # (name, inode) -> the first holder of the job seen: the file is the job's.
         self.held: dict[tuple[str, int], tuple[int, Role]] = {}
-        """(name, inode) -> the first holder of the job seen: the file is the job's."""
 
     def start(self) -> None:
         """Take the baseline: the files already there are never the job's."""
@@ -62,24 +51,21 @@ class ShmWatch:
         self.used_peak_bytes = None
         self.note_usage()
 
-    def epoch_end(self, table: ProcessTable) -> ShmEpoch:
-        """The job's files now and the epoch's peak use; the next peak starts afresh."""
+    def epoch_end(self, table: ProcessTable) -> dict[str, Any]:
+        """The ``EpochRecord`` fields of the job's files now and the epoch's peak use."""
         self.note_usage()
         files = tuple(item for item in self._classify(table, closing=False) if item.attributable)
-        result = ShmEpoch(
-            files=files,
-            bytes=sum(item.size_bytes for item in files),
-            total_bytes=self.total_bytes,
-            used_peak_bytes=self.used_peak_bytes,
-        )
-        self.used_peak_bytes = None
-        return result
+        fields = {
+            "shm_files": files,
+            "shm_bytes": sum(item.size_bytes for item in files),
+            "shm_total_bytes": self.total_bytes,
+            "shm_used_peak_bytes": self.used_peak_bytes,
+        }
+        self.used_peak_bytes = None  # the next peak starts afresh
+        return fields
 
     def left_behind(self, table: ProcessTable) -> tuple[ShmFile, ...]:
-        """The files new since the start and still there at the close (NOTE [job shm]).
-
-        One a live process of the job holds is ``in_use``; the job's others are left behind.
-        """
+        """The files new since the start and still there at the close (NOTE [job shm])."""
         return self._classify(table, closing=True)
 
     def _classify(self, table: ProcessTable, *, closing: bool) -> tuple[ShmFile, ...]:

@@ -1,9 +1,7 @@
 """The process table of one tracker: every process of the job it placed, and what it holds.
 
-Each identity (NOTE [process identity] in procs.py) has a mutable record: parent, command
-line, when first and last seen alive and seen gone, the GPU bytes NVML last listed, whether
-it is this tracker's own (NOTE [claims] in claims.py). The sampler feeds it walks of /proc
-and NVML's lists; roles and persistence are answered here for the book and the final state.
+One mutable ``Proc`` per identity (NOTE [process identity] in procs.py), filled by the
+sampler's walks, NVML's lists and the mailbox; roles and persistence are answered here.
 """
 
 from __future__ import annotations
@@ -31,70 +29,52 @@ class Proc:
     cmdline: str
     first_seen_s: float
     last_seen_s: float
-    born_epoch: int | None = None
-    """The epoch open when it was placed: the first whose records list it."""
+    born_epoch: int | None = None  # open when it was placed: the first to list it
     pre_existing: bool = False
-    birth_epoch: int | None = None
-    """The epoch its start falls in (NOTE [born epoch] in sampler.py)."""
+    birth_epoch: int | None = None  # its start's (NOTE [born epoch] in sampler.py)
     exited_s: float | None = None
     in_lineage: bool = True
     foreign: bool = False
-    own: bool = True
-    """This tracker's (NOTE [claims]); another tracker's processes are counted, not judged."""
+    own: bool = True  # this tracker's (NOTE [claims]): another's is counted, not judged
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     gpu_unknown: bool = False
     nvidia_fds: int | None = None
     open_fds: int | None = None
-    fd_limit: int | None = None
-    """Its soft ``RLIMIT_NOFILE`` at the last epoch end; None: unlimited or unread."""
-    cmdline_confirmed: bool = False
-    """The command line was read after the process exec'd (it differs from its parent's)."""
+    fd_limit: int | None = None  # soft RLIMIT_NOFILE at the last end (None: unlimited)
+    cmdline_confirmed: bool = False  # read after it exec'd (differs from its parent's)
     rank: RankInfo | None = None
-    rank_pending: bool = False
-    """No rank and its parent's command line: maybe between fork and exec (NOTE [rank read])."""
-    forked: bool | None = None
-    """A loader's worker started by fork (its birth report says; None: no report)."""
-    birth_host: HostMemory | None = None
-    """Its host memory as it started (NOTE [copy on read] in hostmem.py)."""
-    end_read: bool = False
-    """An epoch end's smaps_rollup read has seen it (its first one always reads)."""
-    dumps_stacks: bool = False
-    """A worker whose record says it writes its stacks on ``mailbox.STACK_SIGNAL``."""
-    rss_bytes_last: int | None = None
-    """A worker's resident memory at the last walk (what a death reports)."""
-    other_rank: bool = False
-    """Another rank's process of this job (NOTE [other ranks]): counted, not judged."""
+    rank_pending: bool = False  # maybe between fork and exec (NOTE [rank read])
+    forked: bool | None = None  # a worker started by fork, as its birth report says
+    birth_host: HostMemory | None = None  # at its birth (NOTE [copy on read] in hostmem.py)
+    end_read: bool = False  # an epoch end's smaps_rollup read has seen it
+    dumps_stacks: bool = False  # writes its stacks on mailbox.STACK_SIGNAL
+    rss_bytes_last: int | None = None  # a worker's at the last walk (what a death reports)
+    other_rank: bool = False  # another rank's (NOTE [other ranks]): counted, not judged
 
 
 def _rank_of(pid: int) -> RankInfo | None:
-    """The rank a process's environment names; None: unreadable or absent.
-
-    This process's own is read from ``os.environ``: a rank found after the start is exported
-    there, not in ``/proc/self/environ`` (NOTE [exported rank]).
-    """
+    """The rank a process's environment names (this one's: ``os.environ``, NOTE [exported rank])."""
     if pid == os.getpid():
         return ranks.rank_from_environ(os.environ)
     environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
     return None if environ is None else ranks.rank_from_environ(environ)
 
 
-# NOTE [rank read]: a process's rank is read from its environment once, when first placed.
-# torchrun's agent starts each rank by fork and exec; a rank caught between the two shows the
-# agent's environment (no RANK) and command line. Such a process is read again on the next
-# walks, for a short window, until it names a rank (then its command line is read again). A
-# forked child that never execs (a DataLoader worker) stops being read when the window
-# closes, and one the mailbox names a worker at once: workers do not become ranks.
+# NOTE [rank read]: a process's rank is read from its environment when first placed. A rank
+# torchrun's agent caught between fork and exec shows the agent's environment (no RANK) and
+# command line, so such a process is read again on the next walks for a short window, until
+# it names a rank (then its command line too). A worker never becomes a rank: one the mailbox
+# names is not read again.
 _RANK_EXEC_WINDOW_S = 1.0
 
 
-# NOTE [other ranks]: the ranks of one torchrun job are siblings under the elastic agent, so a
-# tracker in rank 0 finds rank 1 and its workers on the GPU outside its lineage; as foreign,
-# their memory on a shared device would be the residual rule's unexplained rise. A GPU process
-# is another rank's when its environment names the same elastic run (TORCHELASTIC_RUN_ID;
-# "none" names no run) and restart, another rank, and it is still below the agent (the root's
-# parent): its memory is then the job's, like another tracker's (NOTE [claims]), and its own
-# rank's tracker judges it. The root's own untagged orphans and a dead rank's or an earlier
-# restart's leftovers stay foreign: no live tracker would judge them otherwise.
+# NOTE [other ranks]: a torchrun job's ranks are siblings under the elastic agent, so rank 0's
+# tracker finds rank 1 and its workers on the GPU outside its lineage; as foreign, their memory
+# would be the residual rule's unexplained rise. A GPU process whose environment names the
+# same elastic run (TORCHELASTIC_RUN_ID; "none" names none) and restart, another rank, and
+# that is still below the agent (the root's parent) is another rank's: its memory is the
+# job's, judged by its own rank's tracker. A dead rank's or an earlier restart's leftovers
+# stay foreign: no live tracker would judge them otherwise.
 
 
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
@@ -103,18 +83,8 @@ def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid
         return False
     if other.restart_count != ours.restart_count:
         return False
-    if _run_id(ours) != _run_id(other):
-        return False
-    return procs.is_ancestor(ours_ppid, pid)
-
-
-def _run_id(info: RankInfo) -> str | None:
-    return None if info.run_id in (None, "", "none") else info.run_id
-
-
-def _stored(cmdline: str) -> str:
-    # Whole: roles and helpers are told by it, and a report names the process from it.
-    return cmdline.strip()
+    runs = {None if i.run_id in (None, "", "none") else i.run_id for i in (ours, other)}
+    return len(runs) == 1 and procs.is_ancestor(ours_ppid, pid)
 
 
 class ProcessTable:
@@ -140,10 +110,8 @@ class ProcessTable:
         self.procs: dict[ProcessKey, Proc] = {}
         self.live: dict[ProcessKey, Proc] = {}  # what each walk checks, not every one seen
         self.by_pid: dict[int, ProcessKey] = {}
-        self.workers: dict[ProcessKey, bool | None] = {}
-        """Workers that reported themselves: identity -> persistent (None: unknown)."""
-        self.changed = True
-        """Set when processes or their bytes changed: the open epoch's peaks are stale."""
+        self.workers: dict[ProcessKey, bool | None] = {}  # reported ones -> persistent
+        self.changed = True  # processes or their bytes changed: the epoch's peaks are stale
         info = root_info or ProcInfo(key=root, ppid=0, name="", cmdline="")
         self._place(info, 0.0, pre_existing=True, rank=_rank_of(root.pid))
         claims.add_root(root, session)
@@ -152,7 +120,7 @@ class ProcessTable:
         proc = Proc(
             key=info.key,
             ppid=info.ppid,
-            cmdline=_stored(info.cmdline or info.name),
+            cmdline=(info.cmdline or info.name).strip(),
             first_seen_s=now,
             last_seen_s=now,
             **fields,
@@ -163,7 +131,13 @@ class ProcessTable:
         return proc
 
     def add(
-        self, info: ProcInfo, *, now: float, born_epoch: int | None, pre_existing: bool = False
+        self,
+        info: ProcInfo,
+        *,
+        now: float,
+        born_epoch: int | None,
+        pre_existing: bool = False,
+        in_lineage: bool = True,
     ) -> Proc:
         """Place a process seen for the first time, claimed as NOTE [claims] says."""
         parent = self.by_pid.get(info.ppid)
@@ -174,6 +148,7 @@ class ProcessTable:
             now,
             born_epoch=born_epoch,
             pre_existing=pre_existing,
+            in_lineage=in_lineage,
             birth_epoch=born_epoch,
             own=owner == self.session,
             # Gone before it could be read (known from its record only): its parent's rank.
@@ -192,9 +167,9 @@ class ProcessTable:
         quick: bool,
         born_epoch: int | None,
     ) -> list[Proc]:
-        """Fold one walk of the root's descendants in; returns the processes new to the table.
+        """Fold a walk of the root's descendants in; returns the processes new to the table.
 
-        A process missing from a ``quick`` walk (NOTE [quick walk] in procs.py) is judged
+        One missing from a ``quick`` walk (NOTE [quick walk] in procs.py) is judged
         reparented only by the next full one.
         """
         added: list[Proc] = []
@@ -241,7 +216,7 @@ class ProcessTable:
         proc.rank, proc.rank_pending = rank, False
         info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
         if info is not None and info.key == proc.key and info.cmdline:
-            proc.cmdline = _stored(info.cmdline)
+            proc.cmdline = info.cmdline.strip()
         self.changed = True
 
     def refresh_ownership(self) -> None:
@@ -253,29 +228,17 @@ class ProcessTable:
         self._give_back_taken()
 
     def _own_by_claim(self, proc: Proc) -> None:
-        """Set whether ``proc`` is this tracker's, as its claim says now (none: unchanged)."""
         owner = claims.owner_of(proc.key)
         if owner is not None:
             proc.own = owner == self.session
 
     def _give_back_taken(self) -> None:
-        """Another tracker's worker, claimed here first, is not this tracker's: alive or gone."""
+        # Another tracker's worker, claimed here first, is not this one's: alive or gone.
         for key in claims.taken_from(self.session):
             proc = self.procs.get(key)
             if proc is not None and key not in self.workers and proc.own:
                 proc.own = False
                 self.changed = True
-
-    def add_reparented(
-        self, found: list[ProcInfo], *, now: float, born_epoch: int | None
-    ) -> list[Proc]:
-        """Place tagged processes a tag scan found outside the lineage (reparented away)."""
-        added: list[Proc] = []
-        for info in found:
-            proc = self.add(info, now=now, born_epoch=born_epoch)
-            proc.in_lineage = False
-            added.append(proc)
-        return added
 
     def mark_exited(self, proc: Proc, now: float) -> None:
         """Record that ``proc`` was seen gone at ``now``."""
@@ -293,14 +256,11 @@ class ProcessTable:
         proc = self.procs.get(key)
         if proc is None:
             info = procs.read_proc(key.pid)
-            if info is not None and info.key == key:
-                proc = self.add(info, now=now, born_epoch=born_epoch)
-            else:
-                proc = self.add(
-                    ProcInfo(key=key, ppid=self.root.pid, name="", cmdline=""),
-                    now=now,
-                    born_epoch=born_epoch,
-                )
+            gone = info is None or info.key != key
+            if info is None or gone:
+                info = ProcInfo(key=key, ppid=self.root.pid, name="", cmdline="")
+            proc = self.add(info, now=now, born_epoch=born_epoch)
+            if gone:
                 self.mark_exited(proc, now)
                 claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
@@ -382,9 +342,8 @@ class ProcessTable:
                 rank=rank,
                 other_rank=other_rank,
             )
-        proc = self.add(info, now=now, born_epoch=None)
-        proc.in_lineage = procs.is_ancestor(self.root.pid, pid)
-        return proc
+        in_lineage = procs.is_ancestor(self.root.pid, pid)
+        return self.add(info, now=now, born_epoch=None, in_lineage=in_lineage)
 
     def others_gpu_bytes(self) -> dict[int, int]:
         """GPU bytes per device of the live processes another tracker or rank owns."""
@@ -408,10 +367,8 @@ class ProcessTable:
                 proc.open_fds, proc.fd_limit = table.open_count, table.limit
 
     def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
-        """A process's ``/dev/nvidia*`` descriptors less leakcheck's NVML ones (NOTE [descriptors]).
-
-        Those are the root's, and a forked child's inherited copies of them.
-        """
+        # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's
+        # inherited copies of them.
         own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
         if proc.key == self.root:
             return len(set(found) - own)
@@ -419,17 +376,14 @@ class ProcessTable:
         return len(set(found) - own) if forked else len(found)
 
     def confirm_cmdlines(self) -> None:
-        """Re-read the command lines that may still be a parent's (seen between fork and exec).
-
-        One that differs from its parent's has exec'd and is not read again.
-        """
+        """Re-read the command lines that may still be a parent's (seen between fork and exec)."""
         for key, proc in self.live.items():
             if proc.foreign or proc.cmdline_confirmed or key == self.root or not proc.own:
                 continue
             info = procs.read_proc(key.pid)
             if info is None or info.key != key or not info.cmdline:
                 continue  # gone, or caught mid-exec with no command line: read it next time
-            proc.cmdline = _stored(info.cmdline)
+            proc.cmdline = info.cmdline.strip()
             parent_key = self.by_pid.get(proc.ppid)
             parent = self.procs.get(parent_key) if parent_key is not None else None
             proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline

@@ -1,12 +1,10 @@
-"""``leakcheck.Tracker``: attribute memory to every process of a job, per epoch, and judge it.
+"""``leakcheck.Tracker``: the public front over the sampler (NOTE [tracker lifecycle]).
 
-The public front over the sampler (NOTE [tracker lifecycle] in sampler.py): it validates
-options, times the caller's calls (``cost()``), and judges what was observed.
+It validates options, times the caller's calls (``cost()``), and judges what was observed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -63,8 +61,7 @@ def _caller_timed(
 def own_rank_device() -> tuple[int, int] | None:
     """``(rank, NVML index)`` of the device this rank chose with ``torch.cuda.set_device``.
 
-    None outside a rank, before CUDA, or on device 0: the default a rank that never chose
-    also has (its ``LOCAL_RANK`` then says which is its own).
+    None outside a rank, before CUDA, or on device 0 (its ``LOCAL_RANK`` then says).
     """
     info = ranks.rank_from_environ(os.environ)
     if info is None:
@@ -77,7 +74,6 @@ def own_rank_device() -> tuple[int, int] | None:
 
 
 def _is_int_at_least(value: object, minimum: int) -> bool:
-    """An int (a bool is not one here) of at least ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
@@ -102,17 +98,15 @@ class Tracker:
         persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
         use_nvml: Read NVML (False: host-side checks only).
-        session_tag: ``(NAME, VALUE)`` of an environment variable the starter of a root
-            set for it: processes reparented away are found by it instead of by
-            ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
-        rollup_share: Share of the time the USS and PSS reads at epoch ends may take (NOTE
-            [host pacing] in pacing.py; default 0.1%); 1.0 reads at every epoch end.
-        scan_at_epoch_end: Also scan for processes reparented away in each epoch end's
-            sample (on the caller's thread), so each epoch's orphans are its end's.
+        session_tag: ``(NAME, VALUE)`` of the environment variable that finds processes
+            reparented away instead of ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time USS and PSS reads at epoch ends may take (NOTE
+            [host pacing]; default 0.1%); 1.0 reads at every epoch end.
+        scan_at_epoch_end: Also scan for processes reparented away at each epoch end.
         copy_tolerance: What a forked worker may copy of its parent's memory before the
             copy-on-read rule calls it a leak (NOTE [copy on read] in hostmem.py).
         hang_after: Seconds the loop may wait for a batch before the job's stacks are
-            written to stderr and the report (NOTE [hang watch] in hang.py); 0: never.
+            written (NOTE [hang watch] in hang.py); 0: never.
 
     """
 
@@ -247,18 +241,9 @@ class Tracker:
         *,
         index: int | None = None,
     ) -> bool:
-        """Close the open epoch; a no-op when none is open.
+        """Close the open epoch (only if it is ``index``, where given); True if one closed.
 
-        Args:
-            reason: How it ended.
-            error: The exception that ended it, as one line.
-            batches: Batches it yielded, where the caller counts them.
-            index: Close it only if it is this epoch: an iterator dropped after the next
-                epoch began then ends nothing.
-
-        Returns:
-            True when an epoch was closed.
-
+        ``error``: the exception that ended it, as one line; ``batches``: those it yielded.
         """
         closed = self._sampler.end_epoch(reason, error, batches, index)
         self._sampler.failures.raise_pending()
@@ -280,20 +265,15 @@ class Tracker:
     def register_worker(
         self, pid: int, start_ticks: int | None = None, *, persistent: bool | None = None
     ) -> None:
-        """Declare a process as a worker of the job (exact identities, not a guess).
+        """Declare a process a worker of the job (exact identities, not a guess).
 
-        Args:
-            pid: Worker PID.
-            start_ticks: Its start in clock ticks since boot (NOTE [process identity] in
-                procs.py); read from /proc when None.
-            persistent: Whether it lives across epochs (None: ``persistent_workers``).
-
+        ``start_ticks``: its start (NOTE [process identity] in procs.py; None: read now);
+        ``persistent``: whether it lives across epochs (None: ``persistent_workers``).
         """
         key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
-        sampler = self._sampler
-        with sampler.lock:
-            if key is not None and sampler.reader is not None and not sampler.closed:
-                sampler.reader.register_worker(key, persistent)
+        if key is not None:
+            with self._sampler.lock:
+                self._sampler.register_worker(key, persistent)
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
@@ -305,20 +285,15 @@ class Tracker:
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
-        """Tell the tracker how a process of the job ended, where its parent learned it.
-
-        ``exit_code`` < 0 (minus the signal, as ``multiprocessing.Process.exitcode`` says)
-        becomes a ``died`` finding with the evidence of who killed it (``judge.deaths``).
-        """
+        """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal) is a death."""
         self._sampler.note_exit(pid, exit_code)
         self._sampler.failures.raise_pending()
 
     @_caller_timed
     def finish_reads(self) -> None:
-        """Make now the reads the last epoch end left to the sampler thread (USS, PSS).
+        """Make now the USS and PSS reads the last epoch end left to the sampler thread.
 
-        Call it before changing the job's processes right after an epoch (dropping a loader
-        stops its persistent workers), so that they describe the epoch's end.
+        Call it before changing the job's processes right after an epoch (dropping a loader).
         """
         self._sampler.finish_reads()
 
@@ -367,38 +342,45 @@ class Tracker:
 
         Args:
             last_epochs: Only the latest this-many closed epochs (None: all).
-            fresh: Before ``close()``, also read now who is alive and what each holds (the
-                ``final`` state, ``closed=False``); once closed, ``close()``'s final state.
-
-        Raises:
-            UsageError: ``last_epochs`` is not a positive int.
+            fresh: Before ``close()``, also read who is alive now and what each holds (the
+                ``final`` state, ``closed=False``).
 
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
         sampler = self._sampler
+        own = own_rank_device() if sampler.root_pid == os.getpid() else None
         with sampler.lock:
             final = sampler.final
             if final is None and fresh and sampler.started and not sampler.closed:
                 final = sampler.current_state(closed=False)
-            timeline = sampler.timeline(last_epochs=last_epochs, final=final)
-        if sampler.root_pid == os.getpid():
-            own = own_rank_device()
-            if own is not None:
-                timeline = dataclasses.replace(timeline, rank_devices={own[0]: own[1]})
+            table = sampler.table
+            timeline = Timeline(
+                session_id=sampler.session_id,
+                root=sampler.root_key,
+                started_unix_s=sampler.started_unix_s,
+                boot_unix_s=sampler.boot_unix_s,
+                attribution=sampler.nvml.attribution,
+                attribution_reason=sampler.nvml.attribution_reason,
+                baseline_devices=sampler.baseline_devices,
+                baseline_gpu_bytes=dict(sampler.baseline_gpu_bytes),
+                epochs=sampler.book.records(table, last=last_epochs) if table else (),
+                final=final,
+                failures=sampler.failures.lines(),
+                teardowns=tuple(sampler.book.teardowns),
+                # Files left in /dev/shm are judged once the work is over (at close).
+                shm_files=sampler.shm_files if final is not None and final.closed else (),
+                deaths=tuple(sampler.deaths),
+                stalls=tuple(sampler.stalls),
+                rank_devices={own[0]: own[1]} if own is not None else {},
+            )
         return timeline
 
     @_caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
-        """Judge what was observed, with a fresh read of what is alive now.
+        """Judge what was observed (``fresh``: with a read of what is alive now).
 
-        Args:
-            last_epochs: Judge only the latest this-many closed epochs (see ``timeline``).
-            fresh: Read now (default); False judges the closed epochs as recorded.
-
-        Raises:
-            UsageError: ``last_epochs`` is not a positive int.
-
+        ``last_epochs``: judge only the latest this-many closed epochs.
         """
         timeline = self.timeline(last_epochs=last_epochs, fresh=fresh)
         self._sampler.failures.raise_pending()

@@ -17,7 +17,6 @@ from a closing generator would be lost. Per batch: one generator step and one cl
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import threading
@@ -30,13 +29,10 @@ from typing import Any, Generic, TypeVar
 from leakcheck.adapters.watching import (
     EpochJudge,
     OnLeak,
-    call_reported,
-    chained_worker_init,
-    check_on_epoch,
-    check_on_leak,
-    check_teardown,
-    last_record,
+    check_arguments,
+    install_policy,
     note_deaths,
+    shutdown_workers,
 )
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import EndReason, EpochRecord
@@ -135,16 +131,15 @@ class WatchedLoader(Generic[T]):
         on_epoch: Callable[[EpochRecord], object] | None = None,
     ) -> None:
         self._loader = loader
-        self._on_epoch = on_epoch
         self._tracker = tracker
-        self._teardown = check_teardown(teardown)
+        self._judge = EpochJudge(tracker, check_arguments(on_leak, teardown, on_epoch), on_epoch)
+        self._teardown = teardown
         self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
         self._owns_tracker = owns_tracker
         self._started = False
         self._open_epoch: int | None = None
         """Index of the epoch this wrapper's latest iteration opened, until it ends."""
         self._session = _Session(loader, tracker)
-        self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
         self._dropped = False
         self._batches_seen = False
@@ -246,22 +241,16 @@ class WatchedLoader(Generic[T]):
         if self._started:
             return
         self._started = True
-        mailbox_dir = tracker.start().mailbox_dir
+        tracker.start()
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
             # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
             # workers to the inner one, whose tracker owns them (NOTE [claims]).
             return
-        installed = chained_worker_init(
-            loader.worker_init_fn,
-            tracker=tracker,
-            mailbox_dir=mailbox_dir,
-            release=self._teardown,
-            persistent=bool(getattr(loader, "persistent_workers", False)),
-        )
-        _replaced[installed] = loader.worker_init_fn
+        replaced = loader.worker_init_fn
+        installed = install_policy(loader, tracker, release=self._teardown)
+        _replaced[installed] = replaced
         _live_hooks.add(installed)
-        loader.worker_init_fn = installed
         self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:
@@ -292,17 +281,12 @@ class WatchedLoader(Generic[T]):
             interrupted = isinstance(error, (KeyboardInterrupt, GeneratorExit))
             died = not interrupted and note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
-                # Private, but what the iterator's own __del__ calls; idempotent.
-                shutdown = getattr(batches, "_shutdown_workers", None)
-                if shutdown is not None:
-                    with contextlib.suppress(Exception):
-                        shutdown()
+                shutdown_workers(batches)
             batches = None
             self._end_epoch(*_end_reason(error), count, index)
             if died:  # said now, beside the DataLoader's own error, which goes on its way
                 self._judge.judge(may_raise=False, stacklevel=2)
             raise
-        arrived()
         batches = None
         self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
@@ -322,11 +306,7 @@ class WatchedLoader(Generic[T]):
         # dropped later must not end the epoch open then.
         if self._open_epoch == index:
             self._open_epoch = None
-        if self._tracker.end_epoch(reason, error, batches, index=index):
-            self._judge.epoch_ended()
-            on_epoch = self._on_epoch
-            if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
-                call_reported("on_epoch", lambda: on_epoch(last_record(self._tracker)))
+        self._judge.end_epoch(reason, error, batches, index)
 
 
 def watch(
@@ -390,11 +370,9 @@ def watch(
         UsageError: A bad argument; the message names it and what was expected.
 
     """
-    check_on_leak(on_leak)
-    check_teardown(teardown)
+    check_arguments(on_leak, teardown, on_epoch)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
-    check_on_epoch(on_epoch)
     tracker = Tracker(
         interval=interval,
         rollup_share=rollup_share,

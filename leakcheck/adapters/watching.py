@@ -15,13 +15,15 @@ grace), and at close, the only place that waits for it.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import EpochRecord, Finding
+from leakcheck.core.model import EndReason, EpochRecord, Finding
 from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
 
@@ -31,12 +33,10 @@ __all__ = [
     "EpochJudge",
     "OnLeak",
     "call_reported",
-    "chained_worker_init",
-    "check_on_epoch",
-    "check_on_leak",
-    "check_teardown",
-    "last_record",
+    "check_arguments",
+    "install_policy",
     "note_deaths",
+    "shutdown_workers",
 ]
 
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -46,80 +46,54 @@ JUDGED_EPOCHS = 32
 """Closed epochs judged at each epoch end (NOTE [judged window])."""
 
 
-def check_on_leak(value: object) -> OnLeak:
-    """Validate ``on_leak``.
+def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
+    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options.
 
     Raises:
-        UsageError: Not one of ``warn``, ``raise``, ``ignore``; the message names the value.
+        UsageError: A bad value; the message names the argument and the value.
 
     """
-    for choice in ON_LEAK:
-        if value == choice and isinstance(value, str):
-            return choice
-    raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {value!r}")
+    choice = next((c for c in ON_LEAK if isinstance(on_leak, str) and on_leak == c), None)
+    if choice is None:
+        raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
+    if not isinstance(teardown, bool):
+        raise UsageError(f"teardown: expected True or False, got {teardown!r}")
+    if on_epoch is not None and not callable(on_epoch):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
+    return choice
 
 
-def check_teardown(value: object) -> bool:
-    """Validate ``teardown`` (a bool, nothing that merely reads as one).
-
-    Raises:
-        UsageError: Not True or False; the message names the value.
-
-    """
-    if not isinstance(value, bool):
-        raise UsageError(f"teardown: expected True or False, got {value!r}")
-    return value
-
-
-def check_on_epoch(
-    value: Callable[[EpochRecord], object] | None,
-) -> Callable[[EpochRecord], object] | None:
-    """Validate ``on_epoch``: None or a callable.
-
-    Raises:
-        UsageError: Neither; the message names the value.
-
-    """
-    if value is not None and not callable(value):
-        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {value!r}")
-    return value
-
-
-def last_record(tracker: Tracker) -> EpochRecord:
-    """The tracker's latest closed epoch, as the report will show it."""
-    tracker.finish_reads()
-    (record,) = tracker.timeline(last_epochs=1).epochs
-    return record
-
-
-def chained_worker_init(
-    current: Callable[[int], object] | None,
-    *,
-    tracker: Tracker,
-    mailbox_dir: str | None,
-    release: bool,
-    persistent: bool,
-) -> WorkerInit:
-    """The policy chained in front of a loader's ``worker_init_fn`` (which still runs).
+def install_policy(loader: Any, tracker: Tracker, *, release: bool) -> WorkerInit:
+    """Chain the policy in front of ``loader.worker_init_fn`` (which still runs); returns it.
 
     Workers report their exact identity to ``tracker``'s mailbox and, at exit, what they
-    held and freed (NOTE [teardown policy] in teardown.py). Where the user installed the
-    policy already (``leakcheck.worker_init_fn(...)``), their own function and their
-    ``terminate_children`` are kept.
+    held and freed (NOTE [teardown policy] in teardown.py, whose death signal follows the
+    thread that starts them). Where the user installed the policy already
+    (``leakcheck.worker_init_fn(...)``), their own function and ``terminate_children`` stay.
     """
-    user_fn = current
-    terminate_children = False
+    current = loader.worker_init_fn
+    user_fn, terminate_children = current, False
     if isinstance(current, WorkerInit):
-        terminate_children = current.terminate_children
-        user_fn = current.user_fn
-    return WorkerInit(
+        user_fn, terminate_children = current.user_fn, current.terminate_children
+    installed = WorkerInit(
         user_fn,
         terminate_children=terminate_children,
         release=release,
-        persistent=persistent,
-        mailbox_dir=mailbox_dir,
+        persistent=bool(getattr(loader, "persistent_workers", False)),
+        mailbox_dir=tracker.start().mailbox_dir,
         session_id=tracker.session_id,
     )
+    installed.death_signal = threading.current_thread() is threading.main_thread()
+    loader.worker_init_fn = installed
+    return installed
+
+
+def shutdown_workers(iterator: object) -> None:
+    """Stop a DataLoader iterator's workers now (what its own ``__del__`` calls; idempotent)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        with contextlib.suppress(Exception):
+            shutdown()
 
 
 def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
@@ -158,19 +132,28 @@ def note_deaths(tracker: Tracker, iterator: object) -> bool:
 
 
 class EpochJudge:
-    """Announces each leak a tracker's epochs show once: a warning, an error, or nothing.
+    """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
 
     Args:
         tracker: The tracker whose epochs are judged.
         on_leak: ``warn`` (``LeakWarning``), ``raise`` (``LeakError``) or ``ignore``.
+        on_epoch: Called with each epoch's record as it ends (before it is judged).
         count: Judge with ``on_leak="ignore"`` too, only to count the leaks
             (``leaks_found``: what a dashboard logs).
 
     """
 
-    def __init__(self, tracker: Tracker, on_leak: OnLeak, *, count: bool = False) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        on_leak: OnLeak,
+        on_epoch: Callable[[EpochRecord], object] | None = None,
+        *,
+        count: bool = False,
+    ) -> None:
         self.tracker = tracker
         self.on_leak = on_leak
+        self.on_epoch = on_epoch
         self.count = count
         self.leaks_found: int | None = None
         """Leaks the latest judgement found (NOTE [judged window]); None until judged."""
@@ -178,9 +161,28 @@ class EpochJudge:
         self._unjudged_end: float | None = None
         """Monotonic time of the last epoch end whose survivors were not judged yet."""
 
-    def epoch_ended(self) -> None:
-        """Record an epoch end: its survivors can be judged once the grace has passed."""
+    def end_epoch(
+        self, reason: EndReason, error: str | None, batches: int, index: int | None = None
+    ) -> bool:
+        """End the tracker's epoch (``index``: only that one) and hand its record to ``on_epoch``.
+
+        Returns False where no such epoch was open. Its survivors are judged once the grace
+        has passed (NOTE [late survivors]).
+        """
+        self.tracker.batch_arrived()
+        if not self.tracker.end_epoch(reason, error, batches, index=index):
+            return False
         self._unjudged_end = time.monotonic()
+        on_epoch, tracker = self.on_epoch, self.tracker
+        if on_epoch is not None:
+
+            def hand_over() -> None:  # leakcheck's own reads too: nothing escapes into the loop
+                tracker.finish_reads()
+                (record,) = tracker.timeline(last_epochs=1).epochs
+                on_epoch(record)
+
+            call_reported("on_epoch", hand_over)
+        return True
 
     def due(self) -> bool:
         """An epoch's survivors were not judged yet, and now they can be (NOTE [late survivors])."""

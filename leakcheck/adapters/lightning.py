@@ -78,19 +78,14 @@ STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
 
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
-_STAGE_OF = {
-    "train": "train",
-    "sanity_check": "val",
-    "validate": "val",
-    "test": "test",
-    "predict": "predict",
-}
+_STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
+_STAGE_OF.update(test="test", predict="predict")
 
 
-def _running_stage(trainer: Any) -> str | None:
-    stage = getattr(getattr(trainer, "state", None), "stage", None)
-    value = getattr(stage, "value", stage)
-    return _STAGE_OF.get(value) if isinstance(value, str) else None
+def _state(trainer: Any, field: str) -> str:
+    """``trainer.state.stage`` or ``.fn`` as a string (``"None"`` where there is none)."""
+    value = getattr(getattr(trainer, "state", None), field, None)
+    return str(getattr(value, "value", value))
 
 
 def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> dict[str, float]:
@@ -118,11 +113,6 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     return {f"leakcheck/{stage}/{name}": value for name, value in sorted(scalars.items())}
 
 
-def _fitting(trainer: Any) -> bool:
-    fn = getattr(getattr(trainer, "state", None), "fn", None)
-    return getattr(fn, "value", fn) == "fit"
-
-
 class _Stage:
     """One tracked stage: its tracker, its judge, and the open epoch's batches and iterators."""
 
@@ -145,7 +135,7 @@ class _Stage:
             return
         if self.name == "val" and getattr(trainer, "sanity_checking", False):
             label = "val sanity check"
-        elif not _fitting(trainer):
+        elif _state(trainer, "fn") != "fit":
             label = f"{self.name} epoch {len(self.tracker.epochs())}"
         else:
             epoch = int(getattr(trainer, "current_epoch", 0))
@@ -431,7 +421,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
         """Build a loader's iterator (its workers start now) inside the stage's epoch."""
-        name = _running_stage(self._trainer) if self._trainer is not None else None
+        name = _STAGE_OF.get(_state(self._trainer, "stage"))
         if name is None:
             return make()  # iterated outside a run of this callback: not ours to track
         with self._lock:

@@ -1,16 +1,14 @@
-"""What ``watch()`` and the Lightning callback share: options, the chained policy, judging.
+"""What ``watch()`` and the Lightning callback share: arguments, the policy, epoch ends.
 
 NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
-judges at every epoch end, so the epoch-end judgement looks at the latest ``JUDGED_EPOCHS``
-closed epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures
-both); ``close()`` judges the whole run with a fresh read. Every rule still works on the
-window; what only a longer view shows (growth too slow to exceed the tolerance within it)
-is announced at close.
+judges at every epoch end, so that judgement looks at the latest ``JUDGED_EPOCHS`` closed
+epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures both);
+``close()`` judges the whole run with a fresh read. What only a longer view shows (growth
+too slow to exceed the tolerance within the window) is announced at close.
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
-ended, so an adapter judges again at the start of a later epoch once the grace has passed
-(``EpochJudge.judge_if_due``), on a walk taken then (a process must be seen alive after the
-grace), and at close, the only place that waits for it.
+ended, so an adapter judges again at a later epoch's start once the grace has passed
+(``EpochJudge.judge_if_due``, on a walk taken then), and at close, which waits for it.
 """
 
 from __future__ import annotations
@@ -117,7 +115,7 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 def note_deaths(tracker: Tracker, iterator: object) -> bool:
     """Tell ``tracker`` which workers of a failed epoch's iterator a signal killed (True: some).
 
-    Reading a worker's ``exitcode`` reaps it, as the iterator's shutdown would a moment later.
+    Reading ``exitcode`` reaps a worker, as the iterator's shutdown would a moment later.
     """
     died = False
     try:
@@ -135,11 +133,12 @@ class EpochJudge:
     """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
 
     Args:
-        tracker: The tracker whose epochs are judged.
         on_leak: ``warn`` (``LeakWarning``), ``raise`` (``LeakError``) or ``ignore``.
         on_epoch: Called with each epoch's record as it ends (before it is judged).
-        count: Judge with ``on_leak="ignore"`` too, only to count the leaks
-            (``leaks_found``: what a dashboard logs).
+
+    Attributes:
+        count: Judge with ``on_leak="ignore"`` too, only to count the leaks.
+        leaks_found: Leaks the latest judgement found (what a dashboard logs); None before.
 
     """
 
@@ -148,27 +147,19 @@ class EpochJudge:
         tracker: Tracker,
         on_leak: OnLeak,
         on_epoch: Callable[[EpochRecord], object] | None = None,
-        *,
-        count: bool = False,
     ) -> None:
         self.tracker = tracker
         self.on_leak = on_leak
         self.on_epoch = on_epoch
-        self.count = count
+        self.count = False
         self.leaks_found: int | None = None
-        """Leaks the latest judgement found (NOTE [judged window]); None until judged."""
         self._announced: set[tuple[object, ...]] = set()
-        self._unjudged_end: float | None = None
-        """Monotonic time of the last epoch end whose survivors were not judged yet."""
+        self._unjudged_end: float | None = None  # the last epoch end not judged for survivors
 
     def end_epoch(
         self, reason: EndReason, error: str | None, batches: int, index: int | None = None
     ) -> bool:
-        """End the tracker's epoch (``index``: only that one) and hand its record to ``on_epoch``.
-
-        Returns False where no such epoch was open. Its survivors are judged once the grace
-        has passed (NOTE [late survivors]).
-        """
+        """End the tracker's epoch (``index``: only that one); False where none was open."""
         self.tracker.batch_arrived()
         if not self.tracker.end_epoch(reason, error, batches, index=index):
             return False
@@ -192,12 +183,7 @@ class EpochJudge:
         )
 
     def judge_if_due(self, *, stacklevel: int = 1) -> None:
-        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors]).
-
-        Raises:
-            LeakError: ``on_leak="raise"`` and a new leak was found.
-
-        """
+        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors])."""
         if self.due():
             self.tracker.sample()
             self.judge(may_raise=True, stacklevel=stacklevel + 1)
@@ -205,23 +191,15 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
 
-        NOTE [judged window]: the latest epochs while the tracker is open, the whole run after.
-
-        Args:
-            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception is
-                on its way out already, and a leak must not replace it).
-            stacklevel: Where the warning points, from the caller (1: the caller's line).
-
-        Raises:
-            LeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.
-
+        NOTE [judged window]. ``may_raise`` False warns instead of raising (an exception is
+        on its way out already, and a leak must not replace it); ``stacklevel`` 1 points the
+        warning at the caller's line.
         """
         if self.due():
             self._unjudged_end = None
         if self.on_leak == "ignore" and not self.count:
             return
-        # The USS reads the last epoch end planned are made first, so that a warning gives
-        # the figures the final report will (NOTE [host pacing]); none planned, none made.
+        # A warning gives the figures the final report will (NOTE [host pacing]).
         self.tracker.finish_reads()
         window = None if self.tracker.closed else JUDGED_EPOCHS
         report = self.tracker.report(last_epochs=window, fresh=False)

@@ -242,16 +242,15 @@ class LeakCheckCallback(_CallbackBase):
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
         self._trainer: Any = None
-        # (strategy, our process_dataloader, the instance attribute it replaced or None)
-        self._strategy_hook: tuple[Any, Any, Any] | None = None
-        self._loader_hooks: list[tuple[weakref.ref[Any], _IteratorHook]] = []
+        # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
+        self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
-        state.update(_stages={}, _trainer=None, _strategy_hook=None, _loader_hooks=[])
+        state.update(_stages={}, _trainer=None, _patches=[])
         del state["_lock"]
         return state
 
@@ -322,7 +321,6 @@ class LeakCheckCallback(_CallbackBase):
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
-            previous = vars(strategy).get("process_dataloader")
             original = strategy.process_dataloader
 
             def process_dataloader(dataloader: object) -> object:
@@ -330,8 +328,8 @@ class LeakCheckCallback(_CallbackBase):
                 self._adopt(dataloader)
                 return dataloader
 
-            strategy.process_dataloader = process_dataloader
-            self._strategy_hook = (strategy, process_dataloader, previous)
+            previous = vars(strategy).get("process_dataloader")
+            self._patch(strategy, "process_dataloader", process_dataloader, previous)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """End of the run: close the trackers, keep the reports, judge the whole run."""
@@ -415,9 +413,7 @@ class LeakCheckCallback(_CallbackBase):
                 if current.callback is self:
                     return
                 current = None  # another callback's leftover: go around it
-            hook = _IteratorHook(self, loader, current)
-            loader._get_iterator = hook
-            self._loader_hooks.append((weakref.ref(loader), hook))
+            self._patch(loader, "_get_iterator", _IteratorHook(self, loader, current), current)
 
     def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
         """Build a loader's iterator (its workers start now) inside the stage's epoch."""
@@ -438,25 +434,21 @@ class LeakCheckCallback(_CallbackBase):
                     stage.iterators.append(weakref.ref(iterator))
             return iterator
 
+    def _patch(self, target: Any, name: str, ours: object, previous: object) -> None:
+        setattr(target, name, ours)
+        self._patches.append((weakref.ref(target), name, ours, previous))
+
     def _unhook(self) -> None:
         """Give the strategy and every adopted loader their own methods back."""
-        if self._strategy_hook is not None:
-            strategy, ours, previous = self._strategy_hook
-            if vars(strategy).get("process_dataloader") is ours:
-                if previous is None:
-                    del strategy.process_dataloader
-                else:
-                    strategy.process_dataloader = previous
-            self._strategy_hook = None
-        for ref, hook in self._loader_hooks:
-            loader = ref()
-            if loader is None or vars(loader).get("_get_iterator") is not hook:
-                continue
-            if hook.previous is None:
-                del loader._get_iterator
+        for ref, name, ours, previous in self._patches:
+            target = ref()
+            if target is None or vars(target).get(name) is not ours:
+                continue  # gone, or patched again by someone else since
+            if previous is None:
+                delattr(target, name)
             else:
-                loader._get_iterator = hook.previous
-        self._loader_hooks.clear()
+                setattr(target, name, previous)
+        self._patches.clear()
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""

@@ -201,7 +201,7 @@ class GpuState:
 
 
 class GpuReader:
-    """NVML (``snapshot.read_gpu_processes``) and the torch allocator, never forced.
+    """GPU memory of the test process (``pid``): NVML and the torch allocator, never forced.
 
     Attributes:
         note: One line for the session summary: how GPU memory was read.
@@ -304,11 +304,8 @@ class _Candidate:
 class Checker:
     """Per-process state of the plugin's observation of tests.
 
-    Args:
-        shm_dir: The shared-memory directory.
-        attribute_unheld_shm: Blame a new, unheld /dev/shm file on the test that ran while
-            it appeared: True when no other test runs at the same time (no xdist).
-
+    ``attribute_unheld_shm``: blame a new /dev/shm file nobody holds on the test that ran
+    while it appeared (True where no other test runs meanwhile: no xdist).
     """
 
     def __init__(self, *, shm_dir: str = "/dev/shm", attribute_unheld_shm: bool = True) -> None:
@@ -379,14 +376,8 @@ class Checker:
     ) -> Timeline:
         """Wait out the grace period and describe the test as one short epoch.
 
-        Args:
-            window: From ``begin``.
-            label: The epoch's label (NOTE [one short epoch]).
-            end_s: ``time.monotonic()`` when the test's teardown ended.
-            grace_s: How long a process the test started may take to exit after it.
-            tolerance_bytes: GPU memory the test may keep: only above it is the allocator
-                asked again after a garbage collection.
-
+        ``end_s``: ``time.monotonic()`` at the end of the teardown. Only above
+        ``tolerance_bytes`` is the allocator asked again after a garbage collection.
         """
         finished, self._finished = self._finished, []
         active = list(self._owners.values())
@@ -617,12 +608,7 @@ class Checker:
 
 
 class Lineage:
-    """Which new processes are the test process's own (NOTE [whose process]).
-
-    Args:
-        pid: The test process.
-
-    """
+    """Which new processes are the test process's (``pid``) own (NOTE [whose process])."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -673,9 +659,9 @@ class Lineage:
     def _forked_from_here(self, info: ProcInfo) -> bool:
         """A reparented fork of this process: same command line and initial environment.
 
-        Twins started alike (xdist workers) look the same, and so do their forks before
-        they exec: a process whose live parent looks like this process too is a twin's (a
-        fork of ours whose parent died has PID 1 or a subreaper for parent).
+        Twins started alike (xdist workers) and their unexec'd forks look the same: one whose
+        live parent looks like this process too is a twin's (ours, orphaned, has PID 1 or a
+        subreaper for parent).
         """
         if not self._looks_like_here(info.key.pid):
             return False
@@ -691,10 +677,9 @@ def _wait_for_exit(
 ) -> None:
     """Poll until every candidate exited or is a baseline helper, or the deadline passed.
 
-    Sets ``exited_s``, ``last_seen_s`` and ``baseline`` (a runtime helper that pins nothing
-    is not waited for). The last poll of a process still there is at or after the deadline.
-    The command line is read again at each poll: a child between fork and exec shows its
-    parent's for a moment, and a helper must be recognised before it costs a grace period.
+    Sets ``exited_s``, ``last_seen_s`` (the last poll of a survivor is at or after the
+    deadline) and ``baseline``. The command line is read at each poll: a child between fork
+    and exec shows its parent's, and a helper must be recognised before it costs a grace.
     """
     pending = list(candidates)
     delay = 0.005

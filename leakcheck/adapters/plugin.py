@@ -600,18 +600,14 @@ class LeakCheckPlugin:
         """Show a test's section with its earlier failure; False: none shows it (a skip)."""
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         stats = getattr(reporter, "stats", None)
-        if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
-            return False
         sections = [(name, text) for name, text in report.sections if name == SECTION]
-        for category in ("failed", "error"):
-            for earlier in stats.get(category, []):
-                if (
-                    getattr(earlier, "nodeid", None) == report.nodeid
-                    and getattr(earlier, "when", None) in ("setup", "call")
-                    and sections
-                ):
-                    earlier.sections.extend(sections)
-                    return True
+        if hasattr(self.config, "workerinput") or not isinstance(stats, dict) or not sections:
+            return False
+        for earlier in (*stats.get("failed", []), *stats.get("error", [])):
+            when = getattr(earlier, "when", None)
+            if getattr(earlier, "nodeid", None) == report.nodeid and when in ("setup", "call"):
+                earlier.sections.extend(sections)
+                return True
         return False
 
     def pytest_terminal_summary(

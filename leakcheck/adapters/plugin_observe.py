@@ -350,11 +350,9 @@ class Checker:
 
     def fixture_end(self, key: object, probe: Probe, label: str, window: Window) -> ScopeOwner:
         """Record what appeared during a wide-scope fixture's setup as that fixture's own."""
-        owners = self._owners.values()
-        claimed = {info.key.pid for o in owners for info in o.processes}
-        new_pids = [pid for pid in probe.pids.pids_since() if pid not in claimed]
-        processes = tuple(self.lineage.ours(new_pids, window.tags, since=probe.pids))
-        shm = _listdir(self.shm_dir) - probe.shm - {name for o in owners for name in o.shm}
+        processes = tuple(self._born_since(probe, window.tags))
+        owned_shm = {name for o in self._owners.values() for name in o.shm}
+        shm = _listdir(self.shm_dir) - probe.shm - owned_shm
         now = GpuState.of_allocator(None, collect=False).allocated_bytes or {}
         before = probe.gpu.allocated_bytes or {}
         added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
@@ -383,11 +381,8 @@ class Checker:
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-        mark = window.before.pids
-        owned_now = {info.key.pid for owner in active for info in owner.processes}
-        new_pids = [pid for pid in mark.pids_since() if pid not in owned_now]
+        found = self._born_since(window.before, window.tags)
         seen_s = time.monotonic()
-        found = self.lineage.ours(new_pids, window.tags, since=mark)
         candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
             candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
@@ -423,7 +418,7 @@ class Checker:
         return Timeline(
             session_id=window.tag,
             root=parent.key,
-            started_unix_s=mark.unix_s,
+            started_unix_s=window.before.pids.unix_s,
             boot_unix_s=procs.boot_time_s(),
             attribution=attribution,
             attribution_reason=reason,
@@ -434,6 +429,12 @@ class Checker:
             shm_files=shm_files,
             parent_memory=parent_memory,
         )
+
+    def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
+        """The test's processes born since ``probe`` that no active fixture owns."""
+        owned = {info.key.pid for owner in self._owners.values() for info in owner.processes}
+        new_pids = [pid for pid in probe.pids.pids_since() if pid not in owned]
+        return self.lineage.ours(new_pids, tags, since=probe.pids)
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""

@@ -711,25 +711,22 @@ def _wait_for_exit(
 
 
 def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
-    """NOTE [reference cycles]: collect garbage if a process outlived the grace."""
+    """NOTE [reference cycles]: wait a moment, collect garbage once, wait a moment again."""
     staying = [c for c in candidates if c.exited_s is None and not c.baseline]
-    if not staying:
-        return
-    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-    for cand in staying:
-        cand.late = cand.exited_s is not None
-    staying = [c for c in staying if c.exited_s is None]
-    if not staying:
-        return
-    gc.collect()
-    now = time.monotonic()
-    for cand in staying:
-        if not procs.is_alive(cand.info.key):
-            cand.exited_s, cand.freed_by_gc = now, True
-    staying = [c for c in staying if c.exited_s is None]
-    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-    for cand in staying:
-        cand.late = cand.exited_s is not None
+    for collect in (False, True):
+        if not staying:
+            return
+        if collect:
+            gc.collect()
+            now = time.monotonic()
+            for cand in staying:
+                if not procs.is_alive(cand.info.key):
+                    cand.exited_s, cand.freed_by_gc = now, True
+            staying = [c for c in staying if c.exited_s is None]
+        _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+        for cand in staying:
+            cand.late = cand.exited_s is not None
+        staying = [c for c in staying if c.exited_s is None]
 
 
 def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -> dict[int, int]:

@@ -92,8 +92,8 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     """The scalars logged for a stage's latest epoch, by name (``leakcheck/train/...``).
 
     ``workers``, ``parent_host_mib``, ``workers_host_mib``, ``leaks`` and, where NVML
-    attributes GPU memory to processes, ``parent_gpu_mib`` and ``workers_gpu_peak_mib``; a
-    figure not read is left out, never 0.
+    attributes GPU memory to processes, ``parent_gpu_mib`` and ``workers_gpu_peak_mib``. A
+    figure that was not read is left out, never given as 0.
     """
     record = timeline.epochs[-1]
     parents = [p for p in record.processes if p.role == "parent"]

@@ -420,6 +420,7 @@ class LeakCheckCallback(_CallbackBase):
             return make()  # iterated outside a run of this callback: not ours to track
         with self._lock:
             stage = self._open(name, self._trainer)
+            persistent = bool(getattr(loader, "persistent_workers", False))
             users = loader.worker_init_fn
             installed = install_policy(loader, stage.tracker, release=self._teardown)
             try:
@@ -427,7 +428,7 @@ class LeakCheckCallback(_CallbackBase):
             finally:
                 if loader.worker_init_fn is installed:
                     loader.worker_init_fn = users
-            if not getattr(loader, "persistent_workers", False):
+            if not persistent:
                 with contextlib.suppress(TypeError):
                     stage.iterators.append(weakref.ref(iterator))
             return iterator

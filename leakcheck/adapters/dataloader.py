@@ -8,16 +8,14 @@ generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body r
 its ``died`` finding announced at once), ``interrupt`` (``KeyboardInterrupt`` while fetching)
 or ``collected`` (by the garbage collector or at interpreter exit).
 
-After an early end, non-persistent workers are shut down at once (the exception's
-traceback would otherwise keep them alive as false survivors), and judging waits for the
-next epoch or ``close()`` (NOTE [late survivors], [judged window] in watching.py): raising
-from a closing generator would be lost. Per batch: one generator step and one clock read
-(NOTE [hang watch] in hang.py).
+After an early end, non-persistent workers are shut down at once (the exception's traceback
+would keep them alive as false survivors), and judging waits for the next epoch or
+``close()`` (NOTE [late survivors] in watching.py): raising from a closing generator would be
+lost. Per batch: one generator step and one clock read (NOTE [hang watch] in hang.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import threading
@@ -30,13 +28,10 @@ from typing import Any, Generic, TypeVar
 from leakcheck.adapters.watching import (
     EpochJudge,
     OnLeak,
-    call_reported,
-    chained_worker_init,
-    check_on_epoch,
-    check_on_leak,
-    check_teardown,
-    last_record,
+    check_arguments,
+    install_policy,
     note_deaths,
+    shutdown_workers,
 )
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import EndReason, EpochRecord
@@ -114,13 +109,11 @@ class _Session:
 class WatchedLoader(Generic[T]):
     """An iterable that behaves like the wrapped loader; each ``iter()`` is one epoch.
 
-    Build it with :func:`watch`. ``len()``, iteration and every attribute of the loader
-    (``batch_size``, ``dataset``, ``num_workers``, ...) behave as on the loader itself.
-
+    Build it with :func:`watch`; ``len()`` and every attribute of the loader behave as on it.
     ``leakcheck run`` (NOTE [run instrumentation] in instrument.py) passes ``iterate`` (makes
-    each epoch's iterator instead of ``iter(loader)``, which its patched ``__iter__`` would
-    recurse into) and ``owns_tracker=False`` (a shared tracker: ``close()`` ends only this
-    wrapper's epoch and restores the loader's ``worker_init_fn``; whoever made it closes it).
+    each epoch's iterator, where its patched ``__iter__`` would recurse) and
+    ``owns_tracker=False`` (``close()`` ends only this wrapper's epoch; whoever made the
+    tracker closes it).
     """
 
     def __init__(
@@ -135,16 +128,15 @@ class WatchedLoader(Generic[T]):
         on_epoch: Callable[[EpochRecord], object] | None = None,
     ) -> None:
         self._loader = loader
-        self._on_epoch = on_epoch
         self._tracker = tracker
-        self._teardown = check_teardown(teardown)
+        self._judge = EpochJudge(tracker, check_arguments(on_leak, teardown, on_epoch), on_epoch)
+        self._teardown = teardown
         self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
         self._owns_tracker = owns_tracker
         self._started = False
         self._open_epoch: int | None = None
         """Index of the epoch this wrapper's latest iteration opened, until it ends."""
         self._session = _Session(loader, tracker)
-        self._judge = EpochJudge(tracker, check_on_leak(on_leak))
         self._closed = False
         self._dropped = False
         self._batches_seen = False
@@ -186,9 +178,7 @@ class WatchedLoader(Generic[T]):
         return self._tracker.report()
 
     def close(self) -> None:
-        """Close the open epoch, wait out the grace period, judge the last epochs.
-
-        Restores the loader's own ``worker_init_fn``. Idempotent.
+        """Close the open epoch, wait out the grace, judge; restore ``worker_init_fn``. Idempotent.
 
         Raises:
             LeakError: ``on_leak="raise"`` and a leak not raised before was found.
@@ -197,11 +187,10 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=True)
 
     def drop_loader(self) -> None:
-        """Let go of the wrapped loader, so that it can be collected while tracking goes on.
+        """Let go of the loader, so that it can be collected while tracking goes on.
 
-        Persistent workers stop only when their loader is collected: called before
-        ``close()`` and followed by ``gc.collect()``, this makes their exit part of the
-        tracked run (``leakcheck sweep`` does). The wrapper cannot be iterated again.
+        Persistent workers stop only when their loader is collected: before ``close()`` and
+        ``gc.collect()``, their exit becomes part of the run (``leakcheck sweep``).
         """
         self._tracker.finish_reads()
         self._session.restore_init()
@@ -246,22 +235,16 @@ class WatchedLoader(Generic[T]):
         if self._started:
             return
         self._started = True
-        mailbox_dir = tracker.start().mailbox_dir
+        tracker.start()
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
             # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
             # workers to the inner one, whose tracker owns them (NOTE [claims]).
             return
-        installed = chained_worker_init(
-            loader.worker_init_fn,
-            tracker=tracker,
-            mailbox_dir=mailbox_dir,
-            release=self._teardown,
-            persistent=bool(getattr(loader, "persistent_workers", False)),
-        )
-        _replaced[installed] = loader.worker_init_fn
+        replaced = loader.worker_init_fn
+        installed = install_policy(loader, tracker, release=self._teardown)
+        _replaced[installed] = replaced
         _live_hooks.add(installed)
-        loader.worker_init_fn = installed
         self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:
@@ -292,17 +275,12 @@ class WatchedLoader(Generic[T]):
             interrupted = isinstance(error, (KeyboardInterrupt, GeneratorExit))
             died = not interrupted and note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
-                # Private, but what the iterator's own __del__ calls; idempotent.
-                shutdown = getattr(batches, "_shutdown_workers", None)
-                if shutdown is not None:
-                    with contextlib.suppress(Exception):
-                        shutdown()
+                shutdown_workers(batches)
             batches = None
             self._end_epoch(*_end_reason(error), count, index)
             if died:  # said now, beside the DataLoader's own error, which goes on its way
                 self._judge.judge(may_raise=False, stacklevel=2)
             raise
-        arrived()
         batches = None
         self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
@@ -322,11 +300,7 @@ class WatchedLoader(Generic[T]):
         # dropped later must not end the epoch open then.
         if self._open_epoch == index:
             self._open_epoch = None
-        if self._tracker.end_epoch(reason, error, batches, index=index):
-            self._judge.epoch_ended()
-            on_epoch = self._on_epoch
-            if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
-                call_reported("on_epoch", lambda: on_epoch(last_record(self._tracker)))
+        self._judge.end_epoch(reason, error, batches, index)
 
 
 def watch(
@@ -354,9 +328,8 @@ def watch(
         loader.close()  # waits out the grace period, warns about the last epoch
         print(loader.report().format())
 
-    Worker identities come from a chained ``worker_init_fn`` (your own still runs), which
-    also installs the teardown policy (NOTE [teardown policy] in teardown.py). How each
-    kind of epoch end is recorded and when leaks are judged: NOTE [epoch ends].
+    Worker identities come from a chained ``worker_init_fn`` (yours still runs), which also
+    installs the teardown policy (NOTE [teardown policy] in teardown.py). NOTE [epoch ends].
 
     Args:
         loader: A ``torch.utils.data.DataLoader`` (any start method, persistent workers or
@@ -368,20 +341,15 @@ def watch(
             ``LeakError`` after the epoch) or ``"ignore"`` (only the report).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
-        rollup_share: Share of the time the USS reads of the parent and persistent workers
-            may take (``Tracker``'s); 1.0 reads USS, which shows copy-on-read where RSS does
-            not, at every epoch end: for epochs of seconds, where the default 0.1% reads it
-            only every few epochs and the host-growth rule falls back to resident memory.
+        rollup_share: Share of the time USS reads of the parent and persistent workers may
+            take; 1.0 reads USS (which shows copy-on-read) at every epoch end.
         copy_tolerance: What each forked worker may copy of the parent's memory before the
-            copy-on-read rule calls it a leak (``"64MiB"``, or bytes): a dataset of Python
-            objects is copied into every worker that reads it.
-        on_epoch: Called with each epoch's :class:`~leakcheck.core.model.EpochRecord` as
-            the epoch ends (before it is judged), for your own logger; what it raises is
-            warned about, never raised into your loop.
-        hang_after: Seconds an epoch may wait for a batch before leakcheck writes the
-            Python stacks of the loop's process (every thread) and of each worker, to
-            stderr and into the report, once per stall; the loop goes on (NOTE [hang
-            watch] in hang.py). 0 turns it off.
+            copy-on-read rule calls it a leak (``"64MiB"``, or bytes).
+        on_epoch: Called with each epoch's ``EpochRecord`` as it ends (before it is judged);
+            what it raises is warned about, never raised into your loop.
+        hang_after: Seconds an epoch may wait for a batch before the Python stacks of the
+            loop's process and its workers are written to stderr and the report, once per
+            stall (NOTE [hang watch] in hang.py); 0: no hang watch.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.
@@ -390,11 +358,9 @@ def watch(
         UsageError: A bad argument; the message names it and what was expected.
 
     """
-    check_on_leak(on_leak)
-    check_teardown(teardown)
+    check_arguments(on_leak, teardown, on_epoch)
     if not isinstance(loader, Iterable):
         raise UsageError(f"loader: expected an iterable such as a DataLoader, got {loader!r}")
-    check_on_epoch(on_epoch)
     tracker = Tracker(
         interval=interval,
         rollup_share=rollup_share,

@@ -5,17 +5,15 @@ its loaders are closed: rank 0 gets one ``JobReport``, a verdict per rank and fo
 Each rank also writes its report to a folder (``LEAKCHECK_RANK_DIR``, or the run folder under
 ``leakcheck run``), which ``leakcheck run`` merges where no gather happened.
 
-NOTE [rank gathering]: a collective completes only when every rank calls it, and a rank that
-died never will: the others would block in ``gather_object`` until the group's timeout (30
-minutes for gloo, for ever with NCCL). The detector must never hang the job, so leakcheck
-never gathers on its own (least of all at exit, where a rank cannot know whether its peers
-live: there each rank writes its own file, and the merging side judges a rank whose file
-never came from what was seen of it from outside). ``gather_reports`` gathers only where the
-program asks, at a point every rank reaches, while a process group is initialised; every
-rank first counts itself in through the group's store and waits for the others at most
-``timeout_s`` (``monitored_barrier`` is gloo's alone): a missing rank makes every rank fall
-back to its file. The file is written first, so a failed gather loses nothing; leakcheck's
-own failures are warned about, never raised.
+NOTE [rank gathering]: a collective completes only when every rank calls it, and a dead rank
+never will: the others would block in ``gather_object`` until the group's timeout (30 minutes
+for gloo, for ever with NCCL). So leakcheck never gathers on its own (least of all at exit:
+there each rank writes its file, and the merging side judges a rank whose file never came
+from what it saw of it). ``gather_reports`` gathers only where the program asks, while a
+process group is initialised; every rank first counts itself in through the group's store
+and waits for the others at most ``timeout_s`` (``monitored_barrier`` is gloo's alone): a
+missing rank makes every rank fall back to its file, written first, so nothing is lost;
+leakcheck's own failures are warned about, never raised.
 """
 
 from __future__ import annotations
@@ -77,12 +75,7 @@ def _write_rank_report(entry: RankReport, folder: str) -> None:
 
 
 def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
-    """Read every rank report in ``folder``.
-
-    Returns:
-        The reports, by rank then PID; and one line per file that could not be read.
-
-    """
+    """Every rank report in ``folder`` by rank then PID, and a line per file not read."""
     entries: list[RankReport] = []
     failures: list[str] = []
     try:
@@ -181,7 +174,7 @@ def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
     """Wait, at most ``timeout_s``, for every rank to reach this gather (NOTE [rank gathering]).
 
     Raises:
-        TimeoutError: Some rank did not arrive in time (dead, or elsewhere).
+        TimeoutError: Some rank did not arrive in time.
 
     """
     global _gathers

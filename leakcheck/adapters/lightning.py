@@ -13,25 +13,23 @@ under ``leakcheck/<stage>/`` (``epoch_scalars``); without a logger nothing is bu
 Works with ``lightning.pytorch`` or, where only that is installed, ``pytorch_lightning``;
 importing ``leakcheck`` never imports either.
 
-NOTE [lightning epochs]: each stage (``train``, ``val``: the sanity check and every
-validation run, ``test``, ``predict``) has its own ``Tracker``: validation runs inside the
+NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every
+validation run; ``test``; ``predict``) has its own ``Tracker``: validation runs inside the
 training epoch, so two epochs are open at once, and each tracker judges only its own loaders'
 workers (NOTE [claims] in track/claims.py). Labels: ``train epoch 3``, ``val epoch 3`` (``val
-epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``val
-epoch 0`` / ``test epoch 0`` / ``predict epoch 0`` outside ``fit``. Lightning calls
-``iter()`` on a loader, starting its workers, before any callback hook of the first training
-epoch and of every evaluation run. So from ``setup`` to ``teardown`` the callback wraps the
-trainer's ``strategy.process_dataloader`` (called for every loader, flattened out of lists,
-dicts and ``CombinedLoader``) and gives each DataLoader an instance-level ``_get_iterator``
-(what ``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's
-epoch if none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn``
-for that one iterator. ``on_*_epoch_end`` closes the epoch with the batches counted and
-judges it; the workers of an unfinished non-persistent iterator (``limit_train_batches``)
-are shut down there, as ``watch()`` does after an early end. ``on_exception`` closes the open
-epochs with ``exception`` or ``interrupt`` and warns; ``teardown`` closes the trackers,
-keeps their reports and judges the whole run. The hang watch (NOTE [hang watch] in hang.py)
-counts from a batch's end (or the epoch's start) to the next batch's start; a validation run
-pauses the training epoch's count.
+epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``test
+epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers (``iter()``) before any
+hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps the trainer's
+``strategy.process_dataloader`` (called for every loader, flattened out of lists, dicts and
+``CombinedLoader``) and gives each DataLoader an instance-level ``_get_iterator`` (what
+``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's epoch
+if none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn`` for
+that one iterator. ``on_*_epoch_end`` shuts down an unfinished non-persistent iterator's
+workers (``limit_train_batches``), as ``watch()`` does after an early end, closes the epoch
+and judges it; ``on_exception`` closes the open epochs with ``exception`` or ``interrupt``;
+``teardown`` closes the trackers, keeps their reports and judges the whole run. The hang
+watch (NOTE [hang watch] in hang.py) counts from a batch's end (or the epoch's start) to the
+next batch's start; a validation run pauses the training epoch's count.
 """
 
 from __future__ import annotations
@@ -48,11 +46,9 @@ from leakcheck.adapters.watching import (
     EpochJudge,
     OnLeak,
     call_reported,
-    chained_worker_init,
-    check_on_epoch,
-    check_on_leak,
-    check_teardown,
-    last_record,
+    check_arguments,
+    install_policy,
+    shutdown_workers,
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import MIB, EndReason, EpochRecord, Timeline
@@ -76,23 +72,20 @@ else:
 
 __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 
+OnEpoch = Callable[[EpochRecord], object]
+
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
 
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
-_STAGE_OF = {
-    "train": "train",
-    "sanity_check": "val",
-    "validate": "val",
-    "test": "test",
-    "predict": "predict",
-}
+_STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
+_STAGE_OF.update(test="test", predict="predict")
 
 
-def _running_stage(trainer: Any) -> str | None:
-    stage = getattr(getattr(trainer, "state", None), "stage", None)
-    value = getattr(stage, "value", stage)
-    return _STAGE_OF.get(value) if isinstance(value, str) else None
+def _state(trainer: Any, field: str) -> str:
+    """``trainer.state.stage`` or ``.fn`` as a string (``"None"`` where there is none)."""
+    value = getattr(getattr(trainer, "state", None), field, None)
+    return str(getattr(value, "value", value))
 
 
 def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> dict[str, float]:
@@ -120,19 +113,15 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     return {f"leakcheck/{stage}/{name}": value for name, value in sorted(scalars.items())}
 
 
-def _fitting(trainer: Any) -> bool:
-    fn = getattr(getattr(trainer, "state", None), "fn", None)
-    return getattr(fn, "value", fn) == "fit"
-
-
 class _Stage:
     """One tracked stage: its tracker, its judge, and the open epoch's batches and iterators."""
 
-    def __init__(self, name: str, tracker: Tracker, on_leak: OnLeak) -> None:
+    def __init__(
+        self, name: str, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None
+    ) -> None:
         self.name = name
-        self.tracker = tracker
-        self.mailbox_dir = tracker.start().mailbox_dir
-        self.judge = EpochJudge(tracker, on_leak)
+        self.tracker = tracker.start()
+        self.judge = EpochJudge(tracker, on_leak, on_epoch)
         self.open = False
         self.batches = 0
         self.runs_in_epoch: dict[int, int] = {}  # validation runs per training epoch
@@ -140,31 +129,47 @@ class _Stage:
         self.iterators: list[weakref.ref[Any]] = []
         self.report: Report | None = None  # kept at close
 
+    def begin(self, trainer: Any) -> None:
+        """Open an epoch, labelled after the trainer's state, if none is open."""
+        if self.open:
+            return
+        if self.name == "val" and getattr(trainer, "sanity_checking", False):
+            label = "val sanity check"
+        elif _state(trainer, "fn") != "fit":
+            label = f"{self.name} epoch {len(self.tracker.epochs())}"
+        else:
+            epoch = int(getattr(trainer, "current_epoch", 0))
+            label = f"{self.name} epoch {epoch}"
+            if self.name == "val":
+                runs = self.runs_in_epoch[epoch] = self.runs_in_epoch.get(epoch, 0) + 1
+                label += f" run {runs}" if runs > 1 else ""
+        self.tracker.begin_epoch(label)
+        self.open, self.batches = True, 0
+
     def release_workers(self) -> None:
         """Shut down the workers of this epoch's non-persistent iterators (idempotent)."""
         for ref in self.iterators:
-            # Private, but what the iterator's own __del__ calls; idempotent.
-            shutdown = getattr(ref(), "_shutdown_workers", None)
-            if shutdown is not None:
-                with contextlib.suppress(Exception):
-                    shutdown()
+            shutdown_workers(ref())
         self.iterators.clear()
 
-    def end(
-        self, reason: EndReason, error: str | None, on_epoch: Callable[[EpochRecord], object] | None
-    ) -> bool:
+    def end(self, reason: EndReason, error: str | None = None) -> bool:
         """Close the open epoch (its workers shut down first); False when none was open."""
         if not self.open:
             return False
         self.release_workers()
         self.open = False
-        batches, self.batches = self.batches, 0
-        self.tracker.batch_arrived()
-        self.tracker.end_epoch(reason, error, batches)
-        self.judge.epoch_ended()
-        if on_epoch is not None:  # leakcheck's own reads too: nothing escapes into the loop
-            call_reported("on_epoch", lambda: on_epoch(last_record(self.tracker)))
+        self.judge.end_epoch(reason, error, self.batches)
         return True
+
+    def batch(self, *, wanted: bool, count: int = 0) -> None:
+        """The loop waits for a batch (``wanted``) or stops waiting (NOTE [hang watch])."""
+        if not self.open:
+            return
+        if wanted:
+            self.tracker.batch_wanted()
+        else:
+            self.tracker.batch_arrived()
+            self.batches += count
 
 
 class _IteratorHook:
@@ -218,13 +223,13 @@ class LeakCheckCallback(_CallbackBase):
         interval: float | str = 0.05,
         rollup_share: float | None = None,
         copy_tolerance: str | int = "64MiB",
-        on_epoch: Callable[[EpochRecord], object] | None = None,
+        on_epoch: OnEpoch | None = None,
         hang_after: float | str = 120.0,
     ) -> None:
         super().__init__()
-        self._on_leak = check_on_leak(on_leak)
-        self._teardown = check_teardown(teardown)
-        self._on_epoch = check_on_epoch(on_epoch)
+        self._on_leak = check_arguments(on_leak, teardown, on_epoch)
+        self._teardown = teardown
+        self._on_epoch = on_epoch
         self._tracker_options: dict[str, Any] = {
             "tolerance": tolerance,
             "warmup_epochs": warmup_epochs,
@@ -237,16 +242,15 @@ class LeakCheckCallback(_CallbackBase):
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
         self._trainer: Any = None
-        # (strategy, our process_dataloader, the instance attribute it replaced or None)
-        self._strategy_hook: tuple[Any, Any, Any] | None = None
-        self._loader_hooks: list[tuple[weakref.ref[Any], _IteratorHook]] = []
+        # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
+        self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
-        state.update(_stages={}, _trainer=None, _strategy_hook=None, _loader_hooks=[])
+        state.update(_stages={}, _trainer=None, _patches=[])
         del state["_lock"]
         return state
 
@@ -273,9 +277,7 @@ class LeakCheckCallback(_CallbackBase):
         return {name: self.report(name) for name in self._stages}
 
     def report(self, stage: str = "train") -> Report:
-        """The report of one stage: ``"train"``, ``"val"``, ``"test"`` or ``"predict"``.
-
-        After the run, the report kept when its tracker closed; during it, a fresh one.
+        """The report of one stage (kept at its tracker's close; before that, a fresh one).
 
         Raises:
             UsageError: ``stage`` is not a stage this callback has tracked.
@@ -317,7 +319,6 @@ class LeakCheckCallback(_CallbackBase):
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
-            previous = vars(strategy).get("process_dataloader")
             original = strategy.process_dataloader
 
             def process_dataloader(dataloader: object) -> object:
@@ -325,8 +326,8 @@ class LeakCheckCallback(_CallbackBase):
                 self._adopt(dataloader)
                 return dataloader
 
-            strategy.process_dataloader = process_dataloader
-            self._strategy_hook = (strategy, process_dataloader, previous)
+            previous = vars(strategy).get("process_dataloader")
+            self._patch(strategy, "process_dataloader", process_dataloader, previous)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """End of the run: close the trackers, keep the reports, judge the whole run."""
@@ -340,105 +341,19 @@ class LeakCheckCallback(_CallbackBase):
         with self._lock:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
-                    stage.end(reason, error, self._on_epoch)
+                    stage.end(reason, error)
         self._finish(may_raise=False)
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """Open ``train epoch N`` (if its loader's workers did not open it already)."""
-        self._epoch_start("train", trainer)
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """Count the batch."""
-        self._batch_start("train")
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """The loop asks for its next batch."""
-        self._batch_end("train")
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Close the train epoch and judge it."""
-        self._epoch_end("train")
-
-    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """Open the validation run's epoch (the sanity check's included)."""
-        self._pause_training(True)
-        self._epoch_start("val", trainer)
-
-    def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """Count the batch."""
-        self._batch_start("val")
-
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """The loop asks for its next batch."""
-        self._batch_end("val")
-
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Close the validation epoch and judge it."""
-        self._epoch_end("val")
-        self._pause_training(False)
-
-    def on_test_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """Open the test epoch."""
-        self._epoch_start("test", trainer)
-
-    def on_test_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """Count the batch."""
-        self._batch_start("test")
-
-    def on_test_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """The loop asks for its next batch."""
-        self._batch_end("test")
-
-    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Close the test epoch and judge it."""
-        self._epoch_end("test")
-
-    def on_predict_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        """Open the predict epoch."""
-        self._epoch_start("predict", trainer)
-
-    def on_predict_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """Count the batch."""
-        self._batch_start("predict")
-
-    def on_predict_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """The loop asks for its next batch."""
-        self._batch_end("predict")
-
-    def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        """Close the predict epoch and judge it."""
-        self._epoch_end("predict")
-
-    # --- internals ---------------------------------------------------------------------
-
-    def _stage(self, name: str) -> _Stage:
-        """The stage's live tracker, started; a new one where the last run closed it."""
-        stage = self._stages.get(name)
-        if stage is None or stage.tracker.closed:
-            stage = _Stage(name, Tracker(**self._tracker_options), self._on_leak)
-            self._stages[name] = stage
-        return stage
-
-    def _label(self, stage: _Stage, trainer: Any) -> str:
-        if stage.name == "val" and getattr(trainer, "sanity_checking", False):
-            return "val sanity check"
-        if not _fitting(trainer):
-            return f"{stage.name} epoch {len(stage.tracker.epochs())}"
-        epoch = int(getattr(trainer, "current_epoch", 0))
-        label = f"{stage.name} epoch {epoch}"
-        if stage.name == "val":
-            runs = stage.runs_in_epoch[epoch] = stage.runs_in_epoch.get(epoch, 0) + 1
-            if runs > 1:
-                label += f" run {runs}"
-        return label
+    # --- internals (the per-stage hooks, made below the class, call these) ------------
 
     def _open(self, name: str, trainer: Any) -> _Stage:
-        """The stage, with an epoch open (opened now if none was)."""
-        stage = self._stage(name)
-        if not stage.open:
-            stage.tracker.begin_epoch(self._label(stage, trainer))
-            stage.open = True
-            stage.batches = 0
+        """The stage, with an epoch open; a new tracker where the last run closed the old one."""
+        stage = self._stages.get(name)
+        if stage is None or stage.tracker.closed:
+            options = self._tracker_options
+            stage = _Stage(name, Tracker(**options), self._on_leak, self._on_epoch)
+            self._stages[name] = stage
+        stage.begin(trainer)
         return stage
 
     def _epoch_start(self, name: str, trainer: Any) -> None:
@@ -449,30 +364,15 @@ class LeakCheckCallback(_CallbackBase):
         stage.tracker.batch_wanted()
         stage.judge.judge_if_due()  # NOTE [late survivors] in watching.py
 
-    def _batch_start(self, name: str) -> None:
+    def _batch(self, name: str, *, wanted: bool, count: int = 0) -> None:
         stage = self._stages.get(name)
-        if stage is not None and stage.open:
-            stage.tracker.batch_arrived()
-            stage.batches += 1
-
-    def _batch_end(self, name: str) -> None:
-        stage = self._stages.get(name)
-        if stage is not None and stage.open:
-            stage.tracker.batch_wanted()  # NOTE [hang watch]: only the wait counts
-
-    def _pause_training(self, pause: bool) -> None:
-        """A validation run inside a training epoch is not the training loop's wait."""
-        stage = self._stages.get("train")
-        if stage is not None and stage.open:
-            if pause:
-                stage.tracker.batch_arrived()
-            else:
-                stage.tracker.batch_wanted()
+        if stage is not None:
+            stage.batch(wanted=wanted, count=count)
 
     def _epoch_end(self, name: str) -> None:
         with self._lock:
             stage = self._stages.get(name)
-            if stage is None or not stage.end("completed", None, self._on_epoch):
+            if stage is None or not stage.end("completed"):
                 return
         trainer = self._trainer
         loggers = list(getattr(trainer, "loggers", None) or ())
@@ -511,29 +411,18 @@ class LeakCheckCallback(_CallbackBase):
                 if current.callback is self:
                     return
                 current = None  # another callback's leftover: go around it
-            hook = _IteratorHook(self, loader, current)
-            loader._get_iterator = hook
-            self._loader_hooks.append((weakref.ref(loader), hook))
+            self._patch(loader, "_get_iterator", _IteratorHook(self, loader, current), current)
 
     def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
         """Build a loader's iterator (its workers start now) inside the stage's epoch."""
-        name = _running_stage(self._trainer) if self._trainer is not None else None
+        name = _STAGE_OF.get(_state(self._trainer, "stage"))
         if name is None:
             return make()  # iterated outside a run of this callback: not ours to track
         with self._lock:
             stage = self._open(name, self._trainer)
             persistent = bool(getattr(loader, "persistent_workers", False))
             users = loader.worker_init_fn
-            installed = chained_worker_init(
-                users,
-                tracker=stage.tracker,
-                mailbox_dir=stage.mailbox_dir,
-                release=self._teardown,
-                persistent=persistent,
-            )
-            # NOTE [teardown policy] in teardown.py: the death signal follows the thread.
-            installed.death_signal = threading.current_thread() is threading.main_thread()
-            loader.worker_init_fn = installed
+            installed = install_policy(loader, stage.tracker, release=self._teardown)
             try:
                 iterator = make()
             finally:
@@ -544,25 +433,21 @@ class LeakCheckCallback(_CallbackBase):
                     stage.iterators.append(weakref.ref(iterator))
             return iterator
 
+    def _patch(self, target: Any, name: str, ours: object, previous: object) -> None:
+        setattr(target, name, ours)
+        self._patches.append((weakref.ref(target), name, ours, previous))
+
     def _unhook(self) -> None:
         """Give the strategy and every adopted loader their own methods back."""
-        if self._strategy_hook is not None:
-            strategy, ours, previous = self._strategy_hook
-            if vars(strategy).get("process_dataloader") is ours:
-                if previous is None:
-                    del strategy.process_dataloader
-                else:
-                    strategy.process_dataloader = previous
-            self._strategy_hook = None
-        for ref, hook in self._loader_hooks:
-            loader = ref()
-            if loader is None or vars(loader).get("_get_iterator") is not hook:
-                continue
-            if hook.previous is None:
-                del loader._get_iterator
+        for ref, name, ours, previous in self._patches:
+            target = ref()
+            if target is None or vars(target).get(name) is not ours:
+                continue  # gone, or patched again by someone else since
+            if previous is None:
+                delattr(target, name)
             else:
-                loader._get_iterator = hook.previous
-        self._loader_hooks.clear()
+                setattr(target, name, previous)
+        self._patches.clear()
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""
@@ -571,7 +456,7 @@ class LeakCheckCallback(_CallbackBase):
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]
             for stage in closing:
-                stage.end("closed", None, self._on_epoch)
+                stage.end("closed")
                 stage.release_workers()
                 stage.tracker.close()
                 stage.report = stage.tracker.report()
@@ -585,3 +470,36 @@ class LeakCheckCallback(_CallbackBase):
             warnings.warn(LeakWarning(str(extra)), stacklevel=2)
         if raised:
             raise raised[0]
+
+
+def _stage_hooks(loop: str, name: str) -> dict[str, Callable[..., None]]:
+    """Lightning's four hooks of one stage's loop (``on_<loop>_epoch_start`` & co.)."""
+    paused = "train" if name == "val" else None  # a validation run pauses training's wait
+
+    def epoch_start(self: LeakCheckCallback, trainer: Any, pl_module: Any) -> None:
+        if paused:
+            self._batch(paused, wanted=False)
+        self._epoch_start(name, trainer)
+
+    def batch_start(self: LeakCheckCallback, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._batch(name, wanted=False, count=1)
+
+    def batch_end(self: LeakCheckCallback, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._batch(name, wanted=True)
+
+    def epoch_end(self: LeakCheckCallback, trainer: Any, pl_module: Any) -> None:
+        self._epoch_end(name)
+        if paused:
+            self._batch(paused, wanted=True)
+
+    hooks = {"epoch_start": epoch_start, "batch_start": batch_start}
+    hooks.update(batch_end=batch_end, epoch_end=epoch_end)
+    for event, hook in hooks.items():
+        hook.__name__ = f"on_{loop}_{event}"
+        hook.__qualname__ = f"LeakCheckCallback.{hook.__name__}"
+    return hooks
+
+
+for _loop, _name in zip(("train", "validation", "test", "predict"), STAGES, strict=True):
+    for _hook_name, _hook in _stage_hooks(_loop, _name).items():
+        setattr(LeakCheckCallback, f"on_{_loop}_{_hook_name}", _hook)

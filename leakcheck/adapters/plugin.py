@@ -12,25 +12,24 @@ nothing else (no NVML, no /proc reads, no threads, no torch). The environment an
 file reach every pytest run, so their tolerance, mode and grace are read and validated only
 when some test is checked (the flag, the environment or ini switch, a marker that enables a
 test, or the ``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its
-source. The switch itself is always read, and so is the command line: a value given empty
-there is refused.
+source. The switch and the command line are always read (an empty value there is refused).
 
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
 for the teardown phase: the test's function-scoped fixtures are finalized by then, and the
 report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
 all attribute the leak to that test.
 
-NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section. The
+NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section; the
 failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK
-REPORT`` counts per test. A test whose section no failure shows (a warning, a skip, an xfail
-or xpass, information only) has its findings under its line of the ``LEAK REPORT`` instead.
+REPORT`` counts per test. Where no failure shows the section (a warning, a skip, an xfail or
+xpass, information only), the findings go under the test's line of the ``LEAK REPORT``.
 
-NOTE [counted once]: a checked test that passed its call is counted at its teardown:
-``pytest_report_teststatus`` gives that call report no category (a report attribute marks
-it, through xdist too) and counts the teardown report ``passed`` or ``failed`` (``LEAKED``),
-so N tests with one leak read "1 failed, N-1 passed". A test that failed, errored, was
-skipped, xfailed or xpassed before its teardown keeps that outcome: the leak adds its
-section and a summary line. A test skipped before its call that left nothing is not counted.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown: the
+call report gets no category (a report attribute marks it, through xdist too) and the
+teardown report counts ``passed`` or ``failed`` (``LEAKED``), so N tests with one leak read
+"1 failed, N-1 passed". A test that failed, errored, was skipped, xfailed or xpassed before
+its teardown keeps that outcome, and a leak adds its section and a summary line. A test
+skipped before its call that left nothing is not counted.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from leakcheck.core.options import (
     TOLERANCE,
     WARN_FLAG,
     CheckOptions,
-    OptionSpec,
     apply_marker,
     resolve,
     resolve_check_options,
@@ -81,14 +79,8 @@ REPORT_ATTR = "leakcheck"  # teardown reports: the JSON verdict (to xdist's cont
 STATUS_ATTR = "leakcheck_status"  # teardown reports: ``leaked`` when the leak failed it
 DEFERRED_ATTR = "leakcheck_deferred"  # NOTE [counted once]
 
-_DESTS = {
-    "enabled": "gpu_leak_check",
-    "tolerance": "gpu_leak_tolerance",
-    "mode": "gpu_leak_mode",
-    "grace": "gpu_leak_grace",
-    "copy_tolerance": "gpu_leak_copy_tolerance",
-}
 _WARN_DEST = "gpu_leak_warn"
+_METAVARS = {"tolerance": "SIZE", "mode": "fail|warn", "grace": "SECONDS", "copy_tolerance": "SIZE"}
 
 OPTIONS_KEY = pytest.StashKey[CheckOptions]()
 VALIDATED_KEY = pytest.StashKey[bool]()
@@ -103,63 +95,56 @@ SKIPPED_KEY = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Add the ``leakcheck`` option group and ini keys."""
+    """Add the ``leakcheck`` option group and ini keys (``SPECS``; dest: the ini key)."""
     group = parser.getgroup("leakcheck", "leakcheck: processes, /dev/shm and GPU memory leaks")
-
-    def add(spec: OptionSpec[Any], flag: str, **kw: Any) -> None:
+    for spec in SPECS:
+        if spec is MODE:
+            group.addoption(
+                WARN_FLAG,
+                action="store_true",
+                dest=_WARN_DEST,
+                default=False,
+                help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
+            )
+        kind: dict[str, str] = {"action": "store_true"}
+        if spec is not ENABLED:
+            kind = {"metavar": _METAVARS[spec.name]}
         where = f"env {spec.env_var}, ini {spec.ini_key}"
         group.addoption(
-            flag, dest=_DESTS[spec.name], default=None, help=f"{spec.help} ({where})", **kw
+            str(spec.cli_flag),
+            dest=spec.ini_key,
+            default=None,
+            help=f"{spec.help} ({where})",
+            **kind,
         )
-
-    add(ENABLED, "--gpu-leak-check", action="store_true")
-    group.addoption(
-        "--no-gpu-leak-check",
-        action="store_false",
-        dest=_DESTS["enabled"],
-        help="do not check, whatever the environment or the ini file say",
-    )
-    add(TOLERANCE, "--gpu-leak-tolerance", metavar="SIZE")
-    group.addoption(
-        WARN_FLAG,
-        action="store_true",
-        dest=_WARN_DEST,
-        default=False,
-        help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
-    )
-    add(MODE, "--gpu-leak-mode", metavar="fail|warn")
-    add(GRACE, "--gpu-leak-grace", metavar="SECONDS")
-    add(COPY_TOLERANCE, "--gpu-leak-copy-tolerance", metavar="SIZE")
-    for spec in SPECS:
-        if spec.ini_key is not None:
-            parser.addini(spec.ini_key, help=f"leakcheck: {spec.help}", type="string", default="")
+        if spec is ENABLED:
+            group.addoption(
+                "--no-gpu-leak-check",
+                action="store_false",
+                dest=spec.ini_key,
+                help="do not check, whatever the environment or the ini file say",
+            )
+        parser.addini(str(spec.ini_key), help=f"leakcheck: {spec.help}", type="string", default="")
 
 
 def _command_line(config: pytest.Config) -> dict[str, object]:
     """The command line's values by option name (``warn``: True for ``--gpu-leak-warn``)."""
-    cli: dict[str, object] = {name: config.getoption(dest, None) for name, dest in _DESTS.items()}
+    cli = {spec.name: config.getoption(str(spec.ini_key), None) for spec in SPECS}
     cli["warn"] = True if config.getoption(_WARN_DEST, False) else None
     return cli
 
 
 def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[CheckOptions, bool]:
-    """Resolve the options of this session (command line > environment > ini > default).
+    """The session's options (command line > environment > ini > default).
 
-    Args:
-        config: The session's config.
-        full: Resolve every option even when the check is off (a marker enables a test).
-
-    Returns:
-        The options, and whether every source was read (NOTE [off means off]).
+    The flag says whether every source was read: ``full``, or the check is on (NOTE [off
+    means off]).
 
     Raises:
         pytest.UsageError: A bad value; the message names it and where it came from.
 
     """
-    ini: dict[str, object] = {}
-    for spec in SPECS:
-        if spec.ini_key is not None:
-            ini[spec.name] = config.getini(spec.ini_key)
+    ini = {spec.name: config.getini(str(spec.ini_key)) for spec in SPECS}
     ini_path = str(config.inipath) if config.inipath else None
     try:
         cli = _command_line(config)
@@ -330,13 +315,6 @@ def headline(findings: Sequence[Finding]) -> str:
     return ", ".join(parts) or "nothing"
 
 
-def section_text(findings: Sequence[Finding]) -> str:
-    """The ``gpu-leak-check`` section: each finding on its line, with its fix (NOTE [said once])."""
-    from leakcheck.judge.report import finding_lines
-
-    return "\n".join(finding_lines(findings))
-
-
 def failure_text(leaks: Sequence[Finding]) -> str:
     """The failure's message, one sentence: ``leakcheck: the test left 1 process (PID 7)``."""
     pids = sorted({f.pid for f in leaks if f.pid is not None and f.rule in _PROCESS_RULES})
@@ -493,12 +471,7 @@ class LeakCheckPlugin:
                 item.stash[FAILED_BEFORE_KEY] = True
                 if report.skipped and call.when == "setup":
                     item.stash[SKIPPED_KEY] = True
-            elif (
-                call.when == "call"
-                and WINDOW_KEY in item.stash
-                and report.passed
-                and not hasattr(report, "wasxfail")
-            ):
+            elif call.when == "call" and WINDOW_KEY in item.stash and report.passed:
                 setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
                 item.stash[DEFERRED_KEY] = True
             return report
@@ -532,16 +505,16 @@ class LeakCheckPlugin:
         options: CheckOptions,
         gpu_note: str,
     ) -> None:
-        from leakcheck.judge.report import finding_to_dict
+        from leakcheck.judge.report import finding_lines, finding_to_dict
 
         leaks = [f for f in findings if f.severity == "leak"]
         status = ""
         if findings:
-            report.sections.append((SECTION, section_text(findings)))
+            report.sections.append((SECTION, "\n".join(finding_lines(findings))))
         if leaks:
             text = failure_text(leaks)
             # For tools that read JUnit: each leak's line, as the section words it.
-            lines = section_text(leaks).splitlines()
+            lines = "\n".join(finding_lines(leaks)).splitlines()
             said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
             report.user_properties.append(("gpu_leak_check", said))
             if options.mode == "warn":
@@ -627,18 +600,14 @@ class LeakCheckPlugin:
         """Show a test's section with its earlier failure; False: none shows it (a skip)."""
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         stats = getattr(reporter, "stats", None)
-        if hasattr(self.config, "workerinput") or not isinstance(stats, dict):
-            return False
         sections = [(name, text) for name, text in report.sections if name == SECTION]
-        for category in ("failed", "error"):
-            for earlier in stats.get(category, []):
-                if (
-                    getattr(earlier, "nodeid", None) == report.nodeid
-                    and getattr(earlier, "when", None) in ("setup", "call")
-                    and sections
-                ):
-                    earlier.sections.extend(sections)
-                    return True
+        if hasattr(self.config, "workerinput") or not isinstance(stats, dict) or not sections:
+            return False
+        for earlier in (*stats.get("failed", []), *stats.get("error", [])):
+            when = getattr(earlier, "when", None)
+            if getattr(earlier, "nodeid", None) == report.nodeid and when in ("setup", "call"):
+                earlier.sections.extend(sections)
+                return True
         return False
 
     def pytest_terminal_summary(

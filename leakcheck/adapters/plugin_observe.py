@@ -3,37 +3,32 @@
 One ``Checker`` per pytest process marks the moment before a checked test's setup
 (``begin``), notes what wider-scoped fixtures start (``fixture_begin``/``fixture_end``/
 ``fixture_finished``), and after the teardown (``observe``) waits out the grace period and
-describes what the test left as one short epoch. It judges nothing: ``verdict.judge`` does.
-It reads through ``observe/`` (procs, hostmem, snapshot's NVML read, torch_state) and asks
-``core/roles`` which processes are runtime helpers; only the PID mark below is its own.
+describes what the test left as one short epoch, for ``verdict.judge`` to judge. It reads
+through ``observe/`` and ``core/roles``; only the PID mark is its own.
 
-NOTE [cheap snapshots]: a clean test must cost well under a millisecond, so the snapshot is
-the last PID handed out (one small read of ``/proc/loadavg``) and ``listdir('/dev/shm')``
-(plus, where CUDA or NVML is in use, the allocator counters and one NVML read of the devices
-and their processes). PIDs are handed out in increasing order: when the last PID did not
-move, no process was started and nothing else is read; when it moved, one
-``listdir('/proc')`` gives the PIDs in between, the only candidates, and only the few that
-are ours are waited on. Where /proc/loadavg cannot be read, two listings are compared.
+NOTE [cheap snapshots]: a clean test must cost well under a millisecond. The snapshot is the
+last PID handed out (one read of ``/proc/loadavg``) and ``listdir('/dev/shm')`` (plus, where
+CUDA or NVML is in use, the allocator counters and one NVML read). PIDs are handed out in
+increasing order: when the last PID did not move, no process started and nothing else is
+read; when it moved, one ``listdir('/proc')`` gives the PIDs in between, the only
+candidates. Where /proc/loadavg cannot be read, two listings are compared.
 
-NOTE [whose process]: a new process belongs to the test when the test process is its
-ancestor now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag
-(every child that execs inherits it, even reparented away), or when it has the test
-process's initial environment and command line byte for byte (a fork whose parent already
-exited: it never exec'd, so it carries no tag).
+NOTE [whose process]: a new process is the test's when the test process is its ancestor
+now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag (inherited
+through exec, even reparented away), or when it has the test process's initial environment
+and command line byte for byte (a fork whose parent exited: never exec'd, so untagged).
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
-files and allocator bytes that appear while a class/module/package/session fixture is set
-up belong to that fixture instance; they are left alone until its finalizer ran, and then
-judged within the test whose teardown ran it (``scope`` names the fixture). A wide-scope
-fixture that starts processes lazily, inside a test, is not their owner: the test is.
+files and allocator bytes that appear while a class/module/package/session fixture is set up
+belong to that fixture instance: left alone until its finalizer ran, then judged within the
+test whose teardown ran it (``scope`` names the fixture). One that starts processes lazily,
+inside a test, is not their owner: the test is.
 
-NOTE [reference cycles]: a DataLoader iterator stops its workers when it is collected, and
-one caught in a reference cycle is collected only when the garbage collector next runs: its
-persistent workers outlive the test. So before the processes alive after the grace are
-judged, the plugin waits a moment more (one on its way out is late, not kept), then
-collects garbage once (a clean test pays nothing): a loader's shutdown, inside the
-collection, joins each worker. Those gone as it returns are still the test's leak, and their
-finding says a reference cycle kept them alive.
+NOTE [reference cycles]: a DataLoader iterator caught in a reference cycle stops its workers
+only when the garbage collector runs, so its persistent workers outlive the test. Before the
+processes alive after the grace are judged, the plugin waits a moment more (one on its way
+out is late, not kept), then collects garbage once (a clean test pays nothing); those gone
+as it returns are still the test's leak, and their finding names the cycle.
 
 NOTE [first context]: the first CUDA context of a process (and the driver memory of the
 libraries it loads on first use) is a baseline, not a leak: the torch allocator judges the
@@ -41,12 +36,12 @@ tensors a test keeps; driver memory beyond the allocator only fails a test when 
 the one using CUDA here.
 
 NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
-before its setup to the end of its teardown, on ``time.monotonic()``. Its processes are the
-test process (the parent), each process of the test still alive once the grace passed
-(``last_seen_after_s`` >= the grace, the survivor rule's evidence), and the runtime helpers
-(``roles.is_runtime_helper``) that pin nothing on the GPU, as a persistent baseline. Device
-totals are not snapshotted per test (other jobs and xdist siblings share the device); the
-test process's own memory is judged instead (``Timeline.parent_memory``).
+before its setup to the end of its teardown (``time.monotonic()``). Its processes: the test
+process (the parent), each process of the test still alive once the grace passed
+(``last_seen_after_s`` >= the grace), and the runtime helpers (``roles.is_runtime_helper``)
+that pin nothing on the GPU, as a persistent baseline. Device totals are not read per test
+(other jobs and xdist siblings share the device): the test process's own memory is
+(``Timeline.parent_memory``).
 """
 
 from __future__ import annotations
@@ -55,6 +50,7 @@ import dataclasses
 import gc
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,22 +81,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Checker", "GpuReader", "GpuState", "PidMark", "Window", "handed_out_since", "last_pid"]
 
-SHM_DIR = "/dev/shm"
-
-_BIRTH_SLACK_TICKS = 1
-"""Start ticks are truncated to the tick (the mark's reading too, through a float): one
-tick of slack keeps a process born right at the mark."""
-
-_SHUTDOWN_SETTLE_S = 0.25
-"""After the collection of NOTE [reference cycles], how long a process may take to exit: a
-loader's shutdown has joined its workers, or terminated those that did not stop in 5 s."""
-
+_BIRTH_SLACK_TICKS = 1  # start ticks are truncated (the mark's too): one tick keeps a twin
+_SHUTDOWN_SETTLE_S = 0.25  # NOTE [reference cycles]: how long a process may take to exit
 _BLIND_NOTE = (
     "NVML PIDs are not this PID namespace's (container without --pid=host): "
     "GPU memory of processes is not attributed"
 )
-
-# --- snapshots (NOTE [cheap snapshots]) ---------------------------------------------------
 
 
 def last_pid() -> int | None:
@@ -127,7 +113,7 @@ class PidMark:
     """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
     Attributes:
-        last_pid: The last PID handed out; None where unknown (then ``names`` is used).
+        last_pid: The last PID handed out; None where unknown (``names`` is used then).
         names: /proc entries, only when ``last_pid`` is None.
         unix_s: Wall-clock time of the mark.
         boot_s: Seconds since boot at the mark, the clock of start ticks.
@@ -139,37 +125,36 @@ class PidMark:
     unix_s: float
     boot_s: float
 
+    @classmethod
+    def now(cls) -> PidMark:
+        """The mark of this moment."""
+        last = last_pid()
+        names = frozenset() if last is not None else _listdir("/proc")
+        return cls(last, names, time.time(), procs.since_boot_s())
 
-def _pid_mark() -> PidMark:
-    last = last_pid()
-    names = frozenset() if last is not None else _listdir("/proc")
-    return PidMark(last, names, time.time(), procs.since_boot_s())
+    def pids_since(self) -> list[int]:
+        """PIDs that may have started since the mark, in allocation order (parents first).
 
-
-def _pids_since(mark: PidMark) -> list[int]:
-    """PIDs that may have started since ``mark``, in allocation order (parents first).
-
-    After a wrap-around an older process may fall in the range: callers compare start ticks.
-    """
-    now = last_pid()
-    if mark.last_pid is None or now is None:
-        return sorted(int(name) for name in _listdir("/proc") - mark.names if name.isdigit())
-    if now == mark.last_pid:
-        return []
-    found = [
-        int(name)
-        for name in _listdir("/proc")
-        if name.isdigit() and handed_out_since(mark, int(name), now)
-    ]
-    start = mark.last_pid
-    found.sort(key=lambda pid: (pid <= start, pid))
-    return found
+        After a wrap-around an older process may fall in the range: callers compare ticks.
+        """
+        now = last_pid()
+        if self.last_pid is None or now is None:
+            return sorted(int(name) for name in _listdir("/proc") - self.names if name.isdigit())
+        if now == self.last_pid:
+            return []
+        found = [
+            int(name)
+            for name in _listdir("/proc")
+            if name.isdigit() and handed_out_since(self, int(name), now)
+        ]
+        start = self.last_pid
+        return sorted(found, key=lambda pid: (pid <= start, pid))
 
 
 def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
     """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
 
-    None where either mark is unknown. After a wrap-around an older PID can be in the range
+    None where either is unknown. After a wrap-around an older PID can be in the range
     again, so True means "may be new"; False is certain.
     """
     start = mark.last_pid
@@ -178,30 +163,6 @@ def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
     if now == start:
         return False
     return (start < pid <= now) if now > start else (pid > start or pid <= now)
-
-
-# --- GPU ----------------------------------------------------------------------------------
-
-
-def _allocator_bytes(*, collect: bool = False) -> tuple[dict[int, int], dict[int, int]] | None:
-    """(allocated, reserved) bytes per device of torch's allocator here; None: not known."""
-    cuda = initialized_cuda()
-    if cuda is None:
-        return None
-    try:
-        if collect:
-            # Cycles may be all that keeps a tensor alive, the cache holds freed blocks NVML
-            # still counts, cuBLAS workspaces are a one-time library cost: none is a leak.
-            gc.collect()
-            clear_library_workspaces()
-            cuda.empty_cache()
-        devices = range(int(cuda.device_count()))
-        return (
-            {d: int(cuda.memory_allocated(d)) for d in devices},
-            {d: int(cuda.memory_reserved(d)) for d in devices},
-        )
-    except Exception:
-        return None
 
 
 @dataclass(frozen=True)
@@ -219,26 +180,44 @@ class GpuState:
     allocated_bytes: Mapping[int, int] | None = None
     reserved_bytes: Mapping[int, int] | None = None
 
+    @classmethod
+    def of_allocator(cls, nvml_bytes: Mapping[int, int] | None, *, collect: bool) -> GpuState:
+        """``nvml_bytes`` and torch's allocator counters here, where CUDA is initialised."""
+        cuda = initialized_cuda()
+        if cuda is None:
+            return cls(nvml_bytes)
+        try:
+            if collect:
+                # Cycles may be all that keeps a tensor alive, the cache holds freed blocks
+                # NVML still counts, cuBLAS workspaces are a one-time library cost.
+                gc.collect()
+                clear_library_workspaces()
+                cuda.empty_cache()
+            devices = range(int(cuda.device_count()))
+            allocated = {d: int(cuda.memory_allocated(d)) for d in devices}
+            return cls(nvml_bytes, allocated, {d: int(cuda.memory_reserved(d)) for d in devices})
+        except Exception:
+            return cls(nvml_bytes)
+
 
 class GpuReader:
-    """NVML (``snapshot.read_gpu_processes``) and the torch allocator, never forced.
+    """GPU memory of the test process (``pid``): NVML and the torch allocator, never forced.
 
-    Args:
-        pid: The test process.
+    Attributes:
+        note: One line for the session summary: how GPU memory was read.
+        attribution: How far the latest read attributed GPU memory to processes, and why not.
+        devices: Used and total memory of each device at the latest read.
+        failure: A failed NVML read of this test's window (``Checker.begin`` resets it): the
+            window's attribution stays unavailable, whatever a later read gives.
 
     """
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.note = "NVML not consulted"
-        """One line for the session summary: how GPU memory was read."""
         self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.note)
-        """How far the latest read attributed GPU memory to processes, and why not further."""
         self.devices: tuple[DeviceState, ...] = ()
-        """Used and total memory of each device at the latest read."""
         self.failure: str | None = None
-        """A failed NVML read of this test's window (``Checker.begin`` resets it): the window's
-        attribution stays unavailable, whatever a later read gives."""
 
     def by_pid(self) -> dict[int, dict[int, int]] | None:
         """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
@@ -257,35 +236,29 @@ class GpuReader:
     def state(self, *, collect: bool = False) -> GpuState:
         """GPU memory of the test process now (NVML view and torch allocator)."""
         by_pid = self.by_pid()
-        nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
-        allocator = _allocator_bytes(collect=collect)
-        if allocator is None:
-            return GpuState(nvml_bytes)
-        return GpuState(nvml_bytes, *allocator)
-
-
-# --- windows and scopes -------------------------------------------------------------------
+        return GpuState.of_allocator(
+            None if by_pid is None else by_pid.get(self.pid, {}), collect=collect
+        )
 
 
 @dataclass
 class ScopeOwner:
     """What one wide-scope fixture instance started while it was set up (NOTE [scopes])."""
 
-    label: str
-    """``module-scoped fixture 'pool'``."""
+    label: str  # ``module-scoped fixture 'pool'``
     window_serial: int
     processes: tuple[ProcInfo, ...] = ()
     shm: frozenset[str] = frozenset()
     allocated_bytes: Mapping[int, int] = field(default_factory=dict)
 
 
-@dataclass
-class FixtureProbe:
-    """Snapshot taken before a wide-scope fixture's setup."""
+@dataclass(frozen=True)
+class Probe:
+    """PID allocation, /dev/shm names and GPU memory before a test or a fixture's setup."""
 
     pids: PidMark
     shm: frozenset[str]
-    allocated_bytes: Mapping[int, int] | None
+    gpu: GpuState
 
 
 @dataclass
@@ -296,9 +269,7 @@ class Window:
         serial: Increasing number of the window in this process.
         tag: The window's own tag, which the test's children inherit as ``LEAKCHECK_SESSION``.
         tags: Every tag in use during the test: ``tag`` and those of trackers it ran.
-        pids: PID allocation before the setup.
-        shm: /dev/shm names before the setup.
-        gpu: GPU memory of the test process before the setup.
+        before: The snapshot before the setup.
         saved_env: The tag variable's previous value (None: unset).
         start_s: ``time.monotonic()`` before the setup.
         extra: Findings added during the test (the ``gpu_leak_tracker`` fixture's).
@@ -309,9 +280,7 @@ class Window:
     serial: int
     tag: str
     tags: set[str]
-    pids: PidMark
-    shm: frozenset[str]
-    gpu: GpuState
+    before: Probe
     saved_env: str | None
     start_s: float
     extra: list[Finding] = field(default_factory=list)
@@ -335,14 +304,11 @@ class _Candidate:
 class Checker:
     """Per-process state of the plugin's observation of tests.
 
-    Args:
-        shm_dir: The shared-memory directory.
-        attribute_unheld_shm: Blame a new, unheld /dev/shm file on the test that ran while
-            it appeared: True when no other test runs at the same time (no xdist).
-
+    ``attribute_unheld_shm``: blame a new /dev/shm file nobody holds on the test that ran
+    while it appeared (True where no other test runs meanwhile: no xdist).
     """
 
-    def __init__(self, *, shm_dir: str = SHM_DIR, attribute_unheld_shm: bool = True) -> None:
+    def __init__(self, *, shm_dir: str = "/dev/shm", attribute_unheld_shm: bool = True) -> None:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
@@ -362,17 +328,10 @@ class Checker:
         self._serial += 1
         self.gpu.failure = None
         tag = f"pytest-{self.pid}-{self._serial}"
-        window = Window(
-            serial=self._serial,
-            tag=tag,
-            tags={tag},
-            pids=_pid_mark(),
-            shm=_listdir(self.shm_dir),
-            gpu=self.gpu.state(),
-            saved_env=os.environ.get(SESSION_ENV),
-            start_s=time.monotonic(),
-            exports_mark=exports.mark(),
-        )
+        before = Probe(PidMark.now(), _listdir(self.shm_dir), self.gpu.state())
+        saved_env = os.environ.get(SESSION_ENV)
+        window = Window(self._serial, tag, {tag}, before, saved_env, time.monotonic())
+        window.exports_mark = exports.mark()
         os.environ[SESSION_ENV] = tag
         return window
 
@@ -383,25 +342,19 @@ class Checker:
         else:
             os.environ[SESSION_ENV] = window.saved_env
 
-    def fixture_begin(self) -> FixtureProbe:
-        """Snapshot before a wide-scope fixture's setup."""
-        allocator = _allocator_bytes()
-        return FixtureProbe(
-            _pid_mark(), _listdir(self.shm_dir), allocator[0] if allocator else None
+    def fixture_begin(self) -> Probe:
+        """Snapshot before a wide-scope fixture's setup (the allocator, not NVML)."""
+        return Probe(
+            PidMark.now(), _listdir(self.shm_dir), GpuState.of_allocator(None, collect=False)
         )
 
-    def fixture_end(
-        self, key: object, probe: FixtureProbe, label: str, window: Window
-    ) -> ScopeOwner:
+    def fixture_end(self, key: object, probe: Probe, label: str, window: Window) -> ScopeOwner:
         """Record what appeared during a wide-scope fixture's setup as that fixture's own."""
-        claimed = {info.key.pid for o in self._owners.values() for info in o.processes}
-        new_pids = [pid for pid in _pids_since(probe.pids) if pid not in claimed]
-        processes = tuple(self.lineage.ours(new_pids, window.tags, since=probe.pids))
-        claimed_shm = {name for o in self._owners.values() for name in o.shm}
-        shm = _listdir(self.shm_dir) - probe.shm - claimed_shm
-        allocator = _allocator_bytes()
-        now = allocator[0] if allocator else {}
-        before = probe.allocated_bytes or {}
+        processes = tuple(self._born_since(probe, window.tags))
+        owned_shm = {name for o in self._owners.values() for name in o.shm}
+        shm = _listdir(self.shm_dir) - probe.shm - owned_shm
+        now = GpuState.of_allocator(None, collect=False).allocated_bytes or {}
+        before = probe.gpu.allocated_bytes or {}
         added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
         owner = ScopeOwner(label, window.serial, processes, shm, added)
         self._owners[key] = owner
@@ -421,89 +374,74 @@ class Checker:
     ) -> Timeline:
         """Wait out the grace period and describe the test as one short epoch.
 
-        Args:
-            window: From ``begin``.
-            label: The epoch's label (NOTE [one short epoch]).
-            end_s: ``time.monotonic()`` when the test's teardown ended.
-            grace_s: How long a process the test started may take to exit after it.
-            tolerance_bytes: GPU memory the test may keep: only above it is the allocator
-                asked again after a garbage collection.
-
+        ``end_s``: ``time.monotonic()`` at the end of the teardown. Only above
+        ``tolerance_bytes`` is the allocator asked again after a garbage collection.
         """
         finished, self._finished = self._finished, []
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-
-        owned_now = {info.key.pid for owner in active for info in owner.processes}
-        new_pids = [pid for pid in _pids_since(window.pids) if pid not in owned_now]
+        found = self._born_since(window.before, window.tags)
         seen_s = time.monotonic()
-        candidates = [
-            _Candidate(info, None, seen_s)
-            for info in self.lineage.ours(new_pids, window.tags, since=window.pids)
-        ]
+        candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
             candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
         candidates = [c for c in candidates if c.info.key.pid != self.pid]
         _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
         _collect_and_settle(candidates, self._pins_gpu)
         left = self._left(candidates, end_s)
-
         # /dev/shm after the grace period: exiting workers remove their own.
         test_pids = {cand.info.key.pid for cand in candidates}
         shm_files = self._shm_files(window, active, finished, left, test_pids)
-
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
         now_s = time.monotonic()
         alive = [process for process in left if process.exited_after_s is None]
         devices = self.gpu.devices if alive else ()
-        parent = self._parent(after)
+        gpu = dict(after.nvml_bytes or {})
+        parent = ProcessEpoch(
+            key=self.lineage.key,
+            role="parent",
+            ppid=os.getppid(),
+            cmdline=self.lineage.cmdline,
+            born_in_epoch=False,
+            persistent=True,
+            alive_at_end=True,
+            gpu_bytes_end=gpu,
+            gpu_bytes_peak=gpu,
+        )
         attribution, reason = self.gpu.attribution
+        epoch = EpochRecord(0, label, window.start_s, end_s, "completed", (parent, *left), devices)
+        still = (
+            dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
+            for p in alive
+        )
         return Timeline(
             session_id=window.tag,
             root=parent.key,
-            started_unix_s=window.pids.unix_s,
+            started_unix_s=window.before.pids.unix_s,
             boot_unix_s=procs.boot_time_s(),
             attribution=attribution,
             attribution_reason=reason,
             baseline_devices=(),
-            baseline_gpu_bytes=dict(window.gpu.nvml_bytes or {}),
-            epochs=(
-                EpochRecord(
-                    index=0,
-                    label=label,
-                    start_s=window.start_s,
-                    end_s=end_s,
-                    end_reason="completed",
-                    processes=(parent, *left),
-                    devices=devices,
-                ),
-            ),
-            final=FinalState(
-                time_s=now_s,
-                devices=devices,
-                processes=(
-                    parent,
-                    *(
-                        dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
-                        for p in alive
-                    ),
-                ),
-                closed=True,
-            ),
+            baseline_gpu_bytes=dict(window.before.gpu.nvml_bytes or {}),
+            epochs=(epoch,),
+            final=FinalState(now_s, devices, (parent, *still), closed=True),
             shm_files=shm_files,
             parent_memory=parent_memory,
         )
+
+    def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
+        """The test's processes born since ``probe`` that no active fixture owns."""
+        owned = {info.key.pid for owner in self._owners.values() for info in owner.processes}
+        new_pids = [pid for pid in probe.pids.pids_since() if pid not in owned]
+        return self.lineage.ours(new_pids, tags, since=probe.pids)
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
         return bool(procs.nvidia_fd_count(pid)) or pid in (self.gpu.by_pid() or {})
 
     def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
-        """What the test left: every candidate that did not exit within the grace.
-
-        One gone by now has ``exited_after_s``; one still there has None.
-        """
+        """Every candidate that did not exit within the grace (``exited_after_s``: gone now)."""
         staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
         gpu_by_pid = (self.gpu.by_pid() or {}) if staying else {}
         left: list[ProcessEpoch] = []
@@ -533,20 +471,6 @@ class Checker:
             left.append(process)
         return left
 
-    def _parent(self, after: GpuState) -> ProcessEpoch:
-        gpu = dict(after.nvml_bytes or {})
-        return ProcessEpoch(
-            key=self.lineage.key,
-            role="parent",
-            ppid=os.getppid(),
-            cmdline=self.lineage.cmdline,
-            born_in_epoch=False,
-            persistent=True,
-            alive_at_end=True,
-            gpu_bytes_end=gpu,
-            gpu_bytes_peak=gpu,
-        )
-
     def _shm_files(
         self,
         window: Window,
@@ -564,8 +488,7 @@ class Checker:
         names a maker older than the test is another process's of the host, not ours.
         """
         now = _listdir(self.shm_dir)
-        owned_active = {name for owner in active for name in owner.shm}
-        fresh = now - window.shm - owned_active
+        fresh = now - window.before.shm - {name for owner in active for name in owner.shm}
         from_fixtures = {name: owner for owner in finished for name in owner.shm if name in now}
         if not fresh and not from_fixtures:
             return ()
@@ -573,37 +496,42 @@ class Checker:
         roles.update(
             (p.key.pid, p.role) for p in left if p.exited_after_s is None and not p.persistent
         )
-        lineage_pids = set(roles)
         held_by: dict[str, int] = {}
-        for pid, names in procs.shm_open_by(lineage_pids, self.shm_dir).items():
+        for pid, names in procs.shm_open_by(roles, self.shm_dir).items():
             for name in names:
                 held_by.setdefault(name, pid)
         segments = procs.shm_segments(self.shm_dir)
         uid = os.getuid()
-        now_pid = last_pid()
         found: list[ShmFile] = []
         unresolved: list[str] = []
         blamed: list[str] = []
         for name in sorted(fresh | set(from_fixtures)):
             if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
                 continue  # removed meanwhile, not a plain file, or another user's
-            named_after = shm_name_pids(name) & (lineage_pids | test_pids)
-            if name in from_fixtures or name in held_by or named_after:
+            if (
+                name in from_fixtures
+                or name in held_by
+                or shm_name_pids(name) & (roles.keys() | test_pids)
+            ):
                 blamed.append(name)
                 continue
             creator = shm_creator_pid(name)
             if (
                 creator is not None
                 and creator > 1
-                and creator not in lineage_pids
+                and creator not in roles
                 and procs.pid_exists_here(creator)
             ):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
-        for name in self._unheld(unresolved, lineage_pids):
+        now_pid = last_pid()
+        for name in self._unheld(unresolved, set(roles)):
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
-            if creator is not None and handed_out_since(window.pids, creator, now_pid) is False:
+            if (
+                creator is not None
+                and handed_out_since(window.before.pids, creator, now_pid) is False
+            ):
                 # Its maker, by its naming scheme, is older than the test: another job's file.
                 # Only the scheme's PID counts, and an unknown PID mark proves nothing.
                 found.append(ShmFile(name, size, attributable=False, made_by_older=creator))
@@ -626,10 +554,7 @@ class Checker:
         return tuple(found)
 
     def _unheld(self, names: Sequence[str], lineage_pids: set[int]) -> list[str]:
-        """The files among ``names`` that nobody holds (one scan of every process, if any).
-
-        Held by a stranger (another job's semaphore, a sibling worker's buffer): not ours.
-        """
+        """The files among ``names`` nobody holds: a stranger's holding makes it not ours."""
         if not names:
             return []
         strangers = [
@@ -654,29 +579,26 @@ class Checker:
         tolerance_bytes: int,
     ) -> tuple[ParentMemory | None, GpuState]:
         """The test process's GPU memory beyond its start, net of the scopes' allowances."""
-        before = window.gpu
+        before = window.before.gpu
         after = self.gpu.state()
         if after.allocated_bytes is None and after.nvml_bytes is None:
             return None, after
         # NOTE [scopes]: fixtures set up during this test and still active add to the
         # baseline; those set up earlier and finished now take away from it.
-        allowance: dict[int, int] = {}
+        base: Counter[int] = Counter(before.allocated_bytes or {})
         for owner in active:
             if owner.window_serial == window.serial:
-                _add(allowance, owner.allocated_bytes)
-        released: dict[int, int] = {}
+                base.update(owner.allocated_bytes)
         for owner in finished:
             if owner.window_serial != window.serial:
-                _add(released, owner.allocated_bytes)
+                base.subtract(owner.allocated_bytes)
         kept: dict[int, int] = {}
         if after.allocated_bytes is not None:
-            kept = _excess(before.allocated_bytes, after.allocated_bytes, allowance, released)
+            kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
             if any(num > tolerance_bytes for num in kept.values()):
                 after = self.gpu.state(collect=True)  # confirmed without cycles and cache
                 if after.allocated_bytes is not None:
-                    kept = _excess(
-                        before.allocated_bytes, after.allocated_bytes, allowance, released
-                    )
+                    kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
         memory = ParentMemory(
             kept_tensor_bytes={d: num for d, num in kept.items() if num > 0},
             driver_bytes=_driver_growth(before, after, kept),
@@ -687,12 +609,7 @@ class Checker:
 
 
 class Lineage:
-    """Which new processes are the test process's own (NOTE [whose process]).
-
-    Args:
-        pid: The test process.
-
-    """
+    """Which new processes are the test process's (``pid``) own (NOTE [whose process])."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -743,9 +660,9 @@ class Lineage:
     def _forked_from_here(self, info: ProcInfo) -> bool:
         """A reparented fork of this process: same command line and initial environment.
 
-        Twins started alike (xdist workers) look the same, and so do their forks before
-        they exec: a process whose live parent looks like this process too is a twin's (a
-        fork of ours whose parent died has PID 1 or a subreaper for parent).
+        Twins started alike (xdist workers) and their unexec'd forks look the same: one whose
+        live parent looks like this process too is a twin's (ours, orphaned, has PID 1 or a
+        subreaper for parent).
         """
         if not self._looks_like_here(info.key.pid):
             return False
@@ -761,10 +678,9 @@ def _wait_for_exit(
 ) -> None:
     """Poll until every candidate exited or is a baseline helper, or the deadline passed.
 
-    Sets ``exited_s``, ``last_seen_s`` and ``baseline`` (a runtime helper that pins nothing
-    is not waited for). The last poll of a process still there is at or after the deadline.
-    The command line is read again at each poll: a child between fork and exec shows its
-    parent's for a moment, and a helper must be recognised before it costs a grace period.
+    Sets ``exited_s``, ``last_seen_s`` (the last poll of a survivor is at or after the
+    deadline) and ``baseline``. The command line is read at each poll: a child between fork
+    and exec shows its parent's, and a helper must be recognised before it costs a grace.
     """
     pending = list(candidates)
     delay = 0.005
@@ -795,25 +711,22 @@ def _wait_for_exit(
 
 
 def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
-    """NOTE [reference cycles]: collect garbage if a process outlived the grace."""
+    """NOTE [reference cycles]: wait a moment, collect garbage once, wait a moment again."""
     staying = [c for c in candidates if c.exited_s is None and not c.baseline]
-    if not staying:
-        return
-    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-    for cand in staying:
-        cand.late = cand.exited_s is not None
-    staying = [c for c in staying if c.exited_s is None]
-    if not staying:
-        return
-    gc.collect()
-    now = time.monotonic()
-    for cand in staying:
-        if not procs.is_alive(cand.info.key):
-            cand.exited_s, cand.freed_by_gc = now, True
-    staying = [c for c in staying if c.exited_s is None]
-    _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-    for cand in staying:
-        cand.late = cand.exited_s is not None
+    for collect in (False, True):
+        if not staying:
+            return
+        if collect:
+            gc.collect()
+            now = time.monotonic()
+            for cand in staying:
+                if not procs.is_alive(cand.info.key):
+                    cand.exited_s, cand.freed_by_gc = now, True
+            staying = [c for c in staying if c.exited_s is None]
+        _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+        for cand in staying:
+            cand.late = cand.exited_s is not None
+        staying = [c for c in staying if c.exited_s is None]
 
 
 def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -> dict[int, int]:
@@ -837,24 +750,6 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
         if growth > 0:
             grown[device] = growth
     return grown
-
-
-def _add(total: dict[int, int], more: Mapping[int, int]) -> None:
-    for device, num in more.items():
-        total[device] = total.get(device, 0) + num
-
-
-def _excess(
-    before: Mapping[int, int] | None,
-    after: Mapping[int, int],
-    allowance: Mapping[int, int],
-    released: Mapping[int, int],
-) -> dict[int, int]:
-    base = before or {}
-    return {
-        device: num - (base.get(device, 0) + allowance.get(device, 0) - released.get(device, 0))
-        for device, num in after.items()
-    }
 
 
 def _read_bytes(path: str) -> bytes | None:

@@ -1,27 +1,27 @@
-"""What ``watch()`` and the Lightning callback share: options, the chained policy, judging.
+"""What ``watch()`` and the Lightning callback share: arguments, the policy, epoch ends.
 
 NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
-judges at every epoch end, so the epoch-end judgement looks at the latest ``JUDGED_EPOCHS``
-closed epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures
-both); ``close()`` judges the whole run with a fresh read. Every rule still works on the
-window; what only a longer view shows (growth too slow to exceed the tolerance within it)
-is announced at close.
+judges at every epoch end, so that judgement looks at the latest ``JUDGED_EPOCHS`` closed
+epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures both);
+``close()`` judges the whole run with a fresh read. What only a longer view shows (growth
+too slow to exceed the tolerance within the window) is announced at close.
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
-ended, so an adapter judges again at the start of a later epoch once the grace has passed
-(``EpochJudge.judge_if_due``), on a walk taken then (a process must be seen alive after the
-grace), and at close, the only place that waits for it.
+ended, so an adapter judges again at a later epoch's start once the grace has passed
+(``EpochJudge.judge_if_due``, on a walk taken then), and at close, which waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import EpochRecord, Finding
+from leakcheck.core.model import EndReason, EpochRecord, Finding
 from leakcheck.track.tracker import Tracker
 from leakcheck.worker.teardown import WorkerInit
 
@@ -31,12 +31,10 @@ __all__ = [
     "EpochJudge",
     "OnLeak",
     "call_reported",
-    "chained_worker_init",
-    "check_on_epoch",
-    "check_on_leak",
-    "check_teardown",
-    "last_record",
+    "check_arguments",
+    "install_policy",
     "note_deaths",
+    "shutdown_workers",
 ]
 
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -46,80 +44,54 @@ JUDGED_EPOCHS = 32
 """Closed epochs judged at each epoch end (NOTE [judged window])."""
 
 
-def check_on_leak(value: object) -> OnLeak:
-    """Validate ``on_leak``.
+def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
+    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options.
 
     Raises:
-        UsageError: Not one of ``warn``, ``raise``, ``ignore``; the message names the value.
+        UsageError: A bad value; the message names the argument and the value.
 
     """
-    for choice in ON_LEAK:
-        if value == choice and isinstance(value, str):
-            return choice
-    raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {value!r}")
+    choice = next((c for c in ON_LEAK if isinstance(on_leak, str) and on_leak == c), None)
+    if choice is None:
+        raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
+    if not isinstance(teardown, bool):
+        raise UsageError(f"teardown: expected True or False, got {teardown!r}")
+    if on_epoch is not None and not callable(on_epoch):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
+    return choice
 
 
-def check_teardown(value: object) -> bool:
-    """Validate ``teardown`` (a bool, nothing that merely reads as one).
-
-    Raises:
-        UsageError: Not True or False; the message names the value.
-
-    """
-    if not isinstance(value, bool):
-        raise UsageError(f"teardown: expected True or False, got {value!r}")
-    return value
-
-
-def check_on_epoch(
-    value: Callable[[EpochRecord], object] | None,
-) -> Callable[[EpochRecord], object] | None:
-    """Validate ``on_epoch``: None or a callable.
-
-    Raises:
-        UsageError: Neither; the message names the value.
-
-    """
-    if value is not None and not callable(value):
-        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {value!r}")
-    return value
-
-
-def last_record(tracker: Tracker) -> EpochRecord:
-    """The tracker's latest closed epoch, as the report will show it."""
-    tracker.finish_reads()
-    (record,) = tracker.timeline(last_epochs=1).epochs
-    return record
-
-
-def chained_worker_init(
-    current: Callable[[int], object] | None,
-    *,
-    tracker: Tracker,
-    mailbox_dir: str | None,
-    release: bool,
-    persistent: bool,
-) -> WorkerInit:
-    """The policy chained in front of a loader's ``worker_init_fn`` (which still runs).
+def install_policy(loader: Any, tracker: Tracker, *, release: bool) -> WorkerInit:
+    """Chain the policy in front of ``loader.worker_init_fn`` (which still runs); returns it.
 
     Workers report their exact identity to ``tracker``'s mailbox and, at exit, what they
-    held and freed (NOTE [teardown policy] in teardown.py). Where the user installed the
-    policy already (``leakcheck.worker_init_fn(...)``), their own function and their
-    ``terminate_children`` are kept.
+    held and freed (NOTE [teardown policy] in teardown.py, whose death signal follows the
+    thread that starts them). Where the user installed the policy already
+    (``leakcheck.worker_init_fn(...)``), their own function and ``terminate_children`` stay.
     """
-    user_fn = current
-    terminate_children = False
+    current = loader.worker_init_fn
+    user_fn, terminate_children = current, False
     if isinstance(current, WorkerInit):
-        terminate_children = current.terminate_children
-        user_fn = current.user_fn
-    return WorkerInit(
+        user_fn, terminate_children = current.user_fn, current.terminate_children
+    installed = WorkerInit(
         user_fn,
         terminate_children=terminate_children,
         release=release,
-        persistent=persistent,
-        mailbox_dir=mailbox_dir,
+        persistent=bool(getattr(loader, "persistent_workers", False)),
+        mailbox_dir=tracker.start().mailbox_dir,
         session_id=tracker.session_id,
     )
+    installed.death_signal = threading.current_thread() is threading.main_thread()
+    loader.worker_init_fn = installed
+    return installed
+
+
+def shutdown_workers(iterator: object) -> None:
+    """Stop a DataLoader iterator's workers now (what its own ``__del__`` calls; idempotent)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        with contextlib.suppress(Exception):
+            shutdown()
 
 
 def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
@@ -143,7 +115,7 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 def note_deaths(tracker: Tracker, iterator: object) -> bool:
     """Tell ``tracker`` which workers of a failed epoch's iterator a signal killed (True: some).
 
-    Reading a worker's ``exitcode`` reaps it, as the iterator's shutdown would a moment later.
+    Reading ``exitcode`` reaps a worker, as the iterator's shutdown would a moment later.
     """
     died = False
     try:
@@ -158,29 +130,50 @@ def note_deaths(tracker: Tracker, iterator: object) -> bool:
 
 
 class EpochJudge:
-    """Announces each leak a tracker's epochs show once: a warning, an error, or nothing.
+    """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
 
     Args:
-        tracker: The tracker whose epochs are judged.
         on_leak: ``warn`` (``LeakWarning``), ``raise`` (``LeakError``) or ``ignore``.
-        count: Judge with ``on_leak="ignore"`` too, only to count the leaks
-            (``leaks_found``: what a dashboard logs).
+        on_epoch: Called with each epoch's record as it ends (before it is judged).
+
+    Attributes:
+        count: Judge with ``on_leak="ignore"`` too, only to count the leaks.
+        leaks_found: Leaks the latest judgement found (what a dashboard logs); None before.
 
     """
 
-    def __init__(self, tracker: Tracker, on_leak: OnLeak, *, count: bool = False) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        on_leak: OnLeak,
+        on_epoch: Callable[[EpochRecord], object] | None = None,
+    ) -> None:
         self.tracker = tracker
         self.on_leak = on_leak
-        self.count = count
+        self.on_epoch = on_epoch
+        self.count = False
         self.leaks_found: int | None = None
-        """Leaks the latest judgement found (NOTE [judged window]); None until judged."""
         self._announced: set[tuple[object, ...]] = set()
-        self._unjudged_end: float | None = None
-        """Monotonic time of the last epoch end whose survivors were not judged yet."""
+        self._unjudged_end: float | None = None  # the last epoch end not judged for survivors
 
-    def epoch_ended(self) -> None:
-        """Record an epoch end: its survivors can be judged once the grace has passed."""
+    def end_epoch(
+        self, reason: EndReason, error: str | None, batches: int, index: int | None = None
+    ) -> bool:
+        """End the tracker's epoch (``index``: only that one); False where none was open."""
+        self.tracker.batch_arrived()
+        if not self.tracker.end_epoch(reason, error, batches, index=index):
+            return False
         self._unjudged_end = time.monotonic()
+        on_epoch, tracker = self.on_epoch, self.tracker
+        if on_epoch is not None:
+
+            def hand_over() -> None:  # leakcheck's own reads too: nothing escapes into the loop
+                tracker.finish_reads()
+                (record,) = tracker.timeline(last_epochs=1).epochs
+                on_epoch(record)
+
+            call_reported("on_epoch", hand_over)
+        return True
 
     def due(self) -> bool:
         """An epoch's survivors were not judged yet, and now they can be (NOTE [late survivors])."""
@@ -190,12 +183,7 @@ class EpochJudge:
         )
 
     def judge_if_due(self, *, stacklevel: int = 1) -> None:
-        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors]).
-
-        Raises:
-            LeakError: ``on_leak="raise"`` and a new leak was found.
-
-        """
+        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors])."""
         if self.due():
             self.tracker.sample()
             self.judge(may_raise=True, stacklevel=stacklevel + 1)
@@ -203,23 +191,15 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before: warn, raise or nothing (``on_leak``).
 
-        NOTE [judged window]: the latest epochs while the tracker is open, the whole run after.
-
-        Args:
-            may_raise: Raise with ``on_leak="raise"``; False warns instead (an exception is
-                on its way out already, and a leak must not replace it).
-            stacklevel: Where the warning points, from the caller (1: the caller's line).
-
-        Raises:
-            LeakError: ``on_leak="raise"``, ``may_raise``, and a new leak was found.
-
+        NOTE [judged window]. ``may_raise`` False warns instead of raising (an exception is
+        on its way out already, and a leak must not replace it); ``stacklevel`` 1 points the
+        warning at the caller's line.
         """
         if self.due():
             self._unjudged_end = None
         if self.on_leak == "ignore" and not self.count:
             return
-        # The USS reads the last epoch end planned are made first, so that a warning gives
-        # the figures the final report will (NOTE [host pacing]); none planned, none made.
+        # A warning gives the figures the final report will (NOTE [host pacing]).
         self.tracker.finish_reads()
         window = None if self.tracker.closed else JUDGED_EPOCHS
         report = self.tracker.report(last_epochs=window, fresh=False)

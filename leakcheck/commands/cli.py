@@ -60,6 +60,39 @@ def _parser_class() -> type[argparse.ArgumentParser]:
     return _Parser
 
 
+# Flag, metavar (None: a switch) and help of an option; SHARED are sweep's and run's.
+Option = tuple[str, "str | None", str]
+SHARED: tuple[Option, ...] = (
+    ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
+    (
+        "--copy-tolerance",
+        "SIZE",
+        "what each forked worker may copy of its parent's memory (default: "
+        "$LEAKCHECK_COPY_TOLERANCE, 64MiB)",
+    ),
+    (
+        "--grace",
+        "SECONDS",
+        "how long a process may outlive its epoch (run: and the program; default: "
+        "$LEAKCHECK_GRACE, 2)",
+    ),
+    ("--interval", "SECONDS", "sampling (50ms)"),
+    ("--device", "N", "GPU index to watch (sweep: and use; default: all, sweep uses 0)"),
+    ("--json", "PATH", "write everything as JSON (schema-versioned)"),
+    ("--plot", "PATH.png", "draw memory per epoch (matplotlib)"),
+    ("--fail-on-leak", None, "exit 1, not 0, when a leak was found"),
+)
+
+
+def add_options(parser: Any, options: Iterable[Option]) -> None:
+    """Add each ``(flag, metavar, help)`` to ``parser``; a None metavar makes a switch."""
+    for flag, metavar, text in options:
+        if metavar is None:
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            parser.add_argument(flag, metavar=metavar, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``leakcheck`` argument parser (values are validated later, in one place)."""
     from leakcheck import __version__
@@ -80,78 +113,49 @@ def build_parser() -> argparse.ArgumentParser:
         description="Iterate a DataLoader with each worker count for several epochs under a "
         "tracker; print memory per process and epoch, then a verdict per configuration. "
         "Without --loader a built-in workload runs (its workers touch the GPU when there is "
-        "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
+        "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage. An output "
+        "checked before the sweep whose write still fails at the end goes next to it, to the "
+        "current or the temporary folder, and the path is printed.",
     )
-    what = sweep.add_argument_group("what to run")
-    what.add_argument(
-        "--loader",
-        metavar="MODULE:FACTORY",
-        help="your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a module "
-        "name or a path/to/file.py (default: the built-in workload)",
-    )
-    what.add_argument("--workers", metavar="N,N,...", help="worker counts (default 0,4,8)")
-    what.add_argument(
-        "--max-workers",
-        metavar="N",
-        help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
-        "use, within the room the user's process limit RLIMIT_NPROC leaves)",
-    )
-    what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
-    what.add_argument("--persistent", action="store_true", help="persistent_workers=True")
-    what.add_argument("--device", metavar="N", help="GPU index to watch and use (default: all/0)")
-    what.add_argument(
-        "--no-teardown",
-        action="store_true",
-        help="no teardown policy in the workers (they still report at exit)",
-    )
-    builtin = sweep.add_argument_group("built-in workload (not with --loader)")
     methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
-    builtin.add_argument(
-        "--start-method",
-        metavar=f"{{{methods}}}",
-        help="how workers start (default spawn: forked workers cannot use CUDA once the parent "
-        "did)",
+    add_options(
+        sweep,
+        (
+            (
+                "--loader",
+                "MODULE:FACTORY",
+                "your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a "
+                "module name or a path/to/file.py (default: the built-in workload)",
+            ),
+            ("--workers", "N,N,...", "worker counts (default 0,4,8)"),
+            (
+                "--max-workers",
+                "N",
+                f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process "
+                "may use, within the room the user's process limit RLIMIT_NPROC leaves)",
+            ),
+            ("--epochs", "N", "epochs per configuration (5)"),
+            ("--persistent", None, "persistent_workers=True (built-in workload)"),
+            ("--no-teardown", None, "no teardown policy in the workers (they still report)"),
+            (
+                "--start-method",
+                f"{{{methods}}}",
+                "built-in workload: how workers start (default spawn: forked workers cannot "
+                "use CUDA once the parent did)",
+            ),
+            (
+                "--scenario",
+                f"{{{scenarios}}}",
+                "built-in workload: clean (default), or a leak to find: persistent-cache (GPU "
+                "memory), orphan, copy-on-read, copy-on-read-growing (host memory), "
+                "fd-pressure (docs/REFERENCE.md)",
+            ),
+            ("--batches", "N", "built-in workload: batches per epoch (16)"),
+            *SHARED,
+            ("--cooldown-temp", "C", "before each configuration, wait for GPU <= C °C"),
+            ("--cooldown-timeout", "SECONDS", "wait at most this (600)"),
+        ),
     )
-    builtin.add_argument(
-        "--scenario",
-        metavar=f"{{{scenarios}}}",
-        help="clean (default), or a leak to find: persistent-cache (GPU memory), orphan, "
-        "copy-on-read, copy-on-read-growing (host memory), fd-pressure (docs/REFERENCE.md)",
-    )
-    builtin.add_argument("--batches", metavar="N", help="batches per epoch (16)")
-    judge = sweep.add_argument_group("judging")
-    judge.add_argument(
-        "--tolerance",
-        metavar="SIZE",
-        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
-    )
-    judge.add_argument(
-        "--copy-tolerance",
-        metavar="SIZE",
-        help="what each forked worker may copy of its parent's memory (default: "
-        "$LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
-    )
-    judge.add_argument(
-        "--grace",
-        metavar="SECONDS",
-        help="how long a process may outlive its epoch (default: $LEAKCHECK_GRACE, else 2)",
-    )
-    judge.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
-    judge.add_argument(
-        "--cooldown-temp", metavar="C", help="before each configuration, wait for GPU <= C °C"
-    )
-    judge.add_argument(
-        "--cooldown-timeout", default="600", metavar="SECONDS", help="wait at most this (600)"
-    )
-    judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
-    output = sweep.add_argument_group(
-        "output",
-        "Checked before the sweep; a write that still fails at the end goes next to it, to "
-        "the current or the temporary folder, and the path is printed.",
-    )
-    output.add_argument("--json", metavar="PATH", help="write everything as JSON")
-    output.add_argument("--plot", metavar="PATH.png", help="draw memory per epoch (matplotlib)")
-
     snapshot = commands.add_parser(
         "snapshot",
         help="who holds GPU memory now, as process trees",
@@ -159,23 +163,29 @@ def build_parser() -> argparse.ArgumentParser:
         "as process trees; orphans and descriptor holders are flagged. Exit 0, also without "
         "a GPU (it says so); 2 on bad arguments.",
     )
-    snapshot.add_argument("--json", action="store_true", help="print JSON instead of text")
-    snapshot.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="also read each GPU's temperature, clocks, power and P-state (slower)",
-    )
-    snapshot.add_argument(
-        "--pid",
-        metavar="PID",
-        help="a job's root process: also list its descendants with their roles and its "
-        "tagged orphans, each with its host memory",
-    )
-    snapshot.add_argument(
-        "--watch",
-        metavar="SECONDS",
-        help=f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
-        "terminal, else each after a line with its time (--json: one document per line)",
+    add_options(
+        snapshot,
+        (
+            ("--json", None, "print JSON instead of text"),
+            (
+                "--telemetry",
+                None,
+                "also read each GPU's temperature, clocks, power and P-state (slower)",
+            ),
+            (
+                "--pid",
+                "PID",
+                "a job's root process: also list its descendants with their roles and its "
+                "tagged orphans, each with its host memory",
+            ),
+            (
+                "--watch",
+                "SECONDS",
+                f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
+                "terminal, else each after a line with its time (--json: one document per "
+                "line)",
+            ),
+        ),
     )
     add_run_parser(commands)
     explain = commands.add_parser(
@@ -305,6 +315,88 @@ def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -
         )
 
 
+def shared_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``SHARED``'s values of ``sweep`` and ``run`` as ``SweepOptions``/``RunOptions`` fields.
+
+    Tolerances and grace as the other adapters resolve them: command line, environment,
+    default.
+
+    Raises:
+        UsageError: One line naming the option (or variable), what was expected, the value.
+
+    """
+    from leakcheck.core import options as specs
+
+    device = None if args.device is None else specs.parse_device_index(args.device, "--device")
+    tolerance_bytes, grace_s = specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    )
+    interval = "50ms" if args.interval is None else args.interval
+    return {
+        "device_index": device,
+        "tolerance_bytes": tolerance_bytes,
+        "grace_s": grace_s,
+        "interval_s": specs.parse_interval_option(interval, "--interval"),
+        "copy_tolerance_bytes": specs.command_line_copy_tolerance(args.copy_tolerance, os.environ),
+    }
+
+
+def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
+    """``--json`` and ``--plot``, checked before anything runs.
+
+    Raises:
+        UsageError: A path cannot be written, both name one file, or no matplotlib.
+
+    """
+    import importlib.util
+
+    from leakcheck.core.files import check_output_path
+
+    json_path = check_output_path(json, "--json")
+    plot_path = check_output_path(plot, "--plot", ".png")
+    if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
+        raise UsageError(
+            f"--plot: expected a file other than --json's, got {plot!r} for both "
+            "(the plot would overwrite the JSON)"
+        )
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "--plot: needs matplotlib, which is not installed "
+            "(pip install 'dataloader-leakcheck[plot]')"
+        )
+    return json_path, plot_path
+
+
+def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -> None:
+    """Refuse ``--device`` beyond the GPUs NVML lists; with ``needs_gpu``, any without one.
+
+    (Without one the sweep would print "n/a" where the user asked for one device's memory;
+    ``run``'s report says that no GPU was checked.)
+    """
+    from leakcheck.core.errors import LeakCheckError
+    from leakcheck.observe import nvml
+
+    available, reason = gpu
+    if index is None or not (available or needs_gpu):
+        return
+    if available:
+        try:
+            count = nvml.get().device_count()
+        except LeakCheckError:
+            return  # NVML answered a moment ago: the report says what failed
+        if count or not needs_gpu:
+            if index >= count:
+                raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
+            return
+        reason = "NVML lists no device"
+    # The reason's tail says that process checks still run: true, but not with --device.
+    reason = reason.split("; GPU memory is not checked")[0]
+    raise UsageError(
+        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
+        "leave out --device to run the host-side checks only"
+    )
+
+
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     """Validate every ``sweep`` option in one place.
 
@@ -312,23 +404,17 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    from leakcheck.commands.run_cli import output_paths
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
-    from leakcheck.core import options as option_specs
+    from leakcheck.core.options import parse_seconds_option
 
     workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
     _check_worker_counts(workers, args.max_workers)
-    epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
-    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
-    device = None
-    if args.device is not None:
-        device = option_specs.parse_device_index(args.device, "--device")
-    # Shared with the other adapters: command line, then environment, then default.
-    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    epochs = _int_value(
+        "5" if args.epochs is None else args.epochs, "--epochs", minimum=1, example="5"
     )
-    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
+    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
+    shared = shared_options(args)
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
         with contextlib.suppress(ValueError):
@@ -338,9 +424,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
                 f"got {args.cooldown_temp!r}"
             )
-    cooldown_timeout_s = option_specs.parse_seconds_option(
-        args.cooldown_timeout, "--cooldown-timeout"
-    )
+    timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
+    cooldown_timeout_s = parse_seconds_option(timeout, "--cooldown-timeout")
     json_path, plot_path = output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:
@@ -357,60 +442,26 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 )
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
-        scenario = _one_of(args.scenario, "clean", "--scenario", SCENARIOS)
         batches = WorkloadSpec.batches
         if args.batches is not None:
             batches = _int_value(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
-            scenario=scenario,  # type: ignore[arg-type]  # one of SCENARIOS
+            scenario=_one_of(args.scenario, "clean", "--scenario", SCENARIOS),  # type: ignore[arg-type]
             batches=batches,
             start_method=start_method,
             persistent=args.persistent,
-            device_index=device or 0,
+            device_index=shared["device_index"] or 0,
         )
     options = SweepOptions(
         workers=workers,
         epochs=epochs,
         persistent=args.persistent or (workload is not None and workload.persistent_workers),
-        device_index=device,
         cooldown_temp_c=cooldown_temp_c,
         cooldown_timeout_s=cooldown_timeout_s,
-        interval_s=interval_s,
-        tolerance_bytes=tolerance_bytes,
-        grace_s=grace_s,
         teardown=not args.no_teardown,
-        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
-            args.copy_tolerance, os.environ
-        ),
+        **shared,
     )
     return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
-
-
-def _check_device(index: int, gpu: tuple[bool, str]) -> None:
-    """Refuse ``--device`` naming a GPU that NVML does not list, or any without a GPU.
-
-    (Without one the sweep would print "n/a" where the user asked for one device's memory.)
-    """
-    from leakcheck.core.errors import LeakCheckError
-    from leakcheck.observe import nvml
-
-    available, reason = gpu
-    if available:
-        try:
-            count = nvml.get().device_count()
-        except LeakCheckError:
-            return  # NVML answered a moment ago: the sweep's header says what failed
-        if count:
-            if index >= count:
-                raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
-            return
-        reason = "NVML lists no device"
-    # The reason's tail says that process checks still run: true, but not with --device.
-    reason = reason.split("; GPU memory is not checked")[0]
-    raise UsageError(
-        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
-        "leave out --device to run the host-side checks only"
-    )
 
 
 def _split_loader(spec: str) -> tuple[str, str]:
@@ -502,8 +553,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
-        if plan.options.device_index is not None:
-            _check_device(plan.options.device_index, gpu)
+        check_device(plan.options.device_index, gpu, needs_gpu=True)
         if plan.loader is not None:
             factory = load_factory(plan.loader)
             description = f"loader {plan.loader}"

@@ -8,6 +8,7 @@ that cannot be imported, called or iterated, or an output not written; 130 Ctrl-
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from types import SimpleNamespace
@@ -15,16 +16,13 @@ from types import SimpleNamespace
 from leakcheck.core.errors import UsageError
 
 # NOTE [lean start]: `leakcheck snapshot` is run by hand and in loops, and every module a
-# start imports costs time. So this module imports at load only what Python's start already
-# did; each command imports what it needs when it runs, a plain `snapshot` line is read
-# without argparse (`_plain_snapshot_args`; anything else goes through the full parser, which
-# owns help and errors), and `typing` is not imported (TYPE_CHECKING is False at run time).
+# start imports costs time: this module imports at load only what Python's start (and
+# contextlib) did, each command what it needs when it runs; a plain `snapshot` line is read
+# without argparse (`_plain_snapshot_args`), and `typing` is not imported.
 # NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot in its
-# normal exit (the driver library's teardown, which nvmlShutdown does not save:
-# benchmarks/results/README.md). A snapshot has nothing left to do once its text is flushed
-# (no file, no process, no exit work), so the executable (`command`) ends it with os._exit
-# after flushing (a failed write still exits 2 with one line; a reader gone early, as with
-# `| head`, is no error). `main` returns as always, for callers in the same process.
+# normal exit (the driver library's teardown: benchmarks/results/README.md). A snapshot has
+# nothing left to do once its text is flushed, so the executable (`command`) ends it with
+# os._exit after flushing. `main` returns as always, for callers in the same process.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -42,8 +40,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 _PROG = "leakcheck"
 
 WORKERS_PER_CPU = 8
-"""Worker counts allowed per usable CPU without ``--max-workers``: a sweep measures memory,
-not throughput, but far beyond this (a torch process and a CUDA context each) memory runs out."""
+"""Worker counts allowed per usable CPU without ``--max-workers`` (beyond, memory runs out)."""
 
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
@@ -476,8 +473,8 @@ def _split_loader(spec: str) -> tuple[str, str]:
 def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
     """Import ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` and return FACTORY.
 
-    A file is imported under its own name with its folder on ``sys.path``, so that spawned
-    workers can import what it defines (datasets must be picklable by reference).
+    A file is imported under its own name with its folder on ``sys.path``: spawned workers
+    import what it defines.
 
     Raises:
         UsageError: The module cannot be imported, or has no callable FACTORY.
@@ -650,31 +647,15 @@ def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | Non
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 
 
-class SnapshotArgs(SimpleNamespace):
-    """``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
-
-    json: bool
-    telemetry: bool
-    pid: str | None
-    watch: str | None
-
-    def __init__(
-        self,
-        *,
-        json: bool = False,
-        telemetry: bool = False,
-        pid: str | None = None,
-        watch: str | None = None,
-    ) -> None:
-        super().__init__(json=json, telemetry=telemetry, pid=pid, watch=watch)
+SnapshotArgs = functools.partial(SimpleNamespace, json=False, telemetry=False, pid=None, watch=None)
+"""``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
 
 
-def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
-    """Read the options of a plain ``snapshot`` line without argparse (NOTE [lean start]).
+def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
+    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]).
 
-    Only whole option names, each value in its own token or after ``=``, and no value that
-    starts with ``-``: the same values the full parser would give. Anything else (help, an
-    abbreviation, an unknown or incomplete option) returns None, for the full parser.
+    Whole option names, values in their own token or after ``=``, none starting with ``-``;
+    anything else (help, an abbreviation, an unknown option) returns None: the full parser's.
     """
     args = SnapshotArgs()
     position = 0
@@ -700,13 +681,8 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
     return args
 
 
-def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -> int:
-    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage).
-
-    With ``--watch SECONDS``, a new snapshot every SECONDS until Ctrl-C (exit 0): redrawn in
-    place on a terminal; elsewhere each follows a line with its local time (``--json``: one
-    JSON document per line).
-    """
+def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO) -> int:
+    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
     from leakcheck.observe import procs
 
     prog = f"{_PROG} snapshot"
@@ -744,8 +720,8 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
     """Write ``text``; None when written, else the status to end with.
 
-    A reader that left (`| head`) ends the command cleanly (0), standard output then pointing
-    at /dev/null so that no later flush fails; a failed write ends it with one line, 2.
+    A reader that left (`| head`) ends the command cleanly (0, standard output then on
+    /dev/null); a failed write ends it with one line, 2.
     """
     try:
         out.write(text)
@@ -781,10 +757,7 @@ def _snapshot_text(
 def _watch(
     root: ProcessKey | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
 ) -> int:
-    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` exits.
-
-    The root is followed by identity (PID and start): once it is gone its PID may be reused.
-    """
+    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` (an identity) exits."""
     import time
 
     from leakcheck.observe import procs

@@ -444,24 +444,21 @@ def _read_loaders(
     records.sort(key=lambda r: (r["started_unix_s"], r["index"]))
     results: list[LoaderResult] = []
     for record in records:
-        common: dict[str, Any] = {
-            "label": record["label"],
-            "pid": record["pid"],
-            "argv": tuple(record["argv"]),
-            "rank": _record_rank(record),
-        }
-        if "report" not in record:
-            missing = "its process ended without its exit handlers (os._exit, a signal) or "
-            results.append(LoaderResult(**common, missing=missing + "outlived the run"))
-            continue
-        try:
-            report = report_from_dict(record["report"])
-        except (LeakCheckError, KeyError, TypeError, ValueError) as error:
-            results.append(LoaderResult(**common, missing=f"its report cannot be read: {error}"))
-            continue
-        results.append(
-            LoaderResult(**common, report=report, cost=record["cost"], exit_s=record["exit_s"])
+        loader = LoaderResult(
+            record["label"], record["pid"], tuple(record["argv"]), rank=_record_rank(record)
         )
+        if "report" not in record:
+            why = "its process ended without its exit handlers (os._exit, a signal) or outlived"
+            loader = replace(loader, missing=f"{why} the run")
+        else:
+            try:
+                report = report_from_dict(record["report"])
+                loader = replace(
+                    loader, report=report, cost=record["cost"], exit_s=record["exit_s"]
+                )
+            except (LeakCheckError, KeyError, TypeError, ValueError) as error:
+                loader = replace(loader, missing=f"its report cannot be read: {error}")
+        results.append(loader)
     return records, tuple(results)
 
 

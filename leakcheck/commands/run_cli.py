@@ -15,13 +15,14 @@ import os
 import sys
 from typing import Any, TextIO
 
-from leakcheck.commands.cli import (
+from leakcheck.commands.common import (
     EXIT_LEAK,
     EXIT_USAGE,
     SHARED,
     add_options,
     check_device,
     output_paths,
+    save_output,
     shared_options,
 )
 from leakcheck.core.errors import UsageError
@@ -169,13 +170,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         ("--json", json_path, lambda p: write_json(p, result.to_dict())),
         ("--plot", plot_path, lambda p: plot_reports(drawn, p)),
     ):
-        if path is None:
-            continue
-        try:
-            write(path)
-        except Exception as error:  # the report is out already: say what failed, go on
-            verb = "write" if option == "--json" else "draw"
-            err.write(f"leakcheck run: {option}: cannot {verb} {path!r}: {error}\n")
+        if path is not None and not save_output("leakcheck run", option, path, write, err):
             status = EXIT_USAGE if status == 0 else status
     if status == 0 and args.fail_on_leak and result.leak_count:
         return EXIT_LEAK

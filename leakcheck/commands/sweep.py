@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.commands.common import one_line
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
@@ -696,12 +697,6 @@ def batch_samples(batch: Any) -> int | None:
         batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch), None)
     shape = getattr(batch, "shape", None)
     return int(shape[0]) if isinstance(shape, tuple | list) and shape else None
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 _DEVICE_FIELDS = {

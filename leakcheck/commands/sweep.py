@@ -83,11 +83,7 @@ class SweepPlan:
 
 @dataclass(frozen=True)
 class SweepOptions:
-    """What to sweep and how to judge it.
-
-    ``device_index`` None watches all devices and shows the first; ``rollup_share`` 1.0
-    reads USS at every epoch end, so that every row says USS.
-    """
+    """What to sweep and how to judge it (``rollup_share`` 1: every row's host memory a USS)."""
 
     workers: tuple[int, ...] = (0, 4, 8)
     epochs: int = 5
@@ -171,11 +167,7 @@ class Cooldown:
 
 @dataclass(frozen=True)
 class CleanedProcess:
-    """A leftover process of the sweep and what the cleanup did to it.
-
-    ``outcome``: ``terminated``, ``killed``, ``gone`` (exited before the signal), or
-    ``failed: <reason>``.
-    """
+    """A leftover process of the sweep; ``outcome``: terminated, killed, gone, failed: why."""
 
     pid: int
     start_ticks: int
@@ -434,10 +426,7 @@ def run_sweep(
     progress: Progress | None = None,
     gpu: tuple[bool, str] | None = None,
 ) -> SweepResult:
-    """Run every configuration of the sweep and judge each.
-
-    ``loader`` describes the loader in one line; ``gpu`` is ``nvml.availability()`` where
-    the caller asked already.
+    """Run and judge every configuration (``gpu``: ``nvml.availability()``, if asked already).
 
     Raises:
         LoaderError: Calling the factory or iterating its loader failed (one line).

@@ -529,30 +529,29 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
     """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
     from leakcheck.observe import procs
 
-    prog = f"{_PROG} snapshot"
-    period = None
-    if args.watch is not None:
-        text = str(args.watch).strip()
-        with contextlib.suppress(ValueError):
-            period = float(text)
-        # `not >=` also refuses NaN; infinity would never redraw.
-        if period is None or not WATCH_MIN_S <= period < float("inf"):
-            sys.stderr.write(
-                f"{prog}: --watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
-                f"got {text!r}\n"
-            )
-            return EXIT_USAGE
-    root: ProcessKey | None = None
-    if args.pid is not None:
-        text = str(args.pid).strip()
-        # Digits only, and few enough for int() (past 4300 digits it raises).
-        if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
-            sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
-            return EXIT_USAGE
-        root = procs.process_key(int(text))
-        if root is None:
-            sys.stderr.write(f"{prog}: --pid: no running process with PID {int(text)} here\n")
-            return EXIT_USAGE
+    period, root = None, None
+    try:
+        if args.watch is not None:
+            text = str(args.watch).strip()
+            with contextlib.suppress(ValueError):
+                period = float(text)
+            # `not >=` also refuses NaN; infinity would never redraw.
+            if period is None or not WATCH_MIN_S <= period < float("inf"):
+                raise UsageError(
+                    f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
+                    f"got {text!r}"
+                )
+        if args.pid is not None:
+            text = str(args.pid).strip()
+            # Digits only, and few enough for int() (past 4300 digits it raises).
+            if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
+                raise UsageError(f"--pid: expected a process ID > 0, got {text!r}")
+            root = procs.process_key(int(text))
+            if root is None:
+                raise UsageError(f"--pid: no running process with PID {int(text)} here")
+    except UsageError as exc:
+        sys.stderr.write(f"{_PROG} snapshot: {exc}\n")
+        return EXIT_USAGE
     if period is None:
         root_pid = root.pid if root is not None else None
         text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
@@ -619,14 +618,12 @@ def _watch(
                     "longer be told from other processes, so the watch ends\n"
                 )
                 return EXIT_CLEAN
+            indent = 2 if on_terminal else None
+            text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=indent)
             if on_terminal:
-                text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
                 frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
-            elif as_json:
-                frame = _snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n"
             else:
-                text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
-                frame = f"--- {stamp} ---\n{text}\n"
+                frame = f"{text}\n" if as_json else f"--- {stamp} ---\n{text}\n"
             ended = _emit(out, frame, flush=True)
             if ended is not None:
                 return ended

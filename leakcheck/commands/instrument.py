@@ -59,10 +59,6 @@ class RunOptions:
     copy_tolerance_bytes: int = 64 * MIB
     hang_after_s: float = 120.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (``options_path``'s)."""
-        return dataclasses.asdict(self)
-
     @property
     def devices(self) -> list[int] | None:
         """The devices to watch, as ``Tracker`` takes them."""

@@ -174,7 +174,7 @@ class RunResult:
             "schema_version": RUN_SCHEMA_VERSION,
             "report_schema_version": SCHEMA_VERSION,
             "command": list(self.command),
-            "options": self.options.to_dict(),
+            "options": asdict(self.options),
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "program": {
@@ -360,7 +360,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
     failures: list[str] = []
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
-        write_json(options_path(folder), options.to_dict())
+        write_json(options_path(folder), asdict(options))
         waiter = _Waiter()
         tree: Report | None = None
         tree_cost: dict[str, Any] | None = None

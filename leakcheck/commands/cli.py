@@ -85,10 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU memory per process, per epoch",
         description="Iterate a DataLoader with each worker count for several epochs under a "
         "tracker; print memory per process and epoch, then a verdict per configuration. "
-        "Without --loader a built-in workload runs (its workers touch the GPU when there is "
-        "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage. An output "
-        "checked before the sweep whose write still fails at the end goes next to it, to the "
-        "current or the temporary folder, and the path is printed.",
+        "Without --loader a built-in workload runs (its workers touch the GPU if there is "
+        "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
     )
     methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
     add_options(
@@ -116,13 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "built-in workload: how workers start (default spawn: forked workers cannot "
                 "use CUDA once the parent did)",
             ),
-            (
-                "--scenario",
-                f"{{{scenarios}}}",
-                "built-in workload: clean (default), or a leak to find: persistent-cache (GPU "
-                "memory), orphan, copy-on-read, copy-on-read-growing (host memory), "
-                "fd-pressure (docs/REFERENCE.md)",
-            ),
+            ("--scenario", f"{{{scenarios}}}", "built-in workload: clean, or a leak to find"),
             ("--batches", "N", "built-in workload: batches per epoch (16)"),
             *SHARED,
             ("--cooldown-temp", "C", "before each configuration, wait for GPU <= C °C"),
@@ -140,11 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         snapshot,
         (
             ("--json", None, "print JSON instead of text"),
-            (
-                "--telemetry",
-                None,
-                "also read each GPU's temperature, clocks, power and P-state (slower)",
-            ),
+            ("--telemetry", None, "also read each GPU's temperature, clocks and power"),
             (
                 "--pid",
                 "PID",

@@ -22,6 +22,7 @@ import pytest
 
 from leakcheck.commands import cli
 from leakcheck.commands.cli import SnapshotArgs, main
+from leakcheck.commands.common import EXIT_CLEAN
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
@@ -240,7 +241,7 @@ def test_watch_keeps_going_when_a_frame_takes_longer_than_the_period(
 
     monkeypatch.setattr(cli, "_snapshot_text", slow)
     out = io.StringIO()
-    assert cli._watch(None, 0.1, False, as_json=False, out=out) == cli.EXIT_CLEAN
+    assert cli._watch(None, 0.1, False, as_json=False, out=out) == EXIT_CLEAN
     assert len(frames) == 3 and out.getvalue().count("frame") == 2
 
 

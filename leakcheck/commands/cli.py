@@ -8,23 +8,34 @@ that cannot be imported, called or iterated, or an output not written; 130 Ctrl-
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from types import SimpleNamespace
 
+from leakcheck.commands.common import (
+    EXIT_CLEAN,
+    EXIT_INTERRUPTED,
+    EXIT_LEAK,
+    EXIT_USAGE,
+    SHARED,
+    add_options,
+    check_device,
+    one_line,
+    output_paths,
+    save_output,
+    shared_options,
+)
 from leakcheck.core.errors import UsageError
 
 # NOTE [lean start]: `leakcheck snapshot` is run by hand and in loops, and every module a
-# start imports costs time. So this module imports at load only what Python's start already
-# did; each command imports what it needs when it runs, a plain `snapshot` line is read
-# without argparse (`_plain_snapshot_args`; anything else goes through the full parser, which
-# owns help and errors), and `typing` is not imported (TYPE_CHECKING is False at run time).
+# start imports costs time: this module imports at load only what Python's start (and
+# contextlib) did, each command what it needs when it runs; a plain `snapshot` line is read
+# without argparse (`_plain_snapshot_args`), and `typing` is not imported.
 # NOTE [quick exit]: a process that used NVML spends a noticeable part of a snapshot in its
-# normal exit (the driver library's teardown, which nvmlShutdown does not save:
-# benchmarks/results/README.md). A snapshot has nothing left to do once its text is flushed
-# (no file, no process, no exit work), so the executable (`command`) ends it with os._exit
-# after flushing (a failed write still exits 2 with one line; a reader gone early, as with
-# `| head`, is no error). `main` returns as always, for callers in the same process.
+# normal exit (the driver library's teardown: benchmarks/results/README.md). A snapshot has
+# nothing left to do once its text is flushed, so the executable (`command`) ends it with
+# os._exit after flushing. `main` returns as always, for callers in the same process.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
@@ -34,16 +45,11 @@ if TYPE_CHECKING:
     from leakcheck.commands.sweep import SweepPlan, WorkerBound
     from leakcheck.core.model import ProcessKey
 
-EXIT_CLEAN = 0
-EXIT_LEAK = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 _PROG = "leakcheck"
 
 WORKERS_PER_CPU = 8
-"""Worker counts allowed per usable CPU without ``--max-workers``: a sweep measures memory,
-not throughput, but far beyond this (a torch process and a CUDA context each) memory runs out."""
+"""Worker counts allowed per usable CPU without ``--max-workers`` (beyond, memory runs out)."""
 
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
@@ -79,79 +85,42 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU memory per process, per epoch",
         description="Iterate a DataLoader with each worker count for several epochs under a "
         "tracker; print memory per process and epoch, then a verdict per configuration. "
-        "Without --loader a built-in workload runs (its workers touch the GPU when there is "
+        "Without --loader a built-in workload runs (its workers touch the GPU if there is "
         "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
     )
-    what = sweep.add_argument_group("what to run")
-    what.add_argument(
-        "--loader",
-        metavar="MODULE:FACTORY",
-        help="your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a module "
-        "name or a path/to/file.py (default: the built-in workload)",
-    )
-    what.add_argument("--workers", metavar="N,N,...", help="worker counts (default 0,4,8)")
-    what.add_argument(
-        "--max-workers",
-        metavar="N",
-        help=f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process may "
-        "use, within the room the user's process limit RLIMIT_NPROC leaves)",
-    )
-    what.add_argument("--epochs", default="5", metavar="N", help="epochs per configuration (5)")
-    what.add_argument("--persistent", action="store_true", help="persistent_workers=True")
-    what.add_argument("--device", metavar="N", help="GPU index to watch and use (default: all/0)")
-    what.add_argument(
-        "--no-teardown",
-        action="store_true",
-        help="no teardown policy in the workers (they still report at exit)",
-    )
-    builtin = sweep.add_argument_group("built-in workload (not with --loader)")
     methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
-    builtin.add_argument(
-        "--start-method",
-        metavar=f"{{{methods}}}",
-        help="how workers start (default spawn: forked workers cannot use CUDA once the parent "
-        "did)",
+    add_options(
+        sweep,
+        (
+            (
+                "--loader",
+                "MODULE:FACTORY",
+                "your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a "
+                "module name or a path/to/file.py (default: the built-in workload)",
+            ),
+            ("--workers", "N,N,...", "worker counts (default 0,4,8)"),
+            (
+                "--max-workers",
+                "N",
+                f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process "
+                "may use, within the room the user's process limit RLIMIT_NPROC leaves)",
+            ),
+            ("--epochs", "N", "epochs per configuration (5)"),
+            ("--persistent", None, "persistent_workers=True (built-in workload)"),
+            ("--no-teardown", None, "no teardown policy in the workers (they still report)"),
+            (
+                "--start-method",
+                f"{{{methods}}}",
+                "built-in workload: how workers start (default spawn: forked workers cannot "
+                "use CUDA once the parent did)",
+            ),
+            ("--scenario", f"{{{scenarios}}}", "built-in workload: clean, or a leak to find"),
+            ("--batches", "N", "built-in workload: batches per epoch (16)"),
+            *SHARED,
+            ("--cooldown-temp", "C", "before each configuration, wait for GPU <= C °C"),
+            ("--cooldown-timeout", "SECONDS", "wait at most this (600)"),
+        ),
     )
-    builtin.add_argument(
-        "--scenario",
-        metavar=f"{{{scenarios}}}",
-        help="clean (default), or a leak to find: persistent-cache (GPU memory), orphan, "
-        "copy-on-read, copy-on-read-growing (host memory), fd-pressure (docs/REFERENCE.md)",
-    )
-    builtin.add_argument("--batches", metavar="N", help="batches per epoch (16)")
-    judge = sweep.add_argument_group("judging")
-    judge.add_argument(
-        "--tolerance",
-        metavar="SIZE",
-        help="growth below this is noise (default: $LEAKCHECK_TOLERANCE, else 16MiB)",
-    )
-    judge.add_argument(
-        "--copy-tolerance",
-        metavar="SIZE",
-        help="what each forked worker may copy of its parent's memory (default: "
-        "$LEAKCHECK_COPY_TOLERANCE, else 64MiB)",
-    )
-    judge.add_argument(
-        "--grace",
-        metavar="SECONDS",
-        help="how long a process may outlive its epoch (default: $LEAKCHECK_GRACE, else 2)",
-    )
-    judge.add_argument("--interval", default="50ms", metavar="SECONDS", help="sampling (50ms)")
-    judge.add_argument(
-        "--cooldown-temp", metavar="C", help="before each configuration, wait for GPU <= C °C"
-    )
-    judge.add_argument(
-        "--cooldown-timeout", default="600", metavar="SECONDS", help="wait at most this (600)"
-    )
-    judge.add_argument("--fail-on-leak", action="store_true", help="exit 1 when a leak is found")
-    output = sweep.add_argument_group(
-        "output",
-        "Checked before the sweep; a write that still fails at the end goes next to it, to "
-        "the current or the temporary folder, and the path is printed.",
-    )
-    output.add_argument("--json", metavar="PATH", help="write everything as JSON")
-    output.add_argument("--plot", metavar="PATH.png", help="draw memory per epoch (matplotlib)")
-
     snapshot = commands.add_parser(
         "snapshot",
         help="who holds GPU memory now, as process trees",
@@ -159,23 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
         "as process trees; orphans and descriptor holders are flagged. Exit 0, also without "
         "a GPU (it says so); 2 on bad arguments.",
     )
-    snapshot.add_argument("--json", action="store_true", help="print JSON instead of text")
-    snapshot.add_argument(
-        "--telemetry",
-        action="store_true",
-        help="also read each GPU's temperature, clocks, power and P-state (slower)",
-    )
-    snapshot.add_argument(
-        "--pid",
-        metavar="PID",
-        help="a job's root process: also list its descendants with their roles and its "
-        "tagged orphans, each with its host memory",
-    )
-    snapshot.add_argument(
-        "--watch",
-        metavar="SECONDS",
-        help=f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
-        "terminal, else each after a line with its time (--json: one document per line)",
+    add_options(
+        snapshot,
+        (
+            ("--json", None, "print JSON instead of text"),
+            ("--telemetry", None, "also read each GPU's temperature, clocks and power"),
+            (
+                "--pid",
+                "PID",
+                "a job's root process: also list its descendants with their roles and its "
+                "tagged orphans, each with its host memory",
+            ),
+            (
+                "--watch",
+                "SECONDS",
+                f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
+                "terminal, else each after a line with its time (--json: one document per "
+                "line)",
+            ),
+        ),
     )
     add_run_parser(commands)
     explain = commands.add_parser(
@@ -312,23 +283,17 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         UsageError: One line naming the option, what was expected, and the value.
 
     """
-    from leakcheck.commands.run_cli import output_paths
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
-    from leakcheck.core import options as option_specs
+    from leakcheck.core.options import parse_seconds_option
 
     workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
     _check_worker_counts(workers, args.max_workers)
-    epochs = _int_value(args.epochs, "--epochs", minimum=1, example="5")
-    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
-    device = None
-    if args.device is not None:
-        device = option_specs.parse_device_index(args.device, "--device")
-    # Shared with the other adapters: command line, then environment, then default.
-    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    epochs = _int_value(
+        "5" if args.epochs is None else args.epochs, "--epochs", minimum=1, example="5"
     )
-    interval_s = option_specs.parse_interval_option(args.interval, "--interval")
+    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
+    shared = shared_options(args)
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
         with contextlib.suppress(ValueError):
@@ -338,9 +303,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
                 f"got {args.cooldown_temp!r}"
             )
-    cooldown_timeout_s = option_specs.parse_seconds_option(
-        args.cooldown_timeout, "--cooldown-timeout"
-    )
+    timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
+    cooldown_timeout_s = parse_seconds_option(timeout, "--cooldown-timeout")
     json_path, plot_path = output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:
@@ -357,60 +321,26 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 )
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
-        scenario = _one_of(args.scenario, "clean", "--scenario", SCENARIOS)
         batches = WorkloadSpec.batches
         if args.batches is not None:
             batches = _int_value(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
-            scenario=scenario,  # type: ignore[arg-type]  # one of SCENARIOS
+            scenario=_one_of(args.scenario, "clean", "--scenario", SCENARIOS),  # type: ignore[arg-type]
             batches=batches,
             start_method=start_method,
             persistent=args.persistent,
-            device_index=device or 0,
+            device_index=shared["device_index"] or 0,
         )
     options = SweepOptions(
         workers=workers,
         epochs=epochs,
         persistent=args.persistent or (workload is not None and workload.persistent_workers),
-        device_index=device,
         cooldown_temp_c=cooldown_temp_c,
         cooldown_timeout_s=cooldown_timeout_s,
-        interval_s=interval_s,
-        tolerance_bytes=tolerance_bytes,
-        grace_s=grace_s,
         teardown=not args.no_teardown,
-        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
-            args.copy_tolerance, os.environ
-        ),
+        **shared,
     )
     return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
-
-
-def _check_device(index: int, gpu: tuple[bool, str]) -> None:
-    """Refuse ``--device`` naming a GPU that NVML does not list, or any without a GPU.
-
-    (Without one the sweep would print "n/a" where the user asked for one device's memory.)
-    """
-    from leakcheck.core.errors import LeakCheckError
-    from leakcheck.observe import nvml
-
-    available, reason = gpu
-    if available:
-        try:
-            count = nvml.get().device_count()
-        except LeakCheckError:
-            return  # NVML answered a moment ago: the sweep's header says what failed
-        if count:
-            if index >= count:
-                raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
-            return
-        reason = "NVML lists no device"
-    # The reason's tail says that process checks still run: true, but not with --device.
-    reason = reason.split("; GPU memory is not checked")[0]
-    raise UsageError(
-        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
-        "leave out --device to run the host-side checks only"
-    )
 
 
 def _split_loader(spec: str) -> tuple[str, str]:
@@ -425,8 +355,8 @@ def _split_loader(spec: str) -> tuple[str, str]:
 def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
     """Import ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` and return FACTORY.
 
-    A file is imported under its own name with its folder on ``sys.path``, so that spawned
-    workers can import what it defines (datasets must be picklable by reference).
+    A file is imported under its own name with its folder on ``sys.path``: spawned workers
+    import what it defines.
 
     Raises:
         UsageError: The module cannot be imported, or has no callable FACTORY.
@@ -446,8 +376,6 @@ def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
     except (UsageError, KeyboardInterrupt):
         raise
     except BaseException as exc:  # SyntaxError, SystemExit in an import... all one line
-        from leakcheck.commands.sweep import one_line
-
         raise UsageError(f"--loader: cannot import {module_name!r}: {one_line(exc)}") from None
     factory = getattr(module, factory_name, None)
     if factory is None:
@@ -502,8 +430,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     try:
         plan = resolve_sweep(args)
         gpu = nvml.availability()
-        if plan.options.device_index is not None:
-            _check_device(plan.options.device_index, gpu)
+        check_device(plan.options.device_index, gpu, needs_gpu=True)
         if plan.loader is not None:
             factory = load_factory(plan.loader)
             description = f"loader {plan.loader}"
@@ -537,62 +464,14 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     saved = True
     if plan.json_path is not None:
         data = result.to_dict()
-        saved &= _save(prog, "--json", plan.json_path, lambda path: write_json(path, data), err)
+        saved &= save_output(prog, "--json", plan.json_path, lambda p: write_json(p, data), err)
     if plan.plot_path is not None:
         from leakcheck.judge.plot import plot_sweep
 
-        saved &= _save(prog, "--plot", plan.plot_path, lambda path: plot_sweep(result, path), err)
+        saved &= save_output(prog, "--plot", plan.plot_path, lambda p: plot_sweep(result, p), err)
     if not saved:
         return EXIT_USAGE
     return EXIT_LEAK if plan.fail_on_leak and result.leak_count else EXIT_CLEAN
-
-
-def _save(prog: str, option: str, path: str, write: Callable[[str], object], err: TextIO) -> bool:
-    """Write an output; where ``path`` fails now (a folder removed, a disk full), elsewhere."""
-    from leakcheck.commands.sweep import one_line
-
-    try:
-        write(path)
-        return True
-    except OSError as exc:
-        saved = _write_elsewhere(path, write)
-        where = (
-            f"wrote it to {saved!r} instead"
-            if saved is not None
-            else "no other place (next to it, the current folder, the temporary folder) took it"
-        )
-        err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
-    except Exception as exc:  # matplotlib could not draw it
-        if option != "--plot":
-            raise
-        err.write(f"{prog}: {option}: cannot draw {path!r}: {one_line(exc)}\n")
-    return False
-
-
-def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
-    """A new file next to ``intended``, else in the current or the temporary folder; its path."""
-    import tempfile
-
-    stem, extension = os.path.splitext(os.path.basename(intended))
-    folders = [os.path.dirname(os.path.abspath(intended))]
-    with contextlib.suppress(OSError):  # the current folder may have been removed
-        folders.append(os.getcwd())
-    folders.append(tempfile.gettempdir())
-    for folder in dict.fromkeys(folders):
-        try:
-            handle, path = tempfile.mkstemp(
-                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
-            )
-            os.close(handle)
-        except OSError:
-            continue
-        try:
-            write(path)
-            return path
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-    return None
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -600,31 +479,15 @@ def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | Non
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 
 
-class SnapshotArgs(SimpleNamespace):
-    """``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
-
-    json: bool
-    telemetry: bool
-    pid: str | None
-    watch: str | None
-
-    def __init__(
-        self,
-        *,
-        json: bool = False,
-        telemetry: bool = False,
-        pid: str | None = None,
-        watch: str | None = None,
-    ) -> None:
-        super().__init__(json=json, telemetry=telemetry, pid=pid, watch=watch)
+SnapshotArgs = functools.partial(SimpleNamespace, json=False, telemetry=False, pid=None, watch=None)
+"""``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
 
 
-def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
-    """Read the options of a plain ``snapshot`` line without argparse (NOTE [lean start]).
+def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
+    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]).
 
-    Only whole option names, each value in its own token or after ``=``, and no value that
-    starts with ``-``: the same values the full parser would give. Anything else (help, an
-    abbreviation, an unknown or incomplete option) returns None, for the full parser.
+    Whole option names, values in their own token or after ``=``, none starting with ``-``;
+    anything else (help, an abbreviation, an unknown option) returns None: the full parser's.
     """
     args = SnapshotArgs()
     position = 0
@@ -650,39 +513,33 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SnapshotArgs | None:
     return args
 
 
-def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -> int:
-    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage).
-
-    With ``--watch SECONDS``, a new snapshot every SECONDS until Ctrl-C (exit 0): redrawn in
-    place on a terminal; elsewhere each follows a line with its local time (``--json``: one
-    JSON document per line).
-    """
+def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO) -> int:
+    """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
     from leakcheck.observe import procs
 
-    prog = f"{_PROG} snapshot"
-    period = None
-    if args.watch is not None:
-        text = str(args.watch).strip()
-        with contextlib.suppress(ValueError):
-            period = float(text)
-        # `not >=` also refuses NaN; infinity would never redraw.
-        if period is None or not WATCH_MIN_S <= period < float("inf"):
-            sys.stderr.write(
-                f"{prog}: --watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
-                f"got {text!r}\n"
-            )
-            return EXIT_USAGE
-    root: ProcessKey | None = None
-    if args.pid is not None:
-        text = str(args.pid).strip()
-        # Digits only, and few enough for int() (past 4300 digits it raises).
-        if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
-            sys.stderr.write(f"{prog}: --pid: expected a process ID > 0, got {text!r}\n")
-            return EXIT_USAGE
-        root = procs.process_key(int(text))
-        if root is None:
-            sys.stderr.write(f"{prog}: --pid: no running process with PID {int(text)} here\n")
-            return EXIT_USAGE
+    period, root = None, None
+    try:
+        if args.watch is not None:
+            text = str(args.watch).strip()
+            with contextlib.suppress(ValueError):
+                period = float(text)
+            # `not >=` also refuses NaN; infinity would never redraw.
+            if period is None or not WATCH_MIN_S <= period < float("inf"):
+                raise UsageError(
+                    f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
+                    f"got {text!r}"
+                )
+        if args.pid is not None:
+            text = str(args.pid).strip()
+            # Digits only, and few enough for int() (past 4300 digits it raises).
+            if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
+                raise UsageError(f"--pid: expected a process ID > 0, got {text!r}")
+            root = procs.process_key(int(text))
+            if root is None:
+                raise UsageError(f"--pid: no running process with PID {int(text)} here")
+    except UsageError as exc:
+        sys.stderr.write(f"{_PROG} snapshot: {exc}\n")
+        return EXIT_USAGE
     if period is None:
         root_pid = root.pid if root is not None else None
         text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
@@ -694,8 +551,8 @@ def run_snapshot_command(args: argparse.Namespace | SnapshotArgs, out: TextIO) -
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
     """Write ``text``; None when written, else the status to end with.
 
-    A reader that left (`| head`) ends the command cleanly (0), standard output then pointing
-    at /dev/null so that no later flush fails; a failed write ends it with one line, 2.
+    A reader that left (`| head`) ends the command cleanly (0, standard output then on
+    /dev/null); a failed write ends it with one line, 2.
     """
     try:
         out.write(text)
@@ -731,10 +588,7 @@ def _snapshot_text(
 def _watch(
     root: ProcessKey | None, period: float, telemetry: bool, *, as_json: bool, out: TextIO
 ) -> int:
-    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` exits.
-
-    The root is followed by identity (PID and start): once it is gone its PID may be reused.
-    """
+    """Frames every ``period`` seconds until Ctrl-C, or until ``root`` (an identity) exits."""
     import time
 
     from leakcheck.observe import procs
@@ -752,14 +606,12 @@ def _watch(
                     "longer be told from other processes, so the watch ends\n"
                 )
                 return EXIT_CLEAN
+            indent = 2 if on_terminal else None
+            text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=indent)
             if on_terminal:
-                text = _snapshot_text(root_pid, telemetry, as_json=as_json, indent=2)
                 frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
-            elif as_json:
-                frame = _snapshot_text(root_pid, telemetry, as_json=True, indent=None) + "\n"
             else:
-                text = _snapshot_text(root_pid, telemetry, as_json=False, indent=None)
-                frame = f"--- {stamp} ---\n{text}\n"
+                frame = f"{text}\n" if as_json else f"--- {stamp} ---\n{text}\n"
             ended = _emit(out, frame, flush=True)
             if ended is not None:
                 return ended

@@ -1,24 +1,20 @@
 """The in-program half of ``leakcheck run``: each DataLoader iteration is an epoch of its loader.
 
-NOTE [run instrumentation]: the shim (NOTE [run shim] in ``_shim/sitecustomize.py``) patches
-``DataLoader.__iter__`` in every Python process of the run; the first iteration imports this
-module. Each creation site (the user's line, and the library that made the loader for it:
-``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a train
-and a validation loader are judged apart (NOTE [claims] in track/claims.py); a loader made
-again where the previous one is gone continues it, a second one alive at once is ``#2``. Each
-iteration is a new ``WatchedLoader`` over that tracker (shared, ``on_leak="ignore"``) through
-DataLoader's original ``__iter__``: epochs as under ``watch()`` (NOTE [epoch ends] in
-dataloader.py). A loader the program ``watch()``es itself is left to it. At the process's exit
-(``atexit``, or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal)
-each tracker is closed and its report added to its record, ``loader-<pid>-<n>.json`` in the
-run folder, written when the site's tracker started. A forked child
-starts afresh (``os.register_at_fork``, only references dropped). Nothing here raises into
-the program: a failure of its own turns tracking off for the process (one line on stderr).
+NOTE [run instrumentation]: the shim (NOTE [run shim]) patches ``DataLoader.__iter__`` in
+every Python process of the run; the first iteration imports this module. Each creation site
+(``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a
+train and a validation loader are judged apart; a loader made again where the previous one
+is gone continues it, a second one alive at once is ``#2``. Each iteration is a new
+``WatchedLoader`` over that tracker through DataLoader's original ``__iter__``; a loader the
+program ``watch()``es itself is left to it. The site's record, ``loader-<pid>-<n>.json`` in
+the run folder, is written when its tracker starts and again with its report at the
+process's exit (``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a
+fatal signal). A forked child starts afresh. Nothing here raises into the program: a failure
+of its own turns tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
 
-NOTE [process rank]: a process's rank is ``RANK`` (torchrun, ``accelerate launch``), else its
-default process group's rank, else its index among the processes ``torch.multiprocessing``
-spawned (the ``i`` of its ``_wrap(fn, i, ...)`` target; also its local rank), else the rank a
-process above it exported (NOTE [exported rank] in ranks.py). A rank found here is exported.
+NOTE [process rank]: ``RANK`` (torchrun, ``accelerate launch``), else the default process
+group's rank, else the index ``torch.multiprocessing.spawn`` gave it, else the rank a process
+above it exported (NOTE [exported rank] in ranks.py). A rank found here is exported.
 """
 
 from __future__ import annotations
@@ -52,10 +48,7 @@ RUN_ENV = "LEAKCHECK_RUN"
 
 @dataclass(frozen=True)
 class RunOptions:
-    """How ``leakcheck run`` tracks the program, inside (its loaders) and out (its tree).
-
-    The fields are ``watch()``'s and ``Tracker``'s; ``device_index`` None watches every GPU.
-    """
+    """How ``leakcheck run`` tracks the program, inside and out (``watch()``'s options)."""
 
     tolerance_bytes: int = 16 * MIB
     grace_s: float = 2.0
@@ -65,10 +58,6 @@ class RunOptions:
     rollup_share: float | None = None
     copy_tolerance_bytes: int = 64 * MIB
     hang_after_s: float = 120.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (``options_path``'s)."""
-        return dataclasses.asdict(self)
 
     @property
     def devices(self) -> list[int] | None:
@@ -82,11 +71,7 @@ def options_path(folder: str) -> str:
 
 
 class _EpochIterator:
-    """What the patched ``DataLoader.__iter__`` returns: one epoch's batches, and ``len()``.
-
-    Other attributes are the DataLoader iterator's own (programs read ``_num_yielded``) from
-    the first batch on, when it is made.
-    """
+    """One epoch's batches and ``len()``; else the DataLoader iterator's (from its first batch)."""
 
     __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
     _OWN = frozenset(("_batches", "_inner", "_loader"))

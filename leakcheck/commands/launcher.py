@@ -3,20 +3,17 @@
 ``run_program`` starts the command with the run shim (NOTE [run shim] in
 ``_shim/sitecustomize.py``), so each DataLoader it iterates is tracked inside (NOTE [run
 instrumentation] in instrument.py), and watches its process tree from outside with a
-``Tracker`` rooted at the program (orphans, survivors, every process's GPU memory). Then it
-reads the loaders' reports from the run folder into one ``RunResult``.
+``Tracker`` rooted at the program. Then it reads the loaders' records from the run folder.
 
-NOTE [run tag]: the outside tracker finds reparented descendants by a session tag (NOTE
-[session tag] in procs.py), but the trackers inside export their own ``LEAKCHECK_SESSION``.
-``LEAKCHECK_RUN=<run folder>`` is in the program's initial environment, inherited by every
-process it starts and changed by none: the outside tracker's ``session_tag``.
+NOTE [run tag]: ``LEAKCHECK_RUN=<run folder>`` is in the program's initial environment,
+inherited by every process it starts and changed by none: the outside tracker's session
+tag (the trackers inside export their own ``LEAKCHECK_SESSION``).
 
 NOTE [run signals]: a terminal's Ctrl-C reaches the program itself; ``kill -INT
 <leakcheck>`` only the launcher. The launcher blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD (the
-program gets its mask back before exec), waits with ``sigtimedwait`` and forwards only what a
-process sent (``si_code`` <= 0): a second SIGINT could break the program's cleanup. (``kill
--INT -PGID`` reaches the program twice: a known limit.) ``waitid(WNOWAIT)`` keeps the exited
-program a zombie until the tree is read, so its PID is not reused.
+program gets its mask back before exec) and forwards only what a process sent (``si_code``
+<= 0): a second SIGINT could break the program's cleanup. ``waitid(WNOWAIT)`` keeps the
+exited program a zombie until the tree is read, so its PID is not reused.
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ from leakcheck.track.tracker import Tracker
 __all__ = ["LaunchError", "LoaderResult", "RunOptions", "RunResult", "run_program"]
 
 RUN_SCHEMA_VERSION = 2
-"""Version of ``RunResult.to_dict``'s layout. 2 added each loader's ``rank`` and ``job``."""
+"""Version of ``RunResult.to_dict``'s layout."""
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -78,11 +75,7 @@ class LaunchError(LeakCheckError):
 
 @dataclass(frozen=True)
 class LoaderResult:
-    """One loader of the run.
-
-    Where it was made (``file:line via LIBRARY #2``), its process, its report (else why it is
-    ``missing``), what its tracker cost until the exit and took at it.
-    """
+    """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``."""
 
     label: str
     pid: int
@@ -104,12 +97,7 @@ class LoaderResult:
 
 @dataclass(frozen=True)
 class RunResult:
-    """Everything ``leakcheck run`` observed and judged.
-
-    The program's end, each loader's result (in the order their trackers started), the
-    outside tracker's ``tree`` report (None if it failed), what ranks wrote with
-    ``gather_reports``, and leakcheck's own failures.
-    """
+    """Everything ``leakcheck run`` observed and judged (``tree``: the outside tracker's)."""
 
     command: tuple[str, ...]
     options: RunOptions
@@ -160,11 +148,7 @@ class RunResult:
 
     @property
     def job(self) -> JobReport | None:
-        """The distributed job's verdicts, per rank and overall; None outside a job.
-
-        Each loader of a rank's process is a report of that rank; the tree's findings go to
-        the rank their culprit carries; a rank the tree saw that sent nothing gets one too.
-        """
+        """The distributed job's verdicts, per rank and overall; None outside a job."""
         entries: dict[tuple[int, int], RankReport] = {}
         for loader in self.loaders:
             if loader.rank is None:
@@ -190,7 +174,7 @@ class RunResult:
             "schema_version": RUN_SCHEMA_VERSION,
             "report_schema_version": SCHEMA_VERSION,
             "command": list(self.command),
-            "options": self.options.to_dict(),
+            "options": asdict(self.options),
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "program": {
@@ -264,8 +248,7 @@ class RunResult:
         head = f"process tree of PID {self.pid}, watched from outside"
         if tree is None:
             return [f"{head}: not tracked"]
-        # What a loader blamed is left to it, also where the tree's words differ: a loader
-        # knows its workers from their own reports, the tree only what its samples caught.
+        # What a loader blamed is left to it: it knows its workers from their own reports.
         shown = {finding_identity(f) for r in self.loaders if r.report for f in r.report.leaks}
         repeated = [f for f in tree.findings if finding_identity(f) in shown]
         processes = plural(len(tree.process_keys), "process", "processes")
@@ -368,7 +351,7 @@ def _end_reason(
 
 
 def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
-    """Run ``command`` tracked inside and out (module docstring); judged once it ended.
+    """Run ``command`` tracked inside and out; judged once it ended.
 
     Raises:
         LaunchError: The command could not be started.
@@ -377,7 +360,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
     failures: list[str] = []
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
-        write_json(options_path(folder), options.to_dict())
+        write_json(options_path(folder), asdict(options))
         waiter = _Waiter()
         tree: Report | None = None
         tree_cost: dict[str, Any] | None = None
@@ -461,24 +444,21 @@ def _read_loaders(
     records.sort(key=lambda r: (r["started_unix_s"], r["index"]))
     results: list[LoaderResult] = []
     for record in records:
-        common: dict[str, Any] = {
-            "label": record["label"],
-            "pid": record["pid"],
-            "argv": tuple(record["argv"]),
-            "rank": _record_rank(record),
-        }
-        if "report" not in record:
-            missing = "its process ended without its exit handlers (os._exit, a signal) or "
-            results.append(LoaderResult(**common, missing=missing + "outlived the run"))
-            continue
-        try:
-            report = report_from_dict(record["report"])
-        except (LeakCheckError, KeyError, TypeError, ValueError) as error:
-            results.append(LoaderResult(**common, missing=f"its report cannot be read: {error}"))
-            continue
-        results.append(
-            LoaderResult(**common, report=report, cost=record["cost"], exit_s=record["exit_s"])
+        loader = LoaderResult(
+            record["label"], record["pid"], tuple(record["argv"]), rank=_record_rank(record)
         )
+        if "report" not in record:
+            why = "its process ended without its exit handlers (os._exit, a signal) or outlived"
+            loader = replace(loader, missing=f"{why} the run")
+        else:
+            try:
+                report = report_from_dict(record["report"])
+                loader = replace(
+                    loader, report=report, cost=record["cost"], exit_s=record["exit_s"]
+                )
+            except (LeakCheckError, KeyError, TypeError, ValueError) as error:
+                loader = replace(loader, missing=f"its report cannot be read: {error}")
+        results.append(loader)
     return records, tuple(results)
 
 
@@ -506,12 +486,10 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
 def with_ranks(
     tree: Report, started: Sequence[Mapping[str, Any]], reports: Sequence[Report]
 ) -> Report:
-    """The tree judged again with what the ranks know of themselves, where it differs.
+    """The tree judged again with the ranks and devices its loaders name, where they differ.
 
-    A rank no launcher variable names (a ``torch.multiprocessing.spawn`` child) is known to
-    the outside tracker only through what it execs after its first loader (NOTE [exported
-    rank] in ranks.py): its loaders' records name it, and the tree's processes below it are
-    that rank's too. The ranks' own reports say which device each chose (``set_device``).
+    A spawned rank is known outside only through its loaders' records (NOTE [exported rank]
+    in ranks.py); the ranks' reports say which device each chose.
     """
     rank_of: dict[ProcessKey, int] = {}
     for record in started:

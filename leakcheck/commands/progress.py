@@ -1,7 +1,4 @@
-"""Progress of a sweep: a one-line bar on a terminal, a plain line per epoch elsewhere.
-
-(A carriage-return bar in a log file is noise: every redraw is kept.)
-"""
+"""Progress of a sweep: a one-line bar on a terminal, a plain line per epoch elsewhere."""
 
 from __future__ import annotations
 
@@ -14,12 +11,8 @@ from typing import TextIO
 class Progress:
     """Reports the sweep's progress on ``stream`` (standard error by default).
 
-    Args:
-        total_epochs: Epochs over all configurations (the bar's 100%).
-        stream: Where to write.
-        tty: Draw a bar; default: whether ``stream`` is a terminal.
-        enabled: False writes nothing at all.
-
+    ``total_epochs`` is the bar's 100%; ``tty`` draws a bar (default: ``stream`` is a terminal:
+    a carriage-return bar in a log file is noise); ``enabled`` False writes nothing.
     """
 
     def __init__(
@@ -79,16 +72,18 @@ class Progress:
     def _draw(self, suffix: str = "") -> None:
         if not (self.enabled and self.tty):
             return
-        width = max(shutil.get_terminal_size((80, 20)).columns, 40)
         fraction = min(self.done_epochs / self.total_epochs, 1.0)
         text = f" {fraction:4.0%} {self._label}{suffix}  {time.monotonic() - self._started_s:.0f} s"
         filled = round(fraction * 24)  # a fixed width: a bar that follows its label jitters
         line = f"[{'#' * filled}{'.' * (24 - filled)}]{text}"
-        self._write("\r" + line[: width - 1].ljust(width - 1))
+        self._write("\r" + line[: _width() - 1].ljust(_width() - 1))
         self._bar_drawn = True
 
     def _clear_bar(self) -> None:
         if self._bar_drawn:
-            width = max(shutil.get_terminal_size((80, 20)).columns, 40)
-            self._write("\r" + " " * (width - 1) + "\r")
+            self._write("\r" + " " * (_width() - 1) + "\r")
             self._bar_drawn = False
+
+
+def _width() -> int:
+    return max(shutil.get_terminal_size((80, 20)).columns, 40)

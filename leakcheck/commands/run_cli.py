@@ -15,57 +15,23 @@ import os
 import sys
 from typing import Any, TextIO
 
-from leakcheck.core import options as option_specs
+from leakcheck.commands.common import (
+    EXIT_LEAK,
+    EXIT_USAGE,
+    SHARED,
+    add_options,
+    check_device,
+    output_paths,
+    save_output,
+    shared_options,
+)
 from leakcheck.core.errors import UsageError
-from leakcheck.core.files import check_output_path, write_json
+from leakcheck.core.files import write_json
+from leakcheck.core.options import parse_seconds_option, parse_share_option
 
-__all__ = ["add_run_parser", "output_paths", "run_command", "torchrun_command"]
+__all__ = ["add_run_parser", "run_command", "torchrun_command"]
 
-EXIT_LEAK = 1
-EXIT_USAGE = 2
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
-
-
-_OPTIONS = (  # flag, metavar, help; every default is resolved in _options
-    ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
-    (
-        "--copy-tolerance",
-        "SIZE",
-        "what each forked worker may copy of its parent (default: $LEAKCHECK_COPY_TOLERANCE, "
-        "64MiB)",
-    ),
-    (
-        "--grace",
-        "SECONDS",
-        "how long a process may outlive its epoch, and the program (default: $LEAKCHECK_GRACE, 2)",
-    ),
-    ("--interval", "SECONDS", "sampling (50ms)"),
-    (
-        "--hang-after",
-        "SECONDS",
-        "seconds a loop may wait for a batch before its process's and workers' stacks are "
-        "written to stderr and the report (default 120; 0: off)",
-    ),
-    ("--device", "N", "GPU index to watch (default: all)"),
-    (
-        "--rollup-share",
-        "SHARE",
-        "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; 1 reads "
-        "at every epoch end (default 0.001)",
-    ),
-    ("--json", "PATH", "write everything as JSON (schema-versioned)"),
-    ("--plot", "PATH.png", "draw memory per epoch end of each loader, its leaks marked"),
-    (
-        "--nproc-per-node",
-        "N",
-        "run the script under torchrun (--standalone) with N ranks; the report gives a verdict "
-        "per rank and for the job (own torchrun options: leakcheck run -- torchrun)",
-    ),
-)
-_SWITCHES = (
-    ("--teardown", "workers release their CUDA context at exit and die with their parent"),
-    ("--fail-on-leak", "exit 1, not 0, when a leak was found"),
-)
 
 
 def add_run_parser(commands: Any) -> argparse.ArgumentParser:
@@ -83,10 +49,36 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
-    for flag, metavar, text in _OPTIONS:
-        run.add_argument(flag, metavar=metavar, help=text)
-    for flag, text in _SWITCHES:
-        run.add_argument(flag, action="store_true", help=text)
+    add_options(
+        run,
+        (
+            *SHARED,
+            (
+                "--hang-after",
+                "SECONDS",
+                "seconds a loop may wait for a batch before its process's and workers' stacks "
+                "are written to stderr and the report (default 120; 0: off)",
+            ),
+            (
+                "--rollup-share",
+                "SHARE",
+                "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
+                "1 reads at every epoch end (default 0.001)",
+            ),
+            (
+                "--nproc-per-node",
+                "N",
+                "run the script under torchrun (--standalone) with N ranks; the report gives a "
+                "verdict per rank and for the job (own torchrun options: leakcheck run -- "
+                "torchrun)",
+            ),
+            (
+                "--teardown",
+                None,
+                "workers release their CUDA context at exit and die with their parent",
+            ),
+        ),
+    )
     run.add_argument(
         "program",  # not "command": cli.py's subcommand is args.command
         nargs=argparse.REMAINDER,
@@ -94,59 +86,6 @@ def add_run_parser(commands: Any) -> argparse.ArgumentParser:
         help="the program and its arguments, after --",
     )
     return run
-
-
-def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
-    """``--json`` and ``--plot``, checked before anything runs.
-
-    Raises:
-        UsageError: A path cannot be written, both name one file, or no matplotlib.
-
-    """
-    json_path = check_output_path(json, "--json")
-    plot_path = check_output_path(plot, "--plot", ".png")
-    if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
-        raise UsageError(
-            f"--plot: expected a file other than --json's, got {plot!r} for both "
-            "(the plot would overwrite the JSON)"
-        )
-    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError(
-            "--plot: needs matplotlib, which is not installed "
-            "(pip install 'dataloader-leakcheck[plot]')"
-        )
-    return json_path, plot_path
-
-
-def _options(args: argparse.Namespace) -> Any:
-    """The ``RunOptions`` of the parsed arguments (launcher.py's, imported lazily)."""
-    from leakcheck.commands.launcher import RunOptions
-
-    tolerance_bytes, grace_s = option_specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=2.0
-    )
-    device = None
-    if args.device is not None:
-        device = option_specs.parse_device_index(args.device, "--device")
-        _check_device(device)
-    return RunOptions(
-        tolerance_bytes=tolerance_bytes,
-        grace_s=grace_s,
-        interval_s=option_specs.parse_interval_option(
-            "50ms" if args.interval is None else args.interval, "--interval"
-        ),
-        teardown=bool(args.teardown),
-        device_index=device,
-        rollup_share=None
-        if args.rollup_share is None
-        else option_specs.parse_share_option(args.rollup_share, "--rollup-share"),
-        copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
-            args.copy_tolerance, os.environ
-        ),
-        hang_after_s=option_specs.parse_seconds_option(
-            120 if args.hang_after is None else args.hang_after, "--hang-after"
-        ),
-    )
 
 
 def torchrun_command(command: list[str], nproc: str) -> list[str]:
@@ -188,25 +127,11 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
     return [*launcher, "--nproc-per-node", text, *rest]
 
 
-def _check_device(device: int) -> None:
-    """Refuse ``--device`` beyond the GPUs NVML lists (without any GPU the report says so)."""
-    from leakcheck.core.errors import LeakCheckError
-    from leakcheck.observe import nvml
-
-    if not nvml.availability()[0]:
-        return
-    try:
-        count = nvml.get().device_count()
-    except LeakCheckError:
-        return
-    if device >= count:
-        raise UsageError(f"--device: expected a GPU index below {count}, got {device}")
-
-
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck run``: run the program, report to ``err``, write ``--json``; the status."""
-    from leakcheck.commands.launcher import LaunchError, run_program
+    from leakcheck.commands.launcher import LaunchError, RunOptions, run_program
     from leakcheck.judge.report import plot_reports
+    from leakcheck.observe import nvml
 
     command = list(args.program)
     if command[:1] == ["--"]:
@@ -219,7 +144,18 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if args.nproc_per_node is not None:
             command = torchrun_command(command, args.nproc_per_node)
         json_path, plot_path = output_paths(args.json, args.plot)
-        options = _options(args)
+        shared = shared_options(args)
+        if shared["device_index"] is not None:
+            check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
+        hang_after = 120 if args.hang_after is None else args.hang_after
+        options = RunOptions(
+            teardown=bool(args.teardown),
+            rollup_share=None
+            if args.rollup_share is None
+            else parse_share_option(args.rollup_share, "--rollup-share"),
+            hang_after_s=parse_seconds_option(hang_after, "--hang-after"),
+            **shared,
+        )
         result = run_program(command, options)
     except (UsageError, LaunchError) as error:
         err.write(f"leakcheck run: {error}\n")
@@ -234,13 +170,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         ("--json", json_path, lambda p: write_json(p, result.to_dict())),
         ("--plot", plot_path, lambda p: plot_reports(drawn, p)),
     ):
-        if path is None:
-            continue
-        try:
-            write(path)
-        except Exception as error:  # the report is out already: say what failed, go on
-            verb = "write" if option == "--json" else "draw"
-            err.write(f"leakcheck run: {option}: cannot {verb} {path!r}: {error}\n")
+        if path is not None and not save_output("leakcheck run", option, path, write, err):
             status = EXIT_USAGE if status == 0 else status
     if status == 0 and args.fail_on_leak and result.leak_count:
         return EXIT_LEAK

@@ -1,18 +1,14 @@
 """The sweep engine: worker counts x epochs, one ``Tracker`` per configuration.
 
 For each worker count it builds a fresh loader (``FACTORY(num_workers)``), iterates it for
-some epochs through ``watch()``'s wrapper (NOTE [the watch() code path]) and keeps what each
-epoch showed per process and device: a frozen ``SweepResult``, as text (``format``) and JSON
-(``to_dict``); ``leakcheck.judge.plot`` draws it, reading it by shape, never by import.
+some epochs through ``watch()``'s wrapper (NOTE [the watch() code path]) and keeps a row per
+epoch: a frozen ``SweepResult``, as text (``format``) and JSON (``to_dict``), drawn by
+``leakcheck.judge.plot`` (which reads it by shape).
 
 NOTE [one tracker per configuration]: each configuration has its own tracker, so its own
 session tag: a leftover of one configuration is never counted in the next, and the cleanup
-after a configuration touches only processes with that configuration's tag.
-
-NOTE [cleanup]: after a configuration is judged, the sweep terminates the live processes it
-created that were reparented away (its orphans), found by the session tag; each identity
-``(pid, start_ticks)`` is checked again right before the signal (NOTE [process identity] in
-procs.py). Nothing without the tag is ever signalled.
+after it (``cleanup_orphans``) signals only live, reparented processes with that tag, each
+identity checked again right before the signal (NOTE [process identity] in procs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.commands.common import one_line
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
@@ -58,7 +55,6 @@ LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
 
 _UNKNOWN = "?"
-_NO_DATA = ("n/a", "-")
 
 
 class LoaderError(LeakCheckError):
@@ -87,12 +83,7 @@ class SweepPlan:
 
 @dataclass(frozen=True)
 class SweepOptions:
-    """What to sweep and how to judge it.
-
-    ``device_index`` None watches all devices and shows the first; ``rollup_share`` 1.0
-    reads USS at every epoch end, so that every row says USS (its cost is in the tracker
-    cost line).
-    """
+    """What to sweep and how to judge it (``rollup_share`` 1: every row's host memory a USS)."""
 
     workers: tuple[int, ...] = (0, 4, 8)
     epochs: int = 5
@@ -112,12 +103,11 @@ class SweepOptions:
 
 @dataclass(frozen=True)
 class EpochRow:
-    """One row of the sweep table: one epoch of one configuration (docs/REFERENCE.md).
+    """One epoch of one configuration, as the table and the JSON show it (docs/REFERENCE.md).
 
-    GPU bytes are summed over the watched devices; device and telemetry fields are the
-    reported device's. A GPU field is None where no GPU (or no per-process figure) can be
-    read; a workers' sum is None where any worker's figure is unknown, never 0.
-    ``samples``, ``wait_s`` (inside ``next()``) and ``loop_s`` are the loop's own timing.
+    GPU bytes are summed over the watched devices, device fields are the reported device's;
+    None where not read, and a workers' sum is None where any worker's figure is unknown.
+    ``samples``, ``wait_s`` (inside ``next()``) and ``loop_s`` time the sweep's loop.
     """
 
     num_workers: int
@@ -177,11 +167,7 @@ class Cooldown:
 
 @dataclass(frozen=True)
 class CleanedProcess:
-    """A leftover process of the sweep and what the cleanup did to it.
-
-    ``outcome``: ``terminated``, ``killed``, ``gone`` (exited before the signal), or
-    ``failed: <reason>``.
-    """
+    """A leftover process of the sweep; ``outcome``: terminated, killed, gone, failed: why."""
 
     pid: int
     start_ticks: int
@@ -218,36 +204,42 @@ class ConfigResult:
             return None
         return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
 
+    def _total(self, name: str) -> float | None:
+        """The rows' sum of a timing field; None where any row lacks it."""
+        values = [getattr(row, name) for row in self.rows]
+        return None if not values or None in values else sum(values)
+
     @property
     def samples_per_s(self) -> float | None:
         """Samples per second of the loop over every epoch; None where not counted."""
-        samples = [row.samples for row in self.rows]
-        if not samples or None in samples:
-            return None
-        return _rate(sum(n for n in samples if n is not None), self.rows)
+        samples, loop_s = self._total("samples"), self._total("loop_s")
+        return None if samples is None or not loop_s else samples / loop_s
 
     @property
     def batches_per_s(self) -> float | None:
         """Batches per second of the loop over every epoch; None where not timed."""
-        return _rate(sum(row.batches or 0 for row in self.rows), self.rows)
+        loop_s = self._total("loop_s")
+        return sum(row.batches or 0 for row in self.rows) / loop_s if loop_s else None
 
     @property
     def wait_share(self) -> float | None:
         """Share of the loop's time spent waiting for batches (``EpochRow.wait_s``)."""
-        loop_s = sum(row.loop_s or 0.0 for row in self.rows)
-        if loop_s <= 0 or any(row.wait_s is None for row in self.rows):
-            return None
-        return sum(row.wait_s or 0.0 for row in self.rows) / loop_s
+        wait_s, loop_s = self._total("wait_s"), self._total("loop_s")
+        return None if wait_s is None or not loop_s else wait_s / loop_s
 
     @property
     def worker_host_bytes(self) -> int | None:
         """Host memory per worker: the most of any epoch; None where never read."""
-        return _per_worker(self.rows, lambda row: row.workers_host_bytes)
+        return self._per_worker("workers_host_bytes")
 
     @property
     def worker_gpu_bytes(self) -> int | None:
         """GPU memory per worker (its peak): the most of any epoch; None where never read."""
-        return _per_worker(self.rows, lambda row: row.workers_gpu_bytes_peak)
+        return self._per_worker("workers_gpu_bytes_peak")
+
+    def _per_worker(self, name: str) -> int | None:
+        totals = [(getattr(row, name), row.worker_count) for row in self.rows]
+        return max((total // n for total, n in totals if n and total is not None), default=None)
 
     @property
     def teardowns(self) -> tuple[TeardownRecord, ...]:
@@ -276,25 +268,13 @@ class ConfigResult:
         }
 
 
-_THROUGHPUT: tuple[str, ...] = ("samples_per_s", "batches_per_s", "wait_share")
-_THROUGHPUT += ("worker_host_bytes", "worker_gpu_bytes")  # per worker, the most of any epoch
-
-
-def _rate(count: int, rows: Iterable[EpochRow]) -> float | None:
-    loop_s = [row.loop_s for row in rows]
-    if not loop_s or None in loop_s or sum(t for t in loop_s if t) <= 0:
-        return None
-    return count / sum(t for t in loop_s if t)
-
-
-def _per_worker(rows: Iterable[EpochRow], value: Callable[[EpochRow], int | None]) -> int | None:
-    known = [
-        total // row.worker_count
-        for row in rows
-        if row.worker_count and (total := value(row)) is not None
-    ]
-    return max(known, default=None)
-
+_THROUGHPUT = (
+    "samples_per_s",
+    "batches_per_s",
+    "wait_share",
+    "worker_host_bytes",
+    "worker_gpu_bytes",
+)
 
 RECOMMEND_WITHIN = 0.05
 """The recommended worker count is the smallest within this share of the best throughput."""
@@ -330,28 +310,23 @@ class Recommendation:
 
     def describe(self, *, gpu_available: bool) -> str:
         """One line: the count, its throughput against the best, its memory cost."""
-        rate = f"{self.rate_per_s:,.0f} {self.unit}/s"
-        if self.best_workers == self.num_workers:
-            against = "the best"
-        else:
+        n = self.num_workers
+        against = "the best"
+        if self.best_workers != n:
             best = f"{self.best_rate_per_s:,.0f} at {self.best_workers}"
             against = f"within {RECOMMEND_WITHIN:.0%} of the best, {best}"
-        if self.num_workers == 0:
-            cost = "no worker memory"
-        else:
-            costs = [("host", self.worker_host_bytes)]
-            if gpu_available:
-                costs.append(("GPU", self.worker_gpu_bytes))
-            cost = "costs " + ", ".join(
-                f"{where} {_cost(per_worker, self.num_workers)}" for where, per_worker in costs
-            )
-        return f"recommended: {plural(self.num_workers, 'worker')} ({rate}, {against}); {cost}"
-
-
-def _cost(per_worker: int | None, count: int) -> str:
-    if per_worker is None:
-        return "unknown"
-    return f"{format_mib(per_worker * count)} MiB ({format_mib(per_worker)} per worker)"
+        costs = [("host", self.worker_host_bytes)]
+        costs += [("GPU", self.worker_gpu_bytes)] if gpu_available else []
+        cost = "costs " + ", ".join(
+            f"{where} {format_mib(each * n)} MiB ({format_mib(each)} per worker)"
+            if each is not None
+            else f"{where} unknown"
+            for where, each in costs
+        )
+        return (
+            f"recommended: {plural(n, 'worker')} ({self.rate_per_s:,.0f} {self.unit}/s, "
+            f"{against}); {cost if n else 'no worker memory'}"
+        )
 
 
 def recommendation(result: SweepResult) -> Recommendation | None:
@@ -451,17 +426,13 @@ def run_sweep(
     progress: Progress | None = None,
     gpu: tuple[bool, str] | None = None,
 ) -> SweepResult:
-    """Run every configuration of the sweep and judge each.
-
-    ``loader`` describes the loader in one line; ``gpu`` is ``nvml.availability()`` where
-    the caller asked already.
+    """Run and judge every configuration (``gpu``: ``nvml.availability()``, if asked already).
 
     Raises:
         LoaderError: Calling the factory or iterating its loader failed (one line).
 
     """
-    started_unix_s = time.time()
-    started_s = time.monotonic()
+    started_unix_s, started_s = time.time(), time.monotonic()
     gpu_available, gpu_reason = gpu if gpu is not None else nvml.availability()
     devices: tuple[DeviceState, ...] = ()
     if gpu_available:
@@ -480,11 +451,11 @@ def run_sweep(
             for position, n in enumerate(options.workers)
         )
     progress.close()
-    seen: set[tuple[type[Warning], str]] = set()
+    once: dict[tuple[type[Warning], str], warnings.WarningMessage] = {}
     for item in caught:
-        if (item.category, str(item.message)) not in seen:
-            seen.add((item.category, str(item.message)))
-            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+        once.setdefault((item.category, str(item.message)), item)
+    for item in once.values():
+        warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
     return SweepResult(
         options=options,
         loader=loader,
@@ -514,6 +485,7 @@ def _run_config(
     teardown policy. The loader is built before the tracker starts, as in
     ``watch(DataLoader(...))``: a DataLoader starts no worker before it is iterated.
     """
+    label = f"workers={num_workers}"
     cooldown = None
     if options.cooldown_temp_c is not None:
         cooldown = wait_for_cooldown(
@@ -522,20 +494,21 @@ def _run_config(
             device_index=options.device_index or 0,
             gpu_available=gpu_available,
         )
-        progress.note(f"workers={num_workers}: {cooldown.describe()}")
+        progress.note(f"{label}: {cooldown.describe()}")
     started_s = time.monotonic()
     loader = _build_loader(factory, num_workers)
     if num_workers and not hasattr(loader, "worker_init_fn"):
         counted = isinstance(getattr(loader, "num_workers", None), int)
         unchecked = "" if counted else "its worker count is not checked and "
         progress.note(
-            f"workers={num_workers}: the loader is a {type(loader).__name__}, not a DataLoader: "
+            f"{label}: the loader is a {type(loader).__name__}, not a DataLoader: "
             f"{unchecked}its workers report nothing of themselves (their processes are still "
             "tracked)"
         )
     persistent = num_workers > 0 and (
         options.persistent or bool(getattr(loader, "persistent_workers", False))
     )
+    # The configuration's tracker (NOTE [one tracker per configuration]).
     tracker = Tracker(
         interval=options.interval_s,
         devices=None if options.device_index is None else [options.device_index],
@@ -554,27 +527,26 @@ def _run_config(
     cleaned: tuple[CleanedProcess, ...] = ()
     try:
         with watched:  # on Ctrl-C too, leaving it stops sampling
-            failure = _run_epochs(watched, options, num_workers, position, progress, timings)
+            failure = _run_epochs(watched, options, label, position, progress, timings)
             cost = tracker.cost()  # before close() waits out the grace period
     finally:
         if options.cleanup and tracker.session_id:
             cleaned = cleanup_orphans(tracker.session_id)
             for item in cleaned:
                 progress.note(
-                    f"workers={num_workers}: cleanup: {item.outcome} leftover PID {item.pid} "
+                    f"{label}: cleanup: {item.outcome} leftover PID {item.pid} "
                     f"of this sweep ({item.cmdline})"
                 )
     if failure is not None:
         raise failure
     report = watched.report()
     counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = []
-    for record in report.epochs:
-        row = epoch_row(record, num_workers, report, options.device_index, counts[record.index])
-        if row.epoch < len(timings):
-            samples, wait_s, loop_s = timings[row.epoch]
-            row = replace(row, samples=samples, wait_s=wait_s, loop_s=loop_s)
-        rows.append(row)
+    rows = [
+        epoch_row(record, num_workers, report, options.device_index, counts[record.index])
+        for record in report.epochs
+    ]
+    for index, (samples, wait_s, loop_s) in enumerate(timings[: len(rows)]):
+        rows[index] = replace(rows[index], samples=samples, wait_s=wait_s, loop_s=loop_s)
     return ConfigResult(
         num_workers=num_workers,
         persistent_workers=persistent,
@@ -589,21 +561,21 @@ def _run_config(
 
 def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
     """``FACTORY(num_workers)``, or a one-line ``LoaderError`` saying why there is none."""
-    name = getattr(factory, "__qualname__", "FACTORY")
+    call = f"{getattr(factory, '__qualname__', 'FACTORY')}({num_workers})"
     try:
         loader: object = factory(num_workers)
     except Exception as exc:
-        raise LoaderError(f"calling {name}({num_workers}) failed: {one_line(exc)}") from None
+        raise LoaderError(f"calling {call} failed: {one_line(exc)}") from None
     if loader is None or not isinstance(loader, Iterable):
         raise LoaderError(
-            f"{name}({num_workers}) returned {type(loader).__name__}, "
+            f"{call} returned {type(loader).__name__}, "
             "expected an iterable loader (such as a DataLoader)"
         )
     declared = getattr(loader, "num_workers", None)
     if isinstance(declared, int) and declared != num_workers:
         # The sweep compares worker counts: a row labelled with one count must have it.
         raise LoaderError(
-            f"{name}({num_workers}) returned a loader with num_workers={declared}, expected "
+            f"{call} returned a loader with num_workers={declared}, expected "
             f"{num_workers}: pass the argument on to the DataLoader"
         )
     return loader
@@ -612,31 +584,28 @@ def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
 def _run_epochs(
     watched: WatchedLoader[Any],
     options: SweepOptions,
-    num_workers: int,
+    label: str,
     position: int,
     progress: Progress,
     timings: list[tuple[int | None, float, float]],
 ) -> LoaderError | None:
-    """Iterate the watched loader for every epoch, with progress per batch.
+    """Iterate every epoch, each one's ``(samples, wait_s, loop_s)`` to ``timings``.
 
-    Each epoch's ``(samples, wait_s, loop_s)`` goes to ``timings``. A loader failure is
-    returned, not raised, so that the caller closes the tracker and cleans up first.
+    A loader failure is returned, not raised: the caller closes the tracker and cleans up first.
     """
     try:
         total = len(watched)
     except Exception:
         total = None
-    config_label = f"workers={num_workers}"
     first_batches: int | None = None
     try:
         for epoch in range(options.epochs):
             progress.begin(
-                f"config {position + 1}/{len(options.workers)} {config_label} "
+                f"config {position + 1}/{len(options.workers)} {label} "
                 f"epoch {epoch} ({epoch + 1} of {options.epochs})"
             )
-            batches = 0
-            samples: int | None = 0
-            wait_s = 0.0
+            batches, wait_s = 0, 0.0
+            counted: int | None = 0
             started_s = handled_s = time.perf_counter()
             try:
                 with warnings.catch_warnings():
@@ -652,20 +621,20 @@ def _run_epochs(
                         wait_s += time.perf_counter() - asked_s
                         batches += 1
                         size = batch_samples(batch)
-                        samples = None if samples is None or size is None else samples + size
+                        counted = None if counted is None or size is None else counted + size
                         del batch
                         progress.batch(batches, total)
                         handled_s = time.perf_counter()
             except Exception as exc:
                 return LoaderError(
-                    f"iterating the loader ({config_label}, epoch {epoch}) failed: {one_line(exc)}"
+                    f"iterating the loader ({label}, epoch {epoch}) failed: {one_line(exc)}"
                 )
-            timings.append((samples, wait_s, handled_s - started_s))
+            timings.append((counted, wait_s, handled_s - started_s))
             if first_batches is None:
                 first_batches = batches
             elif batches == 0 and first_batches > 0:
                 return LoaderError(
-                    f"the loader ({config_label}) yielded no batches in epoch {epoch}, where "
+                    f"the loader ({label}) yielded no batches in epoch {epoch}, where "
                     f"epoch 0 yielded {first_batches}: it can be iterated once (a generator or "
                     "an iterator); return one that can be iterated again, such as a DataLoader"
                 )
@@ -713,21 +682,19 @@ def batch_samples(batch: Any) -> int | None:
     What ``default_collate`` makes of any sample (a tensor, a tuple, a list or a dict of
     them) has the batch's size as its first tensor's first dimension. None: no such tensor.
     """
-    while True:
-        if isinstance(batch, Mapping):
-            batch = next(iter(batch.values()), None)
-        elif isinstance(batch, list | tuple):
-            batch = batch[0] if batch else None
-        else:
-            break
+    while isinstance(batch, Mapping | list | tuple):
+        batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch), None)
     shape = getattr(batch, "shape", None)
     return int(shape[0]) if isinstance(shape, tuple | list) and shape else None
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+_DEVICE_FIELDS = {
+    "device_used_bytes": "used_bytes",
+    "device_total_bytes": "total_bytes",
+    "temperature_c": "temperature_c",
+    "sm_clock_mhz": "sm_clock_mhz",
+    "power_w": "power_w",
+}
 
 
 def epoch_row(
@@ -741,9 +708,7 @@ def epoch_row(
     processes = record.processes
     workers = [p for p in processes if p.role == "worker"]
     worker_end = [p.total_gpu_bytes_end for p in workers]
-    device = next(
-        (d for d in record.devices if device_index is None or d.index == device_index), None
-    )
+    device = next((d for d in record.devices if device_index in (None, d.index)), None)
     per_process = per_pid_bytes_known(report.timeline)
 
     def known(value: int) -> int | None:
@@ -757,7 +722,7 @@ def epoch_row(
 
     peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
     if peak is not None:
-        peak = max(peak, sum(worker_end))  # peak >= end per process, so the sums keep it
+        peak = known(max(peak, sum(worker_end)))  # peak >= end per process: the sums too
     host = host_totals(processes)
     copied = [p for p in workers if p.copied_bytes_end is not None]
     return EpochRow(
@@ -770,7 +735,7 @@ def epoch_row(
         worker_count=len(workers),
         workers_gpu_bytes=known(sum(worker_end)),
         worker_gpu_bytes_max=known(max(worker_end, default=0)),
-        workers_gpu_bytes_peak=peak if per_process else None,
+        workers_gpu_bytes_peak=peak,
         alive_after=counts.alive_after,
         orphans=counts.orphans,
         other_gpu_bytes=gpu_end("descendant", "orphan"),
@@ -783,12 +748,8 @@ def epoch_row(
         workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
         workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
         shm_bytes=record.shm_bytes,
-        device_used_bytes=None if device is None else device.used_bytes,
-        device_total_bytes=None if device is None else device.total_bytes,
-        temperature_c=None if device is None else device.temperature_c,
-        sm_clock_mhz=None if device is None else device.sm_clock_mhz,
-        power_w=None if device is None else device.power_w,
         error=record.error,
+        **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
     )
 
 
@@ -810,11 +771,10 @@ def wait_for_cooldown(
     started_s = time.monotonic()
 
     def read() -> int | None:
-        try:
-            states = nvml.get().devices([device_index])
-        except LeakCheckError:
-            return None
-        return states[0].temperature_c if states else None
+        with contextlib.suppress(LeakCheckError):
+            for state in nvml.get().devices([device_index]):
+                return state.temperature_c
+        return None
 
     first = current = read()
     if first is None:
@@ -829,26 +789,20 @@ def wait_for_cooldown(
 
 
 def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedProcess, ...]:
-    """Terminate live processes tagged with ``session_id`` that left this process's tree.
+    """Terminate live processes tagged ``session_id`` that left this process's tree.
 
-    The sweep's own orphans (NOTE [cleanup]); each identity is checked again right before
-    the signal.
-
-    Returns:
-        One entry per process found, with what happened to it.
-
+    The sweep's own orphans (NOTE [one tracker per configuration]); one entry per process
+    found, with what happened to it.
     """
     import psutil
 
     me = os.getpid()
-    tagged = [info for info in procs.scan_all(session_id=session_id) if info.tagged]
     own = {info.key.pid for info in procs.descendants(me, with_cmdline=False)} | {me}
-    cleaned: list[CleanedProcess] = []
-    victims: list[tuple[ProcInfo, str, psutil.Process]] = []
-    for info in tagged:
-        if info.key.pid in own:
+    outcomes: dict[ProcInfo, str] = {}
+    victims: dict[ProcInfo, psutil.Process] = {}
+    for info in procs.scan_all(session_id=session_id):
+        if not info.tagged or info.key.pid in own:
             continue
-        cmdline = process_name(info.cmdline)
         try:
             # psutil holds the process from here on (and refuses to signal its PID once
             # reused); /proc says whether it is still the one the scan found.
@@ -859,33 +813,31 @@ def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedPro
             if now != info.key or procs.tagged_session(info.key.pid) != session_id:
                 continue  # the PID now belongs to someone else: never touch it
             process.terminate()
+            victims[info] = process
         except psutil.NoSuchProcess:
-            cleaned.append(_cleaned(info, cmdline, "gone"))
-            continue
+            outcomes[info] = "gone"
         except psutil.Error as exc:
-            cleaned.append(_cleaned(info, cmdline, f"failed: {exc}"))
-            continue
-        victims.append((info, cmdline, process))
-    _gone, alive = psutil.wait_procs([process for _, _, process in victims], timeout=wait_s)
-    alive_pids = {process.pid for process in alive}
-    for info, cmdline, process in victims:
-        outcome = "terminated"
-        if process.pid in alive_pids:
+            outcomes[info] = f"failed: {exc}"
+    _gone, alive = psutil.wait_procs(list(victims.values()), timeout=wait_s)
+    for info, process in victims.items():
+        outcomes[info] = "terminated"
+        if process in alive:
             try:
                 process.kill()  # psutil refuses if the PID was reused meanwhile
-                outcome = "killed"
+                outcomes[info] = "killed"
             except psutil.NoSuchProcess:
                 pass  # it exited after all: the SIGTERM did it
             except psutil.Error as exc:
-                outcome = f"failed: {exc}"
-        cleaned.append(_cleaned(info, cmdline, outcome))
-    return tuple(cleaned)
-
-
-def _cleaned(info: ProcInfo, cmdline: str, outcome: str) -> CleanedProcess:
-    key = info.key
-    return CleanedProcess(
-        key.pid, key.start_ticks, procs.create_time_s(key.start_ticks), cmdline, outcome
+                outcomes[info] = f"failed: {exc}"
+    return tuple(
+        CleanedProcess(
+            info.key.pid,
+            info.key.start_ticks,
+            procs.create_time_s(info.key.start_ticks),
+            process_name(info.cmdline),
+            outcome,
+        )
+        for info, outcome in outcomes.items()
     )
 
 
@@ -950,37 +902,28 @@ def _row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
         format_mib(row.device_used_bytes),
         or_dash(row.temperature_c),
     ]
-    if not gpu_available:
-        for index, name in enumerate(COLUMN_NAMES):
-            if name.startswith(("GPU", "temp")):
-                cells[index] = "n/a"
+    gpu_columns = (i for i, name in enumerate(COLUMN_NAMES) if name.startswith(("GPU", "temp")))
+    for index in () if gpu_available else gpu_columns:
+        cells[index] = "n/a"
     return cells
 
 
 def _format_table(result: SweepResult) -> list[str]:
-    """The per-epoch table; a column with no data on this machine (only n/a or -) is left out."""
-    rows = [
-        _row_cells(row, gpu_available=result.gpu_available)
-        for config in result.configs
-        for row in config.rows
-    ]
+    """The per-epoch table (a column with only n/a or - on this machine left out), its note."""
+    rows = [row for config in result.configs for row in config.rows]
+    cells = [_row_cells(row, gpu_available=result.gpu_available) for row in rows]
     shown = [
         index
         for index in range(len(COLUMN_NAMES))
-        if index < 3 or any(cells[index] not in _NO_DATA for cells in rows)
+        if index < 3 or any(line[index] not in ("n/a", "-") for line in cells)
     ]
-    table = [[COLUMN_NAMES[i] for i in shown], *([cells[i] for i in shown] for cells in rows)]
-    return align_columns(table)
-
-
-def _unknown_peak_note(result: SweepResult) -> list[str]:
-    """The lines under the table that say what ``?`` means, when one appears."""
-    rows = [row for config in result.configs for row in config.rows]
+    table = align_columns([[line[i] for i in shown] for line in [list(COLUMN_NAMES), *cells]])
     unknown = sum(row.workers_peak_unknown or 0 for row in rows)
     if not result.gpu_available or not unknown:
-        return []
+        return table
     epochs = sum(1 for row in rows if row.workers_peak_unknown)
     return [
+        *table,
         "",
         f"{_UNKNOWN} = not known, not 0: {plural(unknown, 'worker')} in "
         f"{plural(epochs, 'epoch')} exited before any read saw them on a GPU "
@@ -999,9 +942,8 @@ def _format_answer(result: SweepResult) -> list[str]:
     answer = recommendation(result)
     if answer is None:
         return []  # nothing was timed (a result built by hand)
-    header = ["workers", f"{answer.unit}/s", "host MiB/wk"]
-    if result.gpu_available:
-        header.append("GPU MiB/wk")
+    header = ["workers", f"{answer.unit}/s", "host MiB/wk", "GPU MiB/wk"]
+    header = header[: 4 if result.gpu_available else 3]
     table = [header]
     for config in result.configs:
         rate = config.samples_per_s if answer.unit == "samples" else config.batches_per_s
@@ -1011,27 +953,7 @@ def _format_answer(result: SweepResult) -> list[str]:
         ]
         cells = [str(config.num_workers), "n/a" if rate is None else f"{rate:,.0f}", *memory]
         table.append(cells[: len(header)])
-    answer_line = answer.describe(gpu_available=result.gpu_available)
-    return ["", *align_columns(table), answer_line]
-
-
-def _teardown_lines(config: ConfigResult) -> list[str]:
-    teardown = _teardown_summary(config.teardowns)
-    workers = plural(teardown["workers"], "worker")
-    per_worker = teardown["gpu_bytes_before_per_worker"]
-    if teardown["workers"] and not teardown["cuda_initialized"]:
-        text = f"{workers} exited through the teardown policy (CUDA never initialised in them: "
-        text += "nothing to release)"
-    elif teardown["workers"]:
-        freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
-        released = teardown["contexts_released"]
-        text = f"{workers}, {released} released their CUDA context before exiting{freed}"
-    elif teardown["reported"]:
-        text = f"policy off; {plural(teardown['reported'], 'worker')} reported what they held "
-        text += "at exit and released nothing"
-    else:
-        return []
-    return [f"  teardown: {text}"]
+    return ["", *align_columns(table), answer.describe(gpu_available=result.gpu_available)]
 
 
 def _config_lines(config: ConfigResult) -> list[str]:
@@ -1045,7 +967,27 @@ def _config_lines(config: ConfigResult) -> list[str]:
     if config.cooldown is not None:
         lines.append(f"  {config.cooldown.describe()}")
     lines.extend(report.finding_lines(indent="  "))
-    lines.extend(_teardown_lines(config))
+    teardown = _teardown_summary(config.teardowns)
+    workers, per_worker = (
+        plural(teardown["workers"], "worker"),
+        teardown["gpu_bytes_before_per_worker"],
+    )
+    if teardown["workers"] and not teardown["cuda_initialized"]:
+        lines.append(
+            f"  teardown: {workers} exited through the teardown policy (CUDA never initialised "
+            "in them: nothing to release)"
+        )
+    elif teardown["workers"]:
+        freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
+        released = teardown["contexts_released"]
+        lines.append(
+            f"  teardown: {workers}, {released} released their CUDA context before exiting{freed}"
+        )
+    elif teardown["reported"]:
+        lines.append(
+            f"  teardown: policy off; {plural(teardown['reported'], 'worker')} reported what "
+            "they held at exit and released nothing"
+        )
     lines.extend(
         f"  cleanup: {cleaned.outcome} PID {cleaned.pid} (left over by this sweep: "
         f"{cleaned.cmdline})"
@@ -1074,15 +1016,14 @@ def _format_sweep(result: SweepResult) -> str:
         f"sampling every {options.interval_s * 1000:g} ms; "
         f"teardown policy {'on' if options.teardown else 'off'}",
     ]
-    if result.gpu_available:
-        for device in result.devices:
-            size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
-            max_clock = "" if clock is None else f", SM clock max {clock} MHz"
-            lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
-    else:
+    for device in result.devices if result.gpu_available else ():
+        size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
+        max_clock = "" if clock is None else f", SM clock max {clock} MHz"
+        lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
+    if not result.gpu_available:
         lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
     lines += ["  memory in MiB; host: uss = private memory, rss = resident", ""]
-    lines += _format_table(result) + _unknown_peak_note(result) + _format_answer(result)
+    lines += _format_table(result) + _format_answer(result)
     for config in result.configs:
         lines.extend(_config_lines(config))
     lines += [

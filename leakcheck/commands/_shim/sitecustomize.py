@@ -1,15 +1,13 @@
 """``leakcheck run``'s startup shim: every Python process of the run imports it at startup.
 
 NOTE [run shim]: ``leakcheck run`` puts this folder first on the program's ``PYTHONPATH``, so
-``site`` imports this file in every Python process of the run that inherits the environment
-(not under ``python -E``, ``-I`` or ``-S``). It must cost next to nothing and change nothing
-the program can notice: it takes its folder off ``sys.path`` and runs the ``sitecustomize``
-it shadows; without ``LEAKCHECK_RUN`` naming a folder it does nothing else; and it imports
-nothing the interpreter has not loaded. A finder waits for the program's import of
-``torch.utils.data.dataloader`` and wraps ``DataLoader.__init__`` (the creation site) and
-``__iter__`` (each iteration an epoch: ``instrument``, loaded at the first iteration from
-this file's own package). Not inside a DataLoader worker (its loader's tracker judges it),
-nor in multiprocessing's resource tracker and forkserver. A failure leaves DataLoader as is.
+``site`` imports this file in every Python process of the run (not under ``python -E``, ``-I``
+or ``-S``). It costs next to nothing and changes nothing the program can notice: it takes its
+folder off ``sys.path``, runs the ``sitecustomize`` it shadows, does nothing else without
+``LEAKCHECK_RUN`` naming a folder, and imports nothing the interpreter has not loaded. A
+finder waits for ``torch.utils.data.dataloader`` and wraps ``DataLoader.__init__`` (the
+creation site) and ``__iter__`` (NOTE [run instrumentation]); not in a DataLoader worker nor
+multiprocessing's resource tracker and forkserver. A failure leaves DataLoader as is.
 """
 
 from __future__ import annotations
@@ -156,11 +154,10 @@ def _library(filename: str) -> str | None:
 def _creation_site(loader: Any, torch_dir: str, cls: Any) -> tuple[Any, ...]:
     """Where ``loader`` was made: ``(file, line, via, origin file, origin line)``.
 
-    The user's first frame out of torch and the loader's own ``__init__``s, ``via`` the
-    outermost library between (``transformers Trainer``); the origin is the first frame out
-    of torch. A library frame holding the loader is passed over (Lightning's ``__init__``
-    wrapper); one holding another loader with a site makes this one from it (Lightning's
-    ``DistributedSampler``): that site, via the library.
+    The user's first frame out of torch and the loader's ``__init__``s, ``via`` the outermost
+    library between (``transformers Trainer``); the origin: the first frame out of torch. A
+    library frame holding the loader is passed over (Lightning's ``__init__`` wrapper); one
+    holding another loader with a site gives that site (Lightning's ``DistributedSampler``).
     """
     inits = {getattr(k.__dict__.get("__init__"), "__code__", None) for k in type(loader).__mro__}
     origin: tuple[str, int] | None = None

@@ -1,0 +1,193 @@
+"""What the ``leakcheck`` commands share: exit codes, common options, writing outputs.
+
+Imports at load only what Python's start did (NOTE [lean start] in cli.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from leakcheck.core.errors import UsageError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Iterable
+    from typing import Any, TextIO
+
+EXIT_CLEAN = 0
+EXIT_LEAK = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# Flag, metavar (None: a switch) and help of an option; SHARED are sweep's and run's.
+Option = tuple[str, "str | None", str]
+SHARED: tuple[Option, ...] = (
+    ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
+    (
+        "--copy-tolerance",
+        "SIZE",
+        "what each forked worker may copy of its parent's memory (default: "
+        "$LEAKCHECK_COPY_TOLERANCE, 64MiB)",
+    ),
+    (
+        "--grace",
+        "SECONDS",
+        "how long a process may outlive its epoch (run: and the program; default: "
+        "$LEAKCHECK_GRACE, 2)",
+    ),
+    ("--interval", "SECONDS", "sampling (50ms)"),
+    ("--device", "N", "GPU index to watch (sweep: and use; default: all, sweep uses 0)"),
+    ("--json", "PATH", "write everything as JSON (schema-versioned)"),
+    ("--plot", "PATH.png", "draw memory per epoch (matplotlib)"),
+    ("--fail-on-leak", None, "exit 1, not 0, when a leak was found"),
+)
+
+
+def add_options(parser: Any, options: Iterable[Option]) -> None:
+    """Add each ``(flag, metavar, help)`` to ``parser``; a None metavar makes a switch."""
+    for flag, metavar, text in options:
+        if metavar is None:
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            parser.add_argument(flag, metavar=metavar, help=text)
+
+
+def shared_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``SHARED``'s values of ``sweep`` and ``run`` as ``SweepOptions``/``RunOptions`` fields.
+
+    Tolerances and grace as the other adapters resolve them: command line, environment,
+    default.
+
+    Raises:
+        UsageError: One line naming the option (or variable), what was expected, the value.
+
+    """
+    from leakcheck.core import options as specs
+
+    device = None if args.device is None else specs.parse_device_index(args.device, "--device")
+    tolerance_bytes, grace_s = specs.command_line_thresholds(
+        args.tolerance, args.grace, os.environ, grace_default_s=2.0
+    )
+    interval = "50ms" if args.interval is None else args.interval
+    return {
+        "device_index": device,
+        "tolerance_bytes": tolerance_bytes,
+        "grace_s": grace_s,
+        "interval_s": specs.parse_interval_option(interval, "--interval"),
+        "copy_tolerance_bytes": specs.command_line_copy_tolerance(args.copy_tolerance, os.environ),
+    }
+
+
+def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
+    """``--json`` and ``--plot``, checked before anything runs.
+
+    Raises:
+        UsageError: A path cannot be written, both name one file, or no matplotlib.
+
+    """
+    import importlib.util
+
+    from leakcheck.core.files import check_output_path
+
+    json_path = check_output_path(json, "--json")
+    plot_path = check_output_path(plot, "--plot", ".png")
+    if json_path and plot_path and os.path.realpath(json_path) == os.path.realpath(plot_path):
+        raise UsageError(
+            f"--plot: expected a file other than --json's, got {plot!r} for both "
+            "(the plot would overwrite the JSON)"
+        )
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "--plot: needs matplotlib, which is not installed "
+            "(pip install 'dataloader-leakcheck[plot]')"
+        )
+    return json_path, plot_path
+
+
+def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -> None:
+    """Refuse ``--device`` beyond the GPUs NVML lists; with ``needs_gpu``, any without one.
+
+    (Without one the sweep would print "n/a" where the user asked for one device's memory;
+    ``run``'s report says that no GPU was checked.)
+    """
+    from leakcheck.core.errors import LeakCheckError
+    from leakcheck.observe import nvml
+
+    available, reason = gpu
+    if index is None or not (available or needs_gpu):
+        return
+    if available:
+        try:
+            count = nvml.get().device_count()
+        except LeakCheckError:
+            return  # NVML answered a moment ago: the report says what failed
+        if count or not needs_gpu:
+            if index >= count:
+                raise UsageError(f"--device: expected a GPU index below {count}, got {index}")
+            return
+        reason = "NVML lists no device"
+    # The reason's tail says that process checks still run: true, but not with --device.
+    reason = reason.split("; GPU memory is not checked")[0]
+    raise UsageError(
+        f"--device: expected a GPU index, but NVML sees no GPU here ({reason}), got {index}; "
+        "leave out --device to run the host-side checks only"
+    )
+
+
+def save_output(
+    prog: str, option: str, path: str, write: Callable[[str], object], err: TextIO
+) -> bool:
+    """Write an output; where ``path`` fails now (a folder removed, a disk full), elsewhere.
+
+    A failure is one line on ``err`` (False): the report is out already.
+    """
+    try:
+        write(path)
+        return True
+    except OSError as exc:
+        saved = _write_elsewhere(path, write)
+        where = (
+            f"wrote it to {saved!r} instead"
+            if saved is not None
+            else "no other place (next to it, the current folder, the temporary folder) took it"
+        )
+        err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
+    except Exception as exc:  # matplotlib could not draw it
+        verb = "draw" if option == "--plot" else "write"
+        err.write(f"{prog}: {option}: cannot {verb} {path!r}: {one_line(exc)}\n")
+    return False
+
+
+def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:
+    """A new file next to ``intended``, else in the current or the temporary folder; its path."""
+    import tempfile
+
+    stem, extension = os.path.splitext(os.path.basename(intended))
+    folders = [os.path.dirname(os.path.abspath(intended))]
+    with contextlib.suppress(OSError):  # the current folder may have been removed
+        folders.append(os.getcwd())
+    folders.append(tempfile.gettempdir())
+    for folder in dict.fromkeys(folders):
+        try:
+            handle, path = tempfile.mkstemp(
+                prefix=f"{stem or 'leakcheck'}.leakcheck-", suffix=extension, dir=folder
+            )
+            os.close(handle)
+        except OSError:
+            continue
+        try:
+            write(path)
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return None

@@ -35,6 +35,8 @@ Rule = Literal[
     "died",
     "fd-pressure",
     "hang",
+    "pinned-growth",
+    "shutdown-hang",
 ]
 Severity = Literal["leak", "info"]
 
@@ -168,6 +170,10 @@ class EpochRecord:
         shm_total_bytes: Size of ``/dev/shm`` (None: no limit, or not read).
         shm_used_peak_bytes: Its highest use in the epoch (every process's files, removed
             but held ones included): what runs out when workers die of a bus error.
+        pinned_allocated_bytes: The loop's process's pinned host memory at the end, in use
+            by tensors (torch's caching host allocator; None: CUDA not initialised there, or
+            the loop runs elsewhere).
+        pinned_reserved_bytes: What that allocator holds, its cached blocks included.
 
     """
 
@@ -186,6 +192,8 @@ class EpochRecord:
     shm_bytes: int | None = None
     shm_total_bytes: int | None = None
     shm_used_peak_bytes: int | None = None
+    pinned_allocated_bytes: int | None = None
+    pinned_reserved_bytes: int | None = None
 
     @property
     def duration_s(self) -> float:
@@ -272,13 +280,16 @@ class Stall:
     """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
 
     ``waited_s`` counts from its last batch (or its start); ``stacks`` holds every thread's
-    of the loop's process and of each worker (NOTE [hang watch] in hang.py).
+    of the loop's process and of each worker (NOTE [hang watch] in hang.py). With ``pid``:
+    that worker did not exit within its DataLoader's join time at shutdown (``waited_s``),
+    and ``stacks`` are its own (NOTE [exit watch]).
     """
 
     epoch: int | None
     waited_s: float
     at_s: float
     stacks: str
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -442,9 +453,10 @@ class Finding:
         gpu_bytes: GPU bytes involved (held, leaked, or unexplained).
         bytes_per_epoch: For growth: fitted slope.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
-        host_bytes: For host-growth: the rise over the judged epochs; for copy-on-read:
-            what the workers copied of their parent's memory, in all.
-        stack: For died: its faulthandler's stack; for hang: the loop's and workers'.
+        host_bytes: For host-growth and pinned-growth: the rise over the judged epochs; for
+            copy-on-read: what the workers copied of their parent's memory, in all.
+        stack: For died: its faulthandler's stack; for hang: the loop's and workers'; for
+            shutdown-hang: the worker's.
 
     """
 

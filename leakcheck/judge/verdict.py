@@ -27,7 +27,7 @@ from leakcheck.core.model import (
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
-from leakcheck.judge.deaths import died, hang
+from leakcheck.judge.deaths import died, hang, shutdown_hang
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "host_growth",
     "judge",
     "orphan",
+    "pinned_growth",
     "residual",
     "shm",
     "survivor",
@@ -715,6 +716,38 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     if unread is not None and not found:  # a clean host verdict says what it could not see
         found.append(_host_coverage_finding(*unread))
     return tuple(found)
+
+
+REMEDY_PINNED_GROWTH = (
+    "keep no reference to pinned batches across steps; allocate pinned buffers once, not per step"
+)
+
+
+def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find the loop's process whose pinned host memory (torch's reserved bytes) grows.
+
+    ``growth_slope`` over the epoch ends that read it, past the warm-up; the parent is named.
+    """
+    points = [(rec, rec.pinned_reserved_bytes) for rec in _sorted_epochs(timeline)]
+    chosen = [(rec, value) for rec, value in points[config.warmup_epochs :] if value is not None]
+    slope = growth_slope([v for _, v in chosen], config, epochs=[r.index for r, _ in chosen])
+    last = chosen[-1][0] if chosen else None
+    parent = next((p for p in last.processes if p.role == "parent"), None) if last else None
+    if slope is None or last is None or parent is None:
+        return ()
+    (first, start), end = chosen[0], chosen[-1][1]
+    return (
+        _process_finding(
+            parent,
+            rule="pinned-growth",
+            severity="leak",
+            what=f"pinned host memory {_grows(slope, first.index, last.index, start, end)}",
+            remedy=REMEDY_PINNED_GROWTH,
+            epoch=last.index,
+            bytes_per_epoch=slope,
+            host_bytes=end - start,
+        ),
+    )
 
 
 def _host_coverage_finding(uss_reads: int, epoch_ends: int) -> Finding:
@@ -1484,6 +1517,8 @@ RULES: Mapping[Rule, RuleFunction] = {
     "died": died,
     "fd-pressure": fd_pressure,
     "hang": hang,
+    "pinned-growth": pinned_growth,
+    "shutdown-hang": shutdown_hang,
 }
 """Every rule by name, in report order for ties."""
 

@@ -158,6 +158,7 @@ class _Epoch:
     host_reports: dict[ProcessKey, HostMemory] = field(default_factory=dict)
     report_at_s: dict[ProcessKey, float] = field(default_factory=dict)
     inside: dict[ProcessKey, _Copy] = field(default_factory=dict)
+    pinned: tuple[int, int] | None = None  # torch_state.pinned_host_bytes() at the end
     shm: ShmEpoch | None = None
 
 
@@ -398,6 +399,8 @@ class EpochBook:
             shm_bytes=shm.bytes if shm else None,
             shm_total_bytes=shm.total_bytes if shm else None,
             shm_used_peak_bytes=shm.used_peak_bytes if shm else None,
+            pinned_allocated_bytes=epoch.pinned[0] if epoch.pinned else None,
+            pinned_reserved_bytes=epoch.pinned[1] if epoch.pinned else None,
         )
 
     def _process_epoch(

@@ -52,11 +52,11 @@ from leakcheck.core.model import (
 )
 from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
-from leakcheck.observe.torch_state import initialized_cuda
+from leakcheck.observe.torch_state import initialized_cuda, pinned_host_bytes
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.deaths import DeathLog
-from leakcheck.track.hang import HangWatch
+from leakcheck.track.hang import HangWatch, exit_stall
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
@@ -325,6 +325,28 @@ class Sampler:
             with self.lock:
                 self.stalls.append(stall)
 
+    def worker_stuck(self, pid: int) -> None:
+        """A worker of the job its shutdown is about to terminate (NOTE [exit watch])."""
+        with self.lock:
+            if self.table is None or self.closed:
+                return
+            self.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
+            key = self.table.by_pid.get(pid) or procs.process_key(pid)
+            proc = self.table.procs.get(key) if key is not None else None
+            if key is None:
+                return
+            dumps = proc is not None and proc.dumps_stacks
+            epoch, folder = self.book.open_index, self.mailbox_dir
+        at_s = self.now()
+        stall = self.failures.guard(
+            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder),
+            "exit watch",
+            lock=self.lock,
+        )
+        if stall is not None:
+            with self.lock:
+                self.stalls.append(stall)
+
     def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
         started_cpu_s = time.thread_time()
@@ -388,6 +410,8 @@ class Sampler:
                 return False
             self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
             self.book.apply_accounting(table, self.nvml.accounting())
+            if self.hang.own_process:  # the loop's process is this one
+                opened.pinned = pinned_host_bytes()
             self._tag_scan_due = True
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")

@@ -313,17 +313,12 @@ class Sampler:
 
     def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
         """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch] in hang.py)."""
-        folder = self.mailbox_dir
-        stall = self.failures.guard(
+        folder, at_s = self.mailbox_dir, self.now()
+        self._keep_stall(
             lambda: self.hang.dump(
-                epoch=epoch, waited_s=waited_s, at_s=self.now(), workers=workers, folder=folder
-            ),
-            "hang watch",
-            lock=self.lock,
+                epoch=epoch, waited_s=waited_s, at_s=at_s, workers=workers, folder=folder
+            )
         )
-        if stall is not None:
-            with self.lock:
-                self.stalls.append(stall)
 
     def worker_stuck(self, pid: int) -> None:
         """A worker of the job its shutdown is about to terminate (NOTE [exit watch])."""
@@ -332,17 +327,17 @@ class Sampler:
                 return
             self.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
             key = self.table.by_pid.get(pid) or procs.process_key(pid)
-            proc = self.table.procs.get(key) if key is not None else None
             if key is None:
                 return
-            dumps = proc is not None and proc.dumps_stacks
-            epoch, folder = self.book.open_index, self.mailbox_dir
-        at_s = self.now()
-        stall = self.failures.guard(
-            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder),
-            "exit watch",
-            lock=self.lock,
+            proc, epoch, folder = self.table.procs.get(key), self.book.open_index, self.mailbox_dir
+        dumps, at_s = proc is not None and proc.dumps_stacks, self.now()
+        self._keep_stall(
+            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
         )
+
+    def _keep_stall(self, gather: Callable[[], Stall]) -> None:
+        """Gather stacks off the lock (they wait for the workers), and keep the stall."""
+        stall = self.failures.guard(gather, "hang watch", lock=self.lock)
         if stall is not None:
             with self.lock:
                 self.stalls.append(stall)

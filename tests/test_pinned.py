@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +173,43 @@ def test_leakcheck_run_reads_the_programs_pinned_memory(
 def test_explain_tells_the_pinned_growth_story() -> None:
     text = story("pinned-growth") or ""
     assert "host_memory_stats" in text and "pin_memory" in text
+
+
+def test_the_lightning_callback_records_and_logs_the_pinned_memory(
+    fake_cuda: None, tmp_path: Path
+) -> None:
+    pl: Any = pytest.importorskip("lightning.pytorch")
+    from leakcheck.adapters.lightning import LeakCheckCallback, epoch_scalars
+
+    class Tiny(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def train_dataloader(self) -> DataLoader[torch.Tensor]:
+            return DataLoader(Squares(), batch_size=3, num_workers=1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.layer(batch.float()).sum()
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = LeakCheckCallback(on_leak="ignore", grace=0.5)
+    pl.Trainer(
+        max_epochs=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    ).fit(Tiny())
+    report = callback.report("train")
+    assert None not in [e.pinned_reserved_bytes for e in report.epochs]
+    assert [f.rule for f in report.findings if f.rule == "pinned-growth"] == ["pinned-growth"]
+    assert "leakcheck/train/parent_pinned_mib" in epoch_scalars("train", report.timeline, 0)

@@ -68,7 +68,7 @@ from typing import Any, Literal, get_args
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB
-from leakcheck.observe import mailbox, procs
+from leakcheck.observe import machine, mailbox, procs
 
 Scenario = Literal[
     "clean",
@@ -452,10 +452,10 @@ def _own_memory_cgroup() -> tuple[str, bool]:
         lines = [line.rstrip("\n").split(":", 2) for line in handle]
     for _, controllers, path in (parts for parts in lines if len(parts) == 3):
         if "memory" in controllers.split(","):
-            return os.path.join("/sys/fs/cgroup/memory", path.lstrip("/")), False
+            return os.path.join(machine.CGROUP_ROOT, "memory", path.lstrip("/")), False
     for number, _, path in (parts for parts in lines if len(parts) == 3):
         if number == "0":
-            return os.path.join("/sys/fs/cgroup", path.lstrip("/")), True
+            return os.path.join(machine.CGROUP_ROOT, path.lstrip("/")), True
     raise OSError("no memory cgroup in /proc/self/cgroup")
 
 

@@ -320,9 +320,13 @@ def _stage_in_worker(scenario: Scenario) -> None:
             return os.stat(path).st_mtime
         return 0.0
 
-    before, deadline = written(), time.monotonic() + HANG_CAP_S
-    while written() == before and time.monotonic() < deadline:
-        time.sleep(0.05)  # blocked here: the stack the hang watch shows
+    # Blocked here (the stack the hang watch shows) until the file has changed and then been
+    # still for a second: its dump, written from any thread, is out whole.
+    before, changed_s, deadline = written(), 0.0, time.monotonic() + HANG_CAP_S
+    while time.monotonic() < deadline and not (changed_s and time.monotonic() - changed_s > 1):
+        if written() != before:
+            before, changed_s = written(), time.monotonic()
+        time.sleep(0.05)
 
 
 def _read_objects(region: list[list[int]]) -> int:

@@ -46,6 +46,13 @@ def own_stacks() -> str:
     return "\n\n".join(parts)
 
 
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 class HangWatch:
     """Notices a stalled epoch and gathers the job's stacks once per stall (NOTE [hang watch]).
 
@@ -100,15 +107,21 @@ class HangWatch:
                     continue
         deadline = time.monotonic() + _DUMP_WAIT_S
         pending = list(sent)
+        sizes: dict[ProcessKey, int] = {}
         while pending and folder:
             for key in list(pending):
-                text = mailbox.read_stack(folder, key)
-                if text is not None:
-                    parts.append(f"--- worker PID {key.pid} ---\n{text}")
-                    pending.remove(key)
+                # Read once written and no longer growing: faulthandler writes a frame at a
+                # time, and a read in between would keep half a dump.
+                size = _size(mailbox.stack_path(folder, key))
+                if size and size == sizes.get(key):
+                    text = mailbox.read_stack(folder, key)
+                    if text is not None:
+                        parts.append(f"--- worker PID {key.pid} ---\n{text}")
+                        pending.remove(key)
+                sizes[key] = size
             if not pending or time.monotonic() > deadline:
                 break
-            time.sleep(0.02)
+            time.sleep(0.05)
         parts += [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
         if self.own_process:  # after the workers': a report shows the first rows only
             parts.append(f"--- the loop's process (PID {os.getpid()}) ---\n{own_stacks()}")

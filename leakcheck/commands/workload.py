@@ -41,7 +41,8 @@ limit should no limit hold), or blocks in ``__getitem__`` until the hang watch w
 (its faulthandler file changes) or ``HANG_CAP_S`` passed; with ``shm-full`` every batch carries
 ``SHM_BATCH_BYTES`` of shared memory, so that the batches in flight do not fit. With 0 workers
 nothing is staged in the loop. They fork: a worker is up in milliseconds, within the short
-``HANG_AFTER_S``.
+``HANG_AFTER_S``; and they compute on the CPU, so that a GPU machine stages them alike (a CUDA
+context per worker would count against the memory limit).
 
 NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
 (``nvml.availability``), never initialising CUDA: a parent that did would break forked
@@ -217,7 +218,8 @@ class SyntheticDataset:
         if self._use_cuda is None:
             # NOTE [CUDA in the parent]; a forked child of a parent that used CUDA cannot.
             bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
-            self._use_cuda = bool(self.spec.gpu and not bad_fork() and torch.cuda.is_available())
+            gpu = self.spec.gpu and self.spec.scenario not in FAILURES  # NOTE [failure stagings]
+            self._use_cuda = bool(gpu and not bad_fork() and torch.cuda.is_available())
         if self._use_cuda:
             return torch.device("cuda", self.spec.device_index)
         return torch.device("cpu")
@@ -409,7 +411,7 @@ def builtin_factory(spec: WorkloadSpec) -> Callable[[int], Iterable[Any]]:
 
 def describe(spec: WorkloadSpec) -> str:
     """One line for the report header."""
-    where = f"cuda:{spec.device_index}" if spec.gpu else "cpu"
+    where = f"cuda:{spec.device_index}" if spec.gpu and spec.scenario not in FAILURES else "cpu"
     parts = [
         f"built-in workload, scenario {spec.scenario}",
         f"{spec.batches} batches of {spec.batch_size}x{spec.features} per epoch on {where}",

@@ -298,3 +298,42 @@ def test_a_stalled_worker_is_named_where_its_main_thread_waits_whichever_thread_
     stalled = replace(timeline([]), stalls=(Stall(epoch=0, waited_s=3, at_s=1, stacks=dump),))
     [finding] = hang(stalled, RuleConfig())
     assert "worker PID 12 in __getitem__ (set.py:7);" in finding.message
+
+
+_SLOW_DUMPER = """
+import os, signal, sys, time
+from leakcheck.observe import mailbox, procs
+path = mailbox.stack_path(sys.argv[1], procs.process_key(os.getpid()))
+def dump(*_):  # a dump in two writes, as faulthandler's come a frame at a time
+    with open(path, "a") as out:
+        out.write("Current thread 0x1 (most recent call first):\\n")
+        out.flush()
+        time.sleep(0.05)
+        out.write('  File "/data/set.py", line 7 in __getitem__\\n')
+signal.signal(mailbox.STACK_SIGNAL, dump)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from leakcheck.observe import procs
+    from leakcheck.track.hang import HangWatch
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DUMPER, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+        key = procs.process_key(worker.pid)
+        assert key is not None
+        watch = HangWatch(1.0, own_process=False)
+        stall = watch.dump(epoch=0, waited_s=1.0, at_s=0.0, workers=[key], folder=str(tmp_path))
+    finally:
+        worker.kill()
+        worker.wait()
+    assert "line 7 in __getitem__" in stall.stacks

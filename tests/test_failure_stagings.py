@@ -33,7 +33,7 @@ def sweep(scenario: str, tmp_path: Path, *extra: str, prefix: tuple[str, ...] = 
     env.pop("LEAKCHECK_SESSION", None)
     command = [sys.executable, "-m", "leakcheck", "sweep", "--scenario", scenario]
     done = subprocess.run(
-        [*prefix, *command, "--epochs", "1", "--json", str(out), *extra],
+        [*prefix, *command, "--epochs", "1", "--grace", "0.5", "--json", str(out), *extra],
         env=env,
         capture_output=True,
         text=True,

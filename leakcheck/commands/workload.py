@@ -71,17 +71,8 @@ from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB
 from leakcheck.observe import machine, mailbox, procs
 
-Scenario = Literal[
-    "clean",
-    "persistent-cache",
-    "orphan",
-    "copy-on-read",
-    "copy-on-read-growing",
-    "fd-pressure",
-    "oom",
-    "shm-full",
-    "hang",
-]
+Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing",
+                   "fd-pressure", "oom", "shm-full", "hang"]  # fmt: skip
 SCENARIOS: tuple[Scenario, ...] = get_args(Scenario)
 COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
 FAILURES: tuple[Scenario, ...] = ("oom", "shm-full", "hang")
@@ -479,15 +470,11 @@ def _memory_limit(limit_bytes: int) -> Iterator[None]:
         os.mkdir(child)
     except OSError as exc:
         raise UsageError(f"--scenario oom: no writable memory cgroup here ({exc})") from None
+    memory, swap = ("max", "swap.max") if v2 else ("limit_in_bytes", "memsw.limit_in_bytes")
     try:
-        if v2:
-            _write(os.path.join(child, "memory.max"), limit_bytes)
-            with contextlib.suppress(FileNotFoundError):  # no swap accounting: no swap to use
-                _write(os.path.join(child, "memory.swap.max"), 0)
-        else:
-            _write(os.path.join(child, "memory.limit_in_bytes"), limit_bytes)
-            with contextlib.suppress(FileNotFoundError):
-                _write(os.path.join(child, "memory.memsw.limit_in_bytes"), limit_bytes)
+        _write(os.path.join(child, f"memory.{memory}"), limit_bytes)
+        with contextlib.suppress(FileNotFoundError):  # no swap accounting: no swap to use
+            _write(os.path.join(child, f"memory.{swap}"), 0 if v2 else limit_bytes)
         _write(os.path.join(child, "cgroup.procs"), os.getpid())
     except OSError as exc:
         with contextlib.suppress(OSError):

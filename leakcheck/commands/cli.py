@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         metavar=f"{{{scenarios}}}",
         help="clean (default), or a leak to find: persistent-cache (GPU memory), orphan, "
-        "copy-on-read, copy-on-read-growing (host memory), fd-pressure (docs/REFERENCE.md)",
+        "copy-on-read, copy-on-read-growing (host memory), fd-pressure; or a failure staged: oom, "
+        "shm-full, hang (docs/FAILURES.md)",
     )
     builtin.add_argument("--batches", metavar="N", help="batches per epoch (16)")
     judge = sweep.add_argument_group("judging")
@@ -314,7 +315,13 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     """
     from leakcheck.commands.run_cli import output_paths
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
-    from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
+    from leakcheck.commands.workload import (
+        FAILURES,
+        HANG_AFTER_S,
+        SCENARIOS,
+        START_METHODS,
+        WorkloadSpec,
+    )
     from leakcheck.core import options as option_specs
 
     workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
@@ -382,6 +389,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         copy_tolerance_bytes=option_specs.command_line_copy_tolerance(
             args.copy_tolerance, os.environ
         ),
+        hang_after_s=HANG_AFTER_S if workload and workload.scenario == "hang" else 0.0,
+        judge_failures=workload is not None and workload.scenario in FAILURES,
     )
     return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
 
@@ -494,6 +503,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck.commands.progress import Progress
     from leakcheck.commands.sweep import LoaderError, run_sweep
+    from leakcheck.commands.workload import stage
     from leakcheck.core.files import write_json
     from leakcheck.observe import nvml
 
@@ -517,7 +527,10 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
             factory = builtin_factory(spec)
             description = describe(spec)
         progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
-        result = run_sweep(plan.options, factory, loader=description, progress=progress, gpu=gpu)
+        with stage(plan.workload):  # NOTE [failure stagings] in workload.py
+            result = run_sweep(
+                plan.options, factory, loader=description, progress=progress, gpu=gpu
+            )
     except UsageError as exc:
         err.write(f"{prog}: {exc}\n")
         return EXIT_USAGE

@@ -503,7 +503,7 @@ class RuleConfig:
         fd_pressure_fraction: Open descriptors at or above this share of ``RLIMIT_NOFILE``
             at an epoch end is pressure: the next ``open`` fails.
         shm_pressure_fraction: ``/dev/shm`` use at or above this fraction of its size is
-            capacity pressure: workers die of a bus error when it is full.
+            capacity pressure: when it is full, batches fail or workers die (SIGBUS).
         copy_tolerance_bytes: What a forked worker may copy of its parent's memory (NOTE
             [copy on read] in hostmem.py): the interpreter's objects it touches copy a few
             MiB, a full garbage collection in it 36 MiB with torch imported (measured; what

@@ -156,7 +156,10 @@ def _where_workers_wait(stacks: str) -> str:
     waits: list[str] = []
     for section in stacks.split("--- worker PID ")[1:]:
         pid, _, text = section.partition(" ---\n")
-        frame = innermost_frames(text.split("\n--- ")[0], 1)
+        # Its main thread, where __getitem__ runs: faulthandler lists it last (newest first),
+        # and "Current thread" is whichever thread took the signal.
+        threads = [t for t in text.split("\n--- ")[0].split("\n\n") if t.strip()]
+        frame = innermost_frames(threads[-1], 1) if threads else None
         if frame is not None:
             waits.append(f"; worker PID {pid} in {frame}")
     return "".join(waits)

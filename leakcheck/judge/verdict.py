@@ -1210,8 +1210,8 @@ def _shm_capacity(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             message=(
                 f"/dev/shm was {fraction:.0%} full during {rec.label} "
                 f"({_size_text(rec.shm_used_peak_bytes)} of "
-                f"{_size_text(rec.shm_total_bytes)}{job}): workers die of a bus error when "
-                "it fills"
+                f"{_size_text(rec.shm_total_bytes)}{job}): a batch fails or a worker dies of a "
+                "bus error when it fills"
             ),
             remedy=REMEDY_SHM_CAPACITY,
             epoch=rec.index,

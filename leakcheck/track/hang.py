@@ -8,7 +8,7 @@ sampler's thread checks whether an open epoch's loop has waited ``hang_after_s``
 stall it writes to stderr and the report (``Stall``, the ``hang`` finding) the Python stacks
 of every thread of the loop's process, where the tracker runs in it, and of each worker that
 registered the stack signal (NOTE [worker mailbox]): sent ``mailbox.STACK_SIGNAL`` after its
-identity is checked, its faulthandler writes them into its file, read once written (at most
+identity is checked, its faulthandler writes them into its file, read once still (at most
 ``_DUMP_WAIT_S``). The loop goes on; a batch ends the stall.
 
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
@@ -55,6 +55,17 @@ def own_stacks() -> str:
         header = f"Thread {names.get(ident, '?')!r} (most recent call last):"
         parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
     return "\n\n".join(parts)
+
+
+_STILL_S = 0.25
+"""How long a worker's stack file must stay the same size before it is read."""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 class HangWatch:
@@ -122,28 +133,23 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
                 continue
     deadline = time.monotonic() + _DUMP_WAIT_S
     pending = list(sent)
-    sizes: dict[ProcessKey, int] = {}
+    grown: dict[ProcessKey, tuple[int, float]] = {}  # size, and since when
     while pending and folder:
         for key in list(pending):
-            # Read once its size held for a poll: faulthandler writes a dump in many writes.
-            size = _size(mailbox.stack_path(folder, key))
-            if size and sizes.get(key) == size:
+            # Read once written and still for _STILL_S: faulthandler writes a frame at a
+            # time, and a read in between would keep part of a dump.
+            size, now = _size(mailbox.stack_path(folder, key)), time.monotonic()
+            if grown.get(key, (-1, 0.0))[0] != size:
+                grown[key] = (size, now)
+            elif size and now - grown[key][1] >= _STILL_S:
                 text = mailbox.read_stack(folder, key)
                 if text is not None:
                     parts.append(f"--- worker PID {key.pid} ---\n{text}")
                     pending.remove(key)
-            sizes[key] = size
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     return parts + [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _say(what: str, stacks: str) -> None:

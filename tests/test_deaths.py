@@ -275,3 +275,65 @@ def test_the_oom_kill_counter_is_read_from_the_process_own_memory_cgroup(
     assert machine.oom_kill_count() == 7
     (tmp_path / counter).unlink()
     assert machine.oom_kill_count() == 1  # the mount's root, where the own path is not there
+
+
+def test_a_stalled_worker_is_named_where_its_main_thread_waits_whichever_thread_dumped() -> None:
+    """The stack signal reaches any thread of the worker; faulthandler marks that one "Current
+    thread" and lists the threads newest first, the main one (``__getitem__``'s) last."""
+    from dataclasses import replace
+
+    from leakcheck.core.model import RuleConfig, Stall
+    from leakcheck.judge.deaths import hang
+    from tests.timelines import timeline
+
+    dump = (
+        "--- worker PID 12 ---\n"
+        "Current thread 0x1 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n\n'
+        "Thread 0x2 (most recent call first):\n"
+        '  File "/data/set.py", line 7 in __getitem__\n'
+        '  File "/torch/utils/data/_utils/fetch.py", line 56 in fetch\n\n'
+        "--- the loop's process (PID 10) ---\nThread 'MainThread' (most recent call last):\n"
+    )
+    stalled = replace(timeline([]), stalls=(Stall(epoch=0, waited_s=3, at_s=1, stacks=dump),))
+    [finding] = hang(stalled, RuleConfig())
+    assert "worker PID 12 in __getitem__ (set.py:7);" in finding.message
+
+
+_SLOW_DUMPER = """
+import os, signal, sys, time
+from leakcheck.observe import mailbox, procs
+path = mailbox.stack_path(sys.argv[1], procs.process_key(os.getpid()))
+def dump(*_):  # a dump in two writes, as faulthandler's come a frame at a time
+    with open(path, "a") as out:
+        out.write("Current thread 0x1 (most recent call first):\\n")
+        out.flush()
+        time.sleep(0.05)
+        out.write('  File "/data/set.py", line 7 in __getitem__\\n')
+signal.signal(mailbox.STACK_SIGNAL, dump)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from leakcheck.observe import procs
+    from leakcheck.track.hang import HangWatch
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DUMPER, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
+        key = procs.process_key(worker.pid)
+        assert key is not None
+        watch = HangWatch(1.0, own_process=False)
+        stall = watch.dump(epoch=0, waited_s=1.0, at_s=0.0, workers=[key], folder=str(tmp_path))
+    finally:
+        worker.kill()
+        worker.wait()
+    assert "line 7 in __getitem__" in stall.stacks

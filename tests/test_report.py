@@ -476,7 +476,7 @@ def _findings_of_every_rule() -> list[Finding]:
         parent_memory=ParentMemory(
             kept_tensor_bytes={0: 256 * MIB}, driver_bytes={0: 64 * MIB}, scopes=("x" * 100,)
         ),
-        stalls=(Stall(0, 125.0, 130.0, ""),),
+        stalls=(Stall(0, 125.0, 130.0, ""), Stall(0, 5.0, 131.0, "", 1234567)),
         deaths=tuple(
             Death(ProcessKey(1234, 1234), number, 1.0, 0, **evidence)  # type: ignore[arg-type]
             for number, evidence in (
@@ -505,7 +505,12 @@ def _findings_of_every_rule() -> list[Finding]:
                   _long(copier(3100, None, forked=False, uss_mib=400))])
         for i in range(2)
     ]  # fmt: skip
+    pinned = [
+        dataclasses.replace(epoch(i, [parent()]), pinned_reserved_bytes=(100 + 64 * i) * MIB)
+        for i in range(6)
+    ]
     found = [
+        *verdict.judge(timeline(pinned), config),
         *verdict.judge(tl, config),
         *verdict.judge(timeline(copying, attribution="nvml-unavailable"), config),
         *verdict.judge(timeline(growing), config),

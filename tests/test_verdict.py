@@ -730,6 +730,8 @@ def test_rules_registry_names_every_rule() -> None:
         "died",
         "fd-pressure",
         "hang",
+        "pinned-growth",
+        "shutdown-hang",
     }
 
 

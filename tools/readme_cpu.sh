@@ -11,6 +11,11 @@ out() {
 }
 out sweep-clean leakcheck sweep
 out sweep-copy-on-read leakcheck sweep --scenario copy-on-read --workers 0,2
+# docs/FAILURES.md: each failure staged (oom and shm-full need root and a memory cgroup)
+out sweep-oom leakcheck sweep --scenario oom --workers 2 --epochs 2
+out sweep-shm-full leakcheck sweep --scenario shm-full --workers 2 --epochs 2
+out sweep-hang leakcheck sweep --scenario hang --workers 1 --epochs 2
+out sweep-fd-pressure leakcheck sweep --scenario fd-pressure --workers 2 --epochs 2
 out watch-orphan python examples/grandchild_leak.py
 out run-trainval leakcheck run -- python examples/train_val.py
 out run-orphans leakcheck run -- python examples/shell_orphans.py

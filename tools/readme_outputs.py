@@ -1,11 +1,11 @@
-"""Put the outputs in docs/cpu/ and docs/h200/ into README.md, where it quotes them.
+"""Put the outputs in docs/cpu/ and docs/h200/ into README.md and docs/FAILURES.md.
 
 Each quoted output follows a marker line ``<!-- output: docs/cpu/NAME.txt -->`` (with
 `` from: REGEX`` and `` to: REGEX`` before ``-->``: from the first line that matches, up to the
 next that does) and is the fenced block
 right after it; this replaces the block with the file, less what a reader does
 not need: progress lines, library warnings and chatter, the program's own prints, and the
-middle epochs of a sweep's table. ``--check`` exits 1 when README.md is not up to date.
+middle epochs of a sweep's table. ``--check`` exits 1 when either is not up to date.
 Run tools/readme_cpu.sh (and tools/gpu_readme.sh on the GPU machine) first.
 """
 
@@ -81,14 +81,16 @@ def fill(readme: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = parser.parse_args()
-    path = ROOT / "README.md"
-    now = path.read_text()
-    filled = fill(now)
-    if args.check:
-        sys.exit(0 if filled == now else 1)
-    path.write_text(filled)
+    stale = False
+    for path in (ROOT / "README.md", ROOT / "docs" / "FAILURES.md"):
+        now = path.read_text()
+        filled = fill(now)
+        stale |= filled != now
+        if not args.check:
+            path.write_text(filled)
+    sys.exit(1 if args.check and stale else 0)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from leakcheck.adapters.watching import (
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import EndReason, EpochRecord
 from leakcheck.judge.report import Report
+from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
@@ -263,6 +264,7 @@ class WatchedLoader(Generic[T]):
         wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
         try:
             batches = self._iterate(self._loader)
+            watch_exits(batches, self._tracker.worker_stuck)  # NOTE [exit watch] in hang.py
             wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
             for batch in batches:
                 count += 1

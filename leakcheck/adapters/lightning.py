@@ -54,6 +54,7 @@ from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import MIB, EndReason, EpochRecord, Timeline
 from leakcheck.judge.report import Report, host_totals, plot_reports, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
+from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 
 if TYPE_CHECKING:
@@ -91,9 +92,9 @@ def _state(trainer: Any, field: str) -> str:
 def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> dict[str, float]:
     """The scalars logged for a stage's latest epoch, by name (``leakcheck/train/...``).
 
-    ``workers``, ``parent_host_mib``, ``workers_host_mib``, ``leaks`` and, where NVML
-    attributes GPU memory to processes, ``parent_gpu_mib`` and ``workers_gpu_peak_mib``. A
-    figure that was not read is left out, never given as 0.
+    ``workers``, ``parent_host_mib``, ``workers_host_mib``, ``parent_pinned_mib``, ``leaks``
+    and, where NVML attributes GPU memory to processes, ``parent_gpu_mib`` and
+    ``workers_gpu_peak_mib``. A figure that was not read is left out, never given as 0.
     """
     record = timeline.epochs[-1]
     parents = [p for p in record.processes if p.role == "parent"]
@@ -102,6 +103,7 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     bytes_: dict[str, int | None] = {
         "parent_host_mib": host.parent_bytes,
         "workers_host_mib": host.workers_bytes if host.source is not None else None,
+        "parent_pinned_mib": record.pinned_reserved_bytes,
     }
     if per_pid_bytes_known(timeline):
         bytes_["parent_gpu_mib"] = sum(p.total_gpu_bytes_end for p in parents)
@@ -428,6 +430,7 @@ class LeakCheckCallback(_CallbackBase):
             finally:
                 if loader.worker_init_fn is installed:
                     loader.worker_init_fn = users
+            watch_exits(iterator, stage.tracker.worker_stuck)  # NOTE [exit watch] in hang.py
             if not persistent:
                 with contextlib.suppress(TypeError):
                     stage.iterators.append(weakref.ref(iterator))

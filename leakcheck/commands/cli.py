@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                 "built-in workload: how workers start (default spawn: forked workers cannot "
                 "use CUDA once the parent did)",
             ),
-            ("--scenario", f"{{{scenarios}}}", "built-in workload: clean, or a leak to find"),
+            (
+                "--scenario",
+                f"{{{scenarios}}}",
+                "built-in workload: clean, a leak to find, or a failure staged (docs/FAILURES.md)",
+            ),
             ("--batches", "N", "built-in workload: batches per epoch (16)"),
             *SHARED,
             ("--cooldown-temp", "C", "before each configuration, wait for GPU <= C °C"),
@@ -284,7 +288,13 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
 
     """
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
-    from leakcheck.commands.workload import SCENARIOS, START_METHODS, WorkloadSpec
+    from leakcheck.commands.workload import (
+        FAILURES,
+        HANG_AFTER_S,
+        SCENARIOS,
+        START_METHODS,
+        WorkloadSpec,
+    )
     from leakcheck.core.options import parse_seconds_option
 
     workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
@@ -338,6 +348,8 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         cooldown_temp_c=cooldown_temp_c,
         cooldown_timeout_s=cooldown_timeout_s,
         teardown=not args.no_teardown,
+        hang_after_s=HANG_AFTER_S if workload and workload.scenario == "hang" else 0.0,
+        judge_failures=workload is not None and workload.scenario in FAILURES,
         **shared,
     )
     return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
@@ -422,6 +434,7 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
     from leakcheck.commands.progress import Progress
     from leakcheck.commands.sweep import LoaderError, run_sweep
+    from leakcheck.commands.workload import stage
     from leakcheck.core.files import write_json
     from leakcheck.observe import nvml
 
@@ -444,7 +457,10 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
             factory = builtin_factory(spec)
             description = describe(spec)
         progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
-        result = run_sweep(plan.options, factory, loader=description, progress=progress, gpu=gpu)
+        with stage(plan.workload):  # NOTE [failure stagings] in workload.py
+            result = run_sweep(
+                plan.options, factory, loader=description, progress=progress, gpu=gpu
+            )
     except UsageError as exc:
         err.write(f"{prog}: {exc}\n")
         return EXIT_USAGE

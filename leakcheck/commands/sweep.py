@@ -99,6 +99,9 @@ class SweepOptions:
     teardown: bool = True
     rollup_share: float = 1.0
     copy_tolerance_bytes: int = 64 * MIB
+    hang_after_s: float = 0.0
+    judge_failures: bool = False
+    """A loader failure ends its configuration, judged, not the sweep (the failure stagings)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,8 @@ class ConfigResult:
     cleaned: tuple[CleanedProcess, ...] = ()
     wall_s: float = 0.0
     cost: TrackerCost | None = None
+    failure: str | None = None
+    """How the loader failed, where ``judge_failures`` kept the configuration."""
 
     @property
     def accounted_cost_fraction(self) -> float | None:
@@ -264,6 +269,7 @@ class ConfigResult:
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
             "throughput": {name: getattr(self, name) for name in _THROUGHPUT},
             "cleanup": [asdict(cleaned) for cleaned in self.cleaned],
+            "failure": self.failure,
             "report": self.report.to_dict(),
         }
 
@@ -520,6 +526,7 @@ def _run_config(
         rollup_share=options.rollup_share,
         scan_at_epoch_end=True,  # each row's orphans are its epoch end's
         copy_tolerance=options.copy_tolerance_bytes,
+        hang_after=options.hang_after_s,
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
@@ -537,7 +544,7 @@ def _run_config(
                     f"{label}: cleanup: {item.outcome} leftover PID {item.pid} "
                     f"of this sweep ({item.cmdline})"
                 )
-    if failure is not None:
+    if failure is not None and not options.judge_failures:
         raise failure
     report = watched.report()
     counts = epoch_counts(report.timeline, report.config.grace_s)
@@ -556,6 +563,7 @@ def _run_config(
         cleaned=cleaned,
         wall_s=time.monotonic() - started_s,
         cost=cost,
+        failure=None if failure is None else str(failure),
     )
 
 
@@ -626,8 +634,11 @@ def _run_epochs(
                         progress.batch(batches, total)
                         handled_s = time.perf_counter()
             except Exception as exc:
+                # A worker's error ends in its cause (the DataLoader quotes its traceback).
+                cause = str(exc).strip().splitlines()[-1:] if options.judge_failures else ()
                 return LoaderError(
-                    f"iterating the loader ({label}, epoch {epoch}) failed: {one_line(exc)}"
+                    f"iterating the loader ({label}, epoch {epoch}) failed: "
+                    + (cause[0] if cause else one_line(exc))
                 )
             timings.append((counted, wait_s, handled_s - started_s))
             if first_batches is None:
@@ -966,6 +977,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
     ]
     if config.cooldown is not None:
         lines.append(f"  {config.cooldown.describe()}")
+    lines.extend([f"  {config.failure}"] if config.failure else [])
     lines.extend(report.finding_lines(indent="  "))
     teardown = _teardown_summary(config.teardowns)
     workers, per_worker = (

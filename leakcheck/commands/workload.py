@@ -15,6 +15,7 @@ Scenarios (``--scenario``):
   ``cor_bytes_per_epoch`` per epoch while its RSS stays flat.
 - ``fd-pressure``: persistent workers lower their soft ``RLIMIT_NOFILE`` to
   ``FD_PRESSURE_LIMIT`` and hold 90% of it open (with 0 workers nothing is held).
+- ``oom``, ``shm-full``, ``hang``: a worker's end, staged for real (NOTE [failure stagings]).
 
 NOTE [copy-on-read scenario]: the objects are Python ints in lists, built in the parent
 before the workers fork, so that the workers share their pages; reading an object writes its
@@ -27,6 +28,21 @@ just after an epoch end sees that epoch's copies and no more. Each batch also wa
 an epoch lasts about ``cor_epoch_s`` whatever the worker count: the USS reads at each epoch
 end (a few ms per worker) must end before the next epoch does. Sized for a small machine:
 8 regions of 40 MiB; the growth stops after 8 epochs.
+
+NOTE [failure stagings]: ``stage`` puts the sweep's own process, so the whole job and no other
+process, under what the failure needs, and undoes it after: ``oom`` moves it into a new child of
+its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES`` (what the job allocates from then
+on); ``shm-full`` gives it a private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the
+machine's is never touched; the namespace stays, with its tmpfs unmounted). Where neither can
+be made (not root, no writable memory cgroup), a usage error says so. In epoch 0, at batch
+``STAGE_BATCH``, a worker then grows its host memory until the OOM killer ends it (its
+``oom_score_adj`` raised, so that the kernel picks it, never the sweep; capped at twice the
+limit should no limit hold), or blocks in ``__getitem__`` until the hang watch wrote its stack
+(its faulthandler file changes) or ``HANG_CAP_S`` passed; with ``shm-full`` every batch carries
+``SHM_BATCH_BYTES`` of shared memory, so that the batches in flight do not fit. With 0 workers
+nothing is staged in the loop. They fork: a worker is up in milliseconds, within the short
+``HANG_AFTER_S``; and they compute on the CPU, so that a GPU machine stages them alike (a CUDA
+context per worker would count against the memory limit).
 
 NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
 (``nvml.availability``), never initialising CUDA: a parent that did would break forked
@@ -41,6 +57,8 @@ time it meets an epoch number.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -49,13 +67,22 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB
+from leakcheck.observe import machine, mailbox, procs
 
-Scenario = Literal[
-    "clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing", "fd-pressure"
-]
+Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-on-read-growing",
+                   "fd-pressure", "oom", "shm-full", "hang"]  # fmt: skip
 SCENARIOS: tuple[Scenario, ...] = get_args(Scenario)
 COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
+FAILURES: tuple[Scenario, ...] = ("oom", "shm-full", "hang")
+"""The stagings whose loader fails or stalls (NOTE [failure stagings])."""
+STAGE_BATCH = 2
+OOM_LIMIT_BYTES = 1024 * MIB
+SHM_BYTES = 16 * MIB
+SHM_BATCH_BYTES = 7 * MIB
+HANG_AFTER_S = 3.0
+HANG_CAP_S = 60.0
 START_METHODS: tuple[str, ...] = ("spawn", "fork", "forkserver")
 FD_PRESSURE_LIMIT = 256
 """The soft descriptor limit an ``fd-pressure`` worker sets itself (never raised)."""
@@ -130,8 +157,8 @@ class WorkloadSpec:
 
     @property
     def effective_start_method(self) -> str:
-        """``fork`` for copy-on-read (a spawned worker unpickles a copy of its own)."""
-        return "fork" if self.scenario in COPY_ON_READ else self.start_method
+        """``fork`` for copy-on-read (a spawned worker unpickles a copy) and the failures."""
+        return "fork" if self.scenario in (*COPY_ON_READ, *FAILURES) else self.start_method
 
 
 class EpochSampler:
@@ -182,7 +209,8 @@ class SyntheticDataset:
         if self._use_cuda is None:
             # NOTE [CUDA in the parent]; a forked child of a parent that used CUDA cannot.
             bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
-            self._use_cuda = bool(self.spec.gpu and not bad_fork() and torch.cuda.is_available())
+            gpu = self.spec.gpu and self.spec.scenario not in FAILURES  # NOTE [failure stagings]
+            self._use_cuda = bool(gpu and not bad_fork() and torch.cuda.is_available())
         if self._use_cuda:
             return torch.device("cuda", self.spec.device_index)
         return torch.device("cpu")
@@ -212,10 +240,17 @@ class SyntheticDataset:
                 self._cached_epochs.add(epoch)
                 _read_objects(self._objects[epoch % len(self._objects)])
             time.sleep(spec.cor_epoch_s * workers / spec.batches)
+        if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang"):
+            _stage_in_worker(spec.scenario)
         generator = torch.Generator().manual_seed(epoch * 100_003 + batch)
         rows = torch.randn(spec.batch_size, spec.features, generator=generator)
         weights = torch.randn(spec.features, spec.features, generator=generator)
-        return torch.tanh(rows.to(device) @ weights.to(device)).to("cpu")
+        out = torch.tanh(rows.to(device) @ weights.to(device)).to("cpu")
+        if spec.scenario == "shm-full" and _in_worker():
+            # As default_collate does in a worker: the batch is made in shared memory.
+            shared = torch.ones(SHM_BATCH_BYTES, dtype=torch.uint8)
+            return [out, shared.share_memory_()]  # type: ignore[no-untyped-call]
+        return out
 
     def _keep(self, device: Any) -> Any:
         import torch
@@ -250,6 +285,41 @@ def _worker_count() -> int:
 
     info = torch.utils.data.get_worker_info()
     return info.num_workers if info is not None else 1
+
+
+def _in_worker() -> bool:
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _stage_in_worker(scenario: Scenario) -> None:
+    """In a worker only: grow until the OOM killer ends it, or block (NOTE [failure stagings])."""
+    if not _in_worker():
+        return
+    if scenario == "oom":
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")
+        held: list[bytearray] = []
+        while len(held) * 32 * MIB < 2 * OOM_LIMIT_BYTES:
+            held.append(bytearray(32 * MIB))  # zeroed: every page touched
+            time.sleep(0.02)  # a few reads of its growth before the kill
+        return
+    key, folder = procs.process_key(os.getpid()), os.environ.get(mailbox.MAILBOX_ENV)
+    path = mailbox.stack_path(folder, key) if key and folder else ""
+
+    def written() -> float:
+        with contextlib.suppress(OSError):
+            return os.stat(path).st_mtime
+        return 0.0
+
+    # Blocked here (the stack the hang watch shows) until the file has changed and then been
+    # still for a second: its dump, written from any thread, is out whole.
+    before, changed_s, deadline = written(), 0.0, time.monotonic() + HANG_CAP_S
+    while time.monotonic() < deadline and not (changed_s and time.monotonic() - changed_s > 1):
+        if written() != before:
+            before, changed_s = written(), time.monotonic()
+        time.sleep(0.05)
 
 
 def _read_objects(region: list[list[int]]) -> int:
@@ -332,7 +402,7 @@ def builtin_factory(spec: WorkloadSpec) -> Callable[[int], Iterable[Any]]:
 
 def describe(spec: WorkloadSpec) -> str:
     """One line for the report header."""
-    where = f"cuda:{spec.device_index}" if spec.gpu else "cpu"
+    where = f"cuda:{spec.device_index}" if spec.gpu and spec.scenario not in FAILURES else "cpu"
     parts = [
         f"built-in workload, scenario {spec.scenario}",
         f"{spec.batches} batches of {spec.batch_size}x{spec.features} per epoch on {where}",
@@ -347,3 +417,97 @@ def describe(spec: WorkloadSpec) -> str:
             f"one region read per worker and epoch"
         )
     return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def stage(spec: WorkloadSpec | None) -> Iterator[None]:
+    """The sweep's process under its failure staging while it runs (NOTE [failure stagings]).
+
+    Nothing for the other scenarios.
+
+    Raises:
+        UsageError: The staging cannot be made here (one line: why).
+
+    """
+    scenario = spec.scenario if spec is not None else None
+    if scenario == "oom":
+        with _memory_limit(OOM_LIMIT_BYTES):
+            yield
+    elif scenario == "shm-full":
+        _private_shm(SHM_BYTES)
+        try:
+            yield
+        finally:
+            _libc().umount2(b"/dev/shm", 2)  # MNT_DETACH; this namespace's only
+    else:
+        yield
+
+
+def _own_memory_cgroup() -> tuple[str, bool]:
+    """The memory cgroup folder of this process, and whether it is cgroup v2."""
+    with open("/proc/self/cgroup", encoding="utf-8") as handle:
+        lines = [line.rstrip("\n").split(":", 2) for line in handle]
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if "memory" in controllers.split(","):
+            return os.path.join(machine.CGROUP_ROOT, "memory", path.lstrip("/")), False
+    for number, _, path in (parts for parts in lines if len(parts) == 3):
+        if number == "0":
+            return os.path.join(machine.CGROUP_ROOT, path.lstrip("/")), True
+    raise OSError("no memory cgroup in /proc/self/cgroup")
+
+
+def _write(path: str, value: int | str) -> None:
+    with open(path, "w", encoding="ascii") as handle:
+        handle.write(str(value))
+
+
+@contextlib.contextmanager
+def _memory_limit(limit_bytes: int) -> Iterator[None]:
+    """Moves this process into a new child of its memory cgroup of ``limit_bytes``, then back."""
+    try:
+        own, v2 = _own_memory_cgroup()
+        child = os.path.join(own, f"leakcheck-oom-{os.getpid()}")
+        os.mkdir(child)
+    except OSError as exc:
+        raise UsageError(f"--scenario oom: no writable memory cgroup here ({exc})") from None
+    memory, swap = ("max", "swap.max") if v2 else ("limit_in_bytes", "memsw.limit_in_bytes")
+    try:
+        _write(os.path.join(child, f"memory.{memory}"), limit_bytes)
+        with contextlib.suppress(FileNotFoundError):  # no swap accounting: no swap to use
+            _write(os.path.join(child, f"memory.{swap}"), 0 if v2 else limit_bytes)
+        _write(os.path.join(child, "cgroup.procs"), os.getpid())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.rmdir(child)
+        raise UsageError(f"--scenario oom: cannot limit a memory cgroup here ({exc})") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            _write(os.path.join(own, "cgroup.procs"), os.getpid())
+        deadline = time.monotonic() + 30  # until the last worker of the sweep has gone
+        while os.path.isdir(child):
+            try:
+                os.rmdir(child)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _private_shm(size_bytes: int) -> None:
+    """Moves this process (and what it starts) to a private mount namespace and /dev/shm."""
+    libc = _libc()
+    steps: tuple[Callable[[], int], ...] = (
+        lambda: libc.unshare(0x00020000),  # CLONE_NEWNS
+        lambda: libc.mount(None, b"/", None, 0x4000 | 0x40000, None),  # MS_REC | MS_PRIVATE
+        lambda: libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, f"size={size_bytes}".encode()),
+    )
+    for step in steps:
+        if step() != 0:
+            reason = os.strerror(ctypes.get_errno())
+            raise UsageError(f"--scenario shm-full: cannot give the job a /dev/shm ({reason})")

@@ -36,6 +36,8 @@ Rule = Literal[
     "died",
     "fd-pressure",
     "hang",
+    "pinned-growth",
+    "shutdown-hang",
 ]
 Severity = Literal["leak", "info"]
 
@@ -143,6 +145,9 @@ class EpochRecord:
 
     ``shm_used_peak_bytes``: the highest use of ``/dev/shm`` in the epoch (removed but held
     files included): what runs out when workers die of a bus error.
+    ``pinned_allocated_bytes``, ``pinned_reserved_bytes``: the loop's process's pinned host
+    memory at the end, in use and held by torch's caching host allocator (None: CUDA not
+    initialised there, or the loop runs elsewhere).
     """
 
     index: int
@@ -160,6 +165,8 @@ class EpochRecord:
     shm_bytes: int | None = None
     shm_total_bytes: int | None = None
     shm_used_peak_bytes: int | None = None
+    pinned_allocated_bytes: int | None = None
+    pinned_reserved_bytes: int | None = None
 
     @property
     def duration_s(self) -> float:
@@ -231,12 +238,15 @@ class Stall:
     """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
 
     ``stacks``: every thread's of the loop's process and its workers (NOTE [hang watch]).
+    With ``pid``: that worker did not exit within its DataLoader's join time at shutdown
+    (``waited_s``), and ``stacks`` are its own (NOTE [exit watch]).
     """
 
     epoch: int | None
     waited_s: float
     at_s: float
     stacks: str
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -370,9 +380,10 @@ class Finding:
         create_time: Its start as a Unix time, for people only (never compared).
         bytes_per_epoch: For growth: fitted slope.
         size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
-        host_bytes: For host-growth: the rise over the judged epochs; for copy-on-read:
-            what the workers copied of their parent's memory, in all.
-        stack: For died: its faulthandler's stack; for hang: the loop's and workers'.
+        host_bytes: For host-growth and pinned-growth: the rise over the judged epochs; for
+            copy-on-read: what the workers copied of their parent's memory, in all.
+        stack: For died: its faulthandler's stack; for hang: the loop's and workers'; for
+            shutdown-hang: the worker's.
 
     """
 

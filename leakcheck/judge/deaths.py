@@ -17,7 +17,7 @@ from leakcheck.core.model import Death, Finding, RuleConfig, Timeline
 from leakcheck.core.names import culprit
 from leakcheck.core.units import format_size
 
-__all__ = ["died", "hang", "signal_name"]
+__all__ = ["died", "hang", "shutdown_hang", "signal_name"]
 
 # Available memory under this share of the machine's: the machine-wide OOM killer's condition.
 _NEAR_FULL_FRACTION = 0.05
@@ -150,7 +150,10 @@ def _where_workers_wait(stacks: str) -> str:
     waits: list[str] = []
     for section in stacks.split("--- worker PID ")[1:]:
         pid, _, text = section.partition(" ---\n")
-        frame = innermost_frames(text.split("\n--- ")[0], 1)
+        # Its main thread, where __getitem__ runs: faulthandler lists it last (newest first),
+        # and "Current thread" is whichever thread took the signal.
+        threads = [t for t in text.split("\n--- ")[0].split("\n\n") if t.strip()]
+        frame = innermost_frames(threads[-1], 1) if threads else None
         if frame is not None:
             waits.append(f"; worker PID {pid} in {frame}")
     return "".join(waits)
@@ -173,4 +176,30 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             stack=stall.stacks or None,
         )
         for stall in timeline.stalls
+        if stall.pid is None
+    )
+
+
+def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """One finding per worker that did not exit in its DataLoader's join time at shutdown.
+
+    With its stacks (NOTE [exit watch] in hang.py).
+    """
+    return tuple(
+        Finding(
+            rule="shutdown-hang",
+            severity="info",
+            message=(
+                f"DataLoader worker (PID {stall.pid}) did not exit within {stall.waited_s:.0f} s "
+                "of its shutdown: terminated"
+                + (f" in {frame}" if (frame := innermost_frames(stall.stacks, 1)) else "")
+            ),
+            remedy="see its stack: a __getitem__ still running, a non-daemon thread, a "
+            "worker_init_fn that blocks",
+            pid=stall.pid,
+            epoch=stall.epoch,
+            stack=stall.stacks or None,
+        )
+        for stall in timeline.stalls
+        if stall.pid is not None
     )

@@ -479,10 +479,10 @@ def or_dash(value: object | None, spec: str = "") -> str:
 
 _TABLE_HEAD = (
     *("epoch", "label", "time s", "parent MiB", "workers", "wk end MiB", "wk peak MiB"),
-    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host"),
+    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host", "pinned MiB"),
     *("GPU", "used/total MiB", "temp C", "SM MHz", "power W"),
 )
-_LEFT_ALIGNED = frozenset((1, 11, 12))
+_LEFT_ALIGNED = frozenset((1, 11, 13))
 
 
 def _device_cells(dev: DeviceState | None) -> list[str]:
@@ -564,6 +564,7 @@ def _epoch_rows(rec: EpochRecord, timeline: Timeline, counts: EpochCounts) -> li
         format_mib(host.parent_bytes),
         _workers_host_text(host, bool(workers)),
         host.source or "-",
+        format_mib(rec.pinned_reserved_bytes),
     ]
     devices = sorted(rec.devices, key=lambda d: d.index)
     rows = [cells + _device_cells(devices[0] if devices else None)]

@@ -223,6 +223,26 @@ Read the stacks:
   yields nothing more (a distributed sampler whose ranks disagree on the length).
 - the loop's thread in your own code: the training step itself is slow (not a hang).
 """,
+    "pinned-growth": """\
+pinned-growth (leak): the loop's process holds more pinned host memory at each epoch's end.
+
+Read at each epoch end from torch.cuda.host_memory_stats() (the caching host allocator, what
+pin_memory=True and tensor.pin_memory() use) where CUDA is initialised in the loop's process;
+judged as growth, on the bytes the allocator holds (16 MiB tolerance). Pinned pages cannot
+be swapped out: growing, they take the machine's memory from everything else.
+Fixes: keep no reference to pinned batches past their step (lists of batches, inputs kept
+with outputs); allocate a pinned buffer once and copy into it, not per step;
+torch.cuda.host_empty_cache() gives cached blocks back.
+""",
+    "shutdown-hang": """\
+shutdown-hang (information): a worker did not exit in its DataLoader's join time at shutdown.
+
+A DataLoader iterator's shutdown (an epoch's end, a break, del) joins each worker for 5 s,
+then terminates it. leakcheck writes that worker's stacks (every thread) to stderr and the
+report first. Read them: a __getitem__ still running (give its reads a timeout); a non-daemon
+thread the worker started (make it daemon=True, or stop it at exit); a worker_init_fn that
+blocks.
+""",
     "device-mismatch": """\
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 

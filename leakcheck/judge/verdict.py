@@ -28,7 +28,7 @@ from leakcheck.core.model import (
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
 from leakcheck.core.units import format_mib
-from leakcheck.judge.deaths import died, hang
+from leakcheck.judge.deaths import died, hang, shutdown_hang
 from leakcheck.observe.procs import create_time_s
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "host_growth",
     "judge",
     "orphan",
+    "pinned_growth",
     "residual",
     "shm",
     "survivor",
@@ -578,6 +579,29 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     return tuple(found)
 
 
+def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+    """Find the loop's process whose pinned host memory (torch's reserved bytes) grows."""
+    epochs = sorted(timeline.epochs, key=lambda rec: rec.index)[config.warmup_epochs :]
+    points = [(r.index, v) for r in epochs if (v := r.pinned_reserved_bytes) is not None]
+    slope = _slope(points, config) if points else None
+    last = epochs[-1].processes if epochs else ()
+    parent = next((p for p in last if p.role == "parent"), None)
+    if slope is None or parent is None:
+        return ()
+    return (
+        _finding(
+            "pinned-growth",
+            "leak",
+            f"pinned host memory {_grows(points, slope)}",
+            "keep no reference to pinned batches across steps; allocate pinned buffers once",
+            parent,
+            epoch=points[-1][0],
+            bytes_per_epoch=slope,
+            host_bytes=points[-1][1] - points[0][1],
+        ),
+    )
+
+
 def _host_leak(
     points: Sequence[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
 ) -> Finding | None:
@@ -999,7 +1023,8 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 "shm",
                 "info",
                 f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
-                f"{_size_text(total)}{job}): workers die of a bus error when it fills",
+                f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error "
+                "when it fills",
                 "give the job more shared memory (docker run --shm-size=8g or --ipc=host)",
                 epoch=rec.index,
                 size_bytes=used,
@@ -1237,6 +1262,8 @@ RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
     "died": died,
     "fd-pressure": fd_pressure,
     "hang": hang,
+    "pinned-growth": pinned_growth,
+    "shutdown-hang": shutdown_hang,
 }
 """Every rule by name, in report order for ties."""
 

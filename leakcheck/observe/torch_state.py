@@ -52,3 +52,20 @@ def current_device() -> int | None:
         return int(cuda.current_device())
     except Exception:
         return None
+
+
+def pinned_host_bytes() -> tuple[int, int] | None:
+    """``(allocated, reserved)`` bytes of torch's caching host (pinned) allocator here.
+
+    Allocated: blocks handed out to tensors (``active_bytes``); reserved: every block it
+    owns, cached ones included (``allocated_bytes``). None where CUDA is not initialised in
+    this process (never initialised here), the call is missing (an older torch) or raised.
+    """
+    stats = getattr(initialized_cuda(), "host_memory_stats", None)
+    if stats is None:
+        return None
+    try:
+        found = stats()
+        return int(found["active_bytes.current"]), int(found["allocated_bytes.current"])
+    except Exception:
+        return None

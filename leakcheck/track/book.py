@@ -140,6 +140,7 @@ class _Epoch:
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     devices: tuple[DeviceState, ...] = ()
+    pinned: tuple[int, int] | None = None  # torch_state.pinned_host_bytes() at the end
     shm: dict[str, Any] | None = None  # its EpochRecord fields (ShmWatch.epoch_end)
 
     def row(self, key: ProcessKey) -> _Row:
@@ -398,6 +399,8 @@ class EpochBook:
             error=epoch.error,
             batches=epoch.batches,
             **(epoch.shm or {}),
+            pinned_allocated_bytes=epoch.pinned[0] if epoch.pinned else None,
+            pinned_reserved_bytes=epoch.pinned[1] if epoch.pinned else None,
         )
 
     def _process_epoch(

@@ -8,23 +8,34 @@ sampler's thread checks whether an open epoch's loop has waited ``hang_after_s``
 stall it writes to stderr and the report (``Stall``, the ``hang`` finding) the Python stacks
 of every thread of the loop's process, where the tracker runs in it, and of each worker that
 registered the stack signal (NOTE [worker mailbox]): sent ``mailbox.STACK_SIGNAL`` after its
-identity is checked, its faulthandler writes them into its file, read once written (at most
+identity is checked, its faulthandler writes them into its file, read once still (at most
 ``_DUMP_WAIT_S``). The loop goes on; a batch ends the stall.
+
+NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
+``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive: a worker still in
+``__getitem__``, or held by a non-daemon thread, vanishes without a word. ``watch_exits`` puts
+an instance-level ``terminate`` on each worker of an iterator; called, it first has the
+tracker gather that worker's stacks as above (``exit_stall``: stderr and the report, a
+``Stall`` with its ``pid``), then terminates it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
 import time
 import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 from leakcheck.core.model import ProcessKey, Stall
 from leakcheck.observe import mailbox, procs
 
-__all__ = ["HangWatch", "own_stacks"]
+__all__ = ["HangWatch", "exit_stall", "own_stacks", "watch_exits"]
 
 _DUMP_WAIT_S = 10.0
 """How long the watch waits for the workers' faulthandlers to write: they write as soon as they
@@ -44,6 +55,17 @@ def own_stacks() -> str:
         header = f"Thread {names.get(ident, '?')!r} (most recent call last):"
         parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
     return "\n\n".join(parts)
+
+
+_STILL_S = 0.25
+"""How long a worker's stack file must stay the same size before it is read."""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 class HangWatch:
@@ -89,35 +111,81 @@ class HangWatch:
         folder: str | None,
     ) -> Stall:
         """Gather the stacks and write them to stderr (no lock held); the stall, to keep."""
-        parts: list[str] = []
-        sent: list[ProcessKey] = []
-        for key in workers if folder else []:
-            if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
-                try:
-                    os.kill(key.pid, mailbox.STACK_SIGNAL)
-                    sent.append(key)
-                except OSError:
-                    continue
-        deadline = time.monotonic() + _DUMP_WAIT_S
-        pending = list(sent)
-        while pending and folder:
-            for key in list(pending):
-                text = mailbox.read_stack(folder, key)
-                if text is not None:
-                    parts.append(f"--- worker PID {key.pid} ---\n{text}")
-                    pending.remove(key)
-            if not pending or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        parts += [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
+        parts = worker_stacks(workers, folder)
         if self.own_process:  # after the workers': a report shows the first rows only
             parts.append(f"--- the loop's process (PID {os.getpid()}) ---\n{own_stacks()}")
         stall = Stall(epoch=epoch, waited_s=waited_s, at_s=at_s, stacks="\n\n".join(parts))
         where = f" in epoch {epoch}" if epoch is not None else ""
-        with contextlib.suppress(OSError, ValueError):  # a closed stderr stops nothing
-            sys.stderr.write(
-                f"leakcheck: no batch for {waited_s:.0f} s{where}; the stacks of the job:\n"
-                f"{stall.stacks}\n"
-            )
-            sys.stderr.flush()
+        _say(f"no batch for {waited_s:.0f} s{where}; the stacks of the job", stall.stacks)
         return stall
+
+
+def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
+    """Each worker's stacks, ``--- worker PID n ---`` first, sent the stack signal."""
+    parts: list[str] = []
+    sent: list[ProcessKey] = []
+    for key in workers if folder else []:
+        if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
+            try:
+                os.kill(key.pid, mailbox.STACK_SIGNAL)
+                sent.append(key)
+            except OSError:
+                continue
+    deadline = time.monotonic() + _DUMP_WAIT_S
+    pending = list(sent)
+    grown: dict[ProcessKey, tuple[int, float]] = {}  # size, and since when
+    while pending and folder:
+        for key in list(pending):
+            # Read once written and still for _STILL_S: faulthandler writes a frame at a
+            # time, and a read in between would keep part of a dump.
+            size, now = _size(mailbox.stack_path(folder, key)), time.monotonic()
+            if grown.get(key, (-1, 0.0))[0] != size:
+                grown[key] = (size, now)
+            elif size and now - grown[key][1] >= _STILL_S:
+                text = mailbox.read_stack(folder, key)
+                if text is not None:
+                    parts.append(f"--- worker PID {key.pid} ---\n{text}")
+                    pending.remove(key)
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return parts + [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
+
+
+def _say(what: str, stacks: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a closed stderr stops nothing
+        sys.stderr.write(f"leakcheck: {what}:\n{stacks}\n")
+        sys.stderr.flush()
+
+
+def exit_stall(
+    key: ProcessKey, *, dumps_stacks: bool, epoch: int | None, at_s: float, folder: str | None
+) -> Stall:
+    """A worker its shutdown is about to terminate: its stacks, said (NOTE [exit watch])."""
+    utils = sys.modules.get("torch.utils.data._utils")
+    join_s = float(getattr(utils, "MP_STATUS_CHECK_INTERVAL", 5.0))
+    parts = worker_stacks([key] if dumps_stacks else [], folder)
+    stacks = "\n\n".join(parts or [f"--- worker PID {key.pid} ---\n(no stack signal)"])
+    stall = Stall(epoch=epoch, waited_s=join_s, at_s=at_s, stacks=stacks, pid=key.pid)
+    _say(f"DataLoader worker PID {key.pid} did not exit within {join_s:.0f} s", stacks)
+    return stall
+
+
+def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:
+    """``on_stuck(pid)`` before a DataLoader iterator's shutdown terminates that worker.
+
+    NOTE [exit watch]. Idempotent; anything but a multiprocessing iterator is left alone.
+    """
+    for worker in list(getattr(iterator, "_workers", None) or ()):
+        if "terminate" not in vars(worker):
+            worker.terminate = functools.partial(_terminate, weakref.ref(worker), on_stuck)
+
+
+def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int], object]) -> None:
+    worker = ref()
+    if worker is None:
+        return
+    with contextlib.suppress(Exception):  # leakcheck's own failure never stops a shutdown
+        if worker.is_alive():
+            on_stuck(worker.pid)
+    type(worker).terminate(worker)

@@ -47,10 +47,10 @@ from leakcheck.core.model import (
 )
 from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.hostmem import HostMemory
-from leakcheck.observe.torch_state import initialized_cuda
+from leakcheck.observe.torch_state import initialized_cuda, pinned_host_bytes
 from leakcheck.track import claims, exports
 from leakcheck.track.book import EpochBook, final_processes
-from leakcheck.track.hang import HangWatch
+from leakcheck.track.hang import HangWatch, exit_stall
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
@@ -290,14 +290,31 @@ class Sampler:
 
     def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
         """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch] in hang.py)."""
-        folder = self.mailbox_dir
-        stall = self.failures.guard(
+        folder, at_s = self.mailbox_dir, self.now()
+        self._keep_stall(
             lambda: self.hang.dump(
-                epoch=epoch, waited_s=waited_s, at_s=self.now(), workers=workers, folder=folder
-            ),
-            "hang watch",
-            lock=self.lock,
+                epoch=epoch, waited_s=waited_s, at_s=at_s, workers=workers, folder=folder
+            )
         )
+
+    def worker_stuck(self, pid: int) -> None:
+        """A worker of the job its shutdown is about to terminate (NOTE [exit watch])."""
+        with self.lock:
+            if self.table is None or self.closed:
+                return
+            self.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
+            key = self.table.by_pid.get(pid) or procs.process_key(pid)
+            if key is None:
+                return
+            proc, epoch, folder = self.table.procs.get(key), self.book.open_index, self.mailbox_dir
+        dumps, at_s = proc is not None and proc.dumps_stacks, self.now()
+        self._keep_stall(
+            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
+        )
+
+    def _keep_stall(self, gather: Callable[[], Stall]) -> None:
+        """Gather stacks off the lock (they wait for the workers), and keep the stall."""
+        stall = self.failures.guard(gather, "hang watch", lock=self.lock)
         if stall is not None:
             with self.lock:
                 self.stalls.append(stall)
@@ -364,6 +381,8 @@ class Sampler:
                 return False
             self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
             self.book.apply_accounting(table, self.nvml.accounting())
+            if self.hang.own_process:  # the loop's process is this one
+                opened.pinned = pinned_host_bytes()
             self._tag_scan_due = True
             host = self.host.end_status(table)
             shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")

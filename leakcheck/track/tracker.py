@@ -283,6 +283,13 @@ class Tracker:
         """A batch came, or the loop stopped asking for one: the wait is over."""
         self._sampler.hang.batch_arrived()
 
+    def worker_stuck(self, pid: int) -> None:
+        """A worker its loader's shutdown is about to terminate: its stacks, said and kept.
+
+        To stderr and the report (NOTE [exit watch] in hang.py).
+        """
+        self._sampler.worker_stuck(pid)
+
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal) is a death."""

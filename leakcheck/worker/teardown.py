@@ -438,6 +438,8 @@ def _open_stack_file(path: str) -> bool:
 def _close_stack_file() -> None:
     """A normal exit: nothing crashed, so the file goes."""
     global _stack_file
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return  # a thread holds the exit: its stacks stay askable (NOTE [exit watch] in hang.py)
     handle, _stack_file = _stack_file, None
     if handle is None:
         return

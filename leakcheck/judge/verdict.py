@@ -593,7 +593,8 @@ def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             "pinned-growth",
             "leak",
             f"pinned host memory {_grows(points, slope)}",
-            "keep no reference to pinned batches across steps; allocate pinned buffers once",
+            "keep no reference to pinned batches across steps; allocate pinned buffers once, "
+            "not per step",
             parent,
             epoch=points[-1][0],
             bytes_per_epoch=slope,

@@ -52,7 +52,11 @@ def test_oom_a_worker_the_kernel_kills_under_the_jobs_memory_limit_is_named(
     tmp_path: Path,
 ) -> None:
     done, data = sweep("oom", tmp_path, "--workers", "1")
-    if done.returncode == 2 and "no writable memory cgroup" in done.stderr:
+    unstageable = ("no writable memory cgroup", "cannot limit a memory cgroup")
+    if done.returncode == 2 and any(why in done.stderr for why in unstageable):
+        # e.g. a cgroup v2 parent that does not delegate the memory controller (the H200 host)
+        own, _ = _own_memory_cgroup()
+        assert not [n for n in os.listdir(own) if n.startswith("leakcheck-oom-")]
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr
     [died] = findings(data, "died")
@@ -75,13 +79,15 @@ def test_oom_without_a_writable_memory_cgroup_is_a_one_line_usage_error(
 
 def test_shm_full_the_batches_meet_a_small_private_dev_shm(tmp_path: Path) -> None:
     """torch reserves each segment (posix_fallocate), so a full /dev/shm fails the batch in the
-    worker (ENOSPC) rather than killing it with SIGBUS: the loader's error, the failed segments
-    torch left behind, and (where a read caught it) the use near full are what leakcheck sees."""
+    worker (ENOSPC, or EAGAIN) rather than killing it with SIGBUS: the loader's error, the failed
+    segments torch left behind, and (where a read caught it) the use near full are what
+    leakcheck sees."""
     done, data = sweep("shm-full", tmp_path, "--workers", "2")
     if done.returncode == 2 and "--scenario shm-full: cannot" in done.stderr:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr
-    assert "No space left on device" in data["configurations"][0]["failure"]
+    # ENOSPC from torch 2.13's posix_fallocate; torch 2.11 on the H200 host said EAGAIN (11)
+    assert "unable to allocate shared memory" in data["configurations"][0]["failure"]
     left = [f for f in findings(data, "shm") if f["shm_name"]]
     assert left and all(f["shm_name"].startswith("torch_") for f in left)
     for item in left:  # in the job's own /dev/shm, gone with it: the machine's is untouched

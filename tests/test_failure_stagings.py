@@ -90,6 +90,7 @@ def test_shm_full_the_batches_meet_a_small_private_dev_shm(tmp_path: Path) -> No
     assert "unable to allocate shared memory" in data["configurations"][0]["failure"]
     left = [f for f in findings(data, "shm") if f["shm_name"]]
     assert left and all(f["shm_name"].startswith("torch_") for f in left)
+    assert all("reservation failed: /dev/shm was full" in f["message"] for f in left)
     for item in left:  # in the job's own /dev/shm, gone with it: the machine's is untouched
         assert not os.path.exists(os.path.join("/dev/shm", item["shm_name"]))
 

@@ -889,6 +889,20 @@ def test_shm_file_causes_and_remedies() -> None:
     assert all(f.severity == "leak" for f in found)
 
 
+def test_an_empty_torch_segment_is_named_a_failed_reservation_not_a_shared_tensor() -> None:
+    files = (
+        ShmFile("torch_1_2_0", 7 * MIB, allocated_bytes=0),  # made, never reserved: shm full
+        ShmFile("torch_1_2_1", 7 * MIB, allocated_bytes=7 * MIB),
+        ShmFile("torch_1_2_2", 7 * MIB),  # not read: the cause its name gives
+    )
+    by_name = {f.shm_name: f for f in shm_of(replace(timeline([]), shm_files=files))}
+    failed = by_name["torch_1_2_0"]
+    assert "reservation failed: /dev/shm was full" in failed.message
+    assert "--shm-size" in failed.remedy and failed.severity == "leak"
+    for name in ("torch_1_2_1", "torch_1_2_2"):
+        assert "torch shared tensor" in by_name[name].message
+
+
 def test_shm_in_use_and_unattributable_files_are_said_not_blamed() -> None:
     files = (
         ShmFile("held", 10, holder_pid=7, holder_role="worker", in_use=True),

@@ -316,6 +316,7 @@ class ShmFile:
     attributable: bool = True
     in_use: bool = False
     made_by_older: int | None = None
+    allocated_bytes: int | None = None  # memory it holds (None: not read)
 
 
 @dataclass(frozen=True)

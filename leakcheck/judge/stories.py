@@ -154,7 +154,8 @@ Its name tells its cause:
   CPU tensors from workers and move or pin them in the main process (pin_memory=True).
 - torch_*: torch's shared tensors (the file_system sharing strategy). Let the loader's
   iterators finish or `del` them so their workers free their segments; prefer the default
-  file_descriptor strategy.
+  file_descriptor strategy. An empty one (a size, no memory in it) is a segment torch could
+  not reserve because /dev/shm was full: give the job more (--shm-size, --ipc=host).
 - psm_*: a multiprocessing SharedMemory never unlinked. Call unlink() (close() alone leaves
   the file), or create it in a fixture or try/finally that unlinks it.
 - nccl-*: a process group not destroyed: call torch.distributed.destroy_process_group().

@@ -959,6 +959,10 @@ def _shm_finding(item: ShmFile) -> Finding:
         for i, (prefix, cause, remedy) in enumerate(_SHM_CAUSES)
         if item.name.startswith(prefix)
     )
+    if item.name.startswith("torch_") and item.allocated_bytes == 0 and item.size_bytes:
+        # torch made the file, then could not reserve it (posix_fallocate): /dev/shm was full.
+        cause = "an empty torch segment whose reservation failed: /dev/shm was full"
+        remedy = "give the job more shared memory (--shm-size, --ipc=host), then remove the file"
     severity: Severity = "leak"
     who = ""
     if item.holder_pid is not None:

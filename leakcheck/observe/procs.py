@@ -73,6 +73,7 @@ class ShmSegment(NamedTuple):
     mtime: float
     inode: int
     name: str = ""
+    allocated_bytes: int = -1  # blocks the file holds (-1: not read): 0 for a failed reservation
 
 
 def _read(
@@ -870,7 +871,9 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
         try:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                segments[entry.name] = ShmSegment(st.st_size, st.st_mtime, st.st_ino, entry.name)
+                segments[entry.name] = ShmSegment(
+                    st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512
+                )
         except OSError:
             continue  # removed during the scan
     return segments

@@ -102,6 +102,7 @@ class ShmWatch:
                 ShmFile(
                     name=item.name,
                     size_bytes=item.size_bytes,
+                    allocated_bytes=item.allocated_bytes if item.allocated_bytes >= 0 else None,
                     holder_pid=pid,
                     holder_role=role,
                     attributable=ours,

@@ -177,3 +177,14 @@ def test_the_lightning_callback_says_a_worker_stuck_at_its_epochs_end(tmp_path: 
 def test_explain_tells_the_shutdown_hang_story() -> None:
     text = story("shutdown-hang") or ""
     assert "terminate" in text and "worker_init_fn" in text and "daemon" in text
+
+
+def test_an_odd_iterator_is_left_alone_and_nothing_is_raised_into_the_loop() -> None:
+    from leakcheck.track.hang import watch_exits
+
+    class Odd:
+        def __init__(self, workers: object) -> None:
+            self._workers = workers
+
+    for workers in (5, [object()], [None], "ab"):  # not a list of Processes
+        watch_exits(Odd(workers), lambda pid: None)

@@ -232,8 +232,7 @@ pin_memory=True and tensor.pin_memory() use) where CUDA is initialised in the lo
 judged as growth, on the bytes the allocator holds (16 MiB tolerance). Pinned pages cannot
 be swapped out: growing, they take the machine's memory from everything else.
 Fixes: keep no reference to pinned batches past their step (lists of batches, inputs kept
-with outputs); allocate a pinned buffer once and copy into it, not per step;
-torch.cuda.host_empty_cache() gives cached blocks back.
+with outputs); allocate a pinned buffer once and copy into it, not per step.
 """,
     "shutdown-hang": """\
 shutdown-hang (information): a worker did not exit in its DataLoader's join time at shutdown.

@@ -176,9 +176,10 @@ def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:
 
     NOTE [exit watch]. Idempotent; anything but a multiprocessing iterator is left alone.
     """
-    for worker in list(getattr(iterator, "_workers", None) or ()):
-        if "terminate" not in vars(worker):
-            worker.terminate = functools.partial(_terminate, weakref.ref(worker), on_stuck)
+    with contextlib.suppress(Exception):  # an odd iterator is left alone, never raised into
+        for worker in list(getattr(iterator, "_workers", None) or ()):
+            if "terminate" not in vars(worker):
+                worker.terminate = functools.partial(_terminate, weakref.ref(worker), on_stuck)
 
 
 def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int], object]) -> None:

@@ -25,7 +25,7 @@ warm-up ends read none unless unpaced; an end without a read says RSS, never an 
 The reads an end planned are made before the next epoch begins, and wrappers that judge after
 each epoch make them first. Forked workers that reported their birth (NOTE [copy on read] in
 hostmem.py) are read at their first epoch end whatever the pacing, and inside an epoch that
-has lasted ``INSIDE_AFTER_S``, at most every ``INSIDE_GAP_S``, as the pacing allows.
+has lasted ``reads.INSIDE_AFTER_S``, at most every ``reads.INSIDE_GAP_S``, as the pacing allows.
 
 NOTE [idle ticks]: a tick that does not walk and whose reads are all paced out changes
 nothing, yet waking a thread costs CPU: the sampler sleeps through such ticks, up to the next

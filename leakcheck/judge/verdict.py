@@ -583,7 +583,7 @@ def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
     """Find the loop's process whose pinned host memory (torch's reserved bytes) grows."""
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)[config.warmup_epochs :]
     points = [(r.index, v) for r in epochs if (v := r.pinned_reserved_bytes) is not None]
-    slope = _slope(points, config) if points else None
+    slope = _slope(points, config, host=True) if points else None  # host memory: its tolerance
     last = epochs[-1].processes if epochs else ()
     parent = next((p for p in last if p.role == "parent"), None)
     if slope is None or parent is None:

@@ -136,6 +136,7 @@ def test_the_lightning_callback_says_a_worker_stuck_at_its_epochs_end(tmp_path: 
     pl: Any = pytest.importorskip("lightning.pytorch")
     marker = tmp_path / "slow"
     from leakcheck.adapters.lightning import LeakCheckCallback
+    from tests.test_lightning import trainer
 
     class Tiny(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -157,19 +158,9 @@ def test_the_lightning_callback_says_a_worker_stuck_at_its_epochs_end(tmp_path: 
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     callback = LeakCheckCallback(on_leak="ignore", grace=0.5)
-    pl.Trainer(
-        max_epochs=1,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=str(tmp_path),
-        callbacks=[callback],
-    ).fit(Tiny())
+    trainer(callback, tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=0).fit(
+        Tiny()
+    )
     [finding] = _stuck(callback.report("train"))
     assert "terminated in __getitem__ (test_exit_watch.py:" in finding.message
 

@@ -180,6 +180,7 @@ def test_the_lightning_callback_records_and_logs_the_pinned_memory(
 ) -> None:
     pl: Any = pytest.importorskip("lightning.pytorch")
     from leakcheck.adapters.lightning import LeakCheckCallback, epoch_scalars
+    from tests.test_lightning import trainer
 
     class Tiny(pl.LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -197,18 +198,10 @@ def test_the_lightning_callback_records_and_logs_the_pinned_memory(
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     callback = LeakCheckCallback(on_leak="ignore", grace=0.5)
-    pl.Trainer(
-        max_epochs=5,  # 32 MiB per epoch end: 96 MiB over the judged 4, beyond the host's 64
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        default_root_dir=str(tmp_path),
-        callbacks=[callback],
-    ).fit(Tiny())
+    # 32 MiB per epoch end: 96 MiB over the judged 4 epochs, beyond the host's 64
+    trainer(callback, tmp_path, max_epochs=5, limit_train_batches=1.0, limit_val_batches=0).fit(
+        Tiny()
+    )
     report = callback.report("train")
     assert None not in [e.pinned_reserved_bytes for e in report.epochs]
     assert [f.rule for f in report.findings if f.rule == "pinned-growth"] == ["pinned-growth"]

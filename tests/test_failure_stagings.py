@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from leakcheck.commands.cli import main
-from leakcheck.commands.workload import _own_memory_cgroup
 from leakcheck.observe import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +42,12 @@ def sweep(scenario: str, tmp_path: Path, *extra: str, prefix: tuple[str, ...] = 
     return done, data
 
 
+def _own_cgroup() -> str:
+    found = machine.own_memory_cgroup()
+    assert found is not None
+    return found[0]
+
+
 def findings(data: dict[str, Any], rule: str) -> list[dict[str, Any]]:
     [config] = data["configurations"]
     return [f for f in config["report"]["findings"] if f["rule"] == rule]
@@ -55,7 +60,7 @@ def test_oom_a_worker_the_kernel_kills_under_the_jobs_memory_limit_is_named(
     unstageable = ("no writable memory cgroup", "cannot limit a memory cgroup")
     if done.returncode == 2 and any(why in done.stderr for why in unstageable):
         # e.g. a cgroup v2 parent that does not delegate the memory controller (the H200 host)
-        own, _ = _own_memory_cgroup()
+        own = _own_cgroup()
         assert not [n for n in os.listdir(own) if n.startswith("leakcheck-oom-")]
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr
@@ -63,7 +68,7 @@ def test_oom_a_worker_the_kernel_kills_under_the_jobs_memory_limit_is_named(
     assert "was killed by the OOM killer (SIGKILL) in epoch 0" in died["message"]
     assert "OOM kills of its memory cgroup +1" in died["message"]
     assert "exited unexpectedly" in data["configurations"][0]["failure"]
-    own, _ = _own_memory_cgroup()  # the sweep's cgroup is gone with it
+    own = _own_cgroup()  # the sweep's cgroup is gone with it
     assert not [name for name in os.listdir(own) if name.startswith("leakcheck-oom-")]
 
 

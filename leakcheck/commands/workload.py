@@ -443,19 +443,6 @@ def stage(spec: WorkloadSpec | None) -> Iterator[None]:
         yield
 
 
-def _own_memory_cgroup() -> tuple[str, bool]:
-    """The memory cgroup folder of this process, and whether it is cgroup v2."""
-    with open("/proc/self/cgroup", encoding="utf-8") as handle:
-        lines = [line.rstrip("\n").split(":", 2) for line in handle]
-    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
-        if "memory" in controllers.split(","):
-            return os.path.join(machine.CGROUP_ROOT, "memory", path.lstrip("/")), False
-    for number, _, path in (parts for parts in lines if len(parts) == 3):
-        if number == "0":
-            return os.path.join(machine.CGROUP_ROOT, path.lstrip("/")), True
-    raise OSError("no memory cgroup in /proc/self/cgroup")
-
-
 def _write(path: str, value: int | str) -> None:
     with open(path, "w", encoding="ascii") as handle:
         handle.write(str(value))
@@ -465,7 +452,10 @@ def _write(path: str, value: int | str) -> None:
 def _memory_limit(limit_bytes: int) -> Iterator[None]:
     """Moves this process into a new child of its memory cgroup of ``limit_bytes``, then back."""
     try:
-        own, v2 = _own_memory_cgroup()
+        found = machine.own_memory_cgroup()
+        if found is None:
+            raise OSError("no memory cgroup in /proc/self/cgroup")
+        own, v2 = found
         child = os.path.join(own, f"leakcheck-oom-{os.getpid()}")
         os.mkdir(child)
     except OSError as exc:

@@ -23,23 +23,40 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _counter_files(cgroup_lines: str, root: str) -> list[str]:
-    # Its own folder, then the mount's root: in a container the path may name the host's
-    # hierarchy while the container's own cgroup is at the root.
-    files: list[str] = []
+def _memory_cgroups(cgroup_lines: str) -> list[tuple[str, bool]]:
+    """The memory cgroup paths of ``/proc/PID/cgroup`` lines, in their order; with ``v2``."""
+    found: list[tuple[str, bool]] = []
     for line in cgroup_lines.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        _, controllers, path = parts
-        path = path.strip().lstrip("/")
-        if "memory" in controllers.split(","):  # v1
-            base = os.path.join(root, "memory")
-            files += [os.path.join(base, path, "memory.oom_control")] if path else []
-            files.append(os.path.join(base, "memory.oom_control"))
-        elif parts[0] == "0" and not controllers:  # v2
-            files += [os.path.join(root, path, "memory.events")] if path else []
-            files.append(os.path.join(root, "memory.events"))
+        number, controllers, path = parts
+        if "memory" in controllers.split(","):
+            found.append((path.strip().lstrip("/"), False))
+        elif number == "0" and not controllers:
+            found.append((path.strip().lstrip("/"), True))
+    return found
+
+
+def own_memory_cgroup() -> tuple[str, bool] | None:
+    """The memory cgroup folder of this process and whether it is v2 (None: none found)."""
+    lines = _read_text(_PROC_SELF_CGROUP)
+    found = sorted(_memory_cgroups(lines or ""), key=lambda item: item[1])  # v1's first
+    if not found:
+        return None
+    path, v2 = found[0]
+    return os.path.join(CGROUP_ROOT, *(() if v2 else ("memory",)), path), v2
+
+
+def _counter_files(cgroup_lines: str, root: str) -> list[str]:
+    # Its own folder, then the mount's root: in a container the path may name the host's
+    # hierarchy while the container's own cgroup is at the root.
+    files: list[str] = []
+    for path, v2 in _memory_cgroups(cgroup_lines):
+        base = root if v2 else os.path.join(root, "memory")
+        name = "memory.events" if v2 else "memory.oom_control"
+        files += [os.path.join(base, path, name)] if path else []
+        files.append(os.path.join(base, name))
     return files
 
 

@@ -32,7 +32,7 @@ Needs an NVIDIA driver (``libcuda.so.1``) and NVML; torch is not used.
 
 Usage: python benchmarks/bench_driver.py [--op context|malloc] [--workers 4] [--block 3]
        [--rounds 6] [--warmup 1] [--interval 0.05] [--nvml-share S] [--write]
-       (--write: benchmarks/results/driver-<op>-<machine>.{json,md}, see results_io.py)
+       (--write: benchmarks/results/driver-<machine>.md, a section per op, see results_io.py)
 """
 
 from __future__ import annotations
@@ -278,9 +278,9 @@ def main() -> int:
     print(text)
     if args.write:
         payload = {"meta": meta, "rounds": rounds, "ab_slowdown_pct": ab.to_dict()}
-        stem = result_stem(f"driver-{args.op}", nvml_share.variant(share))
+        stem = result_stem("driver", args.op, nvml_share.variant(share))
         path = write_result(stem, payload, text)
-        print(f"wrote {path}.md and .json", file=sys.stderr)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,7 @@ Reported: the median caller ms per epoch end over blocks of epochs (1-10, 91-100
 for the window and for the whole run, and their ratio.
 
 Usage: python benchmarks/bench_epochs.py [--epochs 400] [--workers 4] [--write]
-       (--write: benchmarks/results/epochs-<machine>.{json,md}, see results_io.py)
+       (--write: benchmarks/results/epochs-<machine>.md, see results_io.py)
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main() -> int:
     if args.write:
         stem = result_stem("epochs")
         path = write_result(stem, {"meta": meta, "blocks": blocks, "raw_ms": arms}, text)
-        print(f"wrote {path}.md and .json", file=sys.stderr)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,7 @@ Three parts, each timed alone on this machine (medians of rounds):
 Each is set against a loop of ``--batch-ms`` per batch and ``--epoch-s`` per epoch with N
 workers (defaults: bench_watch's loop on the H200, 8 workers, about 1.85 ms per batch and
 1.5 s per epoch). Goal (issue: deaths and hangs): at most 0.1% of the loop.
-``--write`` stores ``benchmarks/results/hang-fds-<machine>.{json,md}``.
+``--write`` stores ``benchmarks/results/hang-fds-<machine>.md``.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ ends the USS was read, and the in-epoch reads.
 
 Usage: python benchmarks/bench_hostmem.py [--children 8,64] [--parents plain,data256,torch]
        [--rounds 100] [--tracker-epochs 8] [--epoch-s 1.4] [--write]  (writes
-       benchmarks/results/hostmem-<machine>.{json,md}, see results_io.py)
+       benchmarks/results/hostmem-<machine>.md, see results_io.py)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ pacing plans. Goal: at least half of it on an idle host (the test asserted so un
 machine's load made it fail).
 
 Usage: python benchmarks/bench_idle_ticks.py [--seconds 5] [--interval 0.01] [--write]
-       (--write: benchmarks/results/idle-ticks-<machine>.{json,md}, see results_io.py)
+       (--write: benchmarks/results/idle-ticks-<machine>.md, see results_io.py)
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Two clocks per run: the whole process (wall, startup included) and the test loop
 ``(median loop time - median baseline loop time) / tests``.
 
 Usage: python benchmarks/bench_plugin.py [--tests 500] [--rounds 5] [--write]
-       (--write: benchmarks/results/plugin-<machine>.{json,md}, see results_io.py)
+       (--write: benchmarks/results/plugin-<machine>.md, see results_io.py)
 """
 
 from __future__ import annotations
@@ -240,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result)
     print(text)
     if args.write:
-        stem = write_result(result_stem("plugin"), result, text)
-        print(f"wrote {stem}.json and {stem}.md")
+        print("wrote", write_result(result_stem("plugin"), result, text))
     return 0
 
 

@@ -29,7 +29,7 @@ what the launcher added after the program ended (the tree's grace wait, reading 
 printing the reports) = whole-process run time - program wall time - launcher start-up.
 
 Usage: python benchmarks/bench_run.py [--epochs 4] [--workers 2] [--rounds 8] [--warmup 1]
-       [--write]  (benchmarks/results/run-<machine>.{json,md}, see results_io.py)
+       [--write]  (benchmarks/results/run-<machine>.md, see results_io.py)
 """
 
 from __future__ import annotations

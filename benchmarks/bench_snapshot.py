@@ -11,7 +11,7 @@ Measured in one run, same job, interleaved rounds:
   in the caller, so it runs last, in a child process).
 
 Usage: python benchmarks/bench_snapshot.py [--children 64] [--gpu-children 4] [--rounds 200]
-       [--write]  (writes benchmarks/results/snapshot-<machine>-<N>children.{json,md},
+       [--write]  (writes benchmarks/results/snapshot-<machine>.md, a section per N,
        see results_io.py)
 """
 

@@ -22,7 +22,7 @@ compiles leakcheck's modules again, a cost no installed copy pays).
 
 Usage: python benchmarks/bench_snapshot_start.py [--rounds 15] [--importtime] [--phases N]
        [--from-source]
-       [--out PATH.md | --write]  (--write: benchmarks/results/snapshot-start-<machine>.{md,json})
+       [--out PATH.md | --write]  (--write: benchmarks/results/snapshot-start-<machine>.md)
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ what they held at exit to the mailbox, which is part of what leakcheck costs.
 
 Usage: python benchmarks/bench_sweep.py [--workers 0,4,8] [--epochs 3] [--repeats 5]
        [--batches 128] [--features 1024] [--start-method spawn] [--teardown] [--write]
-       (--write: benchmarks/results/sweep-<machine>.{json,md}, see results_io.py; rewritten
+       (--write: benchmarks/results/sweep-<machine>.md, see results_io.py; rewritten
        after each configuration, so a run stopped at a time limit keeps what it finished)
 """
 
@@ -470,7 +470,7 @@ def main() -> int:
     print(text)
     if args.write:
         path = write_result(stem, {"meta": meta, "results": results}, text)
-        print(f"wrote {path}.md and .json", file=sys.stderr)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -48,7 +48,7 @@ leakcheck/track/pacing.py) instead of leakcheck's own.
 Usage: python benchmarks/bench_watch.py [--device auto|cpu|cuda] [--workers 8]
        [--batches 200] [--epochs 1] [--rounds 10] [--warmup 1] [--interval 0.05]
        [--variant watch|no-sampler|control] [--write]
-       (--write: benchmarks/results/watch-<machine>[-<variant>].{json,md}, see results_io.py)
+       (--write: benchmarks/results/watch-<machine>.md, a section per variant, see results_io.py)
 The GPU run, ``--device cuda --workers 8 --batches 1000 --rounds 6``, has epochs of ~1.5 s:
 28 blocks, about 1.5 minutes with start-up.
 """

@@ -4,7 +4,7 @@ Runs ``leakcheck sweep --json`` on the built-in workload (scenario ``clean``, th
 ``copy-on-read``) and records, per worker count, samples per second, the loop's share of time
 waiting for batches and the memory each worker costs, with the sweep's recommendation (the
 fewest workers within 5% of the best throughput). ``--write`` stores
-``benchmarks/results/workers-<machine>.{json,md}``.
+``benchmarks/results/workers-<machine>.md``.
 """
 
 from __future__ import annotations

@@ -10,18 +10,17 @@ worst round. Runs of another variant than ``--variant``, or of other batches per
 ``benchmarks/results/`` holds only the current run per machine; earlier runs are its earlier
 versions in git, taken out one file per run, e.g.::
 
-    git log --format=%h -- benchmarks/results/watch-h200.json
-    git show REV:benchmarks/results/watch-h200.json > /tmp/watch-h200-REV.json
+    git log --format=%h -- benchmarks/results/watch-h200.md
+    git show REV:benchmarks/results/watch-h200.md > /tmp/watch-h200-REV.md
 
-Usage: python benchmarks/pool_watch.py FILE.json [FILE.json ...] [--batches 1000]
+Usage: python benchmarks/pool_watch.py FILE.md [FILE.md ...] [--batches 1000]
        [--variant watch] [--write NAME]
-       (--write: benchmarks/results/NAME.md, e.g. watch-pooled-h200)
+       (--write: the section "pooled" of benchmarks/results/NAME.md, e.g. watch-h200)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import stats
 from bench_watch import GOAL_PCT, VARIANTS
-from results_io import RESULTS_DIR
+from results_io import ResultName, read_results, write_result
 
 
 def _variant(result: dict[str, Any]) -> str:
@@ -38,24 +37,24 @@ def _variant(result: dict[str, Any]) -> str:
     return str(result["meta"].get("variant", "watch"))
 
 
-def _load(path: str) -> dict[str, Any]:
-    with open(path) as handle:
-        result: dict[str, Any] = json.load(handle)
-    if "ratio_per_round" not in result or "meta" not in result:
+def _load(path: str) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = read_results(path)
+    if not results or any("ratio_per_round" not in r or "meta" not in r for r in results.values()):
         raise ValueError(f"{path}: not a bench_watch.py result (no ratio_per_round)")
-    return result
+    return results
 
 
 def _chosen(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     chosen = []
     for path in args.files:
-        stem = os.path.basename(path).removesuffix(".json")
-        result = _load(path)
-        if args.batches is not None and result["meta"].get("batches_per_epoch") != args.batches:
-            continue
-        if _variant(result) != args.variant:
-            continue
-        chosen.append((stem, result))
+        stem = os.path.basename(path).removesuffix(".md")
+        for setting, result in _load(path).items():
+            batches = result["meta"].get("batches_per_epoch")
+            if args.batches is not None and batches != args.batches:
+                continue
+            if _variant(result) != args.variant:
+                continue
+            chosen.append((f"{stem} ({setting})", result))
     return chosen
 
 
@@ -105,10 +104,10 @@ def _table(chosen: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("files", nargs="+", help="bench_watch.py result files (.json)")
+    parser.add_argument("files", nargs="+", help="bench_watch.py result files (.md)")
     parser.add_argument("--batches", type=int, default=None, help="only runs of this epoch")
     parser.add_argument("--variant", choices=VARIANTS, default="watch")
-    parser.add_argument("--write", default=None, metavar="NAME", help="results/NAME.md")
+    parser.add_argument("--write", default=None, metavar="NAME", help="results/NAME.md (pooled)")
     args = parser.parse_args()
     try:
         chosen = _chosen(args)
@@ -127,9 +126,7 @@ def main() -> int:
     )
     print(text)
     if args.write is not None:
-        os.makedirs(RESULTS_DIR, exist_ok=True)
-        with open(os.path.join(RESULTS_DIR, args.write + ".md"), "w") as handle:
-            handle.write(text + "\n")
+        print("wrote", write_result(ResultName(args.write, "pooled"), None, text))
     return 0
 
 

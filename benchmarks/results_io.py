@@ -1,8 +1,10 @@
-"""Where benchmark results go: ``benchmarks/results/<stem>.json`` and ``.md``, side by side.
+"""Where benchmark results go: one file per benchmark and machine, ``results/<name>.md``.
 
-A stem names the benchmark, the machine and the variant, never a date
-(``watch-h200``, ``snapshot-cpu-64children``, ``watch-h200-control``): each run overwrites the
-current result of its benchmark on its machine, and git keeps the ones before it.
+A name is the benchmark and the machine, never a date (``watch-h200``, ``snapshot-cpu``): each
+run overwrites the current result of its benchmark on its machine, and git keeps the ones before
+it. A benchmark run in another setting (``--variant control``, 64 children instead of 8) writes
+its own section of the same file, so the file holds one current result per setting. A section is
+the run's table and, at its end, its data as a fenced JSON block that ``read_results`` returns.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ import os
 import platform
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_SECTION = re.compile(r"^<!-- setting: (\S+) -->$", re.MULTILINE)
+_DATA = re.compile(r"\n```json\n(.*?)\n```\n?\Z", re.DOTALL)
+DEFAULT_SETTING = "default"
+
+
+class ResultName(NamedTuple):
+    """A result's file (``<benchmark>-<machine>``) and its setting's section in that file."""
+
+    file_stem: str
+    setting: str
 
 
 def host_meta() -> dict[str, Any]:
@@ -48,25 +60,51 @@ def machine() -> str:
     return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "gpu"
 
 
-def result_stem(benchmark: str, *variants: str) -> str:
-    """A result file's stem: ``<benchmark>-<machine>``, then each non-empty variant.
+def result_stem(benchmark: str, *settings: str) -> ResultName:
+    """A result's name: the file ``<benchmark>-<machine>``, the section the non-empty settings.
 
     Args:
-        benchmark: The benchmark, with its operation where it has one (``driver-context``).
-        variants: What sets this result apart from the benchmark's default run on the machine
-            (``64children``, ``control``); empty strings are left out.
+        benchmark: The benchmark (``watch``, ``driver``).
+        settings: What sets this run apart from the benchmark's default run on the machine
+            (``64children``, ``control``, an operation); empty strings are left out.
 
     """
-    return "-".join([benchmark, machine(), *(variant for variant in variants if variant)])
+    setting = "-".join(part for part in settings if part) or DEFAULT_SETTING
+    return ResultName(f"{benchmark}-{machine()}", setting)
 
 
-def write_result(stem: str, payload: Any, text: str) -> str:
-    """Write the run's data as JSON and its table as Markdown; return the path stem."""
+def _sections(path: str) -> dict[str, str]:
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return {}
+    parts = _SECTION.split(text)
+    # parts: [before the first marker, setting, body, setting, body, ...]
+    return {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
+
+
+def write_result(name: ResultName, payload: Any, text: str) -> str:
+    """Write the run's table and data as its setting's section of its file; return the path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, stem)
-    with open(path + ".json", "w") as handle:
-        json.dump(payload, handle, indent=2)
-        handle.write("\n")
-    with open(path + ".md", "w") as handle:
-        handle.write(text + "\n")
+    path = os.path.join(RESULTS_DIR, name.file_stem + ".md")
+    sections = _sections(path)
+    data = "" if payload is None else "\n\n```json\n" + json.dumps(payload, indent=2) + "\n```"
+    sections[name.setting] = text.rstrip("\n") + data
+    order = sorted(sections, key=lambda setting: (setting != DEFAULT_SETTING, setting))
+    with open(path, "w") as handle:
+        handle.write(
+            "\n\n".join(f"<!-- setting: {setting} -->\n{sections[setting]}" for setting in order)
+            + "\n"
+        )
     return path
+
+
+def read_results(path: str) -> dict[str, Any]:
+    """The data of each setting's section of a result file that has data, by setting."""
+    found = {}
+    for setting, section in _sections(path).items():
+        match = _DATA.search(section + "\n")
+        if match is not None:
+            found[setting] = json.loads(match.group(1))
+    return found

@@ -84,10 +84,10 @@ def _sections(path: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1].strip("\n") for i in range(1, len(parts) - 1, 2)}
 
 
-def write_result(name: ResultName, payload: Any, text: str) -> str:
+def write_result(name: ResultName, payload: Any, text: str, directory: str = RESULTS_DIR) -> str:
     """Write the run's table and data as its setting's section of its file; return the path."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, name.file_stem + ".md")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name.file_stem + ".md")
     sections = _sections(path)
     data = "" if payload is None else "\n\n```json\n" + json.dumps(payload, indent=2) + "\n```"
     sections[name.setting] = text.rstrip("\n") + data

@@ -117,7 +117,8 @@ class _Row:
     peak: dict[int, int] = field(default_factory=dict)
     listed: bool = False  # NVML listed it at some read
     reported: bool = False  # the peak includes its own report
-    end: _EndState | None = None
+    end: Proc | None = None  # a copy of its state at the end
+    role: Role = "descendant"  # its role at the end
     status: HostMemory | None = None  # the end's /proc/PID/status read
     rollup: HostMemory | None = None  # the end's smaps_rollup read, made after it
     report: HostMemory | None = None
@@ -156,27 +157,19 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
             peak[device] = used
 
 
-@dataclass(frozen=True)
-class _EndState:
-    """Where a process stood at an epoch's end, and what it held there (``alive``)."""
-
-    role: Role
-    ppid: int
-    alive: bool = False
-    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
-    gpu_unknown: bool = False
-    nvidia_fds: int | None = None
-    open_fds: int | None = None
-    fd_limit: int | None = None
-
-    @staticmethod
-    def of(table: ProcessTable, proc: Proc, *, alive: bool = True) -> _EndState:
-        if not alive:
-            return _EndState(table.role(proc), proc.ppid)
-        return _EndState(
-            table.role(proc), proc.ppid, True, dict(proc.gpu_bytes), proc.gpu_unknown,
-            proc.nvidia_fds, proc.open_fds, proc.fd_limit,
-        )  # fmt: skip
+def _held(state: Proc, role: Role) -> dict[str, Any]:
+    """The ``ProcessEpoch`` fields of where ``state`` stood and, if alive, what it held."""
+    alive = state.exited_s is None
+    return {
+        "role": role,
+        "ppid": state.ppid,
+        "alive_at_end": alive,
+        "gpu_bytes_end": dict(state.gpu_bytes) if alive else {},
+        "gpu_bytes_unknown": alive and state.gpu_unknown,
+        "nvidia_fds": state.nvidia_fds if alive else None,
+        "open_fds": state.open_fds if alive else None,
+        "fd_limit": state.fd_limit if alive else None,
+    }
 
 
 def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
@@ -283,9 +276,11 @@ class EpochBook:
                 epoch.row(key)
         for key, row in epoch.rows.items():
             proc = table.procs[key]
-            alive = proc.exited_s is None
-            row.end = _EndState.of(table, proc, alive=alive)
-            row.status = host.get(key) if alive else None
+            row.end, row.role = (
+                dataclasses.replace(proc, gpu_bytes=dict(proc.gpu_bytes)),
+                table.role(proc),
+            )
+            row.status = host.get(key) if proc.exited_s is None else None
         self.open = None
 
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
@@ -408,9 +403,10 @@ class EpochBook:
     ) -> ProcessEpoch:
         state = row.end
         assert state is not None
-        alive = state.alive
+        alive = state.exited_s is None
         peak = dict(row.peak)
-        _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
+        if alive:
+            _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
         source: PeakSource
         if row.reported:
             source = "reported"
@@ -421,18 +417,11 @@ class EpochBook:
         exited_s = proc.exited_s
         # Identity as of now: a worker whose record came after its epoch ended was a plain
         # descendant then, and is a worker from birth.
-        role = state.role
+        role = row.role
         if role == "descendant" and proc.key in table.workers:
             role = "worker"
         return ProcessEpoch(
-            role=role,
-            ppid=state.ppid,
-            alive_at_end=alive,
-            gpu_bytes_end=dict(state.gpu_bytes),
-            gpu_bytes_unknown=state.gpu_unknown,
-            nvidia_fds=state.nvidia_fds,
-            open_fds=state.open_fds,
-            fd_limit=state.fd_limit,
+            **_held(state, role),
             **_identity(table, proc),
             born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
             exited_after_s=exited_s - end_s if exited_s is not None and exited_s >= end_s else None,
@@ -503,14 +492,7 @@ def final_processes(
         row = opened.rows.get(key) if opened is not None else None
         processes.append(
             ProcessEpoch(
-                role=table.role(proc),
-                ppid=proc.ppid,
-                alive_at_end=True,
-                gpu_bytes_end=dict(proc.gpu_bytes),
-                gpu_bytes_unknown=proc.gpu_unknown,
-                nvidia_fds=proc.nvidia_fds,
-                open_fds=proc.open_fds,
-                fd_limit=proc.fd_limit,
+                **_held(proc, table.role(proc)),
                 **_identity(table, proc),
                 born_in_epoch=False,
                 last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,

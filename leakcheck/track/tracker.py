@@ -219,7 +219,8 @@ class Tracker:
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
         self._session_id, self._root_key = "", ProcessKey(self._sampler.root_pid, 0)
-        self._started_unix_s, self._boot_unix_s = 0.0, procs.boot_time_s()
+        self._started_unix_s = 0.0
+        self._boot_unix_s: float | None = None
         self._export_token: int | None = None
         self._oom_kills: int | None = None  # what the next death's OOM kills count from
         self._final: FinalState | None = None
@@ -259,7 +260,7 @@ class Tracker:
             root_key = procs.process_key(s.root_pid)
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {s.root_pid}")
-            self._started_unix_s = time.time()
+            self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
             self._root_key = root_key
             self._session_id = procs.new_session_id(s.root_pid)
             mailbox_dir = s.failures.guard(mailbox.create, "mailbox")

@@ -36,17 +36,13 @@ from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.reads import reported_memory
 from leakcheck.track.table import Proc, ProcessTable
 
-__all__ = ["EpochBook", "final_processes", "host_fields"]
+__all__ = ["EpochBook", "final_processes"]
 
 
-def host_fields(
+def _host_fields(
     end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
 ) -> dict[str, Any]:
-    """The host-memory fields of a ``ProcessEpoch`` (USS where read, else RSS).
-
-    For one ``alive`` at the end, the end's reads (``end``: status, ``rollup``) count first
-    and its exit ``report`` only for what they lack; else the report alone.
-    """
+    """Host fields: USS, else RSS; alive at the end, the end's reads before the exit report."""
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
@@ -83,7 +79,7 @@ class _Copy:
             self.over_s = at_s
 
 
-def copy_fields(
+def _copy_fields(
     proc: Proc,
     inside: _Copy | None,
     readings: Iterable[tuple[float, HostMemory | None]],
@@ -187,8 +183,7 @@ def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
 class EpochBook:
     """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
 
-    ``grace_s``: how long after an epoch's end a worker's report still belongs to it; a copy
-    above ``copy_tolerance_bytes`` is marked with when it was first read.
+    ``grace_s``: how long after an epoch's end a worker's report still belongs to it.
     """
 
     def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:
@@ -237,9 +232,7 @@ class EpochBook:
         epoch.samples += 1
         if table.changed:
             table.changed = False
-            for key, proc in table.live.items():
-                if proc.foreign or not proc.own:
-                    continue
+            for key, proc in table.job_live().items():
                 row = epoch.row(key)
                 if proc.gpu_bytes or proc.gpu_unknown:
                     row.listed = True
@@ -271,9 +264,8 @@ class EpochBook:
         # [claims]).
         table.refresh_ownership()
         epoch.rows = {key: row for key, row in epoch.rows.items() if table.procs[key].own}
-        for key, proc in table.live.items():
-            if proc.own and not proc.foreign:
-                epoch.row(key)
+        for key in table.job_live():
+            epoch.row(key)
         for key, row in epoch.rows.items():
             proc = table.procs[key]
             row.end, row.role = (
@@ -284,10 +276,7 @@ class EpochBook:
         self.open = None
 
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
-        """Give the smaps_rollup reads planned at epoch ``index``'s end to that epoch.
-
-        Refused (False) when a later epoch has ended since: they would show a later moment.
-        """
+        """Give epoch ``index`` its end's smaps_rollup reads; False once a later epoch ended."""
         later = self.epochs[index + 1 :]
         if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
             return False
@@ -342,10 +331,9 @@ class EpochBook:
         return False
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
-        """Keep a worker's teardown record and give what it held as it exited to its epoch.
+        """Keep a worker's teardown record; what it held at exit goes to its epoch.
 
-        ``t0_s``: the tracker's start on the record's monotonic clock. A worker that never
-        used CUDA held nothing on a GPU.
+        ``t0_s``: the tracker's start on the record's monotonic clock.
         """
         self.teardowns.append(teardown)
         held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
@@ -428,8 +416,8 @@ class EpochBook:
             last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
             gpu_bytes_peak=peak,
             gpu_peak_source=source,
-            **host_fields(row.status, row.rollup, row.report, alive=alive),
-            **copy_fields(
+            **_host_fields(row.status, row.rollup, row.report, alive=alive),
+            **_copy_fields(
                 proc,
                 row.copy,
                 [
@@ -451,10 +439,10 @@ class EpochBook:
         ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
         pending: list[Proc] = []
         deadline = 0.0
-        for proc in table.live.values():
+        for proc in table.job_live().values():
             # From the epoch it was born in, else the one it was placed in (NOTE [born epoch]).
             born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
-            if proc.foreign or not proc.own or born not in ends:
+            if born not in ends:
                 continue
             if table.persistent(proc) and not (
                 # A runtime helper reparented away exits within moments of its owner, or
@@ -497,8 +485,8 @@ def final_processes(
                 born_in_epoch=False,
                 last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
                 gpu_bytes_peak=dict(proc.gpu_bytes),
-                **host_fields(status.get(key), rollup.get(key), None, alive=True),
-                **copy_fields(
+                **_host_fields(status.get(key), rollup.get(key), None, alive=True),
+                **_copy_fields(
                     proc,
                     row.copy if row is not None else None,
                     [(now, rollup.get(key))],

@@ -260,11 +260,8 @@ class HostReads:
         """The live processes the host-growth rule judges: the parent, persistent workers."""
         return [
             key
-            for key, proc in table.live.items()
-            if proc.own
-            and not proc.foreign
-            and table.role(proc) in ("parent", "worker")
-            and table.persistent(proc)
+            for key, proc in table.job_live().items()
+            if table.role(proc) in ("parent", "worker") and table.persistent(proc)
         ]
 
     def plan(self, epoch_index: int, table: ProcessTable) -> bool:
@@ -324,7 +321,7 @@ class HostReads:
 
     def end_status(self, table: ProcessTable) -> dict[ProcessKey, HostMemory] | None:
         """RSS and its peak of the job's live processes (``/proc/PID/status``: cheap)."""
-        keys = [key for key, proc in table.live.items() if proc.own and not proc.foreign]
+        keys = list(table.job_live())
         return self.failures.guard(
             lambda: hostmem.read_host_memories(keys, rollup=False), "host memory"
         )

@@ -16,9 +16,8 @@ This process-wide registry records each placed process's owner:
 A tracker judges only what it owns and counts what another owns as the job's memory. Claims
 stay until the process is seen gone and outlive the tracker's close, but what is born after a
 close is not the closed tracker's. A correction by rule 1 must reach the tracker that lost the
-process even where it is gone by then: the owners of processes seen gone, and the parents of
-gone heirs, are kept a while, and every process rule 1 takes from a session is queued for that
-session's table (``taken_from``), which gives it up at its next walk and epoch end.
+process even where it is gone by then: claims of processes seen gone are kept a while, and
+what rule 1 takes from a session waits in ``taken_from`` for its table's next walk or end.
 """
 
 from __future__ import annotations

@@ -302,7 +302,7 @@ class HostReads:
         lock: AbstractContextManager[object],
         give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
     ) -> None:
-        """Make the planned reads, then ``give(epoch_index, found)``; ``lock`` guards the plan.
+        """Make the planned reads; ``give(epoch_index, found)`` and taking the plan hold ``lock``.
 
         A second caller waits for the first's reads: after it, nothing planned is left unread.
         """
@@ -315,7 +315,8 @@ class HostReads:
                 return
             found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
             if found:
-                give(plan.epoch_index, found)
+                with lock:
+                    give(plan.epoch_index, found)
         finally:
             self._reading.release()
 

@@ -31,7 +31,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from leakcheck.core.model import (
     Death,
@@ -44,7 +44,6 @@ from leakcheck.core.model import (
     Stall,
 )
 from leakcheck.observe import hostmem, mailbox, procs
-from leakcheck.observe.hostmem import HostMemory
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.hang import HangWatch
@@ -263,11 +262,7 @@ class Sampler:
         Before the job's processes change, so that they describe the epoch's end. The caller
         holds no lock.
         """
-        self.host.read_planned(self.lock, self._give_rollup)
-
-    def _give_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
-        with self.lock:
-            self.book.apply_rollup(index, found)
+        self.host.read_planned(self.lock, self.book.apply_rollup)
 
     def wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""

@@ -52,84 +52,17 @@ from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, Rol
 from leakcheck.track.shm import ShmWatch
 from leakcheck.track.table import ProcessTable
 
-__all__ = ["Sampler", "Ticker"]
-
-
-class Ticker:
-    """One daemon thread: ``on_tick`` when a tick is due, ``on_wake`` when woken.
-
-    A tick is due every ``interval_s``, or after as many intervals as ``on_tick`` returned
-    (NOTE [idle ticks] in pacing.py; None stops). A wake (an epoch end's host reads, a stop)
-    is served at once and does not put the tick off: short epochs would otherwise starve
-    every tick, and with them the scans for processes reparented away.
-    """
-
-    def __init__(
-        self,
-        interval_s: float,
-        *,
-        on_tick: Callable[[int], int | None],
-        on_wake: Callable[[], None],
-        on_error: Callable[[Exception], None],
-        meter: CostMeter,
-    ) -> None:
-        self.interval_s = interval_s
-        self._on_tick, self._on_wake, self._on_error = on_tick, on_wake, on_error
-        self._meter = meter
-        # Held but while someone wakes the thread, which waits on it between ticks: a timed
-        # acquire of a plain lock is the cheapest wake measured.
-        self._gate = threading.Lock()
-        self._gate.acquire()
-        self._thread: threading.Thread | None = None
-        self.stopping = False
-
-    def start(self) -> None:
-        """Start the thread (once)."""
-        self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
-        self._meter.sampler_thread = self._thread
-        self._thread.start()
-
-    def wake(self) -> None:
-        """Wake the thread now (it checks ``stopping`` first)."""
-        with contextlib.suppress(RuntimeError):  # released already: a wake is pending
-            self._gate.release()
-
-    def stop(self) -> None:
-        """Stop the thread and wait a while for it (not when called from it)."""
-        if not self.stopping:
-            self.stopping = True
-            self.wake()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(1.0, 10 * self.interval_s))
-
-    def _run(self) -> None:
-        ticks = 1
-        tick_due_s = time.monotonic() + self.interval_s
-        try:
-            while True:
-                woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
-                if self.stopping:
-                    return
-                cpu_start_s = time.thread_time()
-                if woken:
-                    self._on_wake()  # then wait for the tick still due
-                    spent_s = time.thread_time() - cpu_start_s
-                    self._meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
-                    continue
-                next_ticks = self._on_tick(ticks)
-                if next_ticks is None:
-                    return
-                ticks = next_ticks
-                tick_due_s = time.monotonic() + ticks * self.interval_s
-                self._meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
-        except Exception as error:  # the detector's own failure is reported, never lost
-            self._on_error(error)
+__all__ = ["Sampler"]
 
 
 class Sampler:
-    """One tracker's reads of its job's processes and devices (NOTE [tracker lifecycle]).
+    """One tracker's thread reading its job's processes and devices (NOTE [tracker lifecycle]).
 
-    Holds what was read: the table (from ``start()`` on), the book, the stalls and deaths.
+    Holds what was read: the table (from ``start()`` on), the book, the stalls and deaths. A
+    tick is due every ``interval_s``, or after as many intervals as the last tick said (NOTE
+    [idle ticks] in pacing.py). A wake (an epoch end's host reads, a stop) is served at once
+    and does not put the tick off: short epochs would otherwise starve every tick, and with
+    them the scans for processes reparented away.
     """
 
     def __init__(
@@ -150,10 +83,12 @@ class Sampler:
         self.failures = Failures(strict=strict)
         self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
         self.lock = threading.RLock()
-        self.ticker = Ticker(
-            interval_s, on_tick=self._tick, on_wake=self.finish_reads, on_error=self._thread_failed,
-            meter=self.meter,
-        )  # fmt: skip
+        # Held but while someone wakes the thread, which waits on it between ticks: a timed
+        # acquire of a plain lock is the cheapest wake measured.
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._thread: threading.Thread | None = None
+        self.stopping = False
         self.closed = self.tag_scan_due = self._sampling = False
         self.t0_s = self._boot_offset_s = 0.0
         self.mailbox_dir: str | None = None
@@ -200,13 +135,52 @@ class Sampler:
             baseline[device] = baseline.get(device, 0) + used
         self.baseline_gpu_bytes = baseline
 
-    def _thread_failed(self, error: Exception) -> None:
-        with self.lock:  # reports read the failures under it
-            self.failures.record(
-                f"the sampler thread stopped (samples at epoch ends only from then on): "
-                f"{type(error).__name__}: {error}",
-                error,
-            )
+    def start_thread(self) -> None:
+        """Start the thread (once)."""
+        self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
+        self.meter.sampler_thread = self._thread
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Wake the thread now (it checks ``stopping`` first)."""
+        with contextlib.suppress(RuntimeError):  # released already: a wake is pending
+            self._gate.release()
+
+    def stop(self) -> None:
+        """Stop the thread and wait a while for it (not when called from it)."""
+        if not self.stopping:
+            self.stopping = True
+            self.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 10 * self.interval_s))
+
+    def _run(self) -> None:
+        ticks = 1
+        tick_due_s = time.monotonic() + self.interval_s
+        try:
+            while True:
+                woken = self._gate.acquire(timeout=max(0.0, tick_due_s - time.monotonic()))
+                if self.stopping:
+                    return
+                cpu_start_s = time.thread_time()
+                if woken:
+                    self.finish_reads()  # then wait for the tick still due
+                    spent_s = time.thread_time() - cpu_start_s
+                    self.meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
+                    continue
+                next_ticks = self._tick(ticks)
+                if next_ticks is None:
+                    return
+                ticks = next_ticks
+                tick_due_s = time.monotonic() + ticks * self.interval_s
+                self.meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
+        except Exception as error:  # the detector's own failure is reported, never lost
+            with self.lock:  # reports read the failures under it
+                self.failures.record(
+                    f"the sampler thread stopped (samples at epoch ends only from then on): "
+                    f"{type(error).__name__}: {error}",
+                    error,
+                )
 
     def _tick(self, ticks: int) -> int | None:
         """One tick of the thread; how many intervals until the next (None: closed)."""
@@ -269,7 +243,7 @@ class Sampler:
         assert self.table is not None
         with self.lock:
             pending, deadline = self.book.pending_survivors(self.table)
-        while pending and self.now() < deadline and not self.ticker.stopping:
+        while pending and self.now() < deadline and not self.stopping:
             time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
             with self.lock:
                 pending = [proc for proc in pending if proc.exited_s is None]

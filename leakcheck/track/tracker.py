@@ -274,7 +274,7 @@ class Tracker:
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
             )  # fmt: skip
             s.start(table, mailbox_dir)
-        s.ticker.start()
+        s.start_thread()
         return self
 
     @_caller_timed
@@ -286,7 +286,7 @@ class Tracker:
             return
         self._end("closed")
         s.wait_for_grace()
-        s.ticker.stop()
+        s.stop()
         s.finish_reads()  # planned at the last epoch end, not read yet
         with s.lock:
             self._final = s.current_state(closed=True)
@@ -373,7 +373,7 @@ class Tracker:
                 devices=s.nvml.device_states(), host=host, shm=shm,
             )  # fmt: skip
             if s.host.plan(opened.index, table):
-                s.ticker.wake()  # read off this thread, right away (NOTE [host pacing])
+                s.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(self._session_id)
             return True
 

@@ -281,22 +281,21 @@ class Tracker:
     def close(self) -> None:
         """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
         s = self._sampler
-        if s.table is None or s.closed:
-            s.closed = True
-            return
-        self._end("closed")
-        s.wait_for_grace()
-        s.stop()
-        s.finish_reads()  # planned at the last epoch end, not read yet
-        with s.lock:
-            self._final = s.current_state(closed=True)
-            s.closed = True
-            if self._export_token is not None:
-                exports.withdraw(self._export_token)
-                self._export_token = None
-            if s.mailbox_dir:
-                mailbox.remove(s.mailbox_dir)
-            claims.session_closed(self._session_id)
+        if s.table is not None and not s.closed:
+            self._end("closed")
+            s.wait_for_grace()
+            s.stop()
+            s.finish_reads()  # planned at the last epoch end, not read yet
+            with s.lock:
+                self._final = s.current_state(closed=True)
+                s.closed = True
+                if self._export_token is not None:
+                    exports.withdraw(self._export_token)
+                    self._export_token = None
+                if s.mailbox_dir:
+                    mailbox.remove(s.mailbox_dir)
+                claims.session_closed(self._session_id)
+        s.closed = True
         s.failures.raise_pending()
 
     def __enter__(self) -> Tracker:

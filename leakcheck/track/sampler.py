@@ -88,8 +88,7 @@ class Sampler:
         self._gate = threading.Lock()
         self._gate.acquire()
         self._thread: threading.Thread | None = None
-        self.stopping = False
-        self.closed = self.tag_scan_due = self._sampling = False
+        self.closed = self.stopping = self.tag_scan_due = self._sampling = False
         self.t0_s = self._boot_offset_s = 0.0
         self.mailbox_dir: str | None = None
         self._inbox: mailbox.Inbox | None = None

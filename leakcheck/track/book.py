@@ -88,20 +88,17 @@ def _copy_fields(
     tolerance_bytes: int,
 ) -> dict[str, Any]:
     """The copy fields of a ``ProcessEpoch``: the in-epoch reads' and later ``(time, reading)``s."""
-    birth, copy = proc.birth_host, inside
-    if proc.forked is True and birth is not None:
-        copy = dataclasses.replace(inside) if inside is not None else _Copy()
-        for at_s, memory in readings:
-            copy.fold(proc, memory, at_s, tolerance_bytes)
-    last = copy.last if copy is not None else None
-    over_s = copy.over_s if copy is not None else None
+    copy = dataclasses.replace(inside) if inside is not None else _Copy()
+    for at_s, memory in readings:
+        copy.fold(proc, memory, at_s, tolerance_bytes)  # a forked worker's, with its birth's
+    birth, last, over_s = proc.birth_host, copy.last, copy.over_s
     return {
         "forked": proc.forked,
         "private_bytes_birth": birth.uss_bytes if birth is not None else None,
         "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
         "copied_bytes_end": last[0] if last is not None else None,
         "shared_bytes_end": last[1] if last is not None else None,
-        "copied_bytes_peak": copy.peak_bytes if copy is not None and last is not None else None,
+        "copied_bytes_peak": copy.peak_bytes if last is not None else None,
         "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
     }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Mapping
 
 __all__ = ["export", "exported_since", "mark", "withdraw"]
 
@@ -23,13 +22,11 @@ _history: list[tuple[int, str, str]] = []  # (token, variable, value) of the lat
 _KEPT_EXPORTS = 4096
 
 
-def export(values: Mapping[str, str | None]) -> int:
-    """Set the variables as a new layer (None: left out); returns the token that withdraws it."""
+def export(values: dict[str, str]) -> int:
+    """Set the variables as a new layer; returns the token that withdraws it."""
     with _lock:
         token = next(_tokens)
         for name, value in values.items():
-            if value is None:
-                continue
             _history.append((token, name, value))
             layers = _layers.setdefault(name, [])
             if layers and os.environ.get(name) != layers[-1][1]:

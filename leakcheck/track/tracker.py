@@ -265,9 +265,10 @@ class Tracker:
             self._session_id = procs.new_session_id(s.root_pid)
             mailbox_dir = s.failures.guard(mailbox.create, "mailbox")
             if s.root_pid == os.getpid():
-                self._export_token = exports.export(
-                    {procs.SESSION_ENV: self._session_id, mailbox.MAILBOX_ENV: mailbox_dir}
-                )
+                values = {procs.SESSION_ENV: self._session_id}
+                if mailbox_dir:
+                    values[mailbox.MAILBOX_ENV] = mailbox_dir
+                self._export_token = exports.export(values)
             self._oom_kills = s.failures.guard(machine.oom_kill_count, "cgroup")
             table = ProcessTable(
                 root_key, procs.read_proc(s.root_pid), session=self._session_id,

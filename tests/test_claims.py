@@ -31,7 +31,7 @@ def _ticks(since_boot_s: float) -> int:
 
 def _owner(monkeypatch: pytest.MonkeyPatch, epochs: Epochs, born_tick_s: float) -> str:
     monkeypatch.setattr(claims, "_epochs", list(epochs))
-    monkeypatch.setattr(claims, "_owners", {})
+    monkeypatch.setattr(claims, "_live", {})
     key = ProcessKey(pid=4242, start_ticks=_ticks(born_tick_s))
     return claims.claim(key, None, "placing")
 
@@ -75,11 +75,8 @@ def test_a_birth_in_no_epoch_goes_to_the_tracker_placing_it(
 
 def _fresh_registry(monkeypatch: pytest.MonkeyPatch, epochs: Epochs) -> None:
     monkeypatch.setattr(claims, "_epochs", list(epochs))
-    monkeypatch.setattr(claims, "_owners", {})
-    monkeypatch.setattr(claims, "_heir_of", {})
-    monkeypatch.setattr(claims, "_exact", set())
+    monkeypatch.setattr(claims, "_live", {})
     monkeypatch.setattr(claims, "_gone", {})
-    monkeypatch.setattr(claims, "_gone_heir_of", {})
     monkeypatch.setattr(claims, "_taken", {})
     monkeypatch.setattr(claims, "_roots", {})
 
@@ -115,7 +112,7 @@ def test_a_child_with_a_report_of_its_own_stays_with_its_report(
     claims.claim_worker(worker, "val")
     assert (claims.owner_of(worker), claims.owner_of(inner)) == ("val", "inner")
     claims.forget([worker, inner])
-    assert claims._heir_of == {} and claims._exact == set()
+    assert claims._live == {}
 
 
 def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
@@ -129,7 +126,7 @@ def test_a_heir_seen_gone_leaves_no_entry_under_its_living_parent(
         helper = ProcessKey(pid=701 + index, start_ticks=_ticks(9.6 + index))
         claims.claim(helper, worker, "train")
         claims.forget([helper])
-    assert claims._heir_of == {}
+    assert list(claims._live) == [worker]
 
 
 def test_a_report_read_after_its_worker_was_seen_gone_still_corrects_its_first_owner(
@@ -168,7 +165,8 @@ def test_a_late_report_moves_the_workers_child_seen_gone_with_it_and_claims_noth
     claims.forget([worker, child])
     claims.claim_worker(worker, "val")
     assert claims.taken_from("train") == {worker, child}
-    assert not claims._owners and not claims._exact  # both gone: no claim made again
+    assert not claims._live  # both gone: no claim made again
+    assert claims.claim(child, worker, "train") == "val"
 
 
 def test_a_worker_known_from_its_report_alone_leaves_no_claim(
@@ -179,7 +177,8 @@ def test_a_worker_known_from_its_report_alone_leaves_no_claim(
     val = ProcessTable(root, None, session="val", persistent_workers=False)
     worker = ProcessKey(_GONE_PID + 1, _ticks(9.5))
     assert val.register_worker(worker, False, now=10.0, born_epoch=0).own
-    assert worker not in claims._owners and claims._gone == {worker: "val"}
+    assert claims.owner_of(worker) is None  # seen gone: no live claim
+    assert claims.claim(worker, None, "train") == "val"
 
 
 # A PID above any pid_max: /proc never shows it, so the table sees it gone once unlisted.
@@ -238,7 +237,7 @@ def test_a_listing_taken_before_its_process_was_seen_gone_claims_it_no_more(
     claims.claim_worker(worker, "val")
     claims.forget([worker])
     assert claims.claim(worker, None, "train") == "val"
-    assert worker not in claims._owners
+    assert claims.owner_of(worker) is None
 
 
 def test_a_child_of_a_trackers_own_root_is_that_trackers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,17 +36,13 @@ from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.reads import reported_memory
 from leakcheck.track.table import Proc, ProcessTable
 
-__all__ = ["EpochBook", "final_processes", "host_fields"]
+__all__ = ["EpochBook", "final_processes"]
 
 
-def host_fields(
+def _host_fields(
     end: HostMemory | None, rollup: HostMemory | None, report: HostMemory | None, *, alive: bool
 ) -> dict[str, Any]:
-    """The host-memory fields of a ``ProcessEpoch`` (USS where read, else RSS).
-
-    For one ``alive`` at the end, the end's reads (``end``: status, ``rollup``) count first
-    and its exit ``report`` only for what they lack; else the report alone.
-    """
+    """Host fields: USS, else RSS; alive at the end, the end's reads before the exit report."""
     reads = [m for m in ((end, rollup, report) if alive else (report,)) if m is not None]
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
@@ -83,7 +79,7 @@ class _Copy:
             self.over_s = at_s
 
 
-def copy_fields(
+def _copy_fields(
     proc: Proc,
     inside: _Copy | None,
     readings: Iterable[tuple[float, HostMemory | None]],
@@ -92,20 +88,17 @@ def copy_fields(
     tolerance_bytes: int,
 ) -> dict[str, Any]:
     """The copy fields of a ``ProcessEpoch``: the in-epoch reads' and later ``(time, reading)``s."""
-    birth, copy = proc.birth_host, inside
-    if proc.forked is True and birth is not None:
-        copy = dataclasses.replace(inside) if inside is not None else _Copy()
-        for at_s, memory in readings:
-            copy.fold(proc, memory, at_s, tolerance_bytes)
-    last = copy.last if copy is not None else None
-    over_s = copy.over_s if copy is not None else None
+    copy = dataclasses.replace(inside) if inside is not None else _Copy()
+    for at_s, memory in readings:
+        copy.fold(proc, memory, at_s, tolerance_bytes)  # a forked worker's, with its birth's
+    birth, last, over_s = proc.birth_host, copy.last, copy.over_s
     return {
         "forked": proc.forked,
         "private_bytes_birth": birth.uss_bytes if birth is not None else None,
         "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
         "copied_bytes_end": last[0] if last is not None else None,
         "shared_bytes_end": last[1] if last is not None else None,
-        "copied_bytes_peak": copy.peak_bytes if copy is not None and last is not None else None,
+        "copied_bytes_peak": copy.peak_bytes if last is not None else None,
         "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
     }
 
@@ -117,7 +110,8 @@ class _Row:
     peak: dict[int, int] = field(default_factory=dict)
     listed: bool = False  # NVML listed it at some read
     reported: bool = False  # the peak includes its own report
-    end: _EndState | None = None
+    end: Proc | None = None  # a copy of its state at the end
+    role: Role = "descendant"  # its role at the end
     status: HostMemory | None = None  # the end's /proc/PID/status read
     rollup: HostMemory | None = None  # the end's smaps_rollup read, made after it
     report: HostMemory | None = None
@@ -156,27 +150,19 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
             peak[device] = used
 
 
-@dataclass(frozen=True)
-class _EndState:
-    """Where a process stood at an epoch's end, and what it held there (``alive``)."""
-
-    role: Role
-    ppid: int
-    alive: bool = False
-    gpu_bytes: Mapping[int, int] = field(default_factory=dict)
-    gpu_unknown: bool = False
-    nvidia_fds: int | None = None
-    open_fds: int | None = None
-    fd_limit: int | None = None
-
-    @staticmethod
-    def of(table: ProcessTable, proc: Proc, *, alive: bool = True) -> _EndState:
-        if not alive:
-            return _EndState(table.role(proc), proc.ppid)
-        return _EndState(
-            table.role(proc), proc.ppid, True, dict(proc.gpu_bytes), proc.gpu_unknown,
-            proc.nvidia_fds, proc.open_fds, proc.fd_limit,
-        )  # fmt: skip
+def _held(state: Proc, role: Role) -> dict[str, Any]:
+    """The ``ProcessEpoch`` fields of where ``state`` stood and, if alive, what it held."""
+    alive = state.exited_s is None
+    return {
+        "role": role,
+        "ppid": state.ppid,
+        "alive_at_end": alive,
+        "gpu_bytes_end": dict(state.gpu_bytes) if alive else {},
+        "gpu_bytes_unknown": alive and state.gpu_unknown,
+        "nvidia_fds": state.nvidia_fds if alive else None,
+        "open_fds": state.open_fds if alive else None,
+        "fd_limit": state.fd_limit if alive else None,
+    }
 
 
 def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
@@ -194,8 +180,7 @@ def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
 class EpochBook:
     """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
 
-    ``grace_s``: how long after an epoch's end a worker's report still belongs to it; a copy
-    above ``copy_tolerance_bytes`` is marked with when it was first read.
+    ``grace_s``: how long after an epoch's end a worker's report still belongs to it.
     """
 
     def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:
@@ -244,9 +229,7 @@ class EpochBook:
         epoch.samples += 1
         if table.changed:
             table.changed = False
-            for key, proc in table.live.items():
-                if proc.foreign or not proc.own:
-                    continue
+            for key, proc in table.job_live().items():
                 row = epoch.row(key)
                 if proc.gpu_bytes or proc.gpu_unknown:
                     row.listed = True
@@ -278,21 +261,19 @@ class EpochBook:
         # [claims]).
         table.refresh_ownership()
         epoch.rows = {key: row for key, row in epoch.rows.items() if table.procs[key].own}
-        for key, proc in table.live.items():
-            if proc.own and not proc.foreign:
-                epoch.row(key)
+        for key in table.job_live():
+            epoch.row(key)
         for key, row in epoch.rows.items():
             proc = table.procs[key]
-            alive = proc.exited_s is None
-            row.end = _EndState.of(table, proc, alive=alive)
-            row.status = host.get(key) if alive else None
+            row.end, row.role = (
+                dataclasses.replace(proc, gpu_bytes=dict(proc.gpu_bytes)),
+                table.role(proc),
+            )
+            row.status = host.get(key) if proc.exited_s is None else None
         self.open = None
 
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
-        """Give the smaps_rollup reads planned at epoch ``index``'s end to that epoch.
-
-        Refused (False) when a later epoch has ended since: they would show a later moment.
-        """
+        """Give epoch ``index`` its end's smaps_rollup reads; False once a later epoch ended."""
         later = self.epochs[index + 1 :]
         if not 0 <= index < len(self.epochs) or any(e.end_s is not None for e in later):
             return False
@@ -347,10 +328,9 @@ class EpochBook:
         return False
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
-        """Keep a worker's teardown record and give what it held as it exited to its epoch.
+        """Keep a worker's teardown record; what it held at exit goes to its epoch.
 
-        ``t0_s``: the tracker's start on the record's monotonic clock. A worker that never
-        used CUDA held nothing on a GPU.
+        ``t0_s``: the tracker's start on the record's monotonic clock.
         """
         self.teardowns.append(teardown)
         held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
@@ -408,9 +388,10 @@ class EpochBook:
     ) -> ProcessEpoch:
         state = row.end
         assert state is not None
-        alive = state.alive
+        alive = state.exited_s is None
         peak = dict(row.peak)
-        _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
+        if alive:
+            _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
         source: PeakSource
         if row.reported:
             source = "reported"
@@ -421,26 +402,19 @@ class EpochBook:
         exited_s = proc.exited_s
         # Identity as of now: a worker whose record came after its epoch ended was a plain
         # descendant then, and is a worker from birth.
-        role = state.role
+        role = row.role
         if role == "descendant" and proc.key in table.workers:
             role = "worker"
         return ProcessEpoch(
-            role=role,
-            ppid=state.ppid,
-            alive_at_end=alive,
-            gpu_bytes_end=dict(state.gpu_bytes),
-            gpu_bytes_unknown=state.gpu_unknown,
-            nvidia_fds=state.nvidia_fds,
-            open_fds=state.open_fds,
-            fd_limit=state.fd_limit,
+            **_held(state, role),
             **_identity(table, proc),
             born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
             exited_after_s=exited_s - end_s if exited_s is not None and exited_s >= end_s else None,
             last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
             gpu_bytes_peak=peak,
             gpu_peak_source=source,
-            **host_fields(row.status, row.rollup, row.report, alive=alive),
-            **copy_fields(
+            **_host_fields(row.status, row.rollup, row.report, alive=alive),
+            **_copy_fields(
                 proc,
                 row.copy,
                 [
@@ -462,10 +436,10 @@ class EpochBook:
         ends = {e.index: e.end_s for e in self.epochs if e.end_s is not None}
         pending: list[Proc] = []
         deadline = 0.0
-        for proc in table.live.values():
+        for proc in table.job_live().values():
             # From the epoch it was born in, else the one it was placed in (NOTE [born epoch]).
             born = proc.born_epoch if proc.birth_epoch is None else proc.birth_epoch
-            if proc.foreign or not proc.own or born not in ends:
+            if born not in ends:
                 continue
             if table.persistent(proc) and not (
                 # A runtime helper reparented away exits within moments of its owner, or
@@ -503,20 +477,13 @@ def final_processes(
         row = opened.rows.get(key) if opened is not None else None
         processes.append(
             ProcessEpoch(
-                role=table.role(proc),
-                ppid=proc.ppid,
-                alive_at_end=True,
-                gpu_bytes_end=dict(proc.gpu_bytes),
-                gpu_bytes_unknown=proc.gpu_unknown,
-                nvidia_fds=proc.nvidia_fds,
-                open_fds=proc.open_fds,
-                fd_limit=proc.fd_limit,
+                **_held(proc, table.role(proc)),
                 **_identity(table, proc),
                 born_in_epoch=False,
                 last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
                 gpu_bytes_peak=dict(proc.gpu_bytes),
-                **host_fields(status.get(key), rollup.get(key), None, alive=True),
-                **copy_fields(
+                **_host_fields(status.get(key), rollup.get(key), None, alive=True),
+                **_copy_fields(
                     proc,
                     row.copy if row is not None else None,
                     [(now, rollup.get(key))],

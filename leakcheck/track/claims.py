@@ -16,15 +16,15 @@ This process-wide registry records each placed process's owner:
 A tracker judges only what it owns and counts what another owns as the job's memory. Claims
 stay until the process is seen gone and outlive the tracker's close, but what is born after a
 close is not the closed tracker's. A correction by rule 1 must reach the tracker that lost the
-process even where it is gone by then: the owners of processes seen gone, and the parents of
-gone heirs, are kept a while, and every process rule 1 takes from a session is queued for that
-session's table (``taken_from``), which gives it up at its next walk and epoch end.
+process even where it is gone by then: claims of processes seen gone are kept a while, and
+what rule 1 takes from a session waits in ``taken_from`` for its table's next walk or end.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 
 from leakcheck.core.model import ProcessKey
 from leakcheck.observe import procs
@@ -41,14 +41,21 @@ __all__ = [
     "taken_from",
 ]
 
+
+@dataclass
+class _Claim:
+    """Who owns one process, and why."""
+
+    owner: str
+    parent: ProcessKey | None = None  # the parent a rule-2 claim came through
+    exact: bool = False  # rule 1's: no correction of a parent moves it
+
+
 _lock = threading.Lock()
-_owners: dict[ProcessKey, str] = {}
-_heir_of: dict[ProcessKey, ProcessKey] = {}  # the parent a rule-2 claim came through
-_exact: set[ProcessKey] = set()  # rule 1's: no correction of a parent moves them
-_gone: dict[ProcessKey, str] = {}  # owners of the latest processes seen gone, oldest first
-_roots: dict[ProcessKey, set[str]] = {}  # the sessions of the trackers rooted at each
-_gone_heir_of: dict[ProcessKey, ProcessKey] = {}  # _heir_of of the latest heirs seen gone
+_live: dict[ProcessKey, _Claim] = {}
+_gone: dict[ProcessKey, _Claim] = {}  # the latest seen gone, oldest first
 _KEPT_GONE = 1024
+_roots: dict[ProcessKey, set[str]] = {}  # the sessions of the trackers rooted at each
 _taken: dict[tuple[str, ProcessKey], None] = {}  # (session, process) rule 1 took from it
 # (session, opened, closed) of epochs in seconds since boot (the start ticks' clock), in the
 # order they opened; closed ones kept a while, for processes seen late.
@@ -59,45 +66,36 @@ _closed: dict[str, float] = {}  # closed sessions, with when (seconds since boot
 
 def owner_of(key: ProcessKey) -> str | None:
     """The session that owns ``key``, if any claimed it."""
-    return _owners.get(key)
+    found = _live.get(key)
+    return found.owner if found is not None else None
 
 
 def claim_worker(key: ProcessKey, session: str) -> None:
     """Record an exact claim: the worker reported itself to ``session``'s mailbox (rule 1)."""
     with _lock:
-        if key not in _owners and key in _gone:
-            _take_gone(key, session)  # seen gone before its report was read: no new claim
+        found = _live.get(key)
+        if found is None and key in _gone:
+            _take(key, _gone[key], session)  # seen gone before its report was read
         else:
-            _exact.add(key)
-            _take(key, _owners.get(key), session)
+            if found is None:
+                found = _live[key] = _Claim(session)
+            found.exact = True
+            _take(key, found, session)
         corrected = [key]
         while corrected:
             parent = corrected.pop()
-            for heir, heir_parent in _heir_of.items():
-                if heir_parent == parent and heir not in _exact and heir in _owners:
-                    _take(heir, _owners[heir], session)
-                    corrected.append(heir)
-            for heir, heir_parent in _gone_heir_of.items():
-                if heir_parent == parent and heir in _gone:
-                    _take_gone(heir, session)
+            for heir, heirs in [*_live.items(), *_gone.items()]:
+                if heirs.parent == parent and not heirs.exact:
+                    _take(heir, heirs, session)
                     corrected.append(heir)
 
 
-def _take(key: ProcessKey, previous: str | None, session: str) -> None:
-    _owners[key] = session
-    _queue(key, previous, session)
-
-
-def _take_gone(key: ProcessKey, session: str) -> None:  # seen gone: no claim made again
-    previous, _gone[key] = _gone[key], session
-    _queue(key, previous, session)
-
-
-def _queue(key: ProcessKey, previous: str | None, session: str) -> None:
-    if previous is not None and previous != session:
-        _taken[previous, key] = None
+def _take(key: ProcessKey, found: _Claim, session: str) -> None:
+    if found.owner != session:
+        _taken[found.owner, key] = None
         while len(_taken) > _KEPT_GONE:
             del _taken[next(iter(_taken))]
+    found.owner = session
 
 
 def taken_from(session: str) -> set[ProcessKey]:
@@ -114,25 +112,27 @@ def taken_from(session: str) -> set[ProcessKey]:
 def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
     """The owner of ``key`` as ``session``'s tracker places it (rules 2-4 of NOTE [claims])."""
     with _lock:
-        if key in _gone and key not in _owners:
-            return _gone[key]  # placed from a listing taken before it was seen gone
-        owner = _owners.get(key)
+        found = _live.get(key) or _gone.get(key)
+        if found is not None:
+            return found.owner  # a gone one: placed from a listing taken before it was gone
+        owner: str | None = None
         rooted = _roots.get(parent) if parent is not None else None
         ticks_per_s = procs.clock_ticks()
         born_s = key.start_ticks / ticks_per_s  # NOTE [process identity] in procs.py
-        if owner is None and rooted:
+        heir_of = None
+        if rooted:
             # A child of a tracker's root: that tracker's, where it is the only one rooted
             # there; several (this process's trackers) are told apart by rule 3.
             owner = next(iter(rooted)) if len(rooted) == 1 else None
-        elif owner is None and parent is not None:
-            owner = _owners.get(parent)
-            if owner is not None and _closed_before(owner, born_s, 1 / ticks_per_s):
+        elif parent is not None and parent in _live:
+            owner = _live[parent].owner
+            if _closed_before(owner, born_s, 1 / ticks_per_s):
                 owner = None  # born after its parent's tracker closed: not that one's
-            if owner is not None:
-                _heir_of[key] = parent
+            else:
+                heir_of = parent
         if owner is None:
             owner = _epoch_at(key.start_ticks, ticks_per_s) or session
-        _owners[key] = owner
+        _live[key] = _Claim(owner, heir_of)
         return owner
 
 
@@ -169,17 +169,14 @@ def forget(keys: list[ProcessKey]) -> None:
     """Drop the claims of processes seen gone (their identities never come back)."""
     with _lock:
         for key in keys:
-            owner = _owners.pop(key, None)
-            if owner is not None:
-                _gone[key] = owner
-            parent = _heir_of.pop(key, None)
-            if parent is not None:
-                _gone_heir_of[key] = parent
-            _exact.discard(key)
+            found = _live.pop(key, None)
+            if found is not None:
+                found.exact = False
+                _gone.pop(key, None)
+                _gone[key] = found
             _roots.pop(key, None)
-        for kept in (_gone, _gone_heir_of):
-            while len(kept) > _KEPT_GONE:
-                del kept[next(iter(kept))]
+        while len(_gone) > _KEPT_GONE:
+            del _gone[next(iter(_gone))]
 
 
 def epoch_opened(session: str) -> None:
@@ -221,15 +218,8 @@ def _reset_after_fork() -> None:
     # and a lock held by another thread at fork time would stay held for ever.
     global _lock
     _lock = threading.Lock()
-    _owners.clear()
-    _heir_of.clear()
-    _exact.clear()
-    _gone.clear()
-    _gone_heir_of.clear()
-    _roots.clear()
-    _taken.clear()
-    _epochs.clear()
-    _closed.clear()
+    for registry in (_live, _gone, _roots, _taken, _epochs, _closed):
+        registry.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,10 +1,6 @@
-"""The sampler's reads, timed for ``Pacing``, what they cost, and its own failures.
+"""The sampler's reads, timed for ``Pacing``, what tracking costs, and its own failures.
 
-``NvmlReads`` opens NVML once per tracker (or says why attribution is off) and times each read
-(NOTE [nvml pacing] in pacing.py). ``HostReads`` plans the host-memory reads: at each epoch end
-``/proc/PID/status`` of every process of the job, and ``smaps_rollup`` of those the
-host-growth rule judges and of forked workers, for the sampler's next wake (NOTE [host pacing]).
-``CostMeter`` counts the tracker's own cost; ``Failures`` keeps leakcheck's own failures.
+NVML (NOTE [nvml pacing] in pacing.py) and host memory (NOTE [host pacing]).
 """
 
 from __future__ import annotations
@@ -78,10 +74,7 @@ class CostMeter:
 
 
 class Failures:
-    """leakcheck's own failures: counted per line, kept for the report, raised if strict.
-
-    Recorded, never raised into the user's loop, unless ``strict``.
-    """
+    """leakcheck's own failures: counted per line, kept for the report, raised only if strict."""
 
     def __init__(self, *, strict: bool) -> None:
         self.strict = strict
@@ -95,7 +88,7 @@ class Failures:
         *,
         lock: AbstractContextManager[object] | None = None,
     ) -> _T | None:
-        """Run one step of leakcheck's own; record a failure (holding ``lock`` if given)."""
+        """Run one step of leakcheck's own; a failure is recorded (holding ``lock``), not raised."""
         try:
             return call()
         except Exception as error:
@@ -171,7 +164,6 @@ class NvmlReads:
             self.attribution, self.attribution_reason = "blind-namespace", reason
 
     def _timed(self, call: Callable[[], _T], what: str) -> tuple[_T | None, float, float]:
-        # Guarded, counted in the meter; with when it ended and its CPU seconds.
         started, cpu_started = time.perf_counter(), time.thread_time()
         result = self.failures.guard(call, what)
         end_s, cpu_s = time.perf_counter(), time.thread_time() - cpu_started
@@ -268,17 +260,14 @@ class HostReads:
         """The live processes the host-growth rule judges: the parent, persistent workers."""
         return [
             key
-            for key, proc in table.live.items()
-            if proc.own
-            and not proc.foreign
-            and table.role(proc) in ("parent", "worker")
-            and table.persistent(proc)
+            for key, proc in table.job_live().items()
+            if table.role(proc) in ("parent", "worker") and table.persistent(proc)
         ]
 
     def plan(self, epoch_index: int, table: ProcessTable) -> bool:
         """Plan the epoch end's rollup reads if the pacing allows; True when planned.
 
-        A plan still unread is dropped: read now, it would show a later moment as its end's.
+        A plan still unread is dropped: it would show a later moment as its end's.
         """
         self.pending = None
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
@@ -313,10 +302,9 @@ class HostReads:
         lock: AbstractContextManager[object],
         give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
     ) -> None:
-        """Make the planned reads, if any, then ``give(epoch_index, found)``.
+        """Make the planned reads; ``give(epoch_index, found)`` and taking the plan hold ``lock``.
 
-        ``lock`` is held only to take the plan. A second caller waits for the first's reads:
-        once it returns, nothing planned is left unread.
+        A second caller waits for the first's reads: after it, nothing planned is left unread.
         """
         if not self._reading.acquire(timeout=_READING_WAIT_S):
             return
@@ -327,13 +315,14 @@ class HostReads:
                 return
             found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
             if found:
-                give(plan.epoch_index, found)
+                with lock:
+                    give(plan.epoch_index, found)
         finally:
             self._reading.release()
 
     def end_status(self, table: ProcessTable) -> dict[ProcessKey, HostMemory] | None:
         """RSS and its peak of the job's live processes (``/proc/PID/status``: cheap)."""
-        keys = [key for key, proc in table.live.items() if proc.own and not proc.foreign]
+        keys = list(table.job_live())
         return self.failures.guard(
             lambda: hostmem.read_host_memories(keys, rollup=False), "host memory"
         )

@@ -31,13 +31,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from leakcheck.core.errors import UsageError
 from leakcheck.core.model import (
     Death,
     DeviceState,
-    EndReason,
     FinalState,
     GpuProcess,
     ProcessKey,
@@ -45,52 +43,101 @@ from leakcheck.core.model import (
     ShmFile,
     Stall,
 )
-from leakcheck.observe import hostmem, machine, mailbox, procs
-from leakcheck.observe.hostmem import HostMemory
-from leakcheck.observe.torch_state import initialized_cuda, pinned_host_bytes
-from leakcheck.track import claims, exports
+from leakcheck.observe import hostmem, mailbox, procs
+from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track.book import EpochBook, final_processes
-from leakcheck.track.hang import HangWatch, exit_stall
+from leakcheck.track.hang import HangWatch
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
-from leakcheck.track.table import Proc, ProcessTable
+from leakcheck.track.table import ProcessTable
 
-__all__ = ["Sampler", "Ticker", "end_reason_for"]
+__all__ = ["Sampler"]
 
 
-class Ticker:
-    """One daemon thread: ``on_tick`` when a tick is due, ``on_wake`` when woken.
+class Sampler:
+    """One tracker's thread reading its job's processes and devices (NOTE [tracker lifecycle]).
 
-    A tick is due every ``interval_s``, or after as many intervals as ``on_tick`` returned
-    (NOTE [idle ticks] in pacing.py; None stops). A wake (an epoch end's host reads, a stop)
-    is served at once and does not put the tick off: short epochs would otherwise starve
-    every tick, and with them the scans for processes reparented away.
+    Holds what was read: the table (from ``start()`` on), the book, the stalls and deaths. A
+    tick is due every ``interval_s``, or after as many intervals as the last tick said (NOTE
+    [idle ticks] in pacing.py). A wake (an epoch end's host reads, a stop) is served at once
+    and does not put the tick off: short epochs would otherwise starve every tick, and with
+    them the scans for processes reparented away.
     """
 
     def __init__(
         self,
-        interval_s: float,
         *,
-        on_tick: Callable[[int], int | None],
-        on_wake: Callable[[], None],
-        on_error: Callable[[Exception], None],
-        meter: CostMeter,
+        root_pid: int,
+        interval_s: float,
+        devices: list[int] | None,
+        config: RuleConfig,
+        strict: bool,
+        use_nvml: bool,
+        rollup_share: float | None,
+        hang_after_s: float,
     ) -> None:
-        self.interval_s = interval_s
-        self._on_tick, self._on_wake, self._on_error = on_tick, on_wake, on_error
-        self._meter = meter
+        self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
+        self.use_nvml = use_nvml
+        self.meter = CostMeter()
+        self.failures = Failures(strict=strict)
+        self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
+        self.lock = threading.RLock()
         # Held but while someone wakes the thread, which waits on it between ticks: a timed
         # acquire of a plain lock is the cheapest wake measured.
         self._gate = threading.Lock()
         self._gate.acquire()
         self._thread: threading.Thread | None = None
-        self.stopping = False
+        self.closed = self.stopping = self.tag_scan_due = self._sampling = False
+        self.t0_s = self._boot_offset_s = 0.0
+        self.mailbox_dir: str | None = None
+        self._inbox: mailbox.Inbox | None = None
+        self._tag_scan: procs.TagScan | None = None
+        self.baseline_devices: tuple[DeviceState, ...] = ()
+        self.baseline_gpu_bytes: dict[int, int] = {}
+        self.table: ProcessTable | None = None
+        self.book = EpochBook(
+            grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
+        )
+        self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
+        self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
+        self.shm = ShmWatch()
+        self.shm_files: tuple[ShmFile, ...] = ()
+        self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
+        self.stalls: list[Stall] = []
+        self.deaths: list[Death] = []
 
-    def start(self) -> None:
+    def now(self) -> float:
+        """Seconds since the start, on the clock of every record."""
+        return time.monotonic() - self.t0_s
+
+    def start(self, table: ProcessTable, mailbox_dir: str | None) -> None:
+        """Take the baseline of ``table``'s job (the caller holds the lock); no thread yet."""
+        self.t0_s = time.monotonic()
+        self._boot_offset_s = procs.since_boot_s() - self.now()
+        self.mailbox_dir = mailbox_dir
+        self.nvml.open(use_nvml=self.use_nvml)
+        self.pacing.has_nvml = self.nvml.handle is not None
+        self.failures.guard(self.shm.start, "shm")
+        self.table = table
+        lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
+        for info in lineage or []:
+            table.add(info, now=0.0, born_epoch=None, pre_existing=True)
+        self._tag_scan = procs.TagScan(table.tag[1], born_since=table.root, variable=table.tag[0])
+        self._inbox = mailbox.Inbox(mailbox_dir) if mailbox_dir else None
+        self.sample(epoch_end=False)
+        self.baseline_devices = self.nvml.device_states()
+        # The end state also counts as the job's the root's own bytes and what other
+        # trackers' or ranks' processes held (NOTE [other ranks] in table.py).
+        baseline = dict(table.procs[table.root].gpu_bytes)
+        for device, used in table.others_gpu_bytes().items():
+            baseline[device] = baseline.get(device, 0) + used
+        self.baseline_gpu_bytes = baseline
+
+    def start_thread(self) -> None:
         """Start the thread (once)."""
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
-        self._meter.sampler_thread = self._thread
+        self.meter.sampler_thread = self._thread
         self._thread.start()
 
     def wake(self) -> None:
@@ -116,160 +163,30 @@ class Ticker:
                     return
                 cpu_start_s = time.thread_time()
                 if woken:
-                    self._on_wake()  # then wait for the tick still due
+                    self.finish_reads()  # then wait for the tick still due
                     spent_s = time.thread_time() - cpu_start_s
-                    self._meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
+                    self.meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
                     continue
-                next_ticks = self._on_tick(ticks)
+                next_ticks = self._tick(ticks)
                 if next_ticks is None:
                     return
                 ticks = next_ticks
                 tick_due_s = time.monotonic() + ticks * self.interval_s
-                self._meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
+                self.meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
         except Exception as error:  # the detector's own failure is reported, never lost
-            self._on_error(error)
-
-
-class Sampler:
-    """Reads one job's processes and devices into its table and book (NOTE [tracker lifecycle]).
-
-    Takes ``Tracker``'s options, resolved. The table exists from ``start()`` on.
-    """
-
-    def __init__(
-        self,
-        *,
-        root_pid: int,
-        interval_s: float,
-        devices: list[int] | None,
-        config: RuleConfig,
-        persistent_workers: bool,
-        strict: bool,
-        use_nvml: bool,
-        session_tag: tuple[str, str] | None = None,
-        rollup_share: float | None = None,
-        scan_at_epoch_end: bool = False,
-        hang_after_s: float = 0.0,
-    ) -> None:
-        self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
-        self.scan_at_epoch_end, self.session_tag = scan_at_epoch_end, session_tag
-        self.persistent_workers, self.use_nvml = persistent_workers, use_nvml
-        self.meter = CostMeter()
-        self.failures = Failures(strict=strict)
-        self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
-        self.lock = threading.RLock()
-        self._ticker = Ticker(
-            interval_s, on_tick=self._tick, on_wake=self.finish_reads, on_error=self._thread_failed,
-            meter=self.meter,
-        )  # fmt: skip
-        self.started = self.closed = self._sampling = self._tag_scan_due = False
-        self.t0_s = self.started_unix_s = self._boot_offset_s = 0.0
-        self.session_id = ""
-        self.root_key = ProcessKey(root_pid, 0)
-        self.boot_unix_s: float | None = None
-        self.mailbox_dir: str | None = None
-        self._inbox: mailbox.Inbox | None = None
-        self._tag_scan: procs.TagScan | None = None
-        self._export_token: int | None = None
-        self.baseline_devices: tuple[DeviceState, ...] = ()
-        self.baseline_gpu_bytes: dict[int, int] = {}
-        self.table: ProcessTable | None = None
-        self.book = EpochBook(
-            grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
-        )
-        self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
-        self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
-        self.shm = ShmWatch()
-        self.shm_files: tuple[ShmFile, ...] = ()
-        self.final: FinalState | None = None
-        self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
-        self.stalls: list[Stall] = []
-        self.deaths: list[Death] = []
-        self._oom_kills: int | None = None  # what the next death's OOM kills count from
-
-    def now(self) -> float:
-        """Seconds since the start, on the clock of every record."""
-        return time.monotonic() - self.t0_s
-
-    def start(self) -> None:
-        """Take the baseline and start the thread (NOTE [tracker lifecycle])."""
-        with self.lock:
-            if self.started:
-                return
-            root_key = procs.process_key(self.root_pid)
-            if root_key is None:
-                raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
-            self.started = True
-            self.t0_s = time.monotonic()
-            self._boot_offset_s = procs.since_boot_s() - self.now()
-            self.started_unix_s = time.time()
-            self.boot_unix_s = procs.boot_time_s()
-            self.root_key = root_key
-            self.session_id = procs.new_session_id(self.root_pid)
-            tag = self.session_tag or (procs.SESSION_ENV, self.session_id)
-            self.mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
-            if self.root_pid == os.getpid():
-                values = {procs.SESSION_ENV: self.session_id}
-                if self.mailbox_dir:
-                    values[mailbox.MAILBOX_ENV] = self.mailbox_dir
-                self._export_token = exports.export(values)
-            self.nvml.open(use_nvml=self.use_nvml)
-            self.pacing.has_nvml = self.nvml.handle is not None
-            self.failures.guard(self.shm.start, "shm")
-            self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
-            root_info = procs.read_proc(self.root_pid)
-            self.table = table = ProcessTable(
-                root_key, root_info, session=self.session_id, tag=tag,
-                persistent_workers=self.persistent_workers,
-            )  # fmt: skip
-            lineage = self.failures.guard(lambda: procs.descendants(self.root_pid), "lineage")
-            for info in lineage or []:
-                table.add(info, now=0.0, born_epoch=None, pre_existing=True)
-            self._tag_scan = procs.TagScan(tag[1], born_since=root_key, variable=tag[0])
-            self._inbox = mailbox.Inbox(self.mailbox_dir) if self.mailbox_dir else None
-            self.sample(epoch_end=False)
-            self.baseline_devices = self.nvml.device_states()
-            # The end state also counts as the job's the root's own bytes and what other
-            # trackers' or ranks' processes held (NOTE [other ranks] in table.py).
-            baseline = dict(table.procs[root_key].gpu_bytes)
-            for device, used in table.others_gpu_bytes().items():
-                baseline[device] = baseline.get(device, 0) + used
-            self.baseline_gpu_bytes = baseline
-        self._ticker.start()
-
-    def close(self) -> None:
-        """Close an open epoch, wait out pending survivors, stop, take the final state."""
-        if not self.started or self.closed:
-            self.closed = True
-            return
-        self.end_epoch("closed", None)
-        self._wait_for_grace()
-        self._ticker.stop()
-        self.finish_reads()  # planned at the last epoch end, not read yet
-        with self.lock:
-            self.final = self.current_state(closed=True)
-            self.closed = True
-            if self._export_token is not None:
-                exports.withdraw(self._export_token)
-                self._export_token = None
-            if self.mailbox_dir:
-                mailbox.remove(self.mailbox_dir)
-            claims.session_closed(self.session_id)
-
-    def _thread_failed(self, error: Exception) -> None:
-        with self.lock:  # reports read the failures under it
-            self.failures.record(
-                f"the sampler thread stopped (samples at epoch ends only from then on): "
-                f"{type(error).__name__}: {error}",
-                error,
-            )
+            with self.lock:  # reports read the failures under it
+                self.failures.record(
+                    f"the sampler thread stopped (samples at epoch ends only from then on): "
+                    f"{type(error).__name__}: {error}",
+                    error,
+                )
 
     def _tick(self, ticks: int) -> int | None:
         """One tick of the thread; how many intervals until the next (None: closed)."""
         with self.lock:
             if self.closed:
                 return None
-            scan_tags, self._tag_scan_due = self._tag_scan_due, False
+            scan_tags, self.tag_scan_due = self.tag_scan_due, False
             tick = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
             self.sample(epoch_end=False, scan_tags=scan_tags, quick=True, tick=tick)
             opened, table = self.book.open, self.table
@@ -284,35 +201,17 @@ class Sampler:
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
         if inside is not None:
             self._read_inside(inside)
-        if stalled is not None:
-            self._dump_stacks(*stalled)
+        if stalled is not None:  # the job's stacks, off the lock (NOTE [hang watch] in hang.py)
+            epoch, waited_s, workers = stalled
+            folder, at_s = self.mailbox_dir, self.now()
+            self.keep_stall(
+                lambda: self.hang.dump(
+                    epoch=epoch, waited_s=waited_s, at_s=at_s, workers=workers, folder=folder
+                )
+            )
         return next_ticks
 
-    def _dump_stacks(self, epoch: int, waited_s: float, workers: list[ProcessKey]) -> None:
-        """A stalled epoch: the job's stacks, off the lock (NOTE [hang watch] in hang.py)."""
-        folder, at_s = self.mailbox_dir, self.now()
-        self._keep_stall(
-            lambda: self.hang.dump(
-                epoch=epoch, waited_s=waited_s, at_s=at_s, workers=workers, folder=folder
-            )
-        )
-
-    def worker_stuck(self, pid: int) -> None:
-        """A worker of the job its shutdown is about to terminate (NOTE [exit watch])."""
-        with self.lock:
-            if self.table is None or self.closed:
-                return
-            self.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
-            key = self.table.by_pid.get(pid) or procs.process_key(pid)
-            if key is None:
-                return
-            proc, epoch, folder = self.table.procs.get(key), self.book.open_index, self.mailbox_dir
-        dumps, at_s = proc is not None and proc.dumps_stacks, self.now()
-        self._keep_stall(
-            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
-        )
-
-    def _keep_stall(self, gather: Callable[[], Stall]) -> None:
+    def keep_stall(self, gather: Callable[[], Stall]) -> None:
         """Gather stacks off the lock (they wait for the workers), and keep the stall."""
         stall = self.failures.guard(gather, "hang watch", lock=self.lock)
         if stall is not None:
@@ -336,87 +235,19 @@ class Sampler:
         Before the job's processes change, so that they describe the epoch's end. The caller
         holds no lock.
         """
-        self.host.read_planned(self.lock, self._give_rollup)
+        self.host.read_planned(self.lock, self.book.apply_rollup)
 
-    def _give_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> None:
-        with self.lock:
-            self.book.apply_rollup(index, found)
-
-    def _wait_for_grace(self) -> None:
+    def wait_for_grace(self) -> None:
         """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
         assert self.table is not None
         with self.lock:
             pending, deadline = self.book.pending_survivors(self.table)
-        while pending and self.now() < deadline and not self._ticker.stopping:
+        while pending and self.now() < deadline and not self.stopping:
             time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
             with self.lock:
                 pending = [proc for proc in pending if proc.exited_s is None]
         with self.lock:  # at the deadline: "alive after the grace" is an observation
             self.sample(epoch_end=False)
-
-    def begin_epoch(self, label: str | None) -> int:
-        """Open an epoch (closing an open one as ``closed``)."""
-        self.end_epoch("closed", None)
-        # The reads the last end planned, before this epoch's work changes what they read.
-        self.finish_reads()
-        with self.lock:
-            index = self.book.begin(label, self.now())
-            self.failures.guard(self.shm.begin_epoch, "shm")
-            claims.epoch_opened(self.session_id)
-            assert self.table is not None
-            self.table.changed = True
-            return index
-
-    def end_epoch(
-        self,
-        reason: EndReason,
-        error: str | None,
-        batches: int | None = None,
-        index: int | None = None,
-    ) -> bool:
-        """Close the open epoch (if it is ``index``, where given) with a full sample."""
-        with self.lock:
-            opened, table = self.book.open, self.table
-            if opened is None or table is None or index not in (None, opened.index):
-                return False
-            self.sample(epoch_end=True, scan_tags=self.scan_at_epoch_end)
-            self.book.apply_accounting(table, self.nvml.accounting())
-            if self.hang.own_process:  # the loop's process is this one
-                opened.pinned = pinned_host_bytes()
-            self._tag_scan_due = True
-            host = self.host.end_status(table)
-            shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
-            self.book.end(
-                table, now=self.now(), reason=reason, error=error, batches=batches,
-                devices=self.nvml.device_states(), host=host, shm=shm,
-            )  # fmt: skip
-            if self.host.plan(opened.index, table):
-                self._ticker.wake()  # read off this thread, right away (NOTE [host pacing])
-            claims.epoch_closed(self.session_id)
-            return True
-
-    def note_exit(self, pid: int, exit_code: int) -> None:
-        """A process of the job exited with ``exit_code`` (negative: killed by that signal).
-
-        A death by a signal is kept, once per identity, with what the machine says now (NOTE
-        at the top of machine.py) and what the process's faulthandler wrote.
-        """
-        if exit_code >= 0:
-            return
-        with self.lock:
-            if self.table is None or self.closed:
-                return
-            self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-            key = self.table.by_pid.get(pid)
-            proc = self.table.procs.get(key) if key is not None else None
-            if proc is None or any(death.key == proc.key for death in self.deaths):
-                return
-            found = self.failures.guard(
-                lambda: _death(self, proc, -exit_code, self._oom_kills), "death"
-            )
-            if found is not None:
-                self.deaths.append(found[0])
-                self._oom_kills = found[1]
 
     def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
         """Declare ``key`` a worker of this job (the caller holds the lock)."""
@@ -556,36 +387,6 @@ class Sampler:
         )
 
 
-def _death(
-    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
-) -> tuple[Death, int | None]:
-    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
-    kills = machine.oom_kill_count()
-    rise = None if kills is None or oom_kills is None else kills - oom_kills
-    if rise and oom_kills is not None:
-        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
-    elif kills is not None:
-        oom_kills = kills
-    memory = machine.machine_memory()
-    shm, folder = sampler.shm, sampler.mailbox_dir
-    shm.note_usage()
-    death = Death(
-        key=proc.key,
-        signal_number=signal_number,
-        at_s=sampler.now(),
-        epoch=sampler.book.open_index,
-        oom_kills=rise,
-        memory_total_bytes=memory.total_bytes if memory else None,
-        memory_available_bytes=memory.available_bytes if memory else None,
-        shm_total_bytes=shm.total_bytes,
-        shm_used_peak_bytes=shm.used_peak_bytes,
-        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-        rss_bytes_last=proc.rss_bytes_last,
-        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
-    )
-    return death, oom_kills
-
-
 def _torch_allocated_bytes() -> int | None:
     """Bytes the torch allocator holds in this process, where CUDA is initialised already."""
     cuda = initialized_cuda()
@@ -595,14 +396,3 @@ def _torch_allocated_bytes() -> int | None:
         return int(sum(cuda.memory_allocated(index) for index in range(cuda.device_count())))
     except Exception:
         return None
-
-
-def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
-    """Map how an epoch ended (the exception, or None) to its end reason and error line."""
-    if error is None:
-        return "completed", None
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupt", "KeyboardInterrupt"
-    if isinstance(error, GeneratorExit):
-        return "break", None
-    return "exception", f"{type(error).__name__}: {error}".splitlines()[0]

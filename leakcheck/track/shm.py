@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leakcheck.core.model import ProcessKey, Role, ShmFile
+from leakcheck.core.model import Role, ShmFile
 from leakcheck.observe import hostmem, procs
 from leakcheck.observe.procs import ShmSegment
 from leakcheck.track.table import ProcessTable
@@ -77,9 +77,7 @@ class ShmWatch:
         ]
         if not new:
             return ()
-        live: dict[int, ProcessKey] = {
-            key.pid: key for key, proc in table.live.items() if proc.own and not proc.foreign
-        }
+        live = {key.pid: key for key in table.job_live()}
         holders = procs.shm_open_by(live, self.directory)
         held_now: dict[str, int] = {}
         for holder, names in holders.items():

@@ -288,13 +288,13 @@ class ProcessTable:
         """Workers of this tracker, alive as far as the table knows."""
         return [key for key in self.workers if key in self.live and self.procs[key].own]
 
+    def job_live(self) -> dict[ProcessKey, Proc]:
+        """The live processes this tracker judges: its own, not foreign GPU holders."""
+        return {key: proc for key, proc in self.live.items() if proc.own and not proc.foreign}
+
     def copy_watched(self) -> list[ProcessKey]:
         """Live own forked workers that reported their birth: whose copies reads measure."""
-        return [
-            key
-            for key, proc in self.live.items()
-            if proc.own and not proc.foreign and proc.forked is True and proc.birth_host
-        ]
+        return [k for k, p in self.job_live().items() if p.forked is True and p.birth_host]
 
     def attribute_gpu(self, gpu: tuple[GpuProcess, ...], *, now: float) -> list[int]:
         """Give every live process its bytes in NVML's lists; returns the PIDs not here."""
@@ -357,14 +357,13 @@ class ProcessTable:
 
     def count_nvidia_fds(self) -> None:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""
-        for proc in self.live.values():
-            if proc.own and not proc.foreign:
-                table = procs.descriptors(proc.key.pid)  # one listing for both counts
-                if table is None:
-                    proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
-                    continue
-                proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
-                proc.open_fds, proc.fd_limit = table.open_count, table.limit
+        for proc in self.job_live().values():
+            table = procs.descriptors(proc.key.pid)  # one listing for both counts
+            if table is None:
+                proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
+                continue
+            proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
+            proc.open_fds, proc.fd_limit = table.open_count, table.limit
 
     def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
         # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's

@@ -1,6 +1,7 @@
-"""``leakcheck.Tracker``: the public front over the sampler (NOTE [tracker lifecycle]).
+"""``leakcheck.Tracker``: a job's lifecycle over its sampler (NOTE [tracker lifecycle]).
 
-It validates options, times the caller's calls (``cost()``), and judges what was observed.
+It validates options, opens and closes epochs, keeps deaths and stalls, times the caller's
+calls (``cost()``), and judges what was observed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Concatenate, ParamSpec, TypeVar
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import (
+    Death,
     EndReason,
     EpochRecord,
+    FinalState,
     ProcessKey,
     RuleConfig,
     TeardownRecord,
@@ -27,11 +30,12 @@ from leakcheck.core.model import (
 from leakcheck.core.options import parse_interval_option, parse_share_option
 from leakcheck.core.units import parse_duration, parse_size
 from leakcheck.judge.report import Report, build_report
-from leakcheck.observe import torch_state
-from leakcheck.observe.procs import process_key
+from leakcheck.observe import machine, mailbox, procs, torch_state
 from leakcheck.observe.snapshot import Snapshot, take_snapshot
-from leakcheck.track.reads import CostMeter
-from leakcheck.track.sampler import Sampler, end_reason_for
+from leakcheck.track import claims, exports
+from leakcheck.track.hang import exit_stall
+from leakcheck.track.sampler import Sampler
+from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["Tracker", "end_reason_for", "own_rank_device"]
 
@@ -46,7 +50,7 @@ def _caller_timed(
 
     @functools.wraps(method)
     def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        meter = tracker.meter
+        meter = tracker._sampler.meter
         if not meter.enter_call():
             return method(tracker, *args, **kwargs)
         started = time.perf_counter()
@@ -73,8 +77,72 @@ def own_rank_device() -> tuple[int, int] | None:
     return None if device is None else (info.rank, device)
 
 
+def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
+    """Map how an epoch ended (the exception, or None) to its end reason and error line."""
+    if error is None:
+        return "completed", None
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupt", "KeyboardInterrupt"
+    if isinstance(error, GeneratorExit):
+        return "break", None
+    return "exception", f"{type(error).__name__}: {error}".splitlines()[0]
+
+
 def _is_int_at_least(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_options(
+    warmup_epochs: object,
+    devices: list[int] | None,
+    root_pid: int | None,
+    session_tag: tuple[str, str] | None,
+) -> None:
+    if not _is_int_at_least(warmup_epochs, 0):
+        raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
+    if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
+        raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
+    if root_pid is not None and not _is_int_at_least(root_pid, 1):
+        raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
+    if session_tag is not None and not (
+        isinstance(session_tag, tuple)
+        and len(session_tag) == 2
+        and all(isinstance(part, str) and part and "\0" not in part for part in session_tag)
+        and "=" not in session_tag[0]
+    ):
+        raise UsageError(
+            f"session_tag: expected (NAME, VALUE) of an environment variable, got {session_tag!r}"
+        )
+
+
+def _death(
+    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
+) -> tuple[Death, int | None]:
+    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
+    kills = machine.oom_kill_count()
+    rise = None if kills is None or oom_kills is None else kills - oom_kills
+    if rise and oom_kills is not None:
+        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
+    elif kills is not None:
+        oom_kills = kills
+    memory = machine.machine_memory()
+    shm, folder = sampler.shm, sampler.mailbox_dir
+    shm.note_usage()
+    death = Death(
+        key=proc.key,
+        signal_number=signal_number,
+        at_s=sampler.now(),
+        epoch=sampler.book.open_index,
+        oom_kills=rise,
+        memory_total_bytes=memory.total_bytes if memory else None,
+        memory_available_bytes=memory.available_bytes if memory else None,
+        shm_total_bytes=shm.total_bytes,
+        shm_used_peak_bytes=shm.used_peak_bytes,
+        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+        rss_bytes_last=proc.rss_bytes_last,
+        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+    )
+    return death, oom_kills
 
 
 class Tracker:
@@ -131,51 +199,36 @@ class Tracker:
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
             rollup_share = parse_share_option(rollup_share, "rollup_share")
-        if not _is_int_at_least(warmup_epochs, 0):
-            raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
-        if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
-            raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
-        if root_pid is not None and not _is_int_at_least(root_pid, 1):
-            raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
-        if session_tag is not None and not (
-            isinstance(session_tag, tuple)
-            and len(session_tag) == 2
-            and all(isinstance(part, str) and part and "\0" not in part for part in session_tag)
-            and "=" not in session_tag[0]
-        ):
-            raise UsageError(
-                f"session_tag: expected (NAME, VALUE) of an environment variable, got "
-                f"{session_tag!r}"
-            )
+        _check_options(warmup_epochs, devices, root_pid, session_tag)
         self._config = RuleConfig(
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
             warmup_epochs=warmup_epochs,
             grace_s=parse_duration(grace, source="grace"),
             copy_tolerance_bytes=parse_size(copy_tolerance, source="copy_tolerance"),
         )
+        self._persistent_workers, self._session_tag = persistent_workers, session_tag
+        self._scan_at_epoch_end = bool(scan_at_epoch_end)
         self._sampler = Sampler(
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,
             devices=list(devices) if devices is not None else None,
             config=self._config,
-            persistent_workers=persistent_workers,
             strict=strict,
             use_nvml=use_nvml,
-            session_tag=session_tag,
             rollup_share=rollup_share,
-            scan_at_epoch_end=bool(scan_at_epoch_end),
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
-
-    @property
-    def meter(self) -> CostMeter:
-        """The counters behind ``cost()``."""
-        return self._sampler.meter
+        self._session_id, self._root_key = "", ProcessKey(self._sampler.root_pid, 0)
+        self._started_unix_s = 0.0
+        self._boot_unix_s: float | None = None
+        self._export_token: int | None = None
+        self._oom_kills: int | None = None  # what the next death's OOM kills count from
+        self._final: FinalState | None = None
 
     @property
     def session_id(self) -> str:
         """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
-        return self._sampler.session_id
+        return self._session_id
 
     @property
     def mailbox_dir(self) -> str | None:
@@ -200,14 +253,51 @@ class Tracker:
     @_caller_timed
     def start(self) -> Tracker:
         """Take the baseline and start the sampler thread. Idempotent."""
-        self._sampler.start()
+        s = self._sampler
+        with s.lock:
+            if s.table is not None or s.closed:
+                return self
+            root_key = procs.process_key(s.root_pid)
+            if root_key is None:
+                raise UsageError(f"root_pid: no running process with PID {s.root_pid}")
+            self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
+            self._root_key = root_key
+            self._session_id = procs.new_session_id(s.root_pid)
+            mailbox_dir = s.failures.guard(mailbox.create, "mailbox")
+            if s.root_pid == os.getpid():
+                values = {procs.SESSION_ENV: self._session_id}
+                if mailbox_dir:
+                    values[mailbox.MAILBOX_ENV] = mailbox_dir
+                self._export_token = exports.export(values)
+            self._oom_kills = s.failures.guard(machine.oom_kill_count, "cgroup")
+            table = ProcessTable(
+                root_key, procs.read_proc(s.root_pid), session=self._session_id,
+                tag=self._session_tag, persistent_workers=self._persistent_workers,
+            )  # fmt: skip
+            s.start(table, mailbox_dir)
+        s.start_thread()
         return self
 
     @_caller_timed
     def close(self) -> None:
         """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
-        self._sampler.close()
-        self._sampler.failures.raise_pending()
+        s = self._sampler
+        if s.table is not None and not s.closed:
+            self._end("closed")
+            s.wait_for_grace()
+            s.stop()
+            s.finish_reads()  # planned at the last epoch end, not read yet
+            with s.lock:
+                self._final = s.current_state(closed=True)
+                s.closed = True
+                if self._export_token is not None:
+                    exports.withdraw(self._export_token)
+                    self._export_token = None
+                if s.mailbox_dir:
+                    mailbox.remove(s.mailbox_dir)
+                claims.session_closed(self._session_id)
+        s.closed = True
+        s.failures.raise_pending()
 
     def __enter__(self) -> Tracker:
         return self.start()
@@ -224,12 +314,21 @@ class Tracker:
     @_caller_timed
     def begin_epoch(self, label: str | None = None) -> int:
         """Open an epoch (closing any open one as ``closed``); returns its index."""
-        if not self._sampler.started:
+        s = self._sampler
+        if s.table is None:
             self.start()
-        if self._sampler.closed:
+        if s.closed:
             raise LeakCheckError("this Tracker is closed; create a new one to track more epochs")
-        index = self._sampler.begin_epoch(label)
-        self._sampler.failures.raise_pending()
+        self._end("closed")
+        # The reads the last end planned, before this epoch's work changes what they read.
+        s.finish_reads()
+        with s.lock:
+            index = s.book.begin(label, s.now())
+            s.failures.guard(s.shm.begin_epoch, "shm")
+            claims.epoch_opened(self._session_id)
+            assert s.table is not None
+            s.table.changed = True
+        s.failures.raise_pending()
         return index
 
     @_caller_timed
@@ -245,9 +344,38 @@ class Tracker:
 
         ``error``: the exception that ended it, as one line; ``batches``: those it yielded.
         """
-        closed = self._sampler.end_epoch(reason, error, batches, index)
+        closed = self._end(reason, error, batches, index)
         self._sampler.failures.raise_pending()
         return closed
+
+    def _end(
+        self,
+        reason: EndReason,
+        error: str | None = None,
+        batches: int | None = None,
+        index: int | None = None,
+    ) -> bool:
+        """Close the open epoch with one full sample and the costlier extras."""
+        s = self._sampler
+        with s.lock:
+            opened, table = s.book.open, s.table
+            if opened is None or table is None or index not in (None, opened.index):
+                return False
+            s.sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
+            s.book.apply_accounting(table, s.nvml.accounting())
+            if s.hang.own_process:  # the loop's process is this one
+                opened.pinned = torch_state.pinned_host_bytes()
+            s.tag_scan_due = True
+            host = s.host.end_status(table)
+            shm = s.failures.guard(lambda: s.shm.epoch_end(table), "shm")
+            s.book.end(
+                table, now=s.now(), reason=reason, error=error, batches=batches,
+                devices=s.nvml.device_states(), host=host, shm=shm,
+            )  # fmt: skip
+            if s.host.plan(opened.index, table):
+                s.wake()  # read off this thread, right away (NOTE [host pacing])
+            claims.epoch_closed(self._session_id)
+            return True
 
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:
@@ -270,7 +398,7 @@ class Tracker:
         ``start_ticks``: its start (NOTE [process identity] in procs.py; None: read now);
         ``persistent``: whether it lives across epochs (None: ``persistent_workers``).
         """
-        key = process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
+        key = procs.process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
         if key is not None:
             with self._sampler.lock:
                 self._sampler.register_worker(key, persistent)
@@ -284,17 +412,39 @@ class Tracker:
         self._sampler.hang.batch_arrived()
 
     def worker_stuck(self, pid: int) -> None:
-        """A worker its loader's shutdown is about to terminate: its stacks, said and kept.
-
-        To stderr and the report (NOTE [exit watch] in hang.py).
-        """
-        self._sampler.worker_stuck(pid)
+        """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""
+        s = self._sampler
+        with s.lock:
+            if s.table is None or s.closed:
+                return
+            s.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
+            key = s.table.by_pid.get(pid) or procs.process_key(pid)
+            if key is None:
+                return
+            proc, epoch, folder = s.table.procs.get(key), s.book.open_index, s.mailbox_dir
+        dumps, at_s = proc is not None and proc.dumps_stacks, s.now()
+        s.keep_stall(
+            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
+        )
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
-        """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal) is a death."""
-        self._sampler.note_exit(pid, exit_code)
-        self._sampler.failures.raise_pending()
+        """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
+        s = self._sampler
+        with s.lock:
+            if exit_code >= 0 or s.table is None or s.closed:
+                return
+            s.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+            key = s.table.by_pid.get(pid)
+            proc = s.table.procs.get(key) if key is not None else None
+            if proc is None or any(death.key == proc.key for death in s.deaths):
+                return
+            kills = self._oom_kills
+            found = s.failures.guard(lambda: _death(s, proc, -exit_code, kills), "death")
+            if found is not None:
+                s.deaths.append(found[0])
+                self._oom_kills = found[1]
+        s.failures.raise_pending()
 
     @_caller_timed
     def finish_reads(self) -> None:
@@ -319,7 +469,7 @@ class Tracker:
 
     def cost(self) -> TrackerCost:
         """What tracking has cost so far (own time of the sampler and of the calling threads)."""
-        return self.meter.snapshot()
+        return self._sampler.meter.snapshot()
 
     def epochs(self) -> tuple[EpochRecord, ...]:
         """Closed epochs so far."""
@@ -355,33 +505,31 @@ class Tracker:
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
-        sampler = self._sampler
-        own = own_rank_device() if sampler.root_pid == os.getpid() else None
-        with sampler.lock:
-            final = sampler.final
-            if final is None and fresh and sampler.started and not sampler.closed:
-                final = sampler.current_state(closed=False)
-            table = sampler.table
-            timeline = Timeline(
-                session_id=sampler.session_id,
-                root=sampler.root_key,
-                started_unix_s=sampler.started_unix_s,
-                boot_unix_s=sampler.boot_unix_s,
-                attribution=sampler.nvml.attribution,
-                attribution_reason=sampler.nvml.attribution_reason,
-                baseline_devices=sampler.baseline_devices,
-                baseline_gpu_bytes=dict(sampler.baseline_gpu_bytes),
-                epochs=sampler.book.records(table, last=last_epochs) if table else (),
+        s = self._sampler
+        own = own_rank_device() if s.root_pid == os.getpid() else None
+        with s.lock:
+            final, table = self._final, s.table
+            if final is None and fresh and table is not None and not s.closed:
+                final = s.current_state(closed=False)
+            return Timeline(
+                session_id=self._session_id,
+                root=self._root_key,
+                started_unix_s=self._started_unix_s,
+                boot_unix_s=self._boot_unix_s,
+                attribution=s.nvml.attribution,
+                attribution_reason=s.nvml.attribution_reason,
+                baseline_devices=s.baseline_devices,
+                baseline_gpu_bytes=dict(s.baseline_gpu_bytes),
+                epochs=s.book.records(table, last=last_epochs) if table else (),
                 final=final,
-                failures=sampler.failures.lines(),
-                teardowns=tuple(sampler.book.teardowns),
+                failures=s.failures.lines(),
+                teardowns=tuple(s.book.teardowns),
                 # Files left in /dev/shm are judged once the work is over (at close).
-                shm_files=sampler.shm_files if final is not None and final.closed else (),
-                deaths=tuple(sampler.deaths),
-                stalls=tuple(sampler.stalls),
+                shm_files=s.shm_files if final is not None and final.closed else (),
+                deaths=tuple(s.deaths),
+                stalls=tuple(s.stalls),
                 rank_devices={own[0]: own[1]} if own is not None else {},
             )
-        return timeline
 
     @_caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:

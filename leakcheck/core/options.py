@@ -101,6 +101,7 @@ class OptionSpec(Generic[T]):
     cli_flag: str | None = None
     env_var: str | None = None
     ini_key: str | None = None
+    attribute: str = ""  # its field of CheckOptions, where not ``name``
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ TOLERANCE = OptionSpec[int](
     cli_flag="--gpu-leak-tolerance",
     env_var="LEAKCHECK_TOLERANCE",
     ini_key="gpu_leak_tolerance",
+    attribute="tolerance_bytes",
 )
 MODE = OptionSpec[Mode](
     name="mode",
@@ -193,6 +195,7 @@ COPY_TOLERANCE = OptionSpec[int](
     cli_flag="--gpu-leak-copy-tolerance",
     env_var="LEAKCHECK_COPY_TOLERANCE",
     ini_key="gpu_leak_copy_tolerance",
+    attribute="copy_tolerance_bytes",
 )
 GRACE = OptionSpec[float](
     name="grace",
@@ -202,26 +205,18 @@ GRACE = OptionSpec[float](
     cli_flag="--gpu-leak-grace",
     env_var="LEAKCHECK_GRACE",
     ini_key="gpu_leak_grace",
+    attribute="grace_s",
 )
 
 
-def command_line_thresholds(
-    tolerance: object, grace: object, environ: Mapping[str, str], *, grace_default_s: float
-) -> tuple[int, float]:
-    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command, else the environment."""
-    tolerance_bytes = resolve(
-        replace(TOLERANCE, cli_flag="--tolerance"), cli=tolerance, environ=environ
-    ).value
-    grace_s = resolve(
-        replace(GRACE, cli_flag="--grace", default=grace_default_s), cli=grace, environ=environ
-    ).value
-    return tolerance_bytes, grace_s
+def command_line_value(
+    spec: OptionSpec[T], flag: str, value: object, environ: Mapping[str, str], **changes: Any
+) -> T:
+    """A ``leakcheck`` command's ``flag`` for ``spec`` (None: not given), else the environment.
 
-
-def command_line_copy_tolerance(value: object, environ: Mapping[str, str]) -> int:
-    """``--copy-tolerance`` of a ``leakcheck`` command, else ``LEAKCHECK_COPY_TOLERANCE``."""
-    spec = replace(COPY_TOLERANCE, cli_flag="--copy-tolerance")
-    return resolve(spec, cli=value, environ=environ).value
+    ``changes`` replace fields of ``spec`` for the command (``default=2.0``).
+    """
+    return resolve(replace(spec, cli_flag=flag, **changes), cli=value, environ=environ).value
 
 
 WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=warn
@@ -253,13 +248,6 @@ def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
 
 SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
 """Options of the leak check, in the order ``--help`` lists them."""
-_ATTRIBUTES = {  # CheckOptions' field of each option
-    "enabled": "enabled",
-    "tolerance": "tolerance_bytes",
-    "mode": "mode",
-    "grace": "grace_s",
-    "copy_tolerance": "copy_tolerance_bytes",
-}
 
 
 @dataclass(frozen=True)
@@ -304,12 +292,12 @@ def resolve_check_options(
             spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
     return CheckOptions(
-        **{_ATTRIBUTES[name]: value.value for name, value in found.items()},
+        **{spec.attribute or spec.name: found[spec.name].value for spec in SPECS},
         sources={name: value.source for name, value in found.items()},
     )
 
 
-MARKER_KWARGS = tuple(_ATTRIBUTES)  # what @pytest.mark.gpu_leak_check(...) accepts
+MARKER_KWARGS = tuple(spec.name for spec in SPECS)  # what @pytest.mark.gpu_leak_check(...) accepts
 
 
 def apply_marker(
@@ -348,8 +336,8 @@ def apply_marker(
         values["enabled"] = args[0]
     sources = dict(options.sources)
     changes: dict[str, object] = {}
-    specs = {spec.name: spec for spec in SPECS}
-    for name, raw in values.items():
-        sources[name] = source = f"{name}= of {where}"
-        changes[_ATTRIBUTES[name]] = specs[name].parse(raw, source)
+    for spec in SPECS:
+        if spec.name in values:
+            sources[spec.name] = source = f"{spec.name}= of {where}"
+            changes[spec.attribute or spec.name] = spec.parse(values[spec.name], source)
     return replace(options, sources=sources, **changes)  # type: ignore[arg-type]

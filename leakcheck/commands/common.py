@@ -74,16 +74,19 @@ def shared_options(args: argparse.Namespace) -> dict[str, Any]:
     from leakcheck.core import options as specs
 
     device = None if args.device is None else specs.parse_device_index(args.device, "--device")
-    tolerance_bytes, grace_s = specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=2.0
-    )
     interval = "50ms" if args.interval is None else args.interval
     return {
         "device_index": device,
-        "tolerance_bytes": tolerance_bytes,
-        "grace_s": grace_s,
+        "tolerance_bytes": specs.command_line_value(
+            specs.TOLERANCE, "--tolerance", args.tolerance, os.environ
+        ),
+        "grace_s": specs.command_line_value(
+            specs.GRACE, "--grace", args.grace, os.environ, default=2.0
+        ),
         "interval_s": specs.parse_interval_option(interval, "--interval"),
-        "copy_tolerance_bytes": specs.command_line_copy_tolerance(args.copy_tolerance, os.environ),
+        "copy_tolerance_bytes": specs.command_line_value(
+            specs.COPY_TOLERANCE, "--copy-tolerance", args.copy_tolerance, os.environ
+        ),
     }
 
 

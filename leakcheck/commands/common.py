@@ -9,6 +9,7 @@ import contextlib
 import os
 
 from leakcheck.core.errors import UsageError
+from leakcheck.core.errors import one_line as one_line  # the commands import it from here
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -20,12 +21,6 @@ EXIT_CLEAN = 0
 EXIT_LEAK = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # Flag, metavar (None: a switch) and help of an option; SHARED are sweep's and run's.

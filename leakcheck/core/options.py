@@ -112,19 +112,6 @@ class Resolved(Generic[T]):
     source: str
 
 
-def _is_unset(value: object) -> bool:
-    # An absent ini key reads as "" (or None, or []), as does an environment variable
-    # exported empty: not set here. A flag given empty on the command line was typed, so it
-    # is parsed (and refused), never replaced by a lower source.
-    if value is None:
-        return True
-    if isinstance(value, str):
-        return not value.strip()
-    if isinstance(value, (list, tuple)):
-        return not value
-    return False
-
-
 def resolve(
     spec: OptionSpec[T],
     *,
@@ -142,19 +129,21 @@ def resolve(
         UsageError: The winning source holds a bad value; the message names the source.
 
     """
-    if spec.cli_flag is not None and cli is not None:
-        source = f"{spec.cli_flag} (command line)"
-        return Resolved(spec.parse(cli, source), source)
-    if spec.env_var is not None and environ is not None:
-        raw_env = environ.get(spec.env_var)
-        if raw_env is not None and not _is_unset(raw_env):
-            source = f"{spec.env_var} (environment)"
-            return Resolved(spec.parse(raw_env, source), source)
-    if spec.ini_key is not None and not _is_unset(ini):
-        where = f"ini file {ini_path}" if ini_path else "ini file"
-        source = f"{spec.ini_key} ({where})"
-        raw_ini = ini[0] if isinstance(ini, (list, tuple)) and len(ini) == 1 else ini
-        return Resolved(spec.parse(raw_ini, source), source)
+    if isinstance(ini, (list, tuple)):
+        ini = ini[0] if len(ini) == 1 else ini or None
+    env = None if environ is None or spec.env_var is None else environ.get(spec.env_var)
+    ini_file = f"ini file {ini_path}" if ini_path else "ini file"
+    for name, where, raw in (
+        (spec.cli_flag, "command line", cli),
+        (spec.env_var, "environment", env),
+        (spec.ini_key, ini_file, ini),
+    ):
+        # An absent ini key reads as "" (or None, or []), as does an environment variable
+        # exported empty: not set there. A flag given empty was typed: parsed (and refused).
+        blank = isinstance(raw, str) and not raw.strip() and where != "command line"
+        if name is not None and raw is not None and not blank:
+            source = f"{name} ({where})"
+            return Resolved(spec.parse(raw, source), source)
     return Resolved(spec.default, "default")
 
 

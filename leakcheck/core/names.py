@@ -46,19 +46,16 @@ def _python_target(args: list[str]) -> str:
         # them (`-mpytest`, as pytester starts it)
         joined = re.fullmatch(r"-[bBdEiIOPqsSuvx]*([cm])(.*)", arg)
         if joined is not None:
-            flag = joined.group(1)
-            rest = " ".join(
-                [joined.group(2), *args[index + 1 :]] if joined.group(2) else args[index + 1 :]
-            )
-            if flag == "c":  # a script's lines as one: `import os; print(1)`
-                return f'python -c "{_LINE_BREAKS.sub("; ", rest.strip())}"'
+            rest = " ".join([joined.group(2), *args[index + 1 :]]).strip()
+            if joined.group(1) == "c":  # a script's lines as one: `import os; print(1)`
+                return f'python -c "{_LINE_BREAKS.sub("; ", rest)}"'
             return f"python -m {rest}".rstrip()
         if arg in _OPTIONS_WITH_VALUE:
             index += 2
             continue
-        if arg == "-" or not arg.startswith("-"):
-            if arg == "-":
-                return "python -"
+        if arg == "-":
+            return "python -"
+        if not arg.startswith("-"):
             script = arg.rstrip("/")
             base = os.path.basename(script)
             if base == "__main__.py":  # a package run by its folder: name the package

@@ -83,9 +83,6 @@ def parse_device_index(value: object, source: str) -> int:
     return int(text)
 
 
-parse_seconds_option = parse_duration  # the name the commands call it by
-
-
 @dataclass(frozen=True)
 class OptionSpec(Generic[T]):
     """One option and every place it can be set.

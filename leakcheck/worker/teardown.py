@@ -155,6 +155,11 @@ class _Freed:
         except Exception as exc:
             self.errors.append(f"{name}: {one_line(exc)}")
 
+    def fields(self) -> dict[str, Any]:
+        """Its counts and ``error`` as ``TeardownRecord`` and ``ReleaseResult`` name them."""
+        counts = {name: value for name, value in vars(self).items() if name != "errors"}
+        return counts | {"error": "; ".join(self.errors) or None}
+
 
 def _release(freed: _Freed, device: int | None = None) -> None:
     """Release registered resources, the allocator cache and contexts, into ``freed``.
@@ -313,54 +318,34 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
     freed = _Freed()
-    cuda = None
-    held: dict[int, int] | None = None
-    peak_reserved: int | None = None
-    measured_s: float | None = None
-    left_nvml: bool | None = None
-    host: hostmem.HostMemory | None = None
+    fields: dict[str, Any] = {"cuda_initialized": False, "released": policy.release}
     try:
         if policy.terminate_children:
             with freed.step("terminate children"):
                 _terminate_descendants()
         cuda = initialized_cuda()
-        measured_s = time.monotonic()
+        fields |= {"cuda_initialized": cuda is not None, "monotonic_s": time.monotonic()}
         with freed.step("host memory"):  # what it held, before anything is released
-            host = hostmem.read_host_memory(key.pid)
-        held = {}  # no context: nothing on any device
+            fields |= _host_fields(hostmem.read_host_memory(key.pid), _HOST_FIELDS)
+        held: dict[int, int] | None = {}  # no context: nothing on any device
         if cuda is not None:
             state = _nvml_state(key.pid)
             held = None if state is None else state[1]
             with contextlib.suppress(Exception):
                 count = int(cuda.device_count())
                 peak_reserved = sum(int(cuda.max_memory_reserved(i)) for i in range(count))
-            if policy.release:
-                _release(freed)
-        duration_s = time.perf_counter() - started
+                fields["peak_reserved_bytes"] = peak_reserved
+        fields |= {"gpu_bytes_by_device": held, "gpu_bytes_before": _total(held)}
+        if cuda is not None and policy.release:
+            _release(freed)
+        fields["duration_s"] = time.perf_counter() - started
         if cuda is not None and policy.release and held:
             after = _nvml_state(key.pid, wait_gone=True)
-            left_nvml = None if after is None else not after[0]
+            fields["left_nvml"] = None if after is None else not after[0]
     except BaseException as exc:  # a teardown must let the worker exit
         freed.errors.append(f"teardown: {one_line(exc)}")
-        duration_s = time.perf_counter() - started
-    record = TeardownRecord(
-        key=key,
-        worker_id=worker_id,
-        cuda_initialized=cuda is not None,
-        streams_joined=freed.streams_joined,
-        resources_released=freed.resources_released,
-        freed_cache_bytes=freed.freed_cache_bytes,
-        context_released=freed.context_released,
-        gpu_bytes_before=_total(held),
-        left_nvml=left_nvml,
-        duration_s=duration_s,
-        error="; ".join(freed.errors) or None,
-        gpu_bytes_by_device=held,
-        peak_reserved_bytes=peak_reserved,
-        monotonic_s=measured_s,
-        released=policy.release,
-        **_host_fields(host, _HOST_FIELDS),
-    )
+        fields["duration_s"] = time.perf_counter() - started
+    record = TeardownRecord(key, worker_id, **fields, **freed.fields())
     _close_stack_file()
     fields = {"pid": key.pid, "start_ticks": key.start_ticks, **to_jsonable(record)}
     del fields["key"]
@@ -674,5 +659,5 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
         gpu_bytes_after=(_total(after[1]) if after[0] else 0) if after is not None else None,
         duration_s=duration_s,
         note="context released" if freed.context_released else "context not released",
-        error="; ".join(freed.errors) or None,
+        error=freed.fields()["error"],
     )

@@ -267,14 +267,10 @@ def resolve_check_options(
     ini = ini or {}
     found: dict[str, Resolved[Any]] = {}
     for spec in SPECS:
-        given = cli.get(spec.name)
-        if spec is MODE:
-            mode = resolve_mode_flags(given, cli.get("warn"))
-            if mode is not None:
-                found[spec.name] = mode
-                continue
-            given = None
-        found[spec.name] = resolve(
+        # The mode's flags are --gpu-leak-mode and --gpu-leak-warn: neither given, the rest.
+        flags = resolve_mode_flags(cli.get("mode"), cli.get("warn")) if spec is MODE else None
+        given = None if spec is MODE else cli.get(spec.name)
+        found[spec.name] = flags or resolve(
             spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
     return CheckOptions(
@@ -312,14 +308,14 @@ def apply_marker(
             f"expected {', '.join(MARKER_KWARGS)}"
         )
     values: dict[str, object] = dict(kwargs)
-    if not args and "enabled" not in values and options.sources.get("enabled") in (None, "default"):
-        # A marker checks its test unless it says enabled=False; an explicit choice made
-        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
-        values["enabled"] = True
     if args:
         if "enabled" in values:
             raise UsageError(f"{where}: enabled given twice")
         values["enabled"] = args[0]
+    elif "enabled" not in values and options.sources.get("enabled") in (None, "default"):
+        # A marker checks its test unless it says enabled=False; an explicit choice made
+        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
+        values["enabled"] = True
     sources = dict(options.sources)
     changes: dict[str, object] = {}
     for spec in SPECS:

@@ -7,19 +7,19 @@ until the kernel reaps it, and a worker whose parent died may never exit at all.
 1. ``PR_SET_PDEATHSIG``: SIGTERM when the parent dies. The kernel sends it when the *thread*
    that started the worker exits, so :func:`leakcheck.watch` asks for it only from the main
    thread (``WorkerInit.death_signal``); without it DataLoader workers still watch its PID.
-2. A ``worker`` record in the mailbox (NOTE [worker mailbox] in mailbox.py): its identity and
-   birth reading, its host memory and whether it was forked (NOTE [copy on read] in hostmem.py).
+2. A ``worker`` record in the mailbox (NOTE [worker mailbox] in mailbox.py): its identity,
+   birth reading and whether it was forked (NOTE [copy on read] in hostmem.py).
 3. Its ``faulthandler`` writes into its own mailbox file (``mailbox.stack_path``): a native
    crash leaves its stacks there for the ``died`` finding, and ``mailbox.STACK_SIGNAL`` dumps
    them there and goes on (NOTE [hang watch] in hang.py). A normal exit removes the file.
 4. At exit (a ``multiprocessing.util.Finalize`` hook: workers leave through multiprocessing's
-   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, where CUDA
-   was initialised, joins registered side streams into the current stream (never free memory
-   a side stream may still use: the cuDNN dgrad race), synchronises, drops registered streams
-   and events, calls registered callables, collects garbage, empties the allocator cache and
-   releases the context (``cudaDeviceReset``); then it waits for NVML to drop its PID and
-   posts a ``teardown`` record. A failing step is one line of the record, never raised. After
-   the reset the process must not use CUDA: torch still holds handles of the old context.
+   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, with CUDA,
+   joins registered side streams into the current stream (never free what a side stream may
+   still use: the cuDNN dgrad race), synchronises, drops registered streams and events,
+   calls registered callables, collects garbage, empties the allocator cache and resets the
+   context; then it waits for NVML to drop its PID and posts a ``teardown`` record. A failing
+   step is one line of the record, never raised. After the reset it must not use CUDA: torch
+   still holds handles of the old context.
 5. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
    ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the
    runtime: destroying a stream or event after the context is gone segfaults at exit.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from leakcheck.core.names import culprit, culprits, process_name, worker_name
+from leakcheck.core.names import culprit, culprits, process_name
 
 PY = "/home/someone/projects/a-checkout/.venv/bin/python3.11"
 
@@ -61,13 +63,17 @@ def test_a_name_is_cut_to_its_width_and_code_keeps_its_quote() -> None:
 def test_workers_are_named_by_their_loader_where_known() -> None:
     fork = f"{PY} train.py --lr 0.1"
     spawn = f"{PY} -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
-    assert worker_name(fork, worker_id=3, loader="train.py:42") == "worker 3 of train.py:42"
-    assert worker_name(spawn, worker_id=3, loader="train.py:42") == "worker 3 of train.py:42"
-    assert worker_name(spawn, worker_id=3) == "spawn worker 3"
-    assert worker_name(spawn) == "spawn worker"
-    assert worker_name(fork) == "worker of train.py"
+
+    def worker(cmdline: str, **where: Any) -> str:
+        return culprit("worker", 5, cmdline, **where)
+
+    assert worker(fork, worker_id=3, loader="train.py:42") == "worker 3 of train.py:42 (PID 5)"
+    assert worker(spawn, worker_id=3, loader="train.py:42") == "worker 3 of train.py:42 (PID 5)"
+    assert worker(spawn, worker_id=3) == "spawn worker 3 (PID 5)"
+    assert worker(spawn) == "spawn worker (PID 5)"
+    assert worker(fork) == "worker of train.py (PID 5)"
     forkserver = f"{PY} -c from multiprocessing.forkserver import main; main(8, 9)"
-    assert worker_name(forkserver, worker_id=0) == "forkserver worker 0"
+    assert worker(forkserver, worker_id=0) == "forkserver worker 0 (PID 5)"
 
 
 def test_a_culprit_is_its_rank_role_name_and_pid() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.options import (
+    COPY_TOLERANCE,
     ENABLED,
     GRACE,
     MIN_INTERVAL_S,
@@ -16,7 +17,7 @@ from leakcheck.core.options import (
     OptionSpec,
     Resolved,
     apply_marker,
-    command_line_copy_tolerance,
+    command_line_value,
     parse_bool,
     parse_interval_option,
     parse_mode,
@@ -173,10 +174,11 @@ def test_copy_tolerance_from_every_source_and_a_marker() -> None:
     assert marked.sources["copy_tolerance"] == f"copy_tolerance= of {WHERE}"
     # A command's --copy-tolerance, then the environment.
     env = {"LEAKCHECK_COPY_TOLERANCE": "8MiB"}
-    assert command_line_copy_tolerance(None, env) == 8 * MIB
-    assert command_line_copy_tolerance("32MiB", env) == 32 * MIB
+    flag = "--copy-tolerance"
+    assert command_line_value(COPY_TOLERANCE, flag, None, env) == 8 * MIB
+    assert command_line_value(COPY_TOLERANCE, flag, "32MiB", env) == 32 * MIB
     with pytest.raises(UsageError, match=r"--copy-tolerance \(command line\)"):
-        command_line_copy_tolerance("", env)
+        command_line_value(COPY_TOLERANCE, flag, "", env)
 
 
 def test_a_marker_that_does_not_say_enabled_checks_its_test_unless_chosen_before() -> None:

@@ -295,7 +295,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         START_METHODS,
         WorkloadSpec,
     )
-    from leakcheck.core.options import parse_seconds_option
+    from leakcheck.core.units import parse_duration
 
     workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
     _check_worker_counts(workers, args.max_workers)
@@ -314,7 +314,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 f"got {args.cooldown_temp!r}"
             )
     timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
-    cooldown_timeout_s = parse_seconds_option(timeout, "--cooldown-timeout")
+    cooldown_timeout_s = parse_duration(timeout, "--cooldown-timeout")
     json_path, plot_path = output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:

@@ -9,6 +9,7 @@ import contextlib
 import os
 
 from leakcheck.core.errors import UsageError
+from leakcheck.core.errors import one_line as one_line  # the commands import it from here
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -20,12 +21,6 @@ EXIT_CLEAN = 0
 EXIT_LEAK = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # Flag, metavar (None: a switch) and help of an option; SHARED are sweep's and run's.
@@ -74,16 +69,19 @@ def shared_options(args: argparse.Namespace) -> dict[str, Any]:
     from leakcheck.core import options as specs
 
     device = None if args.device is None else specs.parse_device_index(args.device, "--device")
-    tolerance_bytes, grace_s = specs.command_line_thresholds(
-        args.tolerance, args.grace, os.environ, grace_default_s=2.0
-    )
     interval = "50ms" if args.interval is None else args.interval
     return {
         "device_index": device,
-        "tolerance_bytes": tolerance_bytes,
-        "grace_s": grace_s,
+        "tolerance_bytes": specs.command_line_value(
+            specs.TOLERANCE, "--tolerance", args.tolerance, os.environ
+        ),
+        "grace_s": specs.command_line_value(
+            specs.GRACE, "--grace", args.grace, os.environ, default=2.0
+        ),
         "interval_s": specs.parse_interval_option(interval, "--interval"),
-        "copy_tolerance_bytes": specs.command_line_copy_tolerance(args.copy_tolerance, os.environ),
+        "copy_tolerance_bytes": specs.command_line_value(
+            specs.COPY_TOLERANCE, "--copy-tolerance", args.copy_tolerance, os.environ
+        ),
     }
 
 

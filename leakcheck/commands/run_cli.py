@@ -27,7 +27,8 @@ from leakcheck.commands.common import (
 )
 from leakcheck.core.errors import UsageError
 from leakcheck.core.files import write_json
-from leakcheck.core.options import parse_seconds_option, parse_share_option
+from leakcheck.core.options import parse_share_option
+from leakcheck.core.units import parse_duration
 
 __all__ = ["add_run_parser", "run_command", "torchrun_command"]
 
@@ -153,7 +154,7 @@ def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             rollup_share=None
             if args.rollup_share is None
             else parse_share_option(args.rollup_share, "--rollup-share"),
-            hang_after_s=parse_seconds_option(hang_after, "--hang-after"),
+            hang_after_s=parse_duration(hang_after, "--hang-after"),
             **shared,
         )
         result = run_program(command, options)

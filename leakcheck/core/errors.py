@@ -33,3 +33,9 @@ class LeakWarning(UserWarning):
 # `-W error::leakcheck.GPULeakWarning` keep catching every leak, GPU or not.
 GPULeakError = LeakError
 GPULeakWarning = LeakWarning
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: ``TypeName: message`` with its whitespace folded."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,8 +1,7 @@
-"""Plain data shared by every layer: frozen dataclasses with units in their field names.
+"""Plain data shared by every layer, and the JSON schema (``records.py``): add, never rename.
 
-They are the JSON schema too (``core/records.py``): fields may be added, never renamed. The
-tracker folds ``readings.py``'s records into a ``Timeline`` of ``EpochRecord``; ``verdict``
-turns it into ``Finding``; ``report`` renders both.
+The tracker folds ``readings.py``'s records into a ``Timeline`` of ``EpochRecord``;
+``verdict`` turns it into ``Finding``; ``report`` renders both.
 """
 
 from __future__ import annotations
@@ -68,8 +67,7 @@ HostSource = Literal["uss", "rss"]  # private pages (smaps_rollup), else residen
 class ProcessEpoch:
     """What one process did during one epoch; None in a field means not known.
 
-    ``*_end`` fields are read at the epoch's end, or for a process that exited in it taken
-    from its own report at exit (a worker's teardown record).
+    ``*_end``: at the epoch's end, or from its own report at exit (a worker's teardown).
 
     Attributes:
         gpu_bytes_peak: Per device, the larger of what was sampled and what it reported.
@@ -78,13 +76,12 @@ class ProcessEpoch:
         scope: What started it when not the work itself (``module-scoped fixture 'pool'``).
         host_bytes_end: USS where read, else RSS (``host_source``; an older USS is never
             carried over). ``anon_bytes_end``: ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``.
-        freed_by_gc: It exited only once leakcheck collected garbage (a reference cycle
-            kept its DataLoader iterator alive).
-        forked: A worker started by fork; None where it did not report its birth.
-        shared_bytes_birth: Its ``Shared_Dirty`` at its birth report, as
-            ``private_bytes_birth`` its USS (NOTE [copy on read] in hostmem.py).
+        freed_by_gc: It exited only once leakcheck collected garbage (a cycle kept its
+            DataLoader iterator alive).
+        shared_bytes_birth: ``Shared_Dirty`` at its birth report (``private_bytes_birth``: its
+            USS; NOTE [copy on read] in hostmem.py); ``forked`` None: no birth report.
         copied_bytes_end: What it had copied of its parent's memory since its birth, at the
-            epoch's last reading; ``copied_bytes_peak`` the most any reading showed.
+            epoch's last reading (``copied_bytes_peak``: the most any reading showed).
 
     """
 
@@ -143,11 +140,9 @@ EndReason = Literal["completed", "break", "exception", "interrupt", "collected",
 class EpochRecord:
     """One epoch: every process of the job, the devices and ``/dev/shm`` at its end.
 
-    ``shm_used_peak_bytes``: the highest use of ``/dev/shm`` in the epoch (removed but held
-    files included): what runs out when workers die of a bus error.
-    ``pinned_allocated_bytes``, ``pinned_reserved_bytes``: the loop's process's pinned host
-    memory at the end, in use and held by torch's caching host allocator (None: CUDA not
-    initialised there, or the loop runs elsewhere).
+    ``shm_used_peak_bytes``: the most ``/dev/shm`` held in the epoch (removed but held files
+    too): what runs out when workers die of a bus error. ``pinned_*_bytes``: the loop's
+    process's pinned host memory at the end, in use and cached (None: no CUDA there).
     """
 
     index: int
@@ -179,9 +174,8 @@ class TeardownRecord:
     """What the teardown policy freed in one worker before it exited; None: unknown.
 
     Attributes:
-        resources_released: Registered streams, events and callables dropped or called.
-        gpu_bytes_by_device: NVML's used bytes per device before the release, summed in
-            ``gpu_bytes_before``; ``left_nvml``: NVML no longer listed the PID after it.
+        gpu_bytes_by_device: NVML's used bytes per device before the release (summed in
+            ``gpu_bytes_before``); ``left_nvml``: NVML no longer listed the PID after it.
         monotonic_s: ``time.monotonic()`` when it read what it held.
         released: The policy released resources (False: it only reported).
         host_uss_bytes: Its own USS as it exited; the other ``host_*`` fields likewise.
@@ -253,14 +247,9 @@ class Stall:
 class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
-    Attributes:
-        caller_wall_s: Wall seconds the calling threads spent inside the tracker's methods:
-            time the user's loop pays in full.
-        nvml_wall_s: Wall seconds of the samples' NVML reads, lock waits included (NOTE
-            [nvml pacing] in track/pacing.py); ``nvml_cpu_s`` their CPU seconds.
-        host_read_cpu_s: The sampler's CPU seconds on host-memory reads, part of
-            ``sampler_cpu_s``.
-
+    ``caller_wall_s``: the calling threads' time inside the tracker, which the user's loop
+    pays in full; ``nvml_wall_s``: the samples' NVML reads, lock waits included (NOTE [nvml
+    pacing] in track/pacing.py); ``host_read_cpu_s``: part of ``sampler_cpu_s``.
     """
 
     samples: int
@@ -280,13 +269,8 @@ class FinalState:
     """The job after the watched work, read fresh: who is still there and what they hold.
 
     Taken when the tracker closes, and by every ``report()`` before (``closed`` False).
-
-    Attributes:
-        others_gpu_bytes: Per device, bytes of the job's processes another tracker here owns:
-            they explain device memory and are never judged.
-        pending_pids: Processes alive whose survival is not decided yet (within the grace).
-        open_epoch: The epoch open as this was read.
-
+    ``others_gpu_bytes``: per device, what the job's processes another tracker owns hold
+    (explained, never judged); ``pending_pids``: alive, still within the grace.
     """
 
     time_s: float
@@ -323,13 +307,10 @@ class ShmFile:
 class ParentMemory:
     """GPU memory the test process keeps after a test, beyond its start (pytest plugin).
 
-    Attributes:
-        kept_tensor_bytes: Per device, torch allocator bytes above the start, after a
-            garbage collection and an emptied cache, net of live fixture scopes.
-        driver_bytes: Per device that had a context at the start, NVML bytes above it beyond
-            the allocator's growth.
-        torch_in_use: The driver's growth may be libraries loading kernels on first use.
-
+    ``kept_tensor_bytes``: per device, allocator bytes above the start after a collection and
+    an emptied cache, net of live fixture scopes; ``driver_bytes``: per device with a context
+    at the start, NVML's growth beyond the allocator's (``torch_in_use``: maybe kernels that
+    libraries load on first use).
     """
 
     kept_tensor_bytes: Mapping[int, int] = field(default_factory=dict)
@@ -342,13 +323,10 @@ class ParentMemory:
 class Timeline:
     """All that a tracker observed; the only input of the leak rules.
 
-    Attributes:
-        baseline_gpu_bytes: Per device, at the start, the bytes the final state counts as
-            the job's beside its lineage (the root's own, other trackers' or ranks').
-        failures: Leakcheck's own failures while sampling: reported, never raised.
-        boot_unix_s: ``btime``: only to show start ticks as Unix times, never for identity.
-        rank_devices: Rank -> its GPU where it recorded ``set_device``.
-
+    ``baseline_gpu_bytes``: per device, at the start, what the final state counts as the
+    job's beside its lineage (the root's own, other trackers' or ranks'); ``failures``:
+    leakcheck's own, reported, never raised; ``boot_unix_s``: to show start ticks as Unix
+    times only; ``rank_devices``: rank -> its GPU where it recorded ``set_device``.
     """
 
     session_id: str
@@ -374,18 +352,11 @@ class Timeline:
 class Finding:
     """One judged fact: a leak (``severity`` ``leak`` fails a check), or advice (``info``).
 
-    The optional fields describe the culprit, where the rule has one.
-
-    Attributes:
-        message: One line that names the culprit and what it holds; ``remedy``: the fix.
-        create_time: Its start as a Unix time, for people only (never compared).
-        bytes_per_epoch: For growth: fitted slope.
-        size_bytes: For shm: the file's size (capacity pressure: the filesystem's use).
-        host_bytes: For host-growth and pinned-growth: the rise over the judged epochs; for
-            copy-on-read: what the workers copied of their parent's memory, in all.
-        stack: For died: its faulthandler's stack; for hang: the loop's and workers'; for
-            shutdown-hang: the worker's.
-
+    ``message``: one line naming the culprit (the optional fields) and what it holds;
+    ``remedy``: the fix; ``create_time``: for people only, never compared. By rule:
+    ``bytes_per_epoch`` growth's slope; ``size_bytes`` a shm file's size (pressure: the
+    filesystem's use); ``host_bytes`` host- and pinned-growth's rise, copy-on-read's copies;
+    ``stack`` a death's, a hang's (loop and workers) or a shutdown-hang's worker's.
     """
 
     rule: Rule
@@ -419,15 +390,11 @@ class Finding:
 class RuleConfig:
     """Thresholds of the leak rules.
 
-    Attributes:
-        tolerance_bytes: Growth or residual below this is noise.
-        warmup_epochs: Epochs ignored by the growth rule (allocator warm-up).
-        grace_s: How long a process born in an epoch may outlive the epoch end.
-        host_tolerance_bytes: Host growth below this is noise: above the GPU's, since a heap
-            moves more without leaking (arenas kept after a peak, pinned-memory caches).
-        copy_tolerance_bytes: What a forked worker may copy of its parent's memory: a full
-            garbage collection in it copies 36 MiB with torch imported (measured).
-
+    ``tolerance_bytes``: growth or residual below is noise; ``warmup_epochs``: the growth
+    rule's allocator warm-up; ``grace_s``: how long a process may outlive its epoch;
+    ``host_tolerance_bytes``: above the GPU's (a heap moves more without leaking: arenas,
+    pinned caches); ``copy_tolerance_bytes``: a full collection in a forked worker copies
+    36 MiB with torch imported (measured).
     """
 
     tolerance_bytes: int = 16 * MIB

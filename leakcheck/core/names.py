@@ -18,7 +18,7 @@ import re
 
 from leakcheck.core.roles import runtime_helper_name
 
-__all__ = ["NAME_WIDTH", "culprit", "culprits", "process_name", "shorten", "worker_name"]
+__all__ = ["NAME_WIDTH", "culprit", "culprits", "process_name", "shorten"]
 
 NAME_WIDTH = 40
 """Characters a process's name takes in a finding (its role and PID come on top)."""
@@ -46,19 +46,16 @@ def _python_target(args: list[str]) -> str:
         # them (`-mpytest`, as pytester starts it)
         joined = re.fullmatch(r"-[bBdEiIOPqsSuvx]*([cm])(.*)", arg)
         if joined is not None:
-            flag = joined.group(1)
-            rest = " ".join(
-                [joined.group(2), *args[index + 1 :]] if joined.group(2) else args[index + 1 :]
-            )
-            if flag == "c":  # a script's lines as one: `import os; print(1)`
-                return f'python -c "{_LINE_BREAKS.sub("; ", rest.strip())}"'
+            rest = " ".join([joined.group(2), *args[index + 1 :]]).strip()
+            if joined.group(1) == "c":  # a script's lines as one: `import os; print(1)`
+                return f'python -c "{_LINE_BREAKS.sub("; ", rest)}"'
             return f"python -m {rest}".rstrip()
         if arg in _OPTIONS_WITH_VALUE:
             index += 2
             continue
-        if arg == "-" or not arg.startswith("-"):
-            if arg == "-":
-                return "python -"
+        if arg == "-":
+            return "python -"
+        if not arg.startswith("-"):
             script = arg.rstrip("/")
             base = os.path.basename(script)
             if base == "__main__.py":  # a package run by its folder: name the package
@@ -66,13 +63,6 @@ def _python_target(args: list[str]) -> str:
             return " ".join([base, *args[index + 1 :]])
         index += 1
     return "python"
-
-
-def _cut_code(name: str, width: int) -> str:
-    """Shorten ``python -c "code"`` keeping its closing quote: ``python -c "imp…"``."""
-    if len(name) <= width or not name.startswith('python -c "'):
-        return shorten(name, width)
-    return shorten(name[:-1], width - 1) + '"'
 
 
 def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "?") -> str:
@@ -89,31 +79,11 @@ def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "
         return shorten(helper, width)
     program = os.path.basename(args[0]) or args[0]
     if _INTERPRETER.match(program):
-        return _cut_code(" ".join(_python_target(args[1:]).split()), width)
+        name = " ".join(_python_target(args[1:]).split())
+        if len(name) > width and name.startswith('python -c "'):
+            return shorten(name[:-1], width - 1) + '"'  # keeps its closing quote
+        return shorten(name, width)
     return shorten(" ".join([program, *args[1:]]), width)
-
-
-def worker_name(
-    cmdline: str | None,
-    *,
-    worker_id: int | None = None,
-    loader: str | None = None,
-    width: int = NAME_WIDTH,
-) -> str:
-    """Name a loader's worker: ``worker 3 of train.py:42``, ``spawn worker 3``.
-
-    ``cmdline`` is its parent's for a forked worker, the start method's for a spawned one.
-    """
-    number = f" {worker_id}" if worker_id is not None else ""
-    kind = runtime_helper_name(cmdline or "")
-    if loader:
-        return shorten(f"worker{number} of {loader}", width)
-    if kind in ("spawn worker", "forkserver"):
-        return f"{'forkserver worker' if kind == 'forkserver' else kind}{number}"
-    program = process_name(cmdline, width=width)
-    if not program.startswith("python"):
-        program = program.split()[0]  # a forked worker runs its parent's script: name it
-    return shorten(f"worker{number} of {program}", width)
 
 
 def culprits(
@@ -130,14 +100,25 @@ def culprits(
 ) -> str:
     """Processes as a report names them: ``rank 1 orphan sleep 60 (PID 11)``.
 
+    A worker by its loader, ``worker 3 of train.py:42 (PID 7)``, else ``spawn worker 3``;
+    ``cmdline`` is its parent's for a forked worker, the start method's for a spawned one.
+
     Several of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``, the first ``shown``
     PIDs. The role is left out where the rule already says it (an orphan's) or the name does.
     """
     pids = [pids] if isinstance(pids, int) else pids or []
-    if role == "worker":
-        name = worker_name(
-            cmdline, worker_id=worker_id if len(pids) == 1 else None, loader=loader, width=width
-        )
+    if role == "worker":  # by its loader, else its start method or its parent's program
+        number = f" {worker_id}" if worker_id is not None and len(pids) == 1 else ""
+        kind = runtime_helper_name(cmdline or "")
+        if loader:
+            name = shorten(f"worker{number} of {loader}", width)
+        elif kind in ("spawn worker", "forkserver"):
+            name = f"{'forkserver worker' if kind == 'forkserver' else kind}{number}"
+        else:
+            program = process_name(cmdline, width=width)
+            if not program.startswith("python"):
+                program = program.split()[0]  # a forked worker runs its parent's script
+            name = shorten(f"worker{number} of {program}", width)
     else:
         name = process_name(cmdline, width=width)
         if role and role != rule:

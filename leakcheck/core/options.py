@@ -83,9 +83,6 @@ def parse_device_index(value: object, source: str) -> int:
     return int(text)
 
 
-parse_seconds_option = parse_duration  # the name the commands call it by
-
-
 @dataclass(frozen=True)
 class OptionSpec(Generic[T]):
     """One option and every place it can be set.
@@ -101,6 +98,7 @@ class OptionSpec(Generic[T]):
     cli_flag: str | None = None
     env_var: str | None = None
     ini_key: str | None = None
+    attribute: str = ""  # its field of CheckOptions, where not ``name``
 
 
 @dataclass(frozen=True)
@@ -109,19 +107,6 @@ class Resolved(Generic[T]):
 
     value: T
     source: str
-
-
-def _is_unset(value: object) -> bool:
-    # An absent ini key reads as "" (or None, or []), as does an environment variable
-    # exported empty: not set here. A flag given empty on the command line was typed, so it
-    # is parsed (and refused), never replaced by a lower source.
-    if value is None:
-        return True
-    if isinstance(value, str):
-        return not value.strip()
-    if isinstance(value, (list, tuple)):
-        return not value
-    return False
 
 
 def resolve(
@@ -141,19 +126,21 @@ def resolve(
         UsageError: The winning source holds a bad value; the message names the source.
 
     """
-    if spec.cli_flag is not None and cli is not None:
-        source = f"{spec.cli_flag} (command line)"
-        return Resolved(spec.parse(cli, source), source)
-    if spec.env_var is not None and environ is not None:
-        raw_env = environ.get(spec.env_var)
-        if raw_env is not None and not _is_unset(raw_env):
-            source = f"{spec.env_var} (environment)"
-            return Resolved(spec.parse(raw_env, source), source)
-    if spec.ini_key is not None and not _is_unset(ini):
-        where = f"ini file {ini_path}" if ini_path else "ini file"
-        source = f"{spec.ini_key} ({where})"
-        raw_ini = ini[0] if isinstance(ini, (list, tuple)) and len(ini) == 1 else ini
-        return Resolved(spec.parse(raw_ini, source), source)
+    if isinstance(ini, (list, tuple)):
+        ini = ini[0] if len(ini) == 1 else ini or None
+    env = None if environ is None or spec.env_var is None else environ.get(spec.env_var)
+    ini_file = f"ini file {ini_path}" if ini_path else "ini file"
+    for name, where, raw in (
+        (spec.cli_flag, "command line", cli),
+        (spec.env_var, "environment", env),
+        (spec.ini_key, ini_file, ini),
+    ):
+        # An absent ini key reads as "" (or None, or []), as does an environment variable
+        # exported empty: not set there. A flag given empty was typed: parsed (and refused).
+        blank = isinstance(raw, str) and not raw.strip() and where != "command line"
+        if name is not None and raw is not None and not blank:
+            source = f"{name} ({where})"
+            return Resolved(spec.parse(raw, source), source)
     return Resolved(spec.default, "default")
 
 
@@ -174,6 +161,7 @@ TOLERANCE = OptionSpec[int](
     cli_flag="--gpu-leak-tolerance",
     env_var="LEAKCHECK_TOLERANCE",
     ini_key="gpu_leak_tolerance",
+    attribute="tolerance_bytes",
 )
 MODE = OptionSpec[Mode](
     name="mode",
@@ -193,6 +181,7 @@ COPY_TOLERANCE = OptionSpec[int](
     cli_flag="--gpu-leak-copy-tolerance",
     env_var="LEAKCHECK_COPY_TOLERANCE",
     ini_key="gpu_leak_copy_tolerance",
+    attribute="copy_tolerance_bytes",
 )
 GRACE = OptionSpec[float](
     name="grace",
@@ -202,26 +191,18 @@ GRACE = OptionSpec[float](
     cli_flag="--gpu-leak-grace",
     env_var="LEAKCHECK_GRACE",
     ini_key="gpu_leak_grace",
+    attribute="grace_s",
 )
 
 
-def command_line_thresholds(
-    tolerance: object, grace: object, environ: Mapping[str, str], *, grace_default_s: float
-) -> tuple[int, float]:
-    """``--tolerance`` and ``--grace`` of a ``leakcheck`` command, else the environment."""
-    tolerance_bytes = resolve(
-        replace(TOLERANCE, cli_flag="--tolerance"), cli=tolerance, environ=environ
-    ).value
-    grace_s = resolve(
-        replace(GRACE, cli_flag="--grace", default=grace_default_s), cli=grace, environ=environ
-    ).value
-    return tolerance_bytes, grace_s
+def command_line_value(
+    spec: OptionSpec[T], flag: str, value: object, environ: Mapping[str, str], **changes: Any
+) -> T:
+    """A ``leakcheck`` command's ``flag`` for ``spec`` (None: not given), else the environment.
 
-
-def command_line_copy_tolerance(value: object, environ: Mapping[str, str]) -> int:
-    """``--copy-tolerance`` of a ``leakcheck`` command, else ``LEAKCHECK_COPY_TOLERANCE``."""
-    spec = replace(COPY_TOLERANCE, cli_flag="--copy-tolerance")
-    return resolve(spec, cli=value, environ=environ).value
+    ``changes`` replace fields of ``spec`` for the command (``default=2.0``).
+    """
+    return resolve(replace(spec, cli_flag=flag, **changes), cli=value, environ=environ).value
 
 
 WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=warn
@@ -253,13 +234,6 @@ def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
 
 SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
 """Options of the leak check, in the order ``--help`` lists them."""
-_ATTRIBUTES = {  # CheckOptions' field of each option
-    "enabled": "enabled",
-    "tolerance": "tolerance_bytes",
-    "mode": "mode",
-    "grace": "grace_s",
-    "copy_tolerance": "copy_tolerance_bytes",
-}
 
 
 @dataclass(frozen=True)
@@ -293,23 +267,19 @@ def resolve_check_options(
     ini = ini or {}
     found: dict[str, Resolved[Any]] = {}
     for spec in SPECS:
-        given = cli.get(spec.name)
-        if spec is MODE:
-            mode = resolve_mode_flags(given, cli.get("warn"))
-            if mode is not None:
-                found[spec.name] = mode
-                continue
-            given = None
-        found[spec.name] = resolve(
+        # The mode's flags are --gpu-leak-mode and --gpu-leak-warn: neither given, the rest.
+        flags = resolve_mode_flags(cli.get("mode"), cli.get("warn")) if spec is MODE else None
+        given = None if spec is MODE else cli.get(spec.name)
+        found[spec.name] = flags or resolve(
             spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
     return CheckOptions(
-        **{_ATTRIBUTES[name]: value.value for name, value in found.items()},
+        **{spec.attribute or spec.name: found[spec.name].value for spec in SPECS},
         sources={name: value.source for name, value in found.items()},
     )
 
 
-MARKER_KWARGS = tuple(_ATTRIBUTES)  # what @pytest.mark.gpu_leak_check(...) accepts
+MARKER_KWARGS = tuple(spec.name for spec in SPECS)  # what @pytest.mark.gpu_leak_check(...) accepts
 
 
 def apply_marker(
@@ -338,18 +308,18 @@ def apply_marker(
             f"expected {', '.join(MARKER_KWARGS)}"
         )
     values: dict[str, object] = dict(kwargs)
-    if not args and "enabled" not in values and options.sources.get("enabled") in (None, "default"):
-        # A marker checks its test unless it says enabled=False; an explicit choice made
-        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
-        values["enabled"] = True
     if args:
         if "enabled" in values:
             raise UsageError(f"{where}: enabled given twice")
         values["enabled"] = args[0]
+    elif "enabled" not in values and options.sources.get("enabled") in (None, "default"):
+        # A marker checks its test unless it says enabled=False; an explicit choice made
+        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
+        values["enabled"] = True
     sources = dict(options.sources)
     changes: dict[str, object] = {}
-    specs = {spec.name: spec for spec in SPECS}
-    for name, raw in values.items():
-        sources[name] = source = f"{name}= of {where}"
-        changes[_ATTRIBUTES[name]] = specs[name].parse(raw, source)
+    for spec in SPECS:
+        if spec.name in values:
+            sources[spec.name] = source = f"{spec.name}= of {where}"
+            changes[spec.attribute or spec.name] = spec.parse(values[spec.name], source)
     return replace(options, sources=sources, **changes)  # type: ignore[arg-type]

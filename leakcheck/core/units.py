@@ -11,13 +11,11 @@ from leakcheck.core.readings import MIB
 # Below threading.TIMEOUT_MAX (~9.2e9 s; Event.wait() overflows past it); longer than any job.
 MAX_SECONDS = 1e9
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
-for _power, _prefix in enumerate("kmgt", start=1):
-    _SIZE_UNITS |= {
-        _prefix: 1000**_power,
-        f"{_prefix}b": 1000**_power,
-        f"{_prefix}ib": 1024**_power,
-    }
+_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1} | {
+    prefix + suffix: base**power
+    for power, prefix in enumerate("kmgt", start=1)
+    for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
+}
 _SIZE_EXAMPLE = "such as 16MiB, 1GB or 4096 (bytes)"
 _SECONDS_EXAMPLE = "such as 2 or 500ms"
 

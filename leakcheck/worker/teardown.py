@@ -7,19 +7,19 @@ until the kernel reaps it, and a worker whose parent died may never exit at all.
 1. ``PR_SET_PDEATHSIG``: SIGTERM when the parent dies. The kernel sends it when the *thread*
    that started the worker exits, so :func:`leakcheck.watch` asks for it only from the main
    thread (``WorkerInit.death_signal``); without it DataLoader workers still watch its PID.
-2. A ``worker`` record in the mailbox (NOTE [worker mailbox] in mailbox.py): its identity and
-   birth reading, its host memory and whether it was forked (NOTE [copy on read] in hostmem.py).
+2. A ``worker`` record in the mailbox (NOTE [worker mailbox] in mailbox.py): its identity,
+   birth reading and whether it was forked (NOTE [copy on read] in hostmem.py).
 3. Its ``faulthandler`` writes into its own mailbox file (``mailbox.stack_path``): a native
    crash leaves its stacks there for the ``died`` finding, and ``mailbox.STACK_SIGNAL`` dumps
    them there and goes on (NOTE [hang watch] in hang.py). A normal exit removes the file.
 4. At exit (a ``multiprocessing.util.Finalize`` hook: workers leave through multiprocessing's
-   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, where CUDA
-   was initialised, joins registered side streams into the current stream (never free memory
-   a side stream may still use: the cuDNN dgrad race), synchronises, drops registered streams
-   and events, calls registered callables, collects garbage, empties the allocator cache and
-   releases the context (``cudaDeviceReset``); then it waits for NVML to drop its PID and
-   posts a ``teardown`` record. A failing step is one line of the record, never raised. After
-   the reset the process must not use CUDA: torch still holds handles of the old context.
+   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, with CUDA,
+   joins registered side streams into the current stream (never free what a side stream may
+   still use: the cuDNN dgrad race), synchronises, drops registered streams and events,
+   calls registered callables, collects garbage, empties the allocator cache and resets the
+   context; then it waits for NVML to drop its PID and posts a ``teardown`` record. A failing
+   step is one line of the record, never raised. After the reset it must not use CUDA: torch
+   still holds handles of the old context.
 5. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
    ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the
    runtime: destroying a stream or event after the context is gone segfaults at exit.
@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import gc
 import os
 import signal
@@ -41,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from leakcheck.core.errors import LeakCheckError, UsageError
+from leakcheck.core.errors import LeakCheckError, UsageError, one_line
 from leakcheck.core.model import MIB, ProcessKey, TeardownRecord
 from leakcheck.core.records import to_jsonable
 from leakcheck.observe import hostmem, mailbox, procs
@@ -58,7 +59,6 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _EXIT_PRIORITY = 100  # higher runs first: before the worker's queues are flushed
-_CHILD_TERM_TIMEOUT_S = 1.0
 _NVML_POLL_S = 1.0  # how long NVML may take to drop the PID after the reset (it takes ms)
 _HOST_FIELDS = ("uss", "pss", "rss", "rss_peak", "shared_dirty", "private_dirty")
 _BIRTH_HOST_FIELDS = ("uss", "rss", "shared_dirty", "private_dirty")
@@ -69,7 +69,6 @@ _DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
 _registry: list[tuple[int, Any]] = []  # (owner PID, resource): a forked child skips its parent's
 _registry_lock = threading.Lock()
 _shutting_down = False
-_reset_fn: Callable[[int, bool], int] | None = None  # reset(index, switch to it first)
 _stack_file: Any = None  # the worker's open faulthandler file (NOTE [teardown policy], 3)
 
 
@@ -149,37 +148,46 @@ class _Freed:
     context_released: bool = False
     errors: list[str] = field(default_factory=list)
 
-    def fail(self, step: str, exc: BaseException) -> None:
-        text = str(exc).strip().splitlines()
-        self.errors.append(f"{step}: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
-
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
         try:
             yield
         except Exception as exc:
-            self.fail(name, exc)
+            self.errors.append(f"{name}: {one_line(exc)}")
 
-    @property
-    def error(self) -> str | None:
-        return "; ".join(self.errors) or None
+    def fields(self) -> dict[str, Any]:
+        """Its counts and ``error`` as ``TeardownRecord`` and ``ReleaseResult`` name them."""
+        counts = {name: value for name, value in vars(self).items() if name != "errors"}
+        return counts | {"error": "; ".join(self.errors) or None}
 
 
-def _release_registered(devices: set[int], freed: _Freed) -> None:
-    """Join registered side streams (adding their devices), synchronise, drop, call."""
+def _release(freed: _Freed, device: int | None = None) -> None:
+    """Release registered resources, the allocator cache and contexts, into ``freed``.
+
+    ``device``: that one device's (``release_device``); None: every device this process
+    reserved memory on or ran a registered stream on, and its current one (a worker's).
+    """
     import torch
 
+    current = int(torch.cuda.current_device())
+    if device is None:
+        # memory_reserved reads allocator bookkeeping: no context is created for it.
+        count = int(torch.cuda.device_count())
+        devices = {i for i in range(count) if torch.cuda.memory_reserved(i) > 0} | {current}
+    else:
+        devices = {device}
     pid = os.getpid()
     with _registry_lock:
         mine = [resource for owner, resource in _registry if owner == pid]
         _registry[:] = [entry for entry in _registry if entry[0] != pid]
+    synced = set(devices)
     for stream in mine:
         if _kind_of(stream) == "stream":
             with freed.step("join stream"):
                 torch.cuda.current_stream(stream.device).wait_event(stream.record_event())
-                devices.add(int(stream.device.index or 0))
+                synced.add(int(stream.device.index or 0))
                 freed.streams_joined += 1
-    for index in sorted(devices):
+    for index in sorted(synced):
         with freed.step(f"synchronize cuda:{index}"):
             torch.cuda.synchronize(index)
     freed.resources_released += len(mine)
@@ -188,92 +196,58 @@ def _release_registered(devices: set[int], freed: _Freed) -> None:
     for release in callables:
         with freed.step("callable"):
             release()
-
-
-def _release(devices: set[int], current: int, freed: _Freed, *, fixed: bool = False) -> None:
-    """Release registered resources, the allocator cache and each device's context.
-
-    The devices of registered streams are synchronised; released too unless ``fixed``.
-    """
-    import torch
-
-    synced = set(devices)
-    _release_registered(synced, freed)
-    devices = devices if fixed else synced
+    devices = synced if device is None else devices
     gc.collect()
     with freed.step("empty_cache"):
         freed.freed_cache_bytes = sum(int(torch.cuda.memory_reserved(i)) for i in devices)
         torch.cuda.empty_cache()
-    try:
-        reset = _device_reset_fn()
-    except Exception as exc:
-        freed.fail("find cudaDeviceReset", exc)
-        return
     # The current device last: switching to a device whose context is gone would create a
     # new one (CUDA 12's cudaSetDevice); the runtime's reset acts on the thread's current
     # device, so once another was reset, the current one is switched back to first.
     order = sorted(devices - {current}) + ([current] if current in devices else [])
-    ok = True
-    switched = False
-    for index in order:
-        switch = switched or index != current
-        try:
-            code = reset(index, switch)
-        except Exception as exc:
-            freed.fail(f"reset cuda:{index}", exc)
-            ok = False
-            continue
-        switched = switch
-        if code:
-            freed.fail(f"reset cuda:{index}", LeakCheckError(f"CUDA error {code}"))
-            ok = False
-    freed.context_released = ok
-    if current not in devices and order:
-        with freed.step(f"set_device cuda:{current}"):  # it keeps its context: point back
-            torch.cuda.set_device(current)
+    failed = len(freed.errors)
+    with freed.step("find cudaDeviceReset"):
+        reset = _device_reset()
+        switched = False
+        for index in order:
+            with freed.step(f"reset cuda:{index}"):
+                switch = switched or index != current
+                code = reset(index, switch)
+                switched = switch
+                if code:
+                    raise LeakCheckError(f"CUDA error {code}")
+        freed.context_released = len(freed.errors) == failed
+        if current not in devices and order:
+            with freed.step(f"set_device cuda:{current}"):  # it keeps its context: point back
+                torch.cuda.set_device(current)
 
 
-def _mapped_library(stem: str) -> ctypes.CDLL | None:
-    """A shared library already mapped into this process (``libcudart.so``), or None."""
+@functools.cache
+def _device_reset() -> Callable[[int, bool], int]:
+    """``reset(index, switch to it first)``: a CUDA error code, 0 on success.
+
+    The ``libcudart`` torch mapped (torch's own bindings have no ``cudaDeviceReset``), else
+    the driver's ``cuDevicePrimaryCtxReset`` (a static runtime). RTLD_NOLOAD binds to the copy
+    torch loaded, never a second one.
+    """
+    mapped: dict[str, str] = {}
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         for line in maps:
             path = line.rstrip("\n").split(maxsplit=5)[-1]
-            if os.path.basename(path).startswith(stem):
-                # RTLD_NOLOAD: bind to the copy torch loaded, never load a second one.
-                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    return None
-
-
-def _device_reset_fn() -> Callable[[int, bool], int]:
-    """``reset(index, switch)``, by the first there of three ways.
-
-    ``torch.cuda.cudart()``'s ``cudaDeviceReset``, else the ``libcudart`` torch mapped (pip
-    wheels), else the driver's ``cuDevicePrimaryCtxReset`` (a static runtime).
-    """
-    global _reset_fn
-    if _reset_fn is not None:
-        return _reset_fn
-    import torch
-
-    cudart_of: Callable[[], Any] = torch.cuda.cudart  # untyped in torch
-    try:
-        runtime: Any = cudart_of()
-    except Exception:
-        runtime = None
-    if not (hasattr(runtime, "cudaDeviceReset") and hasattr(runtime, "cudaSetDevice")):
-        runtime = _mapped_library("libcudart.so")
-    if runtime is not None:
-        set_device, reset = runtime.cudaSetDevice, runtime.cudaDeviceReset
+            for stem in ("libcudart.so", "libcuda.so"):
+                if os.path.basename(path).startswith(stem):
+                    mapped.setdefault(stem, path)
+    if "libcudart.so" in mapped:
+        runtime = ctypes.CDLL(mapped["libcudart.so"], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
 
         def via_runtime(index: int, switch: bool) -> int:
-            code = int(set_device(index) or 0) if switch else 0
-            return code or int(reset() or 0)
+            code = int(runtime.cudaSetDevice(index) or 0) if switch else 0
+            return code or int(runtime.cudaDeviceReset() or 0)
 
-        _reset_fn = via_runtime
-        return _reset_fn
-    driver = _mapped_library("libcuda.so")
-    if driver is None:
+        return via_runtime
+    if "libcuda.so" not in mapped:
         raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
+    driver = ctypes.CDLL(mapped["libcuda.so"], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     primary_reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None)
     primary_reset = primary_reset or driver.cuDevicePrimaryCtxReset
 
@@ -282,8 +256,7 @@ def _device_reset_fn() -> Callable[[int, bool], int]:
         code = int(driver.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)))
         return code or int(primary_reset(device))
 
-    _reset_fn = via_driver
-    return _reset_fn
+    return via_driver
 
 
 def _nvml_state(
@@ -303,7 +276,7 @@ def _nvml_state(
             return None
         by_pid, _unknown = nvml.gpu_bytes_by_pid(entries)
         if pid not in by_pid or time.monotonic() >= deadline:
-            return pid in by_pid, dict(by_pid.get(pid, {}))
+            return pid in by_pid, by_pid.get(pid, {})
         time.sleep(0.01)
 
 
@@ -315,11 +288,7 @@ def _total(per_device: dict[int, int] | None) -> int | None:
 
 
 def _terminate_descendants() -> None:
-    """SIGTERM, then SIGKILL, this process's live descendants.
-
-    psutil refuses to signal a PID reused since it listed the child: only those listed here
-    are ever signalled.
-    """
+    """SIGTERM, then SIGKILL after 1 s, the descendants listed (psutil refuses reused PIDs)."""
     import psutil
 
     try:
@@ -329,7 +298,7 @@ def _terminate_descendants() -> None:
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=_CHILD_TERM_TIMEOUT_S)
+    _, alive = psutil.wait_procs(children, timeout=1.0)
     for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
@@ -349,63 +318,37 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
     freed = _Freed()
-    cuda = False
-    held: dict[int, int] | None = None
-    peak_reserved: int | None = None
-    measured_s: float | None = None
-    left_nvml: bool | None = None
-    host: hostmem.HostMemory | None = None
+    fields: dict[str, Any] = {"cuda_initialized": False, "released": policy.release}
     try:
         if policy.terminate_children:
             with freed.step("terminate children"):
                 _terminate_descendants()
-        torch_cuda = initialized_cuda()
-        cuda = torch_cuda is not None
-        measured_s = time.monotonic()
+        cuda = initialized_cuda()
+        fields |= {"cuda_initialized": cuda is not None, "monotonic_s": time.monotonic()}
         with freed.step("host memory"):  # what it held, before anything is released
-            host = hostmem.read_host_memory(key.pid)
-        held = {}  # no context: nothing on any device
-        if torch_cuda is not None:
+            fields |= _host_fields(hostmem.read_host_memory(key.pid), _HOST_FIELDS)
+        held: dict[int, int] | None = {}  # no context: nothing on any device
+        if cuda is not None:
             state = _nvml_state(key.pid)
             held = None if state is None else state[1]
             with contextlib.suppress(Exception):
-                count = int(torch_cuda.device_count())
-                peak_reserved = sum(int(torch_cuda.max_memory_reserved(i)) for i in range(count))
-            if policy.release:
-                # memory_reserved reads allocator bookkeeping: no context is created for it.
-                current = int(torch_cuda.current_device())
-                count = int(torch_cuda.device_count())
-                used = {i for i in range(count) if torch_cuda.memory_reserved(i) > 0}
-                _release(used | {current}, current, freed)
-        duration_s = time.perf_counter() - started
-        if cuda and policy.release and held:
+                count = int(cuda.device_count())
+                peak_reserved = sum(int(cuda.max_memory_reserved(i)) for i in range(count))
+                fields["peak_reserved_bytes"] = peak_reserved
+        fields |= {"gpu_bytes_by_device": held, "gpu_bytes_before": _total(held)}
+        if cuda is not None and policy.release:
+            _release(freed)
+        fields["duration_s"] = time.perf_counter() - started
+        if cuda is not None and policy.release and held:
             after = _nvml_state(key.pid, wait_gone=True)
-            left_nvml = None if after is None else not after[0]
+            fields["left_nvml"] = None if after is None else not after[0]
     except BaseException as exc:  # a teardown must let the worker exit
-        freed.fail("teardown", exc)
-        duration_s = time.perf_counter() - started
-    record = TeardownRecord(
-        key=key,
-        worker_id=worker_id,
-        cuda_initialized=cuda,
-        streams_joined=freed.streams_joined,
-        resources_released=freed.resources_released,
-        freed_cache_bytes=freed.freed_cache_bytes,
-        context_released=freed.context_released,
-        gpu_bytes_before=_total(held),
-        left_nvml=left_nvml,
-        duration_s=duration_s,
-        error=freed.error,
-        gpu_bytes_by_device=held,
-        peak_reserved_bytes=peak_reserved,
-        monotonic_s=measured_s,
-        released=policy.release,
-        **_host_fields(host, _HOST_FIELDS),
-    )
+        freed.errors.append(f"teardown: {one_line(exc)}")
+        fields["duration_s"] = time.perf_counter() - started
+    record = TeardownRecord(key, worker_id, **fields, **freed.fields())
     _close_stack_file()
-    fields = to_jsonable(record)
+    fields = {"pid": key.pid, "start_ticks": key.start_ticks, **to_jsonable(record)}
     del fields["key"]
-    fields = {"pid": key.pid, "start_ticks": key.start_ticks, **fields}
     mailbox.post("teardown", fields, directory=policy.mailbox_dir)
 
 
@@ -456,12 +399,11 @@ def _close_stack_file() -> None:
 
 def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
     """A worker's birth reading (NOTE [copy on read] in hostmem.py); an unreadable one: none."""
-    host = None
+    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
     with contextlib.suppress(Exception):
         host = hostmem.read_host_memory(pid)
-    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
-    if host is not None and host.uss_bytes is not None:
-        fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
+        if host is not None and host.uss_bytes is not None:
+            fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
     return fields
 
 
@@ -597,20 +539,17 @@ def _device_index(device: object) -> int:
 
     if device is None:
         return int(torch.cuda.current_device())
-    if isinstance(device, bool):
-        raise UsageError(f"release_device: expected a CUDA device index, got {device!r}")
-    if isinstance(device, int):
-        index = device
-    else:
-        try:
-            parsed = torch.device(device)  # type: ignore[call-overload]
-        except (RuntimeError, TypeError) as exc:
+    index = device if isinstance(device, int) and not isinstance(device, bool) else None
+    if index is None:
+        parsed = None
+        if not isinstance(device, bool):
+            with contextlib.suppress(RuntimeError, TypeError):
+                parsed = torch.device(device)  # type: ignore[call-overload]
+        if parsed is None or parsed.type != "cuda":
             raise UsageError(
                 f"release_device: expected a CUDA device such as 0 or 'cuda:0', got {device!r}"
-            ) from exc
-        if parsed.type != "cuda":
-            raise UsageError(f"release_device: expected a CUDA device, got {device!r}")
-        index = int(parsed.index) if parsed.index is not None else int(torch.cuda.current_device())
+            )
+        index = int(torch.cuda.current_device()) if parsed.index is None else int(parsed.index)
     count = int(torch.cuda.device_count())
     if not 0 <= index < count:
         raise UsageError(
@@ -641,13 +580,11 @@ def _refuse_while_in_use(index: int) -> None:
     if allocated > 0:
         sizes: dict[str, list[int]] = {}
         for obj in gc.get_objects():
-            try:
+            with contextlib.suppress(Exception):
                 if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.device.index == index:
                     shape = "x".join(str(d) for d in obj.shape) or "scalar"
                     name = f"{str(obj.dtype).removeprefix('torch.')}[{shape}]"
                     sizes.setdefault(name, []).append(obj.untyped_storage().nbytes())
-            except Exception:
-                continue
         largest = sorted(sizes.items(), key=lambda kv: -sum(kv[1]))[:3]
         text = ", ".join(f"{len(n)} x {name} ({sum(n) / MIB:.1f} MiB)" for name, n in largest)
         which = f" (largest: {text})" if text else ""
@@ -669,13 +606,11 @@ def _nvml_index(cuda_index: int) -> int | None:
 
     from leakcheck.observe import nvml
 
-    try:
+    with contextlib.suppress(Exception):
         uuid = str(torch.cuda.get_device_properties(cuda_index).uuid).removeprefix("GPU-")
         for state in nvml.get().memory():
             if state.uuid.removeprefix("GPU-") == uuid:
                 return state.index
-    except Exception:
-        return None
     return None
 
 
@@ -705,8 +640,6 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
     if initialized_cuda() is None:
         note = "nothing to free: CUDA was never initialised in this process"
         return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
-    import torch
-
     index = _device_index(device)
     if not force:
         _refuse_while_in_use(index)
@@ -715,7 +648,7 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
     pid = os.getpid()
     before = _nvml_state(pid, nvml_index) if nvml_index is not None else None
     freed = _Freed()
-    _release({index}, int(torch.cuda.current_device()), freed, fixed=True)
+    _release(freed, index)
     duration_s = time.perf_counter() - started
     after = _nvml_state(pid, nvml_index, wait_gone=True) if before and before[0] else None
     return ReleaseResult(
@@ -726,5 +659,5 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
         gpu_bytes_after=(_total(after[1]) if after[0] else 0) if after is not None else None,
         duration_s=duration_s,
         note="context released" if freed.context_released else "context not released",
-        error=freed.error,
+        error=freed.fields()["error"],
     )

@@ -51,7 +51,7 @@ import gc
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,7 +62,6 @@ from leakcheck.core.model import (
     FinalState,
     ParentMemory,
     ProcessEpoch,
-    ProcessKey,
     ProcInfo,
     Role,
     ShmFile,
@@ -71,34 +70,21 @@ from leakcheck.core.model import (
 from leakcheck.core.roles import is_runtime_helper
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import is_named_semaphore, shm_creator_pid, shm_name_pids
-from leakcheck.observe.procs import SESSION_ENV
+from leakcheck.observe.procs import SESSION_ENV, Lineage, PidMark, handed_out_since
 from leakcheck.observe.snapshot import read_gpu_processes
-from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
+from leakcheck.observe.torch_state import allocator_bytes
 from leakcheck.track import exports
 
 if TYPE_CHECKING:
     from leakcheck.core.model import Finding
 
-__all__ = ["Checker", "GpuReader", "GpuState", "PidMark", "Window", "handed_out_since", "last_pid"]
+__all__ = ["Checker", "GpuState", "Window"]
 
-_BIRTH_SLACK_TICKS = 1  # start ticks are truncated (the mark's too): one tick keeps a twin
 _SHUTDOWN_SETTLE_S = 0.25  # NOTE [reference cycles]: how long a process may take to exit
 _BLIND_NOTE = (
     "NVML PIDs are not this PID namespace's (container without --pid=host): "
     "GPU memory of processes is not attributed"
 )
-
-
-def last_pid() -> int | None:
-    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg)."""
-    try:
-        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return int(os.read(fd, 256).split()[-1])
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _listdir(path: str) -> frozenset[str]:
@@ -109,71 +95,11 @@ def _listdir(path: str) -> frozenset[str]:
 
 
 @dataclass(frozen=True)
-class PidMark:
-    """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
-
-    Attributes:
-        last_pid: The last PID handed out; None where unknown (``names`` is used then).
-        names: /proc entries, only when ``last_pid`` is None.
-        unix_s: Wall-clock time of the mark.
-        boot_s: Seconds since boot at the mark, the clock of start ticks.
-
-    """
-
-    last_pid: int | None
-    names: frozenset[str]
-    unix_s: float
-    boot_s: float
-
-    @classmethod
-    def now(cls) -> PidMark:
-        """The mark of this moment."""
-        last = last_pid()
-        names = frozenset() if last is not None else _listdir("/proc")
-        return cls(last, names, time.time(), procs.since_boot_s())
-
-    def pids_since(self) -> list[int]:
-        """PIDs that may have started since the mark, in allocation order (parents first).
-
-        After a wrap-around an older process may fall in the range: callers compare ticks.
-        """
-        now = last_pid()
-        if self.last_pid is None or now is None:
-            return sorted(int(name) for name in _listdir("/proc") - self.names if name.isdigit())
-        if now == self.last_pid:
-            return []
-        found = [
-            int(name)
-            for name in _listdir("/proc")
-            if name.isdigit() and handed_out_since(self, int(name), now)
-        ]
-        start = self.last_pid
-        return sorted(found, key=lambda pid: (pid <= start, pid))
-
-
-def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
-    """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
-
-    None where either is unknown. After a wrap-around an older PID can be in the range
-    again, so True means "may be new"; False is certain.
-    """
-    start = mark.last_pid
-    if start is None or now is None:
-        return None
-    if now == start:
-        return False
-    return (start < pid <= now) if now > start else (pid > start or pid <= now)
-
-
-@dataclass(frozen=True)
 class GpuState:
-    """GPU memory of the test process at one moment, per device (None: not known here).
+    """GPU memory of the test process per device (None: not known here).
 
-    Attributes:
-        nvml_bytes: Driver view (NVML); a device without a context is absent.
-        allocated_bytes: torch allocator, live tensors.
-        reserved_bytes: torch allocator, reserved (cached).
-
+    NVML's view (a device without a context is absent) and torch's allocator (live tensors,
+    reserved).
     """
 
     nvml_bytes: Mapping[int, int] | None = None
@@ -183,62 +109,8 @@ class GpuState:
     @classmethod
     def of_allocator(cls, nvml_bytes: Mapping[int, int] | None, *, collect: bool) -> GpuState:
         """``nvml_bytes`` and torch's allocator counters here, where CUDA is initialised."""
-        cuda = initialized_cuda()
-        if cuda is None:
-            return cls(nvml_bytes)
-        try:
-            if collect:
-                # Cycles may be all that keeps a tensor alive, the cache holds freed blocks
-                # NVML still counts, cuBLAS workspaces are a one-time library cost.
-                gc.collect()
-                clear_library_workspaces()
-                cuda.empty_cache()
-            devices = range(int(cuda.device_count()))
-            allocated = {d: int(cuda.memory_allocated(d)) for d in devices}
-            return cls(nvml_bytes, allocated, {d: int(cuda.memory_reserved(d)) for d in devices})
-        except Exception:
-            return cls(nvml_bytes)
-
-
-class GpuReader:
-    """GPU memory of the test process (``pid``): NVML and the torch allocator, never forced.
-
-    Attributes:
-        note: One line for the session summary: how GPU memory was read.
-        attribution: How far the latest read attributed GPU memory to processes, and why not.
-        devices: Used and total memory of each device at the latest read.
-        failure: A failed NVML read of this test's window (``Checker.begin`` resets it): the
-            window's attribution stays unavailable, whatever a later read gives.
-
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.note = "NVML not consulted"
-        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.note)
-        self.devices: tuple[DeviceState, ...] = ()
-        self.failure: str | None = None
-
-    def by_pid(self) -> dict[int, dict[int, int]] | None:
-        """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
-        attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
-        if attribution != "nvml-unavailable" and procs.pid_namespace_nested():
-            # NVML reports host PIDs, whether or not one happens to match a PID here.
-            attribution, reason = "blind-namespace", _BLIND_NOTE
-        if attribution == "nvml-unavailable" and self.failure is None:
-            self.failure = reason
-        if self.failure is not None:
-            attribution, reason = "nvml-unavailable", self.failure
-        self.attribution, self.devices = (attribution, reason), devices
-        self.note = reason or "NVML"
-        return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
-
-    def state(self, *, collect: bool = False) -> GpuState:
-        """GPU memory of the test process now (NVML view and torch allocator)."""
-        by_pid = self.by_pid()
-        return GpuState.of_allocator(
-            None if by_pid is None else by_pid.get(self.pid, {}), collect=collect
-        )
+        counters = allocator_bytes(collect=collect)
+        return cls(nvml_bytes, *counters) if counters is not None else cls(nvml_bytes)
 
 
 @dataclass
@@ -312,23 +184,23 @@ class Checker:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
-        self.gpu = GpuReader(self.pid)
         self.lineage = Lineage(self.pid)
+        self.gpu_note = "NVML not consulted"  # for the session summary: how GPU memory was read
+        # How far the latest read attributed GPU memory to processes (and why not), the
+        # devices it saw, and a failed read of this test's window: it stays unavailable.
+        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.gpu_note)
+        self.devices: tuple[DeviceState, ...] = ()
+        self._gpu_failure: str | None = None
         self._serial = 0
         self._owners: dict[object, ScopeOwner] = {}
         self._finished: list[ScopeOwner] = []
 
-    @property
-    def gpu_note(self) -> str:
-        """One line for the session summary: how GPU memory was read."""
-        return self.gpu.note
-
     def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
-        self.gpu.failure = None
+        self._gpu_failure = None
         tag = f"pytest-{self.pid}-{self._serial}"
-        before = Probe(PidMark.now(), _listdir(self.shm_dir), self.gpu.state())
+        before = Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state())
         saved_env = os.environ.get(SESSION_ENV)
         window = Window(self._serial, tag, {tag}, before, saved_env, time.monotonic())
         window.exports_mark = exports.mark()
@@ -396,7 +268,7 @@ class Checker:
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
         now_s = time.monotonic()
         alive = [process for process in left if process.exited_after_s is None]
-        devices = self.gpu.devices if alive else ()
+        devices = self.devices if alive else ()
         gpu = dict(after.nvml_bytes or {})
         parent = ProcessEpoch(
             key=self.lineage.key,
@@ -409,7 +281,7 @@ class Checker:
             gpu_bytes_end=gpu,
             gpu_bytes_peak=gpu,
         )
-        attribution, reason = self.gpu.attribution
+        attribution, reason = self.attribution
         epoch = EpochRecord(0, label, window.start_s, end_s, "completed", (parent, *left), devices)
         still = (
             dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
@@ -430,6 +302,28 @@ class Checker:
             parent_memory=parent_memory,
         )
 
+    def _gpu_by_pid(self) -> dict[int, dict[int, int]] | None:
+        """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
+        attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
+        if attribution != "nvml-unavailable" and procs.pid_namespace_nested():
+            # NVML reports host PIDs, whether or not one happens to match a PID here.
+            attribution, reason = "blind-namespace", _BLIND_NOTE
+        if attribution == "nvml-unavailable" and self._gpu_failure is None:
+            self._gpu_failure = reason
+        if self._gpu_failure is not None:
+            attribution, reason = "nvml-unavailable", self._gpu_failure
+        self.attribution, self.devices, self.gpu_note = (
+            (attribution, reason),
+            devices,
+            reason or "NVML",
+        )
+        return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
+
+    def _gpu_state(self, *, collect: bool = False) -> GpuState:
+        by_pid = self._gpu_by_pid()
+        nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
+        return GpuState.of_allocator(nvml_bytes, collect=collect)
+
     def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
         """The test's processes born since ``probe`` that no active fixture owns."""
         owned = {info.key.pid for owner in self._owners.values() for info in owner.processes}
@@ -438,12 +332,12 @@ class Checker:
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
-        return bool(procs.nvidia_fd_count(pid)) or pid in (self.gpu.by_pid() or {})
+        return bool(procs.nvidia_fd_count(pid)) or pid in (self._gpu_by_pid() or {})
 
     def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
         """Every candidate that did not exit within the grace (``exited_after_s``: gone now)."""
         staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
-        gpu_by_pid = (self.gpu.by_pid() or {}) if staying else {}
+        gpu_by_pid = (self._gpu_by_pid() or {}) if staying else {}
         left: list[ProcessEpoch] = []
         for cand in staying:
             key = cand.info.key
@@ -524,7 +418,7 @@ class Checker:
             ):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
-        now_pid = last_pid()
+        now_pid = procs.last_pid()
         for name in self._unheld(unresolved, set(roles)):
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
@@ -580,7 +474,7 @@ class Checker:
     ) -> tuple[ParentMemory | None, GpuState]:
         """The test process's GPU memory beyond its start, net of the scopes' allowances."""
         before = window.before.gpu
-        after = self.gpu.state()
+        after = self._gpu_state()
         if after.allocated_bytes is None and after.nvml_bytes is None:
             return None, after
         # NOTE [scopes]: fixtures set up during this test and still active add to the
@@ -596,7 +490,7 @@ class Checker:
         if after.allocated_bytes is not None:
             kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
             if any(num > tolerance_bytes for num in kept.values()):
-                after = self.gpu.state(collect=True)  # confirmed without cycles and cache
+                after = self._gpu_state(collect=True)  # confirmed without cycles and cache
                 if after.allocated_bytes is not None:
                     kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
         memory = ParentMemory(
@@ -606,68 +500,6 @@ class Checker:
             scopes=tuple(o.label for o in finished if o.allocated_bytes),
         )
         return memory, after
-
-
-class Lineage:
-    """Which new processes are the test process's (``pid``) own (NOTE [whose process])."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.key = procs.process_key(pid) or ProcessKey(pid, 0)
-        info = procs.read_proc(pid)
-        self.cmdline = info.cmdline if info is not None else ""
-        self._identity: tuple[bytes | None, bytes | None] | None = None
-
-    def ours(self, pids: Iterable[int], tags: set[str], *, since: PidMark) -> list[ProcInfo]:
-        """The processes among ``pids`` that belong to the test, born since ``since``."""
-        # An older PID can fall in the new range after PID numbers wrapped around.
-        born_since = int(since.boot_s * procs.clock_ticks()) - _BIRTH_SLACK_TICKS
-        found: list[ProcInfo] = []
-        for pid in pids:
-            info = procs.read_proc(pid)
-            if info is None or info.key.start_ticks < born_since:
-                continue
-            if self.descends(info):
-                found.append(info)
-                continue
-            tag = procs.tagged_session(pid)
-            if tag is not None and tag in tags:
-                found.append(info._replace(tagged=True))
-            elif tag is None and self._forked_from_here(info):
-                found.append(info)
-        return found
-
-    def descends(self, info: ProcInfo) -> bool:
-        """Whether the test process is an ancestor of ``info`` now."""
-        # Stops at the first ancestor older than the test process: a stranger's process
-        # (another job's, a sibling xdist worker's) costs a read or two, not a walk to PID 1.
-        return info.ppid == self.pid or procs.is_ancestor(
-            self.pid, info.ppid, born_since_ticks=self.key.start_ticks or None
-        )
-
-    def _looks_like_here(self, pid: int) -> bool:
-        if self._identity is None:
-            self._identity = (
-                _read_bytes(f"/proc/{self.pid}/environ"),
-                _read_bytes(f"/proc/{self.pid}/cmdline"),
-            )
-        environ, cmdline = self._identity
-        return bool(environ and cmdline) and (
-            _read_bytes(f"/proc/{pid}/cmdline") == cmdline
-            and _read_bytes(f"/proc/{pid}/environ") == environ
-        )
-
-    def _forked_from_here(self, info: ProcInfo) -> bool:
-        """A reparented fork of this process: same command line and initial environment.
-
-        Twins started alike (xdist workers) and their unexec'd forks look the same: one whose
-        live parent looks like this process too is a twin's (ours, orphaned, has PID 1 or a
-        subreaper for parent).
-        """
-        if not self._looks_like_here(info.key.pid):
-            return False
-        parent = info.ppid
-        return parent <= 1 or parent == self.pid or not self._looks_like_here(parent)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -750,14 +582,6 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
         if growth > 0:
             grown[device] = growth
     return grown
-
-
-def _read_bytes(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError:
-        return None
 
 
 def _owner_uid(directory: str, name: str) -> int | None:

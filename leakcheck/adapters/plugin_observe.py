@@ -1,47 +1,32 @@
 """What the pytest plugin sees of one test, without pytest, turned into a ``Timeline``.
 
-One ``Checker`` per pytest process marks the moment before a checked test's setup
-(``begin``), notes what wider-scoped fixtures start (``fixture_begin``/``fixture_end``/
-``fixture_finished``), and after the teardown (``observe``) waits out the grace period and
-describes what the test left as one short epoch, for ``verdict.judge`` to judge. It reads
-through ``observe/`` and ``core/roles``; only the PID mark is its own.
-
-NOTE [cheap snapshots]: a clean test must cost well under a millisecond. The snapshot is the
-last PID handed out (one read of ``/proc/loadavg``) and ``listdir('/dev/shm')`` (plus, where
-CUDA or NVML is in use, the allocator counters and one NVML read). PIDs are handed out in
-increasing order: when the last PID did not move, no process started and nothing else is
-read; when it moved, one ``listdir('/proc')`` gives the PIDs in between, the only
-candidates. Where /proc/loadavg cannot be read, two listings are compared.
-
-NOTE [whose process]: a new process is the test's when the test process is its ancestor
-now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag (inherited
-through exec, even reparented away), or when it has the test process's initial environment
-and command line byte for byte (a fork whose parent exited: never exec'd, so untagged).
+One ``Checker`` per pytest process marks the moment before a checked test's setup (``begin``),
+notes what wider-scoped fixtures start (``fixture_*``), and after the teardown (``observe``)
+waits out the grace and describes what the test left as one short epoch for
+``verdict.judge``. It reads the machine through ``observe/`` (NOTE [cheap snapshots] and
+NOTE [whose process] in procs.py): a clean test costs well under a millisecond.
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
-belong to that fixture instance: left alone until its finalizer ran, then judged within the
-test whose teardown ran it (``scope`` names the fixture). One that starts processes lazily,
-inside a test, is not their owner: the test is.
+are that fixture's: left alone until its finalizer ran, then judged within the test whose
+teardown ran it (``scope`` names the fixture). One that starts processes lazily, inside a
+test, is not their owner: the test is.
 
-NOTE [reference cycles]: a DataLoader iterator caught in a reference cycle stops its workers
-only when the garbage collector runs, so its persistent workers outlive the test. Before the
-processes alive after the grace are judged, the plugin waits a moment more (one on its way
-out is late, not kept), then collects garbage once (a clean test pays nothing); those gone
-as it returns are still the test's leak, and their finding names the cycle.
+NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
+the garbage collector runs. Before judging the processes alive after the grace, the plugin
+waits a moment more (one on its way out is late, not kept), then collects garbage once; those
+gone as it returns are still the test's leak, and their finding names the cycle.
 
-NOTE [first context]: the first CUDA context of a process (and the driver memory of the
-libraries it loads on first use) is a baseline, not a leak: the torch allocator judges the
-tensors a test keeps; driver memory beyond the allocator only fails a test when torch is not
-the one using CUDA here.
+NOTE [first context]: a process's first CUDA context (and the driver memory of libraries it
+loads on first use) is a baseline: the torch allocator judges the tensors a test keeps; driver
+memory beyond it fails a test only when torch is not the one using CUDA here.
 
 NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
 before its setup to the end of its teardown (``time.monotonic()``). Its processes: the test
-process (the parent), each process of the test still alive once the grace passed
-(``last_seen_after_s`` >= the grace), and the runtime helpers (``roles.is_runtime_helper``)
-that pin nothing on the GPU, as a persistent baseline. Device totals are not read per test
-(other jobs and xdist siblings share the device): the test process's own memory is
-(``Timeline.parent_memory``).
+process (the parent), each of its processes still alive after the grace (``last_seen_after_s``
+>= the grace), and runtime helpers that pin nothing on the GPU, as a persistent baseline.
+Device totals are not read per test (other jobs share the device): the test process's own
+memory is (``Timeline.parent_memory``).
 """
 
 from __future__ import annotations
@@ -312,11 +297,8 @@ class Checker:
             self._gpu_failure = reason
         if self._gpu_failure is not None:
             attribution, reason = "nvml-unavailable", self._gpu_failure
-        self.attribution, self.devices, self.gpu_note = (
-            (attribution, reason),
-            devices,
-            reason or "NVML",
-        )
+        self.attribution, self.devices = (attribution, reason), devices
+        self.gpu_note = reason or "NVML"
         return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
 
     def _gpu_state(self, *, collect: bool = False) -> GpuState:
@@ -395,12 +377,11 @@ class Checker:
             for name in names:
                 held_by.setdefault(name, pid)
         segments = procs.shm_segments(self.shm_dir)
-        uid = os.getuid()
         found: list[ShmFile] = []
         unresolved: list[str] = []
         blamed: list[str] = []
         for name in sorted(fresh | set(from_fixtures)):
-            if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
+            if name not in segments or segments[name].uid != os.getuid():
                 continue  # removed meanwhile, not a plain file, or another user's
             if (
                 name in from_fixtures
@@ -582,10 +563,3 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
         if growth > 0:
             grown[device] = growth
     return grown
-
-
-def _owner_uid(directory: str, name: str) -> int | None:
-    try:
-        return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
-    except OSError:
-        return None

@@ -74,6 +74,7 @@ class ShmSegment(NamedTuple):
     inode: int
     name: str = ""
     allocated_bytes: int = -1  # blocks the file holds (-1: not read): 0 for a failed reservation
+    uid: int = -1  # its owner's
 
 
 def _read(
@@ -872,7 +873,7 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 segments[entry.name] = ShmSegment(
-                    st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512
+                    st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512, st.st_uid
                 )
         except OSError:
             continue  # removed during the scan
@@ -915,6 +916,16 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
 
 # --- processes started since a moment -------------------------------------------------------
 
+# NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
+# (one read of /proc/loadavg) marks a moment: when it did not move no process started, and
+# when it moved one listdir('/proc') gives the PIDs in between, the only candidates. Where
+# /proc/loadavg cannot be read, two listings are compared.
+#
+# NOTE [whose process]: a new process is a process's own when that process is its ancestor
+# now, when its initial environment carries one of its ``LEAKCHECK_SESSION`` tags (inherited
+# through exec, even reparented away), or when it has that process's initial environment and
+# command line byte for byte (a fork whose parent exited: never exec'd, so untagged).
+
 
 def last_pid() -> int | None:
     """The PID most recently handed out in this PID namespace (last field of /proc/loadavg)."""
@@ -933,7 +944,7 @@ def _proc_names() -> frozenset[str]:
 
 
 class PidMark(NamedTuple):
-    """Where PID allocation stood at one moment (NOTE [cheap snapshots] in plugin_observe.py).
+    """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
     ``last_pid`` None: unknown, and ``names`` (the /proc entries then) is compared instead.
     ``boot_s``: seconds since boot, the clock of start ticks.
@@ -988,8 +999,7 @@ def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
 class Lineage:
     """Which new processes are one process's (``pid``) own.
 
-    Descendants now, tagged by it, or its reparented untagged forks (NOTE [whose process] in
-    plugin_observe.py).
+    Descendants now, tagged by it, or its reparented untagged forks (NOTE [whose process]).
     """
 
     def __init__(self, pid: int) -> None:

@@ -559,7 +559,7 @@ def descendants(
 
 def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -> list[ProcInfo]:
     """``descendants`` from one scan of every /proc/PID/stat (no children files)."""
-    stats = {pid: stat for pid in _all_pids() if (stat := _stat(pid)) is not None}
+    stats = _live_stats()
     tree: dict[int, list[int]] = {}
     for pid, stat in stats.items():
         tree.setdefault(stat.ppid, []).append(pid)
@@ -568,11 +568,10 @@ def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -
     stack = list(reversed(tree.get(root_pid, [])))
     while stack:
         pid = stack.pop()
-        if pid in seen or stats[pid].state in _DEAD_STATES:
-            continue
-        seen.add(pid)
-        found.append(_info(pid, stats[pid], tag, with_cmdline))
-        stack.extend(reversed(tree.get(pid, [])))
+        if pid not in seen:
+            seen.add(pid)
+            found.append(_info(pid, stats[pid], tag, with_cmdline))
+            stack.extend(reversed(tree.get(pid, [])))
     return found
 
 
@@ -585,6 +584,19 @@ def is_alive(key: ProcessKey) -> bool:
     return stat.starttime_ticks == key.start_ticks
 
 
+def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
+    """The stat of every live process of this PID namespace, in PID order (zombies left out)."""
+    stats: dict[int, _Stat] = {}
+    for pid in sorted(_all_pids()):
+        data = _read(f"{_PROC}/{pid}/stat")
+        if not data or (not kernel_threads and _is_kernel_thread(data)):
+            continue
+        stat = _parse_stat(data)
+        if stat is not None and stat.state not in _DEAD_STATES:
+            stats[pid] = stat
+    return stats
+
+
 def scan_all(
     *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
 ) -> list[ProcInfo]:
@@ -594,15 +606,8 @@ def scan_all(
     out kernel threads (no descriptors, no tag).
     """
     tag = None if session_id is None else session_id.encode()
-    found: list[ProcInfo] = []
-    for pid in sorted(_all_pids()):
-        data = _read(f"{_PROC}/{pid}/stat")
-        if not data or (not kernel_threads and _is_kernel_thread(data)):
-            continue
-        stat = _parse_stat(data)
-        if stat is not None and stat.state not in _DEAD_STATES:
-            found.append(_info(pid, stat, tag, with_cmdline))
-    return found
+    stats = _live_stats(kernel_threads=kernel_threads)
+    return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
 
 
 # NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc, so it

@@ -399,8 +399,18 @@ class Checker:
             ):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
+        if unresolved:  # a stranger's holding makes a file not ours
+            strangers = [int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles]
+            held = procs.shm_open_by(strangers, self.shm_dir).values()
+            unresolved = [
+                name
+                for name in unresolved
+                if not any(name in names for names in held)
+                and os.path.exists(os.path.join(self.shm_dir, name))
+                and not is_named_semaphore(name)
+            ]
         now_pid = procs.last_pid()
-        for name in self._unheld(unresolved, set(roles)):
+        for name in unresolved:
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
             if (
@@ -427,24 +437,6 @@ class Checker:
                 )
             )
         return tuple(found)
-
-    def _unheld(self, names: Sequence[str], lineage_pids: set[int]) -> list[str]:
-        """The files among ``names`` nobody holds: a stranger's holding makes it not ours."""
-        if not names:
-            return []
-        strangers = [
-            int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in lineage_pids
-        ]
-        held_elsewhere = {
-            name for found in procs.shm_open_by(strangers, self.shm_dir).values() for name in found
-        }
-        return [
-            name
-            for name in names
-            if name not in held_elsewhere
-            and os.path.exists(os.path.join(self.shm_dir, name))
-            and not is_named_semaphore(name)
-        ]
 
     def _parent_memory(
         self,

@@ -222,16 +222,11 @@ _cached_fd_count = 0
 _generation = 0
 
 
-_fd_limit: int | None = None
-
-
+@functools.cache
 def _cached_fd_limit() -> int:
-    global _fd_limit
-    if _fd_limit is None:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
-        _fd_limit = max(0, min(_MAX_CACHED_FDS, limit))
-    return _fd_limit
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
+    return max(0, min(_MAX_CACHED_FDS, limit))
 
 
 def _close_quietly(fd: int) -> None:

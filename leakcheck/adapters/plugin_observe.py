@@ -120,28 +120,16 @@ class Probe:
 
 @dataclass
 class Window:
-    """One checked test, from before its setup to after its teardown.
+    """One checked test, from before its setup (``before``, ``start_s``) to after its teardown."""
 
-    Attributes:
-        serial: Increasing number of the window in this process.
-        tag: The window's own tag, which the test's children inherit as ``LEAKCHECK_SESSION``.
-        tags: Every tag in use during the test: ``tag`` and those of trackers it ran.
-        before: The snapshot before the setup.
-        saved_env: The tag variable's previous value (None: unset).
-        start_s: ``time.monotonic()`` before the setup.
-        extra: Findings added during the test (the ``gpu_leak_tracker`` fixture's).
-        exports_mark: Where the tags of trackers the test starts begin (``exports.mark``).
-
-    """
-
-    serial: int
-    tag: str
-    tags: set[str]
+    serial: int  # increasing in this process
+    tag: str  # its own, which the test's children inherit as ``LEAKCHECK_SESSION``
+    tags: set[str]  # ``tag`` and those of the trackers the test ran
     before: Probe
-    saved_env: str | None
-    start_s: float
-    extra: list[Finding] = field(default_factory=list)
-    exports_mark: int = 0
+    saved_env: str | None  # the tag variable's previous value (None: unset)
+    start_s: float  # ``time.monotonic()``
+    extra: list[Finding] = field(default_factory=list)  # the ``gpu_leak_tracker`` fixture's
+    exports_mark: int = 0  # where the tags of trackers the test starts begin (``exports.mark``)
 
 
 @dataclass

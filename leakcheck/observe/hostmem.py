@@ -48,24 +48,16 @@ class HostMemory:
     the processes that map it; RSS counts every resident page. USS, PSS and the dirty figures
     come from ``smaps_rollup`` only; ``source`` ``status`` (rollup unreadable: another user's
     process) has RSS, ``unknown`` (a zombie, a kernel thread) nothing.
-
-    Attributes:
-        uss_bytes: ``Private_Clean`` + ``Private_Dirty`` + ``Private_Hugetlb``.
-        swap_bytes: Swapped out (not in the other figures).
-        anon_bytes: Resident anonymous memory (the heap).
-        rss_peak_bytes: Highest RSS over its life (``VmHWM``, never below ``rss_bytes``).
-        shared_dirty_bytes: ``Shared_Dirty`` (NOTE [copy on read]).
-
     """
 
-    uss_bytes: int | None
+    uss_bytes: int | None  # Private_Clean + Private_Dirty + Private_Hugetlb
     pss_bytes: int | None
     rss_bytes: int | None
-    swap_bytes: int | None
+    swap_bytes: int | None  # not in the other figures
     source: MemorySource
-    anon_bytes: int | None = None
-    rss_peak_bytes: int | None = None
-    shared_dirty_bytes: int | None = None
+    anon_bytes: int | None = None  # resident anonymous memory (the heap)
+    rss_peak_bytes: int | None = None  # VmHWM, never below rss_bytes
+    shared_dirty_bytes: int | None = None  # NOTE [copy on read]
     private_dirty_bytes: int | None = None
 
 

@@ -300,10 +300,10 @@ def test_status_fallback_when_smaps_rollup_is_denied(
     # Another user's process: smaps needs ptrace access, status does not.
     real_read = hostmem._read_at
 
-    def denied(name: str, base: str, dir_fd: int | None) -> bytes:
+    def denied(name: str, dir_fd: int) -> bytes:
         if name == "smaps_rollup":
             raise PermissionError(13, "Permission denied", name)
-        return real_read(name, base, dir_fd)
+        return real_read(name, dir_fd)
 
     monkeypatch.setattr(hostmem, "_read_at", denied)
     memory = hostmem.read_host_memory(forker.child)

@@ -230,5 +230,5 @@ def test_births_are_read_from_outside_only_from_the_roots_own_folders(tmp_path: 
         spawned: (False, None),
     }
     # Never a record: the tracker's reads skip it.
-    assert list(mailbox.read_new(str(own), set())) == []
+    assert mailbox.Inbox(str(own)).read() == []
     assert mailbox.read_births(os.getpid(), directory=str(tmp_path / "nowhere")) == {}

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from leakcheck.adapters.plugin import TEST_LABEL, headline, judge_test
-from leakcheck.adapters.plugin_observe import Checker, Lineage, Window
+from leakcheck.adapters.plugin_observe import Checker, Window
 from leakcheck.core.model import Finding
 from leakcheck.core.names import process_name
 from leakcheck.core.options import CheckOptions
@@ -628,8 +628,7 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
 ) -> None:
     """Where the PID counter cannot be read (no /proc/loadavg), a torch file of a gone
     process is not put down to another job: the time window decides, as without a name."""
-    from leakcheck.adapters import plugin_observe
-    monkeypatch.setattr(plugin_observe, "last_pid", lambda: None)
+    monkeypatch.setattr(procs, "last_pid", lambda: None)
     checker = Checker(attribute_unheld_shm=True)
     older = subprocess.Popen([sys.executable, "-c", "pass"])
     older.wait()
@@ -641,7 +640,7 @@ def test_an_unknown_pid_mark_is_no_proof_that_a_maker_is_older(
 
 
 def test_handed_out_since_follows_the_pid_counter_and_its_wrap() -> None:
-    from leakcheck.adapters.plugin_observe import PidMark, handed_out_since
+    from leakcheck.observe.procs import PidMark, handed_out_since
 
     mark = PidMark(last_pid=1000, names=frozenset(), unix_s=0.0, boot_s=0.0)
     assert handed_out_since(mark, 1001, 1200) is True
@@ -1132,18 +1131,32 @@ def test_in_a_nested_pid_namespace_gpu_memory_is_never_attributed_per_process(
     """NVML reports host PIDs there: blind from the first read, also while it lists none."""
     monkeypatch.setattr(procs, "pid_namespace_nested", lambda: True)
     checker = Checker()
-    checker.begin()
-    assert checker.gpu.attribution[0] == "blind-namespace"
+    window = checker.begin()
     assert "--pid=host" in checker.gpu_note
-    assert checker.gpu.by_pid() is None  # no per-process bytes to judge
+    fake_nvml.devices[0].compute.append(FakeProcess(os.getpid(), 600 * MIB))
+    try:
+        timeline = checker.observe(
+            window, label=LABEL, end_s=time.monotonic(), grace_s=0.0, tolerance_bytes=MIB
+        )
+    finally:
+        checker.end_environment(window)
+    assert timeline.attribution == "blind-namespace"
+    assert timeline.epochs[0].processes[0].gpu_bytes_end == {}  # no per-process bytes to judge
 
 
 def test_a_strangers_process_costs_one_read_of_its_parent_not_a_walk_to_pid_1(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The walk up a new process's parents stops at one older than the test process."""
-    lineage = Lineage(os.getpid())
-    stranger = procs.read_proc(os.getppid())  # its parent is older than this process
+    lineage = procs.Lineage(os.getpid())
+    stranger = procs.read_proc(os.getppid())
+    # One whose parent is older than this process: shells that started it within the same
+    # clock tick are not (start ticks are coarse), so the walk is rightly not stopped there.
+    while stranger is not None and stranger.ppid > 1:
+        parent = procs.process_key(stranger.ppid)
+        if parent is None or parent.start_ticks < lineage.key.start_ticks:
+            break
+        stranger = procs.read_proc(stranger.ppid)
     assert stranger is not None and stranger.ppid > 1
     reads: list[int] = []
     real_stat = procs._stat

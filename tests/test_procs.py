@@ -610,7 +610,7 @@ def test_shm_segments_see_a_file_until_removed(shm_file: Path) -> None:
     shm_file.write_bytes(b"\0" * 1234)
     segment = procs.shm_segments()[shm_file.name]
     st = shm_file.stat()
-    expected = (1234, st.st_mtime, st.st_ino, shm_file.name, st.st_blocks * 512)
+    expected = (1234, st.st_mtime, st.st_ino, shm_file.name, st.st_blocks * 512, st.st_uid)
     assert segment == procs.ShmSegment(*expected)
     shm_file.unlink()
     assert shm_file.name not in procs.shm_segments()

@@ -1005,13 +1005,13 @@ def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:
     folder = str(tmp_path)
     assert mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)
     assert mailbox.post("teardown", {"pid": 1, "start_ticks": 100}, directory=folder)
-    seen: set[str] = set()
-    kinds = sorted(r["kind"] for r in mailbox.read_new(folder, seen, consume=True))
+    inbox = mailbox.Inbox(folder)
+    kinds = sorted(r["kind"] for r in inbox.read())
     assert kinds == ["teardown", "worker"]
     assert os.listdir(folder) == []  # the folder stays small over a long run
     # Posted again under a name already read: skipped, and removed too.
     assert mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)
-    assert list(mailbox.read_new(folder, seen, consume=True)) == []
+    assert inbox.read() == []
     assert os.listdir(folder) == []
 
 

@@ -1,47 +1,32 @@
 """What the pytest plugin sees of one test, without pytest, turned into a ``Timeline``.
 
-One ``Checker`` per pytest process marks the moment before a checked test's setup
-(``begin``), notes what wider-scoped fixtures start (``fixture_begin``/``fixture_end``/
-``fixture_finished``), and after the teardown (``observe``) waits out the grace period and
-describes what the test left as one short epoch, for ``verdict.judge`` to judge. It reads
-through ``observe/`` and ``core/roles``; only the PID mark is its own.
-
-NOTE [cheap snapshots]: a clean test must cost well under a millisecond. The snapshot is the
-last PID handed out (one read of ``/proc/loadavg``) and ``listdir('/dev/shm')`` (plus, where
-CUDA or NVML is in use, the allocator counters and one NVML read). PIDs are handed out in
-increasing order: when the last PID did not move, no process started and nothing else is
-read; when it moved, one ``listdir('/proc')`` gives the PIDs in between, the only
-candidates. Where /proc/loadavg cannot be read, two listings are compared.
-
-NOTE [whose process]: a new process is the test's when the test process is its ancestor
-now, when its initial environment carries the test's ``LEAKCHECK_SESSION`` tag (inherited
-through exec, even reparented away), or when it has the test process's initial environment
-and command line byte for byte (a fork whose parent exited: never exec'd, so untagged).
+One ``Checker`` per pytest process marks the moment before a checked test's setup (``begin``),
+notes what wider-scoped fixtures start (``fixture_*``), and after the teardown (``observe``)
+waits out the grace and describes what the test left as one short epoch for
+``verdict.judge``. It reads the machine through ``observe/`` (NOTE [cheap snapshots] and
+NOTE [whose process] in procs.py): a clean test costs well under a millisecond.
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
-belong to that fixture instance: left alone until its finalizer ran, then judged within the
-test whose teardown ran it (``scope`` names the fixture). One that starts processes lazily,
-inside a test, is not their owner: the test is.
+are that fixture's: left alone until its finalizer ran, then judged within the test whose
+teardown ran it (``scope`` names the fixture). One that starts processes lazily, inside a
+test, is not their owner: the test is.
 
-NOTE [reference cycles]: a DataLoader iterator caught in a reference cycle stops its workers
-only when the garbage collector runs, so its persistent workers outlive the test. Before the
-processes alive after the grace are judged, the plugin waits a moment more (one on its way
-out is late, not kept), then collects garbage once (a clean test pays nothing); those gone
-as it returns are still the test's leak, and their finding names the cycle.
+NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
+the garbage collector runs. Before judging the processes alive after the grace, the plugin
+waits a moment more (one on its way out is late, not kept), then collects garbage once; those
+gone as it returns are still the test's leak, and their finding names the cycle.
 
-NOTE [first context]: the first CUDA context of a process (and the driver memory of the
-libraries it loads on first use) is a baseline, not a leak: the torch allocator judges the
-tensors a test keeps; driver memory beyond the allocator only fails a test when torch is not
-the one using CUDA here.
+NOTE [first context]: a process's first CUDA context (and the driver memory of libraries it
+loads on first use) is a baseline: the torch allocator judges the tensors a test keeps; driver
+memory beyond it fails a test only when torch is not the one using CUDA here.
 
 NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
 before its setup to the end of its teardown (``time.monotonic()``). Its processes: the test
-process (the parent), each process of the test still alive once the grace passed
-(``last_seen_after_s`` >= the grace), and the runtime helpers (``roles.is_runtime_helper``)
-that pin nothing on the GPU, as a persistent baseline. Device totals are not read per test
-(other jobs and xdist siblings share the device): the test process's own memory is
-(``Timeline.parent_memory``).
+process (the parent), each of its processes still alive after the grace (``last_seen_after_s``
+>= the grace), and runtime helpers that pin nothing on the GPU, as a persistent baseline.
+Device totals are not read per test (other jobs share the device): the test process's own
+memory is (``Timeline.parent_memory``).
 """
 
 from __future__ import annotations
@@ -51,7 +36,7 @@ import gc
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,7 +47,6 @@ from leakcheck.core.model import (
     FinalState,
     ParentMemory,
     ProcessEpoch,
-    ProcessKey,
     ProcInfo,
     Role,
     ShmFile,
@@ -71,34 +55,21 @@ from leakcheck.core.model import (
 from leakcheck.core.roles import is_runtime_helper
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import is_named_semaphore, shm_creator_pid, shm_name_pids
-from leakcheck.observe.procs import SESSION_ENV
+from leakcheck.observe.procs import SESSION_ENV, Lineage, PidMark, handed_out_since
 from leakcheck.observe.snapshot import read_gpu_processes
-from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
+from leakcheck.observe.torch_state import allocator_bytes
 from leakcheck.track import exports
 
 if TYPE_CHECKING:
     from leakcheck.core.model import Finding
 
-__all__ = ["Checker", "GpuReader", "GpuState", "PidMark", "Window", "handed_out_since", "last_pid"]
+__all__ = ["Checker", "GpuState", "Window"]
 
-_BIRTH_SLACK_TICKS = 1  # start ticks are truncated (the mark's too): one tick keeps a twin
 _SHUTDOWN_SETTLE_S = 0.25  # NOTE [reference cycles]: how long a process may take to exit
 _BLIND_NOTE = (
     "NVML PIDs are not this PID namespace's (container without --pid=host): "
     "GPU memory of processes is not attributed"
 )
-
-
-def last_pid() -> int | None:
-    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg)."""
-    try:
-        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return int(os.read(fd, 256).split()[-1])
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _listdir(path: str) -> frozenset[str]:
@@ -109,71 +80,11 @@ def _listdir(path: str) -> frozenset[str]:
 
 
 @dataclass(frozen=True)
-class PidMark:
-    """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
-
-    Attributes:
-        last_pid: The last PID handed out; None where unknown (``names`` is used then).
-        names: /proc entries, only when ``last_pid`` is None.
-        unix_s: Wall-clock time of the mark.
-        boot_s: Seconds since boot at the mark, the clock of start ticks.
-
-    """
-
-    last_pid: int | None
-    names: frozenset[str]
-    unix_s: float
-    boot_s: float
-
-    @classmethod
-    def now(cls) -> PidMark:
-        """The mark of this moment."""
-        last = last_pid()
-        names = frozenset() if last is not None else _listdir("/proc")
-        return cls(last, names, time.time(), procs.since_boot_s())
-
-    def pids_since(self) -> list[int]:
-        """PIDs that may have started since the mark, in allocation order (parents first).
-
-        After a wrap-around an older process may fall in the range: callers compare ticks.
-        """
-        now = last_pid()
-        if self.last_pid is None or now is None:
-            return sorted(int(name) for name in _listdir("/proc") - self.names if name.isdigit())
-        if now == self.last_pid:
-            return []
-        found = [
-            int(name)
-            for name in _listdir("/proc")
-            if name.isdigit() and handed_out_since(self, int(name), now)
-        ]
-        start = self.last_pid
-        return sorted(found, key=lambda pid: (pid <= start, pid))
-
-
-def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
-    """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
-
-    None where either is unknown. After a wrap-around an older PID can be in the range
-    again, so True means "may be new"; False is certain.
-    """
-    start = mark.last_pid
-    if start is None or now is None:
-        return None
-    if now == start:
-        return False
-    return (start < pid <= now) if now > start else (pid > start or pid <= now)
-
-
-@dataclass(frozen=True)
 class GpuState:
-    """GPU memory of the test process at one moment, per device (None: not known here).
+    """GPU memory of the test process per device (None: not known here).
 
-    Attributes:
-        nvml_bytes: Driver view (NVML); a device without a context is absent.
-        allocated_bytes: torch allocator, live tensors.
-        reserved_bytes: torch allocator, reserved (cached).
-
+    NVML's view (a device without a context is absent) and torch's allocator (live tensors,
+    reserved).
     """
 
     nvml_bytes: Mapping[int, int] | None = None
@@ -183,62 +94,8 @@ class GpuState:
     @classmethod
     def of_allocator(cls, nvml_bytes: Mapping[int, int] | None, *, collect: bool) -> GpuState:
         """``nvml_bytes`` and torch's allocator counters here, where CUDA is initialised."""
-        cuda = initialized_cuda()
-        if cuda is None:
-            return cls(nvml_bytes)
-        try:
-            if collect:
-                # Cycles may be all that keeps a tensor alive, the cache holds freed blocks
-                # NVML still counts, cuBLAS workspaces are a one-time library cost.
-                gc.collect()
-                clear_library_workspaces()
-                cuda.empty_cache()
-            devices = range(int(cuda.device_count()))
-            allocated = {d: int(cuda.memory_allocated(d)) for d in devices}
-            return cls(nvml_bytes, allocated, {d: int(cuda.memory_reserved(d)) for d in devices})
-        except Exception:
-            return cls(nvml_bytes)
-
-
-class GpuReader:
-    """GPU memory of the test process (``pid``): NVML and the torch allocator, never forced.
-
-    Attributes:
-        note: One line for the session summary: how GPU memory was read.
-        attribution: How far the latest read attributed GPU memory to processes, and why not.
-        devices: Used and total memory of each device at the latest read.
-        failure: A failed NVML read of this test's window (``Checker.begin`` resets it): the
-            window's attribution stays unavailable, whatever a later read gives.
-
-    """
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.note = "NVML not consulted"
-        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.note)
-        self.devices: tuple[DeviceState, ...] = ()
-        self.failure: str | None = None
-
-    def by_pid(self) -> dict[int, dict[int, int]] | None:
-        """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
-        attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
-        if attribution != "nvml-unavailable" and procs.pid_namespace_nested():
-            # NVML reports host PIDs, whether or not one happens to match a PID here.
-            attribution, reason = "blind-namespace", _BLIND_NOTE
-        if attribution == "nvml-unavailable" and self.failure is None:
-            self.failure = reason
-        if self.failure is not None:
-            attribution, reason = "nvml-unavailable", self.failure
-        self.attribution, self.devices = (attribution, reason), devices
-        self.note = reason or "NVML"
-        return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
-
-    def state(self, *, collect: bool = False) -> GpuState:
-        """GPU memory of the test process now (NVML view and torch allocator)."""
-        by_pid = self.by_pid()
-        return GpuState.of_allocator(
-            None if by_pid is None else by_pid.get(self.pid, {}), collect=collect
-        )
+        counters = allocator_bytes(collect=collect)
+        return cls(nvml_bytes, *counters) if counters is not None else cls(nvml_bytes)
 
 
 @dataclass
@@ -263,28 +120,16 @@ class Probe:
 
 @dataclass
 class Window:
-    """One checked test, from before its setup to after its teardown.
+    """One checked test, from before its setup (``before``, ``start_s``) to after its teardown."""
 
-    Attributes:
-        serial: Increasing number of the window in this process.
-        tag: The window's own tag, which the test's children inherit as ``LEAKCHECK_SESSION``.
-        tags: Every tag in use during the test: ``tag`` and those of trackers it ran.
-        before: The snapshot before the setup.
-        saved_env: The tag variable's previous value (None: unset).
-        start_s: ``time.monotonic()`` before the setup.
-        extra: Findings added during the test (the ``gpu_leak_tracker`` fixture's).
-        exports_mark: Where the tags of trackers the test starts begin (``exports.mark``).
-
-    """
-
-    serial: int
-    tag: str
-    tags: set[str]
+    serial: int  # increasing in this process
+    tag: str  # its own, which the test's children inherit as ``LEAKCHECK_SESSION``
+    tags: set[str]  # ``tag`` and those of the trackers the test ran
     before: Probe
-    saved_env: str | None
-    start_s: float
-    extra: list[Finding] = field(default_factory=list)
-    exports_mark: int = 0
+    saved_env: str | None  # the tag variable's previous value (None: unset)
+    start_s: float  # ``time.monotonic()``
+    extra: list[Finding] = field(default_factory=list)  # the ``gpu_leak_tracker`` fixture's
+    exports_mark: int = 0  # where the tags of trackers the test starts begin (``exports.mark``)
 
 
 @dataclass
@@ -312,23 +157,23 @@ class Checker:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
-        self.gpu = GpuReader(self.pid)
         self.lineage = Lineage(self.pid)
+        self.gpu_note = "NVML not consulted"  # for the session summary: how GPU memory was read
+        # How far the latest read attributed GPU memory to processes (and why not), the
+        # devices it saw, and a failed read of this test's window: it stays unavailable.
+        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.gpu_note)
+        self.devices: tuple[DeviceState, ...] = ()
+        self._gpu_failure: str | None = None
         self._serial = 0
         self._owners: dict[object, ScopeOwner] = {}
         self._finished: list[ScopeOwner] = []
 
-    @property
-    def gpu_note(self) -> str:
-        """One line for the session summary: how GPU memory was read."""
-        return self.gpu.note
-
     def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
-        self.gpu.failure = None
+        self._gpu_failure = None
         tag = f"pytest-{self.pid}-{self._serial}"
-        before = Probe(PidMark.now(), _listdir(self.shm_dir), self.gpu.state())
+        before = Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state())
         saved_env = os.environ.get(SESSION_ENV)
         window = Window(self._serial, tag, {tag}, before, saved_env, time.monotonic())
         window.exports_mark = exports.mark()
@@ -396,7 +241,7 @@ class Checker:
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
         now_s = time.monotonic()
         alive = [process for process in left if process.exited_after_s is None]
-        devices = self.gpu.devices if alive else ()
+        devices = self.devices if alive else ()
         gpu = dict(after.nvml_bytes or {})
         parent = ProcessEpoch(
             key=self.lineage.key,
@@ -409,7 +254,7 @@ class Checker:
             gpu_bytes_end=gpu,
             gpu_bytes_peak=gpu,
         )
-        attribution, reason = self.gpu.attribution
+        attribution, reason = self.attribution
         epoch = EpochRecord(0, label, window.start_s, end_s, "completed", (parent, *left), devices)
         still = (
             dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
@@ -430,6 +275,25 @@ class Checker:
             parent_memory=parent_memory,
         )
 
+    def _gpu_by_pid(self) -> dict[int, dict[int, int]] | None:
+        """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
+        attribution, reason, devices, processes = read_gpu_processes(telemetry=False)
+        if attribution != "nvml-unavailable" and procs.pid_namespace_nested():
+            # NVML reports host PIDs, whether or not one happens to match a PID here.
+            attribution, reason = "blind-namespace", _BLIND_NOTE
+        if attribution == "nvml-unavailable" and self._gpu_failure is None:
+            self._gpu_failure = reason
+        if self._gpu_failure is not None:
+            attribution, reason = "nvml-unavailable", self._gpu_failure
+        self.attribution, self.devices = (attribution, reason), devices
+        self.gpu_note = reason or "NVML"
+        return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
+
+    def _gpu_state(self, *, collect: bool = False) -> GpuState:
+        by_pid = self._gpu_by_pid()
+        nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
+        return GpuState.of_allocator(nvml_bytes, collect=collect)
+
     def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
         """The test's processes born since ``probe`` that no active fixture owns."""
         owned = {info.key.pid for owner in self._owners.values() for info in owner.processes}
@@ -438,12 +302,12 @@ class Checker:
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
-        return bool(procs.nvidia_fd_count(pid)) or pid in (self.gpu.by_pid() or {})
+        return bool(procs.nvidia_fd_count(pid)) or pid in (self._gpu_by_pid() or {})
 
     def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
         """Every candidate that did not exit within the grace (``exited_after_s``: gone now)."""
         staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
-        gpu_by_pid = (self.gpu.by_pid() or {}) if staying else {}
+        gpu_by_pid = (self._gpu_by_pid() or {}) if staying else {}
         left: list[ProcessEpoch] = []
         for cand in staying:
             key = cand.info.key
@@ -501,12 +365,11 @@ class Checker:
             for name in names:
                 held_by.setdefault(name, pid)
         segments = procs.shm_segments(self.shm_dir)
-        uid = os.getuid()
         found: list[ShmFile] = []
         unresolved: list[str] = []
         blamed: list[str] = []
         for name in sorted(fresh | set(from_fixtures)):
-            if name not in segments or _owner_uid(self.shm_dir, name) not in (uid, None):
+            if name not in segments or segments[name].uid != os.getuid():
                 continue  # removed meanwhile, not a plain file, or another user's
             if (
                 name in from_fixtures
@@ -524,8 +387,18 @@ class Checker:
             ):
                 continue  # created by a live process that is not ours
             unresolved.append(name)
-        now_pid = last_pid()
-        for name in self._unheld(unresolved, set(roles)):
+        if unresolved:  # a stranger's holding makes a file not ours
+            strangers = [int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles]
+            held = procs.shm_open_by(strangers, self.shm_dir).values()
+            unresolved = [
+                name
+                for name in unresolved
+                if not any(name in names for names in held)
+                and os.path.exists(os.path.join(self.shm_dir, name))
+                and not is_named_semaphore(name)
+            ]
+        now_pid = procs.last_pid()
+        for name in unresolved:
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
             if (
@@ -553,24 +426,6 @@ class Checker:
             )
         return tuple(found)
 
-    def _unheld(self, names: Sequence[str], lineage_pids: set[int]) -> list[str]:
-        """The files among ``names`` nobody holds: a stranger's holding makes it not ours."""
-        if not names:
-            return []
-        strangers = [
-            int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in lineage_pids
-        ]
-        held_elsewhere = {
-            name for found in procs.shm_open_by(strangers, self.shm_dir).values() for name in found
-        }
-        return [
-            name
-            for name in names
-            if name not in held_elsewhere
-            and os.path.exists(os.path.join(self.shm_dir, name))
-            and not is_named_semaphore(name)
-        ]
-
     def _parent_memory(
         self,
         window: Window,
@@ -580,7 +435,7 @@ class Checker:
     ) -> tuple[ParentMemory | None, GpuState]:
         """The test process's GPU memory beyond its start, net of the scopes' allowances."""
         before = window.before.gpu
-        after = self.gpu.state()
+        after = self._gpu_state()
         if after.allocated_bytes is None and after.nvml_bytes is None:
             return None, after
         # NOTE [scopes]: fixtures set up during this test and still active add to the
@@ -596,7 +451,7 @@ class Checker:
         if after.allocated_bytes is not None:
             kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
             if any(num > tolerance_bytes for num in kept.values()):
-                after = self.gpu.state(collect=True)  # confirmed without cycles and cache
+                after = self._gpu_state(collect=True)  # confirmed without cycles and cache
                 if after.allocated_bytes is not None:
                     kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
         memory = ParentMemory(
@@ -606,68 +461,6 @@ class Checker:
             scopes=tuple(o.label for o in finished if o.allocated_bytes),
         )
         return memory, after
-
-
-class Lineage:
-    """Which new processes are the test process's (``pid``) own (NOTE [whose process])."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.key = procs.process_key(pid) or ProcessKey(pid, 0)
-        info = procs.read_proc(pid)
-        self.cmdline = info.cmdline if info is not None else ""
-        self._identity: tuple[bytes | None, bytes | None] | None = None
-
-    def ours(self, pids: Iterable[int], tags: set[str], *, since: PidMark) -> list[ProcInfo]:
-        """The processes among ``pids`` that belong to the test, born since ``since``."""
-        # An older PID can fall in the new range after PID numbers wrapped around.
-        born_since = int(since.boot_s * procs.clock_ticks()) - _BIRTH_SLACK_TICKS
-        found: list[ProcInfo] = []
-        for pid in pids:
-            info = procs.read_proc(pid)
-            if info is None or info.key.start_ticks < born_since:
-                continue
-            if self.descends(info):
-                found.append(info)
-                continue
-            tag = procs.tagged_session(pid)
-            if tag is not None and tag in tags:
-                found.append(info._replace(tagged=True))
-            elif tag is None and self._forked_from_here(info):
-                found.append(info)
-        return found
-
-    def descends(self, info: ProcInfo) -> bool:
-        """Whether the test process is an ancestor of ``info`` now."""
-        # Stops at the first ancestor older than the test process: a stranger's process
-        # (another job's, a sibling xdist worker's) costs a read or two, not a walk to PID 1.
-        return info.ppid == self.pid or procs.is_ancestor(
-            self.pid, info.ppid, born_since_ticks=self.key.start_ticks or None
-        )
-
-    def _looks_like_here(self, pid: int) -> bool:
-        if self._identity is None:
-            self._identity = (
-                _read_bytes(f"/proc/{self.pid}/environ"),
-                _read_bytes(f"/proc/{self.pid}/cmdline"),
-            )
-        environ, cmdline = self._identity
-        return bool(environ and cmdline) and (
-            _read_bytes(f"/proc/{pid}/cmdline") == cmdline
-            and _read_bytes(f"/proc/{pid}/environ") == environ
-        )
-
-    def _forked_from_here(self, info: ProcInfo) -> bool:
-        """A reparented fork of this process: same command line and initial environment.
-
-        Twins started alike (xdist workers) and their unexec'd forks look the same: one whose
-        live parent looks like this process too is a twin's (ours, orphaned, has PID 1 or a
-        subreaper for parent).
-        """
-        if not self._looks_like_here(info.key.pid):
-            return False
-        parent = info.ppid
-        return parent <= 1 or parent == self.pid or not self._looks_like_here(parent)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -750,18 +543,3 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
         if growth > 0:
             grown[device] = growth
     return grown
-
-
-def _read_bytes(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
-def _owner_uid(directory: str, name: str) -> int | None:
-    try:
-        return os.stat(os.path.join(directory, name), follow_symlinks=False).st_uid
-    except OSError:
-        return None

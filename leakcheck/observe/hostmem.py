@@ -48,24 +48,16 @@ class HostMemory:
     the processes that map it; RSS counts every resident page. USS, PSS and the dirty figures
     come from ``smaps_rollup`` only; ``source`` ``status`` (rollup unreadable: another user's
     process) has RSS, ``unknown`` (a zombie, a kernel thread) nothing.
-
-    Attributes:
-        uss_bytes: ``Private_Clean`` + ``Private_Dirty`` + ``Private_Hugetlb``.
-        swap_bytes: Swapped out (not in the other figures).
-        anon_bytes: Resident anonymous memory (the heap).
-        rss_peak_bytes: Highest RSS over its life (``VmHWM``, never below ``rss_bytes``).
-        shared_dirty_bytes: ``Shared_Dirty`` (NOTE [copy on read]).
-
     """
 
-    uss_bytes: int | None
+    uss_bytes: int | None  # Private_Clean + Private_Dirty + Private_Hugetlb
     pss_bytes: int | None
     rss_bytes: int | None
-    swap_bytes: int | None
+    swap_bytes: int | None  # not in the other figures
     source: MemorySource
-    anon_bytes: int | None = None
-    rss_peak_bytes: int | None = None
-    shared_dirty_bytes: int | None = None
+    anon_bytes: int | None = None  # resident anonymous memory (the heap)
+    rss_peak_bytes: int | None = None  # VmHWM, never below rss_bytes
+    shared_dirty_bytes: int | None = None  # NOTE [copy on read]
     private_dirty_bytes: int | None = None
 
 
@@ -77,10 +69,8 @@ _ROLLUP_FIELDS = frozenset(
 _STATUS_FIELDS = frozenset((b"VmRSS", b"VmHWM", b"RssAnon", b"VmSwap"))
 
 
-def _read_at(name: str, base: str, dir_fd: int | None) -> bytes:
-    """One read of ``base/name``, or ``name`` relative to ``dir_fd``."""
-    path = name if dir_fd is not None else f"{base}/{name}"
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+def _read_at(name: str, dir_fd: int) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         # Both files fit: status's memory lines come before its long CPU masks.
         return os.read(fd, 8192)
@@ -146,17 +136,17 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
     return min(lost, gained)
 
 
-def _read_proc_memory(base: str, dir_fd: int | None, rollup: bool) -> HostMemory | None:
+def _read_proc_memory(dir_fd: int, rollup: bool) -> HostMemory | None:
     parsed = None
     if rollup:
         try:
-            parsed = _parse_rollup(_read_at("smaps_rollup", base, dir_fd))
+            parsed = _parse_rollup(_read_at("smaps_rollup", dir_fd))
         except OSError:
             # Denied (smaps needs ptrace access, status does not), gone, or ESRCH (a zombie
             # has no memory to walk): status tells these apart.
             parsed = None
     try:
-        status = _parse_status(_read_at("status", base, dir_fd))
+        status = _parse_status(_read_at("status", dir_fd))
     except OSError:
         return parsed  # gone: None, or what smaps_rollup showed just before it went
     if parsed is None:
@@ -176,18 +166,17 @@ def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMe
         rollup: Read smaps_rollup (USS, PSS), else status only (NOTE [rollup cost]).
 
     """
-    if not isinstance(target, ProcessKey):
-        return _read_proc_memory(f"/proc/{target}", None, rollup)
     # A descriptor on /proc/PID is bound to its process: opened first, then the PID checked
     # to still name the key's process, every read through it is of that process.
+    pid = target.pid if isinstance(target, ProcessKey) else target
     try:
-        dir_fd = os.open(f"/proc/{target.pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        dir_fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if procs.process_key(target.pid) != target:
+        if isinstance(target, ProcessKey) and procs.process_key(pid) != target:
             return None
-        return _read_proc_memory("", dir_fd, rollup)
+        return _read_proc_memory(dir_fd, rollup)
     finally:
         os.close(dir_fd)
 

@@ -163,38 +163,6 @@ def post(kind: str, record: dict[str, Any], *, directory: str | None = None) -> 
     return _write_json(folder, name, {"kind": kind, **record})
 
 
-def read_new(directory: str, seen: set[str], *, consume: bool = False) -> Iterator[dict[str, Any]]:
-    """Yield the records not yet in ``seen`` (file names), adding them to it.
-
-    Args:
-        directory: The mailbox folder.
-        seen: Names already read; a record posted again under a read name is skipped.
-        consume: Delete each record file once read (the tracker, its only reader, does).
-
-    """
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in sorted(names):
-        if name.startswith(".") or not name.endswith(".json"):
-            continue
-        path = os.path.join(directory, name)
-        record: object = None
-        if name not in seen:
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    record = json.load(handle)
-            except (OSError, ValueError):
-                continue  # gone, or not readable yet: the next call retries
-            seen.add(name)
-        if consume:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        if isinstance(record, dict):
-            yield record
-
-
 class Inbox:
     """The tracker's side of a mailbox: new records, each once, deleted once read."""
 
@@ -215,7 +183,26 @@ class Inbox:
         if quick and mtime_ns == self._settled_mtime_ns:
             return []
         listed_ns = time.time_ns()
-        records = list(read_new(self.directory, self._seen, consume=True))
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError:
+            names = []
+        records: list[dict[str, Any]] = []
+        for name in names:
+            if name.startswith(".") or not name.endswith(".json"):
+                continue
+            path = os.path.join(self.directory, name)
+            if name not in self._seen:  # a record posted again under a read name is skipped
+                try:
+                    with open(path, encoding="utf-8") as handle:
+                        record = json.load(handle)
+                except (OSError, ValueError):
+                    continue  # gone, or not readable yet: the next read retries
+                self._seen.add(name)
+                if isinstance(record, dict):
+                    records.append(record)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         # Deleting what was read changes the time again: reads list until that change is
         # older than the margin, then settle. A time in whole seconds says the filesystem
         # keeps no finer one: too coarse to trust.

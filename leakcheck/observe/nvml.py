@@ -1,12 +1,10 @@
 """NVML access: who holds GPU memory and how each device is doing, without touching CUDA.
 
-The only caller of NVML, through leakcheck's ctypes binding ``nvml_lib`` (looked up at call
-time, so that tests stand ``tests/fake_pynvml.py`` in for it); torch is never imported.
-:func:`get` gives the process-wide :class:`Nvml`; :func:`availability` says, without raising,
-whether NVML can be used. NVML unusable here raises ``NVMLUnavailable`` (one line with a
-hint; callers degrade to host-side checks); one call failing on one device a plain
-``LeakCheckError`` naming the call and device; a bad index a ``UsageError``. A telemetry field
-the device does not report is None.
+The only caller of NVML, through the ctypes binding ``nvml_lib`` (looked up at call time:
+tests stand ``tests/fake_pynvml.py`` in for it). :func:`get` gives the process-wide
+:class:`Nvml`; :func:`availability` says, without raising, whether NVML can be used. Failures:
+NVML unusable raises ``NVMLUnavailable`` (one line with a hint); a call failing on a device a
+``LeakCheckError`` naming both; a bad index a ``UsageError``; unreported telemetry is None.
 
 NOTE [fork]: NVML handles are per process. Every public method compares ``os.getpid()`` with
 the PID that started the session and, in a forked child, calls ``nvmlInit`` again and drops
@@ -103,10 +101,9 @@ def _known(value: Any) -> int | None:
 
 
 # NOTE [process lists]: pynvml's ``nvmlDevice*RunningProcesses`` asks the driver twice per call
-# and builds an object per entry. The sampler reads the lists many times a second, so leakcheck
-# calls the C function (``_v3``, else ``_v2``: one entry layout) once with a buffer kept from
-# the last call; when it is short the driver fills in the count it needs and the call is
-# repeated with a larger one, at most twice (processes may start in between).
+# and builds an object per entry; the sampler reads the lists many times a second. So the C
+# function (``_v3``, else ``_v2``: one entry layout) is called once with a buffer kept from the
+# last call; a short one is grown to the count the driver fills in, at most twice.
 _RAW_FIRST_CAPACITY = 32
 _RAW_TRIES = 3
 

@@ -74,6 +74,7 @@ class ShmSegment(NamedTuple):
     inode: int
     name: str = ""
     allocated_bytes: int = -1  # blocks the file holds (-1: not read): 0 for a failed reservation
+    uid: int = -1  # its owner's
 
 
 def _read(
@@ -221,16 +222,11 @@ _cached_fd_count = 0
 _generation = 0
 
 
-_fd_limit: int | None = None
-
-
+@functools.cache
 def _cached_fd_limit() -> int:
-    global _fd_limit
-    if _fd_limit is None:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
-        _fd_limit = max(0, min(_MAX_CACHED_FDS, limit))
-    return _fd_limit
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
+    return max(0, min(_MAX_CACHED_FDS, limit))
 
 
 def _close_quietly(fd: int) -> None:
@@ -558,7 +554,7 @@ def descendants(
 
 def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -> list[ProcInfo]:
     """``descendants`` from one scan of every /proc/PID/stat (no children files)."""
-    stats = {pid: stat for pid in _all_pids() if (stat := _stat(pid)) is not None}
+    stats = _live_stats()
     tree: dict[int, list[int]] = {}
     for pid, stat in stats.items():
         tree.setdefault(stat.ppid, []).append(pid)
@@ -567,11 +563,10 @@ def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -
     stack = list(reversed(tree.get(root_pid, [])))
     while stack:
         pid = stack.pop()
-        if pid in seen or stats[pid].state in _DEAD_STATES:
-            continue
-        seen.add(pid)
-        found.append(_info(pid, stats[pid], tag, with_cmdline))
-        stack.extend(reversed(tree.get(pid, [])))
+        if pid not in seen:
+            seen.add(pid)
+            found.append(_info(pid, stats[pid], tag, with_cmdline))
+            stack.extend(reversed(tree.get(pid, [])))
     return found
 
 
@@ -584,6 +579,19 @@ def is_alive(key: ProcessKey) -> bool:
     return stat.starttime_ticks == key.start_ticks
 
 
+def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
+    """The stat of every live process of this PID namespace, in PID order (zombies left out)."""
+    stats: dict[int, _Stat] = {}
+    for pid in sorted(_all_pids()):
+        data = _read(f"{_PROC}/{pid}/stat")
+        if not data or (not kernel_threads and _is_kernel_thread(data)):
+            continue
+        stat = _parse_stat(data)
+        if stat is not None and stat.state not in _DEAD_STATES:
+            stats[pid] = stat
+    return stats
+
+
 def scan_all(
     *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
 ) -> list[ProcInfo]:
@@ -593,15 +601,8 @@ def scan_all(
     out kernel threads (no descriptors, no tag).
     """
     tag = None if session_id is None else session_id.encode()
-    found: list[ProcInfo] = []
-    for pid in sorted(_all_pids()):
-        data = _read(f"{_PROC}/{pid}/stat")
-        if not data or (not kernel_threads and _is_kernel_thread(data)):
-            continue
-        stat = _parse_stat(data)
-        if stat is not None and stat.state not in _DEAD_STATES:
-            found.append(_info(pid, stat, tag, with_cmdline))
-    return found
+    stats = _live_stats(kernel_threads=kernel_threads)
+    return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
 
 
 # NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc, so it
@@ -872,7 +873,7 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 segments[entry.name] = ShmSegment(
-                    st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512
+                    st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512, st.st_uid
                 )
         except OSError:
             continue  # removed during the scan
@@ -911,3 +912,150 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
         if names:
             held[pid] = sorted(names)
     return held
+
+
+# --- processes started since a moment -------------------------------------------------------
+
+# NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
+# (one read of /proc/loadavg) marks a moment: when it did not move no process started, and
+# when it moved one listdir('/proc') gives the PIDs in between, the only candidates. Where
+# /proc/loadavg cannot be read, two listings are compared.
+#
+# NOTE [whose process]: a new process is a process's own when that process is its ancestor
+# now, when its initial environment carries one of its ``LEAKCHECK_SESSION`` tags (inherited
+# through exec, even reparented away), or when it has that process's initial environment and
+# command line byte for byte (a fork whose parent exited: never exec'd, so untagged).
+
+
+def last_pid() -> int | None:
+    """The PID most recently handed out in this PID namespace (last field of /proc/loadavg)."""
+    data = _read(f"{_PROC}/loadavg", 256)
+    try:
+        return int(data.split()[-1]) if data else None
+    except (ValueError, IndexError):
+        return None
+
+
+def _proc_names() -> frozenset[str]:
+    try:
+        return frozenset(os.listdir(_PROC))
+    except OSError:
+        return frozenset()
+
+
+class PidMark(NamedTuple):
+    """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
+
+    ``last_pid`` None: unknown, and ``names`` (the /proc entries then) is compared instead.
+    ``boot_s``: seconds since boot, the clock of start ticks.
+    """
+
+    last_pid: int | None
+    names: frozenset[str]
+    unix_s: float
+    boot_s: float
+
+    @classmethod
+    def now(cls) -> PidMark:
+        """The mark of this moment."""
+        last = last_pid()
+        return cls(
+            last, _proc_names() if last is None else frozenset(), time.time(), since_boot_s()
+        )
+
+    def pids_since(self) -> list[int]:
+        """PIDs that may have started since the mark, in allocation order (parents first).
+
+        After a wrap-around an older process may fall in the range: callers compare ticks.
+        """
+        now = last_pid()
+        if self.last_pid is None or now is None:
+            return sorted(int(name) for name in _proc_names() - self.names if name.isdigit())
+        start = self.last_pid
+        if now == start:
+            return []
+        found = [
+            int(name)
+            for name in _proc_names()
+            if name.isdigit() and handed_out_since(self, int(name), now)
+        ]
+        return sorted(found, key=lambda pid: (pid <= start, pid))
+
+
+def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
+    """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
+
+    None where either is unknown. After a wrap-around an older PID can be in the range
+    again, so True means "may be new"; False is certain.
+    """
+    start = mark.last_pid
+    if start is None or now is None:
+        return None
+    if now == start:
+        return False
+    return (start < pid <= now) if now > start else (pid > start or pid <= now)
+
+
+class Lineage:
+    """Which new processes are one process's (``pid``) own.
+
+    Descendants now, tagged by it, or its reparented untagged forks (NOTE [whose process]).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.key = process_key(pid) or ProcessKey(pid, 0)
+        info = read_proc(pid)
+        self.cmdline = info.cmdline if info is not None else ""
+        self._image: tuple[bytes | None, bytes | None] | None = None
+
+    def ours(self, pids: Iterable[int], tags: Collection[str], *, since: PidMark) -> list[ProcInfo]:
+        """The processes among ``pids`` that are its own, born since ``since``."""
+        # An older PID can fall in the new range after PID numbers wrapped around; start
+        # ticks are truncated (the mark's too): one tick of slack keeps a twin.
+        born_since = int(since.boot_s * clock_ticks()) - 1
+        found: list[ProcInfo] = []
+        for pid in pids:
+            info = read_proc(pid)
+            if info is None or info.key.start_ticks < born_since:
+                continue
+            if self.descends(info):
+                found.append(info)
+                continue
+            tag = tagged_session(pid)
+            if tag is not None and tag in tags:
+                found.append(info._replace(tagged=True))
+            elif tag is None and self._forked_here(info):
+                found.append(info)
+        return found
+
+    def descends(self, info: ProcInfo) -> bool:
+        """Whether the process is an ancestor of ``info`` now."""
+        # Stops at the first ancestor older than it: a stranger's process (another job's, a
+        # sibling xdist worker's) costs a read or two, not a walk to PID 1.
+        return info.ppid == self.pid or is_ancestor(
+            self.pid, info.ppid, born_since_ticks=self.key.start_ticks or None
+        )
+
+    def _looks_alike(self, pid: int) -> bool:
+        """The same command line and initial environment as the process, byte for byte."""
+        if self._image is None:
+            self._image = (_image_of(self.pid, "environ"), _image_of(self.pid, "cmdline"))
+        environ, cmdline = self._image
+        return bool(environ and cmdline) and (
+            _image_of(pid, "cmdline") == cmdline and _image_of(pid, "environ") == environ
+        )
+
+    def _forked_here(self, info: ProcInfo) -> bool:
+        """A reparented fork of the process (ours has PID 1, a subreaper or us for parent).
+
+        One whose live parent looks alike too is a twin's: xdist workers start alike.
+        """
+        parent = info.ppid
+        return self._looks_alike(info.key.pid) and (
+            parent <= 1 or parent == self.pid or not self._looks_alike(parent)
+        )
+
+
+def _image_of(pid: int, name: str) -> bytes | None:
+    return _read(f"{_PROC}/{pid}/{name}", 65536, whole=True)

@@ -42,29 +42,21 @@ _NAME_WIDTH = 72  # a process's name in the tree is cut to this many characters
 class ProcessSnapshot(NamedTuple):
     """One process in a snapshot.
 
-    Attributes:
-        role: Relative to the job root (None without one); a direct child is a ``worker``
-            only when known as one (NOTE [roles from outside] in roles.py).
-        gpu_bytes: Used GPU bytes per device index where NVML listed it.
-        nvidia_fds: Open ``/dev/nvidia*`` descriptors (None: not read, or unreadable).
-        flags: ``orphan`` (its session's root is gone or no longer its ancestor),
-            ``descriptor-holder`` (descriptors open, absent from NVML), ``helper`` (a runtime
-            helper of the job: ``roles.RUNTIME_HELPERS``).
-        session: The ``LEAKCHECK_SESSION`` tag in its environment, if any.
-        host: Its host memory, for the job's processes.
-        copied_bytes: What a forked loader worker copied of its parent's memory since birth.
-
+    ``role`` is relative to the job root (None without one): a direct child is a ``worker``
+    only when known as one (NOTE [roles from outside] in roles.py). ``flags``: ``orphan`` (its
+    session's root is gone or no longer its ancestor), ``descriptor-holder`` (descriptors
+    open, absent from NVML), ``helper`` (a runtime helper of the job).
     """
 
     info: ProcInfo
     role: Role | None
-    gpu_bytes: Mapping[int, int]
+    gpu_bytes: Mapping[int, int]  # per device where NVML listed it
     gpu_bytes_unknown: bool = False
-    nvidia_fds: int | None = None
+    nvidia_fds: int | None = None  # open /dev/nvidia* descriptors (None: not read)
     flags: tuple[str, ...] = ()
-    session: str | None = None
-    host: HostMemory | None = None
-    copied_bytes: int | None = None
+    session: str | None = None  # the LEAKCHECK_SESSION tag in its environment
+    host: HostMemory | None = None  # for the job's processes
+    copied_bytes: int | None = None  # a forked worker's copies of its parent's memory
 
 
 class Snapshot(NamedTuple):

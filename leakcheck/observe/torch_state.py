@@ -8,6 +8,7 @@ parent it would fail. Every module that touches torch's CUDA state asks here fir
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from typing import Any
 
@@ -67,5 +68,26 @@ def pinned_host_bytes() -> tuple[int, int] | None:
     try:
         found = stats()
         return int(found["active_bytes.current"]), int(found["allocated_bytes.current"])
+    except Exception:
+        return None
+
+
+def allocator_bytes(*, collect: bool = False) -> tuple[dict[int, int], dict[int, int]] | None:
+    """``(allocated, reserved)`` bytes of torch's CUDA allocator per device here.
+
+    ``collect`` first frees what only cycles, the cache and cuBLAS workspaces hold (NVML still
+    counts cached blocks). None where CUDA is not initialised here, or asking raised.
+    """
+    cuda = initialized_cuda()
+    if cuda is None:
+        return None
+    try:
+        if collect:
+            gc.collect()
+            clear_library_workspaces()
+            cuda.empty_cache()
+        devices = range(int(cuda.device_count()))
+        allocated = {d: int(cuda.memory_allocated(d)) for d in devices}
+        return allocated, {d: int(cuda.memory_reserved(d)) for d in devices}
     except Exception:
         return None

@@ -145,9 +145,9 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     return tuple(findings)
 
 
-def _where_workers_wait(stacks: str) -> str:
-    """``; worker PID 12 in fn (file.py:3)`` for each worker's section of a stall's stacks."""
-    waits: list[str] = []
+def _waits(stacks: str) -> list[tuple[str, str]]:
+    """(PID, innermost frame of its main thread) for each worker's section of a stall's stacks."""
+    waits: list[tuple[str, str]] = []
     for section in stacks.split("--- worker PID ")[1:]:
         pid, _, text = section.partition(" ---\n")
         # Its main thread, where __getitem__ runs: faulthandler lists it last (newest first),
@@ -155,8 +155,8 @@ def _where_workers_wait(stacks: str) -> str:
         threads = [t for t in text.split("\n--- ")[0].split("\n\n") if t.strip()]
         frame = innermost_frames(threads[-1], 1) if threads else None
         if frame is not None:
-            waits.append(f"; worker PID {pid} in {frame}")
-    return "".join(waits)
+            waits.append((pid, frame))
+    return waits
 
 
 def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -168,7 +168,7 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             message=(
                 f"no batch for {stall.waited_s:.0f} s"
                 + (f" in epoch {stall.epoch}" if stall.epoch is not None else "")
-                + _where_workers_wait(stall.stacks)
+                + "".join(f"; worker PID {pid} in {frame}" for pid, frame in _waits(stall.stacks))
                 + "; the job's stacks follow"
             ),
             remedy="see where each waits (a worker's __getitem__, a lock, a full queue)",
@@ -192,7 +192,7 @@ def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             message=(
                 f"DataLoader worker (PID {stall.pid}) did not exit within {stall.waited_s:.0f} s "
                 "of its shutdown: terminated"
-                + (f" in {frame}" if (frame := innermost_frames(stall.stacks, 1)) else "")
+                + "".join(f" in {frame}" for _, frame in _waits(stall.stacks)[:1])
             ),
             remedy="see its stack: a __getitem__ still running, a non-daemon thread, a "
             "worker_init_fn that blocks",

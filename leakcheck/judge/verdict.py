@@ -252,6 +252,20 @@ REMEDY_SCOPE = (
 
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
 
+REMEDY_GROWTH_PARENT = (
+    "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of outputs"
+)
+REMEDY_GROWTH_WORKER = (
+    "keep worker-side caches on the CPU (move batches to the GPU in the main process), or bound "
+    "them"
+)
+REMEDY_HOST_PARENT = (
+    "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists and caches)"
+)
+REMEDY_HOST_WORKER = (
+    "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
+)
+
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
     if proc.freed_by_gc:
@@ -436,6 +450,13 @@ _Points = list[tuple[int, int]]
 """(epoch index, bytes) at epoch ends, in epoch order."""
 
 
+def _points(seen: Sequence[_Seen], read: Callable[[ProcessEpoch], int | None]) -> _Points:
+    """What ``read`` gives at the epoch ends of ``seen`` where it gives something."""
+    return [
+        (rec.index, v) for rec, proc in seen if rec is not None and (v := read(proc)) is not None
+    ]
+
+
 def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float | None:
     """``growth_slope`` of ``points``; host memory by epoch index, with its own tolerance."""
     return growth_slope(
@@ -446,12 +467,34 @@ def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float 
     )
 
 
-def _grows(points: _Points, slope: float) -> str:
-    """``grows 8.0 MiB/epoch over epochs 1-4: 600 -> 624 MiB``."""
+def _grown(
+    rule: Rule,
+    points: _Points,
+    slope: float,
+    what: str,
+    remedy: str,
+    proc: ProcessEpoch | None = None,
+    *,
+    host: bool = False,
+    **fields: Any,
+) -> Finding:
+    """A leak whose ``{grows}`` in ``what`` says ``grows 8.0 MiB/epoch over epochs 1-4: ...``."""
     (first, start), (last, end) = points[0], points[-1]
-    return (
+    grows = (
         f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
         f"{format_mib(start)} -> {format_mib(end)} MiB"
+    )
+    rise: dict[str, Any] = {"host_bytes" if host else "gpu_bytes": end - start}
+    return _finding(
+        rule,
+        "leak",
+        what.format(grows=grows),
+        remedy,
+        proc,
+        epoch=last,
+        bytes_per_epoch=slope,
+        **rise,
+        **fields,
     )
 
 
@@ -467,38 +510,27 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             for rec, proc in obs
             if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
         ][config.warmup_epochs :]
-        points = [(rec.index, proc.total_gpu_bytes_end) for rec, proc in seen if rec is not None]
+        points = _points(seen, lambda proc: proc.total_gpu_bytes_end)
         slope = _slope(points, config)
         if slope is None:
             continue
-        first, last = seen[0][1], seen[-1][1]
-        deltas = {
-            d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0)
-            for d in sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
-        }
-        grown = [(d, delta) for d, delta in deltas.items() if delta]
+        first, last = seen[0][1].gpu_bytes_end, seen[-1][1]
+        grown = [
+            (d, last.gpu_bytes_end.get(d, 0) - first.get(d, 0))
+            for d in sorted(set(first) | set(last.gpu_bytes_end))
+        ]
+        grown = [(d, delta) for d, delta in grown if delta]
         per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
         per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
-        if last.role == "parent":
-            remedy = (
-                "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists "
-                "of outputs"
-            )
-        else:
-            remedy = (
-                "keep worker-side caches on the CPU (move batches to the GPU in the main "
-                "process), or bound them"
-            )
+        remedy = REMEDY_GROWTH_PARENT if last.role == "parent" else REMEDY_GROWTH_WORKER
         found.append(
-            _finding(
+            _grown(
                 "growth",
-                "leak",
-                _grows(points, slope) + per_device,
+                points,
+                slope,
+                "{grows}" + per_device,
                 remedy,
                 last,
-                gpu_bytes=points[-1][1] - points[0][1],
-                epoch=points[-1][0],
-                bytes_per_epoch=slope,
                 nvidia_fds=last.nvidia_fds,
             )
         )
@@ -511,21 +543,10 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             per_device_points.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
     for device, points in sorted(per_device_points.items()):
         points = points[config.warmup_epochs :]
-        slope = _slope(points, config)
-        if slope is not None:
-            found.append(
-                _finding(
-                    "growth",
-                    "leak",
-                    f"GPU{device} used memory {_grows(points, slope)} (device total: no "
-                    "process can be named)",
-                    "run with --pid=host or in the job's PID namespace to see which process grows",
-                    gpu_bytes=points[-1][1] - points[0][1],
-                    epoch=points[-1][0],
-                    device_index=device,
-                    bytes_per_epoch=slope,
-                )
-            )
+        if (slope := _slope(points, config)) is not None:
+            what = f"GPU{device} used memory {{grows}} (device total: no process can be named)"
+            remedy = "run with --pid=host or in the job's PID namespace to see which process grows"
+            found.append(_grown("growth", points, slope, what, remedy, device_index=device))
     return tuple(found)
 
 
@@ -547,7 +568,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     found: list[Finding] = []
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _Walk.of(timeline).seen.values():
-        points = [
+        seen = [
             (rec, proc)
             for rec, proc in obs
             if rec is not None
@@ -555,16 +576,33 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             and proc.alive_at_end
             and proc.role in ("parent", "worker")
         ][config.warmup_epochs :]
-        if len(points) < 3:
+        if len(seen) < 3:
             continue
-        leak = _host_leak(points, config)
-        if leak is not None:
-            found.append(leak)
-            continue
-        uss_reads = sum(proc.host_source == "uss" for _, proc in points)
-        resident_only = sum(proc.host_source == "rss" for _, proc in points)
-        if resident_only and unread is None:
-            unread = (uss_reads, uss_reads + resident_only)
+        last = seen[-1][1]
+        uss = _points(seen, lambda p: p.host_bytes_end if p.host_source == "uss" else None)
+        anon = _points(seen, lambda p: p.anon_bytes_end)
+        resident, basis = (
+            (anon, "RssAnon")
+            if len(anon) == len(seen)
+            else (_points(seen, lambda p: p.rss_bytes_end), "RSS")
+        )
+        points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
+        slope = _slope(resident, config, host=True)
+        if len(uss) >= 3:
+            points, measure, note = uss, "USS", ""
+            slope = _slope(uss, config, host=True)
+            if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
+                span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
+                resident_slope = _slope(span, config, host=True)
+                slope = None if resident_slope is None else min(slope, resident_slope)
+                note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+        if slope is not None:
+            remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
+            what = f"host memory ({measure}) {{grows}}{note}"
+            found.append(_grown("host-growth", points, slope, what, remedy, last, host=True))
+        elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
+            uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
+            unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
     if unread is not None and not found:  # a clean host verdict says what it could not see
         found.append(
             _finding(
@@ -583,80 +621,16 @@ def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
     """Find the loop's process whose pinned host memory (torch's reserved bytes) grows."""
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)[config.warmup_epochs :]
     points = [(r.index, v) for r in epochs if (v := r.pinned_reserved_bytes) is not None]
-    slope = _slope(points, config, host=True) if points else None  # host memory: its tolerance
-    last = epochs[-1].processes if epochs else ()
-    parent = next((p for p in last if p.role == "parent"), None)
+    slope = _slope(points, config, host=True)  # host memory: its tolerance
+    parent = next((p for p in epochs[-1].processes if p.role == "parent"), None) if epochs else None
     if slope is None or parent is None:
         return ()
-    return (
-        _finding(
-            "pinned-growth",
-            "leak",
-            f"pinned host memory {_grows(points, slope)}",
-            "keep no reference to pinned batches across steps; allocate pinned buffers once, "
-            "not per step",
-            parent,
-            epoch=points[-1][0],
-            bytes_per_epoch=slope,
-            host_bytes=points[-1][1] - points[0][1],
-        ),
+    remedy = (
+        "keep no reference to pinned batches across steps; allocate pinned buffers once, not per "
+        "step"
     )
-
-
-def _host_leak(
-    points: Sequence[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
-) -> Finding | None:
-    """Judge one process's epoch-end host memory: its leak, or None."""
-    last = points[-1][1]
-    uss: _Points = []
-    anon: _Points = []
-    rss: _Points = []
-    for rec, proc in points:
-        if proc.host_source == "uss" and proc.host_bytes_end is not None:
-            uss.append((rec.index, proc.host_bytes_end))
-        if proc.anon_bytes_end is not None:
-            anon.append((rec.index, proc.anon_bytes_end))
-        if proc.rss_bytes_end is not None:
-            rss.append((rec.index, proc.rss_bytes_end))
-    # Resident memory: RssAnon where every point has it, else RSS.
-    resident, basis = (anon, "RssAnon") if anon and len(anon) == len(points) else (rss, "RSS")
-    if len(uss) >= 3:
-        chosen, measure, note = uss, "USS", ""
-        slope = _slope(uss, config, host=True)
-        if slope is not None and last.role == "parent":
-            # NOTE [return of shared pages]
-            span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
-            resident_slope = _slope(span, config, host=True)
-            if resident_slope is None:
-                return None
-            slope = min(slope, resident_slope)
-            note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-    else:
-        chosen, measure = resident, basis
-        slope = _slope(resident, config, host=True)
-        note = f" (USS read at {len(uss)} of these ends)"
-    if slope is None:
-        return None
-    if last.role == "parent":
-        remedy = (
-            "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
-            "and caches)"
-        )
-    else:
-        remedy = (
-            "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not "
-            "Python objects"
-        )
-    return _finding(
-        "host-growth",
-        "leak",
-        f"host memory ({measure}) {_grows(chosen, slope)}{note}",
-        remedy,
-        last,
-        epoch=chosen[-1][0],
-        bytes_per_epoch=slope,
-        host_bytes=chosen[-1][1] - chosen[0][1],
-    )
+    what = "pinned host memory {grows}"
+    return (_grown("pinned-growth", points, slope, what, remedy, parent, host=True),)
 
 
 @dataclass(frozen=True)

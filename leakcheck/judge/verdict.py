@@ -290,18 +290,16 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     walk = _Walk.of(timeline)
     bytes_known = per_pid_bytes_known(timeline)
     found: list[Finding] = []
-    judged: set[ProcessKey] = set()
-    for rec in walk.ordered:
-        for proc in rec.processes:
+    for obs in walk.seen.values():
+        for rec, proc in obs:
             if (
-                proc.key in judged
+                rec is None
                 or not proc.born_in_epoch
                 or proc.persistent
                 or proc.role not in ("worker", "descendant")
                 or not proc.alive_at_end
             ):
                 continue
-            obs = walk.seen[proc.key]
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
             # late was placed where found (NOTE [born epoch] in track/sampler.py).
@@ -311,7 +309,6 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             alive_after = walk.alive_after_s(born, obs)
             if alive_after is None or not _past_grace(alive_after, config.grace_s):
                 continue
-            judged.add(proc.key)
             holds, held = _holding(
                 (p for r, p in obs if r is None or r.index >= born.index), bytes_known
             )
@@ -334,6 +331,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     **held,
                 )
             )
+            break
     return tuple(found)
 
 
@@ -843,39 +841,37 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     cmdline = next(
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
     )
-    scopes = f" after the teardown of {', '.join(memory.scopes)}" if memory.scopes else ""
-    first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
-    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str, str | None], ...] = (
+    scopes = ", ".join(memory.scopes) or None
+    kept = "still holds {} of CUDA tensors more than at the start"
+    driver = "holds {} more than at the start outside torch's allocator"
+    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str | None], ...] = (
         (
             memory.kept_tensor_bytes,
             "leak",
-            "still holds ",
-            f" of CUDA tensors more than at the start{scopes}",
+            kept + (f" after the teardown of {scopes}" if scopes else ""),
             REMEDY_SCOPE
-            if memory.scopes
+            if scopes
             else "drop references to CUDA tensors the work keeps (module-level lists, caches, "
             "stored exceptions)",
-            ", ".join(memory.scopes) or None,
+            scopes,
         ),
         (
             memory.driver_bytes,
             "info" if memory.torch_in_use else "leak",
-            "holds ",
-            f" more than at the start outside torch's allocator{first_use}",
+            driver + (" (or kernels loaded on first use)" if memory.torch_in_use else ""),
             "free GPU memory the work allocates outside torch (library pools), or raise the "
             "tolerance",
             None,
         ),
     )
     found: list[Finding] = []
-    for values, severity, before, after, remedy, scope in cases:
-        held = {d: b for d, b in values.items() if b > config.tolerance_bytes}
-        if held:
+    for values, severity, what, remedy, scope in cases:
+        if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
             found.append(
                 _finding(
                     "residual",
                     severity,
-                    f"{culprit('parent', root.pid, cmdline)} {before}{_devices_text(held)}{after}",
+                    f"{culprit('parent', root.pid, cmdline)} {what.format(_devices_text(held))}",
                     remedy,
                     pid=root.pid,
                     start_ticks=root.start_ticks,

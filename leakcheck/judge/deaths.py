@@ -24,7 +24,7 @@ _NEAR_FULL_FRACTION = 0.05
 
 _CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
-_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)')
+_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)', re.MULTILINE)
 
 
 def signal_name(number: int) -> str:
@@ -35,23 +35,6 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def innermost_frames(stack: str, count: int = 2) -> str | None:
-    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
-    lines = stack.splitlines()
-    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
-    frames: list[str] = []
-    for line in lines[current:]:
-        match = _FRAME.match(line)
-        if match is not None:
-            path, number, function = match.groups()
-            frames.append(f"{function} ({os.path.basename(path)}:{number})")
-        elif frames:
-            break  # the crashing thread comes first; the next thread's frames are not it
-        if len(frames) == count:
-            break
-    return " < ".join(frames) or None
-
-
 def crashing_thread(stack: str) -> str:
     """The crashing thread's part of what faulthandler wrote (``Current thread`` and frames)."""
     lines = stack.splitlines()
@@ -60,6 +43,15 @@ def crashing_thread(stack: str) -> str:
         return stack
     end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()), len(lines))
     return "\n".join(lines[start:end])
+
+
+def innermost_frames(stack: str, count: int = 2) -> str | None:
+    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
+    frames = _FRAME.findall(crashing_thread(stack))[:count]
+    return (
+        " < ".join(f"{func} ({os.path.basename(path)}:{line})" for path, line, func in frames)
+        or None
+    )
 
 
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
-from leakcheck.core.units import format_mib
+from leakcheck.core.units import format_mib, plural
 from leakcheck.judge.deaths import died, hang, shutdown_hang
 from leakcheck.observe.procs import create_time_s
 
@@ -210,10 +210,8 @@ class EpochCounts:
     """What an epoch's end left running, in hindsight of every later observation.
 
     Attributes:
-        alive_after: Non-persistent processes the epoch started, seen alive past the grace
-            after its end or when the job ended (the survivor and orphan rules' evidence).
-        orphans: The job's reparented processes alive at the epoch's end, outside the tree
-            its end's walk listed.
+        alive_after: Non-persistent processes it started, alive past the grace or the job.
+        orphans: The job's reparented processes alive at its end, outside its end's tree.
 
     """
 
@@ -417,14 +415,8 @@ def growth_slope(
 ) -> float | None:
     """The least-squares slope (bytes/epoch) of a leaking series of epoch-end bytes, else None.
 
-    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]).
-
-    Args:
-        series: Bytes at the end of each judged epoch (warm-up removed), in epoch order.
-        config: The thresholds.
-        epochs: Each point's epoch index where epochs are missing (paced-out USS reads).
-        tolerance_bytes: Instead of ``config.tolerance_bytes``.
-
+    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]);
+    ``epochs`` places the points where epochs are missing (paced-out USS reads).
     """
     n = len(series)
     if n < 3:
@@ -633,7 +625,7 @@ def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
 
 @dataclass(frozen=True)
 class _WorkerCopy:
-    """One worker's copies over the timeline (NOTE [copy on read] in hostmem.py)."""
+    """One worker's largest copy, and when it first passed the tolerance (NOTE [copy on read])."""
 
     proc: ProcessEpoch
     copied_bytes: int
@@ -655,33 +647,26 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     one info finding for spawned workers, where it cannot be told.
     """
     tolerance = config.copy_tolerance_bytes
-    observed = [
-        (rec.index, proc)
-        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
-        for proc in rec.processes
-    ]
+    epochs = sorted(timeline.epochs, key=lambda rec: rec.index)
+    observed = [(rec.index, proc) for rec in epochs for proc in rec.processes]
     final = timeline.final
     if final is not None and final.open_epoch is not None:
         observed += [(final.open_epoch, proc) for proc in final.processes]
     copies: dict[ProcessKey, _WorkerCopy] = {}
     unforked: dict[ProcessKey, ProcessEpoch] = {}
     for index, proc in observed:
+        copied = proc.copied_bytes_peak
         if proc.role != "worker":
             continue
         if proc.forked is False:
-            known = unforked.get(proc.key)
-            if known is None or _private_bytes(proc) > _private_bytes(known):
-                unforked[proc.key] = proc
-            continue
-        copied = proc.copied_bytes_peak
-        if proc.forked is not True or copied is None:
-            continue
-        seen = copies.get(proc.key)
-        if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
-            # The first epoch above the tolerance names when; the largest copy says how much.
-            copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
-        elif copied > seen.copied_bytes:
-            copies[proc.key] = _WorkerCopy(proc, copied, seen.epoch, seen.after_s)
+            unforked[proc.key] = max(unforked.get(proc.key, proc), proc, key=_private_bytes)
+        elif proc.forked and copied is not None:
+            seen = copies.get(proc.key)
+            if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
+                # The first epoch above the tolerance names when; the largest copy how much.
+                copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
+            elif copied > seen.copied_bytes:
+                copies[proc.key] = replace(seen, proc=proc, copied_bytes=copied)
     by_parent: dict[int, list[_WorkerCopy]] = {}
     for copy in copies.values():
         if copy.copied_bytes > tolerance:
@@ -691,13 +676,12 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         workers = sorted(unforked.values(), key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
         mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
-        who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
         found.append(
             _finding(
                 "copy-on-read",
                 "info",
-                f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
-                f"share no memory with the training process{mean}",
+                f"copy-on-read cannot be told for {plural(len(workers), 'worker')} started by "
+                "spawn or forkserver: they share no memory with the training process" + mean,
                 "each holds what it unpickled (the dataset included) and imported: mmap large "
                 "data, or use fewer workers",
                 workers[0],
@@ -712,14 +696,10 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
     epochs = sorted({copy.epoch for copy in leaking})
     persistent = any(copy.proc.persistent for copy in leaking)
-    per_epoch: dict[int, int] = {}
-    for copy in leaking:
-        per_epoch[copy.epoch] = per_epoch.get(copy.epoch, 0) + copy.copied_bytes
-    if persistent:
-        count, total = len(leaking), sum(per_epoch.values())
-    else:  # a generation of workers per epoch: one epoch's
+    count, total = len(leaking), sum(copy.copied_bytes for copy in leaking)
+    if not persistent:  # a generation of workers per epoch: one epoch's
         count = max(sum(c.epoch == e for c in leaking) for e in epochs)
-        total = max(per_epoch.values())
+        total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in epochs)
     mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
     when = f"in epoch {first.epoch}"
     if first.after_s is not None:
@@ -979,19 +959,15 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Report the ``/dev/shm`` files left behind, and the epoch nearest to filling it."""
     found = [_shm_finding(item) for item in timeline.shm_files]
     # Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
-    full = [
-        (
-            rec.shm_used_peak_bytes / rec.shm_total_bytes,
-            rec.shm_total_bytes,
-            rec.shm_used_peak_bytes,
-            rec,
-        )
+    measured = [
+        (rec.shm_used_peak_bytes, rec.shm_total_bytes, rec)
         for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
         if rec.shm_total_bytes and rec.shm_used_peak_bytes is not None
     ]
-    worst = max(full, key=lambda item: item[0], default=None)
-    if worst is not None and worst[0] >= config.shm_pressure_fraction:
-        fraction, total, used, rec = worst
+    worst = max(measured, key=lambda item: item[0] / item[1], default=None)
+    if worst is not None and worst[0] / worst[1] >= config.shm_pressure_fraction:
+        used, total, rec = worst
+        fraction = used / total
         job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
         found.append(
             _finding(
@@ -1035,17 +1011,12 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
     for obs in _Walk.of(timeline).seen.values():
         for rec, proc in obs:
             # Outliving the work that started it is where held descriptors matter.
-            outlives = proc.role == "orphan" or (
-                closed if rec is None else proc.role == "descendant" and proc.alive_at_end
-            )
-            if (
-                proc.role not in _CHILD_ROLES
-                or (rec is not None and not proc.alive_at_end)
-                or not proc.nvidia_fds
-                or proc.gpu_bytes_unknown
-                or any(b > 0 for b in proc.gpu_bytes_end.values())
-                or not outlives
-            ):
+            if rec is None:
+                outlives = proc.role == "orphan" or (closed and proc.role in _CHILD_ROLES)
+            else:
+                outlives = proc.alive_at_end and proc.role in ("orphan", "descendant")
+            held = proc.gpu_bytes_unknown or any(b > 0 for b in proc.gpu_bytes_end.values())
+            if not outlives or not proc.nvidia_fds or held:
                 continue
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             found.append(
@@ -1245,15 +1216,9 @@ RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
 _RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
 
 
-def _sort_key(finding: Finding) -> tuple[int, bool, int, bool, int, int]:
-    return (
-        0 if finding.severity == "leak" else 1,
-        finding.epoch is None,
-        finding.epoch if finding.epoch is not None else 0,
-        finding.pid is None,
-        finding.pid if finding.pid is not None else 0,
-        _RULE_ORDER[finding.rule],
-    )
+def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
+    order = _RULE_ORDER[f.rule]
+    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0, order)
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:

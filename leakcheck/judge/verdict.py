@@ -7,7 +7,6 @@ observation of every process) and build their findings with one builder (``_find
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -181,10 +180,11 @@ class _Walk:
         if start is None or after_s is None:
             return []
         in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-        ends = [rec.end_s for rec in self.ordered]
-        lo = bisect.bisect_left(ends, start.end_s)
-        hi = bisect.bisect_right(ends, start.end_s + after_s)
-        return [rec for rec in self.ordered[lo:hi] if rec.index not in in_tree]
+        return [
+            rec
+            for rec in self.ordered
+            if start.end_s <= rec.end_s <= start.end_s + after_s and rec.index not in in_tree
+        ]
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
@@ -767,17 +767,13 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
             p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
         ]
         if holders:
-            held = [
+            held = [(p, p.gpu_bytes_end.get(dev.index)) for p in holders[:2]]
+            who = "; held by " + ", ".join(
                 f"{culprit('foreign', p.key.pid, p.cmdline, width=32)} "
-                + (
-                    f"{format_mib(p.gpu_bytes_end[dev.index])} MiB"
-                    if dev.index in p.gpu_bytes_end
-                    else "? MiB"
-                )
-                for p in holders[:2]
-            ]
-            more = f" and {len(holders) - 2} more" if len(holders) > 2 else ""
-            who = f"; held by {', '.join(held)}{more}"
+                f"{'?' if used is None else format_mib(used)} MiB"
+                for p, used in held
+            )
+            who += f" and {len(holders) - 2} more" if len(holders) > 2 else ""
             remedy = (
                 "stop it if it is yours (an escaped child, another run), or use an idle GPU "
                 "(CUDA_VISIBLE_DEVICES)"

@@ -472,7 +472,7 @@ def test_residual_names_two_foreign_holders_and_counts_the_rest() -> None:
     found = one(verdict.residual(tl, CONFIG))
     assert (
         "; held by foreign mig_job (PID 999) ? MiB, foreign job0 (PID 900) 200 MiB and 2 more"
-        in (found.message)
+        in found.message
     ), found.message
     assert found.pid is None  # several holders: none is the culprit
 

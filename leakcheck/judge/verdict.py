@@ -464,27 +464,15 @@ def _grown(
     what: str,
     remedy: str,
     proc: ProcessEpoch | None = None,
-    *,
-    host: bool = False,
     **fields: Any,
 ) -> Finding:
     """A leak whose ``{grows}`` in ``what`` says ``grows 8.0 MiB/epoch over epochs 1-4: ...``."""
     (first, start), (last, end) = points[0], points[-1]
-    grows = (
-        f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
-        f"{format_mib(start)} -> {format_mib(end)} MiB"
-    )
-    rise: dict[str, Any] = {"host_bytes" if host else "gpu_bytes": end - start}
+    grows = f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
+    message = what.format(grows=f"{grows}{format_mib(start)} -> {format_mib(end)} MiB")
+    fields["gpu_bytes" if rule == "growth" else "host_bytes"] = end - start
     return _finding(
-        rule,
-        "leak",
-        what.format(grows=grows),
-        remedy,
-        proc,
-        epoch=last,
-        bytes_per_epoch=slope,
-        **rise,
-        **fields,
+        rule, "leak", message, remedy, proc, epoch=last, bytes_per_epoch=slope, **fields
     )
 
 
@@ -513,16 +501,9 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
         per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
         remedy = REMEDY_GROWTH_PARENT if last.role == "parent" else REMEDY_GROWTH_WORKER
+        what = "{grows}" + per_device
         found.append(
-            _grown(
-                "growth",
-                points,
-                slope,
-                "{grows}" + per_device,
-                remedy,
-                last,
-                nvidia_fds=last.nvidia_fds,
-            )
+            _grown("growth", points, slope, what, remedy, last, nvidia_fds=last.nvidia_fds)
         )
     if timeline.attribution != "blind-namespace":
         return tuple(found)
@@ -589,7 +570,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if slope is not None:
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
-            found.append(_grown("host-growth", points, slope, what, remedy, last, host=True))
+            found.append(_grown("host-growth", points, slope, what, remedy, last))
         elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
@@ -620,7 +601,7 @@ def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
         "step"
     )
     what = "pinned host memory {grows}"
-    return (_grown("pinned-growth", points, slope, what, remedy, parent, host=True),)
+    return (_grown("pinned-growth", points, slope, what, remedy, parent),)
 
 
 @dataclass(frozen=True)

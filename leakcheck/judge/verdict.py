@@ -187,6 +187,10 @@ class _Walk:
         ]
 
 
+def _index(rec: EpochRecord | None) -> int | None:
+    return rec.index if rec is not None else None
+
+
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
     """Seen alive later than the grace after an epoch's end (``_Walk.alive_after_s``)."""
     # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
@@ -317,12 +321,14 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
+            message = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
+            remedy = _survivor_remedy(proc, _worker_pids(obs))
             found.append(
                 _finding(
                     "survivor",
                     "leak",
-                    f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
-                    _survivor_remedy(proc, _worker_pids(obs)),
+                    message,
+                    remedy,
                     proc,
                     epoch=born.index,
                     scope=proc.scope,
@@ -390,19 +396,11 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
-        found.append(
-            _finding(
-                "orphan",
-                "leak",
-                f"{started}outlived its {'worker' if under_worker else 'parent'}{since}{still}"
-                f"{holds}",
-                f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}",
-                last,
-                epoch=left[0].index if left else (first_rec.index if first_rec else None),
-                scope=last.scope,
-                **held,
-            )
-        )
+        parent = "worker" if under_worker else "parent"
+        message = f"{started}outlived its {parent}{since}{still}{holds}"
+        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
+        held["epoch"] = left[0].index if left else (first_rec.index if first_rec else None)
+        found.append(_finding("orphan", "leak", message, remedy, last, scope=last.scope, **held))
     return tuple(found)
 
 
@@ -574,18 +572,17 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
-    if unread is not None and not found:  # a clean host verdict says what it could not see
-        found.append(
-            _finding(
-                "host-growth",
-                "info",
-                f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends "
-                "judged: copy-on-read at the others can go unseen",
-                "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
-                "--rollup-share 1)",
-            )
-        )
-    return tuple(found)
+    if unread is None or found:  # a clean host verdict says what it could not see
+        return tuple(found)
+    message = (
+        f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "
+        "copy-on-read at the others can go unseen"
+    )
+    remedy = (
+        "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
+        "--rollup-share 1)"
+    )
+    return (_finding("host-growth", "info", message, remedy),)
 
 
 def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -657,19 +654,19 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         workers = sorted(unforked.values(), key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
         mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
-        found.append(
-            _finding(
-                "copy-on-read",
-                "info",
-                f"copy-on-read cannot be told for {plural(len(workers), 'worker')} started by "
-                "spawn or forkserver: they share no memory with the training process" + mean,
-                "each holds what it unpickled (the dataset included) and imported: mmap large "
-                "data, or use fewer workers",
-                workers[0],
-                named=False,
-                host_bytes=sum(held) if held else None,
-            )
+        message = (
+            f"copy-on-read cannot be told for {plural(len(workers), 'worker')} started by spawn "
+            f"or forkserver: they share no memory with the training process{mean}"
         )
+        remedy = (
+            "each holds what it unpickled (the dataset included) and imported: mmap large data, "
+            "or use fewer workers"
+        )
+        held_bytes = sum(held) if held else None
+        info = _finding(
+            "copy-on-read", "info", message, remedy, workers[0], named=False, host_bytes=held_bytes
+        )
+        found.append(info)
     return tuple(found)
 
 
@@ -698,13 +695,18 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
             f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
             f"memory ({format_mib(total)} MiB in all)"
         )
+    remedy = (
+        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+        "before iterating; or fewer workers"
+    )
+    largest = max(leaking, key=lambda c: c.copied_bytes).proc
+    message = f"{who}, {when}"
     return _finding(
         "copy-on-read",
         "leak",
-        f"{who}, {when}",
-        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-        "before iterating; or fewer workers",
-        max(leaking, key=lambda c: c.copied_bytes).proc,
+        message,
+        remedy,
+        largest,
         named=False,
         epoch=first.epoch,
         host_bytes=total,
@@ -772,14 +774,19 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         # so the rise is reported as advice, not as a leak.
         if unknown_lineage:
             who += "; the job's own bytes are unknown (MIG/vGPU)"
+        message = (
+            f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
+        )
+        severity: Severity = "info" if unknown_lineage else "leak"
+        holder = holders[0] if len(holders) == 1 else None
         found.append(
             _finding(
                 "residual",
-                "info" if unknown_lineage else "leak",
-                f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-                f"{format_mib(unexplained)} MiB of it not held by the job{who}",
+                severity,
+                message,
                 remedy,
-                holders[0] if len(holders) == 1 else None,
+                holder,
                 named=False,
                 rank=None,
                 gpu_bytes=unexplained,
@@ -799,6 +806,7 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
     )
     scopes = ", ".join(memory.scopes) or None
+    who = culprit("parent", root.pid, cmdline)
     kept = "still holds {} of CUDA tensors more than at the start"
     driver = "holds {} more than at the start outside torch's allocator"
     cases: tuple[tuple[Mapping[int, int], Severity, str, str, str | None], ...] = (
@@ -824,18 +832,20 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     found: list[Finding] = []
     for values, severity, what, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
+            message = f"{who} {what.format(_devices_text(held))}"
+            device = min(held) if len(held) == 1 else None
             found.append(
                 _finding(
                     "residual",
                     severity,
-                    f"{culprit('parent', root.pid, cmdline)} {what.format(_devices_text(held))}",
+                    message,
                     remedy,
                     pid=root.pid,
                     start_ticks=root.start_ticks,
                     role="parent",
                     cmdline=cmdline,
                     gpu_bytes=sum(held.values()),
-                    device_index=min(held) if len(held) == 1 else None,
+                    device_index=device,
                     scope=scope,
                 )
             )
@@ -919,10 +929,11 @@ def _shm_finding(item: ShmFile) -> Finding:
                 "nothing to do if another job made it; if the work did, unlink it when done "
                 "(os.unlink)"
             )
+    message = f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}"
     return _finding(
         "shm",
         severity,
-        f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
+        message,
         remedy,
         pid=item.holder_pid,
         role=item.holder_role,
@@ -946,18 +957,13 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         used, total, rec = worst
         fraction = used / total
         job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
-        found.append(
-            _finding(
-                "shm",
-                "info",
-                f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
-                f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error "
-                "when it fills",
-                "give the job more shared memory (docker run --shm-size=8g or --ipc=host)",
-                epoch=rec.index,
-                size_bytes=used,
-            )
+        message = (
+            f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
+            f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error when it "
+            "fills"
         )
+        remedy = "give the job more shared memory (docker run --shm-size=8g or --ipc=host)"
+        found.append(_finding("shm", "info", message, remedy, epoch=rec.index, size_bytes=used))
     return tuple(found)
 
 
@@ -967,14 +973,9 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     if timeline.attribution != "blind-namespace":
         return ()
     reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
-    return (
-        _finding(
-            "blind",
-            "info",
-            f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged",
-            "run with --pid=host (docker) or inside the job's PID namespace",
-        ),
-    )
+    message = f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
+    remedy = "run with --pid=host (docker) or inside the job's PID namespace"
+    return (_finding("blind", "info", message, remedy),)
 
 
 def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -996,18 +997,20 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
             if not outlives or not proc.nvidia_fds or held:
                 continue
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
+            # No count: the processes of one cause share one line (the JSON has each one's
+            # `nvidia_fds`).
+            message = f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent "
+            message += "that used CUDA"
+            remedy = "start workers with multiprocessing_context='spawn' or 'forkserver'"
             found.append(
                 _finding(
                     "descriptor-holder",
                     "info",
-                    # No count: the processes of one cause share one line (the JSON has
-                    # each one's `nvidia_fds`).
-                    f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent "
-                    "that used CUDA",
-                    "start workers with multiprocessing_context='spawn' or 'forkserver'",
+                    message,
+                    remedy,
                     proc,
                     gpu_bytes=0,
-                    epoch=rec.index if rec is not None else None,
+                    epoch=_index(rec),
                     nvidia_fds=proc.nvidia_fds,
                 )
             )
@@ -1076,17 +1079,22 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
+            message = (
+                f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
+                f"on GPU{own}"
+            )
+            remedy = (
+                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
+            )
             found.append(
                 _finding(
                     "device-mismatch",
                     "leak",
-                    f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} "
-                    f"trains on GPU{own}",
-                    "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches "
-                    "CUDA",
+                    message,
+                    remedy,
                     proc,
                     gpu_bytes=used,
-                    epoch=rec.index if rec is not None else None,
+                    epoch=_index(rec),
                     device_index=index,
                     nvidia_fds=proc.nvidia_fds,
                     scope=proc.scope,
@@ -1111,16 +1119,10 @@ def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         telemetry = [f"{dev.temperature_c} C"] if dev.temperature_c is not None else []
         if dev.power_w is not None:
             telemetry.append(f"{dev.power_w:.0f} W")
-        found.append(
-            _finding(
-                "high-clocks",
-                "info",
-                f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
-                + "".join(f", {part}" for part in telemetry),
-                "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)",
-                device_index=dev.index,
-            )
-        )
+        message = f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
+        message += "".join(f", {part}" for part in telemetry)
+        remedy = "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)"
+        found.append(_finding("high-clocks", "info", message, remedy, device_index=dev.index))
     return tuple(found)
 
 
@@ -1153,18 +1155,11 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if share < config.fd_pressure_fraction:
             continue
         when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
-        found.append(
-            _finding(
-                "fd-pressure",
-                "info",
-                f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
-                f"({share:.0%}) {when}",
-                "raise it (ulimit -n 65536), or "
-                "torch.multiprocessing.set_sharing_strategy('file_system')",
-                proc,
-                epoch=rec.index if rec is not None else None,
-            )
-        )
+        message = f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
+        message += f"({share:.0%}) {when}"
+        remedy = "raise it (ulimit -n 65536), or "
+        remedy += "torch.multiprocessing.set_sharing_strategy('file_system')"
+        found.append(_finding("fd-pressure", "info", message, remedy, proc, epoch=_index(rec)))
     return tuple(found)
 
 

@@ -30,30 +30,6 @@ from leakcheck.core.units import format_mib, plural
 from leakcheck.judge.deaths import died, hang, shutdown_hang
 from leakcheck.observe.procs import create_time_s
 
-__all__ = [
-    "LINEAGE_ROLES",
-    "RULES",
-    "EpochCounts",
-    "blind",
-    "context_kept",
-    "copy_on_read",
-    "descriptor_holder",
-    "device_mismatch",
-    "epoch_counts",
-    "fd_pressure",
-    "growth",
-    "growth_slope",
-    "high_clocks",
-    "host_growth",
-    "judge",
-    "orphan",
-    "pinned_growth",
-    "residual",
-    "shm",
-    "survivor",
-    "tracker_failure",
-]
-
 LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
 """Roles of processes that belong to the watched job (everything but ``foreign``)."""
 

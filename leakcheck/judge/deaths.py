@@ -17,7 +17,7 @@ from leakcheck.core.model import Death, Finding, RuleConfig, Timeline
 from leakcheck.core.names import culprit
 from leakcheck.core.units import format_size
 
-__all__ = ["died", "hang", "shutdown_hang", "signal_name"]
+__all__ = ["died", "hang", "shutdown_hang"]
 
 # Available memory under this share of the machine's: the machine-wide OOM killer's condition.
 _NEAR_FULL_FRACTION = 0.05
@@ -25,14 +25,6 @@ _NEAR_FULL_FRACTION = 0.05
 _CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
 _FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)', re.MULTILINE)
-
-
-def signal_name(number: int) -> str:
-    """``SIGKILL`` for 9; ``signal N`` for a number Python does not name."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def crashing_thread(stack: str) -> str:
@@ -56,7 +48,10 @@ def innermost_frames(stack: str, count: int = 2) -> str | None:
 
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
     """What the evidence says of one death, and its fix (NOTE [death evidence])."""
-    name = signal_name(death.signal_number)
+    try:
+        name = signal.Signals(death.signal_number).name
+    except ValueError:  # a number Python does not name
+        name = f"signal {death.signal_number}"
     when = f" in epoch {death.epoch}" if death.epoch is not None else ""
     if death.signal_number == signal.SIGKILL:
         evidence: list[str] = []

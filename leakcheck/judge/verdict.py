@@ -975,8 +975,10 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             # No count: the processes of one cause share one line (the JSON has each one's
             # `nvidia_fds`).
-            message = f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent "
-            message += "that used CUDA"
+            message = (
+                f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
+                "used CUDA"
+            )
             remedy = "start workers with multiprocessing_context='spawn' or 'forkserver'"
             found.append(
                 _finding(
@@ -1131,10 +1133,14 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if share < config.fd_pressure_fraction:
             continue
         when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
-        message = f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
-        message += f"({share:.0%}) {when}"
-        remedy = "raise it (ulimit -n 65536), or "
-        remedy += "torch.multiprocessing.set_sharing_strategy('file_system')"
+        message = (
+            f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} ({share:.0%}) "
+            f"{when}"
+        )
+        remedy = (
+            "raise it (ulimit -n 65536), or "
+            "torch.multiprocessing.set_sharing_strategy('file_system')"
+        )
         found.append(_finding("fd-pressure", "info", message, remedy, proc, epoch=_index(rec)))
     return tuple(found)
 

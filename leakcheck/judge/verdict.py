@@ -297,14 +297,12 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
-            message = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
-            remedy = _survivor_remedy(proc, _worker_pids(obs))
             found.append(
                 _finding(
                     "survivor",
                     "leak",
-                    message,
-                    remedy,
+                    f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
+                    _survivor_remedy(proc, _worker_pids(obs)),
                     proc,
                     epoch=born.index,
                     scope=proc.scope,
@@ -373,10 +371,12 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
         parent = "worker" if under_worker else "parent"
-        message = f"{started}outlived its {parent}{since}{still}{holds}"
+        what = f"{started}outlived its {parent}{since}{still}{holds}"
         remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
-        held["epoch"] = left[0].index if left else (first_rec.index if first_rec else None)
-        found.append(_finding("orphan", "leak", message, remedy, last, scope=last.scope, **held))
+        epoch = left[0].index if left else (first_rec.index if first_rec else None)
+        found.append(
+            _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
+        )
     return tuple(found)
 
 

@@ -828,33 +828,28 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     return tuple(found)
 
 
-_SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
-    (
-        "cuda.shm.",
+_SHM_CAUSES: dict[str, tuple[str, str]] = {
+    "cuda.shm.": (
         "CUDA IPC: workers returned CUDA tensors",
         "return CPU tensors from workers and move them to the GPU in the main process",
     ),
-    (
-        "torch_",
+    "torch_": (
         "a torch shared tensor (file_system sharing)",
         "let the loader's iterators finish or `del` them, so their workers free their segments",
     ),
-    (
-        "psm_",
+    "psm_": (
         "a SharedMemory never unlinked",
         "call unlink() on the SharedMemory that made it (close() alone leaves the file)",
     ),
-    (
-        "nccl-",
+    "nccl-": (
         "NCCL's: a process group not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
-    (
-        "",
+    "": (
         "shared memory the work created itself",
         "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink)",
     ),
-)
+}
 """Why a /dev/shm file exists, by its name's prefix, and what to do about it."""
 
 
@@ -867,11 +862,8 @@ def _size_text(num_bytes: int) -> str:
 
 
 def _shm_finding(item: ShmFile) -> Finding:
-    index, cause, remedy = next(
-        (i, cause, remedy)
-        for i, (prefix, cause, remedy) in enumerate(_SHM_CAUSES)
-        if item.name.startswith(prefix)
-    )
+    prefix = next(prefix for prefix in _SHM_CAUSES if item.name.startswith(prefix))
+    cause, remedy = _SHM_CAUSES[prefix]
     if item.name.startswith("torch_") and item.allocated_bytes == 0 and item.size_bytes:
         # torch made the file, then could not reserve it (posix_fallocate): /dev/shm was full.
         cause = "an empty torch segment whose reservation failed: /dev/shm was full"
@@ -899,7 +891,7 @@ def _shm_finding(item: ShmFile) -> Finding:
     else:
         severity = "info"
         where = "appeared during the work; nothing ties it to the work and other jobs ran"
-        if index == len(_SHM_CAUSES) - 1:  # "the work created itself" is not known here
+        if not prefix:  # "the work created itself" is not known here
             cause = "its name does not say who made it"
             remedy = (
                 "nothing to do if another job made it; if the work did, unlink it when done "

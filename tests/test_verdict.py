@@ -822,6 +822,12 @@ def test_parent_that_really_grows_is_found_with_its_rss() -> None:
     assert "what the loop keeps" in found.remedy
 
 
+def test_a_parents_uss_rise_without_any_resident_reading_is_not_growth() -> None:
+    # NOTE [return of shared pages]: a parent's USS rise needs a resident rise; none was read.
+    series = [(100 + 50 * i, None) for i in range(5)]
+    assert host_findings(host_timeline(series, role="parent")) == []
+
+
 def test_paced_uss_reads_give_a_slope_per_epoch_not_per_read() -> None:
     # USS read at epoch ends 0, 3, 6, 9 only (the others paced out: RSS); 10 MiB/epoch.
     series = [(100 + 10 * i if i % 3 == 0 else None, 300) for i in range(10)]

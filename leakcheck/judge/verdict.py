@@ -540,7 +540,8 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
                 resident_slope = _slope(span, config, host=True)
                 slope = None if resident_slope is None else min(slope, resident_slope)
-                note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+                if slope is not None:
+                    note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
         if slope is not None:
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"

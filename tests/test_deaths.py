@@ -300,6 +300,26 @@ def test_a_stalled_worker_is_named_where_its_main_thread_waits_whichever_thread_
     assert "worker PID 12 in __getitem__ (set.py:7);" in finding.message
 
 
+def test_a_worker_hung_at_shutdown_is_named_where_its_main_thread_waits() -> None:
+    """As for a stall: the thread that took the signal is not where ``__getitem__`` runs."""
+    from dataclasses import replace
+
+    from leakcheck.core.model import RuleConfig, Stall
+    from leakcheck.judge.deaths import shutdown_hang
+    from tests.timelines import timeline
+
+    dump = (
+        "--- worker PID 12 ---\n"
+        "Current thread 0x1 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n\n'
+        "Thread 0x2 (most recent call first):\n"
+        '  File "/data/set.py", line 7 in __getitem__\n'
+    )
+    stall = Stall(epoch=0, waited_s=5, at_s=1, stacks=dump, pid=12)
+    [finding] = shutdown_hang(replace(timeline([]), stalls=(stall,)), RuleConfig())
+    assert finding.message.endswith("terminated in __getitem__ (set.py:7)"), finding.message
+
+
 _SLOW_DUMPER = """
 import os, signal, sys, time
 from leakcheck.observe import mailbox, procs

@@ -465,6 +465,18 @@ def test_residual_found_and_foreign_process_named() -> None:
     assert "GPU0" in found.message
 
 
+def test_residual_names_two_foreign_holders_and_counts_the_rest() -> None:
+    holders = [proc(900 + i, "foreign", gpu_mib=200, cmdline=f"job{i}") for i in range(3)]
+    unknown = proc(999, "foreign", unknown=True, cmdline="mig_job")
+    tl = residual_timeline(1350, [parent(600), unknown, *holders])
+    found = one(verdict.residual(tl, CONFIG))
+    assert (
+        "; held by foreign mig_job (PID 999) ? MiB, foreign job0 (PID 900) 200 MiB and 2 more"
+        in found.message
+    ), found.message
+    assert found.pid is None  # several holders: none is the culprit
+
+
 def test_residual_explained_by_the_job_not_found() -> None:
     tl = residual_timeline(660, [parent(600)])  # 10 MiB unexplained: under the tolerance
     assert verdict.residual(tl, CONFIG) == ()
@@ -810,6 +822,12 @@ def test_parent_that_really_grows_is_found_with_its_rss() -> None:
     assert "what the loop keeps" in found.remedy
 
 
+def test_a_parents_uss_rise_without_any_resident_reading_is_not_growth() -> None:
+    # NOTE [return of shared pages]: a parent's USS rise needs a resident rise; none was read.
+    series = [(100 + 50 * i, None) for i in range(5)]
+    assert host_findings(host_timeline(series, role="parent")) == []
+
+
 def test_paced_uss_reads_give_a_slope_per_epoch_not_per_read() -> None:
     # USS read at epoch ends 0, 3, 6, 9 only (the others paced out: RSS); 10 MiB/epoch.
     series = [(100 + 10 * i if i % 3 == 0 else None, 300) for i in range(10)]
@@ -1110,8 +1128,9 @@ def test_a_report_in_the_middle_of_an_epoch_names_it_and_the_time_into_it() -> N
         [parent(), copier(2001, 150, over_after_s=41.0)], after_last_epoch=done, open_epoch=1
     )
     (found,) = copy_findings(timeline(done, final=final, attribution="nvml-unavailable"))
-    assert found.epoch == 1 and found.message.endswith("copied 150 MiB of its parent's "
-                                                       "memory, 41.0 s into epoch 1")
+    assert found.epoch == 1 and found.message.endswith(
+        "copied 150 MiB of its parent's memory, 41.0 s into epoch 1"
+    )
     # Once closed, the final state is not an epoch: its readings are the epochs' already.
     closed = replace(final, open_epoch=None, closed=True)
     assert copy_findings(timeline(done, final=closed, attribution="nvml-unavailable")) == []

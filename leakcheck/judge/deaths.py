@@ -17,39 +17,14 @@ from leakcheck.core.model import Death, Finding, RuleConfig, Timeline
 from leakcheck.core.names import culprit
 from leakcheck.core.units import format_size
 
-__all__ = ["died", "hang", "shutdown_hang", "signal_name"]
+__all__ = ["died", "hang", "shutdown_hang"]
 
 # Available memory under this share of the machine's: the machine-wide OOM killer's condition.
 _NEAR_FULL_FRACTION = 0.05
 
 _CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
-_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)')
-
-
-def signal_name(number: int) -> str:
-    """``SIGKILL`` for 9; ``signal N`` for a number Python does not name."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def innermost_frames(stack: str, count: int = 2) -> str | None:
-    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
-    lines = stack.splitlines()
-    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
-    frames: list[str] = []
-    for line in lines[current:]:
-        match = _FRAME.match(line)
-        if match is not None:
-            path, number, function = match.groups()
-            frames.append(f"{function} ({os.path.basename(path)}:{number})")
-        elif frames:
-            break  # the crashing thread comes first; the next thread's frames are not it
-        if len(frames) == count:
-            break
-    return " < ".join(frames) or None
+_FRAME = re.compile(r'^\s*File "([^"]*)", line (\d+) in (\S+)', re.MULTILINE)
 
 
 def crashing_thread(stack: str) -> str:
@@ -62,9 +37,21 @@ def crashing_thread(stack: str) -> str:
     return "\n".join(lines[start:end])
 
 
+def innermost_frames(stack: str, count: int = 2) -> str | None:
+    """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
+    frames = _FRAME.findall(crashing_thread(stack))[:count]
+    return (
+        " < ".join(f"{func} ({os.path.basename(path)}:{line})" for path, line, func in frames)
+        or None
+    )
+
+
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
     """What the evidence says of one death, and its fix (NOTE [death evidence])."""
-    name = signal_name(death.signal_number)
+    try:
+        name = signal.Signals(death.signal_number).name
+    except ValueError:  # a number Python does not name
+        name = f"signal {death.signal_number}"
     when = f" in epoch {death.epoch}" if death.epoch is not None else ""
     if death.signal_number == signal.SIGKILL:
         evidence: list[str] = []
@@ -145,9 +132,9 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     return tuple(findings)
 
 
-def _where_workers_wait(stacks: str) -> str:
-    """``; worker PID 12 in fn (file.py:3)`` for each worker's section of a stall's stacks."""
-    waits: list[str] = []
+def _waits(stacks: str) -> list[tuple[str, str]]:
+    """(PID, innermost frame of its main thread) for each worker's section of a stall's stacks."""
+    waits: list[tuple[str, str]] = []
     for section in stacks.split("--- worker PID ")[1:]:
         pid, _, text = section.partition(" ---\n")
         # Its main thread, where __getitem__ runs: faulthandler lists it last (newest first),
@@ -155,8 +142,8 @@ def _where_workers_wait(stacks: str) -> str:
         threads = [t for t in text.split("\n--- ")[0].split("\n\n") if t.strip()]
         frame = innermost_frames(threads[-1], 1) if threads else None
         if frame is not None:
-            waits.append(f"; worker PID {pid} in {frame}")
-    return "".join(waits)
+            waits.append((pid, frame))
+    return waits
 
 
 def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -168,7 +155,7 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             message=(
                 f"no batch for {stall.waited_s:.0f} s"
                 + (f" in epoch {stall.epoch}" if stall.epoch is not None else "")
-                + _where_workers_wait(stall.stacks)
+                + "".join(f"; worker PID {pid} in {frame}" for pid, frame in _waits(stall.stacks))
                 + "; the job's stacks follow"
             ),
             remedy="see where each waits (a worker's __getitem__, a lock, a full queue)",
@@ -192,7 +179,7 @@ def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             message=(
                 f"DataLoader worker (PID {stall.pid}) did not exit within {stall.waited_s:.0f} s "
                 "of its shutdown: terminated"
-                + (f" in {frame}" if (frame := innermost_frames(stall.stacks, 1)) else "")
+                + "".join(f" in {frame}" for _, frame in _waits(stall.stacks)[:1])
             ),
             remedy="see its stack: a __getitem__ still running, a non-daemon thread, a "
             "worker_init_fn that blocks",

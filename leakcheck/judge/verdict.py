@@ -7,7 +7,6 @@ observation of every process) and build their findings with one builder (``_find
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,33 +26,9 @@ from leakcheck.core.model import (
 )
 from leakcheck.core.names import culprit
 from leakcheck.core.roles import is_daemon_helper
-from leakcheck.core.units import format_mib
+from leakcheck.core.units import format_mib, plural
 from leakcheck.judge.deaths import died, hang, shutdown_hang
 from leakcheck.observe.procs import create_time_s
-
-__all__ = [
-    "LINEAGE_ROLES",
-    "RULES",
-    "EpochCounts",
-    "blind",
-    "context_kept",
-    "copy_on_read",
-    "descriptor_holder",
-    "device_mismatch",
-    "epoch_counts",
-    "fd_pressure",
-    "growth",
-    "growth_slope",
-    "high_clocks",
-    "host_growth",
-    "judge",
-    "orphan",
-    "pinned_growth",
-    "residual",
-    "shm",
-    "survivor",
-    "tracker_failure",
-]
 
 LINEAGE_ROLES: frozenset[Role] = frozenset(("parent", "worker", "descendant", "orphan"))
 """Roles of processes that belong to the watched job (everything but ``foreign``)."""
@@ -181,10 +156,15 @@ class _Walk:
         if start is None or after_s is None:
             return []
         in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-        ends = [rec.end_s for rec in self.ordered]
-        lo = bisect.bisect_left(ends, start.end_s)
-        hi = bisect.bisect_right(ends, start.end_s + after_s)
-        return [rec for rec in self.ordered[lo:hi] if rec.index not in in_tree]
+        return [
+            rec
+            for rec in self.ordered
+            if start.end_s <= rec.end_s <= start.end_s + after_s and rec.index not in in_tree
+        ]
+
+
+def _index(rec: EpochRecord | None) -> int | None:
+    return rec.index if rec is not None else None
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
@@ -210,10 +190,8 @@ class EpochCounts:
     """What an epoch's end left running, in hindsight of every later observation.
 
     Attributes:
-        alive_after: Non-persistent processes the epoch started, seen alive past the grace
-            after its end or when the job ended (the survivor and orphan rules' evidence).
-        orphans: The job's reparented processes alive at the epoch's end, outside the tree
-            its end's walk listed.
+        alive_after: Non-persistent processes it started, alive past the grace or the job.
+        orphans: The job's reparented processes alive at its end, outside its end's tree.
 
     """
 
@@ -252,6 +230,20 @@ REMEDY_SCOPE = (
 
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
 
+REMEDY_GROWTH_PARENT = (
+    "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of outputs"
+)
+REMEDY_GROWTH_WORKER = (
+    "keep worker-side caches on the CPU (move batches to the GPU in the main process), or bound "
+    "them"
+)
+REMEDY_HOST_PARENT = (
+    "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists and caches)"
+)
+REMEDY_HOST_WORKER = (
+    "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
+)
+
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
     if proc.freed_by_gc:
@@ -276,18 +268,16 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     walk = _Walk.of(timeline)
     bytes_known = per_pid_bytes_known(timeline)
     found: list[Finding] = []
-    judged: set[ProcessKey] = set()
-    for rec in walk.ordered:
-        for proc in rec.processes:
+    for obs in walk.seen.values():
+        for rec, proc in obs:
             if (
-                proc.key in judged
+                rec is None
                 or not proc.born_in_epoch
                 or proc.persistent
                 or proc.role not in ("worker", "descendant")
                 or not proc.alive_at_end
             ):
                 continue
-            obs = walk.seen[proc.key]
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
             # late was placed where found (NOTE [born epoch] in track/sampler.py).
@@ -297,7 +287,6 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             alive_after = walk.alive_after_s(born, obs)
             if alive_after is None or not _past_grace(alive_after, config.grace_s):
                 continue
-            judged.add(proc.key)
             holds, held = _holding(
                 (p for r, p in obs if r is None or r.index >= born.index), bytes_known
             )
@@ -320,6 +309,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                     **held,
                 )
             )
+            break
     return tuple(found)
 
 
@@ -380,18 +370,12 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
+        parent = "worker" if under_worker else "parent"
+        what = f"{started}outlived its {parent}{since}{still}{holds}"
+        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
+        epoch = left[0].index if left else (first_rec.index if first_rec else None)
         found.append(
-            _finding(
-                "orphan",
-                "leak",
-                f"{started}outlived its {'worker' if under_worker else 'parent'}{since}{still}"
-                f"{holds}",
-                f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}",
-                last,
-                epoch=left[0].index if left else (first_rec.index if first_rec else None),
-                scope=last.scope,
-                **held,
-            )
+            _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
         )
     return tuple(found)
 
@@ -405,14 +389,8 @@ def growth_slope(
 ) -> float | None:
     """The least-squares slope (bytes/epoch) of a leaking series of epoch-end bytes, else None.
 
-    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]).
-
-    Args:
-        series: Bytes at the end of each judged epoch (warm-up removed), in epoch order.
-        config: The thresholds.
-        epochs: Each point's epoch index where epochs are missing (paced-out USS reads).
-        tolerance_bytes: Instead of ``config.tolerance_bytes``.
-
+    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]);
+    ``epochs`` places the points where epochs are missing (paced-out USS reads).
     """
     n = len(series)
     if n < 3:
@@ -436,6 +414,13 @@ _Points = list[tuple[int, int]]
 """(epoch index, bytes) at epoch ends, in epoch order."""
 
 
+def _points(seen: Sequence[_Seen], read: Callable[[ProcessEpoch], int | None]) -> _Points:
+    """What ``read`` gives at the epoch ends of ``seen`` where it gives something."""
+    return [
+        (rec.index, v) for rec, proc in seen if rec is not None and (v := read(proc)) is not None
+    ]
+
+
 def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float | None:
     """``growth_slope`` of ``points``; host memory by epoch index, with its own tolerance."""
     return growth_slope(
@@ -446,12 +431,22 @@ def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float 
     )
 
 
-def _grows(points: _Points, slope: float) -> str:
-    """``grows 8.0 MiB/epoch over epochs 1-4: 600 -> 624 MiB``."""
+def _grown(
+    rule: Rule,
+    points: _Points,
+    slope: float,
+    what: str,
+    remedy: str,
+    proc: ProcessEpoch | None = None,
+    **fields: Any,
+) -> Finding:
+    """A leak whose ``{grows}`` in ``what`` says ``grows 8.0 MiB/epoch over epochs 1-4: ...``."""
     (first, start), (last, end) = points[0], points[-1]
-    return (
-        f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
-        f"{format_mib(start)} -> {format_mib(end)} MiB"
+    grows = f"grows {format_mib(slope)} MiB/epoch over epochs {first}-{last}: "
+    message = what.format(grows=f"{grows}{format_mib(start)} -> {format_mib(end)} MiB")
+    fields["gpu_bytes" if rule == "growth" else "host_bytes"] = end - start
+    return _finding(
+        rule, "leak", message, remedy, proc, epoch=last, bytes_per_epoch=slope, **fields
     )
 
 
@@ -467,40 +462,22 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             for rec, proc in obs
             if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
         ][config.warmup_epochs :]
-        points = [(rec.index, proc.total_gpu_bytes_end) for rec, proc in seen if rec is not None]
+        points = _points(seen, lambda proc: proc.total_gpu_bytes_end)
         slope = _slope(points, config)
         if slope is None:
             continue
-        first, last = seen[0][1], seen[-1][1]
-        deltas = {
-            d: last.gpu_bytes_end.get(d, 0) - first.gpu_bytes_end.get(d, 0)
-            for d in sorted(set(first.gpu_bytes_end) | set(last.gpu_bytes_end))
-        }
-        grown = [(d, delta) for d, delta in deltas.items() if delta]
+        first, last = seen[0][1].gpu_bytes_end, seen[-1][1]
+        grown = [
+            (d, last.gpu_bytes_end.get(d, 0) - first.get(d, 0))
+            for d in sorted(set(first) | set(last.gpu_bytes_end))
+        ]
+        grown = [(d, delta) for d, delta in grown if delta]
         per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
         per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
-        if last.role == "parent":
-            remedy = (
-                "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists "
-                "of outputs"
-            )
-        else:
-            remedy = (
-                "keep worker-side caches on the CPU (move batches to the GPU in the main "
-                "process), or bound them"
-            )
+        remedy = REMEDY_GROWTH_PARENT if last.role == "parent" else REMEDY_GROWTH_WORKER
+        what = "{grows}" + per_device
         found.append(
-            _finding(
-                "growth",
-                "leak",
-                _grows(points, slope) + per_device,
-                remedy,
-                last,
-                gpu_bytes=points[-1][1] - points[0][1],
-                epoch=points[-1][0],
-                bytes_per_epoch=slope,
-                nvidia_fds=last.nvidia_fds,
-            )
+            _grown("growth", points, slope, what, remedy, last, nvidia_fds=last.nvidia_fds)
         )
     if timeline.attribution != "blind-namespace":
         return tuple(found)
@@ -511,21 +488,10 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             per_device_points.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
     for device, points in sorted(per_device_points.items()):
         points = points[config.warmup_epochs :]
-        slope = _slope(points, config)
-        if slope is not None:
-            found.append(
-                _finding(
-                    "growth",
-                    "leak",
-                    f"GPU{device} used memory {_grows(points, slope)} (device total: no "
-                    "process can be named)",
-                    "run with --pid=host or in the job's PID namespace to see which process grows",
-                    gpu_bytes=points[-1][1] - points[0][1],
-                    epoch=points[-1][0],
-                    device_index=device,
-                    bytes_per_epoch=slope,
-                )
-            )
+        if (slope := _slope(points, config)) is not None:
+            what = f"GPU{device} used memory {{grows}} (device total: no process can be named)"
+            remedy = "run with --pid=host or in the job's PID namespace to see which process grows"
+            found.append(_grown("growth", points, slope, what, remedy, device_index=device))
     return tuple(found)
 
 
@@ -547,7 +513,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     found: list[Finding] = []
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _Walk.of(timeline).seen.values():
-        points = [
+        seen = [
             (rec, proc)
             for rec, proc in obs
             if rec is not None
@@ -555,113 +521,66 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             and proc.alive_at_end
             and proc.role in ("parent", "worker")
         ][config.warmup_epochs :]
-        if len(points) < 3:
+        if len(seen) < 3:
             continue
-        leak = _host_leak(points, config)
-        if leak is not None:
-            found.append(leak)
-            continue
-        uss_reads = sum(proc.host_source == "uss" for _, proc in points)
-        resident_only = sum(proc.host_source == "rss" for _, proc in points)
-        if resident_only and unread is None:
-            unread = (uss_reads, uss_reads + resident_only)
-    if unread is not None and not found:  # a clean host verdict says what it could not see
-        found.append(
-            _finding(
-                "host-growth",
-                "info",
-                f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends "
-                "judged: copy-on-read at the others can go unseen",
-                "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
-                "--rollup-share 1)",
-            )
+        last = seen[-1][1]
+        uss = _points(seen, lambda p: p.host_bytes_end if p.host_source == "uss" else None)
+        anon = _points(seen, lambda p: p.anon_bytes_end)
+        resident, basis = (
+            (anon, "RssAnon")
+            if len(anon) == len(seen)
+            else (_points(seen, lambda p: p.rss_bytes_end), "RSS")
         )
-    return tuple(found)
+        points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
+        slope = _slope(resident, config, host=True)
+        if len(uss) >= 3:
+            points, measure, note = uss, "USS", ""
+            slope = _slope(uss, config, host=True)
+            if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
+                span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
+                resident_slope = _slope(span, config, host=True)
+                slope = None if resident_slope is None else min(slope, resident_slope)
+                if slope is not None:
+                    note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+        if slope is not None:
+            remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
+            what = f"host memory ({measure}) {{grows}}{note}"
+            found.append(_grown("host-growth", points, slope, what, remedy, last))
+        elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
+            uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
+            unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
+    if unread is None or found:  # a clean host verdict says what it could not see
+        return tuple(found)
+    message = (
+        f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "
+        "copy-on-read at the others can go unseen"
+    )
+    remedy = (
+        "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
+        "--rollup-share 1)"
+    )
+    return (_finding("host-growth", "info", message, remedy),)
 
 
 def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Find the loop's process whose pinned host memory (torch's reserved bytes) grows."""
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)[config.warmup_epochs :]
     points = [(r.index, v) for r in epochs if (v := r.pinned_reserved_bytes) is not None]
-    slope = _slope(points, config, host=True) if points else None  # host memory: its tolerance
-    last = epochs[-1].processes if epochs else ()
-    parent = next((p for p in last if p.role == "parent"), None)
+    slope = _slope(points, config, host=True)  # host memory: its tolerance
+    parent = next((p for p in epochs[-1].processes if p.role == "parent"), None) if epochs else None
     if slope is None or parent is None:
         return ()
-    return (
-        _finding(
-            "pinned-growth",
-            "leak",
-            f"pinned host memory {_grows(points, slope)}",
-            "keep no reference to pinned batches across steps; allocate pinned buffers once, "
-            "not per step",
-            parent,
-            epoch=points[-1][0],
-            bytes_per_epoch=slope,
-            host_bytes=points[-1][1] - points[0][1],
-        ),
+    remedy = (
+        "keep no reference to pinned batches across steps; allocate pinned buffers once, not per "
+        "step"
     )
-
-
-def _host_leak(
-    points: Sequence[tuple[EpochRecord, ProcessEpoch]], config: RuleConfig
-) -> Finding | None:
-    """Judge one process's epoch-end host memory: its leak, or None."""
-    last = points[-1][1]
-    uss: _Points = []
-    anon: _Points = []
-    rss: _Points = []
-    for rec, proc in points:
-        if proc.host_source == "uss" and proc.host_bytes_end is not None:
-            uss.append((rec.index, proc.host_bytes_end))
-        if proc.anon_bytes_end is not None:
-            anon.append((rec.index, proc.anon_bytes_end))
-        if proc.rss_bytes_end is not None:
-            rss.append((rec.index, proc.rss_bytes_end))
-    # Resident memory: RssAnon where every point has it, else RSS.
-    resident, basis = (anon, "RssAnon") if anon and len(anon) == len(points) else (rss, "RSS")
-    if len(uss) >= 3:
-        chosen, measure, note = uss, "USS", ""
-        slope = _slope(uss, config, host=True)
-        if slope is not None and last.role == "parent":
-            # NOTE [return of shared pages]
-            span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
-            resident_slope = _slope(span, config, host=True)
-            if resident_slope is None:
-                return None
-            slope = min(slope, resident_slope)
-            note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-    else:
-        chosen, measure = resident, basis
-        slope = _slope(resident, config, host=True)
-        note = f" (USS read at {len(uss)} of these ends)"
-    if slope is None:
-        return None
-    if last.role == "parent":
-        remedy = (
-            "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
-            "and caches)"
-        )
-    else:
-        remedy = (
-            "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not "
-            "Python objects"
-        )
-    return _finding(
-        "host-growth",
-        "leak",
-        f"host memory ({measure}) {_grows(chosen, slope)}{note}",
-        remedy,
-        last,
-        epoch=chosen[-1][0],
-        bytes_per_epoch=slope,
-        host_bytes=chosen[-1][1] - chosen[0][1],
-    )
+    what = "pinned host memory {grows}"
+    return (_grown("pinned-growth", points, slope, what, remedy, parent),)
 
 
 @dataclass(frozen=True)
 class _WorkerCopy:
-    """One worker's copies over the timeline (NOTE [copy on read] in hostmem.py)."""
+    """One worker's largest copy, and when it first passed the tolerance (NOTE [copy on read])."""
 
     proc: ProcessEpoch
     copied_bytes: int
@@ -683,33 +602,26 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     one info finding for spawned workers, where it cannot be told.
     """
     tolerance = config.copy_tolerance_bytes
-    observed = [
-        (rec.index, proc)
-        for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
-        for proc in rec.processes
-    ]
+    epochs = sorted(timeline.epochs, key=lambda rec: rec.index)
+    observed = [(rec.index, proc) for rec in epochs for proc in rec.processes]
     final = timeline.final
     if final is not None and final.open_epoch is not None:
         observed += [(final.open_epoch, proc) for proc in final.processes]
     copies: dict[ProcessKey, _WorkerCopy] = {}
     unforked: dict[ProcessKey, ProcessEpoch] = {}
     for index, proc in observed:
+        copied = proc.copied_bytes_peak
         if proc.role != "worker":
             continue
         if proc.forked is False:
-            known = unforked.get(proc.key)
-            if known is None or _private_bytes(proc) > _private_bytes(known):
-                unforked[proc.key] = proc
-            continue
-        copied = proc.copied_bytes_peak
-        if proc.forked is not True or copied is None:
-            continue
-        seen = copies.get(proc.key)
-        if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
-            # The first epoch above the tolerance names when; the largest copy says how much.
-            copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
-        elif copied > seen.copied_bytes:
-            copies[proc.key] = _WorkerCopy(proc, copied, seen.epoch, seen.after_s)
+            unforked[proc.key] = max(unforked.get(proc.key, proc), proc, key=_private_bytes)
+        elif proc.forked and copied is not None:
+            seen = copies.get(proc.key)
+            if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
+                # The first epoch above the tolerance names when; the largest copy how much.
+                copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
+            elif copied > seen.copied_bytes:
+                copies[proc.key] = replace(seen, proc=proc, copied_bytes=copied)
     by_parent: dict[int, list[_WorkerCopy]] = {}
     for copy in copies.values():
         if copy.copied_bytes > tolerance:
@@ -719,20 +631,19 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         workers = sorted(unforked.values(), key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
         mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
-        who = "1 worker" if len(workers) == 1 else f"{len(workers)} workers"
-        found.append(
-            _finding(
-                "copy-on-read",
-                "info",
-                f"copy-on-read cannot be told for {who} started by spawn or forkserver: they "
-                f"share no memory with the training process{mean}",
-                "each holds what it unpickled (the dataset included) and imported: mmap large "
-                "data, or use fewer workers",
-                workers[0],
-                named=False,
-                host_bytes=sum(held) if held else None,
-            )
+        message = (
+            f"copy-on-read cannot be told for {plural(len(workers), 'worker')} started by spawn "
+            f"or forkserver: they share no memory with the training process{mean}"
         )
+        remedy = (
+            "each holds what it unpickled (the dataset included) and imported: mmap large data, "
+            "or use fewer workers"
+        )
+        held_bytes = sum(held) if held else None
+        info = _finding(
+            "copy-on-read", "info", message, remedy, workers[0], named=False, host_bytes=held_bytes
+        )
+        found.append(info)
     return tuple(found)
 
 
@@ -740,14 +651,10 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
     first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
     epochs = sorted({copy.epoch for copy in leaking})
     persistent = any(copy.proc.persistent for copy in leaking)
-    per_epoch: dict[int, int] = {}
-    for copy in leaking:
-        per_epoch[copy.epoch] = per_epoch.get(copy.epoch, 0) + copy.copied_bytes
-    if persistent:
-        count, total = len(leaking), sum(per_epoch.values())
-    else:  # a generation of workers per epoch: one epoch's
+    count, total = len(leaking), sum(copy.copied_bytes for copy in leaking)
+    if not persistent:  # a generation of workers per epoch: one epoch's
         count = max(sum(c.epoch == e for c in leaking) for e in epochs)
-        total = max(per_epoch.values())
+        total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in epochs)
     mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
     when = f"in epoch {first.epoch}"
     if first.after_s is not None:
@@ -765,13 +672,18 @@ def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
             f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
             f"memory ({format_mib(total)} MiB in all)"
         )
+    remedy = (
+        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+        "before iterating; or fewer workers"
+    )
+    largest = max(leaking, key=lambda c: c.copied_bytes).proc
+    message = f"{who}, {when}"
     return _finding(
         "copy-on-read",
         "leak",
-        f"{who}, {when}",
-        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-        "before iterating; or fewer workers",
-        max(leaking, key=lambda c: c.copied_bytes).proc,
+        message,
+        remedy,
+        largest,
         named=False,
         epoch=first.epoch,
         host_bytes=total,
@@ -815,17 +727,13 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
             p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
         ]
         if holders:
-            held = [
+            held = [(p, p.gpu_bytes_end.get(dev.index)) for p in holders[:2]]
+            who = "; held by " + ", ".join(
                 f"{culprit('foreign', p.key.pid, p.cmdline, width=32)} "
-                + (
-                    f"{format_mib(p.gpu_bytes_end[dev.index])} MiB"
-                    if dev.index in p.gpu_bytes_end
-                    else "? MiB"
-                )
-                for p in holders[:2]
-            ]
-            more = f" and {len(holders) - 2} more" if len(holders) > 2 else ""
-            who = f"; held by {', '.join(held)}{more}"
+                f"{'?' if used is None else format_mib(used)} MiB"
+                for p, used in held
+            )
+            who += f" and {len(holders) - 2} more" if len(holders) > 2 else ""
             remedy = (
                 "stop it if it is yours (an escaped child, another run), or use an idle GPU "
                 "(CUDA_VISIBLE_DEVICES)"
@@ -843,14 +751,19 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         # so the rise is reported as advice, not as a leak.
         if unknown_lineage:
             who += "; the job's own bytes are unknown (MIG/vGPU)"
+        message = (
+            f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
+        )
+        severity: Severity = "info" if unknown_lineage else "leak"
+        holder = holders[0] if len(holders) == 1 else None
         found.append(
             _finding(
                 "residual",
-                "info" if unknown_lineage else "leak",
-                f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-                f"{format_mib(unexplained)} MiB of it not held by the job{who}",
+                severity,
+                message,
                 remedy,
-                holders[0] if len(holders) == 1 else None,
+                holder,
                 named=False,
                 rank=None,
                 gpu_bytes=unexplained,
@@ -869,79 +782,75 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     cmdline = next(
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
     )
-    scopes = f" after the teardown of {', '.join(memory.scopes)}" if memory.scopes else ""
-    first_use = " (or kernels loaded on first use)" if memory.torch_in_use else ""
-    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str, str | None], ...] = (
+    scopes = ", ".join(memory.scopes) or None
+    who = culprit("parent", root.pid, cmdline)
+    kept = "still holds {} of CUDA tensors more than at the start"
+    driver = "holds {} more than at the start outside torch's allocator"
+    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str | None], ...] = (
         (
             memory.kept_tensor_bytes,
             "leak",
-            "still holds ",
-            f" of CUDA tensors more than at the start{scopes}",
+            kept + (f" after the teardown of {scopes}" if scopes else ""),
             REMEDY_SCOPE
-            if memory.scopes
+            if scopes
             else "drop references to CUDA tensors the work keeps (module-level lists, caches, "
             "stored exceptions)",
-            ", ".join(memory.scopes) or None,
+            scopes,
         ),
         (
             memory.driver_bytes,
             "info" if memory.torch_in_use else "leak",
-            "holds ",
-            f" more than at the start outside torch's allocator{first_use}",
+            driver + (" (or kernels loaded on first use)" if memory.torch_in_use else ""),
             "free GPU memory the work allocates outside torch (library pools), or raise the "
             "tolerance",
             None,
         ),
     )
     found: list[Finding] = []
-    for values, severity, before, after, remedy, scope in cases:
-        held = {d: b for d, b in values.items() if b > config.tolerance_bytes}
-        if held:
+    for values, severity, what, remedy, scope in cases:
+        if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
+            message = f"{who} {what.format(_devices_text(held))}"
+            device = min(held) if len(held) == 1 else None
             found.append(
                 _finding(
                     "residual",
                     severity,
-                    f"{culprit('parent', root.pid, cmdline)} {before}{_devices_text(held)}{after}",
+                    message,
                     remedy,
                     pid=root.pid,
                     start_ticks=root.start_ticks,
                     role="parent",
                     cmdline=cmdline,
                     gpu_bytes=sum(held.values()),
-                    device_index=min(held) if len(held) == 1 else None,
+                    device_index=device,
                     scope=scope,
                 )
             )
     return tuple(found)
 
 
-_SHM_CAUSES: tuple[tuple[str, str, str], ...] = (
-    (
-        "cuda.shm.",
+_SHM_CAUSES: dict[str, tuple[str, str]] = {
+    "cuda.shm.": (
         "CUDA IPC: workers returned CUDA tensors",
         "return CPU tensors from workers and move them to the GPU in the main process",
     ),
-    (
-        "torch_",
+    "torch_": (
         "a torch shared tensor (file_system sharing)",
         "let the loader's iterators finish or `del` them, so their workers free their segments",
     ),
-    (
-        "psm_",
+    "psm_": (
         "a SharedMemory never unlinked",
         "call unlink() on the SharedMemory that made it (close() alone leaves the file)",
     ),
-    (
-        "nccl-",
+    "nccl-": (
         "NCCL's: a process group not destroyed",
         "call torch.distributed.destroy_process_group() when the work ends",
     ),
-    (
-        "",
+    "": (
         "shared memory the work created itself",
         "unlink the shared memory the work creates (SharedMemory.unlink(), os.unlink)",
     ),
-)
+}
 """Why a /dev/shm file exists, by its name's prefix, and what to do about it."""
 
 
@@ -954,11 +863,8 @@ def _size_text(num_bytes: int) -> str:
 
 
 def _shm_finding(item: ShmFile) -> Finding:
-    index, cause, remedy = next(
-        (i, cause, remedy)
-        for i, (prefix, cause, remedy) in enumerate(_SHM_CAUSES)
-        if item.name.startswith(prefix)
-    )
+    prefix = next(prefix for prefix in _SHM_CAUSES if item.name.startswith(prefix))
+    cause, remedy = _SHM_CAUSES[prefix]
     if item.name.startswith("torch_") and item.allocated_bytes == 0 and item.size_bytes:
         # torch made the file, then could not reserve it (posix_fallocate): /dev/shm was full.
         cause = "an empty torch segment whose reservation failed: /dev/shm was full"
@@ -986,16 +892,17 @@ def _shm_finding(item: ShmFile) -> Finding:
     else:
         severity = "info"
         where = "appeared during the work; nothing ties it to the work and other jobs ran"
-        if index == len(_SHM_CAUSES) - 1:  # "the work created itself" is not known here
+        if not prefix:  # "the work created itself" is not known here
             cause = "its name does not say who made it"
             remedy = (
                 "nothing to do if another job made it; if the work did, unlink it when done "
                 "(os.unlink)"
             )
+    message = f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}"
     return _finding(
         "shm",
         severity,
-        f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}",
+        message,
         remedy,
         pid=item.holder_pid,
         role=item.holder_role,
@@ -1009,32 +916,23 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Report the ``/dev/shm`` files left behind, and the epoch nearest to filling it."""
     found = [_shm_finding(item) for item in timeline.shm_files]
     # Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
-    full = [
-        (
-            rec.shm_used_peak_bytes / rec.shm_total_bytes,
-            rec.shm_total_bytes,
-            rec.shm_used_peak_bytes,
-            rec,
-        )
+    measured = [
+        (rec.shm_used_peak_bytes, rec.shm_total_bytes, rec)
         for rec in sorted(timeline.epochs, key=lambda rec: rec.index)
         if rec.shm_total_bytes and rec.shm_used_peak_bytes is not None
     ]
-    worst = max(full, key=lambda item: item[0], default=None)
-    if worst is not None and worst[0] >= config.shm_pressure_fraction:
-        fraction, total, used, rec = worst
+    worst = max(measured, key=lambda item: item[0] / item[1], default=None)
+    if worst is not None and worst[0] / worst[1] >= config.shm_pressure_fraction:
+        used, total, rec = worst
+        fraction = used / total
         job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
-        found.append(
-            _finding(
-                "shm",
-                "info",
-                f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
-                f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error "
-                "when it fills",
-                "give the job more shared memory (docker run --shm-size=8g or --ipc=host)",
-                epoch=rec.index,
-                size_bytes=used,
-            )
+        message = (
+            f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
+            f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error when it "
+            "fills"
         )
+        remedy = "give the job more shared memory (docker run --shm-size=8g or --ipc=host)"
+        found.append(_finding("shm", "info", message, remedy, epoch=rec.index, size_bytes=used))
     return tuple(found)
 
 
@@ -1044,14 +942,9 @@ def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     if timeline.attribution != "blind-namespace":
         return ()
     reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
-    return (
-        _finding(
-            "blind",
-            "info",
-            f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged",
-            "run with --pid=host (docker) or inside the job's PID namespace",
-        ),
-    )
+    message = f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
+    remedy = "run with --pid=host (docker) or inside the job's PID namespace"
+    return (_finding("blind", "info", message, remedy),)
 
 
 def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
@@ -1065,31 +958,30 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
     for obs in _Walk.of(timeline).seen.values():
         for rec, proc in obs:
             # Outliving the work that started it is where held descriptors matter.
-            outlives = proc.role == "orphan" or (
-                closed if rec is None else proc.role == "descendant" and proc.alive_at_end
-            )
-            if (
-                proc.role not in _CHILD_ROLES
-                or (rec is not None and not proc.alive_at_end)
-                or not proc.nvidia_fds
-                or proc.gpu_bytes_unknown
-                or any(b > 0 for b in proc.gpu_bytes_end.values())
-                or not outlives
-            ):
+            if rec is None:
+                outlives = proc.role == "orphan" or (closed and proc.role in _CHILD_ROLES)
+            else:
+                outlives = proc.alive_at_end and proc.role in ("orphan", "descendant")
+            held = proc.gpu_bytes_unknown or any(b > 0 for b in proc.gpu_bytes_end.values())
+            if not outlives or not proc.nvidia_fds or held:
                 continue
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
+            # No count: the processes of one cause share one line (the JSON has each one's
+            # `nvidia_fds`).
+            message = (
+                f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
+                "used CUDA"
+            )
+            remedy = "start workers with multiprocessing_context='spawn' or 'forkserver'"
             found.append(
                 _finding(
                     "descriptor-holder",
                     "info",
-                    # No count: the processes of one cause share one line (the JSON has
-                    # each one's `nvidia_fds`).
-                    f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent "
-                    "that used CUDA",
-                    "start workers with multiprocessing_context='spawn' or 'forkserver'",
+                    message,
+                    remedy,
                     proc,
                     gpu_bytes=0,
-                    epoch=rec.index if rec is not None else None,
+                    epoch=_index(rec),
                     nvidia_fds=proc.nvidia_fds,
                 )
             )
@@ -1158,17 +1050,22 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
+            message = (
+                f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
+                f"on GPU{own}"
+            )
+            remedy = (
+                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
+            )
             found.append(
                 _finding(
                     "device-mismatch",
                     "leak",
-                    f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} "
-                    f"trains on GPU{own}",
-                    "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches "
-                    "CUDA",
+                    message,
+                    remedy,
                     proc,
                     gpu_bytes=used,
-                    epoch=rec.index if rec is not None else None,
+                    epoch=_index(rec),
                     device_index=index,
                     nvidia_fds=proc.nvidia_fds,
                     scope=proc.scope,
@@ -1193,16 +1090,10 @@ def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         telemetry = [f"{dev.temperature_c} C"] if dev.temperature_c is not None else []
         if dev.power_w is not None:
             telemetry.append(f"{dev.power_w:.0f} W")
-        found.append(
-            _finding(
-                "high-clocks",
-                "info",
-                f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
-                + "".join(f", {part}" for part in telemetry),
-                "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)",
-                device_index=dev.index,
-            )
-        )
+        message = f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
+        message += "".join(f", {part}" for part in telemetry)
+        remedy = "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)"
+        found.append(_finding("high-clocks", "info", message, remedy, device_index=dev.index))
     return tuple(found)
 
 
@@ -1235,18 +1126,15 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         if share < config.fd_pressure_fraction:
             continue
         when = f"at the end of epoch {rec.index}" if rec is not None else "after the work"
-        found.append(
-            _finding(
-                "fd-pressure",
-                "info",
-                f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} "
-                f"({share:.0%}) {when}",
-                "raise it (ulimit -n 65536), or "
-                "torch.multiprocessing.set_sharing_strategy('file_system')",
-                proc,
-                epoch=rec.index if rec is not None else None,
-            )
+        message = (
+            f"held {proc.open_fds} open descriptors of its limit {proc.fd_limit} ({share:.0%}) "
+            f"{when}"
         )
+        remedy = (
+            "raise it (ulimit -n 65536), or "
+            "torch.multiprocessing.set_sharing_strategy('file_system')"
+        )
+        found.append(_finding("fd-pressure", "info", message, remedy, proc, epoch=_index(rec)))
     return tuple(found)
 
 
@@ -1275,15 +1163,9 @@ RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
 _RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
 
 
-def _sort_key(finding: Finding) -> tuple[int, bool, int, bool, int, int]:
-    return (
-        0 if finding.severity == "leak" else 1,
-        finding.epoch is None,
-        finding.epoch if finding.epoch is not None else 0,
-        finding.pid is None,
-        finding.pid if finding.pid is not None else 0,
-        _RULE_ORDER[finding.rule],
-    )
+def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
+    order = _RULE_ORDER[f.rule]
+    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0, order)
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:

@@ -42,9 +42,7 @@ __all__ = [
     "build_report",
     "combined_verdict",
     "cut",
-    "finding_from_dict",
     "finding_lines",
-    "finding_to_dict",
     "gpu_unchecked",
     "host_totals",
     "is_said",
@@ -292,20 +290,6 @@ def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
     if boot_unix_s is None:
         return to_jsonable(value)
     return to_jsonable(value, lambda ticks: create_time_s(ticks, boot_unix_s))
-
-
-def finding_to_dict(finding: Finding) -> dict[str, Any]:
-    """Return one finding as plain data that ``json.dumps`` accepts (as in ``to_dict``)."""
-    return dict(_to_jsonable(finding))
-
-
-def finding_from_dict(data: Mapping[str, Any]) -> Finding:
-    """Read back ``finding_to_dict``'s data; ``UsageError`` where it is not a finding."""
-    try:
-        finding: Finding = record_from_dict(Finding, data)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
-    return finding
 
 
 def report_from_dict(data: Mapping[str, Any]) -> Report:

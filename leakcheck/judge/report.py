@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from leakcheck.core.names import ELLIPSIS, culprit, culprits, process_name
 from leakcheck.core.ranks import culprit_label, rank_label
 from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
+from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.verdict import (
     LINEAGE_ROLES,
     epoch_counts,
@@ -256,28 +256,11 @@ class Report:
         return [f for f in self.findings if is_said(f)]
 
     def plot(self, path: str, *, label: str = "") -> str:
-        """Draw the report, titled ``label``, as a PNG (``plot_reports``); returns ``path``."""
+        """Draw the report, titled ``label``, as a PNG (``plot.plot_reports``); returns ``path``."""
         return plot_reports([(label, self)], path)
 
     def __str__(self) -> str:
         return self.format()
-
-
-def plot_reports(reports: Sequence[tuple[str, Report]], path: str) -> str:
-    """Draw reports side by side into one PNG (``plot.plot_reports``); returns ``path``.
-
-    Raises:
-        UsageError: matplotlib is not installed.
-
-    """
-    from leakcheck.judge import plot  # matplotlib itself only as it draws
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError(
-            "plot: needs matplotlib, which is not installed (pip install "
-            "'dataloader-leakcheck[plot]')"
-        )
-    return plot.plot_reports(reports, path)
 
 
 def build_report(timeline: Timeline, config: RuleConfig) -> Report:

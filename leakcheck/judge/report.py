@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -118,7 +117,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data: the timeline, ``verdict``, ``summary`` (``report_from_dict``)."""
         tl = self.timeline
-        data = _to_jsonable(tl, tl.boot_unix_s)
+        boot = tl.boot_unix_s  # process keys with their create time where it is known
+        data = to_jsonable(tl, None if boot is None else lambda ticks: create_time_s(ticks, boot))
         known = per_pid_bytes_known(tl)
         for rec, epoch in zip(tl.epochs, data["epochs"], strict=True):
             for proc, out in zip(rec.processes, epoch["processes"], strict=True):
@@ -242,11 +242,8 @@ class Report:
         loader: str | None = None,
     ) -> list[str]:
         """``finding_lines`` of ``findings`` (default: ``said``), workers named by index."""
-        worker_ids = {
-            rec.key.pid: rec.worker_id
-            for rec in self.timeline.teardowns
-            if rec.worker_id is not None
-        }
+        teardowns = self.timeline.teardowns
+        worker_ids = {t.key.pid: t.worker_id for t in teardowns if t.worker_id is not None}
         chosen = [f for f in (self.findings if findings is None else findings) if is_said(f)]
         return finding_lines(chosen, indent, loader=loader, worker_ids=worker_ids)
 
@@ -268,24 +265,16 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
     return Report(timeline=timeline, findings=judge(timeline, config), config=config)
 
 
-def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
-    """``core.records.to_jsonable``, process keys with their create time where boot is known."""
-    if boot_unix_s is None:
-        return to_jsonable(value)
-    return to_jsonable(value, lambda ticks: create_time_s(ticks, boot_unix_s))
-
-
 def report_from_dict(data: Mapping[str, Any]) -> Report:
     """Read back ``Report.to_dict``'s data; ``UsageError`` where it is not of this schema."""
     version = data.get("schema_version") if isinstance(data, Mapping) else None
     if version != SCHEMA_VERSION:  # an older layout names processes by create times
         raise UsageError(f"report data: expected schema_version {SCHEMA_VERSION}, got {version!r}")
     baseline = data.get("baseline") or {}
-    fields = {f.name: data[f.name] for f in dataclasses.fields(Timeline) if f.name in data}
+    fields = {**data, "baseline_devices": baseline.get("devices", [])}
+    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
     if "session" in data:
         fields["session_id"] = data["session"]
-    fields["baseline_devices"] = baseline.get("devices", [])
-    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
     try:
         timeline: Timeline = record_from_dict(Timeline, fields)
         config: RuleConfig = record_from_dict(RuleConfig, data.get("config") or {})
@@ -304,7 +293,6 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
             peaks[dev.index] = max(peaks.get(dev.index, 0), dev.used_bytes)
         seen += sorted(peaks.items())
     return max(seen, key=lambda item: item[1], default=None)
-
 
 
 _GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {

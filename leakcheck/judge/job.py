@@ -101,7 +101,6 @@ class RankVerdict:
     pids: tuple[int, ...]
     restart_counts: tuple[int, ...]
     leaks: tuple[Finding, ...]
-    reported: bool
     missing: tuple[str, ...] = ()
     blind: bool = False
 
@@ -109,6 +108,11 @@ class RankVerdict:
     def verdict(self) -> str:
         """``leak``, ``blind`` or ``clean``."""
         return verdict_of(leaked=bool(self.leaks), blind=self.blind)
+
+    @property
+    def reported(self) -> bool:
+        """Whether the rank's own report came."""
+        return not self.missing
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (findings by identity: the full ones are in the reports)."""
@@ -224,7 +228,6 @@ def judge_job(
                 pids=tuple(pids),
                 restart_counts=tuple(counts),
                 leaks=_unique([*own, *seen_outside]),
-                reported=not missing,
                 missing=missing,
                 blind=any(r.verdict == "blind" for e in entries for r in e.reports),
             )

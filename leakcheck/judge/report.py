@@ -478,53 +478,42 @@ def _device_cells(dev: DeviceState | None) -> list[str]:
 
 
 def _process_lines(timeline: Timeline) -> list[str]:
+    """Each epoch's processes, then those after the work; host memory at the end or at exit."""
     known = per_pid_bytes_known(timeline)
-    lines: list[str] = []
-    groups: list[tuple[str, Sequence[ProcessEpoch]]] = [
-        (f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs
-    ]
+    groups = [(f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs]
     if timeline.final is not None:
         groups.append(("after the work", timeline.final.processes))
+    lines: list[str] = []
     for title, procs in groups:
         lines += ["", f"{title}:"]
+        rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
+        for p in procs:
+            held = ",".join(f"GPU{d}:{format_mib(b)}" for d, b in sorted(p.gpu_bytes_end.items()))
+            peak = "?" if p.total_gpu_bytes_peak is None else format_mib(p.total_gpu_bytes_peak)
+            if p.gpu_peak_source == "reported" and p.total_gpu_bytes_peak is not None:
+                peak += "*"
+            flags = ["born"] if p.born_in_epoch else []
+            flags += ["persistent"] if p.persistent else []
+            flags += [] if p.alive_at_end else ["gone-at-end"]
+            if p.exited_after_s is not None:
+                flags.append(f"exited+{p.exited_after_s:.1f}s")
+            if p.last_seen_after_s is not None:
+                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+                flags.append(f"seen+{max(0.0, p.last_seen_after_s):.1f}s")
+            host = p.host_bytes_end
+            rows.append([
+                rank_label(p.rank) + p.role,
+                str(p.key.pid),
+                ("?" if p.gpu_bytes_unknown else held or "0") if known else "-",
+                peak if known else "-",
+                "-" if host is None else f"{format_mib(host)} {p.host_source}",
+                or_dash(p.nvidia_fds),
+                " ".join(flags) or "-",
+                process_name(p.cmdline),
+            ])  # fmt: skip
         if procs:
-            head = ["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]
-            rows = [head, *(_process_row(proc, known) for proc in procs)]
             lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
-
-
-def _process_row(proc: ProcessEpoch, known: bool) -> list[str]:
-    """A process in the verbose report; host memory at the end, or at exit for one gone."""
-    held = ",".join(f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items()))
-    peak = "?" if proc.total_gpu_bytes_peak is None else format_mib(proc.total_gpu_bytes_peak)
-    if proc.gpu_peak_source == "reported" and proc.total_gpu_bytes_peak is not None:
-        peak += "*"
-    flags = [
-        name
-        for name, on in (
-            ("born", proc.born_in_epoch),
-            ("persistent", proc.persistent),
-            ("gone-at-end", not proc.alive_at_end),
-        )
-        if on
-    ]
-    if proc.exited_after_s is not None:
-        flags.append(f"exited+{proc.exited_after_s:.1f}s")
-    if proc.last_seen_after_s is not None:
-        # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
-        flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
-    host = proc.host_bytes_end
-    return [
-        rank_label(proc.rank) + proc.role,
-        str(proc.key.pid),
-        ("?" if proc.gpu_bytes_unknown else held or "0") if known else "-",
-        peak if known else "-",
-        "-" if host is None else f"{format_mib(host)} {proc.host_source}",
-        or_dash(proc.nvidia_fds),
-        " ".join(flags) or "-",
-        process_name(proc.cmdline),
-    ]
 
 
 def _teardown_lines(timeline: Timeline) -> list[str]:

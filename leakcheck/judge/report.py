@@ -368,12 +368,7 @@ def or_dash(value: object | None, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
-_TABLE_HEAD = (
-    *("epoch", "label", "time s", "parent MiB", "workers", "wk end MiB", "wk peak MiB"),
-    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host", "pinned MiB"),
-    *("GPU", "used/total MiB", "temp C", "SM MHz", "power W"),
-)
-_LEFT_ALIGNED = frozenset((1, 11, 13))
+_DEVICE_HEAD = ("GPU", "used/total MiB", "temp C", "SM MHz", "power W")
 
 
 @dataclass(frozen=True)
@@ -429,10 +424,11 @@ def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
     """One row per epoch (and extra device): only the columns with data, as the sweep's."""
     known = per_pid_bytes_known(timeline)
     counts = epoch_counts(timeline, config.grace_s)
-    rows: list[list[str]] = []
+    rows: list[dict[str, str]] = []
     for rec in timeline.epochs:
         parents = [p for p in rec.processes if p.role == "parent"]
         workers = [p for p in rec.processes if p.role == "worker"]
+        parent_gpu = sum(p.total_gpu_bytes_end for p in parents)
         peak = workers_peak_bytes(workers)
         host = host_totals(rec.processes)
         workers_host = format_mib(host.workers_bytes)
@@ -440,29 +436,29 @@ def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
             workers_host = "-"  # nothing read (not 0 MiB)
         elif host.workers_bytes is None and workers:
             workers_host = "?"  # one unknown among known ones
-        cells = [
-            str(rec.index),
-            rec.label if len(rec.label) <= 16 else rec.label[:13] + "...",
-            f"{rec.duration_s:.1f}",
-            format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
-            str(len(workers)),
-            format_mib(sum(p.total_gpu_bytes_end for p in workers)) if known else "-",
-            ("?" if peak is None else format_mib(peak)) if known else "-",
-            str(counts[rec.index].alive_after),
-            str(counts[rec.index].orphans),
-            format_mib(host.parent_bytes),
-            workers_host,
-            host.source or "-",
-            format_mib(rec.pinned_reserved_bytes),
-        ]
+        row = {
+            "epoch": str(rec.index),
+            "label": rec.label if len(rec.label) <= 16 else rec.label[:13] + "...",
+            "time s": f"{rec.duration_s:.1f}",
+            "parent MiB": format_mib(parent_gpu) if known and parents else "-",
+            "workers": str(len(workers)),
+            "wk end MiB": format_mib(sum(p.total_gpu_bytes_end for p in workers)) if known else "-",
+            "wk peak MiB": ("?" if peak is None else format_mib(peak)) if known else "-",
+            "alive after": str(counts[rec.index].alive_after),
+            "orphans": str(counts[rec.index].orphans),
+            "parent host MiB": format_mib(host.parent_bytes),
+            "wk host MiB": workers_host,
+            "host": host.source or "-",
+            "pinned MiB": format_mib(rec.pinned_reserved_bytes),
+        }
         devices: list[DeviceState | None] = [*sorted(rec.devices, key=lambda d: d.index)]
         for dev in devices or [None]:
-            rows.append(cells + _device_cells(dev))
-            cells = [""] * len(cells)  # an extra device's row: its own cells only
+            rows.append(row | dict(zip(_DEVICE_HEAD, _device_cells(dev), strict=True)))
+            row = dict.fromkeys(row, "")  # an extra device's row: its own cells only
     empty = ("-", "")
-    shown = [i for i in range(len(_TABLE_HEAD)) if i < 3 or any(r[i] not in empty for r in rows)]
-    table = [[_TABLE_HEAD[i] for i in shown], *([row[i] for i in shown] for row in rows)]
-    return align_columns(table, {shown.index(i) for i in _LEFT_ALIGNED if i in shown})
+    head = [h for i, h in enumerate(rows[0]) if i < 3 or any(r[h] not in empty for r in rows)]
+    table = [head, *([row[h] for h in head] for row in rows)]
+    return align_columns(table, {i for i, h in enumerate(head) if h in ("label", "host", "GPU")})
 
 
 def _device_cells(dev: DeviceState | None) -> list[str]:

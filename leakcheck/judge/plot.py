@@ -1,11 +1,9 @@
 """Pictures of a sweep and of reports (matplotlib's object API on an Agg canvas only).
 
-A sweep: one column per configuration, sharing the epoch axis: GPU memory at each epoch end
-stacked by role with the device's used memory as a line (a leak is a staircase; the
-workers' peak, stacked on the parent, has a gap and its bar a "?" where unknown, never a 0);
-host memory as a report's (NOTE [report picture]) with one forked worker's private and still
-shared memory (NOTE [copy on read] in hostmem.py); processes; GPU temperature and SM clock.
-Titles give throughput, wait share and the recommended worker count.
+A sweep: a column per configuration: GPU memory at epoch ends stacked by role, the device's
+as a line (a leak is a staircase; an unknown workers' peak is a gap and a "?", never a 0);
+host memory as a report's (NOTE [report picture]) with one forked worker's private and shared
+memory (NOTE [copy on read] in hostmem.py); processes; GPU temperature and SM clock.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ from leakcheck.adapters.plugin_observe import Checker, Window
 from leakcheck.core.model import Finding
 from leakcheck.core.names import process_name
 from leakcheck.core.options import CheckOptions
+from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.roles import is_runtime_helper
-from leakcheck.judge.report import finding_from_dict, finding_lines, finding_to_dict
+from leakcheck.judge.report import finding_lines
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import shm_creator_pid
 from leakcheck.track.tracker import Tracker
@@ -1218,11 +1219,11 @@ def test_findings_survive_the_trip_to_the_xdist_controller() -> None:
         shm_name=None,
         size_bytes=None,
     )
-    data = json.loads(json.dumps(finding_to_dict(finding)))
-    assert finding_from_dict(data) == finding
+    data = json.loads(json.dumps(to_jsonable(finding)))
+    assert record_from_dict(Finding, data) == finding
     assert headline([finding]) == "1 process (0.0 MiB GPU)"
     shm = Finding(rule="shm", severity="info", message="m", remedy="r", shm_name="x", size_bytes=9)
-    assert finding_from_dict(json.loads(json.dumps(finding_to_dict(shm)))) == shm
+    assert record_from_dict(Finding, json.loads(json.dumps(to_jsonable(shm)))) == shm
     assert headline([finding, shm, shm]) == "1 process (0.0 MiB GPU), 2 /dev/shm files"
 
 

@@ -52,7 +52,8 @@ from leakcheck.adapters.watching import (
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import MIB, EndReason, EpochRecord, Timeline
-from leakcheck.judge.report import Report, host_totals, plot_reports, workers_peak_bytes
+from leakcheck.judge.plot import plot_reports
+from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
 from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for

@@ -505,7 +505,8 @@ class LeakCheckPlugin:
         options: CheckOptions,
         gpu_note: str,
     ) -> None:
-        from leakcheck.judge.report import finding_lines, finding_to_dict
+        from leakcheck.core.records import to_jsonable
+        from leakcheck.judge.report import finding_lines
 
         leaks = [f for f in findings if f.severity == "leak"]
         status = ""
@@ -531,7 +532,7 @@ class LeakCheckPlugin:
             "gpu": gpu_note,
             "failed_before": item.stash.get(FAILED_BEFORE_KEY, False),
             "skipped": item.stash.get(SKIPPED_KEY, False),
-            "findings": [finding_to_dict(f) for f in findings],
+            "findings": to_jsonable(findings),
         }
         setattr(report, REPORT_ATTR, json.dumps(payload))
         if status:
@@ -577,11 +578,12 @@ class LeakCheckPlugin:
         payload = getattr(report, REPORT_ATTR, None)
         if report.when != "teardown" or not isinstance(payload, str):
             return
-        from leakcheck.judge.report import finding_from_dict
+        from leakcheck.core.model import Finding
+        from leakcheck.core.records import record_from_dict
 
         try:
             data = json.loads(payload)
-            findings = [finding_from_dict(entry) for entry in data.get("findings", [])]
+            findings = [record_from_dict(Finding, entry) for entry in data.get("findings", [])]
         except (ValueError, TypeError, AttributeError):
             return
         if data.get("skipped") and not findings:

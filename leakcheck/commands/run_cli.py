@@ -131,7 +131,7 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 def run_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck run``: run the program, report to ``err``, write ``--json``; the status."""
     from leakcheck.commands.launcher import LaunchError, RunOptions, run_program
-    from leakcheck.judge.report import plot_reports
+    from leakcheck.judge.plot import plot_reports
     from leakcheck.observe import nvml
 
     command = list(args.program)

@@ -7,14 +7,13 @@ rank whose report never came still gets a verdict from outside, and says it is m
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import Finding, RankInfo
-from leakcheck.core.records import record_from_dict
+from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import plural
 from leakcheck.judge.report import (
     FINDING_WIDTH,
@@ -61,7 +60,7 @@ class RankReport:
         return {
             "schema": "leakcheck.rank",
             "schema_version": JOB_SCHEMA_VERSION,
-            "rank": dataclasses.asdict(self.info),
+            "rank": to_jsonable(self.info),
             "pid": self.pid,
             "reports": [report.to_dict() for report in self.reports],
             "missing": list(self.missing),
@@ -73,9 +72,8 @@ class RankReport:
         if not isinstance(data, Mapping) or data.get("schema") != "leakcheck.rank":
             raise UsageError("rank report data: expected schema 'leakcheck.rank'")
         try:
-            info = rank_info_from_dict(data["rank"])
             return cls(
-                info=info,
+                info=rank_info_from_dict(data["rank"]),
                 pid=int(data["pid"]),
                 reports=tuple(report_from_dict(r) for r in data.get("reports") or ()),
                 missing=tuple(str(m) for m in data.get("missing") or ()),
@@ -85,7 +83,7 @@ class RankReport:
 
 
 def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
-    """``RankInfo`` from ``dataclasses.asdict``'s form; ``KeyError``, ``TypeError`` if not one."""
+    """``RankInfo`` from ``to_jsonable``'s form; ``TypeError`` where it is not one."""
     info: RankInfo = record_from_dict(RankInfo, data)
     if not isinstance(info.rank, int):
         raise TypeError(f"rank: expected an int, got {info.rank!r}")
@@ -103,7 +101,6 @@ class RankVerdict:
     pids: tuple[int, ...]
     restart_counts: tuple[int, ...]
     leaks: tuple[Finding, ...]
-    reported: bool
     missing: tuple[str, ...] = ()
     blind: bool = False
 
@@ -111,6 +108,11 @@ class RankVerdict:
     def verdict(self) -> str:
         """``leak``, ``blind`` or ``clean``."""
         return verdict_of(leaked=bool(self.leaks), blind=self.blind)
+
+    @property
+    def reported(self) -> bool:
+        """Whether the rank's own report came."""
+        return not self.missing
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (findings by identity: the full ones are in the reports)."""
@@ -226,7 +228,6 @@ def judge_job(
                 pids=tuple(pids),
                 restart_counts=tuple(counts),
                 leaks=_unique([*own, *seen_outside]),
-                reported=not missing,
                 missing=missing,
                 blind=any(r.verdict == "blind" for e in entries for r in e.reports),
             )

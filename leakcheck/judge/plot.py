@@ -1,21 +1,21 @@
 """Pictures of a sweep and of reports (matplotlib's object API on an Agg canvas only).
 
-A sweep: one column per configuration, sharing the epoch axis: GPU memory at each epoch end
-stacked by role with the device's used memory as a line (a leak is a staircase; the
-workers' peak, stacked on the parent, has a gap and its bar a "?" where unknown, never a 0);
-host memory as a report's (NOTE [report picture]) with one forked worker's private and still
-shared memory (NOTE [copy on read] in hostmem.py); processes; GPU temperature and SM clock.
-Titles give throughput, wait share and the recommended worker count.
+A sweep: a column per configuration: GPU memory at epoch ends stacked by role, the device's
+as a line (a leak is a staircase; an unknown workers' peak is a gap and a "?", never a 0);
+host memory as a report's (NOTE [report picture]) with one forked worker's private and shared
+memory (NOTE [copy on read] in hostmem.py); processes; GPU temperature and SM clock.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from leakcheck.core.errors import UsageError
 from leakcheck.core.files import write_atomic
 from leakcheck.core.model import MIB
 from leakcheck.core.units import plural
@@ -69,10 +69,6 @@ def _bars(values: Sequence[int | None]) -> list[float]:
     return [0.0 if value is None else value / MIB for value in values]
 
 
-def _why(reason: str) -> str:
-    return reason or "no GPU"
-
-
 def _per_worker(row: _Row, value: int | None) -> float:
     """MiB of one worker's share of a row's sum; NaN where not known."""
     return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
@@ -93,6 +89,11 @@ def _config_title(config: _Config) -> str:
 
 def _figure(width: float, height: float) -> Any:
     """A ``Figure`` on its own Agg canvas (never the caller's ``pyplot`` backend)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "plot: needs matplotlib, which is not installed (pip install "
+            "'dataloader-leakcheck[plot]')"
+        )
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -101,21 +102,12 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
-def _title(axes: Any, text: str, verdict: str) -> None:
-    axes.set_title(text, fontsize=10, color=_VERDICT_COLOURS.get(verdict, "#000000"))
-
-
 def _note(axes: Any, text: str) -> None:
+    wrapped = "\n".join(textwrap.wrap(text, 38))
     axes.text(
-        0.5,
-        0.5,
-        "\n".join(textwrap.wrap(text, 38)),
-        transform=axes.transAxes,
-        ha="center",
-        va="center",
-        fontsize=8,
+        0.5, 0.5, wrapped, transform=axes.transAxes, ha="center", va="center", fontsize=8,
         color="#555555",
-    )
+    )  # fmt: skip
 
 
 def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
@@ -130,21 +122,16 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
             axes.set_yticks([])
-            _note(axes, "GPU memory not measured: " + _why(reason))
+            _note(axes, "GPU memory not measured: " + (reason or "no GPU"))
         return
     parent = _bars([r.parent_gpu_bytes for r in rows])
     workers = _bars([r.workers_gpu_bytes for r in rows])
     tops = [p + w for p, w in zip(parent, workers, strict=True)]
     axes.bar(epochs, parent, color=_PARENT, label="parent, at epoch end")
     axes.bar(epochs, workers, bottom=parent, color=_WORKERS, label="workers (sum), at epoch end")
-    axes.bar(
-        epochs,
-        _bars([r.other_gpu_bytes for r in rows]),
-        bottom=tops,
-        color=_OTHERS,
-        hatch="//",
-        label="descendants + orphans,\nat epoch end",
-    )
+    others = _bars([r.other_gpu_bytes for r in rows])
+    label = "descendants + orphans,\nat epoch end"
+    axes.bar(epochs, others, bottom=tops, color=_OTHERS, hatch="//", label=label)
     unknown = [r.workers_gpu_bytes_peak is None or bool(r.workers_peak_unknown) for r in rows]
     # Workers started per epoch are gone at its end: their peak shows what they held. It is
     # stacked on the parent like the workers' bar, so it never runs below that bar's top.
@@ -154,34 +141,22 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             for row, base, top, gone in zip(rows, parent, tops, unknown, strict=True)
         ]
         axes.plot(
-            epochs,
-            peaks,
-            color=_WORKERS,
-            marker="D",
-            linestyle="--",
-            linewidth=1.0,
+            epochs, peaks, color=_WORKERS, marker="D", linestyle="--", linewidth=1.0,
             label="parent + workers' peak\nduring epoch",
-        )
+        )  # fmt: skip
     if any(unknown):  # a "?" on each such bar: not 0, not left out
         axes.plot(
             [epoch for epoch, gone in zip(epochs, unknown, strict=True) if gone],
             [top for top, gone in zip(tops, unknown, strict=True) if gone],
-            linestyle="none",
-            marker="$?$",
-            markersize=11,
-            color=_DEVICE,
+            linestyle="none", marker="$?$", markersize=11, color=_DEVICE,
             label="workers' peak unknown (a worker\nexited unseen, reported nothing)",
-        )
+        )  # fmt: skip
     device_used = [row.device_used_bytes for row in rows]
     if any(value is not None for value in device_used):
         axes.plot(
-            epochs,
-            _gaps(device_used, MIB),
-            color=_DEVICE,
-            marker="o",
-            linewidth=1.2,
+            epochs, _gaps(device_used, MIB), color=_DEVICE, marker="o", linewidth=1.2,
             label="device used at epoch end\n(all processes)",
-        )
+        )  # fmt: skip
     axes.set_ylim(bottom=0)
 
 
@@ -206,21 +181,16 @@ def _host_panel(axes: Any, config: _Config) -> None:
             label="one worker: private",
         )  # fmt: skip
         axes.plot(
-            epochs,
-            [_per_worker(r, r.workers_shared_bytes) for r in rows],
-            color=_SHARED,
-            marker="s",
-            linestyle=":",
-            linewidth=1.2,
+            epochs, [_per_worker(r, r.workers_shared_bytes) for r in rows], color=_SHARED,
+            marker="s", linestyle=":", linewidth=1.2,
             label="one worker: still shared\nwith the parent",
-        )
+        )  # fmt: skip
 
 
 def _process_panel(axes: Any, config: _Config) -> None:
     rows = config.rows
     axes.set_ylabel("processes")
-    # Grouped bars, not lines: the three counts are often equal and lines would hide
-    # each other.
+    # Grouped bars, not lines: the three counts are often equal and lines would hide each other.
     series = (
         ("worker processes", [r.worker_count for r in rows], _WORKERS, ""),
         ("alive after epoch + grace", [r.alive_after for r in rows], _ALIVE, ".."),
@@ -229,14 +199,9 @@ def _process_panel(axes: Any, config: _Config) -> None:
     width = 0.26
     for offset, (label, values, colour, hatch) in zip((-width, 0.0, width), series, strict=True):
         axes.bar(
-            [row.epoch + offset for row in rows],
-            values,
-            width=width,
-            color=colour,
-            hatch=hatch,
-            edgecolor="white",
-            label=label,
-        )
+            [row.epoch + offset for row in rows], values, width=width, color=colour, hatch=hatch,
+            edgecolor="white", label=label,
+        )  # fmt: skip
     top = max([1] + [max(r.worker_count, r.alive_after, r.orphans) for r in rows])
     axes.set_ylim(0, top * 1.15 + 0.2)
     axes.yaxis.get_major_locator().set_params(integer=True)
@@ -274,19 +239,12 @@ def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None)
         return
     # Patches (bars) first, in drawing order, then lines: matplotlib lists lines first.
     ordered = sorted(handles.items(), key=lambda item: hasattr(item[1], "get_xydata"))
-    handles = dict(ordered)
-    anchor = axes_list[0]
     # Right of the row's last panel (past a twin axis' labels), so it never hides data.
-    anchor.legend(
-        list(handles.values()),
-        list(handles.keys()),
-        title=title,
-        loc="center left",
-        bbox_to_anchor=(x if x is not None else 1.22 if len(axes_list) > 1 else 1.03, 0.5),
-        fontsize=8,
-        title_fontsize=8,
-        frameon=False,
-    )
+    x = x if x is not None else 1.22 if len(axes_list) > 1 else 1.03
+    axes_list[0].legend(
+        [handle for _, handle in ordered], [label for label, _ in ordered], title=title,
+        loc="center left", bbox_to_anchor=(x, 0.5), fontsize=8, title_fontsize=8, frameon=False,
+    )  # fmt: skip
 
 
 def render(result: _Sweep) -> Any:
@@ -303,7 +261,8 @@ def render(result: _Sweep) -> Any:
     clocks: list[Any] = []
     for column, config in enumerate(result.configs):
         axes = {kind: rows[kind][column] for kind in kinds}
-        _title(axes[kinds[0]], _config_title(config), config.report.verdict)
+        colour = _VERDICT_COLOURS.get(config.report.verdict, "#000000")
+        axes[kinds[0]].set_title(_config_title(config), fontsize=10, color=colour)
         _process_panel(axes["processes"], config)
         _host_panel(axes["host"], config)
         if gpu:
@@ -333,8 +292,8 @@ def render(result: _Sweep) -> Any:
         *textwrap.wrap(result.loader, width),
     ]
     if not gpu:
-        unmeasured = "GPU memory, temperature and clock not measured: " + _why(result.gpu_reason)
-        lines += textwrap.wrap(unmeasured, width)
+        reason = result.gpu_reason or "no GPU"
+        lines += textwrap.wrap(f"GPU memory, temperature and clock not measured: {reason}", width)
     if result.recommendation_line:
         lines += textwrap.wrap(result.recommendation_line, width)
     figure.suptitle("\n".join(lines), fontsize=10)
@@ -467,7 +426,8 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
                 continue
             _report_panel(axes, report, series, panel)
         title = "\n".join(part for part in (label, _verdict_text(report)) if part)
-        _title(grid[0][column], title, report.verdict)
+        colour = _VERDICT_COLOURS.get(report.verdict, "#000000")
+        grid[0][column].set_title(title, fontsize=10, color=colour)
         bottom = grid[-1][column]
         bottom.set_xticks(list(range(len(report.epochs))))
         bottom.set_xticklabels(
@@ -480,12 +440,17 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
         _row_legend(axes_row, "GPU memory" if panel == "gpu" else "host memory", x=1.03)
     lines = ["leakcheck: memory per epoch end by process group (RSS solid, USS dashed)"]
     if not gpu:
-        reason = reports[0][1].timeline.attribution_reason if reports else ""
-        lines += textwrap.wrap(f"GPU memory not drawn: {_why(reason)}", 40 * columns + 40)
+        reason = (reports[0][1].timeline.attribution_reason if reports else "") or "no GPU"
+        lines += textwrap.wrap(f"GPU memory not drawn: {reason}", 40 * columns + 40)
     figure.suptitle("\n".join(lines), fontsize=10)
     return figure
 
 
 def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
-    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
+    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+
+    """
     return _write_png(render_reports(reports), path, dpi)

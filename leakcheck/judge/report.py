@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,9 +21,9 @@ from leakcheck.core.names import ELLIPSIS, culprit, culprits, process_name
 from leakcheck.core.ranks import culprit_label, rank_label
 from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
+from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.verdict import (
     LINEAGE_ROLES,
-    EpochCounts,
     epoch_counts,
     judge,
     per_pid_bytes_known,
@@ -43,9 +41,7 @@ __all__ = [
     "build_report",
     "combined_verdict",
     "cut",
-    "finding_from_dict",
     "finding_lines",
-    "finding_to_dict",
     "gpu_unchecked",
     "host_totals",
     "is_said",
@@ -58,9 +54,6 @@ __all__ = [
 SCHEMA_VERSION = 3
 """Version of the ``to_dict`` layout (3: processes by start ticks), bumped on any change."""
 
-# An older layout names processes by create times, which are no identities (NOTE [process
-# identity] in procs.py).
-_READABLE_VERSIONS = (SCHEMA_VERSION,)
 
 Verdict = Literal["clean", "leak", "blind"]
 
@@ -76,9 +69,6 @@ def combined_verdict(verdicts: Iterable[str]) -> Verdict:
     """The verdict of several reports together: the worst of theirs."""
     found = set(verdicts)
     return verdict_of(leaked="leak" in found, blind="blind" in found)
-
-
-_LABEL_WIDTH = 16
 
 
 @dataclass(frozen=True)
@@ -119,41 +109,49 @@ class Report:
     @property
     def process_keys(self) -> frozenset[ProcessKey]:
         """Every process of the job's lineage that the report saw (what its summary counts)."""
-        return frozenset(_lineage_keys(self.timeline))
+        tl = self.timeline
+        final = tl.final.processes if tl.final is not None else ()
+        processes = [*(p for rec in tl.epochs for p in rec.processes), *final]
+        return frozenset(p.key for p in processes if p.role in LINEAGE_ROLES)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data: the timeline, ``verdict``, ``summary`` (``report_from_dict``)."""
         tl = self.timeline
-        boot = tl.boot_unix_s
-        extra = {
-            f.name: _to_jsonable(getattr(tl, f.name), boot)
-            for f in dataclasses.fields(tl)
-            if f.name not in _TIMELINE_KEYS
-        }
+        boot = tl.boot_unix_s  # process keys with their create time where it is known
+        data = to_jsonable(tl, None if boot is None else lambda ticks: create_time_s(ticks, boot))
+        known = per_pid_bytes_known(tl)
+        for rec, epoch in zip(tl.epochs, data["epochs"], strict=True):
+            for proc, out in zip(rec.processes, epoch["processes"], strict=True):
+                # Totals only where NVML read per-process bytes: else unknown (null), never 0.
+                read = known and not proc.gpu_bytes_unknown
+                out["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if read else None
+                out["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if read else None
+            epoch["duration_s"] = rec.duration_s
+        pop = data.pop
         return {
             "schema_version": SCHEMA_VERSION,
-            "session": tl.session_id,
-            "root": _to_jsonable(tl.root, boot),
-            "started_unix_s": tl.started_unix_s,
-            "attribution": tl.attribution,
-            "attribution_reason": tl.attribution_reason,
+            "session": pop("session_id"),
+            "root": pop("root"),
+            "started_unix_s": pop("started_unix_s"),
+            "attribution": pop("attribution"),
+            "attribution_reason": pop("attribution_reason"),
             "verdict": self.verdict,
             "summary": {
                 "leaks": len(self.leaks),
                 "infos": len(self.infos),
                 "epochs": len(tl.epochs),
-                "processes": len(_lineage_keys(tl)),
+                "processes": len(self.process_keys),
             },
-            "config": _to_jsonable(self.config),
+            "config": to_jsonable(self.config),
             "baseline": {
-                "devices": _to_jsonable(tl.baseline_devices),
-                "gpu_bytes": _to_jsonable(tl.baseline_gpu_bytes),
+                "devices": pop("baseline_devices"),
+                "gpu_bytes": pop("baseline_gpu_bytes"),
             },
-            "epochs": [_epoch_to_dict(rec, per_pid_bytes_known(tl), boot) for rec in tl.epochs],
-            "final": _to_jsonable(tl.final, boot),
-            "findings": _to_jsonable(self.findings),
-            "failures": list(tl.failures),
-            **extra,
+            "epochs": pop("epochs"),
+            "final": pop("final"),
+            "findings": to_jsonable(self.findings),
+            "failures": pop("failures"),
+            **data,  # the timeline's other fields, under their own names
         }
 
     def summary(self, *, gpu: bool = True, named: bool = True) -> str:
@@ -164,15 +162,33 @@ class Report:
             named: Name the first leaks (False: the finding lines above name them).
 
         """
-        return self._verdict_line(gpu=gpu, named=named) + self._pending_text()
+        tl, leaks = self.timeline, self.leaks
+        epochs = plural(len(tl.epochs), "epoch")
+        processes = plural(len(self.process_keys), "process", "processes")
+        if leaks and not named:
+            line = f"leakcheck: {plural(len(leaks), 'leak')} in {epochs} ({processes})"
+        elif leaks:
+            line = f"leakcheck: {plural(len(leaks), 'leak')} found: {leaks_short(leaks)}"
+        elif self.verdict == "blind":
+            line = (
+                f"leakcheck: cannot confirm no leaks in {epochs}: GPU memory could not be "
+                "attributed to processes (PID namespace); device totals show no leak"
+            )
+        elif tl.attribution in ("nvml-unavailable", "no-gpu"):
+            unchecked = "; GPU not checked" if gpu else ""
+            line = f"leakcheck: no leaks in {epochs} ({processes}{unchecked})"
+        else:
+            peak = _device_peak(tl)
+            peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
+            line = f"leakcheck: no leaks in {epochs} ({processes}{peak_text})"
+        return line + self._pending_text()
 
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""
         final = self.timeline.final
-        if final is None or final.closed:
-            return ""
         named = {f.pid for f in self.leaks}  # an orphan is judged from the moment it is one
-        pending = [pid for pid in final.pending_pids if pid not in named]
+        pending = [] if final is None or final.closed else final.pending_pids
+        pending = [pid for pid in pending if pid not in named]
         if not pending:
             return ""
         count = plural(len(pending), "process", "processes")
@@ -182,56 +198,41 @@ class Report:
             f"{'it was' if len(pending) == 1 else 'they were'} born in)"
         )
 
-    def _verdict_line(self, *, gpu: bool = True, named: bool = True) -> str:
-        tl = self.timeline
-        n_epochs = plural(len(tl.epochs), "epoch")
-        leaks = self.leaks
-        if leaks and not named:
-            processes = plural(len(_lineage_keys(tl)), "process", "processes")
-            return f"leakcheck: {plural(len(leaks), 'leak')} in {n_epochs} ({processes})"
-        if leaks:
-            return f"leakcheck: {plural(len(leaks), 'leak')} found: {leaks_short(leaks)}"
-        if self.verdict == "blind":
-            return (
-                f"leakcheck: cannot confirm no leaks in {n_epochs}: GPU memory could not be "
-                "attributed to processes (PID namespace); device totals show no leak"
-            )
-        processes = plural(len(_lineage_keys(tl)), "process", "processes")
-        if tl.attribution in ("nvml-unavailable", "no-gpu"):
-            unchecked = "; GPU not checked" if gpu else ""
-            return f"leakcheck: no leaks in {n_epochs} ({processes}{unchecked})"
-        peak = _device_peak(tl)
-        peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
-        return f"leakcheck: no leaks in {n_epochs} ({processes}{peak_text})"
-
     def format(self, *, verbose: bool = False) -> str:
         """The report as text (a clean one: its advice and verdict line only).
 
         ``verbose`` adds every process of every epoch, the thresholds and worker teardowns.
         """
-        lines: list[str] = []
         if self.clean and not verbose:
-            lines.extend(self.finding_lines(self.infos))
-            lines.append(self.summary())
-            return "\n".join(lines)
-        lines.append(_header(self.timeline))
-        attribution = _attribution_line(self.timeline)
-        if attribution:
-            lines.append(attribution)
+            return "\n".join([*self.finding_lines(self.infos), self.summary()])
+        tl, config = self.timeline, self.config
+        devices = tl.baseline_devices or (tl.epochs[0].devices if tl.epochs else ())
+        head = [f"session {tl.session_id}", f"root PID {tl.root.pid}"]
+        head += [plural(len(tl.epochs), "epoch")]
+        head += [", ".join(f"GPU{d.index} {d.name}" for d in devices)] if devices else []
+        lines = ["leakcheck report: " + ", ".join(head)]
+        if tl.attribution == "blind-namespace":
+            reason = f" ({tl.attribution_reason})" if tl.attribution_reason else ""
+            lines.append(
+                f"attribution blind: NVML's PIDs are from another PID namespace{reason}; "
+                "only device totals are judged"
+            )
+        elif tl.attribution in ("nvml-unavailable", "no-gpu"):
+            lines.append(gpu_unchecked(tl.attribution_reason))
         if verbose:
-            lines.append(_config_line(self.config))
-        if self.timeline.epochs:
-            lines.append("")
-            lines.extend(_epoch_table(self.timeline, self.config))
+            lines.append(
+                f"thresholds: tolerance {format_size(config.tolerance_bytes)}, host tolerance "
+                f"{format_mib(config.host_tolerance_bytes)} MiB, "
+                f"warm-up {plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
+                f"high clocks >= {config.high_clock_fraction:.0%} of max"
+            )
+        if tl.epochs:
+            lines += ["", *_epoch_table(tl, config)]
         if verbose:
-            lines.extend(_process_lines(self.timeline))
-            lines.extend(_teardown_lines(self.timeline))
+            lines += [*_process_lines(tl), *_teardown_lines(tl)]
         if self.said:
-            lines.append("")
-            lines.extend(self.finding_lines())
-        lines.append("")
-        lines.append(self.summary(named=not self.said))
-        return "\n".join(lines)
+            lines += ["", *self.finding_lines()]
+        return "\n".join([*lines, "", self.summary(named=not self.said)])
 
     def finding_lines(
         self,
@@ -241,11 +242,8 @@ class Report:
         loader: str | None = None,
     ) -> list[str]:
         """``finding_lines`` of ``findings`` (default: ``said``), workers named by index."""
-        worker_ids = {
-            rec.key.pid: rec.worker_id
-            for rec in self.timeline.teardowns
-            if rec.worker_id is not None
-        }
+        teardowns = self.timeline.teardowns
+        worker_ids = {t.key.pid: t.worker_id for t in teardowns if t.worker_id is not None}
         chosen = [f for f in (self.findings if findings is None else findings) if is_said(f)]
         return finding_lines(chosen, indent, loader=loader, worker_ids=worker_ids)
 
@@ -255,28 +253,11 @@ class Report:
         return [f for f in self.findings if is_said(f)]
 
     def plot(self, path: str, *, label: str = "") -> str:
-        """Draw the report, titled ``label``, as a PNG (``plot_reports``); returns ``path``."""
+        """Draw the report, titled ``label``, as a PNG (``plot.plot_reports``); returns ``path``."""
         return plot_reports([(label, self)], path)
 
     def __str__(self) -> str:
         return self.format()
-
-
-def plot_reports(reports: Sequence[tuple[str, Report]], path: str) -> str:
-    """Draw reports side by side into one PNG (``plot.plot_reports``); returns ``path``.
-
-    Raises:
-        UsageError: matplotlib is not installed.
-
-    """
-    from leakcheck.judge import plot  # matplotlib itself only as it draws
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError(
-            "plot: needs matplotlib, which is not installed (pip install "
-            "'dataloader-leakcheck[plot]')"
-        )
-    return plot.plot_reports(reports, path)
 
 
 def build_report(timeline: Timeline, config: RuleConfig) -> Report:
@@ -284,63 +265,16 @@ def build_report(timeline: Timeline, config: RuleConfig) -> Report:
     return Report(timeline=timeline, findings=judge(timeline, config), config=config)
 
 
-def _to_jsonable(value: Any, boot_unix_s: float | None = None) -> Any:
-    """``core.records.to_jsonable``, process keys with their create time where boot is known."""
-    if boot_unix_s is None:
-        return to_jsonable(value)
-    return to_jsonable(value, lambda ticks: create_time_s(ticks, boot_unix_s))
-
-
-def _epoch_to_dict(
-    rec: EpochRecord, bytes_known: bool, boot_unix_s: float | None
-) -> dict[str, Any]:
-    data: dict[str, Any] = _to_jsonable(dataclasses.replace(rec, processes=()), boot_unix_s)
-    data["processes"] = []
-    for proc in rec.processes:
-        # Totals only where NVML's per-process bytes were read: else unknown (null), never 0.
-        known = bytes_known and not proc.gpu_bytes_unknown
-        data["processes"].append(_to_jsonable(proc, boot_unix_s))
-        data["processes"][-1]["total_gpu_bytes_end"] = proc.total_gpu_bytes_end if known else None
-        data["processes"][-1]["total_gpu_bytes_peak"] = proc.total_gpu_bytes_peak if known else None
-    data["duration_s"] = rec.duration_s
-    return data
-
-
-_TIMELINE_KEYS = frozenset(
-    ("session_id", "root", "started_unix_s", "attribution", "attribution_reason", "epochs")
-) | {"final", "failures", "baseline_devices", "baseline_gpu_bytes"}
-"""Timeline fields ``to_dict`` writes in their own place (``session_id`` as ``session``, the
-baseline's under ``baseline``); the rest follow under their own names."""
-
-
-def finding_to_dict(finding: Finding) -> dict[str, Any]:
-    """Return one finding as plain data that ``json.dumps`` accepts (as in ``to_dict``)."""
-    return dict(_to_jsonable(finding))
-
-
-def finding_from_dict(data: Mapping[str, Any]) -> Finding:
-    """Read back ``finding_to_dict``'s data; ``UsageError`` where it is not a finding."""
-    try:
-        finding: Finding = record_from_dict(Finding, data)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UsageError(f"finding data: malformed ({type(exc).__name__}: {exc})") from None
-    return finding
-
-
 def report_from_dict(data: Mapping[str, Any]) -> Report:
     """Read back ``Report.to_dict``'s data; ``UsageError`` where it is not of this schema."""
     version = data.get("schema_version") if isinstance(data, Mapping) else None
-    if version not in _READABLE_VERSIONS:
-        raise UsageError(
-            f"report data: expected schema_version {' or '.join(map(str, _READABLE_VERSIONS))}, "
-            f"got {version!r}"
-        )
+    if version != SCHEMA_VERSION:  # an older layout names processes by create times
+        raise UsageError(f"report data: expected schema_version {SCHEMA_VERSION}, got {version!r}")
     baseline = data.get("baseline") or {}
-    fields = {f.name: data[f.name] for f in dataclasses.fields(Timeline) if f.name in data}
+    fields = {**data, "baseline_devices": baseline.get("devices", [])}
+    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
     if "session" in data:
         fields["session_id"] = data["session"]
-    fields["baseline_devices"] = baseline.get("devices", [])
-    fields["baseline_gpu_bytes"] = baseline.get("gpu_bytes", {})
     try:
         timeline: Timeline = record_from_dict(Timeline, fields)
         config: RuleConfig = record_from_dict(RuleConfig, data.get("config") or {})
@@ -350,24 +284,15 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
     return Report(timeline=timeline, findings=findings, config=config)
 
 
-def _lineage_keys(timeline: Timeline) -> set[ProcessKey]:
-    keys = {p.key for rec in timeline.epochs for p in rec.processes if p.role in LINEAGE_ROLES}
-    if timeline.final is not None:
-        keys.update(p.key for p in timeline.final.processes if p.role in LINEAGE_ROLES)
-    return keys
-
-
 def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     """(device index, bytes) of the highest device use seen in any epoch."""
-    best: tuple[int, int] | None = None
+    seen: list[tuple[int, int]] = []
     for rec in timeline.epochs:
         peaks = dict(rec.device_peak_used_bytes)
         for dev in rec.devices:
             peaks[dev.index] = max(peaks.get(dev.index, 0), dev.used_bytes)
-        for index, used in sorted(peaks.items()):
-            if best is None or used > best[1]:
-                best = (index, used)
-    return best
+        seen += sorted(peaks.items())
+    return max(seen, key=lambda item: item[1], default=None)
 
 
 _GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {
@@ -421,19 +346,6 @@ def leaks_short(leaks: Sequence[Finding], shown: int = 3) -> str:
     return "; ".join(leak_short(f) for f in leaks[:shown]) + more
 
 
-def _header(timeline: Timeline) -> str:
-    devices = timeline.baseline_devices or (timeline.epochs[0].devices if timeline.epochs else ())
-    device_text = ", ".join(f"GPU{d.index} {d.name}" for d in devices)
-    parts = [
-        f"session {timeline.session_id}",
-        f"root PID {timeline.root.pid}",
-        plural(len(timeline.epochs), "epoch"),
-    ]
-    if device_text:
-        parts.append(device_text)
-    return "leakcheck report: " + ", ".join(parts)
-
-
 _GPU_REASONS = (
     ("no NVIDIA driver", "no NVIDIA driver"),
     ("sees no NVIDIA GPU", "no NVIDIA GPU"),
@@ -451,50 +363,12 @@ def gpu_unchecked(reason: str) -> str:
     return f"GPU: not checked ({cut(short, 60)})"
 
 
-def _attribution_line(timeline: Timeline) -> str | None:
-    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
-    if timeline.attribution == "blind-namespace":
-        return (
-            f"attribution blind: NVML's PIDs are from another PID namespace{reason}; "
-            "only device totals are judged"
-        )
-    if timeline.attribution in ("nvml-unavailable", "no-gpu"):
-        return gpu_unchecked(timeline.attribution_reason)
-    return None
-
-
-def _config_line(config: RuleConfig) -> str:
-    return (
-        f"thresholds: tolerance {format_size(config.tolerance_bytes)}, host tolerance "
-        f"{format_mib(config.host_tolerance_bytes)} MiB, "
-        f"warm-up {plural(config.warmup_epochs, 'epoch')}, grace {config.grace_s:g} s, "
-        f"high clocks >= {config.high_clock_fraction:.0%} of max"
-    )
-
-
 def or_dash(value: object | None, spec: str = "") -> str:
     """``value`` formatted with ``spec``, or ``-`` when it is unknown."""
     return "-" if value is None else format(value, spec)
 
 
-_TABLE_HEAD = (
-    *("epoch", "label", "time s", "parent MiB", "workers", "wk end MiB", "wk peak MiB"),
-    *("alive after", "orphans", "parent host MiB", "wk host MiB", "host", "pinned MiB"),
-    *("GPU", "used/total MiB", "temp C", "SM MHz", "power W"),
-)
-_LEFT_ALIGNED = frozenset((1, 11, 13))
-
-
-def _device_cells(dev: DeviceState | None) -> list[str]:
-    if dev is None:
-        return ["-", "-", "-", "-", "-"]
-    return [
-        f"GPU{dev.index}",
-        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
-        or_dash(dev.temperature_c),
-        or_dash(dev.sm_clock_mhz),
-        or_dash(dev.power_w, ".0f"),
-    ]
+_DEVICE_HEAD = ("GPU", "used/total MiB", "temp C", "SM MHz", "power W")
 
 
 @dataclass(frozen=True)
@@ -523,53 +397,12 @@ def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
     return HostTotals(parent, workers_bytes, source)
 
 
-def _workers_host_text(host: HostTotals, any_workers: bool) -> str:
-    """The workers' host memory; ``?`` when one is unknown among known ones."""
-    if host.source is None:
-        return "-"  # nothing read (not 0 MiB)
-    if host.workers_bytes is None and any_workers:
-        return "?"
-    return format_mib(host.workers_bytes)
-
-
 def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
     """The workers' peaks summed; None when any worker's peak is unknown (never 0 for it)."""
     peaks = [p.total_gpu_bytes_peak for p in workers]
     if any(peak is None for peak in peaks):
         return None
     return sum(peak for peak in peaks if peak is not None)
-
-
-def _epoch_rows(rec: EpochRecord, timeline: Timeline, counts: EpochCounts) -> list[list[str]]:
-    known = per_pid_bytes_known(timeline)
-    parents = [p for p in rec.processes if p.role == "parent"]
-    workers = [p for p in rec.processes if p.role == "worker"]
-    end_text = peak_text = "-"
-    if known:
-        end_text = format_mib(sum(p.total_gpu_bytes_end for p in workers))
-        peak = workers_peak_bytes(workers)
-        peak_text = "?" if peak is None else format_mib(peak)
-    label = rec.label if len(rec.label) <= _LABEL_WIDTH else rec.label[: _LABEL_WIDTH - 3] + "..."
-    host = host_totals(rec.processes)
-    cells = [
-        str(rec.index),
-        label,
-        f"{rec.duration_s:.1f}",
-        format_mib(sum(p.total_gpu_bytes_end for p in parents)) if known and parents else "-",
-        str(len(workers)),
-        end_text,
-        peak_text,
-        str(counts.alive_after),
-        str(counts.orphans),
-        format_mib(host.parent_bytes),
-        _workers_host_text(host, bool(workers)),
-        host.source or "-",
-        format_mib(rec.pinned_reserved_bytes),
-    ]
-    devices = sorted(rec.devices, key=lambda d: d.index)
-    rows = [cells + _device_cells(devices[0] if devices else None)]
-    rows.extend([""] * len(cells) + _device_cells(dev) for dev in devices[1:])
-    return rows
 
 
 def align_columns(
@@ -589,67 +422,94 @@ def align_columns(
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
     """One row per epoch (and extra device): only the columns with data, as the sweep's."""
-    rows: list[list[str]] = []
+    known = per_pid_bytes_known(timeline)
     counts = epoch_counts(timeline, config.grace_s)
+    rows: list[dict[str, str]] = []
     for rec in timeline.epochs:
-        rows.extend(_epoch_rows(rec, timeline, counts[rec.index]))
-    shown = [
-        index
-        for index in range(len(_TABLE_HEAD))
-        if index < 3 or any(row[index] not in ("-", "") for row in rows)
+        parents = [p for p in rec.processes if p.role == "parent"]
+        workers = [p for p in rec.processes if p.role == "worker"]
+        parent_gpu = sum(p.total_gpu_bytes_end for p in parents)
+        peak = workers_peak_bytes(workers)
+        host = host_totals(rec.processes)
+        workers_host = format_mib(host.workers_bytes)
+        if host.source is None:
+            workers_host = "-"  # nothing read (not 0 MiB)
+        elif host.workers_bytes is None and workers:
+            workers_host = "?"  # one unknown among known ones
+        row = {
+            "epoch": str(rec.index),
+            "label": rec.label if len(rec.label) <= 16 else rec.label[:13] + "...",
+            "time s": f"{rec.duration_s:.1f}",
+            "parent MiB": format_mib(parent_gpu) if known and parents else "-",
+            "workers": str(len(workers)),
+            "wk end MiB": format_mib(sum(p.total_gpu_bytes_end for p in workers)) if known else "-",
+            "wk peak MiB": ("?" if peak is None else format_mib(peak)) if known else "-",
+            "alive after": str(counts[rec.index].alive_after),
+            "orphans": str(counts[rec.index].orphans),
+            "parent host MiB": format_mib(host.parent_bytes),
+            "wk host MiB": workers_host,
+            "host": host.source or "-",
+            "pinned MiB": format_mib(rec.pinned_reserved_bytes),
+        }
+        devices: list[DeviceState | None] = [*sorted(rec.devices, key=lambda d: d.index)]
+        for dev in devices or [None]:
+            rows.append(row | dict(zip(_DEVICE_HEAD, _device_cells(dev), strict=True)))
+            row = dict.fromkeys(row, "")  # an extra device's row: its own cells only
+    empty = ("-", "")
+    head = [h for i, h in enumerate(rows[0]) if i < 3 or any(r[h] not in empty for r in rows)]
+    table = [head, *([row[h] for h in head] for row in rows)]
+    return align_columns(table, {i for i, h in enumerate(head) if h in ("label", "host", "GPU")})
+
+
+def _device_cells(dev: DeviceState | None) -> list[str]:
+    if dev is None:
+        return ["-"] * 5
+    return [
+        f"GPU{dev.index}",
+        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
+        or_dash(dev.temperature_c),
+        or_dash(dev.sm_clock_mhz),
+        or_dash(dev.power_w, ".0f"),
     ]
-    table = [[_TABLE_HEAD[i] for i in shown], *([row[i] for i in shown] for row in rows)]
-    return align_columns(table, {shown.index(i) for i in _LEFT_ALIGNED if i in shown})
 
 
 def _process_lines(timeline: Timeline) -> list[str]:
+    """Each epoch's processes, then those after the work; host memory at the end or at exit."""
     known = per_pid_bytes_known(timeline)
-    lines: list[str] = []
-    groups: list[tuple[str, Sequence[ProcessEpoch]]] = [
-        (f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs
-    ]
+    groups = [(f"epoch {rec.index} ({rec.end_reason})", rec.processes) for rec in timeline.epochs]
     if timeline.final is not None:
         groups.append(("after the work", timeline.final.processes))
+    lines: list[str] = []
     for title, procs in groups:
         lines += ["", f"{title}:"]
+        rows = [["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]]
+        for p in procs:
+            held = ",".join(f"GPU{d}:{format_mib(b)}" for d, b in sorted(p.gpu_bytes_end.items()))
+            peak = "?" if p.total_gpu_bytes_peak is None else format_mib(p.total_gpu_bytes_peak)
+            if p.gpu_peak_source == "reported" and p.total_gpu_bytes_peak is not None:
+                peak += "*"
+            flags = ["born"] if p.born_in_epoch else []
+            flags += ["persistent"] if p.persistent else []
+            flags += [] if p.alive_at_end else ["gone-at-end"]
+            if p.exited_after_s is not None:
+                flags.append(f"exited+{p.exited_after_s:.1f}s")
+            if p.last_seen_after_s is not None:
+                # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
+                flags.append(f"seen+{max(0.0, p.last_seen_after_s):.1f}s")
+            host = p.host_bytes_end
+            rows.append([
+                rank_label(p.rank) + p.role,
+                str(p.key.pid),
+                ("?" if p.gpu_bytes_unknown else held or "0") if known else "-",
+                peak if known else "-",
+                "-" if host is None else f"{format_mib(host)} {p.host_source}",
+                or_dash(p.nvidia_fds),
+                " ".join(flags) or "-",
+                process_name(p.cmdline),
+            ])  # fmt: skip
         if procs:
-            head = ["role", "PID", "GPU MiB", "peak MiB", "host MiB", "fds", "flags", "command"]
-            rows = [head, *(_process_row(proc, known) for proc in procs)]
             lines.extend("  " + line for line in align_columns(rows, left={0, 6, 7}))
     return lines
-
-
-def _process_row(proc: ProcessEpoch, known: bool) -> list[str]:
-    """A process in the verbose report; host memory at the end, or at exit for one gone."""
-    held = ",".join(f"GPU{d}:{format_mib(b)}" for d, b in sorted(proc.gpu_bytes_end.items()))
-    peak = "?" if proc.total_gpu_bytes_peak is None else format_mib(proc.total_gpu_bytes_peak)
-    if proc.gpu_peak_source == "reported" and proc.total_gpu_bytes_peak is not None:
-        peak += "*"
-    flags = [
-        name
-        for name, on in (
-            ("born", proc.born_in_epoch),
-            ("persistent", proc.persistent),
-            ("gone-at-end", not proc.alive_at_end),
-        )
-        if on
-    ]
-    if proc.exited_after_s is not None:
-        flags.append(f"exited+{proc.exited_after_s:.1f}s")
-    if proc.last_seen_after_s is not None:
-        # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
-        flags.append(f"seen+{max(0.0, proc.last_seen_after_s):.1f}s")
-    host = proc.host_bytes_end
-    return [
-        rank_label(proc.rank) + proc.role,
-        str(proc.key.pid),
-        ("?" if proc.gpu_bytes_unknown else held or "0") if known else "-",
-        peak if known else "-",
-        "-" if host is None else f"{format_mib(host)} {proc.host_source}",
-        or_dash(proc.nvidia_fds),
-        " ".join(flags) or "-",
-        process_name(proc.cmdline),
-    ]
 
 
 def _teardown_lines(timeline: Timeline) -> list[str]:
@@ -706,12 +566,12 @@ def _culprit_and_what(finding: Finding) -> tuple[str | None, str]:
     return None, finding.message
 
 
-def _fix_template(finding: Finding) -> tuple[str, bool]:
-    """A finding's fix without its ``kill PID``, and whether it had one."""
+def _fix_template(finding: Finding) -> str:
+    """A finding's fix without its ``kill PID`` (its remedy where it has none)."""
     tail = f"kill {finding.pid}"
     if finding.pid is not None and finding.remedy.endswith(tail):
-        return finding.remedy[: -len(tail)], True
-    return finding.remedy, False
+        return finding.remedy[: -len(tail)]
+    return finding.remedy
 
 
 def _kill_fix(template: str, pids: Sequence[int]) -> str:
@@ -758,24 +618,21 @@ def finding_lines(
     lines with one fix share it (its ``kill`` naming all their PIDs). ``loader`` and
     ``worker_ids`` (by PID) name the workers.
     """
-    lines: dict[tuple[object, ...], list[Finding]] = {}
+    # Lines by fix, then by what a person reads: a process's name, not its arguments (two
+    # helpers whose arguments differ are one cause).
+    groups: dict[tuple[str, str, str], dict[tuple[object, ...], list[Finding]]] = {}
     for index, finding in enumerate(findings):
         who, what = _culprit_and_what(finding)
-        # By the name a person reads (two helpers whose arguments differ are one cause).
         name = process_name(finding.cmdline)
-        alike = (finding.severity, finding.rule, finding.role, finding.rank, name, what)
-        key = (alike if who is not None else (index,)) + (_fix_template(finding)[0],)
-        lines.setdefault(key, []).append(finding)
-    by_fix: dict[tuple[str, str, str], list[list[Finding]]] = {}
-    for line in lines.values():
-        first = line[0]
-        by_fix.setdefault((first.severity, first.rule, _fix_template(first)[0]), []).append(line)
+        alike = (finding.role, finding.rank, name, what) if who is not None else (index,)
+        by_fix = (finding.severity, finding.rule, _fix_template(finding))
+        groups.setdefault(by_fix, {}).setdefault(alike, []).append(finding)
     out: list[str] = []
     ids = worker_ids or {}
-    for (severity, rule, template), group in by_fix.items():
+    for (severity, rule, template), lines in groups.items():
         tag = "LEAK" if severity == "leak" else "info"
         killed: list[int] = []
-        for line in group:
+        for line in lines.values():
             f = line[0]
             who, text = _culprit_and_what(f)
             pids = [g.pid for g in line if g.pid is not None] if who is not None else []
@@ -791,7 +648,7 @@ def finding_lines(
                 rows = f.stack.splitlines()[:_STACK_ROWS]
                 room = FINDING_WIDTH - len(indent) - 4
                 out.extend(f"{indent}    {_stack_row(row, room)}" for row in rows)
-            if _fix_template(f)[1]:
+            if template != f.remedy:  # its fix ends in ``kill PID``
                 killed.extend(pids or ([f.pid] if f.pid is not None else []))
         fix = _kill_fix(template, killed) if killed else template
         out.append(f"{indent}  fix: {cut(fix, FIX_WIDTH)}")

@@ -560,10 +560,10 @@ class LeakCheckPlugin:
         sections = [(name, text) for name, text in report.sections if name == SECTION]
         if hasattr(self.config, "workerinput") or not isinstance(stats, dict) or not sections:
             return False
-        for earlier in (*stats.get("failed", []), *stats.get("error", [])):
-            when = getattr(earlier, "when", None)
-            if getattr(earlier, "nodeid", None) == report.nodeid and when in ("setup", "call"):
-                earlier.sections.extend(sections)
+        for failure in (*stats.get("failed", []), *stats.get("error", [])):
+            when = getattr(failure, "when", None)
+            if getattr(failure, "nodeid", None) == report.nodeid and when in ("setup", "call"):
+                failure.sections.extend(sections)
                 return True
         return False
 
@@ -592,9 +592,7 @@ class LeakCheckPlugin:
         ]
         results = sorted((entry for entry in results if entry[1]), key=_worst_first)
         leaky = sum(any(f.severity == "leak" for f in entry[1]) for entry in results)
-        title = "LEAK REPORT"
-        if about_gpu(f for entry in results for f in entry[1]):
-            title = "GPU LEAK REPORT"
+        title = "GPU LEAK REPORT" if about_gpu(f for e in results for f in e[1]) else "LEAK REPORT"
         if not results:
             tr.write_sep("=", f"{title}: no leaks in {checked}; {gpu}", green=True)
         else:

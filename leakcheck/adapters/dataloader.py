@@ -224,10 +224,10 @@ class EpochJudge:
         warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)
 
 
-# Two wrappers of one loader may close in either order: a hook put back must not be a closed
-# wrapper's (its mailbox is gone), so each hook knows what it replaced, while it is live.
+# Each live hook -> what it replaced. Two wrappers of one loader may close in either order:
+# a closing wrapper's hook leaves this chain, so none put back is a closed one's (its mailbox
+# is gone); the user's own leakcheck.worker_init_fn(...) replaced nothing, and is theirs.
 _replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
-_live_hooks: weakref.WeakSet[WorkerInit] = weakref.WeakSet()
 
 
 class _Session:
@@ -242,14 +242,12 @@ class _Session:
         installed, self.installed = self.installed, None
         if installed is None:
             return
-        _live_hooks.discard(installed)
+        below = _replaced.pop(installed, None)
+        for hook, replaced in list(_replaced.items()):
+            if replaced is installed:
+                _replaced[hook] = below
         if getattr(self.loader, "worker_init_fn", None) is installed:
-            # A closed wrapper's hook gives way to the first live one below it; the user's
-            # own leakcheck.worker_init_fn(...) (never replaced anything) is theirs to keep.
-            function: Any = installed
-            while function not in _live_hooks and function in _replaced:
-                function = _replaced[function]
-            self.loader.worker_init_fn = function
+            self.loader.worker_init_fn = below
 
     def finalize(self, owns_tracker: bool) -> None:
         """The wrapper was collected without ``close()``: stop the tracker it owns."""
@@ -387,7 +385,6 @@ class WatchedLoader(Generic[T]):
         replaced = loader.worker_init_fn
         installed = install_policy(loader, self._tracker, release=self._teardown)
         _replaced[installed] = replaced
-        _live_hooks.add(installed)
         self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:

@@ -3,7 +3,7 @@
 ``watch()`` judges the timeline at every epoch end so that it can warn at once. Judging the
 whole run costs time in proportion to the epochs so far; leakcheck judges the latest
 ``JUDGED_EPOCHS`` epochs at an epoch end and the whole run at ``close()`` (NOTE [judged
-window] in leakcheck/adapters/watching.py). This runs both in one process, one after the other:
+window] in leakcheck/adapters/dataloader.py). This runs both in one process, one after the other:
 a wrapper over a loader with persistent workers and a few batches per epoch (so the epoch
 end weighs the most it can), and records the tracker's caller time
 (``Tracker.cost().caller_wall_s``) spent in each epoch: the epoch end's sample, its
@@ -33,7 +33,7 @@ from results_io import host_meta, result_stem, write_result
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
-from leakcheck.adapters import watching
+from leakcheck.adapters import dataloader as watching
 from leakcheck.adapters.dataloader import WatchedLoader
 
 

@@ -461,7 +461,7 @@ def test_epoch_ends_judge_a_window_and_close_judges_the_whole_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NOTE [judged window]: an epoch end judges the latest epochs only; close() all."""
-    from leakcheck.adapters import watching
+    from leakcheck.adapters import dataloader as watching
     monkeypatch.setattr(watching, "JUDGED_EPOCHS", 1)
     dataset = StartsChildOnce()
     watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")

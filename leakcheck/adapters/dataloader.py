@@ -1,4 +1,4 @@
-"""``leakcheck.watch(loader)``: a DataLoader that reports, per epoch, who leaked what.
+"""``leakcheck.watch(loader)``, and the epoch ends it shares with the Lightning callback.
 
 NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
 request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
@@ -6,43 +6,51 @@ request and closed however the loop ends: ``completed`` (exhausted: judged at on
 generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
 ``exception`` (while fetching a batch, re-raised; a worker a signal ended is noted first and
 its ``died`` finding announced at once), ``interrupt`` (``KeyboardInterrupt`` while fetching)
-or ``collected`` (by the garbage collector or at interpreter exit).
+or ``collected`` (by the garbage collector or at interpreter exit). After an early end,
+non-persistent workers are shut down at once (the exception's traceback would keep them alive
+as false survivors), and judging waits for the next epoch or ``close()``: raising from a
+closing generator would be lost. Per batch: one generator step and one clock read (NOTE [hang
+watch] in hang.py).
 
-After an early end, non-persistent workers are shut down at once (the exception's traceback
-would keep them alive as false survivors), and judging waits for the next epoch or
-``close()`` (NOTE [late survivors] in watching.py): raising from a closing generator would be
-lost. Per batch: one generator step and one clock read (NOTE [hang watch] in hang.py).
+NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
+judges at every epoch end, so that judgement looks at the latest ``JUDGED_EPOCHS`` closed
+epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures both);
+``close()`` judges the whole run with a fresh read. What only a longer view shows (growth
+too slow to exceed the tolerance within the window) is announced at close.
+
+NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
+ended, so an adapter judges again at a later epoch's start once the grace has passed
+(``EpochJudge.judge_if_due``, on a walk taken then), and at close, which waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-from leakcheck.adapters.watching import (
-    EpochJudge,
-    OnLeak,
-    check_arguments,
-    install_policy,
-    note_deaths,
-    shutdown_workers,
-)
-from leakcheck.core.errors import UsageError
-from leakcheck.core.model import EndReason, EpochRecord
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.model import EndReason, EpochRecord, Finding
 from leakcheck.judge.report import Report
 from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["WatchedLoader", "watch"]
+__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "watch"]
 
 T = TypeVar("T")
+OnLeak = Literal["warn", "raise", "ignore"]
+OnEpoch = Callable[[EpochRecord], object]
+
+JUDGED_EPOCHS = 32
+"""Closed epochs judged at each epoch end (NOTE [judged window])."""
 
 # True while the cyclic garbage collector runs: a generator closed then was collected,
 # not left by its loop (NOTE [epoch ends]).
@@ -55,31 +63,171 @@ def _gc_phase(phase: str, info: dict[str, int]) -> None:
     _collecting = phase == "start"
 
 
-def _install_gc_hook() -> None:
-    with _gc_hook_lock:
-        if _gc_phase not in gc.callbacks:
-            gc.callbacks.append(_gc_phase)
-
-
 def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     if isinstance(error, GeneratorExit):
         return ("collected" if _collecting or sys.is_finalizing() else "break"), None
     return end_reason_for(error)
 
 
-# Two wrappers of one loader may close in either order: a hook put back must not be a closed
-# wrapper's (its mailbox is gone), so each knows what it replaced.
+def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
+    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options.
+
+    Raises:
+        UsageError: A bad value; the message names the argument and the value.
+
+    """
+    if not isinstance(on_leak, str) or on_leak not in ("warn", "raise", "ignore"):
+        raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
+    if not isinstance(teardown, bool):
+        raise UsageError(f"teardown: expected True or False, got {teardown!r}")
+    if on_epoch is not None and not callable(on_epoch):
+        raise UsageError(f"on_epoch: expected a callable taking an EpochRecord, got {on_epoch!r}")
+    return on_leak  # type: ignore[return-value]
+
+
+def install_policy(loader: Any, tracker: Tracker, *, release: bool) -> WorkerInit:
+    """Chain the policy in front of ``loader.worker_init_fn`` (which still runs); returns it.
+
+    Workers report their identity to ``tracker``'s mailbox and, at exit, what they held and
+    freed (NOTE [teardown policy] in teardown.py). A policy the user installed already
+    (``leakcheck.worker_init_fn(...)``) keeps their function and ``terminate_children``.
+    """
+    current = loader.worker_init_fn
+    user_fn, terminate_children = current, False
+    if isinstance(current, WorkerInit):
+        user_fn, terminate_children = current.user_fn, current.terminate_children
+    installed = WorkerInit(
+        user_fn,
+        terminate_children=terminate_children,
+        release=release,
+        persistent=bool(getattr(loader, "persistent_workers", False)),
+        mailbox_dir=tracker.start().mailbox_dir,
+        session_id=tracker.session_id,
+    )
+    installed.death_signal = threading.current_thread() is threading.main_thread()
+    loader.worker_init_fn = installed
+    return installed
+
+
+def shutdown_workers(iterator: object) -> None:
+    """Stop a DataLoader iterator's workers now (what its own ``__del__`` calls; idempotent)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        with contextlib.suppress(Exception):
+            shutdown()
+
+
+def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
+    """Run a user's callable (or a logger): what it raises is one ``RuntimeWarning``, no more."""
+    try:
+        call()
+    except Exception as error:
+        warnings.warn(
+            f"leakcheck: {what} raised {type(error).__name__}: {error}; the loop goes on",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+def _note_deaths(tracker: Tracker, iterator: object) -> bool:
+    """Tell ``tracker`` which workers of a failed epoch a signal killed (True: some).
+
+    Reading ``exitcode`` reaps a worker, as the iterator's shutdown would a moment later.
+    """
+    died = False
+    with contextlib.suppress(Exception):  # torch's private attribute: what it is not says nothing
+        for worker in list(getattr(iterator, "_workers", None) or ()):
+            code, pid = getattr(worker, "exitcode", None), getattr(worker, "pid", None)
+            if isinstance(code, int) and code < 0 and isinstance(pid, int):
+                tracker.note_exit(pid, code)
+                died = True
+    return died
+
+
+def _finding_id(finding: Finding) -> tuple[object, ...]:
+    # Without the epoch: a process that grows every epoch is announced once. By identity
+    # (NOTE [process identity] in procs.py).
+    return (finding.rule, finding.pid, finding.start_ticks, finding.device_index)
+
+
+class EpochJudge:
+    """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
+
+    Attributes:
+        count: Judge with ``on_leak="ignore"`` too, only to count the leaks.
+        leaks_found: Leaks the latest judgement found (what a dashboard logs); None before.
+
+    """
+
+    def __init__(self, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None) -> None:
+        self.tracker = tracker
+        self.on_leak = on_leak
+        self.on_epoch = on_epoch
+        self.count = False
+        self.leaks_found: int | None = None
+        self._announced: set[tuple[object, ...]] = set()
+        self._unjudged_end: float | None = None  # the last epoch end not judged for survivors
+
+    def end_epoch(
+        self, reason: EndReason, error: str | None, batches: int, index: int | None = None
+    ) -> None:
+        """End the tracker's epoch (``index``: only that one), and hand it to ``on_epoch``."""
+        self.tracker.batch_arrived()
+        if not self.tracker.end_epoch(reason, error, batches, index=index):
+            return
+        self._unjudged_end = time.monotonic()
+        on_epoch, tracker = self.on_epoch, self.tracker
+        if on_epoch is not None:
+
+            def hand_over() -> None:  # leakcheck's own reads too: nothing escapes into the loop
+                tracker.finish_reads()
+                (record,) = tracker.timeline(last_epochs=1).epochs
+                on_epoch(record)
+
+            call_reported("on_epoch", hand_over)
+
+    def _due(self) -> bool:
+        return self._unjudged_end is not None and (
+            self.tracker.closed
+            or time.monotonic() - self._unjudged_end >= self.tracker.config.grace_s
+        )
+
+    def judge_if_due(self, *, stacklevel: int = 1) -> None:
+        """At an epoch's start: judge what the grace now lets be judged (NOTE [late survivors])."""
+        if self._due():
+            self.tracker.sample()
+            self.judge(may_raise=True, stacklevel=stacklevel + 1)
+
+    def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
+        """Announce leaks not announced before (NOTE [judged window]).
+
+        ``may_raise`` False warns instead of raising (an exception is on its way out already,
+        and a leak must not replace it); ``stacklevel`` 1 points the warning at the caller.
+        """
+        if self._due():
+            self._unjudged_end = None
+        if self.on_leak == "ignore" and not self.count:
+            return
+        # A warning gives the figures the final report will (NOTE [host pacing]).
+        self.tracker.finish_reads()
+        window = None if self.tracker.closed else JUDGED_EPOCHS
+        report = self.tracker.report(last_epochs=window, fresh=False)
+        new = [f for f in report.leaks if _finding_id(f) not in self._announced]
+        self._announced.update(_finding_id(f) for f in new)
+        self.leaks_found = len(report.leaks)
+        if not new or self.on_leak == "ignore":
+            return
+        where = f" after {report.epochs[-1].label}" if report.epochs else ""
+        message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)
+        if self.on_leak == "raise" and may_raise:
+            raise LeakError(message, report)
+        warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)
+
+
+# Each live hook -> what it replaced. Two wrappers of one loader may close in either order:
+# a closing wrapper's hook leaves this chain, so none put back is a closed one's (its mailbox
+# is gone); the user's own leakcheck.worker_init_fn(...) replaced nothing, and is theirs.
 _replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
-_live_hooks: weakref.WeakSet[WorkerInit] = weakref.WeakSet()
-
-
-def _what_to_restore(function: Any) -> Any:
-    """``function``, or for a closed wrapper's hook, the first live one below."""
-    while isinstance(function, WorkerInit) and function not in _live_hooks:
-        if function not in _replaced:
-            break  # the user's own leakcheck.worker_init_fn(...): theirs to keep
-        function = _replaced[function]
-    return function
 
 
 class _Session:
@@ -91,15 +239,17 @@ class _Session:
         self.installed: WorkerInit | None = None
 
     def restore_init(self) -> None:
-        installed = self.installed
+        installed, self.installed = self.installed, None
         if installed is None:
             return
-        _live_hooks.discard(installed)  # closed: what it replaced comes back (_replaced)
+        below = _replaced.pop(installed, None)
+        for hook, replaced in list(_replaced.items()):
+            if replaced is installed:
+                _replaced[hook] = below
         if getattr(self.loader, "worker_init_fn", None) is installed:
-            self.loader.worker_init_fn = _what_to_restore(installed)
-        self.installed = None
+            self.loader.worker_init_fn = below
 
-    def finalize(self, owns_tracker: bool = True) -> None:
+    def finalize(self, owns_tracker: bool) -> None:
         """The wrapper was collected without ``close()``: stop the tracker it owns."""
         self.restore_init()
         if owns_tracker:
@@ -126,25 +276,21 @@ class WatchedLoader(Generic[T]):
         teardown: bool,
         iterate: Callable[[Any], Iterator[T]] | None = None,
         owns_tracker: bool = True,
-        on_epoch: Callable[[EpochRecord], object] | None = None,
+        on_epoch: OnEpoch | None = None,
     ) -> None:
         self._loader = loader
         self._tracker = tracker
         self._judge = EpochJudge(tracker, check_arguments(on_leak, teardown, on_epoch), on_epoch)
         self._teardown = teardown
-        self._iterate: Callable[[Any], Iterator[T]] = iter if iterate is None else iterate
+        self._iterate: Callable[[Any], Iterator[T]] = iterate or iter
         self._owns_tracker = owns_tracker
-        self._started = False
-        self._open_epoch: int | None = None
-        """Index of the epoch this wrapper's latest iteration opened, until it ends."""
+        self._started = self._closed = self._dropped = self._batches_seen = False
+        self._open_epoch: int | None = None  # the epoch this wrapper opened, until it ends
         self._session = _Session(loader, tracker)
-        self._closed = False
-        self._dropped = False
-        self._batches_seen = False
         self._finalizer = weakref.finalize(self, _Session.finalize, self._session, owns_tracker)
-        _install_gc_hook()
-
-    # --- the loader's face -------------------------------------------------------------
+        with _gc_hook_lock:
+            if _gc_phase not in gc.callbacks:
+                gc.callbacks.append(_gc_phase)
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
@@ -161,8 +307,6 @@ class WatchedLoader(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         return self._epoch()
-
-    # --- leakcheck's face --------------------------------------------------------------
 
     @property
     def tracker(self) -> Tracker:
@@ -212,40 +356,35 @@ class WatchedLoader(Generic[T]):
         # With an exception on its way out, a leak is warned about instead of replacing it.
         self._close(may_raise=exc is None)
 
-    # --- internals ---------------------------------------------------------------------
-
     def _close(self, *, may_raise: bool) -> None:
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
         self._session.restore_init()
-        if not self._owns_tracker:
-            if self._open_epoch is not None:  # its own epoch, not another wrapper's
-                self._tracker.end_epoch("closed", index=self._open_epoch)
-                self._open_epoch = None
-            return
-        self._tracker.close()
-        self._judge.judge(may_raise=may_raise, stacklevel=3)
+        if self._owns_tracker:
+            self._tracker.close()
+            self._judge.judge(may_raise=may_raise, stacklevel=3)
+        elif self._open_epoch is not None:  # its own epoch, not another wrapper's
+            self._tracker.end_epoch("closed", index=self._open_epoch)
+            self._open_epoch = None
 
     def _start(self) -> None:
         """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
         if self._closed:
             raise UsageError("this watched loader is closed; wrap the loader again")
-        tracker = self._tracker
         if self._started:
             return
         self._started = True
-        tracker.start()
+        self._tracker.start()
         loader: Any = self._loader
         if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
             # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
             # workers to the inner one, whose tracker owns them (NOTE [claims]).
             return
         replaced = loader.worker_init_fn
-        installed = install_policy(loader, tracker, release=self._teardown)
+        installed = install_policy(loader, self._tracker, release=self._teardown)
         _replaced[installed] = replaced
-        _live_hooks.add(installed)
         self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:
@@ -253,14 +392,15 @@ class WatchedLoader(Generic[T]):
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
         self._judge.judge_if_due(stacklevel=2)
-        index = self._tracker.begin_epoch()
-        self._open_epoch = index
-        installed = self._session.installed
-        if installed is not None:
+        index = self._open_epoch = self._tracker.begin_epoch()
+        if self._session.installed is not None:
             # NOTE [teardown policy] in teardown.py: the death signal follows the thread.
-            installed.death_signal = threading.current_thread() is threading.main_thread()
+            main = threading.current_thread() is threading.main_thread()
+            self._session.installed.death_signal = main
         batches: Any = None
         count = 0
+        ended: tuple[EndReason, str | None] = ("completed", None)
+        died = False
         wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
         try:
             batches = self._iterate(self._loader)
@@ -273,18 +413,22 @@ class WatchedLoader(Generic[T]):
                 wanted()
         except BaseException as error:
             arrived()
+            ended = _end_reason(error)
             # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
-            interrupted = isinstance(error, (KeyboardInterrupt, GeneratorExit))
-            died = not interrupted and note_deaths(self._tracker, batches)
+            if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+                died = _note_deaths(self._tracker, batches)
             if not getattr(self._loader, "persistent_workers", False):
                 shutdown_workers(batches)
+            raise
+        finally:
             batches = None
-            self._end_epoch(*_end_reason(error), count, index)
+            # Only the epoch this iteration opened: a kept iterator (a peek at the first
+            # batch) dropped later must not end the epoch open then.
+            if self._open_epoch == index:
+                self._open_epoch = None
+            self._judge.end_epoch(*ended, count, index)
             if died:  # said now, beside the DataLoader's own error, which goes on its way
                 self._judge.judge(may_raise=False, stacklevel=2)
-            raise
-        batches = None
-        self._end_epoch("completed", None, count, index)
         if count == 0 and self._batches_seen:
             warnings.warn(
                 f"leakcheck: epoch {index} of the watched loader yielded no "
@@ -296,13 +440,6 @@ class WatchedLoader(Generic[T]):
             )
         self._batches_seen = self._batches_seen or count > 0
         self._judge.judge(may_raise=True, stacklevel=2)
-
-    def _end_epoch(self, reason: EndReason, error: str | None, batches: int, index: int) -> None:
-        # Only the epoch this iteration opened: a kept iterator (a peek at the first batch)
-        # dropped later must not end the epoch open then.
-        if self._open_epoch == index:
-            self._open_epoch = None
-        self._judge.end_epoch(reason, error, batches, index)
 
 
 def watch(
@@ -316,7 +453,7 @@ def watch(
     interval: float | str = 0.05,
     rollup_share: float | None = None,
     copy_tolerance: str | int = "64MiB",
-    on_epoch: Callable[[EpochRecord], object] | None = None,
+    on_epoch: OnEpoch | None = None,
     hang_after: float | str = 120.0,
 ) -> WatchedLoader[T]:
     """Wrap a DataLoader so that each epoch reports which process held how much GPU memory.

@@ -45,33 +45,9 @@ def _process_group() -> Any | None:
     """``torch.distributed`` where the program imported it and a group is initialised."""
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
+        return dist if dist and dist.is_available() and dist.is_initialized() else None
     except Exception:
         return None
-    return dist
-
-
-def _this_rank_report(reports: Report | Iterable[Report]) -> RankReport:
-    """The reports of this process as its rank's (``RANK`` & co., else the group's)."""
-    info = rank_from_environ(os.environ)
-    if info is None:
-        dist = _process_group()
-        if dist is not None:
-            info = RankInfo(rank=int(dist.get_rank()), world_size=int(dist.get_world_size()))
-        else:
-            info = RankInfo(rank=0, world_size=1)
-    items = (reports,) if isinstance(reports, Report) else tuple(reports)
-    return RankReport(info=info, pid=os.getpid(), reports=items)
-
-
-def _write_rank_report(entry: RankReport, folder: str) -> None:
-    """Write ``entry`` as ``rank-<rank>-<pid>.json`` into ``folder``, atomically."""
-    path = os.path.join(folder, f"{_PREFIX}{entry.info.rank}-{entry.pid}.json")
-    temp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    with open(temp, "w", encoding="utf-8") as handle:
-        json.dump(entry.to_dict(), handle)
-    os.replace(temp, path)
 
 
 def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
@@ -100,11 +76,6 @@ def job_from_folder(folder: str) -> JobReport:
     return judge_job(read_rank_reports(folder)[0])
 
 
-def _folder(folder: str | None) -> str | None:
-    chosen = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
-    return chosen if chosen and os.path.isdir(chosen) else None
-
-
 def gather_reports(
     reports: Report | Iterable[Report],
     *,
@@ -131,36 +102,44 @@ def gather_reports(
         other ranks: None.
 
     """
-    entry = _this_rank_report(reports)
-    target = _folder(folder)
-    if target is not None:
-        try:
-            _write_rank_report(entry, target)
-        except OSError as error:
-            warnings.warn(
-                f"leakcheck: rank {entry.info.rank}: report not written: {error}", stacklevel=2
-            )
     dist = _process_group()
+    info = rank_from_environ(os.environ)
+    if info is None and dist is not None:
+        info = RankInfo(rank=int(dist.get_rank()), world_size=int(dist.get_world_size()))
+    items = (reports,) if isinstance(reports, Report) else tuple(reports)
+    entry = RankReport(info=info or RankInfo(rank=0, world_size=1), pid=os.getpid(), reports=items)
+    rank = entry.info.rank
+    target = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
+    if target and os.path.isdir(target):
+        path = os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json")
+        temp = os.path.join(target, f".{os.path.basename(path)}.tmp")
+        try:
+            with open(temp, "w", encoding="utf-8") as handle:
+                json.dump(entry.to_dict(), handle)
+            os.replace(temp, path)  # atomically: a merging side never reads half a file
+        except OSError as error:
+            warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
+    else:
+        target = None
     if dist is None:
-        return judge_job([entry]) if entry.info.rank == dst else None
+        return judge_job([entry]) if rank == dst else None
     try:
         gathered = _gather(dist, entry, dst, timeout_s)
     except Exception as error:  # a peer died or the group broke: never into the job
         where = f"; each rank's report is in {target}" if target else ""
         warnings.warn(
-            f"leakcheck: rank {entry.info.rank}: reports not gathered through "
+            f"leakcheck: rank {rank}: reports not gathered through "
             f"torch.distributed ({type(error).__name__}: {error}){where}",
             stacklevel=2,
         )
-        return judge_job([entry]) if entry.info.rank == dst else None
+        return judge_job([entry]) if rank == dst else None
     if gathered is None:
         return None
     try:
-        entries = [RankReport.from_dict(data) for data in gathered if isinstance(data, Mapping)]
-        return judge_job(entries)
+        return judge_job([RankReport.from_dict(d) for d in gathered if isinstance(d, Mapping)])
     except Exception as error:  # a peer's report that cannot be read: never into the job
         warnings.warn(
-            f"leakcheck: rank {entry.info.rank}: gathered reports not judged "
+            f"leakcheck: rank {rank}: gathered reports not judged "
             f"({type(error).__name__}: {error}); this rank's alone",
             stacklevel=2,
         )
@@ -170,12 +149,11 @@ def gather_reports(
 _gathers = 0  # gathers this process began: every rank calls them in the same order
 
 
-def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
-    """Wait, at most ``timeout_s``, for every rank to reach this gather (NOTE [rank gathering]).
+def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
+    """``gather_object`` of every rank's report onto ``dst``; None on the other ranks.
 
-    Raises:
-        TimeoutError: Some rank did not arrive in time.
-
+    Every rank first counts itself in through the store, and waits at most ``timeout_s`` for
+    the others (NOTE [rank gathering]): a ``TimeoutError`` where some rank did not come.
     """
     global _gathers
     _gathers += 1
@@ -191,12 +169,6 @@ def _all_ranks_arrived(dist: Any, timeout_s: float) -> None:
             )
         time.sleep(0.05)
         arrived = int(store.add(key, 0))
-
-
-def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
-    """``gather_object`` of every rank's report onto ``dst``; None on the other ranks."""
-    _all_ranks_arrived(dist, timeout_s)
-    rank = dist.get_rank()
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
+    gathered: list[Any] | None = [None] * world if dist.get_rank() == dst else None
     dist.gather_object(entry.to_dict(), gathered, dst=dst)
     return gathered

@@ -8,28 +8,25 @@
     print(leaks.format())  # one report per stage, each named by its loader's hook
     leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
 
-Each epoch end logs a few scalars through every logger of the trainer on global rank zero,
-under ``leakcheck/<stage>/`` (``epoch_scalars``); without a logger nothing is built for it.
-Works with ``lightning.pytorch`` or, where only that is installed, ``pytorch_lightning``;
-importing ``leakcheck`` never imports either.
+Each epoch end logs a few scalars (``epoch_scalars``) through every logger of the trainer on
+global rank zero. Works with ``lightning.pytorch`` or ``pytorch_lightning``; importing
+``leakcheck`` imports neither.
 
 NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every
 validation run; ``test``; ``predict``) has its own ``Tracker``: validation runs inside the
 training epoch, so two epochs are open at once, and each tracker judges only its own loaders'
 workers (NOTE [claims] in track/claims.py). Labels: ``train epoch 3``, ``val epoch 3`` (``val
 epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``test
-epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers (``iter()``) before any
-hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps the trainer's
-``strategy.process_dataloader`` (called for every loader, flattened out of lists, dicts and
-``CombinedLoader``) and gives each DataLoader an instance-level ``_get_iterator`` (what
-``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's epoch
-if none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn`` for
-that one iterator. ``on_*_epoch_end`` shuts down an unfinished non-persistent iterator's
-workers (``limit_train_batches``), as ``watch()`` does after an early end, closes the epoch
-and judges it; ``on_exception`` closes the open epochs with ``exception`` or ``interrupt``;
-``teardown`` closes the trackers, keeps their reports and judges the whole run. The hang
-watch (NOTE [hang watch] in hang.py) counts from a batch's end (or the epoch's start) to the
-next batch's start; a validation run pauses the training epoch's count.
+epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers before any hook of the
+epoch, so from ``setup`` to ``teardown`` the callback wraps ``strategy.process_dataloader``
+(called for every loader) and gives each DataLoader an instance-level ``_get_iterator`` (what
+``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's epoch if
+none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn`` for that
+one iterator. ``on_*_epoch_end`` shuts down an unfinished non-persistent iterator's workers
+(``limit_train_batches``), closes the epoch and judges it; ``on_exception`` closes the open
+epochs with ``exception`` or ``interrupt``; ``teardown`` closes the trackers, keeps their
+reports and judges the whole run. The hang watch counts from a batch's end to the next
+batch's start; a validation run pauses the training epoch's count.
 """
 
 from __future__ import annotations
@@ -42,8 +39,9 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from leakcheck.adapters.watching import (
+from leakcheck.adapters.dataloader import (
     EpochJudge,
+    OnEpoch,
     OnLeak,
     call_reported,
     check_arguments,
@@ -51,7 +49,7 @@ from leakcheck.adapters.watching import (
     shutdown_workers,
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
-from leakcheck.core.model import MIB, EndReason, EpochRecord, Timeline
+from leakcheck.core.model import MIB, EndReason, Timeline
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
@@ -73,8 +71,6 @@ else:
             ) from error
 
 __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
-
-OnEpoch = Callable[[EpochRecord], object]
 
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
@@ -116,15 +112,14 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     return {f"leakcheck/{stage}/{name}": value for name, value in sorted(scalars.items())}
 
 
-class _Stage:
-    """One tracked stage: its tracker, its judge, and the open epoch's batches and iterators."""
+class _Stage(EpochJudge):
+    """One tracked stage: its tracker's epoch ends, and the open epoch's batches and iterators."""
 
     def __init__(
         self, name: str, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None
     ) -> None:
+        super().__init__(tracker.start(), on_leak, on_epoch)
         self.name = name
-        self.tracker = tracker.start()
-        self.judge = EpochJudge(tracker, on_leak, on_epoch)
         self.open = False
         self.batches = 0
         self.runs_in_epoch: dict[int, int] = {}  # validation runs per training epoch
@@ -149,30 +144,16 @@ class _Stage:
         self.tracker.begin_epoch(label)
         self.open, self.batches = True, 0
 
-    def release_workers(self) -> None:
-        """Shut down the workers of this epoch's non-persistent iterators (idempotent)."""
+    def end(self, reason: EndReason, error: str | None = None) -> bool:
+        """Close the open epoch, its non-persistent workers shut down first; False: none open."""
+        if not self.open:
+            return False
         for ref in self.iterators:
             shutdown_workers(ref())
         self.iterators.clear()
-
-    def end(self, reason: EndReason, error: str | None = None) -> bool:
-        """Close the open epoch (its workers shut down first); False when none was open."""
-        if not self.open:
-            return False
-        self.release_workers()
         self.open = False
-        self.judge.end_epoch(reason, error, self.batches)
+        self.end_epoch(reason, error, self.batches)
         return True
-
-    def batch(self, *, wanted: bool, count: int = 0) -> None:
-        """The loop waits for a batch (``wanted``) or stops waiting (NOTE [hang watch])."""
-        if not self.open:
-            return
-        if wanted:
-            self.tracker.batch_wanted()
-        else:
-            self.tracker.batch_arrived()
-            self.batches += count
 
 
 class _IteratorHook:
@@ -200,15 +181,11 @@ class LeakCheckCallback(_CallbackBase):
     ``validate``, ``test`` or ``predict``, when the reports are kept.
 
     Args:
-        tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
-        warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
-        grace: Seconds a worker may outlive its epoch before it is a survivor.
         on_leak: ``"warn"``, ``"raise"`` (a ``LeakError`` from the hook, which
             ``trainer.fit`` raises) or ``"ignore"`` (only the reports).
-        teardown: Workers release their CUDA resources before they exit.
-        interval: Seconds between background samples.
-        rollup_share, copy_tolerance, on_epoch, hang_after: As in :func:`leakcheck.watch`
-            (``on_epoch`` gets each stage's epoch records; ``hang_after=0``: no hang watch).
+        tolerance, warmup_epochs, grace, teardown, interval, rollup_share, copy_tolerance,
+            on_epoch, hang_after: As in :func:`leakcheck.watch` (``on_epoch`` gets each
+            stage's epoch records).
 
     Raises:
         UsageError: A bad argument; the message names it and what was expected.
@@ -262,10 +239,8 @@ class LeakCheckCallback(_CallbackBase):
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in self._tracker_options.items())
-        return (
-            f"LeakCheckCallback({options}, on_leak={self._on_leak!r}, teardown={self._teardown!r})"
-        )
+        options = {**self._tracker_options, "on_leak": self._on_leak, "teardown": self._teardown}
+        return f"LeakCheckCallback({', '.join(f'{k}={v!r}' for k, v in options.items())})"
 
     # --- results -----------------------------------------------------------------------
 
@@ -365,12 +340,18 @@ class LeakCheckCallback(_CallbackBase):
         with self._lock:
             stage = self._open(name, trainer)
         stage.tracker.batch_wanted()
-        stage.judge.judge_if_due()  # NOTE [late survivors] in watching.py
+        stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
 
     def _batch(self, name: str, *, wanted: bool, count: int = 0) -> None:
+        """The loop waits for a batch (``wanted``) or stops waiting (NOTE [hang watch])."""
         stage = self._stages.get(name)
-        if stage is not None:
-            stage.batch(wanted=wanted, count=count)
+        if stage is None or not stage.open:
+            return
+        if wanted:
+            stage.tracker.batch_wanted()
+        else:
+            stage.tracker.batch_arrived()
+            stage.batches += count
 
     def _epoch_end(self, name: str) -> None:
         with self._lock:
@@ -379,30 +360,28 @@ class LeakCheckCallback(_CallbackBase):
                 return
         trainer = self._trainer
         loggers = list(getattr(trainer, "loggers", None) or ())
-        if not getattr(trainer, "is_global_zero", True):
-            loggers = []
-        stage.judge.count = bool(loggers)  # the logged leak count, built only to be logged
+        loggers = loggers if getattr(trainer, "is_global_zero", True) else []
+        stage.count = bool(loggers)  # the logged leak count, built only to be logged
         try:
-            stage.judge.judge(may_raise=True)
+            stage.judge(may_raise=True)
         finally:
-            if loggers:
-                self._log_epoch(stage, loggers, int(getattr(trainer, "global_step", 0)))
+            if loggers:  # leakcheck's reads too: nothing escapes into the Trainer
+                step = int(getattr(trainer, "global_step", 0))
+                log = functools.partial(self._log_epoch, stage, loggers, step)
+                call_reported("logging leakcheck's scalars", log)
 
-    def _log_epoch(self, stage: _Stage, loggers: list[Any], step: int) -> None:
-        """Log the epoch's scalars through the trainer's loggers."""
-
-        def log() -> None:  # leakcheck's reads too: nothing escapes into the Trainer
-            timeline = stage.tracker.timeline(last_epochs=1)
-            if not timeline.epochs:
-                return
-            metrics = epoch_scalars(stage.name, timeline, stage.judge.leaks_found)
-            for logger in loggers:
-                call_reported(
-                    f"logging to {type(logger).__name__}",
-                    functools.partial(logger.log_metrics, metrics, step=step),
-                )
-
-        call_reported("logging leakcheck's scalars", log)
+    @staticmethod
+    def _log_epoch(stage: _Stage, loggers: list[Any], step: int) -> None:
+        """Log the epoch's scalars through the trainer's loggers (called reported)."""
+        timeline = stage.tracker.timeline(last_epochs=1)
+        if not timeline.epochs:
+            return
+        metrics = epoch_scalars(stage.name, timeline, stage.leaks_found)
+        for logger in loggers:
+            call_reported(
+                f"logging to {type(logger).__name__}",
+                functools.partial(logger.log_metrics, metrics, step=step),
+            )
 
     def _adopt(self, loader: object) -> None:
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
@@ -461,13 +440,12 @@ class LeakCheckCallback(_CallbackBase):
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]
             for stage in closing:
                 stage.end("closed")
-                stage.release_workers()
                 stage.tracker.close()
                 stage.report = stage.tracker.report()
         raised: list[LeakError] = []
         for stage in closing:
             try:
-                stage.judge.judge(may_raise=may_raise)
+                stage.judge(may_raise=may_raise)
             except LeakError as error:
                 raised.append(error)
         for extra in raised[1:]:

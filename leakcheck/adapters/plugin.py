@@ -9,10 +9,10 @@ Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck
 
 NOTE [off means off]: with the check off, loading the plugin costs options parsing and
 nothing else (no NVML, no /proc reads, no threads, no torch). The environment and the ini
-file reach every pytest run, so their tolerance, mode and grace are read and validated only
-when some test is checked (the flag, the environment or ini switch, a marker that enables a
-test, or the ``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its
-source. The switch and the command line are always read (an empty value there is refused).
+file reach every pytest run, so they are read and validated only when some test is checked
+(the flag, the environment or ini switch, a marker that enables a test, or the
+``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its source. The
+switch and the command line are always read (an empty value there is refused).
 
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
 for the teardown phase: the test's function-scoped fixtures are finalized by then, and the
@@ -24,12 +24,11 @@ failure's message is one sentence (``the test left 1 process (PID 7)``) and the 
 REPORT`` counts per test. Where no failure shows the section (a warning, a skip, an xfail or
 xpass, information only), the findings go under the test's line of the ``LEAK REPORT``.
 
-NOTE [counted once]: a checked test that passed its call is counted at its teardown: the
-call report gets no category (a report attribute marks it, through xdist too) and the
-teardown report counts ``passed`` or ``failed`` (``LEAKED``), so N tests with one leak read
-"1 failed, N-1 passed". A test that failed, errored, was skipped, xfailed or xpassed before
-its teardown keeps that outcome, and a leak adds its section and a summary line. A test
-skipped before its call that left nothing is not counted.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown (its call
+report gets no category), as ``passed`` or ``failed`` (``LEAKED``), so N tests with one leak
+read "1 failed, N-1 passed". A test that failed, errored, was skipped, xfailed or xpassed
+before its teardown keeps that outcome, and a leak adds its section and a summary line. A
+test skipped before its call that left nothing is not counted.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import json
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,18 +46,14 @@ import pytest
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.options import (
-    COPY_TOLERANCE,
     ENABLED,
-    GRACE,
     MODE,
     SPECS,
-    TOLERANCE,
     WARN_FLAG,
     CheckOptions,
     apply_marker,
     resolve,
     resolve_check_options,
-    resolve_mode_flags,
 )
 from leakcheck.core.units import format_mib, plural
 
@@ -78,17 +74,15 @@ CHECKER_NAME = "leakcheck-checker"  # the active part of the plugin, once regist
 REPORT_ATTR = "leakcheck"  # teardown reports: the JSON verdict (to xdist's controller)
 STATUS_ATTR = "leakcheck_status"  # teardown reports: ``leaked`` when the leak failed it
 DEFERRED_ATTR = "leakcheck_deferred"  # NOTE [counted once]
+COUNTED = ("counted", "skipped")  # a test's outcome before its teardown, when pytest counted it
 
 _WARN_DEST = "gpu_leak_warn"
 _METAVARS = {"tolerance": "SIZE", "mode": "fail|warn", "grace": "SECONDS", "copy_tolerance": "SIZE"}
 
 OPTIONS_KEY = pytest.StashKey[CheckOptions]()
-VALIDATED_KEY = pytest.StashKey[bool]()
 ITEM_OPTIONS_KEY = pytest.StashKey[CheckOptions]()
 WINDOW_KEY = pytest.StashKey["Window"]()
-FAILED_BEFORE_KEY = pytest.StashKey[bool]()
-DEFERRED_KEY = pytest.StashKey[bool]()
-SKIPPED_KEY = pytest.StashKey[bool]()
+EARLIER_KEY = pytest.StashKey[str]()  # "deferred", one of COUNTED, or "": NOTE [counted once]
 
 
 # --- options ------------------------------------------------------------------------------
@@ -106,15 +100,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 default=False,
                 help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
             )
-        kind: dict[str, str] = {"action": "store_true"}
-        if spec is not ENABLED:
-            kind = {"metavar": _METAVARS[spec.name]}
-        where = f"env {spec.env_var}, ini {spec.ini_key}"
+        kind = {"action": "store_true"} if spec is ENABLED else {"metavar": _METAVARS[spec.name]}
         group.addoption(
             str(spec.cli_flag),
             dest=spec.ini_key,
             default=None,
-            help=f"{spec.help} ({where})",
+            help=f"{spec.help} (env {spec.env_var}, ini {spec.ini_key})",
             **kind,
         )
         if spec is ENABLED:
@@ -127,18 +118,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini(str(spec.ini_key), help=f"leakcheck: {spec.help}", type="string", default="")
 
 
-def _command_line(config: pytest.Config) -> dict[str, object]:
-    """The command line's values by option name (``warn``: True for ``--gpu-leak-warn``)."""
-    cli = {spec.name: config.getoption(str(spec.ini_key), None) for spec in SPECS}
-    cli["warn"] = True if config.getoption(_WARN_DEST, False) else None
-    return cli
-
-
-def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[CheckOptions, bool]:
+def resolve_options(config: pytest.Config, *, full: bool = False) -> CheckOptions:
     """The session's options (command line > environment > ini > default).
 
-    The flag says whether every source was read: ``full``, or the check is on (NOTE [off
-    means off]).
+    Every source is read where ``full`` or the check is on (NOTE [off means off]).
 
     Raises:
         pytest.UsageError: A bad value; the message names it and where it came from.
@@ -146,24 +129,18 @@ def resolve_options(config: pytest.Config, *, full: bool = False) -> tuple[Check
     """
     ini = {spec.name: config.getini(str(spec.ini_key)) for spec in SPECS}
     ini_path = str(config.inipath) if config.inipath else None
+    cli = {spec.name: config.getoption(str(spec.ini_key), None) for spec in SPECS}
+    cli["warn"] = True if config.getoption(_WARN_DEST, False) else None
     try:
-        cli = _command_line(config)
         enabled = resolve(
             ENABLED, cli=cli["enabled"], environ=os.environ, ini=ini["enabled"], ini_path=ini_path
         )
         if enabled.value or full:
-            return resolve_check_options(cli, os.environ, ini, ini_path=ini_path), True
-        resolve(TOLERANCE, cli=cli["tolerance"])
-        resolve_mode_flags(cli["mode"], cli["warn"])
-        resolve(GRACE, cli=cli["grace"])
-        resolve(COPY_TOLERANCE, cli=cli["copy_tolerance"])
+            return resolve_check_options(cli, os.environ, ini, ini_path=ini_path)
+        resolve_check_options(cli)  # the command line alone
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    return CheckOptions(enabled=False, sources={"enabled": enabled.source}), False
-
-
-def _is_xdist_controller(config: pytest.Config) -> bool:
-    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+    return CheckOptions(enabled=False, sources={"enabled": enabled.source})
 
 
 def _activate(config: pytest.Config, options: CheckOptions) -> None:
@@ -184,15 +161,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "(enabled=False); overrides --gpu-leak-check/--gpu-leak-tolerance for it",
     )
     try:
-        options, validated = resolve_options(config)
+        options = resolve_options(config)
     except pytest.UsageError:
         if config.option.help:
             return  # --help must work even with a bad LEAKCHECK_* value around
         raise
     config.stash[OPTIONS_KEY] = options
-    config.stash[VALIDATED_KEY] = validated
     # The controller of xdist runs no test; it gathers the workers' verdicts.
-    if options.enabled or _is_xdist_controller(config):
+    controller = not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+    if options.enabled or controller:
         _activate(config, options)
 
 
@@ -219,15 +196,13 @@ def pytest_collection_modifyitems(
     if base is None:
         return
     marked = {item: _marked_options(base, item) for item in items}
-    if not config.stash.get(VALIDATED_KEY, False) and any(
+    if not base.enabled and any(
         (options is not None and options.enabled)
         or "gpu_leak_tracker" in getattr(item, "fixturenames", ())
         for item, options in marked.items()
     ):
         # Some test is checked after all: every source counts now (NOTE [off means off]).
-        base, _ = resolve_options(config, full=True)
-        config.stash[OPTIONS_KEY] = base
-        config.stash[VALIDATED_KEY] = True
+        base = config.stash[OPTIONS_KEY] = resolve_options(config, full=True)
         marked = {item: _marked_options(base, item) for item in items}
     any_enabled = base.enabled
     for item, options in marked.items():
@@ -274,16 +249,13 @@ def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
     if window is not None:
         window.extra.extend(report.findings)
         return
-    disabled_by_marker = not options.enabled and options.sources.get("enabled", "").startswith(
-        "enabled="
-    )
-    if disabled_by_marker or not report.leaks:
+    by_marker = options.sources.get("enabled", "").startswith("enabled=")
+    if not report.leaks or (by_marker and not options.enabled):
         return
-    text = report.format()
     if options.mode == "warn":
-        warnings.warn(LeakWarning(text), stacklevel=1)
+        warnings.warn(LeakWarning(report.format()), stacklevel=1)
     else:
-        raise LeakError(text, report)
+        raise LeakError(report.format(), report)
 
 
 # --- words --------------------------------------------------------------------------------
@@ -307,10 +279,7 @@ def headline(findings: Sequence[Finding]) -> str:
         parts.append(plural(len(shm), "/dev/shm file"))
     if memory:
         parts.append(f"{format_mib(sum(f.gpu_bytes or 0 for f in memory))} MiB of GPU memory")
-    others: dict[str, int] = {}
-    for finding in findings:
-        if finding.rule not in (*_PROCESS_RULES, "shm", "residual"):
-            others[finding.rule] = others.get(finding.rule, 0) + 1
+    others = Counter(f.rule for f in findings if f.rule not in (*_PROCESS_RULES, "shm", "residual"))
     parts.extend(plural(num, f"{rule} finding") for rule, num in others.items())
     return ", ".join(parts) or "nothing"
 
@@ -333,20 +302,15 @@ def _gpu_words(notes: Iterable[str]) -> str:
     return "; ".join(words) or "no test checked"
 
 
-def _summary_sort_key(findings: Sequence[Finding]) -> tuple[int, int, int]:
-    """Worst first: more GPU memory, then more leaks, then more infos."""
-    leaks = [f for f in findings if f.severity == "leak"]
-    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(findings))
+def _worst_first(entry: tuple[str, list[Finding], str, bool]) -> tuple[int, int, int, str]:
+    """More GPU memory first, then more leaks, then more infos, then by node ID."""
+    leaks = [f for f in entry[1] if f.severity == "leak"]
+    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(entry[1]), entry[0])
 
 
-def _unattributed(finding: Finding) -> bool:
+def _unattributed(f: Finding) -> bool:
     """A /dev/shm file nobody held that others may have made (not capacity pressure)."""
-    return (
-        finding.rule == "shm"
-        and finding.severity == "info"
-        and finding.pid is None
-        and finding.shm_name is not None
-    )
+    return f.rule == "shm" and f.severity == "info" and f.pid is None and f.shm_name is not None
 
 
 def _process_key(finding: Finding) -> tuple[int | None, str]:
@@ -387,6 +351,31 @@ def judge_test(
         f for f in window.extra if f.rule not in ("blind", "shm") and _process_key(f) not in named
     )
     return sorted(findings, key=lambda f: f.severity != "leak")
+
+
+def _fail_or_warn(
+    item: pytest.Item, report: pytest.TestReport, text: str, mode: str, earlier: str
+) -> str:
+    """Warn about the leak, or fail the teardown report with ``text``; returns the status."""
+    if mode == "warn":
+        try:
+            warnings.warn(LeakWarning(text), stacklevel=1)
+            return "warned"
+        except LeakWarning:  # -W error: the user asked for warnings to fail
+            pass
+    if earlier in COUNTED:
+        return "reported"  # the test failed already: one failure, plus our section
+    if report.failed:
+        return "error"  # a fixture's teardown failed already: keep its error, add ours
+    # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
+    # a short message (no plugin traceback) that xdist and JUnit carry as usual.
+    failure = pytest.TestReport.from_item_and_call(
+        item, pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown")
+    )
+    report.outcome = "failed"
+    report.longrepr = failure.longrepr
+    setattr(report, STATUS_ATTR, "leaked")
+    return "leaked"
 
 
 # --- the active part ----------------------------------------------------------------------
@@ -464,21 +453,19 @@ class LeakCheckPlugin:
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """After the teardown phase: judge the test and fail (or warn) its teardown report."""
         report = yield
+        earlier = "" if call.when == "setup" else item.stash.get(EARLIER_KEY, "")
         if call.when != "teardown":
             if report.failed or report.skipped or hasattr(report, "wasxfail"):
                 # Counted already, as a failure, a skip, an xfail or an xpass (NOTE
                 # [counted once]): a leak adds its section, not a second outcome.
-                item.stash[FAILED_BEFORE_KEY] = True
-                if report.skipped and call.when == "setup":
-                    item.stash[SKIPPED_KEY] = True
+                earlier = "skipped" if report.skipped and call.when == "setup" else "counted"
             elif call.when == "call" and WINDOW_KEY in item.stash and report.passed:
-                setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
-                item.stash[DEFERRED_KEY] = True
-            return report
-        if item.stash.get(DEFERRED_KEY, False):
-            setattr(report, DEFERRED_ATTR, True)
+                earlier = "deferred"
+            item.stash[EARLIER_KEY] = earlier
+        if earlier == "deferred":
+            setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
         window = item.stash.get(WINDOW_KEY, None)
-        if window is None:
+        if call.when != "teardown" or window is None:
             return report
         end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
@@ -488,71 +475,42 @@ class LeakCheckPlugin:
         try:
             findings = judge_test(checker, window, TEST_LABEL, options, end_s)
         except Exception as exc:  # leakcheck's own failure must never break a test run
-            findings = [_could_not_check(exc)]
+            from leakcheck.core.model import Finding
+
+            findings = [
+                Finding(
+                    rule="tracker-failure",
+                    severity="info",
+                    message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
+                    remedy="report it to leakcheck with the message above",
+                )
+            ]
         finally:
             checker.end_environment(window)
         try:
-            self._apply(item, report, findings, options, checker.gpu_note)
+            from leakcheck.core.records import to_jsonable
+            from leakcheck.judge.report import finding_lines
+
+            leaks = [f for f in findings if f.severity == "leak"]
+            if findings:
+                report.sections.append((SECTION, "\n".join(finding_lines(findings))))
+            status = ""
+            if leaks:
+                # For tools that read JUnit: each leak's line, as the section words it.
+                lines = "\n".join(finding_lines(leaks)).splitlines()
+                said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
+                report.user_properties.append(("gpu_leak_check", said))
+                status = _fail_or_warn(item, report, failure_text(leaks), options.mode, earlier)
+            payload = {
+                "status": status,
+                "gpu": checker.gpu_note,
+                "earlier": earlier,
+                "findings": to_jsonable(findings),
+            }
+            setattr(report, REPORT_ATTR, json.dumps(payload))
         except Exception as exc:  # an exception here would be pytest's INTERNALERROR
             self._gpu_notes.add(f"a test went unreported: {type(exc).__name__}: {exc}")
         return report
-
-    def _apply(
-        self,
-        item: pytest.Item,
-        report: pytest.TestReport,
-        findings: list[Finding],
-        options: CheckOptions,
-        gpu_note: str,
-    ) -> None:
-        from leakcheck.core.records import to_jsonable
-        from leakcheck.judge.report import finding_lines
-
-        leaks = [f for f in findings if f.severity == "leak"]
-        status = ""
-        if findings:
-            report.sections.append((SECTION, "\n".join(finding_lines(findings))))
-        if leaks:
-            text = failure_text(leaks)
-            # For tools that read JUnit: each leak's line, as the section words it.
-            lines = "\n".join(finding_lines(leaks)).splitlines()
-            said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
-            report.user_properties.append(("gpu_leak_check", said))
-            if options.mode == "warn":
-                try:
-                    warnings.warn(LeakWarning(text), stacklevel=1)
-                    status = "warned"
-                except LeakWarning:  # -W error: the user asked for warnings to fail
-                    status = self._fail(item, report, text)
-            else:
-                status = self._fail(item, report, text)
-        payload = {
-            "status": status,
-            "mode": options.mode,
-            "gpu": gpu_note,
-            "failed_before": item.stash.get(FAILED_BEFORE_KEY, False),
-            "skipped": item.stash.get(SKIPPED_KEY, False),
-            "findings": to_jsonable(findings),
-        }
-        setattr(report, REPORT_ATTR, json.dumps(payload))
-        if status:
-            setattr(report, STATUS_ATTR, status)
-
-    @staticmethod
-    def _fail(item: pytest.Item, report: pytest.TestReport, text: str) -> str:
-        if item.stash.get(FAILED_BEFORE_KEY, False):
-            return "reported"  # the test failed already: one failure, plus our section
-        if report.failed:
-            return "error"  # a fixture's teardown failed already: keep its error, add ours
-        # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
-        # a short message (no plugin traceback) that xdist and JUnit carry as usual.
-        failure = pytest.TestReport.from_item_and_call(
-            item,
-            pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown"),
-        )
-        report.outcome = "failed"
-        report.longrepr = failure.longrepr
-        return "leaked"
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(
@@ -586,17 +544,16 @@ class LeakCheckPlugin:
             findings = [record_from_dict(Finding, entry) for entry in data.get("findings", [])]
         except (ValueError, TypeError, AttributeError):
             return
-        if data.get("skipped") and not findings:
+        if data.get("earlier") == "skipped" and not findings:
             return  # NOTE [counted once]: nothing of it ran
         self._checked += 1
         if data.get("gpu"):
             self._gpu_notes.add(str(data["gpu"]))
         if findings:
-            status = str(data.get("status") or "")
             shown = report.failed  # pytest shows a failed report's sections
-            if data.get("failed_before"):
+            if data.get("earlier") in COUNTED:
                 shown = self._attach_to_failure(report) or shown
-            self._results[report.nodeid] = (findings, status, shown)
+            self._results[report.nodeid] = (findings, str(data.get("status") or ""), shown)
 
     def _attach_to_failure(self, report: pytest.TestReport) -> bool:
         """Show a test's section with its earlier failure; False: none shows it (a skip)."""
@@ -605,10 +562,10 @@ class LeakCheckPlugin:
         sections = [(name, text) for name, text in report.sections if name == SECTION]
         if hasattr(self.config, "workerinput") or not isinstance(stats, dict) or not sections:
             return False
-        for earlier in (*stats.get("failed", []), *stats.get("error", [])):
-            when = getattr(earlier, "when", None)
-            if getattr(earlier, "nodeid", None) == report.nodeid and when in ("setup", "call"):
-                earlier.sections.extend(sections)
+        for failure in (*stats.get("failed", []), *stats.get("error", [])):
+            when = getattr(failure, "when", None)
+            if getattr(failure, "nodeid", None) == report.nodeid and when in ("setup", "call"):
+                failure.sections.extend(sections)
                 return True
         return False
 
@@ -625,39 +582,31 @@ class LeakCheckPlugin:
             return
         tr = terminalreporter
         gpu = _gpu_words(self._gpu_notes)
+        checked = plural(self._checked, "checked test")
         # Files nobody held that appeared while other workers ran are nobody's to blame:
         # one line for all of them, not one entry per test.
-        unattributed: set[str] = set()  # names: one file shows in every test beside it
-        results: dict[str, tuple[list[Finding], str, bool]] = {}
-        for nodeid, (findings, status, shown) in self._results.items():
-            kept = [f for f in findings if not _unattributed(f)]
-            unattributed.update(f.shm_name for f in findings if _unattributed(f) and f.shm_name)
-            if kept:
-                results[nodeid] = (kept, status, shown)
-        leaky = {
-            nodeid: entry
-            for nodeid, entry in results.items()
-            if any(f.severity == "leak" for f in entry[0])
+        unattributed = {
+            f.shm_name for entry in self._results.values() for f in entry[0] if _unattributed(f)
         }
-        everything = [finding for findings, _, _ in results.values() for finding in findings]
-        title = "GPU LEAK REPORT" if about_gpu(everything) else "LEAK REPORT"
+        results = [
+            (nodeid, [f for f in findings if not _unattributed(f)], status, shown)
+            for nodeid, (findings, status, shown) in self._results.items()
+        ]
+        results = sorted((entry for entry in results if entry[1]), key=_worst_first)
+        leaky = sum(any(f.severity == "leak" for f in entry[1]) for entry in results)
+        title = "GPU LEAK REPORT" if about_gpu(f for e in results for f in e[1]) else "LEAK REPORT"
         if not results:
-            checked = plural(self._checked, "checked test")
             tr.write_sep("=", f"{title}: no leaks in {checked}; {gpu}", green=True)
         else:
             tr.write_sep("=", title, red=bool(leaky), yellow=not leaky)
-            tr.write_line(
-                f"{len(leaky)} of {plural(self._checked, 'checked test')} left something "
-                f"behind; {gpu}"
-            )
-            ordered = sorted(results.items(), key=lambda kv: (_summary_sort_key(kv[1][0]), kv[0]))
-            for nodeid, (findings, status, shown) in ordered:
-                leaks = [f for f in findings if f.severity == "leak"]
-                word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
-                tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
-                if not shown:
-                    for line in finding_lines(findings, "    "):
-                        tr.write_line(line)
+            tr.write_line(f"{leaky} of {checked} left something behind; {gpu}")
+        for nodeid, findings, status, shown in results:
+            leaks = [f for f in findings if f.severity == "leak"]
+            word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
+            tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
+            if not shown:
+                for line in finding_lines(findings, "    "):
+                    tr.write_line(line)
         if unattributed:
             files = plural(len(unattributed), "/dev/shm file")
             tr.write_line(
@@ -666,15 +615,3 @@ class LeakCheckPlugin:
                 "names carry none of a test's PIDs): not attributed (run without -n to "
                 "attribute them)"
             )
-
-
-def _could_not_check(exc: Exception) -> Finding:
-    """Say that leakcheck itself failed on one test: never a reason to fail the test."""
-    from leakcheck.core.model import Finding
-
-    return Finding(
-        rule="tracker-failure",
-        severity="info",
-        message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
-        remedy="report it to leakcheck with the message above",
-    )

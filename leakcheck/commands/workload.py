@@ -223,14 +223,17 @@ class SyntheticDataset:
         device = self._device()
         if spec.scenario == "persistent-cache" and epoch not in self._cached_epochs:
             self._cached_epochs.add(epoch)
-            self._cache.append(self._keep(device))
+            kept = torch.empty(spec.cache_bytes_per_epoch, dtype=torch.uint8, device=device)
+            # Touched on a GPU, so that it is used, not only reserved; on the CPU, untouched:
+            # the host has no per-process GPU memory to show, and RAM would only slow it.
+            self._cache.append(kept.fill_(1) if device.type == "cuda" else kept)
         if spec.scenario == "fd-pressure" and not self._cache:
             self._cache = hold_descriptors()
         if spec.scenario == "orphan" and not self._orphan_started:
             self._orphan_started = True
             start_orphan(spec, use_cuda=device.type == "cuda")
         if self._objects:  # NOTE [copy-on-read scenario]
-            workers = _worker_count()
+            workers = max(_workers(), 1)
             if epoch in self._cached_epochs:
                 pass
             elif spec.scenario == "copy-on-read":
@@ -240,27 +243,17 @@ class SyntheticDataset:
                 self._cached_epochs.add(epoch)
                 _read_objects(self._objects[epoch % len(self._objects)])
             time.sleep(spec.cor_epoch_s * workers / spec.batches)
-        if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang"):
+        if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang") and _workers():
             _stage_in_worker(spec.scenario)
         generator = torch.Generator().manual_seed(epoch * 100_003 + batch)
         rows = torch.randn(spec.batch_size, spec.features, generator=generator)
         weights = torch.randn(spec.features, spec.features, generator=generator)
         out = torch.tanh(rows.to(device) @ weights.to(device)).to("cpu")
-        if spec.scenario == "shm-full" and _in_worker():
+        if spec.scenario == "shm-full" and _workers():
             # As default_collate does in a worker: the batch is made in shared memory.
             shared = torch.ones(SHM_BATCH_BYTES, dtype=torch.uint8)
             return [out, shared.share_memory_()]  # type: ignore[no-untyped-call]
         return out
-
-    def _keep(self, device: Any) -> Any:
-        import torch
-
-        tensor = torch.empty(self.spec.cache_bytes_per_epoch, dtype=torch.uint8, device=device)
-        # Touched on a GPU, so that it is used, not only reserved; on the CPU, untouched: the
-        # host has no per-process GPU memory to show, and gigabytes of RAM would only slow it.
-        if device.type == "cuda":
-            tensor.fill_(1)
-        return tensor
 
 
 _INT_BYTES = 36  # a Python int above 256 is its own 28-byte object, plus its list slot
@@ -279,24 +272,16 @@ def python_objects(bytes_per_region: int, regions: int) -> list[list[list[int]]]
     ]
 
 
-def _worker_count() -> int:
-    """The loader's workers, seen from one of them; 1 where the parent does the work."""
+def _workers() -> int:
+    """The loader's worker count, seen from one of its workers; 0 in the sweep's own process."""
     import torch.utils.data
 
     info = torch.utils.data.get_worker_info()
-    return info.num_workers if info is not None else 1
-
-
-def _in_worker() -> bool:
-    import torch.utils.data
-
-    return torch.utils.data.get_worker_info() is not None
+    return info.num_workers if info is not None else 0
 
 
 def _stage_in_worker(scenario: Scenario) -> None:
-    """In a worker only: grow until the OOM killer ends it, or block (NOTE [failure stagings])."""
-    if not _in_worker():
-        return
+    """In a worker: grow until the OOM killer ends it, or block (NOTE [failure stagings])."""
     if scenario == "oom":
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("1000")
@@ -332,11 +317,9 @@ def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> None:
     From a worker the sleeper is a direct child (an orphan once the worker exits); from the
     parent a launcher that exits at once starts it.
     """
-    import torch.utils.data
-
     sleeper = [sys.executable, "-c", _ORPHAN_CODE, str(spec.orphan_bytes)]
     sleeper += [str(spec.device_index), str(spec.orphan_lifetime_s), "1" if use_cuda else "0"]
-    in_worker = torch.utils.data.get_worker_info() is not None
+    in_worker = _workers() > 0
     argv = sleeper if in_worker else [sys.executable, "-c", _LAUNCHER_CODE, *sleeper]
     try:
         process = subprocess.Popen(
@@ -357,9 +340,7 @@ def hold_descriptors() -> list[Any]:
     """In a loader's worker: a soft limit of ``FD_PRESSURE_LIMIT``, 90% of it held open."""
     import resource
 
-    from torch.utils.data import get_worker_info
-
-    if get_worker_info() is None:
+    if not _workers():
         return []  # the sweep's own process (0 workers) keeps its limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft > FD_PRESSURE_LIMIT:
@@ -419,28 +400,16 @@ def describe(spec: WorkloadSpec) -> str:
     return ", ".join(parts)
 
 
-@contextlib.contextmanager
-def stage(spec: WorkloadSpec | None) -> Iterator[None]:
+def stage(spec: WorkloadSpec | None) -> contextlib.AbstractContextManager[None]:
     """The sweep's process under its failure staging while it runs (NOTE [failure stagings]).
 
-    Nothing for the other scenarios.
-
-    Raises:
-        UsageError: The staging cannot be made here (one line: why).
-
+    Nothing for the other scenarios. Entering it raises ``UsageError`` (one line: why) where
+    the staging cannot be made here.
     """
     scenario = spec.scenario if spec is not None else None
     if scenario == "oom":
-        with _memory_limit(OOM_LIMIT_BYTES):
-            yield
-    elif scenario == "shm-full":
-        _private_shm(SHM_BYTES)
-        try:
-            yield
-        finally:
-            _libc().umount2(b"/dev/shm", 2)  # MNT_DETACH; this namespace's only
-    else:
-        yield
+        return _memory_limit(OOM_LIMIT_BYTES)
+    return _private_shm(SHM_BYTES) if scenario == "shm-full" else contextlib.nullcontext()
 
 
 def _write(path: str, value: int | str) -> None:
@@ -485,13 +454,10 @@ def _memory_limit(limit_bytes: int) -> Iterator[None]:
                 time.sleep(0.1)
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _private_shm(size_bytes: int) -> None:
+@contextlib.contextmanager
+def _private_shm(size_bytes: int) -> Iterator[None]:
     """Moves this process (and what it starts) to a private mount namespace and /dev/shm."""
-    libc = _libc()
+    libc = ctypes.CDLL(None, use_errno=True)
     steps: tuple[Callable[[], int], ...] = (
         lambda: libc.unshare(0x00020000),  # CLONE_NEWNS
         lambda: libc.mount(None, b"/", None, 0x4000 | 0x40000, None),  # MS_REC | MS_PRIVATE
@@ -501,3 +467,7 @@ def _private_shm(size_bytes: int) -> None:
         if step() != 0:
             reason = os.strerror(ctypes.get_errno())
             raise UsageError(f"--scenario shm-full: cannot give the job a /dev/shm ({reason})")
+    try:
+        yield
+    finally:
+        libc.umount2(b"/dev/shm", 2)  # MNT_DETACH; this namespace's only

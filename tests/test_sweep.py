@@ -428,7 +428,7 @@ def test_user_dataloader_gets_identities_and_the_teardown_policy(
     assert [row.worker_count for row in config.rows] == [2, 2]
     assert [row.batches for row in config.rows] == [4, 4]
     # Every worker reported at exit, and the policy ran in each (teardown on by default).
-    teardowns = config.teardowns
+    teardowns = config.report.timeline.teardowns
     assert len(teardowns) == 4 and all(t.released for t in teardowns)
     assert sorted(t.worker_id for t in teardowns if t.worker_id is not None) == [0, 0, 1, 1]
     # The workers of the report are exactly those that reported through the mailbox...
@@ -447,8 +447,9 @@ def test_user_dataloader_without_teardown_still_reports(user_loader: tuple[Path,
     options = SweepOptions(workers=(1,), epochs=2, grace_s=30, interval_s=0.02, teardown=False)
     result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
     (config,) = result.configs
-    assert len(config.teardowns) == 2 and not any(t.released for t in config.teardowns)
-    assert _worker_keys(config) == sorted(t.key for t in config.teardowns)
+    teardowns = config.report.timeline.teardowns
+    assert len(teardowns) == 2 and not any(t.released for t in teardowns)
+    assert _worker_keys(config) == sorted(t.key for t in teardowns)
     summary = config.to_dict()["teardown"]
     assert (summary["workers"], summary["reported"]) == (0, 2)
     text = result.format()
@@ -473,7 +474,7 @@ def test_user_persistent_workers_exit_within_their_configuration(
     keys = set(_worker_keys(config))
     assert len(keys) == 2  # the same two workers in every epoch
     # They were shut down while this configuration was tracked: their reports are in it.
-    assert {t.key for t in config.teardowns} == keys
+    assert {t.key for t in config.report.timeline.teardowns} == keys
     assert not any(procs.is_alive(key) for key in keys)
 
 
@@ -935,12 +936,12 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
         gpu=False, rates={0: (1000, 0), 2: (1960, 80 * MIB), 4: (2000, None), 8: (1990, None)}
     )
     config = result.configs[1]
-    assert config.samples_per_s == pytest.approx(1960.0)
-    assert config.batches_per_s == pytest.approx(10.0)
-    assert config.wait_share == pytest.approx(0.375)  # (0.25 + 0.5) s of 2 s
-    assert config.worker_host_bytes == 40 * MIB  # per worker, not summed
-    assert result.configs[2].worker_host_bytes is None  # unknown, never 0
-    assert config.worker_gpu_bytes is None  # not read
+    assert config.throughput["samples_per_s"] == pytest.approx(1960.0)
+    assert config.throughput["batches_per_s"] == pytest.approx(10.0)
+    assert config.throughput["wait_share"] == pytest.approx(0.375)  # (0.25 + 0.5) s of 2 s
+    assert config.throughput["worker_host_bytes"] == 40 * MIB  # per worker, not summed
+    assert result.configs[2].throughput["worker_host_bytes"] is None  # unknown, never 0
+    assert config.throughput["worker_gpu_bytes"] is None  # not read
 
     data = result.to_dict()
     assert data["recommendation"] == {
@@ -974,7 +975,7 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
 def test_the_answer_falls_back_to_batches_and_states_gpu_memory_where_read() -> None:
     # A batch whose size could not be read: batches per second, said so.
     result = _timed_result(gpu=True, rates={0: (None, 0), 4: (None, 4 * 50 * MIB)})
-    assert result.configs[1].samples_per_s is None
+    assert result.configs[1].throughput["samples_per_s"] is None
     lines = result.format().splitlines()
     start = lines.index(next(line for line in lines if line.startswith("workers  batches/s")))
     assert lines[start].split() == ["workers", "batches/s", "host", "MiB/wk", "GPU", "MiB/wk"]

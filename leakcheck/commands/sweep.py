@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
@@ -29,6 +29,7 @@ from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
 from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, TrackerCost
 from leakcheck.core.names import process_name
+from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.report import (
     align_columns,
@@ -209,47 +210,32 @@ class ConfigResult:
             return None
         return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
 
-    def _total(self, name: str) -> float | None:
-        """The rows' sum of a timing field; None where any row lacks it."""
-        values = [getattr(row, name) for row in self.rows]
-        return None if not values or None in values else sum(values)
-
     @property
-    def samples_per_s(self) -> float | None:
-        """Samples per second of the loop over every epoch; None where not counted."""
-        samples, loop_s = self._total("samples"), self._total("loop_s")
-        return None if samples is None or not loop_s else samples / loop_s
+    def throughput(self) -> dict[str, float | None]:
+        """The loop's speed, its share waiting, and the memory per worker (None: not read).
 
-    @property
-    def batches_per_s(self) -> float | None:
-        """Batches per second of the loop over every epoch; None where not timed."""
-        loop_s = self._total("loop_s")
-        return sum(row.batches or 0 for row in self.rows) / loop_s if loop_s else None
+        Samples and batches per second over every epoch, the share of the loop's time spent
+        waiting for batches (``EpochRow.wait_s``), host and GPU (peak) memory per worker: the
+        most of any epoch.
+        """
 
-    @property
-    def wait_share(self) -> float | None:
-        """Share of the loop's time spent waiting for batches (``EpochRow.wait_s``)."""
-        wait_s, loop_s = self._total("wait_s"), self._total("loop_s")
-        return None if wait_s is None or not loop_s else wait_s / loop_s
+        def total(name: str) -> float | None:
+            values = [getattr(row, name) for row in self.rows]
+            return None if not values or None in values else sum(values)
 
-    @property
-    def worker_host_bytes(self) -> int | None:
-        """Host memory per worker: the most of any epoch; None where never read."""
-        return self._per_worker("workers_host_bytes")
+        def per_worker(name: str) -> int | None:
+            totals = [(getattr(row, name), row.worker_count) for row in self.rows]
+            return max((total // n for total, n in totals if n and total is not None), default=None)
 
-    @property
-    def worker_gpu_bytes(self) -> int | None:
-        """GPU memory per worker (its peak): the most of any epoch; None where never read."""
-        return self._per_worker("workers_gpu_bytes_peak")
-
-    def _per_worker(self, name: str) -> int | None:
-        totals = [(getattr(row, name), row.worker_count) for row in self.rows]
-        return max((total // n for total, n in totals if n and total is not None), default=None)
-
-    @property
-    def teardowns(self) -> tuple[TeardownRecord, ...]:
-        """What the teardown policy freed in each worker (empty when it was off)."""
-        return self.report.timeline.teardowns
+        samples, wait_s, loop_s = total("samples"), total("wait_s"), total("loop_s")
+        batches = sum(row.batches or 0 for row in self.rows)
+        return {
+            "samples_per_s": None if samples is None or not loop_s else samples / loop_s,
+            "batches_per_s": batches / loop_s if loop_s else None,
+            "wait_share": None if wait_s is None or not loop_s else wait_s / loop_s,
+            "worker_host_bytes": per_worker("workers_host_bytes"),
+            "worker_gpu_bytes": per_worker("workers_gpu_bytes_peak"),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, with the configuration's full ``Report.to_dict()``."""
@@ -261,26 +247,18 @@ class ConfigResult:
             "leak_count": len(self.report.leaks),
             "info_count": len(self.report.infos),
             "summary": self.report.summary(gpu=False, named=False),  # as the text says it
-            "cooldown": None if self.cooldown is None else asdict(self.cooldown),
-            "rows": [asdict(row) for row in self.rows],
-            "teardown": _teardown_summary(self.teardowns),
-            "tracker_cost": None if self.cost is None else asdict(self.cost),
+            "cooldown": to_jsonable(self.cooldown),
+            "rows": to_jsonable(self.rows),
+            "teardown": _teardown_summary(self.report.timeline.teardowns),
+            "tracker_cost": to_jsonable(self.cost),
             "accounted_cost_fraction": self.accounted_cost_fraction,
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
-            "throughput": {name: getattr(self, name) for name in _THROUGHPUT},
-            "cleanup": [asdict(cleaned) for cleaned in self.cleaned],
+            "throughput": self.throughput,
+            "cleanup": to_jsonable(self.cleaned),
             "failure": self.failure,
             "report": self.report.to_dict(),
         }
 
-
-_THROUGHPUT = (
-    "samples_per_s",
-    "batches_per_s",
-    "wait_share",
-    "worker_host_bytes",
-    "worker_gpu_bytes",
-)
 
 RECOMMEND_WITHIN = 0.05
 """The recommended worker count is the smallest within this share of the best throughput."""
@@ -337,23 +315,23 @@ class Recommendation:
 
 def recommendation(result: SweepResult) -> Recommendation | None:
     """The sweep's worker-count answer (``recommend_workers`` on its throughputs)."""
-    unit = "samples"
-    rates = {c.num_workers: c.samples_per_s for c in result.configs}
-    if None in rates.values():
-        unit, rates = "batches", {c.num_workers: c.batches_per_s for c in result.configs}
+    throughputs = {c.num_workers: c.throughput for c in result.configs}
+    counted = all(t["samples_per_s"] is not None for t in throughputs.values())
+    unit = "samples" if counted else "batches"
+    rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
     chosen = recommend_workers(rates)
     if chosen is None:
         return None
     best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
-    config = next(c for c in result.configs if c.num_workers == chosen)
+    host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
     return Recommendation(
         num_workers=chosen,
         rate_per_s=rates[chosen] or 0.0,
         unit=unit,
         best_workers=best,
         best_rate_per_s=rates[best] or 0.0,
-        worker_host_bytes=config.worker_host_bytes,
-        worker_gpu_bytes=config.worker_gpu_bytes if result.gpu_available else None,
+        worker_host_bytes=None if host is None else int(host),
+        worker_gpu_bytes=None if gpu is None or not result.gpu_available else int(gpu),
     )
 
 
@@ -396,7 +374,7 @@ class SweepResult:
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "loader": self.loader,
-            "options": {**asdict(self.options), "workers": list(self.options.workers)},
+            "options": to_jsonable(self.options),
             "environment": dict(self.environment),
             "gpu": {
                 "available": self.gpu_available,
@@ -406,7 +384,7 @@ class SweepResult:
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
-            "recommendation": None if answer is None else asdict(answer),
+            "recommendation": to_jsonable(answer),
             "configurations": [config.to_dict() for config in self.configs],
         }
 
@@ -418,7 +396,30 @@ class SweepResult:
 
     def format(self) -> str:
         """The text report: header, the table, then per configuration its verdict."""
-        return _format_sweep(self)
+        options = self.options
+        lines = [
+            f"leakcheck sweep: {self.loader}",
+            f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
+            f"tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
+            f"sampling every {options.interval_s * 1000:g} ms; "
+            f"teardown policy {'on' if options.teardown else 'off'}",
+        ]
+        for device in self.devices if self.gpu_available else ():
+            size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
+            max_clock = "" if clock is None else f", SM clock max {clock} MHz"
+            lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
+        if not self.gpu_available:
+            lines.append(f"  {gpu_unchecked(self.gpu_reason)}: host memory and processes only")
+        lines += ["  memory in MiB; host: uss = private memory, rss = resident", ""]
+        lines += _format_table(self) + _format_answer(self)
+        for config in self.configs:
+            lines.extend(_config_lines(config))
+        lines += [
+            "",
+            f"leakcheck sweep: {plural(len(self.configs), 'configuration')}, "
+            f"verdict {self.verdict}, {plural(self.leak_count, 'leak')}",
+        ]
+        return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- running
@@ -957,10 +958,11 @@ def _format_answer(result: SweepResult) -> list[str]:
     header = header[: 4 if result.gpu_available else 3]
     table = [header]
     for config in result.configs:
-        rate = config.samples_per_s if answer.unit == "samples" else config.batches_per_s
+        throughput = config.throughput
+        rate = throughput[f"{answer.unit}_per_s"]
         memory = [
             "-" if not config.num_workers else _UNKNOWN if value is None else format_mib(value)
-            for value in (config.worker_host_bytes, config.worker_gpu_bytes)
+            for value in (throughput["worker_host_bytes"], throughput["worker_gpu_bytes"])
         ]
         cells = [str(config.num_workers), "n/a" if rate is None else f"{rate:,.0f}", *memory]
         table.append(cells[: len(header)])
@@ -979,7 +981,7 @@ def _config_lines(config: ConfigResult) -> list[str]:
         lines.append(f"  {config.cooldown.describe()}")
     lines.extend([f"  {config.failure}"] if config.failure else [])
     lines.extend(report.finding_lines(indent="  "))
-    teardown = _teardown_summary(config.teardowns)
+    teardown = _teardown_summary(report.timeline.teardowns)
     workers, per_worker = (
         plural(teardown["workers"], "worker"),
         teardown["gpu_bytes_before_per_worker"],
@@ -1017,30 +1019,3 @@ def _config_lines(config: ConfigResult) -> list[str]:
         )
     lines.append(f"  {report.summary(gpu=False, named=False)}")  # GPU: said in the header
     return lines
-
-
-def _format_sweep(result: SweepResult) -> str:
-    options = result.options
-    lines = [
-        f"leakcheck sweep: {result.loader}",
-        f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
-        f"tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
-        f"sampling every {options.interval_s * 1000:g} ms; "
-        f"teardown policy {'on' if options.teardown else 'off'}",
-    ]
-    for device in result.devices if result.gpu_available else ():
-        size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
-        max_clock = "" if clock is None else f", SM clock max {clock} MHz"
-        lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
-    if not result.gpu_available:
-        lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
-    lines += ["  memory in MiB; host: uss = private memory, rss = resident", ""]
-    lines += _format_table(result) + _format_answer(result)
-    for config in result.configs:
-        lines.extend(_config_lines(config))
-    lines += [
-        "",
-        f"leakcheck sweep: {plural(len(result.configs), 'configuration')}, "
-        f"verdict {result.verdict}, {plural(result.leak_count, 'leak')}",
-    ]
-    return "\n".join(lines)

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
@@ -27,7 +27,7 @@ from leakcheck.commands.common import one_line
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
-from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, TrackerCost
+from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, Timeline, TrackerCost
 from leakcheck.core.names import process_name
 from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 SWEEP_SCHEMA_VERSION = 3
 """Version of ``SweepResult.to_dict``'s layout (docs/REFERENCE.md); bumped when incompatible."""
+
+Timing = tuple[int | None, float, float]
+"""An epoch's ``(samples, wait_s, loop_s)``, as the sweep's loop measured it."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -182,18 +185,30 @@ class CleanedProcess:
 
 @dataclass(frozen=True)
 class ConfigResult:
-    """One configuration of the sweep: its rows, its judged report, its cleanup."""
+    """One configuration of the sweep: its judged report, its loop's timings, its cleanup."""
 
     num_workers: int
     persistent_workers: bool
-    rows: tuple[EpochRow, ...]
     report: Report
+    device_index: int | None = None
+    timings: tuple[Timing, ...] = ()
     cooldown: Cooldown | None = None
     cleaned: tuple[CleanedProcess, ...] = ()
     wall_s: float = 0.0
     cost: TrackerCost | None = None
     failure: str | None = None
     """How the loader failed, where ``judge_failures`` kept the configuration."""
+
+    @property
+    def rows(self) -> tuple[EpochRow, ...]:
+        """The table's rows: each epoch record with its loop's timing (``epoch_row``)."""
+        timeline = self.report.timeline
+        counts = epoch_counts(timeline, self.report.config.grace_s)
+        n, device, timings = self.num_workers, self.device_index, dict(enumerate(self.timings))
+        return tuple(
+            epoch_row(rec, n, timeline, device, counts[rec.index], timings.get(i))
+            for i, rec in enumerate(self.report.epochs)
+        )
 
     @property
     def accounted_cost_fraction(self) -> float | None:
@@ -220,15 +235,16 @@ class ConfigResult:
         """
 
         def total(name: str) -> float | None:
-            values = [getattr(row, name) for row in self.rows]
+            values = [getattr(row, name) for row in rows]
             return None if not values or None in values else sum(values)
 
         def per_worker(name: str) -> int | None:
-            totals = [(getattr(row, name), row.worker_count) for row in self.rows]
+            totals = [(getattr(row, name), row.worker_count) for row in rows]
             return max((total // n for total, n in totals if n and total is not None), default=None)
 
+        rows = self.rows
         samples, wait_s, loop_s = total("samples"), total("wait_s"), total("loop_s")
-        batches = sum(row.batches or 0 for row in self.rows)
+        batches = sum(row.batches or 0 for row in rows)
         return {
             "samples_per_s": None if samples is None or not loop_s else samples / loop_s,
             "batches_per_s": batches / loop_s if loop_s else None,
@@ -531,7 +547,7 @@ def _run_config(
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
-    timings: list[tuple[int | None, float, float]] = []
+    timings: list[Timing] = []
     cleaned: tuple[CleanedProcess, ...] = ()
     try:
         with watched:  # on Ctrl-C too, leaving it stops sampling
@@ -547,19 +563,12 @@ def _run_config(
                 )
     if failure is not None and not options.judge_failures:
         raise failure
-    report = watched.report()
-    counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = [
-        epoch_row(record, num_workers, report, options.device_index, counts[record.index])
-        for record in report.epochs
-    ]
-    for index, (samples, wait_s, loop_s) in enumerate(timings[: len(rows)]):
-        rows[index] = replace(rows[index], samples=samples, wait_s=wait_s, loop_s=loop_s)
     return ConfigResult(
         num_workers=num_workers,
         persistent_workers=persistent,
-        rows=tuple(rows),
-        report=report,
+        report=watched.report(),
+        device_index=options.device_index,
+        timings=tuple(timings),
         cooldown=cooldown,
         cleaned=cleaned,
         wall_s=time.monotonic() - started_s,
@@ -596,7 +605,7 @@ def _run_epochs(
     label: str,
     position: int,
     progress: Progress,
-    timings: list[tuple[int | None, float, float]],
+    timings: list[Timing],
 ) -> LoaderError | None:
     """Iterate every epoch, each one's ``(samples, wait_s, loop_s)`` to ``timings``.
 
@@ -672,19 +681,17 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
     timeline = tracker.timeline(last_epochs=1)
     if not timeline.epochs:
         return f"{batches} batches"
-    record: EpochRecord = timeline.epochs[-1]
-    counted = record.batches if record.batches is not None else batches
-    workers = [p for p in record.processes if p.role == "worker"]
-    host = host_totals(record.processes)
+    row = epoch_row(timeline.epochs[-1], 0, timeline, None, EpochCounts(0, 0))
     gpu = ""  # no per-process GPU bytes read: the header said so
-    if timeline.attribution == "ok":
-        parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
-        worker_bytes = sum(p.total_gpu_bytes_end for p in workers)
-        gpu = f"GPU parent {format_mib(parent)} MiB, workers {format_mib(worker_bytes)} MiB; "
+    if row.parent_gpu_bytes is not None:
+        gpu = (
+            f"GPU parent {format_mib(row.parent_gpu_bytes)} MiB, "
+            f"workers {format_mib(row.workers_gpu_bytes)} MiB; "
+        )
     return (
-        f"{counted} batches in {record.duration_s:.1f} s, {len(workers)} workers; {gpu}"
-        f"host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
-        f"{format_mib(host.workers_bytes)} MiB"
+        f"{batches if row.batches is None else row.batches} batches in {row.duration_s:.1f} s, "
+        f"{row.worker_count} workers; {gpu}host {row.host_source or '-'} parent "
+        f"{format_mib(row.parent_host_bytes)} MiB, workers {format_mib(row.workers_host_bytes)} MiB"
     )
 
 
@@ -712,16 +719,18 @@ _DEVICE_FIELDS = {
 def epoch_row(
     record: EpochRecord,
     num_workers: int,
-    report: Report,
+    timeline: Timeline,
     device_index: int | None,
     counts: EpochCounts,
+    timing: Timing | None = None,
 ) -> EpochRow:
-    """Fold one epoch record, and what its end left running, into a table row."""
+    """Fold one epoch record, what its end left running and its loop's timing into a row."""
     processes = record.processes
     workers = [p for p in processes if p.role == "worker"]
     worker_end = [p.total_gpu_bytes_end for p in workers]
     device = next((d for d in record.devices if device_index in (None, d.index)), None)
-    per_process = per_pid_bytes_known(report.timeline)
+    per_process = per_pid_bytes_known(timeline)
+    samples, wait_s, loop_s = timing or (None, None, None)
 
     def known(value: int) -> int | None:
         return value if per_process else None
@@ -761,6 +770,9 @@ def epoch_row(
         workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
         shm_bytes=record.shm_bytes,
         error=record.error,
+        samples=samples,
+        wait_s=wait_s,
+        loop_s=loop_s,
         **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
     )
 

@@ -890,52 +890,40 @@ def _teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
     }
 
 
-# What each column is: docs/REFERENCE.md; memory in MiB.
-COLUMN_NAMES: tuple[str, ...] = (
-    "workers",
-    "epoch",
-    "time s",
-    "GPU parent",
-    "GPU wk peak",
-    "alive after",
-    "orphans",
-    "host parent",
-    "host wk",
-    "host",
-    "GPU used",
-    "temp °C",
-)
+# The table's columns (what each is: docs/REFERENCE.md; memory in MiB) and their cells: ``?``
+# (never 0) where unknown; the GPU's say n/a without one.
+_COLUMNS: tuple[tuple[str, Callable[[EpochRow], str]], ...] = (
+    ("workers", lambda r: str(r.num_workers)),
+    ("epoch", lambda r: str(r.epoch)),
+    ("time s", lambda r: f"{r.duration_s:.2f}"),
+    ("GPU parent", lambda r: format_mib(r.parent_gpu_bytes)),
+    ("GPU wk peak", lambda r: _unknown_or_mib(r.workers_peak_unknown, r.workers_gpu_bytes_peak)),
+    ("alive after", lambda r: str(r.alive_after)),
+    ("orphans", lambda r: str(r.orphans)),
+    ("host parent", lambda r: format_mib(r.parent_host_bytes)),
+    ("host wk", lambda r: _unknown_or_mib(
+        r.workers_host_bytes is None and r.worker_count and r.host_source, r.workers_host_bytes
+    )),
+    ("host", lambda r: r.host_source or "-"),
+    ("GPU used", lambda r: format_mib(r.device_used_bytes)),
+    ("temp °C", lambda r: or_dash(r.temperature_c)),
+)  # fmt: skip
+COLUMN_NAMES = tuple(name for name, _ in _COLUMNS)
 TABLE_WIDTH = 120
 """The table is at most this many characters wide (``tests/test_sweep.py`` holds it)."""
 
 
-def _row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
-    """The text cells of one row, in ``COLUMN_NAMES`` order; ``?`` (never 0) where unknown."""
-    host_unknown = row.workers_host_bytes is None and row.worker_count and row.host_source
-    cells = [
-        str(row.num_workers),
-        str(row.epoch),
-        f"{row.duration_s:.2f}",
-        format_mib(row.parent_gpu_bytes),
-        _UNKNOWN if row.workers_peak_unknown else format_mib(row.workers_gpu_bytes_peak),
-        str(row.alive_after),
-        str(row.orphans),
-        format_mib(row.parent_host_bytes),
-        _UNKNOWN if host_unknown else format_mib(row.workers_host_bytes),
-        row.host_source or "-",
-        format_mib(row.device_used_bytes),
-        or_dash(row.temperature_c),
-    ]
-    gpu_columns = (i for i, name in enumerate(COLUMN_NAMES) if name.startswith(("GPU", "temp")))
-    for index in () if gpu_available else gpu_columns:
-        cells[index] = "n/a"
-    return cells
+def _unknown_or_mib(unknown: object, value: int | None) -> str:
+    return _UNKNOWN if unknown else format_mib(value)
 
 
 def _format_table(result: SweepResult) -> list[str]:
     """The per-epoch table (a column with only n/a or - on this machine left out), its note."""
     rows = [row for config in result.configs for row in config.rows]
-    cells = [_row_cells(row, gpu_available=result.gpu_available) for row in rows]
+    blank = () if result.gpu_available else ("GPU", "temp")
+    cells = [
+        ["n/a" if name.startswith(blank) else cell(row) for name, cell in _COLUMNS] for row in rows
+    ]
     shown = [
         index
         for index in range(len(COLUMN_NAMES))
@@ -994,10 +982,8 @@ def _config_lines(config: ConfigResult) -> list[str]:
     lines.extend([f"  {config.failure}"] if config.failure else [])
     lines.extend(report.finding_lines(indent="  "))
     teardown = _teardown_summary(report.timeline.teardowns)
-    workers, per_worker = (
-        plural(teardown["workers"], "worker"),
-        teardown["gpu_bytes_before_per_worker"],
-    )
+    workers = plural(teardown["workers"], "worker")
+    per_worker = teardown["gpu_bytes_before_per_worker"]
     if teardown["workers"] and not teardown["cuda_initialized"]:
         lines.append(
             f"  teardown: {workers} exited through the teardown policy (CUDA never initialised "
@@ -1005,9 +991,9 @@ def _config_lines(config: ConfigResult) -> list[str]:
         )
     elif teardown["workers"]:
         freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
-        released = teardown["contexts_released"]
         lines.append(
-            f"  teardown: {workers}, {released} released their CUDA context before exiting{freed}"
+            f"  teardown: {workers}, {teardown['contexts_released']} released their CUDA context "
+            f"before exiting{freed}"
         )
     elif teardown["reported"]:
         lines.append(

@@ -803,9 +803,7 @@ def wait_for_cooldown(
     first = current = read()
     if first is None:
         return Cooldown(target_c, None, None, 0.0, False, note="skipped: temperature unknown")
-    while current is not None and current > target_c:
-        if time.monotonic() - started_s >= timeout_s:
-            break
+    while current is not None and current > target_c and time.monotonic() - started_s < timeout_s:
         time.sleep(poll_s)
         current = read()
     reached = current is not None and current <= target_c

@@ -234,14 +234,11 @@ class SyntheticDataset:
             start_orphan(spec, use_cuda=device.type == "cuda")
         if self._objects:  # NOTE [copy-on-read scenario]
             workers = max(_workers(), 1)
-            if epoch in self._cached_epochs:
-                pass
-            elif spec.scenario == "copy-on-read":
+            last_round = spec.scenario == "copy-on-read" or batch >= spec.batches - workers
+            if last_round and epoch not in self._cached_epochs:
                 self._cached_epochs.add(epoch)
-                _read_objects(self._objects[0])
-            elif batch >= spec.batches - workers:
-                self._cached_epochs.add(epoch)
-                _read_objects(self._objects[epoch % len(self._objects)])
+                region = self._objects[epoch % len(self._objects)]
+                sum(sum(values) for values in region)  # each visit writes a reference count
             time.sleep(spec.cor_epoch_s * workers / spec.batches)
         if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang") and _workers():
             _stage_in_worker(spec.scenario)
@@ -305,10 +302,6 @@ def _stage_in_worker(scenario: Scenario) -> None:
         if written() != before:
             before, changed_s = written(), time.monotonic()
         time.sleep(0.05)
-
-
-def _read_objects(region: list[list[int]]) -> int:
-    return sum(sum(values) for values in region)  # each visit writes a reference count
 
 
 def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> None:

@@ -729,21 +729,24 @@ def epoch_row(
     workers = [p for p in processes if p.role == "worker"]
     worker_end = [p.total_gpu_bytes_end for p in workers]
     device = next((d for d in record.devices if device_index in (None, d.index)), None)
-    per_process = per_pid_bytes_known(timeline)
     samples, wait_s, loop_s = timing or (None, None, None)
 
-    def known(value: int) -> int | None:
-        return value if per_process else None
-
-    def gpu_end(*roles: str) -> int | None:
-        return known(sum(p.total_gpu_bytes_end for p in processes if p.role in roles))
-
-    def peak_source(source: str) -> int | None:
-        return known(sum(1 for p in workers if p.gpu_peak_source == source))
+    def gpu_end(*roles: str) -> int:
+        return sum(p.total_gpu_bytes_end for p in processes if p.role in roles)
 
     peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
-    if peak is not None:
-        peak = known(max(peak, sum(worker_end)))  # peak >= end per process: the sums too
+    gpu: dict[str, int | None] = {
+        "parent_gpu_bytes": gpu_end("parent"),
+        "workers_gpu_bytes": sum(worker_end),
+        "worker_gpu_bytes_max": max(worker_end, default=0),
+        # peak >= end per process: the sums too
+        "workers_gpu_bytes_peak": None if peak is None else max(peak, sum(worker_end)),
+        "other_gpu_bytes": gpu_end("descendant", "orphan"),
+        "workers_peak_reported": sum(1 for p in workers if p.gpu_peak_source == "reported"),
+        "workers_peak_unknown": sum(1 for p in workers if p.gpu_peak_source == "unknown"),
+    }
+    if not per_pid_bytes_known(timeline):
+        gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
     host = host_totals(processes)
     copied = [p for p in workers if p.copied_bytes_end is not None]
     return EpochRow(
@@ -752,16 +755,9 @@ def epoch_row(
         label=record.label,
         duration_s=record.duration_s,
         end_reason=record.end_reason,
-        parent_gpu_bytes=gpu_end("parent"),
         worker_count=len(workers),
-        workers_gpu_bytes=known(sum(worker_end)),
-        worker_gpu_bytes_max=known(max(worker_end, default=0)),
-        workers_gpu_bytes_peak=peak,
         alive_after=counts.alive_after,
         orphans=counts.orphans,
-        other_gpu_bytes=gpu_end("descendant", "orphan"),
-        workers_peak_reported=peak_source("reported"),
-        workers_peak_unknown=peak_source("unknown"),
         batches=record.batches,
         parent_host_bytes=host.parent_bytes,
         workers_host_bytes=host.workers_bytes,
@@ -773,6 +769,7 @@ def epoch_row(
         samples=samples,
         wait_s=wait_s,
         loop_s=loop_s,
+        **gpu,
         **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
     )
 
@@ -1003,15 +1000,14 @@ def _config_lines(config: ConfigResult) -> list[str]:
         f"{cleaned.cmdline})"
         for cleaned in config.cleaned
     )
-    fraction = config.accounted_cost_fraction
+    fraction, cost = config.accounted_cost_fraction, config.cost
     epochs_s = sum(record.duration_s for record in report.epochs)
     # Said from 1% of at least 1 s of epochs: a share of a loop too short to time is noise.
-    if fraction is not None and config.cost is not None and fraction >= 0.01 and epochs_s >= 1:
-        caller_ms = config.cost.caller_wall_s * 1000
+    if fraction is not None and cost is not None and fraction >= 0.01 and epochs_s >= 1:
         lines.append(
             f"  tracker cost: {fraction:.2%} of the epochs' time (sampler CPU "
-            f"{config.cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
-            f"{caller_ms:.0f} ms: {caller_ms / max(1, len(report.epochs)):.1f} ms per epoch)"
+            f"{cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
+            f"{cost.caller_wall_s * 1000:.0f} ms: {config.tracker_ms_per_epoch:.1f} ms per epoch)"
         )
     lines.append(f"  {report.summary(gpu=False, named=False)}")  # GPU: said in the header
     return lines

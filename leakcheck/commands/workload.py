@@ -349,10 +349,10 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
     """The built-in DataLoader for one configuration (0 workers: the parent does the work)."""
     from torch.utils.data import DataLoader
 
-    options: dict[str, Any] = {}
-    if num_workers > 0:
-        options["multiprocessing_context"] = spec.effective_start_method
-        options["persistent_workers"] = spec.persistent_workers
+    options: dict[str, Any] = {
+        "multiprocessing_context": spec.effective_start_method,
+        "persistent_workers": spec.persistent_workers,
+    }
     # No worker_init_fn: the sweep chains leakcheck's into every DataLoader (NOTE [the
     # watch() code path] in sweep.py).
     return DataLoader(
@@ -360,7 +360,7 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
         batch_size=None,
         sampler=EpochSampler(spec.batches),
         num_workers=num_workers,
-        **options,
+        **(options if num_workers else {}),
     )
 
 
@@ -438,12 +438,10 @@ def _memory_limit(limit_bytes: int) -> Iterator[None]:
         with contextlib.suppress(OSError):
             _write(os.path.join(own, "cgroup.procs"), os.getpid())
         deadline = time.monotonic() + 30  # until the last worker of the sweep has gone
-        while os.path.isdir(child):
+        while os.path.isdir(child) and time.monotonic() < deadline:
             try:
                 os.rmdir(child)
             except OSError:
-                if time.monotonic() > deadline:
-                    break
                 time.sleep(0.1)
 
 

@@ -19,30 +19,27 @@ Scenarios (``--scenario``):
 
 NOTE [copy-on-read scenario]: the objects are Python ints in lists, built in the parent
 before the workers fork, so that the workers share their pages; reading an object writes its
-reference count, so the kernel copies each page a worker visits. In the classic scenario
-the first read copies all, the later ones nothing: a flat copy from epoch 0 (no growth rule
-sees it). In the growing one, epoch ``e`` reads region ``e`` (modulo ``cor_regions``), at
-the worker's first batch of the epoch's last round (a batch index among the last
-``num_workers``): the next epoch's first batches, prefetched at once, copy nothing, so a read
-just after an epoch end sees that epoch's copies and no more. Each batch also waits, so that
-an epoch lasts about ``cor_epoch_s`` whatever the worker count: the USS reads at each epoch
-end (a few ms per worker) must end before the next epoch does. Sized for a small machine:
-8 regions of 40 MiB; the growth stops after 8 epochs.
+reference count, so the kernel copies each page a worker visits. The classic scenario reads
+all of them each epoch: all is copied in epoch 0, nothing later (a flat copy no growth rule
+sees). The growing one reads region ``e % cor_regions`` in epoch ``e`` (so the growth stops
+after ``cor_regions`` epochs), at the worker's first batch among the epoch's last
+``num_workers``: the next epoch's first batches, prefetched at once, copy nothing, so a read
+just after an epoch end sees that epoch's copies and no more.
+Each batch also waits, so that an epoch lasts about ``cor_epoch_s`` whatever the worker
+count: the USS reads at each epoch end (a few ms per worker) must end before the next epoch.
 
-NOTE [failure stagings]: ``stage`` puts the sweep's own process, so the whole job and no other
-process, under what the failure needs, and undoes it after: ``oom`` moves it into a new child of
-its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES`` (what the job allocates from then
-on); ``shm-full`` gives it a private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the
-machine's is never touched; the namespace stays, with its tmpfs unmounted). Where neither can
-be made (not root, no writable memory cgroup), a usage error says so. In epoch 0, at batch
-``STAGE_BATCH``, a worker then grows its host memory until the OOM killer ends it (its
-``oom_score_adj`` raised, so that the kernel picks it, never the sweep; capped at twice the
-limit should no limit hold), or blocks in ``__getitem__`` until the hang watch wrote its stack
-(its faulthandler file changes) or ``HANG_CAP_S`` passed; with ``shm-full`` every batch carries
-``SHM_BATCH_BYTES`` of shared memory, so that the batches in flight do not fit. With 0 workers
-nothing is staged in the loop. They fork: a worker is up in milliseconds, within the short
-``HANG_AFTER_S``; and they compute on the CPU, so that a GPU machine stages them alike (a CUDA
-context per worker would count against the memory limit).
+NOTE [failure stagings]: ``stage`` puts the sweep's own process (the whole job, no other
+process) under what the failure needs, and undoes it after: ``oom`` moves it into a new child
+of its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES``; ``shm-full`` gives it a
+private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the machine's is never
+touched). Where neither can be made (not root, no writable memory cgroup), a usage error says
+so. In epoch 0, at batch ``STAGE_BATCH``, a worker then grows its host memory until the OOM
+killer ends it (its ``oom_score_adj`` raised, so that the kernel picks it, never the sweep;
+capped at twice the limit), or blocks until the hang watch wrote its stack or ``HANG_CAP_S``
+passed; with ``shm-full`` every batch carries ``SHM_BATCH_BYTES`` of shared memory, so that
+the batches in flight do not fit. With 0 workers nothing is staged in the loop. They fork (a
+worker is up well within ``HANG_AFTER_S``) and compute on the CPU, so that a GPU machine
+stages them alike (a CUDA context per worker would count against the memory limit).
 
 NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
 (``nvml.availability``), never initialising CUDA: a parent that did would break forked

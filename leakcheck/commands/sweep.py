@@ -233,6 +233,7 @@ class ConfigResult:
         waiting for batches (``EpochRow.wait_s``), host and GPU (peak) memory per worker: the
         most of any epoch.
         """
+        rows = self.rows
 
         def total(name: str) -> float | None:
             values = [getattr(row, name) for row in rows]
@@ -242,7 +243,6 @@ class ConfigResult:
             totals = [(getattr(row, name), row.worker_count) for row in rows]
             return max((total // n for total, n in totals if n and total is not None), default=None)
 
-        rows = self.rows
         samples, wait_s, loop_s = total("samples"), total("wait_s"), total("loop_s")
         batches = sum(row.batches or 0 for row in rows)
         return {

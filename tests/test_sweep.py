@@ -39,7 +39,6 @@ from leakcheck.commands.sweep import (
 from leakcheck.core.files import write_json
 from leakcheck.core.model import MIB, ProcessKey
 from leakcheck.core.units import format_mib
-from leakcheck.judge.verdict import epoch_counts
 from leakcheck.observe import procs
 from tests.polling import wait_for
 
@@ -428,7 +427,7 @@ def test_user_dataloader_gets_identities_and_the_teardown_policy(
     assert [row.worker_count for row in config.rows] == [2, 2]
     assert [row.batches for row in config.rows] == [4, 4]
     # Every worker reported at exit, and the policy ran in each (teardown on by default).
-    teardowns = config.teardowns
+    teardowns = config.report.timeline.teardowns
     assert len(teardowns) == 4 and all(t.released for t in teardowns)
     assert sorted(t.worker_id for t in teardowns if t.worker_id is not None) == [0, 0, 1, 1]
     # The workers of the report are exactly those that reported through the mailbox...
@@ -447,8 +446,9 @@ def test_user_dataloader_without_teardown_still_reports(user_loader: tuple[Path,
     options = SweepOptions(workers=(1,), epochs=2, grace_s=30, interval_s=0.02, teardown=False)
     result = run_sweep(options, load_factory(f"{path}:make"), loader="--loader", gpu=NO_GPU)
     (config,) = result.configs
-    assert len(config.teardowns) == 2 and not any(t.released for t in config.teardowns)
-    assert _worker_keys(config) == sorted(t.key for t in config.teardowns)
+    teardowns = config.report.timeline.teardowns
+    assert len(teardowns) == 2 and not any(t.released for t in teardowns)
+    assert _worker_keys(config) == sorted(t.key for t in teardowns)
     summary = config.to_dict()["teardown"]
     assert (summary["workers"], summary["reported"]) == (0, 2)
     text = result.format()
@@ -473,7 +473,7 @@ def test_user_persistent_workers_exit_within_their_configuration(
     keys = set(_worker_keys(config))
     assert len(keys) == 2  # the same two workers in every epoch
     # They were shut down while this configuration was tracked: their reports are in it.
-    assert {t.key for t in config.teardowns} == keys
+    assert {t.key for t in config.report.timeline.teardowns} == keys
     assert not any(procs.is_alive(key) for key in keys)
 
 
@@ -489,7 +489,7 @@ def _synthetic_result() -> SweepResult:
     """
     from dataclasses import replace
 
-    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.commands.sweep import ConfigResult
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.report import build_report
     from tests import timelines as tl
@@ -511,9 +511,7 @@ def _synthetic_result() -> SweepResult:
     ]
     final = tl.final_state([tl.parent(700)], gpu, after_last_epoch=epochs)
     report = build_report(tl.timeline(epochs, final=final), RuleConfig())
-    counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = tuple(epoch_row(rec, 2, report, None, counts[rec.index]) for rec in report.epochs)
-    config = ConfigResult(num_workers=2, persistent_workers=False, rows=rows, report=report)
+    config = ConfigResult(num_workers=2, persistent_workers=False, report=report)
     return SweepResult(
         options=SweepOptions(workers=(2,), epochs=3),
         loader="synthetic",
@@ -691,7 +689,7 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
     """Host memory per epoch: the rows say USS or RSS; the plot keeps one measure a line."""
     from dataclasses import replace
 
-    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.commands.sweep import ConfigResult
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.report import build_report
     from tests import timelines as tl
@@ -703,8 +701,8 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
         tl.epoch(2, [tl.parent(None, uss_mib=320, rss_mib=500), unreported]),
     ]
     report = build_report(tl.timeline(epochs, attribution="nvml-unavailable"), RuleConfig())
-    counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = tuple(epoch_row(rec, 1, report, None, counts[rec.index]) for rec in report.epochs)
+    config = ConfigResult(num_workers=1, persistent_workers=False, report=report)
+    rows = config.rows
     assert [(r.parent_host_bytes, r.workers_host_bytes, r.host_source) for r in rows] == [
         (300 * MIB, 50 * MIB, "uss"),
         (310 * MIB, 400 * MIB, "uss+rss"),
@@ -713,7 +711,7 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
     result = SweepResult(
         options=SweepOptions(workers=(1,), epochs=3),
         loader="synthetic",
-        configs=(ConfigResult(num_workers=1, persistent_workers=False, rows=rows, report=report),),
+        configs=(config,),
         gpu_available=False,
         gpu_reason="no GPU here",
     )
@@ -746,7 +744,7 @@ def test_host_rows_and_plot_panel_without_a_gpu() -> None:
 def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None:
     """Forked workers' copies of the parent's memory: summed per row, and one worker's
     private memory beside what it still shares."""
-    from leakcheck.commands.sweep import ConfigResult, epoch_row
+    from leakcheck.commands.sweep import ConfigResult
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.report import build_report
     from tests import timelines as tl
@@ -756,8 +754,8 @@ def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None
         for i in range(2)
     ] + [tl.epoch(2, [tl.parent(None, uss_mib=240), tl.copier(1003, None, forked=False)])]
     report = build_report(tl.timeline(epochs, attribution="nvml-unavailable"), RuleConfig())
-    counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = tuple(epoch_row(rec, 2, report, None, counts[rec.index]) for rec in report.epochs)
+    config = ConfigResult(num_workers=2, persistent_workers=True, report=report)
+    rows = config.rows
     assert [(r.workers_copied_bytes, r.workers_shared_bytes) for r in rows] == [
         (344 * MIB, 56 * MIB), (344 * MIB, 56 * MIB), (None, None)
     ]  # fmt: skip
@@ -771,7 +769,7 @@ def test_copy_rows_and_the_plot_show_private_against_shared_per_worker() -> None
     result = SweepResult(
         options=SweepOptions(workers=(2,), epochs=3),
         loader="synthetic",
-        configs=(ConfigResult(num_workers=2, persistent_workers=True, rows=rows, report=report),),
+        configs=(config,),
         gpu_available=False,
         gpu_reason="no GPU here",
     )
@@ -892,34 +890,31 @@ def test_the_recommendation_is_the_fewest_workers_within_5_percent_of_the_best(
 
 
 def _timed_result(gpu: bool, rates: dict[int, tuple[int | None, int | None]]) -> SweepResult:
-    """Configs of two 1-second epochs, each worker count with its samples per epoch and
-    its workers' host bytes per epoch (None: a worker's unknown); GPU peaks 300 MiB each."""
-    from leakcheck.commands.sweep import ConfigResult, EpochRow
+    """Configs of two 1.1-second epochs of 10 batches, each looped in 1 s, each worker count
+    with its samples per epoch and its workers' host bytes per epoch (None: the workers'
+    unknown); GPU peaks 300 MiB each."""
+    from dataclasses import replace
+
+    from leakcheck.commands.sweep import ConfigResult
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.report import build_report
     from tests import timelines as tl
 
-    report = build_report(tl.timeline([], attribution="ok" if gpu else "no-gpu"), RuleConfig())
+    def config(n: int, samples: int | None, host: int | None) -> ConfigResult:
+        uss_mib = None if host is None or not n else host / n / MIB
+        epochs = [
+            replace(tl.epoch(epoch, [tl.parent(None), *(
+                tl.proc(1000 + 10 * epoch + i, uss_mib=uss_mib, peak_mib=300 if gpu else None)
+                for i in range(n)
+            )], duration_s=1.1), batches=10)
+            for epoch in (0, 1)
+        ]  # fmt: skip
+        timeline = tl.timeline(epochs, attribution="ok" if gpu else "no-gpu")
+        report = build_report(timeline, RuleConfig())
+        timings = ((samples, 0.25, 1.0), (samples, 0.5, 1.0))
+        return ConfigResult(num_workers=n, persistent_workers=False, report=report, timings=timings)
 
-    def row(n: int, epoch: int, samples: int | None, host: int | None) -> EpochRow:
-        return EpochRow(
-            num_workers=n, epoch=epoch, label=f"epoch {epoch}", duration_s=1.1,
-            end_reason="completed", parent_gpu_bytes=None, worker_count=n,
-            workers_gpu_bytes=None, worker_gpu_bytes_max=None,
-            workers_gpu_bytes_peak=n * 300 * MIB if gpu else None, alive_after=0, orphans=0,
-            other_gpu_bytes=None, batches=10, workers_host_bytes=host, samples=samples,
-            wait_s=0.25 * (epoch + 1), loop_s=1.0,
-        )  # fmt: skip
-
-    configs = tuple(
-        ConfigResult(
-            num_workers=n,
-            persistent_workers=False,
-            rows=(row(n, 0, samples, host), row(n, 1, samples, host)),
-            report=report,
-        )
-        for n, (samples, host) in rates.items()
-    )
+    configs = tuple(config(n, samples, host) for n, (samples, host) in rates.items())
     workers = tuple(rates)
     return SweepResult(
         options=SweepOptions(workers=workers, epochs=2),
@@ -935,12 +930,12 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
         gpu=False, rates={0: (1000, 0), 2: (1960, 80 * MIB), 4: (2000, None), 8: (1990, None)}
     )
     config = result.configs[1]
-    assert config.samples_per_s == pytest.approx(1960.0)
-    assert config.batches_per_s == pytest.approx(10.0)
-    assert config.wait_share == pytest.approx(0.375)  # (0.25 + 0.5) s of 2 s
-    assert config.worker_host_bytes == 40 * MIB  # per worker, not summed
-    assert result.configs[2].worker_host_bytes is None  # unknown, never 0
-    assert config.worker_gpu_bytes is None  # not read
+    assert config.throughput["samples_per_s"] == pytest.approx(1960.0)
+    assert config.throughput["batches_per_s"] == pytest.approx(10.0)
+    assert config.throughput["wait_share"] == pytest.approx(0.375)  # (0.25 + 0.5) s of 2 s
+    assert config.throughput["worker_host_bytes"] == 40 * MIB  # per worker, not summed
+    assert result.configs[2].throughput["worker_host_bytes"] is None  # unknown, never 0
+    assert config.throughput["worker_gpu_bytes"] is None  # not read
 
     data = result.to_dict()
     assert data["recommendation"] == {
@@ -974,7 +969,7 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
 def test_the_answer_falls_back_to_batches_and_states_gpu_memory_where_read() -> None:
     # A batch whose size could not be read: batches per second, said so.
     result = _timed_result(gpu=True, rates={0: (None, 0), 4: (None, 4 * 50 * MIB)})
-    assert result.configs[1].samples_per_s is None
+    assert result.configs[1].throughput["samples_per_s"] is None
     lines = result.format().splitlines()
     start = lines.index(next(line for line in lines if line.startswith("workers  batches/s")))
     assert lines[start].split() == ["workers", "batches/s", "host", "MiB/wk", "GPU", "MiB/wk"]

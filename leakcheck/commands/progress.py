@@ -39,51 +39,43 @@ class Progress:
 
     def note(self, message: str) -> None:
         """A line that stays (cooldown waits, cleanup), above the bar on a terminal."""
-        if self.enabled:
-            self._clear_bar()
-            self._write(f"leakcheck sweep: {message}\n")
-            self._draw()
+        self._show(f"leakcheck sweep: {message}\n")
 
     def begin(self, label: str) -> None:
         """An epoch starts; ``label`` names it (``workers=4 epoch 1 (2 of 5)``)."""
         self._label = label
-        self._draw()
+        self._show()
 
     def batch(self, count: int, total: int | None) -> None:
         """``count`` batches of the running epoch are done (redraws the bar only)."""
         if self.tty and (count == 1 or count % 4 == 0 or count == total):
-            self._draw(f" batch {count}/{total}" if total else f" batch {count}")
+            self._show(suffix=f" batch {count}/{total}" if total else f" batch {count}")
 
     def end(self, summary: str) -> None:
         """The running epoch ended; ``summary`` says what it measured."""
         self.done_epochs += 1
-        if self.wants_summary:
-            self._write(f"leakcheck sweep: {self._label}: {summary}\n")
-        self._draw()
+        self._show(f"leakcheck sweep: {self._label}: {summary}\n" if self.wants_summary else "")
 
     def close(self) -> None:
         """Remove the bar; the terminal is left clean for the report."""
-        self._clear_bar()
+        self._show(bar=False)
 
-    def _write(self, text: str) -> None:
-        self.stream.write(text)
-        self.stream.flush()
-
-    def _draw(self, suffix: str = "") -> None:
-        if not (self.enabled and self.tty):
+    def _show(self, line: str = "", *, suffix: str = "", bar: bool = True) -> None:
+        """Clear the bar, write ``line`` (one that stays), then draw the bar again."""
+        if not self.enabled:
             return
-        fraction = min(self.done_epochs / self.total_epochs, 1.0)
-        text = f" {fraction:4.0%} {self._label}{suffix}  {time.monotonic() - self._started_s:.0f} s"
-        filled = round(fraction * 24)  # a fixed width: a bar that follows its label jitters
-        line = f"[{'#' * filled}{'.' * (24 - filled)}]{text}"
-        self._write("\r" + line[: _width() - 1].ljust(_width() - 1))
-        self._bar_drawn = True
-
-    def _clear_bar(self) -> None:
-        if self._bar_drawn:
-            self._write("\r" + " " * (_width() - 1) + "\r")
+        width = max(shutil.get_terminal_size((80, 20)).columns, 40) - 1
+        text = line
+        if self._bar_drawn and (line or not bar):
+            text = "\r" + " " * width + "\r" + line
             self._bar_drawn = False
-
-
-def _width() -> int:
-    return max(shutil.get_terminal_size((80, 20)).columns, 40)
+        if self.tty and bar:
+            fraction = min(self.done_epochs / self.total_epochs, 1.0)
+            filled = round(fraction * 24)  # a fixed width: a bar that follows its label jitters
+            shown = f"[{'#' * filled}{'.' * (24 - filled)}] {fraction:4.0%} {self._label}{suffix}"
+            shown += f"  {time.monotonic() - self._started_s:.0f} s"
+            text += "\r" + shown[:width].ljust(width)
+            self._bar_drawn = True
+        if text:
+            self.stream.write(text)
+            self.stream.flush()

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
@@ -27,8 +27,9 @@ from leakcheck.commands.common import one_line
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
-from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, TrackerCost
+from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, Timeline, TrackerCost
 from leakcheck.core.names import process_name
+from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.report import (
     align_columns,
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 
 SWEEP_SCHEMA_VERSION = 3
 """Version of ``SweepResult.to_dict``'s layout (docs/REFERENCE.md); bumped when incompatible."""
+
+Timing = tuple[int | None, float, float]
+"""An epoch's ``(samples, wait_s, loop_s)``, as the sweep's loop measured it."""
 
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
@@ -181,18 +185,30 @@ class CleanedProcess:
 
 @dataclass(frozen=True)
 class ConfigResult:
-    """One configuration of the sweep: its rows, its judged report, its cleanup."""
+    """One configuration of the sweep: its judged report, its loop's timings, its cleanup."""
 
     num_workers: int
     persistent_workers: bool
-    rows: tuple[EpochRow, ...]
     report: Report
+    device_index: int | None = None
+    timings: tuple[Timing, ...] = ()
     cooldown: Cooldown | None = None
     cleaned: tuple[CleanedProcess, ...] = ()
     wall_s: float = 0.0
     cost: TrackerCost | None = None
     failure: str | None = None
     """How the loader failed, where ``judge_failures`` kept the configuration."""
+
+    @property
+    def rows(self) -> tuple[EpochRow, ...]:
+        """The table's rows: each epoch record with its loop's timing (``epoch_row``)."""
+        timeline = self.report.timeline
+        counts = epoch_counts(timeline, self.report.config.grace_s)
+        n, device, timings = self.num_workers, self.device_index, dict(enumerate(self.timings))
+        return tuple(
+            epoch_row(rec, n, timeline, device, counts[rec.index], timings.get(i))
+            for i, rec in enumerate(self.report.epochs)
+        )
 
     @property
     def accounted_cost_fraction(self) -> float | None:
@@ -209,47 +225,33 @@ class ConfigResult:
             return None
         return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
 
-    def _total(self, name: str) -> float | None:
-        """The rows' sum of a timing field; None where any row lacks it."""
-        values = [getattr(row, name) for row in self.rows]
-        return None if not values or None in values else sum(values)
-
     @property
-    def samples_per_s(self) -> float | None:
-        """Samples per second of the loop over every epoch; None where not counted."""
-        samples, loop_s = self._total("samples"), self._total("loop_s")
-        return None if samples is None or not loop_s else samples / loop_s
+    def throughput(self) -> dict[str, float | None]:
+        """The loop's speed, its share waiting, and the memory per worker (None: not read).
 
-    @property
-    def batches_per_s(self) -> float | None:
-        """Batches per second of the loop over every epoch; None where not timed."""
-        loop_s = self._total("loop_s")
-        return sum(row.batches or 0 for row in self.rows) / loop_s if loop_s else None
+        Samples and batches per second over every epoch, the share of the loop's time spent
+        waiting for batches (``EpochRow.wait_s``), host and GPU (peak) memory per worker: the
+        most of any epoch.
+        """
+        rows = self.rows
 
-    @property
-    def wait_share(self) -> float | None:
-        """Share of the loop's time spent waiting for batches (``EpochRow.wait_s``)."""
-        wait_s, loop_s = self._total("wait_s"), self._total("loop_s")
-        return None if wait_s is None or not loop_s else wait_s / loop_s
+        def total(name: str) -> float | None:
+            values = [getattr(row, name) for row in rows]
+            return None if not values or None in values else sum(values)
 
-    @property
-    def worker_host_bytes(self) -> int | None:
-        """Host memory per worker: the most of any epoch; None where never read."""
-        return self._per_worker("workers_host_bytes")
+        def per_worker(name: str) -> int | None:
+            totals = [(getattr(row, name), row.worker_count) for row in rows]
+            return max((total // n for total, n in totals if n and total is not None), default=None)
 
-    @property
-    def worker_gpu_bytes(self) -> int | None:
-        """GPU memory per worker (its peak): the most of any epoch; None where never read."""
-        return self._per_worker("workers_gpu_bytes_peak")
-
-    def _per_worker(self, name: str) -> int | None:
-        totals = [(getattr(row, name), row.worker_count) for row in self.rows]
-        return max((total // n for total, n in totals if n and total is not None), default=None)
-
-    @property
-    def teardowns(self) -> tuple[TeardownRecord, ...]:
-        """What the teardown policy freed in each worker (empty when it was off)."""
-        return self.report.timeline.teardowns
+        samples, wait_s, loop_s = total("samples"), total("wait_s"), total("loop_s")
+        batches = sum(row.batches or 0 for row in rows)
+        return {
+            "samples_per_s": None if samples is None or not loop_s else samples / loop_s,
+            "batches_per_s": batches / loop_s if loop_s else None,
+            "wait_share": None if wait_s is None or not loop_s else wait_s / loop_s,
+            "worker_host_bytes": per_worker("workers_host_bytes"),
+            "worker_gpu_bytes": per_worker("workers_gpu_bytes_peak"),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, with the configuration's full ``Report.to_dict()``."""
@@ -261,26 +263,18 @@ class ConfigResult:
             "leak_count": len(self.report.leaks),
             "info_count": len(self.report.infos),
             "summary": self.report.summary(gpu=False, named=False),  # as the text says it
-            "cooldown": None if self.cooldown is None else asdict(self.cooldown),
-            "rows": [asdict(row) for row in self.rows],
-            "teardown": _teardown_summary(self.teardowns),
-            "tracker_cost": None if self.cost is None else asdict(self.cost),
+            "cooldown": to_jsonable(self.cooldown),
+            "rows": to_jsonable(self.rows),
+            "teardown": _teardown_summary(self.report.timeline.teardowns),
+            "tracker_cost": to_jsonable(self.cost),
             "accounted_cost_fraction": self.accounted_cost_fraction,
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
-            "throughput": {name: getattr(self, name) for name in _THROUGHPUT},
-            "cleanup": [asdict(cleaned) for cleaned in self.cleaned],
+            "throughput": self.throughput,
+            "cleanup": to_jsonable(self.cleaned),
             "failure": self.failure,
             "report": self.report.to_dict(),
         }
 
-
-_THROUGHPUT = (
-    "samples_per_s",
-    "batches_per_s",
-    "wait_share",
-    "worker_host_bytes",
-    "worker_gpu_bytes",
-)
 
 RECOMMEND_WITHIN = 0.05
 """The recommended worker count is the smallest within this share of the best throughput."""
@@ -337,23 +331,23 @@ class Recommendation:
 
 def recommendation(result: SweepResult) -> Recommendation | None:
     """The sweep's worker-count answer (``recommend_workers`` on its throughputs)."""
-    unit = "samples"
-    rates = {c.num_workers: c.samples_per_s for c in result.configs}
-    if None in rates.values():
-        unit, rates = "batches", {c.num_workers: c.batches_per_s for c in result.configs}
+    throughputs = {c.num_workers: c.throughput for c in result.configs}
+    counted = all(t["samples_per_s"] is not None for t in throughputs.values())
+    unit = "samples" if counted else "batches"
+    rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
     chosen = recommend_workers(rates)
     if chosen is None:
         return None
     best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
-    config = next(c for c in result.configs if c.num_workers == chosen)
+    host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
     return Recommendation(
         num_workers=chosen,
         rate_per_s=rates[chosen] or 0.0,
         unit=unit,
         best_workers=best,
         best_rate_per_s=rates[best] or 0.0,
-        worker_host_bytes=config.worker_host_bytes,
-        worker_gpu_bytes=config.worker_gpu_bytes if result.gpu_available else None,
+        worker_host_bytes=None if host is None else int(host),
+        worker_gpu_bytes=None if gpu is None or not result.gpu_available else int(gpu),
     )
 
 
@@ -396,7 +390,7 @@ class SweepResult:
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "loader": self.loader,
-            "options": {**asdict(self.options), "workers": list(self.options.workers)},
+            "options": to_jsonable(self.options),
             "environment": dict(self.environment),
             "gpu": {
                 "available": self.gpu_available,
@@ -406,7 +400,7 @@ class SweepResult:
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
-            "recommendation": None if answer is None else asdict(answer),
+            "recommendation": to_jsonable(answer),
             "configurations": [config.to_dict() for config in self.configs],
         }
 
@@ -418,7 +412,30 @@ class SweepResult:
 
     def format(self) -> str:
         """The text report: header, the table, then per configuration its verdict."""
-        return _format_sweep(self)
+        options = self.options
+        lines = [
+            f"leakcheck sweep: {self.loader}",
+            f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
+            f"tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
+            f"sampling every {options.interval_s * 1000:g} ms; "
+            f"teardown policy {'on' if options.teardown else 'off'}",
+        ]
+        for device in self.devices if self.gpu_available else ():
+            size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
+            max_clock = "" if clock is None else f", SM clock max {clock} MHz"
+            lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
+        if not self.gpu_available:
+            lines.append(f"  {gpu_unchecked(self.gpu_reason)}: host memory and processes only")
+        lines += ["  memory in MiB; host: uss = private memory, rss = resident", ""]
+        lines += _format_table(self) + _format_answer(self)
+        for config in self.configs:
+            lines.extend(_config_lines(config))
+        lines += [
+            "",
+            f"leakcheck sweep: {plural(len(self.configs), 'configuration')}, "
+            f"verdict {self.verdict}, {plural(self.leak_count, 'leak')}",
+        ]
+        return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- running
@@ -530,7 +547,7 @@ def _run_config(
     )
     watched = WatchedLoader(loader, tracker=tracker, on_leak="ignore", teardown=options.teardown)
     del loader  # the wrapper holds the only reference: dropping it stops persistent workers
-    timings: list[tuple[int | None, float, float]] = []
+    timings: list[Timing] = []
     cleaned: tuple[CleanedProcess, ...] = ()
     try:
         with watched:  # on Ctrl-C too, leaving it stops sampling
@@ -546,19 +563,12 @@ def _run_config(
                 )
     if failure is not None and not options.judge_failures:
         raise failure
-    report = watched.report()
-    counts = epoch_counts(report.timeline, report.config.grace_s)
-    rows = [
-        epoch_row(record, num_workers, report, options.device_index, counts[record.index])
-        for record in report.epochs
-    ]
-    for index, (samples, wait_s, loop_s) in enumerate(timings[: len(rows)]):
-        rows[index] = replace(rows[index], samples=samples, wait_s=wait_s, loop_s=loop_s)
     return ConfigResult(
         num_workers=num_workers,
         persistent_workers=persistent,
-        rows=tuple(rows),
-        report=report,
+        report=watched.report(),
+        device_index=options.device_index,
+        timings=tuple(timings),
         cooldown=cooldown,
         cleaned=cleaned,
         wall_s=time.monotonic() - started_s,
@@ -595,7 +605,7 @@ def _run_epochs(
     label: str,
     position: int,
     progress: Progress,
-    timings: list[tuple[int | None, float, float]],
+    timings: list[Timing],
 ) -> LoaderError | None:
     """Iterate every epoch, each one's ``(samples, wait_s, loop_s)`` to ``timings``.
 
@@ -671,19 +681,17 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
     timeline = tracker.timeline(last_epochs=1)
     if not timeline.epochs:
         return f"{batches} batches"
-    record: EpochRecord = timeline.epochs[-1]
-    counted = record.batches if record.batches is not None else batches
-    workers = [p for p in record.processes if p.role == "worker"]
-    host = host_totals(record.processes)
+    row = epoch_row(timeline.epochs[-1], 0, timeline, None, EpochCounts(0, 0))
     gpu = ""  # no per-process GPU bytes read: the header said so
-    if timeline.attribution == "ok":
-        parent = sum(p.total_gpu_bytes_end for p in record.processes if p.role == "parent")
-        worker_bytes = sum(p.total_gpu_bytes_end for p in workers)
-        gpu = f"GPU parent {format_mib(parent)} MiB, workers {format_mib(worker_bytes)} MiB; "
+    if row.parent_gpu_bytes is not None:
+        gpu = (
+            f"GPU parent {format_mib(row.parent_gpu_bytes)} MiB, "
+            f"workers {format_mib(row.workers_gpu_bytes)} MiB; "
+        )
     return (
-        f"{counted} batches in {record.duration_s:.1f} s, {len(workers)} workers; {gpu}"
-        f"host {host.source or '-'} parent {format_mib(host.parent_bytes)} MiB, workers "
-        f"{format_mib(host.workers_bytes)} MiB"
+        f"{batches if row.batches is None else row.batches} batches in {row.duration_s:.1f} s, "
+        f"{row.worker_count} workers; {gpu}host {row.host_source or '-'} parent "
+        f"{format_mib(row.parent_host_bytes)} MiB, workers {format_mib(row.workers_host_bytes)} MiB"
     )
 
 
@@ -711,29 +719,34 @@ _DEVICE_FIELDS = {
 def epoch_row(
     record: EpochRecord,
     num_workers: int,
-    report: Report,
+    timeline: Timeline,
     device_index: int | None,
     counts: EpochCounts,
+    timing: Timing | None = None,
 ) -> EpochRow:
-    """Fold one epoch record, and what its end left running, into a table row."""
+    """Fold one epoch record, what its end left running and its loop's timing into a row."""
     processes = record.processes
     workers = [p for p in processes if p.role == "worker"]
     worker_end = [p.total_gpu_bytes_end for p in workers]
     device = next((d for d in record.devices if device_index in (None, d.index)), None)
-    per_process = per_pid_bytes_known(report.timeline)
+    samples, wait_s, loop_s = timing or (None, None, None)
 
-    def known(value: int) -> int | None:
-        return value if per_process else None
-
-    def gpu_end(*roles: str) -> int | None:
-        return known(sum(p.total_gpu_bytes_end for p in processes if p.role in roles))
-
-    def peak_source(source: str) -> int | None:
-        return known(sum(1 for p in workers if p.gpu_peak_source == source))
+    def gpu_end(*roles: str) -> int:
+        return sum(p.total_gpu_bytes_end for p in processes if p.role in roles)
 
     peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
-    if peak is not None:
-        peak = known(max(peak, sum(worker_end)))  # peak >= end per process: the sums too
+    gpu: dict[str, int | None] = {
+        "parent_gpu_bytes": gpu_end("parent"),
+        "workers_gpu_bytes": sum(worker_end),
+        "worker_gpu_bytes_max": max(worker_end, default=0),
+        # peak >= end per process: the sums too
+        "workers_gpu_bytes_peak": None if peak is None else max(peak, sum(worker_end)),
+        "other_gpu_bytes": gpu_end("descendant", "orphan"),
+        "workers_peak_reported": sum(1 for p in workers if p.gpu_peak_source == "reported"),
+        "workers_peak_unknown": sum(1 for p in workers if p.gpu_peak_source == "unknown"),
+    }
+    if not per_pid_bytes_known(timeline):
+        gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
     host = host_totals(processes)
     copied = [p for p in workers if p.copied_bytes_end is not None]
     return EpochRow(
@@ -742,16 +755,9 @@ def epoch_row(
         label=record.label,
         duration_s=record.duration_s,
         end_reason=record.end_reason,
-        parent_gpu_bytes=gpu_end("parent"),
         worker_count=len(workers),
-        workers_gpu_bytes=known(sum(worker_end)),
-        worker_gpu_bytes_max=known(max(worker_end, default=0)),
-        workers_gpu_bytes_peak=peak,
         alive_after=counts.alive_after,
         orphans=counts.orphans,
-        other_gpu_bytes=gpu_end("descendant", "orphan"),
-        workers_peak_reported=peak_source("reported"),
-        workers_peak_unknown=peak_source("unknown"),
         batches=record.batches,
         parent_host_bytes=host.parent_bytes,
         workers_host_bytes=host.workers_bytes,
@@ -760,6 +766,10 @@ def epoch_row(
         workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
         shm_bytes=record.shm_bytes,
         error=record.error,
+        samples=samples,
+        wait_s=wait_s,
+        loop_s=loop_s,
+        **gpu,
         **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
     )
 
@@ -790,9 +800,7 @@ def wait_for_cooldown(
     first = current = read()
     if first is None:
         return Cooldown(target_c, None, None, 0.0, False, note="skipped: temperature unknown")
-    while current is not None and current > target_c:
-        if time.monotonic() - started_s >= timeout_s:
-            break
+    while current is not None and current > target_c and time.monotonic() - started_s < timeout_s:
         time.sleep(poll_s)
         current = read()
     reached = current is not None and current <= target_c
@@ -877,52 +885,40 @@ def _teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
     }
 
 
-# What each column is: docs/REFERENCE.md; memory in MiB.
-COLUMN_NAMES: tuple[str, ...] = (
-    "workers",
-    "epoch",
-    "time s",
-    "GPU parent",
-    "GPU wk peak",
-    "alive after",
-    "orphans",
-    "host parent",
-    "host wk",
-    "host",
-    "GPU used",
-    "temp °C",
-)
+# The table's columns (what each is: docs/REFERENCE.md; memory in MiB) and their cells: ``?``
+# (never 0) where unknown; the GPU's say n/a without one.
+_COLUMNS: tuple[tuple[str, Callable[[EpochRow], str]], ...] = (
+    ("workers", lambda r: str(r.num_workers)),
+    ("epoch", lambda r: str(r.epoch)),
+    ("time s", lambda r: f"{r.duration_s:.2f}"),
+    ("GPU parent", lambda r: format_mib(r.parent_gpu_bytes)),
+    ("GPU wk peak", lambda r: _unknown_or_mib(r.workers_peak_unknown, r.workers_gpu_bytes_peak)),
+    ("alive after", lambda r: str(r.alive_after)),
+    ("orphans", lambda r: str(r.orphans)),
+    ("host parent", lambda r: format_mib(r.parent_host_bytes)),
+    ("host wk", lambda r: _unknown_or_mib(
+        r.workers_host_bytes is None and r.worker_count and r.host_source, r.workers_host_bytes
+    )),
+    ("host", lambda r: r.host_source or "-"),
+    ("GPU used", lambda r: format_mib(r.device_used_bytes)),
+    ("temp °C", lambda r: or_dash(r.temperature_c)),
+)  # fmt: skip
+COLUMN_NAMES = tuple(name for name, _ in _COLUMNS)
 TABLE_WIDTH = 120
 """The table is at most this many characters wide (``tests/test_sweep.py`` holds it)."""
 
 
-def _row_cells(row: EpochRow, *, gpu_available: bool) -> list[str]:
-    """The text cells of one row, in ``COLUMN_NAMES`` order; ``?`` (never 0) where unknown."""
-    host_unknown = row.workers_host_bytes is None and row.worker_count and row.host_source
-    cells = [
-        str(row.num_workers),
-        str(row.epoch),
-        f"{row.duration_s:.2f}",
-        format_mib(row.parent_gpu_bytes),
-        _UNKNOWN if row.workers_peak_unknown else format_mib(row.workers_gpu_bytes_peak),
-        str(row.alive_after),
-        str(row.orphans),
-        format_mib(row.parent_host_bytes),
-        _UNKNOWN if host_unknown else format_mib(row.workers_host_bytes),
-        row.host_source or "-",
-        format_mib(row.device_used_bytes),
-        or_dash(row.temperature_c),
-    ]
-    gpu_columns = (i for i, name in enumerate(COLUMN_NAMES) if name.startswith(("GPU", "temp")))
-    for index in () if gpu_available else gpu_columns:
-        cells[index] = "n/a"
-    return cells
+def _unknown_or_mib(unknown: object, value: int | None) -> str:
+    return _UNKNOWN if unknown else format_mib(value)
 
 
 def _format_table(result: SweepResult) -> list[str]:
     """The per-epoch table (a column with only n/a or - on this machine left out), its note."""
     rows = [row for config in result.configs for row in config.rows]
-    cells = [_row_cells(row, gpu_available=result.gpu_available) for row in rows]
+    blank = () if result.gpu_available else ("GPU", "temp")
+    cells = [
+        ["n/a" if name.startswith(blank) else cell(row) for name, cell in _COLUMNS] for row in rows
+    ]
     shown = [
         index
         for index in range(len(COLUMN_NAMES))
@@ -957,10 +953,11 @@ def _format_answer(result: SweepResult) -> list[str]:
     header = header[: 4 if result.gpu_available else 3]
     table = [header]
     for config in result.configs:
-        rate = config.samples_per_s if answer.unit == "samples" else config.batches_per_s
+        throughput = config.throughput
+        rate = throughput[f"{answer.unit}_per_s"]
         memory = [
             "-" if not config.num_workers else _UNKNOWN if value is None else format_mib(value)
-            for value in (config.worker_host_bytes, config.worker_gpu_bytes)
+            for value in (throughput["worker_host_bytes"], throughput["worker_gpu_bytes"])
         ]
         cells = [str(config.num_workers), "n/a" if rate is None else f"{rate:,.0f}", *memory]
         table.append(cells[: len(header)])
@@ -979,11 +976,9 @@ def _config_lines(config: ConfigResult) -> list[str]:
         lines.append(f"  {config.cooldown.describe()}")
     lines.extend([f"  {config.failure}"] if config.failure else [])
     lines.extend(report.finding_lines(indent="  "))
-    teardown = _teardown_summary(config.teardowns)
-    workers, per_worker = (
-        plural(teardown["workers"], "worker"),
-        teardown["gpu_bytes_before_per_worker"],
-    )
+    teardown = _teardown_summary(report.timeline.teardowns)
+    workers = plural(teardown["workers"], "worker")
+    per_worker = teardown["gpu_bytes_before_per_worker"]
     if teardown["workers"] and not teardown["cuda_initialized"]:
         lines.append(
             f"  teardown: {workers} exited through the teardown policy (CUDA never initialised "
@@ -991,9 +986,9 @@ def _config_lines(config: ConfigResult) -> list[str]:
         )
     elif teardown["workers"]:
         freed = "" if per_worker is None else f", {format_mib(per_worker)} MiB per worker freed"
-        released = teardown["contexts_released"]
         lines.append(
-            f"  teardown: {workers}, {released} released their CUDA context before exiting{freed}"
+            f"  teardown: {workers}, {teardown['contexts_released']} released their CUDA context "
+            f"before exiting{freed}"
         )
     elif teardown["reported"]:
         lines.append(
@@ -1005,42 +1000,14 @@ def _config_lines(config: ConfigResult) -> list[str]:
         f"{cleaned.cmdline})"
         for cleaned in config.cleaned
     )
-    fraction = config.accounted_cost_fraction
+    fraction, cost = config.accounted_cost_fraction, config.cost
     epochs_s = sum(record.duration_s for record in report.epochs)
     # Said from 1% of at least 1 s of epochs: a share of a loop too short to time is noise.
-    if fraction is not None and config.cost is not None and fraction >= 0.01 and epochs_s >= 1:
-        caller_ms = config.cost.caller_wall_s * 1000
+    if fraction is not None and cost is not None and fraction >= 0.01 and epochs_s >= 1:
         lines.append(
             f"  tracker cost: {fraction:.2%} of the epochs' time (sampler CPU "
-            f"{config.cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
-            f"{caller_ms:.0f} ms: {caller_ms / max(1, len(report.epochs)):.1f} ms per epoch)"
+            f"{cost.sampler_cpu_s * 1000:.0f} ms, the loop's time inside leakcheck "
+            f"{cost.caller_wall_s * 1000:.0f} ms: {config.tracker_ms_per_epoch:.1f} ms per epoch)"
         )
     lines.append(f"  {report.summary(gpu=False, named=False)}")  # GPU: said in the header
     return lines
-
-
-def _format_sweep(result: SweepResult) -> str:
-    options = result.options
-    lines = [
-        f"leakcheck sweep: {result.loader}",
-        f"  workers {','.join(str(n) for n in options.workers)} x {options.epochs} epochs; "
-        f"tolerance {format_size(options.tolerance_bytes)}, grace {options.grace_s:g} s, "
-        f"sampling every {options.interval_s * 1000:g} ms; "
-        f"teardown policy {'on' if options.teardown else 'off'}",
-    ]
-    for device in result.devices if result.gpu_available else ():
-        size, clock = format_mib(device.total_bytes), device.sm_clock_max_mhz
-        max_clock = "" if clock is None else f", SM clock max {clock} MHz"
-        lines.append(f"  GPU {device.index}: {device.name}, {size} MiB{max_clock}")
-    if not result.gpu_available:
-        lines.append(f"  {gpu_unchecked(result.gpu_reason)}: host memory and processes only")
-    lines += ["  memory in MiB; host: uss = private memory, rss = resident", ""]
-    lines += _format_table(result) + _format_answer(result)
-    for config in result.configs:
-        lines.extend(_config_lines(config))
-    lines += [
-        "",
-        f"leakcheck sweep: {plural(len(result.configs), 'configuration')}, "
-        f"verdict {result.verdict}, {plural(result.leak_count, 'leak')}",
-    ]
-    return "\n".join(lines)

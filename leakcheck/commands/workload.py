@@ -19,30 +19,27 @@ Scenarios (``--scenario``):
 
 NOTE [copy-on-read scenario]: the objects are Python ints in lists, built in the parent
 before the workers fork, so that the workers share their pages; reading an object writes its
-reference count, so the kernel copies each page a worker visits. In the classic scenario
-the first read copies all, the later ones nothing: a flat copy from epoch 0 (no growth rule
-sees it). In the growing one, epoch ``e`` reads region ``e`` (modulo ``cor_regions``), at
-the worker's first batch of the epoch's last round (a batch index among the last
-``num_workers``): the next epoch's first batches, prefetched at once, copy nothing, so a read
-just after an epoch end sees that epoch's copies and no more. Each batch also waits, so that
-an epoch lasts about ``cor_epoch_s`` whatever the worker count: the USS reads at each epoch
-end (a few ms per worker) must end before the next epoch does. Sized for a small machine:
-8 regions of 40 MiB; the growth stops after 8 epochs.
+reference count, so the kernel copies each page a worker visits. The classic scenario reads
+all of them each epoch: all is copied in epoch 0, nothing later (a flat copy no growth rule
+sees). The growing one reads region ``e % cor_regions`` in epoch ``e`` (so the growth stops
+after ``cor_regions`` epochs), at the worker's first batch among the epoch's last
+``num_workers``: the next epoch's first batches, prefetched at once, copy nothing, so a read
+just after an epoch end sees that epoch's copies and no more.
+Each batch also waits, so that an epoch lasts about ``cor_epoch_s`` whatever the worker
+count: the USS reads at each epoch end (a few ms per worker) must end before the next epoch.
 
-NOTE [failure stagings]: ``stage`` puts the sweep's own process, so the whole job and no other
-process, under what the failure needs, and undoes it after: ``oom`` moves it into a new child of
-its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES`` (what the job allocates from then
-on); ``shm-full`` gives it a private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the
-machine's is never touched; the namespace stays, with its tmpfs unmounted). Where neither can
-be made (not root, no writable memory cgroup), a usage error says so. In epoch 0, at batch
-``STAGE_BATCH``, a worker then grows its host memory until the OOM killer ends it (its
-``oom_score_adj`` raised, so that the kernel picks it, never the sweep; capped at twice the
-limit should no limit hold), or blocks in ``__getitem__`` until the hang watch wrote its stack
-(its faulthandler file changes) or ``HANG_CAP_S`` passed; with ``shm-full`` every batch carries
-``SHM_BATCH_BYTES`` of shared memory, so that the batches in flight do not fit. With 0 workers
-nothing is staged in the loop. They fork: a worker is up in milliseconds, within the short
-``HANG_AFTER_S``; and they compute on the CPU, so that a GPU machine stages them alike (a CUDA
-context per worker would count against the memory limit).
+NOTE [failure stagings]: ``stage`` puts the sweep's own process (the whole job, no other
+process) under what the failure needs, and undoes it after: ``oom`` moves it into a new child
+of its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES``; ``shm-full`` gives it a
+private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the machine's is never
+touched). Where neither can be made (not root, no writable memory cgroup), a usage error says
+so. In epoch 0, at batch ``STAGE_BATCH``, a worker then grows its host memory until the OOM
+killer ends it (its ``oom_score_adj`` raised, so that the kernel picks it, never the sweep;
+capped at twice the limit), or blocks until the hang watch wrote its stack or ``HANG_CAP_S``
+passed; with ``shm-full`` every batch carries ``SHM_BATCH_BYTES`` of shared memory, so that
+the batches in flight do not fit. With 0 workers nothing is staged in the loop. They fork (a
+worker is up well within ``HANG_AFTER_S``) and compute on the CPU, so that a GPU machine
+stages them alike (a CUDA context per worker would count against the memory limit).
 
 NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
 (``nvml.availability``), never initialising CUDA: a parent that did would break forked
@@ -223,44 +220,34 @@ class SyntheticDataset:
         device = self._device()
         if spec.scenario == "persistent-cache" and epoch not in self._cached_epochs:
             self._cached_epochs.add(epoch)
-            self._cache.append(self._keep(device))
+            kept = torch.empty(spec.cache_bytes_per_epoch, dtype=torch.uint8, device=device)
+            # Touched on a GPU, so that it is used, not only reserved; on the CPU, untouched:
+            # the host has no per-process GPU memory to show, and RAM would only slow it.
+            self._cache.append(kept.fill_(1) if device.type == "cuda" else kept)
         if spec.scenario == "fd-pressure" and not self._cache:
             self._cache = hold_descriptors()
         if spec.scenario == "orphan" and not self._orphan_started:
             self._orphan_started = True
             start_orphan(spec, use_cuda=device.type == "cuda")
         if self._objects:  # NOTE [copy-on-read scenario]
-            workers = _worker_count()
-            if epoch in self._cached_epochs:
-                pass
-            elif spec.scenario == "copy-on-read":
+            workers = max(_workers(), 1)
+            last_round = spec.scenario == "copy-on-read" or batch >= spec.batches - workers
+            if last_round and epoch not in self._cached_epochs:
                 self._cached_epochs.add(epoch)
-                _read_objects(self._objects[0])
-            elif batch >= spec.batches - workers:
-                self._cached_epochs.add(epoch)
-                _read_objects(self._objects[epoch % len(self._objects)])
+                region = self._objects[epoch % len(self._objects)]
+                sum(sum(values) for values in region)  # each visit writes a reference count
             time.sleep(spec.cor_epoch_s * workers / spec.batches)
-        if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang"):
+        if index == (0, STAGE_BATCH) and spec.scenario in ("oom", "hang") and _workers():
             _stage_in_worker(spec.scenario)
         generator = torch.Generator().manual_seed(epoch * 100_003 + batch)
         rows = torch.randn(spec.batch_size, spec.features, generator=generator)
         weights = torch.randn(spec.features, spec.features, generator=generator)
         out = torch.tanh(rows.to(device) @ weights.to(device)).to("cpu")
-        if spec.scenario == "shm-full" and _in_worker():
+        if spec.scenario == "shm-full" and _workers():
             # As default_collate does in a worker: the batch is made in shared memory.
             shared = torch.ones(SHM_BATCH_BYTES, dtype=torch.uint8)
             return [out, shared.share_memory_()]  # type: ignore[no-untyped-call]
         return out
-
-    def _keep(self, device: Any) -> Any:
-        import torch
-
-        tensor = torch.empty(self.spec.cache_bytes_per_epoch, dtype=torch.uint8, device=device)
-        # Touched on a GPU, so that it is used, not only reserved; on the CPU, untouched: the
-        # host has no per-process GPU memory to show, and gigabytes of RAM would only slow it.
-        if device.type == "cuda":
-            tensor.fill_(1)
-        return tensor
 
 
 _INT_BYTES = 36  # a Python int above 256 is its own 28-byte object, plus its list slot
@@ -279,24 +266,16 @@ def python_objects(bytes_per_region: int, regions: int) -> list[list[list[int]]]
     ]
 
 
-def _worker_count() -> int:
-    """The loader's workers, seen from one of them; 1 where the parent does the work."""
+def _workers() -> int:
+    """The loader's worker count, seen from one of its workers; 0 in the sweep's own process."""
     import torch.utils.data
 
     info = torch.utils.data.get_worker_info()
-    return info.num_workers if info is not None else 1
-
-
-def _in_worker() -> bool:
-    import torch.utils.data
-
-    return torch.utils.data.get_worker_info() is not None
+    return info.num_workers if info is not None else 0
 
 
 def _stage_in_worker(scenario: Scenario) -> None:
-    """In a worker only: grow until the OOM killer ends it, or block (NOTE [failure stagings])."""
-    if not _in_worker():
-        return
+    """In a worker: grow until the OOM killer ends it, or block (NOTE [failure stagings])."""
     if scenario == "oom":
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("1000")
@@ -322,21 +301,15 @@ def _stage_in_worker(scenario: Scenario) -> None:
         time.sleep(0.05)
 
 
-def _read_objects(region: list[list[int]]) -> int:
-    return sum(sum(values) for values in region)  # each visit writes a reference count
-
-
 def start_orphan(spec: WorkloadSpec, *, use_cuda: bool) -> None:
     """Start the ``orphan`` scenario's sleeper and wait until it holds its memory.
 
     From a worker the sleeper is a direct child (an orphan once the worker exits); from the
     parent a launcher that exits at once starts it.
     """
-    import torch.utils.data
-
     sleeper = [sys.executable, "-c", _ORPHAN_CODE, str(spec.orphan_bytes)]
     sleeper += [str(spec.device_index), str(spec.orphan_lifetime_s), "1" if use_cuda else "0"]
-    in_worker = torch.utils.data.get_worker_info() is not None
+    in_worker = _workers() > 0
     argv = sleeper if in_worker else [sys.executable, "-c", _LAUNCHER_CODE, *sleeper]
     try:
         process = subprocess.Popen(
@@ -357,9 +330,7 @@ def hold_descriptors() -> list[Any]:
     """In a loader's worker: a soft limit of ``FD_PRESSURE_LIMIT``, 90% of it held open."""
     import resource
 
-    from torch.utils.data import get_worker_info
-
-    if get_worker_info() is None:
+    if not _workers():
         return []  # the sweep's own process (0 workers) keeps its limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft > FD_PRESSURE_LIMIT:
@@ -375,10 +346,10 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
     """The built-in DataLoader for one configuration (0 workers: the parent does the work)."""
     from torch.utils.data import DataLoader
 
-    options: dict[str, Any] = {}
-    if num_workers > 0:
-        options["multiprocessing_context"] = spec.effective_start_method
-        options["persistent_workers"] = spec.persistent_workers
+    options: dict[str, Any] = {
+        "multiprocessing_context": spec.effective_start_method,
+        "persistent_workers": spec.persistent_workers,
+    }
     # No worker_init_fn: the sweep chains leakcheck's into every DataLoader (NOTE [the
     # watch() code path] in sweep.py).
     return DataLoader(
@@ -386,7 +357,7 @@ def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
         batch_size=None,
         sampler=EpochSampler(spec.batches),
         num_workers=num_workers,
-        **options,
+        **(options if num_workers else {}),
     )
 
 
@@ -419,28 +390,16 @@ def describe(spec: WorkloadSpec) -> str:
     return ", ".join(parts)
 
 
-@contextlib.contextmanager
-def stage(spec: WorkloadSpec | None) -> Iterator[None]:
+def stage(spec: WorkloadSpec | None) -> contextlib.AbstractContextManager[None]:
     """The sweep's process under its failure staging while it runs (NOTE [failure stagings]).
 
-    Nothing for the other scenarios.
-
-    Raises:
-        UsageError: The staging cannot be made here (one line: why).
-
+    Nothing for the other scenarios. Entering it raises ``UsageError`` (one line: why) where
+    the staging cannot be made here.
     """
     scenario = spec.scenario if spec is not None else None
     if scenario == "oom":
-        with _memory_limit(OOM_LIMIT_BYTES):
-            yield
-    elif scenario == "shm-full":
-        _private_shm(SHM_BYTES)
-        try:
-            yield
-        finally:
-            _libc().umount2(b"/dev/shm", 2)  # MNT_DETACH; this namespace's only
-    else:
-        yield
+        return _memory_limit(OOM_LIMIT_BYTES)
+    return _private_shm(SHM_BYTES) if scenario == "shm-full" else contextlib.nullcontext()
 
 
 def _write(path: str, value: int | str) -> None:
@@ -476,22 +435,17 @@ def _memory_limit(limit_bytes: int) -> Iterator[None]:
         with contextlib.suppress(OSError):
             _write(os.path.join(own, "cgroup.procs"), os.getpid())
         deadline = time.monotonic() + 30  # until the last worker of the sweep has gone
-        while os.path.isdir(child):
+        while os.path.isdir(child) and time.monotonic() < deadline:
             try:
                 os.rmdir(child)
             except OSError:
-                if time.monotonic() > deadline:
-                    break
                 time.sleep(0.1)
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _private_shm(size_bytes: int) -> None:
+@contextlib.contextmanager
+def _private_shm(size_bytes: int) -> Iterator[None]:
     """Moves this process (and what it starts) to a private mount namespace and /dev/shm."""
-    libc = _libc()
+    libc = ctypes.CDLL(None, use_errno=True)
     steps: tuple[Callable[[], int], ...] = (
         lambda: libc.unshare(0x00020000),  # CLONE_NEWNS
         lambda: libc.mount(None, b"/", None, 0x4000 | 0x40000, None),  # MS_REC | MS_PRIVATE
@@ -501,3 +455,7 @@ def _private_shm(size_bytes: int) -> None:
         if step() != 0:
             reason = os.strerror(ctypes.get_errno())
             raise UsageError(f"--scenario shm-full: cannot give the job a /dev/shm ({reason})")
+    try:
+        yield
+    finally:
+        libc.umount2(b"/dev/shm", 2)  # MNT_DETACH; this namespace's only

@@ -80,7 +80,7 @@ def _config_title(config: _Config) -> str:
     else:
         mode = "persistent" if config.persistent_workers else "new each epoch"
         head = f"{config.num_workers} workers ({mode})"
-    rate, share = config.samples_per_s, config.wait_share
+    rate, share = config.throughput["samples_per_s"], config.throughput["wait_share"]
     speed = "" if rate is None else f"\n{rate:,.0f} samples/s"
     if speed and share is not None:
         speed += f", {share:.0%} of the loop waiting"

@@ -143,28 +143,43 @@ def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -
     )
 
 
-def save_output(
-    prog: str, option: str, path: str, write: Callable[[str], object], err: TextIO
-) -> bool:
-    """Write an output; where ``path`` fails now (a folder removed, a disk full), elsewhere.
+def finish(
+    prog: str,
+    result: Any,
+    report_to: TextIO,
+    err: TextIO,
+    outputs: Iterable[tuple[str, str | None, Callable[[str], object]]],
+    status: int,
+    fail_on_leak: bool,
+) -> int:
+    """Write ``result``'s report, then each ``(option, path, write)`` output; the exit status.
 
-    A failure is one line on ``err`` (False): the report is out already.
+    ``status`` (the program's, 0 for a sweep) stays, except that 0 becomes 2 where an output
+    failed, else 1 with ``fail_on_leak`` and a leak. A failed output is one line on ``err``
+    (the report is out already); one the path refuses now (a folder removed, a disk full) is
+    written elsewhere.
     """
-    try:
-        write(path)
-        return True
-    except OSError as exc:
-        saved = _write_elsewhere(path, write)
-        where = (
-            f"wrote it to {saved!r} instead"
-            if saved is not None
-            else "no other place (next to it, the current folder, the temporary folder) took it"
-        )
-        err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
-    except Exception as exc:  # matplotlib could not draw it
-        verb = "draw" if option == "--plot" else "write"
-        err.write(f"{prog}: {option}: cannot {verb} {path!r}: {one_line(exc)}\n")
-    return False
+    report_to.write(result.format() + "\n")
+    report_to.flush()
+    for option, path, write in outputs:
+        if path is None:
+            continue
+        try:
+            write(path)
+            continue
+        except OSError as exc:
+            saved = _write_elsewhere(path, write)
+            where = (
+                f"wrote it to {saved!r} instead"
+                if saved is not None
+                else "no other place (next to it, the current folder, the temporary folder) took it"
+            )
+            err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
+        except Exception as exc:  # matplotlib could not draw it
+            verb = "draw" if option == "--plot" else "write"
+            err.write(f"{prog}: {option}: cannot {verb} {path!r}: {one_line(exc)}\n")
+        status = status or EXIT_USAGE
+    return EXIT_LEAK if status == 0 and fail_on_leak and result.leak_count else status
 
 
 def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:

@@ -232,6 +232,11 @@ def _count(text: str, option: str, *, minimum: int, example: str) -> int:
     return int(_value(text, option, expected, int, lambda value: value >= minimum))
 
 
+def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
+    expected = f"one of {', '.join(choices)}"
+    return str(_value(value or default, option, expected, str, choices.__contains__))
+
+
 def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
     """``leakcheck explain [RULE]``: a rule's story, or the list of rules (2: unknown rule)."""
     from leakcheck.judge.stories import STORIES, headline, story
@@ -250,12 +255,6 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
 
 
 # --------------------------------------------------------------------------- sweep
-
-
-def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
-    if (value or default) not in choices:
-        raise UsageError(f"{option}: expected one of {', '.join(choices)}, got {value!r}")
-    return value or default
 
 
 def default_workers() -> tuple[int, ...]:
@@ -302,12 +301,7 @@ def _tasks_of_user(uid: int) -> int:
 
 
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
-    """Validate every ``sweep`` option in one place.
-
-    Raises:
-        UsageError: One line naming the option, what was expected, and the value.
-
-    """
+    """Every ``sweep`` option checked in one place (a ``UsageError`` names the bad one)."""
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import (
         FAILURES,
@@ -394,14 +388,10 @@ def _split_loader(spec: str) -> tuple[str, str]:
 
 
 def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
-    """Import ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` and return FACTORY.
+    """FACTORY of ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` (else a ``UsageError``).
 
     A file is imported under its own name with its folder on ``sys.path``: spawned workers
     import what it defines.
-
-    Raises:
-        UsageError: The module cannot be imported, or has no callable FACTORY.
-
     """
     import importlib
 
@@ -517,10 +507,9 @@ SnapshotArgs = functools.partial(SimpleNamespace, json=False, telemetry=False, p
 
 
 def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
-    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]).
+    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]), else None.
 
-    Whole option names, values in their own token or after ``=``, none starting with ``-``;
-    anything else (help, an abbreviation, an unknown option) returns None: the full parser's.
+    Whole option names, values in their own token or after ``=``, none starting with ``-``.
     """
     args = SnapshotArgs()
     position = 0
@@ -570,11 +559,8 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
 
 
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
-    """Write ``text``; None when written, else the status to end with.
-
-    A reader that left (`| head`) ends the command cleanly (0, standard output then on
-    /dev/null); a failed write ends it with one line, 2.
-    """
+    # None when written, else the status to end with: a reader that left (`| head`) ends
+    # the command cleanly (0, standard output then on /dev/null), a failed write with 2.
     try:
         out.write(text)
         if flush:
@@ -647,12 +633,7 @@ def _watch(
 
 
 def torchrun_command(command: list[str], nproc: str) -> list[str]:
-    """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks.
-
-    Raises:
-        UsageError: ``nproc`` is not a count (or auto, cpu, gpu), or no script follows.
-
-    """
+    """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks."""
     import importlib.util
 
     text = _value(

@@ -62,14 +62,10 @@ def add_options(parser: Any, options: Iterable[Option]) -> None:
 
 
 def shared_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``SHARED``'s values of ``sweep`` and ``run`` as ``SweepOptions``/``RunOptions`` fields.
+    """``SHARED``'s values as ``SweepOptions``/``RunOptions`` fields.
 
     Tolerances and grace as the other adapters resolve them: command line, environment,
     default.
-
-    Raises:
-        UsageError: One line naming the option (or variable), what was expected, the value.
-
     """
     from leakcheck.core import options as specs
 
@@ -88,12 +84,7 @@ def shared_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
-    """``--json`` and ``--plot``, checked before anything runs.
-
-    Raises:
-        UsageError: A path cannot be written, both name one file, or no matplotlib.
-
-    """
+    """``--json`` and ``--plot``, checked before anything runs: writable, two files, matplotlib."""
     import importlib.util
 
     from leakcheck.core.files import check_output_path

@@ -143,11 +143,7 @@ class _Site:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A pickled or copied loader (a spawned process's arguments) is another loader: None.
-        return (_no_site, ())
-
-
-def _no_site() -> None:
-    return None
+        return (type(None), ())
 
 
 class _Run:
@@ -282,24 +278,19 @@ class _Run:
             reason, line = end_reason_for(error)
         with self.lock:
             sites = list(self.sites)
-        costs = {site.index: site.tracker.cost() for site in sites}
+        costs = [dataclasses.asdict(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
             for epoch in list(site.live):
                 _quietly(epoch.close)
-        for site in sites:
+        for site, cost in zip(sites, costs, strict=True):
             started = time.perf_counter()
             _quietly(site.tracker.close)
+            _quietly(functools.partial(self._write_report, site, cost, started))
 
-            def write(site: _Site = site, started: float = started) -> None:
-                self._write(
-                    site,
-                    report=site.tracker.report().to_dict(),
-                    cost=dataclasses.asdict(costs[site.index]),
-                    exit_s=time.perf_counter() - started,
-                )
-
-            _quietly(write)
+    def _write_report(self, site: _Site, cost: dict[str, Any], started: float) -> None:
+        report = site.tracker.report().to_dict()
+        self._write(site, report=report, cost=cost, exit_s=time.perf_counter() - started)
 
 
 def shown_path(path: str, cwd: str) -> str:

@@ -368,13 +368,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
             tracker: Tracker | None = None
             try:
                 tracker = Tracker(
-                    root_pid=proc.pid,
-                    interval=options.interval_s,
-                    tolerance=options.tolerance_bytes,
-                    grace=options.grace_s,
-                    devices=options.devices,
-                    session_tag=(RUN_ENV, folder),
-                    copy_tolerance=options.copy_tolerance_bytes,
+                    root_pid=proc.pid, session_tag=(RUN_ENV, folder), **options.tracker_options()
                 )
                 tracker.begin_epoch("program")
             except LeakCheckError as error:

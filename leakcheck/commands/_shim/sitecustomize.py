@@ -30,8 +30,7 @@ _LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
 _SPAWNED = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or ())
 _helper_pid = 0  # a multiprocessing helper never tracks; what its forks run does
 _active_folder = ""
-_instrument_module: Any = None
-_instrument_failed = False
+_instrument_module: Any = None  # False once it failed
 
 
 class _suppress:  # contextlib.suppress(Exception), without importing contextlib
@@ -201,9 +200,9 @@ def _via(frame: Any) -> str:
 
 def _instrument() -> Any:
     """``leakcheck.commands.instrument`` from this shim's package (None once it failed)."""
-    global _instrument_module, _instrument_failed
-    if _instrument_module is not None or _instrument_failed:
-        return _instrument_module
+    global _instrument_module
+    if _instrument_module is not None:
+        return _instrument_module or None
     try:
         import importlib.util
 
@@ -227,12 +226,12 @@ def _instrument() -> Any:
         instrument.configure(_active_folder)
         _instrument_module = instrument
     except Exception as error:
-        _instrument_failed = True
+        _instrument_module = False
         sys.stderr.write(
             f"leakcheck run: DataLoaders of PID {os.getpid()} are not tracked: "
             f"{type(error).__name__}: {error}\n"
         )
-    return _instrument_module
+    return _instrument_module or None
 
 
 def _activate() -> None:

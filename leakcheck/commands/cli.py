@@ -314,9 +314,13 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
 
     workers = default_workers()
     if args.workers is not None:
-        expected = "comma-separated integers >= 0 such as 0,4,8"
-        digits = lambda text: tuple(_digits(part.strip()) for part in text.split(","))  # noqa: E731
-        workers = _value(args.workers, "--workers", expected, digits, bool)
+        workers = _value(
+            args.workers,
+            "--workers",
+            "comma-separated integers >= 0 such as 0,4,8",
+            lambda text: tuple(_digits(part.strip()) for part in text.split(",")),
+            bool,
+        )
     if args.max_workers is not None:
         allowed = _count(args.max_workers, "--max-workers", minimum=0, example="64")
         if max(workers) > allowed:
@@ -333,9 +337,13 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     shared = shared_options(args)
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
-        expected = "degrees Celsius between 0 and 150 such as 45"
-        in_range = lambda celsius: 0 < celsius < 150  # noqa: E731
-        cooldown_temp_c = _value(args.cooldown_temp, "--cooldown-temp", expected, float, in_range)
+        cooldown_temp_c = _value(
+            args.cooldown_temp,
+            "--cooldown-temp",
+            "degrees Celsius between 0 and 150 such as 45",
+            float,
+            lambda celsius: 0 < celsius < 150,
+        )
     timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
     cooldown_timeout_s = parse_seconds_option(timeout, "--cooldown-timeout")
     json_path, plot_path = output_paths(args.json, args.plot)
@@ -541,10 +549,13 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
 
     period, root = None, None
     if args.watch is not None:
-        # `<=` also refuses NaN; infinity would never redraw.
-        expected = f"a number of seconds >= {WATCH_MIN_S} such as 2"
-        fits = lambda seconds: WATCH_MIN_S <= seconds < float("inf")  # noqa: E731
-        period = _value(args.watch, "--watch", expected, float, fits)
+        period = _value(
+            args.watch,
+            "--watch",
+            f"a number of seconds >= {WATCH_MIN_S} such as 2",
+            float,
+            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
+        )
     if args.pid is not None:
         pid = _value(args.pid, "--pid", "a process ID > 0", _digits, lambda pid: pid > 0)
         root = procs.process_key(pid)

@@ -520,26 +520,18 @@ def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
     Whole option names, values in their own token or after ``=``, none starting with ``-``.
     """
     args = SnapshotArgs()
-    position = 0
-    while position < len(tokens):
-        token = tokens[position]
+    rest = iter(tokens)
+    for token in rest:
         name, equals, value = token.partition("=")
-        if token == "--json":
-            args.json = True
-        elif token == "--telemetry":
-            args.telemetry = True
+        if token in ("--json", "--telemetry"):
+            setattr(args, token[2:], True)
         elif name in ("--pid", "--watch"):
-            if not equals:
-                position += 1
-                if position == len(tokens):
-                    return None
-                value = tokens[position]
+            value = value if equals else next(rest, "-")  # none left: the full parser's error
             if value.startswith("-"):
                 return None
             setattr(args, name[2:], value)
         else:
             return None
-        position += 1
     return args
 
 

@@ -549,7 +549,7 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
             lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
         )
     if args.pid is not None:
-        pid = _value(args.pid, "--pid", "a process ID > 0", _digits, lambda pid: pid > 0)
+        pid = _value(args.pid, "--pid", "a process ID > 0", _digits, lambda pid: 0 < pid < 10**20)
         root = procs.process_key(pid)
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")

@@ -654,7 +654,9 @@ def test_device_without_a_gpu_is_refused(
 
 def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_usable_cpus", lambda: 16)
-    monkeypatch.setattr(cli, "_process_room", lambda: None)
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
     assert cli.worker_bound() == WorkerBound(128, "16 CPUs x 8")
     args = cli.build_parser().parse_args(["sweep", "--workers", "0,129", "--loader", "m:f"])
     with pytest.raises(UsageError) as info:

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck.commands.run_cli import torchrun_command
+from leakcheck.commands.cli import torchrun_command
 from leakcheck.core.model import Finding, ProcessKey, RankInfo
 from leakcheck.judge.job import RankReport, judge_job
 from leakcheck.judge.report import build_report

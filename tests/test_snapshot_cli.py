@@ -216,7 +216,7 @@ def test_a_snapshot_imports_neither_argparse_nor_the_sweep_nor_pynvml() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('argparse', 'pynvml', 'torch', 'json') or m in "
         "('leakcheck.commands.sweep', 'leakcheck.core.options', 'leakcheck.commands.workload', "
-        "'leakcheck.commands.run_cli', "
+        "'leakcheck.commands.launcher', "
         "'leakcheck.core.model', 'leakcheck.observe.hostmem')))"
     )
     run = subprocess.run(

@@ -1,8 +1,11 @@
-"""The ``leakcheck`` command: ``sweep``, ``snapshot`` and ``explain`` (``run``: run_cli.py).
+"""The ``leakcheck`` command: ``sweep``, ``snapshot``, ``run`` and ``explain``.
 
 Exit status: 0 clean (or leaks without ``--fail-on-leak``), 1 leaks with ``--fail-on-leak``,
 2 bad usage (one line naming the option, what was expected and what was given), a loader
-that cannot be imported, called or iterated, or an output not written; 130 Ctrl-C.
+that cannot be imported, called or iterated, or an output not written; 130 Ctrl-C. ``run``:
+the program's status (128 + N for signal N; NOTE [run signals] in launcher.py), 1 instead of 0
+with ``--fail-on-leak`` and a leak, 2 when an output failed after a successful program, 127
+(126) when the command is not found (cannot be executed).
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from types import SimpleNamespace
 from leakcheck.commands.common import (
     EXIT_CLEAN,
     EXIT_INTERRUPTED,
-    EXIT_LEAK,
     EXIT_USAGE,
     SHARED,
     add_options,
     check_device,
+    finish,
     one_line,
     output_paths,
-    save_output,
     shared_options,
 )
 from leakcheck.core.errors import UsageError
@@ -54,30 +56,26 @@ WORKERS_PER_CPU = 8
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
 
-
-def _parser_class() -> type[argparse.ArgumentParser]:
-    """An argument parser whose errors are one line, ``<prog>: <message>``, exit 2."""
-    import argparse
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> NoReturn:
-            self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
-
-    return _Parser
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+_NPROC_WORDS = ("auto", "cpu", "gpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``leakcheck`` argument parser (values are validated later, in one place)."""
+    import argparse
+
     from leakcheck import __version__
-    from leakcheck.commands.run_cli import add_run_parser
     from leakcheck.commands.workload import SCENARIOS, START_METHODS
 
-    _Parser = _parser_class()
-    parser = _Parser(
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:  # one line, exit 2
+            self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
+
+    parser = Parser(
         prog=_PROG, description="Find GPU memory and process leaks caused by data-loader workers."
     )
     parser.add_argument("--version", action="version", version=f"leakcheck {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     sweep = commands.add_parser(
         "sweep",
@@ -152,7 +150,55 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         ),
     )
-    add_run_parser(commands)
+    run = commands.add_parser(
+        "run",
+        help="run an unmodified program with the tracker around its process tree; each "
+        "DataLoader iteration is an epoch of its loader",
+        description="Run CMD unmodified. Each DataLoader iteration in a Python process of the "
+        "run (children and torchrun ranks included) is an epoch of that loader, labelled by "
+        "the file:line of your code that made it; the process tree is watched from outside "
+        "too (orphans, survivors, GPU memory of every process). The report goes to standard "
+        "error when the program ends, however it ends. Exit status: the program's (130 on "
+        "Ctrl-C); 1 with --fail-on-leak and a leak; 2 bad usage; 127/126 command not found / "
+        "not executable.",
+        usage="leakcheck run [options] -- CMD [ARG ...]",
+    )
+    add_options(
+        run,
+        (
+            *SHARED,
+            (
+                "--hang-after",
+                "SECONDS",
+                "seconds a loop may wait for a batch before its process's and workers' stacks "
+                "are written to stderr and the report (default 120; 0: off)",
+            ),
+            (
+                "--rollup-share",
+                "SHARE",
+                "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
+                "1 reads at every epoch end (default 0.001)",
+            ),
+            (
+                "--nproc-per-node",
+                "N",
+                "run the script under torchrun (--standalone) with N ranks; the report gives a "
+                "verdict per rank and for the job (own torchrun options: leakcheck run -- "
+                "torchrun)",
+            ),
+            (
+                "--teardown",
+                None,
+                "workers release their CUDA context at exit and die with their parent",
+            ),
+        ),
+    )
+    run.add_argument(
+        "program",  # not "command": the subcommand is args.command
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the program and its arguments, after --",
+    )
     explain = commands.add_parser(
         "explain",
         help="the whole story of a rule: what it finds, why, and every fix",
@@ -161,6 +207,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("rule", nargs="?", metavar="RULE", help="a rule's name")
     return parser
+
+
+def _value(
+    text: str, option: str, expected: str, convert: Callable[[str], Any], ok: Callable[[Any], bool]
+) -> Any:
+    """``convert(text)`` where ``ok`` takes it, else one line naming ``option``."""
+    with contextlib.suppress(ValueError):  # int() also refuses numbers of over 4300 digits
+        value = convert(str(text).strip())
+        if ok(value):
+            return value
+    raise UsageError(f"{option}: expected {expected}, got {text!r}")
+
+
+def _digits(text: str) -> int:
+    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
+def _count(text: str, option: str, *, minimum: int, example: str) -> int:
+    expected = f"an integer >= {minimum} such as {example}"
+    return int(_value(text, option, expected, int, lambda value: value >= minimum))
+
+
+def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
+    expected = f"one of {', '.join(choices)}"
+    return str(_value(value or default, option, expected, str, choices.__contains__))
 
 
 def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
@@ -183,36 +257,6 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
 # --------------------------------------------------------------------------- sweep
 
 
-def _int_value(text: str, option: str, *, minimum: int, example: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise UsageError(
-            f"{option}: expected an integer >= {minimum} such as {example}, got {text!r}"
-        )
-    return value
-
-
-def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
-    if (value or default) not in choices:
-        raise UsageError(f"{option}: expected one of {', '.join(choices)}, got {value!r}")
-    return value or default
-
-
-def _parse_workers(text: str) -> tuple[int, ...]:
-    parts = [part.strip() for part in text.split(",")]
-    # isascii: str.isdigit() also accepts digits int() rejects (superscripts); past
-    # sys.get_int_max_str_digits int() raises ValueError.
-    with contextlib.suppress(ValueError):
-        if all(part.isascii() and part.isdigit() for part in parts):
-            return tuple(int(part) for part in parts)
-    raise UsageError(
-        f"--workers: expected comma-separated integers >= 0 such as 0,4,8, got {text!r}"
-    )
-
-
 def default_workers() -> tuple[int, ...]:
     """``0,4,8``, or ``0,N,2N`` where N < 4 CPUs are usable (more would only queue)."""
     cpus = _usable_cpus()
@@ -221,34 +265,27 @@ def default_workers() -> tuple[int, ...]:
 
 def worker_bound() -> WorkerBound:
     """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves."""
+    import resource
+
     from leakcheck.commands.sweep import WorkerBound
 
     cpus = _usable_cpus()
     bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
-    room = _process_room()
-    return room if room is not None and room.max_workers < bound.max_workers else bound
+    # RLIMIT_NPROC caps the processes and threads of the real user ID, whatever runs them
+    # already included; the kernel does not apply it to user ID 0.
+    limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if limit == resource.RLIM_INFINITY or limit < 0 or os.getuid() == 0:
+        return bound
+    running = _tasks_of_user(os.getuid())
+    if limit - running >= bound.max_workers:
+        return bound
+    why = f"RLIMIT_NPROC {limit} minus {running} processes and threads this user runs"
+    return WorkerBound(max(limit - running, 0), why)
 
 
 def _usable_cpus() -> int:
     # The CPUs this process may run on (taskset, cpusets), as torch counts them for its warning.
     return max(len(os.sched_getaffinity(0)), 1)
-
-
-def _process_room() -> WorkerBound | None:
-    # RLIMIT_NPROC caps the processes and threads of the real user ID, whatever runs them
-    # already included; the kernel does not apply it to user ID 0.
-    import resource
-
-    from leakcheck.commands.sweep import WorkerBound
-
-    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if soft_limit == resource.RLIM_INFINITY or soft_limit < 0 or os.getuid() == 0:
-        return None
-    running = _tasks_of_user(os.getuid())
-    return WorkerBound(
-        max(soft_limit - running, 0),
-        f"RLIMIT_NPROC {soft_limit} minus {running} processes and threads this user runs",
-    )
 
 
 def _tasks_of_user(uid: int) -> int:
@@ -263,30 +300,8 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def _check_worker_counts(workers: Sequence[int], max_workers_text: str | None) -> None:
-    most = max(workers)
-    if max_workers_text is not None:
-        allowed = _int_value(max_workers_text, "--max-workers", minimum=0, example="64")
-        if most > allowed:
-            raise UsageError(
-                f"--workers: {most} workers is more than --max-workers {allowed} allows"
-            )
-        return
-    bound = worker_bound()
-    if most > bound.max_workers:
-        raise UsageError(
-            f"--workers: {most} workers is more than this machine should start (at most "
-            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
-        )
-
-
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
-    """Validate every ``sweep`` option in one place.
-
-    Raises:
-        UsageError: One line naming the option, what was expected, and the value.
-
-    """
+    """Every ``sweep`` option checked in one place (a ``UsageError`` names the bad one)."""
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import (
         FAILURES,
@@ -297,22 +312,38 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     )
     from leakcheck.core.units import parse_duration
 
-    workers = _parse_workers(args.workers) if args.workers is not None else default_workers()
-    _check_worker_counts(workers, args.max_workers)
-    epochs = _int_value(
-        "5" if args.epochs is None else args.epochs, "--epochs", minimum=1, example="5"
-    )
+    workers = default_workers()
+    if args.workers is not None:
+        workers = _value(
+            args.workers,
+            "--workers",
+            "comma-separated integers >= 0 such as 0,4,8",
+            lambda text: tuple(_digits(part.strip()) for part in text.split(",")),
+            bool,
+        )
+    if args.max_workers is not None:
+        allowed = _count(args.max_workers, "--max-workers", minimum=0, example="64")
+        if max(workers) > allowed:
+            raise UsageError(
+                f"--workers: {max(workers)} workers is more than --max-workers {allowed} allows"
+            )
+    elif max(workers) > (bound := worker_bound()).max_workers:
+        raise UsageError(
+            f"--workers: {max(workers)} workers is more than this machine should start (at most "
+            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
+        )
+    epochs = _count("5" if args.epochs is None else args.epochs, "--epochs", minimum=1, example="5")
     start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
     shared = shared_options(args)
     cooldown_temp_c = None
     if args.cooldown_temp is not None:
-        with contextlib.suppress(ValueError):
-            cooldown_temp_c = float(args.cooldown_temp)
-        if cooldown_temp_c is None or not 0 < cooldown_temp_c < 150:
-            raise UsageError(
-                f"--cooldown-temp: expected degrees Celsius between 0 and 150 such as 45, "
-                f"got {args.cooldown_temp!r}"
-            )
+        cooldown_temp_c = _value(
+            args.cooldown_temp,
+            "--cooldown-temp",
+            "degrees Celsius between 0 and 150 such as 45",
+            float,
+            lambda celsius: 0 < celsius < 150,
+        )
     timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
     cooldown_timeout_s = parse_duration(timeout, "--cooldown-timeout")
     json_path, plot_path = output_paths(args.json, args.plot)
@@ -333,7 +364,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     else:
         batches = WorkloadSpec.batches
         if args.batches is not None:
-            batches = _int_value(args.batches, "--batches", minimum=1, example="16")
+            batches = _count(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
             scenario=_one_of(args.scenario, "clean", "--scenario", SCENARIOS),  # type: ignore[arg-type]
             batches=batches,
@@ -365,14 +396,10 @@ def _split_loader(spec: str) -> tuple[str, str]:
 
 
 def load_factory(spec: str) -> Callable[[int], Iterable[Any]]:
-    """Import ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` and return FACTORY.
+    """FACTORY of ``MODULE:FACTORY`` or ``path/to/file.py:FACTORY`` (else a ``UsageError``).
 
     A file is imported under its own name with its folder on ``sys.path``: spawned workers
     import what it defines.
-
-    Raises:
-        UsageError: The module cannot be imported, or has no callable FACTORY.
-
     """
     import importlib
 
@@ -436,9 +463,9 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
     from leakcheck.commands.sweep import LoaderError, run_sweep
     from leakcheck.commands.workload import stage
     from leakcheck.core.files import write_json
+    from leakcheck.judge.plot import plot_sweep
     from leakcheck.observe import nvml
 
-    prog = f"{_PROG} sweep"
     progress = None
     try:
         plan = resolve_sweep(args)
@@ -461,33 +488,21 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
             result = run_sweep(
                 plan.options, factory, loader=description, progress=progress, gpu=gpu
             )
-    except UsageError as exc:
-        err.write(f"{prog}: {exc}\n")
-        return EXIT_USAGE
     except LoaderError as exc:
         assert progress is not None  # only the sweep raises it
         progress.close()
         where = f"--loader {plan.loader}" if plan.loader else "built-in workload"
-        err.write(f"{prog}: {where}: {exc}\n")
-        return EXIT_USAGE
+        raise UsageError(f"{where}: {exc}") from None
     except KeyboardInterrupt:  # importing a --loader module can take a while, too
         if progress is not None:
             progress.close()
-        err.write(f"{prog}: interrupted; nothing written\n")
+        err.write(f"{_PROG} sweep: interrupted; nothing written\n")
         return EXIT_INTERRUPTED
-    out.write(result.format() + "\n")
-    out.flush()
-    saved = True
-    if plan.json_path is not None:
-        data = result.to_dict()
-        saved &= save_output(prog, "--json", plan.json_path, lambda p: write_json(p, data), err)
-    if plan.plot_path is not None:
-        from leakcheck.judge.plot import plot_sweep
-
-        saved &= save_output(prog, "--plot", plan.plot_path, lambda p: plot_sweep(result, p), err)
-    if not saved:
-        return EXIT_USAGE
-    return EXIT_LEAK if plan.fail_on_leak and result.leak_count else EXIT_CLEAN
+    outputs = (
+        ("--json", plan.json_path, lambda p: write_json(p, result.to_dict())),
+        ("--plot", plan.plot_path, lambda p: plot_sweep(result, p)),
+    )
+    return finish(f"{_PROG} sweep", result, out, err, outputs, EXIT_CLEAN, plan.fail_on_leak)
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -500,32 +515,23 @@ SnapshotArgs = functools.partial(SimpleNamespace, json=False, telemetry=False, p
 
 
 def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
-    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]).
+    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]), else None.
 
-    Whole option names, values in their own token or after ``=``, none starting with ``-``;
-    anything else (help, an abbreviation, an unknown option) returns None: the full parser's.
+    Whole option names, values in their own token or after ``=``, none starting with ``-``.
     """
     args = SnapshotArgs()
-    position = 0
-    while position < len(tokens):
-        token = tokens[position]
+    rest = iter(tokens)
+    for token in rest:
         name, equals, value = token.partition("=")
-        if token == "--json":
-            args.json = True
-        elif token == "--telemetry":
-            args.telemetry = True
+        if token in ("--json", "--telemetry"):
+            setattr(args, token[2:], True)
         elif name in ("--pid", "--watch"):
-            if not equals:
-                position += 1
-                if position == len(tokens):
-                    return None
-                value = tokens[position]
+            value = value if equals else next(rest, "-")  # none left: the full parser's error
             if value.startswith("-"):
                 return None
             setattr(args, name[2:], value)
         else:
             return None
-        position += 1
     return args
 
 
@@ -534,28 +540,19 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
     from leakcheck.observe import procs
 
     period, root = None, None
-    try:
-        if args.watch is not None:
-            text = str(args.watch).strip()
-            with contextlib.suppress(ValueError):
-                period = float(text)
-            # `not >=` also refuses NaN; infinity would never redraw.
-            if period is None or not WATCH_MIN_S <= period < float("inf"):
-                raise UsageError(
-                    f"--watch: expected a number of seconds >= {WATCH_MIN_S} such as 2, "
-                    f"got {text!r}"
-                )
-        if args.pid is not None:
-            text = str(args.pid).strip()
-            # Digits only, and few enough for int() (past 4300 digits it raises).
-            if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) <= 0:
-                raise UsageError(f"--pid: expected a process ID > 0, got {text!r}")
-            root = procs.process_key(int(text))
-            if root is None:
-                raise UsageError(f"--pid: no running process with PID {int(text)} here")
-    except UsageError as exc:
-        sys.stderr.write(f"{_PROG} snapshot: {exc}\n")
-        return EXIT_USAGE
+    if args.watch is not None:
+        period = _value(
+            args.watch,
+            "--watch",
+            f"a number of seconds >= {WATCH_MIN_S} such as 2",
+            float,
+            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
+        )
+    if args.pid is not None:
+        pid = _value(args.pid, "--pid", "a process ID > 0", _digits, lambda pid: 0 < pid < 10**20)
+        root = procs.process_key(pid)
+        if root is None:
+            raise UsageError(f"--pid: no running process with PID {pid} here")
     if period is None:
         root_pid = root.pid if root is not None else None
         text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
@@ -565,11 +562,8 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
 
 
 def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
-    """Write ``text``; None when written, else the status to end with.
-
-    A reader that left (`| head`) ends the command cleanly (0, standard output then on
-    /dev/null); a failed write ends it with one line, 2.
-    """
+    # None when written, else the status to end with: a reader that left (`| head`) ends
+    # the command cleanly (0, standard output then on /dev/null), a failed write with 2.
     try:
         out.write(text)
         if flush:
@@ -638,6 +632,91 @@ def _watch(
         return EXIT_CLEAN
 
 
+# --------------------------------------------------------------------------- run
+
+
+def torchrun_command(command: list[str], nproc: str) -> list[str]:
+    """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks."""
+    import importlib.util
+
+    text = _value(
+        nproc,
+        "--nproc-per-node",
+        "a number of ranks from 1 to 4096 such as 2 (or auto, cpu, gpu)",
+        lambda text: text if text in _NPROC_WORDS else str(_digits(text)),
+        lambda text: text in _NPROC_WORDS or 1 <= int(text) <= 4096,
+    )
+    rest = list(command)
+    name = os.path.basename(rest[0]) if rest else ""
+    if name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:]):
+        rest = rest[1:]
+    module = rest[:1] == ["-m"]
+    target = rest[1] if module and len(rest) > 1 else (rest[0] if rest and not module else "")
+    if os.path.basename(target) in _LAUNCHERS or target in _LAUNCHERS:
+        raise UsageError(
+            f"--nproc-per-node: expected a training script after --, got the launcher "
+            f"{target!r} (wrap it without --nproc-per-node: leakcheck run -- torchrun ...)"
+        )
+    if not target or target.startswith("-"):
+        raise UsageError(
+            "--nproc-per-node: expected a script after --, such as: leakcheck run "
+            f"--nproc-per-node 2 -- train.py, got {' '.join(command)!r}"
+        )
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(
+            f"--nproc-per-node: expected torch (torch.distributed.run) in {sys.executable}, "
+            f"got {nproc!r} without it"
+        )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, "--nproc-per-node", text, *rest]
+
+
+def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
+    """``leakcheck run``: run the program, report to ``err``, write the outputs; the status.
+
+    The report goes to standard error: the program's standard output stays its own.
+    """
+    from leakcheck.commands.launcher import LaunchError, RunOptions, run_program
+    from leakcheck.core.files import write_json
+    from leakcheck.core.options import parse_share_option
+    from leakcheck.core.units import parse_duration
+    from leakcheck.judge.plot import plot_reports
+    from leakcheck.observe import nvml
+
+    command = args.program[1:] if args.program[:1] == ["--"] else list(args.program)
+    if not command:
+        raise UsageError("expected a command after --, such as: leakcheck run -- python train.py")
+    if args.nproc_per_node is not None:
+        command = torchrun_command(command, args.nproc_per_node)
+    json_path, plot_path = output_paths(args.json, args.plot)
+    shared = shared_options(args)
+    if shared["device_index"] is not None:
+        check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
+    share = args.rollup_share
+    options = RunOptions(
+        teardown=bool(args.teardown),
+        rollup_share=None if share is None else parse_share_option(share, "--rollup-share"),
+        hang_after_s=parse_duration(
+            120 if args.hang_after is None else args.hang_after, "--hang-after"
+        ),
+        **shared,
+    )
+    try:
+        result = run_program(command, options)
+    except LaunchError as error:
+        err.write(f"{_PROG} run: {error}\n")
+        return error.exit_status
+    drawn = [(loader.label, loader.report) for loader in result.loaders if loader.report]
+    if not drawn and result.tree is not None:
+        drawn = [("the program's process tree", result.tree)]
+    outputs = (
+        ("--json", json_path, lambda p: write_json(p, result.to_dict())),
+        ("--plot", plot_path, lambda p: plot_reports(drawn, p)),
+    )
+    status = result.program_status
+    return finish(f"{_PROG} run", result, err, err, outputs, status, args.fail_on_leak)
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -658,30 +737,29 @@ def command() -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``leakcheck`` and ``python -m leakcheck``; returns the exit status."""
     tokens = list(sys.argv[1:] if argv is None else argv)
-    if tokens[:1] == ["snapshot"]:
-        plain = _plain_snapshot_args(tokens[1:])
+    name = tokens[0] if tokens[:1] == ["snapshot"] else None
+    try:
+        plain = _plain_snapshot_args(tokens[1:]) if name else None
         if plain is not None:
             return run_snapshot_command(plain, sys.stdout)
-    try:
-        args, extra = build_parser().parse_known_args(tokens)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    if extra:
-        # Named by the subcommand that got them, not by the top-level parser.
-        prog = f"{_PROG} {args.command}" if args.command else _PROG
-        sys.stderr.write(f"{prog}: unrecognized arguments: {' '.join(extra)}\n")
+        try:
+            args, extra = build_parser().parse_known_args(tokens)
+        except SystemExit as exc:  # the parser's own one-line error, --help or --version
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        name = args.command
+        if extra:  # named by the subcommand that got them, not by the top-level parser
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+        if name == "sweep":
+            return run_sweep_command(args, sys.stdout, sys.stderr)
+        if name == "snapshot":
+            return run_snapshot_command(args, sys.stdout)
+        if name == "run":
+            return run_run_command(args, sys.stderr)
+        if name == "explain":
+            return run_explain_command(args.rule, sys.stdout, sys.stderr)
+        raise UsageError(
+            "expected a command: sweep, snapshot, run or explain (see leakcheck --help)"
+        )
+    except UsageError as exc:
+        sys.stderr.write(f"{_PROG}{f' {name}' if name else ''}: {exc}\n")
         return EXIT_USAGE
-    if args.command == "sweep":
-        return run_sweep_command(args, sys.stdout, sys.stderr)
-    if args.command == "snapshot":
-        return run_snapshot_command(args, sys.stdout)
-    if args.command == "run":
-        from leakcheck.commands.run_cli import run_command
-
-        return run_command(args, sys.stdout, sys.stderr)
-    if args.command == "explain":
-        return run_explain_command(args.rule, sys.stdout, sys.stderr)
-    sys.stderr.write(
-        f"{_PROG}: expected a command: sweep, snapshot, run or explain (see leakcheck --help)\n"
-    )
-    return EXIT_USAGE

@@ -57,14 +57,10 @@ def add_options(parser: Any, options: Iterable[Option]) -> None:
 
 
 def shared_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``SHARED``'s values of ``sweep`` and ``run`` as ``SweepOptions``/``RunOptions`` fields.
+    """``SHARED``'s values as ``SweepOptions``/``RunOptions`` fields.
 
     Tolerances and grace as the other adapters resolve them: command line, environment,
     default.
-
-    Raises:
-        UsageError: One line naming the option (or variable), what was expected, the value.
-
     """
     from leakcheck.core import options as specs
 
@@ -86,12 +82,7 @@ def shared_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | None]:
-    """``--json`` and ``--plot``, checked before anything runs.
-
-    Raises:
-        UsageError: A path cannot be written, both name one file, or no matplotlib.
-
-    """
+    """``--json`` and ``--plot``, checked before anything runs: writable, two files, matplotlib."""
     import importlib.util
 
     from leakcheck.core.files import check_output_path
@@ -141,28 +132,43 @@ def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -
     )
 
 
-def save_output(
-    prog: str, option: str, path: str, write: Callable[[str], object], err: TextIO
-) -> bool:
-    """Write an output; where ``path`` fails now (a folder removed, a disk full), elsewhere.
+def finish(
+    prog: str,
+    result: Any,
+    report_to: TextIO,
+    err: TextIO,
+    outputs: Iterable[tuple[str, str | None, Callable[[str], object]]],
+    status: int,
+    fail_on_leak: bool,
+) -> int:
+    """Write ``result``'s report, then each ``(option, path, write)`` output; the exit status.
 
-    A failure is one line on ``err`` (False): the report is out already.
+    ``status`` (the program's, 0 for a sweep) stays, except that 0 becomes 2 where an output
+    failed, else 1 with ``fail_on_leak`` and a leak. A failed output is one line on ``err``
+    (the report is out already); one the path refuses now (a folder removed, a disk full) is
+    written elsewhere.
     """
-    try:
-        write(path)
-        return True
-    except OSError as exc:
-        saved = _write_elsewhere(path, write)
-        where = (
-            f"wrote it to {saved!r} instead"
-            if saved is not None
-            else "no other place (next to it, the current folder, the temporary folder) took it"
-        )
-        err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
-    except Exception as exc:  # matplotlib could not draw it
-        verb = "draw" if option == "--plot" else "write"
-        err.write(f"{prog}: {option}: cannot {verb} {path!r}: {one_line(exc)}\n")
-    return False
+    report_to.write(result.format() + "\n")
+    report_to.flush()
+    for option, path, write in outputs:
+        if path is None:
+            continue
+        try:
+            write(path)
+            continue
+        except OSError as exc:
+            saved = _write_elsewhere(path, write)
+            where = (
+                f"wrote it to {saved!r} instead"
+                if saved is not None
+                else "no other place (next to it, the current folder, the temporary folder) took it"
+            )
+            err.write(f"{prog}: {option}: cannot write {path!r}: {exc}; {where}\n")
+        except Exception as exc:  # matplotlib could not draw it
+            verb = "draw" if option == "--plot" else "write"
+            err.write(f"{prog}: {option}: cannot {verb} {path!r}: {one_line(exc)}\n")
+        status = status or EXIT_USAGE
+    return EXIT_LEAK if status == 0 and fail_on_leak and result.leak_count else status
 
 
 def _write_elsewhere(intended: str, write: Callable[[str], object]) -> str | None:

@@ -59,10 +59,15 @@ class RunOptions:
     copy_tolerance_bytes: int = 64 * MIB
     hang_after_s: float = 120.0
 
-    @property
-    def devices(self) -> list[int] | None:
-        """The devices to watch, as ``Tracker`` takes them."""
-        return None if self.device_index is None else [self.device_index]
+    def tracker_options(self) -> dict[str, Any]:
+        """What every ``Tracker`` of the run, inside or out, takes of these options."""
+        return {
+            "interval": self.interval_s,
+            "tolerance": self.tolerance_bytes,
+            "grace": self.grace_s,
+            "devices": None if self.device_index is None else [self.device_index],
+            "copy_tolerance": self.copy_tolerance_bytes,
+        }
 
 
 def options_path(folder: str) -> str:
@@ -81,26 +86,18 @@ class _EpochIterator:
         self._loader = loader
         self._inner: Iterator[Any] | None = None
 
-    def _inner_or_none(self) -> Iterator[Any] | None:
-        # Read without __getattr__: copy and pickle make the object before any slot is set.
-        try:
-            inner: Iterator[Any] | None = object.__getattribute__(self, "_inner")
-        except AttributeError:
-            return None
-        return inner
-
     def __setattr__(self, name: str, value: Any) -> None:
         # Writes go where reads come from: the DataLoader iterator once there is one.
-        inner = None if name in self._OWN else self._inner_or_none()
+        inner = None if name in self._OWN else getattr(self, "_inner", None)
         if inner is not None:
             setattr(inner, name, value)
         else:
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
+        if name.startswith("__") or name in self._OWN:
             raise AttributeError(name)  # copy and pickle ask before any slot is set
-        inner = self._inner_or_none()
+        inner = getattr(self, "_inner", None)
         if inner is None:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} before its first "
@@ -143,11 +140,7 @@ class _Site:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A pickled or copied loader (a spawned process's arguments) is another loader: None.
-        return (_no_site, ())
-
-
-def _no_site() -> None:
-    return None
+        return (type(None), ())
 
 
 class _Run:
@@ -180,25 +173,19 @@ class _Run:
         if not (isinstance(where, tuple) and len(where) >= 2):
             where = ("<unknown>", 0)
         with self.lock:
-            free = [s for s in self.sites if s.where == where and s.instance() is None]
-            site = next((s for s in free if not s.tracker.closed), None) or self._new_site(
-                loader, where
-            )
+            free = (s for s in self.sites if s.where == where and s.instance() is None)
+            site = next((s for s in free if not s.tracker.closed), None)
+            site = site or self._new_site(loader, where)
             site.instance = weakref.ref(loader)
         loader.__dict__["_leakcheck_run_site"] = site
         return site
 
     def _new_site(self, loader: Any, where: Where) -> _Site:
-        options = self.options
         tracker = Tracker(
-            interval=options.interval_s,
-            tolerance=options.tolerance_bytes,
-            grace=options.grace_s,
-            devices=options.devices,
             persistent_workers=bool(getattr(loader, "persistent_workers", False)),
-            rollup_share=options.rollup_share,
-            copy_tolerance=options.copy_tolerance_bytes,
-            hang_after=options.hang_after_s,
+            rollup_share=self.options.rollup_share,
+            hang_after=self.options.hang_after_s,
+            **self.options.tracker_options(),
         )
         tracker.start()
         via = where[2] if len(where) > 2 and where[2] else ""
@@ -282,24 +269,19 @@ class _Run:
             reason, line = end_reason_for(error)
         with self.lock:
             sites = list(self.sites)
-        costs = {site.index: site.tracker.cost() for site in sites}
+        costs = [dataclasses.asdict(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
             for epoch in list(site.live):
                 _quietly(epoch.close)
-        for site in sites:
+        for site, cost in zip(sites, costs, strict=True):
             started = time.perf_counter()
             _quietly(site.tracker.close)
+            _quietly(functools.partial(self._write_report, site, cost, started))
 
-            def write(site: _Site = site, started: float = started) -> None:
-                self._write(
-                    site,
-                    report=site.tracker.report().to_dict(),
-                    cost=dataclasses.asdict(costs[site.index]),
-                    exit_s=time.perf_counter() - started,
-                )
-
-            _quietly(write)
+    def _write_report(self, site: _Site, cost: dict[str, Any], started: float) -> None:
+        report = site.tracker.report().to_dict()
+        self._write(site, report=report, cost=cost, exit_s=time.perf_counter() - started)
 
 
 def shown_path(path: str, cwd: str) -> str:
@@ -335,9 +317,8 @@ def _spawn_index() -> int | None:
     """The index ``torch.multiprocessing`` gave this process, where it started it."""
     current = sys.modules["multiprocessing.process"].current_process()
     target = getattr(current, "_target", None)
-    if getattr(target, "__module__", None) != "torch.multiprocessing.spawn":
-        return None
-    if getattr(target, "__name__", None) != "_wrap":
+    name = (getattr(target, "__module__", None), getattr(target, "__name__", None))
+    if name != ("torch.multiprocessing.spawn", "_wrap"):
         return None
     args = getattr(current, "_args", ())
     index = args[1] if isinstance(args, tuple) and len(args) > 1 else None

@@ -35,7 +35,7 @@ from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import RUN_ENV, RunOptions, options_path
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment, write_json
-from leakcheck.core.model import EndReason, Finding, ProcessEpoch, ProcessKey, RankInfo, Timeline
+from leakcheck.core.model import EndReason, ProcessEpoch, ProcessKey, RankInfo, Timeline
 from leakcheck.core.names import process_name
 from leakcheck.core.ranks import rank_label
 from leakcheck.core.units import format_size, plural
@@ -63,6 +63,7 @@ RUN_SCHEMA_VERSION = 2
 """Version of ``RunResult.to_dict``'s layout."""
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_HELD = {*_FORWARDED, signal.SIGCHLD}
 
 
 class LaunchError(LeakCheckError):
@@ -111,9 +112,16 @@ class RunResult:
     loaders: tuple[LoaderResult, ...]
     failures: tuple[str, ...] = ()
     started_unix_s: float = 0.0
-    gpu_reason: str = ""
     environment: Mapping[str, Any] = field(default_factory=dict)
     rank_reports: tuple[RankReport, ...] = ()
+
+    @property
+    def gpu_reason(self) -> str:
+        """Why GPU memory was not checked; empty where it was."""
+        timeline = self.tree.timeline if self.tree is not None else None
+        if timeline is None or timeline.attribution not in ("nvml-unavailable", "no-gpu"):
+            return ""
+        return timeline.attribution_reason or "no GPU"
 
     @property
     def program_status(self) -> int:
@@ -123,18 +131,9 @@ class RunResult:
         return self.exit_code if self.exit_code is not None else 1
 
     @property
-    def leaks(self) -> list[Finding]:
-        """Every leak, each leaking process once (a loader's before the tree's)."""
-        found: dict[tuple[object, ...], Finding] = {}
-        for report in self._reports():
-            for finding in report.leaks:
-                found.setdefault(finding_identity(finding), finding)
-        return list(found.values())
-
-    @property
     def leak_count(self) -> int:
         """Leaks over the loaders and the tree, each leaking process counted once."""
-        return len(self.leaks)
+        return len({finding_identity(f) for report in self._reports() for f in report.leaks})
 
     @property
     def verdict(self) -> str:
@@ -151,16 +150,15 @@ class RunResult:
         """The distributed job's verdicts, per rank and overall; None outside a job."""
         entries: dict[tuple[int, int], RankReport] = {}
         for loader in self.loaders:
-            if loader.rank is None:
-                continue
-            key = (loader.rank.rank, loader.pid)
-            entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
-            if loader.report is not None:
-                entry = replace(entry, reports=(*entry.reports, loader.report))
-            else:
-                why = f"{loader.label}: {loader.missing}"
-                entry = replace(entry, missing=(*entry.missing, why))
-            entries[key] = entry
+            if loader.rank is not None:
+                key = (loader.rank.rank, loader.pid)
+                entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
+                if loader.report is not None:
+                    entry = replace(entry, reports=(*entry.reports, loader.report))
+                else:
+                    why = f"{loader.label}: {loader.missing}"
+                    entry = replace(entry, missing=(*entry.missing, why))
+                entries[key] = entry
         tree = [self.tree] if self.tree is not None else []
         roots = rank_roots(self.tree.timeline) if self.tree is not None else {}
         if not entries and not roots and not self.rank_reports:
@@ -288,56 +286,56 @@ def child_environment(environ: Mapping[str, str], folder: str) -> dict[str, str]
     return {**environ, "PYTHONPATH": os.pathsep.join(paths), RUN_ENV: folder}
 
 
-class _Waiter:
-    """Waits for the program and forwards signals to it (NOTE [run signals])."""
+@contextlib.contextmanager
+def _signals_held() -> Iterator[set[int | signal.Signals]]:
+    """Hold the forwarded signals and SIGCHLD while the program runs; drain them after.
 
-    def __init__(self) -> None:
-        self.interrupted = False
-        self._mask = {*_FORWARDED, signal.SIGCHLD}
-        self._old_mask: set[int | signal.Signals] = set()
-
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[_Waiter]:
-        """Hold the signals while the program runs; drain and restore them after."""
-        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._mask)
-        try:
-            yield self
-        finally:
-            while signal.sigtimedwait(self._mask, 0) is not None:
-                pass
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
-
-    def restore_in_child(self) -> None:
-        """Run in the program between fork and exec: its signal mask as it was."""
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
-
-    def wait(self, proc: subprocess.Popen[bytes]) -> tuple[int | None, int | None]:
-        """Wait until the program exits; it stays a zombie. Returns (code, signal)."""
-        while True:
-            state = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            if state is not None and state.si_pid == proc.pid:
-                if state.si_code == os.CLD_EXITED:
-                    return state.si_status, None
-                return None, state.si_status
-            info = signal.sigtimedwait(self._mask, 0.5)
-            if info is None or info.si_signo == signal.SIGCHLD:
-                continue
-            if info.si_signo == signal.SIGINT:
-                self.interrupted = True
-            if info.si_code <= 0:  # sent by a process (kill), not the terminal's kernel
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, info.si_signo)
-
-
-def _start(command: Sequence[str], env: dict[str, str], waiter: _Waiter) -> subprocess.Popen[bytes]:
+    Yields the mask as it was: the program gets it back before exec.
+    """
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
-        return subprocess.Popen(list(command), env=env, preexec_fn=waiter.restore_in_child)
-    except FileNotFoundError:
-        raise LaunchError(f"cannot run {command[0]!r}: no such command", 127) from None
-    except PermissionError:
-        raise LaunchError(f"cannot run {command[0]!r}: permission denied", 126) from None
+        yield held
+    finally:
+        while signal.sigtimedwait(_HELD, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals]) -> Any:
+    def restore() -> None:  # in the program, between fork and exec
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    env = child_environment(os.environ, folder)
+    try:
+        return subprocess.Popen(list(command), env=env, preexec_fn=restore)
     except OSError as error:
-        raise LaunchError(f"cannot run {command[0]!r}: {error.strerror or error}", 126) from None
+        status, why = 126, error.strerror or str(error)
+        if isinstance(error, FileNotFoundError):
+            status, why = 127, "no such command"
+        elif isinstance(error, PermissionError):
+            why = "permission denied"
+        raise LaunchError(f"cannot run {command[0]!r}: {why}", status) from None
+
+
+def _wait(pid: int) -> tuple[int | None, int | None, bool]:
+    """Wait until the program exits, forwarding signals; it stays a zombie.
+
+    Returns: (exit code, signal, interrupted).
+    """
+    interrupted = False
+    while True:
+        state = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if state is not None and state.si_pid == pid:
+            if state.si_code == os.CLD_EXITED:
+                return state.si_status, None, interrupted
+            return None, state.si_status, interrupted
+        info = signal.sigtimedwait(_HELD, 0.5)
+        if info is None or info.si_signo == signal.SIGCHLD:
+            continue
+        interrupted |= info.si_signo == signal.SIGINT
+        if info.si_code <= 0:  # sent by a process (kill), not the terminal's kernel
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, info.si_signo)
 
 
 def _end_reason(
@@ -358,62 +356,52 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
 
     """
     failures: list[str] = []
+    tree: Report | None = None
+    tree_cost: dict[str, Any] | None = None
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
         write_json(options_path(folder), asdict(options))
-        waiter = _Waiter()
-        tree: Report | None = None
-        tree_cost: dict[str, Any] | None = None
-        with waiter.holding():
-            proc = _start(command, child_environment(os.environ, folder), waiter)
+        with _signals_held() as mask:
+            proc = _start(command, folder, mask)
             started_unix_s = time.time()
             started = time.monotonic()
             tracker: Tracker | None = None
             try:
                 tracker = Tracker(
-                    root_pid=proc.pid,
-                    interval=options.interval_s,
-                    tolerance=options.tolerance_bytes,
-                    grace=options.grace_s,
-                    devices=options.devices,
-                    session_tag=(RUN_ENV, folder),
-                    copy_tolerance=options.copy_tolerance_bytes,
+                    root_pid=proc.pid, session_tag=(RUN_ENV, folder), **options.tracker_options()
                 )
                 tracker.begin_epoch("program")
             except LeakCheckError as error:
                 failures.append(f"the process tree is not tracked: {error}")
-            code, signal_number = waiter.wait(proc)
+            code, signal_number, interrupted = _wait(proc.pid)
             wall_s = time.monotonic() - started
             if tracker is not None:
-                if signal_number is not None and not waiter.interrupted:
+                if signal_number is not None and not interrupted:
                     # Unreaped yet: the machine's evidence is read while it is still there.
                     tracker.note_exit(proc.pid, -signal_number)
-                tracker.end_epoch(*_end_reason(code, signal_number, waiter.interrupted))
+                tracker.end_epoch(*_end_reason(code, signal_number, interrupted))
                 tracker.close()
                 tree = tracker.report()
                 tree_cost = asdict(tracker.cost())
             proc.wait()  # reap it only now (NOTE [run signals])
-        started_records, loaders = _read_loaders(folder, failures)
+        records, loaders = _read_loaders(folder, failures)
         gathered, unread = read_rank_reports(folder)
         failures.extend(unread)
         if tree is not None:
             own = [r for loader in loaders if (r := loader.report) is not None]
             own += [report for entry in gathered for report in entry.reports]
-            tree = with_ranks(tree, started_records, own)
-        _remove_mailboxes(started_records)
+            tree = with_ranks(tree, records, own)
+        _remove_mailboxes(records)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    gpu_reason = ""
-    if tree is not None and tree.timeline.attribution in ("nvml-unavailable", "no-gpu"):
-        gpu_reason = tree.timeline.attribution_reason or "no GPU"
-    torch = [("torch", r["torch"]) for r in started_records if isinstance(r.get("torch"), str)]
+    torch = [("torch", r["torch"]) for r in records if isinstance(r.get("torch"), str)]
     return RunResult(
         command=tuple(command),
         options=options,
         pid=proc.pid,
         exit_code=code,
         signal_number=signal_number,
-        interrupted=waiter.interrupted,
+        interrupted=interrupted,
         wall_s=wall_s,
         tree=tree,
         tree_cost=tree_cost,
@@ -421,7 +409,6 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         rank_reports=tuple(gathered),
         failures=tuple(failures),
         started_unix_s=started_unix_s,
-        gpu_reason=gpu_reason,
         # The program's torch, as its loaders recorded it: the launcher never imports it.
         environment={**environment(executable=sys.executable), **dict(torch[:1])},
     )
@@ -442,24 +429,21 @@ def _read_loaders(
         except (OSError, ValueError):
             continue
     records.sort(key=lambda r: (r["started_unix_s"], r["index"]))
-    results: list[LoaderResult] = []
-    for record in records:
-        loader = LoaderResult(
-            record["label"], record["pid"], tuple(record["argv"]), rank=_record_rank(record)
-        )
-        if "report" not in record:
-            why = "its process ended without its exit handlers (os._exit, a signal) or outlived"
-            loader = replace(loader, missing=f"{why} the run")
-        else:
-            try:
-                report = report_from_dict(record["report"])
-                loader = replace(
-                    loader, report=report, cost=record["cost"], exit_s=record["exit_s"]
-                )
-            except (LeakCheckError, KeyError, TypeError, ValueError) as error:
-                loader = replace(loader, missing=f"its report cannot be read: {error}")
-        results.append(loader)
-    return records, tuple(results)
+    return records, tuple(_loader_result(record) for record in records)
+
+
+def _loader_result(record: Mapping[str, Any]) -> LoaderResult:
+    loader = LoaderResult(
+        record["label"], record["pid"], tuple(record["argv"]), rank=_record_rank(record)
+    )
+    if "report" not in record:
+        why = "its process ended without its exit handlers (os._exit, a signal) or outlived"
+        return replace(loader, missing=f"{why} the run")
+    try:
+        report = report_from_dict(record["report"])
+        return replace(loader, report=report, cost=record["cost"], exit_s=record["exit_s"])
+    except (LeakCheckError, KeyError, TypeError, ValueError) as error:
+        return replace(loader, missing=f"its report cannot be read: {error}")
 
 
 def _record_rank(record: Mapping[str, Any]) -> RankInfo | None:
@@ -530,11 +514,10 @@ def with_ranks(
 def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
     """Remove the mailboxes of loader trackers whose process died before closing them."""
     for record in started:
-        folder, ticks = record.get("mailbox"), record.get("start_ticks")
+        folder, pid, ticks = record.get("mailbox"), record["pid"], record.get("start_ticks")
         if not isinstance(folder, str) or not os.path.basename(folder).startswith(
             mailbox.MAILBOX_PREFIX
         ):
             continue
-        owner = ProcessKey(record["pid"], ticks) if ticks is not None else None
-        if owner is None or procs.process_key(owner.pid) != owner:  # by identity
+        if ticks is None or procs.process_key(pid) != ProcessKey(pid, ticks):  # by identity
             mailbox.remove(folder)

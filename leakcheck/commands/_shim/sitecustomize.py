@@ -30,8 +30,7 @@ _LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
 _SPAWNED = "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or ())
 _helper_pid = 0  # a multiprocessing helper never tracks; what its forks run does
 _active_folder = ""
-_instrument_module: Any = None
-_instrument_failed = False
+_instrument_module: Any = None  # False once it failed
 
 
 class _suppress:  # contextlib.suppress(Exception), without importing contextlib
@@ -69,7 +68,7 @@ def _chain() -> None:
 
 
 class _Finder:
-    """Wait for torch's dataloader module, then patch it once it has run."""
+    """Wait for torch's dataloader module; patch it once it has run."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != _TARGET:
@@ -80,28 +79,20 @@ class _Finder:
             find_spec = getattr(finder, "find_spec", None)
             spec = find_spec(fullname, path, target) if find_spec is not None else None
             if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
+                with _suppress():  # a loader that takes no attribute: DataLoader stays as is
+                    spec.loader.exec_module = _patching(spec.loader.exec_module)
                 return spec
         return None
 
 
-class _PatchingLoader:
-    """A module loader that runs the real one, then patches the module it made."""
+def _patching(exec_module: Any) -> Any:
+    def exec_and_patch(module: Any) -> None:
+        exec_module(module)
+        if module.__name__ == _TARGET:  # the loader may serve other modules too
+            with _suppress():
+                _patch(module)
 
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        with _suppress():
-            _patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename... for tracebacks
-        return getattr(self._loader, name)
+    return exec_and_patch
 
 
 def _patch(module: Any) -> None:
@@ -209,9 +200,9 @@ def _via(frame: Any) -> str:
 
 def _instrument() -> Any:
     """``leakcheck.commands.instrument`` from this shim's package (None once it failed)."""
-    global _instrument_module, _instrument_failed
-    if _instrument_module is not None or _instrument_failed:
-        return _instrument_module
+    global _instrument_module
+    if _instrument_module is not None:
+        return _instrument_module or None
     try:
         import importlib.util
 
@@ -235,12 +226,12 @@ def _instrument() -> Any:
         instrument.configure(_active_folder)
         _instrument_module = instrument
     except Exception as error:
-        _instrument_failed = True
+        _instrument_module = False
         sys.stderr.write(
             f"leakcheck run: DataLoaders of PID {os.getpid()} are not tracked: "
             f"{type(error).__name__}: {error}\n"
         )
-    return _instrument_module
+    return _instrument_module or None
 
 
 def _activate() -> None:

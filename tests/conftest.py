@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -12,6 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A suite started in the background of a shell without job control inherits SIGINT ignored,
+# and so would every program a test starts (exec keeps an ignored signal ignored): the tests
+# that press Ctrl-C on a child need it delivered, so the suite takes Python's default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

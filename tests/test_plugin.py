@@ -1148,27 +1148,31 @@ def test_in_a_nested_pid_namespace_gpu_memory_is_never_attributed_per_process(
 def test_a_strangers_process_costs_one_read_of_its_parent_not_a_walk_to_pid_1(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The walk up a new process's parents stops at one older than the test process."""
-    lineage = procs.Lineage(os.getpid())
-    stranger = procs.read_proc(os.getppid())
-    # One whose parent is older than this process: shells that started it within the same
-    # clock tick are not (start ticks are coarse), so the walk is rightly not stopped there.
-    while stranger is not None and stranger.ppid > 1:
-        parent = procs.process_key(stranger.ppid)
-        if parent is None or parent.start_ticks < lineage.key.start_ticks:
-            break
-        stranger = procs.read_proc(stranger.ppid)
-    assert stranger is not None and stranger.ppid > 1
-    reads: list[int] = []
-    real_stat = procs._stat
+    """The walk up a new process's parents stops at one older than the lineage's root."""
+    # Two children of this test process: one the lineage's root, the other a stranger to it
+    # whose parent (this process) is older than that root. Both are made here, so the test
+    # does not depend on which processes started the suite.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    root = subprocess.Popen(sleeper)
+    other = subprocess.Popen(sleeper)
+    try:
+        lineage = procs.Lineage(root.pid)
+        stranger = procs.read_proc(other.pid)
+        assert stranger is not None and stranger.ppid == os.getpid()
+        reads: list[int] = []
+        real_stat = procs._stat
 
-    def counted(pid: int) -> Any:
-        reads.append(pid)
-        return real_stat(pid)
+        def counted(pid: int) -> Any:
+            reads.append(pid)
+            return real_stat(pid)
 
-    monkeypatch.setattr(procs, "_stat", counted)
-    assert lineage.descends(stranger) is False
-    assert reads == [stranger.ppid]
+        monkeypatch.setattr(procs, "_stat", counted)
+        assert lineage.descends(stranger) is False
+        assert reads == [os.getpid()]
+    finally:
+        for proc in (root, other):
+            proc.kill()
+            proc.wait()
 
 
 def test_leftover_child_is_reported_with_its_gpu_memory(fake_nvml: FakePynvml, child: Any) -> None:

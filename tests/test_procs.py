@@ -685,11 +685,11 @@ def test_cache_bounded_and_released_when_processes_go(
 ) -> None:
     helper, record = start_helper(spawn, "tree", "--sleepers=3", "--subtrees=1")
     expected = tree_pids(record)
-    monkeypatch.setattr(procs, "_fd_limit", 4)
+    monkeypatch.setattr(procs, "_cached_fd_limit", lambda: 4)
     for _ in range(3):
         assert set(pids_of(procs.descendants(helper.pid))) == expected
         assert 0 < len(cached_proc_fds()) <= 4
-    monkeypatch.setattr(procs, "_fd_limit", 64)
+    monkeypatch.setattr(procs, "_cached_fd_limit", lambda: 64)
     assert set(pids_of(procs.descendants(helper.pid))) == expected
     held = {int(t.split("/")[2]) for t in cached_proc_fds().values()}
     assert held == expected | {helper.pid}
@@ -916,7 +916,7 @@ def test_quick_walks_past_a_tight_descriptor_budget_stay_exact_and_bounded(
     main_thread_side = {helper.pid, *record["sleepers"]}
     thread_side = set(record["thread_sleepers"])
     procs._forget_handles_after_fork()  # start from an empty cache (closes its descriptors)
-    monkeypatch.setattr(procs, "_fd_limit", 6)  # fewer than two per process
+    monkeypatch.setattr(procs, "_cached_fd_limit", lambda: 6)  # fewer than two per process
     me = os.getpid()
     assert main_thread_side | thread_side <= set(pids_of(procs.descendants(me)))
     seen_thread_side: set[int] = set()

@@ -357,3 +357,18 @@ def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
         worker.kill()
         worker.wait()
     assert "line 7 in __getitem__" in stall.stacks
+
+
+def test_a_dump_without_a_current_thread_line_names_one_threads_frames_only() -> None:
+    """Frames of the next thread are not the first one's (a dump of threads, none marked)."""
+    from leakcheck.judge.deaths import innermost_frames
+
+    dump = (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/app/loader.py", line 12 in read\n'
+        "\n"
+        "Thread 0x00007f02 (most recent call first):\n"
+        '  File "/app/other.py", line 7 in poll\n'
+        '  File "/app/other.py", line 3 in run\n'
+    )
+    assert innermost_frames(dump) == "read (loader.py:12)"

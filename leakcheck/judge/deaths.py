@@ -39,11 +39,17 @@ def crashing_thread(stack: str) -> str:
 
 def innermost_frames(stack: str, count: int = 2) -> str | None:
     """The first ``count`` frames of the crashing thread, ``func (file:line)``, inner first."""
-    frames = _FRAME.findall(crashing_thread(stack))[:count]
-    return (
-        " < ".join(f"{func} ({os.path.basename(path)}:{line})" for path, line, func in frames)
-        or None
-    )
+    frames: list[str] = []
+    for line in crashing_thread(stack).splitlines():
+        match = _FRAME.match(line)
+        if match is not None:
+            path, number, function = match.groups()
+            frames.append(f"{function} ({os.path.basename(path)}:{number})")
+        elif frames:
+            break  # without a "Current thread" line: the next thread's frames are not it
+        if len(frames) == count:
+            break
+    return " < ".join(frames) or None
 
 
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:

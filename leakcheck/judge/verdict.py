@@ -809,7 +809,7 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     found: list[Finding] = []
     for values, severity, what, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
-            message = f"{who} {what.format(_devices_text(held))}"
+            message = f"{who} {what.replace('{}', _devices_text(held), 1)}"  # labels may hold {}
             device = min(held) if len(held) == 1 else None
             found.append(
                 _finding(

@@ -1,7 +1,7 @@
 """The sampler: one background thread that reads the job's processes and devices, per epoch.
 
-NOTE [tracker lifecycle]: ``start()`` takes a baseline (devices, the root's own GPU bytes, the
-processes already below the root: pre-existing, never survivors), exports
+NOTE [tracker lifecycle]: ``Tracker.start()`` takes a baseline (devices, the root's own GPU
+bytes, the processes already below the root: pre-existing, never survivors), exports
 ``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` for every child to inherit, and starts one
 daemon thread. Each tick reads what ``Pacing`` allows: device memory, NVML's per-PID lists
 where memory moved, and every fourth tick the mailbox (NOTE [worker mailbox] in mailbox.py)
@@ -12,7 +12,7 @@ on the thread's next wake: the scan of /proc for tagged processes reparented awa
 (``procs.TagScan``, also in every fresh read and ``close()``) and the USS and PSS of the
 long-lived processes (NOTE [host pacing] in pacing.py). Survivors are judged from how long
 after its epoch's end each process was still seen, so the sampler keeps running between
-epochs, and ``close()`` waits, at most ``grace`` after the epoch each was born in, for every
+epochs, and ``Tracker.close()`` waits, at most ``grace`` after the epoch each was born in, for every
 process whose survival is not decided, then reads everything once more. leakcheck's own
 failures are recorded, never raised into the user's loop (``strict=True`` raises them at the
 next call).

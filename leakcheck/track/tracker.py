@@ -432,19 +432,23 @@ class Tracker:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
         s = self._sampler
         with s.lock:
-            if exit_code >= 0 or s.table is None or s.closed:
-                return
-            s.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-            key = s.table.by_pid.get(pid)
-            proc = s.table.procs.get(key) if key is not None else None
-            if proc is None or any(death.key == proc.key for death in s.deaths):
-                return
-            kills = self._oom_kills
-            found = s.failures.guard(lambda: _death(s, proc, -exit_code, kills), "death")
-            if found is not None:
-                s.deaths.append(found[0])
-                self._oom_kills = found[1]
-        s.failures.raise_pending()
+            self._note_death(pid, exit_code)
+        s.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
+
+    def _note_death(self, pid: int, exit_code: int) -> None:
+        s = self._sampler
+        if exit_code >= 0 or s.table is None or s.closed:
+            return
+        s.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+        key = s.table.by_pid.get(pid)
+        proc = s.table.procs.get(key) if key is not None else None
+        if proc is None or any(death.key == proc.key for death in s.deaths):
+            return
+        kills = self._oom_kills
+        found = s.failures.guard(lambda: _death(s, proc, -exit_code, kills), "death")
+        if found is not None:
+            s.deaths.append(found[0])
+            self._oom_kills = found[1]
 
     @_caller_timed
     def finish_reads(self) -> None:

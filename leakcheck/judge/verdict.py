@@ -784,13 +784,14 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
     )
     scopes = ", ".join(memory.scopes) or None
     who = culprit("parent", root.pid, cmdline)
-    kept = "still holds {} of CUDA tensors more than at the start"
-    driver = "holds {} more than at the start outside torch's allocator"
-    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str | None], ...] = (
+    # Each case: its bytes per device, severity, words around the devices' bytes, fix, scope.
+    cases: tuple[tuple[Mapping[int, int], Severity, str, str, str, str | None], ...] = (
         (
             memory.kept_tensor_bytes,
             "leak",
-            kept + (f" after the teardown of {scopes}" if scopes else ""),
+            "still holds ",
+            " of CUDA tensors more than at the start"
+            + (f" after the teardown of {scopes}" if scopes else ""),
             REMEDY_SCOPE
             if scopes
             else "drop references to CUDA tensors the work keeps (module-level lists, caches, "
@@ -800,16 +801,18 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         (
             memory.driver_bytes,
             "info" if memory.torch_in_use else "leak",
-            driver + (" (or kernels loaded on first use)" if memory.torch_in_use else ""),
+            "holds ",
+            " more than at the start outside torch's allocator"
+            + (" (or kernels loaded on first use)" if memory.torch_in_use else ""),
             "free GPU memory the work allocates outside torch (library pools), or raise the "
             "tolerance",
             None,
         ),
     )
     found: list[Finding] = []
-    for values, severity, what, remedy, scope in cases:
+    for values, severity, before, after, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
-            message = f"{who} {what.replace('{}', _devices_text(held), 1)}"  # labels may hold {}
+            message = f"{who} {before}{_devices_text(held)}{after}"
             device = min(held) if len(held) == 1 else None
             found.append(
                 _finding(

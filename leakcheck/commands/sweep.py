@@ -14,6 +14,7 @@ identity checked again right before the signal (NOTE [process identity] in procs
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import time
@@ -199,7 +200,7 @@ class ConfigResult:
     failure: str | None = None
     """How the loader failed, where ``judge_failures`` kept the configuration."""
 
-    @property
+    @functools.cached_property
     def rows(self) -> tuple[EpochRow, ...]:
         """The table's rows: each epoch record with its loop's timing (``epoch_row``)."""
         timeline = self.report.timeline

@@ -277,6 +277,16 @@ def test_the_oom_kill_counter_is_read_from_the_process_own_memory_cgroup(
     assert machine.oom_kill_count() == 1  # the mount's root, where the own path is not there
 
 
+# A worker's faulthandler dump: the signal taken by a helper thread, __getitem__ on the main one.
+STUCK_WORKER_DUMP = (
+    "--- worker PID 12 ---\n"
+    "Current thread 0x1 (most recent call first):\n"
+    '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n\n'
+    "Thread 0x2 (most recent call first):\n"
+    '  File "/data/set.py", line 7 in __getitem__\n'
+)
+
+
 def test_a_stalled_worker_is_named_where_its_main_thread_waits_whichever_thread_dumped() -> None:
     """The stack signal reaches any thread of the worker; faulthandler marks that one "Current
     thread" and lists the threads newest first, the main one (``__getitem__``'s) last."""
@@ -287,12 +297,7 @@ def test_a_stalled_worker_is_named_where_its_main_thread_waits_whichever_thread_
     from tests.timelines import timeline
 
     dump = (
-        "--- worker PID 12 ---\n"
-        "Current thread 0x1 (most recent call first):\n"
-        '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n\n'
-        "Thread 0x2 (most recent call first):\n"
-        '  File "/data/set.py", line 7 in __getitem__\n'
-        '  File "/torch/utils/data/_utils/fetch.py", line 56 in fetch\n\n'
+        STUCK_WORKER_DUMP + '  File "/torch/utils/data/_utils/fetch.py", line 56 in fetch\n\n'
         "--- the loop's process (PID 10) ---\nThread 'MainThread' (most recent call last):\n"
     )
     stalled = replace(timeline([]), stalls=(Stall(epoch=0, waited_s=3, at_s=1, stacks=dump),))
@@ -308,14 +313,7 @@ def test_a_worker_hung_at_shutdown_is_named_where_its_main_thread_waits() -> Non
     from leakcheck.judge.deaths import shutdown_hang
     from tests.timelines import timeline
 
-    dump = (
-        "--- worker PID 12 ---\n"
-        "Current thread 0x1 (most recent call first):\n"
-        '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n\n'
-        "Thread 0x2 (most recent call first):\n"
-        '  File "/data/set.py", line 7 in __getitem__\n'
-    )
-    stall = Stall(epoch=0, waited_s=5, at_s=1, stacks=dump, pid=12)
+    stall = Stall(epoch=0, waited_s=5, at_s=1, stacks=STUCK_WORKER_DUMP, pid=12)
     [finding] = shutdown_hang(replace(timeline([]), stalls=(stall,)), RuleConfig())
     assert finding.message.endswith("terminated in __getitem__ (set.py:7)"), finding.message
 

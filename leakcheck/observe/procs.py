@@ -1,8 +1,7 @@
 """Process facts from /proc: identities, lineage, session tags, descriptors, /dev/shm.
 
-Files are read with plain ``os.open``/``os.read`` (``_read``); the tracker's per-sample calls
-reuse open descriptors (NOTE [descriptor cache]). A process that exits or denies access while
-read is normal: single-process functions return None (or False), scans skip it.
+A process that exits or denies access while read is normal: single-process functions return
+None (or False), scans skip it.
 
 NOTE [session tag]: the tracker exports ``LEAKCHECK_SESSION=<id>`` so that the job's processes
 are recognised even once reparented. ``/proc/PID/environ`` is the environment of the last
@@ -62,8 +61,7 @@ class _Stat(NamedTuple):
     ppid: int
     num_threads: int
     starttime_ticks: int
-    image: tuple[int, bytes, bytes, bytes, bytes, bytes] | None
-    """Its exec image (NOTE [incremental tag scan]); None where the kernel hides it."""
+    image: tuple[int, bytes, bytes, bytes, bytes, bytes] | None  # NOTE [incremental tag scan]
 
 
 class ShmSegment(NamedTuple):
@@ -96,10 +94,9 @@ def _read(
 def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes:
     """The whole file from offset 0.
 
-    ``record_bytes`` None: a file that fills any buffer, so a short read is its end. Else a
-    seq_file (children, maps) that returns about a page per read, stopping before a record
-    (at most that long) that does not fit: a read is its end only when shorter than a page
-    by more than one record.
+    ``record_bytes``: a seq_file's longest record (children, maps). Such a file returns about
+    a page per read, stopping before a record that does not fit, so a read is its end only
+    when shorter than a page by more than one record; else a short read is the end.
     """
     data = os.pread(fd, chunk, 0)
     size = len(data)
@@ -202,22 +199,21 @@ _RECHECK_EVERY = 4
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("listed", "parent_tids", "stat_fd", "task_fds", "used")
+    __slots__ = ("last_read", "listed", "parent_tids", "stat_fd", "task_fds", "used")
 
     def __init__(self, stat_fd: int, used: int) -> None:
         self.stat_fd = stat_fd
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # Its main thread and the threads with children at the last full read (NOTE [quick
-        # walk]).
+        # NOTE [quick walk]: its last full read with the tag and with_cmdline it was read
+        # for, and its main thread and the threads with children then.
+        self.last_read: tuple[ProcInfo, bytes | None, bool] | None = None
         self.parent_tids: tuple[str, ...] = ()
 
 
 _fd_lock = threading.Lock()
 _handles: dict[int, _Handles] = {}
-# Per PID: its last full read, the tag and with_cmdline it was read for, the walk that saw it.
-_last_read: dict[int, tuple[ProcInfo, bytes | None, bool, int]] = {}
 _cached_fd_count = 0
 _generation = 0
 
@@ -298,13 +294,6 @@ def _read_children(fd: int) -> list[int] | None:
     return [int(child) for child in data.split()]
 
 
-def _children_file(pid: int, tid: int | str) -> list[int] | None:
-    """The children of one task, read afresh (no descriptor kept); None: gone."""
-    path = f"{_PROC}/{pid}/task/{tid}/children"
-    data = _read(path, 4096, whole=True, record_bytes=_CHILD_RECORD_BYTES)
-    return None if data is None else [int(child) for child in data.split()]
-
-
 def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:
     """Children of every thread of ``pid``, through the cache where ``_hot_stat`` opened it.
 
@@ -318,8 +307,6 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
         fd = task_fds.get(str(pid))
         if fd is not None and len(task_fds) == 1:
             return _read_children(fd) or []
-        if handles is None:
-            return _children_file(pid, pid) or []
         tids = [str(pid)]
     elif (
         handles is not None
@@ -370,9 +357,9 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
     return children
 
 
-# NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A process still listed
-# under the same parent as at its last full read is then served from that read, with no stat
-# read, and only its main thread's children file is read again (processes are nearly always
+# NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A cached process still
+# listed under the same parent as at its last full read is then served from that read, with no
+# stat read, and only its main thread's children file is read again (processes are nearly always
 # started from the main thread). The root has its stat and the children files of its main
 # thread and of the threads that had children at its last full read read again. Each process
 # is read in full once every ``_RECHECK_EVERY`` walks, spread by PID. What a quick walk can
@@ -404,21 +391,17 @@ def _quick_children(
     pid: int, parent: int, tag: bytes | None, with_cmdline: bool
 ) -> tuple[ProcInfo, list[int]] | None:
     """A known process and its children, without a stat read; None: read it in full."""
-    last = _last_read.get(pid)
-    if last is None or _full_read_due(pid):
-        return None
-    info, info_tag, info_with_cmdline, _seen = last
-    if info.ppid != parent or (info_tag, info_with_cmdline) != (tag, with_cmdline):
-        return None
     handles = _handles.get(pid)
-    fd = handles.task_fds.get(str(pid)) if handles is not None else None
-    # Past the descriptor budget, its main thread's file is read afresh.
-    children = _read_children(fd) if fd is not None else _children_file(pid, pid)
+    if handles is None or handles.last_read is None or _full_read_due(pid):
+        return None
+    info, read_tag, read_with_cmdline = handles.last_read
+    fd = handles.task_fds.get(str(pid))  # None past the budget: a full read
+    if fd is None or info.ppid != parent or (read_tag, read_with_cmdline) != (tag, with_cmdline):
+        return None
+    children = _read_children(fd)
     if children is None:
         return None
-    if handles is not None:
-        handles.used = _generation
-    _last_read[pid] = (info, tag, with_cmdline, _generation)
+    handles.used = _generation
     return info, children
 
 
@@ -429,7 +412,6 @@ def _forget_handles_after_fork() -> None:
     _fd_lock = threading.Lock()
     for pid in list(_handles):
         _drop(pid)
-    _last_read.clear()
     _cached_fd_count = 0
 
 
@@ -542,13 +524,12 @@ def descendants(
                 if stat is None or stat.ppid != parent or stat.state in _DEAD_STATES:
                     continue
                 info = _info(pid, stat, tag, with_cmdline)
-                _last_read[pid] = (info, tag, with_cmdline, _generation)
+                if pid in _handles:
+                    _handles[pid].last_read = (info, tag, with_cmdline)
                 children = _hot_children(pid, stat.num_threads)
             found.append(info)
             stack.extend((pid, child) for child in reversed(children))
         _evict(_generation - 1)  # not used by this walk nor the previous one
-        for pid in [pid for pid, last in _last_read.items() if last[3] < _generation - 1]:
-            del _last_read[pid]
     return found
 
 

@@ -217,24 +217,13 @@ def test_name_with_spaces_and_parentheses(spawn: Spawn, tmp_path: Path) -> None:
     assert info.key.start_ticks == _start_ticks(child.pid)
 
 
-def test_a_kernel_thread_is_told_by_its_stat_line(kernel_threads: set[int]) -> None:
+def test_a_kernel_thread_is_told_by_its_flags(kernel_threads: set[int]) -> None:
     kernel = 2 if 2 in kernel_threads else min(kernel_threads)  # kthreadd, on a host
-    kernel_line = Path(f"/proc/{kernel}/stat").read_bytes()
-    own_line = Path("/proc/self/stat").read_bytes()
-    assert procs._is_kernel_thread(kernel_line), kernel_line
-    assert not procs._is_kernel_thread(own_line), own_line
-    # Not by its zeroed memory layout (startcode, endcode, startstack: fields 26-28), which a
-    # zombie shows too: only the flags say it.
-    zeroed = own_line[: own_line.rfind(b")") + 2] + b" ".join(
-        b"0" if 23 <= index <= 25 else field
-        for index, field in enumerate(own_line[own_line.rfind(b")") + 2 :].split())
-    )
-    assert not procs._is_kernel_thread(zeroed)
-    # A line cut short or without its name's ")" is no kernel thread, and no error.
-    assert not procs._is_kernel_thread(b"")
-    assert not procs._is_kernel_thread(b"123 (cut")
-    assert not procs._is_kernel_thread(kernel_line[: kernel_line.rfind(b")") + 10])
-    assert not procs._is_kernel_thread(b"123 (x) S 1 2 3 4 5 abc 7")  # flags not a number
+    listed = {info.key.pid for info in procs.scan_all(with_cmdline=False)}
+    users = {info.key.pid for info in procs.scan_all(with_cmdline=False, kernel_threads=False)}
+    assert kernel in listed and kernel not in users
+    assert os.getpid() in users
+    assert not kernel_threads & users
 
 
 def test_session_tag_from_exec_environment(spawn: Spawn) -> None:

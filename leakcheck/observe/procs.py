@@ -34,11 +34,8 @@ from typing import NamedTuple
 
 from leakcheck.core.readings import ProcessKey, ProcInfo
 
-SESSION_ENV = "LEAKCHECK_SESSION"
-"""Environment variable that carries a tracker's session id to every exec'd child."""
-
-CMDLINE_MAX_CHARS = 32768
-"""Command lines are read up to this many bytes: a bound on memory, far above any real one."""
+SESSION_ENV = "LEAKCHECK_SESSION"  # NOTE [session tag]
+CMDLINE_MAX_CHARS = 32768  # a bound on memory, far above any real command line
 
 _PROC = "/proc"
 # A process gone (ENOENT), exited between open and read (ESRCH), or not ours (EACCES/EPERM).
@@ -62,6 +59,7 @@ class _Stat(NamedTuple):
     num_threads: int
     starttime_ticks: int
     image: tuple[int, bytes, bytes, bytes, bytes, bytes] | None  # NOTE [incremental tag scan]
+    kernel: bool
 
 
 class ShmSegment(NamedTuple):
@@ -126,14 +124,9 @@ def _parse_stat(data: bytes) -> _Stat | None:
     # arg_start .. env_end (fields 48-51): 0 where we may not ptrace it or it has no memory.
     if len(fields) >= 49 and fields[46] != b"0":
         image = (starttime_ticks, name, fields[45], fields[46], fields[47], fields[48])
-    return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image)
-
-
-def _is_kernel_thread(stat_line: bytes) -> bool:
-    # PF_KTHREAD in field 9, not the zeroed memory layout, which a zombie shows too.
-    end = stat_line.rfind(b")")
-    fields = stat_line[end + 2 :].split(maxsplit=7) if end >= 0 else []
-    return len(fields) > 6 and fields[6].isdigit() and int(fields[6]) & _PF_KTHREAD != 0
+    # A kernel thread by PF_KTHREAD in field 9, not by the zeroed memory layout a zombie shows.
+    kernel = fields[6].isdigit() and int(fields[6]) & _PF_KTHREAD != 0
+    return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image, kernel)
 
 
 def _stat(pid: int) -> _Stat | None:
@@ -176,10 +169,6 @@ def _info(
         cmdline=cmdline.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"),
         tagged=tag is not None and _environ_tag(pid, prefix) == tag,
     )
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir(_PROC) if name.isdigit()]
 
 
 # NOTE [descriptor cache]: opening a /proc file costs about 3x reading it, and the tracker
@@ -563,12 +552,13 @@ def is_alive(key: ProcessKey) -> bool:
 def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
     """The stat of every live process of this PID namespace, in PID order (zombies left out)."""
     stats: dict[int, _Stat] = {}
-    for pid in sorted(_all_pids()):
-        data = _read(f"{_PROC}/{pid}/stat")
-        if not data or (not kernel_threads and _is_kernel_thread(data)):
-            continue
-        stat = _parse_stat(data)
-        if stat is not None and stat.state not in _DEAD_STATES:
+    for pid in sorted(int(name) for name in os.listdir(_PROC) if name.isdigit()):
+        stat = _stat(pid)
+        if (
+            stat is not None
+            and stat.state not in _DEAD_STATES
+            and (kernel_threads or not stat.kernel)
+        ):
             stats[pid] = stat
     return stats
 
@@ -778,14 +768,22 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
 _device_targets: dict[int, str] = {}
 
 
-def _nvidia_and_count(pid: int) -> tuple[dict[int, str], int] | None:
+class Descriptors(NamedTuple):
+    """A process's ``/dev/nvidia*`` descriptors, how many it has open, its soft limit."""
+
+    nvidia: dict[int, str]
+    open_count: int
+    limit: int | None = None
+
+
+def _listed(pid: int) -> Descriptors | None:
     """The ``/dev/nvidia*`` descriptors of a process and how many it has open, one listing."""
     if pid != os.getpid():
         targets = _fd_targets(pid)
         if targets is None:
             return None
         nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
-        return nvidia, len(targets)
+        return Descriptors(nvidia, len(targets))
     try:
         names = os.listdir(f"{_PROC}/self/fd")
     except OSError:
@@ -803,40 +801,31 @@ def _nvidia_and_count(pid: int) -> tuple[dict[int, str], int] | None:
             continue  # closed since the listing (the listing's own descriptor is)
         if is_nvidia_device_target(target):
             found[int(name)] = target
-    return found, len(names)
+    return Descriptors(found, len(names))
 
 
 def nvidia_fds(pid: int) -> dict[int, str] | None:
     """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
-    found = _nvidia_and_count(pid)
-    return None if found is None else found[0]
+    found = _listed(pid)
+    return None if found is None else found.nvidia
 
 
 def nvidia_fd_count(pid: int) -> int | None:
     """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
-    found = _nvidia_and_count(pid)
-    return None if found is None else len(found[0])
-
-
-class Descriptors(NamedTuple):
-    """A process's ``/dev/nvidia*`` descriptors, how many it has open, its soft limit."""
-
-    nvidia: dict[int, str]
-    open_count: int
-    limit: int | None
+    found = _listed(pid)
+    return None if found is None else len(found.nvidia)
 
 
 def descriptors(pid: int) -> Descriptors | None:
     """One listing of ``/proc/PID/fd`` and one read of its limits; None when unreadable."""
-    found = _nvidia_and_count(pid)
+    found = _listed(pid)
     if found is None:
         return None
-    limit: int | None = None
     for line in (_read(f"{_PROC}/{pid}/limits") or b"").splitlines():
         if line.startswith(b"Max open files"):
             soft = line[len(b"Max open files") :].split()[:1]
-            limit = int(soft[0]) if soft and soft[0].isdigit() else None
-    return Descriptors(found[0], found[1], limit)
+            return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
+    return found
 
 
 # --- /dev/shm -------------------------------------------------------------------------------

@@ -233,17 +233,16 @@ def _evict(older_than: int) -> None:
         _drop(pid)
 
 
-def _reserve(count: int) -> bool:
-    """Make room for ``count`` more cached descriptors, if the bound allows."""
+def _reserve() -> bool:
+    """Make room for one more cached descriptor, if the bound allows."""
     global _cached_fd_count
-    limit = _cached_fd_limit()
-    if _cached_fd_count + count > limit:
+    if _cached_fd_count >= _cached_fd_limit():
         # Only what neither this walk nor the previous one used: else a job larger than the
         # budget would reopen everything on every walk. Past it, the newest go uncached.
         _evict(_generation - 1)
-        if _cached_fd_count + count > limit:
+        if _cached_fd_count >= _cached_fd_limit():
             return False
-    _cached_fd_count += count
+    _cached_fd_count += 1
     return True
 
 
@@ -268,7 +267,7 @@ def _hot_stat(pid: int) -> _Stat | None:
     except OSError:
         data = b""
     stat = _parse_stat(data) if data else None
-    if stat is not None and _reserve(1):
+    if stat is not None and _reserve():
         _handles[pid] = _Handles(fd, _generation)
     else:
         os.close(fd)
@@ -330,7 +329,7 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
             keep = (
                 handles is not None
                 and (tid == str(pid) or _cached_fd_limit() >= _MAX_CACHED_FDS)
-                and _reserve(1)
+                and _reserve()
             )
             if keep:
                 task_fds[tid] = fd
@@ -412,10 +411,9 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 
 @functools.cache
 def boot_time_s() -> float:
-    """Boot time in Unix seconds (``btime`` of /proc/stat), to show start ticks to people.
+    """Boot time in Unix seconds (``btime``; 0.0 unreadable), for people (NOTE [process identity]).
 
-    Never an identity (NOTE [process identity]); cached, so that a start shows alike every
-    time; 0.0 where unreadable.
+    Cached, so that a start shows alike every time.
     """
     for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"btime"):
@@ -424,10 +422,7 @@ def boot_time_s() -> float:
 
 
 def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
-    """A start in ticks as a Unix time, for people: never compare it (NOTE [process identity]).
-
-    ``boot_unix_s``: the boot time to add (default ``boot_time_s()``).
-    """
+    """A start in ticks as a Unix time, for people: never compare it (NOTE [process identity])."""
     boot = boot_time_s() if boot_unix_s is None else boot_unix_s
     return start_ticks / clock_ticks() + boot
 
@@ -460,7 +455,6 @@ def read_proc(
 
     With ``session_id``, ``tagged`` tells whether its initial environment has
     ``<tag_variable>=<session_id>`` (NOTE [session tag]; unreadable: untagged).
-    ``with_cmdline`` False leaves the command line (arguments joined by spaces) empty.
     """
     stat = _stat(pid)
     if stat is None:
@@ -478,9 +472,8 @@ def descendants(
 ) -> list[ProcInfo]:
     """Every live process below ``root_pid`` (not the root), parents before their children.
 
-    Walks the children files from the root down (NOTE [children files]); a listed child whose
-    stat names another parent (PID reused, reparented) is skipped, and so are zombies.
-    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``quick``: NOTE [quick walk].
+    Walks the children files (NOTE [children files]); a listed child whose stat names another
+    parent (PID reused, reparented) is skipped, and so are zombies. ``quick``: NOTE [quick walk].
     """
     global _children_supported, _generation
     tag = None if session_id is None else session_id.encode()
@@ -523,7 +516,6 @@ def descendants(
 
 
 def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -> list[ProcInfo]:
-    """``descendants`` from one scan of every /proc/PID/stat (no children files)."""
     stats = _live_stats()
     tree: dict[int, list[int]] = {}
     for pid, stat in stats.items():
@@ -550,7 +542,6 @@ def is_alive(key: ProcessKey) -> bool:
 
 
 def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
-    """The stat of every live process of this PID namespace, in PID order (zombies left out)."""
     stats: dict[int, _Stat] = {}
     for pid in sorted(int(name) for name in os.listdir(_PROC) if name.isdigit()):
         stat = _stat(pid)
@@ -566,11 +557,7 @@ def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
 def scan_all(
     *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
 ) -> list[ProcInfo]:
-    """Every live process of this PID namespace, in PID order, from one pass over /proc.
-
-    ``session_id`` and ``with_cmdline`` as in ``read_proc``; ``kernel_threads`` False leaves
-    out kernel threads (no descriptors, no tag).
-    """
+    """Every live process of this PID namespace, in PID order, from one pass over /proc."""
     tag = None if session_id is None else session_id.encode()
     stats = _live_stats(kernel_threads=kernel_threads)
     return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
@@ -589,17 +576,13 @@ def scan_all(
 class TagScan:
     """Repeated scans for the live processes of one session born since its root.
 
-    Environments and command lines are read only for processes born since the root and not
-    known, and each scan only for what is new in /proc (NOTE [incremental tag scan]).
+    Each reads only what is new in /proc (NOTE [incremental tag scan]); the root
+    ``born_since`` is left out itself; ``variable``: NOTE [run tag] in launcher.py.
     """
 
     def __init__(
         self, session_id: str, *, born_since: ProcessKey, variable: str = SESSION_ENV
     ) -> None:
-        """Scans for ``session_id`` in ``variable`` among processes born since ``born_since``.
-
-        The root ``born_since`` is left out itself; ``variable``: NOTE [run tag] in launcher.py.
-        """
         self._tag = session_id.encode()
         self._prefix = _tag_prefix(variable)
         self._born_since = born_since
@@ -644,10 +627,7 @@ class TagScan:
 
 
 def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None:
-    """The variables ``names`` set in a process's initial environment (NOTE [session tag]).
-
-    None when it cannot be read (gone, not ours): unknown, not empty.
-    """
+    """The variables ``names`` set in a process's initial environment; None: unreadable."""
     data = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
     if data is None:
         return None
@@ -667,10 +647,7 @@ def tagged_session(pid: int) -> str | None:
 
 
 def new_session_id(root_pid: int | None = None) -> str:
-    """A session tag, ``<pid>-<start ticks>-<random>``, naming its root's identity.
-
-    So an orphan can tell that its root is gone; the ticks are 0 where the root is unreadable.
-    """
+    """A session tag, ``<pid>-<start ticks>-<random>``: an orphan can tell its root is gone."""
     pid = root_pid if root_pid is not None else os.getpid()
     key = process_key(pid)
     return f"{pid}-{key.start_ticks if key else 0}-{os.urandom(4).hex()}"
@@ -690,7 +667,7 @@ def is_ancestor(
 ) -> bool:
     """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``.
 
-    ``born_since_ticks``: the ancestor's start; the walk stops at an older process.
+    ``born_since_ticks``: the ancestor's start, where the walk stops.
     """
     current = pid
     for _ in range(max_depth):
@@ -709,10 +686,7 @@ def is_ancestor(
 
 @functools.cache
 def pid_namespace_nested() -> bool:
-    """Whether this process runs in a child PID namespace (a container without host PIDs).
-
-    NVML reports host PIDs, which then do not match ours (``NSpid`` has more than one entry).
-    """
+    """Whether this process runs in a child PID namespace, where NVML's host PIDs are not ours."""
     for line in (_read(f"{_PROC}/self/status", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"NSpid:"):
             return len(line.split()) > 2
@@ -851,10 +825,7 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
 
 
 def shm_name_from_path(path: str, directory: str = "/dev/shm") -> str | None:
-    """The segment name of a path in ``directory`` as /proc shows it; None for other paths.
-
-    A ``" (deleted)"`` suffix is kept: memory still held but gone from the directory.
-    """
+    """The segment name of a path in ``directory`` (`` (deleted)`` kept); None elsewhere."""
     prefix = directory.rstrip("/") + "/"
     if not path.startswith(prefix) or len(path) == len(prefix):
         return None
@@ -862,11 +833,7 @@ def shm_name_from_path(path: str, directory: str = "/dev/shm") -> str | None:
 
 
 def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, list[str]]:
-    """PID -> sorted names of the shared-memory files it holds open or mapped.
-
-    Reads /proc/PID/fd and /proc/PID/maps of these PIDs; those holding none, and unreadable
-    or vanished ones, are left out.
-    """
+    """PID -> sorted names of the shared-memory files it holds open or mapped (none: left out)."""
     held: dict[int, list[str]] = {}
     needle = (directory.rstrip("/") + "/").encode()
     for pid in pids:
@@ -917,7 +884,6 @@ class PidMark(NamedTuple):
     """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
     ``last_pid`` None: unknown, and ``names`` (the /proc entries then) is compared instead.
-    ``boot_s``: seconds since boot, the clock of start ticks.
     """
 
     last_pid: int | None
@@ -934,10 +900,7 @@ class PidMark(NamedTuple):
         )
 
     def pids_since(self) -> list[int]:
-        """PIDs that may have started since the mark, in allocation order (parents first).
-
-        After a wrap-around an older process may fall in the range: callers compare ticks.
-        """
+        """PIDs that may have started since the mark (callers compare ticks), parents first."""
         now = last_pid()
         if self.last_pid is None or now is None:
             return sorted(int(name) for name in _proc_names() - self.names if name.isdigit())
@@ -953,10 +916,9 @@ class PidMark(NamedTuple):
 
 
 def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
-    """Whether ``pid`` was handed out after ``mark`` (up to ``now``, the last PID handed out).
+    """Whether ``pid`` was handed out after ``mark``, up to ``now``; None where unknown.
 
-    None where either is unknown. After a wrap-around an older PID can be in the range
-    again, so True means "may be new"; False is certain.
+    After a wrap-around an older PID can be in the range again: True means "may be new".
     """
     start = mark.last_pid
     if start is None or now is None:
@@ -967,10 +929,7 @@ def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
 
 
 class Lineage:
-    """Which new processes are one process's (``pid``) own.
-
-    Descendants now, tagged by it, or its reparented untagged forks (NOTE [whose process]).
-    """
+    """Which new processes are one process's (``pid``) own (NOTE [whose process])."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -1017,10 +976,8 @@ class Lineage:
         )
 
     def _forked_here(self, info: ProcInfo) -> bool:
-        """A reparented fork of the process (ours has PID 1, a subreaper or us for parent).
-
-        One whose live parent looks alike too is a twin's: xdist workers start alike.
-        """
+        # A reparented fork has PID 1, a subreaper or us for parent; one whose live parent
+        # looks alike too is a twin's (xdist workers start alike).
         parent = info.ppid
         return self._looks_alike(info.key.pid) and (
             parent <= 1 or parent == self.pid or not self._looks_alike(parent)

@@ -1,14 +1,11 @@
 """What a process is, in the words people use for it: the one place that names a process.
 
 NOTE [process names]: decisions read a process's whole command line (``roles``); people read
-a name. An interpreter's command line says nothing until what it runs
-(``/home/me/proj/.venv/bin/python -c i...`` named every orphan alike), so the name is that:
-``train.py --lr 0.1``, ``python -m torch.distributed.run``, ``python -c "import time"``,
-``sleep 60``; multiprocessing's own processes by what they are (``resource tracker``,
-``spawn worker``); a loader's worker as ``worker 3 of train.py:42`` where its loader is known.
+a name: what an interpreter runs (``train.py --lr 0.1``, ``python -m torch.distributed.run``,
+``python -c "import time"``), else the program (``sleep 60``); multiprocessing's own processes
+by what they are (``resource tracker``); a loader's worker as ``worker 3 of train.py:42``.
 Every report, table and snapshot shows a process through ``process_name`` (or ``culprit``,
-which adds its role, rank and PID), and cuts it there: one shortener, whatever the width.
-Command lines are arguments joined by spaces, so an argument with spaces is split too.
+which adds its role, rank and PID), cut by the one shortener, whatever the width.
 """
 
 from __future__ import annotations
@@ -66,10 +63,7 @@ def _python_target(args: list[str]) -> str:
 
 
 def process_name(cmdline: str | None, *, width: int = NAME_WIDTH, empty: str = "?") -> str:
-    """Name a process by what it runs (NOTE [process names]), at most ``width`` characters.
-
-    ``empty`` is what an empty or unknown (None) command line shows as.
-    """
+    """Name a process by what it runs (NOTE [process names]), at most ``width`` characters."""
     # Split on spaces only: a `python -c` script keeps its line breaks until it is named.
     args = [arg for arg in (cmdline or "").split(" ") if arg.strip()]
     if not args:
@@ -100,9 +94,7 @@ def culprits(
 ) -> str:
     """Processes as a report names them: ``rank 1 orphan sleep 60 (PID 11)``.
 
-    A worker by its loader, ``worker 3 of train.py:42 (PID 7)``, else ``spawn worker 3``;
-    ``cmdline`` is its parent's for a forked worker, the start method's for a spawned one.
-
+    A worker by its loader, ``worker 3 of train.py:42 (PID 7)``, else ``spawn worker 3``.
     Several of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``, the first ``shown``
     PIDs. The role is left out where the rule already says it (an orphan's) or the name does.
     """

@@ -45,41 +45,36 @@ starts its workers by file name), with what people call them (NOTE [process name
 RUNTIME_HELPERS = tuple(name for name in HELPER_NAMES if name != "multiprocessing.spawn")
 
 DAEMON_HELPERS = ("torch_shm_manager",)
-"""Helpers that leave their parent's tree by design (torch's shared-memory manager daemonizes
-and exits after its last client): reparented, no orphan, unlike any other helper."""
+"""Helpers (by name) that leave their parent's tree by design (torch's shared-memory manager
+daemonizes and exits after its last client): reparented, no orphan, unlike any other."""
 
 HELPER_FLAG = "helper"  # the flag a snapshot gives a runtime helper of the job
 
 
-def _fragment_pattern(fragment: str) -> str:
-    forms = {re.escape(fragment), re.escape(fragment.replace(".", "/"))}
-    # Whole names only: `my_torch_shm_manager.py` or `x.multiprocessing.forkserver_2` are
-    # not helpers. Before the fragment: not part of a longer name; after: not a longer word.
-    return r"(?<![\w.])(?:" + "|".join(sorted(forms)) + r")(?!\w)"
-
-
 @functools.cache
-def _pattern(fragments: tuple[str, ...]) -> re.Pattern[str]:
-    # Compiled on first use, not at import (NOTE [lean start] in cli.py).
-    return re.compile("|".join(_fragment_pattern(fragment) for fragment in fragments))
-
-
-def is_runtime_helper(cmdline: str) -> bool:
-    """Whether a ``RUNTIME_HELPERS`` fragment is in a command line as a whole name or path."""
-    return _pattern(RUNTIME_HELPERS).search(cmdline) is not None
+def _pattern(fragment: str) -> re.Pattern[str]:
+    # Compiled on first use, not at import (NOTE [lean start] in cli.py). Whole names only:
+    # `my_torch_shm_manager.py` or `x.multiprocessing.forkserver_2` are not helpers.
+    forms = "|".join(sorted({re.escape(fragment), re.escape(fragment.replace(".", "/"))}))
+    return re.compile(r"(?<![\w.])(?:" + forms + r")(?!\w)")
 
 
 def runtime_helper_name(cmdline: str) -> str | None:
     """The name of the helper or spawned worker a command line is (``HELPER_NAMES``), or None."""
-    for fragment, name in HELPER_NAMES.items():
-        if _pattern((fragment,)).search(cmdline) is not None:
-            return name
-    return None
+    return next(
+        (name for fragment, name in HELPER_NAMES.items() if _pattern(fragment).search(cmdline)),
+        None,
+    )
+
+
+def is_runtime_helper(cmdline: str) -> bool:
+    """Whether a ``RUNTIME_HELPERS`` fragment is in a command line as a whole name or path."""
+    return runtime_helper_name(cmdline) not in (None, "spawn worker")
 
 
 def is_daemon_helper(cmdline: str) -> bool:
     """Whether a command line is of a helper that daemonizes by design (``DAEMON_HELPERS``)."""
-    return _pattern(DAEMON_HELPERS).search(cmdline) is not None
+    return runtime_helper_name(cmdline) in DAEMON_HELPERS
 
 
 def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:

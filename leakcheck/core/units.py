@@ -23,9 +23,8 @@ _SECONDS_EXAMPLE = "such as 2 or 500ms"
 def parse_size(value: object, source: str = "value") -> int:
     """Parse a size such as ``16MiB``, ``1GB``, ``0.5GiB`` or ``4096`` into bytes.
 
-    A count of bytes must be whole (``1.5`` is refused); with a unit the result is rounded
-    down (``0.5GiB``). Text is converted exactly, never through a float. ``source`` names
-    where the value came from in the error (``--gpu-leak-tolerance``).
+    A count of bytes must be whole; with a unit the result is rounded down. Text is converted
+    exactly, never through a float; ``source`` names the value in the error.
 
     Raises:
         UsageError: Not a size, negative, not finite, or a fractional number of bytes.
@@ -61,15 +60,16 @@ def parse_size(value: object, source: str = "value") -> int:
     return math.floor(size)
 
 
+def _figure(value: float) -> str:
+    """One decimal below 10 (of any unit), none above."""
+    return f"{value:.1f}" if abs(value) < 10 and value != 0 else f"{value:.0f}"
+
+
 def format_mib(num_bytes: int | float | None, *, signed: bool = False) -> str:
     """Format bytes as MiB with one decimal below 10 MiB; ``-`` for None."""
     if num_bytes is None:
         return "-"
-    mib = num_bytes / MIB
-    sign = "+" if signed and mib > 0 else ""
-    if abs(mib) < 10 and mib != 0:
-        return f"{sign}{mib:.1f}"
-    return f"{sign}{mib:.0f}"
+    return ("+" if signed and num_bytes > 0 else "") + _figure(num_bytes / MIB)
 
 
 def format_size(num_bytes: int) -> str:
@@ -78,10 +78,9 @@ def format_size(num_bytes: int) -> str:
     if size >= 1024**3:
         return f"{num_bytes / 1024**3:.1f} GiB"
     if size >= MIB:
-        return f"{format_mib(num_bytes)} MiB"
+        return f"{_figure(num_bytes / MIB)} MiB"
     if size >= 1024:
-        kib = num_bytes / 1024
-        return f"{kib:.1f} KiB" if abs(kib) < 10 else f"{kib:.0f} KiB"
+        return f"{_figure(num_bytes / 1024)} KiB"
     return f"{num_bytes} B"
 
 
@@ -93,12 +92,10 @@ def plural(count: int, word: str, plural_word: str | None = None) -> str:
 def parse_duration(value: object, source: str = "value", *, negative_ok: bool = False) -> float:
     """Parse a duration in seconds (``2``, ``0.5``, ``2s``, ``500ms``) into seconds.
 
-    ``negative_ok`` returns a negative value, for a caller whose own floor says what is
-    expected (a sampling interval's 1 ms).
+    ``negative_ok``: for a caller whose own floor says what is expected.
 
     Raises:
-        UsageError: Not a duration, negative, NaN, or not below ``MAX_SECONDS`` (about 31
-            years; infinity included).
+        UsageError: Not a duration, negative, NaN, or not below ``MAX_SECONDS``.
 
     """
 

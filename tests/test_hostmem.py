@@ -10,6 +10,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -298,14 +299,14 @@ def test_status_fallback_when_smaps_rollup_is_denied(
     forker = Forker(spawn, "bytes", size_mib)
     rollup = forker.memory()
     # Another user's process: smaps needs ptrace access, status does not.
-    real_read = hostmem._read_at
+    real_open = os.open
 
-    def denied(name: str, dir_fd: int) -> bytes:
-        if name == "smaps_rollup":
-            raise PermissionError(13, "Permission denied", name)
-        return real_read(name, dir_fd)
+    def denied(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if path == "smaps_rollup":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(hostmem, "_read_at", denied)
+    monkeypatch.setattr(os, "open", denied)
     memory = hostmem.read_host_memory(forker.child)
     assert memory is not None and memory.source == "status"
     assert memory.uss_bytes is None and memory.pss_bytes is None

@@ -69,11 +69,17 @@ _ROLLUP_FIELDS = frozenset(
 _STATUS_FIELDS = frozenset((b"VmRSS", b"VmHWM", b"RssAnon", b"VmSwap"))
 
 
-def _read_at(name: str, dir_fd: int) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+def _read_at(name: str, dir_fd: int) -> bytes | None:
+    # Denied (smaps needs ptrace access, status does not), gone, or ESRCH (a zombie has no
+    # memory to walk): None. Both files fit: status's memory lines come before its CPU masks.
     try:
-        # Both files fit: status's memory lines come before its long CPU masks.
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
         return os.read(fd, 8192)
+    except OSError:
+        return None
     finally:
         os.close(fd)
 
@@ -136,28 +142,6 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
     return min(lost, gained)
 
 
-def _read_proc_memory(dir_fd: int, rollup: bool) -> HostMemory | None:
-    parsed = None
-    if rollup:
-        try:
-            parsed = _parse_rollup(_read_at("smaps_rollup", dir_fd))
-        except OSError:
-            # Denied (smaps needs ptrace access, status does not), gone, or ESRCH (a zombie
-            # has no memory to walk): status tells these apart.
-            parsed = None
-    try:
-        status = _parse_status(_read_at("status", dir_fd))
-    except OSError:
-        return parsed  # gone: None, or what smaps_rollup showed just before it went
-    if parsed is None:
-        return status
-    if status.source == "unknown":
-        return parsed  # it exited between the two reads
-    # The walk's Rss and the kernel's counters can differ by a few pages: a peak below the
-    # end would read as nonsense.
-    return replace(parsed, rss_peak_bytes=max(status.rss_peak_bytes or 0, parsed.rss_bytes or 0))
-
-
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:
     """Read one process's host memory; None when it is gone.
 
@@ -176,9 +160,19 @@ def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMe
     try:
         if isinstance(target, ProcessKey) and procs.process_key(pid) != target:
             return None
-        return _read_proc_memory(dir_fd, rollup)
+        rollup_data = _read_at("smaps_rollup", dir_fd) if rollup else None
+        status_data = _read_at("status", dir_fd)
     finally:
         os.close(dir_fd)
+    parsed = _parse_rollup(rollup_data) if rollup_data else None
+    if status_data is None:
+        return parsed  # gone: None, or what smaps_rollup showed just before it went
+    status = _parse_status(status_data)
+    if parsed is None or status.source == "unknown":
+        return parsed or status  # status tells a zombie from the living; or it exited between
+    # The walk's Rss and the kernel's counters can differ by a few pages: a peak below the
+    # end would read as nonsense.
+    return replace(parsed, rss_peak_bytes=max(status.rss_peak_bytes or 0, parsed.rss_bytes or 0))
 
 
 def read_host_memories(

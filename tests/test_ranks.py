@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from leakcheck.core.model import RankInfo, RuleConfig
+from leakcheck.core.model import Finding, RankInfo, RuleConfig
 from leakcheck.core.ranks import (
     EXPORTED_RANK_ENV,
-    culprit_label,
     exported_rank,
     physical_device,
     rank_from_environ,
@@ -92,9 +91,10 @@ def test_a_rank_leakcheck_exported_is_read_back_and_rank_wins() -> None:
         assert rank_from_environ({EXPORTED_RANK_ENV: bad}) is None, bad
 
 
-def test_culprit_label_carries_the_rank_where_known() -> None:
-    assert culprit_label("worker", 123, 1) == "rank 1 worker PID 123"
-    assert culprit_label("worker", 123) == "worker PID 123"
+def test_a_short_leak_carries_the_rank_where_known() -> None:
+    finding = Finding("orphan", "leak", "m", "r", pid=123, role="worker", rank=1)
+    assert leak_short(finding) == "orphan rank 1 worker PID 123"
+    assert leak_short(replace(finding, rank=None)) == "orphan worker PID 123"
 
 
 def test_environ_variables_reads_a_real_process() -> None:

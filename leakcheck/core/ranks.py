@@ -23,7 +23,6 @@ from leakcheck.core.model import RankInfo
 __all__ = [
     "EXPORTED_RANK_ENV",
     "RANK_VARIABLES",
-    "culprit_label",
     "exported_rank",
     "physical_device",
     "rank_from_environ",
@@ -106,8 +105,3 @@ def exported_rank(info: RankInfo) -> str:
 def rank_label(rank: int | None) -> str:
     """``rank 1 `` (with its space) where the rank is known, else empty."""
     return f"rank {rank} " if rank is not None else ""
-
-
-def culprit_label(role: str, pid: int, rank: int | None = None) -> str:
-    """How every report names a process: ``rank 1 worker PID 123`` (``worker PID 123``)."""
-    return f"{rank_label(rank)}{role} PID {pid}"

@@ -18,7 +18,7 @@ from leakcheck.core.model import (
     Timeline,
 )
 from leakcheck.core.names import ELLIPSIS, culprit, culprits, process_name
-from leakcheck.core.ranks import culprit_label, rank_label
+from leakcheck.core.ranks import rank_label
 from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.plot import plot_reports
@@ -326,7 +326,7 @@ def leak_short(finding: Finding) -> str:
         return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
-        who = culprit_label(role or "process", finding.pid, finding.rank)
+        who = f"{rank_label(finding.rank)}{role or 'process'} PID {finding.pid}"
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
     else:

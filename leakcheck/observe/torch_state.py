@@ -1,8 +1,8 @@
-"""Whether this process has a CUDA context through torch, asked without making one.
+"""Torch's CUDA state in this process, asked without making a context.
 
-leakcheck never imports torch nor initialises CUDA: touching the allocator or a device in a
-process without a context would make one (hundreds of MiB), and in a forked child of a CUDA
-parent it would fail. Every module that touches torch's CUDA state asks here first.
+leakcheck never imports torch nor initialises CUDA: touching a device in a process without a
+context would make one (hundreds of MiB), and in a forked child of a CUDA parent it would
+fail. Every module that touches torch's CUDA state asks here first.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 
 def initialized_cuda() -> Any | None:
-    """``torch.cuda`` where torch is imported and CUDA initialised in this process.
+    """``torch.cuda`` where torch is imported and CUDA initialised here, not inherited by fork.
 
-    None elsewhere: torch not imported, CUDA never initialised, a forked child of a CUDA
-    parent (whose inherited state must not be touched), or asking raised.
+    None elsewhere, or where asking raised.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -32,10 +31,9 @@ def initialized_cuda() -> Any | None:
 
 
 def clear_library_workspaces() -> None:
-    """Give back the cuBLAS workspaces torch's allocator keeps after a first matrix product.
+    """Give back the cuBLAS workspaces torch keeps after a first matrix product (best effort).
 
-    Allocated bytes no tensor holds: anything that judges "still allocated" clears them
-    first. Best effort: a torch without the call is left as is.
+    Allocated bytes no tensor holds: anything that judges "still allocated" clears them first.
     """
     torch_c = getattr(sys.modules.get("torch"), "_C", None)
     clear = getattr(torch_c, "_cuda_clearCublasWorkspaces", None)
@@ -58,9 +56,9 @@ def current_device() -> int | None:
 def pinned_host_bytes() -> tuple[int, int] | None:
     """``(allocated, reserved)`` bytes of torch's caching host (pinned) allocator here.
 
-    Allocated: blocks handed out to tensors (``active_bytes``); reserved: every block it
-    owns, cached ones included (``allocated_bytes``). None where CUDA is not initialised in
-    this process (never initialised here), the call is missing (an older torch) or raised.
+    Allocated: blocks handed out to tensors (``active_bytes``); reserved: every block it owns
+    (``allocated_bytes``). None where CUDA is not initialised here, or the call is missing or
+    raised.
     """
     stats = getattr(initialized_cuda(), "host_memory_stats", None)
     if stats is None:
@@ -76,7 +74,7 @@ def allocator_bytes(*, collect: bool = False) -> tuple[dict[int, int], dict[int,
     """``(allocated, reserved)`` bytes of torch's CUDA allocator per device here.
 
     ``collect`` first frees what only cycles, the cache and cuBLAS workspaces hold (NVML still
-    counts cached blocks). None where CUDA is not initialised here, or asking raised.
+    counts cached blocks). None as ``initialized_cuda``.
     """
     cuda = initialized_cuda()
     if cuda is None:

@@ -114,20 +114,21 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
         UsageError: One line naming ``option``, what was expected, and the value.
 
     """
+
+    def refused(expected: str, why: str = "", got: str = repr(text)) -> UsageError:
+        return UsageError(f"{option}: expected {expected}, got {got}{why}")
+
     if text is None:
         return None
     if not text.strip():
-        raise UsageError(f"{option}: expected a file path, got {text!r}")
+        raise refused("a file path")
     if text == "-":  # standard output is taken (sweep's table, run's program)
-        raise UsageError(
-            f"{option}: expected a file path, got '-' (standard output is not written to; "
-            "give a file name)"
-        )
+        raise refused("a file path", " (standard output is not written to; give a file name)")
     if suffix is not None and not text.lower().endswith(suffix):
-        raise UsageError(f"{option}: expected a file name ending in {suffix}, got {text!r}")
+        raise refused(f"a file name ending in {suffix}")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
-        raise UsageError(f"{option}: expected a path in an existing folder, got {text!r}")
+        raise refused("a path in an existing folder")
     try:
         existing = os.stat(text)
     except FileNotFoundError:
@@ -136,26 +137,20 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
         raise UsageError(f"{option}: cannot check {text!r}: {exc.strerror}") from None
     if existing is not None:
         if stat.S_ISDIR(existing.st_mode):
-            raise UsageError(f"{option}: expected a file path, got the folder {text!r}")
+            raise refused("a file path", got=f"the folder {text!r}")
         if not stat.S_ISREG(existing.st_mode):
-            raise UsageError(
-                f"{option}: expected a regular file to write, got {text!r} (not a regular file)"
-            )
+            raise refused("a regular file to write", " (not a regular file)")
         # Opening without truncating changes nothing, and is refused where os.access() says
         # yes to root: immutable and append-only files, read-only mounts.
         try:
             os.close(os.open(text, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY))
         except OSError as exc:
-            raise UsageError(
-                f"{option}: expected a writable file, got {text!r} ({exc.strerror})"
-            ) from None
+            raise refused("a writable file", f" ({exc.strerror})") from None
     try:
         handle, probe = tempfile.mkstemp(prefix=".leakcheck-probe-", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise UsageError(
-            f"{option}: expected a path in a folder that takes new files, got {text!r} "
-            f"(cannot create a file in {folder}: {exc.strerror})"
-        ) from None
+        why = f" (cannot create a file in {folder}: {exc.strerror})"
+        raise refused("a path in a folder that takes new files", why) from None
     os.close(handle)
     with contextlib.suppress(OSError):
         os.unlink(probe)

@@ -1,16 +1,14 @@
 """Distributed ranks: who a process is in a torchrun job, read from its environment.
 
-torchrun starts each rank with ``RANK`` and its fellows in its initial environment, and every
-process the rank starts inherits them: any process of a rank's lineage, orphans included,
-says its rank in ``/proc/PID/environ``.
+torchrun starts each rank with ``RANK`` and its fellows in its initial environment, which every
+process of its lineage inherits, orphans included (``/proc/PID/environ``).
 
 NOTE [exported rank]: a rank no launcher variable names (a ``torch.multiprocessing.spawn``
 child, a Lightning ``ddp_spawn`` rank) is given ``LEAKCHECK_RANK`` (``RANK,LOCAL_RANK,
 WORLD_SIZE``, empty where unknown) by ``leakcheck run`` in its own environment when it first
-iterates a DataLoader: every process it execs after that has it in its initial environment,
-so an orphan still says whose it was. Processes it forks keep the rank's initial environment:
-a tracker gives them their parent's rank, and ``leakcheck run`` the rank's own record's.
-``RANK`` wins where both are set.
+iterates a DataLoader, so every process it execs later says whose it was. Processes it forks
+keep the rank's initial environment: a tracker gives them their parent's rank, and
+``leakcheck run`` the rank's own record's. ``RANK`` wins where both are set.
 """
 
 from __future__ import annotations
@@ -46,13 +44,9 @@ RANK_VARIABLES: tuple[str, ...] = (
 
 def _count(text: str | None) -> int | None:
     """A non-negative integer, or None where absent or malformed (never raises)."""
-    if text is None:
-        return None
-    text = text.strip()
+    text = (text or "").strip()
     # Bounded: int() refuses more than 4,300 digits, and no rank or count has 19.
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        return None
-    return int(text)
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
@@ -71,10 +65,7 @@ def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
 
 
 def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
-    """A process's place in a distributed job, by ``RANK``, else by ``LEAKCHECK_RANK``.
-
-    None: not a rank's process (NOTE [exported rank]).
-    """
+    """A process's place in a distributed job, by ``RANK``, else ``LEAKCHECK_RANK``; or None."""
     rank = _count(environ.get("RANK"))
     if rank is not None:
         info = RankInfo(

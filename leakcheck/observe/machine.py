@@ -48,29 +48,21 @@ def own_memory_cgroup() -> tuple[str, bool] | None:
     return os.path.join(CGROUP_ROOT, *(() if v2 else ("memory",)), path), v2
 
 
-def _counter_files(cgroup_lines: str, root: str) -> list[str]:
-    # Its own folder, then the mount's root: in a container the path may name the host's
-    # hierarchy while the container's own cgroup is at the root.
-    files: list[str] = []
-    for path, v2 in _memory_cgroups(cgroup_lines):
-        base = root if v2 else os.path.join(root, "memory")
-        name = "memory.events" if v2 else "memory.oom_control"
-        files += [os.path.join(base, path, name)] if path else []
-        files.append(os.path.join(base, name))
-    return files
-
-
 def oom_kill_count() -> int | None:
     """How many processes the OOM killer killed in this process's memory cgroup (None: unknown)."""
     lines = _read_text(_PROC_SELF_CGROUP)
     if lines is None:
         return None
-    for path in _counter_files(lines, CGROUP_ROOT):
-        text = _read_text(path)
-        for line in (text or "").splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill" and value.strip().isdigit():
-                return int(value)
+    for path, v2 in _memory_cgroups(lines):
+        base = CGROUP_ROOT if v2 else os.path.join(CGROUP_ROOT, "memory")
+        # Its own folder, then the mount's root: in a container the path may name the host's
+        # hierarchy while the container's own cgroup is at the root.
+        for folder in [os.path.join(base, path), base] if path else [base]:
+            name = "memory.events" if v2 else "memory.oom_control"
+            for line in (_read_text(os.path.join(folder, name)) or "").splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
     return None
 
 

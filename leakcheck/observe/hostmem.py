@@ -45,9 +45,9 @@ class HostMemory:
     """Host memory of one process at one moment, in bytes.
 
     USS is what the process alone holds (what copy-on-read grows); PSS shares each page among
-    the processes that map it; RSS counts every resident page. USS, PSS and the dirty figures
-    come from ``smaps_rollup`` only; ``source`` ``status`` (rollup unreadable: another user's
-    process) has RSS, ``unknown`` (a zombie, a kernel thread) nothing.
+    the processes that map it; RSS counts every resident page. ``source`` ``status`` (rollup
+    unreadable: another user's process) has no USS, PSS nor dirty figures; ``unknown`` (a
+    zombie, a kernel thread) nothing.
     """
 
     uss_bytes: int | None  # Private_Clean + Private_Dirty + Private_Hugetlb
@@ -178,7 +178,7 @@ def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMe
 def read_host_memories(
     targets: Iterable[_Target], *, rollup: bool = True
 ) -> dict[_Target, HostMemory]:
-    """``read_host_memory`` of each target, keyed as given; processes gone are left out."""
+    """``read_host_memory`` of each target still there, keyed as given."""
     found: dict[_Target, HostMemory] = {}
     for target in targets:
         memory = read_host_memory(target, rollup=rollup)
@@ -205,7 +205,7 @@ class ShmCapacity:
 
 
 def shm_capacity(directory: str = "/dev/shm") -> ShmCapacity | None:
-    """Size, use and free space of the filesystem behind ``directory``; None if missing."""
+    """The ``ShmCapacity`` of ``directory``; None if missing."""
     try:
         st = os.statvfs(directory)
     except OSError:

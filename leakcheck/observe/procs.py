@@ -171,15 +171,13 @@ def _info(
     )
 
 
-# NOTE [descriptor cache]: opening a /proc file costs about 3x reading it, and the tracker
-# reads the same files of the same processes on every walk. So ``descendants`` and
-# ``is_alive`` keep /proc/PID/stat and the per-task children files open and re-read them with
-# ``pread``. An open /proc file is bound to its process, not the number: once it is reaped,
-# reading its stat fails, its descriptors are closed and the PID is opened afresh. A children
-# file of a vanished thread reads empty, so a task list is taken again whenever the thread
-# count changes, and at least every ``_RELIST_EVERY`` walks. Bounded: at most 256 descriptors
-# and an eighth of RLIMIT_NOFILE; entries unused in the last two walks are closed; a forked
-# child closes its inherited copies at once.
+# NOTE [descriptor cache]: opening a /proc file costs about 3x reading it, so ``descendants``
+# and ``is_alive`` keep /proc/PID/stat and the per-task children files open and re-read them
+# with ``pread``. An open /proc file is bound to its process: once it is reaped, reading its
+# stat fails and the PID is opened afresh. A vanished thread's children file reads empty, so
+# the task list is taken again whenever the thread count changes, and every ``_RELIST_EVERY``
+# walks. Bounded: 256 descriptors and an eighth of RLIMIT_NOFILE; entries unused in the last
+# two walks are closed; a forked child closes its inherited copies at once.
 _MAX_CACHED_FDS = 256
 _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
@@ -346,12 +344,11 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
 
 
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A cached process still
-# listed under the same parent as at its last full read is then served from that read, with no
-# stat read, and only its main thread's children file is read again (processes are nearly always
-# started from the main thread). The root has its stat and the children files of its main
-# thread and of the threads that had children at its last full read read again. Each process
-# is read in full once every ``_RECHECK_EVERY`` walks, spread by PID. What a quick walk can
-# miss, for at most that many walks: a zombie still listed, the children of threads that had
+# listed under the same parent as at its last full read is then served from that read, and only
+# its main thread's children file is read again (where processes are nearly always started);
+# the root's stat is read, and the children files of its threads that had children. Each
+# process is read in full every ``_RECHECK_EVERY`` walks, spread by PID. So for at most that
+# many walks a quick walk can miss a zombie still listed, the children of threads that had
 # none (the tracker checks a missing known process by identity), and a PID reused under the
 # same parent. Epoch ends, ``close()`` and snapshots never walk quickly.
 
@@ -563,14 +560,13 @@ def scan_all(
     return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
 
 
-# NOTE [incremental tag scan]: a tag scan reads the stat line of every process in /proc, so it
-# costs with the machine's processes, not the job's (2.5-2.9 ms for 184); yet a process judged
-# once stays judged: born before the root, the root, known, or untagged (the tag is in the
-# environment it started with). So ``TagScan`` remembers the /proc entries it judged, a PID
-# with the inode of its /proc directory (a reused PID gets a new inode), and reads only the
-# others. "Untagged" stands only once a second scan finds the same exec image (its start, name
-# and argument and environment addresses, which an exec moves): a process caught between its
-# fork and its exec shows its parent's environment, one inside its exec none yet.
+# NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (2.5-2.9 ms
+# for 184), yet a process judged once stays judged: born before the root, the root, known, or
+# untagged (the tag is in the environment it started with). So ``TagScan`` remembers the
+# entries it judged, a PID with the inode of its /proc directory (a reused PID gets a new one),
+# and reads only the others. "Untagged" stands once a second scan finds the same exec image
+# (start, name, argument and environment addresses, which an exec moves): a process between
+# its fork and its exec shows its parent's environment, one inside its exec none yet.
 
 
 class TagScan:

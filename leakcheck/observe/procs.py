@@ -344,50 +344,47 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
 
 
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A cached process still
-# listed under the same parent as at its last full read is then served from that read, and only
-# its main thread's children file is read again (where processes are nearly always started);
-# the root's stat is read, and the children files of its threads that had children. Each
-# process is read in full every ``_RECHECK_EVERY`` walks, spread by PID. So for at most that
-# many walks a quick walk can miss a zombie still listed, the children of threads that had
-# none (the tracker checks a missing known process by identity), and a PID reused under the
-# same parent. Epoch ends, ``close()`` and snapshots never walk quickly.
+# listed under the same parent as at its last full read is then served from that read, and
+# only the children files of its main thread and of the threads that had children then are
+# read again (the root's stat too). Each process is read in full every ``_RECHECK_EVERY``
+# walks, spread by PID. So for at most that many walks a quick walk can miss a zombie still
+# listed, the children of threads that had none (the tracker checks a missing known process
+# by identity), and a PID reused under the same parent. Epoch ends, ``close()`` and snapshots
+# never walk quickly.
 
 
 def _full_read_due(pid: int) -> bool:
     return (_generation + pid) % _RECHECK_EVERY == 0
 
 
-def _quick_root_children(pid: int) -> list[int] | None:
-    """The root's children for a quick walk; None: read them in full."""
+def _quick_children(pid: int) -> list[int] | None:
+    """Children from the cached files of a process's ``parent_tids``; None: read it in full."""
     handles = _handles.get(pid)
     if handles is None or not handles.parent_tids or _full_read_due(pid):
         return None
     children: list[int] = []
     for tid in handles.parent_tids:
-        fd = handles.task_fds.get(tid)
+        fd = handles.task_fds.get(tid)  # None past the budget
         found = None if fd is None else _read_children(fd)
         if found is None:
             return None
         children.extend(found)
+    handles.used = _generation
     return children
 
 
-def _quick_children(
+def _quick_read(
     pid: int, parent: int, tag: bytes | None, with_cmdline: bool
 ) -> tuple[ProcInfo, list[int]] | None:
     """A known process and its children, without a stat read; None: read it in full."""
     handles = _handles.get(pid)
-    if handles is None or handles.last_read is None or _full_read_due(pid):
+    if handles is None or handles.last_read is None:
         return None
     info, read_tag, read_with_cmdline = handles.last_read
-    fd = handles.task_fds.get(str(pid))  # None past the budget: a full read
-    if fd is None or info.ppid != parent or (read_tag, read_with_cmdline) != (tag, with_cmdline):
+    if info.ppid != parent or (read_tag, read_with_cmdline) != (tag, with_cmdline):
         return None
-    children = _read_children(fd)
-    if children is None:
-        return None
-    handles.used = _generation
-    return info, children
+    children = _quick_children(pid)
+    return None if children is None else (info, children)
 
 
 def _forget_handles_after_fork() -> None:
@@ -486,7 +483,7 @@ def descendants(
         if root is None:
             return found
         seen = {root_pid}
-        root_children = _quick_root_children(root_pid) if quick else None
+        root_children = _quick_children(root_pid) if quick else None
         if root_children is None:
             root_children = _hot_children(root_pid, root.num_threads, relist=True)
         stack = [(root_pid, child) for child in reversed(root_children)]
@@ -495,7 +492,7 @@ def descendants(
             if pid in seen:
                 continue
             seen.add(pid)
-            known = _quick_children(pid, parent, tag, with_cmdline) if quick else None
+            known = _quick_read(pid, parent, tag, with_cmdline) if quick else None
             if known is not None:
                 info, children = known
             else:

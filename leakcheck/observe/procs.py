@@ -150,12 +150,6 @@ def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     return environ[start:] if end < 0 else environ[start:end]
 
 
-def _tag_prefix(variable: str) -> bytes:
-    if not variable or "=" in variable or "\0" in variable:
-        raise ValueError(f"not an environment variable name: {variable!r}")
-    return variable.encode() + b"="
-
-
 def _info(
     pid: int, stat: _Stat, tag: bytes | None, with_cmdline: bool, prefix: bytes = _TAG_PREFIX
 ) -> ProcInfo:
@@ -454,7 +448,7 @@ def read_proc(
     if stat is None:
         return None
     tag = None if session_id is None else session_id.encode()
-    return _info(pid, stat, tag, with_cmdline, _tag_prefix(tag_variable))
+    return _info(pid, stat, tag, with_cmdline, tag_variable.encode() + b"=")
 
 
 def descendants(
@@ -577,7 +571,7 @@ class TagScan:
         self, session_id: str, *, born_since: ProcessKey, variable: str = SESSION_ENV
     ) -> None:
         self._tag = session_id.encode()
-        self._prefix = _tag_prefix(variable)
+        self._prefix = variable.encode() + b"="
         self._born_since = born_since
         self._judged: set[tuple[int, int]] = set()
         self._untagged: dict[tuple[int, int], object] = {}  # found untagged once: its image

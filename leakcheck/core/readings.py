@@ -1,9 +1,8 @@
 """What one read of /proc or NVML returns: process identities and device samples.
 
-Apart from ``model.py`` because ``leakcheck snapshot`` needs only these (NOTE [lean start] in
-cli.py), and named tuples rather than frozen dataclasses: a dataclass compiles its methods at
-every start, several times a named tuple's cost (benchmarks/results/README.md), and the
-tracker hashes process keys by the thousand, which a tuple does in C.
+Apart from ``model.py``, as ``leakcheck snapshot`` needs only these (NOTE [lean start] in
+cli.py); named tuples, not frozen dataclasses, which cost several times more to create at
+every start (benchmarks/results/README.md) and to hash by the thousand.
 """
 
 from __future__ import annotations
@@ -19,11 +18,7 @@ MIB = 1024 * 1024
 
 
 class ProcessKey(NamedTuple):
-    """A process identity that survives PID reuse (NOTE [process identity] in procs.py).
-
-    ``start_ticks``: its start in clock ticks since boot (field 22 of /proc/PID/stat), the
-    same in every reader whatever the wall clock did.
-    """
+    """A process identity that survives PID reuse (NOTE [process identity] in procs.py)."""
 
     pid: int
     start_ticks: int

@@ -138,8 +138,7 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
     if None in shared or None in private:
         return None
     lost = max(0, (shared[0] or 0) - (shared[1] or 0))
-    gained = max(0, (private[1] or 0) - (private[0] or 0))
-    return min(lost, gained)
+    return min(lost, max(0, (private[1] or 0) - (private[0] or 0)))
 
 
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:
@@ -226,11 +225,7 @@ _CUDA_IPC = re.compile(r"^cuda\.shm\.[0-9A-Za-z]+\.([0-9a-fA-F]+)\.[0-9A-Za-z]+$
 
 
 def shm_creator_pid(name: str) -> int | None:
-    """The PID of a shared-memory file's maker, where its name says; else None.
-
-    torch's file_system sharing: ``torch_<pid>_...``; its CUDA IPC reference counts:
-    ``cuda.shm.<id>.<pid in hex>.<n>``.
-    """
+    """The maker's PID where a name says (``torch_<pid>_...``, ``cuda.shm.<id>.<hex pid>.<n>``)."""
     match = _TORCH_CREATOR.match(name)
     if match:
         return int(match.group(1))
@@ -242,9 +237,7 @@ def shm_name_pids(name: str) -> set[int]:
     """PIDs a shared-memory file's name may carry: its maker's, and whole numbers in it."""
     found = {int(token) for token in _TOKEN_SPLIT.split(name) if _NUMBER_TOKEN.match(token)}
     creator = shm_creator_pid(name)
-    if creator is not None:
-        found.add(creator)
-    return found
+    return found if creator is None else found | {creator}
 
 
 def is_named_semaphore(name: str) -> bool:

@@ -187,9 +187,9 @@ class _Handles:
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # NOTE [quick walk]: its last full read with the tag and with_cmdline it was read
-        # for, and its main thread and the threads with children then.
-        self.last_read: tuple[ProcInfo, bytes | None, bool] | None = None
+        # NOTE [quick walk]: its last full read, and whether with its command line; its main
+        # thread and the threads with children then.
+        self.last_read: tuple[ProcInfo, bool] | None = None
         self.parent_tids: tuple[str, ...] = ()
 
 
@@ -367,18 +367,14 @@ def _quick_children(pid: int) -> list[int] | None:
     return children
 
 
-def _quick_read(
-    pid: int, parent: int, tag: bytes | None, with_cmdline: bool
-) -> tuple[ProcInfo, list[int]] | None:
+def _quick_read(pid: int, parent: int, with_cmdline: bool) -> tuple[ProcInfo, list[int]] | None:
     """A known process and its children, without a stat read; None: read it in full."""
     handles = _handles.get(pid)
-    if handles is None or handles.last_read is None:
-        return None
-    info, read_tag, read_with_cmdline = handles.last_read
-    if info.ppid != parent or (read_tag, read_with_cmdline) != (tag, with_cmdline):
+    last = None if handles is None else handles.last_read
+    if last is None or last[1] != with_cmdline or last[0].ppid != parent:
         return None
     children = _quick_children(pid)
-    return None if children is None else (info, children)
+    return None if children is None else (last[0], children)
 
 
 def _forget_handles_after_fork() -> None:
@@ -451,25 +447,18 @@ def read_proc(
     return _info(pid, stat, tag, with_cmdline, tag_variable.encode() + b"=")
 
 
-def descendants(
-    root_pid: int,
-    *,
-    session_id: str | None = None,
-    with_cmdline: bool = True,
-    quick: bool = False,
-) -> list[ProcInfo]:
+def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False) -> list[ProcInfo]:
     """Every live process below ``root_pid`` (not the root), parents before their children.
 
     Walks the children files (NOTE [children files]); a listed child whose stat names another
     parent (PID reused, reparented) is skipped, and so are zombies. ``quick``: NOTE [quick walk].
     """
     global _children_supported, _generation
-    tag = None if session_id is None else session_id.encode()
     if _children_supported is None:
         pid = os.getpid()
         _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
     if not _children_supported:
-        return _descendants_by_scan(root_pid, tag, with_cmdline)
+        return _descendants_by_scan(root_pid, with_cmdline)
     found: list[ProcInfo] = []
     with _fd_lock:
         _generation += 1
@@ -486,16 +475,16 @@ def descendants(
             if pid in seen:
                 continue
             seen.add(pid)
-            known = _quick_read(pid, parent, tag, with_cmdline) if quick else None
+            known = _quick_read(pid, parent, with_cmdline) if quick else None
             if known is not None:
                 info, children = known
             else:
                 stat = _hot_stat(pid)
                 if stat is None or stat.ppid != parent or stat.state in _DEAD_STATES:
                     continue
-                info = _info(pid, stat, tag, with_cmdline)
+                info = _info(pid, stat, None, with_cmdline)
                 if pid in _handles:
-                    _handles[pid].last_read = (info, tag, with_cmdline)
+                    _handles[pid].last_read = (info, with_cmdline)
                 children = _hot_children(pid, stat.num_threads)
             found.append(info)
             stack.extend((pid, child) for child in reversed(children))
@@ -503,7 +492,7 @@ def descendants(
     return found
 
 
-def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -> list[ProcInfo]:
+def _descendants_by_scan(root_pid: int, with_cmdline: bool) -> list[ProcInfo]:
     stats = _live_stats()
     tree: dict[int, list[int]] = {}
     for pid, stat in stats.items():
@@ -515,7 +504,7 @@ def _descendants_by_scan(root_pid: int, tag: bytes | None, with_cmdline: bool) -
         pid = stack.pop()
         if pid not in seen:
             seen.add(pid)
-            found.append(_info(pid, stats[pid], tag, with_cmdline))
+            found.append(_info(pid, stats[pid], None, with_cmdline))
             stack.extend(reversed(tree.get(pid, [])))
     return found
 

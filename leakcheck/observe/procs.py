@@ -238,14 +238,18 @@ def _reserve() -> bool:
     return True
 
 
+def _pread_stat(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        return b""  # its process is gone
+
+
 def _hot_stat(pid: int) -> _Stat | None:
     """Stat of ``pid`` through the descriptor cache; call with ``_fd_lock`` held."""
     handles = _handles.get(pid)
     if handles is not None:
-        try:
-            data = os.pread(handles.stat_fd, 4096, 0)
-        except OSError:
-            data = b""
+        data = _pread_stat(handles.stat_fd)
         if data:
             handles.used = _generation
             return _parse_stat(data)
@@ -254,11 +258,7 @@ def _hot_stat(pid: int) -> _Stat | None:
         fd = os.open(f"{_PROC}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except _GONE:
         return None
-    try:
-        data = os.read(fd, 4096)
-    except OSError:
-        data = b""
-    stat = _parse_stat(data) if data else None
+    stat = _parse_stat(_pread_stat(fd))
     if stat is not None and _reserve():
         _handles[pid] = _Handles(fd, _generation)
     else:

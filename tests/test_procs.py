@@ -637,13 +637,18 @@ def test_shm_open_by_sees_open_and_mapped_files(shm_file: Path, spawn: Spawn) ->
     assert mine(me) == []
 
 
-def test_shm_name_from_path() -> None:
-    assert procs.shm_name_from_path("/dev/shm/torch_1_2") == "torch_1_2"
-    assert procs.shm_name_from_path("/dev/shm/x (deleted)") == "x (deleted)"
-    assert procs.shm_name_from_path("/dev/shm/") is None
-    assert procs.shm_name_from_path("/dev/shmx") is None
-    assert procs.shm_name_from_path("/tmp/x") is None
-    assert procs.shm_name_from_path("/run/shm/a", "/run/shm/") == "a"
+def test_shm_open_by_names_only_the_files_in_that_directory(tmp_path: Path) -> None:
+    folder, sibling = tmp_path / "shm", tmp_path / "shmx"  # a name that starts alike
+    folder.mkdir()
+    sibling.mkdir()
+    me = os.getpid()
+    with open(folder / "a", "wb"), open(sibling / "b", "wb"), open(tmp_path / "c", "wb"):
+        folder_fd = os.open(folder, os.O_RDONLY)  # the folder itself is no file in it
+        try:
+            for directory in (str(folder), f"{folder}/"):
+                assert procs.shm_open_by([me], directory) == {me: ["a"]}
+        finally:
+            os.close(folder_fd)
 
 
 # --- descriptor cache (NOTE [descriptor cache]) ---------------------------------------------

@@ -800,18 +800,14 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
     return segments
 
 
-def shm_name_from_path(path: str, directory: str = "/dev/shm") -> str | None:
-    """The segment name of a path in ``directory`` (`` (deleted)`` kept); None elsewhere."""
-    prefix = directory.rstrip("/") + "/"
-    if not path.startswith(prefix) or len(path) == len(prefix):
-        return None
-    return path[len(prefix) :]
-
-
 def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, list[str]]:
-    """PID -> sorted names of the shared-memory files it holds open or mapped (none: left out)."""
+    """PID -> sorted names of the shared-memory files it holds open or mapped (none: left out).
+
+    A file removed but still held keeps the `` (deleted)`` /proc shows after its name.
+    """
     held: dict[int, list[str]] = {}
-    needle = (directory.rstrip("/") + "/").encode()
+    prefix = directory.rstrip("/") + "/"
+    needle = prefix.encode()
     for pid in pids:
         paths = list((_fd_targets(pid) or {}).values())
         maps = _read(f"{_PROC}/{pid}/maps", 65536, whole=True, record_bytes=_ANY_RECORD) or b""
@@ -821,7 +817,8 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
                 fields = line.split(maxsplit=5)
                 if needle in line and len(fields) == 6:
                     paths.append(fields[5].decode("utf-8", "replace"))
-        names = {name for path in paths if (name := shm_name_from_path(path, directory))}
+        names = {path[len(prefix) :] for path in paths if path.startswith(prefix)}
+        names.discard("")  # the folder itself
         if names:
             held[pid] = sorted(names)
     return held

@@ -90,12 +90,11 @@ def culprits(
     worker_id: int | None = None,
     loader: str | None = None,
     width: int = NAME_WIDTH,
-    shown: int = 3,
 ) -> str:
     """Processes as a report names them: ``rank 1 orphan sleep 60 (PID 11)``.
 
     A worker by its loader, ``worker 3 of train.py:42 (PID 7)``, else ``spawn worker 3``.
-    Several of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``, the first ``shown``
+    Several of one name: ``6 \u00d7 sleep 60 (PIDs 11, 12, 13, \u2026)``, the first three
     PIDs. The role is left out where the rule already says it (an orphan's) or the name does.
     """
     pids = [pids] if isinstance(pids, int) else pids or []
@@ -118,8 +117,8 @@ def culprits(
     if rank is not None:
         name = f"rank {rank} {name}"
     if len(pids) > 1:
-        listed = ", ".join(str(pid) for pid in pids[:shown])
-        more = f", {ELLIPSIS}" if len(pids) > shown else ""
+        listed = ", ".join(str(pid) for pid in pids[:3])
+        more = f", {ELLIPSIS}" if len(pids) > 3 else ""
         return f"{len(pids)} {TIMES} {name} (PIDs {listed}{more})"
     return f"{name} (PID {pids[0]})" if pids else name
 

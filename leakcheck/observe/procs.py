@@ -395,9 +395,9 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 
 @functools.cache
 def boot_time_s() -> float:
-    """Boot time in Unix seconds (``btime``; 0.0 unreadable), for people (NOTE [process identity]).
+    """Boot time in Unix seconds (``btime``), for people (NOTE [process identity]).
 
-    Cached, so that a start shows alike every time.
+    Cached, so that a start shows alike every time; 0.0 where unreadable.
     """
     for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"btime"):
@@ -818,7 +818,7 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
                 if needle in line and len(fields) == 6:
                     paths.append(fields[5].decode("utf-8", "replace"))
         names = {path[len(prefix) :] for path in paths if path.startswith(prefix)}
-        names.discard("")  # the folder itself
+        names.discard("")  # a path naming no file in it
         if names:
             held[pid] = sorted(names)
     return held

@@ -136,18 +136,9 @@ def _stat(pid: int) -> _Stat | None:
 
 def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     """The value of the variable ``prefix`` (``NAME=``) names in a process's environ."""
-    environ = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
-    if environ is None:
-        return None
-    if environ.startswith(prefix):
-        start = len(prefix)
-    else:
-        at = environ.find(b"\0" + prefix)
-        if at < 0:
-            return None
-        start = at + 1 + len(prefix)
-    end = environ.find(b"\0", start)
-    return environ[start:] if end < 0 else environ[start:end]
+    environ = b"\0" + (_read(f"{_PROC}/{pid}/environ", 65536, whole=True) or b"")
+    at = environ.find(b"\0" + prefix)  # unreadable or absent alike
+    return None if at < 0 else environ[at + 1 + len(prefix) :].partition(b"\0")[0]
 
 
 def _info(

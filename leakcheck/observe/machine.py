@@ -23,25 +23,23 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _memory_cgroups(cgroup_lines: str) -> list[tuple[str, bool]]:
-    """The memory cgroup paths of ``/proc/PID/cgroup`` lines, in their order; with ``v2``."""
+def _memory_cgroups() -> list[tuple[str, bool]]:
+    """The memory cgroup paths of ``/proc/self/cgroup``, in their order; with ``v2``."""
     found: list[tuple[str, bool]] = []
-    for line in cgroup_lines.splitlines():
+    for line in (_read_text(_PROC_SELF_CGROUP) or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         number, controllers, path = parts
-        if "memory" in controllers.split(","):
-            found.append((path.strip().lstrip("/"), False))
-        elif number == "0" and not controllers:
-            found.append((path.strip().lstrip("/"), True))
+        v2 = number == "0" and not controllers
+        if v2 or "memory" in controllers.split(","):
+            found.append((path.strip().lstrip("/"), v2))
     return found
 
 
 def own_memory_cgroup() -> tuple[str, bool] | None:
     """The memory cgroup folder of this process and whether it is v2 (None: none found)."""
-    lines = _read_text(_PROC_SELF_CGROUP)
-    found = sorted(_memory_cgroups(lines or ""), key=lambda item: item[1])  # v1's first
+    found = sorted(_memory_cgroups(), key=lambda item: item[1])  # v1's first
     if not found:
         return None
     path, v2 = found[0]
@@ -50,10 +48,7 @@ def own_memory_cgroup() -> tuple[str, bool] | None:
 
 def oom_kill_count() -> int | None:
     """How many processes the OOM killer killed in this process's memory cgroup (None: unknown)."""
-    lines = _read_text(_PROC_SELF_CGROUP)
-    if lines is None:
-        return None
-    for path, v2 in _memory_cgroups(lines):
+    for path, v2 in _memory_cgroups():
         base = CGROUP_ROOT if v2 else os.path.join(CGROUP_ROOT, "memory")
         # Its own folder, then the mount's root: in a container the path may name the host's
         # hierarchy while the container's own cgroup is at the root.

@@ -71,13 +71,11 @@ class MachineMemory:
 
 def machine_memory() -> MachineMemory | None:
     """The machine's total and available memory; None where ``/proc/meminfo`` is unreadable."""
-    text = _read_text("/proc/meminfo")
     values: dict[str, int] = {}
-    for line in (text or "").splitlines():
+    for line in (_read_text("/proc/meminfo") or "").splitlines():
         name, _, rest = line.partition(":")
         fields = rest.split()
-        if name in ("MemTotal", "MemAvailable") and fields and fields[0].isdigit():
+        if fields and fields[0].isdigit():
             values[name] = int(fields[0]) * 1024  # kB
-    if "MemTotal" not in values or "MemAvailable" not in values:
-        return None
-    return MachineMemory(values["MemTotal"], values["MemAvailable"])
+    total, available = values.get("MemTotal"), values.get("MemAvailable")
+    return None if total is None or available is None else MachineMemory(total, available)

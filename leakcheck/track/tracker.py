@@ -1,13 +1,10 @@
-"""``leakcheck.Tracker``: a job's lifecycle over its sampler (NOTE [tracker lifecycle]).
-
-It validates options, opens and closes epochs, keeps deaths and stalls, times the caller's
-calls (``cost()``), and judges what was observed.
-"""
+"""``leakcheck.Tracker``: a job's lifecycle over its sampler (NOTE [tracker lifecycle])."""
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +30,6 @@ from leakcheck.judge.report import Report, build_report
 from leakcheck.observe import machine, mailbox, procs, torch_state
 from leakcheck.observe.snapshot import Snapshot, take_snapshot
 from leakcheck.track import claims, exports
-from leakcheck.track.hang import exit_stall
 from leakcheck.track.sampler import Sampler
 from leakcheck.track.table import Proc, ProcessTable
 
@@ -68,13 +64,9 @@ def own_rank_device() -> tuple[int, int] | None:
     None outside a rank, before CUDA, or on device 0 (its ``LOCAL_RANK`` then says).
     """
     info = ranks.rank_from_environ(os.environ)
-    if info is None:
-        return None
-    index = torch_state.current_device()
-    if not index:
-        return None
-    device = ranks.physical_device(index, os.environ)
-    return None if device is None else (info.rank, device)
+    index = torch_state.current_device() if info is not None else None
+    device = ranks.physical_device(index, os.environ) if index else None
+    return None if info is None or device is None else (info.rank, device)
 
 
 def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
@@ -113,36 +105,6 @@ def _check_options(
         raise UsageError(
             f"session_tag: expected (NAME, VALUE) of an environment variable, got {session_tag!r}"
         )
-
-
-def _death(
-    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
-) -> tuple[Death, int | None]:
-    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
-    kills = machine.oom_kill_count()
-    rise = None if kills is None or oom_kills is None else kills - oom_kills
-    if rise and oom_kills is not None:
-        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
-    elif kills is not None:
-        oom_kills = kills
-    memory = machine.machine_memory()
-    shm, folder = sampler.shm, sampler.mailbox_dir
-    shm.note_usage()
-    death = Death(
-        key=proc.key,
-        signal_number=signal_number,
-        at_s=sampler.now(),
-        epoch=sampler.book.open_index,
-        oom_kills=rise,
-        memory_total_bytes=memory.total_bytes if memory else None,
-        memory_available_bytes=memory.available_bytes if memory else None,
-        shm_total_bytes=shm.total_bytes,
-        shm_used_peak_bytes=shm.used_peak_bytes,
-        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-        rss_bytes_last=proc.rss_bytes_last,
-        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
-    )
-    return death, oom_kills
 
 
 class Tracker:
@@ -218,7 +180,6 @@ class Tracker:
             rollup_share=rollup_share,
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
-        self._session_id, self._root_key = "", ProcessKey(self._sampler.root_pid, 0)
         self._started_unix_s = 0.0
         self._boot_unix_s: float | None = None
         self._export_token: int | None = None
@@ -228,7 +189,8 @@ class Tracker:
     @property
     def session_id(self) -> str:
         """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
-        return self._session_id
+        table = self._sampler.table
+        return table.session if table is not None else ""
 
     @property
     def mailbox_dir(self) -> str | None:
@@ -261,17 +223,16 @@ class Tracker:
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {s.root_pid}")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
-            self._root_key = root_key
-            self._session_id = procs.new_session_id(s.root_pid)
+            session = procs.new_session_id(s.root_pid)
             mailbox_dir = s.failures.guard(mailbox.create, "mailbox")
-            if s.root_pid == os.getpid():
-                values = {procs.SESSION_ENV: self._session_id}
+            if s.own_process:
+                values = {procs.SESSION_ENV: session}
                 if mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = mailbox_dir
                 self._export_token = exports.export(values)
             self._oom_kills = s.failures.guard(machine.oom_kill_count, "cgroup")
             table = ProcessTable(
-                root_key, procs.read_proc(s.root_pid), session=self._session_id,
+                root_key, procs.read_proc(s.root_pid), session=session,
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
             )  # fmt: skip
             s.start(table, mailbox_dir)
@@ -295,7 +256,7 @@ class Tracker:
                     self._export_token = None
                 if s.mailbox_dir:
                     mailbox.remove(s.mailbox_dir)
-                claims.session_closed(self._session_id)
+                claims.session_closed(self.session_id)
         s.closed = True
         s.failures.raise_pending()
 
@@ -325,8 +286,8 @@ class Tracker:
         with s.lock:
             index = s.book.begin(label, s.now())
             s.failures.guard(s.shm.begin_epoch, "shm")
-            claims.epoch_opened(self._session_id)
             assert s.table is not None
+            claims.epoch_opened(s.table.session)
             s.table.changed = True
         s.failures.raise_pending()
         return index
@@ -363,7 +324,7 @@ class Tracker:
                 return False
             s.sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
             s.book.apply_accounting(table, s.nvml.accounting())
-            if s.hang.own_process:  # the loop's process is this one
+            if s.own_process:  # the loop's process is this one
                 opened.pinned = torch_state.pinned_host_bytes()
             s.tag_scan_due = True
             host = s.host.end_status(table)
@@ -374,7 +335,7 @@ class Tracker:
             )  # fmt: skip
             if s.host.plan(opened.index, table):
                 s.wake()  # read off this thread, right away (NOTE [host pacing])
-            claims.epoch_closed(self._session_id)
+            claims.epoch_closed(table.session)
             return True
 
     @contextmanager
@@ -421,11 +382,10 @@ class Tracker:
             key = s.table.by_pid.get(pid) or procs.process_key(pid)
             if key is None:
                 return
-            proc, epoch, folder = s.table.procs.get(key), s.book.open_index, s.mailbox_dir
-        dumps, at_s = proc is not None and proc.dumps_stacks, s.now()
-        s.keep_stall(
-            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
-        )
+            proc, epoch = s.table.procs.get(key), s.book.open_index
+        join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
+        dumps = proc is not None and proc.dumps_stacks
+        s.keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
@@ -444,18 +404,40 @@ class Tracker:
         proc = s.table.procs.get(key) if key is not None else None
         if proc is None or any(death.key == proc.key for death in s.deaths):
             return
-        kills = self._oom_kills
-        found = s.failures.guard(lambda: _death(s, proc, -exit_code, kills), "death")
-        if found is not None:
-            s.deaths.append(found[0])
-            self._oom_kills = found[1]
+        death = s.failures.guard(lambda: self._death(proc, -exit_code), "death")
+        if death is not None:
+            s.deaths.append(death)
+
+    def _death(self, proc: Proc, signal_number: int) -> Death:
+        """``proc``'s death with the evidence now; the next one's OOM kills count from here."""
+        s, counted = self._sampler, self._oom_kills
+        kills = machine.oom_kill_count()
+        rise = None if kills is None or counted is None else kills - counted
+        memory, folder = machine.machine_memory(), s.mailbox_dir
+        s.shm.note_usage()
+        death = Death(
+            key=proc.key,
+            signal_number=signal_number,
+            at_s=s.now(),
+            epoch=s.book.open_index,
+            oom_kills=rise,
+            memory_total_bytes=memory.total_bytes if memory else None,
+            memory_available_bytes=memory.available_bytes if memory else None,
+            shm_total_bytes=s.shm.total_bytes,
+            shm_used_peak_bytes=s.shm.used_peak_bytes,
+            rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+            rss_bytes_last=proc.rss_bytes_last,
+            stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+        )
+        if rise and counted is not None:  # each death takes one kill of a rise: bursts share
+            self._oom_kills = counted + 1
+        elif kills is not None:
+            self._oom_kills = kills
+        return death
 
     @_caller_timed
     def finish_reads(self) -> None:
-        """Make now the USS and PSS reads the last epoch end left to the sampler thread.
-
-        Call it before changing the job's processes right after an epoch (dropping a loader).
-        """
+        """Make now the host reads the last epoch end left to the thread (before a loader goes)."""
         self._sampler.finish_reads()
 
     def worker_keys(self) -> list[ProcessKey]:
@@ -499,25 +481,21 @@ class Tracker:
 
     @_caller_timed
     def timeline(self, *, last_epochs: int | None = None, fresh: bool = False) -> Timeline:
-        """All observations so far, frozen.
+        """All observations so far, frozen: the latest ``last_epochs`` closed epochs (None: all).
 
-        Args:
-            last_epochs: Only the latest this-many closed epochs (None: all).
-            fresh: Before ``close()``, also read who is alive now and what each holds (the
-                ``final`` state, ``closed=False``).
-
+        ``fresh``: before ``close()``, also read who is alive now (``final``, ``closed=False``).
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
         s = self._sampler
-        own = own_rank_device() if s.root_pid == os.getpid() else None
+        own = own_rank_device() if s.own_process else None
         with s.lock:
             final, table = self._final, s.table
             if final is None and fresh and table is not None and not s.closed:
                 final = s.current_state(closed=False)
             return Timeline(
-                session_id=self._session_id,
-                root=self._root_key,
+                session_id=self.session_id,
+                root=table.root if table is not None else ProcessKey(s.root_pid, 0),
                 started_unix_s=self._started_unix_s,
                 boot_unix_s=self._boot_unix_s,
                 attribution=s.nvml.attribution,

@@ -64,7 +64,7 @@ def main() -> None:
         tracker.batch_arrived()
 
     batch_ns = _median_ns(one_batch, 100_000, args.rounds)
-    watch = HangWatch(120.0, own_process=True)
+    watch = HangWatch(120.0)
     watch.batch_wanted()
     tick_ns = _median_ns(watch.due, 100_000, args.rounds)
 

@@ -124,17 +124,14 @@ def gather_stall(
 
 def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
     """Each worker's stacks, ``--- worker PID n ---`` first, sent the stack signal."""
-    parts: list[str] = []
-    sent: list[ProcessKey] = []
+    pending: list[ProcessKey] = []
     for key in workers if folder else []:
         if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(key.pid, mailbox.STACK_SIGNAL)
-                sent.append(key)
-            except OSError:
-                continue
+                pending.append(key)
+    parts: list[str] = []
     deadline = time.monotonic() + _DUMP_WAIT_S
-    pending = list(sent)
     grown: dict[ProcessKey, tuple[int, float]] = {}  # size, and since when
     while pending and folder:
         for key in list(pending):

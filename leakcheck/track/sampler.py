@@ -36,14 +36,14 @@ from leakcheck.core.model import (
     ShmFile,
     Stall,
 )
-from leakcheck.observe import hostmem, mailbox, procs
+from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.torch_state import allocator_bytes
 from leakcheck.track.book import EpochBook, final_processes
 from leakcheck.track.hang import HangWatch, gather_stall
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
-from leakcheck.track.table import ProcessTable
+from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["Sampler"]
 
@@ -97,6 +97,7 @@ class Sampler:
         self.hang = HangWatch(hang_after_s)
         self.stalls: list[Stall] = []
         self.deaths: list[Death] = []
+        self._oom_kills: int | None = None  # what the next death's OOM kills count from
 
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""
@@ -107,6 +108,7 @@ class Sampler:
         self.t0_s = time.monotonic()
         self._boot_offset_s = procs.since_boot_s() - self.now()
         self.mailbox_dir = mailbox_dir
+        self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
         self.nvml.open(use_nvml=self.use_nvml)
         self.pacing.has_nvml = self.nvml.handle is not None
         self.failures.guard(self.shm.start, "shm")
@@ -211,6 +213,43 @@ class Sampler:
         if stall is not None:
             with self.lock:
                 self.stalls.append(stall)
+
+    def note_death(self, pid: int, signal_number: int) -> None:
+        """A process of the job died of a signal: keep it, with the evidence now (lock held)."""
+        if self.table is None or self.closed:
+            return
+        self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+        key = self.table.by_pid.get(pid)
+        proc = self.table.procs.get(key) if key is not None else None
+        if proc is not None and all(death.key != proc.key for death in self.deaths):
+            death = self.failures.guard(lambda: self._death(proc, signal_number), "death")
+            if death is not None:
+                self.deaths.append(death)
+
+    def _death(self, proc: Proc, signal_number: int) -> Death:
+        counted, kills = self._oom_kills, machine.oom_kill_count()
+        rise = None if kills is None or counted is None else kills - counted
+        memory, folder = machine.machine_memory(), self.mailbox_dir
+        self.shm.note_usage()
+        death = Death(
+            key=proc.key,
+            signal_number=signal_number,
+            at_s=self.now(),
+            epoch=self.book.open_index,
+            oom_kills=rise,
+            memory_total_bytes=memory.total_bytes if memory else None,
+            memory_available_bytes=memory.available_bytes if memory else None,
+            shm_total_bytes=self.shm.total_bytes,
+            shm_used_peak_bytes=self.shm.used_peak_bytes,
+            rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+            rss_bytes_last=proc.rss_bytes_last,
+            stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+        )
+        if rise and counted is not None:  # each death takes one kill of a rise: bursts share
+            self._oom_kills = counted + 1
+        elif kills is not None:
+            self._oom_kills = kills
+        return death
 
     def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""

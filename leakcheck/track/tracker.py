@@ -14,7 +14,6 @@ from typing import Concatenate, ParamSpec, TypeVar
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import (
-    Death,
     EndReason,
     EpochRecord,
     FinalState,
@@ -27,11 +26,11 @@ from leakcheck.core.model import (
 from leakcheck.core.options import parse_interval_option, parse_share_option
 from leakcheck.core.units import parse_duration, parse_size
 from leakcheck.judge.report import Report, build_report
-from leakcheck.observe import machine, mailbox, procs, torch_state
+from leakcheck.observe import mailbox, procs, torch_state
 from leakcheck.observe.snapshot import Snapshot, take_snapshot
 from leakcheck.track import claims, exports
 from leakcheck.track.sampler import Sampler
-from leakcheck.track.table import Proc, ProcessTable
+from leakcheck.track.table import ProcessTable
 
 __all__ = ["Tracker", "end_reason_for", "own_rank_device"]
 
@@ -120,23 +119,17 @@ class Tracker:
 
     Args:
         root_pid: The job's root process (default: this process).
-        interval: Seconds between background samples (default 0.05).
+        interval: Seconds between background samples.
         devices: Device indices to watch (default: all).
-        tolerance: Growth/residual below this is noise (``"16MiB"``, bytes).
+        tolerance: Growth or residual below this is noise (``"16MiB"``, bytes).
         warmup_epochs: Epochs the growth rule ignores.
         grace: Seconds a process born in an epoch may outlive it.
-        persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
-        use_nvml: Read NVML (False: host-side checks only).
-        session_tag: ``(NAME, VALUE)`` of the environment variable that finds processes
-            reparented away instead of ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
-        rollup_share: Share of the time USS and PSS reads at epoch ends may take (NOTE
-            [host pacing]; default 0.1%); 1.0 reads at every epoch end.
-        scan_at_epoch_end: Also scan for processes reparented away at each epoch end.
-        copy_tolerance: What a forked worker may copy of its parent's memory before the
-            copy-on-read rule calls it a leak (NOTE [copy on read] in hostmem.py).
-        hang_after: Seconds the loop may wait for a batch before the job's stacks are
-            written (NOTE [hang watch] in hang.py); 0: never.
+        session_tag: ``(NAME, VALUE)`` of the variable that finds processes reparented away
+            in place of ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time USS and PSS reads may take (NOTE [host pacing]).
+        copy_tolerance: What a forked worker may copy of its parent's memory.
+        hang_after: Seconds without a batch before the job's stacks are written; 0: never.
 
     """
 
@@ -183,7 +176,6 @@ class Tracker:
         self._started_unix_s = 0.0
         self._boot_unix_s: float | None = None
         self._export_token: int | None = None
-        self._oom_kills: int | None = None  # what the next death's OOM kills count from
         self._final: FinalState | None = None
 
     @property
@@ -230,7 +222,6 @@ class Tracker:
                 if mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = mailbox_dir
                 self._export_token = exports.export(values)
-            self._oom_kills = s.failures.guard(machine.oom_kill_count, "cgroup")
             table = ProcessTable(
                 root_key, procs.read_proc(s.root_pid), session=session,
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
@@ -301,10 +292,7 @@ class Tracker:
         *,
         index: int | None = None,
     ) -> bool:
-        """Close the open epoch (only if it is ``index``, where given); True if one closed.
-
-        ``error``: the exception that ended it, as one line; ``batches``: those it yielded.
-        """
+        """Close the open epoch (only if it is ``index``, where given); True if one closed."""
         closed = self._end(reason, error, batches, index)
         self._sampler.failures.raise_pending()
         return closed
@@ -391,49 +379,10 @@ class Tracker:
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
         s = self._sampler
-        with s.lock:
-            self._note_death(pid, exit_code)
+        if exit_code < 0:
+            with s.lock:
+                s.note_death(pid, -exit_code)
         s.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
-
-    def _note_death(self, pid: int, exit_code: int) -> None:
-        s = self._sampler
-        if exit_code >= 0 or s.table is None or s.closed:
-            return
-        s.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-        key = s.table.by_pid.get(pid)
-        proc = s.table.procs.get(key) if key is not None else None
-        if proc is None or any(death.key == proc.key for death in s.deaths):
-            return
-        death = s.failures.guard(lambda: self._death(proc, -exit_code), "death")
-        if death is not None:
-            s.deaths.append(death)
-
-    def _death(self, proc: Proc, signal_number: int) -> Death:
-        """``proc``'s death with the evidence now; the next one's OOM kills count from here."""
-        s, counted = self._sampler, self._oom_kills
-        kills = machine.oom_kill_count()
-        rise = None if kills is None or counted is None else kills - counted
-        memory, folder = machine.machine_memory(), s.mailbox_dir
-        s.shm.note_usage()
-        death = Death(
-            key=proc.key,
-            signal_number=signal_number,
-            at_s=s.now(),
-            epoch=s.book.open_index,
-            oom_kills=rise,
-            memory_total_bytes=memory.total_bytes if memory else None,
-            memory_available_bytes=memory.available_bytes if memory else None,
-            shm_total_bytes=s.shm.total_bytes,
-            shm_used_peak_bytes=s.shm.used_peak_bytes,
-            rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-            rss_bytes_last=proc.rss_bytes_last,
-            stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
-        )
-        if rise and counted is not None:  # each death takes one kill of a rise: bursts share
-            self._oom_kills = counted + 1
-        elif kills is not None:
-            self._oom_kills = kills
-        return death
 
     @_caller_timed
     def finish_reads(self) -> None:
@@ -515,10 +464,7 @@ class Tracker:
 
     @_caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
-        """Judge what was observed (``fresh``: with a read of what is alive now).
-
-        ``last_epochs``: judge only the latest this-many closed epochs.
-        """
+        """Judge what was observed (the arguments: ``timeline()``'s, fresh by default)."""
         timeline = self.timeline(last_epochs=last_epochs, fresh=fresh)
         self._sampler.failures.raise_pending()
         return build_report(timeline, self._config)

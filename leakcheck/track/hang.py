@@ -42,15 +42,14 @@ _DUMP_WAIT_S = 10.0
 def own_stacks() -> str:
     """Every thread of this process but the calling one (leakcheck's), the main one first."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    main = threading.main_thread().ident
+    me, main = threading.get_ident(), threading.main_thread().ident
     frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != main)
-    parts: list[str] = []
-    for ident, frame in frames:
-        if ident == threading.get_ident():
-            continue
-        header = f"Thread {names.get(ident, '?')!r} (most recent call last):"
-        parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
-    return "\n\n".join(parts)
+    return "\n\n".join(
+        f"Thread {names.get(ident, '?')!r} (most recent call last):\n"
+        + "".join(traceback.format_stack(frame)).rstrip()
+        for ident, frame in frames
+        if ident != me
+    )
 
 
 _STILL_S = 0.25  # how long a worker's stack file stays the same size before it is read

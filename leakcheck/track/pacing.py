@@ -78,9 +78,8 @@ class Pacing:
 
     def lists_due(self, *, quick: bool) -> bool:
         """Whether a tick without a walk reads the process lists (NOTE [list gating])."""
-        if not self.has_nvml:
-            return False
-        return not quick or not self.device_used or self.device_used != self.used_at_lists
+        moved = not self.device_used or self.device_used != self.used_at_lists
+        return self.has_nvml and (not quick or moved)
 
     def list_graphics(self, *, quick: bool) -> bool:
         """Whether a list read includes the graphics list (NOTE [list gating])."""

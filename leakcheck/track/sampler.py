@@ -93,7 +93,7 @@ class Sampler:
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
         self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
         self.shm = ShmWatch()
-        self.shm_files: tuple[ShmFile, ...] = ()
+        self.shm_files: tuple[ShmFile, ...] = ()  # judged once the work is over: at close
         self.hang = HangWatch(hang_after_s)
         self.stalls: list[Stall] = []
         self.deaths: list[Death] = []

@@ -455,8 +455,7 @@ class Tracker:
                 final=final,
                 failures=s.failures.lines(),
                 teardowns=tuple(s.book.teardowns),
-                # Files left in /dev/shm are judged once the work is over (at close).
-                shm_files=s.shm_files if final is not None and final.closed else (),
+                shm_files=s.shm_files,
                 deaths=tuple(s.deaths),
                 stalls=tuple(s.stalls),
                 rank_devices={own[0]: own[1]} if own is not None else {},

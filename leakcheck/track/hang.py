@@ -67,16 +67,9 @@ class HangWatch:
 
     def __init__(self, hang_after_s: float) -> None:
         self.hang_after_s = hang_after_s
-        self.waiting_since_s: float | None = None  # monotonic; None: not waiting
+        # Monotonic time the loop asked for the batch it waits for; None: not waiting.
+        self.waiting_since_s: float | None = None
         self._reported: float | None = None
-
-    def batch_wanted(self) -> None:
-        """The loop asks for its next batch: the wait starts."""
-        self.waiting_since_s = time.monotonic()
-
-    def batch_arrived(self) -> None:
-        """A batch came, or the loop stopped asking: a stall, if any, is over."""
-        self.waiting_since_s = None
 
     def due(self) -> float | None:
         """Seconds the loop has waited for its batch, where that is a new stall."""

@@ -354,11 +354,11 @@ class Tracker:
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
-        self._sampler.hang.batch_wanted()
+        self._sampler.hang.waiting_since_s = time.monotonic()
 
     def batch_arrived(self) -> None:
         """A batch came, or the loop stopped asking for one: the wait is over."""
-        self._sampler.hang.batch_arrived()
+        self._sampler.hang.waiting_since_s = None
 
     def worker_stuck(self, pid: int) -> None:
         """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""

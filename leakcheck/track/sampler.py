@@ -14,9 +14,9 @@ its epoch each process was seen, so sampling goes on between epochs, and ``close
 failures are recorded, never raised into the loop (``strict=True``: at the next call).
 
 NOTE [born epoch]: a process is placed when a walk or tag scan first sees it, maybe epochs
-after its birth, so its epoch comes from its start ticks (NOTE [process identity] in
-procs.py) on the tracker's clock; the epoch it was placed in stands in where the start falls
-between epochs or the clocks disagree.
+after its birth, so its epoch (whose end its grace counts from) comes from its start ticks
+(NOTE [process identity] in procs.py) on the tracker's clock; the epoch it was placed in
+stands in where the start falls between epochs or the clocks disagree.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Sampler:
         hang_after_s: float,
     ) -> None:
         self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
-        self.use_nvml, self.own_process = use_nvml, root_pid == os.getpid()
+        self.use_nvml = use_nvml
         self.meter = CostMeter()
         self.failures = Failures(strict=strict)
         self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
@@ -98,6 +98,11 @@ class Sampler:
         self.stalls: list[Stall] = []
         self.deaths: list[Death] = []
         self._oom_kills: int | None = None  # what the next death's OOM kills count from
+
+    @property
+    def own_process(self) -> bool:
+        """The job's root is this process (asked each time: a forked child is not)."""
+        return self.root_pid == os.getpid()
 
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""

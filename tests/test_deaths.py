@@ -339,7 +339,7 @@ def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
     import sys
 
     from leakcheck.observe import procs
-    from leakcheck.track.hang import HangWatch
+    from leakcheck.track.hang import gather_stall
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     worker = subprocess.Popen(
@@ -349,8 +349,7 @@ def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
         assert worker.stdout is not None and worker.stdout.readline() == b"ready\n"
         key = procs.process_key(worker.pid)
         assert key is not None
-        watch = HangWatch(1.0, own_process=False)
-        stall = watch.dump(epoch=0, waited_s=1.0, at_s=0.0, workers=[key], folder=str(tmp_path))
+        stall = gather_stall([key], str(tmp_path), epoch=0, waited_s=1.0, at_s=0.0)
     finally:
         worker.kill()
         worker.wait()

@@ -179,3 +179,25 @@ def test_an_odd_iterator_is_left_alone_and_nothing_is_raised_into_the_loop() -> 
 
     for workers in (5, [object()], [None], "ab"):  # not a list of Processes
         watch_exits(Odd(workers), lambda pid: None)
+
+
+def test_a_stuck_worker_without_the_stack_signal_is_said_without_stacks(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A worker that never registered the stack signal (no leakcheck ``worker_init_fn``):
+    the stall is kept and said, its stacks a placeholder, and nothing waits for a dump."""
+    import multiprocessing
+
+    go = multiprocessing.get_context("fork").Event()
+    worker = multiprocessing.get_context("fork").Process(target=go.wait, args=(60,))
+    with leakcheck.Tracker(use_nvml=False, grace=0.1) as tracker:
+        with tracker.epoch():
+            worker.start()
+            assert worker.pid is not None
+            tracker.worker_stuck(worker.pid)
+            go.set()
+            worker.join(60)
+        [stall] = tracker.timeline().stalls
+    assert stall.pid == worker.pid and stall.epoch == 0
+    assert stall.stacks == f"--- worker PID {worker.pid} ---\n(no stack signal)"
+    assert f"DataLoader worker PID {worker.pid} did not exit within 5 s" in capfd.readouterr().err

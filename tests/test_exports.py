@@ -15,7 +15,6 @@ NAME = "LEAKCHECK_TEST_EXPORTS"
 def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NAME, raising=False)
     monkeypatch.setattr(exports, "_layers", {})
-    monkeypatch.setattr(exports, "_before", {})
 
 
 @pytest.mark.parametrize("order", ["made", "reverse"])

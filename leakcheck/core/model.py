@@ -1,7 +1,6 @@
-"""Plain data shared by every layer, and the JSON schema (``records.py``): add, never rename.
+"""Plain data of every layer and the JSON schema (``records.py``): add fields, never rename.
 
-The tracker folds ``readings.py``'s records into a ``Timeline`` of ``EpochRecord``;
-``verdict`` turns it into ``Finding``; ``report`` renders both.
+The tracker folds readings into a ``Timeline``; ``verdict`` judges it into ``Finding``.
 """
 
 from __future__ import annotations
@@ -43,10 +42,9 @@ Severity = Literal["leak", "info"]
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where a process stands in a distributed job: torchrun's variables (None: not set).
+    """A process's place in a distributed job: torchrun's variables (None: not set).
 
-    ``device``: the GPU (NVML index) it trains on, its ``set_device`` where recorded, else its
-    ``LOCAL_RANK``'s through ``CUDA_VISIBLE_DEVICES``.
+    ``device``: its GPU (NVML index): its ``set_device`` where recorded, else ``LOCAL_RANK``'s.
     """
 
     rank: int
@@ -65,24 +63,16 @@ HostSource = Literal["uss", "rss"]  # private pages (smaps_rollup), else residen
 
 @dataclass(frozen=True)
 class ProcessEpoch:
-    """What one process did during one epoch; None in a field means not known.
+    """What one process did during one epoch; None: not known.
 
-    ``*_end``: at the epoch's end, or from its own report at exit (a worker's teardown).
-
-    Attributes:
-        gpu_bytes_peak: Per device, the larger of what was sampled and what it reported.
-        gpu_peak_source: ``reported`` (its teardown report, or the driver's accounting),
-            ``sampled`` (a lower bound) or ``unknown`` (it exited unseen and unreported: not 0).
-        scope: What started it when not the work itself (``module-scoped fixture 'pool'``).
-        host_bytes_end: USS where read, else RSS (``host_source``; an older USS is never
-            carried over). ``anon_bytes_end``: ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``.
-        freed_by_gc: It exited only once leakcheck collected garbage (a cycle kept its
-            DataLoader iterator alive).
-        shared_bytes_birth: ``Shared_Dirty`` at its birth report (``private_bytes_birth``: its
-            USS; NOTE [copy on read] in hostmem.py); ``forked`` None: no birth report.
-        copied_bytes_end: What it had copied of its parent's memory since its birth, at the
-            epoch's last reading (``copied_bytes_peak``: the most any reading showed).
-
+    ``*_end``: at the epoch's end, or from its own report at exit. ``gpu_bytes_peak``: per
+    device, the larger of sampled and reported; ``gpu_peak_source``: ``reported`` (teardown or
+    driver accounting), ``sampled`` (a lower bound), ``unknown`` (exited unseen: not 0).
+    ``scope``: what started it besides the work (``module-scoped fixture 'pool'``).
+    ``host_bytes_end``: USS where read, else RSS (``host_source``); ``anon_bytes_end``:
+    ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``. ``freed_by_gc``: it exited only once leakcheck
+    collected garbage. ``*_bytes_birth``: its birth report (NOTE [copy on read] in hostmem.py;
+    ``forked`` None: none); ``copied_bytes_*``: what it copied of its parent's since then.
     """
 
     key: ProcessKey
@@ -140,9 +130,8 @@ EndReason = Literal["completed", "break", "exception", "interrupt", "collected",
 class EpochRecord:
     """One epoch: every process of the job, the devices and ``/dev/shm`` at its end.
 
-    ``shm_used_peak_bytes``: the most ``/dev/shm`` held in the epoch (removed but held files
-    too): what runs out when workers die of a bus error. ``pinned_*_bytes``: the loop's
-    process's pinned host memory at the end, in use and cached (None: no CUDA there).
+    ``shm_used_peak_bytes``: the most ``/dev/shm`` held in it (what a bus error runs out of);
+    ``pinned_*_bytes``: the loop's process's pinned host memory at the end (None: no CUDA).
     """
 
     index: int
@@ -173,13 +162,9 @@ class EpochRecord:
 class TeardownRecord:
     """What the teardown policy freed in one worker before it exited; None: unknown.
 
-    Attributes:
-        gpu_bytes_by_device: NVML's used bytes per device before the release (summed in
-            ``gpu_bytes_before``); ``left_nvml``: NVML no longer listed the PID after it.
-        monotonic_s: ``time.monotonic()`` when it read what it held.
-        released: The policy released resources (False: it only reported).
-        host_uss_bytes: Its own USS as it exited; the other ``host_*`` fields likewise.
-
+    ``gpu_bytes_by_device``: NVML's bytes before the release (summed: ``gpu_bytes_before``);
+    ``left_nvml``: NVML no longer listed it after; ``released`` False: it only reported;
+    ``host_*``: its own memory as it exited.
     """
 
     key: ProcessKey
@@ -207,10 +192,9 @@ class TeardownRecord:
 
 @dataclass(frozen=True)
 class Death:
-    """A process of the job ended by a signal, with what the machine said as it died.
+    """A process of the job ended by a signal, and what the machine said then.
 
-    ``at_s`` is on the tracker's clock; ``oom_kills`` the rise of the cgroup's OOM-kill counter
-    since the tracker started or its last death; ``stack`` what its faulthandler wrote.
+    ``oom_kills``: the rise of the cgroup's OOM-kill count since the last death or the start.
     """
 
     key: ProcessKey
@@ -229,11 +213,9 @@ class Death:
 
 @dataclass(frozen=True)
 class Stall:
-    """An epoch that waited ``hang_after`` seconds for a batch, and the job's stacks then.
+    """An epoch that waited ``hang_after`` for a batch, and the job's stacks (NOTE [hang watch]).
 
-    ``stacks``: every thread's of the loop's process and its workers (NOTE [hang watch]).
-    With ``pid``: that worker did not exit within its DataLoader's join time at shutdown
-    (``waited_s``), and ``stacks`` are its own (NOTE [exit watch]).
+    With ``pid``: that worker outlived its shutdown's join (NOTE [exit watch]); its stacks.
     """
 
     epoch: int | None
@@ -247,9 +229,8 @@ class Stall:
 class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
-    ``caller_wall_s``: the calling threads' time inside the tracker, which the user's loop
-    pays in full; ``nvml_wall_s``: the samples' NVML reads, lock waits included (NOTE [nvml
-    pacing] in track/pacing.py); ``host_read_cpu_s``: part of ``sampler_cpu_s``.
+    ``caller_wall_s``: the calling threads' time inside it (the loop pays it in full);
+    ``nvml_wall_s``: lock waits included; ``host_read_cpu_s``: part of ``sampler_cpu_s``.
     """
 
     samples: int
@@ -266,11 +247,10 @@ Attribution = Literal["ok", "nvml-unavailable", "blind-namespace", "no-gpu"]
 
 @dataclass(frozen=True)
 class FinalState:
-    """The job after the watched work, read fresh: who is still there and what they hold.
+    """The job read fresh at ``close()`` (or a ``report()`` before: ``closed`` False).
 
-    Taken when the tracker closes, and by every ``report()`` before (``closed`` False).
-    ``others_gpu_bytes``: per device, what the job's processes another tracker owns hold
-    (explained, never judged); ``pending_pids``: alive, still within the grace.
+    ``others_gpu_bytes``: what processes another tracker owns hold (explained, never judged);
+    ``pending_pids``: alive, still within the grace.
     """
 
     time_s: float
@@ -287,9 +267,8 @@ class FinalState:
 class ShmFile:
     """A file the watched work left in ``/dev/shm``.
 
-    A file ``attributable`` False (nothing ties it to the work), ``in_use`` (its holder's
-    work goes on) or ``made_by_older`` (the maker its name gives is older than the work) is
-    reported, not blamed.
+    Reported, not blamed: ``attributable`` False (nothing ties it to the work), ``in_use``
+    (its holder works on), ``made_by_older`` (its name's maker is older than the work).
     """
 
     name: str
@@ -307,10 +286,8 @@ class ShmFile:
 class ParentMemory:
     """GPU memory the test process keeps after a test, beyond its start (pytest plugin).
 
-    ``kept_tensor_bytes``: per device, allocator bytes above the start after a collection and
-    an emptied cache, net of live fixture scopes; ``driver_bytes``: per device with a context
-    at the start, NVML's growth beyond the allocator's (``torch_in_use``: maybe kernels that
-    libraries load on first use).
+    ``kept_tensor_bytes``: allocator bytes above the start after a collection, net of live
+    fixture scopes; ``driver_bytes``: NVML's growth beyond the allocator's.
     """
 
     kept_tensor_bytes: Mapping[int, int] = field(default_factory=dict)
@@ -323,10 +300,8 @@ class ParentMemory:
 class Timeline:
     """All that a tracker observed; the only input of the leak rules.
 
-    ``baseline_gpu_bytes``: per device, at the start, what the final state counts as the
-    job's beside its lineage (the root's own, other trackers' or ranks'); ``failures``:
-    leakcheck's own, reported, never raised; ``boot_unix_s``: to show start ticks as Unix
-    times only; ``rank_devices``: rank -> its GPU where it recorded ``set_device``.
+    ``baseline_gpu_bytes``: at the start, the job's beside its lineage (the root's own, other
+    trackers' or ranks'); ``rank_devices``: rank -> the GPU of its ``set_device``.
     """
 
     session_id: str
@@ -352,11 +327,8 @@ class Timeline:
 class Finding:
     """One judged fact: a leak (``severity`` ``leak`` fails a check), or advice (``info``).
 
-    ``message``: one line naming the culprit (the optional fields) and what it holds;
-    ``remedy``: the fix; ``create_time``: for people only, never compared. By rule:
-    ``bytes_per_epoch`` growth's slope; ``size_bytes`` a shm file's size (pressure: the
-    filesystem's use); ``host_bytes`` host- and pinned-growth's rise, copy-on-read's copies;
-    ``stack`` a death's, a hang's (loop and workers) or a shutdown-hang's worker's.
+    ``message``: one line naming the culprit and what it holds; ``remedy``: the fix;
+    ``create_time``: for people only, never compared; ``host_bytes``: a host rule's rise.
     """
 
     rule: Rule
@@ -390,11 +362,8 @@ class Finding:
 class RuleConfig:
     """Thresholds of the leak rules.
 
-    ``tolerance_bytes``: growth or residual below is noise; ``warmup_epochs``: the growth
-    rule's allocator warm-up; ``grace_s``: how long a process may outlive its epoch;
-    ``host_tolerance_bytes``: above the GPU's (a heap moves more without leaking: arenas,
-    pinned caches); ``copy_tolerance_bytes``: a full collection in a forked worker copies
-    36 MiB with torch imported (measured).
+    ``host_tolerance_bytes`` is above the GPU's: a heap moves more without leaking;
+    ``copy_tolerance_bytes``: a full collection in a forked worker copies 36 MiB (measured).
     """
 
     tolerance_bytes: int = 16 * MIB

@@ -1,8 +1,7 @@
-"""Option resolution shared by leakcheck's adapters: command line > environment > ini > default.
+"""Options of every adapter: command line > environment > ini > default (imports nothing heavy).
 
-Each option is one ``OptionSpec``; ``resolve`` parses the first source that sets it, so a bad
-value names where it came from (``LEAKCHECK_TOLERANCE (environment)``). Imports nothing
-heavy: the pytest plugin resolves options in every session.
+``resolve`` parses the first source that sets an ``OptionSpec``, so a bad value names where it
+came from (``LEAKCHECK_TOLERANCE (environment)``).
 """
 
 from __future__ import annotations
@@ -59,9 +58,7 @@ def parse_share_option(value: object, source: str) -> float:
     return share
 
 
-# A sample takes up to about 1 ms (0.81 ms with 64 workers on an H200 host): a shorter
-# interval only makes the sampler spin, taking a core and the GIL.
-MIN_INTERVAL_S = 0.001
+MIN_INTERVAL_S = 0.001  # a sample takes up to about 1 ms (64 workers, H200 host): less spins
 
 
 def parse_interval_option(value: object, source: str) -> float:
@@ -85,11 +82,7 @@ def parse_device_index(value: object, source: str) -> int:
 
 @dataclass(frozen=True)
 class OptionSpec(Generic[T]):
-    """One option and every place it can be set.
-
-    ``parse(raw, source)`` returns the value or raises ``UsageError`` naming ``source``;
-    ``default`` is already parsed.
-    """
+    """One option, every place it can be set, and ``parse(raw, source)`` (``UsageError``)."""
 
     name: str
     parse: Callable[[object, str], T]
@@ -119,8 +112,7 @@ def resolve(
 ) -> Resolved[T]:
     """Resolve one option: command line, then environment, then ini, then the default.
 
-    ``cli`` None: the flag was not given; ``environ`` None: no environment; ``ini`` None or
-    empty: the key is absent from ``ini_path``.
+    ``cli`` None: not given; ``ini`` None or empty: absent from ``ini_path``.
 
     Raises:
         UsageError: The winning source holds a bad value; the message names the source.
@@ -198,10 +190,7 @@ GRACE = OptionSpec[float](
 def command_line_value(
     spec: OptionSpec[T], flag: str, value: object, environ: Mapping[str, str], **changes: Any
 ) -> T:
-    """A ``leakcheck`` command's ``flag`` for ``spec`` (None: not given), else the environment.
-
-    ``changes`` replace fields of ``spec`` for the command (``default=2.0``).
-    """
+    """A command's ``flag`` (None: not given), else the environment; ``changes``: to ``spec``."""
     return resolve(replace(spec, cli_flag=flag, **changes), cli=value, environ=environ).value
 
 
@@ -209,12 +198,9 @@ WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=wa
 
 
 def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
-    """Combine ``--gpu-leak-mode`` (None: not given) and ``--gpu-leak-warn`` (True: given).
+    """``--gpu-leak-mode`` (None: not given) with ``--gpu-leak-warn``: the mode and its flag.
 
-    In ``--gpu-leak-warn --gpu-leak-mode=fail`` neither may silently win by coming last.
-
-    Returns:
-        The mode and its flag; None when neither flag was given.
+    None when neither was given; a contradiction is refused, never won by coming last.
 
     Raises:
         UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
@@ -260,7 +246,7 @@ def resolve_check_options(
     ``cli`` also takes ``warn``: True when ``--gpu-leak-warn`` was given.
 
     Raises:
-        UsageError: A bad value; the message names it and where it came from.
+        UsageError: A bad value, named with where it came from.
 
     """
     cli = cli or {}
@@ -291,9 +277,8 @@ def apply_marker(
 ) -> CheckOptions:
     """Override options with a marker's arguments; ``where`` names the marker in errors.
 
-    A lone positional argument is ``enabled`` (``@pytest.mark.gpu_leak_check(False)``); a
-    marker that does not say ``enabled`` enables the check for its test, unless ``enabled``
-    was chosen explicitly before it.
+    A lone positional argument is ``enabled``; a marker that does not say it enables its
+    test, unless ``enabled`` was chosen explicitly before.
 
     Raises:
         UsageError: An unknown argument or a bad value.
@@ -313,8 +298,7 @@ def apply_marker(
             raise UsageError(f"{where}: enabled given twice")
         values["enabled"] = args[0]
     elif "enabled" not in values and options.sources.get("enabled") in (None, "default"):
-        # A marker checks its test unless it says enabled=False; an explicit choice made
-        # elsewhere (--no-gpu-leak-check, a farther marker's enabled=False) stands.
+        # An explicit choice elsewhere (--no-gpu-leak-check, a farther marker's) stands.
         values["enabled"] = True
     sources = dict(options.sources)
     changes: dict[str, object] = {}

@@ -1,9 +1,4 @@
-"""The model's records as JSON-able data and back: the one converter for every layer.
-
-Dataclasses (``model.py``) and named tuples (``readings.py``) become objects keyed by field
-name, mappings objects with string keys, tuples lists; ``record_from_dict`` reads them back
-by the field types.
-"""
+"""The model's records as JSON-able data and back (by the field types): one converter."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ __all__ = ["record_from_dict", "to_jsonable"]
 
 
 def _field_names(cls: type[Any]) -> list[str] | None:
-    """A dataclass's or named tuple's fields; None for any other class."""
     if dataclasses.is_dataclass(cls):
         return [f.name for f in dataclasses.fields(cls)]
     return list(cls._fields) if issubclass(cls, tuple) and hasattr(cls, "_fields") else None
@@ -28,8 +22,7 @@ def _field_names(cls: type[Any]) -> list[str] | None:
 def to_jsonable(value: Any, create_time: Callable[[int], float] | None = None) -> Any:
     """Convert model values to JSON types: records to dicts, mapping keys to strings.
 
-    A ``ProcessKey`` also gets its ``create_time`` from ``create_time(start_ticks)`` (None
-    without it): for people, never read back (NOTE [process identity] in procs.py).
+    A ``ProcessKey`` also gets ``create_time(start_ticks)`` (for people, never read back).
 
     Raises:
         TypeError: A value of no JSON form.

@@ -3,21 +3,19 @@
 NOTE [claims]: one process often runs several trackers (a train and a validation loader each
 under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the
 same root's children: without owners, one loader's persistent worker is another's survivor.
-This process-wide registry records each placed process's owner:
+This registry records each placed process's owner:
 
 1. a worker that reported itself through a tracker's mailbox is that tracker's: exact;
 2. a process whose parent is claimed is the parent's owner's, and follows it when rule 1
-   corrects the parent. A child of a tracker's root is that tracker's where it is the only
-   one rooted there; several are told apart by 3;
-3. otherwise the tracker whose epoch was the innermost open at the process's birth (its start
-   ticks: NOTE [process identity] in procs.py), not when a walk first saw it;
+   corrects the parent; children of a root several trackers share are told apart by 3;
+3. otherwise the tracker whose epoch was the innermost open at its birth (its start ticks:
+   NOTE [process identity] in procs.py), not when a walk first saw it;
 4. with no epoch open anywhere at its birth, the tracker that places it first.
 
 A tracker judges only what it owns and counts what another owns as the job's memory. Claims
-stay until the process is seen gone and outlive the tracker's close, but what is born after a
-close is not the closed tracker's. A correction by rule 1 must reach the tracker that lost the
-process even where it is gone by then: claims of processes seen gone are kept a while, and
-what rule 1 takes from a session waits in ``taken_from`` for its table's next walk or end.
+outlive the tracker's close, but what is born after it is not the closed tracker's. Claims of
+processes seen gone are kept a while, and what rule 1 takes from a session waits in
+``taken_from`` for its table's next walk or end.
 """
 
 from __future__ import annotations
@@ -121,8 +119,6 @@ def claim(key: ProcessKey, parent: ProcessKey | None, session: str) -> str:
         born_s = key.start_ticks / ticks_per_s  # NOTE [process identity] in procs.py
         heir_of = None
         if rooted:
-            # A child of a tracker's root: that tracker's, where it is the only one rooted
-            # there; several (this process's trackers) are told apart by rule 3.
             owner = next(iter(rooted)) if len(rooted) == 1 else None
         elif parent is not None and parent in _live:
             owner = _live[parent].owner

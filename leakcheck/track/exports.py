@@ -16,8 +16,8 @@ __all__ = ["export", "exported_since", "mark", "withdraw"]
 
 _lock = threading.Lock()
 _tokens = itertools.count(1)
-_layers: dict[str, list[tuple[int, str]]] = {}  # variable -> (token, value), oldest first
-_before: dict[str, str | None] = {}  # variable -> its value before the first layer
+# variable -> (token, value) layers, oldest first, above its value before them (token 0)
+_layers: dict[str, list[tuple[int, str | None]]] = {}
 _history: list[tuple[int, str, str]] = []  # (token, variable, value) of the latest exports
 _KEPT_EXPORTS = 4096
 
@@ -28,11 +28,9 @@ def export(values: dict[str, str]) -> int:
         token = next(_tokens)
         for name, value in values.items():
             _history.append((token, name, value))
-            layers = _layers.setdefault(name, [])
-            if layers and os.environ.get(name) != layers[-1][1]:
-                layers.clear()  # changed from outside since: the older layers are stale
-            if not layers:
-                _before[name] = os.environ.get(name)
+            layers = _layers.get(name)
+            if not layers or os.environ.get(name) != layers[-1][1]:  # none, or stale ones
+                layers = _layers[name] = [(0, os.environ.get(name))]
             layers.append((token, value))
             os.environ[name] = value
         del _history[:-_KEPT_EXPORTS]
@@ -54,25 +52,22 @@ def exported_since(since: int, name: str) -> list[str]:
 def withdraw(token: int) -> None:
     """Remove the layer of ``token``; each variable shows what is left."""
     with _lock:
-        for name in list(_layers):
-            layers = _layers[name]
+        for name, layers in list(_layers.items()):
             remaining = [layer for layer in layers if layer[0] != token]
             if len(remaining) == len(layers):
                 continue
             if os.environ.get(name) != layers[-1][1]:  # changed from outside: stale layers
                 del _layers[name]
-                _before.pop(name, None)
                 continue
-            if remaining:
+            value = remaining[-1][1]
+            if len(remaining) > 1:
                 _layers[name] = remaining
-                os.environ[name] = remaining[-1][1]
-                continue
-            del _layers[name]
-            before = _before.pop(name, None)
-            if before is None:
+            else:
+                del _layers[name]
+            if value is None:
                 os.environ.pop(name, None)
             else:
-                os.environ[name] = before
+                os.environ[name] = value
 
 
 def _reset_after_fork() -> None:
@@ -80,7 +75,6 @@ def _reset_after_fork() -> None:
     global _lock
     _lock = threading.Lock()
     _layers.clear()
-    _before.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

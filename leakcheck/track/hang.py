@@ -2,21 +2,18 @@
 
 NOTE [hang watch]: a loop stuck in its DataLoader (a worker blocked in ``__getitem__``, a
 deadlock after fork, a full queue) shows nothing. The adapter tells the tracker when the loop
-asks for a batch (``Tracker.batch_wanted``) and when it got one (``batch_arrived``), one clock
-read each: only the time in between counts, never the loop's own work. At each tick the
-sampler's thread checks whether an open epoch's loop has waited ``hang_after_s``; once per
-stall it writes to stderr and the report (``Stall``, the ``hang`` finding) the Python stacks
-of every thread of the loop's process, where the tracker runs in it, and of each worker that
-registered the stack signal (NOTE [worker mailbox]): sent ``mailbox.STACK_SIGNAL`` after its
-identity is checked, its faulthandler writes them into its file, read once still (at most
-``_DUMP_WAIT_S``). The loop goes on; a batch ends the stall.
+asks for a batch (``Tracker.batch_wanted``) and when it got one (``batch_arrived``): one clock
+read each, and only the wait in between counts. Each tick checks whether an open epoch's loop
+has waited ``hang_after_s``; once per stall, the Python stacks of the loop's process (where
+the tracker runs in it) and of each worker that registered the stack signal (NOTE [worker
+mailbox]; sent ``mailbox.STACK_SIGNAL`` once its identity is checked, its faulthandler writes
+them into its file) go to stderr and the report (``Stall``, the ``hang`` finding). The loop
+goes on; a batch ends the stall.
 
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
-``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive: a worker still in
-``__getitem__``, or held by a non-daemon thread, vanishes without a word. ``watch_exits`` puts
-an instance-level ``terminate`` on each worker of an iterator; called, it first has the
-tracker gather that worker's stacks as above (``exit_stall``: stderr and the report, a
-``Stall`` with its ``pid``), then terminates it.
+``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive without a word.
+``watch_exits`` puts an instance-level ``terminate`` on each worker of an iterator that first
+has the tracker gather that worker's stacks as above (a ``Stall`` with its ``pid``).
 """
 
 from __future__ import annotations
@@ -35,30 +32,27 @@ from typing import Any
 from leakcheck.core.model import ProcessKey, Stall
 from leakcheck.observe import mailbox, procs
 
-__all__ = ["HangWatch", "exit_stall", "own_stacks", "watch_exits"]
+__all__ = ["HangWatch", "gather_stall", "own_stacks", "watch_exits"]
 
+# How long the workers' faulthandlers may take to write: as soon as they run, which on a
+# loaded machine can be seconds after the signal; only a worker that cannot run waits it out.
 _DUMP_WAIT_S = 10.0
-"""How long the watch waits for the workers' faulthandlers to write: they write as soon as they
-run, which on a loaded machine can be seconds after the signal. Only a worker that cannot run
-(stopped, in uninterruptible sleep) makes the watch wait this long."""
 
 
 def own_stacks() -> str:
     """Every thread of this process but the calling one (leakcheck's), the main one first."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    main = threading.main_thread().ident
+    me, main = threading.get_ident(), threading.main_thread().ident
     frames = sorted(sys._current_frames().items(), key=lambda item: item[0] != main)
-    parts: list[str] = []
-    for ident, frame in frames:
-        if ident == threading.get_ident():
-            continue
-        header = f"Thread {names.get(ident, '?')!r} (most recent call last):"
-        parts.append(header + "\n" + "".join(traceback.format_stack(frame)).rstrip())
-    return "\n\n".join(parts)
+    return "\n\n".join(
+        f"Thread {names.get(ident, '?')!r} (most recent call last):\n"
+        + "".join(traceback.format_stack(frame)).rstrip()
+        for ident, frame in frames
+        if ident != me
+    )
 
 
-_STILL_S = 0.25
-"""How long a worker's stack file must stay the same size before it is read."""
+_STILL_S = 0.25  # how long a worker's stack file stays the same size before it is read
 
 
 def _size(path: str) -> int:
@@ -69,26 +63,13 @@ def _size(path: str) -> int:
 
 
 class HangWatch:
-    """Notices a stalled epoch and gathers the job's stacks once per stall (NOTE [hang watch]).
+    """Notices a stalled epoch, once per stall (NOTE [hang watch]); ``hang_after_s`` 0: never."""
 
-    ``hang_after_s``: seconds without a batch that make a stall (0: never); ``own_process``:
-    the loop runs in this process.
-    """
-
-    def __init__(self, hang_after_s: float, *, own_process: bool) -> None:
+    def __init__(self, hang_after_s: float) -> None:
         self.hang_after_s = hang_after_s
-        self.own_process = own_process
+        # Monotonic time the loop asked for the batch it waits for; None: not waiting.
         self.waiting_since_s: float | None = None
-        """Monotonic time the loop asked for the batch it waits for (None: not waiting)."""
         self._reported: float | None = None
-
-    def batch_wanted(self) -> None:
-        """The loop asks for its next batch: the wait starts."""
-        self.waiting_since_s = time.monotonic()
-
-    def batch_arrived(self) -> None:
-        """A batch came, or the loop stopped asking: a stall, if any, is over."""
-        self.waiting_since_s = None
 
     def due(self) -> float | None:
         """Seconds the loop has waited for its batch, where that is a new stall."""
@@ -101,38 +82,48 @@ class HangWatch:
         self._reported = since
         return waited
 
-    def dump(
-        self,
-        *,
-        epoch: int | None,
-        waited_s: float,
-        at_s: float,
-        workers: list[ProcessKey],
-        folder: str | None,
-    ) -> Stall:
-        """Gather the stacks and write them to stderr (no lock held); the stall, to keep."""
-        parts = worker_stacks(workers, folder)
-        if self.own_process:  # after the workers': a report shows the first rows only
-            parts.append(f"--- the loop's process (PID {os.getpid()}) ---\n{own_stacks()}")
-        stall = Stall(epoch=epoch, waited_s=waited_s, at_s=at_s, stacks="\n\n".join(parts))
+
+def gather_stall(
+    workers: list[ProcessKey],
+    folder: str | None,
+    *,
+    epoch: int | None,
+    waited_s: float,
+    at_s: float,
+    pid: int | None = None,
+    loop: bool = False,
+) -> Stall:
+    """The stacks, written to stderr too (no lock held), as a stall to keep.
+
+    ``pid``: the worker a shutdown is about to terminate (NOTE [exit watch]); else the loop
+    waited for a batch (NOTE [hang watch]), and ``loop``: it runs in this process.
+    """
+    parts = worker_stacks(workers, folder)
+    if pid is not None:
+        what = f"DataLoader worker PID {pid} did not exit within {waited_s:.0f} s"
+        parts = parts or [f"--- worker PID {pid} ---\n(no stack signal)"]
+    else:
         where = f" in epoch {epoch}" if epoch is not None else ""
-        _say(f"no batch for {waited_s:.0f} s{where}; the stacks of the job", stall.stacks)
-        return stall
+        what = f"no batch for {waited_s:.0f} s{where}; the stacks of the job"
+        if loop:  # after the workers': a report shows the first rows only
+            parts.append(f"--- the loop's process (PID {os.getpid()}) ---\n{own_stacks()}")
+    stall = Stall(epoch=epoch, waited_s=waited_s, at_s=at_s, stacks="\n\n".join(parts), pid=pid)
+    with contextlib.suppress(OSError, ValueError):  # a closed stderr stops nothing
+        sys.stderr.write(f"leakcheck: {what}:\n{stall.stacks}\n")
+        sys.stderr.flush()
+    return stall
 
 
 def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
     """Each worker's stacks, ``--- worker PID n ---`` first, sent the stack signal."""
-    parts: list[str] = []
-    sent: list[ProcessKey] = []
+    pending: list[ProcessKey] = []
     for key in workers if folder else []:
         if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(key.pid, mailbox.STACK_SIGNAL)
-                sent.append(key)
-            except OSError:
-                continue
+                pending.append(key)
+    parts: list[str] = []
     deadline = time.monotonic() + _DUMP_WAIT_S
-    pending = list(sent)
     grown: dict[ProcessKey, tuple[int, float]] = {}  # size, and since when
     while pending and folder:
         for key in list(pending):
@@ -150,25 +141,6 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
             break
         time.sleep(0.05)
     return parts + [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
-
-
-def _say(what: str, stacks: str) -> None:
-    with contextlib.suppress(OSError, ValueError):  # a closed stderr stops nothing
-        sys.stderr.write(f"leakcheck: {what}:\n{stacks}\n")
-        sys.stderr.flush()
-
-
-def exit_stall(
-    key: ProcessKey, *, dumps_stacks: bool, epoch: int | None, at_s: float, folder: str | None
-) -> Stall:
-    """A worker its shutdown is about to terminate: its stacks, said (NOTE [exit watch])."""
-    utils = sys.modules.get("torch.utils.data._utils")
-    join_s = float(getattr(utils, "MP_STATUS_CHECK_INTERVAL", 5.0))
-    parts = worker_stacks([key] if dumps_stacks else [], folder)
-    stacks = "\n\n".join(parts or [f"--- worker PID {key.pid} ---\n(no stack signal)"])
-    stall = Stall(epoch=epoch, waited_s=join_s, at_s=at_s, stacks=stacks, pid=key.pid)
-    _say(f"DataLoader worker PID {key.pid} did not exit within {join_s:.0f} s", stacks)
-    return stall
 
 
 def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:

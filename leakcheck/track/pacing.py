@@ -1,35 +1,28 @@
-"""When the sampler reads what: NVML's memory and process lists, /proc, the mailbox, USS.
-
-A pure policy: told the times (``time.perf_counter()`` seconds) and CPU costs of the reads
-made, it answers what the next tick reads and how many ticks may be slept through.
+"""When the sampler reads what: a pure policy, told the times and CPU costs of reads made.
 
 NOTE [nvml pacing]: while workers create contexts and compute, an NVML list read costs far
-more CPU, inside the driver and under a lock the workers' own driver calls wait for. So after
-a read that used ``c`` seconds of the sampler's CPU (not wall time: waiting for the lock costs
-the workers nothing), that kind of read is left out for ``c / share`` seconds, at most
-``max_gap_s``; memory reads, on most ticks, get a quarter of the share. Epoch ends,
-``sample()``, the grace wait and ``close()`` are never paced, and workers report their own
-peaks (NOTE [worker reports] in book.py): pacing costs resolution, never a worker's peak.
+more CPU, in the driver, under a lock the workers' own calls wait for. So after a read that
+used ``c`` seconds of the sampler's CPU (not wall time: waiting costs the workers nothing),
+that kind of read is left out for ``c / share`` seconds, at most ``max_gap_s``; memory reads
+get a quarter of the share. Epoch ends, ``sample()``, the grace wait and ``close()`` are never
+paced, and workers report their own peaks: pacing costs resolution, never a worker's peak.
 
 NOTE [list gating]: every process's memory is part of its device's used bytes, so a tick that
 finds them where they were at the last list read keeps the last attribution. Walking ticks
-read the lists unless paced out; a failed read is retried at the next tick. While the last
-full read found no graphics context, ticks that do not walk leave the graphics list out.
+read the lists unless paced out (a failed read: again next tick); while the last full read
+found no graphics context, ticks that do not walk leave the graphics list out.
 
-NOTE [host pacing]: USS and PSS come from /proc/PID/smaps_rollup, a page-table walk that costs
-with the process's size (NOTE [rollup cost] in hostmem.py). So they are read only for what the
-host-growth rule judges (the parent, persistent workers), once per epoch end at most, on the
-sampler's next wake, paced like NVML's reads by ``rollup_share`` with no gap cap (1 reads
-every end). The first three ends after the warm-up always read (the rule's first points);
-warm-up ends read none unless unpaced; an end without a read says RSS, never an older USS.
-The reads an end planned are made before the next epoch begins, and wrappers that judge after
-each epoch make them first. Forked workers that reported their birth (NOTE [copy on read] in
-hostmem.py) are read at their first epoch end whatever the pacing, and inside an epoch that
-has lasted ``reads.INSIDE_AFTER_S``, at most every ``reads.INSIDE_GAP_S``, as the pacing allows.
+NOTE [host pacing]: USS and PSS come from smaps_rollup, a page-table walk that costs with the
+process's size (NOTE [rollup cost] in hostmem.py): read only for what the host-growth rule
+judges (the parent, persistent workers), once per epoch end at most, on the sampler's next
+wake, paced by ``rollup_share`` with no gap cap. The first three ends after the warm-up
+always read, warm-up ends read none unless unpaced, and an end without a read says RSS, never
+an older USS. Planned reads are made before the next epoch begins. Forked workers with a birth
+report (NOTE [copy on read] in hostmem.py) are read at their first epoch end whatever the
+pacing, and inside an epoch lasting ``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
 
-NOTE [idle ticks]: a tick that does not walk and whose reads are all paced out changes
-nothing, yet waking a thread costs CPU: the sampler sleeps through such ticks, up to the next
-walking tick or the first one a memory or list read is due.
+NOTE [idle ticks]: a tick that neither walks nor reads changes nothing, yet waking costs CPU:
+the sampler sleeps through such ticks, up to the next walk or the first read due.
 """
 
 from __future__ import annotations
@@ -57,10 +50,7 @@ class TickPlan:
 
 
 class Pacing:
-    """The sampler's schedule of reads (NOTE [nvml pacing], [list gating], [idle ticks]).
-
-    The shares and gaps are the module's constants at construction (a test sets them there).
-    """
+    """The sampler's schedule of reads; shares and gaps: the module's constants when made."""
 
     def __init__(
         self, interval_s: float, *, has_nvml: bool, rollup_share: float | None = None
@@ -88,9 +78,8 @@ class Pacing:
 
     def lists_due(self, *, quick: bool) -> bool:
         """Whether a tick without a walk reads the process lists (NOTE [list gating])."""
-        if not self.has_nvml:
-            return False
-        return not quick or not self.device_used or self.device_used != self.used_at_lists
+        moved = not self.device_used or self.device_used != self.used_at_lists
+        return self.has_nvml and (not quick or moved)
 
     def list_graphics(self, *, quick: bool) -> bool:
         """Whether a list read includes the graphics list (NOTE [list gating])."""
@@ -102,7 +91,7 @@ class Pacing:
 
     def memory_read(self, end_s: float, cpu_s: float, used: Mapping[int, int] | None) -> None:
         """A memory read ended; ``used`` is None where it failed."""
-        self.memory_due_s = end_s + self._gap_s(cpu_s, self.memory_share)
+        self.memory_due_s = end_s + min(cpu_s / self.memory_share, self.max_gap_s)
         self.device_used = dict(used) if used is not None else {}
 
     def lists_read(
@@ -115,7 +104,7 @@ class Pacing:
         graphics_seen: bool | None,
     ) -> None:
         """A list read ended (``graphics_seen`` None: the graphics list was left out)."""
-        self.lists_due_s = end_s + self._gap_s(cpu_s, self.list_share)
+        self.lists_due_s = end_s + min(cpu_s / self.list_share, self.max_gap_s)
         self.used_at_lists = dict(used_before) if ok else {}
         if ok and graphics_seen is not None:
             self.graphics_seen = graphics_seen
@@ -133,9 +122,6 @@ class Pacing:
         """smaps_rollup reads ended at ``end_s`` after ``cpu_s`` of CPU (no gap cap)."""
         if not self.unpaced_rollups:
             self.rollup_due_s = end_s + cpu_s / self.rollup_share
-
-    def _gap_s(self, cpu_s: float, share: float) -> float:
-        return min(cpu_s / share, self.max_gap_s)
 
     def ticks_until_work(self, now_s: float) -> int:
         """Ticks from now to the next one with work (NOTE [idle ticks]); at least 1."""

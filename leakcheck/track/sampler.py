@@ -1,28 +1,22 @@
 """The sampler: one background thread that reads the job's processes and devices, per epoch.
 
-NOTE [tracker lifecycle]: ``Tracker.start()`` takes a baseline (devices, the root's own GPU
-bytes, the processes already below the root: pre-existing, never survivors), exports
-``LEAKCHECK_SESSION`` and ``LEAKCHECK_MAILBOX`` for every child to inherit, and starts one
-daemon thread. Each tick reads what ``Pacing`` allows: device memory, NVML's per-PID lists
-where memory moved, and every fourth tick the mailbox (NOTE [worker mailbox] in mailbox.py)
-and a quick walk of the root's descendants; a list naming a PID not placed yet walks at once.
-An epoch end is one synchronous full sample with the costlier extras (``/dev/nvidia*``
-descriptors, command lines, telemetry, RSS, the job's ``/dev/shm`` files); the costliest run
-on the thread's next wake: the scan of /proc for tagged processes reparented away
-(``procs.TagScan``, also in every fresh read and ``close()``) and the USS and PSS of the
-long-lived processes (NOTE [host pacing] in pacing.py). Survivors are judged from how long
-after its epoch's end each process was still seen, so the sampler keeps running between
-epochs, and ``Tracker.close()`` waits, at most ``grace`` after the epoch each was born in, for every
-process whose survival is not decided, then reads everything once more. leakcheck's own
-failures are recorded, never raised into the user's loop (``strict=True`` raises them at the
-next call).
+NOTE [tracker lifecycle]: ``Tracker.start()`` takes a baseline (devices, the root's GPU bytes,
+the processes already there: pre-existing, never survivors), exports ``LEAKCHECK_SESSION`` and
+``LEAKCHECK_MAILBOX`` for children to inherit, and starts one daemon thread. Each tick reads
+what ``Pacing`` allows: device memory, NVML's per-PID lists where memory moved, and every
+fourth tick the mailbox (NOTE [worker mailbox] in mailbox.py) and a walk of the root's
+descendants (at once where a list names a PID not placed yet). An epoch end is one full
+sample with the costlier extras (``/dev/nvidia*`` descriptors, command lines, RSS,
+``/dev/shm``); the thread's next wake scans /proc for tagged processes reparented away and
+reads USS and PSS (NOTE [host pacing] in pacing.py). Survivors are judged by how long after
+its epoch each process was seen, so sampling goes on between epochs, and ``close()`` waits
+(at most ``grace``) for undecided ones, then reads everything once more. leakcheck's own
+failures are recorded, never raised into the loop (``strict=True``: at the next call).
 
-NOTE [born epoch]: a process is placed when a walk or a tag scan first sees it, which for a
-helper of a short-lived worker can be epochs after its birth. So the epoch it was born in
-comes from its start ticks (NOTE [process identity] in procs.py) put on the tracker's clock
-(``procs.since_boot_s``), not from the epoch open when it was found; the survivor rule,
-``close()``'s wait and `alive after` count the grace from that epoch's end. The epoch it was
-placed in (``Proc.born_epoch``) stands in where the start falls between epochs.
+NOTE [born epoch]: a process is placed when a walk or tag scan first sees it, maybe epochs
+after its birth, so its epoch (whose end its grace counts from) comes from its start ticks
+(NOTE [process identity] in procs.py) on the tracker's clock; the epoch it was placed in
+stands in where the start falls between epochs or the clocks disagree.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from leakcheck.core.model import (
     Death,
@@ -43,26 +36,24 @@ from leakcheck.core.model import (
     ShmFile,
     Stall,
 )
-from leakcheck.observe import hostmem, mailbox, procs
-from leakcheck.observe.torch_state import initialized_cuda
+from leakcheck.observe import hostmem, machine, mailbox, procs
+from leakcheck.observe.torch_state import allocator_bytes
 from leakcheck.track.book import EpochBook, final_processes
-from leakcheck.track.hang import HangWatch
+from leakcheck.track.hang import HangWatch, gather_stall
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
 from leakcheck.track.shm import ShmWatch
-from leakcheck.track.table import ProcessTable
+from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["Sampler"]
 
 
 class Sampler:
-    """One tracker's thread reading its job's processes and devices (NOTE [tracker lifecycle]).
+    """One tracker's thread and what it read (NOTE [tracker lifecycle]).
 
-    Holds what was read: the table (from ``start()`` on), the book, the stalls and deaths. A
-    tick is due every ``interval_s``, or after as many intervals as the last tick said (NOTE
-    [idle ticks] in pacing.py). A wake (an epoch end's host reads, a stop) is served at once
-    and does not put the tick off: short epochs would otherwise starve every tick, and with
-    them the scans for processes reparented away.
+    A tick is due every ``interval_s`` times what the last said (NOTE [idle ticks]). A wake
+    (host reads, a stop) is served at once without putting the tick off: short epochs would
+    otherwise starve every tick, and the scans for processes reparented away with them.
     """
 
     def __init__(
@@ -102,20 +93,27 @@ class Sampler:
         self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
         self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
         self.shm = ShmWatch()
-        self.shm_files: tuple[ShmFile, ...] = ()
-        self.hang = HangWatch(hang_after_s, own_process=root_pid == os.getpid())
+        self.shm_files: tuple[ShmFile, ...] = ()  # judged once the work is over: at close
+        self.hang = HangWatch(hang_after_s)
         self.stalls: list[Stall] = []
         self.deaths: list[Death] = []
+        self._oom_kills: int | None = None  # what the next death's OOM kills count from
+
+    @property
+    def own_process(self) -> bool:
+        """The job's root is this process (asked each time: a forked child is not)."""
+        return self.root_pid == os.getpid()
 
     def now(self) -> float:
         """Seconds since the start, on the clock of every record."""
         return time.monotonic() - self.t0_s
 
     def start(self, table: ProcessTable, mailbox_dir: str | None) -> None:
-        """Take the baseline of ``table``'s job (the caller holds the lock); no thread yet."""
+        """Take the baseline of ``table``'s job (lock held); no thread yet."""
         self.t0_s = time.monotonic()
         self._boot_offset_s = procs.since_boot_s() - self.now()
         self.mailbox_dir = mailbox_dir
+        self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
         self.nvml.open(use_nvml=self.use_nvml)
         self.pacing.has_nvml = self.nvml.handle is not None
         self.failures.guard(self.shm.start, "shm")
@@ -197,26 +195,66 @@ class Sampler:
                 if waited_s is not None:
                     self.sample(epoch_end=False)  # the mailbox: every worker's record
                     workers = [k for k in table.live_workers() if table.procs[k].dumps_stacks]
-                    stalled = (opened.index, waited_s, workers)
+                    stalled = (workers, opened.index, waited_s)
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
         if inside is not None:
             self._read_inside(inside)
-        if stalled is not None:  # the job's stacks, off the lock (NOTE [hang watch] in hang.py)
-            epoch, waited_s, workers = stalled
-            folder, at_s = self.mailbox_dir, self.now()
-            self.keep_stall(
-                lambda: self.hang.dump(
-                    epoch=epoch, waited_s=waited_s, at_s=at_s, workers=workers, folder=folder
-                )
-            )
+        if stalled is not None:  # NOTE [hang watch] in hang.py
+            self.keep_stall(*stalled)
         return next_ticks
 
-    def keep_stall(self, gather: Callable[[], Stall]) -> None:
+    def keep_stall(
+        self, workers: list[ProcessKey], epoch: int | None, waited_s: float, pid: int | None = None
+    ) -> None:
         """Gather stacks off the lock (they wait for the workers), and keep the stall."""
-        stall = self.failures.guard(gather, "hang watch", lock=self.lock)
+        folder, at_s, loop = self.mailbox_dir, self.now(), self.own_process
+        stall = self.failures.guard(
+            lambda: gather_stall(
+                workers, folder, epoch=epoch, waited_s=waited_s, at_s=at_s, pid=pid, loop=loop
+            ),
+            "hang watch",
+            lock=self.lock,
+        )
         if stall is not None:
             with self.lock:
                 self.stalls.append(stall)
+
+    def note_death(self, pid: int, signal_number: int) -> None:
+        """A process of the job died of a signal: keep it, with the evidence now (lock held)."""
+        if self.table is None or self.closed:
+            return
+        self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+        key = self.table.by_pid.get(pid)
+        proc = self.table.procs.get(key) if key is not None else None
+        if proc is not None and all(death.key != proc.key for death in self.deaths):
+            death = self.failures.guard(lambda: self._death(proc, signal_number), "death")
+            if death is not None:
+                self.deaths.append(death)
+
+    def _death(self, proc: Proc, signal_number: int) -> Death:
+        counted, kills = self._oom_kills, machine.oom_kill_count()
+        rise = None if kills is None or counted is None else kills - counted
+        memory, folder = machine.machine_memory(), self.mailbox_dir
+        self.shm.note_usage()
+        death = Death(
+            key=proc.key,
+            signal_number=signal_number,
+            at_s=self.now(),
+            epoch=self.book.open_index,
+            oom_kills=rise,
+            memory_total_bytes=memory.total_bytes if memory else None,
+            memory_available_bytes=memory.available_bytes if memory else None,
+            shm_total_bytes=self.shm.total_bytes,
+            shm_used_peak_bytes=self.shm.used_peak_bytes,
+            rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
+            rss_bytes_last=proc.rss_bytes_last,
+            stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
+        )
+        if rise and counted is not None:  # each death takes one kill of a rise: bursts share
+            self._oom_kills = counted + 1
+        elif kills is not None:
+            self._oom_kills = kills
+        return death
 
     def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
@@ -230,15 +268,11 @@ class Sampler:
         self.meter.add(host_read_cpu_s=time.thread_time() - started_cpu_s)
 
     def finish_reads(self) -> None:
-        """Make the host reads the last epoch end planned, or wait for those under way.
-
-        Before the job's processes change, so that they describe the epoch's end. The caller
-        holds no lock.
-        """
+        """Make (or wait for) the host reads the last epoch end planned; no lock held."""
         self.host.read_planned(self.lock, self.book.apply_rollup)
 
     def wait_for_grace(self) -> None:
-        """Wait, at most until the grace of each one's epoch passed, for pending survivors."""
+        """Wait for pending survivors, at most until the grace of each one's epoch passed."""
         assert self.table is not None
         with self.lock:
             pending, deadline = self.book.pending_survivors(self.table)
@@ -332,7 +366,6 @@ class Sampler:
         ticks_per_s = procs.clock_ticks()
         for proc in added:  # NOTE [born epoch]
             born_s = proc.key.start_ticks / ticks_per_s - self._boot_offset_s
-            # A clock that does not agree: the epoch it was found in.
             proc.birth_epoch = (
                 born if born_s > now + 1.0 else self.book.born_in(born_s, 1.0 / ticks_per_s)
             )
@@ -373,26 +406,14 @@ class Sampler:
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
         pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
+        allocated = allocator_bytes() if self.own_process else None
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),
             processes=final_processes(table, last_end, status, rollup, self.book, self.now()),
-            parent_allocated_gpu_bytes=(
-                _torch_allocated_bytes() if self.root_pid == os.getpid() else None
-            ),
+            parent_allocated_gpu_bytes=sum(allocated[0].values()) if allocated else None,
             others_gpu_bytes=table.others_gpu_bytes(),
             closed=closed,
             pending_pids=tuple(sorted(key.pid for key in pending)),
             open_epoch=self.book.open_index,
         )
-
-
-def _torch_allocated_bytes() -> int | None:
-    """Bytes the torch allocator holds in this process, where CUDA is initialised already."""
-    cuda = initialized_cuda()
-    if cuda is None:
-        return None
-    try:
-        return int(sum(cuda.memory_allocated(index) for index in range(cuda.device_count())))
-    except Exception:
-        return None

@@ -1,13 +1,10 @@
-"""``leakcheck.Tracker``: a job's lifecycle over its sampler (NOTE [tracker lifecycle]).
-
-It validates options, opens and closes epochs, keeps deaths and stalls, times the caller's
-calls (``cost()``), and judges what was observed.
-"""
+"""``leakcheck.Tracker``: a job's lifecycle over its sampler (NOTE [tracker lifecycle])."""
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +14,6 @@ from typing import Concatenate, ParamSpec, TypeVar
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import (
-    Death,
     EndReason,
     EpochRecord,
     FinalState,
@@ -30,12 +26,11 @@ from leakcheck.core.model import (
 from leakcheck.core.options import parse_interval_option, parse_share_option
 from leakcheck.core.units import parse_duration, parse_size
 from leakcheck.judge.report import Report, build_report
-from leakcheck.observe import machine, mailbox, procs, torch_state
+from leakcheck.observe import mailbox, procs, torch_state
 from leakcheck.observe.snapshot import Snapshot, take_snapshot
 from leakcheck.track import claims, exports
-from leakcheck.track.hang import exit_stall
 from leakcheck.track.sampler import Sampler
-from leakcheck.track.table import Proc, ProcessTable
+from leakcheck.track.table import ProcessTable
 
 __all__ = ["Tracker", "end_reason_for", "own_rank_device"]
 
@@ -68,13 +63,9 @@ def own_rank_device() -> tuple[int, int] | None:
     None outside a rank, before CUDA, or on device 0 (its ``LOCAL_RANK`` then says).
     """
     info = ranks.rank_from_environ(os.environ)
-    if info is None:
-        return None
-    index = torch_state.current_device()
-    if not index:
-        return None
-    device = ranks.physical_device(index, os.environ)
-    return None if device is None else (info.rank, device)
+    index = torch_state.current_device() if info is not None else None
+    device = ranks.physical_device(index, os.environ) if index else None
+    return None if info is None or device is None else (info.rank, device)
 
 
 def end_reason_for(error: BaseException | None) -> tuple[EndReason, str | None]:
@@ -115,36 +106,6 @@ def _check_options(
         )
 
 
-def _death(
-    sampler: Sampler, proc: Proc, signal_number: int, oom_kills: int | None
-) -> tuple[Death, int | None]:
-    """``proc``'s death with the evidence now, and the OOM-kill count the next one counts from."""
-    kills = machine.oom_kill_count()
-    rise = None if kills is None or oom_kills is None else kills - oom_kills
-    if rise and oom_kills is not None:
-        oom_kills += 1  # each death takes one kill of the rise: a burst is shared
-    elif kills is not None:
-        oom_kills = kills
-    memory = machine.machine_memory()
-    shm, folder = sampler.shm, sampler.mailbox_dir
-    shm.note_usage()
-    death = Death(
-        key=proc.key,
-        signal_number=signal_number,
-        at_s=sampler.now(),
-        epoch=sampler.book.open_index,
-        oom_kills=rise,
-        memory_total_bytes=memory.total_bytes if memory else None,
-        memory_available_bytes=memory.available_bytes if memory else None,
-        shm_total_bytes=shm.total_bytes,
-        shm_used_peak_bytes=shm.used_peak_bytes,
-        rss_bytes_birth=proc.birth_host.rss_bytes if proc.birth_host else None,
-        rss_bytes_last=proc.rss_bytes_last,
-        stack=mailbox.read_stack(folder, proc.key, remove=True) if folder else None,
-    )
-    return death, oom_kills
-
-
 class Tracker:
     """Attribute GPU and host memory to every process of a job, per epoch.
 
@@ -158,23 +119,17 @@ class Tracker:
 
     Args:
         root_pid: The job's root process (default: this process).
-        interval: Seconds between background samples (default 0.05).
+        interval: Seconds between background samples.
         devices: Device indices to watch (default: all).
-        tolerance: Growth/residual below this is noise (``"16MiB"``, bytes).
+        tolerance: Growth or residual below this is noise (``"16MiB"``, bytes).
         warmup_epochs: Epochs the growth rule ignores.
         grace: Seconds a process born in an epoch may outlive it.
-        persistent_workers: Workers are expected to live across epochs.
         strict: Raise leakcheck's own failures instead of recording them.
-        use_nvml: Read NVML (False: host-side checks only).
-        session_tag: ``(NAME, VALUE)`` of the environment variable that finds processes
-            reparented away instead of ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
-        rollup_share: Share of the time USS and PSS reads at epoch ends may take (NOTE
-            [host pacing]; default 0.1%); 1.0 reads at every epoch end.
-        scan_at_epoch_end: Also scan for processes reparented away at each epoch end.
-        copy_tolerance: What a forked worker may copy of its parent's memory before the
-            copy-on-read rule calls it a leak (NOTE [copy on read] in hostmem.py).
-        hang_after: Seconds the loop may wait for a batch before the job's stacks are
-            written (NOTE [hang watch] in hang.py); 0: never.
+        session_tag: ``(NAME, VALUE)`` of the variable that finds processes reparented away
+            in place of ``LEAKCHECK_SESSION`` (NOTE [run tag] in launcher.py).
+        rollup_share: Share of the time USS and PSS reads may take (NOTE [host pacing]).
+        copy_tolerance: What a forked worker may copy of its parent's memory.
+        hang_after: Seconds without a batch before the job's stacks are written; 0: never.
 
     """
 
@@ -218,17 +173,16 @@ class Tracker:
             rollup_share=rollup_share,
             hang_after_s=parse_duration(hang_after, source="hang_after"),
         )
-        self._session_id, self._root_key = "", ProcessKey(self._sampler.root_pid, 0)
         self._started_unix_s = 0.0
         self._boot_unix_s: float | None = None
         self._export_token: int | None = None
-        self._oom_kills: int | None = None  # what the next death's OOM kills count from
         self._final: FinalState | None = None
 
     @property
     def session_id(self) -> str:
         """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
-        return self._session_id
+        table = self._sampler.table
+        return table.session if table is not None else ""
 
     @property
     def mailbox_dir(self) -> str | None:
@@ -261,17 +215,15 @@ class Tracker:
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {s.root_pid}")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
-            self._root_key = root_key
-            self._session_id = procs.new_session_id(s.root_pid)
+            session = procs.new_session_id(s.root_pid)
             mailbox_dir = s.failures.guard(mailbox.create, "mailbox")
-            if s.root_pid == os.getpid():
-                values = {procs.SESSION_ENV: self._session_id}
+            if s.own_process:
+                values = {procs.SESSION_ENV: session}
                 if mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = mailbox_dir
                 self._export_token = exports.export(values)
-            self._oom_kills = s.failures.guard(machine.oom_kill_count, "cgroup")
             table = ProcessTable(
-                root_key, procs.read_proc(s.root_pid), session=self._session_id,
+                root_key, procs.read_proc(s.root_pid), session=session,
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
             )  # fmt: skip
             s.start(table, mailbox_dir)
@@ -295,7 +247,7 @@ class Tracker:
                     self._export_token = None
                 if s.mailbox_dir:
                     mailbox.remove(s.mailbox_dir)
-                claims.session_closed(self._session_id)
+                claims.session_closed(self.session_id)
         s.closed = True
         s.failures.raise_pending()
 
@@ -325,8 +277,8 @@ class Tracker:
         with s.lock:
             index = s.book.begin(label, s.now())
             s.failures.guard(s.shm.begin_epoch, "shm")
-            claims.epoch_opened(self._session_id)
             assert s.table is not None
+            claims.epoch_opened(s.table.session)
             s.table.changed = True
         s.failures.raise_pending()
         return index
@@ -340,10 +292,7 @@ class Tracker:
         *,
         index: int | None = None,
     ) -> bool:
-        """Close the open epoch (only if it is ``index``, where given); True if one closed.
-
-        ``error``: the exception that ended it, as one line; ``batches``: those it yielded.
-        """
+        """Close the open epoch (only if it is ``index``, where given); True if one closed."""
         closed = self._end(reason, error, batches, index)
         self._sampler.failures.raise_pending()
         return closed
@@ -363,7 +312,7 @@ class Tracker:
                 return False
             s.sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
             s.book.apply_accounting(table, s.nvml.accounting())
-            if s.hang.own_process:  # the loop's process is this one
+            if s.own_process:  # the loop's process is this one
                 opened.pinned = torch_state.pinned_host_bytes()
             s.tag_scan_due = True
             host = s.host.end_status(table)
@@ -374,7 +323,7 @@ class Tracker:
             )  # fmt: skip
             if s.host.plan(opened.index, table):
                 s.wake()  # read off this thread, right away (NOTE [host pacing])
-            claims.epoch_closed(self._session_id)
+            claims.epoch_closed(table.session)
             return True
 
     @contextmanager
@@ -405,11 +354,11 @@ class Tracker:
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
-        self._sampler.hang.batch_wanted()
+        self._sampler.hang.waiting_since_s = time.monotonic()
 
     def batch_arrived(self) -> None:
         """A batch came, or the loop stopped asking for one: the wait is over."""
-        self._sampler.hang.batch_arrived()
+        self._sampler.hang.waiting_since_s = None
 
     def worker_stuck(self, pid: int) -> None:
         """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""
@@ -421,41 +370,23 @@ class Tracker:
             key = s.table.by_pid.get(pid) or procs.process_key(pid)
             if key is None:
                 return
-            proc, epoch, folder = s.table.procs.get(key), s.book.open_index, s.mailbox_dir
-        dumps, at_s = proc is not None and proc.dumps_stacks, s.now()
-        s.keep_stall(
-            lambda: exit_stall(key, dumps_stacks=dumps, epoch=epoch, at_s=at_s, folder=folder)
-        )
+            proc, epoch = s.table.procs.get(key), s.book.open_index
+        join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
+        dumps = proc is not None and proc.dumps_stacks
+        s.keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
         s = self._sampler
-        with s.lock:
-            self._note_death(pid, exit_code)
+        if exit_code < 0:
+            with s.lock:
+                s.note_death(pid, -exit_code)
         s.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
-
-    def _note_death(self, pid: int, exit_code: int) -> None:
-        s = self._sampler
-        if exit_code >= 0 or s.table is None or s.closed:
-            return
-        s.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-        key = s.table.by_pid.get(pid)
-        proc = s.table.procs.get(key) if key is not None else None
-        if proc is None or any(death.key == proc.key for death in s.deaths):
-            return
-        kills = self._oom_kills
-        found = s.failures.guard(lambda: _death(s, proc, -exit_code, kills), "death")
-        if found is not None:
-            s.deaths.append(found[0])
-            self._oom_kills = found[1]
 
     @_caller_timed
     def finish_reads(self) -> None:
-        """Make now the USS and PSS reads the last epoch end left to the sampler thread.
-
-        Call it before changing the job's processes right after an epoch (dropping a loader).
-        """
+        """Make now the host reads the last epoch end left to the thread (before a loader goes)."""
         self._sampler.finish_reads()
 
     def worker_keys(self) -> list[ProcessKey]:
@@ -499,25 +430,21 @@ class Tracker:
 
     @_caller_timed
     def timeline(self, *, last_epochs: int | None = None, fresh: bool = False) -> Timeline:
-        """All observations so far, frozen.
+        """All observations so far, frozen: the latest ``last_epochs`` closed epochs (None: all).
 
-        Args:
-            last_epochs: Only the latest this-many closed epochs (None: all).
-            fresh: Before ``close()``, also read who is alive now and what each holds (the
-                ``final`` state, ``closed=False``).
-
+        ``fresh``: before ``close()``, also read who is alive now (``final``, ``closed=False``).
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
         s = self._sampler
-        own = own_rank_device() if s.root_pid == os.getpid() else None
+        own = own_rank_device() if s.own_process else None
         with s.lock:
             final, table = self._final, s.table
             if final is None and fresh and table is not None and not s.closed:
                 final = s.current_state(closed=False)
             return Timeline(
-                session_id=self._session_id,
-                root=self._root_key,
+                session_id=self.session_id,
+                root=table.root if table is not None else ProcessKey(s.root_pid, 0),
                 started_unix_s=self._started_unix_s,
                 boot_unix_s=self._boot_unix_s,
                 attribution=s.nvml.attribution,
@@ -528,8 +455,7 @@ class Tracker:
                 final=final,
                 failures=s.failures.lines(),
                 teardowns=tuple(s.book.teardowns),
-                # Files left in /dev/shm are judged once the work is over (at close).
-                shm_files=s.shm_files if final is not None and final.closed else (),
+                shm_files=s.shm_files,
                 deaths=tuple(s.deaths),
                 stalls=tuple(s.stalls),
                 rank_devices={own[0]: own[1]} if own is not None else {},
@@ -537,10 +463,7 @@ class Tracker:
 
     @_caller_timed
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
-        """Judge what was observed (``fresh``: with a read of what is alive now).
-
-        ``last_epochs``: judge only the latest this-many closed epochs.
-        """
+        """Judge what was observed (the arguments: ``timeline()``'s, fresh by default)."""
         timeline = self.timeline(last_epochs=last_epochs, fresh=fresh)
         self._sampler.failures.raise_pending()
         return build_report(timeline, self._config)

@@ -20,6 +20,7 @@ above it exported (NOTE [exported rank] in ranks.py). A rank found here is expor
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import json
@@ -43,10 +44,10 @@ from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker, end_reason_for, own_rank_device
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["RUN_ENV", "LoaderResult", "RunOptions", "configure", "epoch_iterator", "read_loader"]
-
 RUN_ENV = "LEAKCHECK_RUN"
 """Names the run folder in the program's environment (NOTE [run tag] in launcher.py)."""
+OPTIONS_FILE = "options.json"
+"""The ``RunOptions`` the launcher wrote for the program's trackers, in the run folder."""
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,6 @@ def read_loader(path: str) -> LoaderResult | None:
         return replace(loader, report=report_from_dict(data["report"]))
     except (LeakCheckError, KeyError, TypeError, ValueError) as error:
         return replace(loader, missing=f"its report cannot be read: {error}")
-
-
-def options_path(folder: str) -> str:
-    """Where the launcher writes the options for the program's trackers."""
-    return os.path.join(folder, "options.json")
 
 
 class _EpochIterator:
@@ -417,9 +413,9 @@ def _current_run() -> _Run | None:
     with _state_lock:
         if _run is None and _folder is not None and os.path.isdir(_folder):
             options = RunOptions()  # a run folder the launcher did not make: the defaults
-            if os.path.exists(options_path(_folder)):
-                with open(options_path(_folder), encoding="utf-8") as handle:
-                    options = RunOptions(**json.load(handle))
+            path = os.path.join(_folder, OPTIONS_FILE)
+            with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as handle:
+                options = RunOptions(**json.load(handle))
             _run = _Run(_folder, options)
         return _run
 
@@ -454,9 +450,7 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         text += f"{type(error).__name__}: {error}\n"
         sys.stderr.write(text)
         if _folder is not None:
-            try:
-                with open(os.path.join(_folder, f"failure-{os.getpid()}.txt"), "w") as handle:
-                    handle.write(text)
-            except OSError:
-                pass
+            path = os.path.join(_folder, f"failure-{os.getpid()}.txt")
+            with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
         return iterate(loader)

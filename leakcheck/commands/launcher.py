@@ -19,6 +19,7 @@ exited program a zombie until the tree is read, so its PID is not reused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -32,10 +33,10 @@ from typing import Any
 
 from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import (
+    OPTIONS_FILE,
     RUN_ENV,
     LoaderResult,
     RunOptions,
-    options_path,
     read_loader,
 )
 from leakcheck.core.errors import LeakCheckError
@@ -279,11 +280,9 @@ def _signals_held() -> Iterator[set[int | signal.Signals]]:
 
 
 def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals]) -> Any:
-    def restore() -> None:  # in the program, between fork and exec
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
     env = child_environment(os.environ, folder)
-    try:
+    restore = functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, mask)
+    try:  # the mask is restored in the program, between fork and exec
         return subprocess.Popen(list(command), env=env, preexec_fn=restore)
     except OSError as error:
         status, why = 126, error.strerror or str(error)
@@ -337,7 +336,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
     tree_cost: dict[str, Any] | None = None
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
-        write_json(options_path(folder), asdict(options))
+        write_json(os.path.join(folder, OPTIONS_FILE), asdict(options))
         with _signals_held() as mask:
             proc = _start(command, folder, mask)
             started_unix_s = time.time()

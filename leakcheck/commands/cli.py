@@ -503,10 +503,7 @@ _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 
 
 def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
-    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]), else None.
-
-    Whole option names, values in their own token or after ``=``, none starting with ``-``.
-    """
+    """A plain ``snapshot`` line read without argparse (NOTE [lean start]), else None."""
     takes_value = {flag: metavar is not None for flag, metavar, *_ in SNAPSHOT}
     args = SimpleNamespace(command="snapshot")
     for flag, value_taken in takes_value.items():
@@ -648,10 +645,7 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
 
 def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
-    """``leakcheck run``: run the program, report to ``err``, write the outputs; the status.
-
-    The report goes to standard error: the program's standard output stays its own.
-    """
+    """``leakcheck run``: run the program, report to ``err`` (not the program's stdout)."""
     from leakcheck.commands.launcher import LaunchError, RunOptions, run_program
     from leakcheck.core.files import write_json
     from leakcheck.judge.plot import plot_reports

@@ -102,11 +102,7 @@ def option_values(args: Any, options: Iterable[Option]) -> dict[str, Any]:
 
 
 def shared_options(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``SHARED``'s values as ``SweepOptions``/``RunOptions`` fields.
-
-    Tolerances and grace as the other adapters resolve them: command line, environment,
-    default.
-    """
+    """``SHARED``'s values as option fields; tolerances and grace: flag, environment, default."""
     from leakcheck.core import options as specs
 
     def resolved(spec: Any, flag: str, **changes: Any) -> Any:

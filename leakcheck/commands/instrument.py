@@ -81,8 +81,7 @@ _NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or 
 class LoaderResult:
     """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``.
 
-    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` reads it back
-    (``read_loader``) and puts it in its JSON as it is.
+    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` reads and shows it.
     """
 
     label: str

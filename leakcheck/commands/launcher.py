@@ -266,10 +266,7 @@ def child_environment(environ: Mapping[str, str], folder: str) -> dict[str, str]
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[set[int | signal.Signals]]:
-    """Hold the forwarded signals and SIGCHLD while the program runs; drain them after.
-
-    Yields the mask as it was: the program gets it back before exec.
-    """
+    """Hold the forwarded signals and SIGCHLD, drained after; yields the program's mask."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
         yield held
@@ -294,10 +291,7 @@ def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals])
 
 
 def _wait(pid: int) -> tuple[int | None, int | None, bool]:
-    """Wait until the program exits, forwarding signals; it stays a zombie.
-
-    Returns: (exit code, signal, interrupted).
-    """
+    """(exit code, signal, interrupted) once the program exited (a zombie still); forwards."""
     interrupted = False
     while True:
         state = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)

@@ -300,7 +300,7 @@ class _Run:
             reason, line = end_reason_for(error)
         with self.lock:
             sites = list(self.sites)
-        costs = [dataclasses.asdict(site.tracker.cost()) for site in sites]
+        costs = [to_jsonable(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
             for epoch in list(site.live):
@@ -414,7 +414,7 @@ def _current_run() -> _Run | None:
             options = RunOptions()  # a run folder the launcher did not make: the defaults
             path = os.path.join(_folder, OPTIONS_FILE)
             with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as handle:
-                options = RunOptions(**json.load(handle))
+                options = record_from_dict(RunOptions, json.load(handle))
             _run = _Run(_folder, options)
         return _run
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from leakcheck.adapters.distributed import read_rank_reports
@@ -330,7 +330,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
     tree_cost: dict[str, Any] | None = None
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
-        write_json(os.path.join(folder, OPTIONS_FILE), asdict(options))
+        write_json(os.path.join(folder, OPTIONS_FILE), to_jsonable(options))
         with _signals_held() as mask:
             proc = _start(command, folder, mask)
             started_unix_s = time.time()
@@ -352,7 +352,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                 tracker.end_epoch(*_end_reason(code, signal_number, interrupted))
                 tracker.close()
                 tree = tracker.report()
-                tree_cost = asdict(tracker.cost())
+                tree_cost = to_jsonable(tracker.cost())
             proc.wait()  # reap it only now (NOTE [run signals])
         loaders = _read_loaders(folder, failures)
         gathered, unread = read_rank_reports(folder)

@@ -78,11 +78,6 @@ def _one_of(choices: Sequence[str]) -> Parse:
     return checked(f"one of {', '.join(choices)}", str, choices.__contains__)
 
 
-def _loader_spec(spec: str, flag: str) -> str:
-    _split_loader(spec)  # the format is checked now; importing waits for the run
-    return spec
-
-
 _NPROC = checked(
     "a number of ranks from 1 to 4096 such as 2 (or auto, cpu, gpu)",
     lambda text: text if text in _NPROC_WORDS else str(_digits(text)),
@@ -151,7 +146,6 @@ def _sweep_options() -> tuple[Option, ...]:
             "MODULE:FACTORY",
             "your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a "
             "module name or a path/to/file.py (default: the built-in workload)",
-            _loader_spec,
         ),
         (
             "--workers",
@@ -355,6 +349,7 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
                 raise UsageError(
                     f"{option}: applies to the built-in workload only, not with --loader"
                 )
+        _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
         workload = WorkloadSpec(
             scenario=given["--scenario"] or "clean",

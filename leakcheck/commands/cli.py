@@ -11,7 +11,6 @@ with ``--fail-on-leak`` and a leak, 2 when an output failed after a successful p
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from types import SimpleNamespace
@@ -23,9 +22,12 @@ from leakcheck.commands.common import (
     SHARED,
     add_options,
     check_device,
+    checked,
     finish,
     one_line,
+    option_values,
     output_paths,
+    parser_of,
     shared_options,
 )
 from leakcheck.core.errors import UsageError
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from typing import Any, NoReturn, TextIO
 
+    from leakcheck.commands.common import Option, Parse
     from leakcheck.commands.sweep import SweepPlan, WorkerBound
     from leakcheck.core.model import ProcessKey
 
@@ -60,12 +63,144 @@ _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 _NPROC_WORDS = ("auto", "cpu", "gpu")
 
 
+def _digits(text: str) -> int:
+    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
+def _count(minimum: int, example: str) -> Parse:
+    return checked(f"an integer >= {minimum} such as {example}", int, lambda n: n >= minimum)
+
+
+def _one_of(choices: Sequence[str]) -> Parse:
+    return checked(f"one of {', '.join(choices)}", str, choices.__contains__)
+
+
+_NPROC = checked(
+    "a number of ranks from 1 to 4096 such as 2 (or auto, cpu, gpu)",
+    lambda text: text if text in _NPROC_WORDS else str(_digits(text)),
+    lambda text: text in _NPROC_WORDS or 1 <= int(text) <= 4096,
+)
+_DURATION = parser_of("parse_duration", "leakcheck.core.units")
+
+SNAPSHOT: tuple[Option, ...] = (
+    ("--json", None, "print JSON instead of text"),
+    ("--telemetry", None, "also read each GPU's temperature, clocks and power"),
+    (
+        "--pid",
+        "PID",
+        "a job's root process: also list its descendants with their roles and its "
+        "tagged orphans, each with its host memory",
+        checked("a process ID > 0", _digits, lambda pid: 0 < pid < 10**20),
+    ),
+    (
+        "--watch",
+        "SECONDS",
+        f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
+        "terminal, else each after a line with its time (--json: one document per "
+        "line)",
+        checked(
+            f"a number of seconds >= {WATCH_MIN_S} such as 2",
+            float,
+            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
+        ),
+    ),
+)
+
+RUN: tuple[Option, ...] = (
+    *SHARED,
+    (
+        "--hang-after",
+        "SECONDS",
+        "seconds a loop may wait for a batch before its process's and workers' stacks "
+        "are written to stderr and the report (default 120; 0: off)",
+        _DURATION,
+    ),
+    (
+        "--rollup-share",
+        "SHARE",
+        "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
+        "1 reads at every epoch end (default 0.001)",
+        parser_of("parse_share_option"),
+    ),
+    (
+        "--nproc-per-node",
+        "N",
+        "run the script under torchrun (--standalone) with N ranks; the report gives a "
+        "verdict per rank and for the job (own torchrun options: leakcheck run -- "
+        "torchrun)",
+        _NPROC,
+    ),
+    ("--teardown", None, "workers release their CUDA context at exit and die with their parent"),
+)
+
+
+def _sweep_options() -> tuple[Option, ...]:
+    from leakcheck.commands.workload import SCENARIOS, START_METHODS
+
+    return (
+        (
+            "--loader",
+            "MODULE:FACTORY",
+            "your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a "
+            "module name or a path/to/file.py (default: the built-in workload)",
+        ),
+        (
+            "--workers",
+            "N,N,...",
+            "worker counts (default 0,4,8)",
+            checked(
+                "comma-separated integers >= 0 such as 0,4,8",
+                lambda text: tuple(_digits(part.strip()) for part in text.split(",")),
+                bool,
+            ),
+        ),
+        (
+            "--max-workers",
+            "N",
+            f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process "
+            "may use, within the room the user's process limit RLIMIT_NPROC leaves)",
+            _count(0, "64"),
+        ),
+        ("--epochs", "N", "epochs per configuration (5)", _count(1, "5")),
+        ("--persistent", None, "persistent_workers=True (built-in workload)"),
+        ("--no-teardown", None, "no teardown policy in the workers (they still report)"),
+        (
+            "--start-method",
+            f"{{{','.join(START_METHODS)}}}",
+            "built-in workload: how workers start (default spawn: forked workers cannot "
+            "use CUDA once the parent did)",
+            _one_of(START_METHODS),
+        ),
+        (
+            "--scenario",
+            f"{{{','.join(SCENARIOS)}}}",
+            "built-in workload: clean, a leak to find, or a failure staged (docs/FAILURES.md)",
+            _one_of(SCENARIOS),
+        ),
+        ("--batches", "N", "built-in workload: batches per epoch (16)", _count(1, "16")),
+        *SHARED,
+        (
+            "--cooldown-temp",
+            "C",
+            "before each configuration, wait for GPU <= C °C",
+            checked(
+                "degrees Celsius between 0 and 150 such as 45",
+                float,
+                lambda celsius: 0 < celsius < 150,
+            ),
+        ),
+        ("--cooldown-timeout", "SECONDS", "wait at most this (600)", _DURATION),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``leakcheck`` argument parser (values are validated later, in one place)."""
+    """The ``leakcheck`` argument parser (values are checked later: NOTE [option tables])."""
     import argparse
 
     from leakcheck import __version__
-    from leakcheck.commands.workload import SCENARIOS, START_METHODS
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> NoReturn:  # one line, exit 2
@@ -76,7 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"leakcheck {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-
     sweep = commands.add_parser(
         "sweep",
         help="iterate a loader with several worker counts for several epochs and report "
@@ -86,43 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Without --loader a built-in workload runs (its workers touch the GPU if there is "
         "one). Exit 0 clean, 1 leak found (with --fail-on-leak), 2 bad usage.",
     )
-    methods, scenarios = ",".join(START_METHODS), ",".join(SCENARIOS)
-    add_options(
-        sweep,
-        (
-            (
-                "--loader",
-                "MODULE:FACTORY",
-                "your loader: FACTORY(num_workers) returns an iterable loader; MODULE is a "
-                "module name or a path/to/file.py (default: the built-in workload)",
-            ),
-            ("--workers", "N,N,...", "worker counts (default 0,4,8)"),
-            (
-                "--max-workers",
-                "N",
-                f"allow worker counts up to N (default: {WORKERS_PER_CPU} per CPU this process "
-                "may use, within the room the user's process limit RLIMIT_NPROC leaves)",
-            ),
-            ("--epochs", "N", "epochs per configuration (5)"),
-            ("--persistent", None, "persistent_workers=True (built-in workload)"),
-            ("--no-teardown", None, "no teardown policy in the workers (they still report)"),
-            (
-                "--start-method",
-                f"{{{methods}}}",
-                "built-in workload: how workers start (default spawn: forked workers cannot "
-                "use CUDA once the parent did)",
-            ),
-            (
-                "--scenario",
-                f"{{{scenarios}}}",
-                "built-in workload: clean, a leak to find, or a failure staged (docs/FAILURES.md)",
-            ),
-            ("--batches", "N", "built-in workload: batches per epoch (16)"),
-            *SHARED,
-            ("--cooldown-temp", "C", "before each configuration, wait for GPU <= C °C"),
-            ("--cooldown-timeout", "SECONDS", "wait at most this (600)"),
-        ),
-    )
+    add_options(sweep, _sweep_options())
     snapshot = commands.add_parser(
         "snapshot",
         help="who holds GPU memory now, as process trees",
@@ -130,26 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as process trees; orphans and descriptor holders are flagged. Exit 0, also without "
         "a GPU (it says so); 2 on bad arguments.",
     )
-    add_options(
-        snapshot,
-        (
-            ("--json", None, "print JSON instead of text"),
-            ("--telemetry", None, "also read each GPU's temperature, clocks and power"),
-            (
-                "--pid",
-                "PID",
-                "a job's root process: also list its descendants with their roles and its "
-                "tagged orphans, each with its host memory",
-            ),
-            (
-                "--watch",
-                "SECONDS",
-                f"a new snapshot every SECONDS (>= {WATCH_MIN_S}) until Ctrl-C: redrawn on a "
-                "terminal, else each after a line with its time (--json: one document per "
-                "line)",
-            ),
-        ),
-    )
+    add_options(snapshot, SNAPSHOT)
     run = commands.add_parser(
         "run",
         help="run an unmodified program with the tracker around its process tree; each "
@@ -163,36 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "not executable.",
         usage="leakcheck run [options] -- CMD [ARG ...]",
     )
-    add_options(
-        run,
-        (
-            *SHARED,
-            (
-                "--hang-after",
-                "SECONDS",
-                "seconds a loop may wait for a batch before its process's and workers' stacks "
-                "are written to stderr and the report (default 120; 0: off)",
-            ),
-            (
-                "--rollup-share",
-                "SHARE",
-                "share of the time USS reads (smaps_rollup, which show copy-on-read) may take; "
-                "1 reads at every epoch end (default 0.001)",
-            ),
-            (
-                "--nproc-per-node",
-                "N",
-                "run the script under torchrun (--standalone) with N ranks; the report gives a "
-                "verdict per rank and for the job (own torchrun options: leakcheck run -- "
-                "torchrun)",
-            ),
-            (
-                "--teardown",
-                None,
-                "workers release their CUDA context at exit and die with their parent",
-            ),
-        ),
-    )
+    add_options(run, RUN)
     run.add_argument(
         "program",  # not "command": the subcommand is args.command
         nargs=argparse.REMAINDER,
@@ -207,34 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("rule", nargs="?", metavar="RULE", help="a rule's name")
     return parser
-
-
-def _value(
-    text: str, option: str, expected: str, convert: Callable[[str], Any], ok: Callable[[Any], bool]
-) -> Any:
-    """``convert(text)`` where ``ok`` takes it, else one line naming ``option``."""
-    with contextlib.suppress(ValueError):  # int() also refuses numbers of over 4300 digits
-        value = convert(str(text).strip())
-        if ok(value):
-            return value
-    raise UsageError(f"{option}: expected {expected}, got {text!r}")
-
-
-def _digits(text: str) -> int:
-    # isascii: str.isdigit() also accepts digits int() rejects (superscripts).
-    if not (text.isascii() and text.isdigit()):
-        raise ValueError(text)
-    return int(text)
-
-
-def _count(text: str, option: str, *, minimum: int, example: str) -> int:
-    expected = f"an integer >= {minimum} such as {example}"
-    return int(_value(text, option, expected, int, lambda value: value >= minimum))
-
-
-def _one_of(value: str | None, default: str, option: str, choices: Sequence[str]) -> str:
-    expected = f"one of {', '.join(choices)}"
-    return str(_value(value or default, option, expected, str, choices.__contains__))
 
 
 def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
@@ -303,81 +325,46 @@ def _tasks_of_user(uid: int) -> int:
 def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     """Every ``sweep`` option checked in one place (a ``UsageError`` names the bad one)."""
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
-    from leakcheck.commands.workload import (
-        FAILURES,
-        HANG_AFTER_S,
-        SCENARIOS,
-        START_METHODS,
-        WorkloadSpec,
-    )
-    from leakcheck.core.units import parse_duration
+    from leakcheck.commands.workload import FAILURES, HANG_AFTER_S, WorkloadSpec
 
-    workers = default_workers()
-    if args.workers is not None:
-        workers = _value(
-            args.workers,
-            "--workers",
-            "comma-separated integers >= 0 such as 0,4,8",
-            lambda text: tuple(_digits(part.strip()) for part in text.split(",")),
-            bool,
+    given = option_values(args, _sweep_options())
+    workers = given["--workers"] or default_workers()
+    allowed = given["--max-workers"]
+    if allowed is not None and max(workers) > allowed:
+        raise UsageError(
+            f"--workers: {max(workers)} workers is more than --max-workers {allowed} allows"
         )
-    if args.max_workers is not None:
-        allowed = _count(args.max_workers, "--max-workers", minimum=0, example="64")
-        if max(workers) > allowed:
-            raise UsageError(
-                f"--workers: {max(workers)} workers is more than --max-workers {allowed} allows"
-            )
-    elif max(workers) > (bound := worker_bound()).max_workers:
+    if allowed is None and max(workers) > (bound := worker_bound()).max_workers:
         raise UsageError(
             f"--workers: {max(workers)} workers is more than this machine should start (at most "
             f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
         )
-    epochs = _count("5" if args.epochs is None else args.epochs, "--epochs", minimum=1, example="5")
-    start_method = _one_of(args.start_method, "spawn", "--start-method", START_METHODS)
-    shared = shared_options(args)
-    cooldown_temp_c = None
-    if args.cooldown_temp is not None:
-        cooldown_temp_c = _value(
-            args.cooldown_temp,
-            "--cooldown-temp",
-            "degrees Celsius between 0 and 150 such as 45",
-            float,
-            lambda celsius: 0 < celsius < 150,
-        )
-    timeout = "600" if args.cooldown_timeout is None else args.cooldown_timeout
-    cooldown_timeout_s = parse_duration(timeout, "--cooldown-timeout")
+    shared = shared_options(given)
     json_path, plot_path = output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:
-        for option, value in (
-            ("--scenario", args.scenario),
-            ("--start-method", args.start_method),
-            ("--batches", args.batches),
-            # The loader's own persistent_workers decides; the flag would only mislabel it.
-            ("--persistent", args.persistent or None),
-        ):
-            if value is not None:
+        # --persistent: the loader's own persistent_workers decides; it would only mislabel it.
+        for option in ("--scenario", "--start-method", "--batches", "--persistent"):
+            if given[option] not in (None, False):
                 raise UsageError(
                     f"{option}: applies to the built-in workload only, not with --loader"
                 )
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
-        batches = WorkloadSpec.batches
-        if args.batches is not None:
-            batches = _count(args.batches, "--batches", minimum=1, example="16")
         workload = WorkloadSpec(
-            scenario=_one_of(args.scenario, "clean", "--scenario", SCENARIOS),  # type: ignore[arg-type]
-            batches=batches,
-            start_method=start_method,
+            scenario=given["--scenario"] or "clean",
+            batches=given["--batches"] or WorkloadSpec.batches,
+            start_method=given["--start-method"] or "spawn",
             persistent=args.persistent,
             device_index=shared["device_index"] or 0,
         )
+    cooldown_timeout_s = given["--cooldown-timeout"]
     options = SweepOptions(
         workers=workers,
-        epochs=epochs,
+        epochs=given["--epochs"] or 5,
         persistent=args.persistent or (workload is not None and workload.persistent_workers),
-        cooldown_temp_c=cooldown_temp_c,
-        cooldown_timeout_s=cooldown_timeout_s,
+        cooldown_temp_c=given["--cooldown-temp"],
+        cooldown_timeout_s=600.0 if cooldown_timeout_s is None else cooldown_timeout_s,
         teardown=not args.no_teardown,
         hang_after_s=HANG_AFTER_S if workload and workload.scenario == "hang" else 0.0,
         judge_failures=workload is not None and workload.scenario in FAILURES,
@@ -510,28 +497,23 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 
 
-SnapshotArgs = functools.partial(SimpleNamespace, json=False, telemetry=False, pid=None, watch=None)
-"""``snapshot``'s options as the full parser would give them (``_plain_snapshot_args``)."""
-
-
 def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
-    """A plain ``snapshot`` line's options without argparse (NOTE [lean start]), else None.
-
-    Whole option names, values in their own token or after ``=``, none starting with ``-``.
-    """
-    args = SnapshotArgs()
+    """A plain ``snapshot`` line read without argparse (NOTE [lean start]), else None."""
+    takes_value = {flag: metavar is not None for flag, metavar, *_ in SNAPSHOT}
+    args = SimpleNamespace(command="snapshot")
+    for flag, value_taken in takes_value.items():
+        setattr(args, flag[2:], None if value_taken else False)
     rest = iter(tokens)
     for token in rest:
         name, equals, value = token.partition("=")
-        if token in ("--json", "--telemetry"):
-            setattr(args, token[2:], True)
-        elif name in ("--pid", "--watch"):
+        takes = takes_value.get(name)
+        if takes is None or (equals and not takes):
+            return None
+        if takes:
             value = value if equals else next(rest, "-")  # none left: the full parser's error
             if value.startswith("-"):
                 return None
-            setattr(args, name[2:], value)
-        else:
-            return None
+        setattr(args, name[2:], value if takes else True)
     return args
 
 
@@ -539,17 +521,9 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
     """``leakcheck snapshot``: print who holds GPU memory now (and a job's lineage)."""
     from leakcheck.observe import procs
 
-    period, root = None, None
-    if args.watch is not None:
-        period = _value(
-            args.watch,
-            "--watch",
-            f"a number of seconds >= {WATCH_MIN_S} such as 2",
-            float,
-            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
-        )
-    if args.pid is not None:
-        pid = _value(args.pid, "--pid", "a process ID > 0", _digits, lambda pid: 0 < pid < 10**20)
+    given = option_values(args, SNAPSHOT)
+    period, pid, root = given["--watch"], given["--pid"], None
+    if pid is not None:
         root = procs.process_key(pid)
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")
@@ -639,13 +613,7 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
     """``SCRIPT``, ``python SCRIPT`` or ``python -m MODULE`` under torchrun with ``nproc`` ranks."""
     import importlib.util
 
-    text = _value(
-        nproc,
-        "--nproc-per-node",
-        "a number of ranks from 1 to 4096 such as 2 (or auto, cpu, gpu)",
-        lambda text: text if text in _NPROC_WORDS else str(_digits(text)),
-        lambda text: text in _NPROC_WORDS or 1 <= int(text) <= 4096,
-    )
+    text = _NPROC(nproc, "--nproc-per-node")
     rest = list(command)
     name = os.path.basename(rest[0]) if rest else ""
     if name.startswith("python") and all(c.isdigit() or c == "." for c in name[6:]):
@@ -672,14 +640,9 @@ def torchrun_command(command: list[str], nproc: str) -> list[str]:
 
 
 def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
-    """``leakcheck run``: run the program, report to ``err``, write the outputs; the status.
-
-    The report goes to standard error: the program's standard output stays its own.
-    """
+    """``leakcheck run``: run the program, report to ``err`` (not the program's stdout)."""
     from leakcheck.commands.launcher import LaunchError, RunOptions, run_program
     from leakcheck.core.files import write_json
-    from leakcheck.core.options import parse_share_option
-    from leakcheck.core.units import parse_duration
     from leakcheck.judge.plot import plot_reports
     from leakcheck.observe import nvml
 
@@ -689,16 +652,15 @@ def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
     if args.nproc_per_node is not None:
         command = torchrun_command(command, args.nproc_per_node)
     json_path, plot_path = output_paths(args.json, args.plot)
-    shared = shared_options(args)
+    given = option_values(args, RUN)
+    shared = shared_options(given)
     if shared["device_index"] is not None:
         check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
-    share = args.rollup_share
+    hang_after_s = given["--hang-after"]
     options = RunOptions(
-        teardown=bool(args.teardown),
-        rollup_share=None if share is None else parse_share_option(share, "--rollup-share"),
-        hang_after_s=parse_duration(
-            120 if args.hang_after is None else args.hang_after, "--hang-after"
-        ),
+        teardown=args.teardown,
+        rollup_share=given["--rollup-share"],
+        hang_after_s=120.0 if hang_after_s is None else hang_after_s,
         **shared,
     )
     try:

@@ -1,4 +1,4 @@
-"""What the ``leakcheck`` commands share: exit codes, common options, writing outputs.
+"""What the ``leakcheck`` commands share: exit codes, option tables, writing outputs.
 
 Imports at load only what Python's start did (NOTE [lean start] in cli.py).
 """
@@ -6,6 +6,7 @@ Imports at load only what Python's start did (NOTE [lean start] in cli.py).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 
 from leakcheck.core.errors import UsageError
@@ -13,9 +14,10 @@ from leakcheck.core.errors import one_line as one_line  # the commands import it
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    import argparse
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping
     from typing import Any, TextIO
+
+    Parse = Callable[[str, str], Any]
 
 EXIT_CLEAN = 0
 EXIT_LEAK = 1
@@ -23,9 +25,37 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
-# Flag, metavar (None: a switch) and help of an option; SHARED are sweep's and run's.
-Option = tuple[str, "str | None", str]
-SHARED: tuple[Option, ...] = (
+# NOTE [option tables]: a command's options are one table of (flag, metavar, help[, parse]):
+# argparse is built from it (`add_options`; a None metavar makes a switch) and
+# `option_values` turns each given text into its value with `parse(text, flag)`, which
+# raises a `UsageError` naming the flag (no parse: the text). Checks that join two options,
+# and the defaults, stay with the command.
+Option = tuple[str, "str | None", str] | tuple[str, "str | None", str, "Parse"]
+
+
+def checked(expected: str, convert: Callable[[str], Any], ok: Callable[[Any], bool]) -> Parse:
+    """A parse: ``convert(text)`` where ``ok`` takes it, else one line naming the flag."""
+
+    def parse(text: str, flag: str) -> Any:
+        with contextlib.suppress(ValueError):  # int() also refuses numbers of over 4300 digits
+            value = convert(str(text).strip())
+            if ok(value):
+                return value
+        raise UsageError(f"{flag}: expected {expected}, got {text!r}")
+
+    return parse
+
+
+def parser_of(name: str, module: str = "leakcheck.core.options") -> Parse:
+    """``module.name(text, flag)``, imported when first used (NOTE [lean start] in cli.py)."""
+
+    def parse(text: str, flag: str) -> Any:
+        return getattr(importlib.import_module(module), name)(text, flag)
+
+    return parse
+
+
+SHARED: tuple[Option, ...] = (  # the tolerances and grace: `shared_options`
     ("--tolerance", "SIZE", "growth below this is noise (default: $LEAKCHECK_TOLERANCE, 16MiB)"),
     (
         "--copy-tolerance",
@@ -39,45 +69,52 @@ SHARED: tuple[Option, ...] = (
         "how long a process may outlive its epoch (run: and the program; default: "
         "$LEAKCHECK_GRACE, 2)",
     ),
-    ("--interval", "SECONDS", "sampling (50ms)"),
-    ("--device", "N", "GPU index to watch (sweep: and use; default: all, sweep uses 0)"),
+    ("--interval", "SECONDS", "sampling (50ms)", parser_of("parse_interval_option")),
+    (
+        "--device",
+        "N",
+        "GPU index to watch (sweep: and use; default: all, sweep uses 0)",
+        parser_of("parse_device_index"),
+    ),
     ("--json", "PATH", "write everything as JSON (schema-versioned)"),
     ("--plot", "PATH.png", "draw memory per epoch (matplotlib)"),
     ("--fail-on-leak", None, "exit 1, not 0, when a leak was found"),
 )
+"""Options of ``sweep`` and ``run``."""
 
 
 def add_options(parser: Any, options: Iterable[Option]) -> None:
-    """Add each ``(flag, metavar, help)`` to ``parser``; a None metavar makes a switch."""
-    for flag, metavar, text in options:
+    """Add each option of a table to ``parser`` (NOTE [option tables])."""
+    for flag, metavar, text, *_ in options:
         if metavar is None:
             parser.add_argument(flag, action="store_true", help=text)
         else:
             parser.add_argument(flag, metavar=metavar, help=text)
 
 
-def shared_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``SHARED``'s values as ``SweepOptions``/``RunOptions`` fields.
+def option_values(args: Any, options: Iterable[Option]) -> dict[str, Any]:
+    """Flag -> value of each option of a table (None where not given; NOTE [option tables])."""
+    values = {}
+    for flag, _, _, *parse in options:
+        given = getattr(args, flag[2:].replace("-", "_"))
+        values[flag] = parse[0](given, flag) if parse and given is not None else given
+    return values
 
-    Tolerances and grace as the other adapters resolve them: command line, environment,
-    default.
-    """
+
+def shared_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``SHARED``'s values as option fields; tolerances and grace: flag, environment, default."""
     from leakcheck.core import options as specs
 
-    device = None if args.device is None else specs.parse_device_index(args.device, "--device")
-    interval = "50ms" if args.interval is None else args.interval
+    def resolved(spec: Any, flag: str, **changes: Any) -> Any:
+        return specs.command_line_value(spec, flag, values[flag], os.environ, **changes)
+
+    interval_s = values["--interval"]
     return {
-        "device_index": device,
-        "tolerance_bytes": specs.command_line_value(
-            specs.TOLERANCE, "--tolerance", args.tolerance, os.environ
-        ),
-        "grace_s": specs.command_line_value(
-            specs.GRACE, "--grace", args.grace, os.environ, default=2.0
-        ),
-        "interval_s": specs.parse_interval_option(interval, "--interval"),
-        "copy_tolerance_bytes": specs.command_line_value(
-            specs.COPY_TOLERANCE, "--copy-tolerance", args.copy_tolerance, os.environ
-        ),
+        "device_index": values["--device"],
+        "tolerance_bytes": resolved(specs.TOLERANCE, "--tolerance"),
+        "grace_s": resolved(specs.GRACE, "--grace", default=2.0),
+        "interval_s": 0.05 if interval_s is None else interval_s,
+        "copy_tolerance_bytes": resolved(specs.COPY_TOLERANCE, "--copy-tolerance"),
     }
 
 

@@ -6,8 +6,8 @@ every Python process of the run; the first iteration imports this module. Each c
 train and a validation loader are judged apart; a loader made again where the previous one
 is gone continues it, a second one alive at once is ``#2``. Each iteration is a new
 ``WatchedLoader`` over that tracker through DataLoader's original ``__iter__``; a loader the
-program ``watch()``es itself is left to it. The site's record, ``loader-<pid>-<n>.json`` in
-the run folder, is written when its tracker starts and again with its report at the
+program ``watch()``es itself is left to it. The site's ``LoaderResult``, ``loader-<pid>-<n>.json``
+in the run folder, is written when its tracker starts and again with its report at the
 process's exit (``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a
 fatal signal). A forked child starts afresh. Nothing here raises into the program: a failure
 of its own turns tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
@@ -20,6 +20,7 @@ above it exported (NOTE [exported rank] in ranks.py). A rank found here is expor
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,22 +29,25 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core import ranks
+from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import write_json
 from leakcheck.core.model import MIB, EndReason, RankInfo
+from leakcheck.core.records import record_from_dict, to_jsonable
+from leakcheck.judge.report import Report, report_from_dict
 from leakcheck.observe import procs
 from leakcheck.track.tracker import Tracker, end_reason_for, own_rank_device
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["RUN_ENV", "RunOptions", "configure", "epoch_iterator"]
-
 RUN_ENV = "LEAKCHECK_RUN"
 """Names the run folder in the program's environment (NOTE [run tag] in launcher.py)."""
+OPTIONS_FILE = "options.json"
+"""The ``RunOptions`` the launcher wrote for the program's trackers, in the run folder."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,51 @@ class RunOptions:
         }
 
 
-def options_path(folder: str) -> str:
-    """Where the launcher writes the options for the program's trackers."""
-    return os.path.join(folder, "options.json")
+_NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or outlived the run"
+
+
+@dataclass(frozen=True)
+class LoaderResult:
+    """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``.
+
+    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` reads and shows it.
+    """
+
+    label: str
+    pid: int
+    argv: tuple[str, ...] = ()
+    report: Report | None = None
+    cost: Mapping[str, Any] | None = None
+    exit_s: float | None = None
+    missing: str | None = _NO_EXIT
+    rank: RankInfo | None = None
+    index: int = 0
+    started_unix_s: float = 0.0
+    start_ticks: int | None = None  # NOTE [process identity] in procs.py
+    mailbox: str | None = None
+    torch: str | None = None  # the program's torch: the launcher never imports it
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        data: dict[str, Any] = to_jsonable(replace(self, report=None))
+        data["report"] = self.report.to_dict() if self.report is not None else None
+        return data
+
+
+def read_loader(path: str) -> LoaderResult | None:
+    """The loader record at ``path``; None where it cannot be read at all."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        loader: LoaderResult = record_from_dict(LoaderResult, {**data, "report": None})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if data.get("report") is None:
+        return loader
+    try:
+        return replace(loader, report=report_from_dict(data["report"]))
+    except (LeakCheckError, KeyError, TypeError, ValueError) as error:
+        return replace(loader, missing=f"its report cannot be read: {error}")
 
 
 class _EpochIterator:
@@ -126,16 +172,13 @@ Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin fi
 
 @dataclass
 class _Site:
-    """One creation site's tracker, and the loader instance it follows now."""
+    """One creation site's tracker and record, and the loader instance it follows now."""
 
-    label: str
+    record: LoaderResult  # its pid: a forked child's loaders carry its parent's site
     base: str  # the label without its " #2"
     where: Where
-    pid: int  # whose tracker it is: a forked child's loaders carry its parent's
-    index: int
     tracker: Tracker
     instance: weakref.ref[Any]
-    started_unix_s: float
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -167,7 +210,7 @@ class _Run:
 
     def site_for(self, loader: Any) -> _Site:
         site = loader.__dict__.get("_leakcheck_run_site")
-        if isinstance(site, _Site) and site.pid == self.pid and not site.tracker.closed:
+        if isinstance(site, _Site) and site.record.pid == self.pid and not site.tracker.closed:
             return site
         where = loader.__dict__.get("_leakcheck_site")
         if not (isinstance(where, tuple) and len(where) >= 2):
@@ -191,44 +234,32 @@ class _Run:
         via = where[2] if len(where) > 2 and where[2] else ""
         base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
         same = sum(1 for site in self.sites if site.base == base)
-        site = _Site(
+        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
+        record = LoaderResult(
             label=base + (f" #{same + 1}" if same else ""),
-            base=base,
-            where=where,
             pid=self.pid,
+            argv=tuple(sys.argv),
             index=len(self.sites),
-            tracker=tracker,
-            instance=weakref.ref(loader),
             started_unix_s=time.time(),
+            start_ticks=key.start_ticks if key is not None else None,
+            mailbox=tracker.mailbox_dir,
+            torch=getattr(sys.modules.get("torch"), "__version__", None),
         )
+        site = _Site(record, base, where, tracker, weakref.ref(loader))
         self.sites.append(site)
         self._write(site)
         return site
 
-    def _write(self, site: _Site, **report: Any) -> None:
+    def _write(self, site: _Site, **final: Any) -> None:
         """Write the site's record; at exit with its report (NOTE [run instrumentation])."""
-        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
-        rank: dict[str, Any] | None = None
-        if self.rank is not None:  # with the device it chose (set_device), once known
+        rank = self.rank
+        if rank is not None:  # with the device it chose (set_device), once known
             chosen = _quiet_value(own_rank_device)
-            info = self.rank
-            if chosen is not None and chosen[0] == info.rank:
-                info = dataclasses.replace(info, device=chosen[1])
-            rank = dataclasses.asdict(info)
-        record = {
-            "label": site.label,
-            "index": site.index,
-            "pid": self.pid,
-            "argv": list(sys.argv),
-            # The program's torch (it made a DataLoader): the launcher never imports it.
-            "torch": getattr(sys.modules.get("torch"), "__version__", None),
-            "started_unix_s": site.started_unix_s,
-            "rank": rank,
-            "start_ticks": key.start_ticks if key is not None else None,
-            "mailbox": site.tracker.mailbox_dir,
-            **report,
-        }
-        write_json(os.path.join(self.folder, f"loader-{self.pid}-{site.index}.json"), record)
+            if chosen is not None and chosen[0] == rank.rank:
+                rank = replace(rank, device=chosen[1])
+        record = replace(site.record, rank=rank, **final)
+        name = f"loader-{self.pid}-{record.index}.json"
+        write_json(os.path.join(self.folder, name), record.to_dict())
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
@@ -269,7 +300,7 @@ class _Run:
             reason, line = end_reason_for(error)
         with self.lock:
             sites = list(self.sites)
-        costs = [dataclasses.asdict(site.tracker.cost()) for site in sites]
+        costs = [to_jsonable(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
             for epoch in list(site.live):
@@ -280,8 +311,9 @@ class _Run:
             _quietly(functools.partial(self._write_report, site, cost, started))
 
     def _write_report(self, site: _Site, cost: dict[str, Any], started: float) -> None:
-        report = site.tracker.report().to_dict()
-        self._write(site, report=report, cost=cost, exit_s=time.perf_counter() - started)
+        report = site.tracker.report()
+        exit_s = time.perf_counter() - started
+        self._write(site, report=report, cost=cost, exit_s=exit_s, missing=None)
 
 
 def shown_path(path: str, cwd: str) -> str:
@@ -380,9 +412,9 @@ def _current_run() -> _Run | None:
     with _state_lock:
         if _run is None and _folder is not None and os.path.isdir(_folder):
             options = RunOptions()  # a run folder the launcher did not make: the defaults
-            if os.path.exists(options_path(_folder)):
-                with open(options_path(_folder), encoding="utf-8") as handle:
-                    options = RunOptions(**json.load(handle))
+            path = os.path.join(_folder, OPTIONS_FILE)
+            with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as handle:
+                options = record_from_dict(RunOptions, json.load(handle))
             _run = _Run(_folder, options)
         return _run
 
@@ -417,9 +449,7 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         text += f"{type(error).__name__}: {error}\n"
         sys.stderr.write(text)
         if _folder is not None:
-            try:
-                with open(os.path.join(_folder, f"failure-{os.getpid()}.txt"), "w") as handle:
-                    handle.write(text)
-            except OSError:
-                pass
+            path = os.path.join(_folder, f"failure-{os.getpid()}.txt")
+            with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
         return iterate(loader)

@@ -19,7 +19,7 @@ exited program a zombie until the tree is read, so its PID is not reused.
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import shutil
 import signal
@@ -28,31 +28,31 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from leakcheck.adapters.distributed import read_rank_reports
-from leakcheck.commands.instrument import RUN_ENV, RunOptions, options_path
+from leakcheck.commands.instrument import (
+    OPTIONS_FILE,
+    RUN_ENV,
+    LoaderResult,
+    RunOptions,
+    read_loader,
+)
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment, write_json
-from leakcheck.core.model import EndReason, ProcessEpoch, ProcessKey, RankInfo, Timeline
+from leakcheck.core.model import EndReason, ProcessEpoch, ProcessKey, Timeline
 from leakcheck.core.names import process_name
 from leakcheck.core.ranks import rank_label
+from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_size, plural
-from leakcheck.judge.job import (
-    JobReport,
-    RankReport,
-    finding_identity,
-    judge_job,
-    rank_info_from_dict,
-)
+from leakcheck.judge.job import JobReport, RankReport, finding_identity, judge_job
 from leakcheck.judge.report import (
     SCHEMA_VERSION,
     Report,
     build_report,
     combined_verdict,
     gpu_unchecked,
-    report_from_dict,
 )
 from leakcheck.observe import mailbox, procs
 from leakcheck.track.tracker import Tracker
@@ -72,28 +72,6 @@ class LaunchError(LeakCheckError):
     def __init__(self, message: str, exit_status: int) -> None:
         super().__init__(message)
         self.exit_status = exit_status
-
-
-@dataclass(frozen=True)
-class LoaderResult:
-    """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``."""
-
-    label: str
-    pid: int
-    argv: tuple[str, ...] = ()
-    report: Report | None = None
-    cost: Mapping[str, Any] | None = None
-    exit_s: float | None = None
-    missing: str | None = None
-    rank: RankInfo | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return {
-            **asdict(replace(self, report=None)),
-            "argv": list(self.argv),
-            "report": self.report.to_dict() if self.report is not None else None,
-        }
 
 
 @dataclass(frozen=True)
@@ -172,7 +150,7 @@ class RunResult:
             "schema_version": RUN_SCHEMA_VERSION,
             "report_schema_version": SCHEMA_VERSION,
             "command": list(self.command),
-            "options": asdict(self.options),
+            "options": to_jsonable(self.options),
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "program": {
@@ -288,10 +266,7 @@ def child_environment(environ: Mapping[str, str], folder: str) -> dict[str, str]
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[set[int | signal.Signals]]:
-    """Hold the forwarded signals and SIGCHLD while the program runs; drain them after.
-
-    Yields the mask as it was: the program gets it back before exec.
-    """
+    """Hold the forwarded signals and SIGCHLD, drained after; yields the program's mask."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
         yield held
@@ -302,11 +277,9 @@ def _signals_held() -> Iterator[set[int | signal.Signals]]:
 
 
 def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals]) -> Any:
-    def restore() -> None:  # in the program, between fork and exec
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
     env = child_environment(os.environ, folder)
-    try:
+    restore = functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, mask)
+    try:  # the mask is restored in the program, between fork and exec
         return subprocess.Popen(list(command), env=env, preexec_fn=restore)
     except OSError as error:
         status, why = 126, error.strerror or str(error)
@@ -318,10 +291,7 @@ def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals])
 
 
 def _wait(pid: int) -> tuple[int | None, int | None, bool]:
-    """Wait until the program exits, forwarding signals; it stays a zombie.
-
-    Returns: (exit code, signal, interrupted).
-    """
+    """(exit code, signal, interrupted) once the program exited (a zombie still); forwards."""
     interrupted = False
     while True:
         state = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -360,7 +330,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
     tree_cost: dict[str, Any] | None = None
     folder = tempfile.mkdtemp(prefix="leakcheck-run-")
     try:
-        write_json(options_path(folder), asdict(options))
+        write_json(os.path.join(folder, OPTIONS_FILE), to_jsonable(options))
         with _signals_held() as mask:
             proc = _start(command, folder, mask)
             started_unix_s = time.time()
@@ -382,19 +352,19 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                 tracker.end_epoch(*_end_reason(code, signal_number, interrupted))
                 tracker.close()
                 tree = tracker.report()
-                tree_cost = asdict(tracker.cost())
+                tree_cost = to_jsonable(tracker.cost())
             proc.wait()  # reap it only now (NOTE [run signals])
-        records, loaders = _read_loaders(folder, failures)
+        loaders = _read_loaders(folder, failures)
         gathered, unread = read_rank_reports(folder)
         failures.extend(unread)
         if tree is not None:
             own = [r for loader in loaders if (r := loader.report) is not None]
             own += [report for entry in gathered for report in entry.reports]
-            tree = with_ranks(tree, records, own)
-        _remove_mailboxes(records)
+            tree = with_ranks(tree, loaders, own)
+        _remove_mailboxes(loaders)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    torch = [("torch", r["torch"]) for r in records if isinstance(r.get("torch"), str)]
+    torch = [("torch", loader.torch) for loader in loaders if loader.torch]
     return RunResult(
         command=tuple(command),
         options=options,
@@ -409,46 +379,21 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
         rank_reports=tuple(gathered),
         failures=tuple(failures),
         started_unix_s=started_unix_s,
-        # The program's torch, as its loaders recorded it: the launcher never imports it.
         environment={**environment(executable=sys.executable), **dict(torch[:1])},
     )
 
 
-def _read_loaders(
-    folder: str, failures: list[str]
-) -> tuple[list[dict[str, Any]], tuple[LoaderResult, ...]]:
-    """The loaders' records, as they started, and their results; failures to ``failures``."""
-    records: list[dict[str, Any]] = []
+def _read_loaders(folder: str, failures: list[str]) -> tuple[LoaderResult, ...]:
+    """The loaders' records in the order they started; failures to ``failures``."""
+    loaders: list[LoaderResult] = []
     for name in sorted(os.listdir(folder)):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                if name.startswith("failure-"):
-                    failures.append(handle.read().strip())
-                elif name.startswith("loader-"):
-                    records.append(json.load(handle))
-        except (OSError, ValueError):
-            continue
-    records.sort(key=lambda r: (r["started_unix_s"], r["index"]))
-    return records, tuple(_loader_result(record) for record in records)
-
-
-def _loader_result(record: Mapping[str, Any]) -> LoaderResult:
-    loader = LoaderResult(
-        record["label"], record["pid"], tuple(record["argv"]), rank=_record_rank(record)
-    )
-    if "report" not in record:
-        why = "its process ended without its exit handlers (os._exit, a signal) or outlived"
-        return replace(loader, missing=f"{why} the run")
-    try:
-        report = report_from_dict(record["report"])
-        return replace(loader, report=report, cost=record["cost"], exit_s=record["exit_s"])
-    except (LeakCheckError, KeyError, TypeError, ValueError) as error:
-        return replace(loader, missing=f"its report cannot be read: {error}")
-
-
-def _record_rank(record: Mapping[str, Any]) -> RankInfo | None:
-    data = record.get("rank")
-    return rank_info_from_dict(data) if data is not None else None
+        path = os.path.join(folder, name)
+        if name.startswith("loader-") and (loader := read_loader(path)) is not None:
+            loaders.append(loader)
+        elif name.startswith("failure-"):
+            with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as handle:
+                failures.append(handle.read().strip())
+    return tuple(sorted(loaders, key=lambda loader: (loader.started_unix_s, loader.index)))
 
 
 def _processes(timeline: Timeline) -> list[ProcessEpoch]:
@@ -467,19 +412,17 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
     return {rank: sorted(pids) for rank, pids in roots.items()}
 
 
-def with_ranks(
-    tree: Report, started: Sequence[Mapping[str, Any]], reports: Sequence[Report]
-) -> Report:
+def with_ranks(tree: Report, loaders: Sequence[LoaderResult], reports: Sequence[Report]) -> Report:
     """The tree judged again with the ranks and devices its loaders name, where they differ.
 
     A spawned rank is known outside only through its loaders' records (NOTE [exported rank]
     in ranks.py); the ranks' reports say which device each chose.
     """
-    rank_of: dict[ProcessKey, int] = {}
-    for record in started:
-        info = _record_rank(record)
-        if info is not None and record.get("start_ticks") is not None:
-            rank_of[ProcessKey(record["pid"], record["start_ticks"])] = info.rank
+    rank_of = {
+        ProcessKey(loader.pid, loader.start_ticks): loader.rank.rank
+        for loader in loaders
+        if loader.rank is not None and loader.start_ticks is not None
+    }
     by_pid = {proc.key.pid: proc for proc in _processes(tree.timeline)}
 
     def rank_above(proc: ProcessEpoch) -> int | None:
@@ -511,13 +454,11 @@ def with_ranks(
     return build_report(timeline, tree.config)
 
 
-def _remove_mailboxes(started: Sequence[Mapping[str, Any]]) -> None:
+def _remove_mailboxes(loaders: Sequence[LoaderResult]) -> None:
     """Remove the mailboxes of loader trackers whose process died before closing them."""
-    for record in started:
-        folder, pid, ticks = record.get("mailbox"), record["pid"], record.get("start_ticks")
-        if not isinstance(folder, str) or not os.path.basename(folder).startswith(
-            mailbox.MAILBOX_PREFIX
-        ):
+    for loader in loaders:
+        folder, pid, ticks = loader.mailbox, loader.pid, loader.start_ticks
+        if not folder or not os.path.basename(folder).startswith(mailbox.MAILBOX_PREFIX):
             continue
         if ticks is None or procs.process_key(pid) != ProcessKey(pid, ticks):  # by identity
             mailbox.remove(folder)

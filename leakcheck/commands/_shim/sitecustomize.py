@@ -49,20 +49,9 @@ def _same_dir(entry: str) -> bool:
 
 
 def _chain() -> None:
-    """Import the ``sitecustomize`` this file shadows, as ``site.execsitecustomize`` does."""
+    """Run the ``sitecustomize`` this file shadows, as ``site`` would have."""
     me = sys.modules.pop("sitecustomize", None)
-    try:
-        __import__("sitecustomize")
-    except Exception as error:
-        if isinstance(error, ImportError) and error.name == "sitecustomize":
-            pass  # there is none
-        elif sys.flags.verbose:
-            sys.excepthook(type(error), error, error.__traceback__)
-        else:
-            sys.stderr.write(
-                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
-                f"{type(error).__name__}: {error}\n"
-            )
+    sys.modules["site"].execsitecustomize()  # site is importing this file
     if "sitecustomize" not in sys.modules and me is not None:
         sys.modules["sitecustomize"] = me  # none other: the import machinery expects one
 
@@ -119,12 +108,10 @@ def _patch(module: Any) -> None:
             return original_iter(self)
         return instrument.epoch_iterator(self, original_iter)  # never raises its own errors
 
-    wrappers: tuple[tuple[Any, Any], ...] = ((__init__, original_init), (__iter__, original_iter))
-    for wrapper, original in wrappers:
-        wrapper.__qualname__ = original.__qualname__
-        wrapper.__doc__ = original.__doc__
-        wrapper.__wrapped__ = original
-        setattr(cls, wrapper.__name__, wrapper)
+    import functools  # torch imported it already
+
+    for wrapper, original in ((__init__, original_init), (__iter__, original_iter)):
+        setattr(cls, wrapper.__name__, functools.wraps(original)(wrapper))
     cls._leakcheck_patched = True
 
 

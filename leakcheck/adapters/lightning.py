@@ -8,25 +8,22 @@
     print(leaks.format())  # one report per stage, each named by its loader's hook
     leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
 
-Each epoch end logs a few scalars (``epoch_scalars``) through every logger of the trainer on
-global rank zero. Works with ``lightning.pytorch`` or ``pytorch_lightning``; importing
-``leakcheck`` imports neither.
+Each epoch end logs ``epoch_scalars`` through the trainer's loggers on global rank zero. Works
+with ``lightning.pytorch`` or ``pytorch_lightning``; importing ``leakcheck`` imports neither.
 
-NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every
-validation run; ``test``; ``predict``) has its own ``Tracker``: validation runs inside the
-training epoch, so two epochs are open at once, and each tracker judges only its own loaders'
-workers (NOTE [claims] in track/claims.py). Labels: ``train epoch 3``, ``val epoch 3`` (``val
-epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``test
-epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers before any hook of the
-epoch, so from ``setup`` to ``teardown`` the callback wraps ``strategy.process_dataloader``
-(called for every loader) and gives each DataLoader an instance-level ``_get_iterator`` (what
-``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's epoch if
-none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn`` for that
-one iterator. ``on_*_epoch_end`` shuts down an unfinished non-persistent iterator's workers
+NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every validation
+run; ``test``; ``predict``) has its own ``Tracker``, which judges only its own loaders' workers
+(NOTE [claims] in track/claims.py): validation runs inside the training epoch. Labels: ``train
+epoch 3``, ``val epoch 3`` (``val epoch 3 run 2`` for a second run in one training epoch),
+``val sanity check``, and ``test epoch 0`` & co. outside ``fit``. Lightning starts a loader's
+workers before any hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps
+``strategy.process_dataloader`` (called for every loader) and gives each DataLoader an
+instance-level ``_get_iterator`` (called exactly when workers start): it opens the stage's
+epoch if none is open and makes the iterator (NOTE [iterator policy] in dataloader.py). An
+epoch's end shuts down an unfinished non-persistent iterator's workers
 (``limit_train_batches``), closes the epoch and judges it; ``on_exception`` closes the open
-epochs with ``exception`` or ``interrupt``; ``teardown`` closes the trackers, keeps their
-reports and judges the whole run. The hang watch counts from a batch's end to the next
-batch's start; a validation run pauses the training epoch's count.
+epochs (``exception`` or ``interrupt``); ``teardown`` closes the trackers, keeps their reports
+and judges the whole run. A validation run pauses the training epoch's hang watch.
 """
 
 from __future__ import annotations
@@ -45,15 +42,14 @@ from leakcheck.adapters.dataloader import (
     OnLeak,
     call_reported,
     check_arguments,
-    install_policy,
     shutdown_workers,
+    start_iterator,
 )
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError
 from leakcheck.core.model import MIB, EndReason, Timeline
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
-from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 
 if TYPE_CHECKING:
@@ -74,6 +70,8 @@ __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
+
+_LOCK = threading.RLock()  # a loader may be iterated on another thread than the hooks run on
 
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
 _STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
@@ -224,19 +222,13 @@ class LeakCheckCallback(_CallbackBase):
         self._trainer: Any = None
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
         self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
-        self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
         state.update(_stages={}, _trainer=None, _patches=[])
-        del state["_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         options = {**self._tracker_options, "on_leak": self._on_leak, "teardown": self._teardown}
@@ -293,7 +285,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        with self._lock:
+        with _LOCK:
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
@@ -316,7 +308,7 @@ class LeakCheckCallback(_CallbackBase):
         if self._trainer is None:
             return
         reason, error = end_reason_for(exception)
-        with self._lock:
+        with _LOCK:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
                     stage.end(reason, error)
@@ -337,7 +329,7 @@ class LeakCheckCallback(_CallbackBase):
     def _epoch_start(self, name: str, trainer: Any) -> None:
         if self._trainer is None:
             return
-        with self._lock:
+        with _LOCK:
             stage = self._open(name, trainer)
         stage.tracker.batch_wanted()
         stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
@@ -354,7 +346,7 @@ class LeakCheckCallback(_CallbackBase):
             stage.batches += count
 
     def _epoch_end(self, name: str) -> None:
-        with self._lock:
+        with _LOCK:
             stage = self._stages.get(name)
             if stage is None or not stage.end("completed"):
                 return
@@ -387,7 +379,7 @@ class LeakCheckCallback(_CallbackBase):
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
         if not (hasattr(loader, "_get_iterator") and hasattr(loader, "worker_init_fn")):
             return  # not a DataLoader: its epochs are still tracked, by lineage
-        with self._lock:
+        with _LOCK:
             current = vars(loader).get("_get_iterator")
             if isinstance(current, _IteratorHook):
                 if current.callback is self:
@@ -400,18 +392,10 @@ class LeakCheckCallback(_CallbackBase):
         name = _STAGE_OF.get(_state(self._trainer, "stage"))
         if name is None:
             return make()  # iterated outside a run of this callback: not ours to track
-        with self._lock:
+        with _LOCK:
             stage = self._open(name, self._trainer)
-            persistent = bool(getattr(loader, "persistent_workers", False))
-            users = loader.worker_init_fn
-            installed = install_policy(loader, stage.tracker, release=self._teardown)
-            try:
-                iterator = make()
-            finally:
-                if loader.worker_init_fn is installed:
-                    loader.worker_init_fn = users
-            watch_exits(iterator, stage.tracker.worker_stuck)  # NOTE [exit watch] in hang.py
-            if not persistent:
+            iterator = start_iterator(loader, stage.tracker, make, release=self._teardown)
+            if not getattr(loader, "persistent_workers", False):
                 with contextlib.suppress(TypeError):
                     stage.iterators.append(weakref.ref(iterator))
             return iterator
@@ -434,7 +418,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""
-        with self._lock:
+        with _LOCK:
             self._unhook()
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]

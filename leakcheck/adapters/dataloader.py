@@ -4,19 +4,17 @@ NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the fi
 request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
 ``LeakError`` surfaces from the ``for`` statement), ``break`` (left early; Python tells a
 generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
-``exception`` (while fetching a batch, re-raised; a worker a signal ended is noted first and
-its ``died`` finding announced at once), ``interrupt`` (``KeyboardInterrupt`` while fetching)
-or ``collected`` (by the garbage collector or at interpreter exit). After an early end,
-non-persistent workers are shut down at once (the exception's traceback would keep them alive
-as false survivors), and judging waits for the next epoch or ``close()``: raising from a
-closing generator would be lost. Per batch: one generator step and one clock read (NOTE [hang
-watch] in hang.py).
+``exception`` (while fetching a batch, re-raised; a worker a signal ended is announced at
+once), ``interrupt`` (``KeyboardInterrupt`` while fetching) or ``collected`` (by the garbage
+collector or at interpreter exit). After an early end, non-persistent workers are shut down at
+once (the exception's traceback would keep them alive as false survivors), and judging waits
+for the next epoch or ``close()``: raising from a closing generator would be lost. Per batch:
+one generator step and one clock read (NOTE [hang watch] in hang.py).
 
-NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
-judges at every epoch end, so that judgement looks at the latest ``JUDGED_EPOCHS`` closed
-epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures both);
-``close()`` judges the whole run with a fresh read. What only a longer view shows (growth
-too slow to exceed the tolerance within the window) is announced at close.
+NOTE [judged window]: judging costs time in proportion to the epochs judged, so an epoch end
+judges the latest ``JUDGED_EPOCHS`` closed epochs only, as recorded at their ends
+(``benchmarks/bench_epochs.py``); ``close()`` judges the whole run with a fresh read, and
+announces what only the longer view shows (growth too slow for the tolerance in the window).
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
 ended, so an adapter judges again at a later epoch's start once the grace has passed
@@ -37,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
-from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError, one_line
 from leakcheck.core.model import EndReason, EpochRecord, Finding
 from leakcheck.judge.report import Report
 from leakcheck.track.hang import watch_exits
@@ -70,12 +68,7 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
 
 
 def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
-    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options.
-
-    Raises:
-        UsageError: A bad value; the message names the argument and the value.
-
-    """
+    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options."""
     if not isinstance(on_leak, str) or on_leak not in ("warn", "raise", "ignore"):
         raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
     if not isinstance(teardown, bool):
@@ -136,7 +129,7 @@ def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1)
         call()
     except Exception as error:
         warnings.warn(
-            f"leakcheck: {what} raised {type(error).__name__}: {error}; the loop goes on",
+            f"leakcheck: {what} raised {one_line(error)}; the loop goes on",
             RuntimeWarning,
             stacklevel=stacklevel + 1,
         )
@@ -214,8 +207,8 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before (NOTE [judged window]).
 
-        ``may_raise`` False warns instead of raising (an exception is on its way out already,
-        and a leak must not replace it); ``stacklevel`` 1 points the warning at the caller.
+        ``may_raise`` False warns instead (an exception on its way out must not be replaced);
+        ``stacklevel`` 1 points the warning at the caller.
         """
         if self._due():
             self._unjudged_end = None
@@ -281,8 +274,7 @@ class WatchedLoader(Generic[T]):
         return len(self._loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names the wrapper lacks. Guard against lookups before __init__
-        # ran (copy, pickle), which would otherwise recurse.
+        # Names the wrapper lacks; before __init__ ran (copy, pickle) it would recurse.
         if name.startswith("__") or "_loader" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._loader, name)
@@ -317,10 +309,10 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=True)
 
     def drop_loader(self) -> None:
-        """Let go of the loader, so that it can be collected while tracking goes on.
+        """Let go of the loader, so that its persistent workers can stop while tracked.
 
-        Persistent workers stop only when their loader is collected: before ``close()`` and
-        ``gc.collect()``, their exit becomes part of the run (``leakcheck sweep``).
+        They stop only when their loader is collected: call it before ``close()`` and
+        ``gc.collect()`` to make their exit part of the run (``leakcheck sweep``).
         """
         self._tracker.finish_reads()
         self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive
@@ -441,19 +433,15 @@ def watch(
         tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
         warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
         grace: Seconds a worker may outlive its epoch before it is a survivor.
-        on_leak: ``"warn"`` (a ``LeakWarning`` naming the culprits), ``"raise"`` (a
-            ``LeakError`` after the epoch) or ``"ignore"`` (only the report).
+        on_leak: ``"warn"`` (a ``LeakWarning``), ``"raise"`` (a ``LeakError`` after the
+            epoch) or ``"ignore"`` (only the report).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
-        rollup_share: Share of the time USS reads of the parent and persistent workers may
-            take; 1.0 reads USS (which shows copy-on-read) at every epoch end.
-        copy_tolerance: What each forked worker may copy of the parent's memory before the
-            copy-on-read rule calls it a leak (``"64MiB"``, or bytes).
-        on_epoch: Called with each epoch's ``EpochRecord`` as it ends (before it is judged);
-            what it raises is warned about, never raised into your loop.
-        hang_after: Seconds an epoch may wait for a batch before the Python stacks of the
-            loop's process and its workers are written to stderr and the report, once per
-            stall (NOTE [hang watch] in hang.py); 0: no hang watch.
+        rollup_share: Share of the time USS reads (copy-on-read) may take; 1.0: every end.
+        copy_tolerance: What each forked worker may copy of the parent's memory.
+        on_epoch: Called with each ``EpochRecord`` as it ends; what it raises is warned about.
+        hang_after: Seconds an epoch may wait for a batch before the stacks of the loop and
+            its workers are written (NOTE [hang watch] in hang.py); 0: no hang watch.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,7 +44,7 @@ from leakcheck.adapters.dataloader import (
     shutdown_workers,
     start_iterator,
 )
-from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.errors import LeakError, UsageError
 from leakcheck.core.model import MIB, EndReason, Timeline
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
@@ -155,7 +154,7 @@ class _Stage(EpochJudge):
 
 
 class _IteratorHook:
-    """A DataLoader's instance-level ``_get_iterator``: NOTE [lightning epochs]."""
+    """A DataLoader's own ``_get_iterator``: its iterator is made in the stage's epoch."""
 
     def __init__(self, callback: LeakCheckCallback, loader: Any, previous: Any) -> None:
         self.callback = callback
@@ -167,7 +166,17 @@ class _IteratorHook:
         if loader is None:  # pragma: no cover - a live loader calls its own method
             raise RuntimeError("leakcheck: the DataLoader of this hook is gone")
         make = self.previous or type(loader)._get_iterator.__get__(loader)
-        return self.callback._start_iterator(loader, make)
+        trainer = self.callback._trainer
+        name = _STAGE_OF.get(_state(trainer, "stage"))
+        if name is None:
+            return make()  # iterated outside a run of the callback: not ours to track
+        with _LOCK:
+            stage = self.callback._open(name, trainer)
+            iterator = start_iterator(loader, stage.tracker, make, release=self.callback._teardown)
+            if not getattr(loader, "persistent_workers", False):
+                with contextlib.suppress(TypeError):
+                    stage.iterators.append(weakref.ref(iterator))
+            return iterator
 
 
 class LeakCheckCallback(_CallbackBase):
@@ -320,9 +329,8 @@ class LeakCheckCallback(_CallbackBase):
         """The stage, with an epoch open; a new tracker where the last run closed the old one."""
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
-            options = self._tracker_options
-            stage = _Stage(name, Tracker(**options), self._on_leak, self._on_epoch)
-            self._stages[name] = stage
+            tracker = Tracker(**self._tracker_options)
+            stage = self._stages[name] = _Stage(name, tracker, self._on_leak, self._on_epoch)
         stage.begin(trainer)
         return stage
 
@@ -387,19 +395,6 @@ class LeakCheckCallback(_CallbackBase):
                 current = None  # another callback's leftover: go around it
             self._patch(loader, "_get_iterator", _IteratorHook(self, loader, current), current)
 
-    def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
-        """Build a loader's iterator (its workers start now) inside the stage's epoch."""
-        name = _STAGE_OF.get(_state(self._trainer, "stage"))
-        if name is None:
-            return make()  # iterated outside a run of this callback: not ours to track
-        with _LOCK:
-            stage = self._open(name, self._trainer)
-            iterator = start_iterator(loader, stage.tracker, make, release=self._teardown)
-            if not getattr(loader, "persistent_workers", False):
-                with contextlib.suppress(TypeError):
-                    stage.iterators.append(weakref.ref(iterator))
-            return iterator
-
     def _patch(self, target: Any, name: str, ours: object, previous: object) -> None:
         setattr(target, name, ours)
         self._patches.append((weakref.ref(target), name, ours, previous))
@@ -426,16 +421,14 @@ class LeakCheckCallback(_CallbackBase):
                 stage.end("closed")
                 stage.tracker.close()
                 stage.report = stage.tracker.report()
-        raised: list[LeakError] = []
-        for stage in closing:
+        raised: LeakError | None = None
+        for stage in closing:  # the first leak raises, the next ones warn
             try:
-                stage.judge(may_raise=may_raise)
+                stage.judge(may_raise=may_raise and raised is None, stacklevel=2)
             except LeakError as error:
-                raised.append(error)
-        for extra in raised[1:]:
-            warnings.warn(LeakWarning(str(extra)), stacklevel=2)
-        if raised:
-            raise raised[0]
+                raised = error
+        if raised is not None:
+            raise raised
 
 
 def _stage_hooks(loop: str, name: str) -> dict[str, Callable[..., None]]:

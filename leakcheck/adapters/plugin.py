@@ -361,10 +361,8 @@ def _fail_or_warn(
             return "warned"
         except LeakWarning:  # -W error: the user asked for warnings to fail
             pass
-    if earlier in COUNTED:
-        return "reported"  # the test failed already: one failure, plus our section
-    if report.failed:
-        return "error"  # a fixture's teardown failed already: keep its error, add ours
+    if earlier in COUNTED or report.failed:
+        return "reported"  # the test or a fixture's teardown failed already: add our section
     # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
     # a short message (no plugin traceback) that xdist and JUnit carry as usual.
     failure = pytest.TestReport.from_item_and_call(

@@ -85,12 +85,6 @@ class GpuState:
     allocated_bytes: Mapping[int, int] | None = None
     reserved_bytes: Mapping[int, int] | None = None
 
-    @classmethod
-    def of_allocator(cls, nvml_bytes: Mapping[int, int] | None, *, collect: bool) -> GpuState:
-        """``nvml_bytes`` and the allocator's counters, where CUDA is initialised."""
-        counters = allocator_bytes(collect=collect)
-        return cls(nvml_bytes, *counters) if counters is not None else cls(nvml_bytes)
-
 
 @dataclass
 class ScopeOwner:
@@ -186,16 +180,14 @@ class Checker:
 
     def fixture_begin(self) -> Probe:
         """Snapshot before a wide-scope fixture's setup (the allocator, not NVML)."""
-        return Probe(
-            PidMark.now(), _listdir(self.shm_dir), GpuState.of_allocator(None, collect=False)
-        )
+        return Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state(nvml=False))
 
     def fixture_end(self, key: object, probe: Probe, label: str, window: Window) -> ScopeOwner:
         """What appeared during a wide-scope fixture's setup is that fixture's own."""
         processes = tuple(self._born_since(probe, window.tags))
         owned_shm = {name for o in self._owners.values() for name in o.shm}
         shm = _listdir(self.shm_dir) - probe.shm - owned_shm
-        now = GpuState.of_allocator(None, collect=False).allocated_bytes or {}
+        now = self._gpu_state(nvml=False).allocated_bytes or {}
         before = probe.gpu.allocated_bytes or {}
         added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
         owner = ScopeOwner(label, window.serial, processes, shm, added)
@@ -283,10 +275,12 @@ class Checker:
         self.attribution, self.devices = (attribution, reason), devices
         return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
 
-    def _gpu_state(self, *, collect: bool = False) -> GpuState:
-        by_pid = self._gpu_by_pid()
+    def _gpu_state(self, *, collect: bool = False, nvml: bool = True) -> GpuState:
+        """NVML's view (``nvml``) and the allocator's counters, where CUDA is initialised."""
+        by_pid = self._gpu_by_pid() if nvml else None
         nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
-        return GpuState.of_allocator(nvml_bytes, collect=collect)
+        counters = allocator_bytes(collect=collect)
+        return GpuState(nvml_bytes, *counters) if counters is not None else GpuState(nvml_bytes)
 
     def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
         """The test's processes born since ``probe`` that no active fixture owns."""

@@ -125,7 +125,7 @@ class _Candidate:
     """A process the test may have left, while the grace period runs out."""
 
     info: ProcInfo
-    owner: ScopeOwner | None
+    scope: str | None  # the label of the wide-scope fixture that started it (None: the test)
     last_seen_s: float
     exited_s: float | None = None
     baseline: bool = False  # a runtime helper that pins nothing on the GPU
@@ -216,7 +216,7 @@ class Checker:
         seen_s = time.monotonic()
         candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
-            candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
+            candidates.extend(_Candidate(info, ended.label, seen_s) for info in ended.processes)
         candidates = [c for c in candidates if c.info.key.pid != self.pid]
         _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
         staying = [cand for cand in candidates if cand.exited_s is None]
@@ -316,7 +316,7 @@ class Checker:
                 gpu_bytes_end=gpu,
                 gpu_bytes_peak=gpu,
                 nvidia_fds=procs.nvidia_fd_count(key.pid) if alive else None,
-                scope=cand.owner.label if cand.owner is not None else None,
+                scope=cand.scope,
                 freed_by_gc=cand.freed_by_gc,
             )
             left.append(process)

@@ -22,11 +22,11 @@ failure's message is one sentence (``the test left 1 process (PID 7)``) and the 
 counts per test. Where no failure shows the section (a warning, a skip, an xfail or xpass,
 information only), the findings go under the test's line of the ``LEAK REPORT``.
 
-NOTE [counted once]: a checked test that passed its call is counted at its teardown, as
-``passed`` or ``failed`` (``LEAKED``), so N tests with one leak read "1 failed, N-1 passed". A
-test that failed, errored, was skipped, xfailed or xpassed before keeps that outcome; a leak
-adds its section and a summary line. A test skipped before its call that left nothing is not
-counted.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown (not at
+its call), as ``passed`` or ``failed`` (``LEAKED``): N tests with one leak read "1 failed, N-1
+passed". A test that failed, errored, was skipped, xfailed or xpassed before keeps that
+outcome; a leak adds its section and a summary line. A test skipped before its call that left
+nothing is not counted.
 """
 
 from __future__ import annotations

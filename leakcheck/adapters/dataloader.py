@@ -4,19 +4,17 @@ NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the fi
 request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
 ``LeakError`` surfaces from the ``for`` statement), ``break`` (left early; Python tells a
 generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
-``exception`` (while fetching a batch, re-raised; a worker a signal ended is noted first and
-its ``died`` finding announced at once), ``interrupt`` (``KeyboardInterrupt`` while fetching)
-or ``collected`` (by the garbage collector or at interpreter exit). After an early end,
-non-persistent workers are shut down at once (the exception's traceback would keep them alive
-as false survivors), and judging waits for the next epoch or ``close()``: raising from a
-closing generator would be lost. Per batch: one generator step and one clock read (NOTE [hang
-watch] in hang.py).
+``exception`` (while fetching a batch, re-raised; a worker a signal ended is announced at
+once), ``interrupt`` (``KeyboardInterrupt`` while fetching) or ``collected`` (by the garbage
+collector or at interpreter exit). After an early end, non-persistent workers are shut down at
+once (the exception's traceback would keep them alive as false survivors), and judging waits
+for the next epoch or ``close()``: raising from a closing generator would be lost. Per batch:
+one generator step and one clock read (NOTE [hang watch] in hang.py).
 
-NOTE [judged window]: judging costs time in proportion to the epochs judged, and an adapter
-judges at every epoch end, so that judgement looks at the latest ``JUDGED_EPOCHS`` closed
-epochs only, as recorded at their ends (``benchmarks/bench_epochs.py`` measures both);
-``close()`` judges the whole run with a fresh read. What only a longer view shows (growth
-too slow to exceed the tolerance within the window) is announced at close.
+NOTE [judged window]: judging costs time in proportion to the epochs judged, so an epoch end
+judges the latest ``JUDGED_EPOCHS`` closed epochs only, as recorded at their ends
+(``benchmarks/bench_epochs.py``); ``close()`` judges the whole run with a fresh read, and
+announces what only the longer view shows (growth too slow for the tolerance in the window).
 
 NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
 ended, so an adapter judges again at a later epoch's start once the grace has passed
@@ -26,6 +24,7 @@ ended, so an adapter judges again at a later epoch's start once the grace has pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -36,14 +35,14 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
-from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError, one_line
 from leakcheck.core.model import EndReason, EpochRecord, Finding
 from leakcheck.judge.report import Report
 from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "watch"]
+__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "start_iterator", "watch"]
 
 T = TypeVar("T")
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -55,7 +54,6 @@ JUDGED_EPOCHS = 32
 # True while the cyclic garbage collector runs: a generator closed then was collected,
 # not left by its loop (NOTE [epoch ends]).
 _collecting = False
-_gc_hook_lock = threading.Lock()
 
 
 def _gc_phase(phase: str, info: dict[str, int]) -> None:
@@ -70,12 +68,7 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
 
 
 def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
-    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options.
-
-    Raises:
-        UsageError: A bad value; the message names the argument and the value.
-
-    """
+    """Validate what ``watch()`` and the callback take beside the ``Tracker``'s options."""
     if not isinstance(on_leak, str) or on_leak not in ("warn", "raise", "ignore"):
         raise UsageError(f"on_leak: expected 'warn', 'raise' or 'ignore', got {on_leak!r}")
     if not isinstance(teardown, bool):
@@ -85,28 +78,41 @@ def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLe
     return on_leak  # type: ignore[return-value]
 
 
-def install_policy(loader: Any, tracker: Tracker, *, release: bool) -> WorkerInit:
-    """Chain the policy in front of ``loader.worker_init_fn`` (which still runs); returns it.
+def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, release: bool) -> Any:
+    """Make a loader's iterator (its workers start now) under the policy, and watch its exits.
 
-    Workers report their identity to ``tracker``'s mailbox and, at exit, what they held and
-    freed (NOTE [teardown policy] in teardown.py). A policy the user installed already
-    (``leakcheck.worker_init_fn(...)``) keeps their function and ``terminate_children``.
+    NOTE [iterator policy]: an iterator reads its loader's ``worker_init_fn`` once, as it
+    starts the workers, so the policy is chained in front of it (which still runs) for that
+    moment only: the workers report their identity to ``tracker``'s mailbox and, at exit, what
+    they held and freed (NOTE [teardown policy] in teardown.py), and the loader has its own
+    back at once. A policy the user installed (``leakcheck.worker_init_fn(...)``) keeps their
+    function and ``terminate_children``. A wrapper of a wrapper leaves the workers to the
+    inner one, whose tracker owns them (NOTE [claims]); not a DataLoader: lineage only.
     """
-    current = loader.worker_init_fn
-    user_fn, terminate_children = current, False
-    if isinstance(current, WorkerInit):
-        user_fn, terminate_children = current.user_fn, current.terminate_children
-    installed = WorkerInit(
-        user_fn,
-        terminate_children=terminate_children,
-        release=release,
-        persistent=bool(getattr(loader, "persistent_workers", False)),
-        mailbox_dir=tracker.start().mailbox_dir,
-        session_id=tracker.session_id,
-    )
-    installed.death_signal = threading.current_thread() is threading.main_thread()
-    loader.worker_init_fn = installed
-    return installed
+    users = getattr(loader, "worker_init_fn", None)
+    if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
+        iterator = make()
+    else:
+        user_fn, terminate_children = users, False
+        if isinstance(users, WorkerInit):
+            user_fn, terminate_children = users.user_fn, users.terminate_children
+        installed = WorkerInit(
+            user_fn,
+            terminate_children=terminate_children,
+            release=release,
+            persistent=bool(getattr(loader, "persistent_workers", False)),
+            mailbox_dir=tracker.start().mailbox_dir,
+            session_id=tracker.session_id,
+        )
+        installed.death_signal = threading.current_thread() is threading.main_thread()
+        loader.worker_init_fn = installed
+        try:
+            iterator = make()
+        finally:
+            if loader.worker_init_fn is installed:
+                loader.worker_init_fn = users
+    watch_exits(iterator, tracker.worker_stuck)  # NOTE [exit watch] in hang.py
+    return iterator
 
 
 def shutdown_workers(iterator: object) -> None:
@@ -123,7 +129,7 @@ def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1)
         call()
     except Exception as error:
         warnings.warn(
-            f"leakcheck: {what} raised {type(error).__name__}: {error}; the loop goes on",
+            f"leakcheck: {what} raised {one_line(error)}; the loop goes on",
             RuntimeWarning,
             stacklevel=stacklevel + 1,
         )
@@ -201,8 +207,8 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before (NOTE [judged window]).
 
-        ``may_raise`` False warns instead of raising (an exception is on its way out already,
-        and a leak must not replace it); ``stacklevel`` 1 points the warning at the caller.
+        ``may_raise`` False warns instead (an exception on its way out must not be replaced);
+        ``stacklevel`` 1 points the warning at the caller.
         """
         if self._due():
             self._unjudged_end = None
@@ -224,37 +230,11 @@ class EpochJudge:
         warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)
 
 
-# Each live hook -> what it replaced. Two wrappers of one loader may close in either order:
-# a closing wrapper's hook leaves this chain, so none put back is a closed one's (its mailbox
-# is gone); the user's own leakcheck.worker_init_fn(...) replaced nothing, and is theirs.
-_replaced: weakref.WeakKeyDictionary[WorkerInit, Any] = weakref.WeakKeyDictionary()
-
-
-class _Session:
-    """What the wrapper's finalizer needs, without a reference to the wrapper."""
-
-    def __init__(self, loader: Any, tracker: Tracker) -> None:
-        self.loader = loader
-        self.tracker = tracker
-        self.installed: WorkerInit | None = None
-
-    def restore_init(self) -> None:
-        installed, self.installed = self.installed, None
-        if installed is None:
-            return
-        below = _replaced.pop(installed, None)
-        for hook, replaced in list(_replaced.items()):
-            if replaced is installed:
-                _replaced[hook] = below
-        if getattr(self.loader, "worker_init_fn", None) is installed:
-            self.loader.worker_init_fn = below
-
-    def finalize(self, owns_tracker: bool) -> None:
-        """The wrapper was collected without ``close()``: stop the tracker it owns."""
-        self.restore_init()
-        if owns_tracker:
-            self.tracker.end_epoch("collected")
-            self.tracker.close()
+def _collected(tracker: Tracker, owns_tracker: bool) -> None:
+    """The wrapper was collected without ``close()``: stop the tracker it owns."""
+    if owns_tracker:
+        tracker.end_epoch("collected")
+        tracker.close()
 
 
 class WatchedLoader(Generic[T]):
@@ -284,20 +264,17 @@ class WatchedLoader(Generic[T]):
         self._teardown = teardown
         self._iterate: Callable[[Any], Iterator[T]] = iterate or iter
         self._owns_tracker = owns_tracker
-        self._started = self._closed = self._dropped = self._batches_seen = False
+        self._closed = self._dropped = self._batches_seen = False
         self._open_epoch: int | None = None  # the epoch this wrapper opened, until it ends
-        self._session = _Session(loader, tracker)
-        self._finalizer = weakref.finalize(self, _Session.finalize, self._session, owns_tracker)
-        with _gc_hook_lock:
-            if _gc_phase not in gc.callbacks:
-                gc.callbacks.append(_gc_phase)
+        self._finalizer = weakref.finalize(self, _collected, tracker, owns_tracker)
+        if _gc_phase not in gc.callbacks:
+            gc.callbacks.append(_gc_phase)
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names the wrapper lacks. Guard against lookups before __init__
-        # ran (copy, pickle), which would otherwise recurse.
+        # Names the wrapper lacks; before __init__ ran (copy, pickle) it would recurse.
         if name.startswith("__") or "_loader" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._loader, name)
@@ -323,7 +300,7 @@ class WatchedLoader(Generic[T]):
         return self._tracker.report()
 
     def close(self) -> None:
-        """Close the open epoch, wait out the grace, judge; restore ``worker_init_fn``. Idempotent.
+        """Close the open epoch, wait out the grace, and judge the whole run. Idempotent.
 
         Raises:
             LeakError: ``on_leak="raise"`` and a leak not raised before was found.
@@ -332,14 +309,12 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=True)
 
     def drop_loader(self) -> None:
-        """Let go of the loader, so that it can be collected while tracking goes on.
+        """Let go of the loader, so that its persistent workers can stop while tracked.
 
-        Persistent workers stop only when their loader is collected: before ``close()`` and
-        ``gc.collect()``, their exit becomes part of the run (``leakcheck sweep``).
+        They stop only when their loader is collected: call it before ``close()`` and
+        ``gc.collect()`` to make their exit part of the run (``leakcheck sweep``).
         """
         self._tracker.finish_reads()
-        self._session.restore_init()
-        self._session.loader = None
         self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive
         self._dropped = True
 
@@ -361,7 +336,6 @@ class WatchedLoader(Generic[T]):
             return
         self._closed = True
         self._finalizer.detach()
-        self._session.restore_init()
         if self._owns_tracker:
             self._tracker.close()
             self._judge.judge(may_raise=may_raise, stacklevel=3)
@@ -370,22 +344,9 @@ class WatchedLoader(Generic[T]):
             self._open_epoch = None
 
     def _start(self) -> None:
-        """Start tracking and chain the policy into the loader's ``worker_init_fn``."""
         if self._closed:
             raise UsageError("this watched loader is closed; wrap the loader again")
-        if self._started:
-            return
-        self._started = True
         self._tracker.start()
-        loader: Any = self._loader
-        if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
-            # Not a DataLoader: epochs and lineage only. A wrapper of a wrapper leaves the
-            # workers to the inner one, whose tracker owns them (NOTE [claims]).
-            return
-        replaced = loader.worker_init_fn
-        installed = install_policy(loader, self._tracker, release=self._teardown)
-        _replaced[installed] = replaced
-        self._session.installed = installed
 
     def _epoch(self) -> Iterator[T]:
         if self._dropped:
@@ -393,18 +354,14 @@ class WatchedLoader(Generic[T]):
         self._start()
         self._judge.judge_if_due(stacklevel=2)
         index = self._open_epoch = self._tracker.begin_epoch()
-        if self._session.installed is not None:
-            # NOTE [teardown policy] in teardown.py: the death signal follows the thread.
-            main = threading.current_thread() is threading.main_thread()
-            self._session.installed.death_signal = main
         batches: Any = None
         count = 0
         ended: tuple[EndReason, str | None] = ("completed", None)
         died = False
         wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
         try:
-            batches = self._iterate(self._loader)
-            watch_exits(batches, self._tracker.worker_stuck)  # NOTE [exit watch] in hang.py
+            make = functools.partial(self._iterate, self._loader)
+            batches = start_iterator(self._loader, self._tracker, make, release=self._teardown)
             wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
             for batch in batches:
                 count += 1
@@ -468,7 +425,7 @@ def watch(
         print(loader.report().format())
 
     Worker identities come from a chained ``worker_init_fn`` (yours still runs), which also
-    installs the teardown policy (NOTE [teardown policy] in teardown.py). NOTE [epoch ends].
+    installs the teardown policy (NOTE [iterator policy]). NOTE [epoch ends].
 
     Args:
         loader: A ``torch.utils.data.DataLoader`` (any start method, persistent workers or
@@ -476,19 +433,15 @@ def watch(
         tolerance: Growth below this per epoch is noise (``"16MiB"``, or bytes).
         warmup_epochs: Epochs the growth rule ignores (allocator warm-up).
         grace: Seconds a worker may outlive its epoch before it is a survivor.
-        on_leak: ``"warn"`` (a ``LeakWarning`` naming the culprits), ``"raise"`` (a
-            ``LeakError`` after the epoch) or ``"ignore"`` (only the report).
+        on_leak: ``"warn"`` (a ``LeakWarning``), ``"raise"`` (a ``LeakError`` after the
+            epoch) or ``"ignore"`` (only the report).
         teardown: Workers release their CUDA resources before they exit.
         interval: Seconds between background samples.
-        rollup_share: Share of the time USS reads of the parent and persistent workers may
-            take; 1.0 reads USS (which shows copy-on-read) at every epoch end.
-        copy_tolerance: What each forked worker may copy of the parent's memory before the
-            copy-on-read rule calls it a leak (``"64MiB"``, or bytes).
-        on_epoch: Called with each epoch's ``EpochRecord`` as it ends (before it is judged);
-            what it raises is warned about, never raised into your loop.
-        hang_after: Seconds an epoch may wait for a batch before the Python stacks of the
-            loop's process and its workers are written to stderr and the report, once per
-            stall (NOTE [hang watch] in hang.py); 0: no hang watch.
+        rollup_share: Share of the time USS reads (copy-on-read) may take; 1.0: every end.
+        copy_tolerance: What each forked worker may copy of the parent's memory.
+        on_epoch: Called with each ``EpochRecord`` as it ends; what it raises is warned about.
+        hang_after: Seconds an epoch may wait for a batch before the stacks of the loop and
+            its workers are written (NOTE [hang watch] in hang.py); 0: no hang watch.
 
     Returns:
         A :class:`WatchedLoader`; also a context manager that calls ``close()``.

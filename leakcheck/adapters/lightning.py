@@ -8,25 +8,22 @@
     print(leaks.format())  # one report per stage, each named by its loader's hook
     leaks.plot("leaks.png")  # their memory per epoch, leaks marked (matplotlib)
 
-Each epoch end logs a few scalars (``epoch_scalars``) through every logger of the trainer on
-global rank zero. Works with ``lightning.pytorch`` or ``pytorch_lightning``; importing
-``leakcheck`` imports neither.
+Each epoch end logs ``epoch_scalars`` through the trainer's loggers on global rank zero. Works
+with ``lightning.pytorch`` or ``pytorch_lightning``; importing ``leakcheck`` imports neither.
 
-NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every
-validation run; ``test``; ``predict``) has its own ``Tracker``: validation runs inside the
-training epoch, so two epochs are open at once, and each tracker judges only its own loaders'
-workers (NOTE [claims] in track/claims.py). Labels: ``train epoch 3``, ``val epoch 3`` (``val
-epoch 3 run 2`` for a second run in one training epoch), ``val sanity check``, and ``test
-epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers before any hook of the
-epoch, so from ``setup`` to ``teardown`` the callback wraps ``strategy.process_dataloader``
-(called for every loader) and gives each DataLoader an instance-level ``_get_iterator`` (what
-``DataLoader.__iter__`` calls exactly when it starts workers): that opens the stage's epoch if
-none is open and chains ``WorkerInit`` in front of the loader's ``worker_init_fn`` for that
-one iterator. ``on_*_epoch_end`` shuts down an unfinished non-persistent iterator's workers
+NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every validation
+run; ``test``; ``predict``) has its own ``Tracker``, which judges only its own loaders' workers
+(NOTE [claims] in track/claims.py): validation runs inside the training epoch. Labels: ``train
+epoch 3``, ``val epoch 3`` (``val epoch 3 run 2`` for a second run in one training epoch),
+``val sanity check``, and ``test epoch 0`` & co. outside ``fit``. Lightning starts a loader's
+workers before any hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps
+``strategy.process_dataloader`` (called for every loader) and gives each DataLoader an
+instance-level ``_get_iterator`` (called exactly when workers start): it opens the stage's
+epoch if none is open and makes the iterator (NOTE [iterator policy] in dataloader.py). An
+epoch's end shuts down an unfinished non-persistent iterator's workers
 (``limit_train_batches``), closes the epoch and judges it; ``on_exception`` closes the open
-epochs with ``exception`` or ``interrupt``; ``teardown`` closes the trackers, keeps their
-reports and judges the whole run. The hang watch counts from a batch's end to the next
-batch's start; a validation run pauses the training epoch's count.
+epochs (``exception`` or ``interrupt``); ``teardown`` closes the trackers, keeps their reports
+and judges the whole run. A validation run pauses the training epoch's hang watch.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,15 +41,14 @@ from leakcheck.adapters.dataloader import (
     OnLeak,
     call_reported,
     check_arguments,
-    install_policy,
     shutdown_workers,
+    start_iterator,
 )
-from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.errors import LeakError, UsageError
 from leakcheck.core.model import MIB, EndReason, Timeline
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
 from leakcheck.judge.verdict import per_pid_bytes_known
-from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 
 if TYPE_CHECKING:
@@ -74,6 +69,8 @@ __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
+
+_LOCK = threading.RLock()  # a loader may be iterated on another thread than the hooks run on
 
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
 _STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
@@ -157,7 +154,7 @@ class _Stage(EpochJudge):
 
 
 class _IteratorHook:
-    """A DataLoader's instance-level ``_get_iterator``: NOTE [lightning epochs]."""
+    """A DataLoader's own ``_get_iterator``: its iterator is made in the stage's epoch."""
 
     def __init__(self, callback: LeakCheckCallback, loader: Any, previous: Any) -> None:
         self.callback = callback
@@ -169,7 +166,17 @@ class _IteratorHook:
         if loader is None:  # pragma: no cover - a live loader calls its own method
             raise RuntimeError("leakcheck: the DataLoader of this hook is gone")
         make = self.previous or type(loader)._get_iterator.__get__(loader)
-        return self.callback._start_iterator(loader, make)
+        trainer = self.callback._trainer
+        name = _STAGE_OF.get(_state(trainer, "stage"))
+        if name is None:
+            return make()  # iterated outside a run of the callback: not ours to track
+        with _LOCK:
+            stage = self.callback._open(name, trainer)
+            iterator = start_iterator(loader, stage.tracker, make, release=self.callback._teardown)
+            if not getattr(loader, "persistent_workers", False):
+                with contextlib.suppress(TypeError):
+                    stage.iterators.append(weakref.ref(iterator))
+            return iterator
 
 
 class LeakCheckCallback(_CallbackBase):
@@ -224,19 +231,13 @@ class LeakCheckCallback(_CallbackBase):
         self._trainer: Any = None
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
         self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
-        self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
         state.update(_stages={}, _trainer=None, _patches=[])
-        del state["_lock"]
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         options = {**self._tracker_options, "on_leak": self._on_leak, "teardown": self._teardown}
@@ -293,7 +294,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        with self._lock:
+        with _LOCK:
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
@@ -316,7 +317,7 @@ class LeakCheckCallback(_CallbackBase):
         if self._trainer is None:
             return
         reason, error = end_reason_for(exception)
-        with self._lock:
+        with _LOCK:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
                     stage.end(reason, error)
@@ -328,16 +329,15 @@ class LeakCheckCallback(_CallbackBase):
         """The stage, with an epoch open; a new tracker where the last run closed the old one."""
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
-            options = self._tracker_options
-            stage = _Stage(name, Tracker(**options), self._on_leak, self._on_epoch)
-            self._stages[name] = stage
+            tracker = Tracker(**self._tracker_options)
+            stage = self._stages[name] = _Stage(name, tracker, self._on_leak, self._on_epoch)
         stage.begin(trainer)
         return stage
 
     def _epoch_start(self, name: str, trainer: Any) -> None:
         if self._trainer is None:
             return
-        with self._lock:
+        with _LOCK:
             stage = self._open(name, trainer)
         stage.tracker.batch_wanted()
         stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
@@ -354,7 +354,7 @@ class LeakCheckCallback(_CallbackBase):
             stage.batches += count
 
     def _epoch_end(self, name: str) -> None:
-        with self._lock:
+        with _LOCK:
             stage = self._stages.get(name)
             if stage is None or not stage.end("completed"):
                 return
@@ -387,34 +387,13 @@ class LeakCheckCallback(_CallbackBase):
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
         if not (hasattr(loader, "_get_iterator") and hasattr(loader, "worker_init_fn")):
             return  # not a DataLoader: its epochs are still tracked, by lineage
-        with self._lock:
+        with _LOCK:
             current = vars(loader).get("_get_iterator")
             if isinstance(current, _IteratorHook):
                 if current.callback is self:
                     return
                 current = None  # another callback's leftover: go around it
             self._patch(loader, "_get_iterator", _IteratorHook(self, loader, current), current)
-
-    def _start_iterator(self, loader: Any, make: Callable[[], Any]) -> Any:
-        """Build a loader's iterator (its workers start now) inside the stage's epoch."""
-        name = _STAGE_OF.get(_state(self._trainer, "stage"))
-        if name is None:
-            return make()  # iterated outside a run of this callback: not ours to track
-        with self._lock:
-            stage = self._open(name, self._trainer)
-            persistent = bool(getattr(loader, "persistent_workers", False))
-            users = loader.worker_init_fn
-            installed = install_policy(loader, stage.tracker, release=self._teardown)
-            try:
-                iterator = make()
-            finally:
-                if loader.worker_init_fn is installed:
-                    loader.worker_init_fn = users
-            watch_exits(iterator, stage.tracker.worker_stuck)  # NOTE [exit watch] in hang.py
-            if not persistent:
-                with contextlib.suppress(TypeError):
-                    stage.iterators.append(weakref.ref(iterator))
-            return iterator
 
     def _patch(self, target: Any, name: str, ours: object, previous: object) -> None:
         setattr(target, name, ours)
@@ -434,7 +413,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""
-        with self._lock:
+        with _LOCK:
             self._unhook()
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]
@@ -442,16 +421,14 @@ class LeakCheckCallback(_CallbackBase):
                 stage.end("closed")
                 stage.tracker.close()
                 stage.report = stage.tracker.report()
-        raised: list[LeakError] = []
-        for stage in closing:
+        raised: LeakError | None = None
+        for stage in closing:  # the first leak raises, the next ones warn
             try:
-                stage.judge(may_raise=may_raise)
+                stage.judge(may_raise=may_raise and raised is None, stacklevel=2)
             except LeakError as error:
-                raised.append(error)
-        for extra in raised[1:]:
-            warnings.warn(LeakWarning(str(extra)), stacklevel=2)
-        if raised:
-            raise raised[0]
+                raised = error
+        if raised is not None:
+            raise raised
 
 
 def _stage_hooks(loop: str, name: str) -> dict[str, Callable[..., None]]:

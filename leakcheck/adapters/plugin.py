@@ -1,34 +1,32 @@
 """pytest plugin: ``pytest --gpu-leak-check`` fails the test that leaked.
 
-A test fails (or warns, in warn mode) when, after its teardown, it left a process it started
-still running, a ``/dev/shm`` file it created, or GPU memory held by the test process beyond
-the tolerance. ``plugin_observe.Checker`` observes each test as one short epoch and
-``verdict.judge`` decides, with the same rules and words as ``watch()``. Under pytest-xdist
-each worker judges its own tests and the findings travel to the controller on the reports.
-Registered through the ``pytest11`` entry point ``leakcheck``; ``-p no:leakcheck`` disables it.
+A test fails (or warns) when, after its teardown, it left a process it started still running,
+a ``/dev/shm`` file it created, or GPU memory held by the test process beyond the tolerance.
+``plugin_observe.Checker`` observes each test as one short epoch and ``verdict.judge`` decides,
+with ``watch()``'s rules and words. Under pytest-xdist each worker judges its own tests and the
+findings travel to the controller on the reports. Registered through the ``pytest11`` entry
+point ``leakcheck``; ``-p no:leakcheck`` disables it.
 
-NOTE [off means off]: with the check off, loading the plugin costs options parsing and
-nothing else (no NVML, no /proc reads, no threads, no torch). The environment and the ini
-file reach every pytest run, so they are read and validated only when some test is checked
-(the flag, the environment or ini switch, a marker that enables a test, or the
-``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its source. The
-switch and the command line are always read (an empty value there is refused).
+NOTE [off means off]: with the check off, loading the plugin costs options parsing and nothing
+else (no NVML, no /proc reads, no threads, no torch). The environment and the ini file reach
+every pytest run, so they are read and validated only when some test is checked (the flag, the
+environment or ini switch, a marker, or the ``gpu_leak_tracker`` fixture); then a bad value is
+a usage error naming its source. The switch and the command line are always read.
 
-NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport``
-for the teardown phase: the test's function-scoped fixtures are finalized by then, and the
-report it fails is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist
-all attribute the leak to that test.
+NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport`` for
+the teardown phase: the function-scoped fixtures are finalized by then, and the report it fails
+is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist all name the test.
 
 NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section; the
-failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK
-REPORT`` counts per test. Where no failure shows the section (a warning, a skip, an xfail or
-xpass, information only), the findings go under the test's line of the ``LEAK REPORT``.
+failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK REPORT``
+counts per test. Where no failure shows the section (a warning, a skip, an xfail or xpass,
+information only), the findings go under the test's line of the ``LEAK REPORT``.
 
-NOTE [counted once]: a checked test that passed its call is counted at its teardown (its call
-report gets no category), as ``passed`` or ``failed`` (``LEAKED``), so N tests with one leak
-read "1 failed, N-1 passed". A test that failed, errored, was skipped, xfailed or xpassed
-before its teardown keeps that outcome, and a leak adds its section and a summary line. A
-test skipped before its call that left nothing is not counted.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown (not at
+its call), as ``passed`` or ``failed`` (``LEAKED``): N tests with one leak read "1 failed, N-1
+passed". A test that failed, errored, was skipped, xfailed or xpassed before keeps that
+outcome; a leak adds its section and a summary line. A test skipped before its call that left
+nothing is not counted.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from leakcheck.core.errors import LeakError, LeakWarning, UsageError
+from leakcheck.core.errors import LeakError, LeakWarning, UsageError, one_line
 from leakcheck.core.options import (
     ENABLED,
     MODE,
@@ -72,8 +70,7 @@ SECTION = "gpu-leak-check"
 
 CHECKER_NAME = "leakcheck-checker"  # the active part of the plugin, once registered
 REPORT_ATTR = "leakcheck"  # teardown reports: the JSON verdict (to xdist's controller)
-STATUS_ATTR = "leakcheck_status"  # teardown reports: ``leaked`` when the leak failed it
-DEFERRED_ATTR = "leakcheck_deferred"  # NOTE [counted once]
+COUNT_ATTR = "leakcheck_count"  # NOTE [counted once]: ``deferred`` or (teardown) ``leaked``
 COUNTED = ("counted", "skipped")  # a test's outcome before its teardown, when pytest counted it
 
 _WARN_DEST = "gpu_leak_warn"
@@ -124,7 +121,7 @@ def resolve_options(config: pytest.Config, *, full: bool = False) -> CheckOption
     Every source is read where ``full`` or the check is on (NOTE [off means off]).
 
     Raises:
-        pytest.UsageError: A bad value; the message names it and where it came from.
+        pytest.UsageError: A bad value, named with its source.
 
     """
     ini = {spec.name: config.getini(str(spec.ini_key)) for spec in SPECS}
@@ -225,8 +222,8 @@ def _options_for(item: pytest.Item) -> CheckOptions:
 def gpu_leak_tracker(request: pytest.FixtureRequest) -> Iterator[Tracker]:
     """A started ``leakcheck.Tracker`` bound to this test; use ``.epoch()`` inside it.
 
-    Where the check is on, its findings join the test's; elsewhere the fixture's teardown
-    fails (or warns) on a leak, unless a ``gpu_leak_check(enabled=False)`` marker says not.
+    Where the check is on, its findings join the test's; elsewhere its teardown fails (or
+    warns) on a leak, unless a ``gpu_leak_check(enabled=False)`` marker says not.
     """
     from leakcheck.track.tracker import Tracker
 
@@ -302,10 +299,11 @@ def _gpu_words(notes: Iterable[str]) -> str:
     return "; ".join(words) or "no test checked"
 
 
-def _worst_first(entry: tuple[str, list[Finding], str, bool]) -> tuple[int, int, int, str]:
+def _worst_first(result: tuple[str, tuple[list[Finding], str, bool]]) -> tuple[int, int, int, str]:
     """More GPU memory first, then more leaks, then more infos, then by node ID."""
-    leaks = [f for f in entry[1] if f.severity == "leak"]
-    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(entry[1]), entry[0])
+    nodeid, (findings, _, _) = result
+    leaks = [f for f in findings if f.severity == "leak"]
+    return (-sum(f.gpu_bytes or 0 for f in leaks), -len(leaks), -len(findings), nodeid)
 
 
 def _unattributed(f: Finding) -> bool:
@@ -324,8 +322,8 @@ def judge_test(
 ) -> list[Finding]:
     """Observe the test as a timeline and judge it with ``verdict.judge``.
 
-    The ``gpu_leak_tracker`` fixture's findings join, but for those the test's own check
-    made too (a process and rule already found, /dev/shm files: the same window).
+    The ``gpu_leak_tracker`` fixture's findings join, but for those the test's own check made
+    too (a process and rule already found; /dev/shm files, seen in the same window).
     """
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.verdict import judge
@@ -363,10 +361,8 @@ def _fail_or_warn(
             return "warned"
         except LeakWarning:  # -W error: the user asked for warnings to fail
             pass
-    if earlier in COUNTED:
-        return "reported"  # the test failed already: one failure, plus our section
-    if report.failed:
-        return "error"  # a fixture's teardown failed already: keep its error, add ours
+    if earlier in COUNTED or report.failed:
+        return "reported"  # the test or a fixture's teardown failed already: add our section
     # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
     # a short message (no plugin traceback) that xdist and JUnit carry as usual.
     failure = pytest.TestReport.from_item_and_call(
@@ -374,7 +370,7 @@ def _fail_or_warn(
     )
     report.outcome = "failed"
     report.longrepr = failure.longrepr
-    setattr(report, STATUS_ATTR, "leaked")
+    setattr(report, COUNT_ATTR, "leaked")
     return "leaked"
 
 
@@ -392,6 +388,7 @@ class LeakCheckPlugin:
         self._checked = 0
         self._results: dict[str, tuple[list[Finding], str, bool]] = {}
         """Per test: its findings, its status, and whether a failure shows its section."""
+        self._unattributed: set[str] = set()  # /dev/shm files of no test (under xdist)
         self._gpu_notes: set[str] = set()
 
     def _get_checker(self) -> Checker:
@@ -413,7 +410,7 @@ class LeakCheckPlugin:
             try:
                 window = self._get_checker().begin()
             except Exception as exc:  # never break a run for leakcheck's sake
-                self._gpu_notes.add(f"a test went unchecked: {type(exc).__name__}: {exc}")
+                self._gpu_notes.add(f"a test went unchecked: {one_line(exc)}")
             else:
                 item.stash[WINDOW_KEY] = window
                 self._window = window
@@ -463,7 +460,7 @@ class LeakCheckPlugin:
                 earlier = "deferred"
             item.stash[EARLIER_KEY] = earlier
         if earlier == "deferred":
-            setattr(report, DEFERRED_ATTR, True)  # NOTE [counted once]
+            setattr(report, COUNT_ATTR, "deferred")
         window = item.stash.get(WINDOW_KEY, None)
         if call.when != "teardown" or window is None:
             return report
@@ -477,14 +474,9 @@ class LeakCheckPlugin:
         except Exception as exc:  # leakcheck's own failure must never break a test run
             from leakcheck.core.model import Finding
 
-            findings = [
-                Finding(
-                    rule="tracker-failure",
-                    severity="info",
-                    message=f"leakcheck could not check this test: {type(exc).__name__}: {exc}",
-                    remedy="report it to leakcheck with the message above",
-                )
-            ]
+            message = f"leakcheck could not check this test: {one_line(exc)}"
+            remedy = "report it to leakcheck with the message above"
+            findings = [Finding("tracker-failure", "info", message, remedy)]
         finally:
             checker.end_environment(window)
         try:
@@ -509,7 +501,7 @@ class LeakCheckPlugin:
             }
             setattr(report, REPORT_ATTR, json.dumps(payload))
         except Exception as exc:  # an exception here would be pytest's INTERNALERROR
-            self._gpu_notes.add(f"a test went unreported: {type(exc).__name__}: {exc}")
+            self._gpu_notes.add(f"a test went unreported: {one_line(exc)}")
         return report
 
     @pytest.hookimpl(tryfirst=True)
@@ -517,15 +509,14 @@ class LeakCheckPlugin:
         self, report: pytest.TestReport | pytest.CollectReport, config: pytest.Config
     ) -> tuple[str, str, str | tuple[str, dict[str, bool]]] | None:
         """Count a checked test once, at its teardown (NOTE [counted once])."""
-        when = getattr(report, "when", None)
-        leaked = getattr(report, STATUS_ATTR, None) == "leaked" and report.failed
-        if when == "teardown" and leaked:
+        count = getattr(report, COUNT_ATTR, None)
+        if count == "leaked" and report.failed:
             return "failed", "L", ("LEAKED", {"red": True})
-        if not getattr(report, DEFERRED_ATTR, False):
+        if count != "deferred":
             return None
-        if when == "call":
+        if report.when == "call":
             return "", "", ""
-        if when == "teardown" and report.passed:
+        if report.when == "teardown" and report.passed:
             return "passed", ".", ("PASSED", {"green": True})
         return None  # a fixture's teardown failed: pytest counts the error
 
@@ -549,11 +540,17 @@ class LeakCheckPlugin:
         self._checked += 1
         if data.get("gpu"):
             self._gpu_notes.add(str(data["gpu"]))
-        if findings:
-            shown = report.failed  # pytest shows a failed report's sections
-            if data.get("earlier") in COUNTED:
-                shown = self._attach_to_failure(report) or shown
-            self._results[report.nodeid] = (findings, str(data.get("status") or ""), shown)
+        if not findings:
+            return
+        shown = report.failed  # pytest shows a failed report's sections
+        if data.get("earlier") in COUNTED:
+            shown = self._attach_to_failure(report) or shown
+        # Files nobody held that appeared while other workers ran are nobody's to blame:
+        # one line for all of them in the summary, not one entry per test.
+        self._unattributed.update(str(f.shm_name) for f in findings if _unattributed(f))
+        kept = [f for f in findings if not _unattributed(f)]
+        if kept:
+            self._results[report.nodeid] = (kept, str(data.get("status") or ""), shown)
 
     def _attach_to_failure(self, report: pytest.TestReport) -> bool:
         """Show a test's section with its earlier failure; False: none shows it (a skip)."""
@@ -583,32 +580,24 @@ class LeakCheckPlugin:
         tr = terminalreporter
         gpu = _gpu_words(self._gpu_notes)
         checked = plural(self._checked, "checked test")
-        # Files nobody held that appeared while other workers ran are nobody's to blame:
-        # one line for all of them, not one entry per test.
-        unattributed = {
-            f.shm_name for entry in self._results.values() for f in entry[0] if _unattributed(f)
-        }
-        results = [
-            (nodeid, [f for f in findings if not _unattributed(f)], status, shown)
-            for nodeid, (findings, status, shown) in self._results.items()
-        ]
-        results = sorted((entry for entry in results if entry[1]), key=_worst_first)
-        leaky = sum(any(f.severity == "leak" for f in entry[1]) for entry in results)
-        title = "GPU LEAK REPORT" if about_gpu(f for e in results for f in e[1]) else "LEAK REPORT"
+        results = sorted(self._results.items(), key=_worst_first)
+        leaky = sum(any(f.severity == "leak" for f in entry[0]) for _, entry in results)
+        gpu_found = about_gpu(f for _, entry in results for f in entry[0])
+        title = "GPU LEAK REPORT" if gpu_found else "LEAK REPORT"
         if not results:
             tr.write_sep("=", f"{title}: no leaks in {checked}; {gpu}", green=True)
         else:
             tr.write_sep("=", title, red=bool(leaky), yellow=not leaky)
             tr.write_line(f"{leaky} of {checked} left something behind; {gpu}")
-        for nodeid, findings, status, shown in results:
+        for nodeid, (findings, status, shown) in results:
             leaks = [f for f in findings if f.severity == "leak"]
             word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
             tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
             if not shown:
                 for line in finding_lines(findings, "    "):
                     tr.write_line(line)
-        if unattributed:
-            files = plural(len(unattributed), "/dev/shm file")
+        if self._unattributed:
+            files = plural(len(self._unattributed), "/dev/shm file")
             tr.write_line(
                 f"{files} appeared while tests ran on several workers, "
                 "and nothing tied them to one test (no process of a test held them, and their "

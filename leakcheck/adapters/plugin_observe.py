@@ -2,31 +2,29 @@
 
 One ``Checker`` per pytest process marks the moment before a checked test's setup (``begin``),
 notes what wider-scoped fixtures start (``fixture_*``), and after the teardown (``observe``)
-waits out the grace and describes what the test left as one short epoch for
-``verdict.judge``. It reads the machine through ``observe/`` (NOTE [cheap snapshots] and
-NOTE [whose process] in procs.py): a clean test costs well under a millisecond.
+waits out the grace and describes the test as one short epoch for ``verdict.judge``, reading
+the machine through ``observe/`` (NOTE [cheap snapshots], NOTE [whose process] in procs.py).
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
-are that fixture's: left alone until its finalizer ran, then judged within the test whose
-teardown ran it (``scope`` names the fixture). One that starts processes lazily, inside a
-test, is not their owner: the test is.
+are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it
+(``scope`` names the fixture). One that starts processes lazily, inside a test, is not their
+owner: the test is.
 
 NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
-the garbage collector runs. Before judging the processes alive after the grace, the plugin
-waits a moment more (one on its way out is late, not kept), then collects garbage once; those
-gone as it returns are still the test's leak, and their finding names the cycle.
+the garbage collector runs. Processes alive after the grace get a moment more (one on its way
+out is late, not kept), then one ``gc.collect()``: those gone as it returns are still the
+test's leak, and their finding names the cycle.
 
 NOTE [first context]: a process's first CUDA context (and the driver memory of libraries it
-loads on first use) is a baseline: the torch allocator judges the tensors a test keeps; driver
-memory beyond it fails a test only when torch is not the one using CUDA here.
+loads on first use) is a baseline: the allocator judges the tensors a test keeps; driver memory
+beyond it fails a test only where torch is not the one using CUDA here.
 
 NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
-before its setup to the end of its teardown (``time.monotonic()``). Its processes: the test
-process (the parent), each of its processes still alive after the grace (``last_seen_after_s``
->= the grace), and runtime helpers that pin nothing on the GPU, as a persistent baseline.
-Device totals are not read per test (other jobs share the device): the test process's own
-memory is (``Timeline.parent_memory``).
+before its setup to the end of its teardown. Its processes: the test process (the parent),
+those it started still alive after the grace, and runtime helpers that pin nothing on the GPU
+(a persistent baseline). Device totals are not read per test (other jobs share the device):
+the test process's own memory is (``Timeline.parent_memory``).
 """
 
 from __future__ import annotations
@@ -81,21 +79,11 @@ def _listdir(path: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class GpuState:
-    """GPU memory of the test process per device (None: not known here).
-
-    NVML's view (a device without a context is absent) and torch's allocator (live tensors,
-    reserved).
-    """
+    """The test process's GPU memory per device: NVML's and the allocator's (None: unknown)."""
 
     nvml_bytes: Mapping[int, int] | None = None
     allocated_bytes: Mapping[int, int] | None = None
     reserved_bytes: Mapping[int, int] | None = None
-
-    @classmethod
-    def of_allocator(cls, nvml_bytes: Mapping[int, int] | None, *, collect: bool) -> GpuState:
-        """``nvml_bytes`` and torch's allocator counters here, where CUDA is initialised."""
-        counters = allocator_bytes(collect=collect)
-        return cls(nvml_bytes, *counters) if counters is not None else cls(nvml_bytes)
 
 
 @dataclass
@@ -137,20 +125,19 @@ class _Candidate:
     """A process the test may have left, while the grace period runs out."""
 
     info: ProcInfo
-    owner: ScopeOwner | None
+    scope: str | None  # the label of the wide-scope fixture that started it (None: the test)
     last_seen_s: float
     exited_s: float | None = None
     baseline: bool = False  # a runtime helper that pins nothing on the GPU
     pins: bool | None = None  # a helper's GPU memory or /dev/nvidia* use (None: not asked)
     freed_by_gc: bool = False  # NOTE [reference cycles]
-    late: bool = False  # exited in the moment waited before collecting
 
 
 class Checker:
     """Per-process state of the plugin's observation of tests.
 
     ``attribute_unheld_shm``: blame a new /dev/shm file nobody holds on the test that ran
-    while it appeared (True where no other test runs meanwhile: no xdist).
+    meanwhile (True without xdist: no other test runs then).
     """
 
     def __init__(self, *, shm_dir: str = "/dev/shm", attribute_unheld_shm: bool = True) -> None:
@@ -158,15 +145,19 @@ class Checker:
         self.shm_dir = shm_dir
         self.attribute_unheld_shm = attribute_unheld_shm
         self.lineage = Lineage(self.pid)
-        self.gpu_note = "NVML not consulted"  # for the session summary: how GPU memory was read
         # How far the latest read attributed GPU memory to processes (and why not), the
         # devices it saw, and a failed read of this test's window: it stays unavailable.
-        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", self.gpu_note)
+        self.attribution: tuple[Attribution, str] = ("nvml-unavailable", "NVML not consulted")
         self.devices: tuple[DeviceState, ...] = ()
         self._gpu_failure: str | None = None
         self._serial = 0
         self._owners: dict[object, ScopeOwner] = {}
         self._finished: list[ScopeOwner] = []
+
+    @property
+    def gpu_note(self) -> str:
+        """How GPU memory was read, for the session summary."""
+        return self.attribution[1] or "NVML"
 
     def begin(self) -> Window:
         """Snapshot before the test's setup and export its tag to the children it starts."""
@@ -189,16 +180,14 @@ class Checker:
 
     def fixture_begin(self) -> Probe:
         """Snapshot before a wide-scope fixture's setup (the allocator, not NVML)."""
-        return Probe(
-            PidMark.now(), _listdir(self.shm_dir), GpuState.of_allocator(None, collect=False)
-        )
+        return Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state(nvml=False))
 
     def fixture_end(self, key: object, probe: Probe, label: str, window: Window) -> ScopeOwner:
-        """Record what appeared during a wide-scope fixture's setup as that fixture's own."""
+        """What appeared during a wide-scope fixture's setup is that fixture's own."""
         processes = tuple(self._born_since(probe, window.tags))
         owned_shm = {name for o in self._owners.values() for name in o.shm}
         shm = _listdir(self.shm_dir) - probe.shm - owned_shm
-        now = GpuState.of_allocator(None, collect=False).allocated_bytes or {}
+        now = self._gpu_state(nvml=False).allocated_bytes or {}
         before = probe.gpu.allocated_bytes or {}
         added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
         owner = ScopeOwner(label, window.serial, processes, shm, added)
@@ -206,10 +195,7 @@ class Checker:
         return owner
 
     def fixture_finished(self, key: object, *, judge: bool = True) -> None:
-        """A wide-scope fixture's finalizer ran: what it owned goes with the current test.
-
-        With ``judge=False`` (no test is being checked) what it owned is forgotten.
-        """
+        """A wide-scope fixture ended: what it owned goes with the current test (or none)."""
         owner = self._owners.pop(key, None)
         if owner is not None and judge:
             self._finished.append(owner)
@@ -219,8 +205,8 @@ class Checker:
     ) -> Timeline:
         """Wait out the grace period and describe the test as one short epoch.
 
-        ``end_s``: ``time.monotonic()`` at the end of the teardown. Only above
-        ``tolerance_bytes`` is the allocator asked again after a garbage collection.
+        ``end_s``: ``time.monotonic()`` at the end of the teardown. Above ``tolerance_bytes``
+        the allocator is asked again after a garbage collection.
         """
         finished, self._finished = self._finished, []
         active = list(self._owners.values())
@@ -230,11 +216,12 @@ class Checker:
         seen_s = time.monotonic()
         candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
-            candidates.extend(_Candidate(info, ended, seen_s) for info in ended.processes)
+            candidates.extend(_Candidate(info, ended.label, seen_s) for info in ended.processes)
         candidates = [c for c in candidates if c.info.key.pid != self.pid]
         _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
-        _collect_and_settle(candidates, self._pins_gpu)
-        left = self._left(candidates, end_s)
+        staying = [cand for cand in candidates if cand.exited_s is None]
+        _collect_and_settle(staying, self._pins_gpu)
+        left = self._left(staying, end_s)
         # /dev/shm after the grace period: exiting workers remove their own.
         test_pids = {cand.info.key.pid for cand in candidates}
         shm_files = self._shm_files(window, active, finished, left, test_pids)
@@ -286,13 +273,14 @@ class Checker:
         if self._gpu_failure is not None:
             attribution, reason = "nvml-unavailable", self._gpu_failure
         self.attribution, self.devices = (attribution, reason), devices
-        self.gpu_note = reason or "NVML"
         return nvml.gpu_bytes_by_pid(processes)[0] if attribution == "ok" else None
 
-    def _gpu_state(self, *, collect: bool = False) -> GpuState:
-        by_pid = self._gpu_by_pid()
+    def _gpu_state(self, *, collect: bool = False, nvml: bool = True) -> GpuState:
+        """NVML's view (``nvml``) and the allocator's counters, where CUDA is initialised."""
+        by_pid = self._gpu_by_pid() if nvml else None
         nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
-        return GpuState.of_allocator(nvml_bytes, collect=collect)
+        counters = allocator_bytes(collect=collect)
+        return GpuState(nvml_bytes, *counters) if counters is not None else GpuState(nvml_bytes)
 
     def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
         """The test's processes born since ``probe`` that no active fixture owns."""
@@ -304,9 +292,8 @@ class Checker:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
         return bool(procs.nvidia_fd_count(pid)) or pid in (self._gpu_by_pid() or {})
 
-    def _left(self, candidates: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
-        """Every candidate that did not exit within the grace (``exited_after_s``: gone now)."""
-        staying = [c for c in candidates if c.exited_s is None or c.freed_by_gc or c.late]
+    def _left(self, staying: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
+        """The candidates alive after the grace (``exited_after_s``: gone now)."""
         gpu_by_pid = (self._gpu_by_pid() or {}) if staying else {}
         left: list[ProcessEpoch] = []
         for cand in staying:
@@ -329,7 +316,7 @@ class Checker:
                 gpu_bytes_end=gpu,
                 gpu_bytes_peak=gpu,
                 nvidia_fds=procs.nvidia_fd_count(key.pid) if alive else None,
-                scope=cand.owner.label if cand.owner is not None else None,
+                scope=cand.scope,
                 freed_by_gc=cand.freed_by_gc,
             )
             left.append(process)
@@ -345,85 +332,62 @@ class Checker:
     ) -> tuple[ShmFile, ...]:
         """The files the test (or a wide-scope fixture that ended) left in /dev/shm.
 
-        Blamed on the test: those held by its live processes, those named after any of its
-        processes (``test_pids``, gone ones included: torch and CUDA IPC name their files
-        after their creator), those of its fixtures. Others nobody holds are blamed only
-        when no other test ran meanwhile (``attribute_unheld_shm``); one whose naming scheme
-        names a maker older than the test is another process's of the host, not ours.
+        The test's: held by its live processes, named after any of its processes
+        (``test_pids``, gone ones too: torch and CUDA IPC name files after their maker), its
+        fixtures'. Of the rest, a stranger's (held by one, or made by a live one, as its name
+        says) is left out, one made by a process older than the test is not blamed, and
+        others are blamed only with ``attribute_unheld_shm``.
         """
         now = _listdir(self.shm_dir)
         fresh = now - window.before.shm - {name for owner in active for name in owner.shm}
-        from_fixtures = {name: owner for owner in finished for name in owner.shm if name in now}
-        if not fresh and not from_fixtures:
+        scopes = {name: owner.label for owner in finished for name in owner.shm if name in now}
+        if not fresh and not scopes:
             return ()
         roles: dict[int, Role] = {self.pid: "parent"}
         roles.update(
             (p.key.pid, p.role) for p in left if p.exited_after_s is None and not p.persistent
         )
-        held_by: dict[str, int] = {}
+        held_by: dict[str, tuple[int, Role]] = {}
         for pid, names in procs.shm_open_by(roles, self.shm_dir).items():
             for name in names:
-                held_by.setdefault(name, pid)
+                held_by.setdefault(name, (pid, roles[pid]))
         segments = procs.shm_segments(self.shm_dir)
-        found: list[ShmFile] = []
-        unresolved: list[str] = []
-        blamed: list[str] = []
-        for name in sorted(fresh | set(from_fixtures)):
-            if name not in segments or segments[name].uid != os.getuid():
-                continue  # removed meanwhile, not a plain file, or another user's
-            if (
-                name in from_fixtures
-                or name in held_by
-                or shm_name_pids(name) & (roles.keys() | test_pids)
-            ):
-                blamed.append(name)
-                continue
-            creator = shm_creator_pid(name)
-            if (
-                creator is not None
-                and creator > 1
-                and creator not in roles
-                and procs.pid_exists_here(creator)
-            ):
-                continue  # created by a live process that is not ours
-            unresolved.append(name)
+        # Not a plain file of this user's, or removed meanwhile: not ours to judge.
+        mine = [n for n in sorted(fresh | scopes.keys()) if n in segments]
+        mine = [n for n in mine if segments[n].uid == os.getuid()]
+        ours = roles.keys() | test_pids
+        blamed = {n for n in mine if n in scopes or n in held_by or shm_name_pids(n) & ours}
+        unresolved = [n for n in mine if n not in blamed and not _made_by_stranger(n, roles)]
         if unresolved:  # a stranger's holding makes a file not ours
             strangers = [int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles]
-            held = procs.shm_open_by(strangers, self.shm_dir).values()
+            held: set[str] = set().union(*procs.shm_open_by(strangers, self.shm_dir).values())
             unresolved = [
                 name
                 for name in unresolved
-                if not any(name in names for names in held)
+                if name not in held
                 and os.path.exists(os.path.join(self.shm_dir, name))
                 and not is_named_semaphore(name)
             ]
-        now_pid = procs.last_pid()
-        for name in unresolved:
+        now_pid = procs.last_pid() if unresolved else None
+        found: list[ShmFile] = []
+        for name in mine:
             size = segments[name].size_bytes
             creator = shm_creator_pid(name)
-            if (
-                creator is not None
-                and handed_out_since(window.before.pids, creator, now_pid) is False
-            ):
-                # Its maker, by its naming scheme, is older than the test: another job's file.
-                # Only the scheme's PID counts, and an unknown PID mark proves nothing.
-                found.append(ShmFile(name, size, attributable=False, made_by_older=creator))
-            elif self.attribute_unheld_shm:
-                blamed.append(name)
-            else:
-                found.append(ShmFile(name, size, attributable=False))
-        for name in sorted(blamed):
-            owner = from_fixtures.get(name)
-            holder = held_by.get(name)
-            found.append(
-                ShmFile(
-                    name=name,
-                    size_bytes=segments[name].size_bytes,
-                    holder_pid=holder,
-                    holder_role=roles.get(holder) if holder is not None else None,
-                    scope=owner.label if owner is not None else None,
+            if name in unresolved:
+                older = creator is not None and (
+                    handed_out_since(window.before.pids, creator, now_pid) is False
                 )
-            )
+                if older or not self.attribute_unheld_shm:
+                    # Its maker, by its naming scheme, is older than the test: another job's
+                    # file. Only the scheme's PID counts; an unknown PID mark proves nothing.
+                    made_by = creator if older else None
+                    found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
+                    continue
+            elif name not in blamed:
+                continue
+            holder, role = held_by.get(name, (None, None))
+            scope = scopes.get(name)
+            found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
         return tuple(found)
 
     def _parent_memory(
@@ -447,13 +411,10 @@ class Checker:
         for owner in finished:
             if owner.window_serial != window.serial:
                 base.subtract(owner.allocated_bytes)
-        kept: dict[int, int] = {}
-        if after.allocated_bytes is not None:
-            kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
-            if any(num > tolerance_bytes for num in kept.values()):
-                after = self._gpu_state(collect=True)  # confirmed without cycles and cache
-                if after.allocated_bytes is not None:
-                    kept = {d: num - base[d] for d, num in after.allocated_bytes.items()}
+        kept = {d: num - base[d] for d, num in (after.allocated_bytes or {}).items()}
+        if any(num > tolerance_bytes for num in kept.values()):
+            after = self._gpu_state(collect=True)  # confirmed without cycles and cache
+            kept = {d: num - base[d] for d, num in (after.allocated_bytes or {}).items()}
         memory = ParentMemory(
             kept_tensor_bytes={d: num for d, num in kept.items() if num > 0},
             driver_bytes=_driver_growth(before, after, kept),
@@ -503,23 +464,28 @@ def _wait_for_exit(
         delay = min(delay * 2, 0.1)
 
 
-def _collect_and_settle(candidates: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
+def _collect_and_settle(staying: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
     """NOTE [reference cycles]: wait a moment, collect garbage once, wait a moment again."""
-    staying = [c for c in candidates if c.exited_s is None and not c.baseline]
-    for collect in (False, True):
-        if not staying:
-            return
-        if collect:
-            gc.collect()
-            now = time.monotonic()
-            for cand in staying:
-                if not procs.is_alive(cand.info.key):
-                    cand.exited_s, cand.freed_by_gc = now, True
-            staying = [c for c in staying if c.exited_s is None]
-        _wait_for_exit(staying, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-        for cand in staying:
-            cand.late = cand.exited_s is not None
-        staying = [c for c in staying if c.exited_s is None]
+    pending = [cand for cand in staying if not cand.baseline]
+    _wait_for_exit(pending, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+    pending = [cand for cand in pending if cand.exited_s is None]
+    if not pending:
+        return
+    gc.collect()
+    now = time.monotonic()
+    for cand in pending:
+        if not procs.is_alive(cand.info.key):
+            cand.exited_s, cand.freed_by_gc = now, True
+    pending = [cand for cand in pending if cand.exited_s is None]
+    _wait_for_exit(pending, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
+
+
+def _made_by_stranger(name: str, roles: Mapping[int, Role]) -> bool:
+    """Whether a live process that is not the test's made the file, as its name says."""
+    creator = shm_creator_pid(name)
+    if creator is None or creator <= 1 or creator in roles:
+        return False
+    return procs.pid_exists_here(creator)
 
 
 def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -> dict[int, int]:

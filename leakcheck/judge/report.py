@@ -12,7 +12,6 @@ from leakcheck.core.model import (
     DeviceState,
     EpochRecord,
     Finding,
-    ProcessEpoch,
     ProcessKey,
     RuleConfig,
     Timeline,
@@ -35,16 +34,16 @@ __all__ = [
     "FINDING_WIDTH",
     "FIX_WIDTH",
     "SCHEMA_VERSION",
-    "HostTotals",
+    "EpochRow",
     "Report",
     "Verdict",
     "about_gpu",
     "build_report",
     "combined_verdict",
     "cut",
+    "epoch_row",
     "finding_lines",
     "gpu_unchecked",
-    "host_totals",
     "is_said",
     "leak_short",
     "leaks_short",
@@ -373,40 +372,6 @@ _DEVICE_HEAD = ("GPU", "used/total MiB", "temp C", "SM MHz", "power W")
 
 
 @dataclass(frozen=True)
-class HostTotals:
-    """An epoch's parent's and workers' (summed) host memory, None where unknown.
-
-    ``source``: ``uss``, ``rss``, ``uss+rss``, or None where none is known.
-    """
-
-    parent_bytes: int | None
-    workers_bytes: int | None
-    source: str | None
-
-
-def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
-    """The parent's and the workers' host memory of one epoch (or final state)."""
-    parents = [p for p in processes if p.role == "parent"]
-    workers = [p for p in processes if p.role == "worker"]
-    parent = parents[0].host_bytes_end if parents else None
-    worker_values = [p.host_bytes_end for p in workers]
-    workers_bytes = (
-        None if any(v is None for v in worker_values) else sum(v for v in worker_values if v)
-    )
-    sources = {p.host_source for p in (*parents, *workers) if p.host_source is not None}
-    source = "+".join(sorted(sources, reverse=True)) if sources else None
-    return HostTotals(parent, workers_bytes, source)
-
-
-def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
-    """The workers' peaks summed; None when any worker's peak is unknown (never 0 for it)."""
-    peaks = [p.total_gpu_bytes_peak for p in workers]
-    if any(peak is None for peak in peaks):
-        return None
-    return sum(peak for peak in peaks if peak is not None)
-
-
-@dataclass(frozen=True)
 class EpochRow:
     """One epoch as the tables, the sweep's JSON and its plot show it (docs/REFERENCE.md).
 
@@ -484,31 +449,30 @@ def epoch_row(
 ) -> EpochRow:
     """Fold one epoch record, what its end left running and its loop's timing into a row."""
     processes = record.processes
+    parents = [p for p in processes if p.role == "parent"]
     workers = [p for p in processes if p.role == "worker"]
     worker_end = [p.total_gpu_bytes_end for p in workers]
+    peaks = [p.total_gpu_bytes_peak for p in workers]  # None: unknown, never 0
+    host = [p.host_bytes_end for p in workers]
+    sources = {p.host_source for p in (*parents, *workers) if p.host_source is not None}
+    copied = [p for p in workers if p.copied_bytes_end is not None]
     device = next((d for d in record.devices if device_index in (None, d.index)), None)
     samples, wait_s, loop_s = timing or (None, None, None)
-
-    def gpu_end(*roles: str) -> int:
-        return sum(p.total_gpu_bytes_end for p in processes if p.role in roles)
-
-    peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
+    # peak >= end per process: the sums too
+    peak = None if None in peaks else max(sum(p or 0 for p in peaks), sum(worker_end))
     gpu: dict[str, int | None] = {
-        "parent_gpu_bytes": gpu_end("parent")
-        if any(p.role == "parent" for p in processes)
-        else None,
+        "parent_gpu_bytes": sum(p.total_gpu_bytes_end for p in parents) if parents else None,
         "workers_gpu_bytes": sum(worker_end),
         "worker_gpu_bytes_max": max(worker_end, default=0),
-        # peak >= end per process: the sums too
-        "workers_gpu_bytes_peak": None if peak is None else max(peak, sum(worker_end)),
-        "other_gpu_bytes": gpu_end("descendant", "orphan"),
+        "workers_gpu_bytes_peak": peak,
+        "other_gpu_bytes": sum(
+            p.total_gpu_bytes_end for p in processes if p.role in ("descendant", "orphan")
+        ),
         "workers_peak_reported": sum(1 for p in workers if p.gpu_peak_source == "reported"),
         "workers_peak_unknown": sum(1 for p in workers if p.gpu_peak_source == "unknown"),
     }
     if not per_pid_bytes_known(timeline):
         gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
-    host = host_totals(processes)
-    copied = [p for p in workers if p.copied_bytes_end is not None]
     counts = counts or EpochCounts(0, 0)
     return EpochRow(
         num_workers=num_workers,
@@ -520,9 +484,9 @@ def epoch_row(
         alive_after=counts.alive_after,
         orphans=counts.orphans,
         batches=record.batches,
-        parent_host_bytes=host.parent_bytes,
-        workers_host_bytes=host.workers_bytes,
-        host_source=host.source,
+        parent_host_bytes=parents[0].host_bytes_end if parents else None,
+        workers_host_bytes=None if None in host else sum(v or 0 for v in host),
+        host_source="+".join(sorted(sources, reverse=True)) or None,
         workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
         workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
         shm_bytes=record.shm_bytes,

@@ -2,8 +2,8 @@
 
 For each worker count it builds a fresh loader (``FACTORY(num_workers)``), iterates it for
 some epochs through ``watch()``'s wrapper (NOTE [the watch() code path]) and keeps a row per
-epoch: a frozen ``SweepResult``, as text (``format``) and JSON (``to_dict``), drawn by
-``leakcheck.judge.plot`` (which reads it by shape).
+epoch (``judge.report.EpochRow``): a frozen ``SweepResult``, as text (``format``), JSON
+(``to_dict``) and a picture (``judge.plot``, which reads it by shape).
 
 NOTE [one tracker per configuration]: each configuration has its own tracker, so its own
 session tag: a leftover of one configuration is never counted in the next, and the cleanup
@@ -33,6 +33,7 @@ from leakcheck.core.names import process_name
 from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.report import (
+    SCHEMA_VERSION,
     EpochRow,
     align_columns,
     column_table,
@@ -161,33 +162,24 @@ class ConfigResult:
 
     @functools.cached_property
     def rows(self) -> tuple[EpochRow, ...]:
-        """The table's rows: each epoch record with its loop's timing (``epoch_row``)."""
-        timeline = self.report.timeline
+        """The table's rows: each epoch record with its loop's timing."""
+        timeline, timings = self.report.timeline, dict(enumerate(self.timings))
         counts = epoch_counts(timeline, self.report.config.grace_s)
-        n, device, timings = self.num_workers, self.device_index, dict(enumerate(self.timings))
         return tuple(
             epoch_row(
-                rec,
-                timeline,
-                counts[rec.index],
-                num_workers=n,
-                device_index=device,
-                timing=timings.get(i),
+                rec, timeline, counts[rec.index], num_workers=self.num_workers,
+                device_index=self.device_index, timing=timings.get(i),
             )
             for i, rec in enumerate(self.report.epochs)
-        )
-
-    @property
-    def epochs_s(self) -> float:
-        """The epochs' time, summed."""
-        return sum(record.duration_s for record in self.report.epochs)
+        )  # fmt: skip
 
     @property
     def accounted_cost_fraction(self) -> float | None:
         """The tracker's own time (sampler CPU + the loop's time inside it) over the epochs'."""
-        if self.cost is None or self.epochs_s <= 0:
+        epochs_s = sum(record.duration_s for record in self.report.epochs)
+        if self.cost is None or epochs_s <= 0:
             return None
-        return (self.cost.sampler_cpu_s + self.cost.caller_wall_s) / self.epochs_s
+        return (self.cost.sampler_cpu_s + self.cost.caller_wall_s) / epochs_s
 
     @property
     def tracker_ms_per_epoch(self) -> float | None:
@@ -243,9 +235,8 @@ class ConfigResult:
             "throughput": self.throughput,
             "cleanup": self.cleaned,
             "failure": self.failure,
-            "report": report.to_dict(),
         })  # fmt: skip
-        return data
+        return data | {"report": report.to_dict()}
 
 
 RECOMMEND_WITHIN = 0.05
@@ -269,7 +260,7 @@ class Recommendation:
     """The worker-count answer: the fewest workers near the best throughput, and their cost.
 
     ``unit`` is what the rates count: ``samples``, or ``batches`` where a batch's size could
-    not be read; the per-worker bytes are None where not read (or without workers).
+    not be read; the per-worker bytes are None where not read (the GPU's: or not measured).
     """
 
     num_workers: int
@@ -301,28 +292,6 @@ class Recommendation:
         )
 
 
-def recommendation(result: SweepResult) -> Recommendation | None:
-    """The sweep's worker-count answer (``recommend_workers`` on its throughputs)."""
-    throughputs = {c.num_workers: c.throughput for c in result.configs}
-    counted = all(t["samples_per_s"] is not None for t in throughputs.values())
-    unit = "samples" if counted else "batches"
-    rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
-    chosen = recommend_workers(rates)
-    if chosen is None:
-        return None
-    best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
-    host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
-    return Recommendation(
-        num_workers=chosen,
-        rate_per_s=rates[chosen] or 0.0,
-        unit=unit,
-        best_workers=best,
-        best_rate_per_s=rates[best] or 0.0,
-        worker_host_bytes=None if host is None else int(host),
-        worker_gpu_bytes=None if gpu is None or not result.gpu_available else int(gpu),
-    )
-
-
 @dataclass(frozen=True)
 class SweepResult:
     """Everything a sweep observed and judged (``loader``: one line that describes it)."""
@@ -347,23 +316,48 @@ class SweepResult:
         """``leak`` if any configuration leaked, ``blind`` if any was blind, else ``clean``."""
         return combined_verdict(config.report.verdict for config in self.configs)
 
+    @functools.cached_property
+    def recommendation(self) -> Recommendation | None:
+        """The worker-count answer (``recommend_workers`` on the throughputs; None: untimed)."""
+        throughputs = {c.num_workers: c.throughput for c in self.configs}
+        counted = all(t["samples_per_s"] is not None for t in throughputs.values())
+        unit = "samples" if counted else "batches"
+        rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
+        chosen = recommend_workers(rates)
+        if chosen is None:
+            return None
+        best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
+        host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
+        return Recommendation(
+            num_workers=chosen,
+            rate_per_s=rates[chosen] or 0.0,
+            unit=unit,
+            best_workers=best,
+            best_rate_per_s=rates[best] or 0.0,
+            worker_host_bytes=None if host is None else int(host),
+            worker_gpu_bytes=None if gpu is None or not self.gpu_available else int(gpu),
+        )
+
+    @property
+    def recommendation_line(self) -> str | None:
+        """The worker-count answer in one line (None: nothing was timed)."""
+        answer = self.recommendation
+        return None if answer is None else answer.describe(gpu_available=self.gpu_available)
+
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
-        from leakcheck.judge.report import SCHEMA_VERSION
-
-        answer = recommendation(self)
         reported = self.options.device_index
         if reported is None and self.devices:
             reported = self.devices[0].index
-        return {
+        data: dict[str, Any] = to_jsonable({
             "schema": "leakcheck.commands.sweep",
             "schema_version": SWEEP_SCHEMA_VERSION,
             "report_schema_version": SCHEMA_VERSION,
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "loader": self.loader,
-            "options": to_jsonable(self.options),
-            "environment": dict(self.environment),
+            "options": self.options,
+            "environment": self.environment,
             "gpu": {
                 "available": self.gpu_available,
                 "reason": self.gpu_reason,
@@ -372,15 +366,9 @@ class SweepResult:
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
-            "recommendation": to_jsonable(answer),
-            "configurations": [config.to_dict() for config in self.configs],
-        }
-
-    @property
-    def recommendation_line(self) -> str | None:
-        """The worker-count answer in one line (None: nothing was timed)."""
-        answer = recommendation(self)
-        return None if answer is None else answer.describe(gpu_available=self.gpu_available)
+            "recommendation": self.recommendation,
+        })  # fmt: skip
+        return data | {"configurations": [config.to_dict() for config in self.configs]}
 
     def format(self) -> str:
         """The text report: header, the table, then per configuration its verdict."""
@@ -602,19 +590,15 @@ def _run_epochs(
                     # An exhausted iterable is this sweep's usage error (below), not a warning.
                     warnings.filterwarnings("ignore", message=r"leakcheck: epoch \d+ .* no batches")
                     batch_iter = iter(watched)  # one iter() is one epoch (NOTE [epoch ends])
-                    while True:
-                        asked_s = time.perf_counter()
-                        try:
-                            batch = next(batch_iter)
-                        except StopIteration:
-                            break
+                    asked_s = time.perf_counter()
+                    for batch in batch_iter:
                         wait_s += time.perf_counter() - asked_s
                         batches += 1
                         size = batch_samples(batch)
                         counted = None if counted is None or size is None else counted + size
                         del batch
                         progress.batch(batches, total)
-                        handled_s = time.perf_counter()
+                        asked_s = handled_s = time.perf_counter()
             except Exception as exc:
                 # A worker's error ends in its cause (the DataLoader quotes its traceback).
                 cause = str(exc).strip().splitlines()[-1:] if options.judge_failures else ()
@@ -841,7 +825,7 @@ def _format_answer(result: SweepResult) -> list[str]:
     read). The share of time spent waiting is in the JSON only: the sweep's loop does no
     step, so it waits all the time.
     """
-    answer = recommendation(result)
+    answer = result.recommendation
     if answer is None:
         return []  # nothing was timed (a result built by hand)
     header = ["workers", f"{answer.unit}/s", "host MiB/wk", "GPU MiB/wk"]

@@ -60,9 +60,7 @@ Verdict = Literal["clean", "leak", "blind"]
 
 def verdict_of(*, leaked: bool, blind: bool) -> Verdict:
     """``leak`` if anything leaked, else ``blind`` if not attributable, else ``clean``."""
-    if leaked:
-        return "leak"
-    return "blind" if blind else "clean"
+    return "leak" if leaked else "blind" if blind else "clean"
 
 
 def combined_verdict(verdicts: Iterable[str]) -> Verdict:
@@ -295,11 +293,9 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return max(seen, key=lambda item: item[1], default=None)
 
 
-_GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {
-    "context-kept",
-    "high-clocks",
-    "blind",
-}
+_GPU_RULES = frozenset(
+    ("growth", "residual", "device-mismatch", "descriptor-holder", "context-kept", "high-clocks")
+) | {"blind"}
 
 
 def is_said(finding: Finding) -> bool:

@@ -244,10 +244,7 @@ RECOMMEND_WITHIN = 0.05
 
 
 def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
-    """The smallest worker count within ``RECOMMEND_WITHIN`` of the best throughput.
-
-    ``rates``: throughput by worker count, None where not measured; None: none measured.
-    """
+    """The fewest workers within ``RECOMMEND_WITHIN`` of the best rate (None: none measured)."""
     measured = {n: rate for n, rate in rates.items() if rate is not None}
     if not measured:
         return None
@@ -567,10 +564,7 @@ def _run_epochs(
     progress: Progress,
     timings: list[Timing],
 ) -> LoaderError | None:
-    """Iterate every epoch, each one's ``(samples, wait_s, loop_s)`` to ``timings``.
-
-    A loader failure is returned, not raised: the caller closes the tracker and cleans up first.
-    """
+    """Iterate every epoch into ``timings``; a loader failure is returned (cleanup comes first)."""
     try:
         total = len(watched)
     except Exception:
@@ -673,8 +667,8 @@ def wait_for_cooldown(
 ) -> Cooldown:
     """Wait until the GPU is at or below ``target_c`` degrees, at most ``timeout_s``.
 
-    Temperature changes timings by about 10% on long runs, so configurations compared
-    side by side should start equally cool.
+    Temperature changes timings by about 10% on long runs: compared configurations should
+    start equally cool.
     """
     if not gpu_available:
         return Cooldown(target_c, None, None, 0.0, False, note="skipped: no GPU to read")
@@ -699,8 +693,7 @@ def wait_for_cooldown(
 def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedProcess, ...]:
     """Terminate live processes tagged ``session_id`` that left this process's tree.
 
-    The sweep's own orphans (NOTE [one tracker per configuration]); one entry per process
-    found, with what happened to it.
+    The sweep's own orphans (NOTE [one tracker per configuration]); what happened to each.
     """
     import psutil
 

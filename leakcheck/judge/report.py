@@ -416,13 +416,9 @@ class EpochRow:
     @property
     def workers_host_text(self) -> str:
         """The workers' host memory in MiB: ``?`` where a worker's is unknown, ``-`` not read."""
-        if self.host_source is None:
-            return "-"  # nothing read (not 0 MiB)
-        return (
-            "?"
-            if self.workers_host_bytes is None and self.worker_count
-            else format_mib(self.workers_host_bytes)
-        )
+        if self.host_source is not None and self.workers_host_bytes is None and self.worker_count:
+            return "?"
+        return format_mib(self.workers_host_bytes if self.host_source is not None else None)
 
 
 _DEVICE_FIELDS = {

@@ -220,9 +220,8 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
     clock_axes = axes.twinx()
     clock_axes.set_ylabel("SM clock (MHz)", color=_CLOCK)
     if all(value is None for value in temperatures + clocks):
-        axes.set_yticks([])
         clock_axes.set_yticks([])
-        _note(axes, "temperature and clock not measured (no GPU)")
+        _empty(axes, "temperature and clock not measured (no GPU)")
         return clock_axes
     axes.plot(epochs, _gaps(temperatures), color=_TEMPERATURE, marker="o", label="temperature")
     clock_axes.plot(

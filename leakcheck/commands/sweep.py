@@ -188,7 +188,7 @@ class ConfigResult:
             return None
         return self.cost.caller_wall_s * 1000 / max(1, len(self.report.epochs))
 
-    @functools.cached_property
+    @property
     def throughput(self) -> dict[str, float | None]:
         """The loop's speed, its share waiting, and the most memory per worker of any epoch.
 
@@ -313,7 +313,7 @@ class SweepResult:
         """``leak`` if any configuration leaked, ``blind`` if any was blind, else ``clean``."""
         return combined_verdict(config.report.verdict for config in self.configs)
 
-    @functools.cached_property
+    @property
     def recommendation(self) -> Recommendation | None:
         """The worker-count answer (``recommend_workers`` on the throughputs; None: untimed)."""
         throughputs = {c.num_workers: c.throughput for c in self.configs}

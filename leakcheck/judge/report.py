@@ -364,9 +364,6 @@ def or_dash(value: object | None, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
-_DEVICE_HEAD = ("GPU", "used/total MiB", "temp C", "SM MHz", "power W")
-
-
 @dataclass(frozen=True)
 class EpochRow:
     """One epoch as the tables, the sweep's JSON and its plot show it (docs/REFERENCE.md).
@@ -544,21 +541,21 @@ def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
         }
         devices: list[DeviceState | None] = [*sorted(rec.devices, key=lambda d: d.index)]
         for dev in devices or [None]:
-            rows.append(cells | dict(zip(_DEVICE_HEAD, _device_cells(dev), strict=True)))
+            rows.append(cells | _device_cells(dev))
             cells = dict.fromkeys(cells, "")  # an extra device's row: its own cells only
     return column_table(list(rows[0]), rows, ("-", ""), ("label", "host", "GPU"))
 
 
-def _device_cells(dev: DeviceState | None) -> list[str]:
+def _device_cells(dev: DeviceState | None) -> dict[str, str]:
     if dev is None:
-        return ["-"] * 5
-    return [
-        f"GPU{dev.index}",
-        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
-        or_dash(dev.temperature_c),
-        or_dash(dev.sm_clock_mhz),
-        or_dash(dev.power_w, ".0f"),
-    ]
+        return dict.fromkeys(("GPU", "used/total MiB", "temp C", "SM MHz", "power W"), "-")
+    return {
+        "GPU": f"GPU{dev.index}",
+        "used/total MiB": f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
+        "temp C": or_dash(dev.temperature_c),
+        "SM MHz": or_dash(dev.sm_clock_mhz),
+        "power W": or_dash(dev.power_w, ".0f"),
+    }
 
 
 def _process_lines(timeline: Timeline) -> list[str]:

@@ -61,7 +61,8 @@ Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-
                    "fd-pressure", "oom", "shm-full", "hang"]  # fmt: skip
 SCENARIOS: tuple[Scenario, ...] = get_args(Scenario)
 COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
-PERSISTENT: tuple[Scenario, ...] = ("persistent-cache", "fd-pressure")
+PERSISTENT: tuple[Scenario, ...] = ("persistent-cache", "fd-pressure", *COPY_ON_READ)
+"""The scenarios whose workers must live across epochs."""
 FAILURES: tuple[Scenario, ...] = ("oom", "shm-full", "hang")
 """The stagings whose loader fails or stalls (NOTE [failure stagings])."""
 STAGE_BATCH = 2
@@ -133,8 +134,8 @@ class WorkloadSpec:
 
     @property
     def persistent_workers(self) -> bool:
-        """Whether workers live across epochs (the cache, fd and copy scenarios need it)."""
-        return self.persistent or self.scenario in (*COPY_ON_READ, *PERSISTENT)
+        """Whether workers live across epochs (asked for, or the scenario needs it)."""
+        return self.persistent or self.scenario in PERSISTENT
 
     @property
     def effective_start_method(self) -> str:

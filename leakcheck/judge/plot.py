@@ -385,13 +385,12 @@ def _report_panel(
         on_host = finding.rule in _HOST_RULES or finding.host_bytes is not None or not gpu
         if on_host != (panel == "host"):
             continue
-        epoch = finding.epoch if finding.epoch is not None else len(epochs) - 1
-        epoch = min(epoch, len(epochs) - 1)
+        last = len(epochs) - 1
+        epoch = last if finding.epoch is None else min(finding.epoch, last)
         group = next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
         lines = series.get(group, {})
         measured = [lines.get(m, []) for m in (("uss", "rss") if on_host else ("gpu",))]
-        heights = [line[epoch] for line in measured if line and not math.isnan(line[epoch])]
-        height = heights[0] if heights else 0.0
+        height = next((ln[epoch] for ln in measured if ln and not math.isnan(ln[epoch])), 0.0)
         axes.plot([epoch], [height], "X", color="#D00000", markersize=10, label="leak")
         axes.annotate(
             finding.rule, (epoch, height), textcoords="offset points", xytext=(4, 6),

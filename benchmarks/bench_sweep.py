@@ -69,7 +69,7 @@ from results_io import gpu_meta, host_meta, result_stem, write_result
 
 import leakcheck
 from leakcheck.adapters.dataloader import WatchedLoader
-from leakcheck.commands.workload import WorkloadSpec, make_loader
+from leakcheck.commands.workload import WorkloadSpec, builtin_factory
 from leakcheck.core.model import GpuProcess
 from leakcheck.observe import nvml
 from leakcheck.track.tracker import Tracker
@@ -108,7 +108,7 @@ def _run(
     started = time.perf_counter()
     tracker = None
     own_s = 0.0
-    loader: Any = make_loader(spec, workers)
+    loader: Any = builtin_factory(spec)(workers)
     if tracked:
         tracker = Tracker(
             interval=interval_s,

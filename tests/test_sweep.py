@@ -966,6 +966,18 @@ def test_the_worker_count_answer_in_text_and_json_from_recorded_numbers() -> Non
     assert all(len(line) <= TABLE_WIDTH for line in text[start : start + 6])
 
 
+def test_host_memory_never_read_is_a_dash_not_zero_in_the_sweep_table() -> None:
+    """The sweep's table reads the report's row (``EpochRow``): where no host memory was read
+    at all, the workers' cell is "-" as in the report's table, even without workers."""
+    result = _timed_result(gpu=False, rates={0: (1000, 0), 2: (1960, 80 * MIB)})
+    lines = result.format().splitlines()
+    header = next(line for line in lines if line.startswith("workers  epoch"))
+    names = [cell.strip() for cell in header.split("  ") if cell.strip()]
+    rows = [line.split() for line in lines[lines.index(header) + 1 :][:4]]
+    column = names.index("host wk")
+    assert [row[column] for row in rows] == ["-", "-", "80", "80"]
+
+
 def test_the_answer_falls_back_to_batches_and_states_gpu_memory_where_read() -> None:
     # A batch whose size could not be read: batches per second, said so.
     result = _timed_result(gpu=True, rates={0: (None, 0), 4: (None, 4 * 50 * MIB)})

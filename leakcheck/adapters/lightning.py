@@ -47,8 +47,7 @@ from leakcheck.adapters.dataloader import (
 from leakcheck.core.errors import LeakError, UsageError
 from leakcheck.core.model import MIB, EndReason, Timeline
 from leakcheck.judge.plot import plot_reports
-from leakcheck.judge.report import Report, host_totals, workers_peak_bytes
-from leakcheck.judge.verdict import per_pid_bytes_known
+from leakcheck.judge.report import Report, epoch_row
 from leakcheck.track.tracker import Tracker, end_reason_for
 
 if TYPE_CHECKING:
@@ -91,19 +90,16 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     ``workers_gpu_peak_mib``. A figure that was not read is left out, never given as 0.
     """
     record = timeline.epochs[-1]
-    parents = [p for p in record.processes if p.role == "parent"]
-    workers = [p for p in record.processes if p.role == "worker"]
-    host = host_totals(record.processes)
+    row = epoch_row(record, timeline)
     bytes_: dict[str, int | None] = {
-        "parent_host_mib": host.parent_bytes,
-        "workers_host_mib": host.workers_bytes if host.source is not None else None,
+        "parent_host_mib": row.parent_host_bytes,
+        "workers_host_mib": row.workers_host_bytes if row.host_source is not None else None,
         "parent_pinned_mib": record.pinned_reserved_bytes,
+        "parent_gpu_mib": row.parent_gpu_bytes,  # None where NVML did not attribute it
+        "workers_gpu_peak_mib": row.workers_gpu_bytes_peak,
     }
-    if per_pid_bytes_known(timeline):
-        bytes_["parent_gpu_mib"] = sum(p.total_gpu_bytes_end for p in parents)
-        bytes_["workers_gpu_peak_mib"] = workers_peak_bytes(workers)
     scalars = {name: value / MIB for name, value in bytes_.items() if value is not None}
-    scalars["workers"] = float(len(workers))
+    scalars["workers"] = float(row.worker_count)
     if leaks_found is not None:
         scalars["leaks"] = float(leaks_found)
     return {f"leakcheck/{stage}/{name}": value for name, value in sorted(scalars.items())}

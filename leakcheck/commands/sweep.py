@@ -2,8 +2,8 @@
 
 For each worker count it builds a fresh loader (``FACTORY(num_workers)``), iterates it for
 some epochs through ``watch()``'s wrapper (NOTE [the watch() code path]) and keeps a row per
-epoch: a frozen ``SweepResult``, as text (``format``) and JSON (``to_dict``), drawn by
-``leakcheck.judge.plot`` (which reads it by shape).
+epoch (``judge.report.EpochRow``): a frozen ``SweepResult``, as text (``format``), JSON
+(``to_dict``) and a picture (``judge.plot``, which reads it by shape).
 
 NOTE [one tracker per configuration]: each configuration has its own tracker, so its own
 session tag: a leftover of one configuration is never counted in the next, and the cleanup
@@ -28,19 +28,21 @@ from leakcheck.commands.common import one_line
 from leakcheck.commands.progress import Progress
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment
-from leakcheck.core.model import MIB, DeviceState, EpochRecord, ProcInfo, Timeline, TrackerCost
+from leakcheck.core.model import MIB, DeviceState, ProcInfo, TrackerCost
 from leakcheck.core.names import process_name
 from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.report import (
+    SCHEMA_VERSION,
+    EpochRow,
     align_columns,
+    column_table,
     combined_verdict,
+    epoch_row,
     gpu_unchecked,
-    host_totals,
     or_dash,
-    workers_peak_bytes,
 )
-from leakcheck.judge.verdict import EpochCounts, epoch_counts, per_pid_bytes_known
+from leakcheck.judge.verdict import epoch_counts
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track.tracker import Tracker
@@ -110,48 +112,6 @@ class SweepOptions:
 
 
 @dataclass(frozen=True)
-class EpochRow:
-    """One epoch of one configuration, as the table and the JSON show it (docs/REFERENCE.md).
-
-    GPU bytes are summed over the watched devices, device fields are the reported device's;
-    None where not read, and a workers' sum is None where any worker's figure is unknown.
-    ``samples``, ``wait_s`` (inside ``next()``) and ``loop_s`` time the sweep's loop.
-    """
-
-    num_workers: int
-    epoch: int
-    label: str
-    duration_s: float
-    end_reason: str
-    parent_gpu_bytes: int | None
-    worker_count: int
-    workers_gpu_bytes: int | None
-    worker_gpu_bytes_max: int | None
-    workers_gpu_bytes_peak: int | None
-    alive_after: int
-    orphans: int
-    other_gpu_bytes: int | None
-    workers_peak_reported: int | None = None
-    workers_peak_unknown: int | None = None
-    batches: int | None = None
-    parent_host_bytes: int | None = None
-    workers_host_bytes: int | None = None
-    host_source: str | None = None
-    workers_shared_bytes: int | None = None
-    workers_copied_bytes: int | None = None
-    shm_bytes: int | None = None
-    device_used_bytes: int | None = None
-    device_total_bytes: int | None = None
-    temperature_c: int | None = None
-    sm_clock_mhz: int | None = None
-    power_w: float | None = None
-    error: str | None = None
-    samples: int | None = None
-    wait_s: float | None = None
-    loop_s: float | None = None
-
-
-@dataclass(frozen=True)
 class Cooldown:
     """The wait for the GPU to cool down before one configuration (``note``: why none)."""
 
@@ -202,14 +162,16 @@ class ConfigResult:
 
     @functools.cached_property
     def rows(self) -> tuple[EpochRow, ...]:
-        """The table's rows: each epoch record with its loop's timing (``epoch_row``)."""
-        timeline = self.report.timeline
+        """The table's rows: each epoch record with its loop's timing."""
+        timeline, timings = self.report.timeline, dict(enumerate(self.timings))
         counts = epoch_counts(timeline, self.report.config.grace_s)
-        n, device, timings = self.num_workers, self.device_index, dict(enumerate(self.timings))
         return tuple(
-            epoch_row(rec, n, timeline, device, counts[rec.index], timings.get(i))
+            epoch_row(
+                rec, timeline, counts[rec.index], num_workers=self.num_workers,
+                device_index=self.device_index, timing=timings.get(i),
+            )
             for i, rec in enumerate(self.report.epochs)
-        )
+        )  # fmt: skip
 
     @property
     def accounted_cost_fraction(self) -> float | None:
@@ -228,11 +190,10 @@ class ConfigResult:
 
     @property
     def throughput(self) -> dict[str, float | None]:
-        """The loop's speed, its share waiting, and the memory per worker (None: not read).
+        """The loop's speed, its share waiting, and the most memory per worker of any epoch.
 
-        Samples and batches per second over every epoch, the share of the loop's time spent
-        waiting for batches (``EpochRow.wait_s``), host and GPU (peak) memory per worker: the
-        most of any epoch.
+        Samples and batches per second, the share of the loop's time spent waiting for
+        batches, host and GPU (peak) memory per worker; None where not read.
         """
         rows = self.rows
 
@@ -256,25 +217,26 @@ class ConfigResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form, with the configuration's full ``Report.to_dict()``."""
-        return {
+        report = self.report
+        data: dict[str, Any] = to_jsonable({
             "num_workers": self.num_workers,
             "persistent_workers": self.persistent_workers,
             "wall_s": self.wall_s,
-            "verdict": self.report.verdict,
-            "leak_count": len(self.report.leaks),
-            "info_count": len(self.report.infos),
-            "summary": self.report.summary(gpu=False, named=False),  # as the text says it
-            "cooldown": to_jsonable(self.cooldown),
-            "rows": to_jsonable(self.rows),
-            "teardown": _teardown_summary(self.report.timeline.teardowns),
-            "tracker_cost": to_jsonable(self.cost),
+            "verdict": report.verdict,
+            "leak_count": len(report.leaks),
+            "info_count": len(report.infos),
+            "summary": report.summary(gpu=False, named=False),  # as the text says it
+            "cooldown": self.cooldown,
+            "rows": self.rows,
+            "teardown": _teardown_summary(report.timeline.teardowns),
+            "tracker_cost": self.cost,
             "accounted_cost_fraction": self.accounted_cost_fraction,
             "tracker_ms_per_epoch": self.tracker_ms_per_epoch,
             "throughput": self.throughput,
-            "cleanup": to_jsonable(self.cleaned),
+            "cleanup": self.cleaned,
             "failure": self.failure,
-            "report": self.report.to_dict(),
-        }
+        })  # fmt: skip
+        return data | {"report": report.to_dict()}
 
 
 RECOMMEND_WITHIN = 0.05
@@ -282,10 +244,7 @@ RECOMMEND_WITHIN = 0.05
 
 
 def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
-    """The smallest worker count within ``RECOMMEND_WITHIN`` of the best throughput.
-
-    ``rates``: throughput by worker count, None where not measured; None: none measured.
-    """
+    """The fewest workers within ``RECOMMEND_WITHIN`` of the best rate (None: none measured)."""
     measured = {n: rate for n, rate in rates.items() if rate is not None}
     if not measured:
         return None
@@ -298,7 +257,7 @@ class Recommendation:
     """The worker-count answer: the fewest workers near the best throughput, and their cost.
 
     ``unit`` is what the rates count: ``samples``, or ``batches`` where a batch's size could
-    not be read; the per-worker bytes are None where not read (or without workers).
+    not be read; the per-worker bytes are None where not read (the GPU's: or not measured).
     """
 
     num_workers: int
@@ -330,28 +289,6 @@ class Recommendation:
         )
 
 
-def recommendation(result: SweepResult) -> Recommendation | None:
-    """The sweep's worker-count answer (``recommend_workers`` on its throughputs)."""
-    throughputs = {c.num_workers: c.throughput for c in result.configs}
-    counted = all(t["samples_per_s"] is not None for t in throughputs.values())
-    unit = "samples" if counted else "batches"
-    rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
-    chosen = recommend_workers(rates)
-    if chosen is None:
-        return None
-    best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
-    host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
-    return Recommendation(
-        num_workers=chosen,
-        rate_per_s=rates[chosen] or 0.0,
-        unit=unit,
-        best_workers=best,
-        best_rate_per_s=rates[best] or 0.0,
-        worker_host_bytes=None if host is None else int(host),
-        worker_gpu_bytes=None if gpu is None or not result.gpu_available else int(gpu),
-    )
-
-
 @dataclass(frozen=True)
 class SweepResult:
     """Everything a sweep observed and judged (``loader``: one line that describes it)."""
@@ -376,23 +313,48 @@ class SweepResult:
         """``leak`` if any configuration leaked, ``blind`` if any was blind, else ``clean``."""
         return combined_verdict(config.report.verdict for config in self.configs)
 
+    @property
+    def recommendation(self) -> Recommendation | None:
+        """The worker-count answer (``recommend_workers`` on the throughputs; None: untimed)."""
+        throughputs = {c.num_workers: c.throughput for c in self.configs}
+        counted = all(t["samples_per_s"] is not None for t in throughputs.values())
+        unit = "samples" if counted else "batches"
+        rates = {n: t[f"{unit}_per_s"] for n, t in throughputs.items()}
+        chosen = recommend_workers(rates)
+        if chosen is None:
+            return None
+        best = max((n for n in rates if rates[n] is not None), key=lambda n: rates[n] or 0.0)
+        host, gpu = (throughputs[chosen][f"worker_{where}_bytes"] for where in ("host", "gpu"))
+        return Recommendation(
+            num_workers=chosen,
+            rate_per_s=rates[chosen] or 0.0,
+            unit=unit,
+            best_workers=best,
+            best_rate_per_s=rates[best] or 0.0,
+            worker_host_bytes=None if host is None else int(host),
+            worker_gpu_bytes=None if gpu is None or not self.gpu_available else int(gpu),
+        )
+
+    @property
+    def recommendation_line(self) -> str | None:
+        """The worker-count answer in one line (None: nothing was timed)."""
+        answer = self.recommendation
+        return None if answer is None else answer.describe(gpu_available=self.gpu_available)
+
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""
-        from leakcheck.judge.report import SCHEMA_VERSION
-
-        answer = recommendation(self)
         reported = self.options.device_index
         if reported is None and self.devices:
             reported = self.devices[0].index
-        return {
+        data: dict[str, Any] = to_jsonable({
             "schema": "leakcheck.commands.sweep",
             "schema_version": SWEEP_SCHEMA_VERSION,
             "report_schema_version": SCHEMA_VERSION,
             "started_unix_s": self.started_unix_s,
             "wall_s": self.wall_s,
             "loader": self.loader,
-            "options": to_jsonable(self.options),
-            "environment": dict(self.environment),
+            "options": self.options,
+            "environment": self.environment,
             "gpu": {
                 "available": self.gpu_available,
                 "reason": self.gpu_reason,
@@ -401,15 +363,9 @@ class SweepResult:
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
-            "recommendation": to_jsonable(answer),
-            "configurations": [config.to_dict() for config in self.configs],
-        }
-
-    @property
-    def recommendation_line(self) -> str | None:
-        """The worker-count answer in one line (None: nothing was timed)."""
-        answer = recommendation(self)
-        return None if answer is None else answer.describe(gpu_available=self.gpu_available)
+            "recommendation": self.recommendation,
+        })  # fmt: skip
+        return data | {"configurations": [config.to_dict() for config in self.configs]}
 
     def format(self) -> str:
         """The text report: header, the table, then per configuration its verdict."""
@@ -608,10 +564,7 @@ def _run_epochs(
     progress: Progress,
     timings: list[Timing],
 ) -> LoaderError | None:
-    """Iterate every epoch, each one's ``(samples, wait_s, loop_s)`` to ``timings``.
-
-    A loader failure is returned, not raised: the caller closes the tracker and cleans up first.
-    """
+    """Iterate every epoch into ``timings``; a loader failure is returned (cleanup comes first)."""
     try:
         total = len(watched)
     except Exception:
@@ -631,19 +584,15 @@ def _run_epochs(
                     # An exhausted iterable is this sweep's usage error (below), not a warning.
                     warnings.filterwarnings("ignore", message=r"leakcheck: epoch \d+ .* no batches")
                     batch_iter = iter(watched)  # one iter() is one epoch (NOTE [epoch ends])
-                    while True:
-                        asked_s = time.perf_counter()
-                        try:
-                            batch = next(batch_iter)
-                        except StopIteration:
-                            break
+                    asked_s = time.perf_counter()
+                    for batch in batch_iter:
                         wait_s += time.perf_counter() - asked_s
                         batches += 1
                         size = batch_samples(batch)
                         counted = None if counted is None or size is None else counted + size
                         del batch
                         progress.batch(batches, total)
-                        handled_s = time.perf_counter()
+                        asked_s = handled_s = time.perf_counter()
             except Exception as exc:
                 # A worker's error ends in its cause (the DataLoader quotes its traceback).
                 cause = str(exc).strip().splitlines()[-1:] if options.judge_failures else ()
@@ -682,7 +631,7 @@ def _epoch_summary(tracker: Tracker, batches: int) -> str:
     timeline = tracker.timeline(last_epochs=1)
     if not timeline.epochs:
         return f"{batches} batches"
-    row = epoch_row(timeline.epochs[-1], 0, timeline, None, EpochCounts(0, 0))
+    row = epoch_row(timeline.epochs[-1], timeline)
     gpu = ""  # no per-process GPU bytes read: the header said so
     if row.parent_gpu_bytes is not None:
         gpu = (
@@ -708,73 +657,6 @@ def batch_samples(batch: Any) -> int | None:
     return int(shape[0]) if isinstance(shape, tuple | list) and shape else None
 
 
-_DEVICE_FIELDS = {
-    "device_used_bytes": "used_bytes",
-    "device_total_bytes": "total_bytes",
-    "temperature_c": "temperature_c",
-    "sm_clock_mhz": "sm_clock_mhz",
-    "power_w": "power_w",
-}
-
-
-def epoch_row(
-    record: EpochRecord,
-    num_workers: int,
-    timeline: Timeline,
-    device_index: int | None,
-    counts: EpochCounts,
-    timing: Timing | None = None,
-) -> EpochRow:
-    """Fold one epoch record, what its end left running and its loop's timing into a row."""
-    processes = record.processes
-    workers = [p for p in processes if p.role == "worker"]
-    worker_end = [p.total_gpu_bytes_end for p in workers]
-    device = next((d for d in record.devices if device_index in (None, d.index)), None)
-    samples, wait_s, loop_s = timing or (None, None, None)
-
-    def gpu_end(*roles: str) -> int:
-        return sum(p.total_gpu_bytes_end for p in processes if p.role in roles)
-
-    peak = workers_peak_bytes(workers)  # None when any worker's peak is unknown
-    gpu: dict[str, int | None] = {
-        "parent_gpu_bytes": gpu_end("parent"),
-        "workers_gpu_bytes": sum(worker_end),
-        "worker_gpu_bytes_max": max(worker_end, default=0),
-        # peak >= end per process: the sums too
-        "workers_gpu_bytes_peak": None if peak is None else max(peak, sum(worker_end)),
-        "other_gpu_bytes": gpu_end("descendant", "orphan"),
-        "workers_peak_reported": sum(1 for p in workers if p.gpu_peak_source == "reported"),
-        "workers_peak_unknown": sum(1 for p in workers if p.gpu_peak_source == "unknown"),
-    }
-    if not per_pid_bytes_known(timeline):
-        gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
-    host = host_totals(processes)
-    copied = [p for p in workers if p.copied_bytes_end is not None]
-    return EpochRow(
-        num_workers=num_workers,
-        epoch=record.index,
-        label=record.label,
-        duration_s=record.duration_s,
-        end_reason=record.end_reason,
-        worker_count=len(workers),
-        alive_after=counts.alive_after,
-        orphans=counts.orphans,
-        batches=record.batches,
-        parent_host_bytes=host.parent_bytes,
-        workers_host_bytes=host.workers_bytes,
-        host_source=host.source,
-        workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
-        workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
-        shm_bytes=record.shm_bytes,
-        error=record.error,
-        samples=samples,
-        wait_s=wait_s,
-        loop_s=loop_s,
-        **gpu,
-        **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
-    )
-
-
 def wait_for_cooldown(
     target_c: float,
     timeout_s: float,
@@ -785,8 +667,8 @@ def wait_for_cooldown(
 ) -> Cooldown:
     """Wait until the GPU is at or below ``target_c`` degrees, at most ``timeout_s``.
 
-    Temperature changes timings by about 10% on long runs, so configurations compared
-    side by side should start equally cool.
+    Temperature changes timings by about 10% on long runs: compared configurations should
+    start equally cool.
     """
     if not gpu_available:
         return Cooldown(target_c, None, None, 0.0, False, note="skipped: no GPU to read")
@@ -811,8 +693,7 @@ def wait_for_cooldown(
 def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedProcess, ...]:
     """Terminate live processes tagged ``session_id`` that left this process's tree.
 
-    The sweep's own orphans (NOTE [one tracker per configuration]); one entry per process
-    found, with what happened to it.
+    The sweep's own orphans (NOTE [one tracker per configuration]); what happened to each.
     """
     import psutil
 
@@ -893,13 +774,11 @@ _COLUMNS: tuple[tuple[str, Callable[[EpochRow], str]], ...] = (
     ("epoch", lambda r: str(r.epoch)),
     ("time s", lambda r: f"{r.duration_s:.2f}"),
     ("GPU parent", lambda r: format_mib(r.parent_gpu_bytes)),
-    ("GPU wk peak", lambda r: _unknown_or_mib(r.workers_peak_unknown, r.workers_gpu_bytes_peak)),
+    ("GPU wk peak", lambda r: r.workers_peak_text),
     ("alive after", lambda r: str(r.alive_after)),
     ("orphans", lambda r: str(r.orphans)),
     ("host parent", lambda r: format_mib(r.parent_host_bytes)),
-    ("host wk", lambda r: _unknown_or_mib(
-        r.workers_host_bytes is None and r.worker_count and r.host_source, r.workers_host_bytes
-    )),
+    ("host wk", lambda r: r.workers_host_text),
     ("host", lambda r: r.host_source or "-"),
     ("GPU used", lambda r: format_mib(r.device_used_bytes)),
     ("temp °C", lambda r: or_dash(r.temperature_c)),
@@ -909,23 +788,15 @@ TABLE_WIDTH = 120
 """The table is at most this many characters wide (``tests/test_sweep.py`` holds it)."""
 
 
-def _unknown_or_mib(unknown: object, value: int | None) -> str:
-    return _UNKNOWN if unknown else format_mib(value)
-
-
 def _format_table(result: SweepResult) -> list[str]:
     """The per-epoch table (a column with only n/a or - on this machine left out), its note."""
     rows = [row for config in result.configs for row in config.rows]
     blank = () if result.gpu_available else ("GPU", "temp")
     cells = [
-        ["n/a" if name.startswith(blank) else cell(row) for name, cell in _COLUMNS] for row in rows
+        {name: "n/a" if name.startswith(blank) else cell(row) for name, cell in _COLUMNS}
+        for row in rows
     ]
-    shown = [
-        index
-        for index in range(len(COLUMN_NAMES))
-        if index < 3 or any(line[index] not in ("n/a", "-") for line in cells)
-    ]
-    table = align_columns([[line[i] for i in shown] for line in [list(COLUMN_NAMES), *cells]])
+    table = column_table(COLUMN_NAMES, cells, ("n/a", "-"))
     unknown = sum(row.workers_peak_unknown or 0 for row in rows)
     if not result.gpu_available or not unknown:
         return table
@@ -947,7 +818,7 @@ def _format_answer(result: SweepResult) -> list[str]:
     read). The share of time spent waiting is in the JSON only: the sweep's loop does no
     step, so it waits all the time.
     """
-    answer = recommendation(result)
+    answer = result.recommendation
     if answer is None:
         return []  # nothing was timed (a result built by hand)
     header = ["workers", f"{answer.unit}/s", "host MiB/wk", "GPU MiB/wk"]

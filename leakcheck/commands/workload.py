@@ -1,55 +1,44 @@
 """The built-in workload of ``leakcheck sweep``: a DataLoader whose workers touch the GPU.
 
-So that ``leakcheck sweep`` works with no arguments: a ``torch.utils.data.DataLoader`` over
-a synthetic dataset whose batches multiply a matrix, on the GPU when there is one.
-Scenarios (``--scenario``):
+A ``torch.utils.data.DataLoader`` over a synthetic dataset whose batches multiply a matrix,
+on the GPU when there is one, so that ``leakcheck sweep`` works with no arguments. Scenarios
+(``--scenario``; docs/REFERENCE.md): ``clean``; ``persistent-cache`` (persistent workers keep
+one new tensor per epoch, the parent with 0 workers); ``orphan`` (each worker starts a
+grandchild that outlives the loader, holding GPU memory where it can, sleeping at most two
+minutes); ``copy-on-read`` and ``copy-on-read-growing`` (pytorch/pytorch#13246);
+``fd-pressure`` (persistent workers hold 90% of a soft ``RLIMIT_NOFILE`` of
+``FD_PRESSURE_LIMIT``); ``oom``, ``shm-full``, ``hang`` (NOTE [failure stagings]).
 
-- ``clean``: nothing is kept; with the teardown policy, every worker gives its context back.
-- ``persistent-cache``: persistent workers keep one new tensor per epoch alive (64 MiB on a
-  GPU); with 0 workers the parent caches.
-- ``orphan``: each worker starts a grandchild (holding GPU memory where it can, sleeping at
-  most two minutes) that outlives the loader.
-- ``copy-on-read`` (pytorch/pytorch#13246): persistent forked workers read ``cor_bytes`` of
-  Python objects built in the parent, whole, every epoch: each copies them in epoch 0.
-- ``copy-on-read-growing``: each worker reads a new region each epoch: its USS grows by
-  ``cor_bytes_per_epoch`` per epoch while its RSS stays flat.
-- ``fd-pressure``: persistent workers lower their soft ``RLIMIT_NOFILE`` to
-  ``FD_PRESSURE_LIMIT`` and hold 90% of it open (with 0 workers nothing is held).
-- ``oom``, ``shm-full``, ``hang``: a worker's end, staged for real (NOTE [failure stagings]).
-
-NOTE [copy-on-read scenario]: the objects are Python ints in lists, built in the parent
-before the workers fork, so that the workers share their pages; reading an object writes its
-reference count, so the kernel copies each page a worker visits. The classic scenario reads
-all of them each epoch: all is copied in epoch 0, nothing later (a flat copy no growth rule
-sees). The growing one reads region ``e % cor_regions`` in epoch ``e`` (so the growth stops
-after ``cor_regions`` epochs), at the worker's first batch among the epoch's last
-``num_workers``: the next epoch's first batches, prefetched at once, copy nothing, so a read
-just after an epoch end sees that epoch's copies and no more.
-Each batch also waits, so that an epoch lasts about ``cor_epoch_s`` whatever the worker
-count: the USS reads at each epoch end (a few ms per worker) must end before the next epoch.
+NOTE [copy-on-read scenario]: Python ints in lists are built in the parent before the
+workers fork, so they share their pages; reading an object writes its reference count, so
+the kernel copies each page a worker visits. ``copy-on-read`` reads them all each epoch: all
+is copied in epoch 0, nothing later. ``copy-on-read-growing`` reads region
+``e % cor_regions`` in epoch ``e``, at the worker's first batch among the epoch's last
+``num_workers`` (the next epoch's first batches, prefetched at once, copy nothing, so a read
+just after an epoch end sees that epoch's copies only). Each batch waits, so that an epoch
+lasts about ``cor_epoch_s`` whatever the worker count: the USS reads at each epoch end must
+end before the next epoch.
 
 NOTE [failure stagings]: ``stage`` puts the sweep's own process (the whole job, no other
 process) under what the failure needs, and undoes it after: ``oom`` moves it into a new child
 of its memory cgroup (v1 or v2) limited to ``OOM_LIMIT_BYTES``; ``shm-full`` gives it a
 private mount namespace with a ``SHM_BYTES`` tmpfs on /dev/shm (the machine's is never
-touched). Where neither can be made (not root, no writable memory cgroup), a usage error says
-so. In epoch 0, at batch ``STAGE_BATCH``, a worker then grows its host memory until the OOM
-killer ends it (its ``oom_score_adj`` raised, so that the kernel picks it, never the sweep;
-capped at twice the limit), or blocks until the hang watch wrote its stack or ``HANG_CAP_S``
-passed; with ``shm-full`` every batch carries ``SHM_BATCH_BYTES`` of shared memory, so that
-the batches in flight do not fit. With 0 workers nothing is staged in the loop. They fork (a
-worker is up well within ``HANG_AFTER_S``) and compute on the CPU, so that a GPU machine
-stages them alike (a CUDA context per worker would count against the memory limit).
+touched); where neither can be made (not root, no writable cgroup) a usage error says so. In
+epoch 0, at batch ``STAGE_BATCH``, a worker then grows its host memory until the OOM killer
+ends it (its ``oom_score_adj`` raised, so that the kernel picks it, never the sweep; capped at
+twice the limit), or blocks until the hang watch wrote its stack or ``HANG_CAP_S`` passed;
+with ``shm-full`` every batch carries ``SHM_BATCH_BYTES`` of shared memory. With 0 workers
+nothing is staged. They fork and compute on the CPU, so that a GPU machine stages them alike
+(a CUDA context per worker would count against the memory limit).
 
-NOTE [CUDA in the parent]: the parent decides whether a GPU exists through NVML
-(``nvml.availability``), never initialising CUDA: a parent that did would break forked
-workers and keep a context for the rest of the sweep. ``torch.cuda`` is touched only where
-the work runs: in a worker, or in the parent with 0 workers where NVML saw a GPU.
+NOTE [CUDA in the parent]: the parent learns whether a GPU exists from NVML
+(``nvml.availability``), never initialising CUDA: that would break forked workers and keep a
+context for the rest of the sweep. ``torch.cuda`` is touched only where the work runs: in a
+worker, or in the parent with 0 workers where NVML saw a GPU.
 
-NOTE [epoch numbers in the worker]: a persistent worker cannot see epoch boundaries, yet its
-cache must grow by one tensor per epoch. The sampler, iterated afresh in the parent each
-epoch, hands ``(epoch, batch)`` pairs to the dataset; a worker caches one tensor the first
-time it meets an epoch number.
+NOTE [epoch numbers in the worker]: a persistent worker cannot see epoch boundaries; the
+sampler, iterated afresh in the parent each epoch, hands it ``(epoch, batch)`` pairs, and it
+caches one tensor the first time it meets an epoch number.
 """
 
 from __future__ import annotations
@@ -72,6 +61,8 @@ Scenario = Literal["clean", "persistent-cache", "orphan", "copy-on-read", "copy-
                    "fd-pressure", "oom", "shm-full", "hang"]  # fmt: skip
 SCENARIOS: tuple[Scenario, ...] = get_args(Scenario)
 COPY_ON_READ: tuple[Scenario, ...] = ("copy-on-read", "copy-on-read-growing")
+PERSISTENT: tuple[Scenario, ...] = ("persistent-cache", "fd-pressure", *COPY_ON_READ)
+"""The scenarios whose workers must live across epochs."""
 FAILURES: tuple[Scenario, ...] = ("oom", "shm-full", "hang")
 """The stagings whose loader fails or stalls (NOTE [failure stagings])."""
 STAGE_BATCH = 2
@@ -120,14 +111,9 @@ subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, close_fds=True)
 class WorkloadSpec:
     """What the built-in loader does (the module docstring tells the scenarios).
 
-    Attributes:
-        batch_size: Rows per batch; each row has ``features`` columns (a features x features
-            matrix is multiplied).
-        persistent: Keep workers alive across epochs (always for the scenarios that need it).
-        gpu: NVML found a GPU (decided in the parent: NOTE [CUDA in the parent]).
-        cor_regions: Regions of ``cor_bytes_per_epoch`` each (``copy-on-read-growing``).
-        cor_epoch_s: About how long a copy-on-read epoch lasts (its batches wait).
-
+    Each batch is ``batch_size`` rows of ``features`` columns, multiplied by a square matrix;
+    ``gpu``: NVML found a GPU (NOTE [CUDA in the parent]); ``cor_*``: NOTE [copy-on-read
+    scenario].
     """
 
     scenario: Scenario = "clean"
@@ -148,9 +134,8 @@ class WorkloadSpec:
 
     @property
     def persistent_workers(self) -> bool:
-        """Whether workers live across epochs (the cache, fd and copy scenarios need it)."""
-        needed = ("persistent-cache", "fd-pressure", *COPY_ON_READ)
-        return self.persistent or self.scenario in needed
+        """Whether workers live across epochs (asked for, or the scenario needs it)."""
+        return self.persistent or self.scenario in PERSISTENT
 
     @property
     def effective_start_method(self) -> str:
@@ -342,30 +327,25 @@ def hold_descriptors() -> list[Any]:
     return held
 
 
-def make_loader(spec: WorkloadSpec, num_workers: int) -> Iterable[Any]:
-    """The built-in DataLoader for one configuration (0 workers: the parent does the work)."""
-    from torch.utils.data import DataLoader
-
-    options: dict[str, Any] = {
-        "multiprocessing_context": spec.effective_start_method,
-        "persistent_workers": spec.persistent_workers,
-    }
-    # No worker_init_fn: the sweep chains leakcheck's into every DataLoader (NOTE [the
-    # watch() code path] in sweep.py).
-    return DataLoader(
-        SyntheticDataset(spec),  # type: ignore[arg-type]  # torch stays a lazy import
-        batch_size=None,
-        sampler=EpochSampler(spec.batches),
-        num_workers=num_workers,
-        **(options if num_workers else {}),
-    )
-
-
 def builtin_factory(spec: WorkloadSpec) -> Callable[[int], Iterable[Any]]:
-    """A loader factory (``FACTORY(num_workers)``) for the built-in workload."""
+    """The built-in DataLoader's factory (``FACTORY(num_workers)``; 0: the parent works)."""
 
     def factory(num_workers: int) -> Iterable[Any]:
-        return make_loader(spec, num_workers)
+        from torch.utils.data import DataLoader
+
+        options: dict[str, Any] = {
+            "multiprocessing_context": spec.effective_start_method,
+            "persistent_workers": spec.persistent_workers,
+        }
+        # No worker_init_fn: the sweep chains leakcheck's into every DataLoader (NOTE [the
+        # watch() code path] in sweep.py).
+        return DataLoader(
+            SyntheticDataset(spec),  # type: ignore[arg-type]  # torch stays a lazy import
+            batch_size=None,
+            sampler=EpochSampler(spec.batches),
+            num_workers=num_workers,
+            **(options if num_workers else {}),
+        )
 
     factory.__qualname__ = f"builtin[{spec.scenario}]"
     return factory

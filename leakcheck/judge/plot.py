@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["plot_reports", "plot_sweep", "render", "render_reports", "report_series"]
 
 
-# The sweep sits above this layer: its result (``commands.sweep.SweepResult``, its configs'
-# ``ConfigResult`` and their rows' ``EpochRow``) is read by attribute, never imported.
+# The sweep sits above this layer: its result (``commands.sweep.SweepResult``) and its
+# configs (``ConfigResult``) are read by attribute, never imported; their rows
+# (``report.EpochRow``) too, since report imports this module.
 _Sweep = Any
 _Config = Any
 _Row = Any
@@ -102,6 +103,11 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
+def _empty(axes: Any, text: str) -> None:
+    axes.set_yticks([])
+    _note(axes, text)
+
+
 def _note(axes: Any, text: str) -> None:
     wrapped = "\n".join(textwrap.wrap(text, 38))
     axes.text(
@@ -121,8 +127,7 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
-            axes.set_yticks([])
-            _note(axes, "GPU memory not measured: " + (reason or "no GPU"))
+            _empty(axes, "GPU memory not measured: " + (reason or "no GPU"))
         return
     parent = _bars([r.parent_gpu_bytes for r in rows])
     workers = _bars([r.workers_gpu_bytes for r in rows])
@@ -164,8 +169,7 @@ def _host_panel(axes: Any, config: _Config) -> None:
     """The report picture's host panel (NOTE [report picture]), with the copy lines."""
     rows = config.rows
     if not rows or all(row.host_source is None for row in rows):
-        axes.set_yticks([])
-        _note(axes, "host memory not read")
+        _empty(axes, "host memory not read")
         return
     _report_panel(axes, config.report, report_series(config.report), "host")
     if any(row.workers_copied_bytes is not None for row in rows):
@@ -216,9 +220,8 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
     clock_axes = axes.twinx()
     clock_axes.set_ylabel("SM clock (MHz)", color=_CLOCK)
     if all(value is None for value in temperatures + clocks):
-        axes.set_yticks([])
         clock_axes.set_yticks([])
-        _note(axes, "temperature and clock not measured (no GPU)")
+        _empty(axes, "temperature and clock not measured (no GPU)")
         return clock_axes
     axes.plot(epochs, _gaps(temperatures), color=_TEMPERATURE, marker="o", label="temperature")
     clock_axes.plot(
@@ -367,18 +370,13 @@ def _report_panel(
     axes: Any, report: _Report, series: Mapping[str, Mapping[str, list[float]]], panel: str
 ) -> None:
     epochs = list(range(len(report.epochs)))
+    styles = {"gpu": "-"} if panel == "gpu" else {"rss": "-", "uss": "--"}
     for group, _roles, colour in _GROUPS:
-        lines = series.get(group)
-        if lines is None:
-            continue
-        for measure, style in (("gpu", "-"), ("rss", "-"), ("uss", "--")):
-            if (measure == "gpu") != (panel == "gpu") or measure not in lines:
-                continue
-            name = measure.upper()
-            if measure == "gpu":
-                name = "GPU peak" if group == "workers" else "GPU"
+        lines = series.get(group, {})
+        for measure in (m for m in styles if m in lines):
+            name = "GPU peak" if measure == "gpu" and group == "workers" else measure.upper()
             axes.plot(
-                epochs, lines[measure], style, marker="o", markersize=3, color=colour,
+                epochs, lines[measure], styles[measure], marker="o", markersize=3, color=colour,
                 label=f"{group} {name}",
             )  # fmt: skip
     gpu = "gpu" in next(iter(series.values()), {})
@@ -387,13 +385,12 @@ def _report_panel(
         on_host = finding.rule in _HOST_RULES or finding.host_bytes is not None or not gpu
         if on_host != (panel == "host"):
             continue
-        epoch = finding.epoch if finding.epoch is not None else len(epochs) - 1
-        epoch = min(epoch, len(epochs) - 1)
+        last = len(epochs) - 1
+        epoch = last if finding.epoch is None else min(finding.epoch, last)
         group = next((g for g, roles, _ in _GROUPS if finding.role in roles), "parent")
         lines = series.get(group, {})
         measured = [lines.get(m, []) for m in (("uss", "rss") if on_host else ("gpu",))]
-        heights = [line[epoch] for line in measured if line and not math.isnan(line[epoch])]
-        height = heights[0] if heights else 0.0
+        height = next((ln[epoch] for ln in measured if ln and not math.isnan(ln[epoch])), 0.0)
         axes.plot([epoch], [height], "X", color="#D00000", markersize=10, label="leak")
         axes.annotate(
             finding.rule, (epoch, height), textcoords="offset points", xytext=(4, 6),

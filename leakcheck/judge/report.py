@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,7 +12,6 @@ from leakcheck.core.model import (
     DeviceState,
     EpochRecord,
     Finding,
-    ProcessEpoch,
     ProcessKey,
     RuleConfig,
     Timeline,
@@ -24,6 +23,7 @@ from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.verdict import (
     LINEAGE_ROLES,
+    EpochCounts,
     epoch_counts,
     judge,
     per_pid_bytes_known,
@@ -34,16 +34,16 @@ __all__ = [
     "FINDING_WIDTH",
     "FIX_WIDTH",
     "SCHEMA_VERSION",
-    "HostTotals",
+    "EpochRow",
     "Report",
     "Verdict",
     "about_gpu",
     "build_report",
     "combined_verdict",
     "cut",
+    "epoch_row",
     "finding_lines",
     "gpu_unchecked",
-    "host_totals",
     "is_said",
     "leak_short",
     "leaks_short",
@@ -60,9 +60,7 @@ Verdict = Literal["clean", "leak", "blind"]
 
 def verdict_of(*, leaked: bool, blind: bool) -> Verdict:
     """``leak`` if anything leaked, else ``blind`` if not attributable, else ``clean``."""
-    if leaked:
-        return "leak"
-    return "blind" if blind else "clean"
+    return "leak" if leaked else "blind" if blind else "clean"
 
 
 def combined_verdict(verdicts: Iterable[str]) -> Verdict:
@@ -295,11 +293,9 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
     return max(seen, key=lambda item: item[1], default=None)
 
 
-_GPU_RULES = frozenset(("growth", "residual", "device-mismatch", "descriptor-holder")) | {
-    "context-kept",
-    "high-clocks",
-    "blind",
-}
+_GPU_RULES = frozenset(
+    ("growth", "residual", "device-mismatch", "descriptor-holder", "context-kept", "high-clocks")
+) | {"blind"}
 
 
 def is_said(finding: Finding) -> bool:
@@ -368,41 +364,143 @@ def or_dash(value: object | None, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
-_DEVICE_HEAD = ("GPU", "used/total MiB", "temp C", "SM MHz", "power W")
-
-
 @dataclass(frozen=True)
-class HostTotals:
-    """An epoch's parent's and workers' (summed) host memory, None where unknown.
+class EpochRow:
+    """One epoch as the tables, the sweep's JSON and its plot show it (docs/REFERENCE.md).
 
-    ``source``: ``uss``, ``rss``, ``uss+rss``, or None where none is known.
+    GPU bytes are summed over the watched devices, device fields are the reported device's;
+    None where not read, and a workers' sum is None where any worker's figure is unknown.
+    ``samples``, ``wait_s`` (inside ``next()``) and ``loop_s`` time the sweep's loop.
     """
 
-    parent_bytes: int | None
-    workers_bytes: int | None
-    source: str | None
+    num_workers: int
+    epoch: int
+    label: str
+    duration_s: float
+    end_reason: str
+    parent_gpu_bytes: int | None
+    worker_count: int
+    workers_gpu_bytes: int | None
+    worker_gpu_bytes_max: int | None
+    workers_gpu_bytes_peak: int | None
+    alive_after: int
+    orphans: int
+    other_gpu_bytes: int | None
+    workers_peak_reported: int | None = None
+    workers_peak_unknown: int | None = None
+    batches: int | None = None
+    parent_host_bytes: int | None = None
+    workers_host_bytes: int | None = None
+    host_source: str | None = None
+    workers_shared_bytes: int | None = None
+    workers_copied_bytes: int | None = None
+    shm_bytes: int | None = None
+    device_used_bytes: int | None = None
+    device_total_bytes: int | None = None
+    temperature_c: int | None = None
+    sm_clock_mhz: int | None = None
+    power_w: float | None = None
+    error: str | None = None
+    samples: int | None = None
+    wait_s: float | None = None
+    loop_s: float | None = None
+
+    @property
+    def workers_peak_text(self) -> str:
+        """The workers' GPU peak in MiB: ``?`` where a worker's is unknown, ``-`` not read."""
+        return "?" if self.workers_peak_unknown else format_mib(self.workers_gpu_bytes_peak)
+
+    @property
+    def workers_host_text(self) -> str:
+        """The workers' host memory in MiB: ``?`` where a worker's is unknown, ``-`` not read."""
+        if self.host_source is not None and self.workers_host_bytes is None and self.worker_count:
+            return "?"
+        return format_mib(self.workers_host_bytes if self.host_source is not None else None)
 
 
-def host_totals(processes: Sequence[ProcessEpoch]) -> HostTotals:
-    """The parent's and the workers' host memory of one epoch (or final state)."""
+_DEVICE_FIELDS = {
+    "device_used_bytes": "used_bytes",
+    "device_total_bytes": "total_bytes",
+    "temperature_c": "temperature_c",
+    "sm_clock_mhz": "sm_clock_mhz",
+    "power_w": "power_w",
+}
+
+
+def epoch_row(
+    record: EpochRecord,
+    timeline: Timeline,
+    counts: EpochCounts | None = None,
+    *,
+    num_workers: int = 0,
+    device_index: int | None = None,
+    timing: tuple[int | None, float, float] | None = None,
+) -> EpochRow:
+    """Fold one epoch record, what its end left running and its loop's timing into a row."""
+    processes = record.processes
     parents = [p for p in processes if p.role == "parent"]
     workers = [p for p in processes if p.role == "worker"]
-    parent = parents[0].host_bytes_end if parents else None
-    worker_values = [p.host_bytes_end for p in workers]
-    workers_bytes = (
-        None if any(v is None for v in worker_values) else sum(v for v in worker_values if v)
-    )
+    worker_end = [p.total_gpu_bytes_end for p in workers]
+    peaks = [p.total_gpu_bytes_peak for p in workers]  # None: unknown, never 0
+    host = [p.host_bytes_end for p in workers]
     sources = {p.host_source for p in (*parents, *workers) if p.host_source is not None}
-    source = "+".join(sorted(sources, reverse=True)) if sources else None
-    return HostTotals(parent, workers_bytes, source)
+    copied = [p for p in workers if p.copied_bytes_end is not None]
+    device = next((d for d in record.devices if device_index in (None, d.index)), None)
+    samples, wait_s, loop_s = timing or (None, None, None)
+    # peak >= end per process: the sums too
+    peak = None if None in peaks else max(sum(p or 0 for p in peaks), sum(worker_end))
+    gpu: dict[str, int | None] = {
+        "parent_gpu_bytes": sum(p.total_gpu_bytes_end for p in parents) if parents else None,
+        "workers_gpu_bytes": sum(worker_end),
+        "worker_gpu_bytes_max": max(worker_end, default=0),
+        "workers_gpu_bytes_peak": peak,
+        "other_gpu_bytes": sum(
+            p.total_gpu_bytes_end for p in processes if p.role in ("descendant", "orphan")
+        ),
+        "workers_peak_reported": sum(1 for p in workers if p.gpu_peak_source == "reported"),
+        "workers_peak_unknown": sum(1 for p in workers if p.gpu_peak_source == "unknown"),
+    }
+    if not per_pid_bytes_known(timeline):
+        gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
+    counts = counts or EpochCounts(0, 0)
+    return EpochRow(
+        num_workers=num_workers,
+        epoch=record.index,
+        label=record.label,
+        duration_s=record.duration_s,
+        end_reason=record.end_reason,
+        worker_count=len(workers),
+        alive_after=counts.alive_after,
+        orphans=counts.orphans,
+        batches=record.batches,
+        parent_host_bytes=parents[0].host_bytes_end if parents else None,
+        workers_host_bytes=None if None in host else sum(v or 0 for v in host),
+        host_source="+".join(sorted(sources, reverse=True)) or None,
+        workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
+        workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
+        shm_bytes=record.shm_bytes,
+        error=record.error,
+        samples=samples,
+        wait_s=wait_s,
+        loop_s=loop_s,
+        **gpu,
+        **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
+    )
 
 
-def workers_peak_bytes(workers: Sequence[ProcessEpoch]) -> int | None:
-    """The workers' peaks summed; None when any worker's peak is unknown (never 0 for it)."""
-    peaks = [p.total_gpu_bytes_peak for p in workers]
-    if any(peak is None for peak in peaks):
-        return None
-    return sum(peak for peak in peaks if peak is not None)
+def column_table(
+    head: Sequence[str],
+    rows: Sequence[Mapping[str, str]],
+    empty: Collection[str],
+    left: Collection[str] = (),
+) -> list[str]:
+    """Rows of cells by column name, aligned (``left`` columns to the left).
+
+    A column after the third whose cells are all ``empty`` is left out.
+    """
+    shown = [h for i, h in enumerate(head) if i < 3 or any(r[h] not in empty for r in rows)]
+    table = [shown, *([row[h] for h in shown] for row in rows)]
+    return align_columns(table, {i for i, h in enumerate(shown) if h in left})
 
 
 def align_columns(
@@ -422,55 +520,42 @@ def align_columns(
 
 def _epoch_table(timeline: Timeline, config: RuleConfig) -> list[str]:
     """One row per epoch (and extra device): only the columns with data, as the sweep's."""
-    known = per_pid_bytes_known(timeline)
     counts = epoch_counts(timeline, config.grace_s)
     rows: list[dict[str, str]] = []
     for rec in timeline.epochs:
-        parents = [p for p in rec.processes if p.role == "parent"]
-        workers = [p for p in rec.processes if p.role == "worker"]
-        parent_gpu = sum(p.total_gpu_bytes_end for p in parents)
-        peak = workers_peak_bytes(workers)
-        host = host_totals(rec.processes)
-        workers_host = format_mib(host.workers_bytes)
-        if host.source is None:
-            workers_host = "-"  # nothing read (not 0 MiB)
-        elif host.workers_bytes is None and workers:
-            workers_host = "?"  # one unknown among known ones
-        row = {
+        row = epoch_row(rec, timeline, counts[rec.index])
+        cells = {
             "epoch": str(rec.index),
             "label": rec.label if len(rec.label) <= 16 else rec.label[:13] + "...",
             "time s": f"{rec.duration_s:.1f}",
-            "parent MiB": format_mib(parent_gpu) if known and parents else "-",
-            "workers": str(len(workers)),
-            "wk end MiB": format_mib(sum(p.total_gpu_bytes_end for p in workers)) if known else "-",
-            "wk peak MiB": ("?" if peak is None else format_mib(peak)) if known else "-",
-            "alive after": str(counts[rec.index].alive_after),
-            "orphans": str(counts[rec.index].orphans),
-            "parent host MiB": format_mib(host.parent_bytes),
-            "wk host MiB": workers_host,
-            "host": host.source or "-",
+            "parent MiB": format_mib(row.parent_gpu_bytes),
+            "workers": str(row.worker_count),
+            "wk end MiB": format_mib(row.workers_gpu_bytes),
+            "wk peak MiB": row.workers_peak_text,
+            "alive after": str(row.alive_after),
+            "orphans": str(row.orphans),
+            "parent host MiB": format_mib(row.parent_host_bytes),
+            "wk host MiB": row.workers_host_text,
+            "host": row.host_source or "-",
             "pinned MiB": format_mib(rec.pinned_reserved_bytes),
         }
         devices: list[DeviceState | None] = [*sorted(rec.devices, key=lambda d: d.index)]
         for dev in devices or [None]:
-            rows.append(row | dict(zip(_DEVICE_HEAD, _device_cells(dev), strict=True)))
-            row = dict.fromkeys(row, "")  # an extra device's row: its own cells only
-    empty = ("-", "")
-    head = [h for i, h in enumerate(rows[0]) if i < 3 or any(r[h] not in empty for r in rows)]
-    table = [head, *([row[h] for h in head] for row in rows)]
-    return align_columns(table, {i for i, h in enumerate(head) if h in ("label", "host", "GPU")})
+            rows.append(cells | _device_cells(dev))
+            cells = dict.fromkeys(cells, "")  # an extra device's row: its own cells only
+    return column_table(list(rows[0]), rows, ("-", ""), ("label", "host", "GPU"))
 
 
-def _device_cells(dev: DeviceState | None) -> list[str]:
+def _device_cells(dev: DeviceState | None) -> dict[str, str]:
     if dev is None:
-        return ["-"] * 5
-    return [
-        f"GPU{dev.index}",
-        f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
-        or_dash(dev.temperature_c),
-        or_dash(dev.sm_clock_mhz),
-        or_dash(dev.power_w, ".0f"),
-    ]
+        return dict.fromkeys(("GPU", "used/total MiB", "temp C", "SM MHz", "power W"), "-")
+    return {
+        "GPU": f"GPU{dev.index}",
+        "used/total MiB": f"{format_mib(dev.used_bytes)}/{format_mib(dev.total_bytes)}",
+        "temp C": or_dash(dev.temperature_c),
+        "SM MHz": or_dash(dev.sm_clock_mhz),
+        "power W": or_dash(dev.power_w, ".0f"),
+    }
 
 
 def _process_lines(timeline: Timeline) -> list[str]:

@@ -11,9 +11,9 @@ the PID that started the session and, in a forked child, calls ``nvmlInit`` agai
 every cached handle first; the locks are replaced in the child.
 
 NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidia*`` nodes a CUDA
-context opens too; children forked after it inherit them, but NVML's pin no context. ``get()``
-records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them out
-when it counts what a forked child inherited from the job.
+context opens too; children forked after it inherit them, but NVML's pin no context. The
+start records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them
+out when it counts what a forked child inherited from the job.
 """
 
 from __future__ import annotations
@@ -164,7 +164,6 @@ class Nvml:
         self._max_sm_clock: dict[int, int | None] = {}
         self._raw_readers: dict[tuple[int, str], _RawProcessList | None] = {}
         self._unsupported: set[tuple[int, str]] = set()
-        self._start()
 
     def _start(self) -> None:
         """``nvmlInit`` and the device count: once per process (again in a forked child)."""
@@ -193,16 +192,22 @@ class Nvml:
         with contextlib.suppress(self._error):
             self._lib.nvmlShutdown()
 
-    def _ensure(self) -> bool:
-        """Start NVML again in a forked child (True: started)."""
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    before = _nvidia_fd_numbers()
-                    self._start()
-                    _count_as_own(_nvidia_fd_numbers() - before)
-                    return True
-        return False
+    def _ensure(self) -> None:
+        """Start NVML in this process, first or in a forked child (NOTE [fork]).
+
+        Every handle is opened too, so that what NVML opens counts as its own (NOTE
+        [descriptors]).
+        """
+        if self._pid == os.getpid():
+            return
+        before = _nvidia_fd_numbers()
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._start()
+        with contextlib.suppress(LeakCheckError):
+            self.processes()
+        _count_as_own(_nvidia_fd_numbers() - before)
 
     def _call(self, name: str, device: int, *args: Any, absent: int | None = None) -> Any:
         """Call an NVML function; None where it fails with code ``absent``."""
@@ -432,7 +437,7 @@ def get() -> Nvml:
         NVMLUnavailable: NVML cannot be used here; remembered for this process.
 
     """
-    global _instance, _failure, _own_fds
+    global _instance, _failure
     instance = _instance
     if instance is not None and instance._pid == os.getpid():
         return instance
@@ -440,30 +445,21 @@ def get() -> Nvml:
         pid = os.getpid()
         if _failure is not None and _failure[0] == pid:
             raise NVMLUnavailable(_failure[1])
-        if _instance is None:
-            before = _nvidia_fd_numbers()
-            try:
-                session = Nvml(importlib.import_module("leakcheck.observe.nvml_lib"))
-            except NVMLUnavailable as exc:
-                _failure = (pid, str(exc))
-                raise
-            try:
-                # Every handle opened now, so that NVML's descriptors are all known as its own.
-                with contextlib.suppress(LeakCheckError):
-                    session.processes()
-            except BaseException:
-                session._quiet_shutdown()  # never published: its nvmlInit is undone
-                raise
-            # Published only now: another thread's get() returns without the lock.
-            _own_fds = frozenset(_nvidia_fd_numbers() - before)
-            _instance = session
-        elif _instance._pid != pid and _instance._ensure():
-            # A forked child (NOTE [fork]): what the restart and its handles open is NVML's.
-            before = _nvidia_fd_numbers()
-            with contextlib.suppress(LeakCheckError):
-                _instance.processes()
-            _count_as_own(_nvidia_fd_numbers() - before)
-        return _instance
+        if _instance is not None:
+            _instance._ensure()
+            return _instance
+        session = Nvml(importlib.import_module("leakcheck.observe.nvml_lib"))
+        try:
+            session._ensure()
+        except NVMLUnavailable as exc:
+            _failure = (pid, str(exc))
+            raise
+        except BaseException:
+            session._quiet_shutdown()  # never published: its nvmlInit is undone
+            raise
+        # Published only now, its descriptors known: another thread's get() takes no lock.
+        _instance = session
+        return session
 
 
 def _count_as_own(numbers: set[int]) -> None:
@@ -526,10 +522,11 @@ def availability() -> tuple[bool, str]:
 
 def _reset_for_tests() -> None:
     """Forget the singleton and a remembered failure, without calling NVML."""
-    global _instance, _failure
+    global _instance, _failure, _own_fds
     with _lock:
         _instance = None
         _failure = None
+        _own_fds = frozenset()
 
 
 def _after_fork_in_child() -> None:

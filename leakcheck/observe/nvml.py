@@ -296,11 +296,6 @@ class Nvml:
         version = self._optional("nvmlSystemGetDriverVersion")
         return None if version is None else str(version)
 
-    def device_indices(self) -> tuple[int, ...]:
-        """``(0, ..., device_count() - 1)``."""
-        self._ensure()
-        return tuple(range(self._count))
-
     def processes(
         self, devices: Sequence[int] | None = None, *, graphics: bool = True
     ) -> tuple[GpuProcess, ...]:

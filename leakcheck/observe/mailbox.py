@@ -28,7 +28,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from leakcheck.core.model import ProcessKey, TeardownRecord
@@ -273,11 +273,20 @@ def worker_birth(record: Mapping[str, Any]) -> Birth:
     return (forked if isinstance(forked, bool) else None), memory
 
 
+def host_fields(
+    memory: HostMemory | None, names: Iterable[str] = _BIRTH_FIELDS
+) -> dict[str, int | None]:
+    """``memory``'s figures as records name them (``host_uss_bytes``...); None: unknown.
+
+    By default a birth reading's, as ``worker`` records and ``BIRTHS_FILE`` carry it.
+    """
+    return {name: getattr(memory, name.removeprefix("host_"), None) for name in names}
+
+
 def write_births(directory: str, births: Mapping[ProcessKey, Birth]) -> bool:
     """Replace the folder's ``BIRTHS_FILE`` with ``births`` atomically; False on failure."""
     entries = [
-        {"pid": key.pid, "start_ticks": key.start_ticks, "forked": forked}
-        | {name: getattr(memory, name.removeprefix("host_"), None) for name in _BIRTH_FIELDS}
+        {"pid": key.pid, "start_ticks": key.start_ticks, "forked": forked, **host_fields(memory)}
         for key, (forked, memory) in sorted(births.items())
     ]
     return _write_json(directory, BIRTHS_FILE, {"workers": entries})

@@ -24,7 +24,7 @@ import importlib
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
 from leakcheck.core.readings import AccountedProcess, DeviceState, GpuProcess
@@ -220,11 +220,9 @@ class Nvml:
 
     def _optional(self, name: str, *args: Any) -> Any:
         """Call an NVML function; None when the binding lacks it or it raises."""
-        fn = getattr(self._lib, name, None)
-        try:
-            return None if fn is None else fn(*args)
-        except self._error:
-            return None
+        with contextlib.suppress(self._error, AttributeError):
+            return getattr(self._lib, name)(*args)
+        return None
 
     def _select(self, devices: Sequence[int] | None) -> tuple[int, ...]:
         if devices is None:
@@ -267,9 +265,9 @@ class Nvml:
         self, index: int, handle: Any, name: str, *, optional: bool
     ) -> list[tuple[int, int | None]]:
         """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
-        if (index, name) in self._unsupported:
-            return []
         key = (index, name)
+        if key in self._unsupported:
+            return []
         if key not in self._raw_readers:
             with self._lock:
                 if key not in self._raw_readers:
@@ -319,15 +317,13 @@ class Nvml:
             compute, shown = lists["compute"], lists.get("graphics", {})
             for pid in sorted(compute.keys() | shown.keys()):
                 known = [b for b in (compute.get(pid), shown.get(pid)) if b is not None]
-                both: Literal["compute", "graphics", "both"] = (
-                    "both" if pid in compute and pid in shown else "compute"
-                )
+                both = pid in compute and pid in shown
                 found.append(
                     GpuProcess(
                         pid=pid,
                         device_index=index,
                         used_gpu_bytes=max(known) if known else None,
-                        kind=both if pid in compute else "graphics",
+                        kind="both" if both else "compute" if pid in compute else "graphics",
                     )
                 )
         return tuple(found)

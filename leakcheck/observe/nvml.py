@@ -207,7 +207,8 @@ class Nvml:
             self._start()
         with contextlib.suppress(LeakCheckError):
             self.processes()
-        _count_as_own(_nvidia_fd_numbers() - before)
+        global _own_fds
+        _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
 
     def _call(self, name: str, device: int, *args: Any, absent: int | None = None) -> Any:
         """Call an NVML function; None where it fails with code ``absent``."""
@@ -451,12 +452,6 @@ def get() -> Nvml:
         # Published only now, its descriptors known: another thread's get() takes no lock.
         _instance = session
         return session
-
-
-def _count_as_own(numbers: set[int]) -> None:
-    global _own_fds
-    if numbers:
-        _own_fds = _own_fds | numbers
 
 
 def gpu_bytes_by_pid(

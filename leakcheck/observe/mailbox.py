@@ -57,8 +57,8 @@ def create() -> str:
     # A courtesy to earlier, crashed runs: it must never cost this one its mailbox.
     with contextlib.suppress(Exception):
         remove_stale()
-    owner = _owner_tag(os.getpid())
-    return tempfile.mkdtemp(prefix=f"{MAILBOX_PREFIX}{owner}-" if owner else MAILBOX_PREFIX)
+    owner = _owner(os.getpid())  # its parts, each followed by "-"
+    return tempfile.mkdtemp(prefix=MAILBOX_PREFIX + "".join(f"{n}-" for n in owner or ()))
 
 
 def remove_stale(directory: str | None = None) -> list[str]:
@@ -88,13 +88,13 @@ def _owned_folders(directory: str | None) -> Iterator[tuple[str, tuple[int, int,
             yield os.path.join(folder, name), (pid, ticks, namespace)
 
 
-def _owner_tag(pid: int) -> str | None:
+def _owner(pid: int) -> tuple[int, int, int] | None:
+    # None: unreadable; its folder is unnamed, never judged nor removed by remove_stale.
     try:
         key = procs.process_key(pid)
     except (OSError, ValueError):
-        key = None
-    # None: an unnamed folder, never judged nor removed by remove_stale.
-    return None if key is None else f"{pid}-{key.start_ticks}-{_pid_namespace()}"
+        return None
+    return None if key is None else (pid, key.start_ticks, _pid_namespace())
 
 
 def _pid_namespace() -> int:
@@ -298,16 +298,10 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
     Only the folders named after that very process (NOTE [stale mailboxes]) in ``directory``
     (default: the temporary folder); never raises: what cannot be read is left out.
     """
-    try:
-        key = procs.process_key(root_pid)
-    except (OSError, ValueError):
-        return {}
-    if key is None:
-        return {}
-    owner = (root_pid, key.start_ticks, _pid_namespace())
+    owner = _owner(root_pid)
     found: dict[ProcessKey, Birth] = {}
     for path, who in _owned_folders(directory):
-        if who != owner:
+        if owner is None or who != owner:
             continue
         try:
             with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:

@@ -228,7 +228,6 @@ class Nvml:
     def _select(self, devices: Sequence[int] | None) -> tuple[int, ...]:
         if devices is None:
             return tuple(range(self._count))
-        chosen: list[int] = []
         for index in devices:
             if not isinstance(index, int) or isinstance(index, bool):
                 raise UsageError(f"NVML device index must be an int, got {index!r}")
@@ -237,9 +236,7 @@ class Nvml:
                     f"NVML device index {index} out of range: this machine has "
                     f"{self._count} device(s) (0..{self._count - 1})"
                 )
-            if index not in chosen:
-                chosen.append(index)
-        return tuple(chosen)
+        return tuple(dict.fromkeys(devices))  # in order, each once
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -392,19 +389,15 @@ class Nvml:
             return ()
         handle = self._handle(device)
         records: list[AccountedProcess] = []
-        for pid in self._call("nvmlDeviceGetAccountingPids", device, handle):
+        for pid in map(int, self._call("nvmlDeviceGetAccountingPids", device, handle)):
             stats = self._call(
-                "nvmlDeviceGetAccountingStats",
-                device,
-                handle,
-                int(pid),
-                absent=NVML_ERROR_NOT_FOUND,
+                "nvmlDeviceGetAccountingStats", device, handle, pid, absent=NVML_ERROR_NOT_FOUND
             )
             if stats is None:
                 continue  # dropped from the circular buffer between the two calls
             records.append(
                 AccountedProcess(
-                    pid=int(pid),
+                    pid=pid,
                     device_index=device,
                     max_memory_bytes=_known(stats.maxMemoryUsage),
                     time_ms=_known(stats.time),

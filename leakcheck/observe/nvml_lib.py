@@ -1,9 +1,10 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-Importing ``pynvml`` would cost ``leakcheck snapshot``'s start ~10-90 ms (its own share is
-~23 ms on an H200, benchmarks/results/snapshot-start-h200.md); this loads
-``libnvidia-ml.so.1`` only in :func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for
-this module. Errors raise :class:`NVMLError` with the driver's code in ``value``.
+Importing ``pynvml`` costs a start ~10 ms more (2-core VM; ~90 ms on the H200 when this was
+written), against a 30 ms goal for ``leakcheck snapshot``'s own share, ~23 ms on an H200
+(benchmarks/results/snapshot-start-h200.md); this loads ``libnvidia-ml.so.1`` only in
+:func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for this module. Errors raise
+:class:`NVMLError` with the driver's code in ``value``.
 """
 
 from __future__ import annotations

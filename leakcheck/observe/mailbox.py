@@ -57,8 +57,9 @@ def create() -> str:
     # A courtesy to earlier, crashed runs: it must never cost this one its mailbox.
     with contextlib.suppress(Exception):
         remove_stale()
-    owner = _owner(os.getpid())  # its parts, each followed by "-"
-    return tempfile.mkdtemp(prefix=MAILBOX_PREFIX + "".join(f"{n}-" for n in owner or ()))
+    owner = _owner(os.getpid())
+    named = "".join(f"{part}-" for part in owner) if owner else ""  # "<pid>-<ticks>-<ns>-"
+    return tempfile.mkdtemp(prefix=MAILBOX_PREFIX + named)
 
 
 def remove_stale(directory: str | None = None) -> list[str]:

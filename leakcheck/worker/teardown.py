@@ -51,7 +51,7 @@ from leakcheck.observe.torch_state import clear_library_workspaces, initialized_
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _EXIT_PRIORITY = 100  # higher runs first: before the worker's queues are flushed
 _NVML_POLL_S = 1.0  # how long NVML may take to drop the PID after the reset (it takes ms)
-_EXIT_HOST_FIELDS = tuple(name for name in TeardownRecord.__dataclass_fields__ if "host_" in name)
+_EXIT_HOST_FIELDS = tuple(n for n in TeardownRecord.__dataclass_fields__ if n.startswith("host_"))
 # Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
 # a finished loader's pin-memory thread waits on an empty queue.
 _DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")

@@ -102,14 +102,13 @@ def _fork_children(count: int, parent: str, *, births: bool = False) -> tuple[li
 def _post_birth() -> None:
     """A forked worker's ``worker`` record with its birth reading (teardown.WorkerInit's)."""
     from leakcheck.observe import mailbox
-    from leakcheck.worker.teardown import _birth_fields
 
     pid = os.getpid()
     key = procs.process_key(pid)
     if key is not None:
-        fields = _birth_fields(pid, forked=True)
-        record = {"pid": pid, "start_ticks": key.start_ticks, "persistent": True, **fields}
-        mailbox.post("worker", record)
+        birth = mailbox.host_fields(hostmem.read_host_memory(pid))
+        record = {"pid": pid, "start_ticks": key.start_ticks, "persistent": True, **birth}
+        mailbox.post("worker", record | {"forked": True, "monotonic_s": time.monotonic()})
 
 
 def _status_preader(pids: list[int]) -> tuple[Callable[[], int], Callable[[], None]]:

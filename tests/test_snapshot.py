@@ -142,3 +142,22 @@ def test_a_multiline_command_line_stays_on_its_process_line(
     assert not [line for line in lines if line.strip() in script_lines]
     root_line = next(line for line in lines if f"PID {job.root} " in line)
     assert "[parent]" in root_line and 'python -c "import subprocess, sys, time' in root_line
+
+
+def test_the_text_draws_each_tree_with_its_branches() -> None:
+    """A parent's children hang below it by PID, the last with a corner; a process whose
+    parent is not shown starts a tree of its own."""
+    from leakcheck.core.readings import ProcInfo
+    from leakcheck.observe.snapshot import Snapshot
+
+    def entry(pid: int, ppid: int) -> ProcessSnapshot:
+        return ProcessSnapshot(ProcInfo(ProcessKey(pid, pid), ppid, "p", f"cmd{pid}"), None, {})
+
+    family = (entry(10, 1), entry(12, 10), entry(11, 10), entry(13, 11), entry(20, 99))
+    assert Snapshot(0.0, "ok", "", (), family).format().splitlines() == [
+        "  PID 10 cmd10",
+        "  ├─ PID 11 cmd11",
+        "  │  └─ PID 13 cmd13",
+        "  └─ PID 12 cmd12",
+        "  PID 20 cmd20",
+    ]

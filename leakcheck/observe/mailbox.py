@@ -28,7 +28,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from leakcheck.core.model import ProcessKey, TeardownRecord
@@ -57,8 +57,9 @@ def create() -> str:
     # A courtesy to earlier, crashed runs: it must never cost this one its mailbox.
     with contextlib.suppress(Exception):
         remove_stale()
-    owner = _owner_tag(os.getpid())
-    return tempfile.mkdtemp(prefix=f"{MAILBOX_PREFIX}{owner}-" if owner else MAILBOX_PREFIX)
+    owner = _owner(os.getpid())
+    named = "".join(f"{part}-" for part in owner) if owner else ""  # "<pid>-<ticks>-<ns>-"
+    return tempfile.mkdtemp(prefix=MAILBOX_PREFIX + named)
 
 
 def remove_stale(directory: str | None = None) -> list[str]:
@@ -88,13 +89,13 @@ def _owned_folders(directory: str | None) -> Iterator[tuple[str, tuple[int, int,
             yield os.path.join(folder, name), (pid, ticks, namespace)
 
 
-def _owner_tag(pid: int) -> str | None:
+def _owner(pid: int) -> tuple[int, int, int] | None:
+    # None: unreadable; its folder is unnamed, never judged nor removed by remove_stale.
     try:
         key = procs.process_key(pid)
     except (OSError, ValueError):
-        key = None
-    # None: an unnamed folder, never judged nor removed by remove_stale.
-    return None if key is None else f"{pid}-{key.start_ticks}-{_pid_namespace()}"
+        return None
+    return None if key is None else (pid, key.start_ticks, _pid_namespace())
 
 
 def _pid_namespace() -> int:
@@ -273,11 +274,20 @@ def worker_birth(record: Mapping[str, Any]) -> Birth:
     return (forked if isinstance(forked, bool) else None), memory
 
 
+def host_fields(
+    memory: HostMemory | None, names: Iterable[str] = _BIRTH_FIELDS
+) -> dict[str, int | None]:
+    """``memory``'s figures as records name them (``host_uss_bytes``...); None: unknown.
+
+    By default a birth reading's, as ``worker`` records and ``BIRTHS_FILE`` carry it.
+    """
+    return {name: getattr(memory, name.removeprefix("host_"), None) for name in names}
+
+
 def write_births(directory: str, births: Mapping[ProcessKey, Birth]) -> bool:
     """Replace the folder's ``BIRTHS_FILE`` with ``births`` atomically; False on failure."""
     entries = [
-        {"pid": key.pid, "start_ticks": key.start_ticks, "forked": forked}
-        | {name: getattr(memory, name.removeprefix("host_"), None) for name in _BIRTH_FIELDS}
+        {"pid": key.pid, "start_ticks": key.start_ticks, "forked": forked, **host_fields(memory)}
         for key, (forked, memory) in sorted(births.items())
     ]
     return _write_json(directory, BIRTHS_FILE, {"workers": entries})
@@ -289,16 +299,10 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
     Only the folders named after that very process (NOTE [stale mailboxes]) in ``directory``
     (default: the temporary folder); never raises: what cannot be read is left out.
     """
-    try:
-        key = procs.process_key(root_pid)
-    except (OSError, ValueError):
-        return {}
-    if key is None:
-        return {}
-    owner = (root_pid, key.start_ticks, _pid_namespace())
+    owner = _owner(root_pid)
     found: dict[ProcessKey, Birth] = {}
     for path, who in _owned_folders(directory):
-        if who != owner:
+        if owner is None or who != owner:
             continue
         try:
             with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:

@@ -11,9 +11,9 @@ the PID that started the session and, in a forked child, calls ``nvmlInit`` agai
 every cached handle first; the locks are replaced in the child.
 
 NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidia*`` nodes a CUDA
-context opens too; children forked after it inherit them, but NVML's pin no context. ``get()``
-records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them out
-when it counts what a forked child inherited from the job.
+context opens too; children forked after it inherit them, but NVML's pin no context. The
+start records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them
+out when it counts what a forked child inherited from the job.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import importlib
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
 from leakcheck.core.readings import AccountedProcess, DeviceState, GpuProcess
@@ -164,7 +164,6 @@ class Nvml:
         self._max_sm_clock: dict[int, int | None] = {}
         self._raw_readers: dict[tuple[int, str], _RawProcessList | None] = {}
         self._unsupported: set[tuple[int, str]] = set()
-        self._start()
 
     def _start(self) -> None:
         """``nvmlInit`` and the device count: once per process (again in a forked child)."""
@@ -193,16 +192,23 @@ class Nvml:
         with contextlib.suppress(self._error):
             self._lib.nvmlShutdown()
 
-    def _ensure(self) -> bool:
-        """Start NVML again in a forked child (True: started)."""
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    before = _nvidia_fd_numbers()
-                    self._start()
-                    _count_as_own(_nvidia_fd_numbers() - before)
-                    return True
-        return False
+    def _ensure(self) -> None:
+        """Start NVML in this process, first or in a forked child (NOTE [fork]).
+
+        Every handle is opened too, so that what NVML opens counts as its own (NOTE
+        [descriptors]).
+        """
+        if self._pid == os.getpid():
+            return
+        before = _nvidia_fd_numbers()
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._start()
+        with contextlib.suppress(LeakCheckError):
+            self.processes()
+        global _own_fds
+        _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
 
     def _call(self, name: str, device: int, *args: Any, absent: int | None = None) -> Any:
         """Call an NVML function; None where it fails with code ``absent``."""
@@ -215,16 +221,13 @@ class Nvml:
 
     def _optional(self, name: str, *args: Any) -> Any:
         """Call an NVML function; None when the binding lacks it or it raises."""
-        fn = getattr(self._lib, name, None)
-        try:
-            return None if fn is None else fn(*args)
-        except self._error:
-            return None
+        with contextlib.suppress(self._error, AttributeError):
+            return getattr(self._lib, name)(*args)
+        return None
 
     def _select(self, devices: Sequence[int] | None) -> tuple[int, ...]:
         if devices is None:
             return tuple(range(self._count))
-        chosen: list[int] = []
         for index in devices:
             if not isinstance(index, int) or isinstance(index, bool):
                 raise UsageError(f"NVML device index must be an int, got {index!r}")
@@ -233,9 +236,7 @@ class Nvml:
                     f"NVML device index {index} out of range: this machine has "
                     f"{self._count} device(s) (0..{self._count - 1})"
                 )
-            if index not in chosen:
-                chosen.append(index)
-        return tuple(chosen)
+        return tuple(dict.fromkeys(devices))  # in order, each once
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -262,9 +263,9 @@ class Nvml:
         self, index: int, handle: Any, name: str, *, optional: bool
     ) -> list[tuple[int, int | None]]:
         """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
-        if (index, name) in self._unsupported:
-            return []
         key = (index, name)
+        if key in self._unsupported:
+            return []
         if key not in self._raw_readers:
             with self._lock:
                 if key not in self._raw_readers:
@@ -291,11 +292,6 @@ class Nvml:
         version = self._optional("nvmlSystemGetDriverVersion")
         return None if version is None else str(version)
 
-    def device_indices(self) -> tuple[int, ...]:
-        """``(0, ..., device_count() - 1)``."""
-        self._ensure()
-        return tuple(range(self._count))
-
     def processes(
         self, devices: Sequence[int] | None = None, *, graphics: bool = True
     ) -> tuple[GpuProcess, ...]:
@@ -319,15 +315,13 @@ class Nvml:
             compute, shown = lists["compute"], lists.get("graphics", {})
             for pid in sorted(compute.keys() | shown.keys()):
                 known = [b for b in (compute.get(pid), shown.get(pid)) if b is not None]
-                both: Literal["compute", "graphics", "both"] = (
-                    "both" if pid in compute and pid in shown else "compute"
-                )
+                both = pid in compute and pid in shown
                 found.append(
                     GpuProcess(
                         pid=pid,
                         device_index=index,
                         used_gpu_bytes=max(known) if known else None,
-                        kind=both if pid in compute else "graphics",
+                        kind="both" if both else "compute" if pid in compute else "graphics",
                     )
                 )
         return tuple(found)
@@ -395,19 +389,15 @@ class Nvml:
             return ()
         handle = self._handle(device)
         records: list[AccountedProcess] = []
-        for pid in self._call("nvmlDeviceGetAccountingPids", device, handle):
+        for pid in map(int, self._call("nvmlDeviceGetAccountingPids", device, handle)):
             stats = self._call(
-                "nvmlDeviceGetAccountingStats",
-                device,
-                handle,
-                int(pid),
-                absent=NVML_ERROR_NOT_FOUND,
+                "nvmlDeviceGetAccountingStats", device, handle, pid, absent=NVML_ERROR_NOT_FOUND
             )
             if stats is None:
                 continue  # dropped from the circular buffer between the two calls
             records.append(
                 AccountedProcess(
-                    pid=int(pid),
+                    pid=pid,
                     device_index=device,
                     max_memory_bytes=_known(stats.maxMemoryUsage),
                     time_ms=_known(stats.time),
@@ -432,7 +422,7 @@ def get() -> Nvml:
         NVMLUnavailable: NVML cannot be used here; remembered for this process.
 
     """
-    global _instance, _failure, _own_fds
+    global _instance, _failure
     instance = _instance
     if instance is not None and instance._pid == os.getpid():
         return instance
@@ -440,36 +430,21 @@ def get() -> Nvml:
         pid = os.getpid()
         if _failure is not None and _failure[0] == pid:
             raise NVMLUnavailable(_failure[1])
-        if _instance is None:
-            before = _nvidia_fd_numbers()
-            try:
-                session = Nvml(importlib.import_module("leakcheck.observe.nvml_lib"))
-            except NVMLUnavailable as exc:
-                _failure = (pid, str(exc))
-                raise
-            try:
-                # Every handle opened now, so that NVML's descriptors are all known as its own.
-                with contextlib.suppress(LeakCheckError):
-                    session.processes()
-            except BaseException:
-                session._quiet_shutdown()  # never published: its nvmlInit is undone
-                raise
-            # Published only now: another thread's get() returns without the lock.
-            _own_fds = frozenset(_nvidia_fd_numbers() - before)
-            _instance = session
-        elif _instance._pid != pid and _instance._ensure():
-            # A forked child (NOTE [fork]): what the restart and its handles open is NVML's.
-            before = _nvidia_fd_numbers()
-            with contextlib.suppress(LeakCheckError):
-                _instance.processes()
-            _count_as_own(_nvidia_fd_numbers() - before)
-        return _instance
-
-
-def _count_as_own(numbers: set[int]) -> None:
-    global _own_fds
-    if numbers:
-        _own_fds = _own_fds | numbers
+        if _instance is not None:
+            _instance._ensure()
+            return _instance
+        session = Nvml(importlib.import_module("leakcheck.observe.nvml_lib"))
+        try:
+            session._ensure()
+        except NVMLUnavailable as exc:
+            _failure = (pid, str(exc))
+            raise
+        except BaseException:
+            session._quiet_shutdown()  # never published: its nvmlInit is undone
+            raise
+        # Published only now, its descriptors known: another thread's get() takes no lock.
+        _instance = session
+        return session
 
 
 def gpu_bytes_by_pid(
@@ -526,10 +501,11 @@ def availability() -> tuple[bool, str]:
 
 def _reset_for_tests() -> None:
     """Forget the singleton and a remembered failure, without calling NVML."""
-    global _instance, _failure
+    global _instance, _failure, _own_fds
     with _lock:
         _instance = None
         _failure = None
+        _own_fds = frozenset()
 
 
 def _after_fork_in_child() -> None:

@@ -1,9 +1,10 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-``nvml.py`` calls these by pynvml's names, so that tests stand a fake in for this module
-(``sys.modules["leakcheck.observe.nvml_lib"]``). It exists because importing ``pynvml`` cost
-``leakcheck snapshot`` about 90 ms of its start: this loads ``libnvidia-ml.so.1`` only in
-:func:`nvmlInit`. Errors raise :class:`NVMLError` with the driver's code in ``value``.
+Importing ``pynvml`` costs a start ~10 ms more (2-core VM; ~90 ms on the H200 when this was
+written), against a 30 ms goal for ``leakcheck snapshot``'s own share, ~23 ms on an H200
+(benchmarks/results/snapshot-start-h200.md); this loads ``libnvidia-ml.so.1`` only in
+:func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for this module. Errors raise
+:class:`NVMLError` with the driver's code in ``value``.
 """
 
 from __future__ import annotations
@@ -120,10 +121,7 @@ def _call(name: str, *args: object) -> None:
 
 
 def _out(name: str, kind: type[Any]) -> Callable[..., Any]:
-    """The call ``name(arguments..., kind *out)`` as a function that returns ``out``.
-
-    Ints pass as C unsigned ints; a number comes back as int, a handle or structure whole.
-    """
+    """``name(arguments..., kind *out)`` as a function returning ``out`` (ints as C uints)."""
 
     def get(*args: object) -> Any:
         out = kind()

@@ -96,16 +96,16 @@ class Snapshot(NamedTuple):
             else:
                 roots.append(entry)
 
-        def walk(entry: ProcessSnapshot, prefix: str, last: bool, top: bool) -> None:
-            branch = "" if top else ("└─ " if last else "├─ ")
-            lines.append(prefix + branch + _process_line(entry))
+        def walk(entry: ProcessSnapshot, prefix: str) -> None:
             kids = children.get(entry.info.key.pid, [])
-            next_prefix = prefix + ("" if top else ("   " if last else "│  "))
             for position, kid in enumerate(kids):
-                walk(kid, next_prefix, position == len(kids) - 1, False)
+                last = position == len(kids) - 1
+                lines.append(prefix + ("└─ " if last else "├─ ") + _process_line(kid))
+                walk(kid, prefix + ("   " if last else "│  "))
 
         for entry in roots:
-            walk(entry, "  ", True, True)
+            lines.append("  " + _process_line(entry))
+            walk(entry, "  ")
         if not self.processes:
             checked = "GPU memory or " if self.attribution == "ok" else ""
             lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")

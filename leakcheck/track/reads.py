@@ -152,7 +152,7 @@ class NvmlReads:
         self.attribution, self.attribution_reason = "ok", ""
         # Accounting is read where an administrator switched it on; never switched on here.
         enabled: list[int] = []
-        for index in self.devices if self.devices is not None else handle.device_indices():
+        for index in self.devices if self.devices is not None else range(handle.device_count()):
             with contextlib.suppress(LeakCheckError):
                 if handle.accounting_enabled(index):
                     enabled.append(index)

@@ -48,20 +48,10 @@ from leakcheck.core.records import to_jsonable
 from leakcheck.observe import hostmem, mailbox, procs
 from leakcheck.observe.torch_state import clear_library_workspaces, initialized_cuda
 
-__all__ = [
-    "ReleaseResult",
-    "WorkerInit",
-    "register_resource",
-    "release_device",
-    "unregister_resource",
-    "worker_init_fn",
-]
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _EXIT_PRIORITY = 100  # higher runs first: before the worker's queues are flushed
 _NVML_POLL_S = 1.0  # how long NVML may take to drop the PID after the reset (it takes ms)
-_HOST_FIELDS = ("uss", "pss", "rss", "rss_peak", "shared_dirty", "private_dirty")
-_BIRTH_HOST_FIELDS = ("uss", "rss", "shared_dirty", "private_dirty")
+_EXIT_HOST_FIELDS = tuple(n for n in TeardownRecord.__dataclass_fields__ if n.startswith("host_"))
 # Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
 # a finished loader's pin-memory thread waits on an empty queue.
 _DEVICE_FREE_THREADS = ("QueueFeederThread", "_pin_memory_loop")
@@ -304,11 +294,6 @@ def _terminate_descendants() -> None:
             child.kill()
 
 
-def _host_fields(host: hostmem.HostMemory | None, names: tuple[str, ...]) -> dict[str, Any]:
-    """``host_uss_bytes`` and the rest, as the mailbox records name them."""
-    return {f"host_{name}_bytes": getattr(host, f"{name}_bytes", None) for name in names}
-
-
 def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> None:
     """At worker exit (NOTE [teardown policy], 4): its report, then the release; never raises.
 
@@ -326,7 +311,7 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
         cuda = initialized_cuda()
         fields |= {"cuda_initialized": cuda is not None, "monotonic_s": time.monotonic()}
         with freed.step("host memory"):  # what it held, before anything is released
-            fields |= _host_fields(hostmem.read_host_memory(key.pid), _HOST_FIELDS)
+            fields |= mailbox.host_fields(hostmem.read_host_memory(key.pid), _EXIT_HOST_FIELDS)
         held: dict[int, int] | None = {}  # no context: nothing on any device
         if cuda is not None:
             state = _nvml_state(key.pid)
@@ -397,16 +382,6 @@ def _close_stack_file() -> None:
         os.unlink(handle.name)
 
 
-def _birth_fields(pid: int, *, forked: bool) -> dict[str, Any]:
-    """A worker's birth reading (NOTE [copy on read] in hostmem.py); an unreadable one: none."""
-    fields: dict[str, Any] = {"forked": forked, "monotonic_s": time.monotonic()}
-    with contextlib.suppress(Exception):
-        host = hostmem.read_host_memory(pid)
-        if host is not None and host.uss_bytes is not None:
-            fields |= _host_fields(host, _BIRTH_HOST_FIELDS)
-    return fields
-
-
 @dataclass(eq=False, repr=False)
 class WorkerInit:
     """A picklable ``worker_init_fn`` that installs the teardown policy in each worker.
@@ -464,8 +439,10 @@ class WorkerInit:
                 "persistent": self.persistent,
                 "stack_signal": int(mailbox.STACK_SIGNAL) if dumps else None,
             }
-            if folder:
-                fields |= _birth_fields(pid, forked=self._home_pid != pid)
+            if folder:  # its birth reading (NOTE [copy on read] in hostmem.py)
+                fields |= {"forked": self._home_pid != pid, "monotonic_s": time.monotonic()}
+                with contextlib.suppress(Exception):
+                    fields |= mailbox.host_fields(hostmem.read_host_memory(pid))
             mailbox.post("worker", fields, directory=self.mailbox_dir)
             if self.release or self.terminate_children or folder:
                 # Reported even without the release (NOTE [worker reports] in track/book.py).

@@ -48,7 +48,6 @@ def _wait_for(predicate: Callable[[], T | None], what: str, deadline_s: float = 
 def test_devices_memory_and_telemetry_are_reported() -> None:
     handle = nvml.get()
     assert handle.device_count() > 0
-    assert handle.device_indices() == tuple(range(handle.device_count()))
     for state in handle.memory():
         assert state.total_bytes > 0
         assert 0 <= state.used_bytes <= state.total_bytes

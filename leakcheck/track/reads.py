@@ -20,7 +20,6 @@ from leakcheck.core.model import (
     DeviceState,
     GpuProcess,
     ProcessKey,
-    TeardownRecord,
     TrackerCost,
 )
 from leakcheck.observe import hostmem, nvml
@@ -28,7 +27,7 @@ from leakcheck.observe.hostmem import HostMemory
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.table import ProcessTable
 
-__all__ = ["CostMeter", "Failures", "HostReads", "NvmlReads", "RollupPlan", "reported_memory"]
+__all__ = ["CostMeter", "Failures", "HostReads", "NvmlReads", "RollupPlan"]
 
 _MAX_FAILURES = 50
 _T = TypeVar("_T")
@@ -189,12 +188,10 @@ class NvmlReads:
         result, end_s, cpu_s = self._timed(
             lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
         )
-        graphics_seen = None
-        if result is not None and graphics:
-            graphics_seen = any(entry.kind != "compute" for entry in result)
+        seen = any(e.kind != "compute" for e in result) if result is not None and graphics else None
         pacing.lists_read(
             end_s, cpu_s, used_before=used_before, ok=result is not None,
-            graphics_seen=graphics_seen,
+            graphics_seen=seen,
         )  # fmt: skip
         return result
 
@@ -250,7 +247,7 @@ class HostReads:
         # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
         # garbage collector inside a read, or under the sampler's lock, must not hang.
         self._reading = threading.RLock()
-        self.rollup_cpu_s = 0.0
+        self.rollup_cpu_s = 0.0  # these three: for benchmarks/bench_hostmem.py
         self.rollup_reads = 0  # epoch ends (and final states) whose USS reads were made
         self.inside_reads = 0
         self._inside_last_s: float | None = None
@@ -350,19 +347,3 @@ class HostReads:
         self.rollup_cpu_s += cpu_s
         self.rollup_reads += count
         return found
-
-
-def reported_memory(record: TeardownRecord) -> HostMemory | None:
-    """A worker's own report of its host memory at exit; None: none."""
-    if record.host_rss_bytes is None and record.host_uss_bytes is None:
-        return None
-    return HostMemory(
-        uss_bytes=record.host_uss_bytes,
-        pss_bytes=record.host_pss_bytes,
-        rss_bytes=record.host_rss_bytes,
-        swap_bytes=None,
-        source="smaps_rollup" if record.host_uss_bytes is not None else "status",
-        rss_peak_bytes=record.host_rss_peak_bytes,
-        shared_dirty_bytes=record.host_shared_dirty_bytes,
-        private_dirty_bytes=record.host_private_dirty_bytes,
-    )

@@ -27,7 +27,6 @@ class Proc:
     key: ProcessKey
     ppid: int
     cmdline: str
-    first_seen_s: float
     last_seen_s: float
     born_epoch: int | None = None  # open when it was placed: the first to list it
     pre_existing: bool = False
@@ -43,7 +42,7 @@ class Proc:
     fd_limit: int | None = None  # soft RLIMIT_NOFILE at the last end (None: unlimited)
     cmdline_confirmed: bool = False  # read after it exec'd (differs from its parent's)
     rank: RankInfo | None = None
-    rank_pending: bool = False  # maybe between fork and exec (NOTE [rank read])
+    rank_until_s: float | None = None  # maybe between fork and exec (NOTE [rank read])
     forked: bool | None = None  # a worker started by fork, as its birth report says
     birth_host: HostMemory | None = None  # at its birth (NOTE [copy on read] in hostmem.py)
     end_read: bool = False  # an epoch end's smaps_rollup read has seen it
@@ -121,7 +120,6 @@ class ProcessTable:
             key=info.key,
             ppid=info.ppid,
             cmdline=(info.cmdline or info.name).strip(),
-            first_seen_s=now,
             last_seen_s=now,
             **fields,
         )
@@ -154,9 +152,8 @@ class ProcessTable:
             # Gone before it could be read (known from its record only): its parent's rank.
             rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
         )
-        proc.rank_pending = (
-            proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
-        )
+        if proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline:
+            proc.rank_until_s = now + _RANK_EXEC_WINDOW_S
         return proc
 
     def apply_walk(
@@ -182,7 +179,7 @@ class ProcessTable:
                 proc = self.add(full, now=now, born_epoch=born_epoch)
                 added.append(proc)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
-            if proc.rank_pending:
+            if proc.rank_until_s is not None:
                 self._read_rank_after_exec(proc, now)
             current.add(info.key)
         self.procs[self.root].last_seen_s = now
@@ -207,13 +204,13 @@ class ProcessTable:
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
         """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
-        if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
-            proc.rank_pending = False
+        if now > (proc.rank_until_s or 0.0):
+            proc.rank_until_s = None
             return
         rank = _rank_of(proc.key.pid)
         if rank is None:
             return  # not exec'd yet, or not a rank: looked at again until the window closes
-        proc.rank, proc.rank_pending = rank, False
+        proc.rank, proc.rank_until_s = rank, None
         info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
         if info is not None and info.key == proc.key and info.cmdline:
             proc.cmdline = info.cmdline.strip()
@@ -264,7 +261,7 @@ class ProcessTable:
                 self.mark_exited(proc, now)
                 claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
-        proc.rank_pending = False  # a worker never becomes a rank (NOTE [rank read])
+        proc.rank_until_s = None  # a worker never becomes a rank (NOTE [rank read])
         self.changed = True
         return proc
 
@@ -357,22 +354,18 @@ class ProcessTable:
 
     def count_nvidia_fds(self) -> None:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""
+        # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's
+        # inherited copies of them (its command line is still the root's).
+        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
+        root_cmdline = self.procs[self.root].cmdline
         for proc in self.job_live().values():
             table = procs.descriptors(proc.key.pid)  # one listing for both counts
             if table is None:
                 proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
                 continue
-            proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
+            forked = proc.cmdline == root_cmdline
+            proc.nvidia_fds = len(set(table.nvidia) - own) if forked else len(table.nvidia)
             proc.open_fds, proc.fd_limit = table.open_count, table.limit
-
-    def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
-        # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's
-        # inherited copies of them.
-        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
-        if proc.key == self.root:
-            return len(set(found) - own)
-        forked = proc.cmdline == self.procs[self.root].cmdline
-        return len(set(found) - own) if forked else len(found)
 
     def confirm_cmdlines(self) -> None:
         """Re-read the command lines that may still be a parent's (seen between fork and exec)."""

@@ -6,6 +6,7 @@ NVML (NOTE [nvml pacing] in pacing.py) and host memory (NOTE [host pacing]).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -40,11 +41,8 @@ class CostMeter:
         self._lock = threading.Lock()
         self._calls = threading.local()
         self.sampler_thread: threading.Thread | None = None
-        self._totals = dict.fromkeys(
-            ("sample_wall_s", "sampler_cpu_s", "caller_wall_s", "nvml_wall_s", "nvml_cpu_s",
-             "host_read_cpu_s"),
-            0.0,
-        )  # fmt: skip
+        seconds = [f.name for f in dataclasses.fields(TrackerCost) if f.name != "samples"]
+        self._totals = dict.fromkeys(seconds, 0.0)
         self._samples = 0
 
     def add(self, *, samples: int = 0, **seconds: float) -> None:

@@ -430,7 +430,6 @@ class EpochBook:
             ):
                 continue
             end_s = ends[born]
-            assert end_s is not None
             if proc.last_seen_s - end_s > self.grace_s:
                 continue  # already seen alive past the grace: the evidence is in
             pending.append(proc)

@@ -264,7 +264,6 @@ class HostReads:
 
         A plan still unread is dropped: it would show a later moment as its end's.
         """
-        self.pending = None
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
         warm_up = epoch_index < self.always_read.start and not self.pacing.unpaced_rollups
         due = epoch_index in self.always_read or (
@@ -274,9 +273,8 @@ class HostReads:
         keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
         for key in keys:
             table.procs[key].end_read = True
-        if keys:
-            self.pending = RollupPlan(epoch_index, tuple(keys))
-        return self.pending is not None
+        self.pending = RollupPlan(epoch_index, tuple(keys)) if keys else None
+        return bool(keys)
 
     def plan_inside(
         self, table: ProcessTable, epoch_index: int | None, started_s: float | None, now_s: float

@@ -150,10 +150,9 @@ _gathers = 0  # gathers this process began: every rank calls them in the same or
 
 
 def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
-    """``gather_object`` of every rank's report onto ``dst``; None on the other ranks.
+    """Every rank's report on ``dst`` (None elsewhere) once all counted in (NOTE [rank gathering]).
 
-    Every rank first counts itself in through the store, and waits at most ``timeout_s`` for
-    the others (NOTE [rank gathering]): a ``TimeoutError`` where some rank did not come.
+    ``TimeoutError``: some rank did not come within ``timeout_s``.
     """
     global _gathers
     _gathers += 1

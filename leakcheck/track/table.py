@@ -116,13 +116,7 @@ class ProcessTable:
         claims.add_root(root, session)
 
     def _place(self, info: ProcInfo, now: float, **fields: Any) -> Proc:
-        proc = Proc(
-            key=info.key,
-            ppid=info.ppid,
-            cmdline=(info.cmdline or info.name).strip(),
-            last_seen_s=now,
-            **fields,
-        )
+        proc = Proc(info.key, info.ppid, (info.cmdline or info.name).strip(), now, **fields)
         self.procs[info.key] = self.live[info.key] = proc
         self.by_pid[info.key.pid] = info.key
         self.changed = True

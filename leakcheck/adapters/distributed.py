@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from leakcheck.core.errors import UsageError
+from leakcheck.core.errors import UsageError, one_line
 from leakcheck.core.model import RankInfo
 from leakcheck.core.ranks import rank_from_environ
 from leakcheck.judge.job import JobReport, RankReport, judge_job
@@ -129,7 +129,7 @@ def gather_reports(
         where = f"; each rank's report is in {target}" if target else ""
         warnings.warn(
             f"leakcheck: rank {rank}: reports not gathered through "
-            f"torch.distributed ({type(error).__name__}: {error}){where}",
+            f"torch.distributed ({one_line(error)}){where}",
             stacklevel=2,
         )
         return judge_job([entry]) if rank == dst else None
@@ -140,7 +140,7 @@ def gather_reports(
     except Exception as error:  # a peer's report that cannot be read: never into the job
         warnings.warn(
             f"leakcheck: rank {rank}: gathered reports not judged "
-            f"({type(error).__name__}: {error}); this rank's alone",
+            f"({one_line(error)}); this rank's alone",
             stacklevel=2,
         )
         return judge_job([entry])

@@ -41,15 +41,12 @@ class CostMeter:
         self._lock = threading.Lock()
         self._calls = threading.local()
         self.sampler_thread: threading.Thread | None = None
-        seconds = [f.name for f in dataclasses.fields(TrackerCost) if f.name != "samples"]
-        self._totals = dict.fromkeys(seconds, 0.0)
-        self._samples = 0
+        self._totals = dict.fromkeys((f.name for f in dataclasses.fields(TrackerCost)), 0.0)
 
-    def add(self, *, samples: int = 0, **seconds: float) -> None:
+    def add(self, **counts: float) -> None:
         """Add to the counters (``TrackerCost`` field names)."""
         with self._lock:
-            self._samples += samples
-            for name, value in seconds.items():
+            for name, value in counts.items():
                 self._totals[name] += value
 
     def enter_call(self) -> bool:
@@ -67,7 +64,8 @@ class CostMeter:
     def snapshot(self) -> TrackerCost:
         """The counters now."""
         with self._lock:
-            return TrackerCost(samples=self._samples, **self._totals)
+            totals = dict(self._totals)
+        return TrackerCost(samples=int(totals.pop("samples")), **totals)
 
 
 class Failures:

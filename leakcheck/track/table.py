@@ -7,6 +7,7 @@ sampler's walks, NVML's lists and the mailbox; roles and persistence are answere
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,13 +339,11 @@ class ProcessTable:
 
     def others_gpu_bytes(self) -> dict[int, int]:
         """GPU bytes per device of the live processes another tracker or rank owns."""
-        total: dict[int, int] = {}
+        total: Counter[int] = Counter()
         for proc in self.live.values():
-            if proc.own or proc.foreign:
-                continue
-            for device, used in proc.gpu_bytes.items():
-                total[device] = total.get(device, 0) + used
-        return total
+            if not (proc.own or proc.foreign):
+                total.update(proc.gpu_bytes)
+        return dict(total)
 
     def count_nvidia_fds(self) -> None:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""

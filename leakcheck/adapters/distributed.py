@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from leakcheck.core.errors import UsageError, one_line
+from leakcheck.core.files import write_json
 from leakcheck.core.model import RankInfo
 from leakcheck.core.ranks import rank_from_environ
 from leakcheck.judge.job import JobReport, RankReport, judge_job
@@ -111,12 +112,8 @@ def gather_reports(
     rank = entry.info.rank
     target = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
     if target and os.path.isdir(target):
-        path = os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json")
-        temp = os.path.join(target, f".{os.path.basename(path)}.tmp")
-        try:
-            with open(temp, "w", encoding="utf-8") as handle:
-                json.dump(entry.to_dict(), handle)
-            os.replace(temp, path)  # atomically: a merging side never reads half a file
+        try:  # atomically: a merging side never reads half a file
+            write_json(os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json"), entry.to_dict())
         except OSError as error:
             warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
     else:

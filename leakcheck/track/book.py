@@ -15,7 +15,6 @@ showed and when one first passed the copy tolerance.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +132,7 @@ class _Epoch:
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     pinned: tuple[int, int] | None = None  # torch_state.pinned_host_bytes() at the end
-    record: EpochRecord | None = None  # once ended, less its processes
+    ended: dict[str, Any] | None = None  # once ended, its EpochRecord's fields but processes
 
     def row(self, key: ProcessKey) -> _Row:
         row = self.rows.get(key)
@@ -229,13 +228,12 @@ class EpochBook:
         if epoch is None:
             return
         epoch.end_s = now
-        epoch.record = EpochRecord(
+        epoch.ended = dict(
             index=epoch.index,
             label=epoch.label,
             start_s=epoch.start_s,
             end_s=now,
             end_reason=reason,
-            processes=(),
             devices=devices,
             device_peak_used_bytes=dict(epoch.device_peak),
             samples=epoch.samples,
@@ -347,19 +345,18 @@ class EpochBook:
 
     def records(self, table: ProcessTable, *, last: int | None = None) -> tuple[EpochRecord, ...]:
         """The closed epochs (the latest ``last`` of them), frozen."""
-        closed = [epoch for epoch in self.epochs if epoch.record is not None]
+        closed = [epoch for epoch in self.epochs if epoch.ended is not None]
         return tuple(self._freeze(epoch, table) for epoch in closed[-last if last else 0 :])
 
     def _freeze(self, epoch: _Epoch, table: ProcessTable) -> EpochRecord:
-        record = epoch.record
-        assert record is not None
-        end_s = record.end_s
+        end_s, ended = epoch.end_s, epoch.ended
+        assert end_s is not None and ended is not None
         processes = tuple(
             self._process(table, table.procs[key], row, epoch.index, epoch.start_s, end_s, end_s)
             for key, row in sorted(epoch.rows.items())
             if row.held is not None and table.procs[key].own  # NOTE [claims]: still ours
         )
-        return dataclasses.replace(record, processes=processes)
+        return EpochRecord(**ended, processes=processes)
 
     def _process(
         self,
@@ -387,7 +384,7 @@ class EpochBook:
         # descendant then, and is a worker from birth.
         if held["role"] == "descendant" and proc.key in table.workers:
             held = {**held, "role": "worker"}
-        copy = dataclasses.replace(row.copy)
+        copy = _Copy(row.copy.peak_bytes, row.copy.over_s, row.copy.last)  # row's stays
         for at_s, memory in ((end_s, row.rollup if alive else None), (row.report_at_s, row.report)):
             copy.fold(proc, memory, at_s, self.copy_tolerance_bytes)
         exited_s, rank = proc.exited_s, proc.rank

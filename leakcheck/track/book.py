@@ -454,6 +454,7 @@ def final_processes(
             continue
         inside = opened.rows.get(key) if opened is not None else None
         row = _Row(
+            peak=dict(proc.gpu_bytes),  # a device's 0 too, as NVML listed it
             held=_held(proc, table.role(proc)),
             status=status.get(key),
             rollup=rollup.get(key),

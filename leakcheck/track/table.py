@@ -297,19 +297,15 @@ class ProcessTable:
         missing: list[int] = []
         for pid, per_device in by_pid.items():
             key = self.by_pid.get(pid)
-            known = self.procs.get(key) if key is not None else None
-            if known is not None and known.exited_s is not None and procs.process_key(pid) == key:
+            target = self.procs.get(key) if key is not None else None
+            if target is not None and target.exited_s is not None and procs.process_key(pid) == key:
                 continue  # exiting: NVML lists it until its context is gone
-            target = (
-                known
-                if known is not None and known.exited_s is None
-                else self._adopt_gpu_pid(pid, now)
-            )
+            if target is None or target.exited_s is not None:
+                target = self._adopt_gpu_pid(pid, now)
             if target is None:
                 missing.append(pid)
                 continue
-            target.gpu_bytes = per_device
-            target.gpu_unknown = pid in unknown
+            target.gpu_bytes, target.gpu_unknown = per_device, pid in unknown
         return missing
 
     def _adopt_gpu_pid(self, pid: int, now: float) -> Proc | None:

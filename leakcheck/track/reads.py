@@ -184,11 +184,9 @@ class NvmlReads:
         result, end_s, cpu_s = self._timed(
             lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
         )
-        seen = any(e.kind != "compute" for e in result) if result is not None and graphics else None
-        pacing.lists_read(
-            end_s, cpu_s, used_before=used_before, ok=result is not None,
-            graphics_seen=seen,
-        )  # fmt: skip
+        ok = result is not None
+        seen = any(e.kind != "compute" for e in result or ()) if ok and graphics else None
+        pacing.lists_read(end_s, cpu_s, used_before=used_before, ok=ok, graphics_seen=seen)
         return result
 
     def device_states(self) -> tuple[DeviceState, ...]:

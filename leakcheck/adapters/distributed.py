@@ -26,7 +26,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from leakcheck.core.errors import UsageError
+from leakcheck.core.errors import UsageError, one_line
+from leakcheck.core.files import write_json
 from leakcheck.core.model import RankInfo
 from leakcheck.core.ranks import rank_from_environ
 from leakcheck.judge.job import JobReport, RankReport, judge_job
@@ -111,12 +112,8 @@ def gather_reports(
     rank = entry.info.rank
     target = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
     if target and os.path.isdir(target):
-        path = os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json")
-        temp = os.path.join(target, f".{os.path.basename(path)}.tmp")
-        try:
-            with open(temp, "w", encoding="utf-8") as handle:
-                json.dump(entry.to_dict(), handle)
-            os.replace(temp, path)  # atomically: a merging side never reads half a file
+        try:  # atomically: a merging side never reads half a file
+            write_json(os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json"), entry.to_dict())
         except OSError as error:
             warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
     else:
@@ -129,7 +126,7 @@ def gather_reports(
         where = f"; each rank's report is in {target}" if target else ""
         warnings.warn(
             f"leakcheck: rank {rank}: reports not gathered through "
-            f"torch.distributed ({type(error).__name__}: {error}){where}",
+            f"torch.distributed ({one_line(error)}){where}",
             stacklevel=2,
         )
         return judge_job([entry]) if rank == dst else None
@@ -140,7 +137,7 @@ def gather_reports(
     except Exception as error:  # a peer's report that cannot be read: never into the job
         warnings.warn(
             f"leakcheck: rank {rank}: gathered reports not judged "
-            f"({type(error).__name__}: {error}); this rank's alone",
+            f"({one_line(error)}); this rank's alone",
             stacklevel=2,
         )
         return judge_job([entry])
@@ -150,10 +147,9 @@ _gathers = 0  # gathers this process began: every rank calls them in the same or
 
 
 def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
-    """``gather_object`` of every rank's report onto ``dst``; None on the other ranks.
+    """Every rank's report on ``dst`` (None elsewhere) once all counted in (NOTE [rank gathering]).
 
-    Every rank first counts itself in through the store, and waits at most ``timeout_s`` for
-    the others (NOTE [rank gathering]): a ``TimeoutError`` where some rank did not come.
+    ``TimeoutError``: some rank did not come within ``timeout_s``.
     """
     global _gathers
     _gathers += 1

@@ -15,7 +15,6 @@ showed and when one first passed the copy tolerance.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,6 @@ from leakcheck.core.model import (
     TeardownRecord,
 )
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
-from leakcheck.track.reads import reported_memory
 from leakcheck.track.table import Proc, ProcessTable
 
 __all__ = ["EpochBook", "final_processes"]
@@ -59,6 +57,21 @@ def _host_fields(
     }
 
 
+def _held(proc: Proc, role: Role) -> dict[str, Any]:
+    """The ``ProcessEpoch`` fields of where ``proc`` stands now and, if alive, what it holds."""
+    alive = proc.exited_s is None
+    return {
+        "role": role,
+        "ppid": proc.ppid,
+        "alive_at_end": alive,
+        "gpu_bytes_end": dict(proc.gpu_bytes) if alive else {},
+        "gpu_bytes_unknown": alive and proc.gpu_unknown,
+        "nvidia_fds": proc.nvidia_fds if alive else None,
+        "open_fds": proc.open_fds if alive else None,
+        "fd_limit": proc.fd_limit if alive else None,
+    }
+
+
 @dataclass
 class _Copy:
     """What the readings of one forked worker showed it copied (NOTE [copy on read])."""
@@ -78,29 +91,18 @@ class _Copy:
         if copied > tolerance and (self.over_s is None or at_s < self.over_s):
             self.over_s = at_s
 
-
-def _copy_fields(
-    proc: Proc,
-    inside: _Copy | None,
-    readings: Iterable[tuple[float, HostMemory | None]],
-    *,
-    start_s: float,
-    tolerance_bytes: int,
-) -> dict[str, Any]:
-    """The copy fields of a ``ProcessEpoch``: the in-epoch reads' and later ``(time, reading)``s."""
-    copy = dataclasses.replace(inside) if inside is not None else _Copy()
-    for at_s, memory in readings:
-        copy.fold(proc, memory, at_s, tolerance_bytes)  # a forked worker's, with its birth's
-    birth, last, over_s = proc.birth_host, copy.last, copy.over_s
-    return {
-        "forked": proc.forked,
-        "private_bytes_birth": birth.uss_bytes if birth is not None else None,
-        "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
-        "copied_bytes_end": last[0] if last is not None else None,
-        "shared_bytes_end": last[1] if last is not None else None,
-        "copied_bytes_peak": copy.peak_bytes if last is not None else None,
-        "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
-    }
+    def fields(self, proc: Proc, start_s: float) -> dict[str, Any]:
+        """The copy fields of a ``ProcessEpoch`` that started at ``start_s``."""
+        birth, last, over_s = proc.birth_host, self.last, self.over_s
+        return {
+            "forked": proc.forked,
+            "private_bytes_birth": birth.uss_bytes if birth is not None else None,
+            "shared_bytes_birth": birth.shared_dirty_bytes if birth is not None else None,
+            "copied_bytes_end": last[0] if last is not None else None,
+            "shared_bytes_end": last[1] if last is not None else None,
+            "copied_bytes_peak": self.peak_bytes if last is not None else None,
+            "copied_over_after_s": max(0.0, over_s - start_s) if over_s is not None else None,
+        }
 
 
 @dataclass
@@ -110,13 +112,12 @@ class _Row:
     peak: dict[int, int] = field(default_factory=dict)
     listed: bool = False  # NVML listed it at some read
     reported: bool = False  # the peak includes its own report
-    end: Proc | None = None  # a copy of its state at the end
-    role: Role = "descendant"  # its role at the end
+    held: dict[str, Any] | None = None  # its _held() at the end
     status: HostMemory | None = None  # the end's /proc/PID/status read
     rollup: HostMemory | None = None  # the end's smaps_rollup read, made after it
     report: HostMemory | None = None
-    report_at_s: float | None = None
-    copy: _Copy | None = None  # the in-epoch reads'
+    report_at_s: float = 0.0
+    copy: _Copy = field(default_factory=_Copy)  # the in-epoch reads'
 
 
 @dataclass
@@ -127,15 +128,11 @@ class _Epoch:
     label: str
     start_s: float
     end_s: float | None = None
-    reason: EndReason = "completed"
-    error: str | None = None
-    batches: int | None = None
     rows: dict[ProcessKey, _Row] = field(default_factory=dict)
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
-    devices: tuple[DeviceState, ...] = ()
     pinned: tuple[int, int] | None = None  # torch_state.pinned_host_bytes() at the end
-    shm: dict[str, Any] | None = None  # its EpochRecord fields (ShmWatch.epoch_end)
+    ended: dict[str, Any] | None = None  # once ended, its EpochRecord's fields but processes
 
     def row(self, key: ProcessKey) -> _Row:
         row = self.rows.get(key)
@@ -148,33 +145,6 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
     for device, used in values.items():
         if used > peak.get(device, 0):
             peak[device] = used
-
-
-def _held(state: Proc, role: Role) -> dict[str, Any]:
-    """The ``ProcessEpoch`` fields of where ``state`` stood and, if alive, what it held."""
-    alive = state.exited_s is None
-    return {
-        "role": role,
-        "ppid": state.ppid,
-        "alive_at_end": alive,
-        "gpu_bytes_end": dict(state.gpu_bytes) if alive else {},
-        "gpu_bytes_unknown": alive and state.gpu_unknown,
-        "nvidia_fds": state.nvidia_fds if alive else None,
-        "open_fds": state.open_fds if alive else None,
-        "fd_limit": state.fd_limit if alive else None,
-    }
-
-
-def _identity(table: ProcessTable, proc: Proc) -> dict[str, Any]:
-    """The ``ProcessEpoch`` fields of who ``proc`` is, alike in every record of it."""
-    return {
-        "key": proc.key,
-        "cmdline": proc.cmdline,
-        "persistent": table.persistent(proc),
-        "rank": proc.rank.rank if proc.rank is not None else None,
-        "rank_device": proc.rank.device if proc.rank is not None else None,
-        "born_epoch": None if proc.pre_existing else proc.birth_epoch,  # NOTE [born epoch]
-    }
 
 
 class EpochBook:
@@ -250,13 +220,29 @@ class EpochBook:
         host: Mapping[ProcessKey, HostMemory] | None = None,
         shm: dict[str, Any] | None = None,
     ) -> None:
-        """Close the open epoch with the state of every process it saw, read just now."""
+        """Close the open epoch with the state of every process it saw, read just now.
+
+        ``shm``: its ``EpochRecord`` fields (``ShmWatch.epoch_end``).
+        """
         epoch = self.open
         if epoch is None:
             return
-        epoch.end_s, epoch.reason, epoch.error = now, reason, error
-        epoch.devices, epoch.batches, epoch.shm = devices, batches, shm
-        host = host or {}
+        epoch.end_s = now
+        epoch.ended = dict(
+            index=epoch.index,
+            label=epoch.label,
+            start_s=epoch.start_s,
+            end_s=now,
+            end_reason=reason,
+            devices=devices,
+            device_peak_used_bytes=dict(epoch.device_peak),
+            samples=epoch.samples,
+            error=error,
+            batches=batches,
+            **(shm or {}),
+            pinned_allocated_bytes=epoch.pinned[0] if epoch.pinned else None,
+            pinned_reserved_bytes=epoch.pinned[1] if epoch.pinned else None,
+        )
         # Ownership as it stands now: a worker's report may have corrected a claim (NOTE
         # [claims]).
         table.refresh_ownership()
@@ -265,11 +251,8 @@ class EpochBook:
             epoch.row(key)
         for key, row in epoch.rows.items():
             proc = table.procs[key]
-            row.end, row.role = (
-                dataclasses.replace(proc, gpu_bytes=dict(proc.gpu_bytes)),
-                table.role(proc),
-            )
-            row.status = host.get(key) if proc.exited_s is None else None
+            row.held = _held(proc, table.role(proc))
+            row.status = (host or {}).get(key) if proc.exited_s is None else None
         self.open = None
 
     def apply_rollup(self, index: int, found: Mapping[ProcessKey, HostMemory]) -> bool:
@@ -292,11 +275,8 @@ class EpochBook:
             return
         for key, memory in found.items():
             proc = table.procs.get(key)
-            if proc is None or proc.forked is not True or proc.birth_host is None:
-                continue
-            row = epoch.row(key)
-            row.copy = row.copy or _Copy()
-            row.copy.fold(proc, memory, at_s, self.copy_tolerance_bytes)
+            if proc is not None and proc.forked is True and proc.birth_host is not None:
+                epoch.row(key).copy.fold(proc, memory, at_s, self.copy_tolerance_bytes)
 
     def apply_report(
         self,
@@ -334,7 +314,18 @@ class EpochBook:
         """
         self.teardowns.append(teardown)
         held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
-        host = reported_memory(teardown)
+        host = None
+        if teardown.host_rss_bytes is not None or teardown.host_uss_bytes is not None:
+            host = HostMemory(
+                uss_bytes=teardown.host_uss_bytes,
+                pss_bytes=teardown.host_pss_bytes,
+                rss_bytes=teardown.host_rss_bytes,
+                swap_bytes=None,
+                source="smaps_rollup" if teardown.host_uss_bytes is not None else "status",
+                rss_peak_bytes=teardown.host_rss_peak_bytes,
+                shared_dirty_bytes=teardown.host_shared_dirty_bytes,
+                private_dirty_bytes=teardown.host_private_dirty_bytes,
+            )
         if teardown.monotonic_s is None or (held is None and host is None):
             return
         self.apply_report(teardown.key, teardown.monotonic_s - t0_s, held or {}, host)
@@ -354,76 +345,64 @@ class EpochBook:
 
     def records(self, table: ProcessTable, *, last: int | None = None) -> tuple[EpochRecord, ...]:
         """The closed epochs (the latest ``last`` of them), frozen."""
-        closed = [epoch for epoch in self.epochs if epoch.end_s is not None]
+        closed = [epoch for epoch in self.epochs if epoch.ended is not None]
         return tuple(self._freeze(epoch, table) for epoch in closed[-last if last else 0 :])
 
     def _freeze(self, epoch: _Epoch, table: ProcessTable) -> EpochRecord:
-        end_s = epoch.end_s
-        assert end_s is not None
-        # Not one another tracker's worker report took since (NOTE [claims]).
-        processes = [
-            self._process_epoch(epoch, table.procs[key], row, table, end_s)
+        end_s, ended = epoch.end_s, epoch.ended
+        assert end_s is not None and ended is not None
+        processes = tuple(
+            self._process(table, table.procs[key], row, epoch.index, epoch.start_s, end_s, end_s)
             for key, row in sorted(epoch.rows.items())
-            if row.end is not None and table.procs[key].own
-        ]
-        return EpochRecord(
-            index=epoch.index,
-            label=epoch.label,
-            start_s=epoch.start_s,
-            end_s=end_s,
-            end_reason=epoch.reason,
-            processes=tuple(processes),
-            devices=epoch.devices,
-            device_peak_used_bytes=dict(epoch.device_peak),
-            samples=epoch.samples,
-            error=epoch.error,
-            batches=epoch.batches,
-            **(epoch.shm or {}),
-            pinned_allocated_bytes=epoch.pinned[0] if epoch.pinned else None,
-            pinned_reserved_bytes=epoch.pinned[1] if epoch.pinned else None,
+            if row.held is not None and table.procs[key].own  # NOTE [claims]: still ours
         )
+        return EpochRecord(**ended, processes=processes)
 
-    def _process_epoch(
-        self, epoch: _Epoch, proc: Proc, row: _Row, table: ProcessTable, end_s: float
+    def _process(
+        self,
+        table: ProcessTable,
+        proc: Proc,
+        row: _Row,
+        index: int | None,
+        start_s: float,
+        end_s: float,
+        seen_s: float | None,
     ) -> ProcessEpoch:
-        state = row.end
-        assert state is not None
-        alive = state.exited_s is None
+        """``proc``'s record of epoch ``index`` (None: a final state at ``end_s``).
+
+        ``last_seen_after_s`` counts from ``seen_s``; copies' times from ``start_s``.
+        """
+        held = row.held
+        assert held is not None
+        alive = held["alive_at_end"]
         peak = dict(row.peak)
-        if alive:
-            _raise_peak(peak, state.gpu_bytes)  # peak >= end, always
-        source: PeakSource
-        if row.reported:
-            source = "reported"
-        elif alive or row.listed:
-            source = "sampled"
-        else:
+        _raise_peak(peak, held["gpu_bytes_end"])  # peak >= end, always
+        source: PeakSource = "reported" if row.reported else "sampled"
+        if not (row.reported or alive or row.listed):
             source, peak = "unknown", {}  # gone unseen and unreported: not known, never 0
-        exited_s = proc.exited_s
         # Identity as of now: a worker whose record came after its epoch ended was a plain
         # descendant then, and is a worker from birth.
-        role = row.role
-        if role == "descendant" and proc.key in table.workers:
-            role = "worker"
+        if held["role"] == "descendant" and proc.key in table.workers:
+            held = {**held, "role": "worker"}
+        copy = _Copy(row.copy.peak_bytes, row.copy.over_s, row.copy.last)  # row's stays
+        for at_s, memory in ((end_s, row.rollup if alive else None), (row.report_at_s, row.report)):
+            copy.fold(proc, memory, at_s, self.copy_tolerance_bytes)
+        exited_s, rank = proc.exited_s, proc.rank
         return ProcessEpoch(
-            **_held(state, role),
-            **_identity(table, proc),
-            born_in_epoch=proc.born_epoch == epoch.index and not proc.pre_existing,
+            **held,
+            key=proc.key,
+            cmdline=proc.cmdline,
+            persistent=table.persistent(proc),
+            rank=rank.rank if rank is not None else None,
+            rank_device=rank.device if rank is not None else None,
+            born_epoch=None if proc.pre_existing else proc.birth_epoch,  # NOTE [born epoch]
+            born_in_epoch=index is not None and proc.born_epoch == index and not proc.pre_existing,
             exited_after_s=exited_s - end_s if exited_s is not None and exited_s >= end_s else None,
-            last_seen_after_s=(proc.last_seen_s - end_s) if alive else None,
+            last_seen_after_s=proc.last_seen_s - seen_s if alive and seen_s is not None else None,
             gpu_bytes_peak=peak,
             gpu_peak_source=source,
             **_host_fields(row.status, row.rollup, row.report, alive=alive),
-            **_copy_fields(
-                proc,
-                row.copy,
-                [
-                    (end_s, row.rollup if alive else None),
-                    (row.report_at_s if row.report_at_s is not None else end_s, row.report),
-                ],
-                start_s=epoch.start_s,
-                tolerance_bytes=self.copy_tolerance_bytes,
-            ),
+            **copy.fields(proc, start_s),
         )
 
     def pending_survivors(self, table: ProcessTable) -> tuple[list[Proc], float]:
@@ -448,7 +427,6 @@ class EpochBook:
             ):
                 continue
             end_s = ends[born]
-            assert end_s is not None
             if proc.last_seen_s - end_s > self.grace_s:
                 continue  # already seen alive past the grace: the evidence is in
             pending.append(proc)
@@ -469,27 +447,19 @@ def final_processes(
     ``status`` and ``rollup``: their host memory read now; copies count the open epoch's
     readings and this one, from ``now``.
     """
-    processes: list[ProcessEpoch] = []
     opened = book.open
+    processes = []
     for key, proc in sorted(table.live.items()):
         if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
             continue
-        row = opened.rows.get(key) if opened is not None else None
-        processes.append(
-            ProcessEpoch(
-                **_held(proc, table.role(proc)),
-                **_identity(table, proc),
-                born_in_epoch=False,
-                last_seen_after_s=(proc.last_seen_s - last_end_s) if last_end_s else None,
-                gpu_bytes_peak=dict(proc.gpu_bytes),
-                **_host_fields(status.get(key), rollup.get(key), None, alive=True),
-                **_copy_fields(
-                    proc,
-                    row.copy if row is not None else None,
-                    [(now, rollup.get(key))],
-                    start_s=opened.start_s if opened is not None else now,
-                    tolerance_bytes=book.copy_tolerance_bytes,
-                ),
-            )
+        inside = opened.rows.get(key) if opened is not None else None
+        row = _Row(
+            peak=dict(proc.gpu_bytes),  # a device's 0 too, as NVML listed it
+            held=_held(proc, table.role(proc)),
+            status=status.get(key),
+            rollup=rollup.get(key),
+            copy=inside.copy if inside is not None else _Copy(),
         )
+        start_s = opened.start_s if opened is not None else now
+        processes.append(book._process(table, proc, row, None, start_s, now, last_end_s))
     return tuple(processes)

@@ -6,6 +6,7 @@ NVML (NOTE [nvml pacing] in pacing.py) and host memory (NOTE [host pacing]).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -20,7 +21,6 @@ from leakcheck.core.model import (
     DeviceState,
     GpuProcess,
     ProcessKey,
-    TeardownRecord,
     TrackerCost,
 )
 from leakcheck.observe import hostmem, nvml
@@ -28,7 +28,7 @@ from leakcheck.observe.hostmem import HostMemory
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.table import ProcessTable
 
-__all__ = ["CostMeter", "Failures", "HostReads", "NvmlReads", "RollupPlan", "reported_memory"]
+__all__ = ["CostMeter", "Failures", "HostReads", "NvmlReads", "RollupPlan"]
 
 _MAX_FAILURES = 50
 _T = TypeVar("_T")
@@ -41,18 +41,12 @@ class CostMeter:
         self._lock = threading.Lock()
         self._calls = threading.local()
         self.sampler_thread: threading.Thread | None = None
-        self._totals = dict.fromkeys(
-            ("sample_wall_s", "sampler_cpu_s", "caller_wall_s", "nvml_wall_s", "nvml_cpu_s",
-             "host_read_cpu_s"),
-            0.0,
-        )  # fmt: skip
-        self._samples = 0
+        self._totals = dict.fromkeys((f.name for f in dataclasses.fields(TrackerCost)), 0.0)
 
-    def add(self, *, samples: int = 0, **seconds: float) -> None:
+    def add(self, **counts: float) -> None:
         """Add to the counters (``TrackerCost`` field names)."""
         with self._lock:
-            self._samples += samples
-            for name, value in seconds.items():
+            for name, value in counts.items():
                 self._totals[name] += value
 
     def enter_call(self) -> bool:
@@ -70,7 +64,8 @@ class CostMeter:
     def snapshot(self) -> TrackerCost:
         """The counters now."""
         with self._lock:
-            return TrackerCost(samples=self._samples, **self._totals)
+            totals = dict(self._totals)
+        return TrackerCost(samples=int(totals.pop("samples")), **totals)
 
 
 class Failures:
@@ -189,13 +184,9 @@ class NvmlReads:
         result, end_s, cpu_s = self._timed(
             lambda: handle.processes(self.devices, graphics=graphics), "nvml processes"
         )
-        graphics_seen = None
-        if result is not None and graphics:
-            graphics_seen = any(entry.kind != "compute" for entry in result)
-        pacing.lists_read(
-            end_s, cpu_s, used_before=used_before, ok=result is not None,
-            graphics_seen=graphics_seen,
-        )  # fmt: skip
+        ok = result is not None
+        seen = any(e.kind != "compute" for e in result or ()) if ok and graphics else None
+        pacing.lists_read(end_s, cpu_s, used_before=used_before, ok=ok, graphics_seen=seen)
         return result
 
     def device_states(self) -> tuple[DeviceState, ...]:
@@ -250,7 +241,7 @@ class HostReads:
         # them). Re-entrant, and waited for at most _READING_WAIT_S: a close() run by the
         # garbage collector inside a read, or under the sampler's lock, must not hang.
         self._reading = threading.RLock()
-        self.rollup_cpu_s = 0.0
+        self.rollup_cpu_s = 0.0  # these three: for benchmarks/bench_hostmem.py
         self.rollup_reads = 0  # epoch ends (and final states) whose USS reads were made
         self.inside_reads = 0
         self._inside_last_s: float | None = None
@@ -269,7 +260,6 @@ class HostReads:
 
         A plan still unread is dropped: it would show a later moment as its end's.
         """
-        self.pending = None
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
         warm_up = epoch_index < self.always_read.start and not self.pacing.unpaced_rollups
         due = epoch_index in self.always_read or (
@@ -279,9 +269,8 @@ class HostReads:
         keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
         for key in keys:
             table.procs[key].end_read = True
-        if keys:
-            self.pending = RollupPlan(epoch_index, tuple(keys))
-        return self.pending is not None
+        self.pending = RollupPlan(epoch_index, tuple(keys)) if keys else None
+        return bool(keys)
 
     def plan_inside(
         self, table: ProcessTable, epoch_index: int | None, started_s: float | None, now_s: float
@@ -350,19 +339,3 @@ class HostReads:
         self.rollup_cpu_s += cpu_s
         self.rollup_reads += count
         return found
-
-
-def reported_memory(record: TeardownRecord) -> HostMemory | None:
-    """A worker's own report of its host memory at exit; None: none."""
-    if record.host_rss_bytes is None and record.host_uss_bytes is None:
-        return None
-    return HostMemory(
-        uss_bytes=record.host_uss_bytes,
-        pss_bytes=record.host_pss_bytes,
-        rss_bytes=record.host_rss_bytes,
-        swap_bytes=None,
-        source="smaps_rollup" if record.host_uss_bytes is not None else "status",
-        rss_peak_bytes=record.host_rss_peak_bytes,
-        shared_dirty_bytes=record.host_shared_dirty_bytes,
-        private_dirty_bytes=record.host_private_dirty_bytes,
-    )

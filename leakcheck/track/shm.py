@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leakcheck.core.model import Role, ShmFile
+from leakcheck.core.model import ShmFile
 from leakcheck.observe import hostmem, procs
 from leakcheck.observe.procs import ShmSegment
 from leakcheck.track.table import ProcessTable
@@ -29,8 +29,7 @@ class ShmWatch:
         self.before: dict[str, ShmSegment] = {}
         self.total_bytes: int | None = None
         self.used_peak_bytes: int | None = None
-        # (name, inode) -> the first holder of the job seen: the file is the job's.
-        self.held: dict[tuple[str, int], tuple[int, Role]] = {}
+        self.held: set[tuple[str, int]] = set()  # (name, inode) a process of the job held
 
     def start(self) -> None:
         """Take the baseline: the files already there are never the job's."""
@@ -79,31 +78,23 @@ class ShmWatch:
             return ()
         live = {key.pid: key for key in table.job_live()}
         holders = procs.shm_open_by(live, self.directory)
-        held_now: dict[str, int] = {}
-        for holder, names in holders.items():
-            for name in names:
-                held_now.setdefault(name, holder)
+        # Each name's first holder: the first PID wins as the last written.
+        held_now = {name: pid for pid, names in reversed(holders.items()) for name in names}
         ever = {key.pid for key, proc in table.procs.items() if proc.own and not proc.foreign}
         found: list[ShmFile] = []
         for item in new:
             pid = held_now.get(item.name)
-            role: Role | None = None
             if pid is not None:
-                role = table.role(table.procs[live[pid]])
-                self.held.setdefault((item.name, item.inode), (pid, role))
-            ours = (
-                pid is not None
-                or (item.name, item.inode) in self.held
-                or bool(hostmem.shm_name_pids(item.name) & ever)
-            )
+                self.held.add((item.name, item.inode))
             found.append(
                 ShmFile(
                     name=item.name,
                     size_bytes=item.size_bytes,
                     allocated_bytes=item.allocated_bytes if item.allocated_bytes >= 0 else None,
                     holder_pid=pid,
-                    holder_role=role,
-                    attributable=ours,
+                    holder_role=table.role(table.procs[live[pid]]) if pid is not None else None,
+                    attributable=(item.name, item.inode) in self.held
+                    or bool(hostmem.shm_name_pids(item.name) & ever),
                     in_use=closing and pid is not None,
                 )
             )

@@ -7,6 +7,7 @@ sampler's walks, NVML's lists and the mailbox; roles and persistence are answere
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,6 @@ class Proc:
     key: ProcessKey
     ppid: int
     cmdline: str
-    first_seen_s: float
     last_seen_s: float
     born_epoch: int | None = None  # open when it was placed: the first to list it
     pre_existing: bool = False
@@ -43,7 +43,7 @@ class Proc:
     fd_limit: int | None = None  # soft RLIMIT_NOFILE at the last end (None: unlimited)
     cmdline_confirmed: bool = False  # read after it exec'd (differs from its parent's)
     rank: RankInfo | None = None
-    rank_pending: bool = False  # maybe between fork and exec (NOTE [rank read])
+    rank_until_s: float | None = None  # maybe between fork and exec (NOTE [rank read])
     forked: bool | None = None  # a worker started by fork, as its birth report says
     birth_host: HostMemory | None = None  # at its birth (NOTE [copy on read] in hostmem.py)
     end_read: bool = False  # an epoch end's smaps_rollup read has seen it
@@ -117,14 +117,7 @@ class ProcessTable:
         claims.add_root(root, session)
 
     def _place(self, info: ProcInfo, now: float, **fields: Any) -> Proc:
-        proc = Proc(
-            key=info.key,
-            ppid=info.ppid,
-            cmdline=(info.cmdline or info.name).strip(),
-            first_seen_s=now,
-            last_seen_s=now,
-            **fields,
-        )
+        proc = Proc(info.key, info.ppid, (info.cmdline or info.name).strip(), now, **fields)
         self.procs[info.key] = self.live[info.key] = proc
         self.by_pid[info.key.pid] = info.key
         self.changed = True
@@ -154,9 +147,8 @@ class ProcessTable:
             # Gone before it could be read (known from its record only): its parent's rank.
             rank=_rank_of(info.key.pid) or (parent_proc.rank if parent_proc else None),
         )
-        proc.rank_pending = (
-            proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline
-        )
+        if proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline:
+            proc.rank_until_s = now + _RANK_EXEC_WINDOW_S
         return proc
 
     def apply_walk(
@@ -182,7 +174,7 @@ class ProcessTable:
                 proc = self.add(full, now=now, born_epoch=born_epoch)
                 added.append(proc)
             proc.ppid, proc.last_seen_s, proc.in_lineage = info.ppid, now, True
-            if proc.rank_pending:
+            if proc.rank_until_s is not None:
                 self._read_rank_after_exec(proc, now)
             current.add(info.key)
         self.procs[self.root].last_seen_s = now
@@ -207,13 +199,13 @@ class ProcessTable:
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
         """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
-        if now - proc.first_seen_s > _RANK_EXEC_WINDOW_S:
-            proc.rank_pending = False
+        if now > (proc.rank_until_s or 0.0):
+            proc.rank_until_s = None
             return
         rank = _rank_of(proc.key.pid)
         if rank is None:
             return  # not exec'd yet, or not a rank: looked at again until the window closes
-        proc.rank, proc.rank_pending = rank, False
+        proc.rank, proc.rank_until_s = rank, None
         info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
         if info is not None and info.key == proc.key and info.cmdline:
             proc.cmdline = info.cmdline.strip()
@@ -264,7 +256,7 @@ class ProcessTable:
                 self.mark_exited(proc, now)
                 claims.forget([key])  # seen gone: its claim is kept only a while
         proc.own = True
-        proc.rank_pending = False  # a worker never becomes a rank (NOTE [rank read])
+        proc.rank_until_s = None  # a worker never becomes a rank (NOTE [rank read])
         self.changed = True
         return proc
 
@@ -305,19 +297,15 @@ class ProcessTable:
         missing: list[int] = []
         for pid, per_device in by_pid.items():
             key = self.by_pid.get(pid)
-            known = self.procs.get(key) if key is not None else None
-            if known is not None and known.exited_s is not None and procs.process_key(pid) == key:
+            target = self.procs.get(key) if key is not None else None
+            if target is not None and target.exited_s is not None and procs.process_key(pid) == key:
                 continue  # exiting: NVML lists it until its context is gone
-            target = (
-                known
-                if known is not None and known.exited_s is None
-                else self._adopt_gpu_pid(pid, now)
-            )
+            if target is None or target.exited_s is not None:
+                target = self._adopt_gpu_pid(pid, now)
             if target is None:
                 missing.append(pid)
                 continue
-            target.gpu_bytes = per_device
-            target.gpu_unknown = pid in unknown
+            target.gpu_bytes, target.gpu_unknown = per_device, pid in unknown
         return missing
 
     def _adopt_gpu_pid(self, pid: int, now: float) -> Proc | None:
@@ -347,32 +335,26 @@ class ProcessTable:
 
     def others_gpu_bytes(self) -> dict[int, int]:
         """GPU bytes per device of the live processes another tracker or rank owns."""
-        total: dict[int, int] = {}
+        total: Counter[int] = Counter()
         for proc in self.live.values():
-            if proc.own or proc.foreign:
-                continue
-            for device, used in proc.gpu_bytes.items():
-                total[device] = total.get(device, 0) + used
-        return total
+            if not (proc.own or proc.foreign):
+                total.update(proc.gpu_bytes)
+        return dict(total)
 
     def count_nvidia_fds(self) -> None:
         """Count each own live process's descriptors, ``/dev/nvidia*`` ones apart."""
+        # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's
+        # inherited copies of them (its command line is still the root's).
+        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
+        root_cmdline = self.procs[self.root].cmdline
         for proc in self.job_live().values():
             table = procs.descriptors(proc.key.pid)  # one listing for both counts
             if table is None:
                 proc.nvidia_fds = proc.open_fds = proc.fd_limit = None
                 continue
-            proc.nvidia_fds = self._job_nvidia_fds(proc, table.nvidia)
+            forked = proc.cmdline == root_cmdline
+            proc.nvidia_fds = len(set(table.nvidia) - own) if forked else len(table.nvidia)
             proc.open_fds, proc.fd_limit = table.open_count, table.limit
-
-    def _job_nvidia_fds(self, proc: Proc, found: dict[int, str]) -> int:
-        # Less leakcheck's NVML ones (NOTE [descriptors]): the root's, and a forked child's
-        # inherited copies of them.
-        own = nvml.own_descriptors() if self.root.pid == os.getpid() else frozenset()
-        if proc.key == self.root:
-            return len(set(found) - own)
-        forked = proc.cmdline == self.procs[self.root].cmdline
-        return len(set(found) - own) if forked else len(found)
 
     def confirm_cmdlines(self) -> None:
         """Re-read the command lines that may still be a parent's (seen between fork and exec)."""

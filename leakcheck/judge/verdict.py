@@ -1,9 +1,7 @@
 """Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
-``judge`` runs them all and orders the findings. Rules on GPU memory need NVML and find nothing
-without it; the host rules always run. Each rule yields its findings (``_rule``), built by one
-builder (``_finding``); the rules on processes share one walk (``_Walk``: every observation of
-every process).
+``judge`` runs them all and orders the findings. Each rule yields its findings (``_rule``), built
+by ``_finding``; the rules on processes share one walk (``_Walk``) of every observation.
 """
 
 from __future__ import annotations
@@ -197,16 +195,10 @@ def _worker_pids(obs: Sequence[_Seen]) -> set[int]:
 
 @dataclass(frozen=True)
 class EpochCounts:
-    """What an epoch's end left running, in hindsight of every later observation.
+    """What an epoch's end left running, in hindsight of every later observation."""
 
-    Attributes:
-        alive_after: Non-persistent processes it started, alive past the grace or the job.
-        orphans: The job's reparented processes alive at its end, outside its end's tree.
-
-    """
-
-    alive_after: int = 0
-    orphans: int = 0
+    alive_after: int = 0  # non-persistent processes it started, alive past the grace or the job
+    orphans: int = 0  # the job's reparented processes alive at its end, outside its tree
 
 
 def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
@@ -237,6 +229,24 @@ REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
+
+
+def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
+    if proc.freed_by_gc:
+        return (
+            "break the reference cycle that keeps the loader's iterator alive, or `del` it and "
+            "gc.collect()"
+        )
+    if proc.scope is not None:
+        return REMEDY_SCOPE
+    if proc.role == "descendant" and proc.ppid in workers:
+        # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
+        return REMEDY_WORKER_CHILD
+    if proc.role == "worker":
+        return "end each epoch's iterator (exhaust or `del` it), or set persistent_workers=True"
+    return (
+        "join or terminate the processes and pools the work starts (`with Pool(...)`, proc.join())"
+    )
 
 
 @_rule
@@ -273,32 +283,12 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
-            if proc.freed_by_gc:
-                remedy = (
-                    "break the reference cycle that keeps the loader's iterator alive, or `del` "
-                    "it and gc.collect()"
-                )
-            elif proc.scope is not None:
-                remedy = REMEDY_SCOPE
-            elif proc.role == "descendant" and proc.ppid in _worker_pids(obs):
-                # Under a live (persistent) worker; an orphan once that exits: one cause, one fix.
-                remedy = REMEDY_WORKER_CHILD
-            elif proc.role == "worker":
-                remedy = (
-                    "end each epoch's iterator (exhaust or `del` it), or set "
-                    "persistent_workers=True"
-                )
-            else:
-                remedy = (
-                    "join or terminate the processes and pools the work starts (`with Pool(...)`, "
-                    "proc.join())"
-                )
             message = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
             yield _finding(
                 "survivor",
                 "leak",
                 message,
-                remedy,
+                _survivor_remedy(proc, _worker_pids(obs)),
                 proc,
                 epoch=born.index,
                 scope=proc.scope,
@@ -309,12 +299,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 
 @_rule
 def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
-    """Find lineage processes reparented away from the job and alive past the grace.
-
-    Not a helper that daemonizes by design and pins nothing on the GPU
-    (``roles.DAEMON_HELPERS``); one finding per identity, with the most GPU memory and
-    descriptors it was seen with.
-    """
+    """Find lineage processes reparented away from the job and alive past the grace, once each."""
     walk = _Walk.of(timeline)
     after_job = timeline.final is None or timeline.final.closed
     for key, obs in walk.seen.items():
@@ -376,9 +361,9 @@ _Points = list[tuple[int, int]]
 
 
 def growth_slope(points: _Points, tolerance_bytes: int, *, by_epoch: bool = False) -> float | None:
-    """The least-squares slope (bytes/epoch) of a leaking series of epoch-end bytes, else None.
+    """The least-squares slope (bytes/epoch) of leaking epoch-end bytes, else None.
 
-    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]);
+    A leak needs 3 points, a rise above the tolerance and a late rise (NOTE [late rise]);
     ``by_epoch`` places the points at their epochs, where some are missing (paced USS reads).
     """
     series = [value for _, value in points]
@@ -485,9 +470,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory grows (``growth_slope``).
 
-    On USS where read at 3 or more judged epoch ends, else on resident memory, which the
-    message says; a parent's USS rise needs a resident rise too (NOTE [return of shared
-    pages]). A clean verdict says where USS was not read.
+    On USS where read at 3 or more judged epoch ends, else on resident memory (said); a clean
+    verdict says where USS was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False
@@ -584,8 +568,7 @@ def _private_bytes(proc: ProcessEpoch) -> int:
 def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find forked workers that copied more of their parent's memory than the copy tolerance.
 
-    One finding per parent (loader), from any reading (NOTE [copy on read] in hostmem.py);
-    one info finding for spawned workers, where it cannot be told.
+    One finding per parent (NOTE [copy on read] in hostmem.py); one info for spawned workers.
     """
     tolerance = config.copy_tolerance_bytes
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)
@@ -983,8 +966,7 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def device_mismatch(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find processes of a rank holding more than the tolerance on a GPU not their rank's.
 
-    Usually a bare ``cuda:0`` before ``set_device``. One finding per process and device,
-    with the most held there; a process whose rank's device is unknown is not judged.
+    One finding per process and device; a process whose rank's device is unknown is not judged.
     """
     if not per_pid_bytes_known(timeline):
         return
@@ -1067,11 +1049,7 @@ def tracker_failure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]
 
 @_rule
 def fd_pressure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
-    """Note processes whose open descriptors reached the pressure share of their limit.
-
-    A DataLoader's default sharing strategy passes each shared tensor as a descriptor: at the
-    limit, "Too many open files" or "received 0 items of ancdata". Read at epoch ends only.
-    """
+    """Note processes whose open descriptors (read at epoch ends) reached the pressure share."""
     for obs in _Walk.of(timeline).seen.values():
         shares = [(p.open_fds / p.fd_limit, rec, p) for rec, p in obs if p.open_fds and p.fd_limit]
         if not shares:
@@ -1124,12 +1102,9 @@ def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Run every rule; the findings leaks first, then by epoch, then PID.
-
-    An orphan is not also a survivor (nobody will reap it); a process's start is shown as a
-    Unix time where the boot time is known.
-    """
+    """Run every rule; the findings leaks first, then by epoch, then PID."""
     findings = [f for rule in RULES.values() for f in rule(timeline, config)]
+    # An orphan is not also a survivor (nobody will reap it).
     orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}
     boot = timeline.boot_unix_s
     shown = [

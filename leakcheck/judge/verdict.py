@@ -326,6 +326,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         last = orphaned[-1][1]
         birth = walk.birth(obs)
         left = walk.ends_outside_the_tree(obs, birth) if birth else []
+        still = ""
+        if orphaned[-1][0] is None:
+            still = ", alive after the job" if after_job else ", alive now"
         if left:
             # The epoch it left the tree in; leakcheck run's whole-program "epoch" says
             # nothing a reader could use.
@@ -333,13 +336,10 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         elif first_rec is not None:
             # Birth unknown: only that it had left by the epoch a scan found it outside in.
             since = f" by {first_rec.label}"
+        elif after_job:  # seen only after the job
+            since, still = " after the job", ", still alive"
         else:
-            since = " after the job" if after_job else ""
-        still = ""
-        if orphaned[-1][0] is None:
-            still = ", alive after the job" if after_job else ", alive now"
-            if since == " after the job":
-                still = ", still alive"
+            since = ""
         workers = _worker_pids(obs)
         parent = (
             "worker" if any(p.ppid in workers for _, p in obs if p.role != "orphan") else "parent"
@@ -879,10 +879,9 @@ def shm(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     worst = max(measured, key=lambda item: item[0] / item[1], default=None)
     if worst is not None and worst[0] / worst[1] >= config.shm_pressure_fraction:
         used, total, rec = worst
-        fraction = used / total
         job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
         message = (
-            f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
+            f"/dev/shm was {used / total:.0%} full during {rec.label} ({_size_text(used)} of "
             f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error when it "
             "fills"
         )
@@ -1029,11 +1028,11 @@ def high_clocks(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             continue
         if any(p.gpu_bytes_end.get(dev.index, 0) > 0 for p in lineage):
             continue
-        telemetry = [f"{dev.temperature_c} C"] if dev.temperature_c is not None else []
-        if dev.power_w is not None:
-            telemetry.append(f"{dev.power_w:.0f} W")
         message = f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
-        message += "".join(f", {part}" for part in telemetry)
+        if dev.temperature_c is not None:
+            message += f", {dev.temperature_c} C"
+        if dev.power_w is not None:
+            message += f", {dev.power_w:.0f} W"
         remedy = "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)"
         yield _finding("high-clocks", "info", message, remedy, device_index=dev.index)
 

@@ -283,11 +283,10 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
-            message = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
             yield _finding(
                 "survivor",
                 "leak",
-                message,
+                f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
                 _survivor_remedy(proc, _worker_pids(obs)),
                 proc,
                 epoch=born.index,

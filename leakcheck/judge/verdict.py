@@ -618,17 +618,13 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
                 f"memory ({format_mib(total)} MiB in all)"
             )
-        remedy = (
-            "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-            "before iterating; or fewer workers"
-        )
-        largest = max(leaking, key=lambda c: c.copied_bytes).proc
         yield _finding(
             "copy-on-read",
             "leak",
             f"{who}, {when}",
-            remedy,
-            largest,
+            "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+            "before iterating; or fewer workers",
+            max(leaking, key=lambda c: c.copied_bytes).proc,  # the largest copy's worker
             named=False,
             epoch=first.epoch,
             host_bytes=total,
@@ -712,14 +708,11 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
         # so the rise is reported as advice, not as a leak.
         if unknown_lineage:
             who += "; the job's own bytes are unknown (MIG/vGPU)"
-        message = (
-            f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
-        )
         yield _finding(
             "residual",
             "info" if unknown_lineage else "leak",
-            message,
+            f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}",
             remedy,
             holders[0] if len(holders) == 1 else None,
             named=False,
@@ -920,22 +913,16 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> Iterator[Findin
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             # No count: the processes of one cause share one line (the JSON has each one's
             # `nvidia_fds`).
-            message = (
-                f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
-                "used CUDA"
-            )
-            remedy = "start workers with multiprocessing_context='spawn' or 'forkserver'"
-            epoch = rec.index if rec else None
-            fds = proc.nvidia_fds
             yield _finding(
                 "descriptor-holder",
                 "info",
-                message,
-                remedy,
+                f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
+                "used CUDA",
+                "start workers with multiprocessing_context='spawn' or 'forkserver'",
                 proc,
                 gpu_bytes=0,
-                epoch=epoch,
-                nvidia_fds=fds,
+                epoch=rec.index if rec else None,
+                nvidia_fds=proc.nvidia_fds,
             )
             break
 
@@ -993,18 +980,12 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
-            message = (
-                f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
-                f"on GPU{own}"
-            )
-            remedy = (
-                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
-            )
             yield _finding(
                 "device-mismatch",
                 "leak",
-                message,
-                remedy,
+                f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
+                f"on GPU{own}",
+                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA",
                 proc,
                 gpu_bytes=used,
                 epoch=rec.index if rec else None,

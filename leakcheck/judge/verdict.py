@@ -229,6 +229,19 @@ REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
+REMEDY_GROWTH_PARENT = (
+    "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of outputs"
+)
+REMEDY_GROWTH_WORKER = (
+    "keep worker-side caches on the CPU (move batches to the GPU in the main process), or bound "
+    "them"
+)
+REMEDY_HOST_PARENT = (
+    "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists and caches)"
+)
+REMEDY_HOST_WORKER = (
+    "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
+)
 
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
@@ -433,13 +446,7 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         grown = [(d, delta) for d, delta in grown if delta]
         per_device = ", ".join(f"GPU{d} {format_mib(x, signed=True)} MiB" for d, x in grown)
         per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
-        remedy = (
-            "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of "
-            "outputs"
-            if last.role == "parent"
-            else "keep worker-side caches on the CPU (move batches to the GPU in the main "
-            "process), or bound them"
-        )
+        remedy = REMEDY_GROWTH_PARENT if last.role == "parent" else REMEDY_GROWTH_WORKER
         what = "{grows}" + per_device
         yield _grown("growth", points, slope, what, remedy, last, nvidia_fds=last.nvidia_fds)
     if timeline.attribution != "blind-namespace":
@@ -507,13 +514,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                     note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
         if slope is not None:
             grew = True
-            remedy = (
-                "drop what the loop keeps across epochs (outputs, losses as tensors, growing lists "
-                "and caches)"
-                if last.role == "parent"
-                else "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not "
-                "Python objects"
-            )
+            remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
         elif unread is None and any(proc.host_source == "rss" for _, proc in seen):

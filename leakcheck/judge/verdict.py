@@ -353,9 +353,8 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         else:
             since = ""
         workers = _worker_pids(obs)
-        parent = (
-            "worker" if any(p.ppid in workers for _, p in obs if p.role != "orphan") else "parent"
-        )
+        under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
+        parent = "worker" if under_worker else "parent"
         started = ""
         if last.scope is not None:
             started = f"started by {last.scope}, "

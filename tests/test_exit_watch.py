@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import leakcheck
-from leakcheck.judge.stories import story
+from leakcheck.judge.stories import STORIES
 from tests.polling import wait_for
 from tests.test_run import leakcheck_run, private_tmp  # noqa: F401 - a fixture
 
@@ -166,7 +166,7 @@ def test_the_lightning_callback_says_a_worker_stuck_at_its_epochs_end(tmp_path: 
 
 
 def test_explain_tells_the_shutdown_hang_story() -> None:
-    text = story("shutdown-hang") or ""
+    text = STORIES["shutdown-hang"]
     assert "terminate" in text and "worker_init_fn" in text and "daemon" in text
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import leakcheck
 from leakcheck.core.model import MIB, RuleConfig, Timeline
-from leakcheck.judge.stories import story
+from leakcheck.judge.stories import STORIES
 from leakcheck.judge.verdict import pinned_growth
 from leakcheck.observe.torch_state import pinned_host_bytes
 from tests import timelines as tl
@@ -171,7 +171,7 @@ def test_leakcheck_run_reads_the_programs_pinned_memory(
 
 
 def test_explain_tells_the_pinned_growth_story() -> None:
-    text = story("pinned-growth") or ""
+    text = STORIES["pinned-growth"]
     assert "host_memory_stats" in text and "pin_memory" in text
 
 

@@ -420,11 +420,15 @@ def test_growth_ignores_non_persistent_processes() -> None:
 
 def test_growth_slope_helper() -> None:
     tol = CONFIG.tolerance_bytes
-    assert verdict.growth_slope([0, 10 * tol], CONFIG) is None  # too few points
-    assert verdict.growth_slope([0, tol // 2, tol], CONFIG) is None  # rise == tolerance
-    assert verdict.growth_slope([0, 2 * tol, 2 * tol, 2 * tol, 2 * tol], CONFIG) is None
-    assert verdict.growth_slope([0, tol, 2 * tol], CONFIG) == pytest.approx(tol)
-    assert verdict.growth_slope([2 * tol, tol, 0], CONFIG) is None  # shrinking
+
+    def slope(series: list[int]) -> float | None:
+        return verdict.growth_slope(list(enumerate(series)), tol)
+
+    assert slope([0, 10 * tol]) is None  # too few points
+    assert slope([0, tol // 2, tol]) is None  # rise == tolerance
+    assert slope([0, 2 * tol, 2 * tol, 2 * tol, 2 * tol]) is None
+    assert slope([0, tol, 2 * tol]) == pytest.approx(tol)
+    assert slope([2 * tol, tol, 0]) is None  # shrinking
 
 
 def test_growth_on_device_totals_when_blind() -> None:

@@ -261,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
     """``leakcheck explain [RULE]``: a rule's story, or the list of rules (2: unknown rule)."""
-    from leakcheck.judge.stories import STORIES, headline, story
+    from leakcheck.judge.stories import STORIES, headline
 
-    text = story(rule) if rule is not None else None
+    text = STORIES.get(rule) if rule is not None else None
     if text is not None:
         out.write(text)
         return EXIT_CLEAN

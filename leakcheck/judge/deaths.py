@@ -108,14 +108,11 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     findings: list[Finding] = []
     for death in timeline.deaths:
         # Its latest record names its role, command line and rank.
-        record = next(
-            (p for rec in reversed(timeline.epochs) for p in rec.processes if p.key == death.key),
-            None,
-        )
-        role, cmdline, rank = (None, None, None)
-        if record is not None:
-            role, cmdline, rank = record.role, record.cmdline, record.rank
+        records = (p for rec in reversed(timeline.epochs) for p in rec.processes)
+        record = next((p for p in records if p.key == death.key), None)
+        role, cmdline, rank = (record.role, record.cmdline, record.rank) if record else (None,) * 3
         what, remedy = _what(death, config)
+        bus_shm_bytes = death.shm_used_peak_bytes if death.signal_number == signal.SIGBUS else None
         findings.append(
             Finding(
                 rule="died",
@@ -128,9 +125,7 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 cmdline=cmdline,
                 epoch=death.epoch,
                 host_bytes=death.rss_bytes_last,
-                size_bytes=death.shm_used_peak_bytes
-                if death.signal_number == signal.SIGBUS
-                else None,
+                size_bytes=bus_shm_bytes,
                 rank=rank,
                 stack=crashing_thread(death.stack) if death.stack else None,
             )

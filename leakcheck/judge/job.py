@@ -152,14 +152,14 @@ class JobReport:
             "ranks": [rank.to_dict() for rank in self.ranks],
         }
 
-    def format_lines(self, indent: str = "", *, named: bool = True) -> list[str]:
+    def format_lines(self, *, named: bool = True) -> list[str]:
         """The job's verdict line, then one per rank (``named``: name its first leaks)."""
         size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
         seen = {rank.rank for rank in self.ranks}
         missing = [str(r) for r in range(self.world_size or 0) if r not in seen]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
         lines = [
-            f"{indent}job ({size}, {plural(len(self.ranks), 'rank')} "
+            f"job ({size}, {plural(len(self.ranks), 'rank')} "
             f"seen{absent}): verdict {self.verdict.upper()}, "
             f"{plural(len(self.leaks), 'leak')}"
         ]
@@ -167,7 +167,7 @@ class JobReport:
             pids = ", ".join(f"PID {pid}" for pid in rank.pids) or "PID ?"
             restarts = [c for c in rank.restart_counts if c]
             restart = f", restart {', '.join(map(str, restarts))}" if restarts else ""
-            text = f"{indent}  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
+            text = f"  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
             if rank.missing:
                 # Judged from outside only: what its own trackers saw never came.
                 text += " as seen from outside"

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from leakcheck.core.model import Rule
+__all__ = ["STORIES", "headline"]
 
-__all__ = ["STORIES", "headline", "story"]
-
-STORIES: Mapping[Rule, str] = {
+STORIES: Mapping[str, str] = {
     "survivor": """\
 survivor (leak): a process the work started outlives its epoch.
 
@@ -301,11 +299,6 @@ see the traceback, and report it as a leakcheck bug.
 """Every rule's story, by rule name."""
 
 
-def headline(rule: Rule) -> str:
+def headline(rule: str) -> str:
     """The first line of a rule's story, without the rule's name: what it finds."""
     return STORIES[rule].split("\n", 1)[0].split(": ", 1)[1]
-
-
-def story(rule: str) -> str | None:
-    """The story of ``rule``; None when there is no such rule."""
-    return next((text for name, text in STORIES.items() if name == rule), None)

@@ -1,13 +1,13 @@
 """Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
-``judge`` runs them all and orders the findings. Rules on GPU memory need NVML and find nothing
-without it; the host rules always run. The rules on processes share one walk (``_Walk``: every
-observation of every process) and build their findings with one builder (``_finding``).
+``judge`` runs them all and orders the findings. Each rule yields its findings (``_rule``), built
+by ``_finding``; the rules on processes share one walk (``_Walk``) of every observation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +38,18 @@ _CHILD_ROLES = ("worker", "descendant", "orphan")
 # NOTE [late rise]: a leak keeps growing; allocator warm-up grows, then plateaus: at least this
 # share of the total rise must happen in the series' second half.
 _LATE_RISE_SHARE = 0.25
+
+RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
+
+
+def _rule(find: Callable[[Timeline, RuleConfig], Iterator[Finding]]) -> RuleFunction:
+    """A rule from a generator of its findings."""
+
+    @functools.wraps(find)
+    def rule(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+        return tuple(find(timeline, config))
+
+    return rule
 
 
 def per_pid_bytes_known(timeline: Timeline) -> bool:
@@ -163,10 +175,6 @@ class _Walk:
         ]
 
 
-def _index(rec: EpochRecord | None) -> int | None:
-    return rec.index if rec is not None else None
-
-
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
     """Seen alive later than the grace after an epoch's end (``_Walk.alive_after_s``)."""
     # Strictly: with a grace of 0, the end's own sample seeing it alive is not outliving.
@@ -187,16 +195,10 @@ def _worker_pids(obs: Sequence[_Seen]) -> set[int]:
 
 @dataclass(frozen=True)
 class EpochCounts:
-    """What an epoch's end left running, in hindsight of every later observation.
+    """What an epoch's end left running, in hindsight of every later observation."""
 
-    Attributes:
-        alive_after: Non-persistent processes it started, alive past the grace or the job.
-        orphans: The job's reparented processes alive at its end, outside its end's tree.
-
-    """
-
-    alive_after: int = 0
-    orphans: int = 0
+    alive_after: int = 0  # non-persistent processes it started, alive past the grace or the job
+    orphans: int = 0  # the job's reparented processes alive at its end, outside its tree
 
 
 def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
@@ -226,10 +228,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
 REMEDY_SCOPE = (
     "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
 )
-
-
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
-
 REMEDY_GROWTH_PARENT = (
     "drop tensors kept across epochs: accumulate loss.item(), not loss; clear lists of outputs"
 )
@@ -263,11 +262,11 @@ def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
     )
 
 
-def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find processes born in an epoch, not persistent, alive past its end plus the grace."""
     walk = _Walk.of(timeline)
     bytes_known = per_pid_bytes_known(timeline)
-    found: list[Finding] = []
     for obs in walk.seen.values():
         for rec, proc in obs:
             if (
@@ -285,7 +284,7 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             # Evidence only: seen alive once the grace had passed. A process last seen within
             # the grace and found gone after it exited somewhere in between, unknown where.
             alive_after = walk.alive_after_s(born, obs)
-            if alive_after is None or not _past_grace(alive_after, config.grace_s):
+            if not _past_grace(alive_after, config.grace_s):
                 continue
             holds, held = _holding(
                 (p for r, p in obs if r is None or r.index >= born.index), bytes_known
@@ -297,33 +296,24 @@ def survivor(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
-            found.append(
-                _finding(
-                    "survivor",
-                    "leak",
-                    f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
-                    _survivor_remedy(proc, _worker_pids(obs)),
-                    proc,
-                    epoch=born.index,
-                    scope=proc.scope,
-                    **held,
-                )
+            yield _finding(
+                "survivor",
+                "leak",
+                f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
+                _survivor_remedy(proc, _worker_pids(obs)),
+                proc,
+                epoch=born.index,
+                scope=proc.scope,
+                **held,
             )
             break
-    return tuple(found)
 
 
-def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Find lineage processes reparented away from the job and alive past the grace.
-
-    Not a helper that daemonizes by design and pins nothing on the GPU
-    (``roles.DAEMON_HELPERS``); one finding per identity, with the most GPU memory and
-    descriptors it was seen with.
-    """
+@_rule
+def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
+    """Find lineage processes reparented away from the job and alive past the grace, once each."""
     walk = _Walk.of(timeline)
-    final = timeline.final
-    after_job = final is None or final.closed
-    found: list[Finding] = []
+    after_job = timeline.final is None or timeline.final.closed
     for key, obs in walk.seen.items():
         # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
         # shared-memory manager) is a baseline, as for the survivor rule.
@@ -348,6 +338,9 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         last = orphaned[-1][1]
         birth = walk.birth(obs)
         left = walk.ends_outside_the_tree(obs, birth) if birth else []
+        still = ""
+        if orphaned[-1][0] is None:
+            still = ", alive after the job" if after_job else ", alive now"
         if left:
             # The epoch it left the tree in; leakcheck run's whole-program "epoch" says
             # nothing a reader could use.
@@ -355,54 +348,46 @@ def orphan(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         elif first_rec is not None:
             # Birth unknown: only that it had left by the epoch a scan found it outside in.
             since = f" by {first_rec.label}"
+        elif after_job:  # seen only after the job
+            since, still = " after the job", ", still alive"
         else:
-            since = " after the job" if after_job else ""
-        still = ""
-        if orphaned[-1][0] is None:
-            still = ", alive after the job" if after_job else ", alive now"
-            if since == " after the job":
-                still = ", still alive"
+            since = ""
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
+        parent = "worker" if under_worker else "parent"
         started = ""
         if last.scope is not None:
             started = f"started by {last.scope}, "
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
-        parent = "worker" if under_worker else "parent"
         what = f"{started}outlived its {parent}{since}{still}{holds}"
         remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
         epoch = left[0].index if left else (first_rec.index if first_rec else None)
-        found.append(
-            _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
-        )
-    return tuple(found)
+        yield _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
 
 
-def growth_slope(
-    series: Sequence[int],
-    config: RuleConfig,
-    *,
-    epochs: Sequence[int] | None = None,
-    tolerance_bytes: int | None = None,
-) -> float | None:
-    """The least-squares slope (bytes/epoch) of a leaking series of epoch-end bytes, else None.
+_Points = list[tuple[int, int]]
+"""(epoch index, bytes) at epoch ends, in epoch order."""
 
-    A leak needs 3 points, a total rise above the tolerance and a late rise (NOTE [late rise]);
-    ``epochs`` places the points where epochs are missing (paced-out USS reads).
+
+def growth_slope(points: _Points, tolerance_bytes: int, *, by_epoch: bool = False) -> float | None:
+    """The least-squares slope (bytes/epoch) of leaking epoch-end bytes, else None.
+
+    A leak needs 3 points, a rise above the tolerance and a late rise (NOTE [late rise]);
+    ``by_epoch`` places the points at their epochs, where some are missing (paced USS reads).
     """
+    series = [value for _, value in points]
     n = len(series)
     if n < 3:
         return None
-    tolerance = config.tolerance_bytes if tolerance_bytes is None else tolerance_bytes
     rise = series[-1] - series[0]
-    if rise <= tolerance:
+    if rise <= tolerance_bytes:
         return None
     late_rise = series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
         return None
-    xs = [float(e) for e in epochs] if epochs else [float(i) for i in range(n)]
+    xs = [float(epoch) for epoch, _ in points] if by_epoch else [float(i) for i in range(n)]
     mean_x, mean_y = sum(xs) / n, sum(series) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, series, strict=True))
@@ -410,25 +395,11 @@ def growth_slope(
     return slope if slope > 0 else None
 
 
-_Points = list[tuple[int, int]]
-"""(epoch index, bytes) at epoch ends, in epoch order."""
-
-
 def _points(seen: Sequence[_Seen], read: Callable[[ProcessEpoch], int | None]) -> _Points:
     """What ``read`` gives at the epoch ends of ``seen`` where it gives something."""
     return [
         (rec.index, v) for rec, proc in seen if rec is not None and (v := read(proc)) is not None
     ]
-
-
-def _slope(points: _Points, config: RuleConfig, *, host: bool = False) -> float | None:
-    """``growth_slope`` of ``points``; host memory by epoch index, with its own tolerance."""
-    return growth_slope(
-        [value for _, value in points],
-        config,
-        epochs=[epoch for epoch, _ in points] if host else None,
-        tolerance_bytes=config.host_tolerance_bytes if host else None,
-    )
 
 
 def _grown(
@@ -450,12 +421,12 @@ def _grown(
     )
 
 
-def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find persistent processes whose epoch-end GPU memory grows (blind: devices' totals)."""
     if not _has_nvml(timeline):
-        return ()
+        return
     walk = _Walk.of(timeline)
-    found: list[Finding] = []
     for obs in walk.seen.values():
         seen = [
             (rec, proc)
@@ -463,7 +434,7 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
         ][config.warmup_epochs :]
         points = _points(seen, lambda proc: proc.total_gpu_bytes_end)
-        slope = _slope(points, config)
+        slope = growth_slope(points, config.tolerance_bytes)
         if slope is None:
             continue
         first, last = seen[0][1].gpu_bytes_end, seen[-1][1]
@@ -476,11 +447,9 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         per_device = f" on GPU{grown[0][0]}" if len(grown) == 1 else f" ({per_device})"
         remedy = REMEDY_GROWTH_PARENT if last.role == "parent" else REMEDY_GROWTH_WORKER
         what = "{grows}" + per_device
-        found.append(
-            _grown("growth", points, slope, what, remedy, last, nvidia_fds=last.nvidia_fds)
-        )
+        yield _grown("growth", points, slope, what, remedy, last, nvidia_fds=last.nvidia_fds)
     if timeline.attribution != "blind-namespace":
-        return tuple(found)
+        return
     # Device totals per epoch: the fallback when PIDs cannot be attributed.
     per_device_points: dict[int, _Points] = {}
     for rec in walk.ordered:
@@ -488,11 +457,10 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             per_device_points.setdefault(dev.index, []).append((rec.index, dev.used_bytes))
     for device, points in sorted(per_device_points.items()):
         points = points[config.warmup_epochs :]
-        if (slope := _slope(points, config)) is not None:
+        if (slope := growth_slope(points, config.tolerance_bytes)) is not None:
             what = f"GPU{device} used memory {{grows}} (device total: no process can be named)"
             remedy = "run with --pid=host or in the job's PID namespace to see which process grows"
-            found.append(_grown("growth", points, slope, what, remedy, device_index=device))
-    return tuple(found)
+            yield _grown("growth", points, slope, what, remedy, device_index=device)
 
 
 # NOTE [return of shared pages]: a worker's copy-on-read copy is new memory, the worker's: its
@@ -503,14 +471,15 @@ def growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 # paged in on first use raise RSS for epochs, and they are file-backed.
 
 
-def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory grows (``growth_slope``).
 
-    On USS where read at 3 or more judged epoch ends, else on resident memory, which the
-    message says; a parent's USS rise needs a resident rise too (NOTE [return of shared
-    pages]). A clean verdict says where USS was not read.
+    On USS where read at 3 or more judged epoch ends, else on resident memory (said); a clean
+    verdict says where USS was not read.
     """
-    found: list[Finding] = []
+    tolerance = config.host_tolerance_bytes
+    grew = False
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _Walk.of(timeline).seen.values():
         seen = [
@@ -532,50 +501,49 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             else (_points(seen, lambda p: p.rss_bytes_end), "RSS")
         )
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
-        slope = _slope(resident, config, host=True)
+        slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
             points, measure, note = uss, "USS", ""
-            slope = _slope(uss, config, host=True)
+            slope = growth_slope(uss, tolerance, by_epoch=True)
             if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
                 span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
-                resident_slope = _slope(span, config, host=True)
+                resident_slope = growth_slope(span, tolerance, by_epoch=True)
                 slope = None if resident_slope is None else min(slope, resident_slope)
                 if slope is not None:
                     note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
         if slope is not None:
+            grew = True
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
-            found.append(_grown("host-growth", points, slope, what, remedy, last))
+            yield _grown("host-growth", points, slope, what, remedy, last)
         elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
-    if unread is None or found:  # a clean host verdict says what it could not see
-        return tuple(found)
-    message = (
-        f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "
-        "copy-on-read at the others can go unseen"
-    )
-    remedy = (
-        "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
-        "--rollup-share 1)"
-    )
-    return (_finding("host-growth", "info", message, remedy),)
+    if unread is not None and not grew:  # a clean host verdict says what it could not see
+        message = (
+            f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "
+            "copy-on-read at the others can go unseen"
+        )
+        remedy = (
+            "for a diagnostic run, read USS at every epoch end: rollup_share=1.0 (run: "
+            "--rollup-share 1)"
+        )
+        yield _finding("host-growth", "info", message, remedy)
 
 
-def pinned_growth(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def pinned_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the loop's process whose pinned host memory (torch's reserved bytes) grows."""
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)[config.warmup_epochs :]
     points = [(r.index, v) for r in epochs if (v := r.pinned_reserved_bytes) is not None]
-    slope = _slope(points, config, host=True)  # host memory: its tolerance
+    slope = growth_slope(points, config.host_tolerance_bytes, by_epoch=True)
     parent = next((p for p in epochs[-1].processes if p.role == "parent"), None) if epochs else None
-    if slope is None or parent is None:
-        return ()
-    remedy = (
-        "keep no reference to pinned batches across steps; allocate pinned buffers once, not per "
-        "step"
-    )
-    what = "pinned host memory {grows}"
-    return (_grown("pinned-growth", points, slope, what, remedy, parent),)
+    if slope is not None and parent is not None:
+        remedy = (
+            "keep no reference to pinned batches across steps; allocate pinned buffers once, not "
+            "per step"
+        )
+        yield _grown("pinned-growth", points, slope, "pinned host memory {grows}", remedy, parent)
 
 
 @dataclass(frozen=True)
@@ -595,11 +563,11 @@ def _private_bytes(proc: ProcessEpoch) -> int:
     return -1 if proc.private_bytes_birth is None else proc.private_bytes_birth
 
 
-def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find forked workers that copied more of their parent's memory than the copy tolerance.
 
-    One finding per parent (loader), from any reading (NOTE [copy on read] in hostmem.py);
-    one info finding for spawned workers, where it cannot be told.
+    One finding per parent (NOTE [copy on read] in hostmem.py); one info for spawned workers.
     """
     tolerance = config.copy_tolerance_bytes
     epochs = sorted(timeline.epochs, key=lambda rec: rec.index)
@@ -626,7 +594,41 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     for copy in copies.values():
         if copy.copied_bytes > tolerance:
             by_parent.setdefault(copy.proc.ppid, []).append(copy)
-    found = [_copy_finding(ppid, leaking) for ppid, leaking in sorted(by_parent.items())]
+    for ppid, leaking in sorted(by_parent.items()):
+        first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
+        copied_epochs = sorted({copy.epoch for copy in leaking})
+        persistent = any(copy.proc.persistent for copy in leaking)
+        count, total = len(leaking), sum(copy.copied_bytes for copy in leaking)
+        if not persistent:  # a generation of workers per epoch: one epoch's
+            count = max(sum(c.epoch == e for c in leaking) for e in copied_epochs)
+            total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in copied_epochs)
+        mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
+        when = f"in epoch {first.epoch}"
+        if first.after_s is not None:
+            when = f"{first.after_s:.1f} s into epoch {first.epoch}"
+        if not persistent and len(copied_epochs) > 2:
+            when += f" and again in epochs {copied_epochs[1]}-{copied_epochs[-1]}"
+        elif not persistent and len(copied_epochs) == 2:
+            when += f" and again in epoch {copied_epochs[1]}"
+        elif not persistent:
+            when += " (per-epoch workers copy it again each epoch)"
+        who = f"1 forked worker of PID {ppid} copied {mean} MiB of its parent's memory"
+        if count > 1:
+            who = (
+                f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
+                f"memory ({format_mib(total)} MiB in all)"
+            )
+        yield _finding(
+            "copy-on-read",
+            "leak",
+            f"{who}, {when}",
+            "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
+            "before iterating; or fewer workers",
+            max(leaking, key=lambda c: c.copied_bytes).proc,  # the largest copy's worker
+            named=False,
+            epoch=first.epoch,
+            host_bytes=total,
+        )
     if unforked:
         workers = sorted(unforked.values(), key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
@@ -640,54 +642,9 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             "or use fewer workers"
         )
         held_bytes = sum(held) if held else None
-        info = _finding(
+        yield _finding(
             "copy-on-read", "info", message, remedy, workers[0], named=False, host_bytes=held_bytes
         )
-        found.append(info)
-    return tuple(found)
-
-
-def _copy_finding(ppid: int, leaking: Sequence[_WorkerCopy]) -> Finding:
-    first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
-    epochs = sorted({copy.epoch for copy in leaking})
-    persistent = any(copy.proc.persistent for copy in leaking)
-    count, total = len(leaking), sum(copy.copied_bytes for copy in leaking)
-    if not persistent:  # a generation of workers per epoch: one epoch's
-        count = max(sum(c.epoch == e for c in leaking) for e in epochs)
-        total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in epochs)
-    mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
-    when = f"in epoch {first.epoch}"
-    if first.after_s is not None:
-        when = f"{first.after_s:.1f} s into epoch {first.epoch}"
-    if not persistent and len(epochs) > 2:
-        when += f" and again in epochs {epochs[1]}-{epochs[-1]}"
-    elif not persistent and len(epochs) == 2:
-        when += f" and again in epoch {epochs[1]}"
-    elif not persistent:
-        when += " (per-epoch workers copy it again each epoch)"
-    if count == 1:
-        who = f"1 forked worker of PID {ppid} copied {mean} MiB of its parent's memory"
-    else:
-        who = (
-            f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
-            f"memory ({format_mib(total)} MiB in all)"
-        )
-    remedy = (
-        "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-        "before iterating; or fewer workers"
-    )
-    largest = max(leaking, key=lambda c: c.copied_bytes).proc
-    message = f"{who}, {when}"
-    return _finding(
-        "copy-on-read",
-        "leak",
-        message,
-        remedy,
-        largest,
-        named=False,
-        epoch=first.epoch,
-        host_bytes=total,
-    )
 
 
 CONTEXT_OVERHEAD_BYTES = 8 * MIB
@@ -696,26 +653,26 @@ residual rule allows this much per holder (the figure behind it is in
 benchmarks/results/README.md)."""
 
 
-def residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find GPU memory left after the work: on devices, and the parent's (``parent_memory``)."""
-    return _device_residual(timeline, config) + _parent_residual(timeline, config)
+    yield from _device_residual(timeline, config)
+    yield from _parent_residual(timeline, config)
 
 
-def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Device memory above the baseline after the work that the job does not explain."""
     final = timeline.final
     if final is None or not _has_nvml(timeline):
-        return ()
+        return
     baseline = {dev.index: dev for dev in timeline.baseline_devices}
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
     foreign = [p for p in final.processes if p.role == "foreign"]
     unknown_lineage = any(p.gpu_bytes_unknown for p in lineage)
-    found: list[Finding] = []
     for dev in sorted(final.devices, key=lambda d: d.index):
-        base = baseline.get(dev.index)
-        if base is None:
+        if dev.index not in baseline:
             continue
-        rise = dev.used_bytes - base.used_bytes
+        rise = dev.used_bytes - baseline[dev.index].used_bytes
         explained = sum(p.gpu_bytes_end.get(dev.index, 0) for p in lineage)
         explained += final.others_gpu_bytes.get(dev.index, 0)
         explained -= timeline.baseline_gpu_bytes.get(dev.index, 0)
@@ -751,33 +708,25 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
         # so the rise is reported as advice, not as a leak.
         if unknown_lineage:
             who += "; the job's own bytes are unknown (MIG/vGPU)"
-        message = (
+        yield _finding(
+            "residual",
+            "info" if unknown_lineage else "leak",
             f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}",
+            remedy,
+            holders[0] if len(holders) == 1 else None,
+            named=False,
+            rank=None,
+            gpu_bytes=unexplained,
+            device_index=dev.index,
         )
-        severity: Severity = "info" if unknown_lineage else "leak"
-        holder = holders[0] if len(holders) == 1 else None
-        found.append(
-            _finding(
-                "residual",
-                severity,
-                message,
-                remedy,
-                holder,
-                named=False,
-                rank=None,
-                gpu_bytes=unexplained,
-                device_index=dev.index,
-            )
-        )
-    return tuple(found)
 
 
-def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+def _parent_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """The parent's own GPU memory after the work (``Timeline.parent_memory``)."""
     memory = timeline.parent_memory
     if memory is None:
-        return ()
+        return
     root = timeline.root
     cmdline = next(
         (p.cmdline for rec in timeline.epochs for p in rec.processes if p.key == root), None
@@ -809,27 +758,21 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> tuple[Finding, .
             None,
         ),
     )
-    found: list[Finding] = []
     for values, severity, before, after, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
-            message = f"{who} {before}{_devices_text(held)}{after}"
-            device = min(held) if len(held) == 1 else None
-            found.append(
-                _finding(
-                    "residual",
-                    severity,
-                    message,
-                    remedy,
-                    pid=root.pid,
-                    start_ticks=root.start_ticks,
-                    role="parent",
-                    cmdline=cmdline,
-                    gpu_bytes=sum(held.values()),
-                    device_index=device,
-                    scope=scope,
-                )
+            yield _finding(
+                "residual",
+                severity,
+                f"{who} {before}{_devices_text(held)}{after}",
+                remedy,
+                pid=root.pid,
+                start_ticks=root.start_ticks,
+                role="parent",
+                cmdline=cmdline,
+                gpu_bytes=sum(held.values()),
+                device_index=min(held) if len(held) == 1 else None,
+                scope=scope,
             )
-    return tuple(found)
 
 
 _SHM_CAUSES: dict[str, tuple[str, str]] = {
@@ -915,9 +858,10 @@ def _shm_finding(item: ShmFile) -> Finding:
     )
 
 
-def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def shm(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Report the ``/dev/shm`` files left behind, and the epoch nearest to filling it."""
-    found = [_shm_finding(item) for item in timeline.shm_files]
+    yield from map(_shm_finding, timeline.shm_files)
     # Capacity pressure: the epoch whose /dev/shm use came nearest the filesystem's size.
     measured = [
         (rec.shm_used_peak_bytes, rec.shm_total_bytes, rec)
@@ -927,37 +871,35 @@ def shm(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     worst = max(measured, key=lambda item: item[0] / item[1], default=None)
     if worst is not None and worst[0] / worst[1] >= config.shm_pressure_fraction:
         used, total, rec = worst
-        fraction = used / total
         job = f", the job's files {_size_text(rec.shm_bytes)}" if rec.shm_bytes is not None else ""
         message = (
-            f"/dev/shm was {fraction:.0%} full during {rec.label} ({_size_text(used)} of "
+            f"/dev/shm was {used / total:.0%} full during {rec.label} ({_size_text(used)} of "
             f"{_size_text(total)}{job}): a batch fails or a worker dies of a bus error when it "
             "fills"
         )
         remedy = "give the job more shared memory (docker run --shm-size=8g or --ipc=host)"
-        found.append(_finding("shm", "info", message, remedy, epoch=rec.index, size_bytes=used))
-    return tuple(found)
+        yield _finding("shm", "info", message, remedy, epoch=rec.index, size_bytes=used)
 
 
-def blind(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def blind(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Say plainly when NVML's PIDs belong to another PID namespace."""
-    del config
-    if timeline.attribution != "blind-namespace":
-        return ()
-    reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
-    message = f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
-    remedy = "run with --pid=host (docker) or inside the job's PID namespace"
-    return (_finding("blind", "info", message, remedy),)
+    if timeline.attribution == "blind-namespace":
+        reason = f" ({timeline.attribution_reason})" if timeline.attribution_reason else ""
+        message = (
+            f"NVML reports PIDs of another PID namespace{reason}: only device totals are judged"
+        )
+        remedy = "run with --pid=host (docker) or inside the job's PID namespace"
+        yield _finding("blind", "info", message, remedy)
 
 
-def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def descriptor_holder(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Note processes outliving the work with ``/dev/nvidia*`` fds but no GPU memory."""
-    del config
     if not per_pid_bytes_known(timeline):
         # Without per-PID bytes every process looks memory-free; the rule would guess.
-        return ()
+        return
     closed = timeline.final is not None and timeline.final.closed
-    found: list[Finding] = []
     for obs in _Walk.of(timeline).seen.values():
         for rec, proc in obs:
             # Outliving the work that started it is where held descriptors matter.
@@ -971,66 +913,51 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> tuple[Finding, 
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             # No count: the processes of one cause share one line (the JSON has each one's
             # `nvidia_fds`).
-            message = (
+            yield _finding(
+                "descriptor-holder",
+                "info",
                 f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
-                "used CUDA"
-            )
-            remedy = "start workers with multiprocessing_context='spawn' or 'forkserver'"
-            found.append(
-                _finding(
-                    "descriptor-holder",
-                    "info",
-                    message,
-                    remedy,
-                    proc,
-                    gpu_bytes=0,
-                    epoch=_index(rec),
-                    nvidia_fds=proc.nvidia_fds,
-                )
+                "used CUDA",
+                "start workers with multiprocessing_context='spawn' or 'forkserver'",
+                proc,
+                gpu_bytes=0,
+                epoch=rec.index if rec else None,
+                nvidia_fds=proc.nvidia_fds,
             )
             break
-    return tuple(found)
 
 
-def context_kept(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def context_kept(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Note a parent that keeps its CUDA context, with no tensors, after the work ended."""
-    del config
     final = timeline.final
-    if (
-        final is None
-        or not final.closed
-        or not per_pid_bytes_known(timeline)
-        or final.parent_allocated_gpu_bytes != 0
-    ):
-        return ()
-    return tuple(
-        _finding(
-            "context-kept",
-            "info",
-            f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the work, "
-            "with no tensors allocated",
-            "harmless (freed at exit); leakcheck.release_device() frees it sooner",
-            proc,
-            gpu_bytes=proc.total_gpu_bytes_end,
-            nvidia_fds=proc.nvidia_fds,
-        )
-        for proc in final.processes
-        if proc.role == "parent" and proc.total_gpu_bytes_end > 0
-    )
+    if final is None or not final.closed or not per_pid_bytes_known(timeline):
+        return
+    for proc in final.processes if final.parent_allocated_gpu_bytes == 0 else ():
+        if proc.role == "parent" and proc.total_gpu_bytes_end > 0:
+            yield _finding(
+                "context-kept",
+                "info",
+                f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the work, "
+                "with no tensors allocated",
+                "harmless (freed at exit); leakcheck.release_device() frees it sooner",
+                proc,
+                gpu_bytes=proc.total_gpu_bytes_end,
+                nvidia_fds=proc.nvidia_fds,
+            )
 
 
-def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def device_mismatch(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find processes of a rank holding more than the tolerance on a GPU not their rank's.
 
-    Usually a bare ``cuda:0`` before ``set_device``. One finding per process and device,
-    with the most held there; a process whose rank's device is unknown is not judged.
+    One finding per process and device; a process whose rank's device is unknown is not judged.
     """
     if not per_pid_bytes_known(timeline):
-        return ()
+        return
     final_devices = timeline.final.devices if timeline.final is not None else ()
     states = [*timeline.baseline_devices, *(d for e in timeline.epochs for d in e.devices)]
     known = {state.index for state in (*states, *final_devices)}  # empty: none read
-    found: list[Finding] = []
     for obs in _Walk.of(timeline).seen.values():
         held: dict[int, int] = {}
         first: dict[int, _Seen] = {}
@@ -1053,74 +980,55 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ..
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
-            message = (
+            yield _finding(
+                "device-mismatch",
+                "leak",
                 f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
-                f"on GPU{own}"
+                f"on GPU{own}",
+                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA",
+                proc,
+                gpu_bytes=used,
+                epoch=rec.index if rec else None,
+                device_index=index,
+                nvidia_fds=proc.nvidia_fds,
+                scope=proc.scope,
             )
-            remedy = (
-                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
-            )
-            found.append(
-                _finding(
-                    "device-mismatch",
-                    "leak",
-                    message,
-                    remedy,
-                    proc,
-                    gpu_bytes=used,
-                    epoch=_index(rec),
-                    device_index=index,
-                    nvidia_fds=proc.nvidia_fds,
-                    scope=proc.scope,
-                )
-            )
-    return tuple(found)
 
 
-def high_clocks(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def high_clocks(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Note a device left at high SM clocks after the work ended, with no job memory."""
     final = timeline.final
     if final is None or not final.closed or not _has_nvml(timeline):
-        return ()
+        return
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
-    found: list[Finding] = []
     for dev in sorted(final.devices, key=lambda d: d.index):
         clock, clock_max = dev.sm_clock_mhz, dev.sm_clock_max_mhz
         if clock is None or not clock_max or clock < config.high_clock_fraction * clock_max:
             continue
         if any(p.gpu_bytes_end.get(dev.index, 0) > 0 for p in lineage):
             continue
-        telemetry = [f"{dev.temperature_c} C"] if dev.temperature_c is not None else []
-        if dev.power_w is not None:
-            telemetry.append(f"{dev.power_w:.0f} W")
         message = f"GPU{dev.index} SM clock stays at {clock} of {clock_max} MHz after work ended"
-        message += "".join(f", {part}" for part in telemetry)
+        if dev.temperature_c is not None:
+            message += f", {dev.temperature_c} C"
+        if dev.power_w is not None:
+            message += f", {dev.power_w:.0f} W"
         remedy = "wait before timing the next run (leakcheck sweep --cooldown-temp C waits for it)"
-        found.append(_finding("high-clocks", "info", message, remedy, device_index=dev.index))
-    return tuple(found)
+        yield _finding("high-clocks", "info", message, remedy, device_index=dev.index)
 
 
-def tracker_failure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
+@_rule
+def tracker_failure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Report each failure leakcheck recorded while sampling, one finding each."""
-    del config
-    return tuple(
-        _finding(
-            "tracker-failure",
-            "info",
-            f"leakcheck's own sampling failed: {' '.join(failure.split())}",
-            "rerun with strict=True to see the traceback, and report it as a leakcheck bug",
-        )
-        for failure in timeline.failures
-    )
+    for failure in timeline.failures:
+        message = f"leakcheck's own sampling failed: {' '.join(failure.split())}"
+        remedy = "rerun with strict=True to see the traceback, and report it as a leakcheck bug"
+        yield _finding("tracker-failure", "info", message, remedy)
 
 
-def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Note processes whose open descriptors reached the pressure share of their limit.
-
-    A DataLoader's default sharing strategy passes each shared tensor as a descriptor: at the
-    limit, "Too many open files" or "received 0 items of ancdata". Read at epoch ends only.
-    """
-    found: list[Finding] = []
+@_rule
+def fd_pressure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
+    """Note processes whose open descriptors (read at epoch ends) reached the pressure share."""
     for obs in _Walk.of(timeline).seen.values():
         shares = [(p.open_fds / p.fd_limit, rec, p) for rec, p in obs if p.open_fds and p.fd_limit]
         if not shares:
@@ -1137,11 +1045,12 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
             "raise it (ulimit -n 65536), or "
             "torch.multiprocessing.set_sharing_strategy('file_system')"
         )
-        found.append(_finding("fd-pressure", "info", message, remedy, proc, epoch=_index(rec)))
-    return tuple(found)
+        yield _finding(
+            "fd-pressure", "info", message, remedy, proc, epoch=rec.index if rec else None
+        )
 
 
-RULES: Mapping[Rule, Callable[[Timeline, RuleConfig], tuple[Finding, ...]]] = {
+RULES: Mapping[Rule, RuleFunction] = {
     "survivor": survivor,
     "orphan": orphan,
     "growth": growth,
@@ -1172,12 +1081,9 @@ def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """Run every rule; the findings leaks first, then by epoch, then PID.
-
-    An orphan is not also a survivor (nobody will reap it); a process's start is shown as a
-    Unix time where the boot time is known.
-    """
+    """Run every rule; the findings leaks first, then by epoch, then PID."""
     findings = [f for rule in RULES.values() for f in rule(timeline, config)]
+    # An orphan is not also a survivor (nobody will reap it).
     orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}
     boot = timeline.boot_unix_s
     shown = [

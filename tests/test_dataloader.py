@@ -654,3 +654,22 @@ def test_a_wrapper_of_a_wrapper_sets_nothing_on_the_inner_one() -> None:
     outer.close()
     inner.close()
     assert "worker_init_fn" not in vars(inner)
+
+
+class _LazyLoader(DataLoader):  # type: ignore[type-arg]
+    """A subclass whose ``__iter__`` is a generator: its workers start at the first batch."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        yield from super().__iter__()
+
+
+def test_a_generator_iter_gets_the_policy_until_its_workers_started(tmp_path: Path) -> None:
+    user_fn = functools.partial(touch, str(tmp_path))
+    loader = _LazyLoader(Squares(), batch_size=3, num_workers=2, worker_init_fn=user_fn)
+    with leakcheck.watch(loader) as watched:
+        assert len(list(watched)) == 4
+        assert loader.worker_init_fn is user_fn
+    pids = {int(p.read_text()) for p in tmp_path.iterdir()}
+    assert len(pids) == 2
+    # The workers reported to the mailbox: the policy ran in them, in front of the user's.
+    assert {key.pid for key in watched.tracker.worker_keys()} == pids

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ JUDGED_EPOCHS = 32
 # True while the cyclic garbage collector runs: a generator closed then was collected,
 # not left by its loop (NOTE [epoch ends]).
 _collecting = False
+_NO_BATCH = object()
 
 
 def _gc_phase(phase: str, info: dict[str, int]) -> None:
@@ -83,11 +85,12 @@ def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, re
 
     NOTE [iterator policy]: an iterator reads its loader's ``worker_init_fn`` once, as it
     starts the workers, so the policy is chained in front of it (which still runs) for that
-    moment only: the workers report their identity to ``tracker``'s mailbox and, at exit, what
-    they held and freed (NOTE [teardown policy] in teardown.py), and the loader has its own
-    back at once. A policy the user installed (``leakcheck.worker_init_fn(...)``) keeps their
-    function and ``terminate_children``. A wrapper of a wrapper leaves the workers to the
-    inner one, whose tracker owns them (NOTE [claims]); not a DataLoader: lineage only.
+    moment only (a generator ``__iter__`` starts them at its first batch: until then): the
+    workers report their identity to ``tracker``'s mailbox and, at exit, what they held and
+    freed (NOTE [teardown policy] in teardown.py), and the loader has its own back at once.
+    A policy the user installed (``leakcheck.worker_init_fn(...)``) keeps their function and
+    ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one,
+    whose tracker owns them (NOTE [claims]); not a DataLoader: lineage only.
     """
     users = getattr(loader, "worker_init_fn", None)
     if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
@@ -106,13 +109,32 @@ def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, re
         )
         installed.death_signal = threading.current_thread() is threading.main_thread()
         loader.worker_init_fn = installed
-        try:
-            iterator = make()
-        finally:
+
+        def restore() -> None:
             if loader.worker_init_fn is installed:
                 loader.worker_init_fn = users
+
+        try:
+            iterator = make()
+        except BaseException:
+            restore()
+            raise
+        if inspect.isgenerator(iterator):  # a generator __iter__ starts them at its first next()
+            iterator = _restore_after_first(iterator, restore)
+        else:
+            restore()
     watch_exits(iterator, tracker.worker_stuck)  # NOTE [exit watch] in hang.py
     return iterator
+
+
+def _restore_after_first(batches: Iterator[Any], restore: Callable[[], None]) -> Iterator[Any]:
+    try:
+        first = next(batches, _NO_BATCH)
+    finally:
+        restore()
+    if first is not _NO_BATCH:
+        yield first
+        yield from batches
 
 
 def shutdown_workers(iterator: object) -> None:

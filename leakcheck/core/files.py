@@ -72,7 +72,8 @@ def _take_mode_of(target: str, temp_path: str) -> None:
     except FileNotFoundError:
         # /proc tells the umask; os.umask() must set it to read it (racy with threads).
         with open("/proc/self/status", encoding="ascii") as status:
-            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+            found = (int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+            umask = next(found, 0o022)  # a kernel before 4.7 has no Umask line: the usual one
         os.chmod(temp_path, 0o666 & ~umask)
         return
     # Owner first: chown clears the set-user-ID and set-group-ID bits that chmod then sets.

@@ -413,6 +413,9 @@ BAD_VALUES = [
      "loader with num_workers=0, expected 2: pass the argument on to the DataLoader"),
     (["--loader", "x:make", "--persistent"], "--persistent: applies to the built-in workload "
      "only, not with --loader"),
+    # Said before the value is checked: the option has no place beside --loader at all.
+    (["--loader", "x:make", "--batches", "0"], "--batches: applies to the built-in workload "
+     "only, not with --loader"),
     (["--json", "{dir}/same.png", "--plot", "{dir}/same.png"], "--plot: expected a file other "
      "than --json's"),
     (["--plot", "-"], "--plot: expected a file path, got '-' (standard output is not written "

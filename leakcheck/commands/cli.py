@@ -327,6 +327,13 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     from leakcheck.commands.sweep import SweepOptions, SweepPlan
     from leakcheck.commands.workload import FAILURES, HANG_AFTER_S, WorkloadSpec
 
+    if args.loader is not None:  # said before any value of these is checked
+        # --persistent: the loader's own persistent_workers decides; it would only mislabel it.
+        for option in ("--scenario", "--start-method", "--batches", "--persistent"):
+            if getattr(args, option[2:].replace("-", "_")) not in (None, False):
+                raise UsageError(
+                    f"{option}: applies to the built-in workload only, not with --loader"
+                )
     given = option_values(args, _sweep_options())
     workers = given["--workers"] or default_workers()
     allowed = given["--max-workers"]
@@ -343,12 +350,6 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
     json_path, plot_path = output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:
-        # --persistent: the loader's own persistent_workers decides; it would only mislabel it.
-        for option in ("--scenario", "--start-method", "--batches", "--persistent"):
-            if given[option] not in (None, False):
-                raise UsageError(
-                    f"{option}: applies to the built-in workload only, not with --loader"
-                )
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
         workload = WorkloadSpec(

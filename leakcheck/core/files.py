@@ -116,8 +116,8 @@ def check_output_path(text: str | None, option: str, suffix: str | None = None) 
 
     """
 
-    def refused(expected: str, why: str = "", got: str = repr(text)) -> UsageError:
-        return UsageError(f"{option}: expected {expected}, got {got}{why}")
+    def refused(expected: str, why: str = "", got: str | None = None) -> UsageError:
+        return UsageError(f"{option}: expected {expected}, got {got or repr(text)}{why}")
 
     if text is None:
         return None

@@ -294,8 +294,16 @@ def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
 
 
 _GPU_RULES = frozenset(
-    ("growth", "residual", "device-mismatch", "descriptor-holder", "context-kept", "high-clocks")
-) | {"blind"}
+    {
+        "growth",
+        "residual",
+        "device-mismatch",
+        "descriptor-holder",
+        "context-kept",
+        "high-clocks",
+        "blind",
+    }
+)
 
 
 def is_said(finding: Finding) -> bool:

@@ -933,7 +933,9 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     final = timeline.final
     if final is None or not final.closed or not per_pid_bytes_known(timeline):
         return
-    for proc in final.processes if final.parent_allocated_gpu_bytes == 0 else ():
+    if final.parent_allocated_gpu_bytes != 0:
+        return
+    for proc in final.processes:
         if proc.role == "parent" and proc.total_gpu_bytes_end > 0:
             yield _finding(
                 "context-kept",

@@ -78,8 +78,10 @@ class ShmWatch:
             return ()
         live = {key.pid: key for key in table.job_live()}
         holders = procs.shm_open_by(live, self.directory)
-        # Each name's first holder: the first PID wins as the last written.
-        held_now = {name: pid for pid, names in reversed(holders.items()) for name in names}
+        held_now: dict[str, int] = {}  # each name's first holder
+        for holder, names in holders.items():
+            for name in names:
+                held_now.setdefault(name, holder)
         ever = {key.pid for key, proc in table.procs.items() if proc.own and not proc.foreign}
         found: list[ShmFile] = []
         for item in new:

@@ -9,7 +9,7 @@ import os
 
 from leakcheck.core.readings import ProcessKey, ProcInfo
 from leakcheck.observe.hostmem import HostMemory
-from leakcheck.track.book import EpochBook, final_processes
+from leakcheck.track.book import EpochBook
 from leakcheck.track.table import ProcessTable
 
 TICK_S = 0.01
@@ -112,5 +112,5 @@ def test_copies_are_kept_per_epoch_with_when_they_first_passed_the_tolerance() -
     # A state read now, with the next epoch open: that epoch's copies so far.
     book.begin(None, 30.0)
     rollup = {kept: _reading(100, 109)}
-    now = {p.key: p for p in final_processes(table, 20.0, {}, rollup, book, 32.0)}
+    now = {p.key: p for p in book.final(table, {}, rollup, 32.0)}
     assert now[kept].copied_bytes_peak == 100 * MIB and now[kept].copied_over_after_s == 2.0

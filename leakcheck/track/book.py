@@ -15,6 +15,7 @@ showed and when one first passed the copy tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from leakcheck.core.model import (
 from leakcheck.observe.hostmem import HostMemory, copied_bytes
 from leakcheck.track.table import Proc, ProcessTable
 
-__all__ = ["EpochBook", "final_processes"]
+__all__ = ["EpochBook"]
 
 
 def _host_fields(
@@ -132,7 +133,7 @@ class _Epoch:
     device_peak: dict[int, int] = field(default_factory=dict)
     samples: int = 0
     pinned: tuple[int, int] | None = None  # torch_state.pinned_host_bytes() at the end
-    ended: dict[str, Any] | None = None  # once ended, its EpochRecord's fields but processes
+    record: EpochRecord | None = None  # once ended, without its processes
 
     def row(self, key: ProcessKey) -> _Row:
         row = self.rows.get(key)
@@ -228,20 +229,22 @@ class EpochBook:
         if epoch is None:
             return
         epoch.end_s = now
-        epoch.ended = dict(
+        pinned = epoch.pinned or (None, None)
+        epoch.record = EpochRecord(
             index=epoch.index,
             label=epoch.label,
             start_s=epoch.start_s,
             end_s=now,
             end_reason=reason,
+            processes=(),
             devices=devices,
             device_peak_used_bytes=dict(epoch.device_peak),
             samples=epoch.samples,
             error=error,
             batches=batches,
             **(shm or {}),
-            pinned_allocated_bytes=epoch.pinned[0] if epoch.pinned else None,
-            pinned_reserved_bytes=epoch.pinned[1] if epoch.pinned else None,
+            pinned_allocated_bytes=pinned[0],
+            pinned_reserved_bytes=pinned[1],
         )
         # Ownership as it stands now: a worker's report may have corrected a claim (NOTE
         # [claims]).
@@ -345,18 +348,18 @@ class EpochBook:
 
     def records(self, table: ProcessTable, *, last: int | None = None) -> tuple[EpochRecord, ...]:
         """The closed epochs (the latest ``last`` of them), frozen."""
-        closed = [epoch for epoch in self.epochs if epoch.ended is not None]
-        return tuple(self._freeze(epoch, table) for epoch in closed[-last if last else 0 :])
-
-    def _freeze(self, epoch: _Epoch, table: ProcessTable) -> EpochRecord:
-        end_s, ended = epoch.end_s, epoch.ended
-        assert end_s is not None and ended is not None
-        processes = tuple(
-            self._process(table, table.procs[key], row, epoch.index, epoch.start_s, end_s, end_s)
-            for key, row in sorted(epoch.rows.items())
-            if row.held is not None and table.procs[key].own  # NOTE [claims]: still ours
-        )
-        return EpochRecord(**ended, processes=processes)
+        frozen = []
+        for epoch in [epoch for epoch in self.epochs if epoch.record is not None][-(last or 0) :]:
+            record = epoch.record
+            assert record is not None
+            start_s, end_s = record.start_s, record.end_s
+            processes = tuple(
+                self._process(table, table.procs[key], row, epoch.index, start_s, end_s)
+                for key, row in sorted(epoch.rows.items())
+                if row.held is not None and table.procs[key].own  # NOTE [claims]: still ours
+            )
+            frozen.append(dataclasses.replace(record, processes=processes))
+        return tuple(frozen)
 
     def _process(
         self,
@@ -366,12 +369,14 @@ class EpochBook:
         index: int | None,
         start_s: float,
         end_s: float,
-        seen_s: float | None,
+        seen_s: float | None = None,
     ) -> ProcessEpoch:
         """``proc``'s record of epoch ``index`` (None: a final state at ``end_s``).
 
-        ``last_seen_after_s`` counts from ``seen_s``; copies' times from ``start_s``.
+        ``last_seen_after_s`` counts from ``seen_s`` (an epoch's: its end); copies' times from
+        ``start_s``.
         """
+        seen_s = end_s if index is not None else seen_s
         held = row.held
         assert held is not None
         alive = held["alive_at_end"]
@@ -434,32 +439,31 @@ class EpochBook:
         return pending, deadline
 
 
-def final_processes(
-    table: ProcessTable,
-    last_end_s: float | None,
-    status: Mapping[ProcessKey, HostMemory],
-    rollup: Mapping[ProcessKey, HostMemory],
-    book: EpochBook,
-    now: float,
-) -> tuple[ProcessEpoch, ...]:
-    """Every live process of the job, and foreign GPU holders, for a fresh final state.
+    def final(
+        self,
+        table: ProcessTable,
+        status: Mapping[ProcessKey, HostMemory],
+        rollup: Mapping[ProcessKey, HostMemory],
+        now: float,
+    ) -> tuple[ProcessEpoch, ...]:
+        """Every live process of the job, and foreign GPU holders, for a fresh final state.
 
-    ``status`` and ``rollup``: their host memory read now; copies count the open epoch's
-    readings and this one, from ``now``.
-    """
-    opened = book.open
-    processes = []
-    for key, proc in sorted(table.live.items()):
-        if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
-            continue
-        inside = opened.rows.get(key) if opened is not None else None
-        row = _Row(
-            peak=dict(proc.gpu_bytes),  # a device's 0 too, as NVML listed it
-            held=_held(proc, table.role(proc)),
-            status=status.get(key),
-            rollup=rollup.get(key),
-            copy=inside.copy if inside is not None else _Copy(),
-        )
-        start_s = opened.start_s if opened is not None else now
-        processes.append(book._process(table, proc, row, None, start_s, now, last_end_s))
-    return tuple(processes)
+        ``status`` and ``rollup``: their host memory read now; copies count the open epoch's
+        readings and this one, from ``now``.
+        """
+        opened, processes = self.open, []
+        last_end_s = next((e.end_s for e in reversed(self.epochs) if e.end_s), None)
+        for key, proc in sorted(table.live.items()):
+            if (proc.foreign and not proc.gpu_bytes) or not (proc.own or proc.foreign):
+                continue
+            inside = opened.rows.get(key) if opened is not None else None
+            row = _Row(
+                peak=dict(proc.gpu_bytes),  # a device's 0 too, as NVML listed it
+                held=_held(proc, table.role(proc)),
+                status=status.get(key),
+                rollup=rollup.get(key),
+                copy=inside.copy if inside is not None else _Copy(),
+            )
+            start_s = opened.start_s if opened is not None else now
+            processes.append(self._process(table, proc, row, None, start_s, now, last_end_s))
+        return tuple(processes)

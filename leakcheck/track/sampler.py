@@ -38,7 +38,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.observe import hostmem, machine, mailbox, procs
 from leakcheck.observe.torch_state import allocator_bytes
-from leakcheck.track.book import EpochBook, final_processes
+from leakcheck.track.book import EpochBook
 from leakcheck.track.hang import HangWatch, gather_stall
 from leakcheck.track.pacing import Pacing, TickPlan
 from leakcheck.track.reads import CostMeter, Failures, HostReads, NvmlReads, RollupPlan
@@ -401,7 +401,6 @@ class Sampler:
         table = self.table
         assert table is not None
         self.book.apply_accounting(table, self.nvml.accounting())
-        last_end = next((e.end_s for e in reversed(self.book.epochs) if e.end_s), None)
         status, rollup = self.host.final_reads(table, closed=closed)
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
@@ -410,7 +409,7 @@ class Sampler:
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),
-            processes=final_processes(table, last_end, status, rollup, self.book, self.now()),
+            processes=self.book.final(table, status, rollup, self.now()),
             parent_allocated_gpu_bytes=sum(allocated[0].values()) if allocated else None,
             others_gpu_bytes=table.others_gpu_bytes(),
             closed=closed,

@@ -234,7 +234,7 @@ def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[st
         time.sleep(0.5)  # the sampler's reads of the last end, on its thread
         cost = tracker.cost()
         records = tracker.epochs()
-        host = tracker._sampler.host
+        host = tracker.host
         rollup_reads, rollup_cpu_s = host.rollup_reads, host.rollup_cpu_s
         inside_reads = host.inside_reads
     finally:

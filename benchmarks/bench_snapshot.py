@@ -110,8 +110,8 @@ def main() -> int:
         }
 
         def full_sample() -> None:
-            with tracker._sampler.lock:
-                tracker._sampler.sample(epoch_end=False)
+            with tracker.lock:
+                tracker._sample(epoch_end=False)
 
         smi = shutil.which("nvidia-smi") if gpu_ok else None
         if smi:

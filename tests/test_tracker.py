@@ -237,9 +237,9 @@ def _spawn_orphan_inside_the_epoch_and_exit(pid_file: str) -> None:
 
 
 def _seen_outside_the_tree(tracker: Tracker, pid: int) -> bool:
-    table = tracker._sampler.table
+    table = tracker.table
     assert table is not None
-    with tracker._sampler.lock:
+    with tracker.lock:
         return any(key.pid == pid and not proc.in_lineage for key, proc in table.procs.items())
 
 
@@ -589,7 +589,7 @@ def test_without_nvml_the_sampler_wakes_for_walking_ticks_only(
         taken = tracker.cost().samples - before
         ticks = (time.monotonic() - started) / 0.01
         child.start()
-        table = tracker._sampler.table
+        table = tracker.table
         assert table is not None
         found = wait_for(lambda: any(key.pid == child.pid for key in tuple(table.live)))
         child.kill()
@@ -909,12 +909,11 @@ _GRAPHICS = "nvmlDeviceGetGraphicsRunningProcesses"
 def _quick_tick(tracker: Tracker, *, paced: bool = False) -> None:
     """One sampler tick without a walk, run here (the tracker's own sampler is idle);
     ``paced``: its NVML reads paced, as the sampler's are."""
-    sampler = tracker._sampler
-    with sampler.lock:
-        plan = sampler.pacing.plan(time.perf_counter(), 0)
+    with tracker.lock:
+        plan = tracker.pacing.plan(time.perf_counter(), 0)
         if not paced:
             plan = dataclasses.replace(plan, read_memory=True, lists_paced_out=False)
-        sampler.sample(epoch_end=False, quick=True, tick=dataclasses.replace(plan, walk=False))
+        tracker._sample(epoch_end=False, quick=True, tick=dataclasses.replace(plan, walk=False))
 
 
 def test_ticks_leave_the_graphics_list_out_until_a_graphics_context_is_seen(

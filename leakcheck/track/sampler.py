@@ -108,7 +108,7 @@ class Sampler:
         """Seconds since the start, on the clock of every record."""
         return time.monotonic() - self.t0_s
 
-    def start(self, table: ProcessTable, mailbox_dir: str | None) -> None:
+    def _baseline(self, table: ProcessTable, mailbox_dir: str | None) -> None:
         """Take the baseline of ``table``'s job (lock held); no thread yet."""
         self.t0_s = time.monotonic()
         self._boot_offset_s = procs.since_boot_s() - self.now()
@@ -123,7 +123,7 @@ class Sampler:
             table.add(info, now=0.0, born_epoch=None, pre_existing=True)
         self._tag_scan = procs.TagScan(table.tag[1], born_since=table.root, variable=table.tag[0])
         self._inbox = mailbox.Inbox(mailbox_dir) if mailbox_dir else None
-        self.sample(epoch_end=False)
+        self._sample(epoch_end=False)
         self.baseline_devices = self.nvml.device_states()
         # The end state also counts as the job's the root's own bytes and what other
         # trackers' or ranks' processes held (NOTE [other ranks] in table.py).
@@ -186,14 +186,14 @@ class Sampler:
                 return None
             scan_tags, self.tag_scan_due = self.tag_scan_due, False
             tick = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
-            self.sample(epoch_end=False, scan_tags=scan_tags, quick=True, tick=tick)
+            self._sample(epoch_end=False, scan_tags=scan_tags, quick=True, tick=tick)
             opened, table = self.book.open, self.table
             inside = stalled = None
             if table is not None and opened is not None:
                 inside = self.host.plan_inside(table, opened.index, opened.start_s, self.now())
                 waited_s = self.hang.due()
                 if waited_s is not None:
-                    self.sample(epoch_end=False)  # the mailbox: every worker's record
+                    self._sample(epoch_end=False)  # the mailbox: every worker's record
                     workers = [k for k in table.live_workers() if table.procs[k].dumps_stacks]
                     stalled = (workers, opened.index, waited_s)
             next_ticks = self.pacing.ticks_until_work(time.perf_counter())
@@ -219,11 +219,11 @@ class Sampler:
             with self.lock:
                 self.stalls.append(stall)
 
-    def note_death(self, pid: int, signal_number: int) -> None:
+    def _note_death(self, pid: int, signal_number: int) -> None:
         """A process of the job died of a signal: keep it, with the evidence now (lock held)."""
         if self.table is None or self.closed:
             return
-        self.sample(epoch_end=False)  # the mailbox: a worker that died unregistered
+        self._sample(epoch_end=False)  # the mailbox: a worker that died unregistered
         key = self.table.by_pid.get(pid)
         proc = self.table.procs.get(key) if key is not None else None
         if proc is not None and all(death.key != proc.key for death in self.deaths):
@@ -281,9 +281,9 @@ class Sampler:
             with self.lock:
                 pending = [proc for proc in pending if proc.exited_s is None]
         with self.lock:  # at the deadline: "alive after the grace" is an observation
-            self.sample(epoch_end=False)
+            self._sample(epoch_end=False)
 
-    def register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
+    def _register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
         """Declare ``key`` a worker of this job (the caller holds the lock)."""
         if self.table is not None and not self.closed:
             self.table.register_worker(
@@ -291,7 +291,7 @@ class Sampler:
             )
             self.book.see(key)
 
-    def sample(
+    def _sample(
         self,
         *,
         epoch_end: bool,
@@ -307,14 +307,14 @@ class Sampler:
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._sample(epoch_end, scan_tags, quick, tick)
+            self._read(epoch_end, scan_tags, quick, tick)
         except Exception as error:  # recorded, never raised; the next sample retries
             self.failures.record(f"sample: {type(error).__name__}: {error}", error)
         finally:
             self._sampling = False
             self.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
 
-    def _sample(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
+    def _read(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
         now, nvml, pacing, table = self.now(), self.nvml, self.pacing, self.table
         assert table is not None
         walk = tick is None or tick.walk
@@ -385,7 +385,7 @@ class Sampler:
                 continue
             if record.get("kind") == "worker":
                 persistent = record.get("persistent")
-                self.register_worker(key, persistent if isinstance(persistent, bool) else None)
+                self._register_worker(key, persistent if isinstance(persistent, bool) else None)
                 self.table.note_birth(key, *mailbox.worker_birth(record))
                 if record.get("stack_signal") == int(mailbox.STACK_SIGNAL):
                     self.table.procs[key].dumps_stacks = True
@@ -397,7 +397,7 @@ class Sampler:
 
     def current_state(self, *, closed: bool = False) -> FinalState:
         """A fresh, full read of who is alive now and what each holds (caller holds the lock)."""
-        self.sample(epoch_end=True, scan_tags=True)
+        self._sample(epoch_end=True, scan_tags=True)
         table = self.table
         assert table is not None
         self.book.apply_accounting(table, self.nvml.accounting())

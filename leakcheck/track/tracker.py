@@ -45,7 +45,7 @@ def _caller_timed(
 
     @functools.wraps(method)
     def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        meter = tracker._sampler.meter
+        meter = tracker.meter
         if not meter.enter_call():
             return method(tracker, *args, **kwargs)
         started = time.perf_counter()
@@ -106,7 +106,7 @@ def _check_options(
         )
 
 
-class Tracker:
+class Tracker(Sampler):
     """Attribute GPU and host memory to every process of a job, per epoch.
 
     Use as a context manager::
@@ -163,7 +163,7 @@ class Tracker:
         )
         self._persistent_workers, self._session_tag = persistent_workers, session_tag
         self._scan_at_epoch_end = bool(scan_at_epoch_end)
-        self._sampler = Sampler(
+        super().__init__(
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,
             devices=list(devices) if devices is not None else None,
@@ -181,75 +181,57 @@ class Tracker:
     @property
     def session_id(self) -> str:
         """The tag every child inherits as ``LEAKCHECK_SESSION`` (set by ``start()``)."""
-        table = self._sampler.table
-        return table.session if table is not None else ""
-
-    @property
-    def mailbox_dir(self) -> str | None:
-        """The folder the workers report to (NOTE [worker mailbox]); None before ``start()``."""
-        return self._sampler.mailbox_dir
+        return self.table.session if self.table is not None else ""
 
     @property
     def config(self) -> RuleConfig:
         """Rule thresholds resolved from the constructor's options."""
         return self._config
 
-    @property
-    def root_pid(self) -> int:
-        """The job's root process."""
-        return self._sampler.root_pid
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` ran."""
-        return self._sampler.closed
-
     @_caller_timed
     def start(self) -> Tracker:
         """Take the baseline and start the sampler thread. Idempotent."""
-        s = self._sampler
-        with s.lock:
-            if s.table is not None or s.closed:
+        with self.lock:
+            if self.table is not None or self.closed:
                 return self
-            root_key = procs.process_key(s.root_pid)
+            root_key = procs.process_key(self.root_pid)
             if root_key is None:
-                raise UsageError(f"root_pid: no running process with PID {s.root_pid}")
+                raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
-            session = procs.new_session_id(s.root_pid)
-            mailbox_dir = s.failures.guard(mailbox.create, "mailbox")
-            if s.own_process:
+            session = procs.new_session_id(self.root_pid)
+            mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
+            if self.own_process:
                 values = {procs.SESSION_ENV: session}
                 if mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = mailbox_dir
                 self._export_token = exports.export(values)
             table = ProcessTable(
-                root_key, procs.read_proc(s.root_pid), session=session,
+                root_key, procs.read_proc(self.root_pid), session=session,
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
             )  # fmt: skip
-            s.start(table, mailbox_dir)
-        s.start_thread()
+            self._baseline(table, mailbox_dir)
+        self.start_thread()
         return self
 
     @_caller_timed
     def close(self) -> None:
         """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
-        s = self._sampler
-        if s.table is not None and not s.closed:
+        if self.table is not None and not self.closed:
             self._end("closed")
-            s.wait_for_grace()
-            s.stop()
-            s.finish_reads()  # planned at the last epoch end, not read yet
-            with s.lock:
-                self._final = s.current_state(closed=True)
-                s.closed = True
+            self.wait_for_grace()
+            self.stop()
+            self.finish_reads()  # planned at the last epoch end, not read yet
+            with self.lock:
+                self._final = self.current_state(closed=True)
+                self.closed = True
                 if self._export_token is not None:
                     exports.withdraw(self._export_token)
                     self._export_token = None
-                if s.mailbox_dir:
-                    mailbox.remove(s.mailbox_dir)
+                if self.mailbox_dir:
+                    mailbox.remove(self.mailbox_dir)
                 claims.session_closed(self.session_id)
-        s.closed = True
-        s.failures.raise_pending()
+        self.closed = True
+        self.failures.raise_pending()
 
     def __enter__(self) -> Tracker:
         return self.start()
@@ -266,21 +248,20 @@ class Tracker:
     @_caller_timed
     def begin_epoch(self, label: str | None = None) -> int:
         """Open an epoch (closing any open one as ``closed``); returns its index."""
-        s = self._sampler
-        if s.table is None:
+        if self.table is None:
             self.start()
-        if s.closed:
+        table = self.table
+        if self.closed or table is None:
             raise LeakCheckError("this Tracker is closed; create a new one to track more epochs")
         self._end("closed")
         # The reads the last end planned, before this epoch's work changes what they read.
-        s.finish_reads()
-        with s.lock:
-            index = s.book.begin(label, s.now())
-            s.failures.guard(s.shm.begin_epoch, "shm")
-            assert s.table is not None
-            claims.epoch_opened(s.table.session)
-            s.table.changed = True
-        s.failures.raise_pending()
+        self.finish_reads()
+        with self.lock:
+            index = self.book.begin(label, self.now())
+            self.failures.guard(self.shm.begin_epoch, "shm")
+            claims.epoch_opened(table.session)
+            table.changed = True
+        self.failures.raise_pending()
         return index
 
     @_caller_timed
@@ -294,7 +275,7 @@ class Tracker:
     ) -> bool:
         """Close the open epoch (only if it is ``index``, where given); True if one closed."""
         closed = self._end(reason, error, batches, index)
-        self._sampler.failures.raise_pending()
+        self.failures.raise_pending()
         return closed
 
     def _end(
@@ -305,24 +286,23 @@ class Tracker:
         index: int | None = None,
     ) -> bool:
         """Close the open epoch with one full sample and the costlier extras."""
-        s = self._sampler
-        with s.lock:
-            opened, table = s.book.open, s.table
+        with self.lock:
+            opened, table = self.book.open, self.table
             if opened is None or table is None or index not in (None, opened.index):
                 return False
-            s.sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
-            s.book.apply_accounting(table, s.nvml.accounting())
-            if s.own_process:  # the loop's process is this one
+            self._sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
+            self.book.apply_accounting(table, self.nvml.accounting())
+            if self.own_process:  # the loop's process is this one
                 opened.pinned = torch_state.pinned_host_bytes()
-            s.tag_scan_due = True
-            host = s.host.end_status(table)
-            shm = s.failures.guard(lambda: s.shm.epoch_end(table), "shm")
-            s.book.end(
-                table, now=s.now(), reason=reason, error=error, batches=batches,
-                devices=s.nvml.device_states(), host=host, shm=shm,
+            self.tag_scan_due = True
+            host = self.host.end_status(table)
+            shm = self.failures.guard(lambda: self.shm.epoch_end(table), "shm")
+            self.book.end(
+                table, now=self.now(), reason=reason, error=error, batches=batches,
+                devices=self.nvml.device_states(), host=host, shm=shm,
             )  # fmt: skip
-            if s.host.plan(opened.index, table):
-                s.wake()  # read off this thread, right away (NOTE [host pacing])
+            if self.host.plan(opened.index, table):
+                self.wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(table.session)
             return True
 
@@ -349,62 +329,59 @@ class Tracker:
         """
         key = procs.process_key(pid) if start_ticks is None else ProcessKey(pid, start_ticks)
         if key is not None:
-            with self._sampler.lock:
-                self._sampler.register_worker(key, persistent)
+            with self.lock:
+                self._register_worker(key, persistent)
 
     def batch_wanted(self) -> None:
         """The loop asks for its next batch: the hang watch counts the wait (one clock read)."""
-        self._sampler.hang.waiting_since_s = time.monotonic()
+        self.hang.waiting_since_s = time.monotonic()
 
     def batch_arrived(self) -> None:
         """A batch came, or the loop stopped asking for one: the wait is over."""
-        self._sampler.hang.waiting_since_s = None
+        self.hang.waiting_since_s = None
 
     def worker_stuck(self, pid: int) -> None:
         """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""
-        s = self._sampler
-        with s.lock:
-            if s.table is None or s.closed:
+        with self.lock:
+            if self.table is None or self.closed:
                 return
-            s.sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
-            key = s.table.by_pid.get(pid) or procs.process_key(pid)
+            self._sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
+            key = self.table.by_pid.get(pid) or procs.process_key(pid)
             if key is None:
                 return
-            proc, epoch = s.table.procs.get(key), s.book.open_index
+            proc, epoch = self.table.procs.get(key), self.book.open_index
         join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks
-        s.keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
+        self.keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
-        s = self._sampler
         if exit_code < 0:
-            with s.lock:
-                s.note_death(pid, -exit_code)
-        s.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
+            with self.lock:
+                self._note_death(pid, -exit_code)
+        self.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
 
     @_caller_timed
     def finish_reads(self) -> None:
         """Make now the host reads the last epoch end left to the thread (before a loader goes)."""
-        self._sampler.finish_reads()
+        super().finish_reads()
 
     def worker_keys(self) -> list[ProcessKey]:
         """Workers registered so far."""
-        with self._sampler.lock:
-            table = self._sampler.table
-            return sorted(table.workers) if table is not None else []
+        with self.lock:
+            return sorted(self.table.workers) if self.table is not None else []
 
     @_caller_timed
     def sample(self) -> None:
         """Take one sample now, as the sampler thread does every ``interval`` (with a walk)."""
-        with self._sampler.lock:
-            self._sampler.sample(epoch_end=False, quick=True)
-        self._sampler.failures.raise_pending()
+        with self.lock:
+            self._sample(epoch_end=False, quick=True)
+        self.failures.raise_pending()
 
     def cost(self) -> TrackerCost:
         """What tracking has cost so far (own time of the sampler and of the calling threads)."""
-        return self._sampler.meter.snapshot()
+        return self.meter.snapshot()
 
     def epochs(self) -> tuple[EpochRecord, ...]:
         """Closed epochs so far."""
@@ -412,18 +389,17 @@ class Tracker:
 
     def teardowns(self) -> tuple[TeardownRecord, ...]:
         """Teardown records the workers posted so far."""
-        with self._sampler.lock:
-            return tuple(self._sampler.book.teardowns)
+        with self.lock:
+            return tuple(self.book.teardowns)
 
     @_caller_timed
     def snapshot(self) -> Snapshot:
         """Who in the job holds what, right now (a fresh read, not the last sample)."""
-        with self._sampler.lock:
-            table = self._sampler.table
-            births = table.births() if table is not None else {}
+        with self.lock:
+            births = self.table.births() if self.table is not None else {}
         return take_snapshot(
-            root_pid=self._sampler.root_pid,
-            devices=self._sampler.devices,
+            root_pid=self.root_pid,
+            devices=self.devices,
             known_workers=self.worker_keys(),
             births=births,
         )
@@ -436,28 +412,27 @@ class Tracker:
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
-        s = self._sampler
-        own = own_rank_device() if s.own_process else None
-        with s.lock:
-            final, table = self._final, s.table
-            if final is None and fresh and table is not None and not s.closed:
-                final = s.current_state(closed=False)
+        own = own_rank_device() if self.own_process else None
+        with self.lock:
+            final, table = self._final, self.table
+            if final is None and fresh and table is not None and not self.closed:
+                final = self.current_state(closed=False)
             return Timeline(
                 session_id=self.session_id,
-                root=table.root if table is not None else ProcessKey(s.root_pid, 0),
+                root=table.root if table is not None else ProcessKey(self.root_pid, 0),
                 started_unix_s=self._started_unix_s,
                 boot_unix_s=self._boot_unix_s,
-                attribution=s.nvml.attribution,
-                attribution_reason=s.nvml.attribution_reason,
-                baseline_devices=s.baseline_devices,
-                baseline_gpu_bytes=dict(s.baseline_gpu_bytes),
-                epochs=s.book.records(table, last=last_epochs) if table else (),
+                attribution=self.nvml.attribution,
+                attribution_reason=self.nvml.attribution_reason,
+                baseline_devices=self.baseline_devices,
+                baseline_gpu_bytes=dict(self.baseline_gpu_bytes),
+                epochs=self.book.records(table, last=last_epochs) if table else (),
                 final=final,
-                failures=s.failures.lines(),
-                teardowns=tuple(s.book.teardowns),
-                shm_files=s.shm_files,
-                deaths=tuple(s.deaths),
-                stalls=tuple(s.stalls),
+                failures=self.failures.lines(),
+                teardowns=tuple(self.book.teardowns),
+                shm_files=self.shm_files,
+                deaths=tuple(self.deaths),
+                stalls=tuple(self.stalls),
                 rank_devices={own[0]: own[1]} if own is not None else {},
             )
 
@@ -465,5 +440,5 @@ class Tracker:
     def report(self, *, last_epochs: int | None = None, fresh: bool = True) -> Report:
         """Judge what was observed (the arguments: ``timeline()``'s, fresh by default)."""
         timeline = self.timeline(last_epochs=last_epochs, fresh=fresh)
-        self._sampler.failures.raise_pending()
+        self.failures.raise_pending()
         return build_report(timeline, self._config)

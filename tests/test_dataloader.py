@@ -436,7 +436,7 @@ def test_survivor_of_an_epoch_is_raised_when_the_next_epoch_starts(
     """Judged on a walk the next epoch's start takes: without it, a sampler thread that had
     not walked since the grace ended (here: none at all) left the survivor undecided."""
     if not sampler_thread:
-        monkeypatch.setattr(sampler.Sampler, "start_thread", lambda self: None)
+        monkeypatch.setattr(sampler.Sampler, "_start_thread", lambda self: None)
     dataset = StartsChildOnce()
     watched = leakcheck.watch(make(dataset, workers=0), grace=0.2, on_leak="raise")
     try:

@@ -117,18 +117,18 @@ class Failures:
 class NvmlReads:
     """One tracker's NVML: whether it can attribute, and its timed reads."""
 
-    def __init__(self, *, devices: list[int] | None, meter: CostMeter, failures: Failures) -> None:
-        self.devices = devices
-        self.meter = meter
-        self.failures = failures
+    def __init__(
+        self, devices: list[int] | None, meter: CostMeter, failures: Failures, *, use_nvml: bool
+    ) -> None:
+        self.devices, self.meter, self.failures, self.use_nvml = devices, meter, failures, use_nvml
         self.handle: nvml.Nvml | None = None
         self.attribution: Attribution = "nvml-unavailable"
         self.attribution_reason = "tracking has not started"
         self.accounting_devices: tuple[int, ...] = ()
 
-    def open(self, *, use_nvml: bool) -> None:
+    def open(self) -> None:
         """Start NVML, or record why GPU memory is not attributed."""
-        if not use_nvml:
+        if not self.use_nvml:
             self.attribution_reason = "NVML reading is off (use_nvml=False): host-side checks only"
             return
         available, reason = nvml.availability()

@@ -1,22 +1,20 @@
-"""The sampler: one background thread that reads the job's processes and devices, per epoch.
+"""The sampler under ``Tracker``: one background thread that reads the job, per epoch.
 
 NOTE [tracker lifecycle]: ``Tracker.start()`` takes a baseline (devices, the root's GPU bytes,
 the processes already there: pre-existing, never survivors), exports ``LEAKCHECK_SESSION`` and
-``LEAKCHECK_MAILBOX`` for children to inherit, and starts one daemon thread. Each tick reads
-what ``Pacing`` allows: device memory, NVML's per-PID lists where memory moved, and every
-fourth tick the mailbox (NOTE [worker mailbox] in mailbox.py) and a walk of the root's
-descendants (at once where a list names a PID not placed yet). An epoch end is one full
-sample with the costlier extras (``/dev/nvidia*`` descriptors, command lines, RSS,
-``/dev/shm``); the thread's next wake scans /proc for tagged processes reparented away and
-reads USS and PSS (NOTE [host pacing] in pacing.py). Survivors are judged by how long after
-its epoch each process was seen, so sampling goes on between epochs, and ``close()`` waits
-(at most ``grace``) for undecided ones, then reads everything once more. leakcheck's own
-failures are recorded, never raised into the loop (``strict=True``: at the next call).
+``LEAKCHECK_MAILBOX`` for children, and starts one daemon thread. Each tick reads what
+``Pacing`` allows: device memory, NVML's per-PID lists where memory moved, and every fourth
+tick the mailbox (NOTE [worker mailbox] in mailbox.py) and a walk of the root's descendants (at
+once where a list names a PID not placed yet). An epoch end is one full sample with the
+costlier extras (``/dev/nvidia*`` descriptors, command lines, RSS, ``/dev/shm``); the thread's
+next wake scans /proc for tagged processes reparented away and reads USS and PSS (NOTE [host
+pacing]). Sampling goes on between epochs (survivors are judged by how long after its epoch
+each was seen); ``close()`` waits at most ``grace`` for undecided ones, then reads everything
+once more. Own failures are recorded, never raised into the loop (``strict``: at the next call).
 
 NOTE [born epoch]: a process is placed when a walk or tag scan first sees it, maybe epochs
-after its birth, so its epoch (whose end its grace counts from) comes from its start ticks
-(NOTE [process identity] in procs.py) on the tracker's clock; the epoch it was placed in
-stands in where the start falls between epochs or the clocks disagree.
+after its birth, so its epoch comes from its start ticks (NOTE [process identity] in procs.py);
+the epoch it was placed in stands in where that falls between epochs or the clocks disagree.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ class Sampler:
 
     A tick is due every ``interval_s`` times what the last said (NOTE [idle ticks]). A wake
     (host reads, a stop) is served at once without putting the tick off: short epochs would
-    otherwise starve every tick, and the scans for processes reparented away with them.
+    otherwise starve every tick, and the tag scans with them.
     """
 
     def __init__(
@@ -69,10 +67,9 @@ class Sampler:
         hang_after_s: float,
     ) -> None:
         self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
-        self.use_nvml = use_nvml
         self.meter = CostMeter()
         self.failures = Failures(strict=strict)
-        self.nvml = NvmlReads(devices=devices, meter=self.meter, failures=self.failures)
+        self.nvml = NvmlReads(devices, self.meter, self.failures, use_nvml=use_nvml)
         self.lock = threading.RLock()
         # Held but while someone wakes the thread, which waits on it between ticks: a timed
         # acquire of a plain lock is the cheapest wake measured.
@@ -100,8 +97,8 @@ class Sampler:
         self._oom_kills: int | None = None  # what the next death's OOM kills count from
 
     @property
-    def own_process(self) -> bool:
-        """The job's root is this process (asked each time: a forked child is not)."""
+    def _own_process(self) -> bool:
+        # Asked each time: a forked child is not the root.
         return self.root_pid == os.getpid()
 
     def now(self) -> float:
@@ -109,12 +106,12 @@ class Sampler:
         return time.monotonic() - self.t0_s
 
     def _baseline(self, table: ProcessTable, mailbox_dir: str | None) -> None:
-        """Take the baseline of ``table``'s job (lock held); no thread yet."""
+        """Take the baseline of ``table``'s job (lock held)."""
         self.t0_s = time.monotonic()
         self._boot_offset_s = procs.since_boot_s() - self.now()
         self.mailbox_dir = mailbox_dir
         self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
-        self.nvml.open(use_nvml=self.use_nvml)
+        self.nvml.open()
         self.pacing.has_nvml = self.nvml.handle is not None
         self.failures.guard(self.shm.start, "shm")
         self.table = table
@@ -132,22 +129,19 @@ class Sampler:
             baseline[device] = baseline.get(device, 0) + used
         self.baseline_gpu_bytes = baseline
 
-    def start_thread(self) -> None:
-        """Start the thread (once)."""
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
         self.meter.sampler_thread = self._thread
         self._thread.start()
 
-    def wake(self) -> None:
-        """Wake the thread now (it checks ``stopping`` first)."""
+    def _wake(self) -> None:
         with contextlib.suppress(RuntimeError):  # released already: a wake is pending
             self._gate.release()
 
-    def stop(self) -> None:
-        """Stop the thread and wait a while for it (not when called from it)."""
+    def _stop(self) -> None:
         if not self.stopping:
             self.stopping = True
-            self.wake()
+            self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 10 * self.interval_s))
 
@@ -180,7 +174,7 @@ class Sampler:
                 )
 
     def _tick(self, ticks: int) -> int | None:
-        """One tick of the thread; how many intervals until the next (None: closed)."""
+        """One tick; how many intervals until the next (None: closed)."""
         with self.lock:
             if self.closed:
                 return None
@@ -200,14 +194,14 @@ class Sampler:
         if inside is not None:
             self._read_inside(inside)
         if stalled is not None:  # NOTE [hang watch] in hang.py
-            self.keep_stall(*stalled)
+            self._keep_stall(*stalled)
         return next_ticks
 
-    def keep_stall(
+    def _keep_stall(
         self, workers: list[ProcessKey], epoch: int | None, waited_s: float, pid: int | None = None
     ) -> None:
-        """Gather stacks off the lock (they wait for the workers), and keep the stall."""
-        folder, at_s, loop = self.mailbox_dir, self.now(), self.own_process
+        # Stacks are gathered off the lock: they wait for the workers.
+        folder, at_s, loop = self.mailbox_dir, self.now(), self._own_process
         stall = self.failures.guard(
             lambda: gather_stall(
                 workers, folder, epoch=epoch, waited_s=waited_s, at_s=at_s, pid=pid, loop=loop
@@ -219,19 +213,8 @@ class Sampler:
             with self.lock:
                 self.stalls.append(stall)
 
-    def _note_death(self, pid: int, signal_number: int) -> None:
-        """A process of the job died of a signal: keep it, with the evidence now (lock held)."""
-        if self.table is None or self.closed:
-            return
-        self._sample(epoch_end=False)  # the mailbox: a worker that died unregistered
-        key = self.table.by_pid.get(pid)
-        proc = self.table.procs.get(key) if key is not None else None
-        if proc is not None and all(death.key != proc.key for death in self.deaths):
-            death = self.failures.guard(lambda: self._death(proc, signal_number), "death")
-            if death is not None:
-                self.deaths.append(death)
-
     def _death(self, proc: Proc, signal_number: int) -> Death:
+        """``proc`` died of a signal: the evidence now."""
         counted, kills = self._oom_kills, machine.oom_kill_count()
         rise = None if kills is None or counted is None else kills - counted
         memory, folder = machine.machine_memory(), self.mailbox_dir
@@ -271,8 +254,7 @@ class Sampler:
         """Make (or wait for) the host reads the last epoch end planned; no lock held."""
         self.host.read_planned(self.lock, self.book.apply_rollup)
 
-    def wait_for_grace(self) -> None:
-        """Wait for pending survivors, at most until the grace of each one's epoch passed."""
+    def _wait_for_grace(self) -> None:
         assert self.table is not None
         with self.lock:
             pending, deadline = self.book.pending_survivors(self.table)
@@ -300,54 +282,52 @@ class Sampler:
         tick: TickPlan | None = None,
     ) -> None:
         """One sample, paced by ``tick`` where given; the caller holds the lock."""
-        if self.closed or self.table is None or self._sampling:
+        table = self.table
+        if self.closed or table is None or self._sampling:
             # Re-entered from this thread (the lock is re-entrant): a loader iterator
             # collected mid-sample closes its epoch from inside this one, with this sample.
             return
         self._sampling = True
         started = time.perf_counter()
         try:
-            self._read(epoch_end, scan_tags, quick, tick)
+            now, nvml, pacing = self.now(), self.nvml, self.pacing
+            walk = tick is None or tick.walk
+            lists_paced_out = tick is not None and tick.lists_paced_out
+            if self._inbox is not None and walk:
+                inbox = self._inbox
+                self.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+            device_used = nvml.memory(pacing) if tick is None or tick.read_memory else None
+            gpu: tuple[GpuProcess, ...] | None = None
+            new_on_gpu = False
+            if not walk and not lists_paced_out and pacing.lists_due(quick=quick):
+                gpu = nvml.lists(pacing, graphics=pacing.list_graphics(quick=quick))
+                # A process new on the GPU is placed in the tree before it is attributed; this
+                # list serves, as every PID in it existed before the walk began.
+                new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
+            if walk:
+                self.failures.guard(self.shm.note_usage, "shm")
+            if walk or new_on_gpu:
+                if not self._walk(table, now, scan_tags=scan_tags, quick=quick):
+                    return
+                if not new_on_gpu and not lists_paced_out:
+                    gpu = nvml.lists(pacing, graphics=True)
+            if gpu is not None:
+                missing = table.attribute_gpu(gpu, now=now)
+                if missing and procs.pid_namespace_nested():
+                    nvml.blind(
+                        f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID"
+                        " namespace (a container without --pid=host?): only device totals are"
+                        " judged"
+                    )
+            if epoch_end:
+                table.count_nvidia_fds()
+                table.confirm_cmdlines()
+            self.book.note_sample(table, device_used)
         except Exception as error:  # recorded, never raised; the next sample retries
             self.failures.record(f"sample: {type(error).__name__}: {error}", error)
         finally:
             self._sampling = False
             self.meter.add(samples=1, sample_wall_s=time.perf_counter() - started)
-
-    def _read(self, epoch_end: bool, scan_tags: bool, quick: bool, tick: TickPlan | None) -> None:
-        now, nvml, pacing, table = self.now(), self.nvml, self.pacing, self.table
-        assert table is not None
-        walk = tick is None or tick.walk
-        lists_paced_out = tick is not None and tick.lists_paced_out
-        if self._inbox is not None and walk:
-            inbox = self._inbox
-            self.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
-        device_used = nvml.memory(pacing) if tick is None or tick.read_memory else None
-        gpu: tuple[GpuProcess, ...] | None = None
-        new_on_gpu = False
-        if not walk and not lists_paced_out and pacing.lists_due(quick=quick):
-            gpu = nvml.lists(pacing, graphics=pacing.list_graphics(quick=quick))
-            # A process new on the GPU is placed in the tree before it is attributed; this
-            # list serves, as every PID in it existed before the walk began.
-            new_on_gpu = gpu is not None and any(e.pid not in table.by_pid for e in gpu)
-        if walk:
-            self.failures.guard(self.shm.note_usage, "shm")
-        if walk or new_on_gpu:
-            if not self._walk(table, now, scan_tags=scan_tags, quick=quick):
-                return
-            if not new_on_gpu and not lists_paced_out:
-                gpu = nvml.lists(pacing, graphics=True)
-        if gpu is not None:
-            missing = table.attribute_gpu(gpu, now=now)
-            if missing and procs.pid_namespace_nested():
-                nvml.blind(
-                    f"NVML reports PIDs {sorted(missing)[:5]} that do not exist in this PID "
-                    "namespace (a container without --pid=host?): only device totals are judged"
-                )
-        if epoch_end:
-            table.count_nvidia_fds()
-            table.confirm_cmdlines()
-        self.book.note_sample(table, device_used)
 
     def _walk(self, table: ProcessTable, now: float, *, scan_tags: bool, quick: bool) -> bool:
         self.pacing.walked()
@@ -395,7 +375,7 @@ class Sampler:
         if born:
             mailbox.write_births(inbox.directory, self.table.births())
 
-    def current_state(self, *, closed: bool = False) -> FinalState:
+    def _current_state(self, *, closed: bool = False) -> FinalState:
         """A fresh, full read of who is alive now and what each holds (caller holds the lock)."""
         self._sample(epoch_end=True, scan_tags=True)
         table = self.table
@@ -405,7 +385,7 @@ class Sampler:
         if closed:
             self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
         pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
-        allocated = allocator_bytes() if self.own_process else None
+        allocated = allocator_bytes() if self._own_process else None
         return FinalState(
             time_s=self.now(),
             devices=self.nvml.device_states(),

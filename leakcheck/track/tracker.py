@@ -200,7 +200,7 @@ class Tracker(Sampler):
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
             session = procs.new_session_id(self.root_pid)
             mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
-            if self.own_process:
+            if self._own_process:
                 values = {procs.SESSION_ENV: session}
                 if mailbox_dir:
                     values[mailbox.MAILBOX_ENV] = mailbox_dir
@@ -210,7 +210,7 @@ class Tracker(Sampler):
                 tag=self._session_tag, persistent_workers=self._persistent_workers,
             )  # fmt: skip
             self._baseline(table, mailbox_dir)
-        self.start_thread()
+        self._start_thread()
         return self
 
     @_caller_timed
@@ -218,11 +218,11 @@ class Tracker(Sampler):
         """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
         if self.table is not None and not self.closed:
             self._end("closed")
-            self.wait_for_grace()
-            self.stop()
+            self._wait_for_grace()
+            self._stop()
             self.finish_reads()  # planned at the last epoch end, not read yet
             with self.lock:
-                self._final = self.current_state(closed=True)
+                self._final = self._current_state(closed=True)
                 self.closed = True
                 if self._export_token is not None:
                     exports.withdraw(self._export_token)
@@ -292,7 +292,7 @@ class Tracker(Sampler):
                 return False
             self._sample(epoch_end=True, scan_tags=self._scan_at_epoch_end)
             self.book.apply_accounting(table, self.nvml.accounting())
-            if self.own_process:  # the loop's process is this one
+            if self._own_process:  # the loop's process is this one
                 opened.pinned = torch_state.pinned_host_bytes()
             self.tag_scan_due = True
             host = self.host.end_status(table)
@@ -302,7 +302,7 @@ class Tracker(Sampler):
                 devices=self.nvml.device_states(), host=host, shm=shm,
             )  # fmt: skip
             if self.host.plan(opened.index, table):
-                self.wake()  # read off this thread, right away (NOTE [host pacing])
+                self._wake()  # read off this thread, right away (NOTE [host pacing])
             claims.epoch_closed(table.session)
             return True
 
@@ -352,14 +352,21 @@ class Tracker(Sampler):
             proc, epoch = self.table.procs.get(key), self.book.open_index
         join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks
-        self.keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
+        self._keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:
         """Tell how a process of the job ended; ``exit_code`` < 0 (minus the signal): a death."""
         if exit_code < 0:
             with self.lock:
-                self._note_death(pid, -exit_code)
+                table = self.table
+                if table is not None and not self.closed:
+                    self._sample(epoch_end=False)  # the mailbox: one that died unregistered
+                    proc = table.procs.get(table.by_pid.get(pid, ProcessKey(0, 0)))
+                    if proc is not None and all(death.key != proc.key for death in self.deaths):
+                        death = self.failures.guard(lambda: self._death(proc, -exit_code), "death")
+                        if death is not None:
+                            self.deaths.append(death)
         self.failures.raise_pending()  # strict mode: on every path, as each call of the tracker
 
     @_caller_timed
@@ -412,11 +419,11 @@ class Tracker(Sampler):
         """
         if last_epochs is not None and not _is_int_at_least(last_epochs, 1):
             raise UsageError(f"last_epochs: expected a positive int or None, got {last_epochs!r}")
-        own = own_rank_device() if self.own_process else None
+        own = own_rank_device() if self._own_process else None
         with self.lock:
             final, table = self._final, self.table
             if final is None and fresh and table is not None and not self.closed:
-                final = self.current_state(closed=False)
+                final = self._current_state(closed=False)
             return Timeline(
                 session_id=self.session_id,
                 root=table.root if table is not None else ProcessKey(self.root_pid, 0),

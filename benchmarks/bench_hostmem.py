@@ -203,7 +203,7 @@ def _switch_off_host_reads() -> None:
     shm.ShmWatch.note_usage = lambda self: None  # type: ignore[method-assign]
     # None: the epoch has no /dev/shm read, as when the read fails (the sampler's guard).
     shm.ShmWatch.epoch_end = lambda self, table: None  # type: ignore[method-assign, assignment, return-value]
-    shm.ShmWatch.left_behind = lambda self, table: ()  # type: ignore[method-assign]
+    shm.ShmWatch.files = lambda self, table, *, closing=False: ()  # type: ignore[method-assign]
 
 
 def run_tracker(children: int, arm: str, epochs: int, epoch_s: float) -> dict[str, Any]:

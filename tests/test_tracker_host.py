@@ -461,6 +461,6 @@ def test_reads_the_sampler_did_not_make_are_made_before_the_next_epoch(
     behind epochs of milliseconds): the caller's thread makes them, as it judges or, with
     leaks ignored (``leakcheck run``'s wrappers), as the next epoch opens, so the host rule's
     first ends have USS."""
-    monkeypatch.setattr(Sampler, "wake", lambda self: None)
+    monkeypatch.setattr(Sampler, "_wake", lambda self: None)
     sources = _host_sources_of_tiny_epochs(4, on_leak=on_leak)
     assert sources[1:] == [{"parent": "uss", "worker": "uss"}] * 3, sources

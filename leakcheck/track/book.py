@@ -2,15 +2,14 @@
 
 NOTE [worker reports]: sampling misses what lives shorter than the gap between two NVML reads.
 So each worker, as it exits, posts its own NVML bytes, torch's peak reserved bytes and its host
-memory to the mailbox (NOTE [teardown policy] in teardown.py), stamped with the monotonic
-clock. The book gives that report to the epoch open then (or ended at most ``grace_s`` before,
-for workers shut down after their epoch); a peak is the larger of what was sampled and what
-was reported, NVML's accounting maxima of exited PIDs counting the same way. A process that
-exited unseen and reported nothing has an ``unknown`` peak, never 0. One alive at the end was
-read then (status, and smaps_rollup where paced in); one gone shows what it reported. A forked
-worker's copies of its parent's memory (NOTE [copy on read] in hostmem.py) are measured
-against its birth report by every smaps_rollup reading of it; each epoch keeps the most any
-showed and when one first passed the copy tolerance.
+memory to the mailbox (NOTE [teardown policy] in teardown.py), on the monotonic clock. That
+report goes to the epoch open then (or ended at most ``grace_s`` before); a peak is the larger
+of what was sampled and reported (NVML's accounting maxima of exited PIDs count the same way).
+One that exited unseen and reported nothing has an ``unknown`` peak, never 0. One alive at the
+end was read then (status, and smaps_rollup where paced in); one gone shows what it reported.
+A forked worker's copies (NOTE [copy on read] in hostmem.py) are measured against its birth
+report by every smaps_rollup reading; each epoch keeps the most and when one first passed the
+copy tolerance.
 """
 
 from __future__ import annotations
@@ -149,10 +148,7 @@ def _raise_peak(peak: dict[int, int], values: Mapping[int, int]) -> None:
 
 
 class EpochBook:
-    """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``.
-
-    ``grace_s``: how long after an epoch's end a worker's report still belongs to it.
-    """
+    """Epochs of one tracker, filled by the sampler and frozen into ``EpochRecord``."""
 
     def __init__(self, *, grace_s: float, copy_tolerance_bytes: int = 64 * MIB) -> None:
         self.grace_s = grace_s
@@ -176,8 +172,8 @@ class EpochBook:
     def born_in(self, born_s: float, window_s: float) -> int | None:
         """The epoch a birth in ``[born_s, born_s + window_s)`` fell in (NOTE [born epoch]).
 
-        The latest opened before the window ends (workers start as their epoch opens);
-        None if it ended before the window began, or none had opened.
+        The latest opened before the window ends (workers start as their epoch opens), if it
+        had not ended before the window began.
         """
         for epoch in reversed(self.epochs):
             if epoch.start_s >= born_s + window_s:
@@ -221,10 +217,7 @@ class EpochBook:
         host: Mapping[ProcessKey, HostMemory] | None = None,
         shm: dict[str, Any] | None = None,
     ) -> None:
-        """Close the open epoch with the state of every process it saw, read just now.
-
-        ``shm``: its ``EpochRecord`` fields (``ShmWatch.epoch_end``).
-        """
+        """Close the open epoch with the state of every process it saw, read just now."""
         epoch = self.open
         if epoch is None:
             return
@@ -288,10 +281,7 @@ class EpochBook:
         gpu_bytes: Mapping[int, int],
         host: HostMemory | None = None,
     ) -> bool:
-        """Give a worker's own report, read at ``at_s``, to its epoch (NOTE [worker reports]).
-
-        ``gpu_bytes`` empty: it held nothing. Returns whether an epoch took it.
-        """
+        """A worker's report at ``at_s`` to its epoch; True if taken (NOTE [worker reports])."""
         for epoch in reversed(self.epochs):
             if epoch.start_s > at_s:
                 continue
@@ -311,10 +301,7 @@ class EpochBook:
         return False
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
-        """Keep a worker's teardown record; what it held at exit goes to its epoch.
-
-        ``t0_s``: the tracker's start on the record's monotonic clock.
-        """
+        """Keep a teardown record; what it held at exit goes to its epoch (``t0_s``: the start)."""
         self.teardowns.append(teardown)
         held = teardown.gpu_bytes_by_device if teardown.cuda_initialized else {}
         host = None
@@ -371,11 +358,7 @@ class EpochBook:
         end_s: float,
         seen_s: float | None = None,
     ) -> ProcessEpoch:
-        """``proc``'s record of epoch ``index`` (None: a final state at ``end_s``).
-
-        ``last_seen_after_s`` counts from ``seen_s`` (an epoch's: its end); copies' times from
-        ``start_s``.
-        """
+        """``proc``'s record of epoch ``index`` (None: a final state at ``end_s``)."""
         seen_s = end_s if index is not None else seen_s
         held = row.held
         assert held is not None
@@ -446,11 +429,7 @@ class EpochBook:
         rollup: Mapping[ProcessKey, HostMemory],
         now: float,
     ) -> tuple[ProcessEpoch, ...]:
-        """Every live process of the job, and foreign GPU holders, for a fresh final state.
-
-        ``status`` and ``rollup``: their host memory read now; copies count the open epoch's
-        readings and this one, from ``now``.
-        """
+        """Every live process of the job and foreign GPU holders, read now, for a final state."""
         opened, processes = self.open, []
         last_end_s = next((e.end_s for e in reversed(self.epochs) if e.end_s), None)
         for key, proc in sorted(table.live.items()):

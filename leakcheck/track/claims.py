@@ -1,9 +1,9 @@
 """Whose process is it: ownership among the trackers of one process.
 
 NOTE [claims]: one process often runs several trackers (a train and a validation loader each
-under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the
-same root's children: without owners, one loader's persistent worker is another's survivor.
-This registry records each placed process's owner:
+under ``watch()``, a ``watch()`` inside a test the pytest plugin checks), each walking the same
+root's children: without owners, one loader's persistent worker is another's survivor. Each
+placed process's owner is:
 
 1. a worker that reported itself through a tracker's mailbox is that tracker's: exact;
 2. a process whose parent is claimed is the parent's owner's, and follows it when rule 1
@@ -13,9 +13,8 @@ This registry records each placed process's owner:
 4. with no epoch open anywhere at its birth, the tracker that places it first.
 
 A tracker judges only what it owns and counts what another owns as the job's memory. Claims
-outlive the tracker's close, but what is born after it is not the closed tracker's. Claims of
-processes seen gone are kept a while, and what rule 1 takes from a session waits in
-``taken_from`` for its table's next walk or end.
+outlive the tracker's close (what is born after it is not the closed tracker's); those of
+processes seen gone are kept a while; what rule 1 takes from a session waits in ``taken_from``.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ __all__ = [
 
 @dataclass
 class _Claim:
-    """Who owns one process, and why."""
 
     owner: str
     parent: ProcessKey | None = None  # the parent a rule-2 claim came through

@@ -3,17 +3,16 @@
 NOTE [hang watch]: a loop stuck in its DataLoader (a worker blocked in ``__getitem__``, a
 deadlock after fork, a full queue) shows nothing. The adapter tells the tracker when the loop
 asks for a batch (``Tracker.batch_wanted``) and when it got one (``batch_arrived``): one clock
-read each, and only the wait in between counts. Each tick checks whether an open epoch's loop
-has waited ``hang_after_s``; once per stall, the Python stacks of the loop's process (where
-the tracker runs in it) and of each worker that registered the stack signal (NOTE [worker
-mailbox]; sent ``mailbox.STACK_SIGNAL`` once its identity is checked, its faulthandler writes
-them into its file) go to stderr and the report (``Stall``, the ``hang`` finding). The loop
-goes on; a batch ends the stall.
+read each; only the wait in between counts. Each tick checks whether an open epoch's loop has
+waited ``hang_after_s``; once per stall, the Python stacks of the loop's process (where the
+tracker runs) and of each worker that registered the stack signal (NOTE [worker mailbox]: sent
+``mailbox.STACK_SIGNAL`` once its identity is checked, its faulthandler writes them to its
+file) go to stderr and the report (``Stall``). The loop goes on; a batch ends the stall.
 
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
 ``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive without a word.
-``watch_exits`` puts an instance-level ``terminate`` on each worker of an iterator that first
-has the tracker gather that worker's stacks as above (a ``Stall`` with its ``pid``).
+``watch_exits`` gives each worker an instance-level ``terminate`` that first has the tracker
+gather that worker's stacks as above (a ``Stall`` with its ``pid``).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 NOTE [nvml pacing]: while workers create contexts and compute, an NVML list read costs far
 more CPU, in the driver, under a lock the workers' own calls wait for. So after a read that
-used ``c`` seconds of the sampler's CPU (not wall time: waiting costs the workers nothing),
-that kind of read is left out for ``c / share`` seconds, at most ``max_gap_s``; memory reads
-get a quarter of the share. Epoch ends, ``sample()``, the grace wait and ``close()`` are never
-paced, and workers report their own peaks: pacing costs resolution, never a worker's peak.
+used ``c`` seconds of the sampler's CPU (waiting costs the workers nothing), that kind of read
+is left out for ``c / share`` seconds, at most ``max_gap_s``; memory reads get a quarter of
+the share. Epoch ends, ``sample()``, the grace wait and ``close()`` are never paced, and
+workers report their own peaks: pacing costs resolution, never a worker's peak.
 
 NOTE [list gating]: every process's memory is part of its device's used bytes, so a tick that
 finds them where they were at the last list read keeps the last attribution. Walking ticks
@@ -16,10 +16,10 @@ NOTE [host pacing]: USS and PSS come from smaps_rollup, a page-table walk that c
 process's size (NOTE [rollup cost] in hostmem.py): read only for what the host-growth rule
 judges (the parent, persistent workers), once per epoch end at most, on the sampler's next
 wake, paced by ``rollup_share`` with no gap cap. The first three ends after the warm-up
-always read, warm-up ends read none unless unpaced, and an end without a read says RSS, never
-an older USS. Planned reads are made before the next epoch begins. Forked workers with a birth
-report (NOTE [copy on read] in hostmem.py) are read at their first epoch end whatever the
-pacing, and inside an epoch lasting ``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
+always read, warm-up ends none unless unpaced; an end without a read says RSS, never an older
+USS. Planned reads are made before the next epoch begins. Forked workers with a birth report
+(NOTE [copy on read]) are read at their first epoch end whatever the pacing, and inside an
+epoch lasting ``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
 
 NOTE [idle ticks]: a tick that neither walks nor reads changes nothing, yet waking costs CPU:
 the sampler sleeps through such ticks, up to the next walk or the first read due.

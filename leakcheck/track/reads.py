@@ -1,7 +1,4 @@
-"""The sampler's reads, timed for ``Pacing``, what tracking costs, and its own failures.
-
-NVML (NOTE [nvml pacing] in pacing.py) and host memory (NOTE [host pacing]).
-"""
+"""The sampler's reads of NVML and host memory, timed for ``Pacing``; its cost and failures."""
 
 from __future__ import annotations
 
@@ -9,7 +6,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -49,17 +46,18 @@ class CostMeter:
             for name, value in counts.items():
                 self._totals[name] += value
 
-    def enter_call(self) -> bool:
-        """A public call begins; True when it is the outermost call of a caller's thread."""
+    @contextlib.contextmanager
+    def caller(self) -> Iterator[None]:
+        """Time a public call, the outermost of a caller's thread, as the callers' cost."""
         if getattr(self._calls, "depth", 0) or threading.current_thread() is self.sampler_thread:
-            return False  # nested, or the sampler's own (a worker registered from the mailbox)
-        self._calls.depth = 1
-        return True
-
-    def leave_call(self, wall_s: float) -> None:
-        """The outermost call of this thread ended after ``wall_s``."""
-        self._calls.depth = 0
-        self.add(caller_wall_s=wall_s)
+            yield  # nested, or the sampler's own (a worker registered from the mailbox)
+            return
+        self._calls.depth, started = 1, time.perf_counter()
+        try:
+            yield
+        finally:
+            self._calls.depth = 0
+            self.add(caller_wall_s=time.perf_counter() - started)
 
     def snapshot(self) -> TrackerCost:
         """The counters now."""
@@ -256,10 +254,7 @@ class HostReads:
         ]
 
     def plan(self, epoch_index: int, table: ProcessTable) -> bool:
-        """Plan the epoch end's rollup reads if the pacing allows; True when planned.
-
-        A plan still unread is dropped: it would show a later moment as its end's.
-        """
+        """Plan the epoch end's rollup reads as paced; True when planned (drops one unread)."""
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
         warm_up = epoch_index < self.always_read.start and not self.pacing.unpaced_rollups
         due = epoch_index in self.always_read or (
@@ -291,10 +286,7 @@ class HostReads:
         lock: AbstractContextManager[object],
         give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
     ) -> None:
-        """Make the planned reads; ``give(epoch_index, found)`` and taking the plan hold ``lock``.
-
-        A second caller waits for the first's reads: after it, nothing planned is left unread.
-        """
+        """Make the planned reads, ``give`` under ``lock`` (a second caller waits for them)."""
         if not self._reading.acquire(timeout=_READING_WAIT_S):
             return
         try:

@@ -383,7 +383,8 @@ class Sampler:
         self.book.apply_accounting(table, self.nvml.accounting())
         status, rollup = self.host.final_reads(table, closed=closed)
         if closed:
-            self.shm_files = self.failures.guard(lambda: self.shm.left_behind(table), "shm") or ()
+            left = self.failures.guard(lambda: self.shm.files(table, closing=True), "shm")
+            self.shm_files = left or ()
         pending = () if closed else tuple(p.key for p in self.book.pending_survivors(table)[0])
         allocated = allocator_bytes() if self._own_process else None
         return FinalState(

@@ -53,7 +53,7 @@ class ShmWatch:
     def epoch_end(self, table: ProcessTable) -> dict[str, Any]:
         """The ``EpochRecord`` fields of the job's files now and the epoch's peak use."""
         self.note_usage()
-        files = tuple(item for item in self._classify(table, closing=False) if item.attributable)
+        files = tuple(item for item in self.files(table) if item.attributable)
         fields = {
             "shm_files": files,
             "shm_bytes": sum(item.size_bytes for item in files),
@@ -63,11 +63,8 @@ class ShmWatch:
         self.used_peak_bytes = None  # the next peak starts afresh
         return fields
 
-    def left_behind(self, table: ProcessTable) -> tuple[ShmFile, ...]:
-        """The files new since the start and still there at the close (NOTE [job shm])."""
-        return self._classify(table, closing=True)
-
-    def _classify(self, table: ProcessTable, *, closing: bool) -> tuple[ShmFile, ...]:
+    def files(self, table: ProcessTable, *, closing: bool = False) -> tuple[ShmFile, ...]:
+        """The files new since the start (at the ``closing``: left behind; NOTE [job shm])."""
         now = procs.shm_segments(self.directory)
         new = [
             item

@@ -1,7 +1,6 @@
-"""The process table of one tracker: every process of the job it placed, and what it holds.
+"""The process table of one tracker: one mutable ``Proc`` per identity it placed.
 
-One mutable ``Proc`` per identity (NOTE [process identity] in procs.py), filled by the
-sampler's walks, NVML's lists and the mailbox; roles and persistence are answered here.
+Filled by the sampler's walks, NVML's lists and the mailbox; answers roles and persistence.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ __all__ = ["Proc", "ProcessTable"]
 
 @dataclass
 class Proc:
-    """Mutable record of one identity, owned by the table (under the sampler's lock)."""
+    """One identity (NOTE [process identity] in procs.py), under the sampler's lock."""
 
     key: ProcessKey
     ppid: int
@@ -53,18 +52,17 @@ class Proc:
 
 
 def _rank_of(pid: int) -> RankInfo | None:
-    """The rank a process's environment names (this one's: ``os.environ``, NOTE [exported rank])."""
+    # This process's: os.environ (NOTE [exported rank]).
     if pid == os.getpid():
         return ranks.rank_from_environ(os.environ)
     environ = procs.environ_variables(pid, ranks.RANK_VARIABLES)
     return None if environ is None else ranks.rank_from_environ(environ)
 
 
-# NOTE [rank read]: a process's rank is read from its environment when first placed. A rank
+# NOTE [rank read]: a process's rank is read from its environment when first placed. One
 # torchrun's agent caught between fork and exec shows the agent's environment (no RANK) and
-# command line, so such a process is read again on the next walks for a short window, until
-# it names a rank (then its command line too). A worker never becomes a rank: one the mailbox
-# names is not read again.
+# command line, so it is read again on the walks of a short window, until it names a rank
+# (then its command line too). A worker (the mailbox names it) never becomes a rank.
 _RANK_EXEC_WINDOW_S = 1.0
 
 
@@ -78,7 +76,6 @@ _RANK_EXEC_WINDOW_S = 1.0
 
 
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
-    """Whether process ``pid`` (of rank ``other``) is another live rank's of our job."""
     if ours is None or other is None or other.rank == ours.rank or ours_ppid <= 1:
         return False
     if other.restart_count != ours.restart_count:
@@ -90,8 +87,8 @@ def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid
 class ProcessTable:
     """Every process one tracker placed: its lineage, orphans, foreign GPU holders.
 
-    ``session`` is the tracker's (its claims); ``tag``: ``(NAME, VALUE)`` of the environment
-    variable that marks the job's processes (default ``LEAKCHECK_SESSION`` = ``session``).
+    ``session``: the tracker's (its claims); ``tag``: ``(NAME, VALUE)`` of the variable that
+    marks the job's processes (default ``LEAKCHECK_SESSION`` = ``session``).
     """
 
     def __init__(
@@ -161,8 +158,7 @@ class ProcessTable:
     ) -> list[Proc]:
         """Fold a walk of the root's descendants in; returns the processes new to the table.
 
-        One missing from a ``quick`` walk (NOTE [quick walk] in procs.py) is judged
-        reparented only by the next full one.
+        One missing from a ``quick`` walk (NOTE [quick walk]) is reparented only for a full one.
         """
         added: list[Proc] = []
         current: set[ProcessKey] = {self.root}
@@ -198,7 +194,7 @@ class ProcessTable:
         return added
 
     def _read_rank_after_exec(self, proc: Proc, now: float) -> None:
-        """Read the rank again, in case the process has exec'd since (NOTE [rank read])."""
+        # NOTE [rank read]: it may have exec'd since.
         if now > (proc.rank_until_s or 0.0):
             proc.rank_until_s = None
             return

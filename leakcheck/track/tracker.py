@@ -45,14 +45,8 @@ def _caller_timed(
 
     @functools.wraps(method)
     def timed(tracker: Tracker, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        meter = tracker.meter
-        if not meter.enter_call():
+        with tracker.meter.caller():
             return method(tracker, *args, **kwargs)
-        started = time.perf_counter()
-        try:
-            return method(tracker, *args, **kwargs)
-        finally:
-            meter.leave_call(time.perf_counter() - started)
 
     return timed
 

@@ -358,16 +358,14 @@ def test_the_first_epoch_ends_the_host_rule_judges_read_uss_whatever_the_pacing(
     """The pacing would put the next read 1000 s away; the epoch ends after the warm-up (the
     host-growth rule's first three points) read USS anyway, later ones wait for the pacing."""
     from leakcheck.observe import procs
-    from leakcheck.track.pacing import Pacing
     from leakcheck.track.reads import Failures, HostReads
     from leakcheck.track.table import ProcessTable
 
     root = procs.process_key(os.getpid())
     assert root is not None
     table = ProcessTable(root, procs.read_proc(os.getpid()), session="s", persistent_workers=True)
-    pacing = Pacing(0.05, has_nvml=False, rollup_share=0.001)
-    pacing.rollup_read(time.perf_counter(), 1.0)  # 1 s of CPU at 0.1%: due in 1000 s
-    host = HostReads(pacing, Failures(strict=False), warmup_epochs=1)
+    host = HostReads(Failures(strict=False), rollup_share=0.001, warmup_epochs=1)
+    host.due_s = time.perf_counter() + 1000.0  # as after 1 s of CPU at 0.1%
     assert [host.plan(index, table) for index in range(6)] == [
         False, True, True, True, False, False,
     ]  # fmt: skip
@@ -380,7 +378,6 @@ def test_a_forked_workers_first_end_and_long_epochs_read_it_whatever_the_pacing(
     at most, and as the pacing allows."""
     from leakcheck.core.readings import ProcInfo
     from leakcheck.observe import procs
-    from leakcheck.track.pacing import Pacing
     from leakcheck.track.reads import INSIDE_AFTER_S, INSIDE_GAP_S, Failures, HostReads
     from leakcheck.track.table import ProcessTable
 
@@ -389,19 +386,18 @@ def test_a_forked_workers_first_end_and_long_epochs_read_it_whatever_the_pacing(
     table = ProcessTable(root, procs.read_proc(os.getpid()), session="s", persistent_workers=False)
     worker = ProcessKey(root.pid + 100_000, root.start_ticks + 100)
     table.add(ProcInfo(worker, root.pid, "python", "python train.py"), now=0.0, born_epoch=0)
-    pacing = Pacing(0.05, has_nvml=False, rollup_share=0.001)
-    host = HostReads(pacing, Failures(strict=False), warmup_epochs=1)
+    host = HostReads(Failures(strict=False), rollup_share=0.001, warmup_epochs=1)
     assert not host.plan(0, table)  # a warm-up end, no birth report: nothing to read
     assert host.plan_inside(table, 0, 0.0, 5.0) is None
     born = hostmem.HostMemory(1, None, 2, None, "smaps_rollup", shared_dirty_bytes=1,
                               private_dirty_bytes=1)  # fmt: skip
     table.note_birth(worker, True, born)
-    pacing.rollup_read(time.perf_counter(), 1.0)  # 1 s of CPU at 0.1%: due in 1000 s
+    host.due_s = time.perf_counter() + 1000.0  # as after 1 s of CPU at 0.1%
     assert host.plan(0, table) and host.pending is not None
     assert host.pending.keys == (worker,)
     assert not host.plan(4, table)  # read once: later ends wait for the pacing
     assert host.plan_inside(table, 4, 0.0, 5.0) is None  # paced out inside too
-    pacing.rollup_due_s = 0.0
+    host.due_s = 0.0
     assert host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S / 2) is None  # too young
     plan = host.plan_inside(table, 4, 0.0, INSIDE_AFTER_S)
     assert plan is not None and plan.keys == (worker,) and plan.epoch_index == 4

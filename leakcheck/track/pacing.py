@@ -31,13 +31,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LIST_SHARE", "MAX_GAP_S", "MEMORY_SHARE", "ROLLUP_SHARE", "WALK_EVERY", "Pacing"]
+__all__ = ["LIST_SHARE", "MAX_GAP_S", "MEMORY_SHARE", "WALK_EVERY", "Pacing"]
 
 WALK_EVERY = 4  # ticks per walk of /proc (and read of the mailbox)
 LIST_SHARE = 0.001  # of the time, for NVML's process lists in the driver (NOTE [nvml pacing])
 MEMORY_SHARE = LIST_SHARE / 4
 MAX_GAP_S = 1.0  # the longest any kind of NVML read is left out
-ROLLUP_SHARE = 0.001  # of the time, for smaps_rollup reads (NOTE [host pacing])
 
 
 @dataclass(frozen=True)
@@ -52,16 +51,13 @@ class TickPlan:
 class Pacing:
     """The sampler's schedule of reads; shares and gaps: the module's constants when made."""
 
-    def __init__(
-        self, interval_s: float, *, has_nvml: bool, rollup_share: float | None = None
-    ) -> None:
+    def __init__(self, interval_s: float, *, has_nvml: bool) -> None:
         self.interval_s = interval_s
         self.has_nvml = has_nvml
         self.walk_every = WALK_EVERY
         self.list_share, self.memory_share = LIST_SHARE, MEMORY_SHARE
         self.max_gap_s = MAX_GAP_S
-        self.rollup_share = ROLLUP_SHARE if rollup_share is None else rollup_share
-        self.memory_due_s = self.rollup_due_s = self.lists_due_s = 0.0
+        self.memory_due_s = self.lists_due_s = 0.0
         self.ticks_since_walk = 0
         self.device_used: dict[int, int] = {}  # per device at the last memory read
         self.used_at_lists: dict[int, int] = {}  # at the last list read (empty: it failed)
@@ -108,20 +104,6 @@ class Pacing:
         self.used_at_lists = dict(used_before) if ok else {}
         if ok and graphics_seen is not None:
             self.graphics_seen = graphics_seen
-
-    @property
-    def unpaced_rollups(self) -> bool:
-        """A share of 1: every epoch end reads USS (NOTE [host pacing])."""
-        return self.rollup_share >= 1.0
-
-    def rollup_due(self, now_s: float) -> bool:
-        """Whether smaps_rollup reads may be made at ``now_s`` (NOTE [host pacing])."""
-        return now_s >= self.rollup_due_s
-
-    def rollup_read(self, end_s: float, cpu_s: float) -> None:
-        """smaps_rollup reads ended at ``end_s`` after ``cpu_s`` of CPU (no gap cap)."""
-        if not self.unpaced_rollups:
-            self.rollup_due_s = end_s + cpu_s / self.rollup_share
 
     def ticks_until_work(self, now_s: float) -> int:
         """Ticks from now to the next one with work (NOTE [idle ticks]); at least 1."""

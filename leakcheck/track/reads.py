@@ -215,6 +215,7 @@ _HOST_RULE_FIRST_POINTS = 3  # the fewest USS points the host-growth rule judges
 # its end anyway), at most every INSIDE_GAP_S (NOTE [host pacing]).
 INSIDE_AFTER_S = 10.0
 INSIDE_GAP_S = 1.0
+ROLLUP_SHARE = 0.001  # of the time, for smaps_rollup reads
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,17 @@ class RollupPlan:
 
 
 class HostReads:
-    """When one tracker reads host memory (NOTE [host pacing]), and what the reads cost."""
+    """When one tracker reads host memory (NOTE [host pacing]), and what the reads cost.
 
-    def __init__(self, pacing: Pacing, failures: Failures, *, warmup_epochs: int = 1) -> None:
-        self.pacing = pacing
+    After reads of ``c`` seconds of CPU, the next are due ``c / rollup_share`` seconds on.
+    """
+
+    def __init__(
+        self, failures: Failures, *, rollup_share: float | None = None, warmup_epochs: int = 1
+    ) -> None:
         self.failures = failures
+        self.share = ROLLUP_SHARE if rollup_share is None else rollup_share
+        self.due_s = 0.0  # perf_counter time
         # Epoch ends read whatever the pacing says (the host rule's first points).
         self.always_read = range(warmup_epochs, warmup_epochs + _HOST_RULE_FIRST_POINTS)
         self.pending: RollupPlan | None = None
@@ -243,6 +250,10 @@ class HostReads:
         self.rollup_reads = 0  # epoch ends (and final states) whose USS reads were made
         self.inside_reads = 0
         self._inside_last_s: float | None = None
+
+    def due(self) -> bool:
+        """Whether smaps_rollup reads may be made now (NOTE [host pacing])."""
+        return time.perf_counter() >= self.due_s
 
     @staticmethod
     def long_lived(table: ProcessTable) -> list[ProcessKey]:
@@ -256,10 +267,8 @@ class HostReads:
     def plan(self, epoch_index: int, table: ProcessTable) -> bool:
         """Plan the epoch end's rollup reads as paced; True when planned (drops one unread)."""
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
-        warm_up = epoch_index < self.always_read.start and not self.pacing.unpaced_rollups
-        due = epoch_index in self.always_read or (
-            not warm_up and self.pacing.rollup_due(time.perf_counter())
-        )
+        warm_up = epoch_index < self.always_read.start and self.share < 1.0
+        due = epoch_index in self.always_read or (not warm_up and self.due())
         keys = self.long_lived(table) if due else []
         keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
         for key in keys:
@@ -276,7 +285,7 @@ class HostReads:
         if self._inside_last_s is not None and now_s - self._inside_last_s < INSIDE_GAP_S:
             return None
         keys = table.copy_watched()
-        if not keys or not self.pacing.rollup_due(time.perf_counter()):
+        if not keys or not self.due():
             return None
         self._inside_last_s = now_s
         return RollupPlan(epoch_index, tuple(keys), now_s)
@@ -314,7 +323,7 @@ class HostReads:
         """Status and, when closing or the pacing allows, rollup reads for a final state."""
         status = self.end_status(table) or {}
         rollup: dict[ProcessKey, HostMemory] = {}
-        if closed or self.pacing.rollup_due(time.perf_counter()):
+        if closed or self.due():
             keys = self.long_lived(table)
             keys += [key for key in table.copy_watched() if key not in keys]
             rollup = self.failures.guard(lambda: self.rollup(keys), "host memory") or {}
@@ -327,7 +336,8 @@ class HostReads:
         started_cpu_s = time.thread_time()
         found = hostmem.read_host_memories(keys)
         cpu_s = time.thread_time() - started_cpu_s
-        self.pacing.rollup_read(time.perf_counter(), cpu_s)
+        if self.share < 1.0:  # a share of 1: every epoch end reads
+            self.due_s = time.perf_counter() + cpu_s / self.share
         self.rollup_cpu_s += cpu_s
         self.rollup_reads += count
         return found

@@ -87,8 +87,10 @@ class Sampler:
         self.book = EpochBook(
             grace_s=config.grace_s, copy_tolerance_bytes=config.copy_tolerance_bytes
         )
-        self.pacing = Pacing(interval_s, has_nvml=False, rollup_share=rollup_share)
-        self.host = HostReads(self.pacing, self.failures, warmup_epochs=config.warmup_epochs)
+        self.pacing = Pacing(interval_s, has_nvml=False)
+        self.host = HostReads(
+            self.failures, rollup_share=rollup_share, warmup_epochs=config.warmup_epochs
+        )
         self.shm = ShmWatch()
         self.shm_files: tuple[ShmFile, ...] = ()  # judged once the work is over: at close
         self.hang = HangWatch(hang_after_s)

@@ -104,7 +104,7 @@ def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, re
             terminate_children=terminate_children,
             release=release,
             persistent=bool(getattr(loader, "persistent_workers", False)),
-            mailbox_dir=tracker.start().mailbox_dir,
+            mailbox_dir=tracker.mailbox_dir,  # started by the caller
             session_id=tracker.session_id,
         )
         installed.death_signal = threading.current_thread() is threading.main_thread()

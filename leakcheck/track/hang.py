@@ -95,7 +95,7 @@ def gather_stall(
     """The stacks, written to stderr too (no lock held), as a stall to keep.
 
     ``pid``: the worker a shutdown is about to terminate (NOTE [exit watch]); else the loop
-    waited for a batch (NOTE [hang watch]), and ``loop``: it runs in this process.
+    waited (NOTE [hang watch]), in this process where ``loop``.
     """
     parts = worker_stacks(workers, folder)
     if pid is not None:
@@ -143,10 +143,7 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
 
 
 def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:
-    """``on_stuck(pid)`` before a DataLoader iterator's shutdown terminates that worker.
-
-    NOTE [exit watch]. Idempotent; anything but a multiprocessing iterator is left alone.
-    """
+    """``on_stuck(pid)`` before an iterator's shutdown terminates a worker (NOTE [exit watch])."""
     with contextlib.suppress(Exception):  # an odd iterator is left alone, never raised into
         for worker in list(getattr(iterator, "_workers", None) or ()):
             if "terminate" not in vars(worker):

@@ -256,17 +256,6 @@ class Sampler:
         """Make (or wait for) the host reads the last epoch end planned; no lock held."""
         self.host.read_planned(self.lock, self.book.apply_rollup)
 
-    def _wait_for_grace(self) -> None:
-        assert self.table is not None
-        with self.lock:
-            pending, deadline = self.book.pending_survivors(self.table)
-        while pending and self.now() < deadline and not self.stopping:
-            time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
-            with self.lock:
-                pending = [proc for proc in pending if proc.exited_s is None]
-        with self.lock:  # at the deadline: "alive after the grace" is an observation
-            self._sample(epoch_end=False)
-
     def _register_worker(self, key: ProcessKey, persistent: bool | None) -> None:
         """Declare ``key`` a worker of this job (the caller holds the lock)."""
         if self.table is not None and not self.closed:

@@ -210,9 +210,17 @@ class Tracker(Sampler):
     @_caller_timed
     def close(self) -> None:
         """Close an open epoch, wait out undecided survivors (at most ``grace``), stop."""
-        if self.table is not None and not self.closed:
+        table = self.table
+        if table is not None and not self.closed:
             self._end("closed")
-            self._wait_for_grace()
+            with self.lock:
+                pending, deadline = self.book.pending_survivors(table)
+            while pending and self.now() < deadline and not self.stopping:
+                time.sleep(min(self.interval_s, max(0.0, deadline - self.now())))
+                with self.lock:
+                    pending = [proc for proc in pending if proc.exited_s is None]
+            with self.lock:  # at the deadline: "alive after the grace" is an observation
+                self._sample(epoch_end=False)
             self._stop()
             self.finish_reads()  # planned at the last epoch end, not read yet
             with self.lock:

@@ -131,37 +131,48 @@ def test_a_due_tag_scan_walks_at_once() -> None:
     assert pacing.plan(0.0, 1, walk_now=True).walk
 
 
+class _HostClock:
+    """``HostReads`` on made-up times: each rollup read ends at ``end_s`` after ``cpu_s``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now_s = self.cpu_s = self.read_cpu_s = 0.0
+        monkeypatch.setattr(time, "perf_counter", lambda: self.now_s)
+        monkeypatch.setattr(time, "thread_time", lambda: self.cpu_s)
+        monkeypatch.setattr(hostmem, "read_host_memories", self._read)
+
+    def _read(self, keys: object) -> dict[object, object]:
+        self.cpu_s += self.read_cpu_s
+        return {}
+
+    def read(self, host: reads.HostReads, *, end_s: float, cpu_s: float) -> None:
+        self.now_s, self.read_cpu_s = end_s, cpu_s
+        host.rollup([])
+
+    def due(self, host: reads.HostReads, at_s: float) -> bool:
+        self.now_s = at_s
+        return host.due()
+
+
 def test_rollup_reads_are_paced_by_their_cpu_time_with_no_gap_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = {"now_s": 0.0, "cpu_s": 0.0, "read_cpu_s": 0.0}
-
-    def read_host_memories(keys: object) -> dict[object, object]:
-        clock["cpu_s"] += clock["read_cpu_s"]
-        return {}
-
-    monkeypatch.setattr(time, "perf_counter", lambda: clock["now_s"])
-    monkeypatch.setattr(time, "thread_time", lambda: clock["cpu_s"])
-    monkeypatch.setattr(hostmem, "read_host_memories", read_host_memories)
-
-    def read(host: reads.HostReads, *, end_s: float, cpu_s: float) -> None:
-        clock["now_s"], clock["read_cpu_s"] = end_s, cpu_s
-        host.rollup([])
-
-    def due(host: reads.HostReads, at_s: float) -> bool:
-        clock["now_s"] = at_s
-        return host.due()
-
+    clock = _HostClock(monkeypatch)
     host = reads.HostReads(reads.Failures(strict=False), rollup_share=0.0025)
-    assert due(host, 0.0)  # the first epoch end reads
-    read(host, end_s=1.0, cpu_s=0.01)  # 10 ms of CPU: the next 4 s read nothing
-    assert not due(host, 1.0 + 3.9)
-    assert due(host, 1.0 + 4.0)
-    read(host, end_s=10.0, cpu_s=0.1)  # 40 s: more than any NVML gap, on purpose
-    assert not due(host, 10.0 + 39.0)
-    assert due(host, 10.0 + 40.0)
+    assert clock.due(host, 0.0)  # the first epoch end reads
+    clock.read(host, end_s=1.0, cpu_s=0.01)  # 10 ms of CPU: the next 4 s read nothing
+    assert not clock.due(host, 1.0 + 3.9)
+    assert clock.due(host, 1.0 + 4.0)
+    clock.read(host, end_s=10.0, cpu_s=0.1)  # 40 s: more than any NVML gap, on purpose
+    assert not clock.due(host, 10.0 + 39.0)
+    assert clock.due(host, 10.0 + 40.0)
     assert reads.HostReads(reads.Failures(strict=False)).share == 0.001  # the default share
-    # The remedy for paced-out reads (rollup_share=1.0) must read at every end, however short.
-    every = reads.HostReads(reads.Failures(strict=False), rollup_share=1.0)
-    read(every, end_s=1.0, cpu_s=0.03)  # 30 ms of reads, epochs of 20 ms
-    assert due(every, 1.02)
+
+
+def test_a_rollup_share_of_one_reads_at_every_epoch_end_however_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The remedy for paced-out reads (``rollup_share=1.0``) must read at every end."""
+    clock = _HostClock(monkeypatch)
+    host = reads.HostReads(reads.Failures(strict=False), rollup_share=1.0)
+    clock.read(host, end_s=1.0, cpu_s=0.03)  # 30 ms of reads, epochs of 20 ms
+    assert clock.due(host, 1.02)

@@ -341,7 +341,7 @@ class EpochBook:
             assert record is not None
             start_s, end_s = record.start_s, record.end_s
             processes = tuple(
-                self._process(table, table.procs[key], row, epoch.index, start_s, end_s)
+                self._process(table, table.procs[key], row, epoch.index, start_s, end_s, end_s)
                 for key, row in sorted(epoch.rows.items())
                 if row.held is not None and table.procs[key].own  # NOTE [claims]: still ours
             )
@@ -356,10 +356,9 @@ class EpochBook:
         index: int | None,
         start_s: float,
         end_s: float,
-        seen_s: float | None = None,
+        seen_s: float | None,
     ) -> ProcessEpoch:
         """``proc``'s record of epoch ``index`` (None: a final state at ``end_s``)."""
-        seen_s = end_s if index is not None else seen_s
         held = row.held
         assert held is not None
         alive = held["alive_at_end"]

@@ -118,7 +118,8 @@ class NvmlReads:
     def __init__(
         self, devices: list[int] | None, meter: CostMeter, failures: Failures, *, use_nvml: bool
     ) -> None:
-        self.devices, self.meter, self.failures, self.use_nvml = devices, meter, failures, use_nvml
+        self.devices, self.use_nvml = devices, use_nvml
+        self.meter, self.failures = meter, failures
         self.handle: nvml.Nvml | None = None
         self.attribution: Attribution = "nvml-unavailable"
         self.attribution_reason = "tracking has not started"

@@ -118,8 +118,9 @@ def gather_reports(
             warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
     else:
         target = None
+    alone = judge_job([entry]) if rank == dst else None
     if dist is None:
-        return judge_job([entry]) if rank == dst else None
+        return alone
     try:
         gathered = _gather(dist, entry, dst, timeout_s)
     except Exception as error:  # a peer died or the group broke: never into the job
@@ -129,7 +130,7 @@ def gather_reports(
             f"torch.distributed ({one_line(error)}){where}",
             stacklevel=2,
         )
-        return judge_job([entry]) if rank == dst else None
+        return alone
     if gathered is None:
         return None
     try:
@@ -140,17 +141,14 @@ def gather_reports(
             f"({one_line(error)}); this rank's alone",
             stacklevel=2,
         )
-        return judge_job([entry])
+        return alone
 
 
 _gathers = 0  # gathers this process began: every rank calls them in the same order
 
 
 def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
-    """Every rank's report on ``dst`` (None elsewhere) once all counted in (NOTE [rank gathering]).
-
-    ``TimeoutError``: some rank did not come within ``timeout_s``.
-    """
+    """Every rank's report on ``dst`` once all came (NOTE [rank gathering]); else TimeoutError."""
     global _gathers
     _gathers += 1
     store = dist.distributed_c10d._get_default_store()

@@ -324,8 +324,7 @@ def _summed(values: Sequence[int | None]) -> float:
 def report_series(report: Report) -> Mapping[str, Mapping[str, list[float]]]:
     """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
-    Groups ``parent``, ``workers``, ``others``; measures ``rss``, ``uss`` and, where NVML
-    attributes memory to processes, ``gpu`` (workers' peaks). NaN: NOTE [report picture].
+    Measures ``rss``, ``uss`` and, where NVML attributes memory to processes, ``gpu``.
     """
     from leakcheck.judge.verdict import per_pid_bytes_known
 
@@ -427,10 +426,5 @@ def render_reports(reports: Sequence[tuple[str, Report]]) -> Any:
 
 
 def plot_reports(reports: Sequence[tuple[str, Report]], path: str, *, dpi: int = 110) -> str:
-    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``.
-
-    Raises:
-        UsageError: matplotlib is not installed.
-
-    """
+    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
     return _write_png(render_reports(reports), path, dpi)

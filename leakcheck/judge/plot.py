@@ -22,15 +22,15 @@ from leakcheck.core.units import plural
 
 if TYPE_CHECKING:
     from leakcheck.core.model import ProcessEpoch
-    from leakcheck.judge.report import Report
 
 __all__ = ["plot_reports", "plot_sweep", "render", "render_reports", "report_series"]
 
 
-# The sweep sits above this layer: its result (``commands.sweep.SweepResult``) and its
-# configs (``ConfigResult``) are read by attribute, never imported.
+# Read by attribute, never imported: the sweep's result (``commands.sweep.SweepResult``) and
+# configs (``ConfigResult``) sit above this layer, and ``report.Report`` imports this module.
 _Sweep = Any
 _Config = Any
+_Report = Any
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
 _PARENT = "#0072B2"
@@ -321,7 +321,7 @@ def _summed(values: Sequence[int | None]) -> float:
     return sum(value or 0 for value in values) / MIB
 
 
-def report_series(report: Report) -> Mapping[str, Mapping[str, list[float]]]:
+def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
     Measures ``rss``, ``uss`` and, where NVML attributes memory to processes, ``gpu``.
@@ -349,7 +349,7 @@ def report_series(report: Report) -> Mapping[str, Mapping[str, list[float]]]:
 
 
 def _report_panel(
-    axes: Any, report: Report, series: Mapping[str, Mapping[str, list[float]]], panel: str
+    axes: Any, report: _Report, series: Mapping[str, Mapping[str, list[float]]], panel: str
 ) -> None:
     epochs = list(range(len(report.epochs)))
     styles = {"gpu": "-"} if panel == "gpu" else {"rss": "-", "uss": "--"}
@@ -383,13 +383,13 @@ def _report_panel(
     axes.grid(axis="y", alpha=0.3)
 
 
-def _verdict_text(report: Report) -> str:
+def _verdict_text(report: _Report) -> str:
     if report.leaks:
         return f"verdict: {report.verdict.upper()}: {plural(len(report.leaks), 'leak')}"
     return f"verdict: {report.verdict}"
 
 
-def render_reports(reports: Sequence[tuple[str, Report]]) -> Any:
+def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
     """Draw ``(label, report)`` pairs side by side (NOTE [report picture]); a ``Figure``."""
     columns = max(len(reports), 1)
     drawn = [(label, report, report_series(report)) for label, report in reports]
@@ -425,6 +425,6 @@ def render_reports(reports: Sequence[tuple[str, Report]]) -> Any:
     return figure
 
 
-def plot_reports(reports: Sequence[tuple[str, Report]], path: str, *, dpi: int = 110) -> str:
+def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
     """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
     return _write_png(render_reports(reports), path, dpi)

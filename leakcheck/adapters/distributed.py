@@ -1,19 +1,12 @@
 """Gather the reports of a distributed job's ranks on rank 0: torch.distributed, or files.
 
-``gather_reports(reports)`` is what a training script under torchrun calls on every rank once
-its loaders are closed: rank 0 gets one ``JobReport``, a verdict per rank and for the job.
-Each rank also writes its report to a folder (``LEAKCHECK_RANK_DIR``, or the run folder under
-``leakcheck run``), which ``leakcheck run`` merges where no gather happened.
-
 NOTE [rank gathering]: a collective completes only when every rank calls it, and a dead rank
-never will: the others would block in ``gather_object`` until the group's timeout (30 minutes
-for gloo, for ever with NCCL). So leakcheck never gathers on its own (least of all at exit:
-there each rank writes its file, and the merging side judges a rank whose file never came
-from what it saw of it). ``gather_reports`` gathers only where the program asks, while a
-process group is initialised; every rank first counts itself in through the group's store
-and waits for the others at most ``timeout_s`` (``monitored_barrier`` is gloo's alone): a
-missing rank makes every rank fall back to its file, written first, so nothing is lost;
-leakcheck's own failures are warned about, never raised.
+never will (the others would block until the group's timeout: 30 minutes for gloo, for ever
+with NCCL). So leakcheck never gathers on its own, least of all at exit: each rank writes its
+file (``LEAKCHECK_RANK_DIR``, or ``leakcheck run``'s folder, which merges them). Where the
+program calls ``gather_reports``, every rank first counts itself in through the group's store
+and waits at most ``timeout_s``: a missing rank makes every rank fall back to its file,
+written first. leakcheck's own failures are warned about, never raised.
 """
 
 from __future__ import annotations
@@ -86,21 +79,18 @@ def gather_reports(
 ) -> JobReport | None:
     """Gather every rank's reports on rank ``dst`` (see NOTE [rank gathering]).
 
-    Call it on every rank, at a point each of them reaches (after training, before
-    ``destroy_process_group``), with the reports of that rank's closed loaders.
+    Call it on every rank after training, before ``destroy_process_group``.
 
     Args:
-        reports: This rank's report(s): ``loader.report()`` of each watched loader.
+        reports: ``loader.report()`` of each of this rank's closed loaders.
         dst: The rank that receives the job's report.
         folder: Where each rank also writes its own file (default: ``$LEAKCHECK_RANK_DIR``,
             else ``leakcheck run``'s run folder; none: no file).
-        timeout_s: How long a gloo group waits for a missing rank before every rank falls
-            back to its file.
+        timeout_s: How long every rank waits for a missing one before it falls back.
 
     Returns:
         On ``dst``: the ``JobReport`` of every rank (of this rank alone where no process
-        group is initialised, or the gather failed: the others are in the folder). On the
-        other ranks: None.
+        group is initialised, or the gather failed); None on the other ranks.
 
     """
     dist = _process_group()
@@ -118,8 +108,9 @@ def gather_reports(
             warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
     else:
         target = None
+    alone = judge_job([entry]) if rank == dst else None
     if dist is None:
-        return judge_job([entry]) if rank == dst else None
+        return alone
     try:
         gathered = _gather(dist, entry, dst, timeout_s)
     except Exception as error:  # a peer died or the group broke: never into the job
@@ -129,7 +120,7 @@ def gather_reports(
             f"torch.distributed ({one_line(error)}){where}",
             stacklevel=2,
         )
-        return judge_job([entry]) if rank == dst else None
+        return alone
     if gathered is None:
         return None
     try:
@@ -140,17 +131,14 @@ def gather_reports(
             f"({one_line(error)}); this rank's alone",
             stacklevel=2,
         )
-        return judge_job([entry])
+        return alone
 
 
 _gathers = 0  # gathers this process began: every rank calls them in the same order
 
 
 def _gather(dist: Any, entry: RankReport, dst: int, timeout_s: float) -> list[Any] | None:
-    """Every rank's report on ``dst`` (None elsewhere) once all counted in (NOTE [rank gathering]).
-
-    ``TimeoutError``: some rank did not come within ``timeout_s``.
-    """
+    """Every rank's report on ``dst`` once all came (NOTE [rank gathering]); else TimeoutError."""
     global _gathers
     _gathers += 1
     store = dist.distributed_c10d._get_default_store()

@@ -126,22 +126,21 @@ class RunResult:
     @property
     def job(self) -> JobReport | None:
         """The distributed job's verdicts, per rank and overall; None outside a job."""
-        entries: dict[tuple[int, int], RankReport] = {}
-        for loader in self.loaders:
-            if loader.rank is not None:
-                key = (loader.rank.rank, loader.pid)
-                entry = entries.get(key) or RankReport(info=loader.rank, pid=loader.pid)
-                if loader.report is not None:
-                    entry = replace(entry, reports=(*entry.reports, loader.report))
-                else:
-                    why = f"{loader.label}: {loader.missing}"
-                    entry = replace(entry, missing=(*entry.missing, why))
-                entries[key] = entry
+        entries = [  # one per loader: judge_job gathers a rank's processes
+            RankReport(
+                info=loader.rank,
+                pid=loader.pid,
+                reports=(loader.report,) if loader.report is not None else (),
+                missing=() if loader.report is not None else (f"{loader.label}: {loader.missing}",),
+            )
+            for loader in self.loaders
+            if loader.rank is not None
+        ]
         tree = [self.tree] if self.tree is not None else []
         roots = rank_roots(self.tree.timeline) if self.tree is not None else {}
         if not entries and not roots and not self.rank_reports:
             return None
-        return judge_job([*entries.values(), *self.rank_reports], tree, rank_roots=roots)
+        return judge_job([*entries, *self.rank_reports], tree, rank_roots=roots)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data, with ``schema`` and ``schema_version``."""

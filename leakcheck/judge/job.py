@@ -36,6 +36,9 @@ __all__ = [
 JOB_SCHEMA_VERSION = 1
 """Version of ``JobReport.to_dict`` and ``RankReport.to_dict``."""
 
+_NEVER_CAME = "no report of this rank came (it never iterated a tracked loader, or died)"
+_LEAK_KEYS = ("rule", "pid", "start_ticks", "create_time", "role", "rank", "message")
+
 
 def finding_identity(finding: Finding) -> tuple[object, ...]:
     """One leaking thing: a process (by identity), a /dev/shm file, else the finding itself."""
@@ -48,7 +51,10 @@ def finding_identity(finding: Finding) -> tuple[object, ...]:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one rank's process reported (``missing``: why a report of it never came)."""
+    """What a process of one rank reported (``missing``: why a report of it never came).
+
+    A rank's file (``gather_reports``) holds one; ``leakcheck run`` makes one per loader.
+    """
 
     info: RankInfo
     pid: int
@@ -72,8 +78,11 @@ class RankReport:
         if not isinstance(data, Mapping) or data.get("schema") != "leakcheck.rank":
             raise UsageError("rank report data: expected schema 'leakcheck.rank'")
         try:
+            info: RankInfo = record_from_dict(RankInfo, data["rank"])
+            if not isinstance(info.rank, int):
+                raise TypeError(f"rank: expected an int, got {info.rank!r}")
             return cls(
-                info=rank_info_from_dict(data["rank"]),
+                info=info,
                 pid=int(data["pid"]),
                 reports=tuple(report_from_dict(r) for r in data.get("reports") or ()),
                 missing=tuple(str(m) for m in data.get("missing") or ()),
@@ -82,32 +91,25 @@ class RankReport:
             raise UsageError(f"rank report data: malformed ({error})") from None
 
 
-def rank_info_from_dict(data: Mapping[str, Any]) -> RankInfo:
-    """``RankInfo`` from ``to_jsonable``'s form; ``TypeError`` where it is not one."""
-    info: RankInfo = record_from_dict(RankInfo, data)
-    if not isinstance(info.rank, int):
-        raise TypeError(f"rank: expected an int, got {info.rank!r}")
-    return info
-
-
-_LEAK_KEYS = ("rule", "pid", "start_ticks", "create_time", "role", "rank", "message")
-
-
 @dataclass(frozen=True)
-class RankVerdict:
-    """One rank's verdict: its leaks, each process once; ``missing``: why a report never came."""
-
-    rank: int
-    pids: tuple[int, ...]
-    restart_counts: tuple[int, ...]
+class _Judged:
     leaks: tuple[Finding, ...]
-    missing: tuple[str, ...] = ()
-    blind: bool = False
+    blind: bool
 
     @property
     def verdict(self) -> str:
         """``leak``, ``blind`` or ``clean``."""
         return verdict_of(leaked=bool(self.leaks), blind=self.blind)
+
+
+@dataclass(frozen=True)
+class RankVerdict(_Judged):
+    """One rank's verdict: its leaks, each process once; ``missing``: why a report never came."""
+
+    rank: int
+    pids: tuple[int, ...]
+    restart_counts: tuple[int, ...]
+    missing: tuple[str, ...]
 
     @property
     def reported(self) -> bool:
@@ -126,20 +128,28 @@ class RankVerdict:
             "leaks": [{key: getattr(f, key) for key in _LEAK_KEYS} for f in self.leaks],
         }
 
+    def line(self, *, named: bool) -> str:
+        """``rank 1 (PID 11): verdict LEAK; 1 leak: …`` (``named``: name its first leaks)."""
+        pids = ", ".join(f"PID {pid}" for pid in self.pids) or "PID ?"
+        restarts = ", ".join(str(c) for c in self.restart_counts if c)
+        restart = f", restart {restarts}" if restarts else ""
+        text = f"  rank {self.rank} ({pids}{restart}): verdict {self.verdict.upper()}"
+        if self.missing:  # judged from outside only: what its own trackers saw never came
+            text += " as seen from outside"
+        if self.leaks:
+            text += f"; {plural(len(self.leaks), 'leak')}"
+            text += f": {leaks_short(self.leaks)}" if named else ""
+        if self.missing:  # last: the loader's own line above says it whole
+            text += f"; its own report is missing: {self.missing[0]}"
+        return cut(text, FINDING_WIDTH)
+
 
 @dataclass(frozen=True)
-class JobReport:
+class JobReport(_Judged):
     """The job's verdict (every leak once, the ranks' and those no rank owns) and each rank's."""
 
     world_size: int | None
     ranks: tuple[RankVerdict, ...]
-    leaks: tuple[Finding, ...]
-    blind: bool = False
-
-    @property
-    def verdict(self) -> str:
-        """``leak``, ``blind`` or ``clean``, for the whole job."""
-        return verdict_of(leaked=bool(self.leaks), blind=self.blind)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -154,31 +164,15 @@ class JobReport:
 
     def format_lines(self, *, named: bool = True) -> list[str]:
         """The job's verdict line, then one per rank (``named``: name its first leaks)."""
-        size = f"world size {self.world_size}" if self.world_size is not None else "world size ?"
         seen = {rank.rank for rank in self.ranks}
         missing = [str(r) for r in range(self.world_size or 0) if r not in seen]
         absent = f"; no sign of rank {', '.join(missing)}" if missing else ""
-        lines = [
-            f"job ({size}, {plural(len(self.ranks), 'rank')} "
-            f"seen{absent}): verdict {self.verdict.upper()}, "
-            f"{plural(len(self.leaks), 'leak')}"
-        ]
-        for rank in self.ranks:
-            pids = ", ".join(f"PID {pid}" for pid in rank.pids) or "PID ?"
-            restarts = [c for c in rank.restart_counts if c]
-            restart = f", restart {', '.join(map(str, restarts))}" if restarts else ""
-            text = f"  rank {rank.rank} ({pids}{restart}): verdict {rank.verdict.upper()}"
-            if rank.missing:
-                # Judged from outside only: what its own trackers saw never came.
-                text += " as seen from outside"
-            if rank.leaks and not named:
-                text += f"; {plural(len(rank.leaks), 'leak')}"
-            elif rank.leaks:
-                text += f"; {plural(len(rank.leaks), 'leak')}: {leaks_short(rank.leaks)}"
-            if rank.missing:  # last: the loader's own line above says it whole
-                text += f"; its own report is missing: {rank.missing[0]}"
-            lines.append(cut(text, FINDING_WIDTH))
-        return lines
+        size = "?" if self.world_size is None else self.world_size
+        head = (
+            f"job (world size {size}, {plural(len(self.ranks), 'rank')} seen{absent}): "
+            f"verdict {self.verdict.upper()}, {plural(len(self.leaks), 'leak')}"
+        )
+        return [head, *(rank.line(named=named) for rank in self.ranks)]
 
     def format(self) -> str:
         """The text of ``format_lines``."""
@@ -206,37 +200,32 @@ def judge_job(
         rank_roots: Rank -> PIDs the outside saw as its process, for ranks that sent nothing.
 
     """
-    by_rank: dict[int, list[RankReport]] = {}
-    for entry in rank_reports:
-        by_rank.setdefault(entry.info.rank, []).append(entry)
+    roots = rank_roots or {}
     outside_leaks = [f for report in outside for f in report.leaks]
-    ranks_seen = set(by_rank) | {f.rank for f in outside_leaks if f.rank is not None}
-    ranks_seen |= set(rank_roots or {})
+    ranks = {e.info.rank for e in rank_reports} | set(roots)
+    ranks |= {f.rank for f in outside_leaks if f.rank is not None}
     verdicts: list[RankVerdict] = []
-    for rank in sorted(ranks_seen):
-        entries = by_rank.get(rank, [])
-        own = [f for entry in entries for report in entry.reports for f in report.leaks]
-        seen_outside = [f for f in outside_leaks if f.rank == rank]
-        pids = sorted({entry.pid for entry in entries} | set((rank_roots or {}).get(rank, ())))
-        counts = sorted({e.info.restart_count for e in entries if e.info.restart_count is not None})
-        missing = tuple(m for entry in entries for m in entry.missing)
-        if not entries:
-            missing = ("no report of this rank came (it never iterated a tracked loader, or died)",)
+    for rank in sorted(ranks):
+        entries = [entry for entry in rank_reports if entry.info.rank == rank]
+        reports = [report for entry in entries for report in entry.reports]
+        own = [f for report in reports for f in report.leaks]
         verdicts.append(
             RankVerdict(
                 rank=rank,
-                pids=tuple(pids),
-                restart_counts=tuple(counts),
-                leaks=_unique([*own, *seen_outside]),
-                missing=missing,
-                blind=any(r.verdict == "blind" for e in entries for r in e.reports),
+                pids=tuple(sorted({e.pid for e in entries} | set(roots.get(rank, ())))),
+                restart_counts=tuple(
+                    sorted({c for e in entries if (c := e.info.restart_count) is not None})
+                ),
+                leaks=_unique([*own, *(f for f in outside_leaks if f.rank == rank)]),
+                missing=tuple(m for e in entries for m in e.missing) if entries else (_NEVER_CAME,),
+                blind=any(r.verdict == "blind" for r in reports),
             )
         )
     every = [f for v in verdicts for f in v.leaks] + [f for f in outside_leaks if f.rank is None]
     sizes = [e.info.world_size for e in rank_reports if e.info.world_size is not None]
     reports = [r for e in rank_reports for r in e.reports] + list(outside)
     return JobReport(
-        world_size=max(sizes) if sizes else None,
+        world_size=max(sizes, default=None),
         ranks=tuple(verdicts),
         leaks=_unique(every),
         blind=any(r.verdict == "blind" for r in reports),

@@ -13,7 +13,7 @@ import io
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.files import write_atomic
@@ -21,31 +21,16 @@ from leakcheck.core.model import MIB
 from leakcheck.core.units import plural
 
 if TYPE_CHECKING:
-    from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
+    from leakcheck.core.model import ProcessEpoch
 
 __all__ = ["plot_reports", "plot_sweep", "render", "render_reports", "report_series"]
 
 
-# The sweep sits above this layer: its result (``commands.sweep.SweepResult``) and its
-# configs (``ConfigResult``) are read by attribute, never imported; their rows
-# (``report.EpochRow``) too, since report imports this module.
+# Read by attribute, never imported: the sweep's result (``commands.sweep.SweepResult``) and
+# configs (``ConfigResult``) sit above this layer, and ``report.Report`` imports this module.
 _Sweep = Any
 _Config = Any
-_Row = Any
-
-
-class _Report(Protocol):
-    """A judged report (``leakcheck.judge.report.Report``, which imports this module)."""
-
-    @property
-    def timeline(self) -> Timeline: ...
-    @property
-    def leaks(self) -> list[Finding]: ...
-    @property
-    def verdict(self) -> str: ...
-    @property
-    def epochs(self) -> tuple[EpochRecord, ...]: ...
-
+_Report = Any
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
 _PARENT = "#0072B2"
@@ -70,7 +55,7 @@ def _bars(values: Sequence[int | None]) -> list[float]:
     return [0.0 if value is None else value / MIB for value in values]
 
 
-def _per_worker(row: _Row, value: int | None) -> float:
+def _per_worker(row: Any, value: int | None) -> float:
     """MiB of one worker's share of a row's sum; NaN where not known."""
     return math.nan if value is None or not row.worker_count else value / MIB / row.worker_count
 
@@ -103,12 +88,10 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
-def _empty(axes: Any, text: str) -> None:
-    axes.set_yticks([])
-    _note(axes, text)
-
-
-def _note(axes: Any, text: str) -> None:
+def _note(axes: Any, text: str, *, empty: bool = False) -> None:
+    """Grey words in the middle of ``axes`` (``empty``: no data, so no y ticks either)."""
+    if empty:
+        axes.set_yticks([])
     wrapped = "\n".join(textwrap.wrap(text, 38))
     axes.text(
         0.5, 0.5, wrapped, transform=axes.transAxes, ha="center", va="center", fontsize=8,
@@ -127,7 +110,7 @@ def _memory_panel(axes: Any, config: _Config, reason: str) -> None:
             axes.plot(epochs, used, color=_DEVICE, marker="o", label="device used")
             _note(axes, "per-process memory unknown: " + config.report.timeline.attribution_reason)
         else:
-            _empty(axes, "GPU memory not measured: " + (reason or "no GPU"))
+            _note(axes, "GPU memory not measured: " + (reason or "no GPU"), empty=True)
         return
     parent = _bars([r.parent_gpu_bytes for r in rows])
     workers = _bars([r.workers_gpu_bytes for r in rows])
@@ -169,17 +152,17 @@ def _host_panel(axes: Any, config: _Config) -> None:
     """The report picture's host panel (NOTE [report picture]), with the copy lines."""
     rows = config.rows
     if not rows or all(row.host_source is None for row in rows):
-        _empty(axes, "host memory not read")
+        _note(axes, "host memory not read", empty=True)
         return
     _report_panel(axes, config.report, report_series(config.report), "host")
     if any(row.workers_copied_bytes is not None for row in rows):
-        epochs = [row.epoch for row in rows]
         private = [
             _per_worker(r, r.workers_host_bytes)
             if r.workers_shared_bytes is not None and r.host_source == "uss"
             else math.nan
             for r in rows
         ]
+        epochs = [row.epoch for row in rows]
         axes.plot(
             epochs, private, color=_WORKERS, marker="s", linewidth=1.0,
             label="one worker: private",
@@ -213,7 +196,6 @@ def _process_panel(axes: Any, config: _Config) -> None:
 
 def _thermal_panel(axes: Any, config: _Config) -> Any:
     rows = config.rows
-    epochs = [row.epoch for row in rows]
     axes.set_ylabel("GPU temperature (°C)", color=_TEMPERATURE)
     temperatures = [row.temperature_c for row in rows]
     clocks = [row.sm_clock_mhz for row in rows]
@@ -221,8 +203,9 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
     clock_axes.set_ylabel("SM clock (MHz)", color=_CLOCK)
     if all(value is None for value in temperatures + clocks):
         clock_axes.set_yticks([])
-        _empty(axes, "temperature and clock not measured (no GPU)")
+        _note(axes, "temperature and clock not measured (no GPU)", empty=True)
         return clock_axes
+    epochs = [row.epoch for row in rows]
     axes.plot(epochs, _gaps(temperatures), color=_TEMPERATURE, marker="o", label="temperature")
     clock_axes.plot(
         epochs, _gaps(clocks), color=_CLOCK, marker="d", linestyle="--", label="SM clock"
@@ -341,8 +324,7 @@ def _summed(values: Sequence[int | None]) -> float:
 def report_series(report: _Report) -> Mapping[str, Mapping[str, list[float]]]:
     """One report's lines in MiB, one value per epoch: ``{"parent": {"rss": [...]}, ...}``.
 
-    Groups ``parent``, ``workers``, ``others``; measures ``rss``, ``uss`` and, where NVML
-    attributes memory to processes, ``gpu`` (workers' peaks). NaN: NOTE [report picture].
+    Measures ``rss``, ``uss`` and, where NVML attributes memory to processes, ``gpu``.
     """
     from leakcheck.judge.verdict import per_pid_bytes_known
 
@@ -444,10 +426,5 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
 
 
 def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
-    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``.
-
-    Raises:
-        UsageError: matplotlib is not installed.
-
-    """
+    """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
     return _write_png(render_reports(reports), path, dpi)

@@ -153,13 +153,7 @@ class Report:
         }
 
     def summary(self, *, gpu: bool = True, named: bool = True) -> str:
-        """The one-line verdict that ends ``format()``.
-
-        Args:
-            gpu: Say that GPU memory was not checked, where it was not (False: said already).
-            named: Name the first leaks (False: the finding lines above name them).
-
-        """
+        """The verdict line ending ``format()`` (``gpu``: say GPU unchecked; ``named``: leaks)."""
         tl, leaks = self.timeline, self.leaks
         epochs = plural(len(tl.epochs), "epoch")
         processes = plural(len(self.process_keys), "process", "processes")
@@ -197,10 +191,7 @@ class Report:
         )
 
     def format(self, *, verbose: bool = False) -> str:
-        """The report as text (a clean one: its advice and verdict line only).
-
-        ``verbose`` adds every process of every epoch, the thresholds and worker teardowns.
-        """
+        """The report as text; ``verbose`` adds thresholds, every process and worker teardowns."""
         if self.clean and not verbose:
             return "\n".join([*self.finding_lines(self.infos), self.summary()])
         tl, config = self.timeline, self.config
@@ -283,7 +274,6 @@ def report_from_dict(data: Mapping[str, Any]) -> Report:
 
 
 def _device_peak(timeline: Timeline) -> tuple[int, int] | None:
-    """(device index, bytes) of the highest device use seen in any epoch."""
     seen: list[tuple[int, int]] = []
     for rec in timeline.epochs:
         peaks = dict(rec.device_peak_used_bytes)
@@ -426,6 +416,7 @@ class EpochRow:
         return format_mib(self.workers_host_bytes if self.host_source is not None else None)
 
 
+_RECORD_FIELDS = ("label", "duration_s", "end_reason", "batches", "shm_bytes", "error")
 _DEVICE_FIELDS = {
     "device_used_bytes": "used_bytes",
     "device_total_bytes": "total_bytes",
@@ -457,7 +448,7 @@ def epoch_row(
     samples, wait_s, loop_s = timing or (None, None, None)
     # peak >= end per process: the sums too
     peak = None if None in peaks else max(sum(p or 0 for p in peaks), sum(worker_end))
-    gpu: dict[str, int | None] = {
+    gpu: dict[str, Any] = {
         "parent_gpu_bytes": sum(p.total_gpu_bytes_end for p in parents) if parents else None,
         "workers_gpu_bytes": sum(worker_end),
         "worker_gpu_bytes_max": max(worker_end, default=0),
@@ -471,28 +462,24 @@ def epoch_row(
     if not per_pid_bytes_known(timeline):
         gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
     counts = counts or EpochCounts(0, 0)
+    same: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_FIELDS}
+    same |= {name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()}
     return EpochRow(
         num_workers=num_workers,
         epoch=record.index,
-        label=record.label,
-        duration_s=record.duration_s,
-        end_reason=record.end_reason,
         worker_count=len(workers),
         alive_after=counts.alive_after,
         orphans=counts.orphans,
-        batches=record.batches,
         parent_host_bytes=parents[0].host_bytes_end if parents else None,
         workers_host_bytes=None if None in host else sum(v or 0 for v in host),
         host_source="+".join(sorted(sources, reverse=True)) or None,
         workers_shared_bytes=sum(p.shared_bytes_end or 0 for p in copied) if copied else None,
         workers_copied_bytes=sum(p.copied_bytes_end or 0 for p in copied) if copied else None,
-        shm_bytes=record.shm_bytes,
-        error=record.error,
         samples=samples,
         wait_s=wait_s,
         loop_s=loop_s,
         **gpu,
-        **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
+        **same,
     )
 
 
@@ -502,10 +489,7 @@ def column_table(
     empty: Collection[str],
     left: Collection[str] = (),
 ) -> list[str]:
-    """Rows of cells by column name, aligned (``left`` columns to the left).
-
-    A column after the third whose cells are all ``empty`` is left out.
-    """
+    """Rows of cells by column name, aligned; a column after the third all ``empty`` goes."""
     shown = [h for i, h in enumerate(head) if i < 3 or any(r[h] not in empty for r in rows)]
     table = [shown, *([row[h] for h in shown] for row in rows)]
     return align_columns(table, {i for i, h in enumerate(shown) if h in left})
@@ -650,7 +634,6 @@ def cut(line: str, width: int) -> str:
 
 
 def _culprit_and_what(finding: Finding) -> tuple[str | None, str]:
-    """Split a finding's message into its culprit and what follows it."""
     if finding.pid is None:
         return None, finding.message
     who = culprit(finding.role, finding.pid, finding.cmdline, rank=finding.rank, rule=finding.rule)
@@ -678,11 +661,8 @@ def _kill_fix(template: str, pids: Sequence[int]) -> str:
     return text
 
 
-_STACK_ROWS = 60
-"""Lines of a finding's stacks a text report shows (JSON keeps them whole)."""
-
-_FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+.*)$')
-"""A frame of faulthandler's or traceback's stacks: its file, then its line and function."""
+_STACK_ROWS = 60  # of a finding's stack in a text report (JSON keeps it whole)
+_FRAME = re.compile(r'^(\s*File ")([^"]+)(", line \d+.*)$')  # a frame: file, line, function
 
 
 def _stack_row(row: str, room: int) -> str:
@@ -706,10 +686,8 @@ def finding_lines(
 ) -> list[str]:
     """The findings as a person reads them (NOTE [one line per finding] in verdict.py).
 
-    ``LEAK orphan  6 \u00d7 sleep 60 (PIDs 11, 12, \u2026) outlived its worker since epoch 0``,
-    then ``  fix: <one fix>``. Findings alike but for their PIDs share a line, consecutive
-    lines with one fix share it (its ``kill`` naming all their PIDs). ``loader`` and
-    ``worker_ids`` (by PID) name the workers.
+    Findings alike but for their PIDs share a line, lines with one fix share it (its ``kill``
+    naming all their PIDs). ``loader`` and ``worker_ids`` (by PID) name the workers.
     """
     # Lines by fix, then by what a person reads: a process's name, not its arguments (two
     # helpers whose arguments differ are one cause).

@@ -44,17 +44,9 @@ from leakcheck.observe.nvml_lib import (
 _NOT_AVAILABLE = (2**64 - 1, 2**32 - 1)
 _PSTATE_UNKNOWN = 32
 
-THROTTLE_REASON_NAMES: tuple[tuple[int, str], ...] = (
-    (0x0001, "gpu_idle"),
-    (0x0002, "applications_clocks"),
-    (0x0004, "sw_power_cap"),
-    (0x0008, "hw_slowdown"),
-    (0x0010, "sync_boost"),
-    (0x0020, "sw_thermal"),
-    (0x0040, "hw_thermal"),
-    (0x0080, "hw_power_brake"),
-    (0x0100, "display_clocks"),
-)
+_REASON_BITS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
+                "sw_thermal", "hw_thermal", "hw_power_brake", "display_clocks")  # fmt: skip
+THROTTLE_REASON_NAMES = tuple((1 << bit, name) for bit, name in enumerate(_REASON_BITS))
 """Clock-event (throttle) reason bits of ``nvmlDeviceGetCurrentClocksEventReasons``."""
 
 _SUFFIX = "GPU memory is not checked, process checks still run"
@@ -441,12 +433,11 @@ def gpu_bytes_by_pid(
     unknown: set[int] = set()
     for entry in processes:
         per_device = by_pid.setdefault(entry.pid, {})
-        if entry.used_gpu_bytes is None:
+        index, used = entry.device_index, entry.used_gpu_bytes
+        if used is None:
             unknown.add(entry.pid)
         else:
-            per_device[entry.device_index] = (
-                per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
-            )
+            per_device[index] = per_device.get(index, 0) + used
     return by_pid, unknown
 
 
@@ -460,10 +451,7 @@ def _nvidia_fd_numbers() -> set[int]:
 
 
 def start_in_background() -> None:
-    """Begin NVML's start on a thread, unless begun (NOTE [overlapped start] in snapshot.py).
-
-    Never raises: a failure is remembered, as :func:`get` remembers it.
-    """
+    """Begin NVML's start on a thread, unless begun (NOTE [overlapped start] in snapshot.py)."""
     if _instance is not None or _failure is not None:
         return
     starter = threading.Thread(target=availability, name="leakcheck-nvml-start", daemon=True)
@@ -472,10 +460,7 @@ def start_in_background() -> None:
 
 
 def availability() -> tuple[bool, str]:
-    """``(True, "")`` where NVML can be used, else ``(False, reason)``; never raises.
-
-    Starts the singleton (a later :func:`get` is free).
-    """
+    """``(True, "")`` where NVML can be used, else ``(False, reason)``; starts :func:`get`'s."""
     try:
         get()
     except LeakCheckError as exc:

@@ -18,25 +18,10 @@ from leakcheck.core.readings import ProcInfo as ProcInfo
 from leakcheck.core.readings import Role as Role
 
 Rule = Literal[
-    "survivor",
-    "orphan",
-    "growth",
-    "residual",
-    "blind",
-    "descriptor-holder",
-    "context-kept",
-    "high-clocks",
-    "tracker-failure",
-    "shm",
-    "host-growth",
-    "device-mismatch",
-    "copy-on-read",
-    "died",
-    "fd-pressure",
-    "hang",
-    "pinned-growth",
-    "shutdown-hang",
-]
+    "survivor", "orphan", "growth", "residual", "blind", "descriptor-holder", "context-kept",
+    "high-clocks", "tracker-failure", "shm", "host-growth", "device-mismatch", "copy-on-read",
+    "died", "fd-pressure", "hang", "pinned-growth", "shutdown-hang",
+]  # fmt: skip
 Severity = Literal["leak", "info"]
 
 
@@ -44,7 +29,7 @@ Severity = Literal["leak", "info"]
 class RankInfo:
     """A process's place in a distributed job: torchrun's variables (None: not set).
 
-    ``device``: its GPU (NVML index): its ``set_device`` where recorded, else ``LOCAL_RANK``'s.
+    ``device``: its GPU (NVML index), by its ``set_device`` where recorded, else ``LOCAL_RANK``.
     """
 
     rank: int
@@ -112,7 +97,7 @@ class ProcessEpoch:
 
     @property
     def total_gpu_bytes_end(self) -> int:
-        """Sum over devices at the end of the epoch."""
+        """Sum over devices at the epoch's end."""
         return sum(self.gpu_bytes_end.values())
 
     @property

@@ -197,27 +197,6 @@ def command_line_value(
 WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=warn
 
 
-def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
-    """``--gpu-leak-mode`` (None: not given) with ``--gpu-leak-warn``: the mode and its flag.
-
-    None when neither was given; a contradiction is refused, never won by coming last.
-
-    Raises:
-        UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
-
-    """
-    warned = parse_bool(warn, f"{WARN_FLAG} (command line)") if warn is not None else False
-    if mode is None:
-        return Resolved("warn", f"{WARN_FLAG} (command line)") if warned else None
-    source = f"{MODE.cli_flag} (command line)"
-    value = MODE.parse(mode, source)
-    if warned and value != "warn":
-        raise UsageError(
-            f"{WARN_FLAG} (command line): contradicts {MODE.cli_flag} {mode!r}; pass one of them"
-        )
-    return Resolved(value, source)
-
-
 SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
 """Options of the leak check, in the order ``--help`` lists them."""
 
@@ -251,21 +230,28 @@ def resolve_check_options(
     """
     cli = cli or {}
     ini = ini or {}
+    warn_source = f"{WARN_FLAG} (command line)"
     found: dict[str, Resolved[Any]] = {}
     for spec in SPECS:
-        # The mode's flags are --gpu-leak-mode and --gpu-leak-warn: neither given, the rest.
-        flags = resolve_mode_flags(cli.get("mode"), cli.get("warn")) if spec is MODE else None
-        given = None if spec is MODE else cli.get(spec.name)
-        found[spec.name] = flags or resolve(
+        given = cli.get(spec.name)
+        warn = cli.get("warn") if spec is MODE else None
+        # --gpu-leak-warn with no --gpu-leak-mode wins; a contradiction is refused, never won
+        # by coming last.
+        warned = warn is not None and parse_bool(warn, warn_source)
+        if warned and given is None:
+            found[spec.name] = Resolved("warn", warn_source)
+            continue
+        found[spec.name] = resolve(
             spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
+        if warned and found[spec.name].value != "warn":
+            raise UsageError(
+                f"{warn_source}: contradicts {MODE.cli_flag} {given!r}; pass one of them"
+            )
     return CheckOptions(
         **{spec.attribute or spec.name: found[spec.name].value for spec in SPECS},
         sources={name: value.source for name, value in found.items()},
     )
-
-
-MARKER_KWARGS = tuple(spec.name for spec in SPECS)  # what @pytest.mark.gpu_leak_check(...) accepts
 
 
 def apply_marker(
@@ -286,11 +272,11 @@ def apply_marker(
     """
     if len(args) > 1:
         raise UsageError(f"{where}: takes at most one positional argument (enabled), got {args!r}")
-    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+    accepted = [spec.name for spec in SPECS]
+    unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise UsageError(
-            f"{where}: unknown argument(s) {', '.join(unknown)}; "
-            f"expected {', '.join(MARKER_KWARGS)}"
+            f"{where}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(accepted)}"
         )
     values: dict[str, object] = dict(kwargs)
     if args:

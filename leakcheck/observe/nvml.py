@@ -143,33 +143,8 @@ class Nvml:
         # ("unsupported", device): the list names the device does not support.
         self._cache: dict[tuple[str, int], Any] = {}
 
-    def _start(self) -> None:
-        """``nvmlInit`` and the device count: once per process (again in a forked child)."""
-        self._cache.clear()
-        try:
-            self._lib.nvmlInit()
-        except self._error as exc:
-            code = getattr(exc, "value", None)
-            reason = _INIT_HINTS.get(code) if isinstance(code, int) else None
-            reason = reason or f"nvmlInit failed: {_one_line(exc) or type(exc).__name__}"
-            raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}") from exc
-        try:
-            count = int(self._lib.nvmlDeviceGetCount())
-            reason = "the driver is loaded but sees no NVIDIA GPU (nvmlDeviceGetCount() == 0)"
-        except self._error as exc:
-            count, reason = 0, f"nvmlDeviceGetCount failed: {_one_line(exc)}"
-        if count <= 0:
-            self._quiet_shutdown()
-            raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
-        self._count = count
-        self._pid = os.getpid()
-
-    def _quiet_shutdown(self) -> None:
-        with contextlib.suppress(self._error):
-            self._lib.nvmlShutdown()
-
     def _ensure(self) -> None:
-        """Start NVML in this process, first or in a forked child (NOTE [fork]).
+        """``nvmlInit`` and the device count, first or again in a forked child (NOTE [fork]).
 
         Every handle is opened too, so that what NVML opens counts as its own (NOTE
         [descriptors]).
@@ -180,11 +155,31 @@ class Nvml:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            self._start()
+            self._cache.clear()
+            try:
+                self._lib.nvmlInit()
+            except self._error as exc:
+                code = getattr(exc, "value", None)
+                reason = _INIT_HINTS.get(code) if isinstance(code, int) else None
+                reason = reason or f"nvmlInit failed: {_one_line(exc) or type(exc).__name__}"
+                raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}") from exc
+            try:
+                self._count = int(self._lib.nvmlDeviceGetCount())
+                reason = "the driver is loaded but sees no NVIDIA GPU (nvmlDeviceGetCount() == 0)"
+            except self._error as exc:
+                self._count, reason = 0, f"nvmlDeviceGetCount failed: {_one_line(exc)}"
+            if self._count <= 0:
+                self._quiet_shutdown()
+                raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
+            self._pid = os.getpid()
         with contextlib.suppress(LeakCheckError):
             self.processes()
         global _own_fds
         _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
+
+    def _quiet_shutdown(self) -> None:
+        with contextlib.suppress(self._error):
+            self._lib.nvmlShutdown()
 
     def _query(
         self, name: str, *args: Any, device: int | None = None, absent: int | None = None

@@ -21,7 +21,7 @@ import importlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
 from leakcheck.core.readings import AccountedProcess, DeviceState, GpuProcess
@@ -41,6 +41,7 @@ from leakcheck.observe.nvml_lib import (
     NVML_TEMPERATURE_GPU,
 )
 
+_Listed = Literal["compute", "graphics"]
 _NOT_AVAILABLE = (2**64 - 1, 2**32 - 1)
 _PSTATE_UNKNOWN = 32
 
@@ -268,25 +269,18 @@ class Nvml:
         found: list[GpuProcess] = []
         for index in self._select(devices):
             handle = self._handle(index)
-            lists: dict[str, dict[int, int | None]] = {}
-            for kind in ("compute", "graphics") if graphics else ("compute",):
+            by_pid: dict[int, dict[_Listed, int | None]] = {}  # pid -> list -> its bytes
+            kinds: tuple[_Listed, ...] = ("compute", "graphics") if graphics else ("compute",)
+            for kind in kinds:
                 call = f"nvmlDeviceGet{kind.title()}RunningProcesses"
-                per_list = lists[kind] = {}
                 for pid, used in self._running(index, handle, call, optional=kind == "graphics"):
-                    before = per_list.get(pid, 0)
-                    per_list[pid] = None if before is None or used is None else before + used
-            compute, shown = lists["compute"], lists.get("graphics", {})
-            for pid in sorted(compute.keys() | shown.keys()):
-                known = [b for b in (compute.get(pid), shown.get(pid)) if b is not None]
-                both = pid in compute and pid in shown
-                found.append(
-                    GpuProcess(
-                        pid=pid,
-                        device_index=index,
-                        used_gpu_bytes=max(known) if known else None,
-                        kind="both" if both else "compute" if pid in compute else "graphics",
-                    )
-                )
+                    lists = by_pid.setdefault(pid, {})
+                    before = lists.get(kind, 0)
+                    lists[kind] = None if before is None or used is None else before + used
+            for pid, lists in sorted(by_pid.items()):
+                known = [used for used in lists.values() if used is not None]
+                shown = "both" if len(lists) == 2 else next(iter(lists))
+                found.append(GpuProcess(pid, index, max(known) if known else None, shown))
         return tuple(found)
 
     def memory(self, devices: Sequence[int] | None = None) -> tuple[DeviceState, ...]:

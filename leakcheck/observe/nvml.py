@@ -43,7 +43,6 @@ from leakcheck.observe.nvml_lib import (
 
 _Listed = Literal["compute", "graphics"]
 _NOT_AVAILABLE = (2**64 - 1, 2**32 - 1)
-_PSTATE_UNKNOWN = 32
 
 _REASON_BITS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
                 "sw_thermal", "hw_thermal", "hw_power_brake", "display_clocks")  # fmt: skip
@@ -326,7 +325,7 @@ class Nvml:
                     sm_clock_mhz=_known(sm_clock),
                     sm_clock_max_mhz=self._cache[key],
                     power_w=power_mw / 1000.0 if power_mw is not None else None,
-                    performance_state=None if pstate == _PSTATE_UNKNOWN else pstate,
+                    performance_state=None if pstate == 32 else pstate,  # 32: unknown
                     throttle_reasons=throttle_reason_names(int(reasons)) if reasons else (),
                 )
             )

@@ -1,10 +1,8 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-Importing ``pynvml`` costs a start ~10 ms more (2-core VM; ~90 ms on the H200 when this was
-written), against a 30 ms goal for ``leakcheck snapshot``'s own share, ~23 ms on an H200
-(benchmarks/results/snapshot-start-h200.md); this loads ``libnvidia-ml.so.1`` only in
-:func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for this module. Errors raise
-:class:`NVMLError` with the driver's code in ``value``.
+Importing ``pynvml`` costs a start ~10 ms (~90 ms on the H200 when this was written), against
+``leakcheck snapshot``'s 30 ms goal (benchmarks/results/snapshot-start-h200.md); this loads
+``libnvidia-ml.so.1`` only in :func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for it.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ _OFFLINE_TEXT = {
 
 
 class NVMLError(Exception):
-    """An NVML call returned ``value`` (an ``nvmlReturn_t``) instead of success."""
+    """An NVML call returned ``value`` (an ``nvmlReturn_t``, the driver's code), not success."""
 
     def __init__(self, value: int) -> None:
         super().__init__(value)

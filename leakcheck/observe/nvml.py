@@ -9,8 +9,8 @@ NOTE [fork]: NVML handles are per process: in a forked child every public method
 ``nvmlInit`` again and drops every cached handle first; the locks are replaced in the child.
 
 NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidia*`` nodes a CUDA
-context opens too, which forked children inherit; ``own_descriptors()`` names them, so that
-the tracker does not count them as what a child inherited from the job.
+context opens too, which forked children inherit (pinning no context); ``own_descriptors()``
+names them, so that the tracker does not count them as what a child inherited from the job.
 """
 
 from __future__ import annotations

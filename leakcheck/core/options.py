@@ -136,54 +136,48 @@ def resolve(
     return Resolved(spec.default, "default")
 
 
-ENABLED = OptionSpec[bool](
-    name="enabled",
-    parse=parse_bool,
-    default=False,
-    help="fail tests that leave processes, /dev/shm segments or GPU memory behind",
+def _leak_option(
+    name: str, parse: Callable[[object, str], T], default: T, help: str, attribute: str = ""
+) -> OptionSpec[T]:
+    """An option named ``--gpu-leak-NAME``, ``LEAKCHECK_NAME`` and ini ``gpu_leak_NAME``."""
+    flag, env = "--gpu-leak-" + name.replace("_", "-"), "LEAKCHECK_" + name.upper()
+    return OptionSpec(name, parse, default, help, flag, env, "gpu_leak_" + name, attribute)
+
+
+ENABLED = replace(
+    _leak_option(
+        "enabled",
+        parse_bool,
+        False,
+        "fail tests that leave processes, /dev/shm segments or GPU memory behind",
+    ),
     cli_flag="--gpu-leak-check",
     env_var="LEAKCHECK_GPU_LEAK_CHECK",
     ini_key="gpu_leak_check",
 )
-TOLERANCE = OptionSpec[int](
-    name="tolerance",
-    parse=parse_size,
-    default=16 * 1024 * 1024,
-    help="GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
-    cli_flag="--gpu-leak-tolerance",
-    env_var="LEAKCHECK_TOLERANCE",
-    ini_key="gpu_leak_tolerance",
-    attribute="tolerance_bytes",
+TOLERANCE = _leak_option(
+    "tolerance",
+    parse_size,
+    16 * 1024 * 1024,
+    "GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
+    "tolerance_bytes",
 )
-MODE = OptionSpec[Mode](
-    name="mode",
-    parse=parse_mode,
-    default="fail",
-    help="what a leak does to its test: fail (default) or warn",
-    cli_flag="--gpu-leak-mode",
-    env_var="LEAKCHECK_MODE",
-    ini_key="gpu_leak_mode",
+MODE: OptionSpec[Mode] = _leak_option(
+    "mode", parse_mode, "fail", "what a leak does to its test: fail (default) or warn"
 )
-COPY_TOLERANCE = OptionSpec[int](
-    name="copy_tolerance",
-    parse=parse_size,
-    default=64 * 1024 * 1024,
-    help="host memory each forked loader worker may copy of its parent's (copy-on-read; "
-    "default 64MiB)",
-    cli_flag="--gpu-leak-copy-tolerance",
-    env_var="LEAKCHECK_COPY_TOLERANCE",
-    ini_key="gpu_leak_copy_tolerance",
-    attribute="copy_tolerance_bytes",
+COPY_TOLERANCE = _leak_option(
+    "copy_tolerance",
+    parse_size,
+    64 * 1024 * 1024,
+    "host memory each forked loader worker may copy of its parent's (copy-on-read; default 64MiB)",
+    "copy_tolerance_bytes",
 )
-GRACE = OptionSpec[float](
-    name="grace",
-    parse=parse_duration,
-    default=1.0,
-    help="seconds a process started by a test may take to exit after it (default 1)",
-    cli_flag="--gpu-leak-grace",
-    env_var="LEAKCHECK_GRACE",
-    ini_key="gpu_leak_grace",
-    attribute="grace_s",
+GRACE = _leak_option(
+    "grace",
+    parse_duration,
+    1.0,
+    "seconds a process started by a test may take to exit after it (default 1)",
+    "grace_s",
 )
 
 

@@ -15,7 +15,6 @@ from leakcheck.core.options import (
     TOLERANCE,
     CheckOptions,
     OptionSpec,
-    Resolved,
     apply_marker,
     command_line_value,
     parse_bool,
@@ -24,7 +23,6 @@ from leakcheck.core.options import (
     parse_share_option,
     resolve,
     resolve_check_options,
-    resolve_mode_flags,
 )
 
 MIB = 1024 * 1024
@@ -289,9 +287,9 @@ def test_warn_flag_alone_sets_warn_and_names_itself() -> None:
     options = resolve_check_options({"warn": True, "mode": None}, {"LEAKCHECK_MODE": "fail"}, {})
     assert options.mode == "warn"
     assert options.sources["mode"] == "--gpu-leak-warn (command line)"
-    assert resolve_mode_flags(None, True) == Resolved("warn", "--gpu-leak-warn (command line)")
-    assert resolve_mode_flags(None, None) is None
-    assert resolve_mode_flags(None, False) is None
+    for warn in (None, False):  # not given: the environment's mode stands
+        options = resolve_check_options({"warn": warn, "mode": None}, {"LEAKCHECK_MODE": "fail"})
+        assert options.sources["mode"] == "LEAKCHECK_MODE (environment)"
 
 
 def test_warn_flag_agrees_with_mode_warn() -> None:
@@ -308,10 +306,10 @@ def test_warn_flag_contradicts_mode_fail() -> None:
         "--gpu-leak-warn (command line): contradicts --gpu-leak-mode 'fail'; pass one of them"
     )
     with pytest.raises(UsageError, match="contradicts --gpu-leak-mode 'FAIL'"):
-        resolve_mode_flags("FAIL", True)
+        resolve_check_options({"warn": True, "mode": "FAIL"})
     # A bad mode is named as such first.
     with pytest.raises(UsageError, match="--gpu-leak-mode \\(command line\\): expected one of"):
-        resolve_mode_flags("explode", True)
+        resolve_check_options({"warn": True, "mode": "explode"})
 
 
 def test_a_bare_marker_enables_its_test() -> None:

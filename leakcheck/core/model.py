@@ -18,25 +18,10 @@ from leakcheck.core.readings import ProcInfo as ProcInfo
 from leakcheck.core.readings import Role as Role
 
 Rule = Literal[
-    "survivor",
-    "orphan",
-    "growth",
-    "residual",
-    "blind",
-    "descriptor-holder",
-    "context-kept",
-    "high-clocks",
-    "tracker-failure",
-    "shm",
-    "host-growth",
-    "device-mismatch",
-    "copy-on-read",
-    "died",
-    "fd-pressure",
-    "hang",
-    "pinned-growth",
-    "shutdown-hang",
-]
+    "survivor", "orphan", "growth", "residual", "blind", "descriptor-holder", "context-kept",
+    "high-clocks", "tracker-failure", "shm", "host-growth", "device-mismatch", "copy-on-read",
+    "died", "fd-pressure", "hang", "pinned-growth", "shutdown-hang",
+]  # fmt: skip
 Severity = Literal["leak", "info"]
 
 
@@ -44,7 +29,7 @@ Severity = Literal["leak", "info"]
 class RankInfo:
     """A process's place in a distributed job: torchrun's variables (None: not set).
 
-    ``device``: its GPU (NVML index): its ``set_device`` where recorded, else ``LOCAL_RANK``'s.
+    ``device``: its GPU (NVML index), by its ``set_device`` where recorded, else ``LOCAL_RANK``.
     """
 
     rank: int
@@ -65,14 +50,12 @@ HostSource = Literal["uss", "rss"]  # private pages (smaps_rollup), else residen
 class ProcessEpoch:
     """What one process did during one epoch; None: not known.
 
-    ``*_end``: at the epoch's end, or from its own report at exit. ``gpu_bytes_peak``: per
-    device, the larger of sampled and reported; ``gpu_peak_source``: ``reported`` (teardown or
-    driver accounting), ``sampled`` (a lower bound), ``unknown`` (exited unseen: not 0).
-    ``scope``: what started it besides the work (``module-scoped fixture 'pool'``).
-    ``host_bytes_end``: USS where read, else RSS (``host_source``); ``anon_bytes_end``:
-    ``RssAnon``; ``rss_bytes_peak``: ``VmHWM``. ``freed_by_gc``: it exited only once leakcheck
-    collected garbage. ``*_bytes_birth``: its birth report (NOTE [copy on read] in hostmem.py;
-    ``forked`` None: none); ``copied_bytes_*``: what it copied of its parent's since then.
+    ``*_end``: at the epoch's end, or from its report at exit. ``gpu_bytes_peak``: per device,
+    the larger of sampled and reported (``gpu_peak_source``: teardown or driver accounting;
+    ``sampled``, a lower bound; ``unknown``, exited unseen). ``scope``: what started it besides
+    the work (``module-scoped fixture 'pool'``). ``host_bytes_end``: USS, else RSS;
+    ``rss_bytes_peak``: ``VmHWM``. ``freed_by_gc``: it exited only once leakcheck collected
+    garbage. ``*_birth``, ``copied_bytes_*``: NOTE [copy on read] in hostmem.py.
     """
 
     key: ProcessKey
@@ -112,7 +95,7 @@ class ProcessEpoch:
 
     @property
     def total_gpu_bytes_end(self) -> int:
-        """Sum over devices at the end of the epoch."""
+        """Sum over devices at the epoch's end."""
         return sum(self.gpu_bytes_end.values())
 
     @property
@@ -130,7 +113,6 @@ EndReason = Literal["completed", "break", "exception", "interrupt", "collected",
 class EpochRecord:
     """One epoch: every process of the job, the devices and ``/dev/shm`` at its end.
 
-    ``shm_used_peak_bytes``: the most ``/dev/shm`` held in it (what a bus error runs out of);
     ``pinned_*_bytes``: the loop's process's pinned host memory at the end (None: no CUDA).
     """
 
@@ -229,8 +211,8 @@ class Stall:
 class TrackerCost:
     """What a tracker has cost so far: its own time, for overhead budgets and benchmarks.
 
-    ``caller_wall_s``: the calling threads' time inside it (the loop pays it in full);
-    ``nvml_wall_s``: lock waits included; ``host_read_cpu_s``: part of ``sampler_cpu_s``.
+    ``caller_wall_s``: the calling threads' time inside it; ``nvml_wall_s``: lock waits
+    included; ``host_read_cpu_s``: part of ``sampler_cpu_s``.
     """
 
     samples: int

@@ -136,54 +136,48 @@ def resolve(
     return Resolved(spec.default, "default")
 
 
-ENABLED = OptionSpec[bool](
-    name="enabled",
-    parse=parse_bool,
-    default=False,
-    help="fail tests that leave processes, /dev/shm segments or GPU memory behind",
+def _leak_option(
+    name: str, parse: Callable[[object, str], T], default: T, help: str, attribute: str = ""
+) -> OptionSpec[T]:
+    """An option named ``--gpu-leak-NAME``, ``LEAKCHECK_NAME`` and ini ``gpu_leak_NAME``."""
+    flag, env = "--gpu-leak-" + name.replace("_", "-"), "LEAKCHECK_" + name.upper()
+    return OptionSpec(name, parse, default, help, flag, env, "gpu_leak_" + name, attribute)
+
+
+ENABLED = replace(
+    _leak_option(
+        "enabled",
+        parse_bool,
+        False,
+        "fail tests that leave processes, /dev/shm segments or GPU memory behind",
+    ),
     cli_flag="--gpu-leak-check",
     env_var="LEAKCHECK_GPU_LEAK_CHECK",
     ini_key="gpu_leak_check",
 )
-TOLERANCE = OptionSpec[int](
-    name="tolerance",
-    parse=parse_size,
-    default=16 * 1024 * 1024,
-    help="GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
-    cli_flag="--gpu-leak-tolerance",
-    env_var="LEAKCHECK_TOLERANCE",
-    ini_key="gpu_leak_tolerance",
-    attribute="tolerance_bytes",
+TOLERANCE = _leak_option(
+    "tolerance",
+    parse_size,
+    16 * 1024 * 1024,
+    "GPU memory a test may keep without failing (16MiB, 1GB, bytes; default 16MiB)",
+    "tolerance_bytes",
 )
-MODE = OptionSpec[Mode](
-    name="mode",
-    parse=parse_mode,
-    default="fail",
-    help="what a leak does to its test: fail (default) or warn",
-    cli_flag="--gpu-leak-mode",
-    env_var="LEAKCHECK_MODE",
-    ini_key="gpu_leak_mode",
+MODE: OptionSpec[Mode] = _leak_option(
+    "mode", parse_mode, "fail", "what a leak does to its test: fail (default) or warn"
 )
-COPY_TOLERANCE = OptionSpec[int](
-    name="copy_tolerance",
-    parse=parse_size,
-    default=64 * 1024 * 1024,
-    help="host memory each forked loader worker may copy of its parent's (copy-on-read; "
-    "default 64MiB)",
-    cli_flag="--gpu-leak-copy-tolerance",
-    env_var="LEAKCHECK_COPY_TOLERANCE",
-    ini_key="gpu_leak_copy_tolerance",
-    attribute="copy_tolerance_bytes",
+COPY_TOLERANCE = _leak_option(
+    "copy_tolerance",
+    parse_size,
+    64 * 1024 * 1024,
+    "host memory each forked loader worker may copy of its parent's (copy-on-read; default 64MiB)",
+    "copy_tolerance_bytes",
 )
-GRACE = OptionSpec[float](
-    name="grace",
-    parse=parse_duration,
-    default=1.0,
-    help="seconds a process started by a test may take to exit after it (default 1)",
-    cli_flag="--gpu-leak-grace",
-    env_var="LEAKCHECK_GRACE",
-    ini_key="gpu_leak_grace",
-    attribute="grace_s",
+GRACE = _leak_option(
+    "grace",
+    parse_duration,
+    1.0,
+    "seconds a process started by a test may take to exit after it (default 1)",
+    "grace_s",
 )
 
 
@@ -195,27 +189,6 @@ def command_line_value(
 
 
 WARN_FLAG = "--gpu-leak-warn"  # the pytest switch that means --gpu-leak-mode=warn
-
-
-def resolve_mode_flags(mode: object, warn: object) -> Resolved[Mode] | None:
-    """``--gpu-leak-mode`` (None: not given) with ``--gpu-leak-warn``: the mode and its flag.
-
-    None when neither was given; a contradiction is refused, never won by coming last.
-
-    Raises:
-        UsageError: A bad mode, or ``--gpu-leak-warn`` with a mode other than ``warn``.
-
-    """
-    warned = parse_bool(warn, f"{WARN_FLAG} (command line)") if warn is not None else False
-    if mode is None:
-        return Resolved("warn", f"{WARN_FLAG} (command line)") if warned else None
-    source = f"{MODE.cli_flag} (command line)"
-    value = MODE.parse(mode, source)
-    if warned and value != "warn":
-        raise UsageError(
-            f"{WARN_FLAG} (command line): contradicts {MODE.cli_flag} {mode!r}; pass one of them"
-        )
-    return Resolved(value, source)
 
 
 SPECS: tuple[OptionSpec[Any], ...] = (ENABLED, TOLERANCE, MODE, GRACE, COPY_TOLERANCE)
@@ -251,21 +224,28 @@ def resolve_check_options(
     """
     cli = cli or {}
     ini = ini or {}
+    warn_source = f"{WARN_FLAG} (command line)"
     found: dict[str, Resolved[Any]] = {}
     for spec in SPECS:
-        # The mode's flags are --gpu-leak-mode and --gpu-leak-warn: neither given, the rest.
-        flags = resolve_mode_flags(cli.get("mode"), cli.get("warn")) if spec is MODE else None
-        given = None if spec is MODE else cli.get(spec.name)
-        found[spec.name] = flags or resolve(
+        given = cli.get(spec.name)
+        warn = cli.get("warn") if spec is MODE else None
+        # --gpu-leak-warn with no --gpu-leak-mode wins; a contradiction is refused, never won
+        # by coming last.
+        warned = warn is not None and parse_bool(warn, warn_source)
+        if warned and given is None:
+            found[spec.name] = Resolved("warn", warn_source)
+            continue
+        found[spec.name] = resolve(
             spec, cli=given, environ=environ, ini=ini.get(spec.name), ini_path=ini_path
         )
+        if warned and found[spec.name].value != "warn":
+            raise UsageError(
+                f"{warn_source}: contradicts {MODE.cli_flag} {given!r}; pass one of them"
+            )
     return CheckOptions(
         **{spec.attribute or spec.name: found[spec.name].value for spec in SPECS},
         sources={name: value.source for name, value in found.items()},
     )
-
-
-MARKER_KWARGS = tuple(spec.name for spec in SPECS)  # what @pytest.mark.gpu_leak_check(...) accepts
 
 
 def apply_marker(
@@ -286,11 +266,11 @@ def apply_marker(
     """
     if len(args) > 1:
         raise UsageError(f"{where}: takes at most one positional argument (enabled), got {args!r}")
-    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+    accepted = [spec.name for spec in SPECS]
+    unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise UsageError(
-            f"{where}: unknown argument(s) {', '.join(unknown)}; "
-            f"expected {', '.join(MARKER_KWARGS)}"
+            f"{where}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(accepted)}"
         )
     values: dict[str, object] = dict(kwargs)
     if args:

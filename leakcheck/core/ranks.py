@@ -18,18 +18,8 @@ from dataclasses import replace
 
 from leakcheck.core.model import RankInfo
 
-__all__ = [
-    "EXPORTED_RANK_ENV",
-    "RANK_VARIABLES",
-    "exported_rank",
-    "physical_device",
-    "rank_from_environ",
-    "rank_label",
-]
-
 EXPORTED_RANK_ENV = "LEAKCHECK_RANK"  # NOTE [exported rank]
 
-# What rank_from_environ reads (what a reader of /proc/PID/environ needs).
 RANK_VARIABLES: tuple[str, ...] = (
     "RANK",
     "LOCAL_RANK",
@@ -40,6 +30,7 @@ RANK_VARIABLES: tuple[str, ...] = (
     "CUDA_VISIBLE_DEVICES",
     EXPORTED_RANK_ENV,
 )
+"""What ``rank_from_environ`` reads (what a reader of /proc/PID/environ needs)."""
 
 
 def _count(text: str | None) -> int | None:

@@ -1,8 +1,8 @@
 """What one read of /proc or NVML returns: process identities and device samples.
 
-Apart from ``model.py``, as ``leakcheck snapshot`` needs only these (NOTE [lean start] in
-cli.py); named tuples, not frozen dataclasses, which cost several times more to create at
-every start (benchmarks/results/README.md) and to hash by the thousand.
+Apart from ``model.py`` (12 ms to import), as ``leakcheck snapshot`` needs only these (NOTE
+[lean start] in cli.py); named tuples, as frozen dataclasses cost several times more to create
+(benchmarks/results/README.md) and to hash by the thousand.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ _SIZE_UNITS: dict[str, int] = {"": 1, "b": 1} | {
     for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
 }
 _SIZE_EXAMPLE = "such as 16MiB, 1GB or 4096 (bytes)"
-_SECONDS_EXAMPLE = "such as 2 or 500ms"
 
 
 def parse_size(value: object, source: str = "value") -> int:
@@ -100,7 +99,7 @@ def parse_duration(value: object, source: str = "value", *, negative_ok: bool = 
     """
 
     def refused(expected: str = "seconds") -> UsageError:
-        return UsageError(f"{source}: expected {expected} {_SECONDS_EXAMPLE}, got {value!r}")
+        return UsageError(f"{source}: expected {expected} such as 2 or 500ms, got {value!r}")
 
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise refused()

@@ -1,8 +1,7 @@
 """Host memory per process (USS, PSS, RSS), and the job's files in ``/dev/shm``.
 
-The DataLoader "leak" users report most is host memory copied on read; next come ``/dev/shm``
-files: a full tmpfs (Docker's 64 MB) kills workers with a bus error, and files left there
-outlive the job. A process that vanishes or denies access while read reads as None.
+The DataLoader "leak" users report most is host memory copied on read; next, ``/dev/shm``
+files (a full tmpfs kills workers with a bus error). A process gone or denied reads as None.
 
 NOTE [rollup cost]: the kernel builds /proc/PID/smaps_rollup by walking the page tables, so a
 read costs with the process's resident memory (6-9 us per MiB); /proc/PID/status reads kept
@@ -44,10 +43,9 @@ _Target = TypeVar("_Target", int, ProcessKey)
 class HostMemory:
     """Host memory of one process at one moment, in bytes.
 
-    USS is what the process alone holds (what copy-on-read grows); PSS shares each page among
-    the processes that map it; RSS counts every resident page. ``source`` ``status`` (rollup
-    unreadable: another user's process) has no USS, PSS nor dirty figures; ``unknown`` (a
-    zombie, a kernel thread) nothing.
+    USS: what the process alone holds (what copy-on-read grows); PSS shares each page among
+    its mappers; RSS counts every resident page. ``source`` ``status`` (rollup unreadable) has
+    no USS, PSS nor dirty figures; ``unknown`` (a zombie, a kernel thread) nothing.
     """
 
     uss_bytes: int | None  # Private_Clean + Private_Dirty + Private_Hugetlb
@@ -70,8 +68,8 @@ _STATUS_FIELDS = frozenset((b"VmRSS", b"VmHWM", b"RssAnon", b"VmSwap"))
 
 
 def _read_at(name: str, dir_fd: int) -> bytes | None:
-    # Denied (smaps needs ptrace access, status does not), gone, or ESRCH (a zombie has no
-    # memory to walk): None. Both files fit: status's memory lines come before its CPU masks.
+    # None: denied (smaps needs ptrace access), gone, or ESRCH (a zombie). 8 KiB holds both
+    # files' memory lines.
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
@@ -144,10 +142,8 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:
     """Read one process's host memory; None when it is gone.
 
-    Args:
-        target: A PID, or a ``ProcessKey``: then a PID that names another process reads as gone.
-        rollup: Read smaps_rollup (USS, PSS), else status only (NOTE [rollup cost]).
-
+    ``target``: a PID, or a ``ProcessKey`` (naming another process now: gone). ``rollup``
+    False: status only (NOTE [rollup cost]).
     """
     # A descriptor on /proc/PID is bound to its process: opened first, then the PID checked
     # to still name the key's process, every read through it is of that process.
@@ -191,10 +187,10 @@ def read_host_memories(
 
 @dataclass(frozen=True)
 class ShmCapacity:
-    """Size and use of the filesystem behind a shared-memory directory (``statvfs``).
+    """Size and use of a shared-memory directory's filesystem (``statvfs``).
 
-    ``total_bytes`` None: no limit; ``used_bytes`` counts the whole host, removed files still
-    held too; ``free_bytes`` is what an unprivileged process can still allocate.
+    ``total_bytes`` None: no limit; ``used_bytes``: the whole host's, removed files held too;
+    ``free_bytes``: what an unprivileged process can still allocate.
     """
 
     directory: str

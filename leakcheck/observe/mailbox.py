@@ -1,15 +1,13 @@
 """A per-session folder through which worker processes tell the tracker who they are.
 
-NOTE [worker mailbox]: the tracker must know its workers exactly and hear what the teardown
-policy freed in each; workers start by fork, spawn or forkserver, so only a folder reaches all
-of them. The tracker creates it and exports ``LEAKCHECK_MAILBOX``; a worker writes one small
-JSON file per record, atomically (a temporary name, then rename), and loses nothing but the
-record where it cannot write. The sampler reads the folder on walking ticks and epoch ends,
-deleting each record once read (``Inbox``: an unchanged folder time skips the listing). Not
-records: ``BIRTHS_FILE``, the live workers' birth readings (NOTE [copy on read] in
-hostmem.py), which ``leakcheck snapshot --pid`` reads from outside (``read_births``); and each
-worker's faulthandler file (``stack_path``), removed as it exits normally: one left behind
-holds the stacks of a worker that crashed in native code or, sent ``STACK_SIGNAL``, stalled.
+NOTE [worker mailbox]: workers start by fork, spawn or forkserver, so only a folder reaches
+all of them. The tracker creates it and exports ``LEAKCHECK_MAILBOX``; a worker writes one
+small JSON file per record, atomically, and loses only the record where it cannot write. The
+sampler reads the folder on walking ticks and epoch ends, deleting each record once read. Not
+records: ``BIRTHS_FILE``, the live workers' birth readings (NOTE [copy on read] in hostmem.py),
+which ``leakcheck snapshot --pid`` reads from outside; and each worker's faulthandler file
+(``stack_path``), removed as it exits normally: one left behind holds the stacks of a worker
+that crashed in native code or, sent ``STACK_SIGNAL``, stalled.
 
 NOTE [stale mailboxes]: a tracker killed never removes its folder. Each folder is named after
 its owner, ``leakcheck-mailbox-<pid>-<start ticks>-<pid namespace>-<random>``, and every
@@ -63,30 +61,32 @@ def create() -> str:
 
 
 def remove_stale(directory: str | None = None) -> list[str]:
-    """Remove the mailbox folders whose owner process is gone, and only those; never raises.
+    """Remove the mailbox folders whose owner (in this PID namespace) is gone; never raises.
 
-    Removed from ``directory`` (default: the temporary folder): real folders of this user,
-    named by ``create``, whose owner in this PID namespace no longer runs (by identity).
+    ``directory``: default, the temporary folder. The owner is judged by identity.
     """
     removed: list[str] = []
     for path, (pid, ticks, namespace) in _owned_folders(directory):
-        if namespace == _pid_namespace() and not _owner_alive(pid, ticks) and remove(path):
+        if namespace != _pid_namespace():
+            continue
+        try:
+            alive = procs.process_key(pid) == ProcessKey(pid, ticks)
+        except (OSError, ValueError):
+            alive = True  # cannot tell: keep the folder
+        if not alive and remove(path):
             removed.append(path)
     return removed
 
 
 def _owned_folders(directory: str | None) -> Iterator[tuple[str, tuple[int, int, int]]]:
     """Path and owner (pid, start ticks, PID namespace) of each mailbox folder named so."""
-    try:
+    with contextlib.suppress(OSError):
         folder = directory if directory is not None else tempfile.gettempdir()
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        match = _OWNED_NAME.match(name)
-        if match is not None:
-            pid, ticks, namespace = (int(group) for group in match.groups())
-            yield os.path.join(folder, name), (pid, ticks, namespace)
+        for name in os.listdir(folder):
+            match = _OWNED_NAME.match(name)
+            if match is not None:
+                pid, ticks, namespace = (int(group) for group in match.groups())
+                yield os.path.join(folder, name), (pid, ticks, namespace)
 
 
 def _owner(pid: int) -> tuple[int, int, int] | None:
@@ -105,13 +105,6 @@ def _pid_namespace() -> int:
     except OSError:
         return 0
     return int(match.group(1)) if match else 0
-
-
-def _owner_alive(pid: int, ticks: int) -> bool:
-    try:
-        return procs.process_key(pid) == ProcessKey(pid, ticks)
-    except (OSError, ValueError):
-        return True  # cannot tell: keep the folder
 
 
 def remove(directory: str) -> bool:
@@ -204,9 +197,8 @@ class Inbox:
                     records.append(record)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        # Deleting what was read changes the time again: reads list until that change is
-        # older than the margin, then settle. A time in whole seconds says the filesystem
-        # keeps no finer one: too coarse to trust.
+        # Deleting what was read changes the time again: settle once that change is older than
+        # the margin. A time in whole seconds is too coarse to trust.
         settled = (
             not records
             and listed_ns - mtime_ns > _CLOCK_STEP_MARGIN_NS
@@ -262,25 +254,14 @@ def worker_birth(record: Mapping[str, Any]) -> Birth:
     uss, rss, shared, private = (_int(record.get(name)) for name in _BIRTH_FIELDS)
     memory = None
     if uss is not None and shared is not None and private is not None:
-        memory = HostMemory(
-            uss_bytes=uss,
-            pss_bytes=None,
-            rss_bytes=rss,
-            swap_bytes=None,
-            source="smaps_rollup",
-            shared_dirty_bytes=shared,
-            private_dirty_bytes=private,
-        )
+        memory = HostMemory(uss, None, rss, None, "smaps_rollup", None, None, shared, private)
     return (forked if isinstance(forked, bool) else None), memory
 
 
 def host_fields(
     memory: HostMemory | None, names: Iterable[str] = _BIRTH_FIELDS
 ) -> dict[str, int | None]:
-    """``memory``'s figures as records name them (``host_uss_bytes``...); None: unknown.
-
-    By default a birth reading's, as ``worker`` records and ``BIRTHS_FILE`` carry it.
-    """
+    """``memory``'s figures as records name them (default: a birth reading's); None: unknown."""
     return {name: getattr(memory, name.removeprefix("host_"), None) for name in names}
 
 
@@ -294,10 +275,9 @@ def write_births(directory: str, births: Mapping[ProcessKey, Birth]) -> bool:
 
 
 def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessKey, Birth]:
-    """The birth readings the trackers of process ``root_pid`` keep, read from outside.
+    """The birth readings kept for process ``root_pid``'s trackers, read from outside.
 
-    Only the folders named after that very process (NOTE [stale mailboxes]) in ``directory``
-    (default: the temporary folder); never raises: what cannot be read is left out.
+    From the folders named after it (NOTE [stale mailboxes]); never raises.
     """
     owner = _owner(root_pid)
     found: dict[ProcessKey, Birth] = {}

@@ -1,19 +1,16 @@
 """NVML access: who holds GPU memory and how each device is doing, without touching CUDA.
 
-The only caller of NVML, through the ctypes binding ``nvml_lib`` (looked up at call time:
-tests stand ``tests/fake_pynvml.py`` in for it). :func:`get` gives the process-wide
-:class:`Nvml`; :func:`availability` says, without raising, whether NVML can be used. Failures:
-NVML unusable raises ``NVMLUnavailable`` (one line with a hint); a call failing on a device a
-``LeakCheckError`` naming both; a bad index a ``UsageError``; unreported telemetry is None.
+The only caller of NVML, through ``nvml_lib`` (looked up at call time: tests stand
+``tests/fake_pynvml.py`` in for it). NVML unusable raises ``NVMLUnavailable`` (one line with a
+hint); a call failing on a device a ``LeakCheckError`` naming both; a bad index a
+``UsageError``; unreported telemetry is None.
 
-NOTE [fork]: NVML handles are per process. Every public method compares ``os.getpid()`` with
-the PID that started the session and, in a forked child, calls ``nvmlInit`` again and drops
-every cached handle first; the locks are replaced in the child.
+NOTE [fork]: NVML handles are per process: in a forked child every public method calls
+``nvmlInit`` again and drops every cached handle first; the locks are replaced in the child.
 
 NOTE [descriptors]: ``nvmlInit`` and the first device calls open ``/dev/nvidia*`` nodes a CUDA
-context opens too; children forked after it inherit them, but NVML's pin no context. The
-start records the numbers NVML opened (``own_descriptors()``), so that the tracker leaves them
-out when it counts what a forked child inherited from the job.
+context opens too, which forked children inherit (pinning no context); ``own_descriptors()``
+names them, so that the tracker does not count them as what a child inherited from the job.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ import ctypes
 import importlib
 import os
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
 
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
 from leakcheck.core.readings import AccountedProcess, DeviceState, GpuProcess
@@ -44,20 +41,12 @@ from leakcheck.observe.nvml_lib import (
     NVML_TEMPERATURE_GPU,
 )
 
+_Listed = Literal["compute", "graphics"]
 _NOT_AVAILABLE = (2**64 - 1, 2**32 - 1)
-_PSTATE_UNKNOWN = 32
 
-THROTTLE_REASON_NAMES: tuple[tuple[int, str], ...] = (
-    (0x0001, "gpu_idle"),
-    (0x0002, "applications_clocks"),
-    (0x0004, "sw_power_cap"),
-    (0x0008, "hw_slowdown"),
-    (0x0010, "sync_boost"),
-    (0x0020, "sw_thermal"),
-    (0x0040, "hw_thermal"),
-    (0x0080, "hw_power_brake"),
-    (0x0100, "display_clocks"),
-)
+_REASON_BITS = ("gpu_idle", "applications_clocks", "sw_power_cap", "hw_slowdown", "sync_boost",
+                "sw_thermal", "hw_thermal", "hw_power_brake", "display_clocks")  # fmt: skip
+THROTTLE_REASON_NAMES = tuple((1 << bit, name) for bit, name in enumerate(_REASON_BITS))
 """Clock-event (throttle) reason bits of ``nvmlDeviceGetCurrentClocksEventReasons``."""
 
 _SUFFIX = "GPU memory is not checked, process checks still run"
@@ -104,10 +93,6 @@ def _known(value: Any) -> int | None:
 # and builds an object per entry; the sampler reads the lists many times a second. So the C
 # function (``_v3``, else ``_v2``: one entry layout) is called once with a buffer kept from the
 # last call; a short one is grown to the count the driver fills in, at most twice.
-_RAW_FIRST_CAPACITY = 32
-_RAW_TRIES = 3
-
-
 class _RawProcessList:
     """A running-process list of one device read through a reused buffer (NOTE [process lists])."""
 
@@ -115,35 +100,30 @@ class _RawProcessList:
         self._function = function
         self._entry_type = entry_type
         self._error_type = error_type
-        self._buffer: Any = (entry_type * _RAW_FIRST_CAPACITY)()
+        self._buffer: Any = (entry_type * 32)()
         self._lock = threading.Lock()
 
     @classmethod
     def open(cls, lib: Any, name: str) -> _RawProcessList | None:
         """The reader of list ``name``; None where the driver has neither ``_v3`` nor ``_v2``."""
         for version in ("_v3", "_v2"):
-            try:
+            with contextlib.suppress(lib.NVMLError):
                 function = lib._nvmlGetFunctionPointer(f"{name}{version}")
-            except lib.NVMLError:
-                continue
-            return cls(function, lib.c_nvmlProcessInfo_v3_t, lib.NVMLError)
+                return cls(function, lib.c_nvmlProcessInfo_v3_t, lib.NVMLError)
         return None
 
     def read(self, handle: Any) -> list[tuple[int, int | None]]:
         """(pid, used bytes or None) per entry; raises the binding's ``NVMLError``."""
         with self._lock:
-            for _ in range(_RAW_TRIES):
+            for _ in range(3):
                 count = ctypes.c_uint(len(self._buffer))
                 code = self._function(handle, ctypes.byref(count), self._buffer)
-                if code == NVML_SUCCESS:
-                    return [
-                        (int(entry.pid), _known(entry.usedGpuMemory))
-                        for entry in self._buffer[: count.value]
-                    ]
                 if code != NVML_ERROR_INSUFFICIENT_SIZE:
                     break
                 self._buffer = (self._entry_type * (count.value * 2 + 8))()
-            raise self._error_type(code)
+            if code != NVML_SUCCESS:
+                raise self._error_type(code)
+            return [(int(e.pid), _known(e.usedGpuMemory)) for e in self._buffer[: count.value]]
 
 
 class Nvml:
@@ -159,41 +139,12 @@ class Nvml:
         self._lock = threading.Lock()
         self._pid = -1
         self._count = 0
-        self._handles: dict[int, Any] = {}
-        self._meta: dict[int, tuple[str, str]] = {}
-        self._max_sm_clock: dict[int, int | None] = {}
-        self._raw_readers: dict[tuple[int, str], _RawProcessList | None] = {}
-        self._unsupported: set[tuple[int, str]] = set()
-
-    def _start(self) -> None:
-        """``nvmlInit`` and the device count: once per process (again in a forked child)."""
-        for cache in (self._handles, self._meta, self._max_sm_clock, self._raw_readers):
-            cache.clear()
-        self._unsupported.clear()
-        try:
-            self._lib.nvmlInit()
-        except self._error as exc:
-            code = getattr(exc, "value", None)
-            reason = _INIT_HINTS.get(code) if isinstance(code, int) else None
-            reason = reason or f"nvmlInit failed: {_one_line(exc) or type(exc).__name__}"
-            raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}") from exc
-        try:
-            count = int(self._lib.nvmlDeviceGetCount())
-            reason = "the driver is loaded but sees no NVIDIA GPU (nvmlDeviceGetCount() == 0)"
-        except self._error as exc:
-            count, reason = 0, f"nvmlDeviceGetCount failed: {_one_line(exc)}"
-        if count <= 0:
-            self._quiet_shutdown()
-            raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
-        self._count = count
-        self._pid = os.getpid()
-
-    def _quiet_shutdown(self) -> None:
-        with contextlib.suppress(self._error):
-            self._lib.nvmlShutdown()
+        # (what, device) -> a handle, (name, uuid), the max SM clock, a _RawProcessList reader;
+        # ("unsupported", device): the list names the device does not support.
+        self._cache: dict[tuple[str, int], Any] = {}
 
     def _ensure(self) -> None:
-        """Start NVML in this process, first or in a forked child (NOTE [fork]).
+        """``nvmlInit`` and the device count, first or again in a forked child (NOTE [fork]).
 
         Every handle is opened too, so that what NVML opens counts as its own (NOTE
         [descriptors]).
@@ -204,26 +155,53 @@ class Nvml:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            self._start()
+            self._cache.clear()
+            try:
+                self._lib.nvmlInit()
+            except self._error as exc:
+                code = getattr(exc, "value", None)
+                reason = _INIT_HINTS.get(code) if isinstance(code, int) else None
+                reason = reason or f"nvmlInit failed: {_one_line(exc) or type(exc).__name__}"
+                raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}") from exc
+            try:
+                self._count = int(self._lib.nvmlDeviceGetCount())
+                reason = "the driver is loaded but sees no NVIDIA GPU (nvmlDeviceGetCount() == 0)"
+            except self._error as exc:
+                self._count, reason = 0, f"nvmlDeviceGetCount failed: {_one_line(exc)}"
+            if self._count <= 0:
+                self._quiet_shutdown()
+                raise NVMLUnavailable(f"NVML unavailable: {reason}; {_SUFFIX}")
+            self._pid = os.getpid()
         with contextlib.suppress(LeakCheckError):
             self.processes()
         global _own_fds
         _own_fds = _own_fds | (_nvidia_fd_numbers() - before)
 
-    def _call(self, name: str, device: int, *args: Any, absent: int | None = None) -> Any:
-        """Call an NVML function; None where it fails with code ``absent``."""
+    def _quiet_shutdown(self) -> None:
+        with contextlib.suppress(self._error):
+            self._lib.nvmlShutdown()
+
+    def _query(
+        self, name: str, *args: Any, device: int | None = None, absent: int | None = None
+    ) -> Any:
+        """Call NVML ``name``; None on code ``absent``, or on any failure with no ``device``."""
         try:
             return getattr(self._lib, name)(*args)
         except self._error as exc:
-            if absent is not None and getattr(exc, "value", None) == absent:
-                return None
-            raise _failed(name, device, exc) from exc
-
-    def _optional(self, name: str, *args: Any) -> Any:
-        """Call an NVML function; None when the binding lacks it or it raises."""
-        with contextlib.suppress(self._error, AttributeError):
-            return getattr(self._lib, name)(*args)
+            if device is not None and (absent is None or getattr(exc, "value", None) != absent):
+                raise _failed(name, device, exc) from exc
+        except AttributeError:
+            if device is not None:
+                raise
         return None
+
+    def _once(self, key: tuple[str, int], make: Callable[[], Any]) -> Any:
+        """``self._cache[key]``, made under the lock the first time."""
+        if key not in self._cache:
+            with self._lock:
+                if key not in self._cache:
+                    self._cache[key] = make()
+        return self._cache[key]
 
     def _select(self, devices: Sequence[int] | None) -> tuple[int, ...]:
         if devices is None:
@@ -239,45 +217,30 @@ class Nvml:
         return tuple(dict.fromkeys(devices))  # in order, each once
 
     def _handle(self, index: int) -> Any:
-        handle = self._handles.get(index)
-        if handle is None:
-            (index,) = self._select((index,))
-            with self._lock:
-                handle = self._handles.get(index)
-                if handle is None:
-                    handle = self._call("nvmlDeviceGetHandleByIndex", index, index)
-                    self._handles[index] = handle
-        return handle
-
-    def _name_uuid(self, index: int, handle: Any) -> tuple[str, str]:
-        meta = self._meta.get(index)
-        if meta is None:
-            name = self._optional("nvmlDeviceGetName", handle)
-            uuid = self._optional("nvmlDeviceGetUUID", handle)
-            meta = (name or f"GPU {index}", uuid or "")
-            if name is not None and uuid is not None:
-                self._meta[index] = meta  # only what was really read
-        return meta
+        return self._once(
+            ("handle", index),
+            lambda: self._query(
+                "nvmlDeviceGetHandleByIndex", *self._select((index,)), device=index
+            ),
+        )
 
     def _running(
         self, index: int, handle: Any, name: str, *, optional: bool
     ) -> list[tuple[int, int | None]]:
         """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
-        key = (index, name)
-        if key in self._unsupported:
+        unsupported = self._cache.setdefault(("unsupported", index), set())
+        if name in unsupported:
             return []
-        if key not in self._raw_readers:
-            with self._lock:
-                if key not in self._raw_readers:
-                    self._raw_readers[key] = _RawProcessList.open(self._lib, name)
-        reader = self._raw_readers[key]
+        reader: _RawProcessList | None = self._once(
+            (name, index), lambda: _RawProcessList.open(self._lib, name)
+        )
         try:
             if reader is None:  # a driver older than R450
                 raise self._lib.NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
             return reader.read(handle)
         except self._error as exc:
             if optional and getattr(exc, "value", None) == NVML_ERROR_NOT_SUPPORTED:
-                self._unsupported.add(key)
+                unsupported.add(name)
                 return []
             raise _failed(name, index, exc) from exc
 
@@ -289,7 +252,7 @@ class Nvml:
     def driver_version(self) -> str | None:
         """The driver's version string; None when NVML does not say."""
         self._ensure()
-        version = self._optional("nvmlSystemGetDriverVersion")
+        version = self._query("nvmlSystemGetDriverVersion")
         return None if version is None else str(version)
 
     def processes(
@@ -305,37 +268,36 @@ class Nvml:
         found: list[GpuProcess] = []
         for index in self._select(devices):
             handle = self._handle(index)
-            lists: dict[str, dict[int, int | None]] = {}
-            for kind in ("compute", "graphics") if graphics else ("compute",):
+            by_pid: dict[int, dict[_Listed, int | None]] = {}  # pid -> list -> its bytes
+            kinds: tuple[_Listed, ...] = ("compute", "graphics") if graphics else ("compute",)
+            for kind in kinds:
                 call = f"nvmlDeviceGet{kind.title()}RunningProcesses"
-                per_list = lists[kind] = {}
                 for pid, used in self._running(index, handle, call, optional=kind == "graphics"):
-                    before = per_list.get(pid, 0)
-                    per_list[pid] = None if before is None or used is None else before + used
-            compute, shown = lists["compute"], lists.get("graphics", {})
-            for pid in sorted(compute.keys() | shown.keys()):
-                known = [b for b in (compute.get(pid), shown.get(pid)) if b is not None]
-                both = pid in compute and pid in shown
-                found.append(
-                    GpuProcess(
-                        pid=pid,
-                        device_index=index,
-                        used_gpu_bytes=max(known) if known else None,
-                        kind="both" if both else "compute" if pid in compute else "graphics",
-                    )
-                )
+                    lists = by_pid.setdefault(pid, {})
+                    before = lists.get(kind, 0)
+                    lists[kind] = None if before is None or used is None else before + used
+            for pid, lists in sorted(by_pid.items()):
+                known = [used for used in lists.values() if used is not None]
+                shown = "both" if len(lists) == 2 else next(iter(lists))
+                found.append(GpuProcess(pid, index, max(known) if known else None, shown))
         return tuple(found)
-
-    def _memory_state(self, index: int) -> tuple[DeviceState, Any]:
-        handle = self._handle(index)
-        name, uuid = self._name_uuid(index, handle)
-        info = self._call("nvmlDeviceGetMemoryInfo", index, handle)
-        return DeviceState(index, name, uuid, int(info.used), int(info.total)), handle
 
     def memory(self, devices: Sequence[int] | None = None) -> tuple[DeviceState, ...]:
         """Used and total memory, name and UUID of each device (None: all); the cheap read."""
         self._ensure()
-        return tuple(self._memory_state(index)[0] for index in self._select(devices))
+        states: list[DeviceState] = []
+        for index in self._select(devices):
+            handle = self._handle(index)
+            name, uuid = self._cache.get(("meta", index)) or (
+                self._query("nvmlDeviceGetName", handle),
+                self._query("nvmlDeviceGetUUID", handle),
+            )
+            if name is not None and uuid is not None:
+                self._cache["meta", index] = (name, uuid)  # only what was really read
+            info = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
+            used, total = int(info.used), int(info.total)
+            states.append(DeviceState(index, name or f"GPU {index}", uuid or "", used, total))
+        return tuple(states)
 
     def devices(self, devices: Sequence[int] | None = None) -> tuple[DeviceState, ...]:
         """Memory plus telemetry of each device (None: all).
@@ -343,41 +305,31 @@ class Nvml:
         Telemetry: temperature, SM clock and its max, power, P-state and clock-event reasons;
         a call the device does not support leaves only that field None (the reasons empty).
         """
-        self._ensure()
         states: list[DeviceState] = []
-        for index in self._select(devices):
-            state, handle = self._memory_state(index)
-            temperature = self._optional("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU)
-            sm_clock = self._optional("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_SM)
-            if index not in self._max_sm_clock:  # a property of the board: read once
-                self._max_sm_clock[index] = _known(
-                    self._optional("nvmlDeviceGetMaxClockInfo", handle, NVML_CLOCK_SM)
-                )
-            power_mw = _known(self._optional("nvmlDeviceGetPowerUsage", handle))
-            pstate = _known(self._optional("nvmlDeviceGetPerformanceState", handle))
-            reasons = self._optional("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        for state in self.memory(devices):
+            handle = self._handle(state.index)
+            key = ("max_sm_clock", state.index)
+            if key not in self._cache:  # a property of the board: read once
+                clock = self._query("nvmlDeviceGetMaxClockInfo", handle, NVML_CLOCK_SM)
+                self._cache[key] = _known(clock)
+            power_mw = _known(self._query("nvmlDeviceGetPowerUsage", handle))
+            pstate = _known(self._query("nvmlDeviceGetPerformanceState", handle))
+            reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", handle)
             if reasons is None:  # older drivers only have the deprecated name
-                reasons = self._optional("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+                reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+            temperature = self._query("nvmlDeviceGetTemperature", handle, NVML_TEMPERATURE_GPU)
+            sm_clock = self._query("nvmlDeviceGetClockInfo", handle, NVML_CLOCK_SM)
             states.append(
                 state._replace(
                     temperature_c=_known(temperature),
                     sm_clock_mhz=_known(sm_clock),
-                    sm_clock_max_mhz=self._max_sm_clock[index],
+                    sm_clock_max_mhz=self._cache[key],
                     power_w=power_mw / 1000.0 if power_mw is not None else None,
-                    performance_state=None if pstate == _PSTATE_UNKNOWN else pstate,
+                    performance_state=None if pstate == 32 else pstate,  # 32: unknown
                     throttle_reasons=throttle_reason_names(int(reasons)) if reasons else (),
                 )
             )
         return tuple(states)
-
-    def accounting_enabled(self, device: int) -> bool:
-        """Whether the driver's accounting mode is on for ``device`` (False if unsupported)."""
-        self._ensure()
-        handle = self._handle(device)
-        mode = self._call(
-            "nvmlDeviceGetAccountingMode", device, handle, absent=NVML_ERROR_NOT_SUPPORTED
-        )
-        return mode is not None and int(mode) == NVML_FEATURE_ENABLED
 
     def accounting(self, device: int) -> tuple[AccountedProcess, ...]:
         """The per-PID records the driver keeps in accounting mode, exited processes included.
@@ -389,22 +341,36 @@ class Nvml:
             return ()
         handle = self._handle(device)
         records: list[AccountedProcess] = []
-        for pid in map(int, self._call("nvmlDeviceGetAccountingPids", device, handle)):
-            stats = self._call(
-                "nvmlDeviceGetAccountingStats", device, handle, pid, absent=NVML_ERROR_NOT_FOUND
+        for pid in map(int, self._query("nvmlDeviceGetAccountingPids", handle, device=device)):
+            stats = self._query(
+                "nvmlDeviceGetAccountingStats",
+                handle,
+                pid,
+                device=device,
+                absent=NVML_ERROR_NOT_FOUND,
             )
-            if stats is None:
-                continue  # dropped from the circular buffer between the two calls
-            records.append(
-                AccountedProcess(
-                    pid=pid,
-                    device_index=device,
-                    max_memory_bytes=_known(stats.maxMemoryUsage),
-                    time_ms=_known(stats.time),
-                    is_running=bool(stats.isRunning),
+            if stats is not None:  # else dropped from the circular buffer since the list
+                records.append(
+                    AccountedProcess(
+                        pid,
+                        device,
+                        _known(stats.maxMemoryUsage),
+                        _known(stats.time),
+                        bool(stats.isRunning),
+                    )
                 )
-            )
         return tuple(records)
+
+    def accounting_enabled(self, device: int) -> bool:
+        """Whether the driver's accounting mode is on for ``device`` (False if unsupported)."""
+        self._ensure()
+        mode = self._query(
+            "nvmlDeviceGetAccountingMode",
+            self._handle(device),
+            device=device,
+            absent=NVML_ERROR_NOT_SUPPORTED,
+        )
+        return mode is not None and int(mode) == NVML_FEATURE_ENABLED
 
 
 _lock = threading.Lock()
@@ -455,12 +421,11 @@ def gpu_bytes_by_pid(
     unknown: set[int] = set()
     for entry in processes:
         per_device = by_pid.setdefault(entry.pid, {})
-        if entry.used_gpu_bytes is None:
+        index, used = entry.device_index, entry.used_gpu_bytes
+        if used is None:
             unknown.add(entry.pid)
         else:
-            per_device[entry.device_index] = (
-                per_device.get(entry.device_index, 0) + entry.used_gpu_bytes
-            )
+            per_device[index] = per_device.get(index, 0) + used
     return by_pid, unknown
 
 
@@ -474,10 +439,7 @@ def _nvidia_fd_numbers() -> set[int]:
 
 
 def start_in_background() -> None:
-    """Begin NVML's start on a thread, unless begun (NOTE [overlapped start] in snapshot.py).
-
-    Never raises: a failure is remembered, as :func:`get` remembers it.
-    """
+    """Begin NVML's start on a thread, unless begun (NOTE [overlapped start] in snapshot.py)."""
     if _instance is not None or _failure is not None:
         return
     starter = threading.Thread(target=availability, name="leakcheck-nvml-start", daemon=True)
@@ -486,10 +448,7 @@ def start_in_background() -> None:
 
 
 def availability() -> tuple[bool, str]:
-    """``(True, "")`` where NVML can be used, else ``(False, reason)``; never raises.
-
-    Starts the singleton (a later :func:`get` is free).
-    """
+    """``(True, "")`` where NVML can be used, else ``(False, reason)``; starts :func:`get`'s."""
     try:
         get()
     except LeakCheckError as exc:

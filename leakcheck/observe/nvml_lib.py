@@ -1,10 +1,8 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-Importing ``pynvml`` costs a start ~10 ms more (2-core VM; ~90 ms on the H200 when this was
-written), against a 30 ms goal for ``leakcheck snapshot``'s own share, ~23 ms on an H200
-(benchmarks/results/snapshot-start-h200.md); this loads ``libnvidia-ml.so.1`` only in
-:func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for this module. Errors raise
-:class:`NVMLError` with the driver's code in ``value``.
+Importing ``pynvml`` costs a start ~10 ms (~90 ms on the H200 when this was written), against
+``leakcheck snapshot``'s 30 ms goal (benchmarks/results/snapshot-start-h200.md); this loads
+``libnvidia-ml.so.1`` only in :func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for it.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ _OFFLINE_TEXT = {
 
 
 class NVMLError(Exception):
-    """An NVML call returned ``value`` (an ``nvmlReturn_t``) instead of success."""
+    """An NVML call returned ``value`` (an ``nvmlReturn_t``, the driver's code), not success."""
 
     def __init__(self, value: int) -> None:
         super().__init__(value)
@@ -120,26 +118,21 @@ def _call(name: str, *args: object) -> None:
         raise NVMLError(code)
 
 
-def _out(name: str, kind: type[Any]) -> Callable[..., Any]:
-    """``name(arguments..., kind *out)`` as a function returning ``out`` (ints as C uints)."""
+def _out(name: str, kind: type[Any] | int) -> Callable[..., Any]:
+    """``name(arguments..., kind *out)`` as a function returning ``out`` (ints as C uints).
+
+    An int ``kind`` is the size of a text buffer: ``name([handle,] char *out, unsigned size)``.
+    """
 
     def get(*args: object) -> Any:
+        if isinstance(kind, int):
+            buffer = ctypes.create_string_buffer(kind)
+            _call(name, *args, buffer, ctypes.c_uint(kind))
+            return buffer.value.decode(errors="replace")
         out = kind()
         c_args = (ctypes.c_uint(arg) if isinstance(arg, int) else arg for arg in args)
         _call(name, *c_args, ctypes.byref(out))
         return out.value if kind in (ctypes.c_uint, ctypes.c_ulonglong) else out
-
-    get.__name__ = name
-    return get
-
-
-def _text(name: str, size: int) -> Callable[..., str]:
-    """The getter ``name([handle,] char *buffer, unsigned int size)`` as a function."""
-
-    def get(*handle: object) -> str:
-        buffer = ctypes.create_string_buffer(size)
-        _call(name, *handle, buffer, ctypes.c_uint(size))
-        return buffer.value.decode(errors="replace")
 
     get.__name__ = name
     return get
@@ -167,9 +160,9 @@ nvmlDeviceGetHandleByIndex = _out("nvmlDeviceGetHandleByIndex_v2", ctypes.c_void
 nvmlDeviceGetMemoryInfo = _out("nvmlDeviceGetMemoryInfo", c_nvmlMemory_t)  # v1, as pynvml's
 nvmlDeviceGetAccountingStats = _out("nvmlDeviceGetAccountingStats", c_nvmlAccountingStats_t)
 # Buffer sizes: NVML_DEVICE_NAME_V2_BUFFER_SIZE, ..._UUID_V2_..., NVML_SYSTEM_DRIVER_VERSION_...
-nvmlDeviceGetName = _text("nvmlDeviceGetName", 96)
-nvmlDeviceGetUUID = _text("nvmlDeviceGetUUID", 96)
-nvmlSystemGetDriverVersion = _text("nvmlSystemGetDriverVersion", 80)
+nvmlDeviceGetName = _out("nvmlDeviceGetName", 96)
+nvmlDeviceGetUUID = _out("nvmlDeviceGetUUID", 96)
+nvmlSystemGetDriverVersion = _out("nvmlSystemGetDriverVersion", 80)
 nvmlDeviceGetTemperature = _out("nvmlDeviceGetTemperature", ctypes.c_uint)  # (handle, sensor)
 nvmlDeviceGetClockInfo = _out("nvmlDeviceGetClockInfo", ctypes.c_uint)  # (handle, clock): MHz
 nvmlDeviceGetMaxClockInfo = _out("nvmlDeviceGetMaxClockInfo", ctypes.c_uint)

@@ -13,7 +13,7 @@ import io
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.files import write_atomic
@@ -21,16 +21,29 @@ from leakcheck.core.model import MIB
 from leakcheck.core.units import plural
 
 if TYPE_CHECKING:
-    from leakcheck.core.model import ProcessEpoch
+    from leakcheck.core.model import EpochRecord, Finding, ProcessEpoch, Timeline
 
 __all__ = ["plot_reports", "plot_sweep", "render", "render_reports", "report_series"]
 
 
-# Read by attribute, never imported: the sweep's result (``commands.sweep.SweepResult``) and
-# configs (``ConfigResult``) sit above this layer, and ``report.Report`` imports this module.
+# The sweep sits above this layer: its result (``commands.sweep.SweepResult``) and its
+# configs (``ConfigResult``) are read by attribute, never imported.
 _Sweep = Any
 _Config = Any
-_Report = Any
+
+
+class _Report(Protocol):
+    """A judged report (``leakcheck.judge.report.Report``, which imports this module)."""
+
+    @property
+    def timeline(self) -> Timeline: ...
+    @property
+    def leaks(self) -> list[Finding]: ...
+    @property
+    def verdict(self) -> str: ...
+    @property
+    def epochs(self) -> tuple[EpochRecord, ...]: ...
+
 
 # Colour-blind-safe (Okabe-Ito) colours, one per role/series.
 _PARENT = "#0072B2"

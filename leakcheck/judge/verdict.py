@@ -1,7 +1,6 @@
 """Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
-``judge`` runs them all and orders the findings. Each rule yields its findings (``_rule``), built
-by ``_finding``; the rules on processes share one walk (``_Walk``) of every observation.
+``judge`` runs them all and orders the findings; the rules on processes read one walk (``_Walk``).
 """
 
 from __future__ import annotations
@@ -266,16 +265,11 @@ def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
 def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find processes born in an epoch, not persistent, alive past its end plus the grace."""
     walk = _Walk.of(timeline)
-    bytes_known = per_pid_bytes_known(timeline)
     for obs in walk.seen.values():
         for rec, proc in obs:
-            if (
-                rec is None
-                or not proc.born_in_epoch
-                or proc.persistent
-                or proc.role not in ("worker", "descendant")
-                or not proc.alive_at_end
-            ):
+            if rec is None or proc.persistent or not (proc.born_in_epoch and proc.alive_at_end):
+                continue
+            if proc.role not in ("worker", "descendant"):
                 continue
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
@@ -286,25 +280,18 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             alive_after = walk.alive_after_s(born, obs)
             if not _past_grace(alive_after, config.grace_s):
                 continue
-            holds, held = _holding(
-                (p for r, p in obs if r is None or r.index >= born.index), bytes_known
-            )
-            origin = f"first seen in {born.label}"
-            if proc.scope is not None:
-                origin = f"started by {proc.scope}"
-            elif proc.born_epoch in walk.by_index:
-                origin = f"started in {walk.by_index[proc.born_epoch].label}"
-            ended = born.label if proc.scope is not None else "it"  # "started in <it>"
+            later = (p for r, p in obs if r is None or r.index >= born.index)
+            holds, held = _holding(later, per_pid_bytes_known(timeline))
+            origin, ended = f"started by {proc.scope}", born.label
+            if proc.scope is None:
+                origin, ended = f"first seen in {born.label}", "it"  # the epoch origin names
+                if proc.born_epoch in walk.by_index:
+                    origin = f"started in {walk.by_index[proc.born_epoch].label}"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
+            what = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
+            remedy = _survivor_remedy(proc, _worker_pids(obs))
             yield _finding(
-                "survivor",
-                "leak",
-                f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
-                _survivor_remedy(proc, _worker_pids(obs)),
-                proc,
-                epoch=born.index,
-                scope=proc.scope,
-                **held,
+                "survivor", "leak", what, remedy, proc, epoch=born.index, scope=proc.scope, **held
             )
             break
 
@@ -314,15 +301,13 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find lineage processes reparented away from the job and alive past the grace, once each."""
     walk = _Walk.of(timeline)
     after_job = timeline.final is None or timeline.final.closed
-    for key, obs in walk.seen.items():
+    for obs in walk.seen.values():
         # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
         # shared-memory manager) is a baseline, as for the survivor rule.
         orphaned = [
-            (rec, proc)
-            for rec, proc in obs
-            if proc.role == "orphan"
-            and not _daemonized(proc)
-            and (rec is None or proc.alive_at_end)
+            (rec, p)
+            for rec, p in obs
+            if p.role == "orphan" and not _daemonized(p) and (rec is None or p.alive_at_end)
         ]
         if not orphaned:
             continue
@@ -330,12 +315,11 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             max(proc.last_seen_after_s or 0.0 for _, proc in orphaned), config.grace_s
         ):
             continue  # a runtime helper on its way out with its owner, not seen past the grace
-        first_rec = orphaned[0][0]
+        first_rec, last = orphaned[0][0], orphaned[-1][1]
         ends = [rec.end_s + (p.last_seen_after_s or 0.0) for rec, p in orphaned if rec is not None]
         seen_s = max(ends) - first_rec.end_s if first_rec and len(ends) == len(orphaned) else None
         if seen_s is not None and not _past_grace(seen_s, config.grace_s):
             continue  # not seen alive long enough to tell: judged later, or at close
-        last = orphaned[-1][1]
         birth = walk.birth(obs)
         left = walk.ends_outside_the_tree(obs, birth) if birth else []
         still = ""
@@ -354,15 +338,15 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             since = ""
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
-        parent = "worker" if under_worker else "parent"
         started = ""
         if last.scope is not None:
             started = f"started by {last.scope}, "
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
+        parent = "worker" if under_worker else "parent"
         what = f"{started}outlived its {parent}{since}{still}{holds}"
-        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
+        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {last.key.pid}"
         epoch = left[0].index if left else (first_rec.index if first_rec else None)
         yield _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
 
@@ -379,12 +363,9 @@ def growth_slope(points: _Points, tolerance_bytes: int, *, by_epoch: bool = Fals
     """
     series = [value for _, value in points]
     n = len(series)
-    if n < 3:
+    if n < 3 or series[-1] - series[0] <= tolerance_bytes:
         return None
-    rise = series[-1] - series[0]
-    if rise <= tolerance_bytes:
-        return None
-    late_rise = series[-1] - series[(n - 1) // 2]
+    rise, late_rise = series[-1] - series[0], series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
         return None
     xs = [float(epoch) for epoch, _ in points] if by_epoch else [float(i) for i in range(n)]
@@ -556,6 +537,10 @@ class _WorkerCopy:
     after_s: float | None
 
 
+def _copied(proc: ProcessEpoch) -> int:
+    return proc.copied_bytes_peak or 0
+
+
 def _private_bytes(proc: ProcessEpoch) -> int:
     """A worker's USS at the end (or exit), else at its birth; -1 where neither is known."""
     if proc.host_source == "uss" and proc.host_bytes_end is not None:
@@ -575,25 +560,21 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     final = timeline.final
     if final is not None and final.open_epoch is not None:
         observed += [(final.open_epoch, proc) for proc in final.processes]
-    copies: dict[ProcessKey, _WorkerCopy] = {}
-    unforked: dict[ProcessKey, ProcessEpoch] = {}
+    copies: dict[ProcessKey, list[tuple[int, ProcessEpoch]]] = {}
+    unforked: dict[ProcessKey, list[ProcessEpoch]] = {}
     for index, proc in observed:
-        copied = proc.copied_bytes_peak
-        if proc.role != "worker":
-            continue
-        if proc.forked is False:
-            unforked[proc.key] = max(unforked.get(proc.key, proc), proc, key=_private_bytes)
-        elif proc.forked and copied is not None:
-            seen = copies.get(proc.key)
-            if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
-                # The first epoch above the tolerance names when; the largest copy how much.
-                copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
-            elif copied > seen.copied_bytes:
-                copies[proc.key] = replace(seen, proc=proc, copied_bytes=copied)
+        if proc.role == "worker" and proc.forked is False:
+            unforked.setdefault(proc.key, []).append(proc)
+        elif proc.role == "worker" and proc.forked and proc.copied_bytes_peak is not None:
+            copies.setdefault(proc.key, []).append((index, proc))
     by_parent: dict[int, list[_WorkerCopy]] = {}
-    for copy in copies.values():
-        if copy.copied_bytes > tolerance:
-            by_parent.setdefault(copy.proc.ppid, []).append(copy)
+    for seen in copies.values():
+        # The first epoch above the tolerance names when; the largest copy how much.
+        over = [(index, p.copied_over_after_s) for index, p in seen if _copied(p) > tolerance]
+        if over:
+            largest = max((p for _, p in seen), key=_copied)
+            copy = _WorkerCopy(largest, _copied(largest), *over[0])
+            by_parent.setdefault(largest.ppid, []).append(copy)
     for ppid, leaking in sorted(by_parent.items()):
         first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
         copied_epochs = sorted({copy.epoch for copy in leaking})
@@ -618,19 +599,18 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
                 f"memory ({format_mib(total)} MiB in all)"
             )
-        yield _finding(
-            "copy-on-read",
-            "leak",
-            f"{who}, {when}",
+        fix = (
             "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-            "before iterating; or fewer workers",
-            max(leaking, key=lambda c: c.copied_bytes).proc,  # the largest copy's worker
-            named=False,
-            epoch=first.epoch,
+            "before iterating; or fewer workers"
+        )
+        largest = max(leaking, key=lambda c: c.copied_bytes).proc  # the largest copy's worker
+        yield _finding(
+            "copy-on-read", "leak", f"{who}, {when}", fix, largest, named=False, epoch=first.epoch,
             host_bytes=total,
         )
     if unforked:
-        workers = sorted(unforked.values(), key=lambda p: p.key)
+        workers = [max(seen, key=_private_bytes) for seen in unforked.values()]
+        workers.sort(key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
         mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
         message = (
@@ -1074,16 +1054,14 @@ RULES: Mapping[Rule, RuleFunction] = {
 }
 """Every rule by name, in report order for ties."""
 
-_RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
 
-
-def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
-    order = _RULE_ORDER[f.rule]
-    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0, order)
+def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int]:
+    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0)
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Run every rule; the findings leaks first, then by epoch, then PID."""
+    # Rule by rule in RULES order: the stable sort keeps that order for ties.
     findings = [f for rule in RULES.values() for f in rule(timeline, config)]
     # An orphan is not also a survivor (nobody will reap it).
     orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}

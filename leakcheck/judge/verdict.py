@@ -648,6 +648,8 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
     baseline = {dev.index: dev for dev in timeline.baseline_devices}
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
     foreign = [p for p in final.processes if p.role == "foreign"]
+    # Without per-process byte counts (MIG, vGPU) the job's share cannot be subtracted, so the
+    # rise is reported as advice, not as a leak.
     unknown_lineage = any(p.gpu_bytes_unknown for p in lineage)
     for dev in sorted(final.devices, key=lambda d: d.index):
         if dev.index not in baseline:
@@ -663,6 +665,11 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
         holders = [
             p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
         ]
+        who = "; no visible process holds it"
+        remedy = (
+            "check again with `leakcheck snapshot` in a few seconds (a context may still be "
+            "closing)"
+        )
         if holders:
             held = [(p, p.gpu_bytes_end.get(dev.index)) for p in holders[:2]]
             who = "; held by " + ", ".join(
@@ -678,27 +685,15 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
         elif timeline.attribution == "blind-namespace":
             who = "; no process can be named (PIDs of another PID namespace)"
             remedy = "run with --pid=host or in the job's PID namespace to name the holder"
-        else:
-            who = "; no visible process holds it"
-            remedy = (
-                "check again with `leakcheck snapshot` in a few seconds (a context may still be "
-                "closing)"
-            )
-        # Without per-process byte counts (MIG, vGPU) the job's share cannot be subtracted,
-        # so the rise is reported as advice, not as a leak.
-        if unknown_lineage:
-            who += "; the job's own bytes are unknown (MIG/vGPU)"
-        yield _finding(
-            "residual",
-            "info" if unknown_lineage else "leak",
+        who += "; the job's own bytes are unknown (MIG/vGPU)" if unknown_lineage else ""
+        message = (
             f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-            f"{format_mib(unexplained)} MiB of it not held by the job{who}",
-            remedy,
-            holders[0] if len(holders) == 1 else None,
-            named=False,
-            rank=None,
-            gpu_bytes=unexplained,
-            device_index=dev.index,
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
+        )
+        holder = holders[0] if len(holders) == 1 else None
+        yield _finding(
+            "residual", "info" if unknown_lineage else "leak", message, remedy, holder,
+            named=False, rank=None, gpu_bytes=unexplained, device_index=dev.index,
         )
 
 
@@ -740,18 +735,11 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
     )
     for values, severity, before, after, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
+            message = f"{who} {before}{_devices_text(held)}{after}"
             yield _finding(
-                "residual",
-                severity,
-                f"{who} {before}{_devices_text(held)}{after}",
-                remedy,
-                pid=root.pid,
-                start_ticks=root.start_ticks,
-                role="parent",
-                cmdline=cmdline,
-                gpu_bytes=sum(held.values()),
-                device_index=min(held) if len(held) == 1 else None,
-                scope=scope,
+                "residual", severity, message, remedy, pid=root.pid, start_ticks=root.start_ticks,
+                role="parent", cmdline=cmdline, gpu_bytes=sum(held.values()),
+                device_index=min(held) if len(held) == 1 else None, scope=scope,
             )
 
 

@@ -814,15 +814,8 @@ def _shm_finding(item: ShmFile) -> Finding:
             )
     message = f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}"
     return _finding(
-        "shm",
-        severity,
-        message,
-        remedy,
-        pid=item.holder_pid,
-        role=item.holder_role,
-        scope=item.scope,
-        shm_name=item.name,
-        size_bytes=item.size_bytes,
+        "shm", severity, message, remedy, pid=item.holder_pid, role=item.holder_role,
+        scope=item.scope, shm_name=item.name, size_bytes=item.size_bytes,
     )
 
 
@@ -881,16 +874,14 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> Iterator[Findin
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             # No count: the processes of one cause share one line (the JSON has each one's
             # `nvidia_fds`).
-            yield _finding(
-                "descriptor-holder",
-                "info",
+            what = (
                 f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
-                "used CUDA",
-                "start workers with multiprocessing_context='spawn' or 'forkserver'",
-                proc,
-                gpu_bytes=0,
-                epoch=rec.index if rec else None,
-                nvidia_fds=proc.nvidia_fds,
+                "used CUDA"
+            )
+            fix = "start workers with multiprocessing_context='spawn' or 'forkserver'"
+            yield _finding(
+                "descriptor-holder", "info", what, fix, proc, gpu_bytes=0,
+                epoch=rec.index if rec else None, nvidia_fds=proc.nvidia_fds,
             )
             break
 
@@ -905,15 +896,14 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         return
     for proc in final.processes:
         if proc.role == "parent" and proc.total_gpu_bytes_end > 0:
-            yield _finding(
-                "context-kept",
-                "info",
+            what = (
                 f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the work, "
-                "with no tensors allocated",
-                "harmless (freed at exit); leakcheck.release_device() frees it sooner",
-                proc,
-                gpu_bytes=proc.total_gpu_bytes_end,
-                nvidia_fds=proc.nvidia_fds,
+                "with no tensors allocated"
+            )
+            fix = "harmless (freed at exit); leakcheck.release_device() frees it sooner"
+            held = proc.total_gpu_bytes_end
+            yield _finding(
+                "context-kept", "info", what, fix, proc, gpu_bytes=held, nvidia_fds=proc.nvidia_fds
             )
 
 
@@ -950,18 +940,15 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
-            yield _finding(
-                "device-mismatch",
-                "leak",
+            what = (
                 f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
-                f"on GPU{own}",
-                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA",
-                proc,
-                gpu_bytes=used,
-                epoch=rec.index if rec else None,
-                device_index=index,
-                nvidia_fds=proc.nvidia_fds,
-                scope=proc.scope,
+                f"on GPU{own}"
+            )
+            fix = "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
+            yield _finding(
+                "device-mismatch", "leak", what, fix, proc, gpu_bytes=used,
+                epoch=rec.index if rec else None, device_index=index,
+                nvidia_fds=proc.nvidia_fds, scope=proc.scope,
             )
 
 
@@ -1015,9 +1002,8 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             "raise it (ulimit -n 65536), or "
             "torch.multiprocessing.set_sharing_strategy('file_system')"
         )
-        yield _finding(
-            "fd-pressure", "info", message, remedy, proc, epoch=rec.index if rec else None
-        )
+        epoch = rec.index if rec else None
+        yield _finding("fd-pressure", "info", message, remedy, proc, epoch=epoch)
 
 
 RULES: Mapping[Rule, RuleFunction] = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from leakcheck.core.model import (
     MIB,
@@ -158,20 +158,15 @@ class _Walk:
                 times.append(rec.end_s - birth.end_s + max(0.0, seen_s or 0.0))
         return max(times) if times else None
 
-    def ends_outside_the_tree(
-        self, obs: Sequence[_Seen], birth: EpochRecord | None
-    ) -> list[EpochRecord]:
+    def outside_tree(self, obs: Sequence[_Seen], birth: EpochRecord | None) -> list[EpochRecord]:
         """The epochs at whose end a process of the job was alive and outside its tree."""
         start = birth or next((r for r, p in obs if r is not None and p.alive_at_end), None)
         after_s = self.alive_after_s(start, obs) if start is not None else None
         if start is None or after_s is None:
             return []
         in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-        return [
-            rec
-            for rec in self.ordered
-            if start.end_s <= rec.end_s <= start.end_s + after_s and rec.index not in in_tree
-        ]
+        during = [rec for rec in self.ordered if start.end_s <= rec.end_s <= start.end_s + after_s]
+        return [rec for rec in during if rec.index not in in_tree]
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
@@ -219,7 +214,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
         if any(p.role == "orphan" for p in procs) and not any(map(_daemonized, procs)):
-            for rec in walk.ends_outside_the_tree(obs, birth):
+            for rec in walk.outside_tree(obs, birth):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in walk.by_index}
 
@@ -321,7 +316,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         if seen_s is not None and not _past_grace(seen_s, config.grace_s):
             continue  # not seen alive long enough to tell: judged later, or at close
         birth = walk.birth(obs)
-        left = walk.ends_outside_the_tree(obs, birth) if birth else []
+        left = walk.outside_tree(obs, birth) if birth else []
         still = ""
         if orphaned[-1][0] is None:
             still = ", alive after the job" if after_job else ", alive now"
@@ -409,11 +404,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         return
     walk = _Walk.of(timeline)
     for obs in walk.seen.values():
-        seen = [
-            (rec, proc)
-            for rec, proc in obs
-            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
-        ][config.warmup_epochs :]
+        seen = [(rec, p) for rec, p in obs if rec is not None and p.persistent]
+        seen = [(rec, p) for rec, p in seen if not p.gpu_bytes_unknown][config.warmup_epochs :]
         points = _points(seen, lambda proc: proc.total_gpu_bytes_end)
         slope = growth_slope(points, config.tolerance_bytes)
         if slope is None:
@@ -463,24 +455,16 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     grew = False
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _Walk.of(timeline).seen.values():
-        seen = [
-            (rec, proc)
-            for rec, proc in obs
-            if rec is not None
-            and proc.persistent
-            and proc.alive_at_end
-            and proc.role in ("parent", "worker")
-        ][config.warmup_epochs :]
+        seen = [(r, p) for r, p in obs if r is not None and p.role in ("parent", "worker")]
+        seen = [(r, p) for r, p in seen if p.persistent and p.alive_at_end][config.warmup_epochs :]
         if len(seen) < 3:
             continue
         last = seen[-1][1]
         uss = _points(seen, lambda p: p.host_bytes_end if p.host_source == "uss" else None)
         anon = _points(seen, lambda p: p.anon_bytes_end)
-        resident, basis = (
-            (anon, "RssAnon")
-            if len(anon) == len(seen)
-            else (_points(seen, lambda p: p.rss_bytes_end), "RSS")
-        )
+        resident, basis = anon, "RssAnon"
+        if len(anon) < len(seen):
+            resident, basis = _points(seen, lambda p: p.rss_bytes_end), "RSS"
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
         slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
@@ -1007,24 +991,12 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 
 
 RULES: Mapping[Rule, RuleFunction] = {
-    "survivor": survivor,
-    "orphan": orphan,
-    "growth": growth,
-    "host-growth": host_growth,
-    "copy-on-read": copy_on_read,
-    "residual": residual,
-    "blind": blind,
-    "descriptor-holder": descriptor_holder,
-    "context-kept": context_kept,
-    "high-clocks": high_clocks,
-    "tracker-failure": tracker_failure,
-    "shm": shm,
-    "device-mismatch": device_mismatch,
-    "died": died,
-    "fd-pressure": fd_pressure,
-    "hang": hang,
-    "pinned-growth": pinned_growth,
-    "shutdown-hang": shutdown_hang,
+    cast(Rule, rule.__name__.replace("_", "-")): rule  # a rule's name is its function's
+    for rule in (
+        survivor, orphan, growth, host_growth, copy_on_read, residual, blind, descriptor_holder,
+        context_kept, high_clocks, tracker_failure, shm, device_mismatch, died, fd_pressure, hang,
+        pinned_growth, shutdown_hang,
+    )
 }
 """Every rule by name, in report order for ties."""
 

@@ -67,14 +67,8 @@ def _has_nvml(timeline: Timeline) -> bool:
 
 
 def _finding(
-    rule: Rule,
-    severity: Severity,
-    message: str,
-    remedy: str,
-    proc: ProcessEpoch | None = None,
-    *,
-    named: bool = True,
-    **fields: Any,
+    rule: Rule, severity: Severity, message: str, remedy: str, proc: ProcessEpoch | None = None,
+    *, named: bool = True, **fields: Any,
 ) -> Finding:
     """A finding; about ``proc`` where given: its identity whole, its culprit before ``message``."""
     if proc is not None:
@@ -379,13 +373,8 @@ def _points(seen: Sequence[_Seen], read: Callable[[ProcessEpoch], int | None]) -
 
 
 def _grown(
-    rule: Rule,
-    points: _Points,
-    slope: float,
-    what: str,
-    remedy: str,
-    proc: ProcessEpoch | None = None,
-    **fields: Any,
+    rule: Rule, points: _Points, slope: float, what: str, remedy: str,
+    proc: ProcessEpoch | None = None, **fields: Any,
 ) -> Finding:
     """A leak whose ``{grows}`` in ``what`` says ``grows 8.0 MiB/epoch over epochs 1-4: ...``."""
     (first, start), (last, end) = points[0], points[-1]
@@ -446,10 +435,9 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 
 @_rule
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
-    """Find the parent and persistent workers whose host memory grows (``growth_slope``).
+    """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    On USS where read at 3 or more judged epoch ends, else on resident memory (said); a clean
-    verdict says where USS was not read.
+    USS where read at 3 or more judged epoch ends; a clean verdict says where it was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False

@@ -160,7 +160,7 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """A finding per worker still alive at its shutdown's join time (NOTE [exit watch] in hang.py)."""
+    """A finding per worker alive past its shutdown's join time (NOTE [exit watch] in hang.py)."""
     return tuple(
         Finding(
             rule="shutdown-hang", severity="info",

@@ -271,11 +271,12 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 continue
             later = (p for r, p in obs if r is None or r.index >= born.index)
             holds, held = _holding(later, per_pid_bytes_known(timeline))
-            origin, ended = f"started by {proc.scope}", born.label
-            if proc.scope is None:
-                origin, ended = f"first seen in {born.label}", "it"  # the epoch origin names
-                if proc.born_epoch in walk.by_index:
-                    origin = f"started in {walk.by_index[proc.born_epoch].label}"
+            origin = f"first seen in {born.label}"
+            if proc.scope is not None:
+                origin = f"started by {proc.scope}"
+            elif proc.born_epoch in walk.by_index:
+                origin = f"started in {walk.by_index[proc.born_epoch].label}"
+            ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
             what = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
             remedy = _survivor_remedy(proc, _worker_pids(obs))

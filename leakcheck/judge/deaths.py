@@ -111,23 +111,16 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
         records = (p for rec in reversed(timeline.epochs) for p in rec.processes)
         record = next((p for p in records if p.key == death.key), None)
         role, cmdline, rank = (record.role, record.cmdline, record.rank) if record else (None,) * 3
+        who = culprit(role, death.key.pid, cmdline, rank=rank, rule="died")
         what, remedy = _what(death, config)
         bus_shm_bytes = death.shm_used_peak_bytes if death.signal_number == signal.SIGBUS else None
+        stack = crashing_thread(death.stack) if death.stack else None
         findings.append(
             Finding(
-                rule="died",
-                severity="leak",
-                message=f"{culprit(role, death.key.pid, cmdline, rank=rank, rule='died')} {what}",
-                remedy=remedy,
-                pid=death.key.pid,
-                start_ticks=death.key.start_ticks,
-                role=role,
-                cmdline=cmdline,
-                epoch=death.epoch,
-                host_bytes=death.rss_bytes_last,
-                size_bytes=bus_shm_bytes,
-                rank=rank,
-                stack=crashing_thread(death.stack) if death.stack else None,
+                rule="died", severity="leak", message=f"{who} {what}", remedy=remedy,
+                pid=death.key.pid, start_ticks=death.key.start_ticks, role=role, cmdline=cmdline,
+                epoch=death.epoch, host_bytes=death.rss_bytes_last, size_bytes=bus_shm_bytes,
+                rank=rank, stack=stack,
             )
         )
     return tuple(findings)
@@ -151,8 +144,7 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """One ``hang`` finding per stall of an epoch, with the job's stacks (NOTE [hang watch])."""
     return tuple(
         Finding(
-            rule="hang",
-            severity="info",
+            rule="hang", severity="info",
             message=(
                 f"no batch for {stall.waited_s:.0f} s"
                 + (f" in epoch {stall.epoch}" if stall.epoch is not None else "")
@@ -160,8 +152,7 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
                 + "; the job's stacks follow"
             ),
             remedy="see where each waits (a worker's __getitem__, a lock, a full queue)",
-            epoch=stall.epoch,
-            stack=stall.stacks or None,
+            epoch=stall.epoch, stack=stall.stacks or None,
         )
         for stall in timeline.stalls
         if stall.pid is None
@@ -169,14 +160,10 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """One finding per worker that did not exit in its DataLoader's join time at shutdown.
-
-    With its stacks (NOTE [exit watch] in hang.py).
-    """
+    """A finding per worker alive past its shutdown's join time (NOTE [exit watch] in hang.py)."""
     return tuple(
         Finding(
-            rule="shutdown-hang",
-            severity="info",
+            rule="shutdown-hang", severity="info",
             message=(
                 f"DataLoader worker (PID {stall.pid}) did not exit within {stall.waited_s:.0f} s "
                 "of its shutdown: terminated"
@@ -184,9 +171,7 @@ def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             ),
             remedy="see its stack: a __getitem__ still running, a non-daemon thread, a "
             "worker_init_fn that blocks",
-            pid=stall.pid,
-            epoch=stall.epoch,
-            stack=stall.stacks or None,
+            pid=stall.pid, epoch=stall.epoch, stack=stall.stacks or None,
         )
         for stall in timeline.stalls
         if stall.pid is not None

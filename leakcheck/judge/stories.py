@@ -7,12 +7,12 @@ once per rule.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 __all__ = ["STORIES", "headline"]
 
-STORIES: Mapping[str, str] = {
-    "survivor": """\
+_TEXT = """\
 survivor (leak): a process the work started outlives its epoch.
 
 A process started during an epoch is still alive more than the grace after that epoch ended
@@ -38,8 +38,7 @@ Causes and fixes:
   proc.join(), proc.terminate()) before the epoch or test that started it ends.
 - under pytest, a fixture started it: stop it in the fixture's finalizer (after its `yield`,
   or request.addfinalizer), or give the fixture a narrower scope.
-""",
-    "orphan": """\
+
 orphan (leak): a process of the job outlived its parent, and nobody will reap it.
 
 A process of the job was reparented away (its parent exited) and is still alive. Worst when
@@ -55,8 +54,7 @@ Fixes:
   leakcheck.worker_init_fn(terminate_children=True) does it at worker exit;
 - or stop the job's process group when it ends;
 - `kill PID` frees one now (the finding gives the PIDs).
-""",
-    "growth": """\
+
 growth (leak): a long-lived process holds more GPU memory at each epoch's end.
 
 A process that lives across epochs (the parent, a persistent worker) ends
@@ -72,8 +70,7 @@ Fixes:
   the CPU (move batches to the GPU in the main process), or bound their size.
 - device totals only: run with --pid=host or in the job's PID namespace to see which process
   grows; meanwhile look for tensors or caches kept across epochs.
-""",
-    "host-growth": """\
+
 host-growth (leak): a long-lived process holds more host memory at each epoch's end.
 
 The same as growth for host memory, with its own tolerance (64 MiB over
@@ -100,8 +97,7 @@ Information (not a leak): where some judged epoch ends had resident memory only 
 are paced to 0.1% of the time), a clean verdict says at how many USS was read; for a
 diagnostic run read it at every epoch end: watch(..., rollup_share=1.0),
 LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1.
-""",
-    "copy-on-read": """\
+
 copy-on-read (leak): forked workers copied their parent's memory, one copy per worker.
 
 A forked worker shares its parent's memory at birth. A dataset of Python objects (lists,
@@ -123,8 +119,7 @@ Fixes:
 - call gc.freeze() in the parent before iterating: the collector then leaves the objects'
   headers alone in the workers too;
 - fewer workers: each worker more is one copy more.
-""",
-    "residual": """\
+
 residual (leak): GPU memory is left after the work that nothing of the job should hold.
 
 After the work, a GPU uses more memory than at the start and no process of
@@ -143,8 +138,7 @@ Fixes:
 - memory outside torch: free what the work allocates outside torch (library memory pools, raw
   allocations); one-time library loading counts here too: raise the tolerance.
 Where per-process bytes are unknown (MIG, vGPU) the rise is information, not a leak.
-""",
-    "shm": """\
+
 shm (leak, or information): a file the work made in /dev/shm is still there after it.
 
 Its name tells its cause:
@@ -167,8 +161,7 @@ error ("insufficient shared memory") when it fills; Docker gives a container 64 
 told otherwise. Give the job more (docker run --shm-size=8g or --ipc=host; Kubernetes: an
 emptyDir volume with medium: Memory at /dev/shm), or pass less through it at once (fewer
 workers, a smaller prefetch_factor, smaller batches).
-""",
-    "died": """\
+
 died (leak): a process of the job was ended by a signal, and the evidence says why.
 
 A signal names no sender, so the finding says only what was read as the death was noted
@@ -191,8 +184,7 @@ A signal names no sender, so the finding says only what was read as the death wa
 - killed by a signal, sender unknown: no OOM kill was counted and memory was not full. A
   job scheduler's time or memory limit, another user's kill, a watchdog: look in the
   scheduler's and the kernel's logs (dmesg).
-""",
-    "fd-pressure": """\
+
 fd-pressure (information): a process of the job holds 80% or more of its open descriptors.
 
 Counted at each epoch end against the process's own soft RLIMIT_NOFILE. PyTorch's default
@@ -203,8 +195,7 @@ Fixes: raise the limit before starting (ulimit -n 65536; a container's --ulimit 
 or torch.multiprocessing.set_sharing_strategy('file_system') in the main process (its files
 live in /dev/shm: watch the shm rule), or keep fewer batches alive at once. A descriptor
 leak (files or sockets opened per item and never closed) grows at every epoch: close them.
-""",
-    "hang": """\
+
 hang (information): an epoch waited hang_after seconds for a batch; here is where each waits.
 
 When no batch comes for hang_after seconds (watch(hang_after=120); 0 turns it off),
@@ -221,8 +212,7 @@ Read the stacks:
 - the loop's thread in queue.get with every worker idle: the sampler or batch_sampler
   yields nothing more (a distributed sampler whose ranks disagree on the length).
 - the loop's thread in your own code: the training step itself is slow (not a hang).
-""",
-    "pinned-growth": """\
+
 pinned-growth (leak): the loop's process holds more pinned host memory at each epoch's end.
 
 Read at each epoch end from torch.cuda.host_memory_stats() (the caching host allocator, what
@@ -231,8 +221,7 @@ judged as growth, on the bytes the allocator holds (16 MiB tolerance). Pinned pa
 be swapped out: growing, they take the machine's memory from everything else.
 Fixes: keep no reference to pinned batches past their step (lists of batches, inputs kept
 with outputs); allocate a pinned buffer once and copy into it, not per step.
-""",
-    "shutdown-hang": """\
+
 shutdown-hang (information): a worker did not exit in its DataLoader's join time at shutdown.
 
 A DataLoader iterator's shutdown (an epoch's end, a break, del) joins each worker for 5 s,
@@ -240,8 +229,7 @@ then terminates it. leakcheck writes that worker's stacks (every thread) to stde
 report first. Read them: a __getitem__ still running (give its reads a timeout); a non-daemon
 thread the worker started (make it daemon=True, or stop it at exit); a worker_init_fn that
 blocks.
-""",
-    "device-mismatch": """\
+
 device-mismatch (leak): a rank's process holds memory on a GPU that is not its rank's.
 
 A process of a distributed rank (the rank, a worker, a grandchild)
@@ -253,15 +241,13 @@ rank that uses several GPUs on purpose is flagged too: one device per rank is as
 Fixes: call torch.cuda.set_device(LOCAL_RANK) (or pass device=f'cuda:{LOCAL_RANK}') before
 anything touches CUDA in the rank; never use a bare 'cuda' or cuda:0 in workers, collate or
 pin-memory code; or give each rank only its GPU with CUDA_VISIBLE_DEVICES.
-""",
-    "blind": """\
+
 blind (information, never "clean"): GPU memory cannot be attributed to processes.
 
 NVML's PIDs are from another PID namespace (a container
 without --pid=host), so GPU memory cannot be attributed to processes: only device totals are
 judged. Run with --pid=host (docker), or inside the job's PID namespace.
-""",
-    "descriptor-holder": """\
+
 descriptor-holder (information): a process holds /dev/nvidia* descriptors, no GPU memory.
 
 A process of the job holds /dev/nvidia* descriptors but no
@@ -272,31 +258,31 @@ are not named: healthy persistent workers forked from a CUDA parent hold them wh
 
 Fixes: start workers with multiprocessing_context='spawn' or 'forkserver', or do not
 initialise CUDA in the parent before workers fork.
-""",
-    "context-kept": """\
+
 context-kept (information): the parent keeps its CUDA context with no tensors left.
 
 The parent keeps its CUDA context (~0.5 GiB) after all its
 tensors are gone. Harmless: the CUDA runtime frees it at exit. If the GPU must be free before
 then, call leakcheck.release_device().
-""",
-    "high-clocks": """\
+
 high-clocks (information): a GPU stays at high clocks after the work.
 
 A GPU stays at high SM clocks after the work ended, with no
 memory of the job on it. The driver lowers clocks after some idle seconds: wait before timing
 the next run (leakcheck sweep --cooldown-temp C waits for it); leakcheck.release_device()
 frees a context that keeps the GPU busy.
-""",
-    "tracker-failure": """\
+
 tracker-failure (information): leakcheck itself could not read something.
 
 While sampling, leakcheck never raises into your loop: it records what failed, and the
 timeline may miss samples. Read the line; rerun with strict=True (Tracker(strict=True)) to
 see the traceback, and report it as a leakcheck bug.
-""",
-}
-"""Every rule's story, by rule name."""
+"""
+
+_TITLE = re.compile(r"\n(?=[a-z-]+ \((?:leak|information)[^)\n]*\): )")  # a story's first line
+
+STORIES: Mapping[str, str] = {story.split(" ", 1)[0]: story for story in _TITLE.split(_TEXT)}
+"""Every rule's story, by rule name (``_TEXT`` cut before each title, ``rule (kind): ...``)."""
 
 
 def headline(rule: str) -> str:

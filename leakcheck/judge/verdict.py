@@ -1,7 +1,6 @@
 """Leak rules: pure functions ``rule(timeline, config) -> tuple[Finding, ...]``, no I/O, no clock.
 
-``judge`` runs them all and orders the findings. Each rule yields its findings (``_rule``), built
-by ``_finding``; the rules on processes share one walk (``_Walk``) of every observation.
+``judge`` runs them all and orders the findings; the rules on processes read one walk (``_Walk``).
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from leakcheck.core.model import (
     MIB,
@@ -68,14 +67,8 @@ def _has_nvml(timeline: Timeline) -> bool:
 
 
 def _finding(
-    rule: Rule,
-    severity: Severity,
-    message: str,
-    remedy: str,
-    proc: ProcessEpoch | None = None,
-    *,
-    named: bool = True,
-    **fields: Any,
+    rule: Rule, severity: Severity, message: str, remedy: str, proc: ProcessEpoch | None = None,
+    *, named: bool = True, **fields: Any,
 ) -> Finding:
     """A finding; about ``proc`` where given: its identity whole, its culprit before ``message``."""
     if proc is not None:
@@ -159,20 +152,15 @@ class _Walk:
                 times.append(rec.end_s - birth.end_s + max(0.0, seen_s or 0.0))
         return max(times) if times else None
 
-    def ends_outside_the_tree(
-        self, obs: Sequence[_Seen], birth: EpochRecord | None
-    ) -> list[EpochRecord]:
+    def outside_tree(self, obs: Sequence[_Seen], birth: EpochRecord | None) -> list[EpochRecord]:
         """The epochs at whose end a process of the job was alive and outside its tree."""
         start = birth or next((r for r, p in obs if r is not None and p.alive_at_end), None)
         after_s = self.alive_after_s(start, obs) if start is not None else None
         if start is None or after_s is None:
             return []
         in_tree = {rec.index for rec, proc in obs if rec is not None and proc.role != "orphan"}
-        return [
-            rec
-            for rec in self.ordered
-            if start.end_s <= rec.end_s <= start.end_s + after_s and rec.index not in in_tree
-        ]
+        during = [rec for rec in self.ordered if start.end_s <= rec.end_s <= start.end_s + after_s]
+        return [rec for rec in during if rec.index not in in_tree]
 
 
 def _past_grace(after_s: float | None, grace_s: float) -> bool:
@@ -220,7 +208,7 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
             if outlived and not any(p.persistent for p in procs):
                 alive[birth.index] += 1
         if any(p.role == "orphan" for p in procs) and not any(map(_daemonized, procs)):
-            for rec in walk.ends_outside_the_tree(obs, birth):
+            for rec in walk.outside_tree(obs, birth):
                 orphans[rec.index] += 1
     return {index: EpochCounts(alive[index], orphans[index]) for index in walk.by_index}
 
@@ -266,16 +254,11 @@ def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
 def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find processes born in an epoch, not persistent, alive past its end plus the grace."""
     walk = _Walk.of(timeline)
-    bytes_known = per_pid_bytes_known(timeline)
     for obs in walk.seen.values():
         for rec, proc in obs:
-            if (
-                rec is None
-                or not proc.born_in_epoch
-                or proc.persistent
-                or proc.role not in ("worker", "descendant")
-                or not proc.alive_at_end
-            ):
+            if rec is None or proc.persistent or not (proc.born_in_epoch and proc.alive_at_end):
+                continue
+            if proc.role not in ("worker", "descendant"):
                 continue
             # The grace counts from the end of the epoch it was born in, which the table's
             # `alive after` and the finding's "started in" name too; a helper found epochs
@@ -286,9 +269,8 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             alive_after = walk.alive_after_s(born, obs)
             if not _past_grace(alive_after, config.grace_s):
                 continue
-            holds, held = _holding(
-                (p for r, p in obs if r is None or r.index >= born.index), bytes_known
-            )
+            later = (p for r, p in obs if r is None or r.index >= born.index)
+            holds, held = _holding(later, per_pid_bytes_known(timeline))
             origin = f"first seen in {born.label}"
             if proc.scope is not None:
                 origin = f"started by {proc.scope}"
@@ -296,15 +278,10 @@ def survivor(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 origin = f"started in {walk.by_index[proc.born_epoch].label}"
             ended = born.label if proc.scope is not None else "it"  # "started in <it>"
             cycle = "; kept by a reference cycle" if proc.freed_by_gc else ""
+            what = f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}"
+            remedy = _survivor_remedy(proc, _worker_pids(obs))
             yield _finding(
-                "survivor",
-                "leak",
-                f"{origin}, alive {alive_after:.1f} s after {ended} ended{holds}{cycle}",
-                _survivor_remedy(proc, _worker_pids(obs)),
-                proc,
-                epoch=born.index,
-                scope=proc.scope,
-                **held,
+                "survivor", "leak", what, remedy, proc, epoch=born.index, scope=proc.scope, **held
             )
             break
 
@@ -314,15 +291,13 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find lineage processes reparented away from the job and alive past the grace, once each."""
     walk = _Walk.of(timeline)
     after_job = timeline.final is None or timeline.final.closed
-    for key, obs in walk.seen.items():
+    for obs in walk.seen.values():
         # A helper that daemonizes by design and pins nothing on the GPU (persistent: torch's
         # shared-memory manager) is a baseline, as for the survivor rule.
         orphaned = [
-            (rec, proc)
-            for rec, proc in obs
-            if proc.role == "orphan"
-            and not _daemonized(proc)
-            and (rec is None or proc.alive_at_end)
+            (rec, p)
+            for rec, p in obs
+            if p.role == "orphan" and not _daemonized(p) and (rec is None or p.alive_at_end)
         ]
         if not orphaned:
             continue
@@ -330,14 +305,13 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             max(proc.last_seen_after_s or 0.0 for _, proc in orphaned), config.grace_s
         ):
             continue  # a runtime helper on its way out with its owner, not seen past the grace
-        first_rec = orphaned[0][0]
+        first_rec, last = orphaned[0][0], orphaned[-1][1]
         ends = [rec.end_s + (p.last_seen_after_s or 0.0) for rec, p in orphaned if rec is not None]
         seen_s = max(ends) - first_rec.end_s if first_rec and len(ends) == len(orphaned) else None
         if seen_s is not None and not _past_grace(seen_s, config.grace_s):
             continue  # not seen alive long enough to tell: judged later, or at close
-        last = orphaned[-1][1]
         birth = walk.birth(obs)
-        left = walk.ends_outside_the_tree(obs, birth) if birth else []
+        left = walk.outside_tree(obs, birth) if birth else []
         still = ""
         if orphaned[-1][0] is None:
             still = ", alive after the job" if after_job else ", alive now"
@@ -354,15 +328,15 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             since = ""
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
-        parent = "worker" if under_worker else "parent"
         started = ""
         if last.scope is not None:
             started = f"started by {last.scope}, "
         elif birth is not None and (not left or left[0].index != birth.index):
             started = f"started in {birth.label}, "  # "since" names another epoch, or none
         holds, held = _holding((p for _, p in orphaned), per_pid_bytes_known(timeline))
+        parent = "worker" if under_worker else "parent"
         what = f"{started}outlived its {parent}{since}{still}{holds}"
-        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {key.pid}"
+        remedy = f"leakcheck.worker_init_fn(terminate_children=True), or kill {last.key.pid}"
         epoch = left[0].index if left else (first_rec.index if first_rec else None)
         yield _finding("orphan", "leak", what, remedy, last, epoch=epoch, scope=last.scope, **held)
 
@@ -379,12 +353,9 @@ def growth_slope(points: _Points, tolerance_bytes: int, *, by_epoch: bool = Fals
     """
     series = [value for _, value in points]
     n = len(series)
-    if n < 3:
+    if n < 3 or series[-1] - series[0] <= tolerance_bytes:
         return None
-    rise = series[-1] - series[0]
-    if rise <= tolerance_bytes:
-        return None
-    late_rise = series[-1] - series[(n - 1) // 2]
+    rise, late_rise = series[-1] - series[0], series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
         return None
     xs = [float(epoch) for epoch, _ in points] if by_epoch else [float(i) for i in range(n)]
@@ -403,13 +374,8 @@ def _points(seen: Sequence[_Seen], read: Callable[[ProcessEpoch], int | None]) -
 
 
 def _grown(
-    rule: Rule,
-    points: _Points,
-    slope: float,
-    what: str,
-    remedy: str,
-    proc: ProcessEpoch | None = None,
-    **fields: Any,
+    rule: Rule, points: _Points, slope: float, what: str, remedy: str,
+    proc: ProcessEpoch | None = None, **fields: Any,
 ) -> Finding:
     """A leak whose ``{grows}`` in ``what`` says ``grows 8.0 MiB/epoch over epochs 1-4: ...``."""
     (first, start), (last, end) = points[0], points[-1]
@@ -428,11 +394,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         return
     walk = _Walk.of(timeline)
     for obs in walk.seen.values():
-        seen = [
-            (rec, proc)
-            for rec, proc in obs
-            if rec is not None and proc.persistent and not proc.gpu_bytes_unknown
-        ][config.warmup_epochs :]
+        seen = [(rec, p) for rec, p in obs if rec is not None and p.persistent]
+        seen = [(rec, p) for rec, p in seen if not p.gpu_bytes_unknown][config.warmup_epochs :]
         points = _points(seen, lambda proc: proc.total_gpu_bytes_end)
         slope = growth_slope(points, config.tolerance_bytes)
         if slope is None:
@@ -473,33 +436,24 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 
 @_rule
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
-    """Find the parent and persistent workers whose host memory grows (``growth_slope``).
+    """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    On USS where read at 3 or more judged epoch ends, else on resident memory (said); a clean
-    verdict says where USS was not read.
+    USS where read at 3 or more judged epoch ends; a clean verdict says where it was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False
     unread: tuple[int, int] | None = None  # (USS reads, epoch ends) of the first clean one
     for obs in _Walk.of(timeline).seen.values():
-        seen = [
-            (rec, proc)
-            for rec, proc in obs
-            if rec is not None
-            and proc.persistent
-            and proc.alive_at_end
-            and proc.role in ("parent", "worker")
-        ][config.warmup_epochs :]
+        seen = [(r, p) for r, p in obs if r is not None and p.role in ("parent", "worker")]
+        seen = [(r, p) for r, p in seen if p.persistent and p.alive_at_end][config.warmup_epochs :]
         if len(seen) < 3:
             continue
         last = seen[-1][1]
         uss = _points(seen, lambda p: p.host_bytes_end if p.host_source == "uss" else None)
         anon = _points(seen, lambda p: p.anon_bytes_end)
-        resident, basis = (
-            (anon, "RssAnon")
-            if len(anon) == len(seen)
-            else (_points(seen, lambda p: p.rss_bytes_end), "RSS")
-        )
+        resident, basis = anon, "RssAnon"
+        if len(anon) < len(seen):
+            resident, basis = _points(seen, lambda p: p.rss_bytes_end), "RSS"
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
         slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
@@ -556,6 +510,10 @@ class _WorkerCopy:
     after_s: float | None
 
 
+def _copied(proc: ProcessEpoch) -> int:
+    return proc.copied_bytes_peak or 0
+
+
 def _private_bytes(proc: ProcessEpoch) -> int:
     """A worker's USS at the end (or exit), else at its birth; -1 where neither is known."""
     if proc.host_source == "uss" and proc.host_bytes_end is not None:
@@ -575,25 +533,21 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     final = timeline.final
     if final is not None and final.open_epoch is not None:
         observed += [(final.open_epoch, proc) for proc in final.processes]
-    copies: dict[ProcessKey, _WorkerCopy] = {}
-    unforked: dict[ProcessKey, ProcessEpoch] = {}
+    copies: dict[ProcessKey, list[tuple[int, ProcessEpoch]]] = {}
+    unforked: dict[ProcessKey, list[ProcessEpoch]] = {}
     for index, proc in observed:
-        copied = proc.copied_bytes_peak
-        if proc.role != "worker":
-            continue
-        if proc.forked is False:
-            unforked[proc.key] = max(unforked.get(proc.key, proc), proc, key=_private_bytes)
-        elif proc.forked and copied is not None:
-            seen = copies.get(proc.key)
-            if seen is None or (seen.copied_bytes <= tolerance and copied > seen.copied_bytes):
-                # The first epoch above the tolerance names when; the largest copy how much.
-                copies[proc.key] = _WorkerCopy(proc, copied, index, proc.copied_over_after_s)
-            elif copied > seen.copied_bytes:
-                copies[proc.key] = replace(seen, proc=proc, copied_bytes=copied)
+        if proc.role == "worker" and proc.forked is False:
+            unforked.setdefault(proc.key, []).append(proc)
+        elif proc.role == "worker" and proc.forked and proc.copied_bytes_peak is not None:
+            copies.setdefault(proc.key, []).append((index, proc))
     by_parent: dict[int, list[_WorkerCopy]] = {}
-    for copy in copies.values():
-        if copy.copied_bytes > tolerance:
-            by_parent.setdefault(copy.proc.ppid, []).append(copy)
+    for seen in copies.values():
+        # The first epoch above the tolerance names when; the largest copy how much.
+        over = [(index, p.copied_over_after_s) for index, p in seen if _copied(p) > tolerance]
+        if over:
+            largest = max((p for _, p in seen), key=_copied)
+            copy = _WorkerCopy(largest, _copied(largest), *over[0])
+            by_parent.setdefault(largest.ppid, []).append(copy)
     for ppid, leaking in sorted(by_parent.items()):
         first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
         copied_epochs = sorted({copy.epoch for copy in leaking})
@@ -618,19 +572,18 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 f"{count} forked workers of PID {ppid} each copied {mean} MiB of their parent's "
                 f"memory ({format_mib(total)} MiB in all)"
             )
-        yield _finding(
-            "copy-on-read",
-            "leak",
-            f"{who}, {when}",
+        fix = (
             "keep the dataset in numpy arrays, Arrow or tensors, not Python objects; gc.freeze() "
-            "before iterating; or fewer workers",
-            max(leaking, key=lambda c: c.copied_bytes).proc,  # the largest copy's worker
-            named=False,
-            epoch=first.epoch,
+            "before iterating; or fewer workers"
+        )
+        largest = max(leaking, key=lambda c: c.copied_bytes).proc  # the largest copy's worker
+        yield _finding(
+            "copy-on-read", "leak", f"{who}, {when}", fix, largest, named=False, epoch=first.epoch,
             host_bytes=total,
         )
     if unforked:
-        workers = sorted(unforked.values(), key=lambda p: p.key)
+        workers = [max(seen, key=_private_bytes) for seen in unforked.values()]
+        workers.sort(key=lambda p: p.key)
         held = [_private_bytes(p) for p in workers if _private_bytes(p) >= 0]
         mean = f"; each holds {format_mib(sum(held) / len(held))} MiB of its own" if held else ""
         message = (
@@ -668,6 +621,8 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
     baseline = {dev.index: dev for dev in timeline.baseline_devices}
     lineage = [p for p in final.processes if p.role in LINEAGE_ROLES]
     foreign = [p for p in final.processes if p.role == "foreign"]
+    # Without per-process byte counts (MIG, vGPU) the job's share cannot be subtracted, so the
+    # rise is reported as advice, not as a leak.
     unknown_lineage = any(p.gpu_bytes_unknown for p in lineage)
     for dev in sorted(final.devices, key=lambda d: d.index):
         if dev.index not in baseline:
@@ -683,6 +638,11 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
         holders = [
             p for p in foreign if p.gpu_bytes_end.get(dev.index, 0) > 0 or p.gpu_bytes_unknown
         ]
+        who = "; no visible process holds it"
+        remedy = (
+            "check again with `leakcheck snapshot` in a few seconds (a context may still be "
+            "closing)"
+        )
         if holders:
             held = [(p, p.gpu_bytes_end.get(dev.index)) for p in holders[:2]]
             who = "; held by " + ", ".join(
@@ -698,27 +658,15 @@ def _device_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
         elif timeline.attribution == "blind-namespace":
             who = "; no process can be named (PIDs of another PID namespace)"
             remedy = "run with --pid=host or in the job's PID namespace to name the holder"
-        else:
-            who = "; no visible process holds it"
-            remedy = (
-                "check again with `leakcheck snapshot` in a few seconds (a context may still be "
-                "closing)"
-            )
-        # Without per-process byte counts (MIG, vGPU) the job's share cannot be subtracted,
-        # so the rise is reported as advice, not as a leak.
-        if unknown_lineage:
-            who += "; the job's own bytes are unknown (MIG/vGPU)"
-        yield _finding(
-            "residual",
-            "info" if unknown_lineage else "leak",
+        who += "; the job's own bytes are unknown (MIG/vGPU)" if unknown_lineage else ""
+        message = (
             f"GPU{dev.index} uses {format_mib(rise)} MiB more than at the start, "
-            f"{format_mib(unexplained)} MiB of it not held by the job{who}",
-            remedy,
-            holders[0] if len(holders) == 1 else None,
-            named=False,
-            rank=None,
-            gpu_bytes=unexplained,
-            device_index=dev.index,
+            f"{format_mib(unexplained)} MiB of it not held by the job{who}"
+        )
+        holder = holders[0] if len(holders) == 1 else None
+        yield _finding(
+            "residual", "info" if unknown_lineage else "leak", message, remedy, holder,
+            named=False, rank=None, gpu_bytes=unexplained, device_index=dev.index,
         )
 
 
@@ -760,18 +708,11 @@ def _parent_residual(timeline: Timeline, config: RuleConfig) -> Iterator[Finding
     )
     for values, severity, before, after, remedy, scope in cases:
         if held := {d: b for d, b in values.items() if b > config.tolerance_bytes}:
+            message = f"{who} {before}{_devices_text(held)}{after}"
             yield _finding(
-                "residual",
-                severity,
-                f"{who} {before}{_devices_text(held)}{after}",
-                remedy,
-                pid=root.pid,
-                start_ticks=root.start_ticks,
-                role="parent",
-                cmdline=cmdline,
-                gpu_bytes=sum(held.values()),
-                device_index=min(held) if len(held) == 1 else None,
-                scope=scope,
+                "residual", severity, message, remedy, pid=root.pid, start_ticks=root.start_ticks,
+                role="parent", cmdline=cmdline, gpu_bytes=sum(held.values()),
+                device_index=min(held) if len(held) == 1 else None, scope=scope,
             )
 
 
@@ -846,15 +787,8 @@ def _shm_finding(item: ShmFile) -> Finding:
             )
     message = f"/dev/shm/{item.name} ({_size_text(item.size_bytes)}) {where}: {cause}"
     return _finding(
-        "shm",
-        severity,
-        message,
-        remedy,
-        pid=item.holder_pid,
-        role=item.holder_role,
-        scope=item.scope,
-        shm_name=item.name,
-        size_bytes=item.size_bytes,
+        "shm", severity, message, remedy, pid=item.holder_pid, role=item.holder_role,
+        scope=item.scope, shm_name=item.name, size_bytes=item.size_bytes,
     )
 
 
@@ -913,16 +847,14 @@ def descriptor_holder(timeline: Timeline, config: RuleConfig) -> Iterator[Findin
             where = f"at the end of {rec.label}" if rec is not None else "after the work"
             # No count: the processes of one cause share one line (the JSON has each one's
             # `nvidia_fds`).
-            yield _finding(
-                "descriptor-holder",
-                "info",
+            what = (
                 f"holds /dev/nvidia* fds but no GPU memory {where}: forked from a parent that "
-                "used CUDA",
-                "start workers with multiprocessing_context='spawn' or 'forkserver'",
-                proc,
-                gpu_bytes=0,
-                epoch=rec.index if rec else None,
-                nvidia_fds=proc.nvidia_fds,
+                "used CUDA"
+            )
+            fix = "start workers with multiprocessing_context='spawn' or 'forkserver'"
+            yield _finding(
+                "descriptor-holder", "info", what, fix, proc, gpu_bytes=0,
+                epoch=rec.index if rec else None, nvidia_fds=proc.nvidia_fds,
             )
             break
 
@@ -937,15 +869,14 @@ def context_kept(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         return
     for proc in final.processes:
         if proc.role == "parent" and proc.total_gpu_bytes_end > 0:
-            yield _finding(
-                "context-kept",
-                "info",
+            what = (
                 f"keeps its CUDA context ({_devices_text(proc.gpu_bytes_end)}) after the work, "
-                "with no tensors allocated",
-                "harmless (freed at exit); leakcheck.release_device() frees it sooner",
-                proc,
-                gpu_bytes=proc.total_gpu_bytes_end,
-                nvidia_fds=proc.nvidia_fds,
+                "with no tensors allocated"
+            )
+            fix = "harmless (freed at exit); leakcheck.release_device() frees it sooner"
+            held = proc.total_gpu_bytes_end
+            yield _finding(
+                "context-kept", "info", what, fix, proc, gpu_bytes=held, nvidia_fds=proc.nvidia_fds
             )
 
 
@@ -982,18 +913,15 @@ def device_mismatch(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]
         for index, used in sorted(held.items()):
             rec, proc = first[index]
             where = f"in {rec.label}" if rec is not None else "after the job"
-            yield _finding(
-                "device-mismatch",
-                "leak",
+            what = (
                 f"holds GPU{index} {format_mib(used)} MiB {where}, but rank {proc.rank} trains "
-                f"on GPU{own}",
-                "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA",
-                proc,
-                gpu_bytes=used,
-                epoch=rec.index if rec else None,
-                device_index=index,
-                nvidia_fds=proc.nvidia_fds,
-                scope=proc.scope,
+                f"on GPU{own}"
+            )
+            fix = "call torch.cuda.set_device(LOCAL_RANK) before anything in the rank touches CUDA"
+            yield _finding(
+                "device-mismatch", "leak", what, fix, proc, gpu_bytes=used,
+                epoch=rec.index if rec else None, device_index=index,
+                nvidia_fds=proc.nvidia_fds, scope=proc.scope,
             )
 
 
@@ -1047,43 +975,28 @@ def fd_pressure(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             "raise it (ulimit -n 65536), or "
             "torch.multiprocessing.set_sharing_strategy('file_system')"
         )
-        yield _finding(
-            "fd-pressure", "info", message, remedy, proc, epoch=rec.index if rec else None
-        )
+        epoch = rec.index if rec else None
+        yield _finding("fd-pressure", "info", message, remedy, proc, epoch=epoch)
 
 
 RULES: Mapping[Rule, RuleFunction] = {
-    "survivor": survivor,
-    "orphan": orphan,
-    "growth": growth,
-    "host-growth": host_growth,
-    "copy-on-read": copy_on_read,
-    "residual": residual,
-    "blind": blind,
-    "descriptor-holder": descriptor_holder,
-    "context-kept": context_kept,
-    "high-clocks": high_clocks,
-    "tracker-failure": tracker_failure,
-    "shm": shm,
-    "device-mismatch": device_mismatch,
-    "died": died,
-    "fd-pressure": fd_pressure,
-    "hang": hang,
-    "pinned-growth": pinned_growth,
-    "shutdown-hang": shutdown_hang,
+    cast(Rule, rule.__name__.replace("_", "-")): rule  # a rule's name is its function's
+    for rule in (
+        survivor, orphan, growth, host_growth, copy_on_read, residual, blind, descriptor_holder,
+        context_kept, high_clocks, tracker_failure, shm, device_mismatch, died, fd_pressure, hang,
+        pinned_growth, shutdown_hang,
+    )
 }
 """Every rule by name, in report order for ties."""
 
-_RULE_ORDER: dict[Rule, int] = {name: i for i, name in enumerate(RULES)}
 
-
-def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int, int]:
-    order = _RULE_ORDER[f.rule]
-    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0, order)
+def _sort_key(f: Finding) -> tuple[bool, bool, int, bool, int]:
+    return (f.severity != "leak", f.epoch is None, f.epoch or 0, f.pid is None, f.pid or 0)
 
 
 def judge(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """Run every rule; the findings leaks first, then by epoch, then PID."""
+    # Rule by rule in RULES order: the stable sort keeps that order for ties.
     findings = [f for rule in RULES.values() for f in rule(timeline, config)]
     # An orphan is not also a survivor (nobody will reap it).
     orphans = {(f.pid, f.start_ticks) for f in findings if f.rule == "orphan"}

@@ -141,17 +141,20 @@ def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     return None if at < 0 else environ[at + 1 + len(prefix) :].partition(b"\0")[0]
 
 
+def _cmdline(pid: int) -> str:
+    # Empty for a kernel thread, a zombie, or a process gone.
+    data = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS) or b""
+    return data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+
 def _info(
     pid: int, stat: _Stat, tag: bytes | None, with_cmdline: bool, prefix: bytes = _TAG_PREFIX
 ) -> ProcInfo:
-    cmdline = b""
-    if with_cmdline:  # empty for a kernel thread, a zombie, or a process gone
-        cmdline = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS) or b""
     return ProcInfo(
         key=ProcessKey(pid, stat.starttime_ticks),
         ppid=stat.ppid,
         name=stat.name.decode("utf-8", "replace"),
-        cmdline=cmdline.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"),
+        cmdline=_cmdline(pid) if with_cmdline else "",
         tagged=tag is not None and _environ_tag(pid, prefix) == tag,
     )
 
@@ -381,9 +384,6 @@ def _forget_handles_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_handles_after_fork)
 
 
-# --- identities -----------------------------------------------------------------------------
-
-
 @functools.cache
 def boot_time_s() -> float:
     """Boot time in Unix seconds (``btime``), for people (NOTE [process identity]).
@@ -449,7 +449,10 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
         pid = os.getpid()
         _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
     if not _children_supported:
-        return _descendants_by_scan(root_pid, with_cmdline)
+        below = tree_below(root_pid, scan_all(with_cmdline=False))
+        if with_cmdline:
+            return [info._replace(cmdline=_cmdline(info.key.pid)) for info in below]
+        return below
     found: list[ProcInfo] = []
     with _fd_lock:
         _generation += 1
@@ -483,20 +486,20 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
     return found
 
 
-def _descendants_by_scan(root_pid: int, with_cmdline: bool) -> list[ProcInfo]:
-    stats = _live_stats()
-    tree: dict[int, list[int]] = {}
-    for pid, stat in stats.items():
-        tree.setdefault(stat.ppid, []).append(pid)
+def tree_below(root_pid: int, processes: Iterable[ProcInfo]) -> list[ProcInfo]:
+    """The processes below ``root_pid`` among ``processes`` (one scan), parents first."""
+    children: dict[int, list[ProcInfo]] = {}
+    for info in processes:
+        children.setdefault(info.ppid, []).append(info)
     found: list[ProcInfo] = []
     seen = {root_pid}
-    stack = list(reversed(tree.get(root_pid, [])))
+    stack = list(reversed(children.get(root_pid, [])))
     while stack:
-        pid = stack.pop()
-        if pid not in seen:
-            seen.add(pid)
-            found.append(_info(pid, stats[pid], None, with_cmdline))
-            stack.extend(reversed(tree.get(pid, [])))
+        info = stack.pop()
+        if info.key.pid not in seen:
+            seen.add(info.key.pid)
+            found.append(info)
+            stack.extend(reversed(children.get(info.key.pid, [])))
     return found
 
 
@@ -509,8 +512,12 @@ def is_alive(key: ProcessKey) -> bool:
     return stat.starttime_ticks == key.start_ticks
 
 
-def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
-    stats: dict[int, _Stat] = {}
+def scan_all(
+    *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
+) -> list[ProcInfo]:
+    """Every live process of this PID namespace, in PID order, from one pass over /proc."""
+    tag = None if session_id is None else session_id.encode()
+    found: list[ProcInfo] = []
     for pid in sorted(int(name) for name in os.listdir(_PROC) if name.isdigit()):
         stat = _stat(pid)
         if (
@@ -518,17 +525,8 @@ def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
             and stat.state not in _DEAD_STATES
             and (kernel_threads or not stat.kernel)
         ):
-            stats[pid] = stat
-    return stats
-
-
-def scan_all(
-    *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
-) -> list[ProcInfo]:
-    """Every live process of this PID namespace, in PID order, from one pass over /proc."""
-    tag = None if session_id is None else session_id.encode()
-    stats = _live_stats(kernel_threads=kernel_threads)
-    return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
+            found.append(_info(pid, stat, tag, with_cmdline))
+    return found
 
 
 # NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (2.5-2.9 ms
@@ -675,9 +673,6 @@ def pid_exists_here(pid: int) -> bool:
     return bool(fields) and int(fields[0]) == pid
 
 
-# --- descriptors ----------------------------------------------------------------------------
-
-
 def is_nvidia_device_target(target: str) -> bool:
     """Whether a descriptor's link target (``readlink`` of /proc/PID/fd/N) is an NVIDIA node."""
     return target.startswith(_NVIDIA_PREFIX)
@@ -717,59 +712,52 @@ class Descriptors(NamedTuple):
     limit: int | None = None
 
 
-def _listed(pid: int) -> Descriptors | None:
-    """The ``/dev/nvidia*`` descriptors of a process and how many it has open, one listing."""
+def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
+    """One listing of ``/proc/PID/fd`` (and, with ``limit``, its limits); None: unreadable."""
     if pid != os.getpid():
         targets = _fd_targets(pid)
         if targets is None:
             return None
         nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
-        return Descriptors(nvidia, len(targets))
-    try:
-        names = os.listdir(f"{_PROC}/self/fd")
-    except OSError:
-        return None
-    found: dict[int, str] = {}
-    for name in names:
+        found = Descriptors(nvidia, len(targets))
+    else:
         try:
-            device = os.fstat(int(name))
-            if not S_ISCHR(device.st_mode):
-                continue
-            target = _device_targets.get(device.st_rdev)
-            if target is None:
-                target = _device_targets[device.st_rdev] = os.readlink(f"{_PROC}/self/fd/{name}")
+            names = os.listdir(f"{_PROC}/self/fd")
         except OSError:
-            continue  # closed since the listing (the listing's own descriptor is)
-        if is_nvidia_device_target(target):
-            found[int(name)] = target
-    return Descriptors(found, len(names))
-
-
-def nvidia_fds(pid: int) -> dict[int, str] | None:
-    """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
-    found = _listed(pid)
-    return None if found is None else found.nvidia
-
-
-def nvidia_fd_count(pid: int) -> int | None:
-    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
-    found = _listed(pid)
-    return None if found is None else len(found.nvidia)
-
-
-def descriptors(pid: int) -> Descriptors | None:
-    """One listing of ``/proc/PID/fd`` and one read of its limits; None when unreadable."""
-    found = _listed(pid)
-    if found is None:
-        return None
-    for line in (_read(f"{_PROC}/{pid}/limits") or b"").splitlines():
+            return None
+        nvidia = {}
+        for name in names:
+            try:
+                device = os.fstat(int(name))
+                if not S_ISCHR(device.st_mode):
+                    continue
+                target = _device_targets.get(device.st_rdev)
+                if target is None:
+                    target = os.readlink(f"{_PROC}/self/fd/{name}")
+                    _device_targets[device.st_rdev] = target
+            except OSError:
+                continue  # closed since the listing (the listing's own descriptor is)
+            if is_nvidia_device_target(target):
+                nvidia[int(name)] = target
+        found = Descriptors(nvidia, len(names))
+    limits = _read(f"{_PROC}/{pid}/limits") if limit else None
+    for line in (limits or b"").splitlines():
         if line.startswith(b"Max open files"):
             soft = line[len(b"Max open files") :].split()[:1]
             return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
     return found
 
 
-# --- /dev/shm -------------------------------------------------------------------------------
+def nvidia_fds(pid: int) -> dict[int, str] | None:
+    """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
+    found = descriptors(pid, limit=False)
+    return None if found is None else found.nvidia
+
+
+def nvidia_fd_count(pid: int) -> int | None:
+    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
+    found = nvidia_fds(pid)
+    return None if found is None else len(found)
 
 
 def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
@@ -814,8 +802,6 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
             held[pid] = sorted(names)
     return held
 
-
-# --- processes started since a moment -------------------------------------------------------
 
 # NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
 # (one read of /proc/loadavg) marks a moment: when it did not move no process started, and

@@ -122,7 +122,7 @@ class Snapshot(NamedTuple):
 
 def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
     info, host = entry.info, entry.host
-    host_fields = ("uss_bytes", "pss_bytes", "rss_bytes", "rss_peak_bytes", "source")
+    keys = ("uss_bytes", "pss_bytes", "rss_bytes", "rss_peak_bytes", "source", "shared_dirty_bytes")
     return {
         "pid": info.key.pid,
         "start_ticks": info.key.start_ticks,
@@ -136,8 +136,7 @@ def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
         "nvidia_fds": entry.nvidia_fds,
         "flags": list(entry.flags),
         "session": entry.session,
-        **{f"host_{name}": getattr(host, name) if host else None for name in host_fields},
-        "host_shared_dirty_bytes": host.shared_dirty_bytes if host else None,
+        **{f"host_{name}": getattr(host, name) if host else None for name in keys},
         "copied_bytes": entry.copied_bytes,
     }
 
@@ -273,8 +272,8 @@ def take_snapshot(
     }
     lineage: set[int] = set()
     if root_pid is not None:
-        below = procs.descendants(root_pid, with_cmdline=False)
-        lineage = {info.key.pid for info in below} | {root_pid}
+        lineage = {info.key.pid for info in procs.tree_below(root_pid, every.values())}
+        lineage.add(root_pid)
     own_pid = os.getpid()
     fds: dict[int, int] = {}
     if with_fds:
@@ -304,7 +303,7 @@ def take_snapshot(
             if pid in interesting or candidate.key.start_ticks < root_key.start_ticks:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and _tag_matches(tag, root_key):
+            if tag is not None and _names_root(tag, root_key):
                 interesting.add(pid)
                 sessions[pid] = tag
     shown = set(interesting)  # and their ancestors, which give the trees their shape
@@ -345,10 +344,22 @@ def take_snapshot(
             forked, birth = (births or {}).get(info.key, (None, None))
             if host is not None and forked is True and birth is not None:
                 copied = hostmem.copied_bytes(birth, host)
+        if "orphan" in flags:
+            role: Role | None = "orphan"
+        elif root_pid is None:
+            role = None
+        elif pid == root_pid:
+            role = "parent"
+        elif pid not in lineage:
+            role = "foreign"
+        elif info.ppid == root_pid:
+            role = roles.direct_child_role(info.key, known_workers)
+        else:
+            role = "descendant"
         entries.append(
             ProcessSnapshot(
                 info=info,
-                role=_role(pid, root_pid, lineage, info, "orphan" in flags, known_workers),
+                role=role,
                 gpu_bytes=gpu_by_pid.get(pid, {}),
                 gpu_bytes_unknown=pid in unknown_pids,
                 nvidia_fds=fds.get(pid) if with_fds else None,
@@ -361,12 +372,12 @@ def take_snapshot(
     return Snapshot(time.time(), attribution, reason, device_states, tuple(entries), root_pid)
 
 
-def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
-    # The tag names its root by identity; one whose root was unreadable (ticks 0) by PID
-    # only: a tag an earlier process of that PID left is older than the root, never read.
+def _names_root(tag: str, root_key: ProcessKey | None) -> bool:
+    # A tag names its root by identity; one whose root was unreadable (ticks 0) by PID only.
     root = procs.session_root_pid(tag)
     return (
         root is not None
+        and root_key is not None
         and root.pid == root_key.pid
         and root.start_ticks in (0, root_key.start_ticks)
     )
@@ -382,27 +393,6 @@ def _is_orphaned(tag: str, key: ProcessKey) -> bool:
     if root is None:
         return False
     root_key = procs.process_key(root.pid)
-    if root_key is None or root.start_ticks not in (0, root_key.start_ticks):
+    if root_key is None or not _names_root(tag, root_key):
         return True
     return root_key.start_ticks > key.start_ticks or not procs.is_ancestor(root_key.pid, key.pid)
-
-
-def _role(
-    pid: int,
-    root_pid: int | None,
-    lineage: set[int],
-    info: ProcInfo,
-    orphan: bool,
-    known_workers: Collection[ProcessKey],
-) -> Role | None:
-    if orphan:
-        return "orphan"
-    if root_pid is None:
-        return None
-    if pid == root_pid:
-        return "parent"
-    if pid not in lineage:
-        return "foreign"
-    return (
-        roles.direct_child_role(info.key, known_workers) if info.ppid == root_pid else "descendant"
-    )

@@ -9,10 +9,9 @@ are recognised even once reparented. ``/proc/PID/environ`` is the environment of
 not children only forked, which are found by lineage (``descendants``) while their parent lives.
 
 NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its start in clock
-ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever identities meet.
-Never its Unix create time: ``btime`` follows the wall clock, so two processes compute create
-times a second apart for one process (psutil#2526); create times are for people only. Births
-against epochs compare seconds since boot (``start_ticks / clock_ticks()``).
+ticks since boot (field 22 of /proc/PID/stat), compared as integers. Never its Unix create time:
+``btime`` follows the wall clock, so two processes compute create times a second apart for one
+process (psutil#2526). Births against epochs compare seconds since boot.
 
 NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*: a
 child started from a pin-memory thread or a thread pool is only in that thread's file, so every
@@ -92,9 +91,8 @@ def _read(
 def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes:
     """The whole file from offset 0.
 
-    ``record_bytes``: a seq_file's longest record (children, maps). Such a file returns about
-    a page per read, stopping before a record that does not fit, so a read is its end only
-    when shorter than a page by more than one record; else a short read is the end.
+    ``record_bytes``: a seq_file's longest record (children, maps). Such a file returns about a
+    page per read, so a read is its end only when shorter than a page by more than one record.
     """
     data = os.pread(fd, chunk, 0)
     size = len(data)
@@ -181,8 +179,8 @@ class _Handles:
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # NOTE [quick walk]: its last full read, and whether with its command line; its main
-        # thread and the threads with children then.
+        # NOTE [quick walk]: its last full read (with its command line?), and its threads with
+        # children then.
         self.last_read: tuple[ProcInfo, bool] | None = None
         self.parent_tids: tuple[str, ...] = ()
 
@@ -269,10 +267,7 @@ def _read_children(fd: int) -> list[int] | None:
 
 
 def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:
-    """Children of every thread of ``pid``, through the cache where ``_hot_stat`` opened it.
-
-    ``relist`` takes the task list afresh whatever the thread count (the root's full reads).
-    """
+    """Children of every thread of ``pid``; ``relist``: the task list afresh, whatever changed."""
     global _cached_fd_count
     handles = _handles.get(pid)
     task_fds = handles.task_fds if handles is not None else {}
@@ -334,21 +329,16 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A cached process still
 # listed under the same parent as at its last full read is then served from that read, and
 # only the children files of its main thread and of the threads that had children then are
-# read again (the root's stat too). Each process is read in full every ``_RECHECK_EVERY``
-# walks, spread by PID. So for at most that many walks a quick walk can miss a zombie still
-# listed, the children of threads that had none (the tracker checks a missing known process
-# by identity), and a PID reused under the same parent. Epoch ends, ``close()`` and snapshots
-# never walk quickly.
-
-
-def _full_read_due(pid: int) -> bool:
-    return (_generation + pid) % _RECHECK_EVERY == 0
+# read again. Each process is read in full every ``_RECHECK_EVERY`` walks, spread by PID. So
+# for at most that many walks a quick walk can miss a zombie still listed, the children of
+# threads that had none (the tracker checks a missing known process by identity), and a PID
+# reused under the same parent. Epoch ends, ``close()`` and snapshots never walk quickly.
 
 
 def _quick_children(pid: int) -> list[int] | None:
     """Children from the cached files of a process's ``parent_tids``; None: read it in full."""
     handles = _handles.get(pid)
-    if handles is None or not handles.parent_tids or _full_read_due(pid):
+    if handles is None or not handles.parent_tids or (_generation + pid) % _RECHECK_EVERY == 0:
         return None
     children: list[int] = []
     for tid in handles.parent_tids:
@@ -386,10 +376,7 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 
 @functools.cache
 def boot_time_s() -> float:
-    """Boot time in Unix seconds (``btime``), for people (NOTE [process identity]).
-
-    Cached, so that a start shows alike every time; 0.0 where unreadable.
-    """
+    """Boot time in Unix seconds, for people (NOTE [process identity]); 0.0 if unreadable."""
     for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"btime"):
             return float(line.split()[1])
@@ -428,8 +415,7 @@ def read_proc(
 ) -> ProcInfo | None:
     """Read one process: identity, parent, name and command line; None if gone or unreadable.
 
-    With ``session_id``, ``tagged`` tells whether its initial environment has
-    ``<tag_variable>=<session_id>`` (NOTE [session tag]; unreadable: untagged).
+    ``tagged``: its initial environment has ``<tag_variable>=<session_id>`` (NOTE [session tag]).
     """
     stat = _stat(pid)
     if stat is None:
@@ -539,10 +525,9 @@ def scan_all(
 
 
 class TagScan:
-    """Repeated scans for the live processes of one session born since its root.
+    """Repeated scans for the live processes of one session born since (not being) its root.
 
-    Each reads only what is new in /proc (NOTE [incremental tag scan]); the root
-    ``born_since`` is left out itself; ``variable``: NOTE [run tag] in launcher.py.
+    ``variable``: NOTE [run tag] in launcher.py.
     """
 
     def __init__(
@@ -630,10 +615,7 @@ def session_root_pid(session_id: str) -> ProcessKey | None:
 def is_ancestor(
     ancestor_pid: int, pid: int, *, max_depth: int = 64, born_since_ticks: int | None = None
 ) -> bool:
-    """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``.
-
-    ``born_since_ticks``: the ancestor's start, where the walk stops.
-    """
+    """Whether ``ancestor_pid`` (born at ``born_since_ticks``) is on ``pid``'s parent chain now."""
     current = pid
     for _ in range(max_depth):
         stat = _stat(current)
@@ -833,7 +815,7 @@ def _proc_names() -> frozenset[str]:
 class PidMark(NamedTuple):
     """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
-    ``last_pid`` None: unknown, and ``names`` (the /proc entries then) is compared instead.
+    ``names``: /proc's entries then, compared where ``last_pid`` is unknown (None).
     """
 
     last_pid: int | None
@@ -866,10 +848,7 @@ class PidMark(NamedTuple):
 
 
 def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
-    """Whether ``pid`` was handed out after ``mark``, up to ``now``; None where unknown.
-
-    After a wrap-around an older PID can be in the range again: True means "may be new".
-    """
+    """Whether ``pid`` came after ``mark`` up to ``now`` (wrapped: may have); None: unknown."""
     start = mark.last_pid
     if start is None or now is None:
         return None
@@ -883,8 +862,8 @@ class Lineage:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.key = process_key(pid) or ProcessKey(pid, 0)
         info = read_proc(pid)
+        self.key = info.key if info is not None else ProcessKey(pid, 0)
         self.cmdline = info.cmdline if info is not None else ""
         self._image: tuple[bytes | None, bytes | None] | None = None
 

@@ -1,10 +1,8 @@
 """Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
 
 One call reads NVML once and /proc once: what ``leakcheck snapshot`` prints and
-``Tracker.snapshot()`` returns. Given a job's root it also reads the host memory of the job's
-processes and, of a forked loader worker whose tracker keeps its birth reading
-(``mailbox.read_births``), what it copied of its parent's memory since (NOTE [copy on read] in
-hostmem.py). Device telemetry is read on request (a driver call per value).
+``Tracker.snapshot()`` returns; with a job's root, also its processes' host memory and a forked
+worker's copies of its parent's (NOTE [copy on read] in hostmem.py).
 
 NOTE [overlapped start]: NVML's start (library load, ``nvmlInit``, first handles) is most of
 a fresh process's snapshot, and it waits in the driver with the GIL released. So the command
@@ -42,10 +40,9 @@ _NAME_WIDTH = 72  # a process's name in the tree is cut to this many characters
 class ProcessSnapshot(NamedTuple):
     """One process in a snapshot.
 
-    ``role`` is relative to the job root (None without one): a direct child is a ``worker``
-    only when known as one (NOTE [roles from outside] in roles.py). ``flags``: ``orphan`` (its
-    session's root is gone or no longer its ancestor), ``descriptor-holder`` (descriptors
-    open, absent from NVML), ``helper`` (a runtime helper of the job).
+    ``role``: relative to the job root (NOTE [roles from outside] in roles.py). ``flags``:
+    ``orphan`` (its session's root is gone or not its ancestor), ``descriptor-holder``
+    (descriptors open, absent from NVML), ``helper`` (a runtime helper of the job).
     """
 
     info: ProcInfo
@@ -239,13 +236,11 @@ def take_snapshot(
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now; never raises.
 
     Args:
-        root_pid: A job root: its descendants are listed with roles, every process judged
-            relative to it. None lists every GPU process of the machine.
+        root_pid: A job root: its descendants are listed with roles relative to it. None lists
+            every GPU process of the machine.
         devices: Device indices to read (default all).
-        with_fds: Also count every process's ``/dev/nvidia*`` descriptors (a pass over
-            /proc/*/fd), which finds descriptor holders.
-        known_workers: The job's loader workers, where the caller knows them: only these
-            direct children are labelled ``worker``.
+        with_fds: Count every process's ``/dev/nvidia*`` descriptors: finds descriptor holders.
+        known_workers: The only direct children labelled ``worker``.
         host_memory: Read the host memory of the job's processes (default: with a root).
         telemetry: Read each device's telemetry (a driver call each).
         births: Loader workers' birth readings; None reads the root's trackers' mailboxes.
@@ -384,11 +379,7 @@ def _names_root(tag: str, root_key: ProcessKey | None) -> bool:
 
 
 def _is_orphaned(tag: str, key: ProcessKey) -> bool:
-    """Whether a tagged process lost its session's root: gone, or no longer its ancestor.
-
-    Gone: no process has the identity the tag names; where the tag's ticks are 0, a PID that
-    names a process younger than the tagged one was reused.
-    """
+    """Whether a tagged process lost its session's root: gone, PID reused, or not its ancestor."""
     root = procs.session_root_pid(tag)
     if root is None:
         return False

@@ -230,18 +230,19 @@ def _reserve() -> bool:
     return True
 
 
-def _pread_stat(fd: int) -> bytes:
+def _reread(fd: int, record_bytes: int | None = None) -> bytes | None:
+    """A cached file again from its start; None: its process or thread is gone."""
     try:
-        return os.pread(fd, 4096, 0)
+        return _pread_all(fd, 4096, record_bytes=record_bytes)
     except OSError:
-        return b""  # its process is gone
+        return None
 
 
 def _hot_stat(pid: int) -> _Stat | None:
     """Stat of ``pid`` through the descriptor cache; call with ``_fd_lock`` held."""
     handles = _handles.get(pid)
     if handles is not None:
-        data = _pread_stat(handles.stat_fd)
+        data = _reread(handles.stat_fd)
         if data:
             handles.used = _generation
             return _parse_stat(data)
@@ -250,7 +251,7 @@ def _hot_stat(pid: int) -> _Stat | None:
         fd = os.open(f"{_PROC}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except _GONE:
         return None
-    stat = _parse_stat(_pread_stat(fd))
+    stat = _parse_stat(_reread(fd) or b"")
     if stat is not None and _reserve():
         _handles[pid] = _Handles(fd, _generation)
     else:
@@ -259,11 +260,8 @@ def _hot_stat(pid: int) -> _Stat | None:
 
 
 def _read_children(fd: int) -> list[int] | None:
-    try:
-        data = _pread_all(fd, 4096, record_bytes=_CHILD_RECORD_BYTES)
-    except OSError:
-        return None
-    return [int(child) for child in data.split()]
+    data = _reread(fd, _CHILD_RECORD_BYTES)
+    return None if data is None else [int(child) for child in data.split()]
 
 
 def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:

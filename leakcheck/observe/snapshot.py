@@ -273,8 +273,7 @@ def take_snapshot(
     fds: dict[int, int] = {}
     if with_fds:
         for pid in every.keys() - {own_pid}:
-            count = procs.nvidia_fd_count(pid)
-            if count:
+            if count := procs.nvidia_fd_count(pid):
                 fds[pid] = count
     if reader.is_alive():
         reader.join()

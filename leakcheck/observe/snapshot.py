@@ -366,12 +366,12 @@ def take_snapshot(
     return Snapshot(time.time(), attribution, reason, device_states, tuple(entries), root_pid)
 
 
-def _names_root(tag: str, root_key: ProcessKey | None) -> bool:
-    # A tag names its root by identity; one whose root was unreadable (ticks 0) by PID only.
+def _names_root(tag: str, root_key: ProcessKey) -> bool:
+    # A tag names its root by identity; one whose root was unreadable (ticks 0) by PID only:
+    # a tag an earlier process of that PID left is older than the root, never read.
     root = procs.session_root_pid(tag)
     return (
         root is not None
-        and root_key is not None
         and root.pid == root_key.pid
         and root.start_ticks in (0, root_key.start_ticks)
     )

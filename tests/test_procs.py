@@ -340,10 +340,21 @@ def test_lineage_fallback_full_scan_matches_children_files(
     helper, record = start_helper(
         spawn, "tree", "--sleepers=1", "--thread-sleepers=1", "--subtrees=1"
     )
-    with_files = {(info.key, info.ppid) for info in procs.descendants(helper.pid)}
+    with_files = {(info.key, info.ppid, info.cmdline) for info in procs.descendants(helper.pid)}
+    # The snapshot's lineage: the same walk over one scan of user processes.
+    scanned = procs.tree_below(helper.pid, procs.scan_all(kernel_threads=False))
+    assert {(info.key, info.ppid, info.cmdline) for info in scanned} == with_files
     monkeypatch.setattr(procs, "_children_supported", False)
-    by_scan = {(info.key, info.ppid) for info in procs.descendants(helper.pid)}
-    assert by_scan == with_files and {key.pid for key, _ in by_scan} == tree_pids(record)
+    found = procs.descendants(helper.pid)
+    by_scan = {(info.key, info.ppid, info.cmdline) for info in found}
+    assert by_scan == with_files and {key.pid for key, _, _ in by_scan} == tree_pids(record)
+    order = pids_of(found)  # parents before their children
+    assert all(
+        order.index(info.ppid) < order.index(info.key.pid)
+        for info in found[1:]
+        if info.ppid != helper.pid
+    )
+    assert {info.cmdline for info in procs.descendants(helper.pid, with_cmdline=False)} == {""}
 
 
 def test_is_ancestor(spawn: Spawn) -> None:

@@ -15,8 +15,6 @@ import re
 
 from leakcheck.core.roles import runtime_helper_name
 
-__all__ = ["NAME_WIDTH", "culprit", "culprits", "process_name", "shorten"]
-
 NAME_WIDTH = 40
 """Characters a process's name takes in a finding (its role and PID come on top)."""
 ELLIPSIS = "\u2026"

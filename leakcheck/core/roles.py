@@ -18,17 +18,6 @@ from collections.abc import Collection
 
 from leakcheck.core.readings import ProcessKey, Role
 
-__all__ = [
-    "DAEMON_HELPERS",
-    "HELPER_FLAG",
-    "HELPER_NAMES",
-    "RUNTIME_HELPERS",
-    "direct_child_role",
-    "is_daemon_helper",
-    "is_runtime_helper",
-    "runtime_helper_name",
-]
-
 HELPER_NAMES: dict[str, str] = {
     "multiprocessing.resource_tracker": "resource tracker",
     "multiprocessing.semaphore_tracker": "semaphore tracker",

@@ -9,10 +9,9 @@ are recognised even once reparented. ``/proc/PID/environ`` is the environment of
 not children only forked, which are found by lineage (``descendants``) while their parent lives.
 
 NOTE [process identity]: a process is ``ProcessKey(pid, start_ticks)``, its start in clock
-ticks since boot (field 22 of /proc/PID/stat), compared as integers wherever identities meet.
-Never its Unix create time: ``btime`` follows the wall clock, so two processes compute create
-times a second apart for one process (psutil#2526); create times are for people only. Births
-against epochs compare seconds since boot (``start_ticks / clock_ticks()``).
+ticks since boot (field 22 of /proc/PID/stat), compared as integers. Never its Unix create time:
+``btime`` follows the wall clock, so two processes compute create times a second apart for one
+process (psutil#2526). Births against epochs compare seconds since boot.
 
 NOTE [children files]: ``/proc/PID/task/TID/children`` lists the children of one *thread*: a
 child started from a pin-memory thread or a thread pool is only in that thread's file, so every
@@ -92,9 +91,8 @@ def _read(
 def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) -> bytes:
     """The whole file from offset 0.
 
-    ``record_bytes``: a seq_file's longest record (children, maps). Such a file returns about
-    a page per read, stopping before a record that does not fit, so a read is its end only
-    when shorter than a page by more than one record; else a short read is the end.
+    ``record_bytes``: a seq_file's longest record (children, maps). Such a file returns about a
+    page per read, so a read is its end only when shorter than a page by more than one record.
     """
     data = os.pread(fd, chunk, 0)
     size = len(data)
@@ -141,17 +139,20 @@ def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     return None if at < 0 else environ[at + 1 + len(prefix) :].partition(b"\0")[0]
 
 
+def _cmdline(pid: int) -> str:
+    # Empty for a kernel thread, a zombie, or a process gone.
+    data = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS) or b""
+    return data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+
+
 def _info(
     pid: int, stat: _Stat, tag: bytes | None, with_cmdline: bool, prefix: bytes = _TAG_PREFIX
 ) -> ProcInfo:
-    cmdline = b""
-    if with_cmdline:  # empty for a kernel thread, a zombie, or a process gone
-        cmdline = _read(f"{_PROC}/{pid}/cmdline", CMDLINE_MAX_CHARS) or b""
     return ProcInfo(
         key=ProcessKey(pid, stat.starttime_ticks),
         ppid=stat.ppid,
         name=stat.name.decode("utf-8", "replace"),
-        cmdline=cmdline.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace"),
+        cmdline=_cmdline(pid) if with_cmdline else "",
         tagged=tag is not None and _environ_tag(pid, prefix) == tag,
     )
 
@@ -178,8 +179,8 @@ class _Handles:
         self.task_fds: dict[str, int] = {}
         self.used = used
         self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # NOTE [quick walk]: its last full read, and whether with its command line; its main
-        # thread and the threads with children then.
+        # NOTE [quick walk]: its last full read (with its command line?), and its threads with
+        # children then.
         self.last_read: tuple[ProcInfo, bool] | None = None
         self.parent_tids: tuple[str, ...] = ()
 
@@ -229,18 +230,19 @@ def _reserve() -> bool:
     return True
 
 
-def _pread_stat(fd: int) -> bytes:
+def _reread(fd: int, record_bytes: int | None = None) -> bytes | None:
+    """A cached file again from its start; None: its process or thread is gone."""
     try:
-        return os.pread(fd, 4096, 0)
+        return _pread_all(fd, 4096, record_bytes=record_bytes)
     except OSError:
-        return b""  # its process is gone
+        return None
 
 
 def _hot_stat(pid: int) -> _Stat | None:
     """Stat of ``pid`` through the descriptor cache; call with ``_fd_lock`` held."""
     handles = _handles.get(pid)
     if handles is not None:
-        data = _pread_stat(handles.stat_fd)
+        data = _reread(handles.stat_fd)
         if data:
             handles.used = _generation
             return _parse_stat(data)
@@ -249,7 +251,7 @@ def _hot_stat(pid: int) -> _Stat | None:
         fd = os.open(f"{_PROC}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except _GONE:
         return None
-    stat = _parse_stat(_pread_stat(fd))
+    stat = _parse_stat(_reread(fd) or b"")
     if stat is not None and _reserve():
         _handles[pid] = _Handles(fd, _generation)
     else:
@@ -258,18 +260,12 @@ def _hot_stat(pid: int) -> _Stat | None:
 
 
 def _read_children(fd: int) -> list[int] | None:
-    try:
-        data = _pread_all(fd, 4096, record_bytes=_CHILD_RECORD_BYTES)
-    except OSError:
-        return None
-    return [int(child) for child in data.split()]
+    data = _reread(fd, _CHILD_RECORD_BYTES)
+    return None if data is None else [int(child) for child in data.split()]
 
 
 def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[int]:
-    """Children of every thread of ``pid``, through the cache where ``_hot_stat`` opened it.
-
-    ``relist`` takes the task list afresh whatever the thread count (the root's full reads).
-    """
+    """Children of every thread of ``pid``; ``relist``: the task list afresh, whatever changed."""
     global _cached_fd_count
     handles = _handles.get(pid)
     task_fds = handles.task_fds if handles is not None else {}
@@ -331,21 +327,16 @@ def _hot_children(pid: int, num_threads: int, *, relist: bool = False) -> list[i
 # NOTE [quick walk]: the tracker's periodic ticks pass ``quick=True``. A cached process still
 # listed under the same parent as at its last full read is then served from that read, and
 # only the children files of its main thread and of the threads that had children then are
-# read again (the root's stat too). Each process is read in full every ``_RECHECK_EVERY``
-# walks, spread by PID. So for at most that many walks a quick walk can miss a zombie still
-# listed, the children of threads that had none (the tracker checks a missing known process
-# by identity), and a PID reused under the same parent. Epoch ends, ``close()`` and snapshots
-# never walk quickly.
-
-
-def _full_read_due(pid: int) -> bool:
-    return (_generation + pid) % _RECHECK_EVERY == 0
+# read again. Each process is read in full every ``_RECHECK_EVERY`` walks, spread by PID. So
+# for at most that many walks a quick walk can miss a zombie still listed, the children of
+# threads that had none (the tracker checks a missing known process by identity), and a PID
+# reused under the same parent. Epoch ends, ``close()`` and snapshots never walk quickly.
 
 
 def _quick_children(pid: int) -> list[int] | None:
     """Children from the cached files of a process's ``parent_tids``; None: read it in full."""
     handles = _handles.get(pid)
-    if handles is None or not handles.parent_tids or _full_read_due(pid):
+    if handles is None or not handles.parent_tids or (_generation + pid) % _RECHECK_EVERY == 0:
         return None
     children: list[int] = []
     for tid in handles.parent_tids:
@@ -381,15 +372,9 @@ def _forget_handles_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_handles_after_fork)
 
 
-# --- identities -----------------------------------------------------------------------------
-
-
 @functools.cache
 def boot_time_s() -> float:
-    """Boot time in Unix seconds (``btime``), for people (NOTE [process identity]).
-
-    Cached, so that a start shows alike every time; 0.0 where unreadable.
-    """
+    """Boot time in Unix seconds, for people (NOTE [process identity]); 0.0 if unreadable."""
     for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
         if line.startswith(b"btime"):
             return float(line.split()[1])
@@ -428,8 +413,7 @@ def read_proc(
 ) -> ProcInfo | None:
     """Read one process: identity, parent, name and command line; None if gone or unreadable.
 
-    With ``session_id``, ``tagged`` tells whether its initial environment has
-    ``<tag_variable>=<session_id>`` (NOTE [session tag]; unreadable: untagged).
+    ``tagged``: its initial environment has ``<tag_variable>=<session_id>`` (NOTE [session tag]).
     """
     stat = _stat(pid)
     if stat is None:
@@ -449,7 +433,10 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
         pid = os.getpid()
         _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
     if not _children_supported:
-        return _descendants_by_scan(root_pid, with_cmdline)
+        below = tree_below(root_pid, scan_all(with_cmdline=False))
+        if with_cmdline:
+            return [info._replace(cmdline=_cmdline(info.key.pid)) for info in below]
+        return below
     found: list[ProcInfo] = []
     with _fd_lock:
         _generation += 1
@@ -483,20 +470,20 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
     return found
 
 
-def _descendants_by_scan(root_pid: int, with_cmdline: bool) -> list[ProcInfo]:
-    stats = _live_stats()
-    tree: dict[int, list[int]] = {}
-    for pid, stat in stats.items():
-        tree.setdefault(stat.ppid, []).append(pid)
+def tree_below(root_pid: int, processes: Iterable[ProcInfo]) -> list[ProcInfo]:
+    """The processes below ``root_pid`` among ``processes`` (one scan), parents first."""
+    children: dict[int, list[ProcInfo]] = {}
+    for info in processes:
+        children.setdefault(info.ppid, []).append(info)
     found: list[ProcInfo] = []
     seen = {root_pid}
-    stack = list(reversed(tree.get(root_pid, [])))
+    stack = list(reversed(children.get(root_pid, [])))
     while stack:
-        pid = stack.pop()
-        if pid not in seen:
-            seen.add(pid)
-            found.append(_info(pid, stats[pid], None, with_cmdline))
-            stack.extend(reversed(tree.get(pid, [])))
+        info = stack.pop()
+        if info.key.pid not in seen:
+            seen.add(info.key.pid)
+            found.append(info)
+            stack.extend(reversed(children.get(info.key.pid, [])))
     return found
 
 
@@ -509,8 +496,12 @@ def is_alive(key: ProcessKey) -> bool:
     return stat.starttime_ticks == key.start_ticks
 
 
-def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
-    stats: dict[int, _Stat] = {}
+def scan_all(
+    *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
+) -> list[ProcInfo]:
+    """Every live process of this PID namespace, in PID order, from one pass over /proc."""
+    tag = None if session_id is None else session_id.encode()
+    found: list[ProcInfo] = []
     for pid in sorted(int(name) for name in os.listdir(_PROC) if name.isdigit()):
         stat = _stat(pid)
         if (
@@ -518,17 +509,8 @@ def _live_stats(*, kernel_threads: bool = True) -> dict[int, _Stat]:
             and stat.state not in _DEAD_STATES
             and (kernel_threads or not stat.kernel)
         ):
-            stats[pid] = stat
-    return stats
-
-
-def scan_all(
-    *, session_id: str | None = None, with_cmdline: bool = True, kernel_threads: bool = True
-) -> list[ProcInfo]:
-    """Every live process of this PID namespace, in PID order, from one pass over /proc."""
-    tag = None if session_id is None else session_id.encode()
-    stats = _live_stats(kernel_threads=kernel_threads)
-    return [_info(pid, stat, tag, with_cmdline) for pid, stat in stats.items()]
+            found.append(_info(pid, stat, tag, with_cmdline))
+    return found
 
 
 # NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (2.5-2.9 ms
@@ -541,10 +523,9 @@ def scan_all(
 
 
 class TagScan:
-    """Repeated scans for the live processes of one session born since its root.
+    """Repeated scans for the live processes of one session born since (not being) its root.
 
-    Each reads only what is new in /proc (NOTE [incremental tag scan]); the root
-    ``born_since`` is left out itself; ``variable``: NOTE [run tag] in launcher.py.
+    ``variable``: NOTE [run tag] in launcher.py.
     """
 
     def __init__(
@@ -632,10 +613,7 @@ def session_root_pid(session_id: str) -> ProcessKey | None:
 def is_ancestor(
     ancestor_pid: int, pid: int, *, max_depth: int = 64, born_since_ticks: int | None = None
 ) -> bool:
-    """Whether ``ancestor_pid`` is on the parent chain of ``pid`` now, within ``max_depth``.
-
-    ``born_since_ticks``: the ancestor's start, where the walk stops.
-    """
+    """Whether ``ancestor_pid`` (born at ``born_since_ticks``) is on ``pid``'s parent chain now."""
     current = pid
     for _ in range(max_depth):
         stat = _stat(current)
@@ -673,9 +651,6 @@ def pid_exists_here(pid: int) -> bool:
         return True
     fields = data[at + 6 :].split(maxsplit=1)
     return bool(fields) and int(fields[0]) == pid
-
-
-# --- descriptors ----------------------------------------------------------------------------
 
 
 def is_nvidia_device_target(target: str) -> bool:
@@ -717,59 +692,52 @@ class Descriptors(NamedTuple):
     limit: int | None = None
 
 
-def _listed(pid: int) -> Descriptors | None:
-    """The ``/dev/nvidia*`` descriptors of a process and how many it has open, one listing."""
+def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
+    """One listing of ``/proc/PID/fd`` (and, with ``limit``, its limits); None: unreadable."""
     if pid != os.getpid():
         targets = _fd_targets(pid)
         if targets is None:
             return None
         nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
-        return Descriptors(nvidia, len(targets))
-    try:
-        names = os.listdir(f"{_PROC}/self/fd")
-    except OSError:
-        return None
-    found: dict[int, str] = {}
-    for name in names:
+        found = Descriptors(nvidia, len(targets))
+    else:
         try:
-            device = os.fstat(int(name))
-            if not S_ISCHR(device.st_mode):
-                continue
-            target = _device_targets.get(device.st_rdev)
-            if target is None:
-                target = _device_targets[device.st_rdev] = os.readlink(f"{_PROC}/self/fd/{name}")
+            names = os.listdir(f"{_PROC}/self/fd")
         except OSError:
-            continue  # closed since the listing (the listing's own descriptor is)
-        if is_nvidia_device_target(target):
-            found[int(name)] = target
-    return Descriptors(found, len(names))
-
-
-def nvidia_fds(pid: int) -> dict[int, str] | None:
-    """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
-    found = _listed(pid)
-    return None if found is None else found.nvidia
-
-
-def nvidia_fd_count(pid: int) -> int | None:
-    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
-    found = _listed(pid)
-    return None if found is None else len(found.nvidia)
-
-
-def descriptors(pid: int) -> Descriptors | None:
-    """One listing of ``/proc/PID/fd`` and one read of its limits; None when unreadable."""
-    found = _listed(pid)
-    if found is None:
-        return None
-    for line in (_read(f"{_PROC}/{pid}/limits") or b"").splitlines():
+            return None
+        nvidia = {}
+        for name in names:
+            try:
+                device = os.fstat(int(name))
+                if not S_ISCHR(device.st_mode):
+                    continue
+                target = _device_targets.get(device.st_rdev)
+                if target is None:
+                    target = os.readlink(f"{_PROC}/self/fd/{name}")
+                    _device_targets[device.st_rdev] = target
+            except OSError:
+                continue  # closed since the listing (the listing's own descriptor is)
+            if is_nvidia_device_target(target):
+                nvidia[int(name)] = target
+        found = Descriptors(nvidia, len(names))
+    limits = _read(f"{_PROC}/{pid}/limits") if limit else None
+    for line in (limits or b"").splitlines():
         if line.startswith(b"Max open files"):
             soft = line[len(b"Max open files") :].split()[:1]
             return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
     return found
 
 
-# --- /dev/shm -------------------------------------------------------------------------------
+def nvidia_fds(pid: int) -> dict[int, str] | None:
+    """Number -> target of each ``/dev/nvidia*`` descriptor of a process; None: unreadable."""
+    found = descriptors(pid, limit=False)
+    return None if found is None else found.nvidia
+
+
+def nvidia_fd_count(pid: int) -> int | None:
+    """How many ``/dev/nvidia*`` descriptors a process holds; None when unreadable."""
+    found = nvidia_fds(pid)
+    return None if found is None else len(found)
 
 
 def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
@@ -815,8 +783,6 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
     return held
 
 
-# --- processes started since a moment -------------------------------------------------------
-
 # NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
 # (one read of /proc/loadavg) marks a moment: when it did not move no process started, and
 # when it moved one listdir('/proc') gives the PIDs in between, the only candidates. Where
@@ -847,7 +813,7 @@ def _proc_names() -> frozenset[str]:
 class PidMark(NamedTuple):
     """Where PID allocation stood at one moment (NOTE [cheap snapshots]).
 
-    ``last_pid`` None: unknown, and ``names`` (the /proc entries then) is compared instead.
+    ``names``: /proc's entries then, compared where ``last_pid`` is unknown (None).
     """
 
     last_pid: int | None
@@ -880,10 +846,7 @@ class PidMark(NamedTuple):
 
 
 def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
-    """Whether ``pid`` was handed out after ``mark``, up to ``now``; None where unknown.
-
-    After a wrap-around an older PID can be in the range again: True means "may be new".
-    """
+    """Whether ``pid`` came after ``mark`` up to ``now`` (wrapped: may have); None: unknown."""
     start = mark.last_pid
     if start is None or now is None:
         return None
@@ -897,8 +860,8 @@ class Lineage:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.key = process_key(pid) or ProcessKey(pid, 0)
         info = read_proc(pid)
+        self.key = info.key if info is not None else ProcessKey(pid, 0)
         self.cmdline = info.cmdline if info is not None else ""
         self._image: tuple[bytes | None, bytes | None] | None = None
 

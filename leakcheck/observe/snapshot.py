@@ -1,10 +1,8 @@
 """Who holds GPU memory right now, as process trees; orphans and descriptor holders flagged.
 
 One call reads NVML once and /proc once: what ``leakcheck snapshot`` prints and
-``Tracker.snapshot()`` returns. Given a job's root it also reads the host memory of the job's
-processes and, of a forked loader worker whose tracker keeps its birth reading
-(``mailbox.read_births``), what it copied of its parent's memory since (NOTE [copy on read] in
-hostmem.py). Device telemetry is read on request (a driver call per value).
+``Tracker.snapshot()`` returns; with a job's root, also its processes' host memory and a forked
+worker's copies of its parent's (NOTE [copy on read] in hostmem.py).
 
 NOTE [overlapped start]: NVML's start (library load, ``nvmlInit``, first handles) is most of
 a fresh process's snapshot, and it waits in the driver with the GIL released. So the command
@@ -42,10 +40,9 @@ _NAME_WIDTH = 72  # a process's name in the tree is cut to this many characters
 class ProcessSnapshot(NamedTuple):
     """One process in a snapshot.
 
-    ``role`` is relative to the job root (None without one): a direct child is a ``worker``
-    only when known as one (NOTE [roles from outside] in roles.py). ``flags``: ``orphan`` (its
-    session's root is gone or no longer its ancestor), ``descriptor-holder`` (descriptors
-    open, absent from NVML), ``helper`` (a runtime helper of the job).
+    ``role``: relative to the job root (NOTE [roles from outside] in roles.py). ``flags``:
+    ``orphan`` (its session's root is gone or not its ancestor), ``descriptor-holder``
+    (descriptors open, absent from NVML), ``helper`` (a runtime helper of the job).
     """
 
     info: ProcInfo
@@ -122,7 +119,7 @@ class Snapshot(NamedTuple):
 
 def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
     info, host = entry.info, entry.host
-    host_fields = ("uss_bytes", "pss_bytes", "rss_bytes", "rss_peak_bytes", "source")
+    keys = ("uss_bytes", "pss_bytes", "rss_bytes", "rss_peak_bytes", "source", "shared_dirty_bytes")
     return {
         "pid": info.key.pid,
         "start_ticks": info.key.start_ticks,
@@ -136,8 +133,7 @@ def _process_dict(entry: ProcessSnapshot) -> dict[str, Any]:
         "nvidia_fds": entry.nvidia_fds,
         "flags": list(entry.flags),
         "session": entry.session,
-        **{f"host_{name}": getattr(host, name) if host else None for name in host_fields},
-        "host_shared_dirty_bytes": host.shared_dirty_bytes if host else None,
+        **{f"host_{name}": getattr(host, name) if host else None for name in keys},
         "copied_bytes": entry.copied_bytes,
     }
 
@@ -240,13 +236,11 @@ def take_snapshot(
     """Who holds GPU memory (and ``/dev/nvidia*`` descriptors) now; never raises.
 
     Args:
-        root_pid: A job root: its descendants are listed with roles, every process judged
-            relative to it. None lists every GPU process of the machine.
+        root_pid: A job root: its descendants are listed with roles relative to it. None lists
+            every GPU process of the machine.
         devices: Device indices to read (default all).
-        with_fds: Also count every process's ``/dev/nvidia*`` descriptors (a pass over
-            /proc/*/fd), which finds descriptor holders.
-        known_workers: The job's loader workers, where the caller knows them: only these
-            direct children are labelled ``worker``.
+        with_fds: Count every process's ``/dev/nvidia*`` descriptors: finds descriptor holders.
+        known_workers: The only direct children labelled ``worker``.
         host_memory: Read the host memory of the job's processes (default: with a root).
         telemetry: Read each device's telemetry (a driver call each).
         births: Loader workers' birth readings; None reads the root's trackers' mailboxes.
@@ -273,14 +267,13 @@ def take_snapshot(
     }
     lineage: set[int] = set()
     if root_pid is not None:
-        below = procs.descendants(root_pid, with_cmdline=False)
-        lineage = {info.key.pid for info in below} | {root_pid}
+        lineage = {info.key.pid for info in procs.tree_below(root_pid, every.values())}
+        lineage.add(root_pid)
     own_pid = os.getpid()
     fds: dict[int, int] = {}
     if with_fds:
         for pid in every.keys() - {own_pid}:
-            count = procs.nvidia_fd_count(pid)
-            if count:
+            if count := procs.nvidia_fd_count(pid):
                 fds[pid] = count
     if reader.is_alive():
         reader.join()
@@ -304,7 +297,7 @@ def take_snapshot(
             if pid in interesting or candidate.key.start_ticks < root_key.start_ticks:
                 continue
             tag = procs.tagged_session(pid)
-            if tag is not None and _tag_matches(tag, root_key):
+            if tag is not None and _names_root(tag, root_key):
                 interesting.add(pid)
                 sessions[pid] = tag
     shown = set(interesting)  # and their ancestors, which give the trees their shape
@@ -345,10 +338,22 @@ def take_snapshot(
             forked, birth = (births or {}).get(info.key, (None, None))
             if host is not None and forked is True and birth is not None:
                 copied = hostmem.copied_bytes(birth, host)
+        if "orphan" in flags:
+            role: Role | None = "orphan"
+        elif root_pid is None:
+            role = None
+        elif pid == root_pid:
+            role = "parent"
+        elif pid not in lineage:
+            role = "foreign"
+        elif info.ppid == root_pid:
+            role = roles.direct_child_role(info.key, known_workers)
+        else:
+            role = "descendant"
         entries.append(
             ProcessSnapshot(
                 info=info,
-                role=_role(pid, root_pid, lineage, info, "orphan" in flags, known_workers),
+                role=role,
                 gpu_bytes=gpu_by_pid.get(pid, {}),
                 gpu_bytes_unknown=pid in unknown_pids,
                 nvidia_fds=fds.get(pid) if with_fds else None,
@@ -361,9 +366,9 @@ def take_snapshot(
     return Snapshot(time.time(), attribution, reason, device_states, tuple(entries), root_pid)
 
 
-def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
-    # The tag names its root by identity; one whose root was unreadable (ticks 0) by PID
-    # only: a tag an earlier process of that PID left is older than the root, never read.
+def _names_root(tag: str, root_key: ProcessKey) -> bool:
+    # A tag names its root by identity; one whose root was unreadable (ticks 0) by PID only:
+    # a tag an earlier process of that PID left is older than the root, never read.
     root = procs.session_root_pid(tag)
     return (
         root is not None
@@ -373,36 +378,11 @@ def _tag_matches(tag: str, root_key: ProcessKey) -> bool:
 
 
 def _is_orphaned(tag: str, key: ProcessKey) -> bool:
-    """Whether a tagged process lost its session's root: gone, or no longer its ancestor.
-
-    Gone: no process has the identity the tag names; where the tag's ticks are 0, a PID that
-    names a process younger than the tagged one was reused.
-    """
+    """Whether a tagged process lost its session's root: gone, PID reused, or not its ancestor."""
     root = procs.session_root_pid(tag)
     if root is None:
         return False
     root_key = procs.process_key(root.pid)
-    if root_key is None or root.start_ticks not in (0, root_key.start_ticks):
+    if root_key is None or not _names_root(tag, root_key):
         return True
     return root_key.start_ticks > key.start_ticks or not procs.is_ancestor(root_key.pid, key.pid)
-
-
-def _role(
-    pid: int,
-    root_pid: int | None,
-    lineage: set[int],
-    info: ProcInfo,
-    orphan: bool,
-    known_workers: Collection[ProcessKey],
-) -> Role | None:
-    if orphan:
-        return "orphan"
-    if root_pid is None:
-        return None
-    if pid == root_pid:
-        return "parent"
-    if pid not in lineage:
-        return "foreign"
-    return (
-        roles.direct_child_role(info.key, known_workers) if info.ppid == root_pid else "descendant"
-    )

@@ -14,10 +14,7 @@ from typing import Any
 
 
 def initialized_cuda() -> Any | None:
-    """``torch.cuda`` where torch is imported and CUDA initialised here, not inherited by fork.
-
-    None elsewhere, or where asking raised.
-    """
+    """``torch.cuda`` where torch is imported and CUDA initialised here (not inherited by fork)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -57,8 +54,7 @@ def pinned_host_bytes() -> tuple[int, int] | None:
     """``(allocated, reserved)`` bytes of torch's caching host (pinned) allocator here.
 
     Allocated: blocks handed out to tensors (``active_bytes``); reserved: every block it owns
-    (``allocated_bytes``). None where CUDA is not initialised here, or the call is missing or
-    raised.
+    (``allocated_bytes``). None as ``current_device``, or where the call is missing.
     """
     stats = getattr(initialized_cuda(), "host_memory_stats", None)
     if stats is None:

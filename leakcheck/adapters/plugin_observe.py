@@ -295,12 +295,7 @@ class Checker:
         return bool(procs.nvidia_fd_count(pid)) or pid in (self._gpu_by_pid() or {})
 
     def _wait(self, candidates: Sequence[_Candidate], deadline_s: float) -> None:
-        """Poll until every candidate exited or is a baseline helper, or the deadline passed.
-
-        Sets ``exited_s``, ``last_seen_s`` (the last poll of a survivor is at or after the
-        deadline) and ``pins``. The command line is read at each poll: a child between fork
-        and exec shows its parent's, and a helper must be recognised before it costs a grace.
-        """
+        """Poll until every candidate exited or is a baseline helper, or the deadline passed."""
         pending = list(candidates)
         delay = 0.005
         while True:
@@ -310,7 +305,9 @@ class Checker:
                 if not procs.is_alive(key):
                     cand.exited_s = now
                     continue
-                cand.last_seen_s = now
+                cand.last_seen_s = now  # a survivor's last poll is at or after the deadline
+                # Read at each poll: a child between fork and exec shows its parent's command
+                # line, and a helper must be recognised before it costs a grace.
                 current = procs.read_proc(key.pid)
                 if current is not None and current.key == key and current.cmdline:
                     cand.info = current._replace(tagged=cand.info.tagged)
@@ -486,17 +483,12 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
     """
     if before.nvml_bytes is None or after.nvml_bytes is None:
         return {}
-    grown: dict[int, int] = {}
-    for device, num in after.nvml_bytes.items():
-        if device not in before.nvml_bytes:
-            continue
-        growth = num - before.nvml_bytes[device]
-        if after.allocated_bytes is not None:
-            # Cached blocks and tensors already counted as kept are not the driver's.
-            reserved_growth = (after.reserved_bytes or {}).get(device, 0) - (
-                before.reserved_bytes or {}
-            ).get(device, 0)
-            growth -= max(reserved_growth, 0) + max(kept.get(device, 0), 0)
-        if growth > 0:
-            grown[device] = growth
-    return grown
+    start = before.nvml_bytes
+    growth = {d: num - start[d] for d, num in after.nvml_bytes.items() if d in start}
+    if after.allocated_bytes is not None:
+        # Cached blocks and tensors already counted as kept are not the driver's.
+        reserved, reserved_start = after.reserved_bytes or {}, before.reserved_bytes or {}
+        for d in growth:
+            cached = max(reserved.get(d, 0) - reserved_start.get(d, 0), 0)
+            growth[d] -= cached + max(kept.get(d, 0), 0)
+    return {d: num for d, num in growth.items() if num > 0}

@@ -117,11 +117,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def resolve_options(config: pytest.Config, *, full: bool = False) -> CheckOptions:
     """The session's options (command line > environment > ini > default).
 
-    Every source is read where ``full`` or the check is on (NOTE [off means off]).
-
-    Raises:
-        pytest.UsageError: A bad value, named with its source.
-
+    Every source is read where ``full`` or the check is on (NOTE [off means off]); a bad value
+    is a ``pytest.UsageError`` naming its source.
     """
     ini = {spec.name: config.getini(str(spec.ini_key)) for spec in SPECS}
     ini_path = str(config.inipath) if config.inipath else None

@@ -397,38 +397,37 @@ class Checker:
         mine = [n for n in sorted(fresh | scopes.keys()) if n in segments]
         mine = [n for n in mine if segments[n].uid == os.getuid()]
         ours = roles.keys() | test_pids
-        blamed = {n for n in mine if n in scopes or n in held_by or shm_name_pids(n) & ours}
-        unresolved = [n for n in mine if n not in blamed and not _made_by_stranger(n, roles)]
-        if unresolved:  # a stranger's holding makes a file not ours
-            strangers = [int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles]
-            held: set[str] = set().union(*procs.shm_open_by(strangers, self.shm_dir).values())
-            unresolved = [
-                name
-                for name in unresolved
-                if name not in held
-                and os.path.exists(os.path.join(self.shm_dir, name))
-                and not is_named_semaphore(name)
-            ]
-        now_pid = procs.last_pid() if unresolved else None
         found: list[ShmFile] = []
+        held_by_strangers: set[str] | None = None  # read once, where first needed
+        now_pid = None
         for name in mine:
             size = segments[name].size_bytes
-            if name not in blamed:
-                if name not in unresolved:
-                    continue
-                # Its maker, by its naming scheme, is older than the test: another job's
-                # file. Only the scheme's PID counts; an unknown PID mark proves nothing.
-                creator = shm_creator_pid(name)
-                older = creator is not None and (
-                    handed_out_since(window.pids, creator, now_pid) is False
+            if name in scopes or name in held_by or shm_name_pids(name) & ours:
+                holder, role = held_by.get(name, (None, None))
+                scope = scopes.get(name)
+                found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
+                continue
+            if _made_by_stranger(name, roles) or is_named_semaphore(name):
+                continue
+            if held_by_strangers is None:  # a stranger's holding makes a file not ours
+                strangers = [
+                    int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles
+                ]
+                held_by_strangers = set().union(
+                    *procs.shm_open_by(strangers, self.shm_dir).values()
                 )
-                if older or not self.attribute_unheld_shm:
-                    made_by = creator if older else None
-                    found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
-                    continue
-            holder, role = held_by.get(name, (None, None))
-            scope = scopes.get(name)
-            found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
+                now_pid = procs.last_pid()
+            if name in held_by_strangers or not os.path.exists(os.path.join(self.shm_dir, name)):
+                continue
+            # Its maker, by its naming scheme, is older than the test: another job's file.
+            # Only the scheme's PID counts; an unknown PID mark proves nothing.
+            creator = shm_creator_pid(name)
+            older = creator is not None and handed_out_since(window.pids, creator, now_pid) is False
+            if older or not self.attribute_unheld_shm:
+                made_by = creator if older else None
+                found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
+            else:
+                found.append(ShmFile(name, size))
         return tuple(found)
 
     def _parent_memory(

@@ -213,14 +213,12 @@ class Checker:
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-        found: list[tuple[str | None, ProcInfo]]
-        found = [(None, info) for info in self._born_since(window.pids, window.tags)]
-        for ended in finished:  # dead ones drop out in _wait's first pass
-            found.extend((ended.label, info) for info in ended.processes)
+        found = self._born_since(window.pids, window.tags)
         seen_s = time.monotonic()
-        candidates = [
-            _Candidate(info, scope, seen_s) for scope, info in found if info.key.pid != self.pid
-        ]
+        candidates = [_Candidate(info, None, seen_s) for info in found]
+        for ended in finished:  # dead ones drop out in _wait's first pass
+            candidates.extend(_Candidate(info, ended.label, seen_s) for info in ended.processes)
+        candidates = [cand for cand in candidates if cand.info.key.pid != self.pid]
         self._wait(candidates, end_s + grace_s)
         staying = [cand for cand in candidates if cand.exited_s is None]
         self._collect_and_settle(staying)

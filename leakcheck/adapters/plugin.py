@@ -18,9 +18,9 @@ the teardown phase: the function-scoped fixtures are finalized by then, and the 
 is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist all name the test.
 
 NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section; the
-failure's message is one sentence (``the test left 1 process (PID 7)``). Where no failure shows
-the section (a warning, a skip, an xfail or xpass, information only), the findings go under the
-test's line of the ``LEAK REPORT``.
+failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK REPORT``
+counts per test. Where no failure shows the section (a warning, a skip, an xfail or xpass,
+information only), the findings go under the test's line of the ``LEAK REPORT``.
 
 NOTE [counted once]: a checked test that passed its call is counted at its teardown, as
 ``passed`` or ``failed`` (``LEAKED``): N tests with one leak read "1 failed, N-1 passed". A test

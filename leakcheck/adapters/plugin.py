@@ -8,10 +8,10 @@ findings travel to the controller on the reports. Registered through the ``pytes
 point ``leakcheck``; ``-p no:leakcheck`` disables it.
 
 NOTE [off means off]: with the check off, loading the plugin costs options parsing and nothing
-else (no NVML, no /proc reads, no threads, no torch). The environment and the ini file reach
-every pytest run, so they are read and validated only when some test is checked (the flag, the
-environment or ini switch, a marker, or the ``gpu_leak_tracker`` fixture); then a bad value is
-a usage error naming its source. The switch and the command line are always read.
+else (no NVML, no /proc reads, no threads, no torch). The environment and the ini file are read
+and validated only when some test is checked (the flag, the environment or ini switch, a
+marker, or the ``gpu_leak_tracker`` fixture); then a bad value is a usage error naming its
+source. The switch and the command line are always read.
 
 NOTE [where the verdict goes]: the check runs in a wrapper of ``pytest_runtest_makereport`` for
 the teardown phase: the function-scoped fixtures are finalized by then, and the report it fails
@@ -22,22 +22,20 @@ failure's message is one sentence (``the test left 1 process (PID 7)``) and the 
 counts per test. Where no failure shows the section (a warning, a skip, an xfail or xpass,
 information only), the findings go under the test's line of the ``LEAK REPORT``.
 
-NOTE [counted once]: a checked test that passed its call is counted at its teardown (not at
-its call), as ``passed`` or ``failed`` (``LEAKED``): N tests with one leak read "1 failed, N-1
-passed". A test that failed, errored, was skipped, xfailed or xpassed before keeps that
-outcome; a leak adds its section and a summary line. A test skipped before its call that left
-nothing is not counted.
+NOTE [counted once]: a checked test that passed its call is counted at its teardown, as
+``passed`` or ``failed`` (``LEAKED``): N tests with one leak read "1 failed, N-1 passed". A test
+that failed, errored, was skipped, xfailed or xpassed before keeps that outcome; a leak adds its
+section and a summary line. A test skipped before its call that left nothing is not counted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -53,6 +51,7 @@ from leakcheck.core.options import (
     resolve,
     resolve_check_options,
 )
+from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, plural
 
 if TYPE_CHECKING:
@@ -118,11 +117,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def resolve_options(config: pytest.Config, *, full: bool = False) -> CheckOptions:
     """The session's options (command line > environment > ini > default).
 
-    Every source is read where ``full`` or the check is on (NOTE [off means off]).
-
-    Raises:
-        pytest.UsageError: A bad value, named with its source.
-
+    Every source is read where ``full`` or the check is on (NOTE [off means off]); a bad value
+    is a ``pytest.UsageError`` naming its source.
     """
     ini = {spec.name: config.getini(str(spec.ini_key)) for spec in SPECS}
     ini_path = str(config.inipath) if config.inipath else None
@@ -170,16 +166,12 @@ def pytest_configure(config: pytest.Config) -> None:
         _activate(config, options)
 
 
-def _marked_options(base: CheckOptions, item: pytest.Item) -> CheckOptions | None:
-    markers = list(item.iter_markers(MARKER))
-    if not markers:
-        return None
+def _marked_options(base: CheckOptions, item: pytest.Item) -> CheckOptions:
     options = base
-    for marker in reversed(markers):  # farthest (module) first, closest (function) last
+    for marker in reversed(list(item.iter_markers(MARKER))):  # farthest (module) first
         try:
-            options = apply_marker(
-                options, marker.args, marker.kwargs, where=f"{MARKER} marker on {item.nodeid}"
-            )
+            where = f"{MARKER} marker on {item.nodeid}"
+            options = apply_marker(options, marker.args, marker.kwargs, where=where)
         except UsageError as exc:
             raise pytest.UsageError(str(exc)) from None
     return options
@@ -194,25 +186,20 @@ def pytest_collection_modifyitems(
         return
     marked = {item: _marked_options(base, item) for item in items}
     if not base.enabled and any(
-        (options is not None and options.enabled)
-        or "gpu_leak_tracker" in getattr(item, "fixturenames", ())
+        options.enabled or "gpu_leak_tracker" in getattr(item, "fixturenames", ())
         for item, options in marked.items()
     ):
         # Some test is checked after all: every source counts now (NOTE [off means off]).
         base = config.stash[OPTIONS_KEY] = resolve_options(config, full=True)
         marked = {item: _marked_options(base, item) for item in items}
-    any_enabled = base.enabled
     for item, options in marked.items():
-        if options is not None:
-            item.stash[ITEM_OPTIONS_KEY] = options
-            any_enabled = any_enabled or options.enabled
-    if any_enabled:
+        item.stash[ITEM_OPTIONS_KEY] = options
+    if base.enabled or any(options.enabled for options in marked.values()):
         _activate(config, base)
 
 
 def _options_for(item: pytest.Item) -> CheckOptions:
-    base = item.config.stash.get(OPTIONS_KEY, CheckOptions())
-    return item.stash.get(ITEM_OPTIONS_KEY, base)
+    return item.stash.get(ITEM_OPTIONS_KEY, item.config.stash.get(OPTIONS_KEY, CheckOptions()))
 
 
 # --- the fixture --------------------------------------------------------------------------
@@ -265,18 +252,17 @@ _PROCESS_RULES = ("survivor", "orphan")
 def headline(findings: Sequence[Finding]) -> str:
     """What findings are about, counted: ``1 process (612 MiB GPU), 1 /dev/shm file``."""
     processes = [f for f in findings if f.rule in _PROCESS_RULES]
-    shm = [f for f in findings if f.rule == "shm"]
-    memory = [f for f in findings if f.rule == "residual"]
+    others = Counter(f.rule for f in findings if f.rule not in _PROCESS_RULES)
     parts: list[str] = []
     if processes:
         held = sum(f.gpu_bytes or 0 for f in processes)
         gpu = f" ({format_mib(held)} MiB GPU)" if held else ""
         parts.append(plural(len(processes), "process", "processes") + gpu)
-    if shm:
-        parts.append(plural(len(shm), "/dev/shm file"))
-    if memory:
-        parts.append(f"{format_mib(sum(f.gpu_bytes or 0 for f in memory))} MiB of GPU memory")
-    others = Counter(f.rule for f in findings if f.rule not in (*_PROCESS_RULES, "shm", "residual"))
+    if "shm" in others:
+        parts.append(plural(others.pop("shm"), "/dev/shm file"))
+    if others.pop("residual", 0):
+        memory = sum(f.gpu_bytes or 0 for f in findings if f.rule == "residual")
+        parts.append(f"{format_mib(memory)} MiB of GPU memory")
     parts.extend(plural(num, f"{rule} finding") for rule, num in others.items())
     return ", ".join(parts) or "nothing"
 
@@ -287,16 +273,6 @@ def failure_text(leaks: Sequence[Finding]) -> str:
     shown = ", ".join(str(pid) for pid in pids[:3]) + (", ..." if len(pids) > 3 else "")
     named = f" (PID{'s' if len(pids) > 1 else ''} {shown})" if pids else ""
     return f"leakcheck: the test left {headline(leaks)}{named}"
-
-
-def _gpu_words(notes: Iterable[str]) -> str:
-    """How GPU memory was read, briefly: ``GPU: checked (NVML)``, ``GPU: not checked (...)``."""
-    from leakcheck.judge.report import gpu_unchecked
-
-    words = sorted(
-        {"GPU: checked (NVML)" if note == "NVML" else gpu_unchecked(note) for note in notes}
-    )
-    return "; ".join(words) or "no test checked"
 
 
 def _worst_first(result: tuple[str, tuple[list[Finding], str, bool]]) -> tuple[int, int, int, str]:
@@ -311,16 +287,10 @@ def _unattributed(f: Finding) -> bool:
     return f.rule == "shm" and f.severity == "info" and f.pid is None and f.shm_name is not None
 
 
-def _process_key(finding: Finding) -> tuple[int | None, str]:
-    # The tracker and the plugin may see one process at different moments: still in the
-    # tree for one (survivor), reparented for the other (orphan). Either names it.
-    return finding.pid, "process" if finding.rule in _PROCESS_RULES else finding.rule
-
-
 def judge_test(
     checker: Checker, window: Window, label: str, options: CheckOptions, end_s: float
 ) -> list[Finding]:
-    """Observe the test as a timeline and judge it with ``verdict.judge``.
+    """Observe the test as a timeline and judge it with ``verdict.judge``, leaks first.
 
     The ``gpu_leak_tracker`` fixture's findings join, but for those the test's own check made
     too (a process and rule already found; /dev/shm files, seen in the same window).
@@ -328,50 +298,30 @@ def judge_test(
     from leakcheck.core.model import RuleConfig
     from leakcheck.judge.verdict import judge
 
+    tolerance_bytes, grace_s = options.tolerance_bytes, options.grace_s
     timeline = checker.observe(
-        window,
-        label=label,
-        end_s=end_s,
-        grace_s=options.grace_s,
-        tolerance_bytes=options.tolerance_bytes,
+        window, label=label, end_s=end_s, grace_s=grace_s, tolerance_bytes=tolerance_bytes
     )
     config = RuleConfig(
-        tolerance_bytes=options.tolerance_bytes,
-        grace_s=options.grace_s,
+        tolerance_bytes=tolerance_bytes,
+        grace_s=grace_s,
         warmup_epochs=0,
         copy_tolerance_bytes=options.copy_tolerance_bytes,
     )
     # "Attribution is blind" is said once, in the session summary, not for every test.
     findings = [f for f in judge(timeline, config) if f.rule != "blind"]
-    named = {_process_key(f) for f in findings if f.pid is not None}
+
+    # The tracker and the plugin may see one process at different moments: still in the
+    # tree for one (survivor), reparented for the other (orphan). Either names it.
+    def process_key(f: Finding) -> tuple[int | None, str]:
+        return f.pid, "process" if f.rule in _PROCESS_RULES else f.rule
+
+    named = {process_key(f) for f in findings if f.pid is not None}
     # The test's own /dev/shm check covers the fixture's window: its files once, one verdict.
     findings.extend(
-        f for f in window.extra if f.rule not in ("blind", "shm") and _process_key(f) not in named
+        f for f in window.extra if f.rule not in ("blind", "shm") and process_key(f) not in named
     )
     return sorted(findings, key=lambda f: f.severity != "leak")
-
-
-def _fail_or_warn(
-    item: pytest.Item, report: pytest.TestReport, text: str, mode: str, earlier: str
-) -> str:
-    """Warn about the leak, or fail the teardown report with ``text``; returns the status."""
-    if mode == "warn":
-        try:
-            warnings.warn(LeakWarning(text), stacklevel=1)
-            return "warned"
-        except LeakWarning:  # -W error: the user asked for warnings to fail
-            pass
-    if earlier in COUNTED or report.failed:
-        return "reported"  # the test or a fixture's teardown failed already: add our section
-    # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
-    # a short message (no plugin traceback) that xdist and JUnit carry as usual.
-    failure = pytest.TestReport.from_item_and_call(
-        item, pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown")
-    )
-    report.outcome = "failed"
-    report.longrepr = failure.longrepr
-    setattr(report, COUNT_ATTR, "leaked")
-    return "leaked"
 
 
 # --- the active part ----------------------------------------------------------------------
@@ -386,20 +336,10 @@ class LeakCheckPlugin:
         self._checker: Checker | None = None
         self._window: Window | None = None
         self._checked = 0
+        # Per test: its findings, its status, and whether a failure shows its section.
         self._results: dict[str, tuple[list[Finding], str, bool]] = {}
-        """Per test: its findings, its status, and whether a failure shows its section."""
         self._unattributed: set[str] = set()  # /dev/shm files of no test (under xdist)
         self._gpu_notes: set[str] = set()
-
-    def _get_checker(self) -> Checker:
-        if self._checker is None:
-            from leakcheck.adapters.plugin_observe import Checker
-
-            # Under xdist, a segment nobody holds may be a sibling worker's.
-            self._checker = Checker(
-                attribute_unheld_shm=os.environ.get("PYTEST_XDIST_WORKER") is None
-            )
-        return self._checker
 
     # -- per test ------------------------------------------------------------------------
 
@@ -408,12 +348,17 @@ class LeakCheckPlugin:
         """Snapshot before any fixture of the test is set up."""
         if _options_for(item).enabled:
             try:
-                window = self._get_checker().begin()
+                if self._checker is None:
+                    from leakcheck.adapters.plugin_observe import Checker
+
+                    # Under xdist, a segment nobody holds may be a sibling worker's.
+                    alone = os.environ.get("PYTEST_XDIST_WORKER") is None
+                    self._checker = Checker(attribute_unheld_shm=alone)
+                window = self._checker.begin()
             except Exception as exc:  # never break a run for leakcheck's sake
                 self._gpu_notes.add(f"a test went unchecked: {one_line(exc)}")
             else:
-                item.stash[WINDOW_KEY] = window
-                self._window = window
+                item.stash[WINDOW_KEY] = self._window = window
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -424,17 +369,9 @@ class LeakCheckPlugin:
         window = self._window
         if window is None or fixturedef.scope == "function" or self._checker is None:
             return (yield)
-        checker = self._checker
-        try:
-            probe = checker.fixture_begin()
-        except Exception:  # unattributed then: its processes count as the test's
+        label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
+        with self._checker.fixture_scope(fixturedef, label, window):
             return (yield)
-        try:
-            return (yield)
-        finally:
-            label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
-            with contextlib.suppress(Exception):
-                checker.fixture_end(fixturedef, probe, label, window)
 
     def pytest_fixture_post_finalizer(
         self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
@@ -462,13 +399,13 @@ class LeakCheckPlugin:
         if earlier == "deferred":
             setattr(report, COUNT_ATTR, "deferred")
         window = item.stash.get(WINDOW_KEY, None)
-        if call.when != "teardown" or window is None:
+        checker = self._checker
+        if call.when != "teardown" or window is None or checker is None:
             return report
         end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
         self._window = None
         options = _options_for(item)
-        checker = self._get_checker()
         try:
             findings = judge_test(checker, window, TEST_LABEL, options, end_s)
         except Exception as exc:  # leakcheck's own failure must never break a test run
@@ -480,29 +417,51 @@ class LeakCheckPlugin:
         finally:
             checker.end_environment(window)
         try:
-            from leakcheck.core.records import to_jsonable
-            from leakcheck.judge.report import finding_lines
-
-            leaks = [f for f in findings if f.severity == "leak"]
-            if findings:
-                report.sections.append((SECTION, "\n".join(finding_lines(findings))))
-            status = ""
-            if leaks:
-                # For tools that read JUnit: each leak's line, as the section words it.
-                lines = "\n".join(finding_lines(leaks)).splitlines()
-                said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
-                report.user_properties.append(("gpu_leak_check", said))
-                status = _fail_or_warn(item, report, failure_text(leaks), options.mode, earlier)
-            payload = {
-                "status": status,
-                "gpu": checker.gpu_note,
-                "earlier": earlier,
-                "findings": to_jsonable(findings),
-            }
-            setattr(report, REPORT_ATTR, json.dumps(payload))
+            status = self._verdict(item, report, findings, options.mode, earlier)
+            payload = {"status": status, "gpu": checker.gpu_note, "earlier": earlier}
+            setattr(report, REPORT_ATTR, json.dumps(payload | {"findings": to_jsonable(findings)}))
         except Exception as exc:  # an exception here would be pytest's INTERNALERROR
             self._gpu_notes.add(f"a test went unreported: {one_line(exc)}")
         return report
+
+    def _verdict(
+        self,
+        item: pytest.Item,
+        report: pytest.TestReport,
+        findings: list[Finding],
+        mode: str,
+        earlier: str,
+    ) -> str:
+        """Add the section; warn about leaks, or fail the teardown report. Returns the status."""
+        from leakcheck.judge.report import finding_lines
+
+        leaks = [f for f in findings if f.severity == "leak"]
+        if findings:
+            report.sections.append((SECTION, "\n".join(finding_lines(findings))))
+        if not leaks:
+            return ""
+        # For tools that read JUnit: each leak's line, as the section words it.
+        lines = "\n".join(finding_lines(leaks)).splitlines()
+        said = "; ".join(line for line in lines if not line.lstrip().startswith("fix: "))
+        report.user_properties.append(("gpu_leak_check", said))
+        if mode == "warn":
+            try:
+                warnings.warn(LeakWarning(failure_text(leaks)), stacklevel=1)
+                return "warned"
+            except LeakWarning:  # -W error: the user asked for warnings to fail
+                pass
+        if earlier in COUNTED or report.failed:
+            return "reported"  # the test or a fixture's teardown failed already: add our section
+        # A report built the way pytest builds one for `pytest.fail(..., pytrace=False)`:
+        # a short message (no plugin traceback) that xdist and JUnit carry as usual.
+        text = failure_text(leaks)
+        failure = pytest.TestReport.from_item_and_call(
+            item, pytest.CallInfo.from_call(lambda: pytest.fail(text, pytrace=False), "teardown")
+        )
+        report.outcome = "failed"
+        report.longrepr = failure.longrepr
+        setattr(report, COUNT_ATTR, "leaked")
+        return "leaked"
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(
@@ -528,7 +487,6 @@ class LeakCheckPlugin:
         if report.when != "teardown" or not isinstance(payload, str):
             return
         from leakcheck.core.model import Finding
-        from leakcheck.core.records import record_from_dict
 
         try:
             data = json.loads(payload)
@@ -573,17 +531,21 @@ class LeakCheckPlugin:
 
         NOTE [said once]; ``GPU LEAK REPORT`` where some finding is about GPU memory.
         """
-        from leakcheck.judge.report import about_gpu, finding_lines
+        from leakcheck.judge.report import about_gpu, finding_lines, gpu_unchecked
 
         if hasattr(config, "workerinput") or (not self._checked and not self.options.enabled):
             return
         tr = terminalreporter
-        gpu = _gpu_words(self._gpu_notes)
+        notes = {
+            "GPU: checked (NVML)" if n == "NVML" else gpu_unchecked(n) for n in self._gpu_notes
+        }
+        gpu = "; ".join(sorted(notes)) or "no test checked"
         checked = plural(self._checked, "checked test")
         results = sorted(self._results.items(), key=_worst_first)
         leaky = sum(any(f.severity == "leak" for f in entry[0]) for _, entry in results)
-        gpu_found = about_gpu(f for _, entry in results for f in entry[0])
-        title = "GPU LEAK REPORT" if gpu_found else "LEAK REPORT"
+        title = (
+            "GPU LEAK REPORT" if about_gpu(f for _, e in results for f in e[0]) else "LEAK REPORT"
+        )
         if not results:
             tr.write_sep("=", f"{title}: no leaks in {checked}; {gpu}", green=True)
         else:

@@ -1,15 +1,14 @@
-"""What the pytest plugin sees of one test, without pytest, turned into a ``Timeline``.
+"""What the pytest plugin sees of one test, turned into a ``Timeline`` for ``verdict.judge``.
 
 One ``Checker`` per pytest process marks the moment before a checked test's setup (``begin``),
-notes what wider-scoped fixtures start (``fixture_*``), and after the teardown (``observe``)
-waits out the grace and describes the test as one short epoch for ``verdict.judge``, reading
-the machine through ``observe/`` (NOTE [cheap snapshots], NOTE [whose process] in procs.py).
+notes what wider-scoped fixtures start (``fixture_scope``), and after the teardown
+(``observe``) waits out the grace and reads the machine through ``observe/`` (NOTE [cheap
+snapshots], NOTE [whose process] in procs.py).
 
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
-are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it
-(``scope`` names the fixture). One that starts processes lazily, inside a test, is not their
-owner: the test is.
+are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it.
+One that starts processes lazily, inside a test, is not their owner: the test is.
 
 NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
 the garbage collector runs. Processes alive after the grace get a moment more (one on its way
@@ -23,18 +22,18 @@ beyond it fails a test only where torch is not the one using CUDA here.
 NOTE [one short epoch]: the test is epoch 0 of its own timeline, labelled ``the test``, from
 before its setup to the end of its teardown. Its processes: the test process (the parent),
 those it started still alive after the grace, and runtime helpers that pin nothing on the GPU
-(a persistent baseline). Device totals are not read per test (other jobs share the device):
-the test process's own memory is (``Timeline.parent_memory``).
+(a persistent baseline). Device totals are not read per test (other jobs share the device).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -86,38 +85,31 @@ class GpuState:
     reserved_bytes: Mapping[int, int] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScopeOwner:
     """What one wide-scope fixture instance started while it was set up (NOTE [scopes])."""
 
     label: str  # ``module-scoped fixture 'pool'``
     window_serial: int
-    processes: tuple[ProcInfo, ...] = ()
-    shm: frozenset[str] = frozenset()
-    allocated_bytes: Mapping[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """PID allocation, /dev/shm names and GPU memory before a test or a fixture's setup."""
-
-    pids: PidMark
+    processes: tuple[ProcInfo, ...]
     shm: frozenset[str]
-    gpu: GpuState
+    allocated_bytes: Mapping[int, int]
 
 
 @dataclass
 class Window:
-    """One checked test, from before its setup (``before``, ``start_s``) to after its teardown."""
+    """One checked test, from before its setup (``pids``, ``shm``, ``gpu``, ``start_s``)."""
 
     serial: int  # increasing in this process
     tag: str  # its own, which the test's children inherit as ``LEAKCHECK_SESSION``
     tags: set[str]  # ``tag`` and those of the trackers the test ran
-    before: Probe
+    pids: PidMark
+    shm: frozenset[str]
+    gpu: GpuState
     saved_env: str | None  # the tag variable's previous value (None: unset)
     start_s: float  # ``time.monotonic()``
+    exports_mark: int  # where the tags of trackers the test starts begin (``exports.mark``)
     extra: list[Finding] = field(default_factory=list)  # the ``gpu_leak_tracker`` fixture's
-    exports_mark: int = 0  # where the tags of trackers the test starts begin (``exports.mark``)
 
 
 @dataclass
@@ -128,8 +120,8 @@ class _Candidate:
     scope: str | None  # the label of the wide-scope fixture that started it (None: the test)
     last_seen_s: float
     exited_s: float | None = None
-    baseline: bool = False  # a runtime helper that pins nothing on the GPU
-    pins: bool | None = None  # a helper's GPU memory or /dev/nvidia* use (None: not asked)
+    # A runtime helper's GPU memory or /dev/nvidia* use (None: not asked); False: a baseline.
+    pins: bool | None = None
     freed_by_gc: bool = False  # NOTE [reference cycles]
 
 
@@ -164,10 +156,10 @@ class Checker:
         self._serial += 1
         self._gpu_failure = None
         tag = f"pytest-{self.pid}-{self._serial}"
-        before = Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state())
+        pids, shm, gpu = PidMark.now(), _listdir(self.shm_dir), self._gpu_state()
         saved_env = os.environ.get(SESSION_ENV)
-        window = Window(self._serial, tag, {tag}, before, saved_env, time.monotonic())
-        window.exports_mark = exports.mark()
+        start_s, mark = time.monotonic(), exports.mark()
+        window = Window(self._serial, tag, {tag}, pids, shm, gpu, saved_env, start_s, mark)
         os.environ[SESSION_ENV] = tag
         return window
 
@@ -178,21 +170,30 @@ class Checker:
         else:
             os.environ[SESSION_ENV] = window.saved_env
 
-    def fixture_begin(self) -> Probe:
-        """Snapshot before a wide-scope fixture's setup (the allocator, not NVML)."""
-        return Probe(PidMark.now(), _listdir(self.shm_dir), self._gpu_state(nvml=False))
+    @contextlib.contextmanager
+    def fixture_scope(self, key: object, label: str, window: Window) -> Iterator[None]:
+        """Around a wide-scope fixture's setup: what appears meanwhile is its own.
 
-    def fixture_end(self, key: object, probe: Probe, label: str, window: Window) -> ScopeOwner:
-        """What appeared during a wide-scope fixture's setup is that fixture's own."""
-        processes = tuple(self._born_since(probe, window.tags))
-        owned_shm = {name for o in self._owners.values() for name in o.shm}
-        shm = _listdir(self.shm_dir) - probe.shm - owned_shm
-        now = self._gpu_state(nvml=False).allocated_bytes or {}
-        before = probe.gpu.allocated_bytes or {}
-        added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
-        owner = ScopeOwner(label, window.serial, processes, shm, added)
-        self._owners[key] = owner
-        return owner
+        The allocator is read, not NVML. A failed read leaves it unowned: what it starts
+        counts as the test's.
+        """
+        try:
+            pids, shm = PidMark.now(), _listdir(self.shm_dir)
+            before = self._gpu_state(nvml=False).allocated_bytes or {}
+        except Exception:
+            yield
+            return
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                processes = tuple(self._born_since(pids, window.tags))
+                owned_shm = {name for o in self._owners.values() for name in o.shm}
+                new_shm = _listdir(self.shm_dir) - shm - owned_shm
+                now = self._gpu_state(nvml=False).allocated_bytes or {}
+                added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
+                owner = ScopeOwner(label, window.serial, processes, new_shm, added)
+                self._owners[key] = owner
 
     def fixture_finished(self, key: object, *, judge: bool = True) -> None:
         """A wide-scope fixture ended: what it owned goes with the current test (or none)."""
@@ -212,15 +213,15 @@ class Checker:
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-        found = self._born_since(window.before, window.tags)
+        found = self._born_since(window.pids, window.tags)
         seen_s = time.monotonic()
         candidates = [_Candidate(info, None, seen_s) for info in found]
-        for ended in finished:  # dead ones drop out in _wait_for_exit's first pass
+        for ended in finished:  # dead ones drop out in _wait's first pass
             candidates.extend(_Candidate(info, ended.label, seen_s) for info in ended.processes)
-        candidates = [c for c in candidates if c.info.key.pid != self.pid]
-        _wait_for_exit(candidates, end_s + grace_s, self._pins_gpu)
+        candidates = [cand for cand in candidates if cand.info.key.pid != self.pid]
+        self._wait(candidates, end_s + grace_s)
         staying = [cand for cand in candidates if cand.exited_s is None]
-        _collect_and_settle(staying, self._pins_gpu)
+        self._collect_and_settle(staying)
         left = self._left(staying, end_s)
         # /dev/shm after the grace period: exiting workers remove their own.
         test_pids = {cand.info.key.pid for cand in candidates}
@@ -241,7 +242,6 @@ class Checker:
             gpu_bytes_end=gpu,
             gpu_bytes_peak=gpu,
         )
-        attribution, reason = self.attribution
         epoch = EpochRecord(0, label, window.start_s, end_s, "completed", (parent, *left), devices)
         still = (
             dataclasses.replace(p, born_in_epoch=False, last_seen_after_s=now_s - end_s)
@@ -250,12 +250,12 @@ class Checker:
         return Timeline(
             session_id=window.tag,
             root=parent.key,
-            started_unix_s=window.before.pids.unix_s,
+            started_unix_s=window.pids.unix_s,
             boot_unix_s=procs.boot_time_s(),
-            attribution=attribution,
-            attribution_reason=reason,
+            attribution=self.attribution[0],
+            attribution_reason=self.attribution[1],
             baseline_devices=(),
-            baseline_gpu_bytes=dict(window.before.gpu.nvml_bytes or {}),
+            baseline_gpu_bytes=dict(window.gpu.nvml_bytes or {}),
             epochs=(epoch,),
             final=FinalState(now_s, devices, (parent, *still), closed=True),
             shm_files=shm_files,
@@ -282,15 +282,54 @@ class Checker:
         counters = allocator_bytes(collect=collect)
         return GpuState(nvml_bytes, *counters) if counters is not None else GpuState(nvml_bytes)
 
-    def _born_since(self, probe: Probe, tags: set[str]) -> list[ProcInfo]:
-        """The test's processes born since ``probe`` that no active fixture owns."""
+    def _born_since(self, mark: PidMark, tags: set[str]) -> list[ProcInfo]:
+        """The test's processes born since ``mark`` that no active fixture owns."""
         owned = {info.key.pid for owner in self._owners.values() for info in owner.processes}
-        new_pids = [pid for pid in probe.pids.pids_since() if pid not in owned]
-        return self.lineage.ours(new_pids, tags, since=probe.pids)
+        new_pids = [pid for pid in mark.pids_since() if pid not in owned]
+        return self.lineage.ours(new_pids, tags, since=mark)
 
     def _pins_gpu(self, pid: int) -> bool:
         """Whether a process holds GPU memory or ``/dev/nvidia*`` descriptors now."""
         return bool(procs.nvidia_fd_count(pid)) or pid in (self._gpu_by_pid() or {})
+
+    def _wait(self, candidates: Sequence[_Candidate], deadline_s: float) -> None:
+        """Poll until every candidate exited or is a baseline helper, or the deadline passed."""
+        pending = list(candidates)
+        delay = 0.005
+        while True:
+            now = time.monotonic()
+            for cand in pending:
+                key = cand.info.key
+                if not procs.is_alive(key):
+                    cand.exited_s = now
+                    continue
+                cand.last_seen_s = now  # a survivor's last poll is at or after the deadline
+                # Read at each poll: a child between fork and exec shows its parent's command
+                # line, and a helper must be recognised before it costs a grace.
+                current = procs.read_proc(key.pid)
+                if current is not None and current.key == key and current.cmdline:
+                    cand.info = current._replace(tagged=cand.info.tagged)
+                if cand.pins is None and is_runtime_helper(cand.info.cmdline):
+                    cand.pins = self._pins_gpu(key.pid)
+            pending = [cand for cand in pending if cand.exited_s is None and cand.pins is not False]
+            if not pending or now >= deadline_s:
+                return
+            time.sleep(min(delay, max(deadline_s - time.monotonic(), 0.0)))
+            delay = min(delay * 2, 0.1)
+
+    def _collect_and_settle(self, staying: Sequence[_Candidate]) -> None:
+        """NOTE [reference cycles]: wait a moment, collect garbage once, wait a moment again."""
+        pending = [cand for cand in staying if cand.pins is not False]
+        self._wait(pending, time.monotonic() + _SHUTDOWN_SETTLE_S)
+        pending = [cand for cand in pending if cand.exited_s is None]
+        if pending:
+            gc.collect()
+            now = time.monotonic()
+            for cand in pending:
+                if not procs.is_alive(cand.info.key):
+                    cand.exited_s, cand.freed_by_gc = now, True
+            pending = [cand for cand in pending if cand.exited_s is None]
+            self._wait(pending, time.monotonic() + _SHUTDOWN_SETTLE_S)
 
     def _left(self, staying: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
         """The candidates alive after the grace (``exited_after_s``: gone now)."""
@@ -309,7 +348,7 @@ class Checker:
                 cmdline=info.cmdline or cand.info.cmdline or info.name,
                 born_in_epoch=True,
                 born_epoch=0,
-                persistent=cand.baseline,
+                persistent=cand.pins is False,
                 alive_at_end=True,
                 exited_after_s=None if alive else time.monotonic() - end_s,
                 last_seen_after_s=cand.last_seen_s - end_s,
@@ -339,7 +378,7 @@ class Checker:
         others are blamed only with ``attribute_unheld_shm``.
         """
         now = _listdir(self.shm_dir)
-        fresh = now - window.before.shm - {name for owner in active for name in owner.shm}
+        fresh = now - window.shm - {name for owner in active for name in owner.shm}
         scopes = {name: owner.label for owner in finished for name in owner.shm if name in now}
         if not fresh and not scopes:
             return ()
@@ -356,38 +395,37 @@ class Checker:
         mine = [n for n in sorted(fresh | scopes.keys()) if n in segments]
         mine = [n for n in mine if segments[n].uid == os.getuid()]
         ours = roles.keys() | test_pids
-        blamed = {n for n in mine if n in scopes or n in held_by or shm_name_pids(n) & ours}
-        unresolved = [n for n in mine if n not in blamed and not _made_by_stranger(n, roles)]
-        if unresolved:  # a stranger's holding makes a file not ours
-            strangers = [int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles]
-            held: set[str] = set().union(*procs.shm_open_by(strangers, self.shm_dir).values())
-            unresolved = [
-                name
-                for name in unresolved
-                if name not in held
-                and os.path.exists(os.path.join(self.shm_dir, name))
-                and not is_named_semaphore(name)
-            ]
-        now_pid = procs.last_pid() if unresolved else None
         found: list[ShmFile] = []
+        held_by_strangers: set[str] | None = None  # read once, where first needed
+        now_pid = None
         for name in mine:
             size = segments[name].size_bytes
-            creator = shm_creator_pid(name)
-            if name in unresolved:
-                older = creator is not None and (
-                    handed_out_since(window.before.pids, creator, now_pid) is False
-                )
-                if older or not self.attribute_unheld_shm:
-                    # Its maker, by its naming scheme, is older than the test: another job's
-                    # file. Only the scheme's PID counts; an unknown PID mark proves nothing.
-                    made_by = creator if older else None
-                    found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
-                    continue
-            elif name not in blamed:
+            if name in scopes or name in held_by or shm_name_pids(name) & ours:
+                holder, role = held_by.get(name, (None, None))
+                scope = scopes.get(name)
+                found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
                 continue
-            holder, role = held_by.get(name, (None, None))
-            scope = scopes.get(name)
-            found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
+            if _made_by_stranger(name, roles) or is_named_semaphore(name):
+                continue
+            if held_by_strangers is None:  # a stranger's holding makes a file not ours
+                strangers = [
+                    int(n) for n in _listdir("/proc") if n.isdigit() and int(n) not in roles
+                ]
+                held_by_strangers = set().union(
+                    *procs.shm_open_by(strangers, self.shm_dir).values()
+                )
+                now_pid = procs.last_pid()
+            if name in held_by_strangers or not os.path.exists(os.path.join(self.shm_dir, name)):
+                continue
+            # Its maker, by its naming scheme, is older than the test: another job's file.
+            # Only the scheme's PID counts; an unknown PID mark proves nothing.
+            creator = shm_creator_pid(name)
+            older = creator is not None and handed_out_since(window.pids, creator, now_pid) is False
+            if older or not self.attribute_unheld_shm:
+                made_by = creator if older else None
+                found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
+            else:
+                found.append(ShmFile(name, size))
         return tuple(found)
 
     def _parent_memory(
@@ -398,7 +436,7 @@ class Checker:
         tolerance_bytes: int,
     ) -> tuple[ParentMemory | None, GpuState]:
         """The test process's GPU memory beyond its start, net of the scopes' allowances."""
-        before = window.before.gpu
+        before = window.gpu
         after = self._gpu_state()
         if after.allocated_bytes is None and after.nvml_bytes is None:
             return None, after
@@ -427,59 +465,6 @@ class Checker:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _wait_for_exit(
-    candidates: Sequence[_Candidate], deadline_s: float, pins_gpu: Callable[[int], bool]
-) -> None:
-    """Poll until every candidate exited or is a baseline helper, or the deadline passed.
-
-    Sets ``exited_s``, ``last_seen_s`` (the last poll of a survivor is at or after the
-    deadline) and ``baseline``. The command line is read at each poll: a child between fork
-    and exec shows its parent's, and a helper must be recognised before it costs a grace.
-    """
-    pending = list(candidates)
-    delay = 0.005
-    while True:
-        now = time.monotonic()
-        still: list[_Candidate] = []
-        for cand in pending:
-            key = cand.info.key
-            if not procs.is_alive(key):
-                cand.exited_s = now
-                continue
-            cand.last_seen_s = now
-            current = procs.read_proc(key.pid)
-            if current is not None and current.key == key and current.cmdline:
-                cand.info = current._replace(tagged=cand.info.tagged)
-            if is_runtime_helper(cand.info.cmdline):
-                if cand.pins is None:
-                    cand.pins = pins_gpu(key.pid)
-                if not cand.pins:
-                    cand.baseline = True
-                    continue
-            still.append(cand)
-        pending = still
-        if not pending or now >= deadline_s:
-            return
-        time.sleep(min(delay, max(deadline_s - time.monotonic(), 0.0)))
-        delay = min(delay * 2, 0.1)
-
-
-def _collect_and_settle(staying: Sequence[_Candidate], pins_gpu: Callable[[int], bool]) -> None:
-    """NOTE [reference cycles]: wait a moment, collect garbage once, wait a moment again."""
-    pending = [cand for cand in staying if not cand.baseline]
-    _wait_for_exit(pending, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-    pending = [cand for cand in pending if cand.exited_s is None]
-    if not pending:
-        return
-    gc.collect()
-    now = time.monotonic()
-    for cand in pending:
-        if not procs.is_alive(cand.info.key):
-            cand.exited_s, cand.freed_by_gc = now, True
-    pending = [cand for cand in pending if cand.exited_s is None]
-    _wait_for_exit(pending, time.monotonic() + _SHUTDOWN_SETTLE_S, pins_gpu)
-
-
 def _made_by_stranger(name: str, roles: Mapping[int, Role]) -> bool:
     """Whether a live process that is not the test's made the file, as its name says."""
     creator = shm_creator_pid(name)
@@ -495,17 +480,12 @@ def _driver_growth(before: GpuState, after: GpuState, kept: Mapping[int, int]) -
     """
     if before.nvml_bytes is None or after.nvml_bytes is None:
         return {}
-    grown: dict[int, int] = {}
-    for device, num in after.nvml_bytes.items():
-        if device not in before.nvml_bytes:
-            continue
-        growth = num - before.nvml_bytes[device]
-        if after.allocated_bytes is not None:
-            # Cached blocks and tensors already counted as kept are not the driver's.
-            reserved_growth = (after.reserved_bytes or {}).get(device, 0) - (
-                before.reserved_bytes or {}
-            ).get(device, 0)
-            growth -= max(reserved_growth, 0) + max(kept.get(device, 0), 0)
-        if growth > 0:
-            grown[device] = growth
-    return grown
+    start = before.nvml_bytes
+    growth = {d: num - start[d] for d, num in after.nvml_bytes.items() if d in start}
+    if after.allocated_bytes is not None:
+        # Cached blocks and tensors already counted as kept are not the driver's.
+        reserved, reserved_start = after.reserved_bytes or {}, before.reserved_bytes or {}
+        for d in growth:
+            cached = max(reserved.get(d, 0) - reserved_start.get(d, 0), 0)
+            growth[d] -= cached + max(kept.get(d, 0), 0)
+    return {d: num for d, num in growth.items() if num > 0}

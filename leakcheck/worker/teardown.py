@@ -12,17 +12,16 @@ until the kernel reaps it, and a worker whose parent died may never exit at all.
 3. Its ``faulthandler`` writes into its own mailbox file (``mailbox.stack_path``): a native
    crash leaves its stacks there for the ``died`` finding, and ``mailbox.STACK_SIGNAL`` dumps
    them there and goes on (NOTE [hang watch] in hang.py). A normal exit removes the file.
-4. At exit (a ``multiprocessing.util.Finalize`` hook: workers leave through multiprocessing's
-   bootstrap, which runs finalizers, not ``atexit``) it reads its host memory and, with CUDA,
-   joins registered side streams into the current stream (never free what a side stream may
-   still use: the cuDNN dgrad race), synchronises, drops registered streams and events,
-   calls registered callables, collects garbage, empties the allocator cache and resets the
-   context; then it waits for NVML to drop its PID and posts a ``teardown`` record. A failing
-   step is one line of the record, never raised. After the reset it must not use CUDA: torch
-   still holds handles of the old context.
-5. In the parent nothing is destroyed at interpreter shutdown: once it is exiting (our
-   ``atexit`` hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the
-   runtime: destroying a stream or event after the context is gone segfaults at exit.
+4. At exit (a ``multiprocessing.util.Finalize`` hook: workers run finalizers, not ``atexit``)
+   it reads its host memory and, with CUDA, joins registered side streams into the current
+   stream (never free what a side stream may still use: the cuDNN dgrad race), synchronises,
+   drops registered streams and events, calls registered callables, collects garbage, empties
+   the allocator cache and resets the context; then it waits for NVML to drop its PID and
+   posts a ``teardown`` record. A failing step is one line of the record, never raised. After
+   the reset it must not use CUDA: torch still holds handles of the old context.
+5. The parent destroys nothing at interpreter shutdown: once it is exiting (our ``atexit``
+   hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the runtime:
+   destroying a stream or event after the context is gone segfaults at exit.
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ _stack_file: Any = None  # the worker's open faulthandler file (NOTE [teardown p
 
 
 def _after_fork_in_child() -> None:
-    # A lock held by another thread at fork time would stay held forever in the child.
     global _registry_lock
-    _registry_lock = threading.Lock()
+    _registry_lock = threading.Lock()  # one held by another thread at the fork stays held
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -94,10 +92,10 @@ atexit.register(_mark_shutdown)
 
 
 def register_resource(resource: object) -> None:
-    """Hand a CUDA stream, CUDA event or callable to the teardown policy.
+    """Hand a CUDA stream, CUDA event or callable to the teardown policy (held strongly).
 
     A release (a worker's, or :func:`release_device`) joins and drops streams and events and
-    calls callables first (NOTE [teardown policy]). The registry holds a strong reference.
+    calls callables first (NOTE [teardown policy]).
 
     Raises:
         UsageError: The resource is none of these.
@@ -146,7 +144,7 @@ class _Freed:
             self.errors.append(f"{name}: {one_line(exc)}")
 
     def fields(self) -> dict[str, Any]:
-        """Its counts and ``error`` as ``TeardownRecord`` and ``ReleaseResult`` name them."""
+        """Its counts and ``error`` as ``TeardownRecord`` names them."""
         counts = {name: value for name, value in vars(self).items() if name != "errors"}
         return counts | {"error": "; ".join(self.errors) or None}
 
@@ -154,8 +152,8 @@ class _Freed:
 def _release(freed: _Freed, device: int | None = None) -> None:
     """Release registered resources, the allocator cache and contexts, into ``freed``.
 
-    ``device``: that one device's (``release_device``); None: every device this process
-    reserved memory on or ran a registered stream on, and its current one (a worker's).
+    ``device`` None: every device this process reserved memory or ran a registered stream on,
+    and its current one (a worker's).
     """
     import torch
 
@@ -254,7 +252,7 @@ def _nvml_state(
 ) -> tuple[bool, dict[int, int]] | None:
     """(NVML lists ``pid``, its known bytes per device); None: NVML cannot be read.
 
-    ``wait_gone`` polls until the PID is gone, for ``_NVML_POLL_S`` at most.
+    ``wait_gone``: poll until the PID is gone, ``_NVML_POLL_S`` at most.
     """
     from leakcheck.observe import nvml
 
@@ -295,10 +293,7 @@ def _terminate_descendants() -> None:
 
 
 def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> None:
-    """At worker exit (NOTE [teardown policy], 4): its report, then the release; never raises.
-
-    The report is what it held (NOTE [worker reports] in track/book.py).
-    """
+    """At worker exit (NOTE [teardown policy], 4; NOTE [worker reports] in track/book.py)."""
     if os.getpid() != key.pid:
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
@@ -340,8 +335,7 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
 def _open_stack_file(path: str) -> bool:
     """Point the worker's faulthandler at ``path``; True when it also dumps on a signal.
 
-    The signal is taken only where nothing handles it yet: its default ends the process, and
-    a handler of the user's is theirs.
+    The signal is taken only where nothing handles it yet (a user's handler is theirs).
     """
     global _stack_file
     try:
@@ -464,13 +458,9 @@ def worker_init_fn(
 ) -> WorkerInit:
     """Return a ``worker_init_fn`` for ``torch.utils.data.DataLoader`` with the policy.
 
-    Use it without :func:`leakcheck.watch` to get the teardown policy alone::
+    Without :func:`leakcheck.watch`, the teardown policy alone (NOTE [teardown policy])::
 
         loader = DataLoader(ds, num_workers=4, worker_init_fn=leakcheck.worker_init_fn(seed))
-
-    In each worker it sets ``PR_SET_PDEATHSIG``, reports the worker to a running tracker (if
-    any) and at exit releases its CUDA resources (NOTE [teardown policy]); then it calls
-    ``user_fn(worker_id)``.
 
     Args:
         user_fn: Your own ``worker_init_fn``; it still runs, after the policy is installed.

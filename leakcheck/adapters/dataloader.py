@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
@@ -43,7 +43,7 @@ from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "start_iterator", "watch"]
+__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "epoch_batches", "watch"]
 
 T = TypeVar("T")
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -252,21 +252,58 @@ class EpochJudge:
         warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)
 
 
-def _collected(tracker: Tracker, owns_tracker: bool) -> None:
-    """The wrapper was collected without ``close()``: stop the tracker it owns."""
-    if owns_tracker:
-        tracker.end_epoch("collected")
-        tracker.close()
+def epoch_batches(
+    loader: Any, make: Callable[[], Iterator[T]], judge: EpochJudge, *, release: bool
+) -> Generator[T, None, tuple[int, int]]:
+    """One epoch of ``loader``, ``make()``'s batches (NOTE [epoch ends]); returns (index, count).
+
+    ``watch()`` and ``leakcheck run`` (NOTE [run instrumentation]) iterate it.
+    """
+    if _gc_phase not in gc.callbacks:
+        gc.callbacks.append(_gc_phase)
+    tracker = judge.tracker
+    index = tracker.begin_epoch()
+    batches: Any = None
+    count = 0
+    ended: tuple[EndReason, str | None] = ("completed", None)
+    died = False
+    try:
+        batches = start_iterator(loader, tracker, make, release=release)
+        tracker.batch_wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
+        for batch in batches:
+            count += 1
+            tracker.batch_arrived()
+            yield batch
+            tracker.batch_wanted()
+    except BaseException as error:
+        tracker.batch_arrived()
+        ended = _end_reason(error)
+        # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
+        if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+            died = _note_deaths(tracker, batches)
+        if not getattr(loader, "persistent_workers", False):
+            shutdown_workers(batches)
+        raise
+    finally:
+        batches = None
+        # Only this epoch: a kept iterator (a peek at the first batch) dropped later must not
+        # end the epoch open then.
+        judge.end_epoch(*ended, count, index)
+        if died:  # said now, beside the DataLoader's own error, which goes on its way
+            judge.judge(may_raise=False, stacklevel=3)
+    return index, count
+
+
+def _collected(tracker: Tracker) -> None:
+    """The wrapper was collected without ``close()``: stop its tracker."""
+    tracker.end_epoch("collected")
+    tracker.close()
 
 
 class WatchedLoader(Generic[T]):
     """An iterable that behaves like the wrapped loader; each ``iter()`` is one epoch.
 
     Build it with :func:`watch`; ``len()`` and every attribute of the loader behave as on it.
-    ``leakcheck run`` (NOTE [run instrumentation] in instrument.py) passes ``iterate`` (makes
-    each epoch's iterator, where its patched ``__iter__`` would recurse) and
-    ``owns_tracker=False`` (``close()`` ends only this wrapper's epoch; whoever made the
-    tracker closes it).
     """
 
     def __init__(
@@ -276,21 +313,14 @@ class WatchedLoader(Generic[T]):
         tracker: Tracker,
         on_leak: OnLeak,
         teardown: bool,
-        iterate: Callable[[Any], Iterator[T]] | None = None,
-        owns_tracker: bool = True,
         on_epoch: OnEpoch | None = None,
     ) -> None:
         self._loader = loader
         self._tracker = tracker
         self._judge = EpochJudge(tracker, check_arguments(on_leak, teardown, on_epoch), on_epoch)
         self._teardown = teardown
-        self._iterate: Callable[[Any], Iterator[T]] = iterate or iter
-        self._owns_tracker = owns_tracker
         self._closed = self._dropped = self._batches_seen = False
-        self._open_epoch: int | None = None  # the epoch this wrapper opened, until it ends
-        self._finalizer = weakref.finalize(self, _collected, tracker, owns_tracker)
-        if _gc_phase not in gc.callbacks:
-            gc.callbacks.append(_gc_phase)
+        self._finalizer = weakref.finalize(self, _collected, tracker)
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
@@ -354,16 +384,11 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=exc is None)
 
     def _close(self, *, may_raise: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        if self._owns_tracker:
+        if not self._closed:
+            self._closed = True
+            self._finalizer.detach()
             self._tracker.close()
             self._judge.judge(may_raise=may_raise, stacklevel=3)
-        elif self._open_epoch is not None:  # its own epoch, not another wrapper's
-            self._tracker.end_epoch("closed", index=self._open_epoch)
-            self._open_epoch = None
 
     def _start(self) -> None:
         if self._closed:
@@ -375,39 +400,10 @@ class WatchedLoader(Generic[T]):
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
         self._judge.judge_if_due(stacklevel=2)
-        index = self._open_epoch = self._tracker.begin_epoch()
-        batches: Any = None
-        count = 0
-        ended: tuple[EndReason, str | None] = ("completed", None)
-        died = False
-        wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
-        try:
-            make = functools.partial(self._iterate, self._loader)
-            batches = start_iterator(self._loader, self._tracker, make, release=self._teardown)
-            wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
-            for batch in batches:
-                count += 1
-                arrived()
-                yield batch
-                wanted()
-        except BaseException as error:
-            arrived()
-            ended = _end_reason(error)
-            # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
-            if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
-                died = _note_deaths(self._tracker, batches)
-            if not getattr(self._loader, "persistent_workers", False):
-                shutdown_workers(batches)
-            raise
-        finally:
-            batches = None
-            # Only the epoch this iteration opened: a kept iterator (a peek at the first
-            # batch) dropped later must not end the epoch open then.
-            if self._open_epoch == index:
-                self._open_epoch = None
-            self._judge.end_epoch(*ended, count, index)
-            if died:  # said now, beside the DataLoader's own error, which goes on its way
-                self._judge.judge(may_raise=False, stacklevel=2)
+        make = functools.partial(iter, self._loader)
+        index, count = yield from epoch_batches(
+            self._loader, make, self._judge, release=self._teardown
+        )
         if count == 0 and self._batches_seen:
             warnings.warn(
                 f"leakcheck: epoch {index} of the watched loader yielded no "

@@ -69,8 +69,6 @@ __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
 
-_LOCK = threading.RLock()  # a loader may be iterated on another thread than the hooks run on
-
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
 _STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
 _STAGE_OF.update(test="test", predict="predict")
@@ -166,7 +164,7 @@ class _IteratorHook:
         name = _STAGE_OF.get(_state(trainer, "stage"))
         if name is None:
             return make()  # iterated outside a run of the callback: not ours to track
-        with _LOCK:
+        with self.callback._lock:
             stage = self.callback._open(name, trainer)
             iterator = start_iterator(loader, stage.tracker, make, release=self.callback._teardown)
             if not getattr(loader, "persistent_workers", False):
@@ -225,6 +223,7 @@ class LeakCheckCallback(_CallbackBase):
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
         self._trainer: Any = None
+        self._lock = threading.RLock()  # a loader may be iterated on another thread than hooks
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
         self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
 
@@ -232,8 +231,12 @@ class LeakCheckCallback(_CallbackBase):
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
+        del state["_lock"]
         state.update(_stages={}, _trainer=None, _patches=[])
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
 
     def __repr__(self) -> str:
         options = {**self._tracker_options, "on_leak": self._on_leak, "teardown": self._teardown}
@@ -290,7 +293,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        with _LOCK:
+        with self._lock:
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
@@ -313,7 +316,7 @@ class LeakCheckCallback(_CallbackBase):
         if self._trainer is None:
             return
         reason, error = end_reason_for(exception)
-        with _LOCK:
+        with self._lock:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
                     stage.end(reason, error)
@@ -333,7 +336,7 @@ class LeakCheckCallback(_CallbackBase):
     def _epoch_start(self, name: str, trainer: Any) -> None:
         if self._trainer is None:
             return
-        with _LOCK:
+        with self._lock:
             stage = self._open(name, trainer)
         stage.tracker.batch_wanted()
         stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
@@ -350,7 +353,7 @@ class LeakCheckCallback(_CallbackBase):
             stage.batches += count
 
     def _epoch_end(self, name: str) -> None:
-        with _LOCK:
+        with self._lock:
             stage = self._stages.get(name)
             if stage is None or not stage.end("completed"):
                 return
@@ -383,7 +386,7 @@ class LeakCheckCallback(_CallbackBase):
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
         if not (hasattr(loader, "_get_iterator") and hasattr(loader, "worker_init_fn")):
             return  # not a DataLoader: its epochs are still tracked, by lineage
-        with _LOCK:
+        with self._lock:
             current = vars(loader).get("_get_iterator")
             if isinstance(current, _IteratorHook):
                 if current.callback is self:
@@ -409,7 +412,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""
-        with _LOCK:
+        with self._lock:
             self._unhook()
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]

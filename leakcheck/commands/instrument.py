@@ -4,8 +4,8 @@ NOTE [run instrumentation]: the shim (NOTE [run shim]) patches ``DataLoader.__it
 every Python process of the run; the first iteration imports this module. Each creation site
 (``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a
 train and a validation loader are judged apart; a loader made again where the previous one
-is gone continues it, a second one alive at once is ``#2``. Each iteration is a new
-``WatchedLoader`` over that tracker through DataLoader's original ``__iter__``; a loader the
+is gone continues it, a second one alive at once is ``#2``. Each iteration is an epoch of
+that tracker (``epoch_batches``) through DataLoader's original ``__iter__``; a loader the
 program ``watch()``es itself is left to it. The site's ``LoaderResult``, ``loader-<pid>-<n>.json``
 in the run folder, is written when its tracker starts and again with its report at the
 process's exit (``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a
@@ -29,11 +29,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.adapters.dataloader import EpochJudge, epoch_batches
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import write_json
@@ -124,32 +124,34 @@ def read_loader(path: str) -> LoaderResult | None:
 class _EpochIterator:
     """One epoch's batches and ``len()``; else the DataLoader iterator's (from its first batch)."""
 
-    __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
-    _OWN = frozenset(("_batches", "_inner", "_loader"))
+    __slots__ = ("__dict__", "__weakref__", "_batches", "_loader", "_made")
+    _OWN = frozenset(__slots__)
 
-    def __init__(self, batches: Iterator[Any], loader: Any) -> None:
-        self._batches = batches
+    def __init__(
+        self, loader: Any, made: list[Iterator[Any]], batches: Generator[Any, None, Any]
+    ) -> None:
         self._loader = loader
-        self._inner: Iterator[Any] | None = None
+        self._made = made  # the DataLoader iterator, once made
+        self._batches = batches
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Writes go where reads come from: the DataLoader iterator once there is one.
-        inner = None if name in self._OWN else getattr(self, "_inner", None)
-        if inner is not None:
-            setattr(inner, name, value)
+        made = () if name in self._OWN else getattr(self, "_made", ())
+        if made:
+            setattr(made[0], name, value)
         else:
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in self._OWN:
             raise AttributeError(name)  # copy and pickle ask before any slot is set
-        inner = getattr(self, "_inner", None)
-        if inner is None:
+        made = getattr(self, "_made", ())
+        if not made:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} before its first "
                 "batch (leakcheck run makes the loader's iterator then)"
             )
-        return getattr(inner, name)
+        return getattr(made[0], name)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -162,9 +164,7 @@ class _EpochIterator:
 
     def close(self) -> None:
         """End the epoch now, as leaving the loop would."""
-        close = getattr(self._batches, "close", None)
-        if close is not None:
-            close()
+        self._batches.close()
 
 
 Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin file, line)
@@ -263,28 +263,15 @@ class _Run:
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
-        # A weak reference: the epoch holds its generator, which holds this function; a
-        # strong one would make a cycle, and a loop left by `break` would end its epoch only
-        # when the garbage collector ran ("collected", not "break").
-        holder: list[weakref.ref[_EpochIterator]] = []
+        made: list[Iterator[Any]] = []  # not the epoch: a cycle would end a `break` "collected"
 
-        def iterate_and_keep(target: Any) -> Iterator[Any]:
-            inner = iterate(target)
-            epoch_now = holder[0]() if holder else None
-            if epoch_now is not None:
-                epoch_now._inner = inner  # what the program may ask of its iterator
-            return inner
+        def make() -> Iterator[Any]:
+            made.append(iterate(loader))  # what the program may ask of its iterator
+            return made[-1]
 
-        watched = WatchedLoader(
-            loader,
-            tracker=site.tracker,
-            on_leak="ignore",
-            teardown=self.options.teardown,
-            iterate=iterate_and_keep,
-            owns_tracker=False,
-        )
-        epoch = _EpochIterator(iter(watched), loader)
-        holder.append(weakref.ref(epoch))
+        judge = EpochJudge(site.tracker, "ignore", None)
+        batches = epoch_batches(loader, make, judge, release=self.options.teardown)
+        epoch = _EpochIterator(loader, made, batches)
         site.live.add(epoch)
         return epoch
 

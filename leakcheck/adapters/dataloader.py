@@ -1,24 +1,22 @@
-"""``leakcheck.watch(loader)``, and the epoch ends it shares with the Lightning callback.
+"""``leakcheck.watch(loader)``, and the epoch ends it shares with Lightning and ``run``.
 
-NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
-request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
-``LeakError`` surfaces from the ``for`` statement), ``break`` (left early; Python tells a
-generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
-``exception`` (while fetching a batch, re-raised; a worker a signal ended is announced at
-once), ``interrupt`` (``KeyboardInterrupt`` while fetching) or ``collected`` (by the garbage
-collector or at interpreter exit). After an early end, non-persistent workers are shut down at
-once (the exception's traceback would keep them alive as false survivors), and judging waits
-for the next epoch or ``close()``: raising from a closing generator would be lost. Per batch:
-one generator step and one clock read (NOTE [hang watch] in hang.py).
+NOTE [epoch ends]: each ``iter()`` is one epoch, opened at the first batch request and closed
+however the loop ends: ``completed`` (judged at once; a ``LeakError`` surfaces from the
+``for``), ``break`` (a generator is only told it was closed, so a ``KeyboardInterrupt`` in the
+loop body reads so too), ``exception`` (while fetching; re-raised, and a worker a signal ended
+is announced at once), ``interrupt`` (Ctrl-C while fetching) or ``collected`` (by the garbage
+collector or at exit). After an early end non-persistent workers are shut down at once (the
+traceback would keep them alive as false survivors); judging waits for the next epoch or
+``close()``, as raising from a closing generator would be lost. Per batch: one generator step
+and one clock read (NOTE [hang watch] in hang.py).
 
-NOTE [judged window]: judging costs time in proportion to the epochs judged, so an epoch end
-judges the latest ``JUDGED_EPOCHS`` closed epochs only, as recorded at their ends
-(``benchmarks/bench_epochs.py``); ``close()`` judges the whole run with a fresh read, and
-announces what only the longer view shows (growth too slow for the tolerance in the window).
+NOTE [judged window]: an epoch end judges only the latest ``JUDGED_EPOCHS`` closed epochs, as
+recorded at their ends (judging costs time per epoch: ``benchmarks/bench_epochs.py``);
+``close()`` judges the whole run with a fresh read (growth too slow for the window, too).
 
-NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
-ended, so an adapter judges again at a later epoch's start once the grace has passed
-(``EpochJudge.judge_if_due``, on a walk taken then), and at close, which waits for it.
+NOTE [late survivors]: a survivor of epoch N is judged ``grace`` seconds after N ended, so an
+adapter judges again at a later epoch's start once the grace passed (``judge_if_due``), and
+at close, which waits for it.
 """
 
 from __future__ import annotations
@@ -81,16 +79,15 @@ def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLe
 
 
 def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, release: bool) -> Any:
-    """Make a loader's iterator (its workers start now) under the policy, and watch its exits.
+    """Make a loader's iterator (its workers start now) under the policy; watch its exits.
 
-    NOTE [iterator policy]: an iterator reads its loader's ``worker_init_fn`` once, as it
-    starts the workers, so the policy is chained in front of it (which still runs) for that
-    moment only (a generator ``__iter__`` starts them at its first batch: until then): the
-    workers report their identity to ``tracker``'s mailbox and, at exit, what they held and
-    freed (NOTE [teardown policy] in teardown.py), and the loader has its own back at once.
-    A policy the user installed (``leakcheck.worker_init_fn(...)``) keeps their function and
-    ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one,
-    whose tracker owns them (NOTE [claims]); not a DataLoader: lineage only.
+    NOTE [iterator policy]: an iterator reads ``worker_init_fn`` once, as it starts the
+    workers, so the policy is chained in front of the user's (still run) for that moment only
+    (a generator ``__iter__``: until its first batch). The workers report their identity to
+    ``tracker``'s mailbox and, at exit, what they held and freed (NOTE [teardown policy] in
+    teardown.py). A user's ``leakcheck.worker_init_fn(...)`` keeps its function and
+    ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one's
+    tracker (NOTE [claims]); not a DataLoader: lineage only.
     """
     users = getattr(loader, "worker_init_fn", None)
     if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
@@ -181,10 +178,8 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 class EpochJudge:
     """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
 
-    Attributes:
-        count: Judge with ``on_leak="ignore"`` too, only to count the leaks.
-        leaks_found: Leaks the latest judgement found (what a dashboard logs); None before.
-
+    ``count``: judge with ``on_leak="ignore"`` too, to count them in ``leaks_found`` (None
+    before the first judgement).
     """
 
     def __init__(self, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None) -> None:
@@ -229,8 +224,7 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before (NOTE [judged window]).
 
-        ``may_raise`` False warns instead (an exception on its way out must not be replaced);
-        ``stacklevel`` 1 points the warning at the caller.
+        ``may_raise`` False warns instead (an exception on its way out must not be replaced).
         """
         if self._due():
             self._unjudged_end = None
@@ -348,7 +342,7 @@ class WatchedLoader(Generic[T]):
         return self._loader
 
     def report(self) -> Report:
-        """Judge what was observed so far (before ``close()``, with a fresh read of now)."""
+        """Judge what was observed so far (before ``close()``, with a fresh read)."""
         return self._tracker.report()
 
     def close(self) -> None:
@@ -361,10 +355,9 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=True)
 
     def drop_loader(self) -> None:
-        """Let go of the loader, so that its persistent workers can stop while tracked.
+        """Let go of the loader, so that its persistent workers stop while tracked.
 
-        They stop only when their loader is collected: call it before ``close()`` and
-        ``gc.collect()`` to make their exit part of the run (``leakcheck sweep``).
+        Call it before ``close()`` and ``gc.collect()`` (``leakcheck sweep``).
         """
         self._tracker.finish_reads()
         self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive

@@ -2,15 +2,15 @@
 
 NOTE [run instrumentation]: the shim (NOTE [run shim]) patches ``DataLoader.__iter__`` in
 every Python process of the run; the first iteration imports this module. Each creation site
-(``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a
-train and a validation loader are judged apart; a loader made again where the previous one
-is gone continues it, a second one alive at once is ``#2``. Each iteration is an epoch of
-that tracker (``epoch_batches``) through DataLoader's original ``__iter__``; a loader the
-program ``watch()``es itself is left to it. The site's ``LoaderResult``, ``loader-<pid>-<n>.json``
-in the run folder, is written when its tracker starts and again with its report at the
-process's exit (``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a
-fatal signal). A forked child starts afresh. Nothing here raises into the program: a failure
-of its own turns tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
+(``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so train
+and validation loaders are judged apart; a loader made again where the previous one is gone
+continues it, a second one alive at once is ``#2``. Each iteration is an epoch of it
+(``epoch_batches``) through DataLoader's original ``__iter__``; a loader the program
+``watch()``es is left to it. The site's ``LoaderResult`` (``loader-<pid>-<n>.json`` in the
+run folder) is written when its tracker starts and with its report at the process's exit
+(``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal). A
+forked child starts afresh. Nothing here raises into the program: a failure of its own turns
+tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
 
 NOTE [process rank]: ``RANK`` (torchrun, ``accelerate launch``), else the default process
 group's rank, else the index ``torch.multiprocessing.spawn`` gave it, else the rank a process
@@ -81,7 +81,7 @@ _NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or 
 class LoaderResult:
     """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``.
 
-    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` reads and shows it.
+    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` shows it.
     """
 
     label: str
@@ -100,9 +100,8 @@ class LoaderResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        data: dict[str, Any] = to_jsonable(replace(self, report=None))
-        data["report"] = self.report.to_dict() if self.report is not None else None
-        return data
+        report = self.report.to_dict() if self.report is not None else None
+        return {**to_jsonable(replace(self, report=None)), "report": report}
 
 
 def read_loader(path: str) -> LoaderResult | None:
@@ -182,8 +181,7 @@ class _Site:
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A pickled or copied loader (a spawned process's arguments) is another loader: None.
-        return (type(None), ())
+        return (type(None), ())  # a pickled or copied loader (spawn's arguments) is another
 
 
 class _Run:
@@ -230,7 +228,7 @@ class _Run:
             hang_after=self.options.hang_after_s,
             **self.options.tracker_options(),
         )
-        tracker.start()
+        _run_sessions.add(tracker.start().session_id)
         via = where[2] if len(where) > 2 and where[2] else ""
         base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
         same = sum(1 for site in self.sites if site.base == base)
@@ -251,7 +249,7 @@ class _Run:
         return site
 
     def _write(self, site: _Site, **final: Any) -> None:
-        """Write the site's record; at exit with its report (NOTE [run instrumentation])."""
+        """Write the site's record; at exit with its report."""
         rank = self.rank
         if rank is not None:  # with the device it chose (set_device), once known
             chosen = _quiet_value(own_rank_device)
@@ -361,7 +359,7 @@ def _quietly(action: Callable[[], object]) -> None:
 
 
 def _quiet_value(read: Callable[[], Any]) -> Any:
-    """``read()``, or None where it failed (a record is written anyway)."""
+    """``read()``, or None where it failed (the record is written anyway)."""
     try:
         return read()
     except Exception:
@@ -372,17 +370,15 @@ _state_lock = threading.Lock()
 _folder: str | None = None
 _run: _Run | None = None
 _disabled = False
-_inherited_sessions: set[str] = set()
-"""A forked child's ancestors' trackers: their hooks on its loaders are not the user's."""
+_run_sessions: set[str] = set()
+"""The run's trackers here and in the ancestors a fork copied: their hooks are not the user's."""
 
 
 def _after_fork_in_child() -> None:
     # Only references change, and no lock of the parent's is taken (held at the fork?).
     global _state_lock, _run
     _state_lock = threading.Lock()
-    if _run is not None:
-        _inherited_sessions.update(site.tracker.session_id for site in list(_run.sites))
-        _run = None
+    _run = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -406,28 +402,26 @@ def _current_run() -> _Run | None:
         return _run
 
 
-def _watched_by_user(loader: Any, run: _Run) -> bool:
+def _watched_by_user(loader: Any) -> bool:
     """The program ``watch()``es this loader (the run's own hooks do not count)."""
     init = getattr(loader, "worker_init_fn", None)
-    if not (isinstance(init, WorkerInit) and init.session_id):
+    if not isinstance(init, WorkerInit):
         return False
-    with run.lock:
-        own = {site.tracker.session_id for site in run.sites}
-    return init.session_id not in own | _inherited_sessions
+    return bool(init.session_id) and init.session_id not in _run_sessions
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
     """The patched ``DataLoader.__iter__`` (``iterate``: the original): an epoch of its site.
 
-    ``iterate(loader)`` itself where tracking is off (after a failure, without a run folder,
-    or for a loader the program watches).
+    Where tracking is off (after a failure, no run folder, a loader the program watches):
+    ``iterate(loader)``.
     """
     global _disabled
     if _disabled:
         return iterate(loader)
     try:
         run = _current_run()
-        if run is None or os.getpid() != run.pid or _watched_by_user(loader, run):
+        if run is None or os.getpid() != run.pid or _watched_by_user(loader):
             return iterate(loader)
         return run.epoch_iterator(loader, iterate)
     except Exception as error:

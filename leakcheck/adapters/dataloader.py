@@ -247,12 +247,21 @@ class EpochJudge:
 
 
 def epoch_batches(
-    loader: Any, make: Callable[[], Iterator[T]], judge: EpochJudge, *, release: bool
-) -> Generator[T, None, tuple[int, int]]:
-    """One epoch of ``loader``, ``make()``'s batches (NOTE [epoch ends]); returns (index, count).
+    loader: Any,
+    make: Callable[[], Iterator[T]],
+    judge: EpochJudge,
+    *,
+    release: bool,
+    opened: Callable[[], object] | None = None,
+    completed: Callable[[int, int], object] | None = None,
+) -> Generator[T, None, None]:
+    """One epoch of ``loader``: ``make()``'s batches (NOTE [epoch ends]).
 
-    ``watch()`` and ``leakcheck run`` (NOTE [run instrumentation]) iterate it.
+    ``opened()`` runs at the first batch request, ``completed(index, batches)`` after an
+    exhausted loop. ``watch()`` and ``leakcheck run`` (NOTE [run instrumentation]) iterate it.
     """
+    if opened is not None:
+        opened()
     if _gc_phase not in gc.callbacks:
         gc.callbacks.append(_gc_phase)
     tracker = judge.tracker
@@ -284,8 +293,9 @@ def epoch_batches(
         # end the epoch open then.
         judge.end_epoch(*ended, count, index)
         if died:  # said now, beside the DataLoader's own error, which goes on its way
-            judge.judge(may_raise=False, stacklevel=3)
-    return index, count
+            judge.judge(may_raise=False, stacklevel=2)
+    if completed is not None:
+        completed(index, count)
 
 
 def _collected(tracker: Tracker) -> None:
@@ -329,7 +339,15 @@ class WatchedLoader(Generic[T]):
         return f"leakcheck.watch({self._loader!r})"
 
     def __iter__(self) -> Iterator[T]:
-        return self._epoch()
+        make = functools.partial(iter, self._loader)
+        return epoch_batches(
+            self._loader,
+            make,
+            self._judge,
+            release=self._teardown,
+            opened=self._opened,
+            completed=self._completed,
+        )
 
     @property
     def tracker(self) -> Tracker:
@@ -388,15 +406,13 @@ class WatchedLoader(Generic[T]):
             raise UsageError("this watched loader is closed; wrap the loader again")
         self._tracker.start()
 
-    def _epoch(self) -> Iterator[T]:
+    def _opened(self) -> None:
         if self._dropped:
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
-        self._judge.judge_if_due(stacklevel=2)
-        make = functools.partial(iter, self._loader)
-        index, count = yield from epoch_batches(
-            self._loader, make, self._judge, release=self._teardown
-        )
+        self._judge.judge_if_due(stacklevel=3)
+
+    def _completed(self, index: int, count: int) -> None:
         if count == 0 and self._batches_seen:
             warnings.warn(
                 f"leakcheck: epoch {index} of the watched loader yielded no "
@@ -404,10 +420,10 @@ class WatchedLoader(Generic[T]):
                 "generator or iterator can be iterated once); wrap a loader that can be "
                 "iterated again, such as a DataLoader",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         self._batches_seen = self._batches_seen or count > 0
-        self._judge.judge(may_raise=True, stacklevel=2)
+        self._judge.judge(may_raise=True, stacklevel=3)
 
 
 def watch(

@@ -91,7 +91,7 @@ def _run_arm(arm: str, epochs: int, workers: int, folder: str) -> dict[str, Any]
 
 def _per_batch_ns(batches: int = 200_000) -> float:
     """The patched ``__iter__``'s step per batch, alone: its epoch iterator over a list."""
-    from leakcheck.adapters.dataloader import WatchedLoader
+    from leakcheck.adapters.dataloader import EpochJudge, epoch_batches
     from leakcheck.commands.instrument import _EpochIterator
     from leakcheck.track.tracker import Tracker
 
@@ -105,15 +105,9 @@ def _per_batch_ns(batches: int = 200_000) -> float:
             for _item in items:
                 pass
             best_raw = min(best_raw, time.perf_counter() - started)
-            wrapper = WatchedLoader(
-                items,
-                tracker=tracker,
-                on_leak="ignore",
-                teardown=False,
-                iterate=iter,
-                owns_tracker=False,
-            )
-            epoch = _EpochIterator(iter(wrapper), items)
+            judge = EpochJudge(tracker, "ignore", None)
+            stream = epoch_batches(items, lambda: iter(items), judge, release=False)
+            epoch = _EpochIterator(items, [], stream)
             started = time.perf_counter()
             for _item in epoch:
                 pass

@@ -570,6 +570,42 @@ def test_the_callback_pickles_for_spawned_ranks(tmp_path: Path) -> None:
     assert copy.trackers == {} and set(callback.trackers) == {"train"}
 
 
+def test_two_trainers_in_two_threads_do_not_wait_on_each_other(tmp_path: Path) -> None:
+    """One Trainer stuck while its loader's iterator starts holds up no other callback's."""
+    entered, go = threading.Event(), threading.Event()
+
+    class WaitsToStart(DataLoader[Any]):
+        def _get_iterator(self) -> Any:
+            entered.set()
+            go.wait(timeout=600)
+            return super()._get_iterator()
+
+    class Stuck(Tiny):
+        def train_dataloader(self) -> Any:
+            return WaitsToStart(self.train_set, batch_size=4)
+
+    class InProcess(Tiny):
+        def train_dataloader(self) -> Any:
+            return DataLoader(self.train_set, batch_size=4)
+
+    def fit(module: Tiny, folder: str) -> None:
+        options = {"max_epochs": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0}
+        trainer(LeakCheckCallback(), tmp_path / folder, **options).fit(module)
+
+    stuck = threading.Thread(target=fit, args=(Stuck(), "stuck"), daemon=True)
+    other = threading.Thread(target=fit, args=(InProcess(), "other"), daemon=True)
+    stuck.start()
+    try:
+        assert wait_for(entered.is_set, timeout_s=120)
+        other.start()
+        assert wait_for(lambda: not other.is_alive(), timeout_s=300), "waited on the other"
+        assert stuck.is_alive() and not go.is_set()
+    finally:
+        go.set()
+        stuck.join(timeout=300)
+    assert not stuck.is_alive()
+
+
 def test_importing_leakcheck_imports_no_lightning() -> None:
     done = run_python(
         """

@@ -26,9 +26,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
-from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.commands.instrument import RUN_ENV
 from leakcheck.commands.launcher import child_environment, shim_folder
 from leakcheck.core.model import ProcessKey
@@ -1037,36 +1035,6 @@ def test_session_tag_is_validated() -> None:
             Tracker(session_tag=bad)  # type: ignore[arg-type]
 
 
-def test_wrappers_sharing_a_tracker_iterate_through_the_given_callable() -> None:
-    # torch types a dataset as Dataset; a list serves as one (indexable, with a length).
-    loader: DataLoader[int] = DataLoader(list(range(6)), batch_size=2, num_workers=0)  # type: ignore[arg-type]
-    calls: list[int] = []
-
-    def iterate(target: Any) -> Iterator[Any]:
-        calls.append(1)
-        return DataLoader.__iter__(target)
-
-    tracker = Tracker(interval=0.05, grace=0.2)
-    try:
-        for _ in range(2):
-            wrapper = WatchedLoader(
-                loader,
-                tracker=tracker,
-                on_leak="ignore",
-                teardown=False,
-                iterate=iterate,
-                owns_tracker=False,
-            )
-            assert [batch.tolist() for batch in wrapper] == [[0, 1], [2, 3], [4, 5]]
-            wrapper.close()
-            del wrapper
-        assert calls == [1, 1]
-        assert not tracker.closed  # never closed by the wrappers
-        assert [epoch.end_reason for epoch in tracker.epochs()] == ["completed", "completed"]
-    finally:
-        tracker.close()
-
-
 ITERATOR_ATTRIBUTES = """
 from torch.utils.data import DataLoader
 
@@ -1186,7 +1154,7 @@ def test_an_epoch_iterator_can_be_copied() -> None:
 
     from leakcheck.commands.instrument import _EpochIterator
 
-    duplicate = copy.copy(_EpochIterator(iter([1]), None))
+    duplicate = copy.copy(_EpochIterator(None, [], (n for n in [1])))
     assert isinstance(duplicate, _EpochIterator)
 
 

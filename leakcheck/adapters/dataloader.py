@@ -1,24 +1,22 @@
-"""``leakcheck.watch(loader)``, and the epoch ends it shares with the Lightning callback.
+"""``leakcheck.watch(loader)``, and the epoch ends it shares with Lightning and ``run``.
 
-NOTE [epoch ends]: each ``iter()`` of the wrapper is one epoch, opened at the first batch
-request and closed however the loop ends: ``completed`` (exhausted: judged at once, and a
-``LeakError`` surfaces from the ``for`` statement), ``break`` (left early; Python tells a
-generator only that it was closed, so a ``KeyboardInterrupt`` in the loop body reads so too),
-``exception`` (while fetching a batch, re-raised; a worker a signal ended is announced at
-once), ``interrupt`` (``KeyboardInterrupt`` while fetching) or ``collected`` (by the garbage
-collector or at interpreter exit). After an early end, non-persistent workers are shut down at
-once (the exception's traceback would keep them alive as false survivors), and judging waits
-for the next epoch or ``close()``: raising from a closing generator would be lost. Per batch:
-one generator step and one clock read (NOTE [hang watch] in hang.py).
+NOTE [epoch ends]: each ``iter()`` is one epoch, opened at the first batch request and closed
+however the loop ends: ``completed`` (judged at once; a ``LeakError`` surfaces from the
+``for``), ``break`` (a generator is only told it was closed, so a ``KeyboardInterrupt`` in the
+loop body reads so too), ``exception`` (while fetching; re-raised, and a worker a signal ended
+is announced at once), ``interrupt`` (Ctrl-C while fetching) or ``collected`` (by the garbage
+collector or at exit). After an early end non-persistent workers are shut down at once (the
+traceback would keep them alive as false survivors); judging waits for the next epoch or
+``close()``, as raising from a closing generator would be lost. Per batch: one generator step
+and one clock read (NOTE [hang watch] in hang.py).
 
-NOTE [judged window]: judging costs time in proportion to the epochs judged, so an epoch end
-judges the latest ``JUDGED_EPOCHS`` closed epochs only, as recorded at their ends
-(``benchmarks/bench_epochs.py``); ``close()`` judges the whole run with a fresh read, and
-announces what only the longer view shows (growth too slow for the tolerance in the window).
+NOTE [judged window]: an epoch end judges only the latest ``JUDGED_EPOCHS`` closed epochs, as
+recorded at their ends (judging costs time per epoch: ``benchmarks/bench_epochs.py``);
+``close()`` judges the whole run with a fresh read (growth too slow for the window, too).
 
-NOTE [late survivors]: a survivor of epoch N can only be judged ``grace`` seconds after N
-ended, so an adapter judges again at a later epoch's start once the grace has passed
-(``EpochJudge.judge_if_due``, on a walk taken then), and at close, which waits for it.
+NOTE [late survivors]: a survivor of epoch N is judged ``grace`` seconds after N ended, so an
+adapter judges again at a later epoch's start once the grace passed (``judge_if_due``), and
+at close, which waits for it.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
@@ -43,7 +41,7 @@ from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "start_iterator", "watch"]
+__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "epoch_batches", "watch"]
 
 T = TypeVar("T")
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -81,16 +79,15 @@ def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLe
 
 
 def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, release: bool) -> Any:
-    """Make a loader's iterator (its workers start now) under the policy, and watch its exits.
+    """Make a loader's iterator (its workers start now) under the policy; watch its exits.
 
-    NOTE [iterator policy]: an iterator reads its loader's ``worker_init_fn`` once, as it
-    starts the workers, so the policy is chained in front of it (which still runs) for that
-    moment only (a generator ``__iter__`` starts them at its first batch: until then): the
-    workers report their identity to ``tracker``'s mailbox and, at exit, what they held and
-    freed (NOTE [teardown policy] in teardown.py), and the loader has its own back at once.
-    A policy the user installed (``leakcheck.worker_init_fn(...)``) keeps their function and
-    ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one,
-    whose tracker owns them (NOTE [claims]); not a DataLoader: lineage only.
+    NOTE [iterator policy]: an iterator reads ``worker_init_fn`` once, as it starts the
+    workers, so the policy is chained in front of the user's (still run) for that moment only
+    (a generator ``__iter__``: until its first batch). The workers report their identity to
+    ``tracker``'s mailbox and, at exit, what they held and freed (NOTE [teardown policy] in
+    teardown.py). A user's ``leakcheck.worker_init_fn(...)`` keeps its function and
+    ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one's
+    tracker (NOTE [claims]); not a DataLoader: lineage only.
     """
     users = getattr(loader, "worker_init_fn", None)
     if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
@@ -181,10 +178,8 @@ def _finding_id(finding: Finding) -> tuple[object, ...]:
 class EpochJudge:
     """Ends a tracker's epochs and announces each leak they show once: warn, raise or nothing.
 
-    Attributes:
-        count: Judge with ``on_leak="ignore"`` too, only to count the leaks.
-        leaks_found: Leaks the latest judgement found (what a dashboard logs); None before.
-
+    ``count``: judge with ``on_leak="ignore"`` too, to count them in ``leaks_found`` (None
+    before the first judgement).
     """
 
     def __init__(self, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None) -> None:
@@ -229,8 +224,7 @@ class EpochJudge:
     def judge(self, *, may_raise: bool, stacklevel: int = 1) -> None:
         """Announce leaks not announced before (NOTE [judged window]).
 
-        ``may_raise`` False warns instead (an exception on its way out must not be replaced);
-        ``stacklevel`` 1 points the warning at the caller.
+        ``may_raise`` False warns instead (an exception on its way out must not be replaced).
         """
         if self._due():
             self._unjudged_end = None
@@ -252,21 +246,68 @@ class EpochJudge:
         warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)
 
 
-def _collected(tracker: Tracker, owns_tracker: bool) -> None:
-    """The wrapper was collected without ``close()``: stop the tracker it owns."""
-    if owns_tracker:
-        tracker.end_epoch("collected")
-        tracker.close()
+def epoch_batches(
+    loader: Any,
+    make: Callable[[], Iterator[T]],
+    judge: EpochJudge,
+    *,
+    release: bool,
+    opened: Callable[[], object] | None = None,
+    completed: Callable[[int, int], object] | None = None,
+) -> Generator[T, None, None]:
+    """One epoch of ``loader``: ``make()``'s batches (NOTE [epoch ends]).
+
+    ``opened()`` runs at the first batch request, ``completed(index, batches)`` after an
+    exhausted loop. ``watch()`` and ``leakcheck run`` (NOTE [run instrumentation]) iterate it.
+    """
+    if opened is not None:
+        opened()
+    if _gc_phase not in gc.callbacks:
+        gc.callbacks.append(_gc_phase)
+    tracker = judge.tracker
+    index = tracker.begin_epoch()
+    batches: Any = None
+    count = 0
+    ended: tuple[EndReason, str | None] = ("completed", None)
+    died = False
+    try:
+        batches = start_iterator(loader, tracker, make, release=release)
+        tracker.batch_wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
+        for batch in batches:
+            count += 1
+            tracker.batch_arrived()
+            yield batch
+            tracker.batch_wanted()
+    except BaseException as error:
+        tracker.batch_arrived()
+        ended = _end_reason(error)
+        # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
+        if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+            died = _note_deaths(tracker, batches)
+        if not getattr(loader, "persistent_workers", False):
+            shutdown_workers(batches)
+        raise
+    finally:
+        batches = None
+        # Only this epoch: a kept iterator (a peek at the first batch) dropped later must not
+        # end the epoch open then.
+        judge.end_epoch(*ended, count, index)
+        if died:  # said now, beside the DataLoader's own error, which goes on its way
+            judge.judge(may_raise=False, stacklevel=2)
+    if completed is not None:
+        completed(index, count)
+
+
+def _collected(tracker: Tracker) -> None:
+    """The wrapper was collected without ``close()``: stop its tracker."""
+    tracker.end_epoch("collected")
+    tracker.close()
 
 
 class WatchedLoader(Generic[T]):
     """An iterable that behaves like the wrapped loader; each ``iter()`` is one epoch.
 
     Build it with :func:`watch`; ``len()`` and every attribute of the loader behave as on it.
-    ``leakcheck run`` (NOTE [run instrumentation] in instrument.py) passes ``iterate`` (makes
-    each epoch's iterator, where its patched ``__iter__`` would recurse) and
-    ``owns_tracker=False`` (``close()`` ends only this wrapper's epoch; whoever made the
-    tracker closes it).
     """
 
     def __init__(
@@ -276,21 +317,14 @@ class WatchedLoader(Generic[T]):
         tracker: Tracker,
         on_leak: OnLeak,
         teardown: bool,
-        iterate: Callable[[Any], Iterator[T]] | None = None,
-        owns_tracker: bool = True,
         on_epoch: OnEpoch | None = None,
     ) -> None:
         self._loader = loader
         self._tracker = tracker
         self._judge = EpochJudge(tracker, check_arguments(on_leak, teardown, on_epoch), on_epoch)
         self._teardown = teardown
-        self._iterate: Callable[[Any], Iterator[T]] = iterate or iter
-        self._owns_tracker = owns_tracker
         self._closed = self._dropped = self._batches_seen = False
-        self._open_epoch: int | None = None  # the epoch this wrapper opened, until it ends
-        self._finalizer = weakref.finalize(self, _collected, tracker, owns_tracker)
-        if _gc_phase not in gc.callbacks:
-            gc.callbacks.append(_gc_phase)
+        self._finalizer = weakref.finalize(self, _collected, tracker)
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
@@ -305,7 +339,15 @@ class WatchedLoader(Generic[T]):
         return f"leakcheck.watch({self._loader!r})"
 
     def __iter__(self) -> Iterator[T]:
-        return self._epoch()
+        make = functools.partial(iter, self._loader)
+        return epoch_batches(
+            self._loader,
+            make,
+            self._judge,
+            release=self._teardown,
+            opened=self._opened,
+            completed=self._completed,
+        )
 
     @property
     def tracker(self) -> Tracker:
@@ -318,7 +360,7 @@ class WatchedLoader(Generic[T]):
         return self._loader
 
     def report(self) -> Report:
-        """Judge what was observed so far (before ``close()``, with a fresh read of now)."""
+        """Judge what was observed so far (before ``close()``, with a fresh read)."""
         return self._tracker.report()
 
     def close(self) -> None:
@@ -331,10 +373,9 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=True)
 
     def drop_loader(self) -> None:
-        """Let go of the loader, so that its persistent workers can stop while tracked.
+        """Let go of the loader, so that its persistent workers stop while tracked.
 
-        They stop only when their loader is collected: call it before ``close()`` and
-        ``gc.collect()`` to make their exit part of the run (``leakcheck sweep``).
+        Call it before ``close()`` and ``gc.collect()`` (``leakcheck sweep``).
         """
         self._tracker.finish_reads()
         self._loader = ()  # an empty stand-in: the wrapper keeps nothing alive
@@ -354,60 +395,24 @@ class WatchedLoader(Generic[T]):
         self._close(may_raise=exc is None)
 
     def _close(self, *, may_raise: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        if self._owns_tracker:
+        if not self._closed:
+            self._closed = True
+            self._finalizer.detach()
             self._tracker.close()
             self._judge.judge(may_raise=may_raise, stacklevel=3)
-        elif self._open_epoch is not None:  # its own epoch, not another wrapper's
-            self._tracker.end_epoch("closed", index=self._open_epoch)
-            self._open_epoch = None
 
     def _start(self) -> None:
         if self._closed:
             raise UsageError("this watched loader is closed; wrap the loader again")
         self._tracker.start()
 
-    def _epoch(self) -> Iterator[T]:
+    def _opened(self) -> None:
         if self._dropped:
             raise UsageError("this watched loader let go of its loader; wrap the loader again")
         self._start()
-        self._judge.judge_if_due(stacklevel=2)
-        index = self._open_epoch = self._tracker.begin_epoch()
-        batches: Any = None
-        count = 0
-        ended: tuple[EndReason, str | None] = ("completed", None)
-        died = False
-        wanted, arrived = self._tracker.batch_wanted, self._tracker.batch_arrived
-        try:
-            make = functools.partial(self._iterate, self._loader)
-            batches = start_iterator(self._loader, self._tracker, make, release=self._teardown)
-            wanted()  # the hang watch counts only the loop's waits (NOTE [hang watch])
-            for batch in batches:
-                count += 1
-                arrived()
-                yield batch
-                wanted()
-        except BaseException as error:
-            arrived()
-            ended = _end_reason(error)
-            # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
-            if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
-                died = _note_deaths(self._tracker, batches)
-            if not getattr(self._loader, "persistent_workers", False):
-                shutdown_workers(batches)
-            raise
-        finally:
-            batches = None
-            # Only the epoch this iteration opened: a kept iterator (a peek at the first
-            # batch) dropped later must not end the epoch open then.
-            if self._open_epoch == index:
-                self._open_epoch = None
-            self._judge.end_epoch(*ended, count, index)
-            if died:  # said now, beside the DataLoader's own error, which goes on its way
-                self._judge.judge(may_raise=False, stacklevel=2)
+        self._judge.judge_if_due(stacklevel=3)
+
+    def _completed(self, index: int, count: int) -> None:
         if count == 0 and self._batches_seen:
             warnings.warn(
                 f"leakcheck: epoch {index} of the watched loader yielded no "
@@ -415,10 +420,10 @@ class WatchedLoader(Generic[T]):
                 "generator or iterator can be iterated once); wrap a loader that can be "
                 "iterated again, such as a DataLoader",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         self._batches_seen = self._batches_seen or count > 0
-        self._judge.judge(may_raise=True, stacklevel=2)
+        self._judge.judge(may_raise=True, stacklevel=3)
 
 
 def watch(

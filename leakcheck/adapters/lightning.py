@@ -12,18 +12,18 @@ Each epoch end logs ``epoch_scalars`` through the trainer's loggers on global ra
 with ``lightning.pytorch`` or ``pytorch_lightning``; importing ``leakcheck`` imports neither.
 
 NOTE [lightning epochs]: each stage (``train``; ``val``: the sanity check and every validation
-run; ``test``; ``predict``) has its own ``Tracker``, which judges only its own loaders' workers
+run; ``test``; ``predict``) has its own ``Tracker``, judging only its own loaders' workers
 (NOTE [claims] in track/claims.py): validation runs inside the training epoch. Labels: ``train
-epoch 3``, ``val epoch 3`` (``val epoch 3 run 2`` for a second run in one training epoch),
-``val sanity check``, and ``test epoch 0`` & co. outside ``fit``. Lightning starts a loader's
-workers before any hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps
-``strategy.process_dataloader`` (called for every loader) and gives each DataLoader an
-instance-level ``_get_iterator`` (called exactly when workers start): it opens the stage's
-epoch if none is open and makes the iterator (NOTE [iterator policy] in dataloader.py). An
-epoch's end shuts down an unfinished non-persistent iterator's workers
-(``limit_train_batches``), closes the epoch and judges it; ``on_exception`` closes the open
-epochs (``exception`` or ``interrupt``); ``teardown`` closes the trackers, keeps their reports
-and judges the whole run. A validation run pauses the training epoch's hang watch.
+epoch 3``, ``val epoch 3`` (``val epoch 3 run 2``: a second run in one training epoch), ``val
+sanity check``, ``test epoch 0`` & co. outside ``fit``. Lightning starts a loader's workers
+before any hook of the epoch, so from ``setup`` to ``teardown`` the callback wraps
+``strategy.process_dataloader`` (called for every loader) and gives each DataLoader its own
+``_get_iterator`` (called exactly when workers start), which opens the stage's epoch if none
+is open and makes the iterator (NOTE [iterator policy] in dataloader.py). An epoch's end
+shuts down an unfinished non-persistent iterator's workers (``limit_train_batches``), closes
+the epoch and judges it; ``on_exception`` closes the open epochs (``exception`` or
+``interrupt``); ``teardown`` closes the trackers, keeps their reports and judges the whole
+run. A validation run pauses the training epoch's hang watch.
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ __all__ = ["STAGES", "LeakCheckCallback", "epoch_scalars"]
 STAGES = ("train", "val", "test", "predict")
 """The stages the callback tracks, each with its own tracker and report."""
 
-_LOCK = threading.RLock()  # a loader may be iterated on another thread than the hooks run on
-
 # Lightning's RunningStage values -> the stage whose tracker owns the loaders iterated then.
 _STAGE_OF = {"train": "train", "sanity_check": "val", "validate": "val"}
 _STAGE_OF.update(test="test", predict="predict")
@@ -86,8 +84,8 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
     """The scalars logged for a stage's latest epoch, by name (``leakcheck/train/...``).
 
     ``workers``, ``parent_host_mib``, ``workers_host_mib``, ``parent_pinned_mib``, ``leaks``
-    and, where NVML attributes GPU memory to processes, ``parent_gpu_mib`` and
-    ``workers_gpu_peak_mib``. A figure that was not read is left out, never given as 0.
+    and, where NVML attributes GPU memory, ``parent_gpu_mib`` and ``workers_gpu_peak_mib``.
+    A figure not read is left out, never given as 0.
     """
     record = timeline.epochs[-1]
     row = epoch_row(record, timeline)
@@ -158,15 +156,13 @@ class _IteratorHook:
         self.previous = previous  # an instance-level ``_get_iterator`` that was there before
 
     def __call__(self) -> Any:
-        loader = self.loader()
-        if loader is None:  # pragma: no cover - a live loader calls its own method
-            raise RuntimeError("leakcheck: the DataLoader of this hook is gone")
+        loader: Any = self.loader()  # alive: it calls its own method
         make = self.previous or type(loader)._get_iterator.__get__(loader)
         trainer = self.callback._trainer
         name = _STAGE_OF.get(_state(trainer, "stage"))
         if name is None:
             return make()  # iterated outside a run of the callback: not ours to track
-        with _LOCK:
+        with self.callback._lock:
             stage = self.callback._open(name, trainer)
             iterator = start_iterator(loader, stage.tracker, make, release=self.callback._teardown)
             if not getattr(loader, "persistent_workers", False):
@@ -178,10 +174,9 @@ class _IteratorHook:
 class LeakCheckCallback(_CallbackBase):
     """A Lightning callback that reports, per epoch of each stage, who leaked what.
 
-    Each stage (``train``, ``val``, ``test``, ``predict``) gets its own
-    :class:`~leakcheck.Tracker` (NOTE [lightning epochs]). Leaks are announced at epoch ends
-    like :func:`leakcheck.watch` does, and the whole run is judged at the end of ``fit``,
-    ``validate``, ``test`` or ``predict``, when the reports are kept.
+    Each stage gets its own :class:`~leakcheck.Tracker` (NOTE [lightning epochs]). Leaks are
+    announced at epoch ends as :func:`leakcheck.watch` does; the whole run is judged, and the
+    reports kept, at the end of ``fit``, ``validate``, ``test`` or ``predict``.
 
     Args:
         on_leak: ``"warn"``, ``"raise"`` (a ``LeakError`` from the hook, which
@@ -225,6 +220,7 @@ class LeakCheckCallback(_CallbackBase):
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
         self._trainer: Any = None
+        self._lock = threading.RLock()  # a loader may be iterated on another thread than hooks
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
         self._patches: list[tuple[weakref.ref[Any], str, object, object]] = []
 
@@ -232,8 +228,12 @@ class LeakCheckCallback(_CallbackBase):
         # Launchers that start ranks by spawn (``ddp_spawn``) pickle the trainer with its
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
+        del state["_lock"]
         state.update(_stages={}, _trainer=None, _patches=[])
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
 
     def __repr__(self) -> str:
         options = {**self._tracker_options, "on_leak": self._on_leak, "teardown": self._teardown}
@@ -255,7 +255,7 @@ class LeakCheckCallback(_CallbackBase):
         """The report of one stage (kept at its tracker's close; before that, a fresh one).
 
         Raises:
-            UsageError: ``stage`` is not a stage this callback has tracked.
+            UsageError: ``stage`` was not tracked.
 
         """
         found = self._stages.get(stage) if isinstance(stage, str) else None
@@ -290,7 +290,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        with _LOCK:
+        with self._lock:
             self._unhook()
             self._trainer = trainer
             strategy = trainer.strategy
@@ -313,7 +313,7 @@ class LeakCheckCallback(_CallbackBase):
         if self._trainer is None:
             return
         reason, error = end_reason_for(exception)
-        with _LOCK:
+        with self._lock:
             for stage in self._stages.values():
                 if not stage.tracker.closed:
                     stage.end(reason, error)
@@ -333,7 +333,7 @@ class LeakCheckCallback(_CallbackBase):
     def _epoch_start(self, name: str, trainer: Any) -> None:
         if self._trainer is None:
             return
-        with _LOCK:
+        with self._lock:
             stage = self._open(name, trainer)
         stage.tracker.batch_wanted()
         stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
@@ -350,7 +350,7 @@ class LeakCheckCallback(_CallbackBase):
             stage.batches += count
 
     def _epoch_end(self, name: str) -> None:
-        with _LOCK:
+        with self._lock:
             stage = self._stages.get(name)
             if stage is None or not stage.end("completed"):
                 return
@@ -358,32 +358,27 @@ class LeakCheckCallback(_CallbackBase):
         loggers = list(getattr(trainer, "loggers", None) or ())
         loggers = loggers if getattr(trainer, "is_global_zero", True) else []
         stage.count = bool(loggers)  # the logged leak count, built only to be logged
+
+        def log() -> None:
+            step = int(getattr(trainer, "global_step", 0))
+            timeline = stage.tracker.timeline(last_epochs=1)
+            if timeline.epochs:
+                metrics = epoch_scalars(stage.name, timeline, stage.leaks_found)
+                for logger in loggers:
+                    log_one = functools.partial(logger.log_metrics, metrics, step=step)
+                    call_reported(f"logging to {type(logger).__name__}", log_one)
+
         try:
             stage.judge(may_raise=True)
         finally:
             if loggers:  # leakcheck's reads too: nothing escapes into the Trainer
-                step = int(getattr(trainer, "global_step", 0))
-                log = functools.partial(self._log_epoch, stage, loggers, step)
                 call_reported("logging leakcheck's scalars", log)
-
-    @staticmethod
-    def _log_epoch(stage: _Stage, loggers: list[Any], step: int) -> None:
-        """Log the epoch's scalars through the trainer's loggers (called reported)."""
-        timeline = stage.tracker.timeline(last_epochs=1)
-        if not timeline.epochs:
-            return
-        metrics = epoch_scalars(stage.name, timeline, stage.leaks_found)
-        for logger in loggers:
-            call_reported(
-                f"logging to {type(logger).__name__}",
-                functools.partial(logger.log_metrics, metrics, step=step),
-            )
 
     def _adopt(self, loader: object) -> None:
         """Give a DataLoader the hook that runs before its workers start (idempotent)."""
         if not (hasattr(loader, "_get_iterator") and hasattr(loader, "worker_init_fn")):
             return  # not a DataLoader: its epochs are still tracked, by lineage
-        with _LOCK:
+        with self._lock:
             current = vars(loader).get("_get_iterator")
             if isinstance(current, _IteratorHook):
                 if current.callback is self:
@@ -409,7 +404,7 @@ class LeakCheckCallback(_CallbackBase):
 
     def _finish(self, *, may_raise: bool) -> None:
         """Close every live tracker, keep its report, then judge the whole run of each."""
-        with _LOCK:
+        with self._lock:
             self._unhook()
             self._trainer = None
             closing = [stage for stage in self._stages.values() if not stage.tracker.closed]

@@ -140,10 +140,9 @@ def output_paths(json: str | None, plot: str | None) -> tuple[str | None, str | 
 
 
 def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -> None:
-    """Refuse ``--device`` beyond the GPUs NVML lists; with ``needs_gpu``, any without one.
+    """Refuse ``--device`` beyond the GPUs NVML lists; with ``needs_gpu`` (sweep), without any.
 
-    (Without one the sweep would print "n/a" where the user asked for one device's memory;
-    ``run``'s report says that no GPU was checked.)
+    ``run``'s report says that no GPU was checked; a sweep would print "n/a".
     """
     from leakcheck.core.errors import LeakCheckError
     from leakcheck.observe import nvml
@@ -180,10 +179,9 @@ def finish(
 ) -> int:
     """Write ``result``'s report, then each ``(option, path, write)`` output; the exit status.
 
-    ``status`` (the program's, 0 for a sweep) stays, except that 0 becomes 2 where an output
-    failed, else 1 with ``fail_on_leak`` and a leak. A failed output is one line on ``err``
-    (the report is out already); one the path refuses now (a folder removed, a disk full) is
-    written elsewhere.
+    ``status`` (the program's, 0 for a sweep) stays, but 0 becomes 2 where an output failed,
+    else 1 with ``fail_on_leak`` and a leak. A failed output is one line on ``err``; one the
+    path refuses now (a folder removed, a disk full) is written elsewhere.
     """
     report_to.write(result.format() + "\n")
     report_to.flush()

@@ -2,15 +2,15 @@
 
 NOTE [run instrumentation]: the shim (NOTE [run shim]) patches ``DataLoader.__iter__`` in
 every Python process of the run; the first iteration imports this module. Each creation site
-(``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so a
-train and a validation loader are judged apart; a loader made again where the previous one
-is gone continues it, a second one alive at once is ``#2``. Each iteration is a new
-``WatchedLoader`` over that tracker through DataLoader's original ``__iter__``; a loader the
-program ``watch()``es itself is left to it. The site's ``LoaderResult``, ``loader-<pid>-<n>.json``
-in the run folder, is written when its tracker starts and again with its report at the
-process's exit (``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a
-fatal signal). A forked child starts afresh. Nothing here raises into the program: a failure
-of its own turns tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
+(``train.py:42``, ``hf_train.py:48 via transformers Trainer``) gets one ``Tracker``, so train
+and validation loaders are judged apart; a loader made again where the previous one is gone
+continues it, a second one alive at once is ``#2``. Each iteration is an epoch of it
+(``epoch_batches``) through DataLoader's original ``__iter__``; a loader the program
+``watch()``es is left to it. The site's ``LoaderResult`` (``loader-<pid>-<n>.json`` in the
+run folder) is written when its tracker starts and with its report at the process's exit
+(``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal). A
+forked child starts afresh. Nothing here raises into the program: a failure of its own turns
+tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
 
 NOTE [process rank]: ``RANK`` (torchrun, ``accelerate launch``), else the default process
 group's rank, else the index ``torch.multiprocessing.spawn`` gave it, else the rank a process
@@ -29,11 +29,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from leakcheck.adapters.dataloader import WatchedLoader
+from leakcheck.adapters.dataloader import EpochJudge, epoch_batches
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import write_json
@@ -81,7 +81,7 @@ _NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or 
 class LoaderResult:
     """One loader of the run (``file:line via LIBRARY #2``): its report, else why ``missing``.
 
-    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` reads and shows it.
+    Its process writes it (NOTE [run instrumentation]); ``leakcheck run`` shows it.
     """
 
     label: str
@@ -100,9 +100,8 @@ class LoaderResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        data: dict[str, Any] = to_jsonable(replace(self, report=None))
-        data["report"] = self.report.to_dict() if self.report is not None else None
-        return data
+        report = self.report.to_dict() if self.report is not None else None
+        return {**to_jsonable(replace(self, report=None)), "report": report}
 
 
 def read_loader(path: str) -> LoaderResult | None:
@@ -124,32 +123,34 @@ def read_loader(path: str) -> LoaderResult | None:
 class _EpochIterator:
     """One epoch's batches and ``len()``; else the DataLoader iterator's (from its first batch)."""
 
-    __slots__ = ("__dict__", "__weakref__", "_batches", "_inner", "_loader")
-    _OWN = frozenset(("_batches", "_inner", "_loader"))
+    __slots__ = ("__dict__", "__weakref__", "_batches", "_loader", "_made")
+    _OWN = frozenset(__slots__)
 
-    def __init__(self, batches: Iterator[Any], loader: Any) -> None:
-        self._batches = batches
+    def __init__(
+        self, loader: Any, made: list[Iterator[Any]], batches: Generator[Any, None, Any]
+    ) -> None:
         self._loader = loader
-        self._inner: Iterator[Any] | None = None
+        self._made = made  # the DataLoader iterator, once made
+        self._batches = batches
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Writes go where reads come from: the DataLoader iterator once there is one.
-        inner = None if name in self._OWN else getattr(self, "_inner", None)
-        if inner is not None:
-            setattr(inner, name, value)
+        made = () if name in self._OWN else getattr(self, "_made", ())
+        if made:
+            setattr(made[0], name, value)
         else:
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in self._OWN:
             raise AttributeError(name)  # copy and pickle ask before any slot is set
-        inner = getattr(self, "_inner", None)
-        if inner is None:
+        made = getattr(self, "_made", ())
+        if not made:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} before its first "
                 "batch (leakcheck run makes the loader's iterator then)"
             )
-        return getattr(inner, name)
+        return getattr(made[0], name)
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -162,9 +163,7 @@ class _EpochIterator:
 
     def close(self) -> None:
         """End the epoch now, as leaving the loop would."""
-        close = getattr(self._batches, "close", None)
-        if close is not None:
-            close()
+        self._batches.close()
 
 
 Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin file, line)
@@ -182,8 +181,7 @@ class _Site:
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A pickled or copied loader (a spawned process's arguments) is another loader: None.
-        return (type(None), ())
+        return (type(None), ())  # a pickled or copied loader (spawn's arguments) is another
 
 
 class _Run:
@@ -230,7 +228,7 @@ class _Run:
             hang_after=self.options.hang_after_s,
             **self.options.tracker_options(),
         )
-        tracker.start()
+        _run_sessions.add(tracker.start().session_id)
         via = where[2] if len(where) > 2 and where[2] else ""
         base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
         same = sum(1 for site in self.sites if site.base == base)
@@ -251,7 +249,7 @@ class _Run:
         return site
 
     def _write(self, site: _Site, **final: Any) -> None:
-        """Write the site's record; at exit with its report (NOTE [run instrumentation])."""
+        """Write the site's record; at exit with its report."""
         rank = self.rank
         if rank is not None:  # with the device it chose (set_device), once known
             chosen = _quiet_value(own_rank_device)
@@ -263,28 +261,15 @@ class _Run:
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         site = self.site_for(loader)
-        # A weak reference: the epoch holds its generator, which holds this function; a
-        # strong one would make a cycle, and a loop left by `break` would end its epoch only
-        # when the garbage collector ran ("collected", not "break").
-        holder: list[weakref.ref[_EpochIterator]] = []
+        made: list[Iterator[Any]] = []  # not the epoch: a cycle would end a `break` "collected"
 
-        def iterate_and_keep(target: Any) -> Iterator[Any]:
-            inner = iterate(target)
-            epoch_now = holder[0]() if holder else None
-            if epoch_now is not None:
-                epoch_now._inner = inner  # what the program may ask of its iterator
-            return inner
+        def make() -> Iterator[Any]:
+            made.append(iterate(loader))  # what the program may ask of its iterator
+            return made[-1]
 
-        watched = WatchedLoader(
-            loader,
-            tracker=site.tracker,
-            on_leak="ignore",
-            teardown=self.options.teardown,
-            iterate=iterate_and_keep,
-            owns_tracker=False,
-        )
-        epoch = _EpochIterator(iter(watched), loader)
-        holder.append(weakref.ref(epoch))
+        judge = EpochJudge(site.tracker, "ignore", None)
+        batches = epoch_batches(loader, make, judge, release=self.options.teardown)
+        epoch = _EpochIterator(loader, made, batches)
         site.live.add(epoch)
         return epoch
 
@@ -374,7 +359,7 @@ def _quietly(action: Callable[[], object]) -> None:
 
 
 def _quiet_value(read: Callable[[], Any]) -> Any:
-    """``read()``, or None where it failed (a record is written anyway)."""
+    """``read()``, or None where it failed (the record is written anyway)."""
     try:
         return read()
     except Exception:
@@ -385,17 +370,15 @@ _state_lock = threading.Lock()
 _folder: str | None = None
 _run: _Run | None = None
 _disabled = False
-_inherited_sessions: set[str] = set()
-"""A forked child's ancestors' trackers: their hooks on its loaders are not the user's."""
+_run_sessions: set[str] = set()
+"""The run's trackers here and in the ancestors a fork copied: their hooks are not the user's."""
 
 
 def _after_fork_in_child() -> None:
     # Only references change, and no lock of the parent's is taken (held at the fork?).
     global _state_lock, _run
     _state_lock = threading.Lock()
-    if _run is not None:
-        _inherited_sessions.update(site.tracker.session_id for site in list(_run.sites))
-        _run = None
+    _run = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -419,28 +402,26 @@ def _current_run() -> _Run | None:
         return _run
 
 
-def _watched_by_user(loader: Any, run: _Run) -> bool:
+def _watched_by_user(loader: Any) -> bool:
     """The program ``watch()``es this loader (the run's own hooks do not count)."""
     init = getattr(loader, "worker_init_fn", None)
-    if not (isinstance(init, WorkerInit) and init.session_id):
+    if not isinstance(init, WorkerInit):
         return False
-    with run.lock:
-        own = {site.tracker.session_id for site in run.sites}
-    return init.session_id not in own | _inherited_sessions
+    return bool(init.session_id) and init.session_id not in _run_sessions
 
 
 def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
     """The patched ``DataLoader.__iter__`` (``iterate``: the original): an epoch of its site.
 
-    ``iterate(loader)`` itself where tracking is off (after a failure, without a run folder,
-    or for a loader the program watches).
+    Where tracking is off (after a failure, no run folder, a loader the program watches):
+    ``iterate(loader)``.
     """
     global _disabled
     if _disabled:
         return iterate(loader)
     try:
         run = _current_run()
-        if run is None or os.getpid() != run.pid or _watched_by_user(loader, run):
+        if run is None or os.getpid() != run.pid or _watched_by_user(loader):
             return iterate(loader)
         return run.epoch_iterator(loader, iterate)
     except Exception as error:

@@ -1,16 +1,15 @@
 """The engine of ``leakcheck run``: an unmodified program, tracked inside and out.
 
 ``run_program`` starts the command with the run shim (NOTE [run shim] in
-``_shim/sitecustomize.py``), so each DataLoader it iterates is tracked inside (NOTE [run
-instrumentation] in instrument.py), and watches its process tree from outside with a
-``Tracker`` rooted at the program. Then it reads the loaders' records from the run folder.
+``_shim/sitecustomize.py``; inside: NOTE [run instrumentation] in instrument.py), watches its
+process tree from outside with a ``Tracker`` rooted at it, then reads the loaders' records.
 
-NOTE [run tag]: ``LEAKCHECK_RUN=<run folder>`` is in the program's initial environment,
-inherited by every process it starts and changed by none: the outside tracker's session
-tag (the trackers inside export their own ``LEAKCHECK_SESSION``).
+NOTE [run tag]: ``LEAKCHECK_RUN=<run folder>``, in the program's initial environment and
+inherited unchanged by every process it starts, is the outside tracker's session tag (the
+trackers inside export their own ``LEAKCHECK_SESSION``).
 
 NOTE [run signals]: a terminal's Ctrl-C reaches the program itself; ``kill -INT
-<leakcheck>`` only the launcher. The launcher blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD (the
+<leakcheck>`` only the launcher, which blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD (the
 program gets its mask back before exec) and forwards only what a process sent (``si_code``
 <= 0): a second SIGINT could break the program's cleanup. ``waitid(WNOWAIT)`` keeps the
 exited program a zombie until the tree is read, so its PID is not reused.
@@ -62,8 +61,7 @@ __all__ = ["LaunchError", "LoaderResult", "RunOptions", "RunResult", "run_progra
 RUN_SCHEMA_VERSION = 2
 """Version of ``RunResult.to_dict``'s layout."""
 
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_HELD = {*_FORWARDED, signal.SIGCHLD}
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
 
 
 class LaunchError(LeakCheckError):
@@ -253,7 +251,7 @@ def _loader_lines(loader: LoaderResult) -> list[str]:
 
 
 def shim_folder() -> str:
-    """The folder put first on the program's ``PYTHONPATH`` (the run shim)."""
+    """The run shim's folder, put first on the program's ``PYTHONPATH``."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
 
 
@@ -412,7 +410,7 @@ def rank_roots(timeline: Timeline) -> dict[int, list[int]]:
 
 
 def with_ranks(tree: Report, loaders: Sequence[LoaderResult], reports: Sequence[Report]) -> Report:
-    """The tree judged again with the ranks and devices its loaders name, where they differ.
+    """The tree judged again with the ranks (and devices) its loaders name, where they differ.
 
     A spawned rank is known outside only through its loaders' records (NOTE [exported rank]
     in ranks.py); the ranks' reports say which device each chose.

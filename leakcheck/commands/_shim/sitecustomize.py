@@ -3,11 +3,11 @@
 NOTE [run shim]: ``leakcheck run`` puts this folder first on the program's ``PYTHONPATH``, so
 ``site`` imports this file in every Python process of the run (not under ``python -E``, ``-I``
 or ``-S``). It costs next to nothing and changes nothing the program can notice: it takes its
-folder off ``sys.path``, runs the ``sitecustomize`` it shadows, does nothing else without
+folder off ``sys.path``, runs the ``sitecustomize`` it shadows, does nothing more without
 ``LEAKCHECK_RUN`` naming a folder, and imports nothing the interpreter has not loaded. A
 finder waits for ``torch.utils.data.dataloader`` and wraps ``DataLoader.__init__`` (the
-creation site) and ``__iter__`` (NOTE [run instrumentation]); not in a DataLoader worker nor
-multiprocessing's resource tracker and forkserver. A failure leaves DataLoader as is.
+creation site) and ``__iter__`` (NOTE [run instrumentation]), except in DataLoader workers and
+multiprocessing's helpers. A failure leaves DataLoader as is.
 """
 
 from __future__ import annotations

@@ -48,7 +48,6 @@ from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track.tracker import Tracker
 
 if TYPE_CHECKING:
-    from leakcheck.commands.workload import WorkloadSpec
     from leakcheck.core.model import TeardownRecord
     from leakcheck.judge.report import Report
 
@@ -66,26 +65,6 @@ _UNKNOWN = "?"
 
 class LoaderError(LeakCheckError):
     """The loader could not be built or iterated; the message is one line."""
-
-
-@dataclass(frozen=True)
-class WorkerBound:
-    """The largest worker count a sweep starts without ``--max-workers``, and why."""
-
-    max_workers: int
-    why: str
-
-
-@dataclass(frozen=True)
-class SweepPlan:
-    """Validated ``sweep`` arguments (``workload`` is None with ``--loader``)."""
-
-    options: SweepOptions
-    workload: WorkloadSpec | None
-    loader: str | None
-    json_path: str | None
-    plot_path: str | None
-    fail_on_leak: bool
 
 
 @dataclass(frozen=True)
@@ -670,8 +649,6 @@ def wait_for_cooldown(
     Temperature changes timings by about 10% on long runs: compared configurations should
     start equally cool.
     """
-    if not gpu_available:
-        return Cooldown(target_c, None, None, 0.0, False, note="skipped: no GPU to read")
     started_s = time.monotonic()
 
     def read() -> int | None:
@@ -680,9 +657,10 @@ def wait_for_cooldown(
                 return state.temperature_c
         return None
 
-    first = current = read()
+    first = current = read() if gpu_available else None
     if first is None:
-        return Cooldown(target_c, None, None, 0.0, False, note="skipped: temperature unknown")
+        note = "temperature unknown" if gpu_available else "no GPU to read"
+        return Cooldown(target_c, None, None, 0.0, False, note=f"skipped: {note}")
     while current is not None and current > target_c and time.monotonic() - started_s < timeout_s:
         time.sleep(poll_s)
         current = read()

@@ -531,8 +531,7 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")
     if period is None:
-        root_pid = root.pid if root is not None else None
-        text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
+        text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
         ended = _emit(out, text + "\n")
         return EXIT_CLEAN if ended is None else ended
     return _watch(root, period, bool(args.telemetry), as_json=args.json, out=out)
@@ -659,11 +658,9 @@ def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
     shared = shared_options(given)
     if shared["device_index"] is not None:
         check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
-    hang_after_s = given["--hang-after"]
     options = RunOptions(
         teardown=args.teardown,
-        rollup_share=given["--rollup-share"],
-        hang_after_s=120.0 if hang_after_s is None else hang_after_s,
+        **_given(given, rollup_share="--rollup-share", hang_after_s="--hang-after"),
         **shared,
     )
     try:

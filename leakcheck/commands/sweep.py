@@ -171,8 +171,7 @@ class ConfigResult:
     def throughput(self) -> dict[str, float | None]:
         """The loop's speed, its share waiting, and the most memory per worker of any epoch.
 
-        Samples and batches per second, the share of the loop's time spent waiting for
-        batches, host and GPU (peak) memory per worker; None where not read.
+        Samples and batches per second; host and GPU (peak) bytes; None where not read.
         """
         rows = self.rows
 
@@ -233,10 +232,9 @@ def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The worker-count answer: the fewest workers near the best throughput, and their cost.
+    """The fewest workers near the best throughput, and their cost (None: not read).
 
-    ``unit`` is what the rates count: ``samples``, or ``batches`` where a batch's size could
-    not be read; the per-worker bytes are None where not read (the GPU's: or not measured).
+    ``unit``: what the rates count, ``samples``, or ``batches`` where no batch's size was read.
     """
 
     num_workers: int
@@ -724,11 +722,7 @@ def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedPro
 
 
 def _teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
-    """Totals of the worker teardowns.
-
-    ``workers`` and the totals after it count the workers the policy released; ``reported``
-    counts every worker that reported at exit, those with the policy off included.
-    """
+    """Totals of the workers the policy released; ``reported``: all that reported at exit."""
     reported = tuple(records)
     released = tuple(r for r in reported if r.released)
     before = [r.gpu_bytes_before for r in released if r.gpu_bytes_before is not None]
@@ -790,11 +784,9 @@ def _format_table(result: SweepResult) -> list[str]:
 
 
 def _format_answer(result: SweepResult) -> list[str]:
-    """The worker-count table (one line per configuration) and the recommendation under it.
+    """The worker-count table (``-``: no workers, ``?``: not read), the recommendation under it.
 
-    Memory per worker is the most of any epoch (``-`` without workers, ``?`` where not
-    read). The share of time spent waiting is in the JSON only: the sweep's loop does no
-    step, so it waits all the time.
+    The waiting share is in the JSON only: the sweep's loop does no step, so it always waits.
     """
     answer = result.recommendation
     if answer is None:

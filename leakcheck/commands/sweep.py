@@ -336,7 +336,7 @@ class SweepResult:
                 "available": self.gpu_available,
                 "reason": self.gpu_reason,
                 "reported_device": reported,
-                "devices": [device.to_dict() for device in self.devices],
+                "devices": self.devices,
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,

@@ -23,7 +23,7 @@ import pytest
 
 from leakcheck.commands import cli
 from leakcheck.commands.cli import main
-from leakcheck.commands.sweep import COLUMN_NAMES, TABLE_WIDTH, WorkerBound, recommend_workers
+from leakcheck.commands.sweep import COLUMN_NAMES, TABLE_WIDTH, recommend_workers
 from leakcheck.commands.workload import WorkloadSpec
 from leakcheck.core.errors import UsageError
 from leakcheck.core.model import MIB, ProcInfo
@@ -660,7 +660,7 @@ def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
-    assert cli.worker_bound() == WorkerBound(128, "16 CPUs x 8")
+    assert cli.worker_bound() == (128, "16 CPUs x 8")
     args = cli.build_parser().parse_args(["sweep", "--workers", "0,129", "--loader", "m:f"])
     with pytest.raises(UsageError) as info:
         cli.resolve_sweep(args)
@@ -669,11 +669,11 @@ def test_worker_bound_by_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
         "16 CPUs x 8); pass --max-workers N to allow more"
     )
     args = cli.build_parser().parse_args(["sweep", "--workers", "0,128", "--loader", "m:f"])
-    assert cli.resolve_sweep(args).options.workers == (0, 128)
+    assert cli.resolve_sweep(args)[0].workers == (0, 128)
     args = cli.build_parser().parse_args(
         ["sweep", "--workers", "4,1000", "--max-workers", "1000", "--loader", "m:f"]
     )
-    assert cli.resolve_sweep(args).options.workers == (4, 1000)
+    assert cli.resolve_sweep(args)[0].workers == (4, 1000)
 
 
 def test_worker_bound_by_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -683,19 +683,19 @@ def test_worker_bound_by_the_process_limit(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (4096, 8192))
     monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4059 if uid == 1000 else 0)
-    assert cli.worker_bound() == WorkerBound(
+    assert cli.worker_bound() == (
         37, "RLIMIT_NPROC 4096 minus 4059 processes and threads this user runs"
     )
     # A roomy limit leaves the CPU bound.
     monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 10)
-    assert cli.worker_bound().max_workers == 128
+    assert cli.worker_bound()[0] == 128
     # Root, or no limit: the process limit does not apply.
     monkeypatch.setattr(cli, "_tasks_of_user", lambda uid: 4096)
     monkeypatch.setattr(os, "getuid", lambda: 0)
-    assert cli.worker_bound().max_workers == 128
+    assert cli.worker_bound()[0] == 128
     monkeypatch.setattr(os, "getuid", lambda: 1000)
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
-    assert cli.worker_bound().max_workers == 128
+    assert cli.worker_bound()[0] == 128
 
 
 def test_tasks_of_user_counts_this_process_threads() -> None:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn, TextIO
 
     from leakcheck.commands.common import Option, Parse
-    from leakcheck.commands.sweep import SweepPlan, WorkerBound
+    from leakcheck.commands.sweep import SweepOptions
+    from leakcheck.commands.workload import WorkloadSpec
     from leakcheck.core.model import ProcessKey
 
 
@@ -285,24 +286,26 @@ def default_workers() -> tuple[int, ...]:
     return (0, 4, 8) if cpus >= 4 else (0, cpus, 2 * cpus)
 
 
-def worker_bound() -> WorkerBound:
-    """The smaller of ``WORKERS_PER_CPU`` per usable CPU and the room RLIMIT_NPROC leaves."""
+def worker_bound() -> tuple[int, str]:
+    """The most workers a sweep starts without ``--max-workers``, and why.
+
+    ``WORKERS_PER_CPU`` per usable CPU, or the room RLIMIT_NPROC leaves where that is less.
+    """
     import resource
 
-    from leakcheck.commands.sweep import WorkerBound
-
     cpus = _usable_cpus()
-    bound = WorkerBound(cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
+    bound = (cpus * WORKERS_PER_CPU, f"{cpus} CPUs x {WORKERS_PER_CPU}")
     # RLIMIT_NPROC caps the processes and threads of the real user ID, whatever runs them
     # already included; the kernel does not apply it to user ID 0.
     limit, _ = resource.getrlimit(resource.RLIMIT_NPROC)
     if limit == resource.RLIM_INFINITY or limit < 0 or os.getuid() == 0:
         return bound
     running = _tasks_of_user(os.getuid())
-    if limit - running >= bound.max_workers:
+    if limit - running >= bound[0]:
         return bound
-    why = f"RLIMIT_NPROC {limit} minus {running} processes and threads this user runs"
-    return WorkerBound(max(limit - running, 0), why)
+    return max(limit - running, 0), (
+        f"RLIMIT_NPROC {limit} minus {running} processes and threads this user runs"
+    )
 
 
 def _usable_cpus() -> int:
@@ -322,9 +325,12 @@ def _tasks_of_user(uid: int) -> int:
     return count
 
 
-def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
-    """Every ``sweep`` option checked in one place (a ``UsageError`` names the bad one)."""
-    from leakcheck.commands.sweep import SweepOptions, SweepPlan
+def resolve_sweep(args: argparse.Namespace) -> tuple[SweepOptions, WorkloadSpec | None]:
+    """Every ``sweep`` option checked in one place (a ``UsageError`` names the bad one).
+
+    The workload is None with ``--loader``; ``--json`` and ``--plot`` are checked here too.
+    """
+    from leakcheck.commands.sweep import SweepOptions
     from leakcheck.commands.workload import FAILURES, HANG_AFTER_S, WorkloadSpec
 
     if args.loader is not None:  # said before any value of these is checked
@@ -341,37 +347,40 @@ def resolve_sweep(args: argparse.Namespace) -> SweepPlan:
         raise UsageError(
             f"--workers: {max(workers)} workers is more than --max-workers {allowed} allows"
         )
-    if allowed is None and max(workers) > (bound := worker_bound()).max_workers:
+    if allowed is None and max(workers) > (bound := worker_bound())[0]:
         raise UsageError(
             f"--workers: {max(workers)} workers is more than this machine should start (at most "
-            f"{bound.max_workers}: {bound.why}); pass --max-workers N to allow more"
+            f"{bound[0]}: {bound[1]}); pass --max-workers N to allow more"
         )
     shared = shared_options(given)
-    json_path, plot_path = output_paths(args.json, args.plot)
+    output_paths(args.json, args.plot)
     workload = None
     if args.loader is not None:
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
         workload = WorkloadSpec(
-            scenario=given["--scenario"] or "clean",
-            batches=given["--batches"] or WorkloadSpec.batches,
-            start_method=given["--start-method"] or "spawn",
             persistent=args.persistent,
             device_index=shared["device_index"] or 0,
+            **_given(
+                given, scenario="--scenario", batches="--batches", start_method="--start-method"
+            ),
         )
-    cooldown_timeout_s = given["--cooldown-timeout"]
     options = SweepOptions(
         workers=workers,
-        epochs=given["--epochs"] or 5,
         persistent=args.persistent or (workload is not None and workload.persistent_workers),
         cooldown_temp_c=given["--cooldown-temp"],
-        cooldown_timeout_s=600.0 if cooldown_timeout_s is None else cooldown_timeout_s,
         teardown=not args.no_teardown,
         hang_after_s=HANG_AFTER_S if workload and workload.scenario == "hang" else 0.0,
         judge_failures=workload is not None and workload.scenario in FAILURES,
+        **_given(given, epochs="--epochs", cooldown_timeout_s="--cooldown-timeout"),
         **shared,
     )
-    return SweepPlan(options, workload, args.loader, json_path, plot_path, args.fail_on_leak)
+    return options, workload
+
+
+def _given(given: dict[str, Any], **flags: str) -> dict[str, Any]:
+    # Field -> value of the options given: the dataclass's default stands for the others.
+    return {name: given[flag] for name, flag in flags.items() if given[flag] is not None}
 
 
 def _split_loader(spec: str) -> tuple[str, str]:
@@ -447,39 +456,32 @@ def _import_file(path: str) -> Any:
 
 def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``leakcheck sweep``: run, print, write the outputs, pick the exit status."""
+    from dataclasses import replace
+
     from leakcheck.commands.progress import Progress
     from leakcheck.commands.sweep import LoaderError, run_sweep
-    from leakcheck.commands.workload import stage
+    from leakcheck.commands.workload import builtin_factory, describe, stage
     from leakcheck.core.files import write_json
     from leakcheck.judge.plot import plot_sweep
     from leakcheck.observe import nvml
 
     progress = None
     try:
-        plan = resolve_sweep(args)
+        options, workload = resolve_sweep(args)
         gpu = nvml.availability()
-        check_device(plan.options.device_index, gpu, needs_gpu=True)
-        if plan.loader is not None:
-            factory = load_factory(plan.loader)
-            description = f"loader {plan.loader}"
+        check_device(options.device_index, gpu, needs_gpu=True)
+        if workload is None:
+            factory, description = load_factory(args.loader), f"loader {args.loader}"
         else:
-            from dataclasses import replace
-
-            from leakcheck.commands.workload import builtin_factory, describe
-
-            assert plan.workload is not None  # resolve_sweep sets it without --loader
-            spec = replace(plan.workload, gpu=gpu[0])
-            factory = builtin_factory(spec)
-            description = describe(spec)
-        progress = Progress(len(plan.options.workers) * plan.options.epochs, stream=err)
-        with stage(plan.workload):  # NOTE [failure stagings] in workload.py
-            result = run_sweep(
-                plan.options, factory, loader=description, progress=progress, gpu=gpu
-            )
+            workload = replace(workload, gpu=gpu[0])
+            factory, description = builtin_factory(workload), describe(workload)
+        progress = Progress(len(options.workers) * options.epochs, stream=err)
+        with stage(workload):  # NOTE [failure stagings] in workload.py
+            result = run_sweep(options, factory, loader=description, progress=progress, gpu=gpu)
     except LoaderError as exc:
         assert progress is not None  # only the sweep raises it
         progress.close()
-        where = f"--loader {plan.loader}" if plan.loader else "built-in workload"
+        where = f"--loader {args.loader}" if args.loader else "built-in workload"
         raise UsageError(f"{where}: {exc}") from None
     except KeyboardInterrupt:  # importing a --loader module can take a while, too
         if progress is not None:
@@ -487,10 +489,10 @@ def run_sweep_command(args: argparse.Namespace, out: TextIO, err: TextIO) -> int
         err.write(f"{_PROG} sweep: interrupted; nothing written\n")
         return EXIT_INTERRUPTED
     outputs = (
-        ("--json", plan.json_path, lambda p: write_json(p, result.to_dict())),
-        ("--plot", plan.plot_path, lambda p: plot_sweep(result, p)),
+        ("--json", args.json, lambda p: write_json(p, result.to_dict())),
+        ("--plot", args.plot, lambda p: plot_sweep(result, p)),
     )
-    return finish(f"{_PROG} sweep", result, out, err, outputs, EXIT_CLEAN, plan.fail_on_leak)
+    return finish(f"{_PROG} sweep", result, out, err, outputs, EXIT_CLEAN, args.fail_on_leak)
 
 
 # --------------------------------------------------------------------------- snapshot
@@ -529,8 +531,7 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")
     if period is None:
-        root_pid = root.pid if root is not None else None
-        text = _snapshot_text(root_pid, bool(args.telemetry), as_json=args.json, indent=2)
+        text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
         ended = _emit(out, text + "\n")
         return EXIT_CLEAN if ended is None else ended
     return _watch(root, period, bool(args.telemetry), as_json=args.json, out=out)
@@ -657,11 +658,9 @@ def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
     shared = shared_options(given)
     if shared["device_index"] is not None:
         check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
-    hang_after_s = given["--hang-after"]
     options = RunOptions(
         teardown=args.teardown,
-        rollup_share=given["--rollup-share"],
-        hang_after_s=120.0 if hang_after_s is None else hang_after_s,
+        **_given(given, rollup_share="--rollup-share", hang_after_s="--hang-after"),
         **shared,
     )
     try:

@@ -48,7 +48,6 @@ from leakcheck.observe.torch_state import initialized_cuda
 from leakcheck.track.tracker import Tracker
 
 if TYPE_CHECKING:
-    from leakcheck.commands.workload import WorkloadSpec
     from leakcheck.core.model import TeardownRecord
     from leakcheck.judge.report import Report
 
@@ -66,26 +65,6 @@ _UNKNOWN = "?"
 
 class LoaderError(LeakCheckError):
     """The loader could not be built or iterated; the message is one line."""
-
-
-@dataclass(frozen=True)
-class WorkerBound:
-    """The largest worker count a sweep starts without ``--max-workers``, and why."""
-
-    max_workers: int
-    why: str
-
-
-@dataclass(frozen=True)
-class SweepPlan:
-    """Validated ``sweep`` arguments (``workload`` is None with ``--loader``)."""
-
-    options: SweepOptions
-    workload: WorkloadSpec | None
-    loader: str | None
-    json_path: str | None
-    plot_path: str | None
-    fail_on_leak: bool
 
 
 @dataclass(frozen=True)
@@ -192,8 +171,7 @@ class ConfigResult:
     def throughput(self) -> dict[str, float | None]:
         """The loop's speed, its share waiting, and the most memory per worker of any epoch.
 
-        Samples and batches per second, the share of the loop's time spent waiting for
-        batches, host and GPU (peak) memory per worker; None where not read.
+        Samples and batches per second; host and GPU (peak) bytes; None where not read.
         """
         rows = self.rows
 
@@ -254,10 +232,9 @@ def recommend_workers(rates: Mapping[int, float | None]) -> int | None:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The worker-count answer: the fewest workers near the best throughput, and their cost.
+    """The fewest workers near the best throughput, and their cost (None: not read).
 
-    ``unit`` is what the rates count: ``samples``, or ``batches`` where a batch's size could
-    not be read; the per-worker bytes are None where not read (the GPU's: or not measured).
+    ``unit``: what the rates count, ``samples``, or ``batches`` where no batch's size was read.
     """
 
     num_workers: int
@@ -359,7 +336,7 @@ class SweepResult:
                 "available": self.gpu_available,
                 "reason": self.gpu_reason,
                 "reported_device": reported,
-                "devices": [device.to_dict() for device in self.devices],
+                "devices": self.devices,
             },
             "verdict": self.verdict,
             "leak_count": self.leak_count,
@@ -670,8 +647,6 @@ def wait_for_cooldown(
     Temperature changes timings by about 10% on long runs: compared configurations should
     start equally cool.
     """
-    if not gpu_available:
-        return Cooldown(target_c, None, None, 0.0, False, note="skipped: no GPU to read")
     started_s = time.monotonic()
 
     def read() -> int | None:
@@ -680,9 +655,10 @@ def wait_for_cooldown(
                 return state.temperature_c
         return None
 
-    first = current = read()
+    first = current = read() if gpu_available else None
     if first is None:
-        return Cooldown(target_c, None, None, 0.0, False, note="skipped: temperature unknown")
+        note = "temperature unknown" if gpu_available else "no GPU to read"
+        return Cooldown(target_c, None, None, 0.0, False, note=f"skipped: {note}")
     while current is not None and current > target_c and time.monotonic() - started_s < timeout_s:
         time.sleep(poll_s)
         current = read()
@@ -746,11 +722,7 @@ def cleanup_orphans(session_id: str, *, wait_s: float = 3.0) -> tuple[CleanedPro
 
 
 def _teardown_summary(records: Iterable[TeardownRecord]) -> dict[str, Any]:
-    """Totals of the worker teardowns.
-
-    ``workers`` and the totals after it count the workers the policy released; ``reported``
-    counts every worker that reported at exit, those with the policy off included.
-    """
+    """Totals of the workers the policy released; ``reported``: all that reported at exit."""
     reported = tuple(records)
     released = tuple(r for r in reported if r.released)
     before = [r.gpu_bytes_before for r in released if r.gpu_bytes_before is not None]
@@ -812,11 +784,9 @@ def _format_table(result: SweepResult) -> list[str]:
 
 
 def _format_answer(result: SweepResult) -> list[str]:
-    """The worker-count table (one line per configuration) and the recommendation under it.
+    """The worker-count table (``-``: no workers, ``?``: not read), the recommendation under it.
 
-    Memory per worker is the most of any epoch (``-`` without workers, ``?`` where not
-    read). The share of time spent waiting is in the JSON only: the sweep's loop does no
-    step, so it waits all the time.
+    The waiting share is in the JSON only: the sweep's loop does no step, so it always waits.
     """
     answer = result.recommendation
     if answer is None:

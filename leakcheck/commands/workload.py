@@ -1,13 +1,10 @@
 """The built-in workload of ``leakcheck sweep``: a DataLoader whose workers touch the GPU.
 
 A ``torch.utils.data.DataLoader`` over a synthetic dataset whose batches multiply a matrix,
-on the GPU when there is one, so that ``leakcheck sweep`` works with no arguments. Scenarios
-(``--scenario``; docs/REFERENCE.md): ``clean``; ``persistent-cache`` (persistent workers keep
-one new tensor per epoch, the parent with 0 workers); ``orphan`` (each worker starts a
-grandchild that outlives the loader, holding GPU memory where it can, sleeping at most two
-minutes); ``copy-on-read`` and ``copy-on-read-growing`` (pytorch/pytorch#13246);
-``fd-pressure`` (persistent workers hold 90% of a soft ``RLIMIT_NOFILE`` of
-``FD_PRESSURE_LIMIT``); ``oom``, ``shm-full``, ``hang`` (NOTE [failure stagings]).
+on the GPU when there is one, so that ``leakcheck sweep`` works with no arguments. The
+scenarios (``--scenario``) are told in docs/REFERENCE.md; with 0 workers the parent does what
+a worker would (``persistent-cache``, ``orphan``), the ``orphan``'s grandchild sleeping at most
+two minutes.
 
 NOTE [copy-on-read scenario]: Python ints in lists are built in the parent before the
 workers fork, so they share their pages; reading an object writes its reference count, so

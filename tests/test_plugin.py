@@ -1793,3 +1793,24 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     result.assert_outcomes(passed=2)
     out = result.stdout.str()
     assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
+
+
+def test_a_fixture_whose_first_read_failed_raises_its_own_error_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wide-scope fixture whose allocator read failed is left unowned, and its own setup
+    error carries no leakcheck error as its context (pytest would print both)."""
+    from leakcheck.adapters import plugin_observe
+
+    def broken(*, collect: bool = False) -> None:
+        raise OSError("allocator unreadable")
+
+    checker = Checker()
+    window = checker.begin()
+    monkeypatch.setattr(plugin_observe, "allocator_bytes", broken)
+    scope = checker.fixture_scope("key", "fixture 'data'", window)
+    with pytest.raises(ValueError, match="setup failed") as raised, scope:
+        raise ValueError("setup failed")
+    assert raised.value.__context__ is None
+    checker.fixture_finished("key")
+    checker.end_environment(window)

@@ -1187,3 +1187,12 @@ def test_the_drivers_accounting_gives_an_exited_workers_peak_where_it_is_on(
     (proc,) = [p for p in record.processes if p.key.pid == worker.pid]
     assert (proc.gpu_peak_source, proc.total_gpu_bytes_peak) == ("reported", 900 * MIB)
     assert fake_nvml.calls["nvmlDeviceSetAccountingMode"] == 0
+
+
+def test_a_trackers_state_is_read_only() -> None:
+    """``closed``, ``root_pid`` and ``mailbox_dir`` are read, never set, from outside."""
+    tracker = Tracker()
+    for name, value in (("closed", True), ("root_pid", 1), ("mailbox_dir", "/tmp")):
+        with pytest.raises(AttributeError):
+            setattr(tracker, name, value)
+    assert tracker.closed is False and tracker.root_pid == os.getpid()

@@ -177,10 +177,13 @@ class Checker:
         The allocator is read, not NVML. A failed read leaves it unowned: what it starts
         counts as the test's.
         """
+        before: Mapping[int, int] | None = None
         try:
             pids, shm = PidMark.now(), _listdir(self.shm_dir)
             before = self._gpu_state(nvml=False).allocated_bytes or {}
         except Exception:
+            pass  # yielded below, outside the handler: the fixture's own error has no context
+        if before is None:
             yield
             return
         try:

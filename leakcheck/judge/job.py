@@ -91,7 +91,6 @@ class RankReport:
             raise UsageError(f"rank report data: malformed ({error})") from None
 
 
-@dataclass(frozen=True)
 class _Judged:
     leaks: tuple[Finding, ...]
     blind: bool
@@ -109,7 +108,9 @@ class RankVerdict(_Judged):
     rank: int
     pids: tuple[int, ...]
     restart_counts: tuple[int, ...]
-    missing: tuple[str, ...]
+    leaks: tuple[Finding, ...]
+    missing: tuple[str, ...] = ()
+    blind: bool = False
 
     @property
     def reported(self) -> bool:
@@ -150,6 +151,8 @@ class JobReport(_Judged):
 
     world_size: int | None
     ranks: tuple[RankVerdict, ...]
+    leaks: tuple[Finding, ...]
+    blind: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""

@@ -66,7 +66,7 @@ class Sampler:
         rollup_share: float | None,
         hang_after_s: float,
     ) -> None:
-        self.root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
+        self._root_pid, self.interval_s, self.devices = root_pid, interval_s, devices
         self.meter = CostMeter()
         self.failures = Failures(strict=strict)
         self.nvml = NvmlReads(devices, self.meter, self.failures, use_nvml=use_nvml)
@@ -76,9 +76,9 @@ class Sampler:
         self._gate = threading.Lock()
         self._gate.acquire()
         self._thread: threading.Thread | None = None
-        self.closed = self.stopping = self.tag_scan_due = self._sampling = False
+        self._closed = self.stopping = self.tag_scan_due = self._sampling = False
         self.t0_s = self._boot_offset_s = 0.0
-        self.mailbox_dir: str | None = None
+        self._mailbox_dir: str | None = None
         self._inbox: mailbox.Inbox | None = None
         self._tag_scan: procs.TagScan | None = None
         self.baseline_devices: tuple[DeviceState, ...] = ()
@@ -99,6 +99,21 @@ class Sampler:
         self._oom_kills: int | None = None  # what the next death's OOM kills count from
 
     @property
+    def root_pid(self) -> int:
+        """The job's root process."""
+        return self._root_pid
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._closed
+
+    @property
+    def mailbox_dir(self) -> str | None:
+        """The folder the workers report to (NOTE [worker mailbox]); None before ``start()``."""
+        return self._mailbox_dir
+
+    @property
     def _own_process(self) -> bool:
         # Asked each time: a forked child is not the root.
         return self.root_pid == os.getpid()
@@ -111,7 +126,7 @@ class Sampler:
         """Take the baseline of ``table``'s job (lock held)."""
         self.t0_s = time.monotonic()
         self._boot_offset_s = procs.since_boot_s() - self.now()
-        self.mailbox_dir = mailbox_dir
+        self._mailbox_dir = mailbox_dir
         self._oom_kills = self.failures.guard(machine.oom_kill_count, "cgroup")
         self.nvml.open()
         self.pacing.has_nvml = self.nvml.handle is not None

@@ -225,14 +225,14 @@ class Tracker(Sampler):
             self.finish_reads()  # planned at the last epoch end, not read yet
             with self.lock:
                 self._final = self._current_state(closed=True)
-                self.closed = True
+                self._closed = True
                 if self._export_token is not None:
                     exports.withdraw(self._export_token)
                     self._export_token = None
                 if self.mailbox_dir:
                     mailbox.remove(self.mailbox_dir)
                 claims.session_closed(self.session_id)
-        self.closed = True
+        self._closed = True
         self.failures.raise_pending()
 
     def __enter__(self) -> Tracker:

@@ -416,7 +416,6 @@ class EpochRow:
         return format_mib(self.workers_host_bytes if self.host_source is not None else None)
 
 
-_RECORD_FIELDS = ("label", "duration_s", "end_reason", "batches", "shm_bytes", "error")
 _DEVICE_FIELDS = {
     "device_used_bytes": "used_bytes",
     "device_total_bytes": "total_bytes",
@@ -448,7 +447,7 @@ def epoch_row(
     samples, wait_s, loop_s = timing or (None, None, None)
     # peak >= end per process: the sums too
     peak = None if None in peaks else max(sum(p or 0 for p in peaks), sum(worker_end))
-    gpu: dict[str, Any] = {
+    gpu: dict[str, int | None] = {
         "parent_gpu_bytes": sum(p.total_gpu_bytes_end for p in parents) if parents else None,
         "workers_gpu_bytes": sum(worker_end),
         "worker_gpu_bytes_max": max(worker_end, default=0),
@@ -462,14 +461,18 @@ def epoch_row(
     if not per_pid_bytes_known(timeline):
         gpu = dict.fromkeys(gpu)  # NVML's per-process figures are not this namespace's PIDs
     counts = counts or EpochCounts(0, 0)
-    same: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_FIELDS}
-    same |= {name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()}
     return EpochRow(
         num_workers=num_workers,
         epoch=record.index,
+        label=record.label,
+        duration_s=record.duration_s,
+        end_reason=record.end_reason,
         worker_count=len(workers),
         alive_after=counts.alive_after,
         orphans=counts.orphans,
+        batches=record.batches,
+        shm_bytes=record.shm_bytes,
+        error=record.error,
         parent_host_bytes=parents[0].host_bytes_end if parents else None,
         workers_host_bytes=None if None in host else sum(v or 0 for v in host),
         host_source="+".join(sorted(sources, reverse=True)) or None,
@@ -479,7 +482,7 @@ def epoch_row(
         wait_s=wait_s,
         loop_s=loop_s,
         **gpu,
-        **same,
+        **{name: getattr(device, attr, None) for name, attr in _DEVICE_FIELDS.items()},
     )
 
 

@@ -20,7 +20,8 @@ import ctypes
 import importlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from leakcheck.core.errors import LeakCheckError, NVMLUnavailable, UsageError
@@ -126,6 +127,17 @@ class _RawProcessList:
             return [(int(e.pid), _known(e.usedGpuMemory)) for e in self._buffer[: count.value]]
 
 
+@dataclass
+class _Device:
+    """What one session keeps of a device: read once (NOTE [fork]: dropped in a child)."""
+
+    handle: Any
+    name_uuid: tuple[str, str] | None = None  # only once both were really read
+    max_sm_clock: tuple[int | None] | None = None  # (MHz or unknown,) once asked
+    readers: dict[str, _RawProcessList | None] = field(default_factory=dict)  # None: no call
+    unsupported: set[str] = field(default_factory=set)  # list calls the device refused
+
+
 class Nvml:
     """One process's NVML session, from :func:`get`; handles, names and UUIDs cached.
 
@@ -139,9 +151,7 @@ class Nvml:
         self._lock = threading.Lock()
         self._pid = -1
         self._count = 0
-        # (what, device) -> a handle, (name, uuid), the max SM clock, a _RawProcessList reader;
-        # ("unsupported", device): the list names the device does not support.
-        self._cache: dict[tuple[str, int], Any] = {}
+        self._devices: dict[int, _Device] = {}
 
     def _ensure(self) -> None:
         """``nvmlInit`` and the device count, first or again in a forked child (NOTE [fork]).
@@ -155,7 +165,7 @@ class Nvml:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            self._cache.clear()
+            self._devices.clear()
             try:
                 self._lib.nvmlInit()
             except self._error as exc:
@@ -195,14 +205,6 @@ class Nvml:
                 raise
         return None
 
-    def _once(self, key: tuple[str, int], make: Callable[[], Any]) -> Any:
-        """``self._cache[key]``, made under the lock the first time."""
-        if key not in self._cache:
-            with self._lock:
-                if key not in self._cache:
-                    self._cache[key] = make()
-        return self._cache[key]
-
     def _select(self, devices: Sequence[int] | None) -> tuple[int, ...]:
         if devices is None:
             return tuple(range(self._count))
@@ -216,31 +218,37 @@ class Nvml:
                 )
         return tuple(dict.fromkeys(devices))  # in order, each once
 
-    def _handle(self, index: int) -> Any:
-        return self._once(
-            ("handle", index),
-            lambda: self._query(
-                "nvmlDeviceGetHandleByIndex", *self._select((index,)), device=index
-            ),
-        )
+    def _device(self, index: int) -> _Device:
+        """The device's record, its handle opened under the lock the first time."""
+        device = self._devices.get(index)
+        if device is None:
+            with self._lock:
+                device = self._devices.get(index)
+                if device is None:
+                    handle = self._query(
+                        "nvmlDeviceGetHandleByIndex", *self._select((index,)), device=index
+                    )
+                    device = self._devices[index] = _Device(handle)
+        return device
 
     def _running(
-        self, index: int, handle: Any, name: str, *, optional: bool
+        self, index: int, device: _Device, name: str, *, optional: bool
     ) -> list[tuple[int, int | None]]:
         """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
-        unsupported = self._cache.setdefault(("unsupported", index), set())
-        if name in unsupported:
+        if name in device.unsupported:
             return []
-        reader: _RawProcessList | None = self._once(
-            (name, index), lambda: _RawProcessList.open(self._lib, name)
-        )
+        if name not in device.readers:
+            with self._lock:
+                if name not in device.readers:
+                    device.readers[name] = _RawProcessList.open(self._lib, name)
+        reader = device.readers[name]
         try:
             if reader is None:  # a driver older than R450
                 raise self._lib.NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
-            return reader.read(handle)
+            return reader.read(device.handle)
         except self._error as exc:
             if optional and getattr(exc, "value", None) == NVML_ERROR_NOT_SUPPORTED:
-                unsupported.add(name)
+                device.unsupported.add(name)
                 return []
             raise _failed(name, index, exc) from exc
 
@@ -267,12 +275,12 @@ class Nvml:
         self._ensure()
         found: list[GpuProcess] = []
         for index in self._select(devices):
-            handle = self._handle(index)
+            device = self._device(index)
             by_pid: dict[int, dict[_Listed, int | None]] = {}  # pid -> list -> its bytes
             kinds: tuple[_Listed, ...] = ("compute", "graphics") if graphics else ("compute",)
             for kind in kinds:
                 call = f"nvmlDeviceGet{kind.title()}RunningProcesses"
-                for pid, used in self._running(index, handle, call, optional=kind == "graphics"):
+                for pid, used in self._running(index, device, call, optional=kind == "graphics"):
                     lists = by_pid.setdefault(pid, {})
                     before = lists.get(kind, 0)
                     lists[kind] = None if before is None or used is None else before + used
@@ -287,13 +295,14 @@ class Nvml:
         self._ensure()
         states: list[DeviceState] = []
         for index in self._select(devices):
-            handle = self._handle(index)
-            name, uuid = self._cache.get(("meta", index)) or (
+            device = self._device(index)
+            handle = device.handle
+            name, uuid = device.name_uuid or (
                 self._query("nvmlDeviceGetName", handle),
                 self._query("nvmlDeviceGetUUID", handle),
             )
             if name is not None and uuid is not None:
-                self._cache["meta", index] = (name, uuid)  # only what was really read
+                device.name_uuid = (name, uuid)
             info = self._query("nvmlDeviceGetMemoryInfo", handle, device=index)
             used, total = int(info.used), int(info.total)
             states.append(DeviceState(index, name or f"GPU {index}", uuid or "", used, total))
@@ -307,11 +316,11 @@ class Nvml:
         """
         states: list[DeviceState] = []
         for state in self.memory(devices):
-            handle = self._handle(state.index)
-            key = ("max_sm_clock", state.index)
-            if key not in self._cache:  # a property of the board: read once
+            device = self._device(state.index)
+            handle = device.handle
+            if device.max_sm_clock is None:  # a property of the board: read once
                 clock = self._query("nvmlDeviceGetMaxClockInfo", handle, NVML_CLOCK_SM)
-                self._cache[key] = _known(clock)
+                device.max_sm_clock = (_known(clock),)
             power_mw = _known(self._query("nvmlDeviceGetPowerUsage", handle))
             pstate = _known(self._query("nvmlDeviceGetPerformanceState", handle))
             reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", handle)
@@ -323,7 +332,7 @@ class Nvml:
                 state._replace(
                     temperature_c=_known(temperature),
                     sm_clock_mhz=_known(sm_clock),
-                    sm_clock_max_mhz=self._cache[key],
+                    sm_clock_max_mhz=device.max_sm_clock[0],
                     power_w=power_mw / 1000.0 if power_mw is not None else None,
                     performance_state=None if pstate == 32 else pstate,  # 32: unknown
                     throttle_reasons=throttle_reason_names(int(reasons)) if reasons else (),
@@ -339,7 +348,7 @@ class Nvml:
         """
         if not self.accounting_enabled(device):
             return ()
-        handle = self._handle(device)
+        handle = self._device(device).handle
         records: list[AccountedProcess] = []
         for pid in map(int, self._query("nvmlDeviceGetAccountingPids", handle, device=device)):
             stats = self._query(
@@ -366,7 +375,7 @@ class Nvml:
         self._ensure()
         mode = self._query(
             "nvmlDeviceGetAccountingMode",
-            self._handle(device),
+            self._device(device).handle,
             device=device,
             absent=NVML_ERROR_NOT_SUPPORTED,
         )

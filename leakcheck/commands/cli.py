@@ -44,13 +44,14 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Iterable, Sequence
-    from typing import Any, NoReturn, TextIO
+    from typing import Any, NoReturn, TextIO, TypeVar
 
     from leakcheck.commands.common import Option, Parse
     from leakcheck.commands.sweep import SweepOptions
     from leakcheck.commands.workload import WorkloadSpec
     from leakcheck.core.model import ProcessKey
 
+    _T = TypeVar("_T")
 
 _PROG = "leakcheck"
 
@@ -359,11 +360,11 @@ def resolve_sweep(args: argparse.Namespace) -> tuple[SweepOptions, WorkloadSpec 
         _split_loader(args.loader)  # the format is checked now; importing waits for the run
     else:
         workload = WorkloadSpec(
+            scenario=_or(given["--scenario"], WorkloadSpec.scenario),
+            batches=_or(given["--batches"], WorkloadSpec.batches),
+            start_method=_or(given["--start-method"], WorkloadSpec.start_method),
             persistent=args.persistent,
             device_index=shared["device_index"] or 0,
-            **_given(
-                given, scenario="--scenario", batches="--batches", start_method="--start-method"
-            ),
         )
     options = SweepOptions(
         workers=workers,
@@ -372,15 +373,16 @@ def resolve_sweep(args: argparse.Namespace) -> tuple[SweepOptions, WorkloadSpec 
         teardown=not args.no_teardown,
         hang_after_s=HANG_AFTER_S if workload and workload.scenario == "hang" else 0.0,
         judge_failures=workload is not None and workload.scenario in FAILURES,
-        **_given(given, epochs="--epochs", cooldown_timeout_s="--cooldown-timeout"),
+        epochs=_or(given["--epochs"], SweepOptions.epochs),
+        cooldown_timeout_s=_or(given["--cooldown-timeout"], SweepOptions.cooldown_timeout_s),
         **shared,
     )
     return options, workload
 
 
-def _given(given: dict[str, Any], **flags: str) -> dict[str, Any]:
-    # Field -> value of the options given: the dataclass's default stands for the others.
-    return {name: given[flag] for name, flag in flags.items() if given[flag] is not None}
+def _or(value: _T | None, default: _T) -> _T:
+    # An option not given takes its dataclass field's default.
+    return default if value is None else value
 
 
 def _split_loader(spec: str) -> tuple[str, str]:
@@ -660,7 +662,8 @@ def run_run_command(args: argparse.Namespace, err: TextIO) -> int:
         check_device(shared["device_index"], nvml.availability(), needs_gpu=False)
     options = RunOptions(
         teardown=args.teardown,
-        **_given(given, rollup_share="--rollup-share", hang_after_s="--hang-after"),
+        rollup_share=given["--rollup-share"],
+        hang_after_s=_or(given["--hang-after"], RunOptions.hang_after_s),
         **shared,
     )
     try:

@@ -15,9 +15,18 @@ from leakcheck.core.errors import one_line as one_line  # the commands import it
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
-    from typing import Any, TextIO
+    from typing import Any, TextIO, TypedDict
 
     Parse = Callable[[str, str], Any]
+
+    class SharedFields(TypedDict):
+        """The option fields ``sweep`` and ``run`` share, by their dataclasses' names."""
+
+        device_index: int | None
+        tolerance_bytes: int
+        grace_s: float
+        interval_s: float
+        copy_tolerance_bytes: int
 
 EXIT_CLEAN = 0
 EXIT_LEAK = 1
@@ -101,7 +110,7 @@ def option_values(args: Any, options: Iterable[Option]) -> dict[str, Any]:
     return values
 
 
-def shared_options(values: Mapping[str, Any]) -> dict[str, Any]:
+def shared_options(values: Mapping[str, Any]) -> SharedFields:
     """``SHARED``'s values as option fields; tolerances and grace: flag, environment, default."""
     from leakcheck.core import options as specs
 

@@ -352,7 +352,37 @@ def test_a_workers_stack_written_in_parts_is_read_whole(tmp_path: Path) -> None:
     finally:
         worker.kill()
         worker.wait()
-    assert "line 7 in __getitem__" in stall.stacks
+    assert stall is not None and "line 7 in __getitem__" in stall.stacks
+
+
+def test_a_worker_past_its_last_exit_step_is_slow_not_stuck(tmp_path: Path) -> None:
+    """It ignores the stack signal (NOTE [exit watch]): no stall, no "(no stack written)"."""
+    import subprocess
+    import sys
+
+    from leakcheck.observe import procs
+    from leakcheck.track.hang import gather_stall
+
+    exiting = subprocess.Popen(
+        [sys.executable, "-c", _PAST_LAST_STEP], stdout=subprocess.PIPE, env=dict(os.environ)
+    )
+    try:
+        assert exiting.stdout is not None and exiting.stdout.readline() == b"ready\n"
+        key = procs.process_key(exiting.pid)
+        assert key is not None
+        stall = gather_stall([key], str(tmp_path), epoch=0, waited_s=5.0, at_s=0.0, pid=key.pid)
+    finally:
+        exiting.kill()
+        exiting.wait()
+    assert stall is None
+
+
+_PAST_LAST_STEP = """
+import signal, time
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # as the worker's last exit step leaves it
+print("ready", flush=True)
+time.sleep(60)
+"""
 
 
 def test_a_dump_without_a_current_thread_line_names_one_threads_frames_only() -> None:

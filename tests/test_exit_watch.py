@@ -93,6 +93,32 @@ def test_a_worker_held_by_a_non_daemon_thread_has_that_threads_stack_said(tmp_pa
     assert "non-daemon thread" in finding.remedy
 
 
+class FillsAQueue(Dataset[int]):
+    """Each worker puts 4 MiB into a queue nobody reads: its exit waits for the flush."""
+
+    def __init__(self) -> None:
+        self.queue: Any = torch.multiprocessing.get_context("fork").Queue()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            self.queue.put(b"x" * (4 << 20))  # more than a pipe holds
+        return index
+
+
+def test_a_worker_held_by_its_queues_flush_at_exit_has_that_stack_said() -> None:
+    """Steps after leakcheck's teardown (a queue's flush) still show their stacks."""
+    loader = leakcheck.watch(
+        DataLoader(FillsAQueue(), batch_size=2, num_workers=1), on_leak="ignore"
+    )
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+    loader.close()
+    [finding] = _stuck(loader.report())
+    assert "in _finalize_join" in (finding.stack or ""), finding.stack
+
+
 def test_workers_that_exit_at_once_after_a_break_give_no_finding(tmp_path: Path) -> None:
     never_slow = SlowTail(tmp_path / "slow", first_slow=64)
     loader = leakcheck.watch(DataLoader(never_slow, batch_size=2, num_workers=2), on_leak="ignore")

@@ -653,6 +653,14 @@ def pid_exists_here(pid: int) -> bool:
     return bool(fields) and int(fields[0]) == pid
 
 
+def ignores_signal(pid: int, signal_number: int) -> bool:
+    """Whether process ``pid`` ignores ``signal_number`` (its ``SigIgn`` mask); False if gone."""
+    data = _read(f"{_PROC}/{pid}/status", 4096) or b""
+    at = data.find(b"\nSigIgn:")
+    fields = data[at + 8 :].split(maxsplit=1) if at >= 0 else []
+    return bool(fields) and bool(int(fields[0], 16) >> (signal_number - 1) & 1)
+
+
 def is_nvidia_device_target(target: str) -> bool:
     """Whether a descriptor's link target (``readlink`` of /proc/PID/fd/N) is an NVIDIA node."""
     return target.startswith(_NVIDIA_PREFIX)

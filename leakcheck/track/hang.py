@@ -12,7 +12,10 @@ file) go to stderr and the report (``Stall``). The loop goes on; a batch ends th
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
 ``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive without a word.
 ``watch_exits`` gives each worker an instance-level ``terminate`` that first has the tracker
-gather that worker's stacks as above (a ``Stall`` with its ``pid``).
+gather that worker's stacks as above (a ``Stall`` with its ``pid``). A worker keeps its stack
+signal through every exit step (its finalizers, its queues' flushes, its children's joins) and
+ignores it after the last: one that ignores it, or is gone, has only to end, slow on a loaded
+machine, not stuck: no stall.
 """
 
 from __future__ import annotations
@@ -91,14 +94,16 @@ def gather_stall(
     at_s: float,
     pid: int | None = None,
     loop: bool = False,
-) -> Stall:
-    """The stacks, written to stderr too (no lock held), as a stall to keep.
+) -> Stall | None:
+    """The stacks, written to stderr too (no lock held), as a stall to keep (None: none).
 
     ``pid``: the worker a shutdown is about to terminate (NOTE [exit watch]); else the loop
     waited (NOTE [hang watch]), in this process where ``loop``.
     """
     parts = worker_stacks(workers, folder)
     if pid is not None:
+        if workers and not parts:
+            return None  # past its last exit step (NOTE [exit watch])
         what = f"DataLoader worker PID {pid} did not exit within {waited_s:.0f} s"
         parts = parts or [f"--- worker PID {pid} ---\n(no stack signal)"]
     else:
@@ -114,10 +119,13 @@ def gather_stall(
 
 
 def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
-    """Each worker's stacks, ``--- worker PID n ---`` first, sent the stack signal."""
+    """Each worker's stacks, ``--- worker PID n ---`` first, sent the stack signal.
+
+    A worker that ignores the signal or ends meanwhile is left out (NOTE [exit watch]).
+    """
     pending: list[ProcessKey] = []
     for key in workers if folder else []:
-        if procs.process_key(key.pid) == key:  # this very worker, not a reused PID
+        if procs.process_key(key.pid) == key and not _exiting(key):  # not a reused PID
             with contextlib.suppress(OSError):
                 os.kill(key.pid, mailbox.STACK_SIGNAL)
                 pending.append(key)
@@ -139,7 +147,12 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    pending = [key for key in pending if procs.process_key(key.pid) == key and not _exiting(key)]
     return parts + [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
+
+
+def _exiting(key: ProcessKey) -> bool:
+    return procs.ignores_signal(key.pid, mailbox.STACK_SIGNAL)
 
 
 def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:

@@ -49,6 +49,7 @@ from leakcheck.observe.torch_state import clear_library_workspaces, initialized_
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _EXIT_PRIORITY = 100  # higher runs first: before the worker's queues are flushed
+_LAST_PRIORITY = -(2**31)  # after every other finalizer and the children's joins
 _NVML_POLL_S = 1.0  # how long NVML may take to drop the PID after the reset (it takes ms)
 _EXIT_HOST_FIELDS = tuple(n for n in TeardownRecord.__dataclass_fields__ if n.startswith("host_"))
 # Threads that cannot use a device: multiprocessing's queue feeders only write to pipes, and
@@ -326,7 +327,6 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
         freed.errors.append(f"teardown: {one_line(exc)}")
         fields["duration_s"] = time.perf_counter() - started
     record = TeardownRecord(key, worker_id, **fields, **freed.fields())
-    _close_stack_file()
     fields = {"pid": key.pid, "start_ticks": key.start_ticks, **to_jsonable(record)}
     del fields["key"]
     mailbox.post("teardown", fields, directory=policy.mailbox_dir)
@@ -357,9 +357,11 @@ def _open_stack_file(path: str) -> bool:
     return True
 
 
-def _close_stack_file() -> None:
-    """A normal exit: nothing crashed, so the file goes."""
+def _close_stack_file(pid: int) -> None:
+    """A normal exit's last step: nothing crashed, so the file goes (NOTE [exit watch])."""
     global _stack_file
+    if os.getpid() != pid:
+        return  # a process forked from the worker inherited the finalizer
     if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         return  # a thread holds the exit: its stacks stay askable (NOTE [exit watch] in hang.py)
     handle, _stack_file = _stack_file, None
@@ -438,12 +440,16 @@ class WorkerInit:
                 with contextlib.suppress(Exception):
                     fields |= mailbox.host_fields(hostmem.read_host_memory(pid))
             mailbox.post("worker", fields, directory=self.mailbox_dir)
+            import multiprocessing.util
+
             if self.release or self.terminate_children or folder:
                 # Reported even without the release (NOTE [worker reports] in track/book.py).
-                import multiprocessing.util
-
                 multiprocessing.util.Finalize(
                     None, _worker_teardown, args=(self, key, worker_id), exitpriority=_EXIT_PRIORITY
+                )
+            if dumps:
+                multiprocessing.util.Finalize(
+                    None, _close_stack_file, args=(pid,), exitpriority=_LAST_PRIORITY
                 )
         if self.user_fn is not None:
             self.user_fn(worker_id)

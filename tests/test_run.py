@@ -737,6 +737,42 @@ def test_a_shm_file_a_loader_blamed_is_not_contradicted_by_the_tree(
     assert f"  LEAK shm  /dev/shm/{left[0]} (64 KiB) left behind" in run.stderr
 
 
+# A train and a validation loader; the loop keeps 40 MiB after each training epoch.
+PARENT_GROWS = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+kept = []
+data = TensorDataset(torch.arange(64.0))
+train = DataLoader(data, batch_size=16, num_workers=1)
+val = DataLoader(data, batch_size=32, num_workers=1)
+for epoch in range(5):
+    for batch in train:
+        pass
+    kept.append(bytearray(40 << 20))
+    for batch in val:
+        pass
+"""
+
+
+def test_a_leak_of_the_programs_own_process_is_named_once_over_its_loaders(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """Each loader's tracker judges the program's process: the second says "named above"."""
+    script = tmp_path / "grows.py"
+    script.write_text(PARENT_GROWS)
+    run = leakcheck_run(sys.executable, str(script), private_tmp=private_tmp)
+    assert run.returncode == 0, run.stderr
+    assert run.data is not None
+    growth = [
+        [f for f in loader["report"]["findings"] if f["rule"] == "host-growth" and f["role"]]
+        for loader in run.data["loaders"]
+    ]
+    assert [[f["role"] for f in found] for found in growth] == [["parent"], ["parent"]]
+    assert run.stderr.count("LEAK host-growth  parent") == 1, run.stderr
+    assert "verdict LEAK; 1 finding named above" in run.stderr
+    assert run.data["leak_count"] == 1
+
+
 # A training loop with no leakcheck in it: 200k dicts, 2 persistent forked workers, 3 epochs.
 PLAIN_COPY_ON_READ = """
 import torch

@@ -1,8 +1,9 @@
 """The tracker's host memory and /dev/shm reads, on real processes (CPU).
 
-Each epoch end reads every process's RSS (status) and, paced, the parent's and persistent
-workers' USS and PSS (smaps_rollup) on the sampler thread; workers that live one epoch
-report their own at exit; the job's /dev/shm files are listed per epoch and judged at close.
+Each epoch end reads every process's RSS (status) and, paced, the parent's USS and PSS
+(smaps_rollup) on the loop's thread and persistent workers' on the sampler's; workers that
+live one epoch report their own at exit; the job's /dev/shm files are listed per epoch and
+judged at close.
 """
 
 from __future__ import annotations
@@ -134,39 +135,49 @@ def test_unpaced_reads_read_every_epoch_end_the_warm_up_too() -> None:
     assert [p.host_source for p in parents] == ["uss"] * 6
 
 
-def _a_rollup_since(calls: list[tuple[str, bool]], start: int) -> bool:
-    return any(rollup for _, rollup in calls[start:])
+def _rollups_of(calls: list[tuple[str, list[int]]], pid: int) -> list[str]:
+    return [thread for thread, pids in calls if pid in pids]
 
 
-def test_rollup_reads_are_made_on_the_sampler_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str, bool]] = []
+def _read_times(calls: list[tuple[str, list[int]]], pid: int, times: int) -> bool:
+    return len(_rollups_of(calls, pid)) == times
+
+
+def test_the_loops_process_is_read_as_its_epoch_ends_the_workers_on_the_sampler_thread(
+    monkeypatch: pytest.MonkeyPatch, children: list[subprocess.Popen[str]]
+) -> None:
+    """What the loop does after an epoch's end is not that epoch's (NOTE [host pacing])."""
+    calls: list[tuple[str, list[int]]] = []  # (thread, PIDs) of each smaps_rollup read
     real = hostmem.read_host_memories
 
     def recording(targets: Any, *, rollup: bool = True) -> Any:
-        calls.append((threading.current_thread().name, rollup))
+        targets = list(targets)
+        if rollup:
+            calls.append((threading.current_thread().name, [key.pid for key in targets]))
         return real(targets, rollup=rollup)
 
     monkeypatch.setattr(hostmem, "read_host_memories", recording)
     with Tracker(rollup_share=1.0, grace=0.1) as tracker:
-        for _ in range(2):
-            before = len(calls)
+        worker = _sleeper(children)
+        tracker.register_worker(worker.pid, persistent=True)
+        for index in range(2):
             with tracker.epoch():
                 time.sleep(0.02)
-            tracker.sample()  # lets the sampler thread's wake come first
-            # The epoch's USS read, made by the sampler's thread, before the next end.
-            assert wait_for(functools.partial(_a_rollup_since, calls, before))
-        epoch_calls = list(calls)
-    assert ("MainThread", False) in epoch_calls  # status, at the epoch end
-    rollups = [thread for thread, rollup in epoch_calls if rollup]
-    assert rollups and set(rollups) == {"leakcheck-sampler"}
-    assert all(p.host_source == "uss" for e in tracker.epochs() for p in e.processes)
+            # Read before the end returned: on this thread, nothing of the loop's since.
+            assert _rollups_of(calls, os.getpid()) == ["MainThread"] * (index + 1)
+            assert wait_for(functools.partial(_read_times, calls, worker.pid, index + 1))
+        assert set(_rollups_of(calls, worker.pid)) == {"leakcheck-sampler"}
+        epochs = tracker.epochs()
+        worker.stdin.close()  # type: ignore[union-attr]
+        worker.wait()
+    assert all(p.host_source == "uss" for e in epochs for p in e.processes)
 
 
 def test_the_sampler_threads_host_reads_are_counted_apart_in_its_cost(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, children: list[subprocess.Popen[str]]
 ) -> None:
-    """``cost().host_read_cpu_s``: the sampler's CPU in the reads after epoch ends, part of
-    its CPU; nothing before an epoch ended."""
+    """``cost().host_read_cpu_s``: the sampler's CPU in the reads after epoch ends (a
+    persistent worker's), part of its CPU; nothing before an epoch ended."""
     real = hostmem.read_host_memories
 
     def costly(targets: Any, *, rollup: bool = True) -> Any:
@@ -178,12 +189,16 @@ def test_the_sampler_threads_host_reads_are_counted_apart_in_its_cost(
 
     monkeypatch.setattr(hostmem, "read_host_memories", costly)
     with Tracker(rollup_share=1.0, grace=0.1, interval=3600.0) as tracker:
+        worker = _sleeper(children)
+        tracker.register_worker(worker.pid, persistent=True)
         assert tracker.cost().host_read_cpu_s == 0.0
         with tracker.epoch():
             time.sleep(0.02)
-        # The sampler thread reads on its wake after the epoch end.
+        # The sampler thread reads the worker on its wake after the epoch end.
         assert wait_for(lambda: tracker.cost().host_read_cpu_s > 0.0)
         cost = tracker.cost()
+        worker.stdin.close()  # type: ignore[union-attr]
+        worker.wait()
     assert 0.015 < cost.host_read_cpu_s <= cost.sampler_cpu_s, cost
 
 

@@ -194,8 +194,9 @@ class RunResult:
                 f"teardown {'on' if options.teardown else 'off'}"
             )
         gap = [] if quiet else [""]
+        shown: set[tuple[object, ...]] = set()  # a finding of the program's own process: once
         for loader in self.loaders:
-            lines += gap + _loader_lines(loader)
+            lines += gap + _loader_lines(loader, shown)
         if not self.loaders:
             lines += [
                 *gap,
@@ -232,7 +233,7 @@ class RunResult:
         return [line, *tree.finding_lines(rest, indent="  ")]
 
 
-def _loader_lines(loader: LoaderResult) -> list[str]:
+def _loader_lines(loader: LoaderResult, shown: set[tuple[object, ...]]) -> list[str]:
     report = loader.report
     who = f"{rank_label(loader.rank.rank if loader.rank else None)}PID {loader.pid}"
     if report is None:
@@ -240,10 +241,14 @@ def _loader_lines(loader: LoaderResult) -> list[str]:
     reasons = sorted({epoch.end_reason for epoch in report.epochs} - {"completed"})
     ended = f", not completed: {', '.join(reasons)}" if reasons else ""
     processes = plural(len(report.process_keys), "process", "processes")
+    fresh = [f for f in report.said if (f.rule, *finding_identity(f)) not in shown]
+    shown.update((f.rule, *finding_identity(f)) for f in report.said)
+    repeated = len(report.said) - len(fresh)
+    named = f"; {plural(repeated, 'finding')} named above" if repeated else ""
     return [
         f"loader {loader.label} ({who}): {plural(len(report.epochs), 'epoch')}{ended}, "
-        f"{processes}; verdict {report.verdict.upper()}",
-        *report.finding_lines(indent="  ", loader=loader.label),
+        f"{processes}; verdict {report.verdict.upper()}{named}",
+        *report.finding_lines(fresh, indent="  ", loader=loader.label),
     ]
 
 

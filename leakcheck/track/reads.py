@@ -302,14 +302,31 @@ class HostReads:
         try:
             with lock:
                 plan, self.pending = self.pending, None
-            if plan is None:
-                return
-            found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
-            if found:
-                with lock:
-                    give(plan.epoch_index, found)
+            if plan is not None:
+                self.read(plan, lock, give)
         finally:
             self._reading.release()
+
+    def take(self, key: ProcessKey) -> RollupPlan | None:
+        """``key``'s planned read, taken out of the plan (the caller holds the lock)."""
+        plan = self.pending
+        if plan is None or key not in plan.keys:
+            return None
+        rest = tuple(k for k in plan.keys if k != key)
+        self.pending = dataclasses.replace(plan, keys=rest) if rest else None
+        return dataclasses.replace(plan, keys=(key,))
+
+    def read(
+        self,
+        plan: RollupPlan,
+        lock: AbstractContextManager[object],
+        give: Callable[[int, Mapping[ProcessKey, HostMemory]], object],
+    ) -> None:
+        """Make ``plan``'s reads, ``give`` under ``lock`` (held by no caller)."""
+        found = self.failures.guard(lambda: self.rollup(plan.keys), "host memory", lock=lock)
+        if found:
+            with lock:
+                give(plan.epoch_index, found)
 
     def end_status(self, table: ProcessTable) -> dict[ProcessKey, HostMemory] | None:
         """RSS and its peak of the job's live processes (``/proc/PID/status``: cheap)."""

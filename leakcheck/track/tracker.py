@@ -303,10 +303,15 @@ class Tracker(Sampler):
                 table, now=self.now(), reason=reason, error=error, batches=batches,
                 devices=self.nvml.device_states(), host=host, shm=shm,
             )  # fmt: skip
+            own = None
             if self.host.plan(opened.index, table):
-                self._wake()  # read off this thread, right away (NOTE [host pacing])
+                # The loop's memory as its epoch ended, on its thread (NOTE [host pacing]).
+                own = self.host.take(table.root) if self._own_process else None
+                self._wake()  # the rest off this thread, right away
             claims.epoch_closed(table.session)
-            return True
+        if own is not None:
+            self.host.read(own, self.lock, self.book.apply_rollup)
+        return True
 
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:

@@ -342,6 +342,31 @@ def test_clean_loaders_over_ten_epochs_have_no_host_finding(
     assert all(p.host_source == "uss" for p in parents)
 
 
+def test_a_loop_that_starts_keeping_memory_late_leaks_with_its_uss_paced_out() -> None:
+    """USS read at the host rule's first three ends only; from epoch 5 on the loop keeps
+    40 MiB an epoch: judged on RssAnon, read at every end."""
+    from torch.utils.data import DataLoader
+
+    kept: list[bytearray] = []
+    loader = leakcheck.watch(
+        DataLoader(torch.arange(64.0), batch_size=16, num_workers=1),  # type: ignore[arg-type]
+        on_leak="ignore",
+        rollup_share=1e-9,
+    )
+    with loader:
+        for index in range(10):
+            for batch in loader:
+                batch.sum()
+            if index >= 5:
+                kept.append(bytearray(40 << 20))
+    report = loader.report()
+    parents = [_by_role(e.processes, "parent")[0] for e in report.epochs]
+    assert [p.host_source for p in parents][1:5] == ["uss"] * 3 + ["rss"]
+    (found,) = [f for f in report.findings if f.rule == "host-growth"]
+    assert (found.severity, found.role) == ("leak", "parent"), report.format()
+    assert "host memory (RssAnon) grows" in found.message
+
+
 @pytest.mark.parametrize("script", ["copy_on_read_leak.py", "copy_on_read_fixed.py"])
 def test_the_copy_on_read_examples(script: str) -> None:
     """The classic shape: copied in epoch 0, flat after; found there by the copy-on-read rule

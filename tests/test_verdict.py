@@ -995,6 +995,25 @@ def test_a_clean_host_verdict_with_uss_at_every_end_says_nothing_more() -> None:
     assert info.message.startswith("host memory was read as USS at 3 of the 7 epoch ends")
 
 
+def _parent_paced(index: int, anon_mib: float) -> ProcessEpoch:
+    """The parent at an epoch end: USS read at the first three judged ends only (paced)."""
+    return proc(
+        ROOT_PID, "parent", persistent=True, uss_mib=200 if index <= 3 else None,
+        rss_mib=anon_mib + 100, anon_mib=anon_mib,
+    )  # fmt: skip
+
+
+def test_a_parents_growth_after_its_uss_was_paced_out_is_judged_resident() -> None:
+    """Epochs 4-8 have RssAnon only: a loop that keeps memory from epoch 4 on still leaks."""
+    late = [epoch(i, [_parent_paced(i, 150 + 50 * max(0, i - 3))]) for i in range(9)]
+    (found,) = host_findings(timeline(late))
+    assert (found.severity, found.role) == ("leak", "parent")
+    assert "host memory (RssAnon) grows" in found.message and "150 -> 400 MiB" in found.message
+    assert found.message.endswith("(USS read at 3 of these ends)")
+    # Flat: clean, and nothing said (every end of the parent was read, resident).
+    assert host_findings(timeline([epoch(i, [_parent_paced(i, 150)]) for i in range(9)])) == []
+
+
 def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
     def worker_epochs(rss: list[float], anon: list[float]) -> Timeline:
         return timeline(

@@ -438,7 +438,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    USS where read at 3 or more judged epoch ends; a clean verdict says where it was not read.
+    USS where read at 3 or more judged epoch ends (a parent's, resident at every end too); a
+    clean verdict says where a worker's was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False
@@ -455,7 +456,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         if len(anon) < len(seen):
             resident, basis = _points(seen, lambda p: p.rss_bytes_end), "RSS"
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
-        slope = growth_slope(resident, tolerance, by_epoch=True)
+        slope = all_ends_slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
             points, measure, note = uss, "USS", ""
             slope = growth_slope(uss, tolerance, by_epoch=True)
@@ -465,12 +466,18 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 slope = None if resident_slope is None else min(slope, resident_slope)
                 if slope is not None:
                     note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+            if slope is None and last.role == "parent" and len(uss) < len(resident):
+                # Ends USS was paced out of: a parent's growth is resident too (same NOTE).
+                points, measure, slope = resident, basis, all_ends_slope
+                note = f" (USS read at {len(uss)} of these ends)"
         if slope is not None:
             grew = True
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
-        elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
+        elif unread is None and last.role == "worker" and any(
+            proc.host_source == "rss" for _, proc in seen
+        ):
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
     if unread is not None and not grew:  # a clean host verdict says what it could not see

@@ -79,7 +79,8 @@ at epoch ends for the parent and persistent workers), or on resident memory wher
 read (its anonymous part, RssAnon, where known), which the finding says: resident memory
 counts pages shared with other processes and does not show copy-on-read. A parent whose USS
 climbs back after its workers forked (its pages become its own again as they stop sharing
-them) is not growing unless its resident memory grows too.
+them) is not growing unless its resident memory grows too; read at every end, its resident
+memory also judges the ends whose USS read the pacing left out.
 
 Copy-on-read is the classic cause: a dataset of Python objects (lists, dicts, strings) has
 its reference counts written by every read, so each forked worker copies the pages it reads.

@@ -48,6 +48,13 @@ def _start_blocking_thread(worker_id: int) -> None:
     threading.Thread(target=_blocks_forever, name="blocker").start()
 
 
+def _slow_to_end(worker_id: int) -> None:
+    import multiprocessing.util
+
+    # Runs after leakcheck's exit report: the seconds a loaded machine can take to end a worker.
+    multiprocessing.util.Finalize(None, time.sleep, args=(60,), exitpriority=-100)
+
+
 def _stuck(report: leakcheck.Report) -> list[Any]:
     return [f for f in report.findings if f.rule == "shutdown-hang"]
 
@@ -91,6 +98,27 @@ def test_a_worker_held_by_a_non_daemon_thread_has_that_threads_stack_said(tmp_pa
     assert "in _blocks_forever" in (finding.stack or "")  # the thread that holds the exit
     assert "in _shutdown" in (finding.stack or "")  # the main thread waits for it
     assert "non-daemon thread" in finding.remedy
+
+
+def test_a_worker_ending_slowly_after_its_exit_report_is_not_called_stuck(tmp_path: Path) -> None:
+    """Its own code is done and no thread holds it (its stack file is gone): torch's
+    terminate cuts only the interpreter's end. Nothing is said, and nothing waits for a dump
+    it can no longer write."""
+    loader = leakcheck.watch(
+        DataLoader(
+            SlowTail(tmp_path / "slow", first_slow=64),  # never slow
+            batch_size=2,
+            num_workers=1,
+            worker_init_fn=_slow_to_end,
+        ),
+        on_leak="ignore",
+    )
+    for _batch in loader:
+        pass
+    loader.close()
+    report = loader.report()
+    assert len(loader.tracker.worker_keys()) == 1
+    assert _stuck(report) == [] and report.leaks == [], report.format()
 
 
 def test_workers_that_exit_at_once_after_a_break_give_no_finding(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ file) go to stderr and the report (``Stall``). The loop goes on; a batch ends th
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
 ``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive without a word.
 ``watch_exits`` gives each worker an instance-level ``terminate`` that first has the tracker
-gather that worker's stacks as above (a ``Stall`` with its ``pid``).
+gather that worker's stacks as above (a ``Stall`` with its ``pid``), unless its exit removed its
+stack file: its code is done and no thread holds it, only slow to end (a loaded machine).
 """
 
 from __future__ import annotations

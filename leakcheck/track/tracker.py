@@ -354,6 +354,8 @@ class Tracker(Sampler):
             proc, epoch = self.table.procs.get(key), self.book.open_index
         join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks
+        if dumps and not os.path.exists(mailbox.stack_path(self.mailbox_dir or "", key)):
+            return  # its exit removed the file, no thread holding it: ending slowly, not stuck
         self._keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
 
     @_caller_timed

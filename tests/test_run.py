@@ -225,7 +225,7 @@ def test_unmodified_script_gets_the_findings_of_its_watch_version(
     # jobs' files appearing on a busy machine), and host growth, whose USS reads are paced by
     # their cost, so that in runs of a few seconds which epochs get one depends on the load
     # (host-growth has tests of its own, in test_tracker_host.py).
-    noise = {("shm", None), ("host-growth", "worker"), ("host-growth", "parent")}
+    noise = {("shm", None), *(("host-growth", role) for role in ("worker", "parent", None))}
     for severity in ("leak", "info"):
         ran = findings(item["report"], severity)
         for key in noise:

@@ -516,6 +516,50 @@ def test_a_loader_the_program_watches_itself_is_left_to_watch(
     assert run.data is not None and run.data["loaders"] == []
 
 
+CALLBACK_FIT = """\
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+from leakcheck.integrations.lightning import LeakCheckCallback
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(8, 2), batch_size=4, num_workers=1)
+
+
+callback = LeakCheckCallback()
+pl.Trainer(
+    accelerator="cpu", max_epochs=2, callbacks=[callback], logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+).fit(Tiny())
+print(callback.format())
+"""
+
+
+def test_a_loader_the_programs_lightning_callback_adopted_is_left_to_it(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """Its stage's tracker claims the workers: the run's own report of that loader would be
+    its parent alone, a clean verdict on workers it never judged."""
+    pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e '.[dev]'")
+    (tmp_path / "fit.py").write_text(CALLBACK_FIT)
+    run = leakcheck_run("--", sys.executable, "fit.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "train_dataloader: leakcheck: no leaks in 2 epochs (3 processes" in run.stdout
+    assert run.data is not None and run.data["loaders"] == [], run.stderr
+
+
 # --------------------------------------------------------------------------- exits
 
 

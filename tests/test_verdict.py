@@ -800,6 +800,18 @@ def test_copy_on_read_worker_is_found_per_worker_with_mib_per_epoch() -> None:
     assert verdict_of(tl) == "leak"
 
 
+def test_a_worker_whose_resident_memory_grows_too_is_told_to_bound_what_it_keeps() -> None:
+    # A dataset that appends 50 MiB an epoch to a list in each persistent worker: new memory,
+    # resident too, not the parent's pages turned private.
+    for uss_read in (True, False):
+        tl = host_timeline(
+            [(100 + 50 * i if uss_read else None, 300 + 50 * i) for i in range(5)], role="worker"
+        )
+        (found,) = host_findings(tl)
+        assert "bound what the dataset keeps in its workers" in found.remedy, found.message
+        assert "copy-on-read" not in found.remedy
+
+
 def verdict_of(tl: Timeline) -> str:
     from leakcheck.judge.report import build_report
 
@@ -1012,6 +1024,17 @@ def test_a_parents_growth_after_its_uss_was_paced_out_is_judged_resident() -> No
     assert found.message.endswith("(USS read at 3 of these ends)")
     # Flat: clean, and nothing said (every end of the parent was read, resident).
     assert host_findings(timeline([epoch(i, [_parent_paced(i, 150)]) for i in range(9)])) == []
+
+
+def test_a_parent_read_as_resident_at_some_ends_gets_no_information_line() -> None:
+    # The parent's verdict needs its resident memory to grow (NOTE [return of shared pages]) and
+    # copies nobody's pages: an end read as RSS hides nothing (Lightning's validation loader,
+    # non-persistent workers, 5 epochs under `leakcheck run`).
+    epochs = [
+        epoch(i, [parent(uss_mib=200 if i < 4 else None, rss_mib=400), proc(2000 + i, born=True)])
+        for i in range(5)
+    ]
+    assert host_findings(timeline(epochs)) == []
 
 
 def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:

@@ -3,12 +3,13 @@
 NOTE [epoch ends]: each ``iter()`` is one epoch, opened at the first batch request and closed
 however the loop ends: ``completed`` (judged at once; a ``LeakError`` surfaces from the
 ``for``), ``break`` (a generator is only told it was closed, so a ``KeyboardInterrupt`` in the
-loop body reads so too), ``exception`` (while fetching; re-raised, and a worker a signal ended
-is announced at once), ``interrupt`` (Ctrl-C while fetching) or ``collected`` (by the garbage
-collector or at exit). After an early end non-persistent workers are shut down at once (the
-traceback would keep them alive as false survivors); judging waits for the next epoch or
-``close()``, as raising from a closing generator would be lost. Per batch: one generator step
-and one clock read (NOTE [hang watch] in hang.py).
+loop body reads so too; after a DataLoader's last batch, as Lightning stops: ``completed``),
+``exception`` (while fetching; re-raised, and a worker a signal ended is announced at once),
+``interrupt`` (Ctrl-C while fetching) or ``collected`` (by the garbage collector or at exit).
+After an early end non-persistent workers are shut down at once (the traceback would keep them
+alive as false survivors); judging waits for the next epoch or ``close()``, as raising from a
+closing generator would be lost. Per batch: one generator step and one clock read (NOTE [hang
+watch] in hang.py).
 
 NOTE [judged window]: an epoch end judges only the latest ``JUDGED_EPOCHS`` closed epochs, as
 recorded at their ends (judging costs time per epoch: ``benchmarks/bench_epochs.py``);
@@ -65,6 +66,14 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     if isinstance(error, GeneratorExit):
         return ("collected" if _collecting or sys.is_finalizing() else "break"), None
     return end_reason_for(error)
+
+
+def _gave_all(iterator: Any, count: int) -> bool:
+    """Whether ``count`` is every batch of a DataLoader iterator (its ``len()``)."""
+    try:
+        return count > 0 and count == len(iterator)
+    except Exception:  # no len(): an iterable dataset, another iterable's iterator
+        return False
 
 
 def check_arguments(on_leak: object, teardown: object, on_epoch: object) -> OnLeak:
@@ -281,6 +290,8 @@ def epoch_batches(
     except BaseException as error:
         tracker.batch_arrived()
         ended = _end_reason(error)
+        if ended[0] == "break" and _gave_all(batches, count):
+            ended = ("completed", None)  # the loop stopped at the last batch (Lightning does)
         # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
         if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
             died = _note_deaths(tracker, batches)

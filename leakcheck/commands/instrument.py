@@ -6,11 +6,12 @@ every Python process of the run; the first iteration imports this module. Each c
 and validation loaders are judged apart; a loader made again where the previous one is gone
 continues it, a second one alive at once is ``#2``. Each iteration is an epoch of it
 (``epoch_batches``) through DataLoader's original ``__iter__``; a loader the program
-``watch()``es is left to it. The site's ``LoaderResult`` (``loader-<pid>-<n>.json`` in the
-run folder) is written when its tracker starts and with its report at the process's exit
-(``atexit`` or a multiprocessing child's finalizers; not ``os._exit`` nor a fatal signal). A
-forked child starts afresh. Nothing here raises into the program: a failure of its own turns
-tracking off for the process (one line on stderr, ``failure-<pid>.txt``).
+``watch()``es, or its ``LeakCheckCallback`` adopted, is left to it. The site's ``LoaderResult``
+(``loader-<pid>-<n>.json`` in the run folder) is written when its tracker starts and with its
+report at the process's exit (``atexit`` or a multiprocessing child's finalizers; not
+``os._exit`` nor a fatal signal). A forked child starts afresh. Nothing here raises into the
+program: a failure of its own turns tracking off for the process (one line on stderr,
+``failure-<pid>.txt``).
 
 NOTE [process rank]: ``RANK`` (torchrun, ``accelerate launch``), else the default process
 group's rank, else the index ``torch.multiprocessing.spawn`` gave it, else the rank a process
@@ -403,7 +404,13 @@ def _current_run() -> _Run | None:
 
 
 def _watched_by_user(loader: Any) -> bool:
-    """The program ``watch()``es this loader (the run's own hooks do not count)."""
+    """The program ``watch()``es it, or a ``LeakCheckCallback`` (its stage claims the workers).
+
+    The run's own hooks do not count.
+    """
+    hook = getattr(loader, "__dict__", {}).get("_get_iterator")
+    if type(hook).__module__.startswith("leakcheck."):  # by name: importing it imports Lightning
+        return True
     init = getattr(loader, "worker_init_fn", None)
     if not isinstance(init, WorkerInit):
         return False

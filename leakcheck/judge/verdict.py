@@ -230,6 +230,9 @@ REMEDY_HOST_PARENT = (
 REMEDY_HOST_WORKER = (
     "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
 )
+REMEDY_HOST_WORKER_KEPT = (
+    "bound what the dataset keeps in its workers across epochs (caches, lists)"
+)
 
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
@@ -430,8 +433,9 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 # USS grows, its RSS stays flat. In the parent the page becomes private again, nobody sharing
 # it: its USS climbs back to where it was before the fork without a byte of new memory. So a
 # parent's USS rise counts only where its resident memory rises beyond the tolerance too; a
-# worker's counts alone. Resident memory is ``RssAnon`` where every point has it: libraries
-# paged in on first use raise RSS for epochs, and they are file-backed.
+# worker's counts alone, named copy-on-read unless its resident memory rose too (a cache: new
+# memory). Resident memory is ``RssAnon`` where every point has it: libraries paged in on first
+# use raise RSS for epochs, and they are file-backed.
 
 
 @_rule
@@ -456,13 +460,13 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         if len(anon) < len(seen):
             resident, basis = _points(seen, lambda p: p.rss_bytes_end), "RSS"
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
-        slope = all_ends_slope = growth_slope(resident, tolerance, by_epoch=True)
+        slope = all_ends_slope = resident_slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
             points, measure, note = uss, "USS", ""
             slope = growth_slope(uss, tolerance, by_epoch=True)
+            span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
+            resident_slope = growth_slope(span, tolerance, by_epoch=True)
             if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
-                span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
-                resident_slope = growth_slope(span, tolerance, by_epoch=True)
                 slope = None if resident_slope is None else min(slope, resident_slope)
                 if slope is not None:
                     note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
@@ -472,14 +476,14 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 note = f" (USS read at {len(uss)} of these ends)"
         if slope is not None:
             grew = True
-            remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
+            remedy = REMEDY_HOST_WORKER if resident_slope is None else REMEDY_HOST_WORKER_KEPT
+            remedy = REMEDY_HOST_PARENT if last.role == "parent" else remedy
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
-        elif unread is None and last.role == "worker" and any(
-            proc.host_source == "rss" for _, proc in seen
-        ):
+        elif unread is None and last.role == "worker":  # a parent's: resident at every end
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
-            unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
+            rss_reads = sum(proc.host_source == "rss" for _, proc in seen)
+            unread = (uss_reads, uss_reads + rss_reads) if rss_reads else None
     if unread is not None and not grew:  # a clean host verdict says what it could not see
         message = (
             f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "

@@ -995,6 +995,28 @@ def test_a_clean_host_verdict_with_uss_at_every_end_says_nothing_more() -> None:
     assert info.message.startswith("host memory was read as USS at 3 of the 7 epoch ends")
 
 
+def test_ends_without_uss_are_said_only_of_workers_that_can_copy_on_read() -> None:
+    # USS at the first 4 of 8 ends, resident memory after: said of a forked worker only. The
+    # parent's USS counts only with its resident memory, and a spawned worker shares nothing.
+    def judged(*worker_forked: bool) -> list[Finding]:
+        def uss(i: int) -> float | None:
+            return 100 if i < 4 else None
+
+        def worker(i: int, forked: bool) -> ProcessEpoch:
+            return replace(proc(2001, persistent=True, uss_mib=uss(i), rss_mib=300),
+                           forked=forked)  # fmt: skip
+
+        return host_findings(
+            timeline([epoch(i, [parent(uss_mib=uss(i), rss_mib=300)]
+                            + [worker(i, f) for f in worker_forked]) for i in range(8)])
+        )  # fmt: skip
+
+    assert judged() == []  # the parent alone: num_workers=0, or workers of one epoch each
+    assert judged(False) == []
+    (info,) = judged(True)
+    assert info.message.startswith("host memory was read as USS at 3 of the 7 epoch ends")
+
+
 def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:
     def worker_epochs(rss: list[float], anon: list[float]) -> Timeline:
         return timeline(

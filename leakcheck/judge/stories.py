@@ -93,9 +93,9 @@ Fixes:
 - in the main process: drop what the loop keeps (outputs, losses as tensors, growing lists
   and caches) and compare tracemalloc snapshots between epochs.
 
-Information (not a leak): where some judged epoch ends had resident memory only (USS reads
-are paced to 0.1% of the time), a clean verdict says at how many USS was read; for a
-diagnostic run read it at every epoch end: watch(..., rollup_share=1.0),
+Information (not a leak): where some judged epoch ends of a forked worker had resident memory
+only (USS reads are paced to 0.1% of the time), a clean verdict says at how many USS was read;
+for a diagnostic run read it at every epoch end: watch(..., rollup_share=1.0),
 LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1.
 
 copy-on-read (leak): forked workers copied their parent's memory, one copy per worker.

@@ -438,7 +438,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    USS where read at 3 or more judged epoch ends; a clean verdict says where it was not read.
+    USS where read at 3 or more judged epoch ends; a clean verdict says where a forked worker's
+    was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False
@@ -470,7 +471,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
-        elif unread is None and any(proc.host_source == "rss" for _, proc in seen):
+        elif unread is None and _can_copy(last) and any(p.host_source == "rss" for _, p in seen):
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
     if unread is not None and not grew:  # a clean host verdict says what it could not see
@@ -483,6 +484,15 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             "--rollup-share 1)"
         )
         yield _finding("host-growth", "info", message, remedy)
+
+
+def _can_copy(proc: ProcessEpoch) -> bool:
+    """Whether a process can copy on read: a worker not known to share nothing with its parent.
+
+    The parent copies nothing of its own, and its USS rise counts only with resident memory
+    (NOTE [return of shared pages]): ends it had no USS at hide nothing.
+    """
+    return proc.role == "worker" and proc.forked is not False
 
 
 @_rule

@@ -826,6 +826,27 @@ def test_parent_that_really_grows_is_found_with_its_rss() -> None:
     assert "what the loop keeps" in found.remedy
 
 
+def test_growth_after_the_paced_uss_reads_is_judged_on_rssanon_at_every_end() -> None:
+    # The first three judged ends read USS (NOTE [host pacing]), 63 MiB apart: within the
+    # tolerance. RssAnon, read at every end, grows 32 MiB/epoch to the last (a parent keeping
+    # 32 MiB an epoch; found or not by a 1 MiB difference in USS).
+    def kept(role: Role, uss_ends: int, uss_mib_per_epoch: float = 31.5) -> Timeline:
+        epochs = []
+        for i in range(7):
+            uss = 183 + uss_mib_per_epoch * i if i <= uss_ends else None
+            kept = proc(2001, role, persistent=True, uss_mib=uss, rss_mib=262 + 32 * i,
+                        anon_mib=181 + 32 * i)  # fmt: skip
+            epochs.append(epoch(i, [kept] if role == "parent" else [parent(), kept]))
+        return timeline(epochs, attribution="nvml-unavailable")
+
+    for role in ("parent", "worker"):
+        (found,) = host_findings(kept(role, uss_ends=3))
+        assert "host memory (RssAnon) grows 32 MiB/epoch over epochs 1-6" in found.message
+        assert "(USS read at 3 of these ends)" in found.message
+    # USS read at every end says what the process itself holds: flat, no growth.
+    assert host_findings(kept("worker", uss_ends=6, uss_mib_per_epoch=0)) == []
+
+
 def test_a_parents_uss_rise_without_any_resident_reading_is_not_growth() -> None:
     # NOTE [return of shared pages]: a parent's USS rise needs a resident rise; none was read.
     series = [(100 + 50 * i, None) for i in range(5)]

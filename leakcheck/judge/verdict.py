@@ -458,14 +458,18 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
         slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
-            points, measure, note = uss, "USS", ""
-            slope = growth_slope(uss, tolerance, by_epoch=True)
-            if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
+            uss_slope, uss_note = growth_slope(uss, tolerance, by_epoch=True), ""
+            if uss_slope is not None and last.role == "parent":  # NOTE [return of shared pages]
                 span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
                 resident_slope = growth_slope(span, tolerance, by_epoch=True)
-                slope = None if resident_slope is None else min(slope, resident_slope)
-                if slope is not None:
-                    note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
+                uss_slope = None if resident_slope is None else min(uss_slope, resident_slope)
+                if uss_slope is not None:
+                    first, last_mib = format_mib(span[0][1]), format_mib(span[-1][1])
+                    uss_note = f" ({basis} {first} -> {last_mib} MiB)"
+            # Paced, USS may cover the first judged ends only: where it saw no growth, RssAnon
+            # at every end still shows what the process allocates after them (NOTE [host pacing]).
+            if uss_slope is not None or basis == "RSS" or uss[-1][0] >= seen[-1][0].index:
+                points, measure, note, slope = uss, "USS", uss_note, uss_slope
         if slope is not None:
             grew = True
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER

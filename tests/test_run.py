@@ -361,6 +361,23 @@ def test_a_clean_train_and_val_run_is_a_few_lines(tmp_path: Path, private_tmp: P
         assert run.stderr.count("GPU") == 1 and "; GPU: not checked (" in report[0]
 
 
+def test_a_loader_line_counts_its_epochs_that_did_not_complete(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "train.py").write_text(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(range(64), batch_size=8)\n"
+        "for epoch in range(3):\n"
+        "    for i, batch in enumerate(loader):\n"
+        "        if epoch and i == 2:\n"
+        "            break\n"
+    )
+    run = leakcheck_run("--", sys.executable, "train.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    [line] = [line for line in run.stderr.splitlines() if line.startswith("loader train.py:2 ")]
+    assert ": 3 epochs, 2 not completed (break), 1 process; verdict CLEAN" in line, run.stderr
+
+
 SIX_ORPHANS = """\
 import subprocess
 from torch.utils.data import DataLoader, Dataset

@@ -77,7 +77,8 @@ The same as growth for host memory, with its own tolerance (64 MiB over
 the judged epochs). Judged on USS, a process's private memory (/proc/PID/smaps_rollup, read
 at epoch ends for the parent and persistent workers), or on resident memory where USS was not
 read (its anonymous part, RssAnon, where known), which the finding says: resident memory
-counts pages shared with other processes and does not show copy-on-read. A parent whose USS
+counts pages shared with other processes and does not show copy-on-read. Where USS, read at
+the first ends only, saw no growth, RssAnon at every end is judged too. A parent whose USS
 climbs back after its workers forked (its pages become its own again as they stop sharing
 them) is not growing unless its resident memory grows too.
 

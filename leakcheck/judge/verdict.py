@@ -438,8 +438,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    USS where read at 3 or more judged epoch ends; a clean verdict says where a forked worker's
-    was not read.
+    USS where read at 3 or more judged epoch ends (RssAnon at every end where it saw no growth
+    and stopped early); a clean verdict says where a forked worker's was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False

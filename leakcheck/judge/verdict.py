@@ -475,9 +475,11 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
-        elif unread is None and _can_copy(last) and any(p.host_source == "rss" for _, p in seen):
+        elif unread is None and last.role == "worker" and last.forked is not False:
+            # Only a forked worker copies; the parent's USS counts only with resident memory.
+            rss_reads = sum(proc.host_source == "rss" for _, proc in seen)
             uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
-            unread = (uss_reads, uss_reads + sum(proc.host_source == "rss" for _, proc in seen))
+            unread = (uss_reads, uss_reads + rss_reads) if rss_reads else None
     if unread is not None and not grew:  # a clean host verdict says what it could not see
         message = (
             f"host memory was read as USS at {unread[0]} of the {unread[1]} epoch ends judged: "
@@ -488,15 +490,6 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             "--rollup-share 1)"
         )
         yield _finding("host-growth", "info", message, remedy)
-
-
-def _can_copy(proc: ProcessEpoch) -> bool:
-    """Whether a process can copy on read: a worker not known to share nothing with its parent.
-
-    The parent copies nothing of its own, and its USS rise counts only with resident memory
-    (NOTE [return of shared pages]): ends it had no USS at hide nothing.
-    """
-    return proc.role == "worker" and proc.forked is not False
 
 
 @_rule

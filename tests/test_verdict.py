@@ -839,10 +839,12 @@ def test_growth_after_the_paced_uss_reads_is_judged_on_rssanon_at_every_end() ->
             epochs.append(epoch(i, [kept] if role == "parent" else [parent(), kept]))
         return timeline(epochs, attribution="nvml-unavailable")
 
-    for role in ("parent", "worker"):
+    cases: list[tuple[Role, str]] = [("parent", "drop what the loop"), ("worker", "bound what")]
+    for role, fix in cases:
         (found,) = host_findings(kept(role, uss_ends=3))
         assert "host memory (RssAnon) grows 32 MiB/epoch over epochs 1-6" in found.message
         assert "(USS read at 3 of these ends)" in found.message
+        assert found.remedy.startswith(fix)  # not copy-on-read: resident memory grew
     # USS read at every end says what the process itself holds: flat, no growth.
     assert host_findings(kept("worker", uss_ends=6, uss_mib_per_epoch=0)) == []
 

@@ -230,6 +230,8 @@ REMEDY_HOST_PARENT = (
 REMEDY_HOST_WORKER = (
     "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
 )
+# Resident memory does not grow by copy-on-read: what grows there, the worker allocated.
+REMEDY_HOST_WORKER_RESIDENT = "bound what the worker keeps across epochs (caches, growing lists)"
 
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
@@ -472,7 +474,8 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
                 points, measure, note, slope = uss, "USS", uss_note, uss_slope
         if slope is not None:
             grew = True
-            remedy = REMEDY_HOST_PARENT if last.role == "parent" else REMEDY_HOST_WORKER
+            remedy = REMEDY_HOST_WORKER if measure == "USS" else REMEDY_HOST_WORKER_RESIDENT
+            remedy = REMEDY_HOST_PARENT if last.role == "parent" else remedy
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
         elif unread is None and last.role == "worker" and last.forked is not False:

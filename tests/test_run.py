@@ -224,7 +224,7 @@ def test_unmodified_script_gets_the_findings_of_its_watch_version(
     # Left out of the comparison: advice about /dev/shm files nothing ties to the work (other
     # jobs' files appearing on a busy machine), and host growth, whose USS reads are paced by
     # their cost, so that in runs of a few seconds which epochs get one depends on the load
-    # (host-growth has tests of its own, in test_tracker_host.py).
+    # (host-growth, and its info line on ends without USS, have tests of their own).
     noise = {("shm", None), *(("host-growth", role) for role in ("worker", "parent", None))}
     for severity in ("leak", "info"):
         ran = findings(item["report"], severity)
@@ -359,6 +359,23 @@ def test_a_clean_train_and_val_run_is_a_few_lines(tmp_path: Path, private_tmp: P
     assert all(line.strip() and len(line) <= 160 for line in report), report
     if not run.data["gpu"]["checked"]:
         assert run.stderr.count("GPU") == 1 and "; GPU: not checked (" in report[0]
+
+
+def test_a_loader_line_counts_its_epochs_that_did_not_complete(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "train.py").write_text(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(range(64), batch_size=8)\n"
+        "for epoch in range(3):\n"
+        "    for i, batch in enumerate(loader):\n"
+        "        if epoch and i == 2:\n"
+        "            break\n"
+    )
+    run = leakcheck_run("--", sys.executable, "train.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    [line] = [line for line in run.stderr.splitlines() if line.startswith("loader train.py:2 ")]
+    assert ": 3 epochs, 2 not completed (break), 1 process; verdict CLEAN" in line, run.stderr
 
 
 SIX_ORPHANS = """\

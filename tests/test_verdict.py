@@ -808,7 +808,7 @@ def test_a_worker_whose_resident_memory_grows_too_is_told_to_bound_what_it_keeps
             [(100 + 50 * i if uss_read else None, 300 + 50 * i) for i in range(5)], role="worker"
         )
         (found,) = host_findings(tl)
-        assert "bound what the dataset keeps in its workers" in found.remedy, found.message
+        assert "bound what the worker keeps across epochs" in found.remedy, found.message
         assert "copy-on-read" not in found.remedy
 
 
@@ -836,6 +836,29 @@ def test_parent_that_really_grows_is_found_with_its_rss() -> None:
     assert found.bytes_per_epoch == pytest.approx(mib(30))
     assert "(RSS 430 -> 550 MiB)" in found.message
     assert "what the loop keeps" in found.remedy
+
+
+def test_growth_after_the_paced_uss_reads_is_judged_on_rssanon_at_every_end() -> None:
+    # The first three judged ends read USS (NOTE [host pacing]), 63 MiB apart: within the
+    # tolerance. RssAnon, read at every end, grows 32 MiB/epoch to the last (a parent keeping
+    # 32 MiB an epoch; found or not by a 1 MiB difference in USS).
+    def kept(role: Role, uss_ends: int, uss_mib_per_epoch: float = 31.5) -> Timeline:
+        epochs = []
+        for i in range(7):
+            uss = 183 + uss_mib_per_epoch * i if i <= uss_ends else None
+            kept = proc(2001, role, persistent=True, uss_mib=uss, rss_mib=262 + 32 * i,
+                        anon_mib=181 + 32 * i)  # fmt: skip
+            epochs.append(epoch(i, [kept] if role == "parent" else [parent(), kept]))
+        return timeline(epochs, attribution="nvml-unavailable")
+
+    cases: list[tuple[Role, str]] = [("parent", "drop what the loop"), ("worker", "bound what")]
+    for role, fix in cases:
+        (found,) = host_findings(kept(role, uss_ends=3))
+        assert "host memory (RssAnon) grows 32 MiB/epoch over epochs 1-6" in found.message
+        assert "(USS read at 3 of these ends)" in found.message
+        assert found.remedy.startswith(fix)  # not copy-on-read: resident memory grew
+    # USS read at every end says what the process itself holds: flat, no growth.
+    assert host_findings(kept("worker", uss_ends=6, uss_mib_per_epoch=0)) == []
 
 
 def test_a_parents_uss_rise_without_any_resident_reading_is_not_growth() -> None:
@@ -1035,6 +1058,28 @@ def test_a_parent_read_as_resident_at_some_ends_gets_no_information_line() -> No
         for i in range(5)
     ]
     assert host_findings(timeline(epochs)) == []
+
+
+def test_ends_without_uss_are_said_only_of_workers_that_can_copy_on_read() -> None:
+    # USS at the first 4 of 8 ends, resident memory after: said of a forked worker only. The
+    # parent's USS counts only with its resident memory, and a spawned worker shares nothing.
+    def judged(*worker_forked: bool) -> list[Finding]:
+        def uss(i: int) -> float | None:
+            return 100 if i < 4 else None
+
+        def worker(i: int, forked: bool) -> ProcessEpoch:
+            return replace(proc(2001, persistent=True, uss_mib=uss(i), rss_mib=300),
+                           forked=forked)  # fmt: skip
+
+        return host_findings(
+            timeline([epoch(i, [parent(uss_mib=uss(i), rss_mib=300)]
+                            + [worker(i, f) for f in worker_forked]) for i in range(8)])
+        )  # fmt: skip
+
+    assert judged() == []  # the parent alone: num_workers=0, or workers of one epoch each
+    assert judged(False) == []
+    (info,) = judged(True)
+    assert info.message.startswith("host memory was read as USS at 3 of the 7 epoch ends")
 
 
 def test_resident_growth_is_judged_on_its_anonymous_part_where_known() -> None:

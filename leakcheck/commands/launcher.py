@@ -238,8 +238,8 @@ def _loader_lines(loader: LoaderResult, shown: set[tuple[object, ...]]) -> list[
     who = f"{rank_label(loader.rank.rank if loader.rank else None)}PID {loader.pid}"
     if report is None:
         return [f"loader {loader.label} ({who}): no report: {loader.missing}"]
-    reasons = sorted({epoch.end_reason for epoch in report.epochs} - {"completed"})
-    ended = f", not completed: {', '.join(reasons)}" if reasons else ""
+    early = [epoch.end_reason for epoch in report.epochs if epoch.end_reason != "completed"]
+    ended = f", {len(early)} not completed ({', '.join(sorted(set(early)))})" if early else ""
     processes = plural(len(report.process_keys), "process", "processes")
     fresh = [f for f in report.said if (f.rule, *finding_identity(f)) not in shown]
     shown.update((f.rule, *finding_identity(f)) for f in report.said)

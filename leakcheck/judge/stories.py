@@ -77,10 +77,10 @@ The same as growth for host memory, with its own tolerance (64 MiB over
 the judged epochs). Judged on USS, a process's private memory (/proc/PID/smaps_rollup, read
 at epoch ends for the parent and persistent workers), or on resident memory where USS was not
 read (its anonymous part, RssAnon, where known), which the finding says: resident memory
-counts pages shared with other processes and does not show copy-on-read. A parent whose USS
+counts pages shared with other processes and does not show copy-on-read. Where USS, read at
+the first ends only, saw no growth, RssAnon at every end is judged too. A parent whose USS
 climbs back after its workers forked (its pages become its own again as they stop sharing
-them) is not growing unless its resident memory grows too; read at every end, its resident
-memory also judges the ends whose USS read the pacing left out.
+them) is not growing unless its resident memory grows too.
 
 Copy-on-read is the classic cause: a dataset of Python objects (lists, dicts, strings) has
 its reference counts written by every read, so each forked worker copies the pages it reads.
@@ -94,9 +94,9 @@ Fixes:
 - in the main process: drop what the loop keeps (outputs, losses as tensors, growing lists
   and caches) and compare tracemalloc snapshots between epochs.
 
-Information (not a leak): where some judged epoch ends had resident memory only (USS reads
-are paced to 0.1% of the time), a clean verdict says at how many USS was read; for a
-diagnostic run read it at every epoch end: watch(..., rollup_share=1.0),
+Information (not a leak): where some judged epoch ends of a forked worker had resident memory
+only (USS reads are paced to 0.1% of the time), a clean verdict says at how many USS was read;
+for a diagnostic run read it at every epoch end: watch(..., rollup_share=1.0),
 LeakCheckCallback(rollup_share=1.0) or leakcheck run --rollup-share 1.
 
 copy-on-read (leak): forked workers copied their parent's memory, one copy per worker.

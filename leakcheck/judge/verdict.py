@@ -230,9 +230,8 @@ REMEDY_HOST_PARENT = (
 REMEDY_HOST_WORKER = (
     "copy-on-read: keep the dataset in numpy arrays, Arrow tables or tensors, not Python objects"
 )
-REMEDY_HOST_WORKER_KEPT = (
-    "bound what the dataset keeps in its workers across epochs (caches, lists)"
-)
+# Resident memory does not grow by copy-on-read: what grows there, the worker allocated.
+REMEDY_HOST_WORKER_RESIDENT = "bound what the worker keeps across epochs (caches, growing lists)"
 
 
 def _survivor_remedy(proc: ProcessEpoch, workers: Iterable[int]) -> str:
@@ -442,8 +441,8 @@ def growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
 def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     """Find the parent and persistent workers whose host memory (USS, else resident) grows.
 
-    USS where read at 3 or more judged epoch ends (a parent's, resident at every end too); a
-    clean verdict says where a worker's was not read.
+    USS where read at 3 or more judged epoch ends (RssAnon at every end where it saw no growth
+    and stopped early); a clean verdict says where a forked worker's was not read.
     """
     tolerance = config.host_tolerance_bytes
     grew = False
@@ -460,29 +459,31 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
         if len(anon) < len(seen):
             resident, basis = _points(seen, lambda p: p.rss_bytes_end), "RSS"
         points, measure, note = resident, basis, f" (USS read at {len(uss)} of these ends)"
-        slope = all_ends_slope = resident_slope = growth_slope(resident, tolerance, by_epoch=True)
+        slope = resident_slope = growth_slope(resident, tolerance, by_epoch=True)
         if len(uss) >= 3:
-            points, measure, note = uss, "USS", ""
-            slope = growth_slope(uss, tolerance, by_epoch=True)
+            uss_slope, uss_note = growth_slope(uss, tolerance, by_epoch=True), ""
             span = [(e, b) for e, b in resident if uss[0][0] <= e <= uss[-1][0]]
             resident_slope = growth_slope(span, tolerance, by_epoch=True)
-            if slope is not None and last.role == "parent":  # NOTE [return of shared pages]
-                slope = None if resident_slope is None else min(slope, resident_slope)
-                if slope is not None:
-                    note = f" ({basis} {format_mib(span[0][1])} -> {format_mib(span[-1][1])} MiB)"
-            if slope is None and last.role == "parent" and len(uss) < len(resident):
-                # Ends USS was paced out of: a parent's growth is resident too (same NOTE).
-                points, measure, slope = resident, basis, all_ends_slope
-                note = f" (USS read at {len(uss)} of these ends)"
+            if uss_slope is not None and last.role == "parent":  # NOTE [return of shared pages]
+                uss_slope = None if resident_slope is None else min(uss_slope, resident_slope)
+                if uss_slope is not None:
+                    first, last_mib = format_mib(span[0][1]), format_mib(span[-1][1])
+                    uss_note = f" ({basis} {first} -> {last_mib} MiB)"
+            # Paced, USS may cover the first judged ends only: where it saw no growth, RssAnon
+            # at every end still shows what the process allocates after them (NOTE [host pacing]).
+            if uss_slope is not None or basis == "RSS" or uss[-1][0] >= seen[-1][0].index:
+                points, measure, note, slope = uss, "USS", uss_note, uss_slope
         if slope is not None:
             grew = True
-            remedy = REMEDY_HOST_WORKER if resident_slope is None else REMEDY_HOST_WORKER_KEPT
+            copied = measure == "USS" and resident_slope is None
+            remedy = REMEDY_HOST_WORKER if copied else REMEDY_HOST_WORKER_RESIDENT
             remedy = REMEDY_HOST_PARENT if last.role == "parent" else remedy
             what = f"host memory ({measure}) {{grows}}{note}"
             yield _grown("host-growth", points, slope, what, remedy, last)
-        elif unread is None and last.role == "worker":  # a parent's: resident at every end
-            uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
+        elif unread is None and last.role == "worker" and last.forked is not False:
+            # Only a forked worker copies; the parent's USS counts only with resident memory.
             rss_reads = sum(proc.host_source == "rss" for _, proc in seen)
+            uss_reads = sum(proc.host_source == "uss" for _, proc in seen)
             unread = (uss_reads, uss_reads + rss_reads) if rss_reads else None
     if unread is not None and not grew:  # a clean host verdict says what it could not see
         message = (

@@ -843,6 +843,49 @@ def test_module_fixture_process_is_judged_when_its_scope_ends(
     )
     assert "  fix: stop it in the fixture's finalizer" in out
     assert "1 of 5 checked tests left something behind" in out
+    # The test whose teardown ended the module left nothing itself: its failure names the
+    # fixture, as does its line of the summary.
+    failure = f"leakcheck: module-scoped fixture 'forgetful_pool' left 1 process (PID {bad_pid})"
+    assert failure in out
+    assert "the test left" not in out
+    assert (
+        "LEAKED test_scoped.py::test_forgetful_last: 1 process, "
+        "left by module-scoped fixture 'forgetful_pool'" in out
+    )
+
+
+def test_a_process_that_setupclass_starts_is_named_after_it(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """unittest's setUpClass is a class-scoped fixture to pytest, under a name of its own
+    making: the report says setUpClass and the class, and where to stop the process."""
+    arg = _sleep_arg()
+    inner.makepyfile(
+        test_case=f"""
+        import os, subprocess, unittest
+
+        class Loaders(unittest.TestCase):
+            @classmethod
+            def setUpClass(cls):
+                cls.proc = subprocess.Popen(["sleep", "{arg}"])
+                with open(os.path.join({str(leftovers)!r}, "{arg}"), "w") as handle:
+                    handle.write(str(cls.proc.pid))
+
+            def test_one(self):
+                self.assertIsNone(self.proc.poll())
+
+            def test_two(self):
+                self.assertIsNone(self.proc.poll())
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    pid = _leaked_pid(leftovers, arg)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"leakcheck: setUpClass of Loaders left 1 process (PID {pid})" in out, out
+    assert f"(PID {pid}) started by setUpClass of Loaders, alive" in out, out
+    assert "fix: stop it in the fixture's finalizer (after its yield; tearDownClass" in out, out
+    assert "_unittest_setUpClass_fixture_" not in out, out
 
 
 def test_session_fixture_process_is_not_a_leak_of_the_first_test(

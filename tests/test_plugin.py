@@ -1838,6 +1838,44 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
 
 
+def test_under_xdist_a_file_of_another_workers_test_is_not_in_a_failing_tests_section(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    """A test that leaked a process fails with its own leak alone: a file nobody can tie to
+    a test, made meanwhile on the other worker, is said once, in the summary."""
+    name, arg = f"lc_test_{uuid.uuid4().hex[:12]}", _sleep_arg()
+    shm_names.append(name)
+    inner.makepyfile(
+        test_side_by_side=f"""
+        import os, subprocess, time
+
+        def wait_for(path):  # the other test, on the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        def test_makes_a_file():
+            wait_for("beside-started")
+            with open("/dev/shm/{name}", "wb") as handle:
+                handle.write(b"x" * 4096)
+            open("made", "w").close()
+
+        def test_leaves_a_process():
+            open("beside-started", "w").close()
+            proc = subprocess.Popen(["sleep", "{arg}"])
+            with open(os.path.join({str(leftovers)!r}, "{arg}"), "w") as handle:
+                handle.write(str(proc.pid))
+            wait_for("made")
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"LEAK survivor  descendant sleep {arg}" in out, out
+    assert name not in out, out
+    assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
+
+
 def test_a_fixture_whose_first_read_failed_raises_its_own_error_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -458,8 +458,11 @@ class LeakCheckPlugin:
         from leakcheck.judge.report import finding_lines
 
         leaks = [f for f in findings if f.severity == "leak"]
-        if findings:
-            report.sections.append((SECTION, "\n".join(finding_lines(findings))))
+        # Under xdist, a file no test can be tied to is said once, in the summary.
+        alone = self._checker is None or self._checker.attribute_unheld_shm
+        shown = [f for f in findings if alone or not _unattributed(f)]
+        if shown:
+            report.sections.append((SECTION, "\n".join(finding_lines(shown))))
         if not leaks:
             return ""
         # For tools that read JUnit: each leak's line, as the section words it.

@@ -1614,6 +1614,48 @@ def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pyte
     assert "orphan" not in result.stdout.str()
 
 
+def test_a_loader_that_only_a_function_fixture_keeps_is_no_leak(inner: pytest.Pytester) -> None:
+    """pytest lets go of a test's fixture values only after its teardown report: a loader
+    with persistent workers (or an iterator) that a function-scoped fixture returns stops
+    its workers then, before the next test. One the test keeps elsewhere is still a leak."""
+    inner.makepyfile(
+        test_fixture_loader="""
+        import pytest
+        from torch.utils.data import DataLoader
+
+        KEPT = []
+
+        @pytest.fixture
+        def loader():
+            return DataLoader(list(range(32)), batch_size=4, num_workers=2, persistent_workers=True)
+
+        @pytest.fixture
+        def batches():
+            return iter(DataLoader(list(range(32)), batch_size=4, num_workers=2))
+
+        def test_two_epochs(loader):
+            for _ in range(2):
+                assert len(list(loader)) == 8
+
+        def test_first_batch(batches):
+            assert next(batches).tolist() == [0, 1, 2, 3]
+
+        def test_kept(loader):
+            assert len(list(loader)) == 8
+            KEPT.append(loader)
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-v", *FAST)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "test_fixture_loader.py::test_two_epochs PASSED*",
+            "test_fixture_loader.py::test_first_batch PASSED*",
+            "test_fixture_loader.py::test_kept LEAKED*",
+        ]
+    )
+
+
 # With a grace of 0.2 s and a settling time of 2 s, a child of the test's that sleeps 1.2 s
 # exits in the wait before the collection, and one that sleeps 3.2 s in the wait after it,
 # each with a second of slack either side for a loaded host (the default 0.25 s settling

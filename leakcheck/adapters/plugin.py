@@ -424,6 +424,10 @@ class LeakCheckPlugin:
         checker = self._checker
         if call.when != "teardown" or window is None or checker is None:
             return report
+        # pytest lets go of the test's fixture values only after this hook: what they alone
+        # keep (a loader's persistent workers) would outlive the test here, never after it.
+        if isinstance(getattr(item, "funcargs", None), dict):
+            item.funcargs = {}  # type: ignore[attr-defined]
         end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
         self._window = None

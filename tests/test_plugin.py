@@ -1656,6 +1656,57 @@ def test_a_loader_that_only_a_function_fixture_keeps_is_no_leak(inner: pytest.Py
     )
 
 
+def test_persistent_workers_of_a_wide_scope_fixtures_loader_are_the_fixtures(
+    inner: pytest.Pytester,
+) -> None:
+    """A class- or module-scoped fixture's loader with persistent workers starts them in the
+    first test that iterates it and keeps them for the next: the fixture's, judged when it
+    ends (clean where its loader went with it, a leak of the fixture where it did not)."""
+    inner.makepyfile(
+        test_shared_loader="""
+        import pytest
+        from torch.utils.data import DataLoader
+
+        KEPT = []
+
+        def loader():
+            return DataLoader(list(range(32)), batch_size=4, num_workers=2, persistent_workers=True)
+
+        @pytest.fixture(scope="class")
+        def class_loader():
+            return loader()
+
+        @pytest.fixture(scope="module")
+        def module_loader():
+            yield loader()
+
+        @pytest.fixture(scope="module")
+        def kept_loader():
+            KEPT.append(loader())
+            return KEPT[-1]
+
+        class TestShared:
+            def test_a(self, class_loader):
+                assert len(list(class_loader)) == 8
+
+            def test_b(self, class_loader):
+                assert len(list(class_loader)) == 8
+
+        @pytest.mark.parametrize("epoch", range(2))
+        def test_module(module_loader, kept_loader, epoch):
+            assert len(list(module_loader)) == len(list(kept_loader)) == 8
+
+        def test_last():
+            pass
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-v", *FAST)
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(["test_shared_loader.py::test_last LEAKED*"])
+    out = result.stdout.str()
+    assert "leakcheck: module-scoped fixture 'kept_loader' left 2 processes" in out, out
+
+
 # With a grace of 0.2 s and a settling time of 2 s, a child of the test's that sleeps 1.2 s
 # exits in the wait before the collection, and one that sleeps 3.2 s in the wait after it,
 # each with a second of slack either side for a loaded host (the default 0.25 s settling

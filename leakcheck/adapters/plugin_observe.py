@@ -8,7 +8,8 @@ snapshots], NOTE [whose process] in procs.py).
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
 are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it.
-One that starts processes lazily, inside a test, is not their owner: the test is.
+One that starts processes lazily, inside a test, is not their owner: the test is; but for the
+persistent workers of a DataLoader that is the fixture's value, which it keeps across tests.
 
 NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
 the garbage collector runs. Processes alive after the grace get a moment more (one on its way
@@ -212,6 +213,7 @@ class Checker:
         ``end_s``: ``time.monotonic()`` at the end of the teardown. Above ``tolerance_bytes``
         the allocator is asked again after a garbage collection.
         """
+        self._adopt_loader_workers()
         finished, self._finished = self._finished, []
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
@@ -264,6 +266,19 @@ class Checker:
             shm_files=shm_files,
             parent_memory=parent_memory,
         )
+
+    def _adopt_loader_workers(self) -> None:
+        """NOTE [scopes]: the live workers of an active fixture's DataLoader become its own."""
+        for key, owner in list(self._owners.items()):
+            cached = getattr(key, "cached_result", None)  # pytest's (value, key, error)
+            value = cached[0] if isinstance(cached, tuple) and cached else None
+            workers = getattr(getattr(value, "_iterator", None), "_workers", None) or ()
+            owned = {info.key.pid for info in owner.processes}
+            pids = {w.pid for w in workers if isinstance(getattr(w, "pid", None), int)} - owned
+            found = [info for info in map(procs.read_proc, sorted(pids)) if info is not None]
+            if found:
+                adopted = (*owner.processes, *found)
+                self._owners[key] = dataclasses.replace(owner, processes=adopted)
 
     def _gpu_by_pid(self) -> dict[int, dict[int, int]] | None:
         """Used GPU bytes per device of each process NVML lists; None where it cannot say."""

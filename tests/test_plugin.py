@@ -888,6 +888,22 @@ def test_a_process_that_setupclass_starts_is_named_after_it(
     assert "_unittest_setUpClass_fixture_" not in out, out
 
 
+def test_a_module_fixture_that_begins_and_ends_in_one_test_is_still_named(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """The only test of a module (or the one that -k or --lf picked) sets up and ends its
+    module-scoped fixture: what the fixture left is the fixture's, with the fixture's fix."""
+    bad = _sleep_arg()
+    inner.makepyfile(test_scoped=SCOPED.format(pids=str(leftovers), good=_sleep_arg(), bad=bad))
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-k", "forgetful_last", *FAST)
+    bad_pid = _leaked_pid(leftovers, bad)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert f"(PID {bad_pid}) started by module-scoped fixture 'forgetful_pool', alive" in out
+    assert "  fix: stop it in the fixture's finalizer" in out
+    assert "started in the test" not in out
+
+
 def test_session_fixture_process_is_not_a_leak_of_the_first_test(
     inner: pytest.Pytester, leftovers: Path
 ) -> None:

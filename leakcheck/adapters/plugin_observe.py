@@ -218,7 +218,9 @@ class Checker:
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-        found = self._born_since(window.pids, window.tags)
+        # A fixture set up and ended within this test: its processes are its own, once.
+        theirs = {info.key.pid for owner in finished for info in owner.processes}
+        found = [p for p in self._born_since(window.pids, window.tags) if p.key.pid not in theirs]
         seen_s = time.monotonic()
         candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait's first pass

@@ -1723,6 +1723,34 @@ def test_persistent_workers_of_a_wide_scope_fixtures_loader_are_the_fixtures(
     assert "leakcheck: module-scoped fixture 'kept_loader' left 2 processes" in out, out
 
 
+def test_a_session_fixtures_executor_whose_workers_start_in_a_test_is_no_leak(
+    inner: pytest.Pytester,
+) -> None:
+    """A ProcessPoolExecutor starts its workers at the first submit, in the first test that
+    uses it: they are its fixture's, which shuts them down at the session's end."""
+    inner.makepyfile(
+        test_executor="""
+        import concurrent.futures
+        import pytest
+
+        def square(x):
+            return x * x
+
+        @pytest.fixture(scope="session")
+        def executor():
+            with concurrent.futures.ProcessPoolExecutor(2) as pool:
+                yield pool
+
+        @pytest.mark.parametrize("x", [2, 3])
+        def test_square(executor, x):
+            assert executor.submit(square, x).result() == x * x
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=2)
+    assert "no leaks in 2 checked tests" in result.stdout.str()
+
+
 # With a grace of 0.2 s and a settling time of 2 s, a child of the test's that sleeps 1.2 s
 # exits in the wait before the collection, and one that sleeps 3.2 s in the wait after it,
 # each with a second of slack either side for a loaded host (the default 0.25 s settling
@@ -1983,6 +2011,60 @@ def test_under_xdist_a_file_of_another_workers_test_is_not_in_a_failing_tests_se
     assert f"LEAK survivor  descendant sleep {arg}" in out, out
     assert name not in out, out
     assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
+
+
+def test_under_xdist_a_fixture_is_not_blamed_for_a_file_another_workers_fixture_made(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    """Two module fixtures set up at once on two workers: the segment one leaves is its own
+    leak, not the other's, whose setup saw the file appear."""
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    wait_for = """
+        import os, time
+        from multiprocessing import shared_memory
+        import pytest
+
+        def wait_for(path):  # the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        """
+    inner.makepyfile(
+        test_clean=wait_for
+        + """
+        @pytest.fixture(scope="module")
+        def clean_segment():
+            segment = shared_memory.SharedMemory(create=True, size=4096)
+            open("clean-started", "w").close()
+            wait_for("made")
+            yield segment
+            segment.close()
+            segment.unlink()
+
+        def test_clean(clean_segment):
+            pass
+        """,
+        test_leaves=wait_for
+        + f"""
+        @pytest.fixture(scope="module")
+        def left_segment():
+            wait_for("clean-started")
+            segment = shared_memory.SharedMemory(create=True, size=4096, name="{name}")
+            open("made", "w").close()
+            yield segment
+            segment.close()  # never unlinked
+
+        def test_leaves(left_segment):
+            pass
+        """,
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", "-v", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*PASSED*test_clean.py::test_clean*"])
+    out = result.stdout.str()
+    assert "leakcheck: module-scoped fixture 'left_segment' left 1 /dev/shm file" in out, out
+    assert "clean_segment' left" not in out, out
 
 
 def test_a_fixture_whose_first_read_failed_raises_its_own_error_alone(

@@ -843,6 +843,65 @@ def test_module_fixture_process_is_judged_when_its_scope_ends(
     )
     assert "  fix: stop it in the fixture's finalizer" in out
     assert "1 of 5 checked tests left something behind" in out
+    # The test whose teardown ended the module left nothing itself: its failure names the
+    # fixture, as does its line of the summary.
+    failure = f"leakcheck: module-scoped fixture 'forgetful_pool' left 1 process (PID {bad_pid})"
+    assert failure in out
+    assert "the test left" not in out
+    assert (
+        "LEAKED test_scoped.py::test_forgetful_last: 1 process, "
+        "left by module-scoped fixture 'forgetful_pool'" in out
+    )
+
+
+def test_a_process_that_setupclass_starts_is_named_after_it(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """unittest's setUpClass is a class-scoped fixture to pytest, under a name of its own
+    making: the report says setUpClass and the class, and where to stop the process."""
+    arg = _sleep_arg()
+    inner.makepyfile(
+        test_case=f"""
+        import os, subprocess, unittest
+
+        class Loaders(unittest.TestCase):
+            @classmethod
+            def setUpClass(cls):
+                cls.proc = subprocess.Popen(["sleep", "{arg}"])
+                with open(os.path.join({str(leftovers)!r}, "{arg}"), "w") as handle:
+                    handle.write(str(cls.proc.pid))
+
+            def test_one(self):
+                self.assertIsNone(self.proc.poll())
+
+            def test_two(self):
+                self.assertIsNone(self.proc.poll())
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    pid = _leaked_pid(leftovers, arg)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"leakcheck: setUpClass of Loaders left 1 process (PID {pid})" in out, out
+    assert f"(PID {pid}) started by setUpClass of Loaders, alive" in out, out
+    assert "fix: stop it in the fixture's finalizer (after its yield; tearDownClass" in out, out
+    assert "_unittest_setUpClass_fixture_" not in out, out
+
+
+def test_a_module_fixture_that_begins_and_ends_in_one_test_is_still_named(
+    inner: pytest.Pytester, leftovers: Path
+) -> None:
+    """The only test of a module (or the one that -k or --lf picked) sets up and ends its
+    module-scoped fixture: what the fixture left is the fixture's, with the fixture's fix."""
+    bad = _sleep_arg()
+    inner.makepyfile(test_scoped=SCOPED.format(pids=str(leftovers), good=_sleep_arg(), bad=bad))
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-k", "forgetful_last", *FAST)
+    bad_pid = _leaked_pid(leftovers, bad)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert f"(PID {bad_pid}) started by module-scoped fixture 'forgetful_pool', alive" in out
+    assert "  fix: stop it in the fixture's finalizer" in out
+    assert "started in the test" not in out
 
 
 def test_session_fixture_process_is_not_a_leak_of_the_first_test(
@@ -1571,6 +1630,127 @@ def test_a_clean_loader_under_the_file_system_strategy_passes(inner: pytest.Pyte
     assert "orphan" not in result.stdout.str()
 
 
+def test_a_loader_that_only_a_function_fixture_keeps_is_no_leak(inner: pytest.Pytester) -> None:
+    """pytest lets go of a test's fixture values only after its teardown report: a loader
+    with persistent workers (or an iterator) that a function-scoped fixture returns stops
+    its workers then, before the next test. One the test keeps elsewhere is still a leak."""
+    inner.makepyfile(
+        test_fixture_loader="""
+        import pytest
+        from torch.utils.data import DataLoader
+
+        KEPT = []
+
+        @pytest.fixture
+        def loader():
+            return DataLoader(list(range(32)), batch_size=4, num_workers=2, persistent_workers=True)
+
+        @pytest.fixture
+        def batches():
+            return iter(DataLoader(list(range(32)), batch_size=4, num_workers=2))
+
+        def test_two_epochs(loader):
+            for _ in range(2):
+                assert len(list(loader)) == 8
+
+        def test_first_batch(batches):
+            assert next(batches).tolist() == [0, 1, 2, 3]
+
+        def test_kept(loader):
+            assert len(list(loader)) == 8
+            KEPT.append(loader)
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-v", *FAST)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "test_fixture_loader.py::test_two_epochs PASSED*",
+            "test_fixture_loader.py::test_first_batch PASSED*",
+            "test_fixture_loader.py::test_kept LEAKED*",
+        ]
+    )
+
+
+def test_persistent_workers_of_a_wide_scope_fixtures_loader_are_the_fixtures(
+    inner: pytest.Pytester,
+) -> None:
+    """A class- or module-scoped fixture's loader with persistent workers starts them in the
+    first test that iterates it and keeps them for the next: the fixture's, judged when it
+    ends (clean where its loader went with it, a leak of the fixture where it did not)."""
+    inner.makepyfile(
+        test_shared_loader="""
+        import pytest
+        from torch.utils.data import DataLoader
+
+        KEPT = []
+
+        def loader():
+            return DataLoader(list(range(32)), batch_size=4, num_workers=2, persistent_workers=True)
+
+        @pytest.fixture(scope="class")
+        def class_loader():
+            return loader()
+
+        @pytest.fixture(scope="module")
+        def module_loader():
+            yield loader()
+
+        @pytest.fixture(scope="module")
+        def kept_loader():
+            KEPT.append(loader())
+            return KEPT[-1]
+
+        class TestShared:
+            def test_a(self, class_loader):
+                assert len(list(class_loader)) == 8
+
+            def test_b(self, class_loader):
+                assert len(list(class_loader)) == 8
+
+        @pytest.mark.parametrize("epoch", range(2))
+        def test_module(module_loader, kept_loader, epoch):
+            assert len(list(module_loader)) == len(list(kept_loader)) == 8
+
+        def test_last():
+            pass
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-v", *FAST)
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(["test_shared_loader.py::test_last LEAKED*"])
+    out = result.stdout.str()
+    assert "leakcheck: module-scoped fixture 'kept_loader' left 2 processes" in out, out
+
+
+def test_a_session_fixtures_executor_whose_workers_start_in_a_test_is_no_leak(
+    inner: pytest.Pytester,
+) -> None:
+    """A ProcessPoolExecutor starts its workers at the first submit, in the first test that
+    uses it: they are its fixture's, which shuts them down at the session's end."""
+    inner.makepyfile(
+        test_executor="""
+        import concurrent.futures
+        import pytest
+
+        def square(x):
+            return x * x
+
+        @pytest.fixture(scope="session")
+        def executor():
+            with concurrent.futures.ProcessPoolExecutor(2) as pool:
+                yield pool
+
+        @pytest.mark.parametrize("x", [2, 3])
+        def test_square(executor, x):
+            assert executor.submit(square, x).result() == x * x
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(passed=2)
+    assert "no leaks in 2 checked tests" in result.stdout.str()
+
+
 # With a grace of 0.2 s and a settling time of 2 s, a child of the test's that sleeps 1.2 s
 # exits in the wait before the collection, and one that sleeps 3.2 s in the wait after it,
 # each with a second of slack either side for a loaded host (the default 0.25 s settling
@@ -1793,6 +1973,98 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     result.assert_outcomes(passed=2)
     out = result.stdout.str()
     assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
+
+
+def test_under_xdist_a_file_of_another_workers_test_is_not_in_a_failing_tests_section(
+    inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
+) -> None:
+    """A test that leaked a process fails with its own leak alone: a file nobody can tie to
+    a test, made meanwhile on the other worker, is said once, in the summary."""
+    name, arg = f"lc_test_{uuid.uuid4().hex[:12]}", _sleep_arg()
+    shm_names.append(name)
+    inner.makepyfile(
+        test_side_by_side=f"""
+        import os, subprocess, time
+
+        def wait_for(path):  # the other test, on the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        def test_makes_a_file():
+            wait_for("beside-started")
+            with open("/dev/shm/{name}", "wb") as handle:
+                handle.write(b"x" * 4096)
+            open("made", "w").close()
+
+        def test_leaves_a_process():
+            open("beside-started", "w").close()
+            proc = subprocess.Popen(["sleep", "{arg}"])
+            with open(os.path.join({str(leftovers)!r}, "{arg}"), "w") as handle:
+                handle.write(str(proc.pid))
+            wait_for("made")
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert f"LEAK survivor  descendant sleep {arg}" in out, out
+    assert name not in out, out
+    assert "1 /dev/shm file appeared while tests ran on several workers" in out, out
+
+
+def test_under_xdist_a_fixture_is_not_blamed_for_a_file_another_workers_fixture_made(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    """Two module fixtures set up at once on two workers: the segment one leaves is its own
+    leak, not the other's, whose setup saw the file appear."""
+    name = f"lc_test_{uuid.uuid4().hex[:12]}"
+    shm_names.append(name)
+    wait_for = """
+        import os, time
+        from multiprocessing import shared_memory
+        import pytest
+
+        def wait_for(path):  # the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        """
+    inner.makepyfile(
+        test_clean=wait_for
+        + """
+        @pytest.fixture(scope="module")
+        def clean_segment():
+            segment = shared_memory.SharedMemory(create=True, size=4096)
+            open("clean-started", "w").close()
+            wait_for("made")
+            yield segment
+            segment.close()
+            segment.unlink()
+
+        def test_clean(clean_segment):
+            pass
+        """,
+        test_leaves=wait_for
+        + f"""
+        @pytest.fixture(scope="module")
+        def left_segment():
+            wait_for("clean-started")
+            segment = shared_memory.SharedMemory(create=True, size=4096, name="{name}")
+            open("made", "w").close()
+            yield segment
+            segment.close()  # never unlinked
+
+        def test_leaves(left_segment):
+            pass
+        """,
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", "-v", *FAST)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*PASSED*test_clean.py::test_clean*"])
+    out = result.stdout.str()
+    assert "leakcheck: module-scoped fixture 'left_segment' left 1 /dev/shm file" in out, out
+    assert "clean_segment' left" not in out, out
 
 
 def test_a_fixture_whose_first_read_failed_raises_its_own_error_alone(

@@ -18,7 +18,8 @@ the teardown phase: the function-scoped fixtures are finalized by then, and the 
 is the test's own, so terminals, ``--junitxml``, ``--lf``, ``-x`` and xdist all name the test.
 
 NOTE [said once]: a finding is written once, in its test's ``gpu-leak-check`` section; the
-failure's message is one sentence (``the test left 1 process (PID 7)``) and the ``LEAK REPORT``
+failure's message is one sentence (``the test left 1 process (PID 7)``; a wide-scope fixture
+that ended with the test is named instead) and the ``LEAK REPORT``
 counts per test. Where no failure shows the section (a warning, a skip, an xfail or xpass,
 information only), the findings go under the test's line of the ``LEAK REPORT``.
 
@@ -267,12 +268,19 @@ def headline(findings: Sequence[Finding]) -> str:
     return ", ".join(parts) or "nothing"
 
 
+def owners(leaks: Sequence[Finding]) -> str:
+    """Who left ``leaks``: the test, the wide-scope fixtures that ended with it, or both."""
+    scopes = sorted({f.scope for f in leaks if f.scope is not None})
+    test = [TEST_LABEL] if any(f.scope is None for f in leaks) or not scopes else []
+    return " and ".join(test + scopes)
+
+
 def failure_text(leaks: Sequence[Finding]) -> str:
     """The failure's message, one sentence: ``leakcheck: the test left 1 process (PID 7)``."""
     pids = sorted({f.pid for f in leaks if f.pid is not None and f.rule in _PROCESS_RULES})
     shown = ", ".join(str(pid) for pid in pids[:3]) + (", ..." if len(pids) > 3 else "")
     named = f" (PID{'s' if len(pids) > 1 else ''} {shown})" if pids else ""
-    return f"leakcheck: the test left {headline(leaks)}{named}"
+    return f"leakcheck: {owners(leaks)} left {headline(leaks)}{named}"
 
 
 def _worst_first(result: tuple[str, tuple[list[Finding], str, bool]]) -> tuple[int, int, int, str]:
@@ -324,6 +332,21 @@ def judge_test(
     return sorted(findings, key=lambda f: f.severity != "leak")
 
 
+_XUNIT_SETUPS = {  # pytest's names for the fixtures it makes of xunit-style setups
+    "_unittest_setUpClass_fixture_": "setUpClass",
+    "_xunit_setup_class_fixture_": "setup_class",
+    "_xunit_setup_module_fixture_": "setup_module",
+}
+
+
+def _scope_label(fixturedef: pytest.FixtureDef[Any]) -> str:
+    """``module-scoped fixture 'pool'``, or ``setUpClass of Loaders`` (not pytest's name)."""
+    for prefix, setup in _XUNIT_SETUPS.items():
+        if fixturedef.argname.startswith(prefix):
+            return f"{setup} of {fixturedef.argname[len(prefix) :]}"
+    return f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
+
+
 # --- the active part ----------------------------------------------------------------------
 
 
@@ -369,8 +392,7 @@ class LeakCheckPlugin:
         window = self._window
         if window is None or fixturedef.scope == "function" or self._checker is None:
             return (yield)
-        label = f"{fixturedef.scope}-scoped fixture '{fixturedef.argname}'"
-        with self._checker.fixture_scope(fixturedef, label, window):
+        with self._checker.fixture_scope(fixturedef, _scope_label(fixturedef), window):
             return (yield)
 
     def pytest_fixture_post_finalizer(
@@ -402,6 +424,10 @@ class LeakCheckPlugin:
         checker = self._checker
         if call.when != "teardown" or window is None or checker is None:
             return report
+        # pytest lets go of the test's fixture values only after this hook: what they alone
+        # keep (a loader's persistent workers) would outlive the test here, never after it.
+        if isinstance(getattr(item, "funcargs", None), dict):
+            item.funcargs = {}  # type: ignore[attr-defined]
         end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
         self._window = None
@@ -436,8 +462,11 @@ class LeakCheckPlugin:
         from leakcheck.judge.report import finding_lines
 
         leaks = [f for f in findings if f.severity == "leak"]
-        if findings:
-            report.sections.append((SECTION, "\n".join(finding_lines(findings))))
+        # Under xdist, a file no test can be tied to is said once, in the summary.
+        alone = self._checker is None or self._checker.attribute_unheld_shm
+        shown = [f for f in findings if alone or not _unattributed(f)]
+        if shown:
+            report.sections.append((SECTION, "\n".join(finding_lines(shown))))
         if not leaks:
             return ""
         # For tools that read JUnit: each leak's line, as the section words it.
@@ -554,7 +583,9 @@ class LeakCheckPlugin:
         for nodeid, (findings, status, shown) in results:
             leaks = [f for f in findings if f.severity == "leak"]
             word = "WARNED" if status == "warned" else "LEAKED" if leaks else "INFO"
-            tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}", bold=True)
+            by = owners(leaks) if leaks else TEST_LABEL
+            left_by = f", left by {by}" if by != TEST_LABEL else ""
+            tr.write_line(f"{word} {nodeid}: {headline(leaks or findings)}{left_by}", bold=True)
             if not shown:
                 for line in finding_lines(findings, "    "):
                     tr.write_line(line)

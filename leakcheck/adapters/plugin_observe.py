@@ -8,7 +8,11 @@ snapshots], NOTE [whose process] in procs.py).
 NOTE [scopes]: what leaks is what outlives the scope that created it. Processes, /dev/shm
 files and allocator bytes that appear while a class/module/package/session fixture is set up
 are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it.
-One that starts processes lazily, inside a test, is not their owner: the test is.
+One that starts processes lazily, inside a test, is not their owner: the test is; but for the
+persistent workers of a DataLoader (or a ProcessPoolExecutor's, started at the first submit)
+that is the fixture's value, which it keeps across tests. Under xdist, a /dev/shm file is a
+fixture's only where its processes hold it or its name carries their PIDs: a sibling worker's
+may appear while it is set up.
 
 NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
 the garbage collector runs. Processes alive after the grace get a moment more (one on its way
@@ -193,6 +197,12 @@ class Checker:
                 processes = tuple(self._born_since(pids, window.tags))
                 owned_shm = {name for o in self._owners.values() for name in o.shm}
                 new_shm = _listdir(self.shm_dir) - shm - owned_shm
+                if not self.attribute_unheld_shm:  # a sibling worker's may appear meanwhile
+                    theirs = {self.pid, *(info.key.pid for info in processes)}
+                    held = set().union(*procs.shm_open_by(theirs, self.shm_dir).values())
+                    new_shm = frozenset(
+                        n for n in new_shm if n in held or shm_name_pids(n) & theirs
+                    )
                 now = self._gpu_state(nvml=False).allocated_bytes or {}
                 added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
                 owner = ScopeOwner(label, window.serial, processes, new_shm, added)
@@ -212,11 +222,14 @@ class Checker:
         ``end_s``: ``time.monotonic()`` at the end of the teardown. Above ``tolerance_bytes``
         the allocator is asked again after a garbage collection.
         """
+        self._adopt_loader_workers()
         finished, self._finished = self._finished, []
         active = list(self._owners.values())
         # Trackers the test ran (watch(), Tracker) tag their children with their own tag.
         window.tags.update(exports.exported_since(window.exports_mark, SESSION_ENV))
-        found = self._born_since(window.pids, window.tags)
+        # A fixture set up and ended within this test: its processes are its own, once.
+        theirs = {info.key.pid for owner in finished for info in owner.processes}
+        found = [p for p in self._born_since(window.pids, window.tags) if p.key.pid not in theirs]
         seen_s = time.monotonic()
         candidates = [_Candidate(info, None, seen_s) for info in found]
         for ended in finished:  # dead ones drop out in _wait's first pass
@@ -264,6 +277,21 @@ class Checker:
             shm_files=shm_files,
             parent_memory=parent_memory,
         )
+
+    def _adopt_loader_workers(self) -> None:
+        """NOTE [scopes]: the live workers of an active fixture's loader or executor are its."""
+        for key, owner in list(self._owners.items()):
+            cached = getattr(key, "cached_result", None)  # pytest's (value, key, error)
+            value = cached[0] if isinstance(cached, tuple) and cached else None
+            workers = getattr(getattr(value, "_iterator", None), "_workers", None) or ()
+            executor = getattr(value, "_processes", None)  # ProcessPoolExecutor: PID -> process
+            workers = [*workers, *(executor.values() if isinstance(executor, dict) else ())]
+            owned = {info.key.pid for info in owner.processes}
+            pids = {w.pid for w in workers if isinstance(getattr(w, "pid", None), int)} - owned
+            found = [info for info in map(procs.read_proc, sorted(pids)) if info is not None]
+            if found:
+                adopted = (*owner.processes, *found)
+                self._owners[key] = dataclasses.replace(owner, processes=adopted)
 
     def _gpu_by_pid(self) -> dict[int, dict[int, int]] | None:
         """Used GPU bytes per device of each process NVML lists; None where it cannot say."""

@@ -214,7 +214,8 @@ def epoch_counts(timeline: Timeline, grace_s: float) -> dict[int, EpochCounts]:
 
 
 REMEDY_SCOPE = (
-    "stop it in the fixture's finalizer (after its yield), or give the fixture a narrower scope"
+    "stop it in the fixture's finalizer (after its yield; tearDownClass for setUpClass), or give "
+    "the fixture a narrower scope"
 )
 REMEDY_WORKER_CHILD = "join or terminate it within the epoch, in the worker code that starts it"
 REMEDY_GROWTH_PARENT = (

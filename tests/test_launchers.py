@@ -23,7 +23,9 @@ from typing import Any
 import psutil
 import pytest
 
-from leakcheck.core.model import Finding, ProcessKey
+from leakcheck.commands.instrument import LoaderResult
+from leakcheck.commands.launcher import _read_loaders
+from leakcheck.core.model import Finding, ProcessKey, RankInfo
 from leakcheck.core.ranks import EXPORTED_RANK_ENV
 from leakcheck.judge.report import is_said, report_from_dict
 from leakcheck.observe import procs
@@ -184,6 +186,25 @@ def test_the_mp_spawn_ddp_job_without_the_leak_is_clean(private_tmp: Path) -> No
     assert data["verdict"] == "clean" and data["leak_count"] == 0, err
     assert [(r["rank"], r["verdict"]) for r in data["job"]["ranks"]] == [(0, "clean"), (1, "clean")]
     assert "verdict clean, 0 leaks (2 loaders, 2 ranks and the process tree)" in err
+
+
+def test_loaders_are_shown_rank_by_rank_whichever_rank_started_first(tmp_path: Path) -> None:
+    """Ranks start their loaders at once: the report's order must not follow the race."""
+    made = [  # (pid, rank, index, started): rank 1 a hair first, then a second loader each
+        (20, 1, 0, 100.0),
+        (10, 0, 0, 100.1),
+        (10, 0, 1, 101.0),
+        (20, 1, 1, 100.9),
+        (5, None, 0, 99.0),
+    ]
+    for pid, rank, index, started in made:
+        info = RankInfo(rank=rank, world_size=2) if rank is not None else None
+        loader = LoaderResult(
+            label="t.py:1", pid=pid, rank=info, index=index, started_unix_s=started
+        )
+        (tmp_path / f"loader-{pid}-{index}.json").write_text(json.dumps(loader.to_dict()))
+    shown = [(r.pid, r.index) for r in _read_loaders(str(tmp_path), [])]
+    assert shown == [(5, 0), (10, 0), (10, 1), (20, 0), (20, 1)]
 
 
 # --------------------------------------------------------------------------- multiprocessing

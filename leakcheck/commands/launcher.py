@@ -386,7 +386,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
 
 
 def _read_loaders(folder: str, failures: list[str]) -> tuple[LoaderResult, ...]:
-    """The loaders' records in the order they started; failures to ``failures``."""
+    """The loaders' records, rank by rank in the order they started; failures to ``failures``."""
     loaders: list[LoaderResult] = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -395,7 +395,10 @@ def _read_loaders(folder: str, failures: list[str]) -> tuple[LoaderResult, ...]:
         elif name.startswith("failure-"):
             with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as handle:
                 failures.append(handle.read().strip())
-    return tuple(sorted(loaders, key=lambda loader: (loader.started_unix_s, loader.index)))
+    # Ranks start their loaders at once: the order of starts is a race, the rank's is not.
+    return tuple(
+        sorted(loaders, key=lambda r: (r.rank.rank if r.rank else -1, r.started_unix_s, r.index))
+    )
 
 
 def _processes(timeline: Timeline) -> list[ProcessEpoch]:

@@ -391,6 +391,65 @@ def test_a_lightning_ddp_spawn_fit_tracks_each_ranks_train_loader(
     assert [r["verdict"] for r in data["job"]["ranks"]] == ["clean", "clean"]
 
 
+DDP_FIT = """\
+import subprocess
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+
+def leave_a_sleep(worker_id):
+    subprocess.Popen(["sleep", "120"])  # never waited for: an orphan once the worker exits
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(8, 4), batch_size=4, num_workers=1,
+                          worker_init_fn=leave_a_sleep)
+
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(
+        strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Tiny())
+"""
+
+
+def test_a_lightning_ddp_fit_gives_each_rank_the_leaks_of_its_own_workers(
+    tmp_path: Path, private_tmp: Path, leftovers: list[tuple[int, int]]
+) -> None:
+    """Lightning's ``ddp`` starts ranks 1.. as children of rank 0 (no ``RANK``: ``LOCAL_RANK``,
+    ``NODE_RANK``, ``WORLD_SIZE``): rank 0's loader watches a tree that holds rank 1, whose
+    orphans are rank 1's to name, once."""
+    pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e '.[dev]'")
+    (tmp_path / "fit.py").write_text(DDP_FIT)
+    status, err, data = leakcheck_run(
+        [sys.executable, "fit.py"], private_tmp, cwd=tmp_path, leftovers=leftovers
+    )
+    assert status == 0, err
+    named = {}
+    for loader in data["loaders"]:
+        orphans = [f for f in leaks(loader["report"]) if f["rule"] == "orphan"]
+        named[loader["rank"]["rank"]] = sorted({f["rank"] for f in orphans})
+        assert len(orphans) == 1, err  # its one worker's sleep
+    assert named == {0: [0], 1: [1]}, err
+    assert [(r["rank"], len(r["leaks"])) for r in data["job"]["ranks"]] == [(0, 1), (1, 1)], err
+    assert data["leak_count"] == 2, err
+
+
 # --------------------------------------------------------------------------- labels
 
 

@@ -57,6 +57,13 @@ def test_no_rank_outside_a_distributed_job() -> None:
     assert rank_from_environ({"LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is None
 
 
+def test_a_rank_lightnings_ddp_launcher_started_is_its_local_rank_on_one_node() -> None:
+    lightning = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}  # no RANK
+    assert rank_from_environ(lightning) == RankInfo(rank=1, local_rank=1, world_size=2, device=1)
+    # Another node's global rank is not its local one: unknown there.
+    assert rank_from_environ({**lightning, "NODE_RANK": "1"}) is None
+
+
 @pytest.mark.parametrize("bad", ["", "-1", "one", "1.0", "\uff12"])
 def test_malformed_rank_is_no_rank(bad: str) -> None:
     assert rank_from_environ({"RANK": bad}) is None

@@ -23,6 +23,7 @@ EXPORTED_RANK_ENV = "LEAKCHECK_RANK"  # NOTE [exported rank]
 RANK_VARIABLES: tuple[str, ...] = (
     "RANK",
     "LOCAL_RANK",
+    "NODE_RANK",
     "WORLD_SIZE",
     "GROUP_RANK",
     "TORCHELASTIC_RUN_ID",
@@ -58,6 +59,8 @@ def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
 def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
     """A process's place in a distributed job, by ``RANK``, else ``LEAKCHECK_RANK``; or None."""
     rank = _count(environ.get("RANK"))
+    if rank is None and environ.get("NODE_RANK") == "0" and _count(environ.get("WORLD_SIZE")):
+        rank = _count(environ.get("LOCAL_RANK"))  # Lightning's ddp launcher names no RANK
     if rank is not None:
         info = RankInfo(
             rank=rank,

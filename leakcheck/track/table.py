@@ -72,7 +72,8 @@ _RANK_EXEC_WINDOW_S = 1.0
 # same elastic run (TORCHELASTIC_RUN_ID; "none" names none) and restart, another rank, and
 # that is still below the agent (the root's parent) is another rank's: its memory is the
 # job's, judged by its own rank's tracker. A dead rank's or an earlier restart's leftovers
-# stay foreign: no live tracker would judge them otherwise.
+# stay foreign: no live tracker would judge them otherwise. A process below this rank that
+# names another rank (Lightning's ddp launcher starts ranks 1.. from rank 0) is that rank's.
 
 
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
@@ -146,7 +147,15 @@ class ProcessTable:
         )
         if proc.rank is None and parent_proc is not None and proc.cmdline == parent_proc.cmdline:
             proc.rank_until_s = now + _RANK_EXEC_WINDOW_S
+        self._note_other_rank(proc)
         return proc
+
+    def _note_other_rank(self, proc: Proc) -> None:
+        # NOTE [other ranks]: a rank started below this one (Lightning's ddp launcher) and all
+        # its lineage are its own trackers' to judge.
+        ours = self.procs[self.root].rank
+        if ours is not None and proc.rank is not None and proc.rank.rank != ours.rank:
+            proc.own, proc.other_rank = False, True
 
     def apply_walk(
         self,
@@ -202,6 +211,7 @@ class ProcessTable:
         if rank is None:
             return  # not exec'd yet, or not a rank: looked at again until the window closes
         proc.rank, proc.rank_until_s = rank, None
+        self._note_other_rank(proc)
         info = procs.read_proc(proc.key.pid)  # it exec'd: its command line is its own now
         if info is not None and info.key == proc.key and info.cmdline:
             proc.cmdline = info.cmdline.strip()

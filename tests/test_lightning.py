@@ -11,6 +11,7 @@ import contextlib
 import csv
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -641,3 +642,81 @@ def test_the_lightning_example_names_each_helper_and_keeps_validation_clean() ->
     (fix,) = [line for line in lines if line.startswith("  fix: ") and " kill " in line]
     assert len(fix.split(" kill ")[1].split()) == 6, done.stdout
     assert 1 <= done.stdout.count("LEAK orphan  ") <= 3, done.stdout
+
+
+SPAWN_MODEL = """\
+import subprocess, sys
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+
+def leave_a_sleep(worker_id):
+    sleeper = subprocess.Popen(["sleep", "120"])  # never waited for: an orphan
+    with open(sys.argv[1], "a") as handle:
+        handle.write(f"{sleeper.pid}\\n")
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(torch.randn(8, 4), batch_size=4, num_workers=1,
+                          worker_init_fn=leave_a_sleep)
+"""
+
+SPAWN_FIT = """\
+if __name__ == "__main__":
+    # Lightning is imported here and in spawnmodel.py alone: each spawned DataLoader worker
+    # imports this file again.
+    import lightning.pytorch as pl
+    from spawnmodel import Tiny
+
+    from leakcheck.integrations.lightning import LeakCheckCallback
+
+    pl.Trainer(
+        strategy="ddp_spawn", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[LeakCheckCallback(grace=0.5)],
+    ).fit(Tiny())
+"""
+
+
+def test_a_ddp_spawn_rank_names_its_rank_in_what_its_workers_left(tmp_path: Path) -> None:
+    """A ``ddp_spawn`` rank has no launcher variable naming it: the callback exports the
+    trainer's rank (NOTE [exported rank]), so each rank's warning says whose orphan it is."""
+    import psutil
+
+    (tmp_path / "fit.py").write_text(SPAWN_FIT)
+    (tmp_path / "spawnmodel.py").write_text(SPAWN_MODEL)
+    pids = tmp_path / "sleepers"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEAKCHECK_")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    try:
+        done = subprocess.run(
+            [sys.executable, "fit.py", str(pids)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for line in pids.read_text().split() if pids.exists() else []:
+            with contextlib.suppress(psutil.Error):
+                sleeper = psutil.Process(int(line))
+                if sleeper.name() == "sleep":  # still ours, not a reused PID
+                    sleeper.kill()
+    assert done.returncode == 0, done.stderr
+    # One warning per rank, each naming its own rank's orphan.
+    said = re.findall(r"leak\(s\) after train epoch 0: (rank \d+ )?sleep 120", done.stderr)
+    assert sorted(said) == ["rank 0 ", "rank 1 "], done.stderr

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -44,8 +45,9 @@ from leakcheck.adapters.dataloader import (
     shutdown_workers,
     start_iterator,
 )
+from leakcheck.core import ranks
 from leakcheck.core.errors import LeakError, UsageError
-from leakcheck.core.model import MIB, EndReason, Timeline
+from leakcheck.core.model import MIB, EndReason, RankInfo, Timeline
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.report import Report, epoch_row
 from leakcheck.track.tracker import Tracker, end_reason_for
@@ -290,6 +292,10 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
+        if trainer.world_size > 1 and ranks.rank_from_environ(os.environ) is None:
+            # NOTE [exported rank] in ranks.py: a ddp_spawn rank; what its workers start says it.
+            info = RankInfo(trainer.global_rank, trainer.local_rank, trainer.world_size)
+            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(info)
         with self._lock:
             self._unhook()
             self._trainer = trainer

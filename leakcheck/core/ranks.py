@@ -6,7 +6,8 @@ process of its lineage inherits, orphans included (``/proc/PID/environ``).
 NOTE [exported rank]: a rank no launcher variable names (a ``torch.multiprocessing.spawn``
 child, a Lightning ``ddp_spawn`` rank) is given ``LEAKCHECK_RANK`` (``RANK,LOCAL_RANK,
 WORLD_SIZE``, empty where unknown) by ``leakcheck run`` in its own environment when it first
-iterates a DataLoader, so every process it execs later says whose it was. Processes it forks
+iterates a DataLoader (by ``LeakCheckCallback`` at setup), so every process it execs later says
+whose it was. Processes it forks
 keep the rank's initial environment: a tracker gives them their parent's rank, and
 ``leakcheck run`` the rank's own record's. ``RANK`` wins where both are set.
 """

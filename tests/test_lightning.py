@@ -653,7 +653,9 @@ from torch.utils.data import DataLoader
 
 
 def leave_a_sleep(worker_id):
-    sleeper = subprocess.Popen(["sleep", "120"])  # never waited for: an orphan
+    # Never waited for: an orphan (holding none of the test's pipes open).
+    quiet = subprocess.DEVNULL
+    sleeper = subprocess.Popen(["sleep", "120"], stdout=quiet, stderr=quiet)
     with open(sys.argv[1], "a") as handle:
         handle.write(f"{sleeper.pid}\\n")
 

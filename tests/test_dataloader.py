@@ -297,10 +297,11 @@ def test_a_host_growth_warning_gives_the_figures_of_the_final_report() -> None:
             for _ in range(4):
                 run_epochs(watched, 1)
     said = [str(w.message) for w in caught if isinstance(w.message, GPULeakWarning)]
-    final = [f.message for f in watched.report().leaks if f.rule == "host-growth"]
+    final = [f for f in watched.report().leaks if f.rule == "host-growth"]
     assert len(final) == 2, watched.report().format()
-    assert len(said) == 1 and all(message in said[0] for message in final), (said, final)
-    assert all("host memory (USS) grows" in message for message in final)
+    lines = watched.report().finding_lines(final, indent="  ")  # grouped, as the report does
+    assert len(said) == 1 and all(line in said[0] for line in lines), (said, lines)
+    assert all("host memory (USS) grows" in f.message for f in final)
 
 
 def test_dropped_wrapper_stops_its_tracker() -> None:
@@ -344,16 +345,21 @@ def test_grandchild_outliving_its_worker_is_named() -> None:
         kill_sleepers(sleepers)
 
 
-def test_on_leak_warn_names_the_culprit() -> None:
-    watched = leakcheck.watch(make(StartsGrandchild(), workers=1), grace=0.3)
+def test_on_leak_warn_names_the_culprits_as_the_report_does() -> None:
+    """One line per group of alike findings and one fix, not every message on one line."""
+    watched = leakcheck.watch(make(StartsGrandchild(), workers=2), grace=0.3)
     with pytest.warns(GPULeakWarning) as caught:
         sleepers = sleeper_pids(list(watched))
         try:
             watched.close()
         finally:
             kill_sleepers(sleepers)
-    text = " ".join(str(w.message) for w in caught)
-    assert str(sleepers[0]) in text
+    (text,) = [str(w.message) for w in caught]
+    head, *lines = text.splitlines()
+    assert head == "leakcheck: 2 leaks after epoch 0:", text
+    assert lines[0].startswith("  LEAK orphan  2 \u00d7 python -c"), text
+    assert lines[-1].startswith("    fix: ") and len(lines) == 2, text
+    assert all(str(pid) in lines[-1] for pid in sleepers), text
 
 
 def test_on_leak_raise_carries_the_report() -> None:

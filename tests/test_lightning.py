@@ -720,5 +720,5 @@ def test_a_ddp_spawn_rank_names_its_rank_in_what_its_workers_left(tmp_path: Path
                     sleeper.kill()
     assert done.returncode == 0, done.stderr
     # One warning per rank, each naming its own rank's orphan.
-    said = re.findall(r"leak\(s\) after train epoch 0: (rank \d+ )?sleep 120", done.stderr)
+    said = re.findall(r"LEAK orphan  (rank \d+ )?sleep 120", done.stderr)
     assert sorted(said) == ["rank 0 ", "rank 1 "], done.stderr

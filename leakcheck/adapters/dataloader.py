@@ -37,6 +37,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError, one_line
 from leakcheck.core.model import EndReason, EpochRecord, Finding
+from leakcheck.core.units import plural
 from leakcheck.judge.report import Report
 from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
@@ -249,7 +250,8 @@ class EpochJudge:
         if not new or self.on_leak == "ignore":
             return
         where = f" after {report.epochs[-1].label}" if report.epochs else ""
-        message = f"leakcheck: {len(new)} leak(s){where}: " + "; ".join(f.message for f in new)
+        lines = report.finding_lines(new, indent="  ")  # as the report says them, grouped
+        message = "\n".join([f"leakcheck: {plural(len(new), 'leak')}{where}:", *lines])
         if self.on_leak == "raise" and may_raise:
             raise LeakError(message, report)
         warnings.warn(LeakWarning(message), stacklevel=stacklevel + 1)

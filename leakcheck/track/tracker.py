@@ -307,7 +307,8 @@ class Tracker(Sampler):
             if self.host.plan(opened.index, table):
                 # The loop's memory as its epoch ended, on its thread (NOTE [host pacing]).
                 own = self.host.take(table.root) if self._own_process else None
-                self._wake()  # the rest off this thread, right away
+                if self.host.pending is not None:
+                    self._wake()  # the rest off this thread, right away
             claims.epoch_closed(table.session)
         if own is not None:
             self.host.read(own, self.lock, self.book.apply_rollup)

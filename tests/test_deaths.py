@@ -48,6 +48,20 @@ class Grows(Dataset[int]):
         return index
 
 
+class StuckAt10(Grows):
+    """As ``Grows``, then stuck in item 10 (``marker`` touched): a kill finds the worker in its
+    own code, never inside torch's shared locks (one held at a SIGKILL hangs the parent)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __getitem__(self, index: int) -> int:
+        if index >= 10:
+            self.marker.touch()
+            time.sleep(60)
+        return super().__getitem__(index)
+
+
 class Segfaults(Dataset[torch.Tensor]):
     def __len__(self) -> int:
         return 8
@@ -67,13 +81,14 @@ def _cgroup(root: Path, kills: int) -> None:
     (root / "memory.events").write_text(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {kills}\n")
 
 
-def _kill_a_worker_mid_epoch(loader: Any, before_kill: Any = None) -> int:
-    """Iterate until the workers are known and have grown, then SIGKILL one of them."""
+def _kill_a_worker_mid_epoch(loader: Any, marker: Path, before_kill: Any = None) -> int:
+    """Iterate until the worker is known, has grown and is stuck in item 10, then SIGKILL it."""
     victim = 0
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         for count, _ in enumerate(loader):
             if count == 3:
                 assert wait_for(lambda: len(loader.tracker.worker_keys()) == 1)
+                assert wait_for(marker.exists)
                 victim = loader.tracker.worker_keys()[0].pid
                 if before_kill is not None:
                     before_kill()
@@ -90,9 +105,10 @@ def test_a_worker_killed_while_the_cgroup_counts_an_oom_kill_is_named_oom(
 ) -> None:
     _cgroup(tmp_path, kills=0)
     monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
-    loader = leakcheck.watch(DataLoader(Grows(), num_workers=1, batch_size=2, collate_fn=list))
+    stuck = StuckAt10(tmp_path / "stuck")
+    loader = leakcheck.watch(DataLoader(stuck, num_workers=1, batch_size=2, collate_fn=list))
     with pytest.warns(LeakWarning, match="OOM killer"):
-        victim = _kill_a_worker_mid_epoch(loader, lambda: _cgroup(tmp_path, kills=1))
+        victim = _kill_a_worker_mid_epoch(loader, stuck.marker, lambda: _cgroup(tmp_path, kills=1))
     [finding] = _died(loader)
     loader.close()
     assert finding.pid == victim
@@ -110,9 +126,10 @@ def test_a_worker_killed_without_evidence_has_an_unknown_sender(
     # A roomy machine, whatever this one's memory is now: no evidence of an OOM kill at all.
     roomy = machine.MachineMemory(total_bytes=64 * 2**30, available_bytes=32 * 2**30)
     monkeypatch.setattr(machine, "machine_memory", lambda: roomy)
-    loader = leakcheck.watch(DataLoader(Grows(), num_workers=1, batch_size=2, collate_fn=list))
+    stuck = StuckAt10(tmp_path / "stuck")
+    loader = leakcheck.watch(DataLoader(stuck, num_workers=1, batch_size=2, collate_fn=list))
     with pytest.warns(LeakWarning, match="sender unknown"):
-        victim = _kill_a_worker_mid_epoch(loader)
+        victim = _kill_a_worker_mid_epoch(loader, stuck.marker)
     loader.close()
     [finding] = _died(loader)
     assert finding.pid == victim

@@ -16,7 +16,7 @@ def main() -> None:
     val = DataLoader(data, batch_size=64, num_workers=2)
     model = torch.nn.Linear(16, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _epoch in range(3):
+    for _epoch in range(4):  # warm-up 1 + the 3 epoch ends a growth rule judges
         for inputs, labels in train:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(inputs), labels).backward()  # type: ignore[no-untyped-call]

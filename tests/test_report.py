@@ -293,7 +293,30 @@ def test_clean_report_keeps_its_advice() -> None:
     assert lines[0].startswith("info context-kept  parent train.py --epochs 5 (PID 100)")
     assert lines[1].startswith("  fix: ")
     assert lines[-1].startswith("leakcheck: no leaks in 1 epoch (")
+    assert lines[-1].endswith("; growth not judged (needs 4 epochs)")
     assert len(lines) == 3
+
+
+@pytest.mark.parametrize("epochs", [3, 4])
+def test_a_clean_verdict_says_where_too_few_epochs_were_seen_to_judge_growth(epochs: int) -> None:
+    # 80 MiB a epoch kept by the parent: the growth rule needs warm-up 1 + 3 judged ends.
+    grown = [
+        proc(
+            ROOT_PID,
+            "parent",
+            persistent=True,
+            uss_mib=200 + 80 * i,
+            rss_mib=300 + 80 * i,
+            anon_mib=150 + 80 * i,
+        )
+        for i in range(epochs)
+    ]
+    history = [epoch(i, [p]) for i, p in enumerate(grown)]
+    report = build_report(timeline(history), CONFIG)
+    unjudged = "; growth not judged (needs 4 epochs)"
+    assert report.clean is (epochs == 3)
+    assert report.summary().endswith(unjudged) is (epochs == 3)
+    assert report.growth_unjudged() == (unjudged if epochs == 3 else "")
 
 
 def test_blind_report_text_never_says_clean() -> None:
@@ -327,9 +350,7 @@ def test_nvml_unavailable_clean_summary() -> None:
     tl = dataclasses.replace(clean_timeline(), attribution="nvml-unavailable")
     report = build_report(tl, CONFIG)
     assert report.clean
-    assert report.format() == (
-        "leakcheck: no leaks in 5 epochs (11 processes; GPU not checked)"
-    )
+    assert report.format() == ("leakcheck: no leaks in 5 epochs (11 processes; GPU not checked)")
 
 
 def test_many_leaks_are_summarised() -> None:
@@ -645,6 +666,6 @@ def test_a_stack_under_a_long_checkout_path_keeps_its_lines_and_functions() -> N
     )
     died = next(f for f in _findings_of_every_rule() if f.rule == "died")
     lines = finding_lines([dataclasses.replace(died, stack=stack)], "  ")
-    assert any(line.endswith("tests/test_deaths.py\", line 56 in __getitem__") for line in lines)
+    assert any(line.endswith('tests/test_deaths.py", line 56 in __getitem__') for line in lines)
     assert any(line.endswith('…/_utils/fetch.py", line 52, in fetch') for line in lines)
     assert all(len(line) <= FINDING_WIDTH for line in lines), lines

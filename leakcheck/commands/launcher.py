@@ -247,7 +247,7 @@ def _loader_lines(loader: LoaderResult, shown: set[tuple[object, ...]]) -> list[
     named = f"; {plural(repeated, 'finding')} named above" if repeated else ""
     return [
         f"loader {loader.label} ({who}): {plural(len(report.epochs), 'epoch')}{ended}, "
-        f"{processes}; verdict {report.verdict.upper()}{named}",
+        f"{processes}; verdict {report.verdict.upper()}{named}{report.growth_unjudged()}",
         *report.finding_lines(fresh, indent="  ", loader=loader.label),
     ]
 

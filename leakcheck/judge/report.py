@@ -22,6 +22,7 @@ from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.units import format_mib, format_size, plural
 from leakcheck.judge.plot import plot_reports
 from leakcheck.judge.verdict import (
+    GROWTH_POINTS,
     LINEAGE_ROLES,
     EpochCounts,
     epoch_counts,
@@ -173,7 +174,14 @@ class Report:
             peak = _device_peak(tl)
             peak_text = f", peak {format_size(peak[1])} on GPU{peak[0]}" if peak else ""
             line = f"leakcheck: no leaks in {epochs} ({processes}{peak_text})"
-        return line + self._pending_text()
+        return line + self._pending_text() + self.growth_unjudged()
+
+    def growth_unjudged(self) -> str:
+        """Where a clean verdict saw too few epochs for the growth rules, the clause saying so."""
+        needed = self.config.warmup_epochs + GROWTH_POINTS
+        if self.leaks or not 0 < len(self.timeline.epochs) < needed:
+            return ""
+        return f"; growth not judged (needs {needed} epochs)"
 
     def _pending_text(self) -> str:
         """What a report before ``close()`` could not judge yet, said rather than left out."""

@@ -37,6 +37,7 @@ _CHILD_ROLES = ("worker", "descendant", "orphan")
 # NOTE [late rise]: a leak keeps growing; allocator warm-up grows, then plateaus: at least this
 # share of the total rise must happen in the series' second half.
 _LATE_RISE_SHARE = 0.25
+GROWTH_POINTS = 3  # the fewest judged epoch ends a growth rule reads a slope from
 
 RuleFunction = Callable[[Timeline, RuleConfig], tuple[Finding, ...]]
 
@@ -356,7 +357,7 @@ def growth_slope(points: _Points, tolerance_bytes: int, *, by_epoch: bool = Fals
     """
     series = [value for _, value in points]
     n = len(series)
-    if n < 3 or series[-1] - series[0] <= tolerance_bytes:
+    if n < GROWTH_POINTS or series[-1] - series[0] <= tolerance_bytes:
         return None
     rise, late_rise = series[-1] - series[0], series[-1] - series[(n - 1) // 2]
     if late_rise <= 0 or late_rise < _LATE_RISE_SHARE * rise:
@@ -451,7 +452,7 @@ def host_growth(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     for obs in _Walk.of(timeline).seen.values():
         seen = [(r, p) for r, p in obs if r is not None and p.role in ("parent", "worker")]
         seen = [(r, p) for r, p in seen if p.persistent and p.alive_at_end][config.warmup_epochs :]
-        if len(seen) < 3:
+        if len(seen) < GROWTH_POINTS:
             continue
         last = seen[-1][1]
         uss = _points(seen, lambda p: p.host_bytes_end if p.host_source == "uss" else None)

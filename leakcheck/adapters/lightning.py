@@ -250,8 +250,8 @@ class LeakCheckCallback(_CallbackBase):
 
     @property
     def reports(self) -> dict[str, Report]:
-        """The report of each stage tracked so far, by stage name (see :meth:`report`)."""
-        return {name: self.report(name) for name in self._stages}
+        """The report of each stage tracked so far, by stage name, train first (:meth:`report`)."""
+        return {name: self.report(name) for name in STAGES if name in self._stages}
 
     def report(self, stage: str = "train") -> Report:
         """The report of one stage (kept at its tracker's close; before that, a fresh one).
@@ -285,8 +285,7 @@ class LeakCheckCallback(_CallbackBase):
         return plot_reports(self._named_reports(), path)
 
     def _named_reports(self) -> list[tuple[str, Report]]:
-        tracked = [name for name in STAGES if name in self._stages]
-        return [(f"{name}_dataloader", self.report(name)) for name in tracked]
+        return [(f"{name}_dataloader", report) for name, report in self.reports.items()]
 
     # --- Lightning hooks ---------------------------------------------------------------
 

@@ -612,8 +612,9 @@ def test_the_programs_lightning_callback_reports_its_loaders_to_the_run(
     train = run.data["loaders"][0]["report"]["findings"]
     assert [(f["rule"], f["role"]) for f in train] == [("host-growth", "parent")], run.stderr
     assert run.data["verdict"] == "leak" and run.data["leak_count"] == 1, run.stderr
-    # The run's report names it once over both stages.
+    # The callback warned once as it found it; the run's report names it once over both stages.
     assert sum("LEAK host-growth  parent" in line for line in report) == 1, run.stderr
+    assert run.stderr.count("LEAK host-growth  parent") == 2, run.stderr
     assert report[-1].startswith("leakcheck run: verdict leak, 1 leak (2 loaders"), run.stderr
 
 

@@ -108,10 +108,10 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
 class _Stage(EpochJudge):
     """One tracked stage: its tracker's epoch ends, and the open epoch's batches and iterators."""
 
-    def __init__(
-        self, name: str, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None
-    ) -> None:
-        super().__init__(tracker.start(), on_leak, on_epoch)
+    def __init__(self, name: str, tracker: Tracker, callback: LeakCheckCallback) -> None:
+        super().__init__(tracker.start(), callback._on_leak, callback._on_epoch)
+        # The callback's: a process every stage judges (the parent) is announced once.
+        self._announced = callback._announced
         self.name = name
         self.open = False
         self.batches = 0
@@ -221,6 +221,7 @@ class LeakCheckCallback(_CallbackBase):
         }
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
+        self._announced: set[tuple[object, ...]] = set()  # the leaks said, over all stages
         self._trainer: Any = None
         self._lock = threading.RLock()  # a loader may be iterated on another thread than hooks
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
@@ -231,7 +232,7 @@ class LeakCheckCallback(_CallbackBase):
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
         del state["_lock"]
-        state.update(_stages={}, _trainer=None, _patches=[])
+        state.update(_stages={}, _announced=set(), _trainer=None, _patches=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -331,7 +332,7 @@ class LeakCheckCallback(_CallbackBase):
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
             tracker = Tracker(**self._tracker_options)
-            stage = self._stages[name] = _Stage(name, tracker, self._on_leak, self._on_epoch)
+            stage = self._stages[name] = _Stage(name, tracker, self)
         stage.begin(trainer)
         return stage
 

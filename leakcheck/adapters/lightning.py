@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -292,10 +291,9 @@ class LeakCheckCallback(_CallbackBase):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        if trainer.world_size > 1 and ranks.rank_from_environ(os.environ) is None:
+        if trainer.world_size > 1:
             # NOTE [exported rank] in ranks.py: a ddp_spawn rank; what its workers start says it.
-            info = RankInfo(trainer.global_rank, trainer.local_rank, trainer.world_size)
-            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(info)
+            ranks.export_rank(RankInfo(trainer.global_rank, trainer.local_rank, trainer.world_size))
         with self._lock:
             self._unhook()
             self._trainer = trainer

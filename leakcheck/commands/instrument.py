@@ -199,8 +199,8 @@ class _Run:
         self.callbacks: list[tuple[Any, LoaderResult]] = []  # and each one's first record
         self.indices = itertools.count()  # of the records, for their file names
         self.rank = process_rank()
-        if self.rank is not None and ranks.rank_from_environ(os.environ) != self.rank:
-            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(self.rank)
+        if self.rank is not None:
+            ranks.export_rank(self.rank)
         self.lock = threading.RLock()
         self.ended = False
         atexit.register(self.at_exit)

@@ -14,7 +14,7 @@ import pytest
 from leakcheck.core.model import Finding, RankInfo, RuleConfig
 from leakcheck.core.ranks import (
     EXPORTED_RANK_ENV,
-    exported_rank,
+    export_rank,
     physical_device,
     rank_from_environ,
 )
@@ -87,12 +87,22 @@ def test_device_follows_cuda_visible_devices() -> None:
 def test_a_rank_leakcheck_exported_is_read_back_and_rank_wins() -> None:
     """NOTE [exported rank]: a spawned rank's rank, in what it starts."""
     info = RankInfo(rank=3, local_rank=1, world_size=4, device=1)
-    env = {EXPORTED_RANK_ENV: exported_rank(info)}
-    assert env[EXPORTED_RANK_ENV] == "3,1,4"
+    env: dict[str, str] = {}
+    export_rank(info, env)
+    assert env == {EXPORTED_RANK_ENV: "3,1,4"}
     assert rank_from_environ(env) == info
     assert rank_from_environ({**env, "CUDA_VISIBLE_DEVICES": "2,5"}) == replace(info, device=5)
-    unknown = exported_rank(RankInfo(rank=0))
-    assert rank_from_environ({EXPORTED_RANK_ENV: unknown}) == RankInfo(rank=0)
+    unknown: dict[str, str] = {}
+    export_rank(RankInfo(rank=0), unknown)
+    assert unknown == {EXPORTED_RANK_ENV: "0,,"}
+    assert rank_from_environ(unknown) == RankInfo(rank=0)
+    # Written only where the environment does not say that rank already.
+    launched = dict(TORCHRUN_ENV)
+    export_rank(RankInfo(rank=3, local_rank=1, world_size=4), launched)  # RANK says it
+    assert launched == TORCHRUN_ENV
+    inherited = {EXPORTED_RANK_ENV: "0,0,2"}  # from the process that started this one
+    export_rank(RankInfo(rank=1, local_rank=1, world_size=2), inherited)
+    assert inherited == {EXPORTED_RANK_ENV: "1,1,2"}
     assert rank_from_environ({**env, **TORCHRUN_ENV}) == rank_from_environ(TORCHRUN_ENV)
     for bad in ("", "x,1,2", "1,2", "-1,,", ",,"):
         assert rank_from_environ({EXPORTED_RANK_ENV: bad}) is None, bad

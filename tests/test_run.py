@@ -533,11 +533,15 @@ def test_a_loader_the_program_watches_itself_is_left_to_watch(
     assert run.data is not None and run.data["loaders"] == []
 
 
-CALLBACK_FIT = """\
+CALLBACK_FIT = """\\
+import os
+
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 from leakcheck.integrations.lightning import LeakCheckCallback
+
+kept = []  # KEEP_MIB: the loop keeps that much in this list each training epoch
 
 
 class Tiny(pl.LightningModule):
@@ -546,7 +550,12 @@ class Tiny(pl.LightningModule):
         self.layer = torch.nn.Linear(2, 1)
 
     def training_step(self, batch, batch_idx):
+        if batch_idx == 0 and os.environ.get("KEEP_MIB"):
+            kept.append(bytearray(int(os.environ["KEEP_MIB"]) << 20))
         return self.layer(batch).sum()
+
+    def validation_step(self, batch, batch_idx):
+        pass
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -554,27 +563,59 @@ class Tiny(pl.LightningModule):
     def train_dataloader(self):
         return DataLoader(torch.randn(8, 2), batch_size=4, num_workers=1)
 
+    def val_dataloader(self):
+        return DataLoader(torch.randn(4, 2), batch_size=4, num_workers=1)
+
 
 callback = LeakCheckCallback()
 pl.Trainer(
-    accelerator="cpu", max_epochs=2, callbacks=[callback], logger=False,
+    accelerator="cpu", max_epochs=8, callbacks=[callback], logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 ).fit(Tiny())
 print(callback.format())
 """
 
 
-def test_a_loader_the_programs_lightning_callback_adopted_is_left_to_it(
-    tmp_path: Path, private_tmp: Path
+@pytest.mark.parametrize("keep_mib", ["", "40"])
+def test_the_programs_lightning_callback_reports_its_loaders_to_the_run(
+    tmp_path: Path, private_tmp: Path, keep_mib: str
 ) -> None:
-    """Its stage's tracker claims the workers: the run's own report of that loader would be
-    its parent alone, a clean verdict on workers it never judged."""
+    """The loaders the callback adopted are left to it (the run's own report of them would be
+    their parent alone); what its stages found is the run's, each finding said once."""
     pytest.importorskip("lightning.pytorch", reason="needs lightning: pip install -e '.[dev]'")
     (tmp_path / "fit.py").write_text(CALLBACK_FIT)
-    run = leakcheck_run("--", sys.executable, "fit.py", private_tmp=private_tmp, cwd=tmp_path)
+    env = _env(private_tmp, KEEP_MIB=keep_mib)
+    run = leakcheck_run(
+        "--", sys.executable, "fit.py", private_tmp=private_tmp, cwd=tmp_path, env=env
+    )
     assert run.returncode == 0, run.stderr
-    assert "train_dataloader: leakcheck: no leaks in 2 epochs (3 processes" in run.stdout
-    assert run.data is not None and run.data["loaders"] == [], run.stderr
+    assert run.data is not None, run.stderr
+    stages = ["train_dataloader", "val_dataloader"]
+    labels = [item["label"] for item in run.data["loaders"]]
+    assert labels == [f"{stage} via LeakCheckCallback" for stage in stages], run.stderr
+    for stage, item in zip(stages, run.data["loaders"], strict=True):
+        report = item["report"]
+        assert item["pid"] == run.data["program"]["pid"] and item["missing"] is None
+        # The callback's own words about its stage, and the run's, count the same.
+        epochs, processes = len(report["epochs"]), report["summary"]["processes"]
+        assert epochs >= 8 and processes > epochs, report["epochs"]
+        own = run.stdout.split(f"{stage}: leakcheck")[1].split("_dataloader: ")[0]
+        assert f" in {epochs} epochs ({processes} processes" in own, run.stdout
+    report = run.stderr[run.stderr.index("leakcheck run: fit.py: ") :].splitlines()
+    if not keep_mib:
+        assert run.data["verdict"] == "clean" and run.data["leak_count"] == 0, run.stderr
+        assert all(item["report"]["findings"] == [] for item in run.data["loaders"])
+        assert "no leaks in 8 epochs" in run.stdout and "LEAK" not in run.stderr
+        assert len(report) == 5, report  # quiet: a line per loader, the tree, the verdict
+        assert report[-1].startswith("leakcheck run: verdict clean, 0 leaks (2 loaders")
+        return
+    train = run.data["loaders"][0]["report"]["findings"]
+    assert [(f["rule"], f["role"]) for f in train] == [("host-growth", "parent")], run.stderr
+    assert run.data["verdict"] == "leak" and run.data["leak_count"] == 1, run.stderr
+    # The callback warned once as it found it; the run's report names it once over both stages.
+    assert sum("LEAK host-growth  parent" in line for line in report) == 1, run.stderr
+    assert run.stderr.count("LEAK host-growth  parent") == 2, run.stderr
+    assert report[-1].startswith("leakcheck run: verdict leak, 1 leak (2 loaders"), run.stderr
 
 
 # --------------------------------------------------------------------------- exits

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -108,10 +107,10 @@ def epoch_scalars(stage: str, timeline: Timeline, leaks_found: int | None) -> di
 class _Stage(EpochJudge):
     """One tracked stage: its tracker's epoch ends, and the open epoch's batches and iterators."""
 
-    def __init__(
-        self, name: str, tracker: Tracker, on_leak: OnLeak, on_epoch: OnEpoch | None
-    ) -> None:
-        super().__init__(tracker.start(), on_leak, on_epoch)
+    def __init__(self, name: str, tracker: Tracker, callback: LeakCheckCallback) -> None:
+        super().__init__(tracker.start(), callback._on_leak, callback._on_epoch)
+        # The callback's: a process every stage judges (the parent) is announced once.
+        self._announced = callback._announced
         self.name = name
         self.open = False
         self.batches = 0
@@ -221,6 +220,7 @@ class LeakCheckCallback(_CallbackBase):
         }
         Tracker(**self._tracker_options)  # validates the rest, as watch() does; starts nothing
         self._stages: dict[str, _Stage] = {}
+        self._announced: set[tuple[object, ...]] = set()  # the leaks said, over all stages
         self._trainer: Any = None
         self._lock = threading.RLock()  # a loader may be iterated on another thread than hooks
         # (object, attribute, ours, the instance attribute ours replaced or None): _unhook
@@ -231,7 +231,7 @@ class LeakCheckCallback(_CallbackBase):
         # callbacks: each rank tracks its own processes, from a fresh start.
         state = dict(self.__dict__)
         del state["_lock"]
-        state.update(_stages={}, _trainer=None, _patches=[])
+        state.update(_stages={}, _announced=set(), _trainer=None, _patches=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -250,8 +250,8 @@ class LeakCheckCallback(_CallbackBase):
 
     @property
     def reports(self) -> dict[str, Report]:
-        """The report of each stage tracked so far, by stage name (see :meth:`report`)."""
-        return {name: self.report(name) for name in self._stages}
+        """The report of each stage tracked so far, by stage name, train first (:meth:`report`)."""
+        return {name: self.report(name) for name in STAGES if name in self._stages}
 
     def report(self, stage: str = "train") -> Report:
         """The report of one stage (kept at its tracker's close; before that, a fresh one).
@@ -285,17 +285,15 @@ class LeakCheckCallback(_CallbackBase):
         return plot_reports(self._named_reports(), path)
 
     def _named_reports(self) -> list[tuple[str, Report]]:
-        tracked = [name for name in STAGES if name in self._stages]
-        return [(f"{name}_dataloader", self.report(name)) for name in tracked]
+        return [(f"{name}_dataloader", report) for name, report in self.reports.items()]
 
     # --- Lightning hooks ---------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Start of ``fit``/``validate``/``test``/``predict``: adopt loaders as they come."""
-        if trainer.world_size > 1 and ranks.rank_from_environ(os.environ) is None:
+        if trainer.world_size > 1:
             # NOTE [exported rank] in ranks.py: a ddp_spawn rank; what its workers start says it.
-            info = RankInfo(trainer.global_rank, trainer.local_rank, trainer.world_size)
-            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(info)
+            ranks.export_rank(RankInfo(trainer.global_rank, trainer.local_rank, trainer.world_size))
         with self._lock:
             self._unhook()
             self._trainer = trainer
@@ -332,7 +330,7 @@ class LeakCheckCallback(_CallbackBase):
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
             tracker = Tracker(**self._tracker_options)
-            stage = self._stages[name] = _Stage(name, tracker, self._on_leak, self._on_epoch)
+            stage = self._stages[name] = _Stage(name, tracker, self)
         stage.begin(trainer)
         return stage
 

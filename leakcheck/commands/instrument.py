@@ -6,7 +6,8 @@ every Python process of the run; the first iteration imports this module. Each c
 and validation loaders are judged apart; a loader made again where the previous one is gone
 continues it, a second one alive at once is ``#2``. Each iteration is an epoch of it
 (``epoch_batches``) through DataLoader's original ``__iter__``; a loader the program
-``watch()``es, or its ``LeakCheckCallback`` adopted, is left to it. The site's ``LoaderResult``
+``watch()``es, or its ``LeakCheckCallback`` adopted, is left to it: the callback's stage
+reports are the run's (``train_dataloader via LeakCheckCallback``). The site's ``LoaderResult``
 (``loader-<pid>-<n>.json`` in the run folder) is written when its tracker starts and with its
 report at the process's exit (``atexit`` or a multiprocessing child's finalizers; not
 ``os._exit`` nor a fatal signal). A forked child starts afresh. Nothing here raises into the
@@ -24,6 +25,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -194,9 +196,11 @@ class _Run:
         self.pid = os.getpid()
         self.cwd = os.getcwd()
         self.sites: list[_Site] = []
+        self.callbacks: list[tuple[Any, LoaderResult]] = []  # and each one's first record
+        self.indices = itertools.count()  # of the records, for their file names
         self.rank = process_rank()
-        if self.rank is not None and ranks.rank_from_environ(os.environ) != self.rank:
-            os.environ[ranks.EXPORTED_RANK_ENV] = ranks.exported_rank(self.rank)
+        if self.rank is not None:
+            ranks.export_rank(self.rank)
         self.lock = threading.RLock()
         self.ended = False
         atexit.register(self.at_exit)
@@ -233,30 +237,43 @@ class _Run:
         via = where[2] if len(where) > 2 and where[2] else ""
         base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
         same = sum(1 for site in self.sites if site.base == base)
-        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
-        record = LoaderResult(
-            label=base + (f" #{same + 1}" if same else ""),
-            pid=self.pid,
-            argv=tuple(sys.argv),
-            index=len(self.sites),
-            started_unix_s=time.time(),
-            start_ticks=key.start_ticks if key is not None else None,
-            mailbox=tracker.mailbox_dir,
-            torch=getattr(sys.modules.get("torch"), "__version__", None),
-        )
+        label = base + (f" #{same + 1}" if same else "")
+        record = self._record(label, mailbox=tracker.mailbox_dir)
         site = _Site(record, base, where, tracker, weakref.ref(loader))
         self.sites.append(site)
-        self._write(site)
+        self._write(record)
         return site
 
-    def _write(self, site: _Site, **final: Any) -> None:
-        """Write the site's record; at exit with its report."""
+    def _record(self, label: str, **fields: Any) -> LoaderResult:
+        key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
+        return LoaderResult(
+            label=label,
+            pid=self.pid,
+            argv=tuple(sys.argv),
+            index=next(self.indices),
+            started_unix_s=time.time(),
+            start_ticks=key.start_ticks if key is not None else None,
+            torch=getattr(sys.modules.get("torch"), "__version__", None),
+            **fields,
+        )
+
+    def leave_to(self, callback: Any) -> None:
+        """A ``LeakCheckCallback`` tracks a loader: its reports are written at exit."""
+        with self.lock:
+            if any(known is callback for known, _ in self.callbacks):
+                return
+            record = self._record(type(callback).__name__)
+            self.callbacks.append((callback, record))
+        self._write(record)  # a record without report, until exit
+
+    def _write(self, record: LoaderResult, **final: Any) -> None:
+        """Write a loader's record; at exit with its report."""
         rank = self.rank
         if rank is not None:  # with the device it chose (set_device), once known
             chosen = _quiet_value(own_rank_device)
             if chosen is not None and chosen[0] == rank.rank:
                 rank = replace(rank, device=chosen[1])
-        record = replace(site.record, rank=rank, **final)
+        record = replace(record, rank=rank, **final)
         name = f"loader-{self.pid}-{record.index}.json"
         write_json(os.path.join(self.folder, name), record.to_dict())
 
@@ -285,7 +302,9 @@ class _Run:
         if isinstance(error, BaseException):
             reason, line = end_reason_for(error)
         with self.lock:
-            sites = list(self.sites)
+            sites, callbacks = list(self.sites), list(self.callbacks)
+        for callback, record in callbacks:  # closed at its teardown: its reports are kept
+            _quietly(functools.partial(self._write_reports_of, callback, record))
         costs = [to_jsonable(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
@@ -299,7 +318,17 @@ class _Run:
     def _write_report(self, site: _Site, cost: dict[str, Any], started: float) -> None:
         report = site.tracker.report()
         exit_s = time.perf_counter() - started
-        self._write(site, report=report, cost=cost, exit_s=exit_s, missing=None)
+        self._write(site.record, report=report, cost=cost, exit_s=exit_s, missing=None)
+
+    def _write_reports_of(self, callback: Any, record: LoaderResult) -> None:
+        """Each stage's report, the first in ``record``'s file (NOTE [run instrumentation])."""
+        reports = callback.reports
+        if not reports:
+            self._write(record, missing="it tracked no epoch")
+        for n, (name, report) in enumerate(reports.items()):
+            label = f"{name}_dataloader via {record.label}"
+            index = record.index if n == 0 else next(self.indices)
+            self._write(record, label=label, index=index, report=report, missing=None)
 
 
 def shown_path(path: str, cwd: str) -> str:
@@ -428,7 +457,12 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         return iterate(loader)
     try:
         run = _current_run()
-        if run is None or os.getpid() != run.pid or _watched_by_user(loader):
+        if run is None or os.getpid() != run.pid:
+            return iterate(loader)
+        if _watched_by_user(loader):
+            callback = getattr(loader.__dict__.get("_get_iterator"), "callback", None)
+            if callback is not None:
+                run.leave_to(callback)
             return iterate(loader)
         return run.epoch_iterator(loader, iterate)
     except Exception as error:

@@ -14,7 +14,8 @@ keep the rank's initial environment: a tracker gives them their parent's rank, a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import replace
 
 from leakcheck.core.model import RankInfo
@@ -82,10 +83,12 @@ def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:
     return replace(info, device=physical_device(info.local_rank, environ))
 
 
-def exported_rank(info: RankInfo) -> str:
-    """``LEAKCHECK_RANK``'s value for ``info`` (NOTE [exported rank])."""
+def export_rank(info: RankInfo, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Name ``info`` in ``LEAKCHECK_RANK`` unless ``environ`` says it (NOTE [exported rank])."""
     fields = (info.rank, info.local_rank, info.world_size)
-    return ",".join("" if value is None else str(value) for value in fields)
+    said = rank_from_environ(environ)
+    if said is None or (said.rank, said.local_rank, said.world_size) != fields:
+        environ[EXPORTED_RANK_ENV] = ",".join("" if n is None else str(n) for n in fields)
 
 
 def rank_label(rank: int | None) -> str:

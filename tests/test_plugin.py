@@ -2024,6 +2024,49 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     assert "1 /dev/shm file appeared while tests ran, and nothing tied them" in out, out
 
 
+def test_under_xdist_a_file_one_test_is_blamed_for_is_not_also_said_to_be_nobodys(
+    inner: pytest.Pytester, shm_names: list[str]
+) -> None:
+    """The file a test leaves (named after a child it forked, gone by its end) appears in
+    the window of the test beside it too, where nothing ties it: the summary does not count
+    it among the files of no test."""
+    token = uuid.uuid4().int % 10**9
+    inner.makepyfile(
+        test_side_by_side=f"""
+        import multiprocessing, os, time
+
+        def wait_for(path):  # the other test, on the other worker, however late it starts
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        def write():  # as a DataLoader worker's file_system segment is named
+            open(f"/dev/shm/torch_{{os.getpid()}}_{token}_0", "wb").write(b"x" * 4096)
+            open("child-pid", "w").write(str(os.getpid()))
+
+        def test_makes_a_file():
+            wait_for("beside-started")
+            child = multiprocessing.get_context("fork").Process(target=write)
+            child.start()
+            child.join()
+            open("made", "w").close()
+
+        def test_waits_beside_it():
+            open("beside-started", "w").close()
+            wait_for("made")
+        """
+    )
+    try:
+        result = inner.runpytest_subprocess("--gpu-leak-check", "-n", "2", *FAST)
+    finally:
+        with contextlib.suppress(OSError):
+            shm_names.append(f"torch_{(inner.path / 'child-pid').read_text()}_{token}_0")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "LEAKED test_side_by_side.py::test_makes_a_file: 1 /dev/shm file" in out, out
+    assert "appeared while tests ran" not in out, out
+
+
 def test_under_xdist_a_file_of_another_workers_test_is_not_in_a_failing_tests_section(
     inner: pytest.Pytester, leftovers: Path, shm_names: list[str]
 ) -> None:

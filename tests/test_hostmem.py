@@ -420,6 +420,33 @@ def test_new_files_and_their_holders_in_a_stand_in_directory(spawn: Spawn, tmp_p
     assert procs.shm_open_by([by_map], str(directory)) == {by_map: ["by_map (deleted)"]}
 
 
+def test_the_files_this_process_makes_are_noted_and_only_those(tmp_path: Path) -> None:
+    """NOTE [made here]: a file this process creates (open, os.open, a sized descriptor) is
+    noted; one another process made, then opened here, is not; a removed one is forgotten."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    hostmem.note_shm_made(str(folder))
+    (folder / "by_open").write_bytes(b"x")
+    os.close(os.open(folder / "by_os_open", os.O_CREAT | os.O_WRONLY))
+    code = "import sys; open(sys.argv[1], 'wb').close(); open(sys.argv[2], 'wb').close()"
+    others, sized = folder / "others", folder / "sized"
+    subprocess.run([sys.executable, "-c", code, others, sized], check=True)
+    (others).write_bytes(b"mine now?")  # opened to write, not made: still the other's
+    with open(sized, "r+b") as handle:
+        os.ftruncate(handle.fileno(), 4096)  # as SharedMemory sizes what shm_open made
+    (folder / "gone").write_bytes(b"x")
+    (folder / "gone").unlink()
+    (tmp_path / "elsewhere").write_bytes(b"x")  # not in a watched folder
+    assert hostmem.shm_made_here(str(folder)) == {"by_open", "by_os_open", "sized"}
+    assert hostmem.shm_made_here(str(tmp_path)) == set()
+    # The job's on this evidence alone: nobody holds them, no name carries a PID.
+    names = ["by_open", "others", "sized"]
+    assert hostmem.job_shm(names, [os.getpid()], {os.getpid()}, str(folder)) == {
+        "by_open": None,
+        "sized": None,
+    }
+
+
 def test_shm_capacity_from_statvfs(tmp_path: Path) -> None:
     capacity = hostmem.shm_capacity(str(tmp_path))
     st = os.statvfs(tmp_path)

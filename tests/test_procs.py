@@ -982,3 +982,31 @@ def test_a_mapping_past_the_first_page_of_maps_is_found() -> None:
         child.kill()
         child.wait()
         path.unlink(missing_ok=True)
+
+
+def test_the_fork_ledger_names_forked_descendants_gone_ones_too() -> None:
+    """NOTE [fork ledger]: a child forked from Python and its own forked child are named after
+    both exited; a program started by exec is not; a drain empties the ledger."""
+    ledger = procs.fork_ledger()
+    assert procs.fork_ledger() is ledger
+    ledger.drain()
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_fork_one, args=(context,))
+    child.start()
+    child.join()
+    started = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = ledger.drain()
+    assert child.pid in found and len(found) == 2, found  # the child and its child
+    assert int(started.stdout) not in found
+    assert ledger.drain() == set()
+
+
+def _fork_one(context: Any) -> None:
+    grandchild = context.Process(target=int)
+    grandchild.start()
+    grandchild.join()

@@ -248,8 +248,9 @@ def test_workers_that_live_one_epoch_report_their_host_memory_at_exit() -> None:
 def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[str]) -> None:
     token = uuid.uuid4().hex[:10]
     held, mine, stranger = f"lc_{token}_held", f"lc_{token}_{os.getpid()}", f"lc_{token}_x"
+    made = f"lc_{token}_made"  # by the job's root, named after nobody (NOTE [made here])
     semaphore = f"sem.lc_{token}_{os.getpid()}"  # named after the job, yet never judged
-    shm_names.extend([held, mine, stranger, semaphore])
+    shm_names.extend([held, mine, stranger, semaphore, made])
     with Tracker(grace=0.1) as tracker:
         with tracker.epoch():
             holder = subprocess.Popen(
@@ -260,15 +261,18 @@ def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[
             )
             assert holder.stdout is not None and holder.stdout.readline() == "held\n"
             (SHM / mine).write_bytes(b"y" * 100)  # named after the job's root: its own
-            (SHM / stranger).write_bytes(b"z" * 10)  # nothing ties it to the job
+            (SHM / made).write_bytes(b"m" * 10)
+            # Made by a child that is gone, named after none: nothing ties it to the job.
+            code = f"open({str(SHM / stranger)!r}, 'wb').write(b'z' * 10)"
+            subprocess.run([sys.executable, "-c", code], check=True)
             (SHM / semaphore).write_bytes(b"s" * 32)
         first = tracker.epochs()[0]
-        # The job's: the one its child holds, and the one named after its root.
+        # The job's: the one its child holds, the one named after its root, the one it made.
         listed = {item.name: item for item in first.shm_files}
-        assert set(listed) == {held, mine}
+        assert set(listed) == {held, mine, made}
         assert (listed[held].holder_pid, listed[held].holder_role) == (holder.pid, "descendant")
         assert listed[mine].holder_pid is None
-        assert first.shm_bytes == 4096 + 100
+        assert first.shm_bytes == 4096 + 100 + 10
         assert first.shm_total_bytes and first.shm_used_peak_bytes
         with tracker.epoch():
             holder.stdin.close()  # type: ignore[union-attr]
@@ -281,6 +285,7 @@ def test_the_jobs_shm_files_per_epoch_and_what_is_left_at_close(shm_names: list[
     assert findings[held].severity == "leak"
     assert f"/dev/shm/{held} (4 KiB) left behind, held by nobody" in findings[held].message
     assert findings[mine].severity == "leak"
+    assert findings[made].severity == "leak"
     assert findings[stranger].severity == "info"
     said = findings[stranger].message
     assert "nothing ties it to the work" in said or "older than the work" in said

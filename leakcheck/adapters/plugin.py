@@ -361,7 +361,7 @@ class LeakCheckPlugin:
         self._checked = 0
         # Per test: its findings, its status, and whether a failure shows its section.
         self._results: dict[str, tuple[list[Finding], str, bool]] = {}
-        self._unattributed: set[str] = set()  # /dev/shm files of no test (under xdist)
+        self._unattributed: set[str] = set()  # /dev/shm files of no test
         self._gpu_notes: set[str] = set()
 
     # -- per test ------------------------------------------------------------------------
@@ -374,9 +374,7 @@ class LeakCheckPlugin:
                 if self._checker is None:
                     from leakcheck.adapters.plugin_observe import Checker
 
-                    # Under xdist, a segment nobody holds may be a sibling worker's.
-                    alone = os.environ.get("PYTEST_XDIST_WORKER") is None
-                    self._checker = Checker(attribute_unheld_shm=alone)
+                    self._checker = Checker()
                 window = self._checker.begin()
             except Exception as exc:  # never break a run for leakcheck's sake
                 self._gpu_notes.add(f"a test went unchecked: {one_line(exc)}")
@@ -462,8 +460,9 @@ class LeakCheckPlugin:
         from leakcheck.judge.report import finding_lines
 
         leaks = [f for f in findings if f.severity == "leak"]
-        # Under xdist, a file no test can be tied to is said once, in the summary.
-        alone = self._checker is None or self._checker.attribute_unheld_shm
+        # Under xdist, a file no test can be tied to is said once, in the summary: its
+        # time window is not this test's alone.
+        alone = os.environ.get("PYTEST_XDIST_WORKER") is None
         shown = [f for f in findings if alone or not _unattributed(f)]
         if shown:
             report.sections.append((SECTION, "\n".join(finding_lines(shown))))
@@ -532,8 +531,8 @@ class LeakCheckPlugin:
         shown = report.failed  # pytest shows a failed report's sections
         if data.get("earlier") in COUNTED:
             shown = self._attach_to_failure(report) or shown
-        # Files nobody held that appeared while other workers ran are nobody's to blame:
-        # one line for all of them in the summary, not one entry per test.
+        # Files nothing ties to a test are nobody's to blame (NOTE [job shm]): one line for
+        # all of them in the summary, not one entry per test.
         self._unattributed.update(str(f.shm_name) for f in findings if _unattributed(f))
         kept = [f for f in findings if not _unattributed(f)]
         if kept:
@@ -589,11 +588,13 @@ class LeakCheckPlugin:
             if not shown:
                 for line in finding_lines(findings, "    "):
                     tr.write_line(line)
-        if self._unattributed:
-            files = plural(len(self._unattributed), "/dev/shm file")
+        # Under xdist, a file one test is blamed for appeared in its neighbours' windows too.
+        blamed = {f.shm_name for findings, _, _ in self._results.values() for f in findings}
+        unattributed = self._unattributed - blamed
+        if unattributed:
+            files = plural(len(unattributed), "/dev/shm file")
             tr.write_line(
-                f"{files} appeared while tests ran on several workers, "
-                "and nothing tied them to one test (no process of a test held them, and their "
-                "names carry none of a test's PIDs): not attributed (run without -n to "
-                "attribute them)"
+                f"{files} appeared while tests ran, and nothing tied them to a test (held by "
+                "none of its processes, named after none, not made by the test process): "
+                "not attributed"
             )

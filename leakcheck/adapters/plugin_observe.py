@@ -10,9 +10,8 @@ files and allocator bytes that appear while a class/module/package/session fixtu
 are that fixture's: judged, once its finalizer ran, within the test whose teardown ran it.
 One that starts processes lazily, inside a test, is not their owner: the test is; but for the
 persistent workers of a DataLoader (or a ProcessPoolExecutor's, started at the first submit)
-that is the fixture's value, which it keeps across tests. Under xdist, a /dev/shm file is a
-fixture's only where its processes hold it or its name carries their PIDs: a sibling worker's
-may appear while it is set up.
+that is the fixture's value, which it keeps across tests. A /dev/shm file is a fixture's, as
+a test's, only on evidence (NOTE [job shm] in hostmem.py).
 
 NOTE [reference cycles]: an iterator caught in a reference cycle stops its workers only when
 the garbage collector runs. Processes alive after the grace get a moment more (one on its way
@@ -55,7 +54,7 @@ from leakcheck.core.model import (
 )
 from leakcheck.core.roles import is_runtime_helper
 from leakcheck.observe import nvml, procs
-from leakcheck.observe.hostmem import is_named_semaphore, shm_creator_pid, shm_name_pids
+from leakcheck.observe.hostmem import is_named_semaphore, job_shm, note_shm_made, shm_creator_pid
 from leakcheck.observe.procs import SESSION_ENV, Lineage, PidMark, handed_out_since
 from leakcheck.observe.snapshot import read_gpu_processes
 from leakcheck.observe.torch_state import allocator_bytes
@@ -130,16 +129,13 @@ class _Candidate:
 
 
 class Checker:
-    """Per-process state of the plugin's observation of tests.
+    """Per-process state of the plugin's observation of tests."""
 
-    ``attribute_unheld_shm``: blame a new /dev/shm file nobody holds on the test that ran
-    meanwhile (True without xdist: no other test runs then).
-    """
-
-    def __init__(self, *, shm_dir: str = "/dev/shm", attribute_unheld_shm: bool = True) -> None:
+    def __init__(self, *, shm_dir: str = "/dev/shm") -> None:
         self.pid = os.getpid()
         self.shm_dir = shm_dir
-        self.attribute_unheld_shm = attribute_unheld_shm
+        note_shm_made(shm_dir)
+        self.forks = procs.fork_ledger()
         self.lineage = Lineage(self.pid)
         # How far the latest read attributed GPU memory to processes (and why not), the
         # devices it saw, and a failed read of this test's window: it stays unavailable.
@@ -159,6 +155,7 @@ class Checker:
         """Snapshot before the test's setup and export its tag to the children it starts."""
         self._serial += 1
         self._gpu_failure = None
+        self.forks.drain()  # NOTE [fork ledger]: the test's own start here
         tag = f"pytest-{self.pid}-{self._serial}"
         pids, shm, gpu = PidMark.now(), _listdir(self.shm_dir), self._gpu_state()
         saved_env = os.environ.get(SESSION_ENV)
@@ -196,13 +193,9 @@ class Checker:
             with contextlib.suppress(Exception):
                 processes = tuple(self._born_since(pids, window.tags))
                 owned_shm = {name for o in self._owners.values() for name in o.shm}
-                new_shm = _listdir(self.shm_dir) - shm - owned_shm
-                if not self.attribute_unheld_shm:  # a sibling worker's may appear meanwhile
-                    theirs = {self.pid, *(info.key.pid for info in processes)}
-                    held = set().union(*procs.shm_open_by(theirs, self.shm_dir).values())
-                    new_shm = frozenset(
-                        n for n in new_shm if n in held or shm_name_pids(n) & theirs
-                    )
+                theirs = {self.pid, *(info.key.pid for info in processes)}
+                new = _listdir(self.shm_dir) - shm - owned_shm
+                new_shm = frozenset(job_shm(new, theirs, theirs, self.shm_dir))
                 now = self._gpu_state(nvml=False).allocated_bytes or {}
                 added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
                 owner = ScopeOwner(label, window.serial, processes, new_shm, added)
@@ -240,7 +233,7 @@ class Checker:
         self._collect_and_settle(staying)
         left = self._left(staying, end_s)
         # /dev/shm after the grace period: exiting workers remove their own.
-        test_pids = {cand.info.key.pid for cand in candidates}
+        test_pids = {cand.info.key.pid for cand in candidates} | self.forks.drain()
         shm_files = self._shm_files(window, active, finished, left, test_pids)
         parent_memory, after = self._parent_memory(window, active, finished, tolerance_bytes)
         now_s = time.monotonic()
@@ -402,11 +395,9 @@ class Checker:
     ) -> tuple[ShmFile, ...]:
         """The files the test (or a wide-scope fixture that ended) left in /dev/shm.
 
-        The test's: held by its live processes, named after any of its processes
-        (``test_pids``, gone ones too: torch and CUDA IPC name files after their maker), its
-        fixtures'. Of the rest, a stranger's (held by one, or made by a live one, as its name
-        says) is left out, one made by a process older than the test is not blamed, and
-        others are blamed only with ``attribute_unheld_shm``.
+        The test's on evidence (NOTE [job shm] in hostmem.py; ``test_pids``: gone ones too,
+        NOTE [fork ledger]), and its fixtures'. Of the rest, a stranger's (held by one, or
+        made by a live one, as its name says) is left out, others are said, not blamed.
         """
         now = _listdir(self.shm_dir)
         fresh = now - window.shm - {name for owner in active for name in owner.shm}
@@ -417,26 +408,23 @@ class Checker:
         roles.update(
             (p.key.pid, p.role) for p in left if p.exited_after_s is None and not p.persistent
         )
-        held_by: dict[str, tuple[int, Role]] = {}
-        for pid, names in procs.shm_open_by(roles, self.shm_dir).items():
-            for name in names:
-                held_by.setdefault(name, (pid, roles[pid]))
         segments = procs.shm_segments(self.shm_dir)
-        # Not a plain file of this user's, or removed meanwhile: not ours to judge.
+        # Not a plain file of this user's, a named semaphore, or removed meanwhile: not ours.
         mine = [n for n in sorted(fresh | scopes.keys()) if n in segments]
-        mine = [n for n in mine if segments[n].uid == os.getuid()]
-        ours = roles.keys() | test_pids
+        mine = [n for n in mine if segments[n].uid == os.getuid() and not is_named_semaphore(n)]
+        tied = job_shm(mine, roles, roles.keys() | test_pids, self.shm_dir)
         found: list[ShmFile] = []
         held_by_strangers: set[str] | None = None  # read once, where first needed
         now_pid = None
         for name in mine:
             size = segments[name].size_bytes
-            if name in scopes or name in held_by or shm_name_pids(name) & ours:
-                holder, role = held_by.get(name, (None, None))
+            if name in scopes or name in tied:
+                holder = tied.get(name)
+                role = None if holder is None else roles[holder]
                 scope = scopes.get(name)
                 found.append(ShmFile(name, size, holder_pid=holder, holder_role=role, scope=scope))
                 continue
-            if _made_by_stranger(name, roles) or is_named_semaphore(name):
+            if _made_by_stranger(name, roles):
                 continue
             if held_by_strangers is None:  # a stranger's holding makes a file not ours
                 strangers = [
@@ -452,11 +440,8 @@ class Checker:
             # Only the scheme's PID counts; an unknown PID mark proves nothing.
             creator = shm_creator_pid(name)
             older = creator is not None and handed_out_since(window.pids, creator, now_pid) is False
-            if older or not self.attribute_unheld_shm:
-                made_by = creator if older else None
-                found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
-            else:
-                found.append(ShmFile(name, size))
+            made_by = creator if older else None
+            found.append(ShmFile(name, size, attributable=False, made_by_older=made_by))
         return tuple(found)
 
     def _parent_memory(

@@ -154,8 +154,10 @@ Its name tells its cause:
 - nccl-*: a process group not destroyed: call torch.distributed.destroy_process_group().
 - anything else: the work's own; unlink it (SharedMemory.unlink(), os.unlink).
 Named semaphores (sem.*) are not judged. Information, not blame, when a process of the job
-still holds the file as tracking ends, when nothing ties it to the job and other jobs ran
-beside it (pytest-xdist workers), or when its name says an older process made it.
+still holds the file as tracking ends, when nothing ties it to the job (no process of the
+job holds it, its name carries none of their PIDs, the watching process did not make it:
+another job's, or a gone child's, cannot be told apart), or when its name says an older
+process made it.
 
 Information too when /dev/shm was 80% full or more during an epoch: workers die of a bus
 error ("insufficient shared memory") when it fills; Docker gives a container 64 MB unless

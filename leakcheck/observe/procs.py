@@ -863,6 +863,45 @@ def handed_out_since(mark: PidMark, pid: int, now: int | None) -> bool | None:
     return (start < pid <= now) if now > start else (pid > start or pid <= now)
 
 
+# NOTE [fork ledger]: a gone child cannot be read in /proc, yet a file named after it (a
+# DataLoader worker's ``torch_<pid>_...``) is still its maker's. Each process forked from Python
+# below the one that opened the ledger writes its PID into a pipe that one drains: its
+# descendants, gone ones too. Those started by exec (subprocess, the spawn start method) are
+# not in it; a full pipe drops PIDs, never blocks; a descriptor number reused is not written.
+class ForkLedger:
+    """The PIDs forked below this process since the last ``drain`` (NOTE [fork ledger])."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._inode = os.fstat(self._write).st_ino
+        os.register_at_fork(after_in_child=self._note)
+
+    def _note(self) -> None:
+        with contextlib.suppress(OSError):
+            if os.fstat(self._write).st_ino == self._inode:
+                os.write(self._write, os.getpid().to_bytes(4, "little"))
+
+    def drain(self) -> set[int]:
+        """The PIDs written since the last drain."""
+        data = b""
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing more
+            while chunk := os.read(self._read, 65536):
+                data += chunk
+        return {int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)}
+
+
+_ledger: ForkLedger | None = None
+
+
+def fork_ledger() -> ForkLedger:
+    """The ``ForkLedger`` of this process, opened at the first call (a forked child: its own)."""
+    global _ledger
+    if _ledger is None or _ledger.owner != os.getpid():
+        _ledger = ForkLedger()
+    return _ledger
+
+
 class Lineage:
     """Which new processes are one process's (``pid``) own (NOTE [whose process])."""
 

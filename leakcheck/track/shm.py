@@ -1,12 +1,10 @@
 """The job's files in ``/dev/shm`` and the filesystem's use, per epoch and at the end.
 
-NOTE [job shm]: ``/dev/shm`` is the whole host's, so a file that appeared there while the job
-ran is the job's only on evidence: a process of the job holds it open or mapped (read at an
-epoch end or the close), or held it at an earlier epoch end (same name and inode), or its name
-carries the PID of a process of the job (torch's segments, CUDA IPC files in hex). Others are
-reported at the end as not attributable, never blamed; named semaphores are left out. The
-filesystem's use (one ``statvfs``) is read on every walking tick and epoch end, so an epoch's
-peak catches batches in flight that fill a small ``/dev/shm``.
+A file is the job's on evidence (NOTE [job shm] in hostmem.py), or where a process of the job
+held it at an earlier epoch end (same name and inode); others are reported at the end as not
+attributable, never blamed; named semaphores are left out. The filesystem's use (one
+``statvfs``) is read on every walking tick and epoch end, so an epoch's peak catches batches
+in flight that fill a small ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ __all__ = ["ShmWatch"]
 
 
 class ShmWatch:
-    """The job's files in one shared-memory directory (NOTE [job shm])."""
+    """The job's files in one shared-memory directory (NOTE [job shm] in hostmem.py)."""
 
     def __init__(self, directory: str = "/dev/shm") -> None:
         self.directory = directory
@@ -33,6 +31,7 @@ class ShmWatch:
 
     def start(self) -> None:
         """Take the baseline: the files already there are never the job's."""
+        hostmem.note_shm_made(self.directory)
         self.before = procs.shm_segments(self.directory)
         self.note_usage()
 
@@ -64,7 +63,7 @@ class ShmWatch:
         return fields
 
     def files(self, table: ProcessTable, *, closing: bool = False) -> tuple[ShmFile, ...]:
-        """The files new since the start (at the ``closing``: left behind; NOTE [job shm])."""
+        """The files new since the start (at the ``closing``: left behind)."""
         now = procs.shm_segments(self.directory)
         new = [
             item
@@ -74,15 +73,11 @@ class ShmWatch:
         if not new:
             return ()
         live = {key.pid: key for key in table.job_live()}
-        holders = procs.shm_open_by(live, self.directory)
-        held_now: dict[str, int] = {}  # each name's first holder
-        for holder, names in holders.items():
-            for name in names:
-                held_now.setdefault(name, holder)
         ever = {key.pid for key, proc in table.procs.items() if proc.own and not proc.foreign}
+        tied = hostmem.job_shm((item.name for item in new), live, ever, self.directory)
         found: list[ShmFile] = []
         for item in new:
-            pid = held_now.get(item.name)
+            pid = tied.get(item.name)
             if pid is not None:
                 self.held.add((item.name, item.inode))
             found.append(
@@ -92,8 +87,7 @@ class ShmWatch:
                     allocated_bytes=item.allocated_bytes if item.allocated_bytes >= 0 else None,
                     holder_pid=pid,
                     holder_role=table.role(table.procs[live[pid]]) if pid is not None else None,
-                    attributable=(item.name, item.inode) in self.held
-                    or bool(hostmem.shm_name_pids(item.name) & ever),
+                    attributable=item.name in tied or (item.name, item.inode) in self.held,
                     in_use=closing and pid is not None,
                 )
             )

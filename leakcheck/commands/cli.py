@@ -60,6 +60,7 @@ WORKERS_PER_CPU = 8
 
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
+WATCH_MAX_S = 1e9  # as units.MAX_SECONDS (not imported: NOTE [lean start]): sleep() overflows
 
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 _NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -104,9 +105,9 @@ SNAPSHOT: tuple[Option, ...] = (
         "terminal, else each after a line with its time (--json: one document per "
         "line)",
         checked(
-            f"a number of seconds >= {WATCH_MIN_S} such as 2",
+            f"a number of seconds >= {WATCH_MIN_S} and below 1e9 such as 2",
             float,
-            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
+            lambda seconds: WATCH_MIN_S <= seconds < WATCH_MAX_S,  # NaN fails `<=` too
         ),
     ),
 )

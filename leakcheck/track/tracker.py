@@ -6,7 +6,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
@@ -82,10 +82,16 @@ def _check_options(
     devices: list[int] | None,
     root_pid: int | None,
     session_tag: tuple[str, str] | None,
+    switches: Mapping[str, object],
 ) -> None:
+    for name, value in switches.items():  # `strict="no"` would be true
+        if not isinstance(value, bool):
+            raise UsageError(f"{name}: expected True or False, got {value!r}")
     if not _is_int_at_least(warmup_epochs, 0):
         raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
-    if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
+    if devices is not None and not (
+        isinstance(devices, (list, tuple)) and all(_is_int_at_least(d, 0) for d in devices)
+    ):
         raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
     if root_pid is not None and not _is_int_at_least(root_pid, 1):
         raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
@@ -148,7 +154,13 @@ class Tracker(Sampler):
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
             rollup_share = parse_share_option(rollup_share, "rollup_share")
-        _check_options(warmup_epochs, devices, root_pid, session_tag)
+        switches = dict(
+            persistent_workers=persistent_workers,
+            strict=strict,
+            use_nvml=use_nvml,
+            scan_at_epoch_end=scan_at_epoch_end,
+        )
+        _check_options(warmup_epochs, devices, root_pid, session_tag, switches)
         self._config = RuleConfig(
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
             warmup_epochs=warmup_epochs,
@@ -156,7 +168,7 @@ class Tracker(Sampler):
             copy_tolerance_bytes=parse_size(copy_tolerance, source="copy_tolerance"),
         )
         self._persistent_workers, self._session_tag = persistent_workers, session_tag
-        self._scan_at_epoch_end = bool(scan_at_epoch_end)
+        self._scan_at_epoch_end = scan_at_epoch_end
         super().__init__(
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,

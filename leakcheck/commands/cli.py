@@ -153,7 +153,7 @@ def _sweep_options() -> tuple[Option, ...]:
         (
             "--workers",
             "N,N,...",
-            "worker counts (default 0,4,8)",
+            "worker counts (default 0,4,8; 0,N,2N where N < 4 CPUs are usable)",
             checked(
                 "comma-separated integers >= 0 such as 0,4,8",
                 lambda text: tuple(_digits(part.strip()) for part in text.split(",")),

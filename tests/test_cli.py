@@ -790,8 +790,8 @@ def test_explain_lists_the_rules_and_refuses_an_unknown_one(
     assert sorted(line.split()[0] for line in listed[1:]) == sorted(RULES)
     assert main(["explain", "leak"]) == 2
     captured = capsys.readouterr()
-    first = captured.err.splitlines()[0]
-    assert first.startswith("leakcheck explain: unknown rule 'leak'; the rules are: survivor, ")
+    (line,) = captured.err.splitlines()  # one line, not the list again after it
+    assert line.startswith("leakcheck explain: unknown rule 'leak'; the rules are: survivor, ")
     assert captured.out == ""
 
 

@@ -270,13 +270,14 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
     if text is not None:
         out.write(text)
         return EXIT_CLEAN
-    if rule is not None:
+    if rule is not None:  # one line, the rules' names its list
         err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {', '.join(STORIES)}\n")
+        return EXIT_USAGE
     width = max(len(name) for name in STORIES)
     lines = ["leakcheck's rules (leakcheck explain RULE tells one):"]
     lines.extend(f"  {name.ljust(width)}  {headline(name)}" for name in STORIES)
-    (err if rule is not None else out).write("\n".join(lines) + "\n")
-    return EXIT_USAGE if rule is not None else EXIT_CLEAN
+    out.write("\n".join(lines) + "\n")
+    return EXIT_CLEAN
 
 
 # --------------------------------------------------------------------------- sweep

@@ -402,6 +402,11 @@ BAD_VALUES = [
     (["--tolerance", "5 parsecs"], "--tolerance (command line): expected a size"),
     (["--grace", "soon"], "--grace (command line): expected seconds"),
     (["--grace", "inf"], "--grace (command line): expected a finite number of seconds"),
+    # Negative values with a unit are values, not unknown options ("expected one argument").
+    (["--tolerance", "-5MiB"], "--tolerance (command line): expected a size such as 16MiB, 1GB "
+     "or 4096 (bytes), got '-5MiB'"),
+    (["--grace", "-1s"], "--grace (command line): expected 0 seconds or more such as 2 or "
+     "500ms, got '-1s'"),
     (["--interval", "inf"], "--interval: expected a finite number of seconds"),
     (["--cooldown-timeout", "1e400"], "--cooldown-timeout: expected a finite number"),
     (["--workers", "0,\u00b2"], "--workers: expected comma-separated integers >= 0"),

@@ -202,10 +202,17 @@ def _sweep_options() -> tuple[Option, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``leakcheck`` argument parser (values are checked later: NOTE [option tables])."""
     import argparse
+    import re
 
     from leakcheck import __version__
 
     class Parser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # A value such as -5MiB or -1s is a value (refused by its option, naming it), not
+            # an unknown option that leaves the one before "expected one argument".
+            self._negative_number_matcher = re.compile(r"^-\.?\d")
+
         def error(self, message: str) -> NoReturn:  # one line, exit 2
             self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
 

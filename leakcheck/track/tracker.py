@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -360,8 +359,8 @@ class Tracker(Sampler):
         """A batch came, or the loop stopped asking for one: the wait is over."""
         self.hang.waiting_since_s = None
 
-    def worker_stuck(self, pid: int) -> None:
-        """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""
+    def worker_stuck(self, pid: int, joined_s: float) -> None:
+        """A worker its shutdown joined ``joined_s`` and ends: its stacks (NOTE [exit watch])."""
         with self.lock:
             if self.table is None or self.closed:
                 return
@@ -370,9 +369,8 @@ class Tracker(Sampler):
             if key is None:
                 return
             proc, epoch = self.table.procs.get(key), self.book.open_index
-        join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks
-        self._keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
+        self._keep_stall([key] if dumps else [], epoch, joined_s, pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:

@@ -1080,3 +1080,55 @@ def test_the_default_worker_counts_fit_the_usable_cpus(monkeypatch: pytest.Monke
     for cpus, expected in [(1, (0, 1, 2)), (2, (0, 2, 4)), (4, (0, 4, 8)), (64, (0, 4, 8))]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert cli.default_workers() == expected
+
+
+# --------------------------------------------------------------------------- streams that fail
+
+
+def _leakcheck_to(args: list[str], stdout: Any, stderr: Any, cwd: Path) -> int:
+    """``python -m leakcheck ARGS`` with these standard streams (a pipe: its reader left)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leakcheck", *args],
+        stdout=stdout, stderr=stderr, cwd=cwd, env=env,
+    )  # fmt: skip
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()  # as `| head` that has read its lines
+    return proc.wait(timeout=300)
+
+
+@pytest.mark.parametrize("stderr", ["/dev/full", "a closed pipe"])
+def test_the_programs_status_comes_through_a_report_that_cannot_be_written(
+    stderr: str, tmp_path: Path
+) -> None:
+    """`leakcheck run -- ... 2>&1 | head`: the report met a closed pipe (or a full disk) and
+    the program's status 3 became 1, with a traceback."""
+    program = ["python", "-c", "import sys; sys.exit(3)"]
+    with contextlib.ExitStack() as files:
+        err: Any = subprocess.PIPE if stderr == "a closed pipe" else files.enter_context(
+            open(stderr, "w")
+        )
+        status = _leakcheck_to(["run", "--", *program], subprocess.DEVNULL, err, tmp_path)
+    assert status == 3
+
+
+def test_a_sweep_whose_stderr_is_full_still_writes_its_report_and_json(tmp_path: Path) -> None:
+    """Progress lines that cannot be written are left out; the sweep was lost (exit 1)."""
+    json_path = tmp_path / "sweep.json"
+    args = ["sweep", "--workers", "0", "--epochs", "1", "--batches", "1", "--json", str(json_path)]
+    with open(tmp_path / "out.txt", "w") as out, open("/dev/full", "w") as full:
+        status = _leakcheck_to(args, out, full, tmp_path)
+    assert status == 0
+    assert "leakcheck sweep: 1 configuration, verdict clean" in (tmp_path / "out.txt").read_text()
+    assert json.loads(json_path.read_text())["verdict"] == "clean"
+
+
+def test_explain_to_a_full_disk_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full, open(tmp_path / "err.txt", "w") as err:
+        status = _leakcheck_to(["explain", "orphan"], full, err, tmp_path)
+    assert status == 2
+    assert (tmp_path / "err.txt").read_text().splitlines() == [
+        "leakcheck explain: could not write the output: [Errno 28] No space left on device"
+    ]

@@ -23,6 +23,7 @@ from leakcheck.commands.common import (
     add_options,
     check_device,
     checked,
+    emit,
     finish,
     one_line,
     option_values,
@@ -275,16 +276,14 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
 
     text = STORIES.get(rule) if rule is not None else None
     if text is not None:
-        out.write(text)
-        return EXIT_CLEAN
+        return emit(out, text, f"{_PROG} explain", flush=True) or EXIT_CLEAN
     if rule is not None:  # one line, the rules' names its list
         err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {', '.join(STORIES)}\n")
         return EXIT_USAGE
     width = max(len(name) for name in STORIES)
     lines = ["leakcheck's rules (leakcheck explain RULE tells one):"]
     lines.extend(f"  {name.ljust(width)}  {headline(name)}" for name in STORIES)
-    out.write("\n".join(lines) + "\n")
-    return EXIT_CLEAN
+    return emit(out, "\n".join(lines) + "\n", f"{_PROG} explain", flush=True) or EXIT_CLEAN
 
 
 # --------------------------------------------------------------------------- sweep
@@ -543,27 +542,9 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
             raise UsageError(f"--pid: no running process with PID {pid} here")
     if period is None:
         text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
-        ended = _emit(out, text + "\n")
+        ended = emit(out, text + "\n", f"{_PROG} snapshot")
         return EXIT_CLEAN if ended is None else ended
     return _watch(root, period, bool(args.telemetry), as_json=args.json, out=out)
-
-
-def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
-    # None when written, else the status to end with: a reader that left (`| head`) ends
-    # the command cleanly (0, standard output then on /dev/null), a failed write with 2.
-    try:
-        out.write(text)
-        if flush:
-            out.flush()
-    except BrokenPipeError:
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
-        return EXIT_CLEAN
-    except (OSError, ValueError) as exc:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
-        return EXIT_USAGE
-    return None
 
 
 def _snapshot_text(
@@ -609,7 +590,7 @@ def _watch(
                 frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
             else:
                 frame = f"{text}\n" if as_json else f"--- {stamp} ---\n{text}\n"
-            ended = _emit(out, frame, flush=True)
+            ended = emit(out, frame, f"{_PROG} snapshot", flush=True)
             if ended is not None:
                 return ended
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
@@ -702,7 +683,7 @@ def command() -> NoReturn:
         status = main()
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED  # Ctrl-C: nothing more is written
-    ended = _emit(sys.stdout, "", flush=True)  # what is still buffered
+    ended = emit(sys.stdout, "", f"{_PROG} snapshot", flush=True)  # what is still buffered
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
     os._exit(status if ended in (None, EXIT_CLEAN) else ended)

@@ -1086,31 +1086,32 @@ def test_the_default_worker_counts_fit_the_usable_cpus(monkeypatch: pytest.Monke
 
 
 def _leakcheck_to(args: list[str], stdout: Any, stderr: Any, cwd: Path) -> int:
-    """``python -m leakcheck ARGS`` with these standard streams (a pipe: its reader left)."""
+    """``python -m leakcheck ARGS`` (``-c ...``: a shell's) with these standard streams (a
+    pipe: its reader left)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
     env.pop("LEAKCHECK_SESSION", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "leakcheck", *args],
-        stdout=stdout, stderr=stderr, cwd=cwd, env=env,
-    )  # fmt: skip
+    command = ["sh", *args] if args[0] == "-c" else [sys.executable, "-m", "leakcheck", *args]
+    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=cwd, env=env)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()  # as `| head` that has read its lines
     return proc.wait(timeout=300)
 
 
-@pytest.mark.parametrize("stderr", ["/dev/full", "a closed pipe"])
+@pytest.mark.parametrize("stderr", ["/dev/full", "a closed pipe", "closed"])
 def test_the_programs_status_comes_through_a_report_that_cannot_be_written(
     stderr: str, tmp_path: Path
 ) -> None:
-    """`leakcheck run -- ... 2>&1 | head`: the report met a closed pipe (or a full disk) and
-    the program's status 3 became 1, with a traceback."""
-    program = ["python", "-c", "import sys; sys.exit(3)"]
+    """`leakcheck run -- ... 2>&1 | head`: the report met a closed pipe (or a full disk, or no
+    stderr at all) and the program's status 3 became 1, with a traceback."""
+    args = ["run", "--", "python", "-c", "import sys; sys.exit(3)"]
     with contextlib.ExitStack() as files:
-        err: Any = subprocess.PIPE if stderr == "a closed pipe" else files.enter_context(
-            open(stderr, "w")
-        )
-        status = _leakcheck_to(["run", "--", *program], subprocess.DEVNULL, err, tmp_path)
+        err: Any = subprocess.PIPE
+        if stderr == "/dev/full":
+            err = files.enter_context(open(stderr, "w"))
+        elif stderr == "closed":  # `2>&-`: sys.stderr is None
+            args = ["-c", 'exec "$0" -m leakcheck "$@" 2>&-', sys.executable, *args]
+        status = _leakcheck_to(args, subprocess.DEVNULL, err, tmp_path)
     assert status == 3
 
 

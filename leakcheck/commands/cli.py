@@ -693,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``leakcheck`` and ``python -m leakcheck``; returns the exit status."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     name = tokens[0] if tokens[:1] == ["snapshot"] else None
+    for stream in ("stdout", "stderr"):
+        if getattr(sys, stream) is None:  # its descriptor closed (`2>&-`): written to nowhere
+            setattr(sys, stream, open(os.devnull, "w"))  # noqa: SIM115 - open to the end
     try:
         plain = _plain_snapshot_args(tokens[1:]) if name else None
         if plain is not None:

@@ -838,6 +838,29 @@ def test_snapshot_bad_pid_is_one_line(
     assert len(err) == 1 and needle in err[0], err
 
 
+def test_a_threads_id_is_no_process_for_snapshot_or_tracker(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/proc/TID is readable: a thread was shown as the job's root, with no descendants."""
+    from leakcheck.track.tracker import Tracker
+
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, args=(60,))
+    thread.start()
+    try:
+        tid = thread.native_id
+        assert tid is not None and tid != os.getpid()
+        assert main(["snapshot", "--pid", str(tid)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"leakcheck snapshot: --pid: expected a process ID, got {tid}, a thread's"
+        ]
+        with pytest.raises(UsageError, match=f"^root_pid: expected a process ID, got {tid}, a"):
+            Tracker(root_pid=tid, use_nvml=False).start()
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

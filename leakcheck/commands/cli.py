@@ -540,6 +540,8 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
         root = procs.process_key(pid)
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")
+        if not procs.pid_exists_here(pid):  # /proc/TID is there too: its tree would be empty
+            raise UsageError(f"--pid: expected a process ID, got {pid}, a thread's")
     if period is None:
         text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
         ended = emit(out, text + "\n", f"{_PROG} snapshot")

@@ -202,6 +202,8 @@ class Tracker(Sampler):
             root_key = procs.process_key(self.root_pid)
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
+            if not procs.pid_exists_here(root_key.pid):  # /proc/TID is there too
+                raise UsageError(f"root_pid: expected a process ID, got {root_key.pid}, a thread's")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
             session = procs.new_session_id(self.root_pid)
             mailbox_dir = self.failures.guard(mailbox.create, "mailbox")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -1156,3 +1157,14 @@ def test_explain_to_a_full_disk_says_so_in_one_line_and_exits_2(tmp_path: Path) 
     assert (tmp_path / "err.txt").read_text().splitlines() == [
         "leakcheck explain: could not write the output: [Errno 28] No space left on device"
     ]
+
+
+def test_a_program_whose_reader_left_is_no_death(tmp_path: Path) -> None:
+    """`leakcheck run -- yes | head -1`: SIGPIPE was a leak, "killed (sender unknown)"."""
+    json_path = tmp_path / "run.json"
+    args = ["run", "--json", str(json_path), "--", "yes"]
+    status = _leakcheck_to(args, subprocess.PIPE, subprocess.DEVNULL, tmp_path)
+    assert status == 128 + signal.SIGPIPE
+    data = json.loads(json_path.read_text())
+    assert data["program"]["signal"] == signal.SIGPIPE
+    assert data["verdict"] == "clean", data["tree"]["report"]["findings"]

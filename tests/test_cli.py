@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -402,6 +403,11 @@ BAD_VALUES = [
     (["--tolerance", "5 parsecs"], "--tolerance (command line): expected a size"),
     (["--grace", "soon"], "--grace (command line): expected seconds"),
     (["--grace", "inf"], "--grace (command line): expected a finite number of seconds"),
+    # Negative values with a unit are values, not unknown options ("expected one argument").
+    (["--tolerance", "-5MiB"], "--tolerance (command line): expected a size such as 16MiB, 1GB "
+     "or 4096 (bytes), got '-5MiB'"),
+    (["--grace", "-1s"], "--grace (command line): expected 0 seconds or more such as 2 or "
+     "500ms, got '-1s'"),
     (["--interval", "inf"], "--interval: expected a finite number of seconds"),
     (["--cooldown-timeout", "1e400"], "--cooldown-timeout: expected a finite number"),
     (["--workers", "0,\u00b2"], "--workers: expected comma-separated integers >= 0"),
@@ -790,8 +796,8 @@ def test_explain_lists_the_rules_and_refuses_an_unknown_one(
     assert sorted(line.split()[0] for line in listed[1:]) == sorted(RULES)
     assert main(["explain", "leak"]) == 2
     captured = capsys.readouterr()
-    first = captured.err.splitlines()[0]
-    assert first.startswith("leakcheck explain: unknown rule 'leak'; the rules are: survivor, ")
+    (line,) = captured.err.splitlines()  # one line, not the list again after it
+    assert line.startswith("leakcheck explain: unknown rule 'leak'; the rules are: survivor, ")
     assert captured.out == ""
 
 
@@ -831,6 +837,29 @@ def test_snapshot_bad_pid_is_one_line(
     assert main(["snapshot", "--pid", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_threads_id_is_no_process_for_snapshot_or_tracker(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/proc/TID is readable: a thread was shown as the job's root, with no descendants."""
+    from leakcheck.track.tracker import Tracker
+
+    done = threading.Event()
+    thread = threading.Thread(target=done.wait, args=(60,))
+    thread.start()
+    try:
+        tid = thread.native_id
+        assert tid is not None and tid != os.getpid()
+        assert main(["snapshot", "--pid", str(tid)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"leakcheck snapshot: --pid: expected a process ID, got {tid}, a thread's"
+        ]
+        with pytest.raises(UsageError, match=f"^root_pid: expected a process ID, got {tid}, a"):
+            Tracker(root_pid=tid, use_nvml=False).start()
+    finally:
+        done.set()
+        thread.join()
 
 
 def test_snapshot_pid_lists_the_jobs_lineage_and_its_tagged_orphan(
@@ -1075,3 +1104,67 @@ def test_the_default_worker_counts_fit_the_usable_cpus(monkeypatch: pytest.Monke
     for cpus, expected in [(1, (0, 1, 2)), (2, (0, 2, 4)), (4, (0, 4, 8)), (64, (0, 4, 8))]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
         assert cli.default_workers() == expected
+
+
+# --------------------------------------------------------------------------- streams that fail
+
+
+def _leakcheck_to(args: list[str], stdout: Any, stderr: Any, cwd: Path) -> int:
+    """``python -m leakcheck ARGS`` (``-c ...``: a shell's) with these standard streams (a
+    pipe: its reader left)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    command = ["sh", *args] if args[0] == "-c" else [sys.executable, "-m", "leakcheck", *args]
+    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=cwd, env=env)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()  # as `| head` that has read its lines
+    return proc.wait(timeout=300)
+
+
+@pytest.mark.parametrize("stderr", ["/dev/full", "a closed pipe", "closed"])
+def test_the_programs_status_comes_through_a_report_that_cannot_be_written(
+    stderr: str, tmp_path: Path
+) -> None:
+    """`leakcheck run -- ... 2>&1 | head`: the report met a closed pipe (or a full disk, or no
+    stderr at all) and the program's status 3 became 1, with a traceback."""
+    args = ["run", "--", "python", "-c", "import sys; sys.exit(3)"]
+    with contextlib.ExitStack() as files:
+        err: Any = subprocess.PIPE
+        if stderr == "/dev/full":
+            err = files.enter_context(open(stderr, "w"))
+        elif stderr == "closed":  # `2>&-`: sys.stderr is None
+            args = ["-c", 'exec "$0" -m leakcheck "$@" 2>&-', sys.executable, *args]
+        status = _leakcheck_to(args, subprocess.DEVNULL, err, tmp_path)
+    assert status == 3
+
+
+def test_a_sweep_whose_stderr_is_full_still_writes_its_report_and_json(tmp_path: Path) -> None:
+    """Progress lines that cannot be written are left out; the sweep was lost (exit 1)."""
+    json_path = tmp_path / "sweep.json"
+    args = ["sweep", "--workers", "0", "--epochs", "1", "--batches", "1", "--json", str(json_path)]
+    with open(tmp_path / "out.txt", "w") as out, open("/dev/full", "w") as full:
+        status = _leakcheck_to(args, out, full, tmp_path)
+    assert status == 0
+    assert "leakcheck sweep: 1 configuration, verdict clean" in (tmp_path / "out.txt").read_text()
+    assert json.loads(json_path.read_text())["verdict"] == "clean"
+
+
+def test_explain_to_a_full_disk_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full, open(tmp_path / "err.txt", "w") as err:
+        status = _leakcheck_to(["explain", "orphan"], full, err, tmp_path)
+    assert status == 2
+    assert (tmp_path / "err.txt").read_text().splitlines() == [
+        "leakcheck explain: could not write the output: [Errno 28] No space left on device"
+    ]
+
+
+def test_a_program_whose_reader_left_is_no_death(tmp_path: Path) -> None:
+    """`leakcheck run -- yes | head -1`: SIGPIPE was a leak, "killed (sender unknown)"."""
+    json_path = tmp_path / "run.json"
+    args = ["run", "--json", str(json_path), "--", "yes"]
+    status = _leakcheck_to(args, subprocess.PIPE, subprocess.DEVNULL, tmp_path)
+    assert status == 128 + signal.SIGPIPE
+    data = json.loads(json_path.read_text())
+    assert data["program"]["signal"] == signal.SIGPIPE
+    assert data["verdict"] == "clean", data["tree"]["report"]["findings"]

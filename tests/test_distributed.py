@@ -377,3 +377,18 @@ def test_a_rank_that_never_gathers_makes_rank_0_fall_back_within_the_timeout(
     # At least its timeout, and back while rank 1 still ran (it waits for rank 0's word).
     assert 1.0 <= result["waited_s"] < 60.0, result
     assert any("1 of 2 ranks reached gather_reports" in w for w in result["warnings"]), result
+
+
+@pytest.mark.parametrize("folder", ["missing", "a-file"])
+def test_a_rank_folder_that_takes_no_file_is_warned_about(
+    folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LEAKCHECK_RANK_DIR not made yet (or a file) was passed over without a word."""
+    import leakcheck
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LEAKCHECK_RANK_DIR", str(tmp_path / folder))
+    with pytest.warns(UserWarning, match=r"^leakcheck: rank 0: report not written: "):
+        job = leakcheck.gather_reports([])
+    assert job is not None and [r.rank for r in job.ranks] == [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

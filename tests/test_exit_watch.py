@@ -191,6 +191,41 @@ def test_the_lightning_callback_says_a_worker_stuck_at_its_epochs_end(tmp_path: 
     assert "terminated in __getitem__ (test_exit_watch.py:" in finding.message
 
 
+def test_a_worker_terminated_before_any_join_is_no_hang(tmp_path: Path) -> None:
+    """Ctrl-C as workers start: torch's shutdown fails before its joins and its ``finally``
+    terminates each live worker at once; that was said as "did not exit within 5 s"."""
+    from leakcheck.track.hang import watch_exits
+
+    marker = tmp_path / "slow"
+    stuck: list[tuple[object, ...]] = []
+    iterator: Any = iter(DataLoader(SlowTail(marker, first_slow=0), num_workers=1))
+    watch_exits(iterator, lambda *args: stuck.append(args))
+    [worker] = iterator._workers
+    assert wait_for(marker.exists, timeout_s=120)  # inside its minute-long item
+    worker.terminate()  # what the `finally` does, no join before it
+    worker.join(60)
+    assert stuck == []
+    iterator._shutdown_workers()
+
+
+def test_a_worker_terminated_after_its_join_ran_out_is_said_with_that_join(
+    tmp_path: Path,
+) -> None:
+    from leakcheck.track.hang import watch_exits
+
+    marker = tmp_path / "slow"
+    stuck: list[tuple[object, ...]] = []
+    iterator: Any = iter(DataLoader(SlowTail(marker, first_slow=0), num_workers=1))
+    watch_exits(iterator, lambda *args: stuck.append(args))
+    [worker] = iterator._workers
+    assert wait_for(marker.exists, timeout_s=120)
+    worker.join(timeout=0.2)  # as torch's shutdown joins, with its own timeout
+    worker.terminate()
+    worker.join(60)
+    assert stuck == [(worker.pid, 0.2)]
+    iterator._shutdown_workers()
+
+
 def test_explain_tells_the_shutdown_hang_story() -> None:
     text = STORIES["shutdown-hang"]
     assert "terminate" in text and "worker_init_fn" in text and "daemon" in text
@@ -204,7 +239,7 @@ def test_an_odd_iterator_is_left_alone_and_nothing_is_raised_into_the_loop() -> 
             self._workers = workers
 
     for workers in (5, [object()], [None], "ab"):  # not a list of Processes
-        watch_exits(Odd(workers), lambda pid: None)
+        watch_exits(Odd(workers), lambda pid, joined_s: None)
 
 
 def test_a_stuck_worker_without_the_stack_signal_is_said_without_stacks(
@@ -220,7 +255,7 @@ def test_a_stuck_worker_without_the_stack_signal_is_said_without_stacks(
         with tracker.epoch():
             worker.start()
             assert worker.pid is not None
-            tracker.worker_stuck(worker.pid)
+            tracker.worker_stuck(worker.pid, 5.0)
             go.set()
             worker.join(60)
         [stall] = tracker.timeline().stalls

@@ -651,6 +651,18 @@ def test_a_report_picture_names_its_epochs_and_marks_each_leak_on_its_process(
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("name", ["leaks.svg", "leaks.pdf", "leaks", "leaks.png.txt"])
+def test_a_picture_under_a_name_other_than_png_is_refused_in_one_line(
+    name: str, tmp_path: Path
+) -> None:
+    """Its bytes are PNG whatever the name: a leaks.svg of PNG bytes opens nowhere."""
+    path = tmp_path / name
+    with pytest.raises(UsageError) as info:
+        _pictured("ok").plot(str(path))
+    assert str(info.value) == f"plot: expected a file name ending in .png, got {str(path)!r}"
+    assert not path.exists()
+
+
 def test_a_stack_under_a_long_checkout_path_keeps_its_lines_and_functions() -> None:
     """A stack row is cut in its folders, never in its line and function: the checkout's
     path must not decide what the report shows (CI soaks clone under 160 characters)."""

@@ -159,6 +159,7 @@ def test_watch_on_a_terminal_redraws_in_place_and_ctrl_c_exits_0() -> None:
         ("x", "'x'"),
         ("nan", "'nan'"),
         ("inf", "'inf'"),
+        ("1e10", "'1e10'"),  # time.sleep() overflows: was a traceback after the first frame
     ],
 )
 def test_bad_watch_value_is_one_line_exit_2(
@@ -168,7 +169,8 @@ def test_bad_watch_value_is_one_line_exit_2(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"leakcheck snapshot: --watch: expected a number of seconds >= 0.1 such as 2, got {shown}"
+        "leakcheck snapshot: --watch: expected a number of seconds >= 0.1 and below 1e9 such as "
+        f"2, got {shown}"
     ]
 
 

@@ -442,6 +442,11 @@ def test_an_epoch_ends_only_by_its_own_index() -> None:
         ({"warmup_epochs": -1}, "warmup_epochs"),
         ({"grace": "soon"}, "grace"),
         ({"devices": [-1]}, "devices"),
+        ({"devices": 0}, "devices"),  # was a TypeError: 'int' object is not iterable
+        ({"strict": "no"}, "strict"),  # was taken as true: strict on
+        ({"use_nvml": "false"}, "use_nvml"),
+        ({"persistent_workers": 1}, "persistent_workers"),
+        ({"scan_at_epoch_end": None}, "scan_at_epoch_end"),
     ],
 )
 def test_bad_options_are_one_line_usage_errors(kwargs: dict[str, object], needle: str) -> None:

@@ -101,13 +101,12 @@ def gather_reports(
     entry = RankReport(info=info or RankInfo(rank=0, world_size=1), pid=os.getpid(), reports=items)
     rank = entry.info.rank
     target = folder or os.environ.get(RANK_DIR_ENV) or os.environ.get(_RUN_ENV)
-    if target and os.path.isdir(target):
+    if target:  # a folder not there is said, as a write that failed is
         try:  # atomically: a merging side never reads half a file
             write_json(os.path.join(target, f"{_PREFIX}{rank}-{entry.pid}.json"), entry.to_dict())
         except OSError as error:
             warnings.warn(f"leakcheck: rank {rank}: report not written: {error}", stacklevel=2)
-    else:
-        target = None
+            target = None
     alone = judge_job([entry]) if rank == dst else None
     if dist is None:
         return alone

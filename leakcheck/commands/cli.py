@@ -23,6 +23,7 @@ from leakcheck.commands.common import (
     add_options,
     check_device,
     checked,
+    emit,
     finish,
     one_line,
     option_values,
@@ -60,6 +61,7 @@ WORKERS_PER_CPU = 8
 
 WATCH_MIN_S = 0.1
 """The shortest ``snapshot --watch`` period: each frame reads NVML and all of /proc."""
+WATCH_MAX_S = 1e9  # as units.MAX_SECONDS (not imported: NOTE [lean start]): sleep() overflows
 
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 _NPROC_WORDS = ("auto", "cpu", "gpu")
@@ -104,9 +106,9 @@ SNAPSHOT: tuple[Option, ...] = (
         "terminal, else each after a line with its time (--json: one document per "
         "line)",
         checked(
-            f"a number of seconds >= {WATCH_MIN_S} such as 2",
+            f"a number of seconds >= {WATCH_MIN_S} and below 1e9 such as 2",
             float,
-            lambda seconds: WATCH_MIN_S <= seconds < float("inf"),  # NaN fails `<=` too
+            lambda seconds: WATCH_MIN_S <= seconds < WATCH_MAX_S,  # NaN fails `<=` too
         ),
     ),
 )
@@ -152,7 +154,7 @@ def _sweep_options() -> tuple[Option, ...]:
         (
             "--workers",
             "N,N,...",
-            "worker counts (default 0,4,8)",
+            "worker counts (default 0,4,8; 0,N,2N where N < 4 CPUs are usable)",
             checked(
                 "comma-separated integers >= 0 such as 0,4,8",
                 lambda text: tuple(_digits(part.strip()) for part in text.split(",")),
@@ -201,10 +203,17 @@ def _sweep_options() -> tuple[Option, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The ``leakcheck`` argument parser (values are checked later: NOTE [option tables])."""
     import argparse
+    import re
 
     from leakcheck import __version__
 
     class Parser(argparse.ArgumentParser):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # A value such as -5MiB or -1s is a value (refused by its option, naming it), not
+            # an unknown option that leaves the one before "expected one argument".
+            self._negative_number_matcher = re.compile(r"^-\.?\d")
+
         def error(self, message: str) -> NoReturn:  # one line, exit 2
             self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
 
@@ -267,15 +276,14 @@ def run_explain_command(rule: str | None, out: TextIO, err: TextIO) -> int:
 
     text = STORIES.get(rule) if rule is not None else None
     if text is not None:
-        out.write(text)
-        return EXIT_CLEAN
-    if rule is not None:
+        return emit(out, text, f"{_PROG} explain", flush=True) or EXIT_CLEAN
+    if rule is not None:  # one line, the rules' names its list
         err.write(f"{_PROG} explain: unknown rule {rule!r}; the rules are: {', '.join(STORIES)}\n")
+        return EXIT_USAGE
     width = max(len(name) for name in STORIES)
     lines = ["leakcheck's rules (leakcheck explain RULE tells one):"]
     lines.extend(f"  {name.ljust(width)}  {headline(name)}" for name in STORIES)
-    (err if rule is not None else out).write("\n".join(lines) + "\n")
-    return EXIT_USAGE if rule is not None else EXIT_CLEAN
+    return emit(out, "\n".join(lines) + "\n", f"{_PROG} explain", flush=True) or EXIT_CLEAN
 
 
 # --------------------------------------------------------------------------- sweep
@@ -532,29 +540,13 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
         root = procs.process_key(pid)
         if root is None:
             raise UsageError(f"--pid: no running process with PID {pid} here")
+        if not procs.pid_exists_here(pid):  # /proc/TID is there too: its tree would be empty
+            raise UsageError(f"--pid: expected a process ID, got {pid}, a thread's")
     if period is None:
         text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
-        ended = _emit(out, text + "\n")
+        ended = emit(out, text + "\n", f"{_PROG} snapshot")
         return EXIT_CLEAN if ended is None else ended
     return _watch(root, period, bool(args.telemetry), as_json=args.json, out=out)
-
-
-def _emit(out: TextIO, text: str, *, flush: bool = False) -> int | None:
-    # None when written, else the status to end with: a reader that left (`| head`) ends
-    # the command cleanly (0, standard output then on /dev/null), a failed write with 2.
-    try:
-        out.write(text)
-        if flush:
-            out.flush()
-    except BrokenPipeError:
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
-        return EXIT_CLEAN
-    except (OSError, ValueError) as exc:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(f"{_PROG} snapshot: could not write the output: {exc}\n")
-        return EXIT_USAGE
-    return None
 
 
 def _snapshot_text(
@@ -600,7 +592,7 @@ def _watch(
                 frame = f"{_CLEAR_SCREEN}{line}  {stamp}  (Ctrl-C stops)\n{text}\n"
             else:
                 frame = f"{text}\n" if as_json else f"--- {stamp} ---\n{text}\n"
-            ended = _emit(out, frame, flush=True)
+            ended = emit(out, frame, f"{_PROG} snapshot", flush=True)
             if ended is not None:
                 return ended
             # A fixed rhythm, not a fixed pause: a slow snapshot does not stretch the period.
@@ -693,7 +685,7 @@ def command() -> NoReturn:
         status = main()
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED  # Ctrl-C: nothing more is written
-    ended = _emit(sys.stdout, "", flush=True)  # what is still buffered
+    ended = emit(sys.stdout, "", f"{_PROG} snapshot", flush=True)  # what is still buffered
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
     os._exit(status if ended in (None, EXIT_CLEAN) else ended)
@@ -703,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``leakcheck`` and ``python -m leakcheck``; returns the exit status."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     name = tokens[0] if tokens[:1] == ["snapshot"] else None
+    for stream in ("stdout", "stderr"):
+        if getattr(sys, stream) is None:  # its descriptor closed (`2>&-`): written to nowhere
+            setattr(sys, stream, open(os.devnull, "w"))  # noqa: SIM115 - open to the end
     try:
         plain = _plain_snapshot_args(tokens[1:]) if name else None
         if plain is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 
 from leakcheck.core.errors import UsageError
 from leakcheck.core.errors import one_line as one_line  # the commands import it from here
@@ -177,6 +178,29 @@ def check_device(index: int | None, gpu: tuple[bool, str], *, needs_gpu: bool) -
     )
 
 
+def emit(out: TextIO, text: str, prog: str, *, flush: bool = False) -> int | None:
+    """Write ``text``: None when written, else the status to end with.
+
+    A reader that left (``| head``) ends the command cleanly (0), a failed write (a full disk)
+    with 2, said on standard error; ``out`` is then on /dev/null (its buffer is not tried again).
+    """
+    status = None
+    try:
+        out.write(text)
+        if flush:
+            out.flush()
+    except BrokenPipeError:
+        status = EXIT_CLEAN
+    except (OSError, ValueError) as exc:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"{prog}: could not write the output: {exc}\n")
+        status = EXIT_USAGE
+    if status is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    return status
+
+
 def finish(
     prog: str,
     result: Any,
@@ -192,8 +216,10 @@ def finish(
     else 1 with ``fail_on_leak`` and a leak. A failed output is one line on ``err``; one the
     path refuses now (a folder removed, a disk full) is written elsewhere.
     """
-    report_to.write(result.format() + "\n")
-    report_to.flush()
+    # A report that cannot be written (`2>&1 | head`, a full disk) loses neither the outputs
+    # nor the program's status.
+    ended = emit(report_to, result.format() + "\n", prog, flush=True)
+    status = status or ended or 0
     for option, path, write in outputs:
         if path is None:
             continue

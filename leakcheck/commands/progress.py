@@ -77,5 +77,8 @@ class Progress:
             text += "\r" + shown[:width].ljust(width)
             self._bar_drawn = True
         if text:
-            self.stream.write(text)
-            self.stream.flush()
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except (OSError, ValueError):  # stderr gone or full: the sweep goes on without it
+                self.enabled = False

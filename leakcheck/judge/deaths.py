@@ -4,7 +4,8 @@ NOTE [death evidence]: a signal names no sender, so the finding says only what w
 the death was noted, never more: SIGKILL with the cgroup's OOM-kill count risen or the
 machine's available memory nearly gone is the OOM killer; SIGBUS with ``/dev/shm`` at the shm
 rule's pressure is ``/dev/shm`` exhausted; SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE are a
-crash in native code, with the faulthandler's stack; anything else is sender unknown.
+crash in native code, with the faulthandler's stack; anything else is sender unknown, but
+SIGPIPE: the kernel's, the reader of its output gone (`| head`), no death.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def died(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
     """One ``died`` finding per process of the job a signal ended (NOTE [death evidence])."""
     findings: list[Finding] = []
     for death in timeline.deaths:
+        if death.signal_number == signal.SIGPIPE:  # its output's reader left (`| head`)
+            continue
         # Its latest record names its role, command line and rank.
         records = (p for rec in reversed(timeline.epochs) for p in rec.processes)
         record = next((p for p in records if p.key == death.key), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -301,10 +302,14 @@ def render(result: _Sweep) -> Any:
 
 def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
     """Write the sweep's picture as a PNG, atomically; returns ``path``."""
-    return _write_png(render(result), path, dpi)
+    return _write_png(render, result, path, dpi)
 
 
-def _write_png(figure: Any, path: str, dpi: int) -> str:
+def _write_png(draw: Callable[[Any], Any], what: Any, path: str, dpi: int) -> str:
+    # Another name would hold PNG bytes under a name that says otherwise (x.svg, x.pdf).
+    if not os.fspath(path).lower().endswith(".png"):
+        raise UsageError(f"plot: expected a file name ending in .png, got {path!r}")
+    figure = draw(what)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi)
     write_atomic(path, buffer.getvalue())
@@ -440,4 +445,4 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
 
 def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
     """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
-    return _write_png(render_reports(reports), path, dpi)
+    return _write_png(render_reports, reports, path, dpi)

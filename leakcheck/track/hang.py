@@ -12,10 +12,12 @@ file) go to stderr and the report (``Stall``). The loop goes on; a batch ends th
 NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch's
 ``MP_STATUS_CHECK_INTERVAL`` (5 s), then terminates those still alive without a word.
 ``watch_exits`` gives each worker an instance-level ``terminate`` that first has the tracker
-gather that worker's stacks as above (a ``Stall`` with its ``pid``). A worker keeps its stack
-signal through every exit step (its finalizers, its queues' flushes, its children's joins) and
-ignores it after the last: one that ignores it, or is gone, has only to end, slow on a loaded
-machine, not stuck: no stall.
+gather that worker's stacks as above (a ``Stall`` with its ``pid``), where a ``join`` with a
+timeout (also wrapped) ran its course before: a shutdown cut short before its joins (Ctrl-C
+as workers start) terminates them at once, no hang. A worker keeps its stack signal through
+every exit step (its finalizers, its queues' flushes, its children's joins) and ignores it
+after the last: one that ignores it, or is gone, has only to end, slow on a loaded machine,
+not stuck: no stall.
 """
 
 from __future__ import annotations
@@ -155,19 +157,30 @@ def _exiting(key: ProcessKey) -> bool:
     return procs.ignores_signal(key.pid, mailbox.STACK_SIGNAL)
 
 
-def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:
-    """``on_stuck(pid)`` before an iterator's shutdown terminates a worker (NOTE [exit watch])."""
+def watch_exits(iterator: object, on_stuck: Callable[[int, float], object]) -> None:
+    """``on_stuck(pid, joined_s)`` before a shutdown ends a joined worker (NOTE [exit watch])."""
     with contextlib.suppress(Exception):  # an odd iterator is left alone, never raised into
         for worker in list(getattr(iterator, "_workers", None) or ()):
             if "terminate" not in vars(worker):
-                worker.terminate = functools.partial(_terminate, weakref.ref(worker), on_stuck)
+                ref = weakref.ref(worker)
+                worker.join = functools.partial(_join, ref)
+                worker.terminate = functools.partial(_terminate, ref, on_stuck)
 
 
-def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int], object]) -> None:
+def _join(ref: weakref.ref[Any], timeout: float | None = None) -> None:
+    worker = ref()
+    if worker is not None:
+        type(worker).join(worker, timeout)
+        if timeout is not None:  # waited it out, unless the worker ended: not cut short
+            vars(worker)["leakcheck_joined_s"] = timeout
+
+
+def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int, float], object]) -> None:
     worker = ref()
     if worker is None:
         return
     with contextlib.suppress(Exception):  # leakcheck's own failure never stops a shutdown
-        if worker.is_alive():
-            on_stuck(worker.pid)
+        joined_s = vars(worker).get("leakcheck_joined_s")
+        if joined_s is not None and worker.is_alive():
+            on_stuck(worker.pid, joined_s)
     type(worker).terminate(worker)

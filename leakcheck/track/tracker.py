@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
@@ -82,10 +81,16 @@ def _check_options(
     devices: list[int] | None,
     root_pid: int | None,
     session_tag: tuple[str, str] | None,
+    switches: Mapping[str, object],
 ) -> None:
+    for name, value in switches.items():  # `strict="no"` would be true
+        if not isinstance(value, bool):
+            raise UsageError(f"{name}: expected True or False, got {value!r}")
     if not _is_int_at_least(warmup_epochs, 0):
         raise UsageError(f"warmup_epochs: expected an integer >= 0, got {warmup_epochs!r}")
-    if devices is not None and not all(_is_int_at_least(d, 0) for d in devices):
+    if devices is not None and not (
+        isinstance(devices, (list, tuple)) and all(_is_int_at_least(d, 0) for d in devices)
+    ):
         raise UsageError(f"devices: expected device indices >= 0, got {devices!r}")
     if root_pid is not None and not _is_int_at_least(root_pid, 1):
         raise UsageError(f"root_pid: expected a process ID > 0, got {root_pid!r}")
@@ -148,7 +153,13 @@ class Tracker(Sampler):
         interval_s = parse_interval_option(interval, "interval")
         if rollup_share is not None:
             rollup_share = parse_share_option(rollup_share, "rollup_share")
-        _check_options(warmup_epochs, devices, root_pid, session_tag)
+        switches = dict(
+            persistent_workers=persistent_workers,
+            strict=strict,
+            use_nvml=use_nvml,
+            scan_at_epoch_end=scan_at_epoch_end,
+        )
+        _check_options(warmup_epochs, devices, root_pid, session_tag, switches)
         self._config = RuleConfig(
             tolerance_bytes=parse_size(tolerance, source="tolerance"),
             warmup_epochs=warmup_epochs,
@@ -156,7 +167,7 @@ class Tracker(Sampler):
             copy_tolerance_bytes=parse_size(copy_tolerance, source="copy_tolerance"),
         )
         self._persistent_workers, self._session_tag = persistent_workers, session_tag
-        self._scan_at_epoch_end = bool(scan_at_epoch_end)
+        self._scan_at_epoch_end = scan_at_epoch_end
         super().__init__(
             root_pid=os.getpid() if root_pid is None else root_pid,
             interval_s=interval_s,
@@ -191,6 +202,8 @@ class Tracker(Sampler):
             root_key = procs.process_key(self.root_pid)
             if root_key is None:
                 raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
+            if not procs.pid_exists_here(root_key.pid):  # /proc/TID is there too
+                raise UsageError(f"root_pid: expected a process ID, got {root_key.pid}, a thread's")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
             session = procs.new_session_id(self.root_pid)
             mailbox_dir = self.failures.guard(mailbox.create, "mailbox")
@@ -348,8 +361,8 @@ class Tracker(Sampler):
         """A batch came, or the loop stopped asking for one: the wait is over."""
         self.hang.waiting_since_s = None
 
-    def worker_stuck(self, pid: int) -> None:
-        """A worker about to be terminated by its shutdown: its stacks (NOTE [exit watch])."""
+    def worker_stuck(self, pid: int, joined_s: float) -> None:
+        """A worker its shutdown joined ``joined_s`` and ends: its stacks (NOTE [exit watch])."""
         with self.lock:
             if self.table is None or self.closed:
                 return
@@ -358,9 +371,8 @@ class Tracker(Sampler):
             if key is None:
                 return
             proc, epoch = self.table.procs.get(key), self.book.open_index
-        join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks
-        self._keep_stall([key] if dumps else [], epoch, float(join_s), pid=key.pid)
+        self._keep_stall([key] if dumps else [], epoch, joined_s, pid=key.pid)
 
     @_caller_timed
     def note_exit(self, pid: int, exit_code: int) -> None:

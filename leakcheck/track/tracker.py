@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -313,6 +314,14 @@ class Tracker(Sampler):
         if own is not None:
             self.host.read(own, self.lock, self.book.apply_rollup)
         return True
+
+    def name_end(self, index: int, reason: EndReason, error: str | None) -> None:
+        """Give ended epoch ``index`` the reason found after its end (NOTE [epoch ends])."""
+        with self.lock:
+            epochs = self.book.epochs
+            record = epochs[index].record if 0 <= index < len(epochs) else None
+            if record is not None:
+                epochs[index].record = replace(record, end_reason=reason, error=error)
 
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:

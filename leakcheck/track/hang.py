@@ -15,7 +15,11 @@ NOTE [exit watch]: a DataLoader iterator's shutdown joins each worker for torch'
 gather that worker's stacks as above (a ``Stall`` with its ``pid``). A worker keeps its stack
 signal through every exit step (its finalizers, its queues' flushes, its children's joins) and
 ignores it after the last: one that ignores it, or is gone, has only to end, slow on a loaded
-machine, not stuck: no stall.
+machine, not stuck: no stall. Nor one a Ctrl-C reached (its teardown record says so): it left
+its loop with batches queued to a parent that no longer reads them, and its exit waits to send
+them; nor where a ``KeyboardInterrupt`` is being handled (the join may have been cut short).
+The ``shutdown-hang`` rule also leaves out the epochs a Ctrl-C ended (NOTE [epoch ends] in
+adapters/dataloader.py).
 """
 
 from __future__ import annotations
@@ -163,11 +167,18 @@ def watch_exits(iterator: object, on_stuck: Callable[[int], object]) -> None:
                 worker.terminate = functools.partial(_terminate, weakref.ref(worker), on_stuck)
 
 
+def _interrupted(error: BaseException | None) -> bool:
+    """A Ctrl-C on its way out: the workers took it too, and its join may not have waited."""
+    while error is not None and not isinstance(error, KeyboardInterrupt):
+        error = error.__context__
+    return error is not None
+
+
 def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int], object]) -> None:
     worker = ref()
     if worker is None:
         return
     with contextlib.suppress(Exception):  # leakcheck's own failure never stops a shutdown
-        if worker.is_alive():
+        if worker.is_alive() and not _interrupted(sys.exc_info()[1]):
             on_stuck(worker.pid)
     type(worker).terminate(worker)

@@ -364,8 +364,8 @@ class Tracker(Sampler):
                 return
             self._sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
             key = self.table.by_pid.get(pid) or procs.process_key(pid)
-            if key is None:
-                return
+            if key is None or any(t.key == key and t.interrupted for t in self.book.teardowns):
+                return  # a Ctrl-C reached it: interrupted, not stuck (NOTE [exit watch])
             proc, epoch = self.table.procs.get(key), self.book.open_index
         join_s = getattr(sys.modules.get("torch.utils.data._utils"), "MP_STATUS_CHECK_INTERVAL", 5)
         dumps = proc is not None and proc.dumps_stacks

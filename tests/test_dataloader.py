@@ -238,6 +238,34 @@ def test_keyboard_interrupt_closes_the_epoch(no_leak_warnings: None) -> None:
     assert report.leaks == []
 
 
+def _leave_in_body(watched: WatchedLoader[Any], how: str) -> None:
+    for epoch in range(2):
+        for index, _ in enumerate(watched):
+            if epoch == 1 and index == 1:
+                if how == "break":
+                    break
+                raise KeyboardInterrupt if how == "interrupt" else RuntimeError("bad step")
+
+
+@pytest.mark.parametrize(
+    ("how", "reason", "error"),
+    [
+        ("break", "break", None),
+        ("raise", "exception", "RuntimeError: bad step"),
+        ("interrupt", "interrupt", "KeyboardInterrupt"),
+    ],
+)
+def test_an_error_in_the_loop_body_ends_the_epoch_by_it_not_by_a_break(
+    how: str, reason: str, error: str | None, no_leak_warnings: None
+) -> None:
+    # The generator is only closed as the error unwinds the loop's frame; `with` names it.
+    watched = leakcheck.watch(make(workers=2), grace=30)
+    with contextlib.suppress(KeyboardInterrupt, RuntimeError), watched:
+        _leave_in_body(watched, how)
+    epochs = watched.report().epochs
+    assert [(e.end_reason, e.error) for e in epochs] == [("completed", None), (reason, error)]
+
+
 def test_iterator_collected_by_gc_closes_the_epoch() -> None:
     watched = leakcheck.watch(make(workers=0), grace=0.3)
     iterator = iter(watched)

@@ -334,6 +334,24 @@ def test_a_worker_hung_at_shutdown_is_named_where_its_main_thread_waits() -> Non
     assert finding.message.endswith("terminated in __getitem__ (set.py:7)"), finding.message
 
 
+def test_no_shutdown_hang_is_said_in_an_epoch_a_ctrl_c_ended() -> None:
+    """Its workers took the SIGINT too: one left its loop with batches queued to a parent that
+    no longer reads them, and waits at exit to send them until the join's 5 s end it."""
+    from dataclasses import replace
+
+    from leakcheck.core.model import RuleConfig, Stall
+    from leakcheck.judge.deaths import shutdown_hang
+    from tests.timelines import epoch, timeline
+
+    stalls = tuple(
+        Stall(epoch=index, waited_s=5, at_s=1, stacks=STUCK_WORKER_DUMP, pid=12 + index)
+        for index in (0, 1)
+    )
+    ended = timeline([epoch(0, []), epoch(1, [], end_reason="interrupt")])
+    [finding] = shutdown_hang(replace(ended, stalls=stalls), RuleConfig())
+    assert finding.pid == 12 and finding.epoch == 0
+
+
 _SLOW_DUMPER = """
 import os, signal, sys, time
 from leakcheck.observe import mailbox, procs

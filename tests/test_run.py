@@ -633,15 +633,27 @@ for epoch in range(2):
 
 
 @pytest.mark.parametrize(
-    ("action", "status", "tree_reason"),
+    ("action", "status", "tree_reason", "ended"),
     [
-        ("raise RuntimeError('bad batch')", 1, "exception"),
-        ("sys.exit(3)", 3, "exception"),
-        ("sys.exit(0)", 0, "completed"),
+        (
+            "raise RuntimeError('bad batch')",
+            1,
+            "exception",
+            ("exception", "RuntimeError: bad batch"),
+        ),
+        # Python keeps a SystemExit out of reach: the loop was left by an exception, unnamed.
+        ("sys.exit(3)", 3, "exception", ("exception", None)),
+        ("sys.exit(0)", 0, "completed", ("exception", None)),
+        ("break", 0, "completed", ("break", None)),
     ],
 )
 def test_a_program_that_fails_or_exits_keeps_its_status_and_gets_its_report(
-    action: str, status: int, tree_reason: str, tmp_path: Path, private_tmp: Path
+    action: str,
+    status: int,
+    tree_reason: str,
+    ended: tuple[str, str | None],
+    tmp_path: Path,
+    private_tmp: Path,
 ) -> None:
     (tmp_path / "fails.py").write_text(FAILING.format(action=action))
     run = leakcheck_run("--", sys.executable, "fails.py", private_tmp=private_tmp, cwd=tmp_path)
@@ -651,7 +663,8 @@ def test_a_program_that_fails_or_exits_keeps_its_status_and_gets_its_report(
     assert run.data is not None
     assert run.data["program"]["exit_status"] == status
     report = loader(run.data, "fails.py:3")["report"]
-    assert [epoch["end_reason"] for epoch in report["epochs"]] == ["completed", "break"]
+    epochs = [(epoch["end_reason"], epoch["error"]) for epoch in report["epochs"]]
+    assert epochs == [("completed", None), ended]
     # The second epoch's workers were stopped, not left (files other processes made in
     # /dev/shm meanwhile are said as not the work's, and are not this test's business).
     assert [f for f in report["findings"] if not _not_the_works(f)] == []
@@ -709,9 +722,9 @@ def test_an_interrupted_run_forwards_sigint_reports_and_exits_130(
     assert data["program"]["signal"] == signal.SIGINT
     (item,) = data["loaders"]
     assert item["label"] == "slow.py:3"
-    # A KeyboardInterrupt in the loop body reads as "break" (NOTE [epoch ends]), one while
-    # fetching a batch as "interrupt"; the workers were stopped either way.
-    assert item["report"]["epochs"][0]["end_reason"] in ("break", "interrupt")
+    # In the loop body or while fetching a batch (NOTE [epoch ends]); the workers were stopped.
+    epoch = item["report"]["epochs"][0]
+    assert (epoch["end_reason"], epoch["error"]) == ("interrupt", "KeyboardInterrupt")
     assert [f for f in item["report"]["findings"] if not _not_the_works(f)] == []
     assert data["tree"]["report"]["epochs"][0]["end_reason"] == "interrupt"
     assert "interrupted" in stderr and "loader slow.py:3" in stderr
@@ -734,6 +747,64 @@ def test_a_program_that_handles_the_interrupt_keeps_its_own_status(
     assert stdout.strip() == "saved"
     assert data["program"]["interrupted"] is True and data["program"]["exit_status"] == 0
     assert "exited with status 0 (interrupted)" in stderr
+
+
+CTRL_C = """
+import time
+from torch.utils.data import DataLoader, Dataset
+class Big(Dataset):
+    def __len__(self): return 100000
+    def __getitem__(self, index): return [0.0] * 20000  # a pipe's worth: queued, not sent
+loader = DataLoader(Big(), batch_size=4, num_workers=2, collate_fn=lambda items: items)
+for index, batch in enumerate(loader):
+    if index == 0:
+        print("ready", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_ctrl_c_at_a_terminal_ends_the_epoch_as_interrupt_and_tells_of_no_hang(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    # The terminal's SIGINT reaches every process of its group: the workers leave their loops
+    # with batches queued to a parent that stops reading, and wait to send them at exit until
+    # the shutdown's join ends them. Interrupted, not hung.
+    (tmp_path / "ctrl_c.py").write_text(CTRL_C)
+    json_path = tmp_path / "run.json"
+    master, slave = os.openpty()
+    # A session of its own whose controlling terminal is the pty: Ctrl-C there is the kernel's.
+    trampoline = "import os, sys; os.close(0); os.open(sys.argv[1], os.O_RDWR); "
+    trampoline += "os.execv(sys.argv[2], sys.argv[2:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", trampoline, os.ttyname(slave), *RUN, "--json", str(json_path),
+         "--", sys.executable, "ctrl_c.py"],
+        stdout=slave, stderr=slave, env=_env(private_tmp), cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    output = b""
+    try:
+        while b"ready" not in output:
+            output += os.read(master, 65536)  # EOF (an exit) raises OSError
+        os.write(master, b"\x03")
+        with contextlib.suppress(OSError):  # EIO once every process of the pty has closed it
+            while chunk := os.read(master, 65536):
+                output += chunk
+        proc.wait(TIMEOUT_S)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = output.decode(errors="replace")
+    assert proc.returncode == 130, text
+    data = json.loads(json_path.read_text())
+    assert data["program"]["interrupted"] is True
+    report = loader(data, "ctrl_c.py:7")["report"]
+    ended = [(epoch["end_reason"], epoch["error"]) for epoch in report["epochs"]]
+    assert ended == [("interrupt", "KeyboardInterrupt")]
+    assert [f for f in report["findings"] if not _not_the_works(f)] == [], text
+    assert "did not exit" not in text
+    assert leakcheck_files(private_tmp) == []
 
 
 BLOCKED_WORKER = """

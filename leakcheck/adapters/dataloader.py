@@ -2,10 +2,14 @@
 
 NOTE [epoch ends]: each ``iter()`` is one epoch, opened at the first batch request and closed
 however the loop ends: ``completed`` (judged at once; a ``LeakError`` surfaces from the
-``for``), ``break`` (a generator is only told it was closed, so a ``KeyboardInterrupt`` in the
-loop body reads so too; after a DataLoader's last batch, as Lightning stops: ``completed``),
-``exception`` (while fetching; re-raised, and a worker a signal ended is announced at once),
-``interrupt`` (Ctrl-C while fetching) or ``collected`` (by the garbage collector or at exit).
+``for``), ``break`` (after a DataLoader's last batch, as Lightning stops: ``completed``),
+``exception`` (while fetching: re-raised, and a worker a signal ended is announced at once; or
+in the loop body), ``interrupt`` (Ctrl-C) or ``collected`` (by the garbage collector or at
+exit). A generator is only told it was closed: an exception unwinding the loop's frame is told
+from a ``break`` by that frame's traceback entry at its current instruction (a referrer of the
+frame). Python 3.11 keeps the exception itself out of reach until it is caught, so it is named
+(its line; a ``KeyboardInterrupt``: ``interrupt``) where it shows up later: ``with`` or
+``close()`` as it passes, or the uncaught one at exit (``name_unwound``).
 After an early end non-persistent workers are shut down at once (the traceback would keep them
 alive as false survivors); judging waits for the next epoch or ``close()``, as raising from a
 closing generator would be lost. Per batch: one generator step and one clock read (NOTE [hang
@@ -23,6 +27,7 @@ at close, which waits for it.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import gc
 import inspect
@@ -32,7 +37,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
-from types import TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
 from leakcheck.core.errors import LeakError, LeakWarning, UsageError, one_line
@@ -43,7 +48,10 @@ from leakcheck.track.hang import watch_exits
 from leakcheck.track.tracker import Tracker, end_reason_for
 from leakcheck.worker.teardown import WorkerInit
 
-__all__ = ["JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "epoch_batches", "watch"]
+__all__ = [
+    "JUDGED_EPOCHS", "EpochJudge", "OnLeak", "WatchedLoader", "epoch_batches", "name_unwound",
+    "watch",
+]
 
 T = TypeVar("T")
 OnLeak = Literal["warn", "raise", "ignore"]
@@ -67,6 +75,42 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     if isinstance(error, GeneratorExit):
         return ("collected" if _collecting or sys.is_finalizing() else "break"), None
     return end_reason_for(error)
+
+
+# Instructions that drop a reference and cannot raise: a generator they close was left.
+_LEFT = frozenset(
+    dis.opmap[name]
+    for name in ("POP_TOP", "END_FOR", "POP_ITER", "STORE_FAST", "DELETE_FAST", "RETURN_VALUE")
+    if name in dis.opmap
+)
+_CACHE = dis.opmap.get("CACHE", -1)
+
+# Epochs an exception ended before it could be named, by its traceback entry in the loop's frame.
+_unnamed: dict[tuple[int, int, CodeType], list[tuple[weakref.ref[Tracker], int]]] = {}
+
+
+def _unwinding(frame: FrameType | None) -> TracebackType | None:
+    """The traceback entry of an exception unwinding ``frame`` now, if any (NOTE [epoch ends])."""
+    if frame is None:
+        return None
+    code, at = frame.f_code.co_code, frame.f_lasti
+    while at > 0 and code[at] == _CACHE:  # 3.11: past a call, its inline cache
+        at -= 2
+    if at < 0 or code[at] in _LEFT:
+        return None  # a break, del, a new value: no scan of the heap
+    entries = (r for r in gc.get_referrers(frame) if isinstance(r, TracebackType))
+    return next((t for t in entries if t.tb_frame is frame and t.tb_lasti == frame.f_lasti), None)
+
+
+def name_unwound(error: BaseException | None) -> None:
+    """Name ``error`` as the end of the epochs it ended unnamed (NOTE [epoch ends])."""
+    entry = getattr(error, "__traceback__", None)
+    while entry is not None and error is not None:
+        for tracker, index in _unnamed.pop((id(entry), entry.tb_lasti, entry.tb_frame.f_code), ()):
+            found = tracker()
+            if found is not None:
+                found.name_end(index, *end_reason_for(error))
+        entry = entry.tb_next
 
 
 def _gave_all(iterator: Any, count: int) -> bool:
@@ -294,6 +338,11 @@ def epoch_batches(
         ended = _end_reason(error)
         if ended[0] == "break" and _gave_all(batches, count):
             ended = ("completed", None)  # the loop stopped at the last batch (Lightning does)
+        elif ended[0] == "break" and (unwound := _unwinding(sys._getframe().f_back)):
+            ended = ("exception", None)  # named later (name_unwound)
+            key = (id(unwound), unwound.tb_lasti, unwound.tb_frame.f_code)
+            _unnamed.setdefault(key, []).append((weakref.ref(tracker), index))
+            del unwound  # it holds the loop's frame
         # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
         if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
             died = _note_deaths(tracker, batches)
@@ -313,6 +362,7 @@ def epoch_batches(
 
 def _collected(tracker: Tracker) -> None:
     """The wrapper was collected without ``close()``: stop its tracker."""
+    name_unwound(getattr(sys, "last_value", None))  # at exit: the program's uncaught error
     tracker.end_epoch("collected")
     tracker.close()
 
@@ -405,9 +455,10 @@ class WatchedLoader(Generic[T]):
         tb: TracebackType | None,
     ) -> None:
         # With an exception on its way out, a leak is warned about instead of replacing it.
-        self._close(may_raise=exc is None)
+        self._close(may_raise=exc is None, error=exc)
 
-    def _close(self, *, may_raise: bool) -> None:
+    def _close(self, *, may_raise: bool, error: BaseException | None = None) -> None:
+        name_unwound(error or sys.exc_info()[1])  # in a finally, the error on its way out
         if not self._closed:
             self._closed = True
             self._finalizer.detach()

@@ -36,7 +36,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from leakcheck.adapters.dataloader import EpochJudge, epoch_batches
+from leakcheck.adapters.dataloader import EpochJudge, epoch_batches, name_unwound
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import write_json
@@ -301,6 +301,7 @@ class _Run:
         line: str | None = None
         if isinstance(error, BaseException):
             reason, line = end_reason_for(error)
+            name_unwound(error)  # the epoch it ended in the loop body (NOTE [epoch ends])
         with self.lock:
             sites, callbacks = list(self.sites), list(self.callbacks)
         for callback, record in callbacks:  # closed at its teardown: its reports are kept

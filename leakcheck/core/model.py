@@ -146,7 +146,7 @@ class TeardownRecord:
 
     ``gpu_bytes_by_device``: NVML's bytes before the release (summed: ``gpu_bytes_before``);
     ``left_nvml``: NVML no longer listed it after; ``released`` False: it only reported;
-    ``host_*``: its own memory as it exited.
+    ``host_*``: its own memory as it exited; ``interrupted``: it took a SIGINT (a Ctrl-C).
     """
 
     key: ProcessKey
@@ -170,6 +170,7 @@ class TeardownRecord:
     host_rss_peak_bytes: int | None = None
     host_shared_dirty_bytes: int | None = None
     host_private_dirty_bytes: int | None = None
+    interrupted: bool = False
 
 
 @dataclass(frozen=True)

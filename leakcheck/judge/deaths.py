@@ -163,7 +163,12 @@ def hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
 
 
 def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]:
-    """A finding per worker alive past its shutdown's join time (NOTE [exit watch] in hang.py)."""
+    """A finding per worker alive past its shutdown's join time (NOTE [exit watch] in hang.py).
+
+    Not in an epoch a Ctrl-C ended: its workers took the SIGINT too, and one that left its loop
+    so waits at exit to hand its last batches to a parent that no longer reads them.
+    """
+    interrupted = {e.index for e in timeline.epochs if e.end_reason == "interrupt"}
     return tuple(
         Finding(
             rule="shutdown-hang", severity="info",
@@ -177,5 +182,5 @@ def shutdown_hang(timeline: Timeline, config: RuleConfig) -> tuple[Finding, ...]
             pid=stall.pid, epoch=stall.epoch, stack=stall.stacks or None,
         )
         for stall in timeline.stalls
-        if stall.pid is not None
+        if stall.pid is not None and stall.epoch not in interrupted
     )

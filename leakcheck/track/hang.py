@@ -17,7 +17,11 @@ timeout (also wrapped) ran its course before: a shutdown cut short before its jo
 as workers start) terminates them at once, no hang. A worker keeps its stack signal through
 every exit step (its finalizers, its queues' flushes, its children's joins) and ignores it
 after the last: one that ignores it, or is gone, has only to end, slow on a loaded machine,
-not stuck: no stall.
+not stuck: no stall. Nor one a Ctrl-C reached (its teardown record says so): it left its loop
+with batches queued to a parent that no longer reads them, and its exit waits to send them;
+nor where a ``KeyboardInterrupt`` is being handled (the join may have been cut short). The
+``shutdown-hang`` rule also leaves out the epochs a Ctrl-C ended (NOTE [epoch ends] in
+adapters/dataloader.py).
 """
 
 from __future__ import annotations
@@ -175,12 +179,19 @@ def _join(ref: weakref.ref[Any], timeout: float | None = None) -> None:
             vars(worker)["leakcheck_joined_s"] = timeout
 
 
+def _interrupted(error: BaseException | None) -> bool:
+    """A Ctrl-C on its way out: the workers took it too, and its join may not have waited."""
+    while error is not None and not isinstance(error, KeyboardInterrupt):
+        error = error.__context__
+    return error is not None
+
+
 def _terminate(ref: weakref.ref[Any], on_stuck: Callable[[int, float], object]) -> None:
     worker = ref()
     if worker is None:
         return
     with contextlib.suppress(Exception):  # leakcheck's own failure never stops a shutdown
         joined_s = vars(worker).get("leakcheck_joined_s")
-        if joined_s is not None and worker.is_alive():
+        if joined_s is not None and worker.is_alive() and not _interrupted(sys.exc_info()[1]):
             on_stuck(worker.pid, joined_s)
     type(worker).terminate(worker)

@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -327,6 +328,14 @@ class Tracker(Sampler):
             self.host.read(own, self.lock, self.book.apply_rollup)
         return True
 
+    def name_end(self, index: int, reason: EndReason, error: str | None) -> None:
+        """Give ended epoch ``index`` the reason found after its end (NOTE [epoch ends])."""
+        with self.lock:
+            epochs = self.book.epochs
+            record = epochs[index].record if 0 <= index < len(epochs) else None
+            if record is not None:
+                epochs[index].record = replace(record, end_reason=reason, error=error)
+
     @contextmanager
     def epoch(self, label: str | None = None) -> Iterator[int]:
         """Context manager around one epoch; the end reason follows how the block ended."""
@@ -368,8 +377,8 @@ class Tracker(Sampler):
                 return
             self._sample(epoch_end=False)  # the mailbox: whether it dumps its stacks
             key = self.table.by_pid.get(pid) or procs.process_key(pid)
-            if key is None:
-                return
+            if key is None or any(t.key == key and t.interrupted for t in self.book.teardowns):
+                return  # a Ctrl-C reached it: interrupted, not stuck (NOTE [exit watch])
             proc, epoch = self.table.procs.get(key), self.book.open_index
         dumps = proc is not None and proc.dumps_stacks
         self._keep_stall([key] if dumps else [], epoch, joined_s, pid=key.pid)

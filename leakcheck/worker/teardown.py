@@ -17,8 +17,10 @@ until the kernel reaps it, and a worker whose parent died may never exit at all.
    stream (never free what a side stream may still use: the cuDNN dgrad race), synchronises,
    drops registered streams and events, calls registered callables, collects garbage, empties
    the allocator cache and resets the context; then it waits for NVML to drop its PID and
-   posts a ``teardown`` record. A failing step is one line of the record, never raised. After
-   the reset it must not use CUDA: torch still holds handles of the old context.
+   posts a ``teardown`` record, which says whether a SIGINT reached it (a handler in place of
+   Python's own notes it; NOTE [exit watch] in hang.py). A failing step is one line of the
+   record, never raised. After the reset it must not use CUDA: torch still holds handles of
+   the old context.
 5. The parent destroys nothing at interpreter shutdown: once it is exiting (our ``atexit``
    hook ran, or ``sys.is_finalizing()``), registered resources are leaked to the runtime:
    destroying a stream or event after the context is gone segfaults at exit.
@@ -293,13 +295,25 @@ def _terminate_descendants() -> None:
             child.kill()
 
 
+_interrupted = False
+
+
+def _note_interrupt(signum: int, frame: object) -> None:
+    """The worker's SIGINT, as Python's own handler, noted for its teardown record."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> None:
     """At worker exit (NOTE [teardown policy], 4; NOTE [worker reports] in track/book.py)."""
     if os.getpid() != key.pid:
         return  # a process forked from the worker inherited the finalizer
     started = time.perf_counter()
     freed = _Freed()
-    fields: dict[str, Any] = {"cuda_initialized": False, "released": policy.release}
+    fields: dict[str, Any] = {
+        "cuda_initialized": False, "released": policy.release, "interrupted": _interrupted,
+    }  # fmt: skip
     try:
         if policy.terminate_children:
             with freed.step("terminate children"):
@@ -440,6 +454,8 @@ class WorkerInit:
                 with contextlib.suppress(Exception):
                     fields |= mailbox.host_fields(hostmem.read_host_memory(pid))
             mailbox.post("worker", fields, directory=self.mailbox_dir)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a user's is theirs
+                signal.signal(signal.SIGINT, _note_interrupt)
             import multiprocessing.util
 
             if self.release or self.terminate_children or folder:

@@ -515,22 +515,73 @@ def test_a_python_child_with_its_own_loader_is_tracked(tmp_path: Path, private_t
     assert item["report"]["findings"] == []
 
 
-def test_a_loader_the_program_watches_itself_is_left_to_watch(
+WATCHED = """\
+import gc
+import os
+
+import leakcheck
+from torch.utils.data import DataLoader
+
+kept = []  # KEEP_MIB: the loop keeps that much in this list each epoch
+loader = leakcheck.watch(DataLoader(list(range(6)), batch_size=2, num_workers=1))
+for epoch in range(8):
+    for i, batch in enumerate(loader):
+        if i == 0 and os.environ["KEEP_MIB"]:
+            kept.append(bytearray(int(os.environ["KEEP_MIB"]) << 20))
+print(len(loader.report().epochs), "epochs", flush=True)
+if os.environ["END"] == "close":
+    loader.close()
+elif os.environ["END"] == "collected":
+    del loader
+    gc.collect()
+elif os.environ["END"] == "os._exit":
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("keep_mib", "end"),
+    [("", "close"), ("", "open"), ("40", "close"), ("40", "collected"), ("40", "open")],
+)
+def test_a_loader_the_program_watches_itself_is_a_loader_of_the_run(
+    tmp_path: Path, private_tmp: Path, keep_mib: str, end: str
+) -> None:
+    """Left to watch() (tracked once, its workers its own), its report is the run's: closed,
+    collected or still open at exit."""
+    (tmp_path / "watched.py").write_text(WATCHED)
+    env = _env(private_tmp, KEEP_MIB=keep_mib, END=end)
+    run = leakcheck_run(
+        "--", sys.executable, "watched.py", private_tmp=private_tmp, cwd=tmp_path, env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "8 epochs" in run.stdout and run.data is not None, run.stderr
+    (item,) = run.data["loaders"]  # not also the run's own "watched.py:8"
+    assert item["label"] == "watched.py:8 via watch()" and item["missing"] is None, run.stderr
+    assert len(item["report"]["epochs"]) == 8, item["report"]["epochs"]
+    report = run.stderr[run.stderr.index("leakcheck run: watched.py: ") :].splitlines()
+    if not keep_mib:
+        assert run.data["verdict"] == "clean" and item["report"]["findings"] == [], run.stderr
+        assert "LEAK" not in run.stderr and len(report) == 4, report  # quiet
+        assert report[-1].startswith("leakcheck run: verdict clean, 0 leaks (1 loader"), report
+        return
+    assert findings(item["report"]) == {("host-growth", "parent"): 1}, run.stderr
+    assert "LeakWarning" in run.stderr  # watch()'s own, and the run's report, once
+    assert sum("LEAK host-growth  parent" in line for line in report) == 1, run.stderr
+    assert report[-1].startswith("leakcheck run: verdict leak, 1 leak (1 loader"), run.stderr
+
+
+def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     tmp_path: Path, private_tmp: Path
 ) -> None:
-    (tmp_path / "watched.py").write_text(
-        "import leakcheck\n"
-        "from torch.utils.data import DataLoader\n"
-        "loader = leakcheck.watch(DataLoader(list(range(6)), batch_size=2, num_workers=1))\n"
-        "for epoch in range(2):\n"
-        "    assert len(list(loader)) == 3\n"
-        "loader.close()\n"
-        "print(len(loader.report().epochs), 'epochs')\n"
+    (tmp_path / "watched.py").write_text(WATCHED)
+    env = _env(private_tmp, KEEP_MIB="", END="os._exit")
+    run = leakcheck_run(
+        "--", sys.executable, "watched.py", private_tmp=private_tmp, cwd=tmp_path, env=env
     )
-    run = leakcheck_run("--", sys.executable, "watched.py", private_tmp=private_tmp, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert "2 epochs" in run.stdout
-    assert run.data is not None and run.data["loaders"] == []
+    assert run.returncode == 0 and run.data is not None, run.stderr
+    (item,) = run.data["loaders"]
+    assert item["report"] is None and "exit handlers" in item["missing"], run.stderr
+    assert "loader watched.py:8 via watch() (PID " in run.stderr
 
 
 CALLBACK_FIT = """\\

@@ -315,6 +315,7 @@ def test_a_report_before_close_says_what_it_cannot_judge_yet() -> None:
             assert early.summary().endswith(
                 "; 1 process of recent epochs not judged yet (alive, not yet seen more than "
                 "the grace of 3 s after the end of the epoch it was born in)"
+                "; growth not judged (needs 4 epochs)"
             ), early.summary()
             assert early.timeline.final is not None
             assert early.timeline.final.pending_pids == (child.pid,)

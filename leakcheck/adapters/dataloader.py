@@ -64,6 +64,13 @@ JUDGED_EPOCHS = 32
 # not left by its loop (NOTE [epoch ends]).
 _collecting = False
 _NO_BATCH = object()
+# The started trackers of watch()'s wrappers, by session: ``leakcheck run`` takes their reports.
+_watching: weakref.WeakValueDictionary[str, Tracker] = weakref.WeakValueDictionary()
+
+
+def watched_tracker(session_id: str | None) -> Tracker | None:
+    """The tracker of the ``watch()`` wrapper whose workers carry ``session_id``, if any."""
+    return _watching.get(session_id) if session_id else None
 
 
 def _gc_phase(phase: str, info: dict[str, int]) -> None:
@@ -468,7 +475,7 @@ class WatchedLoader(Generic[T]):
     def _start(self) -> None:
         if self._closed:
             raise UsageError("this watched loader is closed; wrap the loader again")
-        self._tracker.start()
+        _watching[self._tracker.start().session_id] = self._tracker
 
     def _opened(self) -> None:
         if self._dropped:

@@ -6,8 +6,9 @@ every Python process of the run; the first iteration imports this module. Each c
 and validation loaders are judged apart; a loader made again where the previous one is gone
 continues it, a second one alive at once is ``#2``. Each iteration is an epoch of it
 (``epoch_batches``) through DataLoader's original ``__iter__``; a loader the program
-``watch()``es, or its ``LeakCheckCallback`` adopted, is left to it: the callback's stage
-reports are the run's (``train_dataloader via LeakCheckCallback``). The site's ``LoaderResult``
+``watch()``es, or its ``LeakCheckCallback`` adopted, is left to it: their reports are the
+run's (``train.py:42 via watch()``, ``train_dataloader via LeakCheckCallback``), kept where
+closed or collected before exit. The site's ``LoaderResult``
 (``loader-<pid>-<n>.json`` in the run folder) is written when its tracker starts and with its
 report at the process's exit (``atexit`` or a multiprocessing child's finalizers; not
 ``os._exit`` nor a fatal signal). A forked child starts afresh. Nothing here raises into the
@@ -36,7 +37,12 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from leakcheck.adapters.dataloader import EpochJudge, epoch_batches, name_unwound
+from leakcheck.adapters.dataloader import (
+    EpochJudge,
+    epoch_batches,
+    name_unwound,
+    watched_tracker,
+)
 from leakcheck.core import ranks
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import write_json
@@ -196,7 +202,7 @@ class _Run:
         self.pid = os.getpid()
         self.cwd = os.getcwd()
         self.sites: list[_Site] = []
-        self.callbacks: list[tuple[Any, LoaderResult]] = []  # and each one's first record
+        self.left: list[tuple[Any, LoaderResult]] = []  # callbacks, watch()'s trackers; records
         self.indices = itertools.count()  # of the records, for their file names
         self.rank = process_rank()
         if self.rank is not None:
@@ -234,8 +240,7 @@ class _Run:
             **self.options.tracker_options(),
         )
         _run_sessions.add(tracker.start().session_id)
-        via = where[2] if len(where) > 2 and where[2] else ""
-        base = f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
+        base = self.base_label(where)
         same = sum(1 for site in self.sites if site.base == base)
         label = base + (f" #{same + 1}" if same else "")
         record = self._record(label, mailbox=tracker.mailbox_dir)
@@ -243,6 +248,13 @@ class _Run:
         self.sites.append(site)
         self._write(record)
         return site
+
+    def base_label(self, where: Any) -> str:
+        """``train.py:42``, ``hf_train.py:48 via transformers Trainer``: where it was made."""
+        if not (isinstance(where, tuple) and len(where) >= 2):
+            where = ("<unknown>", 0)
+        via = where[2] if len(where) > 2 and where[2] else ""
+        return f"{shown_path(str(where[0]), self.cwd)}:{where[1]}" + (f" via {via}" if via else "")
 
     def _record(self, label: str, **fields: Any) -> LoaderResult:
         key = procs.process_key(self.pid)  # checked by the launcher: NOTE [process identity]
@@ -257,13 +269,14 @@ class _Run:
             **fields,
         )
 
-    def leave_to(self, callback: Any) -> None:
-        """A ``LeakCheckCallback`` tracks a loader: its reports are written at exit."""
+    def leave_to(self, owner: Any, label: str) -> None:
+        """A ``LeakCheckCallback`` or ``watch()``'s tracker has a loader: its reports at exit."""
         with self.lock:
-            if any(known is callback for known, _ in self.callbacks):
+            if any(known is owner for known, _ in self.left):
                 return
-            record = self._record(type(callback).__name__)
-            self.callbacks.append((callback, record))
+            same = sum(1 for _, known in self.left if known.label.partition(" #")[0] == label)
+            record = self._record(label + (f" #{same + 1}" if same else ""))
+            self.left.append((owner, record))
         self._write(record)  # a record without report, until exit
 
     def _write(self, record: LoaderResult, **final: Any) -> None:
@@ -303,9 +316,14 @@ class _Run:
             reason, line = end_reason_for(error)
             name_unwound(error)  # the epoch it ended in the loop body (NOTE [epoch ends])
         with self.lock:
-            sites, callbacks = list(self.sites), list(self.callbacks)
-        for callback, record in callbacks:  # closed at its teardown: its reports are kept
-            _quietly(functools.partial(self._write_reports_of, callback, record))
+            sites, left = list(self.sites), list(self.left)
+        for owner, record in left:  # closed or collected before: its reports are kept
+            if isinstance(owner, Tracker):
+                _quietly(functools.partial(owner.end_epoch, reason, line))
+                _quietly(owner.close)
+                _quietly(functools.partial(self._write_report_of, owner, record))
+            else:
+                _quietly(functools.partial(self._write_reports_of, owner, record))
         costs = [to_jsonable(site.tracker.cost()) for site in sites]
         for site in sites:
             _quietly(functools.partial(site.tracker.end_epoch, reason, line))
@@ -320,6 +338,9 @@ class _Run:
         report = site.tracker.report()
         exit_s = time.perf_counter() - started
         self._write(site.record, report=report, cost=cost, exit_s=exit_s, missing=None)
+
+    def _write_report_of(self, tracker: Tracker, record: LoaderResult) -> None:
+        self._write(record, report=tracker.report(), missing=None)
 
     def _write_reports_of(self, callback: Any, record: LoaderResult) -> None:
         """Each stage's report, the first in ``record``'s file (NOTE [run instrumentation])."""
@@ -462,8 +483,13 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
             return iterate(loader)
         if _watched_by_user(loader):
             callback = getattr(loader.__dict__.get("_get_iterator"), "callback", None)
+            init = getattr(loader, "worker_init_fn", None)
+            tracker = watched_tracker(getattr(init, "session_id", None))
             if callback is not None:
-                run.leave_to(callback)
+                run.leave_to(callback, type(callback).__name__)
+            elif tracker is not None:
+                where = loader.__dict__.get("_leakcheck_site")
+                run.leave_to(tracker, f"{run.base_label(where)} via watch()")
             return iterate(loader)
         return run.epoch_iterator(loader, iterate)
     except Exception as error:

@@ -201,7 +201,7 @@ class RunResult:
             lines += [
                 *gap,
                 "loaders: none tracked: no DataLoader iterated in a Python process of the run, "
-                "each one watch()ed by the program, or PYTHONPATH ignored (-E, -I, -S)",
+                "or PYTHONPATH ignored (-E, -I, -S)",
             ]
         lines += gap + self._tree_lines()
         lines += [f"  leakcheck itself: {failure}" for failure in self.failures]

@@ -1168,3 +1168,42 @@ def test_a_program_whose_reader_left_is_no_death(tmp_path: Path) -> None:
     data = json.loads(json_path.read_text())
     assert data["program"]["signal"] == signal.SIGPIPE
     assert data["verdict"] == "clean", data["tree"]["report"]["findings"]
+
+
+@pytest.mark.parametrize("how", ["raises KeyboardInterrupt", "SIGTERM to run", "kills itself"])
+def test_a_program_ended_by_a_signal_run_passed_on_or_an_interrupt_is_no_death(
+    how: str, tmp_path: Path
+) -> None:
+    """`timeout 60 leakcheck run -- ...` (SIGTERM passed on) and a program that raises
+    KeyboardInterrupt itself (Python then ends by SIGINT) were leaks, "killed (sender
+    unknown)"; a program that kills itself is one still: nothing says who sent it."""
+    json_path = tmp_path / "run.json"
+    body = {
+        "raises KeyboardInterrupt": "raise KeyboardInterrupt",
+        "SIGTERM to run": "print('ready', flush=True); time.sleep(120)",
+        "kills itself": "os.kill(os.getpid(), signal.SIGTERM); time.sleep(120)",
+    }[how]
+    program = f"import os, signal, sys, time\n{body}\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    env.pop("LEAKCHECK_SESSION", None)
+    command = [sys.executable, "-m", "leakcheck", "run", "--json", str(json_path), "--"]
+    proc = subprocess.Popen(
+        [*command, sys.executable, "-c", program],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    try:
+        if how == "SIGTERM to run":
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    sent = signal.SIGINT if how == "raises KeyboardInterrupt" else signal.SIGTERM
+    assert proc.returncode == 128 + sent, stderr
+    data = json.loads(json_path.read_text())
+    assert data["program"]["signal"] == sent
+    died = [f for f in data["tree"]["report"]["findings"] if f["rule"] == "died"]
+    assert len(died) == (how == "kills itself"), stderr
+    assert data["verdict"] == ("leak" if how == "kills itself" else "clean"), stderr

@@ -292,15 +292,15 @@ def _start(command: Sequence[str], folder: str, mask: set[int | signal.Signals])
         raise LaunchError(f"cannot run {command[0]!r}: {why}", status) from None
 
 
-def _wait(pid: int) -> tuple[int | None, int | None, bool]:
-    """(exit code, signal, interrupted) once the program exited (a zombie still); forwards."""
-    interrupted = False
+def _wait(pid: int) -> tuple[int | None, int | None, bool, set[int]]:
+    """(code, signal, interrupted, signals forwarded) once the program exited (unreaped)."""
+    interrupted, forwarded = False, set[int]()
     while True:
         state = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         if state is not None and state.si_pid == pid:
             if state.si_code == os.CLD_EXITED:
-                return state.si_status, None, interrupted
-            return None, state.si_status, interrupted
+                return state.si_status, None, interrupted, forwarded
+            return None, state.si_status, interrupted, forwarded
         info = signal.sigtimedwait(_HELD, 0.5)
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
@@ -308,6 +308,7 @@ def _wait(pid: int) -> tuple[int | None, int | None, bool]:
         if info.si_code <= 0:  # sent by a process (kill), not the terminal's kernel
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, info.si_signo)
+                forwarded.add(info.si_signo)
 
 
 def _end_reason(
@@ -345,10 +346,13 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                 tracker.begin_epoch("program")
             except LeakCheckError as error:
                 failures.append(f"the process tree is not tracked: {error}")
-            code, signal_number, interrupted = _wait(proc.pid)
+            code, signal_number, interrupted, forwarded = _wait(proc.pid)
             wall_s = time.monotonic() - started
             if tracker is not None:
-                if signal_number is not None and not interrupted:
+                # A death by what run passed on has its sender; by SIGINT, it is an interrupt
+                # (an uncaught KeyboardInterrupt ends Python so too).
+                unsent = signal_number not in (signal.SIGINT, *forwarded)
+                if signal_number is not None and unsent and not interrupted:
                     # Unreaped yet: the machine's evidence is read while it is still there.
                     tracker.note_exit(proc.pid, -signal_number)
                 tracker.end_epoch(*_end_reason(code, signal_number, interrupted))

@@ -582,6 +582,8 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     (item,) = run.data["loaders"]
     assert item["report"] is None and "exit handlers" in item["missing"], run.stderr
     assert "loader watched.py:8 via watch() (PID " in run.stderr
+    # The verdict line says what it could not judge (it said "(1 loader and the process tree)").
+    assert "0 leaks (1 loader (1 without a report) and the process tree)" in run.stderr
 
 
 CALLBACK_FIT = """\\

@@ -209,10 +209,12 @@ class RunResult:
         if job is not None:
             lines += gap + job.format_lines(named=False)  # the loaders' lines name them
         ranks = f", {len(job.ranks)} ranks" if job is not None else ""
+        missing = sum(loader.report is None for loader in self.loaders)
+        unread = f" ({missing} without a report)" if missing else ""
         lines += [
             *gap,
             f"leakcheck run: verdict {self.verdict}, {plural(self.leak_count, 'leak')} "
-            f"({plural(len(self.loaders), 'loader')}{ranks} and the process tree); "
+            f"({plural(len(self.loaders), 'loader')}{unread}{ranks} and the process tree); "
             f"program exit status {self.program_status}",
         ]
         return "\n".join(lines)

@@ -586,6 +586,38 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     assert "0 leaks (1 loader (1 without a report) and the process tree)" in run.stderr
 
 
+SLOW_EXIT_CHILD = """\
+import atexit, sys, time
+from torch.utils.data import DataLoader
+for _ in DataLoader(list(range(4)), num_workers=0):
+    pass
+atexit.register(time.sleep, 4)  # runs before leakcheck's own exit handler (last in, first out)
+print("iterated", flush=True)
+"""
+
+
+def test_a_process_of_the_run_still_in_its_exit_handlers_is_waited_for_not_an_orphan(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """A Lightning ddp rank 1 ending after rank 0 (the program) spent > 2 s (the grace) in its
+    exit handlers on a loaded machine: run named it "orphan ... outlived its parent"."""
+    (tmp_path / "child.py").write_text(SLOW_EXIT_CHILD)
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, 'child.py'], stdout=-1, text=True)\n"
+        "assert child.stdout.readline().strip() == 'iterated'\n"  # it has its run record
+    )
+    run = leakcheck_run(
+        "--", sys.executable, "parent.py", private_tmp=private_tmp, cwd=tmp_path,
+        env=_env(private_tmp),
+    )  # fmt: skip
+    assert run.returncode == 0 and run.data is not None, run.stderr
+    (item,) = run.data["loaders"]
+    assert item["label"] == "child.py:3" and item["report"] is not None, run.stderr
+    assert run.data["tree"]["report"]["findings"] == [], run.stderr
+    assert run.data["verdict"] == "clean", run.stderr
+
+
 CALLBACK_FIT = """\\
 import os
 

@@ -83,7 +83,7 @@ class RunOptions:
         }
 
 
-_NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or outlived the run"
+NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or outlived the run"
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class LoaderResult:
     report: Report | None = None
     cost: Mapping[str, Any] | None = None
     exit_s: float | None = None
-    missing: str | None = _NO_EXIT
+    missing: str | None = NO_EXIT
     rank: RankInfo | None = None
     index: int = 0
     started_unix_s: float = 0.0

@@ -32,6 +32,7 @@ from typing import Any
 
 from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import (
+    NO_EXIT,
     OPTIONS_FILE,
     RUN_ENV,
     LoaderResult,
@@ -313,6 +314,27 @@ def _wait(pid: int) -> tuple[int | None, int | None, bool, set[int]]:
                 forwarded.add(info.si_signo)
 
 
+# A process of the run still writing its reports at exit (a rank after the program) is not yet
+# a survivor: on a loaded machine its exit handlers may take seconds past the grace.
+_EXIT_WAIT_S = 10.0
+
+
+def _exits_awaited(folder: str, limit_s: float) -> None:
+    """Wait, at most ``limit_s``, while a live process of the run has not written its reports."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        names = [n for n in os.listdir(folder) if n.startswith("loader-")]
+        records = (read_loader(os.path.join(folder, name)) for name in names)
+        live = {
+            ProcessKey(r.pid, r.start_ticks)
+            for r in records
+            if r is not None and r.missing == NO_EXIT and r.start_ticks is not None
+        }
+        if not any(procs.is_alive(key) for key in live):
+            return
+        time.sleep(0.05)
+
+
 def _end_reason(
     code: int | None, signal_number: int | None, interrupted: bool
 ) -> tuple[EndReason, str | None]:
@@ -350,6 +372,7 @@ def run_program(command: Sequence[str], options: RunOptions) -> RunResult:
                 failures.append(f"the process tree is not tracked: {error}")
             code, signal_number, interrupted, forwarded = _wait(proc.pid)
             wall_s = time.monotonic() - started
+            _exits_awaited(folder, max(_EXIT_WAIT_S, options.grace_s))
             if tracker is not None:
                 # A death by what run passed on has its sender; by SIGINT, it is an interrupt
                 # (an uncaught KeyboardInterrupt ends Python so too).

@@ -84,10 +84,14 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     return end_reason_for(error)
 
 
-# Instructions that drop a reference and cannot raise: a generator they close was left.
+# Instructions that drop a reference and cannot raise: a generator they close was left. And a
+# generator's ``yield``: what unwinds there was thrown in, mostly its close (its consumer left).
 _LEFT = frozenset(
     dis.opmap[name]
-    for name in ("POP_TOP", "END_FOR", "POP_ITER", "STORE_FAST", "DELETE_FAST", "RETURN_VALUE")
+    for name in (
+        "POP_TOP", "END_FOR", "POP_ITER", "STORE_FAST", "DELETE_FAST", "RETURN_VALUE",
+        "YIELD_VALUE",
+    )
     if name in dis.opmap
 )
 _CACHE = dis.opmap.get("CACHE", -1)

@@ -413,6 +413,8 @@ class WatchedLoader(Generic[T]):
         return f"leakcheck.watch({self._loader!r})"
 
     def __iter__(self) -> Iterator[T]:
+        if self._tracker.closed and not self._closed:
+            return iter(self._loader)  # `leakcheck run` closed it at exit: the program goes on
         make = functools.partial(iter, self._loader)
         return epoch_batches(
             self._loader,

@@ -266,6 +266,25 @@ def test_an_error_in_the_loop_body_ends_the_epoch_by_it_not_by_a_break(
     assert [(e.end_reason, e.error) for e in epochs] == [("completed", None), (reason, error)]
 
 
+def test_a_break_over_a_generator_of_the_loader_is_a_break(no_leak_warnings: None) -> None:
+    # The generator's frame unwinds the GeneratorExit its close threw in at its `yield`.
+    watched = leakcheck.watch(make(workers=2), grace=30)
+
+    def batches() -> Iterator[Any]:
+        yield from (batch for batch in watched)  # a loop over the loader, in a generator
+
+    def own_batches() -> Iterator[Any]:
+        for batch in watched:
+            yield [tensor * 2 for tensor in batch]  # a step per batch
+
+    with watched:
+        for wrapped in (batches, own_batches):
+            for index, _ in enumerate(wrapped()):
+                if index == 1:
+                    break
+    assert [e.end_reason for e in watched.report().epochs] == ["break", "break"]
+
+
 def test_iterator_collected_by_gc_closes_the_epoch() -> None:
     watched = leakcheck.watch(make(workers=0), grace=0.3)
     iterator = iter(watched)

@@ -516,7 +516,7 @@ def test_a_python_child_with_its_own_loader_is_tracked(tmp_path: Path, private_t
 
 
 WATCHED = """\
-import gc
+import atexit, gc
 import os
 
 import leakcheck
@@ -524,6 +524,8 @@ from torch.utils.data import DataLoader
 
 kept = []  # KEEP_MIB: the loop keeps that much in this list each epoch
 loader = leakcheck.watch(DataLoader(list(range(6)), batch_size=2, num_workers=1))
+if os.environ["END"] == "atexit":  # made before the run's exit handler: runs after it
+    atexit.register(lambda: print(sum(1 for _ in loader), "batches at exit", flush=True))
 for epoch in range(8):
     for i, batch in enumerate(loader):
         if i == 0 and os.environ["KEEP_MIB"]:
@@ -541,13 +543,16 @@ elif os.environ["END"] == "os._exit":
 
 @pytest.mark.parametrize(
     ("keep_mib", "end"),
-    [("", "close"), ("", "open"), ("40", "close"), ("40", "collected"), ("40", "open")],
+    [
+        ("", "close"), ("", "open"), ("", "atexit"), ("40", "close"), ("40", "collected"),
+        ("40", "open"),
+    ],
 )
 def test_a_loader_the_program_watches_itself_is_a_loader_of_the_run(
     tmp_path: Path, private_tmp: Path, keep_mib: str, end: str
 ) -> None:
     """Left to watch() (tracked once, its workers its own), its report is the run's: closed,
-    collected or still open at exit."""
+    collected or still open at exit (then its exit handler may still iterate it)."""
     (tmp_path / "watched.py").write_text(WATCHED)
     env = _env(private_tmp, KEEP_MIB=keep_mib, END=end)
     run = leakcheck_run(
@@ -559,6 +564,8 @@ def test_a_loader_the_program_watches_itself_is_a_loader_of_the_run(
     assert item["label"] == "watched.py:8 via watch()" and item["missing"] is None, run.stderr
     assert len(item["report"]["epochs"]) == 8, item["report"]["epochs"]
     report = run.stderr[run.stderr.index("leakcheck run: watched.py: ") :].splitlines()
+    if end == "atexit":  # the program's own exit handler iterates it after the run's report
+        assert "3 batches at exit" in run.stdout and "Traceback" not in run.stderr, run.stderr
     if not keep_mib:
         assert run.data["verdict"] == "clean" and item["report"]["findings"] == [], run.stderr
         assert "LEAK" not in run.stderr and len(report) == 4, report  # quiet

@@ -84,10 +84,14 @@ def _end_reason(error: BaseException) -> tuple[EndReason, str | None]:
     return end_reason_for(error)
 
 
-# Instructions that drop a reference and cannot raise: a generator they close was left.
+# Instructions that drop a reference and cannot raise: a generator they close was left. And a
+# generator's ``yield``: what unwinds there was thrown in, mostly its close (its consumer left).
 _LEFT = frozenset(
     dis.opmap[name]
-    for name in ("POP_TOP", "END_FOR", "POP_ITER", "STORE_FAST", "DELETE_FAST", "RETURN_VALUE")
+    for name in (
+        "POP_TOP", "END_FOR", "POP_ITER", "STORE_FAST", "DELETE_FAST", "RETURN_VALUE",
+        "YIELD_VALUE",
+    )
     if name in dis.opmap
 )
 _CACHE = dis.opmap.get("CACHE", -1)
@@ -409,6 +413,8 @@ class WatchedLoader(Generic[T]):
         return f"leakcheck.watch({self._loader!r})"
 
     def __iter__(self) -> Iterator[T]:
+        if self._tracker.closed and not self._closed:
+            return iter(self._loader)  # `leakcheck run` closed it at exit: the program goes on
         make = functools.partial(iter, self._loader)
         return epoch_batches(
             self._loader,

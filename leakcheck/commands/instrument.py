@@ -479,7 +479,7 @@ def epoch_iterator(loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:
         return iterate(loader)
     try:
         run = _current_run()
-        if run is None or os.getpid() != run.pid:
+        if run is None or os.getpid() != run.pid or run.ended:  # after its report: untracked
             return iterate(loader)
         if _watched_by_user(loader):
             callback = getattr(loader.__dict__.get("_get_iterator"), "callback", None)

@@ -1202,3 +1202,16 @@ def test_a_trackers_state_is_read_only() -> None:
         with pytest.raises(AttributeError):
             setattr(tracker, name, value)
     assert tracker.closed is False and tracker.root_pid == os.getpid()
+
+
+def test_an_epoch_end_named_later_names_only_an_unnamed_exception() -> None:
+    """An error found after its epoch's end names that epoch once: a named end keeps its line."""
+    with Tracker(interval=0.05) as tracker:
+        tracker.begin_epoch()
+        tracker.end_epoch("exception", "RuntimeError: first")
+        tracker.begin_epoch()
+        tracker.end_epoch("exception")
+        for index in (0, 1):
+            tracker.name_end(index, "exception", "RuntimeError: later")
+        ends = [(e.end_reason, e.error) for e in tracker.epochs()]
+    assert ends == [("exception", "RuntimeError: first"), ("exception", "RuntimeError: later")]

@@ -333,7 +333,7 @@ class Tracker(Sampler):
         with self.lock:
             epochs = self.book.epochs
             record = epochs[index].record if 0 <= index < len(epochs) else None
-            if record is not None:
+            if record is not None and (record.end_reason, record.error) == ("exception", None):
                 epochs[index].record = replace(record, end_reason=reason, error=error)
 
     @contextmanager

@@ -131,7 +131,7 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
     """
     pending: list[ProcessKey] = []
     for key in workers if folder else []:
-        if procs.process_key(key.pid) == key and not _exiting(key):  # not a reused PID
+        if _takes_stack_signal(key):
             with contextlib.suppress(OSError):
                 os.kill(key.pid, mailbox.STACK_SIGNAL)
                 pending.append(key)
@@ -153,12 +153,15 @@ def worker_stacks(workers: list[ProcessKey], folder: str | None) -> list[str]:
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    pending = [key for key in pending if procs.process_key(key.pid) == key and not _exiting(key)]
+    pending = [key for key in pending if _takes_stack_signal(key)]
     return parts + [f"--- worker PID {key.pid} ---\n(no stack written)" for key in pending]
 
 
-def _exiting(key: ProcessKey) -> bool:
-    return procs.ignores_signal(key.pid, mailbox.STACK_SIGNAL)
+def _takes_stack_signal(key: ProcessKey) -> bool:
+    """Whether ``key`` is still that worker (not a reused PID) and not past its last exit step."""
+    return procs.process_key(key.pid) == key and not procs.ignores_signal(
+        key.pid, mailbox.STACK_SIGNAL
+    )
 
 
 def watch_exits(iterator: object, on_stuck: Callable[[int, float], object]) -> None:

@@ -28,6 +28,7 @@ import resource
 import threading
 import time
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from stat import S_ISCHR
 from typing import NamedTuple
 
@@ -127,14 +128,26 @@ def _parse_stat(data: bytes) -> _Stat | None:
     return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image, kernel)
 
 
+def _fields_of(data: bytes, name: bytes) -> list[bytes] | None:
+    """The fields after ``name`` on the first line that starts with it; None: no such line."""
+    for line in data.splitlines():
+        if line.startswith(name):
+            return line[len(name) :].split()
+    return None
+
+
 def _stat(pid: int) -> _Stat | None:
     data = _read(f"{_PROC}/{pid}/stat")
     return None if not data else _parse_stat(data)
 
 
+def _image_of(pid: int, name: str) -> bytes | None:
+    return _read(f"{_PROC}/{pid}/{name}", 65536, whole=True)
+
+
 def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     """The value of the variable ``prefix`` (``NAME=``) names in a process's environ."""
-    environ = b"\0" + (_read(f"{_PROC}/{pid}/environ", 65536, whole=True) or b"")
+    environ = b"\0" + (_image_of(pid, "environ") or b"")
     at = environ.find(b"\0" + prefix)  # unreadable or absent alike
     return None if at < 0 else environ[at + 1 + len(prefix) :].partition(b"\0")[0]
 
@@ -169,20 +182,18 @@ _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
 
 
+@dataclass(slots=True)
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("last_read", "listed", "parent_tids", "stat_fd", "task_fds", "used")
-
-    def __init__(self, stat_fd: int, used: int) -> None:
-        self.stat_fd = stat_fd
-        self.task_fds: dict[str, int] = {}
-        self.used = used
-        self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # NOTE [quick walk]: its last full read (with its command line?), and its threads with
-        # children then.
-        self.last_read: tuple[ProcInfo, bool] | None = None
-        self.parent_tids: tuple[str, ...] = ()
+    stat_fd: int
+    used: int
+    task_fds: dict[str, int] = field(default_factory=dict)
+    listed: int = -_RELIST_EVERY  # the walk that last took the task list
+    # NOTE [quick walk]: its last full read (with its command line?), and its threads with
+    # children then.
+    last_read: tuple[ProcInfo, bool] | None = None
+    parent_tids: tuple[str, ...] = ()
 
 
 _fd_lock = threading.Lock()
@@ -194,8 +205,7 @@ _generation = 0
 @functools.cache
 def _cached_fd_limit() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
-    return max(0, min(_MAX_CACHED_FDS, limit))
+    return _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else min(_MAX_CACHED_FDS, soft // 8)
 
 
 def _close_quietly(fd: int) -> None:
@@ -375,10 +385,8 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 @functools.cache
 def boot_time_s() -> float:
     """Boot time in Unix seconds, for people (NOTE [process identity]); 0.0 if unreadable."""
-    for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
-        if line.startswith(b"btime"):
-            return float(line.split()[1])
-    return 0.0
+    btime = _fields_of(_read(f"{_PROC}/stat", 65536, whole=True) or b"", b"btime")
+    return float(btime[0]) if btime else 0.0
 
 
 def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
@@ -576,7 +584,7 @@ class TagScan:
 
 def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None:
     """The variables ``names`` set in a process's initial environment; None: unreadable."""
-    data = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
+    data = _image_of(pid, "environ")
     if data is None:
         return None
     wanted = {name.encode() for name in names}
@@ -632,10 +640,8 @@ def is_ancestor(
 @functools.cache
 def pid_namespace_nested() -> bool:
     """Whether this process runs in a child PID namespace, where NVML's host PIDs are not ours."""
-    for line in (_read(f"{_PROC}/self/status", 65536, whole=True) or b"").splitlines():
-        if line.startswith(b"NSpid:"):
-            return len(line.split()) > 2
-    return False
+    nspid = _fields_of(_read(f"{_PROC}/self/status", 65536, whole=True) or b"", b"NSpid:")
+    return nspid is not None and len(nspid) > 1
 
 
 def pid_exists_here(pid: int) -> bool:
@@ -644,21 +650,14 @@ def pid_exists_here(pid: int) -> bool:
         return False
     # /proc/TID exists for threads too (hidden from listdir): a process is its own group.
     data = _read(f"{_PROC}/{pid}/status", 1024)
-    if not data:
-        return False
-    at = data.find(b"\nTgid:")
-    if at < 0:
-        return True
-    fields = data[at + 6 :].split(maxsplit=1)
-    return bool(fields) and int(fields[0]) == pid
+    tgid = _fields_of(data, b"Tgid:") if data else []
+    return tgid is None or tgid[:1] == [b"%d" % pid]
 
 
 def ignores_signal(pid: int, signal_number: int) -> bool:
     """Whether process ``pid`` ignores ``signal_number`` (its ``SigIgn`` mask); False if gone."""
-    data = _read(f"{_PROC}/{pid}/status", 4096) or b""
-    at = data.find(b"\nSigIgn:")
-    fields = data[at + 8 :].split(maxsplit=1) if at >= 0 else []
-    return bool(fields) and bool(int(fields[0], 16) >> (signal_number - 1) & 1)
+    mask = _fields_of(_read(f"{_PROC}/{pid}/status", 4096) or b"", b"SigIgn:")
+    return bool(mask and int(mask[0], 16) >> (signal_number - 1) & 1)
 
 
 def is_nvidia_device_target(target: str) -> bool:
@@ -729,11 +728,8 @@ def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
                 nvidia[int(name)] = target
         found = Descriptors(nvidia, len(names))
     limits = _read(f"{_PROC}/{pid}/limits") if limit else None
-    for line in (limits or b"").splitlines():
-        if line.startswith(b"Max open files"):
-            soft = line[len(b"Max open files") :].split()[:1]
-            return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
-    return found
+    soft = _fields_of(limits or b"", b"Max open files")
+    return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
 
 
 def nvidia_fds(pid: int) -> dict[int, str] | None:
@@ -956,7 +952,3 @@ class Lineage:
         return self._looks_alike(info.key.pid) and (
             parent <= 1 or parent == self.pid or not self._looks_alike(parent)
         )
-
-
-def _image_of(pid: int, name: str) -> bytes | None:
-    return _read(f"{_PROC}/{pid}/{name}", 65536, whole=True)

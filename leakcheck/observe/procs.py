@@ -588,12 +588,12 @@ def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None
     if data is None:
         return None
     wanted = {name.encode() for name in names}
-    found: dict[str, str] = {}
-    for entry in data.split(b"\0"):
-        name, sep, value = entry.partition(b"=")
-        if sep and name in wanted:
-            found[name.decode()] = value.decode("utf-8", "replace")
-    return found
+    pairs = (entry.partition(b"=") for entry in data.split(b"\0"))
+    return {
+        key.decode(): value.decode("utf-8", "replace")
+        for key, sep, value in pairs
+        if sep and key in wanted
+    }
 
 
 def tagged_session(pid: int) -> str | None:
@@ -705,31 +705,26 @@ def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
         targets = _fd_targets(pid)
         if targets is None:
             return None
-        nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
-        found = Descriptors(nvidia, len(targets))
+        count = len(targets)
     else:
         try:
             names = os.listdir(f"{_PROC}/self/fd")
         except OSError:
             return None
-        nvidia = {}
+        count, targets = len(names), {}
         for name in names:
-            try:
+            # OSError: closed since the listing (the listing's own descriptor is).
+            with contextlib.suppress(OSError):
                 device = os.fstat(int(name))
-                if not S_ISCHR(device.st_mode):
-                    continue
-                target = _device_targets.get(device.st_rdev)
-                if target is None:
-                    target = os.readlink(f"{_PROC}/self/fd/{name}")
-                    _device_targets[device.st_rdev] = target
-            except OSError:
-                continue  # closed since the listing (the listing's own descriptor is)
-            if is_nvidia_device_target(target):
-                nvidia[int(name)] = target
-        found = Descriptors(nvidia, len(names))
+                if S_ISCHR(device.st_mode):
+                    if device.st_rdev not in _device_targets:
+                        target = os.readlink(f"{_PROC}/self/fd/{name}")
+                        _device_targets[device.st_rdev] = target
+                    targets[int(name)] = _device_targets[device.st_rdev]
+    nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
     limits = _read(f"{_PROC}/{pid}/limits") if limit else None
     soft = _fields_of(limits or b"", b"Max open files")
-    return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
+    return Descriptors(nvidia, count, int(soft[0]) if soft and soft[0].isdigit() else None)
 
 
 def nvidia_fds(pid: int) -> dict[int, str] | None:
@@ -752,14 +747,12 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
     except OSError:
         return segments
     for entry in entries:
-        try:
+        with contextlib.suppress(OSError):  # removed during the scan
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 segments[entry.name] = ShmSegment(
                     st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512, st.st_uid
                 )
-        except OSError:
-            continue  # removed during the scan
     return segments
 
 

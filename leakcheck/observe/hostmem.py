@@ -175,12 +175,8 @@ def read_host_memories(
     targets: Iterable[_Target], *, rollup: bool = True
 ) -> dict[_Target, HostMemory]:
     """``read_host_memory`` of each target still there, keyed as given."""
-    found: dict[_Target, HostMemory] = {}
-    for target in targets:
-        memory = read_host_memory(target, rollup=rollup)
-        if memory is not None:
-            found[target] = memory
-    return found
+    read = {target: read_host_memory(target, rollup=rollup) for target in targets}
+    return {target: memory for target, memory in read.items() if memory is not None}
 
 
 # --- /dev/shm -------------------------------------------------------------------------------

@@ -100,10 +100,9 @@ def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) 
     if size < chunk and (record_bytes is None or size <= _PAGE_BYTES - record_bytes):
         return data
     parts = [data]
-    offset = size
     while data:
-        data = os.pread(fd, chunk, offset)
-        offset += len(data)
+        data = os.pread(fd, chunk, size)
+        size += len(data)
         parts.append(data)
     return b"".join(parts)
 

@@ -270,17 +270,14 @@ def take_snapshot(
         lineage = {info.key.pid for info in procs.tree_below(root_pid, every.values())}
         lineage.add(root_pid)
     own_pid = os.getpid()
-    fds: dict[int, int] = {}
-    if with_fds:
-        for pid in every.keys() - {own_pid}:
-            if count := procs.nvidia_fd_count(pid):
-                fds[pid] = count
+    others = every.keys() - {own_pid} if with_fds else set()
+    counts = {pid: procs.nvidia_fd_count(pid) for pid in others}
+    fds = {pid: count for pid, count in counts.items() if count}
     if reader.is_alive():
         reader.join()
     if with_fds and own_pid in every:
-        own = procs.nvidia_fds(own_pid)  # after NVML's read, less what NVML opened
-        count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
-        if count:
+        own = procs.nvidia_fds(own_pid) or {}  # after NVML's read, less what NVML opened
+        if count := len(own.keys() - nvml.own_descriptors()):
             fds[own_pid] = count
     attribution, reason, device_states, gpu_processes = (
         read[0] if read else ("nvml-unavailable", "NVML unavailable: its read did not end", (), ())

@@ -203,12 +203,8 @@ def shm_capacity(directory: str = "/dev/shm") -> ShmCapacity | None:
     except OSError:
         return None
     block = st.f_frsize or st.f_bsize
-    return ShmCapacity(
-        directory=directory,
-        total_bytes=st.f_blocks * block or None,
-        used_bytes=(st.f_blocks - st.f_bfree) * block,
-        free_bytes=st.f_bavail * block,
-    )
+    used = (st.f_blocks - st.f_bfree) * block
+    return ShmCapacity(directory, st.f_blocks * block or None, used, st.f_bavail * block)
 
 
 _NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")

@@ -282,7 +282,7 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
     owner = _owner(root_pid)
     found: dict[ProcessKey, Birth] = {}
     for path, who in _owned_folders(directory):
-        if owner is None or who != owner:
+        if who != owner:  # an unreadable owner (None) names no folder
             continue
         try:
             with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:

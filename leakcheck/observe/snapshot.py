@@ -84,25 +84,24 @@ class Snapshot(NamedTuple):
         if self.attribution != "ok":
             lines.append(f"leakcheck snapshot: {self.attribution_reason}")
         lines.extend(_device_line(device) for device in self.devices)
-        by_pid = {entry.info.key.pid: entry for entry in self.processes}
-        children: dict[int, list[ProcessSnapshot]] = {}
-        roots: list[ProcessSnapshot] = []
+        pids = {entry.info.key.pid for entry in self.processes}
+        children: dict[int | None, list[ProcessSnapshot]] = {}  # None: the roots
         for entry in sorted(self.processes, key=lambda e: e.info.key.pid):
-            if entry.info.ppid in by_pid and entry.info.ppid != entry.info.key.pid:
-                children.setdefault(entry.info.ppid, []).append(entry)
-            else:
-                roots.append(entry)
+            ppid = entry.info.ppid
+            shown = ppid if ppid in pids and ppid != entry.info.key.pid else None
+            children.setdefault(shown, []).append(entry)
 
-        def walk(entry: ProcessSnapshot, prefix: str) -> None:
-            kids = children.get(entry.info.key.pid, [])
+        def walk(parent: int | None, prefix: str) -> None:
+            kids = children.get(parent, [])
             for position, kid in enumerate(kids):
                 last = position == len(kids) - 1
-                lines.append(prefix + ("└─ " if last else "├─ ") + _process_line(kid))
-                walk(kid, prefix + ("   " if last else "│  "))
+                branch, indent = ("└─ ", "   ") if last else ("├─ ", "│  ")
+                if parent is None:
+                    branch = indent = ""
+                lines.append(prefix + branch + _process_line(kid))
+                walk(kid.info.key.pid, prefix + indent)
 
-        for entry in roots:
-            lines.append("  " + _process_line(entry))
-            walk(entry, "  ")
+        walk(None, "  ")
         if not self.processes:
             checked = "GPU memory or " if self.attribution == "ok" else ""
             lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")

@@ -132,12 +132,11 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
 
     None where either reading lacks the dirty figures.
     """
-    shared = (birth.shared_dirty_bytes, now.shared_dirty_bytes)
-    private = (birth.private_dirty_bytes, now.private_dirty_bytes)
-    if None in shared or None in private:
+    shared_then, private_then = birth.shared_dirty_bytes, birth.private_dirty_bytes
+    shared_now, private_now = now.shared_dirty_bytes, now.private_dirty_bytes
+    if shared_then is None or shared_now is None or private_then is None or private_now is None:
         return None
-    lost = max(0, (shared[0] or 0) - (shared[1] or 0))
-    return min(lost, max(0, (private[1] or 0) - (private[0] or 0)))
+    return min(max(0, shared_then - shared_now), max(0, private_now - private_then))
 
 
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:

@@ -437,8 +437,7 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
     """
     global _children_supported, _generation
     if _children_supported is None:
-        pid = os.getpid()
-        _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
+        _children_supported = os.path.exists(f"{_PROC}/self/task/{os.getpid()}/children")
     if not _children_supported:
         below = tree_below(root_pid, scan_all(with_cmdline=False))
         if with_cmdline:

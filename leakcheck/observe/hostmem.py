@@ -132,12 +132,11 @@ def copied_bytes(birth: HostMemory, now: HostMemory) -> int | None:
 
     None where either reading lacks the dirty figures.
     """
-    shared = (birth.shared_dirty_bytes, now.shared_dirty_bytes)
-    private = (birth.private_dirty_bytes, now.private_dirty_bytes)
-    if None in shared or None in private:
+    shared_then, private_then = birth.shared_dirty_bytes, birth.private_dirty_bytes
+    shared_now, private_now = now.shared_dirty_bytes, now.private_dirty_bytes
+    if shared_then is None or shared_now is None or private_then is None or private_now is None:
         return None
-    lost = max(0, (shared[0] or 0) - (shared[1] or 0))
-    return min(lost, max(0, (private[1] or 0) - (private[0] or 0)))
+    return min(max(0, shared_then - shared_now), max(0, private_now - private_then))
 
 
 def read_host_memory(target: int | ProcessKey, *, rollup: bool = True) -> HostMemory | None:
@@ -175,12 +174,8 @@ def read_host_memories(
     targets: Iterable[_Target], *, rollup: bool = True
 ) -> dict[_Target, HostMemory]:
     """``read_host_memory`` of each target still there, keyed as given."""
-    found: dict[_Target, HostMemory] = {}
-    for target in targets:
-        memory = read_host_memory(target, rollup=rollup)
-        if memory is not None:
-            found[target] = memory
-    return found
+    read = {target: read_host_memory(target, rollup=rollup) for target in targets}
+    return {target: memory for target, memory in read.items() if memory is not None}
 
 
 # --- /dev/shm -------------------------------------------------------------------------------
@@ -207,12 +202,8 @@ def shm_capacity(directory: str = "/dev/shm") -> ShmCapacity | None:
     except OSError:
         return None
     block = st.f_frsize or st.f_bsize
-    return ShmCapacity(
-        directory=directory,
-        total_bytes=st.f_blocks * block or None,
-        used_bytes=(st.f_blocks - st.f_bfree) * block,
-        free_bytes=st.f_bavail * block,
-    )
+    used = (st.f_blocks - st.f_bfree) * block
+    return ShmCapacity(directory, st.f_blocks * block or None, used, st.f_bavail * block)
 
 
 _NUMBER_TOKEN = re.compile(r"^[0-9]{2,9}$")

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -119,20 +118,16 @@ def remove(directory: str) -> bool:
     except OSError:
         return False
     try:
-        info = os.fstat(handle)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        if os.fstat(handle).st_uid != os.geteuid():  # O_DIRECTORY: a folder
             return False
         for entry in os.listdir(handle):
             with contextlib.suppress(OSError):
                 os.unlink(entry, dir_fd=handle)
+        os.rmdir(directory)
     except OSError:
         return False
     finally:
         os.close(handle)
-    try:
-        os.rmdir(directory)
-    except OSError:
-        return False
     return True
 
 
@@ -282,7 +277,7 @@ def read_births(root_pid: int, *, directory: str | None = None) -> dict[ProcessK
     owner = _owner(root_pid)
     found: dict[ProcessKey, Birth] = {}
     for path, who in _owned_folders(directory):
-        if owner is None or who != owner:
+        if who != owner:  # an unreadable owner (None) names no folder
             continue
         try:
             with open(os.path.join(path, BIRTHS_FILE), encoding="utf-8") as handle:

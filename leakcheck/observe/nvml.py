@@ -237,10 +237,8 @@ class Nvml:
         """One running-process list (NOTE [process lists]); unsupported and optional: empty."""
         if name in device.unsupported:
             return []
-        if name not in device.readers:
-            with self._lock:
-                if name not in device.readers:
-                    device.readers[name] = _RawProcessList.open(self._lib, name)
+        if name not in device.readers:  # threads racing here open equal readers: either does
+            device.readers[name] = _RawProcessList.open(self._lib, name)
         reader = device.readers[name]
         try:
             if reader is None:  # a driver older than R450
@@ -428,11 +426,10 @@ def gpu_bytes_by_pid(
     """Used bytes per device for each PID where known, and the PIDs listed without a count."""
     by_pid: dict[int, dict[int, int]] = {}
     unknown: set[int] = set()
-    for entry in processes:
-        per_device = by_pid.setdefault(entry.pid, {})
-        index, used = entry.device_index, entry.used_gpu_bytes
+    for pid, index, used, _ in processes:
+        per_device = by_pid.setdefault(pid, {})
         if used is None:
-            unknown.add(entry.pid)
+            unknown.add(pid)
         else:
             per_device[index] = per_device.get(index, 0) + used
     return by_pid, unknown

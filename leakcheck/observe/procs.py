@@ -28,6 +28,7 @@ import resource
 import threading
 import time
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from stat import S_ISCHR
 from typing import NamedTuple
 
@@ -99,10 +100,9 @@ def _pread_all(fd: int, chunk: int = 65536, *, record_bytes: int | None = None) 
     if size < chunk and (record_bytes is None or size <= _PAGE_BYTES - record_bytes):
         return data
     parts = [data]
-    offset = size
     while data:
-        data = os.pread(fd, chunk, offset)
-        offset += len(data)
+        data = os.pread(fd, chunk, size)
+        size += len(data)
         parts.append(data)
     return b"".join(parts)
 
@@ -127,14 +127,26 @@ def _parse_stat(data: bytes) -> _Stat | None:
     return _Stat(name, fields[0], int(fields[1]), int(fields[17]), starttime_ticks, image, kernel)
 
 
+def _fields_of(data: bytes, name: bytes) -> list[bytes] | None:
+    """The fields after ``name`` on the first line that starts with it; None: no such line."""
+    for line in data.splitlines():
+        if line.startswith(name):
+            return line[len(name) :].split()
+    return None
+
+
 def _stat(pid: int) -> _Stat | None:
     data = _read(f"{_PROC}/{pid}/stat")
     return None if not data else _parse_stat(data)
 
 
+def _image_of(pid: int, name: str) -> bytes | None:
+    return _read(f"{_PROC}/{pid}/{name}", 65536, whole=True)
+
+
 def _environ_tag(pid: int, prefix: bytes = _TAG_PREFIX) -> bytes | None:
     """The value of the variable ``prefix`` (``NAME=``) names in a process's environ."""
-    environ = b"\0" + (_read(f"{_PROC}/{pid}/environ", 65536, whole=True) or b"")
+    environ = b"\0" + (_image_of(pid, "environ") or b"")
     at = environ.find(b"\0" + prefix)  # unreadable or absent alike
     return None if at < 0 else environ[at + 1 + len(prefix) :].partition(b"\0")[0]
 
@@ -169,20 +181,18 @@ _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
 
 
+@dataclass(slots=True)
 class _Handles:
     """Open descriptors of one process: its stat file and its tasks' children files."""
 
-    __slots__ = ("last_read", "listed", "parent_tids", "stat_fd", "task_fds", "used")
-
-    def __init__(self, stat_fd: int, used: int) -> None:
-        self.stat_fd = stat_fd
-        self.task_fds: dict[str, int] = {}
-        self.used = used
-        self.listed = -_RELIST_EVERY  # the walk that last took the task list
-        # NOTE [quick walk]: its last full read (with its command line?), and its threads with
-        # children then.
-        self.last_read: tuple[ProcInfo, bool] | None = None
-        self.parent_tids: tuple[str, ...] = ()
+    stat_fd: int
+    used: int
+    task_fds: dict[str, int] = field(default_factory=dict)
+    listed: int = -_RELIST_EVERY  # the walk that last took the task list
+    # NOTE [quick walk]: its last full read (with its command line?), and its threads with
+    # children then.
+    last_read: tuple[ProcInfo, bool] | None = None
+    parent_tids: tuple[str, ...] = ()
 
 
 _fd_lock = threading.Lock()
@@ -194,8 +204,7 @@ _generation = 0
 @functools.cache
 def _cached_fd_limit() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    limit = _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else soft // 8
-    return max(0, min(_MAX_CACHED_FDS, limit))
+    return _MAX_CACHED_FDS if soft == resource.RLIM_INFINITY else min(_MAX_CACHED_FDS, soft // 8)
 
 
 def _close_quietly(fd: int) -> None:
@@ -375,10 +384,8 @@ os.register_at_fork(after_in_child=_forget_handles_after_fork)
 @functools.cache
 def boot_time_s() -> float:
     """Boot time in Unix seconds, for people (NOTE [process identity]); 0.0 if unreadable."""
-    for line in (_read(f"{_PROC}/stat", 65536, whole=True) or b"").splitlines():
-        if line.startswith(b"btime"):
-            return float(line.split()[1])
-    return 0.0
+    btime = _fields_of(_read(f"{_PROC}/stat", 65536, whole=True) or b"", b"btime")
+    return float(btime[0]) if btime else 0.0
 
 
 def create_time_s(start_ticks: int, boot_unix_s: float | None = None) -> float:
@@ -430,8 +437,7 @@ def descendants(root_pid: int, *, with_cmdline: bool = True, quick: bool = False
     """
     global _children_supported, _generation
     if _children_supported is None:
-        pid = os.getpid()
-        _children_supported = os.path.exists(f"{_PROC}/{pid}/task/{pid}/children")
+        _children_supported = os.path.exists(f"{_PROC}/self/task/{os.getpid()}/children")
     if not _children_supported:
         below = tree_below(root_pid, scan_all(with_cmdline=False))
         if with_cmdline:
@@ -576,16 +582,16 @@ class TagScan:
 
 def environ_variables(pid: int, names: Collection[str]) -> dict[str, str] | None:
     """The variables ``names`` set in a process's initial environment; None: unreadable."""
-    data = _read(f"{_PROC}/{pid}/environ", 65536, whole=True)
+    data = _image_of(pid, "environ")
     if data is None:
         return None
     wanted = {name.encode() for name in names}
-    found: dict[str, str] = {}
-    for entry in data.split(b"\0"):
-        name, sep, value = entry.partition(b"=")
-        if sep and name in wanted:
-            found[name.decode()] = value.decode("utf-8", "replace")
-    return found
+    pairs = (entry.partition(b"=") for entry in data.split(b"\0"))
+    return {
+        key.decode(): value.decode("utf-8", "replace")
+        for key, sep, value in pairs
+        if sep and key in wanted
+    }
 
 
 def tagged_session(pid: int) -> str | None:
@@ -632,10 +638,8 @@ def is_ancestor(
 @functools.cache
 def pid_namespace_nested() -> bool:
     """Whether this process runs in a child PID namespace, where NVML's host PIDs are not ours."""
-    for line in (_read(f"{_PROC}/self/status", 65536, whole=True) or b"").splitlines():
-        if line.startswith(b"NSpid:"):
-            return len(line.split()) > 2
-    return False
+    nspid = _fields_of(_read(f"{_PROC}/self/status", 65536, whole=True) or b"", b"NSpid:")
+    return nspid is not None and len(nspid) > 1
 
 
 def pid_exists_here(pid: int) -> bool:
@@ -644,21 +648,14 @@ def pid_exists_here(pid: int) -> bool:
         return False
     # /proc/TID exists for threads too (hidden from listdir): a process is its own group.
     data = _read(f"{_PROC}/{pid}/status", 1024)
-    if not data:
-        return False
-    at = data.find(b"\nTgid:")
-    if at < 0:
-        return True
-    fields = data[at + 6 :].split(maxsplit=1)
-    return bool(fields) and int(fields[0]) == pid
+    tgid = _fields_of(data, b"Tgid:") if data else []
+    return tgid is None or tgid[:1] == [b"%d" % pid]
 
 
 def ignores_signal(pid: int, signal_number: int) -> bool:
     """Whether process ``pid`` ignores ``signal_number`` (its ``SigIgn`` mask); False if gone."""
-    data = _read(f"{_PROC}/{pid}/status", 4096) or b""
-    at = data.find(b"\nSigIgn:")
-    fields = data[at + 8 :].split(maxsplit=1) if at >= 0 else []
-    return bool(fields) and bool(int(fields[0], 16) >> (signal_number - 1) & 1)
+    mask = _fields_of(_read(f"{_PROC}/{pid}/status", 4096) or b"", b"SigIgn:")
+    return bool(mask and int(mask[0], 16) >> (signal_number - 1) & 1)
 
 
 def is_nvidia_device_target(target: str) -> bool:
@@ -706,34 +703,26 @@ def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
         targets = _fd_targets(pid)
         if targets is None:
             return None
-        nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
-        found = Descriptors(nvidia, len(targets))
+        count = len(targets)
     else:
         try:
             names = os.listdir(f"{_PROC}/self/fd")
         except OSError:
             return None
-        nvidia = {}
+        count, targets = len(names), {}
         for name in names:
-            try:
+            # OSError: closed since the listing (the listing's own descriptor is).
+            with contextlib.suppress(OSError):
                 device = os.fstat(int(name))
-                if not S_ISCHR(device.st_mode):
-                    continue
-                target = _device_targets.get(device.st_rdev)
-                if target is None:
-                    target = os.readlink(f"{_PROC}/self/fd/{name}")
-                    _device_targets[device.st_rdev] = target
-            except OSError:
-                continue  # closed since the listing (the listing's own descriptor is)
-            if is_nvidia_device_target(target):
-                nvidia[int(name)] = target
-        found = Descriptors(nvidia, len(names))
+                if S_ISCHR(device.st_mode):
+                    if device.st_rdev not in _device_targets:
+                        target = os.readlink(f"{_PROC}/self/fd/{name}")
+                        _device_targets[device.st_rdev] = target
+                    targets[int(name)] = _device_targets[device.st_rdev]
+    nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
     limits = _read(f"{_PROC}/{pid}/limits") if limit else None
-    for line in (limits or b"").splitlines():
-        if line.startswith(b"Max open files"):
-            soft = line[len(b"Max open files") :].split()[:1]
-            return found._replace(limit=int(soft[0]) if soft and soft[0].isdigit() else None)
-    return found
+    soft = _fields_of(limits or b"", b"Max open files")
+    return Descriptors(nvidia, count, int(soft[0]) if soft and soft[0].isdigit() else None)
 
 
 def nvidia_fds(pid: int) -> dict[int, str] | None:
@@ -756,14 +745,12 @@ def shm_segments(directory: str = "/dev/shm") -> dict[str, ShmSegment]:
     except OSError:
         return segments
     for entry in entries:
-        try:
+        with contextlib.suppress(OSError):  # removed during the scan
             if entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 segments[entry.name] = ShmSegment(
                     st.st_size, st.st_mtime, st.st_ino, entry.name, st.st_blocks * 512, st.st_uid
                 )
-        except OSError:
-            continue  # removed during the scan
     return segments
 
 
@@ -956,7 +943,3 @@ class Lineage:
         return self._looks_alike(info.key.pid) and (
             parent <= 1 or parent == self.pid or not self._looks_alike(parent)
         )
-
-
-def _image_of(pid: int, name: str) -> bytes | None:
-    return _read(f"{_PROC}/{pid}/{name}", 65536, whole=True)

@@ -84,25 +84,24 @@ class Snapshot(NamedTuple):
         if self.attribution != "ok":
             lines.append(f"leakcheck snapshot: {self.attribution_reason}")
         lines.extend(_device_line(device) for device in self.devices)
-        by_pid = {entry.info.key.pid: entry for entry in self.processes}
-        children: dict[int, list[ProcessSnapshot]] = {}
-        roots: list[ProcessSnapshot] = []
+        pids = {entry.info.key.pid for entry in self.processes}
+        children: dict[int | None, list[ProcessSnapshot]] = {}  # None: the roots
         for entry in sorted(self.processes, key=lambda e: e.info.key.pid):
-            if entry.info.ppid in by_pid and entry.info.ppid != entry.info.key.pid:
-                children.setdefault(entry.info.ppid, []).append(entry)
-            else:
-                roots.append(entry)
+            ppid = entry.info.ppid
+            shown = ppid if ppid in pids and ppid != entry.info.key.pid else None
+            children.setdefault(shown, []).append(entry)
 
-        def walk(entry: ProcessSnapshot, prefix: str) -> None:
-            kids = children.get(entry.info.key.pid, [])
+        def walk(parent: int | None, prefix: str) -> None:
+            kids = children.get(parent, [])
             for position, kid in enumerate(kids):
                 last = position == len(kids) - 1
-                lines.append(prefix + ("└─ " if last else "├─ ") + _process_line(kid))
-                walk(kid, prefix + ("   " if last else "│  "))
+                branch, indent = ("└─ ", "   ") if last else ("├─ ", "│  ")
+                if parent is None:
+                    branch = indent = ""
+                lines.append(prefix + branch + _process_line(kid))
+                walk(kid.info.key.pid, prefix + indent)
 
-        for entry in roots:
-            lines.append("  " + _process_line(entry))
-            walk(entry, "  ")
+        walk(None, "  ")
         if not self.processes:
             checked = "GPU memory or " if self.attribution == "ok" else ""
             lines.append(f"  no process holds {checked}/dev/nvidia* descriptors")
@@ -270,17 +269,14 @@ def take_snapshot(
         lineage = {info.key.pid for info in procs.tree_below(root_pid, every.values())}
         lineage.add(root_pid)
     own_pid = os.getpid()
-    fds: dict[int, int] = {}
-    if with_fds:
-        for pid in every.keys() - {own_pid}:
-            if count := procs.nvidia_fd_count(pid):
-                fds[pid] = count
+    others = every.keys() - {own_pid} if with_fds else set()
+    counts = {pid: procs.nvidia_fd_count(pid) for pid in others}
+    fds = {pid: count for pid, count in counts.items() if count}
     if reader.is_alive():
         reader.join()
     if with_fds and own_pid in every:
-        own = procs.nvidia_fds(own_pid)  # after NVML's read, less what NVML opened
-        count = len(own.keys() - nvml.own_descriptors()) if own is not None else 0
-        if count:
+        own = procs.nvidia_fds(own_pid) or {}  # after NVML's read, less what NVML opened
+        if count := len(own.keys() - nvml.own_descriptors()):
             fds[own_pid] = count
     attribution, reason, device_states, gpu_processes = (
         read[0] if read else ("nvml-unavailable", "NVML unavailable: its read did not end", (), ())

@@ -181,9 +181,12 @@ def test_teardown_record_reads_host_memory_and_unknowns() -> None:
             "host_pss_bytes": 20,
             "host_rss_bytes": 30,
             "host_rss_peak_bytes": "oops",  # malformed: unknown, never 0
+            "peak_reserved_bytes": float("nan"),  # JSON's NaN and Infinity: unknown, no raise
+            "monotonic_s": float("inf"),
         },
         key,
     )
+    assert record.peak_reserved_bytes is None and record.monotonic_s is None
     assert (record.host_uss_bytes, record.host_pss_bytes, record.host_rss_bytes) == (10, 20, 30)
     assert record.host_rss_peak_bytes is None
     # An older worker's record without them: unknown.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -233,8 +234,8 @@ def record_key(record: Mapping[str, Any]) -> ProcessKey | None:
 
 
 def _int(value: object) -> int | None:
-    """A number as int; None for anything else (a bool included: no count)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A number as int; None for anything else (a bool, NaN or infinity: no count)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return int(value)
 
@@ -303,7 +304,7 @@ def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecor
         elif kind.startswith("int"):
             value = _int(raw)
         elif kind.startswith("float"):
-            value = float(raw) if isinstance(raw, (int, float)) else None
+            value = float(raw) if _int(raw) is not None else None
         elif kind.startswith("str"):
             value = str(raw) if raw else None
         elif isinstance(raw, dict):  # gpu_bytes_by_device

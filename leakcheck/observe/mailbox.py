@@ -304,7 +304,7 @@ def teardown_record(record: Mapping[str, Any], key: ProcessKey) -> TeardownRecor
         elif kind.startswith("int"):
             value = _int(raw)
         elif kind.startswith("float"):
-            value = float(raw) if _int(raw) is not None else None
+            value = float(raw) if isinstance(raw, (int, float)) and _int(raw) is not None else None
         elif kind.startswith("str"):
             value = str(raw) if raw else None
         elif isinstance(raw, dict):  # gpu_bytes_by_device

@@ -144,16 +144,14 @@ def _leak_option(
     return OptionSpec(name, parse, default, help, flag, env, "gpu_leak_" + name, attribute)
 
 
-ENABLED = replace(
-    _leak_option(
-        "enabled",
-        parse_bool,
-        False,
-        "fail tests that leave processes, /dev/shm segments or GPU memory behind",
-    ),
-    cli_flag="--gpu-leak-check",
-    env_var="LEAKCHECK_GPU_LEAK_CHECK",
-    ini_key="gpu_leak_check",
+ENABLED = OptionSpec(
+    "enabled",
+    parse_bool,
+    False,
+    "fail tests that leave processes, /dev/shm segments or GPU memory behind",
+    "--gpu-leak-check",
+    "LEAKCHECK_GPU_LEAK_CHECK",
+    "gpu_leak_check",
 )
 TOLERANCE = _leak_option(
     "tolerance",

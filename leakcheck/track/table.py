@@ -79,10 +79,9 @@ _RANK_EXEC_WINDOW_S = 1.0
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
     if ours is None or other is None or other.rank == ours.rank or ours_ppid <= 1:
         return False
-    if other.restart_count != ours.restart_count:
-        return False
     runs = {None if i.run_id in (None, "", "none") else i.run_id for i in (ours, other)}
-    return len(runs) == 1 and procs.is_ancestor(ours_ppid, pid)
+    same_run = len(runs) == 1 and other.restart_count == ours.restart_count
+    return same_run and procs.is_ancestor(ours_ppid, pid)
 
 
 class ProcessTable:

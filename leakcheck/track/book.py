@@ -420,7 +420,6 @@ class EpochBook:
             deadline = max(deadline, end_s + self.grace_s)
         return pending, deadline
 
-
     def final(
         self,
         table: ProcessTable,

@@ -175,13 +175,10 @@ class EpochBook:
         The latest opened before the window ends (workers start as their epoch opens), if it
         had not ended before the window began.
         """
-        for epoch in reversed(self.epochs):
-            if epoch.start_s >= born_s + window_s:
-                continue
-            if epoch.end_s is not None and epoch.end_s < born_s:
-                return None
-            return epoch.index
-        return None
+        epoch = next((e for e in reversed(self.epochs) if e.start_s < born_s + window_s), None)
+        if epoch is None or (epoch.end_s is not None and epoch.end_s < born_s):
+            return None
+        return epoch.index
 
     def see(self, key: ProcessKey) -> None:
         """Count ``key`` in the open epoch (a worker known from its report alone)."""
@@ -282,23 +279,18 @@ class EpochBook:
         host: HostMemory | None = None,
     ) -> bool:
         """A worker's report at ``at_s`` to its epoch; True if taken (NOTE [worker reports])."""
-        for epoch in reversed(self.epochs):
-            if epoch.start_s > at_s:
-                continue
-            ended = epoch.end_s
-            if not (
-                ended is None
-                or at_s <= ended
-                or (key in epoch.rows and at_s <= ended + self.grace_s)
-            ):
-                return False
-            row = epoch.row(key)
-            row.reported = True
-            _raise_peak(row.peak, gpu_bytes)
-            if host is not None:
-                row.report, row.report_at_s = host, at_s
-            return True
-        return False
+        epoch = next((e for e in reversed(self.epochs) if e.start_s <= at_s), None)
+        if epoch is None:
+            return False
+        late_s = self.grace_s if key in epoch.rows else 0.0  # one seen in it: within the grace
+        if epoch.end_s is not None and at_s > epoch.end_s + late_s:
+            return False
+        row = epoch.row(key)
+        row.reported = True
+        _raise_peak(row.peak, gpu_bytes)
+        if host is not None:
+            row.report, row.report_at_s = host, at_s
+        return True
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
         """Keep a teardown record; what it held at exit goes to its epoch (``t0_s``: the start)."""

@@ -45,15 +45,13 @@ def _host_fields(
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
     peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
-    if rss is not None:
-        peaks.append(rss)
     return {
         "host_bytes_end": uss if uss is not None else rss,
         "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
         "pss_bytes_end": next((m.pss_bytes for m in reads if m.pss_bytes is not None), None),
         "rss_bytes_end": rss,
         "anon_bytes_end": next((m.anon_bytes for m in reads if m.anon_bytes is not None), None),
-        "rss_bytes_peak": max(peaks) if peaks else None,
+        "rss_bytes_peak": max([*peaks, rss] if rss is not None else peaks, default=None),
     }
 
 

@@ -258,9 +258,8 @@ class Sampler:
     def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
         started_cpu_s = time.thread_time()
-        host = self.host
-        found = self.failures.guard(lambda: host.rollup(plan.keys, count=False), "host memory")
-        host.inside_reads += 1
+        found = self.failures.guard(lambda: self.host.rollup(plan.keys, count=False), "host memory")
+        self.host.inside_reads += 1
         with self.lock:
             if found and self.table is not None and self.book.open_index == plan.epoch_index:
                 self.book.apply_inside(self.table, found, plan.at_s)

@@ -178,11 +178,6 @@ class EpochBook:
             return None
         return epoch.index
 
-    def see(self, key: ProcessKey) -> None:
-        """Count ``key`` in the open epoch (a worker known from its report alone)."""
-        if self.open is not None:
-            self.open.row(key)
-
     def note_sample(self, table: ProcessTable, device_used: Mapping[int, int] | None) -> None:
         """Fold one sample into the open epoch, where processes or their bytes changed."""
         epoch = self.open

@@ -275,7 +275,8 @@ class Sampler:
             self.table.register_worker(
                 key, persistent, now=self.now(), born_epoch=self.book.open_index
             )
-            self.book.see(key)
+            if self.book.open is not None:  # counted in it, even known from its report alone
+                self.book.open.row(key)
 
     def _sample(
         self,

@@ -308,8 +308,7 @@ class EpochBook:
     def apply_accounting(self, table: ProcessTable, records: Iterable[AccountedProcess]) -> None:
         """The driver's maxima of exited PIDs (NVML accounting, where it is on) as reports."""
         for record in records:
-            key = table.by_pid.get(record.pid)
-            proc = table.procs.get(key) if key is not None else None
+            proc = table.procs.get(table.by_pid.get(record.pid, ProcessKey(0, 0)))
             if proc is None or record.is_running or proc.exited_s is None:
                 continue
             if record.max_memory_bytes is not None:

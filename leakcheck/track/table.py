@@ -370,8 +370,7 @@ class ProcessTable:
             if info is None or info.key != key or not info.cmdline:
                 continue  # gone, or caught mid-exec with no command line: read it next time
             proc.cmdline = info.cmdline.strip()
-            parent_key = self.by_pid.get(proc.ppid)
-            parent = self.procs.get(parent_key) if parent_key is not None else None
+            parent = self.procs.get(self.by_pid.get(proc.ppid, ProcessKey(0, 0)))
             proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
 
     def role(self, proc: Proc) -> Role:

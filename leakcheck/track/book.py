@@ -229,8 +229,7 @@ class EpochBook:
             pinned_allocated_bytes=pinned[0],
             pinned_reserved_bytes=pinned[1],
         )
-        # Ownership as it stands now: a worker's report may have corrected a claim (NOTE
-        # [claims]).
+        # Ownership now: a worker's report may have corrected a claim (NOTE [claims]).
         table.refresh_ownership()
         epoch.rows = {key: row for key, row in epoch.rows.items() if table.procs[key].own}
         for key in table.job_live():

@@ -80,11 +80,9 @@ def _take_mode_of(target: str, temp_path: str) -> None:
     if (existing.st_uid, existing.st_gid) != (os.geteuid(), os.getegid()):
         # Root gives a file away; any user may at least keep a group of their own.
         for uid in (existing.st_uid, -1):
-            try:
+            with contextlib.suppress(OSError):
                 os.chown(temp_path, uid, existing.st_gid)
                 break
-            except OSError:
-                continue
     os.chmod(temp_path, stat.S_IMODE(existing.st_mode))
 
 
@@ -92,11 +90,10 @@ def environment(devices: Iterable[DeviceState] = (), **extra: Any) -> dict[str, 
     """Versions and machine, written beside results (torch only if already imported)."""
     import leakcheck
 
-    torch = sys.modules.get("torch")
     return {
         "leakcheck": leakcheck.__version__,
         "python": platform.python_version(),
-        "torch": getattr(torch, "__version__", None) if torch is not None else None,
+        "torch": getattr(sys.modules.get("torch"), "__version__", None),
         "platform": platform.platform(),
         "host": socket.gethostname(),
         "cpu_count": os.cpu_count(),

@@ -6,6 +6,7 @@ came from (``LEAKCHECK_TOLERANCE (environment)``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Literal, TypeVar
@@ -46,11 +47,8 @@ def parse_share_option(value: object, source: str) -> float:
         share = float(value)
     elif isinstance(value, str):
         text = value.strip()
-        scale = 0.01 if text.endswith("%") else 1.0
-        try:
-            share = float(text.removesuffix("%")) * scale
-        except ValueError:
-            share = None
+        with contextlib.suppress(ValueError):
+            share = float(text.removesuffix("%")) * (0.01 if text.endswith("%") else 1.0)
     if share is None or not 0 < share <= 1:  # NaN fails both comparisons
         raise UsageError(
             f"{source}: expected a share of time in (0, 1] such as 0.001, 0.1% or 1, got {value!r}"
@@ -144,16 +142,14 @@ def _leak_option(
     return OptionSpec(name, parse, default, help, flag, env, "gpu_leak_" + name, attribute)
 
 
-ENABLED = replace(
-    _leak_option(
-        "enabled",
-        parse_bool,
-        False,
-        "fail tests that leave processes, /dev/shm segments or GPU memory behind",
-    ),
-    cli_flag="--gpu-leak-check",
-    env_var="LEAKCHECK_GPU_LEAK_CHECK",
-    ini_key="gpu_leak_check",
+ENABLED = OptionSpec(
+    "enabled",
+    parse_bool,
+    False,
+    "fail tests that leave processes, /dev/shm segments or GPU memory behind",
+    "--gpu-leak-check",
+    "LEAKCHECK_GPU_LEAK_CHECK",
+    "gpu_leak_check",
 )
 TOLERANCE = _leak_option(
     "tolerance",

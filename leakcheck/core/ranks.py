@@ -53,9 +53,7 @@ def physical_device(index: int, environ: Mapping[str, str]) -> int | None:
     if visible is None:
         return index
     entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
-    if index >= len(entries):
-        return None
-    return _count(entries[index])
+    return _count(entries[index]) if index < len(entries) else None
 
 
 def rank_from_environ(environ: Mapping[str, str]) -> RankInfo | None:

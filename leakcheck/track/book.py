@@ -45,15 +45,13 @@ def _host_fields(
     uss = next((m.uss_bytes for m in reads if m.uss_bytes is not None), None)
     rss = next((m.rss_bytes for m in reads if m.rss_bytes is not None), None)
     peaks = [m.rss_peak_bytes for m in (end, rollup, report) if m and m.rss_peak_bytes]
-    if rss is not None:
-        peaks.append(rss)
     return {
         "host_bytes_end": uss if uss is not None else rss,
         "host_source": "uss" if uss is not None else ("rss" if rss is not None else None),
         "pss_bytes_end": next((m.pss_bytes for m in reads if m.pss_bytes is not None), None),
         "rss_bytes_end": rss,
         "anon_bytes_end": next((m.anon_bytes for m in reads if m.anon_bytes is not None), None),
-        "rss_bytes_peak": max(peaks) if peaks else None,
+        "rss_bytes_peak": max([*peaks, rss] if rss is not None else peaks, default=None),
     }
 
 
@@ -175,18 +173,10 @@ class EpochBook:
         The latest opened before the window ends (workers start as their epoch opens), if it
         had not ended before the window began.
         """
-        for epoch in reversed(self.epochs):
-            if epoch.start_s >= born_s + window_s:
-                continue
-            if epoch.end_s is not None and epoch.end_s < born_s:
-                return None
-            return epoch.index
-        return None
-
-    def see(self, key: ProcessKey) -> None:
-        """Count ``key`` in the open epoch (a worker known from its report alone)."""
-        if self.open is not None:
-            self.open.row(key)
+        epoch = next((e for e in reversed(self.epochs) if e.start_s < born_s + window_s), None)
+        if epoch is None or (epoch.end_s is not None and epoch.end_s < born_s):
+            return None
+        return epoch.index
 
     def note_sample(self, table: ProcessTable, device_used: Mapping[int, int] | None) -> None:
         """Fold one sample into the open epoch, where processes or their bytes changed."""
@@ -239,8 +229,7 @@ class EpochBook:
             pinned_allocated_bytes=pinned[0],
             pinned_reserved_bytes=pinned[1],
         )
-        # Ownership as it stands now: a worker's report may have corrected a claim (NOTE
-        # [claims]).
+        # Ownership now: a worker's report may have corrected a claim (NOTE [claims]).
         table.refresh_ownership()
         epoch.rows = {key: row for key, row in epoch.rows.items() if table.procs[key].own}
         for key in table.job_live():
@@ -282,23 +271,18 @@ class EpochBook:
         host: HostMemory | None = None,
     ) -> bool:
         """A worker's report at ``at_s`` to its epoch; True if taken (NOTE [worker reports])."""
-        for epoch in reversed(self.epochs):
-            if epoch.start_s > at_s:
-                continue
-            ended = epoch.end_s
-            if not (
-                ended is None
-                or at_s <= ended
-                or (key in epoch.rows and at_s <= ended + self.grace_s)
-            ):
-                return False
-            row = epoch.row(key)
-            row.reported = True
-            _raise_peak(row.peak, gpu_bytes)
-            if host is not None:
-                row.report, row.report_at_s = host, at_s
-            return True
-        return False
+        epoch = next((e for e in reversed(self.epochs) if e.start_s <= at_s), None)
+        if epoch is None:
+            return False
+        late_s = self.grace_s if key in epoch.rows else 0.0  # one seen in it: within the grace
+        if epoch.end_s is not None and at_s > epoch.end_s + late_s:
+            return False
+        row = epoch.row(key)
+        row.reported = True
+        _raise_peak(row.peak, gpu_bytes)
+        if host is not None:
+            row.report, row.report_at_s = host, at_s
+        return True
 
     def apply_teardown(self, teardown: TeardownRecord, t0_s: float) -> None:
         """Keep a teardown record; what it held at exit goes to its epoch (``t0_s``: the start)."""
@@ -323,8 +307,7 @@ class EpochBook:
     def apply_accounting(self, table: ProcessTable, records: Iterable[AccountedProcess]) -> None:
         """The driver's maxima of exited PIDs (NVML accounting, where it is on) as reports."""
         for record in records:
-            key = table.by_pid.get(record.pid)
-            proc = table.procs.get(key) if key is not None else None
+            proc = table.procs.get(table.by_pid.get(record.pid, ProcessKey(0, 0)))
             if proc is None or record.is_running or proc.exited_s is None:
                 continue
             if record.max_memory_bytes is not None:
@@ -419,7 +402,6 @@ class EpochBook:
             pending.append(proc)
             deadline = max(deadline, end_s + self.grace_s)
         return pending, deadline
-
 
     def final(
         self,

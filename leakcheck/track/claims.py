@@ -70,13 +70,11 @@ def claim_worker(key: ProcessKey, session: str) -> None:
     """Record an exact claim: the worker reported itself to ``session``'s mailbox (rule 1)."""
     with _lock:
         found = _live.get(key)
-        if found is None and key in _gone:
-            _take(key, _gone[key], session)  # seen gone before its report was read
-        else:
-            if found is None:
-                found = _live[key] = _Claim(session)
+        if found is None and key not in _gone:
+            found = _live[key] = _Claim(session)
+        if found is not None:  # else seen gone before its report was read
             found.exact = True
-            _take(key, found, session)
+        _take(key, found or _gone[key], session)
         corrected = [key]
         while corrected:
             parent = corrected.pop()

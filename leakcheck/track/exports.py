@@ -59,11 +59,8 @@ def withdraw(token: int) -> None:
             if os.environ.get(name) != layers[-1][1]:  # changed from outside: stale layers
                 del _layers[name]
                 continue
+            _layers[name] = remaining  # at least the value from before: token 0
             value = remaining[-1][1]
-            if len(remaining) > 1:
-                _layers[name] = remaining
-            else:
-                del _layers[name]
             if value is None:
                 os.environ.pop(name, None)
             else:

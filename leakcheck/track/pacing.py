@@ -115,7 +115,4 @@ class Pacing:
         due_s = self.memory_due_s
         if self.lists_due(quick=True):
             due_s = min(due_s, self.lists_due_s)
-        ahead_s = due_s - now_s
-        if ahead_s <= self.interval_s:
-            return 1
-        return min(to_walk, math.ceil(ahead_s / self.interval_s))
+        return max(1, min(to_walk, math.ceil((due_s - now_s) / self.interval_s)))

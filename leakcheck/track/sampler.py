@@ -23,6 +23,7 @@ import contextlib
 import os
 import threading
 import time
+from collections import Counter
 
 from leakcheck.core.model import (
     Death,
@@ -141,10 +142,9 @@ class Sampler:
         self.baseline_devices = self.nvml.device_states()
         # The end state also counts as the job's the root's own bytes and what other
         # trackers' or ranks' processes held (NOTE [other ranks] in table.py).
-        baseline = dict(table.procs[table.root].gpu_bytes)
-        for device, used in table.others_gpu_bytes().items():
-            baseline[device] = baseline.get(device, 0) + used
-        self.baseline_gpu_bytes = baseline
+        baseline = Counter(table.procs[table.root].gpu_bytes)
+        baseline.update(table.others_gpu_bytes())
+        self.baseline_gpu_bytes = dict(baseline)
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="leakcheck-sampler", daemon=True)
@@ -176,10 +176,9 @@ class Sampler:
                     spent_s = time.thread_time() - cpu_start_s
                     self.meter.add(sampler_cpu_s=spent_s, host_read_cpu_s=spent_s)
                     continue
-                next_ticks = self._tick(ticks)
-                if next_ticks is None:
+                ticks = self._tick(ticks)
+                if not ticks:
                     return
-                ticks = next_ticks
                 tick_due_s = time.monotonic() + ticks * self.interval_s
                 self.meter.add(sampler_cpu_s=time.thread_time() - cpu_start_s)
         except Exception as error:  # the detector's own failure is reported, never lost
@@ -190,11 +189,11 @@ class Sampler:
                     error,
                 )
 
-    def _tick(self, ticks: int) -> int | None:
-        """One tick; how many intervals until the next (None: closed)."""
+    def _tick(self, ticks: int) -> int:
+        """One tick; how many intervals until the next (0: closed)."""
         with self.lock:
             if self.closed:
-                return None
+                return 0
             scan_tags, self.tag_scan_due = self.tag_scan_due, False
             tick = self.pacing.plan(time.perf_counter(), ticks, walk_now=scan_tags)
             self._sample(epoch_end=False, scan_tags=scan_tags, quick=True, tick=tick)
@@ -259,9 +258,8 @@ class Sampler:
     def _read_inside(self, plan: RollupPlan) -> None:
         """An in-epoch read of the forked workers, off the lock (NOTE [host pacing])."""
         started_cpu_s = time.thread_time()
-        host = self.host
-        found = self.failures.guard(lambda: host.rollup(plan.keys, count=False), "host memory")
-        host.inside_reads += 1
+        found = self.failures.guard(lambda: self.host.rollup(plan.keys, count=False), "host memory")
+        self.host.inside_reads += 1
         with self.lock:
             if found and self.table is not None and self.book.open_index == plan.epoch_index:
                 self.book.apply_inside(self.table, found, plan.at_s)
@@ -277,7 +275,8 @@ class Sampler:
             self.table.register_worker(
                 key, persistent, now=self.now(), born_epoch=self.book.open_index
             )
-            self.book.see(key)
+            if self.book.open is not None:  # counted in it, even known from its report alone
+                self.book.open.row(key)
 
     def _sample(
         self,

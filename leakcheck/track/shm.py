@@ -41,8 +41,7 @@ class ShmWatch:
         if capacity is None:
             return
         self.total_bytes = capacity.total_bytes
-        if self.used_peak_bytes is None or capacity.used_bytes > self.used_peak_bytes:
-            self.used_peak_bytes = capacity.used_bytes
+        self.used_peak_bytes = max(capacity.used_bytes, self.used_peak_bytes or 0)
 
     def begin_epoch(self) -> None:
         """An epoch begins: its peak starts from the use now."""

@@ -79,10 +79,9 @@ _RANK_EXEC_WINDOW_S = 1.0
 def _same_job(ours: RankInfo | None, ours_ppid: int, other: RankInfo | None, pid: int) -> bool:
     if ours is None or other is None or other.rank == ours.rank or ours_ppid <= 1:
         return False
-    if other.restart_count != ours.restart_count:
-        return False
     runs = {None if i.run_id in (None, "", "none") else i.run_id for i in (ours, other)}
-    return len(runs) == 1 and procs.is_ancestor(ours_ppid, pid)
+    same_run = len(runs) == 1 and other.restart_count == ours.restart_count
+    return same_run and procs.is_ancestor(ours_ppid, pid)
 
 
 class ProcessTable:
@@ -371,8 +370,7 @@ class ProcessTable:
             if info is None or info.key != key or not info.cmdline:
                 continue  # gone, or caught mid-exec with no command line: read it next time
             proc.cmdline = info.cmdline.strip()
-            parent_key = self.by_pid.get(proc.ppid)
-            parent = self.procs.get(parent_key) if parent_key is not None else None
+            parent = self.procs.get(self.by_pid.get(proc.ppid, ProcessKey(0, 0)))
             proc.cmdline_confirmed = parent is not None and proc.cmdline != parent.cmdline
 
     def role(self, proc: Proc) -> Role:

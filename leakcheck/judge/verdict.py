@@ -316,7 +316,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             continue  # not seen alive long enough to tell: judged later, or at close
         birth = walk.birth(obs)
         left = walk.outside_tree(obs, birth) if birth else []
-        still = ""
+        since, still = "", ""
         if orphaned[-1][0] is None:
             still = ", alive after the job" if after_job else ", alive now"
         if left:
@@ -328,8 +328,6 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             since = f" by {first_rec.label}"
         elif after_job:  # seen only after the job
             since, still = " after the job", ", still alive"
-        else:
-            since = ""
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
         started = ""

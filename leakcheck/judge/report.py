@@ -576,8 +576,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
             flags = ["born"] if p.born_in_epoch else []
             flags += ["persistent"] if p.persistent else []
             flags += [] if p.alive_at_end else ["gone-at-end"]
-            if p.exited_after_s is not None:
-                flags.append(f"exited+{p.exited_after_s:.1f}s")
+            flags += [] if p.exited_after_s is None else [f"exited+{p.exited_after_s:.1f}s"]
             if p.last_seen_after_s is not None:
                 # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
                 flags.append(f"seen+{max(0.0, p.last_seen_after_s):.1f}s")

@@ -226,10 +226,9 @@ def judge_job(
         )
     every = [f for v in verdicts for f in v.leaks] + [f for f in outside_leaks if f.rank is None]
     sizes = [e.info.world_size for e in rank_reports if e.info.world_size is not None]
-    reports = [r for e in rank_reports for r in e.reports] + list(outside)
     return JobReport(
         world_size=max(sizes, default=None),
         ranks=tuple(verdicts),
         leaks=_unique(every),
-        blind=any(r.verdict == "blind" for r in reports),
+        blind=any(v.blind for v in verdicts) or any(r.verdict == "blind" for r in outside),
     )

@@ -230,7 +230,8 @@ def _thermal_panel(axes: Any, config: _Config) -> Any:
     return clock_axes
 
 
-def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None) -> None:
+def _row_legend(axes_list: Sequence[Any], title: str, *, x: float = 1.03) -> None:
+    """A row's legend right of its last panel (``x``: past a twin axis' labels): hides no data."""
     handles: dict[str, Any] = {}
     for axes in axes_list:
         for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
@@ -239,8 +240,6 @@ def _row_legend(axes_list: Sequence[Any], title: str, *, x: float | None = None)
         return
     # Patches (bars) first, in drawing order, then lines: matplotlib lists lines first.
     ordered = sorted(handles.items(), key=lambda item: hasattr(item[1], "get_xydata"))
-    # Right of the row's last panel (past a twin axis' labels), so it never hides data.
-    x = x if x is not None else 1.22 if len(axes_list) > 1 else 1.03
     axes_list[0].legend(
         [handle for _, handle in ordered], [label for label, _ in ordered], title=title,
         loc="center left", bbox_to_anchor=(x, 0.5), fontsize=8, title_fontsize=8, frameon=False,
@@ -280,7 +279,7 @@ def render(result: _Sweep) -> Any:
                 axes.set_ylim(0, max(tops) * 1.08)
     if gpu:
         _row_legend([rows["memory"][-1]], "GPU memory")
-        _row_legend([rows["thermal"][-1], clocks[-1]], "GPU thermal state")
+        _row_legend([rows["thermal"][-1], clocks[-1]], "GPU thermal state", x=1.22)
     _row_legend([rows["host"][-1]], "host memory")
     _row_legend([rows["processes"][-1]], "processes")
     width = 40 * columns + 30
@@ -300,18 +299,18 @@ def render(result: _Sweep) -> Any:
     return figure
 
 
-def plot_sweep(result: _Sweep, path: str, *, dpi: int = 110) -> str:
+def plot_sweep(result: _Sweep, path: str) -> str:
     """Write the sweep's picture as a PNG, atomically; returns ``path``."""
-    return _write_png(render, result, path, dpi)
+    return _write_png(render, result, path)
 
 
-def _write_png(draw: Callable[[Any], Any], what: Any, path: str, dpi: int) -> str:
+def _write_png(draw: Callable[[Any], Any], what: Any, path: str) -> str:
     # Another name would hold PNG bytes under a name that says otherwise (x.svg, x.pdf).
     if not os.fspath(path).lower().endswith(".png"):
         raise UsageError(f"plot: expected a file name ending in .png, got {path!r}")
     figure = draw(what)
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi)
+    figure.savefig(buffer, format="png", dpi=110)
     write_atomic(path, buffer.getvalue())
     return path
 
@@ -425,16 +424,13 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
         title = "\n".join(part for part in (label, _verdict_text(report)) if part)
         colour = _VERDICT_COLOURS.get(report.verdict, "#000000")
         grid[0][column].set_title(title, fontsize=10, color=colour)
-        bottom = grid[-1][column]
-        bottom.set_xticks(list(range(len(report.epochs))))
-        bottom.set_xticklabels(
-            [e.label for e in report.epochs], rotation=30, ha="right", fontsize=8
-        )
-        bottom.set_xlabel("epoch end")
+        labels = [e.label for e in report.epochs]
+        grid[-1][column].set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        grid[-1][column].set_xlabel("epoch end")
     for row, panel in enumerate(panels):
         # Every column's lines and marks, right of the last column.
         axes_row = [grid[row][columns - 1], *grid[row][: columns - 1]]
-        _row_legend(axes_row, "GPU memory" if panel == "gpu" else "host memory", x=1.03)
+        _row_legend(axes_row, "GPU memory" if panel == "gpu" else "host memory")
     lines = ["leakcheck: memory per epoch end by process group (RSS solid, USS dashed)"]
     if not gpu:
         reason = (reports[0][1].timeline.attribution_reason if reports else "") or "no GPU"
@@ -443,6 +439,6 @@ def render_reports(reports: Sequence[tuple[str, _Report]]) -> Any:
     return figure
 
 
-def plot_reports(reports: Sequence[tuple[str, _Report]], path: str, *, dpi: int = 110) -> str:
+def plot_reports(reports: Sequence[tuple[str, _Report]], path: str) -> str:
     """Write ``render_reports``' picture as a PNG, atomically; returns ``path``."""
-    return _write_png(render_reports, reports, path, dpi)
+    return _write_png(render_reports, reports, path)

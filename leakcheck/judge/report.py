@@ -326,19 +326,16 @@ def leak_short(finding: Finding) -> str:
     if finding.shm_name is not None:  # the file, also where a process holds it
         size = f" ({format_size(finding.size_bytes)})" if finding.size_bytes is not None else ""
         return f"{finding.rule} /dev/shm/{finding.shm_name}{size}"
+    who, amount = "job", ""
     if finding.pid is not None:
         role = finding.role if finding.role and finding.role != finding.rule else None
         who = f"{rank_label(finding.rank)}{role or 'process'} PID {finding.pid}"
     elif finding.device_index is not None:
         who = f"GPU{finding.device_index}"
-    else:
-        who = "job"
     if finding.bytes_per_epoch is not None:
         amount = f" ({format_mib(finding.bytes_per_epoch, signed=True)} MiB/epoch)"
     elif finding.gpu_bytes:
         amount = f" ({format_mib(finding.gpu_bytes)} MiB)"
-    else:
-        amount = ""
     return f"{finding.rule} {who}{amount}"
 
 
@@ -579,8 +576,7 @@ def _process_lines(timeline: Timeline) -> list[str]:
             flags = ["born"] if p.born_in_epoch else []
             flags += ["persistent"] if p.persistent else []
             flags += [] if p.alive_at_end else ["gone-at-end"]
-            if p.exited_after_s is not None:
-                flags.append(f"exited+{p.exited_after_s:.1f}s")
+            flags += [] if p.exited_after_s is None else [f"exited+{p.exited_after_s:.1f}s"]
             if p.last_seen_after_s is not None:
                 # Seen last before the epoch's end sample by less than a rounding: +0.0, not -0.0.
                 flags.append(f"seen+{max(0.0, p.last_seen_after_s):.1f}s")

@@ -316,7 +316,7 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             continue  # not seen alive long enough to tell: judged later, or at close
         birth = walk.birth(obs)
         left = walk.outside_tree(obs, birth) if birth else []
-        still = ""
+        since, still = "", ""
         if orphaned[-1][0] is None:
             still = ", alive after the job" if after_job else ", alive now"
         if left:
@@ -328,8 +328,6 @@ def orphan(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
             since = f" by {first_rec.label}"
         elif after_job:  # seen only after the job
             since, still = " after the job", ", still alive"
-        else:
-            since = ""
         workers = _worker_pids(obs)
         under_worker = any(p.ppid in workers for _, p in obs if p.role != "orphan")
         started = ""
@@ -565,21 +563,20 @@ def copy_on_read(timeline: Timeline, config: RuleConfig) -> Iterator[Finding]:
     for ppid, leaking in sorted(by_parent.items()):
         first = min(leaking, key=lambda c: (c.epoch, c.after_s if c.after_s is not None else 0.0))
         copied_epochs = sorted({copy.epoch for copy in leaking})
-        persistent = any(copy.proc.persistent for copy in leaking)
         count, total = len(leaking), sum(copy.copied_bytes for copy in leaking)
-        if not persistent:  # a generation of workers per epoch: one epoch's
-            count = max(sum(c.epoch == e for c in leaking) for e in copied_epochs)
-            total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in copied_epochs)
-        mean = format_mib(sum(c.copied_bytes for c in leaking) / len(leaking))
+        mean = format_mib(total / count)
         when = f"in epoch {first.epoch}"
         if first.after_s is not None:
             when = f"{first.after_s:.1f} s into epoch {first.epoch}"
-        if not persistent and len(copied_epochs) > 2:
-            when += f" and again in epochs {copied_epochs[1]}-{copied_epochs[-1]}"
-        elif not persistent and len(copied_epochs) == 2:
-            when += f" and again in epoch {copied_epochs[1]}"
-        elif not persistent:
-            when += " (per-epoch workers copy it again each epoch)"
+        if not any(copy.proc.persistent for copy in leaking):  # per-epoch workers: one epoch's
+            count = max(sum(c.epoch == e for c in leaking) for e in copied_epochs)
+            total = max(sum(c.copied_bytes for c in leaking if c.epoch == e) for e in copied_epochs)
+            if len(copied_epochs) > 2:
+                when += f" and again in epochs {copied_epochs[1]}-{copied_epochs[-1]}"
+            elif len(copied_epochs) == 2:
+                when += f" and again in epoch {copied_epochs[1]}"
+            else:
+                when += " (per-epoch workers copy it again each epoch)"
         who = f"1 forked worker of PID {ppid} copied {mean} MiB of its parent's memory"
         if count > 1:
             who = (

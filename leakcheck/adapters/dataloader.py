@@ -207,7 +207,7 @@ def shutdown_workers(iterator: object) -> None:
             shutdown()
 
 
-def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1) -> None:
+def call_reported(what: str, call: Callable[[], object]) -> None:
     """Run a user's callable (or a logger): what it raises is one ``RuntimeWarning``, no more."""
     try:
         call()
@@ -215,7 +215,7 @@ def call_reported(what: str, call: Callable[[], object], *, stacklevel: int = 1)
         warnings.warn(
             f"leakcheck: {what} raised {one_line(error)}; the loop goes on",
             RuntimeWarning,
-            stacklevel=stacklevel + 1,
+            stacklevel=2,
         )
 
 
@@ -415,10 +415,9 @@ class WatchedLoader(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         if self._tracker.closed and not self._closed:
             return iter(self._loader)  # `leakcheck run` closed it at exit: the program goes on
-        make = functools.partial(iter, self._loader)
         return epoch_batches(
             self._loader,
-            make,
+            functools.partial(iter, self._loader),
             self._judge,
             release=self._teardown,
             opened=self._opened,
@@ -461,12 +460,7 @@ class WatchedLoader(Generic[T]):
         self._start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         # With an exception on its way out, a leak is warned about instead of replacing it.
         self._close(may_raise=exc is None, error=exc)
 

@@ -57,8 +57,7 @@ def read_rank_reports(folder: str) -> tuple[list[RankReport], list[str]]:
             continue
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                data = json.load(handle)
-            entries.append(RankReport.from_dict(data))
+                entries.append(RankReport.from_dict(json.load(handle)))
         except (OSError, ValueError, UsageError, RecursionError) as error:
             failures.append(f"rank report {name}: cannot be read: {error}")
     entries.sort(key=lambda e: (e.info.rank, e.pid))

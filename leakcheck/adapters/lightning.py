@@ -32,7 +32,6 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from leakcheck.adapters.dataloader import (
@@ -329,18 +328,9 @@ class LeakCheckCallback(_CallbackBase):
         """The stage, with an epoch open; a new tracker where the last run closed the old one."""
         stage = self._stages.get(name)
         if stage is None or stage.tracker.closed:
-            tracker = Tracker(**self._tracker_options)
-            stage = self._stages[name] = _Stage(name, tracker, self)
+            stage = self._stages[name] = _Stage(name, Tracker(**self._tracker_options), self)
         stage.begin(trainer)
         return stage
-
-    def _epoch_start(self, name: str, trainer: Any) -> None:
-        if self._trainer is None:
-            return
-        with self._lock:
-            stage = self._open(name, trainer)
-        stage.tracker.batch_wanted()
-        stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
 
     def _batch(self, name: str, *, wanted: bool, count: int = 0) -> None:
         """The loop waits for a batch (``wanted``) or stops waiting (NOTE [hang watch])."""
@@ -426,14 +416,19 @@ class LeakCheckCallback(_CallbackBase):
             raise raised
 
 
-def _stage_hooks(loop: str, name: str) -> dict[str, Callable[..., None]]:
-    """Lightning's four hooks of one stage's loop (``on_<loop>_epoch_start`` & co.)."""
+def _add_stage_hooks(loop: str, name: str) -> None:
+    """Add Lightning's four hooks of one stage's loop (``on_<loop>_epoch_start`` & co.)."""
     paused = "train" if name == "val" else None  # a validation run pauses training's wait
 
     def epoch_start(self: LeakCheckCallback, trainer: Any, pl_module: Any) -> None:
         if paused:
             self._batch(paused, wanted=False)
-        self._epoch_start(name, trainer)
+        if self._trainer is None:
+            return
+        with self._lock:
+            stage = self._open(name, trainer)
+        stage.tracker.batch_wanted()
+        stage.judge_if_due()  # NOTE [late survivors] in dataloader.py
 
     def batch_start(self: LeakCheckCallback, trainer: Any, pl_module: Any, *args: Any) -> None:
         self._batch(name, wanted=False, count=1)
@@ -451,9 +446,8 @@ def _stage_hooks(loop: str, name: str) -> dict[str, Callable[..., None]]:
     for event, hook in hooks.items():
         hook.__name__ = f"on_{loop}_{event}"
         hook.__qualname__ = f"LeakCheckCallback.{hook.__name__}"
-    return hooks
+        setattr(LeakCheckCallback, hook.__name__, hook)
 
 
 for _loop, _name in zip(("train", "validation", "test", "predict"), STAGES, strict=True):
-    for _hook_name, _hook in _stage_hooks(_loop, _name).items():
-        setattr(LeakCheckCallback, f"on_{_loop}_{_hook_name}", _hook)
+    _add_stage_hooks(_loop, _name)

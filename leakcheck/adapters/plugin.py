@@ -94,7 +94,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 WARN_FLAG,
                 action="store_true",
                 dest=_WARN_DEST,
-                default=False,
                 help="warn about leaks instead of failing the test (--gpu-leak-mode=warn)",
             )
         kind = {"action": "store_true"} if spec is ENABLED else {"metavar": _METAVARS[spec.name]}
@@ -167,14 +166,13 @@ def pytest_configure(config: pytest.Config) -> None:
         _activate(config, options)
 
 
-def _marked_options(base: CheckOptions, item: pytest.Item) -> CheckOptions:
-    options = base
-    for marker in reversed(list(item.iter_markers(MARKER))):  # farthest (module) first
-        try:
-            where = f"{MARKER} marker on {item.nodeid}"
+def _marked_options(options: CheckOptions, item: pytest.Item) -> CheckOptions:
+    where = f"{MARKER} marker on {item.nodeid}"
+    try:
+        for marker in reversed(list(item.iter_markers(MARKER))):  # farthest (module) first
             options = apply_marker(options, marker.args, marker.kwargs, where=where)
-        except UsageError as exc:
-            raise pytest.UsageError(str(exc)) from None
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return options
 
 

@@ -160,9 +160,8 @@ class Checker:
         pids, shm, gpu = PidMark.now(), _listdir(self.shm_dir), self._gpu_state()
         saved_env = os.environ.get(SESSION_ENV)
         start_s, mark = time.monotonic(), exports.mark()
-        window = Window(self._serial, tag, {tag}, pids, shm, gpu, saved_env, start_s, mark)
         os.environ[SESSION_ENV] = tag
-        return window
+        return Window(self._serial, tag, {tag}, pids, shm, gpu, saved_env, start_s, mark)
 
     def end_environment(self, window: Window) -> None:
         """Give the tag variable back its value from before the test."""
@@ -198,8 +197,7 @@ class Checker:
                 new_shm = frozenset(job_shm(new, theirs, theirs, self.shm_dir))
                 now = self._gpu_state(nvml=False).allocated_bytes or {}
                 added = {d: now[d] - before.get(d, 0) for d in now if now[d] > before.get(d, 0)}
-                owner = ScopeOwner(label, window.serial, processes, new_shm, added)
-                self._owners[key] = owner
+                self._owners[key] = ScopeOwner(label, window.serial, processes, new_shm, added)
 
     def fixture_finished(self, key: object, *, judge: bool = True) -> None:
         """A wide-scope fixture ended: what it owned goes with the current test (or none)."""
@@ -283,8 +281,7 @@ class Checker:
             pids = {w.pid for w in workers if isinstance(getattr(w, "pid", None), int)} - owned
             found = [info for info in map(procs.read_proc, sorted(pids)) if info is not None]
             if found:
-                adopted = (*owner.processes, *found)
-                self._owners[key] = dataclasses.replace(owner, processes=adopted)
+                self._owners[key] = dataclasses.replace(owner, processes=(*owner.processes, *found))
 
     def _gpu_by_pid(self) -> dict[int, dict[int, int]] | None:
         """Used GPU bytes per device of each process NVML lists; None where it cannot say."""
@@ -303,8 +300,7 @@ class Checker:
         """NVML's view (``nvml``) and the allocator's counters, where CUDA is initialised."""
         by_pid = self._gpu_by_pid() if nvml else None
         nvml_bytes = None if by_pid is None else by_pid.get(self.pid, {})
-        counters = allocator_bytes(collect=collect)
-        return GpuState(nvml_bytes, *counters) if counters is not None else GpuState(nvml_bytes)
+        return GpuState(nvml_bytes, *(allocator_bytes(collect=collect) or ()))
 
     def _born_since(self, mark: PidMark, tags: set[str]) -> list[ProcInfo]:
         """The test's processes born since ``mark`` that no active fixture owns."""
@@ -405,9 +401,7 @@ class Checker:
         if not fresh and not scopes:
             return ()
         roles: dict[int, Role] = {self.pid: "parent"}
-        roles.update(
-            (p.key.pid, p.role) for p in left if p.exited_after_s is None and not p.persistent
-        )
+        roles |= {p.key.pid: p.role for p in left if p.exited_after_s is None and not p.persistent}
         segments = procs.shm_segments(self.shm_dir)
         # Not a plain file of this user's, a named semaphore, or removed meanwhile: not ours.
         mine = [n for n in sorted(fresh | scopes.keys()) if n in segments]

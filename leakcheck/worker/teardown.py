@@ -153,11 +153,7 @@ class _Freed:
 
 
 def _release(freed: _Freed, device: int | None = None) -> None:
-    """Release registered resources, the allocator cache and contexts, into ``freed``.
-
-    ``device`` None: every device this process reserved memory or ran a registered stream on,
-    and its current one (a worker's).
-    """
+    """Release registered resources, the allocator cache and contexts (None: every device used)."""
     import torch
 
     current = int(torch.cuda.current_device())
@@ -221,24 +217,23 @@ def _device_reset() -> Callable[[int, bool], int]:
     the driver's ``cuDevicePrimaryCtxReset`` (a static runtime). RTLD_NOLOAD binds to the copy
     torch loaded, never a second one.
     """
-    mapped: dict[str, str] = {}
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-        for line in maps:
-            path = line.rstrip("\n").split(maxsplit=5)[-1]
-            for stem in ("libcudart.so", "libcuda.so"):
-                if os.path.basename(path).startswith(stem):
-                    mapped.setdefault(stem, path)
-    if "libcudart.so" in mapped:
-        runtime = ctypes.CDLL(mapped["libcudart.so"], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        paths = [line.rstrip("\n").split(maxsplit=5)[-1] for line in maps]
+    runtime_path, driver_path = (
+        next((path for path in paths if os.path.basename(path).startswith(stem)), None)
+        for stem in ("libcudart.so", "libcuda.so")
+    )
+    if runtime_path is not None:
+        runtime = ctypes.CDLL(runtime_path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
 
         def via_runtime(index: int, switch: bool) -> int:
             code = int(runtime.cudaSetDevice(index) or 0) if switch else 0
             return code or int(runtime.cudaDeviceReset() or 0)
 
         return via_runtime
-    if "libcuda.so" not in mapped:
+    if driver_path is None:
         raise LeakCheckError("no CUDA runtime or driver library is mapped in this process")
-    driver = ctypes.CDLL(mapped["libcuda.so"], mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    driver = ctypes.CDLL(driver_path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     primary_reset = getattr(driver, "cuDevicePrimaryCtxReset_v2", None)
     primary_reset = primary_reset or driver.cuDevicePrimaryCtxReset
 
@@ -253,10 +248,7 @@ def _device_reset() -> Callable[[int, bool], int]:
 def _nvml_state(
     pid: int, device: int | None = None, *, wait_gone: bool = False
 ) -> tuple[bool, dict[int, int]] | None:
-    """(NVML lists ``pid``, its known bytes per device); None: NVML cannot be read.
-
-    ``wait_gone``: poll until the PID is gone, ``_NVML_POLL_S`` at most.
-    """
+    """(NVML lists ``pid``, its bytes per device), ``wait_gone``: polled; None: unreadable."""
     from leakcheck.observe import nvml
 
     deadline = time.monotonic() + (_NVML_POLL_S if wait_gone else 0.0)
@@ -347,10 +339,7 @@ def _worker_teardown(policy: WorkerInit, key: ProcessKey, worker_id: int) -> Non
 
 
 def _open_stack_file(path: str) -> bool:
-    """Point the worker's faulthandler at ``path``; True when it also dumps on a signal.
-
-    The signal is taken only where nothing handles it yet (a user's handler is theirs).
-    """
+    """Point the worker's faulthandler at ``path``; True when it also dumps on a signal."""
     global _stack_file
     try:
         # Appending: the tracker empties the file after reading a dump, in place.
@@ -364,7 +353,7 @@ def _open_stack_file(path: str) -> bool:
         faulthandler.enable(file=handle, all_threads=True)
         _stack_file = handle
         if signal.getsignal(mailbox.STACK_SIGNAL) != signal.SIG_DFL:
-            return False
+            return False  # a user's handler is theirs
         faulthandler.register(mailbox.STACK_SIGNAL, file=handle, all_threads=True)
     except (OSError, ValueError, RuntimeError):
         return False
@@ -513,12 +502,12 @@ class ReleaseResult:
 
     """
 
-    device_index: int | None
-    freed_cache_bytes: int
-    context_released: bool
-    gpu_bytes_before: int | None
-    gpu_bytes_after: int | None
-    duration_s: float
+    device_index: int | None = None
+    freed_cache_bytes: int = 0
+    context_released: bool = False
+    gpu_bytes_before: int | None = None
+    gpu_bytes_after: int | None = None
+    duration_s: float = 0.0
     note: str = ""
     error: str | None = None
 
@@ -624,11 +613,9 @@ def release_device(device: object = None, *, force: bool = False) -> ReleaseResu
 
     """
     if _shutting_down or sys.is_finalizing():
-        note = "interpreter is exiting: left to the runtime"
-        return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
+        return ReleaseResult(note="interpreter is exiting: left to the runtime")
     if initialized_cuda() is None:
-        note = "nothing to free: CUDA was never initialised in this process"
-        return ReleaseResult(None, 0, False, None, None, 0.0, note=note)
+        return ReleaseResult(note="nothing to free: CUDA was never initialised in this process")
     index = _device_index(device)
     if not force:
         _refuse_while_in_use(index)

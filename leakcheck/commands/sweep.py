@@ -471,7 +471,6 @@ def _run_config(
         warmup_epochs=options.warmup_epochs,
         grace=options.grace_s,
         persistent_workers=persistent,
-        use_nvml=True,  # where NVML is unavailable the tracker records why
         rollup_share=options.rollup_share,
         scan_at_epoch_end=True,  # each row's orphans are its epoch end's
         copy_tolerance=options.copy_tolerance_bytes,

@@ -513,9 +513,8 @@ _CLEAR_SCREEN = "\x1b[H\x1b[2J"  # ANSI: cursor home, erase the screen
 def _plain_snapshot_args(tokens: Sequence[str]) -> SimpleNamespace | None:
     """A plain ``snapshot`` line read without argparse (NOTE [lean start]), else None."""
     takes_value = {flag: metavar is not None for flag, metavar, *_ in SNAPSHOT}
-    args = SimpleNamespace(command="snapshot")
-    for flag, value_taken in takes_value.items():
-        setattr(args, flag[2:], None if value_taken else False)
+    unset = {flag[2:]: None if takes else False for flag, takes in takes_value.items()}
+    args = SimpleNamespace(command="snapshot", **unset)
     rest = iter(tokens)
     for token in rest:
         name, equals, value = token.partition("=")

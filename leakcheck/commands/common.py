@@ -184,20 +184,19 @@ def emit(out: TextIO, text: str, prog: str, *, flush: bool = False) -> int | Non
     A reader that left (``| head``) ends the command cleanly (0), a failed write (a full disk)
     with 2, said on standard error; ``out`` is then on /dev/null (its buffer is not tried again).
     """
-    status = None
     try:
         out.write(text)
         if flush:
             out.flush()
+        return None
     except BrokenPipeError:
         status = EXIT_CLEAN
     except (OSError, ValueError) as exc:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.write(f"{prog}: could not write the output: {exc}\n")
         status = EXIT_USAGE
-    if status is not None:
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     return status
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -175,16 +174,13 @@ class _EpochIterator:
         self._batches.close()
 
 
-Where = tuple[Any, ...]  # the shim's creation site: (file, line, via, origin file, line)
-
-
 @dataclass
 class _Site:
     """One creation site's tracker and record, and the loader instance it follows now."""
 
     record: LoaderResult  # its pid: a forked child's loaders carry its parent's site
     base: str  # the label without its " #2"
-    where: Where
+    where: Any  # the shim's creation site: (file, line, via, origin file, line)
     tracker: Tracker
     instance: weakref.ref[Any]
     live: weakref.WeakSet[_EpochIterator] = dataclasses.field(default_factory=weakref.WeakSet)
@@ -221,9 +217,7 @@ class _Run:
         site = loader.__dict__.get("_leakcheck_run_site")
         if isinstance(site, _Site) and site.record.pid == self.pid and not site.tracker.closed:
             return site
-        where = loader.__dict__.get("_leakcheck_site")
-        if not (isinstance(where, tuple) and len(where) >= 2):
-            where = ("<unknown>", 0)
+        where = loader.__dict__.get("_leakcheck_site")  # its label checks it
         with self.lock:
             free = (s for s in self.sites if s.where == where and s.instance() is None)
             site = next((s for s in free if not s.tracker.closed), None)
@@ -232,7 +226,7 @@ class _Run:
         loader.__dict__["_leakcheck_run_site"] = site
         return site
 
-    def _new_site(self, loader: Any, where: Where) -> _Site:
+    def _new_site(self, loader: Any, where: Any) -> _Site:
         tracker = Tracker(
             persistent_workers=bool(getattr(loader, "persistent_workers", False)),
             rollup_share=self.options.rollup_share,
@@ -319,28 +313,28 @@ class _Run:
             sites, left = list(self.sites), list(self.left)
         for owner, record in left:  # closed or collected before: its reports are kept
             if isinstance(owner, Tracker):
-                _quietly(functools.partial(owner.end_epoch, reason, line))
+                _quietly(owner.end_epoch, reason, line)
                 _quietly(owner.close)
-                _quietly(functools.partial(self._write_report_of, owner, record))
+                _quietly(self._write_report, record, owner)
             else:
-                _quietly(functools.partial(self._write_reports_of, owner, record))
+                _quietly(self._write_reports_of, owner, record)
         costs = [to_jsonable(site.tracker.cost()) for site in sites]
         for site in sites:
-            _quietly(functools.partial(site.tracker.end_epoch, reason, line))
+            _quietly(site.tracker.end_epoch, reason, line)
             for epoch in list(site.live):
                 _quietly(epoch.close)
         for site, cost in zip(sites, costs, strict=True):
             started = time.perf_counter()
             _quietly(site.tracker.close)
-            _quietly(functools.partial(self._write_report, site, cost, started))
+            _quietly(self._write_report, site.record, site.tracker, started, cost)
 
-    def _write_report(self, site: _Site, cost: dict[str, Any], started: float) -> None:
-        report = site.tracker.report()
-        exit_s = time.perf_counter() - started
-        self._write(site.record, report=report, cost=cost, exit_s=exit_s, missing=None)
-
-    def _write_report_of(self, tracker: Tracker, record: LoaderResult) -> None:
-        self._write(record, report=tracker.report(), missing=None)
+    def _write_report(
+        self, record: LoaderResult, tracker: Tracker, started: float | None = None, cost: Any = None
+    ) -> None:
+        """Write ``tracker``'s report in ``record``'s file (``started``: when its close began)."""
+        report = tracker.report()
+        exit_s = None if started is None else time.perf_counter() - started
+        self._write(record, report=report, cost=cost, exit_s=exit_s, missing=None)
 
     def _write_reports_of(self, callback: Any, record: LoaderResult) -> None:
         """Each stage's report, the first in ``record``'s file (NOTE [run instrumentation])."""
@@ -402,10 +396,10 @@ def _group_rank() -> tuple[int, int] | None:
     return int(dist.get_rank()), int(dist.get_world_size())
 
 
-def _quietly(action: Callable[[], object]) -> None:
-    """Run ``action`` at exit: leakcheck's own failure is one line, never a traceback."""
+def _quietly(action: Callable[..., object], *args: Any) -> None:
+    """Run ``action(*args)`` at exit: leakcheck's own failure is one line, never a traceback."""
     try:
-        action()
+        action(*args)
     except BaseException as error:  # a second Ctrl-C too: the other loaders still report
         sys.stderr.write(f"leakcheck run: at exit: {type(error).__name__}: {error}\n")
 

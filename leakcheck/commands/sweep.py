@@ -60,8 +60,6 @@ Timing = tuple[int | None, float, float]
 LoaderFactory = Callable[[int], Iterable[Any]]
 """``FACTORY(num_workers)``: returns an iterable loader; each ``iter()`` is one epoch."""
 
-_UNKNOWN = "?"
-
 
 class LoaderError(LeakCheckError):
     """The loader could not be built or iterated; the message is one line."""
@@ -473,7 +471,6 @@ def _run_config(
         warmup_epochs=options.warmup_epochs,
         grace=options.grace_s,
         persistent_workers=persistent,
-        use_nvml=True,  # where NVML is unavailable the tracker records why
         rollup_share=options.rollup_share,
         scan_at_epoch_end=True,  # each row's orphans are its epoch end's
         copy_tolerance=options.copy_tolerance_bytes,
@@ -518,7 +515,7 @@ def _build_loader(factory: LoaderFactory, num_workers: int) -> Iterable[Any]:
         loader: object = factory(num_workers)
     except Exception as exc:
         raise LoaderError(f"calling {call} failed: {one_line(exc)}") from None
-    if loader is None or not isinstance(loader, Iterable):
+    if not isinstance(loader, Iterable):
         raise LoaderError(
             f"{call} returned {type(loader).__name__}, "
             "expected an iterable loader (such as a DataLoader)"
@@ -776,7 +773,7 @@ def _format_table(result: SweepResult) -> list[str]:
     return [
         *table,
         "",
-        f"{_UNKNOWN} = not known, not 0: {plural(unknown, 'worker')} in "
+        f"? = not known, not 0: {plural(unknown, 'worker')} in "
         f"{plural(epochs, 'epoch')} exited before any read saw them on a GPU "
         "and reported nothing at exit (column wk ?), so the workers' peak of those epochs is "
         "unknown",
@@ -798,7 +795,7 @@ def _format_answer(result: SweepResult) -> list[str]:
         throughput = config.throughput
         rate = throughput[f"{answer.unit}_per_s"]
         memory = [
-            "-" if not config.num_workers else _UNKNOWN if value is None else format_mib(value)
+            "-" if not config.num_workers else "?" if value is None else format_mib(value)
             for value in (throughput["worker_host_bytes"], throughput["worker_gpu_bytes"])
         ]
         cells = [str(config.num_workers), "n/a" if rate is None else f"{rate:,.0f}", *memory]

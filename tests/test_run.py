@@ -544,7 +544,11 @@ elif os.environ["END"] == "os._exit":
 @pytest.mark.parametrize(
     ("keep_mib", "end"),
     [
-        ("", "close"), ("", "open"), ("", "atexit"), ("40", "close"), ("40", "collected"),
+        ("", "close"),
+        ("", "open"),
+        ("", "atexit"),
+        ("40", "close"),
+        ("40", "collected"),
         ("40", "open"),
     ],
 )
@@ -596,22 +600,27 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
 SLOW_EXIT_CHILD = """\
 import atexit, sys, time
 from torch.utils.data import DataLoader
+if sys.argv[1] == "after":  # runs after leakcheck's own exit handler (last in, first out)
+    atexit.register(time.sleep, 4)
 for _ in DataLoader(list(range(4)), num_workers=0):
     pass
-atexit.register(time.sleep, 4)  # runs before leakcheck's own exit handler (last in, first out)
+if sys.argv[1] == "before":
+    atexit.register(time.sleep, 4)
 print("iterated", flush=True)
 """
 
 
+@pytest.mark.parametrize("slow", ["before", "after"])
 def test_a_process_of_the_run_still_in_its_exit_handlers_is_waited_for_not_an_orphan(
-    tmp_path: Path, private_tmp: Path
+    slow: str, tmp_path: Path, private_tmp: Path
 ) -> None:
     """A Lightning ddp rank 1 ending after rank 0 (the program) spent > 2 s (the grace) in its
-    exit handlers on a loaded machine: run named it "orphan ... outlived its parent"."""
+    exit handlers on a loaded machine, before or after writing its report: run named it
+    "orphan ... outlived its parent"."""
     (tmp_path / "child.py").write_text(SLOW_EXIT_CHILD)
     (tmp_path / "parent.py").write_text(
         "import subprocess, sys\n"
-        "child = subprocess.Popen([sys.executable, 'child.py'], stdout=-1, text=True)\n"
+        f"child = subprocess.Popen([sys.executable, 'child.py', '{slow}'], stdout=-1, text=True)\n"
         "assert child.stdout.readline().strip() == 'iterated'\n"  # it has its run record
     )
     run = leakcheck_run(
@@ -620,7 +629,7 @@ def test_a_process_of_the_run_still_in_its_exit_handlers_is_waited_for_not_an_or
     )  # fmt: skip
     assert run.returncode == 0 and run.data is not None, run.stderr
     (item,) = run.data["loaders"]
-    assert item["label"] == "child.py:3" and item["report"] is not None, run.stderr
+    assert item["label"] == "child.py:5" and item["report"] is not None, run.stderr
     assert run.data["tree"]["report"]["findings"] == [], run.stderr
     assert run.data["verdict"] == "clean", run.stderr
 

@@ -32,7 +32,6 @@ from typing import Any
 
 from leakcheck.adapters.distributed import read_rank_reports
 from leakcheck.commands.instrument import (
-    NO_EXIT,
     OPTIONS_FILE,
     RUN_ENV,
     LoaderResult,
@@ -320,7 +319,11 @@ _EXIT_WAIT_S = 10.0
 
 
 def _exits_awaited(folder: str, limit_s: float) -> None:
-    """Wait, at most ``limit_s``, while a live process of the run has not written its reports."""
+    """Wait, at most ``limit_s``, while a process of the run that iterated a loader is alive.
+
+    It is still in its exit: before its report is written or after (exit handlers run after
+    leakcheck's, the interpreter's teardown); judged now, it would read as an orphan.
+    """
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         names = [n for n in os.listdir(folder) if n.startswith("loader-")]
@@ -328,7 +331,7 @@ def _exits_awaited(folder: str, limit_s: float) -> None:
         live = {
             ProcessKey(r.pid, r.start_ticks)
             for r in records
-            if r is not None and r.missing == NO_EXIT and r.start_ticks is not None
+            if r is not None and r.start_ticks is not None
         }
         if not any(procs.is_alive(key) for key in live):
             return

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from leakcheck.core.names import culprit, culprits, process_name
+from leakcheck.core.names import culprit, culprits, process_name, signal_name
 
 PY = "/home/someone/projects/a-checkout/.venv/bin/python3.11"
 
@@ -91,3 +91,8 @@ def test_a_culprit_is_its_rank_role_name_and_pid() -> None:
     assert (
         culprits("orphan", [11, 12], "sleep 60", rule="orphan") == "2 \u00d7 sleep 60 (PIDs 11, 12)"
     )
+
+
+def test_a_signal_is_named_by_python_or_by_its_number() -> None:
+    assert signal_name(9) == "SIGKILL"
+    assert signal_name(40) == "signal 40"  # a real-time signal between SIGRTMIN and SIGRTMAX

@@ -41,7 +41,7 @@ from leakcheck.commands.instrument import (
 from leakcheck.core.errors import LeakCheckError
 from leakcheck.core.files import environment, write_json
 from leakcheck.core.model import EndReason, ProcessEpoch, ProcessKey, Timeline
-from leakcheck.core.names import process_name
+from leakcheck.core.names import process_name, signal_name
 from leakcheck.core.ranks import rank_label
 from leakcheck.core.records import to_jsonable
 from leakcheck.core.units import format_size, plural
@@ -174,13 +174,9 @@ class RunResult:
         """The text report: findings under the loader (or tree) that found them, each once."""
         options = self.options
         quiet = self.verdict == "clean" and not any(report.said for report in self._reports())
+        how = f"exited with status {self.exit_code}"
         if self.signal_number is not None:
-            try:
-                how = f"was ended by {signal.Signals(self.signal_number).name}"
-            except ValueError:
-                how = f"was ended by signal {self.signal_number}"
-        else:
-            how = f"exited with status {self.exit_code}"
+            how = f"was ended by {signal_name(self.signal_number)}"
         interrupted = " (interrupted)" if self.interrupted else ""
         gpu = f"; {gpu_unchecked(self.gpu_reason)}" if self.gpu_reason else ""
         lines = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 from leakcheck.core.roles import runtime_helper_name
 
@@ -24,6 +25,14 @@ _INTERPRETER = re.compile(r"^(?:python|pypy)\d*(?:\.\d+)?[a-z]?$")
 _LINE_BREAKS = re.compile(r"[ \t]*(?:[\r\n][ \t]*)+")
 # Interpreter options that take the next argument (`-X importtime`, `-W error`).
 _OPTIONS_WITH_VALUE = frozenset(("-X", "-W", "--check-hash-based-pycs"))
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL``; ``signal 64`` for a number Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def shorten(text: str, width: int) -> str:

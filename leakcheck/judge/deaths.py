@@ -15,7 +15,7 @@ import re
 import signal
 
 from leakcheck.core.model import Death, Finding, RuleConfig, Timeline
-from leakcheck.core.names import culprit
+from leakcheck.core.names import culprit, signal_name
 from leakcheck.core.units import format_size
 
 __all__ = ["died", "hang", "shutdown_hang"]
@@ -55,10 +55,7 @@ def innermost_frames(stack: str, count: int = 2) -> str | None:
 
 def _what(death: Death, config: RuleConfig) -> tuple[str, str]:
     """What the evidence says of one death, and its fix (NOTE [death evidence])."""
-    try:
-        name = signal.Signals(death.signal_number).name
-    except ValueError:  # a number Python does not name
-        name = f"signal {death.signal_number}"
+    name = signal_name(death.signal_number)
     when = f" in epoch {death.epoch}" if death.epoch is not None else ""
     if death.signal_number == signal.SIGKILL:
         evidence: list[str] = []

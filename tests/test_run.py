@@ -597,6 +597,23 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     assert "0 leaks (1 loader (1 without a report) and the process tree)" in run.stderr
 
 
+def test_a_loader_record_that_cannot_be_read_is_said_not_dropped(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    (tmp_path / "bad.py").write_text(
+        "import os\n"
+        "path = os.path.join(os.environ['LEAKCHECK_RUN'], 'loader-1-0.json')\n"
+        "open(path, 'w').write('{\"pid\": ')\n"
+    )
+    run = leakcheck_run(
+        "--", sys.executable, "bad.py", private_tmp=private_tmp, cwd=tmp_path,
+        env=_env(private_tmp),
+    )  # fmt: skip
+    assert run.data is not None and run.data["loaders"] == [], run.stderr
+    assert run.data["failures"] == ["a loader's record cannot be read: loader-1-0.json"]
+    assert "leakcheck itself: a loader's record cannot be read: loader-1-0.json" in run.stderr
+
+
 SLOW_EXIT_CHILD = """\
 import atexit, sys, time
 from torch.utils.data import DataLoader
@@ -628,6 +645,7 @@ def test_a_process_of_the_run_still_in_its_exit_handlers_is_waited_for_not_an_or
         env=_env(private_tmp),
     )  # fmt: skip
     assert run.returncode == 0 and run.data is not None, run.stderr
+    assert len(run.data["loaders"]) == 1, run.stderr
     (item,) = run.data["loaders"]
     assert item["label"] == "child.py:5" and item["report"] is not None, run.stderr
     assert run.data["tree"]["report"]["findings"] == [], run.stderr

@@ -418,8 +418,12 @@ def _read_loaders(folder: str, failures: list[str]) -> tuple[LoaderResult, ...]:
     loaders: list[LoaderResult] = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if name.startswith("loader-") and (loader := read_loader(path)) is not None:
-            loaders.append(loader)
+        if name.startswith("loader-"):
+            loader = read_loader(path)
+            if loader is None:
+                failures.append(f"a loader's record cannot be read: {name}")
+            else:
+                loaders.append(loader)
         elif name.startswith("failure-"):
             with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as handle:
                 failures.append(handle.read().strip())

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import leakcheck
+from leakcheck.adapters import dataloader
 from leakcheck.adapters.dataloader import WatchedLoader
 from leakcheck.core.errors import GPULeakError, GPULeakWarning, UsageError
 from leakcheck.core.model import EpochRecord
@@ -264,6 +265,27 @@ def test_an_error_in_the_loop_body_ends_the_epoch_by_it_not_by_a_break(
         _leave_in_body(watched, how)
     epochs = watched.report().epochs
     assert [(e.end_reason, e.error) for e in epochs] == [("completed", None), (reason, error)]
+
+
+def test_epochs_ended_by_errors_the_program_caught_are_not_named_by_a_later_one(
+    no_leak_warnings: None,
+) -> None:
+    # An error each epoch that the loop's own code catches, then one that escapes: only its
+    # epoch is named by it, and nothing is kept for the caught ones.
+    watched = leakcheck.watch(make(workers=0), grace=30)
+
+    def leave(error: Exception) -> None:
+        for _batch in watched:
+            raise error
+
+    with contextlib.suppress(ValueError), watched:
+        for _ in range(50):
+            with contextlib.suppress(RuntimeError):
+                leave(RuntimeError("caught"))
+        leave(ValueError("uncaught"))
+    errors = [(e.end_reason, e.error) for e in watched.report().epochs]
+    assert errors == [("exception", None)] * 50 + [("exception", "ValueError: uncaught")]
+    assert not dataloader._unnamed
 
 
 def test_a_break_over_a_generator_of_the_loader_is_a_break(no_leak_warnings: None) -> None:

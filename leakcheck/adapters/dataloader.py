@@ -113,6 +113,15 @@ def _unwinding(frame: FrameType | None) -> TracebackType | None:
     return next((t for t in entries if t.tb_frame is frame and t.tb_lasti == frame.f_lasti), None)
 
 
+def _note_unnamed(key: tuple[int, int, CodeType], tracker: Tracker, index: int) -> None:
+    """Keep epoch ``index`` to name; its tracker's earlier one goes: the program caught it."""
+    for pending in _unnamed.values():
+        pending[:] = [(ref, i) for ref, i in pending if ref() not in (None, tracker)]
+    for stale in [k for k, pending in _unnamed.items() if not pending]:
+        del _unnamed[stale]
+    _unnamed.setdefault(key, []).append((weakref.ref(tracker), index))
+
+
 def name_unwound(error: BaseException | None) -> None:
     """Name ``error`` as the end of the epochs it ended unnamed (NOTE [epoch ends])."""
     entry = getattr(error, "__traceback__", None)
@@ -352,7 +361,7 @@ def epoch_batches(
         elif ended[0] == "break" and (unwound := _unwinding(sys._getframe().f_back)):
             ended = ("exception", None)  # named later (name_unwound)
             key = (id(unwound), unwound.tb_lasti, unwound.tb_frame.f_code)
-            _unnamed.setdefault(key, []).append((weakref.ref(tracker), index))
+            _note_unnamed(key, tracker, index)
             del unwound  # it holds the loop's frame
         # A Ctrl-C reaches the workers too (SIGINT): not a death to report.
         if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):

@@ -321,15 +321,15 @@ def _exits_awaited(folder: str, limit_s: float) -> None:
     leakcheck's, the interpreter's teardown); judged now, it would read as an orphan.
     """
     deadline = time.monotonic() + limit_s
+    owners: dict[str, ProcessKey | None] = {}  # a record's process, read once by its file name
     while time.monotonic() < deadline:
-        names = [n for n in os.listdir(folder) if n.startswith("loader-")]
-        records = (read_loader(os.path.join(folder, name)) for name in names)
-        live = {
-            ProcessKey(r.pid, r.start_ticks)
-            for r in records
-            if r is not None and r.start_ticks is not None
-        }
-        if not any(procs.is_alive(key) for key in live):
+        for name in os.listdir(folder):
+            if name.startswith("loader-") and name not in owners:
+                record = read_loader(os.path.join(folder, name))
+                if record is not None:
+                    ticks = record.start_ticks
+                    owners[name] = None if ticks is None else ProcessKey(record.pid, ticks)
+        if not any(procs.is_alive(key) for key in owners.values() if key is not None):
             return
         time.sleep(0.05)
 

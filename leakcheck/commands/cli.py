@@ -536,11 +536,7 @@ def run_snapshot_command(args: argparse.Namespace | SimpleNamespace, out: TextIO
     given = option_values(args, SNAPSHOT)
     period, pid, root = given["--watch"], given["--pid"], None
     if pid is not None:
-        root = procs.process_key(pid)
-        if root is None:
-            raise UsageError(f"--pid: no running process with PID {pid} here")
-        if not procs.pid_exists_here(pid):  # /proc/TID is there too: its tree would be empty
-            raise UsageError(f"--pid: expected a process ID, got {pid}, a thread's")
+        root = procs.root_key(pid, "--pid")
     if period is None:
         text = _snapshot_text(pid, bool(args.telemetry), as_json=args.json, indent=2)
         ended = emit(out, text + "\n", f"{_PROG} snapshot")

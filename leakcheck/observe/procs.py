@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from stat import S_ISCHR
 from typing import NamedTuple
 
+from leakcheck.core.errors import UsageError
 from leakcheck.core.readings import ProcessKey, ProcInfo
 
 SESSION_ENV = "LEAKCHECK_SESSION"  # NOTE [session tag]
@@ -650,6 +651,21 @@ def pid_exists_here(pid: int) -> bool:
     data = _read(f"{_PROC}/{pid}/status", 1024)
     tgid = _fields_of(data, b"Tgid:") if data else []
     return tgid is None or tgid[:1] == [b"%d" % pid]
+
+
+def root_key(pid: int, source: str) -> ProcessKey:
+    """The identity of process ``pid``, to root a tree at.
+
+    Raises:
+        UsageError: No process has that PID here, or it is a thread's (said as ``source``'s).
+
+    """
+    key = process_key(pid)
+    if key is None:
+        raise UsageError(f"{source}: no running process with PID {pid} here")
+    if not pid_exists_here(pid):  # /proc/TID is there too: its tree would be empty
+        raise UsageError(f"{source}: expected a process ID, got {pid}, a thread's")
+    return key
 
 
 def ignores_signal(pid: int, signal_number: int) -> bool:

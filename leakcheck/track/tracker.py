@@ -200,11 +200,7 @@ class Tracker(Sampler):
         with self.lock:
             if self.table is not None or self.closed:
                 return self
-            root_key = procs.process_key(self.root_pid)
-            if root_key is None:
-                raise UsageError(f"root_pid: no running process with PID {self.root_pid}")
-            if not procs.pid_exists_here(root_key.pid):  # /proc/TID is there too
-                raise UsageError(f"root_pid: expected a process ID, got {root_key.pid}, a thread's")
+            root_key = procs.root_key(self.root_pid, "root_pid")
             self._started_unix_s, self._boot_unix_s = time.time(), procs.boot_time_s()
             session = procs.new_session_id(self.root_pid)
             mailbox_dir = self.failures.guard(mailbox.create, "mailbox")

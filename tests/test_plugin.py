@@ -1991,6 +1991,18 @@ def test_an_orphan_of_a_tracker_the_test_runs_fails_the_test(
     assert "LEAK orphan  sleep " in result.stdout.str()
 
 
+# Two xdist workers' test programs wait for each other's marker files, however late the other
+# worker starts: put before a program (makepyfile dedents the whole text).
+WAIT_FOR = """
+        import os, time
+
+        def wait_for(path):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        """
+
+
 def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     inner: pytest.Pytester, shm_names: list[str]
 ) -> None:
@@ -1999,13 +2011,9 @@ def test_files_nobody_can_be_tied_to_under_xdist_are_counted_once_each(
     name = f"lc_test_{uuid.uuid4().hex[:12]}"
     shm_names.append(name)
     inner.makepyfile(
-        test_side_by_side=f"""
+        test_side_by_side=WAIT_FOR
+        + f"""
         import os, subprocess, sys, time
-
-        def wait_for(path):  # the other test, on the other worker, however late it starts
-            deadline = time.monotonic() + 60
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.01)
 
         def test_makes_a_file():  # through a child that is gone: no evidence left
             wait_for("beside-started")
@@ -2032,13 +2040,9 @@ def test_under_xdist_a_file_one_test_is_blamed_for_is_not_also_said_to_be_nobody
     it among the files of no test."""
     token = uuid.uuid4().int % 10**9
     inner.makepyfile(
-        test_side_by_side=f"""
+        test_side_by_side=WAIT_FOR
+        + f"""
         import multiprocessing, os, time
-
-        def wait_for(path):  # the other test, on the other worker, however late it starts
-            deadline = time.monotonic() + 60
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.01)
 
         def write():  # as a DataLoader worker's file_system segment is named
             open(f"/dev/shm/torch_{{os.getpid()}}_{token}_0", "wb").write(b"x" * 4096)
@@ -2075,13 +2079,9 @@ def test_under_xdist_a_file_of_another_workers_test_is_not_in_a_failing_tests_se
     name, arg = f"lc_test_{uuid.uuid4().hex[:12]}", _sleep_arg()
     shm_names.append(name)
     inner.makepyfile(
-        test_side_by_side=f"""
+        test_side_by_side=WAIT_FOR
+        + f"""
         import os, subprocess, sys, time
-
-        def wait_for(path):  # the other test, on the other worker, however late it starts
-            deadline = time.monotonic() + 60
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.01)
 
         def test_makes_a_file():  # through a child that is gone: no evidence left
             wait_for("beside-started")
@@ -2112,18 +2112,15 @@ def test_under_xdist_a_fixture_is_not_blamed_for_a_file_another_workers_fixture_
     leak, not the other's, whose setup saw the file appear."""
     name = f"lc_test_{uuid.uuid4().hex[:12]}"
     shm_names.append(name)
-    wait_for = """
-        import os, time
+    header = (
+        WAIT_FOR
+        + """
         from multiprocessing import shared_memory
         import pytest
-
-        def wait_for(path):  # the other worker, however late it starts
-            deadline = time.monotonic() + 60
-            while not os.path.exists(path) and time.monotonic() < deadline:
-                time.sleep(0.01)
         """
+    )
     inner.makepyfile(
-        test_clean=wait_for
+        test_clean=header
         + """
         @pytest.fixture(scope="module")
         def clean_segment():
@@ -2137,7 +2134,7 @@ def test_under_xdist_a_fixture_is_not_blamed_for_a_file_another_workers_fixture_
         def test_clean(clean_segment):
             pass
         """,
-        test_leaves=wait_for
+        test_leaves=header
         + f"""
         @pytest.fixture(scope="module")
         def left_segment():

@@ -372,3 +372,13 @@ class FakePynvml(types.ModuleType):
         return types.SimpleNamespace(
             maxMemoryUsage=max_memory, time=time_ms, isRunning=int(running)
         )
+
+
+def reset_nvml() -> None:
+    """Make leakcheck's NVML layer forget its singleton and a remembered failure, unopened."""
+    from leakcheck.observe import nvml
+
+    with nvml._lock:
+        nvml._instance = None
+        nvml._failure = None
+        nvml._own_fds = frozenset()

@@ -27,6 +27,7 @@ from tests.fake_pynvml import (
     FakeDevice,
     FakeProcess,
     FakePynvml,
+    reset_nvml,
 )
 from tests.polling import wait_for
 
@@ -35,9 +36,9 @@ MIB = 2**20
 
 @pytest.fixture(autouse=True)
 def _fresh_singleton() -> Iterator[None]:
-    nvml._reset_for_tests()
+    reset_nvml()
     yield
-    nvml._reset_for_tests()
+    reset_nvml()
 
 
 UseFake = Callable[..., FakePynvml]
@@ -50,7 +51,7 @@ def use_fake(monkeypatch: pytest.MonkeyPatch) -> UseFake:
     def install(*args: Any, **kwargs: Any) -> FakePynvml:
         fake = FakePynvml(*args, **kwargs)
         monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
-        nvml._reset_for_tests()
+        reset_nvml()
         return fake
 
     return install

@@ -35,10 +35,10 @@ from leakcheck.core.options import CheckOptions
 from leakcheck.core.records import record_from_dict, to_jsonable
 from leakcheck.core.roles import is_runtime_helper
 from leakcheck.judge.report import finding_lines
-from leakcheck.observe import nvml, procs
+from leakcheck.observe import procs
 from leakcheck.observe.hostmem import shm_creator_pid
 from leakcheck.track.tracker import Tracker
-from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml, reset_nvml
 from tests.polling import wait_for
 
 MIB = 1024 * 1024
@@ -1155,9 +1155,9 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     """One fake GPU in place of the NVML binding; the NVML singleton is reset around it."""
     fake = FakePynvml([FakeDevice()])
     monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
-    nvml._reset_for_tests()
+    reset_nvml()
     yield fake
-    nvml._reset_for_tests()
+    reset_nvml()
 
 
 @pytest.fixture

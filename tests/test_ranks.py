@@ -241,13 +241,13 @@ SIBLING_JOB = """
 import json, sys
 from leakcheck.observe import nvml
 from leakcheck.track.tracker import Tracker
-from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml, reset_nvml
 
 sibling, stranger = int(sys.argv[1]), int(sys.argv[2])
 stranger_mib, held_before, unexplained_mib = (int(v) * 2**20 for v in sys.argv[3:6])
 fake = FakePynvml([FakeDevice(total_bytes=80 * 2**30)])
 sys.modules["leakcheck.observe.nvml_lib"] = fake
-nvml._reset_for_tests()
+reset_nvml()
 device = fake.devices[0]
 # Another rank of this job on the shared GPU, maybe with memory before tracking starts.
 if held_before:

@@ -260,8 +260,7 @@ def test_builtin_orphan_without_workers_is_found_and_cleaned_up() -> None:
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from leakcheck.observe import nvml
-    from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+    from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml, reset_nvml
 
     device = FakeDevice(
         used_bytes=2000 * MIB,
@@ -272,9 +271,9 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         power_mw=123_000,
     )
     monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", FakePynvml([device]))
-    nvml._reset_for_tests()
+    reset_nvml()
     yield device
-    nvml._reset_for_tests()
+    reset_nvml()
 
 
 def test_gpu_columns_with_nvml(fake_gpu: Any, tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ import pytest
 
 from leakcheck.core.errors import LeakCheckError, UsageError
 from leakcheck.core.model import MIB, ProcessEpoch, ProcessKey
-from leakcheck.observe import mailbox, nvml, procs
+from leakcheck.observe import mailbox, procs
 from leakcheck.track.tracker import Tracker
-from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml
+from tests.fake_pynvml import FakeDevice, FakeProcess, FakePynvml, reset_nvml
 from tests.polling import wait_for
 
 CTX = multiprocessing.get_context("fork")
@@ -476,9 +476,9 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePynvml]:
     monkeypatch.setattr(pacing_module, "LIST_SHARE", 1.0)
     fake = FakePynvml([FakeDevice(total_bytes=80 * 1024 * MIB)])
     monkeypatch.setitem(sys.modules, "leakcheck.observe.nvml_lib", fake)
-    nvml._reset_for_tests()
+    reset_nvml()
     yield fake
-    nvml._reset_for_tests()
+    reset_nvml()
 
 
 def _set_process(device: FakeDevice, pid: int, used_bytes: int | None) -> None:

@@ -464,15 +464,6 @@ def availability() -> tuple[bool, str]:
     return True, ""
 
 
-def _reset_for_tests() -> None:
-    """Forget the singleton and a remembered failure, without calling NVML."""
-    global _instance, _failure, _own_fds
-    with _lock:
-        _instance = None
-        _failure = None
-        _own_fds = frozenset()
-
-
 def _after_fork_in_child() -> None:
     # A lock held by another thread at fork time stays held forever in the child.
     global _lock

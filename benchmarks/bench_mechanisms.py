@@ -20,7 +20,6 @@ milliseconds per test for the pytest plugin (budget 1 ms).
   ``fstat`` against reading every link, with ``--fds`` open descriptors.
 - ``pidmark``: NOTE [cheap snapshots]. A test's PID mark and its new PIDs by /proc/loadavg's
   last PID against comparing two listings of /proc (``last_pid`` unknown), twice per test.
-- ``inbox``: ``Inbox.read(quick=True)`` against a listing at every walking tick.
 
 ``--machine-procs`` idle processes (not the benchmark's descendants) stand in for a machine
 with a few hundred processes.
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stats
 from results_io import host_meta, result_stem, write_result
 
-from leakcheck.observe import mailbox, procs
+from leakcheck.observe import procs
 from leakcheck.track import pacing
 from leakcheck.track.pacing import Pacing
 from leakcheck.track.tracker import Tracker
@@ -266,24 +265,6 @@ def _pidmark(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _inbox(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, mailbox.BIRTHS_FILE), "w") as handle:
-            handle.write("{}")
-        time.sleep(0.2)  # older than the margin: the first listing settles it
-        inbox = mailbox.Inbox(folder)
-        inbox.read()
-        values = _arms(
-            {
-                "quick": _block_ms(lambda: inbox.read(quick=True), 40),
-                "listing": _block_ms(lambda: inbox.read(quick=False), 40),
-            },
-            args.rounds,
-        )
-    rows = [("mailbox read", values["quick"], values["listing"], WALKS_PER_S, "walks/s")]
-    return _loop_share("Inbox quick reads", "a settled folder holding the births file", rows)
-
-
 def _procs_note() -> str:
     count = sum(1 for name in os.listdir("/proc") if name.isdigit())
     return f"{count} processes on the machine"
@@ -329,7 +310,6 @@ MECHANISMS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "idle": _idle,
     "fstat": _fstat,
     "pidmark": _pidmark,
-    "inbox": _inbox,
 }
 
 

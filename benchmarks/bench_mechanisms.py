@@ -16,8 +16,6 @@ milliseconds per test for the pytest plugin (budget 1 ms).
 - ``idle``: NOTE [idle ticks] in leakcheck/track/pacing.py. This process's CPU per second
   while an idle tracker without NVML (N children) sleeps through ticks with nothing to do,
   against one that wakes at every tick (``ticks_until_work`` always 1).
-- ``fstat``: NOTE [own descriptors]. This process's descriptors counted at an epoch end by
-  ``fstat`` against reading every link, with ``--fds`` open descriptors.
 - ``pidmark``: NOTE [cheap snapshots]. A test's PID mark and its new PIDs by /proc/loadavg's
   last PID against comparing two listings of /proc (``last_pid`` unknown), twice per test.
 
@@ -34,7 +32,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -198,37 +195,6 @@ def _idle(args: argparse.Namespace) -> dict[str, Any]:
     return _loop_share("Idle ticks (no NVML)", f"{args.children} children, tracker idle", rows)
 
 
-def _fstat(args: argparse.Namespace) -> dict[str, Any]:
-    pid = os.getpid()
-    held: list[int] = []
-    plain = tempfile.NamedTemporaryFile()  # noqa: SIM115 - held for the run
-    while len(os.listdir("/proc/self/fd")) < args.fds:
-        held.append(os.open("/dev/null", os.O_RDONLY))
-        held.extend(os.pipe())
-        held.append(os.open(plain.name, os.O_RDONLY))
-
-    def by_links() -> object:  # descriptors()'s other branch, for this process
-        targets = procs._fd_targets(pid) or {}
-        nvidia = {fd: t for fd, t in targets.items() if procs.is_nvidia_device_target(t)}
-        limits = procs._read(f"/proc/{pid}/limits")
-        return nvidia, len(targets), procs._fields_of(limits or b"", b"Max open files")
-
-    try:
-        values = _arms(
-            {
-                "fstat": _block_ms(lambda: procs.descriptors(pid), 20),
-                "links": _block_ms(by_links, 20),
-            },
-            args.rounds,
-        )
-    finally:
-        for fd in held:
-            os.close(fd)
-        plain.close()
-    rows = [("own descriptors", values["fstat"], values["links"], 1 / EPOCH_S, "per epoch")]
-    return _loop_share("fstat for this process's descriptors", f"{args.fds} descriptors", rows)
-
-
 def _pidmark(args: argparse.Namespace) -> dict[str, Any]:
     def one_test() -> object:
         return procs.PidMark.now().pids_since()
@@ -308,7 +274,6 @@ MECHANISMS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "cache": _cache,
     "tagscan": _tagscan,
     "idle": _idle,
-    "fstat": _fstat,
     "pidmark": _pidmark,
 }
 
@@ -318,7 +283,6 @@ def main() -> int:
     parser.add_argument("--mechanism", action="append", choices=list(MECHANISMS))
     parser.add_argument("--children", type=int, default=64)
     parser.add_argument("--machine-procs", type=int, default=300)
-    parser.add_argument("--fds", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--idle-s", type=float, default=3.0)
     parser.add_argument("--write", action="store_true")

@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from stat import S_ISCHR
 from typing import NamedTuple
 
 from leakcheck.core.errors import UsageError
@@ -698,13 +697,6 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
     return targets
 
 
-# NOTE [own descriptors]: a CUDA training process holds hundreds of descriptors, and reading
-# each link through procfs was most of counting them at an epoch end (H200: 1.37 ms, 1.03 ms
-# without). In this process ``fstat`` is cheaper: only a character device can be an NVIDIA
-# node, and its link is read once per device number.
-_device_targets: dict[int, str] = {}
-
-
 class Descriptors(NamedTuple):
     """A process's ``/dev/nvidia*`` descriptors, how many it has open, its soft limit."""
 
@@ -715,26 +707,10 @@ class Descriptors(NamedTuple):
 
 def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
     """One listing of ``/proc/PID/fd`` (and, with ``limit``, its limits); None: unreadable."""
-    if pid != os.getpid():
-        targets = _fd_targets(pid)
-        if targets is None:
-            return None
-        count = len(targets)
-    else:
-        try:
-            names = os.listdir(f"{_PROC}/self/fd")
-        except OSError:
-            return None
-        count, targets = len(names), {}
-        for name in names:
-            # OSError: closed since the listing (the listing's own descriptor is).
-            with contextlib.suppress(OSError):
-                device = os.fstat(int(name))
-                if S_ISCHR(device.st_mode):
-                    if device.st_rdev not in _device_targets:
-                        target = os.readlink(f"{_PROC}/self/fd/{name}")
-                        _device_targets[device.st_rdev] = target
-                    targets[int(name)] = _device_targets[device.st_rdev]
+    targets = _fd_targets(pid)
+    if targets is None:
+        return None
+    count = len(targets)
     nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
     limits = _read(f"{_PROC}/{pid}/limits") if limit else None
     soft = _fields_of(limits or b"", b"Max open files")

@@ -536,34 +536,6 @@ def test_nvidia_target_classifier() -> None:
     assert not any(procs.is_nvidia_device_target(t) for t in other)
 
 
-def test_own_device_descriptors_are_told_by_device_number_as_by_link(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """NOTE [own descriptors]: this process's count (fstat) equals the links' (readlink).
-
-    No NVIDIA device here: /dev/null stands in for one (the prefix is the test's); a file
-    and a pipe are not character devices, /dev/zero is one of another number.
-    """
-    monkeypatch.setattr(procs, "_NVIDIA_PREFIX", "/dev/null")
-    plain = tmp_path / "plain"
-    plain.write_bytes(b"x")
-    opened = [os.open("/dev/null", os.O_RDONLY) for _ in range(3)]
-    others = [os.open(plain, os.O_RDONLY), os.open("/dev/zero", os.O_RDONLY), *os.pipe()]
-    try:
-        by_link = {
-            fd: target
-            for fd, target in (procs._fd_targets(os.getpid()) or {}).items()
-            if procs.is_nvidia_device_target(target)
-        }
-        for _ in range(2):  # device numbers met before are not read again
-            own = procs.nvidia_fds(os.getpid())
-            assert own == by_link
-            assert own is not None and set(opened) <= set(own) and not set(others) & set(own)
-    finally:
-        for fd in opened + others:
-            os.close(fd)
-
-
 def test_nvidia_fd_count_zero_for_normal_processes(spawn: Spawn) -> None:
     child = spawn(["sh", "-c", "read x"])
     assert procs.nvidia_fd_count(child.pid) == 0

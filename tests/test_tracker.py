@@ -979,37 +979,6 @@ def test_a_process_new_on_the_gpu_is_placed_with_one_list_read(
     assert proc.gpu_bytes_peak == {0: 250 * MIB}
 
 
-def test_inbox_skips_the_listing_only_while_the_folder_is_settled(tmp_path: object) -> None:
-    """NOTE [worker mailbox]: a quick read trusts an unchanged folder time once it is old."""
-    folder = str(tmp_path)
-    inbox = mailbox.Inbox(folder)
-
-    def post_keeping_folder_time(pid: int) -> None:
-        # A record added within the same clock step as the last change: same folder time.
-        stat = os.stat(folder)
-        assert mailbox.post("worker", {"pid": pid, "start_ticks": pid}, directory=folder)
-        os.utime(folder, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-
-    assert mailbox.post("worker", {"pid": 1, "start_ticks": 1}, directory=folder)
-    assert [r["pid"] for r in inbox.read(quick=True)] == [1]
-    assert inbox.read(quick=True) == []  # lists: the deletion just moved the folder time
-    # That time was fresh when listed, so it is not trusted: a same-step record is found.
-    post_keeping_folder_time(2)
-    assert [r["pid"] for r in inbox.read(quick=True)] == [2]
-    time.sleep(0.15)  # past the clock-step margin
-    assert inbox.read(quick=True) == []  # settles the folder
-    post_keeping_folder_time(3)
-    assert inbox.read(quick=True) == []  # settled and unchanged: the listing is skipped
-    assert [r["pid"] for r in inbox.read()] == [3]  # a full read always lists
-    # A filesystem that keeps whole seconds only: its time is never trusted.
-    stat = os.stat(folder)
-    whole_s_ns = (stat.st_mtime_ns // 10**9 - 10) * 10**9
-    os.utime(folder, ns=(stat.st_atime_ns, whole_s_ns))
-    assert inbox.read(quick=True) == []
-    post_keeping_folder_time(4)
-    assert [r["pid"] for r in inbox.read(quick=True)] == [4]
-
-
 def test_mailbox_records_are_consumed_once_read(tmp_path: object) -> None:
     folder = str(tmp_path)
     assert mailbox.post("worker", {"pid": 1, "start_ticks": 100}, directory=folder)

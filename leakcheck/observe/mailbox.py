@@ -25,7 +25,6 @@ import os
 import re
 import signal
 import tempfile
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -43,9 +42,6 @@ STACK_SIGNAL = signal.SIGUSR2
 _OWNED_NAME = re.compile(
     r"^" + re.escape(MAILBOX_PREFIX) + r"(\d{1,10})-(\d{1,20})-(\d{1,20})-[a-z0-9_]+$"
 )
-# A folder's time moves in coarse clock steps, so a record added in the step of a listing can
-# leave it unchanged: a time means "nothing new" only once this much older than that listing.
-_CLOCK_STEP_MARGIN_NS = 100_000_000
 _BIRTH_FIELDS = ("host_uss_bytes", "host_rss_bytes", "host_shared_dirty_bytes",
                  "host_private_dirty_bytes")  # fmt: skip
 
@@ -159,20 +155,9 @@ class Inbox:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._seen: set[str] = set()
-        self._settled_mtime_ns: int | None = None
 
-    def read(self, *, quick: bool = False) -> list[dict[str, Any]]:
-        """The records posted since the last read.
-
-        ``quick`` skips the listing while the folder's time is one a listing saw settled.
-        """
-        try:
-            mtime_ns = os.stat(self.directory).st_mtime_ns
-        except OSError:
-            return []
-        if quick and mtime_ns == self._settled_mtime_ns:
-            return []
-        listed_ns = time.time_ns()
+    def read(self) -> list[dict[str, Any]]:
+        """The records posted since the last read."""
         try:
             names = sorted(os.listdir(self.directory))
         except OSError:
@@ -193,14 +178,6 @@ class Inbox:
                     records.append(record)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        # Deleting what was read changes the time again: settle once that change is older than
-        # the margin. A time in whole seconds is too coarse to trust.
-        settled = (
-            not records
-            and listed_ns - mtime_ns > _CLOCK_STEP_MARGIN_NS
-            and mtime_ns % 1_000_000_000 != 0
-        )
-        self._settled_mtime_ns = mtime_ns if settled else None
         return records
 
 

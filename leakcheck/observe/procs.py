@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from stat import S_ISCHR
 from typing import NamedTuple
 
 from leakcheck.core.errors import UsageError
@@ -176,7 +175,9 @@ def _info(
 # stat fails and the PID is opened afresh. A vanished thread's children file reads empty, so
 # the task list is taken again whenever the thread count changes, and every ``_RELIST_EVERY``
 # walks. Bounded: 256 descriptors and an eighth of RLIMIT_NOFILE; entries unused in the last
-# two walks are closed; a forked child closes its inherited copies at once.
+# two walks are closed; a forked child closes its inherited copies at once. Pays: 64 children,
+# a full walk 0.60 ms (1.30 uncached), a tick's quick walk 0.27 ms, at 5 walks a second 0.52%
+# of the loop saved (benchmarks/results/mechanisms-cpu.md).
 _MAX_CACHED_FDS = 256
 _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
@@ -520,13 +521,14 @@ def scan_all(
     return found
 
 
-# NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (2.5-2.9 ms
-# for 184), yet a process judged once stays judged: born before the root, the root, known, or
-# untagged (the tag is in the environment it started with). So ``TagScan`` remembers the
-# entries it judged, a PID with the inode of its /proc directory (a reused PID gets a new one),
-# and reads only the others. "Untagged" stands once a second scan finds the same exec image
-# (start, name, argument and environment addresses, which an exec moves): a process between
-# its fork and its exec shows its parent's environment, one inside its exec none yet.
+# NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (5.8 ms
+# for 442; 0.32 ms incremental: benchmarks/results/mechanisms-cpu.md), yet a process judged
+# once stays judged: born before the root, the root, known, or untagged (the tag is in the
+# environment it started with). So ``TagScan`` remembers the entries it judged, a PID with the
+# inode of its /proc directory (a reused PID gets a new one), and reads only the others.
+# "Untagged" stands once a second scan finds the same exec image (start, name, argument and
+# environment addresses, which an exec moves): a process between its fork and its exec shows
+# its parent's environment, one inside its exec none yet.
 
 
 class TagScan:
@@ -698,13 +700,6 @@ def _fd_targets(pid: int) -> dict[int, str] | None:
     return targets
 
 
-# NOTE [own descriptors]: a CUDA training process holds hundreds of descriptors, and reading
-# each link through procfs was most of counting them at an epoch end (H200: 1.37 ms, 1.03 ms
-# without). In this process ``fstat`` is cheaper: only a character device can be an NVIDIA
-# node, and its link is read once per device number.
-_device_targets: dict[int, str] = {}
-
-
 class Descriptors(NamedTuple):
     """A process's ``/dev/nvidia*`` descriptors, how many it has open, its soft limit."""
 
@@ -715,26 +710,10 @@ class Descriptors(NamedTuple):
 
 def descriptors(pid: int, *, limit: bool = True) -> Descriptors | None:
     """One listing of ``/proc/PID/fd`` (and, with ``limit``, its limits); None: unreadable."""
-    if pid != os.getpid():
-        targets = _fd_targets(pid)
-        if targets is None:
-            return None
-        count = len(targets)
-    else:
-        try:
-            names = os.listdir(f"{_PROC}/self/fd")
-        except OSError:
-            return None
-        count, targets = len(names), {}
-        for name in names:
-            # OSError: closed since the listing (the listing's own descriptor is).
-            with contextlib.suppress(OSError):
-                device = os.fstat(int(name))
-                if S_ISCHR(device.st_mode):
-                    if device.st_rdev not in _device_targets:
-                        target = os.readlink(f"{_PROC}/self/fd/{name}")
-                        _device_targets[device.st_rdev] = target
-                    targets[int(name)] = _device_targets[device.st_rdev]
+    targets = _fd_targets(pid)
+    if targets is None:
+        return None
+    count = len(targets)
     nvidia = {fd: target for fd, target in targets.items() if is_nvidia_device_target(target)}
     limits = _read(f"{_PROC}/{pid}/limits") if limit else None
     soft = _fields_of(limits or b"", b"Max open files")
@@ -797,7 +776,8 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
 # NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
 # (one read of /proc/loadavg) marks a moment: when it did not move no process started, and
 # when it moved one listdir('/proc') gives the PIDs in between, the only candidates. Where
-# /proc/loadavg cannot be read, two listings are compared.
+# /proc/loadavg cannot be read, two listings are compared (0.38 ms a test with 446 processes,
+# against 0.013: benchmarks/results/mechanisms-cpu.md).
 #
 # NOTE [whose process]: a new process is a process's own when that process is its ancestor
 # now, when its initial environment carries one of its ``LEAKCHECK_SESSION`` tags (inherited

@@ -300,7 +300,7 @@ class Sampler:
             lists_paced_out = tick is not None and tick.lists_paced_out
             if self._inbox is not None and walk:
                 inbox = self._inbox
-                self.failures.guard(lambda: self._read_mailbox(inbox, quick=quick), "mailbox")
+                self.failures.guard(lambda: self._read_mailbox(inbox), "mailbox")
             device_used = nvml.memory(pacing) if tick is None or tick.read_memory else None
             gpu: tuple[GpuProcess, ...] | None = None
             new_on_gpu = False
@@ -360,11 +360,11 @@ class Sampler:
                 table.procs[key].rss_bytes_last = memory.rss_bytes
         return True
 
-    def _read_mailbox(self, inbox: mailbox.Inbox, *, quick: bool) -> None:
+    def _read_mailbox(self, inbox: mailbox.Inbox) -> None:
         """Worker identities, births and teardowns (NOTE [worker mailbox] in mailbox.py)."""
         assert self.table is not None
         born = False
-        for record in inbox.read(quick=quick):
+        for record in inbox.read():
             key = mailbox.record_key(record)
             if key is None:
                 continue

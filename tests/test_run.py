@@ -597,6 +597,34 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     assert "0 leaks (1 loader (1 without a report) and the process tree)" in run.stderr
 
 
+CHDIR_THEN_EXEC = """\
+import os, sys
+from torch.utils.data import DataLoader
+
+os.chdir("data")  # relative: where the program reads its files from
+loader = DataLoader(list(range(8)), batch_size=4, num_workers=1)  # MADE
+for epoch in range(2):
+    for batch in loader:
+        pass
+if sys.argv[1:] == ["exec"]:
+    os.chdir("..")
+    os.execv(sys.executable, [sys.executable, sys.argv[0], "again"])
+print("done")
+"""
+
+
+def test_a_loader_made_after_a_chdir_is_labelled_from_where_the_run_began(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(CHDIR_THEN_EXEC)
+    (tmp_path / "data").mkdir()
+    run = leakcheck_run("--", sys.executable, "train.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0 and run.data is not None, run.stderr
+    (item,) = run.data["loaders"]  # it said "<tmp_path's name>/train.py:5"
+    assert item["label"] == f"train.py:{line_of(script, 'MADE')}", run.stderr
+
+
 def test_a_loader_record_that_cannot_be_read_is_said_not_dropped(
     tmp_path: Path, private_tmp: Path
 ) -> None:

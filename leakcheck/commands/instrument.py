@@ -70,6 +70,7 @@ class RunOptions:
     rollup_share: float | None = None
     copy_tolerance_bytes: int = 64 * MIB
     hang_after_s: float = 120.0
+    cwd: str = dataclasses.field(default_factory=os.getcwd)  # the launcher's: labels' base
 
     def tracker_options(self) -> dict[str, Any]:
         """What every ``Tracker`` of the run, inside or out, takes of these options."""
@@ -196,7 +197,7 @@ class _Run:
         self.folder = folder
         self.options = options
         self.pid = os.getpid()
-        self.cwd = os.getcwd()
+        self.cwd = options.cwd  # not the program's now: it may have changed directory
         self.sites: list[_Site] = []
         self.left: list[tuple[Any, LoaderResult]] = []  # callbacks, watch()'s trackers; records
         self.indices = itertools.count()  # of the records, for their file names

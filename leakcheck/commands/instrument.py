@@ -83,7 +83,9 @@ class RunOptions:
         }
 
 
-NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or outlived the run"
+NO_EXIT = (
+    "its process ended without its exit handlers (os._exit, exec, a signal) or outlived the run"
+)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class _Run:
         self.sites: list[_Site] = []
         self.left: list[tuple[Any, LoaderResult]] = []  # callbacks, watch()'s trackers; records
         self.indices = itertools.count()  # of the records, for their file names
+        self.incarnation = time.time_ns()  # an exec keeps the PID: its records are others
         self.rank = process_rank()
         if self.rank is not None:
             ranks.export_rank(self.rank)
@@ -282,7 +285,7 @@ class _Run:
             if chosen is not None and chosen[0] == rank.rank:
                 rank = replace(rank, device=chosen[1])
         record = replace(record, rank=rank, **final)
-        name = f"loader-{self.pid}-{record.index}.json"
+        name = f"loader-{self.pid}-{self.incarnation}-{record.index}.json"
         write_json(os.path.join(self.folder, name), record.to_dict())
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:

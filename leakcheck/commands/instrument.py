@@ -83,9 +83,7 @@ class RunOptions:
         }
 
 
-NO_EXIT = (
-    "its process ended without its exit handlers (os._exit, exec, a signal) or outlived the run"
-)
+NO_EXIT = "its process ended without exit handlers (os._exit, exec, a signal) or outlived the run"
 
 
 @dataclass(frozen=True)

@@ -597,6 +597,54 @@ def test_a_watched_loader_of_a_process_ended_by_os_exit_is_named_missing(
     assert "0 leaks (1 loader (1 without a report) and the process tree)" in run.stderr
 
 
+CHDIR_THEN_EXEC = """\
+import os, sys
+from torch.utils.data import DataLoader
+
+os.chdir("data")  # relative: where the program reads its files from
+loader = DataLoader(list(range(8)), batch_size=4, num_workers=1)  # MADE
+for epoch in range(2):
+    for batch in loader:
+        pass
+if sys.argv[1:] == ["exec"]:
+    os.chdir("..")
+    os.execv(sys.executable, [sys.executable, sys.argv[0], "again"])
+print("done")
+"""
+
+
+def test_a_loader_made_after_a_chdir_is_labelled_from_where_the_run_began(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(CHDIR_THEN_EXEC)
+    (tmp_path / "data").mkdir()
+    run = leakcheck_run("--", sys.executable, "train.py", private_tmp=private_tmp, cwd=tmp_path)
+    assert run.returncode == 0 and run.data is not None, run.stderr
+    (item,) = run.data["loaders"]  # it said "<tmp_path's name>/train.py:5"
+    assert item["label"] == f"train.py:{line_of(script, 'MADE')}", run.stderr
+
+
+def test_the_loaders_of_a_program_before_it_execs_itself_are_not_overwritten(
+    tmp_path: Path, private_tmp: Path
+) -> None:
+    """An exec keeps the PID: the first program's loader is named as one without a report
+    (its exit handlers never ran), not replaced by the second one's (it was, silently)."""
+    script = tmp_path / "train.py"
+    script.write_text(CHDIR_THEN_EXEC)
+    (tmp_path / "data").mkdir()
+    run = leakcheck_run(
+        "--", sys.executable, "train.py", "exec", private_tmp=private_tmp, cwd=tmp_path
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr
+    assert run.data is not None
+    before, after = run.data["loaders"]
+    assert before["argv"][1:] == ["exec"] and after["argv"][1:] == ["again"], run.data["loaders"]
+    assert before["report"] is None and "exec" in before["missing"], before
+    assert len(after["report"]["epochs"]) == 2 and after["report"]["findings"] == [], after
+    assert "0 leaks (2 loaders (1 without a report) and the process tree)" in run.stderr
+
+
 def test_a_loader_record_that_cannot_be_read_is_said_not_dropped(
     tmp_path: Path, private_tmp: Path
 ) -> None:

@@ -70,6 +70,7 @@ class RunOptions:
     rollup_share: float | None = None
     copy_tolerance_bytes: int = 64 * MIB
     hang_after_s: float = 120.0
+    cwd: str = dataclasses.field(default_factory=os.getcwd)  # the launcher's: labels' base
 
     def tracker_options(self) -> dict[str, Any]:
         """What every ``Tracker`` of the run, inside or out, takes of these options."""
@@ -82,7 +83,7 @@ class RunOptions:
         }
 
 
-NO_EXIT = "its process ended without its exit handlers (os._exit, a signal) or outlived the run"
+NO_EXIT = "its process ended without exit handlers (os._exit, exec, a signal) or outlived the run"
 
 
 @dataclass(frozen=True)
@@ -196,10 +197,11 @@ class _Run:
         self.folder = folder
         self.options = options
         self.pid = os.getpid()
-        self.cwd = os.getcwd()
+        self.cwd = options.cwd  # not the program's now: it may have changed directory
         self.sites: list[_Site] = []
         self.left: list[tuple[Any, LoaderResult]] = []  # callbacks, watch()'s trackers; records
         self.indices = itertools.count()  # of the records, for their file names
+        self.incarnation = time.time_ns()  # an exec keeps the PID: its records are others
         self.rank = process_rank()
         if self.rank is not None:
             ranks.export_rank(self.rank)
@@ -281,7 +283,7 @@ class _Run:
             if chosen is not None and chosen[0] == rank.rank:
                 rank = replace(rank, device=chosen[1])
         record = replace(record, rank=rank, **final)
-        name = f"loader-{self.pid}-{record.index}.json"
+        name = f"loader-{self.pid}-{self.incarnation}-{record.index}.json"
         write_json(os.path.join(self.folder, name), record.to_dict())
 
     def epoch_iterator(self, loader: Any, iterate: Callable[[Any], Iterator[Any]]) -> Any:

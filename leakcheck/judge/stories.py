@@ -29,7 +29,9 @@ Causes and fixes:
 - a reference cycle keeps the iterator (and its persistent workers) alive; under pytest the
   finding says "freed only by gc.collect()". Break the cycle (an exception or traceback kept
   in a variable or attribute, an object that refers back to itself through a callback or a
-  bound method), or `del` the iterator and call gc.collect() where the work ends.
+  bound method), or `del` the iterator and call gc.collect() where the work ends. A worker's
+  error that the loader re-raised and the work caught (`pytest.raises`) is such a cycle (the
+  re-raise's frame holds it): call gc.collect() after catching it.
 - a loader worker started it and it outlives its epoch (an orphan once the worker exits):
   stop it within the epoch in the code that starts it (join or terminate it), or start it
   outside the workers; leakcheck.worker_init_fn(terminate_children=True) stops it when its

@@ -269,8 +269,10 @@ class HostReads:
         """Plan the epoch end's rollup reads as paced; True when planned (drops one unread)."""
         # A warm-up end's USS serves no rule: read only where reads are unpaced.
         warm_up = epoch_index < self.always_read.start and self.share < 1.0
-        due = epoch_index in self.always_read or (not warm_up and self.due())
-        keys = self.long_lived(table) if due else []
+        paced = not warm_up and self.due()
+        keys = self.long_lived(table) if paced or epoch_index in self.always_read else []
+        if not paced and all(k == table.root or p.foreign for k, p in table.live.items()):
+            keys = [key for key in keys if key != table.root]  # alone: NOTE [host pacing]
         keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
         for key in keys:
             table.procs[key].end_read = True

@@ -17,10 +17,12 @@ process's size (NOTE [rollup cost] in hostmem.py): read only for what the host-g
 judges (the parent, persistent workers), once per epoch end at most, on the sampler's next
 wake, paced by ``rollup_share`` with no gap cap; the loop's own process on the loop's thread
 before the end returns (what the loop does next is not the epoch's). The first three ends
-after the warm-up always read, warm-up ends none unless unpaced; an end without a read says
-RSS, never an older USS. Planned reads are made before the next epoch begins. Forked workers
-with a birth report (NOTE [copy on read]) are read at their first epoch end whatever the
-pacing, and inside an epoch lasting ``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
+after the warm-up always read (the parent where another live process of the job may share its
+pages: alone, its USS only adds file pages to its RssAnon, read at every end), warm-up ends
+none unless unpaced; an end without a read says RSS, never an older USS. Planned reads are
+made before the next epoch begins. Forked workers with a birth report (NOTE [copy on read])
+are read at their first epoch end whatever the pacing, and inside an epoch lasting
+``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
 
 NOTE [idle ticks]: a tick that neither walks nor reads changes nothing, yet waking costs CPU:
 the sampler sleeps through such ticks, up to the next walk or the first read due (idle, no

@@ -267,10 +267,11 @@ class HostReads:
 
     def plan(self, epoch_index: int, table: ProcessTable) -> bool:
         """Plan the epoch end's rollup reads as paced; True when planned (drops one unread)."""
-        # A warm-up end's USS serves no rule: read only where reads are unpaced.
-        warm_up = epoch_index < self.always_read.start and self.share < 1.0
-        due = epoch_index in self.always_read or (not warm_up and self.due())
-        keys = self.long_lived(table) if due else []
+        # A warm-up end's USS serves no rule unless unpaced; the parent alone: NOTE [host pacing].
+        paced = self.due() and (epoch_index >= self.always_read.start or self.share >= 1.0)
+        keys = self.long_lived(table) if paced or epoch_index in self.always_read else []
+        if not paced and all(k == table.root or p.foreign for k, p in table.live.items()):
+            keys = [key for key in keys if key != table.root]
         keys += [k for k in table.copy_watched() if not table.procs[k].end_read and k not in keys]
         for key in keys:
             table.procs[key].end_read = True

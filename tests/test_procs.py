@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import multiprocessing
@@ -97,9 +98,23 @@ def tree_pids(record: dict[str, Any]) -> set[int]:
 # --- identities -----------------------------------------------------------------------------
 
 
+def _steady_clock(call: Callable[[], Any]) -> Any:
+    """``call()``'s result from a call across which /proc/stat's btime held: a step of the
+    wall clock (a resumed VM, NTP) moves it, and every create time computed from it. The
+    boot time leakcheck keeps for the process's life is read anew for each try."""
+    for _ in range(5):
+        procs.boot_time_s.cache_clear()
+        before = psutil.boot_time()
+        result = call()
+        if psutil.boot_time() == before:
+            return result
+    raise AssertionError("/proc/stat's btime moved during each of 5 tries")
+
+
 def test_clock_ticks_and_boot_time_match_their_sources() -> None:
     assert procs.clock_ticks() == os.sysconf("SC_CLK_TCK")
-    assert procs.boot_time_s() == psutil.boot_time()
+    ours, theirs = _steady_clock(lambda: (procs.boot_time_s(), psutil.boot_time()))
+    assert ours == theirs
 
 
 def _start_ticks(pid: int) -> int:
@@ -108,13 +123,19 @@ def _start_ticks(pid: int) -> int:
     return int(line[line.rfind(b")") + 2 :].split()[19])
 
 
+def _create_times(pid: int) -> tuple[float, float]:
+    """``pid``'s create time as leakcheck shows it, and as psutil does."""
+    return procs.create_time_s(_start_ticks(pid)), psutil.Process(pid).create_time()
+
+
 def test_process_key_is_the_start_ticks_of_proc_stat(spawn: Spawn) -> None:
     """NOTE [process identity]: the kernel's own number, shown as psutil's create time."""
     child = spawn(["sh", "-c", "read x"])
     for pid in (os.getpid(), child.pid):
         key = procs.process_key(pid)
         assert key == ProcessKey(pid, _start_ticks(pid))
-        assert procs.create_time_s(key.start_ticks) == psutil.Process(pid).create_time()
+        ours, theirs = _steady_clock(functools.partial(_create_times, pid))
+        assert ours == theirs
     compared = 0
     for info in procs.scan_all(with_cmdline=False):
         try:
@@ -134,8 +155,9 @@ def test_identities_do_not_depend_on_the_boot_time(
     child = spawn(["sh", "-c", "read x"])
     before = procs.process_key(child.pid)
     info = procs.read_proc(child.pid)
-    shown = procs.create_time_s(_start_ticks(child.pid))
-    monkeypatch.setattr(procs, "boot_time_s", lambda: psutil.boot_time() + 1.0)
+    boot_s = procs.boot_time_s()
+    shown = procs.create_time_s(_start_ticks(child.pid), boot_s)
+    monkeypatch.setattr(procs, "boot_time_s", lambda: boot_s + 1.0)
     assert procs.process_key(child.pid) == before and before is not None
     assert procs.read_proc(child.pid) == info and procs.is_alive(before)
     assert procs.create_time_s(before.start_ticks) == shown + 1.0

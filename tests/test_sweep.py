@@ -210,10 +210,15 @@ def test_cleanup_terminates_only_this_sessions_orphans() -> None:
     try:
         assert procs.tagged_session(ours.pid) == session
         key = procs.process_key(ours.pid)
+        procs.boot_time_s.cache_clear()  # kept for the process's life: read at its start
+        boot_before_s = psutil.boot_time()
         cleaned = cleanup_orphans(session)
+        boots_s = (boot_before_s, psutil.boot_time())  # two where the wall clock stepped
         assert [(c.pid, c.outcome) for c in cleaned] == [(ours.pid, "terminated")]
         assert key is not None and cleaned[0].start_ticks == key.start_ticks
-        assert cleaned[0].create_time == ours.create_time()  # shown as psutil shows it
+        # Shown as psutil shows it: start ticks over the clock rate, plus btime.
+        ticks_s = key.start_ticks / os.sysconf("SC_CLK_TCK")
+        assert cleaned[0].create_time in {ticks_s + boot_s for boot_s in boots_s}
         assert not ours.is_running() or ours.status() == psutil.STATUS_ZOMBIE
         assert other.is_running() and untagged.is_running()
     finally:

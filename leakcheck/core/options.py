@@ -56,7 +56,7 @@ def parse_share_option(value: object, source: str) -> float:
     return share
 
 
-MIN_INTERVAL_S = 0.001  # a sample takes up to about 1 ms (64 workers, H200 host): less spins
+MIN_INTERVAL_S = 0.001  # about what a sample of many workers takes: a shorter one spins
 
 
 def parse_interval_option(value: object, source: str) -> float:

@@ -4,9 +4,9 @@ The DataLoader "leak" users report most is host memory copied on read; next, ``/
 files (a full tmpfs kills workers with a bus error). A process gone or denied reads as None.
 
 NOTE [rollup cost]: the kernel builds /proc/PID/smaps_rollup by walking the page tables, so a
-read costs with the process's resident memory (6-9 us per MiB); /proc/PID/status reads kept
-counters (15-20 us, any size) but cannot tell private pages from shared ones. So USS and PSS
-are epoch-end reads, not per-tick ones (``benchmarks/bench_hostmem.py``).
+read costs with the process's resident memory; /proc/PID/status reads kept counters (a small
+cost at any size) but cannot tell private pages from shared ones. So USS and PSS are epoch-end
+reads, not per-tick ones (figures: benchmarks/results/hostmem-cpu.md).
 
 NOTE [copy on read]: a forked worker starts with its parent's memory shared, and a page it
 writes (a reference count, as it reads an object) is copied: in ``smaps_rollup`` it moves from
@@ -260,13 +260,12 @@ def job_shm(
     }
 
 
-# NOTE [made here]: a process can say which files it made itself. An audit hook (PEP 578)
-# notes each file this process creates in a watched directory from Python: ``open`` with
-# O_CREAT of a name not there yet (builtin ``open``, ``os.open``, numpy's memmap), and the
-# ``ftruncate`` that sizes a ``SharedMemory`` (its ``shm_open`` is not audited). Files made in C
-# (torch's carry their maker's PID instead) or by other processes are not seen. A hook cannot
-# be removed: it stays for the process's life, costs a call per audited event (~0.3 us; an
-# O_CREAT open ~3 us more), and never raises into the program.
+# NOTE [made here]: a process can say which files it made itself. An audit hook (PEP 578) notes
+# each file this process creates in a watched directory from Python: ``open`` with O_CREAT of a
+# name not there yet (builtin ``open``, ``os.open``, numpy's memmap), and the ``ftruncate`` that
+# sizes a ``SharedMemory`` (its ``shm_open`` is not audited). Files made in C (torch's carry their
+# maker's PID instead) or by other processes are not seen. A hook cannot be removed: it stays for
+# the process's life, costs a call per audited event, and never raises into the program.
 _made_dirs: dict[str, str] = {}  # a watched directory, as given and resolved -> resolved
 _made: set[str] = set()  # paths this process created there, resolved
 

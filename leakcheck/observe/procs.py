@@ -175,9 +175,8 @@ def _info(
 # stat fails and the PID is opened afresh. A vanished thread's children file reads empty, so
 # the task list is taken again whenever the thread count changes, and every ``_RELIST_EVERY``
 # walks. Bounded: 256 descriptors and an eighth of RLIMIT_NOFILE; entries unused in the last
-# two walks are closed; a forked child closes its inherited copies at once. Pays: 64 children,
-# a full walk 0.60 ms (1.30 uncached), a tick's quick walk 0.27 ms, at 5 walks a second 0.52%
-# of the loop saved (benchmarks/results/mechanisms-cpu.md).
+# two walks are closed; a forked child closes its inherited copies at once. What it saves a
+# walk: benchmarks/results/mechanisms-cpu.md.
 _MAX_CACHED_FDS = 256
 _RELIST_EVERY = 16
 _RECHECK_EVERY = 4
@@ -521,14 +520,14 @@ def scan_all(
     return found
 
 
-# NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (5.8 ms
-# for 442; 0.32 ms incremental: benchmarks/results/mechanisms-cpu.md), yet a process judged
-# once stays judged: born before the root, the root, known, or untagged (the tag is in the
-# environment it started with). So ``TagScan`` remembers the entries it judged, a PID with the
-# inode of its /proc directory (a reused PID gets a new one), and reads only the others.
-# "Untagged" stands once a second scan finds the same exec image (start, name, argument and
-# environment addresses, which an exec moves): a process between its fork and its exec shows
-# its parent's environment, one inside its exec none yet.
+# NOTE [incremental tag scan]: a tag scan reads the stat of every process in /proc (its cost, whole
+# and incremental: benchmarks/results/mechanisms-cpu.md), yet a process judged once stays judged:
+# born before the root, the root, known, or untagged (the tag is in the environment it started
+# with). So ``TagScan`` remembers the entries it judged, a PID with the inode of its /proc directory
+# (a reused PID gets a new one), and reads only the others. "Untagged" stands once a second scan
+# finds the same exec image (start, name, argument and environment addresses, which an exec moves):
+# a process between its fork and its exec shows its parent's environment, one inside its exec none
+# yet.
 
 
 class TagScan:
@@ -776,8 +775,8 @@ def shm_open_by(pids: Iterable[int], directory: str = "/dev/shm") -> dict[int, l
 # NOTE [cheap snapshots]: PIDs are handed out in increasing order, so the last PID handed out
 # (one read of /proc/loadavg) marks a moment: when it did not move no process started, and
 # when it moved one listdir('/proc') gives the PIDs in between, the only candidates. Where
-# /proc/loadavg cannot be read, two listings are compared (0.38 ms a test with 446 processes,
-# against 0.013: benchmarks/results/mechanisms-cpu.md).
+# /proc/loadavg cannot be read, two listings are compared (the costs of both ways:
+# benchmarks/results/mechanisms-cpu.md).
 #
 # NOTE [whose process]: a new process is a process's own when that process is its ancestor
 # now, when its initial environment carries one of its ``LEAKCHECK_SESSION`` tags (inherited

@@ -25,8 +25,8 @@ are read at their first epoch end whatever the pacing, and inside an epoch lasti
 ``reads.INSIDE_AFTER_S``, every ``reads.INSIDE_GAP_S``.
 
 NOTE [idle ticks]: a tick that neither walks nor reads changes nothing, yet waking costs CPU:
-the sampler sleeps through such ticks, up to the next walk or the first read due (idle, no
-NVML: 2.1 ms of CPU a second against 3.6, benchmarks/results/mechanisms-cpu.md).
+the sampler sleeps through such ticks, up to the next walk or the first read due (what it
+saves: benchmarks/results/mechanisms-cpu.md).
 """
 
 from __future__ import annotations

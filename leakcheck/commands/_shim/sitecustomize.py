@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-TYPE_CHECKING = False  # typing costs the program's start 2 ms: imported for mypy only
+TYPE_CHECKING = False  # importing typing slows every program's start: for mypy only
 if TYPE_CHECKING:
     from typing import Any
 

@@ -1,8 +1,8 @@
 """A small ctypes binding of the NVML calls leakcheck makes, in pynvml's shape.
 
-Importing ``pynvml`` costs a start ~10 ms (~90 ms on the H200 when this was written), against
-``leakcheck snapshot``'s 30 ms goal (benchmarks/results/snapshot-start-h200.md); this loads
-``libnvidia-ml.so.1`` only in :func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for it.
+Importing ``pynvml`` would cost ``leakcheck snapshot`` much of its start-up goal
+(benchmarks/results/snapshot-start-h200.md); this loads ``libnvidia-ml.so.1`` only in
+:func:`nvmlInit`. Tests stand ``tests/fake_pynvml.py`` in for it.
 """
 
 from __future__ import annotations

@@ -1721,6 +1721,43 @@ def test_a_loader_that_only_a_function_fixture_keeps_is_no_leak(inner: pytest.Py
     )
 
 
+def test_a_failing_tests_loader_that_only_its_traceback_keeps_is_no_leak(
+    inner: pytest.Pytester,
+) -> None:
+    """pytest keeps a failure's traceback (``sys.last_traceback``) until the next test's call:
+    an iterator local to a failing or xfailing test keeps its workers alive through the
+    teardown. The failure is the test's only finding; a loader kept elsewhere still leaks."""
+    inner.makepyfile(
+        test_failing_loader="""
+        import pytest
+        from torch.utils.data import DataLoader
+
+        KEPT = []
+
+        def test_fails():
+            batches = iter(DataLoader(list(range(32)), batch_size=4, num_workers=2))
+            assert next(batches).tolist() == [9]
+
+        @pytest.mark.xfail(reason="known")
+        def test_xfails():
+            batches = iter(DataLoader(list(range(32)), batch_size=4, num_workers=2))
+            assert next(batches).tolist() == [9]
+
+        def test_fails_and_keeps():
+            batches = iter(DataLoader(list(range(32)), batch_size=4, num_workers=2))
+            KEPT.append(batches)
+            assert next(batches).tolist() == [9]
+        """
+    )
+    result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
+    result.assert_outcomes(failed=2, xfailed=1)
+    out = result.stdout.str()
+    assert "1 of 3 checked tests left something behind" in out
+    assert "LEAKED test_failing_loader.py::test_fails_and_keeps: 2 processes" in out
+    assert "LEAKED test_failing_loader.py::test_fails:" not in out
+    assert "LEAKED test_failing_loader.py::test_xfails:" not in out
+
+
 def test_persistent_workers_of_a_wide_scope_fixtures_loader_are_the_fixtures(
     inner: pytest.Pytester,
 ) -> None:

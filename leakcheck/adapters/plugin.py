@@ -31,8 +31,10 @@ section and a summary line. A test skipped before its call that left nothing is 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 import time
 import warnings
 from collections import Counter
@@ -424,6 +426,12 @@ class LeakCheckPlugin:
         # keep (a loader's persistent workers) would outlive the test here, never after it.
         if isinstance(getattr(item, "funcargs", None), dict):
             item.funcargs = {}  # type: ignore[attr-defined]
+        if earlier == "counted":
+            # Nor of a failure's traceback before the next test's call; it sits in a reference
+            # cycle of pytest's frames. What only the failure keeps (a local iterator) is no leak.
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                sys.__dict__.pop(name, None)
+            gc.collect()
         end_s = time.monotonic()
         del item.stash[WINDOW_KEY]
         self._window = None

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -357,6 +358,9 @@ def test_a_clean_train_and_val_run_is_a_few_lines(tmp_path: Path, private_tmp: P
     ]
     assert report[-1].startswith("leakcheck run: verdict clean, 0 leaks (2 loaders")
     assert all(line.strip() and len(line) <= 160 for line in report), report
+    # The tree holds every loader's processes, its short-lived workers too (the parent once).
+    counts = [int(re.search(r"(\d+) processes", line)[1]) for line in report[1:4]]  # type: ignore[index]
+    assert "process tree of PID" in report[3] and counts[2] >= counts[0] + counts[1] - 1, report
     if not run.data["gpu"]["checked"]:
         assert run.stderr.count("GPU") == 1 and "; GPU: not checked (" in report[0]
 

@@ -223,7 +223,9 @@ class RunResult:
         # What a loader blamed is left to it: it knows its workers from their own reports.
         shown = {finding_identity(f) for r in self.loaders if r.report for f in r.report.leaks}
         repeated = [f for f in tree.findings if finding_identity(f) in shown]
-        processes = plural(len(tree.process_keys), "process", "processes")
+        # Sampled from outside it misses short-lived workers; their loaders saw each of them.
+        keys = tree.process_keys.union(*(r.report.process_keys for r in self.loaders if r.report))
+        processes = plural(len(keys), "process", "processes")
         line = f"{head} ({processes}): verdict {tree.verdict.upper()}"
         if repeated:
             line += f"; {plural(len(repeated), 'finding')} named above"

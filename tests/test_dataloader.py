@@ -748,3 +748,21 @@ def test_a_generator_iter_gets_the_policy_until_its_workers_started(tmp_path: Pa
     assert len(pids) == 2
     # The workers reported to the mailbox: the policy ran in them, in front of the user's.
     assert {key.pid for key in watched.tracker.worker_keys()} == pids
+
+
+def test_a_loader_that_accelerate_prepared_gets_the_policy_in_its_workers(
+    tmp_path: Path,
+) -> None:
+    """``accelerator.prepare(loader)`` wraps the DataLoader (attributes read through, not set):
+    the policy goes on the DataLoader inside, so each worker reports itself."""
+    needs = "needs accelerate: pip install -e '.[dev]'"
+    accelerate = pytest.importorskip("accelerate", reason=needs)
+    user_fn = functools.partial(touch, str(tmp_path))
+    made = DataLoader(Squares(), batch_size=3, num_workers=2, worker_init_fn=user_fn)
+    loader = accelerate.Accelerator(cpu=True).prepare(made)
+    with leakcheck.watch(loader) as watched:
+        assert len(list(watched)) == 4
+    assert loader.worker_init_fn is user_fn
+    pids = {int(p.read_text()) for p in tmp_path.iterdir()}
+    assert len(pids) == 2
+    assert {key.pid for key in watched.tracker.worker_keys()} == pids

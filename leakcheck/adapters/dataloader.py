@@ -163,6 +163,9 @@ def start_iterator(loader: Any, tracker: Tracker, make: Callable[[], Any], *, re
     ``terminate_children``. A wrapper of a wrapper leaves the workers to the inner one's
     tracker (NOTE [claims]); not a DataLoader: lineage only.
     """
+    if not isinstance(loader, WatchedLoader):
+        # accelerate's prepared loader reads its DataLoader's attributes through, sets its own.
+        loader = getattr(loader, "base_dataloader", loader)
     users = getattr(loader, "worker_init_fn", None)
     if not hasattr(loader, "worker_init_fn") or isinstance(loader, WatchedLoader):
         iterator = make()

@@ -529,7 +529,7 @@ def test_persistent_workers_kept_alive_by_a_reference_cycle_fail_with_that_cause
     result = inner.runpytest_subprocess("--gpu-leak-check", *FAST)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "LEAK survivor  descendant " in out
+    assert "LEAK survivor  worker of " in out
     assert "; kept by a reference cycle" in out
     assert "fix: break the reference cycle that keeps the loader's iterator alive" in out
 
@@ -1754,6 +1754,9 @@ def test_a_failing_tests_loader_that_only_its_traceback_keeps_is_no_leak(
     out = result.stdout.str()
     assert "1 of 3 checked tests left something behind" in out
     assert "LEAKED test_failing_loader.py::test_fails_and_keeps: 2 processes" in out
+    # Torch's name for a loader worker tells it from other children: the iterator's fix.
+    assert "LEAK survivor  2 \u00d7 worker of " in out, out
+    assert "fix: end each epoch's iterator (exhaust or `del` it)" in out
     assert "LEAKED test_failing_loader.py::test_fails:" not in out
     assert "LEAKED test_failing_loader.py::test_xfails:" not in out
 

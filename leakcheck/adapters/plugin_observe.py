@@ -52,7 +52,7 @@ from leakcheck.core.model import (
     ShmFile,
     Timeline,
 )
-from leakcheck.core.roles import is_runtime_helper
+from leakcheck.core.roles import child_role, is_runtime_helper
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import is_named_semaphore, job_shm, note_shm_made, shm_creator_pid
 from leakcheck.observe.procs import SESSION_ENV, Lineage, PidMark, handed_out_since
@@ -351,6 +351,12 @@ class Checker:
             pending = [cand for cand in pending if cand.exited_s is None]
             self._wait(pending, time.monotonic() + _SHUTDOWN_SETTLE_S)
 
+    def _role(self, info: ProcInfo) -> Role:
+        """A loader worker of the test process by torch's name for it; what else it started."""
+        if not self.lineage.descends(info):
+            return "orphan"
+        return child_role(info.key, info.name) if info.ppid == os.getpid() else "descendant"
+
     def _left(self, staying: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
         """The candidates alive after the grace (``exited_after_s``: gone now)."""
         gpu_by_pid = (self._gpu_by_pid() or {}) if staying else {}
@@ -363,7 +369,7 @@ class Checker:
             gpu = dict(gpu_by_pid.get(key.pid, {})) if alive else {}
             process = ProcessEpoch(
                 key=key,
-                role="descendant" if self.lineage.descends(info) else "orphan",
+                role=self._role(info),
                 ppid=info.ppid,
                 cmdline=info.cmdline or cand.info.cmdline or info.name,
                 born_in_epoch=True,

@@ -2,7 +2,8 @@
 
 NOTE [roles from outside]: a process below a job's root is a DataLoader worker only when
 something says so: the worker itself, through the mailbox (NOTE [worker mailbox] in
-mailbox.py), or a tracker that heard it. Being a direct child of the root says nothing (the
+mailbox.py), a tracker that heard it, or torch's name for its process (``pt_data_worker``, for
+the pytest plugin, which has no mailbox). Being a direct child of the root says nothing (the
 resource tracker, a shell, a compiler and a ``sleep`` are too): a direct child is a ``worker``
 only when it is a known worker, else a ``descendant``. Runtime helpers, processes a library
 starts once and keeps by design, are told by their command lines (``HELPER_NAMES``, the one

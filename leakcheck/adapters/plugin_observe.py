@@ -52,7 +52,7 @@ from leakcheck.core.model import (
     ShmFile,
     Timeline,
 )
-from leakcheck.core.roles import child_role, is_runtime_helper
+from leakcheck.core.roles import direct_child_role, is_runtime_helper
 from leakcheck.observe import nvml, procs
 from leakcheck.observe.hostmem import is_named_semaphore, job_shm, note_shm_made, shm_creator_pid
 from leakcheck.observe.procs import SESSION_ENV, Lineage, PidMark, handed_out_since
@@ -355,7 +355,9 @@ class Checker:
         """A loader worker of the test process by torch's name for it; what else it started."""
         if not self.lineage.descends(info):
             return "orphan"
-        return child_role(info.key, info.name) if info.ppid == os.getpid() else "descendant"
+        if info.ppid != os.getpid():
+            return "descendant"
+        return direct_child_role(info.key, name=info.name)
 
     def _left(self, staying: Sequence[_Candidate], end_s: float) -> list[ProcessEpoch]:
         """The candidates alive after the grace (``exited_after_s``: gone now)."""

@@ -67,14 +67,11 @@ def is_daemon_helper(cmdline: str) -> bool:
     return runtime_helper_name(cmdline) in DAEMON_HELPERS
 
 
-def direct_child_role(key: ProcessKey, known_workers: Collection[ProcessKey] = ()) -> Role:
-    """``worker`` for a known loader worker, else ``descendant`` (NOTE [roles from outside])."""
-    return "worker" if key in known_workers else "descendant"
-
-
 LOADER_WORKER_NAME = "pt_data_worker"  # the name torch gives a DataLoader worker's process
 
 
-def child_role(key: ProcessKey, name: str, known_workers: Collection[ProcessKey] = ()) -> Role:
-    """``direct_child_role``, and a child torch named its loader worker, reported or not."""
-    return "worker" if name == LOADER_WORKER_NAME else direct_child_role(key, known_workers)
+def direct_child_role(
+    key: ProcessKey, known_workers: Collection[ProcessKey] = (), *, name: str = ""
+) -> Role:
+    """``worker`` if known or torch-named a loader worker, else ``descendant`` (NOTE above)."""
+    return "worker" if key in known_workers or name == LOADER_WORKER_NAME else "descendant"

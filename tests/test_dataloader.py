@@ -738,16 +738,21 @@ class _LazyLoader(DataLoader):  # type: ignore[type-arg]
         yield from super().__iter__()
 
 
+def _assert_both_ran_in_the_two_workers(watched: Any, touched: Path) -> None:
+    """The user's worker_init_fn ran in two workers (``touch`` files), and the policy in front
+    of it: those workers reported themselves to the mailbox."""
+    pids = {int(p.read_text()) for p in touched.iterdir()}
+    assert len(pids) == 2
+    assert {key.pid for key in watched.tracker.worker_keys()} == pids
+
+
 def test_a_generator_iter_gets_the_policy_until_its_workers_started(tmp_path: Path) -> None:
     user_fn = functools.partial(touch, str(tmp_path))
     loader = _LazyLoader(Squares(), batch_size=3, num_workers=2, worker_init_fn=user_fn)
     with leakcheck.watch(loader) as watched:
         assert len(list(watched)) == 4
         assert loader.worker_init_fn is user_fn
-    pids = {int(p.read_text()) for p in tmp_path.iterdir()}
-    assert len(pids) == 2
-    # The workers reported to the mailbox: the policy ran in them, in front of the user's.
-    assert {key.pid for key in watched.tracker.worker_keys()} == pids
+    _assert_both_ran_in_the_two_workers(watched, tmp_path)
 
 
 def test_a_loader_that_accelerate_prepared_gets_the_policy_in_its_workers(
@@ -763,6 +768,4 @@ def test_a_loader_that_accelerate_prepared_gets_the_policy_in_its_workers(
     with leakcheck.watch(loader) as watched:
         assert len(list(watched)) == 4
     assert loader.worker_init_fn is user_fn
-    pids = {int(p.read_text()) for p in tmp_path.iterdir()}
-    assert len(pids) == 2
-    assert {key.pid for key in watched.tracker.worker_keys()} == pids
+    _assert_both_ran_in_the_two_workers(watched, tmp_path)
